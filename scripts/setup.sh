@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# One-time setup of a fresh machine: npm packages, the native addon, and (when
+# root) the Debian packages the integration suites use. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+npm ci --no-fund --no-audit
