@@ -7,12 +7,12 @@ import { crc32 } from './checksum.ts'
 import { FormatError, InvalidArgumentError } from './errors.ts'
 import {
   DTYPE_CODES,
+  dtypeFromCode,
   type KvGeometry,
   MAX_CHUNK_TOKENS,
   MAX_HEAD_DIM,
   MAX_KV_HEADS,
   MAX_LAYERS,
-  dtypeFromCode,
 } from './layout.ts'
 
 export type CodecId = 'raw' | 'lossless' | 'kvgate' | 'reference-cachegen' | 'q8'
