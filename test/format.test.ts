@@ -58,7 +58,9 @@ describe('chunk object round trip', () => {
     expect(h.chainKey).toEqual(meta.chainKey)
     expect(h.parentKey).toEqual(meta.parentKey)
     expect(h.namespaceId).toEqual(meta.namespaceId)
-    sections.forEach((s, i) => expect(sectionOf(bytes, h, i)).toEqual(s))
+    sections.forEach((s, i) => {
+      expect(sectionOf(bytes, h, i)).toEqual(s)
+    })
   })
   it('handles every codec, dtype and empty sections', () => {
     for (const codec of ['raw', 'lossless', 'kvgate', 'reference-cachegen', 'q8'] as const) {
