@@ -58,7 +58,9 @@ run('s3 store on RadosGW', () => {
     const s = await store.get(name, { range: { suffix: 30 } })
     expect(s).toMatchObject({ offset: 9970, length: 30 })
     expect(await text(s!.body)).toEqual(bytes.subarray(9970))
-    await expect(store.get(name, { range: { offset: 10_000 } })).rejects.toMatchObject({ code: 'ERR_RANGE_NOT_SATISFIABLE' })
+    await expect(store.get(name, { range: { offset: 10_000 } })).rejects.toMatchObject({
+      code: 'ERR_RANGE_NOT_SATISFIABLE',
+    })
     expect(await store.get(`${name}-absent`)).toBeUndefined()
     expect(await store.head(`${name}-absent`)).toBeUndefined()
   })
@@ -215,7 +217,11 @@ run('gateway over RadosGW (node server, real HTTP)', () => {
     const ns = 'chain'
     // Write 300 straight to S3 so the gateway cache is cold.
     await Promise.all(
-      chain.slice(0, 300).map((c) => store.putIfAbsent(`${prefix}/${ns}/${c.key.slice(0, 2)}/${c.key}`, c.bytes, c.bytes.length)),
+      chain
+        .slice(0, 300)
+        .map((c) =>
+          store.putIfAbsent(`${prefix}/${ns}/${c.key.slice(0, 2)}/${c.key}`, c.bytes, c.bytes.length),
+        ),
     )
     const ask = (sizes: boolean) =>
       fetch(`${gw.url}/v1/ns/${ns}/lookup`, {
@@ -269,14 +275,24 @@ async function proxy(target: URL) {
       mode = m
       for (const s of sockets) s.destroy()
     },
-    close: () => new Promise<void>((r) => (server.close(() => r()), sockets.forEach((s) => s.destroy()))),
+    close: () =>
+      new Promise<void>((r) => {
+        server.close(() => r())
+        for (const s of sockets) s.destroy()
+      }),
   }
 }
 
 run('gateway when S3 fails', () => {
   it('S3 down → 503 ERR_STORE_UNAVAILABLE, slow S3 → 503 ERR_TIMEOUT; the server stays up and recovers', async () => {
     const px = await proxy(new URL(rgw!.endpoint))
-    const store = s3({ endpoint: px.endpoint, requestTimeoutMs: 1500, idleTimeoutMs: 1500, connectTimeoutMs: 1000, maxAttempts: 1 })
+    const store = s3({
+      endpoint: px.endpoint,
+      requestTimeoutMs: 1500,
+      idleTimeoutMs: 1500,
+      connectTimeoutMs: 1000,
+      maxAttempts: 1,
+    })
     const gw = await serveGateway(createGateway({ store, prefix: uniq() }), { port: 0 })
     try {
       const c = makeChunk()

@@ -18,7 +18,12 @@ const HASH = 'a'.repeat(64)
 describe('serve config', () => {
   it('defaults to the fs store on 127.0.0.1:8787 with auth off', () => {
     const c = resolveServeConfig()
-    expect(c).toMatchObject({ host: '127.0.0.1', port: 8787, store: { kind: 'fs', dir: './.kvgate/store' }, tokens: [] })
+    expect(c).toMatchObject({
+      host: '127.0.0.1',
+      port: 8787,
+      store: { kind: 'fs', dir: './.kvgate/store' },
+      tokens: [],
+    })
   })
 
   it('env overrides the file, flags override env', () => {
@@ -41,7 +46,9 @@ describe('serve config', () => {
     expect(() => resolveServeConfig({ host: '0.0.0.0' })).toThrow(/refusing/)
     expect(resolveServeConfig({ host: '0.0.0.0', insecure: true }).host).toBe('0.0.0.0')
     const tokens = JSON.stringify([{ sha256: HASH, scopes: 'admin', namespaces: '*' }])
-    expect(resolveServeConfig({ host: '0.0.0.0' }, settingsFromEnv({ KVGATE_TOKENS: tokens })).tokens).toHaveLength(1)
+    expect(
+      resolveServeConfig({ host: '0.0.0.0' }, settingsFromEnv({ KVGATE_TOKENS: tokens })).tokens,
+    ).toHaveLength(1)
   })
 
   it('rejects bad values with a ConfigError', () => {
@@ -54,7 +61,9 @@ describe('serve config', () => {
       { tokens: 'not json' },
       { tokens: [{ sha256: 'short', scopes: 'read', namespaces: '*' }] as never },
     ]) {
-      expect(() => resolveServeConfig(bad), JSON.stringify(bad)).toThrow(expect.objectContaining({ code: 'ERR_CONFIG' }))
+      expect(() => resolveServeConfig(bad), JSON.stringify(bad)).toThrow(
+        expect.objectContaining({ code: 'ERR_CONFIG' }),
+      )
     }
   })
 })
@@ -77,7 +86,11 @@ function startServe(args: string[]): Promise<{ proc: ChildProcess; url: string; 
   })
 }
 
-const stop = (p: ChildProcess) => new Promise<number | null>((r) => (p.once('exit', r), p.kill('SIGTERM')))
+const stop = (p: ChildProcess) =>
+  new Promise<number | null>((r) => {
+    p.once('exit', r)
+    p.kill('SIGTERM')
+  })
 
 describe('kvgate serve process', () => {
   it('serves the fs store, logs one JSON line per request, and keeps data across restarts', async () => {
@@ -89,7 +102,13 @@ describe('kvgate serve process', () => {
       expect((await fetch(`${a.url}/healthz`)).status).toBe(200)
       await new Promise((r) => setTimeout(r, 100))
       const reqLines = a.lines.map((l) => JSON.parse(l)).filter((j) => j.route)
-      expect(reqLines[0]).toMatchObject({ level: 'info', method: 'PUT', status: 201, ns: 'demo', bytes: c.bytes.length })
+      expect(reqLines[0]).toMatchObject({
+        level: 'info',
+        method: 'PUT',
+        status: 201,
+        ns: 'demo',
+        bytes: c.bytes.length,
+      })
     } finally {
       expect(await stop(a.proc)).toBe(0)
     }
@@ -105,7 +124,9 @@ describe('kvgate serve process', () => {
 
   it('--help prints usage and exits 0', async () => {
     const main = new URL('../src/cli/main.ts', import.meta.url).pathname
-    const p = spawn(process.execPath, ['--import', 'tsx', main, 'serve', '--help'], { stdio: ['ignore', 'pipe', 'inherit'] })
+    const p = spawn(process.execPath, ['--import', 'tsx', main, 'serve', '--help'], {
+      stdio: ['ignore', 'pipe', 'inherit'],
+    })
     let out = ''
     p.stdout!.on('data', (d) => (out += d))
     const code = await new Promise((r) => p.once('exit', r))

@@ -101,7 +101,8 @@ export function settingsFromFile(file: string): ServeSettings {
     throw new ConfigError(`cannot read config file ${file}: ${(e as Error).message}`, { cause: e })
   }
   if (doc === null || doc === undefined) return {}
-  if (typeof doc !== 'object' || Array.isArray(doc)) throw new ConfigError(`${file}: expected a mapping at the top level`)
+  if (typeof doc !== 'object' || Array.isArray(doc))
+    throw new ConfigError(`${file}: expected a mapping at the top level`)
   const d = doc as Record<string, unknown>
   const store = (d.store ?? {}) as Record<string, unknown>
   const s3 = (store.s3 ?? {}) as Record<string, unknown>
@@ -136,7 +137,8 @@ export function settingsFromFile(file: string): ServeSettings {
 function int(name: string, v: string | number | undefined, min: number, max: number): number | undefined {
   if (v === undefined) return undefined
   const n = typeof v === 'number' ? v : /^\d+$/.test(String(v).trim()) ? Number(v) : Number.NaN
-  if (!Number.isInteger(n) || n < min || n > max) throw new ConfigError(`${name} must be an integer in ${min}..${max}, got ${JSON.stringify(v)}`)
+  if (!Number.isInteger(n) || n < min || n > max)
+    throw new ConfigError(`${name} must be an integer in ${min}..${max}, got ${JSON.stringify(v)}`)
   return n
 }
 
@@ -164,7 +166,9 @@ export function resolveServeConfig(...layers: ServeSettings[]): ServeConfig {
   if (!Array.isArray(tokens)) throw new ConfigError('tokens must be a list')
   for (const [i, t] of tokens.entries()) {
     if (typeof t?.sha256 !== 'string' || !/^[0-9a-f]{64}$/i.test(t.sha256)) {
-      throw new ConfigError(`tokens[${i}].sha256 must be the 64-hex SHA-256 of the token (kvgate serve --hash-token)`)
+      throw new ConfigError(
+        `tokens[${i}].sha256 must be the 64-hex SHA-256 of the token (kvgate serve --hash-token)`,
+      )
     }
   }
   const kind = s.store ?? 'fs'
@@ -184,7 +188,8 @@ export function resolveServeConfig(...layers: ServeSettings[]): ServeConfig {
     }
   } else throw new ConfigError(`unknown store ${JSON.stringify(kind)}: use fs, s3 or memory`)
   const log = (s.log ?? 'info') as LogLevel
-  if (!['info', 'warn', 'error', 'silent'].includes(log)) throw new ConfigError(`log must be info, warn, error or silent`)
+  if (!['info', 'warn', 'error', 'silent'].includes(log))
+    throw new ConfigError(`log must be info, warn, error or silent`)
   const presignMin = int('presign minBytes', s.presignMinBytes, 0, Number.MAX_SAFE_INTEGER)
   const host = s.host ?? '127.0.0.1'
   const insecure = bool('insecure', s.insecure) ?? false
@@ -200,7 +205,12 @@ export function resolveServeConfig(...layers: ServeSettings[]): ServeConfig {
     prefix: s.prefix ?? 'kvgate',
     store,
     ...(presignMin !== undefined
-      ? { presign: { minBytes: presignMin, expiresSeconds: int('presign expiresSeconds', s.presignExpiresSeconds, 1, 604800) ?? 60 } }
+      ? {
+          presign: {
+            minBytes: presignMin,
+            expiresSeconds: int('presign expiresSeconds', s.presignExpiresSeconds, 1, 604800) ?? 60,
+          },
+        }
       : {}),
     ...(maxChunkBytes !== undefined ? { maxChunkBytes } : {}),
     coalesceMaxBytes: int('coalesceMaxBytes', s.coalesceMaxBytes, 0, 1024 ** 3) ?? 8 * 1024 * 1024,

@@ -2,14 +2,21 @@
 // and flags (flags win); fs store in ./.kvgate/store on 127.0.0.1:8787 by default.
 
 import { InvalidArgumentError } from '../../core/errors.ts'
+import { serveGateway } from '../../gateway/adapters/node.ts'
 import { createGateway } from '../../gateway/app.ts'
-import { ENV_VARS, resolveServeConfig, type ServeConfig, type ServeSettings, settingsFromEnv, settingsFromFile } from '../../gateway/config.ts'
+import {
+  ENV_VARS,
+  resolveServeConfig,
+  type ServeConfig,
+  type ServeSettings,
+  settingsFromEnv,
+  settingsFromFile,
+} from '../../gateway/config.ts'
 import { hashToken } from '../../gateway/middleware/auth.ts'
 import { FsStore } from '../../gateway/stores/fs.ts'
 import { MemoryStore } from '../../gateway/stores/memory.ts'
 import { S3Store } from '../../gateway/stores/s3.ts'
 import type { ObjectStore } from '../../gateway/stores/types.ts'
-import { serveGateway } from '../../gateway/adapters/node.ts'
 import { parseCommandArgs } from '../args.ts'
 
 const HELP = `Usage: kvgate serve [options]
@@ -137,7 +144,11 @@ async function serve(config: ServeConfig): Promise<number> {
     ...(config.presign ? { presign: config.presign } : {}),
     ...(config.maxChunkBytes ? { limits: { maxChunkBytes: config.maxChunkBytes } } : {}),
     coalesce: { maxBytes: config.coalesceMaxBytes },
-    logger: (e) => write({ ...e, level: (e.status as number) >= 500 ? 'error' : (e.status as number) >= 400 ? 'warn' : 'info' }),
+    logger: (e) =>
+      write({
+        ...e,
+        level: (e.status as number) >= 500 ? 'error' : (e.status as number) >= 400 ? 'warn' : 'info',
+      }),
   })
   const gw = await serveGateway(app, { host: config.host, port: config.port })
   write({

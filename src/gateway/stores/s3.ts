@@ -66,9 +66,11 @@ export class S3Store implements ObjectStore {
   readonly #agents: { http: HttpAgent; https: HttpsAgent }
 
   constructor(opts: S3StoreOptions) {
-    if (typeof opts?.bucket !== 'string' || opts.bucket === '') throw new TypeError('S3Store: bucket is required')
+    if (typeof opts?.bucket !== 'string' || opts.bucket === '')
+      throw new TypeError('S3Store: bucket is required')
     const partSize = opts.partSize ?? 16 * MIB
-    if (!Number.isInteger(partSize) || partSize < 5 * MIB) throw new TypeError('S3Store: partSize must be ≥ 5 MiB')
+    if (!Number.isInteger(partSize) || partSize < 5 * MIB)
+      throw new TypeError('S3Store: partSize must be ≥ 5 MiB')
     this.bucket = opts.bucket
     this.#partSize = partSize
     this.#multipartThreshold = opts.multipartThreshold ?? 256 * MIB
@@ -102,7 +104,11 @@ export class S3Store implements ObjectStore {
   async get(name: string, opts: GetOptions = {}): Promise<StoreObject | undefined> {
     try {
       const res = await this.client.send(
-        new GetObjectCommand({ Bucket: this.bucket, Key: name, ...(opts.range ? { Range: rangeHeader(opts.range) } : {}) }),
+        new GetObjectCommand({
+          Bucket: this.bucket,
+          Key: name,
+          ...(opts.range ? { Range: rangeHeader(opts.range) } : {}),
+        }),
         opts.signal ? { abortSignal: opts.signal } : {},
       )
       const length = res.ContentLength ?? 0
@@ -138,7 +144,11 @@ export class S3Store implements ObjectStore {
     }
   }
 
-  async putIfAbsent(name: string, body: ReadableStream<Uint8Array> | Uint8Array, size: number): Promise<PutResult> {
+  async putIfAbsent(
+    name: string,
+    body: ReadableStream<Uint8Array> | Uint8Array,
+    size: number,
+  ): Promise<PutResult> {
     if (size > this.#multipartThreshold) return this.#putMultipart(name, body, size)
     // A body stream that errors (failed verification, client gone) must abort the
     // upload, or the SDK would wait on a request that never ends; S3 then drops it.
@@ -182,15 +192,32 @@ export class S3Store implements ObjectStore {
 
   // Parts are read from the stream one at a time (bounded memory), uploaded with
   // bounded concurrency; the create-only condition sits on CompleteMultipartUpload.
-  async #putMultipart(name: string, body: ReadableStream<Uint8Array> | Uint8Array, size: number): Promise<PutResult> {
+  async #putMultipart(
+    name: string,
+    body: ReadableStream<Uint8Array> | Uint8Array,
+    size: number,
+  ): Promise<PutResult> {
     const stream =
-      body instanceof Uint8Array ? new ReadableStream<Uint8Array>({ start: (c) => (c.enqueue(body), c.close()) }) : body
+      body instanceof Uint8Array
+        ? new ReadableStream<Uint8Array>({
+            start(c) {
+              c.enqueue(body)
+              c.close()
+            },
+          })
+        : body
     if (await this.head(name)) {
       await stream.cancel().catch(() => {})
       return 'exists'
     }
     const created = await this.client
-      .send(new CreateMultipartUploadCommand({ Bucket: this.bucket, Key: name, ContentType: 'application/octet-stream' }))
+      .send(
+        new CreateMultipartUploadCommand({
+          Bucket: this.bucket,
+          Key: name,
+          ContentType: 'application/octet-stream',
+        }),
+      )
       .catch((e) => {
         throw mapError(e, 'CreateMultipartUpload')
       })
@@ -211,10 +238,20 @@ export class S3Store implements ObjectStore {
         const part = await parts_.read(Math.min(this.#partSize, size - total))
         if (part.length === 0) break
         total += part.length
-        if (total > size) throw new StoreError(`body is longer than the declared ${size} bytes`, { status: 400 })
+        if (total > size)
+          throw new StoreError(`body is longer than the declared ${size} bytes`, { status: 400 })
         const n = ++partNumber
         const p = this.client
-          .send(new UploadPartCommand({ Bucket: this.bucket, Key: name, UploadId: uploadId, PartNumber: n, Body: part, ContentLength: part.length }))
+          .send(
+            new UploadPartCommand({
+              Bucket: this.bucket,
+              Key: name,
+              UploadId: uploadId,
+              PartNumber: n,
+              Body: part,
+              ContentLength: part.length,
+            }),
+          )
           .then((r) => {
             parts.push({ PartNumber: n, ETag: r.ETag ?? '' })
           })
@@ -227,7 +264,8 @@ export class S3Store implements ObjectStore {
         if (failure) throw failure
         if (total === size) {
           // Any extra byte means the declared size was wrong: fail, never store a cut object.
-          if (await parts_.more()) throw new StoreError(`body is longer than the declared ${size} bytes`, { status: 400 })
+          if (await parts_.more())
+            throw new StoreError(`body is longer than the declared ${size} bytes`, { status: 400 })
           break
         }
       }
@@ -377,7 +415,15 @@ function isNotFound(e: unknown): boolean {
   return status(e) === 404 || errName(e) === 'NoSuchKey' || errName(e) === 'NotFound'
 }
 
-const UNAVAILABLE = new Set(['ECONNREFUSED', 'ECONNRESET', 'EPIPE', 'EHOSTUNREACH', 'ENOTFOUND', 'EAI_AGAIN', 'ECONNABORTED'])
+const UNAVAILABLE = new Set([
+  'ECONNREFUSED',
+  'ECONNRESET',
+  'EPIPE',
+  'EHOSTUNREACH',
+  'ENOTFOUND',
+  'EAI_AGAIN',
+  'ECONNABORTED',
+])
 
 /** SDK/network failures → StoreError: 503 when the store is unreachable or slow, 502 otherwise. */
 function mapError(e: unknown, op: string): StoreError {
@@ -389,8 +435,15 @@ function mapError(e: unknown, op: string): StoreError {
   if (UNAVAILABLE.has(code) || status(e) === 503 || name === 'AbortError') {
     return storeUnavailable(`object store unavailable during ${op} (${code || name})`, e)
   }
-  if (name === 'TimeoutError' || code === 'ETIMEDOUT' || name === 'RequestTimeout' || /timed? ?out/i.test(msg)) {
+  if (
+    name === 'TimeoutError' ||
+    code === 'ETIMEDOUT' ||
+    name === 'RequestTimeout' ||
+    /timed? ?out/i.test(msg)
+  ) {
     return storeTimeout(`object store ${op} timed out`, e)
   }
-  return new StoreError(`object store ${op} failed: ${name || code} ${status(e) ?? ''} ${msg}`.trim(), { cause: e })
+  return new StoreError(`object store ${op} failed: ${name || code} ${status(e) ?? ''} ${msg}`.trim(), {
+    cause: e,
+  })
 }
