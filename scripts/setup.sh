@@ -5,3 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 npm ci --no-fund --no-audit
+
+# Ceph RadosGW (a real S3) for the gateway's integration suites and bench
+# (scripts/rgw/start.sh starts a throwaway one per run). Root + apt only.
+if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null && ! command -v radosgw >/dev/null; then
+  apt-get -o DPkg::Lock::Timeout=300 update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends \
+    ceph-mon ceph-osd radosgw
+fi
