@@ -28,6 +28,17 @@ export {
   Transformer,
 } from './forward.ts'
 export {
+  channelRms,
+  deltaVarianceRatio,
+  excessKurtosis,
+  type KvPlane,
+  outlierChannels,
+  planeOf,
+  type QuantizationErrorOptions,
+  quantizationError,
+  relativeRmse,
+} from './kv-stats.ts'
+export {
   LLAMA2C_HEADER_BYTES,
   type LlamaCheckpoint,
   type LlamaConfig,
@@ -38,6 +49,28 @@ export {
   parseLlama2cHeader,
 } from './llama2c.ts'
 export { ModelError } from './model-error.ts'
+export {
+  type Agreement,
+  type AttentionError,
+  attentionOutputError,
+  type CodecQualityReport,
+  type EvaluateCodecOptions,
+  evaluateCodec,
+  type KvError,
+  kvRelativeError,
+  nextTokenAgreement,
+  type PerplexityChange,
+  perplexityChange,
+  type RoundTrip,
+  type RoundTripCacheOptions,
+  type RoundTripCacheResult,
+  type RoundTripInfo,
+  roundTripCache,
+  type UniformQuantOptions,
+  uniformQuantRoundTrip,
+} from './quality.ts'
+export { SAMPLE_STORIES } from './sample-text.ts'
+export { type SyntheticKvOptions, syntheticKv, Xoshiro128 } from './synthetic.ts'
 export {
   BOS_ID,
   BYTE_OFFSET,
