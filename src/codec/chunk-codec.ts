@@ -23,6 +23,7 @@ import {
 } from './params.ts'
 import { decodeCachegenLayer, encodeCachegenLayer } from './reference-cachegen.ts'
 import { wasmCodec } from './runtime.ts'
+import { MAX_WASM_SLAB_BYTES } from './wasm-instance.ts'
 
 export type ChunkInfo = Omit<ChunkMeta, 'codec' | 'codecVersion' | 'codecParams'>
 
@@ -149,10 +150,13 @@ export function decodeSection(
   if (!Number.isInteger(layer) || layer < 0 || layer >= g.layers) {
     throw new InvalidArgumentError(`layer ${layer} out of range 0..${g.layers - 1}`)
   }
+  // Validate before allocating: a hostile header must not buy a huge buffer.
+  checkExpansion(header, section)
+  if (out === undefined && slab > MAX_WASM_SLAB_BYTES)
+    throw new CodecError(`layer slab of ${slab} bytes is too large`)
   const dst = out ?? new Uint8Array(slab)
   if (dst.byteLength !== slab)
     throw new InvalidArgumentError(`output must be ${slab} bytes, got ${dst.byteLength}`)
-  checkExpansion(header, section)
   switch (header.codec) {
     case 'raw':
       dst.set(section)

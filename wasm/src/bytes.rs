@@ -40,7 +40,11 @@ impl<'a> Reader<'a> {
             let b = self.u8()?;
             v |= ((b & 0x7f) as u64) << (7 * i);
             if b & 0x80 == 0 {
-                return if v <= u32::MAX as u64 { Some(v as u32) } else { None };
+                return if v <= u32::MAX as u64 {
+                    Some(v as u32)
+                } else {
+                    None
+                };
             }
         }
         None

@@ -75,7 +75,14 @@ fn slab_elems(t: u32, c: u32) -> Option<usize> {
 /// # Safety
 /// `src` must hold 2·t·c elements of `dtype`; `params` 8 f32 (kvgate mode).
 #[no_mangle]
-pub unsafe extern "C" fn kv_encode(mode: u32, src: *const u8, dtype: u32, t: u32, c: u32, params: *const f32) -> i32 {
+pub unsafe extern "C" fn kv_encode(
+    mode: u32,
+    src: *const u8,
+    dtype: u32,
+    t: u32,
+    c: u32,
+    params: *const f32,
+) -> i32 {
     let eb = match half::elem_bytes(dtype) {
         Some(e) => e,
         None => return ERR_ARGS,
@@ -131,7 +138,15 @@ pub unsafe extern "C" fn kv_encode(mode: u32, src: *const u8, dtype: u32, t: u32
 /// # Safety
 /// `src` must hold `len` bytes and `dst` 2·t·c elements of `dtype`.
 #[no_mangle]
-pub unsafe extern "C" fn kv_decode(mode: u32, src: *const u8, len: u32, dtype: u32, t: u32, c: u32, dst: *mut u8) -> i32 {
+pub unsafe extern "C" fn kv_decode(
+    mode: u32,
+    src: *const u8,
+    len: u32,
+    dtype: u32,
+    t: u32,
+    c: u32,
+    dst: *mut u8,
+) -> i32 {
     let eb = match half::elem_bytes(dtype) {
         Some(e) => e,
         None => return ERR_ARGS,

@@ -66,7 +66,11 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
             cnt += 1;
         }
     }
-    let rms = if cnt > 0 { (ss / cnt as f64).sqrt() } else { 0.0 };
+    let rms = if cnt > 0 {
+        (ss / cnt as f64).sqrt()
+    } else {
+        0.0
+    };
     let mut base = (p.eps as f64 * 12f64.sqrt() * rms) as f32;
     if !(base > 1e-30) || !base.is_finite() {
         base = 1.0;
@@ -99,7 +103,10 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
             tok_codes[tt] = scale_code((s / c as f64).sqrt() / rms, p.gamma_t);
         }
     }
-    let inv_c: Vec<f32> = ch_codes.iter().map(|&k| 1.0 / (base * scale_of(k))).collect();
+    let inv_c: Vec<f32> = ch_codes
+        .iter()
+        .map(|&k| 1.0 / (base * scale_of(k)))
+        .collect();
     let inv_t: Vec<f32> = tok_codes.iter().map(|&k| 1.0 / scale_of(k)).collect();
     let mut q = vec![0i32; t * c];
     for tt in 0..t {
@@ -282,7 +289,14 @@ pub fn decode_stream(
     Some(())
 }
 
-pub fn encode(x: &[f32], t: usize, c: usize, pk: &StreamParams, pv: &StreamParams, out: &mut Vec<u8>) {
+pub fn encode(
+    x: &[f32],
+    t: usize,
+    c: usize,
+    pk: &StreamParams,
+    pv: &StreamParams,
+    out: &mut Vec<u8>,
+) {
     let n = t * c;
     let mut ks = Vec::new();
     encode_stream(&x[..n], t, c, pk, &mut ks);

@@ -119,7 +119,14 @@ pub fn read_table(r: &mut Reader, max_syms: usize, dec: &mut [u32]) -> Option<()
 
 /// Encodes a T×C symbol matrix (row major) into `out`.
 /// Channels are grouped into up to `max_classes` classes chosen by cost.
-pub fn encode_block(out: &mut Vec<u8>, syms: &[u8], t: usize, c: usize, alphabet: usize, max_classes: usize) {
+pub fn encode_block(
+    out: &mut Vec<u8>,
+    syms: &[u8],
+    t: usize,
+    c: usize,
+    alphabet: usize,
+    max_classes: usize,
+) {
     // Per-channel histograms.
     let mut hist = vec![0u64; c * alphabet];
     for row in syms.chunks_exact(c).take(t) {
@@ -220,7 +227,13 @@ pub fn encode_block(out: &mut Vec<u8>, syms: &[u8], t: usize, c: usize, alphabet
 
 /// Decodes a block written by `encode_block` into `syms` (T×C). Never panics on
 /// hostile input: reads past the payload yield zeros and fail the final check.
-pub fn decode_block(r: &mut Reader, t: usize, c: usize, alphabet: usize, syms: &mut [u8]) -> Option<()> {
+pub fn decode_block(
+    r: &mut Reader,
+    t: usize,
+    c: usize,
+    alphabet: usize,
+    syms: &mut [u8],
+) -> Option<()> {
     let k = r.u8()? as usize;
     if k == 0 || k > MAX_CLASSES {
         return None;
