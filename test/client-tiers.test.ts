@@ -10,6 +10,7 @@ import { encodeChunk } from '../src/core/format.ts'
 import { toHex } from '../src/core/keys.ts'
 import { MODEL_PRESETS } from '../src/core/layout.ts'
 import { PriorityQueue } from '../src/client/io-queue.ts'
+import { loadNative } from '../src/client/native-api.ts'
 import { DiskTier } from '../src/client/tiers/disk.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
 
@@ -51,16 +52,32 @@ afterEach(() => {
 })
 
 describe('MemoryTier', () => {
-  it('rejects a region smaller than one slot and reports unpinned fallback', () => {
-    expect(() => new MemoryTier({ bytes: 100, slotBytes: 4096 })).toThrow(/smaller than one chunk slot/)
-    const m = new MemoryTier({ bytes: 3 * 4096, slotBytes: 4000 })
+  it('rejects a region smaller than one slot and reports unpinned fallback', async () => {
+    await expect(MemoryTier.create({ bytes: 100, chunkBytes: 4096 })).rejects.toThrow(/smaller than one chunk slot/)
+    const m = await MemoryTier.create({ bytes: 3 * 4096, chunkBytes: 4000 })
     expect(m.stats().slots).toBe(3)
-    expect(m.stats().pinned).toBe(false)
+    expect(m.stats().pinnedKind).toBe('none')
     expect(m.stats().pinReason).toMatch(/native/)
   })
 
-  it('evicts least recently used chunks when full and counts it', () => {
-    const m = new MemoryTier({ bytes: 2 * 4096, slotBytes: 4096 })
+  it('allocates its region through the addon when it loads (pinned or with the reason why not)', async (ctx) => {
+    const n = loadNative()
+    if (!n.api) {
+      ctx.skip()
+      return
+    }
+    const m = await MemoryTier.create({ bytes: 4 * 65536, chunkBytes: 65536, dataOffset: 300, native: n.api })
+    expect(m.slotBytes).toBe(69632) // header room + tensor, rounded to pages
+    expect(['cuda', 'mlock', 'none']).toContain(m.stats().pinnedKind)
+    expect(m.stats().pinReason).toBeTruthy()
+    const r = m.reserve(hexOf(1), 65536)!
+    expect(r.slot.byteOffset % 4096).toBe(0)
+    expect(r.bytes.byteOffset - r.slot.byteOffset).toBe(300)
+    r.abort()
+  })
+
+  it('evicts least recently used chunks when full and counts it', async () => {
+    const m = await MemoryTier.create({ bytes: 2 * 4096, chunkBytes: 4096 })
     expect(m.put(hexOf(1), new Uint8Array(4096).fill(1))).toBe(true)
     expect(m.put(hexOf(2), new Uint8Array(4096).fill(2))).toBe(true)
     m.acquire(hexOf(1))?.release() // 1 is now most recent
@@ -73,8 +90,8 @@ describe('MemoryTier', () => {
     expect(m.counters.evictions).toBe(1)
   })
 
-  it('never reuses a pinned slot: the reader keeps intact bytes; store skips when all slots are pinned', () => {
-    const m = new MemoryTier({ bytes: 2 * 4096, slotBytes: 4096 })
+  it('never reuses a pinned slot: the reader keeps intact bytes; store skips when all slots are pinned', async () => {
+    const m = await MemoryTier.create({ bytes: 2 * 4096, chunkBytes: 4096 })
     m.put(hexOf(1), new Uint8Array(4096).fill(1))
     m.put(hexOf(2), new Uint8Array(4096).fill(2))
     const a = m.acquire(hexOf(1))!
@@ -92,8 +109,8 @@ describe('MemoryTier', () => {
     expect(m.stats().freeSlots).toBe(1)
   })
 
-  it('reservations are invisible until commit and a duplicate commit returns the slot', () => {
-    const m = new MemoryTier({ bytes: 2 * 4096, slotBytes: 4096 })
+  it('reservations are invisible until commit and a duplicate commit returns the slot', async () => {
+    const m = await MemoryTier.create({ bytes: 2 * 4096, chunkBytes: 4096 })
     const r1 = m.reserve(hexOf(7), 4096)!
     expect(m.has(hexOf(7))).toBe(false)
     const r2 = m.reserve(hexOf(7), 4096)!

@@ -3,7 +3,7 @@
 
 import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
 import { dtypeBytes, type KvGeometry, kvRange, rowElements } from '../core/layout.ts'
-import type { NativeApi } from './native-api.ts'
+import type { NativeModule } from './native-api.ts'
 
 /** Device memory holding chunk tensors back to back, in the host `kv` layout. */
 export interface GpuContiguous {
@@ -96,19 +96,23 @@ export function chunkDescriptors(b: GpuBuffer, g: KvGeometry, chunkTokens: numbe
   return out
 }
 
-function requireCopy(native: NativeApi | undefined): NonNullable<NativeApi['copyBatch']> {
-  if (!native?.copyBatch) {
-    throw new KvgateError('ERR_NATIVE', 'GPU buffers need the native addon (npm run build:native) with CUDA available')
+function requireCuda(native: NativeModule | undefined): NativeModule['cuda'] {
+  if (!native) {
+    throw new KvgateError('ERR_NATIVE', 'GPU buffers need the native addon: npm run build:native')
   }
-  return native.copyBatch
+  return native.cuda
 }
 
-/** Packs descriptors as the addon's flat BigUint64Array of (device, host offset, bytes) triples. */
-export function packDescriptors(d: readonly CopyDescriptor[]): BigUint64Array {
-  const out = new BigUint64Array(d.length * 3)
+/**
+ * Packs descriptors as the addon's `[src, dst, bytes]` triples: for 'd2h' the
+ * source is the device address and the destination a host offset; 'h2d' the reverse.
+ */
+export function packDescriptors(d: readonly CopyDescriptor[], direction: 'd2h' | 'h2d'): BigInt64Array {
+  const out = new BigInt64Array(d.length * 3)
   d.forEach((x, i) => {
-    out[3 * i] = x.device
-    out[3 * i + 1] = BigInt(x.host)
+    const host = BigInt(x.host)
+    out[3 * i] = direction === 'd2h' ? x.device : host
+    out[3 * i + 1] = direction === 'd2h' ? host : x.device
     out[3 * i + 2] = BigInt(x.bytes)
   })
   return out
@@ -116,26 +120,26 @@ export function packDescriptors(d: readonly CopyDescriptor[]): BigUint64Array {
 
 /** Device → host: fills `dst` (one chunk tensor) with chunk `index` of `src`. */
 export async function copyChunkFromGpu(
-  native: NativeApi | undefined,
+  native: NativeModule | undefined,
   src: GpuBuffer,
   g: KvGeometry,
   chunkTokens: number,
   index: number,
   dst: Uint8Array,
 ): Promise<void> {
-  const copy = requireCopy(native)
-  await copy('d2h', dst, packDescriptors(chunkDescriptors(src, g, chunkTokens, index)))
+  const cuda = requireCuda(native)
+  await cuda.copyBatch('d2h', dst, packDescriptors(chunkDescriptors(src, g, chunkTokens, index), 'd2h'))
 }
 
 /** Host → device: writes one chunk tensor to chunk `index` of `dst`. */
 export async function copyChunkToGpu(
-  native: NativeApi | undefined,
+  native: NativeModule | undefined,
   dst: GpuBuffer,
   g: KvGeometry,
   chunkTokens: number,
   index: number,
   src: Uint8Array,
 ): Promise<void> {
-  const copy = requireCopy(native)
-  await copy('h2d', src, packDescriptors(chunkDescriptors(dst, g, chunkTokens, index)))
+  const cuda = requireCuda(native)
+  await cuda.copyBatch('h2d', src, packDescriptors(chunkDescriptors(dst, g, chunkTokens, index), 'h2d'))
 }

@@ -2,12 +2,13 @@
 // chunk keys and drives the storage manager across L1 (memory), L2 (disk) and L4 (gateway).
 
 import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
+import { headerBytesFor } from '../core/format.ts'
 import { type ChunkKey, chainKeys, fromHex, type KeyNamespace, namespaceId } from '../core/keys.ts'
 import { chunkBytes, type ModelPreset } from '../core/layout.ts'
 import type { ChunkCodecName } from './chunk-codec.ts'
 import { type KVCacheOptions, type ResolvedOptions, resolveOptions } from './config.ts'
 import { copyChunkFromGpu, copyChunkToGpu, type GpuBuffer, isGpuBuffer, validateGpuBuffer } from './gpu.ts'
-import { type NativeApi, loadNative } from './native-api.ts'
+import { loadNative, type NativeModule } from './native-api.ts'
 import { LatencyWindow, type LatencySummary, prometheusText, since, type TierCounterSnapshot } from './stats.ts'
 import { type LayerBatch, StorageManager, type TierName } from './storage-manager.ts'
 import { DiskTier, type DiskTierStats } from './tiers/disk.ts'
@@ -71,7 +72,7 @@ export class KVCache {
   readonly namespace: string
   readonly #ns: KeyNamespace
   readonly #manager: StorageManager
-  readonly #native: NativeApi | undefined
+  readonly #native: NativeModule | undefined
   readonly #nativeReason: string | undefined
   readonly #remoteCodec: ChunkCodecName
   readonly #codecNote: string | undefined
@@ -83,7 +84,7 @@ export class KVCache {
   private constructor(
     o: ResolvedOptions,
     manager: StorageManager,
-    native: { api: NativeApi | undefined; reason: string | undefined },
+    native: { api: NativeModule | undefined; reason: string | undefined },
     remoteCodec: ChunkCodecName,
     codecNote: string | undefined,
   ) {
@@ -102,43 +103,22 @@ export class KVCache {
   /** Validates options (InvalidArgumentError), allocates L1, rebuilds the L2 index, connects L4 lazily. */
   static async open(options: KVCacheOptions): Promise<KVCache> {
     const o = resolveOptions(options)
-    const native = o.native ? await loadNative() : { api: undefined, reason: 'disabled by options.native = false' }
+    const native = o.native ? loadNative() : { api: undefined, reason: 'disabled by options.native = false' }
     const g = o.model
     const ns: KeyNamespace = { modelId: g.modelId, geometry: g, chunkTokens: o.chunkTokens, hashSeed: o.hashSeed }
-    const memory = new MemoryTier({
+    const memory = await MemoryTier.create({
       bytes: o.memory.bytes,
-      slotBytes: chunkBytes(g, o.chunkTokens),
+      chunkBytes: chunkBytes(g, o.chunkTokens),
+      // Room for the chunk header in front of each tensor: raw L2 files are read straight into slots.
+      dataOffset: o.disk && o.disk.storeAs === 'raw' ? headerBytesFor(g.layers) : 0,
       native: native.api,
       nativeReason: native.reason,
     })
-    const disk = o.disk ? await DiskTier.open(o.disk) : undefined
-    let remoteCodec: ChunkCodecName = o.remote ? o.remote.codec : 'raw'
-    let codecNote: string | undefined
-    if (o.remote && remoteCodec !== 'raw') {
-      // The codec module is optional at run time: fall back to exact bytes rather than fail.
-      try {
-        const spec = '../codec/index.ts'
-        await import(spec)
-      } catch (e) {
-        codecNote = `codec '${remoteCodec}' unavailable (${(e as Error).message.split('\n')[0]}): sending raw`
-        remoteCodec = 'raw'
-      }
-    }
-    const remote = o.remote
-      ? new RemoteTier({
-          ...o.remote,
-          namespace: o.namespace,
-        })
-      : undefined
-    let diskCodec = o.disk ? o.disk.storeAs : 'raw'
-    if (diskCodec === 'lossless') {
-      try {
-        const spec = '../codec/index.ts'
-        await import(spec)
-      } catch {
-        diskCodec = 'raw'
-      }
-    }
+    const disk = o.disk ? await DiskTier.open({ ...o.disk, native: native.api }) : undefined
+    const remoteCodec: ChunkCodecName = o.remote ? o.remote.codec : 'raw'
+    const codecNote = undefined
+    const remote = o.remote ? new RemoteTier({ ...o.remote, namespace: o.namespace }) : undefined
+    const diskCodec = o.disk ? o.disk.storeAs : 'raw'
     const manager = new StorageManager({
       geometry: g,
       chunkTokens: o.chunkTokens,

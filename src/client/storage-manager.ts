@@ -2,10 +2,18 @@
 // background), waterfall reads with promotion into L1, deduplicated fetches.
 
 import { isKvgateError } from '../core/errors.ts'
-import { type ChunkHeader, decodeHeader } from '../core/format.ts'
+import { decodeChunkInto } from '../codec/node.ts'
+import { decodeHeader } from '../core/format.ts'
 import { type ChunkKey, fromHex } from '../core/keys.ts'
 import { chunkBytes, type KvGeometry, layerSlabBytes } from '../core/layout.ts'
-import { type ChunkCodecName, type ChunkIdentity, checkIdentity, decodeObjectInto, decodeSection, encodeTensor } from './chunk-codec.ts'
+import {
+  type ChunkCodecName,
+  type ChunkIdentity,
+  decodeObjectInto,
+  encodeTensor,
+  checkIdentity,
+  openLayerGroup,
+} from './chunk-codec.ts'
 import type { IoPriority } from './io-queue.ts'
 import type { DiskTier } from './tiers/disk.ts'
 import type { MemoryHandle, MemoryTier } from './tiers/memory.ts'
@@ -149,8 +157,9 @@ export class StorageManager {
       }
       if (disk && !disk.has(key.hex)) {
         jobs.push(
-          encodeTensor(this.#diskCodec, handle.bytes, this.#identity(key))
-            .then((obj) => disk.put(key.hex, obj))
+          // Encoding is CPU work on this thread: yield first so the caller's store() resolves.
+          yieldToCaller()
+            .then(() => disk.put(key.hex, encodeTensor(this.#diskCodec, handle.bytes, this.#identity(key))))
             .catch(() => {
               disk.counters.errors++
             })
@@ -161,7 +170,7 @@ export class StorageManager {
         remote.enqueue({
           hex: key.hex,
           bytesHint: this.chunkBytes,
-          encode: () => encodeTensor(this.#remoteCodec, handle.bytes, this.#identity(key)),
+          encode: async () => encodeTensor(this.#remoteCodec, handle.bytes, this.#identity(key)),
           done,
         })
       } else if (remote) done()
@@ -218,32 +227,27 @@ export class StorageManager {
   /** Waterfall below L1: L2, then L4. Promotes what it finds into L1 (and L4 hits into L2). */
   async #fetch(k: ChunkKey, priority: IoPriority): Promise<Uint8Array | 'resident' | undefined> {
     const tokens = k.end - k.start
-    if (this.disk) {
-      const object = await this.disk.get(k.hex, priority)
-      if (object) {
-        const got = await this.#decodeAndPromote(k, object, tokens)
-        if (got) return got
-        this.disk.counters.corrupt++
-        await this.disk.delete(k.hex)
-      }
+    if (this.disk?.has(k.hex)) {
+      const got = await this.#fromDisk(k, tokens, priority)
+      if (got) return got
     }
     if (this.remote && this.remote.breaker.state === 'closed') {
       const object = await this.remote.get(k.hex)
       if (object) {
-        const got = await this.#decodeAndPromote(k, object, tokens)
+        const got = this.#decodeAndPromote(k, object, tokens)
         if (!got) {
           this.remote.counters.corrupt++
           return undefined
         }
         const disk = this.disk
         if (disk && !disk.has(k.hex)) {
-          const tensorRef = got === 'resident' ? this.memory.peekPinned(k.hex) : { bytes: got, release: () => {} }
-          if (tensorRef) {
+          const ref = got === 'resident' ? this.memory.peekPinned(k.hex) : { bytes: got, release: () => {} }
+          if (ref) {
             this.#track(
-              encodeTensor(this.#diskCodec, tensorRef.bytes, this.#identity(k))
-                .then((obj) => disk.put(k.hex, obj, 'put'))
+              yieldToCaller()
+                .then(() => disk.put(k.hex, encodeTensor(this.#diskCodec, ref.bytes, this.#identity(k)), 'put'))
                 .catch(() => {})
-                .finally(() => tensorRef.release()),
+                .finally(() => ref.release()),
             )
           }
         }
@@ -253,11 +257,56 @@ export class StorageManager {
     return undefined
   }
 
-  async #decodeAndPromote(k: ChunkKey, object: Uint8Array, tokens: number): Promise<Uint8Array | 'resident' | undefined> {
+  /**
+   * L2 → L1. The file is read straight into the slot (O_DIRECT when the addon is
+   * there); a raw object then already has its tensor at the slot's data offset,
+   * so promotion costs the read and the CRC check, no copy.
+   */
+  async #fromDisk(k: ChunkKey, tokens: number, priority: IoPriority): Promise<Uint8Array | 'resident' | undefined> {
+    const disk = this.disk!
+    const r = this.memory.reserve(k.hex, this.chunkBytes)
+    const object = await disk.get(k.hex, priority, r?.slot)
+    if (!object) {
+      r?.abort()
+      return undefined
+    }
+    try {
+      // DiskTier.get verified every CRC already; what is left is the identity check.
+      const h = decodeHeader(object)
+      checkIdentity(h, this.geometry, tokens, k.hex)
+      const inPlace =
+        r !== undefined &&
+        object.buffer === r.slot.buffer &&
+        h.codec === 'raw' &&
+        h.headerBytes === this.memory.dataOffset &&
+        h.totalBytes === h.headerBytes + this.chunkBytes &&
+        h.sections.every((s, i) => i === 0 || s.offset === h.sections[i - 1]!.offset + h.sections[i - 1]!.length) &&
+        h.sections[0]?.offset === h.headerBytes
+      if (inPlace) {
+        r.commit()
+        return 'resident'
+      }
+      // Decoding reads the object and writes the tensor: never both in one slot.
+      const src = r && object.buffer === r.slot.buffer ? object.slice() : object
+      const dst = r ? r.bytes : new Uint8Array(this.chunkBytes)
+      decodeChunkInto(src, dst)
+      if (!r) return dst
+      r.commit()
+      return 'resident'
+    } catch (e) {
+      r?.abort()
+      if (!isKvgateError(e)) throw e
+      disk.counters.corrupt++
+      await disk.delete(k.hex)
+      return undefined
+    }
+  }
+
+  #decodeAndPromote(k: ChunkKey, object: Uint8Array, tokens: number): Uint8Array | 'resident' | undefined {
     const r = this.memory.reserve(k.hex, this.chunkBytes)
     const dst = r ? r.bytes : new Uint8Array(this.chunkBytes)
     try {
-      await decodeObjectInto(object, dst, this.geometry, tokens, k.hex)
+      decodeObjectInto(object, dst, this.geometry, tokens, k.hex)
     } catch (e) {
       r?.abort()
       if (isKvgateError(e)) return undefined
@@ -371,12 +420,9 @@ export class StorageManager {
     const body = await remote.get(k.hex, [first, last])
     if (!body) return undefined
     try {
-      const h = rebaseHeader(decodeHeader(body), first, last)
-      checkIdentity(h, this.geometry, k.end - k.start, k.hex)
+      const decode = openLayerGroup(body, first, last, this.geometry, k.end - k.start, k.hex)
       const out = new Map<number, Uint8Array>()
-      for (let l = first; l <= last; l++) {
-        out.set(l, await decodeSection(h, body, l, this.geometry, k.end - k.start))
-      }
+      for (let l = first; l <= last; l++) out.set(l, decode(l))
       return out
     } catch (e) {
       if (!isKvgateError(e)) throw e
@@ -443,14 +489,9 @@ class RemoteLayers {
   }
 }
 
-/** A `?layers=a-b` body is the header then sections a..b: point the section offsets into it. */
-function rebaseHeader(h: ChunkHeader, first: number, last: number): ChunkHeader {
-  const base = h.sections[first]
-  if (!base || !h.sections[last]) return h
-  const sections = h.sections.map((s, i) =>
-    i >= first && i <= last ? { ...s, offset: h.headerBytes + (s.offset - base.offset) } : { ...s, offset: 0, length: 0 },
-  )
-  return { ...h, sections }
+/** Lets the caller's continuation run before CPU-heavy background work starts. */
+function yieldToCaller(): Promise<void> {
+  return new Promise((r) => setImmediate(r))
 }
 
 function sleep(ms: number): Promise<void> {

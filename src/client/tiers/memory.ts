@@ -1,9 +1,9 @@
-// L1: chunk tensors in one pinned host region, carved into fixed-size slots (one
+// L1: chunk tensors in pinned host regions, carved into fixed-size slots (one
 // per chunk), indexed by an LRU keyed on chain key; pins keep in-use slots alive.
 
 import { LRUCache } from 'lru-cache'
 import { InvalidArgumentError } from '../../core/errors.ts'
-import { type NativeApi, pinnedView } from '../native-api.ts'
+import type { NativeModule } from '../native-api.ts'
 import { since, TierCounters } from '../stats.ts'
 
 /** A pinned view of a resident chunk; call release() when done copying. */
@@ -12,10 +12,15 @@ export interface MemoryHandle {
   release(): void
 }
 
-/** A slot reserved for an asynchronous fill (decode, GPU copy); invisible until commit(). */
+/** A slot reserved for an asynchronous fill (decode, GPU copy, file read); invisible until commit(). */
 export interface MemoryReservation {
-  /** The slot, `length` bytes long. */
+  /** Where the chunk tensor goes: `length` bytes at the slot's data offset. */
   readonly bytes: Uint8Array
+  /**
+   * The whole slot, 4 KiB aligned: a raw chunk object read here (O_DIRECT) puts
+   * its tensor exactly at `bytes` when the data offset equals the header size.
+   */
+  readonly slot: Uint8Array
   /** Publishes the chunk under its key. Returns false when the key was resident already. */
   commit(): boolean
   /** Returns the slot without publishing. */
@@ -23,12 +28,17 @@ export interface MemoryReservation {
 }
 
 export interface MemoryTierOptions {
-  /** Bytes of the region. @default 1 GiB at the KVCache level */
+  /** Bytes for L1 in total. */
   bytes: number
-  /** Bytes of one slot (one full chunk tensor; rounded up to 4 KiB here). */
-  slotBytes: number
-  /** Native addon (pinned allocation); ordinary memory when absent or failing. */
-  native?: NativeApi | undefined
+  /** Bytes of one chunk tensor. */
+  chunkBytes: number
+  /**
+   * Bytes reserved in front of the tensor in each slot (the chunk header size),
+   * so a raw L2 object can be read straight into a slot. @default 0
+   */
+  dataOffset?: number
+  /** Native addon wrapper (pinned allocation); ordinary memory when absent or failing. */
+  native?: NativeModule | undefined
   /** Why the addon is absent, reported in stats. */
   nativeReason?: string | undefined
 }
@@ -47,49 +57,92 @@ export interface MemoryTierStats {
   slots: number
   freeSlots: number
   residentChunks: number
-  pinned: boolean
+  /** 'cuda' (cudaHostAlloc), 'mlock', or 'none' (pageable memory). */
+  pinnedKind: 'cuda' | 'mlock' | 'none'
   pinReason: string | undefined
   /** Stores skipped because every slot was pinned or reserved. */
   skippedFull: number
 }
 
 const PAGE = 4096
+/** Node 20 caps one external ArrayBuffer at 4 GiB: bigger L1s use several regions. */
+const MAX_REGION = 2 ** 32
 
 export class MemoryTier {
   readonly counters = new TierCounters()
   readonly slotBytes: number
-  readonly #region: Uint8Array
-  readonly #pinned: boolean
+  readonly dataOffset: number
+  readonly #regions: Uint8Array[]
+  readonly #slotsPerRegion: number
+  readonly #kind: MemoryTierStats['pinnedKind']
   readonly #pinReason: string | undefined
   readonly #free: number[] = []
   readonly #slots: number
   readonly #index: LRUCache<string, Entry>
   #skippedFull = 0
 
-  constructor(opts: MemoryTierOptions) {
-    const { bytes, slotBytes } = opts
-    if (!Number.isSafeInteger(slotBytes) || slotBytes < 1) throw new InvalidArgumentError('invalid slotBytes')
-    this.slotBytes = Math.ceil(slotBytes / PAGE) * PAGE
-    if (!Number.isSafeInteger(bytes) || bytes < this.slotBytes) {
-      throw new InvalidArgumentError(
-        `invalid memory.bytes: ${String(bytes)} is smaller than one chunk slot (${this.slotBytes} bytes)`,
-      )
-    }
-    this.#slots = Math.floor(bytes / this.slotBytes)
-    const size = this.#slots * this.slotBytes
-    const region = allocateRegion(size, opts.native, opts.nativeReason)
-    this.#region = region.bytes
-    this.#pinned = region.pinned
-    this.#pinReason = region.reason
+  private constructor(
+    slotBytes: number,
+    dataOffset: number,
+    regions: Uint8Array[],
+    slotsPerRegion: number,
+    slots: number,
+    kind: MemoryTierStats['pinnedKind'],
+    reason: string | undefined,
+  ) {
+    this.slotBytes = slotBytes
+    this.dataOffset = dataOffset
+    this.#regions = regions
+    this.#slotsPerRegion = slotsPerRegion
+    this.#slots = slots
+    this.#kind = kind
+    this.#pinReason = reason
     // Low slots first: keeps the touched part of the region small when lightly used.
-    for (let s = this.#slots - 1; s >= 0; s--) this.#free.push(s)
+    for (let s = slots - 1; s >= 0; s--) this.#free.push(s)
     this.#index = new LRUCache<string, Entry>({
-      max: this.#slots,
+      max: slots,
       dispose: (entry) => {
         entry.indexed = false
         if (entry.refs === 0) this.#free.push(entry.slot)
       },
     })
+  }
+
+  /** Sizes the slots and allocates the regions (pinned through the addon when it loads). */
+  static async create(opts: MemoryTierOptions): Promise<MemoryTier> {
+    const { bytes, chunkBytes } = opts
+    const dataOffset = opts.dataOffset ?? 0
+    if (!Number.isSafeInteger(chunkBytes) || chunkBytes < 1) throw new InvalidArgumentError('invalid chunk size')
+    if (!Number.isSafeInteger(dataOffset) || dataOffset < 0) throw new InvalidArgumentError('invalid dataOffset')
+    const slotBytes = Math.ceil((dataOffset + chunkBytes) / PAGE) * PAGE
+    if (slotBytes > MAX_REGION) throw new InvalidArgumentError(`a chunk of ${chunkBytes} bytes is too large for L1`)
+    if (!Number.isSafeInteger(bytes) || bytes < slotBytes) {
+      throw new InvalidArgumentError(`invalid memory.bytes: ${String(bytes)} is smaller than one chunk slot (${slotBytes} bytes)`)
+    }
+    const slots = Math.floor(bytes / slotBytes)
+    const slotsPerRegion = Math.floor(MAX_REGION / slotBytes)
+    const regions: Uint8Array[] = []
+    let kind: MemoryTierStats['pinnedKind'] = 'cuda'
+    let reason: string | undefined = opts.nativeReason ?? 'native addon not loaded'
+    for (let left = slots; left > 0; left -= slotsPerRegion) {
+      const size = Math.min(left, slotsPerRegion) * slotBytes
+      const r = await allocateRegion(size, opts.native)
+      regions.push(r.bytes)
+      if (r.kind === 'none' || (r.kind === 'mlock' && kind === 'cuda')) kind = r.kind
+      if (regions.length === 1 || r.kind === 'none') reason = r.reason
+    }
+    if (!opts.native) kind = 'none'
+    return new MemoryTier(slotBytes, dataOffset, regions, slotsPerRegion, slots, kind, reason)
+  }
+
+  #slotView(slot: number): Uint8Array {
+    const r = this.#regions[Math.floor(slot / this.#slotsPerRegion)]!
+    const start = (slot % this.#slotsPerRegion) * this.slotBytes
+    return r.subarray(start, start + this.slotBytes)
+  }
+
+  #dataView(slot: number, length: number): Uint8Array {
+    return this.#slotView(slot).subarray(this.dataOffset, this.dataOffset + length)
   }
 
   /** True when the chunk is resident (does not touch recency or counters). */
@@ -109,7 +162,7 @@ export class MemoryTier {
     return this.#pin(entry)
   }
 
-  /** Like acquire() but without counting a hit or miss (internal reads: write-behind, promotion). */
+  /** Like acquire() without counting a hit or miss or touching recency (write-behind, promotion). */
   peekPinned(hex: string): MemoryHandle | undefined {
     const entry = this.#index.peek(hex)
     return entry ? this.#pin(entry) : undefined
@@ -118,9 +171,8 @@ export class MemoryTier {
   #pin(entry: Entry): MemoryHandle {
     entry.refs++
     let released = false
-    const start = entry.slot * this.slotBytes
     return {
-      bytes: this.#region.subarray(start, start + entry.length),
+      bytes: this.#dataView(entry.slot, entry.length),
       release: () => {
         if (released) return
         released = true
@@ -135,7 +187,7 @@ export class MemoryTier {
    * Never blocks: when everything is pinned it returns undefined and counts a skip.
    */
   reserve(hex: string, length: number): MemoryReservation | undefined {
-    if (length > this.slotBytes || length < 1) {
+    if (length < 1 || this.dataOffset + length > this.slotBytes) {
       throw new InvalidArgumentError(`chunk of ${length} bytes does not fit an L1 slot of ${this.slotBytes}`)
     }
     const slot = this.#allocSlot()
@@ -145,9 +197,9 @@ export class MemoryTier {
     }
     const entry: Entry = { slot, length, refs: 0, indexed: false }
     let done = false
-    const start = slot * this.slotBytes
     return {
-      bytes: this.#region.subarray(start, start + length),
+      bytes: this.#dataView(slot, length),
+      slot: this.#slotView(slot),
       commit: () => {
         if (done) return false
         done = true
@@ -208,7 +260,7 @@ export class MemoryTier {
       slots: this.#slots,
       freeSlots: this.#free.length,
       residentChunks: this.#index.size,
-      pinned: this.#pinned,
+      pinnedKind: this.#kind,
       pinReason: this.#pinReason,
       skippedFull: this.#skippedFull,
     }
@@ -219,25 +271,18 @@ export class MemoryTier {
   }
 }
 
-function allocateRegion(
+async function allocateRegion(
   size: number,
-  native: NativeApi | undefined,
-  nativeReason: string | undefined,
-): { bytes: Uint8Array; pinned: boolean; reason: string | undefined } {
-  if (native?.allocPinned) {
+  native: NativeModule | undefined,
+): Promise<{ bytes: Uint8Array; kind: MemoryTierStats['pinnedKind']; reason: string | undefined }> {
+  let reason = 'native addon not loaded: ordinary (pageable) memory'
+  if (native) {
     try {
-      const v = pinnedView(native.allocPinned(size))
-      if (v && v.bytes.byteLength >= size) {
-        return { bytes: v.bytes.subarray(0, size), pinned: v.pinned, reason: v.pinned ? undefined : v.reason }
-      }
-      nativeReason = 'allocPinned returned an unusable buffer'
+      const a = await native.allocPinned(size)
+      return { bytes: new Uint8Array(a.buffer), kind: a.kind, reason: a.reason }
     } catch (e) {
-      nativeReason = `allocPinned failed: ${(e as Error).message}`
+      reason = `allocPinned failed (${(e as Error).message}): ordinary (pageable) memory`
     }
   }
-  return {
-    bytes: new Uint8Array(new ArrayBuffer(size)),
-    pinned: false,
-    reason: nativeReason ?? 'native addon not loaded: ordinary (pageable) memory',
-  }
+  return { bytes: new Uint8Array(new ArrayBuffer(size)), kind: 'none', reason }
 }
