@@ -6,7 +6,13 @@ import { KVCache } from '../../src/client/index.ts'
 import { chunkBytes, MODEL_PRESETS } from '../../src/core/layout.ts'
 
 const [mode, json] = process.argv.slice(2)
-const opts = JSON.parse(json ?? '{}') as { dir?: string; url?: string; chunks?: number; seed?: number }
+const opts = JSON.parse(json ?? '{}') as {
+  dir?: string
+  url?: string
+  chunks?: number
+  seed?: number
+  lookupTimeoutMs?: number
+}
 const T = 64
 const CB = chunkBytes(MODEL_PRESETS.stories260k, T)
 
@@ -51,7 +57,7 @@ async function main(): Promise<void> {
       chunkTokens: T,
       namespace: 'shared',
       memory: { bytes: 16 * CB },
-      remote: { url: opts.url!, codec: 'raw' },
+      remote: { url: opts.url!, codec: 'raw', lookupTimeoutMs: opts.lookupTimeoutMs ?? 250 },
     })
     const chunks = opts.chunks ?? 4
     const kv = new Uint8Array(chunks * CB)
@@ -59,7 +65,8 @@ async function main(): Promise<void> {
     await cache.store(promptTokens(chunks, opts.seed ?? 1), kv)
     await cache.flush()
     const s = cache.stats().remote!
-    process.stdout.write(`${JSON.stringify({ puts: s.puts, existed: s.existed, errors: s.errors, shed: s.shedWrites })}\n`)
+    const out = { puts: s.puts, existed: s.existed, errors: s.errors, shed: s.shedWrites, timeouts: s.timeouts, breaker: s.breaker }
+    process.stdout.write(`${JSON.stringify(out)}\n`)
     await cache.close()
   }
 }
