@@ -47,13 +47,12 @@ const DEFAULT_MAX_OUTPUT = 2 * 1024 * 1024 * 1024
 const MAX_SYMBOLS_PER_BYTE = 12_000
 
 /** kvgate encoder knobs (fixed per codec version; the decoder does not need them). */
-const K_GAMMA = 0
-const V_GAMMA = 0
 const MAX_CLASSES = 8
 
+/** wasm params: [epsK, epsV, gammaK, gammaV, deltaK, maxClasses, levelsK, levelsV]. */
 function kvgateParams(quality: number, layer: number, layers: number): Float32Array {
-  const { epsK, epsV } = layerTargets(quality, layer, layers)
-  return new Float32Array([epsK, epsV, K_GAMMA, V_GAMMA, 1, MAX_CLASSES, 0, 0])
+  const { kLevels, vLevels } = layerTargets(quality, layer, layers)
+  return new Float32Array([0, 0, 0, 0, 1, MAX_CLASSES, kLevels, vLevels])
 }
 
 /** Encodes a chunk tensor ([layer][K|V][token][kvHead][headDim]) into a chunk object. */

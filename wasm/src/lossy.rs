@@ -29,6 +29,11 @@ pub struct StreamParams {
     /// Let channels be coded as deltas from the previous token.
     pub delta: bool,
     pub max_classes: usize,
+    /// When > 0: per-channel steps = (channel range over the chunk's tokens) / levels
+    /// (KIVI/CacheGen-style per-channel quantization, entropy coded). Overrides eps.
+    pub levels_c: f32,
+    /// When > 0: per-token steps = 2·max|x_t| / levels (per-token quantization).
+    pub levels_t: f32,
 }
 
 fn scale_of(code: u8) -> f32 {
@@ -50,38 +55,66 @@ fn bitlen(z: u32) -> u32 {
 
 /// Encodes one T×C stream `x` (f32, row = token).
 pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut Vec<u8>) {
-    // Pass 1: statistics (row sums of squares, channel sums and sums of squares).
+    // Pass 1: statistics (row sums of squares and max |x|, channel sums, squares, min, max).
     let mut ch_sum = vec![0f32; c];
     let mut ch_ss = vec![0f32; c];
+    let mut ch_min = vec![f32::INFINITY; c];
+    let mut ch_max = vec![f32::NEG_INFINITY; c];
     let mut row_ss = vec![0f64; t];
+    let mut row_max = vec![0f32; t];
+    let ranges = p.levels_c > 0.0;
     for tt in 0..t {
         let row = &x[tt * c..(tt + 1) * c];
         let mut rs = 0f32;
+        let mut rm = 0f32;
         for ch in 0..c {
             let v = row[ch];
             let v = if v.is_finite() { v } else { 0.0 };
             ch_sum[ch] += v;
             ch_ss[ch] += v * v;
             rs += v * v;
+            rm = rm.max(v.abs());
+            if ranges {
+                ch_min[ch] = ch_min[ch].min(v);
+                ch_max[ch] = ch_max[ch].max(v);
+            }
         }
         row_ss[tt] = rs as f64;
+        row_max[tt] = rm;
     }
     let total: f64 = row_ss.iter().sum();
     let rms = (total / (t * c) as f64).sqrt();
-    let mut base = (p.eps as f64 * 12f64.sqrt() * rms) as f32;
+    let by_levels = p.levels_c > 0.0 || p.levels_t > 0.0;
+    let mut base = if by_levels {
+        rms as f32
+    } else {
+        (p.eps as f64 * 12f64.sqrt() * rms) as f32
+    };
     if !(base > 1e-30) || !base.is_finite() {
         base = 1.0;
     }
     let mut flags = 0u8;
     let mut ch_codes = vec![128u8; c];
     let mut tok_codes = vec![128u8; t];
-    if p.gamma_c > 0.0 && rms > 0.0 {
+    if p.levels_c > 0.0 {
+        flags |= F_CHSCALE;
+        for ch in 0..c {
+            let step = (ch_max[ch] - ch_min[ch]) as f64 / p.levels_c as f64;
+            ch_codes[ch] = scale_code(step.max(rms * 1e-3) / base as f64, 1.0);
+        }
+    } else if p.gamma_c > 0.0 && rms > 0.0 {
         flags |= F_CHSCALE;
         for ch in 0..c {
             ch_codes[ch] = scale_code((ch_ss[ch] as f64 / t as f64).sqrt() / rms, p.gamma_c);
         }
     }
-    if p.gamma_t > 0.0 && rms > 0.0 {
+    if p.levels_t > 0.0 {
+        flags |= F_TOKSCALE;
+        for tt in 0..t {
+            let step = 2.0 * row_max[tt] as f64 / p.levels_t as f64;
+            tok_codes[tt] = scale_code(step.max(rms * 1e-3) / base as f64, 1.0);
+        }
+    } else if p.gamma_t > 0.0 && rms > 0.0 {
         flags |= F_TOKSCALE;
         for tt in 0..t {
             tok_codes[tt] = scale_code((row_ss[tt] / c as f64).sqrt() / rms, p.gamma_t);
