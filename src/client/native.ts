@@ -183,13 +183,13 @@ export interface NativeBinding {
 let loaded: NativeBinding | undefined
 let loadError: NativeError | undefined
 
-/** Paths the loader tries, in order: `KVGATE_NATIVE_PATH` (when set), then the Release and Debug builds. */
+/** Paths the loader tries, in order: `KVGATE_NATIVE_PATH` alone when set, else the Release and Debug builds. */
 export function nativeCandidates(): string[] {
-  const out: string[] = []
   const override = process.env.KVGATE_NATIVE_PATH
-  if (override) out.push(resolve(override))
-  out.push(nativePaths.addon, resolve(REPO_ROOT, 'native/build/Debug/kvgate_native.node'))
-  return out
+  // An explicit path is the only one tried: silently loading another build
+  // would hide a broken override.
+  if (override) return [resolve(override)]
+  return [nativePaths.addon, resolve(REPO_ROOT, 'native/build/Debug/kvgate_native.node')]
 }
 
 /**
@@ -511,18 +511,23 @@ export const cuda = {
     call(() => cudaBinding().streamDestroy(stream))
   },
   /** Copies all of `src` to device memory at `dst`; resolves when the copy completed. */
-  copyToDevice(src: HostBuffer, dst: bigint, opts: CopyOptions = {}): Promise<CopyResult> {
+  async copyToDevice(src: HostBuffer, dst: bigint, opts: CopyOptions = {}): Promise<CopyResult> {
     const r = hostRange(src, 'src')
     checkPtr(dst, 'dst')
     return cuda.copyBatch('h2d', src, new BigInt64Array([0n, dst, BigInt(r.length)]), opts)
   },
   /** Fills all of `dst` from device memory at `src`. */
-  copyFromDevice(src: bigint, dst: HostBuffer, opts: CopyOptions = {}): Promise<CopyResult> {
+  async copyFromDevice(src: bigint, dst: HostBuffer, opts: CopyOptions = {}): Promise<CopyResult> {
     const r = hostRange(dst, 'dst')
     checkPtr(src, 'src')
     return cuda.copyBatch('d2h', dst, new BigInt64Array([src, 0n, BigInt(r.length)]), opts)
   },
-  copyDeviceToDevice(src: bigint, dst: bigint, bytes: number, opts: CopyOptions = {}): Promise<CopyResult> {
+  async copyDeviceToDevice(
+    src: bigint,
+    dst: bigint,
+    bytes: number,
+    opts: CopyOptions = {},
+  ): Promise<CopyResult> {
     checkPtr(src, 'src')
     checkPtr(dst, 'dst')
     checkSize(bytes, 'bytes', Number.MAX_SAFE_INTEGER, 0)
