@@ -137,9 +137,14 @@ bool AllocateBlock(size_t bytes, const AllocOptions& o, PinnedBlock& b, Failure&
   return true;
 }
 
-void FinalizeBlock(Napi::Env, void*, PinnedBlock* b) {
+// V8 does not see external memory: without these adjustments an unreferenced
+// pinned buffer exerts no GC pressure and GBs can pile up before a collection.
+void AdjustExternal(Napi::Env env, int64_t delta) { Napi::MemoryManagement::AdjustExternalMemory(env, delta); }
+
+void FinalizeBlock(Napi::Env env, void*, PinnedBlock* b) {
   std::lock_guard<std::mutex> lock(g_mu);
   if (!b->freed) {
+    AdjustExternal(env, -static_cast<int64_t>(b->bytes));
     auto it = g_blocks.find(b->data);
     if (it != g_blocks.end() && it->second == b) g_blocks.erase(it);
     g_liveBytes -= b->bytes;
@@ -172,6 +177,7 @@ Napi::Object Publish(Napi::Env env, PinnedBlock* b) {
     g_blocks[b->data] = b;
     g_liveBytes += b->bytes;
   }
+  AdjustExternal(env, static_cast<int64_t>(b->bytes));
   return Describe(env, b, ab);
 }
 
@@ -227,6 +233,7 @@ Napi::Value FreePinned(const Napi::CallbackInfo& info) {
   Napi::ArrayBuffer ab = info[0].As<Napi::ArrayBuffer>();
   void* data = ab.Data();
   Registered* reg = nullptr;
+  size_t bytes = 0;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     auto it = g_blocks.find(data);
@@ -244,12 +251,14 @@ Napi::Value FreePinned(const Napi::CallbackInfo& info) {
       g_registered.erase(rit);
     }
     b->freed = true;
+    bytes = b->bytes;
     g_blocks.erase(it);
     g_liveBytes -= b->bytes;
     if (reg != nullptr && Cuda().hostUnregister != nullptr) Cuda().hostUnregister(data);
     ReleaseMemory(b);
   }
   delete reg;
+  AdjustExternal(env, -static_cast<int64_t>(bytes));
   // Detached: every view now reads as empty and the finalizer only deletes
   // the bookkeeping (the memory is already gone).
   ab.Detach();

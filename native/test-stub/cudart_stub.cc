@@ -13,6 +13,7 @@
 // `skip` successful calls, `times` times, default forever), `delay_us=N` (each
 // queued copy sleeps N µs first), `reset` (clear everything), or "" (query).
 #include <pthread.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -324,8 +325,9 @@ int cudaHostAlloc(void** p, size_t size, unsigned flags) {
   std::lock_guard<std::mutex> lock(g_mu);
   STUB_INJECT("cudaHostAlloc");
   if (p == nullptr || size == 0) return kInvalidValue;
-  void* m = nullptr;
-  if (posix_memalign(&m, 4096, size) != 0) return kMemoryAllocation;
+  // mmap like the driver does, so freed pinned memory leaves the process.
+  void* m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return kMemoryAllocation;
   g_hostAlloc[reinterpret_cast<uintptr_t>(m)] = size;
   *p = m;
   return kSuccess;
@@ -336,8 +338,8 @@ int cudaFreeHost(void* p) {
   STUB_INJECT("cudaFreeHost");
   auto it = g_hostAlloc.find(reinterpret_cast<uintptr_t>(p));
   if (it == g_hostAlloc.end()) return kInvalidValue;
+  munmap(p, it->second);
   g_hostAlloc.erase(it);
-  std::free(p);
   return kSuccess;
 }
 
