@@ -329,6 +329,18 @@ describe('file I/O (O_DIRECT with fallback)', () => {
     freePinned(b.buffer)
   })
 
+  it('evicts a file from the page cache (and reports a missing file)', async () => {
+    const path = join(dir, 'evict')
+    writeFileSync(path, pattern(1 << 20, 5))
+    await native.evictFileCache(path)
+    const b = allocPinnedSync(1 << 20)
+    expect((await readFileDirect(path, b.buffer, { direct: 'off' })).bytes).toBe(1 << 20)
+    expect(same(new Uint8Array(b.buffer), pattern(1 << 20, 5))).toBe(true)
+    freePinned(b.buffer)
+    const e = await rejectsWith(native.evictFileCache(join(dir, 'nope')), 'ERR_NATIVE')
+    expect(e.syscode).toBe('ENOENT')
+  })
+
   it('works on plain JS buffers too (buffered when unaligned)', async () => {
     const path = join(dir, 'plain')
     const data = pattern(5000, 11)

@@ -22,7 +22,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -67,12 +66,25 @@ size_t g_deviceLimit = size_t(1) << 30;
 int g_deviceCount = 1;
 thread_local int t_device = 0;
 
+struct Copy {
+  void* dst;
+  const void* src;
+  size_t count;
+  long delayUs;
+};
+
+// One worker thread per stream runs queued copies in order. It takes the whole
+// queue at once and signals only when someone waits, so a batch of thousands
+// of small copies costs one wake-up, not one per copy.
 struct Stream {
   std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::function<void()>> queue;
+  std::condition_variable work;
+  std::condition_variable done;
+  std::deque<Copy> queue;
   uint64_t submitted = 0;
   uint64_t completed = 0;
+  int waiters = 0;
+  bool idle = false;
   bool stop = false;
   std::thread worker;
 
@@ -82,22 +94,27 @@ struct Stream {
   void Run() {
     std::unique_lock<std::mutex> lock(mu);
     for (;;) {
-      cv.wait(lock, [this] { return stop || !queue.empty(); });
+      idle = true;
+      work.wait(lock, [this] { return stop || !queue.empty(); });
+      idle = false;
       if (queue.empty()) return;  // stop requested and drained
-      auto job = std::move(queue.front());
-      queue.pop_front();
+      std::deque<Copy> batch;
+      batch.swap(queue);
       lock.unlock();
-      job();
+      for (const Copy& c : batch) {
+        if (c.delayUs > 0) std::this_thread::sleep_for(std::chrono::microseconds(c.delayUs));
+        std::memmove(c.dst, c.src, c.count);
+      }
       lock.lock();
-      completed++;
-      cv.notify_all();
+      completed += batch.size();
+      if (waiters > 0) done.notify_all();
     }
   }
-  void Push(std::function<void()> job) {
+  void Push(const Copy& c) {
     std::lock_guard<std::mutex> lock(mu);
-    queue.push_back(std::move(job));
+    queue.push_back(c);
     submitted++;
-    cv.notify_all();
+    if (idle) work.notify_one();
   }
   uint64_t Mark() {
     std::lock_guard<std::mutex> lock(mu);
@@ -105,7 +122,9 @@ struct Stream {
   }
   void WaitFor(uint64_t seq) {
     std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return completed >= seq; });
+    waiters++;
+    done.wait(lock, [&] { return completed >= seq; });
+    waiters--;
   }
   bool Done(uint64_t seq) {
     std::lock_guard<std::mutex> lock(mu);
@@ -115,7 +134,7 @@ struct Stream {
     {
       std::lock_guard<std::mutex> lock(mu);
       stop = true;
-      cv.notify_all();
+      work.notify_all();
     }
     worker.join();
   }
@@ -423,10 +442,7 @@ int cudaMemcpyAsync(void* dst, const void* src, size_t count, int kind, void* s)
     if (!valid) return kInvalidValue;
     delay = g_delayUs;
   }
-  st->Push([dst, src, count, delay] {
-    if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
-    std::memmove(dst, src, count);
-  });
+  st->Push(Copy{dst, src, count, delay});
   return kSuccess;
 }
 
