@@ -130,8 +130,8 @@ bool AllocateBlock(size_t bytes, const AllocOptions& o, PinnedBlock& b, Failure&
   } else {
     int err = errno;
     b.kind = Kind::kNone;
-    b.reason = why + "page-aligned mmap; mlock failed: " + std::strerror(err) + " (RLIMIT_MEMLOCK " +
-               MemlockLimit() + ")";
+    b.reason =
+        why + "page-aligned mmap; mlock failed: " + std::strerror(err) + " (RLIMIT_MEMLOCK " + MemlockLimit() + ")";
   }
   if (b.hugePages) b.reason += ", MADV_HUGEPAGE";
   return true;
@@ -204,8 +204,7 @@ Napi::Value AllocPinned(const Napi::CallbackInfo& info) {
       [b, bytes, o](Failure& f) {
         if (!AllocateBlock(bytes, o, *b, f)) b->data = nullptr;
       },
-      [b](Napi::Env env) -> Napi::Value { return Publish(env, b); },
-      {},
+      [b](Napi::Env env) -> Napi::Value { return Publish(env, b); }, {},
       // Runs before settling: a failed allocation's record is dropped here
       // because finish is not called on failure.
       [b]() {

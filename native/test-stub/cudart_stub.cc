@@ -58,7 +58,7 @@ struct Region {
   size_t size;
   int ipcOpen;
 };
-std::map<uintptr_t, Region> g_device;    // cudaMalloc
+std::map<uintptr_t, Region> g_device;     // cudaMalloc
 std::map<uintptr_t, size_t> g_hostAlloc;  // cudaHostAlloc
 std::map<uintptr_t, size_t> g_registered;
 size_t g_deviceBytes = 0;
@@ -216,9 +216,9 @@ int InjectedLocked(const char* fn) {
   return r.code;
 }
 
-#define STUB_INJECT(fn)                 \
-  do {                                  \
-    int injected_ = InjectedLocked(fn); \
+#define STUB_INJECT(fn)                   \
+  do {                                    \
+    int injected_ = InjectedLocked(fn);   \
     if (injected_ != 0) return injected_; \
   } while (0)
 
