@@ -541,6 +541,10 @@ export const cuda = {
    * device side is a device pointer. Ranges adjacent on both sides are merged.
    * Every host range is bounds-checked before anything is queued (ERR_NATIVE);
    * the descriptors are copied, so the array may be reused at once.
+   * Runs on the libuv pool and resolves after a CUDA event recorded behind the
+   * copies completes; separate calls are not ordered with respect to each
+   * other (even on one stream) until awaited. The host buffer is kept alive
+   * and, if pinned, cannot be freed until the promise settles.
    */
   copyBatch(
     direction: CopyDirection,
