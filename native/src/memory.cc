@@ -44,6 +44,19 @@ struct AllocOptions {
 };
 
 constexpr size_t kHugePage = 2u << 20;
+// Node 20 backs external ArrayBuffers with Buffers, capped at 2^32 bytes
+// (buffer.constants.MAX_LENGTH); later Node versions allow more.
+constexpr size_t kMaxExternal = size_t(1) << 32;
+
+size_t CheckAllocSize(Napi::Env env, Napi::Value v) {
+  size_t bytes = ToSize(env, v, "bytes");
+  if (bytes == 0) ThrowNative(env, "bytes must be at least 1");
+  if (bytes > kMaxExternal) {
+    ThrowNative(env, "bytes " + std::to_string(bytes) + " exceeds " + std::to_string(kMaxExternal) +
+                         ", the largest external ArrayBuffer Node 20 creates; allocate several regions");
+  }
+  return bytes;
+}
 
 // Live blocks by data pointer, and JS buffers registered with cudaHostRegister
 // (kept alive by a reference until unregistered). Guarded because worker
@@ -164,14 +177,11 @@ Napi::Object Describe(Napi::Env env, PinnedBlock* b, Napi::ArrayBuffer ab) {
 
 // Hands a block to JS. On failure the memory is released here.
 Napi::Object Publish(Napi::Env env, PinnedBlock* b) {
-  Napi::ArrayBuffer ab;
-  try {
-    ab = Napi::ArrayBuffer::New(env, b->data, b->bytes, FinalizeBlock, b);
-  } catch (...) {
-    ReleaseMemory(b);
-    delete b;
-    throw;
-  }
+  // If this fails, Node runs FinalizeBlock itself (synchronously: it frees
+  // the data of a Buffer it could not create), so nothing is released here;
+  // doing so was a double free. Sizes are capped below kMaxExternal so the
+  // one known failure (too large) cannot happen.
+  Napi::ArrayBuffer ab = Napi::ArrayBuffer::New(env, b->data, b->bytes, FinalizeBlock, b);
   {
     std::lock_guard<std::mutex> lock(g_mu);
     g_blocks[b->data] = b;
@@ -195,8 +205,7 @@ AllocOptions ReadOptions(const Napi::CallbackInfo& info) {
 // allocPinned(bytes, {cuda, lock, hugePages}) -> Promise<{buffer, kind, reason, hugePages}>
 Napi::Value AllocPinned(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  size_t bytes = ToSize(env, info[0], "bytes");
-  if (bytes == 0) ThrowNative(env, "bytes must be at least 1");
+  size_t bytes = CheckAllocSize(env, info[0]);
   AllocOptions o = ReadOptions(info);
   auto* b = new PinnedBlock();
   return RunAsync(
@@ -214,8 +223,7 @@ Napi::Value AllocPinned(const Napi::CallbackInfo& info) {
 
 Napi::Value AllocPinnedSync(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  size_t bytes = ToSize(env, info[0], "bytes");
-  if (bytes == 0) ThrowNative(env, "bytes must be at least 1");
+  size_t bytes = CheckAllocSize(env, info[0]);
   AllocOptions o = ReadOptions(info);
   auto* b = new PinnedBlock();
   Failure f;
