@@ -3,6 +3,9 @@
 // injected CUDA errors surfacing as typed ERR_CUDA errors. Own file = own
 // process: the loaded libcudart is fixed per process.
 
+import { mkdtempSync, rmSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
 import { afterAll, beforeEach, describe, expect, it } from 'vitest'
 import { nativePaths } from '../src/client/native.ts'
 
@@ -50,7 +53,6 @@ beforeEach(() => {
 })
 afterAll(() => {
   cuda.stubControl('reset')
-  expect(cuda.stubControl('')).toBe(baseline)
 })
 
 describe('stub CUDA', () => {
@@ -404,5 +406,70 @@ describe('IPC handles', () => {
     await rejectsWith(cuda.ipcOpen(h), 'ERR_CUDA', /invalid resource handle/) // stale handle
     await rejectsWith(() => cuda.ipcGetHandle(12345n), 'ERR_CUDA')
     await rejectsWith(cuda.ipcClose(0n), 'ERR_NATIVE')
+  })
+})
+
+describe('bookkeeping', () => {
+  it('the tests above left no stub allocations, registrations or IPC mappings behind', () => {
+    expect(cuda.stubControl('')).toBe(baseline)
+    expect(native.nativeMemoryStats()).toMatchObject({ registered: 0 })
+  })
+})
+
+// Last: it leaks whatever random calls allocate.
+describe('hostile calls', () => {
+  it('the raw binding survives random arguments (typed throws or rejections, never a crash)', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'kvgate-fuzz-'))
+    const raw = native.loadNative() as unknown as Record<string, unknown> & { cuda: Record<string, unknown> }
+    const values = () => [
+      undefined,
+      null,
+      -1,
+      0,
+      1,
+      4096,
+      1.5,
+      2 ** 53,
+      Number.NaN,
+      join(dir, 'f'),
+      {},
+      [],
+      new ArrayBuffer(8),
+      new Uint8Array(8),
+      new Uint8Array(64),
+      1n,
+      -1n,
+      0n,
+      2n ** 64n,
+      new BigInt64Array(3),
+      new BigInt64Array([0n, 8n, 8n]),
+      { cuda: true, lock: 1, hugePages: 'y' },
+    ]
+    const fns: [string, (...a: unknown[]) => unknown][] = []
+    for (const [k, v] of Object.entries(raw)) if (typeof v === 'function') fns.push([k, v as never])
+    for (const [k, v] of Object.entries(raw.cuda))
+      if (typeof v === 'function' && k !== 'stubControl') fns.push([k, v as never])
+    let seed = 12345
+    const next = (m: number) => {
+      seed = (seed * 1103515245 + 12345) >>> 0
+      return (seed >>> 8) % m
+    }
+    const pending: Promise<unknown>[] = []
+    let threw = 0
+    for (let i = 0; i < 3000; i++) {
+      const [, f] = fns[next(fns.length)]!
+      const vs = values()
+      const args = Array.from({ length: next(9) }, () => vs[next(vs.length)])
+      try {
+        const r = f(...args)
+        if (r instanceof Promise) pending.push(r.catch((e) => expect(e.code).toMatch(/^ERR_(NATIVE|CUDA)$/)))
+      } catch (e) {
+        threw++
+        expect((e as Error).message.length).toBeGreaterThan(0)
+      }
+    }
+    await Promise.all(pending)
+    expect(threw).toBeGreaterThan(1000)
+    rmSync(dir, { recursive: true, force: true })
   })
 })
