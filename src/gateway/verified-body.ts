@@ -4,7 +4,7 @@
 // stream before the store can complete the object.
 
 import { FormatError, InvalidKeyError, KvgateError } from '../core/errors.ts'
-import { ChunkVerifier, type ChunkHeader } from '../core/format.ts'
+import { type ChunkHeader, ChunkVerifier } from '../core/format.ts'
 import { toHex } from '../core/keys.ts'
 
 export interface VerifiedBody {
@@ -34,7 +34,12 @@ export function verifiedBody(
     let timer: ReturnType<typeof setTimeout> | undefined
     const deadline = new Promise<never>((_, reject) => {
       timer = setTimeout(
-        () => reject(new KvgateError('ERR_TIMEOUT', `request body stalled for ${opts.idleTimeoutMs} ms`, { status: 408 })),
+        () =>
+          reject(
+            new KvgateError('ERR_TIMEOUT', `request body stalled for ${opts.idleTimeoutMs} ms`, {
+              status: 408,
+            }),
+          ),
         opts.idleTimeoutMs,
       )
     })
@@ -66,7 +71,15 @@ export function verifiedBody(
         }
         c.enqueue(value)
       } catch (e) {
-        fail(e instanceof KvgateError ? e : new KvgateError('ERR_INVALID_ARGUMENT', `request body failed: ${(e as Error).message}`, { status: 400, cause: e }), c)
+        fail(
+          e instanceof KvgateError
+            ? e
+            : new KvgateError('ERR_INVALID_ARGUMENT', `request body failed: ${(e as Error).message}`, {
+                status: 400,
+                cause: e,
+              }),
+          c,
+        )
       }
     },
     cancel(reason) {
