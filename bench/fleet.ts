@@ -150,9 +150,15 @@ try {
 const t = result.totals
 const KiB = 1024
 const fmtB = (n: number) =>
-  n >= 1024 ** 3 ? `${(n / 1024 ** 3).toFixed(2)} GiB` : n >= 1024 ** 2 ? `${(n / 1024 ** 2).toFixed(1)} MiB` : `${(n / KiB).toFixed(1)} KiB`
+  n >= 1024 ** 3
+    ? `${(n / 1024 ** 3).toFixed(2)} GiB`
+    : n >= 1024 ** 2
+      ? `${(n / 1024 ** 2).toFixed(1)} MiB`
+      : `${(n / KiB).toFixed(1)} KiB`
 const share = (n: number) => (t.chunks > 0 ? pct(n / t.chunks) : '—')
-console.log(`\nfleet: ${t.requests} requests, ${result.nodes.length} nodes, ${storeLabel}, codec ${codec}, ${chunkTokens}-token chunks, seed ${seed}`)
+console.log(
+  `\nfleet: ${t.requests} requests, ${result.nodes.length} nodes, ${storeLabel}, codec ${codec}, ${chunkTokens}-token chunks, seed ${seed}`,
+)
 console.log('hit rates are over whole chunks requested (a trailing partial chunk is never cached)\n')
 console.log(
   table([
@@ -190,7 +196,10 @@ console.log(
     ['bytes moved', ''],
     ['L1 read', fmtB(result.bytes.read.memory)],
     ['L2 read / written', `${fmtB(result.bytes.read.disk)} / ${fmtB(result.bytes.written.disk)}`],
-    ['L4 read / written (encoded)', `${fmtB(result.bytes.read.remote)} / ${fmtB(result.bytes.written.remote)}`],
+    [
+      'L4 read / written (encoded)',
+      `${fmtB(result.bytes.read.remote)} / ${fmtB(result.bytes.written.remote)}`,
+    ],
   ]),
 )
 console.log('')
@@ -260,7 +269,10 @@ const timeline = (pick: (r: FleetResult['requests'][number]) => number) => {
   }
   return pts
 }
-const joins = result.nodes.filter((n) => n.joinAt > 0).map((n) => `node ${n.node} joins at ${n.joinAt}`).join(', ')
+const joins = result.nodes
+  .filter((n) => n.joinAt > 0)
+  .map((n) => `node ${n.node} joins at ${n.joinAt}`)
+  .join(', ')
 const svg = stackPanels([
   linePanel(
     `Chunk hit rate over the run (windows of ${win} requests${joins ? `; ${joins}` : ''})`,
@@ -293,11 +305,23 @@ const path = writeResult({
   machine: await machineLine(),
   bars,
   ...summary,
-  timeline: perRequest.map((r) => [r.seq, r.node, r.chunks, r.served, r.oracle, r.byTier.memory, r.byTier.disk, r.byTier.remote]),
+  timeline: perRequest.map((r) => [
+    r.seq,
+    r.node,
+    r.chunks,
+    r.served,
+    r.oracle,
+    r.byTier.memory,
+    r.byTier.disk,
+    r.byTier.remote,
+  ]),
   timelineColumns: ['seq', 'node', 'chunks', 'served', 'oracle', 'l1', 'l2', 'l4'],
 })
 writeFileSync(svgPath, svg)
 console.log(`\nbars:`)
-for (const b of bars) console.log(`  ${b.met ? 'met    ' : 'NOT MET'} ${b.bar}: ${b.figure.toPrecision(4)} ${b.unit} (target ${b.target})`)
+for (const b of bars)
+  console.log(
+    `  ${b.met ? 'met    ' : 'NOT MET'} ${b.bar}: ${b.figure.toPrecision(4)} ${b.unit} (target ${b.target})`,
+  )
 console.log(`wrote ${path} and ${svgPath}`)
 if (!bars.every((b) => b.met)) process.exitCode = 1

@@ -16,7 +16,13 @@ export interface Panel {
 }
 
 /** Lines over a shared x axis; y from 0 to yMax (e.g. 1 for rates). */
-export function linePanel(title: string, xLabel: string, yLabel: string, series: Series[], yMax?: number): Panel {
+export function linePanel(
+  title: string,
+  xLabel: string,
+  yLabel: string,
+  series: Series[],
+  yMax?: number,
+): Panel {
   const W = 720
   const H = 220
   const left = 56
@@ -37,19 +43,27 @@ export function linePanel(title: string, xLabel: string, yLabel: string, series:
   }
   series.forEach((s, i) => {
     const color = COLORS[i % COLORS.length]!
-    const d = s.points.map((p, j) => `${j === 0 ? 'M' : 'L'}${px(p.x).toFixed(1)},${py(p.y).toFixed(1)}`).join(' ')
+    const d = s.points
+      .map((p, j) => `${j === 0 ? 'M' : 'L'}${px(p.x).toFixed(1)},${py(p.y).toFixed(1)}`)
+      .join(' ')
     parts.push(
       `<path d="${d}" fill="none" stroke="${color}" stroke-width="2"${s.dashed ? ' stroke-dasharray="5,4"' : ''}/>`,
     )
     const ly = top + 14 + i * 18
-    parts.push(`<line x1="${W - right + 14}" y1="${ly - 4}" x2="${W - right + 34}" y2="${ly - 4}" stroke="${color}" stroke-width="2"${s.dashed ? ' stroke-dasharray="5,4"' : ''}/>`)
+    parts.push(
+      `<line x1="${W - right + 14}" y1="${ly - 4}" x2="${W - right + 34}" y2="${ly - 4}" stroke="${color}" stroke-width="2"${s.dashed ? ' stroke-dasharray="5,4"' : ''}/>`,
+    )
     parts.push(`<text x="${W - right + 40}" y="${ly}" font-size="11">${esc(s.label)}</text>`)
   })
   parts.push(`<line x1="${left}" y1="${top + H}" x2="${W - right}" y2="${top + H}" stroke="#999"/>`)
   parts.push(`<text x="${left}" y="${top + H + 14}" font-size="10">${xMin}</text>`)
   parts.push(`<text x="${W - right}" y="${top + H + 14}" font-size="10" text-anchor="end">${xMax}</text>`)
-  parts.push(`<text x="${(left + W - right) / 2}" y="${top + H + 28}" font-size="11" text-anchor="middle">${esc(xLabel)}</text>`)
-  parts.push(`<text x="12" y="${top + H / 2}" font-size="11" transform="rotate(-90 12 ${top + H / 2})" text-anchor="middle">${esc(yLabel)}</text>`)
+  parts.push(
+    `<text x="${(left + W - right) / 2}" y="${top + H + 28}" font-size="11" text-anchor="middle">${esc(xLabel)}</text>`,
+  )
+  parts.push(
+    `<text x="12" y="${top + H / 2}" font-size="11" transform="rotate(-90 12 ${top + H / 2})" text-anchor="middle">${esc(yLabel)}</text>`,
+  )
   parts.push(`<text x="${left}" y="20" font-size="14" font-weight="600">${esc(title)}</text>`)
   return { svg: parts.join('\n'), height: top + H + 40 }
 }
@@ -71,7 +85,9 @@ export function barPanel(
     const y = top + i * (barH + gap)
     const w = (b.value / max) * width
     parts.push(`<text x="${left - 8}" y="${y + 14}" font-size="11" text-anchor="end">${esc(b.label)}</text>`)
-    parts.push(`<rect x="${left}" y="${y}" width="${w.toFixed(1)}" height="${barH}" fill="${COLORS[i % COLORS.length]}"/>`)
+    parts.push(
+      `<rect x="${left}" y="${y}" width="${w.toFixed(1)}" height="${barH}" fill="${COLORS[i % COLORS.length]}"/>`,
+    )
     parts.push(`<text x="${left + w + 6}" y="${y + 14}" font-size="11">${esc(format(b.value))}</text>`)
   })
   return { svg: parts.join('\n'), height: top + bars.length * (barH + gap) + 10 }

@@ -3,7 +3,7 @@
 
 import { join } from 'node:path'
 import { KVCache } from '../client/index.ts'
-import { type KvGeometry, chunkBytes } from '../core/layout.ts'
+import { chunkBytes, type KvGeometry } from '../core/layout.ts'
 import {
   argmax,
   exportChunk,
@@ -83,7 +83,9 @@ async function writer(job: NodeJob): Promise<WriterReport> {
       t = performance.now()
       engineCache = model.transformer.prefill(job.prompt).cache
       prefillMs = performance.now() - t
-      kv = concat(Array.from({ length: full }, (_, i) => exportChunk(engineCache!, i * T, (i + 1) * T, 'fp16')))
+      kv = concat(
+        Array.from({ length: full }, (_, i) => exportChunk(engineCache!, i * T, (i + 1) * T, 'fp16')),
+      )
     } else {
       const all = syntheticPrefix(job.model, full * T, job.source.seed)
       kv = concat(toChunks(job.model, all, full * T, T))
@@ -169,7 +171,7 @@ async function reader(job: NodeJob & { reference: number[] }): Promise<ReaderRep
       report.recomputeMs = performance.now() - t
       // Teacher-forced agreement: at each step, does B predict what A generated?
       const forced = engine.clone()
-      let l = logits.slice()
+      let l: Float32Array = logits.slice()
       let matched = 0
       for (const want of job.reference) {
         if (argmax(l) === want) matched++

@@ -7,9 +7,16 @@ import { type DemoResult, fmtBytes, fmtMs } from './run.ts'
 function tierRows(s: KVCacheStats): [string, string][] {
   const rows: [string, string][] = []
   const m = s.memory
-  rows.push(['L1 memory', `${m.hits} hits, ${fmtBytes(m.bytesRead)} read, ${fmtBytes(m.bytesWritten)} written`])
+  rows.push([
+    'L1 memory',
+    `${m.hits} hits, ${fmtBytes(m.bytesRead)} read, ${fmtBytes(m.bytesWritten)} written`,
+  ])
   const d = s.disk
-  if (d) rows.push(['L2 disk', `${d.hits} hits, ${fmtBytes(d.bytesRead)} read, ${fmtBytes(d.bytesWritten)} written`])
+  if (d)
+    rows.push([
+      'L2 disk',
+      `${d.hits} hits, ${fmtBytes(d.bytesRead)} read, ${fmtBytes(d.bytesWritten)} written`,
+    ])
   const r = s.remote
   if (r) {
     const lat = r.readLatency.count > 0 ? `, p50 ${fmtMs(r.readLatency.p50Ms)}` : ''
@@ -57,7 +64,9 @@ export function renderDemo(r: DemoResult): string {
   if (r.mode === 'model') {
     out.push('')
     const p = r.promptText ?? ''
-    out.push(`prompt (${r.promptTokens} tokens): "${p.length > 90 ? `${p.slice(0, 40)} … ${p.slice(-45)}` : p}"`)
+    out.push(
+      `prompt (${r.promptTokens} tokens): "${p.length > 90 ? `${p.slice(0, 40)} … ${p.slice(-45)}` : p}"`,
+    )
     out.push(`node A continues: "${oneLine(a.continuationText ?? '')}"`)
     out.push(`node B continues: "${oneLine(b.continuationText ?? '')}"`)
   }

@@ -6,9 +6,9 @@ import { tmpdir } from 'node:os'
 import { join, resolve } from 'node:path'
 import { InvalidArgumentError } from '../core/errors.ts'
 import { chunkBytes, MODEL_PRESETS, type ModelPreset } from '../core/layout.ts'
+import { fetchGatewayCounters, type GatewayCounters } from '../fleet/gateway-metrics.ts'
 import { createGateway } from '../gateway/app.ts'
 import { FsStore, serveGateway } from '../gateway/node.ts'
-import { fetchGatewayCounters, type GatewayCounters } from '../fleet/gateway-metrics.ts'
 import {
   findSharedData,
   loadCheckpointFile,
@@ -113,7 +113,8 @@ export async function runDemo(opts: DemoOptions = {}): Promise<DemoResult> {
     const room = c.seqLen - continueTokens
     const tail = Math.max(1, Math.min(chunkTokens - 1, Math.floor(chunkTokens / 2) - 2))
     const full = Math.floor((room - tail) / chunkTokens)
-    if (full < 1) throw new InvalidArgumentError(`chunkTokens ${chunkTokens} leaves no whole chunk in ${room} tokens`)
+    if (full < 1)
+      throw new InvalidArgumentError(`chunkTokens ${chunkTokens} leaves no whole chunk in ${room} tokens`)
     const all = tok.encode(SAMPLE_STORIES.join(' '))
     prompt = all.slice(0, full * chunkTokens + tail)
     promptText = tok.decode(prompt)
@@ -123,7 +124,8 @@ export async function runDemo(opts: DemoOptions = {}): Promise<DemoResult> {
     model = MODEL_PRESETS['llama-3.1-8b']
     chunkTokens = opts.chunkTokens ?? 256
     const chunks = opts.chunks ?? 3
-    if (!Number.isInteger(chunks) || chunks < 1 || chunks > 64) throw new InvalidArgumentError('chunks: 1..64')
+    if (!Number.isInteger(chunks) || chunks < 1 || chunks > 64)
+      throw new InvalidArgumentError('chunks: 1..64')
     const tail = Math.max(1, Math.floor(chunkTokens / 3))
     // Token ids only name the prefix (its keys); the KV itself is synthetic.
     prompt = Array.from({ length: chunks * chunkTokens + tail }, (_, i) => (i * 7919 + 13) % 128_000)
@@ -172,13 +174,15 @@ export async function runDemo(opts: DemoOptions = {}): Promise<DemoResult> {
 
     const a = await forkWorker(new URL('./node.ts', import.meta.url), { onProgress: detail('node A') })
     workers.push(a)
-    const what = source.kind === 'model' ? `prefill ${prompt.length} tokens (TypeScript forward pass)` : `synthetic KV for ${prompt.length} tokens`
+    const what =
+      source.kind === 'model'
+        ? `prefill ${prompt.length} tokens (TypeScript forward pass)`
+        : `synthetic KV for ${prompt.length} tokens`
     const nodeA = await timed(
       2,
       `node A (pid ${a.pid}): ${what}, store ${fullChunks} chunks → L1, L2, L4`,
       () => a.call<WriterReport>('writer', job('a')),
-      (r) =>
-        `— prefill ${fmtMs(r.prefillMs)}, store ${fmtMs(r.storeMs)}, flush to L2+L4 ${fmtMs(r.flushMs)}`,
+      (r) => `— prefill ${fmtMs(r.prefillMs)}, store ${fmtMs(r.storeMs)}, flush to L2+L4 ${fmtMs(r.flushMs)}`,
     )
     await a.close()
     const countersAfterA = await fetchGatewayCounters(gw.url)
@@ -188,7 +192,10 @@ export async function runDemo(opts: DemoOptions = {}): Promise<DemoResult> {
       await gw.close(0)
       gwOpen = false
     } else {
-      step(3, `gateway holds ${countersAfterA.puts.created} new chunk objects (${fmtBytes(countersAfterA.bytesIn)})`)
+      step(
+        3,
+        `gateway holds ${countersAfterA.puts.created} new chunk objects (${fmtBytes(countersAfterA.bytesIn)})`,
+      )
     }
 
     const b = await forkWorker(new URL('./node.ts', import.meta.url), { onProgress: detail('node B') })
@@ -204,7 +211,16 @@ export async function runDemo(opts: DemoOptions = {}): Promise<DemoResult> {
     const counters = gwOpen ? await fetchGatewayCounters(gw.url) : countersAfterA
 
     step(5, 'checks')
-    const checks = checksFor({ source, codec, prompt, fullChunks, chunkTokens, nodeA, nodeB, down: !!opts.gatewayDown })
+    const checks = checksFor({
+      source,
+      codec,
+      prompt,
+      fullChunks,
+      chunkTokens,
+      nodeA,
+      nodeB,
+      down: !!opts.gatewayDown,
+    })
     const storedBytes = nodeA.stats.remote?.bytesWritten ?? 0
     const rawBytes = nodeA.storedChunks * chunkBytesRaw
     const fetchMs = nodeB.lookupMs + nodeB.retrieveMs + nodeB.importMs
@@ -246,7 +262,7 @@ function resolveModelDir(dir: string | undefined): { dir?: string; reason: strin
   return found.paths ? { dir: found.paths.dir, reason: '' } : { reason: found.reason }
 }
 
-interface CheckInput {
+export interface CheckInput {
   source: KvSource
   codec: DemoCodec
   prompt: number[]
@@ -266,7 +282,8 @@ interface CheckInput {
 export const LOSSY_MAX_REL_ERR = 0.2
 export const LOSSY_MIN_AGREEMENT = 0.99
 
-function checksFor(x: CheckInput): DemoCheck[] {
+/** The demo's pass/fail checks for what the two nodes reported. */
+export function checksFor(x: CheckInput): DemoCheck[] {
   const { nodeA: a, nodeB: b } = x
   const checks: DemoCheck[] = []
   const prefix = x.fullChunks * x.chunkTokens
@@ -278,7 +295,10 @@ function checksFor(x: CheckInput): DemoCheck[] {
   if (x.down) {
     checks.push({
       name: 'with the gateway down, node B degraded to recomputing (no error reached it)',
-      ok: b.retrievedTokens === 0 && b.recomputedTokens === x.prompt.length && (b.stats.remote?.errors ?? 0) > 0,
+      ok:
+        b.retrievedTokens === 0 &&
+        b.recomputedTokens === x.prompt.length &&
+        (b.stats.remote?.errors ?? 0) > 0,
       detail: `${b.retrievedTokens} tokens retrieved, ${b.recomputedTokens} recomputed, ${b.stats.remote?.errors ?? 0} L4 errors absorbed, breaker ${b.stats.remote?.breaker}`,
     })
   } else {
@@ -295,7 +315,9 @@ function checksFor(x: CheckInput): DemoCheck[] {
     })
   }
   if (x.source.kind === 'model') {
-    const same = b.continuation.length === a.continuation.length && b.continuation.every((t, i) => t === a.continuation[i])
+    const same =
+      b.continuation.length === a.continuation.length &&
+      b.continuation.every((t, i) => t === a.continuation[i])
     const ag = b.agreement ?? { matched: 0, total: 1 }
     const rate = ag.total > 0 ? ag.matched / ag.total : 0
     if (x.codec === 'lossless' || x.down) {
@@ -312,7 +334,12 @@ function checksFor(x: CheckInput): DemoCheck[] {
       })
     }
   } else if (!x.down) {
-    const v = b.verify ?? { chunks: 0, identical: 0, kRelErr: Number.POSITIVE_INFINITY, vRelErr: Number.POSITIVE_INFINITY }
+    const v = b.verify ?? {
+      chunks: 0,
+      identical: 0,
+      kRelErr: Number.POSITIVE_INFINITY,
+      vRelErr: Number.POSITIVE_INFINITY,
+    }
     if (x.codec === 'lossless') {
       checks.push({
         name: 'retrieved KV byte-identical to what node A stored',

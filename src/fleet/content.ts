@@ -2,7 +2,7 @@
 // "computes" the same KV for the same prefix, so a node can verify whatever it retrieves.
 
 import type { ChunkKey } from '../core/keys.ts'
-import { type KvGeometry, chunkBytes } from '../core/layout.ts'
+import { chunkBytes, type KvGeometry } from '../core/layout.ts'
 import { kvRelativeError, syntheticKv } from '../model/index.ts'
 
 /**
@@ -12,7 +12,13 @@ import { kvRelativeError, syntheticKv } from '../model/index.ts'
 export function chunkContent(g: KvGeometry, key: ChunkKey): Uint8Array {
   const k = key.key
   const seed = (k[0]! | (k[1]! << 8) | (k[2]! << 16) | (k[3]! << 24)) >>> 0
-  return syntheticKv({ geometry: g, tokens: key.end - key.start, seed, startPosition: key.start, rope: 'adjacent' })
+  return syntheticKv({
+    geometry: g,
+    tokens: key.end - key.start,
+    seed,
+    startPosition: key.start,
+    rope: 'adjacent',
+  })
 }
 
 /** Largest relative RMSE (K or V) a lossy retrieve may show; a wrong chunk lands near 1.4. */

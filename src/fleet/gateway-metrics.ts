@@ -13,7 +13,9 @@ export interface GatewayCounters {
 }
 
 /** Parses `name{labels} value` samples; lines it does not understand are skipped. */
-export function parseSamples(text: string): { name: string; labels: Record<string, string>; value: number }[] {
+export function parseSamples(
+  text: string,
+): { name: string; labels: Record<string, string>; value: number }[] {
   const out: { name: string; labels: Record<string, string>; value: number }[] = []
   for (const line of text.split('\n')) {
     if (line === '' || line.startsWith('#')) continue
@@ -58,8 +60,12 @@ export async function fetchGatewayCounters(baseUrl: string): Promise<GatewayCoun
 
 /** b − a, field by field. */
 export function diffCounters(b: GatewayCounters, a: GatewayCounters): GatewayCounters {
-  const sub = <T extends Record<string, number>>(x: T, y: T): T =>
-    Object.fromEntries(Object.entries(x).map(([k, v]) => [k, v - (y[k] ?? 0)])) as T
+  const sub = <T extends object>(x: T, y: T): T => {
+    const yy = y as Record<string, number>
+    return Object.fromEntries(
+      Object.entries(x as Record<string, number>).map(([k, v]) => [k, v - (yy[k] ?? 0)]),
+    ) as T
+  }
   return {
     storeOps: sub(b.storeOps, a.storeOps),
     puts: sub(b.puts, a.puts),

@@ -2,8 +2,8 @@
 // looks up and retrieves the cached prefix (L1 → L2 → L4), verifies it, "computes" the
 // rest, stores everything and flushes, so the next request anywhere sees it in L4.
 
+import type { ChunkCodecName } from '../client/chunk-codec.ts'
 import { KVCache, type KVCacheStats } from '../client/index.ts'
-import { type ChunkCodecName } from '../client/chunk-codec.ts'
 import type { ModelPreset } from '../core/layout.ts'
 import { serveWorker } from '../demo/worker.ts'
 import { chunkContent, verifyChunk } from './content.ts'

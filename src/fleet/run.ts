@@ -5,15 +5,15 @@
 import { mkdirSync, mkdtempSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import type { KVCacheStats } from '../client/index.ts'
 import type { ChunkCodecName } from '../client/chunk-codec.ts'
+import type { KVCacheStats } from '../client/index.ts'
 import { InvalidArgumentError } from '../core/errors.ts'
 import { chainKeys, type KeyNamespace } from '../core/keys.ts'
 import { bytesPerToken, chunkBytes, MODEL_PRESETS, type ModelPreset } from '../core/layout.ts'
+import { forkWorker, type WorkerHandle } from '../demo/worker.ts'
 import { createGateway } from '../gateway/app.ts'
 import { serveGateway } from '../gateway/node.ts'
 import type { ObjectStore } from '../gateway/stores/types.ts'
-import { forkWorker, type WorkerHandle } from '../demo/worker.ts'
 import { diffCounters, fetchGatewayCounters, type GatewayCounters } from './gateway-metrics.ts'
 import type { FleetNodeConfig, RequestReport, TierCount } from './node.ts'
 import { PrefixOracle } from './oracle.ts'
@@ -150,7 +150,8 @@ export async function runFleet(opts: FleetOptions): Promise<FleetResult> {
   const diskBytes = opts.diskBytes ?? 256 * MIB
   const tps = opts.prefillTokensPerSecond ?? 10_000
   const price = opts.price ?? PRICES['s3-standard']
-  if (!Number.isInteger(chunkTokens) || chunkTokens < 1) throw new InvalidArgumentError('chunkTokens must be ≥ 1')
+  if (!Number.isInteger(chunkTokens) || chunkTokens < 1)
+    throw new InvalidArgumentError('chunkTokens must be ≥ 1')
   if (!(tps > 0)) throw new InvalidArgumentError('prefillTokensPerSecond must be > 0')
   const workload = generateWorkload(opts.workload)
   const w = workload.options
@@ -164,7 +165,9 @@ export async function runFleet(opts: FleetOptions): Promise<FleetResult> {
 
   const app = createGateway({ store: opts.store, prefix })
   const gw = await serveGateway(app, { port: 0, host: '127.0.0.1' })
-  say(`gateway ${gw.url} on ${opts.storeLabel}; ${totalNodes} nodes (${w.initialNodes} at start, ${w.joiningNodes} joining), ${w.requests} requests, seed ${w.seed}`)
+  say(
+    `gateway ${gw.url} on ${opts.storeLabel}; ${totalNodes} nodes (${w.initialNodes} at start, ${w.joiningNodes} joining), ${w.requests} requests, seed ${w.seed}`,
+  )
   const workers: (WorkerHandle | undefined)[] = new Array(totalNodes)
   const finalStats: (KVCacheStats | undefined)[] = new Array(totalNodes)
   const nodeConfig = (n: number): FleetNodeConfig => ({
@@ -182,11 +185,16 @@ export async function runFleet(opts: FleetOptions): Promise<FleetResult> {
     const wk = await forkWorker(new URL('./node.ts', import.meta.url))
     await wk.call('open', nodeConfig(n))
     workers[n] = wk
-    say(`  node ${n} (pid ${wk.pid}) ${seq === 0 ? 'up' : `joins at request ${seq} with cold L1/L2`}`)
+    const joinAt = workload.joinAt[n] ?? 0
+    say(
+      `  node ${n} (pid ${wk.pid}) ${joinAt === 0 ? 'up' : `joins at request ${joinAt} with cold L1/L2 (its first request: ${seq})`}`,
+    )
     return wk
   }
 
   try {
+    // Initial nodes start together; the others start (cold) when their first request comes.
+    for (let n = 0; n < totalNodes; n++) if (workload.joinAt[n] === 0) await start(n, 0)
     const oracle = new PrefixOracle()
     const records: RequestRecord[] = []
     const every = Math.max(1, Math.floor(w.requests / 10))
@@ -200,7 +208,8 @@ export async function runFleet(opts: FleetOptions): Promise<FleetResult> {
       // Sequential and flushed: this request sees every chunk any earlier request stored.
       const rep = await wk.call<RequestReport>('request', { tokens: Array.from(r.tokens) })
       oracle.record(keys)
-      if (rep.chunks !== keys.length) throw new Error(`node ${r.node} cut ${rep.chunks} chunks, coordinator ${keys.length}`)
+      if (rep.chunks !== keys.length)
+        throw new Error(`node ${r.node} cut ${rep.chunks} chunks, coordinator ${keys.length}`)
       records.push({
         seq: r.seq,
         node: r.node,
@@ -259,7 +268,8 @@ export async function runFleet(opts: FleetOptions): Promise<FleetResult> {
     const uniqueChunks = oracle.size
     const rawStored = uniqueChunks * chunkBytes(model, chunkTokens)
     const ratio = stored.bytes > 0 ? rawStored / stored.bytes : 0
-    const at8bBytes = ratio > 0 ? (uniqueChunks * chunkTokens * bytesPerToken(MODEL_PRESETS['llama-3.1-8b'])) / ratio : 0
+    const at8bBytes =
+      ratio > 0 ? (uniqueChunks * chunkTokens * bytesPerToken(MODEL_PRESETS['llama-3.1-8b'])) / ratio : 0
     const readBytes = { memory: 0, disk: 0, remote: 0 }
     const written = { disk: 0, remote: 0 }
     for (const s of finalStats) {
@@ -329,7 +339,11 @@ export async function runFleet(opts: FleetOptions): Promise<FleetResult> {
         at8b: { storedBytes: at8bBytes, storageDollarsPerMonth: storageCostPerMonth(at8bBytes, price) },
         compressionRatio: ratio,
       },
-      prefill: { savedTokens: served * chunkTokens, savedSeconds: (served * chunkTokens) / tps, tokensPerSecond: tps },
+      prefill: {
+        savedTokens: served * chunkTokens,
+        savedSeconds: (served * chunkTokens) / tps,
+        tokensPerSecond: tps,
+      },
       writers,
       wallMs: performance.now() - t0,
     }

@@ -72,7 +72,9 @@ async function demo(argv: string[]): Promise<number> {
     codec,
     ...(values.model !== undefined ? { modelDir: values.model } : {}),
     synthetic: values.synthetic === true,
-    ...(values['chunk-tokens'] !== undefined ? { chunkTokens: positiveInt('--chunk-tokens', values['chunk-tokens']) } : {}),
+    ...(values['chunk-tokens'] !== undefined
+      ? { chunkTokens: positiveInt('--chunk-tokens', values['chunk-tokens']) }
+      : {}),
     ...(values.chunks !== undefined ? { chunks: positiveInt('--chunks', values.chunks) } : {}),
     ...(values.dir !== undefined ? { dir: values.dir } : {}),
     keep: values.keep === true || values.dir !== undefined,
