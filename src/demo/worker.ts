@@ -38,11 +38,13 @@ export function forkWorker(script: string | URL, opts: ForkOptions = {}): Promis
   const file = typeof script === 'string' ? script : fileURLToPath(script)
   const child = fork(file, [], {
     execArgv: ['--import', TSX_LOADER],
-    stdio: ['ignore', 'inherit', 'pipe', 'ipc'],
+    // A worker's stdout goes to our stderr: `kvgate demo --json` keeps stdout for the JSON.
+    stdio: ['ignore', 'pipe', 'pipe', 'ipc'],
     env: opts.env ?? process.env,
     serialization: 'advanced',
   })
   let stderr = ''
+  child.stdout?.pipe(process.stderr, { end: false })
   child.stderr?.on('data', (d: Buffer) => {
     stderr = (stderr + String(d)).slice(-4000)
   })
