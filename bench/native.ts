@@ -311,8 +311,8 @@ const path = writeResult({
 })
 const svg = groupedBarChart('kvgate native addon (bench/native.ts)', [
   {
-    title: 'Allocation of 1 GiB (or largest run), ms',
-    unit: 'lower is better',
+    title: `Allocation of ${allocRows[allocRows.length - 1]?.mib ?? 0} MiB`,
+    unit: 'ms, lower is better',
     bars: (() => {
       const r = allocRows[allocRows.length - 1]
       if (!r) return []
@@ -324,8 +324,8 @@ const svg = groupedBarChart('kvgate native addon (bench/native.ts)', [
     })(),
   },
   {
-    title: 'Host copy of a 32 MiB chunk, GB/s',
-    unit: 'higher is better',
+    title: 'Host copy of a 32 MiB chunk (stub CUDA)',
+    unit: 'GB/s, higher is better',
     bars: [
       { label: 'memcpy (TypedArray.set)', value: memcpyGBs, baseline: true },
       ...copyRows.map((r) => ({
@@ -340,8 +340,8 @@ const svg = groupedBarChart('kvgate native addon (bench/native.ts)', [
     ],
   },
   {
-    title: 'Read a 32 MiB file, GB/s',
-    unit: 'higher is better',
+    title: 'Read a 32 MiB file',
+    unit: 'GB/s, higher is better',
     bars: [
       { label: 'O_DIRECT', value: ioGBs.direct },
       { label: 'buffered, cold', value: ioGBs.bufferedCold, baseline: true },
