@@ -55,14 +55,12 @@ for (const mib of [32, 128, 512, 1024].filter((m) => m <= maxMiB)) {
     pinnedReason = a.reason
     freePinned(a.buffer)
     t = performance.now()
-    let b: Buffer | null = Buffer.allocUnsafe(bytes)
+    if (Buffer.allocUnsafe(bytes).length !== bytes) throw new Error('short allocation') // dropped at once
     const u = ms(t)
-    b = null
     gc()
     t = performance.now()
-    b = Buffer.allocUnsafe(bytes).fill(0) // touches every page, as mlock does
+    if (Buffer.allocUnsafe(bytes).fill(0).length !== bytes) throw new Error('short allocation') // touches every page
     const uf = ms(t)
-    b = null
     gc()
     if (i === 0) continue // warm-up
     pinned.push(p)
