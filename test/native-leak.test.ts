@@ -7,6 +7,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { setFlagsFromString } from 'node:v8'
 import { runInNewContext } from 'node:vm'
+import { Worker } from 'node:worker_threads'
 import { afterAll, expect, it } from 'vitest'
 import { nativePaths } from '../src/client/native.ts'
 
@@ -114,4 +115,28 @@ it('file I/O cycles (direct, fallback and failing) leak no descriptors', async (
   }
   expect(openFds()).toBe(fds)
   freePinned(b.buffer)
+})
+
+it('worker threads that exit leave no pinned blocks or CUDA registrations behind', async () => {
+  const stubStart = cuda.stubControl('')
+  const code = `
+    const n = require(${JSON.stringify(nativePaths.addon)})
+    const keep = []
+    for (let i = 0; i < 20; i++) keep.push(n.allocPinnedSync(1 << 20, { cuda: i % 2 === 0, lock: true, hugePages: true }))
+    globalThis.rb = new ArrayBuffer(1 << 16)
+    n.registerHost(globalThis.rb).then(() => require('node:worker_threads').parentPort.postMessage(n.memoryStats()))`
+  for (let i = 0; i < 4; i++) {
+    const w = new Worker(code, { eval: true })
+    const stats = await new Promise<{ pinnedBlocks: number; registered: number }>((resolve, reject) => {
+      w.once('message', resolve)
+      w.once('error', reject)
+    })
+    expect(stats.registered).toBe(1)
+    expect(stats.pinnedBlocks).toBeGreaterThanOrEqual(20)
+    await w.terminate()
+  }
+  // Teardown runs the finalizers and unregisters the dead thread's buffers
+  // (without that, CUDA kept freed memory registered: error 712 on reuse).
+  expect(nativeMemoryStats()).toMatchObject({ pinnedBlocks: 0, registered: 0 })
+  expect(cuda.stubControl('')).toBe(stubStart)
 })

@@ -265,10 +265,8 @@ Napi::Value CopyJs(const Napi::CallbackInfo& info) {
   size_t n = ta.ElementLength();
   if (n % 3 != 0) ThrowNative(env, "descriptors length must be a multiple of 3");
   void* stream = reinterpret_cast<void*>(ToU64(env, info[5], "stream"));
-  // Read the descriptors through the typed array's own buffer (copied out, so
-  // later JS writes cannot change what was validated).
-  const int64_t* raw =
-      reinterpret_cast<const int64_t*>(static_cast<const uint8_t*>(ta.ArrayBuffer().Data()) + ta.ByteOffset());
+  // Copied out below, so later JS writes cannot change what was validated.
+  const int64_t* raw = info[4].As<Napi::BigInt64Array>().Data();
   auto descs = std::make_shared<std::vector<Desc>>();
   descs->reserve(n / 3);
   const bool hostSrc = dir == kH2D, hostDst = dir == kD2H;

@@ -66,6 +66,7 @@ std::unordered_map<void*, PinnedBlock*> g_blocks;
 size_t g_liveBytes = 0;
 struct Registered {
   Napi::ObjectReference ref;
+  napi_env env = nullptr;  // whose buffer: its teardown unregisters it
   size_t bytes = 0;
   bool pending = true;
 };
@@ -327,6 +328,7 @@ Napi::Value RegisterHost(const Napi::CallbackInfo& info) {
       ThrowNative(env, "buffer is already registered");
     }
     reg->ref = Napi::Persistent(ab.As<Napi::Object>());
+    reg->env = env;
     reg->bytes = bytes;
     g_registered[data] = reg;
   }
@@ -404,7 +406,30 @@ void ReleaseHost(const HostSpan& span) {
   static_cast<PinnedBlock*>(span.block)->busy--;
 }
 
+// A worker thread's environment is going away: its registered buffers are
+// about to be freed, so CUDA must stop treating that memory as page-locked.
+static void OnEnvTeardown(napi_env env) {
+  std::vector<std::pair<void*, Registered*>> mine;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (auto it = g_registered.begin(); it != g_registered.end();) {
+      if (it->second->env == env && !it->second->pending) {
+        mine.emplace_back(it->first, it->second);
+        it = g_registered.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& [data, reg] : mine) {
+    if (Cuda().hostUnregister != nullptr) Cuda().hostUnregister(data);
+    delete reg;
+  }
+}
+
 void InitMemory(Napi::Env env, Napi::Object exports) {
+  napi_add_env_cleanup_hook(
+      env, [](void* arg) { OnEnvTeardown(static_cast<napi_env>(arg)); }, static_cast<napi_env>(env));
   exports.Set("allocPinned", Napi::Function::New(env, AllocPinned, "allocPinned"));
   exports.Set("allocPinnedSync", Napi::Function::New(env, AllocPinnedSync, "allocPinnedSync"));
   exports.Set("freePinned", Napi::Function::New(env, FreePinned, "freePinned"));

@@ -481,6 +481,7 @@ export const cuda = {
   get reason(): string {
     return cudaBinding().probe().reason
   },
+  /** Devices the runtime reports (0 when unavailable). */
   deviceCount(): number {
     return cudaBinding().probe().deviceCount
   },
@@ -489,6 +490,7 @@ export const cuda = {
     checkSize(device, 'device', 1024, 0)
     call(() => cudaBinding().setDevice(device))
   },
+  /** The device chosen by {@link cuda.setDevice} (0 by default). */
   getDevice(): number {
     return cudaBinding().getDevice()
   },
