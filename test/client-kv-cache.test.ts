@@ -46,19 +46,31 @@ afterEach(async () => {
 describe('KVCache options', () => {
   it('rejects bad options eagerly with the option named', async () => {
     await expect(KVCache.open({ model: 'nope' as never })).rejects.toThrow(/unknown model preset 'nope'/)
-    await expect(KVCache.open({ model: 'stories260k', chunkTokens: 0 })).rejects.toThrow(/invalid chunkTokens/)
-    await expect(KVCache.open({ model: 'stories260k', chunkTokens: 1.5 })).rejects.toThrow(/invalid chunkTokens/)
-    await expect(KVCache.open({ model: 'stories260k', namespace: '../x' })).rejects.toThrow(/invalid namespace/)
-    await expect(KVCache.open({ model: 'stories260k', memory: { bytes: 10 } })).rejects.toThrow(/smaller than one chunk/)
+    await expect(KVCache.open({ model: 'stories260k', chunkTokens: 0 })).rejects.toThrow(
+      /invalid chunkTokens/,
+    )
+    await expect(KVCache.open({ model: 'stories260k', chunkTokens: 1.5 })).rejects.toThrow(
+      /invalid chunkTokens/,
+    )
+    await expect(KVCache.open({ model: 'stories260k', namespace: '../x' })).rejects.toThrow(
+      /invalid namespace/,
+    )
+    await expect(KVCache.open({ model: 'stories260k', memory: { bytes: 10 } })).rejects.toThrow(
+      /smaller than one chunk/,
+    )
     await expect(KVCache.open({ model: 'stories260k', disk: { dir: '' } })).rejects.toThrow(/disk.dir/)
     await expect(
       KVCache.open({ model: 'stories260k', disk: { dir: '/tmp/x', storeAs: 'zip' as never } }),
     ).rejects.toThrow(/storeAs/)
-    await expect(KVCache.open({ model: 'stories260k', remote: { url: 'ftp://x' } })).rejects.toThrow(/remote.url/)
-    await expect(KVCache.open({ model: 'stories260k', remote: { url: 'http://x', codec: 'gzip' as never } })).rejects.toThrow(
-      /remote.codec/,
+    await expect(KVCache.open({ model: 'stories260k', remote: { url: 'ftp://x' } })).rejects.toThrow(
+      /remote.url/,
     )
-    await expect(KVCache.open({ model: 'stories260k', memroy: {} } as never)).rejects.toThrow(/unknown option memroy/)
+    await expect(
+      KVCache.open({ model: 'stories260k', remote: { url: 'http://x', codec: 'gzip' as never } }),
+    ).rejects.toThrow(/remote.codec/)
+    await expect(KVCache.open({ model: 'stories260k', memroy: {} } as never)).rejects.toThrow(
+      /unknown option memroy/,
+    )
     await expect(
       KVCache.open({ model: { modelId: 'm', layers: 0, kvHeads: 1, headDim: 1, dtype: 'fp16' } }),
     ).rejects.toThrow(/layers/)
@@ -84,18 +96,25 @@ describe('KVCache options', () => {
       'model: llama-3.1-8b\nchunkTokens: 128\nmemory:\n  bytes: 2GiB\ndisk:\n  dir: /var/cache/kvgate\n  bytes: 100GB\nremote:\n  url: http://gw:8080\n',
     )
     const o = optionsFromEnvironment(
-      { KVGATE_CONFIG: file, KVGATE_CHUNK_TOKENS: '256', KVGATE_REMOTE_TOKEN: 'tok', KVGATE_MEMORY_BYTES: '512MiB' },
+      {
+        KVGATE_CONFIG: file,
+        KVGATE_CHUNK_TOKENS: '256',
+        KVGATE_REMOTE_TOKEN: 'tok',
+        KVGATE_MEMORY_BYTES: '512MiB',
+      },
       undefined,
     )
     const r = resolveOptions(o as never)
     expect(r.chunkTokens).toBe(256)
     expect(r.memory.bytes).toBe(512 * 1024 ** 2)
-    expect(r.disk && r.disk.bytes).toBe(100e9)
-    expect(r.remote && r.remote.url).toBe('http://gw:8080')
-    expect(r.remote && r.remote.token).toBe('tok')
+    expect(r.disk?.bytes).toBe(100e9)
+    expect(r.remote?.url).toBe('http://gw:8080')
+    expect(r.remote?.token).toBe('tok')
     expect(optionsFromEnvironment({ KVGATE_CONFIG: file, KVGATE_DISK: 'off' }).disk).toBe(false)
     expect(() => optionsFromEnvironment({ KVGATE_CHUNK_TOKENS: '12abc' })).toThrow(/KVGATE_CHUNK_TOKENS/)
-    expect(() => optionsFromEnvironment({ KVGATE_CONFIG: join(dir, 'missing.yaml') })).toThrow(/cannot read config/)
+    expect(() => optionsFromEnvironment({ KVGATE_CONFIG: join(dir, 'missing.yaml') })).toThrow(
+      /cannot read config/,
+    )
     expect(parseBytes('x', '1k')).toBe(1024)
     expect(parseBytes('x', '1kB')).toBe(1000)
     expect(() => parseBytes('x', 'lots')).toThrow(/byte size/)

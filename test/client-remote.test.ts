@@ -32,7 +32,9 @@ afterEach(async () => {
   for (const c of caches.splice(0)) await c.close(100)
   await gw.close()
 })
-async function node(remote: Partial<NonNullable<Exclude<KVCacheOptions['remote'], false>>> = {}): Promise<KVCache> {
+async function node(
+  remote: Partial<NonNullable<Exclude<KVCacheOptions['remote'], false>>> = {},
+): Promise<KVCache> {
   const c = await KVCache.open({
     model: 'stories260k',
     chunkTokens: T,
@@ -158,7 +160,8 @@ describe('L4 faults never reach the caller', () => {
     expect(s.breaker).not.toBe('closed')
     expect(s.errors).toBeGreaterThan(0)
     await gw.restart()
-    for (let i = 0; i < 100 && c.stats().remote?.breaker !== 'closed'; i++) await new Promise((r) => setTimeout(r, 20))
+    for (let i = 0; i < 100 && c.stats().remote?.breaker !== 'closed'; i++)
+      await new Promise((r) => setTimeout(r, 20))
     expect(c.stats().remote?.breaker).toBe('closed')
     expect(c.metrics()).toMatch(/kvgate_client_breaker_open 0/)
   })

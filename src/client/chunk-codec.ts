@@ -23,11 +23,18 @@ export function encodeTensor(codec: ChunkCodecName, tensor: Uint8Array, id: Chun
  */
 export function checkIdentity(h: ChunkHeader, g: KvGeometry, tokens: number, hex: string): void {
   const hg = h.geometry
-  if (hg.layers !== g.layers || hg.kvHeads !== g.kvHeads || hg.headDim !== g.headDim || hg.dtype !== g.dtype) {
+  if (
+    hg.layers !== g.layers ||
+    hg.kvHeads !== g.kvHeads ||
+    hg.headDim !== g.headDim ||
+    hg.dtype !== g.dtype
+  ) {
     throw new FormatError('ERR_FORMAT_BAD_FIELD', 'chunk geometry does not match this cache')
   }
-  if (h.tokens !== tokens) throw new FormatError('ERR_FORMAT_BAD_FIELD', `chunk holds ${h.tokens} tokens, expected ${tokens}`)
-  if (toHex(h.chainKey) !== hex) throw new FormatError('ERR_FORMAT_BAD_FIELD', 'chunk chain key does not match its name')
+  if (h.tokens !== tokens)
+    throw new FormatError('ERR_FORMAT_BAD_FIELD', `chunk holds ${h.tokens} tokens, expected ${tokens}`)
+  if (toHex(h.chainKey) !== hex)
+    throw new FormatError('ERR_FORMAT_BAD_FIELD', 'chunk chain key does not match its name')
 }
 
 /**
@@ -41,7 +48,13 @@ export function verifyObject(object: Uint8Array, g: KvGeometry, tokens: number, 
 }
 
 /** Verifies and decodes a whole object into `dst` (one chunk tensor). */
-export function decodeObjectInto(object: Uint8Array, dst: Uint8Array, g: KvGeometry, tokens: number, hex: string): void {
+export function decodeObjectInto(
+  object: Uint8Array,
+  dst: Uint8Array,
+  g: KvGeometry,
+  tokens: number,
+  hex: string,
+): void {
   verifyObject(object, g, tokens, hex)
   decodeChunkInto(object, dst)
 }

@@ -3,13 +3,20 @@
 
 import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
 import { headerBytesFor } from '../core/format.ts'
-import { type ChunkKey, chainKeys, fromHex, type KeyNamespace, namespaceId } from '../core/keys.ts'
+import { type ChunkKey, fromHex, type KeyNamespace, namespaceId } from '../core/keys.ts'
 import { chunkBytes, type ModelPreset } from '../core/layout.ts'
 import type { ChunkCodecName } from './chunk-codec.ts'
 import { type KVCacheOptions, type ResolvedOptions, resolveOptions } from './config.ts'
 import { copyChunkFromGpu, copyChunkToGpu, type GpuBuffer, isGpuBuffer, validateGpuBuffer } from './gpu.ts'
+import { KeyMemo, type KeyMemoStats } from './key-memo.ts'
 import { loadNative, type NativeModule } from './native-api.ts'
-import { LatencyWindow, type LatencySummary, prometheusText, since, type TierCounterSnapshot } from './stats.ts'
+import {
+  type LatencySummary,
+  LatencyWindow,
+  prometheusText,
+  since,
+  type TierCounterSnapshot,
+} from './stats.ts'
 import { type LayerBatch, StorageManager, type TierName } from './storage-manager.ts'
 import { DiskTier, type DiskTierStats } from './tiers/disk.ts'
 import { MemoryTier, type MemoryTierStats } from './tiers/memory.ts'
@@ -52,11 +59,15 @@ export interface KVCacheStats {
   native: { loaded: boolean; reason: string | undefined }
   memory: TierCounterSnapshot & MemoryTierStats
   disk: (TierCounterSnapshot & DiskTierStats) | null
-  remote: (TierCounterSnapshot & RemoteTierStats & { codec: ChunkCodecName; codecNote: string | undefined }) | null
+  remote:
+    | (TierCounterSnapshot & RemoteTierStats & { codec: ChunkCodecName; codecNote: string | undefined })
+    | null
   operations: { store: LatencySummary; lookup: LatencySummary; retrieve: LatencySummary }
   /** Tokens served by retrieve() / asked for by retrieve(). */
   retrievedTokens: number
   requestedTokens: number
+  /** Chain keys reused from recent prompts vs hashed. */
+  keyMemo: KeyMemoStats
 }
 
 const MAX_TOKENS = 1 << 24
@@ -70,7 +81,7 @@ export class KVCache {
   readonly chunkTokens: number
   readonly chunkBytes: number
   readonly namespace: string
-  readonly #ns: KeyNamespace
+  readonly #memo: KeyMemo
   readonly #manager: StorageManager
   readonly #native: NativeModule | undefined
   readonly #nativeReason: string | undefined
@@ -92,7 +103,12 @@ export class KVCache {
     this.chunkTokens = o.chunkTokens
     this.chunkBytes = chunkBytes(o.model, o.chunkTokens)
     this.namespace = o.namespace
-    this.#ns = { modelId: o.model.modelId, geometry: o.model, chunkTokens: o.chunkTokens, hashSeed: o.hashSeed }
+    this.#memo = new KeyMemo({
+      modelId: o.model.modelId,
+      geometry: o.model,
+      chunkTokens: o.chunkTokens,
+      hashSeed: o.hashSeed,
+    })
     this.#manager = manager
     this.#native = native.api
     this.#nativeReason = native.reason
@@ -105,7 +121,12 @@ export class KVCache {
     const o = resolveOptions(options)
     const native = o.native ? loadNative() : { api: undefined, reason: 'disabled by options.native = false' }
     const g = o.model
-    const ns: KeyNamespace = { modelId: g.modelId, geometry: g, chunkTokens: o.chunkTokens, hashSeed: o.hashSeed }
+    const ns: KeyNamespace = {
+      modelId: g.modelId,
+      geometry: g,
+      chunkTokens: o.chunkTokens,
+      hashSeed: o.hashSeed,
+    }
     const memory = await MemoryTier.create({
       bytes: o.memory.bytes,
       chunkBytes: chunkBytes(g, o.chunkTokens),
@@ -138,10 +159,13 @@ export class KVCache {
     if (this.#closed) throw new KvgateError('ERR_CLOSED', 'KVCache is closed')
   }
 
-  /** The chained keys of the full chunks of `tokens` (validated). */
+  /**
+   * The chained keys of the full chunks of `tokens` (validated). Prompts sharing
+   * a prefix with a recent one reuse its keys: only new chunks are hashed.
+   */
   keys(tokens: Tokens): ChunkKey[] {
     validateTokens(tokens)
-    return chainKeys(tokens, this.#ns)
+    return this.#memo.keys(tokens)
   }
 
   /**
@@ -247,6 +271,15 @@ export class KVCache {
     return { tokens: n * this.chunkTokens }
   }
 
+  /**
+   * Drops every chunk from L1 (lower tiers keep theirs), e.g. to free memory for
+   * a model reload. Chunks being copied right now keep their slots until released.
+   */
+  clearMemory(): void {
+    this.#open()
+    this.#manager.memory.clear()
+  }
+
   /** Waits for background writes to L2 and L4 (bounded by `timeoutMs`). */
   async flush(timeoutMs = 30_000): Promise<void> {
     await this.#manager.flush(timeoutMs)
@@ -263,7 +296,12 @@ export class KVCache {
       memory: { ...m.memory.counters.snapshot(), ...m.memory.stats() },
       disk: m.disk ? { ...m.disk.counters.snapshot(), ...m.disk.stats() } : null,
       remote: m.remote
-        ? { ...m.remote.counters.snapshot(), ...m.remote.stats(), codec: this.#remoteCodec, codecNote: this.#codecNote }
+        ? {
+            ...m.remote.counters.snapshot(),
+            ...m.remote.stats(),
+            codec: this.#remoteCodec,
+            codecNote: this.#codecNote,
+          }
         : null,
       operations: {
         store: this.#ops.store.summary(),
@@ -272,6 +310,7 @@ export class KVCache {
       },
       retrievedTokens: this.#retrievedTokens,
       requestedTokens: this.#requestedTokens,
+      keyMemo: { ...this.#memo.stats },
     }
   }
 
@@ -281,18 +320,62 @@ export class KVCache {
     const tiers: [string, TierCounterSnapshot][] = [['memory', s.memory]]
     if (s.disk) tiers.push(['disk', s.disk])
     if (s.remote) tiers.push(['remote', s.remote])
-    const per = (f: (t: TierCounterSnapshot) => number) => tiers.map(([tier, t]) => ({ labels: { tier }, value: f(t) }))
+    const per = (f: (t: TierCounterSnapshot) => number) =>
+      tiers.map(([tier, t]) => ({ labels: { tier }, value: f(t) }))
     const lat = (q: 'p50Ms' | 'p99Ms') =>
-      tiers.map(([tier, t]) => ({ labels: { tier, quantile: q === 'p50Ms' ? '0.5' : '0.99' }, value: t.readLatency[q] / 1000 }))
+      tiers.map(([tier, t]) => ({
+        labels: { tier, quantile: q === 'p50Ms' ? '0.5' : '0.99' },
+        value: t.readLatency[q] / 1000,
+      }))
     return prometheusText([
-      { name: 'hits_total', help: 'Chunk reads served by the tier.', type: 'counter', values: per((t) => t.hits) },
-      { name: 'misses_total', help: 'Chunk reads the tier could not serve.', type: 'counter', values: per((t) => t.misses) },
-      { name: 'read_bytes_total', help: 'Bytes read from the tier.', type: 'counter', values: per((t) => t.bytesRead) },
-      { name: 'written_bytes_total', help: 'Bytes written to the tier.', type: 'counter', values: per((t) => t.bytesWritten) },
-      { name: 'evictions_total', help: 'Chunks evicted from the tier.', type: 'counter', values: per((t) => t.evictions) },
-      { name: 'errors_total', help: 'Failures hidden from the caller.', type: 'counter', values: per((t) => t.errors) },
-      { name: 'corrupt_total', help: 'Objects that failed verification.', type: 'counter', values: per((t) => t.corrupt) },
-      { name: 'read_latency_seconds', help: 'Read latency quantiles (recent window).', type: 'gauge', values: [...lat('p50Ms'), ...lat('p99Ms')] },
+      {
+        name: 'hits_total',
+        help: 'Chunk reads served by the tier.',
+        type: 'counter',
+        values: per((t) => t.hits),
+      },
+      {
+        name: 'misses_total',
+        help: 'Chunk reads the tier could not serve.',
+        type: 'counter',
+        values: per((t) => t.misses),
+      },
+      {
+        name: 'read_bytes_total',
+        help: 'Bytes read from the tier.',
+        type: 'counter',
+        values: per((t) => t.bytesRead),
+      },
+      {
+        name: 'written_bytes_total',
+        help: 'Bytes written to the tier.',
+        type: 'counter',
+        values: per((t) => t.bytesWritten),
+      },
+      {
+        name: 'evictions_total',
+        help: 'Chunks evicted from the tier.',
+        type: 'counter',
+        values: per((t) => t.evictions),
+      },
+      {
+        name: 'errors_total',
+        help: 'Failures hidden from the caller.',
+        type: 'counter',
+        values: per((t) => t.errors),
+      },
+      {
+        name: 'corrupt_total',
+        help: 'Objects that failed verification.',
+        type: 'counter',
+        values: per((t) => t.corrupt),
+      },
+      {
+        name: 'read_latency_seconds',
+        help: 'Read latency quantiles (recent window).',
+        type: 'gauge',
+        values: [...lat('p50Ms'), ...lat('p99Ms')],
+      },
       {
         name: 'shed_writes_total',
         help: 'Uploads dropped by the write-behind queue.',
@@ -305,8 +388,18 @@ export class KVCache {
         type: 'gauge',
         values: [{ value: s.remote && s.remote.breaker !== 'closed' ? 1 : 0 }],
       },
-      { name: 'memory_used_bytes', help: 'L1 bytes in use.', type: 'gauge', values: [{ value: s.memory.usedBytes }] },
-      { name: 'disk_used_bytes', help: 'L2 bytes in use.', type: 'gauge', values: [{ value: s.disk?.usedBytes ?? 0 }] },
+      {
+        name: 'memory_used_bytes',
+        help: 'L1 bytes in use.',
+        type: 'gauge',
+        values: [{ value: s.memory.usedBytes }],
+      },
+      {
+        name: 'disk_used_bytes',
+        help: 'L2 bytes in use.',
+        type: 'gauge',
+        values: [{ value: s.disk?.usedBytes ?? 0 }],
+      },
       {
         name: 'retrieved_tokens_total',
         help: 'Tokens served by retrieve().',
@@ -329,23 +422,29 @@ export class KVCache {
 function asBytes(name: string, v: unknown): Uint8Array {
   if (v instanceof Uint8Array) return v
   if (ArrayBuffer.isView(v)) return new Uint8Array(v.buffer, v.byteOffset, v.byteLength)
-  throw new InvalidArgumentError(`invalid ${name}: expected a Uint8Array (or another ArrayBufferView) or a GPU buffer`)
+  throw new InvalidArgumentError(
+    `invalid ${name}: expected a Uint8Array (or another ArrayBufferView) or a GPU buffer`,
+  )
 }
 
 /** Eager token validation: array-like of integers in 0..2^32-1, at most 16M tokens. */
 export function validateTokens(tokens: unknown): asserts tokens is Tokens {
   if (tokens instanceof Uint32Array || tokens instanceof Uint16Array || tokens instanceof Uint8Array) {
-    if (tokens.length > MAX_TOKENS) throw new InvalidArgumentError(`too many tokens: ${tokens.length} > ${MAX_TOKENS}`)
+    if (tokens.length > MAX_TOKENS)
+      throw new InvalidArgumentError(`too many tokens: ${tokens.length} > ${MAX_TOKENS}`)
     return
   }
   if (!Array.isArray(tokens) && !(tokens instanceof Int32Array)) {
     throw new InvalidArgumentError('invalid tokens: expected an array or Uint32Array of token ids')
   }
-  if (tokens.length > MAX_TOKENS) throw new InvalidArgumentError(`too many tokens: ${tokens.length} > ${MAX_TOKENS}`)
+  if (tokens.length > MAX_TOKENS)
+    throw new InvalidArgumentError(`too many tokens: ${tokens.length} > ${MAX_TOKENS}`)
   for (let i = 0; i < tokens.length; i++) {
     const t = tokens[i]
     if (typeof t !== 'number' || !Number.isInteger(t) || t < 0 || t > 0xffffffff) {
-      throw new InvalidArgumentError(`invalid token at index ${i}: ${String(t)} (expected an integer id in 0..2^32-1)`)
+      throw new InvalidArgumentError(
+        `invalid token at index ${i}: ${String(t)} (expected an integer id in 0..2^32-1)`,
+      )
     }
   }
 }

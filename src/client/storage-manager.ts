@@ -1,17 +1,17 @@
 // Moves chunks between tiers: write-all on store (L1 now, L2/L4 in the
 // background), waterfall reads with promotion into L1, deduplicated fetches.
 
-import { isKvgateError } from '../core/errors.ts'
 import { decodeChunkInto } from '../codec/node.ts'
+import { isKvgateError } from '../core/errors.ts'
 import { decodeHeader } from '../core/format.ts'
 import { type ChunkKey, fromHex } from '../core/keys.ts'
 import { chunkBytes, type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import {
   type ChunkCodecName,
   type ChunkIdentity,
+  checkIdentity,
   decodeObjectInto,
   encodeTensor,
-  checkIdentity,
   openLayerGroup,
 } from './chunk-codec.ts'
 import type { IoPriority } from './io-queue.ts'
@@ -108,7 +108,10 @@ export class StorageManager {
    * Write-all: each chunk goes into L1 now (`fill` writes its tensor into the
    * slot), then to L2 and L4 in the background. Chunks a tier holds already are skipped.
    */
-  async store(keys: readonly ChunkKey[], fill: (i: number, dst: Uint8Array) => void | Promise<void>): Promise<StoreOutcome> {
+  async store(
+    keys: readonly ChunkKey[],
+    fill: (i: number, dst: Uint8Array) => void | Promise<void>,
+  ): Promise<StoreOutcome> {
     const out: StoreOutcome = { stored: 0, present: 0, skipped: 0 }
     const sources: { key: ChunkKey; handle: ChunkHandle }[] = []
     for (let i = 0; i < keys.length; i++) {
@@ -245,7 +248,9 @@ export class StorageManager {
           if (ref) {
             this.#track(
               yieldToCaller()
-                .then(() => disk.put(k.hex, encodeTensor(this.#diskCodec, ref.bytes, this.#identity(k)), 'put'))
+                .then(() =>
+                  disk.put(k.hex, encodeTensor(this.#diskCodec, ref.bytes, this.#identity(k)), 'put'),
+                )
                 .catch(() => {})
                 .finally(() => ref.release()),
             )
@@ -262,7 +267,11 @@ export class StorageManager {
    * there); a raw object then already has its tensor at the slot's data offset,
    * so promotion costs the read and the CRC check, no copy.
    */
-  async #fromDisk(k: ChunkKey, tokens: number, priority: IoPriority): Promise<Uint8Array | 'resident' | undefined> {
+  async #fromDisk(
+    k: ChunkKey,
+    tokens: number,
+    priority: IoPriority,
+  ): Promise<Uint8Array | 'resident' | undefined> {
     const disk = this.disk!
     const r = this.memory.reserve(k.hex, this.chunkBytes)
     const object = await disk.get(k.hex, priority, r?.slot)
@@ -280,7 +289,9 @@ export class StorageManager {
         h.codec === 'raw' &&
         h.headerBytes === this.memory.dataOffset &&
         h.totalBytes === h.headerBytes + this.chunkBytes &&
-        h.sections.every((s, i) => i === 0 || s.offset === h.sections[i - 1]!.offset + h.sections[i - 1]!.length) &&
+        h.sections.every(
+          (s, i) => i === 0 || s.offset === h.sections[i - 1]!.offset + h.sections[i - 1]!.length,
+        ) &&
         h.sections[0]?.offset === h.headerBytes
       if (inPlace) {
         r.commit()
@@ -398,6 +409,11 @@ export class StorageManager {
           sources.push((l) => rl.layer(l))
         }
       }
+      // Group-major order: every chunk's first layers are requested before anyone's
+      // later layers, so layer 0 is complete after ~1/groups of the transfer.
+      for (let first = 0; first < g.layers; first += this.#layersPerRequest) {
+        for (const rl of remoteChunks) rl.request(first)
+      }
       let valid = sources.length
       for (let l = 0; l < g.layers; l++) {
         const slabs = await Promise.all(sources.slice(0, valid).map((s) => s(l)))
@@ -414,7 +430,11 @@ export class StorageManager {
   }
 
   /** Remote fetch of one chunk's layer group, used by RemoteLayers. */
-  async fetchLayerGroup(k: ChunkKey, first: number, last: number): Promise<Map<number, Uint8Array> | undefined> {
+  async fetchLayerGroup(
+    k: ChunkKey,
+    first: number,
+    last: number,
+  ): Promise<Map<number, Uint8Array> | undefined> {
     const remote = this.remote
     if (!remote) return undefined
     const body = await remote.get(k.hex, [first, last])
@@ -435,7 +455,10 @@ export class StorageManager {
   async flush(timeoutMs = 30_000): Promise<void> {
     const deadline = Date.now() + timeoutMs
     while (this.#background.size > 0 && Date.now() < deadline) {
-      await Promise.race([Promise.allSettled([...this.#background]), sleep(Math.max(0, deadline - Date.now()))])
+      await Promise.race([
+        Promise.allSettled([...this.#background]),
+        sleep(Math.max(0, deadline - Date.now())),
+      ])
     }
     await this.disk?.drain()
     await this.remote?.flush(Math.max(0, deadline - Date.now()))
@@ -458,10 +481,12 @@ class RemoteLayers {
     this.#per = per
     this.#slab = layerSlabBytes(manager.geometry, key.end - key.start)
     this.#reservation = manager.memory.reserve(key.hex, manager.chunkBytes)
-    for (let first = 0; first < manager.geometry.layers; first += per) {
-      const last = Math.min(manager.geometry.layers - 1, first + per - 1)
-      this.#groups.set(first, manager.fetchLayerGroup(key, first, last))
-    }
+  }
+
+  /** Starts the GET of the layer group beginning at `first`. */
+  request(first: number): void {
+    const last = Math.min(this.#manager.geometry.layers - 1, first + this.#per - 1)
+    this.#groups.set(first, this.#manager.fetchLayerGroup(this.#key, first, last))
   }
 
   async layer(l: number): Promise<Uint8Array | undefined> {
@@ -484,8 +509,6 @@ class RemoteLayers {
 
   abort(): void {
     this.#reservation?.abort()
-    void this.#key
-    void this.#manager
   }
 }
 
@@ -497,4 +520,3 @@ function yieldToCaller(): Promise<void> {
 function sleep(ms: number): Promise<void> {
   return new Promise((r) => setTimeout(r, ms).unref())
 }
-

@@ -112,12 +112,17 @@ export class MemoryTier {
   static async create(opts: MemoryTierOptions): Promise<MemoryTier> {
     const { bytes, chunkBytes } = opts
     const dataOffset = opts.dataOffset ?? 0
-    if (!Number.isSafeInteger(chunkBytes) || chunkBytes < 1) throw new InvalidArgumentError('invalid chunk size')
-    if (!Number.isSafeInteger(dataOffset) || dataOffset < 0) throw new InvalidArgumentError('invalid dataOffset')
+    if (!Number.isSafeInteger(chunkBytes) || chunkBytes < 1)
+      throw new InvalidArgumentError('invalid chunk size')
+    if (!Number.isSafeInteger(dataOffset) || dataOffset < 0)
+      throw new InvalidArgumentError('invalid dataOffset')
     const slotBytes = Math.ceil((dataOffset + chunkBytes) / PAGE) * PAGE
-    if (slotBytes > MAX_REGION) throw new InvalidArgumentError(`a chunk of ${chunkBytes} bytes is too large for L1`)
+    if (slotBytes > MAX_REGION)
+      throw new InvalidArgumentError(`a chunk of ${chunkBytes} bytes is too large for L1`)
     if (!Number.isSafeInteger(bytes) || bytes < slotBytes) {
-      throw new InvalidArgumentError(`invalid memory.bytes: ${String(bytes)} is smaller than one chunk slot (${slotBytes} bytes)`)
+      throw new InvalidArgumentError(
+        `invalid memory.bytes: ${String(bytes)} is smaller than one chunk slot (${slotBytes} bytes)`,
+      )
     }
     const slots = Math.floor(bytes / slotBytes)
     const slotsPerRegion = Math.floor(MAX_REGION / slotBytes)
