@@ -107,9 +107,9 @@ describe('KVCache options', () => {
     const r = resolveOptions(o as never)
     expect(r.chunkTokens).toBe(256)
     expect(r.memory.bytes).toBe(512 * 1024 ** 2)
-    expect(r.disk?.bytes).toBe(100e9)
-    expect(r.remote?.url).toBe('http://gw:8080')
-    expect(r.remote?.token).toBe('tok')
+    expect(r.disk !== false && r.disk.bytes).toBe(100e9)
+    expect(r.remote !== false && r.remote.url).toBe('http://gw:8080')
+    expect(r.remote !== false && r.remote.token).toBe('tok')
     expect(optionsFromEnvironment({ KVGATE_CONFIG: file, KVGATE_DISK: 'off' }).disk).toBe(false)
     expect(() => optionsFromEnvironment({ KVGATE_CHUNK_TOKENS: '12abc' })).toThrow(/KVGATE_CHUNK_TOKENS/)
     expect(() => optionsFromEnvironment({ KVGATE_CONFIG: join(dir, 'missing.yaml') })).toThrow(
