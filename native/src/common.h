@@ -38,8 +38,7 @@ Napi::Error ToError(Napi::Env env, const Failure& f);
 using WorkFn = std::function<void(Failure&)>;
 using FinishFn = std::function<Napi::Value(Napi::Env)>;
 Napi::Value RunAsync(Napi::Env env, const char* name, WorkFn work, FinishFn finish,
-                     const std::vector<Napi::Object>& keepAlive = {},
-                     std::function<void()> cleanup = nullptr);
+                     const std::vector<Napi::Object>& keepAlive = {}, std::function<void()> cleanup = nullptr);
 
 // A host range that an async operation will read or write. Acquire validates
 // the ArrayBuffer and the range, marks a pinned block busy (so freePinned

@@ -154,8 +154,7 @@ Napi::Value SetDeviceJs(const Napi::CallbackInfo& info) {
   size_t d = ToSize(env, info[0], "device");
   const CudaApi& c = Cuda();
   if (d >= static_cast<size_t>(c.deviceCount)) {
-    ThrowNative(env, "device " + std::to_string(d) + " out of range (" + std::to_string(c.deviceCount) +
-                         " device(s))");
+    ThrowNative(env, "device " + std::to_string(d) + " out of range (" + std::to_string(c.deviceCount) + " device(s))");
   }
   int err = c.setDevice(static_cast<int>(d));
   if (err != 0) FailCuda(env, "cudaSetDevice", err, "setDevice");
@@ -266,10 +265,8 @@ Napi::Value CopyJs(const Napi::CallbackInfo& info) {
   size_t n = ta.ElementLength();
   if (n % 3 != 0) ThrowNative(env, "descriptors length must be a multiple of 3");
   void* stream = reinterpret_cast<void*>(ToU64(env, info[5], "stream"));
-  // Read the descriptors through the typed array's own buffer (copied out, so
-  // later JS writes cannot change what was validated).
-  const int64_t* raw = reinterpret_cast<const int64_t*>(static_cast<const uint8_t*>(ta.ArrayBuffer().Data()) +
-                                                        ta.ByteOffset());
+  // Copied out below, so later JS writes cannot change what was validated.
+  const int64_t* raw = info[4].As<Napi::BigInt64Array>().Data();
   auto descs = std::make_shared<std::vector<Desc>>();
   descs->reserve(n / 3);
   const bool hostSrc = dir == kH2D, hostDst = dir == kD2H;
@@ -294,9 +291,9 @@ Napi::Value CopyJs(const Napi::CallbackInfo& info) {
     if (d.len == 0) continue;
     uint64_t hostOff = hostSrc ? d.src : d.dst;
     if ((hostSrc || hostDst) && (raw[hostSrc ? i : i + 1] < 0 || hostOff > hostLen || d.len > hostLen - hostOff)) {
-      ThrowNative(env, "descriptor " + std::to_string(i / 3) + ": host range [" + std::to_string(raw[hostSrc ? i : i + 1]) +
-                           ", +" + std::to_string(d.len) + ") is outside the " + std::to_string(hostLen) +
-                           "-byte host range");
+      ThrowNative(env, "descriptor " + std::to_string(i / 3) + ": host range [" +
+                           std::to_string(raw[hostSrc ? i : i + 1]) + ", +" + std::to_string(d.len) +
+                           ") is outside the " + std::to_string(hostLen) + "-byte host range");
     }
     if ((!hostSrc && d.src == 0) || (!hostDst && d.dst == 0)) {
       ThrowNative(env, "descriptor " + std::to_string(i / 3) + ": null device pointer");
@@ -349,8 +346,8 @@ Napi::Value CopyJs(const Napi::CallbackInfo& info) {
           }
         }
         void* ev = nullptr;
-        int err = c.eventCreateWithFlags != nullptr ? c.eventCreateWithFlags(&ev, 2 /* DisableTiming */)
-                                                     : c.eventCreate(&ev);
+        int err =
+            c.eventCreateWithFlags != nullptr ? c.eventCreateWithFlags(&ev, 2 /* DisableTiming */) : c.eventCreate(&ev);
         if (err != 0) {
           int serr = c.streamSynchronize(s);
           if (serr != 0) f = CudaFailure("cudaStreamSynchronize", serr, "copy");

@@ -318,11 +318,37 @@ Napi::Value WriteFileJs(const Napi::CallbackInfo& info) {
       [r](Napi::Env env) { return Result(env, *r); }, {info[1].As<Napi::Object>()}, [span]() { ReleaseHost(span); });
 }
 
+// evictFileCache(path) -> Promise<void>: writes back and drops the file's
+// page-cache pages (fdatasync + POSIX_FADV_DONTNEED), so the next buffered
+// read comes from the device and a written L2 file stops occupying RAM.
+Napi::Value EvictFileCacheJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  std::string path = ReadPath(env, info[0]);
+  return RunAsync(
+      env, "kvgate.evictFileCache",
+      [path](Failure& f) {
+        Fd fd;
+        fd.fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd.fd < 0) {
+          f = ErrnoFailure("open", errno, "evictFileCache " + path);
+          return;
+        }
+        if (fdatasync(fd.fd) != 0 && errno != EINVAL) {
+          f = ErrnoFailure("fdatasync", errno, "evictFileCache " + path);
+          return;
+        }
+        int err = posix_fadvise(fd.fd, 0, 0, POSIX_FADV_DONTNEED);
+        if (err != 0) f = ErrnoFailure("posix_fadvise", err, "evictFileCache " + path);
+      },
+      nullptr);
+}
+
 }  // namespace
 
 void InitIo(Napi::Env env, Napi::Object exports) {
   exports.Set("readFile", Napi::Function::New(env, ReadFileJs, "readFile"));
   exports.Set("writeFile", Napi::Function::New(env, WriteFileJs, "writeFile"));
+  exports.Set("evictFileCache", Napi::Function::New(env, EvictFileCacheJs, "evictFileCache"));
   exports.Set("directAlignment", Napi::Number::New(env, kAlign));
 }
 

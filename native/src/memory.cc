@@ -44,6 +44,19 @@ struct AllocOptions {
 };
 
 constexpr size_t kHugePage = 2u << 20;
+// Node 20 backs external ArrayBuffers with Buffers, capped at 2^32 bytes
+// (buffer.constants.MAX_LENGTH); later Node versions allow more.
+constexpr size_t kMaxExternal = size_t(1) << 32;
+
+size_t CheckAllocSize(Napi::Env env, Napi::Value v) {
+  size_t bytes = ToSize(env, v, "bytes");
+  if (bytes == 0) ThrowNative(env, "bytes must be at least 1");
+  if (bytes > kMaxExternal) {
+    ThrowNative(env, "bytes " + std::to_string(bytes) + " exceeds " + std::to_string(kMaxExternal) +
+                         ", the largest external ArrayBuffer Node 20 creates; allocate several regions");
+  }
+  return bytes;
+}
 
 // Live blocks by data pointer, and JS buffers registered with cudaHostRegister
 // (kept alive by a reference until unregistered). Guarded because worker
@@ -53,6 +66,7 @@ std::unordered_map<void*, PinnedBlock*> g_blocks;
 size_t g_liveBytes = 0;
 struct Registered {
   Napi::ObjectReference ref;
+  napi_env env = nullptr;  // whose buffer: its teardown unregisters it
   size_t bytes = 0;
   bool pending = true;
 };
@@ -130,16 +144,21 @@ bool AllocateBlock(size_t bytes, const AllocOptions& o, PinnedBlock& b, Failure&
   } else {
     int err = errno;
     b.kind = Kind::kNone;
-    b.reason = why + "page-aligned mmap; mlock failed: " + std::strerror(err) + " (RLIMIT_MEMLOCK " +
-               MemlockLimit() + ")";
+    b.reason =
+        why + "page-aligned mmap; mlock failed: " + std::strerror(err) + " (RLIMIT_MEMLOCK " + MemlockLimit() + ")";
   }
   if (b.hugePages) b.reason += ", MADV_HUGEPAGE";
   return true;
 }
 
-void FinalizeBlock(Napi::Env, void*, PinnedBlock* b) {
+// V8 does not see external memory: without these adjustments an unreferenced
+// pinned buffer exerts no GC pressure and GBs can pile up before a collection.
+void AdjustExternal(Napi::Env env, int64_t delta) { Napi::MemoryManagement::AdjustExternalMemory(env, delta); }
+
+void FinalizeBlock(Napi::Env env, void*, PinnedBlock* b) {
   std::lock_guard<std::mutex> lock(g_mu);
   if (!b->freed) {
+    AdjustExternal(env, -static_cast<int64_t>(b->bytes));
     auto it = g_blocks.find(b->data);
     if (it != g_blocks.end() && it->second == b) g_blocks.erase(it);
     g_liveBytes -= b->bytes;
@@ -159,19 +178,17 @@ Napi::Object Describe(Napi::Env env, PinnedBlock* b, Napi::ArrayBuffer ab) {
 
 // Hands a block to JS. On failure the memory is released here.
 Napi::Object Publish(Napi::Env env, PinnedBlock* b) {
-  Napi::ArrayBuffer ab;
-  try {
-    ab = Napi::ArrayBuffer::New(env, b->data, b->bytes, FinalizeBlock, b);
-  } catch (...) {
-    ReleaseMemory(b);
-    delete b;
-    throw;
-  }
+  // If this fails, Node runs FinalizeBlock itself (synchronously: it frees
+  // the data of a Buffer it could not create), so nothing is released here;
+  // doing so was a double free. Sizes are capped below kMaxExternal so the
+  // one known failure (too large) cannot happen.
+  Napi::ArrayBuffer ab = Napi::ArrayBuffer::New(env, b->data, b->bytes, FinalizeBlock, b);
   {
     std::lock_guard<std::mutex> lock(g_mu);
     g_blocks[b->data] = b;
     g_liveBytes += b->bytes;
   }
+  AdjustExternal(env, static_cast<int64_t>(b->bytes));
   return Describe(env, b, ab);
 }
 
@@ -189,8 +206,7 @@ AllocOptions ReadOptions(const Napi::CallbackInfo& info) {
 // allocPinned(bytes, {cuda, lock, hugePages}) -> Promise<{buffer, kind, reason, hugePages}>
 Napi::Value AllocPinned(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  size_t bytes = ToSize(env, info[0], "bytes");
-  if (bytes == 0) ThrowNative(env, "bytes must be at least 1");
+  size_t bytes = CheckAllocSize(env, info[0]);
   AllocOptions o = ReadOptions(info);
   auto* b = new PinnedBlock();
   return RunAsync(
@@ -198,8 +214,7 @@ Napi::Value AllocPinned(const Napi::CallbackInfo& info) {
       [b, bytes, o](Failure& f) {
         if (!AllocateBlock(bytes, o, *b, f)) b->data = nullptr;
       },
-      [b](Napi::Env env) -> Napi::Value { return Publish(env, b); },
-      {},
+      [b](Napi::Env env) -> Napi::Value { return Publish(env, b); }, {},
       // Runs before settling: a failed allocation's record is dropped here
       // because finish is not called on failure.
       [b]() {
@@ -209,8 +224,7 @@ Napi::Value AllocPinned(const Napi::CallbackInfo& info) {
 
 Napi::Value AllocPinnedSync(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  size_t bytes = ToSize(env, info[0], "bytes");
-  if (bytes == 0) ThrowNative(env, "bytes must be at least 1");
+  size_t bytes = CheckAllocSize(env, info[0]);
   AllocOptions o = ReadOptions(info);
   auto* b = new PinnedBlock();
   Failure f;
@@ -227,6 +241,7 @@ Napi::Value FreePinned(const Napi::CallbackInfo& info) {
   Napi::ArrayBuffer ab = info[0].As<Napi::ArrayBuffer>();
   void* data = ab.Data();
   Registered* reg = nullptr;
+  size_t bytes = 0;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     auto it = g_blocks.find(data);
@@ -244,12 +259,14 @@ Napi::Value FreePinned(const Napi::CallbackInfo& info) {
       g_registered.erase(rit);
     }
     b->freed = true;
+    bytes = b->bytes;
     g_blocks.erase(it);
     g_liveBytes -= b->bytes;
     if (reg != nullptr && Cuda().hostUnregister != nullptr) Cuda().hostUnregister(data);
     ReleaseMemory(b);
   }
   delete reg;
+  AdjustExternal(env, -static_cast<int64_t>(bytes));
   // Detached: every view now reads as empty and the finalizer only deletes
   // the bookkeeping (the memory is already gone).
   ab.Detach();
@@ -311,6 +328,7 @@ Napi::Value RegisterHost(const Napi::CallbackInfo& info) {
       ThrowNative(env, "buffer is already registered");
     }
     reg->ref = Napi::Persistent(ab.As<Napi::Object>());
+    reg->env = env;
     reg->bytes = bytes;
     g_registered[data] = reg;
   }
@@ -388,7 +406,30 @@ void ReleaseHost(const HostSpan& span) {
   static_cast<PinnedBlock*>(span.block)->busy--;
 }
 
+// A worker thread's environment is going away: its registered buffers are
+// about to be freed, so CUDA must stop treating that memory as page-locked.
+static void OnEnvTeardown(napi_env env) {
+  std::vector<std::pair<void*, Registered*>> mine;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (auto it = g_registered.begin(); it != g_registered.end();) {
+      if (it->second->env == env && !it->second->pending) {
+        mine.emplace_back(it->first, it->second);
+        it = g_registered.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& [data, reg] : mine) {
+    if (Cuda().hostUnregister != nullptr) Cuda().hostUnregister(data);
+    delete reg;
+  }
+}
+
 void InitMemory(Napi::Env env, Napi::Object exports) {
+  napi_add_env_cleanup_hook(
+      env, [](void* arg) { OnEnvTeardown(static_cast<napi_env>(arg)); }, static_cast<napi_env>(env));
   exports.Set("allocPinned", Napi::Function::New(env, AllocPinned, "allocPinned"));
   exports.Set("allocPinnedSync", Napi::Function::New(env, AllocPinnedSync, "allocPinnedSync"));
   exports.Set("freePinned", Napi::Function::New(env, FreePinned, "freePinned"));

@@ -13,6 +13,7 @@
 // `skip` successful calls, `times` times, default forever), `delay_us=N` (each
 // queued copy sleeps N µs first), `reset` (clear everything), or "" (query).
 #include <pthread.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -21,7 +22,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -58,7 +58,7 @@ struct Region {
   size_t size;
   int ipcOpen;
 };
-std::map<uintptr_t, Region> g_device;    // cudaMalloc
+std::map<uintptr_t, Region> g_device;     // cudaMalloc
 std::map<uintptr_t, size_t> g_hostAlloc;  // cudaHostAlloc
 std::map<uintptr_t, size_t> g_registered;
 size_t g_deviceBytes = 0;
@@ -66,12 +66,25 @@ size_t g_deviceLimit = size_t(1) << 30;
 int g_deviceCount = 1;
 thread_local int t_device = 0;
 
+struct Copy {
+  void* dst;
+  const void* src;
+  size_t count;
+  long delayUs;
+};
+
+// One worker thread per stream runs queued copies in order. It takes the whole
+// queue at once and signals only when someone waits, so a batch of thousands
+// of small copies costs one wake-up, not one per copy.
 struct Stream {
   std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::function<void()>> queue;
+  std::condition_variable work;
+  std::condition_variable done;
+  std::deque<Copy> queue;
   uint64_t submitted = 0;
   uint64_t completed = 0;
+  int waiters = 0;
+  bool idle = false;
   bool stop = false;
   std::thread worker;
 
@@ -81,22 +94,27 @@ struct Stream {
   void Run() {
     std::unique_lock<std::mutex> lock(mu);
     for (;;) {
-      cv.wait(lock, [this] { return stop || !queue.empty(); });
+      idle = true;
+      work.wait(lock, [this] { return stop || !queue.empty(); });
+      idle = false;
       if (queue.empty()) return;  // stop requested and drained
-      auto job = std::move(queue.front());
-      queue.pop_front();
+      std::deque<Copy> batch;
+      batch.swap(queue);
       lock.unlock();
-      job();
+      for (const Copy& c : batch) {
+        if (c.delayUs > 0) std::this_thread::sleep_for(std::chrono::microseconds(c.delayUs));
+        std::memmove(c.dst, c.src, c.count);
+      }
       lock.lock();
-      completed++;
-      cv.notify_all();
+      completed += batch.size();
+      if (waiters > 0) done.notify_all();
     }
   }
-  void Push(std::function<void()> job) {
+  void Push(const Copy& c) {
     std::lock_guard<std::mutex> lock(mu);
-    queue.push_back(std::move(job));
+    queue.push_back(c);
     submitted++;
-    cv.notify_all();
+    if (idle) work.notify_one();
   }
   uint64_t Mark() {
     std::lock_guard<std::mutex> lock(mu);
@@ -104,7 +122,9 @@ struct Stream {
   }
   void WaitFor(uint64_t seq) {
     std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return completed >= seq; });
+    waiters++;
+    done.wait(lock, [&] { return completed >= seq; });
+    waiters--;
   }
   bool Done(uint64_t seq) {
     std::lock_guard<std::mutex> lock(mu);
@@ -114,7 +134,7 @@ struct Stream {
     {
       std::lock_guard<std::mutex> lock(mu);
       stop = true;
-      cv.notify_all();
+      work.notify_all();
     }
     worker.join();
   }
@@ -196,9 +216,9 @@ int InjectedLocked(const char* fn) {
   return r.code;
 }
 
-#define STUB_INJECT(fn)                 \
-  do {                                  \
-    int injected_ = InjectedLocked(fn); \
+#define STUB_INJECT(fn)                   \
+  do {                                    \
+    int injected_ = InjectedLocked(fn);   \
     if (injected_ != 0) return injected_; \
   } while (0)
 
@@ -324,8 +344,9 @@ int cudaHostAlloc(void** p, size_t size, unsigned flags) {
   std::lock_guard<std::mutex> lock(g_mu);
   STUB_INJECT("cudaHostAlloc");
   if (p == nullptr || size == 0) return kInvalidValue;
-  void* m = nullptr;
-  if (posix_memalign(&m, 4096, size) != 0) return kMemoryAllocation;
+  // mmap like the driver does, so freed pinned memory leaves the process.
+  void* m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return kMemoryAllocation;
   g_hostAlloc[reinterpret_cast<uintptr_t>(m)] = size;
   *p = m;
   return kSuccess;
@@ -336,8 +357,8 @@ int cudaFreeHost(void* p) {
   STUB_INJECT("cudaFreeHost");
   auto it = g_hostAlloc.find(reinterpret_cast<uintptr_t>(p));
   if (it == g_hostAlloc.end()) return kInvalidValue;
+  munmap(p, it->second);
   g_hostAlloc.erase(it);
-  std::free(p);
   return kSuccess;
 }
 
@@ -421,10 +442,7 @@ int cudaMemcpyAsync(void* dst, const void* src, size_t count, int kind, void* s)
     if (!valid) return kInvalidValue;
     delay = g_delayUs;
   }
-  st->Push([dst, src, count, delay] {
-    if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
-    std::memmove(dst, src, count);
-  });
+  st->Push(Copy{dst, src, count, delay});
   return kSuccess;
 }
 

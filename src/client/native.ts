@@ -177,19 +177,20 @@ export interface NativeBinding {
     fsync: boolean,
     truncate: boolean,
   ): Promise<RawIo>
+  evictFileCache(path: string): Promise<void>
   cuda: RawCuda
 }
 
 let loaded: NativeBinding | undefined
 let loadError: NativeError | undefined
 
-/** Paths the loader tries, in order: `KVGATE_NATIVE_PATH` (when set), then the Release and Debug builds. */
+/** Paths the loader tries, in order: `KVGATE_NATIVE_PATH` alone when set, else the Release and Debug builds. */
 export function nativeCandidates(): string[] {
-  const out: string[] = []
   const override = process.env.KVGATE_NATIVE_PATH
-  if (override) out.push(resolve(override))
-  out.push(nativePaths.addon, resolve(REPO_ROOT, 'native/build/Debug/kvgate_native.node'))
-  return out
+  // An explicit path is the only one tried: silently loading another build
+  // would hide a broken override.
+  if (override) return [resolve(override)]
+  return [nativePaths.addon, resolve(REPO_ROOT, 'native/build/Debug/kvgate_native.node')]
 }
 
 /**
@@ -480,6 +481,7 @@ export const cuda = {
   get reason(): string {
     return cudaBinding().probe().reason
   },
+  /** Devices the runtime reports (0 when unavailable). */
   deviceCount(): number {
     return cudaBinding().probe().deviceCount
   },
@@ -488,6 +490,7 @@ export const cuda = {
     checkSize(device, 'device', 1024, 0)
     call(() => cudaBinding().setDevice(device))
   },
+  /** The device chosen by {@link cuda.setDevice} (0 by default). */
   getDevice(): number {
     return cudaBinding().getDevice()
   },
@@ -511,18 +514,23 @@ export const cuda = {
     call(() => cudaBinding().streamDestroy(stream))
   },
   /** Copies all of `src` to device memory at `dst`; resolves when the copy completed. */
-  copyToDevice(src: HostBuffer, dst: bigint, opts: CopyOptions = {}): Promise<CopyResult> {
+  async copyToDevice(src: HostBuffer, dst: bigint, opts: CopyOptions = {}): Promise<CopyResult> {
     const r = hostRange(src, 'src')
     checkPtr(dst, 'dst')
     return cuda.copyBatch('h2d', src, new BigInt64Array([0n, dst, BigInt(r.length)]), opts)
   },
   /** Fills all of `dst` from device memory at `src`. */
-  copyFromDevice(src: bigint, dst: HostBuffer, opts: CopyOptions = {}): Promise<CopyResult> {
+  async copyFromDevice(src: bigint, dst: HostBuffer, opts: CopyOptions = {}): Promise<CopyResult> {
     const r = hostRange(dst, 'dst')
     checkPtr(src, 'src')
     return cuda.copyBatch('d2h', dst, new BigInt64Array([src, 0n, BigInt(r.length)]), opts)
   },
-  copyDeviceToDevice(src: bigint, dst: bigint, bytes: number, opts: CopyOptions = {}): Promise<CopyResult> {
+  async copyDeviceToDevice(
+    src: bigint,
+    dst: bigint,
+    bytes: number,
+    opts: CopyOptions = {},
+  ): Promise<CopyResult> {
     checkPtr(src, 'src')
     checkPtr(dst, 'dst')
     checkSize(bytes, 'bytes', Number.MAX_SAFE_INTEGER, 0)
@@ -535,6 +543,10 @@ export const cuda = {
    * device side is a device pointer. Ranges adjacent on both sides are merged.
    * Every host range is bounds-checked before anything is queued (ERR_NATIVE);
    * the descriptors are copied, so the array may be reused at once.
+   * Runs on the libuv pool and resolves after a CUDA event recorded behind the
+   * copies completes; separate calls are not ordered with respect to each
+   * other (even on one stream) until awaited. The host buffer is kept alive
+   * and, if pinned, cannot be freed until the promise settles.
    */
   copyBatch(
     direction: CopyDirection,
@@ -695,4 +707,14 @@ export function writeFileDirect(
       truncate,
     )
   })
+}
+
+/**
+ * Writes back a file's dirty pages and drops its page-cache pages
+ * (fdatasync + POSIX_FADV_DONTNEED): the next buffered read comes from the
+ * device, and a freshly written L2 file stops occupying RAM. Unprivileged,
+ * unlike `echo 3 > /proc/sys/vm/drop_caches`.
+ */
+export function evictFileCache(path: string): Promise<void> {
+  return callAsync(async () => loadNative().evictFileCache(checkPath(path)))
 }
