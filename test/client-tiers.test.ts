@@ -7,6 +7,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterEach, describe, expect, it } from 'vitest'
 import { PriorityQueue } from '../src/client/io-queue.ts'
+import { nativeMemoryStats } from '../src/client/native.ts'
 import { loadNative } from '../src/client/native-api.ts'
 import { DiskTier } from '../src/client/tiers/disk.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
@@ -76,6 +77,9 @@ describe('MemoryTier', () => {
     expect(r.slot.byteOffset % 4096).toBe(0)
     expect(r.bytes.byteOffset - r.slot.byteOffset).toBe(300)
     r.abort()
+    const before = nativeMemoryStats().pinnedBlocks
+    m.dispose()
+    expect(nativeMemoryStats().pinnedBlocks).toBe(before - 1)
   })
 
   it('evicts least recently used chunks when full and counts it', async () => {

@@ -409,13 +409,16 @@ export class KVCache {
     ])
   }
 
-  /** Flushes background writes (up to `flushMs`), then releases connections. L1 memory goes with the object. */
+  /**
+   * Flushes background writes (up to `flushMs`), closes connections and frees
+   * the pinned L1 memory. Slabs handed out by retrieveLayers are invalid afterwards.
+   */
   async close(flushMs = 5000): Promise<void> {
     if (this.#closed) return
     this.#closed = true
     await this.#manager.flush(flushMs)
     await this.#manager.remote?.close(0)
-    this.#manager.memory.clear()
+    this.#manager.memory.dispose()
   }
 }
 

@@ -2,7 +2,6 @@
 // background), waterfall reads with promotion into L1, deduplicated fetches.
 
 import { decodeChunkInto } from '../codec/node.ts'
-import { isKvgateError } from '../core/errors.ts'
 import { decodeHeader } from '../core/format.ts'
 import { type ChunkKey, fromHex } from '../core/keys.ts'
 import { chunkBytes, type KvGeometry, layerSlabBytes } from '../core/layout.ts'
@@ -304,9 +303,9 @@ export class StorageManager {
       if (!r) return dst
       r.commit()
       return 'resident'
-    } catch (e) {
+    } catch {
+      // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
       r?.abort()
-      if (!isKvgateError(e)) throw e
       disk.counters.corrupt++
       await disk.delete(k.hex)
       return undefined
@@ -318,10 +317,9 @@ export class StorageManager {
     const dst = r ? r.bytes : new Uint8Array(this.chunkBytes)
     try {
       decodeObjectInto(object, dst, this.geometry, tokens, k.hex)
-    } catch (e) {
+    } catch {
       r?.abort()
-      if (isKvgateError(e)) return undefined
-      throw e
+      return undefined
     }
     if (!r) return dst
     r.commit()
@@ -444,8 +442,7 @@ export class StorageManager {
       const out = new Map<number, Uint8Array>()
       for (let l = first; l <= last; l++) out.set(l, decode(l))
       return out
-    } catch (e) {
-      if (!isKvgateError(e)) throw e
+    } catch {
       remote.counters.corrupt++
       return undefined
     }
