@@ -93,6 +93,7 @@ describe('client ↔ gateway app (memory store)', () => {
     expect(Buffer.compare(into, kv)).toBe(0)
     await b.flush()
     expect(b.stats().disk?.files).toBe(3) // L4 hits were written to L2 too
+    expect(b.stats().codec.workerJobs).toBeGreaterThan(0) // decoded off the calling thread
   })
 
   it('kvgate (lossy) on the wire: the reader gets exactly what the codec decodes, smaller than raw', async () => {

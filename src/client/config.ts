@@ -77,6 +77,8 @@ export interface KVCacheOptions {
   layersPerRequest?: number
   /** Try the native addon for pinned memory and GPU copies. @default true */
   native?: boolean
+  /** Worker threads for lossless/kvgate encode and decode (0: on the calling thread). @default cores − 1, at most 4 */
+  codecWorkers?: number
 }
 
 export interface ResolvedOptions {
@@ -90,6 +92,7 @@ export interface ResolvedOptions {
   fetchConcurrency: number
   layersPerRequest: number | undefined
   native: boolean
+  codecWorkers: number | undefined
 }
 
 const GiB = 1024 ** 3
@@ -104,6 +107,7 @@ const TOP_KEYS = new Set([
   'fetchConcurrency',
   'layersPerRequest',
   'native',
+  'codecWorkers',
 ])
 const DISK_KEYS = new Set(['dir', 'bytes', 'storeAs', 'concurrency'])
 const REMOTE_KEYS = new Set([
@@ -245,6 +249,7 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
         ? undefined
         : int('layersPerRequest', opts.layersPerRequest, 1, model.layers),
     native: opts.native ?? true,
+    codecWorkers: opts.codecWorkers === undefined ? undefined : int('codecWorkers', opts.codecWorkers, 0, 64),
   }
 }
 

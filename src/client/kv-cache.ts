@@ -6,6 +6,7 @@ import { headerBytesFor } from '../core/format.ts'
 import { type ChunkKey, fromHex, type KeyNamespace, namespaceId } from '../core/keys.ts'
 import { chunkBytes, type ModelPreset } from '../core/layout.ts'
 import type { ChunkCodecName } from './chunk-codec.ts'
+import { CodecPool } from './codec-pool.ts'
 import { type KVCacheOptions, type ResolvedOptions, resolveOptions } from './config.ts'
 import { copyChunkFromGpu, copyChunkToGpu, type GpuBuffer, isGpuBuffer, validateGpuBuffer } from './gpu.ts'
 import { KeyMemo, type KeyMemoStats } from './key-memo.ts'
@@ -68,6 +69,8 @@ export interface KVCacheStats {
   requestedTokens: number
   /** Chain keys reused from recent prompts vs hashed. */
   keyMemo: KeyMemoStats
+  /** Codec jobs on worker threads vs the calling thread (and why inline, if so). */
+  codec: { inline: string | undefined; workerJobs: number; inlineJobs: number }
 }
 
 const MAX_TOKENS = 1 << 24
@@ -151,6 +154,7 @@ export class KVCache {
       remoteCodec,
       fetchConcurrency: o.fetchConcurrency,
       layersPerRequest: o.layersPerRequest,
+      codec: new CodecPool(o.codecWorkers),
     })
     return new KVCache(o, manager, native, remoteCodec, codecNote)
   }
@@ -311,6 +315,7 @@ export class KVCache {
       retrievedTokens: this.#retrievedTokens,
       requestedTokens: this.#requestedTokens,
       keyMemo: { ...this.#memo.stats },
+      codec: { inline: m.codec.inline, ...m.codec.counts },
     }
   }
 
@@ -418,6 +423,7 @@ export class KVCache {
     this.#closed = true
     await this.#manager.flush(flushMs)
     await this.#manager.remote?.close(0)
+    await this.#manager.codec.close()
     this.#manager.memory.dispose()
   }
 }

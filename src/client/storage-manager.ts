@@ -1,7 +1,6 @@
 // Moves chunks between tiers: write-all on store (L1 now, L2/L4 in the
 // background), waterfall reads with promotion into L1, deduplicated fetches.
 
-import { decodeChunkInto } from '../codec/node.ts'
 import { decodeHeader } from '../core/format.ts'
 import { type ChunkKey, fromHex } from '../core/keys.ts'
 import { chunkBytes, type KvGeometry, layerSlabBytes } from '../core/layout.ts'
@@ -9,10 +8,10 @@ import {
   type ChunkCodecName,
   type ChunkIdentity,
   checkIdentity,
-  decodeObjectInto,
-  encodeTensor,
   openLayerGroup,
+  verifyObject,
 } from './chunk-codec.ts'
+import { CodecPool } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
 import type { DiskTier } from './tiers/disk.ts'
 import type { MemoryHandle, MemoryTier } from './tiers/memory.ts'
@@ -35,6 +34,8 @@ export interface StorageManagerOptions {
   fetchConcurrency?: number
   /** Layers per `?layers=a-b` request in retrieveLayers. @default ceil(layers / 4) */
   layersPerRequest?: number
+  /** Where lossless/kvgate encoding and decoding run. @default a new CodecPool */
+  codec?: CodecPool
 }
 
 /** A chunk tensor a reader may copy from until release(). */
@@ -69,6 +70,7 @@ export class StorageManager {
   readonly #remoteCodec: ChunkCodecName
   readonly #fetchConcurrency: number
   readonly #layersPerRequest: number
+  readonly codec: CodecPool
   readonly #inflight = new Map<string, Promise<Uint8Array | 'resident' | undefined>>()
   readonly #background = new Set<Promise<unknown>>()
 
@@ -84,6 +86,7 @@ export class StorageManager {
     this.#remoteCodec = opts.remoteCodec ?? 'raw'
     this.#fetchConcurrency = Math.max(1, opts.fetchConcurrency ?? 8)
     this.#layersPerRequest = Math.max(1, opts.layersPerRequest ?? Math.ceil(opts.geometry.layers / 4))
+    this.codec = opts.codec ?? new CodecPool()
   }
 
   #identity(k: ChunkKey): ChunkIdentity {
@@ -159,9 +162,10 @@ export class StorageManager {
       }
       if (disk && !disk.has(key.hex)) {
         jobs.push(
-          // Encoding is CPU work on this thread: yield first so the caller's store() resolves.
+          // Yield first so the caller's store() resolves before any encoding work starts.
           yieldToCaller()
-            .then(() => disk.put(key.hex, encodeTensor(this.#diskCodec, handle.bytes, this.#identity(key))))
+            .then(() => this.codec.encode(this.#diskCodec, handle.bytes, this.#identity(key)))
+            .then((obj) => disk.put(key.hex, obj))
             .catch(() => {
               disk.counters.errors++
             })
@@ -172,7 +176,7 @@ export class StorageManager {
         remote.enqueue({
           hex: key.hex,
           bytesHint: this.chunkBytes,
-          encode: async () => encodeTensor(this.#remoteCodec, handle.bytes, this.#identity(key)),
+          encode: () => this.codec.encode(this.#remoteCodec, handle.bytes, this.#identity(key)),
           done,
         })
       } else if (remote) done()
@@ -236,7 +240,7 @@ export class StorageManager {
     if (this.remote && this.remote.breaker.state === 'closed') {
       const object = await this.remote.get(k.hex)
       if (object) {
-        const got = this.#decodeAndPromote(k, object, tokens)
+        const got = await this.#decodeAndPromote(k, object, tokens)
         if (!got) {
           this.remote.counters.corrupt++
           return undefined
@@ -247,9 +251,8 @@ export class StorageManager {
           if (ref) {
             this.#track(
               yieldToCaller()
-                .then(() =>
-                  disk.put(k.hex, encodeTensor(this.#diskCodec, ref.bytes, this.#identity(k)), 'put'),
-                )
+                .then(() => this.codec.encode(this.#diskCodec, ref.bytes, this.#identity(k)))
+                .then((obj) => disk.put(k.hex, obj, 'put'))
                 .catch(() => {})
                 .finally(() => ref.release()),
             )
@@ -299,7 +302,7 @@ export class StorageManager {
       // Decoding reads the object and writes the tensor: never both in one slot.
       const src = r && object.buffer === r.slot.buffer ? object.slice() : object
       const dst = r ? r.bytes : new Uint8Array(this.chunkBytes)
-      decodeChunkInto(src, dst)
+      await this.codec.decodeInto(src, h.codec, dst)
       if (!r) return dst
       r.commit()
       return 'resident'
@@ -312,11 +315,21 @@ export class StorageManager {
     }
   }
 
-  #decodeAndPromote(k: ChunkKey, object: Uint8Array, tokens: number): Uint8Array | 'resident' | undefined {
+  async #decodeAndPromote(
+    k: ChunkKey,
+    object: Uint8Array,
+    tokens: number,
+  ): Promise<Uint8Array | 'resident' | undefined> {
+    let codec: string
+    try {
+      codec = verifyObject(object, this.geometry, tokens, k.hex).codec
+    } catch {
+      return undefined
+    }
     const r = this.memory.reserve(k.hex, this.chunkBytes)
     const dst = r ? r.bytes : new Uint8Array(this.chunkBytes)
     try {
-      decodeObjectInto(object, dst, this.geometry, tokens, k.hex)
+      await this.codec.decodeInto(object, codec, dst)
     } catch {
       r?.abort()
       return undefined
@@ -438,9 +451,14 @@ export class StorageManager {
     const body = await remote.get(k.hex, [first, last])
     if (!body) return undefined
     try {
-      const decode = openLayerGroup(body, first, last, this.geometry, k.end - k.start, k.hex)
+      const sub = openLayerGroup(body, first, last, this.geometry, k.end - k.start, k.hex)
       const out = new Map<number, Uint8Array>()
-      for (let l = first; l <= last; l++) out.set(l, decode(l))
+      const slabs = await Promise.all(
+        Array.from({ length: last - first + 1 }, (_, i) =>
+          this.codec.decodeSection(sub.header, first + i, sub.section(first + i)),
+        ),
+      )
+      for (const [i, s] of slabs.entries()) out.set(first + i, s)
       return out
     } catch {
       remote.counters.corrupt++
