@@ -83,7 +83,9 @@ describe('client across processes', () => {
     const gw = await startFaultGateway()
     try {
       const runs = await Promise.all(
-        [0, 1, 2].map(() => output(child('store-prefix', { url: gw.url, chunks: 4, seed: 9 }))),
+        [0, 1, 2].map(() =>
+          output(child('store-prefix', { url: gw.url, chunks: 4, seed: 9, lookupTimeoutMs: 10_000 })),
+        ),
       )
       for (const r of runs) expect(r.code, r.err).toBe(0)
       const stats = runs.map(
