@@ -207,10 +207,9 @@ describe('L4 faults never reach the caller', () => {
     const c = await node({ maxQueuedWrites: 1, writeConcurrency: 1, timeoutMs: 2000 })
     gw.faults.delayMs = 300
     const toks = tokens(8 * T, 11)
-    const t0 = performance.now()
     await c.store(toks, kvFor(8, 11))
-    // store() does not wait for the gateway.
-    expect(performance.now() - t0).toBeLessThan(250)
+    // store() resolved before any upload finished: nothing is on the gateway yet.
+    expect(gw.objects.size).toBe(0)
     await c.flush(5000)
     const s = c.stats().remote!
     expect(s.shedWrites).toBeGreaterThan(0)
