@@ -26,6 +26,7 @@ function kvFor(chunks: number, seed = 1): Uint8Array {
   return out
 }
 
+const sum = (m: Uint8Array) => m.reduce((a, b) => a + b, 0)
 const dirs: string[] = []
 const caches: KVCache[] = []
 function tempDir(): string {
@@ -213,6 +214,41 @@ describe('KVCache over L1 and L2', () => {
     expect(mask.reduce((a, x) => a + x, 0)).toBe(T)
     expect(Buffer.compare(into.subarray(0, CB), kvFor(2, 7).subarray(0, CB))).toBe(0)
     expect(c2.stats().disk?.corrupt).toBeGreaterThanOrEqual(1)
+  })
+
+  it("layout 'sequence': a forward pass's whole-prompt tensor goes in and comes back", async () => {
+    const c = await open()
+    const g = MODEL_PRESETS.stories260k
+    const row = g.kvHeads * g.headDim * 2
+    const n = 2 * T + 5
+    const toks = tokens(n, 17)
+    const seq = new Uint8Array(2 * g.layers * n * row).map((_, i) => (i * 7 + (i >> 8)) & 255)
+    await expect(c.store(toks, seq.subarray(1), { layout: 'sequence' })).rejects.toThrow(
+      /sequence tensor of 37 tokens/,
+    )
+    await expect(c.store(toks, seq, { layout: 'rows' as never })).rejects.toThrow(/invalid layout/)
+    expect((await c.store(toks, seq, { layout: 'sequence' })).stored).toBe(2)
+    // Chunk layout, element by element: chunk ch, layer l, side k, token t is sequence row (2l+k)·n + ch·T + t.
+    const chunks = new Uint8Array(2 * CB)
+    expect(sum(await c.retrieve(toks, { into: chunks }))).toBe(2 * T)
+    for (let ch = 0; ch < 2; ch++) {
+      for (let l = 0; l < g.layers; l++) {
+        for (let k = 0; k < 2; k++) {
+          for (let t = 0; t < T; t++) {
+            const from = ((2 * l + k) * n + ch * T + t) * row
+            const to = ch * CB + ((2 * l + k) * T + t) * row
+            expect(Buffer.compare(chunks.subarray(to, to + row), seq.subarray(from, from + row))).toBe(0)
+          }
+        }
+      }
+    }
+    const back = new Uint8Array(seq.length)
+    expect(sum(await c.retrieve(toks, { into: back, layout: 'sequence' }))).toBe(2 * T)
+    for (let r = 0; r < 2 * g.layers; r++) {
+      const a = r * n * row
+      expect(Buffer.compare(back.subarray(a, a + 2 * T * row), seq.subarray(a, a + 2 * T * row))).toBe(0)
+      expect(back.subarray(a + 2 * T * row, a + n * row).every((x) => x === 0)).toBe(true) // tail not served
+    }
   })
 
   it('retrieveLayers yields every layer of every chunk in order', async () => {

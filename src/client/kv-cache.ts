@@ -4,7 +4,7 @@
 import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
 import { headerBytesFor } from '../core/format.ts'
 import { type ChunkKey, fromHex, type KeyNamespace, namespaceId } from '../core/keys.ts'
-import { chunkBytes, type ModelPreset } from '../core/layout.ts'
+import { chunkBytes, dtypeBytes, type ModelPreset, rowElements } from '../core/layout.ts'
 import type { ChunkCodecName } from './chunk-codec.ts'
 import { CodecPool } from './codec-pool.ts'
 import { type KVCacheOptions, type ResolvedOptions, resolveOptions } from './config.ts'
@@ -50,6 +50,20 @@ export interface RetrieveOptions {
    * bytes), chunk tensors back to back (the layout `store` takes), or a GPU buffer.
    */
   into: Uint8Array | GpuBuffer
+  /** Host buffer layout, as in StoreOptions. @default 'chunks' */
+  layout?: KvLayout
+}
+
+/**
+ * 'chunks': chunk tensors back to back, full chunks only. 'sequence': one tensor
+ * for the whole token sequence, [layer][K|V][token][kvHead][headDim] over all
+ * tokens.length tokens (a forward pass's layout); the partial tail is ignored.
+ */
+export type KvLayout = 'chunks' | 'sequence'
+
+export interface StoreOptions {
+  /** Layout of a host `kv`. @default 'chunks' */
+  layout?: KvLayout
 }
 
 export interface KVCacheStats {
@@ -178,13 +192,17 @@ export class KVCache {
    * ([layer][K|V][token][kvHead][headDim] each), or a GPU buffer. Resolves once
    * L1 holds the chunks; L2 and L4 are written in the background.
    */
-  async store(tokens: Tokens, kv: Uint8Array | GpuBuffer): Promise<StoreResult> {
+  async store(tokens: Tokens, kv: Uint8Array | GpuBuffer, options: StoreOptions = {}): Promise<StoreResult> {
     this.#open()
     const t0 = performance.now()
     const keys = this.keys(tokens)
     const cb = this.chunkBytes
+    const layout = checkLayout(options)
     let fill: (i: number, dst: Uint8Array) => void | Promise<void>
-    if (isGpuBuffer(kv)) {
+    if (layout === 'sequence' && !isGpuBuffer(kv)) {
+      const seq = this.#sequence('kv', kv, tokens.length)
+      fill = (i, dst) => seq.gather(i, dst)
+    } else if (isGpuBuffer(kv)) {
       validateGpuBuffer(kv, this.model, this.chunkTokens, keys.length)
       const native = this.#native
       fill = (i, dst) => copyChunkFromGpu(native, kv, this.model, this.chunkTokens, i, dst)
@@ -200,6 +218,39 @@ export class KVCache {
     const out = await this.#manager.store(keys, fill)
     this.#ops.store.record(since(t0))
     return { chunks: keys.length, ...out }
+  }
+
+  /**
+   * A whole-sequence tensor ([layer][K|V][token 0..n)[kvHead][headDim], what a
+   * forward pass produces) seen as chunks: gather/scatter chunk i's rows.
+   */
+  #sequence(
+    name: string,
+    v: unknown,
+    n: number,
+  ): { gather(i: number, dst: Uint8Array): void; scatter(i: number, src: Uint8Array): void } {
+    const bytes = asBytes(name, v)
+    const g = this.model
+    const row = rowElements(g) * dtypeBytes(g.dtype)
+    const want = 2 * g.layers * n * row
+    if (bytes.byteLength !== want) {
+      throw new InvalidArgumentError(
+        `invalid ${name}: ${bytes.byteLength} bytes, a sequence tensor of ${n} tokens is ${want} ([layer][K|V][token][kvHead][headDim])`,
+      )
+    }
+    const T = this.chunkTokens
+    const run = T * row
+    const each = (i: number, f: (seqOff: number, chunkOff: number) => void) => {
+      for (let l = 0; l < g.layers; l++) {
+        for (const kind of [0, 1]) {
+          f((2 * l + kind) * n * row + i * run, (2 * l + kind) * run)
+        }
+      }
+    }
+    return {
+      gather: (i, dst) => each(i, (so, co) => dst.set(bytes.subarray(so, so + run), co)),
+      scatter: (i, src) => each(i, (so, co) => bytes.set(src.subarray(co, co + run), so)),
+    }
   }
 
   /** How many leading tokens some tier holds, and which tier holds each chunk. Never throws on gateway faults. */
@@ -230,8 +281,12 @@ export class KVCache {
     }
     const into = options.into
     const cb = this.chunkBytes
+    const layout = checkLayout(options)
     let write: (i: number, tensor: Uint8Array) => void | Promise<void>
-    if (isGpuBuffer(into)) {
+    if (layout === 'sequence' && !isGpuBuffer(into)) {
+      const seq = this.#sequence('into', into, tokens.length)
+      write = (i, t) => seq.scatter(i, t)
+    } else if (isGpuBuffer(into)) {
       validateGpuBuffer(into, this.model, this.chunkTokens, keys.length)
       const native = this.#native
       write = (i, t) => copyChunkToGpu(native, into, this.model, this.chunkTokens, i, t)
@@ -426,6 +481,13 @@ export class KVCache {
     await this.#manager.codec.close()
     this.#manager.memory.dispose()
   }
+}
+
+function checkLayout(o: { layout?: unknown }): KvLayout {
+  const l = o.layout ?? 'chunks'
+  if (l !== 'chunks' && l !== 'sequence')
+    throw new InvalidArgumentError(`invalid layout '${String(l)}' (chunks or sequence)`)
+  return l
 }
 
 function asBytes(name: string, v: unknown): Uint8Array {
