@@ -182,8 +182,7 @@ export class KVCache {
    * a prefix with a recent one reuse its keys: only new chunks are hashed.
    */
   keys(tokens: Tokens): ChunkKey[] {
-    validateTokens(tokens)
-    return this.#memo.keys(tokens)
+    return this.#memo.keys(tokenArray(tokens))
   }
 
   /**
@@ -498,24 +497,36 @@ function asBytes(name: string, v: unknown): Uint8Array {
   )
 }
 
-/** Eager token validation: array-like of integers in 0..2^32-1, at most 16M tokens. */
-export function validateTokens(tokens: unknown): asserts tokens is Tokens {
-  if (tokens instanceof Uint32Array || tokens instanceof Uint16Array || tokens instanceof Uint8Array) {
+/**
+ * Eager token validation and conversion in one pass: array-like of integers in
+ * 0..2^32-1, at most 16M tokens. Returns a Uint32Array (the input itself when it is one).
+ */
+export function tokenArray(tokens: unknown): Uint32Array {
+  if (tokens instanceof Uint32Array) {
     if (tokens.length > MAX_TOKENS)
       throw new InvalidArgumentError(`too many tokens: ${tokens.length} > ${MAX_TOKENS}`)
-    return
+    return tokens
+  }
+  if (tokens instanceof Uint16Array || tokens instanceof Uint8Array) {
+    if (tokens.length > MAX_TOKENS)
+      throw new InvalidArgumentError(`too many tokens: ${tokens.length} > ${MAX_TOKENS}`)
+    return Uint32Array.from(tokens)
   }
   if (!Array.isArray(tokens) && !(tokens instanceof Int32Array)) {
     throw new InvalidArgumentError('invalid tokens: expected an array or Uint32Array of token ids')
   }
-  if (tokens.length > MAX_TOKENS)
-    throw new InvalidArgumentError(`too many tokens: ${tokens.length} > ${MAX_TOKENS}`)
-  for (let i = 0; i < tokens.length; i++) {
-    const t = tokens[i]
-    if (typeof t !== 'number' || !Number.isInteger(t) || t < 0 || t > 0xffffffff) {
+  const n = tokens.length
+  if (n > MAX_TOKENS) throw new InvalidArgumentError(`too many tokens: ${n} > ${MAX_TOKENS}`)
+  const out = new Uint32Array(n)
+  for (let i = 0; i < n; i++) {
+    const t = tokens[i] as unknown
+    // `t >>> 0 === t` holds exactly for integers in 0..2^32-1 (rejects NaN, floats, negatives, non-numbers).
+    if (typeof t !== 'number' || t >>> 0 !== t) {
       throw new InvalidArgumentError(
         `invalid token at index ${i}: ${String(t)} (expected an integer id in 0..2^32-1)`,
       )
     }
+    out[i] = t
   }
+  return out
 }
