@@ -46,7 +46,9 @@ const dirs: string[] = []
 beforeAll(async () => {
   const app = createGateway({
     store: new MemoryStore(),
-    auth: { tokens: [{ name: 'a', sha256: await hashToken(TOKEN), namespaces: ['team-a'], scopes: 'write' }] },
+    auth: {
+      tokens: [{ name: 'a', sha256: await hashToken(TOKEN), namespaces: ['team-a'], scopes: 'write' }],
+    },
   })
   gw = await serveGateway(app, { port: 0 })
 })
@@ -58,7 +60,10 @@ afterEach(async () => {
   for (const d of dirs.splice(0)) rmSync(d, { recursive: true, force: true })
 })
 
-async function node(remote: Partial<NonNullable<Exclude<KVCacheOptions['remote'], false>>> = {}, disk = false) {
+async function node(
+  remote: Partial<NonNullable<Exclude<KVCacheOptions['remote'], false>>> = {},
+  disk = false,
+) {
   const dir = mkdtempSync(join(tmpdir(), 'kvgate-gwnode-'))
   dirs.push(dir)
   const c = await KVCache.open({
@@ -88,6 +93,7 @@ describe('client ↔ gateway app (memory store)', () => {
     expect(Buffer.compare(into, kv)).toBe(0)
     await b.flush()
     expect(b.stats().disk?.files).toBe(3) // L4 hits were written to L2 too
+    expect(b.stats().codec.workerJobs).toBeGreaterThan(0) // decoded off the calling thread
   })
 
   it('kvgate (lossy) on the wire: the reader gets exactly what the codec decodes, smaller than raw', async () => {
@@ -194,7 +200,13 @@ describe('client ↔ gateway on RadosGW (S3 store)', () => {
       [0, 1, 2].map(
         () =>
           new Promise<{ code: number | null; out: string; err: string }>((resolve) => {
-            const p = spawn(process.execPath, ['--import', 'tsx', child, 'store-prefix', JSON.stringify({ url, chunks: 4, seed: 31, lookupTimeoutMs: 10_000 })])
+            const p = spawn(process.execPath, [
+              '--import',
+              'tsx',
+              child,
+              'store-prefix',
+              JSON.stringify({ url, chunks: 4, seed: 31, lookupTimeoutMs: 10_000 }),
+            ])
             let out = ''
             let err = ''
             p.stdout.on('data', (d) => {
@@ -208,7 +220,9 @@ describe('client ↔ gateway on RadosGW (S3 store)', () => {
       ),
     )
     for (const r of runs) expect(r.code, r.err).toBe(0)
-    const stats = runs.map((r) => JSON.parse(r.out.trim().split('\n').pop()!) as { puts: number; existed: number; errors: number })
+    const stats = runs.map(
+      (r) => JSON.parse(r.out.trim().split('\n').pop()!) as { puts: number; existed: number; errors: number },
+    )
     expect(stats.every((s) => s.errors === 0)).toBe(true)
     // Every chunk acknowledged by every writer that tried; the store holds one copy (create-only).
     const created = stats.reduce((a, s) => a + s.puts - s.existed, 0)
@@ -224,7 +238,8 @@ describe('client ↔ gateway on RadosGW (S3 store)', () => {
     try {
       const into = new Uint8Array(4 * CB)
       expect(sum(await reader.retrieve(promptTokens(4, 31), { into }))).toBe(4 * T)
-      for (let i = 0; i < 4; i++) expect(Buffer.compare(into.subarray(i * CB, (i + 1) * CB), tensorFor(i, 31))).toBe(0)
+      for (let i = 0; i < 4; i++)
+        expect(Buffer.compare(into.subarray(i * CB, (i + 1) * CB), tensorFor(i, 31))).toBe(0)
       expect(reader.stats().remote?.redirects).toBe(4)
     } finally {
       await reader.close()

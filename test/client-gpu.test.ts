@@ -19,7 +19,8 @@ const kv = Uint8Array.from({ length: 2 * CB }, (_, i) => (i * 7 + (i >> 9)) & 25
 let usable = false
 beforeAll(() => {
   usable = nativeAvailable() && cuda.status().available && cuda.status().stub
-  if (!usable) console.warn(`GPU tests skipped: ${nativeAvailable() ? cuda.status().reason : 'native addon not built'}`)
+  if (!usable)
+    console.warn(`GPU tests skipped: ${nativeAvailable() ? cuda.status().reason : 'native addon not built'}`)
 })
 
 async function open(native = true): Promise<KVCache> {
@@ -28,7 +29,9 @@ async function open(native = true): Promise<KVCache> {
 
 describe('descriptors for paged KV', () => {
   it('maps chunk tokens onto blocks, merging runs that are adjacent on both sides', () => {
-    const blocks = Array.from({ length: g.layers }, (_, l) => [0, 1].map((k) => [0, 1, 2, 3].map((b) => BigInt(0x10000 * (l * 8 + k * 4 + b + 1)))))
+    const blocks = Array.from({ length: g.layers }, (_, l) =>
+      [0, 1].map((k) => [0, 1, 2, 3].map((b) => BigInt(0x10000 * (l * 8 + k * 4 + b + 1)))),
+    )
     const d = chunkDescriptors({ kind: 'paged', blockTokens: 8, blocks }, g, T, 1)
     // Chunk 1 = tokens 16..31 = blocks 2 and 3 of each layer/side: separate device blocks, 2 copies each.
     expect(d.length).toBe(g.layers * 2 * 2)
@@ -36,7 +39,11 @@ describe('descriptors for paged KV', () => {
     expect(d[1]).toEqual({ device: blocks[0]![0]![3]!, host: 8 * ROW, bytes: 8 * ROW })
     const contiguous = [0, 1, 2, 3].map((b) => 0x100000n + BigInt(b * 8 * ROW))
     const merged = chunkDescriptors(
-      { kind: 'paged', blockTokens: 8, blocks: Array.from({ length: g.layers }, () => [contiguous, contiguous]) },
+      {
+        kind: 'paged',
+        blockTokens: 8,
+        blocks: Array.from({ length: g.layers }, () => [contiguous, contiguous]),
+      },
       g,
       T,
       0,
@@ -60,7 +67,9 @@ describe('GPU store / retrieve (stub libcudart)', () => {
       const host = new Uint8Array(2 * CB)
       expect((await c.retrieve(toks, { into: host })).every((m) => m === 1)).toBe(true)
       expect(Buffer.compare(host, kv)).toBe(0)
-      expect((await c.retrieve(toks, { into: { kind: 'device', pointer: dst } })).every((m) => m === 1)).toBe(true)
+      expect((await c.retrieve(toks, { into: { kind: 'device', pointer: dst } })).every((m) => m === 1)).toBe(
+        true,
+      )
       const back = new Uint8Array(2 * CB)
       await cuda.copyFromDevice(dst, back)
       expect(Buffer.compare(back, kv)).toBe(0)
@@ -79,9 +88,12 @@ describe('GPU store / retrieve (stub libcudart)', () => {
     const c = await open()
     try {
       // Block b of (layer, side) lives at a shuffled slot of the pool.
-      const slotOf = (l: number, k: number, b: number) => (l * 2 * nBlocks + k * nBlocks + ((b * 5 + 3) % nBlocks))
+      const slotOf = (l: number, k: number, b: number) =>
+        l * 2 * nBlocks + k * nBlocks + ((b * 5 + 3) % nBlocks)
       const blocks = Array.from({ length: g.layers }, (_, l) =>
-        [0, 1].map((k) => Array.from({ length: nBlocks }, (_, b) => pool + BigInt(slotOf(l, k, b) * B * ROW))),
+        [0, 1].map((k) =>
+          Array.from({ length: nBlocks }, (_, b) => pool + BigInt(slotOf(l, k, b) * B * ROW)),
+        ),
       )
       // Place the KV independently of the code under test: token by token.
       for (let l = 0; l < g.layers; l++) {
@@ -121,7 +133,9 @@ describe('GPU store / retrieve (stub libcudart)', () => {
     const c = await open()
     try {
       cuda.stubControl('cudaMemcpyAsync=1@0*1')
-      await expect(c.store(toks, { kind: 'device', pointer: src })).rejects.toMatchObject({ code: 'ERR_CUDA' })
+      await expect(c.store(toks, { kind: 'device', pointer: src })).rejects.toMatchObject({
+        code: 'ERR_CUDA',
+      })
       expect((await c.lookup(toks)).tokens).toBe(0)
       expect(c.stats().memory.freeSlots).toBe(c.stats().memory.slots)
     } finally {
@@ -135,8 +149,12 @@ describe('GPU store / retrieve (stub libcudart)', () => {
     const c = await open(false)
     try {
       await expect(c.store(toks, { kind: 'device', pointer: -1n })).rejects.toThrow(/pointer/)
-      await expect(c.store(toks, { kind: 'paged', blockTokens: 4, blocks: [] })).rejects.toThrow(/one entry per layer/)
-      await expect(c.store(toks, { kind: 'device', pointer: 0x1000n })).rejects.toMatchObject({ code: 'ERR_NATIVE' })
+      await expect(c.store(toks, { kind: 'paged', blockTokens: 4, blocks: [] })).rejects.toThrow(
+        /one entry per layer/,
+      )
+      await expect(c.store(toks, { kind: 'device', pointer: 0x1000n })).rejects.toMatchObject({
+        code: 'ERR_NATIVE',
+      })
     } finally {
       await c.close()
     }

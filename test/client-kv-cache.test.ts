@@ -26,6 +26,7 @@ function kvFor(chunks: number, seed = 1): Uint8Array {
   return out
 }
 
+const sum = (m: Uint8Array) => m.reduce((a, b) => a + b, 0)
 const dirs: string[] = []
 const caches: KVCache[] = []
 function tempDir(): string {
@@ -46,19 +47,31 @@ afterEach(async () => {
 describe('KVCache options', () => {
   it('rejects bad options eagerly with the option named', async () => {
     await expect(KVCache.open({ model: 'nope' as never })).rejects.toThrow(/unknown model preset 'nope'/)
-    await expect(KVCache.open({ model: 'stories260k', chunkTokens: 0 })).rejects.toThrow(/invalid chunkTokens/)
-    await expect(KVCache.open({ model: 'stories260k', chunkTokens: 1.5 })).rejects.toThrow(/invalid chunkTokens/)
-    await expect(KVCache.open({ model: 'stories260k', namespace: '../x' })).rejects.toThrow(/invalid namespace/)
-    await expect(KVCache.open({ model: 'stories260k', memory: { bytes: 10 } })).rejects.toThrow(/smaller than one chunk/)
+    await expect(KVCache.open({ model: 'stories260k', chunkTokens: 0 })).rejects.toThrow(
+      /invalid chunkTokens/,
+    )
+    await expect(KVCache.open({ model: 'stories260k', chunkTokens: 1.5 })).rejects.toThrow(
+      /invalid chunkTokens/,
+    )
+    await expect(KVCache.open({ model: 'stories260k', namespace: '../x' })).rejects.toThrow(
+      /invalid namespace/,
+    )
+    await expect(KVCache.open({ model: 'stories260k', memory: { bytes: 10 } })).rejects.toThrow(
+      /smaller than one chunk/,
+    )
     await expect(KVCache.open({ model: 'stories260k', disk: { dir: '' } })).rejects.toThrow(/disk.dir/)
     await expect(
       KVCache.open({ model: 'stories260k', disk: { dir: '/tmp/x', storeAs: 'zip' as never } }),
     ).rejects.toThrow(/storeAs/)
-    await expect(KVCache.open({ model: 'stories260k', remote: { url: 'ftp://x' } })).rejects.toThrow(/remote.url/)
-    await expect(KVCache.open({ model: 'stories260k', remote: { url: 'http://x', codec: 'gzip' as never } })).rejects.toThrow(
-      /remote.codec/,
+    await expect(KVCache.open({ model: 'stories260k', remote: { url: 'ftp://x' } })).rejects.toThrow(
+      /remote.url/,
     )
-    await expect(KVCache.open({ model: 'stories260k', memroy: {} } as never)).rejects.toThrow(/unknown option memroy/)
+    await expect(
+      KVCache.open({ model: 'stories260k', remote: { url: 'http://x', codec: 'gzip' as never } }),
+    ).rejects.toThrow(/remote.codec/)
+    await expect(KVCache.open({ model: 'stories260k', memroy: {} } as never)).rejects.toThrow(
+      /unknown option memroy/,
+    )
     await expect(
       KVCache.open({ model: { modelId: 'm', layers: 0, kvHeads: 1, headDim: 1, dtype: 'fp16' } }),
     ).rejects.toThrow(/layers/)
@@ -84,18 +97,25 @@ describe('KVCache options', () => {
       'model: llama-3.1-8b\nchunkTokens: 128\nmemory:\n  bytes: 2GiB\ndisk:\n  dir: /var/cache/kvgate\n  bytes: 100GB\nremote:\n  url: http://gw:8080\n',
     )
     const o = optionsFromEnvironment(
-      { KVGATE_CONFIG: file, KVGATE_CHUNK_TOKENS: '256', KVGATE_REMOTE_TOKEN: 'tok', KVGATE_MEMORY_BYTES: '512MiB' },
+      {
+        KVGATE_CONFIG: file,
+        KVGATE_CHUNK_TOKENS: '256',
+        KVGATE_REMOTE_TOKEN: 'tok',
+        KVGATE_MEMORY_BYTES: '512MiB',
+      },
       undefined,
     )
     const r = resolveOptions(o as never)
     expect(r.chunkTokens).toBe(256)
     expect(r.memory.bytes).toBe(512 * 1024 ** 2)
-    expect(r.disk && r.disk.bytes).toBe(100e9)
-    expect(r.remote && r.remote.url).toBe('http://gw:8080')
-    expect(r.remote && r.remote.token).toBe('tok')
+    expect(r.disk !== false && r.disk.bytes).toBe(100e9)
+    expect(r.remote !== false && r.remote.url).toBe('http://gw:8080')
+    expect(r.remote !== false && r.remote.token).toBe('tok')
     expect(optionsFromEnvironment({ KVGATE_CONFIG: file, KVGATE_DISK: 'off' }).disk).toBe(false)
     expect(() => optionsFromEnvironment({ KVGATE_CHUNK_TOKENS: '12abc' })).toThrow(/KVGATE_CHUNK_TOKENS/)
-    expect(() => optionsFromEnvironment({ KVGATE_CONFIG: join(dir, 'missing.yaml') })).toThrow(/cannot read config/)
+    expect(() => optionsFromEnvironment({ KVGATE_CONFIG: join(dir, 'missing.yaml') })).toThrow(
+      /cannot read config/,
+    )
     expect(parseBytes('x', '1k')).toBe(1024)
     expect(parseBytes('x', '1kB')).toBe(1000)
     expect(() => parseBytes('x', 'lots')).toThrow(/byte size/)
@@ -194,6 +214,41 @@ describe('KVCache over L1 and L2', () => {
     expect(mask.reduce((a, x) => a + x, 0)).toBe(T)
     expect(Buffer.compare(into.subarray(0, CB), kvFor(2, 7).subarray(0, CB))).toBe(0)
     expect(c2.stats().disk?.corrupt).toBeGreaterThanOrEqual(1)
+  })
+
+  it("layout 'sequence': a forward pass's whole-prompt tensor goes in and comes back", async () => {
+    const c = await open()
+    const g = MODEL_PRESETS.stories260k
+    const row = g.kvHeads * g.headDim * 2
+    const n = 2 * T + 5
+    const toks = tokens(n, 17)
+    const seq = new Uint8Array(2 * g.layers * n * row).map((_, i) => (i * 7 + (i >> 8)) & 255)
+    await expect(c.store(toks, seq.subarray(1), { layout: 'sequence' })).rejects.toThrow(
+      /sequence tensor of 37 tokens/,
+    )
+    await expect(c.store(toks, seq, { layout: 'rows' as never })).rejects.toThrow(/invalid layout/)
+    expect((await c.store(toks, seq, { layout: 'sequence' })).stored).toBe(2)
+    // Chunk layout, element by element: chunk ch, layer l, side k, token t is sequence row (2l+k)·n + ch·T + t.
+    const chunks = new Uint8Array(2 * CB)
+    expect(sum(await c.retrieve(toks, { into: chunks }))).toBe(2 * T)
+    for (let ch = 0; ch < 2; ch++) {
+      for (let l = 0; l < g.layers; l++) {
+        for (let k = 0; k < 2; k++) {
+          for (let t = 0; t < T; t++) {
+            const from = ((2 * l + k) * n + ch * T + t) * row
+            const to = ch * CB + ((2 * l + k) * T + t) * row
+            expect(Buffer.compare(chunks.subarray(to, to + row), seq.subarray(from, from + row))).toBe(0)
+          }
+        }
+      }
+    }
+    const back = new Uint8Array(seq.length)
+    expect(sum(await c.retrieve(toks, { into: back, layout: 'sequence' }))).toBe(2 * T)
+    for (let r = 0; r < 2 * g.layers; r++) {
+      const a = r * n * row
+      expect(Buffer.compare(back.subarray(a, a + 2 * T * row), seq.subarray(a, a + 2 * T * row))).toBe(0)
+      expect(back.subarray(a + 2 * T * row, a + n * row).every((x) => x === 0)).toBe(true) // tail not served
+    }
   })
 
   it('retrieveLayers yields every layer of every chunk in order', async () => {

@@ -82,9 +82,15 @@ describe('client across processes', () => {
   it('three processes storing one prefix through one gateway leave one copy; a fourth node reads it', async () => {
     const gw = await startFaultGateway()
     try {
-      const runs = await Promise.all([0, 1, 2].map(() => output(child('store-prefix', { url: gw.url, chunks: 4, seed: 9 }))))
+      const runs = await Promise.all(
+        [0, 1, 2].map(() =>
+          output(child('store-prefix', { url: gw.url, chunks: 4, seed: 9, lookupTimeoutMs: 10_000 })),
+        ),
+      )
       for (const r of runs) expect(r.code, r.err).toBe(0)
-      const stats = runs.map((r) => JSON.parse(r.out.trim().split('\n').pop()!) as { puts: number; errors: number })
+      const stats = runs.map(
+        (r) => JSON.parse(r.out.trim().split('\n').pop()!) as { puts: number; errors: number },
+      )
       expect(stats.every((s) => s.errors === 0)).toBe(true)
       expect(gw.objects.size).toBe(4)
       const reader = await KVCache.open({
@@ -98,7 +104,8 @@ describe('client across processes', () => {
         const into = new Uint8Array(4 * CB)
         const mask = await reader.retrieve(promptTokens(4, 9), { into })
         expect(mask.reduce((a, b) => a + b, 0)).toBe(4 * T)
-        for (let i = 0; i < 4; i++) expect(Buffer.compare(into.subarray(i * CB, (i + 1) * CB), tensorFor(i, 9))).toBe(0)
+        for (let i = 0; i < 4; i++)
+          expect(Buffer.compare(into.subarray(i * CB, (i + 1) * CB), tensorFor(i, 9))).toBe(0)
       } finally {
         await reader.close()
       }

@@ -32,7 +32,9 @@ afterEach(async () => {
   for (const c of caches.splice(0)) await c.close(100)
   await gw.close()
 })
-async function node(remote: Partial<NonNullable<Exclude<KVCacheOptions['remote'], false>>> = {}): Promise<KVCache> {
+async function node(
+  remote: Partial<NonNullable<Exclude<KVCacheOptions['remote'], false>>> = {},
+): Promise<KVCache> {
   const c = await KVCache.open({
     model: 'stories260k',
     chunkTokens: T,
@@ -158,7 +160,8 @@ describe('L4 faults never reach the caller', () => {
     expect(s.breaker).not.toBe('closed')
     expect(s.errors).toBeGreaterThan(0)
     await gw.restart()
-    for (let i = 0; i < 100 && c.stats().remote?.breaker !== 'closed'; i++) await new Promise((r) => setTimeout(r, 20))
+    for (let i = 0; i < 100 && c.stats().remote?.breaker !== 'closed'; i++)
+      await new Promise((r) => setTimeout(r, 20))
     expect(c.stats().remote?.breaker).toBe('closed')
     expect(c.metrics()).toMatch(/kvgate_client_breaker_open 0/)
   })
@@ -204,10 +207,9 @@ describe('L4 faults never reach the caller', () => {
     const c = await node({ maxQueuedWrites: 1, writeConcurrency: 1, timeoutMs: 2000 })
     gw.faults.delayMs = 300
     const toks = tokens(8 * T, 11)
-    const t0 = performance.now()
     await c.store(toks, kvFor(8, 11))
-    // store() does not wait for the gateway.
-    expect(performance.now() - t0).toBeLessThan(250)
+    // store() resolved before any upload finished: nothing is on the gateway yet.
+    expect(gw.objects.size).toBe(0)
     await c.flush(5000)
     const s = c.stats().remote!
     expect(s.shedWrites).toBeGreaterThan(0)

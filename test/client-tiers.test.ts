@@ -6,13 +6,14 @@ import { mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterEach, describe, expect, it } from 'vitest'
-import { encodeChunk } from '../src/core/format.ts'
-import { toHex } from '../src/core/keys.ts'
-import { MODEL_PRESETS } from '../src/core/layout.ts'
 import { PriorityQueue } from '../src/client/io-queue.ts'
+import { nativeMemoryStats } from '../src/client/native.ts'
 import { loadNative } from '../src/client/native-api.ts'
 import { DiskTier } from '../src/client/tiers/disk.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
+import { encodeChunk } from '../src/core/format.ts'
+import { toHex } from '../src/core/keys.ts'
+import { MODEL_PRESETS } from '../src/core/layout.ts'
 
 const g = MODEL_PRESETS.stories260k
 
@@ -53,7 +54,9 @@ afterEach(() => {
 
 describe('MemoryTier', () => {
   it('rejects a region smaller than one slot and reports unpinned fallback', async () => {
-    await expect(MemoryTier.create({ bytes: 100, chunkBytes: 4096 })).rejects.toThrow(/smaller than one chunk slot/)
+    await expect(MemoryTier.create({ bytes: 100, chunkBytes: 4096 })).rejects.toThrow(
+      /smaller than one chunk slot/,
+    )
     const m = await MemoryTier.create({ bytes: 3 * 4096, chunkBytes: 4000 })
     expect(m.stats().slots).toBe(3)
     expect(m.stats().pinnedKind).toBe('none')
@@ -74,6 +77,9 @@ describe('MemoryTier', () => {
     expect(r.slot.byteOffset % 4096).toBe(0)
     expect(r.bytes.byteOffset - r.slot.byteOffset).toBe(300)
     r.abort()
+    const before = nativeMemoryStats().pinnedBlocks
+    m.dispose()
+    expect(nativeMemoryStats().pinnedBlocks).toBe(before - 1)
   })
 
   it('evicts least recently used chunks when full and counts it', async () => {

@@ -5,7 +5,13 @@ import { readFileSync } from 'node:fs'
 import { parse as parseYaml } from 'yaml'
 import { ConfigError, InvalidArgumentError } from '../core/errors.ts'
 import { isNamespaceName } from '../core/keys.ts'
-import { chunkBytes, MAX_CHUNK_TOKENS, type ModelPreset, type PresetName, resolveGeometry } from '../core/layout.ts'
+import {
+  chunkBytes,
+  MAX_CHUNK_TOKENS,
+  type ModelPreset,
+  type PresetName,
+  resolveGeometry,
+} from '../core/layout.ts'
 import type { ChunkCodecName } from './chunk-codec.ts'
 
 export interface MemoryOptions {
@@ -20,7 +26,7 @@ export interface DiskOptions {
   bytes?: number
   /** 'raw' (fastest reads) or 'lossless' (smaller, exact). @default 'raw' */
   storeAs?: 'raw' | 'lossless'
-  /** Parallel file operations. @default 4 */
+  /** Parallel file operations (2 lets one chunk's CRC overlap the next one's read). @default 2 */
   concurrency?: number
 }
 
@@ -71,6 +77,8 @@ export interface KVCacheOptions {
   layersPerRequest?: number
   /** Try the native addon for pinned memory and GPU copies. @default true */
   native?: boolean
+  /** Worker threads for lossless/kvgate encode and decode (0: on the calling thread). @default cores − 1, at most 4 */
+  codecWorkers?: number
 }
 
 export interface ResolvedOptions {
@@ -84,6 +92,7 @@ export interface ResolvedOptions {
   fetchConcurrency: number
   layersPerRequest: number | undefined
   native: boolean
+  codecWorkers: number | undefined
 }
 
 const GiB = 1024 ** 3
@@ -98,6 +107,7 @@ const TOP_KEYS = new Set([
   'fetchConcurrency',
   'layersPerRequest',
   'native',
+  'codecWorkers',
 ])
 const DISK_KEYS = new Set(['dir', 'bytes', 'storeAs', 'concurrency'])
 const REMOTE_KEYS = new Set([
@@ -131,21 +141,26 @@ function unknownKeys(where: string, o: object, allowed: Set<string>): void {
 
 /** Validates options and fills defaults. Throws InvalidArgumentError naming the bad option. */
 export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
-  if (typeof opts !== 'object' || opts === null) throw new InvalidArgumentError('KVCache options must be an object')
+  if (typeof opts !== 'object' || opts === null)
+    throw new InvalidArgumentError('KVCache options must be an object')
   unknownKeys('', opts, TOP_KEYS)
-  if (opts.model === undefined) throw new InvalidArgumentError('missing option model (a preset name or a geometry)')
+  if (opts.model === undefined)
+    throw new InvalidArgumentError('missing option model (a preset name or a geometry)')
   const model = resolveGeometry(opts.model)
   const chunkTokens = int('chunkTokens', opts.chunkTokens, 1, MAX_CHUNK_TOKENS, 256)
   const namespace = opts.namespace ?? 'default'
   if (!isNamespaceName(namespace)) {
-    throw new InvalidArgumentError(`invalid namespace '${String(namespace)}': lowercase [a-z0-9._-], 1..63 chars`)
+    throw new InvalidArgumentError(
+      `invalid namespace '${String(namespace)}': lowercase [a-z0-9._-], 1..63 chars`,
+    )
   }
   if (opts.hashSeed !== undefined && (typeof opts.hashSeed !== 'string' || opts.hashSeed.length > 256)) {
     throw new InvalidArgumentError('invalid hashSeed: a string of at most 256 characters')
   }
   const oneChunk = chunkBytes(model, chunkTokens)
   const memOpts = opts.memory ?? {}
-  if (typeof memOpts !== 'object' || memOpts === null) throw new InvalidArgumentError('invalid memory: an object')
+  if (typeof memOpts !== 'object' || memOpts === null)
+    throw new InvalidArgumentError('invalid memory: an object')
   unknownKeys('memory.', memOpts, new Set(['bytes']))
   const memBytes = int('memory.bytes', memOpts.bytes, 1, Number.MAX_SAFE_INTEGER, Math.max(GiB, oneChunk))
   if (memBytes < oneChunk) {
@@ -157,9 +172,11 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
   let disk: ResolvedOptions['disk'] = false
   if (opts.disk !== undefined && opts.disk !== false) {
     const d = opts.disk
-    if (typeof d !== 'object' || d === null) throw new InvalidArgumentError('invalid disk: an object or false')
+    if (typeof d !== 'object' || d === null)
+      throw new InvalidArgumentError('invalid disk: an object or false')
     unknownKeys('disk.', d, DISK_KEYS)
-    if (typeof d.dir !== 'string' || d.dir.length === 0) throw new InvalidArgumentError('invalid disk.dir: a directory path')
+    if (typeof d.dir !== 'string' || d.dir.length === 0)
+      throw new InvalidArgumentError('invalid disk.dir: a directory path')
     const storeAs = d.storeAs ?? 'raw'
     if (storeAs !== 'raw' && storeAs !== 'lossless') {
       throw new InvalidArgumentError(`invalid disk.storeAs: '${String(storeAs)}' (raw or lossless)`)
@@ -168,14 +185,15 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
       dir: d.dir,
       bytes: int('disk.bytes', d.bytes, 1, Number.MAX_SAFE_INTEGER, 10 * GiB),
       storeAs,
-      concurrency: int('disk.concurrency', d.concurrency, 1, 256, 4),
+      concurrency: int('disk.concurrency', d.concurrency, 1, 256, 2),
     }
   }
 
   let remote: ResolvedOptions['remote'] = false
   if (opts.remote !== undefined && opts.remote !== false) {
     const r = opts.remote
-    if (typeof r !== 'object' || r === null) throw new InvalidArgumentError('invalid remote: an object or false')
+    if (typeof r !== 'object' || r === null)
+      throw new InvalidArgumentError('invalid remote: an object or false')
     unknownKeys('remote.', r, REMOTE_KEYS)
     let url: URL
     try {
@@ -204,12 +222,19 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
       breakerThreshold: int('remote.breakerThreshold', r.breakerThreshold, 1, 1000, 5),
       breakerCooldownMs: int('remote.breakerCooldownMs', r.breakerCooldownMs, 1, 3_600_000, 1000),
       maxQueuedWrites: int('remote.maxQueuedWrites', r.maxQueuedWrites, 0, 1_000_000, 64),
-      maxQueuedBytes: int('remote.maxQueuedBytes', r.maxQueuedBytes, 0, Number.MAX_SAFE_INTEGER, 512 * 1024 ** 2),
+      maxQueuedBytes: int(
+        'remote.maxQueuedBytes',
+        r.maxQueuedBytes,
+        0,
+        Number.MAX_SAFE_INTEGER,
+        512 * 1024 ** 2,
+      ),
       writeConcurrency: int('remote.writeConcurrency', r.writeConcurrency, 1, 256, 4),
     }
   }
 
-  if (opts.native !== undefined && typeof opts.native !== 'boolean') throw new InvalidArgumentError('invalid native: boolean')
+  if (opts.native !== undefined && typeof opts.native !== 'boolean')
+    throw new InvalidArgumentError('invalid native: boolean')
   return {
     model,
     chunkTokens,
@@ -220,8 +245,11 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
     remote,
     fetchConcurrency: int('fetchConcurrency', opts.fetchConcurrency, 1, 1024, 8),
     layersPerRequest:
-      opts.layersPerRequest === undefined ? undefined : int('layersPerRequest', opts.layersPerRequest, 1, model.layers),
+      opts.layersPerRequest === undefined
+        ? undefined
+        : int('layersPerRequest', opts.layersPerRequest, 1, model.layers),
     native: opts.native ?? true,
+    codecWorkers: opts.codecWorkers === undefined ? undefined : int('codecWorkers', opts.codecWorkers, 0, 64),
   }
 }
 
@@ -241,7 +269,8 @@ export function parseBytes(name: string, v: unknown): number {
 
 function num(name: string, v: string): number {
   const n = Number(v)
-  if (!/^\s*\d+\s*$/.test(v) || !Number.isSafeInteger(n)) throw new ConfigError(`invalid ${name}: '${v}' is not an integer`)
+  if (!/^\s*\d+\s*$/.test(v) || !Number.isSafeInteger(n))
+    throw new ConfigError(`invalid ${name}: '${v}' is not an integer`)
   return n
 }
 
@@ -252,7 +281,10 @@ type Plain = Record<string, unknown>
  * KVGATE_CONFIG (or `file`), then KVGATE_* variables on top (env overrides file).
  * The result still goes through resolveOptions() in KVCache.open().
  */
-export function optionsFromEnvironment(env: NodeJS.ProcessEnv = process.env, file?: string): Partial<KVCacheOptions> {
+export function optionsFromEnvironment(
+  env: NodeJS.ProcessEnv = process.env,
+  file?: string,
+): Partial<KVCacheOptions> {
   const out: Plain = {}
   const path = file ?? env.KVGATE_CONFIG
   if (path) {
@@ -263,7 +295,8 @@ export function optionsFromEnvironment(env: NodeJS.ProcessEnv = process.env, fil
       throw new ConfigError(`cannot read config file ${path}: ${(e as Error).message}`)
     }
     if (doc !== null && doc !== undefined) {
-      if (typeof doc !== 'object' || Array.isArray(doc)) throw new ConfigError(`config file ${path}: expected a mapping`)
+      if (typeof doc !== 'object' || Array.isArray(doc))
+        throw new ConfigError(`config file ${path}: expected a mapping`)
       Object.assign(out, doc)
     }
   }
@@ -278,7 +311,8 @@ export function optionsFromEnvironment(env: NodeJS.ProcessEnv = process.env, fil
   if (env.KVGATE_CHUNK_TOKENS) out.chunkTokens = num('KVGATE_CHUNK_TOKENS', env.KVGATE_CHUNK_TOKENS)
   if (env.KVGATE_NAMESPACE) out.namespace = env.KVGATE_NAMESPACE
   if (env.KVGATE_HASH_SEED) out.hashSeed = env.KVGATE_HASH_SEED
-  if (env.KVGATE_MEMORY_BYTES) sub('memory').bytes = parseBytes('KVGATE_MEMORY_BYTES', env.KVGATE_MEMORY_BYTES)
+  if (env.KVGATE_MEMORY_BYTES)
+    sub('memory').bytes = parseBytes('KVGATE_MEMORY_BYTES', env.KVGATE_MEMORY_BYTES)
   if (env.KVGATE_DISK === 'off' || env.KVGATE_DISK === 'false') out.disk = false
   else {
     if (env.KVGATE_DISK_DIR) sub('disk').dir = env.KVGATE_DISK_DIR
@@ -290,9 +324,13 @@ export function optionsFromEnvironment(env: NodeJS.ProcessEnv = process.env, fil
     if (env.KVGATE_REMOTE_URL) sub('remote').url = env.KVGATE_REMOTE_URL
     if (env.KVGATE_REMOTE_TOKEN) sub('remote').token = env.KVGATE_REMOTE_TOKEN
     if (env.KVGATE_REMOTE_CODEC) sub('remote').codec = env.KVGATE_REMOTE_CODEC
-    if (env.KVGATE_REMOTE_TIMEOUT_MS) sub('remote').timeoutMs = num('KVGATE_REMOTE_TIMEOUT_MS', env.KVGATE_REMOTE_TIMEOUT_MS)
+    if (env.KVGATE_REMOTE_TIMEOUT_MS)
+      sub('remote').timeoutMs = num('KVGATE_REMOTE_TIMEOUT_MS', env.KVGATE_REMOTE_TIMEOUT_MS)
     if (env.KVGATE_REMOTE_LOOKUP_TIMEOUT_MS) {
-      sub('remote').lookupTimeoutMs = num('KVGATE_REMOTE_LOOKUP_TIMEOUT_MS', env.KVGATE_REMOTE_LOOKUP_TIMEOUT_MS)
+      sub('remote').lookupTimeoutMs = num(
+        'KVGATE_REMOTE_LOOKUP_TIMEOUT_MS',
+        env.KVGATE_REMOTE_LOOKUP_TIMEOUT_MS,
+      )
     }
   }
   // Sizes in the YAML file may be written like the env values ("512MiB").

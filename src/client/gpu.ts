@@ -47,21 +47,27 @@ export function validateGpuBuffer(b: GpuBuffer, g: KvGeometry, chunkTokens: numb
     }
     return
   }
-  if (!Number.isInteger(b.blockTokens) || b.blockTokens < 1) throw new InvalidArgumentError('invalid GPU buffer: blockTokens')
+  if (!Number.isInteger(b.blockTokens) || b.blockTokens < 1)
+    throw new InvalidArgumentError('invalid GPU buffer: blockTokens')
   if (!Array.isArray(b.blocks) || b.blocks.length !== g.layers) {
     throw new InvalidArgumentError(`invalid GPU buffer: blocks must have one entry per layer (${g.layers})`)
   }
   const need = Math.ceil((chunks * chunkTokens) / b.blockTokens)
   for (let l = 0; l < g.layers; l++) {
     const kv = b.blocks[l]
-    if (!Array.isArray(kv) || kv.length !== 2) throw new InvalidArgumentError(`invalid GPU buffer: blocks[${l}] needs [K, V]`)
+    if (!Array.isArray(kv) || kv.length !== 2)
+      throw new InvalidArgumentError(`invalid GPU buffer: blocks[${l}] needs [K, V]`)
     for (const side of kv) {
       if (!Array.isArray(side) || side.length < need) {
-        throw new InvalidArgumentError(`invalid GPU buffer: blocks[${l}] needs ${need} block addresses per K/V`)
+        throw new InvalidArgumentError(
+          `invalid GPU buffer: blocks[${l}] needs ${need} block addresses per K/V`,
+        )
       }
       for (let i = 0; i < need; i++) {
         if (typeof side[i] !== 'bigint' || (side[i] as bigint) <= 0n) {
-          throw new InvalidArgumentError(`invalid GPU buffer: blocks[${l}] address ${i} is not a positive bigint`)
+          throw new InvalidArgumentError(
+            `invalid GPU buffer: blocks[${l}] address ${i} is not a positive bigint`,
+          )
         }
       }
     }
@@ -69,10 +75,16 @@ export function validateGpuBuffer(b: GpuBuffer, g: KvGeometry, chunkTokens: numb
 }
 
 /** The copies that move chunk `index` between `b` and one chunk tensor; adjacent ranges merged. */
-export function chunkDescriptors(b: GpuBuffer, g: KvGeometry, chunkTokens: number, index: number): CopyDescriptor[] {
+export function chunkDescriptors(
+  b: GpuBuffer,
+  g: KvGeometry,
+  chunkTokens: number,
+  index: number,
+): CopyDescriptor[] {
   const row = rowElements(g) * dtypeBytes(g.dtype)
   const tensorBytes = 2 * g.layers * chunkTokens * row
-  if (b.kind === 'device') return [{ device: b.pointer + BigInt(index * tensorBytes), host: 0, bytes: tensorBytes }]
+  if (b.kind === 'device')
+    return [{ device: b.pointer + BigInt(index * tensorBytes), host: 0, bytes: tensorBytes }]
   const out: CopyDescriptor[] = []
   const first = index * chunkTokens
   for (let l = 0; l < g.layers; l++) {
@@ -87,7 +99,8 @@ export function chunkDescriptors(b: GpuBuffer, g: KvGeometry, chunkTokens: numbe
         const device = b.blocks[l]![kind]![block]! + BigInt(within * row)
         const prev = out[out.length - 1]
         const host = base + t * row
-        if (prev && prev.host + prev.bytes === host && prev.device + BigInt(prev.bytes) === device) prev.bytes += n * row
+        if (prev && prev.host + prev.bytes === host && prev.device + BigInt(prev.bytes) === device)
+          prev.bytes += n * row
         else out.push({ device, host, bytes: n * row })
         t += n
       }

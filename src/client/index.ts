@@ -6,6 +6,14 @@ export type { DiskOptions, KVCacheOptions, MemoryOptions, RemoteOptions } from '
 export { optionsFromEnvironment, parseBytes, resolveOptions } from './config.ts'
 export type { CopyDescriptor, GpuBuffer, GpuContiguous, GpuPaged } from './gpu.ts'
 export { chunkDescriptors } from './gpu.ts'
-export type { KVCacheStats, LookupResult, RetrieveOptions, StoreResult, Tokens } from './kv-cache.ts'
+export type {
+  KVCacheStats,
+  KvLayout,
+  LookupResult,
+  RetrieveOptions,
+  StoreOptions,
+  StoreResult,
+  Tokens,
+} from './kv-cache.ts'
 export { KVCache } from './kv-cache.ts'
 export type { LayerBatch, TierName } from './storage-manager.ts'

@@ -3,13 +3,21 @@
 
 import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
 import { headerBytesFor } from '../core/format.ts'
-import { type ChunkKey, chainKeys, fromHex, type KeyNamespace, namespaceId } from '../core/keys.ts'
-import { chunkBytes, type ModelPreset } from '../core/layout.ts'
+import { type ChunkKey, fromHex, type KeyNamespace, namespaceId } from '../core/keys.ts'
+import { chunkBytes, dtypeBytes, type ModelPreset, rowElements } from '../core/layout.ts'
 import type { ChunkCodecName } from './chunk-codec.ts'
+import { CodecPool } from './codec-pool.ts'
 import { type KVCacheOptions, type ResolvedOptions, resolveOptions } from './config.ts'
 import { copyChunkFromGpu, copyChunkToGpu, type GpuBuffer, isGpuBuffer, validateGpuBuffer } from './gpu.ts'
+import { KeyMemo, type KeyMemoStats } from './key-memo.ts'
 import { loadNative, type NativeModule } from './native-api.ts'
-import { LatencyWindow, type LatencySummary, prometheusText, since, type TierCounterSnapshot } from './stats.ts'
+import {
+  type LatencySummary,
+  LatencyWindow,
+  prometheusText,
+  since,
+  type TierCounterSnapshot,
+} from './stats.ts'
 import { type LayerBatch, StorageManager, type TierName } from './storage-manager.ts'
 import { DiskTier, type DiskTierStats } from './tiers/disk.ts'
 import { MemoryTier, type MemoryTierStats } from './tiers/memory.ts'
@@ -42,6 +50,20 @@ export interface RetrieveOptions {
    * bytes), chunk tensors back to back (the layout `store` takes), or a GPU buffer.
    */
   into: Uint8Array | GpuBuffer
+  /** Host buffer layout, as in StoreOptions. @default 'chunks' */
+  layout?: KvLayout
+}
+
+/**
+ * 'chunks': chunk tensors back to back, full chunks only. 'sequence': one tensor
+ * for the whole token sequence, [layer][K|V][token][kvHead][headDim] over all
+ * tokens.length tokens (a forward pass's layout); the partial tail is ignored.
+ */
+export type KvLayout = 'chunks' | 'sequence'
+
+export interface StoreOptions {
+  /** Layout of a host `kv`. @default 'chunks' */
+  layout?: KvLayout
 }
 
 export interface KVCacheStats {
@@ -52,11 +74,17 @@ export interface KVCacheStats {
   native: { loaded: boolean; reason: string | undefined }
   memory: TierCounterSnapshot & MemoryTierStats
   disk: (TierCounterSnapshot & DiskTierStats) | null
-  remote: (TierCounterSnapshot & RemoteTierStats & { codec: ChunkCodecName; codecNote: string | undefined }) | null
+  remote:
+    | (TierCounterSnapshot & RemoteTierStats & { codec: ChunkCodecName; codecNote: string | undefined })
+    | null
   operations: { store: LatencySummary; lookup: LatencySummary; retrieve: LatencySummary }
   /** Tokens served by retrieve() / asked for by retrieve(). */
   retrievedTokens: number
   requestedTokens: number
+  /** Chain keys reused from recent prompts vs hashed. */
+  keyMemo: KeyMemoStats
+  /** Codec jobs on worker threads vs the calling thread (and why inline, if so). */
+  codec: { inline: string | undefined; workerJobs: number; inlineJobs: number }
 }
 
 const MAX_TOKENS = 1 << 24
@@ -70,7 +98,7 @@ export class KVCache {
   readonly chunkTokens: number
   readonly chunkBytes: number
   readonly namespace: string
-  readonly #ns: KeyNamespace
+  readonly #memo: KeyMemo
   readonly #manager: StorageManager
   readonly #native: NativeModule | undefined
   readonly #nativeReason: string | undefined
@@ -92,7 +120,12 @@ export class KVCache {
     this.chunkTokens = o.chunkTokens
     this.chunkBytes = chunkBytes(o.model, o.chunkTokens)
     this.namespace = o.namespace
-    this.#ns = { modelId: o.model.modelId, geometry: o.model, chunkTokens: o.chunkTokens, hashSeed: o.hashSeed }
+    this.#memo = new KeyMemo({
+      modelId: o.model.modelId,
+      geometry: o.model,
+      chunkTokens: o.chunkTokens,
+      hashSeed: o.hashSeed,
+    })
     this.#manager = manager
     this.#native = native.api
     this.#nativeReason = native.reason
@@ -105,7 +138,12 @@ export class KVCache {
     const o = resolveOptions(options)
     const native = o.native ? loadNative() : { api: undefined, reason: 'disabled by options.native = false' }
     const g = o.model
-    const ns: KeyNamespace = { modelId: g.modelId, geometry: g, chunkTokens: o.chunkTokens, hashSeed: o.hashSeed }
+    const ns: KeyNamespace = {
+      modelId: g.modelId,
+      geometry: g,
+      chunkTokens: o.chunkTokens,
+      hashSeed: o.hashSeed,
+    }
     const memory = await MemoryTier.create({
       bytes: o.memory.bytes,
       chunkBytes: chunkBytes(g, o.chunkTokens),
@@ -130,6 +168,7 @@ export class KVCache {
       remoteCodec,
       fetchConcurrency: o.fetchConcurrency,
       layersPerRequest: o.layersPerRequest,
+      codec: new CodecPool(o.codecWorkers),
     })
     return new KVCache(o, manager, native, remoteCodec, codecNote)
   }
@@ -138,10 +177,12 @@ export class KVCache {
     if (this.#closed) throw new KvgateError('ERR_CLOSED', 'KVCache is closed')
   }
 
-  /** The chained keys of the full chunks of `tokens` (validated). */
+  /**
+   * The chained keys of the full chunks of `tokens` (validated). Prompts sharing
+   * a prefix with a recent one reuse its keys: only new chunks are hashed.
+   */
   keys(tokens: Tokens): ChunkKey[] {
-    validateTokens(tokens)
-    return chainKeys(tokens, this.#ns)
+    return this.#memo.keys(tokenArray(tokens))
   }
 
   /**
@@ -150,13 +191,17 @@ export class KVCache {
    * ([layer][K|V][token][kvHead][headDim] each), or a GPU buffer. Resolves once
    * L1 holds the chunks; L2 and L4 are written in the background.
    */
-  async store(tokens: Tokens, kv: Uint8Array | GpuBuffer): Promise<StoreResult> {
+  async store(tokens: Tokens, kv: Uint8Array | GpuBuffer, options: StoreOptions = {}): Promise<StoreResult> {
     this.#open()
     const t0 = performance.now()
     const keys = this.keys(tokens)
     const cb = this.chunkBytes
+    const layout = checkLayout(options)
     let fill: (i: number, dst: Uint8Array) => void | Promise<void>
-    if (isGpuBuffer(kv)) {
+    if (layout === 'sequence' && !isGpuBuffer(kv)) {
+      const seq = this.#sequence('kv', kv, tokens.length)
+      fill = (i, dst) => seq.gather(i, dst)
+    } else if (isGpuBuffer(kv)) {
       validateGpuBuffer(kv, this.model, this.chunkTokens, keys.length)
       const native = this.#native
       fill = (i, dst) => copyChunkFromGpu(native, kv, this.model, this.chunkTokens, i, dst)
@@ -172,6 +217,39 @@ export class KVCache {
     const out = await this.#manager.store(keys, fill)
     this.#ops.store.record(since(t0))
     return { chunks: keys.length, ...out }
+  }
+
+  /**
+   * A whole-sequence tensor ([layer][K|V][token 0..n)[kvHead][headDim], what a
+   * forward pass produces) seen as chunks: gather/scatter chunk i's rows.
+   */
+  #sequence(
+    name: string,
+    v: unknown,
+    n: number,
+  ): { gather(i: number, dst: Uint8Array): void; scatter(i: number, src: Uint8Array): void } {
+    const bytes = asBytes(name, v)
+    const g = this.model
+    const row = rowElements(g) * dtypeBytes(g.dtype)
+    const want = 2 * g.layers * n * row
+    if (bytes.byteLength !== want) {
+      throw new InvalidArgumentError(
+        `invalid ${name}: ${bytes.byteLength} bytes, a sequence tensor of ${n} tokens is ${want} ([layer][K|V][token][kvHead][headDim])`,
+      )
+    }
+    const T = this.chunkTokens
+    const run = T * row
+    const each = (i: number, f: (seqOff: number, chunkOff: number) => void) => {
+      for (let l = 0; l < g.layers; l++) {
+        for (const kind of [0, 1]) {
+          f((2 * l + kind) * n * row + i * run, (2 * l + kind) * run)
+        }
+      }
+    }
+    return {
+      gather: (i, dst) => each(i, (so, co) => dst.set(bytes.subarray(so, so + run), co)),
+      scatter: (i, src) => each(i, (so, co) => bytes.set(src.subarray(co, co + run), so)),
+    }
   }
 
   /** How many leading tokens some tier holds, and which tier holds each chunk. Never throws on gateway faults. */
@@ -202,8 +280,12 @@ export class KVCache {
     }
     const into = options.into
     const cb = this.chunkBytes
+    const layout = checkLayout(options)
     let write: (i: number, tensor: Uint8Array) => void | Promise<void>
-    if (isGpuBuffer(into)) {
+    if (layout === 'sequence' && !isGpuBuffer(into)) {
+      const seq = this.#sequence('into', into, tokens.length)
+      write = (i, t) => seq.scatter(i, t)
+    } else if (isGpuBuffer(into)) {
       validateGpuBuffer(into, this.model, this.chunkTokens, keys.length)
       const native = this.#native
       write = (i, t) => copyChunkToGpu(native, into, this.model, this.chunkTokens, i, t)
@@ -247,6 +329,15 @@ export class KVCache {
     return { tokens: n * this.chunkTokens }
   }
 
+  /**
+   * Drops every chunk from L1 (lower tiers keep theirs), e.g. to free memory for
+   * a model reload. Chunks being copied right now keep their slots until released.
+   */
+  clearMemory(): void {
+    this.#open()
+    this.#manager.memory.clear()
+  }
+
   /** Waits for background writes to L2 and L4 (bounded by `timeoutMs`). */
   async flush(timeoutMs = 30_000): Promise<void> {
     await this.#manager.flush(timeoutMs)
@@ -263,7 +354,12 @@ export class KVCache {
       memory: { ...m.memory.counters.snapshot(), ...m.memory.stats() },
       disk: m.disk ? { ...m.disk.counters.snapshot(), ...m.disk.stats() } : null,
       remote: m.remote
-        ? { ...m.remote.counters.snapshot(), ...m.remote.stats(), codec: this.#remoteCodec, codecNote: this.#codecNote }
+        ? {
+            ...m.remote.counters.snapshot(),
+            ...m.remote.stats(),
+            codec: this.#remoteCodec,
+            codecNote: this.#codecNote,
+          }
         : null,
       operations: {
         store: this.#ops.store.summary(),
@@ -272,6 +368,8 @@ export class KVCache {
       },
       retrievedTokens: this.#retrievedTokens,
       requestedTokens: this.#requestedTokens,
+      keyMemo: { ...this.#memo.stats },
+      codec: { inline: m.codec.inline, ...m.codec.counts },
     }
   }
 
@@ -281,18 +379,62 @@ export class KVCache {
     const tiers: [string, TierCounterSnapshot][] = [['memory', s.memory]]
     if (s.disk) tiers.push(['disk', s.disk])
     if (s.remote) tiers.push(['remote', s.remote])
-    const per = (f: (t: TierCounterSnapshot) => number) => tiers.map(([tier, t]) => ({ labels: { tier }, value: f(t) }))
+    const per = (f: (t: TierCounterSnapshot) => number) =>
+      tiers.map(([tier, t]) => ({ labels: { tier }, value: f(t) }))
     const lat = (q: 'p50Ms' | 'p99Ms') =>
-      tiers.map(([tier, t]) => ({ labels: { tier, quantile: q === 'p50Ms' ? '0.5' : '0.99' }, value: t.readLatency[q] / 1000 }))
+      tiers.map(([tier, t]) => ({
+        labels: { tier, quantile: q === 'p50Ms' ? '0.5' : '0.99' },
+        value: t.readLatency[q] / 1000,
+      }))
     return prometheusText([
-      { name: 'hits_total', help: 'Chunk reads served by the tier.', type: 'counter', values: per((t) => t.hits) },
-      { name: 'misses_total', help: 'Chunk reads the tier could not serve.', type: 'counter', values: per((t) => t.misses) },
-      { name: 'read_bytes_total', help: 'Bytes read from the tier.', type: 'counter', values: per((t) => t.bytesRead) },
-      { name: 'written_bytes_total', help: 'Bytes written to the tier.', type: 'counter', values: per((t) => t.bytesWritten) },
-      { name: 'evictions_total', help: 'Chunks evicted from the tier.', type: 'counter', values: per((t) => t.evictions) },
-      { name: 'errors_total', help: 'Failures hidden from the caller.', type: 'counter', values: per((t) => t.errors) },
-      { name: 'corrupt_total', help: 'Objects that failed verification.', type: 'counter', values: per((t) => t.corrupt) },
-      { name: 'read_latency_seconds', help: 'Read latency quantiles (recent window).', type: 'gauge', values: [...lat('p50Ms'), ...lat('p99Ms')] },
+      {
+        name: 'hits_total',
+        help: 'Chunk reads served by the tier.',
+        type: 'counter',
+        values: per((t) => t.hits),
+      },
+      {
+        name: 'misses_total',
+        help: 'Chunk reads the tier could not serve.',
+        type: 'counter',
+        values: per((t) => t.misses),
+      },
+      {
+        name: 'read_bytes_total',
+        help: 'Bytes read from the tier.',
+        type: 'counter',
+        values: per((t) => t.bytesRead),
+      },
+      {
+        name: 'written_bytes_total',
+        help: 'Bytes written to the tier.',
+        type: 'counter',
+        values: per((t) => t.bytesWritten),
+      },
+      {
+        name: 'evictions_total',
+        help: 'Chunks evicted from the tier.',
+        type: 'counter',
+        values: per((t) => t.evictions),
+      },
+      {
+        name: 'errors_total',
+        help: 'Failures hidden from the caller.',
+        type: 'counter',
+        values: per((t) => t.errors),
+      },
+      {
+        name: 'corrupt_total',
+        help: 'Objects that failed verification.',
+        type: 'counter',
+        values: per((t) => t.corrupt),
+      },
+      {
+        name: 'read_latency_seconds',
+        help: 'Read latency quantiles (recent window).',
+        type: 'gauge',
+        values: [...lat('p50Ms'), ...lat('p99Ms')],
+      },
       {
         name: 'shed_writes_total',
         help: 'Uploads dropped by the write-behind queue.',
@@ -305,8 +447,18 @@ export class KVCache {
         type: 'gauge',
         values: [{ value: s.remote && s.remote.breaker !== 'closed' ? 1 : 0 }],
       },
-      { name: 'memory_used_bytes', help: 'L1 bytes in use.', type: 'gauge', values: [{ value: s.memory.usedBytes }] },
-      { name: 'disk_used_bytes', help: 'L2 bytes in use.', type: 'gauge', values: [{ value: s.disk?.usedBytes ?? 0 }] },
+      {
+        name: 'memory_used_bytes',
+        help: 'L1 bytes in use.',
+        type: 'gauge',
+        values: [{ value: s.memory.usedBytes }],
+      },
+      {
+        name: 'disk_used_bytes',
+        help: 'L2 bytes in use.',
+        type: 'gauge',
+        values: [{ value: s.disk?.usedBytes ?? 0 }],
+      },
       {
         name: 'retrieved_tokens_total',
         help: 'Tokens served by retrieve().',
@@ -316,36 +468,65 @@ export class KVCache {
     ])
   }
 
-  /** Flushes background writes (up to `flushMs`), then releases connections. L1 memory goes with the object. */
+  /**
+   * Flushes background writes (up to `flushMs`), closes connections and frees
+   * the pinned L1 memory. Slabs handed out by retrieveLayers are invalid afterwards.
+   */
   async close(flushMs = 5000): Promise<void> {
     if (this.#closed) return
     this.#closed = true
     await this.#manager.flush(flushMs)
     await this.#manager.remote?.close(0)
-    this.#manager.memory.clear()
+    await this.#manager.codec.close()
+    this.#manager.memory.dispose()
   }
+}
+
+function checkLayout(o: { layout?: unknown }): KvLayout {
+  const l = o.layout ?? 'chunks'
+  if (l !== 'chunks' && l !== 'sequence')
+    throw new InvalidArgumentError(`invalid layout '${String(l)}' (chunks or sequence)`)
+  return l
 }
 
 function asBytes(name: string, v: unknown): Uint8Array {
   if (v instanceof Uint8Array) return v
   if (ArrayBuffer.isView(v)) return new Uint8Array(v.buffer, v.byteOffset, v.byteLength)
-  throw new InvalidArgumentError(`invalid ${name}: expected a Uint8Array (or another ArrayBufferView) or a GPU buffer`)
+  throw new InvalidArgumentError(
+    `invalid ${name}: expected a Uint8Array (or another ArrayBufferView) or a GPU buffer`,
+  )
 }
 
-/** Eager token validation: array-like of integers in 0..2^32-1, at most 16M tokens. */
-export function validateTokens(tokens: unknown): asserts tokens is Tokens {
-  if (tokens instanceof Uint32Array || tokens instanceof Uint16Array || tokens instanceof Uint8Array) {
-    if (tokens.length > MAX_TOKENS) throw new InvalidArgumentError(`too many tokens: ${tokens.length} > ${MAX_TOKENS}`)
-    return
+/**
+ * Eager token validation and conversion in one pass: array-like of integers in
+ * 0..2^32-1, at most 16M tokens. Returns a Uint32Array (the input itself when it is one).
+ */
+export function tokenArray(tokens: unknown): Uint32Array {
+  if (tokens instanceof Uint32Array) {
+    if (tokens.length > MAX_TOKENS)
+      throw new InvalidArgumentError(`too many tokens: ${tokens.length} > ${MAX_TOKENS}`)
+    return tokens
+  }
+  if (tokens instanceof Uint16Array || tokens instanceof Uint8Array) {
+    if (tokens.length > MAX_TOKENS)
+      throw new InvalidArgumentError(`too many tokens: ${tokens.length} > ${MAX_TOKENS}`)
+    return Uint32Array.from(tokens)
   }
   if (!Array.isArray(tokens) && !(tokens instanceof Int32Array)) {
     throw new InvalidArgumentError('invalid tokens: expected an array or Uint32Array of token ids')
   }
-  if (tokens.length > MAX_TOKENS) throw new InvalidArgumentError(`too many tokens: ${tokens.length} > ${MAX_TOKENS}`)
-  for (let i = 0; i < tokens.length; i++) {
-    const t = tokens[i]
-    if (typeof t !== 'number' || !Number.isInteger(t) || t < 0 || t > 0xffffffff) {
-      throw new InvalidArgumentError(`invalid token at index ${i}: ${String(t)} (expected an integer id in 0..2^32-1)`)
+  const n = tokens.length
+  if (n > MAX_TOKENS) throw new InvalidArgumentError(`too many tokens: ${n} > ${MAX_TOKENS}`)
+  const out = new Uint32Array(n)
+  for (let i = 0; i < n; i++) {
+    const t = tokens[i] as unknown
+    // `t >>> 0 === t` holds exactly for integers in 0..2^32-1 (rejects NaN, floats, negatives, non-numbers).
+    if (typeof t !== 'number' || t >>> 0 !== t) {
+      throw new InvalidArgumentError(
+        `invalid token at index ${i}: ${String(t)} (expected an integer id in 0..2^32-1)`,
+      )
     }
+    out[i] = t
   }
+  return out
 }

@@ -99,7 +99,12 @@ export function since(t0: number): number {
  * prefixed `kvgate_client_`; labels come from the sample.
  */
 export function prometheusText(
-  samples: { name: string; help: string; type: 'counter' | 'gauge'; values: { labels?: Record<string, string>; value: number }[] }[],
+  samples: {
+    name: string
+    help: string
+    type: 'counter' | 'gauge'
+    values: { labels?: Record<string, string>; value: number }[]
+  }[],
 ): string {
   const lines: string[] = []
   for (const s of samples) {

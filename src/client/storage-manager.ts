@@ -1,19 +1,17 @@
 // Moves chunks between tiers: write-all on store (L1 now, L2/L4 in the
 // background), waterfall reads with promotion into L1, deduplicated fetches.
 
-import { isKvgateError } from '../core/errors.ts'
-import { decodeChunkInto } from '../codec/node.ts'
 import { decodeHeader } from '../core/format.ts'
 import { type ChunkKey, fromHex } from '../core/keys.ts'
 import { chunkBytes, type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import {
   type ChunkCodecName,
   type ChunkIdentity,
-  decodeObjectInto,
-  encodeTensor,
   checkIdentity,
   openLayerGroup,
+  verifyObject,
 } from './chunk-codec.ts'
+import { CodecPool } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
 import type { DiskTier } from './tiers/disk.ts'
 import type { MemoryHandle, MemoryTier } from './tiers/memory.ts'
@@ -36,6 +34,8 @@ export interface StorageManagerOptions {
   fetchConcurrency?: number
   /** Layers per `?layers=a-b` request in retrieveLayers. @default ceil(layers / 4) */
   layersPerRequest?: number
+  /** Where lossless/kvgate encoding and decoding run. @default a new CodecPool */
+  codec?: CodecPool
 }
 
 /** A chunk tensor a reader may copy from until release(). */
@@ -70,6 +70,7 @@ export class StorageManager {
   readonly #remoteCodec: ChunkCodecName
   readonly #fetchConcurrency: number
   readonly #layersPerRequest: number
+  readonly codec: CodecPool
   readonly #inflight = new Map<string, Promise<Uint8Array | 'resident' | undefined>>()
   readonly #background = new Set<Promise<unknown>>()
 
@@ -85,6 +86,7 @@ export class StorageManager {
     this.#remoteCodec = opts.remoteCodec ?? 'raw'
     this.#fetchConcurrency = Math.max(1, opts.fetchConcurrency ?? 8)
     this.#layersPerRequest = Math.max(1, opts.layersPerRequest ?? Math.ceil(opts.geometry.layers / 4))
+    this.codec = opts.codec ?? new CodecPool()
   }
 
   #identity(k: ChunkKey): ChunkIdentity {
@@ -108,7 +110,10 @@ export class StorageManager {
    * Write-all: each chunk goes into L1 now (`fill` writes its tensor into the
    * slot), then to L2 and L4 in the background. Chunks a tier holds already are skipped.
    */
-  async store(keys: readonly ChunkKey[], fill: (i: number, dst: Uint8Array) => void | Promise<void>): Promise<StoreOutcome> {
+  async store(
+    keys: readonly ChunkKey[],
+    fill: (i: number, dst: Uint8Array) => void | Promise<void>,
+  ): Promise<StoreOutcome> {
     const out: StoreOutcome = { stored: 0, present: 0, skipped: 0 }
     const sources: { key: ChunkKey; handle: ChunkHandle }[] = []
     for (let i = 0; i < keys.length; i++) {
@@ -157,9 +162,10 @@ export class StorageManager {
       }
       if (disk && !disk.has(key.hex)) {
         jobs.push(
-          // Encoding is CPU work on this thread: yield first so the caller's store() resolves.
+          // Yield first so the caller's store() resolves before any encoding work starts.
           yieldToCaller()
-            .then(() => disk.put(key.hex, encodeTensor(this.#diskCodec, handle.bytes, this.#identity(key))))
+            .then(() => this.codec.encode(this.#diskCodec, handle.bytes, this.#identity(key)))
+            .then((obj) => disk.put(key.hex, obj))
             .catch(() => {
               disk.counters.errors++
             })
@@ -170,7 +176,7 @@ export class StorageManager {
         remote.enqueue({
           hex: key.hex,
           bytesHint: this.chunkBytes,
-          encode: async () => encodeTensor(this.#remoteCodec, handle.bytes, this.#identity(key)),
+          encode: () => this.codec.encode(this.#remoteCodec, handle.bytes, this.#identity(key)),
           done,
         })
       } else if (remote) done()
@@ -234,7 +240,7 @@ export class StorageManager {
     if (this.remote && this.remote.breaker.state === 'closed') {
       const object = await this.remote.get(k.hex)
       if (object) {
-        const got = this.#decodeAndPromote(k, object, tokens)
+        const got = await this.#decodeAndPromote(k, object, tokens)
         if (!got) {
           this.remote.counters.corrupt++
           return undefined
@@ -245,7 +251,8 @@ export class StorageManager {
           if (ref) {
             this.#track(
               yieldToCaller()
-                .then(() => disk.put(k.hex, encodeTensor(this.#diskCodec, ref.bytes, this.#identity(k)), 'put'))
+                .then(() => this.codec.encode(this.#diskCodec, ref.bytes, this.#identity(k)))
+                .then((obj) => disk.put(k.hex, obj, 'put'))
                 .catch(() => {})
                 .finally(() => ref.release()),
             )
@@ -262,7 +269,11 @@ export class StorageManager {
    * there); a raw object then already has its tensor at the slot's data offset,
    * so promotion costs the read and the CRC check, no copy.
    */
-  async #fromDisk(k: ChunkKey, tokens: number, priority: IoPriority): Promise<Uint8Array | 'resident' | undefined> {
+  async #fromDisk(
+    k: ChunkKey,
+    tokens: number,
+    priority: IoPriority,
+  ): Promise<Uint8Array | 'resident' | undefined> {
     const disk = this.disk!
     const r = this.memory.reserve(k.hex, this.chunkBytes)
     const object = await disk.get(k.hex, priority, r?.slot)
@@ -280,7 +291,9 @@ export class StorageManager {
         h.codec === 'raw' &&
         h.headerBytes === this.memory.dataOffset &&
         h.totalBytes === h.headerBytes + this.chunkBytes &&
-        h.sections.every((s, i) => i === 0 || s.offset === h.sections[i - 1]!.offset + h.sections[i - 1]!.length) &&
+        h.sections.every(
+          (s, i) => i === 0 || s.offset === h.sections[i - 1]!.offset + h.sections[i - 1]!.length,
+        ) &&
         h.sections[0]?.offset === h.headerBytes
       if (inPlace) {
         r.commit()
@@ -289,28 +302,37 @@ export class StorageManager {
       // Decoding reads the object and writes the tensor: never both in one slot.
       const src = r && object.buffer === r.slot.buffer ? object.slice() : object
       const dst = r ? r.bytes : new Uint8Array(this.chunkBytes)
-      decodeChunkInto(src, dst)
+      await this.codec.decodeInto(src, h.codec, dst)
       if (!r) return dst
       r.commit()
       return 'resident'
-    } catch (e) {
+    } catch {
+      // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
       r?.abort()
-      if (!isKvgateError(e)) throw e
       disk.counters.corrupt++
       await disk.delete(k.hex)
       return undefined
     }
   }
 
-  #decodeAndPromote(k: ChunkKey, object: Uint8Array, tokens: number): Uint8Array | 'resident' | undefined {
+  async #decodeAndPromote(
+    k: ChunkKey,
+    object: Uint8Array,
+    tokens: number,
+  ): Promise<Uint8Array | 'resident' | undefined> {
+    let codec: string
+    try {
+      codec = verifyObject(object, this.geometry, tokens, k.hex).codec
+    } catch {
+      return undefined
+    }
     const r = this.memory.reserve(k.hex, this.chunkBytes)
     const dst = r ? r.bytes : new Uint8Array(this.chunkBytes)
     try {
-      decodeObjectInto(object, dst, this.geometry, tokens, k.hex)
-    } catch (e) {
+      await this.codec.decodeInto(object, codec, dst)
+    } catch {
       r?.abort()
-      if (isKvgateError(e)) return undefined
-      throw e
+      return undefined
     }
     if (!r) return dst
     r.commit()
@@ -398,6 +420,11 @@ export class StorageManager {
           sources.push((l) => rl.layer(l))
         }
       }
+      // Group-major order: every chunk's first layers are requested before anyone's
+      // later layers, so layer 0 is complete after ~1/groups of the transfer.
+      for (let first = 0; first < g.layers; first += this.#layersPerRequest) {
+        for (const rl of remoteChunks) rl.request(first)
+      }
       let valid = sources.length
       for (let l = 0; l < g.layers; l++) {
         const slabs = await Promise.all(sources.slice(0, valid).map((s) => s(l)))
@@ -414,18 +441,26 @@ export class StorageManager {
   }
 
   /** Remote fetch of one chunk's layer group, used by RemoteLayers. */
-  async fetchLayerGroup(k: ChunkKey, first: number, last: number): Promise<Map<number, Uint8Array> | undefined> {
+  async fetchLayerGroup(
+    k: ChunkKey,
+    first: number,
+    last: number,
+  ): Promise<Map<number, Uint8Array> | undefined> {
     const remote = this.remote
     if (!remote) return undefined
     const body = await remote.get(k.hex, [first, last])
     if (!body) return undefined
     try {
-      const decode = openLayerGroup(body, first, last, this.geometry, k.end - k.start, k.hex)
+      const sub = openLayerGroup(body, first, last, this.geometry, k.end - k.start, k.hex)
       const out = new Map<number, Uint8Array>()
-      for (let l = first; l <= last; l++) out.set(l, decode(l))
+      const slabs = await Promise.all(
+        Array.from({ length: last - first + 1 }, (_, i) =>
+          this.codec.decodeSection(sub.header, first + i, sub.section(first + i)),
+        ),
+      )
+      for (const [i, s] of slabs.entries()) out.set(first + i, s)
       return out
-    } catch (e) {
-      if (!isKvgateError(e)) throw e
+    } catch {
       remote.counters.corrupt++
       return undefined
     }
@@ -435,7 +470,10 @@ export class StorageManager {
   async flush(timeoutMs = 30_000): Promise<void> {
     const deadline = Date.now() + timeoutMs
     while (this.#background.size > 0 && Date.now() < deadline) {
-      await Promise.race([Promise.allSettled([...this.#background]), sleep(Math.max(0, deadline - Date.now()))])
+      await Promise.race([
+        Promise.allSettled([...this.#background]),
+        sleep(Math.max(0, deadline - Date.now())),
+      ])
     }
     await this.disk?.drain()
     await this.remote?.flush(Math.max(0, deadline - Date.now()))
@@ -458,10 +496,12 @@ class RemoteLayers {
     this.#per = per
     this.#slab = layerSlabBytes(manager.geometry, key.end - key.start)
     this.#reservation = manager.memory.reserve(key.hex, manager.chunkBytes)
-    for (let first = 0; first < manager.geometry.layers; first += per) {
-      const last = Math.min(manager.geometry.layers - 1, first + per - 1)
-      this.#groups.set(first, manager.fetchLayerGroup(key, first, last))
-    }
+  }
+
+  /** Starts the GET of the layer group beginning at `first`. */
+  request(first: number): void {
+    const last = Math.min(this.#manager.geometry.layers - 1, first + this.#per - 1)
+    this.#groups.set(first, this.#manager.fetchLayerGroup(this.#key, first, last))
   }
 
   async layer(l: number): Promise<Uint8Array | undefined> {
@@ -484,8 +524,6 @@ class RemoteLayers {
 
   abort(): void {
     this.#reservation?.abort()
-    void this.#key
-    void this.#manager
   }
 }
 
@@ -497,4 +535,3 @@ function yieldToCaller(): Promise<void> {
 function sleep(ms: number): Promise<void> {
   return new Promise((r) => setTimeout(r, ms).unref())
 }
-

@@ -65,7 +65,14 @@ async function main(): Promise<void> {
     await cache.store(promptTokens(chunks, opts.seed ?? 1), kv)
     await cache.flush()
     const s = cache.stats().remote!
-    const out = { puts: s.puts, existed: s.existed, errors: s.errors, shed: s.shedWrites, timeouts: s.timeouts, breaker: s.breaker }
+    const out = {
+      puts: s.puts,
+      existed: s.existed,
+      errors: s.errors,
+      shed: s.shedWrites,
+      timeouts: s.timeouts,
+      breaker: s.breaker,
+    }
     process.stdout.write(`${JSON.stringify(out)}\n`)
     await cache.close()
   }

@@ -41,7 +41,12 @@ export async function startFaultGateway(): Promise<FaultGateway> {
   const requests: FaultGateway['requests'] = []
   const sockets = new Set<import('node:net').Socket>()
 
-  const serveObject = (res: ServerResponse, obj: Uint8Array, range: string | undefined, layers: string | null) => {
+  const serveObject = (
+    res: ServerResponse,
+    obj: Uint8Array,
+    range: string | undefined,
+    layers: string | null,
+  ) => {
     let out = obj
     const headers: Record<string, string> = { 'content-type': 'application/octet-stream' }
     if (layers) {
@@ -70,7 +75,12 @@ export async function startFaultGateway(): Promise<FaultGateway> {
 
   const handler = async (req: IncomingMessage, res: ServerResponse) => {
     const url = new URL(req.url ?? '/', 'http://x')
-    requests.push({ method: req.method ?? '', path: url.pathname + url.search, range: req.headers.range, auth: req.headers.authorization })
+    requests.push({
+      method: req.method ?? '',
+      path: url.pathname + url.search,
+      range: req.headers.range,
+      auth: req.headers.authorization,
+    })
     if (faults.hangUp) {
       req.socket.destroy()
       return
@@ -81,7 +91,9 @@ export async function startFaultGateway(): Promise<FaultGateway> {
       return
     }
     if (faults.fail5xx) {
-      res.writeHead(503, { 'content-type': 'application/json' }).end('{"error":{"code":"ERR_STORE_UNAVAILABLE","message":"x"}}')
+      res
+        .writeHead(503, { 'content-type': 'application/json' })
+        .end('{"error":{"code":"ERR_STORE_UNAVAILABLE","message":"x"}}')
       return
     }
     const pre = /^\/presigned\/([0-9a-f]{64})$/.exec(url.pathname)

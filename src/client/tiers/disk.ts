@@ -17,7 +17,7 @@ export interface DiskTierOptions {
   dir: string
   /** Byte budget; least recently used files are deleted beyond it. */
   bytes: number
-  /** Parallel file operations. @default 4 */
+  /** Parallel file operations. @default 2 */
   concurrency?: number
   /** Native addon wrapper: reads go through its O_DIRECT path when `direct` allows. */
   native?: NativeModule | undefined
@@ -73,13 +73,15 @@ export class DiskTier {
     this.dir = opts.dir
     this.#budget = opts.bytes
     this.#native = opts.direct === 'off' ? undefined : opts.native
-    this.#queue = new PriorityQueue(opts.concurrency ?? 4)
+    this.#queue = new PriorityQueue(opts.concurrency ?? 2)
   }
 
   /** Opens (creating) the directory and rebuilds the index from the files in it. */
   static async open(opts: DiskTierOptions): Promise<DiskTier> {
-    if (typeof opts.dir !== 'string' || opts.dir.length === 0) throw new InvalidArgumentError('invalid disk.dir')
-    if (!Number.isSafeInteger(opts.bytes) || opts.bytes < 1) throw new InvalidArgumentError('invalid disk.bytes')
+    if (typeof opts.dir !== 'string' || opts.dir.length === 0)
+      throw new InvalidArgumentError('invalid disk.dir')
+    if (!Number.isSafeInteger(opts.bytes) || opts.bytes < 1)
+      throw new InvalidArgumentError('invalid disk.bytes')
     const tier = new DiskTier(opts)
     await mkdir(opts.dir, { recursive: true })
     await tier.#rebuild()

@@ -79,6 +79,8 @@ export class MemoryTier {
   readonly #free: number[] = []
   readonly #slots: number
   readonly #index: LRUCache<string, Entry>
+  /** Set when the regions came from the addon (and can be freed through it). */
+  #native: NativeModule | undefined
   #skippedFull = 0
 
   private constructor(
@@ -112,27 +114,36 @@ export class MemoryTier {
   static async create(opts: MemoryTierOptions): Promise<MemoryTier> {
     const { bytes, chunkBytes } = opts
     const dataOffset = opts.dataOffset ?? 0
-    if (!Number.isSafeInteger(chunkBytes) || chunkBytes < 1) throw new InvalidArgumentError('invalid chunk size')
-    if (!Number.isSafeInteger(dataOffset) || dataOffset < 0) throw new InvalidArgumentError('invalid dataOffset')
+    if (!Number.isSafeInteger(chunkBytes) || chunkBytes < 1)
+      throw new InvalidArgumentError('invalid chunk size')
+    if (!Number.isSafeInteger(dataOffset) || dataOffset < 0)
+      throw new InvalidArgumentError('invalid dataOffset')
     const slotBytes = Math.ceil((dataOffset + chunkBytes) / PAGE) * PAGE
-    if (slotBytes > MAX_REGION) throw new InvalidArgumentError(`a chunk of ${chunkBytes} bytes is too large for L1`)
+    if (slotBytes > MAX_REGION)
+      throw new InvalidArgumentError(`a chunk of ${chunkBytes} bytes is too large for L1`)
     if (!Number.isSafeInteger(bytes) || bytes < slotBytes) {
-      throw new InvalidArgumentError(`invalid memory.bytes: ${String(bytes)} is smaller than one chunk slot (${slotBytes} bytes)`)
+      throw new InvalidArgumentError(
+        `invalid memory.bytes: ${String(bytes)} is smaller than one chunk slot (${slotBytes} bytes)`,
+      )
     }
     const slots = Math.floor(bytes / slotBytes)
     const slotsPerRegion = Math.floor(MAX_REGION / slotBytes)
     const regions: Uint8Array[] = []
+    const native: boolean[] = []
     let kind: MemoryTierStats['pinnedKind'] = 'cuda'
     let reason: string | undefined = opts.nativeReason ?? 'native addon not loaded'
     for (let left = slots; left > 0; left -= slotsPerRegion) {
       const size = Math.min(left, slotsPerRegion) * slotBytes
       const r = await allocateRegion(size, opts.native)
       regions.push(r.bytes)
+      native.push(r.fromAddon)
       if (r.kind === 'none' || (r.kind === 'mlock' && kind === 'cuda')) kind = r.kind
       if (regions.length === 1 || r.kind === 'none') reason = r.reason
     }
     if (!opts.native) kind = 'none'
-    return new MemoryTier(slotBytes, dataOffset, regions, slotsPerRegion, slots, kind, reason)
+    const tier = new MemoryTier(slotBytes, dataOffset, regions, slotsPerRegion, slots, kind, reason)
+    if (opts.native && native.every((n) => n)) tier.#native = opts.native
+    return tier
   }
 
   #slotView(slot: number): Uint8Array {
@@ -269,20 +280,41 @@ export class MemoryTier {
   clear(): void {
     this.#index.clear()
   }
+
+  /**
+   * Empties the index and returns pinned regions to the addon now rather than
+   * at garbage collection. Views handed out earlier read as empty afterwards.
+   */
+  dispose(): void {
+    this.#index.clear()
+    if (!this.#native) return
+    for (const r of this.#regions) {
+      try {
+        this.#native.freePinned(r.buffer as ArrayBuffer)
+      } catch {
+        // Busy (an addon copy still runs) or not a pinned buffer: the GC frees it later.
+      }
+    }
+  }
 }
 
 async function allocateRegion(
   size: number,
   native: NativeModule | undefined,
-): Promise<{ bytes: Uint8Array; kind: MemoryTierStats['pinnedKind']; reason: string | undefined }> {
+): Promise<{
+  bytes: Uint8Array
+  kind: MemoryTierStats['pinnedKind']
+  reason: string | undefined
+  fromAddon: boolean
+}> {
   let reason = 'native addon not loaded: ordinary (pageable) memory'
   if (native) {
     try {
       const a = await native.allocPinned(size)
-      return { bytes: new Uint8Array(a.buffer), kind: a.kind, reason: a.reason }
+      return { bytes: new Uint8Array(a.buffer), kind: a.kind, reason: a.reason, fromAddon: true }
     } catch (e) {
       reason = `allocPinned failed (${(e as Error).message}): ordinary (pageable) memory`
     }
   }
-  return { bytes: new Uint8Array(new ArrayBuffer(size)), kind: 'none', reason }
+  return { bytes: new Uint8Array(new ArrayBuffer(size)), kind: 'none', reason, fromAddon: false }
 }

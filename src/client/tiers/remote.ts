@@ -190,7 +190,11 @@ export class RemoteTier {
   }
 
   /** Presigned store URLs: no Authorization header (the URL carries the grant); Range is kept. */
-  async #followRedirect(url: URL, headers: Record<string, string> | undefined, signal: AbortSignal): Promise<HttpResult> {
+  async #followRedirect(
+    url: URL,
+    headers: Record<string, string> | undefined,
+    signal: AbortSignal,
+  ): Promise<HttpResult> {
     this.#redirects++
     const h: Record<string, string> = {}
     if (headers?.range) h.range = headers.range
@@ -210,7 +214,12 @@ export class RemoteTier {
   async #request(
     method: 'GET' | 'PUT' | 'POST' | 'HEAD',
     path: string,
-    opts: { body?: Uint8Array | string; headers?: Record<string, string>; timeoutMs: number; retries?: number },
+    opts: {
+      body?: Uint8Array | string
+      headers?: Record<string, string>
+      timeoutMs: number
+      retries?: number
+    },
   ): Promise<HttpResult | undefined> {
     if (this.#closed) return undefined
     const retries = opts.retries ?? this.#retries
@@ -247,7 +256,7 @@ export class RemoteTier {
         retries: 0,
       })
       this.counters.readLatency.record(since(t0))
-      if (!r || r.status !== 200) break
+      if (r?.status !== 200) break
       const parsed = parseLookup(r.body, batch.length)
       if (!parsed) {
         this.counters.errors++
@@ -269,7 +278,7 @@ export class RemoteTier {
     const t0 = performance.now()
     const q = layers ? `?layers=${layers[0]}-${layers[1]}` : ''
     const r = await this.#request('GET', `${this.#base}/chunks/${hex}${q}`, { timeoutMs: this.#timeoutMs })
-    if (!r || r.status !== 200) {
+    if (r?.status !== 200) {
       this.counters.misses++
       if (r && r.status !== 404) this.counters.errors++
       return undefined
@@ -396,7 +405,8 @@ function parseLookup(body: Uint8Array, max: number): { present: number; sizes: n
   try {
     const j = JSON.parse(new TextDecoder().decode(body)) as { present?: unknown; sizes?: unknown }
     const present = j.present
-    if (typeof present !== 'number' || !Number.isInteger(present) || present < 0 || present > max) return undefined
+    if (typeof present !== 'number' || !Number.isInteger(present) || present < 0 || present > max)
+      return undefined
     const sizes = Array.isArray(j.sizes) ? j.sizes.filter((s): s is number => typeof s === 'number') : []
     return { present, sizes }
   } catch {

@@ -55,6 +55,7 @@ export interface S3StoreOptions {
 }
 
 const MIB = 1024 * 1024
+const READ_AHEAD_BYTES = 4 * MIB
 
 export class S3Store implements ObjectStore {
   readonly kind = 's3'
@@ -119,9 +120,15 @@ export class S3Store implements ObjectStore {
         offset = Number(m[1])
         size = Number(m[3])
       }
-      const body = res.Body
-        ? (res.Body.transformToWebStream() as ReadableStream<Uint8Array>)
-        : new ReadableStream<Uint8Array>({ start: (c) => c.close() })
+      // Buffer a few MiB ahead of the client so S3 reads and client writes overlap.
+      const body =
+        res.Body instanceof Readable
+          ? (Readable.toWeb(res.Body, {
+              strategy: new ByteLengthQueuingStrategy({ highWaterMark: READ_AHEAD_BYTES }),
+            }) as ReadableStream<Uint8Array>)
+          : res.Body
+            ? (res.Body.transformToWebStream() as ReadableStream<Uint8Array>)
+            : new ReadableStream<Uint8Array>({ start: (c) => c.close() })
       return { body, size, offset, length }
     } catch (e) {
       if (isNotFound(e)) return undefined
@@ -157,7 +164,10 @@ export class S3Store implements ObjectStore {
     let Body: Uint8Array | Readable
     if (body instanceof Uint8Array) Body = body
     else {
-      const readable = Readable.from(exactly(body, size), { objectMode: false })
+      const readable = Readable.from(exactly(body, size), {
+        objectMode: false,
+        highWaterMark: READ_AHEAD_BYTES,
+      })
       readable.once('error', (e) => {
         bodyError = e
         abort.abort(e)
