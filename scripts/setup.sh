@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-npm ci --no-fund --no-audit
+npm install --no-fund --no-audit

@@ -281,7 +281,7 @@ export function argmax(x: ArrayLike<number>): number {
 
 // out = W x for W [nOut, nIn] at wOff. Two rows per pass share each load of x (~20%
 // faster than one row in V8); float64 accumulators.
-function matvec(
+export function matvec(
   out: Float32Array,
   x: Float32Array,
   w: Float32Array,

@@ -23,6 +23,7 @@ export {
   type KvCacheOptions,
   KvCacheState,
   MAX_POSITIONS,
+  matvec,
   type PrefillOptions,
   type PrefillResult,
   Transformer,
