@@ -81,9 +81,9 @@ describe.skipIf(!data.paths)('codec on real KV (stories260K)', () => {
     const { transformer, tokenizer } = loadStories260k()
     const { cache } = transformer.prefill(tokenizer.encode(SAMPLE_STORIES[0]!).slice(0, 300))
     const rt = roundTripCache(cache, roundTrip('lossless'))
-    rt.exact.forEach((e, i) =>
-      expect(Buffer.compare(Buffer.from(e), Buffer.from(rt.roundTripped[i]!))).toBe(0),
-    )
+    for (const [i, e] of rt.exact.entries()) {
+      expect(Buffer.compare(Buffer.from(e), Buffer.from(rt.roundTripped[i]!))).toBe(0)
+    }
     expect(rt.encodedBytes!).toBeLessThan(rt.rawBytes)
   })
 })
