@@ -6,7 +6,7 @@
 
 use crate::bytes::{put_u32, put_varint, unzigzag, zigzag, BitReader, BitWriter, Reader};
 use crate::half::{self, DT_BF16, DT_F16};
-use crate::rans::{decode_block, encode_block};
+use crate::rans::{decode_block, encode_block, uninit_vec};
 
 /// Symbols 0..DIRECT are zigzag residuals; above, (bucket, extra raw bits).
 const DIRECT: u32 = 64;
@@ -65,20 +65,14 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     let ranges = p.levels_c > 0.0;
     for tt in 0..t {
         let row = &x[tt * c..(tt + 1) * c];
-        let mut rs = 0f32;
-        let mut rm = 0f32;
-        for ch in 0..c {
-            let v = row[ch];
-            let v = if v.is_finite() { v } else { 0.0 };
-            ch_sum[ch] += v;
-            ch_ss[ch] += v * v;
-            rs += v * v;
-            rm = rm.max(v.abs());
-            if ranges {
-                ch_min[ch] = ch_min[ch].min(v);
-                ch_max[ch] = ch_max[ch].max(v);
-            }
-        }
+        let (rs, rm) = row_stats(
+            row,
+            &mut ch_sum,
+            &mut ch_ss,
+            &mut ch_min,
+            &mut ch_max,
+            ranges,
+        );
         row_ss[tt] = rs as f64;
         row_max[tt] = rm;
     }
@@ -125,7 +119,7 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     let inv_c: Vec<f32> = step_c.iter().map(|&s| 1.0 / s).collect();
     let inv_t: Vec<f32> = tok_codes.iter().map(|&k| 1.0 / scale_of(k)).collect();
     // Pass 2: quantize.
-    let mut q = vec![0i32; t * c];
+    let mut q: Vec<i32> = uninit_vec(t * c);
     for tt in 0..t {
         quantize_row(
             &x[tt * c..(tt + 1) * c],
@@ -172,7 +166,7 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
         flags |= F_MODES;
     }
     // Pass 3: residual symbols, per-channel histograms, escape bits.
-    let mut syms = vec![0u8; t * c];
+    let mut syms: Vec<u8> = uninit_vec(t * c);
     let mut hist = vec![0u32; c * ALPHABET];
     let mut bits = BitWriter::new();
     let mut pred = centers.clone();
@@ -180,7 +174,8 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     for tt in 0..t {
         let qr = &q[tt * c..(tt + 1) * c];
         let sr = &mut syms[tt * c..(tt + 1) * c];
-        for ch in 0..c {
+        let done = row_symbols_fast(qr, &mut pred, &centers, &dmask, sr);
+        for ch in done..c {
             let v = qr[ch];
             let z = zigzag(v.wrapping_sub(pred[ch]));
             // Delta channels predict from this token next time; constant ones keep the centre.
@@ -193,7 +188,9 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
                 DIRECT + 2 * (k - DIRECT_BITS) + ((z >> (k - 1)) & 1)
             };
             sr[ch] = s as u8;
-            hist[ch * ALPHABET + s as usize] += 1;
+        }
+        for (ch, &sym) in sr.iter().enumerate() {
+            hist[ch * ALPHABET + sym as usize] += 1;
         }
     }
     out.extend_from_slice(&base.to_le_bytes());
@@ -220,6 +217,133 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     put_u32(out, extra.len() as u32);
     out.extend_from_slice(&extra);
     encode_block(out, &syms, &hist, t, c, ALPHABET, p.max_classes);
+}
+
+/// Adds one row to the channel statistics; returns (Σx², max|x|) of the row.
+/// Non-finite values count as 0.
+fn row_stats(
+    row: &[f32],
+    sum: &mut [f32],
+    ss: &mut [f32],
+    mn: &mut [f32],
+    mx: &mut [f32],
+    ranges: bool,
+) -> (f32, f32) {
+    let c = row.len();
+    let mut rs = 0f32;
+    let mut rm = 0f32;
+    let mut ch = 0;
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    unsafe {
+        use core::arch::wasm32::*;
+        let inf = f32x4_splat(f32::INFINITY);
+        let mut vrs = f32x4_splat(0.0);
+        let mut vrm = f32x4_splat(0.0);
+        // SAFETY: ch + 4 ≤ c = row.len() = every per-channel slice's length.
+        while ch + 4 <= c {
+            let v = v128_load(row.as_ptr().add(ch) as *const v128);
+            let a = f32x4_abs(v);
+            let ok = f32x4_lt(a, inf);
+            let v = v128_and(v, ok);
+            let a = v128_and(a, ok);
+            let v2 = f32x4_mul(v, v);
+            let ps = sum.as_mut_ptr().add(ch) as *mut v128;
+            v128_store(ps, f32x4_add(v128_load(ps), v));
+            let pq = ss.as_mut_ptr().add(ch) as *mut v128;
+            v128_store(pq, f32x4_add(v128_load(pq), v2));
+            vrs = f32x4_add(vrs, v2);
+            vrm = f32x4_pmax(vrm, a);
+            if ranges {
+                let pn = mn.as_mut_ptr().add(ch) as *mut v128;
+                v128_store(pn, f32x4_pmin(v128_load(pn), v));
+                let px = mx.as_mut_ptr().add(ch) as *mut v128;
+                v128_store(px, f32x4_pmax(v128_load(px), v));
+            }
+            ch += 4;
+        }
+        rs += f32x4_extract_lane::<0>(vrs)
+            + f32x4_extract_lane::<1>(vrs)
+            + f32x4_extract_lane::<2>(vrs)
+            + f32x4_extract_lane::<3>(vrs);
+        for l in [
+            f32x4_extract_lane::<0>(vrm),
+            f32x4_extract_lane::<1>(vrm),
+            f32x4_extract_lane::<2>(vrm),
+            f32x4_extract_lane::<3>(vrm),
+        ] {
+            if l > rm {
+                rm = l;
+            }
+        }
+    }
+    for ch in ch..c {
+        let v = row[ch];
+        let v = if v.is_finite() { v } else { 0.0 };
+        sum[ch] += v;
+        ss[ch] += v * v;
+        rs += v * v;
+        // Plain compares: f32::max/min become libm calls in wasm.
+        let a = v.abs();
+        if a > rm {
+            rm = a;
+        }
+        if ranges {
+            if v < mn[ch] {
+                mn[ch] = v;
+            }
+            if v > mx[ch] {
+                mx[ch] = v;
+            }
+        }
+    }
+    (rs, rm)
+}
+
+/// Residual symbols of one row, 4 channels at a time, while they are all direct
+/// (no escape bits); returns how many channels it did. Updates the predictions.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+fn row_symbols_fast(
+    q: &[i32],
+    pred: &mut [i32],
+    centers: &[i32],
+    dmask: &[i32],
+    out: &mut [u8],
+) -> usize {
+    use core::arch::wasm32::*;
+    let c = q.len();
+    let lim = u32x4_splat(DIRECT);
+    let mut ch = 0;
+    // SAFETY: ch + 4 ≤ c, and every slice here has c elements.
+    unsafe {
+        while ch + 4 <= c {
+            let v = v128_load(q.as_ptr().add(ch) as *const v128);
+            let pp = pred.as_mut_ptr().add(ch) as *mut v128;
+            let r = i32x4_sub(v, v128_load(pp));
+            let z = v128_xor(i32x4_shl(r, 1), i32x4_shr(r, 31));
+            if !u32x4_all_true(u32x4_lt(z, lim)) {
+                break;
+            }
+            let dm = v128_load(dmask.as_ptr().add(ch) as *const v128);
+            let cv = v128_load(centers.as_ptr().add(ch) as *const v128);
+            v128_store(pp, v128_bitselect(v, cv, dm));
+            let b = u8x16_narrow_i16x8(i16x8_narrow_i32x4(z, z), i16x8_narrow_i32x4(z, z));
+            let w = i32x4_extract_lane::<0>(b) as u32;
+            core::ptr::copy_nonoverlapping(w.to_le_bytes().as_ptr(), out.as_mut_ptr().add(ch), 4);
+            ch += 4;
+        }
+    }
+    ch
+}
+
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+fn row_symbols_fast(
+    _q: &[i32],
+    _pred: &mut [i32],
+    _centers: &[i32],
+    _dmask: &[i32],
+    _out: &mut [u8],
+) -> usize {
+    0
 }
 
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
@@ -264,7 +388,14 @@ fn quantize_one(v: f32) -> i32 {
     if v.is_nan() {
         return 0;
     }
-    let r = v.max(-(QMAX as f32)).min(QMAX as f32);
+    let lim = QMAX as f32;
+    let r = if v > lim {
+        lim
+    } else if v < -lim {
+        -lim
+    } else {
+        v
+    };
     // Round half to even, as f32x4.nearest does in the SIMD path.
     let f = r.floor();
     let d = r - f;
