@@ -491,13 +491,12 @@ mod simd {
     #[inline(always)]
     pub fn f32x4_to_f16(f: v128) -> v128 {
         let sign = v128_and(f, u32x4_splat(0x8000_0000));
+        // |f| as bits is in 0..2^31, so signed compares are exact (and cheaper than unsigned ones).
         let a = v128_xor(f, sign);
-        let f16max = u32x4_splat((127 + 16) << 23);
-        let inf = u32x4_splat(255 << 23);
-        let big = u32x4_ge(a, f16max);
-        let nan = u32x4_gt(a, inf);
-        let o_big = v128_bitselect(u32x4_splat(0x7e00), u32x4_splat(0x7c00), nan);
-        let small = u32x4_lt(a, u32x4_splat(113 << 23));
+        let big = i32x4_gt(a, i32x4_splat(((127 + 16) << 23) - 1));
+        let nan = i32x4_gt(a, i32x4_splat(255 << 23));
+        let o_big = v128_or(u32x4_splat(0x7c00), v128_and(nan, u32x4_splat(0x0200)));
+        let small = i32x4_lt(a, i32x4_splat(113 << 23));
         let magic = u32x4_splat(((127 - 15) + (23 - 10) + 1) << 23);
         let o_small = i32x4_sub(f32x4_add(a, magic), magic);
         let odd = v128_and(u32x4_shr(a, 13), u32x4_splat(1));
@@ -522,57 +521,63 @@ mod simd {
     }
 }
 
+/// SIMD reconstruction of the direct-symbol part of a row (8 channels at a time);
+/// returns how many channels it wrote. Specialised on whether any channel is
+/// delta-predicted, whether the step is one scalar (V: per-token steps) or per
+/// channel (K), and the output dtype, so the inner loop carries no branches.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-fn row_fast(
+fn row_fast<const DELTA: bool, const UNIFORM: bool, const DT: u32>(
     ctx: &RowCtx,
+    step: &[f32],
+    s0: f32,
     row: &[u8],
-    m: f32,
     prev: &mut [i32],
-    dtype: u32,
     dst: &mut [u8],
     o: usize,
 ) -> usize {
     use core::arch::wasm32::*;
     let c = row.len();
-    let eb = if dtype == DT_F16 || dtype == DT_BF16 {
-        2
-    } else {
-        4
-    };
-    if dst.len() < (o + c) * eb {
+    let eb = if DT == DT_F16 || DT == DT_BF16 { 2 } else { 4 };
+    if dst.len() < (o + c) * eb || step.len() < c || prev.len() < c {
         return 0;
     }
-    let vm = f32x4_splat(m);
+    let vs = f32x4_splat(s0);
     let one = u32x4_splat(1);
     let mut ch = 0;
+    // SAFETY: ch + 8 ≤ c bounds every per-channel slice (all ≥ c long) and the
+    // output (checked above).
     unsafe {
         while ch + 8 <= c {
             let w = u16x8_extend_low_u8x16(v128_load64_zero(row.as_ptr().add(ch) as *const u64));
             let sv = [u32x4_extend_low_u16x8(w), u32x4_extend_high_u16x8(w)];
-            let mut outv = [u32x4_splat(0); 2];
+            let mut outv = [vs; 2];
             for h in 0..2 {
                 let b = ch + 4 * h;
-                let s = sv[h];
-                let r = v128_xor(u32x4_shr(s, 1), i32x4_neg(v128_and(s, one)));
-                let dm = v128_load(ctx.dmask.as_ptr().add(b) as *const v128);
-                let pv = v128_load(prev.as_ptr().add(b) as *const v128);
+                let z = sv[h];
+                let r = v128_xor(u32x4_shr(z, 1), i32x4_neg(v128_and(z, one)));
                 let cv = v128_load(ctx.centers.as_ptr().add(b) as *const v128);
-                let qv = i32x4_add(v128_bitselect(pv, cv, dm), r);
-                v128_store(prev.as_mut_ptr().add(b) as *mut v128, qv);
-                outv[h] = f32x4_mul(
-                    f32x4_mul(
-                        f32x4_convert_i32x4(qv),
-                        v128_load(ctx.step.as_ptr().add(b) as *const v128),
-                    ),
-                    vm,
-                );
+                let qv = if DELTA {
+                    let dm = v128_load(ctx.dmask.as_ptr().add(b) as *const v128);
+                    let pv = v128_load(prev.as_ptr().add(b) as *const v128);
+                    let qv = i32x4_add(v128_bitselect(pv, cv, dm), r);
+                    v128_store(prev.as_mut_ptr().add(b) as *mut v128, qv);
+                    qv
+                } else {
+                    i32x4_add(cv, r)
+                };
+                let sc = if UNIFORM {
+                    vs
+                } else {
+                    v128_load(step.as_ptr().add(b) as *const v128)
+                };
+                outv[h] = f32x4_mul(f32x4_convert_i32x4(qv), sc);
             }
             let p = dst.as_mut_ptr().add((o + ch) * eb);
-            if dtype == DT_BF16 {
+            if DT == DT_BF16 {
                 let v =
                     u16x8_narrow_i32x4(simd::f32x4_to_bf16(outv[0]), simd::f32x4_to_bf16(outv[1]));
                 v128_store(p as *mut v128, v);
-            } else if dtype == DT_F16 {
+            } else if DT == DT_F16 {
                 let v =
                     u16x8_narrow_i32x4(simd::f32x4_to_f16(outv[0]), simd::f32x4_to_f16(outv[1]));
                 v128_store(p as *mut v128, v);
@@ -584,6 +589,37 @@ fn row_fast(
         }
     }
     ch
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[allow(clippy::too_many_arguments)]
+fn row_fast_any(
+    ctx: &RowCtx,
+    step: &[f32],
+    s0: f32,
+    row: &[u8],
+    prev: &mut [i32],
+    dtype: u32,
+    dst: &mut [u8],
+    o: usize,
+    delta: bool,
+    uniform: bool,
+) -> usize {
+    macro_rules! go {
+        ($d:expr, $u:expr) => {
+            match dtype {
+                DT_F16 => row_fast::<$d, $u, DT_F16>(ctx, step, s0, row, prev, dst, o),
+                DT_BF16 => row_fast::<$d, $u, DT_BF16>(ctx, step, s0, row, prev, dst, o),
+                _ => row_fast::<$d, $u, 3>(ctx, step, s0, row, prev, dst, o),
+            }
+        };
+    }
+    match (delta, uniform) {
+        (true, true) => go!(true, true),
+        (true, false) => go!(true, false),
+        (false, true) => go!(false, true),
+        (false, false) => go!(false, false),
+    }
 }
 
 /// Decodes one stream into elements [offset, offset + T×C) of `dst`.
@@ -633,6 +669,16 @@ pub fn decode_stream(
     decode_block(r, t, c, ALPHABET, syms)?;
     let mut bits = BitReader::new(extra);
     let mut prev = centers.clone();
+    let any_delta = dmask.iter().any(|&d| d != 0);
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    let mut scaled = vec![
+        0f32;
+        if flags & F_CHSCALE != 0 && flags & F_TOKSCALE != 0 {
+            c
+        } else {
+            0
+        }
+    ];
     let ctx = RowCtx {
         step: &step,
         centers: &centers,
@@ -644,7 +690,30 @@ pub fn decode_stream(
         #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
         {
             if simd::row_direct(row) {
-                let done = row_fast(&ctx, row, mt[tt], &mut prev, dtype, dst, o);
+                // Steps for this row: one scalar when there are no channel steps,
+                // else per channel (times the token multiplier when there is one).
+                let m = mt[tt];
+                let uniform = flags & F_CHSCALE == 0;
+                let rstep: &[f32] = if uniform || m == 1.0 {
+                    &step
+                } else {
+                    for (d, &s) in scaled.iter_mut().zip(step.iter()) {
+                        *d = s * m;
+                    }
+                    &scaled
+                };
+                let done = row_fast_any(
+                    &ctx,
+                    rstep,
+                    base * m,
+                    row,
+                    &mut prev,
+                    dtype,
+                    dst,
+                    o,
+                    any_delta,
+                    uniform,
+                );
                 let sub = RowCtx {
                     step: &step[done..],
                     centers: &centers[done..],
