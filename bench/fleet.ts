@@ -3,7 +3,7 @@
 // S3 requests and their list-price cost per 1,000 prefix hits, stored bytes, prefill saved.
 // Run: node --import tsx bench/fleet.ts [--help]   (or: npx kvgate bench fleet)
 
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import { mkdtempSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { parseArgs } from 'node:util'
@@ -13,8 +13,8 @@ import { type FleetResult, pct, runFleet } from '../src/fleet/run.ts'
 import { FsStore, S3Store } from '../src/gateway/node.ts'
 import type { ObjectStore } from '../src/gateway/stores/types.ts'
 import { type Rgw, rgwFromEnv, startRgw } from '../test/support/rgw.ts'
-import { barPanel, linePanel, stackPanels } from './lib/e2e-chart.ts'
-import { type BarResult, machineLine, RESULTS_DIR, table, writeResult } from './lib/stats.ts'
+import { type BarResult, machineLine, table, writeResult } from './lib/stats.ts'
+import { barChart, lineChart, stackSvgs, writeSvg } from './lib/svg-chart.ts'
 
 const HELP = `Usage: kvgate bench fleet [options]   (node --import tsx bench/fleet.ts [options])
 
@@ -260,44 +260,47 @@ const bars: BarResult[] = [
 
 // ---------------------------------------------------------------- chart
 const win = Math.max(5, Math.floor(t.requests / 20))
-const timeline = (pick: (r: FleetResult['requests'][number]) => number) => {
-  const pts: { x: number; y: number }[] = []
+const timeline = (pick: (r: FleetResult['requests'][number]) => number): [number, number][] => {
+  const pts: [number, number][] = []
   for (let i = 0; i + win <= result.requests.length; i += Math.max(1, Math.floor(win / 2))) {
     const slice = result.requests.slice(i, i + win)
     const chunks = slice.reduce((a, r) => a + r.chunks, 0)
-    pts.push({ x: i + win, y: chunks > 0 ? slice.reduce((a, r) => a + pick(r), 0) / chunks : 0 })
+    pts.push([i + win, chunks > 0 ? (100 * slice.reduce((a, r) => a + pick(r), 0)) / chunks : 0])
   }
   return pts
 }
-const joins = result.nodes
-  .filter((n) => n.joinAt > 0)
-  .map((n) => `node ${n.node} joins at ${n.joinAt}`)
-  .join(', ')
-const svg = stackPanels([
-  linePanel(
-    `Chunk hit rate over the run (windows of ${win} requests${joins ? `; ${joins}` : ''})`,
-    'request',
-    'hit rate',
-    [
-      { label: 'actual (all tiers)', points: timeline((r) => r.served) },
-      { label: 'oracle', points: timeline((r) => r.oracle), dashed: true },
-      { label: 'from L4 (gateway)', points: timeline((r) => r.byTier.remote) },
+const joins = result.nodes.filter((n) => n.joinAt > 0).map((n) => `node ${n.node} joins at ${n.joinAt}`)
+const MiB = 1024 ** 2
+const svg = stackSvgs([
+  lineChart({
+    title: `Chunk hit rate over the run, windows of ${win} requests${joins.length ? ` (${joins.join(', ')})` : ''}`,
+    xLabel: 'request',
+    yLabel: '% of chunks requested',
+    series: [
+      { name: 'oracle', points: timeline((r) => r.oracle), color: '#999999' },
+      { name: 'actual, all tiers', points: timeline((r) => r.served) },
+      { name: 'actual, from L4', points: timeline((r) => r.byTier.remote) },
     ],
-    1,
-  ),
-  barPanel(
-    'Bytes moved per tier',
-    [
-      { label: 'L1 read', value: result.bytes.read.memory },
-      { label: 'L2 read', value: result.bytes.read.disk },
-      { label: 'L4 read (encoded)', value: result.bytes.read.remote },
-      { label: 'L2 written', value: result.bytes.written.disk },
-      { label: 'L4 written (encoded)', value: result.bytes.written.remote },
+  }),
+  barChart({
+    title: `Bytes moved per tier (${storeLabel}, codec ${codec})`,
+    categories: ['L1 read', 'L2 read', 'L4 read', 'L2 written', 'L4 written'],
+    series: [
+      {
+        name: 'MiB',
+        values: [
+          result.bytes.read.memory,
+          result.bytes.read.disk,
+          result.bytes.read.remote,
+          result.bytes.written.disk,
+          result.bytes.written.remote,
+        ].map((b) => b / MiB),
+      },
     ],
-    fmtB,
-  ),
+    yLabel: 'MiB',
+    digits: 1,
+  }),
 ])
-const svgPath = join(RESULTS_DIR, `${outName}.svg`)
 const { requests: perRequest, ...summary } = result
 const path = writeResult({
   name: outName,
@@ -317,7 +320,7 @@ const path = writeResult({
   ]),
   timelineColumns: ['seq', 'node', 'chunks', 'served', 'oracle', 'l1', 'l2', 'l4'],
 })
-writeFileSync(svgPath, svg)
+const svgPath = writeSvg(outName, svg)
 console.log(`\nbars:`)
 for (const b of bars)
   console.log(
