@@ -154,6 +154,13 @@ export async function runDemo(opts: DemoOptions = {}): Promise<DemoResult> {
     (g) => `— listening on ${g.url}`,
   )
   let gwOpen = true
+  // Ctrl-C: stop the nodes and remove the temp dir instead of leaving them behind.
+  const onSigint = () => {
+    for (const w of workers) w.process.kill('SIGKILL')
+    if (!keep) rmSync(workDir, { recursive: true, force: true })
+    process.exit(130)
+  }
+  process.once('SIGINT', onSigint)
   try {
     // A run in a kept directory must start cold: a new namespace per run.
     const namespace = `demo-${Date.now().toString(36)}`
@@ -247,6 +254,7 @@ export async function runDemo(opts: DemoOptions = {}): Promise<DemoResult> {
     if (promptText !== undefined) result.promptText = promptText
     return result
   } finally {
+    process.off('SIGINT', onSigint)
     for (const w of workers) await w.close(2000)
     if (gwOpen) await gw.close(1000)
     if (!keep) rmSync(workDir, { recursive: true, force: true })
