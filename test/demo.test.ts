@@ -50,13 +50,16 @@ describe('kvgate demo, synthetic Llama-3.1-8B-shaped KV', () => {
     expect(steps.some((l) => l.startsWith('[4/5] node B'))).toBe(true)
   })
 
-  it('CLI --json, lossy default codec, without the native addon: exit 0, JSON on stdout, error within bound', () => {
-    const r = cli(['--synthetic', '--chunk-tokens', '16', '--chunks', '2', '--json'], {
+  it('CLI --json on a "fresh machine" (no model files, no native addon): synthetic KV, lossy default codec, exit 0', () => {
+    const r = cli(['--chunk-tokens', '16', '--chunks', '2', '--json'], {
       KVGATE_NATIVE_PATH: '/nonexistent/kvgate_native.node',
+      KVGATE_SHARED_DATA: '/nonexistent/shared-data',
     })
     expect(r.code, r.stderr).toBe(0)
     const j = JSON.parse(r.stdout) as DemoResult
     expect(j.ok).toBe(true)
+    expect(j.mode).toBe('synthetic')
+    expect(j.modeReason).toMatch(/KVGATE_SHARED_DATA/)
     expect(j.codec).toBe('kvgate')
     expect(j.nodeA.stats.native.loaded).toBe(false)
     expect(j.nodeB.stats.native.loaded).toBe(false)

@@ -59,7 +59,7 @@ export function renderDemo(r: DemoResult): string {
     `prefill saved: ${r.saved.tokens} of ${r.promptTokens} tokens (${pct}%); node A spent ${fmtMs(r.saved.prefillMs)} ${how}, node B ${fmtMs(r.saved.fetchMs)} fetching them`,
   )
   out.push(
-    `node B recomputed ${b.recomputedTokens} tokens (${b.retrievedTokens > 0 ? 'the partial tail' : 'the whole prompt'}) in ${fmtMs(b.recomputeMs)}; ready to decode after ${fmtMs(r.saved.fetchMs + b.recomputeMs)} vs ${fmtMs(a.prefillMs)} for node A's full prefill (both processes warmed up first)`,
+    `node B recomputed ${b.recomputedTokens} tokens (${b.retrievedTokens > 0 ? 'the partial tail' : 'the whole prompt'}) in ${fmtMs(b.recomputeMs)}; ready to decode after ${fmtMs(r.saved.fetchMs + b.recomputeMs)} vs ${fmtMs(a.prefillMs)} for node A's full ${r.mode === 'model' ? 'prefill' : 'KV generation'} (both processes warmed up first)`,
   )
   if (r.mode === 'model') {
     out.push('')

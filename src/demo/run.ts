@@ -96,7 +96,9 @@ export async function runDemo(opts: DemoOptions = {}): Promise<DemoResult> {
   let modeReason: string | undefined
   const continueTokens = opts.continueTokens ?? 32
   const modelDir = opts.synthetic ? undefined : resolveModelDir(opts.modelDir)
-  if (modelDir && !modelDir.dir) throw new InvalidArgumentError(modelDir.reason)
+  // An explicit --model that is wrong is an error; model files merely absent mean synthetic KV.
+  if (opts.modelDir !== undefined && modelDir && !modelDir.dir)
+    throw new InvalidArgumentError(modelDir.reason)
   let chunkTokens: number
   if (modelDir?.dir) {
     const ckpt = loadCheckpointFile(join(modelDir.dir, MODEL_FILE))
