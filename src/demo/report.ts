@@ -39,6 +39,12 @@ export function renderDemo(r: DemoResult): string {
       ? `model: ${r.model.modelId} (TypeScript forward pass), ${r.chunkTokens}-token chunks, codec ${r.codec}`
       : `synthetic ${r.model.modelId}-shaped KV (${r.modeReason ?? 'no model'}), ${r.chunkTokens}-token chunks, codec ${r.codec}`,
   )
+  const nat = a.stats.native
+  out.push(
+    nat.loaded
+      ? 'L1 is pinned host memory from the native addon'
+      : 'L1 is plain memory: the native addon is not loaded (scripts/build-native.sh builds it; --json says why)',
+  )
   out.push('')
   const w = 12
   const rowsA = tierRows(a.stats)
