@@ -1,7 +1,7 @@
 // Shared argument handling for subcommands: node:util parseArgs plus a uniform
 // --help and a clear error when a flag is wrong.
 
-import { parseArgs, type ParseArgsConfig } from 'node:util'
+import { type ParseArgsConfig, parseArgs } from 'node:util'
 import { InvalidArgumentError } from '../core/errors.ts'
 
 export type Options = NonNullable<ParseArgsConfig['options']>

@@ -11,30 +11,28 @@ export interface CommandModule {
 
 interface CommandEntry {
   summary: string
-  load: () => Promise<CommandModule>
 }
 
 // Registered up front so `--help` can list them; the module is imported on use.
 const COMMANDS: Record<string, CommandEntry> = {
   demo: {
     summary: 'two nodes share a prompt prefix through a local gateway (the main job)',
-    load: () => import('./commands/demo.ts'),
   },
-  serve: { summary: 'run the gateway (fs store by default, or S3)', load: () => import('./commands/serve.ts') },
+  serve: { summary: 'run the gateway (fs store by default, or S3)' },
   inspect: {
     summary: "print a chunk object's header, layer index and checksums",
-    load: () => import('./commands/inspect.ts'),
   },
-  keys: { summary: 'compute chained prefix keys for a token list', load: () => import('./commands/keys.ts') },
+  keys: { summary: 'compute chained prefix keys for a token list' },
   smoke: {
     summary: 'put, get and look up a chunk against a running gateway',
-    load: () => import('./commands/smoke.ts'),
   },
-  bench: { summary: 'run a benchmark (codec, gateway, native, client, fleet)', load: () => import('./commands/bench.ts') },
+  bench: { summary: 'run a benchmark (codec, gateway, native, client, fleet)' },
 }
 
 export function version(): string {
-  const pkg = JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string }
+  const pkg = JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as {
+    version: string
+  }
   return pkg.version
 }
 
@@ -59,7 +57,7 @@ export async function main(argv: string[]): Promise<number> {
   const [first, ...rest] = argv
   if (first === undefined || first === '-h' || first === '--help' || first === 'help') {
     const target = first === 'help' ? rest[0] : undefined
-    if (target && COMMANDS[target]) return main([target, '--help'])
+    if (target && Object.hasOwn(COMMANDS, target)) return main([target, '--help'])
     console.log(usage())
     return first === undefined ? 1 : 0
   }
@@ -67,14 +65,15 @@ export async function main(argv: string[]): Promise<number> {
     console.log(version())
     return 0
   }
-  const entry = COMMANDS[first]
+  const entry = Object.hasOwn(COMMANDS, first) ? COMMANDS[first] : undefined
   if (!entry) {
     console.error(`kvgate: unknown command '${first}'. Run 'kvgate --help' for the list.`)
     return 2
   }
   let mod: CommandModule
   try {
-    mod = await entry.load()
+    // Computed specifier: commands land in separate modules and load only on use.
+    mod = (await import(`./commands/${first}.ts`)) as CommandModule
   } catch (e) {
     console.error(`kvgate: command '${first}' is not available in this build (${(e as Error).message})`)
     return 2
@@ -82,7 +81,8 @@ export async function main(argv: string[]): Promise<number> {
   return mod.run(rest)
 }
 
-const invokedDirectly = process.argv[1] !== undefined && /(?:main\.ts|kvgate(?:\.mjs)?)$/.test(process.argv[1])
+const invokedDirectly =
+  process.argv[1] !== undefined && /(?:main\.ts|kvgate(?:\.mjs)?)$/.test(process.argv[1])
 if (invokedDirectly) {
   main(process.argv.slice(2)).then(
     (code) => {

@@ -87,7 +87,9 @@ export function decodeElements(bytes: Uint8Array, dtype: Dtype, out?: Float32Arr
     return res
   }
   const u16 =
-    bytes.byteOffset % 2 === 0 ? new Uint16Array(bytes.buffer, bytes.byteOffset, n) : new Uint16Array(bytes.slice().buffer, 0, n)
+    bytes.byteOffset % 2 === 0
+      ? new Uint16Array(bytes.buffer, bytes.byteOffset, n)
+      : new Uint16Array(bytes.slice().buffer, 0, n)
   const conv = dtype === 'bf16' ? bf16ToF32 : f16ToF32
   for (let i = 0; i < n; i++) res[i] = conv(u16[i]!)
   return res

@@ -87,7 +87,10 @@ export class FormatError extends KvgateError {
 }
 
 export class CodecError extends KvgateError {
-  constructor(message: string, options: KvgateErrorOptions & { code?: 'ERR_CODEC' | 'ERR_CODEC_MISMATCH' } = {}) {
+  constructor(
+    message: string,
+    options: KvgateErrorOptions & { code?: 'ERR_CODEC' | 'ERR_CODEC_MISMATCH' } = {},
+  ) {
     super(options.code ?? 'ERR_CODEC', message, { status: 400, ...options })
     this.name = 'CodecError'
   }
@@ -121,6 +124,9 @@ export class ConfigError extends KvgateError {
 export function isKvgateError(e: unknown): e is KvgateError {
   return (
     e instanceof KvgateError ||
-    (typeof e === 'object' && e !== null && typeof (e as { code?: unknown }).code === 'string' && 'status' in e)
+    (typeof e === 'object' &&
+      e !== null &&
+      typeof (e as { code?: unknown }).code === 'string' &&
+      'status' in e)
   )
 }

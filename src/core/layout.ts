@@ -40,11 +40,23 @@ export interface ModelPreset extends KvGeometry {
 /** Geometries of models people run. The key seed covers all of these fields. */
 export const MODEL_PRESETS = {
   'llama-3.1-8b': { modelId: 'meta-llama/Llama-3.1-8B', layers: 32, kvHeads: 8, headDim: 128, dtype: 'bf16' },
-  'llama-3.1-70b': { modelId: 'meta-llama/Llama-3.1-70B', layers: 80, kvHeads: 8, headDim: 128, dtype: 'bf16' },
+  'llama-3.1-70b': {
+    modelId: 'meta-llama/Llama-3.1-70B',
+    layers: 80,
+    kvHeads: 8,
+    headDim: 128,
+    dtype: 'bf16',
+  },
   'mistral-7b': { modelId: 'mistralai/Mistral-7B-v0.3', layers: 32, kvHeads: 8, headDim: 128, dtype: 'bf16' },
   'qwen2.5-7b': { modelId: 'Qwen/Qwen2.5-7B', layers: 28, kvHeads: 4, headDim: 128, dtype: 'bf16' },
   /** The llama2.c TinyStories model in ../shared/data (dim 64, 5 layers, 4 KV heads of 8). */
-  'stories260k': { modelId: 'karpathy/tinyllamas/stories260K', layers: 5, kvHeads: 4, headDim: 8, dtype: 'fp16' },
+  stories260k: {
+    modelId: 'karpathy/tinyllamas/stories260K',
+    layers: 5,
+    kvHeads: 4,
+    headDim: 8,
+    dtype: 'fp16',
+  },
 } as const satisfies Record<string, ModelPreset>
 
 export type PresetName = keyof typeof MODEL_PRESETS
@@ -62,11 +74,13 @@ function checkDim(name: string, v: unknown, max: number): void {
 
 /** Throws InvalidArgumentError unless `g` is a usable geometry. */
 export function validateGeometry(g: KvGeometry): KvGeometry {
-  if (typeof g !== 'object' || g === null) throw new InvalidArgumentError('invalid geometry: expected an object')
+  if (typeof g !== 'object' || g === null)
+    throw new InvalidArgumentError('invalid geometry: expected an object')
   checkDim('layers', g.layers, MAX_LAYERS)
   checkDim('kvHeads', g.kvHeads, MAX_KV_HEADS)
   checkDim('headDim', g.headDim, MAX_HEAD_DIM)
-  if (!(g.dtype in DTYPE_CODES)) throw new InvalidArgumentError(`invalid dtype: ${String(g.dtype)} (fp16, bf16 or fp32)`)
+  if (!(g.dtype in DTYPE_CODES))
+    throw new InvalidArgumentError(`invalid dtype: ${String(g.dtype)} (fp16, bf16 or fp32)`)
   return g
 }
 
@@ -117,9 +131,17 @@ export function kvRange(g: KvGeometry, tokens: number, layer: number, kind: 0 | 
  * Copies tokens [from, to) of every layer out of a chunk tensor into a new chunk
  * tensor of `to - from` tokens (used for partial hits and token-range retrieves).
  */
-export function sliceTokens(g: KvGeometry, chunk: Uint8Array, tokens: number, from: number, to: number): Uint8Array {
+export function sliceTokens(
+  g: KvGeometry,
+  chunk: Uint8Array,
+  tokens: number,
+  from: number,
+  to: number,
+): Uint8Array {
   if (chunk.byteLength !== chunkBytes(g, tokens)) {
-    throw new InvalidArgumentError(`chunk tensor is ${chunk.byteLength} bytes, geometry says ${chunkBytes(g, tokens)}`)
+    throw new InvalidArgumentError(
+      `chunk tensor is ${chunk.byteLength} bytes, geometry says ${chunkBytes(g, tokens)}`,
+    )
   }
   if (!Number.isInteger(from) || !Number.isInteger(to) || from < 0 || to > tokens || from >= to) {
     throw new InvalidArgumentError(`invalid token range [${from}, ${to}) for ${tokens} tokens`)

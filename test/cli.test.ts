@@ -1,0 +1,85 @@
+import { execFile } from 'node:child_process'
+import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { promisify } from 'node:util'
+import { describe, expect, it } from 'vitest'
+import { chainKeys } from '../src/core/keys.ts'
+import { MODEL_PRESETS } from '../src/core/layout.ts'
+
+const exec = promisify(execFile)
+const bin = new URL('../bin/kvgate.mjs', import.meta.url).pathname
+
+async function kvgate(...args: string[]): Promise<{ code: number; stdout: string; stderr: string }> {
+  try {
+    const { stdout, stderr } = await exec(process.execPath, [bin, ...args], { encoding: 'utf8' })
+    return { code: 0, stdout, stderr }
+  } catch (e) {
+    const err = e as { code: number; stdout: string; stderr: string }
+    return { code: err.code, stdout: err.stdout, stderr: err.stderr }
+  }
+}
+
+describe('kvgate CLI', () => {
+  it('--help lists the commands; --version prints the package version', async () => {
+    const help = await kvgate('--help')
+    expect(help.code).toBe(0)
+    for (const c of ['demo', 'serve', 'inspect', 'keys', 'bench']) expect(help.stdout).toContain(c)
+    const v = await kvgate('--version')
+    expect(v.stdout.trim()).toBe(JSON.parse(readFileSync('package.json', 'utf8')).version)
+  })
+  it('unknown commands fail with a pointer to --help, even prototype names', async () => {
+    for (const name of ['nope', 'toString', '__proto__']) {
+      const r = await kvgate(name)
+      expect(r.code).toBe(2)
+      expect(r.stderr).toContain('--help')
+    }
+  })
+  it('inspect reports an intact sample, then a damaged one, with exit codes', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-'))
+    const file = join(dir, 'sample.kvc')
+    expect((await kvgate('inspect', '--write-sample', file)).code).toBe(0)
+    const ok = await kvgate('inspect', file)
+    expect(ok.code).toBe(0)
+    expect(ok.stdout).toContain('OK')
+    expect(ok.stdout).toMatch(/5 layers × 4 kv heads × 8 dims/)
+    const json = JSON.parse((await kvgate('inspect', file, '--json')).stdout)
+    expect(json.ok).toBe(true)
+    expect(json.sections).toHaveLength(5)
+    const bytes = readFileSync(file)
+    bytes[bytes.length - 1]! ^= 0xff
+    writeFileSync(file, bytes)
+    const bad = await kvgate('inspect', file, '--json')
+    expect(bad.code).toBe(1)
+    const report = JSON.parse(bad.stdout)
+    expect(report.sections.map((s: { ok: boolean }) => s.ok)).toEqual([true, true, true, true, false])
+    writeFileSync(file, bytes.subarray(0, 100))
+    const cut = await kvgate('inspect', file)
+    expect(cut.code).toBe(1)
+    expect(cut.stdout).toContain('ERR_FORMAT_TRUNCATED')
+    expect((await kvgate('inspect', join(dir, 'missing'))).code).toBe(2)
+    expect((await kvgate('inspect', '--bogus')).stderr).toContain('--help')
+  })
+  it('keys prints the same chain as the library', async () => {
+    const r = await kvgate(
+      'keys',
+      '--model',
+      'stories260k',
+      '--chunk-tokens',
+      '4',
+      '--tokens',
+      '1,2,3,4,5,6,7,8',
+      '--json',
+    )
+    const p = MODEL_PRESETS.stories260k
+    const expected = chainKeys([1, 2, 3, 4, 5, 6, 7, 8], { modelId: p.modelId, geometry: p, chunkTokens: 4 })
+    expect(JSON.parse(r.stdout).keys.map((k: { key: string }) => k.key)).toEqual(expected.map((k) => k.hex))
+  })
+  it('every command answers --help', async () => {
+    for (const c of ['inspect', 'keys']) {
+      const r = await kvgate(c, '--help')
+      expect(r.code).toBe(0)
+      expect(r.stdout).toContain(`kvgate ${c}`)
+    }
+  })
+})
