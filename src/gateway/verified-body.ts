@@ -1,0 +1,77 @@
+// Turns a PUT request body into a stream the store consumes while ChunkVerifier
+// checks it: bytes are verified before they are passed on, so a bad header, a bad
+// section CRC, a key that disagrees with the path or a short body errors the
+// stream before the store can complete the object.
+
+import { FormatError, InvalidKeyError, KvgateError } from '../core/errors.ts'
+import { ChunkVerifier, type ChunkHeader } from '../core/format.ts'
+import { toHex } from '../core/keys.ts'
+
+export interface VerifiedBody {
+  stream: ReadableStream<Uint8Array>
+  /** The verification (or client) failure that ended the stream, if any. */
+  failure(): unknown
+  /** The decoded header once the stream completed. */
+  header(): ChunkHeader | undefined
+  bytes(): number
+}
+
+export function verifiedBody(
+  source: ReadableStream<Uint8Array>,
+  opts: { keyHex: string; size: number; maxBytes: number; idleTimeoutMs: number },
+): VerifiedBody {
+  const verifier = new ChunkVerifier({ maxBytes: opts.maxBytes })
+  const reader = source.getReader()
+  let failure: unknown
+  let header: ChunkHeader | undefined
+  let checkedHeader = false
+  const fail = (e: unknown, c: ReadableStreamDefaultController<Uint8Array>) => {
+    failure ??= e
+    reader.cancel(e).catch(() => {})
+    c.error(failure)
+  }
+  const readWithDeadline = () => {
+    let timer: ReturnType<typeof setTimeout> | undefined
+    const deadline = new Promise<never>((_, reject) => {
+      timer = setTimeout(
+        () => reject(new KvgateError('ERR_TIMEOUT', `request body stalled for ${opts.idleTimeoutMs} ms`, { status: 408 })),
+        opts.idleTimeoutMs,
+      )
+    })
+    return Promise.race([reader.read(), deadline]).finally(() => clearTimeout(timer))
+  }
+  const stream = new ReadableStream<Uint8Array>({
+    async pull(c) {
+      try {
+        const { done, value } = await readWithDeadline()
+        if (done) {
+          header = verifier.finish()
+          c.close()
+          return
+        }
+        verifier.push(value)
+        const h = verifier.header
+        if (h && !checkedHeader) {
+          checkedHeader = true
+          const bodyKey = toHex(h.chainKey)
+          if (bodyKey !== opts.keyHex) {
+            throw new InvalidKeyError(`chunk header says key ${bodyKey}, the path says ${opts.keyHex}`)
+          }
+          if (h.totalBytes !== opts.size) {
+            throw new FormatError(
+              'ERR_FORMAT_BAD_FIELD',
+              `chunk header declares ${h.totalBytes} bytes, Content-Length is ${opts.size}`,
+            )
+          }
+        }
+        c.enqueue(value)
+      } catch (e) {
+        fail(e instanceof KvgateError ? e : new KvgateError('ERR_INVALID_ARGUMENT', `request body failed: ${(e as Error).message}`, { status: 400, cause: e }), c)
+      }
+    },
+    cancel(reason) {
+      reader.cancel(reason).catch(() => {})
+    },
+  })
+  return { stream, failure: () => failure, header: () => header, bytes: () => verifier.bytesSeen }
+}
