@@ -1,0 +1,91 @@
+// Codec ids, versions and the 16 header bytes of codec parameters, plus the
+// kvgate quality ladder (target relative error per stream, finer in early layers).
+
+import { CodecError } from '../core/errors.ts'
+import type { CodecId } from '../core/format.ts'
+import { CODEC_PARAMS_BYTES } from '../core/format.ts'
+import { WASM_CODEC_VERSION } from './wasm-instance.ts'
+
+export type CodecMode = CodecId
+
+export const CODEC_MODES: readonly CodecMode[] = ['raw', 'lossless', 'kvgate', 'reference-cachegen', 'q8']
+
+/** Section-format version per codec; a chunk with another version is rejected. */
+export const CODEC_VERSIONS: Readonly<Record<CodecMode, number>> = {
+  raw: 1,
+  lossless: WASM_CODEC_VERSION,
+  kvgate: WASM_CODEC_VERSION,
+  'reference-cachegen': 1,
+  q8: WASM_CODEC_VERSION,
+}
+
+export const MIN_QUALITY = 1
+export const MAX_QUALITY = 9
+/** The product default for L4 (see bench/codec.ts for what it buys). */
+export const DEFAULT_QUALITY = 5
+
+/** Target relative RMS error of K and V per quality level (index = level). */
+const LADDER: readonly (readonly [number, number])[] = [
+  [0, 0],
+  [0.16, 0.16],
+  [0.11, 0.11],
+  [0.08, 0.08],
+  [0.06, 0.06],
+  [0.045, 0.045],
+  [0.033, 0.033],
+  [0.022, 0.022],
+  [0.012, 0.012],
+  [0.005, 0.005],
+]
+
+export interface LayerTargets {
+  epsK: number
+  epsV: number
+}
+
+/**
+ * Per-layer targets: early layers get finer steps (their errors propagate
+ * through every later layer), the rest the level's target.
+ */
+export function layerTargets(quality: number, layer: number, layers: number): LayerTargets {
+  const [k, v] = LADDER[quality]!
+  const early = Math.max(1, Math.round(layers / 8))
+  const f = layer < early ? 0.7 : 1
+  return { epsK: k * f, epsV: v * f }
+}
+
+export function checkQuality(q: unknown): number {
+  if (typeof q !== 'number' || !Number.isInteger(q) || q < MIN_QUALITY || q > MAX_QUALITY) {
+    throw new CodecError(`quality must be an integer in ${MIN_QUALITY}..${MAX_QUALITY}, got ${String(q)}`)
+  }
+  return q
+}
+
+/** The 16 codecParams bytes a chunk of `mode` carries. */
+export function encodeParams(mode: CodecMode, quality: number): Uint8Array {
+  const p = new Uint8Array(CODEC_PARAMS_BYTES)
+  if (mode === 'kvgate') p[0] = quality
+  if (mode === 'reference-cachegen') {
+    // LMCache's split points: K 32 bins below layer 10, V 32 bins below layer 2.
+    p[0] = 10
+    p[1] = 2
+  }
+  return p
+}
+
+/** Validates a header's codec version + params; throws ERR_CODEC_MISMATCH. */
+export function checkHeaderCodec(mode: CodecMode, version: number, params: Uint8Array): void {
+  const mismatch = (why: string): never => {
+    throw new CodecError(`chunk codec '${mode}' ${why}`, { code: 'ERR_CODEC_MISMATCH' })
+  }
+  if (version !== CODEC_VERSIONS[mode])
+    mismatch(`version ${version}, this build decodes ${CODEC_VERSIONS[mode]}`)
+  const expected = encodeParams(mode, mode === 'kvgate' ? (params[0] ?? 0) : 0)
+  if (mode === 'kvgate' && !((params[0] ?? 0) >= MIN_QUALITY && (params[0] ?? 0) <= MAX_QUALITY)) {
+    mismatch(`quality ${params[0]} is unknown`)
+  }
+  if (params.length > CODEC_PARAMS_BYTES) mismatch('params are too long')
+  for (let i = 0; i < CODEC_PARAMS_BYTES; i++) {
+    if ((params[i] ?? 0) !== expected[i]) mismatch(`params differ at byte ${i}`)
+  }
+}
