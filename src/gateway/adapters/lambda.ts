@@ -1,9 +1,9 @@
 // AWS Lambda adapter: function URL events (payload v2) in, streamed responses out
 // (awslambda.streamifyResponse); the gateway is built once per cold start from env.
 
+import type { Writable } from 'node:stream'
 import { Readable } from 'node:stream'
 import { pipeline } from 'node:stream/promises'
-import type { Writable } from 'node:stream'
 import { ConfigError, isKvgateError } from '../../core/errors.ts'
 import { createGateway } from '../app.ts'
 import type { TokenGrant } from '../middleware/auth.ts'
@@ -164,7 +164,8 @@ function intFromEnv(env: Record<string, string | undefined>, name: string, fallb
   const raw = env[name]
   if (raw === undefined || raw === '') return fallback
   const n = Number(raw)
-  if (!Number.isSafeInteger(n) || n < 0) throw new ConfigError(`${name} must be a non-negative integer, got ${raw}`)
+  if (!Number.isSafeInteger(n) || n < 0)
+    throw new ConfigError(`${name} must be a non-negative integer, got ${raw}`)
   return n
 }
 
@@ -183,7 +184,8 @@ export function configFromEnv(env: Record<string, string | undefined> = process.
     presignTtlSeconds: intFromEnv(env, 'KVGATE_PRESIGN_TTL', 300),
     maxChunkBytes: intFromEnv(env, 'KVGATE_MAX_CHUNK_BYTES', 4 * 1024 * 1024),
   }
-  if (!cfg.bucket && !cfg.fsRoot) throw new ConfigError('set KVGATE_S3_BUCKET (or KVGATE_FS_ROOT for a local run)')
+  if (!cfg.bucket && !cfg.fsRoot)
+    throw new ConfigError('set KVGATE_S3_BUCKET (or KVGATE_FS_ROOT for a local run)')
   if (!cfg.authParameter && !cfg.tokensJson && !cfg.authDisabled) {
     throw new ConfigError(
       'no tokens: set KVGATE_AUTH_SSM_PARAMETER (or KVGATE_TOKENS); a function URL is public, so auth is required',

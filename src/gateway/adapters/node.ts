@@ -27,7 +27,10 @@ export interface RunningGateway {
   close(graceMs?: number): Promise<void>
 }
 
-export async function serveGateway(app: Hono<GatewayEnv>, opts: NodeServerOptions = {}): Promise<RunningGateway> {
+export async function serveGateway(
+  app: Hono<GatewayEnv>,
+  opts: NodeServerOptions = {},
+): Promise<RunningGateway> {
   const host = opts.host ?? '127.0.0.1'
   const server = createAdaptorServer({
     fetch: app.fetch,

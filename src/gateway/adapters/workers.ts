@@ -39,7 +39,9 @@ function intVar(env: WorkerEnv, name: keyof WorkerEnv, fallback: number): number
 function tokensOf(env: WorkerEnv): TokenGrant[] {
   if (env.KVGATE_AUTH === 'disabled') return []
   if (!env.KVGATE_TOKENS) {
-    throw new ConfigError('no token table: run `wrangler secret put KVGATE_TOKENS` (or set KVGATE_AUTH=disabled locally)')
+    throw new ConfigError(
+      'no token table: run `wrangler secret put KVGATE_TOKENS` (or set KVGATE_AUTH=disabled locally)',
+    )
   }
   let tokens: unknown
   try {
@@ -80,6 +82,48 @@ function appFor(env: WorkerEnv): GatewayApp {
   return cached
 }
 
+/**
+ * Gives the app a request whose body it may cancel without the client noticing: the
+ * gateway answers some PUTs early ("exists", 401/403/413) without reading the body,
+ * and a connection closed on unread bytes resets the client's upload (ECONNRESET)
+ * before it can read the answer. After the app is done, the rest is read and dropped.
+ */
+function withDrainableBody(request: Request): { request: Request; drain(): Promise<void> } {
+  const source = request.body
+  if (!source) return { request, drain: async () => {} }
+  const reader = source.getReader()
+  let finished = false
+  let reading: Promise<unknown> = Promise.resolve()
+  const body = new ReadableStream<Uint8Array>(
+    {
+      async pull(c) {
+        const read = reader.read()
+        reading = read.catch(() => {})
+        const { done, value } = await read
+        if (done) {
+          finished = true
+          c.close()
+        } else c.enqueue(value)
+      },
+      // Leave the source open: drain() consumes what the app did not.
+      cancel() {},
+    },
+    { highWaterMark: 0 },
+  )
+  const init: RequestInit & { duplex: 'half' } = { body, duplex: 'half' }
+  return {
+    request: new Request(request, init),
+    async drain() {
+      await reading
+      try {
+        while (!finished) finished = (await reader.read()).done
+      } catch {
+        // The client went away: nothing left to protect.
+      }
+    },
+  }
+}
+
 export default {
   async fetch(request: Request, env: WorkerEnv, ctx: unknown): Promise<Response> {
     let app: GatewayApp
@@ -91,6 +135,9 @@ export default {
       const message = isKvgateError(e) ? e.message : 'gateway failed to start'
       return Response.json({ error: { code, message } }, { status: 500 })
     }
-    return app.fetch(request, env as unknown as Record<string, unknown>, ctx as never)
+    const { request: req, drain } = withDrainableBody(request)
+    const res = await app.fetch(req, env as unknown as Record<string, unknown>, ctx as never)
+    await drain()
+    return res
   },
 }

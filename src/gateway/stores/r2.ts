@@ -128,7 +128,11 @@ export class R2Store implements ObjectStore {
     }
   }
 
-  async putIfAbsent(name: string, body: ReadableStream<Uint8Array> | Uint8Array, size: number): Promise<PutResult> {
+  async putIfAbsent(
+    name: string,
+    body: ReadableStream<Uint8Array> | Uint8Array,
+    size: number,
+  ): Promise<PutResult> {
     if (!Number.isSafeInteger(size) || size < 0) throw new TypeError(`invalid size ${size}`)
     if (size > this.#multipartThreshold) return this.#putMultipart(name, body, size)
     if (body instanceof Uint8Array) {
@@ -166,7 +170,11 @@ export class R2Store implements ObjectStore {
     return stored === null ? 'exists' : 'created'
   }
 
-  async #putMultipart(name: string, body: ReadableStream<Uint8Array> | Uint8Array, size: number): Promise<PutResult> {
+  async #putMultipart(
+    name: string,
+    body: ReadableStream<Uint8Array> | Uint8Array,
+    size: number,
+  ): Promise<PutResult> {
     const cancel = () => (body instanceof Uint8Array ? Promise.resolve() : body.cancel().catch(() => {}))
     if (await this.head(name)) {
       await cancel()
@@ -221,7 +229,11 @@ export class R2Store implements ObjectStore {
   async list(prefix: string, opts: { cursor?: string; limit?: number } = {}) {
     let page: Awaited<ReturnType<R2BucketLike['list']>>
     try {
-      page = await this.#bucket.list({ prefix, cursor: opts.cursor, limit: Math.min(opts.limit ?? 1000, 1000) })
+      page = await this.#bucket.list({
+        prefix,
+        cursor: opts.cursor,
+        limit: Math.min(opts.limit ?? 1000, 1000),
+      })
     } catch (e) {
       throw storeFailure('list', prefix, e)
     }
@@ -274,7 +286,11 @@ function pumpInto(body: ReadableStream<Uint8Array>, sink: WritableStream<Uint8Ar
 }
 
 function toR2Range(range: ByteRange): R2RangeLike {
-  return 'suffix' in range ? { suffix: range.suffix } : range.length === undefined ? { offset: range.offset } : range
+  return 'suffix' in range
+    ? { suffix: range.suffix }
+    : range.length === undefined
+      ? { offset: range.offset }
+      : range
 }
 
 function isRangeError(e: unknown): boolean {
