@@ -251,17 +251,19 @@ export async function gatewayFromConfig(cfg: LambdaGatewayConfig): Promise<Fetch
   })
 }
 
-// One app per execution environment; a failed start is retried on the next request.
-let appPromise: Promise<FetchApp> | undefined
-function defaultApp(): Promise<FetchApp> {
-  appPromise ??= Promise.resolve()
-    .then(() => gatewayFromConfig(configFromEnv()))
-    .catch((e: unknown) => {
-      appPromise = undefined
+/** One app per execution environment: built on first use, rebuilt after a failed start. */
+export function cachedApp(factory: () => Promise<FetchApp>): () => Promise<FetchApp> {
+  let pending: Promise<FetchApp> | undefined
+  return () => {
+    pending ??= factory().catch((e: unknown) => {
+      pending = undefined
       throw e
     })
-  return appPromise
+    return pending
+  }
 }
+
+const defaultApp = cachedApp(async () => gatewayFromConfig(configFromEnv()))
 
 /** The function's entry point (`index.handler` in the zip built by scripts/build-lambda.ts). */
 export const handler = createLambdaHandler(defaultApp)
