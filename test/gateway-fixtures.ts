@@ -53,7 +53,7 @@ export function makeChain(n: number, opts: { layers?: number; sectionBytes?: num
 export function putInit(bytes: Uint8Array, token?: string): RequestInit {
   return {
     method: 'PUT',
-    body: bytes,
+    body: bytes as Uint8Array<ArrayBuffer>,
     headers: {
       'content-type': 'application/octet-stream',
       'content-length': String(bytes.length),

@@ -42,7 +42,9 @@ export function createGateway(options: GatewayOptions): GatewayApp {
   const state = createState(options)
   const app = new Hono<GatewayEnv>()
   app.onError((err, c) => errorResponse(state, err, c))
-  app.notFound((c) => errorResponse(state, notFound(`no route for ${c.req.method} ${new URL(c.req.url).pathname}`), c))
+  app.notFound((c) =>
+    errorResponse(state, notFound(`no route for ${c.req.method} ${new URL(c.req.url).pathname}`), c),
+  )
   app.use('*', requestLog(state, options.logger))
   app.use('*', bearerAuth(options.auth))
   lookupRoutes(app, state)

@@ -32,7 +32,8 @@ export class ChainLookup {
 
   constructor(store: ObjectStore, metrics: GatewayMetrics, opts: ChainLookupOptions = {}) {
     const { cacheEntries = 100_000, fanout = 24, concurrency = 256 } = opts
-    if (!Number.isInteger(cacheEntries) || cacheEntries < 1) throw new TypeError('invalid lookup cacheEntries')
+    if (!Number.isInteger(cacheEntries) || cacheEntries < 1)
+      throw new TypeError('invalid lookup cacheEntries')
     if (!Number.isInteger(fanout) || fanout < 2) throw new TypeError('invalid lookup fanout')
     if (!Number.isInteger(concurrency) || concurrency < 1) throw new TypeError('invalid lookup concurrency')
     this.#store = store
@@ -100,7 +101,9 @@ export class ChainLookup {
       const span = hi - lo
       const picks = new Set<number>()
       if (span <= this.#fanout) for (let i = lo; i < hi; i++) picks.add(i)
-      else for (let j = 0; j < this.#fanout; j++) picks.add(lo + Math.round((j * (span - 1)) / (this.#fanout - 1)))
+      else
+        for (let j = 0; j < this.#fanout; j++)
+          picks.add(lo + Math.round((j * (span - 1)) / (this.#fanout - 1)))
       const unknown = [...picks].filter((i) => sizes[i] === undefined).sort((a, b) => a - b)
       const known = [...picks].filter((i) => sizes[i] !== undefined)
       const res = await probe(unknown)

@@ -62,7 +62,8 @@ export function createState(opts: {
   prefix?: string
   storagePricePerGBMonth?: number
 }): GatewayState {
-  if (!opts?.store || typeof opts.store.get !== 'function') throw new TypeError('createGateway: options.store is required')
+  if (!opts?.store || typeof opts.store.get !== 'function')
+    throw new TypeError('createGateway: options.store is required')
   const metrics = opts.metrics ?? new GatewayMetrics()
   const store = instrumentStore(opts.store, metrics)
   const limits: Required<GatewayLimits> = {
@@ -86,7 +87,8 @@ export function createState(opts: {
     rawStore: opts.store,
     metrics,
     lookup: new ChainLookup(store, metrics, opts.lookup),
-    coalescer: opts.coalesce === false ? undefined : new GetCoalescer(opts.coalesce?.maxBytes ?? 8 * 1024 * 1024),
+    coalescer:
+      opts.coalesce === false ? undefined : new GetCoalescer(opts.coalesce?.maxBytes ?? 8 * 1024 * 1024),
     headers: new LRUCache({ max: 10_000 }),
     limits,
     presign:

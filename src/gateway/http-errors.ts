@@ -4,8 +4,10 @@
 import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
 
 export const badRequest = (message: string) => new InvalidArgumentError(message)
-export const notFound = (message = 'no such chunk') => new KvgateError('ERR_NOT_FOUND', message, { status: 404 })
-export const payloadTooLarge = (message: string) => new KvgateError('ERR_PAYLOAD_TOO_LARGE', message, { status: 413 })
+export const notFound = (message = 'no such chunk') =>
+  new KvgateError('ERR_NOT_FOUND', message, { status: 404 })
+export const payloadTooLarge = (message: string) =>
+  new KvgateError('ERR_PAYLOAD_TOO_LARGE', message, { status: 413 })
 export const unsupportedMediaType = (message: string) =>
   new KvgateError('ERR_UNSUPPORTED_MEDIA_TYPE', message, { status: 415 })
 export const lengthRequired = () =>

@@ -3,10 +3,10 @@
 
 type Labels = Record<string, string>
 
-const escape = (v: string) => v.replace(/\\/g, '\\\\').replace(/\n/g, '\\n').replace(/"/g, '\\"')
+const escapeLabel = (v: string) => v.replace(/\\/g, '\\\\').replace(/\n/g, '\\n').replace(/"/g, '\\"')
 function labelKey(labels: Labels): string {
   const keys = Object.keys(labels).sort()
-  return keys.map((k) => `${k}="${escape(labels[k]!)}"`).join(',')
+  return keys.map((k) => `${k}="${escapeLabel(labels[k]!)}"`).join(',')
 }
 
 export class Counter {
@@ -21,7 +21,7 @@ export class Counter {
   }
   /** Sum over series matching every given label. */
   value(labels: Labels = {}): number {
-    const want = Object.entries(labels).map(([k, v]) => `${k}="${escape(v)}"`)
+    const want = Object.entries(labels).map(([k, v]) => `${k}="${escapeLabel(v)}"`)
     let sum = 0
     for (const [k, v] of this.#values) if (want.every((w) => k.split(',').includes(w))) sum += v
     return sum
@@ -65,7 +65,9 @@ export class Histogram {
     const out = [`# HELP ${this.name} ${this.help}`, `# TYPE ${this.name} histogram`]
     for (const [k, s] of this.#series) {
       const sep = k ? `${k},` : ''
-      this.buckets.forEach((b, i) => out.push(`${this.name}_bucket{${sep}le="${b}"} ${s.counts[i]}`))
+      this.buckets.forEach((b, i) => {
+        out.push(`${this.name}_bucket{${sep}le="${b}"} ${s.counts[i]}`)
+      })
       out.push(`${this.name}_bucket{${sep}le="+Inf"} ${s.count}`)
       out.push(`${this.name}_sum${k ? `{${k}}` : ''} ${s.sum}`)
       out.push(`${this.name}_count${k ? `{${k}}` : ''} ${s.count}`)
@@ -79,18 +81,35 @@ const LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 /** Every metric the gateway exports. One instance per gateway (pass your own to share). */
 export class GatewayMetrics {
   readonly requests = new Counter('kvgate_http_requests_total', 'HTTP requests by route, method and status')
-  readonly requestSeconds = new Histogram('kvgate_http_request_seconds', 'HTTP request latency by route', LATENCY_BUCKETS)
+  readonly requestSeconds = new Histogram(
+    'kvgate_http_request_seconds',
+    'HTTP request latency by route',
+    LATENCY_BUCKETS,
+  )
   readonly bytesIn = new Counter('kvgate_http_bytes_in_total', 'Chunk bytes received (PUT bodies)')
   readonly bytesOut = new Counter('kvgate_http_bytes_out_total', 'Chunk bytes sent (GET bodies)')
   readonly storeOps = new Counter('kvgate_store_ops_total', 'Object store operations by op and outcome')
-  readonly storeSeconds = new Histogram('kvgate_store_op_seconds', 'Object store operation latency by op', LATENCY_BUCKETS)
-  readonly lookupProbes = new Histogram('kvgate_lookup_store_requests', 'Store requests per lookup', [
-    0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096,
-  ])
-  readonly lookupRounds = new Histogram('kvgate_lookup_rounds', 'Sequential store round trips per lookup', [0, 1, 2, 3, 4, 6, 8, 12])
+  readonly storeSeconds = new Histogram(
+    'kvgate_store_op_seconds',
+    'Object store operation latency by op',
+    LATENCY_BUCKETS,
+  )
+  readonly lookupProbes = new Histogram(
+    'kvgate_lookup_store_requests',
+    'Store requests per lookup',
+    [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096],
+  )
+  readonly lookupRounds = new Histogram(
+    'kvgate_lookup_rounds',
+    'Sequential store round trips per lookup',
+    [0, 1, 2, 3, 4, 6, 8, 12],
+  )
   readonly lookupKeys = new Counter('kvgate_lookup_keys_total', 'Keys asked (result=present|absent)')
   readonly cache = new Counter('kvgate_cache_total', 'Positive cache lookups by result (hit|miss)')
-  readonly coalesced = new Counter('kvgate_get_coalesced_total', 'GETs served from another in-flight store GET')
+  readonly coalesced = new Counter(
+    'kvgate_get_coalesced_total',
+    'GETs served from another in-flight store GET',
+  )
   readonly puts = new Counter('kvgate_chunk_puts_total', 'Chunk PUTs by result (created|exists|rejected)')
   readonly redirects = new Counter('kvgate_get_redirects_total', 'GETs answered with a presigned redirect')
   readonly errors = new Counter('kvgate_errors_total', 'Error responses by code')

@@ -48,7 +48,10 @@ export async function snapshot(state: GatewayState): Promise<StatusSnapshot> {
   const m = state.metrics
   // Counting a store can mean walking it: at most once a minute.
   if (!statsCache || Date.now() - statsCache.at > 60_000) {
-    statsCache = { at: Date.now(), value: state.store.stats ? await state.store.stats().catch(() => undefined) : undefined }
+    statsCache = {
+      at: Date.now(),
+      value: state.store.stats ? await state.store.stats().catch(() => undefined) : undefined,
+    }
   }
   const st = statsCache.value
   const bytesForCost = st?.bytes ?? state.written.bytes

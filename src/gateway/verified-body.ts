@@ -4,8 +4,10 @@
 // stream before the store can complete the object.
 
 import { FormatError, InvalidKeyError, KvgateError } from '../core/errors.ts'
-import { ChunkVerifier, type ChunkHeader } from '../core/format.ts'
+import { type ChunkHeader, ChunkVerifier } from '../core/format.ts'
 import { toHex } from '../core/keys.ts'
+
+const READ_AHEAD_BYTES = 4 * 1024 * 1024
 
 export interface VerifiedBody {
   stream: ReadableStream<Uint8Array>
@@ -34,44 +36,62 @@ export function verifiedBody(
     let timer: ReturnType<typeof setTimeout> | undefined
     const deadline = new Promise<never>((_, reject) => {
       timer = setTimeout(
-        () => reject(new KvgateError('ERR_TIMEOUT', `request body stalled for ${opts.idleTimeoutMs} ms`, { status: 408 })),
+        () =>
+          reject(
+            new KvgateError('ERR_TIMEOUT', `request body stalled for ${opts.idleTimeoutMs} ms`, {
+              status: 408,
+            }),
+          ),
         opts.idleTimeoutMs,
       )
     })
     return Promise.race([reader.read(), deadline]).finally(() => clearTimeout(timer))
   }
-  const stream = new ReadableStream<Uint8Array>({
-    async pull(c) {
-      try {
-        const { done, value } = await readWithDeadline()
-        if (done) {
-          header = verifier.finish()
-          c.close()
-          return
-        }
-        verifier.push(value)
-        const h = verifier.header
-        if (h && !checkedHeader) {
-          checkedHeader = true
-          const bodyKey = toHex(h.chainKey)
-          if (bodyKey !== opts.keyHex) {
-            throw new InvalidKeyError(`chunk header says key ${bodyKey}, the path says ${opts.keyHex}`)
+  const stream = new ReadableStream<Uint8Array>(
+    {
+      async pull(c) {
+        try {
+          const { done, value } = await readWithDeadline()
+          if (done) {
+            header = verifier.finish()
+            c.close()
+            return
           }
-          if (h.totalBytes !== opts.size) {
-            throw new FormatError(
-              'ERR_FORMAT_BAD_FIELD',
-              `chunk header declares ${h.totalBytes} bytes, Content-Length is ${opts.size}`,
-            )
+          verifier.push(value)
+          const h = verifier.header
+          if (h && !checkedHeader) {
+            checkedHeader = true
+            const bodyKey = toHex(h.chainKey)
+            if (bodyKey !== opts.keyHex) {
+              throw new InvalidKeyError(`chunk header says key ${bodyKey}, the path says ${opts.keyHex}`)
+            }
+            if (h.totalBytes !== opts.size) {
+              throw new FormatError(
+                'ERR_FORMAT_BAD_FIELD',
+                `chunk header declares ${h.totalBytes} bytes, Content-Length is ${opts.size}`,
+              )
+            }
           }
+          c.enqueue(value)
+        } catch (e) {
+          fail(
+            e instanceof KvgateError
+              ? e
+              : new KvgateError('ERR_INVALID_ARGUMENT', `request body failed: ${(e as Error).message}`, {
+                  status: 400,
+                  cause: e,
+                }),
+            c,
+          )
         }
-        c.enqueue(value)
-      } catch (e) {
-        fail(e instanceof KvgateError ? e : new KvgateError('ERR_INVALID_ARGUMENT', `request body failed: ${(e as Error).message}`, { status: 400, cause: e }), c)
-      }
+      },
+      cancel(reason) {
+        reader.cancel(reason).catch(() => {})
+      },
     },
-    cancel(reason) {
-      reader.cancel(reason).catch(() => {})
-    },
-  })
+    // Read ahead of the store upload so a client burst and an S3 stall overlap
+    // instead of alternating (bounded: a few MiB per request).
+    new ByteLengthQueuingStrategy({ highWaterMark: READ_AHEAD_BYTES }),
+  )
   return { stream, failure: () => failure, header: () => header, bytes: () => verifier.bytesSeen }
 }

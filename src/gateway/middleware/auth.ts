@@ -46,7 +46,10 @@ export function compileGrants(tokens: TokenGrant[]): CompiledGrant[] {
     if (scopes.length === 0 || !scopes.every((s) => s in RANK)) {
       throw new TypeError(`auth.tokens[${i}].scopes must be read, write or admin`)
     }
-    if (t.namespaces !== '*' && (!Array.isArray(t.namespaces) || t.namespaces.some((n) => typeof n !== 'string'))) {
+    if (
+      t.namespaces !== '*' &&
+      (!Array.isArray(t.namespaces) || t.namespaces.some((n) => typeof n !== 'string'))
+    ) {
       throw new TypeError(`auth.tokens[${i}].namespaces must be '*' or a list of namespace names`)
     }
     const hash = new Uint8Array(32)
@@ -106,7 +109,8 @@ export function authEnabled(opts: AuthOptions | undefined): boolean {
 export function authorize(c: Context<GatewayEnv>, ns: string | '*', scope: Scope): void {
   const g = c.get('grant')
   if (!g) throw unauthorized('missing bearer token')
-  if (g.rank < RANK[scope]) throw new KvgateError('ERR_FORBIDDEN', `token lacks the ${scope} scope`, { status: 403 })
+  if (g.rank < RANK[scope])
+    throw new KvgateError('ERR_FORBIDDEN', `token lacks the ${scope} scope`, { status: 403 })
   const nsOk = g.namespaces === '*' || (ns !== '*' && g.namespaces.has(ns))
   if (!nsOk) throw new KvgateError('ERR_FORBIDDEN', `token is not valid for namespace ${ns}`, { status: 403 })
 }

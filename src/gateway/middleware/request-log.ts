@@ -7,7 +7,10 @@ import type { GatewayEnv } from '../env.ts'
 
 export type RequestLogger = (entry: Record<string, unknown>) => void
 
-export function requestLog(state: GatewayState, logger: RequestLogger | undefined): MiddlewareHandler<GatewayEnv> {
+export function requestLog(
+  state: GatewayState,
+  logger: RequestLogger | undefined,
+): MiddlewareHandler<GatewayEnv> {
   return async (c, next) => {
     const t0 = performance.now()
     await next()

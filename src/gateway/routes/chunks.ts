@@ -3,11 +3,23 @@
 
 import type { Context, Hono } from 'hono'
 import { KvgateError } from '../../core/errors.ts'
-import { decodeHeader, HEADER_PREFIX_BYTES, headerBytesFor, layerSpan, readHeaderLength } from '../../core/format.ts'
+import {
+  decodeHeader,
+  HEADER_PREFIX_BYTES,
+  headerBytesFor,
+  layerSpan,
+  readHeaderLength,
+} from '../../core/format.ts'
 import { assertKeyHex, assertNamespaceName, objectName } from '../../core/keys.ts'
 import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
-import { badRequest, lengthRequired, notFound, payloadTooLarge, unsupportedMediaType } from '../http-errors.ts'
+import {
+  badRequest,
+  lengthRequired,
+  notFound,
+  payloadTooLarge,
+  unsupportedMediaType,
+} from '../http-errors.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
 import { RangeNotSatisfiableError } from '../stores/errors.ts'
 import type { ByteRange, StoreObject } from '../stores/types.ts'
@@ -30,16 +42,21 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     const { key, name } = target(c, state, 'write')
     const type = (c.req.header('content-type') ?? '').split(';')[0]!.trim().toLowerCase()
     if (type !== 'application/octet-stream') {
-      throw unsupportedMediaType(`chunk uploads must be application/octet-stream, got ${JSON.stringify(type || 'none')}`)
+      throw unsupportedMediaType(
+        `chunk uploads must be application/octet-stream, got ${JSON.stringify(type || 'none')}`,
+      )
     }
     const lenHeader = c.req.header('content-length')
     if (lenHeader === undefined) throw lengthRequired()
     if (!/^\d{1,15}$/.test(lenHeader)) throw badRequest('invalid Content-Length')
     const size = Number(lenHeader)
     if (size > state.limits.maxChunkBytes) {
-      throw payloadTooLarge(`chunk is ${size} bytes; this gateway accepts at most ${state.limits.maxChunkBytes}`)
+      throw payloadTooLarge(
+        `chunk is ${size} bytes; this gateway accepts at most ${state.limits.maxChunkBytes}`,
+      )
     }
-    if (size < headerBytesFor(1)) throw new KvgateError('ERR_FORMAT_TRUNCATED', `a ${size}-byte body cannot be a chunk`, { status: 400 })
+    if (size < headerBytesFor(1))
+      throw new KvgateError('ERR_FORMAT_TRUNCATED', `a ${size}-byte body cannot be a chunk`, { status: 400 })
     const body = c.req.raw.body
     if (!body) throw badRequest('missing request body')
 
@@ -81,7 +98,11 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       const size = state.lookup.cached(name) ?? (await state.store.head(name))?.size
       if (size === undefined) throw notFound()
       state.lookup.remember(name, size)
-      return c.body(null, 200, { 'content-length': String(size), 'accept-ranges': 'bytes', 'content-type': 'application/octet-stream' })
+      return c.body(null, 200, {
+        'content-length': String(size),
+        'accept-ranges': 'bytes',
+        'content-type': 'application/octet-stream',
+      })
     }
     const layers = c.req.query('layers')
     const rangeHeader = c.req.header('range')
@@ -155,12 +176,16 @@ function objectNameFromContext(c: Context<GatewayEnv>, state: GatewayState): str
 /** `bytes=a-b`, `bytes=a-`, `bytes=-n`; one range only. */
 export function parseRange(h: string): ByteRange {
   const m = /^bytes=(\d{0,15})-(\d{0,15})$/.exec(h.trim())
-  if (!m || (m[1] === '' && m[2] === '')) throw badRequest(`unsupported Range ${JSON.stringify(h.slice(0, 80))}: use bytes=a-b`)
+  if (!m || (m[1] === '' && m[2] === ''))
+    throw badRequest(`unsupported Range ${JSON.stringify(h.slice(0, 80))}: use bytes=a-b`)
   if (m[1] === '') return { suffix: Number(m[2]) }
   const offset = Number(m[1])
   if (m[2] === '') return { offset }
   const end = Number(m[2])
-  if (end < offset) throw new KvgateError('ERR_RANGE_NOT_SATISFIABLE', `range end ${end} is before start ${offset}`, { status: 416 })
+  if (end < offset)
+    throw new KvgateError('ERR_RANGE_NOT_SATISFIABLE', `range end ${end} is before start ${offset}`, {
+      status: 416,
+    })
   return { offset, length: end - offset + 1 }
 }
 
@@ -184,7 +209,8 @@ async function chunkHeader(state: GatewayState, name: string) {
   try {
     probe = await state.store.get(name, { range: { offset: 0, length: HEADER_PROBE_BYTES } })
   } catch (e) {
-    if (e instanceof RangeNotSatisfiableError) throw new KvgateError('ERR_FORMAT_TRUNCATED', 'stored object is empty', { status: 502 })
+    if (e instanceof RangeNotSatisfiableError)
+      throw new KvgateError('ERR_FORMAT_TRUNCATED', 'stored object is empty', { status: 502 })
     throw e
   }
   if (!probe) throw notFound()

@@ -28,7 +28,8 @@ export class FsStore implements ObjectStore {
   readonly #fsync: boolean
 
   constructor(opts: FsStoreOptions) {
-    if (typeof opts?.root !== 'string' || opts.root === '') throw new TypeError('FsStore: root must be a directory path')
+    if (typeof opts?.root !== 'string' || opts.root === '')
+      throw new TypeError('FsStore: root must be a directory path')
     this.root = path.resolve(opts.root)
     this.#fsync = opts.fsync ?? true
   }
@@ -44,7 +45,10 @@ export class FsStore implements ObjectStore {
 
   // Names come from core objectName(); this is the second line of defence.
   #file(name: string): string {
-    if (!SAFE_NAME.test(name) || name.split('/').some((p) => p === '.' || p === '..' || p.startsWith(TMP_PREFIX))) {
+    if (
+      !SAFE_NAME.test(name) ||
+      name.split('/').some((p) => p === '.' || p === '..' || p.startsWith(TMP_PREFIX))
+    ) {
       throw new InvalidArgumentError(`unsafe object name ${JSON.stringify(name)}`)
     }
     return path.join(this.root, name)
@@ -75,7 +79,12 @@ export class FsStore implements ObjectStore {
         highWaterMark: 1 << 20,
         signal: opts.signal,
       })
-      return { body: Readable.toWeb(stream) as ReadableStream<Uint8Array>, size, offset: r.offset, length: r.length }
+      return {
+        body: Readable.toWeb(stream) as ReadableStream<Uint8Array>,
+        size,
+        offset: r.offset,
+        length: r.length,
+      }
     } catch (e) {
       await fh.close().catch(() => {})
       throw e instanceof RangeNotSatisfiableError ? e : wrap(e, 'read')
@@ -92,7 +101,11 @@ export class FsStore implements ObjectStore {
     }
   }
 
-  async putIfAbsent(name: string, body: ReadableStream<Uint8Array> | Uint8Array, size: number): Promise<PutResult> {
+  async putIfAbsent(
+    name: string,
+    body: ReadableStream<Uint8Array> | Uint8Array,
+    size: number,
+  ): Promise<PutResult> {
     const file = this.#file(name)
     if (await this.head(name)) {
       if (!(body instanceof Uint8Array)) await body.cancel().catch(() => {})

@@ -23,9 +23,24 @@ export function instrumentStore(store: ObjectStore, metrics: GatewayMetrics): Ob
     kind: store.kind,
     get: (name, opts) => timed('get', () => store.get(name, opts), found),
     head: (name) => timed('head', () => store.head(name), found),
-    putIfAbsent: (name, body, size) => timed('put', () => store.putIfAbsent(name, body, size), (r) => r),
-    delete: (name) => timed('delete', () => store.delete(name), (r) => (r ? 'ok' : 'absent')),
-    list: (prefix, opts) => timed('list', () => store.list(prefix, opts), () => 'ok'),
+    putIfAbsent: (name, body, size) =>
+      timed(
+        'put',
+        () => store.putIfAbsent(name, body, size),
+        (r) => r,
+      ),
+    delete: (name) =>
+      timed(
+        'delete',
+        () => store.delete(name),
+        (r) => (r ? 'ok' : 'absent'),
+      ),
+    list: (prefix, opts) =>
+      timed(
+        'list',
+        () => store.list(prefix, opts),
+        () => 'ok',
+      ),
   }
   if (store.presignGet) wrapped.presignGet = (name, s) => store.presignGet!(name, s)
   if (store.stats) wrapped.stats = () => store.stats!()

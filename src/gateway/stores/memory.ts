@@ -2,7 +2,14 @@
 // the same create-only and range semantics as the real backends.
 
 import { RangeNotSatisfiableError } from './errors.ts'
-import { collectBody, type GetOptions, type ObjectStore, type PutResult, resolveRange, type StoreObject } from './types.ts'
+import {
+  collectBody,
+  type GetOptions,
+  type ObjectStore,
+  type PutResult,
+  resolveRange,
+  type StoreObject,
+} from './types.ts'
 
 export interface MemoryStoreOptions {
   /** Counts every call per op (tests assert request budgets with it). */
@@ -40,7 +47,11 @@ export class MemoryStore implements ObjectStore {
     return bytes ? { size: bytes.length } : undefined
   }
 
-  async putIfAbsent(name: string, body: ReadableStream<Uint8Array> | Uint8Array, size: number): Promise<PutResult> {
+  async putIfAbsent(
+    name: string,
+    body: ReadableStream<Uint8Array> | Uint8Array,
+    size: number,
+  ): Promise<PutResult> {
     this.#onOp?.('put')
     if (this.#objects.has(name)) {
       if (!(body instanceof Uint8Array)) await body.cancel().catch(() => {})

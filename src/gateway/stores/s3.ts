@@ -36,11 +36,17 @@ export interface S3StoreOptions {
   maxSockets?: number
   /** @default 5000 */
   connectTimeoutMs?: number
-  /** Idle time on a request's socket before it fails. @default 30000 */
+  /** Time from sending a request to its response headers (a PUT's includes the upload). @default 120000 */
   requestTimeoutMs?: number
+  /** A socket that moves no bytes for this long fails the request (a stalled S3). @default 30000 */
+  idleTimeoutMs?: number
   /** SDK attempts per request (retries on 5xx/throttling). @default 2 */
   maxAttempts?: number
-  /** Bodies larger than this go up in parts. @default 64 MiB */
+  /**
+   * Bodies larger than this go up in parts. The create-only condition then sits on
+   * CompleteMultipartUpload, which AWS S3 honours but Ceph Pacific RGW ignores (a
+   * HEAD first narrows that race to concurrent writers). @default 256 MiB
+   */
   multipartThreshold?: number
   /** @default 16 MiB (S3 minimum is 5 MiB) */
   partSize?: number
@@ -49,6 +55,7 @@ export interface S3StoreOptions {
 }
 
 const MIB = 1024 * 1024
+const READ_AHEAD_BYTES = 4 * MIB
 
 export class S3Store implements ObjectStore {
   readonly kind = 's3'
@@ -60,12 +67,14 @@ export class S3Store implements ObjectStore {
   readonly #agents: { http: HttpAgent; https: HttpsAgent }
 
   constructor(opts: S3StoreOptions) {
-    if (typeof opts?.bucket !== 'string' || opts.bucket === '') throw new TypeError('S3Store: bucket is required')
+    if (typeof opts?.bucket !== 'string' || opts.bucket === '')
+      throw new TypeError('S3Store: bucket is required')
     const partSize = opts.partSize ?? 16 * MIB
-    if (!Number.isInteger(partSize) || partSize < 5 * MIB) throw new TypeError('S3Store: partSize must be ≥ 5 MiB')
+    if (!Number.isInteger(partSize) || partSize < 5 * MIB)
+      throw new TypeError('S3Store: partSize must be ≥ 5 MiB')
     this.bucket = opts.bucket
     this.#partSize = partSize
-    this.#multipartThreshold = opts.multipartThreshold ?? 64 * MIB
+    this.#multipartThreshold = opts.multipartThreshold ?? 256 * MIB
     this.#partConcurrency = Math.max(1, opts.partConcurrency ?? 4)
     const maxSockets = opts.maxSockets ?? 256
     this.#agents = {
@@ -86,7 +95,9 @@ export class S3Store implements ObjectStore {
         httpAgent: this.#agents.http,
         httpsAgent: this.#agents.https,
         connectionTimeout: opts.connectTimeoutMs ?? 5000,
-        requestTimeout: opts.requestTimeoutMs ?? 30_000,
+        requestTimeout: opts.requestTimeoutMs ?? 120_000,
+        throwOnRequestTimeout: true,
+        socketTimeout: opts.idleTimeoutMs ?? 30_000,
       },
     })
   }
@@ -94,7 +105,11 @@ export class S3Store implements ObjectStore {
   async get(name: string, opts: GetOptions = {}): Promise<StoreObject | undefined> {
     try {
       const res = await this.client.send(
-        new GetObjectCommand({ Bucket: this.bucket, Key: name, ...(opts.range ? { Range: rangeHeader(opts.range) } : {}) }),
+        new GetObjectCommand({
+          Bucket: this.bucket,
+          Key: name,
+          ...(opts.range ? { Range: rangeHeader(opts.range) } : {}),
+        }),
         opts.signal ? { abortSignal: opts.signal } : {},
       )
       const length = res.ContentLength ?? 0
@@ -105,9 +120,15 @@ export class S3Store implements ObjectStore {
         offset = Number(m[1])
         size = Number(m[3])
       }
-      const body = res.Body
-        ? (res.Body.transformToWebStream() as ReadableStream<Uint8Array>)
-        : new ReadableStream<Uint8Array>({ start: (c) => c.close() })
+      // Buffer a few MiB ahead of the client so S3 reads and client writes overlap.
+      const body =
+        res.Body instanceof Readable
+          ? (Readable.toWeb(res.Body, {
+              strategy: new ByteLengthQueuingStrategy({ highWaterMark: READ_AHEAD_BYTES }),
+            }) as ReadableStream<Uint8Array>)
+          : res.Body
+            ? (res.Body.transformToWebStream() as ReadableStream<Uint8Array>)
+            : new ReadableStream<Uint8Array>({ start: (c) => c.close() })
       return { body, size, offset, length }
     } catch (e) {
       if (isNotFound(e)) return undefined
@@ -130,7 +151,11 @@ export class S3Store implements ObjectStore {
     }
   }
 
-  async putIfAbsent(name: string, body: ReadableStream<Uint8Array> | Uint8Array, size: number): Promise<PutResult> {
+  async putIfAbsent(
+    name: string,
+    body: ReadableStream<Uint8Array> | Uint8Array,
+    size: number,
+  ): Promise<PutResult> {
     if (size > this.#multipartThreshold) return this.#putMultipart(name, body, size)
     // A body stream that errors (failed verification, client gone) must abort the
     // upload, or the SDK would wait on a request that never ends; S3 then drops it.
@@ -139,7 +164,10 @@ export class S3Store implements ObjectStore {
     let Body: Uint8Array | Readable
     if (body instanceof Uint8Array) Body = body
     else {
-      const readable = Readable.fromWeb(body as import('node:stream/web').ReadableStream<Uint8Array>)
+      const readable = Readable.from(exactly(body, size), {
+        objectMode: false,
+        highWaterMark: READ_AHEAD_BYTES,
+      })
       readable.once('error', (e) => {
         bodyError = e
         abort.abort(e)
@@ -174,15 +202,32 @@ export class S3Store implements ObjectStore {
 
   // Parts are read from the stream one at a time (bounded memory), uploaded with
   // bounded concurrency; the create-only condition sits on CompleteMultipartUpload.
-  async #putMultipart(name: string, body: ReadableStream<Uint8Array> | Uint8Array, size: number): Promise<PutResult> {
+  async #putMultipart(
+    name: string,
+    body: ReadableStream<Uint8Array> | Uint8Array,
+    size: number,
+  ): Promise<PutResult> {
     const stream =
-      body instanceof Uint8Array ? new ReadableStream<Uint8Array>({ start: (c) => (c.enqueue(body), c.close()) }) : body
+      body instanceof Uint8Array
+        ? new ReadableStream<Uint8Array>({
+            start(c) {
+              c.enqueue(body)
+              c.close()
+            },
+          })
+        : body
     if (await this.head(name)) {
       await stream.cancel().catch(() => {})
       return 'exists'
     }
     const created = await this.client
-      .send(new CreateMultipartUploadCommand({ Bucket: this.bucket, Key: name, ContentType: 'application/octet-stream' }))
+      .send(
+        new CreateMultipartUploadCommand({
+          Bucket: this.bucket,
+          Key: name,
+          ContentType: 'application/octet-stream',
+        }),
+      )
       .catch((e) => {
         throw mapError(e, 'CreateMultipartUpload')
       })
@@ -195,17 +240,28 @@ export class S3Store implements ObjectStore {
     const inFlight = new Set<Promise<void>>()
     let failure: unknown
     const reader = stream.getReader()
+    const parts_ = new PartReader(reader)
     try {
       let partNumber = 0
       let total = 0
       for (;;) {
-        const part = await readPart(reader, Math.min(this.#partSize, size - total))
+        const part = await parts_.read(Math.min(this.#partSize, size - total))
         if (part.length === 0) break
         total += part.length
-        if (total > size) throw new StoreError(`body is longer than the declared ${size} bytes`, { status: 400 })
+        if (total > size)
+          throw new StoreError(`body is longer than the declared ${size} bytes`, { status: 400 })
         const n = ++partNumber
         const p = this.client
-          .send(new UploadPartCommand({ Bucket: this.bucket, Key: name, UploadId: uploadId, PartNumber: n, Body: part, ContentLength: part.length }))
+          .send(
+            new UploadPartCommand({
+              Bucket: this.bucket,
+              Key: name,
+              UploadId: uploadId,
+              PartNumber: n,
+              Body: part,
+              ContentLength: part.length,
+            }),
+          )
           .then((r) => {
             parts.push({ PartNumber: n, ETag: r.ETag ?? '' })
           })
@@ -218,8 +274,8 @@ export class S3Store implements ObjectStore {
         if (failure) throw failure
         if (total === size) {
           // Any extra byte means the declared size was wrong: fail, never store a cut object.
-          const extra = await reader.read()
-          if (!extra.done && extra.value.length > 0) throw new StoreError(`body is longer than the declared ${size} bytes`, { status: 400 })
+          if (await parts_.more())
+            throw new StoreError(`body is longer than the declared ${size} bytes`, { status: 400 })
           break
         }
       }
@@ -294,18 +350,62 @@ export class S3Store implements ObjectStore {
   }
 }
 
-async function readPart(reader: ReadableStreamDefaultReader<Uint8Array>, want: number): Promise<Uint8Array> {
-  const buf = new Uint8Array(want)
-  let at = 0
-  while (at < want) {
-    const { done, value } = await reader.read()
-    if (done) break
-    const take = Math.min(value.length, want - at)
-    buf.set(value.subarray(0, take), at)
-    at += take
-    if (take < value.length) throw new StoreError('body is longer than its declared size', { status: 400 })
+// Passes a stream through, failing when it is longer or shorter than declared: a
+// short body must abort the upload rather than leave S3 waiting for the rest.
+async function* exactly(body: ReadableStream<Uint8Array>, size: number): AsyncGenerator<Uint8Array> {
+  let seen = 0
+  const reader = body.getReader()
+  try {
+    for (;;) {
+      const { done, value } = await reader.read()
+      if (done) break
+      seen += value.length
+      if (seen > size) throw new StoreError(`body is longer than the declared ${size} bytes`, { status: 400 })
+      yield value
+    }
+  } finally {
+    reader.releaseLock()
   }
-  return at === want ? buf : buf.subarray(0, at)
+  if (seen !== size) throw new StoreError(`body ended at ${seen} of ${size} bytes`, { status: 400 })
+}
+
+// Cuts a stream into parts of a fixed size; a source piece may straddle parts.
+class PartReader {
+  #left: Uint8Array | undefined
+  constructor(readonly reader: ReadableStreamDefaultReader<Uint8Array>) {}
+
+  /** Up to `want` bytes; shorter only at the end of the stream. */
+  async read(want: number): Promise<Uint8Array> {
+    const buf = new Uint8Array(want)
+    let at = 0
+    while (at < want) {
+      let piece = this.#left
+      this.#left = undefined
+      if (!piece) {
+        const { done, value } = await this.reader.read()
+        if (done) break
+        piece = value
+      }
+      const take = Math.min(piece.length, want - at)
+      buf.set(piece.subarray(0, take), at)
+      at += take
+      if (take < piece.length) this.#left = piece.subarray(take)
+    }
+    return at === want ? buf : buf.subarray(0, at)
+  }
+
+  /** True when bytes remain (leftover or more from the stream). */
+  async more(): Promise<boolean> {
+    if (this.#left && this.#left.length > 0) return true
+    for (;;) {
+      const { done, value } = await this.reader.read()
+      if (done) return false
+      if (value.length > 0) {
+        this.#left = value
+        return true
+      }
+    }
+  }
 }
 
 function rangeHeader(r: ByteRange): string {
@@ -325,7 +425,15 @@ function isNotFound(e: unknown): boolean {
   return status(e) === 404 || errName(e) === 'NoSuchKey' || errName(e) === 'NotFound'
 }
 
-const UNAVAILABLE = new Set(['ECONNREFUSED', 'ECONNRESET', 'EPIPE', 'EHOSTUNREACH', 'ENOTFOUND', 'EAI_AGAIN', 'ECONNABORTED'])
+const UNAVAILABLE = new Set([
+  'ECONNREFUSED',
+  'ECONNRESET',
+  'EPIPE',
+  'EHOSTUNREACH',
+  'ENOTFOUND',
+  'EAI_AGAIN',
+  'ECONNABORTED',
+])
 
 /** SDK/network failures → StoreError: 503 when the store is unreachable or slow, 502 otherwise. */
 function mapError(e: unknown, op: string): StoreError {
@@ -333,11 +441,19 @@ function mapError(e: unknown, op: string): StoreError {
   const code = (e as { code?: string }).code ?? ''
   const name = errName(e)
   const msg = (e as Error).message ?? String(e)
-  if (name === 'TimeoutError' || code === 'ETIMEDOUT' || name === 'RequestTimeout' || /timed? ?out/i.test(msg)) {
+  // The SDK labels a reset socket "TimeoutError": trust the errno code first.
+  if (UNAVAILABLE.has(code) || status(e) === 503 || name === 'AbortError') {
+    return storeUnavailable(`object store unavailable during ${op} (${code || name})`, e)
+  }
+  if (
+    name === 'TimeoutError' ||
+    code === 'ETIMEDOUT' ||
+    name === 'RequestTimeout' ||
+    /timed? ?out/i.test(msg)
+  ) {
     return storeTimeout(`object store ${op} timed out`, e)
   }
-  if (UNAVAILABLE.has(code) || UNAVAILABLE.has(name) || status(e) === 503 || name === 'AbortError') {
-    return storeUnavailable(`object store unavailable during ${op} (${code || name || msg})`, e)
-  }
-  return new StoreError(`object store ${op} failed: ${name || code} ${status(e) ?? ''} ${msg}`.trim(), { cause: e })
+  return new StoreError(`object store ${op} failed: ${name || code} ${status(e) ?? ''} ${msg}`.trim(), {
+    cause: e,
+  })
 }

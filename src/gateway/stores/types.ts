@@ -42,7 +42,10 @@ export interface ObjectStore {
   /** Removes the object; resolves false when there was none. */
   delete(name: string): Promise<boolean>
   /** One page of objects under `prefix`, in name order. */
-  list(prefix: string, opts?: { cursor?: string; limit?: number }): Promise<{ entries: StoreEntry[]; cursor?: string }>
+  list(
+    prefix: string,
+    opts?: { cursor?: string; limit?: number },
+  ): Promise<{ entries: StoreEntry[]; cursor?: string }>
   /** A short-lived URL that GETs the object directly from the backend (s3). */
   presignGet?(name: string, expiresInSeconds: number): Promise<string>
   /** Object count and bytes, when the backend can tell cheaply (memory, fs). */
@@ -51,7 +54,10 @@ export interface ObjectStore {
 }
 
 /** Resolves a ByteRange against an object size; undefined when unsatisfiable. */
-export function resolveRange(range: ByteRange | undefined, size: number): { offset: number; length: number } | undefined {
+export function resolveRange(
+  range: ByteRange | undefined,
+  size: number,
+): { offset: number; length: number } | undefined {
   if (!range) return { offset: 0, length: size }
   if ('suffix' in range) {
     if (range.suffix <= 0 || size === 0) return undefined
@@ -64,7 +70,10 @@ export function resolveRange(range: ByteRange | undefined, size: number): { offs
 }
 
 /** Reads a body argument fully (memory store, small fallbacks); checks the declared size. */
-export async function collectBody(body: ReadableStream<Uint8Array> | Uint8Array, size: number): Promise<Uint8Array> {
+export async function collectBody(
+  body: ReadableStream<Uint8Array> | Uint8Array,
+  size: number,
+): Promise<Uint8Array> {
   if (body instanceof Uint8Array) {
     if (body.length !== size) throw new Error(`body is ${body.length} bytes, declared ${size}`)
     return body
