@@ -4,4 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-npm ci --no-fund --no-audit
+npm install --no-fund --no-audit
+
+# Native addon (node-gyp against the system Node headers) + the stub libcudart
+# its tests load. Fast (~5 s cold, ~0 s when up to date).
+bash scripts/build-native.sh
