@@ -41,19 +41,18 @@ export interface DecodeLimits {
 const DEFAULT_MAX_OUTPUT = 2 * 1024 * 1024 * 1024
 /**
  * The most symbols one input byte can carry: rANS at the most skewed table
- * (4095/4096) spends ≥ 0.00035 bits per symbol. A section claiming more output
+ * (2047/2048) spends ≥ 0.0007 bits per symbol. A section claiming more output
  * than this is hostile and is refused before anything is allocated.
  */
-const MAX_SYMBOLS_PER_BYTE = 24_000
+const MAX_SYMBOLS_PER_BYTE = 12_000
 
 /** kvgate encoder knobs (fixed per codec version; the decoder does not need them). */
-const K_GAMMA = 0
-const V_GAMMA = 0
 const MAX_CLASSES = 8
 
+/** wasm params: [epsK, epsV, gammaK, gammaV, deltaK, maxClasses, levelsK, levelsV]. */
 function kvgateParams(quality: number, layer: number, layers: number): Float32Array {
-  const { epsK, epsV } = layerTargets(quality, layer, layers)
-  return new Float32Array([epsK, epsV, K_GAMMA, V_GAMMA, 1, MAX_CLASSES, 0, 0])
+  const { kLevels, vLevels } = layerTargets(quality, layer, layers)
+  return new Float32Array([0, 0, 0, 0, 1, MAX_CLASSES, kLevels, vLevels])
 }
 
 /** Encodes a chunk tensor ([layer][K|V][token][kvHead][headDim]) into a chunk object. */

@@ -69,8 +69,10 @@ fn slab_elems(t: u32, c: u32) -> Option<usize> {
     (t as usize).checked_mul(c as usize)?.checked_mul(2)
 }
 
-/// Encodes one layer slab. `params` points at 8 f32:
-/// [epsK, epsV, gammaK, gammaV, deltaK, maxClasses, 0, 0] (kvgate mode only).
+/// Encodes one layer slab. `params` points at 8 f32 (kvgate mode only):
+/// [epsK, epsV, gammaK, gammaV, deltaK, maxClasses, levelsK, levelsV]. With
+/// levelsK > 0, K steps are per channel (range / levelsK); with levelsV > 0, V
+/// steps are per token (2·max|v| / levelsV); otherwise eps·√12·rms (scaled by gamma).
 ///
 /// # Safety
 /// `src` must hold 2·t·c elements of `dtype`; `params` 8 f32 (kvgate mode).
@@ -109,6 +111,8 @@ pub unsafe extern "C" fn kv_encode(
                     gamma_t: 0.0,
                     delta: p[4] != 0.0,
                     max_classes: p[5] as usize,
+                    levels_c: p[6],
+                    levels_t: 0.0,
                 };
                 let pv = lossy::StreamParams {
                     eps: p[1],
@@ -116,8 +120,10 @@ pub unsafe extern "C" fn kv_encode(
                     gamma_t: p[3],
                     delta: false,
                     max_classes: p[5] as usize,
+                    levels_c: 0.0,
+                    levels_t: p[7],
                 };
-                if !(pk.eps > 0.0 && pv.eps > 0.0) {
+                if !((pk.eps > 0.0 || pk.levels_c > 0.0) && (pv.eps > 0.0 || pv.levels_t > 0.0)) {
                     return ERR_ARGS;
                 }
                 lossy::encode(&x, t, c, &pk, &pv, &mut out);

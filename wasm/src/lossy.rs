@@ -1,16 +1,19 @@
 //! kvgate lossy mode. Each layer's K and V are uniform-quantized with a step
 //! derived from a target relative error (early layers get finer steps, chosen by
-//! the caller), scaled per channel (K) or per token (V). Keys are predicted from
-//! the previous token where that pays (token locality), residuals go through an
-//! escape-bucket alphabet into rANS with per-channel-class tables.
+//! the caller), optionally scaled per channel (K) or per token (V). Keys are
+//! predicted from the previous token where that pays (token locality); residuals
+//! go through an escape-bucket alphabet into rANS with per-channel-class tables.
 
 use crate::bytes::{put_u32, put_varint, unzigzag, zigzag, BitReader, BitWriter, Reader};
 use crate::half::{self, DT_BF16, DT_F16};
 use crate::rans::{decode_block, encode_block};
 
-pub const ALPHABET: usize = 64;
-const DIRECT: u32 = 16;
-const QMAX: i32 = 1 << 23;
+/// Symbols 0..DIRECT are zigzag residuals; above, (bucket, extra raw bits).
+const DIRECT: u32 = 64;
+const DIRECT_BITS: u32 = 6;
+const MAX_K: u32 = 27;
+pub const ALPHABET: usize = (DIRECT + 2 * (MAX_K - DIRECT_BITS) + 2) as usize;
+const QMAX: i32 = 1 << 24;
 
 const F_CHSCALE: u8 = 1;
 const F_TOKSCALE: u8 = 2;
@@ -26,6 +29,11 @@ pub struct StreamParams {
     /// Let channels be coded as deltas from the previous token.
     pub delta: bool,
     pub max_classes: usize,
+    /// When > 0: per-channel steps = (channel range over the chunk's tokens) / levels
+    /// (KIVI/CacheGen-style per-channel quantization, entropy coded). Overrides eps.
+    pub levels_c: f32,
+    /// When > 0: per-token steps = 2·max|x_t| / levels (per-token quantization).
+    pub levels_t: f32,
 }
 
 fn scale_of(code: u8) -> f32 {
@@ -41,129 +49,151 @@ fn scale_code(ratio: f64, gamma: f32) -> u8 {
 }
 
 #[inline(always)]
-fn round_i(v: f32) -> i32 {
-    let r = (v + if v >= 0.0 { 0.5 } else { -0.5 }) as i32;
-    r.max(-QMAX).min(QMAX)
-}
-
-#[inline(always)]
-fn symbolize(z: u32, bits: &mut BitWriter) -> u8 {
-    if z < DIRECT {
-        return z as u8;
-    }
-    let k = 31 - z.leading_zeros();
-    bits.put(z, k - 1);
-    (DIRECT + 2 * (k - 4) + ((z >> (k - 1)) & 1)) as u8
+fn bitlen(z: u32) -> u32 {
+    32 - z.leading_zeros()
 }
 
 /// Encodes one T×C stream `x` (f32, row = token).
 pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut Vec<u8>) {
-    let mut ss = 0f64;
-    let mut cnt = 0usize;
-    for &v in x {
-        if v.is_finite() {
-            ss += (v as f64) * (v as f64);
-            cnt += 1;
+    // Pass 1: statistics (row sums of squares and max |x|, channel sums, squares, min, max).
+    let mut ch_sum = vec![0f32; c];
+    let mut ch_ss = vec![0f32; c];
+    let mut ch_min = vec![f32::INFINITY; c];
+    let mut ch_max = vec![f32::NEG_INFINITY; c];
+    let mut row_ss = vec![0f64; t];
+    let mut row_max = vec![0f32; t];
+    let ranges = p.levels_c > 0.0;
+    for tt in 0..t {
+        let row = &x[tt * c..(tt + 1) * c];
+        let mut rs = 0f32;
+        let mut rm = 0f32;
+        for ch in 0..c {
+            let v = row[ch];
+            let v = if v.is_finite() { v } else { 0.0 };
+            ch_sum[ch] += v;
+            ch_ss[ch] += v * v;
+            rs += v * v;
+            rm = rm.max(v.abs());
+            if ranges {
+                ch_min[ch] = ch_min[ch].min(v);
+                ch_max[ch] = ch_max[ch].max(v);
+            }
         }
+        row_ss[tt] = rs as f64;
+        row_max[tt] = rm;
     }
-    let rms = if cnt > 0 {
-        (ss / cnt as f64).sqrt()
+    let total: f64 = row_ss.iter().sum();
+    let rms = (total / (t * c) as f64).sqrt();
+    let by_levels = p.levels_c > 0.0 || p.levels_t > 0.0;
+    let mut base = if by_levels {
+        rms as f32
     } else {
-        0.0
+        (p.eps as f64 * 12f64.sqrt() * rms) as f32
     };
-    let mut base = (p.eps as f64 * 12f64.sqrt() * rms) as f32;
     if !(base > 1e-30) || !base.is_finite() {
         base = 1.0;
     }
     let mut flags = 0u8;
     let mut ch_codes = vec![128u8; c];
     let mut tok_codes = vec![128u8; t];
-    if p.gamma_c > 0.0 && rms > 0.0 {
+    if p.levels_c > 0.0 {
         flags |= F_CHSCALE;
         for ch in 0..c {
-            let mut s = 0f64;
-            for tt in 0..t {
-                let v = x[tt * c + ch];
-                if v.is_finite() {
-                    s += (v as f64) * (v as f64);
-                }
-            }
-            ch_codes[ch] = scale_code((s / t as f64).sqrt() / rms, p.gamma_c);
+            let step = (ch_max[ch] - ch_min[ch]) as f64 / p.levels_c as f64;
+            ch_codes[ch] = scale_code(step.max(rms * 1e-3) / base as f64, 1.0);
+        }
+    } else if p.gamma_c > 0.0 && rms > 0.0 {
+        flags |= F_CHSCALE;
+        for ch in 0..c {
+            ch_codes[ch] = scale_code((ch_ss[ch] as f64 / t as f64).sqrt() / rms, p.gamma_c);
         }
     }
-    if p.gamma_t > 0.0 && rms > 0.0 {
+    if p.levels_t > 0.0 {
         flags |= F_TOKSCALE;
         for tt in 0..t {
-            let mut s = 0f64;
-            for &v in &x[tt * c..(tt + 1) * c] {
-                if v.is_finite() {
-                    s += (v as f64) * (v as f64);
-                }
-            }
-            tok_codes[tt] = scale_code((s / c as f64).sqrt() / rms, p.gamma_t);
+            let step = 2.0 * row_max[tt] as f64 / p.levels_t as f64;
+            tok_codes[tt] = scale_code(step.max(rms * 1e-3) / base as f64, 1.0);
+        }
+    } else if p.gamma_t > 0.0 && rms > 0.0 {
+        flags |= F_TOKSCALE;
+        for tt in 0..t {
+            tok_codes[tt] = scale_code((row_ss[tt] / c as f64).sqrt() / rms, p.gamma_t);
         }
     }
-    let inv_c: Vec<f32> = ch_codes
-        .iter()
-        .map(|&k| 1.0 / (base * scale_of(k)))
-        .collect();
+    // Steps exactly as the decoder will compute them.
+    let step_c: Vec<f32> = ch_codes.iter().map(|&k| base * scale_of(k)).collect();
+    let inv_c: Vec<f32> = step_c.iter().map(|&s| 1.0 / s).collect();
     let inv_t: Vec<f32> = tok_codes.iter().map(|&k| 1.0 / scale_of(k)).collect();
+    // Pass 2: quantize.
     let mut q = vec![0i32; t * c];
     for tt in 0..t {
-        let it = inv_t[tt];
-        let row = &x[tt * c..(tt + 1) * c];
-        let qr = &mut q[tt * c..(tt + 1) * c];
-        for ch in 0..c {
-            let v = row[ch];
-            qr[ch] = if v.is_nan() {
-                0
-            } else {
-                round_i(v * inv_c[ch] * it)
-            };
-        }
+        quantize_row(
+            &x[tt * c..(tt + 1) * c],
+            &inv_c,
+            inv_t[tt],
+            &mut q[tt * c..(tt + 1) * c],
+        );
     }
-    // Channel prediction: delta from the previous token vs a constant centre.
+    // Channel prediction: delta from the previous token vs a constant centre,
+    // decided on (up to) 64 sampled token pairs.
     let mut delta = vec![false; c];
-    let mut centers = vec![0i32; c];
-    for ch in 0..c {
-        let mut sum = 0i64;
-        for tt in 0..t {
-            sum += q[tt * c + ch] as i64;
-        }
-        let center = (sum as f64 / t as f64).round() as i32;
-        centers[ch] = center;
-        if p.delta && t > 1 {
-            let mut cost_c = 0u64;
-            let mut cost_d = 0u64;
-            let q0 = q[ch];
-            let mut prev = q0;
-            for tt in 0..t {
-                let v = q[tt * c + ch];
-                cost_c += 32 - zigzag(v.wrapping_sub(center)).leading_zeros() as u64;
-                let pd = if tt == 0 { q0 } else { prev };
-                cost_d += 32 - zigzag(v.wrapping_sub(pd)).leading_zeros() as u64;
-                prev = v;
+    let mut centers: Vec<i32> = (0..c)
+        .map(|ch| {
+            let m = ch_sum[ch] / t as f32 * inv_c[ch];
+            if m.is_finite() {
+                (m.round() as i32).max(-QMAX).min(QMAX)
+            } else {
+                0
             }
-            if cost_d < cost_c {
+        })
+        .collect();
+    if p.delta && t > 1 {
+        let stride = ((t - 1) / 64).max(1);
+        let mut cost_c = vec![0u32; c];
+        let mut cost_d = vec![0u32; c];
+        let mut tt = 1;
+        while tt < t {
+            let prev = &q[(tt - 1) * c..tt * c];
+            let cur = &q[tt * c..(tt + 1) * c];
+            for ch in 0..c {
+                cost_c[ch] += bitlen(zigzag(cur[ch].wrapping_sub(centers[ch])));
+                cost_d[ch] += bitlen(zigzag(cur[ch].wrapping_sub(prev[ch])));
+            }
+            tt += stride;
+        }
+        for ch in 0..c {
+            if cost_d[ch] < cost_c[ch] {
                 delta[ch] = true;
-                centers[ch] = q0;
+                centers[ch] = q[ch];
             }
         }
     }
     if delta.iter().any(|&d| d) {
         flags |= F_MODES;
     }
+    // Pass 3: residual symbols, per-channel histograms, escape bits.
     let mut syms = vec![0u8; t * c];
+    let mut hist = vec![0u32; c * ALPHABET];
     let mut bits = BitWriter::new();
+    let mut pred = centers.clone();
+    let dmask: Vec<i32> = delta.iter().map(|&d| if d { -1 } else { 0 }).collect();
     for tt in 0..t {
+        let qr = &q[tt * c..(tt + 1) * c];
+        let sr = &mut syms[tt * c..(tt + 1) * c];
         for ch in 0..c {
-            let v = q[tt * c + ch];
-            let pred = if delta[ch] && tt > 0 {
-                q[(tt - 1) * c + ch]
+            let v = qr[ch];
+            let z = zigzag(v.wrapping_sub(pred[ch]));
+            // Delta channels predict from this token next time; constant ones keep the centre.
+            pred[ch] = (v & dmask[ch]) | (centers[ch] & !dmask[ch]);
+            let s = if z < DIRECT {
+                z
             } else {
-                centers[ch]
+                let k = 31 - z.leading_zeros();
+                bits.put(z, k - 1);
+                DIRECT + 2 * (k - DIRECT_BITS) + ((z >> (k - 1)) & 1)
             };
-            syms[tt * c + ch] = symbolize(zigzag(v.wrapping_sub(pred)), &mut bits);
+            sr[ch] = s as u8;
+            hist[ch * ALPHABET + s as usize] += 1;
         }
     }
     out.extend_from_slice(&base.to_le_bytes());
@@ -189,7 +219,61 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     let extra = bits.finish();
     put_u32(out, extra.len() as u32);
     out.extend_from_slice(&extra);
-    encode_block(out, &syms, t, c, ALPHABET, p.max_classes);
+    encode_block(out, &syms, &hist, t, c, ALPHABET, p.max_classes);
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+fn quantize_row(x: &[f32], inv_c: &[f32], it: f32, q: &mut [i32]) {
+    use core::arch::wasm32::*;
+    let c = x.len();
+    let lim = f32x4_splat(QMAX as f32);
+    let nlim = f32x4_splat(-(QMAX as f32));
+    let vt = f32x4_splat(it);
+    let mut ch = 0;
+    while ch + 4 <= c {
+        unsafe {
+            let v = v128_load(x.as_ptr().add(ch) as *const v128);
+            let s = f32x4_mul(
+                f32x4_mul(v, v128_load(inv_c.as_ptr().add(ch) as *const v128)),
+                vt,
+            );
+            // NaN compares false against itself: zero it; ±Inf clamps.
+            let s = v128_and(s, f32x4_eq(s, s));
+            let s = f32x4_nearest(f32x4_max(nlim, f32x4_min(lim, s)));
+            v128_store(
+                q.as_mut_ptr().add(ch) as *mut v128,
+                i32x4_trunc_sat_f32x4(s),
+            );
+        }
+        ch += 4;
+    }
+    for i in ch..c {
+        q[i] = quantize_one(x[i] * inv_c[i] * it);
+    }
+}
+
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+fn quantize_row(x: &[f32], inv_c: &[f32], it: f32, q: &mut [i32]) {
+    for i in 0..x.len() {
+        q[i] = quantize_one(x[i] * inv_c[i] * it);
+    }
+}
+
+#[inline(always)]
+fn quantize_one(v: f32) -> i32 {
+    if v.is_nan() {
+        return 0;
+    }
+    let r = v.max(-(QMAX as f32)).min(QMAX as f32);
+    // Round half to even, as f32x4.nearest does in the SIMD path.
+    let f = r.floor();
+    let d = r - f;
+    let fi = f as i32;
+    if d > 0.5 || (d == 0.5 && fi & 1 != 0) {
+        fi + 1
+    } else {
+        fi
+    }
 }
 
 #[inline(always)]
@@ -215,6 +299,162 @@ pub fn store(dst: &mut [u8], i: usize, dtype: u32, v: f32) {
     }
 }
 
+struct RowCtx<'a> {
+    step: &'a [f32],
+    centers: &'a [i32],
+    dmask: &'a [i32],
+}
+
+/// Scalar reconstruction of one row (handles escapes); returns false on a bad symbol.
+fn row_scalar(
+    ctx: &RowCtx,
+    row: &[u8],
+    m: f32,
+    prev: &mut [i32],
+    bits: &mut BitReader,
+    dtype: u32,
+    dst: &mut [u8],
+    o: usize,
+) -> bool {
+    for ch in 0..row.len() {
+        let s = row[ch] as u32;
+        let z = if s < DIRECT {
+            s
+        } else {
+            let j = s - DIRECT;
+            let k = j / 2 + DIRECT_BITS;
+            if k > MAX_K {
+                return false;
+            }
+            (1u32 << k) | ((j & 1) << (k - 1)) | bits.get(k - 1)
+        };
+        let dm = ctx.dmask[ch];
+        let pred = (prev[ch] & dm) | (ctx.centers[ch] & !dm);
+        let qv = pred.wrapping_add(unzigzag(z));
+        prev[ch] = qv;
+        store(dst, o + ch, dtype, qv as f32 * ctx.step[ch] * m);
+    }
+    true
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+mod simd {
+    use core::arch::wasm32::*;
+
+    /// True when every symbol of the row is a direct residual (no escape bits).
+    #[inline(always)]
+    pub fn row_direct(row: &[u8]) -> bool {
+        let mut i = 0;
+        let lim = u8x16_splat(super::DIRECT as u8);
+        while i + 16 <= row.len() {
+            let v = unsafe { v128_load(row.as_ptr().add(i) as *const v128) };
+            if !u8x16_all_true(u8x16_lt(v, lim)) {
+                return false;
+            }
+            i += 16;
+        }
+        row[i..].iter().all(|&s| (s as u32) < super::DIRECT)
+    }
+
+    /// f32x4 → fp16 bits (RNE, overflow → Inf, NaN → quiet NaN), in i32 lanes.
+    #[inline(always)]
+    pub fn f32x4_to_f16(f: v128) -> v128 {
+        let sign = v128_and(f, u32x4_splat(0x8000_0000));
+        let a = v128_xor(f, sign);
+        let f16max = u32x4_splat((127 + 16) << 23);
+        let inf = u32x4_splat(255 << 23);
+        let big = u32x4_ge(a, f16max);
+        let nan = u32x4_gt(a, inf);
+        let o_big = v128_bitselect(u32x4_splat(0x7e00), u32x4_splat(0x7c00), nan);
+        let small = u32x4_lt(a, u32x4_splat(113 << 23));
+        let magic = u32x4_splat(((127 - 15) + (23 - 10) + 1) << 23);
+        let o_small = i32x4_sub(f32x4_add(a, magic), magic);
+        let odd = v128_and(u32x4_shr(a, 13), u32x4_splat(1));
+        let norm = i32x4_add(
+            i32x4_add(
+                a,
+                u32x4_splat(((15u32.wrapping_sub(127)) << 23).wrapping_add(0xfff)),
+            ),
+            odd,
+        );
+        let o_norm = u32x4_shr(norm, 13);
+        let o = v128_bitselect(o_small, o_norm, small);
+        let o = v128_bitselect(o_big, o, big);
+        v128_or(o, u32x4_shr(sign, 16))
+    }
+
+    #[inline(always)]
+    pub fn f32x4_to_bf16(f: v128) -> v128 {
+        // Finite inputs only (the decoder's products are finite unless the stream is hostile).
+        let lsb = v128_and(u32x4_shr(f, 16), u32x4_splat(1));
+        u32x4_shr(i32x4_add(i32x4_add(f, u32x4_splat(0x7fff)), lsb), 16)
+    }
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+fn row_fast(
+    ctx: &RowCtx,
+    row: &[u8],
+    m: f32,
+    prev: &mut [i32],
+    dtype: u32,
+    dst: &mut [u8],
+    o: usize,
+) -> usize {
+    use core::arch::wasm32::*;
+    let c = row.len();
+    let eb = if dtype == DT_F16 || dtype == DT_BF16 {
+        2
+    } else {
+        4
+    };
+    if dst.len() < (o + c) * eb {
+        return 0;
+    }
+    let vm = f32x4_splat(m);
+    let one = u32x4_splat(1);
+    let mut ch = 0;
+    unsafe {
+        while ch + 8 <= c {
+            let w = u16x8_extend_low_u8x16(v128_load64_zero(row.as_ptr().add(ch) as *const u64));
+            let sv = [u32x4_extend_low_u16x8(w), u32x4_extend_high_u16x8(w)];
+            let mut outv = [u32x4_splat(0); 2];
+            for h in 0..2 {
+                let b = ch + 4 * h;
+                let s = sv[h];
+                let r = v128_xor(u32x4_shr(s, 1), i32x4_neg(v128_and(s, one)));
+                let dm = v128_load(ctx.dmask.as_ptr().add(b) as *const v128);
+                let pv = v128_load(prev.as_ptr().add(b) as *const v128);
+                let cv = v128_load(ctx.centers.as_ptr().add(b) as *const v128);
+                let qv = i32x4_add(v128_bitselect(pv, cv, dm), r);
+                v128_store(prev.as_mut_ptr().add(b) as *mut v128, qv);
+                outv[h] = f32x4_mul(
+                    f32x4_mul(
+                        f32x4_convert_i32x4(qv),
+                        v128_load(ctx.step.as_ptr().add(b) as *const v128),
+                    ),
+                    vm,
+                );
+            }
+            let p = dst.as_mut_ptr().add((o + ch) * eb);
+            if dtype == DT_BF16 {
+                let v =
+                    u16x8_narrow_i32x4(simd::f32x4_to_bf16(outv[0]), simd::f32x4_to_bf16(outv[1]));
+                v128_store(p as *mut v128, v);
+            } else if dtype == DT_F16 {
+                let v =
+                    u16x8_narrow_i32x4(simd::f32x4_to_f16(outv[0]), simd::f32x4_to_f16(outv[1]));
+                v128_store(p as *mut v128, v);
+            } else {
+                v128_store(p as *mut v128, outv[0]);
+                v128_store(p.add(16) as *mut v128, outv[1]);
+            }
+            ch += 8;
+        }
+    }
+    ch
+}
+
 /// Decodes one stream into elements [offset, offset + T×C) of `dst`.
 pub fn decode_stream(
     r: &mut Reader,
@@ -233,9 +473,9 @@ pub fn decode_stream(
     if flags & !(F_CHSCALE | F_TOKSCALE | F_MODES) != 0 {
         return None;
     }
-    let mut stepc = vec![base; c];
+    let mut step = vec![base; c];
     if flags & F_CHSCALE != 0 {
-        for (s, &k) in stepc.iter_mut().zip(r.take(c)?) {
+        for (s, &k) in step.iter_mut().zip(r.take(c)?) {
             *s = base * scale_of(k);
         }
     }
@@ -245,11 +485,13 @@ pub fn decode_stream(
             *s = scale_of(k);
         }
     }
-    let mut delta = vec![false; c];
+    let mut dmask = vec![0i32; c];
     if flags & F_MODES != 0 {
         let m = r.take((c + 7) / 8)?;
         for ch in 0..c {
-            delta[ch] = m[ch / 8] & (1 << (ch % 8)) != 0;
+            if m[ch / 8] & (1 << (ch % 8)) != 0 {
+                dmask[ch] = -1;
+            }
         }
     }
     let mut centers = vec![0i32; c];
@@ -260,27 +502,40 @@ pub fn decode_stream(
     decode_block(r, t, c, ALPHABET, syms)?;
     let mut bits = BitReader::new(extra);
     let mut prev = centers.clone();
-    let mut o = offset;
+    let ctx = RowCtx {
+        step: &step,
+        centers: &centers,
+        dmask: &dmask,
+    };
     for tt in 0..t {
         let row = &syms[tt * c..(tt + 1) * c];
-        let m = mt[tt];
-        for ch in 0..c {
-            let s = row[ch] as u32;
-            let z = if s < DIRECT {
-                s
-            } else {
-                let j = s - DIRECT;
-                let k = j / 2 + 4;
-                if k > 27 {
+        let o = offset + tt * c;
+        #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+        {
+            if simd::row_direct(row) {
+                let done = row_fast(&ctx, row, mt[tt], &mut prev, dtype, dst, o);
+                let sub = RowCtx {
+                    step: &step[done..],
+                    centers: &centers[done..],
+                    dmask: &dmask[done..],
+                };
+                if !row_scalar(
+                    &sub,
+                    &row[done..],
+                    mt[tt],
+                    &mut prev[done..],
+                    &mut bits,
+                    dtype,
+                    dst,
+                    o + done,
+                ) {
                     return None;
                 }
-                (1u32 << k) | ((j & 1) << (k - 1)) | bits.get(k - 1)
-            };
-            let pred = if delta[ch] { prev[ch] } else { centers[ch] };
-            let qv = pred.wrapping_add(unzigzag(z));
-            prev[ch] = qv;
-            store(dst, o, dtype, qv as f32 * stepc[ch] * m);
-            o += 1;
+                continue;
+            }
+        }
+        if !row_scalar(&ctx, row, mt[tt], &mut prev, &mut bits, dtype, dst, o) {
+            return None;
         }
     }
     if bits.overrun {

@@ -1,17 +1,18 @@
-//! Static interleaved rANS (4 states, 12-bit probabilities, byte renormalisation)
+//! Static interleaved rANS (4 states, 11-bit probabilities (tables stay in L1), 16-bit renormalisation)
 //! over "blocks": a T×C symbol matrix whose channels are grouped into classes,
 //! each class with its own compact frequency table. Decode is table driven.
 
 use crate::bytes::{put_u32, put_varint, Reader};
 
-pub const PROB_BITS: u32 = 12;
+pub const PROB_BITS: u32 = 11;
 pub const PROB_SCALE: u32 = 1 << PROB_BITS;
-const RANS_L: u32 = 1 << 23;
+/// State lower bound; with 16-bit renormalisation a decode step reads at most one word.
+const RANS_L: u32 = 1 << 16;
 pub const MAX_CLASSES: usize = 8;
 const LANES: usize = 4;
 
 /// Scales raw counts to a table summing to PROB_SCALE with every present symbol
-/// ≥ 1 and every frequency ≤ PROB_SCALE-1 (so it fits the 12-bit decode entry).
+/// ≥ 1 and every frequency ≤ PROB_SCALE-1 (so it fits the 12-bit freq field of a decode entry).
 pub fn normalize(counts: &[u64]) -> Vec<u32> {
     let mut n = counts.len();
     while n > 0 && counts[n - 1] == 0 {
@@ -30,7 +31,7 @@ pub fn normalize(counts: &[u64]) -> Vec<u32> {
             f[i] = v.max(1);
         }
     }
-    // A lone symbol would need freq 4096; give a neighbour one slot instead.
+    // A lone symbol would need freq PROB_SCALE; give a neighbour one slot instead.
     let present = f.iter().filter(|&&v| v > 0).count();
     if present == 1 {
         let i = f.iter().position(|&v| v > 0).unwrap_or(0);
@@ -117,116 +118,165 @@ pub fn read_table(r: &mut Reader, max_syms: usize, dec: &mut [u32]) -> Option<()
     Some(())
 }
 
-/// Encodes a T×C symbol matrix (row major) into `out`.
-/// Channels are grouped into up to `max_classes` classes chosen by cost.
-pub fn encode_block(
+/// Encoder symbol with a reciprocal so the hot loop needs no division (ryg_rans).
+#[derive(Clone, Copy, Default)]
+struct EncSym {
+    x_max: u32,
+    rcp_freq: u32,
+    bias: u32,
+    cmpl_freq: u32,
+    rcp_shift: u32,
+}
+
+fn enc_sym(start: u32, freq: u32) -> EncSym {
+    let x_max = ((RANS_L >> PROB_BITS) << 16) * freq;
+    let cmpl_freq = PROB_SCALE - freq;
+    if freq < 2 {
+        EncSym {
+            x_max,
+            rcp_freq: !0u32,
+            bias: start + PROB_SCALE - 1,
+            cmpl_freq,
+            rcp_shift: 0,
+        }
+    } else {
+        let mut shift = 0u32;
+        while freq > (1u32 << shift) {
+            shift += 1;
+        }
+        let rcp = (((1u64 << (shift + 31)) + freq as u64 - 1) / freq as u64) as u32;
+        EncSym {
+            x_max,
+            rcp_freq: rcp,
+            bias: start,
+            cmpl_freq,
+            rcp_shift: shift - 1,
+        }
+    }
+}
+
+/// Chooses channel classes by cost (including table bytes) and writes
+/// `nclass, [class per channel], tables`. Returns the class of each channel
+/// and the tables.
+fn choose_classes(
     out: &mut Vec<u8>,
-    syms: &[u8],
-    t: usize,
+    hist: &[u32],
     c: usize,
     alphabet: usize,
     max_classes: usize,
-) {
-    // Per-channel histograms.
-    let mut hist = vec![0u64; c * alphabet];
-    for row in syms.chunks_exact(c).take(t) {
-        for (ch, &s) in row.iter().enumerate() {
-            hist[ch * alphabet + s as usize] += 1;
-        }
-    }
-    // Order channels by their mean symbol (a proxy for residual scale).
+) -> (Vec<u8>, Vec<Vec<u32>>) {
     let mut order: Vec<(u64, usize)> = (0..c)
         .map(|ch| {
             let h = &hist[ch * alphabet..(ch + 1) * alphabet];
             let mut m = 0u64;
-            for (s, &n) in h.iter().enumerate() {
-                m += n * s as u64;
+            let mut n = 0u64;
+            for (s, &k) in h.iter().enumerate() {
+                m += k as u64 * s as u64;
+                n += k as u64;
             }
-            (m, ch)
+            ((m << 16) / n.max(1), ch)
         })
         .collect();
-    order.sort();
-    let mut best: Option<(f64, usize, Vec<u8>, Vec<Vec<u32>>)> = None;
+    order.sort_unstable();
+    let mut best: Option<(f64, Vec<u8>, Vec<Vec<u32>>)> = None;
     let mut k = 1usize;
     while k <= max_classes.min(MAX_CLASSES).min(c.max(1)) {
         let mut class_of = vec![0u8; c];
         for (rank, &(_, ch)) in order.iter().enumerate() {
             class_of[ch] = ((rank * k) / c.max(1)) as u8;
         }
-        let mut tables = Vec::new();
+        let mut counts = vec![0u64; k * alphabet];
+        for ch in 0..c {
+            let cls = class_of[ch] as usize;
+            let h = &hist[ch * alphabet..(ch + 1) * alphabet];
+            let dst = &mut counts[cls * alphabet..(cls + 1) * alphabet];
+            for s in 0..alphabet {
+                dst[s] += h[s] as u64;
+            }
+        }
+        let mut tables = Vec::with_capacity(k);
         let mut bits = 0.0;
         let mut side = if k > 1 { c } else { 0 };
         for cls in 0..k {
-            let mut counts = vec![0u64; alphabet];
-            for ch in 0..c {
-                if class_of[ch] as usize == cls {
-                    for s in 0..alphabet {
-                        counts[s] += hist[ch * alphabet + s];
-                    }
-                }
-            }
-            let f = normalize(&counts);
-            bits += cost_bits(&counts, &f);
+            let cnt = &counts[cls * alphabet..(cls + 1) * alphabet];
+            let f = normalize(cnt);
+            bits += cost_bits(cnt, &f);
             side += table_bytes(&f);
             tables.push(f);
         }
         let total = bits / 8.0 + side as f64;
         if best.as_ref().map_or(true, |b| total < b.0) {
-            best = Some((total, k, class_of, tables));
+            best = Some((total, class_of, tables));
         }
         k *= 2;
     }
-    let (_, k, class_of, tables) = match best {
-        Some(b) => b,
-        None => return,
-    };
-    out.push(k as u8);
-    if k > 1 {
+    let (_, class_of, tables) = best.unwrap_or((0.0, vec![0u8; c], vec![normalize(&[1])]));
+    out.push(tables.len() as u8);
+    if tables.len() > 1 {
         out.extend_from_slice(&class_of);
     }
     for f in &tables {
         write_table(out, f);
     }
-    // Cumulative starts per class.
-    let mut enc: Vec<Vec<(u32, u32)>> = Vec::with_capacity(k);
-    for f in &tables {
+    (class_of, tables)
+}
+
+/// Encodes a T×C symbol matrix (row major) into `out`; `hist` holds each
+/// channel's symbol counts (C×alphabet). Channels are grouped into up to
+/// `max_classes` classes, each with its own table, chosen by coded size.
+pub fn encode_block(
+    out: &mut Vec<u8>,
+    syms: &[u8],
+    hist: &[u32],
+    t: usize,
+    c: usize,
+    alphabet: usize,
+    max_classes: usize,
+) {
+    let (class_of, tables) = choose_classes(out, hist, c, alphabet, max_classes);
+    let mut enc = vec![EncSym::default(); tables.len() * alphabet];
+    for (cls, f) in tables.iter().enumerate() {
         let mut cum = 0u32;
-        let mut e = Vec::with_capacity(f.len());
-        for &v in f {
-            e.push((cum, v));
+        for (s, &v) in f.iter().enumerate() {
+            if v > 0 {
+                enc[cls * alphabet + s] = enc_sym(cum, v);
+            }
             cum += v;
         }
-        enc.push(e);
     }
+    let cbase: Vec<usize> = class_of.iter().map(|&k| k as usize * alphabet).collect();
     let n = t * c;
-    let cap = n * 2 + 64;
-    let mut buf = vec![0u8; cap];
+    // Worst case 12 bits per symbol plus state flush; u16 words written backwards.
+    let cap = n + n / 2 + 16;
+    let mut buf = vec![0u16; cap];
     let mut p = cap;
     let mut x = [RANS_L; LANES];
+    let mut ch = if c > 0 { (n - 1) % c } else { 0 };
     for i in (0..n).rev() {
-        let s = syms[i] as usize;
-        let cls = class_of[i % c] as usize;
-        let (start, freq) = enc[cls][s];
+        let e = enc[cbase[ch] + syms[i] as usize];
         let lane = i & (LANES - 1);
         let mut xs = x[lane];
-        let x_max = ((RANS_L >> PROB_BITS) << 8) * freq;
-        while xs >= x_max {
-            p -= 1;
-            buf[p] = xs as u8;
-            xs >>= 8;
-        }
-        x[lane] = ((xs / freq) << PROB_BITS) + (xs % freq) + start;
+        let out = (xs >= e.x_max) as usize;
+        buf[p - 1] = xs as u16;
+        p -= out;
+        xs >>= (out as u32) << 4;
+        let q = (((xs as u64) * (e.rcp_freq as u64)) >> 32) as u32 >> e.rcp_shift;
+        x[lane] = xs + e.bias + q * e.cmpl_freq;
+        ch = if ch == 0 { c - 1 } else { ch - 1 };
     }
-    for lane in (0..LANES).rev() {
-        p -= 4;
-        buf[p..p + 4].copy_from_slice(&x[lane].to_le_bytes());
+    let words = cap - p;
+    put_u32(out, (4 * LANES + 2 * words) as u32);
+    for lane in 0..LANES {
+        put_u32(out, x[lane]);
     }
-    put_u32(out, (cap - p) as u32);
-    out.extend_from_slice(&buf[p..]);
+    for w in &buf[p..] {
+        out.extend_from_slice(&w.to_le_bytes());
+    }
 }
 
 /// Decodes a block written by `encode_block` into `syms` (T×C). Never panics on
-/// hostile input: reads past the payload yield zeros and fail the final check.
+/// hostile input; a stream that does not end exactly where the encoder started
+/// is rejected.
 pub fn decode_block(
     r: &mut Reader,
     t: usize,
@@ -238,14 +288,14 @@ pub fn decode_block(
     if k == 0 || k > MAX_CLASSES {
         return None;
     }
-    let mut class_of: Vec<usize> = vec![0; c];
+    let mut cbase: Vec<u32> = vec![0; c];
     if k > 1 {
         let cls = r.take(c)?;
-        for (d, &v) in class_of.iter_mut().zip(cls) {
+        for (d, &v) in cbase.iter_mut().zip(cls) {
             if v as usize >= k {
                 return None;
             }
-            *d = v as usize * PROB_SCALE as usize;
+            *d = v as u32 * PROB_SCALE;
         }
     }
     let mut dec = vec![0u32; k * PROB_SCALE as usize];
@@ -258,10 +308,8 @@ pub fn decode_block(
     }
     let payload = r.block()?;
     let n = t * c;
-    if syms.len() < n {
-        return None;
-    }
-    if payload.len() < 4 * LANES {
+    if syms.len() < n || c == 0 || payload.len() < 4 * LANES || (payload.len() - 4 * LANES) % 2 != 0
+    {
         return None;
     }
     let mut x = [0u32; LANES];
@@ -270,61 +318,87 @@ pub fn decode_block(
         x[lane] = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     }
     let data = &payload[4 * LANES..];
+    let len = data.len();
     let mut p = 0usize;
     let mask = PROB_SCALE - 1;
-    // Hot loop: one table lookup per symbol, at most two renorm bytes.
+    let dec = &dec[..];
+    // One table lookup and at most one 16-bit read per symbol. `base` < k·PROB_SCALE and
+    // the slot is masked, so the index is always inside `dec`.
     macro_rules! step {
-        ($lane:expr, $i:expr, $base:expr) => {{
+        ($lane:expr, $i:expr, $base:expr, $read:expr) => {{
             let xs = x[$lane];
-            let e = unsafe_get(&dec, $base + (xs & mask) as usize);
+            let e = dec[($base + (xs & mask)) as usize];
             syms[$i] = e as u8;
             let mut xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
-            while xs < RANS_L {
-                let b = match data.get(p) {
-                    Some(b) => *b as u32,
-                    None => return None,
-                };
-                p += 1;
-                xs = (xs << 8) | b;
+            if xs < RANS_L {
+                xs = (xs << 16) | $read;
             }
             x[$lane] = xs;
         }};
     }
-    if k == 1 {
-        let mut i = 0;
-        while i + LANES <= n {
-            step!(0, i, 0);
-            step!(1, i + 1, 0);
-            step!(2, i + 2, 0);
-            step!(3, i + 3, 0);
+    let mut i = 0usize;
+    let mut ch = 0usize;
+    if c % LANES == 0 {
+        // Fast path: lanes line up with channels; the loop head guarantees the
+        // next 4 symbols' reads (≤ 4 words) are inside `data`, so renormalisation
+        // is branch-free (an unpredictable branch costs more than the read).
+        let dp = data.as_ptr();
+        let sp = syms.as_mut_ptr();
+        let tp = dec.as_ptr();
+        while i < n && p + 2 * LANES <= len {
+            macro_rules! fast {
+                ($lane:expr, $off:expr) => {{
+                    let xs = x[$lane];
+                    // SAFETY: cbase < k·PROB_SCALE and the slot is masked to PROB_BITS, so the
+                    // index is < dec.len(); i + $off < n ≤ syms.len(); p + 2 ≤ len.
+                    unsafe {
+                        let e = *tp.add((*cbase.get_unchecked(ch + $off) + (xs & mask)) as usize);
+                        *sp.add(i + $off) = e as u8;
+                        let xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
+                        let need = (xs < RANS_L) as u32;
+                        let w = u16::from_le_bytes([*dp.add(p), *dp.add(p + 1)]) as u32;
+                        let m = 0u32.wrapping_sub(need);
+                        x[$lane] = (xs << (need << 4)) | (w & m);
+                        p += (need as usize) << 1;
+                    }
+                }};
+            }
+            fast!(0, 0);
+            fast!(1, 1);
+            fast!(2, 2);
+            fast!(3, 3);
             i += LANES;
-        }
-        while i < n {
-            step!(i & 3, i, 0);
-            i += 1;
-        }
-    } else {
-        let mut i = 0;
-        for _ in 0..t {
-            for ch in 0..c {
-                let base = class_of[ch];
-                step!(i & 3, i, base);
-                i += 1;
+            ch += LANES;
+            if ch == c {
+                ch = 0;
             }
         }
     }
-    // An honest stream ends exactly where the encoder started.
-    if p != data.len() || x.iter().any(|&v| v != RANS_L) {
+    // Careful tail: every read checked.
+    while i < n {
+        let b = cbase[ch];
+        let mut bad = false;
+        step!(i & (LANES - 1), i, b, {
+            if p + 2 <= len {
+                let w = u16::from_le_bytes([data[p], data[p + 1]]) as u32;
+                p += 2;
+                w
+            } else {
+                bad = true;
+                0
+            }
+        });
+        if bad {
+            return None;
+        }
+        i += 1;
+        ch += 1;
+        if ch == c {
+            ch = 0;
+        }
+    }
+    if p != len || x.iter().any(|&v| v != RANS_L) {
         return None;
     }
     Some(())
-}
-
-#[inline(always)]
-fn unsafe_get(t: &[u32], i: usize) -> u32 {
-    // i is masked to < PROB_SCALE plus a class base < k*PROB_SCALE = t.len().
-    match t.get(i) {
-        Some(v) => *v,
-        None => 0,
-    }
 }
