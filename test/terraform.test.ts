@@ -235,6 +235,11 @@ describe('terraform module structure (hcl2json)', () => {
     expect(logs.retention_in_days).toBe('${var.log_retention_days}')
     expect(fn.logging_config[0].log_group).toBe('${aws_cloudwatch_log_group.this.name}')
     expect(hcl.resource.aws_ssm_parameter.this[0].type).toBe('SecureString')
+    // The only public grants: invoking through the URL (both actions AWS requires since 10/2025).
+    const locals: Hcl = Object.assign({}, ...hcl.locals)
+    const grants = Object.values(locals.url_permissions as Record<string, { action: string }>).map((p) => p.action)
+    expect(grants.sort()).toEqual(['lambda:InvokeFunction', 'lambda:InvokeFunctionUrl'])
+    expect(hcl.resource.aws_lambda_permission.this[0].principal).toBe('*')
   })
 
   it('follows the module conventions: typed, described variables; resources named this; pinned versions', () => {

@@ -10,6 +10,19 @@ locals {
   auth_parameter_name   = coalesce(var.auth_parameter_name, "/${var.name}/auth-tokens")
   auth_parameter_arn    = "arn:${data.aws_partition.current.partition}:ssm:${data.aws_region.current.name}:${data.aws_caller_identity.current.account_id}:parameter${local.auth_parameter_name}"
 
+  url_permissions = {
+    url = {
+      statement_id           = "AllowPublicFunctionUrl"
+      action                 = "lambda:InvokeFunctionUrl"
+      function_url_auth_type = "NONE"
+    }
+    invoke = {
+      statement_id           = "AllowPublicFunctionUrlInvoke"
+      action                 = "lambda:InvokeFunction"
+      function_url_auth_type = null
+    }
+  }
+
   # Every object the gateway touches lives under this prefix; IAM and lifecycle are scoped to it.
   objects_arn = "${aws_s3_bucket.this.arn}/${var.object_prefix}/*"
 }
@@ -285,10 +298,17 @@ resource "aws_lambda_function_url" "this" {
   invoke_mode        = "RESPONSE_STREAM"
 }
 
+# Since October 2025 a public function URL needs two grants: lambda:InvokeFunctionUrl
+# and lambda:InvokeFunction (without the second every request is a 403 from AWS).
+# Provider 5.x cannot scope the second to URL calls (`invoked_via_function_url` is
+# 6.x only), so it is a plain public grant: no wider in effect than the public URL,
+# since the gateway authenticates every event with its bearer tokens either way.
 resource "aws_lambda_permission" "this" {
-  statement_id           = "AllowPublicFunctionUrl"
-  action                 = "lambda:InvokeFunctionUrl"
+  for_each = var.create_invoke_function_permission ? local.url_permissions : { url = local.url_permissions.url }
+
+  statement_id           = each.value.statement_id
+  action                 = each.value.action
   function_name          = aws_lambda_function.this.function_name
   principal              = "*"
-  function_url_auth_type = "NONE"
+  function_url_auth_type = each.value.function_url_auth_type
 }

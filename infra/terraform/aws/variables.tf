@@ -178,6 +178,12 @@ variable "reserved_concurrency" {
   }
 }
 
+variable "create_invoke_function_permission" {
+  description = "Grant the public lambda:InvokeFunction that function URLs created since October 2025 also need. Set false when the account still has AWS's exception or you add a URL-scoped grant (`aws lambda add-permission --invoked-via-function-url`) yourself."
+  type        = bool
+  default     = true
+}
+
 variable "log_retention_days" {
   description = "Retention of the function's CloudWatch log group, in days."
   type        = number

@@ -120,3 +120,29 @@ run "rejects_oversized_chunks" {
 
   expect_failures = [var.max_chunk_bytes]
 }
+
+run "function_url_permissions" {
+  command = plan
+
+  assert {
+    condition     = aws_lambda_permission.this["url"].action == "lambda:InvokeFunctionUrl" && aws_lambda_permission.this["url"].function_url_auth_type == "NONE"
+    error_message = "the URL needs a public InvokeFunctionUrl grant"
+  }
+  assert {
+    condition     = aws_lambda_permission.this["invoke"].action == "lambda:InvokeFunction"
+    error_message = "function URLs created since October 2025 also need lambda:InvokeFunction"
+  }
+}
+
+run "function_url_permissions_opt_out" {
+  command = plan
+
+  variables {
+    create_invoke_function_permission = false
+  }
+
+  assert {
+    condition     = keys(aws_lambda_permission.this) == ["url"]
+    error_message = "opting out leaves only the URL grant"
+  }
+}
