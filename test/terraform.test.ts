@@ -237,7 +237,9 @@ describe('terraform module structure (hcl2json)', () => {
     expect(hcl.resource.aws_ssm_parameter.this[0].type).toBe('SecureString')
     // The only public grants: invoking through the URL (both actions AWS requires since 10/2025).
     const locals: Hcl = Object.assign({}, ...hcl.locals)
-    const grants = Object.values(locals.url_permissions as Record<string, { action: string }>).map((p) => p.action)
+    const grants = Object.values(locals.url_permissions as Record<string, { action: string }>).map(
+      (p) => p.action,
+    )
     expect(grants.sort()).toEqual(['lambda:InvokeFunction', 'lambda:InvokeFunctionUrl'])
     expect(hcl.resource.aws_lambda_permission.this[0].principal).toBe('*')
   })

@@ -282,16 +282,19 @@ export async function runSmoke(opts: SmokeOptions): Promise<SmokeReport> {
   }
 }
 
+/** The command's flags (the deploy guides' smoke lines are checked against them). */
+export const SMOKE_OPTIONS = {
+  url: { type: 'string' },
+  token: { type: 'string' },
+  ns: { type: 'string' },
+  'chunk-tokens': { type: 'string' },
+  cleanup: { type: 'boolean' },
+  timeout: { type: 'string' },
+  json: { type: 'boolean' },
+} as const
+
 export async function run(argv: string[]): Promise<number> {
-  const { values, help } = parseCommandArgs(argv, {
-    url: { type: 'string' },
-    token: { type: 'string' },
-    ns: { type: 'string' },
-    'chunk-tokens': { type: 'string' },
-    cleanup: { type: 'boolean' },
-    timeout: { type: 'string' },
-    json: { type: 'boolean' },
-  })
+  const { values, help } = parseCommandArgs(argv, SMOKE_OPTIONS)
   if (help) {
     console.log(HELP)
     return 0
