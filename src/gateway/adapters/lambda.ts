@@ -146,6 +146,8 @@ export function createLambdaHandler(getApp: () => Promise<FetchApp>): unknown {
 export interface LambdaGatewayConfig {
   bucket?: string
   region?: string
+  /** S3-compatible endpoint instead of AWS S3 (local runs against RadosGW / MinIO). */
+  endpoint?: string
   prefix: string
   /** SSM SecureString parameter with the token table (JSON TokenGrant[]). */
   authParameter?: string
@@ -174,6 +176,7 @@ export function configFromEnv(env: Record<string, string | undefined> = process.
   const cfg: LambdaGatewayConfig = {
     bucket: env.KVGATE_S3_BUCKET || undefined,
     region: env.AWS_REGION || undefined,
+    endpoint: env.KVGATE_S3_ENDPOINT || undefined,
     prefix: env.KVGATE_S3_PREFIX ?? 'kv',
     authParameter: env.KVGATE_AUTH_SSM_PARAMETER || undefined,
     tokensJson: env.KVGATE_TOKENS || undefined,
@@ -230,7 +233,12 @@ async function openStore(cfg: LambdaGatewayConfig): Promise<ObjectStore> {
   const { S3Store } = await import('../stores/s3.ts')
   // Lambda runs close to S3: a short connect timeout, and few sockets per instance
   // (one request at a time per execution environment).
-  return new S3Store({ bucket: cfg.bucket!, region: cfg.region, maxSockets: 16 })
+  return new S3Store({
+    bucket: cfg.bucket!,
+    region: cfg.region,
+    ...(cfg.endpoint ? { endpoint: cfg.endpoint } : {}),
+    maxSockets: 16,
+  })
 }
 
 /** Builds the gateway app from a config (what the cold start does). */
