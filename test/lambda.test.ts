@@ -23,6 +23,7 @@ import {
   eventToRequest,
   type FetchApp,
   type FunctionUrlEvent,
+  gatewayFromConfig,
   parseTokens,
   streamingHandler,
 } from '../src/gateway/adapters/lambda.ts'
@@ -343,6 +344,56 @@ describe('lambda adapter', () => {
     expect(new Uint8Array(await bin.arrayBuffer())).toEqual(new Uint8Array([0, 255, 7]))
     // A GET never carries a body, whatever the event says.
     expect(eventToRequest({ ...event('GET', '/p'), body: 'zzz' }).body).toBeNull()
+  })
+
+  it('reads the token table from an SSM SecureString at cold start (decrypted)', async () => {
+    const grants = [{ name: 'fleet', sha256: sha256('ssm-token'), scopes: 'write', namespaces: ['a'] }]
+    const seen: { target?: string; body?: unknown }[] = []
+    const ssm = createServer(async (req, res) => {
+      let body = ''
+      for await (const c of req) body += c
+      seen.push({ target: req.headers['x-amz-target'] as string, body: JSON.parse(body) })
+      res.writeHead(200, { 'content-type': 'application/x-amz-json-1.1' })
+      res.end(
+        JSON.stringify({
+          Parameter: { Name: '/kvgate/auth-tokens', Type: 'SecureString', Value: JSON.stringify(grants) },
+        }),
+      )
+    })
+    ssm.listen(0, '127.0.0.1')
+    await once(ssm, 'listening')
+    // The SDK's own service-endpoint override, the way one points it at a local stand-in.
+    Object.assign(process.env, {
+      AWS_ENDPOINT_URL_SSM: `http://127.0.0.1:${(ssm.address() as AddressInfo).port}`,
+      AWS_ACCESS_KEY_ID: 'AKIDEXAMPLE',
+      AWS_SECRET_ACCESS_KEY: 'secret',
+    })
+    try {
+      const app = await gatewayFromConfig(
+        configFromEnv({
+          KVGATE_FS_ROOT: join(work, 'ssm-store'),
+          KVGATE_AUTH_SSM_PARAMETER: '/kvgate/auth-tokens',
+          AWS_REGION: 'eu-west-1',
+        }),
+      )
+      expect(seen).toEqual([
+        { target: 'AmazonSSM.GetParameter', body: { Name: '/kvgate/auth-tokens', WithDecryption: true } },
+      ])
+      const key = makeChunk().key
+      const anon = await app.fetch(new Request(`https://x/v1/ns/a/chunks/${key}`, { method: 'HEAD' }))
+      expect(anon.status).toBe(401)
+      const authed = await app.fetch(
+        new Request(`https://x/v1/ns/a/chunks/${key}`, {
+          method: 'HEAD',
+          headers: { authorization: 'Bearer ssm-token' },
+        }),
+      )
+      expect(authed.status).toBe(404)
+    } finally {
+      ssm.close()
+      for (const k of ['AWS_ENDPOINT_URL_SSM', 'AWS_ACCESS_KEY_ID', 'AWS_SECRET_ACCESS_KEY'])
+        delete process.env[k]
+    }
   })
 
   it('validates its environment eagerly', () => {
