@@ -19,12 +19,34 @@ export interface VerifiedBody {
   bytes(): number
 }
 
+/** Where body pieces come from: a web stream's reader or any async iterator (Node's IncomingMessage). */
+export interface PieceSource {
+  read(): Promise<{ done: boolean; value?: Uint8Array }>
+  cancel(reason?: unknown): Promise<void>
+}
+
+export function streamSource(stream: ReadableStream<Uint8Array>): PieceSource {
+  const reader = stream.getReader()
+  return {
+    read: () => reader.read(),
+    cancel: (reason) => reader.cancel(reason),
+  }
+}
+
+export function iteratorSource(it: AsyncIterator<Uint8Array>): PieceSource {
+  return {
+    read: () => it.next() as Promise<{ done: boolean; value?: Uint8Array }>,
+    cancel: async (reason) => {
+      await it.return?.(reason)
+    },
+  }
+}
+
 export function verifiedBody(
-  source: ReadableStream<Uint8Array>,
+  reader: PieceSource,
   opts: { keyHex: string; size: number; maxBytes: number; idleTimeoutMs: number },
 ): VerifiedBody {
   const verifier = new ChunkVerifier({ maxBytes: opts.maxBytes })
-  const reader = source.getReader()
   let failure: unknown
   let header: ChunkHeader | undefined
   let checkedHeader = false
@@ -57,7 +79,7 @@ export function verifiedBody(
           // Keep reading until a block is out: a pull that enqueues nothing is not called again.
           for (;;) {
             const { done, value } = await readWithDeadline()
-            if (done) {
+            if (done || !value) {
               header = verifier.finish()
               const last = blocks.flush()
               if (last) c.enqueue(last)
