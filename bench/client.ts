@@ -5,6 +5,7 @@
 
 import { execFileSync, spawn } from 'node:child_process'
 import { mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs'
+import { loadavg } from 'node:os'
 import { join } from 'node:path'
 import { Pool } from 'undici'
 import { KVCache } from '../src/client/index.ts'
@@ -106,6 +107,12 @@ async function benchLookup() {
     warmArray.push(await time(() => cache.lookup(asArray)))
   }
   const hit = (await cache.lookup(toks)).tokens
+  // Warm process, prompt never seen (key memo miss): the full 512-key chain is hashed.
+  const fresh: number[] = []
+  for (let i = 0; i < repeats; i++) {
+    const other = tokensOf(T, 1000 + i)
+    fresh.push(await time(() => cache.lookup(other)))
+  }
   await cache.close()
   // Cold: a new cache over the same L2 directory (index rebuilt at open), nothing in L1, first call.
   const cold: number[] = []
@@ -123,6 +130,7 @@ async function benchLookup() {
     chunks: 512,
     warmMs: median(warm),
     warmArrayMs: median(warmArray),
+    newPromptMs: median(fresh),
     coldMs: median(cold),
   }
 }
@@ -399,6 +407,12 @@ try {
         `number[] tokens ${f(lk.warmArrayMs, 3)} ms`,
         '< 2 ms',
       ],
+      [
+        'chain + lookup 128k tokens, new prompt (ms)',
+        f(lk.newPromptMs, 3),
+        'warm process, key memo miss: 512 keys hashed',
+        '-',
+      ],
       ['chain + lookup 128k tokens, cold (ms)', f(lk.coldMs, 3), 'L2-only, first call after open', '-'],
       [
         'L2 → L1 (prefetch; O_DIRECT + CRC) (GB/s)',
@@ -453,6 +467,8 @@ try {
     {
       bar: 'key chain + lookup for a 128k-token prompt < 2 ms (warm)',
       figure: lk.warmMs,
+      baseline: lk.newPromptMs,
+      baselineLabel: 'same lookup for a prompt not seen before (full chain hashed)',
       unit: 'ms',
       target: '< 2 ms',
       met: lk.warmMs < 2,
@@ -473,6 +489,8 @@ try {
     date: new Date().toISOString(),
     machine: await machineLine(),
     repeats,
+    // Other work on the machine during the run (this is a shared 2-core box).
+    loadAverage: loadavg(),
     l1,
     lookup: lk,
     l2,
@@ -510,6 +528,11 @@ try {
     },
   ])
   writeFileSync(join(RESULTS_DIR, 'client.svg'), svg)
+  console.log(
+    `load average during the run: ${loadavg()
+      .map((x) => x.toFixed(1))
+      .join(' ')}`,
+  )
   console.log(`\nwrote ${path} and ${join(RESULTS_DIR, 'client.svg')}`)
 } finally {
   rmSync(scratch, { recursive: true, force: true })
