@@ -23,7 +23,7 @@ import {
   SAMPLE_STORIES,
   syntheticKv,
 } from '../src/model/index.ts'
-import { type BarResult, machineLine, median, table, timeRuns, writeResult } from './lib/stats.ts'
+import { type BarResult, machineLine, median, table, writeResult } from './lib/stats.ts'
 import { barChart, lineChart, stackSvgs, writeSvg } from './lib/svg-chart.ts'
 
 const REPEATS = Number(process.env.KVGATE_BENCH_REPEATS ?? 7)

@@ -6,6 +6,7 @@
 
 import { spawn } from 'node:child_process'
 import { readFileSync, writeFileSync } from 'node:fs'
+import { cpus, loadavg } from 'node:os'
 import { join } from 'node:path'
 import { createInterface } from 'node:readline'
 import { GetObjectCommand, PutObjectCommand } from '@aws-sdk/client-s3'
@@ -132,6 +133,12 @@ const through = {
 }
 // Gateway CPU seconds per GiB moved (independent of how loaded the machine is).
 const cpuPerGiB = { put: [] as number[], get: [] as number[] }
+// The direct client's own CPU per GiB (this process does nothing else meanwhile).
+const directCpuPerGiB = { put: [] as number[], get: [] as number[] }
+const selfCpu = () => {
+  const u = process.cpuUsage()
+  return (u.user + u.system) / 1e6
+}
 const GIB_MOVED = (OBJECTS * CHUNK) / 1024 ** 3
 
 for (let rep = 0; rep < REPEATS; rep++) {
@@ -141,6 +148,7 @@ for (let rep = 0; rep < REPEATS; rep++) {
   for (const who of order) {
     const t = performance.now()
     if (who === 'direct') {
+      const cpu0 = selfCpu()
       await pool(OBJECTS, CONCURRENCY, (i) =>
         direct.client.send(
           new PutObjectCommand({
@@ -153,6 +161,7 @@ for (let rep = 0; rep < REPEATS; rep++) {
         ),
       )
       through.putDirect.push(mbps(size * OBJECTS, performance.now() - t))
+      directCpuPerGiB.put.push((selfCpu() - cpu0) / GIB_MOVED)
     } else {
       const cpu0 = cpuSeconds(gw.pid)
       await pool(OBJECTS, CONCURRENCY, async (i) => {
@@ -166,6 +175,7 @@ for (let rep = 0; rep < REPEATS; rep++) {
   for (const who of order) {
     const t = performance.now()
     if (who === 'direct') {
+      const cpu0 = selfCpu()
       await pool(OBJECTS, CONCURRENCY, async (i) => {
         const r = await direct.client.send(
           new GetObjectCommand({ Bucket: rgw.bucket, Key: `direct/${ns}/${chunks[i]!.key}` }),
@@ -174,6 +184,7 @@ for (let rep = 0; rep < REPEATS; rep++) {
         if (n !== size) throw new Error('short direct GET')
       })
       through.getDirect.push(mbps(size * OBJECTS, performance.now() - t))
+      directCpuPerGiB.get.push((selfCpu() - cpu0) / GIB_MOVED)
     } else {
       const cpu0 = cpuSeconds(gw.pid)
       await pool(OBJECTS, CONCURRENCY, async (i) => {
@@ -336,7 +347,18 @@ console.log(
       tp.getDirect.toFixed(0),
       getRatio.toFixed(2),
     ],
+    [
+      'GET via 307 presigned redirect (MiB/s)',
+      tp.getRedirect.toFixed(0),
+      tp.getDirect.toFixed(0),
+      (tp.getRedirect / tp.getDirect).toFixed(2),
+    ],
   ]),
+)
+console.log(
+  `CPU seconds per GiB: gateway process PUT ${median(cpuPerGiB.put).toFixed(2)} / GET ${median(cpuPerGiB.get).toFixed(2)}; ` +
+    `direct SDK client PUT ${median(directCpuPerGiB.put).toFixed(2)} / GET ${median(directCpuPerGiB.get).toFixed(2)} ` +
+    `(load average ${loadavg()[0]!.toFixed(1)} on ${cpus().length} cores)`,
 )
 console.log()
 console.log(
@@ -426,7 +448,12 @@ const path = writeResult({
   settings: { objects: OBJECTS, objectBytes: size, concurrency: CONCURRENCY, repeats: REPEATS },
   throughputMiBps: { ...tp, samples: through },
   gatewayCpuSecondsPerGiB: { put: median(cpuPerGiB.put), get: median(cpuPerGiB.get), samples: cpuPerGiB },
-  loadAverage: (await import('node:os')).loadavg(),
+  directClientCpuSecondsPerGiB: {
+    put: median(directCpuPerGiB.put),
+    get: median(directCpuPerGiB.get),
+    samples: directCpuPerGiB,
+  },
+  loadAverage: loadavg(),
   lookup: {
     headRttMs: rtt,
     cold,
@@ -458,6 +485,13 @@ writeFileSync(
       label: 'GET',
       bars: [
         { label: 'gateway', value: tp.getGateway },
+        { label: 'direct S3', value: tp.getDirect },
+      ],
+    },
+    {
+      label: 'GET, 307 redirect',
+      bars: [
+        { label: 'gateway', value: tp.getRedirect },
         { label: 'direct S3', value: tp.getDirect },
       ],
     },

@@ -55,14 +55,12 @@ for (const mib of [32, 128, 512, 1024].filter((m) => m <= maxMiB)) {
     pinnedReason = a.reason
     freePinned(a.buffer)
     t = performance.now()
-    let b: Buffer | null = Buffer.allocUnsafe(bytes)
+    if (Buffer.allocUnsafe(bytes).length !== bytes) throw new Error('short allocation') // dropped at once
     const u = ms(t)
-    b = null
     gc()
     t = performance.now()
-    b = Buffer.allocUnsafe(bytes).fill(0) // touches every page, as mlock does
+    if (Buffer.allocUnsafe(bytes).fill(0).length !== bytes) throw new Error('short allocation') // touches every page
     const uf = ms(t)
-    b = null
     gc()
     if (i === 0) continue // warm-up
     pinned.push(p)
@@ -102,6 +100,8 @@ const copyRepeats = 15
 interface CopyRow {
   blockKiB: number
   descriptors: number
+  /** One memcpy of 32 MiB timed in the same repeats as this row. */
+  memcpyGBs: number
   gatherGBs: number
   scatterGBs: number
   jsGatherGBs: number
@@ -118,13 +118,9 @@ if (status.available) {
   const dst = new Uint8Array(chunk.buffer)
 
   const src = hostPool.subarray(0, CHUNK)
-  const memcpy: number[] = []
-  for (let i = 0; i < copyRepeats + 2; i++) {
-    const t = performance.now()
-    dst.set(src)
-    if (i >= 2) memcpy.push(ms(t))
-  }
-  memcpyGBs = gbps(CHUNK, median(memcpy))
+  // The memcpy baseline is timed inside every repeat below, beside the figure,
+  // so load from other processes hits both alike.
+  const memcpyAll: number[] = []
 
   // Llama-3.1-8B, 16-token pages: a K or V page of one layer is 16 × 8 heads ×
   // 128 × 2 B = 32 KiB, so a chunk is 32 layers × 2 × 16 pages = 1024 blocks.
@@ -143,8 +139,12 @@ if (status.available) {
     const g: number[] = []
     const s: number[] = []
     const js: number[] = []
+    const mc: number[] = []
     for (let i = 0; i < copyRepeats + 2; i++) {
       let t = performance.now()
+      dst.set(src)
+      const mt = ms(t)
+      t = performance.now()
       await cuda.copyBatch('d2h', chunk.buffer, gather)
       const gt = ms(t)
       t = performance.now()
@@ -157,27 +157,32 @@ if (status.available) {
       }
       const jt = ms(t)
       if (i < 2) continue
+      mc.push(mt)
       g.push(gt)
       s.push(st)
       js.push(jt)
     }
+    memcpyAll.push(...mc)
     copyRows.push({
       blockKiB,
       descriptors: n,
+      memcpyGBs: gbps(CHUNK, median(mc)),
       gatherGBs: gbps(CHUNK, median(g)),
       scatterGBs: gbps(CHUNK, median(s)),
       jsGatherGBs: gbps(CHUNK, median(js)),
     })
   }
+  memcpyGBs = gbps(CHUNK, median(memcpyAll))
   freePinned(chunk.buffer)
   cuda.deviceFree(pool)
   console.log(`\n2. Host copies of a 32 MiB chunk, median of ${copyRepeats}, GB/s (CUDA: ${status.library})`)
-  console.log(`   baseline: one memcpy (TypedArray.set) of 32 MiB = ${memcpyGBs.toFixed(2)} GB/s`)
+  console.log('   baseline: one memcpy (TypedArray.set) of 32 MiB, timed in the same repeats as each row')
   console.log(
     table([
       [
         'block',
         'descriptors',
+        'memcpy',
         'batched gather d2h',
         'batched scatter h2d',
         'JS gather (set per block)',
@@ -186,10 +191,11 @@ if (status.available) {
       ...copyRows.map((r) => [
         `${r.blockKiB} KiB`,
         r.descriptors,
+        r.memcpyGBs.toFixed(2),
         r.gatherGBs.toFixed(2),
         r.scatterGBs.toFixed(2),
         r.jsGatherGBs.toFixed(2),
-        (r.gatherGBs / memcpyGBs).toFixed(2),
+        (r.gatherGBs / r.memcpyGBs).toFixed(2),
       ]),
     ]),
   )
@@ -282,11 +288,11 @@ if (row32) {
     bar: 'Batched gather of a 32 MiB chunk as 1024 × 32 KiB blocks (stub CUDA) vs one memcpy',
     figure: row32.gatherGBs,
     unit: 'GB/s',
-    baseline: memcpyGBs,
-    baselineLabel: 'TypedArray.set of 32 MiB',
-    ratio: row32.gatherGBs / memcpyGBs,
+    baseline: row32.memcpyGBs,
+    baselineLabel: 'TypedArray.set of 32 MiB, same repeats',
+    ratio: row32.gatherGBs / row32.memcpyGBs,
     target: '≥ 0.8× memcpy (the L1 bar’s shape)',
-    met: row32.gatherGBs / memcpyGBs >= 0.8,
+    met: row32.gatherGBs / row32.memcpyGBs >= 0.8,
   })
 }
 bars.push({

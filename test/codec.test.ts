@@ -8,6 +8,8 @@ import {
   decodeSection,
   encodeChunk,
 } from '../src/codec/node.ts'
+import { wasmCodec } from '../src/codec/runtime.ts'
+import { f32ToBf16, f32ToF16 } from '../src/core/dtype.ts'
 import { decodeHeader, encodeChunk as encodeChunkObject, sectionOf } from '../src/core/format.ts'
 import { chunkBytes, type Dtype, type KvGeometry, layerSlabBytes } from '../src/core/layout.ts'
 import { metaFor, relRmse, syntheticKv, tensorOf, valuesOf } from './codec-fixtures.ts'
@@ -103,6 +105,47 @@ describe('codec round trips', () => {
     const tensor = tensorOf(syntheticKv(g, 128, 4), 'bf16')
     const obj = encodeChunk(tensor, metaFor(g, 128), { mode: 'lossless' })
     expect(obj.byteLength).toBeLessThan(tensor.byteLength * 0.9)
+  })
+})
+
+describe('wasm output conversion', () => {
+  it('fp16/bf16 output equals round-to-nearest-even of the fp32 reconstruction, subnormals and overflow included', () => {
+    // A kvgate section does not depend on the output dtype: decode one section three
+    // ways and check the SIMD conversions against src/core/dtype.ts bit for bit.
+    const t = 64
+    const c = 24
+    let subnormals = 0
+    let infinities = 0
+    for (const mags of [
+      [2e-6, 1e-5, 3e-5, 1e-4],
+      [0.01, 1, 300, 2000],
+      [30000, 60000, 65000, 70000],
+    ]) {
+      const vals = new Float32Array(2 * t * c)
+      for (let i = 0; i < vals.length; i++) vals[i] = Math.sin(i * 0.61) * mags[i % 4]!
+      const slab = new Uint8Array(vals.buffer)
+      // Fine per-channel K steps and per-token V steps.
+      const params = new Float32Array([0, 0, 0, 0, 1, 8, 1000, 1000])
+      const sec = wasmCodec().encodeSection('kvgate', slab, 3, t, c, params)
+      const f32 = new Uint8Array(2 * t * c * 4)
+      const f16 = new Uint8Array(2 * t * c * 2)
+      const b16 = new Uint8Array(2 * t * c * 2)
+      wasmCodec().decodeSection('kvgate', sec, 3, t, c, f32)
+      wasmCodec().decodeSection('kvgate', sec, 1, t, c, f16)
+      wasmCodec().decodeSection('kvgate', sec, 2, t, c, b16)
+      const x = new Float32Array(f32.buffer)
+      const h = new Uint16Array(f16.buffer)
+      const b = new Uint16Array(b16.buffer)
+      for (let i = 0; i < x.length; i++) {
+        if (h[i] !== f32ToF16(x[i]!) || b[i] !== f32ToBf16(x[i]!)) {
+          throw new Error(`element ${i}: ${x[i]} → fp16 ${h[i]} / bf16 ${b[i]}`)
+        }
+        if ((h[i]! & 0x7c00) === 0 && (h[i]! & 0x3ff) !== 0) subnormals++
+        if ((h[i]! & 0x7fff) === 0x7c00) infinities++
+      }
+    }
+    expect(subnormals).toBeGreaterThan(100)
+    expect(infinities).toBeGreaterThan(10)
   })
 })
 

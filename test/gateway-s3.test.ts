@@ -336,3 +336,42 @@ run('gateway when S3 fails', () => {
     }
   })
 })
+
+run('gateway with bad S3 credentials and slow clients', () => {
+  it('S3 refusing the request (bad secret) → 502 ERR_STORE with a code, nothing cached', async () => {
+    const store = s3({
+      credentials: { accessKeyId: rgw!.accessKeyId, secretAccessKey: 'wrong-secret' },
+      maxAttempts: 1,
+    })
+    const app = createGateway({ store, prefix: uniq() })
+    const c = makeChunk()
+    for (const init of [undefined, putInit(c.bytes)]) {
+      const r = await app.request(`/v1/ns/a/chunks/${c.key}`, init)
+      expect(r.status).toBe(502)
+      expect(((await r.json()) as { error: { code: string } }).error.code).toBe('ERR_STORE')
+    }
+    await store.close()
+  })
+
+  it('a client that stops reading a large GET does not stall other requests', async () => {
+    const store = s3()
+    const gw = await serveGateway(createGateway({ store, prefix: uniq() }), { port: 0 })
+    try {
+      const c = makeChunk({ layers: 4, sectionBytes: 6 * MIB })
+      expect((await fetch(`${gw.url}/v1/ns/slow/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+      const sock = net.connect(gw.port, '127.0.0.1')
+      await new Promise((r) => sock.once('connect', r))
+      sock.write(`GET /v1/ns/slow/chunks/${c.key} HTTP/1.1\r\nhost: x\r\n\r\n`)
+      sock.pause() // never read: the gateway must apply backpressure, not buffer 24 MiB
+      await new Promise((r) => setTimeout(r, 500))
+      const h = await fetch(`${gw.url}/healthz`)
+      expect(h.status).toBe(200)
+      const again = await fetch(`${gw.url}/v1/ns/slow/chunks/${c.key}`, { headers: { range: 'bytes=0-99' } })
+      expect(new Uint8Array(await again.arrayBuffer())).toEqual(c.bytes.subarray(0, 100))
+      sock.destroy()
+    } finally {
+      await gw.close(100)
+      await store.close()
+    }
+  })
+})

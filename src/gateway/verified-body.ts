@@ -6,6 +6,7 @@
 import { FormatError, InvalidKeyError, KvgateError } from '../core/errors.ts'
 import { type ChunkHeader, ChunkVerifier } from '../core/format.ts'
 import { toHex } from '../core/keys.ts'
+import { BlockBuffer } from './block-buffer.ts'
 
 const READ_AHEAD_BYTES = 4 * 1024 * 1024
 
@@ -18,15 +19,39 @@ export interface VerifiedBody {
   bytes(): number
 }
 
+/** Where body pieces come from: a web stream's reader or any async iterator (Node's IncomingMessage). */
+export interface PieceSource {
+  read(): Promise<{ done: boolean; value?: Uint8Array }>
+  cancel(reason?: unknown): Promise<void>
+}
+
+export function streamSource(stream: ReadableStream<Uint8Array>): PieceSource {
+  const reader = stream.getReader()
+  return {
+    read: () => reader.read(),
+    cancel: (reason) => reader.cancel(reason),
+  }
+}
+
+export function iteratorSource(it: AsyncIterator<Uint8Array>): PieceSource {
+  return {
+    read: () => it.next() as Promise<{ done: boolean; value?: Uint8Array }>,
+    cancel: async (reason) => {
+      await it.return?.(reason)
+    },
+  }
+}
+
 export function verifiedBody(
-  source: ReadableStream<Uint8Array>,
+  reader: PieceSource,
   opts: { keyHex: string; size: number; maxBytes: number; idleTimeoutMs: number },
 ): VerifiedBody {
   const verifier = new ChunkVerifier({ maxBytes: opts.maxBytes })
-  const reader = source.getReader()
   let failure: unknown
   let header: ChunkHeader | undefined
   let checkedHeader = false
+  // Verified bytes go on in ~1 MiB blocks: far fewer stream hops and socket writes.
+  const blocks = new BlockBuffer()
   const fail = (e: unknown, c: ReadableStreamDefaultController<Uint8Array>) => {
     failure ??= e
     reader.cancel(e).catch(() => {})
@@ -51,28 +76,35 @@ export function verifiedBody(
     {
       async pull(c) {
         try {
-          const { done, value } = await readWithDeadline()
-          if (done) {
-            header = verifier.finish()
-            c.close()
-            return
-          }
-          verifier.push(value)
-          const h = verifier.header
-          if (h && !checkedHeader) {
-            checkedHeader = true
-            const bodyKey = toHex(h.chainKey)
-            if (bodyKey !== opts.keyHex) {
-              throw new InvalidKeyError(`chunk header says key ${bodyKey}, the path says ${opts.keyHex}`)
+          // Keep reading until a block is out: a pull that enqueues nothing is not called again.
+          for (;;) {
+            const { done, value } = await readWithDeadline()
+            if (done || !value) {
+              header = verifier.finish()
+              const last = blocks.flush()
+              if (last) c.enqueue(last)
+              c.close()
+              return
             }
-            if (h.totalBytes !== opts.size) {
-              throw new FormatError(
-                'ERR_FORMAT_BAD_FIELD',
-                `chunk header declares ${h.totalBytes} bytes, Content-Length is ${opts.size}`,
-              )
+            verifier.push(value)
+            const h = verifier.header
+            if (h && !checkedHeader) {
+              checkedHeader = true
+              const bodyKey = toHex(h.chainKey)
+              if (bodyKey !== opts.keyHex) {
+                throw new InvalidKeyError(`chunk header says key ${bodyKey}, the path says ${opts.keyHex}`)
+              }
+              if (h.totalBytes !== opts.size) {
+                throw new FormatError(
+                  'ERR_FORMAT_BAD_FIELD',
+                  `chunk header declares ${h.totalBytes} bytes, Content-Length is ${opts.size}`,
+                )
+              }
             }
+            const ready = blocks.push(value)
+            for (const block of ready) c.enqueue(block)
+            if (ready.length > 0) return
           }
-          c.enqueue(value)
         } catch (e) {
           fail(
             e instanceof KvgateError

@@ -15,7 +15,7 @@ import {
 } from '../../src/client/native.ts'
 
 const status = nativeAvailable() ? cuda.status() : undefined
-const usable = status !== undefined && status.available && !status.stub
+const usable = status?.available === true && !status.stub
 const why =
   status === undefined ? 'addon not built' : status.stub ? 'the stub libcudart is loaded' : status.reason
 if (!usable) {

@@ -99,7 +99,7 @@ pub unsafe extern "C" fn kv_encode(
     match mode {
         MODE_LOSSLESS => lossless::encode(input, eb, t, c, &mut out),
         MODE_KVGATE | MODE_Q8 => {
-            let mut x = vec![0f32; n];
+            let mut x: Vec<f32> = rans::uninit_vec(n);
             half::load(input, dtype, &mut x);
             if mode == MODE_Q8 {
                 q8::encode(&x, t, c, &mut out);

@@ -6,7 +6,7 @@
 
 use crate::bytes::{put_u32, put_varint, unzigzag, zigzag, BitReader, BitWriter, Reader};
 use crate::half::{self, DT_BF16, DT_F16};
-use crate::rans::{decode_block, encode_block};
+use crate::rans::{decode_block, encode_block, uninit_vec};
 
 /// Symbols 0..DIRECT are zigzag residuals; above, (bucket, extra raw bits).
 const DIRECT: u32 = 64;
@@ -65,20 +65,14 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     let ranges = p.levels_c > 0.0;
     for tt in 0..t {
         let row = &x[tt * c..(tt + 1) * c];
-        let mut rs = 0f32;
-        let mut rm = 0f32;
-        for ch in 0..c {
-            let v = row[ch];
-            let v = if v.is_finite() { v } else { 0.0 };
-            ch_sum[ch] += v;
-            ch_ss[ch] += v * v;
-            rs += v * v;
-            rm = rm.max(v.abs());
-            if ranges {
-                ch_min[ch] = ch_min[ch].min(v);
-                ch_max[ch] = ch_max[ch].max(v);
-            }
-        }
+        let (rs, rm) = row_stats(
+            row,
+            &mut ch_sum,
+            &mut ch_ss,
+            &mut ch_min,
+            &mut ch_max,
+            ranges,
+        );
         row_ss[tt] = rs as f64;
         row_max[tt] = rm;
     }
@@ -125,7 +119,7 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     let inv_c: Vec<f32> = step_c.iter().map(|&s| 1.0 / s).collect();
     let inv_t: Vec<f32> = tok_codes.iter().map(|&k| 1.0 / scale_of(k)).collect();
     // Pass 2: quantize.
-    let mut q = vec![0i32; t * c];
+    let mut q: Vec<i32> = uninit_vec(t * c);
     for tt in 0..t {
         quantize_row(
             &x[tt * c..(tt + 1) * c],
@@ -172,7 +166,7 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
         flags |= F_MODES;
     }
     // Pass 3: residual symbols, per-channel histograms, escape bits.
-    let mut syms = vec![0u8; t * c];
+    let mut syms: Vec<u8> = uninit_vec(t * c);
     let mut hist = vec![0u32; c * ALPHABET];
     let mut bits = BitWriter::new();
     let mut pred = centers.clone();
@@ -180,7 +174,8 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     for tt in 0..t {
         let qr = &q[tt * c..(tt + 1) * c];
         let sr = &mut syms[tt * c..(tt + 1) * c];
-        for ch in 0..c {
+        let done = row_symbols_fast(qr, &mut pred, &centers, &dmask, sr);
+        for ch in done..c {
             let v = qr[ch];
             let z = zigzag(v.wrapping_sub(pred[ch]));
             // Delta channels predict from this token next time; constant ones keep the centre.
@@ -193,7 +188,9 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
                 DIRECT + 2 * (k - DIRECT_BITS) + ((z >> (k - 1)) & 1)
             };
             sr[ch] = s as u8;
-            hist[ch * ALPHABET + s as usize] += 1;
+        }
+        for (ch, &sym) in sr.iter().enumerate() {
+            hist[ch * ALPHABET + sym as usize] += 1;
         }
     }
     out.extend_from_slice(&base.to_le_bytes());
@@ -220,6 +217,133 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     put_u32(out, extra.len() as u32);
     out.extend_from_slice(&extra);
     encode_block(out, &syms, &hist, t, c, ALPHABET, p.max_classes);
+}
+
+/// Adds one row to the channel statistics; returns (Σx², max|x|) of the row.
+/// Non-finite values count as 0.
+fn row_stats(
+    row: &[f32],
+    sum: &mut [f32],
+    ss: &mut [f32],
+    mn: &mut [f32],
+    mx: &mut [f32],
+    ranges: bool,
+) -> (f32, f32) {
+    let c = row.len();
+    let mut rs = 0f32;
+    let mut rm = 0f32;
+    let mut ch = 0;
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    unsafe {
+        use core::arch::wasm32::*;
+        let inf = f32x4_splat(f32::INFINITY);
+        let mut vrs = f32x4_splat(0.0);
+        let mut vrm = f32x4_splat(0.0);
+        // SAFETY: ch + 4 ≤ c = row.len() = every per-channel slice's length.
+        while ch + 4 <= c {
+            let v = v128_load(row.as_ptr().add(ch) as *const v128);
+            let a = f32x4_abs(v);
+            let ok = f32x4_lt(a, inf);
+            let v = v128_and(v, ok);
+            let a = v128_and(a, ok);
+            let v2 = f32x4_mul(v, v);
+            let ps = sum.as_mut_ptr().add(ch) as *mut v128;
+            v128_store(ps, f32x4_add(v128_load(ps), v));
+            let pq = ss.as_mut_ptr().add(ch) as *mut v128;
+            v128_store(pq, f32x4_add(v128_load(pq), v2));
+            vrs = f32x4_add(vrs, v2);
+            vrm = f32x4_pmax(vrm, a);
+            if ranges {
+                let pn = mn.as_mut_ptr().add(ch) as *mut v128;
+                v128_store(pn, f32x4_pmin(v128_load(pn), v));
+                let px = mx.as_mut_ptr().add(ch) as *mut v128;
+                v128_store(px, f32x4_pmax(v128_load(px), v));
+            }
+            ch += 4;
+        }
+        rs += f32x4_extract_lane::<0>(vrs)
+            + f32x4_extract_lane::<1>(vrs)
+            + f32x4_extract_lane::<2>(vrs)
+            + f32x4_extract_lane::<3>(vrs);
+        for l in [
+            f32x4_extract_lane::<0>(vrm),
+            f32x4_extract_lane::<1>(vrm),
+            f32x4_extract_lane::<2>(vrm),
+            f32x4_extract_lane::<3>(vrm),
+        ] {
+            if l > rm {
+                rm = l;
+            }
+        }
+    }
+    for ch in ch..c {
+        let v = row[ch];
+        let v = if v.is_finite() { v } else { 0.0 };
+        sum[ch] += v;
+        ss[ch] += v * v;
+        rs += v * v;
+        // Plain compares: f32::max/min become libm calls in wasm.
+        let a = v.abs();
+        if a > rm {
+            rm = a;
+        }
+        if ranges {
+            if v < mn[ch] {
+                mn[ch] = v;
+            }
+            if v > mx[ch] {
+                mx[ch] = v;
+            }
+        }
+    }
+    (rs, rm)
+}
+
+/// Residual symbols of one row, 4 channels at a time, while they are all direct
+/// (no escape bits); returns how many channels it did. Updates the predictions.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+fn row_symbols_fast(
+    q: &[i32],
+    pred: &mut [i32],
+    centers: &[i32],
+    dmask: &[i32],
+    out: &mut [u8],
+) -> usize {
+    use core::arch::wasm32::*;
+    let c = q.len();
+    let lim = u32x4_splat(DIRECT);
+    let mut ch = 0;
+    // SAFETY: ch + 4 ≤ c, and every slice here has c elements.
+    unsafe {
+        while ch + 4 <= c {
+            let v = v128_load(q.as_ptr().add(ch) as *const v128);
+            let pp = pred.as_mut_ptr().add(ch) as *mut v128;
+            let r = i32x4_sub(v, v128_load(pp));
+            let z = v128_xor(i32x4_shl(r, 1), i32x4_shr(r, 31));
+            if !u32x4_all_true(u32x4_lt(z, lim)) {
+                break;
+            }
+            let dm = v128_load(dmask.as_ptr().add(ch) as *const v128);
+            let cv = v128_load(centers.as_ptr().add(ch) as *const v128);
+            v128_store(pp, v128_bitselect(v, cv, dm));
+            let b = u8x16_narrow_i16x8(i16x8_narrow_i32x4(z, z), i16x8_narrow_i32x4(z, z));
+            let w = i32x4_extract_lane::<0>(b) as u32;
+            core::ptr::copy_nonoverlapping(w.to_le_bytes().as_ptr(), out.as_mut_ptr().add(ch), 4);
+            ch += 4;
+        }
+    }
+    ch
+}
+
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+fn row_symbols_fast(
+    _q: &[i32],
+    _pred: &mut [i32],
+    _centers: &[i32],
+    _dmask: &[i32],
+    _out: &mut [u8],
+) -> usize {
+    0
 }
 
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
@@ -264,7 +388,14 @@ fn quantize_one(v: f32) -> i32 {
     if v.is_nan() {
         return 0;
     }
-    let r = v.max(-(QMAX as f32)).min(QMAX as f32);
+    let lim = QMAX as f32;
+    let r = if v > lim {
+        lim
+    } else if v < -lim {
+        -lim
+    } else {
+        v
+    };
     // Round half to even, as f32x4.nearest does in the SIMD path.
     let f = r.floor();
     let d = r - f;
@@ -360,13 +491,12 @@ mod simd {
     #[inline(always)]
     pub fn f32x4_to_f16(f: v128) -> v128 {
         let sign = v128_and(f, u32x4_splat(0x8000_0000));
+        // |f| as bits is in 0..2^31, so signed compares are exact (and cheaper than unsigned ones).
         let a = v128_xor(f, sign);
-        let f16max = u32x4_splat((127 + 16) << 23);
-        let inf = u32x4_splat(255 << 23);
-        let big = u32x4_ge(a, f16max);
-        let nan = u32x4_gt(a, inf);
-        let o_big = v128_bitselect(u32x4_splat(0x7e00), u32x4_splat(0x7c00), nan);
-        let small = u32x4_lt(a, u32x4_splat(113 << 23));
+        let big = i32x4_gt(a, i32x4_splat(((127 + 16) << 23) - 1));
+        let nan = i32x4_gt(a, i32x4_splat(255 << 23));
+        let o_big = v128_or(u32x4_splat(0x7c00), v128_and(nan, u32x4_splat(0x0200)));
+        let small = i32x4_lt(a, i32x4_splat(113 << 23));
         let magic = u32x4_splat(((127 - 15) + (23 - 10) + 1) << 23);
         let o_small = i32x4_sub(f32x4_add(a, magic), magic);
         let odd = v128_and(u32x4_shr(a, 13), u32x4_splat(1));
@@ -391,57 +521,63 @@ mod simd {
     }
 }
 
+/// SIMD reconstruction of the direct-symbol part of a row (8 channels at a time);
+/// returns how many channels it wrote. Specialised on whether any channel is
+/// delta-predicted, whether the step is one scalar (V: per-token steps) or per
+/// channel (K), and the output dtype, so the inner loop carries no branches.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-fn row_fast(
+fn row_fast<const DELTA: bool, const UNIFORM: bool, const DT: u32>(
     ctx: &RowCtx,
+    step: &[f32],
+    s0: f32,
     row: &[u8],
-    m: f32,
     prev: &mut [i32],
-    dtype: u32,
     dst: &mut [u8],
     o: usize,
 ) -> usize {
     use core::arch::wasm32::*;
     let c = row.len();
-    let eb = if dtype == DT_F16 || dtype == DT_BF16 {
-        2
-    } else {
-        4
-    };
-    if dst.len() < (o + c) * eb {
+    let eb = if DT == DT_F16 || DT == DT_BF16 { 2 } else { 4 };
+    if dst.len() < (o + c) * eb || step.len() < c || prev.len() < c {
         return 0;
     }
-    let vm = f32x4_splat(m);
+    let vs = f32x4_splat(s0);
     let one = u32x4_splat(1);
     let mut ch = 0;
+    // SAFETY: ch + 8 ≤ c bounds every per-channel slice (all ≥ c long) and the
+    // output (checked above).
     unsafe {
         while ch + 8 <= c {
             let w = u16x8_extend_low_u8x16(v128_load64_zero(row.as_ptr().add(ch) as *const u64));
             let sv = [u32x4_extend_low_u16x8(w), u32x4_extend_high_u16x8(w)];
-            let mut outv = [u32x4_splat(0); 2];
+            let mut outv = [vs; 2];
             for h in 0..2 {
                 let b = ch + 4 * h;
-                let s = sv[h];
-                let r = v128_xor(u32x4_shr(s, 1), i32x4_neg(v128_and(s, one)));
-                let dm = v128_load(ctx.dmask.as_ptr().add(b) as *const v128);
-                let pv = v128_load(prev.as_ptr().add(b) as *const v128);
+                let z = sv[h];
+                let r = v128_xor(u32x4_shr(z, 1), i32x4_neg(v128_and(z, one)));
                 let cv = v128_load(ctx.centers.as_ptr().add(b) as *const v128);
-                let qv = i32x4_add(v128_bitselect(pv, cv, dm), r);
-                v128_store(prev.as_mut_ptr().add(b) as *mut v128, qv);
-                outv[h] = f32x4_mul(
-                    f32x4_mul(
-                        f32x4_convert_i32x4(qv),
-                        v128_load(ctx.step.as_ptr().add(b) as *const v128),
-                    ),
-                    vm,
-                );
+                let qv = if DELTA {
+                    let dm = v128_load(ctx.dmask.as_ptr().add(b) as *const v128);
+                    let pv = v128_load(prev.as_ptr().add(b) as *const v128);
+                    let qv = i32x4_add(v128_bitselect(pv, cv, dm), r);
+                    v128_store(prev.as_mut_ptr().add(b) as *mut v128, qv);
+                    qv
+                } else {
+                    i32x4_add(cv, r)
+                };
+                let sc = if UNIFORM {
+                    vs
+                } else {
+                    v128_load(step.as_ptr().add(b) as *const v128)
+                };
+                outv[h] = f32x4_mul(f32x4_convert_i32x4(qv), sc);
             }
             let p = dst.as_mut_ptr().add((o + ch) * eb);
-            if dtype == DT_BF16 {
+            if DT == DT_BF16 {
                 let v =
                     u16x8_narrow_i32x4(simd::f32x4_to_bf16(outv[0]), simd::f32x4_to_bf16(outv[1]));
                 v128_store(p as *mut v128, v);
-            } else if dtype == DT_F16 {
+            } else if DT == DT_F16 {
                 let v =
                     u16x8_narrow_i32x4(simd::f32x4_to_f16(outv[0]), simd::f32x4_to_f16(outv[1]));
                 v128_store(p as *mut v128, v);
@@ -453,6 +589,37 @@ fn row_fast(
         }
     }
     ch
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[allow(clippy::too_many_arguments)]
+fn row_fast_any(
+    ctx: &RowCtx,
+    step: &[f32],
+    s0: f32,
+    row: &[u8],
+    prev: &mut [i32],
+    dtype: u32,
+    dst: &mut [u8],
+    o: usize,
+    delta: bool,
+    uniform: bool,
+) -> usize {
+    macro_rules! go {
+        ($d:expr, $u:expr) => {
+            match dtype {
+                DT_F16 => row_fast::<$d, $u, DT_F16>(ctx, step, s0, row, prev, dst, o),
+                DT_BF16 => row_fast::<$d, $u, DT_BF16>(ctx, step, s0, row, prev, dst, o),
+                _ => row_fast::<$d, $u, 3>(ctx, step, s0, row, prev, dst, o),
+            }
+        };
+    }
+    match (delta, uniform) {
+        (true, true) => go!(true, true),
+        (true, false) => go!(true, false),
+        (false, true) => go!(false, true),
+        (false, false) => go!(false, false),
+    }
 }
 
 /// Decodes one stream into elements [offset, offset + T×C) of `dst`.
@@ -502,6 +669,16 @@ pub fn decode_stream(
     decode_block(r, t, c, ALPHABET, syms)?;
     let mut bits = BitReader::new(extra);
     let mut prev = centers.clone();
+    let any_delta = dmask.iter().any(|&d| d != 0);
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    let mut scaled = vec![
+        0f32;
+        if flags & F_CHSCALE != 0 && flags & F_TOKSCALE != 0 {
+            c
+        } else {
+            0
+        }
+    ];
     let ctx = RowCtx {
         step: &step,
         centers: &centers,
@@ -513,7 +690,30 @@ pub fn decode_stream(
         #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
         {
             if simd::row_direct(row) {
-                let done = row_fast(&ctx, row, mt[tt], &mut prev, dtype, dst, o);
+                // Steps for this row: one scalar when there are no channel steps,
+                // else per channel (times the token multiplier when there is one).
+                let m = mt[tt];
+                let uniform = flags & F_CHSCALE == 0;
+                let rstep: &[f32] = if uniform || m == 1.0 {
+                    &step
+                } else {
+                    for (d, &s) in scaled.iter_mut().zip(step.iter()) {
+                        *d = s * m;
+                    }
+                    &scaled
+                };
+                let done = row_fast_any(
+                    &ctx,
+                    rstep,
+                    base * m,
+                    row,
+                    &mut prev,
+                    dtype,
+                    dst,
+                    o,
+                    any_delta,
+                    uniform,
+                );
                 let sub = RowCtx {
                     step: &step[done..],
                     centers: &centers[done..],

@@ -1,4 +1,4 @@
-//! Static interleaved rANS (4 states, 11-bit probabilities (tables stay in L1), 16-bit renormalisation)
+//! Static interleaved rANS (8 states, 11-bit probabilities (tables stay in L1), 16-bit renormalisation)
 //! over "blocks": a T×C symbol matrix whose channels are grouped into classes,
 //! each class with its own compact frequency table. Decode is table driven.
 
@@ -9,7 +9,8 @@ pub const PROB_SCALE: u32 = 1 << PROB_BITS;
 /// State lower bound; with 16-bit renormalisation a decode step reads at most one word.
 const RANS_L: u32 = 1 << 16;
 pub const MAX_CLASSES: usize = 8;
-const LANES: usize = 4;
+/// Interleaved states: enough independent chains to hide the table-lookup latency.
+const LANES: usize = 8;
 
 /// Scales raw counts to a table summing to PROB_SCALE with every present symbol
 /// ≥ 1 and every frequency ≤ PROB_SCALE-1 (so it fits the 12-bit freq field of a decode entry).
@@ -116,6 +117,16 @@ pub fn read_table(r: &mut Reader, max_syms: usize, dec: &mut [u32]) -> Option<()
         return None;
     }
     Some(())
+}
+
+/// A vector of `n` elements that the caller overwrites before reading.
+/// Skips zeroing large scratch buffers (memset showed up at ~7% of encode time).
+pub fn uninit_vec<T: Copy>(n: usize) -> Vec<T> {
+    let mut v = Vec::with_capacity(n);
+    // SAFETY: T is a plain number type (any bit pattern is valid) and every caller
+    // writes each element it later reads.
+    unsafe { v.set_len(n) };
+    v
 }
 
 /// Encoder symbol with a reciprocal so the hot loop needs no division (ryg_rans).
@@ -248,21 +259,74 @@ pub fn encode_block(
     let n = t * c;
     // Worst case 12 bits per symbol plus state flush; u16 words written backwards.
     let cap = n + n / 2 + 16;
-    let mut buf = vec![0u16; cap];
+    let mut buf: Vec<u16> = uninit_vec(cap);
     let mut p = cap;
     let mut x = [RANS_L; LANES];
-    let mut ch = if c > 0 { (n - 1) % c } else { 0 };
-    for i in (0..n).rev() {
-        let e = enc[cbase[ch] + syms[i] as usize];
-        let lane = i & (LANES - 1);
-        let mut xs = x[lane];
-        let out = (xs >= e.x_max) as usize;
-        buf[p - 1] = xs as u16;
-        p -= out;
-        xs >>= (out as u32) << 4;
-        let q = (((xs as u64) * (e.rcp_freq as u64)) >> 32) as u32 >> e.rcp_shift;
-        x[lane] = xs + e.bias + q * e.cmpl_freq;
-        ch = if ch == 0 { c - 1 } else { ch - 1 };
+    let bp = buf.as_mut_ptr();
+    let ep = enc.as_ptr();
+    let sp = syms.as_ptr();
+    // Encode one symbol into state `$lane`. SAFETY: cbase[ch] + sym < enc.len()
+    // (every coded symbol has an entry in its class), p ≥ 1 (cap covers the
+    // worst case of one word per symbol) and i < n ≤ syms.len().
+    macro_rules! put {
+        ($lane:expr, $i:expr, $ch:expr) => {{
+            unsafe {
+                let e = *ep.add(*cbase.get_unchecked($ch) + *sp.add($i) as usize);
+                let mut xs = x[$lane];
+                let out = (xs >= e.x_max) as usize;
+                *bp.add(p - 1) = xs as u16;
+                p -= out;
+                xs >>= (out as u32) << 4;
+                let q = (((xs as u64) * (e.rcp_freq as u64)) >> 32) as u32 >> e.rcp_shift;
+                x[$lane] = xs + e.bias + q * e.cmpl_freq;
+            }
+        }};
+    }
+    // Symbols beyond the last full group of LANES first (dynamic lanes), then
+    // whole groups with fixed lanes so the states live in registers.
+    let full = n - n % LANES;
+    for i in (full..n).rev() {
+        match i & (LANES - 1) {
+            0 => put!(0, i, i % c),
+            1 => put!(1, i, i % c),
+            2 => put!(2, i, i % c),
+            3 => put!(3, i, i % c),
+            4 => put!(4, i, i % c),
+            5 => put!(5, i, i % c),
+            6 => put!(6, i, i % c),
+            _ => put!(7, i, i % c),
+        }
+    }
+    if c % LANES == 0 {
+        let mut g = full;
+        let mut ch = full % c.max(1);
+        while g > 0 {
+            g -= LANES;
+            ch = if ch == 0 { c - LANES } else { ch - LANES };
+            put!(7, g + 7, ch + 7);
+            put!(6, g + 6, ch + 6);
+            put!(5, g + 5, ch + 5);
+            put!(4, g + 4, ch + 4);
+            put!(3, g + 3, ch + 3);
+            put!(2, g + 2, ch + 2);
+            put!(1, g + 1, ch + 1);
+            put!(0, g, ch);
+        }
+    } else {
+        let mut ch = if full > 0 { (full - 1) % c } else { 0 };
+        for i in (0..full).rev() {
+            match i & (LANES - 1) {
+                0 => put!(0, i, ch),
+                1 => put!(1, i, ch),
+                2 => put!(2, i, ch),
+                3 => put!(3, i, ch),
+                4 => put!(4, i, ch),
+                5 => put!(5, i, ch),
+                6 => put!(6, i, ch),
+                _ => put!(7, i, ch),
+            }
+            ch = if ch == 0 { c - 1 } else { ch - 1 };
+        }
     }
     let words = cap - p;
     put_u32(out, (4 * LANES + 2 * words) as u32);
@@ -340,7 +404,7 @@ pub fn decode_block(
     let mut ch = 0usize;
     if c % LANES == 0 {
         // Fast path: lanes line up with channels; the loop head guarantees the
-        // next 4 symbols' reads (≤ 4 words) are inside `data`, so renormalisation
+        // next LANES symbols' reads (≤ LANES words) are inside `data`, so renormalisation
         // is branch-free (an unpredictable branch costs more than the read).
         let dp = data.as_ptr();
         let sp = syms.as_mut_ptr();
@@ -367,6 +431,10 @@ pub fn decode_block(
             fast!(1, 1);
             fast!(2, 2);
             fast!(3, 3);
+            fast!(4, 4);
+            fast!(5, 5);
+            fast!(6, 6);
+            fast!(7, 7);
             i += LANES;
             ch += LANES;
             if ch == c {
@@ -378,16 +446,32 @@ pub fn decode_block(
     while i < n {
         let b = cbase[ch];
         let mut bad = false;
-        step!(i & (LANES - 1), i, b, {
-            if p + 2 <= len {
-                let w = u16::from_le_bytes([data[p], data[p + 1]]) as u32;
-                p += 2;
-                w
-            } else {
-                bad = true;
-                0
-            }
-        });
+        macro_rules! careful {
+            ($lane:expr) => {
+                step!($lane, i, b, {
+                    if p + 2 <= len {
+                        let w = u16::from_le_bytes([data[p], data[p + 1]]) as u32;
+                        p += 2;
+                        w
+                    } else {
+                        bad = true;
+                        0
+                    }
+                })
+            };
+        }
+        // Static lane indices everywhere keep the states in registers (a dynamic
+        // index would force the whole array to memory, in the fast loop too).
+        match i & (LANES - 1) {
+            0 => careful!(0),
+            1 => careful!(1),
+            2 => careful!(2),
+            3 => careful!(3),
+            4 => careful!(4),
+            5 => careful!(5),
+            6 => careful!(6),
+            _ => careful!(7),
+        }
         if bad {
             return None;
         }
