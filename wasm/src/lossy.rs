@@ -766,7 +766,8 @@ pub fn decode(input: &[u8], dtype: u32, t: usize, c: usize, dst: &mut [u8]) -> O
     if dst.len() != 2 * n * eb {
         return None;
     }
-    let mut syms = vec![0u8; n];
+    // decode_block writes every symbol before anything reads one.
+    let mut syms: Vec<u8> = uninit_vec(n);
     let mut r = Reader::new(input);
     let mut rk = Reader::new(r.block()?);
     decode_stream(&mut rk, t, c, dtype, dst, 0, &mut syms)?;

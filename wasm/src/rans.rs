@@ -409,37 +409,47 @@ pub fn decode_block(
         let dp = data.as_ptr();
         let sp = syms.as_mut_ptr();
         let tp = dec.as_ptr();
-        while i < n && p + 2 * LANES <= len {
-            macro_rules! fast {
-                ($lane:expr, $off:expr) => {{
-                    let xs = x[$lane];
-                    // SAFETY: cbase < k·PROB_SCALE and the slot is masked to PROB_BITS, so the
-                    // index is < dec.len(); i + $off < n ≤ syms.len(); p + 2 ≤ len.
-                    unsafe {
-                        let e = *tp.add((*cbase.get_unchecked(ch + $off) + (xs & mask)) as usize);
-                        *sp.add(i + $off) = e as u8;
-                        let xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
-                        let need = (xs < RANS_L) as u32;
-                        let w = u16::from_le_bytes([*dp.add(p), *dp.add(p + 1)]) as u32;
-                        let m = 0u32.wrapping_sub(need);
-                        x[$lane] = (xs << (need << 4)) | (w & m);
-                        p += (need as usize) << 1;
+        macro_rules! fast_loop {
+            ($base:expr) => {
+                while i < n && p + 2 * LANES <= len {
+                    macro_rules! fast {
+                        ($lane:expr, $off:expr) => {{
+                            let xs = x[$lane];
+                            // SAFETY: base < k·PROB_SCALE and the slot is masked to PROB_BITS,
+                            // so the index is < dec.len(); i + $off < n ≤ syms.len(); p + 2 ≤ len.
+                            unsafe {
+                                let e = *tp.add(($base($off) + (xs & mask)) as usize);
+                                *sp.add(i + $off) = e as u8;
+                                let xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
+                                let need = (xs < RANS_L) as u32;
+                                let w = u16::from_le_bytes([*dp.add(p), *dp.add(p + 1)]) as u32;
+                                let m = 0u32.wrapping_sub(need);
+                                x[$lane] = (xs << (need << 4)) | (w & m);
+                                p += (need as usize) << 1;
+                            }
+                        }};
                     }
-                }};
-            }
-            fast!(0, 0);
-            fast!(1, 1);
-            fast!(2, 2);
-            fast!(3, 3);
-            fast!(4, 4);
-            fast!(5, 5);
-            fast!(6, 6);
-            fast!(7, 7);
-            i += LANES;
-            ch += LANES;
-            if ch == c {
-                ch = 0;
-            }
+                    fast!(0, 0);
+                    fast!(1, 1);
+                    fast!(2, 2);
+                    fast!(3, 3);
+                    fast!(4, 4);
+                    fast!(5, 5);
+                    fast!(6, 6);
+                    fast!(7, 7);
+                    i += LANES;
+                    ch += LANES;
+                    if ch == c {
+                        ch = 0;
+                    }
+                }
+            };
+        }
+        if k == 1 {
+            // One table: no per-channel class lookups.
+            fast_loop!(|_off: usize| 0u32);
+        } else {
+            fast_loop!(|off: usize| *cbase.get_unchecked(ch + off));
         }
     }
     // Careful tail: every read checked.
