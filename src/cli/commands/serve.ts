@@ -1,0 +1,180 @@
+// `kvgate serve`: runs the gateway on Node. Config from a YAML file, KVGATE_* env
+// and flags (flags win); fs store in ./.kvgate/store on 127.0.0.1:8787 by default.
+
+import { InvalidArgumentError } from '../../core/errors.ts'
+import { serveGateway } from '../../gateway/adapters/node.ts'
+import { createGateway } from '../../gateway/app.ts'
+import {
+  ENV_VARS,
+  resolveServeConfig,
+  type ServeConfig,
+  type ServeSettings,
+  settingsFromEnv,
+  settingsFromFile,
+} from '../../gateway/config.ts'
+import { hashToken } from '../../gateway/middleware/auth.ts'
+import { FsStore } from '../../gateway/stores/fs.ts'
+import { MemoryStore } from '../../gateway/stores/memory.ts'
+import { S3Store } from '../../gateway/stores/s3.ts'
+import type { ObjectStore } from '../../gateway/stores/types.ts'
+import { parseCommandArgs } from '../args.ts'
+
+const HELP = `Usage: kvgate serve [options]
+
+Runs the kvgate gateway (HTTP API /v1, /healthz, /metrics, status page at /).
+With no options: fs store in ./.kvgate/store, http://127.0.0.1:8787, auth off.
+
+Options (flags override KVGATE_* env vars, which override the config file):
+  -c, --config FILE          YAML config file (env: KVGATE_CONFIG)
+      --host HOST            bind address [127.0.0.1]
+  -p, --port N               port, 0 = any free one [8787]
+      --store KIND           fs | s3 | memory [fs]
+      --dir DIR              fs store directory [./.kvgate/store]
+      --prefix P             object name prefix [kvgate]
+      --s3-bucket NAME       s3 bucket
+      --s3-endpoint URL      S3-compatible endpoint (RadosGW, MinIO, R2...)
+      --s3-region REGION     [us-east-1]
+      --s3-path-style        path-style URLs (default on when an endpoint is set)
+      --presign-min-bytes N  answer GETs of objects >= N bytes with 307 to a presigned URL (s3)
+      --max-chunk-bytes N    largest chunk accepted [536870912]
+      --log LEVEL            info | warn | error | silent [info]
+      --insecure             allow a non-loopback bind without tokens
+      --hash-token TOKEN     print the SHA-256 to put in the config, and exit
+  -h, --help
+
+S3 credentials come from KVGATE_S3_ACCESS_KEY_ID / KVGATE_S3_SECRET_ACCESS_KEY or
+the AWS SDK's default chain (AWS_* env, profile, instance role).
+
+Environment: ${ENV_VARS.join(' ')}
+
+Config file:
+  host: 127.0.0.1
+  port: 8787
+  prefix: kvgate
+  store: { kind: s3, s3: { bucket: kv, endpoint: http://127.0.0.1:7480, region: us-east-1 } }
+  presign: { minBytes: 33554432, expiresSeconds: 60 }
+  auth:
+    tokens:
+      - { name: fleet, sha256: <kvgate serve --hash-token ...>, scopes: write, namespaces: [prod] }
+      - { name: ops, sha256: <...>, scopes: admin, namespaces: '*' }
+`
+
+export async function run(argv: string[]): Promise<number> {
+  const { values, help } = parseCommandArgs(argv, {
+    config: { type: 'string', short: 'c' },
+    host: { type: 'string' },
+    port: { type: 'string', short: 'p' },
+    store: { type: 'string' },
+    dir: { type: 'string' },
+    prefix: { type: 'string' },
+    's3-bucket': { type: 'string' },
+    's3-endpoint': { type: 'string' },
+    's3-region': { type: 'string' },
+    's3-path-style': { type: 'boolean' },
+    'presign-min-bytes': { type: 'string' },
+    'max-chunk-bytes': { type: 'string' },
+    log: { type: 'string' },
+    insecure: { type: 'boolean' },
+    'hash-token': { type: 'string' },
+  })
+  if (help) {
+    console.log(HELP)
+    return 0
+  }
+  if (values['hash-token'] !== undefined) {
+    console.log(await hashToken(values['hash-token']))
+    return 0
+  }
+  const flags: ServeSettings = {}
+  const map: [keyof typeof values, keyof ServeSettings][] = [
+    ['host', 'host'],
+    ['port', 'port'],
+    ['store', 'store'],
+    ['dir', 'dir'],
+    ['prefix', 'prefix'],
+    ['s3-bucket', 's3Bucket'],
+    ['s3-endpoint', 's3Endpoint'],
+    ['s3-region', 's3Region'],
+    ['s3-path-style', 's3PathStyle'],
+    ['presign-min-bytes', 'presignMinBytes'],
+    ['max-chunk-bytes', 'maxChunkBytes'],
+    ['log', 'log'],
+    ['insecure', 'insecure'],
+  ]
+  for (const [flag, key] of map) {
+    const v = values[flag]
+    if (v !== undefined) (flags as Record<string, unknown>)[key] = v
+  }
+  const file = (values.config as string | undefined) ?? process.env.KVGATE_CONFIG
+  const config = resolveServeConfig(file ? settingsFromFile(file) : {}, settingsFromEnv(process.env), flags)
+  return serve(config)
+}
+
+async function openStore(config: ServeConfig): Promise<ObjectStore> {
+  const s = config.store
+  if (s.kind === 'fs') return new FsStore({ root: s.dir, fsync: s.fsync }).open()
+  if (s.kind === 'memory') return new MemoryStore()
+  return new S3Store({
+    bucket: s.bucket,
+    region: s.region,
+    ...(s.endpoint ? { endpoint: s.endpoint } : {}),
+    ...(s.forcePathStyle !== undefined ? { forcePathStyle: s.forcePathStyle } : {}),
+    ...(s.accessKeyId && s.secretAccessKey
+      ? { credentials: { accessKeyId: s.accessKeyId, secretAccessKey: s.secretAccessKey } }
+      : {}),
+  })
+}
+
+const LEVELS = { info: 0, warn: 1, error: 2, silent: 3 } as const
+
+async function serve(config: ServeConfig): Promise<number> {
+  if (config.presign && config.store.kind !== 's3') {
+    throw new InvalidArgumentError('presigned redirects need the s3 store')
+  }
+  const store = await openStore(config)
+  const min = LEVELS[config.log]
+  const write = (entry: Record<string, unknown>) => {
+    const level = (entry.level as keyof typeof LEVELS) ?? 'info'
+    if (LEVELS[level] >= min && min < LEVELS.silent) process.stdout.write(`${JSON.stringify(entry)}\n`)
+  }
+  const app = createGateway({
+    store,
+    prefix: config.prefix,
+    ...(config.tokens.length ? { auth: { tokens: config.tokens, publicStatus: config.publicStatus } } : {}),
+    ...(config.presign ? { presign: config.presign } : {}),
+    ...(config.maxChunkBytes ? { limits: { maxChunkBytes: config.maxChunkBytes } } : {}),
+    coalesce: { maxBytes: config.coalesceMaxBytes },
+    logger: (e) =>
+      write({
+        ...e,
+        level: (e.status as number) >= 500 ? 'error' : (e.status as number) >= 400 ? 'warn' : 'info',
+      }),
+  })
+  const gw = await serveGateway(app, { host: config.host, port: config.port })
+  // The listening line is printed at any level but silent: scripts read the URL from it.
+  const announce = min < LEVELS.silent ? (e: Record<string, unknown>) => process.stdout.write(`${JSON.stringify(e)}\n`) : write
+  announce({
+    level: 'info',
+    time: new Date().toISOString(),
+    msg: 'listening',
+    url: gw.url,
+    store: config.store.kind,
+    ...(config.store.kind === 'fs' ? { dir: config.store.dir } : {}),
+    ...(config.store.kind === 's3' ? { bucket: config.store.bucket } : {}),
+    auth: config.tokens.length > 0,
+  })
+  if (config.tokens.length === 0) {
+    process.stderr.write(`kvgate serve: auth is off (no tokens configured); listening on ${gw.url} only\n`)
+  }
+  await new Promise<void>((resolve) => {
+    const stop = (signal: string) => {
+      write({ level: 'info', time: new Date().toISOString(), msg: 'stopping', signal })
+      resolve()
+    }
+    process.once('SIGINT', () => stop('SIGINT'))
+    process.once('SIGTERM', () => stop('SIGTERM'))
+  })
+  await gw.close(5000)
+  await store.close?.()
+  return 0
+}

@@ -1,0 +1,54 @@
+// The gateway as a runtime-neutral Hono app: routes by concern over one shared
+// state (store, lookup engine, metrics). Adapters (node, workers, lambda) mount it.
+
+import { Hono } from 'hono'
+import type { ChainLookupOptions } from './chain-lookup.ts'
+import { createState, type GatewayLimits, type GatewayState, type PresignOptions } from './context.ts'
+import type { GatewayEnv } from './env.ts'
+import { notFound } from './http-errors.ts'
+import type { GatewayMetrics } from './metrics.ts'
+import { type AuthOptions, bearerAuth } from './middleware/auth.ts'
+import { errorResponse } from './middleware/errors.ts'
+import { type RequestLogger, requestLog } from './middleware/request-log.ts'
+import { chunkRoutes } from './routes/chunks.ts'
+import { lookupRoutes } from './routes/lookup.ts'
+import { opsRoutes } from './routes/ops.ts'
+import type { ObjectStore } from './stores/types.ts'
+
+export interface GatewayOptions {
+  /** Where chunk objects live. */
+  store: ObjectStore
+  /** Bearer tokens; none configured = auth off (local use only). */
+  auth?: AuthOptions
+  limits?: GatewayLimits
+  /** Answer GETs of large objects with 307 to a presigned store URL (stores with presignGet). */
+  presign?: PresignOptions
+  /** Registry to export into (share one across apps); a fresh one by default. */
+  metrics?: GatewayMetrics
+  lookup?: ChainLookupOptions
+  /** Coalesce concurrent GETs of one object; bodies ≤ maxBytes are shared. false disables. @default { maxBytes: 8 MiB } */
+  coalesce?: false | { maxBytes?: number }
+  /** Object name prefix in the store. @default 'kvgate' */
+  prefix?: string
+  /** $/GB-month for the status page's cost estimate. @default 0.023 (S3 Standard) */
+  storagePricePerGBMonth?: number
+  /** Receives one record per request. */
+  logger?: RequestLogger
+}
+
+export type GatewayApp = Hono<GatewayEnv> & { readonly state: GatewayState }
+
+export function createGateway(options: GatewayOptions): GatewayApp {
+  const state = createState(options)
+  const app = new Hono<GatewayEnv>()
+  app.onError((err, c) => errorResponse(state, err, c))
+  app.notFound((c) =>
+    errorResponse(state, notFound(`no route for ${c.req.method} ${new URL(c.req.url).pathname}`), c),
+  )
+  app.use('*', requestLog(state, options.logger))
+  app.use('*', bearerAuth(options.auth))
+  lookupRoutes(app, state)
+  chunkRoutes(app, state)
+  opsRoutes(app, state, { publicStatus: options.auth?.publicStatus ?? false })
+  return Object.assign(app, { state })
+}

@@ -1,0 +1,104 @@
+// What every route shares inside one gateway instance: the instrumented store,
+// lookup engine, GET coalescer, header cache, limits and the status counters.
+
+import { LRUCache } from 'lru-cache'
+import type { ChunkHeader } from '../core/format.ts'
+import { ChainLookup, type ChainLookupOptions } from './chain-lookup.ts'
+import { GetCoalescer } from './coalesce.ts'
+import { GatewayMetrics } from './metrics.ts'
+import { instrumentStore } from './stores/instrumented.ts'
+import type { ObjectStore } from './stores/types.ts'
+
+export interface GatewayLimits {
+  /** Largest chunk object accepted by PUT. @default 512 MiB */
+  maxChunkBytes?: number
+  /** Keys per lookup. @default 4096 */
+  maxLookupKeys?: number
+  /** Lookup request body bytes. @default 512 KiB */
+  maxLookupBodyBytes?: number
+  /** A PUT body that sends nothing for this long fails with 408. @default 30000 */
+  bodyIdleTimeoutMs?: number
+}
+
+export interface PresignOptions {
+  /** Objects of at least this many bytes are answered with a 307 to a presigned URL. */
+  minBytes: number
+  /** @default 60 */
+  expiresSeconds?: number
+}
+
+export interface RecentError {
+  at: string
+  method: string
+  path: string
+  status: number
+  code: string
+  message: string
+}
+
+export interface GatewayState {
+  store: ObjectStore
+  rawStore: ObjectStore
+  metrics: GatewayMetrics
+  lookup: ChainLookup
+  coalescer: GetCoalescer | undefined
+  headers: LRUCache<string, { header: ChunkHeader; bytes: Uint8Array }>
+  limits: Required<GatewayLimits>
+  presign: Required<PresignOptions> | undefined
+  prefix: string
+  storagePricePerGBMonth: number
+  startedAt: number
+  recentErrors: RecentError[]
+  written: { objects: number; bytes: number }
+}
+
+export function createState(opts: {
+  store: ObjectStore
+  metrics?: GatewayMetrics
+  limits?: GatewayLimits
+  presign?: PresignOptions
+  lookup?: ChainLookupOptions
+  coalesce?: false | { maxBytes?: number }
+  prefix?: string
+  storagePricePerGBMonth?: number
+}): GatewayState {
+  if (!opts?.store || typeof opts.store.get !== 'function')
+    throw new TypeError('createGateway: options.store is required')
+  const metrics = opts.metrics ?? new GatewayMetrics()
+  const store = instrumentStore(opts.store, metrics)
+  const limits: Required<GatewayLimits> = {
+    maxChunkBytes: opts.limits?.maxChunkBytes ?? 512 * 1024 * 1024,
+    maxLookupKeys: opts.limits?.maxLookupKeys ?? 4096,
+    maxLookupBodyBytes: opts.limits?.maxLookupBodyBytes ?? 512 * 1024,
+    bodyIdleTimeoutMs: opts.limits?.bodyIdleTimeoutMs ?? 30_000,
+  }
+  for (const [k, v] of Object.entries(limits)) {
+    if (!Number.isInteger(v) || v < 1) throw new TypeError(`createGateway: invalid limits.${k}`)
+  }
+  if (opts.presign && (!Number.isInteger(opts.presign.minBytes) || opts.presign.minBytes < 0)) {
+    throw new TypeError('createGateway: invalid presign.minBytes')
+  }
+  const prefix = opts.prefix ?? 'kvgate'
+  if (prefix !== '' && !/^[A-Za-z0-9._-]+(\/[A-Za-z0-9._-]+)*$/.test(prefix)) {
+    throw new TypeError(`createGateway: invalid prefix ${JSON.stringify(prefix)}`)
+  }
+  return {
+    store,
+    rawStore: opts.store,
+    metrics,
+    lookup: new ChainLookup(store, metrics, opts.lookup),
+    coalescer:
+      opts.coalesce === false ? undefined : new GetCoalescer(opts.coalesce?.maxBytes ?? 8 * 1024 * 1024),
+    headers: new LRUCache({ max: 10_000 }),
+    limits,
+    presign:
+      opts.presign && opts.store.presignGet
+        ? { minBytes: opts.presign.minBytes, expiresSeconds: opts.presign.expiresSeconds ?? 60 }
+        : undefined,
+    prefix,
+    storagePricePerGBMonth: opts.storagePricePerGBMonth ?? 0.023,
+    startedAt: Date.now(),
+    recentErrors: [],
+    written: { objects: 0, bytes: 0 },
+  }
+}

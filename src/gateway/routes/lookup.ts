@@ -1,0 +1,69 @@
+// POST /v1/ns/{ns}/lookup: how many leading chunks of a key chain are stored,
+// with their sizes, answered by ChainLookup (probing, not one HEAD per key).
+
+import type { Hono } from 'hono'
+import { assertKeyHex, assertNamespaceName, objectName } from '../../core/keys.ts'
+import type { GatewayState } from '../context.ts'
+import type { GatewayEnv } from '../env.ts'
+import { badRequest, lengthRequired, payloadTooLarge, unsupportedMediaType } from '../http-errors.ts'
+import { authorize } from '../middleware/auth.ts'
+
+export function lookupRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
+  app.post('/v1/ns/:ns/lookup', async (c) => {
+    const ns = assertNamespaceName(c.req.param('ns'))
+    authorize(c, ns, 'read')
+    c.set('ns', ns)
+    const type = (c.req.header('content-type') ?? '').split(';')[0]!.trim().toLowerCase()
+    if (type !== 'application/json') throw unsupportedMediaType('lookup bodies must be application/json')
+    const text = await readCapped(c.req.raw, state.limits.maxLookupBodyBytes)
+    let body: unknown
+    try {
+      body = JSON.parse(text)
+    } catch {
+      throw badRequest('lookup body is not valid JSON')
+    }
+    const keys = (body as { keys?: unknown })?.keys
+    if (!Array.isArray(keys)) throw badRequest('lookup body must be {"keys": ["<64 hex>", ...]}')
+    if (keys.length > state.limits.maxLookupKeys) {
+      throw payloadTooLarge(`${keys.length} keys; at most ${state.limits.maxLookupKeys} per lookup`)
+    }
+    const sizes = (body as { sizes?: unknown }).sizes
+    if (sizes !== undefined && typeof sizes !== 'boolean') throw badRequest('"sizes" must be a boolean')
+    const names = keys.map((k) => objectName(state.prefix, ns, assertKeyHex(k)))
+    const r = await state.lookup.lookup(names, { sizes: sizes ?? true })
+    c.header('x-kvgate-store-requests', String(r.storeRequests))
+    c.header('x-kvgate-store-rounds', String(r.rounds))
+    return c.json(sizes === false ? { present: r.present } : { present: r.present, sizes: r.sizes })
+  })
+}
+
+/** Reads a request body as text, refusing more than `max` bytes (declared or actual). */
+async function readCapped(req: Request, max: number): Promise<string> {
+  const declared = req.headers.get('content-length')
+  if (declared !== null && Number(declared) > max) throw payloadTooLarge(`body exceeds ${max} bytes`)
+  if (!req.body) throw lengthRequired()
+  const parts: Uint8Array[] = []
+  let total = 0
+  const reader = req.body.getReader()
+  for (;;) {
+    const { done, value } = await reader.read()
+    if (done) break
+    total += value.length
+    if (total > max) {
+      await reader.cancel().catch(() => {})
+      throw payloadTooLarge(`body exceeds ${max} bytes`)
+    }
+    parts.push(value)
+  }
+  const all = new Uint8Array(total)
+  let at = 0
+  for (const p of parts) {
+    all.set(p, at)
+    at += p.length
+  }
+  try {
+    return new TextDecoder('utf-8', { fatal: true }).decode(all)
+  } catch {
+    throw badRequest('lookup body is not UTF-8')
+  }
+}

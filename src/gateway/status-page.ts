@@ -1,0 +1,123 @@
+// The operator's glance at `/`: store, objects and bytes, monthly storage cost
+// estimate, request and hit rates, store latency, and the most recent errors.
+
+import type { GatewayState } from './context.ts'
+
+const esc = (s: string) => s.replace(/[&<>"']/g, (ch) => `&#${ch.charCodeAt(0)};`)
+
+function fmtBytes(n: number): string {
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB']
+  let i = 0
+  let v = n
+  while (v >= 1024 && i < units.length - 1) {
+    v /= 1024
+    i++
+  }
+  return `${v.toFixed(i === 0 ? 0 : 1)} ${units[i]}`
+}
+
+const pct = (a: number, b: number) => (b === 0 ? '–' : `${((100 * a) / b).toFixed(1)}%`)
+
+export interface StatusSnapshot {
+  store: string
+  objects: number | undefined
+  bytes: number | undefined
+  writtenObjects: number
+  writtenBytes: number
+  monthlyStorageUsd: number | undefined
+  uptimeSeconds: number
+  requests: number
+  errors: number
+  lookupKeys: number
+  lookupPresent: number
+  cacheHits: number
+  cacheMisses: number
+  coalescedGets: number
+  putsCreated: number
+  putsExisting: number
+  bytesIn: number
+  bytesOut: number
+  storeOps: number
+  storeMeanMs: number
+  recentErrors: GatewayState['recentErrors']
+}
+
+let statsCache: { at: number; value: { objects: number; bytes: number } | undefined } | undefined
+
+export async function snapshot(state: GatewayState): Promise<StatusSnapshot> {
+  const m = state.metrics
+  // Counting a store can mean walking it: at most once a minute.
+  if (!statsCache || Date.now() - statsCache.at > 60_000) {
+    statsCache = {
+      at: Date.now(),
+      value: state.store.stats ? await state.store.stats().catch(() => undefined) : undefined,
+    }
+  }
+  const st = statsCache.value
+  const bytesForCost = st?.bytes ?? state.written.bytes
+  const storeLat = m.storeSeconds.totals()
+  return {
+    store: state.store.kind,
+    objects: st?.objects,
+    bytes: st?.bytes,
+    writtenObjects: state.written.objects,
+    writtenBytes: state.written.bytes,
+    monthlyStorageUsd: (bytesForCost / 1e9) * state.storagePricePerGBMonth,
+    uptimeSeconds: Math.round((Date.now() - state.startedAt) / 1000),
+    requests: m.requests.value(),
+    errors: m.errors.value(),
+    lookupKeys: m.lookupKeys.value(),
+    lookupPresent: m.lookupKeys.value({ result: 'present' }),
+    cacheHits: m.cache.value({ result: 'hit' }),
+    cacheMisses: m.cache.value({ result: 'miss' }),
+    coalescedGets: m.coalesced.value(),
+    putsCreated: m.puts.value({ result: 'created' }),
+    putsExisting: m.puts.value({ result: 'exists' }),
+    bytesIn: m.bytesIn.value(),
+    bytesOut: m.bytesOut.value(),
+    storeOps: storeLat.count,
+    storeMeanMs: storeLat.count ? (1000 * storeLat.sum) / storeLat.count : 0,
+    recentErrors: state.recentErrors,
+  }
+}
+
+/** Resets the cached store count (tests, after bulk changes). */
+export function resetStatusCache(): void {
+  statsCache = undefined
+}
+
+export function renderStatusPage(s: StatusSnapshot, price: number): string {
+  const row = (k: string, v: string) => `<tr><th>${esc(k)}</th><td>${esc(v)}</td></tr>`
+  const errors = s.recentErrors
+    .slice()
+    .reverse()
+    .map(
+      (e) =>
+        `<tr><td>${esc(e.at)}</td><td>${esc(e.method)} ${esc(e.path)}</td><td>${e.status}</td><td>${esc(e.code)}</td><td>${esc(e.message)}</td></tr>`,
+    )
+    .join('')
+  return `<!doctype html><html><head><meta charset="utf-8"><title>kvgate gateway</title>
+<style>body{font:14px system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin-bottom:1.5em}
+th,td{text-align:left;padding:3px 12px;border-bottom:1px solid #ddd}th{font-weight:600;color:#555}</style></head><body>
+<h1>kvgate gateway</h1>
+<h2>Storage</h2><table>
+${row('store', s.store)}
+${row('objects', s.objects === undefined ? 'n/a for this store' : String(s.objects))}
+${row('bytes', s.bytes === undefined ? 'n/a for this store' : fmtBytes(s.bytes))}
+${row('written since start', `${s.writtenObjects} objects, ${fmtBytes(s.writtenBytes)}`)}
+${row('est. storage cost / month', `$${(s.monthlyStorageUsd ?? 0).toFixed(2)} at $${price}/GB-month${s.bytes === undefined ? ' (bytes written since start)' : ''}`)}
+</table>
+<h2>Traffic</h2><table>
+${row('uptime', `${s.uptimeSeconds} s`)}
+${row('requests', `${s.requests} (${s.errors} errors)`)}
+${row('lookup hit rate (keys present)', `${pct(s.lookupPresent, s.lookupKeys)} of ${s.lookupKeys}`)}
+${row('positive cache hit rate', `${pct(s.cacheHits, s.cacheHits + s.cacheMisses)}`)}
+${row('chunk PUTs', `${s.putsCreated} created, ${s.putsExisting} already present`)}
+${row('coalesced GETs', String(s.coalescedGets))}
+${row('bytes in / out', `${fmtBytes(s.bytesIn)} / ${fmtBytes(s.bytesOut)}`)}
+${row('store ops', `${s.storeOps}, mean ${s.storeMeanMs.toFixed(1)} ms`)}
+</table>
+<h2>Recent errors</h2>
+${errors ? `<table><tr><th>time</th><th>request</th><th>status</th><th>code</th><th>message</th></tr>${errors}</table>` : '<p>none</p>'}
+</body></html>`
+}

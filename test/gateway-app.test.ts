@@ -1,0 +1,498 @@
+// The gateway app on a memory store, driven through app.request (no network):
+// the /v1 API, verification, create-only semantics, ranges and layers, auth, errors.
+
+import { describe, expect, it } from 'vitest'
+import { openLayerSubset } from '../src/core/format.ts'
+import { createGateway, hashToken, MemoryStore } from '../src/gateway/index.ts'
+import { makeChain, makeChunk, putInit } from './gateway-fixtures.ts'
+
+function setup(opts: Partial<Parameters<typeof createGateway>[0]> = {}) {
+  const ops: string[] = []
+  const store = new MemoryStore({ onOp: (op) => ops.push(op) })
+  const app = createGateway({ store, ...opts })
+  return { app, store, ops }
+}
+
+const json = async (r: Response) => (await r.json()) as Record<string, unknown>
+const errCode = async (r: Response) => ((await r.json()) as { error: { code: string } }).error.code
+
+describe('PUT and GET', () => {
+  it('stores a verified chunk once and reads it back byte for byte', async () => {
+    const { app } = setup()
+    const c = makeChunk()
+    const r1 = await app.request(`/v1/ns/team/chunks/${c.key}`, putInit(c.bytes))
+    expect(r1.status).toBe(201)
+    expect(await json(r1)).toEqual({ status: 'created', bytes: c.bytes.length })
+    const r2 = await app.request(`/v1/ns/team/chunks/${c.key}`, putInit(c.bytes))
+    expect(r2.status).toBe(200)
+    expect(await json(r2)).toEqual({ status: 'exists', bytes: c.bytes.length })
+    const g = await app.request(`/v1/ns/team/chunks/${c.key}`)
+    expect(g.status).toBe(200)
+    expect(g.headers.get('content-length')).toBe(String(c.bytes.length))
+    expect(new Uint8Array(await g.arrayBuffer())).toEqual(c.bytes)
+  })
+
+  it('answers HEAD with the size and 404 for an absent chunk', async () => {
+    const { app } = setup()
+    const c = makeChunk()
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}`, { method: 'HEAD' })).status).toBe(404)
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    const h = await app.request(`/v1/ns/a/chunks/${c.key}`, { method: 'HEAD' })
+    expect(h.status).toBe(200)
+    expect(h.headers.get('content-length')).toBe(String(c.bytes.length))
+    const g = await app.request(`/v1/ns/a/chunks/${makeChunk().key}`)
+    expect(g.status).toBe(404)
+    expect(await errCode(g)).toBe('ERR_NOT_FOUND')
+  })
+
+  it('serves byte ranges (a-b, a-, suffix) and 416 past the end', async () => {
+    const { app } = setup()
+    const c = makeChunk()
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    const url = `/v1/ns/a/chunks/${c.key}`
+    const r = await app.request(url, { headers: { range: 'bytes=10-19' } })
+    expect(r.status).toBe(206)
+    expect(r.headers.get('content-range')).toBe(`bytes 10-19/${c.bytes.length}`)
+    expect(new Uint8Array(await r.arrayBuffer())).toEqual(c.bytes.subarray(10, 20))
+    const open = await app.request(url, { headers: { range: `bytes=${c.bytes.length - 5}-` } })
+    expect(new Uint8Array(await open.arrayBuffer())).toEqual(c.bytes.subarray(c.bytes.length - 5))
+    const suffix = await app.request(url, { headers: { range: 'bytes=-7' } })
+    expect(new Uint8Array(await suffix.arrayBuffer())).toEqual(c.bytes.subarray(c.bytes.length - 7))
+    const past = await app.request(url, { headers: { range: `bytes=${c.bytes.length}-` } })
+    expect(past.status).toBe(416)
+    expect(await errCode(past)).toBe('ERR_RANGE_NOT_SATISFIABLE')
+    expect((await app.request(url, { headers: { range: 'bytes=0-1,5-6' } })).status).toBe(400)
+    expect((await app.request(url, { headers: { range: 'bytes=9-3' } })).status).toBe(416)
+  })
+
+  it('serves ?layers=a-b as header + contiguous sections a..b', async () => {
+    const { app } = setup()
+    const c = makeChunk({ layers: 6, sectionBytes: 100 })
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}?layers=2-4`)
+    expect(r.status).toBe(200)
+    expect(r.headers.get('x-kvgate-layers')).toBe('2-4')
+    const body = new Uint8Array(await r.arrayBuffer())
+    const subset = openLayerSubset(body, 2, 4)
+    for (let l = 2; l <= 4; l++) {
+      const s = subset.header.sections[l]!
+      expect(subset.section(l)).toEqual(c.bytes.subarray(s.offset, s.offset + s.length))
+    }
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}?layers=4-9`)).status).toBe(416)
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}?layers=x`)).status).toBe(400)
+    expect(
+      (await app.request(`/v1/ns/a/chunks/${c.key}?layers=1-2`, { headers: { range: 'bytes=0-1' } })).status,
+    ).toBe(400)
+  })
+
+  it('deletes (admin) and forgets the chunk', async () => {
+    const { app } = setup()
+    const c = makeChunk()
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}`, { method: 'DELETE' })).status).toBe(204)
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}`, { method: 'HEAD' })).status).toBe(404)
+    const look = await app.request('/v1/ns/a/lookup', {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ keys: [c.key] }),
+    })
+    expect(await json(look)).toEqual({ present: 0, sizes: [] })
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}`, { method: 'DELETE' })).status).toBe(404)
+  })
+})
+
+describe('PUT rejects bad bodies and leaves nothing behind', () => {
+  async function rejects(
+    mutate: (b: Uint8Array) => Uint8Array,
+    status: number,
+    code: RegExp,
+    init?: RequestInit,
+  ) {
+    const { app, store } = setup()
+    const c = makeChunk({ layers: 3, sectionBytes: 64 })
+    const bytes = mutate(c.bytes.slice())
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}`, init ?? putInit(bytes))
+    expect(r.status).toBe(status)
+    expect(await errCode(r)).toMatch(code)
+    expect((await store.stats()).objects).toBe(0)
+  }
+
+  const flip = (at: (b: Uint8Array) => number, mask: number) => (b: Uint8Array) => {
+    b[at(b)]! ^= mask
+    return b
+  }
+  it('a flipped section byte (checksum)', () =>
+    rejects(
+      flip((b) => b.length - 1, 1),
+      400,
+      /ERR_FORMAT_CHECKSUM/,
+    ))
+  it('a flipped header byte', () =>
+    rejects(
+      flip(() => 20, 0x40),
+      400,
+      /ERR_FORMAT/,
+    ))
+  it('garbage instead of a chunk', () => rejects((b) => b.fill(7), 400, /ERR_FORMAT_BAD_MAGIC/))
+  it('a truncated body (header declares more)', () =>
+    rejects((b) => b.subarray(0, b.length - 10), 400, /ERR_FORMAT_BAD_FIELD|ERR_FORMAT_TRUNCATED/))
+  it('extra trailing bytes', () =>
+    rejects((b) => Uint8Array.from([...b, 1, 2, 3]), 400, /ERR_FORMAT_BAD_FIELD/))
+
+  it('a body whose header key disagrees with the path', async () => {
+    const { app, store } = setup()
+    const c = makeChunk()
+    const other = makeChunk()
+    const r = await app.request(`/v1/ns/a/chunks/${other.key}`, putInit(c.bytes))
+    expect(r.status).toBe(400)
+    expect(await errCode(r)).toBe('ERR_INVALID_KEY')
+    expect((await store.stats()).objects).toBe(0)
+  })
+
+  it('wrong or missing content type → 415', async () => {
+    const { app } = setup()
+    const c = makeChunk()
+    for (const type of ['application/json', 'text/plain', '']) {
+      const init = putInit(c.bytes)
+      ;(init.headers as Record<string, string>)['content-type'] = type
+      const r = await app.request(`/v1/ns/a/chunks/${c.key}`, init)
+      expect(r.status).toBe(415)
+      expect(await errCode(r)).toBe('ERR_UNSUPPORTED_MEDIA_TYPE')
+    }
+  })
+
+  it('oversized bodies → 413 before reading them', async () => {
+    const { app, ops } = setup({ limits: { maxChunkBytes: 1000 } })
+    const c = makeChunk({ layers: 4, sectionBytes: 512 })
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    expect(r.status).toBe(413)
+    expect(await errCode(r)).toBe('ERR_PAYLOAD_TOO_LARGE')
+    expect(ops).toEqual([])
+  })
+
+  it('a Content-Length that lies (shorter than the body) is rejected', async () => {
+    const { app, store } = setup()
+    const c = makeChunk()
+    const init = putInit(c.bytes)
+    ;(init.headers as Record<string, string>)['content-length'] = String(c.bytes.length - 1)
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}`, init)
+    expect(r.status).toBe(400)
+    expect((await store.stats()).objects).toBe(0)
+  })
+
+  it('a stalled body times out with 408 and stores nothing', async () => {
+    const { app, store } = setup({ limits: { bodyIdleTimeoutMs: 50 } })
+    const c = makeChunk()
+    const body = new ReadableStream<Uint8Array>({
+      start(ctl) {
+        ctl.enqueue(c.bytes.subarray(0, 100)) // then nothing, ever
+      },
+    })
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}`, {
+      method: 'PUT',
+      body,
+      headers: { 'content-type': 'application/octet-stream', 'content-length': String(c.bytes.length) },
+      duplex: 'half',
+    } as RequestInit)
+    expect(r.status).toBe(408)
+    expect(await errCode(r)).toBe('ERR_TIMEOUT')
+    expect((await store.stats()).objects).toBe(0)
+  })
+
+  it('an existing key with a different size answers 409', async () => {
+    const { app } = setup()
+    const c = makeChunk({ layers: 2, sectionBytes: 64 })
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    const bigger = makeChunk({ layers: 2, sectionBytes: 128 })
+    // Same key, different object: forge by reusing the first key in the path only.
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(bigger.bytes))
+    expect([400, 409]).toContain(r.status) // cached-exists answers 409, else key mismatch 400
+    expect(await errCode(r)).toMatch(/ERR_ALREADY_EXISTS|ERR_INVALID_KEY/)
+  })
+})
+
+describe('paths, keys and namespaces', () => {
+  const key = makeChunk().key
+  const bad = [
+    ['/v1/ns/..%2F..%2Fetc/chunks/' + key, 'ERR_INVALID_NAMESPACE'],
+    // URL parsing folds an encoded '..' segment away: the path no longer matches a route.
+    ['/v1/ns/%2e%2e/chunks/' + key, 'ERR_NOT_FOUND'],
+    ['/v1/ns/a..b/chunks/' + key, 'ERR_INVALID_NAMESPACE'],
+    ['/v1/ns/UPPER/chunks/' + key, 'ERR_INVALID_NAMESPACE'],
+    ['/v1/ns/-x/chunks/' + key, 'ERR_INVALID_NAMESPACE'],
+    [`/v1/ns/${'a'.repeat(64)}/chunks/${key}`, 'ERR_INVALID_NAMESPACE'],
+    ['/v1/ns/a/chunks/' + key.toUpperCase(), 'ERR_INVALID_KEY'],
+    ['/v1/ns/a/chunks/' + key.slice(1), 'ERR_INVALID_KEY'],
+    ['/v1/ns/a/chunks/..%2F..%2F' + key.slice(6), 'ERR_INVALID_KEY'],
+    ['/v1/ns/a/chunks/%00' + key.slice(1), 'ERR_INVALID_KEY'],
+  ] as const
+  for (const [path, code] of bad) {
+    it(`rejects ${path.slice(0, 60)}`, async () => {
+      const { app, ops } = setup()
+      for (const method of ['GET', 'HEAD', 'DELETE']) {
+        const r = await app.request(path, { method })
+        expect(r.status).toBe(code === 'ERR_NOT_FOUND' ? 404 : 400)
+        if (method !== 'HEAD') expect(await errCode(r)).toBe(code)
+      }
+      const c = makeChunk()
+      expect((await app.request(path, putInit(c.bytes))).status).toBe(code === 'ERR_NOT_FOUND' ? 404 : 400)
+      expect(ops).toEqual([])
+    })
+  }
+
+  it('unknown routes answer a JSON 404', async () => {
+    const { app } = setup()
+    const r = await app.request('/v2/whatever')
+    expect(r.status).toBe(404)
+    expect(await errCode(r)).toBe('ERR_NOT_FOUND')
+  })
+})
+
+describe('lookup', () => {
+  const post = (
+    app: ReturnType<typeof setup>['app'],
+    ns: string,
+    body: unknown,
+    headers: Record<string, string> = {},
+  ) =>
+    app.request(`/v1/ns/${ns}/lookup`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json', ...headers },
+      body: typeof body === 'string' ? body : JSON.stringify(body),
+    })
+
+  it('finds the leading present run with sizes, far below one HEAD per key', async () => {
+    const chain = makeChain(512, { layers: 1, sectionBytes: 16 })
+    for (const present of [0, 1, 200, 511, 512]) {
+      const { app, ops } = setup({ lookup: { cacheEntries: 1 } })
+      for (const c of chain.slice(0, present))
+        await app.state.rawStore.putIfAbsent(
+          `kvgate/a/${c.key.slice(0, 2)}/${c.key}`,
+          c.bytes,
+          c.bytes.length,
+        )
+      ops.length = 0
+      const r = await post(app, 'a', { keys: chain.map((c) => c.key), sizes: false })
+      expect(await json(r)).toEqual({ present })
+      expect(Number(r.headers.get('x-kvgate-store-rounds'))).toBeLessThanOrEqual(3)
+      expect(ops.length).toBeLessThanOrEqual(3 * 24)
+    }
+  })
+
+  it('verifies sizes and truncates at a hole in the chain', async () => {
+    const chain = makeChain(40, { layers: 1, sectionBytes: 16 })
+    const { app } = setup()
+    for (const [i, c] of chain.entries())
+      if (i !== 17) await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    app.state.lookup.forget('x') // cache holds the written ones; the hole is never cached
+    const r = await json(await post(app, 'a', { keys: chain.map((c) => c.key) }))
+    expect(r.present).toBe(17)
+    expect(r.sizes).toEqual(chain.slice(0, 17).map((c) => c.bytes.length))
+  })
+
+  it('answers a warm lookup from the cache without store requests', async () => {
+    const chain = makeChain(64, { layers: 1, sectionBytes: 16 })
+    const { app, ops } = setup()
+    for (const c of chain) await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    ops.length = 0
+    const r = await post(app, 'a', { keys: chain.map((c) => c.key) })
+    expect((await json(r)).present).toBe(64)
+    expect(ops).toEqual([])
+  })
+
+  it('rejects malformed lookups', async () => {
+    const { app } = setup({ limits: { maxLookupKeys: 8 } })
+    const k = makeChunk().key
+    const cases: [unknown, number, string][] = [
+      ['{not json', 400, 'ERR_INVALID_ARGUMENT'],
+      [{ nokeys: [] }, 400, 'ERR_INVALID_ARGUMENT'],
+      [{ keys: 'abc' }, 400, 'ERR_INVALID_ARGUMENT'],
+      [{ keys: [k, 'zz'] }, 400, 'ERR_INVALID_KEY'],
+      [{ keys: [k, 42] }, 400, 'ERR_INVALID_KEY'],
+      [{ keys: Array(9).fill(k) }, 413, 'ERR_PAYLOAD_TOO_LARGE'],
+      [{ keys: [k], sizes: 'yes' }, 400, 'ERR_INVALID_ARGUMENT'],
+    ]
+    for (const [body, status, code] of cases) {
+      const r = await post(app, 'a', body)
+      expect(r.status, JSON.stringify(body)).toBe(status)
+      expect(await errCode(r)).toBe(code)
+    }
+    const wrongType = await post(app, 'a', { keys: [] }, { 'content-type': 'text/plain' })
+    expect(wrongType.status).toBe(415)
+    const big = await post(app, 'a', `{"keys":[${'"x",'.repeat(200_000)}"x"]}`)
+    expect(big.status).toBe(413)
+    expect(await json(await post(app, 'a', { keys: [] }))).toEqual({ present: 0, sizes: [] })
+  })
+})
+
+describe('auth', () => {
+  async function authed() {
+    const tokens = {
+      reader: 'r-token-aaaa',
+      writer: 'w-token-bbbb',
+      admin: 'admin-cccc',
+      other: 'other-dddd',
+    }
+    const app = createGateway({
+      store: new MemoryStore(),
+      auth: {
+        tokens: [
+          { name: 'reader', sha256: await hashToken(tokens.reader), scopes: ['read'], namespaces: ['a'] },
+          { name: 'writer', sha256: await hashToken(tokens.writer), scopes: 'write', namespaces: ['a'] },
+          { name: 'admin', sha256: await hashToken(tokens.admin), scopes: 'admin', namespaces: '*' },
+          { name: 'other', sha256: await hashToken(tokens.other), scopes: 'admin', namespaces: ['b'] },
+        ],
+      },
+    })
+    return { app, tokens }
+  }
+  const bearer = (t: string) => ({ authorization: `Bearer ${t}` })
+
+  it('401 without or with a wrong token, with a JSON body', async () => {
+    const { app } = await authed()
+    const c = makeChunk()
+    for (const headers of [
+      {},
+      bearer('nope'),
+      { authorization: 'Basic abc' },
+      { authorization: 'Bearer ' },
+    ]) {
+      const r = await app.request(`/v1/ns/a/chunks/${c.key}`, { headers })
+      expect(r.status).toBe(401)
+      expect(r.headers.get('www-authenticate')).toMatch(/Bearer/)
+      expect(await errCode(r)).toBe('ERR_UNAUTHORIZED')
+    }
+  })
+
+  it('scopes: read cannot write, write cannot delete, admin can', async () => {
+    const { app, tokens } = await authed()
+    const c = makeChunk()
+    const url = `/v1/ns/a/chunks/${c.key}`
+    const r1 = await app.request(url, putInit(c.bytes, tokens.reader))
+    expect(r1.status).toBe(403)
+    expect(await errCode(r1)).toBe('ERR_FORBIDDEN')
+    expect((await app.request(url, putInit(c.bytes, tokens.writer))).status).toBe(201)
+    expect((await app.request(url, { headers: bearer(tokens.reader) })).status).toBe(200)
+    expect((await app.request(url, { method: 'DELETE', headers: bearer(tokens.writer) })).status).toBe(403)
+    expect((await app.request(url, { method: 'DELETE', headers: bearer(tokens.admin) })).status).toBe(204)
+  })
+
+  it('a token for namespace b never touches namespace a', async () => {
+    const { app, tokens } = await authed()
+    const c = makeChunk()
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes, tokens.writer))
+    const h = bearer(tokens.other)
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}`, { headers: h })).status).toBe(403)
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}`, { method: 'HEAD', headers: h })).status).toBe(403)
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}`, { method: 'DELETE', headers: h })).status).toBe(403)
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes, tokens.other))).status).toBe(403)
+    const look = await app.request('/v1/ns/a/lookup', {
+      method: 'POST',
+      headers: { ...h, 'content-type': 'application/json' },
+      body: JSON.stringify({ keys: [c.key] }),
+    })
+    expect(look.status).toBe(403)
+    // Its own namespace does not see a's object either: names are per namespace.
+    expect((await app.request(`/v1/ns/b/chunks/${c.key}`, { headers: h })).status).toBe(404)
+  })
+
+  it('metrics and status need a global admin token; healthz does not', async () => {
+    const { app, tokens } = await authed()
+    expect((await app.request('/healthz')).status).toBe(200)
+    expect((await app.request('/metrics')).status).toBe(401)
+    expect((await app.request('/metrics', { headers: bearer(tokens.other) })).status).toBe(403)
+    const m = await app.request('/metrics', { headers: bearer(tokens.admin) })
+    expect(m.status).toBe(200)
+    expect(await m.text()).toContain('kvgate_http_requests_total')
+    expect((await app.request('/', { headers: bearer(tokens.admin) })).status).toBe(200)
+  })
+
+  it('rejects bad token config eagerly', () => {
+    expect(() =>
+      createGateway({
+        store: new MemoryStore(),
+        auth: { tokens: [{ sha256: 'abc', scopes: 'read', namespaces: '*' }] },
+      }),
+    ).toThrow(TypeError)
+  })
+})
+
+describe('metrics, status page, coalescing', () => {
+  it('counts requests, bytes and store ops in Prometheus text', async () => {
+    const { app } = setup()
+    const c = makeChunk()
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    await app.request(`/v1/ns/a/chunks/${c.key}`)
+    const text = await (await app.request('/metrics')).text()
+    expect(text).toMatch(
+      /kvgate_http_requests_total\{method="PUT",route="\/v1\/ns\/:ns\/chunks\/:key",status="201"\} 1/,
+    )
+    expect(text).toMatch(new RegExp(`kvgate_http_bytes_in_total ${c.bytes.length}`))
+    expect(text).toMatch(/kvgate_store_op_seconds_bucket\{op="put",store="memory",le="\+Inf"\} 1/)
+  })
+
+  it('the status page shows objects, bytes, cost and recent errors', async () => {
+    const { app: app2 } = setup()
+    const c = makeChunk()
+    await app2.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    const html = await (await app2.request('/')).text()
+    expect(html).toContain('kvgate gateway')
+    expect(html).toMatch(/storage cost/)
+    const j = (await (await app2.request('/', { headers: { accept: 'application/json' } })).json()) as Record<
+      string,
+      number
+    >
+    expect(j.writtenObjects).toBe(1)
+    expect(j.writtenBytes).toBe(c.bytes.length)
+  })
+
+  it('records 5xx errors for the status page without leaking internals', async () => {
+    const base = new MemoryStore()
+    const store = {
+      kind: 'broken',
+      get: async () => {
+        throw new Error('secret internal detail')
+      },
+      head: base.head.bind(base),
+      putIfAbsent: base.putIfAbsent.bind(base),
+      delete: base.delete.bind(base),
+      list: base.list.bind(base),
+    }
+    const app = createGateway({ store })
+    const r = await app.request(`/v1/ns/a/chunks/${makeChunk().key}`)
+    expect(r.status).toBe(500)
+    const body = await r.text()
+    expect(body).not.toContain('secret')
+    expect(JSON.parse(body).error.code).toBe('ERR_INTERNAL')
+    expect(app.state.recentErrors).toHaveLength(1)
+  })
+
+  it('coalesces concurrent GETs of one object into one store GET', async () => {
+    let gets = 0
+    let release!: () => void
+    const gate = new Promise<void>((r) => (release = r))
+    const base = new MemoryStore()
+    const store = {
+      kind: 'slow',
+      get: async (n: string, o?: Parameters<MemoryStore['get']>[1]) => {
+        gets++
+        await gate
+        return base.get(n, o)
+      },
+      head: base.head.bind(base),
+      putIfAbsent: base.putIfAbsent.bind(base),
+      delete: base.delete.bind(base),
+      list: base.list.bind(base),
+    }
+    const app = createGateway({ store })
+    const c = makeChunk()
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    const pending = Array.from({ length: 8 }, () => app.request(`/v1/ns/a/chunks/${c.key}`))
+    await new Promise((r) => setTimeout(r, 20))
+    release()
+    const bodies = await Promise.all(pending.map(async (p) => new Uint8Array(await (await p).arrayBuffer())))
+    for (const b of bodies) expect(b).toEqual(c.bytes)
+    expect(gets).toBe(1)
+    expect(app.state.metrics.coalesced.value()).toBe(7)
+  })
+})

@@ -1,0 +1,171 @@
+// `kvgate serve`: config layering (file < env < flags), the no-auth bind guard,
+// and a real process on the fs store whose data survives a restart.
+
+import { type ChildProcess, spawn } from 'node:child_process'
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { createInterface } from 'node:readline'
+import { afterAll, describe, expect, it } from 'vitest'
+import { resolveServeConfig, settingsFromEnv, settingsFromFile } from '../src/gateway/config.ts'
+import { FsStore } from '../src/gateway/node.ts'
+import { makeChunk, putInit } from './gateway-fixtures.ts'
+
+const tmp = mkdtempSync(join(tmpdir(), 'kvgate-serve-'))
+afterAll(() => rmSync(tmp, { recursive: true, force: true }))
+const HASH = 'a'.repeat(64)
+
+describe('serve config', () => {
+  it('defaults to the fs store on 127.0.0.1:8787 with auth off', () => {
+    const c = resolveServeConfig()
+    expect(c).toMatchObject({
+      host: '127.0.0.1',
+      port: 8787,
+      store: { kind: 'fs', dir: './.kvgate/store' },
+      tokens: [],
+    })
+  })
+
+  it('env overrides the file, flags override env', () => {
+    const file = join(tmp, 'kvgate.yaml')
+    writeFileSync(
+      file,
+      `port: 9000\nprefix: fromfile\nstore:\n  kind: s3\n  s3: { bucket: b1, endpoint: http://x:1 }\nauth:\n  tokens:\n    - { sha256: ${HASH}, scopes: read, namespaces: [a] }\n`,
+    )
+    const fromFile = settingsFromFile(file)
+    const env = settingsFromEnv({ KVGATE_PORT: '9100', KVGATE_S3_BUCKET: 'b2', KVGATE_LOG: 'warn' })
+    const c = resolveServeConfig(fromFile, env, { port: '9200' })
+    expect(c.port).toBe(9200)
+    expect(c.prefix).toBe('fromfile')
+    expect(c.store).toMatchObject({ kind: 's3', bucket: 'b2', endpoint: 'http://x:1' })
+    expect(c.log).toBe('warn')
+    expect(c.tokens).toHaveLength(1)
+  })
+
+  it('refuses a non-loopback bind without tokens unless --insecure', () => {
+    expect(() => resolveServeConfig({ host: '0.0.0.0' })).toThrow(/refusing/)
+    expect(resolveServeConfig({ host: '0.0.0.0', insecure: true }).host).toBe('0.0.0.0')
+    const tokens = JSON.stringify([{ sha256: HASH, scopes: 'admin', namespaces: '*' }])
+    expect(
+      resolveServeConfig({ host: '0.0.0.0' }, settingsFromEnv({ KVGATE_TOKENS: tokens })).tokens,
+    ).toHaveLength(1)
+  })
+
+  it('rejects bad values with a ConfigError', () => {
+    for (const bad of [
+      { port: 'abc' },
+      { port: 70000 },
+      { store: 'ftp' },
+      { store: 's3' },
+      { log: 'loud' },
+      { tokens: 'not json' },
+      { tokens: [{ sha256: 'short', scopes: 'read', namespaces: '*' }] as never },
+    ]) {
+      expect(() => resolveServeConfig(bad), JSON.stringify(bad)).toThrow(
+        expect.objectContaining({ code: 'ERR_CONFIG' }),
+      )
+    }
+  })
+})
+
+function startServe(args: string[]): Promise<{ proc: ChildProcess; url: string; lines: string[] }> {
+  const main = new URL('../src/cli/main.ts', import.meta.url).pathname
+  const proc = spawn(process.execPath, ['--import', 'tsx', main, 'serve', '--port', '0', ...args], {
+    stdio: ['ignore', 'pipe', 'pipe'],
+    env: { ...process.env, KVGATE_CONFIG: '' },
+  })
+  const lines: string[] = []
+  return new Promise((resolve, reject) => {
+    const rl = createInterface({ input: proc.stdout! })
+    rl.on('line', (l) => {
+      lines.push(l)
+      const j = JSON.parse(l) as { msg?: string; url?: string }
+      if (j.msg === 'listening') resolve({ proc, url: j.url!, lines })
+    })
+    proc.once('exit', (code) => reject(new Error(`serve exited with ${code}`)))
+  })
+}
+
+const stop = (p: ChildProcess) =>
+  new Promise<number | null>((r) => {
+    p.once('exit', r)
+    p.kill('SIGTERM')
+  })
+
+describe('kvgate serve process', () => {
+  it('serves the fs store, logs one JSON line per request, and keeps data across restarts', async () => {
+    const dir = join(tmp, 'store')
+    const c = makeChunk()
+    const a = await startServe(['--dir', dir])
+    try {
+      expect((await fetch(`${a.url}/v1/ns/demo/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+      expect((await fetch(`${a.url}/healthz`)).status).toBe(200)
+      await new Promise((r) => setTimeout(r, 100))
+      const reqLines = a.lines.map((l) => JSON.parse(l)).filter((j) => j.route)
+      expect(reqLines[0]).toMatchObject({
+        level: 'info',
+        method: 'PUT',
+        status: 201,
+        ns: 'demo',
+        bytes: c.bytes.length,
+      })
+    } finally {
+      expect(await stop(a.proc)).toBe(0)
+    }
+    const b = await startServe(['--dir', dir])
+    try {
+      const g = await fetch(`${b.url}/v1/ns/demo/chunks/${c.key}`)
+      expect(g.status).toBe(200)
+      expect(new Uint8Array(await g.arrayBuffer())).toEqual(c.bytes)
+    } finally {
+      await stop(b.proc)
+    }
+  })
+
+  it('--help prints usage and exits 0', async () => {
+    const main = new URL('../src/cli/main.ts', import.meta.url).pathname
+    const p = spawn(process.execPath, ['--import', 'tsx', main, 'serve', '--help'], {
+      stdio: ['ignore', 'pipe', 'inherit'],
+    })
+    let out = ''
+    p.stdout!.on('data', (d) => (out += d))
+    const code = await new Promise((r) => p.once('exit', r))
+    expect(code).toBe(0)
+    expect(out).toMatch(/Usage: kvgate serve/)
+    expect(out).toMatch(/KVGATE_S3_BUCKET/)
+  })
+})
+
+describe('fs store', () => {
+  it('is create-only under concurrent writers and leaves no temp files', async () => {
+    const store = await new FsStore({ root: join(tmp, 'fs1') }).open()
+    const bodies = Array.from({ length: 8 }, (_, i) => new Uint8Array(1000).fill(i))
+    const res = await Promise.all(bodies.map((b) => store.putIfAbsent('p/ab/obj', b, b.length)))
+    expect(res.filter((r) => r === 'created')).toHaveLength(1)
+    const winner = res.indexOf('created')
+    const got = await store.get('p/ab/obj')
+    expect(new Uint8Array(await new Response(got!.body).arrayBuffer())).toEqual(bodies[winner])
+    expect((await store.list('')).entries).toEqual([{ name: 'p/ab/obj', size: 1000 }])
+  })
+
+  it('a failed body leaves nothing; ranges work; unsafe names are refused', async () => {
+    const store = await new FsStore({ root: join(tmp, 'fs2') }).open()
+    const broken = new ReadableStream<Uint8Array>({
+      start(c) {
+        c.enqueue(new Uint8Array(10))
+        c.error(new Error('gone'))
+      },
+    })
+    await expect(store.putIfAbsent('x/y', broken, 100)).rejects.toThrow('gone')
+    await expect(store.putIfAbsent('x/y', new Uint8Array(5), 6)).rejects.toThrow()
+    expect(await store.stats()).toEqual({ objects: 0, bytes: 0 })
+    const bytes = Uint8Array.from({ length: 100 }, (_, i) => i)
+    await store.putIfAbsent('x/y', bytes, 100)
+    const r = await store.get('x/y', { range: { suffix: 10 } })
+    expect(new Uint8Array(await new Response(r!.body).arrayBuffer())).toEqual(bytes.subarray(90))
+    await expect(store.get('x/y', { range: { offset: 100 } })).rejects.toMatchObject({ status: 416 })
+    for (const bad of ['../etc/passwd', '/abs', 'a/../../b', 'a//b', 'a/.tmp-x']) {
+      await expect(store.get(bad)).rejects.toMatchObject({ code: 'ERR_INVALID_ARGUMENT' })
+    }
+  })
+})

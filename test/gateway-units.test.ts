@@ -1,0 +1,134 @@
+// Small gateway parts on their own: block regrouping, Range parsing, the GET
+// coalescer's size cap, the chain lookup's probing budget, the metrics text.
+
+import { describe, expect, it } from 'vitest'
+import { BlockBuffer } from '../src/gateway/block-buffer.ts'
+import { ChainLookup } from '../src/gateway/chain-lookup.ts'
+import { GetCoalescer } from '../src/gateway/coalesce.ts'
+import { GatewayMetrics } from '../src/gateway/metrics.ts'
+import { parseRange } from '../src/gateway/routes/chunks.ts'
+import { MemoryStore } from '../src/gateway/stores/memory.ts'
+
+describe('BlockBuffer', () => {
+  it('regroups pieces into full blocks without losing or reordering bytes', () => {
+    const b = new BlockBuffer(10)
+    const input = Uint8Array.from({ length: 57 }, (_, i) => i)
+    const out: Uint8Array[] = []
+    let at = 0
+    for (const size of [3, 7, 1, 15, 20, 11]) {
+      out.push(...b.push(input.subarray(at, at + size)))
+      at += size
+    }
+    const last = b.flush()
+    if (last) out.push(last)
+    expect(out.slice(0, -1).every((x) => x.length >= 10)).toBe(true)
+    expect(Uint8Array.from(out.flatMap((x) => [...x]))).toEqual(input)
+    expect(b.flush()).toBeUndefined()
+  })
+})
+
+describe('parseRange', () => {
+  it('parses the three forms and rejects the rest', () => {
+    expect(parseRange('bytes=0-9')).toEqual({ offset: 0, length: 10 })
+    expect(parseRange('bytes=5-')).toEqual({ offset: 5 })
+    expect(parseRange('bytes=-3')).toEqual({ suffix: 3 })
+    for (const bad of [
+      'bytes=',
+      'bytes=-',
+      'items=0-1',
+      'bytes=0-1,2-3',
+      'bytes=a-b',
+      `bytes=0-${'9'.repeat(20)}`,
+    ]) {
+      expect(() => parseRange(bad), bad).toThrow()
+    }
+    expect(() => parseRange('bytes=9-1')).toThrow(expect.objectContaining({ status: 416 }))
+  })
+})
+
+describe('GetCoalescer', () => {
+  it('does not share bodies above the cap: each caller gets its own GET', async () => {
+    const c = new GetCoalescer(4)
+    let calls = 0
+    let release!: () => void
+    const gate = new Promise<void>((r) => (release = r))
+    const fetch = async () => {
+      calls++
+      await gate
+      const bytes = new Uint8Array(100)
+      return { body: new Response(bytes).body!, size: 100, offset: 0, length: 100 }
+    }
+    const a = c.get('k', fetch)
+    const b = c.get('k', fetch)
+    release()
+    const [ra, rb] = await Promise.all([a, b])
+    expect(calls).toBe(2)
+    expect(ra.coalesced || rb.coalesced).toBe(false)
+    expect((await new Response(ra.obj!.body).arrayBuffer()).byteLength).toBe(100)
+    expect((await new Response(rb.obj!.body).arrayBuffer()).byteLength).toBe(100)
+    expect(c.inflight).toBe(0)
+  })
+
+  it('shares a failure with the followers and forgets the key', async () => {
+    const c = new GetCoalescer(1024)
+    const boom = async () => {
+      await new Promise((r) => setTimeout(r, 5))
+      throw new Error('store down')
+    }
+    const rs = await Promise.allSettled([c.get('k', boom), c.get('k', boom)])
+    expect(rs.every((r) => r.status === 'rejected')).toBe(true)
+    expect(c.inflight).toBe(0)
+  })
+})
+
+describe('ChainLookup', () => {
+  async function chain(n: number, present: (i: number) => boolean) {
+    let heads = 0
+    const store = new MemoryStore({ onOp: (op) => op === 'head' && heads++ })
+    const names = Array.from({ length: n }, (_, i) => `n/${String(i).padStart(5, '0')}`)
+    for (const [i, name] of names.entries())
+      if (present(i)) await store.putIfAbsent(name, new Uint8Array(i + 1), i + 1)
+    heads = 0
+    return { lookup: new ChainLookup(store, new GatewayMetrics()), names, heads: () => heads }
+  }
+
+  it('finds the boundary of a 4096-key chain in ≤ 3 rounds without sizes', async () => {
+    for (const n of [0, 1, 24, 25, 1000, 4095, 4096]) {
+      const c = await chain(4096, (i) => i < n)
+      const r = await c.lookup.lookup(c.names, { sizes: false })
+      expect(r.present, `n=${n}`).toBe(n)
+      expect(r.rounds, `n=${n}`).toBeLessThanOrEqual(3)
+      expect(c.heads()).toBe(r.storeRequests)
+      expect(r.storeRequests).toBeLessThanOrEqual(3 * 24)
+    }
+  })
+
+  it('returns exact sizes and stops at a hole', async () => {
+    const c = await chain(100, (i) => i !== 40)
+    const r = await c.lookup.lookup(c.names)
+    expect(r.present).toBe(40)
+    expect(r.sizes).toEqual(Array.from({ length: 40 }, (_, i) => i + 1))
+  })
+
+  it('rejects bad options with a TypeError', () => {
+    const store = new MemoryStore()
+    expect(() => new ChainLookup(store, new GatewayMetrics(), { fanout: 1 })).toThrow(TypeError)
+    expect(() => new ChainLookup(store, new GatewayMetrics(), { concurrency: 0 })).toThrow(TypeError)
+  })
+})
+
+describe('metrics text', () => {
+  it('renders counters and histograms in Prometheus exposition format', () => {
+    const m = new GatewayMetrics()
+    m.requests.inc({ route: '/x', method: 'GET', status: '200' })
+    m.storeSeconds.observe(0.003, { op: 'get', store: 's3' })
+    m.errors.inc({ code: 'a"b' })
+    const t = m.render()
+    expect(t).toContain('# TYPE kvgate_http_requests_total counter')
+    expect(t).toContain('kvgate_http_requests_total{method="GET",route="/x",status="200"} 1')
+    expect(t).toContain('kvgate_store_op_seconds_bucket{op="get",store="s3",le="0.0025"} 0')
+    expect(t).toContain('kvgate_store_op_seconds_bucket{op="get",store="s3",le="0.005"} 1')
+    expect(t).toContain('kvgate_store_op_seconds_count{op="get",store="s3"} 1')
+    expect(t).toContain('kvgate_errors_total{code="a\\"b"} 1')
+  })
+})
