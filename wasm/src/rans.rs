@@ -433,7 +433,7 @@ pub fn decode_block(
                                 *sp.add(i + $off) = e as u8;
                                 let xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
                                 let need = (xs < RANS_L) as u32;
-                                let w = u16::from_le_bytes([*dp.add(p), *dp.add(p + 1)]) as u32;
+                                let w = u16::from_le((dp.add(p) as *const u16).read_unaligned()) as u32;
                                 let m = 0u32.wrapping_sub(need);
                                 x[$lane] = (xs << (need << 4)) | (w & m);
                                 p += (need as usize) << 1;
