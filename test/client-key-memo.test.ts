@@ -35,6 +35,21 @@ describe('KeyMemo', () => {
     )
   })
 
+  it('includePartial adds the tail key exactly as chainKeys does', () => {
+    const m = new KeyMemo(ns)
+    for (const t of [
+      prompt(83, 9),
+      prompt(83, 9),
+      prompt(5, 9),
+      prompt(80, 9),
+      [...prompt(40, 9), 1, 2, 3],
+    ]) {
+      expect(hexes(m.keys(t, true))).toEqual(hexes(chainKeys(t, ns, { includePartial: true })))
+      const last = m.keys(t, true).at(-1)
+      expect(last?.partial).toBe(t.length % 8 !== 0)
+    }
+  })
+
   it('hashes only the new chunks of a prompt that extends or repeats a known one', () => {
     const m = new KeyMemo(ns)
     const base = prompt(800, 5)

@@ -82,7 +82,9 @@ describe('KVCache options', () => {
     await expect(c.store([1, -2, 3], new Uint8Array(0))).rejects.toThrow(/token at index 1/)
     await expect(c.store([1, 2.5], new Uint8Array(0))).rejects.toThrow(/token at index 1/)
     await expect(c.store('abc' as never, new Uint8Array(0))).rejects.toThrow(/invalid tokens/)
-    await expect(c.store(tokens(T), new Uint8Array(CB - 1))).rejects.toThrow(/expected \d+ \(1 full chunks/)
+    await expect(c.store(tokens(T), new Uint8Array(CB - 1))).rejects.toThrow(
+      /expected 10240 \(1 chunk tensors/,
+    )
     await expect(c.store(tokens(T), 'x' as never)).rejects.toThrow(/invalid kv/)
     await expect(c.retrieve(tokens(2 * T), { into: new Uint8Array(CB) })).rejects.toThrow(/invalid into/)
     await expect(c.retrieve(tokens(T), {} as never)).rejects.toThrow(/into/)
@@ -249,6 +251,45 @@ describe('KVCache over L1 and L2', () => {
       expect(Buffer.compare(back.subarray(a, a + 2 * T * row), seq.subarray(a, a + 2 * T * row))).toBe(0)
       expect(back.subarray(a + 2 * T * row, a + n * row).every((x) => x === 0)).toBe(true) // tail not served
     }
+  })
+
+  it('includePartial stores and serves the trailing partial chunk; without it the tail stays unserved', async () => {
+    const dir = tempDir()
+    const c = await open({ disk: { dir, bytes: 1 << 24 } })
+    const g = MODEL_PRESETS.stories260k
+    const n = 2 * T + 5
+    const toks = tokens(n, 19)
+    const tail = chunkBytes(g, 5)
+    const kv = kvFor(3, 19).subarray(0, 2 * CB + tail)
+    await expect(c.store(toks, kv)).rejects.toThrow(/not stored unless includePartial/)
+    expect(await c.store(toks, kv, { includePartial: true })).toMatchObject({ chunks: 3, stored: 3 })
+    expect((await c.lookup(toks)).tokens).toBe(2 * T)
+    const lk = await c.lookup(toks, { includePartial: true })
+    expect(lk.tokens).toBe(n)
+    expect(lk.chunks).toHaveLength(3)
+    const into = new Uint8Array(2 * CB + tail)
+    expect(sum(await c.retrieve(toks, { into, includePartial: true }))).toBe(n)
+    expect(Buffer.compare(into, kv)).toBe(0)
+    // Another ending of the same prefix matches only the full chunks.
+    const other = [...toks.slice(0, 2 * T), 7, 7, 7, 7, 7]
+    expect((await c.lookup(other, { includePartial: true })).tokens).toBe(2 * T)
+    // Through L2: a restarted cache serves the partial chunk from disk, into the sequence layout too.
+    await c.flush()
+    await c.close()
+    const c2 = await open({ disk: { dir, bytes: 1 << 24 } })
+    const row = g.kvHeads * g.headDim * 2
+    const seq = new Uint8Array(2 * g.layers * n * row)
+    expect(sum(await c2.retrieve(toks, { into: seq, layout: 'sequence', includePartial: true }))).toBe(n)
+    const chunks = new Uint8Array(2 * CB + tail)
+    await c2.retrieve(toks, { into: chunks, includePartial: true })
+    expect(Buffer.compare(chunks, kv)).toBe(0)
+    const layers: number[] = []
+    for await (const b of c2.retrieveLayers(toks, { includePartial: true })) {
+      expect(b.chunks).toBe(3)
+      expect(b.slabs[2]!.byteLength).toBe(layerSlabBytes(g, 5))
+      layers.push(b.layer)
+    }
+    expect(layers).toHaveLength(g.layers)
   })
 
   it('retrieveLayers yields every layer of every chunk in order', async () => {

@@ -73,6 +73,20 @@ describe('L4 through the gateway', () => {
     expect(gw.requests.filter((r) => r.method === 'PUT').length).toBe(puts)
   })
 
+  it('a partial tail chunk travels through the gateway too', async () => {
+    const a = await node()
+    const toks = tokens(T + 3, 14)
+    const tail = chunkBytes(MODEL_PRESETS.stories260k, 3)
+    const kv = kvFor(2, 14).subarray(0, CB + tail)
+    await a.store(toks, kv, { includePartial: true })
+    await a.flush()
+    expect(gw.objects.size).toBe(2)
+    const b = await node()
+    const into = new Uint8Array(CB + tail)
+    expect(sum(await b.retrieve(toks, { into, includePartial: true }))).toBe(T + 3)
+    expect(Buffer.compare(into, kv)).toBe(0)
+  })
+
   it('concurrent fetches of one chunk cost one GET', async () => {
     const a = await node()
     const toks = tokens(T, 2)

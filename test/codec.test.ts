@@ -216,11 +216,13 @@ describe('codec arguments and headers', () => {
   })
 
   it('refuses a section that claims more output than its bytes can hold, before allocating', () => {
-    const obj = encodeChunk(tensor, metaFor(g, 8), { mode: 'kvgate' })
-    const h = decodeHeader(obj)
-    const huge = { ...h, tokens: 1 << 20, geometry: { ...h.geometry, kvHeads: 1024, headDim: 4096 } }
-    expect(() => decodeSection(huge, 0, sectionOf(obj, h, 0))).toThrow(
-      expect.objectContaining({ code: 'ERR_CODEC' }),
-    )
+    for (const mode of ['kvgate', 'lossless', 'q8', 'raw', 'reference-cachegen'] as const) {
+      const obj = encodeChunk(tensor, metaFor(g, 8), { mode })
+      const h = decodeHeader(obj)
+      const huge = { ...h, tokens: 1 << 20, geometry: { ...h.geometry, kvHeads: 1024, headDim: 4096 } }
+      expect(() => decodeSection(huge, 0, sectionOf(obj, h, 0))).toThrow(
+        expect.objectContaining({ code: 'ERR_CODEC', message: expect.stringMatching(/cannot hold/) }),
+      )
+    }
   })
 })

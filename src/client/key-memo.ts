@@ -39,8 +39,24 @@ export class KeyMemo {
     this.#maxTokens = maxTokens
   }
 
-  /** Chain keys of the full chunks of `tokens` (validated by the caller). */
-  keys(tokens: ArrayLike<number>): ChunkKey[] {
+  /**
+   * Chain keys of the full chunks of `tokens` (validated by the caller), plus
+   * the trailing partial chunk's key with `includePartial`.
+   */
+  keys(tokens: ArrayLike<number>, includePartial = false): ChunkKey[] {
+    const full = this.#fullKeys(tokens)
+    const c = this.#chunk
+    const tail = tokens.length - full.length * c
+    if (!includePartial || tail === 0) return full
+    const t = tokens instanceof Uint32Array ? tokens : Uint32Array.from(tokens)
+    if (full.length === 0 || (this.#ns.scheme ?? 'sha256-v1') !== 'sha256-v1') {
+      const all = chainKeys(t, this.#ns, { includePartial: true })
+      return [...full, all[all.length - 1]!]
+    }
+    return [...full, chunkKeyAfter(full[full.length - 1]!, t, full.length * c, t.length, full.length, true)]
+  }
+
+  #fullKeys(tokens: ArrayLike<number>): ChunkKey[] {
     const c = this.#chunk
     const full = Math.floor(tokens.length / c)
     if (full === 0) return []
@@ -131,24 +147,29 @@ function continueChain(t: Uint32Array, from: number, ns: KeyNamespace, known: Ch
   const c = ns.chunkTokens
   const out: ChunkKey[] = []
   let parent = known[from - 1]!
-  const pre = new Uint8Array(36 + 4 * c)
-  const words = new Uint32Array(pre.buffer, 32, c + 1)
-  words[0] = c
   for (let i = from; i < t.length / c; i++) {
-    pre.set(parent.key, 0)
-    words.set(t.subarray(i * c, (i + 1) * c), 1)
-    const key = new Uint8Array(createHash('sha256').update(pre).digest())
-    const k: ChunkKey = {
-      index: i,
-      start: i * c,
-      end: (i + 1) * c,
-      partial: false,
-      key,
-      hex: toHex(key),
-      parentHex: parent.hex,
-    }
+    const k = chunkKeyAfter(parent, t, i * c, (i + 1) * c, i, false)
     out.push(k)
     parent = k
   }
   return out
+}
+
+/** sha256-v1 key of tokens [start, end) chained after `parent` (partial when shorter than a chunk). */
+function chunkKeyAfter(
+  parent: ChunkKey,
+  t: Uint32Array,
+  start: number,
+  end: number,
+  index: number,
+  partial: boolean,
+): ChunkKey {
+  const n = end - start
+  const pre = new Uint8Array(36 + 4 * n)
+  pre.set(parent.key, 0)
+  const words = new Uint32Array(pre.buffer, 32, n + 1)
+  words[0] = n
+  words.set(t.subarray(start, end), 1)
+  const key = new Uint8Array(createHash('sha256').update(pre).digest())
+  return { index, start, end, partial, key, hex: toHex(key), parentHex: parent.hex }
 }

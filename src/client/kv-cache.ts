@@ -52,6 +52,8 @@ export interface RetrieveOptions {
   into: Uint8Array | GpuBuffer
   /** Host buffer layout, as in StoreOptions. @default 'chunks' */
   layout?: KvLayout
+  /** Also retrieve the trailing partial chunk (if it was stored with includePartial). @default false */
+  includePartial?: boolean
 }
 
 /**
@@ -64,6 +66,11 @@ export type KvLayout = 'chunks' | 'sequence'
 export interface StoreOptions {
   /** Layout of a host `kv`. @default 'chunks' */
   layout?: KvLayout
+  /**
+   * Also store the trailing partial chunk (its key covers exactly those tokens,
+   * so it only hits for a prompt that ends the same way). @default false
+   */
+  includePartial?: boolean
 }
 
 export interface KVCacheStats {
@@ -178,56 +185,79 @@ export class KVCache {
   }
 
   /**
-   * The chained keys of the full chunks of `tokens` (validated). Prompts sharing
-   * a prefix with a recent one reuse its keys: only new chunks are hashed.
+   * The chained keys of the full chunks of `tokens` (validated), and of the
+   * trailing partial chunk with `includePartial`. Prompts sharing a prefix with
+   * a recent one reuse its keys: only new chunks are hashed.
    */
-  keys(tokens: Tokens): ChunkKey[] {
-    return this.#memo.keys(tokenArray(tokens))
+  keys(tokens: Tokens, includePartial = false): ChunkKey[] {
+    return this.#memo.keys(tokenArray(tokens), includePartial === true)
+  }
+
+  /** Byte offset of chunk i in the 'chunks' layout and its tensor size. */
+  #span(keys: readonly ChunkKey[]): { offsets: number[]; total: number } {
+    const offsets: number[] = []
+    let total = 0
+    for (const k of keys) {
+      offsets.push(total)
+      total += this.#manager.tensorBytes(k)
+    }
+    return { offsets, total }
   }
 
   /**
-   * Stores the KV of every full chunk of `tokens`. `kv` is either host bytes,
-   * exactly (full chunks × chunkBytes) long, chunk tensors back to back
-   * ([layer][K|V][token][kvHead][headDim] each), or a GPU buffer. Resolves once
-   * L1 holds the chunks; L2 and L4 are written in the background.
+   * Stores the KV of every full chunk of `tokens` (and of the trailing partial
+   * chunk with `includePartial`). `kv` is host bytes in the 'chunks' layout
+   * (chunk tensors [layer][K|V][token][kvHead][headDim] back to back, exactly
+   * that long), the 'sequence' layout, or a GPU buffer. Resolves once L1 holds
+   * the chunks; L2 and L4 are written in the background.
    */
   async store(tokens: Tokens, kv: Uint8Array | GpuBuffer, options: StoreOptions = {}): Promise<StoreResult> {
     this.#open()
     const t0 = performance.now()
-    const keys = this.keys(tokens)
-    const cb = this.chunkBytes
+    const keys = this.keys(tokens, options.includePartial)
     const layout = checkLayout(options)
     let fill: (i: number, dst: Uint8Array) => void | Promise<void>
     if (layout === 'sequence' && !isGpuBuffer(kv)) {
       const seq = this.#sequence('kv', kv, tokens.length)
-      fill = (i, dst) => seq.gather(i, dst)
+      fill = (i, dst) => seq.gather(keys[i]!, dst)
     } else if (isGpuBuffer(kv)) {
+      this.#gpuFullChunksOnly(keys)
       validateGpuBuffer(kv, this.model, this.chunkTokens, keys.length)
       const native = this.#native
       fill = (i, dst) => copyChunkFromGpu(native, kv, this.model, this.chunkTokens, i, dst)
     } else {
       const bytes = asBytes('kv', kv)
-      if (bytes.byteLength !== keys.length * cb) {
+      const { offsets, total } = this.#span(keys)
+      if (bytes.byteLength !== total) {
         throw new InvalidArgumentError(
-          `invalid kv: ${bytes.byteLength} bytes, expected ${keys.length * cb} (${keys.length} full chunks × ${cb} bytes; a trailing partial chunk is not stored)`,
+          `invalid kv: ${bytes.byteLength} bytes, expected ${total} (${keys.length} chunk tensors of ${this.chunkBytes} bytes` +
+            `${options.includePartial ? ', the last one partial' : '; a trailing partial chunk is not stored unless includePartial'})`,
         )
       }
-      fill = (i, dst) => dst.set(bytes.subarray(i * cb, (i + 1) * cb))
+      fill = (i, dst) => dst.set(bytes.subarray(offsets[i]!, offsets[i]! + dst.byteLength))
     }
     const out = await this.#manager.store(keys, fill)
     this.#ops.store.record(since(t0))
     return { chunks: keys.length, ...out }
   }
 
+  #gpuFullChunksOnly(keys: readonly ChunkKey[]): void {
+    if (keys.some((k) => k.partial)) {
+      throw new InvalidArgumentError(
+        'includePartial is not supported with GPU buffers yet: store full chunks only',
+      )
+    }
+  }
+
   /**
    * A whole-sequence tensor ([layer][K|V][token 0..n)[kvHead][headDim], what a
-   * forward pass produces) seen as chunks: gather/scatter chunk i's rows.
+   * forward pass produces) seen as chunks: gather/scatter one chunk's rows.
    */
   #sequence(
     name: string,
     v: unknown,
     n: number,
-  ): { gather(i: number, dst: Uint8Array): void; scatter(i: number, src: Uint8Array): void } {
+  ): { gather(k: ChunkKey, dst: Uint8Array): void; scatter(k: ChunkKey, src: Uint8Array): void } {
     const bytes = asBytes(name, v)
     const g = this.model
     const row = rowElements(g) * dtypeBytes(g.dtype)
@@ -237,30 +267,28 @@ export class KVCache {
         `invalid ${name}: ${bytes.byteLength} bytes, a sequence tensor of ${n} tokens is ${want} ([layer][K|V][token][kvHead][headDim])`,
       )
     }
-    const T = this.chunkTokens
-    const run = T * row
-    const each = (i: number, f: (seqOff: number, chunkOff: number) => void) => {
-      for (let l = 0; l < g.layers; l++) {
-        for (const kind of [0, 1]) {
-          f((2 * l + kind) * n * row + i * run, (2 * l + kind) * run)
-        }
-      }
+    const each = (k: ChunkKey, f: (seqOff: number, chunkOff: number, run: number) => void) => {
+      const run = (k.end - k.start) * row
+      for (let side = 0; side < 2 * g.layers; side++) f(side * n * row + k.start * row, side * run, run)
     }
     return {
-      gather: (i, dst) => each(i, (so, co) => dst.set(bytes.subarray(so, so + run), co)),
-      scatter: (i, src) => each(i, (so, co) => bytes.set(src.subarray(co, co + run), so)),
+      gather: (k, dst) => each(k, (so, co, run) => dst.set(bytes.subarray(so, so + run), co)),
+      scatter: (k, src) => each(k, (so, co, run) => bytes.set(src.subarray(co, co + run), so)),
     }
   }
 
-  /** How many leading tokens some tier holds, and which tier holds each chunk. Never throws on gateway faults. */
-  async lookup(tokens: Tokens): Promise<LookupResult> {
+  /**
+   * How many leading tokens some tier holds, and which tier holds each chunk
+   * (the partial tail chunk counts with `includePartial`). Never throws on gateway faults.
+   */
+  async lookup(tokens: Tokens, options: { includePartial?: boolean } = {}): Promise<LookupResult> {
     this.#open()
     const t0 = performance.now()
-    const keys = this.keys(tokens)
+    const keys = this.keys(tokens, options.includePartial)
     const tiers = await this.#manager.lookup(keys)
     this.#ops.lookup.record(since(t0))
     return {
-      tokens: tiers.length * this.chunkTokens,
+      tokens: tiers.length > 0 ? keys[tiers.length - 1]!.end : 0,
       chunks: tiers.map((tier, index) => ({ index, key: keys[index]!.hex, tier })),
     }
   }
@@ -269,40 +297,43 @@ export class KVCache {
    * Copies the longest available prefix into `into` and returns the mask of
    * served tokens, LMCache's convention: a Uint8Array of tokens.length where
    * mask[t] = 1 when token t's KV was written to `into`, else 0. Served tokens
-   * always form a prefix of whole chunks; the caller recomputes the rest.
+   * always form a prefix of whole chunks (plus the partial tail chunk with
+   * `includePartial`, when it was stored); the caller recomputes the rest.
    */
   async retrieve(tokens: Tokens, options: RetrieveOptions): Promise<Uint8Array> {
     this.#open()
     const t0 = performance.now()
-    const keys = this.keys(tokens)
     if (typeof options !== 'object' || options === null || options.into === undefined) {
       throw new InvalidArgumentError('retrieve needs { into }: a host buffer or a GPU buffer')
     }
+    const keys = this.keys(tokens, options.includePartial)
     const into = options.into
-    const cb = this.chunkBytes
     const layout = checkLayout(options)
     let write: (i: number, tensor: Uint8Array) => void | Promise<void>
     if (layout === 'sequence' && !isGpuBuffer(into)) {
       const seq = this.#sequence('into', into, tokens.length)
-      write = (i, t) => seq.scatter(i, t)
+      write = (i, t) => seq.scatter(keys[i]!, t)
     } else if (isGpuBuffer(into)) {
+      this.#gpuFullChunksOnly(keys)
       validateGpuBuffer(into, this.model, this.chunkTokens, keys.length)
       const native = this.#native
       write = (i, t) => copyChunkToGpu(native, into, this.model, this.chunkTokens, i, t)
     } else {
       const bytes = asBytes('into', into)
-      if (bytes.byteLength < keys.length * cb) {
+      const { offsets, total } = this.#span(keys)
+      if (bytes.byteLength < total) {
         throw new InvalidArgumentError(
-          `invalid into: ${bytes.byteLength} bytes, need ${keys.length * cb} (${keys.length} full chunks × ${cb} bytes)`,
+          `invalid into: ${bytes.byteLength} bytes, need ${total} (${keys.length} chunk tensors of up to ${this.chunkBytes} bytes)`,
         )
       }
-      write = (i, t) => bytes.set(t, i * cb)
+      write = (i, t) => bytes.set(t, offsets[i]!)
     }
     const served = await this.#manager.retrieve(keys, write)
+    const servedTokens = served > 0 ? keys[served - 1]!.end : 0
     const mask = new Uint8Array(tokens.length)
-    mask.fill(1, 0, served * this.chunkTokens)
+    mask.fill(1, 0, servedTokens)
     this.#requestedTokens += tokens.length
-    this.#retrievedTokens += served * this.chunkTokens
+    this.#retrievedTokens += servedTokens
     this.#ops.retrieve.record(since(t0))
     return mask
   }
@@ -315,18 +346,18 @@ export class KVCache {
    * `chunks` never grows between items: if a remote chunk fails midway, later
    * items cover fewer chunks and the caller recomputes from there.
    */
-  retrieveLayers(tokens: Tokens): AsyncGenerator<LayerBatch> {
+  retrieveLayers(tokens: Tokens, options: { includePartial?: boolean } = {}): AsyncGenerator<LayerBatch> {
     this.#open()
-    const keys = this.keys(tokens)
+    const keys = this.keys(tokens, options.includePartial)
     return this.#manager.retrieveLayers(keys)
   }
 
   /** Brings the available prefix into L1 ahead of a retrieve. Resolves to the tokens now resident in L1. */
-  async prefetch(tokens: Tokens): Promise<{ tokens: number }> {
+  async prefetch(tokens: Tokens, options: { includePartial?: boolean } = {}): Promise<{ tokens: number }> {
     this.#open()
-    const keys = this.keys(tokens)
+    const keys = this.keys(tokens, options.includePartial)
     const n = await this.#manager.prefetch(keys)
-    return { tokens: n * this.chunkTokens }
+    return { tokens: n > 0 ? keys[n - 1]!.end : 0 }
   }
 
   /**

@@ -89,6 +89,11 @@ export class StorageManager {
     this.codec = opts.codec ?? new CodecPool()
   }
 
+  /** Bytes of chunk k's tensor (smaller for a partial tail chunk). */
+  tensorBytes(k: ChunkKey): number {
+    return k.end - k.start === this.chunkTokens ? this.chunkBytes : chunkBytes(this.geometry, k.end - k.start)
+  }
+
   #identity(k: ChunkKey): ChunkIdentity {
     return {
       geometry: this.geometry,
@@ -122,7 +127,7 @@ export class StorageManager {
         out.present++
         continue
       }
-      const r = this.memory.reserve(k.hex, this.chunkBytes)
+      const r = this.memory.reserve(k.hex, this.tensorBytes(k))
       if (r) {
         try {
           await fill(i, r.bytes)
@@ -136,7 +141,7 @@ export class StorageManager {
       } else {
         // L1 is full of pinned chunks: keep a private copy for the lower tiers.
         out.skipped++
-        const tmp = new Uint8Array(this.chunkBytes)
+        const tmp = new Uint8Array(this.tensorBytes(k))
         await fill(i, tmp)
         sources.push({ key: k, handle: { bytes: tmp, release: () => {} } })
       }
@@ -175,7 +180,7 @@ export class StorageManager {
       if (remote && i >= remoteFrom && !remote.knownPresent(key.hex)) {
         remote.enqueue({
           hex: key.hex,
-          bytesHint: this.chunkBytes,
+          bytesHint: handle.bytes.byteLength,
           encode: () => this.codec.encode(this.#remoteCodec, handle.bytes, this.#identity(key)),
           done,
         })
@@ -275,7 +280,8 @@ export class StorageManager {
     priority: IoPriority,
   ): Promise<Uint8Array | 'resident' | undefined> {
     const disk = this.disk!
-    const r = this.memory.reserve(k.hex, this.chunkBytes)
+    const size = this.tensorBytes(k)
+    const r = this.memory.reserve(k.hex, size)
     const object = await disk.get(k.hex, priority, r?.slot)
     if (!object) {
       r?.abort()
@@ -290,7 +296,7 @@ export class StorageManager {
         object.buffer === r.slot.buffer &&
         h.codec === 'raw' &&
         h.headerBytes === this.memory.dataOffset &&
-        h.totalBytes === h.headerBytes + this.chunkBytes &&
+        h.totalBytes === h.headerBytes + size &&
         h.sections.every(
           (s, i) => i === 0 || s.offset === h.sections[i - 1]!.offset + h.sections[i - 1]!.length,
         ) &&
@@ -301,7 +307,7 @@ export class StorageManager {
       }
       // Decoding reads the object and writes the tensor: never both in one slot.
       const src = r && object.buffer === r.slot.buffer ? object.slice() : object
-      const dst = r ? r.bytes : new Uint8Array(this.chunkBytes)
+      const dst = r ? r.bytes : new Uint8Array(size)
       await this.codec.decodeInto(src, h.codec, dst)
       if (!r) return dst
       r.commit()
@@ -326,8 +332,8 @@ export class StorageManager {
     } catch {
       return undefined
     }
-    const r = this.memory.reserve(k.hex, this.chunkBytes)
-    const dst = r ? r.bytes : new Uint8Array(this.chunkBytes)
+    const r = this.memory.reserve(k.hex, this.tensorBytes(k))
+    const dst = r ? r.bytes : new Uint8Array(this.tensorBytes(k))
     try {
       await this.codec.decodeInto(object, codec, dst)
     } catch {
@@ -400,7 +406,6 @@ export class StorageManager {
   async *retrieveLayers(keys: readonly ChunkKey[]): AsyncGenerator<LayerBatch> {
     const g = this.geometry
     const tiers = await this.lookup(keys)
-    const slabBytes = layerSlabBytes(g, this.chunkTokens)
     const held: ChunkHandle[] = []
     const remoteChunks: RemoteLayers[] = []
     // Per chunk: a function giving its slab for layer l (or undefined when it failed).
@@ -412,6 +417,7 @@ export class StorageManager {
           const h = await this.acquire(k)
           if (!h) break
           held.push(h)
+          const slabBytes = layerSlabBytes(g, k.end - k.start)
           sources.push(async (l) => h.bytes.subarray(l * slabBytes, (l + 1) * slabBytes))
         } else {
           if (!this.remote) break
@@ -495,7 +501,7 @@ class RemoteLayers {
     this.#key = key
     this.#per = per
     this.#slab = layerSlabBytes(manager.geometry, key.end - key.start)
-    this.#reservation = manager.memory.reserve(key.hex, manager.chunkBytes)
+    this.#reservation = manager.memory.reserve(key.hex, manager.tensorBytes(key))
   }
 
   /** Starts the GET of the layer group beginning at `first`. */

@@ -124,7 +124,10 @@ function checkExpansion(header: ChunkHeader, section: Uint8Array): void {
       ? section.byteLength === slab
       : header.codec === 'q8'
         ? section.byteLength === 2 * header.tokens * (4 + rowElements(g))
-        : values <= (section.byteLength + 1) * MAX_SYMBOLS_PER_BYTE
+        : header.codec === 'reference-cachegen'
+          ? // Baseline only, decoded in TS: refuse implausible expansion (< 1/32 bit per value) to bound time.
+            values <= (section.byteLength + 1) * 256
+          : values <= (section.byteLength + 1) * MAX_SYMBOLS_PER_BYTE
   if (!ok)
     throw new CodecError(
       `${header.codec} section of ${section.byteLength} bytes cannot hold ${values} values`,

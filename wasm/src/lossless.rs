@@ -6,14 +6,14 @@ use crate::bytes::Reader;
 use crate::rans::{decode_block, encode_block};
 
 fn encode_plane(out: &mut Vec<u8>, plane: &[u8], t: usize, c: usize) {
-    let mut hist = vec![0u32; c * 256];
+    let mut sums = vec![0u32; c];
     for row in plane.chunks_exact(c) {
-        for (ch, &b) in row.iter().enumerate() {
-            hist[ch * 256 + b as usize] += 1;
+        for (s, &b) in sums.iter_mut().zip(row) {
+            *s += b as u32;
         }
     }
     let mut coded = Vec::new();
-    encode_block(&mut coded, plane, &hist, t, c, 256, 8);
+    encode_block(&mut coded, plane, &sums, t, c, 256, 8);
     if coded.len() < plane.len() {
         out.push(1);
         out.extend_from_slice(&coded);

@@ -165,9 +165,9 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     if delta.iter().any(|&d| d) {
         flags |= F_MODES;
     }
-    // Pass 3: residual symbols, per-channel histograms, escape bits.
+    // Pass 3: residual symbols, per-channel symbol sums (class ranking), escape bits.
     let mut syms: Vec<u8> = uninit_vec(t * c);
-    let mut hist = vec![0u32; c * ALPHABET];
+    let mut sums = vec![0u32; c];
     let mut bits = BitWriter::new();
     let mut pred = centers.clone();
     let dmask: Vec<i32> = delta.iter().map(|&d| if d { -1 } else { 0 }).collect();
@@ -189,8 +189,8 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
             };
             sr[ch] = s as u8;
         }
-        for (ch, &sym) in sr.iter().enumerate() {
-            hist[ch * ALPHABET + sym as usize] += 1;
+        for (sum, &sym) in sums.iter_mut().zip(sr.iter()) {
+            *sum = sum.wrapping_add(sym as u32);
         }
     }
     out.extend_from_slice(&base.to_le_bytes());
@@ -216,7 +216,7 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     let extra = bits.finish();
     put_u32(out, extra.len() as u32);
     out.extend_from_slice(&extra);
-    encode_block(out, &syms, &hist, t, c, ALPHABET, p.max_classes);
+    encode_block(out, &syms, &sums, t, c, ALPHABET, p.max_classes);
 }
 
 /// Adds one row to the channel statistics; returns (Σx², max|x|) of the row.
@@ -766,7 +766,8 @@ pub fn decode(input: &[u8], dtype: u32, t: usize, c: usize, dst: &mut [u8]) -> O
     if dst.len() != 2 * n * eb {
         return None;
     }
-    let mut syms = vec![0u8; n];
+    // decode_block writes every symbol before anything reads one.
+    let mut syms: Vec<u8> = uninit_vec(n);
     let mut r = Reader::new(input);
     let mut rk = Reader::new(r.block()?);
     decode_stream(&mut rk, t, c, dtype, dst, 0, &mut syms)?;

@@ -167,61 +167,72 @@ fn enc_sym(start: u32, freq: u32) -> EncSym {
 }
 
 /// Chooses channel classes by cost (including table bytes) and writes
-/// `nclass, [class per channel], tables`. Returns the class of each channel
-/// and the tables.
+/// `nclass, [class per channel], tables`. Channels are ranked by their symbol
+/// sum (a proxy for residual scale) and cut into k equal rank ranges, k ∈ {1, 2,
+/// 4, 8}. The ranges nest, so one histogram per finest class serves every k.
+/// Returns the class of each channel and the tables.
 fn choose_classes(
     out: &mut Vec<u8>,
-    hist: &[u32],
+    syms: &[u8],
+    sums: &[u32],
     c: usize,
     alphabet: usize,
     max_classes: usize,
 ) -> (Vec<u8>, Vec<Vec<u32>>) {
-    let mut order: Vec<(u64, usize)> = (0..c)
-        .map(|ch| {
-            let h = &hist[ch * alphabet..(ch + 1) * alphabet];
-            let mut m = 0u64;
-            let mut n = 0u64;
-            for (s, &k) in h.iter().enumerate() {
-                m += k as u64 * s as u64;
-                n += k as u64;
-            }
-            ((m << 16) / n.max(1), ch)
-        })
-        .collect();
+    let mut kmax = 1usize;
+    while kmax * 2 <= max_classes.min(MAX_CLASSES).min(c.max(1)) {
+        kmax *= 2;
+    }
+    let mut order: Vec<(u32, usize)> = (0..c).map(|ch| (sums[ch], ch)).collect();
     order.sort_unstable();
-    let mut best: Option<(f64, Vec<u8>, Vec<Vec<u32>>)> = None;
-    let mut k = 1usize;
-    while k <= max_classes.min(MAX_CLASSES).min(c.max(1)) {
-        let mut class_of = vec![0u8; c];
-        for (rank, &(_, ch)) in order.iter().enumerate() {
-            class_of[ch] = ((rank * k) / c.max(1)) as u8;
+    let mut fine = vec![0u8; c];
+    for (rank, &(_, ch)) in order.iter().enumerate() {
+        fine[ch] = ((rank * kmax) / c.max(1)) as u8;
+    }
+    let mut counts = vec![0u64; kmax * alphabet];
+    if kmax == 1 {
+        for &sym in syms {
+            counts[sym as usize] += 1;
         }
-        let mut counts = vec![0u64; k * alphabet];
-        for ch in 0..c {
-            let cls = class_of[ch] as usize;
-            let h = &hist[ch * alphabet..(ch + 1) * alphabet];
-            let dst = &mut counts[cls * alphabet..(cls + 1) * alphabet];
-            for s in 0..alphabet {
-                dst[s] += h[s] as u64;
+    } else {
+        let base: Vec<usize> = fine.iter().map(|&k| k as usize * alphabet).collect();
+        for row in syms.chunks_exact(c) {
+            for (&b, &sym) in base.iter().zip(row) {
+                counts[b + sym as usize] += 1;
             }
         }
+    }
+    let mut best: Option<(f64, usize, Vec<Vec<u32>>)> = None;
+    let mut k = 1usize;
+    while k <= kmax {
+        let group = kmax / k;
         let mut tables = Vec::with_capacity(k);
         let mut bits = 0.0;
         let mut side = if k > 1 { c } else { 0 };
         for cls in 0..k {
-            let cnt = &counts[cls * alphabet..(cls + 1) * alphabet];
-            let f = normalize(cnt);
-            bits += cost_bits(cnt, &f);
+            let mut cnt = vec![0u64; alphabet];
+            for f in cls * group..(cls + 1) * group {
+                for (d, &v) in cnt
+                    .iter_mut()
+                    .zip(&counts[f * alphabet..(f + 1) * alphabet])
+                {
+                    *d += v;
+                }
+            }
+            let f = normalize(&cnt);
+            bits += cost_bits(&cnt, &f);
             side += table_bytes(&f);
             tables.push(f);
         }
         let total = bits / 8.0 + side as f64;
         if best.as_ref().map_or(true, |b| total < b.0) {
-            best = Some((total, class_of, tables));
+            best = Some((total, k, tables));
         }
         k *= 2;
     }
-    let (_, class_of, tables) = best.unwrap_or((0.0, vec![0u8; c], vec![normalize(&[1])]));
+    let (_, k, tables) = best.unwrap_or((0.0, 1, vec![normalize(&[1])]));
+    let shift = (kmax / k).trailing_zeros();
+    let class_of: Vec<u8> = fine.iter().map(|&f| f >> shift).collect();
     out.push(tables.len() as u8);
     if tables.len() > 1 {
         out.extend_from_slice(&class_of);
@@ -232,19 +243,19 @@ fn choose_classes(
     (class_of, tables)
 }
 
-/// Encodes a T×C symbol matrix (row major) into `out`; `hist` holds each
-/// channel's symbol counts (C×alphabet). Channels are grouped into up to
-/// `max_classes` classes, each with its own table, chosen by coded size.
+/// Encodes a T×C symbol matrix (row major) into `out`; `sums` holds each
+/// channel's symbol sum. Channels are grouped into up to `max_classes`
+/// classes, each with its own table, chosen by coded size.
 pub fn encode_block(
     out: &mut Vec<u8>,
     syms: &[u8],
-    hist: &[u32],
+    sums: &[u32],
     t: usize,
     c: usize,
     alphabet: usize,
     max_classes: usize,
 ) {
-    let (class_of, tables) = choose_classes(out, hist, c, alphabet, max_classes);
+    let (class_of, tables) = choose_classes(out, &syms[..t * c], sums, c, alphabet, max_classes);
     let mut enc = vec![EncSym::default(); tables.len() * alphabet];
     for (cls, f) in tables.iter().enumerate() {
         let mut cum = 0u32;
@@ -409,37 +420,47 @@ pub fn decode_block(
         let dp = data.as_ptr();
         let sp = syms.as_mut_ptr();
         let tp = dec.as_ptr();
-        while i < n && p + 2 * LANES <= len {
-            macro_rules! fast {
-                ($lane:expr, $off:expr) => {{
-                    let xs = x[$lane];
-                    // SAFETY: cbase < k·PROB_SCALE and the slot is masked to PROB_BITS, so the
-                    // index is < dec.len(); i + $off < n ≤ syms.len(); p + 2 ≤ len.
-                    unsafe {
-                        let e = *tp.add((*cbase.get_unchecked(ch + $off) + (xs & mask)) as usize);
-                        *sp.add(i + $off) = e as u8;
-                        let xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
-                        let need = (xs < RANS_L) as u32;
-                        let w = u16::from_le_bytes([*dp.add(p), *dp.add(p + 1)]) as u32;
-                        let m = 0u32.wrapping_sub(need);
-                        x[$lane] = (xs << (need << 4)) | (w & m);
-                        p += (need as usize) << 1;
+        macro_rules! fast_loop {
+            ($base:expr) => {
+                while i < n && p + 2 * LANES <= len {
+                    macro_rules! fast {
+                        ($lane:expr, $off:expr) => {{
+                            let xs = x[$lane];
+                            // SAFETY: base < k·PROB_SCALE and the slot is masked to PROB_BITS,
+                            // so the index is < dec.len(); i + $off < n ≤ syms.len(); p + 2 ≤ len.
+                            unsafe {
+                                let e = *tp.add(($base($off) + (xs & mask)) as usize);
+                                *sp.add(i + $off) = e as u8;
+                                let xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
+                                let need = (xs < RANS_L) as u32;
+                                let w = u16::from_le((dp.add(p) as *const u16).read_unaligned()) as u32;
+                                let m = 0u32.wrapping_sub(need);
+                                x[$lane] = (xs << (need << 4)) | (w & m);
+                                p += (need as usize) << 1;
+                            }
+                        }};
                     }
-                }};
-            }
-            fast!(0, 0);
-            fast!(1, 1);
-            fast!(2, 2);
-            fast!(3, 3);
-            fast!(4, 4);
-            fast!(5, 5);
-            fast!(6, 6);
-            fast!(7, 7);
-            i += LANES;
-            ch += LANES;
-            if ch == c {
-                ch = 0;
-            }
+                    fast!(0, 0);
+                    fast!(1, 1);
+                    fast!(2, 2);
+                    fast!(3, 3);
+                    fast!(4, 4);
+                    fast!(5, 5);
+                    fast!(6, 6);
+                    fast!(7, 7);
+                    i += LANES;
+                    ch += LANES;
+                    if ch == c {
+                        ch = 0;
+                    }
+                }
+            };
+        }
+        if k == 1 {
+            // One table: no per-channel class lookups.
+            fast_loop!(|_off: usize| 0u32);
+        } else {
+            fast_loop!(|off: usize| *cbase.get_unchecked(ch + off));
         }
     }
     // Careful tail: every read checked.

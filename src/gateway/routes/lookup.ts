@@ -29,7 +29,14 @@ export function lookupRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     }
     const sizes = (body as { sizes?: unknown }).sizes
     if (sizes !== undefined && typeof sizes !== 'boolean') throw badRequest('"sizes" must be a boolean')
-    const names = keys.map((k) => objectName(state.prefix, ns, assertKeyHex(k)))
+    // objectName() re-validates prefix and namespace per call; for up to 4096 keys
+    // validate those once (here and in createState) and only check each key.
+    const first = objectName(state.prefix, ns, '0'.repeat(64))
+    const base = first.slice(0, first.length - 64 - 3)
+    const names = keys.map((k) => {
+      const hex = assertKeyHex(k)
+      return `${base}${hex.slice(0, 2)}/${hex}`
+    })
     const r = await state.lookup.lookup(names, { sizes: sizes ?? true })
     c.header('x-kvgate-store-requests', String(r.storeRequests))
     c.header('x-kvgate-store-rounds', String(r.rounds))
