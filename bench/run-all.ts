@@ -9,7 +9,7 @@ import { fileURLToPath } from 'node:url'
 import { writeReport } from './report.ts'
 
 const here = dirname(fileURLToPath(import.meta.url))
-export const BENCHES = ['keys', 'codec', 'native', 'gateway', 'client', 'fleet'] as const
+export const BENCHES = ['keys', 'model', 'codec', 'native', 'gateway', 'client', 'fleet'] as const
 
 const wanted = process.argv.slice(2).filter((a) => !a.startsWith('-'))
 const names = wanted.length > 0 ? wanted : [...BENCHES]

@@ -1,0 +1,504 @@
+// CUDA through a run-time dlopen of libcudart (no link-time dependency):
+// probing, device memory, streams, async and batched copies, IPC handles.
+#include <dlfcn.h>
+#include <link.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include "common.h"
+
+namespace kvgate {
+namespace {
+
+std::once_flag g_once;
+CudaApi g_api;
+std::atomic<int> g_device{0};
+
+// Streams created through createStream, with the number of copies using each
+// (destroying a stream under a running copy would be a use-after-free).
+std::mutex g_streamMu;
+std::unordered_map<void*, int> g_streams;
+std::unordered_map<int, void*> g_defaultStreams;  // per device, created on first use
+
+const char* ErrorName(int err) {
+  if (g_api.getErrorName != nullptr) return g_api.getErrorName(err);
+  return nullptr;
+}
+
+template <typename T>
+bool Resolve(void* h, const char* name, T& slot) {
+  slot = reinterpret_cast<T>(dlsym(h, name));
+  return slot != nullptr;
+}
+
+void Probe(CudaApi& a) {
+  std::vector<std::string> candidates;
+  const char* override = std::getenv("KVGATE_CUDART");
+  if (override != nullptr && *override != '\0') {
+    candidates.push_back(override);  // an explicit choice is never second-guessed
+  } else {
+    candidates = {"libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0",
+                  "/usr/local/cuda/lib64/libcudart.so"};
+  }
+  void* h = nullptr;
+  std::string tried;
+  for (const auto& c : candidates) {
+    h = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (h != nullptr) break;
+    const char* e = dlerror();
+    tried += (tried.empty() ? "" : "; ") + (e != nullptr ? std::string(e) : c + ": not found");
+  }
+  if (h == nullptr) {
+    a.reason = "libcudart could not be loaded (" + tried + ")";
+    if (override == nullptr) a.reason += "; set KVGATE_CUDART to its path";
+    return;
+  }
+  struct link_map* lm = nullptr;
+  a.library = (dlinfo(h, RTLD_DI_LINKMAP, &lm) == 0 && lm != nullptr && lm->l_name != nullptr && *lm->l_name)
+                  ? lm->l_name
+                  : candidates.front();
+
+  std::string missing;
+  auto need = [&](bool ok, const char* name) {
+    if (!ok) missing += (missing.empty() ? "" : ", ") + std::string(name);
+  };
+#define KV_NEED(field, name) need(Resolve(h, name, a.field), name)
+  KV_NEED(getDeviceCount, "cudaGetDeviceCount");
+  KV_NEED(setDevice, "cudaSetDevice");
+  KV_NEED(malloc, "cudaMalloc");
+  KV_NEED(free, "cudaFree");
+  KV_NEED(hostAlloc, "cudaHostAlloc");
+  KV_NEED(freeHost, "cudaFreeHost");
+  KV_NEED(hostRegister, "cudaHostRegister");
+  KV_NEED(hostUnregister, "cudaHostUnregister");
+  KV_NEED(memcpyAsync, "cudaMemcpyAsync");
+  KV_NEED(streamCreate, "cudaStreamCreate");
+  KV_NEED(streamSynchronize, "cudaStreamSynchronize");
+  KV_NEED(streamDestroy, "cudaStreamDestroy");
+  KV_NEED(eventCreate, "cudaEventCreate");
+  KV_NEED(eventRecord, "cudaEventRecord");
+  KV_NEED(eventQuery, "cudaEventQuery");
+  KV_NEED(eventSynchronize, "cudaEventSynchronize");
+  KV_NEED(eventDestroy, "cudaEventDestroy");
+  KV_NEED(ipcOpenMemHandle, "cudaIpcOpenMemHandle");
+  KV_NEED(ipcCloseMemHandle, "cudaIpcCloseMemHandle");
+  KV_NEED(getErrorString, "cudaGetErrorString");
+#undef KV_NEED
+  Resolve(h, "cudaGetErrorName", a.getErrorName);
+  Resolve(h, "cudaGetDevice", a.getDevice);
+  Resolve(h, "cudaRuntimeGetVersion", a.runtimeGetVersion);
+  Resolve(h, "cudaDriverGetVersion", a.driverGetVersion);
+  Resolve(h, "cudaStreamCreateWithFlags", a.streamCreateWithFlags);
+  Resolve(h, "cudaEventCreateWithFlags", a.eventCreateWithFlags);
+  Resolve(h, "cudaIpcGetMemHandle", a.ipcGetMemHandle);
+  Resolve(h, "kvgate_stub_control", a.stubControl);
+  if (!missing.empty()) {
+    a.reason = a.library + " lacks " + missing;
+    a.getErrorString = nullptr;
+    return;
+  }
+  if (a.runtimeGetVersion != nullptr) a.runtimeGetVersion(&a.runtimeVersion);
+  if (a.driverGetVersion != nullptr) a.driverGetVersion(&a.driverVersion);
+  int n = 0;
+  int err = a.getDeviceCount(&n);
+  if (err != 0) {
+    // 35 (insufficient driver) is what a machine with libcudart but no GPU
+    // driver answers; 100 is "no device".
+    a.reason = "cudaGetDeviceCount failed: " + CudaErrorText(err) + " [" + a.library + "]";
+    return;
+  }
+  if (n <= 0) {
+    a.reason = "no CUDA device [" + a.library + "]";
+    return;
+  }
+  a.deviceCount = n;
+  a.available = true;
+}
+
+[[noreturn]] void FailCuda(Napi::Env env, const char* fn, int err, const std::string& ctx) {
+  Throw(env, CudaFailure(fn, err, ctx));
+}
+
+void RequireAvailable(Napi::Env env) {
+  const CudaApi& c = Cuda();
+  if (c.available) return;
+  Failure f;
+  f.code = "ERR_CUDA";
+  f.message = "CUDA is not available: " + c.reason;
+  Throw(env, f);
+}
+
+Napi::Value ProbeJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const CudaApi& c = Cuda();
+  Napi::Object o = Napi::Object::New(env);
+  o.Set("available", c.available);
+  o.Set("reason", c.reason);
+  o.Set("library", c.library);
+  o.Set("deviceCount", c.deviceCount);
+  o.Set("runtimeVersion", c.runtimeVersion);
+  o.Set("driverVersion", c.driverVersion);
+  o.Set("stub", c.stubControl != nullptr);
+  o.Set("ipcGetHandle", c.ipcGetMemHandle != nullptr);
+  return o;
+}
+
+Napi::Value SetDeviceJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireAvailable(env);
+  size_t d = ToSize(env, info[0], "device");
+  const CudaApi& c = Cuda();
+  if (d >= static_cast<size_t>(c.deviceCount)) {
+    ThrowNative(env, "device " + std::to_string(d) + " out of range (" + std::to_string(c.deviceCount) + " device(s))");
+  }
+  int err = c.setDevice(static_cast<int>(d));
+  if (err != 0) FailCuda(env, "cudaSetDevice", err, "setDevice");
+  g_device = static_cast<int>(d);
+  return env.Undefined();
+}
+
+Napi::Value GetDeviceJs(const Napi::CallbackInfo& info) { return Napi::Number::New(info.Env(), g_device.load()); }
+
+Napi::Value MallocJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireAvailable(env);
+  size_t bytes = ToSize(env, info[0], "bytes");
+  Failure f;
+  if (!EnterDevice(f)) Throw(env, f);
+  void* p = nullptr;
+  int err = Cuda().malloc(&p, bytes);
+  if (err != 0) FailCuda(env, "cudaMalloc", err, "deviceAlloc(" + std::to_string(bytes) + ")");
+  return FromU64(env, reinterpret_cast<uintptr_t>(p));
+}
+
+Napi::Value FreeJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireAvailable(env);
+  uint64_t p = ToU64(env, info[0], "device pointer");
+  Failure f;
+  if (!EnterDevice(f)) Throw(env, f);
+  int err = Cuda().free(reinterpret_cast<void*>(p));
+  if (err != 0) FailCuda(env, "cudaFree", err, "deviceFree");
+  return env.Undefined();
+}
+
+Napi::Value StreamCreateJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireAvailable(env);
+  Failure f;
+  if (!EnterDevice(f)) Throw(env, f);
+  const CudaApi& c = Cuda();
+  void* s = nullptr;
+  // Non-blocking: kvgate's copies must not serialize with the engine's work on
+  // the legacy default stream.
+  int err = c.streamCreateWithFlags != nullptr ? c.streamCreateWithFlags(&s, 1) : c.streamCreate(&s);
+  if (err != 0) FailCuda(env, "cudaStreamCreate", err, "createStream");
+  std::lock_guard<std::mutex> lock(g_streamMu);
+  g_streams[s] = 0;
+  return FromU64(env, reinterpret_cast<uintptr_t>(s));
+}
+
+Napi::Value StreamDestroyJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  void* s = reinterpret_cast<void*>(ToU64(env, info[0], "stream"));
+  {
+    std::lock_guard<std::mutex> lock(g_streamMu);
+    auto it = g_streams.find(s);
+    if (it == g_streams.end()) ThrowNative(env, "unknown stream (not created by createStream, or destroyed)");
+    if (it->second > 0) ThrowNative(env, "stream has " + std::to_string(it->second) + " copy(ies) in flight");
+    g_streams.erase(it);
+  }
+  int err = Cuda().streamDestroy(s);
+  if (err != 0) FailCuda(env, "cudaStreamDestroy", err, "destroyStream");
+  return env.Undefined();
+}
+
+// Worker side: the stream a copy runs on (0 = this device's kvgate stream).
+bool StreamFor(void* requested, void** out, Failure& f) {
+  if (requested != nullptr) {
+    *out = requested;
+    return true;
+  }
+  std::lock_guard<std::mutex> lock(g_streamMu);
+  int dev = CurrentDevice();
+  auto it = g_defaultStreams.find(dev);
+  if (it != g_defaultStreams.end()) {
+    *out = it->second;
+    return true;
+  }
+  const CudaApi& c = Cuda();
+  void* s = nullptr;
+  int err = c.streamCreateWithFlags != nullptr ? c.streamCreateWithFlags(&s, 1) : c.streamCreate(&s);
+  if (err != 0) {
+    f = CudaFailure("cudaStreamCreate", err, "default copy stream");
+    return false;
+  }
+  g_defaultStreams[dev] = s;
+  *out = s;
+  return true;
+}
+
+struct Desc {
+  uint64_t src, dst, len;
+};
+
+enum Direction { kH2D = 1, kD2H = 2, kD2D = 3 };
+
+// copy(direction, hostBuffer|null, hostOffset, hostLength, descriptors: BigInt64Array, stream: bigint)
+//   -> Promise<{descriptors, issued, bytes}>
+// Descriptors are [src, dst, bytes] triples; the host side of each is an
+// offset into the host range, re-checked here before anything is queued.
+Napi::Value CopyJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireAvailable(env);
+  size_t dir = ToSize(env, info[0], "direction");
+  if (dir < kH2D || dir > kD2D) ThrowNative(env, "direction must be 1 (h2d), 2 (d2h) or 3 (d2d)");
+  if (!info[4].IsTypedArray() || info[4].As<Napi::TypedArray>().TypedArrayType() != napi_bigint64_array) {
+    ThrowNative(env, "descriptors must be a BigInt64Array of [src, dst, bytes] triples");
+  }
+  Napi::TypedArray ta = info[4].As<Napi::TypedArray>();
+  size_t n = ta.ElementLength();
+  if (n % 3 != 0) ThrowNative(env, "descriptors length must be a multiple of 3");
+  void* stream = reinterpret_cast<void*>(ToU64(env, info[5], "stream"));
+  // Copied out below, so later JS writes cannot change what was validated.
+  const int64_t* raw = info[4].As<Napi::BigInt64Array>().Data();
+  auto descs = std::make_shared<std::vector<Desc>>();
+  descs->reserve(n / 3);
+  const bool hostSrc = dir == kH2D, hostDst = dir == kD2H;
+  HostSpan host;
+  if (hostSrc || hostDst) {
+    if (!info[1].IsArrayBuffer()) ThrowNative(env, "a host buffer is required for host copies");
+  }
+  uint64_t hostLen = 0;
+  if (hostSrc || hostDst) {
+    // Validate bounds before acquiring so a throw leaves nothing marked busy.
+    Napi::ArrayBuffer ab = info[1].As<Napi::ArrayBuffer>();
+    if (ab.IsDetached()) ThrowNative(env, "host buffer is detached (freed)");
+    size_t off = ToSize(env, info[2], "host offset");
+    size_t len = ToSize(env, info[3], "host length");
+    if (off > ab.ByteLength() || len > ab.ByteLength() - off) ThrowNative(env, "host range is outside the buffer");
+    hostLen = len;
+  }
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; i += 3) {
+    Desc d{static_cast<uint64_t>(raw[i]), static_cast<uint64_t>(raw[i + 1]), static_cast<uint64_t>(raw[i + 2])};
+    if (raw[i + 2] < 0) ThrowNative(env, "descriptor " + std::to_string(i / 3) + ": negative length");
+    if (d.len == 0) continue;
+    uint64_t hostOff = hostSrc ? d.src : d.dst;
+    if ((hostSrc || hostDst) && (raw[hostSrc ? i : i + 1] < 0 || hostOff > hostLen || d.len > hostLen - hostOff)) {
+      ThrowNative(env, "descriptor " + std::to_string(i / 3) + ": host range [" +
+                           std::to_string(raw[hostSrc ? i : i + 1]) + ", +" + std::to_string(d.len) +
+                           ") is outside the " + std::to_string(hostLen) + "-byte host range");
+    }
+    if ((!hostSrc && d.src == 0) || (!hostDst && d.dst == 0)) {
+      ThrowNative(env, "descriptor " + std::to_string(i / 3) + ": null device pointer");
+    }
+    total += d.len;
+    // Adjacent blocks (contiguous on both sides) become one memcpy.
+    if (!descs->empty()) {
+      Desc& last = descs->back();
+      if (last.src + last.len == d.src && last.dst + last.len == d.dst) {
+        last.len += d.len;
+        continue;
+      }
+    }
+    descs->push_back(d);
+  }
+  std::vector<Napi::Object> keep;
+  if (hostSrc || hostDst) {
+    host = AcquireHost(env, info[1], info[2], info[3]);
+    keep.push_back(info[1].As<Napi::Object>());
+  }
+  if (stream != nullptr) {
+    std::unique_lock<std::mutex> lock(g_streamMu);
+    auto it = g_streams.find(stream);
+    if (it == g_streams.end()) {
+      lock.unlock();
+      ReleaseHost(host);
+      ThrowNative(env, "unknown stream (not created by createStream, or destroyed)");
+    }
+    it->second++;
+  }
+  const size_t count = n / 3;
+  const int kind = static_cast<int>(dir);
+  return RunAsync(
+      env, "kvgate.copy",
+      [descs, host, stream, kind, hostSrc, hostDst](Failure& f) {
+        if (!EnterDevice(f)) return;
+        const CudaApi& c = Cuda();
+        void* s = nullptr;
+        if (!StreamFor(stream, &s, f)) return;
+        for (const Desc& d : *descs) {
+          void* dst = hostDst ? host.data + d.dst : reinterpret_cast<void*>(d.dst);
+          const void* src = hostSrc ? host.data + d.src : reinterpret_cast<const void*>(d.src);
+          int err = c.memcpyAsync(dst, src, d.len, kind, s);
+          if (err != 0) {
+            f = CudaFailure("cudaMemcpyAsync", err, "copy");
+            // Copies already queued may still touch the host buffer: drain
+            // before the buffer is released on the JS thread.
+            c.streamSynchronize(s);
+            return;
+          }
+        }
+        void* ev = nullptr;
+        int err =
+            c.eventCreateWithFlags != nullptr ? c.eventCreateWithFlags(&ev, 2 /* DisableTiming */) : c.eventCreate(&ev);
+        if (err != 0) {
+          int serr = c.streamSynchronize(s);
+          if (serr != 0) f = CudaFailure("cudaStreamSynchronize", serr, "copy");
+          return;
+        }
+        err = c.eventRecord(ev, s);
+        if (err != 0) {
+          c.streamSynchronize(s);
+          f = CudaFailure("cudaEventRecord", err, "copy");
+        } else {
+          err = c.eventSynchronize(ev);
+          if (err != 0) f = CudaFailure("cudaEventSynchronize", err, "copy");
+        }
+        c.eventDestroy(ev);
+      },
+      [descs, count, total](Napi::Env env) -> Napi::Value {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("descriptors", Napi::Number::New(env, static_cast<double>(count)));
+        o.Set("issued", Napi::Number::New(env, static_cast<double>(descs->size())));
+        o.Set("bytes", Napi::Number::New(env, static_cast<double>(total)));
+        return o;
+      },
+      keep,
+      [host, stream]() {
+        ReleaseHost(host);
+        if (stream != nullptr) {
+          std::lock_guard<std::mutex> lock(g_streamMu);
+          auto it = g_streams.find(stream);
+          if (it != g_streams.end()) it->second--;
+        }
+      });
+}
+
+// ipcOpen(handle: Uint8Array(64), flags) -> Promise<bigint>
+Napi::Value IpcOpenJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireAvailable(env);
+  if (!info[0].IsTypedArray() || info[0].As<Napi::TypedArray>().TypedArrayType() != napi_uint8_array ||
+      info[0].As<Napi::TypedArray>().ByteLength() != sizeof(CudaIpcHandle)) {
+    ThrowNative(env, "IPC handle must be a 64-byte Uint8Array");
+  }
+  Napi::Uint8Array u = info[0].As<Napi::Uint8Array>();
+  CudaIpcHandle h;
+  std::memcpy(h.reserved, u.Data(), sizeof h.reserved);
+  unsigned flags = static_cast<unsigned>(ToSize(env, info[1], "flags"));
+  auto out = std::make_shared<uint64_t>(0);
+  return RunAsync(
+      env, "kvgate.ipcOpen",
+      [h, flags, out](Failure& f) {
+        if (!EnterDevice(f)) return;
+        void* p = nullptr;
+        int err = Cuda().ipcOpenMemHandle(&p, h, flags);
+        if (err != 0) {
+          f = CudaFailure("cudaIpcOpenMemHandle", err, "ipcOpen");
+          return;
+        }
+        *out = reinterpret_cast<uintptr_t>(p);
+      },
+      [out](Napi::Env env) { return FromU64(env, *out); });
+}
+
+Napi::Value IpcCloseJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireAvailable(env);
+  uint64_t p = ToU64(env, info[0], "device pointer");
+  return RunAsync(
+      env, "kvgate.ipcClose",
+      [p](Failure& f) {
+        if (!EnterDevice(f)) return;
+        int err = Cuda().ipcCloseMemHandle(reinterpret_cast<void*>(p));
+        if (err != 0) f = CudaFailure("cudaIpcCloseMemHandle", err, "ipcClose");
+      },
+      nullptr);
+}
+
+Napi::Value IpcGetHandleJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireAvailable(env);
+  uint64_t p = ToU64(env, info[0], "device pointer");
+  const CudaApi& c = Cuda();
+  if (c.ipcGetMemHandle == nullptr) ThrowNative(env, c.library + " has no cudaIpcGetMemHandle");
+  Failure f;
+  if (!EnterDevice(f)) Throw(env, f);
+  CudaIpcHandle h;
+  int err = c.ipcGetMemHandle(&h, reinterpret_cast<void*>(p));
+  if (err != 0) FailCuda(env, "cudaIpcGetMemHandle", err, "ipcGetHandle");
+  Napi::Uint8Array u = Napi::Uint8Array::New(env, sizeof h.reserved);
+  std::memcpy(u.Data(), h.reserved, sizeof h.reserved);
+  return u;
+}
+
+// Test stub only: error injection / delays, answers the live allocation count.
+Napi::Value StubControlJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const CudaApi& c = Cuda();
+  if (c.stubControl == nullptr) ThrowNative(env, "the loaded libcudart is not kvgate's test stub");
+  if (!info[0].IsString()) ThrowNative(env, "stub control spec must be a string");
+  int r = c.stubControl(info[0].As<Napi::String>().Utf8Value().c_str());
+  if (r < 0) ThrowNative(env, "stub rejected control spec");
+  return Napi::Number::New(env, r);
+}
+
+}  // namespace
+
+const CudaApi& Cuda() {
+  std::call_once(g_once, [] { Probe(g_api); });
+  return g_api;
+}
+
+int CurrentDevice() { return g_device.load(); }
+
+bool EnterDevice(Failure& f) {
+  const CudaApi& c = Cuda();
+  if (!c.available) {
+    f.code = "ERR_CUDA";
+    f.message = "CUDA is not available: " + c.reason;
+    return false;
+  }
+  int err = c.setDevice(g_device.load());
+  if (err != 0) {
+    f = CudaFailure("cudaSetDevice", err, "device " + std::to_string(g_device.load()));
+    return false;
+  }
+  return true;
+}
+
+std::string CudaErrorText(int err) {
+  const char* s = g_api.getErrorString != nullptr ? g_api.getErrorString(err) : nullptr;
+  const char* name = ErrorName(err);
+  std::string out = s != nullptr ? s : "CUDA error";
+  out += " (";
+  if (name != nullptr) out += std::string(name) + " = ";
+  out += std::to_string(err) + ")";
+  return out;
+}
+
+void InitCuda(Napi::Env env, Napi::Object exports) {
+  Napi::Object c = Napi::Object::New(env);
+  c.Set("probe", Napi::Function::New(env, ProbeJs, "probe"));
+  c.Set("setDevice", Napi::Function::New(env, SetDeviceJs, "setDevice"));
+  c.Set("getDevice", Napi::Function::New(env, GetDeviceJs, "getDevice"));
+  c.Set("malloc", Napi::Function::New(env, MallocJs, "malloc"));
+  c.Set("free", Napi::Function::New(env, FreeJs, "free"));
+  c.Set("streamCreate", Napi::Function::New(env, StreamCreateJs, "streamCreate"));
+  c.Set("streamDestroy", Napi::Function::New(env, StreamDestroyJs, "streamDestroy"));
+  c.Set("copy", Napi::Function::New(env, CopyJs, "copy"));
+  c.Set("ipcOpen", Napi::Function::New(env, IpcOpenJs, "ipcOpen"));
+  c.Set("ipcClose", Napi::Function::New(env, IpcCloseJs, "ipcClose"));
+  c.Set("ipcGetHandle", Napi::Function::New(env, IpcGetHandleJs, "ipcGetHandle"));
+  c.Set("stubControl", Napi::Function::New(env, StubControlJs, "stubControl"));
+  exports.Set("cuda", c);
+}
+
+}  // namespace kvgate

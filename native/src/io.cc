@@ -1,0 +1,355 @@
+// File reads and writes into host buffers off the JS thread, with O_DIRECT
+// when the request is aligned and the filesystem takes it, else buffered I/O.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "common.h"
+
+namespace kvgate {
+namespace {
+
+// Logical block sizes are 512 or 4096; 4096 satisfies both.
+constexpr size_t kAlign = 4096;
+
+enum Mode { kOff = 0, kAuto = 1, kRequire = 2 };
+
+struct IoResult {
+  size_t bytes = 0;
+  bool direct = false;
+  std::string reason;
+};
+
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) close(fd);
+  }
+  int release() {
+    int f = fd;
+    fd = -1;
+    return f;
+  }
+};
+
+std::string Misalignment(const void* p, uint64_t fileOffset) {
+  return "buffer address % 4096 = " + std::to_string(reinterpret_cast<uintptr_t>(p) % kAlign) +
+         ", file offset % 4096 = " + std::to_string(fileOffset % kAlign);
+}
+
+// Decides direct vs buffered before opening. False + failure when `require`
+// cannot be honoured.
+bool PlanDirect(Mode mode, const void* p, uint64_t fileOffset, IoResult& r, Failure& f) {
+  if (mode == kOff) {
+    r.reason = "buffered I/O requested";
+    return false;
+  }
+  bool aligned = reinterpret_cast<uintptr_t>(p) % kAlign == 0 && fileOffset % kAlign == 0;
+  if (aligned) return true;
+  if (mode == kRequire) {
+    f = NativeFailure("misaligned O_DIRECT request: " + Misalignment(p, fileOffset) + " (both must be 0)");
+  } else {
+    r.reason = "misaligned request (" + Misalignment(p, fileOffset) + "): buffered I/O";
+  }
+  return false;
+}
+
+// Opens with O_DIRECT when asked; on EINVAL (the filesystem refuses O_DIRECT)
+// falls back to buffered unless `require`.
+int OpenFile(const std::string& path, int flags, bool& direct, Mode mode, IoResult& r, Failure& f, const char* op) {
+  if (direct) {
+    int fd = open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644);
+    if (fd >= 0) return fd;
+    int err = errno;
+    if (err != EINVAL) {
+      f = ErrnoFailure("open", err, std::string(op) + " " + path);
+      return -1;
+    }
+    if (mode == kRequire) {
+      f = ErrnoFailure("open(O_DIRECT)", err, std::string(op) + " " + path + ": the filesystem rejects O_DIRECT");
+      return -1;
+    }
+    direct = false;
+    r.reason = "filesystem rejected O_DIRECT (EINVAL): buffered I/O";
+  }
+  int fd = open(path.c_str(), flags | O_CLOEXEC, 0644);
+  if (fd < 0) f = ErrnoFailure("open", errno, std::string(op) + " " + path);
+  return fd;
+}
+
+// pread until `want` bytes, EOF, or (direct) a short read that ends the file.
+bool ReadLoop(int fd, uint8_t* p, size_t want, uint64_t off, size_t& done, bool direct, bool& eof, int& err) {
+  while (done < want) {
+    ssize_t n = pread(fd, p + done, want - done, static_cast<off_t>(off + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      err = errno;
+      return false;
+    }
+    if (n == 0) {
+      eof = true;
+      break;
+    }
+    done += static_cast<size_t>(n);
+    if (direct && static_cast<size_t>(n) % kAlign != 0) {
+      eof = true;  // only the end of the file yields an unaligned direct read
+      break;
+    }
+  }
+  return true;
+}
+
+bool WriteLoop(int fd, const uint8_t* p, size_t len, uint64_t off, size_t& done, int& err) {
+  while (done < len) {
+    ssize_t n = pwrite(fd, p + done, len - done, static_cast<off_t>(off + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      err = errno;
+      return false;
+    }
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+void DoRead(const std::string& path, HostSpan span, uint64_t fileOffset, int64_t length, Mode mode, IoResult& r,
+            Failure& f) {
+  bool direct = PlanDirect(mode, span.data, fileOffset, r, f);
+  if (f.failed()) return;
+  Fd fd;
+  fd.fd = OpenFile(path, O_RDONLY, direct, mode, r, f, "readFile");
+  if (fd.fd < 0) return;
+  struct stat st;
+  if (fstat(fd.fd, &st) != 0) {
+    f = ErrnoFailure("fstat", errno, "readFile " + path);
+    return;
+  }
+  size_t want;
+  if (length < 0) {
+    if (!S_ISREG(st.st_mode)) {
+      f = NativeFailure("readFile " + path + ": not a regular file; pass an explicit length");
+      return;
+    }
+    uint64_t size = static_cast<uint64_t>(st.st_size);
+    want = fileOffset >= size ? 0 : static_cast<size_t>(size - fileOffset);
+  } else {
+    want = static_cast<size_t>(length);
+  }
+  if (want > span.length) {
+    f = NativeFailure("readFile " + path + ": " + std::to_string(want) + " bytes do not fit the " +
+                      std::to_string(span.length) + "-byte buffer");
+    return;
+  }
+  size_t done = 0;
+  bool eof = false;
+  int err = 0;
+  if (direct) {
+    const size_t body = want & ~(kAlign - 1);
+    if (!ReadLoop(fd.fd, span.data, body, fileOffset, done, true, eof, err)) {
+      if (err != EINVAL || done != 0 || mode == kRequire) {
+        f = ErrnoFailure("pread", err, "readFile " + path + (direct ? " (O_DIRECT)" : ""));
+        return;
+      }
+      // Opened fine but refused the direct read (some filesystems do).
+      direct = false;
+      r.reason = "filesystem rejected an O_DIRECT read (EINVAL): buffered I/O";
+      close(fd.release());
+      fd.fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd.fd < 0) {
+        f = ErrnoFailure("open", errno, "readFile " + path);
+        return;
+      }
+    } else if (!eof && done < want) {
+      // The unaligned tail goes through an aligned bounce block.
+      void* bounce = nullptr;
+      if (posix_memalign(&bounce, kAlign, kAlign) != 0) {
+        f = NativeFailure("readFile: out of memory for the bounce block");
+        return;
+      }
+      std::unique_ptr<void, decltype(&std::free)> hold(bounce, &std::free);
+      size_t got = 0;
+      bool tailEof = false;
+      if (!ReadLoop(fd.fd, static_cast<uint8_t*>(bounce), kAlign, fileOffset + done, got, true, tailEof, err)) {
+        f = ErrnoFailure("pread", err, "readFile " + path + " (O_DIRECT tail)");
+        return;
+      }
+      size_t use = std::min(got, want - done);
+      std::memcpy(span.data + done, bounce, use);
+      done += use;
+    }
+  }
+  if (!direct && !ReadLoop(fd.fd, span.data, want, fileOffset, done, false, eof, err)) {
+    f = ErrnoFailure("pread", err, "readFile " + path);
+    return;
+  }
+  r.bytes = done;
+  r.direct = direct;
+}
+
+void DoWrite(const std::string& path, HostSpan span, uint64_t fileOffset, Mode mode, bool doFsync, bool truncate,
+             IoResult& r, Failure& f) {
+  bool direct = PlanDirect(mode, span.data, fileOffset, r, f);
+  if (f.failed()) return;
+  const int flags = O_WRONLY | O_CREAT | (truncate ? O_TRUNC : 0);
+  Fd fd;
+  fd.fd = OpenFile(path, flags, direct, mode, r, f, "writeFile");
+  if (fd.fd < 0) return;
+  size_t done = 0;
+  int err = 0;
+  Fd tailFd;
+  if (direct) {
+    const size_t body = span.length & ~(kAlign - 1);
+    if (!WriteLoop(fd.fd, span.data, body, fileOffset, done, err)) {
+      if (err != EINVAL || done != 0 || mode == kRequire) {
+        f = ErrnoFailure("pwrite", err, "writeFile " + path + " (O_DIRECT)");
+        return;
+      }
+      direct = false;
+      r.reason = "filesystem rejected an O_DIRECT write (EINVAL): buffered I/O";
+    }
+    if (direct && done < span.length) {
+      // O_DIRECT writes whole blocks only: the tail goes through the page cache.
+      tailFd.fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
+      if (tailFd.fd < 0) {
+        f = ErrnoFailure("open", errno, "writeFile " + path + " (tail)");
+        return;
+      }
+      if (!WriteLoop(tailFd.fd, span.data, span.length, fileOffset, done, err)) {
+        f = ErrnoFailure("pwrite", err, "writeFile " + path + " (tail)");
+        return;
+      }
+    }
+  }
+  if (!direct) {
+    if (fd.fd >= 0 && (fcntl(fd.fd, F_GETFL) & O_DIRECT) != 0) {
+      close(fd.release());
+      fd.fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
+      if (fd.fd < 0) {
+        f = ErrnoFailure("open", errno, "writeFile " + path);
+        return;
+      }
+    }
+    if (!WriteLoop(fd.fd, span.data, span.length, fileOffset, done, err)) {
+      f = ErrnoFailure("pwrite", err, "writeFile " + path);
+      return;
+    }
+  }
+  if (doFsync) {
+    if (tailFd.fd >= 0 && fsync(tailFd.fd) != 0) {
+      f = ErrnoFailure("fsync", errno, "writeFile " + path);
+      return;
+    }
+    if (fsync(fd.fd) != 0) {
+      f = ErrnoFailure("fsync", errno, "writeFile " + path);
+      return;
+    }
+  }
+  int tail = tailFd.release();
+  if (tail >= 0 && close(tail) != 0) {
+    f = ErrnoFailure("close", errno, "writeFile " + path);
+    return;
+  }
+  if (close(fd.release()) != 0) {
+    f = ErrnoFailure("close", errno, "writeFile " + path);
+    return;
+  }
+  r.bytes = done;
+  r.direct = direct;
+}
+
+std::string ReadPath(Napi::Env env, Napi::Value v) {
+  if (!v.IsString()) ThrowNative(env, "path must be a string");
+  std::string p = v.As<Napi::String>().Utf8Value();
+  if (p.empty() || p.find('\0') != std::string::npos) ThrowNative(env, "path must be non-empty and contain no NUL");
+  return p;
+}
+
+Mode ReadMode(Napi::Env env, Napi::Value v) {
+  size_t m = ToSize(env, v, "direct mode");
+  if (m > kRequire) ThrowNative(env, "direct mode must be 0 (off), 1 (auto) or 2 (require)");
+  return static_cast<Mode>(m);
+}
+
+Napi::Value Result(Napi::Env env, const IoResult& r) {
+  Napi::Object o = Napi::Object::New(env);
+  o.Set("bytes", Napi::Number::New(env, static_cast<double>(r.bytes)));
+  o.Set("direct", r.direct);
+  o.Set("reason", r.reason);
+  return o;
+}
+
+// readFile(path, buffer, byteOffset, capacity, fileOffset, length|-1, mode) -> Promise<{bytes, direct, reason}>
+Napi::Value ReadFileJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  std::string path = ReadPath(env, info[0]);
+  uint64_t fileOffset = ToSize(env, info[4], "file offset");
+  if (!info[5].IsNumber()) ThrowNative(env, "length must be a number");
+  double len = info[5].As<Napi::Number>().DoubleValue();
+  int64_t length = len < 0 ? -1 : static_cast<int64_t>(ToSize(env, info[5], "length"));
+  Mode mode = ReadMode(env, info[6]);
+  HostSpan span = AcquireHost(env, info[1], info[2], info[3]);
+  auto r = std::make_shared<IoResult>();
+  return RunAsync(
+      env, "kvgate.readFile",
+      [path, span, fileOffset, length, mode, r](Failure& f) { DoRead(path, span, fileOffset, length, mode, *r, f); },
+      [r](Napi::Env env) { return Result(env, *r); }, {info[1].As<Napi::Object>()}, [span]() { ReleaseHost(span); });
+}
+
+// writeFile(path, buffer, byteOffset, length, fileOffset, mode, fsync, truncate) -> Promise<{bytes, direct, reason}>
+Napi::Value WriteFileJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  std::string path = ReadPath(env, info[0]);
+  uint64_t fileOffset = ToSize(env, info[4], "file offset");
+  Mode mode = ReadMode(env, info[5]);
+  bool doFsync = info[6].ToBoolean();
+  bool truncate = info[7].ToBoolean();
+  HostSpan span = AcquireHost(env, info[1], info[2], info[3]);
+  auto r = std::make_shared<IoResult>();
+  return RunAsync(
+      env, "kvgate.writeFile",
+      [path, span, fileOffset, mode, doFsync, truncate, r](Failure& f) {
+        DoWrite(path, span, fileOffset, mode, doFsync, truncate, *r, f);
+      },
+      [r](Napi::Env env) { return Result(env, *r); }, {info[1].As<Napi::Object>()}, [span]() { ReleaseHost(span); });
+}
+
+// evictFileCache(path) -> Promise<void>: writes back and drops the file's
+// page-cache pages (fdatasync + POSIX_FADV_DONTNEED), so the next buffered
+// read comes from the device and a written L2 file stops occupying RAM.
+Napi::Value EvictFileCacheJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  std::string path = ReadPath(env, info[0]);
+  return RunAsync(
+      env, "kvgate.evictFileCache",
+      [path](Failure& f) {
+        Fd fd;
+        fd.fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd.fd < 0) {
+          f = ErrnoFailure("open", errno, "evictFileCache " + path);
+          return;
+        }
+        if (fdatasync(fd.fd) != 0 && errno != EINVAL) {
+          f = ErrnoFailure("fdatasync", errno, "evictFileCache " + path);
+          return;
+        }
+        int err = posix_fadvise(fd.fd, 0, 0, POSIX_FADV_DONTNEED);
+        if (err != 0) f = ErrnoFailure("posix_fadvise", err, "evictFileCache " + path);
+      },
+      nullptr);
+}
+
+}  // namespace
+
+void InitIo(Napi::Env env, Napi::Object exports) {
+  exports.Set("readFile", Napi::Function::New(env, ReadFileJs, "readFile"));
+  exports.Set("writeFile", Napi::Function::New(env, WriteFileJs, "writeFile"));
+  exports.Set("evictFileCache", Napi::Function::New(env, EvictFileCacheJs, "evictFileCache"));
+  exports.Set("directAlignment", Napi::Number::New(env, kAlign));
+}
+
+}  // namespace kvgate

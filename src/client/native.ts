@@ -1,0 +1,720 @@
+// Typed loader and wrapper for kvgate's native addon (native/): pinned host
+// memory, GPU copies through a run-time libcudart, CUDA IPC, O_DIRECT file I/O.
+//
+// JS validates every argument here; the C++ side trusts the shapes it gets,
+// re-checks host ranges before any copy, and does blocking work off the JS
+// thread. Every failure surfaces as a {@link NativeError} (ERR_NATIVE / ERR_CUDA).
+
+import { existsSync } from 'node:fs'
+import { createRequire } from 'node:module'
+import { dirname, resolve } from 'node:path'
+import { fileURLToPath } from 'node:url'
+import { KvgateError, type KvgateErrorOptions } from '../core/errors.ts'
+
+/** The addon contract version this wrapper speaks (native/src/addon.cc `abiVersion`). */
+export const NATIVE_ABI_VERSION = 1
+
+/** O_DIRECT alignment kvgate uses for buffer addresses and file offsets (bytes). */
+export const DIRECT_ALIGNMENT = 4096
+
+/**
+ * Largest single pinned allocation: Node 20 backs external ArrayBuffers with
+ * Buffers, capped at `buffer.constants.MAX_LENGTH` (4 GiB). Larger L1 regions
+ * need several allocations.
+ */
+export const MAX_PINNED_BYTES = 2 ** 32
+
+const REPO_ROOT = resolve(dirname(fileURLToPath(import.meta.url)), '..', '..')
+
+/** Where things are on disk, and the command that builds them. */
+export const nativePaths = {
+  /** Default addon location (node-gyp's Release build). */
+  addon: resolve(REPO_ROOT, 'native/build/Release/kvgate_native.node'),
+  /** The stub libcudart the tests load through `KVGATE_CUDART`. */
+  stubCudart: resolve(REPO_ROOT, 'native/test-stub/build/libcudart_stub.so'),
+  buildCommand:
+    'npm run build:native   (runs scripts/build-native.sh; needs g++, make, python3, Node headers)',
+} as const
+
+export type NativeErrorCode = 'ERR_NATIVE' | 'ERR_CUDA'
+
+/** A failure in the native layer: misuse (ERR_NATIVE) or a CUDA runtime error (ERR_CUDA). */
+export class NativeError extends KvgateError {
+  /** The cudaError_t value, for ERR_CUDA errors that came from a CUDA call. */
+  readonly cudaError: number | undefined
+  /** errno of a failed system call (e.g. 22 for EINVAL). */
+  readonly errno: number | undefined
+  /** errno's name, e.g. `'ENOENT'`. */
+  readonly syscode: string | undefined
+  /** The failed call: a syscall or CUDA function name. */
+  readonly syscall: string | undefined
+
+  constructor(
+    code: NativeErrorCode,
+    message: string,
+    options: KvgateErrorOptions & {
+      cudaError?: number
+      errno?: number
+      syscode?: string
+      syscall?: string
+    } = {},
+  ) {
+    super(code, message, options)
+    this.name = 'NativeError'
+    this.cudaError = options.cudaError
+    this.errno = options.errno
+    this.syscode = options.syscode
+    this.syscall = options.syscall
+  }
+}
+
+function misuse(message: string): NativeError {
+  return new NativeError('ERR_NATIVE', message)
+}
+
+/** Turns whatever the addon threw into a NativeError (keeping its fields). */
+function translate(e: unknown): NativeError {
+  if (e instanceof NativeError) return e
+  const err = e as {
+    code?: unknown
+    message?: unknown
+    cudaError?: unknown
+    errno?: unknown
+    syscode?: unknown
+    syscall?: unknown
+  }
+  const code: NativeErrorCode = err?.code === 'ERR_CUDA' ? 'ERR_CUDA' : 'ERR_NATIVE'
+  const num = (v: unknown) => (typeof v === 'number' ? v : undefined)
+  const str = (v: unknown) => (typeof v === 'string' ? v : undefined)
+  return new NativeError(code, typeof err?.message === 'string' ? err.message : String(e), {
+    cause: e,
+    cudaError: num(err?.cudaError),
+    errno: num(err?.errno),
+    syscode: str(err?.syscode),
+    syscall: str(err?.syscall),
+  })
+}
+
+function call<T>(fn: () => T): T {
+  try {
+    return fn()
+  } catch (e) {
+    throw translate(e)
+  }
+}
+
+async function callAsync<T>(fn: () => Promise<T>): Promise<T> {
+  try {
+    return await fn()
+  } catch (e) {
+    throw translate(e)
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Loader
+
+interface RawPinned {
+  buffer: ArrayBuffer
+  kind: PinnedKind
+  reason: string
+  hugePages: boolean
+}
+interface RawIo {
+  bytes: number
+  direct: boolean
+  reason: string
+}
+interface RawCuda {
+  probe(): CudaStatus
+  setDevice(device: number): void
+  getDevice(): number
+  malloc(bytes: number): bigint
+  free(ptr: bigint): void
+  streamCreate(): bigint
+  streamDestroy(stream: bigint): void
+  copy(
+    direction: 1 | 2 | 3,
+    host: ArrayBuffer | null,
+    hostOffset: number,
+    hostLength: number,
+    descriptors: BigInt64Array,
+    stream: bigint,
+  ): Promise<CopyResult>
+  ipcOpen(handle: Uint8Array, flags: number): Promise<bigint>
+  ipcClose(ptr: bigint): Promise<void>
+  ipcGetHandle(ptr: bigint): Uint8Array
+  stubControl(spec: string): number
+}
+
+/** The addon's raw exports. Prefer the typed functions below: they validate. */
+export interface NativeBinding {
+  abiVersion: number
+  directAlignment: number
+  allocPinned(bytes: number, opts: Required<AllocPinnedOptions>): Promise<RawPinned>
+  allocPinnedSync(bytes: number, opts: Required<AllocPinnedOptions>): RawPinned
+  freePinned(buffer: ArrayBuffer): void
+  pinnedInfo(buffer: ArrayBuffer): PinnedInfo | null
+  memoryStats(): NativeMemoryStats
+  registerHost(buffer: ArrayBuffer): Promise<void>
+  unregisterHost(buffer: ArrayBuffer): void
+  readFile(
+    path: string,
+    buffer: ArrayBuffer,
+    byteOffset: number,
+    capacity: number,
+    fileOffset: number,
+    length: number,
+    mode: 0 | 1 | 2,
+  ): Promise<RawIo>
+  writeFile(
+    path: string,
+    buffer: ArrayBuffer,
+    byteOffset: number,
+    length: number,
+    fileOffset: number,
+    mode: 0 | 1 | 2,
+    fsync: boolean,
+    truncate: boolean,
+  ): Promise<RawIo>
+  evictFileCache(path: string): Promise<void>
+  cuda: RawCuda
+}
+
+let loaded: NativeBinding | undefined
+let loadError: NativeError | undefined
+
+/** Paths the loader tries, in order: `KVGATE_NATIVE_PATH` alone when set, else the Release and Debug builds. */
+export function nativeCandidates(): string[] {
+  const override = process.env.KVGATE_NATIVE_PATH
+  // An explicit path is the only one tried: silently loading another build
+  // would hide a broken override.
+  if (override) return [resolve(override)]
+  return [nativePaths.addon, resolve(REPO_ROOT, 'native/build/Debug/kvgate_native.node')]
+}
+
+/**
+ * Loads the addon once per process. Throws one NativeError (ERR_NATIVE) that
+ * lists every path tried, why each failed, and the command that builds it.
+ */
+export function loadNative(): NativeBinding {
+  if (loaded) return loaded
+  if (loadError) throw loadError
+  const require = createRequire(import.meta.url)
+  const tried: string[] = []
+  for (const path of nativeCandidates()) {
+    if (!existsSync(path)) {
+      tried.push(`${path}: not found`)
+      continue
+    }
+    try {
+      const binding = require(path) as NativeBinding
+      if (binding.abiVersion !== NATIVE_ABI_VERSION) {
+        tried.push(`${path}: stale build (abi ${binding.abiVersion}, this code needs ${NATIVE_ABI_VERSION})`)
+        continue
+      }
+      loaded = binding
+      return binding
+    } catch (e) {
+      tried.push(`${path}: ${(e as Error).message.split('\n')[0]}`)
+    }
+  }
+  loadError = new NativeError(
+    'ERR_NATIVE',
+    `kvgate native addon could not be loaded. Tried:\n${tried.map((t) => `  - ${t}`).join('\n')}\n` +
+      `Build it with: ${nativePaths.buildCommand}`,
+  )
+  throw loadError
+}
+
+/** True when the addon loads; never throws. */
+export function nativeAvailable(): boolean {
+  try {
+    loadNative()
+    return true
+  } catch {
+    return false
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host buffers
+
+/** Host memory kvgate can read or write: an ArrayBuffer or any view of one (not a SharedArrayBuffer). */
+export type HostBuffer = ArrayBuffer | ArrayBufferView
+
+interface HostRange {
+  buffer: ArrayBuffer
+  offset: number
+  length: number
+}
+
+// Buffers given to freePinned: later use gets a clear message instead of a
+// generic "empty buffer" one (a freed buffer is detached, byteLength 0).
+const freedBuffers = new WeakSet<ArrayBuffer>()
+
+function hostRange(b: unknown, what: string): HostRange {
+  let buffer: unknown
+  let offset = 0
+  let length: number
+  if (b instanceof ArrayBuffer) {
+    buffer = b
+    length = b.byteLength
+  } else if (ArrayBuffer.isView(b)) {
+    buffer = b.buffer
+    offset = b.byteOffset
+    length = b.byteLength
+  } else {
+    throw misuse(`${what} must be an ArrayBuffer or an ArrayBufferView`)
+  }
+  if (!(buffer instanceof ArrayBuffer)) throw misuse(`${what} must not be backed by a SharedArrayBuffer`)
+  if (freedBuffers.has(buffer)) throw misuse(`${what} was freed with freePinned and cannot be used again`)
+  return { buffer, offset, length }
+}
+
+function checkSize(bytes: unknown, what: string, max: number, min = 1): number {
+  if (typeof bytes !== 'number' || !Number.isSafeInteger(bytes))
+    throw misuse(`${what} must be an integer, got ${String(bytes)}`)
+  if (bytes < min || bytes > max) throw misuse(`${what} must be in [${min}, ${max}], got ${bytes}`)
+  return bytes
+}
+
+function checkPtr(p: unknown, what: string): bigint {
+  if (typeof p !== 'bigint') throw misuse(`${what} must be a bigint device pointer`)
+  if (p <= 0n || p >= 2n ** 64n) throw misuse(`${what} must be a non-null 64-bit pointer`)
+  return p
+}
+
+// ---------------------------------------------------------------------------
+// Pinned memory
+
+/** How the memory is pinned: CUDA page-locked, mlock'ed, or merely page-aligned. */
+export type PinnedKind = 'cuda' | 'mlock' | 'none'
+
+export interface AllocPinnedOptions {
+  /**
+   * Use cudaHostAlloc when CUDA is usable (the only kind a GPU copies from at
+   * full speed without staging).
+   * @default true
+   */
+  cuda?: boolean
+  /**
+   * mlock the pages when not CUDA-allocated. Failure is not an error: the
+   * result's `kind` is `'none'` and `reason` says why (RLIMIT_MEMLOCK is
+   * typically 8 MiB for non-root users).
+   * @default true
+   */
+  lock?: boolean
+  /**
+   * Align allocations of ≥ 2 MiB to 2 MiB and ask for transparent huge pages
+   * (MADV_HUGEPAGE) — fewer TLB misses on large copies.
+   * @default true
+   */
+  hugePages?: boolean
+}
+
+export interface PinnedAllocation {
+  /** Zero-filled memory. Freed by {@link freePinned} or, failing that, when garbage collected. */
+  buffer: ArrayBuffer
+  kind: PinnedKind
+  /** Why this kind: which paths were tried and what failed (CUDA unavailable, mlock ENOMEM…). */
+  reason: string
+  /** Whether MADV_HUGEPAGE was applied. */
+  hugePages: boolean
+}
+
+export interface PinnedInfo {
+  kind: PinnedKind
+  reason: string
+  bytes: number
+  hugePages: boolean
+  /** Async operations using the buffer right now (freePinned refuses while > 0). */
+  busy: number
+  /** Registered with cudaHostRegister. */
+  registered: boolean
+}
+
+export interface NativeMemoryStats {
+  /** Live pinned allocations (not yet freed or collected). */
+  pinnedBlocks: number
+  pinnedBytes: number
+  /** Buffers registered with cudaHostRegister. */
+  registered: number
+}
+
+function allocOptions(opts: AllocPinnedOptions): Required<AllocPinnedOptions> {
+  if (typeof opts !== 'object' || opts === null) throw misuse('allocPinned options must be an object')
+  return { cuda: opts.cuda ?? true, lock: opts.lock ?? true, hugePages: opts.hugePages ?? true }
+}
+
+/**
+ * Allocates `bytes` of pinned host memory off the JS thread (mlock and
+ * cudaHostAlloc fault every page in: ~0.1–0.3 s per GiB).
+ * @throws NativeError ERR_NATIVE for a bad size or when the memory cannot be mapped.
+ */
+export async function allocPinned(bytes: number, opts: AllocPinnedOptions = {}): Promise<PinnedAllocation> {
+  checkSize(bytes, 'bytes', MAX_PINNED_BYTES)
+  const o = allocOptions(opts)
+  const n = loadNative()
+  return callAsync(() => n.allocPinned(bytes, o))
+}
+
+/** {@link allocPinned} on the calling thread: for small buffers and tests. */
+export function allocPinnedSync(bytes: number, opts: AllocPinnedOptions = {}): PinnedAllocation {
+  checkSize(bytes, 'bytes', MAX_PINNED_BYTES)
+  const o = allocOptions(opts)
+  const n = loadNative()
+  return call(() => n.allocPinnedSync(bytes, o))
+}
+
+/**
+ * Frees a pinned allocation now. The ArrayBuffer is detached: existing views
+ * read as empty and every kvgate call given it again throws ERR_NATIVE.
+ * Refuses (ERR_NATIVE) while a copy or file operation still uses it.
+ */
+export function freePinned(buffer: ArrayBuffer): void {
+  if (!(buffer instanceof ArrayBuffer)) throw misuse('freePinned expects the ArrayBuffer from allocPinned')
+  if (freedBuffers.has(buffer)) throw misuse('buffer was already freed')
+  const n = loadNative()
+  call(() => n.freePinned(buffer))
+  freedBuffers.add(buffer)
+}
+
+/** What kvgate knows about a pinned buffer, or null when it is not one (or was freed). */
+export function pinnedInfo(buffer: ArrayBuffer): PinnedInfo | null {
+  if (!(buffer instanceof ArrayBuffer)) return null
+  return loadNative().pinnedInfo(buffer)
+}
+
+/** Live pinned allocations and registrations of this process (leak checks). */
+export function nativeMemoryStats(): NativeMemoryStats {
+  return loadNative().memoryStats()
+}
+
+/**
+ * Page-locks a JS-owned buffer for CUDA (cudaHostRegister, portable) — the
+ * whole ArrayBuffer behind a view. The buffer is kept alive until
+ * {@link unregisterHost}. Needs CUDA (ERR_CUDA otherwise).
+ */
+export async function registerHost(buffer: HostBuffer): Promise<void> {
+  const r = hostRange(buffer, 'buffer')
+  if (r.buffer.byteLength === 0) throw misuse('cannot register an empty (or freed) buffer')
+  const n = loadNative()
+  await callAsync(() => n.registerHost(r.buffer))
+}
+
+/** Undoes {@link registerHost}. */
+export function unregisterHost(buffer: HostBuffer): void {
+  const r = hostRange(buffer, 'buffer')
+  const n = loadNative()
+  call(() => n.unregisterHost(r.buffer))
+}
+
+// ---------------------------------------------------------------------------
+// CUDA
+
+export interface CudaStatus {
+  /** True when libcudart loaded, every needed symbol resolved and ≥ 1 device answered. */
+  available: boolean
+  /** Why not, when unavailable (dlopen errors, cudaGetDeviceCount's error…); '' otherwise. */
+  reason: string
+  /** The libcudart that was loaded ('' when none). */
+  library: string
+  deviceCount: number
+  /** e.g. 13000 for CUDA 13.0; 0 when unknown. */
+  runtimeVersion: number
+  /** 0 when no driver is installed. */
+  driverVersion: number
+  /** The loaded library is kvgate's test stub. */
+  stub: boolean
+  /** cudaIpcGetMemHandle is present. */
+  ipcGetHandle: boolean
+}
+
+/** A stream handle from {@link cuda.createStream}. */
+export type CudaStream = bigint & { readonly __cudaStream: unique symbol }
+
+export interface CopyOptions {
+  /** Stream to queue on; default: kvgate's own non-blocking stream for the current device. */
+  stream?: CudaStream
+}
+
+export interface CopyResult {
+  /** Descriptors given (zero-length ones included). */
+  descriptors: number
+  /** cudaMemcpyAsync calls made after merging adjacent descriptors. */
+  issued: number
+  bytes: number
+}
+
+/** Direction of a batched copy: host→device, device→host, device→device. */
+export type CopyDirection = 'h2d' | 'd2h' | 'd2d'
+
+const DIRECTIONS = { h2d: 1, d2h: 2, d2d: 3 } as const
+
+function streamArg(opts: CopyOptions): bigint {
+  if (typeof opts !== 'object' || opts === null) throw misuse('copy options must be an object')
+  if (opts.stream === undefined) return 0n
+  return checkPtr(opts.stream, 'stream')
+}
+
+function cudaBinding(): RawCuda {
+  return loadNative().cuda
+}
+
+/**
+ * CUDA through a libcudart loaded at run time (`KVGATE_CUDART`, else
+ * libcudart.so / .so.13 / .so.12 …). Which library is loaded is fixed per
+ * process at the first call. Every call needing a GPU throws ERR_CUDA with
+ * {@link CudaStatus.reason} when CUDA is unavailable.
+ */
+export const cuda = {
+  /** Probes once (dlopen + cudaGetDeviceCount) and reports; never throws except when the addon is missing. */
+  status(): CudaStatus {
+    return cudaBinding().probe()
+  },
+  /** Shorthand for `status().available`. */
+  get available(): boolean {
+    return cudaBinding().probe().available
+  },
+  /** Shorthand for `status().reason`. */
+  get reason(): string {
+    return cudaBinding().probe().reason
+  },
+  /** Devices the runtime reports (0 when unavailable). */
+  deviceCount(): number {
+    return cudaBinding().probe().deviceCount
+  },
+  /** Selects the device every later kvgate CUDA call (on any thread) uses. */
+  setDevice(device: number): void {
+    checkSize(device, 'device', 1024, 0)
+    call(() => cudaBinding().setDevice(device))
+  },
+  /** The device chosen by {@link cuda.setDevice} (0 by default). */
+  getDevice(): number {
+    return cudaBinding().getDevice()
+  },
+  /** cudaMalloc on the current device (synchronous; for tests and copy sinks). */
+  deviceAlloc(bytes: number): bigint {
+    checkSize(bytes, 'bytes', Number.MAX_SAFE_INTEGER)
+    return call(() => cudaBinding().malloc(bytes))
+  },
+  /** cudaFree (synchronous; waits for the device). */
+  deviceFree(ptr: bigint): void {
+    checkPtr(ptr, 'device pointer')
+    call(() => cudaBinding().free(ptr))
+  },
+  /** A non-blocking stream; destroy it with {@link cuda.destroyStream}. */
+  createStream(): CudaStream {
+    return call(() => cudaBinding().streamCreate()) as CudaStream
+  },
+  /** Refuses (ERR_NATIVE) while copies on the stream are in flight. */
+  destroyStream(stream: CudaStream): void {
+    checkPtr(stream, 'stream')
+    call(() => cudaBinding().streamDestroy(stream))
+  },
+  /** Copies all of `src` to device memory at `dst`; resolves when the copy completed. */
+  async copyToDevice(src: HostBuffer, dst: bigint, opts: CopyOptions = {}): Promise<CopyResult> {
+    const r = hostRange(src, 'src')
+    checkPtr(dst, 'dst')
+    return cuda.copyBatch('h2d', src, new BigInt64Array([0n, dst, BigInt(r.length)]), opts)
+  },
+  /** Fills all of `dst` from device memory at `src`. */
+  async copyFromDevice(src: bigint, dst: HostBuffer, opts: CopyOptions = {}): Promise<CopyResult> {
+    const r = hostRange(dst, 'dst')
+    checkPtr(src, 'src')
+    return cuda.copyBatch('d2h', dst, new BigInt64Array([src, 0n, BigInt(r.length)]), opts)
+  },
+  async copyDeviceToDevice(
+    src: bigint,
+    dst: bigint,
+    bytes: number,
+    opts: CopyOptions = {},
+  ): Promise<CopyResult> {
+    checkPtr(src, 'src')
+    checkPtr(dst, 'dst')
+    checkSize(bytes, 'bytes', Number.MAX_SAFE_INTEGER, 0)
+    return cuda.copyBatch('d2d', null, new BigInt64Array([src, dst, BigInt(bytes)]), opts)
+  },
+  /**
+   * Many copies, one completion: `descriptors` holds `[src, dst, bytes]`
+   * triples. The host side of each triple (src for 'h2d', dst for 'd2h') is a
+   * byte offset into `host` (a view's offsets are relative to the view); the
+   * device side is a device pointer. Ranges adjacent on both sides are merged.
+   * Every host range is bounds-checked before anything is queued (ERR_NATIVE);
+   * the descriptors are copied, so the array may be reused at once.
+   * Runs on the libuv pool and resolves after a CUDA event recorded behind the
+   * copies completes; separate calls are not ordered with respect to each
+   * other (even on one stream) until awaited. The host buffer is kept alive
+   * and, if pinned, cannot be freed until the promise settles.
+   */
+  copyBatch(
+    direction: CopyDirection,
+    host: HostBuffer | null,
+    descriptors: BigInt64Array,
+    opts: CopyOptions = {},
+  ): Promise<CopyResult> {
+    return callAsync(async () => {
+      const dir = DIRECTIONS[direction as CopyDirection]
+      if (dir === undefined) throw misuse(`direction must be 'h2d', 'd2h' or 'd2d', got ${String(direction)}`)
+      if (!(descriptors instanceof BigInt64Array)) throw misuse('descriptors must be a BigInt64Array')
+      if (descriptors.length % 3 !== 0) throw misuse('descriptors must hold [src, dst, bytes] triples')
+      const stream = streamArg(opts)
+      let r: HostRange | null = null
+      if (direction === 'd2d') {
+        if (host !== null && host !== undefined) throw misuse("a 'd2d' copy takes no host buffer (pass null)")
+      } else {
+        r = hostRange(host, 'host')
+      }
+      const c = cudaBinding()
+      return c.copy(dir, r?.buffer ?? null, r?.offset ?? 0, r?.length ?? 0, descriptors, stream)
+    })
+  },
+  /**
+   * Maps another process's device allocation (cudaIpcOpenMemHandle with
+   * lazy peer access) and answers its device pointer in this process.
+   */
+  ipcOpen(handle: Uint8Array, opts: { lazyPeerAccess?: boolean } = {}): Promise<bigint> {
+    return callAsync(async () => {
+      if (!(handle instanceof Uint8Array) || handle.byteLength !== 64)
+        throw misuse('IPC handle must be a 64-byte Uint8Array')
+      return cudaBinding().ipcOpen(handle, opts.lazyPeerAccess === false ? 0 : 1)
+    })
+  },
+  /** Unmaps a pointer from {@link cuda.ipcOpen}. */
+  ipcClose(ptr: bigint): Promise<void> {
+    return callAsync(async () => {
+      checkPtr(ptr, 'device pointer')
+      return cudaBinding().ipcClose(ptr)
+    })
+  },
+  /** The 64-byte IPC handle of a device allocation (cudaIpcGetMemHandle), for another process. */
+  ipcGetHandle(ptr: bigint): Uint8Array {
+    checkPtr(ptr, 'device pointer')
+    return call(() => cudaBinding().ipcGetHandle(ptr))
+  },
+  /**
+   * Test stub only (native/test-stub): injects failures/delays
+   * (`'cudaMemcpyAsync=2@1*1'`, `'delay_us=50000'`, `'reset'`), and answers
+   * the stub's live allocations + registrations + open IPC mappings.
+   * Throws ERR_NATIVE when the loaded libcudart is not the stub.
+   */
+  stubControl(spec = ''): number {
+    if (typeof spec !== 'string') throw misuse('spec must be a string')
+    return call(() => cudaBinding().stubControl(spec))
+  },
+}
+
+// ---------------------------------------------------------------------------
+// Files
+
+/** `'auto'`: O_DIRECT when aligned and accepted, else buffered; `'require'`: O_DIRECT or an error; `'off'`: buffered. */
+export type DirectMode = 'auto' | 'require' | 'off'
+
+const MODES = { off: 0, auto: 1, require: 2 } as const
+
+export interface FileIoResult {
+  bytes: number
+  /** Whether O_DIRECT was used. */
+  direct: boolean
+  /** Why buffered I/O was used ('' when direct). */
+  reason: string
+}
+
+export interface ReadFileOptions {
+  /** Byte offset in the file. O_DIRECT needs a multiple of {@link DIRECT_ALIGNMENT}. @default 0 */
+  fileOffset?: number
+  /** Bytes to read; default: to the end of the file (regular files only). Must fit `into`. */
+  length?: number
+  /** @default 'auto' */
+  direct?: DirectMode
+}
+
+export interface WriteFileOptions {
+  /** @default 0 */
+  fileOffset?: number
+  /** @default 'auto' */
+  direct?: DirectMode
+  /** fsync before resolving (durable once resolved). @default false */
+  fsync?: boolean
+  /** Truncate the file first. @default true when fileOffset is 0, else false */
+  truncate?: boolean
+}
+
+function directMode(m: unknown): 0 | 1 | 2 {
+  const v = MODES[(m ?? 'auto') as DirectMode]
+  if (v === undefined) throw misuse(`direct must be 'auto', 'require' or 'off', got ${String(m)}`)
+  return v
+}
+
+function checkPath(path: unknown): string {
+  if (typeof path !== 'string' || path.length === 0 || path.includes('\0')) {
+    throw misuse('path must be a non-empty string without NUL')
+  }
+  return path
+}
+
+function checkDirectOffset(mode: 0 | 1 | 2, fileOffset: number): void {
+  if (mode === 2 && fileOffset % DIRECT_ALIGNMENT !== 0) {
+    throw misuse(
+      `misaligned O_DIRECT request: file offset ${fileOffset} is not a multiple of ${DIRECT_ALIGNMENT}`,
+    )
+  }
+}
+
+/**
+ * Reads a file (or a range) into `into` off the JS thread. With O_DIRECT the
+ * buffer address and file offset must be 4096-aligned (allocPinned memory
+ * is); the length need not be. Resolves with the bytes read (short at EOF).
+ */
+export function readFileDirect(
+  path: string,
+  into: HostBuffer,
+  opts: ReadFileOptions = {},
+): Promise<FileIoResult> {
+  return callAsync(async () => {
+    checkPath(path)
+    const r = hostRange(into, 'into')
+    const mode = directMode(opts.direct)
+    const fileOffset = checkSize(opts.fileOffset ?? 0, 'fileOffset', Number.MAX_SAFE_INTEGER, 0)
+    const length = opts.length === undefined ? -1 : checkSize(opts.length, 'length', r.length, 0)
+    checkDirectOffset(mode, fileOffset)
+    return loadNative().readFile(path, r.buffer, r.offset, r.length, fileOffset, length, mode)
+  })
+}
+
+/** Writes all of `from` to a file off the JS thread; O_DIRECT for the aligned body, the tail buffered. */
+export function writeFileDirect(
+  path: string,
+  from: HostBuffer,
+  opts: WriteFileOptions = {},
+): Promise<FileIoResult> {
+  return callAsync(async () => {
+    checkPath(path)
+    const r = hostRange(from, 'from')
+    const mode = directMode(opts.direct)
+    const fileOffset = checkSize(opts.fileOffset ?? 0, 'fileOffset', Number.MAX_SAFE_INTEGER, 0)
+    checkDirectOffset(mode, fileOffset)
+    const truncate = opts.truncate ?? fileOffset === 0
+    return loadNative().writeFile(
+      path,
+      r.buffer,
+      r.offset,
+      r.length,
+      fileOffset,
+      mode,
+      opts.fsync === true,
+      truncate,
+    )
+  })
+}
+
+/**
+ * Writes back a file's dirty pages and drops its page-cache pages
+ * (fdatasync + POSIX_FADV_DONTNEED): the next buffered read comes from the
+ * device, and a freshly written L2 file stops occupying RAM. Unprivileged,
+ * unlike `echo 3 > /proc/sys/vm/drop_caches`.
+ */
+export function evictFileCache(path: string): Promise<void> {
+  return callAsync(async () => loadNative().evictFileCache(checkPath(path)))
+}

@@ -1,0 +1,227 @@
+// Chunk-level codec API: turns a chunk tensor into a chunk object (one section
+// per layer, codec id/version/params in the header) and back, whole or per layer.
+
+import { decodeElements, encodeElements } from '../core/dtype.ts'
+import { CodecError, InvalidArgumentError } from '../core/errors.ts'
+import {
+  type ChunkHeader,
+  type ChunkMeta,
+  decodeHeader,
+  encodeChunk as encodeChunkObject,
+  sectionOf,
+} from '../core/format.ts'
+import { chunkBytes, DTYPE_CODES, type KvGeometry, layerSlabBytes, rowElements } from '../core/layout.ts'
+import {
+  CODEC_MODES,
+  CODEC_VERSIONS,
+  type CodecMode,
+  checkHeaderCodec,
+  checkQuality,
+  DEFAULT_QUALITY,
+  encodeParams,
+  layerTargets,
+} from './params.ts'
+import { decodeCachegenLayer, encodeCachegenLayer } from './reference-cachegen.ts'
+import { wasmCodec } from './runtime.ts'
+import { MAX_WASM_SLAB_BYTES } from './wasm-instance.ts'
+
+export type ChunkInfo = Omit<ChunkMeta, 'codec' | 'codecVersion' | 'codecParams'>
+
+export interface EncodeOptions {
+  mode: CodecMode
+  /** kvgate only: 1 (smallest) .. 9 (closest); default DEFAULT_QUALITY. */
+  quality?: number
+}
+
+export interface DecodeLimits {
+  /** Largest chunk tensor decodeChunk will allocate (default 2 GiB). */
+  maxOutputBytes?: number
+}
+
+const DEFAULT_MAX_OUTPUT = 2 * 1024 * 1024 * 1024
+/**
+ * The most symbols one input byte can carry: rANS at the most skewed table
+ * (2047/2048) spends ≥ 0.0007 bits per symbol. A section claiming more output
+ * than this is hostile and is refused before anything is allocated.
+ */
+const MAX_SYMBOLS_PER_BYTE = 12_000
+
+/** kvgate encoder knobs (fixed per codec version; the decoder does not need them). */
+const MAX_CLASSES = 8
+
+/** wasm params: [epsK, epsV, gammaK, gammaV, deltaK, maxClasses, levelsK, levelsV]. */
+function kvgateParams(quality: number, layer: number, layers: number): Float32Array {
+  const { kLevels, vLevels } = layerTargets(quality, layer, layers)
+  return new Float32Array([0, 0, 0, 0, 1, MAX_CLASSES, kLevels, vLevels])
+}
+
+/** Encodes a chunk tensor ([layer][K|V][token][kvHead][headDim]) into a chunk object. */
+export function encodeChunk(tensor: Uint8Array, meta: ChunkInfo, opts: EncodeOptions): Uint8Array {
+  const mode = opts?.mode
+  if (!CODEC_MODES.includes(mode)) throw new InvalidArgumentError(`unknown codec mode '${String(mode)}'`)
+  const quality = mode === 'kvgate' ? checkQuality(opts.quality ?? DEFAULT_QUALITY) : 0
+  const g = meta.geometry
+  const t = meta.tokens
+  if (!(tensor instanceof Uint8Array) || tensor.byteLength !== chunkBytes(g, t)) {
+    throw new InvalidArgumentError(
+      `chunk tensor must be ${chunkBytes(g, t)} bytes for ${t} tokens of this geometry, got ${tensor?.byteLength}`,
+    )
+  }
+  const slab = layerSlabBytes(g, t)
+  const c = rowElements(g)
+  const sections: Uint8Array[] = []
+  for (let l = 0; l < g.layers; l++) {
+    const s = tensor.subarray(l * slab, (l + 1) * slab)
+    sections.push(encodeSection(mode, quality, s, g, t, c, l))
+  }
+  return encodeChunkObject(
+    { ...meta, codec: mode, codecVersion: CODEC_VERSIONS[mode], codecParams: encodeParams(mode, quality) },
+    sections,
+  )
+}
+
+function encodeSection(
+  mode: CodecMode,
+  quality: number,
+  slab: Uint8Array,
+  g: KvGeometry,
+  t: number,
+  c: number,
+  layer: number,
+): Uint8Array {
+  switch (mode) {
+    case 'raw':
+      return slab
+    case 'reference-cachegen': {
+      const x = decodeElements(slab, g.dtype)
+      return encodeCachegenLayer(x.subarray(0, t * c), x.subarray(t * c), t, c, layer)
+    }
+    case 'kvgate':
+      return wasmCodec().encodeSection(
+        mode,
+        slab,
+        DTYPE_CODES[g.dtype],
+        t,
+        c,
+        kvgateParams(quality, layer, g.layers),
+      )
+    default:
+      return wasmCodec().encodeSection(mode, slab, DTYPE_CODES[g.dtype], t, c)
+  }
+}
+
+function checkHeader(header: ChunkHeader): void {
+  checkHeaderCodec(header.codec, header.codecVersion, header.codecParams)
+}
+
+/** Refuses sections that could not honestly expand to the slab they claim. */
+function checkExpansion(header: ChunkHeader, section: Uint8Array): void {
+  const g = header.geometry
+  const values = 2 * header.tokens * rowElements(g)
+  const slab = layerSlabBytes(g, header.tokens)
+  const ok =
+    header.codec === 'raw'
+      ? section.byteLength === slab
+      : header.codec === 'q8'
+        ? section.byteLength === 2 * header.tokens * (4 + rowElements(g))
+        : header.codec === 'reference-cachegen'
+          ? // Baseline only, decoded in TS: refuse implausible expansion (< 1/32 bit per value) to bound time.
+            values <= (section.byteLength + 1) * 256
+          : values <= (section.byteLength + 1) * MAX_SYMBOLS_PER_BYTE
+  if (!ok)
+    throw new CodecError(
+      `${header.codec} section of ${section.byteLength} bytes cannot hold ${values} values`,
+    )
+}
+
+/**
+ * Decodes layer `layer`'s section (already extracted and CRC-checked, e.g. from a
+ * layer-range GET) into `out` (the layer slab, K then V) or a new buffer.
+ */
+export function decodeSection(
+  header: ChunkHeader,
+  layer: number,
+  section: Uint8Array,
+  out?: Uint8Array,
+): Uint8Array {
+  checkHeader(header)
+  const g = header.geometry
+  const t = header.tokens
+  const c = rowElements(g)
+  const slab = layerSlabBytes(g, t)
+  if (!Number.isInteger(layer) || layer < 0 || layer >= g.layers) {
+    throw new InvalidArgumentError(`layer ${layer} out of range 0..${g.layers - 1}`)
+  }
+  // Validate before allocating: a hostile header must not buy a huge buffer.
+  checkExpansion(header, section)
+  if (out === undefined && slab > MAX_WASM_SLAB_BYTES)
+    throw new CodecError(`layer slab of ${slab} bytes is too large`)
+  const dst = out ?? new Uint8Array(slab)
+  if (dst.byteLength !== slab)
+    throw new InvalidArgumentError(`output must be ${slab} bytes, got ${dst.byteLength}`)
+  switch (header.codec) {
+    case 'raw':
+      dst.set(section)
+      break
+    case 'reference-cachegen': {
+      const k = new Float32Array(t * c)
+      const v = new Float32Array(t * c)
+      decodeCachegenLayer(section, t, c, layer, k, v)
+      const half = slab / 2
+      encodeElements(k, g.dtype, dst.subarray(0, half))
+      encodeElements(v, g.dtype, dst.subarray(half))
+      break
+    }
+    default:
+      wasmCodec().decodeSection(header.codec, section, DTYPE_CODES[g.dtype], t, c, dst)
+  }
+  return dst
+}
+
+/** Decodes one layer of a whole chunk object (section CRC checked). */
+export function decodeLayer(
+  obj: Uint8Array,
+  header: ChunkHeader,
+  layer: number,
+  out?: Uint8Array,
+): Uint8Array {
+  return decodeSection(header, layer, sectionOf(obj, header, layer), out)
+}
+
+/**
+ * Decodes a whole chunk object into `out` (a caller buffer of the chunk tensor's
+ * size: no intermediate chunk-sized allocation). Returns the header.
+ */
+export function decodeChunkInto(obj: Uint8Array, out: Uint8Array, limits: DecodeLimits = {}): ChunkHeader {
+  const header = decodeHeader(obj)
+  checkHeader(header)
+  const size = chunkBytes(header.geometry, header.tokens)
+  if (size > (limits.maxOutputBytes ?? DEFAULT_MAX_OUTPUT)) {
+    throw new CodecError(`chunk decodes to ${size} bytes, over the limit`)
+  }
+  if (out.byteLength !== size)
+    throw new InvalidArgumentError(`output must be ${size} bytes, got ${out.byteLength}`)
+  if (obj.byteLength !== header.totalBytes) {
+    throw new CodecError(`chunk object is ${obj.byteLength} bytes, header says ${header.totalBytes}`)
+  }
+  const slab = layerSlabBytes(header.geometry, header.tokens)
+  for (let l = 0; l < header.geometry.layers; l++) {
+    decodeLayer(obj, header, l, out.subarray(l * slab, (l + 1) * slab))
+  }
+  return header
+}
+
+/** Decodes a whole chunk object into a new chunk tensor in the header's dtype. */
+export function decodeChunk(obj: Uint8Array, limits: DecodeLimits = {}): Uint8Array {
+  const header = decodeHeader(obj)
+  checkHeader(header)
+  const size = chunkBytes(header.geometry, header.tokens)
+  if (size > (limits.maxOutputBytes ?? DEFAULT_MAX_OUTPUT)) {
+    throw new CodecError(`chunk decodes to ${size} bytes, over the limit`)
+  }
+  // Check every section before allocating the output.
+  for (let l = 0; l < header.geometry.layers; l++) checkExpansion(header, sectionOf(obj, header, l))
+  const out = new Uint8Array(size)
+  decodeChunkInto(obj, out, limits)
+  return out
+}

@@ -1,0 +1,23 @@
+// kvgate/codec: the runtime-neutral codec API. A loader must hand it the wasm
+// module first: src/codec/node.ts (Node, sync) or initCodec(module) (workerd).
+
+export {
+  type ChunkInfo,
+  type DecodeLimits,
+  decodeChunk,
+  decodeChunkInto,
+  decodeLayer,
+  decodeSection,
+  type EncodeOptions,
+  encodeChunk,
+} from './chunk-codec.ts'
+export {
+  CODEC_MODES,
+  CODEC_VERSIONS,
+  type CodecMode,
+  DEFAULT_QUALITY,
+  layerTargets,
+  MAX_QUALITY,
+  MIN_QUALITY,
+} from './params.ts'
+export { initCodec, isCodecReady } from './runtime.ts'

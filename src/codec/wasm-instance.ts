@@ -1,0 +1,158 @@
+// The one place that touches the wasm codec's raw exports and pointers. It
+// copies bytes in and out, frees in `finally`, rebuilds memory views on every
+// call (memory.grow detaches them) and replaces the instance after a trap.
+
+import { CodecError } from '../core/errors.ts'
+
+interface CodecExports {
+  memory: WebAssembly.Memory
+  kv_version(): number
+  kv_alloc(n: number): number
+  kv_free(p: number, n: number): void
+  kv_result_ptr(): number
+  kv_result_clear(): void
+  kv_encode(mode: number, src: number, dtype: number, t: number, c: number, params: number): number
+  kv_decode(mode: number, src: number, len: number, dtype: number, t: number, c: number, dst: number): number
+}
+
+/** Section encodings implemented in wasm (numbers are the crate's MODE_* constants). */
+export const WASM_MODES = { lossless: 1, kvgate: 2, q8: 4 } as const
+export type WasmMode = keyof typeof WASM_MODES
+
+/** The crate version this wrapper speaks; the chunk header carries it as codecVersion. */
+export const WASM_CODEC_VERSION = 1
+
+/** Largest layer slab handed to wasm at once (keeps memory.grow bounded). */
+export const MAX_WASM_SLAB_BYTES = 512 * 1024 * 1024
+
+const EXPORTS = [
+  'memory',
+  'kv_version',
+  'kv_alloc',
+  'kv_free',
+  'kv_result_ptr',
+  'kv_result_clear',
+  'kv_encode',
+  'kv_decode',
+] as const
+
+function instantiate(module: WebAssembly.Module): CodecExports {
+  const inst = new WebAssembly.Instance(module, {})
+  const ex = inst.exports as Record<string, unknown>
+  for (const name of EXPORTS) {
+    if (!(name in ex)) throw new CodecError(`wasm module lacks export '${name}': not the kvgate codec`)
+  }
+  const exports = ex as unknown as CodecExports
+  const v = exports.kv_version()
+  if (v !== WASM_CODEC_VERSION) {
+    throw new CodecError(`wasm codec version ${v}, wrapper expects ${WASM_CODEC_VERSION}`, {
+      code: 'ERR_CODEC_MISMATCH',
+    })
+  }
+  return exports
+}
+
+/** Layer-section encoder/decoder over one wasm instance (recreated after a trap). */
+export class WasmCodec {
+  readonly #module: WebAssembly.Module
+  #ex: CodecExports
+
+  constructor(module: WebAssembly.Module) {
+    this.#module = module
+    this.#ex = instantiate(module)
+  }
+
+  /** Bytes of linear memory right now (tests watch it stay bounded). */
+  get memoryBytes(): number {
+    return this.#ex.memory.buffer.byteLength
+  }
+
+  /** Runs `fn` against the current instance; a trap discards the instance. */
+  #guard<T>(what: string, fn: (ex: CodecExports) => T): T {
+    const ex = this.#ex
+    try {
+      return fn(ex)
+    } catch (e) {
+      if (e instanceof WebAssembly.RuntimeError || e instanceof RangeError) {
+        // The instance's state is unknown after a trap: start from a fresh one.
+        this.#ex = instantiate(this.#module)
+        throw new CodecError(`codec ${what} failed inside wasm: ${(e as Error).message}`, { cause: e })
+      }
+      throw e
+    }
+  }
+
+  #alloc(ex: CodecExports, n: number): number {
+    const p = ex.kv_alloc(n)
+    if (p === 0) throw new CodecError(`wasm allocation of ${n} bytes failed`)
+    return p
+  }
+
+  /** Encodes one layer slab (K then V, `t`×`c` elements each). */
+  encodeSection(
+    mode: WasmMode,
+    slab: Uint8Array,
+    dtypeCode: number,
+    t: number,
+    c: number,
+    params?: Float32Array,
+  ): Uint8Array {
+    if (slab.byteLength > MAX_WASM_SLAB_BYTES)
+      throw new CodecError(`layer slab of ${slab.byteLength} bytes is too large`)
+    return this.#guard('encode', (ex) => {
+      let src = 0
+      let par = 0
+      try {
+        src = this.#alloc(ex, slab.byteLength)
+        par = this.#alloc(ex, 32)
+        new Uint8Array(ex.memory.buffer, src, slab.byteLength).set(slab)
+        const pv = new Float32Array(8)
+        if (params) pv.set(params.subarray(0, 8))
+        new Uint8Array(ex.memory.buffer, par, 32).set(new Uint8Array(pv.buffer))
+        const n = ex.kv_encode(WASM_MODES[mode], src, dtypeCode, t, c, par)
+        if (n < 0) throw new CodecError(`wasm encode rejected its arguments (${n})`)
+        const out = new Uint8Array(ex.memory.buffer, ex.kv_result_ptr(), n).slice()
+        ex.kv_result_clear()
+        return out
+      } finally {
+        if (this.#ex === ex) {
+          if (src) ex.kv_free(src, slab.byteLength)
+          if (par) ex.kv_free(par, 32)
+        }
+      }
+    })
+  }
+
+  /**
+   * Decodes one section into `out` (the layer slab, 2·t·c elements of the dtype).
+   * Throws CodecError for a corrupt section; the instance stays usable.
+   */
+  decodeSection(
+    mode: WasmMode,
+    section: Uint8Array,
+    dtypeCode: number,
+    t: number,
+    c: number,
+    out: Uint8Array,
+  ): void {
+    if (out.byteLength > MAX_WASM_SLAB_BYTES)
+      throw new CodecError(`layer slab of ${out.byteLength} bytes is too large`)
+    this.#guard('decode', (ex) => {
+      let src = 0
+      let dst = 0
+      try {
+        src = this.#alloc(ex, section.byteLength)
+        dst = this.#alloc(ex, out.byteLength)
+        new Uint8Array(ex.memory.buffer, src, section.byteLength).set(section)
+        const rc = ex.kv_decode(WASM_MODES[mode], src, section.byteLength, dtypeCode, t, c, dst)
+        if (rc !== 0) throw new CodecError(`corrupt ${mode} section (wasm decode returned ${rc})`)
+        out.set(new Uint8Array(ex.memory.buffer, dst, out.byteLength))
+      } finally {
+        if (this.#ex === ex) {
+          if (src) ex.kv_free(src, section.byteLength)
+          if (dst) ex.kv_free(dst, out.byteLength)
+        }
+      }
+    })
+  }
+}

@@ -1,0 +1,277 @@
+// AWS Lambda adapter: function URL events (payload v2) in, streamed responses out
+// (awslambda.streamifyResponse); the gateway is built once per cold start from env.
+
+import type { Writable } from 'node:stream'
+import { Readable } from 'node:stream'
+import { pipeline } from 'node:stream/promises'
+import { ConfigError, isKvgateError } from '../../core/errors.ts'
+import { createGateway } from '../app.ts'
+import type { TokenGrant } from '../middleware/auth.ts'
+import type { ObjectStore } from '../stores/types.ts'
+
+/** A Lambda function URL / API Gateway HTTP API event, payload format 2.0. */
+export interface FunctionUrlEvent {
+  version?: string
+  rawPath: string
+  rawQueryString?: string
+  headers?: Record<string, string | undefined>
+  cookies?: string[]
+  body?: string | null
+  isBase64Encoded?: boolean
+  requestContext: {
+    domainName?: string
+    http: { method: string; sourceIp?: string }
+  }
+}
+
+/** The buffered answer (when the function is not in RESPONSE_STREAM mode). */
+export interface FunctionUrlResult {
+  statusCode: number
+  headers: Record<string, string>
+  cookies?: string[]
+  body: string
+  isBase64Encoded: boolean
+}
+
+interface ResponseMetadata {
+  statusCode: number
+  headers: Record<string, string>
+  cookies: string[]
+}
+
+/** The globals the Node.js Lambda runtime provides for response streaming. */
+export interface AwsLambdaGlobal {
+  streamifyResponse<E>(fn: (event: E, responseStream: Writable, context: unknown) => Promise<void>): unknown
+  HttpResponseStream: { from(stream: Writable, metadata: ResponseMetadata): Writable }
+}
+
+/** Anything with a Web fetch: the gateway app. */
+export interface FetchApp {
+  fetch(request: Request): Response | Promise<Response>
+}
+
+/** Builds a Web Request from a function URL event (headers, cookies, base64 bodies). */
+export function eventToRequest(event: FunctionUrlEvent): Request {
+  const headers = new Headers()
+  for (const [k, v] of Object.entries(event.headers ?? {})) if (v !== undefined) headers.set(k, v)
+  if (event.cookies?.length) headers.set('cookie', event.cookies.join('; '))
+  const host = event.requestContext.domainName ?? headers.get('host') ?? 'lambda.invalid'
+  const query = event.rawQueryString ? `?${event.rawQueryString}` : ''
+  const method = event.requestContext.http.method.toUpperCase()
+  let body: Uint8Array<ArrayBuffer> | undefined
+  if (event.body != null && method !== 'GET' && method !== 'HEAD') {
+    const buf = Buffer.from(event.body, event.isBase64Encoded ? 'base64' : 'utf8')
+    body = new Uint8Array(buf.buffer, buf.byteOffset, buf.byteLength) as Uint8Array<ArrayBuffer>
+  }
+  return new Request(`https://${host}${event.rawPath}${query}`, { method, headers, body })
+}
+
+function metadataOf(res: Response): ResponseMetadata {
+  const headers: Record<string, string> = {}
+  const cookies: string[] = []
+  res.headers.forEach((value, name) => {
+    if (name === 'set-cookie') cookies.push(value)
+    else headers[name] = value
+  })
+  return { statusCode: res.status, headers, cookies }
+}
+
+function internalError(e: unknown): Response {
+  const known = isKvgateError(e)
+  const status = known ? e.status : 500
+  const code = known ? e.code : 'ERR_STORE_UNAVAILABLE'
+  const message = known ? e.message : 'gateway failed to start'
+  return Response.json({ error: { code, message } }, { status })
+}
+
+async function respond(getApp: () => Promise<FetchApp>, event: FunctionUrlEvent): Promise<Response> {
+  let request: Request
+  try {
+    request = eventToRequest(event)
+  } catch (e) {
+    return Response.json(
+      { error: { code: 'ERR_INVALID_ARGUMENT', message: `bad request: ${(e as Error).message}` } },
+      { status: 400 },
+    )
+  }
+  try {
+    return await (await getApp()).fetch(request)
+  } catch (e) {
+    // The app answers its own errors; this is a failed cold start (config, SSM).
+    console.error('kvgate: gateway unavailable', e)
+    return internalError(e)
+  }
+}
+
+/**
+ * The streaming handler body: status and headers first, then the body as it comes
+ * from the store. A store failure mid-body destroys the stream, so the client sees
+ * a cut response (which the chunk format's CRCs reject) rather than appended text.
+ */
+export function streamingHandler(getApp: () => Promise<FetchApp>, aws: AwsLambdaGlobal) {
+  return async (event: FunctionUrlEvent, responseStream: Writable): Promise<void> => {
+    const res = await respond(getApp, event)
+    const out = aws.HttpResponseStream.from(responseStream, metadataOf(res))
+    if (!res.body) {
+      out.end()
+      return
+    }
+    try {
+      await pipeline(Readable.fromWeb(res.body as import('node:stream/web').ReadableStream<Uint8Array>), out)
+    } catch (e) {
+      console.error('kvgate: response stream failed', e)
+      out.destroy(e as Error)
+    }
+  }
+}
+
+/** Fallback for BUFFERED invoke mode: the whole body base64-encoded (Lambda caps it at 6 MB). */
+export function bufferedHandler(getApp: () => Promise<FetchApp>) {
+  return async (event: FunctionUrlEvent): Promise<FunctionUrlResult> => {
+    const res = await respond(getApp, event)
+    const { statusCode, headers, cookies } = metadataOf(res)
+    const body = Buffer.from(await res.arrayBuffer())
+    return { statusCode, headers, cookies, body: body.toString('base64'), isBase64Encoded: true }
+  }
+}
+
+/** Wraps an app factory in the streaming handler when the runtime offers it, buffered otherwise. */
+export function createLambdaHandler(getApp: () => Promise<FetchApp>): unknown {
+  const aws = (globalThis as { awslambda?: AwsLambdaGlobal }).awslambda
+  return aws ? aws.streamifyResponse(streamingHandler(getApp, aws)) : bufferedHandler(getApp)
+}
+
+// ---------------------------------------------------------------- configuration
+
+export interface LambdaGatewayConfig {
+  bucket?: string
+  region?: string
+  /** S3-compatible endpoint instead of AWS S3 (local runs against RadosGW / MinIO). */
+  endpoint?: string
+  prefix: string
+  /** SSM SecureString parameter with the token table (JSON TokenGrant[]). */
+  authParameter?: string
+  /** Token table given inline (local runs); SSM is preferred in AWS. */
+  tokensJson?: string
+  /** Explicitly run without auth (local runs only). */
+  authDisabled: boolean
+  /** Store in a directory instead of S3 (local runs of the bundle). */
+  fsRoot?: string
+  presignMinBytes: number
+  presignTtlSeconds: number
+  maxChunkBytes: number
+}
+
+function intFromEnv(env: Record<string, string | undefined>, name: string, fallback: number): number {
+  const raw = env[name]
+  if (raw === undefined || raw === '') return fallback
+  const n = Number(raw)
+  if (!Number.isSafeInteger(n) || n < 0)
+    throw new ConfigError(`${name} must be a non-negative integer, got ${raw}`)
+  return n
+}
+
+/** Reads the gateway settings the Terraform module sets (KVGATE_* environment variables). */
+export function configFromEnv(env: Record<string, string | undefined> = process.env): LambdaGatewayConfig {
+  const cfg: LambdaGatewayConfig = {
+    bucket: env.KVGATE_S3_BUCKET || undefined,
+    region: env.AWS_REGION || undefined,
+    endpoint: env.KVGATE_S3_ENDPOINT || undefined,
+    prefix: env.KVGATE_S3_PREFIX ?? 'kv',
+    authParameter: env.KVGATE_AUTH_SSM_PARAMETER || undefined,
+    tokensJson: env.KVGATE_TOKENS || undefined,
+    authDisabled: env.KVGATE_AUTH === 'disabled',
+    fsRoot: env.KVGATE_FS_ROOT || undefined,
+    // 1 MiB: bytes above it cost Lambda duration and stream at 2 MB/s past the first 6 MB.
+    presignMinBytes: intFromEnv(env, 'KVGATE_PRESIGN_THRESHOLD', 1024 * 1024),
+    presignTtlSeconds: intFromEnv(env, 'KVGATE_PRESIGN_TTL', 300),
+    maxChunkBytes: intFromEnv(env, 'KVGATE_MAX_CHUNK_BYTES', 4 * 1024 * 1024),
+  }
+  if (!cfg.bucket && !cfg.fsRoot)
+    throw new ConfigError('set KVGATE_S3_BUCKET (or KVGATE_FS_ROOT for a local run)')
+  if (!cfg.authParameter && !cfg.tokensJson && !cfg.authDisabled) {
+    throw new ConfigError(
+      'no tokens: set KVGATE_AUTH_SSM_PARAMETER (or KVGATE_TOKENS); a function URL is public, so auth is required',
+    )
+  }
+  return cfg
+}
+
+/** Parses and checks a token table (a JSON array of TokenGrant). */
+export function parseTokens(json: string, source: string): TokenGrant[] {
+  let tokens: unknown
+  try {
+    tokens = JSON.parse(json)
+  } catch (e) {
+    throw new ConfigError(`${source} is not valid JSON`, { cause: e })
+  }
+  if (!Array.isArray(tokens) || tokens.length === 0) {
+    throw new ConfigError(`${source} must be a non-empty JSON array of {sha256, scopes, namespaces}`)
+  }
+  return tokens as TokenGrant[]
+}
+
+async function loadTokensFromSsm(name: string, region: string | undefined): Promise<TokenGrant[]> {
+  // Imported lazily: only the AWS deployment pays for the SSM client's load time.
+  const { SSMClient, GetParameterCommand } = await import('@aws-sdk/client-ssm')
+  const client = new SSMClient(region ? { region } : {})
+  try {
+    const out = await client.send(new GetParameterCommand({ Name: name, WithDecryption: true }))
+    const value = out.Parameter?.Value
+    if (!value) throw new ConfigError(`SSM parameter ${name} is empty`)
+    return parseTokens(value, `SSM parameter ${name}`)
+  } finally {
+    client.destroy()
+  }
+}
+
+async function openStore(cfg: LambdaGatewayConfig): Promise<ObjectStore> {
+  if (cfg.fsRoot) {
+    const { FsStore } = await import('../stores/fs.ts')
+    return new FsStore({ root: cfg.fsRoot }).open()
+  }
+  const { S3Store } = await import('../stores/s3.ts')
+  // Lambda runs close to S3: a short connect timeout, and few sockets per instance
+  // (one request at a time per execution environment).
+  return new S3Store({
+    bucket: cfg.bucket!,
+    region: cfg.region,
+    ...(cfg.endpoint ? { endpoint: cfg.endpoint } : {}),
+    maxSockets: 16,
+  })
+}
+
+/** Builds the gateway app from a config (what the cold start does). */
+export async function gatewayFromConfig(cfg: LambdaGatewayConfig): Promise<FetchApp> {
+  const tokens = cfg.authDisabled
+    ? []
+    : cfg.tokensJson
+      ? parseTokens(cfg.tokensJson, 'KVGATE_TOKENS')
+      : await loadTokensFromSsm(cfg.authParameter!, cfg.region)
+  const store = await openStore(cfg)
+  return createGateway({
+    store,
+    auth: tokens.length > 0 ? { tokens } : undefined,
+    limits: { maxChunkBytes: cfg.maxChunkBytes },
+    presign: { minBytes: cfg.presignMinBytes, expiresSeconds: cfg.presignTtlSeconds },
+    prefix: cfg.prefix,
+    storagePricePerGBMonth: 0.023,
+  })
+}
+
+/** One app per execution environment: built on first use, rebuilt after a failed start. */
+export function cachedApp(factory: () => Promise<FetchApp>): () => Promise<FetchApp> {
+  let pending: Promise<FetchApp> | undefined
+  return () => {
+    pending ??= factory().catch((e: unknown) => {
+      pending = undefined
+      throw e
+    })
+    return pending
+  }
+}
+
+const defaultApp = cachedApp(async () => gatewayFromConfig(configFromEnv()))
+
+/** The function's entry point (`index.handler` in the zip built by scripts/build-lambda.ts). */
+export const handler = createLambdaHandler(defaultApp)

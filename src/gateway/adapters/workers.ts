@@ -1,0 +1,143 @@
+// Cloudflare Workers entry: `export default { fetch }` building the gateway once per
+// isolate from its bindings (R2 bucket, token table secret, limits from vars).
+
+import { ConfigError, isKvgateError } from '../../core/errors.ts'
+import { createGateway, type GatewayApp } from '../app.ts'
+import type { TokenGrant } from '../middleware/auth.ts'
+import { type R2BucketLike, R2Store } from '../stores/r2.ts'
+
+/** Bindings declared in wrangler.toml. */
+export interface WorkerEnv {
+  /** The R2 bucket holding chunk objects ([[r2_buckets]] binding). */
+  KVGATE_BUCKET: R2BucketLike
+  /** Secret: the token table as JSON (TokenGrant[]: sha256, scopes, namespaces). */
+  KVGATE_TOKENS?: string
+  /** "disabled" runs without auth: local development only. */
+  KVGATE_AUTH?: string
+  /** Object name prefix in the bucket. @default 'kv' */
+  KVGATE_PREFIX?: string
+  /** Largest PUT body. @default 94371840 (90 MiB, under the 100 MB request limit) */
+  KVGATE_MAX_CHUNK_BYTES?: string
+  /** Bodies above this use an R2 multipart upload. @default 67108864 */
+  KVGATE_MULTIPART_THRESHOLD?: string
+  /** Multipart part size (≥ 5 MiB). @default 8388608 */
+  KVGATE_PART_BYTES?: string
+  /** "true": /metrics and the status page need no token. */
+  KVGATE_PUBLIC_STATUS?: string
+}
+
+function intVar(env: WorkerEnv, name: keyof WorkerEnv, fallback: number): number {
+  const raw = env[name]
+  if (raw === undefined || raw === '') return fallback
+  const n = Number(raw)
+  if (typeof raw !== 'string' || !Number.isSafeInteger(n) || n < 1) {
+    throw new ConfigError(`${name} must be a positive integer, got ${String(raw)}`)
+  }
+  return n
+}
+
+function tokensOf(env: WorkerEnv): TokenGrant[] {
+  if (env.KVGATE_AUTH === 'disabled') return []
+  if (!env.KVGATE_TOKENS) {
+    throw new ConfigError(
+      'no token table: run `wrangler secret put KVGATE_TOKENS` (or set KVGATE_AUTH=disabled locally)',
+    )
+  }
+  let tokens: unknown
+  try {
+    tokens = JSON.parse(env.KVGATE_TOKENS)
+  } catch (e) {
+    throw new ConfigError('KVGATE_TOKENS is not valid JSON', { cause: e })
+  }
+  if (!Array.isArray(tokens) || tokens.length === 0) {
+    throw new ConfigError('KVGATE_TOKENS must be a non-empty JSON array of {sha256, scopes, namespaces}')
+  }
+  return tokens as TokenGrant[]
+}
+
+/** Builds the gateway for one isolate's bindings; throws ConfigError on bad settings. */
+export function gatewayFromEnv(env: WorkerEnv): GatewayApp {
+  if (!env.KVGATE_BUCKET) throw new ConfigError('missing the KVGATE_BUCKET R2 binding (see wrangler.toml)')
+  const tokens = tokensOf(env)
+  const store = new R2Store(env.KVGATE_BUCKET, {
+    multipartThreshold: intVar(env, 'KVGATE_MULTIPART_THRESHOLD', 64 * 1024 * 1024),
+    partBytes: intVar(env, 'KVGATE_PART_BYTES', 8 * 1024 * 1024),
+  })
+  return createGateway({
+    store,
+    auth: tokens.length > 0 ? { tokens, publicStatus: env.KVGATE_PUBLIC_STATUS === 'true' } : undefined,
+    limits: { maxChunkBytes: intVar(env, 'KVGATE_MAX_CHUNK_BYTES', 90 * 1024 * 1024) },
+    prefix: env.KVGATE_PREFIX ?? 'kv',
+    // R2 list price; no egress fees.
+    storagePricePerGBMonth: 0.015,
+  })
+}
+
+// Bindings are fixed for an isolate's lifetime (a new deploy or secret starts new
+// isolates), so the app, its lookup cache and metrics live as long as the isolate.
+let cached: GatewayApp | undefined
+
+function appFor(env: WorkerEnv): GatewayApp {
+  cached ??= gatewayFromEnv(env)
+  return cached
+}
+
+/**
+ * Gives the app a request whose body it may cancel without the client noticing: the
+ * gateway answers some PUTs early ("exists", 401/403/413) without reading the body,
+ * and a connection closed on unread bytes resets the client's upload (ECONNRESET)
+ * before it can read the answer. After the app is done, the rest is read and dropped.
+ */
+function withDrainableBody(request: Request): { request: Request; drain(): Promise<void> } {
+  const source = request.body
+  if (!source) return { request, drain: async () => {} }
+  const reader = source.getReader()
+  let finished = false
+  let reading: Promise<unknown> = Promise.resolve()
+  const body = new ReadableStream<Uint8Array>(
+    {
+      async pull(c) {
+        const read = reader.read()
+        reading = read.catch(() => {})
+        const { done, value } = await read
+        if (done) {
+          finished = true
+          c.close()
+        } else c.enqueue(value)
+      },
+      // Leave the source open: drain() consumes what the app did not.
+      cancel() {},
+    },
+    { highWaterMark: 0 },
+  )
+  const init: RequestInit & { duplex: 'half' } = { body, duplex: 'half' }
+  return {
+    request: new Request(request, init),
+    async drain() {
+      await reading
+      try {
+        while (!finished) finished = (await reader.read()).done
+      } catch {
+        // The client went away: nothing left to protect.
+      }
+    },
+  }
+}
+
+export default {
+  async fetch(request: Request, env: WorkerEnv, ctx: unknown): Promise<Response> {
+    let app: GatewayApp
+    try {
+      app = appFor(env)
+    } catch (e) {
+      console.error('kvgate: gateway misconfigured', e)
+      const code = isKvgateError(e) ? e.code : 'ERR_CONFIG'
+      const message = isKvgateError(e) ? e.message : 'gateway failed to start'
+      return Response.json({ error: { code, message } }, { status: 500 })
+    }
+    const { request: req, drain } = withDrainableBody(request)
+    const res = await app.fetch(req, env as unknown as Record<string, unknown>, ctx as never)
+    await drain()
+    return res
+  },
+}

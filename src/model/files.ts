@@ -1,0 +1,105 @@
+// Node-only: finds the shared model files (never committed to the repo) and loads
+// them. Everything else in src/model works on bytes and runs in any runtime.
+
+import { existsSync, readFileSync, statSync } from 'node:fs'
+import { dirname, join, resolve } from 'node:path'
+import { fileURLToPath } from 'node:url'
+import { Transformer } from './forward.ts'
+import { type LlamaCheckpoint, type ParseCheckpointOptions, parseLlama2c } from './llama2c.ts'
+import { ModelError } from './model-error.ts'
+import { parseTokenizer, type Tokenizer } from './tokenizer.ts'
+
+export const MODEL_FILE = 'stories260K.bin'
+export const TOKENIZER_FILE = 'tok512.bin'
+
+export interface SharedDataPaths {
+  /** The directory holding both files. */
+  dir: string
+  /** stories260K.bin */
+  model: string
+  /** tok512.bin */
+  tokenizer: string
+}
+
+export type SharedDataLookup =
+  | { paths: SharedDataPaths; reason?: undefined }
+  | { paths: undefined; reason: string }
+
+const repoRoot = resolve(dirname(fileURLToPath(import.meta.url)), '..', '..')
+
+/**
+ * Locates the shared model data: $KVGATE_SHARED_DATA, else <repo>/../shared/data,
+ * else /work/shared/data. `paths` is undefined when none holds both files, and
+ * `reason` says where it looked (tests print it when they skip).
+ */
+export function findSharedData(env: Record<string, string | undefined> = process.env): SharedDataLookup {
+  const candidates: string[] = []
+  if (env.KVGATE_SHARED_DATA) candidates.push(resolve(env.KVGATE_SHARED_DATA))
+  candidates.push(resolve(repoRoot, '..', 'shared', 'data'), '/work/shared/data')
+  const tried: string[] = []
+  for (const dir of candidates) {
+    const model = join(dir, MODEL_FILE)
+    const tokenizer = join(dir, TOKENIZER_FILE)
+    if (existsSync(model) && existsSync(tokenizer)) return { paths: { dir, model, tokenizer } }
+    tried.push(dir)
+    // An explicit setting that is wrong is reported, not silently replaced by a fallback.
+    if (env.KVGATE_SHARED_DATA && dir === candidates[0]) {
+      return {
+        paths: undefined,
+        reason: `KVGATE_SHARED_DATA=${dir} has no ${MODEL_FILE} + ${TOKENIZER_FILE}`,
+      }
+    }
+  }
+  return {
+    paths: undefined,
+    reason: `model data (${MODEL_FILE}, ${TOKENIZER_FILE}) not found in ${tried.join(', ')}; set KVGATE_SHARED_DATA`,
+  }
+}
+
+function readBounded(path: string, maxBytes: number, what: string): Uint8Array {
+  let size: number
+  try {
+    size = statSync(path).size
+  } catch (e) {
+    throw new ModelError(`${what}: cannot read ${path}: ${(e as Error).message}`, { cause: e })
+  }
+  if (size > maxBytes)
+    throw new ModelError(`${what}: ${path} is ${size} bytes, above the limit of ${maxBytes}`)
+  return new Uint8Array(readFileSync(path))
+}
+
+export function loadCheckpointFile(path: string, opts: ParseCheckpointOptions = {}): LlamaCheckpoint {
+  return parseLlama2c(readBounded(path, opts.maxBytes ?? 2 ** 31, 'llama2.c checkpoint'), opts)
+}
+
+export function loadTokenizerFile(path: string, vocabSize?: number): Tokenizer {
+  return parseTokenizer(
+    readBounded(path, 64 << 20, 'tokenizer'),
+    vocabSize === undefined ? {} : { vocabSize },
+  )
+}
+
+export interface LoadedModel {
+  checkpoint: LlamaCheckpoint
+  tokenizer: Tokenizer
+  transformer: Transformer
+  paths: SharedDataPaths
+}
+
+let cached: LoadedModel | undefined
+
+/** Loads stories260K + its tokenizer from the shared data (memoized per process). */
+export function loadStories260k(paths?: SharedDataPaths): LoadedModel {
+  if (!paths && cached) return cached
+  let p = paths
+  if (!p) {
+    const found = findSharedData()
+    if (!found.paths) throw new ModelError(found.reason)
+    p = found.paths
+  }
+  const checkpoint = loadCheckpointFile(p.model)
+  const tokenizer = loadTokenizerFile(p.tokenizer, checkpoint.config.vocabSize)
+  const loaded = { checkpoint, tokenizer, transformer: new Transformer(checkpoint), paths: p }
+  if (!paths) cached = loaded
+  return loaded
+}

@@ -1,0 +1,97 @@
+import { describe, expect, it } from 'vitest'
+import { fuzzCodec } from '../bench/fuzz-codec-lib.ts'
+import { decodeChunk, encodeChunk } from '../src/codec/node.ts'
+import { wasmCodec } from '../src/codec/runtime.ts'
+import { WasmCodec } from '../src/codec/wasm-instance.ts'
+import { metaFor, syntheticKv, tensorOf } from './codec-fixtures.ts'
+
+describe('codec under hostile input', () => {
+  it('a few thousand mutated chunks: only kvgate errors, no traps, bounded memory, instance intact', () => {
+    const report = fuzzCodec({ iterations: 3000, seed: 7 })
+    expect(report.failures).toEqual([])
+    expect(report.traps).toBe(0)
+    expect(report.rejected).toBeGreaterThan(1000)
+    // Some mutations (e.g. in raw sections or quantized payload bytes) decode to other values.
+    expect(report.decoded).toBeGreaterThan(0)
+    expect(report.maxMemoryBytes).toBeLessThan(16 * 1024 * 1024)
+  })
+
+  it('a trap inside wasm becomes a CodecError and the instance is replaced', () => {
+    // The real codec does not trap on hostile input (the fuzz test shows it), so
+    // drive the recovery path with a stand-in module whose encode/decode trap.
+    const codec = new WasmCodec(trappingModule())
+    const out = new Uint8Array(64)
+    for (let i = 0; i < 3; i++) {
+      expect(() => codec.decodeSection('kvgate', new Uint8Array(8), 1, 1, 16, out)).toThrow(
+        expect.objectContaining({ code: 'ERR_CODEC', message: expect.stringMatching(/inside wasm/) }),
+      )
+      expect(() => codec.encodeSection('lossless', out, 1, 1, 16)).toThrow(/inside wasm/)
+    }
+  })
+
+  it('the shared instance survives garbage sections of every length', () => {
+    const g = { layers: 1, kvHeads: 2, headDim: 8, dtype: 'bf16' as const }
+    const tensor = tensorOf(syntheticKv(g, 16), 'bf16')
+    const obj = encodeChunk(tensor, metaFor(g, 16), { mode: 'kvgate' })
+    const before = wasmCodec().memoryBytes
+    for (let n = 0; n < 300; n += 7) {
+      const junk = new Uint8Array(n).map((_, i) => (i * 131 + n) & 0xff)
+      expect(() =>
+        wasmCodec().decodeSection('kvgate', junk, 2, 16, 16, new Uint8Array(tensor.length)),
+      ).toThrow(expect.objectContaining({ code: 'ERR_CODEC' }))
+    }
+    expect(decodeChunk(obj).byteLength).toBe(tensor.length)
+    expect(wasmCodec().memoryBytes).toBeLessThanOrEqual(Math.max(before, 4 * 1024 * 1024))
+  })
+})
+
+/** A minimal module with the codec's exports whose kv_encode / kv_decode execute `unreachable`. */
+function trappingModule(): WebAssembly.Module {
+  const I32 = 0x7f
+  const vec = (items: number[][]): number[] => [items.length, ...items.flat()]
+  const section = (id: number, body: number[]): number[] => [id, body.length, ...body]
+  const name = (s: string): number[] => [s.length, ...Array.from(s, (ch) => ch.charCodeAt(0))]
+  const types = vec([
+    [0x60, 0, 1, I32],
+    [0x60, 1, I32, 1, I32],
+    [0x60, 2, I32, I32, 0],
+    [0x60, 0, 0],
+    [0x60, 6, ...new Array(6).fill(I32), 1, I32],
+    [0x60, 7, ...new Array(7).fill(I32), 1, I32],
+  ])
+  const funcs = [0, 1, 2, 0, 3, 4, 5]
+  const names = [
+    'kv_version',
+    'kv_alloc',
+    'kv_free',
+    'kv_result_ptr',
+    'kv_result_clear',
+    'kv_encode',
+    'kv_decode',
+  ]
+  const bodies = [
+    [0, 0x41, 1, 0x0b],
+    [0, 0x41, 0x80, 0x08, 0x0b],
+    [0, 0x0b],
+    [0, 0x41, 0, 0x0b],
+    [0, 0x0b],
+    [0, 0x00, 0x0b],
+    [0, 0x00, 0x0b],
+  ]
+  const bytes = [
+    0x00,
+    0x61,
+    0x73,
+    0x6d,
+    1,
+    0,
+    0,
+    0,
+    ...section(1, types),
+    ...section(3, vec(funcs.map((f) => [f]))),
+    ...section(5, [1, 0, 1]),
+    ...section(7, vec([[...name('memory'), 2, 0], ...names.map((n, i) => [...name(n), 0, i])])),
+    ...section(10, vec(bodies.map((b) => [b.length, ...b]))),
+  ]
+  return new WebAssembly.Module(new Uint8Array(bytes))
+}

@@ -1,0 +1,358 @@
+// The native addon without CUDA: loader errors, pinned memory, misuse, and
+// O_DIRECT file I/O with its buffered fallback. CUDA is pinned to a missing
+// library here; the stub-driven CUDA path is in native-stub.test.ts.
+
+import { spawnSync } from 'node:child_process'
+import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { afterAll, describe, expect, it } from 'vitest'
+
+// Before anything probes CUDA (the choice is per process).
+process.env.KVGATE_CUDART = '/nonexistent/kvgate-test/libcudart.so'
+delete process.env.KVGATE_NATIVE_PATH
+
+const native = await import('../src/client/native.ts')
+const {
+  allocPinned,
+  allocPinnedSync,
+  cuda,
+  freePinned,
+  nativeMemoryStats,
+  pinnedInfo,
+  readFileDirect,
+  writeFileDirect,
+} = native
+
+const dir = mkdtempSync(join(tmpdir(), 'kvgate-native-'))
+afterAll(() => rmSync(dir, { recursive: true, force: true }))
+
+async function rejectsWith(p: Promise<unknown> | (() => unknown), code: string, message?: RegExp) {
+  let err: unknown
+  try {
+    await (typeof p === 'function' ? p() : p)
+  } catch (e) {
+    err = e
+  }
+  expect(err, 'expected an error').toBeInstanceOf(native.NativeError)
+  expect((err as { code: string }).code).toBe(code)
+  if (message) expect((err as Error).message).toMatch(message)
+  return err as InstanceType<typeof native.NativeError>
+}
+
+// toEqual walks typed arrays element by element (seconds per MiB): compare bytes.
+function same(a: Uint8Array, b: Uint8Array): boolean {
+  return Buffer.from(a.buffer, a.byteOffset, a.byteLength).equals(
+    Buffer.from(b.buffer, b.byteOffset, b.byteLength),
+  )
+}
+
+function pattern(n: number, seed = 1): Uint8Array {
+  const u = new Uint8Array(n)
+  let x = seed >>> 0
+  for (let i = 0; i < n; i++) {
+    x = (x * 1103515245 + 12345) >>> 0
+    u[i] = x >>> 24
+  }
+  return u
+}
+
+describe('loader', () => {
+  it('loads the built addon (run scripts/build-native.sh if this fails)', () => {
+    // Fails with the loader's own message, which names the build command.
+    expect(native.loadNative().abiVersion).toBe(native.NATIVE_ABI_VERSION)
+  })
+
+  it('throws one actionable ERR_NATIVE error naming every path tried and the build command', () => {
+    const bogus = join(dir, 'not-an-addon.node')
+    writeFileSync(bogus, 'definitely not ELF')
+    const script = `import('./src/client/native.ts').then((m) => { try { m.loadNative(); console.log('LOADED') } catch (e) { console.log(JSON.stringify({ code: e.code, message: e.message, again: (() => { try { m.loadNative() } catch (e2) { return e2 === e } })() })) } })`
+    const r = spawnSync(process.execPath, ['--import', 'tsx', '-e', script], {
+      cwd: join(import.meta.dirname, '..'),
+      env: { ...process.env, KVGATE_NATIVE_PATH: bogus },
+      encoding: 'utf8',
+    })
+    const out = JSON.parse(r.stdout.trim().split('\n').pop()!)
+    expect(out.code).toBe('ERR_NATIVE')
+    expect(out.message).toContain(bogus)
+    expect(out.message).toMatch(/ELF|invalid|too short/)
+    expect(out.message).toContain('build-native.sh')
+    expect(out.again).toBe(true)
+  })
+
+  it('lists only the override when KVGATE_NATIVE_PATH is set', () => {
+    process.env.KVGATE_NATIVE_PATH = '/x/y.node'
+    try {
+      expect(native.nativeCandidates()).toEqual(['/x/y.node'])
+    } finally {
+      delete process.env.KVGATE_NATIVE_PATH
+    }
+    expect(native.nativeCandidates()[0]).toBe(native.nativePaths.addon)
+  })
+})
+
+describe('CUDA unavailable', () => {
+  it('reports available=false with the dlopen reason', () => {
+    const s = cuda.status()
+    expect(s.available).toBe(false)
+    expect(cuda.available).toBe(false)
+    expect(s.reason).toContain('/nonexistent/kvgate-test/libcudart.so')
+    expect(s.library).toBe('')
+  })
+
+  it('every GPU call is an ERR_CUDA error carrying the reason, not a crash', async () => {
+    await rejectsWith(() => cuda.deviceAlloc(1024), 'ERR_CUDA', /not available.*nonexistent/)
+    await rejectsWith(() => cuda.setDevice(0), 'ERR_CUDA')
+    await rejectsWith(() => cuda.createStream(), 'ERR_CUDA')
+    await rejectsWith(cuda.copyToDevice(new Uint8Array(8), 4096n), 'ERR_CUDA')
+    await rejectsWith(cuda.ipcOpen(new Uint8Array(64)), 'ERR_CUDA')
+    await rejectsWith(native.registerHost(new Uint8Array(4096)), 'ERR_CUDA')
+    await rejectsWith(() => cuda.stubControl(''), 'ERR_NATIVE', /not kvgate's test stub/)
+  })
+
+  // Each probe is per process: these run the addon in child processes.
+  const probe = (env: Record<string, string>) => {
+    const r = spawnSync(
+      process.execPath,
+      [
+        '-e',
+        `console.log(JSON.stringify(require(${JSON.stringify(native.nativePaths.addon)}).cuda.probe()))`,
+      ],
+      { env: { ...process.env, ...env }, encoding: 'utf8' },
+    )
+    expect(r.status, r.stderr).toBe(0)
+    return JSON.parse(r.stdout) as { available: boolean; reason: string; deviceCount: number }
+  }
+
+  it('a libcudart whose cudaGetDeviceCount answers 35 (no driver) is unavailable with that reason', () => {
+    const s = probe({
+      KVGATE_CUDART: native.nativePaths.stubCudart,
+      KVGATE_STUB_FAIL: 'cudaGetDeviceCount=35',
+    })
+    expect(s.available).toBe(false)
+    expect(s.reason).toMatch(/insufficient.*cudaErrorInsufficientDriver = 35/)
+  })
+
+  it('zero devices is unavailable with the runtime reason', () => {
+    const s = probe({ KVGATE_CUDART: native.nativePaths.stubCudart, KVGATE_STUB_DEVICES: '0' })
+    expect(s.available).toBe(false)
+    expect(s.reason).toMatch(/no CUDA-capable device/)
+  })
+
+  it('the system libcudart (if any) without a GPU reports why instead of failing', () => {
+    if (existsSync('/dev/nvidiactl')) return // a GPU machine: covered by test/gpu
+    const s = probe({ KVGATE_CUDART: '' })
+    expect(s.available).toBe(false)
+    expect(s.reason.length).toBeGreaterThan(10)
+  })
+})
+
+describe('pinned memory', () => {
+  it('allocates zeroed, writable memory and says which kind and why', async () => {
+    const a = await allocPinned(1 << 20)
+    expect(a.buffer.byteLength).toBe(1 << 20)
+    expect(['mlock', 'none']).toContain(a.kind)
+    expect(a.reason).toMatch(/CUDA unavailable/)
+    if (a.kind === 'none') expect(a.reason).toMatch(/mlock failed/)
+    const u = new Uint8Array(a.buffer)
+    expect(u.every((v) => v === 0)).toBe(true)
+    u.set(pattern(u.length))
+    expect(same(u, pattern(u.length))).toBe(true)
+    expect(pinnedInfo(a.buffer)).toMatchObject({ kind: a.kind, bytes: 1 << 20, busy: 0 })
+    freePinned(a.buffer)
+  })
+
+  it('reports locking not requested, and huge pages on large allocations', () => {
+    const a = allocPinnedSync(4 << 20, { lock: false })
+    expect(a.kind).toBe('none')
+    expect(a.reason).toMatch(/locking not requested/)
+    const thp = '/sys/kernel/mm/transparent_hugepage/enabled'
+    if (existsSync(thp) && !readFileSync(thp, 'utf8').includes('[never]')) expect(a.hugePages).toBe(true)
+    freePinned(a.buffer)
+    const small = allocPinnedSync(4096, { hugePages: true })
+    expect(small.hugePages).toBe(false)
+    freePinned(small.buffer)
+  })
+
+  it('free detaches the buffer; further use is a typed error', async () => {
+    const before = nativeMemoryStats()
+    const a = allocPinnedSync(64 << 10)
+    const view = new Uint8Array(a.buffer, 100, 10)
+    expect(nativeMemoryStats().pinnedBlocks).toBe(before.pinnedBlocks + 1)
+    freePinned(a.buffer)
+    expect(nativeMemoryStats()).toEqual(before)
+    expect(a.buffer.byteLength).toBe(0)
+    expect(view.length).toBe(0)
+    expect(view[0]).toBeUndefined()
+    expect(pinnedInfo(a.buffer)).toBeNull()
+    await rejectsWith(() => freePinned(a.buffer), 'ERR_NATIVE', /already freed/)
+    await rejectsWith(readFileDirect(join(dir, 'x'), a.buffer), 'ERR_NATIVE', /freed/)
+    await rejectsWith(writeFileDirect(join(dir, 'x'), view), 'ERR_NATIVE', /freed/)
+    await rejectsWith(cuda.copyToDevice(view, 4096n), 'ERR_NATIVE', /freed/)
+  })
+
+  it('rejects bad sizes and non-pinned buffers', async () => {
+    for (const bad of [0, -1, 1.5, Number.NaN, 2 ** 32 + 1, 2 ** 60, '1' as unknown as number]) {
+      await rejectsWith(allocPinned(bad), 'ERR_NATIVE')
+      await rejectsWith(() => allocPinnedSync(bad), 'ERR_NATIVE')
+    }
+    await rejectsWith(() => freePinned(new ArrayBuffer(16)), 'ERR_NATIVE', /not a pinned allocation/)
+    await rejectsWith(() => freePinned(new Uint8Array(16) as unknown as ArrayBuffer), 'ERR_NATIVE')
+    await rejectsWith(allocPinned(16, null as unknown as object), 'ERR_NATIVE')
+    expect(pinnedInfo(new ArrayBuffer(8))).toBeNull()
+  })
+
+  it('the raw binding refuses bad sizes too (C++ does not trust a bypassed wrapper)', () => {
+    const raw = native.loadNative()
+    const o = { cuda: true, lock: true, hugePages: true }
+    expect(() => raw.allocPinnedSync(-5, o)).toThrow(/non-negative safe integer/)
+    expect(() => raw.allocPinnedSync(0, o)).toThrow(/at least 1/)
+    expect(() => raw.allocPinnedSync(2 ** 62, o)).toThrow(/safe integer/)
+    expect(() => raw.allocPinnedSync(2 ** 40, o)).toThrow(/exceeds 4294967296/)
+    // One byte over Node's external-buffer limit once crashed (a double free).
+    expect(() => raw.allocPinnedSync(2 ** 32 + 4096, { ...o, lock: false })).toThrow(/exceeds/)
+    expect(nativeMemoryStats().pinnedBlocks).toBe(0)
+  })
+})
+
+describe('file I/O (O_DIRECT with fallback)', () => {
+  it('round-trips aligned and unaligned lengths through O_DIRECT on a real filesystem', async () => {
+    for (const n of [64 << 10, (64 << 10) + 123, 100]) {
+      const src = allocPinnedSync(n + 4096)
+      const data = pattern(n, n)
+      new Uint8Array(src.buffer).set(data)
+      const path = join(dir, `rt-${n}`)
+      const w = await writeFileDirect(path, new Uint8Array(src.buffer, 0, n), { fsync: true })
+      expect(w.bytes).toBe(n)
+      // tmpfs on old kernels rejects O_DIRECT; then the reason says so.
+      if (!w.direct) expect(w.reason).toMatch(/EINVAL/)
+      expect(same(readFileSync(path), data)).toBe(true)
+
+      const dst = allocPinnedSync(n + 4096)
+      const r = await readFileDirect(path, dst.buffer)
+      expect(r.bytes).toBe(n)
+      expect(r.direct).toBe(w.direct)
+      expect(same(new Uint8Array(dst.buffer, 0, n), data)).toBe(true)
+      expect(new Uint8Array(dst.buffer, n, 16).every((v) => v === 0)).toBe(true)
+      freePinned(src.buffer)
+      freePinned(dst.buffer)
+    }
+  })
+
+  it('reads a range at an aligned offset, short at EOF, empty past it', async () => {
+    const data = pattern(3 * 4096 + 500, 7)
+    const path = join(dir, 'range')
+    writeFileSync(path, data)
+    const b = allocPinnedSync(16384)
+    const r = await readFileDirect(path, b.buffer, { fileOffset: 4096, length: 5000, direct: 'require' })
+    expect(r).toMatchObject({ bytes: 5000, direct: true })
+    expect(same(new Uint8Array(b.buffer, 0, 5000), data.subarray(4096, 9096))).toBe(true)
+    const tail = await readFileDirect(path, b.buffer, { fileOffset: 8192, length: 8192 })
+    expect(tail.bytes).toBe(data.length - 8192)
+    expect(same(new Uint8Array(b.buffer, 0, tail.bytes), data.subarray(8192))).toBe(true)
+    expect((await readFileDirect(path, b.buffer, { fileOffset: 1 << 20 })).bytes).toBe(0)
+    freePinned(b.buffer)
+  })
+
+  it('writes at an offset without truncating', async () => {
+    const path = join(dir, 'offset')
+    writeFileSync(path, new Uint8Array(16384).fill(1))
+    const b = allocPinnedSync(4096)
+    new Uint8Array(b.buffer).fill(9)
+    const w = await writeFileDirect(path, b.buffer, { fileOffset: 8192 })
+    expect(w.bytes).toBe(4096)
+    const back = readFileSync(path)
+    expect(back.length).toBe(16384)
+    expect(back[8191]).toBe(1)
+    expect(back[8192]).toBe(9)
+    expect(back[12287]).toBe(9)
+    expect(back[12288]).toBe(1)
+    freePinned(b.buffer)
+  })
+
+  it('misaligned requests: auto falls back to buffered and says why; require is an error', async () => {
+    const data = pattern(10000, 3)
+    const path = join(dir, 'mis')
+    writeFileSync(path, data)
+    const b = allocPinnedSync(20000)
+    const shifted = new Uint8Array(b.buffer, 1, 12000)
+    const r = await readFileDirect(path, shifted)
+    expect(r).toMatchObject({ bytes: 10000, direct: false })
+    expect(r.reason).toMatch(/misaligned.*address % 4096 = 1/)
+    expect(same(shifted.subarray(0, 10000), data)).toBe(true)
+    await rejectsWith(readFileDirect(path, shifted, { direct: 'require' }), 'ERR_NATIVE', /misaligned/)
+    await rejectsWith(
+      writeFileDirect(join(dir, 'mis2'), shifted, { direct: 'require' }),
+      'ERR_NATIVE',
+      /misaligned/,
+    )
+    await rejectsWith(
+      readFileDirect(path, b.buffer, { fileOffset: 100, direct: 'require' }),
+      'ERR_NATIVE',
+      /misaligned.*file offset/,
+    )
+    const off = await readFileDirect(path, b.buffer, { direct: 'off' })
+    expect(off).toMatchObject({ bytes: 10000, direct: false, reason: 'buffered I/O requested' })
+    freePinned(b.buffer)
+  })
+
+  it('a file that rejects O_DIRECT (EINVAL) falls back to buffered, or fails under require', async () => {
+    const b = allocPinnedSync(8192)
+    new Uint8Array(b.buffer).fill(0xaa)
+    const r = await readFileDirect('/dev/zero', b.buffer, { length: 8192 })
+    expect(r).toMatchObject({ bytes: 8192, direct: false })
+    expect(r.reason).toMatch(/rejected O_DIRECT \(EINVAL\)/)
+    expect(new Uint8Array(b.buffer).every((v) => v === 0)).toBe(true)
+    const e = await rejectsWith(
+      readFileDirect('/dev/zero', b.buffer, { length: 4096, direct: 'require' }),
+      'ERR_NATIVE',
+    )
+    expect(e.syscode).toBe('EINVAL')
+    const w = await writeFileDirect('/dev/null', b.buffer)
+    expect(w).toMatchObject({ bytes: 8192, direct: false })
+    await rejectsWith(readFileDirect('/dev/zero', b.buffer), 'ERR_NATIVE', /not a regular file/)
+    freePinned(b.buffer)
+  })
+
+  it('bad requests are typed errors', async () => {
+    const b = allocPinnedSync(4096)
+    const big = join(dir, 'big')
+    writeFileSync(big, new Uint8Array(10000))
+    await rejectsWith(readFileDirect(big, b.buffer), 'ERR_NATIVE', /do not fit/)
+    await rejectsWith(readFileDirect(big, b.buffer, { length: 4097 }), 'ERR_NATIVE')
+    const e = await rejectsWith(readFileDirect(join(dir, 'missing'), b.buffer), 'ERR_NATIVE', /ENOENT/)
+    expect(e.syscode).toBe('ENOENT')
+    await rejectsWith(readFileDirect(dir, b.buffer, { direct: 'off' }), 'ERR_NATIVE', /EISDIR|regular/)
+    await rejectsWith(writeFileDirect(join(dir, 'no/such/dir/f'), b.buffer), 'ERR_NATIVE', /ENOENT/)
+    await rejectsWith(readFileDirect('a\0b', b.buffer), 'ERR_NATIVE', /NUL/)
+    await rejectsWith(readFileDirect('', b.buffer), 'ERR_NATIVE')
+    await rejectsWith(readFileDirect(big, b.buffer, { direct: 'sometimes' as 'auto' }), 'ERR_NATIVE')
+    await rejectsWith(readFileDirect(big, b.buffer, { fileOffset: -1 }), 'ERR_NATIVE')
+    await rejectsWith(readFileDirect(big, 'buffer' as unknown as ArrayBuffer), 'ERR_NATIVE')
+    await rejectsWith(readFileDirect(big, new Uint8Array(new SharedArrayBuffer(8))), 'ERR_NATIVE', /Shared/)
+    freePinned(b.buffer)
+  })
+
+  it('evicts a file from the page cache (and reports a missing file)', async () => {
+    const path = join(dir, 'evict')
+    writeFileSync(path, pattern(1 << 20, 5))
+    await native.evictFileCache(path)
+    const b = allocPinnedSync(1 << 20)
+    expect((await readFileDirect(path, b.buffer, { direct: 'off' })).bytes).toBe(1 << 20)
+    expect(same(new Uint8Array(b.buffer), pattern(1 << 20, 5))).toBe(true)
+    freePinned(b.buffer)
+    const e = await rejectsWith(native.evictFileCache(join(dir, 'nope')), 'ERR_NATIVE')
+    expect(e.syscode).toBe('ENOENT')
+  })
+
+  it('works on plain JS buffers too (buffered when unaligned)', async () => {
+    const path = join(dir, 'plain')
+    const data = pattern(5000, 11)
+    const w = await writeFileDirect(path, Buffer.from(data))
+    expect(w.bytes).toBe(5000)
+    const into = Buffer.alloc(6000)
+    const r = await readFileDirect(path, into)
+    expect(r.bytes).toBe(5000)
+    expect(same(into.subarray(0, 5000), data)).toBe(true)
+  })
+})

@@ -1,0 +1,177 @@
+//! kvgate KV codec, compiled to wasm32-unknown-unknown with raw `extern "C"`
+//! exports and no imports. One call codes one layer section (K then V).
+//!
+//! ABI (all sizes in bytes, pointers into this module's memory):
+//! - `kv_alloc(n) -> ptr`, `kv_free(ptr, n)`: buffers owned by the caller.
+//! - `kv_encode(mode, src, dtype, t, c, params) -> len | <0`: encodes the layer
+//!   slab at `src` (2·t·c elements of `dtype`); the result stays in an internal
+//!   buffer read with `kv_result_ptr()` until the next encode or `kv_result_clear()`.
+//! - `kv_decode(mode, src, len, dtype, t, c, dst) -> 0 | <0`: decodes a section
+//!   into the slab at `dst` (2·t·c elements). Hostile input returns an error code;
+//!   it never reads or writes outside the given buffers.
+
+pub mod bytes;
+pub mod half;
+pub mod lossless;
+pub mod lossy;
+pub mod q8;
+pub mod rans;
+
+use std::cell::RefCell;
+
+pub const MODE_LOSSLESS: u32 = 1;
+pub const MODE_KVGATE: u32 = 2;
+pub const MODE_Q8: u32 = 4;
+
+pub const ERR_ARGS: i32 = -1;
+pub const ERR_CORRUPT: i32 = -2;
+
+/// Codec version; bump whenever the section format changes.
+pub const VERSION: u32 = 1;
+
+thread_local! {
+    static RESULT: RefCell<Vec<u8>> = RefCell::new(Vec::new());
+}
+
+#[no_mangle]
+pub extern "C" fn kv_version() -> u32 {
+    VERSION
+}
+
+#[no_mangle]
+pub extern "C" fn kv_alloc(n: usize) -> *mut u8 {
+    let mut v: Vec<u8> = Vec::with_capacity(n.max(1));
+    let p = v.as_mut_ptr();
+    std::mem::forget(v);
+    p
+}
+
+/// # Safety
+/// `p` must come from `kv_alloc(n)` with the same `n`.
+#[no_mangle]
+pub unsafe extern "C" fn kv_free(p: *mut u8, n: usize) {
+    if !p.is_null() {
+        drop(Vec::from_raw_parts(p, 0, n.max(1)));
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn kv_result_ptr() -> *const u8 {
+    RESULT.with(|r| r.borrow().as_ptr())
+}
+
+#[no_mangle]
+pub extern "C" fn kv_result_clear() {
+    RESULT.with(|r| *r.borrow_mut() = Vec::new());
+}
+
+fn slab_elems(t: u32, c: u32) -> Option<usize> {
+    (t as usize).checked_mul(c as usize)?.checked_mul(2)
+}
+
+/// Encodes one layer slab. `params` points at 8 f32 (kvgate mode only):
+/// [epsK, epsV, gammaK, gammaV, deltaK, maxClasses, levelsK, levelsV]. With
+/// levelsK > 0, K steps are per channel (range / levelsK); with levelsV > 0, V
+/// steps are per token (2·max|v| / levelsV); otherwise eps·√12·rms (scaled by gamma).
+///
+/// # Safety
+/// `src` must hold 2·t·c elements of `dtype`; `params` 8 f32 (kvgate mode).
+#[no_mangle]
+pub unsafe extern "C" fn kv_encode(
+    mode: u32,
+    src: *const u8,
+    dtype: u32,
+    t: u32,
+    c: u32,
+    params: *const f32,
+) -> i32 {
+    let eb = match half::elem_bytes(dtype) {
+        Some(e) => e,
+        None => return ERR_ARGS,
+    };
+    let n = match slab_elems(t, c) {
+        Some(n) if n > 0 => n,
+        _ => return ERR_ARGS,
+    };
+    let (t, c) = (t as usize, c as usize);
+    let input = std::slice::from_raw_parts(src, n * eb);
+    let mut out = Vec::with_capacity(n * eb / 3 + 64);
+    match mode {
+        MODE_LOSSLESS => lossless::encode(input, eb, t, c, &mut out),
+        MODE_KVGATE | MODE_Q8 => {
+            let mut x: Vec<f32> = rans::uninit_vec(n);
+            half::load(input, dtype, &mut x);
+            if mode == MODE_Q8 {
+                q8::encode(&x, t, c, &mut out);
+            } else {
+                let p = std::slice::from_raw_parts(params, 8);
+                let pk = lossy::StreamParams {
+                    eps: p[0],
+                    gamma_c: p[2],
+                    gamma_t: 0.0,
+                    delta: p[4] != 0.0,
+                    max_classes: p[5] as usize,
+                    levels_c: p[6],
+                    levels_t: 0.0,
+                };
+                let pv = lossy::StreamParams {
+                    eps: p[1],
+                    gamma_c: 0.0,
+                    gamma_t: p[3],
+                    delta: false,
+                    max_classes: p[5] as usize,
+                    levels_c: 0.0,
+                    levels_t: p[7],
+                };
+                if !((pk.eps > 0.0 || pk.levels_c > 0.0) && (pv.eps > 0.0 || pv.levels_t > 0.0)) {
+                    return ERR_ARGS;
+                }
+                lossy::encode(&x, t, c, &pk, &pv, &mut out);
+            }
+        }
+        _ => return ERR_ARGS,
+    }
+    if out.len() > i32::MAX as usize {
+        return ERR_ARGS;
+    }
+    let len = out.len() as i32;
+    RESULT.with(|r| *r.borrow_mut() = out);
+    len
+}
+
+/// Decodes one section into the slab at `dst` (2·t·c elements of `dtype`).
+///
+/// # Safety
+/// `src` must hold `len` bytes and `dst` 2·t·c elements of `dtype`.
+#[no_mangle]
+pub unsafe extern "C" fn kv_decode(
+    mode: u32,
+    src: *const u8,
+    len: u32,
+    dtype: u32,
+    t: u32,
+    c: u32,
+    dst: *mut u8,
+) -> i32 {
+    let eb = match half::elem_bytes(dtype) {
+        Some(e) => e,
+        None => return ERR_ARGS,
+    };
+    let n = match slab_elems(t, c) {
+        Some(n) if n > 0 => n,
+        _ => return ERR_ARGS,
+    };
+    let (tu, cu) = (t as usize, c as usize);
+    let input = std::slice::from_raw_parts(src, len as usize);
+    let out = std::slice::from_raw_parts_mut(dst, n * eb);
+    let ok = match mode {
+        MODE_LOSSLESS => lossless::decode(input, eb, tu, cu, out),
+        MODE_KVGATE => lossy::decode(input, dtype, tu, cu, out),
+        MODE_Q8 => q8::decode(input, dtype, tu, cu, out),
+        _ => return ERR_ARGS,
+    };
+    match ok {
+        Some(()) => 0,
+        None => ERR_CORRUPT,
+    }
+}

@@ -1,0 +1,782 @@
+//! kvgate lossy mode. Each layer's K and V are uniform-quantized with a step
+//! derived from a target relative error (early layers get finer steps, chosen by
+//! the caller), optionally scaled per channel (K) or per token (V). Keys are
+//! predicted from the previous token where that pays (token locality); residuals
+//! go through an escape-bucket alphabet into rANS with per-channel-class tables.
+
+use crate::bytes::{put_u32, put_varint, unzigzag, zigzag, BitReader, BitWriter, Reader};
+use crate::half::{self, DT_BF16, DT_F16};
+use crate::rans::{decode_block, encode_block, uninit_vec};
+
+/// Symbols 0..DIRECT are zigzag residuals; above, (bucket, extra raw bits).
+const DIRECT: u32 = 64;
+const DIRECT_BITS: u32 = 6;
+const MAX_K: u32 = 27;
+pub const ALPHABET: usize = (DIRECT + 2 * (MAX_K - DIRECT_BITS) + 2) as usize;
+const QMAX: i32 = 1 << 24;
+
+const F_CHSCALE: u8 = 1;
+const F_TOKSCALE: u8 = 2;
+const F_MODES: u8 = 4;
+
+pub struct StreamParams {
+    /// Target relative RMS error of this stream.
+    pub eps: f32,
+    /// Per-channel step exponent (0 = one step for all channels).
+    pub gamma_c: f32,
+    /// Per-token step exponent.
+    pub gamma_t: f32,
+    /// Let channels be coded as deltas from the previous token.
+    pub delta: bool,
+    pub max_classes: usize,
+    /// When > 0: per-channel steps = (channel range over the chunk's tokens) / levels
+    /// (KIVI/CacheGen-style per-channel quantization, entropy coded). Overrides eps.
+    pub levels_c: f32,
+    /// When > 0: per-token steps = 2·max|x_t| / levels (per-token quantization).
+    pub levels_t: f32,
+}
+
+fn scale_of(code: u8) -> f32 {
+    (2.0f64).powf((code as f64 - 128.0) / 8.0) as f32
+}
+
+fn scale_code(ratio: f64, gamma: f32) -> u8 {
+    if !(ratio > 0.0) || !ratio.is_finite() {
+        return 128;
+    }
+    let v = (8.0 * gamma as f64 * ratio.log2()).round() + 128.0;
+    v.max(0.0).min(255.0) as u8
+}
+
+#[inline(always)]
+fn bitlen(z: u32) -> u32 {
+    32 - z.leading_zeros()
+}
+
+/// Encodes one T×C stream `x` (f32, row = token).
+pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut Vec<u8>) {
+    // Pass 1: statistics (row sums of squares and max |x|, channel sums, squares, min, max).
+    let mut ch_sum = vec![0f32; c];
+    let mut ch_ss = vec![0f32; c];
+    let mut ch_min = vec![f32::INFINITY; c];
+    let mut ch_max = vec![f32::NEG_INFINITY; c];
+    let mut row_ss = vec![0f64; t];
+    let mut row_max = vec![0f32; t];
+    let ranges = p.levels_c > 0.0;
+    for tt in 0..t {
+        let row = &x[tt * c..(tt + 1) * c];
+        let (rs, rm) = row_stats(
+            row,
+            &mut ch_sum,
+            &mut ch_ss,
+            &mut ch_min,
+            &mut ch_max,
+            ranges,
+        );
+        row_ss[tt] = rs as f64;
+        row_max[tt] = rm;
+    }
+    let total: f64 = row_ss.iter().sum();
+    let rms = (total / (t * c) as f64).sqrt();
+    let by_levels = p.levels_c > 0.0 || p.levels_t > 0.0;
+    let mut base = if by_levels {
+        rms as f32
+    } else {
+        (p.eps as f64 * 12f64.sqrt() * rms) as f32
+    };
+    if !(base > 1e-30) || !base.is_finite() {
+        base = 1.0;
+    }
+    let mut flags = 0u8;
+    let mut ch_codes = vec![128u8; c];
+    let mut tok_codes = vec![128u8; t];
+    if p.levels_c > 0.0 {
+        flags |= F_CHSCALE;
+        for ch in 0..c {
+            let step = (ch_max[ch] - ch_min[ch]) as f64 / p.levels_c as f64;
+            ch_codes[ch] = scale_code(step.max(rms * 1e-3) / base as f64, 1.0);
+        }
+    } else if p.gamma_c > 0.0 && rms > 0.0 {
+        flags |= F_CHSCALE;
+        for ch in 0..c {
+            ch_codes[ch] = scale_code((ch_ss[ch] as f64 / t as f64).sqrt() / rms, p.gamma_c);
+        }
+    }
+    if p.levels_t > 0.0 {
+        flags |= F_TOKSCALE;
+        for tt in 0..t {
+            let step = 2.0 * row_max[tt] as f64 / p.levels_t as f64;
+            tok_codes[tt] = scale_code(step.max(rms * 1e-3) / base as f64, 1.0);
+        }
+    } else if p.gamma_t > 0.0 && rms > 0.0 {
+        flags |= F_TOKSCALE;
+        for tt in 0..t {
+            tok_codes[tt] = scale_code((row_ss[tt] / c as f64).sqrt() / rms, p.gamma_t);
+        }
+    }
+    // Steps exactly as the decoder will compute them.
+    let step_c: Vec<f32> = ch_codes.iter().map(|&k| base * scale_of(k)).collect();
+    let inv_c: Vec<f32> = step_c.iter().map(|&s| 1.0 / s).collect();
+    let inv_t: Vec<f32> = tok_codes.iter().map(|&k| 1.0 / scale_of(k)).collect();
+    // Pass 2: quantize.
+    let mut q: Vec<i32> = uninit_vec(t * c);
+    for tt in 0..t {
+        quantize_row(
+            &x[tt * c..(tt + 1) * c],
+            &inv_c,
+            inv_t[tt],
+            &mut q[tt * c..(tt + 1) * c],
+        );
+    }
+    // Channel prediction: delta from the previous token vs a constant centre,
+    // decided on (up to) 64 sampled token pairs.
+    let mut delta = vec![false; c];
+    let mut centers: Vec<i32> = (0..c)
+        .map(|ch| {
+            let m = ch_sum[ch] / t as f32 * inv_c[ch];
+            if m.is_finite() {
+                (m.round() as i32).max(-QMAX).min(QMAX)
+            } else {
+                0
+            }
+        })
+        .collect();
+    if p.delta && t > 1 {
+        let stride = ((t - 1) / 64).max(1);
+        let mut cost_c = vec![0u32; c];
+        let mut cost_d = vec![0u32; c];
+        let mut tt = 1;
+        while tt < t {
+            let prev = &q[(tt - 1) * c..tt * c];
+            let cur = &q[tt * c..(tt + 1) * c];
+            for ch in 0..c {
+                cost_c[ch] += bitlen(zigzag(cur[ch].wrapping_sub(centers[ch])));
+                cost_d[ch] += bitlen(zigzag(cur[ch].wrapping_sub(prev[ch])));
+            }
+            tt += stride;
+        }
+        for ch in 0..c {
+            if cost_d[ch] < cost_c[ch] {
+                delta[ch] = true;
+                centers[ch] = q[ch];
+            }
+        }
+    }
+    if delta.iter().any(|&d| d) {
+        flags |= F_MODES;
+    }
+    // Pass 3: residual symbols, per-channel symbol sums (class ranking), escape bits.
+    let mut syms: Vec<u8> = uninit_vec(t * c);
+    let mut sums = vec![0u32; c];
+    let mut bits = BitWriter::new();
+    let mut pred = centers.clone();
+    let dmask: Vec<i32> = delta.iter().map(|&d| if d { -1 } else { 0 }).collect();
+    for tt in 0..t {
+        let qr = &q[tt * c..(tt + 1) * c];
+        let sr = &mut syms[tt * c..(tt + 1) * c];
+        let done = row_symbols_fast(qr, &mut pred, &centers, &dmask, sr);
+        for ch in done..c {
+            let v = qr[ch];
+            let z = zigzag(v.wrapping_sub(pred[ch]));
+            // Delta channels predict from this token next time; constant ones keep the centre.
+            pred[ch] = (v & dmask[ch]) | (centers[ch] & !dmask[ch]);
+            let s = if z < DIRECT {
+                z
+            } else {
+                let k = 31 - z.leading_zeros();
+                bits.put(z, k - 1);
+                DIRECT + 2 * (k - DIRECT_BITS) + ((z >> (k - 1)) & 1)
+            };
+            sr[ch] = s as u8;
+        }
+        for (sum, &sym) in sums.iter_mut().zip(sr.iter()) {
+            *sum = sum.wrapping_add(sym as u32);
+        }
+    }
+    out.extend_from_slice(&base.to_le_bytes());
+    out.push(flags);
+    if flags & F_CHSCALE != 0 {
+        out.extend_from_slice(&ch_codes);
+    }
+    if flags & F_TOKSCALE != 0 {
+        out.extend_from_slice(&tok_codes);
+    }
+    if flags & F_MODES != 0 {
+        let mut m = vec![0u8; (c + 7) / 8];
+        for ch in 0..c {
+            if delta[ch] {
+                m[ch / 8] |= 1 << (ch % 8);
+            }
+        }
+        out.extend_from_slice(&m);
+    }
+    for &ctr in &centers {
+        put_varint(out, zigzag(ctr));
+    }
+    let extra = bits.finish();
+    put_u32(out, extra.len() as u32);
+    out.extend_from_slice(&extra);
+    encode_block(out, &syms, &sums, t, c, ALPHABET, p.max_classes);
+}
+
+/// Adds one row to the channel statistics; returns (Σx², max|x|) of the row.
+/// Non-finite values count as 0.
+fn row_stats(
+    row: &[f32],
+    sum: &mut [f32],
+    ss: &mut [f32],
+    mn: &mut [f32],
+    mx: &mut [f32],
+    ranges: bool,
+) -> (f32, f32) {
+    let c = row.len();
+    let mut rs = 0f32;
+    let mut rm = 0f32;
+    let mut ch = 0;
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    unsafe {
+        use core::arch::wasm32::*;
+        let inf = f32x4_splat(f32::INFINITY);
+        let mut vrs = f32x4_splat(0.0);
+        let mut vrm = f32x4_splat(0.0);
+        // SAFETY: ch + 4 ≤ c = row.len() = every per-channel slice's length.
+        while ch + 4 <= c {
+            let v = v128_load(row.as_ptr().add(ch) as *const v128);
+            let a = f32x4_abs(v);
+            let ok = f32x4_lt(a, inf);
+            let v = v128_and(v, ok);
+            let a = v128_and(a, ok);
+            let v2 = f32x4_mul(v, v);
+            let ps = sum.as_mut_ptr().add(ch) as *mut v128;
+            v128_store(ps, f32x4_add(v128_load(ps), v));
+            let pq = ss.as_mut_ptr().add(ch) as *mut v128;
+            v128_store(pq, f32x4_add(v128_load(pq), v2));
+            vrs = f32x4_add(vrs, v2);
+            vrm = f32x4_pmax(vrm, a);
+            if ranges {
+                let pn = mn.as_mut_ptr().add(ch) as *mut v128;
+                v128_store(pn, f32x4_pmin(v128_load(pn), v));
+                let px = mx.as_mut_ptr().add(ch) as *mut v128;
+                v128_store(px, f32x4_pmax(v128_load(px), v));
+            }
+            ch += 4;
+        }
+        rs += f32x4_extract_lane::<0>(vrs)
+            + f32x4_extract_lane::<1>(vrs)
+            + f32x4_extract_lane::<2>(vrs)
+            + f32x4_extract_lane::<3>(vrs);
+        for l in [
+            f32x4_extract_lane::<0>(vrm),
+            f32x4_extract_lane::<1>(vrm),
+            f32x4_extract_lane::<2>(vrm),
+            f32x4_extract_lane::<3>(vrm),
+        ] {
+            if l > rm {
+                rm = l;
+            }
+        }
+    }
+    for ch in ch..c {
+        let v = row[ch];
+        let v = if v.is_finite() { v } else { 0.0 };
+        sum[ch] += v;
+        ss[ch] += v * v;
+        rs += v * v;
+        // Plain compares: f32::max/min become libm calls in wasm.
+        let a = v.abs();
+        if a > rm {
+            rm = a;
+        }
+        if ranges {
+            if v < mn[ch] {
+                mn[ch] = v;
+            }
+            if v > mx[ch] {
+                mx[ch] = v;
+            }
+        }
+    }
+    (rs, rm)
+}
+
+/// Residual symbols of one row, 4 channels at a time, while they are all direct
+/// (no escape bits); returns how many channels it did. Updates the predictions.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+fn row_symbols_fast(
+    q: &[i32],
+    pred: &mut [i32],
+    centers: &[i32],
+    dmask: &[i32],
+    out: &mut [u8],
+) -> usize {
+    use core::arch::wasm32::*;
+    let c = q.len();
+    let lim = u32x4_splat(DIRECT);
+    let mut ch = 0;
+    // SAFETY: ch + 4 ≤ c, and every slice here has c elements.
+    unsafe {
+        while ch + 4 <= c {
+            let v = v128_load(q.as_ptr().add(ch) as *const v128);
+            let pp = pred.as_mut_ptr().add(ch) as *mut v128;
+            let r = i32x4_sub(v, v128_load(pp));
+            let z = v128_xor(i32x4_shl(r, 1), i32x4_shr(r, 31));
+            if !u32x4_all_true(u32x4_lt(z, lim)) {
+                break;
+            }
+            let dm = v128_load(dmask.as_ptr().add(ch) as *const v128);
+            let cv = v128_load(centers.as_ptr().add(ch) as *const v128);
+            v128_store(pp, v128_bitselect(v, cv, dm));
+            let b = u8x16_narrow_i16x8(i16x8_narrow_i32x4(z, z), i16x8_narrow_i32x4(z, z));
+            let w = i32x4_extract_lane::<0>(b) as u32;
+            core::ptr::copy_nonoverlapping(w.to_le_bytes().as_ptr(), out.as_mut_ptr().add(ch), 4);
+            ch += 4;
+        }
+    }
+    ch
+}
+
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+fn row_symbols_fast(
+    _q: &[i32],
+    _pred: &mut [i32],
+    _centers: &[i32],
+    _dmask: &[i32],
+    _out: &mut [u8],
+) -> usize {
+    0
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+fn quantize_row(x: &[f32], inv_c: &[f32], it: f32, q: &mut [i32]) {
+    use core::arch::wasm32::*;
+    let c = x.len();
+    let lim = f32x4_splat(QMAX as f32);
+    let nlim = f32x4_splat(-(QMAX as f32));
+    let vt = f32x4_splat(it);
+    let mut ch = 0;
+    while ch + 4 <= c {
+        unsafe {
+            let v = v128_load(x.as_ptr().add(ch) as *const v128);
+            let s = f32x4_mul(
+                f32x4_mul(v, v128_load(inv_c.as_ptr().add(ch) as *const v128)),
+                vt,
+            );
+            // NaN compares false against itself: zero it; ±Inf clamps.
+            let s = v128_and(s, f32x4_eq(s, s));
+            let s = f32x4_nearest(f32x4_max(nlim, f32x4_min(lim, s)));
+            v128_store(
+                q.as_mut_ptr().add(ch) as *mut v128,
+                i32x4_trunc_sat_f32x4(s),
+            );
+        }
+        ch += 4;
+    }
+    for i in ch..c {
+        q[i] = quantize_one(x[i] * inv_c[i] * it);
+    }
+}
+
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+fn quantize_row(x: &[f32], inv_c: &[f32], it: f32, q: &mut [i32]) {
+    for i in 0..x.len() {
+        q[i] = quantize_one(x[i] * inv_c[i] * it);
+    }
+}
+
+#[inline(always)]
+fn quantize_one(v: f32) -> i32 {
+    if v.is_nan() {
+        return 0;
+    }
+    let lim = QMAX as f32;
+    let r = if v > lim {
+        lim
+    } else if v < -lim {
+        -lim
+    } else {
+        v
+    };
+    // Round half to even, as f32x4.nearest does in the SIMD path.
+    let f = r.floor();
+    let d = r - f;
+    let fi = f as i32;
+    if d > 0.5 || (d == 0.5 && fi & 1 != 0) {
+        fi + 1
+    } else {
+        fi
+    }
+}
+
+#[inline(always)]
+pub fn store(dst: &mut [u8], i: usize, dtype: u32, v: f32) {
+    match dtype {
+        DT_F16 => {
+            let b = half::f32_to_f16(v).to_le_bytes();
+            if let Some(d) = dst.get_mut(2 * i..2 * i + 2) {
+                d.copy_from_slice(&b);
+            }
+        }
+        DT_BF16 => {
+            let b = half::f32_to_bf16(v).to_le_bytes();
+            if let Some(d) = dst.get_mut(2 * i..2 * i + 2) {
+                d.copy_from_slice(&b);
+            }
+        }
+        _ => {
+            if let Some(d) = dst.get_mut(4 * i..4 * i + 4) {
+                d.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+}
+
+struct RowCtx<'a> {
+    step: &'a [f32],
+    centers: &'a [i32],
+    dmask: &'a [i32],
+}
+
+/// Scalar reconstruction of one row (handles escapes); returns false on a bad symbol.
+fn row_scalar(
+    ctx: &RowCtx,
+    row: &[u8],
+    m: f32,
+    prev: &mut [i32],
+    bits: &mut BitReader,
+    dtype: u32,
+    dst: &mut [u8],
+    o: usize,
+) -> bool {
+    for ch in 0..row.len() {
+        let s = row[ch] as u32;
+        let z = if s < DIRECT {
+            s
+        } else {
+            let j = s - DIRECT;
+            let k = j / 2 + DIRECT_BITS;
+            if k > MAX_K {
+                return false;
+            }
+            (1u32 << k) | ((j & 1) << (k - 1)) | bits.get(k - 1)
+        };
+        let dm = ctx.dmask[ch];
+        let pred = (prev[ch] & dm) | (ctx.centers[ch] & !dm);
+        let qv = pred.wrapping_add(unzigzag(z));
+        prev[ch] = qv;
+        store(dst, o + ch, dtype, qv as f32 * ctx.step[ch] * m);
+    }
+    true
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+mod simd {
+    use core::arch::wasm32::*;
+
+    /// True when every symbol of the row is a direct residual (no escape bits).
+    #[inline(always)]
+    pub fn row_direct(row: &[u8]) -> bool {
+        let mut i = 0;
+        let lim = u8x16_splat(super::DIRECT as u8);
+        while i + 16 <= row.len() {
+            let v = unsafe { v128_load(row.as_ptr().add(i) as *const v128) };
+            if !u8x16_all_true(u8x16_lt(v, lim)) {
+                return false;
+            }
+            i += 16;
+        }
+        row[i..].iter().all(|&s| (s as u32) < super::DIRECT)
+    }
+
+    /// f32x4 → fp16 bits (RNE, overflow → Inf, NaN → quiet NaN), in i32 lanes.
+    #[inline(always)]
+    pub fn f32x4_to_f16(f: v128) -> v128 {
+        let sign = v128_and(f, u32x4_splat(0x8000_0000));
+        // |f| as bits is in 0..2^31, so signed compares are exact (and cheaper than unsigned ones).
+        let a = v128_xor(f, sign);
+        let big = i32x4_gt(a, i32x4_splat(((127 + 16) << 23) - 1));
+        let nan = i32x4_gt(a, i32x4_splat(255 << 23));
+        let o_big = v128_or(u32x4_splat(0x7c00), v128_and(nan, u32x4_splat(0x0200)));
+        let small = i32x4_lt(a, i32x4_splat(113 << 23));
+        let magic = u32x4_splat(((127 - 15) + (23 - 10) + 1) << 23);
+        let o_small = i32x4_sub(f32x4_add(a, magic), magic);
+        let odd = v128_and(u32x4_shr(a, 13), u32x4_splat(1));
+        let norm = i32x4_add(
+            i32x4_add(
+                a,
+                u32x4_splat(((15u32.wrapping_sub(127)) << 23).wrapping_add(0xfff)),
+            ),
+            odd,
+        );
+        let o_norm = u32x4_shr(norm, 13);
+        let o = v128_bitselect(o_small, o_norm, small);
+        let o = v128_bitselect(o_big, o, big);
+        v128_or(o, u32x4_shr(sign, 16))
+    }
+
+    #[inline(always)]
+    pub fn f32x4_to_bf16(f: v128) -> v128 {
+        // Finite inputs only (the decoder's products are finite unless the stream is hostile).
+        let lsb = v128_and(u32x4_shr(f, 16), u32x4_splat(1));
+        u32x4_shr(i32x4_add(i32x4_add(f, u32x4_splat(0x7fff)), lsb), 16)
+    }
+}
+
+/// SIMD reconstruction of the direct-symbol part of a row (8 channels at a time);
+/// returns how many channels it wrote. Specialised on whether any channel is
+/// delta-predicted, whether the step is one scalar (V: per-token steps) or per
+/// channel (K), and the output dtype, so the inner loop carries no branches.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+fn row_fast<const DELTA: bool, const UNIFORM: bool, const DT: u32>(
+    ctx: &RowCtx,
+    step: &[f32],
+    s0: f32,
+    row: &[u8],
+    prev: &mut [i32],
+    dst: &mut [u8],
+    o: usize,
+) -> usize {
+    use core::arch::wasm32::*;
+    let c = row.len();
+    let eb = if DT == DT_F16 || DT == DT_BF16 { 2 } else { 4 };
+    if dst.len() < (o + c) * eb || step.len() < c || prev.len() < c {
+        return 0;
+    }
+    let vs = f32x4_splat(s0);
+    let one = u32x4_splat(1);
+    let mut ch = 0;
+    // SAFETY: ch + 8 ≤ c bounds every per-channel slice (all ≥ c long) and the
+    // output (checked above).
+    unsafe {
+        while ch + 8 <= c {
+            let w = u16x8_extend_low_u8x16(v128_load64_zero(row.as_ptr().add(ch) as *const u64));
+            let sv = [u32x4_extend_low_u16x8(w), u32x4_extend_high_u16x8(w)];
+            let mut outv = [vs; 2];
+            for h in 0..2 {
+                let b = ch + 4 * h;
+                let z = sv[h];
+                let r = v128_xor(u32x4_shr(z, 1), i32x4_neg(v128_and(z, one)));
+                let cv = v128_load(ctx.centers.as_ptr().add(b) as *const v128);
+                let qv = if DELTA {
+                    let dm = v128_load(ctx.dmask.as_ptr().add(b) as *const v128);
+                    let pv = v128_load(prev.as_ptr().add(b) as *const v128);
+                    let qv = i32x4_add(v128_bitselect(pv, cv, dm), r);
+                    v128_store(prev.as_mut_ptr().add(b) as *mut v128, qv);
+                    qv
+                } else {
+                    i32x4_add(cv, r)
+                };
+                let sc = if UNIFORM {
+                    vs
+                } else {
+                    v128_load(step.as_ptr().add(b) as *const v128)
+                };
+                outv[h] = f32x4_mul(f32x4_convert_i32x4(qv), sc);
+            }
+            let p = dst.as_mut_ptr().add((o + ch) * eb);
+            if DT == DT_BF16 {
+                let v =
+                    u16x8_narrow_i32x4(simd::f32x4_to_bf16(outv[0]), simd::f32x4_to_bf16(outv[1]));
+                v128_store(p as *mut v128, v);
+            } else if DT == DT_F16 {
+                let v =
+                    u16x8_narrow_i32x4(simd::f32x4_to_f16(outv[0]), simd::f32x4_to_f16(outv[1]));
+                v128_store(p as *mut v128, v);
+            } else {
+                v128_store(p as *mut v128, outv[0]);
+                v128_store(p.add(16) as *mut v128, outv[1]);
+            }
+            ch += 8;
+        }
+    }
+    ch
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[allow(clippy::too_many_arguments)]
+fn row_fast_any(
+    ctx: &RowCtx,
+    step: &[f32],
+    s0: f32,
+    row: &[u8],
+    prev: &mut [i32],
+    dtype: u32,
+    dst: &mut [u8],
+    o: usize,
+    delta: bool,
+    uniform: bool,
+) -> usize {
+    macro_rules! go {
+        ($d:expr, $u:expr) => {
+            match dtype {
+                DT_F16 => row_fast::<$d, $u, DT_F16>(ctx, step, s0, row, prev, dst, o),
+                DT_BF16 => row_fast::<$d, $u, DT_BF16>(ctx, step, s0, row, prev, dst, o),
+                _ => row_fast::<$d, $u, 3>(ctx, step, s0, row, prev, dst, o),
+            }
+        };
+    }
+    match (delta, uniform) {
+        (true, true) => go!(true, true),
+        (true, false) => go!(true, false),
+        (false, true) => go!(false, true),
+        (false, false) => go!(false, false),
+    }
+}
+
+/// Decodes one stream into elements [offset, offset + T×C) of `dst`.
+pub fn decode_stream(
+    r: &mut Reader,
+    t: usize,
+    c: usize,
+    dtype: u32,
+    dst: &mut [u8],
+    offset: usize,
+    syms: &mut [u8],
+) -> Option<()> {
+    let base = r.f32()?;
+    if !base.is_finite() {
+        return None;
+    }
+    let flags = r.u8()?;
+    if flags & !(F_CHSCALE | F_TOKSCALE | F_MODES) != 0 {
+        return None;
+    }
+    let mut step = vec![base; c];
+    if flags & F_CHSCALE != 0 {
+        for (s, &k) in step.iter_mut().zip(r.take(c)?) {
+            *s = base * scale_of(k);
+        }
+    }
+    let mut mt = vec![1f32; t];
+    if flags & F_TOKSCALE != 0 {
+        for (s, &k) in mt.iter_mut().zip(r.take(t)?) {
+            *s = scale_of(k);
+        }
+    }
+    let mut dmask = vec![0i32; c];
+    if flags & F_MODES != 0 {
+        let m = r.take((c + 7) / 8)?;
+        for ch in 0..c {
+            if m[ch / 8] & (1 << (ch % 8)) != 0 {
+                dmask[ch] = -1;
+            }
+        }
+    }
+    let mut centers = vec![0i32; c];
+    for ctr in centers.iter_mut() {
+        *ctr = unzigzag(r.varint()?);
+    }
+    let extra = r.block()?;
+    decode_block(r, t, c, ALPHABET, syms)?;
+    let mut bits = BitReader::new(extra);
+    let mut prev = centers.clone();
+    let any_delta = dmask.iter().any(|&d| d != 0);
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    let mut scaled = vec![
+        0f32;
+        if flags & F_CHSCALE != 0 && flags & F_TOKSCALE != 0 {
+            c
+        } else {
+            0
+        }
+    ];
+    let ctx = RowCtx {
+        step: &step,
+        centers: &centers,
+        dmask: &dmask,
+    };
+    for tt in 0..t {
+        let row = &syms[tt * c..(tt + 1) * c];
+        let o = offset + tt * c;
+        #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+        {
+            if simd::row_direct(row) {
+                // Steps for this row: one scalar when there are no channel steps,
+                // else per channel (times the token multiplier when there is one).
+                let m = mt[tt];
+                let uniform = flags & F_CHSCALE == 0;
+                let rstep: &[f32] = if uniform || m == 1.0 {
+                    &step
+                } else {
+                    for (d, &s) in scaled.iter_mut().zip(step.iter()) {
+                        *d = s * m;
+                    }
+                    &scaled
+                };
+                let done = row_fast_any(
+                    &ctx,
+                    rstep,
+                    base * m,
+                    row,
+                    &mut prev,
+                    dtype,
+                    dst,
+                    o,
+                    any_delta,
+                    uniform,
+                );
+                let sub = RowCtx {
+                    step: &step[done..],
+                    centers: &centers[done..],
+                    dmask: &dmask[done..],
+                };
+                if !row_scalar(
+                    &sub,
+                    &row[done..],
+                    mt[tt],
+                    &mut prev[done..],
+                    &mut bits,
+                    dtype,
+                    dst,
+                    o + done,
+                ) {
+                    return None;
+                }
+                continue;
+            }
+        }
+        if !row_scalar(&ctx, row, mt[tt], &mut prev, &mut bits, dtype, dst, o) {
+            return None;
+        }
+    }
+    if bits.overrun {
+        return None;
+    }
+    Some(())
+}
+
+pub fn encode(
+    x: &[f32],
+    t: usize,
+    c: usize,
+    pk: &StreamParams,
+    pv: &StreamParams,
+    out: &mut Vec<u8>,
+) {
+    let n = t * c;
+    let mut ks = Vec::new();
+    encode_stream(&x[..n], t, c, pk, &mut ks);
+    put_u32(out, ks.len() as u32);
+    out.extend_from_slice(&ks);
+    encode_stream(&x[n..2 * n], t, c, pv, out);
+}
+
+pub fn decode(input: &[u8], dtype: u32, t: usize, c: usize, dst: &mut [u8]) -> Option<()> {
+    let eb = half::elem_bytes(dtype)?;
+    let n = t * c;
+    if dst.len() != 2 * n * eb {
+        return None;
+    }
+    // decode_block writes every symbol before anything reads one.
+    let mut syms: Vec<u8> = uninit_vec(n);
+    let mut r = Reader::new(input);
+    let mut rk = Reader::new(r.block()?);
+    decode_stream(&mut rk, t, c, dtype, dst, 0, &mut syms)?;
+    if rk.remaining() != 0 {
+        return None;
+    }
+    decode_stream(&mut r, t, c, dtype, dst, n, &mut syms)?;
+    if r.remaining() != 0 {
+        return None;
+    }
+    Some(())
+}

@@ -1,0 +1,509 @@
+//! Static interleaved rANS (8 states, 11-bit probabilities (tables stay in L1), 16-bit renormalisation)
+//! over "blocks": a T×C symbol matrix whose channels are grouped into classes,
+//! each class with its own compact frequency table. Decode is table driven.
+
+use crate::bytes::{put_u32, put_varint, Reader};
+
+pub const PROB_BITS: u32 = 11;
+pub const PROB_SCALE: u32 = 1 << PROB_BITS;
+/// State lower bound; with 16-bit renormalisation a decode step reads at most one word.
+const RANS_L: u32 = 1 << 16;
+pub const MAX_CLASSES: usize = 8;
+/// Interleaved states: enough independent chains to hide the table-lookup latency.
+const LANES: usize = 8;
+
+/// Scales raw counts to a table summing to PROB_SCALE with every present symbol
+/// ≥ 1 and every frequency ≤ PROB_SCALE-1 (so it fits the 12-bit freq field of a decode entry).
+pub fn normalize(counts: &[u64]) -> Vec<u32> {
+    let mut n = counts.len();
+    while n > 0 && counts[n - 1] == 0 {
+        n -= 1;
+    }
+    let total: u64 = counts.iter().sum();
+    let mut f = vec![0u32; n.max(2)];
+    if total == 0 {
+        f[0] = PROB_SCALE - 1;
+        f[1] = 1;
+        return f;
+    }
+    for i in 0..n {
+        if counts[i] > 0 {
+            let v = (counts[i] as u128 * PROB_SCALE as u128 / total as u128) as u32;
+            f[i] = v.max(1);
+        }
+    }
+    // A lone symbol would need freq PROB_SCALE; give a neighbour one slot instead.
+    let present = f.iter().filter(|&&v| v > 0).count();
+    if present == 1 {
+        let i = f.iter().position(|&v| v > 0).unwrap_or(0);
+        let j = if i == 0 { 1 } else { i - 1 };
+        f[j] = 1;
+    }
+    let mut sum: i64 = f.iter().map(|&v| v as i64).sum();
+    while sum != PROB_SCALE as i64 {
+        // Adjust the largest entry; when it cannot absorb the deficit, shave others.
+        let (imax, _) = f
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, &v)| v)
+            .unwrap_or((0, &0));
+        let diff = PROB_SCALE as i64 - sum;
+        if diff > 0 {
+            f[imax] += diff as u32;
+            sum += diff;
+        } else {
+            let can = f[imax] as i64 - 1;
+            let take = can.min(-diff);
+            if take <= 0 {
+                break;
+            }
+            f[imax] -= take as u32;
+            sum -= take;
+        }
+    }
+    for v in f.iter_mut() {
+        if *v >= PROB_SCALE {
+            *v = PROB_SCALE - 1;
+        }
+    }
+    f
+}
+
+/// Approximate cost in bits of coding `counts` with `freqs`.
+pub fn cost_bits(counts: &[u64], freqs: &[u32]) -> f64 {
+    let mut bits = 0.0;
+    for (i, &c) in counts.iter().enumerate() {
+        if c > 0 {
+            let f = freqs.get(i).copied().unwrap_or(1).max(1) as f64;
+            bits += c as f64 * (PROB_BITS as f64 - f.log2());
+        }
+    }
+    bits
+}
+
+pub fn write_table(out: &mut Vec<u8>, f: &[u32]) {
+    // symbol count then one varint per symbol: tiny for lossy alphabets (~20 symbols).
+    out.push((f.len() - 1) as u8);
+    for &v in f {
+        put_varint(out, v);
+    }
+}
+
+fn table_bytes(f: &[u32]) -> usize {
+    1 + f
+        .iter()
+        .map(|&v| if v < 128 { 1 } else { 2 })
+        .sum::<usize>()
+}
+
+/// Decode table: entry = freq << 20 | (slot - start) << 8 | symbol.
+pub fn read_table(r: &mut Reader, max_syms: usize, dec: &mut [u32]) -> Option<()> {
+    let n = r.u8()? as usize + 1;
+    if n > max_syms {
+        return None;
+    }
+    let mut pos: u32 = 0;
+    for s in 0..n {
+        let f = r.varint()?;
+        if f >= PROB_SCALE || pos + f > PROB_SCALE {
+            return None;
+        }
+        for k in 0..f {
+            dec[(pos + k) as usize] = (f << 20) | (k << 8) | s as u32;
+        }
+        pos += f;
+    }
+    if pos != PROB_SCALE {
+        return None;
+    }
+    Some(())
+}
+
+/// A vector of `n` elements that the caller overwrites before reading.
+/// Skips zeroing large scratch buffers (memset showed up at ~7% of encode time).
+pub fn uninit_vec<T: Copy>(n: usize) -> Vec<T> {
+    let mut v = Vec::with_capacity(n);
+    // SAFETY: T is a plain number type (any bit pattern is valid) and every caller
+    // writes each element it later reads.
+    unsafe { v.set_len(n) };
+    v
+}
+
+/// Encoder symbol with a reciprocal so the hot loop needs no division (ryg_rans).
+#[derive(Clone, Copy, Default)]
+struct EncSym {
+    x_max: u32,
+    rcp_freq: u32,
+    bias: u32,
+    cmpl_freq: u32,
+    rcp_shift: u32,
+}
+
+fn enc_sym(start: u32, freq: u32) -> EncSym {
+    let x_max = ((RANS_L >> PROB_BITS) << 16) * freq;
+    let cmpl_freq = PROB_SCALE - freq;
+    if freq < 2 {
+        EncSym {
+            x_max,
+            rcp_freq: !0u32,
+            bias: start + PROB_SCALE - 1,
+            cmpl_freq,
+            rcp_shift: 0,
+        }
+    } else {
+        let mut shift = 0u32;
+        while freq > (1u32 << shift) {
+            shift += 1;
+        }
+        let rcp = (((1u64 << (shift + 31)) + freq as u64 - 1) / freq as u64) as u32;
+        EncSym {
+            x_max,
+            rcp_freq: rcp,
+            bias: start,
+            cmpl_freq,
+            rcp_shift: shift - 1,
+        }
+    }
+}
+
+/// Chooses channel classes by cost (including table bytes) and writes
+/// `nclass, [class per channel], tables`. Channels are ranked by their symbol
+/// sum (a proxy for residual scale) and cut into k equal rank ranges, k ∈ {1, 2,
+/// 4, 8}. The ranges nest, so one histogram per finest class serves every k.
+/// Returns the class of each channel and the tables.
+fn choose_classes(
+    out: &mut Vec<u8>,
+    syms: &[u8],
+    sums: &[u32],
+    c: usize,
+    alphabet: usize,
+    max_classes: usize,
+) -> (Vec<u8>, Vec<Vec<u32>>) {
+    let mut kmax = 1usize;
+    while kmax * 2 <= max_classes.min(MAX_CLASSES).min(c.max(1)) {
+        kmax *= 2;
+    }
+    let mut order: Vec<(u32, usize)> = (0..c).map(|ch| (sums[ch], ch)).collect();
+    order.sort_unstable();
+    let mut fine = vec![0u8; c];
+    for (rank, &(_, ch)) in order.iter().enumerate() {
+        fine[ch] = ((rank * kmax) / c.max(1)) as u8;
+    }
+    let mut counts = vec![0u64; kmax * alphabet];
+    if kmax == 1 {
+        for &sym in syms {
+            counts[sym as usize] += 1;
+        }
+    } else {
+        let base: Vec<usize> = fine.iter().map(|&k| k as usize * alphabet).collect();
+        for row in syms.chunks_exact(c) {
+            for (&b, &sym) in base.iter().zip(row) {
+                counts[b + sym as usize] += 1;
+            }
+        }
+    }
+    let mut best: Option<(f64, usize, Vec<Vec<u32>>)> = None;
+    let mut k = 1usize;
+    while k <= kmax {
+        let group = kmax / k;
+        let mut tables = Vec::with_capacity(k);
+        let mut bits = 0.0;
+        let mut side = if k > 1 { c } else { 0 };
+        for cls in 0..k {
+            let mut cnt = vec![0u64; alphabet];
+            for f in cls * group..(cls + 1) * group {
+                for (d, &v) in cnt
+                    .iter_mut()
+                    .zip(&counts[f * alphabet..(f + 1) * alphabet])
+                {
+                    *d += v;
+                }
+            }
+            let f = normalize(&cnt);
+            bits += cost_bits(&cnt, &f);
+            side += table_bytes(&f);
+            tables.push(f);
+        }
+        let total = bits / 8.0 + side as f64;
+        if best.as_ref().map_or(true, |b| total < b.0) {
+            best = Some((total, k, tables));
+        }
+        k *= 2;
+    }
+    let (_, k, tables) = best.unwrap_or((0.0, 1, vec![normalize(&[1])]));
+    let shift = (kmax / k).trailing_zeros();
+    let class_of: Vec<u8> = fine.iter().map(|&f| f >> shift).collect();
+    out.push(tables.len() as u8);
+    if tables.len() > 1 {
+        out.extend_from_slice(&class_of);
+    }
+    for f in &tables {
+        write_table(out, f);
+    }
+    (class_of, tables)
+}
+
+/// Encodes a T×C symbol matrix (row major) into `out`; `sums` holds each
+/// channel's symbol sum. Channels are grouped into up to `max_classes`
+/// classes, each with its own table, chosen by coded size.
+pub fn encode_block(
+    out: &mut Vec<u8>,
+    syms: &[u8],
+    sums: &[u32],
+    t: usize,
+    c: usize,
+    alphabet: usize,
+    max_classes: usize,
+) {
+    let (class_of, tables) = choose_classes(out, &syms[..t * c], sums, c, alphabet, max_classes);
+    let mut enc = vec![EncSym::default(); tables.len() * alphabet];
+    for (cls, f) in tables.iter().enumerate() {
+        let mut cum = 0u32;
+        for (s, &v) in f.iter().enumerate() {
+            if v > 0 {
+                enc[cls * alphabet + s] = enc_sym(cum, v);
+            }
+            cum += v;
+        }
+    }
+    let cbase: Vec<usize> = class_of.iter().map(|&k| k as usize * alphabet).collect();
+    let n = t * c;
+    // Worst case 12 bits per symbol plus state flush; u16 words written backwards.
+    let cap = n + n / 2 + 16;
+    let mut buf: Vec<u16> = uninit_vec(cap);
+    let mut p = cap;
+    let mut x = [RANS_L; LANES];
+    let bp = buf.as_mut_ptr();
+    let ep = enc.as_ptr();
+    let sp = syms.as_ptr();
+    // Encode one symbol into state `$lane`. SAFETY: cbase[ch] + sym < enc.len()
+    // (every coded symbol has an entry in its class), p ≥ 1 (cap covers the
+    // worst case of one word per symbol) and i < n ≤ syms.len().
+    macro_rules! put {
+        ($lane:expr, $i:expr, $ch:expr) => {{
+            unsafe {
+                let e = *ep.add(*cbase.get_unchecked($ch) + *sp.add($i) as usize);
+                let mut xs = x[$lane];
+                let out = (xs >= e.x_max) as usize;
+                *bp.add(p - 1) = xs as u16;
+                p -= out;
+                xs >>= (out as u32) << 4;
+                let q = (((xs as u64) * (e.rcp_freq as u64)) >> 32) as u32 >> e.rcp_shift;
+                x[$lane] = xs + e.bias + q * e.cmpl_freq;
+            }
+        }};
+    }
+    // Symbols beyond the last full group of LANES first (dynamic lanes), then
+    // whole groups with fixed lanes so the states live in registers.
+    let full = n - n % LANES;
+    for i in (full..n).rev() {
+        match i & (LANES - 1) {
+            0 => put!(0, i, i % c),
+            1 => put!(1, i, i % c),
+            2 => put!(2, i, i % c),
+            3 => put!(3, i, i % c),
+            4 => put!(4, i, i % c),
+            5 => put!(5, i, i % c),
+            6 => put!(6, i, i % c),
+            _ => put!(7, i, i % c),
+        }
+    }
+    if c % LANES == 0 {
+        let mut g = full;
+        let mut ch = full % c.max(1);
+        while g > 0 {
+            g -= LANES;
+            ch = if ch == 0 { c - LANES } else { ch - LANES };
+            put!(7, g + 7, ch + 7);
+            put!(6, g + 6, ch + 6);
+            put!(5, g + 5, ch + 5);
+            put!(4, g + 4, ch + 4);
+            put!(3, g + 3, ch + 3);
+            put!(2, g + 2, ch + 2);
+            put!(1, g + 1, ch + 1);
+            put!(0, g, ch);
+        }
+    } else {
+        let mut ch = if full > 0 { (full - 1) % c } else { 0 };
+        for i in (0..full).rev() {
+            match i & (LANES - 1) {
+                0 => put!(0, i, ch),
+                1 => put!(1, i, ch),
+                2 => put!(2, i, ch),
+                3 => put!(3, i, ch),
+                4 => put!(4, i, ch),
+                5 => put!(5, i, ch),
+                6 => put!(6, i, ch),
+                _ => put!(7, i, ch),
+            }
+            ch = if ch == 0 { c - 1 } else { ch - 1 };
+        }
+    }
+    let words = cap - p;
+    put_u32(out, (4 * LANES + 2 * words) as u32);
+    for lane in 0..LANES {
+        put_u32(out, x[lane]);
+    }
+    for w in &buf[p..] {
+        out.extend_from_slice(&w.to_le_bytes());
+    }
+}
+
+/// Decodes a block written by `encode_block` into `syms` (T×C). Never panics on
+/// hostile input; a stream that does not end exactly where the encoder started
+/// is rejected.
+pub fn decode_block(
+    r: &mut Reader,
+    t: usize,
+    c: usize,
+    alphabet: usize,
+    syms: &mut [u8],
+) -> Option<()> {
+    let k = r.u8()? as usize;
+    if k == 0 || k > MAX_CLASSES {
+        return None;
+    }
+    let mut cbase: Vec<u32> = vec![0; c];
+    if k > 1 {
+        let cls = r.take(c)?;
+        for (d, &v) in cbase.iter_mut().zip(cls) {
+            if v as usize >= k {
+                return None;
+            }
+            *d = v as u32 * PROB_SCALE;
+        }
+    }
+    let mut dec = vec![0u32; k * PROB_SCALE as usize];
+    for cls in 0..k {
+        read_table(
+            r,
+            alphabet,
+            &mut dec[cls * PROB_SCALE as usize..(cls + 1) * PROB_SCALE as usize],
+        )?;
+    }
+    let payload = r.block()?;
+    let n = t * c;
+    if syms.len() < n || c == 0 || payload.len() < 4 * LANES || (payload.len() - 4 * LANES) % 2 != 0
+    {
+        return None;
+    }
+    let mut x = [0u32; LANES];
+    for lane in 0..LANES {
+        let b = &payload[lane * 4..lane * 4 + 4];
+        x[lane] = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+    let data = &payload[4 * LANES..];
+    let len = data.len();
+    let mut p = 0usize;
+    let mask = PROB_SCALE - 1;
+    let dec = &dec[..];
+    // One table lookup and at most one 16-bit read per symbol. `base` < k·PROB_SCALE and
+    // the slot is masked, so the index is always inside `dec`.
+    macro_rules! step {
+        ($lane:expr, $i:expr, $base:expr, $read:expr) => {{
+            let xs = x[$lane];
+            let e = dec[($base + (xs & mask)) as usize];
+            syms[$i] = e as u8;
+            let mut xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
+            if xs < RANS_L {
+                xs = (xs << 16) | $read;
+            }
+            x[$lane] = xs;
+        }};
+    }
+    let mut i = 0usize;
+    let mut ch = 0usize;
+    if c % LANES == 0 {
+        // Fast path: lanes line up with channels; the loop head guarantees the
+        // next LANES symbols' reads (≤ LANES words) are inside `data`, so renormalisation
+        // is branch-free (an unpredictable branch costs more than the read).
+        let dp = data.as_ptr();
+        let sp = syms.as_mut_ptr();
+        let tp = dec.as_ptr();
+        macro_rules! fast_loop {
+            ($base:expr) => {
+                while i < n && p + 2 * LANES <= len {
+                    macro_rules! fast {
+                        ($lane:expr, $off:expr) => {{
+                            let xs = x[$lane];
+                            // SAFETY: base < k·PROB_SCALE and the slot is masked to PROB_BITS,
+                            // so the index is < dec.len(); i + $off < n ≤ syms.len(); p + 2 ≤ len.
+                            unsafe {
+                                let e = *tp.add(($base($off) + (xs & mask)) as usize);
+                                *sp.add(i + $off) = e as u8;
+                                let xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
+                                let need = (xs < RANS_L) as u32;
+                                let w = u16::from_le((dp.add(p) as *const u16).read_unaligned()) as u32;
+                                let m = 0u32.wrapping_sub(need);
+                                x[$lane] = (xs << (need << 4)) | (w & m);
+                                p += (need as usize) << 1;
+                            }
+                        }};
+                    }
+                    fast!(0, 0);
+                    fast!(1, 1);
+                    fast!(2, 2);
+                    fast!(3, 3);
+                    fast!(4, 4);
+                    fast!(5, 5);
+                    fast!(6, 6);
+                    fast!(7, 7);
+                    i += LANES;
+                    ch += LANES;
+                    if ch == c {
+                        ch = 0;
+                    }
+                }
+            };
+        }
+        if k == 1 {
+            // One table: no per-channel class lookups.
+            fast_loop!(|_off: usize| 0u32);
+        } else {
+            fast_loop!(|off: usize| *cbase.get_unchecked(ch + off));
+        }
+    }
+    // Careful tail: every read checked.
+    while i < n {
+        let b = cbase[ch];
+        let mut bad = false;
+        macro_rules! careful {
+            ($lane:expr) => {
+                step!($lane, i, b, {
+                    if p + 2 <= len {
+                        let w = u16::from_le_bytes([data[p], data[p + 1]]) as u32;
+                        p += 2;
+                        w
+                    } else {
+                        bad = true;
+                        0
+                    }
+                })
+            };
+        }
+        // Static lane indices everywhere keep the states in registers (a dynamic
+        // index would force the whole array to memory, in the fast loop too).
+        match i & (LANES - 1) {
+            0 => careful!(0),
+            1 => careful!(1),
+            2 => careful!(2),
+            3 => careful!(3),
+            4 => careful!(4),
+            5 => careful!(5),
+            6 => careful!(6),
+            _ => careful!(7),
+        }
+        if bad {
+            return None;
+        }
+        i += 1;
+        ch += 1;
+        if ch == c {
+            ch = 0;
+        }
+    }
+    if p != len || x.iter().any(|&v| v != RANS_L) {
+        return None;
+    }
+    Some(())
+}
