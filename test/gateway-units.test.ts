@@ -86,7 +86,7 @@ describe('ChainLookup', () => {
 
   it('returns exact sizes and stops at a hole', async () => {
     const c = await chain(100, (i) => i !== 40)
-    const r = await c.lookup.lookup(c.names)
+    const r = await c.lookup.lookup(c.names, { sizes: true })
     expect(r.present).toBe(40)
     expect(r.sizes).toEqual(Array.from({ length: 40 }, (_, i) => i + 1))
   })

@@ -1,5 +1,6 @@
 // POST /v1/ns/{ns}/lookup: how many leading chunks of a key chain are stored,
-// with their sizes, answered by ChainLookup (probing, not one HEAD per key).
+// answered by ChainLookup (probing, not one HEAD per key). Sizes only on request
+// (`"sizes": true`): S3 has no cheap source of sizes, so they cost a HEAD per unknown chunk.
 
 import type { Hono } from 'hono'
 import { assertKeyHex, assertNamespaceName, objectName } from '../../core/keys.ts'
@@ -37,10 +38,10 @@ export function lookupRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       const hex = assertKeyHex(k)
       return `${base}${hex.slice(0, 2)}/${hex}`
     })
-    const r = await state.lookup.lookup(names, { sizes: sizes ?? true })
+    const r = await state.lookup.lookup(names, { sizes: sizes ?? false })
     c.header('x-kvgate-store-requests', String(r.storeRequests))
     c.header('x-kvgate-store-rounds', String(r.rounds))
-    return c.json(sizes === false ? { present: r.present } : { present: r.present, sizes: r.sizes })
+    return c.json(sizes === true ? { present: r.present, sizes: r.sizes } : { present: r.present })
   })
 }
 
