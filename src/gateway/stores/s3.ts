@@ -87,6 +87,10 @@ export class S3Store implements ObjectStore {
       forcePathStyle: opts.forcePathStyle ?? opts.endpoint !== undefined,
       ...(opts.credentials ? { credentials: opts.credentials } : {}),
       maxAttempts: opts.maxAttempts ?? 2,
+      // The SDK's default logger prints a warning for every streamed PUT it will not
+      // retry, including the expected 412 of a create-only PUT; the store reports
+      // real failures itself (typed errors, gateway metrics).
+      logger: { trace() {}, debug() {}, info() {}, warn() {}, error() {} },
       // Chunk objects carry their own CRCs; SDK-side checksums would cost a pass
       // over every byte and use aws-chunked trailers older S3-compatibles reject.
       requestChecksumCalculation: 'WHEN_REQUIRED',
