@@ -35,6 +35,15 @@ describe('CodecPool', () => {
     else expect(pool.counts.workerJobs).toBe(0)
   })
 
+  it('passes the kvgate quality through to the worker', async () => {
+    const pool = new CodecPool(1)
+    pools.push(pool)
+    const small = await pool.encode('kvgate', tensor, meta, 1)
+    const close = await pool.encode('kvgate', tensor, meta, 9)
+    expect(Buffer.compare(small, encodeChunk(tensor, meta, { mode: 'kvgate', quality: 1 }))).toBe(0)
+    expect(small.byteLength).toBeLessThan(close.byteLength)
+  })
+
   it('a garbage section is a CodecError from the worker, and the pool keeps working', async () => {
     const pool = new CodecPool(1)
     pools.push(pool)

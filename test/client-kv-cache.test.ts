@@ -69,6 +69,9 @@ describe('KVCache options', () => {
     await expect(
       KVCache.open({ model: 'stories260k', remote: { url: 'http://x', codec: 'gzip' as never } }),
     ).rejects.toThrow(/remote.codec/)
+    await expect(
+      KVCache.open({ model: 'stories260k', remote: { url: 'http://x', quality: 0 } }),
+    ).rejects.toThrow(/remote.quality/)
     await expect(KVCache.open({ model: 'stories260k', memroy: {} } as never)).rejects.toThrow(
       /unknown option memroy/,
     )

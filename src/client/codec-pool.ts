@@ -103,15 +103,20 @@ export class CodecPool {
   }
 
   /** Encodes one chunk tensor (copied out first: L1 slots are not transferable). */
-  async encode(codec: ChunkCodecName, tensor: Uint8Array, meta: ChunkIdentity): Promise<Uint8Array> {
+  async encode(
+    codec: ChunkCodecName,
+    tensor: Uint8Array,
+    meta: ChunkIdentity,
+    quality?: number,
+  ): Promise<Uint8Array> {
     if (codec !== 'raw') {
       const copy = tensor.slice().buffer as ArrayBuffer
-      const p = this.#post({ op: 'encode', mode: codec, tensor: copy, meta }, [copy])
+      const p = this.#post({ op: 'encode', mode: codec, quality, tensor: copy, meta }, [copy])
       const out = p && (await p.catch(lostToUndefined))
       if (out) return out
     }
     this.counts.inlineJobs++
-    return encodeChunk(tensor, meta, { mode: codec })
+    return encodeChunk(tensor, meta, { mode: codec, quality })
   }
 
   /** Decodes a verified whole object into `dst` (one chunk tensor). */

@@ -7,7 +7,14 @@ import type { ChunkHeader } from '../core/format.ts'
 import type { ChunkIdentity } from './chunk-codec.ts'
 
 export type CodecRequest =
-  | { id: number; op: 'encode'; mode: 'lossless' | 'kvgate'; tensor: ArrayBuffer; meta: ChunkIdentity }
+  | {
+      id: number
+      op: 'encode'
+      mode: 'lossless' | 'kvgate'
+      quality: number | undefined
+      tensor: ArrayBuffer
+      meta: ChunkIdentity
+    }
   | { id: number; op: 'decode'; object: ArrayBuffer }
   | { id: number; op: 'section'; header: ChunkHeader; layer: number; section: ArrayBuffer }
 
@@ -22,7 +29,8 @@ function own(b: Uint8Array): ArrayBuffer {
 parentPort?.on('message', (m: CodecRequest) => {
   try {
     let out: Uint8Array
-    if (m.op === 'encode') out = encodeChunk(new Uint8Array(m.tensor), m.meta, { mode: m.mode })
+    if (m.op === 'encode')
+      out = encodeChunk(new Uint8Array(m.tensor), m.meta, { mode: m.mode, quality: m.quality })
     else if (m.op === 'decode') out = decodeChunk(new Uint8Array(m.object))
     else out = decodeSection(m.header, m.layer, new Uint8Array(m.section))
     const bytes = own(out)

@@ -30,6 +30,8 @@ export interface StorageManagerOptions {
   diskCodec?: 'raw' | 'lossless'
   /** How chunks travel to L4. @default 'raw' */
   remoteCodec?: ChunkCodecName
+  /** kvgate codec quality for L4 (1 smallest .. 9 closest). @default the codec's default */
+  remoteQuality?: number
   /** Chunks fetched from lower tiers at once per retrieve. @default 8 */
   fetchConcurrency?: number
   /** Layers per `?layers=a-b` request in retrieveLayers. @default ceil(layers / 4) */
@@ -68,6 +70,7 @@ export class StorageManager {
   readonly #nsId: Uint8Array
   readonly #diskCodec: 'raw' | 'lossless'
   readonly #remoteCodec: ChunkCodecName
+  readonly #remoteQuality: number | undefined
   readonly #fetchConcurrency: number
   readonly #layersPerRequest: number
   readonly codec: CodecPool
@@ -84,6 +87,7 @@ export class StorageManager {
     this.#nsId = opts.namespaceId
     this.#diskCodec = opts.diskCodec ?? 'raw'
     this.#remoteCodec = opts.remoteCodec ?? 'raw'
+    this.#remoteQuality = opts.remoteQuality
     this.#fetchConcurrency = Math.max(1, opts.fetchConcurrency ?? 8)
     this.#layersPerRequest = Math.max(1, opts.layersPerRequest ?? Math.ceil(opts.geometry.layers / 4))
     this.codec = opts.codec ?? new CodecPool()
@@ -181,7 +185,8 @@ export class StorageManager {
         remote.enqueue({
           hex: key.hex,
           bytesHint: handle.bytes.byteLength,
-          encode: () => this.codec.encode(this.#remoteCodec, handle.bytes, this.#identity(key)),
+          encode: () =>
+            this.codec.encode(this.#remoteCodec, handle.bytes, this.#identity(key), this.#remoteQuality),
           done,
         })
       } else if (remote) done()
