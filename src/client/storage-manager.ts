@@ -1,7 +1,8 @@
 // Moves chunks between tiers: write-all on store (L1 now, L2/L4 in the
 // background), waterfall reads with promotion into L1, deduplicated fetches.
 
-import { decodeHeader } from '../core/format.ts'
+import { FormatError } from '../core/errors.ts'
+import { type ChunkHeader, decodeHeader } from '../core/format.ts'
 import { type ChunkKey, fromHex } from '../core/keys.ts'
 import { chunkBytes, type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import {
@@ -331,16 +332,17 @@ export class StorageManager {
     object: Uint8Array,
     tokens: number,
   ): Promise<Uint8Array | 'resident' | undefined> {
-    let codec: string
+    let h: ChunkHeader
     try {
-      codec = verifyObject(object, this.geometry, tokens, k.hex).codec
+      h = verifyObject(object, this.geometry, tokens, k.hex)
     } catch {
       return undefined
     }
     const r = this.memory.reserve(k.hex, this.tensorBytes(k))
     const dst = r ? r.bytes : new Uint8Array(this.tensorBytes(k))
     try {
-      await this.codec.decodeInto(object, codec, dst)
+      if (h.codec === 'raw') copyRawSections(h, object, dst, layerSlabBytes(this.geometry, tokens))
+      else await this.codec.decodeInto(object, h.codec, dst)
     } catch {
       r?.abort()
       return undefined
@@ -536,6 +538,18 @@ class RemoteLayers {
   abort(): void {
     this.#reservation?.abort()
   }
+}
+
+/**
+ * A verified raw object's sections are the layer slabs: copy them out without
+ * a second CRC pass (verifyObject just checked every section).
+ */
+function copyRawSections(h: ChunkHeader, object: Uint8Array, dst: Uint8Array, slab: number): void {
+  h.sections.forEach((s, l) => {
+    if (s.length !== slab)
+      throw new FormatError('ERR_FORMAT_BAD_FIELD', `raw section ${l} is ${s.length} bytes, expected ${slab}`)
+    dst.set(object.subarray(s.offset, s.offset + s.length), l * slab)
+  })
 }
 
 /** Lets the caller's continuation run before CPU-heavy background work starts. */
