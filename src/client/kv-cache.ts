@@ -153,8 +153,8 @@ export class KVCache {
     const memory = await MemoryTier.create({
       bytes: o.memory.bytes,
       chunkBytes: chunkBytes(g, o.chunkTokens),
-      // Room for the chunk header in front of each tensor: raw L2 files are read straight into slots.
-      dataOffset: o.disk && o.disk.storeAs === 'raw' ? headerBytesFor(g.layers) : 0,
+      // Room for the chunk header in front of each tensor: raw L2 files and L4 bodies are read straight into slots.
+      dataOffset: headerBytesFor(g.layers),
       native: native.api,
       nativeReason: native.reason,
     })

@@ -15,7 +15,7 @@ import {
 import { CodecPool } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
 import type { DiskTier } from './tiers/disk.ts'
-import type { MemoryHandle, MemoryTier } from './tiers/memory.ts'
+import type { MemoryHandle, MemoryReservation, MemoryTier } from './tiers/memory.ts'
 import type { RemoteTier } from './tiers/remote.ts'
 
 export type TierName = 'memory' | 'disk' | 'remote'
@@ -249,28 +249,22 @@ export class StorageManager {
       if (got) return got
     }
     if (this.remote && this.remote.breaker.state === 'closed') {
-      const object = await this.remote.get(k.hex)
-      if (object) {
-        const got = await this.#decodeAndPromote(k, object, tokens)
-        if (!got) {
-          this.remote.counters.corrupt++
-          return undefined
+      const got = await this.#fromRemote(k, tokens)
+      if (!got) return undefined
+      const disk = this.disk
+      if (disk && !disk.has(k.hex)) {
+        const ref = got === 'resident' ? this.memory.peekPinned(k.hex) : { bytes: got, release: () => {} }
+        if (ref) {
+          this.#track(
+            yieldToCaller()
+              .then(() => this.codec.encode(this.#diskCodec, ref.bytes, this.#identity(k)))
+              .then((obj) => disk.put(k.hex, obj, 'put'))
+              .catch(() => {})
+              .finally(() => ref.release()),
+          )
         }
-        const disk = this.disk
-        if (disk && !disk.has(k.hex)) {
-          const ref = got === 'resident' ? this.memory.peekPinned(k.hex) : { bytes: got, release: () => {} }
-          if (ref) {
-            this.#track(
-              yieldToCaller()
-                .then(() => this.codec.encode(this.#diskCodec, ref.bytes, this.#identity(k)))
-                .then((obj) => disk.put(k.hex, obj, 'put'))
-                .catch(() => {})
-                .finally(() => ref.release()),
-            )
-          }
-        }
-        return got
       }
+      return got
     }
     return undefined
   }
@@ -286,67 +280,71 @@ export class StorageManager {
     priority: IoPriority,
   ): Promise<Uint8Array | 'resident' | undefined> {
     const disk = this.disk!
-    const size = this.tensorBytes(k)
-    const r = this.memory.reserve(k.hex, size)
+    const r = this.memory.reserve(k.hex, this.tensorBytes(k))
     const object = await disk.get(k.hex, priority, r?.slot)
     if (!object) {
       r?.abort()
       return undefined
     }
+    let got: Uint8Array | 'resident' | undefined
     try {
       // DiskTier.get verified every CRC already; what is left is the identity check.
       const h = decodeHeader(object)
       checkIdentity(h, this.geometry, tokens, k.hex)
-      const inPlace =
-        r !== undefined &&
-        object.buffer === r.slot.buffer &&
-        h.codec === 'raw' &&
-        h.headerBytes === this.memory.dataOffset &&
-        h.totalBytes === h.headerBytes + size &&
-        h.sections.every(
-          (s, i) => i === 0 || s.offset === h.sections[i - 1]!.offset + h.sections[i - 1]!.length,
-        ) &&
-        h.sections[0]?.offset === h.headerBytes
-      if (inPlace) {
-        r.commit()
-        return 'resident'
-      }
-      // Decoding reads the object and writes the tensor: never both in one slot.
-      const src = r && object.buffer === r.slot.buffer ? object.slice() : object
-      const dst = r ? r.bytes : new Uint8Array(size)
-      await this.codec.decodeInto(src, h.codec, dst)
-      if (!r) return dst
-      r.commit()
-      return 'resident'
+      got = await this.#place(k, object, h, r)
     } catch {
-      // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
       r?.abort()
-      disk.counters.corrupt++
-      await disk.delete(k.hex)
-      return undefined
     }
+    if (got) return got
+    // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
+    disk.counters.corrupt++
+    await disk.delete(k.hex)
+    return undefined
   }
 
-  async #decodeAndPromote(
-    k: ChunkKey,
-    object: Uint8Array,
-    tokens: number,
-  ): Promise<Uint8Array | 'resident' | undefined> {
-    let h: ChunkHeader
-    try {
-      h = verifyObject(object, this.geometry, tokens, k.hex)
-    } catch {
-      return undefined
-    }
+  /** L4 → L1: the body is read into the slot when it fits, like an L2 read. */
+  async #fromRemote(k: ChunkKey, tokens: number): Promise<Uint8Array | 'resident' | undefined> {
+    const remote = this.remote!
     const r = this.memory.reserve(k.hex, this.tensorBytes(k))
-    const dst = r ? r.bytes : new Uint8Array(this.tensorBytes(k))
-    try {
-      if (h.codec === 'raw') copyRawSections(h, object, dst, layerSlabBytes(this.geometry, tokens))
-      else await this.codec.decodeInto(object, h.codec, dst)
-    } catch {
+    const object = await remote.get(k.hex, undefined, r?.slot)
+    if (!object) {
       r?.abort()
       return undefined
     }
+    let got: Uint8Array | 'resident' | undefined
+    try {
+      got = await this.#place(k, object, verifyObject(object, this.geometry, tokens, k.hex), r)
+    } catch {
+      r?.abort()
+    }
+    if (!got) remote.counters.corrupt++
+    return got
+  }
+
+  /**
+   * Puts a verified object's tensor into the reservation (or a private buffer
+   * when L1 had no slot). A raw object read into the slot at the header offset
+   * is already in place; anything else is copied or decoded. Rejects on failure
+   * (the caller aborts the reservation).
+   */
+  async #place(
+    k: ChunkKey,
+    object: Uint8Array,
+    h: ChunkHeader,
+    r: MemoryReservation | undefined,
+  ): Promise<Uint8Array | 'resident'> {
+    const size = this.tensorBytes(k)
+    const inSlot =
+      r !== undefined && object.buffer === r.slot.buffer && object.byteOffset === r.slot.byteOffset
+    if (inSlot && h.codec === 'raw' && rawTensorAt(h, this.memory.dataOffset, size)) {
+      r.commit()
+      return 'resident'
+    }
+    // Decoding reads the object and writes the tensor: never both in one slot.
+    const src = inSlot ? object.slice() : object
+    const dst = r ? r.bytes : new Uint8Array(size)
+    if (h.codec === 'raw') copyRawSections(h, src, dst, layerSlabBytes(this.geometry, k.end - k.start))
+    else await this.codec.decodeInto(src, h.codec, dst)
     if (!r) return dst
     r.commit()
     return 'resident'
@@ -538,6 +536,15 @@ class RemoteLayers {
   abort(): void {
     this.#reservation?.abort()
   }
+}
+
+/** True when a raw object's sections are contiguous right after a header of `offset` bytes. */
+function rawTensorAt(h: ChunkHeader, offset: number, size: number): boolean {
+  if (h.headerBytes !== offset || h.totalBytes !== offset + size || h.sections[0]?.offset !== offset)
+    return false
+  return h.sections.every(
+    (s, i) => i === 0 || s.offset === h.sections[i - 1]!.offset + h.sections[i - 1]!.length,
+  )
 }
 
 /**
