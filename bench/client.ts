@@ -151,8 +151,8 @@ async function benchL2() {
         dir,
         bytes: 4 * 1024 ** 3,
         concurrency: Number(process.env.KVGATE_BENCH_DISK_CONCURRENCY ?? 2),
+        direct,
       },
-      ...(direct === 'off' ? { native: false } : {}),
     })
   const toks = tokensOf(N * 256, 3)
   {

@@ -63,6 +63,9 @@ describe('KVCache options', () => {
     await expect(
       KVCache.open({ model: 'stories260k', disk: { dir: '/tmp/x', storeAs: 'zip' as never } }),
     ).rejects.toThrow(/storeAs/)
+    await expect(
+      KVCache.open({ model: 'stories260k', disk: { dir: '/tmp/x', direct: 'yes' as never } }),
+    ).rejects.toThrow(/disk.direct/)
     await expect(KVCache.open({ model: 'stories260k', remote: { url: 'ftp://x' } })).rejects.toThrow(
       /remote.url/,
     )

@@ -28,6 +28,8 @@ export interface DiskOptions {
   storeAs?: 'raw' | 'lossless'
   /** Parallel file operations (2 lets one chunk's CRC overlap the next one's read). @default 2 */
   concurrency?: number
+  /** 'auto': O_DIRECT reads into L1 slots through the addon (measured faster here); 'off': page cache. @default 'auto' */
+  direct?: 'auto' | 'off'
 }
 
 export interface RemoteOptions {
@@ -116,7 +118,7 @@ const TOP_KEYS = new Set([
   'native',
   'codecWorkers',
 ])
-const DISK_KEYS = new Set(['dir', 'bytes', 'storeAs', 'concurrency'])
+const DISK_KEYS = new Set(['dir', 'bytes', 'storeAs', 'concurrency', 'direct'])
 const REMOTE_KEYS = new Set([
   'url',
   'token',
@@ -145,6 +147,11 @@ function unknownKeys(where: string, o: object, allowed: Set<string>): void {
   for (const k of Object.keys(o)) {
     if (!allowed.has(k)) throw new InvalidArgumentError(`unknown option ${where}${k}`)
   }
+}
+
+function checkDirect(v: unknown): 'auto' | 'off' {
+  if (v === undefined || v === 'auto' || v === 'off') return v ?? 'auto'
+  throw new InvalidArgumentError(`invalid disk.direct: '${String(v)}' (auto or off)`)
 }
 
 /** Validates options and fills defaults. Throws InvalidArgumentError naming the bad option. */
@@ -194,6 +201,7 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
       bytes: int('disk.bytes', d.bytes, 1, Number.MAX_SAFE_INTEGER, 10 * GiB),
       storeAs,
       concurrency: int('disk.concurrency', d.concurrency, 1, 256, 2),
+      direct: checkDirect(d.direct),
     }
   }
 
