@@ -13,7 +13,8 @@ const DIRECT: u32 = 64;
 const DIRECT_BITS: u32 = 6;
 const MAX_K: u32 = 27;
 pub const ALPHABET: usize = (DIRECT + 2 * (MAX_K - DIRECT_BITS) + 2) as usize;
-const QMAX: i32 = 1 << 24;
+/// Largest |q|; ≤ 2^22 so the SIMD path can round with the 1.5·2^23 trick.
+const QMAX: i32 = 1 << 22;
 
 const F_CHSCALE: u8 = 1;
 const F_TOKSCALE: u8 = 2;
@@ -353,6 +354,7 @@ fn quantize_row(x: &[f32], inv_c: &[f32], it: f32, q: &mut [i32]) {
     let lim = f32x4_splat(QMAX as f32);
     let nlim = f32x4_splat(-(QMAX as f32));
     let vt = f32x4_splat(it);
+    let magic = f32x4_splat(12582912.0);
     let mut ch = 0;
     while ch + 4 <= c {
         unsafe {
@@ -361,13 +363,14 @@ fn quantize_row(x: &[f32], inv_c: &[f32], it: f32, q: &mut [i32]) {
                 f32x4_mul(v, v128_load(inv_c.as_ptr().add(ch) as *const v128)),
                 vt,
             );
-            // NaN compares false against itself: zero it; ±Inf clamps.
+            // NaN compares false against itself: zero it; ±Inf clamps (pmin/pmax are
+            // single instructions, unlike NaN-propagating min/max).
             let s = v128_and(s, f32x4_eq(s, s));
-            let s = f32x4_nearest(f32x4_max(nlim, f32x4_min(lim, s)));
-            v128_store(
-                q.as_mut_ptr().add(ch) as *mut v128,
-                i32x4_trunc_sat_f32x4(s),
-            );
+            let s = f32x4_pmax(nlim, f32x4_pmin(lim, s));
+            // Adding 1.5·2^23 rounds to an integer (ties to even) in the low mantissa
+            // bits; cheaper than nearest + trunc_sat, exact for |s| ≤ 2^22.
+            let r = f32x4_add(s, magic);
+            v128_store(q.as_mut_ptr().add(ch) as *mut v128, i32x4_sub(r, magic));
         }
         ch += 4;
     }
