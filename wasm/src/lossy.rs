@@ -6,7 +6,7 @@
 
 use crate::bytes::{put_u32, put_varint, unzigzag, zigzag, BitReader, BitWriter, Reader};
 use crate::half::{self, DT_BF16, DT_F16};
-use crate::rans::{decode_block, encode_block, uninit_vec};
+use crate::rans::{class_partition, decode_block, encode_block, uninit_vec};
 
 /// Symbols 0..DIRECT are zigzag residuals; above, (bucket, extra raw bits).
 const DIRECT: u32 = 64;
@@ -142,33 +142,44 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
             }
         })
         .collect();
-    if p.delta && t > 1 {
-        let stride = ((t - 1) / 64).max(1);
-        let mut cost_c = vec![0u32; c];
-        let mut cost_d = vec![0u32; c];
-        let mut tt = 1;
-        while tt < t {
+    // Sampled residual costs (bit lengths) also rank channels for the entropy
+    // coder's classes, so the symbol pass can count per class directly.
+    let stride = (t / 64).max(1);
+    let mut cost_c = vec![0u32; c];
+    let mut cost_d = vec![0u32; c];
+    let try_delta = p.delta && t > 1;
+    let mut tt = if try_delta { 1 } else { 0 };
+    while tt < t {
+        let cur = &q[tt * c..(tt + 1) * c];
+        for ch in 0..c {
+            cost_c[ch] += bitlen(zigzag(cur[ch].wrapping_sub(centers[ch])));
+        }
+        if try_delta {
             let prev = &q[(tt - 1) * c..tt * c];
-            let cur = &q[tt * c..(tt + 1) * c];
             for ch in 0..c {
-                cost_c[ch] += bitlen(zigzag(cur[ch].wrapping_sub(centers[ch])));
                 cost_d[ch] += bitlen(zigzag(cur[ch].wrapping_sub(prev[ch])));
             }
-            tt += stride;
         }
+        tt += stride;
+    }
+    let mut rank = cost_c.clone();
+    if try_delta {
         for ch in 0..c {
             if cost_d[ch] < cost_c[ch] {
                 delta[ch] = true;
                 centers[ch] = q[ch];
+                rank[ch] = cost_d[ch];
             }
         }
     }
+    let (kmax, fine) = class_partition(&rank, c, p.max_classes);
     if delta.iter().any(|&d| d) {
         flags |= F_MODES;
     }
-    // Pass 3: residual symbols, per-channel symbol sums (class ranking), escape bits.
+    // Pass 3: residual symbols, symbol counts per class, escape bits.
     let mut syms: Vec<u8> = uninit_vec(t * c);
-    let mut sums = vec![0u32; c];
+    let mut counts = vec![0u32; kmax * ALPHABET];
+    let fbase: Vec<usize> = fine.iter().map(|&k| k as usize * ALPHABET).collect();
     let mut bits = BitWriter::new();
     let mut pred = centers.clone();
     let dmask: Vec<i32> = delta.iter().map(|&d| if d { -1 } else { 0 }).collect();
@@ -190,8 +201,8 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
             };
             sr[ch] = s as u8;
         }
-        for (sum, &sym) in sums.iter_mut().zip(sr.iter()) {
-            *sum = sum.wrapping_add(sym as u32);
+        for (&b, &sym) in fbase.iter().zip(sr.iter()) {
+            counts[b + sym as usize] += 1;
         }
     }
     out.extend_from_slice(&base.to_le_bytes());
@@ -217,7 +228,7 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     let extra = bits.finish();
     put_u32(out, extra.len() as u32);
     out.extend_from_slice(&extra);
-    encode_block(out, &syms, &sums, t, c, ALPHABET, p.max_classes);
+    encode_block(out, &syms, &fine, kmax, &counts, t, c, ALPHABET);
 }
 
 /// Adds one row to the channel statistics; returns (Σx², max|x|) of the row.
