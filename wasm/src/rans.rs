@@ -350,8 +350,16 @@ pub fn encode_block(
     for lane in 0..LANES {
         put_u32(out, x[lane]);
     }
-    for w in &buf[p..] {
-        out.extend_from_slice(&w.to_le_bytes());
+    let words = &buf[p..];
+    if cfg!(target_endian = "little") {
+        // SAFETY: u16 has no padding; the words are little-endian in memory already.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, words.len() * 2) };
+        out.extend_from_slice(bytes);
+    } else {
+        for w in words {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
     }
 }
 
