@@ -10,7 +10,15 @@ import {
   encodeChunk as encodeChunkObject,
   sectionOf,
 } from '../core/format.ts'
-import { chunkBytes, DTYPE_CODES, type KvGeometry, layerSlabBytes, rowElements } from '../core/layout.ts'
+import {
+  chunkBytes,
+  DTYPE_CODES,
+  type KvGeometry,
+  layerSlabBytes,
+  MAX_CHUNK_TOKENS,
+  rowElements,
+  validateGeometry,
+} from '../core/layout.ts'
 import {
   CODEC_MODES,
   CODEC_VERSIONS,
@@ -60,8 +68,11 @@ export function encodeChunk(tensor: Uint8Array, meta: ChunkInfo, opts: EncodeOpt
   const mode = opts?.mode
   if (!CODEC_MODES.includes(mode)) throw new InvalidArgumentError(`unknown codec mode '${String(mode)}'`)
   const quality = mode === 'kvgate' ? checkQuality(opts.quality ?? DEFAULT_QUALITY) : 0
-  const g = meta.geometry
+  const g = validateGeometry(meta?.geometry)
   const t = meta.tokens
+  if (!Number.isInteger(t) || t < 1 || t > MAX_CHUNK_TOKENS) {
+    throw new InvalidArgumentError(`tokens must be an integer in 1..${MAX_CHUNK_TOKENS}, got ${String(t)}`)
+  }
   if (!(tensor instanceof Uint8Array) || tensor.byteLength !== chunkBytes(g, t)) {
     throw new InvalidArgumentError(
       `chunk tensor must be ${chunkBytes(g, t)} bytes for ${t} tokens of this geometry, got ${tensor?.byteLength}`,
