@@ -199,40 +199,58 @@ export function decodeLayer(
   return decodeSection(header, layer, sectionOf(obj, header, layer), out)
 }
 
-/**
- * Decodes a whole chunk object into `out` (a caller buffer of the chunk tensor's
- * size: no intermediate chunk-sized allocation). Returns the header.
- */
-export function decodeChunkInto(obj: Uint8Array, out: Uint8Array, limits: DecodeLimits = {}): ChunkHeader {
+/** Header checks shared by the whole-chunk decoders; returns the header and its tensor size. */
+function openChunk(obj: Uint8Array, limits: DecodeLimits): { header: ChunkHeader; size: number } {
   const header = decodeHeader(obj)
   checkHeader(header)
   const size = chunkBytes(header.geometry, header.tokens)
   if (size > (limits.maxOutputBytes ?? DEFAULT_MAX_OUTPUT)) {
     throw new CodecError(`chunk decodes to ${size} bytes, over the limit`)
   }
-  if (out.byteLength !== size)
-    throw new InvalidArgumentError(`output must be ${size} bytes, got ${out.byteLength}`)
   if (obj.byteLength !== header.totalBytes) {
     throw new CodecError(`chunk object is ${obj.byteLength} bytes, header says ${header.totalBytes}`)
   }
-  const slab = layerSlabBytes(header.geometry, header.tokens)
+  return { header, size }
+}
+
+/** CRC-checks every section and checks it can hold its layer, before any output exists. */
+function checkedSections(obj: Uint8Array, header: ChunkHeader): Uint8Array[] {
+  const sections: Uint8Array[] = []
   for (let l = 0; l < header.geometry.layers; l++) {
-    decodeLayer(obj, header, l, out.subarray(l * slab, (l + 1) * slab))
+    const s = sectionOf(obj, header, l)
+    checkExpansion(header, s)
+    sections.push(s)
   }
+  return sections
+}
+
+function decodeSections(header: ChunkHeader, sections: Uint8Array[], out: Uint8Array): void {
+  const slab = layerSlabBytes(header.geometry, header.tokens)
+  sections.forEach((s, l) => {
+    decodeSection(header, l, s, out.subarray(l * slab, (l + 1) * slab))
+  })
+}
+
+/**
+ * Decodes a whole chunk object into `out` (a caller buffer of the chunk tensor's
+ * size: no intermediate chunk-sized allocation). Returns the header. Every
+ * section is verified before `out` is written; a decode error part-way (a
+ * corrupt stream with a valid CRC) leaves `out` partly written.
+ */
+export function decodeChunkInto(obj: Uint8Array, out: Uint8Array, limits: DecodeLimits = {}): ChunkHeader {
+  const { header, size } = openChunk(obj, limits)
+  if (out.byteLength !== size)
+    throw new InvalidArgumentError(`output must be ${size} bytes, got ${out.byteLength}`)
+  decodeSections(header, checkedSections(obj, header), out)
   return header
 }
 
 /** Decodes a whole chunk object into a new chunk tensor in the header's dtype. */
 export function decodeChunk(obj: Uint8Array, limits: DecodeLimits = {}): Uint8Array {
-  const header = decodeHeader(obj)
-  checkHeader(header)
-  const size = chunkBytes(header.geometry, header.tokens)
-  if (size > (limits.maxOutputBytes ?? DEFAULT_MAX_OUTPUT)) {
-    throw new CodecError(`chunk decodes to ${size} bytes, over the limit`)
-  }
+  const { header, size } = openChunk(obj, limits)
   // Check every section before allocating the output.
-  for (let l = 0; l < header.geometry.layers; l++) checkExpansion(header, sectionOf(obj, header, l))
+  const sections = checkedSections(obj, header)
   const out = new Uint8Array(size)
-  decodeChunkInto(obj, out, limits)
+  decodeSections(header, sections, out)
   return out
 }
