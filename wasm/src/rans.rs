@@ -290,10 +290,10 @@ pub fn encode_block(
             unsafe {
                 let e = *ep.add(*cbase.get_unchecked($ch) + *sp.add($i) as usize);
                 let mut xs = x[$lane];
-                let out = (xs >= e.x_max) as usize;
+                let big = xs >= e.x_max;
                 *bp.add(p - 1) = xs as u16;
-                p -= out;
-                xs >>= (out as u32) << 4;
+                p -= big as usize;
+                xs = if big { xs >> 16 } else { xs };
                 let q = (((xs as u64) * (e.rcp_freq as u64)) >> 32) as u32 >> e.rcp_shift;
                 x[$lane] = xs + e.bias + q * e.cmpl_freq;
             }
@@ -446,11 +446,11 @@ pub fn decode_block(
                                 let e = *tp.add(($base($off) + (xs & mask)) as usize);
                                 *sp.add(i + $off) = e as u8;
                                 let xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
-                                let need = (xs < RANS_L) as u32;
                                 let w = u16::from_le((dp.add(p) as *const u16).read_unaligned()) as u32;
-                                let m = 0u32.wrapping_sub(need);
-                                x[$lane] = (xs << (need << 4)) | (w & m);
-                                p += (need as usize) << 1;
+                                let need = xs < RANS_L;
+                                // Two selects (cmov), no branch.
+                                x[$lane] = if need { (xs << 16) | w } else { xs };
+                                p += if need { 2 } else { 0 };
                             }
                         }};
                     }
