@@ -3,6 +3,7 @@
 
 import { parentPort } from 'node:worker_threads'
 import { decodeChunk, decodeSection, encodeChunk } from '../codec/node.ts'
+import { crc32 } from '../core/checksum.ts'
 import type { ChunkHeader } from '../core/format.ts'
 import type { ChunkIdentity } from './chunk-codec.ts'
 
@@ -17,6 +18,8 @@ export type CodecRequest =
     }
   | { id: number; op: 'decode'; object: ArrayBuffer }
   | { id: number; op: 'section'; header: ChunkHeader; layer: number; section: ArrayBuffer }
+  /** CRC-32 of ranges [offset, length, offset, length, …] of `data`; the reply packs them as u32. */
+  | { id: number; op: 'crc'; data: ArrayBuffer; ranges: number[] }
 
 export type CodecReply = { id: number; bytes: ArrayBuffer } | { id: number; error: string }
 
@@ -32,7 +35,15 @@ parentPort?.on('message', (m: CodecRequest) => {
     if (m.op === 'encode')
       out = encodeChunk(new Uint8Array(m.tensor), m.meta, { mode: m.mode, quality: m.quality })
     else if (m.op === 'decode') out = decodeChunk(new Uint8Array(m.object))
-    else out = decodeSection(m.header, m.layer, new Uint8Array(m.section))
+    else if (m.op === 'crc') {
+      const data = new Uint8Array(m.data)
+      const crcs = new Uint32Array(m.ranges.length / 2)
+      for (let i = 0; i < crcs.length; i++) {
+        const off = m.ranges[2 * i]!
+        crcs[i] = crc32(data.subarray(off, off + m.ranges[2 * i + 1]!))
+      }
+      out = new Uint8Array(crcs.buffer)
+    } else out = decodeSection(m.header, m.layer, new Uint8Array(m.section))
     const bytes = own(out)
     parentPort!.postMessage({ id: m.id, bytes } satisfies CodecReply, [bytes])
   } catch (e) {

@@ -158,7 +158,10 @@ export class KVCache {
       native: native.api,
       nativeReason: native.reason,
     })
-    const disk = o.disk ? await DiskTier.open({ ...o.disk, native: native.api }) : undefined
+    const codec = new CodecPool(o.codecWorkers)
+    const disk = o.disk
+      ? await DiskTier.open({ ...o.disk, native: native.api, verify: (b) => codec.verify(b) })
+      : undefined
     const remoteCodec: ChunkCodecName = o.remote ? o.remote.codec : 'raw'
     const remote = o.remote ? new RemoteTier({ ...o.remote, namespace: o.namespace }) : undefined
     const diskCodec = o.disk ? o.disk.storeAs : 'raw'
@@ -174,7 +177,7 @@ export class KVCache {
       remoteQuality: o.remote ? o.remote.quality : undefined,
       fetchConcurrency: o.fetchConcurrency,
       layersPerRequest: o.layersPerRequest,
-      codec: new CodecPool(o.codecWorkers),
+      codec,
     })
     return new KVCache(o, manager, native, remoteCodec)
   }

@@ -5,13 +5,7 @@ import { FormatError } from '../core/errors.ts'
 import { type ChunkHeader, decodeHeader } from '../core/format.ts'
 import { type ChunkKey, fromHex } from '../core/keys.ts'
 import { chunkBytes, type KvGeometry, layerSlabBytes } from '../core/layout.ts'
-import {
-  type ChunkCodecName,
-  type ChunkIdentity,
-  checkIdentity,
-  openLayerGroup,
-  verifyObject,
-} from './chunk-codec.ts'
+import { type ChunkCodecName, type ChunkIdentity, checkIdentity, openLayerGroup } from './chunk-codec.ts'
 import { CodecPool } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
 import type { DiskTier } from './tiers/disk.ts'
@@ -313,7 +307,9 @@ export class StorageManager {
     }
     let got: Uint8Array | 'resident' | undefined
     try {
-      got = await this.#place(k, object, verifyObject(object, this.geometry, tokens, k.hex), r)
+      const h = await this.codec.verify(object)
+      checkIdentity(h, this.geometry, tokens, k.hex)
+      got = await this.#place(k, object, h, r)
     } catch {
       r?.abort()
     }
@@ -549,7 +545,7 @@ function rawTensorAt(h: ChunkHeader, offset: number, size: number): boolean {
 
 /**
  * A verified raw object's sections are the layer slabs: copy them out without
- * a second CRC pass (verifyObject just checked every section).
+ * a second CRC pass (the caller verified every section).
  */
 function copyRawSections(h: ChunkHeader, object: Uint8Array, dst: Uint8Array, slab: number): void {
   h.sections.forEach((s, l) => {
