@@ -243,6 +243,8 @@ console.log(
       'ppl Δ',
       'enc MB/s',
       'dec MB/s',
+      'enc (cpu)',
+      'dec (cpu)',
     ],
     ...rows
       .filter((r) => !r.label.startsWith('kvgate q') || r.dataset === 'stories260K')

@@ -4,7 +4,7 @@
 import { afterAll, describe, expect, it } from 'vitest'
 import { CodecPool } from '../src/client/codec-pool.ts'
 import { decodeChunk, encodeChunk } from '../src/codec/node.ts'
-import { decodeHeader } from '../src/core/format.ts'
+import { decodeHeader, verifyChunk } from '../src/core/format.ts'
 import { chunkBytes, layerSlabBytes, MODEL_PRESETS } from '../src/core/layout.ts'
 import { metaFor, syntheticKv, tensorOf } from './codec-fixtures.ts'
 
@@ -34,6 +34,41 @@ describe('CodecPool', () => {
     if (workers > 0) expect(pool.counts.workerJobs).toBeGreaterThan(0)
     else expect(pool.counts.workerJobs).toBe(0)
   })
+
+  it('passes the kvgate quality through to the worker', async () => {
+    const pool = new CodecPool(1)
+    pools.push(pool)
+    const small = await pool.encode('kvgate', tensor, meta, 1)
+    const close = await pool.encode('kvgate', tensor, meta, 9)
+    expect(Buffer.compare(small, encodeChunk(tensor, meta, { mode: 'kvgate', quality: 1 }))).toBe(0)
+    expect(small.byteLength).toBeLessThan(close.byteLength)
+  })
+
+  it.each([1, 0])(
+    'verify (%i workers) accepts what verifyChunk accepts and rejects every corruption',
+    async (workers) => {
+      const pool = new CodecPool(workers)
+      pools.push(pool)
+      const big = { layers: 8, kvHeads: 8, headDim: 128, dtype: 'fp16' as const }
+      const t = new Uint8Array(chunkBytes(big, 256)).map((_, i) => (i * 31) >>> 3)
+      const obj = encodeChunk(t, metaFor(big, 256), { mode: 'raw' })
+      expect(obj.byteLength).toBeGreaterThan(4 * 1024 * 1024) // takes the two-thread path
+      expect((await pool.verify(obj)).totalBytes).toBe(verifyChunk(obj).totalBytes)
+      const h = decodeHeader(obj)
+      for (const layer of [0, 3, 4, 7]) {
+        const bad = obj.slice()
+        const s = h.sections[layer]!
+        bad[s.offset + s.length - 1]! ^= 1
+        await expect(pool.verify(bad)).rejects.toMatchObject({ code: 'ERR_FORMAT_CHECKSUM' })
+      }
+      await expect(pool.verify(obj.subarray(0, obj.length - 1))).rejects.toMatchObject({
+        code: 'ERR_FORMAT_TRUNCATED',
+      })
+      const hdr = obj.slice()
+      hdr[20]! ^= 1
+      await expect(pool.verify(hdr)).rejects.toMatchObject({ name: 'FormatError' })
+    },
+  )
 
   it('a garbage section is a CodecError from the worker, and the pool keeps working', async () => {
     const pool = new CodecPool(1)

@@ -63,12 +63,18 @@ describe('KVCache options', () => {
     await expect(
       KVCache.open({ model: 'stories260k', disk: { dir: '/tmp/x', storeAs: 'zip' as never } }),
     ).rejects.toThrow(/storeAs/)
+    await expect(
+      KVCache.open({ model: 'stories260k', disk: { dir: '/tmp/x', direct: 'yes' as never } }),
+    ).rejects.toThrow(/disk.direct/)
     await expect(KVCache.open({ model: 'stories260k', remote: { url: 'ftp://x' } })).rejects.toThrow(
       /remote.url/,
     )
     await expect(
       KVCache.open({ model: 'stories260k', remote: { url: 'http://x', codec: 'gzip' as never } }),
     ).rejects.toThrow(/remote.codec/)
+    await expect(
+      KVCache.open({ model: 'stories260k', remote: { url: 'http://x', quality: 0 } }),
+    ).rejects.toThrow(/remote.quality/)
     await expect(KVCache.open({ model: 'stories260k', memroy: {} } as never)).rejects.toThrow(
       /unknown option memroy/,
     )

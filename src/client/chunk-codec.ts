@@ -2,7 +2,7 @@
 // chunk asked for, this geometry), and layer-range answers of the gateway.
 
 import { FormatError } from '../core/errors.ts'
-import { type ChunkHeader, type ChunkMeta, openLayerSubset, verifyChunk } from '../core/format.ts'
+import { type ChunkHeader, type ChunkMeta, openLayerSubset } from '../core/format.ts'
 import { toHex } from '../core/keys.ts'
 import type { KvGeometry } from '../core/layout.ts'
 
@@ -29,16 +29,6 @@ export function checkIdentity(h: ChunkHeader, g: KvGeometry, tokens: number, hex
     throw new FormatError('ERR_FORMAT_BAD_FIELD', `chunk holds ${h.tokens} tokens, expected ${tokens}`)
   if (toHex(h.chainKey) !== hex)
     throw new FormatError('ERR_FORMAT_BAD_FIELD', 'chunk chain key does not match its name')
-}
-
-/**
- * Verifies a whole chunk object (header, every section CRC, exact length, identity)
- * and returns its header. Throws FormatError: callers treat that as a miss.
- */
-export function verifyObject(object: Uint8Array, g: KvGeometry, tokens: number, hex: string): ChunkHeader {
-  const h = verifyChunk(object)
-  checkIdentity(h, g, tokens, hex)
-  return h
 }
 
 /**

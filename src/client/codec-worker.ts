@@ -3,13 +3,23 @@
 
 import { parentPort } from 'node:worker_threads'
 import { decodeChunk, decodeSection, encodeChunk } from '../codec/node.ts'
+import { crc32 } from '../core/checksum.ts'
 import type { ChunkHeader } from '../core/format.ts'
 import type { ChunkIdentity } from './chunk-codec.ts'
 
 export type CodecRequest =
-  | { id: number; op: 'encode'; mode: 'lossless' | 'kvgate'; tensor: ArrayBuffer; meta: ChunkIdentity }
+  | {
+      id: number
+      op: 'encode'
+      mode: 'lossless' | 'kvgate'
+      quality: number | undefined
+      tensor: ArrayBuffer
+      meta: ChunkIdentity
+    }
   | { id: number; op: 'decode'; object: ArrayBuffer }
   | { id: number; op: 'section'; header: ChunkHeader; layer: number; section: ArrayBuffer }
+  /** CRC-32 of ranges [offset, length, offset, length, …] of `data`; the reply packs them as u32. */
+  | { id: number; op: 'crc'; data: ArrayBuffer; ranges: number[] }
 
 export type CodecReply = { id: number; bytes: ArrayBuffer } | { id: number; error: string }
 
@@ -22,9 +32,18 @@ function own(b: Uint8Array): ArrayBuffer {
 parentPort?.on('message', (m: CodecRequest) => {
   try {
     let out: Uint8Array
-    if (m.op === 'encode') out = encodeChunk(new Uint8Array(m.tensor), m.meta, { mode: m.mode })
+    if (m.op === 'encode')
+      out = encodeChunk(new Uint8Array(m.tensor), m.meta, { mode: m.mode, quality: m.quality })
     else if (m.op === 'decode') out = decodeChunk(new Uint8Array(m.object))
-    else out = decodeSection(m.header, m.layer, new Uint8Array(m.section))
+    else if (m.op === 'crc') {
+      const data = new Uint8Array(m.data)
+      const crcs = new Uint32Array(m.ranges.length / 2)
+      for (let i = 0; i < crcs.length; i++) {
+        const off = m.ranges[2 * i]!
+        crcs[i] = crc32(data.subarray(off, off + m.ranges[2 * i + 1]!))
+      }
+      out = new Uint8Array(crcs.buffer)
+    } else out = decodeSection(m.header, m.layer, new Uint8Array(m.section))
     const bytes = own(out)
     parentPort!.postMessage({ id: m.id, bytes } satisfies CodecReply, [bytes])
   } catch (e) {

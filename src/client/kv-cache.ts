@@ -82,7 +82,7 @@ export interface KVCacheStats {
   memory: TierCounterSnapshot & MemoryTierStats
   disk: (TierCounterSnapshot & DiskTierStats) | null
   remote:
-    | (TierCounterSnapshot & RemoteTierStats & { codec: ChunkCodecName; codecNote: string | undefined })
+    | (TierCounterSnapshot & RemoteTierStats & { codec: ChunkCodecName; quality: number | undefined })
     | null
   operations: { store: LatencySummary; lookup: LatencySummary; retrieve: LatencySummary }
   /** Tokens served by retrieve() / asked for by retrieve(). */
@@ -110,7 +110,7 @@ export class KVCache {
   readonly #native: NativeModule | undefined
   readonly #nativeReason: string | undefined
   readonly #remoteCodec: ChunkCodecName
-  readonly #codecNote: string | undefined
+  readonly #quality: number | undefined
   readonly #ops = { store: new LatencyWindow(), lookup: new LatencyWindow(), retrieve: new LatencyWindow() }
   #retrievedTokens = 0
   #requestedTokens = 0
@@ -121,7 +121,6 @@ export class KVCache {
     manager: StorageManager,
     native: { api: NativeModule | undefined; reason: string | undefined },
     remoteCodec: ChunkCodecName,
-    codecNote: string | undefined,
   ) {
     this.model = o.model
     this.chunkTokens = o.chunkTokens
@@ -137,7 +136,7 @@ export class KVCache {
     this.#native = native.api
     this.#nativeReason = native.reason
     this.#remoteCodec = remoteCodec
-    this.#codecNote = codecNote
+    this.#quality = o.remote ? o.remote.quality : undefined
   }
 
   /** Validates options (InvalidArgumentError), allocates L1, rebuilds the L2 index, connects L4 lazily. */
@@ -154,14 +153,16 @@ export class KVCache {
     const memory = await MemoryTier.create({
       bytes: o.memory.bytes,
       chunkBytes: chunkBytes(g, o.chunkTokens),
-      // Room for the chunk header in front of each tensor: raw L2 files are read straight into slots.
-      dataOffset: o.disk && o.disk.storeAs === 'raw' ? headerBytesFor(g.layers) : 0,
+      // Room for the chunk header in front of each tensor: raw L2 files and L4 bodies are read straight into slots.
+      dataOffset: headerBytesFor(g.layers),
       native: native.api,
       nativeReason: native.reason,
     })
-    const disk = o.disk ? await DiskTier.open({ ...o.disk, native: native.api }) : undefined
+    const codec = new CodecPool(o.codecWorkers)
+    const disk = o.disk
+      ? await DiskTier.open({ ...o.disk, native: native.api, verify: (b) => codec.verify(b) })
+      : undefined
     const remoteCodec: ChunkCodecName = o.remote ? o.remote.codec : 'raw'
-    const codecNote = undefined
     const remote = o.remote ? new RemoteTier({ ...o.remote, namespace: o.namespace }) : undefined
     const diskCodec = o.disk ? o.disk.storeAs : 'raw'
     const manager = new StorageManager({
@@ -173,11 +174,12 @@ export class KVCache {
       remote,
       diskCodec,
       remoteCodec,
+      remoteQuality: o.remote ? o.remote.quality : undefined,
       fetchConcurrency: o.fetchConcurrency,
       layersPerRequest: o.layersPerRequest,
-      codec: new CodecPool(o.codecWorkers),
+      codec,
     })
-    return new KVCache(o, manager, native, remoteCodec, codecNote)
+    return new KVCache(o, manager, native, remoteCodec)
   }
 
   #open(): void {
@@ -389,7 +391,7 @@ export class KVCache {
             ...m.remote.counters.snapshot(),
             ...m.remote.stats(),
             codec: this.#remoteCodec,
-            codecNote: this.#codecNote,
+            quality: this.#quality,
           }
         : null,
       operations: {

@@ -1,20 +1,15 @@
 // Moves chunks between tiers: write-all on store (L1 now, L2/L4 in the
 // background), waterfall reads with promotion into L1, deduplicated fetches.
 
-import { decodeHeader } from '../core/format.ts'
+import { FormatError } from '../core/errors.ts'
+import { type ChunkHeader, decodeHeader } from '../core/format.ts'
 import { type ChunkKey, fromHex } from '../core/keys.ts'
 import { chunkBytes, type KvGeometry, layerSlabBytes } from '../core/layout.ts'
-import {
-  type ChunkCodecName,
-  type ChunkIdentity,
-  checkIdentity,
-  openLayerGroup,
-  verifyObject,
-} from './chunk-codec.ts'
+import { type ChunkCodecName, type ChunkIdentity, checkIdentity, openLayerGroup } from './chunk-codec.ts'
 import { CodecPool } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
 import type { DiskTier } from './tiers/disk.ts'
-import type { MemoryHandle, MemoryTier } from './tiers/memory.ts'
+import type { MemoryHandle, MemoryReservation, MemoryTier } from './tiers/memory.ts'
 import type { RemoteTier } from './tiers/remote.ts'
 
 export type TierName = 'memory' | 'disk' | 'remote'
@@ -30,6 +25,8 @@ export interface StorageManagerOptions {
   diskCodec?: 'raw' | 'lossless'
   /** How chunks travel to L4. @default 'raw' */
   remoteCodec?: ChunkCodecName
+  /** kvgate codec quality for L4 (1 smallest .. 9 closest). @default the codec's default */
+  remoteQuality?: number
   /** Chunks fetched from lower tiers at once per retrieve. @default 8 */
   fetchConcurrency?: number
   /** Layers per `?layers=a-b` request in retrieveLayers. @default ceil(layers / 4) */
@@ -68,6 +65,7 @@ export class StorageManager {
   readonly #nsId: Uint8Array
   readonly #diskCodec: 'raw' | 'lossless'
   readonly #remoteCodec: ChunkCodecName
+  readonly #remoteQuality: number | undefined
   readonly #fetchConcurrency: number
   readonly #layersPerRequest: number
   readonly codec: CodecPool
@@ -84,6 +82,7 @@ export class StorageManager {
     this.#nsId = opts.namespaceId
     this.#diskCodec = opts.diskCodec ?? 'raw'
     this.#remoteCodec = opts.remoteCodec ?? 'raw'
+    this.#remoteQuality = opts.remoteQuality
     this.#fetchConcurrency = Math.max(1, opts.fetchConcurrency ?? 8)
     this.#layersPerRequest = Math.max(1, opts.layersPerRequest ?? Math.ceil(opts.geometry.layers / 4))
     this.codec = opts.codec ?? new CodecPool()
@@ -181,7 +180,8 @@ export class StorageManager {
         remote.enqueue({
           hex: key.hex,
           bytesHint: handle.bytes.byteLength,
-          encode: () => this.codec.encode(this.#remoteCodec, handle.bytes, this.#identity(key)),
+          encode: () =>
+            this.codec.encode(this.#remoteCodec, handle.bytes, this.#identity(key), this.#remoteQuality),
           done,
         })
       } else if (remote) done()
@@ -243,28 +243,22 @@ export class StorageManager {
       if (got) return got
     }
     if (this.remote && this.remote.breaker.state === 'closed') {
-      const object = await this.remote.get(k.hex)
-      if (object) {
-        const got = await this.#decodeAndPromote(k, object, tokens)
-        if (!got) {
-          this.remote.counters.corrupt++
-          return undefined
+      const got = await this.#fromRemote(k, tokens)
+      if (!got) return undefined
+      const disk = this.disk
+      if (disk && !disk.has(k.hex)) {
+        const ref = got === 'resident' ? this.memory.peekPinned(k.hex) : { bytes: got, release: () => {} }
+        if (ref) {
+          this.#track(
+            yieldToCaller()
+              .then(() => this.codec.encode(this.#diskCodec, ref.bytes, this.#identity(k)))
+              .then((obj) => disk.put(k.hex, obj, 'put'))
+              .catch(() => {})
+              .finally(() => ref.release()),
+          )
         }
-        const disk = this.disk
-        if (disk && !disk.has(k.hex)) {
-          const ref = got === 'resident' ? this.memory.peekPinned(k.hex) : { bytes: got, release: () => {} }
-          if (ref) {
-            this.#track(
-              yieldToCaller()
-                .then(() => this.codec.encode(this.#diskCodec, ref.bytes, this.#identity(k)))
-                .then((obj) => disk.put(k.hex, obj, 'put'))
-                .catch(() => {})
-                .finally(() => ref.release()),
-            )
-          }
-        }
-        return got
       }
+      return got
     }
     return undefined
   }
@@ -280,66 +274,73 @@ export class StorageManager {
     priority: IoPriority,
   ): Promise<Uint8Array | 'resident' | undefined> {
     const disk = this.disk!
-    const size = this.tensorBytes(k)
-    const r = this.memory.reserve(k.hex, size)
+    const r = this.memory.reserve(k.hex, this.tensorBytes(k))
     const object = await disk.get(k.hex, priority, r?.slot)
     if (!object) {
       r?.abort()
       return undefined
     }
+    let got: Uint8Array | 'resident' | undefined
     try {
       // DiskTier.get verified every CRC already; what is left is the identity check.
       const h = decodeHeader(object)
       checkIdentity(h, this.geometry, tokens, k.hex)
-      const inPlace =
-        r !== undefined &&
-        object.buffer === r.slot.buffer &&
-        h.codec === 'raw' &&
-        h.headerBytes === this.memory.dataOffset &&
-        h.totalBytes === h.headerBytes + size &&
-        h.sections.every(
-          (s, i) => i === 0 || s.offset === h.sections[i - 1]!.offset + h.sections[i - 1]!.length,
-        ) &&
-        h.sections[0]?.offset === h.headerBytes
-      if (inPlace) {
-        r.commit()
-        return 'resident'
-      }
-      // Decoding reads the object and writes the tensor: never both in one slot.
-      const src = r && object.buffer === r.slot.buffer ? object.slice() : object
-      const dst = r ? r.bytes : new Uint8Array(size)
-      await this.codec.decodeInto(src, h.codec, dst)
-      if (!r) return dst
-      r.commit()
-      return 'resident'
+      got = await this.#place(k, object, h, r)
     } catch {
-      // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
       r?.abort()
-      disk.counters.corrupt++
-      await disk.delete(k.hex)
-      return undefined
     }
+    if (got) return got
+    // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
+    disk.counters.corrupt++
+    await disk.delete(k.hex)
+    return undefined
   }
 
-  async #decodeAndPromote(
-    k: ChunkKey,
-    object: Uint8Array,
-    tokens: number,
-  ): Promise<Uint8Array | 'resident' | undefined> {
-    let codec: string
-    try {
-      codec = verifyObject(object, this.geometry, tokens, k.hex).codec
-    } catch {
-      return undefined
-    }
+  /** L4 → L1: the body is read into the slot when it fits, like an L2 read. */
+  async #fromRemote(k: ChunkKey, tokens: number): Promise<Uint8Array | 'resident' | undefined> {
+    const remote = this.remote!
     const r = this.memory.reserve(k.hex, this.tensorBytes(k))
-    const dst = r ? r.bytes : new Uint8Array(this.tensorBytes(k))
-    try {
-      await this.codec.decodeInto(object, codec, dst)
-    } catch {
+    const object = await remote.get(k.hex, undefined, r?.slot)
+    if (!object) {
       r?.abort()
       return undefined
     }
+    let got: Uint8Array | 'resident' | undefined
+    try {
+      const h = await this.codec.verify(object)
+      checkIdentity(h, this.geometry, tokens, k.hex)
+      got = await this.#place(k, object, h, r)
+    } catch {
+      r?.abort()
+    }
+    if (!got) remote.counters.corrupt++
+    return got
+  }
+
+  /**
+   * Puts a verified object's tensor into the reservation (or a private buffer
+   * when L1 had no slot). A raw object read into the slot at the header offset
+   * is already in place; anything else is copied or decoded. Rejects on failure
+   * (the caller aborts the reservation).
+   */
+  async #place(
+    k: ChunkKey,
+    object: Uint8Array,
+    h: ChunkHeader,
+    r: MemoryReservation | undefined,
+  ): Promise<Uint8Array | 'resident'> {
+    const size = this.tensorBytes(k)
+    const inSlot =
+      r !== undefined && object.buffer === r.slot.buffer && object.byteOffset === r.slot.byteOffset
+    if (inSlot && h.codec === 'raw' && rawTensorAt(h, this.memory.dataOffset, size)) {
+      r.commit()
+      return 'resident'
+    }
+    // Decoding reads the object and writes the tensor: never both in one slot.
+    const src = inSlot ? object.slice() : object
+    const dst = r ? r.bytes : new Uint8Array(size)
+    if (h.codec === 'raw') copyRawSections(h, src, dst, layerSlabBytes(this.geometry, k.end - k.start))
+    else await this.codec.decodeInto(src, h.codec, dst)
     if (!r) return dst
     r.commit()
     return 'resident'
@@ -531,6 +532,27 @@ class RemoteLayers {
   abort(): void {
     this.#reservation?.abort()
   }
+}
+
+/** True when a raw object's sections are contiguous right after a header of `offset` bytes. */
+function rawTensorAt(h: ChunkHeader, offset: number, size: number): boolean {
+  if (h.headerBytes !== offset || h.totalBytes !== offset + size || h.sections[0]?.offset !== offset)
+    return false
+  return h.sections.every(
+    (s, i) => i === 0 || s.offset === h.sections[i - 1]!.offset + h.sections[i - 1]!.length,
+  )
+}
+
+/**
+ * A verified raw object's sections are the layer slabs: copy them out without
+ * a second CRC pass (the caller verified every section).
+ */
+function copyRawSections(h: ChunkHeader, object: Uint8Array, dst: Uint8Array, slab: number): void {
+  h.sections.forEach((s, l) => {
+    if (s.length !== slab)
+      throw new FormatError('ERR_FORMAT_BAD_FIELD', `raw section ${l} is ${s.length} bytes, expected ${slab}`)
+    dst.set(object.subarray(s.offset, s.offset + s.length), l * slab)
+  })
 }
 
 /** Lets the caller's continuation run before CPU-heavy background work starts. */

@@ -10,7 +10,15 @@ import {
   encodeChunk as encodeChunkObject,
   sectionOf,
 } from '../core/format.ts'
-import { chunkBytes, DTYPE_CODES, type KvGeometry, layerSlabBytes, rowElements } from '../core/layout.ts'
+import {
+  chunkBytes,
+  DTYPE_CODES,
+  type KvGeometry,
+  layerSlabBytes,
+  MAX_CHUNK_TOKENS,
+  rowElements,
+  validateGeometry,
+} from '../core/layout.ts'
 import {
   CODEC_MODES,
   CODEC_VERSIONS,
@@ -60,8 +68,11 @@ export function encodeChunk(tensor: Uint8Array, meta: ChunkInfo, opts: EncodeOpt
   const mode = opts?.mode
   if (!CODEC_MODES.includes(mode)) throw new InvalidArgumentError(`unknown codec mode '${String(mode)}'`)
   const quality = mode === 'kvgate' ? checkQuality(opts.quality ?? DEFAULT_QUALITY) : 0
-  const g = meta.geometry
+  const g = validateGeometry(meta?.geometry)
   const t = meta.tokens
+  if (!Number.isInteger(t) || t < 1 || t > MAX_CHUNK_TOKENS) {
+    throw new InvalidArgumentError(`tokens must be an integer in 1..${MAX_CHUNK_TOKENS}, got ${String(t)}`)
+  }
   if (!(tensor instanceof Uint8Array) || tensor.byteLength !== chunkBytes(g, t)) {
     throw new InvalidArgumentError(
       `chunk tensor must be ${chunkBytes(g, t)} bytes for ${t} tokens of this geometry, got ${tensor?.byteLength}`,
@@ -188,40 +199,58 @@ export function decodeLayer(
   return decodeSection(header, layer, sectionOf(obj, header, layer), out)
 }
 
-/**
- * Decodes a whole chunk object into `out` (a caller buffer of the chunk tensor's
- * size: no intermediate chunk-sized allocation). Returns the header.
- */
-export function decodeChunkInto(obj: Uint8Array, out: Uint8Array, limits: DecodeLimits = {}): ChunkHeader {
+/** Header checks shared by the whole-chunk decoders; returns the header and its tensor size. */
+function openChunk(obj: Uint8Array, limits: DecodeLimits): { header: ChunkHeader; size: number } {
   const header = decodeHeader(obj)
   checkHeader(header)
   const size = chunkBytes(header.geometry, header.tokens)
   if (size > (limits.maxOutputBytes ?? DEFAULT_MAX_OUTPUT)) {
     throw new CodecError(`chunk decodes to ${size} bytes, over the limit`)
   }
-  if (out.byteLength !== size)
-    throw new InvalidArgumentError(`output must be ${size} bytes, got ${out.byteLength}`)
   if (obj.byteLength !== header.totalBytes) {
     throw new CodecError(`chunk object is ${obj.byteLength} bytes, header says ${header.totalBytes}`)
   }
-  const slab = layerSlabBytes(header.geometry, header.tokens)
+  return { header, size }
+}
+
+/** CRC-checks every section and checks it can hold its layer, before any output exists. */
+function checkedSections(obj: Uint8Array, header: ChunkHeader): Uint8Array[] {
+  const sections: Uint8Array[] = []
   for (let l = 0; l < header.geometry.layers; l++) {
-    decodeLayer(obj, header, l, out.subarray(l * slab, (l + 1) * slab))
+    const s = sectionOf(obj, header, l)
+    checkExpansion(header, s)
+    sections.push(s)
   }
+  return sections
+}
+
+function decodeSections(header: ChunkHeader, sections: Uint8Array[], out: Uint8Array): void {
+  const slab = layerSlabBytes(header.geometry, header.tokens)
+  sections.forEach((s, l) => {
+    decodeSection(header, l, s, out.subarray(l * slab, (l + 1) * slab))
+  })
+}
+
+/**
+ * Decodes a whole chunk object into `out` (a caller buffer of the chunk tensor's
+ * size: no intermediate chunk-sized allocation). Returns the header. Every
+ * section is verified before `out` is written; a decode error part-way (a
+ * corrupt stream with a valid CRC) leaves `out` partly written.
+ */
+export function decodeChunkInto(obj: Uint8Array, out: Uint8Array, limits: DecodeLimits = {}): ChunkHeader {
+  const { header, size } = openChunk(obj, limits)
+  if (out.byteLength !== size)
+    throw new InvalidArgumentError(`output must be ${size} bytes, got ${out.byteLength}`)
+  decodeSections(header, checkedSections(obj, header), out)
   return header
 }
 
 /** Decodes a whole chunk object into a new chunk tensor in the header's dtype. */
 export function decodeChunk(obj: Uint8Array, limits: DecodeLimits = {}): Uint8Array {
-  const header = decodeHeader(obj)
-  checkHeader(header)
-  const size = chunkBytes(header.geometry, header.tokens)
-  if (size > (limits.maxOutputBytes ?? DEFAULT_MAX_OUTPUT)) {
-    throw new CodecError(`chunk decodes to ${size} bytes, over the limit`)
-  }
+  const { header, size } = openChunk(obj, limits)
   // Check every section before allocating the output.
-  for (let l = 0; l < header.geometry.layers; l++) checkExpansion(header, sectionOf(obj, header, l))
+  const sections = checkedSections(obj, header)
   const out = new Uint8Array(size)
-  decodeChunkInto(obj, out, limits)
+  decodeSections(header, sections, out)
   return out
 }

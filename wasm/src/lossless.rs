@@ -3,7 +3,7 @@
 //! a plane that does not compress is stored raw.
 
 use crate::bytes::Reader;
-use crate::rans::{decode_block, encode_block};
+use crate::rans::{class_counts, class_partition, decode_block, encode_block};
 
 fn encode_plane(out: &mut Vec<u8>, plane: &[u8], t: usize, c: usize) {
     let mut sums = vec![0u32; c];
@@ -12,8 +12,10 @@ fn encode_plane(out: &mut Vec<u8>, plane: &[u8], t: usize, c: usize) {
             *s += b as u32;
         }
     }
+    let (kmax, fine) = class_partition(&sums, c, 8);
+    let counts = class_counts(plane, &fine, kmax, c, 256);
     let mut coded = Vec::new();
-    encode_block(&mut coded, plane, &sums, t, c, 256, 8);
+    encode_block(&mut coded, plane, &fine, kmax, &counts, t, c, 256);
     if coded.len() < plane.len() {
         out.push(1);
         out.extend_from_slice(&coded);

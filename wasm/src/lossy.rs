@@ -6,14 +6,15 @@
 
 use crate::bytes::{put_u32, put_varint, unzigzag, zigzag, BitReader, BitWriter, Reader};
 use crate::half::{self, DT_BF16, DT_F16};
-use crate::rans::{decode_block, encode_block, uninit_vec};
+use crate::rans::{class_partition, decode_block, encode_block, uninit_vec};
 
 /// Symbols 0..DIRECT are zigzag residuals; above, (bucket, extra raw bits).
 const DIRECT: u32 = 64;
 const DIRECT_BITS: u32 = 6;
 const MAX_K: u32 = 27;
 pub const ALPHABET: usize = (DIRECT + 2 * (MAX_K - DIRECT_BITS) + 2) as usize;
-const QMAX: i32 = 1 << 24;
+/// Largest |q|; ≤ 2^22 so the SIMD path can round with the 1.5·2^23 trick.
+const QMAX: i32 = 1 << 22;
 
 const F_CHSCALE: u8 = 1;
 const F_TOKSCALE: u8 = 2;
@@ -141,33 +142,44 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
             }
         })
         .collect();
-    if p.delta && t > 1 {
-        let stride = ((t - 1) / 64).max(1);
-        let mut cost_c = vec![0u32; c];
-        let mut cost_d = vec![0u32; c];
-        let mut tt = 1;
-        while tt < t {
+    // Sampled residual costs (bit lengths) also rank channels for the entropy
+    // coder's classes, so the symbol pass can count per class directly.
+    let stride = (t / 64).max(1);
+    let mut cost_c = vec![0u32; c];
+    let mut cost_d = vec![0u32; c];
+    let try_delta = p.delta && t > 1;
+    let mut tt = if try_delta { 1 } else { 0 };
+    while tt < t {
+        let cur = &q[tt * c..(tt + 1) * c];
+        for ch in 0..c {
+            cost_c[ch] += bitlen(zigzag(cur[ch].wrapping_sub(centers[ch])));
+        }
+        if try_delta {
             let prev = &q[(tt - 1) * c..tt * c];
-            let cur = &q[tt * c..(tt + 1) * c];
             for ch in 0..c {
-                cost_c[ch] += bitlen(zigzag(cur[ch].wrapping_sub(centers[ch])));
                 cost_d[ch] += bitlen(zigzag(cur[ch].wrapping_sub(prev[ch])));
             }
-            tt += stride;
         }
+        tt += stride;
+    }
+    let mut rank = cost_c.clone();
+    if try_delta {
         for ch in 0..c {
             if cost_d[ch] < cost_c[ch] {
                 delta[ch] = true;
                 centers[ch] = q[ch];
+                rank[ch] = cost_d[ch];
             }
         }
     }
+    let (kmax, fine) = class_partition(&rank, c, p.max_classes);
     if delta.iter().any(|&d| d) {
         flags |= F_MODES;
     }
-    // Pass 3: residual symbols, per-channel symbol sums (class ranking), escape bits.
+    // Pass 3: residual symbols, symbol counts per class, escape bits.
     let mut syms: Vec<u8> = uninit_vec(t * c);
-    let mut sums = vec![0u32; c];
+    let mut counts = vec![0u32; kmax * ALPHABET];
+    let fbase: Vec<usize> = fine.iter().map(|&k| k as usize * ALPHABET).collect();
     let mut bits = BitWriter::new();
     let mut pred = centers.clone();
     let dmask: Vec<i32> = delta.iter().map(|&d| if d { -1 } else { 0 }).collect();
@@ -189,8 +201,8 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
             };
             sr[ch] = s as u8;
         }
-        for (sum, &sym) in sums.iter_mut().zip(sr.iter()) {
-            *sum = sum.wrapping_add(sym as u32);
+        for (&b, &sym) in fbase.iter().zip(sr.iter()) {
+            counts[b + sym as usize] += 1;
         }
     }
     out.extend_from_slice(&base.to_le_bytes());
@@ -216,7 +228,7 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     let extra = bits.finish();
     put_u32(out, extra.len() as u32);
     out.extend_from_slice(&extra);
-    encode_block(out, &syms, &sums, t, c, ALPHABET, p.max_classes);
+    encode_block(out, &syms, &fine, kmax, &counts, t, c, ALPHABET);
 }
 
 /// Adds one row to the channel statistics; returns (Σx², max|x|) of the row.
@@ -353,6 +365,7 @@ fn quantize_row(x: &[f32], inv_c: &[f32], it: f32, q: &mut [i32]) {
     let lim = f32x4_splat(QMAX as f32);
     let nlim = f32x4_splat(-(QMAX as f32));
     let vt = f32x4_splat(it);
+    let magic = f32x4_splat(12582912.0);
     let mut ch = 0;
     while ch + 4 <= c {
         unsafe {
@@ -361,13 +374,14 @@ fn quantize_row(x: &[f32], inv_c: &[f32], it: f32, q: &mut [i32]) {
                 f32x4_mul(v, v128_load(inv_c.as_ptr().add(ch) as *const v128)),
                 vt,
             );
-            // NaN compares false against itself: zero it; ±Inf clamps.
+            // NaN compares false against itself: zero it; ±Inf clamps (pmin/pmax are
+            // single instructions, unlike NaN-propagating min/max).
             let s = v128_and(s, f32x4_eq(s, s));
-            let s = f32x4_nearest(f32x4_max(nlim, f32x4_min(lim, s)));
-            v128_store(
-                q.as_mut_ptr().add(ch) as *mut v128,
-                i32x4_trunc_sat_f32x4(s),
-            );
+            let s = f32x4_pmax(nlim, f32x4_pmin(lim, s));
+            // Adding 1.5·2^23 rounds to an integer (ties to even) in the low mantissa
+            // bits; cheaper than nearest + trunc_sat, exact for |s| ≤ 2^22.
+            let r = f32x4_add(s, magic);
+            v128_store(q.as_mut_ptr().add(ch) as *mut v128, i32x4_sub(r, magic));
         }
         ch += 4;
     }

@@ -166,42 +166,46 @@ fn enc_sym(start: u32, freq: u32) -> EncSym {
     }
 }
 
-/// Chooses channel classes by cost (including table bytes) and writes
-/// `nclass, [class per channel], tables`. Channels are ranked by their symbol
-/// sum (a proxy for residual scale) and cut into k equal rank ranges, k ∈ {1, 2,
-/// 4, 8}. The ranges nest, so one histogram per finest class serves every k.
-/// Returns the class of each channel and the tables.
-fn choose_classes(
-    out: &mut Vec<u8>,
-    syms: &[u8],
-    sums: &[u32],
-    c: usize,
-    alphabet: usize,
-    max_classes: usize,
-) -> (Vec<u8>, Vec<Vec<u32>>) {
+/// Cuts channels into `kmax` (a power of two ≤ 8, ≤ max_classes, ≤ C) equal
+/// rank ranges by `rank` (an estimate of each channel's residual scale). Returns
+/// kmax and each channel's finest class; coarser classes are `fine >> j`.
+pub fn class_partition(rank: &[u32], c: usize, max_classes: usize) -> (usize, Vec<u8>) {
     let mut kmax = 1usize;
     while kmax * 2 <= max_classes.min(MAX_CLASSES).min(c.max(1)) {
         kmax *= 2;
     }
-    let mut order: Vec<(u32, usize)> = (0..c).map(|ch| (sums[ch], ch)).collect();
+    let mut order: Vec<(u32, usize)> = (0..c).map(|ch| (rank[ch], ch)).collect();
     order.sort_unstable();
     let mut fine = vec![0u8; c];
-    for (rank, &(_, ch)) in order.iter().enumerate() {
-        fine[ch] = ((rank * kmax) / c.max(1)) as u8;
+    for (r, &(_, ch)) in order.iter().enumerate() {
+        fine[ch] = ((r * kmax) / c.max(1)) as u8;
     }
-    let mut counts = vec![0u64; kmax * alphabet];
-    if kmax == 1 {
-        for &sym in syms {
-            counts[sym as usize] += 1;
-        }
-    } else {
-        let base: Vec<usize> = fine.iter().map(|&k| k as usize * alphabet).collect();
-        for row in syms.chunks_exact(c) {
-            for (&b, &sym) in base.iter().zip(row) {
-                counts[b + sym as usize] += 1;
-            }
+    (kmax, fine)
+}
+
+/// Counts symbols per finest class (kmax × alphabet), for `encode_block`.
+pub fn class_counts(syms: &[u8], fine: &[u8], kmax: usize, c: usize, alphabet: usize) -> Vec<u32> {
+    let mut counts = vec![0u32; kmax * alphabet];
+    let base: Vec<usize> = fine.iter().map(|&k| k as usize * alphabet).collect();
+    for row in syms.chunks_exact(c) {
+        for (&b, &sym) in base.iter().zip(row) {
+            counts[b + sym as usize] += 1;
         }
     }
+    counts
+}
+
+/// Chooses k ∈ {1, 2, 4, …, kmax} classes by coded size (including table
+/// bytes) from the finest-class counts, and writes `nclass, [class per
+/// channel], tables`. Returns the class of each channel and the tables.
+fn choose_classes(
+    out: &mut Vec<u8>,
+    fine: &[u8],
+    kmax: usize,
+    counts: &[u32],
+    c: usize,
+    alphabet: usize,
+) -> (Vec<u8>, Vec<Vec<u32>>) {
     let mut best: Option<(f64, usize, Vec<Vec<u32>>)> = None;
     let mut k = 1usize;
     while k <= kmax {
@@ -216,7 +220,7 @@ fn choose_classes(
                     .iter_mut()
                     .zip(&counts[f * alphabet..(f + 1) * alphabet])
                 {
-                    *d += v;
+                    *d += v as u64;
                 }
             }
             let f = normalize(&cnt);
@@ -243,19 +247,21 @@ fn choose_classes(
     (class_of, tables)
 }
 
-/// Encodes a T×C symbol matrix (row major) into `out`; `sums` holds each
-/// channel's symbol sum. Channels are grouped into up to `max_classes`
-/// classes, each with its own table, chosen by coded size.
+/// Encodes a T×C symbol matrix (row major) into `out`, given the channels'
+/// finest classes and the symbol counts per finest class (`class_counts`).
+/// Channels are grouped into 1..kmax classes, each with its own table, chosen
+/// by coded size.
 pub fn encode_block(
     out: &mut Vec<u8>,
     syms: &[u8],
-    sums: &[u32],
+    fine: &[u8],
+    kmax: usize,
+    counts: &[u32],
     t: usize,
     c: usize,
     alphabet: usize,
-    max_classes: usize,
 ) {
-    let (class_of, tables) = choose_classes(out, &syms[..t * c], sums, c, alphabet, max_classes);
+    let (class_of, tables) = choose_classes(out, fine, kmax, counts, c, alphabet);
     let mut enc = vec![EncSym::default(); tables.len() * alphabet];
     for (cls, f) in tables.iter().enumerate() {
         let mut cum = 0u32;
@@ -284,10 +290,10 @@ pub fn encode_block(
             unsafe {
                 let e = *ep.add(*cbase.get_unchecked($ch) + *sp.add($i) as usize);
                 let mut xs = x[$lane];
-                let out = (xs >= e.x_max) as usize;
+                let big = xs >= e.x_max;
                 *bp.add(p - 1) = xs as u16;
-                p -= out;
-                xs >>= (out as u32) << 4;
+                p -= big as usize;
+                xs = if big { xs >> 16 } else { xs };
                 let q = (((xs as u64) * (e.rcp_freq as u64)) >> 32) as u32 >> e.rcp_shift;
                 x[$lane] = xs + e.bias + q * e.cmpl_freq;
             }
@@ -344,8 +350,16 @@ pub fn encode_block(
     for lane in 0..LANES {
         put_u32(out, x[lane]);
     }
-    for w in &buf[p..] {
-        out.extend_from_slice(&w.to_le_bytes());
+    let words = &buf[p..];
+    if cfg!(target_endian = "little") {
+        // SAFETY: u16 has no padding; the words are little-endian in memory already.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, words.len() * 2) };
+        out.extend_from_slice(bytes);
+    } else {
+        for w in words {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
     }
 }
 
@@ -432,11 +446,11 @@ pub fn decode_block(
                                 let e = *tp.add(($base($off) + (xs & mask)) as usize);
                                 *sp.add(i + $off) = e as u8;
                                 let xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
-                                let need = (xs < RANS_L) as u32;
                                 let w = u16::from_le((dp.add(p) as *const u16).read_unaligned()) as u32;
-                                let m = 0u32.wrapping_sub(need);
-                                x[$lane] = (xs << (need << 4)) | (w & m);
-                                p += (need as usize) << 1;
+                                let need = xs < RANS_L;
+                                // Two selects (cmov), no branch.
+                                x[$lane] = if need { (xs << 16) | w } else { xs };
+                                p += if need { 2 } else { 0 };
                             }
                         }};
                     }

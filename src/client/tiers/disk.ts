@@ -6,7 +6,7 @@ import { constants as fsc } from 'node:fs'
 import { mkdir, open, readdir, rename, rm, stat, unlink } from 'node:fs/promises'
 import { join } from 'node:path'
 import { InvalidArgumentError, isKvgateError } from '../../core/errors.ts'
-import { decodeHeader, verifyChunk } from '../../core/format.ts'
+import { type ChunkHeader, decodeHeader, verifyChunk } from '../../core/format.ts'
 import { toHex } from '../../core/keys.ts'
 import { type IoPriority, PriorityQueue } from '../io-queue.ts'
 import type { NativeModule } from '../native-api.ts'
@@ -27,6 +27,8 @@ export interface DiskTierOptions {
    * @default 'auto'
    */
   direct?: 'auto' | 'off'
+  /** Full verification of an object read back (header, every section CRC, length). @default verifyChunk */
+  verify?: (object: Uint8Array) => ChunkHeader | Promise<ChunkHeader>
 }
 
 export interface DiskTierStats {
@@ -68,11 +70,13 @@ export class DiskTier {
   #lastWriteError: string | undefined
   #directReads = 0
   readonly #native: NativeModule | undefined
+  readonly #verify: (object: Uint8Array) => ChunkHeader | Promise<ChunkHeader>
 
   private constructor(opts: DiskTierOptions) {
     this.dir = opts.dir
     this.#budget = opts.bytes
     this.#native = opts.direct === 'off' ? undefined : opts.native
+    this.#verify = opts.verify ?? verifyChunk
     this.#queue = new PriorityQueue(opts.concurrency ?? 2)
   }
 
@@ -173,7 +177,7 @@ export class DiskTier {
       return undefined
     }
     try {
-      verifyChunk(bytes)
+      await this.#verify(bytes)
     } catch (e) {
       if (!isKvgateError(e)) throw e
       this.counters.corrupt++

@@ -67,6 +67,33 @@ interface HttpResult {
 
 class RetryableError extends Error {}
 
+/**
+ * Reads a response body, into `into` when given and large enough (an L1 slot:
+ * no intermediate buffer), else into a new buffer.
+ */
+async function readBody(
+  body: AsyncIterable<Uint8Array> & { arrayBuffer(): Promise<ArrayBuffer> },
+  into: Uint8Array | undefined,
+  length: number | undefined,
+): Promise<Uint8Array> {
+  if (!into || length === undefined || length > into.byteLength)
+    return new Uint8Array(await body.arrayBuffer())
+  let off = 0
+  for await (const piece of body) {
+    if (off + piece.byteLength > into.byteLength)
+      throw new RetryableError('body longer than its content-length')
+    into.set(piece, off)
+    off += piece.byteLength
+  }
+  return into.subarray(0, off)
+}
+
+function contentLength(h: Record<string, string | string[] | undefined>): number | undefined {
+  const v = h['content-length']
+  const n = typeof v === 'string' ? Number(v) : Number.NaN
+  return Number.isSafeInteger(n) && n >= 0 ? n : undefined
+}
+
 const MAX_LOOKUP_KEYS = 4096
 
 export class RemoteTier {
@@ -161,7 +188,12 @@ export class RemoteTier {
   async #once(
     method: 'GET' | 'PUT' | 'POST' | 'HEAD',
     path: string,
-    opts: { body?: Uint8Array | string; headers?: Record<string, string>; timeoutMs: number },
+    opts: {
+      body?: Uint8Array | string
+      headers?: Record<string, string>
+      timeoutMs: number
+      into?: Uint8Array
+    },
   ): Promise<HttpResult> {
     const signal = AbortSignal.timeout(opts.timeoutMs)
     try {
@@ -177,10 +209,16 @@ export class RemoteTier {
         await r.body.dump()
         const loc = r.headers.location
         if (method !== 'GET' || typeof loc !== 'string') throw new RetryableError('redirect without location')
-        return await this.#followRedirect(new URL(loc, this.#origin), opts.headers, signal)
+        return await this.#followRedirect(new URL(loc, this.#origin), opts.headers, signal, opts.into)
       }
-      const body = method === 'HEAD' ? new Uint8Array(0) : new Uint8Array(await r.body.arrayBuffer())
-      if (r.statusCode >= 500) throw new RetryableError(`HTTP ${r.statusCode}`)
+      if (r.statusCode >= 500) {
+        await r.body.dump()
+        throw new RetryableError(`HTTP ${r.statusCode}`)
+      }
+      const body =
+        method === 'HEAD'
+          ? new Uint8Array(0)
+          : await readBody(r.body, r.statusCode === 200 ? opts.into : undefined, contentLength(r.headers))
       return { status: r.statusCode, headers: r.headers, body }
     } catch (e) {
       if (e instanceof RetryableError) throw e
@@ -194,6 +232,7 @@ export class RemoteTier {
     url: URL,
     headers: Record<string, string> | undefined,
     signal: AbortSignal,
+    into?: Uint8Array,
   ): Promise<HttpResult> {
     this.#redirects++
     const h: Record<string, string> = {}
@@ -205,8 +244,11 @@ export class RemoteTier {
       headers: h,
       signal,
     })
-    const body = new Uint8Array(await r.body.arrayBuffer())
-    if (r.statusCode >= 500) throw new RetryableError(`HTTP ${r.statusCode} from redirect target`)
+    if (r.statusCode >= 500) {
+      await r.body.dump()
+      throw new RetryableError(`HTTP ${r.statusCode} from redirect target`)
+    }
+    const body = await readBody(r.body, r.statusCode === 200 ? into : undefined, contentLength(r.headers))
     return { status: r.statusCode, headers: r.headers, body }
   }
 
@@ -219,6 +261,7 @@ export class RemoteTier {
       headers?: Record<string, string>
       timeoutMs: number
       retries?: number
+      into?: Uint8Array
     },
   ): Promise<HttpResult | undefined> {
     if (this.#closed) return undefined
@@ -274,10 +317,17 @@ export class RemoteTier {
    * GETs a chunk object, or with `layers` the header followed by sections a..b.
    * Undefined on 404 or failure; the bytes are not verified here (the caller does).
    */
-  async get(hex: string, layers?: readonly [number, number]): Promise<Uint8Array | undefined> {
+  async get(
+    hex: string,
+    layers?: readonly [number, number],
+    into?: Uint8Array,
+  ): Promise<Uint8Array | undefined> {
     const t0 = performance.now()
     const q = layers ? `?layers=${layers[0]}-${layers[1]}` : ''
-    const r = await this.#request('GET', `${this.#base}/chunks/${hex}${q}`, { timeoutMs: this.#timeoutMs })
+    const r = await this.#request('GET', `${this.#base}/chunks/${hex}${q}`, {
+      timeoutMs: this.#timeoutMs,
+      into,
+    })
     if (r?.status !== 200) {
       this.counters.misses++
       if (r && r.status !== 404) this.counters.errors++
