@@ -172,6 +172,30 @@ describe('DiskTier', () => {
     expect(d.has(hexOf(9))).toBe(false)
   })
 
+  it('verifies large objects segment by segment while reading them through the addon', async () => {
+    const dir = tempDir()
+    const n = loadNative()
+    expect(n.api, n.reason).toBeDefined()
+    const d = await DiskTier.open({ dir, bytes: 1 << 30, native: n.api })
+    const obj = object(hexOf(0x51), 7, 16384) // 10 MiB: read + verified in 4 MiB segments
+    expect(obj.byteLength).toBeGreaterThan(8 << 20)
+    await d.put(hexOf(0x51), obj)
+    expect(Buffer.compare(Buffer.from((await d.get(hexOf(0x51)))!), Buffer.from(obj))).toBe(0)
+    expect(d.counters.hits).toBe(1)
+    // A flip in the second segment, then a truncation: each is a counted miss, never bytes.
+    for (const [key, damage] of [
+      [0x52, (b: Uint8Array) => b.with(5 << 20, b[5 << 20]! ^ 1)],
+      [0x53, (b: Uint8Array) => b.subarray(0, b.length - 4096)],
+    ] as const) {
+      const fresh = object(hexOf(key), 7, 16384)
+      await d.put(hexOf(key), fresh)
+      writeFileSync(d.pathOf(hexOf(key)), damage(fresh))
+      expect(await d.get(hexOf(key))).toBeUndefined()
+      expect(d.has(hexOf(key))).toBe(false)
+    }
+    expect(d.counters.corrupt).toBe(2)
+  })
+
   it('keeps within its byte budget by evicting the least recently used file', async () => {
     const dir = tempDir()
     const one = object(hexOf(1), 1).byteLength
