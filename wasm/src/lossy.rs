@@ -490,29 +490,24 @@ mod simd {
     #[inline(always)]
     pub fn row_direct(row: &[u8]) -> bool {
         let mut i = 0;
-        let lim = u8x16_splat(super::DIRECT as u8);
+        // One running max, one test at the end: escapes are rare.
+        let mut m = u8x16_splat(0);
         while i + 16 <= row.len() {
-            let v = unsafe { v128_load(row.as_ptr().add(i) as *const v128) };
-            if !u8x16_all_true(u8x16_lt(v, lim)) {
-                return false;
-            }
+            // SAFETY: i + 16 ≤ row.len().
+            m = u8x16_max(m, unsafe { v128_load(row.as_ptr().add(i) as *const v128) });
             i += 16;
         }
-        row[i..].iter().all(|&s| (s as u32) < super::DIRECT)
+        u8x16_all_true(u8x16_lt(m, u8x16_splat(super::DIRECT as u8)))
+            && row[i..].iter().all(|&s| (s as u32) < super::DIRECT)
     }
 
     /// f32x4 → fp16 bits (RNE, overflow → Inf, NaN → quiet NaN), in i32 lanes.
     #[inline(always)]
     pub fn f32x4_to_f16(f: v128) -> v128 {
         let sign = v128_and(f, u32x4_splat(0x8000_0000));
-        // |f| as bits is in 0..2^31, so signed compares are exact (and cheaper than unsigned ones).
+        // |f| as bits is in 0..2^31, so signed compares and min are exact.
         let a = v128_xor(f, sign);
-        let big = i32x4_gt(a, i32x4_splat(((127 + 16) << 23) - 1));
-        let nan = i32x4_gt(a, i32x4_splat(255 << 23));
-        let o_big = v128_or(u32x4_splat(0x7c00), v128_and(nan, u32x4_splat(0x0200)));
-        let small = i32x4_lt(a, i32x4_splat(113 << 23));
-        let magic = u32x4_splat(((127 - 15) + (23 - 10) + 1) << 23);
-        let o_small = i32x4_sub(f32x4_add(a, magic), magic);
+        // Normal range: rebias the exponent and round to nearest even at bit 13.
         let odd = v128_and(u32x4_shr(a, 13), u32x4_splat(1));
         let norm = i32x4_add(
             i32x4_add(
@@ -521,9 +516,15 @@ mod simd {
             ),
             odd,
         );
-        let o_norm = u32x4_shr(norm, 13);
-        let o = v128_bitselect(o_small, o_norm, small);
-        let o = v128_bitselect(o_big, o, big);
+        // Too large (and Inf) saturate to Inf with one min; NaN keeps a quiet bit.
+        let o = i32x4_min(u32x4_shr(norm, 13), i32x4_splat(0x7c00));
+        let nan = i32x4_gt(a, i32x4_splat(255 << 23));
+        let o = v128_or(o, v128_and(nan, u32x4_splat(0x0200)));
+        // Subnormal results: the FP add of a magic constant rounds exactly.
+        let small = i32x4_lt(a, i32x4_splat(113 << 23));
+        let magic = u32x4_splat(((127 - 15) + (23 - 10) + 1) << 23);
+        let o_small = i32x4_sub(f32x4_add(a, magic), magic);
+        let o = v128_bitselect(o_small, o, small);
         v128_or(o, u32x4_shr(sign, 16))
     }
 
