@@ -400,7 +400,8 @@ pub fn decode_block(
             *d = v as u32 * PROB_SCALE;
         }
     }
-    let mut dec = vec![0u32; k * PROB_SCALE as usize];
+    // read_table fills every slot of each class (or fails).
+    let mut dec: Vec<u32> = uninit_vec(k * PROB_SCALE as usize);
     for cls in 0..k {
         read_table(
             r,
