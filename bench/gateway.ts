@@ -37,7 +37,40 @@ const gwStore = new S3Store(storeOpts) // for in-process lookups (cold cache per
 const gw = await startServe()
 // A second one answers large GETs with 307 to a presigned RGW URL (bytes bypass it).
 const gwRedirect = await startServe(['--presign-min-bytes', String(16 * 1024 * 1024)])
-console.error(`rgw ${rgw.endpoint}, gateway ${gw.url}, redirecting gateway ${gwRedirect.url}`)
+// The floor: a bare Node pipe proxy (no verification, no web streams) in its own process.
+const bare = await startBareProxy()
+console.error(
+  `rgw ${rgw.endpoint}, gateway ${gw.url}, redirecting gateway ${gwRedirect.url}, bare proxy ${bare.url}`,
+)
+
+async function startBareProxy(): Promise<{ url: string; pid: number; close(): Promise<void> }> {
+  const file = new URL('./gateway-bare-proxy.ts', import.meta.url).pathname
+  const proc = spawn(process.execPath, ['--import', 'tsx', file], {
+    stdio: ['ignore', 'pipe', 'inherit'],
+    env: {
+      ...process.env,
+      RGW_ENDPOINT: rgw.endpoint,
+      RGW_ACCESS_KEY: rgw.accessKeyId,
+      RGW_SECRET_KEY: rgw.secretAccessKey,
+      RGW_BUCKET: rgw.bucket,
+    },
+  })
+  const url = await new Promise<string>((resolve, reject) => {
+    createInterface({ input: proc.stdout! }).on('line', (l) =>
+      resolve((JSON.parse(l) as { url: string }).url),
+    )
+    proc.once('exit', (code) => reject(new Error(`bare proxy exited ${code}`)))
+  })
+  return {
+    url,
+    pid: proc.pid!,
+    close: () =>
+      new Promise<void>((r) => {
+        proc.once('exit', () => r())
+        proc.kill('SIGTERM')
+      }),
+  }
+}
 
 /** CPU seconds (user+sys) a process has used, from /proc (Linux). */
 function cpuSeconds(pid: number): number {
@@ -130,9 +163,12 @@ const through = {
   getGateway: [] as number[],
   getDirect: [] as number[],
   getRedirect: [] as number[],
+  putBare: [] as number[],
+  getBare: [] as number[],
 }
 // Gateway CPU seconds per GiB moved (independent of how loaded the machine is).
 const cpuPerGiB = { put: [] as number[], get: [] as number[] }
+const bareCpuPerGiB = { put: [] as number[], get: [] as number[] }
 // The direct client's own CPU per GiB (this process does nothing else meanwhile).
 const directCpuPerGiB = { put: [] as number[], get: [] as number[] }
 const selfCpu = () => {
@@ -205,9 +241,29 @@ for (let rep = 0; rep < REPEATS; rep++) {
     })
     through.getRedirect.push(mbps(size * OBJECTS, performance.now() - t))
   }
+  {
+    let cpu0 = cpuSeconds(bare.pid)
+    let t = performance.now()
+    await pool(OBJECTS, CONCURRENCY, async (i) => {
+      const r = await fetch(`${bare.url}/k/bare/${ns}/${chunks[i]!.key}`, putInit(chunks[i]!.bytes))
+      await r.arrayBuffer()
+      if (r.status !== 200) throw new Error(`bare PUT ${r.status}`)
+    })
+    through.putBare.push(mbps(size * OBJECTS, performance.now() - t))
+    bareCpuPerGiB.put.push((cpuSeconds(bare.pid) - cpu0) / GIB_MOVED)
+    cpu0 = cpuSeconds(bare.pid)
+    t = performance.now()
+    await pool(OBJECTS, CONCURRENCY, async (i) => {
+      const r = await fetch(`${bare.url}/k/bare/${ns}/${chunks[i]!.key}`)
+      if ((await drain(r.body)) !== size) throw new Error(`bare GET ${r.status}`)
+    })
+    through.getBare.push(mbps(size * OBJECTS, performance.now() - t))
+    bareCpuPerGiB.get.push((cpuSeconds(bare.pid) - cpu0) / GIB_MOVED)
+  }
   // Free RGW's memstore between repeats.
   await pool(OBJECTS, 8, async (i) => {
     await direct.delete(`direct/${ns}/${chunks[i]!.key}`)
+    await direct.delete(`bare/${ns}/${chunks[i]!.key}`)
     await direct.delete(`bench/${ns}/${chunks[i]!.key.slice(0, 2)}/${chunks[i]!.key}`)
   })
 }
@@ -348,6 +404,18 @@ console.log(
       getRatio.toFixed(2),
     ],
     [
+      'PUT through a bare Node pipe proxy (MiB/s)',
+      tp.putBare.toFixed(0),
+      tp.putDirect.toFixed(0),
+      (tp.putBare / tp.putDirect).toFixed(2),
+    ],
+    [
+      'GET through a bare Node pipe proxy (MiB/s)',
+      tp.getBare.toFixed(0),
+      tp.getDirect.toFixed(0),
+      (tp.getBare / tp.getDirect).toFixed(2),
+    ],
+    [
       'GET via 307 presigned redirect (MiB/s)',
       tp.getRedirect.toFixed(0),
       tp.getDirect.toFixed(0),
@@ -357,6 +425,7 @@ console.log(
 )
 console.log(
   `CPU seconds per GiB: gateway process PUT ${median(cpuPerGiB.put).toFixed(2)} / GET ${median(cpuPerGiB.get).toFixed(2)}; ` +
+    `bare pipe proxy PUT ${median(bareCpuPerGiB.put).toFixed(2)} / GET ${median(bareCpuPerGiB.get).toFixed(2)}; ` +
     `direct SDK client PUT ${median(directCpuPerGiB.put).toFixed(2)} / GET ${median(directCpuPerGiB.get).toFixed(2)} ` +
     `(load average ${loadavg()[0]!.toFixed(1)} on ${cpus().length} cores)`,
 )
@@ -448,6 +517,11 @@ const path = writeResult({
   settings: { objects: OBJECTS, objectBytes: size, concurrency: CONCURRENCY, repeats: REPEATS },
   throughputMiBps: { ...tp, samples: through },
   gatewayCpuSecondsPerGiB: { put: median(cpuPerGiB.put), get: median(cpuPerGiB.get), samples: cpuPerGiB },
+  bareProxyCpuSecondsPerGiB: {
+    put: median(bareCpuPerGiB.put),
+    get: median(bareCpuPerGiB.get),
+    samples: bareCpuPerGiB,
+  },
   directClientCpuSecondsPerGiB: {
     put: median(directCpuPerGiB.put),
     get: median(directCpuPerGiB.get),
@@ -479,6 +553,7 @@ writeFileSync(
       bars: [
         { label: 'gateway', value: tp.putGateway },
         { label: 'direct S3', value: tp.putDirect },
+        { label: 'bare Node proxy', value: tp.putBare },
       ],
     },
     {
@@ -486,6 +561,7 @@ writeFileSync(
       bars: [
         { label: 'gateway', value: tp.getGateway },
         { label: 'direct S3', value: tp.getDirect },
+        { label: 'bare Node proxy', value: tp.getBare },
       ],
     },
     {
@@ -503,6 +579,7 @@ console.log(`wrote ${path} and gateway.svg`)
 
 await gw.close()
 await gwRedirect.close()
+await bare.close()
 await gwStore.close()
 await direct.close()
 await rgw.stop()

@@ -353,6 +353,52 @@ run('gateway with bad S3 credentials and slow clients', () => {
     await store.close()
   })
 
+  it('an upload cut off mid-body stores nothing; a slow but complete one succeeds', async () => {
+    const store = s3()
+    const prefix = uniq()
+    const gw = await serveGateway(createGateway({ store, prefix }), { port: 0 })
+    const rawPut = (key: string, bytes: Uint8Array) => {
+      const sock = net.connect(gw.port, '127.0.0.1')
+      sock.on('error', () => {})
+      sock.write(
+        `PUT /v1/ns/cut/chunks/${key} HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\ncontent-length: ${bytes.length}\r\n\r\n`,
+      )
+      return sock
+    }
+    try {
+      const c = makeChunk({ layers: 4, sectionBytes: 1 * MIB })
+      const cut = rawPut(c.key, c.bytes)
+      cut.write(c.bytes.subarray(0, c.bytes.length >> 1))
+      await new Promise((r) => setTimeout(r, 300))
+      cut.destroy()
+      await new Promise((r) => setTimeout(r, 500))
+      expect((await store.list(`${prefix}/cut/`)).entries).toHaveLength(0)
+      expect((await fetch(`${gw.url}/healthz`)).status).toBe(200)
+
+      const slow = rawPut(c.key, c.bytes)
+      let response = ''
+      slow.on('data', (d) => (response += d))
+      for (let at = 0; at < c.bytes.length; at += 512 * 1024) {
+        slow.write(c.bytes.subarray(at, at + 512 * 1024))
+        await new Promise((r) => setTimeout(r, 30))
+      }
+      await new Promise<void>((r) => {
+        const t = setInterval(() => {
+          if (response.includes('\r\n\r\n{')) {
+            clearInterval(t)
+            r()
+          }
+        }, 20)
+      })
+      slow.destroy()
+      expect(response).toMatch(/^HTTP\/1\.1 201/)
+      expect((await store.list(`${prefix}/cut/`)).entries).toHaveLength(1)
+    } finally {
+      await gw.close(100)
+      await store.close()
+    }
+  })
+
   it('a client that stops reading a large GET does not stall other requests', async () => {
     const store = s3()
     const gw = await serveGateway(createGateway({ store, prefix: uniq() }), { port: 0 })

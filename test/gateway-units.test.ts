@@ -1,31 +1,12 @@
-// Small gateway parts on their own: block regrouping, Range parsing, the GET
+// Small gateway parts on their own: Range parsing, the GET
 // coalescer's size cap, the chain lookup's probing budget, the metrics text.
 
 import { describe, expect, it } from 'vitest'
-import { BlockBuffer } from '../src/gateway/block-buffer.ts'
 import { ChainLookup } from '../src/gateway/chain-lookup.ts'
 import { GetCoalescer } from '../src/gateway/coalesce.ts'
 import { GatewayMetrics } from '../src/gateway/metrics.ts'
 import { parseRange } from '../src/gateway/routes/chunks.ts'
 import { MemoryStore } from '../src/gateway/stores/memory.ts'
-
-describe('BlockBuffer', () => {
-  it('regroups pieces into full blocks without losing or reordering bytes', () => {
-    const b = new BlockBuffer(10)
-    const input = Uint8Array.from({ length: 57 }, (_, i) => i)
-    const out: Uint8Array[] = []
-    let at = 0
-    for (const size of [3, 7, 1, 15, 20, 11]) {
-      out.push(...b.push(input.subarray(at, at + size)))
-      at += size
-    }
-    const last = b.flush()
-    if (last) out.push(last)
-    expect(out.slice(0, -1).every((x) => x.length >= 10)).toBe(true)
-    expect(Uint8Array.from(out.flatMap((x) => [...x]))).toEqual(input)
-    expect(b.flush()).toBeUndefined()
-  })
-})
 
 describe('parseRange', () => {
   it('parses the three forms and rejects the rest', () => {
@@ -105,7 +86,7 @@ describe('ChainLookup', () => {
 
   it('returns exact sizes and stops at a hole', async () => {
     const c = await chain(100, (i) => i !== 40)
-    const r = await c.lookup.lookup(c.names)
+    const r = await c.lookup.lookup(c.names, { sizes: true })
     expect(r.present).toBe(40)
     expect(r.sizes).toEqual(Array.from({ length: 40 }, (_, i) => i + 1))
   })

@@ -74,7 +74,7 @@ describe('gateway in workerd', () => {
     const look = await mf.dispatchFetch('http://gw/v1/ns/a/lookup', {
       method: 'POST',
       headers: { 'content-type': 'application/json' },
-      body: JSON.stringify({ keys: [c.key, other.key] }),
+      body: JSON.stringify({ keys: [c.key, other.key], sizes: true }),
     })
     expect(await look.json()).toEqual({ present: 1, sizes: [c.bytes.length] })
   })

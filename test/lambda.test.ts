@@ -220,7 +220,7 @@ describe('the Lambda zip', () => {
       bundled,
       event('POST', '/v1/ns/a/lookup', {
         headers: { authorization: `Bearer ${TOKENS.reader}`, 'content-type': 'application/json' },
-        body: JSON.stringify({ keys: chain.map((c) => c.key) }),
+        body: JSON.stringify({ keys: chain.map((c) => c.key), sizes: true }),
       }),
     )
     expect(r.status).toBe(200)

@@ -197,7 +197,7 @@ describe('gateway in workerd on R2', () => {
     const r = await fetch(`${base}/v1/ns/a/lookup`, {
       method: 'POST',
       headers: { ...auth(TOKENS.readerA), 'content-type': 'application/json' },
-      body: JSON.stringify({ keys: chain.map((c) => c.key) }),
+      body: JSON.stringify({ keys: chain.map((c) => c.key), sizes: true }),
     })
     expect(r.status).toBe(200)
     expect(await r.json()).toEqual({ present: 4, sizes: chain.slice(0, 4).map((c) => c.bytes.length) })

@@ -90,6 +90,9 @@ osd pool default pg num = 8
 osd pool default pgp num = 8
 osd pool default pg autoscale mode = off
 mon max pg per osd = 1000
+; the mon data dir sits on a shared disk: do not warn / stop at 30% / 5% free
+mon data avail warn = 2
+mon data avail crit = 1
 ; pools are created one paxos round each: short rounds make startup seconds faster
 paxos propose interval = 0.05
 paxos min wait = 0.01
@@ -109,6 +112,11 @@ osd op num threads per shard = 1
 rgw frontends = beast endpoint=127.0.0.1:$RGW_PORT
 rgw data = $DIR/rgw
 rgw thread pool size = 64
+; deleted objects' tails are garbage collected after 2 h by default: in RAM
+; (memstore) that fills the OSD over a few bench runs, so collect right away
+rgw gc obj min wait = 0
+rgw gc processor period = 5
+rgw gc processor max time = 5
 CONF
 : >"$DIR/keyring"
 

@@ -31,6 +31,7 @@ export type ErrorCode =
   | 'ERR_CONFIG'
   | 'ERR_MODEL'
   | 'ERR_CLOSED'
+  | 'ERR_INTERNAL'
 
 export interface KvgateErrorOptions {
   cause?: unknown

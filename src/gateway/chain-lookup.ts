@@ -63,7 +63,7 @@ export class ChainLookup {
   }
 
   async lookup(names: readonly string[], opts: { sizes?: boolean } = {}): Promise<LookupResult> {
-    const wantSizes = opts.sizes ?? true
+    const wantSizes = opts.sizes ?? false
     const m = names.length
     const sizes: (number | undefined)[] = names.map((n) => this.#cache.get(n))
     let hits = 0

@@ -6,7 +6,6 @@
 import { FormatError, InvalidKeyError, KvgateError } from '../core/errors.ts'
 import { type ChunkHeader, ChunkVerifier } from '../core/format.ts'
 import { toHex } from '../core/keys.ts'
-import { BlockBuffer } from './block-buffer.ts'
 
 const READ_AHEAD_BYTES = 4 * 1024 * 1024
 
@@ -50,61 +49,73 @@ export function verifiedBody(
   let failure: unknown
   let header: ChunkHeader | undefined
   let checkedHeader = false
-  // Verified bytes go on in ~1 MiB blocks: far fewer stream hops and socket writes.
-  const blocks = new BlockBuffer()
+  // One watchdog per body instead of a timer per piece: it re-arms itself for
+  // the time left since the last piece and fires only after a real stall.
+  let lastPiece = Date.now()
+  let reading = false
+  let watchdog: ReturnType<typeof setTimeout> | undefined
+  let stall!: (e: unknown) => void
+  const stalled = new Promise<never>((_, reject) => {
+    stall = reject
+  })
+  stalled.catch(() => {}) // observed through the race below; never unhandled
+  const arm = (ms: number) => {
+    watchdog = setTimeout(() => {
+      // Only a read the client leaves unanswered counts; a store that is slow to pull does not.
+      const idle = reading ? Date.now() - lastPiece : 0
+      if (idle >= opts.idleTimeoutMs) {
+        stall(
+          new KvgateError('ERR_TIMEOUT', `request body stalled for ${opts.idleTimeoutMs} ms`, {
+            status: 408,
+          }),
+        )
+      } else arm(opts.idleTimeoutMs - idle)
+    }, ms)
+  }
+  arm(opts.idleTimeoutMs)
+  const disarm = () => clearTimeout(watchdog)
   const fail = (e: unknown, c: ReadableStreamDefaultController<Uint8Array>) => {
     failure ??= e
+    disarm()
     reader.cancel(e).catch(() => {})
     c.error(failure)
   }
-  const readWithDeadline = () => {
-    let timer: ReturnType<typeof setTimeout> | undefined
-    const deadline = new Promise<never>((_, reject) => {
-      timer = setTimeout(
-        () =>
-          reject(
-            new KvgateError('ERR_TIMEOUT', `request body stalled for ${opts.idleTimeoutMs} ms`, {
-              status: 408,
-            }),
-          ),
-        opts.idleTimeoutMs,
-      )
-    })
-    return Promise.race([reader.read(), deadline]).finally(() => clearTimeout(timer))
+  const readWithDeadline = async () => {
+    reading = true
+    lastPiece = Date.now()
+    try {
+      return await Promise.race([reader.read(), stalled])
+    } finally {
+      reading = false
+    }
   }
   const stream = new ReadableStream<Uint8Array>(
     {
       async pull(c) {
         try {
-          // Keep reading until a block is out: a pull that enqueues nothing is not called again.
-          for (;;) {
-            const { done, value } = await readWithDeadline()
-            if (done || !value) {
-              header = verifier.finish()
-              const last = blocks.flush()
-              if (last) c.enqueue(last)
-              c.close()
-              return
-            }
-            verifier.push(value)
-            const h = verifier.header
-            if (h && !checkedHeader) {
-              checkedHeader = true
-              const bodyKey = toHex(h.chainKey)
-              if (bodyKey !== opts.keyHex) {
-                throw new InvalidKeyError(`chunk header says key ${bodyKey}, the path says ${opts.keyHex}`)
-              }
-              if (h.totalBytes !== opts.size) {
-                throw new FormatError(
-                  'ERR_FORMAT_BAD_FIELD',
-                  `chunk header declares ${h.totalBytes} bytes, Content-Length is ${opts.size}`,
-                )
-              }
-            }
-            const ready = blocks.push(value)
-            for (const block of ready) c.enqueue(block)
-            if (ready.length > 0) return
+          const { done, value } = await readWithDeadline()
+          if (done || !value) {
+            header = verifier.finish()
+            disarm()
+            c.close()
+            return
           }
+          verifier.push(value)
+          const h = verifier.header
+          if (h && !checkedHeader) {
+            checkedHeader = true
+            const bodyKey = toHex(h.chainKey)
+            if (bodyKey !== opts.keyHex) {
+              throw new InvalidKeyError(`chunk header says key ${bodyKey}, the path says ${opts.keyHex}`)
+            }
+            if (h.totalBytes !== opts.size) {
+              throw new FormatError(
+                'ERR_FORMAT_BAD_FIELD',
+                `chunk header declares ${h.totalBytes} bytes, Content-Length is ${opts.size}`,
+              )
+            }
+          }
+          c.enqueue(value)
         } catch (e) {
           fail(
             e instanceof KvgateError
@@ -118,6 +129,7 @@ export function verifiedBody(
         }
       },
       cancel(reason) {
+        disarm()
         reader.cancel(reason).catch(() => {})
       },
     },

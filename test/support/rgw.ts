@@ -70,7 +70,9 @@ export function rgwFromEnv(env: NodeJS.ProcessEnv = process.env): Rgw | undefine
 export async function startRgw(opts: { bucket?: string; install?: boolean } = {}): Promise<Rgw> {
   const args = ['--bucket', opts.bucket ?? 'kvgate-test']
   if (opts.install ?? true) args.push('--install')
-  const r = await run(`${SCRIPTS}start.sh`, args, 240_000)
+  let r = await run(`${SCRIPTS}start.sh`, args, 240_000)
+  // A free port can be taken between probing and binding: one retry covers that race.
+  if (r.code !== 0 && r.code !== NOT_INSTALLED) r = await run(`${SCRIPTS}start.sh`, args, 240_000)
   if (r.code !== 0) {
     const err = new Error(`scripts/rgw/start.sh failed (exit ${r.code}):\n${r.stderr.slice(-4000)}`)
     ;(err as Error & { exitCode: number }).exitCode = r.code

@@ -152,7 +152,10 @@ async function serve(config: ServeConfig): Promise<number> {
   })
   const gw = await serveGateway(app, { host: config.host, port: config.port })
   // The listening line is printed at any level but silent: scripts read the URL from it.
-  const announce = min < LEVELS.silent ? (e: Record<string, unknown>) => process.stdout.write(`${JSON.stringify(e)}\n`) : write
+  const announce =
+    min < LEVELS.silent
+      ? (e: Record<string, unknown>) => process.stdout.write(`${JSON.stringify(e)}\n`)
+      : write
   announce({
     level: 'info',
     time: new Date().toISOString(),

@@ -252,7 +252,7 @@ export async function runSmoke(opts: SmokeOptions): Promise<SmokeReport> {
   await step('lookup', async () => {
     const res = await request(`${base}/v1/ns/${ns}/lookup`, {
       method: 'POST',
-      body: JSON.stringify({ keys: [chunk.key, chunk.nextKey] }),
+      body: JSON.stringify({ keys: [chunk.key, chunk.nextKey], sizes: true }),
       headers: { 'content-type': 'application/json' },
     })
     const text = await res.text()

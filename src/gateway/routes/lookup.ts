@@ -1,5 +1,6 @@
 // POST /v1/ns/{ns}/lookup: how many leading chunks of a key chain are stored,
-// with their sizes, answered by ChainLookup (probing, not one HEAD per key).
+// answered by ChainLookup (probing, not one HEAD per key). Sizes only on request
+// (`"sizes": true`): S3 has no cheap source of sizes, so they cost a HEAD per unknown chunk.
 
 import type { Hono } from 'hono'
 import { assertKeyHex, assertNamespaceName, objectName } from '../../core/keys.ts'
@@ -29,11 +30,18 @@ export function lookupRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     }
     const sizes = (body as { sizes?: unknown }).sizes
     if (sizes !== undefined && typeof sizes !== 'boolean') throw badRequest('"sizes" must be a boolean')
-    const names = keys.map((k) => objectName(state.prefix, ns, assertKeyHex(k)))
-    const r = await state.lookup.lookup(names, { sizes: sizes ?? true })
+    // objectName() re-validates prefix and namespace per call; for up to 4096 keys
+    // validate those once (here and in createState) and only check each key.
+    const first = objectName(state.prefix, ns, '0'.repeat(64))
+    const base = first.slice(0, first.length - 64 - 3)
+    const names = keys.map((k) => {
+      const hex = assertKeyHex(k)
+      return `${base}${hex.slice(0, 2)}/${hex}`
+    })
+    const r = await state.lookup.lookup(names, { sizes: sizes ?? false })
     c.header('x-kvgate-store-requests', String(r.storeRequests))
     c.header('x-kvgate-store-rounds', String(r.rounds))
-    return c.json(sizes === false ? { present: r.present } : { present: r.present, sizes: r.sizes })
+    return c.json(sizes === true ? { present: r.present, sizes: r.sizes } : { present: r.present })
   })
 }
 

@@ -19,7 +19,6 @@ import {
 } from '@aws-sdk/client-s3'
 import { getSignedUrl } from '@aws-sdk/s3-request-presigner'
 import { StoreError } from '../../core/errors.ts'
-import { BlockBuffer } from '../block-buffer.ts'
 import { RangeNotSatisfiableError, storeTimeout, storeUnavailable } from './errors.ts'
 import type { ByteRange, GetOptions, ObjectStore, PutResult, StoreObject } from './types.ts'
 
@@ -88,6 +87,10 @@ export class S3Store implements ObjectStore {
       forcePathStyle: opts.forcePathStyle ?? opts.endpoint !== undefined,
       ...(opts.credentials ? { credentials: opts.credentials } : {}),
       maxAttempts: opts.maxAttempts ?? 2,
+      // The SDK's default logger prints a warning for every streamed PUT it will not
+      // retry, including the expected 412 of a create-only PUT; the store reports
+      // real failures itself (typed errors, gateway metrics).
+      logger: { trace() {}, debug() {}, info() {}, warn() {}, error() {} },
       // Chunk objects carry their own CRCs; SDK-side checksums would cost a pass
       // over every byte and use aws-chunked trailers older S3-compatibles reject.
       requestChecksumCalculation: 'WHEN_REQUIRED',
@@ -124,7 +127,7 @@ export class S3Store implements ObjectStore {
       // Buffer a few MiB ahead of the client so S3 reads and client writes overlap.
       const body =
         res.Body instanceof Readable
-          ? blockStream(res.Body)
+          ? webStream(res.Body)
           : res.Body
             ? (res.Body.transformToWebStream() as ReadableStream<Uint8Array>)
             : new ReadableStream<Uint8Array>({ start: (c) => c.close() })
@@ -349,28 +352,18 @@ export class S3Store implements ObjectStore {
   }
 }
 
-// A Node response body as a web stream of ~1 MiB blocks, reading up to
-// READ_AHEAD_BYTES ahead of the client (Readable.toWeb hands on every 16 KiB piece).
-function blockStream(source: Readable): ReadableStream<Uint8Array> {
+// A Node response body as a web stream that reads up to READ_AHEAD_BYTES ahead
+// of the client (Readable.toWeb's default strategy pauses the socket per piece).
+// Pieces pass through uncopied: regrouping them into blocks cost more CPU (copies,
+// allocation, GC) than the stream hops it saved.
+function webStream(source: Readable): ReadableStream<Uint8Array> {
   const it = source[Symbol.asyncIterator]() as AsyncIterator<Uint8Array>
-  const blocks = new BlockBuffer()
   return new ReadableStream<Uint8Array>(
     {
       async pull(c) {
-        for (;;) {
-          const { done, value } = await it.next()
-          if (done) {
-            const last = blocks.flush()
-            if (last) c.enqueue(last)
-            c.close()
-            return
-          }
-          const ready = blocks.push(value)
-          if (ready.length > 0) {
-            for (const b of ready) c.enqueue(b)
-            return
-          }
-        }
+        const { done, value } = await it.next()
+        if (done) c.close()
+        else c.enqueue(value)
       },
       cancel(reason) {
         source.destroy(reason instanceof Error ? reason : undefined)

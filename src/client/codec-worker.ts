@@ -1,0 +1,33 @@
+// Worker thread of the client's codec pool: runs wasm encode/decode off the
+// inference thread. Messages carry transferred ArrayBuffers; errors come back as strings.
+
+import { parentPort } from 'node:worker_threads'
+import { decodeChunk, decodeSection, encodeChunk } from '../codec/node.ts'
+import type { ChunkHeader } from '../core/format.ts'
+import type { ChunkIdentity } from './chunk-codec.ts'
+
+export type CodecRequest =
+  | { id: number; op: 'encode'; mode: 'lossless' | 'kvgate'; tensor: ArrayBuffer; meta: ChunkIdentity }
+  | { id: number; op: 'decode'; object: ArrayBuffer }
+  | { id: number; op: 'section'; header: ChunkHeader; layer: number; section: ArrayBuffer }
+
+export type CodecReply = { id: number; bytes: ArrayBuffer } | { id: number; error: string }
+
+function own(b: Uint8Array): ArrayBuffer {
+  return b.byteOffset === 0 && b.byteLength === b.buffer.byteLength
+    ? (b.buffer as ArrayBuffer)
+    : (b.slice().buffer as ArrayBuffer)
+}
+
+parentPort?.on('message', (m: CodecRequest) => {
+  try {
+    let out: Uint8Array
+    if (m.op === 'encode') out = encodeChunk(new Uint8Array(m.tensor), m.meta, { mode: m.mode })
+    else if (m.op === 'decode') out = decodeChunk(new Uint8Array(m.object))
+    else out = decodeSection(m.header, m.layer, new Uint8Array(m.section))
+    const bytes = own(out)
+    parentPort!.postMessage({ id: m.id, bytes } satisfies CodecReply, [bytes])
+  } catch (e) {
+    parentPort!.postMessage({ id: m.id, error: (e as Error).message } satisfies CodecReply)
+  }
+})

@@ -1,0 +1,348 @@
+// KVCache options: eager validation with clear messages and defaults that work
+// on one machine with no gateway, plus a KVGATE_* environment / YAML file layer for the CLI.
+
+import { readFileSync } from 'node:fs'
+import { parse as parseYaml } from 'yaml'
+import { ConfigError, InvalidArgumentError } from '../core/errors.ts'
+import { isNamespaceName } from '../core/keys.ts'
+import {
+  chunkBytes,
+  MAX_CHUNK_TOKENS,
+  type ModelPreset,
+  type PresetName,
+  resolveGeometry,
+} from '../core/layout.ts'
+import type { ChunkCodecName } from './chunk-codec.ts'
+
+export interface MemoryOptions {
+  /** Bytes of the pinned L1 region. @default 1 GiB (at least one chunk) */
+  bytes?: number
+}
+
+export interface DiskOptions {
+  /** Directory of chunk files (created if missing). */
+  dir: string
+  /** Byte budget; LRU files are deleted beyond it. @default 10 GiB */
+  bytes?: number
+  /** 'raw' (fastest reads) or 'lossless' (smaller, exact). @default 'raw' */
+  storeAs?: 'raw' | 'lossless'
+  /** Parallel file operations (2 lets one chunk's CRC overlap the next one's read). @default 2 */
+  concurrency?: number
+}
+
+export interface RemoteOptions {
+  /** Gateway base URL. */
+  url: string
+  /** Bearer token for the namespace. */
+  token?: string
+  /** Encoding of chunks sent to L4 ('kvgate' is lossy). @default 'kvgate' (falls back to 'raw' without the codec module) */
+  codec?: ChunkCodecName
+  /** @default 8 */
+  connections?: number
+  /** Per-attempt deadline of chunk GET/PUT, ms. @default 10000 */
+  timeoutMs?: number
+  /** Deadline of a lookup, ms. @default 250 */
+  lookupTimeoutMs?: number
+  /** @default 2 */
+  retries?: number
+  /** @default 5 */
+  breakerThreshold?: number
+  /** @default 1000 */
+  breakerCooldownMs?: number
+  /** @default 64 */
+  maxQueuedWrites?: number
+  /** @default 512 MiB */
+  maxQueuedBytes?: number
+  /** @default 4 */
+  writeConcurrency?: number
+}
+
+export interface KVCacheOptions {
+  /** A preset name (see MODEL_PRESETS) or a custom geometry with a modelId. */
+  model: PresetName | ModelPreset
+  /** Tokens per chunk. @default 256 */
+  chunkTokens?: number
+  /** Tenant namespace on the gateway (`/v1/ns/{ns}`). @default 'default' */
+  namespace?: string
+  /** Extra seed mixed into every key (isolates deployments that must not share). @default none */
+  hashSeed?: string
+  memory?: MemoryOptions
+  /** L2; off unless given. */
+  disk?: DiskOptions | false
+  /** L4; off unless given. */
+  remote?: RemoteOptions | false
+  /** Chunks fetched in parallel by one retrieve. @default 8 */
+  fetchConcurrency?: number
+  /** Layers per range request in retrieveLayers. @default ceil(layers / 4) */
+  layersPerRequest?: number
+  /** Try the native addon for pinned memory and GPU copies. @default true */
+  native?: boolean
+  /** Worker threads for lossless/kvgate encode and decode (0: on the calling thread). @default cores − 1, at most 4 */
+  codecWorkers?: number
+}
+
+export interface ResolvedOptions {
+  model: ModelPreset
+  chunkTokens: number
+  namespace: string
+  hashSeed: string | undefined
+  memory: { bytes: number }
+  disk: Required<DiskOptions> | false
+  remote: (Required<Omit<RemoteOptions, 'token'>> & { token: string | undefined }) | false
+  fetchConcurrency: number
+  layersPerRequest: number | undefined
+  native: boolean
+  codecWorkers: number | undefined
+}
+
+const GiB = 1024 ** 3
+const TOP_KEYS = new Set([
+  'model',
+  'chunkTokens',
+  'namespace',
+  'hashSeed',
+  'memory',
+  'disk',
+  'remote',
+  'fetchConcurrency',
+  'layersPerRequest',
+  'native',
+  'codecWorkers',
+])
+const DISK_KEYS = new Set(['dir', 'bytes', 'storeAs', 'concurrency'])
+const REMOTE_KEYS = new Set([
+  'url',
+  'token',
+  'codec',
+  'connections',
+  'timeoutMs',
+  'lookupTimeoutMs',
+  'retries',
+  'breakerThreshold',
+  'breakerCooldownMs',
+  'maxQueuedWrites',
+  'maxQueuedBytes',
+  'writeConcurrency',
+])
+
+function int(name: string, v: unknown, min: number, max: number, dflt?: number): number {
+  if (v === undefined && dflt !== undefined) return dflt
+  if (typeof v !== 'number' || !Number.isSafeInteger(v) || v < min || v > max) {
+    throw new InvalidArgumentError(`invalid ${name}: expected an integer in ${min}..${max}, got ${String(v)}`)
+  }
+  return v
+}
+
+function unknownKeys(where: string, o: object, allowed: Set<string>): void {
+  for (const k of Object.keys(o)) {
+    if (!allowed.has(k)) throw new InvalidArgumentError(`unknown option ${where}${k}`)
+  }
+}
+
+/** Validates options and fills defaults. Throws InvalidArgumentError naming the bad option. */
+export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
+  if (typeof opts !== 'object' || opts === null)
+    throw new InvalidArgumentError('KVCache options must be an object')
+  unknownKeys('', opts, TOP_KEYS)
+  if (opts.model === undefined)
+    throw new InvalidArgumentError('missing option model (a preset name or a geometry)')
+  const model = resolveGeometry(opts.model)
+  const chunkTokens = int('chunkTokens', opts.chunkTokens, 1, MAX_CHUNK_TOKENS, 256)
+  const namespace = opts.namespace ?? 'default'
+  if (!isNamespaceName(namespace)) {
+    throw new InvalidArgumentError(
+      `invalid namespace '${String(namespace)}': lowercase [a-z0-9._-], 1..63 chars`,
+    )
+  }
+  if (opts.hashSeed !== undefined && (typeof opts.hashSeed !== 'string' || opts.hashSeed.length > 256)) {
+    throw new InvalidArgumentError('invalid hashSeed: a string of at most 256 characters')
+  }
+  const oneChunk = chunkBytes(model, chunkTokens)
+  const memOpts = opts.memory ?? {}
+  if (typeof memOpts !== 'object' || memOpts === null)
+    throw new InvalidArgumentError('invalid memory: an object')
+  unknownKeys('memory.', memOpts, new Set(['bytes']))
+  const memBytes = int('memory.bytes', memOpts.bytes, 1, Number.MAX_SAFE_INTEGER, Math.max(GiB, oneChunk))
+  if (memBytes < oneChunk) {
+    throw new InvalidArgumentError(
+      `invalid memory.bytes: ${memBytes} is smaller than one chunk (${oneChunk} bytes for ${chunkTokens} tokens of ${model.modelId})`,
+    )
+  }
+
+  let disk: ResolvedOptions['disk'] = false
+  if (opts.disk !== undefined && opts.disk !== false) {
+    const d = opts.disk
+    if (typeof d !== 'object' || d === null)
+      throw new InvalidArgumentError('invalid disk: an object or false')
+    unknownKeys('disk.', d, DISK_KEYS)
+    if (typeof d.dir !== 'string' || d.dir.length === 0)
+      throw new InvalidArgumentError('invalid disk.dir: a directory path')
+    const storeAs = d.storeAs ?? 'raw'
+    if (storeAs !== 'raw' && storeAs !== 'lossless') {
+      throw new InvalidArgumentError(`invalid disk.storeAs: '${String(storeAs)}' (raw or lossless)`)
+    }
+    disk = {
+      dir: d.dir,
+      bytes: int('disk.bytes', d.bytes, 1, Number.MAX_SAFE_INTEGER, 10 * GiB),
+      storeAs,
+      concurrency: int('disk.concurrency', d.concurrency, 1, 256, 2),
+    }
+  }
+
+  let remote: ResolvedOptions['remote'] = false
+  if (opts.remote !== undefined && opts.remote !== false) {
+    const r = opts.remote
+    if (typeof r !== 'object' || r === null)
+      throw new InvalidArgumentError('invalid remote: an object or false')
+    unknownKeys('remote.', r, REMOTE_KEYS)
+    let url: URL
+    try {
+      url = new URL(String(r.url))
+    } catch {
+      throw new InvalidArgumentError(`invalid remote.url: ${String(r.url)}`)
+    }
+    if (url.protocol !== 'http:' && url.protocol !== 'https:') {
+      throw new InvalidArgumentError(`invalid remote.url: ${String(r.url)} (http: or https:)`)
+    }
+    const codec = r.codec ?? 'kvgate'
+    if (codec !== 'raw' && codec !== 'lossless' && codec !== 'kvgate') {
+      throw new InvalidArgumentError(`invalid remote.codec: '${String(codec)}' (kvgate, lossless or raw)`)
+    }
+    if (r.token !== undefined && (typeof r.token !== 'string' || /[\r\n]/.test(r.token))) {
+      throw new InvalidArgumentError('invalid remote.token: a single-line string')
+    }
+    remote = {
+      url: String(r.url),
+      token: r.token,
+      codec,
+      connections: int('remote.connections', r.connections, 1, 1024, 8),
+      timeoutMs: int('remote.timeoutMs', r.timeoutMs, 1, 600_000, 10_000),
+      lookupTimeoutMs: int('remote.lookupTimeoutMs', r.lookupTimeoutMs, 1, 600_000, 250),
+      retries: int('remote.retries', r.retries, 0, 10, 2),
+      breakerThreshold: int('remote.breakerThreshold', r.breakerThreshold, 1, 1000, 5),
+      breakerCooldownMs: int('remote.breakerCooldownMs', r.breakerCooldownMs, 1, 3_600_000, 1000),
+      maxQueuedWrites: int('remote.maxQueuedWrites', r.maxQueuedWrites, 0, 1_000_000, 64),
+      maxQueuedBytes: int(
+        'remote.maxQueuedBytes',
+        r.maxQueuedBytes,
+        0,
+        Number.MAX_SAFE_INTEGER,
+        512 * 1024 ** 2,
+      ),
+      writeConcurrency: int('remote.writeConcurrency', r.writeConcurrency, 1, 256, 4),
+    }
+  }
+
+  if (opts.native !== undefined && typeof opts.native !== 'boolean')
+    throw new InvalidArgumentError('invalid native: boolean')
+  return {
+    model,
+    chunkTokens,
+    namespace,
+    hashSeed: opts.hashSeed,
+    memory: { bytes: memBytes },
+    disk,
+    remote,
+    fetchConcurrency: int('fetchConcurrency', opts.fetchConcurrency, 1, 1024, 8),
+    layersPerRequest:
+      opts.layersPerRequest === undefined
+        ? undefined
+        : int('layersPerRequest', opts.layersPerRequest, 1, model.layers),
+    native: opts.native ?? true,
+    codecWorkers: opts.codecWorkers === undefined ? undefined : int('codecWorkers', opts.codecWorkers, 0, 64),
+  }
+}
+
+/** Parses '512MiB', '10 GB', '4096' into bytes. */
+export function parseBytes(name: string, v: unknown): number {
+  if (typeof v === 'number') return int(name, v, 0, Number.MAX_SAFE_INTEGER)
+  const m = /^\s*(\d+(?:\.\d+)?)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)?\s*$/i.exec(String(v))
+  if (!m) throw new ConfigError(`invalid ${name}: '${String(v)}' is not a byte size (e.g. 512MiB, 10GB)`)
+  const unit = (m[2] ?? 'b').toLowerCase()
+  const pow = { b: 0, k: 1, m: 2, g: 3, t: 4 }[unit[0] as 'b' | 'k' | 'm' | 'g' | 't']
+  // kB/MB/GB/TB are decimal (disk vendors); k/M/G/T and KiB/MiB/... binary.
+  const base = /^[kmgt]b$/.test(unit) ? 1000 : 1024
+  const n = Math.round(Number(m[1]) * base ** pow)
+  if (!Number.isSafeInteger(n)) throw new ConfigError(`invalid ${name}: '${String(v)}' is too large`)
+  return n
+}
+
+function num(name: string, v: string): number {
+  const n = Number(v)
+  if (!/^\s*\d+\s*$/.test(v) || !Number.isSafeInteger(n))
+    throw new ConfigError(`invalid ${name}: '${v}' is not an integer`)
+  return n
+}
+
+type Plain = Record<string, unknown>
+
+/**
+ * Options for processes started from the CLI: the YAML file named by
+ * KVGATE_CONFIG (or `file`), then KVGATE_* variables on top (env overrides file).
+ * The result still goes through resolveOptions() in KVCache.open().
+ */
+export function optionsFromEnvironment(
+  env: NodeJS.ProcessEnv = process.env,
+  file?: string,
+): Partial<KVCacheOptions> {
+  const out: Plain = {}
+  const path = file ?? env.KVGATE_CONFIG
+  if (path) {
+    let doc: unknown
+    try {
+      doc = parseYaml(readFileSync(path, 'utf8'))
+    } catch (e) {
+      throw new ConfigError(`cannot read config file ${path}: ${(e as Error).message}`)
+    }
+    if (doc !== null && doc !== undefined) {
+      if (typeof doc !== 'object' || Array.isArray(doc))
+        throw new ConfigError(`config file ${path}: expected a mapping`)
+      Object.assign(out, doc)
+    }
+  }
+  const sub = (k: 'memory' | 'disk' | 'remote'): Plain => {
+    const cur = out[k]
+    if (typeof cur === 'object' && cur !== null) return cur as Plain
+    const fresh: Plain = {}
+    out[k] = fresh
+    return fresh
+  }
+  if (env.KVGATE_MODEL) out.model = env.KVGATE_MODEL
+  if (env.KVGATE_CHUNK_TOKENS) out.chunkTokens = num('KVGATE_CHUNK_TOKENS', env.KVGATE_CHUNK_TOKENS)
+  if (env.KVGATE_NAMESPACE) out.namespace = env.KVGATE_NAMESPACE
+  if (env.KVGATE_HASH_SEED) out.hashSeed = env.KVGATE_HASH_SEED
+  if (env.KVGATE_MEMORY_BYTES)
+    sub('memory').bytes = parseBytes('KVGATE_MEMORY_BYTES', env.KVGATE_MEMORY_BYTES)
+  if (env.KVGATE_DISK === 'off' || env.KVGATE_DISK === 'false') out.disk = false
+  else {
+    if (env.KVGATE_DISK_DIR) sub('disk').dir = env.KVGATE_DISK_DIR
+    if (env.KVGATE_DISK_BYTES) sub('disk').bytes = parseBytes('KVGATE_DISK_BYTES', env.KVGATE_DISK_BYTES)
+    if (env.KVGATE_DISK_STORE_AS) sub('disk').storeAs = env.KVGATE_DISK_STORE_AS
+  }
+  if (env.KVGATE_REMOTE === 'off' || env.KVGATE_REMOTE === 'false') out.remote = false
+  else {
+    if (env.KVGATE_REMOTE_URL) sub('remote').url = env.KVGATE_REMOTE_URL
+    if (env.KVGATE_REMOTE_TOKEN) sub('remote').token = env.KVGATE_REMOTE_TOKEN
+    if (env.KVGATE_REMOTE_CODEC) sub('remote').codec = env.KVGATE_REMOTE_CODEC
+    if (env.KVGATE_REMOTE_TIMEOUT_MS)
+      sub('remote').timeoutMs = num('KVGATE_REMOTE_TIMEOUT_MS', env.KVGATE_REMOTE_TIMEOUT_MS)
+    if (env.KVGATE_REMOTE_LOOKUP_TIMEOUT_MS) {
+      sub('remote').lookupTimeoutMs = num(
+        'KVGATE_REMOTE_LOOKUP_TIMEOUT_MS',
+        env.KVGATE_REMOTE_LOOKUP_TIMEOUT_MS,
+      )
+    }
+  }
+  // Sizes in the YAML file may be written like the env values ("512MiB").
+  for (const k of ['memory', 'disk'] as const) {
+    const o = out[k]
+    if (typeof o === 'object' && o !== null && typeof (o as Plain).bytes === 'string') {
+      ;(o as Plain).bytes = parseBytes(`${k}.bytes`, (o as Plain).bytes)
+    }
+  }
+  const r = out.remote
+  if (typeof r === 'object' && r !== null && typeof (r as Plain).maxQueuedBytes === 'string') {
+    ;(r as Plain).maxQueuedBytes = parseBytes('remote.maxQueuedBytes', (r as Plain).maxQueuedBytes)
+  }
+  return out as Partial<KVCacheOptions>
+}

@@ -1,0 +1,563 @@
+// KVCache: the client library's public face. Cuts token sequences into chained
+// chunk keys and drives the storage manager across L1 (memory), L2 (disk) and L4 (gateway).
+
+import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
+import { headerBytesFor } from '../core/format.ts'
+import { type ChunkKey, fromHex, type KeyNamespace, namespaceId } from '../core/keys.ts'
+import { chunkBytes, dtypeBytes, type ModelPreset, rowElements } from '../core/layout.ts'
+import type { ChunkCodecName } from './chunk-codec.ts'
+import { CodecPool } from './codec-pool.ts'
+import { type KVCacheOptions, type ResolvedOptions, resolveOptions } from './config.ts'
+import { copyChunkFromGpu, copyChunkToGpu, type GpuBuffer, isGpuBuffer, validateGpuBuffer } from './gpu.ts'
+import { KeyMemo, type KeyMemoStats } from './key-memo.ts'
+import { loadNative, type NativeModule } from './native-api.ts'
+import {
+  type LatencySummary,
+  LatencyWindow,
+  prometheusText,
+  since,
+  type TierCounterSnapshot,
+} from './stats.ts'
+import { type LayerBatch, StorageManager, type TierName } from './storage-manager.ts'
+import { DiskTier, type DiskTierStats } from './tiers/disk.ts'
+import { MemoryTier, type MemoryTierStats } from './tiers/memory.ts'
+import { RemoteTier, type RemoteTierStats } from './tiers/remote.ts'
+
+/** Token ids: a plain array or a typed array of non-negative integers < 2^32. */
+export type Tokens = ArrayLike<number>
+
+export interface StoreResult {
+  /** Full chunks in the token sequence (a trailing partial chunk is not stored). */
+  chunks: number
+  /** Chunks newly written to L1. */
+  stored: number
+  /** Chunks L1 already held (nothing copied). */
+  present: number
+  /** Chunks L1 could not take (all slots pinned); they still went to L2/L4. */
+  skipped: number
+}
+
+export interface LookupResult {
+  /** Tokens available as a prefix (a multiple of chunkTokens). */
+  tokens: number
+  /** The tier holding each chunk of that prefix. */
+  chunks: { index: number; key: string; tier: TierName }[]
+}
+
+export interface RetrieveOptions {
+  /**
+   * Where the KV goes: a host buffer of at least (full chunks × chunk tensor
+   * bytes), chunk tensors back to back (the layout `store` takes), or a GPU buffer.
+   */
+  into: Uint8Array | GpuBuffer
+  /** Host buffer layout, as in StoreOptions. @default 'chunks' */
+  layout?: KvLayout
+  /** Also retrieve the trailing partial chunk (if it was stored with includePartial). @default false */
+  includePartial?: boolean
+}
+
+/**
+ * 'chunks': chunk tensors back to back, full chunks only. 'sequence': one tensor
+ * for the whole token sequence, [layer][K|V][token][kvHead][headDim] over all
+ * tokens.length tokens (a forward pass's layout); the partial tail is ignored.
+ */
+export type KvLayout = 'chunks' | 'sequence'
+
+export interface StoreOptions {
+  /** Layout of a host `kv`. @default 'chunks' */
+  layout?: KvLayout
+  /**
+   * Also store the trailing partial chunk (its key covers exactly those tokens,
+   * so it only hits for a prompt that ends the same way). @default false
+   */
+  includePartial?: boolean
+}
+
+export interface KVCacheStats {
+  model: string
+  chunkTokens: number
+  chunkBytes: number
+  namespace: string
+  native: { loaded: boolean; reason: string | undefined }
+  memory: TierCounterSnapshot & MemoryTierStats
+  disk: (TierCounterSnapshot & DiskTierStats) | null
+  remote:
+    | (TierCounterSnapshot & RemoteTierStats & { codec: ChunkCodecName; codecNote: string | undefined })
+    | null
+  operations: { store: LatencySummary; lookup: LatencySummary; retrieve: LatencySummary }
+  /** Tokens served by retrieve() / asked for by retrieve(). */
+  retrievedTokens: number
+  requestedTokens: number
+  /** Chain keys reused from recent prompts vs hashed. */
+  keyMemo: KeyMemoStats
+  /** Codec jobs on worker threads vs the calling thread (and why inline, if so). */
+  codec: { inline: string | undefined; workerJobs: number; inlineJobs: number }
+}
+
+const MAX_TOKENS = 1 << 24
+
+/**
+ * A tiered KV cache for one model geometry and chunk size. Gateway faults never
+ * reach the caller: they degrade to local tiers and show up in stats().
+ */
+export class KVCache {
+  readonly model: ModelPreset
+  readonly chunkTokens: number
+  readonly chunkBytes: number
+  readonly namespace: string
+  readonly #memo: KeyMemo
+  readonly #manager: StorageManager
+  readonly #native: NativeModule | undefined
+  readonly #nativeReason: string | undefined
+  readonly #remoteCodec: ChunkCodecName
+  readonly #codecNote: string | undefined
+  readonly #ops = { store: new LatencyWindow(), lookup: new LatencyWindow(), retrieve: new LatencyWindow() }
+  #retrievedTokens = 0
+  #requestedTokens = 0
+  #closed = false
+
+  private constructor(
+    o: ResolvedOptions,
+    manager: StorageManager,
+    native: { api: NativeModule | undefined; reason: string | undefined },
+    remoteCodec: ChunkCodecName,
+    codecNote: string | undefined,
+  ) {
+    this.model = o.model
+    this.chunkTokens = o.chunkTokens
+    this.chunkBytes = chunkBytes(o.model, o.chunkTokens)
+    this.namespace = o.namespace
+    this.#memo = new KeyMemo({
+      modelId: o.model.modelId,
+      geometry: o.model,
+      chunkTokens: o.chunkTokens,
+      hashSeed: o.hashSeed,
+    })
+    this.#manager = manager
+    this.#native = native.api
+    this.#nativeReason = native.reason
+    this.#remoteCodec = remoteCodec
+    this.#codecNote = codecNote
+  }
+
+  /** Validates options (InvalidArgumentError), allocates L1, rebuilds the L2 index, connects L4 lazily. */
+  static async open(options: KVCacheOptions): Promise<KVCache> {
+    const o = resolveOptions(options)
+    const native = o.native ? loadNative() : { api: undefined, reason: 'disabled by options.native = false' }
+    const g = o.model
+    const ns: KeyNamespace = {
+      modelId: g.modelId,
+      geometry: g,
+      chunkTokens: o.chunkTokens,
+      hashSeed: o.hashSeed,
+    }
+    const memory = await MemoryTier.create({
+      bytes: o.memory.bytes,
+      chunkBytes: chunkBytes(g, o.chunkTokens),
+      // Room for the chunk header in front of each tensor: raw L2 files are read straight into slots.
+      dataOffset: o.disk && o.disk.storeAs === 'raw' ? headerBytesFor(g.layers) : 0,
+      native: native.api,
+      nativeReason: native.reason,
+    })
+    const disk = o.disk ? await DiskTier.open({ ...o.disk, native: native.api }) : undefined
+    const remoteCodec: ChunkCodecName = o.remote ? o.remote.codec : 'raw'
+    const codecNote = undefined
+    const remote = o.remote ? new RemoteTier({ ...o.remote, namespace: o.namespace }) : undefined
+    const diskCodec = o.disk ? o.disk.storeAs : 'raw'
+    const manager = new StorageManager({
+      geometry: g,
+      chunkTokens: o.chunkTokens,
+      namespaceId: fromHex(namespaceId(ns)),
+      memory,
+      disk,
+      remote,
+      diskCodec,
+      remoteCodec,
+      fetchConcurrency: o.fetchConcurrency,
+      layersPerRequest: o.layersPerRequest,
+      codec: new CodecPool(o.codecWorkers),
+    })
+    return new KVCache(o, manager, native, remoteCodec, codecNote)
+  }
+
+  #open(): void {
+    if (this.#closed) throw new KvgateError('ERR_CLOSED', 'KVCache is closed')
+  }
+
+  /**
+   * The chained keys of the full chunks of `tokens` (validated), and of the
+   * trailing partial chunk with `includePartial`. Prompts sharing a prefix with
+   * a recent one reuse its keys: only new chunks are hashed.
+   */
+  keys(tokens: Tokens, includePartial = false): ChunkKey[] {
+    return this.#memo.keys(tokenArray(tokens), includePartial === true)
+  }
+
+  /** Byte offset of chunk i in the 'chunks' layout and its tensor size. */
+  #span(keys: readonly ChunkKey[]): { offsets: number[]; total: number } {
+    const offsets: number[] = []
+    let total = 0
+    for (const k of keys) {
+      offsets.push(total)
+      total += this.#manager.tensorBytes(k)
+    }
+    return { offsets, total }
+  }
+
+  /**
+   * Stores the KV of every full chunk of `tokens` (and of the trailing partial
+   * chunk with `includePartial`). `kv` is host bytes in the 'chunks' layout
+   * (chunk tensors [layer][K|V][token][kvHead][headDim] back to back, exactly
+   * that long), the 'sequence' layout, or a GPU buffer. Resolves once L1 holds
+   * the chunks; L2 and L4 are written in the background.
+   */
+  async store(tokens: Tokens, kv: Uint8Array | GpuBuffer, options: StoreOptions = {}): Promise<StoreResult> {
+    this.#open()
+    const t0 = performance.now()
+    const keys = this.keys(tokens, options.includePartial)
+    const layout = checkLayout(options)
+    let fill: (i: number, dst: Uint8Array) => void | Promise<void>
+    if (layout === 'sequence' && !isGpuBuffer(kv)) {
+      const seq = this.#sequence('kv', kv, tokens.length)
+      fill = (i, dst) => seq.gather(keys[i]!, dst)
+    } else if (isGpuBuffer(kv)) {
+      this.#gpuFullChunksOnly(keys)
+      validateGpuBuffer(kv, this.model, this.chunkTokens, keys.length)
+      const native = this.#native
+      fill = (i, dst) => copyChunkFromGpu(native, kv, this.model, this.chunkTokens, i, dst)
+    } else {
+      const bytes = asBytes('kv', kv)
+      const { offsets, total } = this.#span(keys)
+      if (bytes.byteLength !== total) {
+        throw new InvalidArgumentError(
+          `invalid kv: ${bytes.byteLength} bytes, expected ${total} (${keys.length} chunk tensors of ${this.chunkBytes} bytes` +
+            `${options.includePartial ? ', the last one partial' : '; a trailing partial chunk is not stored unless includePartial'})`,
+        )
+      }
+      fill = (i, dst) => dst.set(bytes.subarray(offsets[i]!, offsets[i]! + dst.byteLength))
+    }
+    const out = await this.#manager.store(keys, fill)
+    this.#ops.store.record(since(t0))
+    return { chunks: keys.length, ...out }
+  }
+
+  #gpuFullChunksOnly(keys: readonly ChunkKey[]): void {
+    if (keys.some((k) => k.partial)) {
+      throw new InvalidArgumentError(
+        'includePartial is not supported with GPU buffers yet: store full chunks only',
+      )
+    }
+  }
+
+  /**
+   * A whole-sequence tensor ([layer][K|V][token 0..n)[kvHead][headDim], what a
+   * forward pass produces) seen as chunks: gather/scatter one chunk's rows.
+   */
+  #sequence(
+    name: string,
+    v: unknown,
+    n: number,
+  ): { gather(k: ChunkKey, dst: Uint8Array): void; scatter(k: ChunkKey, src: Uint8Array): void } {
+    const bytes = asBytes(name, v)
+    const g = this.model
+    const row = rowElements(g) * dtypeBytes(g.dtype)
+    const want = 2 * g.layers * n * row
+    if (bytes.byteLength !== want) {
+      throw new InvalidArgumentError(
+        `invalid ${name}: ${bytes.byteLength} bytes, a sequence tensor of ${n} tokens is ${want} ([layer][K|V][token][kvHead][headDim])`,
+      )
+    }
+    const each = (k: ChunkKey, f: (seqOff: number, chunkOff: number, run: number) => void) => {
+      const run = (k.end - k.start) * row
+      for (let side = 0; side < 2 * g.layers; side++) f(side * n * row + k.start * row, side * run, run)
+    }
+    return {
+      gather: (k, dst) => each(k, (so, co, run) => dst.set(bytes.subarray(so, so + run), co)),
+      scatter: (k, src) => each(k, (so, co, run) => bytes.set(src.subarray(co, co + run), so)),
+    }
+  }
+
+  /**
+   * How many leading tokens some tier holds, and which tier holds each chunk
+   * (the partial tail chunk counts with `includePartial`). Never throws on gateway faults.
+   */
+  async lookup(tokens: Tokens, options: { includePartial?: boolean } = {}): Promise<LookupResult> {
+    this.#open()
+    const t0 = performance.now()
+    const keys = this.keys(tokens, options.includePartial)
+    const tiers = await this.#manager.lookup(keys)
+    this.#ops.lookup.record(since(t0))
+    return {
+      tokens: tiers.length > 0 ? keys[tiers.length - 1]!.end : 0,
+      chunks: tiers.map((tier, index) => ({ index, key: keys[index]!.hex, tier })),
+    }
+  }
+
+  /**
+   * Copies the longest available prefix into `into` and returns the mask of
+   * served tokens, LMCache's convention: a Uint8Array of tokens.length where
+   * mask[t] = 1 when token t's KV was written to `into`, else 0. Served tokens
+   * always form a prefix of whole chunks (plus the partial tail chunk with
+   * `includePartial`, when it was stored); the caller recomputes the rest.
+   */
+  async retrieve(tokens: Tokens, options: RetrieveOptions): Promise<Uint8Array> {
+    this.#open()
+    const t0 = performance.now()
+    if (typeof options !== 'object' || options === null || options.into === undefined) {
+      throw new InvalidArgumentError('retrieve needs { into }: a host buffer or a GPU buffer')
+    }
+    const keys = this.keys(tokens, options.includePartial)
+    const into = options.into
+    const layout = checkLayout(options)
+    let write: (i: number, tensor: Uint8Array) => void | Promise<void>
+    if (layout === 'sequence' && !isGpuBuffer(into)) {
+      const seq = this.#sequence('into', into, tokens.length)
+      write = (i, t) => seq.scatter(keys[i]!, t)
+    } else if (isGpuBuffer(into)) {
+      this.#gpuFullChunksOnly(keys)
+      validateGpuBuffer(into, this.model, this.chunkTokens, keys.length)
+      const native = this.#native
+      write = (i, t) => copyChunkToGpu(native, into, this.model, this.chunkTokens, i, t)
+    } else {
+      const bytes = asBytes('into', into)
+      const { offsets, total } = this.#span(keys)
+      if (bytes.byteLength < total) {
+        throw new InvalidArgumentError(
+          `invalid into: ${bytes.byteLength} bytes, need ${total} (${keys.length} chunk tensors of up to ${this.chunkBytes} bytes)`,
+        )
+      }
+      write = (i, t) => bytes.set(t, offsets[i]!)
+    }
+    const served = await this.#manager.retrieve(keys, write)
+    const servedTokens = served > 0 ? keys[served - 1]!.end : 0
+    const mask = new Uint8Array(tokens.length)
+    mask.fill(1, 0, servedTokens)
+    this.#requestedTokens += tokens.length
+    this.#retrievedTokens += servedTokens
+    this.#ops.retrieve.record(since(t0))
+    return mask
+  }
+
+  /**
+   * Layer by layer over the available prefix: each item holds one layer's slab
+   * ([K|V][token][kvHead][headDim]) for each served chunk, valid until the next
+   * item. Remote chunks arrive through `?layers=a-b` range requests, so the
+   * transfer of later layers overlaps the caller's work on earlier ones.
+   * `chunks` never grows between items: if a remote chunk fails midway, later
+   * items cover fewer chunks and the caller recomputes from there.
+   */
+  retrieveLayers(tokens: Tokens, options: { includePartial?: boolean } = {}): AsyncGenerator<LayerBatch> {
+    this.#open()
+    const keys = this.keys(tokens, options.includePartial)
+    return this.#manager.retrieveLayers(keys)
+  }
+
+  /** Brings the available prefix into L1 ahead of a retrieve. Resolves to the tokens now resident in L1. */
+  async prefetch(tokens: Tokens, options: { includePartial?: boolean } = {}): Promise<{ tokens: number }> {
+    this.#open()
+    const keys = this.keys(tokens, options.includePartial)
+    const n = await this.#manager.prefetch(keys)
+    return { tokens: n > 0 ? keys[n - 1]!.end : 0 }
+  }
+
+  /**
+   * Drops every chunk from L1 (lower tiers keep theirs), e.g. to free memory for
+   * a model reload. Chunks being copied right now keep their slots until released.
+   */
+  clearMemory(): void {
+    this.#open()
+    this.#manager.memory.clear()
+  }
+
+  /** Waits for background writes to L2 and L4 (bounded by `timeoutMs`). */
+  async flush(timeoutMs = 30_000): Promise<void> {
+    await this.#manager.flush(timeoutMs)
+  }
+
+  stats(): KVCacheStats {
+    const m = this.#manager
+    return {
+      model: this.model.modelId,
+      chunkTokens: this.chunkTokens,
+      chunkBytes: this.chunkBytes,
+      namespace: this.namespace,
+      native: { loaded: this.#native !== undefined, reason: this.#nativeReason },
+      memory: { ...m.memory.counters.snapshot(), ...m.memory.stats() },
+      disk: m.disk ? { ...m.disk.counters.snapshot(), ...m.disk.stats() } : null,
+      remote: m.remote
+        ? {
+            ...m.remote.counters.snapshot(),
+            ...m.remote.stats(),
+            codec: this.#remoteCodec,
+            codecNote: this.#codecNote,
+          }
+        : null,
+      operations: {
+        store: this.#ops.store.summary(),
+        lookup: this.#ops.lookup.summary(),
+        retrieve: this.#ops.retrieve.summary(),
+      },
+      retrievedTokens: this.#retrievedTokens,
+      requestedTokens: this.#requestedTokens,
+      keyMemo: { ...this.#memo.stats },
+      codec: { inline: m.codec.inline, ...m.codec.counts },
+    }
+  }
+
+  /** stats() as Prometheus text (for a /metrics endpoint of the embedding process). */
+  metrics(): string {
+    const s = this.stats()
+    const tiers: [string, TierCounterSnapshot][] = [['memory', s.memory]]
+    if (s.disk) tiers.push(['disk', s.disk])
+    if (s.remote) tiers.push(['remote', s.remote])
+    const per = (f: (t: TierCounterSnapshot) => number) =>
+      tiers.map(([tier, t]) => ({ labels: { tier }, value: f(t) }))
+    const lat = (q: 'p50Ms' | 'p99Ms') =>
+      tiers.map(([tier, t]) => ({
+        labels: { tier, quantile: q === 'p50Ms' ? '0.5' : '0.99' },
+        value: t.readLatency[q] / 1000,
+      }))
+    return prometheusText([
+      {
+        name: 'hits_total',
+        help: 'Chunk reads served by the tier.',
+        type: 'counter',
+        values: per((t) => t.hits),
+      },
+      {
+        name: 'misses_total',
+        help: 'Chunk reads the tier could not serve.',
+        type: 'counter',
+        values: per((t) => t.misses),
+      },
+      {
+        name: 'read_bytes_total',
+        help: 'Bytes read from the tier.',
+        type: 'counter',
+        values: per((t) => t.bytesRead),
+      },
+      {
+        name: 'written_bytes_total',
+        help: 'Bytes written to the tier.',
+        type: 'counter',
+        values: per((t) => t.bytesWritten),
+      },
+      {
+        name: 'evictions_total',
+        help: 'Chunks evicted from the tier.',
+        type: 'counter',
+        values: per((t) => t.evictions),
+      },
+      {
+        name: 'errors_total',
+        help: 'Failures hidden from the caller.',
+        type: 'counter',
+        values: per((t) => t.errors),
+      },
+      {
+        name: 'corrupt_total',
+        help: 'Objects that failed verification.',
+        type: 'counter',
+        values: per((t) => t.corrupt),
+      },
+      {
+        name: 'read_latency_seconds',
+        help: 'Read latency quantiles (recent window).',
+        type: 'gauge',
+        values: [...lat('p50Ms'), ...lat('p99Ms')],
+      },
+      {
+        name: 'shed_writes_total',
+        help: 'Uploads dropped by the write-behind queue.',
+        type: 'counter',
+        values: [{ value: s.remote?.shedWrites ?? 0 }],
+      },
+      {
+        name: 'breaker_open',
+        help: '1 when the gateway circuit breaker is open or half-open.',
+        type: 'gauge',
+        values: [{ value: s.remote && s.remote.breaker !== 'closed' ? 1 : 0 }],
+      },
+      {
+        name: 'memory_used_bytes',
+        help: 'L1 bytes in use.',
+        type: 'gauge',
+        values: [{ value: s.memory.usedBytes }],
+      },
+      {
+        name: 'disk_used_bytes',
+        help: 'L2 bytes in use.',
+        type: 'gauge',
+        values: [{ value: s.disk?.usedBytes ?? 0 }],
+      },
+      {
+        name: 'retrieved_tokens_total',
+        help: 'Tokens served by retrieve().',
+        type: 'counter',
+        values: [{ value: s.retrievedTokens }],
+      },
+    ])
+  }
+
+  /**
+   * Flushes background writes (up to `flushMs`), closes connections and frees
+   * the pinned L1 memory. Slabs handed out by retrieveLayers are invalid afterwards.
+   */
+  async close(flushMs = 5000): Promise<void> {
+    if (this.#closed) return
+    this.#closed = true
+    await this.#manager.flush(flushMs)
+    await this.#manager.remote?.close(0)
+    await this.#manager.codec.close()
+    this.#manager.memory.dispose()
+  }
+}
+
+function checkLayout(o: { layout?: unknown }): KvLayout {
+  const l = o.layout ?? 'chunks'
+  if (l !== 'chunks' && l !== 'sequence')
+    throw new InvalidArgumentError(`invalid layout '${String(l)}' (chunks or sequence)`)
+  return l
+}
+
+function asBytes(name: string, v: unknown): Uint8Array {
+  if (v instanceof Uint8Array) return v
+  if (ArrayBuffer.isView(v)) return new Uint8Array(v.buffer, v.byteOffset, v.byteLength)
+  throw new InvalidArgumentError(
+    `invalid ${name}: expected a Uint8Array (or another ArrayBufferView) or a GPU buffer`,
+  )
+}
+
+/**
+ * Eager token validation and conversion in one pass: array-like of integers in
+ * 0..2^32-1, at most 16M tokens. Returns a Uint32Array (the input itself when it is one).
+ */
+export function tokenArray(tokens: unknown): Uint32Array {
+  if (tokens instanceof Uint32Array) {
+    if (tokens.length > MAX_TOKENS)
+      throw new InvalidArgumentError(`too many tokens: ${tokens.length} > ${MAX_TOKENS}`)
+    return tokens
+  }
+  if (tokens instanceof Uint16Array || tokens instanceof Uint8Array) {
+    if (tokens.length > MAX_TOKENS)
+      throw new InvalidArgumentError(`too many tokens: ${tokens.length} > ${MAX_TOKENS}`)
+    return Uint32Array.from(tokens)
+  }
+  if (!Array.isArray(tokens) && !(tokens instanceof Int32Array)) {
+    throw new InvalidArgumentError('invalid tokens: expected an array or Uint32Array of token ids')
+  }
+  const n = tokens.length
+  if (n > MAX_TOKENS) throw new InvalidArgumentError(`too many tokens: ${n} > ${MAX_TOKENS}`)
+  const out = new Uint32Array(n)
+  for (let i = 0; i < n; i++) {
+    const t = tokens[i] as unknown
+    // `t >>> 0 === t` holds exactly for integers in 0..2^32-1 (rejects NaN, floats, negatives, non-numbers).
+    if (typeof t !== 'number' || t >>> 0 !== t) {
+      throw new InvalidArgumentError(
+        `invalid token at index ${i}: ${String(t)} (expected an integer id in 0..2^32-1)`,
+      )
+    }
+    out[i] = t
+  }
+  return out
+}

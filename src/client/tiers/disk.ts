@@ -1,0 +1,337 @@
+// L2: one chunk object per file under a directory (fan-out by the key's first
+// byte), written temp + fsync + rename, indexed in memory and rebuilt on start.
+
+import { randomBytes } from 'node:crypto'
+import { constants as fsc } from 'node:fs'
+import { mkdir, open, readdir, rename, rm, stat, unlink } from 'node:fs/promises'
+import { join } from 'node:path'
+import { InvalidArgumentError, isKvgateError } from '../../core/errors.ts'
+import { decodeHeader, verifyChunk } from '../../core/format.ts'
+import { toHex } from '../../core/keys.ts'
+import { type IoPriority, PriorityQueue } from '../io-queue.ts'
+import type { NativeModule } from '../native-api.ts'
+import { since, TierCounters } from '../stats.ts'
+
+export interface DiskTierOptions {
+  /** Directory holding the chunk files (created if missing). */
+  dir: string
+  /** Byte budget; least recently used files are deleted beyond it. */
+  bytes: number
+  /** Parallel file operations. @default 2 */
+  concurrency?: number
+  /** Native addon wrapper: reads go through its O_DIRECT path when `direct` allows. */
+  native?: NativeModule | undefined
+  /**
+   * 'auto': O_DIRECT reads through the addon when the destination is 4 KiB
+   * aligned (L1 slots are), bypassing the page cache; 'off': buffered reads.
+   * @default 'auto'
+   */
+  direct?: 'auto' | 'off'
+}
+
+export interface DiskTierStats {
+  dir: string
+  capacityBytes: number
+  usedBytes: number
+  files: number
+  /** Files removed at start: half-written temp files and objects that failed verification. */
+  recoveredDiscarded: number
+  /** Reads that went through O_DIRECT. */
+  directReads: number
+  /** Writes that failed (ENOSPC, EROFS, EACCES, ...); the chunk stays in the other tiers. */
+  writeErrors: number
+  lastWriteError: string | undefined
+  queued: number
+}
+
+const FILE_RE = /^[0-9a-f]{64}\.kvc$/
+const SUBDIR_RE = /^[0-9a-f]{2}$/
+const TMP_PREFIX = '.tmp-'
+/** Enough for the header of any chunk up to 1024 layers. */
+const HEADER_PROBE_BYTES = 64 * 1024
+
+interface FileEntry {
+  bytes: number
+}
+
+export class DiskTier {
+  readonly counters = new TierCounters()
+  readonly dir: string
+  readonly #budget: number
+  readonly #queue: PriorityQueue
+  /** Map order = recency (oldest first): re-inserted on every access. */
+  readonly #index = new Map<string, FileEntry>()
+  readonly #writing = new Map<string, Promise<boolean>>()
+  #used = 0
+  #discarded = 0
+  #writeErrors = 0
+  #lastWriteError: string | undefined
+  #directReads = 0
+  readonly #native: NativeModule | undefined
+
+  private constructor(opts: DiskTierOptions) {
+    this.dir = opts.dir
+    this.#budget = opts.bytes
+    this.#native = opts.direct === 'off' ? undefined : opts.native
+    this.#queue = new PriorityQueue(opts.concurrency ?? 2)
+  }
+
+  /** Opens (creating) the directory and rebuilds the index from the files in it. */
+  static async open(opts: DiskTierOptions): Promise<DiskTier> {
+    if (typeof opts.dir !== 'string' || opts.dir.length === 0)
+      throw new InvalidArgumentError('invalid disk.dir')
+    if (!Number.isSafeInteger(opts.bytes) || opts.bytes < 1)
+      throw new InvalidArgumentError('invalid disk.bytes')
+    const tier = new DiskTier(opts)
+    await mkdir(opts.dir, { recursive: true })
+    await tier.#rebuild()
+    return tier
+  }
+
+  #pathOf(hex: string): string {
+    return join(this.dir, hex.slice(0, 2), `${hex}.kvc`)
+  }
+
+  async #rebuild(): Promise<void> {
+    const found: { hex: string; bytes: number; time: number }[] = []
+    for (const sub of await readdir(this.dir)) {
+      if (!SUBDIR_RE.test(sub)) continue
+      const subdir = join(this.dir, sub)
+      let names: string[]
+      try {
+        names = await readdir(subdir)
+      } catch {
+        continue
+      }
+      for (const name of names) {
+        const path = join(subdir, name)
+        if (name.startsWith(TMP_PREFIX)) {
+          // A write that never reached its rename: the process died mid-write.
+          await rm(path, { force: true })
+          this.#discarded++
+          continue
+        }
+        if (!FILE_RE.test(name) || !name.startsWith(sub)) continue
+        const hex = name.slice(0, 64)
+        const ok = await this.#checkHeader(path, hex)
+        if (!ok) {
+          await rm(path, { force: true })
+          this.#discarded++
+          continue
+        }
+        found.push({ hex, bytes: ok.bytes, time: ok.time })
+      }
+    }
+    found.sort((a, b) => a.time - b.time)
+    for (const f of found) {
+      this.#index.set(f.hex, { bytes: f.bytes })
+      this.#used += f.bytes
+    }
+    await this.#evictToBudget(0)
+  }
+
+  /** Cheap start-up check: header decodes, names this key, and the size is exact. Sections are verified on read. */
+  async #checkHeader(path: string, hex: string): Promise<{ bytes: number; time: number } | undefined> {
+    let fh: Awaited<ReturnType<typeof open>> | undefined
+    try {
+      fh = await open(path, 'r')
+      const st = await fh.stat()
+      const probe = Buffer.allocUnsafe(Math.min(st.size, HEADER_PROBE_BYTES))
+      await fh.read(probe, 0, probe.byteLength, 0)
+      const header = decodeHeader(probe)
+      if (header.totalBytes !== st.size || toHex(header.chainKey) !== hex) return undefined
+      return { bytes: st.size, time: Math.max(st.atimeMs, st.mtimeMs) }
+    } catch {
+      return undefined
+    } finally {
+      await fh?.close()
+    }
+  }
+
+  has(hex: string): boolean {
+    return this.#index.has(hex)
+  }
+
+  /**
+   * Reads and verifies a chunk object. A missing or corrupt file is a miss (the
+   * corrupt one is deleted); an I/O error is a miss too, counted in errors.
+   */
+  async get(hex: string, priority: IoPriority = 'get', into?: Uint8Array): Promise<Uint8Array | undefined> {
+    const entry = this.#index.get(hex)
+    if (!entry) {
+      this.counters.misses++
+      return undefined
+    }
+    // Touch now so a queued read is not evicted from under itself by recency.
+    this.#index.delete(hex)
+    this.#index.set(hex, entry)
+    const t0 = performance.now()
+    const dst = into && into.byteLength >= entry.bytes ? into.subarray(0, entry.bytes) : undefined
+    const bytes = await this.#queue.run(priority, () => this.#readFile(hex, entry.bytes, dst))
+    if (!bytes) {
+      this.counters.misses++
+      return undefined
+    }
+    try {
+      verifyChunk(bytes)
+    } catch (e) {
+      if (!isKvgateError(e)) throw e
+      this.counters.corrupt++
+      this.counters.misses++
+      await this.delete(hex)
+      return undefined
+    }
+    this.counters.hits++
+    this.counters.bytesRead += bytes.byteLength
+    this.counters.readLatency.record(since(t0))
+    return bytes
+  }
+
+  async #readFile(hex: string, size: number, into: Uint8Array | undefined): Promise<Uint8Array | undefined> {
+    // One buffer, one read call per pass: readFile() would read in 512 KiB pieces.
+    const buf = into ?? new Uint8Array(size)
+    if (this.#native && buf.byteOffset % 4096 === 0) {
+      try {
+        const r = await this.#native.readFileDirect(this.#pathOf(hex), buf, { length: size })
+        if (r.direct) this.#directReads++
+        return this.#checkLength(hex, r.bytes, size) ? buf : undefined
+      } catch (e) {
+        return this.#readError(hex, e)
+      }
+    }
+    let fh: Awaited<ReturnType<typeof open>> | undefined
+    try {
+      fh = await open(this.#pathOf(hex), 'r')
+      let off = 0
+      while (off < size) {
+        const { bytesRead } = await fh.read(buf, off, size - off, off)
+        if (bytesRead === 0) break
+        off += bytesRead
+      }
+      return this.#checkLength(hex, off, size) ? buf : undefined
+    } catch (e) {
+      return this.#readError(hex, e)
+    } finally {
+      await fh?.close()
+    }
+  }
+
+  #checkLength(hex: string, got: number, size: number): boolean {
+    if (got === size) return true
+    this.counters.corrupt++
+    this.#dropIndex(hex)
+    return false
+  }
+
+  #readError(hex: string, e: unknown): undefined {
+    const code = (e as { code?: string; syscode?: string }).syscode ?? (e as { code?: string }).code
+    if (code === 'ENOENT') this.#dropIndex(hex)
+    else this.counters.errors++
+    return undefined
+  }
+
+  /**
+   * Writes a chunk object durably (temp, fsync, rename). Resolves false when the
+   * chunk was present or the write failed; never rejects.
+   */
+  put(hex: string, object: Uint8Array, priority: IoPriority = 'put'): Promise<boolean> {
+    if (this.#index.has(hex)) return Promise.resolve(false)
+    const pending = this.#writing.get(hex)
+    if (pending) return pending.then(() => false)
+    if (object.byteLength > this.#budget) return Promise.resolve(false)
+    const p = this.#queue
+      .run(priority, () => this.#writeFile(hex, object))
+      .finally(() => this.#writing.delete(hex))
+    this.#writing.set(hex, p)
+    return p
+  }
+
+  async #writeFile(hex: string, object: Uint8Array): Promise<boolean> {
+    if (this.#index.has(hex)) return false
+    const t0 = performance.now()
+    const subdir = join(this.dir, hex.slice(0, 2))
+    const tmp = join(subdir, `${TMP_PREFIX}${hex}-${process.pid}-${randomBytes(4).toString('hex')}`)
+    let fh: Awaited<ReturnType<typeof open>> | undefined
+    try {
+      await this.#evictToBudget(object.byteLength)
+      await mkdir(subdir, { recursive: true })
+      fh = await open(tmp, fsc.O_WRONLY | fsc.O_CREAT | fsc.O_EXCL, 0o644)
+      let off = 0
+      while (off < object.byteLength) {
+        const { bytesWritten } = await fh.write(object, off, object.byteLength - off, off)
+        off += bytesWritten
+      }
+      // Durable before visible: after a crash a renamed file is always complete.
+      await fh.datasync()
+      await fh.close()
+      fh = undefined
+      await rename(tmp, this.#pathOf(hex))
+      this.#index.set(hex, { bytes: object.byteLength })
+      this.#used += object.byteLength
+      this.counters.puts++
+      this.counters.bytesWritten += object.byteLength
+      this.counters.writeLatency.record(since(t0))
+      return true
+    } catch (e) {
+      this.#writeErrors++
+      this.counters.errors++
+      this.#lastWriteError = `${(e as NodeJS.ErrnoException).code ?? 'ERR'}: ${(e as Error).message}`
+      await fh?.close().catch(() => {})
+      await unlink(tmp).catch(() => {})
+      return false
+    }
+  }
+
+  async delete(hex: string): Promise<void> {
+    if (!this.#dropIndex(hex)) return
+    await unlink(this.#pathOf(hex)).catch(() => {})
+  }
+
+  #dropIndex(hex: string): boolean {
+    const e = this.#index.get(hex)
+    if (!e) return false
+    this.#index.delete(hex)
+    this.#used -= e.bytes
+    return true
+  }
+
+  async #evictToBudget(incoming: number): Promise<void> {
+    while (this.#used + incoming > this.#budget && this.#index.size > 0) {
+      const oldest = this.#index.keys().next().value as string
+      this.counters.evictions++
+      await this.delete(oldest)
+    }
+  }
+
+  /** Waits for queued writes (used by close() and tests). */
+  async drain(): Promise<void> {
+    while (this.#writing.size > 0) await Promise.allSettled([...this.#writing.values()])
+  }
+
+  stats(): DiskTierStats {
+    return {
+      dir: this.dir,
+      capacityBytes: this.#budget,
+      usedBytes: this.#used,
+      files: this.#index.size,
+      recoveredDiscarded: this.#discarded,
+      directReads: this.#directReads,
+      writeErrors: this.#writeErrors,
+      lastWriteError: this.#lastWriteError,
+      queued: this.#queue.pending,
+    }
+  }
+
+  /** Size on disk of one chunk (for tests and the inspect command). */
+  async fileBytes(hex: string): Promise<number | undefined> {
+    try {
+      return (await stat(this.#pathOf(hex))).size
+    } catch {
+      return undefined
+    }
+  }
+
+  pathOf(hex: string): string {
+    return this.#pathOf(hex)
+  }
+}

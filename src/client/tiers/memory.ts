@@ -1,0 +1,320 @@
+// L1: chunk tensors in pinned host regions, carved into fixed-size slots (one
+// per chunk), indexed by an LRU keyed on chain key; pins keep in-use slots alive.
+
+import { LRUCache } from 'lru-cache'
+import { InvalidArgumentError } from '../../core/errors.ts'
+import type { NativeModule } from '../native-api.ts'
+import { since, TierCounters } from '../stats.ts'
+
+/** A pinned view of a resident chunk; call release() when done copying. */
+export interface MemoryHandle {
+  readonly bytes: Uint8Array
+  release(): void
+}
+
+/** A slot reserved for an asynchronous fill (decode, GPU copy, file read); invisible until commit(). */
+export interface MemoryReservation {
+  /** Where the chunk tensor goes: `length` bytes at the slot's data offset. */
+  readonly bytes: Uint8Array
+  /**
+   * The whole slot, 4 KiB aligned: a raw chunk object read here (O_DIRECT) puts
+   * its tensor exactly at `bytes` when the data offset equals the header size.
+   */
+  readonly slot: Uint8Array
+  /** Publishes the chunk under its key. Returns false when the key was resident already. */
+  commit(): boolean
+  /** Returns the slot without publishing. */
+  abort(): void
+}
+
+export interface MemoryTierOptions {
+  /** Bytes for L1 in total. */
+  bytes: number
+  /** Bytes of one chunk tensor. */
+  chunkBytes: number
+  /**
+   * Bytes reserved in front of the tensor in each slot (the chunk header size),
+   * so a raw L2 object can be read straight into a slot. @default 0
+   */
+  dataOffset?: number
+  /** Native addon wrapper (pinned allocation); ordinary memory when absent or failing. */
+  native?: NativeModule | undefined
+  /** Why the addon is absent, reported in stats. */
+  nativeReason?: string | undefined
+}
+
+interface Entry {
+  slot: number
+  length: number
+  refs: number
+  /** In the LRU index (visible to readers). */
+  indexed: boolean
+}
+
+export interface MemoryTierStats {
+  capacityBytes: number
+  usedBytes: number
+  slots: number
+  freeSlots: number
+  residentChunks: number
+  /** 'cuda' (cudaHostAlloc), 'mlock', or 'none' (pageable memory). */
+  pinnedKind: 'cuda' | 'mlock' | 'none'
+  pinReason: string | undefined
+  /** Stores skipped because every slot was pinned or reserved. */
+  skippedFull: number
+}
+
+const PAGE = 4096
+/** Node 20 caps one external ArrayBuffer at 4 GiB: bigger L1s use several regions. */
+const MAX_REGION = 2 ** 32
+
+export class MemoryTier {
+  readonly counters = new TierCounters()
+  readonly slotBytes: number
+  readonly dataOffset: number
+  readonly #regions: Uint8Array[]
+  readonly #slotsPerRegion: number
+  readonly #kind: MemoryTierStats['pinnedKind']
+  readonly #pinReason: string | undefined
+  readonly #free: number[] = []
+  readonly #slots: number
+  readonly #index: LRUCache<string, Entry>
+  /** Set when the regions came from the addon (and can be freed through it). */
+  #native: NativeModule | undefined
+  #skippedFull = 0
+
+  private constructor(
+    slotBytes: number,
+    dataOffset: number,
+    regions: Uint8Array[],
+    slotsPerRegion: number,
+    slots: number,
+    kind: MemoryTierStats['pinnedKind'],
+    reason: string | undefined,
+  ) {
+    this.slotBytes = slotBytes
+    this.dataOffset = dataOffset
+    this.#regions = regions
+    this.#slotsPerRegion = slotsPerRegion
+    this.#slots = slots
+    this.#kind = kind
+    this.#pinReason = reason
+    // Low slots first: keeps the touched part of the region small when lightly used.
+    for (let s = slots - 1; s >= 0; s--) this.#free.push(s)
+    this.#index = new LRUCache<string, Entry>({
+      max: slots,
+      dispose: (entry) => {
+        entry.indexed = false
+        if (entry.refs === 0) this.#free.push(entry.slot)
+      },
+    })
+  }
+
+  /** Sizes the slots and allocates the regions (pinned through the addon when it loads). */
+  static async create(opts: MemoryTierOptions): Promise<MemoryTier> {
+    const { bytes, chunkBytes } = opts
+    const dataOffset = opts.dataOffset ?? 0
+    if (!Number.isSafeInteger(chunkBytes) || chunkBytes < 1)
+      throw new InvalidArgumentError('invalid chunk size')
+    if (!Number.isSafeInteger(dataOffset) || dataOffset < 0)
+      throw new InvalidArgumentError('invalid dataOffset')
+    const slotBytes = Math.ceil((dataOffset + chunkBytes) / PAGE) * PAGE
+    if (slotBytes > MAX_REGION)
+      throw new InvalidArgumentError(`a chunk of ${chunkBytes} bytes is too large for L1`)
+    if (!Number.isSafeInteger(bytes) || bytes < slotBytes) {
+      throw new InvalidArgumentError(
+        `invalid memory.bytes: ${String(bytes)} is smaller than one chunk slot (${slotBytes} bytes)`,
+      )
+    }
+    const slots = Math.floor(bytes / slotBytes)
+    const slotsPerRegion = Math.floor(MAX_REGION / slotBytes)
+    const regions: Uint8Array[] = []
+    const native: boolean[] = []
+    let kind: MemoryTierStats['pinnedKind'] = 'cuda'
+    let reason: string | undefined = opts.nativeReason ?? 'native addon not loaded'
+    for (let left = slots; left > 0; left -= slotsPerRegion) {
+      const size = Math.min(left, slotsPerRegion) * slotBytes
+      const r = await allocateRegion(size, opts.native)
+      regions.push(r.bytes)
+      native.push(r.fromAddon)
+      if (r.kind === 'none' || (r.kind === 'mlock' && kind === 'cuda')) kind = r.kind
+      if (regions.length === 1 || r.kind === 'none') reason = r.reason
+    }
+    if (!opts.native) kind = 'none'
+    const tier = new MemoryTier(slotBytes, dataOffset, regions, slotsPerRegion, slots, kind, reason)
+    if (opts.native && native.every((n) => n)) tier.#native = opts.native
+    return tier
+  }
+
+  #slotView(slot: number): Uint8Array {
+    const r = this.#regions[Math.floor(slot / this.#slotsPerRegion)]!
+    const start = (slot % this.#slotsPerRegion) * this.slotBytes
+    return r.subarray(start, start + this.slotBytes)
+  }
+
+  #dataView(slot: number, length: number): Uint8Array {
+    return this.#slotView(slot).subarray(this.dataOffset, this.dataOffset + length)
+  }
+
+  /** True when the chunk is resident (does not touch recency or counters). */
+  has(hex: string): boolean {
+    return this.#index.has(hex)
+  }
+
+  /** Pins a resident chunk and marks it recently used; undefined on a miss. */
+  acquire(hex: string): MemoryHandle | undefined {
+    const entry = this.#index.get(hex)
+    if (!entry) {
+      this.counters.misses++
+      return undefined
+    }
+    this.counters.hits++
+    this.counters.bytesRead += entry.length
+    return this.#pin(entry)
+  }
+
+  /** Like acquire() without counting a hit or miss or touching recency (write-behind, promotion). */
+  peekPinned(hex: string): MemoryHandle | undefined {
+    const entry = this.#index.peek(hex)
+    return entry ? this.#pin(entry) : undefined
+  }
+
+  #pin(entry: Entry): MemoryHandle {
+    entry.refs++
+    let released = false
+    return {
+      bytes: this.#dataView(entry.slot, entry.length),
+      release: () => {
+        if (released) return
+        released = true
+        entry.refs--
+        if (entry.refs === 0 && !entry.indexed) this.#free.push(entry.slot)
+      },
+    }
+  }
+
+  /**
+   * Reserves a slot for `length` bytes, evicting unpinned LRU chunks if needed.
+   * Never blocks: when everything is pinned it returns undefined and counts a skip.
+   */
+  reserve(hex: string, length: number): MemoryReservation | undefined {
+    if (length < 1 || this.dataOffset + length > this.slotBytes) {
+      throw new InvalidArgumentError(`chunk of ${length} bytes does not fit an L1 slot of ${this.slotBytes}`)
+    }
+    const slot = this.#allocSlot()
+    if (slot === undefined) {
+      this.#skippedFull++
+      return undefined
+    }
+    const entry: Entry = { slot, length, refs: 0, indexed: false }
+    let done = false
+    return {
+      bytes: this.#dataView(slot, length),
+      slot: this.#slotView(slot),
+      commit: () => {
+        if (done) return false
+        done = true
+        if (this.#index.has(hex)) {
+          this.#free.push(slot)
+          return false
+        }
+        entry.indexed = true
+        this.#index.set(hex, entry)
+        this.counters.puts++
+        this.counters.bytesWritten += length
+        return true
+      },
+      abort: () => {
+        if (done) return
+        done = true
+        this.#free.push(slot)
+      },
+    }
+  }
+
+  /** Copies `bytes` in under `hex`. False when skipped (full of pins) or already resident. */
+  put(hex: string, bytes: Uint8Array): boolean {
+    if (this.#index.has(hex)) return false
+    const t0 = performance.now()
+    const r = this.reserve(hex, bytes.byteLength)
+    if (!r) return false
+    r.bytes.set(bytes)
+    const ok = r.commit()
+    this.counters.writeLatency.record(since(t0))
+    return ok
+  }
+
+  delete(hex: string): void {
+    this.#index.delete(hex)
+  }
+
+  #allocSlot(): number | undefined {
+    const free = this.#free.pop()
+    if (free !== undefined) return free
+    // Evict from the LRU end. A pinned victim leaves the index now but keeps its
+    // slot until its last reader releases it, so eviction can need several pops.
+    let budget = this.#index.size
+    while (budget-- > 0) {
+      const victim = this.#index.pop()
+      if (!victim) break
+      this.counters.evictions++
+      const slot = this.#free.pop()
+      if (slot !== undefined) return slot
+    }
+    return undefined
+  }
+
+  stats(): MemoryTierStats {
+    return {
+      capacityBytes: this.#slots * this.slotBytes,
+      usedBytes: (this.#slots - this.#free.length) * this.slotBytes,
+      slots: this.#slots,
+      freeSlots: this.#free.length,
+      residentChunks: this.#index.size,
+      pinnedKind: this.#kind,
+      pinReason: this.#pinReason,
+      skippedFull: this.#skippedFull,
+    }
+  }
+
+  clear(): void {
+    this.#index.clear()
+  }
+
+  /**
+   * Empties the index and returns pinned regions to the addon now rather than
+   * at garbage collection. Views handed out earlier read as empty afterwards.
+   */
+  dispose(): void {
+    this.#index.clear()
+    if (!this.#native) return
+    for (const r of this.#regions) {
+      try {
+        this.#native.freePinned(r.buffer as ArrayBuffer)
+      } catch {
+        // Busy (an addon copy still runs) or not a pinned buffer: the GC frees it later.
+      }
+    }
+  }
+}
+
+async function allocateRegion(
+  size: number,
+  native: NativeModule | undefined,
+): Promise<{
+  bytes: Uint8Array
+  kind: MemoryTierStats['pinnedKind']
+  reason: string | undefined
+  fromAddon: boolean
+}> {
+  let reason = 'native addon not loaded: ordinary (pageable) memory'
+  if (native) {
+    try {
+      const a = await native.allocPinned(size)
+      return { bytes: new Uint8Array(a.buffer), kind: a.kind, reason: a.reason, fromAddon: true }
+    } catch (e) {
+      reason = `allocPinned failed (${(e as Error).message}): ordinary (pageable) memory`
+    }
+  }
+  return { bytes: new Uint8Array(new ArrayBuffer(size)), kind: 'none', reason, fromAddon: false }
+}

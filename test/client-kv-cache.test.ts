@@ -1,0 +1,333 @@
+// KVCache end to end over the tiers: validation, waterfall and promotion,
+// layer-wise retrieval, eviction under pressure, config layers and metrics.
+
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { afterEach, describe, expect, it } from 'vitest'
+import { optionsFromEnvironment, parseBytes, resolveOptions } from '../src/client/config.ts'
+import { KVCache } from '../src/client/index.ts'
+import { chunkBytes, layerSlabBytes, MODEL_PRESETS } from '../src/core/layout.ts'
+
+const T = 16
+const CB = chunkBytes(MODEL_PRESETS.stories260k, T)
+
+function tokens(n: number, seed = 1): number[] {
+  return Array.from({ length: n }, (_, i) => (i * 7 + seed * 131) % 512)
+}
+
+function kvFor(chunks: number, seed = 1): Uint8Array {
+  const out = new Uint8Array(chunks * CB)
+  let x = seed * 2654435761
+  for (let i = 0; i < out.length; i++) {
+    x = (x * 1103515245 + 12345) >>> 0
+    out[i] = x >>> 24
+  }
+  return out
+}
+
+const sum = (m: Uint8Array) => m.reduce((a, b) => a + b, 0)
+const dirs: string[] = []
+const caches: KVCache[] = []
+function tempDir(): string {
+  const d = mkdtempSync(join(tmpdir(), 'kvgate-kvc-'))
+  dirs.push(d)
+  return d
+}
+async function open(opts: Partial<Parameters<typeof KVCache.open>[0]> = {}): Promise<KVCache> {
+  const c = await KVCache.open({ model: 'stories260k', chunkTokens: T, memory: { bytes: 64 * CB }, ...opts })
+  caches.push(c)
+  return c
+}
+afterEach(async () => {
+  for (const c of caches.splice(0)) await c.close()
+  for (const d of dirs.splice(0)) rmSync(d, { recursive: true, force: true })
+})
+
+describe('KVCache options', () => {
+  it('rejects bad options eagerly with the option named', async () => {
+    await expect(KVCache.open({ model: 'nope' as never })).rejects.toThrow(/unknown model preset 'nope'/)
+    await expect(KVCache.open({ model: 'stories260k', chunkTokens: 0 })).rejects.toThrow(
+      /invalid chunkTokens/,
+    )
+    await expect(KVCache.open({ model: 'stories260k', chunkTokens: 1.5 })).rejects.toThrow(
+      /invalid chunkTokens/,
+    )
+    await expect(KVCache.open({ model: 'stories260k', namespace: '../x' })).rejects.toThrow(
+      /invalid namespace/,
+    )
+    await expect(KVCache.open({ model: 'stories260k', memory: { bytes: 10 } })).rejects.toThrow(
+      /smaller than one chunk/,
+    )
+    await expect(KVCache.open({ model: 'stories260k', disk: { dir: '' } })).rejects.toThrow(/disk.dir/)
+    await expect(
+      KVCache.open({ model: 'stories260k', disk: { dir: '/tmp/x', storeAs: 'zip' as never } }),
+    ).rejects.toThrow(/storeAs/)
+    await expect(KVCache.open({ model: 'stories260k', remote: { url: 'ftp://x' } })).rejects.toThrow(
+      /remote.url/,
+    )
+    await expect(
+      KVCache.open({ model: 'stories260k', remote: { url: 'http://x', codec: 'gzip' as never } }),
+    ).rejects.toThrow(/remote.codec/)
+    await expect(KVCache.open({ model: 'stories260k', memroy: {} } as never)).rejects.toThrow(
+      /unknown option memroy/,
+    )
+    await expect(
+      KVCache.open({ model: { modelId: 'm', layers: 0, kvHeads: 1, headDim: 1, dtype: 'fp16' } }),
+    ).rejects.toThrow(/layers/)
+  })
+
+  it('validates tokens, kv and into on every call', async () => {
+    const c = await open()
+    await expect(c.store([1, -2, 3], new Uint8Array(0))).rejects.toThrow(/token at index 1/)
+    await expect(c.store([1, 2.5], new Uint8Array(0))).rejects.toThrow(/token at index 1/)
+    await expect(c.store('abc' as never, new Uint8Array(0))).rejects.toThrow(/invalid tokens/)
+    await expect(c.store(tokens(T), new Uint8Array(CB - 1))).rejects.toThrow(
+      /expected 10240 \(1 chunk tensors/,
+    )
+    await expect(c.store(tokens(T), 'x' as never)).rejects.toThrow(/invalid kv/)
+    await expect(c.retrieve(tokens(2 * T), { into: new Uint8Array(CB) })).rejects.toThrow(/invalid into/)
+    await expect(c.retrieve(tokens(T), {} as never)).rejects.toThrow(/into/)
+    await expect(c.store(tokens(T), { kind: 'device', pointer: 0n })).rejects.toThrow(/pointer/)
+  })
+
+  it('merges env over the YAML file and parses sizes', () => {
+    const dir = tempDir()
+    const file = join(dir, 'kvgate.yaml')
+    writeFileSync(
+      file,
+      'model: llama-3.1-8b\nchunkTokens: 128\nmemory:\n  bytes: 2GiB\ndisk:\n  dir: /var/cache/kvgate\n  bytes: 100GB\nremote:\n  url: http://gw:8080\n',
+    )
+    const o = optionsFromEnvironment(
+      {
+        KVGATE_CONFIG: file,
+        KVGATE_CHUNK_TOKENS: '256',
+        KVGATE_REMOTE_TOKEN: 'tok',
+        KVGATE_MEMORY_BYTES: '512MiB',
+      },
+      undefined,
+    )
+    const r = resolveOptions(o as never)
+    expect(r.chunkTokens).toBe(256)
+    expect(r.memory.bytes).toBe(512 * 1024 ** 2)
+    expect(r.disk !== false && r.disk.bytes).toBe(100e9)
+    expect(r.remote !== false && r.remote.url).toBe('http://gw:8080')
+    expect(r.remote !== false && r.remote.token).toBe('tok')
+    expect(optionsFromEnvironment({ KVGATE_CONFIG: file, KVGATE_DISK: 'off' }).disk).toBe(false)
+    expect(() => optionsFromEnvironment({ KVGATE_CHUNK_TOKENS: '12abc' })).toThrow(/KVGATE_CHUNK_TOKENS/)
+    expect(() => optionsFromEnvironment({ KVGATE_CONFIG: join(dir, 'missing.yaml') })).toThrow(
+      /cannot read config/,
+    )
+    expect(parseBytes('x', '1k')).toBe(1024)
+    expect(parseBytes('x', '1kB')).toBe(1000)
+    expect(() => parseBytes('x', 'lots')).toThrow(/byte size/)
+  })
+
+  it('defaults work on one machine: memory only, no disk, no gateway', () => {
+    const r = resolveOptions({ model: 'stories260k' })
+    expect(r.chunkTokens).toBe(256)
+    expect(r.disk).toBe(false)
+    expect(r.remote).toBe(false)
+    expect(r.memory.bytes).toBeGreaterThanOrEqual(chunkBytes(MODEL_PRESETS.stories260k, 256))
+  })
+})
+
+describe('KVCache over L1 and L2', () => {
+  it('stores full chunks, looks them up and retrieves exact bytes with a prefix mask', async () => {
+    const c = await open()
+    const toks = tokens(3 * T + 5) // trailing partial chunk is not stored
+    const kv = kvFor(3)
+    expect(await c.store(toks, kv)).toEqual({ chunks: 3, stored: 3, present: 0, skipped: 0 })
+    expect((await c.store(toks, kv)).present).toBe(3)
+    const lk = await c.lookup(toks)
+    expect(lk.tokens).toBe(3 * T)
+    expect(lk.chunks.map((x) => x.tier)).toEqual(['memory', 'memory', 'memory'])
+    const into = new Uint8Array(3 * CB)
+    const mask = await c.retrieve(toks, { into })
+    expect(mask.length).toBe(toks.length)
+    expect(Array.from(mask.subarray(0, 3 * T)).every((m) => m === 1)).toBe(true)
+    expect(Array.from(mask.subarray(3 * T)).every((m) => m === 0)).toBe(true)
+    expect(Buffer.compare(into, kv)).toBe(0)
+    // A different continuation shares only the first chunk.
+    const other = [...toks.slice(0, T), ...tokens(2 * T, 9)]
+    expect((await c.lookup(other)).tokens).toBe(T)
+    expect((await c.retrieve(other, { into })).reduce((a, b) => a + b, 0)).toBe(T)
+    // Same tokens, other model geometry or seed: no hit (keys cover the namespace).
+    const c2 = await open({ hashSeed: 'other' })
+    expect((await c2.lookup(toks)).tokens).toBe(0)
+  })
+
+  it('waterfall: an L1 miss is served from L2 and promoted; a restart keeps L2', async () => {
+    const dir = tempDir()
+    const c = await open({ disk: { dir, bytes: 1 << 24 } })
+    const toks = tokens(4 * T)
+    const kv = kvFor(4, 3)
+    await c.store(toks, kv)
+    await c.flush()
+    expect(c.stats().disk?.files).toBe(4)
+    await c.close()
+    const c2 = await open({ disk: { dir, bytes: 1 << 24 } })
+    const lk = await c2.lookup(toks)
+    expect(lk.chunks.map((x) => x.tier)).toEqual(['disk', 'disk', 'disk', 'disk'])
+    const into = new Uint8Array(4 * CB)
+    expect((await c2.retrieve(toks, { into })).every((m) => m === 1)).toBe(true)
+    expect(Buffer.compare(into, kv)).toBe(0)
+    expect((await c2.lookup(toks)).chunks.every((x) => x.tier === 'memory')).toBe(true)
+    const s = c2.stats()
+    expect(s.disk?.hits).toBe(4)
+    expect(s.memory.residentChunks).toBe(4)
+  })
+
+  it('under memory pressure evicts L1 but still serves everything from L2', async () => {
+    const dir = tempDir()
+    const c = await open({ memory: { bytes: 2 * CB + 4096 }, disk: { dir, bytes: 1 << 24 } })
+    const toks = tokens(6 * T, 5)
+    const kv = kvFor(6, 5)
+    // Chunks pinned by their background L2 writes cannot be evicted: later ones
+    // are skipped by L1 (not blocked) and still reach L2 from a private copy.
+    const r = await c.store(toks, kv)
+    expect(r.stored + r.skipped).toBe(6)
+    expect(r.skipped).toBeGreaterThan(0)
+    await c.flush()
+    expect(c.stats().memory.residentChunks).toBeLessThanOrEqual(2)
+    expect(c.stats().memory.skippedFull).toBe(r.skipped)
+    expect(c.stats().disk?.files).toBe(6)
+    const into = new Uint8Array(6 * CB)
+    expect((await c.retrieve(toks, { into })).every((m) => m === 1)).toBe(true)
+    expect(Buffer.compare(into, kv)).toBe(0)
+  })
+
+  it('a corrupt L2 file is never served: the chunk becomes a miss', async () => {
+    const dir = tempDir()
+    const c = await open({ disk: { dir, bytes: 1 << 24 } })
+    const toks = tokens(2 * T, 7)
+    await c.store(toks, kvFor(2, 7))
+    await c.flush()
+    await c.close()
+    const c2 = await open({ disk: { dir, bytes: 1 << 24 } })
+    const keys = c2.keys(toks)
+    const path = join(dir, keys[1]!.hex.slice(0, 2), `${keys[1]!.hex}.kvc`)
+    const { readFileSync } = await import('node:fs')
+    const b = readFileSync(path)
+    b[b.length - 100] = (b[b.length - 100] ?? 0) ^ 1
+    writeFileSync(path, b)
+    const into = new Uint8Array(2 * CB)
+    const mask = await c2.retrieve(toks, { into })
+    expect(mask.reduce((a, x) => a + x, 0)).toBe(T)
+    expect(Buffer.compare(into.subarray(0, CB), kvFor(2, 7).subarray(0, CB))).toBe(0)
+    expect(c2.stats().disk?.corrupt).toBeGreaterThanOrEqual(1)
+  })
+
+  it("layout 'sequence': a forward pass's whole-prompt tensor goes in and comes back", async () => {
+    const c = await open()
+    const g = MODEL_PRESETS.stories260k
+    const row = g.kvHeads * g.headDim * 2
+    const n = 2 * T + 5
+    const toks = tokens(n, 17)
+    const seq = new Uint8Array(2 * g.layers * n * row).map((_, i) => (i * 7 + (i >> 8)) & 255)
+    await expect(c.store(toks, seq.subarray(1), { layout: 'sequence' })).rejects.toThrow(
+      /sequence tensor of 37 tokens/,
+    )
+    await expect(c.store(toks, seq, { layout: 'rows' as never })).rejects.toThrow(/invalid layout/)
+    expect((await c.store(toks, seq, { layout: 'sequence' })).stored).toBe(2)
+    // Chunk layout, element by element: chunk ch, layer l, side k, token t is sequence row (2l+k)·n + ch·T + t.
+    const chunks = new Uint8Array(2 * CB)
+    expect(sum(await c.retrieve(toks, { into: chunks }))).toBe(2 * T)
+    for (let ch = 0; ch < 2; ch++) {
+      for (let l = 0; l < g.layers; l++) {
+        for (let k = 0; k < 2; k++) {
+          for (let t = 0; t < T; t++) {
+            const from = ((2 * l + k) * n + ch * T + t) * row
+            const to = ch * CB + ((2 * l + k) * T + t) * row
+            expect(Buffer.compare(chunks.subarray(to, to + row), seq.subarray(from, from + row))).toBe(0)
+          }
+        }
+      }
+    }
+    const back = new Uint8Array(seq.length)
+    expect(sum(await c.retrieve(toks, { into: back, layout: 'sequence' }))).toBe(2 * T)
+    for (let r = 0; r < 2 * g.layers; r++) {
+      const a = r * n * row
+      expect(Buffer.compare(back.subarray(a, a + 2 * T * row), seq.subarray(a, a + 2 * T * row))).toBe(0)
+      expect(back.subarray(a + 2 * T * row, a + n * row).every((x) => x === 0)).toBe(true) // tail not served
+    }
+  })
+
+  it('includePartial stores and serves the trailing partial chunk; without it the tail stays unserved', async () => {
+    const dir = tempDir()
+    const c = await open({ disk: { dir, bytes: 1 << 24 } })
+    const g = MODEL_PRESETS.stories260k
+    const n = 2 * T + 5
+    const toks = tokens(n, 19)
+    const tail = chunkBytes(g, 5)
+    const kv = kvFor(3, 19).subarray(0, 2 * CB + tail)
+    await expect(c.store(toks, kv)).rejects.toThrow(/not stored unless includePartial/)
+    expect(await c.store(toks, kv, { includePartial: true })).toMatchObject({ chunks: 3, stored: 3 })
+    expect((await c.lookup(toks)).tokens).toBe(2 * T)
+    const lk = await c.lookup(toks, { includePartial: true })
+    expect(lk.tokens).toBe(n)
+    expect(lk.chunks).toHaveLength(3)
+    const into = new Uint8Array(2 * CB + tail)
+    expect(sum(await c.retrieve(toks, { into, includePartial: true }))).toBe(n)
+    expect(Buffer.compare(into, kv)).toBe(0)
+    // Another ending of the same prefix matches only the full chunks.
+    const other = [...toks.slice(0, 2 * T), 7, 7, 7, 7, 7]
+    expect((await c.lookup(other, { includePartial: true })).tokens).toBe(2 * T)
+    // Through L2: a restarted cache serves the partial chunk from disk, into the sequence layout too.
+    await c.flush()
+    await c.close()
+    const c2 = await open({ disk: { dir, bytes: 1 << 24 } })
+    const row = g.kvHeads * g.headDim * 2
+    const seq = new Uint8Array(2 * g.layers * n * row)
+    expect(sum(await c2.retrieve(toks, { into: seq, layout: 'sequence', includePartial: true }))).toBe(n)
+    const chunks = new Uint8Array(2 * CB + tail)
+    await c2.retrieve(toks, { into: chunks, includePartial: true })
+    expect(Buffer.compare(chunks, kv)).toBe(0)
+    const layers: number[] = []
+    for await (const b of c2.retrieveLayers(toks, { includePartial: true })) {
+      expect(b.chunks).toBe(3)
+      expect(b.slabs[2]!.byteLength).toBe(layerSlabBytes(g, 5))
+      layers.push(b.layer)
+    }
+    expect(layers).toHaveLength(g.layers)
+  })
+
+  it('retrieveLayers yields every layer of every chunk in order', async () => {
+    const c = await open()
+    const toks = tokens(2 * T, 11)
+    const kv = kvFor(2, 11)
+    await c.store(toks, kv)
+    const slab = layerSlabBytes(MODEL_PRESETS.stories260k, T)
+    const seen: number[] = []
+    for await (const b of c.retrieveLayers(toks)) {
+      seen.push(b.layer)
+      expect(b.chunks).toBe(2)
+      for (let i = 0; i < 2; i++) {
+        const want = kv.subarray(i * CB + b.layer * slab, i * CB + (b.layer + 1) * slab)
+        expect(Buffer.compare(b.slabs[i]!, want)).toBe(0)
+      }
+    }
+    expect(seen).toEqual([0, 1, 2, 3, 4])
+  })
+
+  it('prefetch moves L2 chunks into L1; stats and Prometheus text report per tier', async () => {
+    const dir = tempDir()
+    const c = await open({ disk: { dir, bytes: 1 << 24 } })
+    const toks = tokens(3 * T, 13)
+    await c.store(toks, kvFor(3, 13))
+    await c.flush()
+    await c.close()
+    const c2 = await open({ disk: { dir, bytes: 1 << 24 } })
+    expect((await c2.prefetch(toks)).tokens).toBe(3 * T)
+    expect((await c2.lookup(toks)).chunks.every((x) => x.tier === 'memory')).toBe(true)
+    const text = c2.metrics()
+    expect(text).toMatch(/kvgate_client_hits_total\{tier="disk"\} 3/)
+    expect(text).toMatch(/# TYPE kvgate_client_breaker_open gauge/)
+  })
+
+  it('throws ERR_CLOSED after close', async () => {
+    const c = await open()
+    await c.close()
+    await expect(c.lookup(tokens(T))).rejects.toMatchObject({ code: 'ERR_CLOSED' })
+  })
+})

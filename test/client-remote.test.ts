@@ -1,0 +1,233 @@
+// L4 through a gateway the test controls: cross-node sharing, layer range
+// reads, 307 redirects, and faults (down, slow, 5xx, corrupt bytes, full queue).
+
+import { afterEach, beforeEach, describe, expect, it } from 'vitest'
+import { KVCache, type KVCacheOptions } from '../src/client/index.ts'
+import { chunkBytes, layerSlabBytes, MODEL_PRESETS } from '../src/core/layout.ts'
+import { type FaultGateway, startFaultGateway } from './support/client-fault-gateway.ts'
+
+const T = 16
+const CB = chunkBytes(MODEL_PRESETS.stories260k, T)
+
+function tokens(n: number, seed = 1): number[] {
+  return Array.from({ length: n }, (_, i) => (i * 13 + seed * 101) % 512)
+}
+function kvFor(chunks: number, seed = 1): Uint8Array {
+  const out = new Uint8Array(chunks * CB)
+  let x = seed * 7919
+  for (let i = 0; i < out.length; i++) {
+    x = (x * 1103515245 + 12345) >>> 0
+    out[i] = x >>> 24
+  }
+  return out
+}
+const sum = (m: Uint8Array) => m.reduce((a, b) => a + b, 0)
+
+let gw: FaultGateway
+const caches: KVCache[] = []
+beforeEach(async () => {
+  gw = await startFaultGateway()
+})
+afterEach(async () => {
+  for (const c of caches.splice(0)) await c.close(100)
+  await gw.close()
+})
+async function node(
+  remote: Partial<NonNullable<Exclude<KVCacheOptions['remote'], false>>> = {},
+): Promise<KVCache> {
+  const c = await KVCache.open({
+    model: 'stories260k',
+    chunkTokens: T,
+    namespace: 'team-a',
+    memory: { bytes: 32 * CB },
+    remote: { url: gw.url, codec: 'raw', token: 'secret', breakerCooldownMs: 50, ...remote },
+  })
+  caches.push(c)
+  return c
+}
+
+describe('L4 through the gateway', () => {
+  it('a second node retrieves what the first stored, and promotes it into its L1', async () => {
+    const a = await node()
+    const toks = tokens(3 * T)
+    const kv = kvFor(3)
+    await a.store(toks, kv)
+    await a.flush()
+    expect(gw.objects.size).toBe(3)
+    expect(gw.requests.some((r) => r.method === 'PUT' && r.auth === 'Bearer secret')).toBe(true)
+    expect(gw.requests.every((r) => r.path.startsWith('/v1/ns/team-a/'))).toBe(true)
+
+    const b = await node()
+    const lk = await b.lookup(toks)
+    expect(lk.chunks.map((c) => c.tier)).toEqual(['remote', 'remote', 'remote'])
+    const into = new Uint8Array(3 * CB)
+    expect(sum(await b.retrieve(toks, { into }))).toBe(3 * T)
+    expect(Buffer.compare(into, kv)).toBe(0)
+    expect((await b.lookup(toks)).chunks.every((c) => c.tier === 'memory')).toBe(true)
+    expect(b.stats().remote?.hits).toBe(3)
+
+    // Re-storing on b uploads nothing: the gateway holds it.
+    const puts = gw.requests.filter((r) => r.method === 'PUT').length
+    await b.store(toks, kv)
+    await b.flush()
+    expect(gw.requests.filter((r) => r.method === 'PUT').length).toBe(puts)
+  })
+
+  it('a partial tail chunk travels through the gateway too', async () => {
+    const a = await node()
+    const toks = tokens(T + 3, 14)
+    const tail = chunkBytes(MODEL_PRESETS.stories260k, 3)
+    const kv = kvFor(2, 14).subarray(0, CB + tail)
+    await a.store(toks, kv, { includePartial: true })
+    await a.flush()
+    expect(gw.objects.size).toBe(2)
+    const b = await node()
+    const into = new Uint8Array(CB + tail)
+    expect(sum(await b.retrieve(toks, { into, includePartial: true }))).toBe(T + 3)
+    expect(Buffer.compare(into, kv)).toBe(0)
+  })
+
+  it('concurrent fetches of one chunk cost one GET', async () => {
+    const a = await node()
+    const toks = tokens(T, 2)
+    await a.store(toks, kvFor(1, 2))
+    await a.flush()
+    const b = await node()
+    const into = [new Uint8Array(CB), new Uint8Array(CB), new Uint8Array(CB)]
+    const masks = await Promise.all(into.map((x) => b.retrieve(toks, { into: x })))
+    expect(masks.every((m) => sum(m) === T)).toBe(true)
+    expect(gw.requests.filter((r) => r.method === 'GET' && r.path.includes('/chunks/')).length).toBe(1)
+  })
+
+  it('retrieveLayers reads remote chunks with ?layers ranges and yields exact slabs', async () => {
+    const a = await node()
+    const toks = tokens(2 * T, 3)
+    const kv = kvFor(2, 3)
+    await a.store(toks, kv)
+    await a.flush()
+    const b = await node()
+    const slab = layerSlabBytes(MODEL_PRESETS.stories260k, T)
+    let layers = 0
+    for await (const batch of b.retrieveLayers(toks)) {
+      expect(batch.chunks).toBe(2)
+      for (let i = 0; i < 2; i++) {
+        const want = kv.subarray(i * CB + batch.layer * slab, i * CB + (batch.layer + 1) * slab)
+        expect(Buffer.compare(batch.slabs[i]!, want)).toBe(0)
+      }
+      layers++
+    }
+    expect(layers).toBe(5)
+    const ranged = gw.requests.filter((r) => /\?layers=\d+-\d+$/.test(r.path))
+    expect(ranged.length).toBeGreaterThan(2) // several groups per chunk
+    // The assembled chunks were promoted into L1.
+    expect((await b.lookup(toks)).chunks.every((c) => c.tier === 'memory')).toBe(true)
+  })
+
+  it('follows a 307 to a presigned URL without sending the bearer token there', async () => {
+    const a = await node()
+    const toks = tokens(T, 4)
+    await a.store(toks, kvFor(1, 4))
+    await a.flush()
+    gw.faults.redirect = true
+    const b = await node()
+    const into = new Uint8Array(CB)
+    expect(sum(await b.retrieve(toks, { into }))).toBe(T)
+    expect(Buffer.compare(into, kvFor(1, 4))).toBe(0)
+    const pre = gw.requests.find((r) => r.path.startsWith('/presigned/'))
+    expect(pre?.auth).toBeUndefined()
+    expect(b.stats().remote?.redirects).toBe(1)
+  })
+
+  it('corrupt bytes from the gateway are never served', async () => {
+    const a = await node()
+    const toks = tokens(2 * T, 5)
+    await a.store(toks, kvFor(2, 5))
+    await a.flush()
+    gw.faults.corrupt = true
+    const b = await node()
+    const into = new Uint8Array(2 * CB)
+    expect(sum(await b.retrieve(toks, { into }))).toBe(0)
+    expect(into.every((x) => x === 0)).toBe(true)
+    expect(b.stats().remote?.corrupt).toBeGreaterThanOrEqual(1)
+    let yielded = 0
+    for await (const batch of b.retrieveLayers(toks)) yielded += batch.chunks
+    expect(yielded).toBe(0)
+    expect((await b.lookup(toks)).chunks.some((c) => c.tier === 'memory')).toBe(false)
+  })
+})
+
+describe('L4 faults never reach the caller', () => {
+  it('gateway down: store and retrieve work from L1, the breaker opens, then closes after recovery', async () => {
+    const c = await node({ breakerThreshold: 2, retries: 0 })
+    await gw.stop()
+    const toks = tokens(3 * T, 6)
+    const kv = kvFor(3, 6)
+    await c.store(toks, kv)
+    await c.flush(2000)
+    const into = new Uint8Array(3 * CB)
+    expect(sum(await c.retrieve(toks, { into }))).toBe(3 * T)
+    expect(Buffer.compare(into, kv)).toBe(0)
+    // Unknown prefix: the gateway cannot answer, so nothing is available.
+    expect((await c.lookup(tokens(2 * T, 99))).tokens).toBe(0)
+    expect((await c.lookup(tokens(2 * T, 98))).tokens).toBe(0)
+    const s = c.stats().remote!
+    expect(s.breaker).not.toBe('closed')
+    expect(s.errors).toBeGreaterThan(0)
+    await gw.restart()
+    for (let i = 0; i < 100 && c.stats().remote?.breaker !== 'closed'; i++)
+      await new Promise((r) => setTimeout(r, 20))
+    expect(c.stats().remote?.breaker).toBe('closed')
+    expect(c.metrics()).toMatch(/kvgate_client_breaker_open 0/)
+  })
+
+  it('a slow gateway costs a lookup at most its deadline and still serves local hits', async () => {
+    const c = await node({ lookupTimeoutMs: 50, timeoutMs: 100, retries: 0 })
+    const toks = tokens(2 * T, 7)
+    await c.store(toks, kvFor(2, 7))
+    gw.faults.delayMs = 2000
+    const longer = [...toks, ...tokens(2 * T, 8)]
+    const lk = await c.lookup(longer)
+    expect(lk.tokens).toBe(2 * T)
+    expect(c.stats().remote?.timeouts).toBeGreaterThanOrEqual(1)
+    const into = new Uint8Array(4 * CB)
+    expect(sum(await c.retrieve(longer, { into }))).toBe(2 * T)
+    gw.faults.delayMs = 0
+  })
+
+  it('5xx answers are retried with jitter, then counted', async () => {
+    const c = await node({ retries: 2, breakerThreshold: 100 })
+    gw.faults.fail5xx = true
+    const toks = tokens(T, 10)
+    await c.store(toks, kvFor(1, 10))
+    await c.flush(3000)
+    const s = c.stats().remote!
+    expect(s.retries).toBeGreaterThanOrEqual(2)
+    expect(gw.objects.size).toBe(0)
+    gw.faults.fail5xx = false
+  })
+
+  it('a hung-up connection is a miss, not an exception', async () => {
+    const a = await node()
+    const toks = tokens(T, 12)
+    await a.store(toks, kvFor(1, 12))
+    await a.flush()
+    const b = await node({ retries: 1 })
+    gw.faults.hangUp = true
+    expect(sum(await b.retrieve(toks, { into: new Uint8Array(CB) }))).toBe(0)
+    gw.faults.hangUp = false
+  })
+
+  it('the write-behind queue sheds load when full and counts it', async () => {
+    const c = await node({ maxQueuedWrites: 1, writeConcurrency: 1, timeoutMs: 2000 })
+    gw.faults.delayMs = 300
+    const toks = tokens(8 * T, 11)
+    await c.store(toks, kvFor(8, 11))
+    // store() resolved before any upload finished: nothing is on the gateway yet.
+    expect(gw.objects.size).toBe(0)
+    await c.flush(5000)
+    const s = c.stats().remote!
+    expect(s.shedWrites).toBeGreaterThan(0)
+    expect(gw.objects.size + s.shedWrites).toBe(8)
+    gw.faults.delayMs = 0
+  })
+})

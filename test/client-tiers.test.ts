@@ -1,0 +1,269 @@
+// L1 (slots, LRU, pins), L2 (durable files, budget, restart recovery, disk
+// faults) and the priority I/O queue, each tested on its own.
+
+import { execFileSync } from 'node:child_process'
+import { mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { afterEach, describe, expect, it } from 'vitest'
+import { PriorityQueue } from '../src/client/io-queue.ts'
+import { nativeMemoryStats } from '../src/client/native.ts'
+import { loadNative } from '../src/client/native-api.ts'
+import { DiskTier } from '../src/client/tiers/disk.ts'
+import { MemoryTier } from '../src/client/tiers/memory.ts'
+import { encodeChunk } from '../src/core/format.ts'
+import { toHex } from '../src/core/keys.ts'
+import { MODEL_PRESETS } from '../src/core/layout.ts'
+
+const g = MODEL_PRESETS.stories260k
+
+function hexOf(n: number): string {
+  return n.toString(16).padStart(64, '0')
+}
+
+/** A small raw chunk object whose chain key is `hex` and whose sections are filled with `fill`. */
+function object(hex: string, fill: number, tokens = 4): Uint8Array {
+  const slab = 2 * tokens * g.kvHeads * g.headDim * 2
+  const sections = Array.from({ length: g.layers }, (_, l) => new Uint8Array(slab).fill((fill + l) & 255))
+  return encodeChunk(
+    {
+      codec: 'raw',
+      codecVersion: 1,
+      codecParams: new Uint8Array(0),
+      geometry: g,
+      tokens,
+      chunkIndex: 0,
+      partial: false,
+      namespaceId: new Uint8Array(16),
+      chainKey: Buffer.from(hex, 'hex'),
+      parentKey: new Uint8Array(32),
+    },
+    sections,
+  )
+}
+
+const dirs: string[] = []
+function tempDir(): string {
+  const d = mkdtempSync(join(tmpdir(), 'kvgate-client-'))
+  dirs.push(d)
+  return d
+}
+afterEach(() => {
+  for (const d of dirs.splice(0)) rmSync(d, { recursive: true, force: true })
+})
+
+describe('MemoryTier', () => {
+  it('rejects a region smaller than one slot and reports unpinned fallback', async () => {
+    await expect(MemoryTier.create({ bytes: 100, chunkBytes: 4096 })).rejects.toThrow(
+      /smaller than one chunk slot/,
+    )
+    const m = await MemoryTier.create({ bytes: 3 * 4096, chunkBytes: 4000 })
+    expect(m.stats().slots).toBe(3)
+    expect(m.stats().pinnedKind).toBe('none')
+    expect(m.stats().pinReason).toMatch(/native/)
+  })
+
+  it('allocates its region through the addon when it loads (pinned or with the reason why not)', async (ctx) => {
+    const n = loadNative()
+    if (!n.api) {
+      ctx.skip()
+      return
+    }
+    const m = await MemoryTier.create({ bytes: 4 * 65536, chunkBytes: 65536, dataOffset: 300, native: n.api })
+    expect(m.slotBytes).toBe(69632) // header room + tensor, rounded to pages
+    expect(['cuda', 'mlock', 'none']).toContain(m.stats().pinnedKind)
+    expect(m.stats().pinReason).toBeTruthy()
+    const r = m.reserve(hexOf(1), 65536)!
+    expect(r.slot.byteOffset % 4096).toBe(0)
+    expect(r.bytes.byteOffset - r.slot.byteOffset).toBe(300)
+    r.abort()
+    const before = nativeMemoryStats().pinnedBlocks
+    m.dispose()
+    expect(nativeMemoryStats().pinnedBlocks).toBe(before - 1)
+  })
+
+  it('evicts least recently used chunks when full and counts it', async () => {
+    const m = await MemoryTier.create({ bytes: 2 * 4096, chunkBytes: 4096 })
+    expect(m.put(hexOf(1), new Uint8Array(4096).fill(1))).toBe(true)
+    expect(m.put(hexOf(2), new Uint8Array(4096).fill(2))).toBe(true)
+    m.acquire(hexOf(1))?.release() // 1 is now most recent
+    expect(m.put(hexOf(3), new Uint8Array(4096).fill(3))).toBe(true)
+    expect(m.has(hexOf(2))).toBe(false)
+    expect(m.has(hexOf(1))).toBe(true)
+    const h = m.acquire(hexOf(3))!
+    expect(h.bytes[0]).toBe(3)
+    h.release()
+    expect(m.counters.evictions).toBe(1)
+  })
+
+  it('never reuses a pinned slot: the reader keeps intact bytes; store skips when all slots are pinned', async () => {
+    const m = await MemoryTier.create({ bytes: 2 * 4096, chunkBytes: 4096 })
+    m.put(hexOf(1), new Uint8Array(4096).fill(1))
+    m.put(hexOf(2), new Uint8Array(4096).fill(2))
+    const a = m.acquire(hexOf(1))!
+    const b = m.acquire(hexOf(2))!
+    // Both pinned: the LRU drops them from the index, but their slots stay with the readers.
+    expect(m.put(hexOf(3), new Uint8Array(4096).fill(3))).toBe(false)
+    expect(m.stats().skippedFull).toBe(1)
+    expect(a.bytes.every((x) => x === 1)).toBe(true)
+    expect(b.bytes.every((x) => x === 2)).toBe(true)
+    a.release()
+    expect(m.put(hexOf(4), new Uint8Array(4096).fill(4))).toBe(true)
+    expect(b.bytes.every((x) => x === 2)).toBe(true)
+    b.release()
+    b.release() // double release is harmless
+    expect(m.stats().freeSlots).toBe(1)
+  })
+
+  it('reservations are invisible until commit and a duplicate commit returns the slot', async () => {
+    const m = await MemoryTier.create({ bytes: 2 * 4096, chunkBytes: 4096 })
+    const r1 = m.reserve(hexOf(7), 4096)!
+    expect(m.has(hexOf(7))).toBe(false)
+    const r2 = m.reserve(hexOf(7), 4096)!
+    expect(r1.commit()).toBe(true)
+    expect(r2.commit()).toBe(false)
+    expect(m.stats().freeSlots).toBe(1)
+    expect(() => m.reserve(hexOf(8), 5000)).toThrow(/does not fit/)
+  })
+})
+
+describe('DiskTier', () => {
+  it('writes durable files, reads them back verified, and rebuilds its index on restart', async () => {
+    const dir = tempDir()
+    const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+    const obj = object(hexOf(0xab01), 9)
+    expect(await d.put(hexOf(0xab01), obj)).toBe(true)
+    expect(await d.put(hexOf(0xab01), obj)).toBe(false) // present: skipped
+    expect(readdirSync(join(dir, '00'))).toEqual([`${hexOf(0xab01)}.kvc`])
+    const d2 = await DiskTier.open({ dir, bytes: 1 << 20 })
+    expect(d2.has(hexOf(0xab01))).toBe(true)
+    expect(Buffer.compare(Buffer.from((await d2.get(hexOf(0xab01)))!), Buffer.from(obj))).toBe(0)
+    expect(d2.stats().usedBytes).toBe(obj.byteLength)
+  })
+
+  it('discards temp files, truncated, corrupt and misnamed files on start', async () => {
+    const dir = tempDir()
+    mkdirSync(join(dir, '00'))
+    const good = object(hexOf(1), 1)
+    writeFileSync(join(dir, '00', `${hexOf(1)}.kvc`), good)
+    writeFileSync(join(dir, '00', `.tmp-${hexOf(2)}-1-abcd`), good)
+    writeFileSync(join(dir, '00', `${hexOf(3)}.kvc`), good.subarray(0, good.byteLength - 10)) // truncated
+    writeFileSync(join(dir, '00', `${hexOf(4)}.kvc`), object(hexOf(5), 1)) // header names another key
+    const bad = object(hexOf(6), 1)
+    bad[20] = (bad[20] ?? 0) ^ 1 // header checksum
+    writeFileSync(join(dir, '00', `${hexOf(6)}.kvc`), bad)
+    writeFileSync(join(dir, '00', `${hexOf(7)}.kvc`), new Uint8Array(0))
+    const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+    expect(d.stats().files).toBe(1)
+    expect(d.stats().recoveredDiscarded).toBe(5)
+    expect(readdirSync(join(dir, '00'))).toEqual([`${hexOf(1)}.kvc`])
+  })
+
+  it('treats a file corrupted after start as a miss and deletes it', async () => {
+    const dir = tempDir()
+    const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+    const obj = object(hexOf(9), 3)
+    await d.put(hexOf(9), obj)
+    const flipped = obj.slice()
+    flipped[flipped.length - 1] = (flipped[flipped.length - 1] ?? 0) ^ 0xff
+    writeFileSync(d.pathOf(hexOf(9)), flipped)
+    expect(await d.get(hexOf(9))).toBeUndefined()
+    expect(d.counters.corrupt).toBe(1)
+    expect(d.has(hexOf(9))).toBe(false)
+  })
+
+  it('keeps within its byte budget by evicting the least recently used file', async () => {
+    const dir = tempDir()
+    const one = object(hexOf(1), 1).byteLength
+    const d = await DiskTier.open({ dir, bytes: 2 * one + 10 })
+    await d.put(hexOf(1), object(hexOf(1), 1))
+    await d.put(hexOf(2), object(hexOf(2), 2))
+    await d.get(hexOf(1))
+    await d.put(hexOf(3), object(hexOf(3), 3))
+    expect(d.has(hexOf(1))).toBe(true)
+    expect(d.has(hexOf(2))).toBe(false)
+    expect(d.stats().usedBytes).toBeLessThanOrEqual(2 * one + 10)
+    expect(d.counters.evictions).toBe(1)
+    // A restart with a smaller budget trims on open.
+    const d2 = await DiskTier.open({ dir, bytes: one + 1 })
+    expect(d2.stats().files).toBe(1)
+  })
+
+  it('survives ENOSPC on a full filesystem: the write fails quietly and nothing partial is left', async (ctx) => {
+    const dir = tempDir()
+    try {
+      execFileSync('mount', ['-t', 'tmpfs', '-o', 'size=64k', 'tmpfs', dir], { stdio: 'ignore' })
+    } catch {
+      ctx.skip()
+      return
+    }
+    try {
+      const d = await DiskTier.open({ dir, bytes: 1 << 30 })
+      let ok = 0
+      for (let i = 1; i <= 12; i++) if (await d.put(hexOf(i), object(hexOf(i), i, 64))) ok++
+      expect(ok).toBeGreaterThan(0)
+      expect(ok).toBeLessThan(12)
+      expect(d.stats().writeErrors).toBe(12 - ok)
+      expect(d.stats().lastWriteError).toMatch(/ENOSPC/)
+      const d2 = await DiskTier.open({ dir, bytes: 1 << 30 })
+      expect(d2.stats().files).toBe(ok)
+      expect(d2.stats().recoveredDiscarded).toBe(0)
+      for (let i = 1; i <= 12; i++) if (d2.has(hexOf(i))) expect(await d2.get(hexOf(i))).toBeDefined()
+    } finally {
+      execFileSync('umount', [dir])
+    }
+  })
+
+  it('on a read-only directory, reads work and writes fail without throwing', async (ctx) => {
+    const dir = tempDir()
+    const d0 = await DiskTier.open({ dir, bytes: 1 << 20 })
+    await d0.put(hexOf(1), object(hexOf(1), 1))
+    try {
+      execFileSync('mount', ['--bind', dir, dir], { stdio: 'ignore' })
+      execFileSync('mount', ['-o', 'remount,ro,bind', dir], { stdio: 'ignore' })
+    } catch {
+      ctx.skip()
+      return
+    }
+    try {
+      const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+      expect(await d.get(hexOf(1))).toBeDefined()
+      expect(await d.put(hexOf(2), object(hexOf(2), 2))).toBe(false)
+      expect(d.stats().lastWriteError).toMatch(/EROFS/)
+    } finally {
+      execFileSync('umount', [dir])
+    }
+  })
+})
+
+describe('PriorityQueue', () => {
+  it('runs prefetch before get before put once a slot frees up', async () => {
+    const q = new PriorityQueue(1)
+    const order: string[] = []
+    let open!: () => void
+    const gate = new Promise<void>((r) => {
+      open = r
+    })
+    const first = q.run('put', async () => {
+      await gate
+      order.push('first')
+    })
+    const jobs = [
+      q.run('put', async () => void order.push('put')),
+      q.run('get', async () => void order.push('get')),
+      q.run('prefetch', async () => void order.push('prefetch')),
+    ]
+    expect(q.pending).toBe(3)
+    open()
+    await Promise.all([first, ...jobs])
+    expect(order).toEqual(['first', 'prefetch', 'get', 'put'])
+  })
+
+  it('propagates a job failure to its caller only', async () => {
+    const q = new PriorityQueue(2)
+    await expect(q.run('get', async () => Promise.reject(new Error('boom')))).rejects.toThrow('boom')
+    await expect(q.run('get', async () => 5)).resolves.toBe(5)
+  })
+})
+
+void toHex
