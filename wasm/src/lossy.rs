@@ -119,12 +119,14 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     let step_c: Vec<f32> = ch_codes.iter().map(|&k| base * scale_of(k)).collect();
     let inv_c: Vec<f32> = step_c.iter().map(|&s| 1.0 / s).collect();
     let inv_t: Vec<f32> = tok_codes.iter().map(|&k| 1.0 / scale_of(k)).collect();
-    // Pass 2: quantize.
+    // Pass 2: quantize. Without channel steps every inverse step is 1/base.
+    let uniform_c = flags & F_CHSCALE == 0;
     let mut q: Vec<i32> = uninit_vec(t * c);
     for tt in 0..t {
         quantize_row(
             &x[tt * c..(tt + 1) * c],
             &inv_c,
+            uniform_c,
             inv_t[tt],
             &mut q[tt * c..(tt + 1) * c],
         );
@@ -359,21 +361,36 @@ fn row_symbols_fast(
 }
 
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-fn quantize_row(x: &[f32], inv_c: &[f32], it: f32, q: &mut [i32]) {
+fn quantize_row(x: &[f32], inv_c: &[f32], uniform: bool, it: f32, q: &mut [i32]) {
     use core::arch::wasm32::*;
     let c = x.len();
     let lim = f32x4_splat(QMAX as f32);
     let nlim = f32x4_splat(-(QMAX as f32));
-    let vt = f32x4_splat(it);
+    // `unit`: the token multiplier is 1, so the per-channel inverse steps apply
+    // as they are; otherwise the channel steps are all equal (V) and fold into vt.
+    let unit = it == 1.0;
+    if !unit && !uniform {
+        for i in 0..c {
+            q[i] = quantize_one(x[i] * inv_c[i] * it);
+        }
+        return;
+    }
+    let vt = f32x4_splat(if unit {
+        1.0
+    } else {
+        inv_c.first().copied().unwrap_or(1.0) * it
+    });
     let magic = f32x4_splat(12582912.0);
     let mut ch = 0;
     while ch + 4 <= c {
         unsafe {
             let v = v128_load(x.as_ptr().add(ch) as *const v128);
-            let s = f32x4_mul(
-                f32x4_mul(v, v128_load(inv_c.as_ptr().add(ch) as *const v128)),
-                vt,
-            );
+            // K: per-channel steps, no token multiplier; V: one step times the token's.
+            let s = if unit {
+                f32x4_mul(v, v128_load(inv_c.as_ptr().add(ch) as *const v128))
+            } else {
+                f32x4_mul(v, vt)
+            };
             // NaN compares false against itself: zero it; ±Inf clamps (pmin/pmax are
             // single instructions, unlike NaN-propagating min/max).
             let s = v128_and(s, f32x4_eq(s, s));
@@ -391,7 +408,7 @@ fn quantize_row(x: &[f32], inv_c: &[f32], it: f32, q: &mut [i32]) {
 }
 
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
-fn quantize_row(x: &[f32], inv_c: &[f32], it: f32, q: &mut [i32]) {
+fn quantize_row(x: &[f32], inv_c: &[f32], _uniform: bool, it: f32, q: &mut [i32]) {
     for i in 0..x.len() {
         q[i] = quantize_one(x[i] * inv_c[i] * it);
     }
