@@ -149,6 +149,45 @@ describe('wasm output conversion', () => {
   })
 })
 
+describe('wasm input conversion', () => {
+  it('reads fp16 and bf16 inputs exactly: subnormals, the normal boundary, large values, ±Inf and NaN', () => {
+    const t = 32
+    const c = 16
+    // Per-channel K steps of range/1000 make any misread input stand out; each
+    // stream keeps magnitudes within a few × of each other so no step hits its floor.
+    for (const mags of [
+      [3e-7, 5e-7, 2e-7, 4e-7],
+      [6e-5, 1e-4, 5e-5, 8e-5],
+      [30000, 60000, 40000, 50000],
+    ]) {
+      for (const [dtype, code] of [
+        ['fp16', 1],
+        ['bf16', 2],
+      ] as const) {
+        const vals = new Float32Array(2 * t * c)
+        for (let i = 0; i < vals.length; i++) vals[i] = Math.cos(i * 0.37) * mags[i % 4]!
+        vals[5] = Number.POSITIVE_INFINITY
+        vals[6] = Number.NaN
+        const tensor = tensorOf(vals, dtype)
+        const exact = valuesOf(tensor, dtype)
+        const params = new Float32Array([0, 0, 0, 0, 0, 8, 1000, 1000])
+        const sec = wasmCodec().encodeSection('kvgate', tensor, code, t, c, params)
+        const out = new Uint8Array(2 * t * c * 4)
+        wasmCodec().decodeSection('kvgate', sec, 3, t, c, out)
+        const back = new Float32Array(out.buffer)
+        for (let ch = 0; ch < c; ch++) {
+          const col = Array.from({ length: t }, (_, tt) => exact[tt * c + ch]!).filter(Number.isFinite)
+          const tol = (Math.max(...col) - Math.min(...col)) / 1000
+          for (let tt = 0; tt < t; tt++) {
+            const i = tt * c + ch
+            if (Number.isFinite(exact[i]!)) expect(Math.abs(back[i]! - exact[i]!)).toBeLessThanOrEqual(tol)
+          }
+        }
+      }
+    }
+  })
+})
+
 describe('layer-wise decode', () => {
   it('each section decodes on its own, equal to the matching slab of decodeChunk', () => {
     const g: KvGeometry = { layers: 4, kvHeads: 2, headDim: 8, dtype: 'fp16' }

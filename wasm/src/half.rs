@@ -143,21 +143,18 @@ fn load_simd(_src: &[u8], _dtype: u32, _out: &mut [f32]) -> usize {
     0
 }
 
-/// fp16 bits (in u32 lanes) → f32, exact for normals, subnormals, Inf and NaN.
+/// fp16 bits (in u32 lanes) → f32, exact for normals, subnormals, Inf and NaN:
+/// shift the magnitude into f32 position and multiply by 2^112 (an exact power
+/// of two that rebiases the exponent and normalises subnormals), then force the
+/// exponent to all ones where the half was Inf/NaN.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 #[inline(always)]
 fn f16x4_to_f32(h: core::arch::wasm32::v128) -> core::arch::wasm32::v128 {
     use core::arch::wasm32::*;
     let sign = u32x4_shl(v128_and(h, u32x4_splat(0x8000)), 16);
-    let em = v128_and(h, u32x4_splat(0x7fff));
-    // Normal: rebias the exponent (shift into place, add (127-15)<<23).
-    let normal = i32x4_add(u32x4_shl(em, 13), u32x4_splat(112 << 23));
-    // Inf/NaN: exponent all ones.
-    let infnan = v128_or(u32x4_shl(em, 13), u32x4_splat(0x7f80_0000));
-    // Subnormal: value = mant · 2^-24, done in float arithmetic.
-    let sub = f32x4_mul(f32x4_convert_i32x4(em), f32x4_splat(1.0 / 16777216.0));
-    let is_sub = u32x4_lt(em, u32x4_splat(0x0400));
-    let is_inf = u32x4_ge(em, u32x4_splat(0x7c00));
-    let v = v128_bitselect(sub, v128_bitselect(infnan, normal, is_inf), is_sub);
+    let em = u32x4_shl(v128_and(h, u32x4_splat(0x7fff)), 13);
+    let v = f32x4_mul(em, f32x4_splat(f32::from_bits((127 + 112) << 23))); // 2^112
+    let infnan = f32x4_ge(v, f32x4_splat(65536.0));
+    let v = v128_or(v, v128_and(infnan, u32x4_splat(0x7f80_0000)));
     v128_or(v, sign)
 }

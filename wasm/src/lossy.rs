@@ -119,12 +119,14 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     let step_c: Vec<f32> = ch_codes.iter().map(|&k| base * scale_of(k)).collect();
     let inv_c: Vec<f32> = step_c.iter().map(|&s| 1.0 / s).collect();
     let inv_t: Vec<f32> = tok_codes.iter().map(|&k| 1.0 / scale_of(k)).collect();
-    // Pass 2: quantize.
+    // Pass 2: quantize. Without channel steps every inverse step is 1/base.
+    let uniform_c = flags & F_CHSCALE == 0;
     let mut q: Vec<i32> = uninit_vec(t * c);
     for tt in 0..t {
         quantize_row(
             &x[tt * c..(tt + 1) * c],
             &inv_c,
+            uniform_c,
             inv_t[tt],
             &mut q[tt * c..(tt + 1) * c],
         );
@@ -359,21 +361,36 @@ fn row_symbols_fast(
 }
 
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-fn quantize_row(x: &[f32], inv_c: &[f32], it: f32, q: &mut [i32]) {
+fn quantize_row(x: &[f32], inv_c: &[f32], uniform: bool, it: f32, q: &mut [i32]) {
     use core::arch::wasm32::*;
     let c = x.len();
     let lim = f32x4_splat(QMAX as f32);
     let nlim = f32x4_splat(-(QMAX as f32));
-    let vt = f32x4_splat(it);
+    // `unit`: the token multiplier is 1, so the per-channel inverse steps apply
+    // as they are; otherwise the channel steps are all equal (V) and fold into vt.
+    let unit = it == 1.0;
+    if !unit && !uniform {
+        for i in 0..c {
+            q[i] = quantize_one(x[i] * inv_c[i] * it);
+        }
+        return;
+    }
+    let vt = f32x4_splat(if unit {
+        1.0
+    } else {
+        inv_c.first().copied().unwrap_or(1.0) * it
+    });
     let magic = f32x4_splat(12582912.0);
     let mut ch = 0;
     while ch + 4 <= c {
         unsafe {
             let v = v128_load(x.as_ptr().add(ch) as *const v128);
-            let s = f32x4_mul(
-                f32x4_mul(v, v128_load(inv_c.as_ptr().add(ch) as *const v128)),
-                vt,
-            );
+            // K: per-channel steps, no token multiplier; V: one step times the token's.
+            let s = if unit {
+                f32x4_mul(v, v128_load(inv_c.as_ptr().add(ch) as *const v128))
+            } else {
+                f32x4_mul(v, vt)
+            };
             // NaN compares false against itself: zero it; ±Inf clamps (pmin/pmax are
             // single instructions, unlike NaN-propagating min/max).
             let s = v128_and(s, f32x4_eq(s, s));
@@ -391,7 +408,7 @@ fn quantize_row(x: &[f32], inv_c: &[f32], it: f32, q: &mut [i32]) {
 }
 
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
-fn quantize_row(x: &[f32], inv_c: &[f32], it: f32, q: &mut [i32]) {
+fn quantize_row(x: &[f32], inv_c: &[f32], _uniform: bool, it: f32, q: &mut [i32]) {
     for i in 0..x.len() {
         q[i] = quantize_one(x[i] * inv_c[i] * it);
     }
@@ -490,29 +507,24 @@ mod simd {
     #[inline(always)]
     pub fn row_direct(row: &[u8]) -> bool {
         let mut i = 0;
-        let lim = u8x16_splat(super::DIRECT as u8);
+        // One running max, one test at the end: escapes are rare.
+        let mut m = u8x16_splat(0);
         while i + 16 <= row.len() {
-            let v = unsafe { v128_load(row.as_ptr().add(i) as *const v128) };
-            if !u8x16_all_true(u8x16_lt(v, lim)) {
-                return false;
-            }
+            // SAFETY: i + 16 ≤ row.len().
+            m = u8x16_max(m, unsafe { v128_load(row.as_ptr().add(i) as *const v128) });
             i += 16;
         }
-        row[i..].iter().all(|&s| (s as u32) < super::DIRECT)
+        u8x16_all_true(u8x16_lt(m, u8x16_splat(super::DIRECT as u8)))
+            && row[i..].iter().all(|&s| (s as u32) < super::DIRECT)
     }
 
     /// f32x4 → fp16 bits (RNE, overflow → Inf, NaN → quiet NaN), in i32 lanes.
     #[inline(always)]
     pub fn f32x4_to_f16(f: v128) -> v128 {
         let sign = v128_and(f, u32x4_splat(0x8000_0000));
-        // |f| as bits is in 0..2^31, so signed compares are exact (and cheaper than unsigned ones).
+        // |f| as bits is in 0..2^31, so signed compares and min are exact.
         let a = v128_xor(f, sign);
-        let big = i32x4_gt(a, i32x4_splat(((127 + 16) << 23) - 1));
-        let nan = i32x4_gt(a, i32x4_splat(255 << 23));
-        let o_big = v128_or(u32x4_splat(0x7c00), v128_and(nan, u32x4_splat(0x0200)));
-        let small = i32x4_lt(a, i32x4_splat(113 << 23));
-        let magic = u32x4_splat(((127 - 15) + (23 - 10) + 1) << 23);
-        let o_small = i32x4_sub(f32x4_add(a, magic), magic);
+        // Normal range: rebias the exponent and round to nearest even at bit 13.
         let odd = v128_and(u32x4_shr(a, 13), u32x4_splat(1));
         let norm = i32x4_add(
             i32x4_add(
@@ -521,9 +533,15 @@ mod simd {
             ),
             odd,
         );
-        let o_norm = u32x4_shr(norm, 13);
-        let o = v128_bitselect(o_small, o_norm, small);
-        let o = v128_bitselect(o_big, o, big);
+        // Too large (and Inf) saturate to Inf with one min; NaN keeps a quiet bit.
+        let o = i32x4_min(u32x4_shr(norm, 13), i32x4_splat(0x7c00));
+        let nan = i32x4_gt(a, i32x4_splat(255 << 23));
+        let o = v128_or(o, v128_and(nan, u32x4_splat(0x0200)));
+        // Subnormal results: the FP add of a magic constant rounds exactly.
+        let small = i32x4_lt(a, i32x4_splat(113 << 23));
+        let magic = u32x4_splat(((127 - 15) + (23 - 10) + 1) << 23);
+        let o_small = i32x4_sub(f32x4_add(a, magic), magic);
+        let o = v128_bitselect(o_small, o, small);
         v128_or(o, u32x4_shr(sign, 16))
     }
 

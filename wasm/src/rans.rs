@@ -286,9 +286,12 @@ pub fn encode_block(
     // (every coded symbol has an entry in its class), p ≥ 1 (cap covers the
     // worst case of one word per symbol) and i < n ≤ syms.len().
     macro_rules! put {
-        ($lane:expr, $i:expr, $ch:expr) => {{
+        ($lane:expr, $i:expr, $ch:expr) => {
+            put!($lane, $i, $ch, |cc: usize| *cbase.get_unchecked(cc))
+        };
+        ($lane:expr, $i:expr, $ch:expr, $base:expr) => {{
             unsafe {
-                let e = *ep.add(*cbase.get_unchecked($ch) + *sp.add($i) as usize);
+                let e = *ep.add($base($ch) + *sp.add($i) as usize);
                 let mut xs = x[$lane];
                 let big = xs >= e.x_max;
                 *bp.add(p - 1) = xs as u16;
@@ -315,19 +318,29 @@ pub fn encode_block(
         }
     }
     if c % LANES == 0 {
-        let mut g = full;
-        let mut ch = full % c.max(1);
-        while g > 0 {
-            g -= LANES;
-            ch = if ch == 0 { c - LANES } else { ch - LANES };
-            put!(7, g + 7, ch + 7);
-            put!(6, g + 6, ch + 6);
-            put!(5, g + 5, ch + 5);
-            put!(4, g + 4, ch + 4);
-            put!(3, g + 3, ch + 3);
-            put!(2, g + 2, ch + 2);
-            put!(1, g + 1, ch + 1);
-            put!(0, g, ch);
+        macro_rules! groups {
+            ($base:expr) => {
+                let mut g = full;
+                let mut ch = full % c.max(1);
+                while g > 0 {
+                    g -= LANES;
+                    ch = if ch == 0 { c - LANES } else { ch - LANES };
+                    put!(7, g + 7, ch + 7, $base);
+                    put!(6, g + 6, ch + 6, $base);
+                    put!(5, g + 5, ch + 5, $base);
+                    put!(4, g + 4, ch + 4, $base);
+                    put!(3, g + 3, ch + 3, $base);
+                    put!(2, g + 2, ch + 2, $base);
+                    put!(1, g + 1, ch + 1, $base);
+                    put!(0, g, ch, $base);
+                }
+            };
+        }
+        if tables.len() == 1 {
+            // One table: no per-channel class lookups.
+            groups!(|_cc: usize| 0usize);
+        } else {
+            groups!(|cc: usize| *cbase.get_unchecked(cc));
         }
     } else {
         let mut ch = if full > 0 { (full - 1) % c } else { 0 };
@@ -387,7 +400,8 @@ pub fn decode_block(
             *d = v as u32 * PROB_SCALE;
         }
     }
-    let mut dec = vec![0u32; k * PROB_SCALE as usize];
+    // read_table fills every slot of each class (or fails).
+    let mut dec: Vec<u32> = uninit_vec(k * PROB_SCALE as usize);
     for cls in 0..k {
         read_table(
             r,
