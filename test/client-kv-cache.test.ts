@@ -7,6 +7,7 @@ import { join } from 'node:path'
 import { afterEach, describe, expect, it } from 'vitest'
 import { optionsFromEnvironment, parseBytes, resolveOptions } from '../src/client/config.ts'
 import { KVCache } from '../src/client/index.ts'
+import { chainKeys } from '../src/core/keys.ts'
 import { chunkBytes, layerSlabBytes, MODEL_PRESETS } from '../src/core/layout.ts'
 
 const T = 16
@@ -135,6 +136,34 @@ describe('KVCache options', () => {
     expect(r.disk).toBe(false)
     expect(r.remote).toBe(false)
     expect(r.memory.bytes).toBeGreaterThanOrEqual(chunkBytes(MODEL_PRESETS.stories260k, 256))
+  })
+})
+
+describe('KVCache key schemes', () => {
+  it("keyScheme 'vllm-sha256-cbor' keys chunks exactly as vLLM's block hash, memo or not", async () => {
+    const p = MODEL_PRESETS.stories260k
+    const ns = {
+      modelId: p.modelId,
+      geometry: p,
+      chunkTokens: T,
+      scheme: 'vllm-sha256-cbor' as const,
+      hashSeed: '0',
+    }
+    const c = await open({ keyScheme: 'vllm-sha256-cbor', hashSeed: '0' })
+    const a = Array.from({ length: 3 * T + 5 }, (_, i) => (i * 31) % 500)
+    const b = [...a.slice(0, 2 * T), ...Array.from({ length: T + 3 }, (_, i) => i)] // shares 2 chunks with a
+    for (const tokens of [a, b, a]) {
+      expect(c.keys(tokens, true).map((k) => k.hex)).toEqual(
+        chainKeys(tokens, ns, { includePartial: true }).map((k) => k.hex),
+      )
+    }
+    const v1 = await open()
+    expect(v1.keys(a)[0]!.hex).not.toBe(c.keys(a)[0]!.hex)
+    await expect(open({ keyScheme: 'vllm-sha256-cbor' })).rejects.toThrow(/PYTHONHASHSEED/)
+    await expect(open({ keyScheme: 'md5' as never })).rejects.toThrow(/invalid keyScheme/)
+    expect(optionsFromEnvironment({ KVGATE_KEY_SCHEME: 'vllm-sha256-cbor' }).keyScheme).toBe(
+      'vllm-sha256-cbor',
+    )
   })
 })
 

@@ -100,6 +100,25 @@ describe('chainKeys', () => {
         .join(','),
     )
   })
+  it('resumes a chain after a known key with the same results, for both schemes', async () => {
+    const t = Array.from({ length: 23 }, (_, i) => (i * 7919) % 1000)
+    for (const ns of [tiny, { ...tiny, scheme: 'vllm-sha256-cbor' as const, hashSeed: '0' }]) {
+      const all = chainKeys(t, ns, { includePartial: true })
+      for (const cut of [0, 2, 4]) {
+        const rest = chainKeys(t, ns, { includePartial: true, after: all[cut]! })
+        expect(rest).toEqual(all.slice(cut + 1))
+        expect(await chainKeysAsync(t, ns, { includePartial: true, after: all[cut]! })).toEqual(
+          all.slice(cut + 1),
+        )
+      }
+    }
+    expect(() => chainKeys(t, tiny, { after: { index: -1, key: new Uint8Array(32), hex: '' } })).toThrow(
+      /after/,
+    )
+    expect(() => chainKeys(t, tiny, { after: { index: 0, key: new Uint8Array(8), hex: '' } })).toThrow(
+      /after/,
+    )
+  })
   it('rejects bad tokens and namespaces with clear errors', () => {
     expect(() => chainKeys([1, -1, 2, 3], tiny)).toThrow(/token 1 is -1/)
     expect(() => chainKeys([1, 2.5, 2, 3], tiny)).toThrow(/token 1/)

@@ -4,7 +4,7 @@
 import { readFileSync } from 'node:fs'
 import { parse as parseYaml } from 'yaml'
 import { ConfigError, InvalidArgumentError } from '../core/errors.ts'
-import { isNamespaceName } from '../core/keys.ts'
+import { isNamespaceName, type KeyScheme, SCHEME_CODES } from '../core/keys.ts'
 import {
   chunkBytes,
   MAX_CHUNK_TOKENS,
@@ -68,7 +68,12 @@ export interface KVCacheOptions {
   chunkTokens?: number
   /** Tenant namespace on the gateway (`/v1/ns/{ns}`). @default 'default' */
   namespace?: string
-  /** Extra seed mixed into every key (isolates deployments that must not share). @default none */
+  /**
+   * Key scheme: kvgate's `sha256-v1`, or `vllm-sha256-cbor` to reproduce vLLM's
+   * block hashes (set hashSeed to vLLM's PYTHONHASHSEED). @default 'sha256-v1'
+   */
+  keyScheme?: KeyScheme
+  /** Extra seed mixed into every key (isolates deployments that must not share); vLLM's PYTHONHASHSEED with keyScheme 'vllm-sha256-cbor'. @default none */
   hashSeed?: string
   memory?: MemoryOptions
   /** L2; off unless given. */
@@ -89,6 +94,7 @@ export interface ResolvedOptions {
   model: ModelPreset
   chunkTokens: number
   namespace: string
+  keyScheme: KeyScheme
   hashSeed: string | undefined
   memory: { bytes: number }
   disk: Required<DiskOptions> | false
@@ -109,6 +115,7 @@ const TOP_KEYS = new Set([
   'model',
   'chunkTokens',
   'namespace',
+  'keyScheme',
   'hashSeed',
   'memory',
   'disk',
@@ -171,6 +178,15 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
   }
   if (opts.hashSeed !== undefined && (typeof opts.hashSeed !== 'string' || opts.hashSeed.length > 256)) {
     throw new InvalidArgumentError('invalid hashSeed: a string of at most 256 characters')
+  }
+  const keyScheme = opts.keyScheme ?? 'sha256-v1'
+  if (!Object.hasOwn(SCHEME_CODES, keyScheme)) {
+    throw new InvalidArgumentError(`invalid keyScheme '${String(keyScheme)}': sha256-v1 or vllm-sha256-cbor`)
+  }
+  if (keyScheme === 'vllm-sha256-cbor' && opts.hashSeed === undefined) {
+    throw new InvalidArgumentError(
+      "keyScheme 'vllm-sha256-cbor' needs hashSeed: the PYTHONHASHSEED your vLLM runs with (unset, vLLM's hashes are random per process)",
+    )
   }
   const oneChunk = chunkBytes(model, chunkTokens)
   const memOpts = opts.memory ?? {}
@@ -256,6 +272,7 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
     model,
     chunkTokens,
     namespace,
+    keyScheme,
     hashSeed: opts.hashSeed,
     memory: { bytes: memBytes },
     disk,
@@ -328,6 +345,7 @@ export function optionsFromEnvironment(
   if (env.KVGATE_CHUNK_TOKENS) out.chunkTokens = num('KVGATE_CHUNK_TOKENS', env.KVGATE_CHUNK_TOKENS)
   if (env.KVGATE_NAMESPACE) out.namespace = env.KVGATE_NAMESPACE
   if (env.KVGATE_HASH_SEED) out.hashSeed = env.KVGATE_HASH_SEED
+  if (env.KVGATE_KEY_SCHEME) out.keyScheme = env.KVGATE_KEY_SCHEME
   if (env.KVGATE_MEMORY_BYTES)
     sub('memory').bytes = parseBytes('KVGATE_MEMORY_BYTES', env.KVGATE_MEMORY_BYTES)
   if (env.KVGATE_DISK === 'off' || env.KVGATE_DISK === 'false') out.disk = false

@@ -1,8 +1,7 @@
 // Remembers the chain keys of recently seen prompts, so a prompt that shares a
 // prefix with one seen before hashes only its new chunks (tokens are compared, not re-hashed).
 
-import { createHash } from 'node:crypto'
-import { type ChunkKey, chainKeys, type KeyNamespace, toHex } from '../core/keys.ts'
+import { type ChunkKey, chainKeys, type KeyNamespace } from '../core/keys.ts'
 
 interface Memo {
   tokens: Uint32Array
@@ -48,12 +47,9 @@ export class KeyMemo {
     const c = this.#chunk
     const tail = tokens.length - full.length * c
     if (!includePartial || tail === 0) return full
-    const t = tokens instanceof Uint32Array ? tokens : Uint32Array.from(tokens)
-    if (full.length === 0 || (this.#ns.scheme ?? 'sha256-v1') !== 'sha256-v1') {
-      const all = chainKeys(t, this.#ns, { includePartial: true })
-      return [...full, all[all.length - 1]!]
-    }
-    return [...full, chunkKeyAfter(full[full.length - 1]!, t, full.length * c, t.length, full.length, true)]
+    const after = full[full.length - 1]
+    const rest = chainKeys(tokens, this.#ns, { includePartial: true, ...(after ? { after } : {}) })
+    return [...full, rest[rest.length - 1]!]
   }
 
   #fullKeys(tokens: ArrayLike<number>): ChunkKey[] {
@@ -82,7 +78,7 @@ export class KeyMemo {
       // Hash the rest from the last shared key: chainKeys over the whole prefix
       // would redo the shared part, so continue the chain by hand.
       keys = best.keys.slice(0, bestChunks)
-      keys.push(...continueChain(t, bestChunks, this.#ns, keys))
+      keys.push(...chainKeys(t, this.#ns, { after: keys[bestChunks - 1]! }))
     } else {
       keys = chainKeys(t, this.#ns)
     }
@@ -134,42 +130,4 @@ function commonChunks(a: Uint32Array, b: Uint32Array, c: number): number {
     else hi = mid - 1
   }
   return lo
-}
-
-/**
- * Keys of chunks `from`.. of `t`, continuing the chain from the known key of
- * chunk from-1. For the default 'sha256-v1' scheme this is core/keys.ts's
- * documented preimage (parent ‖ u32le(n) ‖ n × u32le(token)); a test checks it
- * against chainKeys. Other schemes recompute the whole chain.
- */
-function continueChain(t: Uint32Array, from: number, ns: KeyNamespace, known: ChunkKey[]): ChunkKey[] {
-  if ((ns.scheme ?? 'sha256-v1') !== 'sha256-v1') return chainKeys(t, ns).slice(from)
-  const c = ns.chunkTokens
-  const out: ChunkKey[] = []
-  let parent = known[from - 1]!
-  for (let i = from; i < t.length / c; i++) {
-    const k = chunkKeyAfter(parent, t, i * c, (i + 1) * c, i, false)
-    out.push(k)
-    parent = k
-  }
-  return out
-}
-
-/** sha256-v1 key of tokens [start, end) chained after `parent` (partial when shorter than a chunk). */
-function chunkKeyAfter(
-  parent: ChunkKey,
-  t: Uint32Array,
-  start: number,
-  end: number,
-  index: number,
-  partial: boolean,
-): ChunkKey {
-  const n = end - start
-  const pre = new Uint8Array(36 + 4 * n)
-  pre.set(parent.key, 0)
-  const words = new Uint32Array(pre.buffer, 32, n + 1)
-  words[0] = n
-  words.set(t.subarray(start, end), 1)
-  const key = new Uint8Array(createHash('sha256').update(pre).digest())
-  return { index, start, end, partial, key, hex: toHex(key), parentHex: parent.hex }
 }

@@ -130,6 +130,7 @@ export class KVCache {
       modelId: o.model.modelId,
       geometry: o.model,
       chunkTokens: o.chunkTokens,
+      scheme: o.keyScheme,
       hashSeed: o.hashSeed,
     })
     this.#manager = manager
@@ -148,6 +149,7 @@ export class KVCache {
       modelId: g.modelId,
       geometry: g,
       chunkTokens: o.chunkTokens,
+      scheme: o.keyScheme,
       hashSeed: o.hashSeed,
     }
     const memory = await MemoryTier.create({

@@ -48,6 +48,12 @@ export interface ChunkKey {
 export interface ChainOptions {
   /** Also key a trailing chunk of fewer than chunkTokens tokens. @default false */
   includePartial?: boolean
+  /**
+   * Continue a chain whose first chunks are already keyed: start at chunk `after.index + 1`
+   * with `after` as the parent (tokens before it are not read). Caches of recent
+   * prompts use it to hash only what is new.
+   */
+  after?: Pick<ChunkKey, 'index' | 'key' | 'hex'>
 }
 
 const te = new TextEncoder()
@@ -310,9 +316,13 @@ interface ChunkPlan {
   partial: boolean
 }
 
-function plan(count: number, chunkTokens: number, includePartial: boolean): ChunkPlan[] {
+function plan(count: number, chunkTokens: number, includePartial: boolean, firstIndex = 0): ChunkPlan[] {
   const out: ChunkPlan[] = []
-  for (let start = 0, index = 0; start < count; start += chunkTokens, index++) {
+  for (
+    let index = firstIndex, start = firstIndex * chunkTokens;
+    start < count;
+    start += chunkTokens, index++
+  ) {
     const end = Math.min(start + chunkTokens, count)
     const partial = end - start < chunkTokens
     if (partial && !includePartial) break
@@ -361,6 +371,18 @@ function extraOf(ns: KeyNamespace): CborValue {
   return ns.extraKeys
 }
 
+function checkAfter(after: ChainOptions['after']): void {
+  if (after === undefined) return
+  if (
+    !Number.isInteger(after.index) ||
+    after.index < 0 ||
+    !(after.key instanceof Uint8Array) ||
+    after.key.length !== 32
+  ) {
+    throw new InvalidArgumentError('after must be a chunk key {index, key (32 bytes), hex}')
+  }
+}
+
 function seedPreimageFor(ns: ReturnType<typeof validateNamespace>): Uint8Array {
   // vLLM's NONE_HASH = sha256_cbor(PYTHONHASHSEED string).
   return ns.scheme === 'vllm-sha256-cbor' ? Uint8Array.from(cborEncode(ns.hashSeed!)) : seedPreimage(ns)
@@ -373,13 +395,15 @@ function seedPreimageFor(ns: ReturnType<typeof validateNamespace>): Uint8Array {
 export function chainKeys(tokens: ArrayLike<number>, ns: KeyNamespace, opts: ChainOptions = {}): ChunkKey[] {
   const v = validateNamespace(ns)
   checkTokens(tokens)
+  checkAfter(opts.after)
   const sha = requireSync()
   const extra = extraOf(v)
-  let parent = sha([seedPreimageFor(v)])
+  let parent = opts.after ? opts.after.key : sha([seedPreimageFor(v)])
   const buf = new Uint8Array(36 + 4 * v.chunkTokens)
   const out: ChunkKey[] = []
-  let parentHex = toHex(parent)
-  for (const c of plan(tokens.length, v.chunkTokens, opts.includePartial ?? false)) {
+  let parentHex = opts.after ? opts.after.hex : toHex(parent)
+  const first = opts.after ? opts.after.index + 1 : 0
+  for (const c of plan(tokens.length, v.chunkTokens, opts.includePartial ?? false, first)) {
     const pre =
       v.scheme === 'sha256-v1'
         ? v1Preimage(parent, tokens, c.start, c.end, buf)
@@ -401,12 +425,14 @@ export async function chainKeysAsync(
 ): Promise<ChunkKey[]> {
   const v = validateNamespace(ns)
   checkTokens(tokens)
+  checkAfter(opts.after)
   const extra = extraOf(v)
-  let parent = await subtleSha256([seedPreimageFor(v)])
+  let parent = opts.after ? opts.after.key : await subtleSha256([seedPreimageFor(v)])
   const buf = new Uint8Array(36 + 4 * v.chunkTokens)
   const out: ChunkKey[] = []
-  let parentHex = toHex(parent)
-  for (const c of plan(tokens.length, v.chunkTokens, opts.includePartial ?? false)) {
+  let parentHex = opts.after ? opts.after.hex : toHex(parent)
+  const first = opts.after ? opts.after.index + 1 : 0
+  for (const c of plan(tokens.length, v.chunkTokens, opts.includePartial ?? false, first)) {
     const pre =
       v.scheme === 'sha256-v1'
         ? v1Preimage(parent, tokens, c.start, c.end, buf)
