@@ -371,6 +371,12 @@ function extraOf(ns: KeyNamespace): CborValue {
   return ns.extraKeys
 }
 
+// One fixed object shape (an object spread here measured ~2 µs per key: 1 ms of a
+// 512-chunk chain).
+function chunkKey(c: ChunkPlan, key: Uint8Array, hex: string, parentHex: string): ChunkKey {
+  return { index: c.index, start: c.start, end: c.end, key, hex, parentHex, partial: c.partial }
+}
+
 function checkAfter(after: ChainOptions['after']): void {
   if (after === undefined) return
   if (
@@ -410,7 +416,7 @@ export function chainKeys(tokens: ArrayLike<number>, ns: KeyNamespace, opts: Cha
         : vllmPreimage(parent, tokens, c.start, c.end, extra)
     const key = sha([pre])
     const hex = toHex(key)
-    out.push({ ...c, key, hex, parentHex })
+    out.push(chunkKey(c, key, hex, parentHex))
     parent = key
     parentHex = hex
   }
@@ -439,7 +445,7 @@ export async function chainKeysAsync(
         : vllmPreimage(parent, tokens, c.start, c.end, extra)
     const key = await subtleSha256([pre])
     const hex = toHex(key)
-    out.push({ ...c, key, hex, parentHex })
+    out.push(chunkKey(c, key, hex, parentHex))
     parent = key
     parentHex = hex
   }
