@@ -71,6 +71,7 @@ if (data.paths) {
         ratio: floor / ms,
         target: '≥ 1000 tok/s (demo prefill of two 256-token chunks < 0.5 s)',
         met: tps >= 1000,
+        informational: true,
       })
     }
   }
@@ -115,6 +116,7 @@ bars.push({
   ratio: synMs / encMs,
   target: '< 1000 ms',
   met: synMs < 1000,
+  informational: true,
 })
 
 console.log(`Model toolkit, median of ${repeats}`)

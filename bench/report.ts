@@ -39,9 +39,11 @@ function barRow(b: BarResult, bench: string): string {
 }
 
 export function renderReport(results: BenchResult[], dir = RESULTS_DIR): string {
-  const rows = results.flatMap((r) => r.bars.map((b) => barRow(b, r.name)))
-  const met = results.flatMap((r) => r.bars).filter((b) => b.met).length
-  const total = results.flatMap((r) => r.bars).length
+  const design = (b: BarResult) => b.informational !== true
+  const rows = results.flatMap((r) => r.bars.filter(design).map((b) => barRow(b, r.name)))
+  const infoRows = results.flatMap((r) => r.bars.filter((b) => !design(b)).map((b) => barRow(b, r.name)))
+  const met = results.flatMap((r) => r.bars.filter(design)).filter((b) => b.met).length
+  const total = results.flatMap((r) => r.bars.filter(design)).length
   const sections = results
     .map((r) => {
       const svg = join(dir, `${r.name}.svg`)
@@ -60,6 +62,13 @@ section{margin-top:2em}pre{max-height:300px;overflow:auto;background:#f6f6f6;pad
 (ratios and medians of repeats: these machines are noisy). Bars are from DESIGN.md §4.</p>
 <table><thead><tr><th>bench</th><th>bar</th><th>figure</th><th>baseline (same run)</th><th>ratio</th><th>target</th><th>verdict</th></tr></thead>
 <tbody>${rows.join('\n')}</tbody></table>
+${
+  infoRows.length > 0
+    ? `<h3>Component targets (set by the project, not DESIGN.md bars)</h3>
+<table><thead><tr><th>bench</th><th>measure</th><th>figure</th><th>baseline (same run)</th><th>ratio</th><th>target</th><th>verdict</th></tr></thead>
+<tbody>${infoRows.join('\n')}</tbody></table>`
+    : ''
+}
 ${sections}
 </body></html>`
 }

@@ -25,6 +25,7 @@ describe('benchmark report', () => {
             met: true,
           },
           { bar: 'ratio <script>', figure: 5.2, unit: '×', target: '≥ 6×', met: false },
+          { bar: 'own target', figure: 1, unit: 'x', target: 'x', met: false, informational: true },
         ],
       }),
     )
@@ -34,6 +35,8 @@ describe('benchmark report', () => {
     expect(results.map((r) => r.name)).toEqual(['codec'])
     const html = renderReport(results, dir)
     expect(html).toContain('<b>1 of 2</b> bars met')
+    expect(html).toContain('Component targets')
+    expect(html).toContain('own target')
     expect(html).toContain('decode speed')
     expect(html).toContain('memcpy')
     expect(html).toContain('class="no">not met')

@@ -40,6 +40,8 @@ export interface BarResult {
   ratio?: number
   target: string
   met: boolean
+  /** A target the project set itself for a component, not one of DESIGN.md §4's bars. */
+  informational?: boolean
 }
 
 export interface BenchResult {
