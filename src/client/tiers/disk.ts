@@ -68,6 +68,8 @@ interface FileEntry {
 
 /** Segment size of pipelined read + verify (a multiple of the 4 KiB O_DIRECT alignment). */
 const VERIFY_SEGMENT_BYTES = 4 << 20
+/** Segment reads kept in flight ahead of verification. */
+const READ_AHEAD_SEGMENTS = 2
 
 export class DiskTier {
   readonly counters = new TierCounters()
@@ -248,16 +250,22 @@ export class DiskTier {
         .readFileDirect(path, buf.subarray(off, off + length), { fileOffset: off, length })
         .then((r) => ({ r, off, length }))
     }
-    let pending: Promise<Segment> | undefined = read(0)
+    // Keep READ_AHEAD segments in flight so the disk never idles while a CRC runs.
+    const inflight: Promise<Segment>[] = []
+    let next = 0
+    const refill = () => {
+      while (inflight.length < READ_AHEAD_SEGMENTS && next < size) {
+        inflight.push(read(next))
+        next += VERIFY_SEGMENT_BYTES
+      }
+    }
+    refill()
     try {
-      while (pending) {
-        const seg: Segment = await pending
-        const { r, off, length } = seg
-        pending = off + length < size ? read(off + length) : undefined
+      while (inflight.length > 0) {
+        const { r, off, length } = await inflight.shift()!
+        refill()
         if (r.direct) this.#directReads++
         if (r.bytes !== length) {
-          await pending?.catch(() => undefined)
-          pending = undefined
           this.#checkLength(hex, off + r.bytes, size)
           return undefined
         }
@@ -267,7 +275,7 @@ export class DiskTier {
       return { bytes: buf, verified: true }
     } finally {
       // Never leave a read writing into `buf` after we return (corrupt object, I/O error).
-      await pending?.catch(() => undefined)
+      await Promise.allSettled(inflight)
     }
   }
 
