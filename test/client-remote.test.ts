@@ -58,11 +58,18 @@ describe('L4 through the gateway', () => {
     expect(gw.requests.every((r) => r.path.startsWith('/v1/ns/team-a/'))).toBe(true)
 
     const b = await node()
+    const lookupPosts = () =>
+      gw.requests.filter((r) => r.method === 'POST' && r.path.endsWith('/lookup')).length
+    const before = lookupPosts()
     const lk = await b.lookup(toks)
     expect(lk.chunks.map((c) => c.tier)).toEqual(['remote', 'remote', 'remote'])
     const into = new Uint8Array(3 * CB)
     expect(sum(await b.retrieve(toks, { into }))).toBe(3 * T)
     expect(Buffer.compare(into, kv)).toBe(0)
+    // lookup → retrieve asks the gateway once: retrieve reuses what the lookup learned.
+    expect(lookupPosts() - before).toBe(1)
+    expect(b.stats().remote?.lookupRequests).toBe(1)
+    expect(b.stats().remote?.lookupKeysKnown).toBe(3)
     expect((await b.lookup(toks)).chunks.every((c) => c.tier === 'memory')).toBe(true)
     expect(b.stats().remote?.hits).toBe(3)
 

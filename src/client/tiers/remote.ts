@@ -57,6 +57,10 @@ export interface RemoteTierStats {
   retries: number
   redirects: number
   timeouts: number
+  /** Lookup requests sent to the gateway. */
+  lookupRequests: number
+  /** Leading keys a lookup answered from what this client already knew was stored. */
+  lookupKeysKnown: number
 }
 
 interface HttpResult {
@@ -121,6 +125,8 @@ export class RemoteTier {
   #retried = 0
   #redirects = 0
   #timeouts = 0
+  #lookupRequests = 0
+  #lookupKeysKnown = 0
 
   constructor(opts: RemoteTierOptions) {
     let url: URL
@@ -285,13 +291,19 @@ export class RemoteTier {
   /**
    * How many leading keys the gateway holds (0 when it is unreachable). Uses the
    * small lookup deadline and no retries: a slow gateway must not stall prefill.
+   * Leading keys already known to be stored are not asked again: chunk objects
+   * are create-only, so presence does not go stale (an admin DELETE turns into a
+   * 404 on GET, which is a miss). An engine's lookup → retrieve → store of one
+   * prompt so costs one gateway lookup, not three.
    */
-  async lookup(hexes: readonly string[]): Promise<{ present: number; sizes: number[] }> {
+  async lookup(hexes: readonly string[]): Promise<{ present: number }> {
     let present = 0
-    const sizes: number[] = []
-    for (let i = 0; i < hexes.length; i += MAX_LOOKUP_KEYS) {
+    while (present < hexes.length && this.#knownPresent.has(hexes[present]!)) present++
+    this.#lookupKeysKnown += present
+    for (let i = present; i < hexes.length; i += MAX_LOOKUP_KEYS) {
       const batch = hexes.slice(i, i + MAX_LOOKUP_KEYS)
       const t0 = performance.now()
+      this.#lookupRequests++
       const r = await this.#request('POST', `${this.#base}/lookup`, {
         body: JSON.stringify({ keys: batch }),
         headers: { 'content-type': 'application/json' },
@@ -301,16 +313,15 @@ export class RemoteTier {
       this.counters.readLatency.record(since(t0))
       if (r?.status !== 200) break
       const parsed = parseLookup(r.body, batch.length)
-      if (!parsed) {
+      if (parsed === undefined) {
         this.counters.errors++
         break
       }
-      for (let j = 0; j < parsed.present; j++) this.#remember(batch[j]!)
-      present += parsed.present
-      sizes.push(...parsed.sizes)
-      if (parsed.present < batch.length) break
+      for (let j = 0; j < parsed; j++) this.#remember(batch[j]!)
+      present += parsed
+      if (parsed < batch.length) break
     }
-    return { present, sizes }
+    return { present }
   }
 
   /**
@@ -435,6 +446,8 @@ export class RemoteTier {
       retries: this.#retried,
       redirects: this.#redirects,
       timeouts: this.#timeouts,
+      lookupRequests: this.#lookupRequests,
+      lookupKeysKnown: this.#lookupKeysKnown,
     }
   }
 
@@ -451,14 +464,13 @@ export class RemoteTier {
   }
 }
 
-function parseLookup(body: Uint8Array, max: number): { present: number; sizes: number[] } | undefined {
+/** The `present` count of a lookup answer, or undefined when the body is not one. */
+function parseLookup(body: Uint8Array, max: number): number | undefined {
   try {
-    const j = JSON.parse(new TextDecoder().decode(body)) as { present?: unknown; sizes?: unknown }
-    const present = j.present
+    const present = (JSON.parse(new TextDecoder().decode(body)) as { present?: unknown }).present
     if (typeof present !== 'number' || !Number.isInteger(present) || present < 0 || present > max)
       return undefined
-    const sizes = Array.isArray(j.sizes) ? j.sizes.filter((s): s is number => typeof s === 'number') : []
-    return { present, sizes }
+    return present
   } catch {
     return undefined
   }
