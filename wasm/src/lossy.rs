@@ -16,6 +16,10 @@ pub const ALPHABET: usize = (DIRECT + 2 * (MAX_K - DIRECT_BITS) + 2) as usize;
 /// Largest |q|; ≤ 2^22 so the SIMD path can round with the 1.5·2^23 trick.
 const QMAX: i32 = 1 << 22;
 
+/// Internal output kind: fp16 where no value can be an fp16 subnormal or NaN.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+const DT_F16_NORMAL: u32 = 101;
+
 const F_CHSCALE: u8 = 1;
 const F_TOKSCALE: u8 = 2;
 const F_MODES: u8 = 4;
@@ -545,6 +549,20 @@ mod simd {
         v128_or(o, u32x4_shr(sign, 16))
     }
 
+    /// f32x4 → fp16 bits for values that are 0 or ≥ 2^-14 in magnitude (no fp16
+    /// subnormal results) and not NaN: scaling by 2^-112 rebiases the exponent
+    /// exactly, then one integer add rounds to nearest even at bit 13 (a carry
+    /// into the exponent is right) and one min saturates overflow to Inf.
+    #[inline(always)]
+    pub fn f32x4_to_f16_normal(f: v128) -> v128 {
+        let a = v128_and(f, u32x4_splat(0x7fff_ffff));
+        let s = f32x4_mul(a, f32x4_splat(f32::from_bits((127 - 112) << 23)));
+        let odd = v128_and(u32x4_shr(s, 13), u32x4_splat(1));
+        let r = u32x4_shr(i32x4_add(i32x4_add(s, u32x4_splat(0xfff)), odd), 13);
+        let r = i32x4_min(r, i32x4_splat(0x7c00));
+        v128_or(r, v128_and(u32x4_shr(f, 16), u32x4_splat(0x8000)))
+    }
+
     #[inline(always)]
     pub fn f32x4_to_bf16(f: v128) -> v128 {
         // Finite inputs only (the decoder's products are finite unless the stream is hostile).
@@ -569,7 +587,11 @@ fn row_fast<const DELTA: bool, const UNIFORM: bool, const DT: u32>(
 ) -> usize {
     use core::arch::wasm32::*;
     let c = row.len();
-    let eb = if DT == DT_F16 || DT == DT_BF16 { 2 } else { 4 };
+    let eb = if DT == DT_F16 || DT == DT_BF16 || DT == DT_F16_NORMAL {
+        2
+    } else {
+        4
+    };
     if dst.len() < (o + c) * eb || step.len() < c || prev.len() < c {
         return 0;
     }
@@ -613,6 +635,12 @@ fn row_fast<const DELTA: bool, const UNIFORM: bool, const DT: u32>(
                 let v =
                     u16x8_narrow_i32x4(simd::f32x4_to_f16(outv[0]), simd::f32x4_to_f16(outv[1]));
                 v128_store(p as *mut v128, v);
+            } else if DT == DT_F16_NORMAL {
+                let v = u16x8_narrow_i32x4(
+                    simd::f32x4_to_f16_normal(outv[0]),
+                    simd::f32x4_to_f16_normal(outv[1]),
+                );
+                v128_store(p as *mut v128, v);
             } else {
                 v128_store(p as *mut v128, outv[0]);
                 v128_store(p.add(16) as *mut v128, outv[1]);
@@ -641,6 +669,9 @@ fn row_fast_any(
         ($d:expr, $u:expr) => {
             match dtype {
                 DT_F16 => row_fast::<$d, $u, DT_F16>(ctx, step, s0, row, prev, dst, o),
+                DT_F16_NORMAL => {
+                    row_fast::<$d, $u, DT_F16_NORMAL>(ctx, step, s0, row, prev, dst, o)
+                }
                 DT_BF16 => row_fast::<$d, $u, DT_BF16>(ctx, step, s0, row, prev, dst, o),
                 _ => row_fast::<$d, $u, 3>(ctx, step, s0, row, prev, dst, o),
             }
@@ -716,6 +747,21 @@ pub fn decode_stream(
         centers: &centers,
         dmask: &dmask,
     };
+    // The cheaper fp16 conversion is exact when every nonzero output is ≥ 2^-14
+    // (|q| ≥ 1, so the row's smallest step decides) and no step is Inf or NaN.
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    let (min_step, steps_finite) = {
+        let mut mn = f32::INFINITY;
+        let mut fin = true;
+        for &s in &step {
+            let a = s.abs();
+            fin &= a.is_finite();
+            if a < mn {
+                mn = a;
+            }
+        }
+        (mn, fin && mt.iter().all(|m| m.is_finite()))
+    };
     for tt in 0..t {
         let row = &syms[tt * c..(tt + 1) * c];
         let o = offset + tt * c;
@@ -734,13 +780,17 @@ pub fn decode_stream(
                     }
                     &scaled
                 };
+                let fast16 = dtype == DT_F16
+                    && steps_finite
+                    && min_step * m >= f32::from_bits((127 - 14) << 23)
+                    && (base * m).is_finite();
                 let done = row_fast_any(
                     &ctx,
                     rstep,
                     base * m,
                     row,
                     &mut prev,
-                    dtype,
+                    if fast16 { DT_F16_NORMAL } else { dtype },
                     dst,
                     o,
                     any_delta,

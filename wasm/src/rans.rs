@@ -448,47 +448,63 @@ pub fn decode_block(
         let dp = data.as_ptr();
         let sp = syms.as_mut_ptr();
         let tp = dec.as_ptr();
+        let cbp = cbase.as_ptr();
+        // Pointers instead of indices: fewer live registers (V8 spills the states otherwise).
         macro_rules! fast_loop {
-            ($base:expr) => {
-                while i < n && p + 2 * LANES <= len {
-                    macro_rules! fast {
-                        ($lane:expr, $off:expr) => {{
-                            let xs = x[$lane];
-                            // SAFETY: base < k·PROB_SCALE and the slot is masked to PROB_BITS,
-                            // so the index is < dec.len(); i + $off < n ≤ syms.len(); p + 2 ≤ len.
-                            unsafe {
-                                let e = *tp.add(($base($off) + (xs & mask)) as usize);
-                                *sp.add(i + $off) = e as u8;
-                                let xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
-                                let w = u16::from_le((dp.add(p) as *const u16).read_unaligned()) as u32;
-                                let need = xs < RANS_L;
-                                // Two selects (cmov), no branch.
-                                x[$lane] = if need { (xs << 16) | w } else { xs };
-                                p += if need { 2 } else { 0 };
+            ($base:expr, $track:expr) => {
+                if len >= 2 * LANES {
+                    // SAFETY: rp ≤ rlim keeps the next LANES words inside `data`; op < oend
+                    // (oend = sp + n, n a multiple of LANES here) keeps the LANES stores inside
+                    // `syms`; the table index is < k·PROB_SCALE (class base + masked slot).
+                    unsafe {
+                        let mut rp = dp;
+                        let rlim = dp.add(len - 2 * LANES);
+                        let mut op = sp;
+                        let oend = sp.add(n);
+                        let (mut x0, mut x1, mut x2, mut x3) = (x[0], x[1], x[2], x[3]);
+                        let (mut x4, mut x5, mut x6, mut x7) = (x[4], x[5], x[6], x[7]);
+                        while op < oend && rp <= rlim {
+                            macro_rules! fast {
+                                ($xs:ident, $off:expr) => {{
+                                    let e = *tp.add(($base($off) + ($xs & mask)) as usize);
+                                    *op.add($off) = e as u8;
+                                    let xs = (e >> 20) * ($xs >> PROB_BITS) + ((e >> 8) & 0xfff);
+                                    let w = u16::from_le((rp as *const u16).read_unaligned()) as u32;
+                                    let need = xs < RANS_L;
+                                    // Two selects (cmov), no branch.
+                                    $xs = if need { (xs << 16) | w } else { xs };
+                                    rp = rp.add(if need { 2 } else { 0 });
+                                }};
                             }
-                        }};
-                    }
-                    fast!(0, 0);
-                    fast!(1, 1);
-                    fast!(2, 2);
-                    fast!(3, 3);
-                    fast!(4, 4);
-                    fast!(5, 5);
-                    fast!(6, 6);
-                    fast!(7, 7);
-                    i += LANES;
-                    ch += LANES;
-                    if ch == c {
-                        ch = 0;
+                            fast!(x0, 0);
+                            fast!(x1, 1);
+                            fast!(x2, 2);
+                            fast!(x3, 3);
+                            fast!(x4, 4);
+                            fast!(x5, 5);
+                            fast!(x6, 6);
+                            fast!(x7, 7);
+                            op = op.add(LANES);
+                            if $track {
+                                ch += LANES;
+                                if ch == c {
+                                    ch = 0;
+                                }
+                            }
+                        }
+                        x = [x0, x1, x2, x3, x4, x5, x6, x7];
+                        i = op.offset_from(sp) as usize;
+                        ch = i % c;
+                        p = rp.offset_from(dp) as usize;
                     }
                 }
             };
         }
         if k == 1 {
-            // One table: no per-channel class lookups.
-            fast_loop!(|_off: usize| 0u32);
+            // One table: no per-channel class lookups (and no channel counter).
+            fast_loop!(|_off: usize| 0u32, false);
         } else {
-            fast_loop!(|off: usize| *cbase.get_unchecked(ch + off));
+            fast_loop!(|off: usize| *cbp.add(ch + off), true);
         }
     }
     // Careful tail: every read checked.
