@@ -185,6 +185,8 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     // Pass 3: residual symbols, symbol counts per class, escape bits.
     let mut syms: Vec<u8> = uninit_vec(t * c);
     let mut counts = vec![0u32; kmax * ALPHABET];
+    let ka = kmax * ALPHABET;
+    let mut counts4 = vec![0u32; 4 * ka];
     let fbase: Vec<usize> = fine.iter().map(|&k| k as usize * ALPHABET).collect();
     let mut bits = BitWriter::new();
     let mut pred = centers.clone();
@@ -207,9 +209,29 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
             };
             sr[ch] = s as u8;
         }
-        for (&b, &sym) in fbase.iter().zip(sr.iter()) {
-            counts[b + sym as usize] += 1;
+        // Four sub-histograms (channel mod 4): consecutive increments of one
+        // counter would otherwise wait on each other through memory.
+        let mut j = 0;
+        // SAFETY: j + 3 < c = fbase.len() = sr.len(); fbase[·] ≤ (kmax − 1)·ALPHABET and
+        // every symbol < ALPHABET, so each index is < 4·ka = counts4.len().
+        unsafe {
+            let cp = counts4.as_mut_ptr();
+            while j + 4 <= c {
+                *cp.add(*fbase.get_unchecked(j) + *sr.get_unchecked(j) as usize) += 1;
+                *cp.add(ka + *fbase.get_unchecked(j + 1) + *sr.get_unchecked(j + 1) as usize) += 1;
+                *cp.add(2 * ka + *fbase.get_unchecked(j + 2) + *sr.get_unchecked(j + 2) as usize) +=
+                    1;
+                *cp.add(3 * ka + *fbase.get_unchecked(j + 3) + *sr.get_unchecked(j + 3) as usize) +=
+                    1;
+                j += 4;
+            }
         }
+        for j in j..c {
+            counts4[fbase[j] + sr[j] as usize] += 1;
+        }
+    }
+    for (i, d) in counts.iter_mut().enumerate() {
+        *d = counts4[i] + counts4[ka + i] + counts4[2 * ka + i] + counts4[3 * ka + i];
     }
     out.extend_from_slice(&base.to_le_bytes());
     out.push(flags);

@@ -318,29 +318,52 @@ pub fn encode_block(
         }
     }
     if c % LANES == 0 {
+        // Pointers and local states (as in the decoder): fewer live registers, fewer V8 spills.
         macro_rules! groups {
-            ($base:expr) => {
-                let mut g = full;
-                let mut ch = full % c.max(1);
-                while g > 0 {
-                    g -= LANES;
-                    ch = if ch == 0 { c - LANES } else { ch - LANES };
-                    put!(7, g + 7, ch + 7, $base);
-                    put!(6, g + 6, ch + 6, $base);
-                    put!(5, g + 5, ch + 5, $base);
-                    put!(4, g + 4, ch + 4, $base);
-                    put!(3, g + 3, ch + 3, $base);
-                    put!(2, g + 2, ch + 2, $base);
-                    put!(1, g + 1, ch + 1, $base);
-                    put!(0, g, ch, $base);
+            ($base:expr, $track:expr) => {
+                // SAFETY: as for `put!`; wp stays ≥ bp + (remaining symbols) since each
+                // symbol writes at most one word and cap covers one word per symbol.
+                unsafe {
+                    let mut wp = bp.add(p);
+                    let mut ip = sp.add(full);
+                    let mut ch = full % c.max(1);
+                    let (mut x0, mut x1, mut x2, mut x3) = (x[0], x[1], x[2], x[3]);
+                    let (mut x4, mut x5, mut x6, mut x7) = (x[4], x[5], x[6], x[7]);
+                    while ip > sp {
+                        ip = ip.sub(LANES);
+                        if $track {
+                            ch = if ch == 0 { c - LANES } else { ch - LANES };
+                        }
+                        macro_rules! put8 {
+                            ($xs:ident, $off:expr) => {{
+                                let e = *ep.add($base(ch + $off) + *ip.add($off) as usize);
+                                let big = $xs >= e.x_max;
+                                *wp.sub(1) = $xs as u16;
+                                wp = wp.sub(big as usize);
+                                let xs = if big { $xs >> 16 } else { $xs };
+                                let q = (((xs as u64) * (e.rcp_freq as u64)) >> 32) as u32 >> e.rcp_shift;
+                                $xs = xs + e.bias + q * e.cmpl_freq;
+                            }};
+                        }
+                        put8!(x7, 7);
+                        put8!(x6, 6);
+                        put8!(x5, 5);
+                        put8!(x4, 4);
+                        put8!(x3, 3);
+                        put8!(x2, 2);
+                        put8!(x1, 1);
+                        put8!(x0, 0);
+                    }
+                    x = [x0, x1, x2, x3, x4, x5, x6, x7];
+                    p = wp.offset_from(bp) as usize;
                 }
             };
         }
         if tables.len() == 1 {
             // One table: no per-channel class lookups.
-            groups!(|_cc: usize| 0usize);
+            groups!(|_cc: usize| 0usize, false);
         } else {
-            groups!(|cc: usize| *cbase.get_unchecked(cc));
+            groups!(|cc: usize| *cbase.get_unchecked(cc), true);
         }
     } else {
         let mut ch = if full > 0 { (full - 1) % c } else { 0 };
