@@ -85,7 +85,7 @@ const par = e.kv_alloc!(32)
 const encRaw = time(() => {
   for (let l = 0; l < g.layers; l++) {
     const { kLevels, vLevels } = layerTargets(QUALITY, l, g.layers)
-    new Float32Array(e.memory.buffer, par, 8).set([0, 0, 0, 0, 1, 8, kLevels, vLevels])
+    new Float32Array(e.memory.buffer, par, 8).set([0, 0, 0, 0, 1, 8, kLevels, -vLevels])
     new Uint8Array(e.memory.buffer, src, slab).set(tensor.subarray(l * slab, (l + 1) * slab))
     const n = e.kv_encode!(2, src, 1, T, c, par)
     if (n < 0) throw new Error(`encode ${n}`)

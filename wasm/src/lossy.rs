@@ -38,6 +38,9 @@ pub struct StreamParams {
     /// (KIVI/CacheGen-style per-channel quantization, entropy coded). Overrides eps.
     pub levels_c: f32,
     /// When > 0: per-token steps = 2·max|x_t| / levels (per-token quantization).
+    /// When < 0: one step for the whole stream, the mean over tokens of
+    /// 2·max|x_t| / |levels| (per-token quantization's error without its per-token side
+    /// information; uniform steps are what an entropy coder wants).
     pub levels_t: f32,
 }
 
@@ -84,7 +87,10 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     let total: f64 = row_ss.iter().sum();
     let rms = (total / (t * c) as f64).sqrt();
     let by_levels = p.levels_c > 0.0 || p.levels_t > 0.0;
-    let mut base = if by_levels {
+    let mut base = if p.levels_t < 0.0 {
+        let mean_max = row_max.iter().map(|&m| m as f64).sum::<f64>() / t as f64;
+        (2.0 * mean_max / -p.levels_t as f64).max(rms * 1e-3) as f32
+    } else if by_levels {
         rms as f32
     } else {
         (p.eps as f64 * 12f64.sqrt() * rms) as f32
