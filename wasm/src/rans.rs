@@ -345,6 +345,9 @@ pub fn encode_block(
                                 let (nx, big) = enc_step(e, $xs);
                                 wp = wp.sub(big as usize);
                                 $xs = nx;
+                                // Keeps LLVM from hoisting all eight lanes' table loads
+                                // (their live ranges made V8 spill); emits no instruction.
+                                std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
                             }};
                         }
                         put8!(x7, 7);
