@@ -127,7 +127,7 @@ pub unsafe extern "C" fn kv_encode(
                 if !((pk.eps > 0.0 || pk.levels_c > 0.0) && (pv.eps > 0.0 || pv.levels_t != 0.0)) {
                     return ERR_ARGS;
                 }
-                lossy::encode(&x, t, c, &pk, &pv, &mut out);
+                lossy::encode(&mut x, t, c, &pk, &pv, &mut out);
             }
         }
         _ => return ERR_ARGS,

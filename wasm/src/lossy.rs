@@ -61,8 +61,10 @@ fn bitlen(z: u32) -> u32 {
     32 - z.leading_zeros()
 }
 
-/// Encodes one T×C stream `x` (f32, row = token).
-pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut Vec<u8>) {
+/// Encodes one T×C stream `x` (f32, row = token). `x` is scratch: it is
+/// quantized in place (the i32 levels overwrite the floats, so the stream's
+/// working set stays within L2).
+pub fn encode_stream(x: &mut [f32], t: usize, c: usize, p: &StreamParams, out: &mut Vec<u8>) {
     // Pass 1: statistics (row sums of squares and max |x|, channel sums, squares, min, max).
     let mut ch_sum = vec![0f32; c];
     let mut ch_ss = vec![0f32; c];
@@ -131,16 +133,13 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     let inv_t: Vec<f32> = tok_codes.iter().map(|&k| 1.0 / scale_of(k)).collect();
     // Pass 2: quantize. Without channel steps every inverse step is 1/base.
     let uniform_c = flags & F_CHSCALE == 0;
-    let mut q: Vec<i32> = uninit_vec(t * c);
     for tt in 0..t {
-        quantize_row(
-            &x[tt * c..(tt + 1) * c],
-            &inv_c,
-            uniform_c,
-            inv_t[tt],
-            &mut q[tt * c..(tt + 1) * c],
-        );
+        quantize_row(&mut x[tt * c..(tt + 1) * c], &inv_c, uniform_c, inv_t[tt]);
     }
+    // SAFETY: f32 and i32 have the same size and alignment and every bit pattern
+    // is a valid i32; quantize_row left the i32 levels in place of the floats, and
+    // `x` is not used as floats again.
+    let q: &[i32] = unsafe { std::slice::from_raw_parts(x.as_ptr() as *const i32, t * c) };
     // Channel prediction: delta from the previous token vs a constant centre,
     // decided on (up to) 64 sampled token pairs.
     let mut delta = vec![false; c];
@@ -454,10 +453,11 @@ fn row_symbols_fast(
     0
 }
 
+/// Quantizes one row in place: on return `x` holds the i32 levels' bits.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-fn quantize_row(x: &[f32], inv_c: &[f32], uniform: bool, it: f32, q: &mut [i32]) {
+fn quantize_row(x: &mut [f32], inv_c: &[f32], uniform: bool, it: f32) {
     use core::arch::wasm32::*;
-    let c = x.len();
+    let c = x.len().min(inv_c.len());
     let lim = f32x4_splat(QMAX as f32);
     let nlim = f32x4_splat(-(QMAX as f32));
     // `unit`: the token multiplier is 1, so the per-channel inverse steps apply
@@ -465,7 +465,7 @@ fn quantize_row(x: &[f32], inv_c: &[f32], uniform: bool, it: f32, q: &mut [i32])
     let unit = it == 1.0;
     if !unit && !uniform {
         for i in 0..c {
-            q[i] = quantize_one(x[i] * inv_c[i] * it);
+            x[i] = f32::from_bits(quantize_one(x[i] * inv_c[i] * it) as u32);
         }
         return;
     }
@@ -492,19 +492,19 @@ fn quantize_row(x: &[f32], inv_c: &[f32], uniform: bool, it: f32, q: &mut [i32])
             // Adding 1.5·2^23 rounds to an integer (ties to even) in the low mantissa
             // bits; cheaper than nearest + trunc_sat, exact for |s| ≤ 2^22.
             let r = f32x4_add(s, magic);
-            v128_store(q.as_mut_ptr().add(ch) as *mut v128, i32x4_sub(r, magic));
+            v128_store(x.as_mut_ptr().add(ch) as *mut v128, i32x4_sub(r, magic));
         }
         ch += 4;
     }
     for i in ch..c {
-        q[i] = quantize_one(x[i] * inv_c[i] * it);
+        x[i] = f32::from_bits(quantize_one(x[i] * inv_c[i] * it) as u32);
     }
 }
 
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
-fn quantize_row(x: &[f32], inv_c: &[f32], _uniform: bool, it: f32, q: &mut [i32]) {
+fn quantize_row(x: &mut [f32], inv_c: &[f32], _uniform: bool, it: f32) {
     for i in 0..x.len() {
-        q[i] = quantize_one(x[i] * inv_c[i] * it);
+        x[i] = f32::from_bits(quantize_one(x[i] * inv_c[i] * it) as u32);
     }
 }
 
@@ -917,7 +917,7 @@ pub fn decode_stream(
 }
 
 pub fn encode(
-    x: &[f32],
+    x: &mut [f32],
     t: usize,
     c: usize,
     pk: &StreamParams,
@@ -926,10 +926,10 @@ pub fn encode(
 ) {
     let n = t * c;
     let mut ks = Vec::new();
-    encode_stream(&x[..n], t, c, pk, &mut ks);
+    encode_stream(&mut x[..n], t, c, pk, &mut ks);
     put_u32(out, ks.len() as u32);
     out.extend_from_slice(&ks);
-    encode_stream(&x[n..2 * n], t, c, pv, out);
+    encode_stream(&mut x[n..2 * n], t, c, pv, out);
 }
 
 pub fn decode(input: &[u8], dtype: u32, t: usize, c: usize, dst: &mut [u8]) -> Option<()> {
