@@ -1,11 +1,11 @@
-// Quick speed profile of the wasm codec on one Llama-3.1-8B-shaped 32 MiB chunk
-// (fp16): chunk API vs the raw wasm calls (no copies) vs a plain memcpy, so the
-// wrapper's share is visible. Optional: KVGATE_WASM=<path> times another build.
+// Speed profile of the wasm kvgate codec on one Llama-3.1-8B-shaped 32 MiB chunk
+// (fp16, level q5): the chunk API, plus an interleaved A/B of raw wasm builds
+// (KVGATE_WASM_BASE=<old .wasm> against the committed one) so a noisy shared
+// machine hits both sides alike. Raw figures include the copies the API makes.
 
 import { readFileSync } from 'node:fs'
 import { decodeChunkInto, encodeChunk, layerTargets } from '../src/codec/node.ts'
 import { decodeElements, encodeElements } from '../src/core/dtype.ts'
-import { decodeHeader, sectionOf } from '../src/core/format.ts'
 import type { KvGeometry } from '../src/core/layout.ts'
 import { syntheticKv } from '../src/model/index.ts'
 import { median } from './lib/stats.ts'
@@ -27,77 +27,106 @@ const meta = {
   parentKey: new Uint8Array(32),
 }
 const mb = tensor.length / 1e6
-
-/**
- * Median wall-clock ms and median ms of this process's CPU time (the machine is
- * shared: CPU time is the steadier profile figure; the bar is wall clock).
- */
-function time(fn: () => void, repeats = REPEATS): [number, number] {
-  fn()
-  const wall: number[] = []
-  const cpu: number[] = []
-  for (let i = 0; i < repeats; i++) {
-    const c0 = process.cpuUsage()
-    const t0 = performance.now()
-    fn()
-    wall.push(performance.now() - t0)
-    const u = process.cpuUsage(c0)
-    cpu.push((u.user + u.system) / 1e3)
-  }
-  return [median(wall), median(cpu)]
-}
-
-const obj = encodeChunk(tensor, meta, { mode: 'kvgate', quality: QUALITY })
-const header = decodeHeader(obj)
-const out = new Uint8Array(tensor.length)
 const c = g.kvHeads * g.headDim
 const slab = tensor.length / g.layers
-const sections = Array.from({ length: g.layers }, (_, l) => sectionOf(obj, header, l))
-console.log(`q${QUALITY}: ${(tensor.length / obj.length).toFixed(3)}× vs fp16 (${obj.length} bytes)`)
+const out = new Uint8Array(tensor.length)
 
-const memcpy = time(() => out.set(tensor))
-const encApi = time(() => encodeChunk(tensor, meta, { mode: 'kvgate', quality: QUALITY }))
-const decApi = time(() => decodeChunkInto(obj, out))
-const decBf = (() => {
-  const o = encodeChunk(bf, { ...meta, geometry: g8 }, { mode: 'kvgate', quality: QUALITY })
-  return time(() => decodeChunkInto(o, out))
-})()
+interface Sample {
+  wall: number[]
+  cpu: number[]
+}
+const sample = (): Sample => ({ wall: [], cpu: [] })
 
-// Raw wasm: sections already in wasm memory, output left there.
-const wasmPath = process.env.KVGATE_WASM ?? new URL('../wasm/kvgate_codec.wasm', import.meta.url)
-const inst = new WebAssembly.Instance(new WebAssembly.Module(readFileSync(wasmPath)), {})
-const e = inst.exports as Record<string, (...a: number[]) => number> & { memory: WebAssembly.Memory }
-const srcPtrs = sections.map((s) => {
-  const p = e.kv_alloc!(s.length)
-  new Uint8Array(e.memory.buffer, p, s.length).set(s)
-  return p
-})
-const dst = e.kv_alloc!(slab)
-const decRaw = time(() => {
-  for (let l = 0; l < g.layers; l++) {
-    const rc = e.kv_decode!(2, srcPtrs[l]!, sections[l]!.length, 1, T, c, dst)
-    if (rc !== 0) throw new Error(`decode ${rc}`)
+function timed(s: Sample, fn: () => void): void {
+  const c0 = process.cpuUsage()
+  const t0 = performance.now()
+  fn()
+  s.wall.push(performance.now() - t0)
+  const u = process.cpuUsage(c0)
+  s.cpu.push((u.user + u.system) / 1e3)
+}
+
+/**
+ * One raw wasm build: encode copies each layer slab in and the section out;
+ * decode copies the section in and the slab out (what src/codec's wrapper does).
+ * `perTokenV`: the build predates one-step V (it takes levelsV > 0, per-token steps).
+ */
+function rawBuild(path: string | URL, perTokenV: boolean) {
+  const e = new WebAssembly.Instance(new WebAssembly.Module(readFileSync(path)), {}).exports as Record<
+    string,
+    (...a: number[]) => number
+  > & { memory: WebAssembly.Memory }
+  const src = e.kv_alloc!(slab)
+  const par = e.kv_alloc!(32)
+  const dst = e.kv_alloc!(slab)
+  const sections: Uint8Array[] = []
+  const encode = () => {
+    sections.length = 0
+    for (let l = 0; l < g.layers; l++) {
+      const { kLevels, vLevels } = layerTargets(QUALITY, l, g.layers)
+      new Float32Array(e.memory.buffer, par, 8).set([
+        0,
+        0,
+        0,
+        0,
+        1,
+        8,
+        kLevels,
+        perTokenV ? vLevels : -vLevels,
+      ])
+      new Uint8Array(e.memory.buffer, src, slab).set(tensor.subarray(l * slab, (l + 1) * slab))
+      const n = e.kv_encode!(2, src, 1, T, c, par)
+      if (n < 0) throw new Error(`encode ${n}`)
+      sections.push(new Uint8Array(e.memory.buffer, e.kv_result_ptr!(), n).slice())
+    }
   }
-})
-const src = e.kv_alloc!(slab)
-new Uint8Array(e.memory.buffer, src, slab).set(tensor.subarray(0, slab))
-const par = e.kv_alloc!(32)
-const encRaw = time(() => {
-  for (let l = 0; l < g.layers; l++) {
-    const { kLevels, vLevels } = layerTargets(QUALITY, l, g.layers)
-    new Float32Array(e.memory.buffer, par, 8).set([0, 0, 0, 0, 1, 8, kLevels, -vLevels])
-    new Uint8Array(e.memory.buffer, src, slab).set(tensor.subarray(l * slab, (l + 1) * slab))
-    const n = e.kv_encode!(2, src, 1, T, c, par)
-    if (n < 0) throw new Error(`encode ${n}`)
+  const decode = () => {
+    for (let l = 0; l < g.layers; l++) {
+      const s = sections[l]!
+      new Uint8Array(e.memory.buffer, src, s.length).set(s)
+      const rc = e.kv_decode!(2, src, s.length, 1, T, c, dst)
+      if (rc !== 0) throw new Error(`decode ${rc}`)
+      out.set(new Uint8Array(e.memory.buffer, dst, slab), l * slab)
+    }
   }
-})
-const row = (name: string, [ms, min]: [number, number]) =>
+  encode()
+  return { encode, decode, bytes: () => sections.reduce((a, s) => a + s.length, 0) }
+}
+
+const builds: [string, ReturnType<typeof rawBuild>][] = []
+if (process.env.KVGATE_WASM_BASE) {
+  builds.push([
+    'base',
+    rawBuild(process.env.KVGATE_WASM_BASE, process.env.KVGATE_WASM_BASE_PER_TOKEN_V === '1'),
+  ])
+}
+builds.push(['current', rawBuild(new URL('../wasm/kvgate_codec.wasm', import.meta.url), false)])
+
+const obj = encodeChunk(tensor, meta, { mode: 'kvgate', quality: QUALITY })
+const objBf = encodeChunk(bf, { ...meta, geometry: g8 }, { mode: 'kvgate', quality: QUALITY })
+const samples = new Map<string, Sample>()
+const at = (k: string) => samples.get(k) ?? (samples.set(k, sample()), samples.get(k)!)
+for (let i = 0; i <= REPEATS; i++) {
+  // Round 0 warms up every path (V8 tiers wasm up after first calls).
+  const keep = i > 0
+  const s = (k: string) => (keep ? at(k) : sample())
+  for (const [name, b] of builds) {
+    timed(s(`${name} raw encode`), b.encode)
+    timed(s(`${name} raw decode fp16`), b.decode)
+  }
+  timed(s('chunk API encode'), () => encodeChunk(tensor, meta, { mode: 'kvgate', quality: QUALITY }))
+  timed(s('chunk API decode fp16'), () => decodeChunkInto(obj, out))
+  timed(s('chunk API decode bf16'), () => decodeChunkInto(objBf, out))
+}
+console.log(
+  `q${QUALITY}, 8B synthetic 32 MiB chunk: current ${(tensor.length / obj.length).toFixed(3)}× vs fp16` +
+    builds.map(([n, b]) => `; ${n} raw sections ${b.bytes()} bytes`).join(''),
+)
+console.log(`median of ${REPEATS} interleaved rounds: MB/s of fp16 tensor, wall clock and per CPU-second`)
+for (const [name, s] of samples) {
+  const w = median(s.wall)
+  const cp = median(s.cpu)
   console.log(
-    `${name.padEnd(34)} median ${ms.toFixed(2).padStart(7)} ms ${(mb / (ms / 1e3)).toFixed(0).padStart(6)} MB/s   cpu ${(mb / (min / 1e3)).toFixed(0).padStart(6)} MB/s`,
+    `${name.padEnd(28)} ${w.toFixed(2).padStart(7)} ms  wall ${(mb / (w / 1e3)).toFixed(0).padStart(5)} MB/s  cpu ${(mb / (cp / 1e3)).toFixed(0).padStart(5)} MB/s`,
   )
-row('memcpy 32 MiB', memcpy)
-row('encode (chunk API)', encApi)
-row('encode (raw wasm, incl. copy in)', encRaw)
-row('decode fp16 (chunk API)', decApi)
-row('decode bf16 (chunk API)', decBf)
-row('decode fp16 (raw wasm, no copies)', decRaw)
+}
