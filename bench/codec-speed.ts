@@ -105,7 +105,11 @@ builds.push(['current', rawBuild(new URL('../wasm/kvgate_codec.wasm', import.met
 const obj = encodeChunk(tensor, meta, { mode: 'kvgate', quality: QUALITY })
 const objBf = encodeChunk(bf, { ...meta, geometry: g8 }, { mode: 'kvgate', quality: QUALITY })
 const samples = new Map<string, Sample>()
-const at = (k: string) => samples.get(k) ?? (samples.set(k, sample()), samples.get(k)!)
+const at = (k: string): Sample => {
+  const s = samples.get(k) ?? sample()
+  samples.set(k, s)
+  return s
+}
 for (let i = 0; i <= REPEATS; i++) {
   // Round 0 warms up every path (V8 tiers wasm up after first calls).
   const keep = i > 0
