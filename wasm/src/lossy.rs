@@ -240,10 +240,12 @@ pub fn encode_stream(x: &mut [f32], t: usize, c: usize, p: &StreamParams, out: &
             while j + 4 <= c {
                 *cp.add(*fbase.get_unchecked(j) + *sr.get_unchecked(j) as usize) += 1;
                 *cp.add(ka + *fbase.get_unchecked(j + 1) + *sr.get_unchecked(j + 1) as usize) += 1;
-                *cp.add(2 * ka + *fbase.get_unchecked(j + 2) + *sr.get_unchecked(j + 2) as usize) +=
-                    1;
-                *cp.add(3 * ka + *fbase.get_unchecked(j + 3) + *sr.get_unchecked(j + 3) as usize) +=
-                    1;
+                *cp.add(
+                    2 * ka + *fbase.get_unchecked(j + 2) + *sr.get_unchecked(j + 2) as usize,
+                ) += 1;
+                *cp.add(
+                    3 * ka + *fbase.get_unchecked(j + 3) + *sr.get_unchecked(j + 3) as usize,
+                ) += 1;
                 j += 4;
             }
         }

@@ -347,7 +347,9 @@ pub fn encode_block(
                                 $xs = nx;
                                 // Keeps LLVM from hoisting all eight lanes' table loads
                                 // (their live ranges made V8 spill); emits no instruction.
-                                std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+                                std::sync::atomic::compiler_fence(
+                                    std::sync::atomic::Ordering::SeqCst,
+                                );
                             }};
                         }
                         put8!(x7, 7);
@@ -497,7 +499,8 @@ pub fn decode_block(
                                     let e = *tp.add(($base($off) + ($xs & mask)) as usize);
                                     *op.add($off) = e as u8;
                                     let xs = (e >> 20) * ($xs >> PROB_BITS) + ((e >> 8) & 0xfff);
-                                    let w = u16::from_le((rp as *const u16).read_unaligned()) as u32;
+                                    let w =
+                                        u16::from_le((rp as *const u16).read_unaligned()) as u32;
                                     let need = xs < RANS_L;
                                     // Two selects (cmov), no branch.
                                     $xs = if need { (xs << 16) | w } else { xs };
