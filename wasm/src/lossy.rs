@@ -408,7 +408,7 @@ fn row_stats(
     (rs, rm)
 }
 
-/// Residual symbols of one row, 4 channels at a time, while they are all direct
+/// Residual symbols of one row, 16 (then 4) channels at a time, while they are all direct
 /// (no escape bits); returns how many channels it did. Updates the predictions.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 fn row_symbols_fast(
@@ -422,8 +422,40 @@ fn row_symbols_fast(
     let c = q.len();
     let lim = u32x4_splat(DIRECT);
     let mut ch = 0;
-    // SAFETY: ch + 4 ≤ c, and every slice here has c elements.
+    // SAFETY: ch + 16 ≤ c (then ch + 4 ≤ c), and every slice here has c elements.
     unsafe {
+        // 16 channels per step while all are direct: one test, one 16-byte store.
+        while ch + 16 <= c {
+            let mut z = [u32x4_splat(0); 4];
+            let mut ok = u32x4_splat(!0);
+            for h in 0..4 {
+                let b = ch + 4 * h;
+                let r = i32x4_sub(
+                    v128_load(q.as_ptr().add(b) as *const v128),
+                    v128_load(pred.as_ptr().add(b) as *const v128),
+                );
+                z[h] = v128_xor(i32x4_shl(r, 1), i32x4_shr(r, 31));
+                ok = v128_and(ok, u32x4_lt(z[h], lim));
+            }
+            if !u32x4_all_true(ok) {
+                break;
+            }
+            for h in 0..4 {
+                let b = ch + 4 * h;
+                let pp = pred.as_mut_ptr().add(b) as *mut v128;
+                let v = v128_load(q.as_ptr().add(b) as *const v128);
+                let dm = v128_load(dmask.as_ptr().add(b) as *const v128);
+                let cv = v128_load(centers.as_ptr().add(b) as *const v128);
+                v128_store(pp, v128_bitselect(v, cv, dm));
+            }
+            // z < 64 in every lane: the saturating narrows are exact.
+            let b = u8x16_narrow_i16x8(
+                i16x8_narrow_i32x4(z[0], z[1]),
+                i16x8_narrow_i32x4(z[2], z[3]),
+            );
+            v128_store(out.as_mut_ptr().add(ch) as *mut v128, b);
+            ch += 16;
+        }
         while ch + 4 <= c {
             let v = v128_load(q.as_ptr().add(ch) as *const v128);
             let pp = pred.as_mut_ptr().add(ch) as *mut v128;
