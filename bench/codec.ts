@@ -27,7 +27,9 @@ import { type BarResult, machineLine, median, table, writeResult } from './lib/s
 import { barChart, lineChart, stackSvgs, writeSvg } from './lib/svg-chart.ts'
 
 const REPEATS = Number(process.env.KVGATE_BENCH_REPEATS ?? 7)
-const WINDOWS = Number(process.env.KVGATE_BENCH_WINDOWS ?? 4)
+// 8 windows × 128 teacher-forced tokens = 1024 agreement positions (one position is ~0.1%).
+const WINDOWS = Number(process.env.KVGATE_BENCH_WINDOWS ?? 8)
+const AGREEMENT_TOKENS = Number(process.env.KVGATE_BENCH_AGREEMENT_TOKENS ?? 128)
 
 interface Config {
   label: string
@@ -98,7 +100,7 @@ if (data.paths) {
     const reps: CodecQualityReport[] = starts.map((s) =>
       evaluateCodec(transformer, ids.slice(s, s + 512), roundTrip(c), {
         heldOut: ids.slice(s + 512, s + span),
-        agreementTokens: 64,
+        agreementTokens: AGREEMENT_TOKENS,
         attentionStride: 8,
       }),
     )
@@ -122,7 +124,7 @@ if (data.paths) {
     }
   }
   console.error(
-    `real model: ${WINDOWS} windows of 512 prefix + 128 held-out tokens (fp16 KV, 256-token chunks)`,
+    `real model: ${WINDOWS} windows of 512 prefix + 128 held-out tokens, ${AGREEMENT_TOKENS} teacher-forced agreement tokens each (fp16 KV, 256-token chunks)`,
   )
   for (const c of CONFIGS) rows.push(evalConfig(c))
   for (const q of LEVELS) {
@@ -406,7 +408,7 @@ const jsonPath = writeResult({
   command: 'node --import tsx bench/codec.ts',
   repeats: REPEATS,
   realModel: data.paths
-    ? { windows: WINDOWS, prefixTokens: 512, heldOutTokens: 128, agreementTokens: 64 }
+    ? { windows: WINDOWS, prefixTokens: 512, heldOutTokens: 128, agreementTokens: AGREEMENT_TOKENS }
     : data.reason,
   rows,
   speedFp16,

@@ -108,6 +108,47 @@ describe('codec round trips', () => {
   })
 })
 
+describe('kvgate symbol statistics', () => {
+  it('large streams (tables from sampled rows) still code symbols that occur only in unsampled rows', () => {
+    // 256 tokens × 256 channels: the encoder counts every 4th row; outliers sit in
+    // rows 1, 2, 3, 5 and 7 only, giving residual symbols (direct and escaped) that
+    // the counted rows never see. A symbol without a frequency would corrupt the stream.
+    const g: KvGeometry = { layers: 1, kvHeads: 2, headDim: 128, dtype: 'fp32' }
+    const t = 256
+    const c = 256
+    const vals = syntheticKv(g, t, 21)
+    const spikes: [number, number, number][] = [
+      [1, 5, 40],
+      [2, 77, -300],
+      [3, 130, 2500],
+      [5, 201, 9],
+      [7, 255, -600],
+    ]
+    for (const [row, ch, v] of spikes) {
+      vals[row * c + ch] = v
+      vals[t * c + row * c + ch] = v
+    }
+    const tensor = tensorOf(vals, 'fp32')
+    // Half a K step (channel range / levels) at most, with room for V's coarser steps.
+    for (const [quality, tol] of [
+      [1, 0.12],
+      [5, 0.04],
+      [9, 0.01],
+    ] as const) {
+      const back = valuesOf(
+        decodeChunk(encodeChunk(tensor, metaFor(g, t), { mode: 'kvgate', quality })),
+        'fp32',
+      )
+      for (const [row, ch, v] of spikes) {
+        for (const i of [row * c + ch, t * c + row * c + ch]) {
+          expect(Math.abs(back[i]! - v)).toBeLessThanOrEqual(Math.abs(v) * tol + 5)
+        }
+      }
+      expect(relRmse(vals, back)).toBeLessThan(0.2)
+    }
+  })
+})
+
 describe('wasm output conversion', () => {
   it('fp16/bf16 output equals round-to-nearest-even of the fp32 reconstruction, subnormals and overflow included', () => {
     // A kvgate section does not depend on the output dtype: decode one section three

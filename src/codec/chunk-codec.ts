@@ -57,10 +57,13 @@ const MAX_SYMBOLS_PER_BYTE = 12_000
 /** kvgate encoder knobs (fixed per codec version; the decoder does not need them). */
 const MAX_CLASSES = 8
 
-/** wasm params: [epsK, epsV, gammaK, gammaV, deltaK, maxClasses, levelsK, levelsV]. */
+/**
+ * wasm params: [epsK, epsV, gammaK, gammaV, deltaK, maxClasses, levelsK, levelsV];
+ * a negative levelsV asks for one V step per stream (mean per-token range / levels).
+ */
 function kvgateParams(quality: number, layer: number, layers: number): Float32Array {
   const { kLevels, vLevels } = layerTargets(quality, layer, layers)
-  return new Float32Array([0, 0, 0, 0, 1, MAX_CLASSES, kLevels, vLevels])
+  return new Float32Array([0, 0, 0, 0, 1, MAX_CLASSES, kLevels, -vLevels])
 }
 
 /** Encodes a chunk tensor ([layer][K|V][token][kvHead][headDim]) into a chunk object. */

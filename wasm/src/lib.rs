@@ -72,7 +72,8 @@ fn slab_elems(t: u32, c: u32) -> Option<usize> {
 /// Encodes one layer slab. `params` points at 8 f32 (kvgate mode only):
 /// [epsK, epsV, gammaK, gammaV, deltaK, maxClasses, levelsK, levelsV]. With
 /// levelsK > 0, K steps are per channel (range / levelsK); with levelsV > 0, V
-/// steps are per token (2·max|v| / levelsV); otherwise eps·√12·rms (scaled by gamma).
+/// steps are per token (2·max|v| / levelsV); with levelsV < 0, one V step, the
+/// mean over tokens of 2·max|v| / |levelsV|; otherwise eps·√12·rms (scaled by gamma).
 ///
 /// # Safety
 /// `src` must hold 2·t·c elements of `dtype`; `params` 8 f32 (kvgate mode).
@@ -123,10 +124,10 @@ pub unsafe extern "C" fn kv_encode(
                     levels_c: 0.0,
                     levels_t: p[7],
                 };
-                if !((pk.eps > 0.0 || pk.levels_c > 0.0) && (pv.eps > 0.0 || pv.levels_t > 0.0)) {
+                if !((pk.eps > 0.0 || pk.levels_c > 0.0) && (pv.eps > 0.0 || pv.levels_t != 0.0)) {
                     return ERR_ARGS;
                 }
-                lossy::encode(&x, t, c, &pk, &pv, &mut out);
+                lossy::encode(&mut x, t, c, &pk, &pv, &mut out);
             }
         }
         _ => return ERR_ARGS,

@@ -16,6 +16,10 @@ pub const ALPHABET: usize = (DIRECT + 2 * (MAX_K - DIRECT_BITS) + 2) as usize;
 /// Largest |q|; ≤ 2^22 so the SIMD path can round with the 1.5·2^23 trick.
 const QMAX: i32 = 1 << 22;
 
+/// Internal output kind: fp16 where no value can be an fp16 subnormal or NaN.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+const DT_F16_NORMAL: u32 = 101;
+
 const F_CHSCALE: u8 = 1;
 const F_TOKSCALE: u8 = 2;
 const F_MODES: u8 = 4;
@@ -34,6 +38,9 @@ pub struct StreamParams {
     /// (KIVI/CacheGen-style per-channel quantization, entropy coded). Overrides eps.
     pub levels_c: f32,
     /// When > 0: per-token steps = 2·max|x_t| / levels (per-token quantization).
+    /// When < 0: one step for the whole stream, the mean over tokens of
+    /// 2·max|x_t| / |levels| (per-token quantization's error without its per-token side
+    /// information; uniform steps are what an entropy coder wants).
     pub levels_t: f32,
 }
 
@@ -54,8 +61,10 @@ fn bitlen(z: u32) -> u32 {
     32 - z.leading_zeros()
 }
 
-/// Encodes one T×C stream `x` (f32, row = token).
-pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut Vec<u8>) {
+/// Encodes one T×C stream `x` (f32, row = token). `x` is scratch: it is
+/// quantized in place (the i32 levels overwrite the floats, so the stream's
+/// working set stays within L2).
+pub fn encode_stream(x: &mut [f32], t: usize, c: usize, p: &StreamParams, out: &mut Vec<u8>) {
     // Pass 1: statistics (row sums of squares and max |x|, channel sums, squares, min, max).
     let mut ch_sum = vec![0f32; c];
     let mut ch_ss = vec![0f32; c];
@@ -80,7 +89,10 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     let total: f64 = row_ss.iter().sum();
     let rms = (total / (t * c) as f64).sqrt();
     let by_levels = p.levels_c > 0.0 || p.levels_t > 0.0;
-    let mut base = if by_levels {
+    let mut base = if p.levels_t < 0.0 {
+        let mean_max = row_max.iter().map(|&m| m as f64).sum::<f64>() / t as f64;
+        (2.0 * mean_max / -p.levels_t as f64).max(rms * 1e-3) as f32
+    } else if by_levels {
         rms as f32
     } else {
         (p.eps as f64 * 12f64.sqrt() * rms) as f32
@@ -121,16 +133,13 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     let inv_t: Vec<f32> = tok_codes.iter().map(|&k| 1.0 / scale_of(k)).collect();
     // Pass 2: quantize. Without channel steps every inverse step is 1/base.
     let uniform_c = flags & F_CHSCALE == 0;
-    let mut q: Vec<i32> = uninit_vec(t * c);
     for tt in 0..t {
-        quantize_row(
-            &x[tt * c..(tt + 1) * c],
-            &inv_c,
-            uniform_c,
-            inv_t[tt],
-            &mut q[tt * c..(tt + 1) * c],
-        );
+        quantize_row(&mut x[tt * c..(tt + 1) * c], &inv_c, uniform_c, inv_t[tt]);
     }
+    // SAFETY: f32 and i32 have the same size and alignment and every bit pattern
+    // is a valid i32; quantize_row left the i32 levels in place of the floats, and
+    // `x` is not used as floats again.
+    let q: &[i32] = unsafe { std::slice::from_raw_parts(x.as_ptr() as *const i32, t * c) };
     // Channel prediction: delta from the previous token vs a constant centre,
     // decided on (up to) 64 sampled token pairs.
     let mut delta = vec![false; c];
@@ -181,10 +190,20 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     // Pass 3: residual symbols, symbol counts per class, escape bits.
     let mut syms: Vec<u8> = uninit_vec(t * c);
     let mut counts = vec![0u32; kmax * ALPHABET];
+    let ka = kmax * ALPHABET;
+    let mut counts4 = vec![0u32; 4 * ka];
     let fbase: Vec<usize> = fine.iter().map(|&k| k as usize * ALPHABET).collect();
     let mut bits = BitWriter::new();
     let mut pred = centers.clone();
     let dmask: Vec<i32> = delta.iter().map(|&d| if d { -1 } else { 0 }).collect();
+    // Large streams count symbols on every 4th row only: counting was ~10% of encode
+    // time; the sampled tables cost ~0.25% in size on an 8B chunk (2 rows: 0.11%).
+    // Every direct symbol up to its class's largest and every escape seen still
+    // gets a count, so each coded symbol has a frequency.
+    let count_stride = if t >= 16 && t * c >= 1 << 16 { 4 } else { 1 };
+    let mut ch_max = vec![0u8; c];
+    // Escape symbols (rare, all coded in the scalar loop) are recorded exactly.
+    let mut esc_seen = vec![false; ka];
     for tt in 0..t {
         let qr = &q[tt * c..(tt + 1) * c];
         let sr = &mut syms[tt * c..(tt + 1) * c];
@@ -199,12 +218,66 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
             } else {
                 let k = 31 - z.leading_zeros();
                 bits.put(z, k - 1);
-                DIRECT + 2 * (k - DIRECT_BITS) + ((z >> (k - 1)) & 1)
+                let s = DIRECT + 2 * (k - DIRECT_BITS) + ((z >> (k - 1)) & 1);
+                esc_seen[fbase[ch] + s as usize] = true;
+                s
             };
             sr[ch] = s as u8;
         }
-        for (&b, &sym) in fbase.iter().zip(sr.iter()) {
-            counts[b + sym as usize] += 1;
+        if count_stride > 1 {
+            max_into(&mut ch_max, sr);
+            if tt % count_stride != 0 {
+                continue;
+            }
+        }
+        // Four sub-histograms (channel mod 4): consecutive increments of one
+        // counter would otherwise wait on each other through memory.
+        let mut j = 0;
+        // SAFETY: j + 3 < c = fbase.len() = sr.len(); fbase[·] ≤ (kmax − 1)·ALPHABET and
+        // every symbol < ALPHABET, so each index is < 4·ka = counts4.len().
+        unsafe {
+            let cp = counts4.as_mut_ptr();
+            while j + 4 <= c {
+                *cp.add(*fbase.get_unchecked(j) + *sr.get_unchecked(j) as usize) += 1;
+                *cp.add(ka + *fbase.get_unchecked(j + 1) + *sr.get_unchecked(j + 1) as usize) += 1;
+                *cp.add(
+                    2 * ka + *fbase.get_unchecked(j + 2) + *sr.get_unchecked(j + 2) as usize,
+                ) += 1;
+                *cp.add(
+                    3 * ka + *fbase.get_unchecked(j + 3) + *sr.get_unchecked(j + 3) as usize,
+                ) += 1;
+                j += 4;
+            }
+        }
+        for j in j..c {
+            counts4[fbase[j] + sr[j] as usize] += 1;
+        }
+    }
+    for (i, d) in counts.iter_mut().enumerate() {
+        *d = (counts4[i] + counts4[ka + i] + counts4[2 * ka + i] + counts4[3 * ka + i])
+            * count_stride as u32;
+    }
+    if count_stride > 1 {
+        let mut class_max = vec![0u8; kmax];
+        for (ch, &m) in ch_max.iter().enumerate() {
+            let k = fine[ch] as usize;
+            if m > class_max[k] {
+                class_max[k] = m;
+            }
+        }
+        // Direct symbols up to the class's largest, and every escape seen.
+        for (k, &m) in class_max.iter().enumerate() {
+            let top = (m as usize).min(DIRECT as usize - 1);
+            for v in &mut counts[k * ALPHABET..=k * ALPHABET + top] {
+                if *v == 0 {
+                    *v = 1;
+                }
+            }
+        }
+        for (v, &seen) in counts.iter_mut().zip(&esc_seen) {
+            if seen && *v == 0 {
+                *v = 1;
+            }
         }
     }
     out.extend_from_slice(&base.to_le_bytes());
@@ -231,6 +304,28 @@ pub fn encode_stream(x: &[f32], t: usize, c: usize, p: &StreamParams, out: &mut 
     put_u32(out, extra.len() as u32);
     out.extend_from_slice(&extra);
     encode_block(out, &syms, &fine, kmax, &counts, t, c, ALPHABET);
+}
+
+/// `mx[i] = max(mx[i], row[i])`.
+fn max_into(mx: &mut [u8], row: &[u8]) {
+    let n = mx.len().min(row.len());
+    let mut i = 0;
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    unsafe {
+        use core::arch::wasm32::*;
+        // SAFETY: i + 16 ≤ n bounds both slices.
+        while i + 16 <= n {
+            let p = mx.as_mut_ptr().add(i) as *mut v128;
+            let r = v128_load(row.as_ptr().add(i) as *const v128);
+            v128_store(p, u8x16_max(v128_load(p), r));
+            i += 16;
+        }
+    }
+    for i in i..n {
+        if row[i] > mx[i] {
+            mx[i] = row[i];
+        }
+    }
 }
 
 /// Adds one row to the channel statistics; returns (Σx², max|x|) of the row.
@@ -313,7 +408,7 @@ fn row_stats(
     (rs, rm)
 }
 
-/// Residual symbols of one row, 4 channels at a time, while they are all direct
+/// Residual symbols of one row, 16 (then 4) channels at a time, while they are all direct
 /// (no escape bits); returns how many channels it did. Updates the predictions.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 fn row_symbols_fast(
@@ -327,8 +422,40 @@ fn row_symbols_fast(
     let c = q.len();
     let lim = u32x4_splat(DIRECT);
     let mut ch = 0;
-    // SAFETY: ch + 4 ≤ c, and every slice here has c elements.
+    // SAFETY: ch + 16 ≤ c (then ch + 4 ≤ c), and every slice here has c elements.
     unsafe {
+        // 16 channels per step while all are direct: one test, one 16-byte store.
+        while ch + 16 <= c {
+            let mut z = [u32x4_splat(0); 4];
+            let mut ok = u32x4_splat(!0);
+            for h in 0..4 {
+                let b = ch + 4 * h;
+                let r = i32x4_sub(
+                    v128_load(q.as_ptr().add(b) as *const v128),
+                    v128_load(pred.as_ptr().add(b) as *const v128),
+                );
+                z[h] = v128_xor(i32x4_shl(r, 1), i32x4_shr(r, 31));
+                ok = v128_and(ok, u32x4_lt(z[h], lim));
+            }
+            if !u32x4_all_true(ok) {
+                break;
+            }
+            for h in 0..4 {
+                let b = ch + 4 * h;
+                let pp = pred.as_mut_ptr().add(b) as *mut v128;
+                let v = v128_load(q.as_ptr().add(b) as *const v128);
+                let dm = v128_load(dmask.as_ptr().add(b) as *const v128);
+                let cv = v128_load(centers.as_ptr().add(b) as *const v128);
+                v128_store(pp, v128_bitselect(v, cv, dm));
+            }
+            // z < 64 in every lane: the saturating narrows are exact.
+            let b = u8x16_narrow_i16x8(
+                i16x8_narrow_i32x4(z[0], z[1]),
+                i16x8_narrow_i32x4(z[2], z[3]),
+            );
+            v128_store(out.as_mut_ptr().add(ch) as *mut v128, b);
+            ch += 16;
+        }
         while ch + 4 <= c {
             let v = v128_load(q.as_ptr().add(ch) as *const v128);
             let pp = pred.as_mut_ptr().add(ch) as *mut v128;
@@ -360,10 +487,11 @@ fn row_symbols_fast(
     0
 }
 
+/// Quantizes one row in place: on return `x` holds the i32 levels' bits.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-fn quantize_row(x: &[f32], inv_c: &[f32], uniform: bool, it: f32, q: &mut [i32]) {
+fn quantize_row(x: &mut [f32], inv_c: &[f32], uniform: bool, it: f32) {
     use core::arch::wasm32::*;
-    let c = x.len();
+    let c = x.len().min(inv_c.len());
     let lim = f32x4_splat(QMAX as f32);
     let nlim = f32x4_splat(-(QMAX as f32));
     // `unit`: the token multiplier is 1, so the per-channel inverse steps apply
@@ -371,7 +499,7 @@ fn quantize_row(x: &[f32], inv_c: &[f32], uniform: bool, it: f32, q: &mut [i32])
     let unit = it == 1.0;
     if !unit && !uniform {
         for i in 0..c {
-            q[i] = quantize_one(x[i] * inv_c[i] * it);
+            x[i] = f32::from_bits(quantize_one(x[i] * inv_c[i] * it) as u32);
         }
         return;
     }
@@ -398,19 +526,19 @@ fn quantize_row(x: &[f32], inv_c: &[f32], uniform: bool, it: f32, q: &mut [i32])
             // Adding 1.5·2^23 rounds to an integer (ties to even) in the low mantissa
             // bits; cheaper than nearest + trunc_sat, exact for |s| ≤ 2^22.
             let r = f32x4_add(s, magic);
-            v128_store(q.as_mut_ptr().add(ch) as *mut v128, i32x4_sub(r, magic));
+            v128_store(x.as_mut_ptr().add(ch) as *mut v128, i32x4_sub(r, magic));
         }
         ch += 4;
     }
     for i in ch..c {
-        q[i] = quantize_one(x[i] * inv_c[i] * it);
+        x[i] = f32::from_bits(quantize_one(x[i] * inv_c[i] * it) as u32);
     }
 }
 
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
-fn quantize_row(x: &[f32], inv_c: &[f32], _uniform: bool, it: f32, q: &mut [i32]) {
+fn quantize_row(x: &mut [f32], inv_c: &[f32], _uniform: bool, it: f32) {
     for i in 0..x.len() {
-        q[i] = quantize_one(x[i] * inv_c[i] * it);
+        x[i] = f32::from_bits(quantize_one(x[i] * inv_c[i] * it) as u32);
     }
 }
 
@@ -545,6 +673,20 @@ mod simd {
         v128_or(o, u32x4_shr(sign, 16))
     }
 
+    /// f32x4 → fp16 bits for values that are 0 or ≥ 2^-14 in magnitude (no fp16
+    /// subnormal results) and not NaN: scaling by 2^-112 rebiases the exponent
+    /// exactly, then one integer add rounds to nearest even at bit 13 (a carry
+    /// into the exponent is right) and one min saturates overflow to Inf.
+    #[inline(always)]
+    pub fn f32x4_to_f16_normal(f: v128) -> v128 {
+        let a = v128_and(f, u32x4_splat(0x7fff_ffff));
+        let s = f32x4_mul(a, f32x4_splat(f32::from_bits((127 - 112) << 23)));
+        let odd = v128_and(u32x4_shr(s, 13), u32x4_splat(1));
+        let r = u32x4_shr(i32x4_add(i32x4_add(s, u32x4_splat(0xfff)), odd), 13);
+        let r = i32x4_min(r, i32x4_splat(0x7c00));
+        v128_or(r, v128_and(u32x4_shr(f, 16), u32x4_splat(0x8000)))
+    }
+
     #[inline(always)]
     pub fn f32x4_to_bf16(f: v128) -> v128 {
         // Finite inputs only (the decoder's products are finite unless the stream is hostile).
@@ -569,7 +711,11 @@ fn row_fast<const DELTA: bool, const UNIFORM: bool, const DT: u32>(
 ) -> usize {
     use core::arch::wasm32::*;
     let c = row.len();
-    let eb = if DT == DT_F16 || DT == DT_BF16 { 2 } else { 4 };
+    let eb = if DT == DT_F16 || DT == DT_BF16 || DT == DT_F16_NORMAL {
+        2
+    } else {
+        4
+    };
     if dst.len() < (o + c) * eb || step.len() < c || prev.len() < c {
         return 0;
     }
@@ -613,6 +759,12 @@ fn row_fast<const DELTA: bool, const UNIFORM: bool, const DT: u32>(
                 let v =
                     u16x8_narrow_i32x4(simd::f32x4_to_f16(outv[0]), simd::f32x4_to_f16(outv[1]));
                 v128_store(p as *mut v128, v);
+            } else if DT == DT_F16_NORMAL {
+                let v = u16x8_narrow_i32x4(
+                    simd::f32x4_to_f16_normal(outv[0]),
+                    simd::f32x4_to_f16_normal(outv[1]),
+                );
+                v128_store(p as *mut v128, v);
             } else {
                 v128_store(p as *mut v128, outv[0]);
                 v128_store(p.add(16) as *mut v128, outv[1]);
@@ -641,6 +793,9 @@ fn row_fast_any(
         ($d:expr, $u:expr) => {
             match dtype {
                 DT_F16 => row_fast::<$d, $u, DT_F16>(ctx, step, s0, row, prev, dst, o),
+                DT_F16_NORMAL => {
+                    row_fast::<$d, $u, DT_F16_NORMAL>(ctx, step, s0, row, prev, dst, o)
+                }
                 DT_BF16 => row_fast::<$d, $u, DT_BF16>(ctx, step, s0, row, prev, dst, o),
                 _ => row_fast::<$d, $u, 3>(ctx, step, s0, row, prev, dst, o),
             }
@@ -716,6 +871,21 @@ pub fn decode_stream(
         centers: &centers,
         dmask: &dmask,
     };
+    // The cheaper fp16 conversion is exact when every nonzero output is ≥ 2^-14
+    // (|q| ≥ 1, so the row's smallest step decides) and no step is Inf or NaN.
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    let (min_step, steps_finite) = {
+        let mut mn = f32::INFINITY;
+        let mut fin = true;
+        for &s in &step {
+            let a = s.abs();
+            fin &= a.is_finite();
+            if a < mn {
+                mn = a;
+            }
+        }
+        (mn, fin && mt.iter().all(|m| m.is_finite()))
+    };
     for tt in 0..t {
         let row = &syms[tt * c..(tt + 1) * c];
         let o = offset + tt * c;
@@ -734,13 +904,17 @@ pub fn decode_stream(
                     }
                     &scaled
                 };
+                let fast16 = dtype == DT_F16
+                    && steps_finite
+                    && min_step * m >= f32::from_bits((127 - 14) << 23)
+                    && (base * m).is_finite();
                 let done = row_fast_any(
                     &ctx,
                     rstep,
                     base * m,
                     row,
                     &mut prev,
-                    dtype,
+                    if fast16 { DT_F16_NORMAL } else { dtype },
                     dst,
                     o,
                     any_delta,
@@ -777,7 +951,7 @@ pub fn decode_stream(
 }
 
 pub fn encode(
-    x: &[f32],
+    x: &mut [f32],
     t: usize,
     c: usize,
     pk: &StreamParams,
@@ -786,10 +960,10 @@ pub fn encode(
 ) {
     let n = t * c;
     let mut ks = Vec::new();
-    encode_stream(&x[..n], t, c, pk, &mut ks);
+    encode_stream(&mut x[..n], t, c, pk, &mut ks);
     put_u32(out, ks.len() as u32);
     out.extend_from_slice(&ks);
-    encode_stream(&x[n..2 * n], t, c, pv, out);
+    encode_stream(&mut x[n..2 * n], t, c, pv, out);
 }
 
 pub fn decode(input: &[u8], dtype: u32, t: usize, c: usize, dst: &mut [u8]) -> Option<()> {

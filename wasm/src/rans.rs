@@ -129,26 +129,24 @@ pub fn uninit_vec<T: Copy>(n: usize) -> Vec<T> {
     v
 }
 
-/// Encoder symbol with a reciprocal so the hot loop needs no division (ryg_rans).
+/// Encoder symbol with a reciprocal so the hot loop needs no division (ryg_rans),
+/// packed in two words (`meta` = freq | rcp_shift << 12 | bias << 16): five
+/// separate fields made LLVM hoist 40 loads per group of 8 and V8 spill them.
 #[derive(Clone, Copy, Default)]
 struct EncSym {
-    x_max: u32,
     rcp_freq: u32,
-    bias: u32,
-    cmpl_freq: u32,
-    rcp_shift: u32,
+    meta: u32,
 }
 
+/// x_max = X_MAX_UNIT · freq: a state at or above it must shed 16 bits first.
+const X_MAX_UNIT: u32 = (RANS_L >> PROB_BITS) << 16;
+
 fn enc_sym(start: u32, freq: u32) -> EncSym {
-    let x_max = ((RANS_L >> PROB_BITS) << 16) * freq;
-    let cmpl_freq = PROB_SCALE - freq;
+    // freq ≤ PROB_SCALE − 1 (12 bits), shift ≤ 11 (4 bits), bias ≤ 2·PROB_SCALE (13 bits).
     if freq < 2 {
         EncSym {
-            x_max,
             rcp_freq: !0u32,
-            bias: start + PROB_SCALE - 1,
-            cmpl_freq,
-            rcp_shift: 0,
+            meta: freq | (start + PROB_SCALE - 1) << 16,
         }
     } else {
         let mut shift = 0u32;
@@ -157,13 +155,21 @@ fn enc_sym(start: u32, freq: u32) -> EncSym {
         }
         let rcp = (((1u64 << (shift + 31)) + freq as u64 - 1) / freq as u64) as u32;
         EncSym {
-            x_max,
             rcp_freq: rcp,
-            bias: start,
-            cmpl_freq,
-            rcp_shift: shift - 1,
+            meta: freq | (shift - 1) << 12 | start << 16,
         }
     }
+}
+
+/// One rANS encode step: returns the new state and whether the low 16 bits of
+/// the old state must be written first.
+#[inline(always)]
+fn enc_step(e: EncSym, xs: u32) -> (u32, bool) {
+    let freq = e.meta & 0xfff;
+    let big = xs >= X_MAX_UNIT * freq;
+    let xs = if big { xs >> 16 } else { xs };
+    let q = (((xs as u64) * (e.rcp_freq as u64)) >> 32) as u32 >> ((e.meta >> 12) & 0xf);
+    (xs + (e.meta >> 16) + q * (PROB_SCALE - freq), big)
 }
 
 /// Cuts channels into `kmax` (a power of two ≤ 8, ≤ max_classes, ≤ C) equal
@@ -292,13 +298,11 @@ pub fn encode_block(
         ($lane:expr, $i:expr, $ch:expr, $base:expr) => {{
             unsafe {
                 let e = *ep.add($base($ch) + *sp.add($i) as usize);
-                let mut xs = x[$lane];
-                let big = xs >= e.x_max;
+                let xs = x[$lane];
                 *bp.add(p - 1) = xs as u16;
+                let (nx, big) = enc_step(e, xs);
                 p -= big as usize;
-                xs = if big { xs >> 16 } else { xs };
-                let q = (((xs as u64) * (e.rcp_freq as u64)) >> 32) as u32 >> e.rcp_shift;
-                x[$lane] = xs + e.bias + q * e.cmpl_freq;
+                x[$lane] = nx;
             }
         }};
     }
@@ -318,29 +322,55 @@ pub fn encode_block(
         }
     }
     if c % LANES == 0 {
+        // Pointers and local states (as in the decoder): fewer live registers, fewer V8 spills.
         macro_rules! groups {
-            ($base:expr) => {
-                let mut g = full;
-                let mut ch = full % c.max(1);
-                while g > 0 {
-                    g -= LANES;
-                    ch = if ch == 0 { c - LANES } else { ch - LANES };
-                    put!(7, g + 7, ch + 7, $base);
-                    put!(6, g + 6, ch + 6, $base);
-                    put!(5, g + 5, ch + 5, $base);
-                    put!(4, g + 4, ch + 4, $base);
-                    put!(3, g + 3, ch + 3, $base);
-                    put!(2, g + 2, ch + 2, $base);
-                    put!(1, g + 1, ch + 1, $base);
-                    put!(0, g, ch, $base);
+            ($base:expr, $track:expr) => {
+                // SAFETY: as for `put!`; wp stays ≥ bp + (remaining symbols) since each
+                // symbol writes at most one word and cap covers one word per symbol.
+                unsafe {
+                    let mut wp = bp.add(p);
+                    let mut ip = sp.add(full);
+                    let mut ch = full % c.max(1);
+                    let (mut x0, mut x1, mut x2, mut x3) = (x[0], x[1], x[2], x[3]);
+                    let (mut x4, mut x5, mut x6, mut x7) = (x[4], x[5], x[6], x[7]);
+                    while ip > sp {
+                        ip = ip.sub(LANES);
+                        if $track {
+                            ch = if ch == 0 { c - LANES } else { ch - LANES };
+                        }
+                        macro_rules! put8 {
+                            ($xs:ident, $off:expr) => {{
+                                let e = *ep.add($base(ch + $off) + *ip.add($off) as usize);
+                                *wp.sub(1) = $xs as u16;
+                                let (nx, big) = enc_step(e, $xs);
+                                wp = wp.sub(big as usize);
+                                $xs = nx;
+                                // Keeps LLVM from hoisting all eight lanes' table loads
+                                // (their live ranges made V8 spill); emits no instruction.
+                                std::sync::atomic::compiler_fence(
+                                    std::sync::atomic::Ordering::SeqCst,
+                                );
+                            }};
+                        }
+                        put8!(x7, 7);
+                        put8!(x6, 6);
+                        put8!(x5, 5);
+                        put8!(x4, 4);
+                        put8!(x3, 3);
+                        put8!(x2, 2);
+                        put8!(x1, 1);
+                        put8!(x0, 0);
+                    }
+                    x = [x0, x1, x2, x3, x4, x5, x6, x7];
+                    p = wp.offset_from(bp) as usize;
                 }
             };
         }
         if tables.len() == 1 {
             // One table: no per-channel class lookups.
-            groups!(|_cc: usize| 0usize);
+            groups!(|_cc: usize| 0usize, false);
         } else {
-            groups!(|cc: usize| *cbase.get_unchecked(cc));
+            groups!(|cc: usize| *cbase.get_unchecked(cc), true);
         }
     } else {
         let mut ch = if full > 0 { (full - 1) % c } else { 0 };
@@ -448,47 +478,64 @@ pub fn decode_block(
         let dp = data.as_ptr();
         let sp = syms.as_mut_ptr();
         let tp = dec.as_ptr();
+        let cbp = cbase.as_ptr();
+        // Pointers instead of indices: fewer live registers (V8 spills the states otherwise).
         macro_rules! fast_loop {
-            ($base:expr) => {
-                while i < n && p + 2 * LANES <= len {
-                    macro_rules! fast {
-                        ($lane:expr, $off:expr) => {{
-                            let xs = x[$lane];
-                            // SAFETY: base < k·PROB_SCALE and the slot is masked to PROB_BITS,
-                            // so the index is < dec.len(); i + $off < n ≤ syms.len(); p + 2 ≤ len.
-                            unsafe {
-                                let e = *tp.add(($base($off) + (xs & mask)) as usize);
-                                *sp.add(i + $off) = e as u8;
-                                let xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
-                                let w = u16::from_le((dp.add(p) as *const u16).read_unaligned()) as u32;
-                                let need = xs < RANS_L;
-                                // Two selects (cmov), no branch.
-                                x[$lane] = if need { (xs << 16) | w } else { xs };
-                                p += if need { 2 } else { 0 };
+            ($base:expr, $track:expr) => {
+                if len >= 2 * LANES {
+                    // SAFETY: rp ≤ rlim keeps the next LANES words inside `data`; op < oend
+                    // (oend = sp + n, n a multiple of LANES here) keeps the LANES stores inside
+                    // `syms`; the table index is < k·PROB_SCALE (class base + masked slot).
+                    unsafe {
+                        let mut rp = dp;
+                        let rlim = dp.add(len - 2 * LANES);
+                        let mut op = sp;
+                        let oend = sp.add(n);
+                        let (mut x0, mut x1, mut x2, mut x3) = (x[0], x[1], x[2], x[3]);
+                        let (mut x4, mut x5, mut x6, mut x7) = (x[4], x[5], x[6], x[7]);
+                        while op < oend && rp <= rlim {
+                            macro_rules! fast {
+                                ($xs:ident, $off:expr) => {{
+                                    let e = *tp.add(($base($off) + ($xs & mask)) as usize);
+                                    *op.add($off) = e as u8;
+                                    let xs = (e >> 20) * ($xs >> PROB_BITS) + ((e >> 8) & 0xfff);
+                                    let w =
+                                        u16::from_le((rp as *const u16).read_unaligned()) as u32;
+                                    let need = xs < RANS_L;
+                                    // Two selects (cmov), no branch.
+                                    $xs = if need { (xs << 16) | w } else { xs };
+                                    rp = rp.add(if need { 2 } else { 0 });
+                                }};
                             }
-                        }};
-                    }
-                    fast!(0, 0);
-                    fast!(1, 1);
-                    fast!(2, 2);
-                    fast!(3, 3);
-                    fast!(4, 4);
-                    fast!(5, 5);
-                    fast!(6, 6);
-                    fast!(7, 7);
-                    i += LANES;
-                    ch += LANES;
-                    if ch == c {
-                        ch = 0;
+                            fast!(x0, 0);
+                            fast!(x1, 1);
+                            fast!(x2, 2);
+                            fast!(x3, 3);
+                            fast!(x4, 4);
+                            fast!(x5, 5);
+                            fast!(x6, 6);
+                            fast!(x7, 7);
+                            op = op.add(LANES);
+                            if $track {
+                                ch += LANES;
+                                if ch == c {
+                                    ch = 0;
+                                }
+                            }
+                        }
+                        x = [x0, x1, x2, x3, x4, x5, x6, x7];
+                        i = op.offset_from(sp) as usize;
+                        ch = i % c;
+                        p = rp.offset_from(dp) as usize;
                     }
                 }
             };
         }
         if k == 1 {
-            // One table: no per-channel class lookups.
-            fast_loop!(|_off: usize| 0u32);
+            // One table: no per-channel class lookups (and no channel counter).
+            fast_loop!(|_off: usize| 0u32, false);
         } else {
-            fast_loop!(|off: usize| *cbase.get_unchecked(ch + off));
+            fast_loop!(|off: usize| *cbp.add(ch + off), true);
         }
     }
     // Careful tail: every read checked.
