@@ -5,7 +5,8 @@
 // Run: node --import tsx bench/gateway.ts   (starts its own RGW unless KVGATE_RGW_* is set)
 
 import { spawn } from 'node:child_process'
-import { readFileSync, writeFileSync } from 'node:fs'
+import { readdirSync, readFileSync, writeFileSync } from 'node:fs'
+import { Agent, request as httpRequest } from 'node:http'
 import { cpus, loadavg } from 'node:os'
 import { join } from 'node:path'
 import { createInterface } from 'node:readline'
@@ -21,7 +22,7 @@ const MIB = 1024 * 1024
 const CHUNK = 32 * MIB
 const OBJECTS = Number(process.env.BENCH_OBJECTS ?? 8)
 const CONCURRENCY = Number(process.env.BENCH_CONCURRENCY ?? 4)
-const REPEATS = Number(process.env.BENCH_REPEATS ?? 3)
+const REPEATS = Number(process.env.BENCH_REPEATS ?? 5)
 
 const rgw = rgwFromEnv() ?? (await startRgw({ bucket: 'kvgate-bench' }))
 const storeOpts = {
@@ -79,6 +80,21 @@ function cpuSeconds(pid: number): number {
     return (Number(f[11]) + Number(f[12])) / 100
   } catch {
     return Number.NaN
+  }
+}
+
+/** The Ceph daemons behind the RGW (pid files of a private one, or KVGATE_RGW_DIR); [] if unknown. */
+function findCephPids(): number[] {
+  const dir = rgw.dir ?? process.env.KVGATE_RGW_DIR
+  if (!dir) return []
+  const run = join(dir, 'run')
+  try {
+    return readdirSync(run)
+      .filter((f) => f.endsWith('.pid'))
+      .map((f) => Number(readFileSync(join(run, f), 'utf8').trim()))
+      .filter((pid) => Number.isInteger(pid) && pid > 0)
+  } catch {
+    return []
   }
 }
 
@@ -154,123 +170,162 @@ async function drain(body: ReadableStream<Uint8Array> | null | undefined): Promi
 }
 
 // ---------------------------------------------------------------- throughput
+// Each repeat runs PUT then GET for the three paths — direct SDK, gateway, bare
+// pipe proxy — in an order rotated per repeat (none always runs first on a
+// fresher RGW); figures are medians over repeats. Every phase also records the
+// CPU seconds each party spent per GiB moved: this client, the proxy process
+// and the Ceph processes (RGW, OSD, mon). On a 2-core machine that sum, not any
+// one process, is what caps throughput. Objects are deleted only after the last
+// repeat so RGW's garbage collection (freed tails) never runs inside a phase.
 const chunks = Array.from({ length: OBJECTS }, () => makeChunk({ layers: 32, sectionBytes: CHUNK / 32 }))
 const size = chunks[0]!.bytes.length
 const mbps = (bytes: number, ms: number) => bytes / MIB / (ms / 1000)
-const through = {
-  putGateway: [] as number[],
-  putDirect: [] as number[],
-  getGateway: [] as number[],
-  getDirect: [] as number[],
-  getRedirect: [] as number[],
-  putBare: [] as number[],
-  getBare: [] as number[],
+const GIB_MOVED = (OBJECTS * size) / 1024 ** 3
+type Side = 'direct' | 'gateway' | 'bare'
+type Op = 'put' | 'get'
+interface PhaseSample {
+  mibps: number
+  /** CPU seconds per GiB: this client, the proxy process (none for direct), Ceph, all three. */
+  client: number
+  proxy: number
+  ceph: number
+  total: number
 }
-// Gateway CPU seconds per GiB moved (independent of how loaded the machine is).
-const cpuPerGiB = { put: [] as number[], get: [] as number[] }
-const bareCpuPerGiB = { put: [] as number[], get: [] as number[] }
-// The direct client's own CPU per GiB (this process does nothing else meanwhile).
-const directCpuPerGiB = { put: [] as number[], get: [] as number[] }
+const samples: Record<`${Op}-${Side}`, PhaseSample[]> = {
+  'put-direct': [],
+  'put-gateway': [],
+  'put-bare': [],
+  'get-direct': [],
+  'get-gateway': [],
+  'get-bare': [],
+}
+const getRedirect: number[] = []
 const selfCpu = () => {
   const u = process.cpuUsage()
   return (u.user + u.system) / 1e6
 }
-const GIB_MOVED = (OBJECTS * CHUNK) / 1024 ** 3
+const cephPids = findCephPids()
+const cephCpu = () => cephPids.reduce((a, pid) => a + cpuSeconds(pid), 0)
+const proxyPid: Record<Side, number | undefined> = { direct: undefined, gateway: gw.pid, bare: bare.pid }
+const directKey = (ns: string, i: number) => `direct/${ns}/${chunks[i]!.key}`
 
-for (let rep = 0; rep < REPEATS; rep++) {
-  const ns = `tp${rep}`
-  // Direct and gateway alternate order per repeat so neither always runs on a warmer RGW.
-  const order = rep % 2 === 0 ? ['direct', 'gateway'] : ['gateway', 'direct']
-  for (const who of order) {
-    const t = performance.now()
-    if (who === 'direct') {
-      const cpu0 = selfCpu()
-      await pool(OBJECTS, CONCURRENCY, (i) =>
-        direct.client.send(
-          new PutObjectCommand({
-            Bucket: rgw.bucket,
-            Key: `direct/${ns}/${chunks[i]!.key}`,
-            Body: chunks[i]!.bytes,
-            ContentLength: size,
-            IfNoneMatch: '*',
-          }),
-        ),
+async function transfer(side: Side, op: Op, ns: string, i: number): Promise<void> {
+  const c = chunks[i]!
+  if (side === 'direct') {
+    if (op === 'put') {
+      await direct.client.send(
+        new PutObjectCommand({
+          Bucket: rgw.bucket,
+          Key: directKey(ns, i),
+          Body: c.bytes,
+          ContentLength: size,
+          IfNoneMatch: '*',
+        }),
       )
-      through.putDirect.push(mbps(size * OBJECTS, performance.now() - t))
-      directCpuPerGiB.put.push((selfCpu() - cpu0) / GIB_MOVED)
     } else {
-      const cpu0 = cpuSeconds(gw.pid)
-      await pool(OBJECTS, CONCURRENCY, async (i) => {
-        const r = await fetch(`${gw.url}/v1/ns/${ns}/chunks/${chunks[i]!.key}`, putInit(chunks[i]!.bytes))
-        if (r.status !== 201) throw new Error(`gateway PUT ${r.status} ${await r.text()}`)
-      })
-      through.putGateway.push(mbps(size * OBJECTS, performance.now() - t))
-      cpuPerGiB.put.push((cpuSeconds(gw.pid) - cpu0) / GIB_MOVED)
+      const r = await direct.client.send(new GetObjectCommand({ Bucket: rgw.bucket, Key: directKey(ns, i) }))
+      if ((await drain(r.Body!.transformToWebStream() as ReadableStream<Uint8Array>)) !== size)
+        throw new Error('short direct GET')
     }
+    return
   }
-  for (const who of order) {
-    const t = performance.now()
-    if (who === 'direct') {
-      const cpu0 = selfCpu()
-      await pool(OBJECTS, CONCURRENCY, async (i) => {
-        const r = await direct.client.send(
-          new GetObjectCommand({ Bucket: rgw.bucket, Key: `direct/${ns}/${chunks[i]!.key}` }),
-        )
-        const n = await drain(r.Body!.transformToWebStream() as ReadableStream<Uint8Array>)
-        if (n !== size) throw new Error('short direct GET')
-      })
-      through.getDirect.push(mbps(size * OBJECTS, performance.now() - t))
-      directCpuPerGiB.get.push((selfCpu() - cpu0) / GIB_MOVED)
-    } else {
-      const cpu0 = cpuSeconds(gw.pid)
-      await pool(OBJECTS, CONCURRENCY, async (i) => {
-        const r = await fetch(`${gw.url}/v1/ns/${ns}/chunks/${chunks[i]!.key}`)
-        const n = await drain(r.body)
-        if (n !== size) throw new Error(`short gateway GET ${r.status}`)
-      })
-      through.getGateway.push(mbps(size * OBJECTS, performance.now() - t))
-      cpuPerGiB.get.push((cpuSeconds(gw.pid) - cpu0) / GIB_MOVED)
-    }
-  }
-  {
-    const t = performance.now()
-    await pool(OBJECTS, CONCURRENCY, async (i) => {
-      const r = await fetch(`${gwRedirect.url}/v1/ns/${ns}/chunks/${chunks[i]!.key}`)
-      const n = await drain(r.body)
-      if (n !== size || !r.redirected) throw new Error(`redirected GET ${r.status} ${r.redirected}`)
-    })
-    through.getRedirect.push(mbps(size * OBJECTS, performance.now() - t))
-  }
-  {
-    let cpu0 = cpuSeconds(bare.pid)
-    let t = performance.now()
-    await pool(OBJECTS, CONCURRENCY, async (i) => {
-      const r = await fetch(`${bare.url}/k/bare/${ns}/${chunks[i]!.key}`, putInit(chunks[i]!.bytes))
-      await r.arrayBuffer()
-      if (r.status !== 200) throw new Error(`bare PUT ${r.status}`)
-    })
-    through.putBare.push(mbps(size * OBJECTS, performance.now() - t))
-    bareCpuPerGiB.put.push((cpuSeconds(bare.pid) - cpu0) / GIB_MOVED)
-    cpu0 = cpuSeconds(bare.pid)
-    t = performance.now()
-    await pool(OBJECTS, CONCURRENCY, async (i) => {
-      const r = await fetch(`${bare.url}/k/bare/${ns}/${chunks[i]!.key}`)
-      if ((await drain(r.body)) !== size) throw new Error(`bare GET ${r.status}`)
-    })
-    through.getBare.push(mbps(size * OBJECTS, performance.now() - t))
-    bareCpuPerGiB.get.push((cpuSeconds(bare.pid) - cpu0) / GIB_MOVED)
-  }
-  // Free RGW's memstore between repeats.
-  await pool(OBJECTS, 8, async (i) => {
-    await direct.delete(`direct/${ns}/${chunks[i]!.key}`)
-    await direct.delete(`bare/${ns}/${chunks[i]!.key}`)
-    await direct.delete(`bench/${ns}/${chunks[i]!.key.slice(0, 2)}/${chunks[i]!.key}`)
+  const url =
+    side === 'gateway' ? `${gw.url}/v1/ns/${ns}/chunks/${c.key}` : `${bare.url}/k/bare/${ns}/${c.key}`
+  const r = await httpCall(url, op === 'put' ? c.bytes : undefined)
+  if (op === 'put' && r.status !== (side === 'gateway' ? 201 : 200))
+    throw new Error(`${side} PUT ${r.status} ${r.bytes}`)
+  if (op === 'get' && r.bytes !== size) throw new Error(`short ${side} GET ${r.status}`)
+}
+
+// The proxies' load generator speaks node:http over keep-alive sockets, as the
+// SDK's handler does for the direct runs: the client library is then the same
+// on both sides. (Node's fetch spent ~3 CPU-s per GiB sent — 4× the SDK — and on
+// two shared cores that cost lands on the proxy's throughput, not the client's.)
+const clientAgent = new Agent({ keepAlive: true, maxSockets: CONCURRENCY * 2 })
+function httpCall(url: string, body?: Uint8Array): Promise<{ status: number; bytes: number }> {
+  return new Promise((resolve, reject) => {
+    const req = httpRequest(
+      url,
+      {
+        method: body ? 'PUT' : 'GET',
+        agent: clientAgent,
+        headers: body
+          ? { 'content-type': 'application/octet-stream', 'content-length': String(body.length) }
+          : {},
+      },
+      (res) => {
+        let bytes = 0
+        res.on('data', (piece: Buffer) => {
+          bytes += piece.length
+        })
+        res.once('end', () => resolve({ status: res.statusCode ?? 0, bytes }))
+        res.once('error', reject)
+      },
+    )
+    req.once('error', reject)
+    req.end(body)
   })
 }
-const tp = Object.fromEntries(Object.entries(through).map(([k, v]) => [k, median(v)])) as Record<
-  keyof typeof through,
-  number
->
+
+async function phase(side: Side, op: Op, ns: string): Promise<void> {
+  const pid = proxyPid[side]
+  const c0 = selfCpu()
+  const p0 = pid ? cpuSeconds(pid) : 0
+  const s0 = cephCpu()
+  const t = performance.now()
+  await pool(OBJECTS, CONCURRENCY, (i) => transfer(side, op, ns, i))
+  const ms = performance.now() - t
+  const client = (selfCpu() - c0) / GIB_MOVED
+  const proxy = pid ? (cpuSeconds(pid) - p0) / GIB_MOVED : 0
+  const ceph = (cephCpu() - s0) / GIB_MOVED
+  samples[`${op}-${side}`].push({
+    mibps: mbps(size * OBJECTS, ms),
+    client,
+    proxy,
+    ceph,
+    total: client + proxy + ceph,
+  })
+}
+
+const SIDES: Side[] = ['direct', 'gateway', 'bare']
+for (let rep = 0; rep < REPEATS; rep++) {
+  const ns = `tp${rep}-${Date.now().toString(36)}`
+  const order = SIDES.map((_, k) => SIDES[(k + rep) % SIDES.length]!)
+  for (const side of order) await phase(side, 'put', ns)
+  for (const side of order) await phase(side, 'get', ns)
+  const t = performance.now()
+  await pool(OBJECTS, CONCURRENCY, async (i) => {
+    const r = await fetch(`${gwRedirect.url}/v1/ns/${ns}/chunks/${chunks[i]!.key}`)
+    const n = await drain(r.body)
+    if (n !== size || !r.redirected) throw new Error(`redirected GET ${r.status} ${r.redirected}`)
+  })
+  getRedirect.push(mbps(size * OBJECTS, performance.now() - t))
+}
+const med = (k: `${Op}-${Side}`, f: keyof PhaseSample) => median(samples[k].map((x) => x[f]))
+const tp = {
+  putGateway: med('put-gateway', 'mibps'),
+  putDirect: med('put-direct', 'mibps'),
+  putBare: med('put-bare', 'mibps'),
+  getGateway: med('get-gateway', 'mibps'),
+  getDirect: med('get-direct', 'mibps'),
+  getBare: med('get-bare', 'mibps'),
+  getRedirect: median(getRedirect),
+}
+// Paired ratios (gateway vs the direct run of the same repeat), then the median.
+const pairedRatio = (op: Op, side: Side) =>
+  median(samples[`${op}-${side}`].map((x, k) => x.mibps / samples[`${op}-direct`][k]!.mibps))
+// Free RGW's memstore after the last throughput phase, so its GC overlaps none of them.
+await cleanupThroughput()
+
+async function cleanupThroughput(): Promise<void> {
+  for (const prefix of ['direct/tp', 'bare/tp', 'bench/tp']) {
+    for (;;) {
+      const page = await direct.list(prefix, { limit: 1000 })
+      if (page.entries.length === 0) break
+      await pool(page.entries.length, 8, (i) => direct.delete(page.entries[i]!.name))
+    }
+  }
+}
 
 // ---------------------------------------------------------------- lookup
 const chain = makeChain(512, { layers: 2, sectionBytes: 64 })
@@ -386,48 +441,48 @@ const coldMs = median(cold.map((c) => c.ms))
 const coldRounds = Math.max(...cold.map((c) => c.rounds))
 const coldNsRounds = Math.max(...coldNoSizes.map((c) => c.rounds))
 const warmMs = median(warm)
-const putRatio = tp.putGateway / tp.putDirect
-const getRatio = tp.getGateway / tp.getDirect
+const putRatio = pairedRatio('put', 'gateway')
+const getRatio = pairedRatio('get', 'gateway')
+const row = (op: Op, side: Side, label: string) => {
+  const k = `${op}-${side}` as const
+  return [
+    label,
+    med(k, 'mibps').toFixed(0),
+    side === 'direct' ? '1.00' : pairedRatio(op, side).toFixed(2),
+    med(k, 'client').toFixed(2),
+    side === 'direct' ? '-' : med(k, 'proxy').toFixed(2),
+    cephPids.length ? med(k, 'ceph').toFixed(2) : '?',
+    cephPids.length ? med(k, 'total').toFixed(2) : '?',
+  ]
+}
+console.log(
+  `32 MiB chunk objects ×${OBJECTS}, concurrency ${CONCURRENCY}, median of ${REPEATS} rotated repeats ` +
+    `(ratio: to the direct run of the same repeat); CPU in seconds per GiB moved`,
+)
 console.log(
   table([
-    ['measure', 'gateway', 'direct S3 (same SDK)', 'ratio'],
+    ['path', 'MiB/s', 'vs direct', 'client CPU', 'proxy CPU', 'Ceph CPU', 'total CPU'],
+    row('put', 'direct', 'PUT direct S3 (SDK)'),
+    row('put', 'gateway', 'PUT via gateway'),
+    row('put', 'bare', 'PUT via bare pipe proxy'),
+    row('get', 'direct', 'GET direct S3 (SDK)'),
+    row('get', 'gateway', 'GET via gateway'),
+    row('get', 'bare', 'GET via bare pipe proxy'),
     [
-      `PUT 32 MiB ×${OBJECTS}, conc ${CONCURRENCY} (MiB/s)`,
-      tp.putGateway.toFixed(0),
-      tp.putDirect.toFixed(0),
-      putRatio.toFixed(2),
-    ],
-    [
-      `GET 32 MiB ×${OBJECTS}, conc ${CONCURRENCY} (MiB/s)`,
-      tp.getGateway.toFixed(0),
-      tp.getDirect.toFixed(0),
-      getRatio.toFixed(2),
-    ],
-    [
-      'PUT through a bare Node pipe proxy (MiB/s)',
-      tp.putBare.toFixed(0),
-      tp.putDirect.toFixed(0),
-      (tp.putBare / tp.putDirect).toFixed(2),
-    ],
-    [
-      'GET through a bare Node pipe proxy (MiB/s)',
-      tp.getBare.toFixed(0),
-      tp.getDirect.toFixed(0),
-      (tp.getBare / tp.getDirect).toFixed(2),
-    ],
-    [
-      'GET via 307 presigned redirect (MiB/s)',
+      'GET via 307 presigned redirect',
       tp.getRedirect.toFixed(0),
-      tp.getDirect.toFixed(0),
       (tp.getRedirect / tp.getDirect).toFixed(2),
+      '',
+      '',
+      '',
+      '',
     ],
   ]),
 )
 console.log(
-  `CPU seconds per GiB: gateway process PUT ${median(cpuPerGiB.put).toFixed(2)} / GET ${median(cpuPerGiB.get).toFixed(2)}; ` +
-    `bare pipe proxy PUT ${median(bareCpuPerGiB.put).toFixed(2)} / GET ${median(bareCpuPerGiB.get).toFixed(2)}; ` +
-    `direct SDK client PUT ${median(directCpuPerGiB.put).toFixed(2)} / GET ${median(directCpuPerGiB.get).toFixed(2)} ` +
-    `(load average ${loadavg()[0]!.toFixed(1)} on ${cpus().length} cores)`,
+  `load average ${loadavg()
+    .map((x) => x.toFixed(1))
+    .join(' ')} on ${cpus().length} cores`,
 )
 console.log()
 console.log(
@@ -515,18 +570,26 @@ const path = writeResult({
   machine: await machineLine(),
   command: 'node --import tsx bench/gateway.ts',
   settings: { objects: OBJECTS, objectBytes: size, concurrency: CONCURRENCY, repeats: REPEATS },
-  throughputMiBps: { ...tp, samples: through },
-  gatewayCpuSecondsPerGiB: { put: median(cpuPerGiB.put), get: median(cpuPerGiB.get), samples: cpuPerGiB },
-  bareProxyCpuSecondsPerGiB: {
-    put: median(bareCpuPerGiB.put),
-    get: median(bareCpuPerGiB.get),
-    samples: bareCpuPerGiB,
+  throughputMiBps: tp,
+  ratios: {
+    put: putRatio,
+    get: getRatio,
+    putBare: pairedRatio('put', 'bare'),
+    getBare: pairedRatio('get', 'bare'),
   },
-  directClientCpuSecondsPerGiB: {
-    put: median(directCpuPerGiB.put),
-    get: median(directCpuPerGiB.get),
-    samples: directCpuPerGiB,
-  },
+  /** Per phase: MiB/s and CPU s/GiB of this client, the proxy process, Ceph (RGW+OSD+mon), their sum. */
+  phases: samples,
+  cpuSecondsPerGiB: Object.fromEntries(
+    Object.keys(samples).map((k) => [
+      k,
+      {
+        client: med(k as `${Op}-${Side}`, 'client'),
+        proxy: med(k as `${Op}-${Side}`, 'proxy'),
+        ceph: med(k as `${Op}-${Side}`, 'ceph'),
+        total: med(k as `${Op}-${Side}`, 'total'),
+      },
+    ]),
+  ),
   loadAverage: loadavg(),
   lookup: {
     headRttMs: rtt,
@@ -577,6 +640,7 @@ for (const b of bars)
   console.log(`${b.met ? 'MET ' : 'MISS'}  ${b.bar}: ${b.figure.toFixed(2)} ${b.unit} (target ${b.target})`)
 console.log(`wrote ${path} and gateway.svg`)
 
+clientAgent.destroy()
 await gw.close()
 await gwRedirect.close()
 await bare.close()
