@@ -38,6 +38,10 @@ const gwStore = new S3Store(storeOpts) // for in-process lookups (cold cache per
 const gw = await startServe()
 // A second one answers large GETs with 307 to a presigned RGW URL (bytes bypass it).
 const gwRedirect = await startServe(['--presign-min-bytes', String(16 * 1024 * 1024)])
+// Optional A/B: BENCH_GATEWAY_B=<another checkout's src/cli/main.ts> adds that build
+// as a fourth path, measured in the same rotated repeats (e.g. main vs a branch).
+const GATEWAY_B = process.env.BENCH_GATEWAY_B
+const gwB = GATEWAY_B ? await startServe([], GATEWAY_B) : undefined
 // The floor: a bare Node pipe proxy (no verification, no web streams) in its own process.
 const bare = await startBareProxy()
 console.error(
@@ -100,8 +104,8 @@ function findCephPids(): number[] {
 
 async function startServe(
   extra: string[] = [],
+  main = new URL('../src/cli/main.ts', import.meta.url).pathname,
 ): Promise<{ url: string; pid: number; close(): Promise<void> }> {
-  const main = new URL('../src/cli/main.ts', import.meta.url).pathname
   const proc = spawn(
     process.execPath,
     [
@@ -181,7 +185,7 @@ const chunks = Array.from({ length: OBJECTS }, () => makeChunk({ layers: 32, sec
 const size = chunks[0]!.bytes.length
 const mbps = (bytes: number, ms: number) => bytes / MIB / (ms / 1000)
 const GIB_MOVED = (OBJECTS * size) / 1024 ** 3
-type Side = 'direct' | 'gateway' | 'bare'
+type Side = 'direct' | 'gateway' | 'bare' | 'gatewayB'
 type Op = 'put' | 'get'
 interface PhaseSample {
   mibps: number
@@ -198,6 +202,8 @@ const samples: Record<`${Op}-${Side}`, PhaseSample[]> = {
   'get-direct': [],
   'get-gateway': [],
   'get-bare': [],
+  'put-gatewayB': [],
+  'get-gatewayB': [],
 }
 const getRedirect: number[] = []
 const selfCpu = () => {
@@ -206,7 +212,12 @@ const selfCpu = () => {
 }
 const cephPids = findCephPids()
 const cephCpu = () => cephPids.reduce((a, pid) => a + cpuSeconds(pid), 0)
-const proxyPid: Record<Side, number | undefined> = { direct: undefined, gateway: gw.pid, bare: bare.pid }
+const proxyPid: Record<Side, number | undefined> = {
+  direct: undefined,
+  gateway: gw.pid,
+  bare: bare.pid,
+  gatewayB: gwB?.pid,
+}
 const directKey = (ns: string, i: number) => `direct/${ns}/${chunks[i]!.key}`
 
 async function transfer(side: Side, op: Op, ns: string, i: number): Promise<void> {
@@ -230,9 +241,13 @@ async function transfer(side: Side, op: Op, ns: string, i: number): Promise<void
     return
   }
   const url =
-    side === 'gateway' ? `${gw.url}/v1/ns/${ns}/chunks/${c.key}` : `${bare.url}/k/bare/${ns}/${c.key}`
-  const r = await httpCall(url, op === 'put' ? c.bytes : undefined)
-  if (op === 'put' && r.status !== (side === 'gateway' ? 201 : 200))
+    side === 'bare'
+      ? `${bare.url}/k/bare/${ns}/${c.key}`
+      : `${(side === 'gatewayB' ? gwB! : gw).url}/v1/ns/${side === 'gatewayB' ? `b${ns}` : ns}/chunks/${c.key}`
+  const r = FETCH_CLIENT
+    ? await fetchCall(url, op === 'put' ? c.bytes : undefined)
+    : await httpCall(url, op === 'put' ? c.bytes : undefined)
+  if (op === 'put' && r.status !== (side === 'bare' ? 200 : 201))
     throw new Error(`${side} PUT ${r.status} ${r.bytes}`)
   if (op === 'get' && r.bytes !== size) throw new Error(`short ${side} GET ${r.status}`)
 }
@@ -241,7 +256,14 @@ async function transfer(side: Side, op: Op, ns: string, i: number): Promise<void
 // SDK's handler does for the direct runs: the client library is then the same
 // on both sides. (Node's fetch spent ~3 CPU-s per GiB sent — 4× the SDK — and on
 // two shared cores that cost lands on the proxy's throughput, not the client's.)
+// BENCH_PROXY_CLIENT=fetch drives the proxies with Node's fetch instead (it sends and
+// reads smaller pieces: the case where the gateway's per-piece costs show).
+const FETCH_CLIENT = process.env.BENCH_PROXY_CLIENT === 'fetch'
 const clientAgent = new Agent({ keepAlive: true, maxSockets: CONCURRENCY * 2 })
+async function fetchCall(url: string, body?: Uint8Array): Promise<{ status: number; bytes: number }> {
+  const r = await fetch(url, body ? putInit(body) : undefined)
+  return { status: r.status, bytes: await drain(r.body) }
+}
 function httpCall(url: string, body?: Uint8Array): Promise<{ status: number; bytes: number }> {
   return new Promise((resolve, reject) => {
     const req = httpRequest(
@@ -287,7 +309,7 @@ async function phase(side: Side, op: Op, ns: string): Promise<void> {
   })
 }
 
-const SIDES: Side[] = ['direct', 'gateway', 'bare']
+const SIDES: Side[] = gwB ? ['direct', 'gateway', 'bare', 'gatewayB'] : ['direct', 'gateway', 'bare']
 for (let rep = 0; rep < REPEATS; rep++) {
   const ns = `tp${rep}-${Date.now().toString(36)}`
   const order = SIDES.map((_, k) => SIDES[(k + rep) % SIDES.length]!)
@@ -318,7 +340,7 @@ const pairedRatio = (op: Op, side: Side) =>
 await cleanupThroughput()
 
 async function cleanupThroughput(): Promise<void> {
-  for (const prefix of ['direct/tp', 'bare/tp', 'bench/tp']) {
+  for (const prefix of ['direct/tp', 'bare/tp', 'bench/tp', 'bench/btp']) {
     for (;;) {
       const page = await direct.list(prefix, { limit: 1000 })
       if (page.entries.length === 0) break
@@ -456,7 +478,8 @@ const row = (op: Op, side: Side, label: string) => {
   ]
 }
 console.log(
-  `32 MiB chunk objects ×${OBJECTS}, concurrency ${CONCURRENCY}, median of ${REPEATS} rotated repeats ` +
+  `32 MiB chunk objects ×${OBJECTS}, concurrency ${CONCURRENCY}, median of ${REPEATS} rotated repeats, ` +
+    `proxies driven by ${FETCH_CLIENT ? 'fetch' : 'node:http'} ` +
     `(ratio: to the direct run of the same repeat); CPU in seconds per GiB moved`,
 )
 console.log(
@@ -465,9 +488,11 @@ console.log(
     row('put', 'direct', 'PUT direct S3 (SDK)'),
     row('put', 'gateway', 'PUT via gateway'),
     row('put', 'bare', 'PUT via bare pipe proxy'),
+    ...(gwB ? [row('put', 'gatewayB', 'PUT via gateway B')] : []),
     row('get', 'direct', 'GET direct S3 (SDK)'),
     row('get', 'gateway', 'GET via gateway'),
     row('get', 'bare', 'GET via bare pipe proxy'),
+    ...(gwB ? [row('get', 'gatewayB', 'GET via gateway B')] : []),
     [
       'GET via 307 presigned redirect',
       tp.getRedirect.toFixed(0),
@@ -569,7 +594,14 @@ const path = writeResult({
   date: new Date().toISOString(),
   machine: await machineLine(),
   command: 'node --import tsx bench/gateway.ts',
-  settings: { objects: OBJECTS, objectBytes: size, concurrency: CONCURRENCY, repeats: REPEATS },
+  settings: {
+    objects: OBJECTS,
+    objectBytes: size,
+    concurrency: CONCURRENCY,
+    repeats: REPEATS,
+    gatewayB: GATEWAY_B ?? null,
+    proxyClient: FETCH_CLIENT ? 'fetch' : 'node:http',
+  },
   throughputMiBps: tp,
   ratios: {
     put: putRatio,
@@ -642,6 +674,7 @@ console.log(`wrote ${path} and gateway.svg`)
 
 clientAgent.destroy()
 await gw.close()
+await gwB?.close()
 await gwRedirect.close()
 await bare.close()
 await gwStore.close()
