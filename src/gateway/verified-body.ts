@@ -41,75 +41,14 @@ export function iteratorSource(it: AsyncIterator<Uint8Array>): PieceSource {
   }
 }
 
-/**
- * The per-piece checks of a chunk upload, shared by the web-stream body below and
- * the Node adapter's stream fast path: push() each piece before passing it on
- * (throws a KvgateError on the first bad byte), finish() at the end of the body.
- */
-export interface BodyCheck {
-  push(piece: Uint8Array): void
-  finish(): ChunkHeader
-  readonly bytes: number
-}
-
-export function bodyCheck(opts: { keyHex: string; size: number; maxBytes: number }): BodyCheck {
-  const verifier = new ChunkVerifier({ maxBytes: opts.maxBytes })
-  let checkedHeader = false
-  return {
-    push(piece) {
-      try {
-        if (verifier.bytesSeen + piece.length > opts.size) {
-          throw new FormatError('ERR_FORMAT_BAD_FIELD', `body is longer than Content-Length ${opts.size}`)
-        }
-        verifier.push(piece)
-        const h = verifier.header
-        if (h && !checkedHeader) {
-          checkedHeader = true
-          const bodyKey = toHex(h.chainKey)
-          if (bodyKey !== opts.keyHex) {
-            throw new InvalidKeyError(`chunk header says key ${bodyKey}, the path says ${opts.keyHex}`)
-          }
-          if (h.totalBytes !== opts.size) {
-            throw new FormatError(
-              'ERR_FORMAT_BAD_FIELD',
-              `chunk header declares ${h.totalBytes} bytes, Content-Length is ${opts.size}`,
-            )
-          }
-        }
-      } catch (e) {
-        throw asBodyError(e)
-      }
-    },
-    finish() {
-      try {
-        return verifier.finish()
-      } catch (e) {
-        throw asBodyError(e)
-      }
-    },
-    get bytes() {
-      return verifier.bytesSeen
-    },
-  }
-}
-
-/** Any failure while reading a request body, as the KvgateError the client sees. */
-export function asBodyError(e: unknown): KvgateError {
-  return e instanceof KvgateError
-    ? e
-    : new KvgateError('ERR_INVALID_ARGUMENT', `request body failed: ${(e as Error).message}`, {
-        status: 400,
-        cause: e,
-      })
-}
-
 export function verifiedBody(
   reader: PieceSource,
   opts: { keyHex: string; size: number; maxBytes: number; idleTimeoutMs: number },
 ): VerifiedBody {
-  const check = bodyCheck(opts)
+  const verifier = new ChunkVerifier({ maxBytes: opts.maxBytes })
   let failure: unknown
   let header: ChunkHeader | undefined
+  let checkedHeader = false
   // One watchdog per body instead of a timer per piece: it re-arms itself for
   // the time left since the last piece and fires only after a real stall.
   let lastPiece = Date.now()
@@ -125,7 +64,11 @@ export function verifiedBody(
       // Only a read the client leaves unanswered counts; a store that is slow to pull does not.
       const idle = reading ? Date.now() - lastPiece : 0
       if (idle >= opts.idleTimeoutMs) {
-        stall(bodyStalled(opts.idleTimeoutMs))
+        stall(
+          new KvgateError('ERR_TIMEOUT', `request body stalled for ${opts.idleTimeoutMs} ms`, {
+            status: 408,
+          }),
+        )
       } else arm(opts.idleTimeoutMs - idle)
     }, ms)
   }
@@ -152,15 +95,37 @@ export function verifiedBody(
         try {
           const { done, value } = await readWithDeadline()
           if (done || !value) {
-            header = check.finish()
+            header = verifier.finish()
             disarm()
             c.close()
             return
           }
-          check.push(value)
+          verifier.push(value)
+          const h = verifier.header
+          if (h && !checkedHeader) {
+            checkedHeader = true
+            const bodyKey = toHex(h.chainKey)
+            if (bodyKey !== opts.keyHex) {
+              throw new InvalidKeyError(`chunk header says key ${bodyKey}, the path says ${opts.keyHex}`)
+            }
+            if (h.totalBytes !== opts.size) {
+              throw new FormatError(
+                'ERR_FORMAT_BAD_FIELD',
+                `chunk header declares ${h.totalBytes} bytes, Content-Length is ${opts.size}`,
+              )
+            }
+          }
           c.enqueue(value)
         } catch (e) {
-          fail(asBodyError(e), c)
+          fail(
+            e instanceof KvgateError
+              ? e
+              : new KvgateError('ERR_INVALID_ARGUMENT', `request body failed: ${(e as Error).message}`, {
+                  status: 400,
+                  cause: e,
+                }),
+            c,
+          )
         }
       },
       cancel(reason) {
@@ -172,9 +137,5 @@ export function verifiedBody(
     // instead of alternating (bounded: a few MiB per request).
     new ByteLengthQueuingStrategy({ highWaterMark: READ_AHEAD_BYTES }),
   )
-  return { stream, failure: () => failure, header: () => header, bytes: () => check.bytes }
-}
-
-export function bodyStalled(idleTimeoutMs: number): KvgateError {
-  return new KvgateError('ERR_TIMEOUT', `request body stalled for ${idleTimeoutMs} ms`, { status: 408 })
+  return { stream, failure: () => failure, header: () => header, bytes: () => verifier.bytesSeen }
 }

@@ -6,7 +6,6 @@ import type { AddressInfo } from 'node:net'
 import { createAdaptorServer } from '@hono/node-server'
 import type { Hono } from 'hono'
 import type { GatewayEnv } from '../env.ts'
-import { nodeIo } from './node-io.ts'
 
 export interface NodeServerOptions {
   /** @default '127.0.0.1' */
@@ -34,11 +33,7 @@ export async function serveGateway(
 ): Promise<RunningGateway> {
   const host = opts.host ?? '127.0.0.1'
   const server = createAdaptorServer({
-    // The env @hono/node-server passes ({ incoming, outgoing }) plus the stream fast path.
-    fetch: (req: Request, env: Record<string, unknown>) => {
-      env.nativeIo = nodeIo
-      return app.fetch(req, env)
-    },
+    fetch: app.fetch,
     // Requests the app does not read (an early 4xx on PUT) are drained/closed by the adapter.
     autoCleanupIncoming: true,
   }) as Server

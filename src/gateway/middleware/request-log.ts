@@ -16,7 +16,7 @@ export function requestLog(
     await next()
     const seconds = (performance.now() - t0) / 1000
     const route = c.req.routePath && c.req.routePath !== '/*' ? c.req.routePath : 'unmatched'
-    const status = c.get('sentStatus') ?? c.res.status
+    const status = c.res.status
     state.metrics.requests.inc({ route, method: c.req.method, status: String(status) })
     state.metrics.requestSeconds.observe(seconds, { route })
     if (logger) {

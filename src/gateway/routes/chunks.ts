@@ -12,7 +12,7 @@ import {
 } from '../../core/format.ts'
 import { assertKeyHex, assertNamespaceName, objectName } from '../../core/keys.ts'
 import type { GatewayState } from '../context.ts'
-import type { GatewayEnv, NativeIo } from '../env.ts'
+import type { GatewayEnv } from '../env.ts'
 import {
   badRequest,
   lengthRequired,
@@ -23,7 +23,7 @@ import {
 import { authorize, type Scope } from '../middleware/auth.ts'
 import { RangeNotSatisfiableError } from '../stores/errors.ts'
 import type { ByteRange, StoreObject } from '../stores/types.ts'
-import { bodyCheck, iteratorSource, type PieceSource, streamSource, verifiedBody } from '../verified-body.ts'
+import { iteratorSource, type PieceSource, streamSource, verifiedBody } from '../verified-body.ts'
 
 const PATH = '/v1/ns/:ns/chunks/:key'
 // Enough for the header of a 247-layer model in one ranged GET; larger ones take a second.
@@ -60,31 +60,20 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     // Known to exist: answer without moving the bytes again (the adapter drains them).
     const known = state.lookup.cached(name)
     if (known !== undefined) return existsAnswer(c, state, known, size)
-    const checkOpts = { keyHex: key, size, maxBytes: state.limits.maxChunkBytes }
-    const io = nativeIo(c)
-    // Fast path (Node + a store that takes Node streams): socket → verify → S3 as Node streams.
-    const native =
-      io && state.store.putIfAbsentNative
-        ? io.requestBody(c.env, bodyCheck(checkOpts), state.limits.bodyIdleTimeoutMs)
-        : undefined
+    const source = requestBodySource(c)
+    if (!source) throw badRequest('missing request body')
+    const vb = verifiedBody(source, {
+      keyHex: key,
+      size,
+      maxBytes: state.limits.maxChunkBytes,
+      idleTimeoutMs: state.limits.bodyIdleTimeoutMs,
+    })
     let result: 'created' | 'exists'
-    if (native) {
-      try {
-        result = await state.store.putIfAbsentNative!(name, native.body, size)
-      } catch (e) {
-        state.metrics.puts.inc({ result: 'rejected' })
-        throw native.failure() ?? e
-      }
-    } else {
-      const source = requestBodySource(c)
-      if (!source) throw badRequest('missing request body')
-      const vb = verifiedBody(source, { ...checkOpts, idleTimeoutMs: state.limits.bodyIdleTimeoutMs })
-      try {
-        result = await state.store.putIfAbsent(name, vb.stream, size)
-      } catch (e) {
-        state.metrics.puts.inc({ result: 'rejected' })
-        throw vb.failure() ?? e
-      }
+    try {
+      result = await state.store.putIfAbsent(name, vb.stream, size)
+    } catch (e) {
+      state.metrics.puts.inc({ result: 'rejected' })
+      throw vb.failure() ?? e
     }
     if (result === 'exists') {
       const head = await state.store.head(name)
@@ -146,15 +135,11 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       'content-length': String(obj.length),
       'accept-ranges': 'bytes',
     }
-    const status = range ? 206 : 200
-    if (range) headers['content-range'] = `bytes ${obj.offset}-${obj.offset + obj.length - 1}/${obj.size}`
-    const io = nativeIo(c)
-    if (io && obj.native !== undefined) {
-      // Fast path: the store's own stream straight into the response socket.
-      c.set('sentStatus', status)
-      return io.send(c.env, status, headers, obj.native)
+    if (range) {
+      headers['content-range'] = `bytes ${obj.offset}-${obj.offset + obj.length - 1}/${obj.size}`
+      return c.body(obj.body, 206, headers)
     }
-    return c.body(obj.body, status, headers)
+    return c.body(obj.body, 200, headers)
   })
 
   app.delete(PATH, async (c) => {
@@ -165,11 +150,6 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     if (!existed) throw notFound()
     return c.body(null, 204)
   })
-}
-
-function nativeIo(c: Context<GatewayEnv>): NativeIo | undefined {
-  const io = (c.env as { nativeIo?: NativeIo } | undefined)?.nativeIo
-  return io && typeof io.send === 'function' ? io : undefined
 }
 
 /**

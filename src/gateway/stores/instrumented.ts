@@ -42,14 +42,6 @@ export function instrumentStore(store: ObjectStore, metrics: GatewayMetrics): Ob
         () => 'ok',
       ),
   }
-  if (store.putIfAbsentNative) {
-    wrapped.putIfAbsentNative = (name, body, size) =>
-      timed(
-        'put',
-        () => store.putIfAbsentNative!(name, body, size),
-        (r) => r,
-      )
-  }
   if (store.presignGet) wrapped.presignGet = (name, s) => store.presignGet!(name, s)
   if (store.stats) wrapped.stats = () => store.stats!()
   if (store.close) wrapped.close = () => store.close!()

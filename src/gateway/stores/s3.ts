@@ -124,24 +124,13 @@ export class S3Store implements ObjectStore {
         offset = Number(m[1])
         size = Number(m[3])
       }
-      const src = res.Body
-      if (src instanceof Readable) {
-        // The web view is built only when asked for: the Node adapter pipes `native`.
-        let web: ReadableStream<Uint8Array> | undefined
-        return {
-          get body() {
-            web ??= webStream(src)
-            return web
-          },
-          native: src,
-          size,
-          offset,
-          length,
-        }
-      }
-      const body = src
-        ? (src.transformToWebStream() as ReadableStream<Uint8Array>)
-        : new ReadableStream<Uint8Array>({ start: (c) => c.close() })
+      // Buffer a few MiB ahead of the client so S3 reads and client writes overlap.
+      const body =
+        res.Body instanceof Readable
+          ? webStream(res.Body)
+          : res.Body
+            ? (res.Body.transformToWebStream() as ReadableStream<Uint8Array>)
+            : new ReadableStream<Uint8Array>({ start: (c) => c.close() })
       return { body, size, offset, length }
     } catch (e) {
       if (isNotFound(e)) return undefined
@@ -170,33 +159,22 @@ export class S3Store implements ObjectStore {
     size: number,
   ): Promise<PutResult> {
     if (size > this.#multipartThreshold) return this.#putMultipart(name, body, size)
-    if (body instanceof Uint8Array) return this.#putObject(name, body, size)
-    const readable = Readable.from(exactly(body, size), {
-      objectMode: false,
-      highWaterMark: READ_AHEAD_BYTES,
-    })
-    return this.#putObject(name, readable, size)
-  }
-
-  /** A Node Readable body, passed to the SDK as is: it must error rather than end short. */
-  async putIfAbsentNative(name: string, body: unknown, size: number): Promise<PutResult> {
-    if (!(body instanceof Readable)) throw new TypeError('S3Store.putIfAbsentNative takes a Node Readable')
-    if (size > this.#multipartThreshold)
-      return this.#putMultipart(name, Readable.toWeb(body) as ReadableStream<Uint8Array>, size)
-    return this.#putObject(name, body, size)
-  }
-
-  async #putObject(name: string, Body: Uint8Array | Readable, size: number): Promise<PutResult> {
     // A body stream that errors (failed verification, client gone) must abort the
     // upload, or the SDK would wait on a request that never ends; S3 then drops it.
     const abort = new AbortController()
     let bodyError: unknown
-    if (Body instanceof Readable) {
-      if (Body.errored) throw Body.errored
-      Body.once('error', (e) => {
+    let Body: Uint8Array | Readable
+    if (body instanceof Uint8Array) Body = body
+    else {
+      const readable = Readable.from(exactly(body, size), {
+        objectMode: false,
+        highWaterMark: READ_AHEAD_BYTES,
+      })
+      readable.once('error', (e) => {
         bodyError = e
         abort.abort(e)
       })
+      Body = readable
     }
     try {
       await this.client.send(

@@ -12,11 +12,6 @@ export interface StoreObject {
   /** First byte served and number of bytes in `body`. */
   offset: number
   length: number
-  /**
-   * The runtime's own stream behind `body` (Node: a Readable), for an adapter that
-   * can send it without the web-stream view. Read one or the other, never both.
-   */
-  native?: unknown
 }
 
 export interface StoreEntry {
@@ -44,11 +39,6 @@ export interface ObjectStore {
    * leaves nothing behind. Resolves 'exists' without overwriting.
    */
   putIfAbsent(name: string, body: ReadableStream<Uint8Array> | Uint8Array, size: number): Promise<PutResult>
-  /**
-   * putIfAbsent for a runtime-native body stream (Node: a Readable, from
-   * NativeIo.requestBody) that errors rather than ending short of `size`.
-   */
-  putIfAbsentNative?(name: string, body: unknown, size: number): Promise<PutResult>
   /** Removes the object; resolves false when there was none. */
   delete(name: string): Promise<boolean>
   /** One page of objects under `prefix`, in name order. */
