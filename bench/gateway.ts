@@ -179,7 +179,8 @@ async function drain(body: ReadableStream<Uint8Array> | null | undefined): Promi
 // fresher RGW); figures are medians over repeats. Every phase also records the
 // CPU seconds each party spent per GiB moved: this client, the proxy process
 // and the Ceph processes (RGW, OSD, mon). On a 2-core machine that sum, not any
-// one process, is what caps throughput. Objects are deleted only after the last
+// one process, is what caps throughput: "CPU-bound ratio" (direct total / path
+// total) is the ratio to expect when the cores are the bottleneck. Objects are deleted only after the last
 // repeat so RGW's garbage collection (freed tails) never runs inside a phase.
 const chunks = Array.from({ length: OBJECTS }, () => makeChunk({ layers: 32, sectionBytes: CHUNK / 32 }))
 const size = chunks[0]!.bytes.length
@@ -471,6 +472,8 @@ const row = (op: Op, side: Side, label: string) => {
     label,
     med(k, 'mibps').toFixed(0),
     side === 'direct' ? '1.00' : pairedRatio(op, side).toFixed(2),
+    // If the cores are the bottleneck, throughput goes as 1 / total CPU per GiB.
+    cephPids.length ? (med(`${op}-direct`, 'total') / med(k, 'total')).toFixed(2) : '?',
     med(k, 'client').toFixed(2),
     side === 'direct' ? '-' : med(k, 'proxy').toFixed(2),
     cephPids.length ? med(k, 'ceph').toFixed(2) : '?',
@@ -484,7 +487,7 @@ console.log(
 )
 console.log(
   table([
-    ['path', 'MiB/s', 'vs direct', 'client CPU', 'proxy CPU', 'Ceph CPU', 'total CPU'],
+    ['path', 'MiB/s', 'vs direct', 'CPU-bound ratio', 'client CPU', 'proxy CPU', 'Ceph CPU', 'total CPU'],
     row('put', 'direct', 'PUT direct S3 (SDK)'),
     row('put', 'gateway', 'PUT via gateway'),
     row('put', 'bare', 'PUT via bare pipe proxy'),
@@ -497,6 +500,7 @@ console.log(
       'GET via 307 presigned redirect',
       tp.getRedirect.toFixed(0),
       (tp.getRedirect / tp.getDirect).toFixed(2),
+      '',
       '',
       '',
       '',
