@@ -5,7 +5,8 @@
 // Run: node --import tsx bench/gateway.ts   (starts its own RGW unless KVGATE_RGW_* is set)
 
 import { spawn } from 'node:child_process'
-import { readFileSync, writeFileSync } from 'node:fs'
+import { readdirSync, readFileSync, writeFileSync } from 'node:fs'
+import { Agent, request as httpRequest } from 'node:http'
 import { cpus, loadavg } from 'node:os'
 import { join } from 'node:path'
 import { createInterface } from 'node:readline'
@@ -21,7 +22,7 @@ const MIB = 1024 * 1024
 const CHUNK = 32 * MIB
 const OBJECTS = Number(process.env.BENCH_OBJECTS ?? 8)
 const CONCURRENCY = Number(process.env.BENCH_CONCURRENCY ?? 4)
-const REPEATS = Number(process.env.BENCH_REPEATS ?? 3)
+const REPEATS = Number(process.env.BENCH_REPEATS ?? 5)
 
 const rgw = rgwFromEnv() ?? (await startRgw({ bucket: 'kvgate-bench' }))
 const storeOpts = {
@@ -37,6 +38,10 @@ const gwStore = new S3Store(storeOpts) // for in-process lookups (cold cache per
 const gw = await startServe()
 // A second one answers large GETs with 307 to a presigned RGW URL (bytes bypass it).
 const gwRedirect = await startServe(['--presign-min-bytes', String(16 * 1024 * 1024)])
+// Optional A/B: BENCH_GATEWAY_B=<another checkout's src/cli/main.ts> adds that build
+// as a fourth path, measured in the same rotated repeats (e.g. main vs a branch).
+const GATEWAY_B = process.env.BENCH_GATEWAY_B
+const gwB = GATEWAY_B ? await startServe([], GATEWAY_B) : undefined
 // The floor: a bare Node pipe proxy (no verification, no web streams) in its own process.
 const bare = await startBareProxy()
 console.error(
@@ -82,10 +87,25 @@ function cpuSeconds(pid: number): number {
   }
 }
 
+/** The Ceph daemons behind the RGW (pid files of a private one, or KVGATE_RGW_DIR); [] if unknown. */
+function findCephPids(): number[] {
+  const dir = rgw.dir ?? process.env.KVGATE_RGW_DIR
+  if (!dir) return []
+  const run = join(dir, 'run')
+  try {
+    return readdirSync(run)
+      .filter((f) => f.endsWith('.pid'))
+      .map((f) => Number(readFileSync(join(run, f), 'utf8').trim()))
+      .filter((pid) => Number.isInteger(pid) && pid > 0)
+  } catch {
+    return []
+  }
+}
+
 async function startServe(
   extra: string[] = [],
+  main = new URL('../src/cli/main.ts', import.meta.url).pathname,
 ): Promise<{ url: string; pid: number; close(): Promise<void> }> {
-  const main = new URL('../src/cli/main.ts', import.meta.url).pathname
   const proc = spawn(
     process.execPath,
     [
@@ -154,123 +174,181 @@ async function drain(body: ReadableStream<Uint8Array> | null | undefined): Promi
 }
 
 // ---------------------------------------------------------------- throughput
+// Each repeat runs PUT then GET for the three paths — direct SDK, gateway, bare
+// pipe proxy — in an order rotated per repeat (none always runs first on a
+// fresher RGW); figures are medians over repeats. Every phase also records the
+// CPU seconds each party spent per GiB moved: this client, the proxy process
+// and the Ceph processes (RGW, OSD, mon). On a 2-core machine that sum, not any
+// one process, is what caps throughput: "CPU-bound ratio" (direct total / path
+// total) is the ratio to expect when the cores are the bottleneck. Objects are deleted only after the last
+// repeat so RGW's garbage collection (freed tails) never runs inside a phase.
 const chunks = Array.from({ length: OBJECTS }, () => makeChunk({ layers: 32, sectionBytes: CHUNK / 32 }))
 const size = chunks[0]!.bytes.length
 const mbps = (bytes: number, ms: number) => bytes / MIB / (ms / 1000)
-const through = {
-  putGateway: [] as number[],
-  putDirect: [] as number[],
-  getGateway: [] as number[],
-  getDirect: [] as number[],
-  getRedirect: [] as number[],
-  putBare: [] as number[],
-  getBare: [] as number[],
+const GIB_MOVED = (OBJECTS * size) / 1024 ** 3
+type Side = 'direct' | 'gateway' | 'bare' | 'gatewayB'
+type Op = 'put' | 'get'
+interface PhaseSample {
+  mibps: number
+  /** CPU seconds per GiB: this client, the proxy process (none for direct), Ceph, all three. */
+  client: number
+  proxy: number
+  ceph: number
+  total: number
 }
-// Gateway CPU seconds per GiB moved (independent of how loaded the machine is).
-const cpuPerGiB = { put: [] as number[], get: [] as number[] }
-const bareCpuPerGiB = { put: [] as number[], get: [] as number[] }
-// The direct client's own CPU per GiB (this process does nothing else meanwhile).
-const directCpuPerGiB = { put: [] as number[], get: [] as number[] }
+const samples: Record<`${Op}-${Side}`, PhaseSample[]> = {
+  'put-direct': [],
+  'put-gateway': [],
+  'put-bare': [],
+  'get-direct': [],
+  'get-gateway': [],
+  'get-bare': [],
+  'put-gatewayB': [],
+  'get-gatewayB': [],
+}
+const getRedirect: number[] = []
 const selfCpu = () => {
   const u = process.cpuUsage()
   return (u.user + u.system) / 1e6
 }
-const GIB_MOVED = (OBJECTS * CHUNK) / 1024 ** 3
+const cephPids = findCephPids()
+const cephCpu = () => cephPids.reduce((a, pid) => a + cpuSeconds(pid), 0)
+const proxyPid: Record<Side, number | undefined> = {
+  direct: undefined,
+  gateway: gw.pid,
+  bare: bare.pid,
+  gatewayB: gwB?.pid,
+}
+const directKey = (ns: string, i: number) => `direct/${ns}/${chunks[i]!.key}`
 
-for (let rep = 0; rep < REPEATS; rep++) {
-  const ns = `tp${rep}`
-  // Direct and gateway alternate order per repeat so neither always runs on a warmer RGW.
-  const order = rep % 2 === 0 ? ['direct', 'gateway'] : ['gateway', 'direct']
-  for (const who of order) {
-    const t = performance.now()
-    if (who === 'direct') {
-      const cpu0 = selfCpu()
-      await pool(OBJECTS, CONCURRENCY, (i) =>
-        direct.client.send(
-          new PutObjectCommand({
-            Bucket: rgw.bucket,
-            Key: `direct/${ns}/${chunks[i]!.key}`,
-            Body: chunks[i]!.bytes,
-            ContentLength: size,
-            IfNoneMatch: '*',
-          }),
-        ),
+async function transfer(side: Side, op: Op, ns: string, i: number): Promise<void> {
+  const c = chunks[i]!
+  if (side === 'direct') {
+    if (op === 'put') {
+      await direct.client.send(
+        new PutObjectCommand({
+          Bucket: rgw.bucket,
+          Key: directKey(ns, i),
+          Body: c.bytes,
+          ContentLength: size,
+          IfNoneMatch: '*',
+        }),
       )
-      through.putDirect.push(mbps(size * OBJECTS, performance.now() - t))
-      directCpuPerGiB.put.push((selfCpu() - cpu0) / GIB_MOVED)
     } else {
-      const cpu0 = cpuSeconds(gw.pid)
-      await pool(OBJECTS, CONCURRENCY, async (i) => {
-        const r = await fetch(`${gw.url}/v1/ns/${ns}/chunks/${chunks[i]!.key}`, putInit(chunks[i]!.bytes))
-        if (r.status !== 201) throw new Error(`gateway PUT ${r.status} ${await r.text()}`)
-      })
-      through.putGateway.push(mbps(size * OBJECTS, performance.now() - t))
-      cpuPerGiB.put.push((cpuSeconds(gw.pid) - cpu0) / GIB_MOVED)
+      const r = await direct.client.send(new GetObjectCommand({ Bucket: rgw.bucket, Key: directKey(ns, i) }))
+      if ((await drain(r.Body!.transformToWebStream() as ReadableStream<Uint8Array>)) !== size)
+        throw new Error('short direct GET')
     }
+    return
   }
-  for (const who of order) {
-    const t = performance.now()
-    if (who === 'direct') {
-      const cpu0 = selfCpu()
-      await pool(OBJECTS, CONCURRENCY, async (i) => {
-        const r = await direct.client.send(
-          new GetObjectCommand({ Bucket: rgw.bucket, Key: `direct/${ns}/${chunks[i]!.key}` }),
-        )
-        const n = await drain(r.Body!.transformToWebStream() as ReadableStream<Uint8Array>)
-        if (n !== size) throw new Error('short direct GET')
-      })
-      through.getDirect.push(mbps(size * OBJECTS, performance.now() - t))
-      directCpuPerGiB.get.push((selfCpu() - cpu0) / GIB_MOVED)
-    } else {
-      const cpu0 = cpuSeconds(gw.pid)
-      await pool(OBJECTS, CONCURRENCY, async (i) => {
-        const r = await fetch(`${gw.url}/v1/ns/${ns}/chunks/${chunks[i]!.key}`)
-        const n = await drain(r.body)
-        if (n !== size) throw new Error(`short gateway GET ${r.status}`)
-      })
-      through.getGateway.push(mbps(size * OBJECTS, performance.now() - t))
-      cpuPerGiB.get.push((cpuSeconds(gw.pid) - cpu0) / GIB_MOVED)
-    }
-  }
-  {
-    const t = performance.now()
-    await pool(OBJECTS, CONCURRENCY, async (i) => {
-      const r = await fetch(`${gwRedirect.url}/v1/ns/${ns}/chunks/${chunks[i]!.key}`)
-      const n = await drain(r.body)
-      if (n !== size || !r.redirected) throw new Error(`redirected GET ${r.status} ${r.redirected}`)
-    })
-    through.getRedirect.push(mbps(size * OBJECTS, performance.now() - t))
-  }
-  {
-    let cpu0 = cpuSeconds(bare.pid)
-    let t = performance.now()
-    await pool(OBJECTS, CONCURRENCY, async (i) => {
-      const r = await fetch(`${bare.url}/k/bare/${ns}/${chunks[i]!.key}`, putInit(chunks[i]!.bytes))
-      await r.arrayBuffer()
-      if (r.status !== 200) throw new Error(`bare PUT ${r.status}`)
-    })
-    through.putBare.push(mbps(size * OBJECTS, performance.now() - t))
-    bareCpuPerGiB.put.push((cpuSeconds(bare.pid) - cpu0) / GIB_MOVED)
-    cpu0 = cpuSeconds(bare.pid)
-    t = performance.now()
-    await pool(OBJECTS, CONCURRENCY, async (i) => {
-      const r = await fetch(`${bare.url}/k/bare/${ns}/${chunks[i]!.key}`)
-      if ((await drain(r.body)) !== size) throw new Error(`bare GET ${r.status}`)
-    })
-    through.getBare.push(mbps(size * OBJECTS, performance.now() - t))
-    bareCpuPerGiB.get.push((cpuSeconds(bare.pid) - cpu0) / GIB_MOVED)
-  }
-  // Free RGW's memstore between repeats.
-  await pool(OBJECTS, 8, async (i) => {
-    await direct.delete(`direct/${ns}/${chunks[i]!.key}`)
-    await direct.delete(`bare/${ns}/${chunks[i]!.key}`)
-    await direct.delete(`bench/${ns}/${chunks[i]!.key.slice(0, 2)}/${chunks[i]!.key}`)
+  const url =
+    side === 'bare'
+      ? `${bare.url}/k/bare/${ns}/${c.key}`
+      : `${(side === 'gatewayB' ? gwB! : gw).url}/v1/ns/${side === 'gatewayB' ? `b${ns}` : ns}/chunks/${c.key}`
+  const r = FETCH_CLIENT
+    ? await fetchCall(url, op === 'put' ? c.bytes : undefined)
+    : await httpCall(url, op === 'put' ? c.bytes : undefined)
+  if (op === 'put' && r.status !== (side === 'bare' ? 200 : 201))
+    throw new Error(`${side} PUT ${r.status} ${r.bytes}`)
+  if (op === 'get' && r.bytes !== size) throw new Error(`short ${side} GET ${r.status}`)
+}
+
+// The proxies' load generator speaks node:http over keep-alive sockets, as the
+// SDK's handler does for the direct runs: the client library is then the same
+// on both sides. (Node's fetch spent ~3 CPU-s per GiB sent — 4× the SDK — and on
+// two shared cores that cost lands on the proxy's throughput, not the client's.)
+// BENCH_PROXY_CLIENT=fetch drives the proxies with Node's fetch instead (it sends and
+// reads smaller pieces: the case where the gateway's per-piece costs show).
+const FETCH_CLIENT = process.env.BENCH_PROXY_CLIENT === 'fetch'
+const clientAgent = new Agent({ keepAlive: true, maxSockets: CONCURRENCY * 2 })
+async function fetchCall(url: string, body?: Uint8Array): Promise<{ status: number; bytes: number }> {
+  const r = await fetch(url, body ? putInit(body) : undefined)
+  return { status: r.status, bytes: await drain(r.body) }
+}
+function httpCall(url: string, body?: Uint8Array): Promise<{ status: number; bytes: number }> {
+  return new Promise((resolve, reject) => {
+    const req = httpRequest(
+      url,
+      {
+        method: body ? 'PUT' : 'GET',
+        agent: clientAgent,
+        headers: body
+          ? { 'content-type': 'application/octet-stream', 'content-length': String(body.length) }
+          : {},
+      },
+      (res) => {
+        let bytes = 0
+        res.on('data', (piece: Buffer) => {
+          bytes += piece.length
+        })
+        res.once('end', () => resolve({ status: res.statusCode ?? 0, bytes }))
+        res.once('error', reject)
+      },
+    )
+    req.once('error', reject)
+    req.end(body)
   })
 }
-const tp = Object.fromEntries(Object.entries(through).map(([k, v]) => [k, median(v)])) as Record<
-  keyof typeof through,
-  number
->
+
+async function phase(side: Side, op: Op, ns: string): Promise<void> {
+  const pid = proxyPid[side]
+  const c0 = selfCpu()
+  const p0 = pid ? cpuSeconds(pid) : 0
+  const s0 = cephCpu()
+  const t = performance.now()
+  await pool(OBJECTS, CONCURRENCY, (i) => transfer(side, op, ns, i))
+  const ms = performance.now() - t
+  const client = (selfCpu() - c0) / GIB_MOVED
+  const proxy = pid ? (cpuSeconds(pid) - p0) / GIB_MOVED : 0
+  const ceph = (cephCpu() - s0) / GIB_MOVED
+  samples[`${op}-${side}`].push({
+    mibps: mbps(size * OBJECTS, ms),
+    client,
+    proxy,
+    ceph,
+    total: client + proxy + ceph,
+  })
+}
+
+const SIDES: Side[] = gwB ? ['direct', 'gateway', 'bare', 'gatewayB'] : ['direct', 'gateway', 'bare']
+for (let rep = 0; rep < REPEATS; rep++) {
+  const ns = `tp${rep}-${Date.now().toString(36)}`
+  const order = SIDES.map((_, k) => SIDES[(k + rep) % SIDES.length]!)
+  for (const side of order) await phase(side, 'put', ns)
+  for (const side of order) await phase(side, 'get', ns)
+  const t = performance.now()
+  await pool(OBJECTS, CONCURRENCY, async (i) => {
+    const r = await fetch(`${gwRedirect.url}/v1/ns/${ns}/chunks/${chunks[i]!.key}`)
+    const n = await drain(r.body)
+    if (n !== size || !r.redirected) throw new Error(`redirected GET ${r.status} ${r.redirected}`)
+  })
+  getRedirect.push(mbps(size * OBJECTS, performance.now() - t))
+}
+const med = (k: `${Op}-${Side}`, f: keyof PhaseSample) => median(samples[k].map((x) => x[f]))
+const tp = {
+  putGateway: med('put-gateway', 'mibps'),
+  putDirect: med('put-direct', 'mibps'),
+  putBare: med('put-bare', 'mibps'),
+  getGateway: med('get-gateway', 'mibps'),
+  getDirect: med('get-direct', 'mibps'),
+  getBare: med('get-bare', 'mibps'),
+  getRedirect: median(getRedirect),
+}
+// Paired ratios (gateway vs the direct run of the same repeat), then the median.
+const pairedRatio = (op: Op, side: Side) =>
+  median(samples[`${op}-${side}`].map((x, k) => x.mibps / samples[`${op}-direct`][k]!.mibps))
+// Free RGW's memstore after the last throughput phase, so its GC overlaps none of them.
+await cleanupThroughput()
+
+async function cleanupThroughput(): Promise<void> {
+  for (const prefix of ['direct/tp', 'bare/tp', 'bench/tp', 'bench/btp']) {
+    for (;;) {
+      const page = await direct.list(prefix, { limit: 1000 })
+      if (page.entries.length === 0) break
+      await pool(page.entries.length, 8, (i) => direct.delete(page.entries[i]!.name))
+    }
+  }
+}
 
 // ---------------------------------------------------------------- lookup
 const chain = makeChain(512, { layers: 2, sectionBytes: 64 })
@@ -386,48 +464,54 @@ const coldMs = median(cold.map((c) => c.ms))
 const coldRounds = Math.max(...cold.map((c) => c.rounds))
 const coldNsRounds = Math.max(...coldNoSizes.map((c) => c.rounds))
 const warmMs = median(warm)
-const putRatio = tp.putGateway / tp.putDirect
-const getRatio = tp.getGateway / tp.getDirect
+const putRatio = pairedRatio('put', 'gateway')
+const getRatio = pairedRatio('get', 'gateway')
+const row = (op: Op, side: Side, label: string) => {
+  const k = `${op}-${side}` as const
+  return [
+    label,
+    med(k, 'mibps').toFixed(0),
+    side === 'direct' ? '1.00' : pairedRatio(op, side).toFixed(2),
+    // If the cores are the bottleneck, throughput goes as 1 / total CPU per GiB.
+    cephPids.length ? (med(`${op}-direct`, 'total') / med(k, 'total')).toFixed(2) : '?',
+    med(k, 'client').toFixed(2),
+    side === 'direct' ? '-' : med(k, 'proxy').toFixed(2),
+    cephPids.length ? med(k, 'ceph').toFixed(2) : '?',
+    cephPids.length ? med(k, 'total').toFixed(2) : '?',
+  ]
+}
+console.log(
+  `32 MiB chunk objects ×${OBJECTS}, concurrency ${CONCURRENCY}, median of ${REPEATS} rotated repeats, ` +
+    `proxies driven by ${FETCH_CLIENT ? 'fetch' : 'node:http'} ` +
+    `(ratio: to the direct run of the same repeat); CPU in seconds per GiB moved`,
+)
 console.log(
   table([
-    ['measure', 'gateway', 'direct S3 (same SDK)', 'ratio'],
+    ['path', 'MiB/s', 'vs direct', 'CPU-bound ratio', 'client CPU', 'proxy CPU', 'Ceph CPU', 'total CPU'],
+    row('put', 'direct', 'PUT direct S3 (SDK)'),
+    row('put', 'gateway', 'PUT via gateway'),
+    row('put', 'bare', 'PUT via bare pipe proxy'),
+    ...(gwB ? [row('put', 'gatewayB', 'PUT via gateway B')] : []),
+    row('get', 'direct', 'GET direct S3 (SDK)'),
+    row('get', 'gateway', 'GET via gateway'),
+    row('get', 'bare', 'GET via bare pipe proxy'),
+    ...(gwB ? [row('get', 'gatewayB', 'GET via gateway B')] : []),
     [
-      `PUT 32 MiB ×${OBJECTS}, conc ${CONCURRENCY} (MiB/s)`,
-      tp.putGateway.toFixed(0),
-      tp.putDirect.toFixed(0),
-      putRatio.toFixed(2),
-    ],
-    [
-      `GET 32 MiB ×${OBJECTS}, conc ${CONCURRENCY} (MiB/s)`,
-      tp.getGateway.toFixed(0),
-      tp.getDirect.toFixed(0),
-      getRatio.toFixed(2),
-    ],
-    [
-      'PUT through a bare Node pipe proxy (MiB/s)',
-      tp.putBare.toFixed(0),
-      tp.putDirect.toFixed(0),
-      (tp.putBare / tp.putDirect).toFixed(2),
-    ],
-    [
-      'GET through a bare Node pipe proxy (MiB/s)',
-      tp.getBare.toFixed(0),
-      tp.getDirect.toFixed(0),
-      (tp.getBare / tp.getDirect).toFixed(2),
-    ],
-    [
-      'GET via 307 presigned redirect (MiB/s)',
+      'GET via 307 presigned redirect',
       tp.getRedirect.toFixed(0),
-      tp.getDirect.toFixed(0),
       (tp.getRedirect / tp.getDirect).toFixed(2),
+      '',
+      '',
+      '',
+      '',
+      '',
     ],
   ]),
 )
 console.log(
-  `CPU seconds per GiB: gateway process PUT ${median(cpuPerGiB.put).toFixed(2)} / GET ${median(cpuPerGiB.get).toFixed(2)}; ` +
-    `bare pipe proxy PUT ${median(bareCpuPerGiB.put).toFixed(2)} / GET ${median(bareCpuPerGiB.get).toFixed(2)}; ` +
-    `direct SDK client PUT ${median(directCpuPerGiB.put).toFixed(2)} / GET ${median(directCpuPerGiB.get).toFixed(2)} ` +
-    `(load average ${loadavg()[0]!.toFixed(1)} on ${cpus().length} cores)`,
+  `load average ${loadavg()
+    .map((x) => x.toFixed(1))
+    .join(' ')} on ${cpus().length} cores`,
 )
 console.log()
 console.log(
@@ -514,19 +598,34 @@ const path = writeResult({
   date: new Date().toISOString(),
   machine: await machineLine(),
   command: 'node --import tsx bench/gateway.ts',
-  settings: { objects: OBJECTS, objectBytes: size, concurrency: CONCURRENCY, repeats: REPEATS },
-  throughputMiBps: { ...tp, samples: through },
-  gatewayCpuSecondsPerGiB: { put: median(cpuPerGiB.put), get: median(cpuPerGiB.get), samples: cpuPerGiB },
-  bareProxyCpuSecondsPerGiB: {
-    put: median(bareCpuPerGiB.put),
-    get: median(bareCpuPerGiB.get),
-    samples: bareCpuPerGiB,
+  settings: {
+    objects: OBJECTS,
+    objectBytes: size,
+    concurrency: CONCURRENCY,
+    repeats: REPEATS,
+    gatewayB: GATEWAY_B ?? null,
+    proxyClient: FETCH_CLIENT ? 'fetch' : 'node:http',
   },
-  directClientCpuSecondsPerGiB: {
-    put: median(directCpuPerGiB.put),
-    get: median(directCpuPerGiB.get),
-    samples: directCpuPerGiB,
+  throughputMiBps: tp,
+  ratios: {
+    put: putRatio,
+    get: getRatio,
+    putBare: pairedRatio('put', 'bare'),
+    getBare: pairedRatio('get', 'bare'),
   },
+  /** Per phase: MiB/s and CPU s/GiB of this client, the proxy process, Ceph (RGW+OSD+mon), their sum. */
+  phases: samples,
+  cpuSecondsPerGiB: Object.fromEntries(
+    Object.keys(samples).map((k) => [
+      k,
+      {
+        client: med(k as `${Op}-${Side}`, 'client'),
+        proxy: med(k as `${Op}-${Side}`, 'proxy'),
+        ceph: med(k as `${Op}-${Side}`, 'ceph'),
+        total: med(k as `${Op}-${Side}`, 'total'),
+      },
+    ]),
+  ),
   loadAverage: loadavg(),
   lookup: {
     headRttMs: rtt,
@@ -577,7 +676,9 @@ for (const b of bars)
   console.log(`${b.met ? 'MET ' : 'MISS'}  ${b.bar}: ${b.figure.toFixed(2)} ${b.unit} (target ${b.target})`)
 console.log(`wrote ${path} and gateway.svg`)
 
+clientAgent.destroy()
 await gw.close()
+await gwB?.close()
 await gwRedirect.close()
 await bare.close()
 await gwStore.close()
