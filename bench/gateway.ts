@@ -35,7 +35,7 @@ const direct = new S3Store(storeOpts) // its client is "the same SDK" with the s
 const gwStore = new S3Store(storeOpts) // for in-process lookups (cold cache per app)
 // The gateway runs as its own process (`kvgate serve`), as deployed: the load
 // generator must not share its event loop.
-const gw = await startServe()
+const gw = await startServe(['--presign-min-bytes', 'off']) // every byte through the gateway
 // A second one answers large GETs with 307 to a presigned RGW URL (bytes bypass it).
 const gwRedirect = await startServe(['--presign-min-bytes', String(16 * 1024 * 1024)])
 // Optional A/B: BENCH_GATEWAY_B=<another checkout's src/cli/main.ts> adds that build

@@ -42,6 +42,19 @@ describe('serve config', () => {
     expect(c.tokens).toHaveLength(1)
   })
 
+  it('redirects large S3 GETs to presigned URLs by default; never for fs; off on request', () => {
+    const s3 = { store: 's3', s3Bucket: 'b', s3Endpoint: 'http://x:1' } as const
+    expect(resolveServeConfig(s3).presign).toEqual({ minBytes: 8 * 1024 * 1024, expiresSeconds: 60 })
+    expect(resolveServeConfig({ ...s3, presignMinBytes: 'off' }).presign).toBeUndefined()
+    expect(resolveServeConfig({ ...s3, presignMinBytes: '1024' }).presign?.minBytes).toBe(1024)
+    expect(resolveServeConfig().presign).toBeUndefined()
+    expect(
+      resolveServeConfig(
+        settingsFromEnv({ KVGATE_STORE: 's3', KVGATE_S3_BUCKET: 'b', KVGATE_PRESIGN_MIN_BYTES: 'off' }),
+      ).presign,
+    ).toBeUndefined()
+  })
+
   it('refuses a non-loopback bind without tokens unless --insecure', () => {
     expect(() => resolveServeConfig({ host: '0.0.0.0' })).toThrow(/refusing/)
     expect(resolveServeConfig({ host: '0.0.0.0', insecure: true }).host).toBe('0.0.0.0')

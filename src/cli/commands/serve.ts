@@ -35,7 +35,8 @@ Options (flags override KVGATE_* env vars, which override the config file):
       --s3-endpoint URL      S3-compatible endpoint (RadosGW, MinIO, R2...)
       --s3-region REGION     [us-east-1]
       --s3-path-style        path-style URLs (default on when an endpoint is set)
-      --presign-min-bytes N  answer GETs of objects >= N bytes with 307 to a presigned URL (s3)
+      --presign-min-bytes N  answer GETs of objects >= N bytes with 307 to a presigned URL
+                             (s3 store; default 8388608; 'off' proxies every byte)
       --max-chunk-bytes N    largest chunk accepted [536870912]
       --log LEVEL            info | warn | error | silent [info]
       --insecure             allow a non-loopback bind without tokens
@@ -52,7 +53,7 @@ Config file:
   port: 8787
   prefix: kvgate
   store: { kind: s3, s3: { bucket: kv, endpoint: http://127.0.0.1:7480, region: us-east-1 } }
-  presign: { minBytes: 33554432, expiresSeconds: 60 }
+  presign: { minBytes: 8388608, expiresSeconds: 60 }   # s3 default; minBytes: off to proxy all
   auth:
     tokens:
       - { name: fleet, sha256: <kvgate serve --hash-token ...>, scopes: write, namespaces: [prod] }
