@@ -278,7 +278,7 @@ async function benchL4() {
   mkdirSync(storeDir)
   const server = spawn(
     process.execPath,
-    ['--import', 'tsx', join(import.meta.dirname, 'client-gateway-server.ts'), storeDir],
+    ['--import', 'tsx', join(import.meta.dirname, 'lib', 'client-gateway-server.ts'), storeDir],
     {
       stdio: ['ignore', 'pipe', 'inherit'],
     },

@@ -2,7 +2,7 @@
 // writes bench/results/fuzz-codec.json. Usage: node --import tsx bench/fuzz-codec.ts [iterations] [seed]
 
 import { mkdirSync, writeFileSync } from 'node:fs'
-import { fuzzCodec } from './fuzz-codec-lib.ts'
+import { fuzzCodec } from './lib/fuzz-codec.ts'
 
 const iterations = Number(process.argv[2] ?? 100_000)
 const seed = Number(process.argv[3] ?? 20261121)

@@ -49,7 +49,7 @@ console.error(
 )
 
 async function startBareProxy(): Promise<{ url: string; pid: number; close(): Promise<void> }> {
-  const file = new URL('./gateway-bare-proxy.ts', import.meta.url).pathname
+  const file = new URL('./lib/gateway-bare-proxy.ts', import.meta.url).pathname
   const proc = spawn(process.execPath, ['--import', 'tsx', file], {
     stdio: ['ignore', 'pipe', 'inherit'],
     env: {

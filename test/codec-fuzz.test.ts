@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest'
-import { fuzzCodec } from '../bench/fuzz-codec-lib.ts'
+import { fuzzCodec } from '../bench/lib/fuzz-codec.ts'
 import { decodeChunk, encodeChunk } from '../src/codec/node.ts'
 import { wasmCodec } from '../src/codec/runtime.ts'
 import { WasmCodec } from '../src/codec/wasm-instance.ts'

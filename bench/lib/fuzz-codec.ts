@@ -2,17 +2,17 @@
 // inputs) and the test suite (a few thousand). Sections are mutated and re-wrapped
 // with valid CRCs so the hostile bytes reach the wasm/TS decoders themselves.
 
-import { CODEC_MODES, type CodecMode, decodeChunk, encodeChunk } from '../src/codec/node.ts'
-import { wasmCodec } from '../src/codec/runtime.ts'
-import { encodeElements } from '../src/core/dtype.ts'
-import { isKvgateError } from '../src/core/errors.ts'
+import { CODEC_MODES, type CodecMode, decodeChunk, encodeChunk } from '../../src/codec/node.ts'
+import { wasmCodec } from '../../src/codec/runtime.ts'
+import { encodeElements } from '../../src/core/dtype.ts'
+import { isKvgateError } from '../../src/core/errors.ts'
 import {
   type ChunkHeader,
   decodeHeader,
   encodeChunk as encodeChunkObject,
   sectionOf,
-} from '../src/core/format.ts'
-import type { KvGeometry } from '../src/core/layout.ts'
+} from '../../src/core/format.ts'
+import type { KvGeometry } from '../../src/core/layout.ts'
 
 export interface FuzzOptions {
   iterations: number

@@ -1,8 +1,8 @@
 // Helper process for bench/client.ts: a gateway on an fs store in its own
 // process (so its CPU is not the client's), printing its URL on stdout.
 
-import { createGateway } from '../src/gateway/index.ts'
-import { FsStore, serveGateway } from '../src/gateway/node.ts'
+import { createGateway } from '../../src/gateway/index.ts'
+import { FsStore, serveGateway } from '../../src/gateway/node.ts'
 
 const root = process.argv[2]
 if (!root) throw new Error('usage: client-gateway-server.ts <store dir>')
