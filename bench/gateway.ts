@@ -337,8 +337,6 @@ const tp = {
 // Paired ratios (gateway vs the direct run of the same repeat), then the median.
 const pairedRatio = (op: Op, side: Side) =>
   median(samples[`${op}-${side}`].map((x, k) => x.mibps / samples[`${op}-direct`][k]!.mibps))
-// Free RGW's memstore after the last throughput phase, so its GC overlaps none of them.
-await cleanupThroughput()
 
 async function cleanupThroughput(): Promise<void> {
   for (const prefix of ['direct/tp', 'bare/tp', 'bench/tp', 'bench/btp']) {
@@ -458,6 +456,9 @@ await Promise.all(
 const lookupRps = lookups / ((performance.now() - t0) / 1000)
 stop = true
 await background
+// Free RGW's memstore only now: deleting the throughput objects starts RGW's garbage
+// collection, which would otherwise share the 2 cores with the lookup measurements.
+await cleanupThroughput()
 
 // ---------------------------------------------------------------- report
 const coldMs = median(cold.map((c) => c.ms))

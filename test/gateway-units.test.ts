@@ -84,6 +84,23 @@ describe('ChainLookup', () => {
     }
   })
 
+  it('a repeated lookup of a chain is all cache; sizes asked later are still exact', async () => {
+    const c = await chain(500, () => true)
+    const first = await c.lookup.lookup(c.names)
+    expect(first.present).toBe(500)
+    expect(first.storeRequests).toBeGreaterThan(0)
+    expect(first.storeRequests).toBeLessThan(100)
+    const again = await c.lookup.lookup(c.names)
+    expect([again.present, again.storeRequests]).toEqual([500, 0])
+    // Chunks answered present by inference have no size to give out.
+    const inferred = c.names.findIndex((n) => c.lookup.cached(n) === undefined)
+    expect(inferred).toBeGreaterThanOrEqual(0)
+    const withSizes = await c.lookup.lookup(c.names, { sizes: true })
+    expect(withSizes.sizes).toEqual(Array.from({ length: 500 }, (_, i) => i + 1))
+    expect(withSizes.storeRequests).toBeGreaterThan(0)
+    expect(c.lookup.cached(c.names[inferred]!)).toBe(inferred + 1)
+  })
+
   it('returns exact sizes and stops at a hole', async () => {
     const c = await chain(100, (i) => i !== 40)
     const r = await c.lookup.lookup(c.names, { sizes: true })

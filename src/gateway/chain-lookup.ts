@@ -23,6 +23,12 @@ export interface LookupResult {
   rounds: number
 }
 
+/**
+ * Cache value of a chunk a lookup answered as present without a HEAD (below a
+ * probed present key): present as far as lookups go, size unknown to everything else.
+ */
+const INFERRED = -1
+
 export class ChainLookup {
   readonly #store: ObjectStore
   readonly #metrics: GatewayMetrics
@@ -46,8 +52,9 @@ export class ChainLookup {
   /** Known size of a stored object (cache only), counting hit/miss. */
   cached(name: string): number | undefined {
     const v = this.#cache.get(name)
-    this.#metrics.cache.inc({ result: v === undefined ? 'miss' : 'hit' })
-    return v
+    const known = v !== undefined && v !== INFERRED ? v : undefined
+    this.#metrics.cache.inc({ result: known === undefined ? 'miss' : 'hit' })
+    return known
   }
 
   remember(name: string, size: number): void {
@@ -123,11 +130,15 @@ export class ChainLookup {
     // (an evicted middle chunk) truncates the answer there.
     if (wantSizes) {
       const missing: number[] = []
-      for (let i = 0; i < present; i++) if (sizes[i] === undefined) missing.push(i)
+      for (let i = 0; i < present; i++) if (sizes[i] === undefined || sizes[i] === INFERRED) missing.push(i)
       if (missing.length > 0) {
         const res = await probe(missing)
         for (const i of missing) if (!res.get(i) && i < present) present = i
       }
+    } else {
+      // Remember what this answer already claimed, so the next lookup of the chain
+      // needs no store request at all (a warm lookup is all cache).
+      for (let i = 0; i < present; i++) if (sizes[i] === undefined) this.#cache.set(names[i]!, INFERRED)
     }
     this.#metrics.lookupProbes.observe(storeRequests)
     this.#metrics.lookupRounds.observe(rounds)
