@@ -8,6 +8,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, beforeEach, describe, expect, it } from 'vitest'
 import { nativePaths } from '../src/client/native.ts'
+import { pattern, same } from './support/bytes.ts'
 
 process.env.KVGATE_CUDART = nativePaths.stubCudart
 
@@ -26,22 +27,6 @@ async function rejectsWith(p: Promise<unknown> | (() => unknown), code: string, 
   expect((err as NativeError).code).toBe(code)
   if (message) expect((err as Error).message).toMatch(message)
   return err as NativeError
-}
-
-function same(a: Uint8Array, b: Uint8Array): boolean {
-  return Buffer.from(a.buffer, a.byteOffset, a.byteLength).equals(
-    Buffer.from(b.buffer, b.byteOffset, b.byteLength),
-  )
-}
-
-function pattern(n: number, seed = 1): Uint8Array {
-  const u = new Uint8Array(n)
-  let x = seed >>> 0
-  for (let i = 0; i < n; i++) {
-    x = (x * 1103515245 + 12345) >>> 0
-    u[i] = x >>> 24
-  }
-  return u
 }
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms))

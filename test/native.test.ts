@@ -7,6 +7,7 @@ import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'no
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, describe, expect, it } from 'vitest'
+import { pattern, same } from './support/bytes.ts'
 
 // Before anything probes CUDA (the choice is per process).
 process.env.KVGATE_CUDART = '/nonexistent/kvgate-test/libcudart.so'
@@ -41,21 +42,6 @@ async function rejectsWith(p: Promise<unknown> | (() => unknown), code: string, 
 }
 
 // toEqual walks typed arrays element by element (seconds per MiB): compare bytes.
-function same(a: Uint8Array, b: Uint8Array): boolean {
-  return Buffer.from(a.buffer, a.byteOffset, a.byteLength).equals(
-    Buffer.from(b.buffer, b.byteOffset, b.byteLength),
-  )
-}
-
-function pattern(n: number, seed = 1): Uint8Array {
-  const u = new Uint8Array(n)
-  let x = seed >>> 0
-  for (let i = 0; i < n; i++) {
-    x = (x * 1103515245 + 12345) >>> 0
-    u[i] = x >>> 24
-  }
-  return u
-}
 
 describe('loader', () => {
   it('loads the built addon (run scripts/build-native.sh if this fails)', () => {

@@ -13,6 +13,7 @@ import {
   registerHost,
   unregisterHost,
 } from '../../src/client/native.ts'
+import { pattern, same } from '../support/bytes.ts'
 
 const status = nativeAvailable() ? cuda.status() : undefined
 const usable = status?.available === true && !status.stub
@@ -21,22 +22,6 @@ const why =
 if (!usable) {
   if (process.env.KVGATE_GPU_REQUIRED === '1') throw new Error(`a GPU was required: ${why}`)
   console.log(`test/gpu: skipped — no usable GPU (${why})`)
-}
-
-function same(a: Uint8Array, b: Uint8Array): boolean {
-  return Buffer.from(a.buffer, a.byteOffset, a.byteLength).equals(
-    Buffer.from(b.buffer, b.byteOffset, b.byteLength),
-  )
-}
-
-function pattern(n: number, seed = 1): Uint8Array {
-  const u = new Uint8Array(n)
-  let x = seed >>> 0
-  for (let i = 0; i < n; i++) {
-    x = (x * 1103515245 + 12345) >>> 0
-    u[i] = x >>> 24
-  }
-  return u
 }
 
 describe.skipIf(!usable)('native addon on a real GPU', () => {
