@@ -13,6 +13,7 @@ import {
   resolveGeometry,
 } from '../core/layout.ts'
 import type { ChunkCodecName } from './chunk-codec.ts'
+import type { RemoteTierOptions } from './tiers/remote.ts'
 
 export interface MemoryOptions {
   /** Bytes of the pinned L1 region. @default 1 GiB (at least one chunk) */
@@ -32,33 +33,12 @@ export interface DiskOptions {
   direct?: 'auto' | 'off'
 }
 
-export interface RemoteOptions {
-  /** Gateway base URL. */
-  url: string
-  /** Bearer token for the namespace. */
-  token?: string
+/** L4 options: the remote tier's own (documented there) plus how chunks are encoded. */
+export interface RemoteOptions extends Omit<RemoteTierOptions, 'namespace'> {
   /** Encoding of chunks sent to L4 ('kvgate' is lossy). @default 'kvgate' (falls back to 'raw' without the codec module) */
   codec?: ChunkCodecName
   /** kvgate codec quality, 1 (smallest) .. 9 (closest to the original). @default 5 (the codec's default) */
   quality?: number
-  /** @default 8 */
-  connections?: number
-  /** Per-attempt deadline of chunk GET/PUT, ms. @default 10000 */
-  timeoutMs?: number
-  /** Deadline of a lookup, ms. @default 250 */
-  lookupTimeoutMs?: number
-  /** @default 2 */
-  retries?: number
-  /** @default 5 */
-  breakerThreshold?: number
-  /** @default 1000 */
-  breakerCooldownMs?: number
-  /** @default 64 */
-  maxQueuedWrites?: number
-  /** @default 512 MiB */
-  maxQueuedBytes?: number
-  /** @default 4 */
-  writeConcurrency?: number
 }
 
 export interface KVCacheOptions {

@@ -395,26 +395,29 @@ function seedPreimageFor(ns: ReturnType<typeof validateNamespace>): Uint8Array {
 }
 
 /**
- * Keys of every full chunk of `tokens` (and the partial tail with includePartial).
- * Synchronous; needs node:crypto (Node, Bun, workerd with nodejs_compat).
+ * The chain as a coroutine over the hash function: yields each preimage (the seed
+ * first, unless resuming) and receives its SHA-256, so the sync (node:crypto) and
+ * async (WebCrypto) entry points share one loop. A yielded buffer may be reused by
+ * the next step: hash it before resuming.
  */
-export function chainKeys(tokens: ArrayLike<number>, ns: KeyNamespace, opts: ChainOptions = {}): ChunkKey[] {
+function* chainSteps(
+  tokens: ArrayLike<number>,
+  ns: KeyNamespace,
+  opts: ChainOptions,
+): Generator<Uint8Array, ChunkKey[], Uint8Array> {
   const v = validateNamespace(ns)
   checkTokens(tokens)
   checkAfter(opts.after)
-  const sha = requireSync()
   const extra = extraOf(v)
-  let parent = opts.after ? opts.after.key : sha([seedPreimageFor(v)])
+  let parent = opts.after ? opts.after.key : yield seedPreimageFor(v)
   const buf = new Uint8Array(36 + 4 * v.chunkTokens)
   const out: ChunkKey[] = []
   let parentHex = opts.after ? opts.after.hex : toHex(parent)
   const first = opts.after ? opts.after.index + 1 : 0
   for (const c of plan(tokens.length, v.chunkTokens, opts.includePartial ?? false, first)) {
-    const pre =
-      v.scheme === 'sha256-v1'
-        ? v1Preimage(parent, tokens, c.start, c.end, buf)
-        : vllmPreimage(parent, tokens, c.start, c.end, extra)
-    const key = sha([pre])
+    const key: Uint8Array = yield v.scheme === 'sha256-v1'
+      ? v1Preimage(parent, tokens, c.start, c.end, buf)
+      : vllmPreimage(parent, tokens, c.start, c.end, extra)
     const hex = toHex(key)
     out.push(chunkKey(c, key, hex, parentHex))
     parent = key
@@ -423,31 +426,27 @@ export function chainKeys(tokens: ArrayLike<number>, ns: KeyNamespace, opts: Cha
   return out
 }
 
+/**
+ * Keys of every full chunk of `tokens` (and the partial tail with includePartial).
+ * Synchronous; needs node:crypto (Node, Bun, workerd with nodejs_compat).
+ */
+export function chainKeys(tokens: ArrayLike<number>, ns: KeyNamespace, opts: ChainOptions = {}): ChunkKey[] {
+  const steps = chainSteps(tokens, ns, opts)
+  let step = steps.next()
+  if (step.done) return step.value
+  const sha = requireSync()
+  while (!step.done) step = steps.next(sha([step.value]))
+  return step.value
+}
+
 /** Same keys as chainKeys, computed with WebCrypto (any runtime). */
 export async function chainKeysAsync(
   tokens: ArrayLike<number>,
   ns: KeyNamespace,
   opts: ChainOptions = {},
 ): Promise<ChunkKey[]> {
-  const v = validateNamespace(ns)
-  checkTokens(tokens)
-  checkAfter(opts.after)
-  const extra = extraOf(v)
-  let parent = opts.after ? opts.after.key : await subtleSha256([seedPreimageFor(v)])
-  const buf = new Uint8Array(36 + 4 * v.chunkTokens)
-  const out: ChunkKey[] = []
-  let parentHex = opts.after ? opts.after.hex : toHex(parent)
-  const first = opts.after ? opts.after.index + 1 : 0
-  for (const c of plan(tokens.length, v.chunkTokens, opts.includePartial ?? false, first)) {
-    const pre =
-      v.scheme === 'sha256-v1'
-        ? v1Preimage(parent, tokens, c.start, c.end, buf)
-        : vllmPreimage(parent, tokens, c.start, c.end, extra)
-    const key = await subtleSha256([pre])
-    const hex = toHex(key)
-    out.push(chunkKey(c, key, hex, parentHex))
-    parent = key
-    parentHex = hex
-  }
-  return out
+  const steps = chainSteps(tokens, ns, opts)
+  let step = steps.next()
+  while (!step.done) step = steps.next(await subtleSha256([step.value]))
+  return step.value
 }
