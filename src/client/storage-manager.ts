@@ -160,7 +160,10 @@ export class StorageManager {
     let remoteFrom = 0
     if (remote) {
       // One batched lookup: chunks the gateway holds (another node stored them) are not uploaded.
-      const lk = await remote.lookup(sources.map((s) => s.key.hex))
+      const lk = await remote.lookup(
+        sources.map((s) => s.key.hex),
+        'background',
+      )
       remoteFrom = lk.present
     }
     const jobs: Promise<unknown>[] = []

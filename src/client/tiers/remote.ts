@@ -201,6 +201,12 @@ interface RequestOptions {
   signal?: AbortSignal | undefined
   /** A 401/403 here is not a misconfigured token (e.g. verify with a read-only token). */
   quietAuth?: boolean
+  /**
+   * Running out of time means the gateway hangs (chunk GETs and PUTs, whose
+   * deadline is generous): counted toward opening the breaker within its window.
+   * A lookup's deadline is tight by design; missing it is an ordinary failure.
+   */
+  hangIsTimeout?: boolean
 }
 
 export interface RemoteGetOptions {
@@ -449,9 +455,8 @@ export class RemoteTier {
           return r
         } catch (e) {
           if (timedOut) {
-            this.#timeouts++
             this.counters.errors++
-            this.breaker.timeout()
+            this.#timedOut(opts)
             return undefined
           }
           // The caller gave up: not the gateway's failure.
@@ -466,8 +471,7 @@ export class RemoteTier {
           this.#retried++
           await sleep(Math.random() * 25 * 2 ** attempt, ac.signal)
           if (timedOut) {
-            this.#timeouts++
-            this.breaker.timeout()
+            this.#timedOut(opts)
             return undefined
           }
           if (ac.signal.aborted) return undefined
@@ -477,6 +481,12 @@ export class RemoteTier {
       clearTimeout(timer)
       opts.signal?.removeEventListener('abort', onCallerAbort)
     }
+  }
+
+  #timedOut(opts: RequestOptions): void {
+    this.#timeouts++
+    if (opts.hangIsTimeout) this.breaker.timeout()
+    else this.breaker.failure()
   }
 
   /** Counts a refused request and says once, in one line, what to fix. */
@@ -512,8 +522,15 @@ export class RemoteTier {
    * Leading keys this client saw stored less than presenceTtlMs ago are not asked
    * again, so an engine's lookup → retrieve → store of one prompt costs one
    * gateway lookup, not three; past the TTL (or after a 404) the gateway is asked.
+   * 'background' (the write-behind deciding what to upload) is off the prefill
+   * path: it gets the chunk deadline and retries, so a burst of stores that slows
+   * the gateway's answers does not read as a failing gateway and shed the uploads.
    */
-  async lookup(hexes: readonly string[]): Promise<{ present: number }> {
+  async lookup(
+    hexes: readonly string[],
+    priority: 'prefill' | 'background' = 'prefill',
+  ): Promise<{ present: number }> {
+    const background = priority === 'background'
     let present = 0
     while (present < hexes.length && this.#presence.has(hexes[present]!)) present++
     this.#lookupKeysKnown += present
@@ -525,8 +542,8 @@ export class RemoteTier {
       const r = await this.#request('POST', `${this.#base}/lookup`, {
         body: JSON.stringify({ keys: batch }),
         headers: { 'content-type': 'application/json' },
-        timeoutMs: this.#lookupTimeoutMs,
-        retries: 0,
+        timeoutMs: background ? this.#timeoutMs : this.#lookupTimeoutMs,
+        retries: background ? this.#retries : 0,
         cap: MAX_SMALL_BODY + 80 * batch.length,
       })
       this.counters.readLatency.record(since(t0))
@@ -569,6 +586,7 @@ export class RemoteTier {
       into,
       cap,
       signal: opts.signal,
+      hangIsTimeout: true,
     })
     if (r?.status !== 200) {
       this.counters.misses++
@@ -644,6 +662,7 @@ export class RemoteTier {
       body: object,
       headers: { 'content-type': 'application/octet-stream' },
       timeoutMs: this.#timeoutMs,
+      hangIsTimeout: true,
     })
     // 409: an older gateway's answer to a same-key re-PUT of another size (a lossy re-encode): it holds the key.
     if (!r || (r.status !== 200 && r.status !== 201 && r.status !== 409)) {
