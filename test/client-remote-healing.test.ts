@@ -3,6 +3,7 @@
 // oversized bodies, refused tokens, a /v1 URL, and "exists" answers.
 
 import { afterEach, beforeEach, describe, expect, it } from 'vitest'
+import { CircuitBreaker } from '../src/client/circuit-breaker.ts'
 import { KVCache, type KVCacheOptions } from '../src/client/index.ts'
 import { PresenceSet } from '../src/client/presence.ts'
 import { RemoteTier } from '../src/client/tiers/remote.ts'
@@ -212,6 +213,39 @@ describe('deadlines and body caps', () => {
     expect(s.timeouts).toBe(2)
     expect(s.breaker).not.toBe('closed')
     expect(s.breakerOpenedByTimeouts).toBe(1)
+    gw.faults.hangGets = false
+  })
+
+  it('timeouts open the breaker only within their window; successes do not reset them', () => {
+    let now = 0
+    const b = new CircuitBreaker({
+      failureThreshold: 5,
+      timeoutWindowMs: 1000,
+      probe: async () => false,
+      now: () => now,
+    })
+    b.timeout()
+    now = 1500 // the first one is out of the window
+    b.timeout()
+    b.success()
+    expect(b.state).toBe('closed')
+    now = 1900
+    b.timeout()
+    expect(b.state).toBe('open')
+    expect(b.openedByTimeouts).toBe(1)
+    b.dispose()
+  })
+
+  it("the caller's own deadline ends a GET without blaming the gateway", async () => {
+    const { keys } = await seeded(1, 48)
+    gw.faults.hangGets = true
+    const r = new RemoteTier({ url: gw.url, namespace: 'team-a', timeoutMs: 60_000 })
+    tiers.push(r)
+    const ac = new AbortController()
+    setTimeout(() => ac.abort(), 50)
+    expect(await r.get(keys[0]!, undefined, undefined, { signal: ac.signal })).toBeUndefined()
+    const s = r.stats()
+    expect([s.timeouts, r.counters.errors, s.breaker]).toEqual([0, 0, 'closed'])
     gw.faults.hangGets = false
   })
 
