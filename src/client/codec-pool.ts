@@ -210,7 +210,9 @@ export class CodecPool {
     if (this.#reads.length + this.#writes.length >= this.#maxQueued) {
       this.counts.jobsRefused++
       return Promise.reject(
-        new CodecBusyError(`codec pool queue is full (${this.#maxQueued} jobs waiting for ${this.#slots.length} workers)`),
+        new CodecBusyError(
+          `codec pool queue is full (${this.#maxQueued} jobs waiting for ${this.#slots.length} workers)`,
+        ),
       )
     }
     return new Promise<Uint8Array>((resolve, reject) => {
