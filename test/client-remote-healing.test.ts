@@ -265,6 +265,10 @@ describe('deadlines and body caps', () => {
       const s = b.stats().remote!
       expect(s.oversizedBodies).toBe(1)
       expect(chunkGets().length).toBe(1) // not retried
+      // The gateway is asked to check what it stores (it answers ok here: nothing is deleted).
+      expect(s.corruptReported).toBe(1)
+      for (let i = 0; i < 50 && verifies().length === 0; i++) await new Promise((r) => setTimeout(r, 10))
+      expect(verifies()).toHaveLength(1)
       // The reader hung up long before the 64 MiB were sent (socket buffers aside).
       await new Promise((r) => setTimeout(r, 50))
       expect(gw.oversizeWritten).toBeLessThan(16 * 1024 * 1024)

@@ -207,6 +207,8 @@ interface RequestOptions {
    * A lookup's deadline is tight by design; missing it is an ordinary failure.
    */
   hangIsTimeout?: boolean
+  /** Called when the body went over its cap. */
+  onOversized?: () => void
 }
 
 export interface RemoteGetOptions {
@@ -465,6 +467,7 @@ export class RemoteTier {
           this.breaker.failure()
           if (e instanceof OversizedError) {
             this.#oversized++
+            opts.onOversized?.()
             return undefined
           }
           if (attempt >= retries || this.#closed) return undefined
@@ -580,13 +583,16 @@ export class RemoteTier {
     const t0 = performance.now()
     const q = layers ? `?layers=${layers[0]}-${layers[1]}` : ''
     const cap = Math.min(this.#cap(layers), opts.maxBytes ?? Number.POSITIVE_INFINITY)
-    const before = this.#oversized
+    let oversized = false
     const r = await this.#request('GET', `${this.#base}/chunks/${hex}${q}`, {
       timeoutMs: this.#timeoutMs,
       into,
       cap,
       signal: opts.signal,
       hangIsTimeout: true,
+      onOversized: () => {
+        oversized = true
+      },
     })
     if (r?.status !== 200) {
       this.counters.misses++
@@ -595,7 +601,7 @@ export class RemoteTier {
         this.#presence.forgetChainFrom(hex)
       } else this.#unexpected(r)
       // A body far over the size of any chunk: let the gateway check what it stores.
-      if (this.#oversized > before) this.#requestVerify(hex)
+      if (oversized) this.#requestVerify(hex)
       return undefined
     }
     this.counters.hits++
