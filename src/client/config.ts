@@ -120,6 +120,7 @@ const REMOTE_KEYS = new Set([
   'maxQueuedWrites',
   'maxQueuedBytes',
   'writeConcurrency',
+  'uploadMinBytes',
 ])
 
 function int(name: string, v: unknown, min: number, max: number, dflt?: number): number {
@@ -243,6 +244,7 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
         512 * 1024 ** 2,
       ),
       writeConcurrency: int('remote.writeConcurrency', r.writeConcurrency, 1, 256, 4),
+      uploadMinBytes: int('remote.uploadMinBytes', r.uploadMinBytes, 0, Number.MAX_SAFE_INTEGER, 1024 ** 2),
     }
   }
 

@@ -5,6 +5,7 @@ import { Agent, Pool } from 'undici'
 import { InvalidArgumentError } from '../../core/errors.ts'
 import { assertNamespaceName } from '../../core/keys.ts'
 import { type BreakerState, CircuitBreaker } from '../circuit-breaker.ts'
+import { TierUploader } from '../remote-upload.ts'
 import { since, TierCounters } from '../stats.ts'
 
 export interface RemoteTierOptions {
@@ -32,6 +33,8 @@ export interface RemoteTierOptions {
   maxQueuedBytes?: number
   /** Concurrent background PUTs. @default 4 */
   writeConcurrency?: number
+  /** Chunks from this size ask the gateway for a direct-to-store upload first (remote-upload.ts). @default 1 MiB */
+  uploadMinBytes?: number
 }
 
 /** A background upload: `encode` runs when a writer picks the job up; `done` always runs once. */
@@ -117,6 +120,7 @@ export class RemoteTier {
   readonly #queue: RemoteWriteJob[] = []
   readonly #knownPresent = new Set<string>()
   readonly #idle: (() => void)[] = []
+  readonly #uploader: TierUploader
   #queuedBytes = 0
   #writers = 0
   #closed = false
@@ -154,6 +158,15 @@ export class RemoteTier {
       connect: { timeout: Math.min(this.#timeoutMs, 5000) },
     })
     this.#redirectAgent = new Agent({ connections: opts.connections ?? 8, keepAliveTimeout: 30_000 })
+    this.#uploader = new TierUploader({
+      base: this.#base,
+      minBytes: opts.uploadMinBytes ?? 1024 * 1024,
+      timeoutMs: this.#timeoutMs,
+      retries: this.#retries,
+      agent: this.#redirectAgent,
+      post: (path, body, timeoutMs) =>
+        this.#request('POST', path, { body, headers: { 'content-type': 'application/json' }, timeoutMs }),
+    })
     this.breaker = new CircuitBreaker({
       failureThreshold: opts.breakerThreshold ?? 5,
       cooldownMs: opts.breakerCooldownMs ?? 1000,
@@ -353,11 +366,15 @@ export class RemoteTier {
   /** PUT now (create-only on the gateway). True when stored or already present. */
   async put(hex: string, object: Uint8Array): Promise<boolean> {
     const t0 = performance.now()
-    const r = await this.#request('PUT', `${this.#base}/chunks/${hex}`, {
-      body: object,
-      headers: { 'content-type': 'application/octet-stream' },
-      timeoutMs: this.#timeoutMs,
-    })
+    const up = await this.#uploader.put(hex, object)
+    const r =
+      up !== 'direct'
+        ? up
+        : await this.#request('PUT', `${this.#base}/chunks/${hex}`, {
+            body: object,
+            headers: { 'content-type': 'application/octet-stream' },
+            timeoutMs: this.#timeoutMs,
+          })
     if (!r || (r.status !== 200 && r.status !== 201)) {
       if (r) this.counters.errors++
       return false
