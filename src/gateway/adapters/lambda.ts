@@ -137,8 +137,12 @@ export function bufferedHandler(getApp: () => Promise<FetchApp>) {
 
 /** Wraps an app factory in the streaming handler when the runtime offers it, buffered otherwise. */
 export function createLambdaHandler(getApp: () => Promise<FetchApp>): unknown {
-  const aws = (globalThis as { awslambda?: AwsLambdaGlobal }).awslambda
-  return aws ? aws.streamifyResponse(streamingHandler(getApp, aws)) : bufferedHandler(getApp)
+  const aws = (globalThis as { awslambda?: Partial<AwsLambdaGlobal> }).awslambda
+  // The AWS SDK (@aws/lambda-invoke-store) plants an empty `awslambda` object when it
+  // loads first outside Lambda: only a runtime that can stream counts.
+  return typeof aws?.streamifyResponse === 'function' && aws.HttpResponseStream
+    ? aws.streamifyResponse(streamingHandler(getApp, aws as AwsLambdaGlobal))
+    : bufferedHandler(getApp)
 }
 
 // ---------------------------------------------------------------- configuration

@@ -10,6 +10,7 @@ import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
 import { badRequest, notFound, payloadTooLarge, unsupportedMediaType } from '../http-errors.ts'
 import { authorize } from '../middleware/auth.ts'
+import { partLengths } from '../stores/types.ts'
 import { streamSource, verifiedBody } from '../verified-body.ts'
 
 const MIB = 1024 * 1024
@@ -208,9 +209,7 @@ export function uploadRoutes(
       }
       if (t.bytes > o.maxBytes || t.bytes < headerBytesFor(1)) throw badRequest('invalid upload id')
       if (t.multipartId) {
-        const lengths: number[] = []
-        for (let off = 0; off < t.bytes; off += o.partBytes)
-          lengths.push(Math.min(o.partBytes, t.bytes - off))
+        const lengths = partLengths(t.bytes, o.partBytes)
         const done = await store.completeUpload!(staged, t.multipartId, lengths)
         if (done === 'mismatch') {
           throw new FormatError(

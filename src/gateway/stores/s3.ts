@@ -21,14 +21,15 @@ import {
 import { getSignedUrl } from '@aws-sdk/s3-request-presigner'
 import { StoreError } from '../../core/errors.ts'
 import { RangeNotSatisfiableError, storeTimeout, storeUnavailable } from './errors.ts'
-import type {
-  ByteRange,
-  GetOptions,
-  ObjectStore,
-  PresignUploadOptions,
-  PutResult,
-  StoreObject,
-  UploadTargets,
+import {
+  type ByteRange,
+  type GetOptions,
+  type ObjectStore,
+  type PresignUploadOptions,
+  type PutResult,
+  partLengths,
+  type StoreObject,
+  type UploadTargets,
 } from './types.ts'
 
 export interface S3StoreOptions {
@@ -368,7 +369,7 @@ export class S3Store implements ObjectStore {
     }
     if (!Number.isInteger(opts.partBytes) || opts.partBytes < 5 * MIB)
       throw new TypeError('S3Store: upload parts must be ≥ 5 MiB')
-    if (Math.ceil(size / opts.partBytes) > 10_000) throw new TypeError('S3Store: more than 10000 parts')
+    if (size / opts.partBytes > 10_000) throw new TypeError('S3Store: more than 10000 parts')
     const created = await this.client
       .send(
         new CreateMultipartUploadCommand({
@@ -382,8 +383,9 @@ export class S3Store implements ObjectStore {
       })
     const multipartId = created.UploadId!
     const parts = []
-    for (let n = 1, offset = 0; offset < size; n++, offset += opts.partBytes) {
-      const length = Math.min(opts.partBytes, size - offset)
+    let offset = 0
+    for (const [i, length] of partLengths(size, opts.partBytes).entries()) {
+      const n = i + 1
       const url = await sign(
         new UploadPartCommand({
           Bucket: this.bucket,
@@ -394,6 +396,7 @@ export class S3Store implements ObjectStore {
         }),
       )
       parts.push({ url, offset, length })
+      offset += length
     }
     return { multipartId, parts }
   }

@@ -91,6 +91,17 @@ export interface ObjectStore {
   close?(): Promise<void>
 }
 
+/**
+ * Part lengths of a multipart upload: `partBytes` each, the remainder folded into
+ * the last part (no tiny tail request; S3 allows the last part to be any size).
+ */
+export function partLengths(size: number, partBytes: number): number[] {
+  const n = Math.max(1, Math.floor(size / partBytes))
+  const out = new Array<number>(n).fill(partBytes)
+  out[n - 1] = size - partBytes * (n - 1)
+  return out
+}
+
 /** Resolves a ByteRange against an object size; undefined when unsatisfiable. */
 export function resolveRange(
   range: ByteRange | undefined,
