@@ -340,4 +340,8 @@ describe.skipIf(!rgw)('presigned uploads through the built Lambda zip on S3 (Rad
       s2.close()
     }
   })
+
+  it('leaves the staging prefix empty: no staged object, no open multipart upload', async () => {
+    expect(await stagingLeft()).toEqual({ objects: [], multipart: 0 })
+  })
 })
