@@ -250,7 +250,7 @@ variable "presign_ttl_seconds" {
 }
 
 variable "max_chunk_bytes" {
-  description = "Largest chunk object the gateway accepts on PUT (413 above). A function URL request is capped at 6 MB of base64-encoded event, i.e. ~4.5 MiB of body: store codec-compressed chunks, or deploy on Workers / Node for larger ones."
+  description = "Largest chunk body the function accepts on a direct PUT (413 above). A function URL request is capped at 6 MB of base64-encoded event, i.e. ~4.5 MiB of body; larger chunks take presigned uploads (upload_threshold_bytes, upload_max_bytes)."
   type        = number
   default     = 4194304
 
