@@ -191,7 +191,7 @@ describe('terraform module structure (hcl2json)', () => {
     const sts = statementsOf(hcl.data.aws_iam_policy_document.gateway[0]) as Hcl[]
     const staged = sts.find((s) => s.sid === 'StagedUploads')
     expect(staged?.resources).toEqual(['${local.staging_arn}'])
-    expect([...staged?.actions].sort()).toEqual([
+    expect([...(staged?.actions ?? [])].sort()).toEqual([
       's3:AbortMultipartUpload',
       's3:DeleteObject',
       's3:GetObject',
