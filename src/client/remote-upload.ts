@@ -188,8 +188,6 @@ export class TierUploader {
   readonly #o: TierUploaderOptions
   readonly #policy: UploadPolicy
   readonly #transport: UploadTransport
-  /** Chunks that went through presigned uploads (for stats). */
-  uploads = 0
 
   constructor(o: TierUploaderOptions) {
     this.#o = o
@@ -213,7 +211,6 @@ export class TierUploader {
       return 'direct'
     }
     if (out.kind === 'failed') return out.status === undefined ? undefined : { status: out.status }
-    if (out.via === 'commit') this.uploads++
     return { status: out.status }
   }
 
