@@ -179,8 +179,9 @@ export async function runSmoke(opts: SmokeOptions): Promise<SmokeReport> {
   // Writes go through the upload protocol every deployment speaks: the gateway answers
   // "direct" (PUT the body to it) or presigned store targets, then a verified commit.
   const transport: UploadTransport = {
+    // `path` is absolute (it carries any URL path prefix of the gateway).
     gateway: async (path, body, ms) => {
-      const res = await doFetch(`${base}${path}`, {
+      const res = await doFetch(`${new URL(base).origin}${path}`, {
         method: 'POST',
         body,
         headers: { ...auth, 'content-type': 'application/json' },
