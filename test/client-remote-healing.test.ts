@@ -46,7 +46,15 @@ async function node(remote: Remote = {}, extra: Partial<KVCacheOptions> = {}): P
     chunkTokens: T,
     namespace: 'team-a',
     memory: { bytes: 32 * CB },
-    remote: { url: gw.url, codec: 'raw', token: 'secret', breakerCooldownMs: 50, ...remote },
+    // Lookups get room: a loaded CI machine can miss the 250 ms prefill deadline, which is not under test here.
+    remote: {
+      url: gw.url,
+      codec: 'raw',
+      token: 'secret',
+      breakerCooldownMs: 50,
+      lookupTimeoutMs: 5000,
+      ...remote,
+    },
     ...extra,
   })
   caches.push(c)

@@ -121,6 +121,7 @@ const REMOTE_KEYS = new Set([
   'maxQueuedBytes',
   'writeConcurrency',
   'presenceTtlMs',
+  'uploadMinBytes',
 ])
 
 function int(name: string, v: unknown, min: number, max: number, dflt?: number): number {
@@ -245,6 +246,7 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
       ),
       writeConcurrency: int('remote.writeConcurrency', r.writeConcurrency, 1, 256, 8),
       presenceTtlMs: int('remote.presenceTtlMs', r.presenceTtlMs, 0, 3_600_000, 30_000),
+      uploadMinBytes: int('remote.uploadMinBytes', r.uploadMinBytes, 0, Number.MAX_SAFE_INTEGER, 1024 ** 2),
     }
   }
 

@@ -9,6 +9,7 @@ import type { KvGeometry } from '../../core/layout.ts'
 import { maxLayerGroupBytes, maxObjectBytes } from '../chunk-codec.ts'
 import { type BreakerState, CircuitBreaker } from '../circuit-breaker.ts'
 import { PresenceSet } from '../presence.ts'
+import { TierUploader } from '../remote-upload.ts'
 import { since, TierCounters } from '../stats.ts'
 
 export interface RemoteTierOptions {
@@ -44,6 +45,8 @@ export interface RemoteTierOptions {
    * trusted: objects can vanish behind the gateway (lifecycle expiry, DELETE). @default 30000
    */
   presenceTtlMs?: number
+  /** Chunks from this size ask the gateway for a direct-to-store upload first (remote-upload.ts). @default 1 MiB */
+  uploadMinBytes?: number
 }
 
 /** What the cache around the tier tells it (not user options). */
@@ -246,6 +249,7 @@ export class RemoteTier {
   #verifyInFlight = 0
   #verifyWindowStart = 0
   #verifyInWindow = 0
+  readonly #uploader: TierUploader
   #queuedBytes = 0
   #writers = 0
   #closed = false
@@ -304,6 +308,15 @@ export class RemoteTier {
       connect,
     })
     this.#redirectAgent = new Agent({ connections: opts.connections ?? 8, keepAliveTimeout: 30_000 })
+    this.#uploader = new TierUploader({
+      base: this.#base,
+      minBytes: opts.uploadMinBytes ?? 1024 * 1024,
+      timeoutMs: this.#timeoutMs,
+      retries: this.#retries,
+      agent: this.#redirectAgent,
+      post: (path, body, timeoutMs) =>
+        this.#request('POST', path, { body, headers: { 'content-type': 'application/json' }, timeoutMs }),
+    })
     this.breaker = new CircuitBreaker({
       failureThreshold: opts.breakerThreshold ?? 5,
       cooldownMs: opts.breakerCooldownMs ?? 1000,
@@ -515,7 +528,7 @@ export class RemoteTier {
   }
 
   /** Counts a non-success answer other than 401/403 (those were counted when they arrived). */
-  #unexpected(r: HttpResult | undefined): void {
+  #unexpected(r: { status: number } | undefined): void {
     if (r && r.status !== 401 && r.status !== 403) this.counters.errors++
   }
 
@@ -664,12 +677,16 @@ export class RemoteTier {
   /** PUT now (create-only on the gateway). True when stored or already present ("exists" is success). */
   async put(hex: string, object: Uint8Array): Promise<boolean> {
     const t0 = performance.now()
-    const r = await this.#request('PUT', `${this.#base}/chunks/${hex}`, {
-      body: object,
-      headers: { 'content-type': 'application/octet-stream' },
-      timeoutMs: this.#timeoutMs,
-      hangIsTimeout: true,
-    })
+    const up = await this.#uploader.put(hex, object)
+    const r =
+      up !== 'direct'
+        ? up
+        : await this.#request('PUT', `${this.#base}/chunks/${hex}`, {
+            body: object,
+            headers: { 'content-type': 'application/octet-stream' },
+            timeoutMs: this.#timeoutMs,
+            hangIsTimeout: true,
+          })
     // 409: an older gateway's answer to a same-key re-PUT of another size (a lossy re-encode): it holds the key.
     if (!r || (r.status !== 200 && r.status !== 201 && r.status !== 409)) {
       this.#unexpected(r)
