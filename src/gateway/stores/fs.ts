@@ -64,12 +64,14 @@ export class FsStore implements ObjectStore {
       throw wrap(e, 'open')
     }
     try {
-      const { size } = await fh.stat()
+      const st = await fh.stat()
+      const size = st.size
+      const etag = fsEtag(st)
       const r = resolveRange(opts.range, size)
       if (!r) throw new RangeNotSatisfiableError(size)
       if (r.length === 0) {
         await fh.close()
-        return { body: new ReadableStream({ start: (c) => c.close() }), size, offset: 0, length: 0 }
+        return { body: new ReadableStream({ start: (c) => c.close() }), size, offset: 0, length: 0, etag }
       }
       // The stream owns the handle from here (autoClose), so a rename/delete meanwhile is harmless.
       const stream = createReadStream('', {
@@ -84,6 +86,7 @@ export class FsStore implements ObjectStore {
         size,
         offset: r.offset,
         length: r.length,
+        etag,
       }
     } catch (e) {
       await fh.close().catch(() => {})
@@ -91,10 +94,10 @@ export class FsStore implements ObjectStore {
     }
   }
 
-  async head(name: string): Promise<{ size: number } | undefined> {
+  async head(name: string): Promise<{ size: number; etag?: string } | undefined> {
     try {
       const st = await fsp.stat(this.#file(name))
-      return { size: st.size }
+      return { size: st.size, etag: fsEtag(st) }
     } catch (e) {
       if (isNotFound(e)) return undefined
       throw wrap(e, 'stat')
@@ -205,6 +208,11 @@ async function* walk(dir: string): AsyncGenerator<string> {
     if (d.isDirectory()) yield* walk(p)
     else if (d.isFile()) yield p
   }
+}
+
+/** A file's version: a re-created file gets another inode or mtime. */
+function fsEtag(st: { ino: number; mtimeMs: number; size: number }): string {
+  return `"${st.ino.toString(36)}-${Math.round(st.mtimeMs * 1000).toString(36)}-${st.size.toString(36)}"`
 }
 
 async function syncDir(dir: string): Promise<void> {
