@@ -115,11 +115,15 @@ export class FsStore implements ObjectStore {
       return 'exists'
     }
     const dir = path.dirname(file)
-    await fsp.mkdir(dir, { recursive: true })
-    const tmp = path.join(dir, `${TMP_PREFIX}${randomBytes(8).toString('hex')}`)
-    const fh = await fsp.open(tmp, 'wx', 0o644)
-    let written = 0
+    let created: string | undefined
+    let tmp: string | undefined
+    let fh: fsp.FileHandle | undefined
     try {
+      // The first directory mkdir made, if any: it and its parents' entries need an fsync too.
+      created = await fsp.mkdir(dir, { recursive: true })
+      tmp = path.join(dir, `${TMP_PREFIX}${randomBytes(8).toString('hex')}`)
+      fh = await fsp.open(tmp, 'wx', 0o644)
+      let written = 0
       if (body instanceof Uint8Array) {
         await fh.write(body)
         written = body.length
@@ -139,10 +143,11 @@ export class FsStore implements ObjectStore {
       if (written !== size) throw new InvalidArgumentError(`body ended at ${written} of ${size} bytes`)
       if (this.#fsync) await fh.sync()
       await fh.close()
+      fh = undefined
     } catch (e) {
-      await fh.close().catch(() => {})
-      await fsp.rm(tmp, { force: true })
-      throw e
+      await fh?.close().catch(() => {})
+      if (tmp) await fsp.rm(tmp, { force: true }).catch(() => {})
+      throw isErrno(e) ? wrap(e, 'write') : e
     }
     try {
       // link() refuses an existing target: the first writer wins, atomically.
@@ -153,7 +158,18 @@ export class FsStore implements ObjectStore {
       throw wrap(e, 'link')
     }
     await fsp.rm(tmp, { force: true })
-    if (this.#fsync) await syncDir(dir)
+    if (this.#fsync) {
+      try {
+        await syncDir(dir)
+        // Directories mkdir -p just made exist only once their parents' entries are on disk.
+        if (created !== undefined) {
+          for (let d = dir; d.length >= created.length && d !== path.dirname(d); d = path.dirname(d))
+            await syncDir(path.dirname(d))
+        }
+      } catch (e) {
+        throw wrap(e, 'fsync')
+      }
+    }
     return 'created'
   }
 
@@ -229,10 +245,18 @@ function isNotFound(e: unknown): boolean {
   return code === 'ENOENT' || code === 'ENOTDIR'
 }
 
+function isErrno(e: unknown): boolean {
+  return typeof (e as NodeJS.ErrnoException)?.code === 'string' && (e as NodeJS.ErrnoException).syscall !== undefined
+}
+
 function wrap(e: unknown, op: string): StoreError {
   const code = (e as NodeJS.ErrnoException).code
-  return new StoreError(`fs store ${op} failed: ${code ?? (e as Error).message}`, {
-    status: code === 'ENOSPC' ? 507 : 500,
-    cause: e,
-  })
+  if (code === 'ENOSPC' || code === 'EDQUOT') {
+    return new StoreError(`fs store ${op} failed: no space left on the store's device (${code})`, {
+      code: 'ERR_STORE_FULL',
+      status: 507,
+      cause: e,
+    })
+  }
+  return new StoreError(`fs store ${op} failed: ${code ?? (e as Error).message}`, { status: 500, cause: e })
 }
