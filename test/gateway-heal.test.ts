@@ -4,8 +4,8 @@
 
 import { describe, expect, it } from 'vitest'
 import { openLayerSubset } from '../src/core/format.ts'
-import { createGateway, hashToken, MemoryStore } from '../src/gateway/index.ts'
 import { objectName } from '../src/core/keys.ts'
+import { createGateway, hashToken, MemoryStore } from '../src/gateway/index.ts'
 import { makeChain, makeChunk, putInit } from './gateway-fixtures.ts'
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms))
@@ -40,7 +40,8 @@ describe('presence heals', () => {
     const app = createGateway({ store })
     const chain = makeChain(40)
     const keys = chain.map((c) => c.key)
-    for (const c of chain) expect((await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+    for (const c of chain)
+      expect((await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
     expect(await present(app, 'a', keys)).toBe(40)
     // Lifecycle expiry removes the chain's oldest chunks behind the gateway.
     await store.delete(name('a', keys[1]!))
@@ -85,15 +86,16 @@ describe('presence heals', () => {
 
   it('cached presence expires after presenceTtlMs: the lookup asks the store again', async () => {
     const store = new MemoryStore()
-    const app = createGateway({ store, lookup: { presenceTtlMs: 50 } })
+    const app = createGateway({ store, lookup: { presenceTtlMs: 1000 } })
     const chain = makeChain(30)
     const keys = chain.map((c) => c.key)
     for (const c of chain) await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    await present(app, 'a', keys)
     const warm = await app.request('/v1/ns/a/lookup', lookupInit(keys))
     expect(warm.headers.get('x-kvgate-store-requests')).toBe('0')
     // Only half the chain is left; no GET told this gateway.
     for (const k of keys.slice(15)) await store.delete(name('a', k))
-    await sleep(120)
+    await sleep(1100)
     const cold = await app.request('/v1/ns/a/lookup', lookupInit(keys))
     expect(Number(cold.headers.get('x-kvgate-store-requests'))).toBeGreaterThan(0)
     expect(((await cold.json()) as { present: number }).present).toBe(15)

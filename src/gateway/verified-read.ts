@@ -96,8 +96,8 @@ export interface CheckedStreamOptions {
   onCorrupt(e: unknown): void
   /** A reader that pulls nothing for this long is cut off and the store stream released. 0 = never. */
   idleTimeoutMs: number
-  /** Called when the idle timeout cut the reader off (the adapter closes its socket). */
-  onIdle?(): void
+  /** Called when the idle timeout cut the reader off; true when it closed the connection. */
+  onIdle?(): boolean
 }
 
 /**
@@ -133,12 +133,14 @@ export function checkedStream(
       if (idle < opts.idleTimeoutMs) return arm(opts.idleTimeoutMs - idle)
       const e = new KvgateError('ERR_TIMEOUT', `reader idle for ${opts.idleTimeoutMs} ms`, { status: 408 })
       end(e)
+      // With the connection closed the adapter cancels this stream as a client gone away;
+      // otherwise fail the stream so whoever reads it next learns why.
+      if (opts.onIdle?.()) return
       try {
         controller?.error(e)
       } catch {
         // already closed
       }
-      opts.onIdle?.()
     }, ms)
   }
   if (opts.idleTimeoutMs > 0) arm(opts.idleTimeoutMs)

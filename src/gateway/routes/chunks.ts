@@ -207,7 +207,9 @@ function servedStream(
     // A client that stopped reading also stops the adapter reading us: close its socket.
     onIdle: () => {
       const outgoing = (c.env as { outgoing?: { destroy?: () => void } } | undefined)?.outgoing
-      outgoing?.destroy?.()
+      if (typeof outgoing?.destroy !== 'function') return false
+      outgoing.destroy()
+      return true
     },
   })
 }

@@ -246,7 +246,10 @@ function isNotFound(e: unknown): boolean {
 }
 
 function isErrno(e: unknown): boolean {
-  return typeof (e as NodeJS.ErrnoException)?.code === 'string' && (e as NodeJS.ErrnoException).syscall !== undefined
+  return (
+    typeof (e as NodeJS.ErrnoException)?.code === 'string' &&
+    (e as NodeJS.ErrnoException).syscall !== undefined
+  )
 }
 
 function wrap(e: unknown, op: string): StoreError {
