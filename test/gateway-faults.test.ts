@@ -221,11 +221,12 @@ describe('PUT memory is bounded (finding 15)', () => {
 describe('slow and closing clients', () => {
   it('an "exists" answer reaches a client that sends Connection: close (C3 size mismatch too)', async () => {
     const gw = await serve(createGateway({ store: new MemoryStore() }))
-    const c = makeChunk({ layers: 4, sectionBytes: 256 * 1024 })
+    const c = makeChunk({ layers: 8, sectionBytes: 2 * MIB })
     expect((await fetch(`${gw.url}/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
-    const other = makeChunk({ layers: 4, sectionBytes: 200 * 1024, key: c.key })
+    const other = makeChunk({ layers: 8, sectionBytes: MIB, key: c.key })
+    // Same size first (answered from the store without reading the body), then C3's other size.
     for (let i = 0; i < 12; i++) {
-      const bytes = i % 2 ? other.bytes : c.bytes
+      const bytes = i < 8 ? c.bytes : other.bytes
       const text = await new Promise<string>((resolve) => {
         const sock = net.connect(gw.port, '127.0.0.1')
         let got = ''
@@ -238,7 +239,16 @@ describe('slow and closing clients', () => {
           `PUT /v1/ns/a/chunks/${c.key} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n` +
             `content-type: application/octet-stream\r\ncontent-length: ${bytes.length}\r\n\r\n`,
         )
-        sock.end(bytes)
+        // Sent in pieces, as a client streaming from elsewhere does: still sending when answered.
+        let at = 0
+        const next = () => {
+          if (sock.destroyed) return
+          if (at >= bytes.length) return void sock.end()
+          sock.write(bytes.subarray(at, at + 256 * 1024))
+          at += 256 * 1024
+          setTimeout(next, 2)
+        }
+        next()
       })
       expect(text).toMatch(/^HTTP\/1\.1 200/)
       expect(text).toContain('"status":"exists"')
