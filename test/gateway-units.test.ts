@@ -62,6 +62,75 @@ describe('GetCoalescer', () => {
   })
 })
 
+describe('GetCoalescer memory bound (Workers: 128 MB isolates)', () => {
+  const obj = (n: number) => {
+    const bytes = new Uint8Array(n).fill(1)
+    return { body: new Response(bytes).body!, size: n, offset: 0, length: n }
+  }
+
+  it('buffers at most maxBufferedBytes across keys; above it GETs stream unshared', async () => {
+    const c = new GetCoalescer(1000, 1500)
+    const originals = new Set<ReadableStream<Uint8Array>>()
+    const results = await Promise.all(
+      ['a', 'b', 'c', 'd'].map((k) =>
+        c.get(k, async () => {
+          await new Promise((r) => setTimeout(r, 5))
+          const o = obj(600)
+          originals.add(o.body)
+          return o
+        }),
+      ),
+    )
+    // Two 600-byte buffers fit under 1500; the others pass their store stream through.
+    const buffered = results.filter((r) => !originals.has(r.obj!.body)).length
+    expect(buffered).toBe(2)
+    expect(c.bufferedBytes).toBe(1200)
+    // Buffers are held until their readers take them, then released.
+    for (const r of results) expect((await new Response(r.obj!.body).arrayBuffer()).byteLength).toBe(600)
+    expect(c.bufferedBytes).toBe(0)
+  })
+
+  it('a buffered body counts until every sharer has taken or dropped it', async () => {
+    const c = new GetCoalescer(1000, 10_000)
+    let release!: () => void
+    const gate = new Promise<void>((r) => (release = r))
+    const fetch = async () => {
+      await gate
+      return obj(800)
+    }
+    const a = c.get('k', fetch)
+    const b = c.get('k', fetch)
+    release()
+    const [ra, rb] = await Promise.all([a, b])
+    expect(rb.coalesced).toBe(true)
+    expect(c.bufferedBytes).toBe(800)
+    await new Response(ra.obj!.body).arrayBuffer()
+    expect(c.bufferedBytes).toBe(800)
+    await rb.obj!.body.cancel()
+    expect(c.bufferedBytes).toBe(0)
+  })
+
+  it('a leader whose store body fails mid-way cancels the store read', async () => {
+    const c = new GetCoalescer(1 << 20)
+    let cancelled: unknown
+    const body = new ReadableStream<Uint8Array>({
+      pull(ctl) {
+        ctl.enqueue(new Uint8Array(10))
+        // More than announced: the leader gives up on this body.
+      },
+      cancel(reason) {
+        cancelled = reason ?? 'cancelled'
+      },
+    })
+    await expect(c.get('k', async () => ({ body, size: 15, offset: 0, length: 15 }))).rejects.toThrow(
+      /more bytes/,
+    )
+    expect(cancelled).toBeDefined()
+    expect(c.bufferedBytes).toBe(0)
+    expect(c.inflight).toBe(0)
+  })
+})
+
 describe('ChainLookup', () => {
   async function chain(n: number, present: (i: number) => boolean) {
     let heads = 0
