@@ -125,7 +125,7 @@ export class FsStore implements ObjectStore {
       fh = await fsp.open(tmp, 'wx', 0o644)
       let written = 0
       if (body instanceof Uint8Array) {
-        await fh.write(body)
+        await writeAll(fh, body)
         written = body.length
       } else {
         const reader = body.getReader()
@@ -137,7 +137,7 @@ export class FsStore implements ObjectStore {
             await reader.cancel().catch(() => {})
             throw new InvalidArgumentError(`body is longer than the declared ${size} bytes`)
           }
-          await fh.write(value)
+          await writeAll(fh, value)
         }
       }
       if (written !== size) throw new InvalidArgumentError(`body ended at ${written} of ${size} bytes`)
@@ -223,6 +223,21 @@ async function* walk(dir: string): AsyncGenerator<string> {
     const p = path.join(dir, d.name)
     if (d.isDirectory()) yield* walk(p)
     else if (d.isFile()) yield p
+  }
+}
+
+/**
+ * write() may write less than asked (a disk filling up writes what fits and fails
+ * only on the next call): loop, so a short write is never taken for a whole one.
+ */
+async function writeAll(fh: fsp.FileHandle, bytes: Uint8Array): Promise<void> {
+  let at = 0
+  while (at < bytes.length) {
+    const { bytesWritten } = await fh.write(bytes, at, bytes.length - at)
+    if (bytesWritten <= 0) {
+      throw Object.assign(new Error('write made no progress'), { code: 'ENOSPC', syscall: 'write' })
+    }
+    at += bytesWritten
   }
 }
 
