@@ -23,6 +23,12 @@ export interface ChainLookupOptions {
    * seen absence are trusted, in ms. @default 30000
    */
   presenceTtlMs?: number
+  /**
+   * After answering, HEAD up to this many keys the answer only inferred, earliest
+   * first, in the background (lifecycle expiry removes a chain's oldest chunks first):
+   * a missing one is forgotten with the rest of its chain. 0 turns it off. @default 8
+   */
+  verifyInferred?: number
 }
 
 export interface LookupResult {
@@ -54,15 +60,27 @@ export class ChainLookup {
   readonly #absent: LRUCache<string, true>
   readonly #fanout: number
   readonly #concurrency: number
+  readonly #verifyInferred: number
+  /** Background HEADs in flight, by name (bounded: at most 8 × verifyInferred). */
+  readonly #checking = new Set<string>()
 
   constructor(store: ObjectStore, metrics: GatewayMetrics, opts: ChainLookupOptions = {}) {
-    const { cacheEntries = 100_000, fanout = 24, concurrency = 256, presenceTtlMs = 30_000 } = opts
+    const {
+      cacheEntries = 100_000,
+      fanout = 24,
+      concurrency = 256,
+      presenceTtlMs = 30_000,
+      verifyInferred = 8,
+    } = opts
     if (!Number.isInteger(cacheEntries) || cacheEntries < 1)
       throw new TypeError('invalid lookup cacheEntries')
     if (!Number.isInteger(fanout) || fanout < 2) throw new TypeError('invalid lookup fanout')
     if (!Number.isInteger(concurrency) || concurrency < 1) throw new TypeError('invalid lookup concurrency')
     if (!Number.isInteger(presenceTtlMs) || presenceTtlMs < 1)
       throw new TypeError('invalid lookup presenceTtlMs')
+    if (!Number.isInteger(verifyInferred) || verifyInferred < 0)
+      throw new TypeError('invalid lookup verifyInferred')
+    this.#verifyInferred = verifyInferred
     this.#store = store
     this.#metrics = metrics
     this.#cache = new LRUCache({ max: cacheEntries, ttl: presenceTtlMs })
@@ -109,6 +127,36 @@ export class ChainLookup {
     this.#absent.set(name, true)
     this.#metrics.invalidations.inc({}, forgotten)
     return forgotten
+  }
+
+  /** Background HEADs still running (tests wait for them). */
+  get checking(): number {
+    return this.#checking.size
+  }
+
+  // Turns the earliest inferred presences of an answer into seen ones (or forgets
+  // them and the rest of their chain), without holding up the answer.
+  #checkInferred(names: readonly string[], sizes: readonly (number | undefined)[], present: number): void {
+    if (this.#verifyInferred === 0 || this.#checking.size >= 8 * this.#verifyInferred) return
+    let budget = this.#verifyInferred
+    for (let i = 0; i < present && budget > 0; i++) {
+      const name = names[i]!
+      if ((sizes[i] ?? INFERRED) !== INFERRED || this.#checking.has(name)) continue
+      budget--
+      this.#checking.add(name)
+      this.#store
+        .head(name)
+        .then(
+          (r) => {
+            if (r) this.remember(name, r.size)
+            else this.invalidateFrom(name)
+          },
+          () => {
+            // A store fault says nothing about the object; the TTL still bounds the inference.
+          },
+        )
+        .finally(() => this.#checking.delete(name))
+    }
   }
 
   get cacheSize(): number {
@@ -197,6 +245,7 @@ export class ChainLookup {
       // noUpdateTTL: re-asking never extends a presence the store has not shown again.
       this.#cache.set(names[i]!, next === undefined ? { size } : { size, next }, { noUpdateTTL: true })
     }
+    this.#checkInferred(names, sizes, present)
     this.#metrics.lookupProbes.observe(storeRequests)
     this.#metrics.lookupRounds.observe(rounds)
     this.#metrics.lookupKeys.inc({ result: 'present' }, present)
