@@ -291,6 +291,36 @@ describe('slow and closing clients', () => {
     sock.destroy()
   })
 
+  it('a trickled PUT body (never quite idle) fails with 408 once slower than bodyMinBytesPerSecond', async () => {
+    const store = new MemoryStore()
+    const gw = await serve(
+      createGateway({ store, limits: { bodyIdleTimeoutMs: 300, bodyMinBytesPerSecond: 64 * 1024 } }),
+    )
+    const c = makeChunk({ layers: 2, sectionBytes: 256 * 1024 })
+    const sock = net.connect(gw.port, '127.0.0.1')
+    sock.on('error', () => {})
+    let text = ''
+    sock.on('data', (d) => {
+      text += d
+    })
+    sock.write(
+      `PUT /v1/ns/a/chunks/${c.key} HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\ncontent-length: ${c.bytes.length}\r\n\r\n`,
+    )
+    // 100 bytes every 100 ms: 1 KB/s, never idle for 300 ms.
+    let at = 0
+    const trickle = setInterval(() => {
+      if (at < c.bytes.length && !sock.destroyed) sock.write(c.bytes.subarray(at, (at += 100)))
+    }, 100)
+    try {
+      for (let i = 0; i < 100 && !text.includes('ERR_TIMEOUT'); i++) await sleep(50)
+    } finally {
+      clearInterval(trickle)
+      sock.destroy()
+    }
+    expect(text).toMatch(/^HTTP\/1\.1 408/)
+    expect((await store.stats()).objects).toBe(0)
+  })
+
   it('PUT bodies in flight are bounded: above maxInFlightBytes a PUT gets 503 ERR_BUSY', async () => {
     const gw = await serve(createGateway({ store: new MemoryStore(), limits: { maxInFlightBytes: 3 * MIB } }))
     const big = makeChunk({ layers: 2, sectionBytes: MIB })

@@ -34,6 +34,8 @@ export interface ServeConfig {
   presenceTtlMs: number
   /** A PUT body silent this long fails with 408. */
   bodyIdleTimeoutMs: number
+  /** A PUT body slower than this (bytes/s while the gateway waits on it) fails with 408; 0 = off. */
+  bodyMinBytesPerSecond: number
   /** A GET reader that takes nothing this long is cut off (store stream released). */
   readerIdleTimeoutMs: number
   /** Declared PUT body bytes in flight at once (503 ERR_BUSY above). */
@@ -69,6 +71,7 @@ export interface ServeSettings {
   coalesceMaxBufferedBytes?: string | number
   presenceTtlMs?: string | number
   bodyIdleTimeoutMs?: string | number
+  bodyMinBytesPerSecond?: string | number
   readerIdleTimeoutMs?: string | number
   maxInFlightBytes?: string | number
   maxConnections?: string | number
@@ -99,6 +102,7 @@ const ENV: Record<string, keyof ServeSettings> = {
   KVGATE_COALESCE_MAX_BUFFERED_BYTES: 'coalesceMaxBufferedBytes',
   KVGATE_PRESENCE_TTL_MS: 'presenceTtlMs',
   KVGATE_BODY_IDLE_TIMEOUT_MS: 'bodyIdleTimeoutMs',
+  KVGATE_BODY_MIN_BYTES_PER_SECOND: 'bodyMinBytesPerSecond',
   KVGATE_READER_IDLE_TIMEOUT_MS: 'readerIdleTimeoutMs',
   KVGATE_MAX_IN_FLIGHT_BYTES: 'maxInFlightBytes',
   KVGATE_MAX_CONNECTIONS: 'maxConnections',
@@ -157,6 +161,7 @@ export function settingsFromFile(file: string): ServeSettings {
     coalesceMaxBufferedBytes: pick(d, 'coalesceMaxBufferedBytes'),
     presenceTtlMs: pick(d, 'presenceTtlMs'),
     bodyIdleTimeoutMs: pick(d, 'bodyIdleTimeoutMs'),
+    bodyMinBytesPerSecond: pick(d, 'bodyMinBytesPerSecond'),
     readerIdleTimeoutMs: pick(d, 'readerIdleTimeoutMs'),
     maxInFlightBytes: pick(d, 'maxInFlightBytes'),
     maxConnections: pick(d, 'maxConnections'),
@@ -264,6 +269,7 @@ export function resolveServeConfig(...layers: ServeSettings[]): ServeConfig {
       int('coalesceMaxBufferedBytes', s.coalesceMaxBufferedBytes, 0, 16 * 1024 ** 3) ?? 64 * 1024 * 1024,
     presenceTtlMs: int('presenceTtlMs', s.presenceTtlMs, 1, 3_600_000) ?? 30_000,
     bodyIdleTimeoutMs: int('bodyIdleTimeoutMs', s.bodyIdleTimeoutMs, 1, 3_600_000) ?? 30_000,
+    bodyMinBytesPerSecond: int('bodyMinBytesPerSecond', s.bodyMinBytesPerSecond, 0, 1024 ** 3) ?? 8192,
     readerIdleTimeoutMs: int('readerIdleTimeoutMs', s.readerIdleTimeoutMs, 1, 3_600_000) ?? 30_000,
     maxInFlightBytes: int('maxInFlightBytes', s.maxInFlightBytes, 1, 1024 ** 4) ?? 1024 ** 3,
     maxConnections: int('maxConnections', s.maxConnections, 1, 1_000_000) ?? 1024,

@@ -19,6 +19,12 @@ export interface GatewayLimits {
   /** A PUT body that sends nothing for this long fails with 408. @default 30000 */
   bodyIdleTimeoutMs?: number
   /**
+   * A PUT body slower than this (bytes/s, over bodyIdleTimeoutMs spent waiting on the
+   * client) fails with 408: a trickle must not hold a connection for the whole request
+   * timeout. 0 turns it off. @default 8192
+   */
+  bodyMinBytesPerSecond?: number
+  /**
    * A GET reader that takes nothing for this long is cut off: its store stream (file
    * handle, S3 socket) is released and its connection closed. @default 30000
    */
@@ -93,6 +99,7 @@ export function createState(opts: {
     maxLookupKeys: opts.limits?.maxLookupKeys ?? 4096,
     maxLookupBodyBytes: opts.limits?.maxLookupBodyBytes ?? 512 * 1024,
     bodyIdleTimeoutMs: opts.limits?.bodyIdleTimeoutMs ?? 30_000,
+    bodyMinBytesPerSecond: opts.limits?.bodyMinBytesPerSecond ?? 8192,
     readerIdleTimeoutMs: opts.limits?.readerIdleTimeoutMs ?? 30_000,
     maxInFlightBytes: opts.limits?.maxInFlightBytes ?? 1024 ** 3,
     maxConcurrentVerifies: opts.limits?.maxConcurrentVerifies ?? 4,
@@ -101,7 +108,8 @@ export function createState(opts: {
     if (!(k in limits)) throw new TypeError(`createGateway: unknown limits.${k}`)
   }
   for (const [k, v] of Object.entries(limits)) {
-    if (!Number.isInteger(v) || v < 1) throw new TypeError(`createGateway: invalid limits.${k}`)
+    const min = k === 'bodyMinBytesPerSecond' ? 0 : 1
+    if (!Number.isInteger(v) || v < min) throw new TypeError(`createGateway: invalid limits.${k}`)
   }
   if (opts.presign && (!Number.isInteger(opts.presign.minBytes) || opts.presign.minBytes < 0)) {
     throw new TypeError('createGateway: invalid presign.minBytes')

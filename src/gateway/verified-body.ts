@@ -58,6 +58,11 @@ export interface VerifiedBodyOptions {
   size: number
   maxBytes: number
   idleTimeoutMs: number
+  /**
+   * A client that, over a window of idleTimeoutMs spent waiting on it, sends less than
+   * this many bytes per second (a trickle that never quite stalls) fails with 408. 0 = off.
+   */
+  minBytesPerSecond?: number
   /** 32 hex: the namespace id the header must carry (a namespace named by its id). */
   namespaceIdHex?: string
 }
@@ -78,19 +83,26 @@ export function verifiedBody(reader: PieceSource, opts: VerifiedBodyOptions): Ve
   let lastPiece = Date.now()
   let abortRead: ((e: unknown) => void) | undefined
   let watchdog: ReturnType<typeof setTimeout> | undefined
+  // Time spent waiting on the client and bytes it sent since the last rate check.
+  let waitedMs = 0
+  let windowBytes = 0
+  const minRate = opts.minBytesPerSecond ?? 0
+  const stalled = (why: string) =>
+    abortRead?.(new KvgateError('ERR_TIMEOUT', `request body ${why}`, { status: 408 }))
   const arm = (ms: number) => {
     watchdog = setTimeout(() => {
       watchdog = undefined
       if (ended) return
       // Only a read the client leaves unanswered counts; a store that is slow to pull does not.
       const idle = abortRead ? Date.now() - lastPiece : 0
-      if (idle >= opts.idleTimeoutMs) {
-        abortRead?.(
-          new KvgateError('ERR_TIMEOUT', `request body stalled for ${opts.idleTimeoutMs} ms`, {
-            status: 408,
-          }),
-        )
-      } else arm(opts.idleTimeoutMs - idle)
+      if (idle >= opts.idleTimeoutMs) return stalled(`stalled for ${opts.idleTimeoutMs} ms`)
+      const waited = waitedMs + idle
+      if (minRate > 0 && waited >= opts.idleTimeoutMs) {
+        if ((windowBytes * 1000) / waited < minRate) return stalled(`arrives slower than ${minRate} bytes/s`)
+        waitedMs = 0
+        windowBytes = 0
+      }
+      arm(opts.idleTimeoutMs - idle)
     }, ms)
   }
   arm(opts.idleTimeoutMs)
@@ -119,9 +131,13 @@ export function verifiedBody(reader: PieceSource, opts: VerifiedBodyOptions): Ve
     new Promise<{ done: boolean; value?: Uint8Array }>((resolve, reject) => {
       lastPiece = Date.now()
       abortRead = reject
-      reader.read().then(resolve, reject)
+      reader.read().then((r) => {
+        windowBytes += r.value?.length ?? 0
+        resolve(r)
+      }, reject)
     }).finally(() => {
       abortRead = undefined
+      waitedMs += Date.now() - lastPiece
     })
   const stream = new ReadableStream<Uint8Array>(
     {

@@ -161,6 +161,7 @@ async function serve(config: ServeConfig): Promise<number> {
     limits: {
       ...(config.maxChunkBytes ? { maxChunkBytes: config.maxChunkBytes } : {}),
       bodyIdleTimeoutMs: config.bodyIdleTimeoutMs,
+      bodyMinBytesPerSecond: config.bodyMinBytesPerSecond,
       readerIdleTimeoutMs: config.readerIdleTimeoutMs,
       maxInFlightBytes: config.maxInFlightBytes,
       maxConcurrentVerifies: config.maxConcurrentVerifies,

@@ -74,6 +74,7 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       size,
       maxBytes: state.limits.maxChunkBytes,
       idleTimeoutMs: state.limits.bodyIdleTimeoutMs,
+      minBytesPerSecond: state.limits.bodyMinBytesPerSecond,
       ...(nsId ? { namespaceIdHex: nsId } : {}),
     })
     let result: 'created' | 'exists'
