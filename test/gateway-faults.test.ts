@@ -321,6 +321,31 @@ describe('slow and closing clients', () => {
     expect((await store.stats()).objects).toBe(0)
   })
 
+  it('connections are bounded: past maxConnections a new one is closed at accept', async () => {
+    const gw = await serveGateway(createGateway({ store: new MemoryStore() }), { port: 0, maxConnections: 2 })
+    open.push(gw)
+    const held = [0, 1].map(() => {
+      const s = net.connect(gw.port, '127.0.0.1')
+      s.on('error', () => {})
+      return s
+    })
+    await Promise.all(held.map((s) => new Promise((r) => s.once('connect', r))))
+    await sleep(50)
+    const extra = net.connect(gw.port, '127.0.0.1')
+    extra.on('error', () => {})
+    const reply = new Promise<string>((resolve) => {
+      let text = ''
+      extra.on('data', (d) => {
+        text += d
+      })
+      extra.on('close', () => resolve(text))
+    })
+    extra.write('GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n')
+    expect(await Promise.race([reply, sleep(3000).then(() => 'still open')])).toBe('')
+    for (const s of held) s.destroy()
+    extra.destroy()
+  })
+
   it('PUT bodies in flight are bounded: above maxInFlightBytes a PUT gets 503 ERR_BUSY', async () => {
     const gw = await serve(createGateway({ store: new MemoryStore(), limits: { maxInFlightBytes: 3 * MIB } }))
     const big = makeChunk({ layers: 2, sectionBytes: MIB })
