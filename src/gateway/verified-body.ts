@@ -98,7 +98,9 @@ export function verifiedBody(reader: PieceSource, opts: VerifiedBodyOptions): Ve
       if (idle >= opts.idleTimeoutMs) return stalled(`stalled for ${opts.idleTimeoutMs} ms`)
       const waited = waitedMs + idle
       if (minRate > 0 && waited >= opts.idleTimeoutMs) {
-        if ((windowBytes * 1000) / waited < minRate) return stalled(`arrives slower than ${minRate} bytes/s`)
+        // Judged only while a read waits on the client (otherwise the store sets the pace).
+        if (abortRead && (windowBytes * 1000) / waited < minRate)
+          return stalled(`arrives slower than ${minRate} bytes/s`)
         waitedMs = 0
         windowBytes = 0
       }
