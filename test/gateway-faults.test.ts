@@ -308,7 +308,9 @@ describe('slow and closing clients', () => {
     // 100 bytes every 100 ms: 1 KB/s, never idle for 300 ms.
     let at = 0
     const trickle = setInterval(() => {
-      if (at < c.bytes.length && !sock.destroyed) sock.write(c.bytes.subarray(at, (at += 100)))
+      if (at >= c.bytes.length || sock.destroyed) return
+      sock.write(c.bytes.subarray(at, at + 100))
+      at += 100
     }, 100)
     try {
       for (let i = 0; i < 100 && !text.includes('ERR_TIMEOUT'); i++) await sleep(50)
