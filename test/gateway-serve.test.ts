@@ -1,7 +1,7 @@
 // `kvgate serve`: config layering (file < env < flags), the no-auth bind guard,
 // and a real process on the fs store whose data survives a restart.
 
-import { type ChildProcess, execFileSync, spawn } from 'node:child_process'
+import { type ChildProcess, execFileSync, spawn, spawnSync } from 'node:child_process'
 import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -250,5 +250,55 @@ describe.skipIf(!canMount)('fs store on a full disk', () => {
     // A chunk that fits is still stored.
     const small = makeChunk({ layers: 2, sectionBytes: 1024 })
     expect((await app.request(`/v1/ns/a/chunks/${small.key}`, putInit(small.bytes))).status).toBe(201)
+  })
+})
+
+// Which directories a create-only write fsyncs, seen by strace in a child process.
+const hasStrace = (() => {
+  try {
+    execFileSync('strace', ['-V'], { stdio: 'ignore' })
+    return true
+  } catch {
+    return false
+  }
+})()
+
+describe.skipIf(!hasStrace)('fs store durability', () => {
+  it('fsyncs the file, its directory and the parent of every directory mkdir -p created', () => {
+    const root = join(tmp, 'durable')
+    mkdirSync(root)
+    const store = new URL('../src/gateway/stores/fs.ts', import.meta.url).pathname
+    const script = `const { FsStore } = await import(${JSON.stringify(store)});
+const s = await new FsStore({ root: ${JSON.stringify(root)} }).open();
+await s.putIfAbsent('kvgate/ns/ab/obj', new Uint8Array(100), 100);`
+    const r = spawnSync(
+      'strace',
+      [
+        '-f',
+        '-qq',
+        '-e',
+        'trace=openat,fsync',
+        process.execPath,
+        '--import',
+        'tsx',
+        '--input-type=module',
+        '-e',
+        script,
+      ],
+      { encoding: 'utf8', cwd: new URL('..', import.meta.url).pathname },
+    )
+    expect(r.status).toBe(0)
+    // fd → path as opened, so each fsync names what it flushed.
+    const fds = new Map<string, string>()
+    const synced = new Set<string>()
+    for (const line of r.stderr.split('\n')) {
+      const open = /openat\(AT_FDCWD, "([^"]+)",.*\) = (\d+)$/.exec(line)
+      if (open) fds.set(open[2]!, open[1]!)
+      const sync = /fsync\((\d+)\)\s+= 0/.exec(line)
+      if (sync && fds.has(sync[1]!)) synced.add(fds.get(sync[1]!)!)
+    }
+    for (const dir of ['kvgate/ns/ab', 'kvgate/ns', 'kvgate', '']) {
+      expect(synced, dir).toContain(join(root, dir))
+    }
   })
 })
