@@ -13,11 +13,15 @@ export interface TestChunk {
 let counter = 0
 
 /** A valid raw chunk of `layers` sections of `sectionBytes` each, with a fresh chain key. */
-export function makeChunk(opts: { layers?: number; sectionBytes?: number; parent?: string } = {}): TestChunk {
+export function makeChunk(
+  opts: { layers?: number; sectionBytes?: number; parent?: string; key?: string; namespaceId?: string } = {},
+): TestChunk {
   const layers = opts.layers ?? 4
   const sectionBytes = opts.sectionBytes ?? 256
   const geometry: KvGeometry = { layers, kvHeads: 1, headDim: 64, dtype: 'fp16' }
-  const chainKey = crypto.getRandomValues(new Uint8Array(32))
+  const chainKey = opts.key
+    ? Uint8Array.from(Buffer.from(opts.key, 'hex'))
+    : crypto.getRandomValues(new Uint8Array(32))
   const seed = ++counter
   const sections = Array.from({ length: layers }, (_, l) => {
     const s = new Uint8Array(sectionBytes)
@@ -34,7 +38,9 @@ export function makeChunk(opts: { layers?: number; sectionBytes?: number; parent
       tokens: 1,
       chunkIndex: 0,
       partial: false,
-      namespaceId: new Uint8Array(16),
+      namespaceId: opts.namespaceId
+        ? Uint8Array.from(Buffer.from(opts.namespaceId, 'hex'))
+        : new Uint8Array(16),
       chainKey,
       parentKey: opts.parent ? Uint8Array.from(Buffer.from(opts.parent, 'hex')) : new Uint8Array(32),
     },

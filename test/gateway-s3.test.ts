@@ -4,6 +4,7 @@
 
 import { createHash } from 'node:crypto'
 import * as net from 'node:net'
+import { DeleteObjectCommand } from '@aws-sdk/client-s3'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { createGateway } from '../src/gateway/index.ts'
 import { type RunningGateway, S3Store, type S3StoreOptions, serveGateway } from '../src/gateway/node.ts'
@@ -80,7 +81,7 @@ run('s3 store on RadosGW', () => {
       },
     })
     expect(await store.putIfAbsent(name, body, bytes.length)).toBe('created')
-    expect(await store.head(name)).toEqual({ size: bytes.length })
+    expect(await store.head(name)).toMatchObject({ size: bytes.length })
     const got = await store.get(name)
     expect(sha(await text(got!.body))).toBe(sha(bytes))
     // Existing object: the HEAD before multipart answers without uploading.
@@ -250,6 +251,79 @@ run('gateway over RadosGW (node server, real HTTP)', () => {
     expect(cached.headers.get('x-kvgate-store-requests')).toBe('0')
   })
 })
+
+run(
+  'presence heals behind two gateways (objects deleted through the S3 API, as lifecycle expiry does)',
+  () => {
+    it('one failed GET or the presence TTL: lookups stop reporting them, and a re-PUT stores them', async () => {
+      const prefix = uniq()
+      const stores = [s3(), s3()]
+      const gws = await Promise.all(
+        stores.map((store) =>
+          serveGateway(createGateway({ store, prefix, lookup: { presenceTtlMs: 1500 } }), { port: 0 }),
+        ),
+      )
+      const [a, b] = gws as [RunningGateway, RunningGateway]
+      try {
+        const chain = makeChain(40, { layers: 2, sectionBytes: 512 })
+        const keys = chain.map((c) => c.key)
+        for (const c of chain)
+          expect((await fetch(`${a.url}/v1/ns/ns/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+        const present = async (gw: RunningGateway) => {
+          const r = await fetch(`${gw.url}/v1/ns/ns/lookup`, {
+            method: 'POST',
+            headers: { 'content-type': 'application/json' },
+            body: JSON.stringify({ keys }),
+          })
+          return ((await r.json()) as { present: number }).present
+        }
+        expect(await present(a)).toBe(40)
+        expect(await present(b)).toBe(40)
+        // Expiry removes the oldest chunks (1 and 2) directly in S3; neither gateway is told.
+        for (const i of [1, 2]) {
+          await stores[0]!.client.send(
+            new DeleteObjectCommand({
+              Bucket: rgw!.bucket,
+              Key: `${prefix}/ns/${keys[i]!.slice(0, 2)}/${keys[i]}`,
+            }),
+          )
+        }
+        // A: one failed GET is enough.
+        expect((await fetch(`${a.url}/v1/ns/ns/chunks/${keys[1]}`)).status).toBe(404)
+        expect(await present(a)).toBe(1)
+        // B saw no GET: within the TTL (and its background checks of inferred keys) it stops too.
+        let fromB = await present(b)
+        for (let i = 0; i < 40 && fromB !== 1; i++) {
+          await new Promise((r) => setTimeout(r, 100))
+          fromB = await present(b)
+        }
+        expect(fromB).toBe(1)
+        // The next writer re-stores them through either gateway (create-only asks S3, not a cache).
+        expect((await fetch(`${b.url}/v1/ns/ns/chunks/${keys[1]}`, putInit(chain[1]!.bytes))).status).toBe(
+          201,
+        )
+        expect((await fetch(`${a.url}/v1/ns/ns/chunks/${keys[2]}`, putInit(chain[2]!.bytes))).status).toBe(
+          201,
+        )
+        expect((await fetch(`${a.url}/v1/ns/ns/chunks/${keys[3]}`, putInit(chain[3]!.bytes))).status).toBe(
+          200,
+        )
+        expect(await present(a)).toBe(40)
+        let again = await present(b)
+        for (let i = 0; i < 40 && again !== 40; i++) {
+          await new Promise((r) => setTimeout(r, 100))
+          again = await present(b)
+        }
+        expect(again).toBe(40)
+        const g = await fetch(`${b.url}/v1/ns/ns/chunks/${keys[1]}`)
+        expect(sha(new Uint8Array(await g.arrayBuffer()))).toBe(sha(chain[1]!.bytes))
+      } finally {
+        await Promise.all(gws.map((g) => g.close()))
+        await Promise.all(stores.map((s) => s.close()))
+      }
+    })
+  },
+)
 
 // A TCP proxy in front of RGW: close it to take "S3" away, or make it swallow bytes.
 async function proxy(target: URL) {

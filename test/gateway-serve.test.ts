@@ -1,13 +1,14 @@
 // `kvgate serve`: config layering (file < env < flags), the no-auth bind guard,
 // and a real process on the fs store whose data survives a restart.
 
-import { type ChildProcess, spawn } from 'node:child_process'
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import { type ChildProcess, execFileSync, spawn, spawnSync } from 'node:child_process'
+import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { createInterface } from 'node:readline'
 import { afterAll, describe, expect, it } from 'vitest'
 import { resolveServeConfig, settingsFromEnv, settingsFromFile } from '../src/gateway/config.ts'
+import { createGateway } from '../src/gateway/index.ts'
 import { FsStore } from '../src/gateway/node.ts'
 import { makeChunk, putInit } from './gateway-fixtures.ts'
 
@@ -64,6 +65,33 @@ describe('serve config', () => {
     ).toHaveLength(1)
   })
 
+  it('takes the healing and slow-client limits from env, file and flags', () => {
+    const d = resolveServeConfig()
+    expect(d).toMatchObject({
+      presenceTtlMs: 30_000,
+      bodyIdleTimeoutMs: 30_000,
+      readerIdleTimeoutMs: 30_000,
+      maxInFlightBytes: 1024 ** 3,
+      maxConnections: 1024,
+      maxConcurrentVerifies: 4,
+      coalesceMaxBufferedBytes: 64 * 1024 * 1024,
+    })
+    expect(d.presenceTtlMs).toBeLessThanOrEqual(60_000)
+    const file = join(tmp, 'limits.yaml')
+    writeFileSync(file, 'presenceTtlMs: 5000\nmaxConnections: 10\n')
+    const c = resolveServeConfig(
+      settingsFromFile(file),
+      settingsFromEnv({ KVGATE_READER_IDLE_TIMEOUT_MS: '700', KVGATE_MAX_CONNECTIONS: '20' }),
+      { maxInFlightBytes: '1048576' },
+    )
+    expect(c).toMatchObject({
+      presenceTtlMs: 5000,
+      readerIdleTimeoutMs: 700,
+      maxConnections: 20,
+      maxInFlightBytes: 1048576,
+    })
+  })
+
   it('rejects bad values with a ConfigError', () => {
     for (const bad of [
       { port: 'abc' },
@@ -73,6 +101,10 @@ describe('serve config', () => {
       { log: 'loud' },
       { tokens: 'not json' },
       { tokens: [{ sha256: 'short', scopes: 'read', namespaces: '*' }] as never },
+      { presenceTtlMs: 0 },
+      { readerIdleTimeoutMs: 'soon' },
+      { maxConnections: -1 },
+      { maxInFlightBytes: '1e9' },
     ]) {
       expect(() => resolveServeConfig(bad), JSON.stringify(bad)).toThrow(
         expect.objectContaining({ code: 'ERR_CONFIG' }),
@@ -179,6 +211,94 @@ describe('fs store', () => {
     await expect(store.get('x/y', { range: { offset: 100 } })).rejects.toMatchObject({ status: 416 })
     for (const bad of ['../etc/passwd', '/abs', 'a/../../b', 'a//b', 'a/.tmp-x']) {
       await expect(store.get(bad)).rejects.toMatchObject({ code: 'ERR_INVALID_ARGUMENT' })
+    }
+  })
+})
+
+// A small tmpfs fills up for real (needs root and mount); elsewhere the test is skipped.
+const full = join(tmp, 'full')
+const canMount = (() => {
+  if (process.getuid?.() !== 0) return false
+  try {
+    mkdirSync(full)
+    execFileSync('mount', ['-t', 'tmpfs', '-o', 'size=256k', 'tmpfs', full], { stdio: 'ignore' })
+    return true
+  } catch {
+    return false
+  }
+})()
+afterAll(() => {
+  if (canMount) execFileSync('umount', [full], { stdio: 'ignore' })
+})
+
+describe.skipIf(!canMount)('fs store on a full disk', () => {
+  it('answers 507 ERR_STORE_FULL (response, log, status page) and leaves nothing partial', async () => {
+    const store = await new FsStore({ root: full }).open()
+    const logs: Record<string, unknown>[] = []
+    const app = createGateway({ store, logger: (e) => logs.push(e) })
+    const c = makeChunk({ layers: 4, sectionBytes: 128 * 1024 })
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    expect(r.status).toBe(507)
+    expect(((await r.json()) as { error: { code: string } }).error.code).toBe('ERR_STORE_FULL')
+    expect(logs.at(-1)).toMatchObject({ status: 507, code: 'ERR_STORE_FULL' })
+    const status = (await (await app.request('/', { headers: { accept: 'application/json' } })).json()) as {
+      recentErrors: { code: string }[]
+    }
+    expect(status.recentErrors.map((e) => e.code)).toContain('ERR_STORE_FULL')
+    const left = execFileSync('find', [full, '-type', 'f']).toString().trim()
+    expect(left).toBe('')
+    // A chunk that fits is still stored.
+    const small = makeChunk({ layers: 2, sectionBytes: 1024 })
+    expect((await app.request(`/v1/ns/a/chunks/${small.key}`, putInit(small.bytes))).status).toBe(201)
+  })
+})
+
+// Which directories a create-only write fsyncs, seen by strace in a child process.
+const hasStrace = (() => {
+  try {
+    execFileSync('strace', ['-V'], { stdio: 'ignore' })
+    return true
+  } catch {
+    return false
+  }
+})()
+
+describe.skipIf(!hasStrace)('fs store durability', () => {
+  it('fsyncs the file, its directory and the parent of every directory mkdir -p created', () => {
+    const root = join(tmp, 'durable')
+    mkdirSync(root)
+    const store = new URL('../src/gateway/stores/fs.ts', import.meta.url).pathname
+    const script = `const { FsStore } = await import(${JSON.stringify(store)});
+const s = await new FsStore({ root: ${JSON.stringify(root)} }).open();
+await s.putIfAbsent('kvgate/ns/ab/obj', new Uint8Array(100), 100);`
+    const r = spawnSync(
+      'strace',
+      [
+        '-f',
+        '-qq',
+        '-e',
+        'trace=openat,fsync',
+        process.execPath,
+        '--import',
+        'tsx',
+        '--input-type=module',
+        '-e',
+        script,
+      ],
+      { encoding: 'utf8', cwd: new URL('..', import.meta.url).pathname },
+    )
+    expect(r.status).toBe(0)
+    // fd → path as opened, so each fsync names what it flushed.
+    const fds = new Map<string, string>()
+    const synced = new Set<string>()
+    for (const line of r.stderr.split('\n')) {
+      const open = /openat\(AT_FDCWD, "([^"]+)",.*\) = (\d+)$/.exec(line)
+      if (open) fds.set(open[2]!, open[1]!)
+      const sync = /fsync\((\d+)\)\s+= 0/.exec(line)
+      if (sync && fds.has(sync[1]!)) synced.add(fds.get(sync[1]!)!)
+    }
+    for (const dir of ['kvgate/ns/ab', 'kvgate/ns', 'kvgate', '']) {
+      expect(synced, dir).toContain(join(root, dir))
     }
   })
 })

@@ -25,6 +25,8 @@ export type ErrorCode =
   | 'ERR_RANGE_NOT_SATISFIABLE'
   | 'ERR_STORE'
   | 'ERR_STORE_UNAVAILABLE'
+  | 'ERR_STORE_FULL'
+  | 'ERR_BUSY'
   | 'ERR_TIMEOUT'
   | 'ERR_CIRCUIT_OPEN'
   | 'ERR_NATIVE'
@@ -108,7 +110,9 @@ export class NotFoundError extends KvgateError {
 export class StoreError extends KvgateError {
   constructor(
     message: string,
-    options: KvgateErrorOptions & { code?: 'ERR_STORE' | 'ERR_STORE_UNAVAILABLE' | 'ERR_TIMEOUT' } = {},
+    options: KvgateErrorOptions & {
+      code?: 'ERR_STORE' | 'ERR_STORE_UNAVAILABLE' | 'ERR_STORE_FULL' | 'ERR_TIMEOUT'
+    } = {},
   ) {
     super(options.code ?? 'ERR_STORE', message, { status: 502, ...options })
     this.name = 'StoreError'

@@ -14,6 +14,7 @@ import { chunkRoutes } from './routes/chunks.ts'
 import { lookupRoutes } from './routes/lookup.ts'
 import { opsRoutes } from './routes/ops.ts'
 import { type UploadOptions, uploadRoutes } from './routes/uploads.ts'
+import { verifyRoutes } from './routes/verify.ts'
 import type { ObjectStore } from './stores/types.ts'
 
 export interface GatewayOptions {
@@ -27,8 +28,12 @@ export interface GatewayOptions {
   /** Registry to export into (share one across apps); a fresh one by default. */
   metrics?: GatewayMetrics
   lookup?: ChainLookupOptions
-  /** Coalesce concurrent GETs of one object; bodies ≤ maxBytes are shared. false disables. @default { maxBytes: 8 MiB } */
-  coalesce?: false | { maxBytes?: number }
+  /**
+   * Coalesce concurrent GETs of one object; bodies ≤ maxBytes are shared, and at most
+   * maxBufferedBytes are buffered at once (above it GETs stream on their own). false disables.
+   * @default { maxBytes: 8 MiB, maxBufferedBytes: 64 MiB }
+   */
+  coalesce?: false | { maxBytes?: number; maxBufferedBytes?: number }
   /** Object name prefix in the store. @default 'kvgate' */
   prefix?: string
   /** $/GB-month for the status page's cost estimate. @default 0.023 (S3 Standard) */
@@ -53,6 +58,7 @@ export function createGateway(options: GatewayOptions): GatewayApp {
   lookupRoutes(app, state)
   chunkRoutes(app, state)
   uploadRoutes(app, state, options.uploads)
+  verifyRoutes(app, state)
   opsRoutes(app, state, { publicStatus: options.auth?.publicStatus ?? false })
   return Object.assign(app, { state })
 }

@@ -1,18 +1,34 @@
 // Finds how many leading chunks of a key chain are stored without one HEAD per
 // key: chunk i present ⇒ earlier chunks almost surely present, so a k-ary search
 // with concurrent probes pins the boundary in ~2 rounds, then one round verifies.
+//
+// Presence heals: every cached answer expires (objects vanish behind the gateway:
+// lifecycle expiry, another instance's DELETE), a read that finds no object forgets
+// that key and every later key of its chain, and remembers it absent for a while so
+// the search cannot infer it present again from a later cached key.
 
 import { LRUCache } from 'lru-cache'
 import type { GatewayMetrics } from './metrics.ts'
 import type { ObjectStore } from './stores/types.ts'
 
 export interface ChainLookupOptions {
-  /** Positive cache entries (object name → size). Absent results are never cached. @default 100000 */
+  /** Positive cache entries (object name → size). @default 100000 */
   cacheEntries?: number
   /** Probes per search round: (fanout+1)^2 ≥ keys ⇒ 2 rounds. @default 24 */
   fanout?: number
   /** Store requests in flight per lookup. @default 256 */
   concurrency?: number
+  /**
+   * How long a cached presence (inferred by a lookup or seen by a HEAD/GET/PUT) and a
+   * seen absence are trusted, in ms. @default 30000
+   */
+  presenceTtlMs?: number
+  /**
+   * After answering, HEAD up to this many keys the answer only inferred, earliest
+   * first, in the background (lifecycle expiry removes a chain's oldest chunks first):
+   * a missing one is forgotten with the rest of its chain. 0 turns it off. @default 8
+   */
+  verifyInferred?: number
 }
 
 export interface LookupResult {
@@ -24,45 +40,123 @@ export interface LookupResult {
 }
 
 /**
- * Cache value of a chunk a lookup answered as present without a HEAD (below a
- * probed present key): present as far as lookups go, size unknown to everything else.
+ * Size of a chunk a lookup answered as present without a HEAD (below a probed
+ * present key): present as far as lookups go, size unknown to everything else.
  */
 const INFERRED = -1
+
+interface Entry {
+  /** Object size, or INFERRED. */
+  size: number
+  /** The name that followed this one in the last chain a lookup answered (chain order, for invalidation). */
+  next?: string
+}
 
 export class ChainLookup {
   readonly #store: ObjectStore
   readonly #metrics: GatewayMetrics
-  readonly #cache: LRUCache<string, number>
+  readonly #cache: LRUCache<string, Entry>
+  /** Names a read found missing: the search treats them as absent until they expire or are written. */
+  readonly #absent: LRUCache<string, true>
   readonly #fanout: number
   readonly #concurrency: number
+  readonly #verifyInferred: number
+  /** Background HEADs in flight, by name (bounded: at most 8 × verifyInferred). */
+  readonly #checking = new Set<string>()
 
   constructor(store: ObjectStore, metrics: GatewayMetrics, opts: ChainLookupOptions = {}) {
-    const { cacheEntries = 100_000, fanout = 24, concurrency = 256 } = opts
+    const {
+      cacheEntries = 100_000,
+      fanout = 24,
+      concurrency = 256,
+      presenceTtlMs = 30_000,
+      verifyInferred = 8,
+    } = opts
     if (!Number.isInteger(cacheEntries) || cacheEntries < 1)
       throw new TypeError('invalid lookup cacheEntries')
     if (!Number.isInteger(fanout) || fanout < 2) throw new TypeError('invalid lookup fanout')
     if (!Number.isInteger(concurrency) || concurrency < 1) throw new TypeError('invalid lookup concurrency')
+    if (!Number.isInteger(presenceTtlMs) || presenceTtlMs < 1)
+      throw new TypeError('invalid lookup presenceTtlMs')
+    if (!Number.isInteger(verifyInferred) || verifyInferred < 0)
+      throw new TypeError('invalid lookup verifyInferred')
+    this.#verifyInferred = verifyInferred
     this.#store = store
     this.#metrics = metrics
-    this.#cache = new LRUCache({ max: cacheEntries })
+    this.#cache = new LRUCache({ max: cacheEntries, ttl: presenceTtlMs })
+    this.#absent = new LRUCache({ max: Math.min(cacheEntries, 10_000), ttl: presenceTtlMs })
     this.#fanout = fanout
     this.#concurrency = concurrency
   }
 
-  /** Known size of a stored object (cache only), counting hit/miss. */
+  /** Size of a stored object known from the store itself (never an inference), counting hit/miss. */
   cached(name: string): number | undefined {
     const v = this.#cache.get(name)
-    const known = v !== undefined && v !== INFERRED ? v : undefined
+    const known = v !== undefined && v.size !== INFERRED ? v.size : undefined
     this.#metrics.cache.inc({ result: known === undefined ? 'miss' : 'hit' })
     return known
   }
 
+  /** The store just showed this object (PUT, HEAD, GET): its size, keeping its chain link. */
   remember(name: string, size: number): void {
-    this.#cache.set(name, size)
+    this.#absent.delete(name)
+    const prev = this.#cache.get(name, { updateAgeOnGet: false })
+    this.#cache.set(name, prev?.next === undefined ? { size } : { size, next: prev.next })
   }
 
+  /** Forgets one object (a DELETE through this instance). */
   forget(name: string): void {
     this.#cache.delete(name)
+  }
+
+  /**
+   * A read found no object under `name`: forget it and every later key of the chain
+   * it was last seen in (lifecycle expiry removes a chain's oldest chunks, so the
+   * rest of that prefix is unusable too), and treat it as absent for a while.
+   */
+  invalidateFrom(name: string): number {
+    let forgotten = 0
+    let at: string | undefined = name
+    const seen = new Set<string>()
+    while (at !== undefined && !seen.has(at)) {
+      seen.add(at)
+      const e = this.#cache.get(at, { updateAgeOnGet: false })
+      if (this.#cache.delete(at)) forgotten++
+      at = e?.next
+    }
+    this.#absent.set(name, true)
+    this.#metrics.invalidations.inc({}, forgotten)
+    return forgotten
+  }
+
+  /** Background HEADs still running (tests wait for them). */
+  get checking(): number {
+    return this.#checking.size
+  }
+
+  // Turns the earliest inferred presences of an answer into seen ones (or forgets
+  // them and the rest of their chain), without holding up the answer.
+  #checkInferred(names: readonly string[], sizes: readonly (number | undefined)[], present: number): void {
+    if (this.#verifyInferred === 0 || this.#checking.size >= 8 * this.#verifyInferred) return
+    let budget = this.#verifyInferred
+    for (let i = 0; i < present && budget > 0; i++) {
+      const name = names[i]!
+      if ((sizes[i] ?? INFERRED) !== INFERRED || this.#checking.has(name)) continue
+      budget--
+      this.#checking.add(name)
+      this.#store
+        .head(name)
+        .then(
+          (r) => {
+            if (r) this.remember(name, r.size)
+            else this.invalidateFrom(name)
+          },
+          () => {
+            // A store fault says nothing about the object; the TTL still bounds the inference.
+          },
+        )
+        .finally(() => this.#checking.delete(name))
+    }
   }
 
   get cacheSize(): number {
@@ -72,7 +166,7 @@ export class ChainLookup {
   async lookup(names: readonly string[], opts: { sizes?: boolean } = {}): Promise<LookupResult> {
     const wantSizes = opts.sizes ?? false
     const m = names.length
-    const sizes: (number | undefined)[] = names.map((n) => this.#cache.get(n))
+    const sizes: (number | undefined)[] = names.map((n) => this.#cache.get(n)?.size)
     let hits = 0
     for (const s of sizes) if (s !== undefined) hits++
     this.#metrics.cache.inc({ result: 'hit' }, hits)
@@ -93,17 +187,24 @@ export class ChainLookup {
           out.set(i, r !== undefined)
           if (r) {
             sizes[i] = r.size
-            this.#cache.set(names[i]!, r.size)
+            this.remember(names[i]!, r.size)
           }
         })
       }
       return out
     }
 
-    // Search: the answer n lies in [lo, hi]; lo = leading cached run.
-    let lo = 0
-    while (lo < m && sizes[lo] !== undefined) lo++
+    // Search: the answer n lies in [lo, hi]; lo = leading cached run, hi = first key
+    // a read recently found missing (no later cached key may infer it back).
     let hi = m
+    for (let i = 0; i < m; i++) {
+      if (this.#absent.has(names[i]!)) {
+        hi = i
+        break
+      }
+    }
+    let lo = 0
+    while (lo < hi && sizes[lo] !== undefined) lo++
     while (lo < hi) {
       const span = hi - lo
       const picks = new Set<number>()
@@ -135,11 +236,16 @@ export class ChainLookup {
         const res = await probe(missing)
         for (const i of missing) if (!res.get(i) && i < present) present = i
       }
-    } else {
-      // Remember what this answer already claimed, so the next lookup of the chain
-      // needs no store request at all (a warm lookup is all cache).
-      for (let i = 0; i < present; i++) if (sizes[i] === undefined) this.#cache.set(names[i]!, INFERRED)
     }
+    // Remember what this answer claimed (a repeated lookup within the TTL is all
+    // cache) and the chain order, so a miss on one key can forget the keys after it.
+    for (let i = 0; i < present; i++) {
+      const next = names[i + 1]
+      const size = sizes[i] ?? INFERRED
+      // noUpdateTTL: re-asking never extends a presence the store has not shown again.
+      this.#cache.set(names[i]!, next === undefined ? { size } : { size, next }, { noUpdateTTL: true })
+    }
+    this.#checkInferred(names, sizes, present)
     this.#metrics.lookupProbes.observe(storeRequests)
     this.#metrics.lookupRounds.observe(rounds)
     this.#metrics.lookupKeys.inc({ result: 'present' }, present)

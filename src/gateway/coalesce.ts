@@ -1,13 +1,14 @@
 // Coalesces concurrent GETs of one object (and range) into one store GET. The
-// leader buffers the body only when it is at most `maxBytes`, so followers share
-// bytes; larger bodies are never buffered: followers then do their own GET.
+// leader buffers the body only when it is at most `maxBytes` and the buffers of all
+// coalesced GETs stay within `maxBufferedBytes`, so followers share bytes; otherwise
+// the body is never buffered and followers do their own GET.
 // (A tee would buffer without bound behind the slowest client.)
 
 import type { StoreObject } from './stores/types.ts'
 
 type Shared =
   | { kind: 'absent' }
-  | { kind: 'bytes'; bytes: Uint8Array; size: number; offset: number }
+  | { kind: 'bytes'; bytes: Uint8Array; size: number; offset: number; etag?: string }
   | { kind: 'stream'; obj: StoreObject }
 
 export interface CoalescedGet {
@@ -16,63 +17,132 @@ export interface CoalescedGet {
   coalesced: boolean
 }
 
-export class GetCoalescer {
-  readonly #inflight = new Map<string, Promise<Shared>>()
-  readonly #maxBytes: number
+/** Who still holds a leader's buffer: every request that joined it, until its body is handed on. */
+interface Lease {
+  refs: number
+  bytes: number
+}
 
-  constructor(maxBytes: number) {
+export class GetCoalescer {
+  readonly #inflight = new Map<string, { shared: Promise<Shared>; lease: Lease }>()
+  readonly #maxBytes: number
+  readonly #maxBuffered: number
+  #buffered = 0
+
+  constructor(maxBytes: number, maxBufferedBytes = 64 * 1024 * 1024) {
     if (!Number.isInteger(maxBytes) || maxBytes < 0) throw new TypeError('invalid coalesce maxBytes')
+    if (!Number.isInteger(maxBufferedBytes) || maxBufferedBytes < 0)
+      throw new TypeError('invalid coalesce maxBufferedBytes')
     this.#maxBytes = maxBytes
+    this.#maxBuffered = maxBufferedBytes
   }
 
   get inflight(): number {
     return this.#inflight.size
   }
 
+  /** Bytes of shared buffers some request still holds (the bound is maxBufferedBytes). */
+  get bufferedBytes(): number {
+    return this.#buffered
+  }
+
+  #release(lease: Lease): void {
+    if (--lease.refs === 0) this.#buffered -= lease.bytes
+  }
+
   async get(key: string, fetch: () => Promise<StoreObject | undefined>): Promise<CoalescedGet> {
     const existing = this.#inflight.get(key)
     if (existing) {
-      const shared = await existing
+      existing.lease.refs++
+      let shared: Shared
+      try {
+        shared = await existing.shared
+      } catch (e) {
+        this.#release(existing.lease)
+        throw e
+      }
+      if (shared.kind === 'bytes') return { obj: this.#fromBytes(shared, existing.lease), coalesced: true }
+      this.#release(existing.lease)
       if (shared.kind === 'absent') return { obj: undefined, coalesced: true }
-      if (shared.kind === 'bytes') return { obj: fromBytes(shared), coalesced: true }
       // Too large to share: the leader owns that stream.
       return { obj: await fetch(), coalesced: false }
     }
-    const leader = (async (): Promise<Shared> => {
+    const lease: Lease = { refs: 1, bytes: 0 }
+    const shared = (async (): Promise<Shared> => {
       const obj = await fetch()
       if (!obj) return { kind: 'absent' }
-      if (obj.length > this.#maxBytes) return { kind: 'stream', obj }
-      const bytes = new Uint8Array(obj.length)
-      let at = 0
+      if (obj.length > this.#maxBytes || this.#buffered + obj.length > this.#maxBuffered)
+        return { kind: 'stream', obj }
+      lease.bytes = obj.length
+      this.#buffered += obj.length
       const reader = obj.body.getReader()
-      for (;;) {
-        const { done, value } = await reader.read()
-        if (done) break
-        if (at + value.length > bytes.length) throw new Error('store returned more bytes than announced')
-        bytes.set(value, at)
-        at += value.length
+      try {
+        const bytes = new Uint8Array(obj.length)
+        let at = 0
+        for (;;) {
+          const { done, value } = await reader.read()
+          if (done) break
+          if (at + value.length > bytes.length) throw new Error('store returned more bytes than announced')
+          bytes.set(value, at)
+          at += value.length
+        }
+        if (at !== bytes.length) throw new Error(`store body ended at ${at} of ${bytes.length} bytes`)
+        return {
+          kind: 'bytes',
+          bytes,
+          size: obj.size,
+          offset: obj.offset,
+          ...(obj.etag !== undefined ? { etag: obj.etag } : {}),
+        }
+      } catch (e) {
+        // Stop the store read: nobody will take the rest.
+        await reader.cancel(e).catch(() => {})
+        throw e
       }
-      if (at !== bytes.length) throw new Error(`store body ended at ${at} of ${bytes.length} bytes`)
-      return { kind: 'bytes', bytes, size: obj.size, offset: obj.offset }
     })()
-    this.#inflight.set(key, leader)
+    this.#inflight.set(key, { shared, lease })
     try {
-      const shared = await leader
-      if (shared.kind === 'absent') return { obj: undefined, coalesced: false }
-      if (shared.kind === 'stream') return { obj: shared.obj, coalesced: false }
-      return { obj: fromBytes(shared), coalesced: false }
+      const s = await shared
+      if (s.kind === 'bytes') return { obj: this.#fromBytes(s, lease), coalesced: false }
+      this.#release(lease)
+      return { obj: s.kind === 'stream' ? s.obj : undefined, coalesced: false }
+    } catch (e) {
+      this.#release(lease)
+      throw e
     } finally {
       this.#inflight.delete(key)
     }
   }
-}
 
-function fromBytes(s: { bytes: Uint8Array; size: number; offset: number }): StoreObject {
-  const body = new ReadableStream<Uint8Array>({
-    start(c) {
-      if (s.bytes.length > 0) c.enqueue(s.bytes)
-      c.close()
-    },
-  })
-  return { body, size: s.size, offset: s.offset, length: s.bytes.length }
+  // The buffer is handed on when the consumer pulls it (or gives up): only then is
+  // this request's hold on the shared bytes released.
+  #fromBytes(
+    s: { bytes: Uint8Array; size: number; offset: number; etag?: string },
+    lease: Lease,
+  ): StoreObject {
+    let held = true
+    const release = () => {
+      if (!held) return
+      held = false
+      this.#release(lease)
+    }
+    const body = new ReadableStream<Uint8Array>(
+      {
+        pull(c) {
+          if (s.bytes.length > 0) c.enqueue(s.bytes)
+          c.close()
+          release()
+        },
+        cancel: release,
+      },
+      { highWaterMark: 0 },
+    )
+    return {
+      body,
+      size: s.size,
+      offset: s.offset,
+      length: s.bytes.length,
+      ...(s.etag !== undefined ? { etag: s.etag } : {}),
+    }
+  }
 }

@@ -28,6 +28,22 @@ export interface ServeConfig {
   presign?: { minBytes: number; expiresSeconds: number }
   maxChunkBytes?: number
   coalesceMaxBytes: number
+  /** Bytes the GET coalescer may buffer at once (above it GETs stream on their own). */
+  coalesceMaxBufferedBytes: number
+  /** How long a cached presence (inferred or seen) is trusted. */
+  presenceTtlMs: number
+  /** A PUT body silent this long fails with 408. */
+  bodyIdleTimeoutMs: number
+  /** A PUT body slower than this (bytes/s while the gateway waits on it) fails with 408; 0 = off. */
+  bodyMinBytesPerSecond: number
+  /** A GET reader that takes nothing this long is cut off (store stream released). */
+  readerIdleTimeoutMs: number
+  /** Declared PUT body bytes in flight at once (503 ERR_BUSY above). */
+  maxInFlightBytes: number
+  /** Open connections at most. */
+  maxConnections: number
+  /** Stored-object verifications at once. */
+  maxConcurrentVerifies: number
   tokens: TokenGrant[]
   publicStatus: boolean
   insecure: boolean
@@ -52,6 +68,14 @@ export interface ServeSettings {
   presignExpiresSeconds?: string | number
   maxChunkBytes?: string | number
   coalesceMaxBytes?: string | number
+  coalesceMaxBufferedBytes?: string | number
+  presenceTtlMs?: string | number
+  bodyIdleTimeoutMs?: string | number
+  bodyMinBytesPerSecond?: string | number
+  readerIdleTimeoutMs?: string | number
+  maxInFlightBytes?: string | number
+  maxConnections?: string | number
+  maxConcurrentVerifies?: string | number
   tokens?: TokenGrant[] | string
   publicStatus?: string | boolean
   insecure?: string | boolean
@@ -75,6 +99,14 @@ const ENV: Record<string, keyof ServeSettings> = {
   KVGATE_PRESIGN_EXPIRES_SECONDS: 'presignExpiresSeconds',
   KVGATE_MAX_CHUNK_BYTES: 'maxChunkBytes',
   KVGATE_COALESCE_MAX_BYTES: 'coalesceMaxBytes',
+  KVGATE_COALESCE_MAX_BUFFERED_BYTES: 'coalesceMaxBufferedBytes',
+  KVGATE_PRESENCE_TTL_MS: 'presenceTtlMs',
+  KVGATE_BODY_IDLE_TIMEOUT_MS: 'bodyIdleTimeoutMs',
+  KVGATE_BODY_MIN_BYTES_PER_SECOND: 'bodyMinBytesPerSecond',
+  KVGATE_READER_IDLE_TIMEOUT_MS: 'readerIdleTimeoutMs',
+  KVGATE_MAX_IN_FLIGHT_BYTES: 'maxInFlightBytes',
+  KVGATE_MAX_CONNECTIONS: 'maxConnections',
+  KVGATE_MAX_CONCURRENT_VERIFIES: 'maxConcurrentVerifies',
   KVGATE_TOKENS: 'tokens',
   KVGATE_PUBLIC_STATUS: 'publicStatus',
   KVGATE_INSECURE: 'insecure',
@@ -126,6 +158,14 @@ export function settingsFromFile(file: string): ServeSettings {
     presignExpiresSeconds: pick(presign, 'expiresSeconds'),
     maxChunkBytes: pick(d, 'maxChunkBytes'),
     coalesceMaxBytes: pick(d, 'coalesceMaxBytes'),
+    coalesceMaxBufferedBytes: pick(d, 'coalesceMaxBufferedBytes'),
+    presenceTtlMs: pick(d, 'presenceTtlMs'),
+    bodyIdleTimeoutMs: pick(d, 'bodyIdleTimeoutMs'),
+    bodyMinBytesPerSecond: pick(d, 'bodyMinBytesPerSecond'),
+    readerIdleTimeoutMs: pick(d, 'readerIdleTimeoutMs'),
+    maxInFlightBytes: pick(d, 'maxInFlightBytes'),
+    maxConnections: pick(d, 'maxConnections'),
+    maxConcurrentVerifies: pick(d, 'maxConcurrentVerifies'),
     tokens: auth.tokens as TokenGrant[] | undefined,
     publicStatus: pick(auth, 'publicStatus'),
     log: pick(d, 'log'),
@@ -225,6 +265,15 @@ export function resolveServeConfig(...layers: ServeSettings[]): ServeConfig {
       : {}),
     ...(maxChunkBytes !== undefined ? { maxChunkBytes } : {}),
     coalesceMaxBytes: int('coalesceMaxBytes', s.coalesceMaxBytes, 0, 1024 ** 3) ?? 8 * 1024 * 1024,
+    coalesceMaxBufferedBytes:
+      int('coalesceMaxBufferedBytes', s.coalesceMaxBufferedBytes, 0, 16 * 1024 ** 3) ?? 64 * 1024 * 1024,
+    presenceTtlMs: int('presenceTtlMs', s.presenceTtlMs, 1, 3_600_000) ?? 30_000,
+    bodyIdleTimeoutMs: int('bodyIdleTimeoutMs', s.bodyIdleTimeoutMs, 1, 3_600_000) ?? 30_000,
+    bodyMinBytesPerSecond: int('bodyMinBytesPerSecond', s.bodyMinBytesPerSecond, 0, 1024 ** 3) ?? 8192,
+    readerIdleTimeoutMs: int('readerIdleTimeoutMs', s.readerIdleTimeoutMs, 1, 3_600_000) ?? 30_000,
+    maxInFlightBytes: int('maxInFlightBytes', s.maxInFlightBytes, 1, 1024 ** 4) ?? 1024 ** 3,
+    maxConnections: int('maxConnections', s.maxConnections, 1, 1_000_000) ?? 1024,
+    maxConcurrentVerifies: int('maxConcurrentVerifies', s.maxConcurrentVerifies, 1, 1024) ?? 4,
     tokens,
     publicStatus: bool('publicStatus', s.publicStatus) ?? false,
     insecure,

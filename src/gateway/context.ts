@@ -18,6 +18,21 @@ export interface GatewayLimits {
   maxLookupBodyBytes?: number
   /** A PUT body that sends nothing for this long fails with 408. @default 30000 */
   bodyIdleTimeoutMs?: number
+  /**
+   * A PUT body slower than this (bytes/s, over bodyIdleTimeoutMs spent waiting on the
+   * client) fails with 408: a trickle must not hold a connection for the whole request
+   * timeout. 0 turns it off. @default 8192
+   */
+  bodyMinBytesPerSecond?: number
+  /**
+   * A GET reader that takes nothing for this long is cut off: its store stream (file
+   * handle, S3 socket) is released and its connection closed. @default 30000
+   */
+  readerIdleTimeoutMs?: number
+  /** Declared PUT body bytes in flight at once; above it PUTs get 503 ERR_BUSY. @default 1 GiB */
+  maxInFlightBytes?: number
+  /** Stored-object verifications (POST …/verify, corrupt GETs) at once. @default 4 */
+  maxConcurrentVerifies?: number
 }
 
 export interface PresignOptions {
@@ -36,13 +51,26 @@ export interface RecentError {
   message: string
 }
 
+export interface CachedHeader {
+  header: ChunkHeader
+  bytes: Uint8Array
+  /** Size and ETag (where the store has one) of the object the header was read from. */
+  size: number
+  etag: string | undefined
+}
+
 export interface GatewayState {
   store: ObjectStore
   rawStore: ObjectStore
   metrics: GatewayMetrics
   lookup: ChainLookup
   coalescer: GetCoalescer | undefined
-  headers: LRUCache<string, { header: ChunkHeader; bytes: Uint8Array }>
+  /** Decoded headers for ?layers=, tagged with the object version they came from. */
+  headers: LRUCache<string, CachedHeader>
+  /** Verifications in flight by object name (deduplicated). */
+  verifying: Map<string, Promise<'ok' | 'corrupt' | 'missing'>>
+  /** Declared bytes of the PUT bodies being received now. */
+  inFlight: { bytes: number }
   limits: Required<GatewayLimits>
   presign: Required<PresignOptions> | undefined
   prefix: string
@@ -58,7 +86,7 @@ export function createState(opts: {
   limits?: GatewayLimits
   presign?: PresignOptions
   lookup?: ChainLookupOptions
-  coalesce?: false | { maxBytes?: number }
+  coalesce?: false | { maxBytes?: number; maxBufferedBytes?: number }
   prefix?: string
   storagePricePerGBMonth?: number
 }): GatewayState {
@@ -71,9 +99,17 @@ export function createState(opts: {
     maxLookupKeys: opts.limits?.maxLookupKeys ?? 4096,
     maxLookupBodyBytes: opts.limits?.maxLookupBodyBytes ?? 512 * 1024,
     bodyIdleTimeoutMs: opts.limits?.bodyIdleTimeoutMs ?? 30_000,
+    bodyMinBytesPerSecond: opts.limits?.bodyMinBytesPerSecond ?? 8192,
+    readerIdleTimeoutMs: opts.limits?.readerIdleTimeoutMs ?? 30_000,
+    maxInFlightBytes: opts.limits?.maxInFlightBytes ?? 1024 ** 3,
+    maxConcurrentVerifies: opts.limits?.maxConcurrentVerifies ?? 4,
+  }
+  for (const k of Object.keys(opts.limits ?? {})) {
+    if (!(k in limits)) throw new TypeError(`createGateway: unknown limits.${k}`)
   }
   for (const [k, v] of Object.entries(limits)) {
-    if (!Number.isInteger(v) || v < 1) throw new TypeError(`createGateway: invalid limits.${k}`)
+    const min = k === 'bodyMinBytesPerSecond' ? 0 : 1
+    if (!Number.isInteger(v) || v < min) throw new TypeError(`createGateway: invalid limits.${k}`)
   }
   if (opts.presign && (!Number.isInteger(opts.presign.minBytes) || opts.presign.minBytes < 0)) {
     throw new TypeError('createGateway: invalid presign.minBytes')
@@ -88,8 +124,12 @@ export function createState(opts: {
     metrics,
     lookup: new ChainLookup(store, metrics, opts.lookup),
     coalescer:
-      opts.coalesce === false ? undefined : new GetCoalescer(opts.coalesce?.maxBytes ?? 8 * 1024 * 1024),
+      opts.coalesce === false
+        ? undefined
+        : new GetCoalescer(opts.coalesce?.maxBytes ?? 8 * 1024 * 1024, opts.coalesce?.maxBufferedBytes),
     headers: new LRUCache({ max: 10_000 }),
+    verifying: new Map(),
+    inFlight: { bytes: 0 },
     limits,
     presign:
       opts.presign && opts.store.presignGet

@@ -113,6 +113,26 @@ export class GatewayMetrics {
   readonly puts = new Counter('kvgate_chunk_puts_total', 'Chunk PUTs by result (created|exists|rejected)')
   readonly redirects = new Counter('kvgate_get_redirects_total', 'GETs answered with a presigned redirect')
   readonly errors = new Counter('kvgate_errors_total', 'Error responses by code')
+  readonly invalidations = new Counter(
+    'kvgate_presence_invalidated_total',
+    'Cached presences forgotten because a read found the object (or an earlier one of its chain) missing',
+  )
+  readonly corruptReads = new Counter(
+    'kvgate_corrupt_reads_total',
+    'GET responses aborted because the stored bytes failed verification (layers=true for ?layers=)',
+  )
+  readonly corrupt = new Counter(
+    'kvgate_corrupt_objects_total',
+    'Stored objects verified corrupt and deleted so the next writer replaces them (by=get|verify)',
+  )
+  readonly verifies = new Counter(
+    'kvgate_verify_total',
+    'Object verifications by verdict (ok|corrupt|missing)',
+  )
+  readonly busy = new Counter(
+    'kvgate_busy_total',
+    'Requests refused with 503 ERR_BUSY because the in-flight byte or buffer bound was reached',
+  )
 
   render(): string {
     const all = [
@@ -130,6 +150,11 @@ export class GatewayMetrics {
       this.puts,
       this.redirects,
       this.errors,
+      this.invalidations,
+      this.corruptReads,
+      this.corrupt,
+      this.verifies,
+      this.busy,
     ]
     return `${all.flatMap((m) => m.render()).join('\n')}\n`
   }

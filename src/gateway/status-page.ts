@@ -39,6 +39,13 @@ export interface StatusSnapshot {
   bytesOut: number
   storeOps: number
   storeMeanMs: number
+  /** GET bodies aborted for bad stored bytes, and objects verified corrupt and deleted. */
+  corruptReads: number
+  corruptDeleted: number
+  /** Cached presences forgotten because a read found an object missing. */
+  presenceInvalidated: number
+  /** Requests refused (503 ERR_BUSY) at the in-flight bounds. */
+  busy: number
   recentErrors: GatewayState['recentErrors']
 }
 
@@ -77,6 +84,10 @@ export async function snapshot(state: GatewayState): Promise<StatusSnapshot> {
     bytesOut: m.bytesOut.value(),
     storeOps: storeLat.count,
     storeMeanMs: storeLat.count ? (1000 * storeLat.sum) / storeLat.count : 0,
+    corruptReads: m.corruptReads.value(),
+    corruptDeleted: m.corrupt.value(),
+    presenceInvalidated: m.invalidations.value(),
+    busy: m.busy.value(),
     recentErrors: state.recentErrors,
   }
 }
@@ -116,6 +127,9 @@ ${row('chunk PUTs', `${s.putsCreated} created, ${s.putsExisting} already present
 ${row('coalesced GETs', String(s.coalescedGets))}
 ${row('bytes in / out', `${fmtBytes(s.bytesIn)} / ${fmtBytes(s.bytesOut)}`)}
 ${row('store ops', `${s.storeOps}, mean ${s.storeMeanMs.toFixed(1)} ms`)}
+${row('corrupt objects', `${s.corruptReads} corrupt reads, ${s.corruptDeleted} objects deleted for re-upload`)}
+${row('presences forgotten after a miss', String(s.presenceInvalidated))}
+${row('refused busy (503)', String(s.busy))}
 </table>
 <h2>Recent errors</h2>
 ${errors ? `<table><tr><th>time</th><th>request</th><th>status</th><th>code</th><th>message</th></tr>${errors}</table>` : '<p>none</p>'}

@@ -16,6 +16,18 @@ export interface VerifiedBody {
   /** The decoded header once the stream completed. */
   header(): ChunkHeader | undefined
   bytes(): number
+  /**
+   * Ends the body for good (the store failed, the request is over): stops the idle
+   * watchdog, cancels the source and drops the read-ahead queue. Idempotent; the
+   * route calls it in `finally`, so no failure path keeps a timer or buffers alive.
+   */
+  release(reason?: unknown): void
+  /**
+   * Reads and drops the rest of the body (the store answered "exists" without taking
+   * it), so the client, which may close after sending, reads the answer. Bounded by
+   * Content-Length and the idle timeout.
+   */
+  drain(): Promise<void>
 }
 
 /** Where body pieces come from: a web stream's reader or any async iterator (Node's IncomingMessage). */
@@ -41,62 +53,107 @@ export function iteratorSource(it: AsyncIterator<Uint8Array>): PieceSource {
   }
 }
 
-export function verifiedBody(
-  reader: PieceSource,
-  opts: { keyHex: string; size: number; maxBytes: number; idleTimeoutMs: number },
-): VerifiedBody {
+export interface VerifiedBodyOptions {
+  keyHex: string
+  size: number
+  maxBytes: number
+  idleTimeoutMs: number
+  /**
+   * A client that, over a window of idleTimeoutMs spent waiting on it, sends less than
+   * this many bytes per second (a trickle that never quite stalls) fails with 408. 0 = off.
+   */
+  minBytesPerSecond?: number
+  /** 32 hex: the namespace id the header must carry (a namespace named by its id). */
+  namespaceIdHex?: string
+}
+
+export function verifiedBody(reader: PieceSource, opts: VerifiedBodyOptions): VerifiedBody {
   const verifier = new ChunkVerifier({ maxBytes: opts.maxBytes })
   let failure: unknown
   let header: ChunkHeader | undefined
   let checkedHeader = false
-  // One watchdog per body instead of a timer per piece: it re-arms itself for
-  // the time left since the last piece and fires only after a real stall.
+  let ended = false
+  let sourceDone = false
+  let sourceCancelled = false
+  let controller: ReadableStreamDefaultController<Uint8Array> | undefined
+  // One watchdog per body instead of a timer per piece: it re-arms itself for the
+  // time left since the last piece and fires only after a real stall. The pending
+  // read's reject is held only while that read is outstanding (a promise raced
+  // against a never-settling one would keep every piece it ever resolved with).
   let lastPiece = Date.now()
-  let reading = false
+  let abortRead: ((e: unknown) => void) | undefined
   let watchdog: ReturnType<typeof setTimeout> | undefined
-  let stall!: (e: unknown) => void
-  const stalled = new Promise<never>((_, reject) => {
-    stall = reject
-  })
-  stalled.catch(() => {}) // observed through the race below; never unhandled
+  // Time spent waiting on the client and bytes it sent since the last rate check.
+  let waitedMs = 0
+  let windowBytes = 0
+  const minRate = opts.minBytesPerSecond ?? 0
+  const stalled = (why: string) =>
+    abortRead?.(new KvgateError('ERR_TIMEOUT', `request body ${why}`, { status: 408 }))
   const arm = (ms: number) => {
     watchdog = setTimeout(() => {
+      watchdog = undefined
+      if (ended) return
       // Only a read the client leaves unanswered counts; a store that is slow to pull does not.
-      const idle = reading ? Date.now() - lastPiece : 0
-      if (idle >= opts.idleTimeoutMs) {
-        stall(
-          new KvgateError('ERR_TIMEOUT', `request body stalled for ${opts.idleTimeoutMs} ms`, {
-            status: 408,
-          }),
-        )
-      } else arm(opts.idleTimeoutMs - idle)
+      const idle = abortRead ? Date.now() - lastPiece : 0
+      if (idle >= opts.idleTimeoutMs) return stalled(`stalled for ${opts.idleTimeoutMs} ms`)
+      const waited = waitedMs + idle
+      if (minRate > 0 && waited >= opts.idleTimeoutMs) {
+        // Judged only while a read waits on the client (otherwise the store sets the pace).
+        if (abortRead && (windowBytes * 1000) / waited < minRate)
+          return stalled(`arrives slower than ${minRate} bytes/s`)
+        waitedMs = 0
+        windowBytes = 0
+      }
+      arm(opts.idleTimeoutMs - idle)
     }, ms)
   }
   arm(opts.idleTimeoutMs)
-  const disarm = () => clearTimeout(watchdog)
+  const cancelSource = (reason: unknown) => {
+    if (sourceDone || sourceCancelled) return
+    sourceCancelled = true
+    reader.cancel(reason).catch(() => {})
+  }
+  const end = (reason?: unknown) => {
+    if (ended) return
+    ended = true
+    clearTimeout(watchdog)
+    watchdog = undefined
+    if (reason !== undefined) cancelSource(reason)
+  }
   const fail = (e: unknown, c: ReadableStreamDefaultController<Uint8Array>) => {
     failure ??= e
-    disarm()
-    reader.cancel(e).catch(() => {})
-    c.error(failure)
-  }
-  const readWithDeadline = async () => {
-    reading = true
-    lastPiece = Date.now()
+    end(e)
     try {
-      return await Promise.race([reader.read(), stalled])
-    } finally {
-      reading = false
+      c.error(failure)
+    } catch {
+      // already closed or errored
     }
   }
+  const readWithDeadline = () =>
+    new Promise<{ done: boolean; value?: Uint8Array }>((resolve, reject) => {
+      lastPiece = Date.now()
+      abortRead = reject
+      reader.read().then((r) => {
+        windowBytes += r.value?.length ?? 0
+        resolve(r)
+      }, reject)
+    }).finally(() => {
+      abortRead = undefined
+      waitedMs += Date.now() - lastPiece
+    })
   const stream = new ReadableStream<Uint8Array>(
     {
+      start(c) {
+        controller = c
+      },
       async pull(c) {
         try {
           const { done, value } = await readWithDeadline()
+          if (done) sourceDone = true
+          if (ended) return
           if (done || !value) {
             header = verifier.finish()
-            disarm()
+            end()
             c.close()
             return
           }
@@ -108,6 +165,12 @@ export function verifiedBody(
             if (bodyKey !== opts.keyHex) {
               throw new InvalidKeyError(`chunk header says key ${bodyKey}, the path says ${opts.keyHex}`)
             }
+            if (opts.namespaceIdHex !== undefined && toHex(h.namespaceId) !== opts.namespaceIdHex) {
+              throw new FormatError(
+                'ERR_FORMAT_BAD_FIELD',
+                `chunk header says namespace id ${toHex(h.namespaceId)}, the path says ${opts.namespaceIdHex}`,
+              )
+            }
             if (h.totalBytes !== opts.size) {
               throw new FormatError(
                 'ERR_FORMAT_BAD_FIELD',
@@ -117,6 +180,7 @@ export function verifiedBody(
           }
           c.enqueue(value)
         } catch (e) {
+          if (ended && failure === undefined) return
           fail(
             e instanceof KvgateError
               ? e
@@ -128,14 +192,58 @@ export function verifiedBody(
           )
         }
       },
-      cancel(reason) {
-        disarm()
-        reader.cancel(reason).catch(() => {})
+      // The store gave up on the body: the route decides whether the rest is drained or dropped.
+      cancel() {
+        end()
       },
     },
     // Read ahead of the store upload so a client burst and an S3 stall overlap
     // instead of alternating (bounded: a few MiB per request).
     new ByteLengthQueuingStrategy({ highWaterMark: READ_AHEAD_BYTES }),
   )
-  return { stream, failure: () => failure, header: () => header, bytes: () => verifier.bytesSeen }
+  return {
+    stream,
+    failure: () => failure,
+    header: () => header,
+    bytes: () => verifier.bytesSeen,
+    release(reason) {
+      const why = reason ?? new KvgateError('ERR_INTERNAL', 'request ended before its body', { status: 500 })
+      end()
+      cancelSource(why)
+      abortRead?.(why)
+      // Erroring the stream drops whatever the read-ahead queue still holds.
+      try {
+        controller?.error(why)
+      } catch {
+        // already closed or errored
+      }
+    },
+    async drain() {
+      end()
+      while (!sourceDone && !sourceCancelled) {
+        let timer: ReturnType<typeof setTimeout> | undefined
+        const stalled = new Promise<never>((_, reject) => {
+          timer = setTimeout(
+            () =>
+              reject(
+                new KvgateError('ERR_TIMEOUT', `request body stalled for ${opts.idleTimeoutMs} ms`, {
+                  status: 408,
+                }),
+              ),
+            opts.idleTimeoutMs,
+          )
+        })
+        try {
+          // A read the stream's pull left pending is answered first (reads queue in order).
+          const r = await Promise.race([reader.read(), stalled])
+          if (r.done) sourceDone = true
+        } catch (e) {
+          cancelSource(e)
+          throw e
+        } finally {
+          clearTimeout(timer)
+        }
+      }
+    },
+  }
 }

@@ -38,6 +38,11 @@ Options (flags override KVGATE_* env vars, which override the config file):
       --presign-min-bytes N  answer GETs of objects >= N bytes with 307 to a presigned URL
                              (s3 store; default 8388608; 'off' proxies every byte)
       --max-chunk-bytes N    largest chunk accepted [536870912]
+      --presence-ttl-ms N    how long a cached presence is trusted [30000]
+      --body-idle-timeout-ms N     a PUT body silent this long fails with 408 [30000]
+      --reader-idle-timeout-ms N   a GET reader idle this long is cut off [30000]
+      --max-in-flight-bytes N      declared PUT bytes in flight, 503 above [1073741824]
+      --max-connections N          open connections at most [1024]
       --log LEVEL            info | warn | error | silent [info]
       --insecure             allow a non-loopback bind without tokens
       --hash-token TOKEN     print the SHA-256 to put in the config, and exit
@@ -74,6 +79,11 @@ export async function run(argv: string[]): Promise<number> {
     's3-path-style': { type: 'boolean' },
     'presign-min-bytes': { type: 'string' },
     'max-chunk-bytes': { type: 'string' },
+    'presence-ttl-ms': { type: 'string' },
+    'body-idle-timeout-ms': { type: 'string' },
+    'reader-idle-timeout-ms': { type: 'string' },
+    'max-in-flight-bytes': { type: 'string' },
+    'max-connections': { type: 'string' },
     log: { type: 'string' },
     insecure: { type: 'boolean' },
     'hash-token': { type: 'string' },
@@ -99,6 +109,11 @@ export async function run(argv: string[]): Promise<number> {
     ['s3-path-style', 's3PathStyle'],
     ['presign-min-bytes', 'presignMinBytes'],
     ['max-chunk-bytes', 'maxChunkBytes'],
+    ['presence-ttl-ms', 'presenceTtlMs'],
+    ['body-idle-timeout-ms', 'bodyIdleTimeoutMs'],
+    ['reader-idle-timeout-ms', 'readerIdleTimeoutMs'],
+    ['max-in-flight-bytes', 'maxInFlightBytes'],
+    ['max-connections', 'maxConnections'],
     ['log', 'log'],
     ['insecure', 'insecure'],
   ]
@@ -143,15 +158,27 @@ async function serve(config: ServeConfig): Promise<number> {
     prefix: config.prefix,
     ...(config.tokens.length ? { auth: { tokens: config.tokens, publicStatus: config.publicStatus } } : {}),
     ...(config.presign ? { presign: config.presign } : {}),
-    ...(config.maxChunkBytes ? { limits: { maxChunkBytes: config.maxChunkBytes } } : {}),
-    coalesce: { maxBytes: config.coalesceMaxBytes },
+    limits: {
+      ...(config.maxChunkBytes ? { maxChunkBytes: config.maxChunkBytes } : {}),
+      bodyIdleTimeoutMs: config.bodyIdleTimeoutMs,
+      bodyMinBytesPerSecond: config.bodyMinBytesPerSecond,
+      readerIdleTimeoutMs: config.readerIdleTimeoutMs,
+      maxInFlightBytes: config.maxInFlightBytes,
+      maxConcurrentVerifies: config.maxConcurrentVerifies,
+    },
+    lookup: { presenceTtlMs: config.presenceTtlMs },
+    coalesce: { maxBytes: config.coalesceMaxBytes, maxBufferedBytes: config.coalesceMaxBufferedBytes },
     logger: (e) =>
       write({
         ...e,
         level: (e.status as number) >= 500 ? 'error' : (e.status as number) >= 400 ? 'warn' : 'info',
       }),
   })
-  const gw = await serveGateway(app, { host: config.host, port: config.port })
+  const gw = await serveGateway(app, {
+    host: config.host,
+    port: config.port,
+    maxConnections: config.maxConnections,
+  })
   // The listening line is printed at any level but silent: scripts read the URL from it.
   const announce =
     min < LEVELS.silent

@@ -16,6 +16,8 @@ export interface NodeServerOptions {
   requestTimeoutMs?: number
   /** @default 65000 (above common load balancer idle timeouts) */
   keepAliveTimeoutMs?: number
+  /** Open connections at most; more are refused at accept (each holds buffers and maybe a store stream). @default 1024 */
+  maxConnections?: number
 }
 
 export interface RunningGateway {
@@ -40,6 +42,10 @@ export async function serveGateway(
   server.requestTimeout = opts.requestTimeoutMs ?? 300_000
   server.keepAliveTimeout = opts.keepAliveTimeoutMs ?? 65_000
   server.headersTimeout = Math.min(60_000, server.requestTimeout || 60_000)
+  const maxConnections = opts.maxConnections ?? 1024
+  if (!Number.isInteger(maxConnections) || maxConnections < 1)
+    throw new TypeError('serveGateway: invalid maxConnections')
+  server.maxConnections = maxConnections
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject)
     server.listen(opts.port ?? 8787, host, () => {

@@ -24,6 +24,10 @@ export interface WorkerEnv {
   KVGATE_PART_BYTES?: string
   /** "true": /metrics and the status page need no token. */
   KVGATE_PUBLIC_STATUS?: string
+  /** Bytes the GET coalescer may buffer at once in this isolate. @default 33554432 (32 MiB) */
+  KVGATE_COALESCE_MAX_BUFFERED_BYTES?: string
+  /** How long a cached presence is trusted (ms). @default 30000 */
+  KVGATE_PRESENCE_TTL_MS?: string
 }
 
 function intVar(env: WorkerEnv, name: keyof WorkerEnv, fallback: number): number {
@@ -68,6 +72,9 @@ export function gatewayFromEnv(env: WorkerEnv): GatewayApp {
     auth: tokens.length > 0 ? { tokens, publicStatus: env.KVGATE_PUBLIC_STATUS === 'true' } : undefined,
     limits: { maxChunkBytes: intVar(env, 'KVGATE_MAX_CHUNK_BYTES', 90 * 1024 * 1024) },
     prefix: env.KVGATE_PREFIX ?? 'kv',
+    // A 128 MB isolate: shared GET buffers stay a quarter of it.
+    coalesce: { maxBufferedBytes: intVar(env, 'KVGATE_COALESCE_MAX_BUFFERED_BYTES', 32 * 1024 * 1024) },
+    lookup: { presenceTtlMs: intVar(env, 'KVGATE_PRESENCE_TTL_MS', 30_000) },
     // R2 list price; no egress fees.
     storagePricePerGBMonth: 0.015,
   })

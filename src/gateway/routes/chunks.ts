@@ -11,8 +11,9 @@ import {
   readHeaderLength,
 } from '../../core/format.ts'
 import { assertKeyHex, assertNamespaceName, objectName } from '../../core/keys.ts'
-import type { GatewayState } from '../context.ts'
+import type { CachedHeader, GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
+import { namespaceIdOf, reportCorruptRead, type VerifyTarget } from '../heal.ts'
 import {
   badRequest,
   lengthRequired,
@@ -24,6 +25,7 @@ import { authorize, type Scope } from '../middleware/auth.ts'
 import { RangeNotSatisfiableError } from '../stores/errors.ts'
 import type { ByteRange, StoreObject } from '../stores/types.ts'
 import { iteratorSource, type PieceSource, streamSource, verifiedBody } from '../verified-body.ts'
+import { checkedStream, objectCheck, type StreamCheck, sectionsCheck } from '../verified-read.ts'
 
 const PATH = '/v1/ns/:ns/chunks/:key'
 // Enough for the header of a 247-layer model in one ranged GET; larger ones take a second.
@@ -39,7 +41,7 @@ function target(c: Context<GatewayEnv>, state: GatewayState, scope: Scope) {
 
 export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
   app.put(PATH, async (c) => {
-    const { key, name } = target(c, state, 'write')
+    const { ns, key, name } = target(c, state, 'write')
     const type = (c.req.header('content-type') ?? '').split(';')[0]!.trim().toLowerCase()
     if (type !== 'application/octet-stream') {
       throw unsupportedMediaType(
@@ -57,29 +59,48 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     }
     if (size < headerBytesFor(1))
       throw new KvgateError('ERR_FORMAT_TRUNCATED', `a ${size}-byte body cannot be a chunk`, { status: 400 })
-    // Known to exist: answer without moving the bytes again (the adapter drains them).
-    const known = state.lookup.cached(name)
-    if (known !== undefined) return existsAnswer(c, state, known, size)
+    // Bodies stream through, but each holds read-ahead and a socket: bound the bytes in flight.
+    if (state.inFlight.bytes > 0 && state.inFlight.bytes + size > state.limits.maxInFlightBytes) {
+      state.metrics.busy.inc({ what: 'put' })
+      c.header('retry-after', '1')
+      throw new KvgateError('ERR_BUSY', 'too many upload bytes in flight; retry later', { status: 503 })
+    }
     const source = requestBodySource(c)
     if (!source) throw badRequest('missing request body')
+    state.inFlight.bytes += size
+    const nsId = namespaceIdOf(ns)
     const vb = verifiedBody(source, {
       keyHex: key,
       size,
       maxBytes: state.limits.maxChunkBytes,
       idleTimeoutMs: state.limits.bodyIdleTimeoutMs,
+      minBytesPerSecond: state.limits.bodyMinBytesPerSecond,
+      ...(nsId ? { namespaceIdHex: nsId } : {}),
     })
     let result: 'created' | 'exists'
     try {
+      // Always the store's create-only write (a conditional PUT's 412, link()'s
+      // EEXIST): a cached presence may be stale, and "exists" from it stores nothing.
       result = await state.store.putIfAbsent(name, vb.stream, size)
+      // The store may say "exists" without reading the body: read the rest, so a
+      // client that closes after its request (Connection: close) still gets the answer.
+      if (result === 'exists') await vb.drain()
     } catch (e) {
       state.metrics.puts.inc({ result: 'rejected' })
+      vb.release(e)
       throw vb.failure() ?? e
+    } finally {
+      state.inFlight.bytes -= size
     }
     if (result === 'exists') {
       const head = await state.store.head(name)
-      return existsAnswer(c, state, head?.size ?? size, size)
+      if (head) state.lookup.remember(name, head.size)
+      state.metrics.puts.inc({ result: 'exists' })
+      // First writer wins, whatever its size (a lossy re-encode elsewhere): both are the same prefix.
+      return c.json({ status: 'exists', bytes: head?.size ?? size }, 200)
     }
     state.lookup.remember(name, size)
+    state.headers.delete(name)
     state.metrics.puts.inc({ result: 'created' })
     state.metrics.bytesIn.inc({}, size)
     state.written.objects++
@@ -89,10 +110,14 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
   })
 
   app.get(PATH, async (c) => {
-    const { name } = target(c, state, 'read')
+    const t = target(c, state, 'read')
+    const { name } = t
     if (c.req.method === 'HEAD') {
       const size = state.lookup.cached(name) ?? (await state.store.head(name))?.size
-      if (size === undefined) throw notFound()
+      if (size === undefined) {
+        state.lookup.invalidateFrom(name)
+        throw notFound()
+      }
       state.lookup.remember(name, size)
       return c.body(null, 200, {
         'content-length': String(size),
@@ -104,13 +129,16 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     const rangeHeader = c.req.header('range')
     if (layers !== undefined) {
       if (rangeHeader !== undefined) throw badRequest('use either Range or ?layers=, not both')
-      return layersAnswer(c, state, name, layers)
+      return layersAnswer(c, state, t, layers)
     }
     const range = rangeHeader === undefined ? undefined : parseRange(rangeHeader)
 
     if (state.presign) {
       const size = state.lookup.cached(name) ?? (await state.store.head(name))?.size
-      if (size === undefined) throw notFound()
+      if (size === undefined) {
+        state.lookup.invalidateFrom(name)
+        throw notFound()
+      }
       state.lookup.remember(name, size)
       if (size >= state.presign.minBytes) {
         const url = await state.store.presignGet!(name, state.presign.expiresSeconds)
@@ -126,7 +154,10 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       if (r.coalesced) state.metrics.coalesced.inc()
       obj = r.obj
     } else obj = await fetchIt()
-    if (!obj) throw notFound()
+    if (!obj) {
+      state.lookup.invalidateFrom(name)
+      throw notFound()
+    }
     if (!range) state.lookup.remember(name, obj.size)
     state.metrics.bytesOut.inc({}, obj.length)
     c.set('bytes', obj.length)
@@ -135,11 +166,21 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       'content-length': String(obj.length),
       'accept-ranges': 'bytes',
     }
+    // A whole object is verified as it streams (ranges are the client's to check).
+    const nsId = namespaceIdOf(t.ns)
+    const check = range
+      ? undefined
+      : objectCheck({
+          keyHex: t.key,
+          maxBytes: Math.max(state.limits.maxChunkBytes, obj.size),
+          ...(nsId ? { namespaceIdHex: nsId } : {}),
+        })
+    const body = servedStream(c, state, obj.body, check, t, false)
     if (range) {
       headers['content-range'] = `bytes ${obj.offset}-${obj.offset + obj.length - 1}/${obj.size}`
-      return c.body(obj.body, 206, headers)
+      return c.body(body, 206, headers)
     }
-    return c.body(obj.body, 200, headers)
+    return c.body(body, 200, headers)
   })
 
   app.delete(PATH, async (c) => {
@@ -149,6 +190,28 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     state.headers.delete(name)
     if (!existed) throw notFound()
     return c.body(null, 204)
+  })
+}
+
+/** A store body on its way to the client: checked, cut off when the reader idles, healed when corrupt. */
+function servedStream(
+  c: Context<GatewayEnv>,
+  state: GatewayState,
+  src: ReadableStream<Uint8Array>,
+  check: StreamCheck | undefined,
+  t: VerifyTarget,
+  layers: boolean,
+): ReadableStream<Uint8Array> {
+  return checkedStream(src, check, {
+    idleTimeoutMs: state.limits.readerIdleTimeoutMs,
+    onCorrupt: () => reportCorruptRead(state, t, layers),
+    // A client that stopped reading also stops the adapter reading us: close its socket.
+    onIdle: () => {
+      const outgoing = (c.env as { outgoing?: { destroy?: () => void } } | undefined)?.outgoing
+      if (typeof outgoing?.destroy !== 'function') return false
+      outgoing.destroy()
+      return true
+    },
   })
 }
 
@@ -176,23 +239,6 @@ function requestBodySource(c: Context<GatewayEnv>): PieceSource | undefined {
   }
   const body = c.req.raw.body
   return body ? streamSource(body) : undefined
-}
-
-function existsAnswer(c: Context<GatewayEnv>, state: GatewayState, stored: number, sent: number) {
-  state.metrics.puts.inc({ result: 'exists' })
-  if (stored !== sent) {
-    throw new KvgateError(
-      'ERR_ALREADY_EXISTS',
-      `a different chunk object (${stored} bytes, this one is ${sent}) is stored under this key`,
-      { status: 409 },
-    )
-  }
-  state.lookup.remember(objectNameFromContext(c, state), stored)
-  return c.json({ status: 'exists', bytes: stored }, 200)
-}
-
-function objectNameFromContext(c: Context<GatewayEnv>, state: GatewayState): string {
-  return objectName(state.prefix, c.req.param('ns')!, c.req.param('key')!)
 }
 
 /** `bytes=a-b`, `bytes=a-`, `bytes=-n`; one range only. */
@@ -224,9 +270,7 @@ async function readAll(obj: StoreObject): Promise<Uint8Array> {
   return out.subarray(0, Math.min(at, out.length))
 }
 
-async function chunkHeader(state: GatewayState, name: string) {
-  const cached = state.headers.get(name)
-  if (cached) return cached
+async function readHeader(state: GatewayState, name: string): Promise<CachedHeader> {
   let probe: StoreObject | undefined
   try {
     probe = await state.store.get(name, { range: { offset: 0, length: HEADER_PROBE_BYTES } })
@@ -235,19 +279,27 @@ async function chunkHeader(state: GatewayState, name: string) {
       throw new KvgateError('ERR_FORMAT_TRUNCATED', 'stored object is empty', { status: 502 })
     throw e
   }
-  if (!probe) throw notFound()
+  if (!probe) return notFoundFrom(state, name)
   let bytes = await readAll(probe)
   if (bytes.length < HEADER_PREFIX_BYTES) throw corrupt('stored object is too short for a chunk header')
   const headerBytes = guard(() => readHeaderLength(bytes))
+  let version = { size: probe.size, etag: probe.etag }
   if (headerBytes > bytes.length) {
     const more = await state.store.get(name, { range: { offset: 0, length: headerBytes } })
-    if (!more) throw notFound()
+    if (!more) return notFoundFrom(state, name)
     bytes = await readAll(more)
+    version = { size: more.size, etag: more.etag }
   }
   const header = guard(() => decodeHeader(bytes.subarray(0, headerBytes)))
-  const entry = { header, bytes: bytes.slice(0, headerBytes) }
+  const entry: CachedHeader = { header, bytes: bytes.slice(0, headerBytes), ...version }
   state.headers.set(name, entry)
   return entry
+}
+
+function notFoundFrom(state: GatewayState, name: string): never {
+  state.lookup.invalidateFrom(name)
+  state.headers.delete(name)
+  throw notFound()
 }
 
 // A stored object that fails to decode is the store's fault, not the client's.
@@ -262,25 +314,59 @@ function guard<T>(fn: () => T): T {
   }
 }
 
-async function layersAnswer(c: Context<GatewayEnv>, state: GatewayState, name: string, spec: string) {
+/** True when `obj` is the object version `h` was read from (size, and ETag where both have one). */
+function sameVersion(h: CachedHeader, obj: StoreObject): boolean {
+  if (obj.size !== h.size || h.header.totalBytes !== obj.size) return false
+  return h.etag === undefined || obj.etag === undefined || h.etag === obj.etag
+}
+
+async function layersAnswer(c: Context<GatewayEnv>, state: GatewayState, t: VerifyTarget, spec: string) {
+  const { name } = t
   const m = /^(\d{1,4})-(\d{1,4})$/.exec(spec)
   if (!m) throw badRequest(`invalid layers ${JSON.stringify(spec.slice(0, 40))}: use layers=a-b`)
   const first = Number(m[1])
   const last = Number(m[2])
-  const { header, bytes } = await chunkHeader(state, name)
-  if (first > last || last >= header.sections.length) {
-    throw new KvgateError(
-      'ERR_RANGE_NOT_SATISFIABLE',
-      `layers ${first}-${last} not in 0-${header.sections.length - 1}`,
-      { status: 416 },
-    )
+  let entry = state.headers.get(name) ?? (await readHeader(state, name))
+  let obj: StoreObject | undefined
+  // A cached header may describe an object deleted and re-written since (another
+  // instance): the sections' read tells its version; on a mismatch read the header again.
+  for (let attempt = 0; ; attempt++) {
+    const { header } = entry
+    if (first > last || last >= header.sections.length) {
+      throw new KvgateError(
+        'ERR_RANGE_NOT_SATISFIABLE',
+        `layers ${first}-${last} not in 0-${header.sections.length - 1}`,
+        { status: 416 },
+      )
+    }
+    const span = layerSpan(header, first, last)
+    const length = span.end - span.start
+    if (length === 0) break
+    try {
+      obj = await state.store.get(name, { range: { offset: span.start, length } })
+    } catch (e) {
+      // The cached header's span no longer fits the object: it is another one now.
+      if (!(e instanceof RangeNotSatisfiableError) || attempt > 0) throw e
+      state.headers.delete(name)
+      entry = await readHeader(state, name)
+      continue
+    }
+    if (!obj) return notFoundFrom(state, name)
+    if (sameVersion(entry, obj)) break
+    await obj.body.cancel().catch(() => {})
+    obj = undefined
+    if (attempt > 0)
+      throw new KvgateError('ERR_STORE', 'the object changed while it was read', { status: 503 })
+    state.headers.delete(name)
+    entry = await readHeader(state, name)
   }
+  const { header, bytes } = entry
   const span = layerSpan(header, first, last)
   const length = span.end - span.start
-  const obj = length > 0 ? await state.store.get(name, { range: { offset: span.start, length } }) : undefined
-  if (length > 0 && !obj) throw notFound()
   const total = bytes.length + length
-  const stream = obj ? concatStreams(bytes, obj.body) : singleChunk(bytes)
+  const stream = obj
+    ? concatStreams(bytes, servedStream(c, state, obj.body, sectionsCheck(header, first, last), t, true))
+    : singleChunk(bytes)
   state.metrics.bytesOut.inc({}, total)
   c.set('bytes', total)
   return c.body(stream, 200, {

@@ -64,12 +64,14 @@ export class FsStore implements ObjectStore {
       throw wrap(e, 'open')
     }
     try {
-      const { size } = await fh.stat()
+      const st = await fh.stat()
+      const size = st.size
+      const etag = fsEtag(st)
       const r = resolveRange(opts.range, size)
       if (!r) throw new RangeNotSatisfiableError(size)
       if (r.length === 0) {
         await fh.close()
-        return { body: new ReadableStream({ start: (c) => c.close() }), size, offset: 0, length: 0 }
+        return { body: new ReadableStream({ start: (c) => c.close() }), size, offset: 0, length: 0, etag }
       }
       // The stream owns the handle from here (autoClose), so a rename/delete meanwhile is harmless.
       const stream = createReadStream('', {
@@ -84,6 +86,7 @@ export class FsStore implements ObjectStore {
         size,
         offset: r.offset,
         length: r.length,
+        etag,
       }
     } catch (e) {
       await fh.close().catch(() => {})
@@ -91,10 +94,10 @@ export class FsStore implements ObjectStore {
     }
   }
 
-  async head(name: string): Promise<{ size: number } | undefined> {
+  async head(name: string): Promise<{ size: number; etag?: string } | undefined> {
     try {
       const st = await fsp.stat(this.#file(name))
-      return { size: st.size }
+      return { size: st.size, etag: fsEtag(st) }
     } catch (e) {
       if (isNotFound(e)) return undefined
       throw wrap(e, 'stat')
@@ -112,13 +115,17 @@ export class FsStore implements ObjectStore {
       return 'exists'
     }
     const dir = path.dirname(file)
-    await fsp.mkdir(dir, { recursive: true })
-    const tmp = path.join(dir, `${TMP_PREFIX}${randomBytes(8).toString('hex')}`)
-    const fh = await fsp.open(tmp, 'wx', 0o644)
-    let written = 0
+    let created: string | undefined
+    let tmp: string | undefined
+    let fh: fsp.FileHandle | undefined
     try {
+      // The first directory mkdir made, if any: it and its parents' entries need an fsync too.
+      created = await fsp.mkdir(dir, { recursive: true })
+      tmp = path.join(dir, `${TMP_PREFIX}${randomBytes(8).toString('hex')}`)
+      fh = await fsp.open(tmp, 'wx', 0o644)
+      let written = 0
       if (body instanceof Uint8Array) {
-        await fh.write(body)
+        await writeAll(fh, body)
         written = body.length
       } else {
         const reader = body.getReader()
@@ -130,16 +137,17 @@ export class FsStore implements ObjectStore {
             await reader.cancel().catch(() => {})
             throw new InvalidArgumentError(`body is longer than the declared ${size} bytes`)
           }
-          await fh.write(value)
+          await writeAll(fh, value)
         }
       }
       if (written !== size) throw new InvalidArgumentError(`body ended at ${written} of ${size} bytes`)
       if (this.#fsync) await fh.sync()
       await fh.close()
+      fh = undefined
     } catch (e) {
-      await fh.close().catch(() => {})
-      await fsp.rm(tmp, { force: true })
-      throw e
+      await fh?.close().catch(() => {})
+      if (tmp) await fsp.rm(tmp, { force: true }).catch(() => {})
+      throw isErrno(e) ? wrap(e, 'write') : e
     }
     try {
       // link() refuses an existing target: the first writer wins, atomically.
@@ -150,7 +158,18 @@ export class FsStore implements ObjectStore {
       throw wrap(e, 'link')
     }
     await fsp.rm(tmp, { force: true })
-    if (this.#fsync) await syncDir(dir)
+    if (this.#fsync) {
+      try {
+        await syncDir(dir)
+        // Directories mkdir -p just made exist only once their parents' entries are on disk.
+        if (created !== undefined) {
+          for (let d = dir; d.length >= created.length && d !== path.dirname(d); d = path.dirname(d))
+            await syncDir(path.dirname(d))
+        }
+      } catch (e) {
+        throw wrap(e, 'fsync')
+      }
+    }
     return 'created'
   }
 
@@ -207,6 +226,26 @@ async function* walk(dir: string): AsyncGenerator<string> {
   }
 }
 
+/**
+ * write() may write less than asked (a disk filling up writes what fits and fails
+ * only on the next call): loop, so a short write is never taken for a whole one.
+ */
+async function writeAll(fh: fsp.FileHandle, bytes: Uint8Array): Promise<void> {
+  let at = 0
+  while (at < bytes.length) {
+    const { bytesWritten } = await fh.write(bytes, at, bytes.length - at)
+    if (bytesWritten <= 0) {
+      throw Object.assign(new Error('write made no progress'), { code: 'ENOSPC', syscall: 'write' })
+    }
+    at += bytesWritten
+  }
+}
+
+/** A file's version: a re-created file gets another inode or mtime. */
+function fsEtag(st: { ino: number; mtimeMs: number; size: number }): string {
+  return `"${st.ino.toString(36)}-${Math.round(st.mtimeMs * 1000).toString(36)}-${st.size.toString(36)}"`
+}
+
 async function syncDir(dir: string): Promise<void> {
   const h = await fsp.open(dir, 'r')
   try {
@@ -221,10 +260,21 @@ function isNotFound(e: unknown): boolean {
   return code === 'ENOENT' || code === 'ENOTDIR'
 }
 
+function isErrno(e: unknown): boolean {
+  return (
+    typeof (e as NodeJS.ErrnoException)?.code === 'string' &&
+    (e as NodeJS.ErrnoException).syscall !== undefined
+  )
+}
+
 function wrap(e: unknown, op: string): StoreError {
   const code = (e as NodeJS.ErrnoException).code
-  return new StoreError(`fs store ${op} failed: ${code ?? (e as Error).message}`, {
-    status: code === 'ENOSPC' ? 507 : 500,
-    cause: e,
-  })
+  if (code === 'ENOSPC' || code === 'EDQUOT') {
+    return new StoreError(`fs store ${op} failed: no space left on the store's device (${code})`, {
+      code: 'ERR_STORE_FULL',
+      status: 507,
+      cause: e,
+    })
+  }
+  return new StoreError(`fs store ${op} failed: ${code ?? (e as Error).message}`, { status: 500, cause: e })
 }

@@ -19,6 +19,9 @@ export interface MemoryStoreOptions {
 export class MemoryStore implements ObjectStore {
   readonly kind = 'memory'
   readonly #objects = new Map<string, Uint8Array>()
+  /** Write count per name: the version tag a re-PUT after a DELETE changes. */
+  readonly #versions = new Map<string, number>()
+  #writes = 0
   readonly #onOp: MemoryStoreOptions['onOp']
 
   constructor(opts: MemoryStoreOptions = {}) {
@@ -38,13 +41,23 @@ export class MemoryStore implements ObjectStore {
         c.close()
       },
     })
-    return { body, size: bytes.length, offset: r.offset, length: r.length }
+    return { body, size: bytes.length, offset: r.offset, length: r.length, etag: this.#etag(name) }
   }
 
-  async head(name: string): Promise<{ size: number } | undefined> {
+  async head(name: string): Promise<{ size: number; etag?: string } | undefined> {
     this.#onOp?.('head')
     const bytes = this.#objects.get(name)
-    return bytes ? { size: bytes.length } : undefined
+    return bytes ? { size: bytes.length, etag: this.#etag(name) } : undefined
+  }
+
+  #etag(name: string): string {
+    return `"m${this.#versions.get(name) ?? 0}"`
+  }
+
+  /** Replaces stored bytes in place (tests: bit rot, an out-of-band rewrite). */
+  overwrite(name: string, bytes: Uint8Array): void {
+    this.#objects.set(name, bytes.slice())
+    this.#versions.set(name, ++this.#writes)
   }
 
   async putIfAbsent(
@@ -61,11 +74,13 @@ export class MemoryStore implements ObjectStore {
     // A concurrent put may have won while we read the body: first one wins.
     if (this.#objects.has(name)) return 'exists'
     this.#objects.set(name, bytes.slice())
+    this.#versions.set(name, ++this.#writes)
     return 'created'
   }
 
   async delete(name: string): Promise<boolean> {
     this.#onOp?.('delete')
+    this.#versions.delete(name)
     return this.#objects.delete(name)
   }
 

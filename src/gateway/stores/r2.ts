@@ -116,13 +116,13 @@ export class R2Store implements ObjectStore {
       await obj.body.cancel().catch(() => {})
       throw new RangeNotSatisfiableError(obj.size)
     }
-    return { body: obj.body, size: obj.size, offset: r.offset, length: r.length }
+    return { body: obj.body, size: obj.size, offset: r.offset, length: r.length, etag: obj.etag }
   }
 
-  async head(name: string): Promise<{ size: number } | undefined> {
+  async head(name: string): Promise<{ size: number; etag?: string } | undefined> {
     try {
       const obj = await this.#bucket.head(name)
-      return obj ? { size: obj.size } : undefined
+      return obj ? { size: obj.size, etag: obj.etag } : undefined
     } catch (e) {
       throw storeFailure('head', name, e)
     }

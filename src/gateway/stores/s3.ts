@@ -141,7 +141,7 @@ export class S3Store implements ObjectStore {
           : res.Body
             ? (res.Body.transformToWebStream() as ReadableStream<Uint8Array>)
             : new ReadableStream<Uint8Array>({ start: (c) => c.close() })
-      return { body, size, offset, length }
+      return { body, size, offset, length, ...(res.ETag ? { etag: res.ETag } : {}) }
     } catch (e) {
       if (isNotFound(e)) return undefined
       if (status(e) === 416) {
@@ -153,10 +153,10 @@ export class S3Store implements ObjectStore {
     }
   }
 
-  async head(name: string): Promise<{ size: number } | undefined> {
+  async head(name: string): Promise<{ size: number; etag?: string } | undefined> {
     try {
       const res = await this.client.send(new HeadObjectCommand({ Bucket: this.bucket, Key: name }))
-      return { size: res.ContentLength ?? 0 }
+      return { size: res.ContentLength ?? 0, ...(res.ETag ? { etag: res.ETag } : {}) }
     } catch (e) {
       if (isNotFound(e)) return undefined
       throw mapError(e, 'HEAD')

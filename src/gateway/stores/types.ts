@@ -12,6 +12,8 @@ export interface StoreObject {
   /** First byte served and number of bytes in `body`. */
   offset: number
   length: number
+  /** The object version (S3/R2 ETag, fs inode+mtime, memory write count), where the store has one. */
+  etag?: string
 }
 
 export interface StoreEntry {
@@ -53,8 +55,8 @@ export interface ObjectStore {
   readonly kind: string
   /** The object, or undefined when absent. A range past the end throws RangeNotSatisfiableError. */
   get(name: string, opts?: GetOptions): Promise<StoreObject | undefined>
-  /** The object's size, or undefined when absent. */
-  head(name: string): Promise<{ size: number } | undefined>
+  /** The object's size (and version tag, where the store has one), or undefined when absent. */
+  head(name: string): Promise<{ size: number; etag?: string } | undefined>
   /**
    * Stores `body` (exactly `size` bytes) under `name` unless an object already exists.
    * Atomic: readers see the whole object or nothing; a body stream that errors

@@ -1,0 +1,108 @@
+// Corruption heals: a stored object is read back and verified completely (streaming),
+// and only an object this gateway itself found corrupt is deleted, so the next writer
+// replaces it. Never acts on a client's claim alone; verifications are deduplicated
+// per object and bounded in number.
+
+import { isKvgateError, KvgateError } from '../core/errors.ts'
+import type { GatewayState } from './context.ts'
+import { objectCheck } from './verified-read.ts'
+
+export type Verdict = 'ok' | 'corrupt' | 'missing'
+
+export interface VerifyTarget {
+  ns: string
+  key: string
+  /** Object name in the store. */
+  name: string
+}
+
+const NAMESPACE_ID = /^[0-9a-f]{32}$/
+
+/** A namespace named by its 32-hex namespace id binds the id its chunks must carry. */
+export function namespaceIdOf(ns: string): string | undefined {
+  return NAMESPACE_ID.test(ns) ? ns : undefined
+}
+
+/** True for failures that mean "these bytes are not a sound chunk" (not a store or network fault). */
+export function isCorruption(e: unknown): boolean {
+  return isKvgateError(e) && (e.code.startsWith('ERR_FORMAT_') || e.code === 'ERR_INVALID_KEY')
+}
+
+/**
+ * Reads `t` from the store and verifies all of it. A corrupt object is deleted,
+ * counted and its presence (and its chain's later keys) forgotten. Store faults
+ * throw; they say nothing about the object.
+ */
+export function verifyStored(state: GatewayState, t: VerifyTarget, by: 'get' | 'verify'): Promise<Verdict> {
+  const running = state.verifying.get(t.name)
+  if (running) return running
+  if (state.verifying.size >= state.limits.maxConcurrentVerifies) {
+    state.metrics.busy.inc({ what: 'verify' })
+    return Promise.reject(
+      new KvgateError('ERR_BUSY', 'too many verifications in flight; retry later', { status: 503 }),
+    )
+  }
+  const p = (async (): Promise<Verdict> => {
+    const obj = await state.store.get(t.name)
+    if (!obj) {
+      state.lookup.invalidateFrom(t.name)
+      return 'missing'
+    }
+    const nsId = namespaceIdOf(t.ns)
+    const check = objectCheck({
+      keyHex: t.key,
+      maxBytes: Math.max(state.limits.maxChunkBytes, obj.size),
+      ...(nsId ? { namespaceIdHex: nsId } : {}),
+    })
+    const reader = obj.body.getReader()
+    let seen = 0
+    let failure: unknown
+    try {
+      for (;;) {
+        const { done, value } = await reader.read()
+        if (done) break
+        seen += value.length
+        try {
+          check.push(value)
+        } catch (e) {
+          failure = e
+          break
+        }
+      }
+      if (failure === undefined && seen !== obj.length) {
+        throw new KvgateError('ERR_STORE', `store sent ${seen} of ${obj.length} bytes`, { status: 502 })
+      }
+      if (failure === undefined) {
+        try {
+          check.finish()
+        } catch (e) {
+          failure = e
+        }
+      }
+    } finally {
+      if (failure !== undefined) await reader.cancel(failure).catch(() => {})
+      reader.releaseLock()
+    }
+    if (failure === undefined) return 'ok'
+    if (!isCorruption(failure)) throw failure
+    await state.store.delete(t.name)
+    state.lookup.invalidateFrom(t.name)
+    state.headers.delete(t.name)
+    state.metrics.corrupt.inc({ by })
+    return 'corrupt'
+  })().finally(() => state.verifying.delete(t.name))
+  state.verifying.set(t.name, p)
+  return p.then((v) => {
+    state.metrics.verifies.inc({ verdict: v })
+    return v
+  })
+}
+
+/** A GET found bad bytes: verify the stored object in the background (deletes it if corrupt). */
+export function reportCorruptRead(state: GatewayState, t: VerifyTarget, layers: boolean): void {
+  state.metrics.corruptReads.inc({ layers: String(layers) })
+  state.headers.delete(t.name)
+  verifyStored(state, t, 'get').catch(() => {
+    // A store fault or a full verify queue: the next corrupt read tries again.
+  })
+}

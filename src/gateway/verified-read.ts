@@ -1,0 +1,199 @@
+// Checks what a GET serves while it streams out of the store: a whole object through
+// ChunkVerifier (header, every section CRC, exact length, chain key, namespace id),
+// a layer subset through its sections' CRCs. A failed check errors the response, so
+// the client sees a failed body, never a complete wrong one.
+
+import { crc32 } from '../core/checksum.ts'
+import { FormatError, InvalidKeyError, KvgateError } from '../core/errors.ts'
+import { type ChunkHeader, ChunkVerifier } from '../core/format.ts'
+import { toHex } from '../core/keys.ts'
+
+/** Incremental check over the bytes of one response. push() and finish() throw on a bad object. */
+export interface StreamCheck {
+  push(bytes: Uint8Array): void
+  finish(): void
+}
+
+/** The whole object: format, checksums, exact length and identity (key, namespace id). */
+export function objectCheck(opts: {
+  keyHex: string
+  namespaceIdHex?: string
+  maxBytes: number
+}): StreamCheck & {
+  header(): ChunkHeader | undefined
+} {
+  const v = new ChunkVerifier({ maxBytes: opts.maxBytes })
+  let checked = false
+  let done: ChunkHeader | undefined
+  return {
+    push(bytes) {
+      v.push(bytes)
+      const h = v.header
+      if (h && !checked) {
+        checked = true
+        checkIdentity(h, opts)
+      }
+    },
+    finish() {
+      done = v.finish()
+    },
+    header: () => done,
+  }
+}
+
+export function checkIdentity(h: ChunkHeader, opts: { keyHex: string; namespaceIdHex?: string }): void {
+  const key = toHex(h.chainKey)
+  if (key !== opts.keyHex)
+    throw new InvalidKeyError(`stored chunk says key ${key}, its name says ${opts.keyHex}`)
+  if (opts.namespaceIdHex !== undefined && toHex(h.namespaceId) !== opts.namespaceIdHex) {
+    throw new FormatError(
+      'ERR_FORMAT_BAD_FIELD',
+      `stored chunk says namespace id ${toHex(h.namespaceId)}, its namespace is ${opts.namespaceIdHex}`,
+    )
+  }
+}
+
+/** Sections first..last (contiguous from the first one's offset): each one's CRC. */
+export function sectionsCheck(header: ChunkHeader, first: number, last: number): StreamCheck {
+  let section = first
+  let inSection = 0
+  let crc = 0
+  const close = () => {
+    for (let s = header.sections[section]; s && section <= last && inSection === s.length; ) {
+      if (crc !== s.crc32)
+        throw new FormatError('ERR_FORMAT_CHECKSUM', `section ${section} checksum mismatch`)
+      section++
+      inSection = 0
+      crc = 0
+      s = header.sections[section]
+    }
+  }
+  return {
+    push(bytes) {
+      let input = bytes
+      close()
+      while (input.length > 0) {
+        const s = header.sections[section]
+        if (!s || section > last)
+          throw new FormatError('ERR_FORMAT_BAD_FIELD', 'store sent more bytes than the layers span')
+        const take = Math.min(s.length - inSection, input.length)
+        crc = crc32(input.subarray(0, take), crc)
+        inSection += take
+        input = input.subarray(take)
+        close()
+      }
+    },
+    finish() {
+      close()
+      if (section <= last)
+        throw new FormatError('ERR_FORMAT_TRUNCATED', `layers end inside section ${section}`)
+    },
+  }
+}
+
+export interface CheckedStreamOptions {
+  /** Called once with the check's failure (a corrupt stored object). */
+  onCorrupt(e: unknown): void
+  /** A reader that pulls nothing for this long is cut off and the store stream released. 0 = never. */
+  idleTimeoutMs: number
+  /** Called when the idle timeout cut the reader off; true when it closed the connection. */
+  onIdle?(): boolean
+}
+
+/**
+ * `src` passed through `check`. One piece is held back until the next read (or the
+ * end) proves it sound, so a failure found at the end (short object) still arrives
+ * before the client has the whole body. Cancel and idle time-out release `src`.
+ */
+export function checkedStream(
+  src: ReadableStream<Uint8Array>,
+  check: StreamCheck | undefined,
+  opts: CheckedStreamOptions,
+): ReadableStream<Uint8Array> {
+  const reader = src.getReader()
+  let held: Uint8Array | undefined
+  let ended = false
+  let inStoreRead = false
+  let lastPull = Date.now()
+  let controller: ReadableStreamDefaultController<Uint8Array> | undefined
+  let watchdog: ReturnType<typeof setTimeout> | undefined
+  const end = (reason?: unknown) => {
+    if (ended) return
+    ended = true
+    clearTimeout(watchdog)
+    held = undefined
+    if (reason !== undefined) reader.cancel(reason).catch(() => {})
+  }
+  const arm = (ms: number) => {
+    watchdog = setTimeout(() => {
+      watchdog = undefined
+      if (ended) return
+      // Waiting on the store is the store's business (it has its own timeouts).
+      const idle = inStoreRead ? 0 : Date.now() - lastPull
+      if (idle < opts.idleTimeoutMs) return arm(opts.idleTimeoutMs - idle)
+      const e = new KvgateError('ERR_TIMEOUT', `reader idle for ${opts.idleTimeoutMs} ms`, { status: 408 })
+      end(e)
+      // With the connection closed the adapter cancels this stream as a client gone away;
+      // otherwise fail the stream so whoever reads it next learns why.
+      if (opts.onIdle?.()) return
+      try {
+        controller?.error(e)
+      } catch {
+        // already closed
+      }
+    }, ms)
+  }
+  if (opts.idleTimeoutMs > 0) arm(opts.idleTimeoutMs)
+  return new ReadableStream<Uint8Array>({
+    start(c) {
+      controller = c
+    },
+    async pull(c) {
+      lastPull = Date.now()
+      try {
+        for (;;) {
+          inStoreRead = true
+          let r: ReadableStreamReadResult<Uint8Array>
+          try {
+            r = await reader.read()
+          } finally {
+            inStoreRead = false
+            lastPull = Date.now()
+          }
+          if (ended) return
+          if (r.done) {
+            try {
+              check?.finish()
+            } catch (e) {
+              opts.onCorrupt(e)
+              throw e
+            }
+            if (held) c.enqueue(held)
+            end()
+            c.close()
+            return
+          }
+          try {
+            check?.push(r.value)
+          } catch (e) {
+            opts.onCorrupt(e)
+            throw e
+          }
+          const out = held
+          held = r.value
+          if (out) {
+            c.enqueue(out)
+            return
+          }
+        }
+      } catch (e) {
+        if (ended) return
+        end(e)
+        c.error(e)
+      }
+    },
+    cancel(reason) {
+      end(reason ?? new Error('response cancelled'))
+    },
+  })
+}

@@ -1,0 +1,235 @@
+// Presence and corruption heal (issue 11, contracts C1–C3), on memory stores through
+// app.request: objects deleted or rotted behind the gateway stop being reported,
+// are re-stored by the next writer, and what is served is what was stored or a miss.
+
+import { describe, expect, it } from 'vitest'
+import { openLayerSubset } from '../src/core/format.ts'
+import { objectName } from '../src/core/keys.ts'
+import { createGateway, hashToken, MemoryStore } from '../src/gateway/index.ts'
+import { makeChain, makeChunk, putInit } from './gateway-fixtures.ts'
+
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms))
+const lookupInit = (keys: string[]): RequestInit => ({
+  method: 'POST',
+  headers: { 'content-type': 'application/json' },
+  body: JSON.stringify({ keys }),
+})
+type App = ReturnType<typeof createGateway>
+const present = async (app: App, ns: string, keys: string[]) =>
+  ((await (await app.request(`/v1/ns/${ns}/lookup`, lookupInit(keys))).json()) as { present: number }).present
+const name = (ns: string, key: string) => objectName('kvgate', ns, key)
+
+/** Swaps the stored bytes behind the gateway (bit rot, a foreign writer). */
+async function replace(store: MemoryStore, n: string, bytes: Uint8Array) {
+  await store.delete(n)
+  await store.putIfAbsent(n, bytes, bytes.length)
+}
+
+/** Reads a response body; resolves to an Error when the body failed mid-stream. */
+async function body(r: Response): Promise<Uint8Array | Error> {
+  try {
+    return new Uint8Array(await r.arrayBuffer())
+  } catch (e) {
+    return e as Error
+  }
+}
+
+describe('presence heals', () => {
+  it('a GET that finds no object makes lookups stop at it, and a re-PUT stores it', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store })
+    const chain = makeChain(40)
+    const keys = chain.map((c) => c.key)
+    for (const c of chain)
+      expect((await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+    expect(await present(app, 'a', keys)).toBe(40)
+    // Lifecycle expiry removes the chain's oldest chunks behind the gateway.
+    await store.delete(name('a', keys[1]!))
+    await store.delete(name('a', keys[2]!))
+    expect((await app.request(`/v1/ns/a/chunks/${keys[1]}`)).status).toBe(404)
+    // Chunk 39 is still stored and cached, yet the lookup must not infer 1 back.
+    expect(await present(app, 'a', keys)).toBe(1)
+    expect((await app.request(`/v1/ns/a/chunks/${keys[1]}`, { method: 'HEAD' })).status).toBe(404)
+    // The create-only PUT asks the store, not the cache: the next writer re-stores both.
+    const r1 = await app.request(`/v1/ns/a/chunks/${keys[1]}`, putInit(chain[1]!.bytes))
+    expect(r1.status).toBe(201)
+    expect(await present(app, 'a', keys)).toBe(2)
+    expect((await app.request(`/v1/ns/a/chunks/${keys[2]}`, putInit(chain[2]!.bytes))).status).toBe(201)
+    expect(await present(app, 'a', keys)).toBe(40)
+    expect((await store.stats()).objects).toBe(40)
+  })
+
+  it('a miss forgets the later keys of its chain, so they are asked of the store again', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store })
+    const chain = makeChain(12)
+    const keys = chain.map((c) => c.key)
+    for (const c of chain) await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    expect(await present(app, 'a', keys)).toBe(12)
+    const before = app.state.lookup.cacheSize
+    await store.delete(name('a', keys[4]!))
+    expect((await app.request(`/v1/ns/a/chunks/${keys[4]}?layers=0-1`)).status).toBe(404)
+    expect(app.state.lookup.cacheSize).toBe(before - 8)
+    expect(app.state.metrics.invalidations.value()).toBe(8)
+  })
+
+  it('a re-PUT of an object deleted behind the gateway is stored, not answered "exists" from the cache', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store })
+    const c = makeChunk()
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    await store.delete(name('a', c.key))
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    expect(r.status).toBe(201)
+    expect(await store.head(name('a', c.key))).toEqual({ size: c.bytes.length, etag: expect.any(String) })
+  })
+
+  it('cached presence expires after presenceTtlMs: the lookup asks the store again', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store, lookup: { presenceTtlMs: 1000 } })
+    const chain = makeChain(30)
+    const keys = chain.map((c) => c.key)
+    for (const c of chain) await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    await present(app, 'a', keys)
+    const warm = await app.request('/v1/ns/a/lookup', lookupInit(keys))
+    expect(warm.headers.get('x-kvgate-store-requests')).toBe('0')
+    // Only half the chain is left; no GET told this gateway.
+    for (const k of keys.slice(15)) await store.delete(name('a', k))
+    await sleep(1100)
+    const cold = await app.request('/v1/ns/a/lookup', lookupInit(keys))
+    expect(Number(cold.headers.get('x-kvgate-store-requests'))).toBeGreaterThan(0)
+    expect(((await cold.json()) as { present: number }).present).toBe(15)
+  })
+
+  it('repeating a lookup does not keep an inferred presence alive past its TTL', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store, lookup: { presenceTtlMs: 100 } })
+    const chain = makeChain(30)
+    const keys = chain.map((c) => c.key)
+    for (const c of chain) await store.putIfAbsent(name('a', c.key), c.bytes, c.bytes.length)
+    expect(await present(app, 'a', keys)).toBe(30)
+    let asked = 0
+    for (let i = 0; i < 8; i++) {
+      await sleep(25)
+      const r = await app.request('/v1/ns/a/lookup', lookupInit(keys))
+      asked += Number(r.headers.get('x-kvgate-store-requests'))
+    }
+    expect(asked).toBeGreaterThan(0)
+  })
+})
+
+describe('corruption heals (C1)', () => {
+  it('a GET of a rotten object fails its body, is counted, and the object is deleted for the next writer', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store })
+    const c = makeChunk({ layers: 4, sectionBytes: 4096 })
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    const rotten = c.bytes.slice()
+    rotten[rotten.length - 100]! ^= 0x10
+    await replace(store, name('a', c.key), rotten)
+    const g = await app.request(`/v1/ns/a/chunks/${c.key}`)
+    expect(g.status).toBe(200)
+    expect(await body(g)).toBeInstanceOf(Error)
+    expect(app.state.metrics.corruptReads.value()).toBe(1)
+    for (let i = 0; i < 50 && (await store.head(name('a', c.key))); i++) await sleep(10)
+    expect(await store.head(name('a', c.key))).toBeUndefined()
+    expect(app.state.metrics.corrupt.value({ by: 'get' })).toBe(1)
+    expect(app.state.metrics.render()).toContain('kvgate_corrupt_objects_total{by="get"} 1')
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+    expect(await body(await app.request(`/v1/ns/a/chunks/${c.key}`))).toEqual(c.bytes)
+  })
+
+  it('a layer GET of a rotten section fails its body', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store })
+    const c = makeChunk({ layers: 6, sectionBytes: 1000 })
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    const rotten = c.bytes.slice()
+    rotten[rotten.length - 1500]! ^= 1 // inside section 4
+    await replace(store, name('a', c.key), rotten)
+    expect(await body(await app.request(`/v1/ns/a/chunks/${c.key}?layers=0-2`))).toBeInstanceOf(Uint8Array)
+    expect(await body(await app.request(`/v1/ns/a/chunks/${c.key}?layers=3-5`))).toBeInstanceOf(Error)
+    expect(app.state.metrics.corruptReads.value({ layers: 'true' })).toBe(1)
+  })
+
+  it('POST …/verify: ok keeps an intact object, corrupt deletes it, missing says so', async () => {
+    const store = new MemoryStore()
+    const tokens = { writer: 'w-token', reader: 'r-token' }
+    const app = createGateway({
+      store,
+      auth: {
+        tokens: [
+          { name: 'w', sha256: await hashToken(tokens.writer), scopes: 'write', namespaces: ['a'] },
+          { name: 'r', sha256: await hashToken(tokens.reader), scopes: 'read', namespaces: ['a'] },
+        ],
+      },
+    })
+    const auth = (t: string) => ({ authorization: `Bearer ${t}` })
+    const verify = (key: string, t = tokens.writer) =>
+      app.request(`/v1/ns/a/chunks/${key}/verify`, { method: 'POST', headers: auth(t) })
+    const c = makeChunk()
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes, tokens.writer))
+    expect((await verify(c.key, tokens.reader)).status).toBe(403)
+    const ok = await verify(c.key)
+    expect(ok.status).toBe(200)
+    expect(await ok.json()).toEqual({ key: c.key, verdict: 'ok', deleted: false })
+    expect(await store.head(name('a', c.key))).toBeDefined()
+    // Bytes that are a sound chunk of another key are corrupt under this name.
+    const other = makeChunk()
+    await replace(store, name('a', c.key), other.bytes)
+    expect(await (await verify(c.key)).json()).toEqual({ key: c.key, verdict: 'corrupt', deleted: true })
+    expect(await store.head(name('a', c.key))).toBeUndefined()
+    expect(app.state.metrics.corrupt.value({ by: 'verify' })).toBe(1)
+    expect(await (await verify(c.key)).json()).toEqual({ key: c.key, verdict: 'missing', deleted: false })
+    // A truncated object is corrupt too.
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes, tokens.writer))
+    await replace(store, name('a', c.key), c.bytes.subarray(0, c.bytes.length - 1))
+    expect(((await (await verify(c.key)).json()) as { verdict: string }).verdict).toBe('corrupt')
+  })
+
+  it('a namespace named by its 32-hex id accepts only chunks carrying that id (PUT, GET, verify)', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store })
+    const ns = 'ab'.repeat(16)
+    const mine = makeChunk({ namespaceId: ns })
+    const foreign = makeChunk({ namespaceId: 'cd'.repeat(16) })
+    expect((await app.request(`/v1/ns/${ns}/chunks/${mine.key}`, putInit(mine.bytes))).status).toBe(201)
+    const r = await app.request(`/v1/ns/${ns}/chunks/${foreign.key}`, putInit(foreign.bytes))
+    expect(r.status).toBe(400)
+    expect(await store.head(name(ns, foreign.key))).toBeUndefined()
+    // A foreign object placed behind the gateway verifies corrupt, and is never served.
+    await store.putIfAbsent(name(ns, foreign.key), foreign.bytes, foreign.bytes.length)
+    const v = await app.request(`/v1/ns/${ns}/chunks/${foreign.key}/verify`, { method: 'POST' })
+    expect(((await v.json()) as { verdict: string }).verdict).toBe('corrupt')
+    await store.putIfAbsent(name(ns, foreign.key), foreign.bytes, foreign.bytes.length)
+    expect(await body(await app.request(`/v1/ns/${ns}/chunks/${foreign.key}`))).toBeInstanceOf(Error)
+    expect(await body(await app.request(`/v1/ns/${ns}/chunks/${mine.key}`))).toEqual(mine.bytes)
+  })
+})
+
+describe('two gateway instances over one store', () => {
+  it('?layers= never splices a header cached before a DELETE + re-PUT elsewhere onto new sections', async () => {
+    const store = new MemoryStore()
+    const a = createGateway({ store })
+    const b = createGateway({ store })
+    const c1 = makeChunk({ layers: 6, sectionBytes: 100 })
+    await a.request(`/v1/ns/n/chunks/${c1.key}`, putInit(c1.bytes))
+    expect(await body(await a.request(`/v1/ns/n/chunks/${c1.key}?layers=1-2`))).toBeInstanceOf(Uint8Array)
+    for (const c2 of [
+      // Another geometry (a lossy re-encode), then same size, other bytes.
+      makeChunk({ layers: 6, sectionBytes: 180, key: c1.key }),
+      makeChunk({ layers: 6, sectionBytes: 180, key: c1.key }),
+    ]) {
+      const admin = await b.request(`/v1/ns/n/chunks/${c1.key}`, { method: 'DELETE' })
+      expect(admin.status).toBe(204)
+      expect((await b.request(`/v1/ns/n/chunks/${c1.key}`, putInit(c2.bytes))).status).toBe(201)
+      const got = await body(await a.request(`/v1/ns/n/chunks/${c1.key}?layers=1-2`))
+      expect(got).toBeInstanceOf(Uint8Array)
+      const subset = openLayerSubset(got as Uint8Array, 1, 2)
+      for (const l of [1, 2]) {
+        const s = subset.header.sections[l]!
+        expect(subset.section(l)).toEqual(c2.bytes.subarray(s.offset, s.offset + s.length))
+      }
+    }
+  })
+})
