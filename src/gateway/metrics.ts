@@ -113,6 +113,8 @@ export class GatewayMetrics {
   readonly puts = new Counter('kvgate_chunk_puts_total', 'Chunk PUTs by result (created|exists|rejected)')
   readonly redirects = new Counter('kvgate_get_redirects_total', 'GETs answered with a presigned redirect')
   readonly errors = new Counter('kvgate_errors_total', 'Error responses by code')
+  /** Metrics other modules register (use tracking, cold-tier accounting), rendered after these. */
+  readonly extras: { render(): string[] }[] = []
 
   render(): string {
     const all = [
@@ -130,6 +132,7 @@ export class GatewayMetrics {
       this.puts,
       this.redirects,
       this.errors,
+      ...this.extras,
     ]
     return `${all.flatMap((m) => m.render()).join('\n')}\n`
   }

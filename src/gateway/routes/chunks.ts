@@ -10,7 +10,7 @@ import {
   layerSpan,
   readHeaderLength,
 } from '../../core/format.ts'
-import { assertKeyHex, assertNamespaceName, objectName } from '../../core/keys.ts'
+import { assertKeyHex, assertNamespaceName, objectName, toHex } from '../../core/keys.ts'
 import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
 import {
@@ -39,7 +39,7 @@ function target(c: Context<GatewayEnv>, state: GatewayState, scope: Scope) {
 
 export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
   app.put(PATH, async (c) => {
-    const { key, name } = target(c, state, 'write')
+    const { ns, key, name } = target(c, state, 'write')
     const type = (c.req.header('content-type') ?? '').split(';')[0]!.trim().toLowerCase()
     if (type !== 'application/octet-stream') {
       throw unsupportedMediaType(
@@ -59,7 +59,10 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       throw new KvgateError('ERR_FORMAT_TRUNCATED', `a ${size}-byte body cannot be a chunk`, { status: 400 })
     // Known to exist: answer without moving the bytes again (the adapter drains them).
     const known = state.lookup.cached(name)
-    if (known !== undefined) return existsAnswer(c, state, known, size)
+    if (known !== undefined) {
+      state.usage?.use(ns, key, 0)
+      return existsAnswer(c, state, known, size)
+    }
     const source = requestBodySource(c)
     if (!source) throw badRequest('missing request body')
     const vb = verifiedBody(source, {
@@ -76,10 +79,13 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       throw vb.failure() ?? e
     }
     if (result === 'exists') {
+      state.usage?.use(ns, key, 0)
       const head = await state.store.head(name)
       return existsAnswer(c, state, head?.size ?? size, size)
     }
     state.lookup.remember(name, size)
+    const parent = vb.header()?.parentKey
+    if (parent) state.usage?.created(ns, key, toHex(parent), size)
     state.metrics.puts.inc({ result: 'created' })
     state.metrics.bytesIn.inc({}, size)
     state.written.objects++
@@ -89,10 +95,11 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
   })
 
   app.get(PATH, async (c) => {
-    const { name } = target(c, state, 'read')
+    const { ns, key, name } = target(c, state, 'read')
     if (c.req.method === 'HEAD') {
       const size = state.lookup.cached(name) ?? (await state.store.head(name))?.size
       if (size === undefined) throw notFound()
+      state.usage?.use(ns, key)
       state.lookup.remember(name, size)
       return c.body(null, 200, {
         'content-length': String(size),
@@ -104,7 +111,9 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     const rangeHeader = c.req.header('range')
     if (layers !== undefined) {
       if (rangeHeader !== undefined) throw badRequest('use either Range or ?layers=, not both')
-      return layersAnswer(c, state, name, layers)
+      const res = await layersAnswer(c, state, name, layers)
+      state.usage?.use(ns, key)
+      return res
     }
     const range = rangeHeader === undefined ? undefined : parseRange(rangeHeader)
 
@@ -113,6 +122,7 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       if (size === undefined) throw notFound()
       state.lookup.remember(name, size)
       if (size >= state.presign.minBytes) {
+        state.usage?.use(ns, key)
         const url = await state.store.presignGet!(name, state.presign.expiresSeconds)
         state.metrics.redirects.inc()
         return c.body(null, 307, { location: url, 'cache-control': 'no-store' })
@@ -127,6 +137,7 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       obj = r.obj
     } else obj = await fetchIt()
     if (!obj) throw notFound()
+    state.usage?.use(ns, key)
     if (!range) state.lookup.remember(name, obj.size)
     state.metrics.bytesOut.inc({}, obj.length)
     c.set('bytes', obj.length)

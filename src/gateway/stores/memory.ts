@@ -19,6 +19,7 @@ export interface MemoryStoreOptions {
 export class MemoryStore implements ObjectStore {
   readonly kind = 'memory'
   readonly #objects = new Map<string, Uint8Array>()
+  readonly #modified = new Map<string, number>()
   readonly #onOp: MemoryStoreOptions['onOp']
 
   constructor(opts: MemoryStoreOptions = {}) {
@@ -61,11 +62,13 @@ export class MemoryStore implements ObjectStore {
     // A concurrent put may have won while we read the body: first one wins.
     if (this.#objects.has(name)) return 'exists'
     this.#objects.set(name, bytes.slice())
+    this.#modified.set(name, Date.now())
     return 'created'
   }
 
   async delete(name: string): Promise<boolean> {
     this.#onOp?.('delete')
+    this.#modified.delete(name)
     return this.#objects.delete(name)
   }
 
@@ -76,7 +79,11 @@ export class MemoryStore implements ObjectStore {
       .filter((n) => n.startsWith(prefix) && (opts.cursor === undefined || n > opts.cursor))
       .sort()
     const page = names.slice(0, limit)
-    const entries = page.map((name) => ({ name, size: this.#objects.get(name)!.length }))
+    const entries = page.map((name) => ({
+      name,
+      size: this.#objects.get(name)!.length,
+      modified: this.#modified.get(name)!,
+    }))
     return names.length > limit ? { entries, cursor: page[page.length - 1]! } : { entries }
   }
 
