@@ -44,7 +44,10 @@ describe('coldTier config', () => {
       { usage: { flushInterval: '10m', maxDelay: '1m' } },
       '{not json',
     ]
-    for (const b of bad) expect(() => parseColdTier(b), JSON.stringify(b)).toThrow(expect.objectContaining({ code: 'ERR_CONFIG' }))
+    for (const b of bad)
+      expect(() => parseColdTier(b), JSON.stringify(b)).toThrow(
+        expect.objectContaining({ code: 'ERR_CONFIG' }),
+      )
   })
 })
 
@@ -137,6 +140,37 @@ describe('UsageRecorder', () => {
     expect(list.entries.length).toBe(2)
   })
 
+  it('flush() resolves only after uses made before it are written, even with a flush in flight', async () => {
+    let release!: () => void
+    const hang = new Promise<void>((r) => {
+      release = r
+    })
+    const store = new MemoryStore()
+    let first = true
+    const slow: ObjectStore = Object.assign(Object.create(store) as ObjectStore, {
+      putIfAbsent: async (n: string, b: Uint8Array, s: number) => {
+        if (first) {
+          first = false
+          await hang
+        }
+        return store.putIfAbsent(n, b, s)
+      },
+    })
+    const r = new UsageRecorder(slow, 'kv', undefined, {})
+    r.use('a', key(1))
+    const inFlight = r.flush()
+    r.use('a', key(2))
+    const later = r.flush()
+    release()
+    await Promise.all([inFlight, later])
+    const keys: string[] = []
+    for (const e of (await store.list(usagePrefix('kv', 'a'))).entries) {
+      const b = decodeBatch(new Uint8Array(await new Response((await store.get(e.name))!.body).arrayBuffer()))
+      keys.push(...b.uses.map((u) => u.key))
+    }
+    expect(keys.sort()).toEqual([key(1), key(2)])
+  })
+
   it('puts a failed flush back and writes it on the next one', async () => {
     const store = new MemoryStore()
     let fail = true
@@ -153,7 +187,9 @@ describe('UsageRecorder', () => {
     fail = false
     await r.flush()
     const [e] = (await store.list(usagePrefix('kv', 'a'))).entries
-    const got = decodeBatch(new Uint8Array(await new Response((await store.get(e!.name))!.body).arrayBuffer()))
+    const got = decodeBatch(
+      new Uint8Array(await new Response((await store.get(e!.name))!.body).arrayBuffer()),
+    )
     expect(got.uses.map((u) => u.key)).toEqual([key(1)])
   })
 })
@@ -193,7 +229,12 @@ describe('deletion plan', () => {
       const nodes = forest(20, 1 + Math.floor(rnd() * 8), rnd)
       settle(nodes, 100 * DAY)
       const total = [...nodes.values()].reduce((s, n) => s + n.size, 0)
-      const p = plan(nodes, { retentionMs: 60 * DAY, quotaBytes: Math.floor(total * rnd() * 0.5) }, 100 * DAY, 0)
+      const p = plan(
+        nodes,
+        { retentionMs: 60 * DAY, quotaBytes: Math.floor(total * rnd() * 0.5) },
+        100 * DAY,
+        0,
+      )
       const victims = new Set(p.victims.map((v) => v.node.key))
       const order = new Map(p.victims.map((v, i) => [v.node.key, i]))
       for (const n of nodes.values()) {
@@ -214,7 +255,8 @@ describe('gc on a memory store', () => {
     const app = createGateway({ store, prefix: 'kv', coldTier: { now } })
     const chains = [makeChain(4), makeChain(4), makeChain(3)]
     for (const c of chains)
-      for (const k of c) expect((await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))).status).toBe(201)
+      for (const k of c)
+        expect((await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))).status).toBe(201)
     return { store, app, chains }
   }
   const lookup = (app: ReturnType<typeof createGateway>, keys: string[]) =>
@@ -234,7 +276,14 @@ describe('gc on a memory store', () => {
     const { store, app, chains } = await fleet(() => t)
     t += 20 * DAY
     // Chain 0 used whole; chain 1 only its first two chunks; chain 2 not at all.
-    expect(await (await lookup(app, chains[0]!.map((c) => c.key))).json()).toEqual({ present: 4 })
+    expect(
+      await (
+        await lookup(
+          app,
+          chains[0]!.map((c) => c.key),
+        )
+      ).json(),
+    ).toEqual({ present: 4 })
     expect((await app.request(`/v1/ns/prod/chunks/${chains[1]![1]!.key}`)).status).toBe(200)
     await app.state.usage!.flush()
     const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
@@ -249,7 +298,12 @@ describe('gc on a memory store', () => {
     expect(await present(store, chains[2]!)).toEqual([false, false, false])
     // Idempotent, and the use record was compacted into the index.
     const again = await runGc({ store, prefix: 'kv', config, now: t + DAY })
-    expect(again.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, kept: { objects: 6 }, usageRecords: 0, headerReads: 0 })
+    expect(again.namespaces[0]).toMatchObject({
+      deleted: { objects: 0 },
+      kept: { objects: 6 },
+      usageRecords: 0,
+      headerReads: 0,
+    })
     expect((await store.list('kv/_usage/')).entries).toEqual([])
   })
 

@@ -58,6 +58,12 @@ Config file:
     tokens:
       - { name: fleet, sha256: <kvgate serve --hash-token ...>, scopes: write, namespaces: [prod] }
       - { name: ops, sha256: <...>, scopes: admin, namespaces: '*' }
+  coldTier:                            # env: KVGATE_COLD_TIER (the same as JSON); see docs/cold-tier.md
+    grace: 10m                         # never delete what was read or written this recently
+    usage: { flushInterval: 60s, maxDelay: 5m, maxKeys: 20000 }
+    namespaces:
+      prod: { retention: 30d, quota: 500GiB }
+      '*': { retention: 90d }
 `
 
 export async function run(argv: string[]): Promise<number> {
@@ -111,7 +117,7 @@ export async function run(argv: string[]): Promise<number> {
   return serve(config)
 }
 
-async function openStore(config: ServeConfig): Promise<ObjectStore> {
+export async function openStore(config: ServeConfig): Promise<ObjectStore> {
   const s = config.store
   if (s.kind === 'fs') return new FsStore({ root: s.dir, fsync: s.fsync }).open()
   if (s.kind === 'memory') return new MemoryStore()
@@ -145,12 +151,14 @@ async function serve(config: ServeConfig): Promise<number> {
     ...(config.presign ? { presign: config.presign } : {}),
     ...(config.maxChunkBytes ? { limits: { maxChunkBytes: config.maxChunkBytes } } : {}),
     coalesce: { maxBytes: config.coalesceMaxBytes },
+    coldTier: config.coldTier.tracking ? { usage: config.coldTier.usage } : { tracking: false },
     logger: (e) =>
       write({
         ...e,
         level: (e.status as number) >= 500 ? 'error' : (e.status as number) >= 400 ? 'warn' : 'info',
       }),
   })
+  app.state.usage?.start()
   const gw = await serveGateway(app, { host: config.host, port: config.port })
   // The listening line is printed at any level but silent: scripts read the URL from it.
   const announce =
@@ -179,6 +187,8 @@ async function serve(config: ServeConfig): Promise<number> {
     process.once('SIGTERM', () => stop('SIGTERM'))
   })
   await gw.close(5000)
+  // Unflushed use records would otherwise be lost with the process (gc would see older last uses).
+  await app.state.usage?.close().catch(() => {})
   await store.close?.()
   return 0
 }

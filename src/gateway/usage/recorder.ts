@@ -130,7 +130,7 @@ export class UsageRecorder {
   }
 
   #afterAdd(): void {
-    if (this.#keys >= this.#opts.maxKeys) void this.flush().catch(() => {})
+    if (this.#keys >= this.#opts.maxKeys && !this.#flushing) void this.flush().catch(() => {})
   }
 
   /** Whether a flush is due now (see the module comment). */
@@ -150,44 +150,47 @@ export class UsageRecorder {
   }
 
   /**
-   * Writes one record per namespace with pending entries. A failed PUT puts its entries back
-   * (newer times win), still under the memory cap; concurrent calls share one flush.
+   * Writes one record per namespace with what is buffered now (waiting first for a flush in
+   * flight, so everything used before the call is written when it resolves). A failed PUT puts
+   * its entries back (newer times win), still under the memory cap.
    */
-  flush(): Promise<void> {
-    if (this.#flushing) return this.#flushing
-    if (this.#keys === 0) return Promise.resolve()
+  async flush(): Promise<void> {
+    if (this.#flushing) await this.#flushing.catch(() => {})
+    if (this.#flushing) return this.flush()
+    if (this.#keys === 0) return
+    this.#flushing = this.#write().finally(() => {
+      this.#flushing = undefined
+    })
+    return this.#flushing
+  }
+
+  async #write(): Promise<void> {
     const batches = this.#batches
     this.#batches = new Map()
     this.#keys = 0
     this.#hits = 0
     this.#since = undefined
     this.#instance ??= randomId()
-    const run = async () => {
-      let failure: unknown
-      for (const [ns, b] of batches) {
-        const at = this.#now()
-        const bytes = encodeBatch({
-          kind: 'usage',
-          at,
-          uses: [...b.uses].map(([key, t]) => ({ key, at: t })),
-          links: [...b.links.values()],
-        })
-        const name = usageRecordName(this.#prefix, ns, at, this.#instance!, ++this.#seq)
-        try {
-          await this.#store.putIfAbsent(name, bytes, bytes.length)
-          this.flushes.inc({ result: 'ok' })
-        } catch (e) {
-          failure ??= e
-          this.flushes.inc({ result: 'failed' })
-          this.#restore(ns, b)
-        }
+    let failure: unknown
+    for (const [ns, b] of batches) {
+      const at = this.#now()
+      const bytes = encodeBatch({
+        kind: 'usage',
+        at,
+        uses: [...b.uses].map(([key, t]) => ({ key, at: t })),
+        links: [...b.links.values()],
+      })
+      const name = usageRecordName(this.#prefix, ns, at, this.#instance, ++this.#seq)
+      try {
+        await this.#store.putIfAbsent(name, bytes, bytes.length)
+        this.flushes.inc({ result: 'ok' })
+      } catch (e) {
+        failure ??= e
+        this.flushes.inc({ result: 'failed' })
+        this.#restore(ns, b)
       }
-      if (failure) throw failure
     }
-    this.#flushing = run().finally(() => {
-      this.#flushing = undefined
-    })
-    return this.#flushing
+    if (failure) throw failure
   }
 
   #restore(ns: string, old: Batch): void {
@@ -221,7 +224,6 @@ export class UsageRecorder {
   async close(): Promise<void> {
     if (this.#timer) clearInterval(this.#timer)
     this.#timer = undefined
-    await this.#flushing?.catch(() => {})
     await this.flush()
   }
 }
