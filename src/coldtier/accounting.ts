@@ -157,10 +157,10 @@ export class FleetAccounting {
     const out: Record<string, NamespaceTotals> = {}
     for (const [ns, t] of Object.entries(this.#snapshot?.namespaces ?? {})) out[ns] = { ...t }
     const since = this.#snapshot?.at ?? -Infinity
-    for (const [ns, minutes] of this.#usage?.createdByMinute ?? []) {
-      for (const [minute, c] of minutes) {
-        // A minute straddling the listing counts whole: reconciled by the next gc.
-        if (minute + 60_000 <= since) continue
+    for (const [ns, seconds] of this.#usage?.createdBySecond ?? []) {
+      for (const [second, c] of seconds) {
+        // A second straddling the listing counts whole: reconciled by the next gc.
+        if (second + 1000 <= since) continue
         const t = out[ns] ?? { objects: 0, bytes: 0 }
         out[ns] = t
         t.bytes += c.bytes

@@ -40,8 +40,8 @@ export class UsageRecorder {
   #seq = 0
   #flushing: Promise<void> | undefined
   #timer: ReturnType<typeof setInterval> | undefined
-  /** Created bytes/objects per namespace by minute (ms), for the accounting view between gc runs. */
-  readonly createdByMinute = new Map<string, Map<number, { bytes: number; objects: number }>>()
+  /** Created bytes/objects per namespace by second (ms), for the accounting view between gc runs. */
+  readonly createdBySecond = new Map<string, Map<number, { bytes: number; objects: number }>>()
   readonly hitsTotal = new Counter(
     'kvgate_usage_hits_total',
     'Chunk hits seen by use tracking (lookup-present chunks + GETs)',
@@ -95,18 +95,25 @@ export class UsageRecorder {
   /** A chunk created by this instance, with its parent from the verified header. */
   created(ns: string, key: string, parent: string, size: number): void {
     const now = this.#now()
-    const minute = now - (now % 60_000)
-    let m = this.createdByMinute.get(ns)
+    const second = now - (now % 1000)
+    let m = this.createdBySecond.get(ns)
     if (!m) {
       m = new Map()
-      this.createdByMinute.set(ns, m)
+      this.createdBySecond.set(ns, m)
     }
-    const c = m.get(minute) ?? { bytes: 0, objects: 0 }
+    const c = m.get(second) ?? { bytes: 0, objects: 0 }
     c.bytes += size
     c.objects++
-    m.set(minute, c)
-    // A day of minutes per namespace at most; older deltas are folded into gc's snapshot by then.
-    if (m.size > 1440) m.delete(m.keys().next().value!)
+    m.set(second, c)
+    // Bounded: past an hour of busy seconds the oldest bucket folds into the next one, so
+    // older creations get coarser times (gc's next snapshot makes them exact again).
+    if (m.size > 3600) {
+      const it = m.entries()
+      const [oldest, o] = it.next().value!
+      const [next, n] = it.next().value!
+      m.delete(oldest)
+      m.set(next, { bytes: n.bytes + o.bytes, objects: n.objects + o.objects })
+    }
     const b = this.#batch(ns, !this.#batches.get(ns)?.links.has(key))
     if (!b) {
       this.dropped.inc()
