@@ -4,16 +4,19 @@
 
 import { type ChildProcess, spawn } from 'node:child_process'
 import { createInterface } from 'node:readline'
+import { Writable } from 'node:stream'
 import { afterAll, describe, expect, it } from 'vitest'
 import { runGc } from '../src/coldtier/gc.ts'
 import { usagePrefix } from '../src/coldtier/names.ts'
 import { parseColdTier } from '../src/coldtier/policy.ts'
 import { decodeBatch } from '../src/coldtier/records.ts'
 import { objectName } from '../src/core/keys.ts'
+import { streamingHandler } from '../src/gateway/adapters/lambda.ts'
 import { createGateway, type GatewayApp } from '../src/gateway/index.ts'
 import { S3Store } from '../src/gateway/node.ts'
 import type { ObjectStore } from '../src/gateway/stores/types.ts'
 import { makeChain, putInit, type TestChunk } from './gateway-fixtures.ts'
+import { fakeAwsLambda } from './lambda-support.ts'
 import { type Rgw, useRgw } from './support/rgw.ts'
 
 const DAY = 86_400_000
@@ -237,6 +240,45 @@ run('cold tier on RadosGW', () => {
     expect(await prefixLength(store, prefix, hot)).toBe(3)
     for (const c of [...cold, ...written]) await prefixLength(store, prefix, c)
     for (const c of written) expect(await prefixLength(store, prefix, c)).toBe(2)
+  })
+
+  it('the Lambda handler runs gc on the EventBridge schedule event, with KVGATE_COLD_TIER', async () => {
+    const prefix = uniq()
+    const app = createGateway({ store, prefix, coldTier: false })
+    const chain = makeChain(3)
+    await put(app, chain)
+    const env = {
+      KVGATE_S3_BUCKET: rgw!.bucket,
+      KVGATE_S3_ENDPOINT: rgw!.endpoint,
+      AWS_REGION: rgw!.region,
+      AWS_ACCESS_KEY_ID: rgw!.accessKeyId,
+      AWS_SECRET_ACCESS_KEY: rgw!.secretAccessKey,
+      KVGATE_S3_PREFIX: prefix,
+      KVGATE_AUTH_SSM_PARAMETER: '/never/read',
+      KVGATE_COLD_TIER: JSON.stringify({
+        grace: '0s',
+        namespaces: { prod: { quota: chain[0]!.bytes.length } },
+      }),
+    }
+    const saved = { ...process.env }
+    Object.assign(process.env, env)
+    try {
+      const fn = streamingHandler(() => Promise.reject(new Error('gc must not build the app')), fakeAwsLambda)
+      const parts: Buffer[] = []
+      const out = new Writable({
+        write(c, _e, cb) {
+          parts.push(c)
+          cb()
+        },
+      })
+      // What the Terraform module's aws_cloudwatch_event_target sends.
+      await fn({ kvgate: 'gc' } as never, out)
+      expect(JSON.parse(Buffer.concat(parts).toString())).toMatchObject({ errors: 0 })
+    } finally {
+      for (const k of Object.keys(env)) delete process.env[k]
+      Object.assign(process.env, saved)
+    }
+    expect(await prefixLength(store, prefix, chain)).toBe(1)
   })
 
   it('a killed gateway process loses only uses younger than its maxDelay', async () => {

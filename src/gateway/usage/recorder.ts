@@ -140,6 +140,11 @@ export class UsageRecorder {
     if (this.#keys >= this.#opts.maxKeys && !this.#flushing) void this.flush().catch(() => {})
   }
 
+  /** The flush in flight, if any (never rejects): Lambda awaits it before its environment freezes. */
+  get pending(): Promise<void> | undefined {
+    return this.#flushing?.catch(() => {})
+  }
+
   /** Whether a flush is due now (see the module comment). */
   due(): boolean {
     if (this.#since === undefined || this.#flushing) return false
