@@ -318,3 +318,80 @@ describe('gc on a memory store', () => {
     expect(await present(store, chain)).toEqual([true, true, false, false, false])
   })
 })
+
+describe('accounting on /metrics and the status page', () => {
+  it('shows gc snapshot totals per namespace plus this instance’s creations since, with the monthly cost', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store, prefix: 'kv', coldTier: { accountingRefreshMs: 0 } })
+    const a = makeChain(3)
+    for (const k of a) await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))
+    const before = await (await app.request('/metrics')).text()
+    // No gc yet: this instance's own creations only.
+    expect(before).toMatch(/^kvgate_namespace_stored_objects\{ns="prod"\} 3$/m)
+    await new Promise((r) => setTimeout(r, 1100)) // the next creation lands in a later second
+    await runGc({ store, prefix: 'kv', config: parseColdTier({}) })
+    const b = makeChain(2)
+    for (const k of b) await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))
+    const bytes = [...a, ...b].reduce((s, k) => s + k.bytes.length, 0)
+    await app.request('/v1/ns/prod/lookup', {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ keys: a.map((k) => k.key) }),
+    })
+    const text = await (await app.request('/metrics')).text()
+    expect(text).toMatch(/^kvgate_namespace_stored_objects\{ns="prod"\} 5$/m)
+    expect(text).toContain(`kvgate_namespace_stored_bytes{ns="prod"} ${bytes}`)
+    expect(text).toContain(`kvgate_namespace_storage_usd_per_month{ns="prod"} ${(bytes / 1e9) * 0.023}`)
+    expect(text).toMatch(/^kvgate_usage_hits_total 3$/m)
+    const page = (await (await app.request('/', { headers: { accept: 'application/json' } })).json()) as {
+      namespaces: { ns: string; objects: number; bytes: number }[]
+      accountingAt: number
+    }
+    expect(page.namespaces).toEqual([{ ns: 'prod', objects: 5, bytes, monthlyUsd: (bytes / 1e9) * 0.023 }])
+    expect(page.accountingAt).toBeGreaterThan(0)
+    const html = await (await app.request('/')).text()
+    expect(html).toContain('<td>prod</td><td>5</td>')
+  })
+})
+
+describe('kvgate gc (CLI) on an fs store', () => {
+  it('dry-runs, then deletes over quota from the tails, prints a summary, and rejects bad config', async () => {
+    const { mkdtempSync, rmSync } = await import('node:fs')
+    const { tmpdir } = await import('node:os')
+    const { join } = await import('node:path')
+    const { FsStore } = await import('../src/gateway/stores/fs.ts')
+    const { run } = await import('../src/cli/commands/gc.ts')
+    const dir = mkdtempSync(join(tmpdir(), 'kvgate-gc-cli-'))
+    const saved = { ...process.env }
+    const logs: string[] = []
+    const log = console.log
+    console.log = (s: string) => logs.push(String(s))
+    try {
+      const store = await new FsStore({ root: dir }).open()
+      const app = createGateway({ store, prefix: 'kv', coldTier: false })
+      const chain = makeChain(4)
+      for (const k of chain) await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))
+      process.env.KVGATE_CONFIG = ''
+      process.env.KVGATE_COLD_TIER = JSON.stringify({
+        grace: '0s',
+        namespaces: { prod: { quota: chain[0]!.bytes.length } },
+      })
+      expect(await run(['--dir', dir, '--prefix', 'kv', '--dry-run', '--quiet'])).toBe(0)
+      expect(logs.join('\n')).toMatch(/dry run[\s\S]*prod: quota[\s\S]*would delete 3 objects/)
+      expect((await store.stats()).objects).toBe(4)
+      logs.length = 0
+      expect(await run(['--dir', dir, '--prefix', 'kv', '--quiet'])).toBe(0)
+      expect(logs.join('\n')).toMatch(/deleted\s+3 objects[\s\S]*kept\s+1 objects/)
+      const left = (await store.list('kv/prod/')).entries.map((e) => e.name.slice(-64))
+      expect(left).toEqual([chain[0]!.key])
+      process.env.KVGATE_COLD_TIER = '{"namespaces":{"prod":{"quota":"lots"}}}'
+      await expect(run(['--dir', dir, '--quiet'])).rejects.toMatchObject({ code: 'ERR_CONFIG' })
+      expect(await run(['--dir', dir, '--concurrency', '0'])).toBe(2)
+    } finally {
+      console.log = log
+      for (const k of Object.keys(process.env)) if (!(k in saved)) delete process.env[k]
+      Object.assign(process.env, saved)
+      rmSync(dir, { recursive: true, force: true })
+    }
+  })
+})

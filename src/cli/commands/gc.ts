@@ -73,13 +73,13 @@ export async function run(argv: string[]): Promise<number> {
     const v = (values as Record<string, unknown>)[flag]
     if (v !== undefined) (flags as Record<string, unknown>)[key] = v
   }
-  const file = values.config ?? process.env.KVGATE_CONFIG
-  const config = resolveServeConfig(file ? settingsFromFile(file) : {}, settingsFromEnv(process.env), flags)
   const price = values.price === undefined ? 0.023 : Number(values.price)
   const concurrency = values.concurrency === undefined ? 16 : Number(values.concurrency)
   if (!(price >= 0)) return usageError('--price must be a non-negative number')
   if (!Number.isInteger(concurrency) || concurrency < 1 || concurrency > 1024)
     return usageError('--concurrency must be an integer in 1..1024')
+  const file = values.config ?? process.env.KVGATE_CONFIG
+  const config = resolveServeConfig(file ? settingsFromFile(file) : {}, settingsFromEnv(process.env), flags)
   const quiet = values.quiet === true
   const store = await openStore(config)
   try {
