@@ -281,6 +281,29 @@ run('cold tier on RadosGW', () => {
     expect(await prefixLength(store, prefix, chain)).toBe(1)
   })
 
+  it('a gateway stopped with SIGTERM writes every use it buffered before exiting', async () => {
+    const prefix = uniq()
+    const chain = makeChain(2)
+    // A long maxDelay: only the shutdown flush can have written the lookup's use.
+    const gw = await startServe(prefix, { usage: { flushInterval: '10m', maxDelay: '10m' } })
+    try {
+      for (const k of chain)
+        expect((await fetch(`${gw.url}/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))).status).toBe(201)
+      const r = await fetch(`${gw.url}/v1/ns/prod/lookup`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ keys: chain.map((c) => c.key) }),
+      })
+      expect(await r.json()).toEqual({ present: 2 })
+      expect((await usesIn(store, prefix)).size).toBe(0)
+      gw.proc.kill('SIGTERM')
+      expect(await new Promise((r) => gw.proc.once('exit', r))).toBe(0)
+    } finally {
+      gw.proc.kill('SIGKILL')
+    }
+    expect([...(await usesIn(store, prefix))]).toEqual([chain[1]!.key])
+  })
+
   it('a killed gateway process loses only uses younger than its maxDelay', async () => {
     const prefix = uniq()
     const chains = [makeChain(3), makeChain(3)]
@@ -317,6 +340,15 @@ run('cold tier on RadosGW', () => {
     expect(r.namespaces[0]).toMatchObject({ listed: { objects: 6 }, chains: 2, headerReads: 0 })
   })
 })
+
+async function usesIn(store: ObjectStore, prefix: string): Promise<Set<string>> {
+  const keys = new Set<string>()
+  for (const e of (await store.list(usagePrefix(prefix, 'prod'))).entries) {
+    const b = decodeBatch(new Uint8Array(await new Response((await store.get(e.name))!.body).arrayBuffer()))
+    for (const u of b.uses) keys.add(u.key)
+  }
+  return keys
+}
 
 function startServe(prefix: string, coldTier: unknown): Promise<{ proc: ChildProcess; url: string }> {
   const main = new URL('../src/cli/main.ts', import.meta.url).pathname

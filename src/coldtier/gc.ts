@@ -108,7 +108,9 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
   let cursor: string | undefined
   let listed = 0
   do {
-    const page = await store.list(base, cursor ? { cursor } : {})
+    // S3 and R2 answer at most 1,000 names a page anyway; fs and memory stores walk all
+    // their names per page, so larger pages keep a big local store from going quadratic.
+    const page = await store.list(base, { limit: 10_000, ...(cursor ? { cursor } : {}) })
     for (const e of page.entries) {
       const c = classify(opts.prefix, e.name)
       if (c.kind === 'chunk') nsOf(c.ns).chunks.push(e)
