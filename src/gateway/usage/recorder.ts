@@ -17,6 +17,9 @@ import type { ObjectStore } from '../stores/types.ts'
 /** Hits a batch should carry before the interval alone may flush it (≤ 1 request per this many hits). */
 export const HITS_PER_FLUSH = 100
 
+/** Namespaces whose creations an instance accounts between gc snapshots. */
+const MAX_ACCOUNTED_NAMESPACES = 1000
+
 interface Batch {
   uses: Map<string, number>
   links: Map<string, LinkEntry>
@@ -95,12 +98,25 @@ export class UsageRecorder {
   /** A chunk created by this instance, with its parent from the verified header. */
   created(ns: string, key: string, parent: string, size: number): void {
     const now = this.#now()
-    const second = now - (now % 1000)
     let m = this.createdBySecond.get(ns)
-    if (!m) {
+    // Namespaces past the cap go unaccounted until the next gc snapshot: memory stays bounded.
+    if (!m && this.createdBySecond.size < MAX_ACCOUNTED_NAMESPACES) {
       m = new Map()
       this.createdBySecond.set(ns, m)
     }
+    if (m) this.#account(m, now, size)
+    const b = this.#batch(ns, !this.#batches.get(ns)?.links.has(key))
+    if (!b) {
+      this.dropped.inc()
+      return
+    }
+    b.links.set(key, { key, parent, size, at: now })
+    b.uses.delete(key) // the link's time is its use
+    this.#afterAdd()
+  }
+
+  #account(m: Map<number, { bytes: number; objects: number }>, now: number, size: number): void {
+    const second = now - (now % 1000)
     const c = m.get(second) ?? { bytes: 0, objects: 0 }
     c.bytes += size
     c.objects++
@@ -114,14 +130,6 @@ export class UsageRecorder {
       m.delete(oldest)
       m.set(next, { bytes: n.bytes + o.bytes, objects: n.objects + o.objects })
     }
-    const b = this.#batch(ns, !this.#batches.get(ns)?.links.has(key))
-    if (!b) {
-      this.dropped.inc()
-      return
-    }
-    b.links.set(key, { key, parent, size, at: now })
-    b.uses.delete(key) // the link's time is its use
-    this.#afterAdd()
   }
 
   #batch(ns: string, adds: boolean): Batch | undefined {
