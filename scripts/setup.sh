@@ -3,7 +3,9 @@
 #   scripts/setup.sh           npm packages + the native addon (and its stub libcudart)
 #   scripts/setup.sh --system  Debian packages the full test suite uses (root):
 #                              Rust 1.63 + wasm32 std (wasm reproducibility check),
-#                              Ceph mon/osd/radosgw (the real S3 for integration suites)
+#                              Ceph mon/osd/radosgw (the real S3 for integration suites),
+#                              Debian's python3-torch/msgpack/pytest/cbor2 (vLLM connector harness,
+#                              key vectors; they install for /usr/bin/python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,7 +19,8 @@ if [[ "${1:-}" == "--system" ]]; then
   apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends \
     rustc cargo libstd-rust-dev-wasm32 lld \
     ceph-mon ceph-osd radosgw \
-    g++ make python3 >/dev/null
+    g++ make python3 \
+    python3-torch python3-msgpack python3-pytest python3-cbor2 >/dev/null
   exit 0
 fi
 

@@ -81,3 +81,62 @@ describe('CodecPool', () => {
     expect((await pool.encode('lossless', tensor, meta)).byteLength).toBeGreaterThan(0)
   })
 })
+
+describe('CodecPool under worker failures (finding 11)', () => {
+  const faulty = new URL('./support/faulty-codec-worker.mjs', import.meta.url)
+  const poison = (kind: 0 | 1) => {
+    const t = tensor.slice()
+    t.set([0xde, 0xad, kind])
+    return t
+  }
+
+  it.each([
+    ['exits without an error', 0],
+    ['crashes', 1],
+  ] as const)(
+    'a worker that %s fails only its own job (typed) and is replaced',
+    async (_, kind) => {
+      const pool = new CodecPool(2, false, { workerEntry: faulty })
+      pools.push(pool)
+      const want = encodeChunk(tensor, meta, { mode: 'lossless' })
+      const good = Array.from({ length: 4 }, () => pool.encode('lossless', tensor, meta))
+      const bad = pool.encode('lossless', poison(kind), meta)
+      const more = Array.from({ length: 4 }, () => pool.encode('lossless', tensor, meta))
+      await expect(bad).rejects.toMatchObject({ name: 'CodecWorkerLostError', code: 'ERR_CODEC' })
+      for (const out of await Promise.all([...good, ...more])) expect(Buffer.compare(out, want)).toBe(0)
+      expect(pool.counts.jobsLost).toBe(1)
+      expect(pool.counts.workersReplaced).toBe(1)
+      // The replacement takes work: still on workers, not inline.
+      const before = pool.counts.workerJobs
+      expect(Buffer.compare(await pool.encode('lossless', tensor, meta), want)).toBe(0)
+      expect(pool.counts.workerJobs).toBe(before + 1)
+      expect(pool.inline).toBeUndefined()
+    },
+    60_000,
+  )
+
+  it('the queue is bounded: past it a job is refused with CodecBusyError, the rest complete', async () => {
+    const pool = new CodecPool(1, false, { maxQueuedJobs: 2 })
+    pools.push(pool)
+    const results = await Promise.allSettled(
+      Array.from({ length: 8 }, () => pool.encode('lossless', tensor, meta)),
+    )
+    const refused = results.filter((r) => r.status === 'rejected')
+    expect(refused.length).toBeGreaterThan(0)
+    for (const r of refused)
+      expect((r as PromiseRejectedResult).reason).toMatchObject({ name: 'CodecBusyError' })
+    expect(results.filter((r) => r.status === 'fulfilled').length).toBeGreaterThanOrEqual(2)
+    expect(pool.counts.jobsRefused).toBe(refused.length)
+  }, 60_000)
+
+  it('workers that cannot start: jobs run inline and `inline` says why', async () => {
+    const pool = new CodecPool(2, false, {
+      workerEntry: new URL('./support/broken-codec-worker.mjs', import.meta.url),
+    })
+    pools.push(pool)
+    const out = await pool.encode('lossless', tensor, meta)
+    expect(Buffer.compare(out, encodeChunk(tensor, meta, { mode: 'lossless' }))).toBe(0)
+    expect(pool.inline).toMatch(/unavailable/)
+    expect(pool.counts.jobsLost).toBe(0)
+  }, 60_000)
+})

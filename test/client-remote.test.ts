@@ -99,10 +99,11 @@ describe('L4 through the gateway', () => {
     const toks = tokens(T, 2)
     await a.store(toks, kvFor(1, 2))
     await a.flush()
-    const b = await node()
+    // Lookups get room here: this is about GETs, and a loaded machine can miss the 250 ms prefill deadline.
+    const b = await node({ lookupTimeoutMs: 5000 })
     const into = [new Uint8Array(CB), new Uint8Array(CB), new Uint8Array(CB)]
     const masks = await Promise.all(into.map((x) => b.retrieve(toks, { into: x })))
-    expect(masks.every((m) => sum(m) === T)).toBe(true)
+    expect(masks.map(sum)).toEqual([T, T, T])
     expect(gw.requests.filter((r) => r.method === 'GET' && r.path.includes('/chunks/')).length).toBe(1)
   })
 

@@ -2,9 +2,13 @@
 // (awslambda.*), a parser for the streamed wire format, and a local "function URL".
 
 import { once } from 'node:events'
+import { mkdirSync, readFileSync, writeFileSync } from 'node:fs'
 import { createServer, type Server } from 'node:http'
 import type { AddressInfo } from 'node:net'
+import { join } from 'node:path'
 import { Writable } from 'node:stream'
+import { pathToFileURL } from 'node:url'
+import { inflateRawSync } from 'node:zlib'
 import type { AwsLambdaGlobal, FunctionUrlEvent } from '../src/gateway/adapters/lambda.ts'
 
 export interface ResponseMeta {
@@ -119,4 +123,33 @@ export async function functionUrlServer(fn: StreamingFn): Promise<{ server: Serv
   server.listen(0, '127.0.0.1')
   await once(server, 'listening')
   return { server, url: `http://127.0.0.1:${(server.address() as AddressInfo).port}/` }
+}
+
+/**
+ * Builds the Lambda zip (scripts/build-lambda.ts), unpacks it the way Lambda does
+ * (into a task directory, central directory trusted) and imports its handler.
+ * The handler reads its KVGATE_* environment at the first invocation.
+ */
+export async function loadBuiltHandler(work: string): Promise<StreamingFn> {
+  const { buildLambda } = await import('../scripts/build-lambda.ts')
+  const build = await buildLambda({ out: join(work, 'kvgate-gateway.zip') })
+  const zip = readFileSync(build.zip)
+  const task = join(work, 'task')
+  mkdirSync(task, { recursive: true })
+  const eocd = zip.lastIndexOf(Buffer.from([0x50, 0x4b, 0x05, 0x06]))
+  let p = zip.readUInt32LE(eocd + 16)
+  for (let i = zip.readUInt16LE(eocd + 10); i > 0; i--) {
+    const method = zip.readUInt16LE(p + 10)
+    const csize = zip.readUInt32LE(p + 20)
+    const nameLen = zip.readUInt16LE(p + 28)
+    const local = zip.readUInt32LE(p + 42)
+    const name = zip.subarray(p + 46, p + 46 + nameLen).toString('utf8')
+    const at = local + 30 + zip.readUInt16LE(local + 26) + zip.readUInt16LE(local + 28)
+    const raw = zip.subarray(at, at + csize)
+    writeFileSync(join(task, name), method === 8 ? inflateRawSync(raw) : raw)
+    p += 46 + nameLen + zip.readUInt16LE(p + 30) + zip.readUInt16LE(p + 32)
+  }
+  ;(globalThis as { awslambda?: AwsLambdaGlobal }).awslambda = fakeAwsLambda
+  const mod = (await import(pathToFileURL(join(task, 'index.mjs')).href)) as { handler: StreamingFn }
+  return mod.handler
 }

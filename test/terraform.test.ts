@@ -60,6 +60,7 @@ const ALLOWED_ACTIONS = new Set([
   's3:PutObject',
   's3:DeleteObject',
   's3:AbortMultipartUpload',
+  's3:ListMultipartUploadParts',
   's3:ListBucket',
   'ssm:GetParameter',
   'logs:CreateLogStream',
@@ -68,9 +69,11 @@ const ALLOWED_ACTIONS = new Set([
   'kms:GenerateDataKey',
 ])
 
-// The only wildcards allowed: "every object under the chunk prefix" and "every stream of our log group".
+// The only wildcards allowed: "every object under the chunk prefix", "every staged upload"
+// and "every stream of our log group".
 const SCOPED_WILDCARD_RESOURCES = new Set([
   '${local.objects_arn}',
+  '${local.staging_arn}',
   '${aws_cloudwatch_log_group.this.arn}:log-stream:*',
 ])
 
@@ -85,6 +88,8 @@ function iamViolations(hcl: Hcl): string[] {
   if (hcl.resource?.aws_iam_role_policy_attachment)
     problems.push('managed policy attachments grant more than listed')
   for (const st of statementsOf(doc)) {
+    // The one Deny: presigned (query-string) writes to the chunk prefix.
+    if (st.sid === 'NoPresignedChunkWrites' && st.effect === 'Deny') continue
     if (st.effect !== 'Allow') problems.push(`${st.sid}: unexpected effect ${st.effect}`)
     for (const a of st.actions ?? []) {
       if (a.includes('*')) problems.push(`${st.sid}: wildcard action ${a}`)
@@ -99,7 +104,11 @@ function iamViolations(hcl: Hcl): string[] {
     const s3Actions = (st.actions ?? []).filter((a) => a.startsWith('s3:'))
     if (s3Actions.length > 0) {
       const onBucket = s3Actions.every((a) => a === 's3:ListBucket')
-      const want = onBucket ? ['${aws_s3_bucket.this.arn}'] : ['${local.objects_arn}']
+      const want = onBucket
+        ? ['${aws_s3_bucket.this.arn}']
+        : st.sid === 'StagedUploads'
+          ? ['${local.staging_arn}']
+          : ['${local.objects_arn}']
       if (JSON.stringify(st.resources) !== JSON.stringify(want))
         problems.push(`${st.sid}: s3 resources ${st.resources}`)
     }
@@ -108,6 +117,12 @@ function iamViolations(hcl: Hcl): string[] {
   if (locals.objects_arn !== '${aws_s3_bucket.this.arn}/${var.object_prefix}/*') {
     problems.push(`objects_arn is ${locals.objects_arn}, not the bucket's chunk prefix`)
   }
+  // Only the gateway's staging prefix may take presigned writes, and it lies outside the chunks.
+  const staging = statementsOf(doc).find((s) => s.sid === 'StagedUploads')
+  if (staging && locals.staging_arn !== '${aws_s3_bucket.this.arn}/${local.staging_prefix}/*')
+    problems.push(`staging_arn is ${locals.staging_arn}, not the staging prefix`)
+  if (staging && locals.staging_prefix !== '${var.object_prefix}-staging')
+    problems.push(`staging_prefix ${locals.staging_prefix} is not beside the chunk prefix`)
   return problems
 }
 
@@ -170,6 +185,38 @@ describe('terraform module structure (hcl2json)', () => {
     ]) {
       expect(actions).toContain(a)
     }
+  })
+
+  it('lets presigned uploads write only the staging prefix, expires what was never committed, and has no CORS', () => {
+    const sts = statementsOf(hcl.data.aws_iam_policy_document.gateway[0]) as Hcl[]
+    const staged = sts.find((s) => s.sid === 'StagedUploads')
+    expect(staged?.resources).toEqual(['${local.staging_arn}'])
+    expect([...(staged?.actions ?? [])].sort()).toEqual([
+      's3:AbortMultipartUpload',
+      's3:DeleteObject',
+      's3:GetObject',
+      's3:ListMultipartUploadParts',
+      's3:PutObject',
+    ])
+    const deny = sts.find((s) => s.sid === 'NoPresignedChunkWrites')
+    expect(deny?.effect).toBe('Deny')
+    expect(deny?.resources).toEqual(['${local.objects_arn}'])
+    expect(deny?.condition[0]).toEqual({
+      test: 'StringEquals',
+      variable: 's3:authType',
+      values: ['REST-QUERY-STRING'],
+    })
+    const rules = hcl.resource.aws_s3_bucket_lifecycle_configuration.this[0].rule as Hcl[]
+    const staging = rules.find((r) => r.id === 'kv-upload-staging')
+    expect(staging?.filter[0].prefix).toBe('${local.staging_prefix}/')
+    expect(staging?.expiration[0].days).toBe('${var.staging_expiration_days}')
+    expect(hcl.variable.staging_expiration_days[0].default).toBe(1)
+    const vars = hcl.resource.aws_lambda_function.this[0].environment[0].variables
+    expect(vars.KVGATE_STAGING_PREFIX).toBe('${local.staging_prefix}')
+    expect(vars.KVGATE_UPLOAD_TTL).toBe('${tostring(var.upload_ttl_seconds)}')
+    // Clients upload with plain HTTP clients, not browsers: no CORS configuration at all.
+    expect(hcl.resource.aws_s3_bucket_cors_configuration).toBeUndefined()
+    expect(JSON.stringify(hcl.resource.aws_s3_bucket)).not.toMatch(/cors/)
   })
 
   it('flags hostile policies (the checks themselves can fail)', async () => {
@@ -351,7 +398,7 @@ describe.skipIf(!haveTerraform)('terraform CLI', () => {
       const t = tf(dir, 'module', 'test')
       expect(t.code, t.out).toBe(0)
       expect(t.out).toMatch(/\d+ passed, 0 failed/)
-      // 13 mocked plans: past a minute on a loaded 2-core machine.
+      // 14 mocked plans: past a minute on a loaded 2-core machine.
     },
     300_000,
   )

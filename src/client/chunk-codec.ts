@@ -1,34 +1,70 @@
-// Checks chunk objects the client receives: full verification, identity (the
-// chunk asked for, this geometry), and layer-range answers of the gateway.
+// Checks chunk objects the client receives: full verification, identity (every
+// field of the chunk asked for), the most bytes such an object can have, and layer-range answers.
 
 import { FormatError } from '../core/errors.ts'
-import { type ChunkHeader, type ChunkMeta, openLayerSubset } from '../core/format.ts'
-import { toHex } from '../core/keys.ts'
-import type { KvGeometry } from '../core/layout.ts'
+import { type ChunkHeader, type ChunkMeta, headerBytesFor, openLayerSubset } from '../core/format.ts'
+import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 
 export type ChunkCodecName = 'raw' | 'lossless' | 'kvgate'
 
 /** What a chunk object describes besides its codec. */
 export type ChunkIdentity = Omit<ChunkMeta, 'codec' | 'codecVersion' | 'codecParams'>
 
+function bad(message: string): never {
+  throw new FormatError('ERR_FORMAT_BAD_FIELD', message)
+}
+
+function sameBytes(a: Uint8Array, b: Uint8Array): boolean {
+  if (a.byteLength !== b.byteLength) return false
+  for (let i = 0; i < a.byteLength; i++) if (a[i] !== b[i]) return false
+  return true
+}
+
 /**
- * Checks that a header describes the chunk we asked for; anything else (another
- * geometry, another key, another token count) is treated as corrupt.
+ * Checks that a header describes exactly the chunk we asked for: geometry and
+ * dtype, token count, partial flag, position, namespace (model + key scheme),
+ * parent and chain key. A valid object of another model, prompt position or
+ * chain (forged or misfiled) is as wrong as a flipped bit: the caller counts it corrupt.
  */
-export function checkIdentity(h: ChunkHeader, g: KvGeometry, tokens: number, hex: string): void {
+export function checkIdentity(h: ChunkHeader, want: ChunkIdentity): void {
   const hg = h.geometry
+  const g = want.geometry
   if (
     hg.layers !== g.layers ||
     hg.kvHeads !== g.kvHeads ||
     hg.headDim !== g.headDim ||
     hg.dtype !== g.dtype
   ) {
-    throw new FormatError('ERR_FORMAT_BAD_FIELD', 'chunk geometry does not match this cache')
+    bad('chunk geometry does not match this cache')
   }
-  if (h.tokens !== tokens)
-    throw new FormatError('ERR_FORMAT_BAD_FIELD', `chunk holds ${h.tokens} tokens, expected ${tokens}`)
-  if (toHex(h.chainKey) !== hex)
-    throw new FormatError('ERR_FORMAT_BAD_FIELD', 'chunk chain key does not match its name')
+  if (h.tokens !== want.tokens) bad(`chunk holds ${h.tokens} tokens, expected ${want.tokens}`)
+  if (h.partial !== want.partial) bad(`chunk partial flag is ${h.partial}, expected ${want.partial}`)
+  if (h.chunkIndex !== want.chunkIndex) bad(`chunk index is ${h.chunkIndex}, expected ${want.chunkIndex}`)
+  if (!sameBytes(h.namespaceId, want.namespaceId))
+    bad('chunk belongs to another namespace (model or key scheme)')
+  if (!sameBytes(h.parentKey, want.parentKey)) bad('chunk parent key does not match its chain')
+  if (!sameBytes(h.chainKey, want.chainKey)) bad('chunk chain key does not match its name')
+}
+
+/**
+ * The most bytes one encoded layer section of `tokens` tokens may take. Raw is
+ * the slab; lossless stores an incompressible byte plane as is (one flag byte
+ * per plane); the lossy codec's worst case measured on random bits is 1.6× a
+ * one-token slab. Twice the slab plus 1 KiB bounds them all with room to spare:
+ * the point is refusing a body of gigabytes for a chunk of kilobytes.
+ */
+export function maxSectionBytes(g: KvGeometry, tokens: number): number {
+  return 2 * layerSlabBytes(g, tokens) + 1024
+}
+
+/** The most bytes a whole chunk object of this geometry and token count can have. */
+export function maxObjectBytes(g: KvGeometry, tokens: number): number {
+  return headerBytesFor(g.layers) + g.layers * maxSectionBytes(g, tokens)
+}
+
+/** The most bytes a `?layers=first-last` answer (header + those sections) can have. */
+export function maxLayerGroupBytes(g: KvGeometry, tokens: number, first: number, last: number): number {
+  return headerBytesFor(g.layers) + (last - first + 1) * maxSectionBytes(g, tokens)
 }
 
 /**
@@ -39,11 +75,9 @@ export function openLayerGroup(
   body: Uint8Array,
   first: number,
   last: number,
-  g: KvGeometry,
-  tokens: number,
-  hex: string,
+  want: ChunkIdentity,
 ): { header: ChunkHeader; section(layer: number): Uint8Array } {
   const sub = openLayerSubset(body, first, last)
-  checkIdentity(sub.header, g, tokens, hex)
+  checkIdentity(sub.header, want)
   return sub
 }

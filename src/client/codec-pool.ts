@@ -5,43 +5,88 @@ import { availableParallelism } from 'node:os'
 import { Worker } from 'node:worker_threads'
 import { decodeChunkInto, decodeSection, encodeChunk } from '../codec/node.ts'
 import { crc32 } from '../core/checksum.ts'
-import { CodecError, FormatError } from '../core/errors.ts'
+import { CodecError, FormatError, KvgateError } from '../core/errors.ts'
 import { type ChunkHeader, decodeHeader, verifyChunk } from '../core/format.ts'
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
 import type { CodecReply, CodecRequest } from './codec-worker.ts'
 
-type Pending = { resolve: (b: Uint8Array) => void; reject: (e: Error) => void }
-
 /** Objects from this size on are verified on two threads. */
 const PARALLEL_VERIFY_BYTES = 4 * 1024 * 1024
+/** Worker deaths within a minute after which a slot is not restarted (a crash loop, not bad luck). */
+const MAX_RESTARTS_PER_MINUTE = 8
 
-/** The worker died (not a codec error): the job is retried on the calling thread. */
-class WorkerLost extends Error {}
+/**
+ * A worker died (exited, crashed, ran out of memory) while running this job.
+ * Only that job fails; the worker is replaced. Not retried on the calling
+ * thread: the input may be what killed it.
+ */
+export class CodecWorkerLostError extends CodecError {
+  constructor(message: string) {
+    super(message)
+    this.name = 'CodecWorkerLostError'
+  }
+}
 
-interface Slot {
-  worker: Worker
-  busy: number
+/** The pool's queue is at its bound: the job was refused, nothing was done. */
+export class CodecBusyError extends CodecError {
+  constructor(message: string) {
+    super(message)
+    this.name = 'CodecBusyError'
+  }
+}
+
+/** No worker can take jobs (all failed to start or kept dying): the job runs on the calling thread. */
+class NoWorkers extends Error {}
+
+export interface CodecPoolOptions {
+  /** Jobs waiting for a worker (not counting one running per worker). @default 1024 */
+  maxQueuedJobs?: number
+  /** Worker entry module (tests inject one that misbehaves). @default ./codec-worker-entry.mjs */
+  workerEntry?: URL
 }
 
 /** Distributive Omit, so each request variant keeps its own fields. */
 type RequestBody = CodecRequest extends infer R ? (R extends CodecRequest ? Omit<R, 'id'> : never) : never
 
+/** A job: its message is built when a worker takes it (copies are made then, not while queued). */
+interface Job {
+  make: () => { msg: RequestBody; transfer: ArrayBuffer[] }
+  resolve: (b: Uint8Array) => void
+  reject: (e: Error) => void
+}
+
+interface Slot {
+  worker: Worker
+  /** The one job this worker runs, if any: a dying worker takes only its own job with it. */
+  job: (Job & { id: number }) | undefined
+  /** Set once the worker is gone (error or exit), so the death is handled once. */
+  dead: boolean
+  /** The worker loaded its module; one that dies before this never started (no restart). */
+  ready: boolean
+}
+
 /**
- * A few workers (default: cores − 1, at most 4; 0 = run inline). 'raw' never
- * leaves the calling thread: it is a copy. If workers cannot start (no tsx
- * loader, sandbox), everything runs inline and `inline` says why.
+ * A few workers (default: cores − 1, at most 4; 0 = run inline), one job at a
+ * time each, fed from a bounded queue where reads (decode, verify) go before
+ * write-behind encodes. 'raw' never leaves the calling thread: it is a copy. If
+ * workers cannot start (no tsx loader, sandbox) or keep dying, work runs inline
+ * and `inline` says why.
  */
 export class CodecPool {
   readonly #slots: Slot[] = []
-  readonly #pending = new Map<number, Pending>()
+  readonly #reads: Job[] = []
+  readonly #writes: Job[] = []
+  readonly #deaths: number[] = []
   #next = 1
   #closed = false
   /** Why the pool runs inline, if it does. */
   inline: string | undefined
-  /** Jobs run on workers / inline. */
-  readonly counts = { workerJobs: 0, inlineJobs: 0 }
+  /** Jobs run on workers / inline; workers replaced after dying; jobs refused at the queue bound. */
+  readonly counts = { workerJobs: 0, inlineJobs: 0, workersReplaced: 0, jobsLost: 0, jobsRefused: 0 }
 
   readonly #size: number
+  readonly #maxQueued: number
+  readonly #entry: URL
   #started = false
   /** Split large verifications across two threads (see verify()). */
   parallelVerify: boolean
@@ -49,9 +94,14 @@ export class CodecPool {
   constructor(
     size = Math.min(4, Math.max(1, availableParallelism() - 1)),
     parallelVerify = availableParallelism() >= 4,
+    opts: CodecPoolOptions = {},
   ) {
     this.#size = size
     this.parallelVerify = parallelVerify
+    this.#maxQueued = opts.maxQueuedJobs ?? 1024
+    // A JS entry that registers tsx itself: loader flags of this process do not
+    // reliably reach worker threads (npx tsx, vitest).
+    this.#entry = opts.workerEntry ?? new URL('./codec-worker-entry.mjs', import.meta.url)
     if (size <= 0) this.inline = 'codec workers disabled'
   }
 
@@ -61,16 +111,7 @@ export class CodecPool {
     this.#started = true
     if (this.#size <= 0) return
     try {
-      // A JS entry that registers tsx itself: loader flags of this process do not
-      // reliably reach worker threads (npx tsx, vitest).
-      const url = new URL('./codec-worker-entry.mjs', import.meta.url)
-      for (let i = 0; i < this.#size; i++) {
-        const worker = new Worker(url, { execArgv: [] })
-        worker.unref()
-        worker.on('message', (m: CodecReply) => this.#reply(m))
-        worker.on('error', (e) => this.#fail(worker, e))
-        this.#slots.push({ worker, busy: 0 })
-      }
+      for (let i = 0; i < this.#size; i++) this.#slots.push(this.#spawn())
     } catch (e) {
       this.inline = `codec workers unavailable: ${(e as Error).message}`
       for (const s of this.#slots) void s.worker.terminate()
@@ -78,41 +119,109 @@ export class CodecPool {
     }
   }
 
-  #reply(m: CodecReply): void {
-    const p = this.#pending.get(m.id)
-    if (!p) return
-    this.#pending.delete(m.id)
-    if ('error' in m) p.reject(new CodecError(m.error))
-    else p.resolve(new Uint8Array(m.bytes))
+  #spawn(): Slot {
+    const worker = new Worker(this.#entry, { execArgv: [] })
+    worker.unref()
+    const slot: Slot = { worker, job: undefined, dead: false, ready: false }
+    worker.on('message', (m: CodecReply) => this.#reply(slot, m))
+    worker.on('error', (e) => this.#lost(slot, `codec worker failed: ${e.message}`))
+    worker.on('exit', (code) => this.#lost(slot, `codec worker exited (code ${code})`))
+    return slot
   }
 
-  #fail(worker: Worker, e: Error): void {
-    // A dead worker: drop it; its in-flight jobs reject (misses), later jobs use the others or run inline.
-    const i = this.#slots.findIndex((s) => s.worker === worker)
+  #reply(slot: Slot, m: CodecReply): void {
+    if ('ready' in m) {
+      slot.ready = true
+      this.#dispatch()
+      return
+    }
+    const job = slot.job
+    if (!job || job.id !== m.id) return
+    slot.job = undefined
+    if ('error' in m) job.reject(new CodecError(m.error))
+    else job.resolve(new Uint8Array(m.bytes))
+    this.#dispatch()
+  }
+
+  /**
+   * A worker is gone: its own job (if any) fails with CodecWorkerLostError and a
+   * new worker takes the slot, unless workers keep dying (then the slot is
+   * dropped; with none left, queued jobs run inline).
+   */
+  #lost(slot: Slot, why: string): void {
+    if (slot.dead) return
+    slot.dead = true
+    const i = this.#slots.indexOf(slot)
     if (i >= 0) this.#slots.splice(i, 1)
-    if (this.#slots.length === 0) this.inline = `codec workers failed: ${e.message}`
-    for (const [id, p] of this.#pending) {
-      this.#pending.delete(id)
-      p.reject(new WorkerLost(e.message))
+    const job = slot.job
+    slot.job = undefined
+    if (job) {
+      this.counts.jobsLost++
+      job.reject(new CodecWorkerLostError(why))
+    }
+    if (this.#closed) return
+    const now = performance.now()
+    this.#deaths.push(now)
+    while (this.#deaths.length > 0 && now - this.#deaths[0]! > 60_000) this.#deaths.shift()
+    // A worker that never loaded (no loader, sandbox) would fail again: not restarted.
+    if (slot.ready && this.#deaths.length <= MAX_RESTARTS_PER_MINUTE) {
+      try {
+        this.#slots.splice(Math.max(0, i), 0, this.#spawn())
+        this.counts.workersReplaced++
+      } catch {
+        // Cannot start another: carry on with the others.
+      }
+    }
+    if (this.#slots.length === 0) {
+      this.inline = slot.ready ? `codec workers keep failing: ${why}` : `codec workers unavailable: ${why}`
+      for (const q of [this.#reads, this.#writes]) for (const j of q.splice(0)) j.reject(new NoWorkers())
+    }
+    this.#dispatch()
+  }
+
+  /** Hands queued jobs to idle workers, reads first. */
+  #dispatch(): void {
+    for (const slot of this.#slots) {
+      if (slot.job || slot.dead || !slot.ready) continue
+      const job = this.#reads.shift() ?? this.#writes.shift()
+      if (!job) return
+      const id = this.#next++
+      let made: { msg: RequestBody; transfer: ArrayBuffer[] }
+      try {
+        made = job.make()
+      } catch (e) {
+        job.reject(e as Error)
+        continue
+      }
+      slot.job = { ...job, id }
+      this.counts.workerJobs++
+      slot.worker.postMessage({ ...made.msg, id } as CodecRequest, made.transfer)
     }
   }
 
-  #post(msg: RequestBody, transfer: ArrayBuffer[]): Promise<Uint8Array> | undefined {
+  /**
+   * Queues a job for a worker. Undefined when there are no workers (the caller
+   * runs it inline); rejects with CodecBusyError at the queue bound, with
+   * CodecWorkerLostError if its worker dies, with NoWorkers if every worker is gone first.
+   */
+  #post(kind: 'read' | 'write', make: Job['make']): Promise<Uint8Array> | undefined {
     this.#start()
     if (this.#closed || this.#slots.length === 0) return undefined
-    const slot = this.#slots.reduce((a, b) => (b.busy < a.busy ? b : a))
-    const id = this.#next++
-    this.counts.workerJobs++
-    slot.busy++
+    if (this.#reads.length + this.#writes.length >= this.#maxQueued) {
+      this.counts.jobsRefused++
+      return Promise.reject(
+        new CodecBusyError(
+          `codec pool queue is full (${this.#maxQueued} jobs waiting for ${this.#slots.length} workers)`,
+        ),
+      )
+    }
     return new Promise<Uint8Array>((resolve, reject) => {
-      this.#pending.set(id, { resolve, reject })
-      slot.worker.postMessage({ ...msg, id } as CodecRequest, transfer)
-    }).finally(() => {
-      slot.busy--
+      ;(kind === 'read' ? this.#reads : this.#writes).push({ make, resolve, reject })
+      this.#dispatch()
     })
   }
 
-  /** Encodes one chunk tensor (copied out first: L1 slots are not transferable). */
+  /** Encodes one chunk tensor (copied out when a worker takes it: L1 slots are not transferable). */
   async encode(
     codec: ChunkCodecName,
     tensor: Uint8Array,
@@ -120,9 +229,11 @@ export class CodecPool {
     quality?: number,
   ): Promise<Uint8Array> {
     if (codec !== 'raw') {
-      const copy = tensor.slice().buffer as ArrayBuffer
-      const p = this.#post({ op: 'encode', mode: codec, quality, tensor: copy, meta }, [copy])
-      const out = p && (await p.catch(lostToUndefined))
+      const p = this.#post('write', () => {
+        const copy = tensor.slice().buffer as ArrayBuffer
+        return { msg: { op: 'encode', mode: codec, quality, tensor: copy, meta }, transfer: [copy] }
+      })
+      const out = p && (await p.catch(noWorkersToUndefined))
       if (out) return out
     }
     this.counts.inlineJobs++
@@ -132,9 +243,11 @@ export class CodecPool {
   /** Decodes a verified whole object into `dst` (one chunk tensor). */
   async decodeInto(object: Uint8Array, codec: string, dst: Uint8Array): Promise<void> {
     if (codec !== 'raw') {
-      const buf = object.slice().buffer as ArrayBuffer
-      const p = this.#post({ op: 'decode', object: buf }, [buf])
-      const out = p && (await p.catch(lostToUndefined))
+      const p = this.#post('read', () => {
+        const buf = object.slice().buffer as ArrayBuffer
+        return { msg: { op: 'decode', object: buf }, transfer: [buf] }
+      })
+      const out = p && (await p.catch(noWorkersToUndefined))
       if (out) {
         if (out.byteLength !== dst.byteLength) throw new CodecError('decoded chunk has the wrong size')
         dst.set(out)
@@ -148,9 +261,11 @@ export class CodecPool {
   /** Decodes one CRC-checked layer section into a new layer slab. */
   async decodeSection(header: ChunkHeader, layer: number, section: Uint8Array): Promise<Uint8Array> {
     if (header.codec !== 'raw') {
-      const buf = section.slice().buffer as ArrayBuffer
-      const p = this.#post({ op: 'section', header, layer, section: buf }, [buf])
-      const out = p && (await p.catch(lostToUndefined))
+      const p = this.#post('read', () => {
+        const buf = section.slice().buffer as ArrayBuffer
+        return { msg: { op: 'section', header, layer, section: buf }, transfer: [buf] }
+      })
+      const out = p && (await p.catch(noWorkersToUndefined))
       if (out) return out
     }
     this.counts.inlineJobs++
@@ -184,19 +299,23 @@ export class CodecPool {
       if (s.offset < lo || s.offset + s.length > hi) return verifyChunk(bytes)
       ranges.push(s.offset - lo, s.length)
     }
-    const copy = bytes.slice(lo, hi).buffer as ArrayBuffer
-    const remote = this.#post({ op: 'crc', data: copy, ranges }, [copy])
+    const remote = this.#post('read', () => {
+      const copy = bytes.slice(lo, hi).buffer as ArrayBuffer
+      return { msg: { op: 'crc', data: copy, ranges }, transfer: [copy] }
+    })
+    // Settled below in every path; this keeps an early throw from leaving it unhandled.
+    remote?.catch(() => {})
     for (let i = 0; i < split; i++) {
       const s = secs[i]!
       if (
         s.offset + s.length > bytes.length ||
         crc32(bytes.subarray(s.offset, s.offset + s.length)) !== s.crc32
       ) {
-        remote?.catch(() => {})
         throw new FormatError('ERR_FORMAT_CHECKSUM', `section ${i} checksum mismatch`)
       }
     }
-    const packed = remote && (await remote.catch(lostToUndefined))
+    // A CRC is cheap to redo here: whatever happened to the worker half, check it inline.
+    const packed = remote && (await remote.catch(() => undefined))
     if (!packed) return verifyChunk(bytes)
     const crcs = new Uint32Array(packed.buffer, packed.byteOffset, packed.byteLength / 4)
     for (let i = split; i < secs.length; i++) {
@@ -208,16 +327,21 @@ export class CodecPool {
 
   async close(): Promise<void> {
     this.#closed = true
+    const closed = new KvgateError('ERR_CLOSED', 'codec pool closed')
+    for (const q of [this.#reads, this.#writes]) for (const j of q.splice(0)) j.reject(closed)
+    for (const s of this.#slots) {
+      s.dead = true
+      const job = s.job
+      s.job = undefined
+      job?.reject(closed)
+    }
     await Promise.allSettled(this.#slots.map((s) => s.worker.terminate()))
     this.#slots.length = 0
-    for (const [id, p] of this.#pending) {
-      this.#pending.delete(id)
-      p.reject(new CodecError('codec pool closed'))
-    }
   }
 }
 
-function lostToUndefined(e: unknown): undefined {
-  if (e instanceof WorkerLost) return undefined
+/** Jobs that never reached a worker (every worker gone) run on the calling thread instead. */
+function noWorkersToUndefined(e: unknown): undefined {
+  if (e instanceof NoWorkers) return undefined
   throw e
 }

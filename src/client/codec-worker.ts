@@ -21,7 +21,11 @@ export type CodecRequest =
   /** CRC-32 of ranges [offset, length, offset, length, …] of `data`; the reply packs them as u32. */
   | { id: number; op: 'crc'; data: ArrayBuffer; ranges: number[] }
 
-export type CodecReply = { id: number; bytes: ArrayBuffer } | { id: number; error: string }
+export type CodecReply =
+  | { id: number; bytes: ArrayBuffer }
+  | { id: number; error: string }
+  /** Sent once the module loaded: the pool hands jobs only to workers that got this far. */
+  | { ready: true }
 
 function own(b: Uint8Array): ArrayBuffer {
   return b.byteOffset === 0 && b.byteLength === b.buffer.byteLength
@@ -50,3 +54,5 @@ parentPort?.on('message', (m: CodecRequest) => {
     parentPort!.postMessage({ id: m.id, error: (e as Error).message } satisfies CodecReply)
   }
 })
+
+parentPort?.postMessage({ ready: true } satisfies CodecReply)

@@ -120,6 +120,8 @@ const REMOTE_KEYS = new Set([
   'maxQueuedWrites',
   'maxQueuedBytes',
   'writeConcurrency',
+  'presenceTtlMs',
+  'uploadMinBytes',
 ])
 
 function int(name: string, v: unknown, min: number, max: number, dflt?: number): number {
@@ -234,7 +236,7 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
       retries: int('remote.retries', r.retries, 0, 10, 2),
       breakerThreshold: int('remote.breakerThreshold', r.breakerThreshold, 1, 1000, 5),
       breakerCooldownMs: int('remote.breakerCooldownMs', r.breakerCooldownMs, 1, 3_600_000, 1000),
-      maxQueuedWrites: int('remote.maxQueuedWrites', r.maxQueuedWrites, 0, 1_000_000, 64),
+      maxQueuedWrites: int('remote.maxQueuedWrites', r.maxQueuedWrites, 0, 1_000_000, 4096),
       maxQueuedBytes: int(
         'remote.maxQueuedBytes',
         r.maxQueuedBytes,
@@ -242,7 +244,9 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
         Number.MAX_SAFE_INTEGER,
         512 * 1024 ** 2,
       ),
-      writeConcurrency: int('remote.writeConcurrency', r.writeConcurrency, 1, 256, 4),
+      writeConcurrency: int('remote.writeConcurrency', r.writeConcurrency, 1, 256, 8),
+      presenceTtlMs: int('remote.presenceTtlMs', r.presenceTtlMs, 0, 3_600_000, 30_000),
+      uploadMinBytes: int('remote.uploadMinBytes', r.uploadMinBytes, 0, Number.MAX_SAFE_INTEGER, 1024 ** 2),
     }
   }
 

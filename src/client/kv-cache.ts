@@ -165,7 +165,9 @@ export class KVCache {
       ? await DiskTier.open({ ...o.disk, native: native.api, verify: (b) => codec.verify(b) })
       : undefined
     const remoteCodec: ChunkCodecName = o.remote ? o.remote.codec : 'raw'
-    const remote = o.remote ? new RemoteTier({ ...o.remote, namespace: o.namespace }) : undefined
+    const remote = o.remote
+      ? new RemoteTier({ ...o.remote, namespace: o.namespace }, { geometry: g, chunkTokens: o.chunkTokens })
+      : undefined
     const diskCodec = o.disk ? o.disk.storeAs : 'raw'
     const manager = new StorageManager({
       geometry: g,

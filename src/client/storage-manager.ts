@@ -5,7 +5,13 @@ import { FormatError } from '../core/errors.ts'
 import { type ChunkHeader, decodeHeader } from '../core/format.ts'
 import { type ChunkKey, fromHex } from '../core/keys.ts'
 import { chunkBytes, type KvGeometry, layerSlabBytes } from '../core/layout.ts'
-import { type ChunkCodecName, type ChunkIdentity, checkIdentity, openLayerGroup } from './chunk-codec.ts'
+import {
+  type ChunkCodecName,
+  type ChunkIdentity,
+  checkIdentity,
+  maxObjectBytes,
+  openLayerGroup,
+} from './chunk-codec.ts'
 import { CodecPool } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
 import type { DiskTier } from './tiers/disk.ts'
@@ -154,7 +160,10 @@ export class StorageManager {
     let remoteFrom = 0
     if (remote) {
       // One batched lookup: chunks the gateway holds (another node stored them) are not uploaded.
-      const lk = await remote.lookup(sources.map((s) => s.key.hex))
+      const lk = await remote.lookup(
+        sources.map((s) => s.key.hex),
+        'background',
+      )
       remoteFrom = lk.present
     }
     const jobs: Promise<unknown>[] = []
@@ -270,7 +279,7 @@ export class StorageManager {
    */
   async #fromDisk(
     k: ChunkKey,
-    tokens: number,
+    _tokens: number,
     priority: IoPriority,
   ): Promise<Uint8Array | 'resident' | undefined> {
     const disk = this.disk!
@@ -284,7 +293,7 @@ export class StorageManager {
     try {
       // DiskTier.get verified every CRC already; what is left is the identity check.
       const h = decodeHeader(object)
-      checkIdentity(h, this.geometry, tokens, k.hex)
+      checkIdentity(h, this.#identity(k))
       got = await this.#place(k, object, h, r)
     } catch {
       r?.abort()
@@ -300,7 +309,9 @@ export class StorageManager {
   async #fromRemote(k: ChunkKey, tokens: number): Promise<Uint8Array | 'resident' | undefined> {
     const remote = this.remote!
     const r = this.memory.reserve(k.hex, this.tensorBytes(k))
-    const object = await remote.get(k.hex, undefined, r?.slot)
+    const object = await remote.get(k.hex, undefined, r?.slot, {
+      maxBytes: maxObjectBytes(this.geometry, tokens),
+    })
     if (!object) {
       r?.abort()
       return undefined
@@ -308,12 +319,12 @@ export class StorageManager {
     let got: Uint8Array | 'resident' | undefined
     try {
       const h = await this.codec.verify(object)
-      checkIdentity(h, this.geometry, tokens, k.hex)
+      checkIdentity(h, this.#identity(k))
       got = await this.#place(k, object, h, r)
     } catch {
       r?.abort()
     }
-    if (!got) remote.counters.corrupt++
+    if (!got) remote.reportCorrupt(k.hex)
     return got
   }
 
@@ -458,7 +469,7 @@ export class StorageManager {
     const body = await remote.get(k.hex, [first, last])
     if (!body) return undefined
     try {
-      const sub = openLayerGroup(body, first, last, this.geometry, k.end - k.start, k.hex)
+      const sub = openLayerGroup(body, first, last, this.#identity(k))
       const out = new Map<number, Uint8Array>()
       const slabs = await Promise.all(
         Array.from({ length: last - first + 1 }, (_, i) =>
@@ -468,7 +479,7 @@ export class StorageManager {
       for (const [i, s] of slabs.entries()) out.set(first + i, s)
       return out
     } catch {
-      remote.counters.corrupt++
+      remote.reportCorrupt(k.hex)
       return undefined
     }
   }

@@ -13,6 +13,7 @@ import { type RequestLogger, requestLog } from './middleware/request-log.ts'
 import { chunkRoutes } from './routes/chunks.ts'
 import { lookupRoutes } from './routes/lookup.ts'
 import { opsRoutes } from './routes/ops.ts'
+import { type UploadOptions, uploadRoutes } from './routes/uploads.ts'
 import type { ObjectStore } from './stores/types.ts'
 import type { ColdTierGatewayOptions } from './usage/hooks.ts'
 import { coldTierHooks } from './usage/hooks.ts'
@@ -34,6 +35,8 @@ export interface GatewayOptions {
   prefix?: string
   /** $/GB-month for the status page's cost estimate. @default 0.023 (S3 Standard) */
   storagePricePerGBMonth?: number
+  /** Large writes straight into the store (presigned staging + verified commit); off = every upload answers "direct". */
+  uploads?: UploadOptions
   /** Receives one record per request. */
   logger?: RequestLogger
   /** Use tracking + fleet accounting for gc (docs/cold-tier.md). false turns both off. @default on */
@@ -54,6 +57,7 @@ export function createGateway(options: GatewayOptions): GatewayApp {
   app.use('*', bearerAuth(options.auth))
   lookupRoutes(app, state)
   chunkRoutes(app, state)
+  uploadRoutes(app, state, options.uploads)
   opsRoutes(app, state, { publicStatus: options.auth?.publicStatus ?? false })
   return Object.assign(app, { state })
 }

@@ -10,14 +10,18 @@ export { GatewayMetrics } from './metrics.ts'
 export type { AuthOptions, Scope, TokenGrant } from './middleware/auth.ts'
 export { authorize, hashToken } from './middleware/auth.ts'
 export type { RequestLogger } from './middleware/request-log.ts'
+export type { UploadAnswer, UploadOptions } from './routes/uploads.ts'
 export { RangeNotSatisfiableError } from './stores/errors.ts'
 export { MemoryStore } from './stores/memory.ts'
 export type {
   ByteRange,
   GetOptions,
   ObjectStore,
+  PresignUploadOptions,
   PutResult,
   StoreEntry,
   StoreObject,
+  UploadPart,
+  UploadTargets,
 } from './stores/types.ts'
 export { resolveRange } from './stores/types.ts'

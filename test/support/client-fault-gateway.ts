@@ -1,5 +1,6 @@
 // A tiny gateway stand-in for the client tests: the /v1 HTTP API over a Map,
-// with faults the test switches on (down, slow, 5xx, corrupt bytes, 307 redirects).
+// with faults the test switches on (down, slow, 5xx, corrupt bytes, 307 redirects,
+// hung GETs, oversized bodies, refused tokens, 409 re-PUTs) and the verify endpoint (contract C1).
 
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http'
 import type { AddressInfo } from 'node:net'
@@ -16,6 +17,18 @@ export interface Faults {
   redirect: boolean
   /** Destroy the socket without answering. */
   hangUp: boolean
+  /** Never answer chunk GETs (lookups and PUTs still answer). */
+  hangGets: boolean
+  /** Append this many junk bytes to every chunk GET body (also from the presigned target). */
+  oversize: number
+  /** With oversize: send no content-length (chunked), so only the reader's own count can stop it. */
+  oversizeChunked: boolean
+  /** Answer every /v1 request with this status (401, 403) and an error body. */
+  refuse: 401 | 403 | 0
+  /** Answer a re-PUT of a stored key 409 (an older gateway's answer to another size). */
+  conflictOnExists: boolean
+  /** What POST …/verify answers for a stored key ('corrupt' also deletes it, as the real gateway does). */
+  verdict: 'ok' | 'corrupt'
 }
 
 export interface FaultGateway {
@@ -23,6 +36,8 @@ export interface FaultGateway {
   objects: Map<string, Uint8Array>
   faults: Faults
   requests: { method: string; path: string; range?: string; auth?: string }[]
+  /** Junk bytes written by oversize answers (stops when the reader hangs up). */
+  oversizeWritten: number
   /** Closes the listener (the gateway is "down"); restart() listens again on the same port. */
   stop(): Promise<void>
   restart(): Promise<void>
@@ -37,7 +52,20 @@ async function body(req: IncomingMessage): Promise<Uint8Array> {
 
 export async function startFaultGateway(): Promise<FaultGateway> {
   const objects = new Map<string, Uint8Array>()
-  const faults: Faults = { delayMs: 0, fail5xx: false, corrupt: false, redirect: false, hangUp: false }
+  const faults: Faults = {
+    delayMs: 0,
+    fail5xx: false,
+    corrupt: false,
+    redirect: false,
+    hangUp: false,
+    hangGets: false,
+    oversize: 0,
+    oversizeChunked: false,
+    refuse: 0,
+    conflictOnExists: false,
+    verdict: 'ok',
+  }
+  const stats = { oversizeWritten: 0 }
   const requests: FaultGateway['requests'] = []
   const sockets = new Set<import('node:net').Socket>()
 
@@ -70,7 +98,33 @@ export async function startFaultGateway(): Promise<FaultGateway> {
       const i = out.length - 7
       out[i] = (out[i] ?? 0) ^ 0x5a
     }
+    if (faults.oversize > 0) {
+      void sendOversized(res, headers, out)
+      return
+    }
     res.writeHead(200, headers).end(out)
+  }
+
+  /** The object followed by junk, written with backpressure until done or the reader hangs up. */
+  const sendOversized = async (res: ServerResponse, headers: Record<string, string>, obj: Uint8Array) => {
+    const total = obj.byteLength + faults.oversize
+    if (!faults.oversizeChunked) headers['content-length'] = String(total)
+    res.writeHead(200, headers)
+    res.write(obj)
+    const piece = new Uint8Array(64 * 1024).fill(0xab)
+    let left = faults.oversize
+    while (left > 0 && !res.destroyed) {
+      const n = Math.min(left, piece.byteLength)
+      left -= n
+      stats.oversizeWritten += n
+      if (!res.write(n === piece.byteLength ? piece : piece.subarray(0, n))) {
+        await new Promise<void>((r) => {
+          res.once('drain', r)
+          res.once('close', r)
+        })
+      }
+    }
+    res.end()
   }
 
   const handler = async (req: IncomingMessage, res: ServerResponse) => {
@@ -88,6 +142,13 @@ export async function startFaultGateway(): Promise<FaultGateway> {
     if (faults.delayMs > 0) await new Promise((r) => setTimeout(r, faults.delayMs))
     if (url.pathname === '/healthz') {
       res.writeHead(faults.fail5xx ? 503 : 200).end('ok')
+      return
+    }
+    if (faults.refuse && url.pathname.startsWith('/v1/')) {
+      const code = faults.refuse === 401 ? 'ERR_UNAUTHORIZED' : 'ERR_FORBIDDEN'
+      res
+        .writeHead(faults.refuse, { 'content-type': 'application/json' })
+        .end(JSON.stringify({ error: { code, message: 'refused' } }))
       return
     }
     if (faults.fail5xx) {
@@ -112,6 +173,16 @@ export async function startFaultGateway(): Promise<FaultGateway> {
       res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({ present: n, sizes }))
       return
     }
+    const vf = /^\/v1\/ns\/([a-z0-9._-]+)\/chunks\/([0-9a-f]{64})\/verify$/.exec(url.pathname)
+    if (vf && req.method === 'POST') {
+      const key = vf[2]!
+      const verdict = !objects.has(key) ? 'missing' : faults.verdict
+      if (verdict === 'corrupt') objects.delete(key)
+      res
+        .writeHead(200, { 'content-type': 'application/json' })
+        .end(JSON.stringify({ key, verdict, deleted: verdict === 'corrupt' }))
+      return
+    }
     const ck = /^\/v1\/ns\/([a-z0-9._-]+)\/chunks\/([0-9a-f]{64})$/.exec(url.pathname)
     if (ck) {
       const key = ck[2]!
@@ -125,6 +196,11 @@ export async function startFaultGateway(): Promise<FaultGateway> {
         }
         const existed = objects.has(key)
         if (!existed) objects.set(key, b)
+        if (existed && faults.conflictOnExists) {
+          res.writeHead(409, { 'content-type': 'application/json' })
+          res.end('{"error":{"code":"ERR_ALREADY_EXISTS","message":"another size"}}')
+          return
+        }
         res.writeHead(existed ? 200 : 201, { 'content-type': 'application/json' })
         res.end(JSON.stringify({ status: existed ? 'exists' : 'created', bytes: b.byteLength }))
         return
@@ -134,6 +210,7 @@ export async function startFaultGateway(): Promise<FaultGateway> {
         res.writeHead(404).end('{"error":{"code":"ERR_NOT_FOUND","message":"no"}}')
         return
       }
+      if (faults.hangGets && req.method === 'GET') return
       if (req.method === 'HEAD') {
         res.writeHead(200, { 'content-length': String(obj.byteLength) }).end()
         return
@@ -164,6 +241,9 @@ export async function startFaultGateway(): Promise<FaultGateway> {
     objects,
     faults,
     requests,
+    get oversizeWritten() {
+      return stats.oversizeWritten
+    },
     stop,
     restart: async () => {
       server = createServer((req, res) => void handler(req, res).catch(() => res.destroy()))

@@ -49,6 +49,11 @@ locals {
 
   # Every object the gateway touches lives under this prefix; IAM and lifecycle are scoped to it.
   objects_arn = "${aws_s3_bucket.this.arn}/${var.object_prefix}/*"
+
+  # Large uploads land here (presigned by the gateway) until a commit verifies them and
+  # writes the chunk; never under object_prefix, so nothing unverified is ever a chunk.
+  staging_prefix = "${var.object_prefix}-staging"
+  staging_arn    = "${aws_s3_bucket.this.arn}/${local.staging_prefix}/*"
 }
 
 ################################################################################
@@ -155,6 +160,25 @@ resource "aws_s3_bucket_lifecycle_configuration" "this" {
     }
   }
 
+  # Staged uploads live minutes: whatever a commit did not remove (a client that
+  # never committed) expires here, multipart parts included.
+  rule {
+    id     = "kv-upload-staging"
+    status = "Enabled"
+
+    filter {
+      prefix = "${local.staging_prefix}/"
+    }
+
+    expiration {
+      days = var.staging_expiration_days
+    }
+
+    abort_incomplete_multipart_upload {
+      days_after_initiation = var.abort_incomplete_multipart_days
+    }
+  }
+
   # Uploads outside the prefix (none expected) must not leak parts either.
   rule {
     id     = "abort-incomplete-multipart"
@@ -217,6 +241,37 @@ data "aws_iam_policy_document" "gateway" {
       "s3:AbortMultipartUpload",
     ]
     resources = [local.objects_arn]
+  }
+
+  # Presigned upload URLs carry the role's authority, so the role may write the
+  # staging prefix; commits read it (verification), delete it, and list the parts of
+  # a staged multipart upload (the part list comes from S3, not from the client).
+  statement {
+    sid    = "StagedUploads"
+    effect = "Allow"
+    actions = [
+      "s3:PutObject",
+      "s3:GetObject",
+      "s3:DeleteObject",
+      "s3:AbortMultipartUpload",
+      "s3:ListMultipartUploadParts",
+    ]
+    resources = [local.staging_arn]
+  }
+
+  # A presigned (query-string signed) write can only ever target the staging prefix:
+  # chunk objects are written by the gateway itself after verification.
+  statement {
+    sid       = "NoPresignedChunkWrites"
+    effect    = "Deny"
+    actions   = ["s3:PutObject"]
+    resources = [local.objects_arn]
+
+    condition {
+      test     = "StringEquals"
+      variable = "s3:authType"
+      values   = ["REST-QUERY-STRING"]
+    }
   }
 
   statement {
@@ -298,6 +353,10 @@ resource "aws_lambda_function" "this" {
       KVGATE_PRESIGN_TTL        = tostring(var.presign_ttl_seconds)
       KVGATE_MAX_CHUNK_BYTES    = tostring(var.max_chunk_bytes)
       KVGATE_COLD_TIER          = local.cold_tier_json
+      KVGATE_UPLOAD_MIN_BYTES   = tostring(var.upload_threshold_bytes)
+      KVGATE_UPLOAD_MAX_BYTES   = tostring(var.upload_max_bytes)
+      KVGATE_UPLOAD_TTL         = tostring(var.upload_ttl_seconds)
+      KVGATE_STAGING_PREFIX     = local.staging_prefix
       NODE_OPTIONS              = "--enable-source-maps"
     }
   }

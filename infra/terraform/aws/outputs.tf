@@ -37,3 +37,8 @@ output "auth_parameter_name" {
   description = "SSM parameter holding the token table; update it and the next cold start picks it up."
   value       = local.auth_parameter_name
 }
+
+output "staging_prefix" {
+  description = "Bucket prefix where presigned uploads wait for their commit (expired by a lifecycle rule)."
+  value       = local.staging_prefix
+}

@@ -255,7 +255,7 @@ variable "presign_ttl_seconds" {
 }
 
 variable "max_chunk_bytes" {
-  description = "Largest chunk object the gateway accepts on PUT (413 above). A function URL request is capped at 6 MB of base64-encoded event, i.e. ~4.5 MiB of body: store codec-compressed chunks, or deploy on Workers / Node for larger ones."
+  description = "Largest chunk body the function accepts on a direct PUT (413 above). A function URL request is capped at 6 MB of base64-encoded event, i.e. ~4.5 MiB of body; larger chunks take presigned uploads (upload_threshold_bytes, upload_max_bytes)."
   type        = number
   default     = 4194304
 
@@ -306,5 +306,49 @@ variable "namespace_policies" {
       (p.quota == null || can(regex("^[0-9]+(\\.[0-9]+)?\\s*([KMGT]i?B|B)$", p.quota)))
     ])
     error_message = "namespace_policies: keys are namespaces (or \"*\"); retention like 30d, quota like 500GiB or 2TB."
+  }
+}
+
+variable "upload_threshold_bytes" {
+  description = "Chunk writes of at least this many bytes are answered with presigned S3 upload targets in the staging prefix (then verified and published by a commit call) instead of travelling through the function."
+  type        = number
+  default     = 1048576
+
+  validation {
+    condition     = var.upload_threshold_bytes >= 0
+    error_message = "upload_threshold_bytes must be >= 0 (0 sends every write through presigned uploads)."
+  }
+}
+
+variable "upload_max_bytes" {
+  description = "Largest chunk object accepted through a presigned upload (a Llama-3.1-70B 256-token bf16 chunk is 80 MiB)."
+  type        = number
+  default     = 536870912
+
+  validation {
+    condition     = var.upload_max_bytes >= 1048576 && var.upload_max_bytes <= 5368709120
+    error_message = "upload_max_bytes must be between 1 MiB and 5 GiB."
+  }
+}
+
+variable "upload_ttl_seconds" {
+  description = "Lifetime of presigned upload targets in seconds; a commit after it is refused (410) and the staged object removed."
+  type        = number
+  default     = 900
+
+  validation {
+    condition     = var.upload_ttl_seconds >= 60 && var.upload_ttl_seconds <= 3600
+    error_message = "upload_ttl_seconds must be between 60 and 3600."
+  }
+}
+
+variable "staging_expiration_days" {
+  description = "Staged uploads that were never committed are deleted by a lifecycle rule after this many days (S3's smallest unit)."
+  type        = number
+  default     = 1
+
+  validation {
+    condition     = var.staging_expiration_days >= 1
+    error_message = "staging_expiration_days must be >= 1."
   }
 }

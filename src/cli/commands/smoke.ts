@@ -1,9 +1,10 @@
 // `kvgate smoke`: checks a deployed gateway end to end with a generated chunk: put
 // (and conditional re-put), head, get (full, layer range, byte range), lookup, auth.
 
+import { type UploadTransport, uploadChunk } from '../../client/remote-upload.ts'
 import { decodeHeader, encodeChunk, layerSpan } from '../../core/format.ts'
 import { assertNamespaceName, chainKeys, type KeyNamespace, namespaceSeed } from '../../core/keys.ts'
-import { type KvGeometry, layerSlabBytes } from '../../core/layout.ts'
+import { type KvGeometry, layerSlabBytes, MODEL_PRESETS, type PresetName } from '../../core/layout.ts'
 import { parseCommandArgs } from '../args.ts'
 
 const HELP = `Usage: kvgate smoke --url <gateway url> [--token <bearer token>] [options]
@@ -17,6 +18,8 @@ Options:
   --token <token>        bearer token with read+write on the namespace (or KVGATE_TOKEN)
   --ns <name>            namespace to write into (default: smoke)
   --chunk-tokens <n>     tokens per generated chunk; sets its size (default: 64 → ~128 KiB)
+  --model <preset>       full-size KV geometry of a model preset, e.g. llama-3.1-8b
+                         (256 tokens → a 32 MiB chunk); default: a small 4-layer geometry
   --cleanup              DELETE the chunk at the end (needs an admin token)
   --timeout <ms>         per-request timeout (default: 30000)
   --json                 print the report as JSON
@@ -27,6 +30,8 @@ export interface SmokeOptions {
   token?: string
   ns?: string
   chunkTokens?: number
+  /** A MODEL_PRESETS name: chunks of that model's full KV geometry. */
+  model?: PresetName
   cleanup?: boolean
   timeoutMs?: number
   /** Injected for tests; defaults to the global fetch. */
@@ -71,12 +76,16 @@ function randomTokens(n: number): Uint32Array {
 }
 
 /** Builds one chunk object (codec 'raw', random KV) and the chain it belongs to. */
-function generateChunk(chunkTokens: number) {
-  const ns: KeyNamespace = { modelId: 'kvgate-smoke', geometry: GEOMETRY, chunkTokens }
+function generateChunk(chunkTokens: number, model: PresetName | undefined) {
+  const preset = model ? MODEL_PRESETS[model] : undefined
+  const geometry: KvGeometry = preset
+    ? { layers: preset.layers, kvHeads: preset.kvHeads, headDim: preset.headDim, dtype: preset.dtype }
+    : GEOMETRY
+  const ns: KeyNamespace = { modelId: preset?.modelId ?? 'kvgate-smoke', geometry, chunkTokens }
   const keys = chainKeys(randomTokens(2 * chunkTokens), ns)
   const first = keys[0]!
-  const sections = Array.from({ length: GEOMETRY.layers }, () => {
-    const s = new Uint8Array(layerSlabBytes(GEOMETRY, chunkTokens))
+  const sections = Array.from({ length: geometry.layers }, () => {
+    const s = new Uint8Array(layerSlabBytes(geometry, chunkTokens))
     // getRandomValues fills at most 64 KiB per call.
     for (let o = 0; o < s.length; o += 65536)
       crypto.getRandomValues(s.subarray(o, Math.min(o + 65536, s.length)))
@@ -87,7 +96,7 @@ function generateChunk(chunkTokens: number) {
       codec: 'raw',
       codecVersion: 1,
       codecParams: new Uint8Array(0),
-      geometry: GEOMETRY,
+      geometry,
       tokens: chunkTokens,
       chunkIndex: 0,
       partial: false,
@@ -105,7 +114,9 @@ export async function runSmoke(opts: SmokeOptions): Promise<SmokeReport> {
   const base = opts.url.replace(/\/+$/, '')
   const ns = assertNamespaceName(opts.ns ?? 'smoke')
   const timeoutMs = opts.timeoutMs ?? 30_000
-  const chunk = generateChunk(opts.chunkTokens ?? 64)
+  if (opts.model !== undefined && !Object.hasOwn(MODEL_PRESETS, opts.model))
+    throw new TypeError(`unknown model preset ${JSON.stringify(opts.model)}`)
+  const chunk = generateChunk(opts.chunkTokens ?? 64, opts.model)
   const header = decodeHeader(chunk.bytes)
   const chunkUrl = `${base}/v1/ns/${ns}/chunks/${chunk.key}`
   const auth: Record<string, string> = opts.token ? { authorization: `Bearer ${opts.token}` } : {}
@@ -165,30 +176,57 @@ export async function runSmoke(opts: SmokeOptions): Promise<SmokeReport> {
     })
   }
 
-  await step('put', async () => {
+  // Writes go through the upload protocol every deployment speaks: the gateway answers
+  // "direct" (PUT the body to it) or presigned store targets, then a verified commit.
+  const transport: UploadTransport = {
+    // `path` is absolute (it carries any URL path prefix of the gateway).
+    gateway: async (path, body, ms) => {
+      const res = await doFetch(`${new URL(base).origin}${path}`, {
+        method: 'POST',
+        body,
+        headers: { ...auth, 'content-type': 'application/json' },
+        signal: AbortSignal.timeout(ms),
+      })
+      return { status: res.status, body: new Uint8Array(await res.arrayBuffer()) }
+    },
+    storePut: async (url, bytes, ms) => {
+      const res = await doFetch(url, {
+        method: 'PUT',
+        body: bytes as Uint8Array<ArrayBuffer>,
+        signal: AbortSignal.timeout(ms),
+      })
+      await res.body?.cancel()
+      return res.status
+    },
+  }
+  const put = async (expected: 201 | 200): Promise<string> => {
+    const out = await uploadChunk(transport, chunk.key, chunk.bytes, {
+      base: new URL(`${base}/v1/ns/${ns}`).pathname,
+      timeoutMs,
+      commitTimeoutMs: timeoutMs,
+    })
+    const word = expected === 201 ? 'created' : 'exists'
+    if (out.kind === 'failed') throw new StepFailure(out.reason)
+    if (out.kind === 'stored') {
+      check(out.status === expected, `upload answered ${out.status} ${out.via}, expected ${expected} ${word}`)
+      check(out.bytes === chunk.bytes.length, `upload answered ${out.bytes} bytes`)
+      const how = out.via === 'exists' ? 'gateway knew the key' : `presigned upload, ${out.parts} part(s)`
+      return `${expected} ${word}, ${chunk.bytes.length} bytes (${how})`
+    }
     const res = await request(chunkUrl, {
       method: 'PUT',
       body: chunk.bytes as Uint8Array<ArrayBuffer>,
       headers: { 'content-type': 'application/octet-stream' },
     })
     const text = await res.text()
-    check(res.status === 201, `PUT answered ${res.status}: ${text.slice(0, 200)}`)
+    check(res.status === expected, `PUT answered ${res.status}: ${text.slice(0, 200)}`)
     const body = JSON.parse(text) as { status?: string; bytes?: number }
-    check(body.status === 'created' && body.bytes === chunk.bytes.length, `unexpected body ${text}`)
-    return `201 created, ${chunk.bytes.length} bytes`
-  })
+    check(body.status === word && body.bytes === chunk.bytes.length, `unexpected body ${text}`)
+    return `${expected} ${word}, ${chunk.bytes.length} bytes (direct PUT)`
+  }
 
-  await step('put again (create-only)', async () => {
-    const res = await request(chunkUrl, {
-      method: 'PUT',
-      body: chunk.bytes as Uint8Array<ArrayBuffer>,
-      headers: { 'content-type': 'application/octet-stream' },
-    })
-    const text = await res.text()
-    check(res.status === 200, `second PUT answered ${res.status}: ${text.slice(0, 200)}`)
-    check((JSON.parse(text) as { status?: string }).status === 'exists', `unexpected body ${text}`)
-    return '200 exists'
-  })
+  await step('put', () => put(201))
+  await step('put again (create-only)', () => put(200))
 
   await step('head', async () => {
     const res = await request(chunkUrl, { method: 'HEAD' })
@@ -288,6 +326,7 @@ export const SMOKE_OPTIONS = {
   token: { type: 'string' },
   ns: { type: 'string' },
   'chunk-tokens': { type: 'string' },
+  model: { type: 'string' },
   cleanup: { type: 'boolean' },
   timeout: { type: 'string' },
   json: { type: 'boolean' },
@@ -320,8 +359,14 @@ export async function run(argv: string[]): Promise<number> {
     console.error('kvgate smoke: --timeout must be a positive number of milliseconds')
     return 2
   }
+  const model = values.model
+  if (model !== undefined && !Object.hasOwn(MODEL_PRESETS, model)) {
+    console.error(`kvgate smoke: --model must be one of ${Object.keys(MODEL_PRESETS).join(', ')}`)
+    return 2
+  }
   const report = await runSmoke({
     url,
+    ...(model !== undefined ? { model: model as PresetName } : {}),
     token: values.token ?? process.env.KVGATE_TOKEN,
     ns: values.ns,
     chunkTokens,

@@ -1,14 +1,19 @@
-// L4: the gateway over HTTP (undici Pool, keep-alive). Deadlines, retries with
-// jitter, a circuit breaker and a shedding write-behind queue: it never throws into callers.
+// L4: the gateway over HTTP (undici pools, keep-alive). Bounded deadlines and bodies,
+// retries with jitter, a circuit breaker and a shedding write-behind queue: it never throws into callers.
 
 import { Agent, Pool } from 'undici'
 import { InvalidArgumentError } from '../../core/errors.ts'
+import { DEFAULT_MAX_CHUNK_BYTES } from '../../core/format.ts'
 import { assertNamespaceName } from '../../core/keys.ts'
+import type { KvGeometry } from '../../core/layout.ts'
+import { maxLayerGroupBytes, maxObjectBytes } from '../chunk-codec.ts'
 import { type BreakerState, CircuitBreaker } from '../circuit-breaker.ts'
+import { PresenceSet } from '../presence.ts'
+import { TierUploader } from '../remote-upload.ts'
 import { since, TierCounters } from '../stats.ts'
 
 export interface RemoteTierOptions {
-  /** Gateway base URL, e.g. http://127.0.0.1:8080 (a path prefix is kept). */
+  /** Gateway base URL, e.g. http://127.0.0.1:8080 (a path prefix is kept; a trailing /v1 is dropped). */
   url: string
   /** Bearer token; omitted when the gateway runs without auth. */
   token?: string | undefined
@@ -16,7 +21,7 @@ export interface RemoteTierOptions {
   namespace: string
   /** Keep-alive connections. @default 8 */
   connections?: number
-  /** Deadline of one chunk GET/PUT attempt, ms. @default 10000 */
+  /** Deadline of one chunk GET/PUT, retries included, ms. @default 10000 */
   timeoutMs?: number
   /** Deadline of a lookup, ms: lookups sit on the prefill path. @default 250 */
   lookupTimeoutMs?: number
@@ -26,12 +31,31 @@ export interface RemoteTierOptions {
   breakerThreshold?: number
   /** First half-open probe after this many ms. @default 1000 */
   breakerCooldownMs?: number
-  /** Write-behind queue bound in chunks. @default 64 */
+  /**
+   * Write-behind queue bound in chunks. Large on purpose: the byte bound is what
+   * limits memory; a healthy gateway must not be shed at the normal rate of stores. @default 4096
+   */
   maxQueuedWrites?: number
   /** Write-behind queue bound in bytes (estimated). @default 512 MiB */
   maxQueuedBytes?: number
-  /** Concurrent background PUTs. @default 4 */
+  /** Concurrent background PUTs, on their own connections (uploads never delay lookups or GETs). @default 8 */
   writeConcurrency?: number
+  /**
+   * How long "the gateway holds this chunk" (learned from a lookup or a PUT) is
+   * trusted: objects can vanish behind the gateway (lifecycle expiry, DELETE). @default 30000
+   */
+  presenceTtlMs?: number
+  /** Chunks from this size ask the gateway for a direct-to-store upload first (remote-upload.ts). @default 1 MiB */
+  uploadMinBytes?: number
+}
+
+/** What the cache around the tier tells it (not user options). */
+export interface RemoteTierContext {
+  /** Geometry and chunk size of the cache: every response body is capped at what such a chunk can be. */
+  geometry?: KvGeometry | undefined
+  chunkTokens?: number | undefined
+  /** Where one-line warnings go (auth refused, uploads shed). @default process.emitWarning */
+  warn?: (message: string, code: string) => void
 }
 
 /** A background upload: `encode` runs when a writer picks the job up; `done` always runs once. */
@@ -47,49 +71,107 @@ export interface RemoteTierStats {
   url: string
   breaker: BreakerState
   breakerOpened: number
+  /** Times the breaker opened because requests hung (timeouts), not because they failed. */
+  breakerOpenedByTimeouts: number
   breakerRejected: number
   queuedWrites: number
   queuedBytes: number
-  /** Uploads dropped because the queue was full or the breaker open. */
+  /** Uploads dropped because the queue was full, the breaker open or the tier closing. */
   shedWrites: number
+  /** shedWrites by cause. */
+  shedByReason: { breaker: number; queueFull: number; closed: number }
   /** PUTs the gateway answered "exists" (another node stored it first). */
   existed: number
   retries: number
   redirects: number
   timeouts: number
+  /** Requests the gateway refused with 401/403 (wrong or missing token, scope or namespace). */
+  authErrors: number
+  /** GETs answered 404 (the chunk and its chain's later chunks are no longer believed present). */
+  notFound: number
+  /** Response bodies larger than such a chunk can be: aborted, never buffered. */
+  oversizedBodies: number
+  /** Chunks reported to the gateway's verify endpoint after failing verification here. */
+  corruptReported: number
+  /** ... of which the gateway found corrupt (and deleted) or missing. */
+  corruptConfirmed: number
   /** Lookup requests sent to the gateway. */
   lookupRequests: number
   /** Leading keys a lookup answered from what this client already knew was stored. */
   lookupKeysKnown: number
+  /** Keys currently believed present in L4 (expire after presenceTtlMs). */
+  knownPresent: number
 }
 
 interface HttpResult {
   status: number
   headers: Record<string, string | string[] | undefined>
   body: Uint8Array
+  /** Answered by a presigned-redirect target, not the gateway. */
+  redirected: boolean
 }
 
+/** Connection errors, 5xx: worth another attempt while the deadline lasts. */
 class RetryableError extends Error {}
+/** A body over its cap: the gateway (or redirect target) misbehaves; not retried. */
+class OversizedError extends Error {}
+
+/** Bodies of answers other than 200 (error JSON, lookup and verify answers) stay small. */
+const MAX_SMALL_BODY = 64 * 1024
+const MAX_LOOKUP_KEYS = 4096
+/** Verify reports (contract C1): in flight at once, per minute, and keys remembered as reported. */
+const MAX_VERIFY_IN_FLIGHT = 4
+const MAX_VERIFY_PER_MINUTE = 60
+const MAX_REPORTED_KEYS = 4096
+/** At most one shed warning per this many ms (with the count since the last one). */
+const SHED_WARN_INTERVAL_MS = 60_000
+
+type Body = AsyncIterable<Uint8Array> & { destroy(err?: Error): unknown }
 
 /**
- * Reads a response body, into `into` when given and large enough (an L1 slot:
- * no intermediate buffer), else into a new buffer.
+ * Reads a response body of at most `cap` bytes: into `into` when the declared
+ * length fits it (an L1 slot: no intermediate buffer), else into one buffer of
+ * the declared length, else piece by piece. Past the cap it destroys the body
+ * (the connection goes, nothing more is read) and throws OversizedError.
  */
 async function readBody(
-  body: AsyncIterable<Uint8Array> & { arrayBuffer(): Promise<ArrayBuffer> },
+  body: Body,
   into: Uint8Array | undefined,
-  length: number | undefined,
+  declared: number | undefined,
+  cap: number,
 ): Promise<Uint8Array> {
-  if (!into || length === undefined || length > into.byteLength)
-    return new Uint8Array(await body.arrayBuffer())
-  let off = 0
-  for await (const piece of body) {
-    if (off + piece.byteLength > into.byteLength)
-      throw new RetryableError('body longer than its content-length')
-    into.set(piece, off)
-    off += piece.byteLength
+  const tooLong = (n: number) => {
+    body.destroy()
+    return new OversizedError(`response body of ${n}+ bytes is over its cap of ${cap}`)
   }
-  return into.subarray(0, off)
+  if (declared !== undefined && declared > cap) throw tooLong(declared)
+  if (declared !== undefined) {
+    const dst = into && declared <= into.byteLength ? into : new Uint8Array(declared)
+    let off = 0
+    for await (const piece of body) {
+      if (off + piece.byteLength > declared) {
+        body.destroy()
+        throw new RetryableError('body longer than its content-length')
+      }
+      dst.set(piece, off)
+      off += piece.byteLength
+    }
+    return dst.subarray(0, off)
+  }
+  const parts: Uint8Array[] = []
+  let total = 0
+  for await (const piece of body) {
+    total += piece.byteLength
+    if (total > cap) throw tooLong(total)
+    parts.push(piece)
+  }
+  const out = into && total <= into.byteLength ? into.subarray(0, total) : new Uint8Array(total)
+  let off = 0
+  for (const p of parts) {
+    out.set(p, off)
+    off += p.byteLength
+  }
+  return out
 }
 
 function contentLength(h: Record<string, string | string[] | undefined>): number | undefined {
@@ -98,15 +180,57 @@ function contentLength(h: Record<string, string | string[] | undefined>): number
   return Number.isSafeInteger(n) && n >= 0 ? n : undefined
 }
 
-const MAX_LOOKUP_KEYS = 4096
+/** Base path of the gateway from a configured URL: a trailing /v1 (a common paste) is dropped. */
+function gatewayPrefix(raw: string, url: URL): string {
+  let path = url.pathname.replace(/\/+$/, '')
+  if (path.endsWith('/v1')) path = path.slice(0, -3)
+  if (/\/v1(\/|$)/.test(path)) {
+    throw new InvalidArgumentError(
+      `invalid remote.url: ${raw} (the gateway's base URL, e.g. http://host:8080; the client adds /v1/ns/{namespace})`,
+    )
+  }
+  return path
+}
+
+interface RequestOptions {
+  body?: Uint8Array | string
+  headers?: Record<string, string>
+  timeoutMs: number
+  retries?: number
+  into?: Uint8Array
+  /** Largest 200 body accepted. */
+  cap?: number
+  /** The caller's own deadline (e.g. a retrieve's): aborts without blaming the gateway. */
+  signal?: AbortSignal | undefined
+  /** A 401/403 here is not a misconfigured token (e.g. verify with a read-only token). */
+  quietAuth?: boolean
+  /**
+   * Running out of time means the gateway hangs (chunk GETs and PUTs, whose
+   * deadline is generous): counted toward opening the breaker within its window.
+   * A lookup's deadline is tight by design; missing it is an ordinary failure.
+   */
+  hangIsTimeout?: boolean
+  /** Called when the body went over its cap. */
+  onOversized?: () => void
+}
+
+export interface RemoteGetOptions {
+  /** The caller's deadline: aborting it ends the request (not counted against the gateway). */
+  signal?: AbortSignal
+  /** A tighter body cap than the geometry's (e.g. a partial tail chunk). */
+  maxBytes?: number
+}
 
 export class RemoteTier {
   readonly counters = new TierCounters()
   readonly breaker: CircuitBreaker
   readonly #pool: Pool
+  readonly #writePool: Pool
   readonly #redirectAgent: Agent
+  readonly #prefix: string
   readonly #base: string
   readonly #origin: string
+  readonly #namespace: string
   readonly #auth: Record<string, string>
   readonly #timeoutMs: number
   readonly #lookupTimeoutMs: number
@@ -114,13 +238,31 @@ export class RemoteTier {
   readonly #maxQueued: number
   readonly #maxQueuedBytes: number
   readonly #writeConcurrency: number
+  readonly #geometry: KvGeometry | undefined
+  readonly #chunkTokens: number | undefined
+  readonly #warn: (message: string, code: string) => void
   readonly #queue: RemoteWriteJob[] = []
-  readonly #knownPresent = new Set<string>()
-  readonly #idle: (() => void)[] = []
+  readonly #presence: PresenceSet
+  readonly #idle = new Set<() => void>()
+  /** Keys reported to the verify endpoint, with when (a key is reported once per window). */
+  readonly #reported = new Map<string, number>()
+  #verifyInFlight = 0
+  #verifyWindowStart = 0
+  #verifyInWindow = 0
+  readonly #uploader: TierUploader
   #queuedBytes = 0
   #writers = 0
   #closed = false
   #shed = 0
+  readonly #shedBy = { breaker: 0, queueFull: 0, closed: 0 }
+  #shedUnwarned = 0
+  #shedWarnedAt = Number.NEGATIVE_INFINITY
+  #authWarned = false
+  #authErrors = 0
+  #notFound = 0
+  #oversized = 0
+  #corruptReported = 0
+  #corruptConfirmed = 0
   #existed = 0
   #retried = 0
   #redirects = 0
@@ -128,7 +270,7 @@ export class RemoteTier {
   #lookupRequests = 0
   #lookupKeysKnown = 0
 
-  constructor(opts: RemoteTierOptions) {
+  constructor(opts: RemoteTierOptions, ctx: RemoteTierContext = {}) {
     let url: URL
     try {
       url = new URL(opts.url)
@@ -139,21 +281,42 @@ export class RemoteTier {
       throw new InvalidArgumentError(`invalid remote.url: ${opts.url} (http or https)`)
     }
     const ns = assertNamespaceName(opts.namespace)
+    this.#namespace = ns
     this.#origin = url.origin
-    this.#base = `${url.pathname.replace(/\/+$/, '')}/v1/ns/${ns}`
+    this.#prefix = gatewayPrefix(opts.url, url)
+    this.#base = `${this.#prefix}/v1/ns/${ns}`
     this.#auth = opts.token ? { authorization: `Bearer ${opts.token}` } : {}
     this.#timeoutMs = opts.timeoutMs ?? 10_000
     this.#lookupTimeoutMs = opts.lookupTimeoutMs ?? 250
     this.#retries = opts.retries ?? 2
-    this.#maxQueued = opts.maxQueuedWrites ?? 64
+    this.#maxQueued = opts.maxQueuedWrites ?? 4096
     this.#maxQueuedBytes = opts.maxQueuedBytes ?? 512 * 1024 * 1024
-    this.#writeConcurrency = opts.writeConcurrency ?? 4
+    this.#writeConcurrency = opts.writeConcurrency ?? 8
+    this.#geometry = ctx.geometry
+    this.#chunkTokens = ctx.chunkTokens
+    this.#warn = ctx.warn ?? ((message, code) => process.emitWarning(message, { code }))
+    this.#presence = new PresenceSet(opts.presenceTtlMs ?? 30_000)
+    const connect = { timeout: Math.min(this.#timeoutMs, 5000) }
     this.#pool = new Pool(this.#origin, {
       connections: opts.connections ?? 8,
       keepAliveTimeout: 30_000,
-      connect: { timeout: Math.min(this.#timeoutMs, 5000) },
+      connect,
+    })
+    this.#writePool = new Pool(this.#origin, {
+      connections: this.#writeConcurrency,
+      keepAliveTimeout: 30_000,
+      connect,
     })
     this.#redirectAgent = new Agent({ connections: opts.connections ?? 8, keepAliveTimeout: 30_000 })
+    this.#uploader = new TierUploader({
+      base: this.#base,
+      minBytes: opts.uploadMinBytes ?? 1024 * 1024,
+      timeoutMs: this.#timeoutMs,
+      retries: this.#retries,
+      agent: this.#redirectAgent,
+      post: (path, body, timeoutMs) =>
+        this.#request('POST', path, { body, headers: { 'content-type': 'application/json' }, timeoutMs }),
+    })
     this.breaker = new CircuitBreaker({
       failureThreshold: opts.breakerThreshold ?? 5,
       cooldownMs: opts.breakerCooldownMs ?? 1000,
@@ -161,49 +324,59 @@ export class RemoteTier {
     })
   }
 
-  /** True once a lookup or PUT showed the gateway holds this chunk. */
+  /** True while a lookup or PUT showed (less than presenceTtlMs ago) that the gateway holds this chunk. */
   knownPresent(hex: string): boolean {
-    return this.#knownPresent.has(hex)
+    return this.#presence.has(hex)
   }
 
-  #remember(hex: string): void {
-    // Bounded: a plain Set trimmed from its oldest end.
-    this.#knownPresent.add(hex)
-    if (this.#knownPresent.size > 65_536) {
-      const first = this.#knownPresent.values().next().value as string
-      this.#knownPresent.delete(first)
-    }
+  /**
+   * Drops keys[index..] (one chain, in order) and every key learned after them
+   * from the chunks believed present: the storage manager calls it when chunk
+   * `index` turned out missing. GETs answering 404 do this themselves.
+   */
+  forgetFrom(keys: readonly string[], index: number): void {
+    this.#presence.forgetFrom(keys, index)
+  }
+
+  /** Largest chunk object body accepted (a whole object, or layers first..last). */
+  #cap(layers: readonly [number, number] | undefined): number {
+    const g = this.#geometry
+    if (!g || this.#chunkTokens === undefined) return DEFAULT_MAX_CHUNK_BYTES
+    return layers
+      ? maxLayerGroupBytes(g, this.#chunkTokens, layers[0], layers[1])
+      : maxObjectBytes(g, this.#chunkTokens)
   }
 
   async #probe(): Promise<boolean> {
+    const ac = new AbortController()
+    const t = setTimeout(() => ac.abort(), Math.min(this.#timeoutMs, 2000))
     try {
       const r = await this.#pool.request({
         origin: this.#origin,
-        path: `${this.#base.replace(/\/v1\/ns\/.*$/, '')}/healthz`,
+        path: `${this.#prefix}/healthz`,
         method: 'GET',
-        signal: AbortSignal.timeout(Math.min(this.#timeoutMs, 2000)),
+        signal: ac.signal,
       })
       await r.body.dump()
       return r.statusCode < 500
     } catch {
       return false
+    } finally {
+      clearTimeout(t)
     }
   }
 
-  /** One attempt; throws RetryableError on connection errors, timeouts and 5xx. */
+  /** One attempt; throws RetryableError on connection errors and 5xx, OversizedError past the cap. */
   async #once(
     method: 'GET' | 'PUT' | 'POST' | 'HEAD',
     path: string,
-    opts: {
-      body?: Uint8Array | string
-      headers?: Record<string, string>
-      timeoutMs: number
-      into?: Uint8Array
-    },
-  ): Promise<HttpResult> {
-    const signal = AbortSignal.timeout(opts.timeoutMs)
+    opts: RequestOptions,
+    signal: AbortSignal,
+  ) {
+    const pool = method === 'PUT' ? this.#writePool : this.#pool
+    let r: Awaited<ReturnType<Pool['request']>>
     try {
-      const r = await this.#pool.request({
+      r = await pool.request({
         origin: this.#origin,
         path,
         method,
@@ -211,95 +384,173 @@ export class RemoteTier {
         body: opts.body,
         signal,
       })
-      if (r.statusCode === 307 || r.statusCode === 302 || r.statusCode === 303) {
-        await r.body.dump()
-        const loc = r.headers.location
-        if (method !== 'GET' || typeof loc !== 'string') throw new RetryableError('redirect without location')
-        return await this.#followRedirect(new URL(loc, this.#origin), opts.headers, signal, opts.into)
-      }
-      if (r.statusCode >= 500) {
-        await r.body.dump()
-        throw new RetryableError(`HTTP ${r.statusCode}`)
-      }
-      const body =
-        method === 'HEAD'
-          ? new Uint8Array(0)
-          : await readBody(r.body, r.statusCode === 200 ? opts.into : undefined, contentLength(r.headers))
-      return { status: r.statusCode, headers: r.headers, body }
     } catch (e) {
-      if (e instanceof RetryableError) throw e
-      if (signal.aborted) this.#timeouts++
       throw new RetryableError((e as Error).message)
     }
+    if (r.statusCode === 307 || r.statusCode === 302 || r.statusCode === 303) {
+      await r.body.dump().catch(() => {})
+      const loc = r.headers.location
+      if (method !== 'GET' || typeof loc !== 'string') throw new RetryableError('redirect without location')
+      return this.#followRedirect(new URL(loc, this.#origin), opts, signal)
+    }
+    return this.#result(r, method, opts, false)
   }
 
-  /** Presigned store URLs: no Authorization header (the URL carries the grant); Range is kept. */
-  async #followRedirect(
-    url: URL,
-    headers: Record<string, string> | undefined,
-    signal: AbortSignal,
-    into?: Uint8Array,
+  async #result(
+    r: { statusCode: number; headers: HttpResult['headers']; body: Body & { dump(): Promise<void> } },
+    method: string,
+    opts: RequestOptions,
+    redirected: boolean,
   ): Promise<HttpResult> {
+    if (r.statusCode >= 500) {
+      await r.body.dump().catch(() => {})
+      throw new RetryableError(`HTTP ${r.statusCode}`)
+    }
+    const ok = r.statusCode === 200
+    const body =
+      method === 'HEAD'
+        ? new Uint8Array(0)
+        : await readBody(
+            r.body,
+            ok ? opts.into : undefined,
+            contentLength(r.headers),
+            ok ? (opts.cap ?? MAX_SMALL_BODY) : MAX_SMALL_BODY,
+          )
+    return { status: r.statusCode, headers: r.headers, body, redirected }
+  }
+
+  /** Presigned store URLs: no Authorization header (the URL carries the grant); Range is kept; same caps. */
+  async #followRedirect(url: URL, opts: RequestOptions, signal: AbortSignal): Promise<HttpResult> {
     this.#redirects++
     const h: Record<string, string> = {}
-    if (headers?.range) h.range = headers.range
-    const r = await this.#redirectAgent.request({
-      origin: url.origin,
-      path: url.pathname + url.search,
-      method: 'GET',
-      headers: h,
-      signal,
-    })
-    if (r.statusCode >= 500) {
-      await r.body.dump()
-      throw new RetryableError(`HTTP ${r.statusCode} from redirect target`)
+    if (opts.headers?.range) h.range = opts.headers.range
+    let r: Awaited<ReturnType<Agent['request']>>
+    try {
+      r = await this.#redirectAgent.request({
+        origin: url.origin,
+        path: url.pathname + url.search,
+        method: 'GET',
+        headers: h,
+        signal,
+      })
+    } catch (e) {
+      throw new RetryableError((e as Error).message)
     }
-    const body = await readBody(r.body, r.statusCode === 200 ? into : undefined, contentLength(r.headers))
-    return { status: r.statusCode, headers: r.headers, body }
+    // A 401/403 from the store is an expired or bad presigned grant, not this client's token.
+    return this.#result(r, 'GET', opts, true)
   }
 
-  /** Idempotent request with retries (full jitter) under the breaker; undefined when it failed. */
+  /**
+   * A request with retries (full jitter) under the breaker, all attempts within
+   * one deadline of `timeoutMs`; undefined when it failed. A hung request is not
+   * retried (its deadline is spent) and counts as a timeout toward the breaker.
+   */
   async #request(
     method: 'GET' | 'PUT' | 'POST' | 'HEAD',
     path: string,
-    opts: {
-      body?: Uint8Array | string
-      headers?: Record<string, string>
-      timeoutMs: number
-      retries?: number
-      into?: Uint8Array
-    },
+    opts: RequestOptions,
   ): Promise<HttpResult | undefined> {
-    if (this.#closed) return undefined
+    if (this.#closed || opts.signal?.aborted) return undefined
     const retries = opts.retries ?? this.#retries
-    for (let attempt = 0; ; attempt++) {
-      if (!this.breaker.allow()) return undefined
-      try {
-        const r = await this.#once(method, path, opts)
-        this.breaker.success()
-        return r
-      } catch {
-        this.breaker.failure()
-        this.counters.errors++
-        if (attempt >= retries || this.#closed) return undefined
-        this.#retried++
-        await sleep(Math.random() * 25 * 2 ** attempt)
+    const ac = new AbortController()
+    let timedOut = false
+    const timer = setTimeout(() => {
+      timedOut = true
+      ac.abort()
+    }, opts.timeoutMs)
+    const onCallerAbort = () => ac.abort()
+    opts.signal?.addEventListener('abort', onCallerAbort, { once: true })
+    try {
+      for (let attempt = 0; ; attempt++) {
+        if (!this.breaker.allow()) return undefined
+        try {
+          const r = await this.#once(method, path, opts, ac.signal)
+          this.breaker.success()
+          if ((r.status === 401 || r.status === 403) && !opts.quietAuth && !r.redirected) this.#authFailure(r)
+          return r
+        } catch (e) {
+          if (timedOut) {
+            this.counters.errors++
+            this.#timedOut(opts)
+            return undefined
+          }
+          // The caller gave up: not the gateway's failure.
+          if (opts.signal?.aborted) return undefined
+          this.counters.errors++
+          this.breaker.failure()
+          if (e instanceof OversizedError) {
+            this.#oversized++
+            opts.onOversized?.()
+            return undefined
+          }
+          if (attempt >= retries || this.#closed) return undefined
+          this.#retried++
+          await sleep(Math.random() * 25 * 2 ** attempt, ac.signal)
+          if (timedOut) {
+            this.#timedOut(opts)
+            return undefined
+          }
+          if (ac.signal.aborted) return undefined
+        }
       }
+    } finally {
+      clearTimeout(timer)
+      opts.signal?.removeEventListener('abort', onCallerAbort)
     }
+  }
+
+  #timedOut(opts: RequestOptions): void {
+    this.#timeouts++
+    if (opts.hangIsTimeout) this.breaker.timeout()
+    else this.breaker.failure()
+  }
+
+  /** Counts a refused request and says once, in one line, what to fix. */
+  #authFailure(r: HttpResult): void {
+    this.#authErrors++
+    this.counters.errors++
+    if (this.#authWarned) return
+    this.#authWarned = true
+    let code = ''
+    try {
+      const j = JSON.parse(new TextDecoder().decode(r.body)) as { error?: { code?: unknown } }
+      if (typeof j.error?.code === 'string') code = ` ${j.error.code}`
+    } catch {
+      // Not JSON: the status says enough.
+    }
+    const where = `the gateway at ${this.#origin}${this.#prefix}`
+    this.#warn(
+      r.status === 401
+        ? `kvgate: ${where} refused the client's token (401${code}): set remote.token (KVGATE_REMOTE_TOKEN) to a token listed in the gateway's token table; L4 is unused until then (stats().remote.authErrors counts refusals)`
+        : `kvgate: ${where} refused namespace '${this.#namespace}' (403${code}): give the token this namespace and the write scope in the gateway's token table, or set remote namespace to one it allows (stats().remote.authErrors counts refusals)`,
+      'KVGATE_REMOTE_AUTH',
+    )
+  }
+
+  /** Counts a non-success answer other than 401/403 (those were counted when they arrived). */
+  #unexpected(r: { status: number } | undefined): void {
+    if (r && r.status !== 401 && r.status !== 403) this.counters.errors++
   }
 
   /**
    * How many leading keys the gateway holds (0 when it is unreachable). Uses the
    * small lookup deadline and no retries: a slow gateway must not stall prefill.
-   * Leading keys already known to be stored are not asked again: chunk objects
-   * are create-only, so presence does not go stale (an admin DELETE turns into a
-   * 404 on GET, which is a miss). An engine's lookup → retrieve → store of one
-   * prompt so costs one gateway lookup, not three.
+   * Leading keys this client saw stored less than presenceTtlMs ago are not asked
+   * again, so an engine's lookup → retrieve → store of one prompt costs one
+   * gateway lookup, not three; past the TTL (or after a 404) the gateway is asked.
+   * 'background' (the write-behind deciding what to upload) is off the prefill
+   * path: it gets the chunk deadline and retries, so a burst of stores that slows
+   * the gateway's answers does not read as a failing gateway and shed the uploads.
    */
-  async lookup(hexes: readonly string[]): Promise<{ present: number }> {
+  async lookup(
+    hexes: readonly string[],
+    priority: 'prefill' | 'background' = 'prefill',
+  ): Promise<{ present: number }> {
+    const background = priority === 'background'
     let present = 0
-    while (present < hexes.length && this.#knownPresent.has(hexes[present]!)) present++
+    while (present < hexes.length && this.#presence.has(hexes[present]!)) present++
     this.#lookupKeysKnown += present
+    const known = present
     for (let i = present; i < hexes.length; i += MAX_LOOKUP_KEYS) {
       const batch = hexes.slice(i, i + MAX_LOOKUP_KEYS)
       const t0 = performance.now()
@@ -307,41 +558,63 @@ export class RemoteTier {
       const r = await this.#request('POST', `${this.#base}/lookup`, {
         body: JSON.stringify({ keys: batch }),
         headers: { 'content-type': 'application/json' },
-        timeoutMs: this.#lookupTimeoutMs,
-        retries: 0,
+        timeoutMs: background ? this.#timeoutMs : this.#lookupTimeoutMs,
+        retries: background ? this.#retries : 0,
+        cap: MAX_SMALL_BODY + 80 * batch.length,
       })
       this.counters.readLatency.record(since(t0))
-      if (r?.status !== 200) break
+      if (r?.status !== 200) {
+        this.#unexpected(r)
+        break
+      }
       const parsed = parseLookup(r.body, batch.length)
       if (parsed === undefined) {
         this.counters.errors++
         break
       }
-      for (let j = 0; j < parsed; j++) this.#remember(batch[j]!)
       present += parsed
       if (parsed < batch.length) break
     }
+    // Linked to the known leading keys, so a 404 on any of them forgets these too.
+    if (present > known)
+      this.#presence.rememberChain(hexes.slice(Math.max(0, known - 1), present), known > 0 ? 1 : 0)
     return { present }
   }
 
   /**
-   * GETs a chunk object, or with `layers` the header followed by sections a..b.
-   * Undefined on 404 or failure; the bytes are not verified here (the caller does).
+   * GETs a chunk object, or with `layers` the header followed by sections a..b;
+   * the body is capped at what such a chunk can be. Undefined on 404 (the key and
+   * its chain's later keys are then no longer believed present) or failure; the
+   * bytes are not verified here (the caller does, and calls reportCorrupt).
    */
   async get(
     hex: string,
     layers?: readonly [number, number],
     into?: Uint8Array,
+    opts: RemoteGetOptions = {},
   ): Promise<Uint8Array | undefined> {
     const t0 = performance.now()
     const q = layers ? `?layers=${layers[0]}-${layers[1]}` : ''
+    const cap = Math.min(this.#cap(layers), opts.maxBytes ?? Number.POSITIVE_INFINITY)
+    let oversized = false
     const r = await this.#request('GET', `${this.#base}/chunks/${hex}${q}`, {
       timeoutMs: this.#timeoutMs,
       into,
+      cap,
+      signal: opts.signal,
+      hangIsTimeout: true,
+      onOversized: () => {
+        oversized = true
+      },
     })
     if (r?.status !== 200) {
       this.counters.misses++
-      if (r && r.status !== 404) this.counters.errors++
+      if (r?.status === 404) {
+        this.#notFound++
+        this.#presence.forgetChainFrom(hex)
+      } else this.#unexpected(r)
+      // A body far over the size of any chunk: let the gateway check what it stores.
+      if (oversized) this.#requestVerify(hex)
       return undefined
     }
     this.counters.hits++
@@ -350,20 +623,77 @@ export class RemoteTier {
     return r.body
   }
 
-  /** PUT now (create-only on the gateway). True when stored or already present. */
+  /**
+   * The caller found this chunk's L4 object corrupt (CRC, format or identity):
+   * counted, no longer believed present (with its chain's later keys), and
+   * reported once to the gateway's verify endpoint, which checks the stored
+   * object itself and deletes it only if it is corrupt, so the next writer can
+   * re-upload. Fire-and-forget, bounded and rate-limited.
+   */
+  reportCorrupt(hex: string): void {
+    this.counters.corrupt++
+    this.#presence.forgetChainFrom(hex)
+    this.#requestVerify(hex)
+  }
+
+  #requestVerify(hex: string): void {
+    if (this.#closed || !/^[0-9a-f]{64}$/.test(hex)) return
+    const now = performance.now()
+    const at = this.#reported.get(hex)
+    if (at !== undefined && now - at < 10 * 60_000) return
+    if (now - this.#verifyWindowStart >= 60_000) {
+      this.#verifyWindowStart = now
+      this.#verifyInWindow = 0
+    }
+    if (this.#verifyInFlight >= MAX_VERIFY_IN_FLIGHT || this.#verifyInWindow >= MAX_VERIFY_PER_MINUTE) return
+    this.#verifyInWindow++
+    this.#reported.delete(hex)
+    this.#reported.set(hex, now)
+    if (this.#reported.size > MAX_REPORTED_KEYS)
+      this.#reported.delete(this.#reported.keys().next().value as string)
+    this.#corruptReported++
+    this.#verifyInFlight++
+    void this.#verify(hex).finally(() => this.#verifyInFlight--)
+  }
+
+  async #verify(hex: string): Promise<void> {
+    const r = await this.#request('POST', `${this.#base}/chunks/${hex}/verify`, {
+      timeoutMs: this.#timeoutMs,
+      retries: 0,
+      quietAuth: true,
+    })
+    if (r?.status !== 200) return
+    try {
+      const verdict = (JSON.parse(new TextDecoder().decode(r.body)) as { verdict?: unknown }).verdict
+      if (verdict === 'corrupt' || verdict === 'missing') {
+        this.#corruptConfirmed++
+        this.#presence.forgetChainFrom(hex)
+      }
+    } catch {
+      // Not an answer of this contract (an older gateway): nothing to learn.
+    }
+  }
+
+  /** PUT now (create-only on the gateway). True when stored or already present ("exists" is success). */
   async put(hex: string, object: Uint8Array): Promise<boolean> {
     const t0 = performance.now()
-    const r = await this.#request('PUT', `${this.#base}/chunks/${hex}`, {
-      body: object,
-      headers: { 'content-type': 'application/octet-stream' },
-      timeoutMs: this.#timeoutMs,
-    })
-    if (!r || (r.status !== 200 && r.status !== 201)) {
-      if (r) this.counters.errors++
+    const up = await this.#uploader.put(hex, object)
+    const r =
+      up !== 'direct'
+        ? up
+        : await this.#request('PUT', `${this.#base}/chunks/${hex}`, {
+            body: object,
+            headers: { 'content-type': 'application/octet-stream' },
+            timeoutMs: this.#timeoutMs,
+            hangIsTimeout: true,
+          })
+    // 409: an older gateway's answer to a same-key re-PUT of another size (a lossy re-encode): it holds the key.
+    if (!r || (r.status !== 200 && r.status !== 201 && r.status !== 409)) {
+      this.#unexpected(r)
       return false
     }
-    if (r.status === 200) this.#existed++
-    this.#remember(hex)
+    if (r.status !== 201) this.#existed++
+    this.#presence.rememberChain([hex])
     this.counters.puts++
     this.counters.bytesWritten += object.byteLength
     this.counters.writeLatency.record(since(t0))
@@ -375,13 +705,15 @@ export class RemoteTier {
    * queue is over its bounds or the breaker is open; `job.done` is then called at once.
    */
   enqueue(job: RemoteWriteJob): boolean {
-    if (
-      this.#closed ||
-      this.breaker.state !== 'closed' ||
-      this.#queue.length >= this.#maxQueued ||
-      this.#queuedBytes + job.bytesHint > this.#maxQueuedBytes
-    ) {
-      this.#shed++
+    const reason = this.#closed
+      ? 'closed'
+      : this.breaker.state !== 'closed'
+        ? 'breaker'
+        : this.#queue.length >= this.#maxQueued || this.#queuedBytes + job.bytesHint > this.#maxQueuedBytes
+          ? 'queueFull'
+          : undefined
+    if (reason) {
+      this.#shedOne(reason)
       job.done()
       return false
     }
@@ -389,6 +721,26 @@ export class RemoteTier {
     this.#queuedBytes += job.bytesHint
     this.#pumpWrites()
     return true
+  }
+
+  /** Counts a dropped upload; says so in one line at most once a minute (closing is silent). */
+  #shedOne(reason: 'breaker' | 'queueFull' | 'closed'): void {
+    this.#shed++
+    this.#shedBy[reason]++
+    if (reason === 'closed') return
+    this.#shedUnwarned++
+    const now = performance.now()
+    if (now - this.#shedWarnedAt < SHED_WARN_INTERVAL_MS) return
+    const n = this.#shedUnwarned
+    this.#shedUnwarned = 0
+    this.#shedWarnedAt = now
+    const where = `${this.#origin}${this.#prefix}`
+    this.#warn(
+      reason === 'breaker'
+        ? `kvgate: dropped ${n} L4 upload(s): the gateway at ${where} is failing (circuit breaker open); check its /healthz and logs (stats().remote.shedByReason counts drops)`
+        : `kvgate: dropped ${n} L4 upload(s): the write queue to ${where} is full (${this.#queue.length} uploads, ${Math.round(this.#queuedBytes / 2 ** 20)} MiB); the gateway is slower than stores arrive: raise remote.writeConcurrency or remote.maxQueuedBytes, or check the gateway's latency (stats().remote.shedByReason counts drops)`,
+      'KVGATE_REMOTE_SHED',
+    )
   }
 
   #pumpWrites(): void {
@@ -399,16 +751,18 @@ export class RemoteTier {
         this.#writers--
         this.#queuedBytes -= job.bytesHint
         this.#pumpWrites()
-        if (this.#writers === 0 && this.#queue.length === 0) for (const f of this.#idle.splice(0)) f()
+        if (this.#writers === 0 && this.#queue.length === 0) {
+          for (const f of [...this.#idle]) f()
+        }
       })
     }
   }
 
   async #runJob(job: RemoteWriteJob): Promise<void> {
     try {
-      if (this.#knownPresent.has(job.hex)) return
+      if (this.#presence.has(job.hex)) return
       if (this.breaker.state !== 'closed') {
-        this.#shed++
+        this.#shedOne('breaker')
         return
       }
       const object = await job.encode()
@@ -424,12 +778,14 @@ export class RemoteTier {
   flush(timeoutMs = 30_000): Promise<void> {
     if (this.#writers === 0 && this.#queue.length === 0) return Promise.resolve()
     return new Promise<void>((resolve) => {
-      const t = setTimeout(resolve, timeoutMs)
-      t.unref()
-      this.#idle.push(() => {
+      const done = () => {
         clearTimeout(t)
+        this.#idle.delete(done)
         resolve()
-      })
+      }
+      const t = setTimeout(done, timeoutMs)
+      t.unref()
+      this.#idle.add(done)
     })
   }
 
@@ -438,16 +794,24 @@ export class RemoteTier {
       url: this.#origin + this.#base,
       breaker: this.breaker.state,
       breakerOpened: this.breaker.opened,
+      breakerOpenedByTimeouts: this.breaker.openedByTimeouts,
       breakerRejected: this.breaker.rejected,
       queuedWrites: this.#queue.length + this.#writers,
       queuedBytes: this.#queuedBytes,
       shedWrites: this.#shed,
+      shedByReason: { ...this.#shedBy },
       existed: this.#existed,
       retries: this.#retried,
       redirects: this.#redirects,
       timeouts: this.#timeouts,
+      authErrors: this.#authErrors,
+      notFound: this.#notFound,
+      oversizedBodies: this.#oversized,
+      corruptReported: this.#corruptReported,
+      corruptConfirmed: this.#corruptConfirmed,
       lookupRequests: this.#lookupRequests,
       lookupKeysKnown: this.#lookupKeysKnown,
+      knownPresent: this.#presence.size,
     }
   }
 
@@ -456,11 +820,13 @@ export class RemoteTier {
     await this.flush(flushMs)
     this.#closed = true
     for (const job of this.#queue.splice(0)) {
-      this.#shed++
+      this.#queuedBytes -= job.bytesHint
+      this.#shedOne('closed')
       job.done()
     }
     this.breaker.dispose()
-    await Promise.allSettled([this.#pool.close(), this.#redirectAgent.close()])
+    this.#presence.clear()
+    await Promise.allSettled([this.#pool.close(), this.#writePool.close(), this.#redirectAgent.close()])
   }
 }
 
@@ -476,6 +842,15 @@ function parseLookup(body: Uint8Array, max: number): number | undefined {
   }
 }
 
-function sleep(ms: number): Promise<void> {
-  return new Promise((r) => setTimeout(r, ms))
+/** Backoff pause that ends early when the request's deadline fires (no timer left behind). */
+function sleep(ms: number, signal: AbortSignal): Promise<void> {
+  return new Promise((resolve) => {
+    const done = () => {
+      clearTimeout(t)
+      signal.removeEventListener('abort', done)
+      resolve()
+    }
+    const t = setTimeout(done, ms)
+    signal.addEventListener('abort', done, { once: true })
+  })
 }

@@ -181,8 +181,12 @@ export function bufferedHandler(getApp: () => Promise<FetchApp>) {
 
 /** Wraps an app factory in the streaming handler when the runtime offers it, buffered otherwise. */
 export function createLambdaHandler(getApp: () => Promise<FetchApp>): unknown {
-  const aws = (globalThis as { awslambda?: AwsLambdaGlobal }).awslambda
-  return aws ? aws.streamifyResponse(streamingHandler(getApp, aws)) : bufferedHandler(getApp)
+  const aws = (globalThis as { awslambda?: Partial<AwsLambdaGlobal> }).awslambda
+  // The AWS SDK (@aws/lambda-invoke-store) plants an empty `awslambda` object when it
+  // loads first outside Lambda: only a runtime that can stream counts.
+  return typeof aws?.streamifyResponse === 'function' && aws.HttpResponseStream
+    ? aws.streamifyResponse(streamingHandler(getApp, aws as AwsLambdaGlobal))
+    : bufferedHandler(getApp)
 }
 
 // ---------------------------------------------------------------- configuration
@@ -206,6 +210,14 @@ export interface LambdaGatewayConfig {
   maxChunkBytes: number
   /** KVGATE_COLD_TIER: retention/quota per namespace, grace, use tracking. */
   coldTier: ColdTierConfig
+  /** Bodies from this size are written through presigned staging uploads (KVGATE_UPLOAD_MIN_BYTES). */
+  uploadMinBytes: number
+  /** Largest chunk accepted through an upload (KVGATE_UPLOAD_MAX_BYTES). */
+  uploadMaxBytes: number
+  /** Lifetime of presigned upload targets, seconds (KVGATE_UPLOAD_TTL). */
+  uploadTtlSeconds: number
+  /** Staging prefix for uploads (KVGATE_STAGING_PREFIX); `<prefix>-staging` by default. */
+  stagingPrefix?: string
 }
 
 function intFromEnv(env: Record<string, string | undefined>, name: string, fallback: number): number {
@@ -233,6 +245,12 @@ export function configFromEnv(env: Record<string, string | undefined> = process.
     presignTtlSeconds: intFromEnv(env, 'KVGATE_PRESIGN_TTL', 300),
     maxChunkBytes: intFromEnv(env, 'KVGATE_MAX_CHUNK_BYTES', 4 * 1024 * 1024),
     coldTier: parseColdTier(env.KVGATE_COLD_TIER, 'KVGATE_COLD_TIER'),
+    // Bodies above ~4.5 MiB cannot reach the function at all (6 MB events, base64);
+    // from 1 MiB they already cost more in function duration than two small requests.
+    uploadMinBytes: intFromEnv(env, 'KVGATE_UPLOAD_MIN_BYTES', 1024 * 1024),
+    uploadMaxBytes: intFromEnv(env, 'KVGATE_UPLOAD_MAX_BYTES', 512 * 1024 * 1024),
+    uploadTtlSeconds: intFromEnv(env, 'KVGATE_UPLOAD_TTL', 900),
+    stagingPrefix: env.KVGATE_STAGING_PREFIX || undefined,
   }
   if (!cfg.bucket && !cfg.fsRoot)
     throw new ConfigError('set KVGATE_S3_BUCKET (or KVGATE_FS_ROOT for a local run)')
@@ -301,6 +319,12 @@ export async function gatewayFromConfig(cfg: LambdaGatewayConfig): Promise<Fetch
     auth: tokens.length > 0 ? { tokens } : undefined,
     limits: { maxChunkBytes: cfg.maxChunkBytes },
     presign: { minBytes: cfg.presignMinBytes, expiresSeconds: cfg.presignTtlSeconds },
+    uploads: {
+      minBytes: cfg.uploadMinBytes,
+      maxBytes: cfg.uploadMaxBytes,
+      expiresSeconds: cfg.uploadTtlSeconds,
+      ...(cfg.stagingPrefix ? { stagingPrefix: cfg.stagingPrefix } : {}),
+    },
     prefix: cfg.prefix,
     storagePricePerGBMonth: 0.023,
     coldTier: cfg.coldTier.tracking ? { usage: cfg.coldTier.usage } : { tracking: false },

@@ -43,6 +43,15 @@ export function instrumentStore(store: ObjectStore, metrics: GatewayMetrics): Ob
       ),
   }
   if (store.presignGet) wrapped.presignGet = (name, s) => store.presignGet!(name, s)
+  if (store.presignUpload) wrapped.presignUpload = (name, size, o) => store.presignUpload!(name, size, o)
+  if (store.completeUpload)
+    wrapped.completeUpload = (name, id, lengths) =>
+      timed(
+        'complete',
+        () => store.completeUpload!(name, id, lengths),
+        (r) => (r === 'completed' ? 'ok' : r),
+      )
+  if (store.abortUpload) wrapped.abortUpload = (name, id) => store.abortUpload!(name, id)
   if (store.stats) wrapped.stats = () => store.stats!()
   if (store.close) wrapped.close = () => store.close!()
   return wrapped

@@ -13,6 +13,7 @@ import {
   GetObjectCommand,
   HeadObjectCommand,
   ListObjectsV2Command,
+  ListPartsCommand,
   PutObjectCommand,
   S3Client,
   UploadPartCommand,
@@ -20,7 +21,16 @@ import {
 import { getSignedUrl } from '@aws-sdk/s3-request-presigner'
 import { StoreError } from '../../core/errors.ts'
 import { RangeNotSatisfiableError, storeTimeout, storeUnavailable } from './errors.ts'
-import type { ByteRange, GetOptions, ObjectStore, PutResult, StoreObject } from './types.ts'
+import {
+  type ByteRange,
+  type GetOptions,
+  type ObjectStore,
+  type PresignUploadOptions,
+  type PutResult,
+  partLengths,
+  type StoreObject,
+  type UploadTargets,
+} from './types.ts'
 
 export interface S3StoreOptions {
   bucket: string
@@ -349,6 +359,114 @@ export class S3Store implements ObjectStore {
     })
   }
 
+  // Content-Length is a signed header, so S3 refuses a body of any other size at
+  // upload time; the gateway's commit checks the size again either way.
+  async presignUpload(name: string, size: number, opts: PresignUploadOptions): Promise<UploadTargets> {
+    const signing = { expiresIn: opts.expiresInSeconds, signableHeaders: new Set(['content-length']) }
+    const sign = (command: PutObjectCommand | UploadPartCommand) =>
+      command instanceof PutObjectCommand
+        ? getSignedUrl(this.client, command, signing)
+        : getSignedUrl(this.client, command, signing)
+    if (size <= opts.multipartThreshold) {
+      const url = await sign(new PutObjectCommand({ Bucket: this.bucket, Key: name, ContentLength: size }))
+      return { parts: [{ url, offset: 0, length: size }] }
+    }
+    if (!Number.isInteger(opts.partBytes) || opts.partBytes < 5 * MIB)
+      throw new TypeError('S3Store: upload parts must be ≥ 5 MiB')
+    if (size / opts.partBytes > 10_000) throw new TypeError('S3Store: more than 10000 parts')
+    const created = await this.client
+      .send(
+        new CreateMultipartUploadCommand({
+          Bucket: this.bucket,
+          Key: name,
+          ContentType: 'application/octet-stream',
+        }),
+      )
+      .catch((e) => {
+        throw mapError(e, 'CreateMultipartUpload')
+      })
+    const multipartId = created.UploadId!
+    const parts = []
+    let offset = 0
+    for (const [i, length] of partLengths(size, opts.partBytes).entries()) {
+      const n = i + 1
+      const url = await sign(
+        new UploadPartCommand({
+          Bucket: this.bucket,
+          Key: name,
+          UploadId: multipartId,
+          PartNumber: n,
+          ContentLength: length,
+        }),
+      )
+      parts.push({ url, offset, length })
+      offset += length
+    }
+    return { multipartId, parts }
+  }
+
+  // The part list comes from S3 (ListParts), not from the client: a missing,
+  // extra or wrongly sized part aborts the upload instead of completing a cut object.
+  async completeUpload(
+    name: string,
+    multipartId: string,
+    partLengths: readonly number[],
+  ): Promise<'completed' | 'missing' | 'mismatch'> {
+    const seen: { PartNumber: number; ETag: string; Size: number }[] = []
+    let marker: string | undefined
+    try {
+      for (;;) {
+        const page = await this.client.send(
+          new ListPartsCommand({
+            Bucket: this.bucket,
+            Key: name,
+            UploadId: multipartId,
+            ...(marker ? { PartNumberMarker: marker } : {}),
+          }),
+        )
+        for (const p of page.Parts ?? [])
+          seen.push({ PartNumber: p.PartNumber ?? 0, ETag: p.ETag ?? '', Size: p.Size ?? -1 })
+        if (!page.IsTruncated || !page.NextPartNumberMarker || seen.length > partLengths.length) break
+        marker = String(page.NextPartNumberMarker)
+      }
+    } catch (e) {
+      if (isNoSuchUpload(e)) return 'missing'
+      throw mapError(e, 'ListParts')
+    }
+    seen.sort((a, b) => a.PartNumber - b.PartNumber)
+    const matches =
+      seen.length === partLengths.length &&
+      seen.every((p, i) => p.PartNumber === i + 1 && p.Size === partLengths[i])
+    if (!matches) {
+      await this.abortUpload(name, multipartId)
+      return 'mismatch'
+    }
+    try {
+      await this.client.send(
+        new CompleteMultipartUploadCommand({
+          Bucket: this.bucket,
+          Key: name,
+          UploadId: multipartId,
+          MultipartUpload: { Parts: seen.map((p) => ({ PartNumber: p.PartNumber, ETag: p.ETag })) },
+        }),
+      )
+    } catch (e) {
+      if (isNoSuchUpload(e)) return 'missing'
+      throw mapError(e, 'CompleteMultipartUpload')
+    }
+    return 'completed'
+  }
+
+  async abortUpload(name: string, multipartId: string): Promise<void> {
+    try {
+      await this.client.send(
+        new AbortMultipartUploadCommand({ Bucket: this.bucket, Key: name, UploadId: multipartId }),
+      )
+    } catch (e) {
+      if (!isNoSuchUpload(e)) throw mapError(e, 'AbortMultipartUpload')
+    }
+  }
+
   async close(): Promise<void> {
     this.client.destroy()
     this.#agents.http.destroy()
@@ -450,6 +568,10 @@ function errName(e: unknown): string {
 
 function isNotFound(e: unknown): boolean {
   return status(e) === 404 || errName(e) === 'NoSuchKey' || errName(e) === 'NotFound'
+}
+
+function isNoSuchUpload(e: unknown): boolean {
+  return status(e) === 404 || errName(e) === 'NoSuchUpload'
 }
 
 const UNAVAILABLE = new Set([

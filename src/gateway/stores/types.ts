@@ -23,6 +23,28 @@ export interface StoreEntry {
 
 export type PutResult = 'created' | 'exists'
 
+/** One presigned request of a direct upload: PUT body bytes [offset, offset + length) to `url`. */
+export interface UploadPart {
+  url: string
+  offset: number
+  length: number
+}
+
+/** Where a client uploads a body straight into the backend (s3): one PUT, or the parts of a multipart upload. */
+export interface UploadTargets {
+  /** The backend's multipart upload id when the body goes up in parts. */
+  multipartId?: string
+  parts: UploadPart[]
+}
+
+export interface PresignUploadOptions {
+  expiresInSeconds: number
+  /** Bodies above this go up in parts. */
+  multipartThreshold: number
+  /** Part size of a multipart upload (the last part may be shorter). */
+  partBytes: number
+}
+
 export interface GetOptions {
   range?: ByteRange
   signal?: AbortSignal
@@ -50,9 +72,36 @@ export interface ObjectStore {
   ): Promise<{ entries: StoreEntry[]; cursor?: string }>
   /** A short-lived URL that GETs the object directly from the backend (s3). */
   presignGet?(name: string, expiresInSeconds: number): Promise<string>
+  /**
+   * Presigned URLs that write exactly `size` bytes under `name` straight into the
+   * backend (s3). The gateway points them at a staging name, never a chunk name.
+   */
+  presignUpload?(name: string, size: number, opts: PresignUploadOptions): Promise<UploadTargets>
+  /**
+   * Assembles a multipart upload from its parts, which must have exactly `partLengths`
+   * (the store asks the backend, never the client). 'missing' when no such upload is open.
+   */
+  completeUpload?(
+    name: string,
+    multipartId: string,
+    partLengths: readonly number[],
+  ): Promise<'completed' | 'missing' | 'mismatch'>
+  /** Drops an unfinished multipart upload and its parts; idempotent. */
+  abortUpload?(name: string, multipartId: string): Promise<void>
   /** Object count and bytes, when the backend can tell cheaply (memory, fs). */
   stats?(): Promise<{ objects: number; bytes: number }>
   close?(): Promise<void>
+}
+
+/**
+ * Part lengths of a multipart upload: `partBytes` each, the remainder folded into
+ * the last part (no tiny tail request; S3 allows the last part to be any size).
+ */
+export function partLengths(size: number, partBytes: number): number[] {
+  const n = Math.max(1, Math.floor(size / partBytes))
+  const out = new Array<number>(n).fill(partBytes)
+  out[n - 1] = size - partBytes * (n - 1)
+  return out
 }
 
 /** Resolves a ByteRange against an object size; undefined when unsatisfiable. */

@@ -58,6 +58,14 @@ run "defaults" {
     condition     = aws_lambda_function.this.environment[0].variables["KVGATE_AUTH_SSM_PARAMETER"] == "/kvgate/auth-tokens"
     error_message = "the function is told where the token table is"
   }
+  assert {
+    condition     = aws_lambda_function.this.environment[0].variables["KVGATE_STAGING_PREFIX"] == "kv-staging" && aws_lambda_function.this.environment[0].variables["KVGATE_UPLOAD_MIN_BYTES"] == "1048576"
+    error_message = "presigned uploads stage beside the chunk prefix, from 1 MiB"
+  }
+  assert {
+    condition     = one([for r in aws_s3_bucket_lifecycle_configuration.this.rule : r.expiration[0].days if r.id == "kv-upload-staging"]) == 1 && one([for r in aws_s3_bucket_lifecycle_configuration.this.rule : one(r.filter).prefix if r.id == "kv-upload-staging"]) == "kv-staging/"
+    error_message = "uncommitted staged uploads expire after a day"
+  }
 }
 
 run "kms_and_existing_parameter" {
@@ -221,4 +229,14 @@ run "rejects_bad_namespace_policy" {
   }
 
   expect_failures = [var.namespace_policies]
+}
+
+run "upload_ttl_is_bounded" {
+  command = plan
+
+  variables {
+    upload_ttl_seconds = 10
+  }
+
+  expect_failures = [var.upload_ttl_seconds]
 }

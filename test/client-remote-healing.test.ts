@@ -1,0 +1,364 @@
+// L4 reads that must heal or be refused: forged identities, corrupt objects
+// reported to /verify, presence that expires and is dropped on 404, hung GETs,
+// oversized bodies, refused tokens, a /v1 URL, and "exists" answers.
+
+import { afterEach, beforeEach, describe, expect, it } from 'vitest'
+import { CircuitBreaker } from '../src/client/circuit-breaker.ts'
+import { KVCache, type KVCacheOptions } from '../src/client/index.ts'
+import { PresenceSet } from '../src/client/presence.ts'
+import { RemoteTier } from '../src/client/tiers/remote.ts'
+import { type ChunkMeta, decodeHeader, encodeChunk, sectionOf } from '../src/core/format.ts'
+import { chunkBytes, MODEL_PRESETS } from '../src/core/layout.ts'
+import { type FaultGateway, startFaultGateway } from './support/client-fault-gateway.ts'
+
+const T = 16
+const CB = chunkBytes(MODEL_PRESETS.stories260k, T)
+
+function tokens(n: number, seed = 1): number[] {
+  return Array.from({ length: n }, (_, i) => (i * 13 + seed * 101) % 512)
+}
+function kvFor(chunks: number, seed = 1): Uint8Array {
+  const out = new Uint8Array(chunks * CB)
+  let x = seed * 7919
+  for (let i = 0; i < out.length; i++) {
+    x = (x * 1103515245 + 12345) >>> 0
+    out[i] = x >>> 24
+  }
+  return out
+}
+const sum = (m: Uint8Array) => m.reduce((a, b) => a + b, 0)
+
+let gw: FaultGateway
+const caches: KVCache[] = []
+const tiers: RemoteTier[] = []
+beforeEach(async () => {
+  gw = await startFaultGateway()
+})
+afterEach(async () => {
+  for (const c of caches.splice(0)) await c.close(100)
+  for (const t of tiers.splice(0)) await t.close(100)
+  await gw.close()
+})
+type Remote = Partial<NonNullable<Exclude<KVCacheOptions['remote'], false>>>
+async function node(remote: Remote = {}, extra: Partial<KVCacheOptions> = {}): Promise<KVCache> {
+  const c = await KVCache.open({
+    model: 'stories260k',
+    chunkTokens: T,
+    namespace: 'team-a',
+    memory: { bytes: 32 * CB },
+    // Lookups get room: a loaded CI machine can miss the 250 ms prefill deadline, which is not under test here.
+    remote: {
+      url: gw.url,
+      codec: 'raw',
+      token: 'secret',
+      breakerCooldownMs: 50,
+      lookupTimeoutMs: 5000,
+      ...remote,
+    },
+    ...extra,
+  })
+  caches.push(c)
+  return c
+}
+/** Stores `chunks` chunks through one node and returns the prompt, its KV and its keys. */
+async function seeded(chunks: number, seed: number) {
+  const a = await node()
+  const toks = tokens(chunks * T, seed)
+  const kv = kvFor(chunks, seed)
+  await a.store(toks, kv)
+  await a.flush()
+  expect(gw.objects.size).toBeGreaterThanOrEqual(chunks)
+  return { toks, kv, keys: a.keys(toks).map((k) => k.hex) }
+}
+const verifies = () => gw.requests.filter((r) => r.method === 'POST' && r.path.endsWith('/verify'))
+const lookups = () => gw.requests.filter((r) => r.method === 'POST' && r.path.endsWith('/lookup'))
+const chunkGets = () => gw.requests.filter((r) => r.method === 'GET' && r.path.includes('/chunks/'))
+
+/** Collects process warnings with the given code while `fn` runs. */
+async function warningsDuring(code: string, fn: () => Promise<void>): Promise<string[]> {
+  const got: string[] = []
+  const on = (w: Error & { code?: string }) => {
+    if (w.code === code) got.push(w.message)
+  }
+  process.on('warning', on)
+  try {
+    await fn()
+    // emitWarning delivers on the next tick.
+    await new Promise((r) => setImmediate(r))
+  } finally {
+    process.off('warning', on)
+  }
+  return got
+}
+
+describe('identity: every header field is checked (finding 17)', () => {
+  const forgeries: [string, (m: ChunkMeta) => void][] = [
+    ['namespace id', (m) => (m.namespaceId = m.namespaceId.map((b) => b ^ 1))],
+    ['parent key', (m) => (m.parentKey = m.parentKey.map((b) => b ^ 1))],
+    ['chunk index', (m) => (m.chunkIndex += 1)],
+    ['partial flag', (m) => (m.partial = !m.partial)],
+  ]
+  it.each(forgeries)(
+    'a valid object with the right chain key but another %s is a counted corrupt miss',
+    async (_, forge) => {
+      const { toks, kv, keys } = await seeded(2, 40)
+      // Rewrite chunk 1 as a well-formed object (every CRC right) that lies about one identity field.
+      const stored = gw.objects.get(keys[1]!)!
+      const h = decodeHeader(stored)
+      const meta: ChunkMeta = { ...h }
+      forge(meta)
+      const sections = h.sections.map((_, l) => sectionOf(stored, h, l))
+      gw.objects.set(keys[1]!, encodeChunk(meta, sections))
+
+      const b = await node()
+      const into = new Uint8Array(2 * CB)
+      const mask = await b.retrieve(toks, { into })
+      expect(sum(mask)).toBe(T) // chunk 0 only
+      expect(Buffer.compare(into.subarray(0, CB), kv.subarray(0, CB))).toBe(0)
+      expect(into.subarray(CB).every((x) => x === 0)).toBe(true)
+      expect(b.stats().remote?.corrupt).toBe(1)
+      // The layer path checks the same fields.
+      const c = await node()
+      let served = 0
+      for await (const batch of c.retrieveLayers(toks)) served = batch.chunks
+      expect(served).toBe(1)
+      expect(c.stats().remote?.corrupt).toBeGreaterThanOrEqual(1)
+    },
+  )
+})
+
+describe('corrupt objects are reported to the gateway once (contract C1)', () => {
+  it('a CRC failure POSTs /verify once per key, forgets the key, and counts what the gateway found', async () => {
+    const { toks, keys } = await seeded(2, 41)
+    gw.faults.corrupt = true
+    gw.faults.verdict = 'corrupt'
+    const b = await node()
+    for (let i = 0; i < 3; i++) expect(sum(await b.retrieve(toks, { into: new Uint8Array(2 * CB) }))).toBe(0)
+    for (let i = 0; i < 50 && b.stats().remote?.corruptConfirmed === 0; i++)
+      await new Promise((r) => setTimeout(r, 10))
+    for (let i = 0; i < 50 && b.stats().remote?.corruptConfirmed !== 2; i++)
+      await new Promise((r) => setTimeout(r, 10))
+    const v = verifies()
+    expect(v.map((r) => r.path).sort()).toEqual(keys.map((k) => `/v1/ns/team-a/chunks/${k}/verify`).sort())
+    expect(v[0]!.auth).toBe('Bearer secret')
+    const s = b.stats().remote!
+    expect(s.corruptReported).toBe(2)
+    expect(s.corruptConfirmed).toBe(2)
+    expect(s.corrupt).toBe(2)
+    // The gateway deleted it; the next lookup asks again instead of trusting what it knew.
+    gw.faults.corrupt = false
+    expect((await b.lookup(toks)).tokens).toBe(0)
+  })
+
+  it('a layer-range read that fails verification reports too', async () => {
+    const { toks, keys } = await seeded(1, 42)
+    gw.faults.corrupt = true
+    const b = await node()
+    for await (const _ of b.retrieveLayers(toks)) {
+      // nothing to use
+    }
+    for (let i = 0; i < 50 && verifies().length === 0; i++) await new Promise((r) => setTimeout(r, 10))
+    expect(verifies().map((r) => r.path)).toEqual([`/v1/ns/team-a/chunks/${keys[0]}/verify`])
+  })
+})
+
+describe('presence heals (contract C2)', () => {
+  it('a 404 drops that key and every later key of its chain, so the next lookup asks the gateway', async () => {
+    const { toks, keys } = await seeded(3, 43)
+    const b = await node()
+    expect((await b.lookup(toks)).tokens).toBe(3 * T)
+    expect(b.stats().remote?.knownPresent).toBe(3)
+    gw.objects.delete(keys[1]!) // behind the gateway's back, like lifecycle expiry
+    const asked = lookups().length
+    expect(sum(await b.retrieve(toks, { into: new Uint8Array(3 * CB) }))).toBe(T)
+    const s = b.stats().remote!
+    expect(s.notFound).toBe(1)
+    expect(s.knownPresent).toBe(1) // chunk 0 only: 1 and 2 were forgotten
+    expect(lookups().length).toBe(asked)
+    // Chunk 0 is in L1 now; the lookup asks the gateway about chunk 1 on.
+    expect((await b.lookup(toks)).tokens).toBe(T)
+    expect(lookups().length).toBe(asked + 1)
+  })
+
+  it('presence learned from a lookup expires after presenceTtlMs', async () => {
+    const { toks } = await seeded(2, 44)
+    const b = await node({ presenceTtlMs: 30 })
+    await b.lookup(toks)
+    const asked = lookups().length
+    await new Promise((r) => setTimeout(r, 60))
+    await b.lookup(toks)
+    expect(lookups().length).toBe(asked + 1)
+    expect(b.stats().remote?.lookupKeysKnown).toBe(0)
+  })
+
+  it('forgetFrom drops keys from an index on, and what was learned after them', () => {
+    let now = 0
+    const p = new PresenceSet(1000, 100, () => now)
+    p.rememberChain(['a', 'b', 'c', 'd'])
+    p.rememberChain(['b', 'x'], 1) // another continuation after b; b itself is not renewed
+    p.forgetFrom(['a', 'b', 'c'], 2)
+    expect(['a', 'b', 'c', 'd', 'x'].map((k) => p.has(k))).toEqual([true, true, false, false, true])
+    p.forgetChainFrom('b')
+    expect(['a', 'b', 'x'].map((k) => p.has(k))).toEqual([true, false, false])
+    now = 1001
+    expect(p.has('a')).toBe(false)
+  })
+})
+
+describe('deadlines and body caps', () => {
+  it('hung GETs are not retried and open the breaker although lookups keep succeeding (finding 18)', async () => {
+    const { toks } = await seeded(2, 45)
+    gw.faults.hangGets = true
+    const b = await node({ timeoutMs: 200, retries: 2, breakerThreshold: 5 }, { fetchConcurrency: 1 })
+    const one = toks.slice(0, T)
+    expect(sum(await b.retrieve(one, { into: new Uint8Array(CB) }))).toBe(0)
+    expect(chunkGets().length).toBe(1) // its deadline is spent: no retry
+    expect(b.stats().remote?.breaker).toBe('closed')
+    // A lookup that succeeds in between does not wipe the hung request from memory.
+    expect((await b.lookup(toks)).tokens).toBe(2 * T)
+    expect(sum(await b.retrieve(one, { into: new Uint8Array(CB) }))).toBe(0)
+    const s = b.stats().remote!
+    expect(s.timeouts).toBe(2)
+    expect(s.breaker).not.toBe('closed')
+    expect(s.breakerOpenedByTimeouts).toBe(1)
+    gw.faults.hangGets = false
+  })
+
+  it('timeouts open the breaker only within their window; successes do not reset them', () => {
+    let now = 0
+    const b = new CircuitBreaker({
+      failureThreshold: 5,
+      timeoutWindowMs: 1000,
+      probe: async () => false,
+      now: () => now,
+    })
+    b.timeout()
+    now = 1500 // the first one is out of the window
+    b.timeout()
+    b.success()
+    expect(b.state).toBe('closed')
+    now = 1900
+    b.timeout()
+    expect(b.state).toBe('open')
+    expect(b.openedByTimeouts).toBe(1)
+    b.dispose()
+  })
+
+  it("the caller's own deadline ends a GET without blaming the gateway", async () => {
+    const { keys } = await seeded(1, 48)
+    gw.faults.hangGets = true
+    const r = new RemoteTier({ url: gw.url, namespace: 'team-a', timeoutMs: 60_000 })
+    tiers.push(r)
+    const ac = new AbortController()
+    setTimeout(() => ac.abort(), 50)
+    expect(await r.get(keys[0]!, undefined, undefined, { signal: ac.signal })).toBeUndefined()
+    const s = r.stats()
+    expect([s.timeouts, r.counters.errors, s.breaker]).toEqual([0, 0, 'closed'])
+    gw.faults.hangGets = false
+  })
+
+  it.each([
+    ['with a content-length', false, false],
+    ['chunked', true, false],
+    ['from a presigned-redirect target', true, true],
+  ])(
+    'a body far over the chunk size is aborted, never buffered (%s) (finding 19)',
+    async (_, chunked, redirect) => {
+      const { toks } = await seeded(1, 46)
+      gw.faults.oversize = 64 * 1024 * 1024
+      gw.faults.oversizeChunked = chunked
+      gw.faults.redirect = redirect
+      const b = await node({ retries: 2 })
+      expect(sum(await b.retrieve(toks, { into: new Uint8Array(CB) }))).toBe(0)
+      const s = b.stats().remote!
+      expect(s.oversizedBodies).toBe(1)
+      expect(chunkGets().length).toBe(1) // not retried
+      // The gateway is asked to check what it stores (it answers ok here: nothing is deleted).
+      expect(s.corruptReported).toBe(1)
+      for (let i = 0; i < 50 && verifies().length === 0; i++) await new Promise((r) => setTimeout(r, 10))
+      expect(verifies()).toHaveLength(1)
+      // The reader hung up long before the 64 MiB were sent (socket buffers aside).
+      await new Promise((r) => setTimeout(r, 50))
+      expect(gw.oversizeWritten).toBeLessThan(16 * 1024 * 1024)
+      gw.faults.oversize = 0
+    },
+  )
+
+  it('layer-range answers are capped at their range', async () => {
+    const { toks } = await seeded(1, 47)
+    gw.faults.oversize = 1024 * 1024
+    const b = await node()
+    for await (const _ of b.retrieveLayers(toks)) {
+      // nothing arrives intact
+    }
+    expect(b.stats().remote?.oversizedBodies).toBeGreaterThanOrEqual(1)
+    gw.faults.oversize = 0
+  })
+})
+
+describe('gateway answers the client can act on (issue 15)', () => {
+  it.each([401, 403] as const)('a %i is counted and named in one warning', async (status) => {
+    gw.faults.refuse = status
+    const msgs = await warningsDuring('KVGATE_REMOTE_AUTH', async () => {
+      const c = await node()
+      for (let i = 0; i < 3; i++) {
+        await c.store(tokens(T, 50 + i), kvFor(1, 50 + i))
+        await c.lookup(tokens(2 * T, 60 + i))
+      }
+      await c.flush()
+      const s = c.stats().remote!
+      expect(s.authErrors).toBeGreaterThanOrEqual(6)
+      expect(s.errors).toBeGreaterThanOrEqual(s.authErrors)
+    })
+    expect(msgs).toHaveLength(1)
+    expect(msgs[0]).toMatch(status === 401 ? /remote\.token/ : /namespace 'team-a'/)
+    gw.faults.refuse = 0
+  })
+
+  it.each(['/v1', '/v1/'])('a URL ending in %s reaches /v1/ns/…, not /v1/v1/', async (suffix) => {
+    const { toks, kv } = await seeded(1, 51)
+    const b = await node({ url: gw.url + suffix })
+    const into = new Uint8Array(CB)
+    expect(sum(await b.retrieve(toks, { into }))).toBe(T)
+    expect(Buffer.compare(into, kv)).toBe(0)
+    expect(gw.requests.some((r) => r.path.startsWith('/v1/v1/'))).toBe(false)
+  })
+
+  it('a URL naming a namespace path is refused at open', async () => {
+    await expect(node({ url: `${gw.url}/v1/ns/team-a` })).rejects.toMatchObject({
+      code: 'ERR_INVALID_ARGUMENT',
+      message: expect.stringMatching(/base URL/),
+    })
+  })
+
+  it('a 409 to a re-PUT (an older gateway, another size) counts as exists, not an error (contract C3)', async () => {
+    const { keys } = await seeded(1, 52)
+    gw.faults.conflictOnExists = true
+    const r = new RemoteTier({ url: gw.url, namespace: 'team-a', token: 'secret' })
+    tiers.push(r)
+    expect(await r.put(keys[0]!, gw.objects.get(keys[0]!)!)).toBe(true)
+    expect(r.stats().existed).toBe(1)
+    expect(r.counters.errors).toBe(0)
+    expect(r.knownPresent(keys[0]!)).toBe(true)
+  })
+})
+
+describe('shedding is for a sick gateway, and visible (finding 20)', () => {
+  it('an open breaker sheds with a reason and one warning a minute', async () => {
+    const c = await node({ breakerThreshold: 1, retries: 0, breakerCooldownMs: 60_000 })
+    gw.faults.fail5xx = true
+    const msgs = await warningsDuring('KVGATE_REMOTE_SHED', async () => {
+      for (let i = 0; i < 4; i++) {
+        await c.store(tokens(2 * T, 70 + i), kvFor(2, 70 + i))
+        await c.flush(1000)
+      }
+    })
+    const s = c.stats().remote!
+    expect(s.breaker).not.toBe('closed')
+    expect(s.shedByReason.breaker).toBeGreaterThan(0)
+    expect(s.shedWrites).toBe(s.shedByReason.breaker + s.shedByReason.queueFull + s.shedByReason.closed)
+    expect(msgs).toHaveLength(1)
+    expect(msgs[0]).toMatch(/circuit breaker open/)
+    gw.faults.fail5xx = false
+  })
+})

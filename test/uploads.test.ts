@@ -1,0 +1,239 @@
+// The upload protocol without S3: "direct" answers from stores that cannot presign,
+// request checks, option checks, the ticket and expiry logic over a fake staging
+// store, and the client's remote tier learning that a gateway takes PUTs directly.
+
+import { createHash } from 'node:crypto'
+import { afterEach, describe, expect, it, vi } from 'vitest'
+import { RemoteTier } from '../src/client/tiers/remote.ts'
+import { serveGateway } from '../src/gateway/adapters/node.ts'
+import { createGateway } from '../src/gateway/app.ts'
+import { MemoryStore } from '../src/gateway/stores/memory.ts'
+import type { UploadTargets } from '../src/gateway/stores/types.ts'
+import { makeChunk } from './gateway-fixtures.ts'
+
+const MIB = 1024 * 1024
+const sha256 = (s: string) => createHash('sha256').update(s).digest('hex')
+const GRANTS = [
+  { name: 'a', sha256: sha256('tok-a'), scopes: 'write' as const, namespaces: ['a'] },
+  { name: 'r', sha256: sha256('tok-r'), scopes: 'read' as const, namespaces: ['a'] },
+  { name: 'b', sha256: sha256('tok-b'), scopes: 'write' as const, namespaces: ['b'] },
+]
+
+type App = ReturnType<typeof createGateway>
+
+async function open(app: App, ns: string, body: unknown, token = 'tok-a', type = 'application/json') {
+  const res = await app.fetch(
+    new Request(`http://gw/v1/ns/${ns}/uploads`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${token}`, 'content-type': type },
+      body: typeof body === 'string' ? body : JSON.stringify(body),
+    }),
+  )
+  const json = (await res.json()) as Record<string, unknown> & { error?: { code: string } }
+  return { status: res.status, json, code: json.error?.code }
+}
+
+async function commit(app: App, ns: string, id: string, token = 'tok-a') {
+  const res = await app.fetch(
+    new Request(`http://gw/v1/ns/${ns}/uploads/${id}/commit`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${token}` },
+    }),
+  )
+  const json = (await res.json()) as Record<string, unknown> & { error?: { code: string } }
+  return { status: res.status, json, code: json.error?.code }
+}
+
+/** A memory store that "presigns": the URL names the staging object; tests stage bytes themselves. */
+class StagingMemoryStore extends MemoryStore {
+  async presignUpload(name: string, size: number): Promise<UploadTargets> {
+    return { parts: [{ url: `https://bucket.invalid/${name}?X-Amz-Signature=t`, offset: 0, length: size }] }
+  }
+}
+
+const stagedNameOf = (url: string) => decodeURIComponent(new URL(url).pathname.slice(1))
+
+afterEach(() => {
+  vi.useRealTimers()
+})
+
+describe('stores that cannot presign answer "direct"', () => {
+  it('for every size, with or without the uploads option; there is nothing to commit', async () => {
+    for (const uploads of [undefined, {}]) {
+      const app = createGateway({ store: new MemoryStore(), auth: { tokens: GRANTS }, uploads })
+      const c = makeChunk({ layers: 4, sectionBytes: MIB })
+      const r = await open(app, 'a', { key: c.key, bytes: c.bytes.length })
+      expect([r.status, r.json]).toEqual([200, { mode: 'direct', presignMinBytes: null }])
+      const cm = await commit(app, 'a', 'eyJrIjoiMCJ9')
+      expect([cm.status, cm.code]).toEqual([404, 'ERR_NOT_FOUND'])
+    }
+  })
+
+  it('checks scope, namespace, content type, JSON, fields, key and size', async () => {
+    const app = createGateway({ store: new MemoryStore(), auth: { tokens: GRANTS }, uploads: {} })
+    const key = makeChunk().key
+    const cases: [unknown, number, string, string?, string?][] = [
+      [{ key, bytes: 4096 }, 403, 'ERR_FORBIDDEN', 'tok-r'],
+      [{ key, bytes: 4096 }, 415, 'ERR_UNSUPPORTED_MEDIA_TYPE', 'tok-a', 'text/plain'],
+      ['{not json', 400, 'ERR_INVALID_ARGUMENT'],
+      [{ key, bytes: 4096, extra: 1 }, 400, 'ERR_INVALID_ARGUMENT'],
+      [{ key: 'zz', bytes: 4096 }, 400, 'ERR_INVALID_KEY'],
+      [{ key, bytes: -1 }, 400, 'ERR_INVALID_ARGUMENT'],
+      [{ key, bytes: 10 }, 400, 'ERR_FORMAT_TRUNCATED'],
+    ]
+    for (const [body, status, code, token, type] of cases) {
+      const r = await open(app, 'a', body, token, type)
+      expect([r.status, r.code], JSON.stringify(body)).toEqual([status, code])
+    }
+    expect((await open(app, 'b', { key, bytes: 4096 })).status).toBe(403)
+  })
+
+  it('refuses bad options eagerly', () => {
+    const store = new MemoryStore()
+    expect(() => createGateway({ store, uploads: { minBytes: 1, bogus: 1 } as never })).toThrow(
+      /uploads.bogus/,
+    )
+    expect(() => createGateway({ store, uploads: { partBytes: MIB } })).toThrow(/partBytes/)
+    expect(() => createGateway({ store, uploads: { expiresSeconds: 0 } })).toThrow(/expiresSeconds/)
+    // Staging inside the chunk prefix would make unverified bytes look like chunks.
+    expect(() => createGateway({ store, prefix: 'kv', uploads: { stagingPrefix: 'kv/staging' } })).toThrow(
+      /stagingPrefix/,
+    )
+    expect(() => createGateway({ store, prefix: 'kv', uploads: { stagingPrefix: '../x' } })).toThrow(
+      /stagingPrefix/,
+    )
+  })
+})
+
+describe('tickets over a staging store', () => {
+  const setup = () => {
+    const store = new StagingMemoryStore()
+    const app = createGateway({
+      store,
+      prefix: 'kv',
+      auth: { tokens: GRANTS },
+      uploads: { minBytes: 1024, expiresSeconds: 60 },
+    })
+    return { store, app }
+  }
+
+  it('stages outside the chunk prefix, commits verified bytes, and removes the staged object', async () => {
+    const { store, app } = setup()
+    const c = makeChunk({ sectionBytes: 4096 })
+    const r = await open(app, 'a', { key: c.key, bytes: c.bytes.length })
+    expect(r.json.mode).toBe('presigned')
+    const {
+      uploadId,
+      parts,
+      commit: commitPath,
+    } = r.json as {
+      uploadId: string
+      parts: { url: string }[]
+      commit: string
+    }
+    expect(commitPath).toBe(`/v1/ns/a/uploads/${uploadId}/commit`)
+    const staged = stagedNameOf(parts[0]!.url)
+    expect(staged.startsWith(`kv-staging/a/${c.key}/${c.bytes.length}-`)).toBe(true)
+    await store.putIfAbsent(staged, c.bytes, c.bytes.length)
+    const done = await commit(app, 'a', uploadId)
+    expect([done.status, done.json]).toEqual([201, { status: 'created', bytes: c.bytes.length }])
+    expect(await store.head(staged)).toBeUndefined()
+    const got = await store.get(`kv/a/${c.key.slice(0, 2)}/${c.key}`)
+    expect(Buffer.from(await new Response(got!.body).arrayBuffer()).equals(Buffer.from(c.bytes))).toBe(true)
+    // Stored now: a new open answers "exists" and moves nothing.
+    const again = await open(app, 'a', { key: c.key, bytes: c.bytes.length })
+    expect(again.json).toEqual({ mode: 'exists', bytes: c.bytes.length })
+  })
+
+  it('refuses a commit after the expiry and deletes what was staged', async () => {
+    const { store, app } = setup()
+    const c = makeChunk({ sectionBytes: 4096 })
+    const r = await open(app, 'a', { key: c.key, bytes: c.bytes.length })
+    const { uploadId, parts } = r.json as { uploadId: string; parts: { url: string }[] }
+    const staged = stagedNameOf(parts[0]!.url)
+    await store.putIfAbsent(staged, c.bytes, c.bytes.length)
+    vi.useFakeTimers({ toFake: ['Date'] })
+    vi.setSystemTime(Date.now() + 61_000)
+    const late = await commit(app, 'a', uploadId)
+    expect([late.status, late.code]).toEqual([410, 'ERR_UPLOAD_EXPIRED'])
+    expect(await store.head(staged)).toBeUndefined()
+    expect(await store.head(`kv/a/${c.key.slice(0, 2)}/${c.key}`)).toBeUndefined()
+  })
+
+  it('refuses corrupt staged bytes: nothing visible, the staged object removed', async () => {
+    const { store, app } = setup()
+    const c = makeChunk({ sectionBytes: 4096 })
+    const r = await open(app, 'a', { key: c.key, bytes: c.bytes.length })
+    const { uploadId, parts } = r.json as { uploadId: string; parts: { url: string }[] }
+    const bad = c.bytes.slice()
+    bad[bad.length - 10]! ^= 0x40
+    await store.putIfAbsent(stagedNameOf(parts[0]!.url), bad, bad.length)
+    const res = await commit(app, 'a', uploadId)
+    expect([res.status, res.code]).toEqual([400, 'ERR_FORMAT_CHECKSUM'])
+    expect(await store.head(`kv/a/${c.key.slice(0, 2)}/${c.key}`)).toBeUndefined()
+    expect(await store.head(stagedNameOf(parts[0]!.url))).toBeUndefined()
+  })
+
+  it("binds a ticket to its namespace: another namespace's token finds nothing to commit", async () => {
+    const { store, app } = setup()
+    const c = makeChunk({ sectionBytes: 4096 })
+    const r = await open(app, 'a', { key: c.key, bytes: c.bytes.length })
+    const { uploadId, parts } = r.json as { uploadId: string; parts: { url: string }[] }
+    await store.putIfAbsent(stagedNameOf(parts[0]!.url), c.bytes, c.bytes.length)
+    expect((await commit(app, 'a', uploadId, 'tok-b')).status).toBe(403)
+    const moved = await commit(app, 'b', uploadId, 'tok-b')
+    expect([moved.status, moved.code]).toEqual([404, 'ERR_NOT_FOUND'])
+    expect(await store.head(`kv/b/${c.key.slice(0, 2)}/${c.key}`)).toBeUndefined()
+    expect((await commit(app, 'a', uploadId)).status).toBe(201)
+  })
+
+  it('refuses malformed and edited tickets', async () => {
+    const { store, app } = setup()
+    const c = makeChunk({ sectionBytes: 4096 })
+    const r = await open(app, 'a', { key: c.key, bytes: c.bytes.length })
+    const { uploadId, parts } = r.json as { uploadId: string; parts: { url: string }[] }
+    await store.putIfAbsent(stagedNameOf(parts[0]!.url), c.bytes, c.bytes.length)
+    const t = JSON.parse(Buffer.from(uploadId, 'base64url').toString())
+    const edit = (patch: object) => Buffer.from(JSON.stringify({ ...t, ...patch })).toString('base64url')
+    for (const [id, status] of [
+      ['%%%', 400],
+      [Buffer.from('[]').toString('base64url'), 400],
+      [edit({ n: 'not-hex' }), 400],
+      [edit({ k: 'zz' }), 400],
+      [edit({ e: t.e + 60 }), 404],
+      [edit({ k: makeChunk().key }), 404],
+    ] as const) {
+      expect((await commit(app, 'a', id)).status, id).toBe(status)
+    }
+    // The genuine ticket still works after all of that.
+    expect((await commit(app, 'a', uploadId)).status).toBe(201)
+  })
+})
+
+describe('the remote tier', () => {
+  it('asks a gateway that answers "direct" once, then PUTs large chunks without asking', async () => {
+    const seen: string[] = []
+    const app = createGateway({
+      store: new MemoryStore(),
+      uploads: {},
+      logger: (e) => seen.push(`${e.method} ${String(e.path).replace(/[0-9a-f]{64}/, 'KEY')}`),
+    })
+    const gw = await serveGateway(app, { port: 0 })
+    const tier = new RemoteTier({ url: gw.url, namespace: 'a' })
+    try {
+      const small = makeChunk()
+      const big = [makeChunk({ sectionBytes: MIB / 2 }), makeChunk({ sectionBytes: MIB / 2 })]
+      expect(await tier.put(small.key, small.bytes)).toBe(true)
+      for (const c of big) expect(await tier.put(c.key, c.bytes)).toBe(true)
+      expect(seen).toEqual([
+        'PUT /v1/ns/a/chunks/KEY',
+        'POST /v1/ns/a/uploads',
+        'PUT /v1/ns/a/chunks/KEY',
+        'PUT /v1/ns/a/chunks/KEY',
+      ])
+    } finally {
+      await tier.close()
+      await gw.close()
+    }
+  })
+})
