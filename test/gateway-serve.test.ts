@@ -190,7 +190,9 @@ describe('fs store', () => {
     const winner = res.indexOf('created')
     const got = await store.get('p/ab/obj')
     expect(new Uint8Array(await new Response(got!.body).arrayBuffer())).toEqual(bodies[winner])
-    expect((await store.list('')).entries).toEqual([{ name: 'p/ab/obj', size: 1000 }])
+    expect((await store.list('')).entries).toEqual([
+      { name: 'p/ab/obj', size: 1000, modified: expect.any(Number) },
+    ])
   })
 
   it('a failed body leaves nothing; ranges work; unsafe names are refused', async () => {

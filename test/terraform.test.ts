@@ -288,7 +288,28 @@ describe('terraform module structure (hcl2json)', () => {
       (p) => p.action,
     )
     expect(grants.sort()).toEqual(['lambda:InvokeFunction', 'lambda:InvokeFunctionUrl'])
-    expect(hcl.resource.aws_lambda_permission.this[0].principal).toBe('*')
+    const principals = Object.values(locals.url_permissions as Record<string, { principal: string }>)
+    expect(principals.map((p) => p.principal)).toEqual(['*', '*'])
+    expect(hcl.resource.aws_lambda_permission.this[0].principal).toBe('${each.value.principal}')
+  })
+
+  it('schedules kvgate gc through EventBridge, scoped to its rule, with the namespace policies', () => {
+    const locals: Hcl = Object.assign({}, ...hcl.locals)
+    const rule = hcl.resource.aws_cloudwatch_event_rule.this[0]
+    expect(rule.schedule_expression).toBe('${var.gc_schedule_expression}')
+    expect(hcl.variable.gc_schedule_expression[0].default).toBe('rate(1 hour)')
+    const target = hcl.resource.aws_cloudwatch_event_target.this[0]
+    expect(target.arn).toBe('${aws_lambda_function.this.arn}')
+    expect(target.input).toBe('${jsonencode({ kvgate = "gc" })}')
+    // Only EventBridge, only from this rule, may invoke it outside the URL.
+    const gc = locals.gc_permissions as string
+    expect(gc).toContain('events.amazonaws.com')
+    expect(gc).toContain('aws_cloudwatch_event_rule.this[0].arn')
+    expect(hcl.resource.aws_lambda_permission.this[0].source_arn).toBe('${each.value.source_arn}')
+    const env = hcl.resource.aws_lambda_function.this[0].environment[0].variables
+    expect(env.KVGATE_COLD_TIER).toBe('${local.cold_tier_json}')
+    expect(hcl.variable.namespace_policies[0].default).toEqual({})
+    expect(hcl.variable.cold_tier_storage_class[0].validation[0].condition).toContain('INTELLIGENT_TIERING')
   })
 
   it('follows the module conventions: typed, described variables; resources named this; pinned versions', () => {
@@ -377,9 +398,9 @@ describe.skipIf(!haveTerraform)('terraform CLI', () => {
       const t = tf(dir, 'module', 'test')
       expect(t.code, t.out).toBe(0)
       expect(t.out).toMatch(/\d+ passed, 0 failed/)
-      // ~10 mocked plans: close to a minute on a loaded 2-core machine.
+      // 14 mocked plans: past a minute on a loaded 2-core machine.
     },
-    240_000,
+    300_000,
   )
 
   it.skipIf(!haveMirror)('inits and validates examples/basic offline', () => {

@@ -27,6 +27,7 @@ const COMMANDS: Record<string, CommandEntry> = {
     summary: 'put, get and look up a chunk against a running gateway',
   },
   bench: { summary: 'run a benchmark (codec, gateway, native, client, fleet)' },
+  gc: { summary: 'delete unused and over-quota chains from the bucket, tail first (cold tier)' },
 }
 
 export function version(): string {

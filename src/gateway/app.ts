@@ -16,6 +16,8 @@ import { opsRoutes } from './routes/ops.ts'
 import { type UploadOptions, uploadRoutes } from './routes/uploads.ts'
 import { verifyRoutes } from './routes/verify.ts'
 import type { ObjectStore } from './stores/types.ts'
+import type { ColdTierGatewayOptions } from './usage/hooks.ts'
+import { coldTierHooks } from './usage/hooks.ts'
 
 export interface GatewayOptions {
   /** Where chunk objects live. */
@@ -42,6 +44,8 @@ export interface GatewayOptions {
   uploads?: UploadOptions
   /** Receives one record per request. */
   logger?: RequestLogger
+  /** Use tracking + fleet accounting for gc (docs/cold-tier.md). false turns both off. @default on */
+  coldTier?: false | ColdTierGatewayOptions
 }
 
 export type GatewayApp = Hono<GatewayEnv> & { readonly state: GatewayState }
@@ -53,6 +57,7 @@ export function createGateway(options: GatewayOptions): GatewayApp {
   app.notFound((c) =>
     errorResponse(state, notFound(`no route for ${c.req.method} ${new URL(c.req.url).pathname}`), c),
   )
+  coldTierHooks(app, state, options.coldTier)
   app.use('*', requestLog(state, options.logger))
   app.use('*', bearerAuth(options.auth))
   lookupRoutes(app, state)

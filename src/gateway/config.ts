@@ -4,6 +4,7 @@
 
 import { readFileSync } from 'node:fs'
 import { parse as parseYaml } from 'yaml'
+import { type ColdTierConfig, parseColdTier } from '../coldtier/policy.ts'
 import { ConfigError } from '../core/errors.ts'
 import type { TokenGrant } from './middleware/auth.ts'
 
@@ -48,6 +49,8 @@ export interface ServeConfig {
   publicStatus: boolean
   insecure: boolean
   log: LogLevel
+  /** Retention, quotas, grace and use tracking (docs/cold-tier.md); `kvgate gc` reads the same section. */
+  coldTier: ColdTierConfig
 }
 
 /** Flat settings, the common shape of the three sources. */
@@ -80,6 +83,8 @@ export interface ServeSettings {
   publicStatus?: string | boolean
   insecure?: string | boolean
   log?: string
+  /** The `coldTier` mapping (file) or its JSON (KVGATE_COLD_TIER). */
+  coldTier?: unknown
 }
 
 const ENV: Record<string, keyof ServeSettings> = {
@@ -111,6 +116,7 @@ const ENV: Record<string, keyof ServeSettings> = {
   KVGATE_PUBLIC_STATUS: 'publicStatus',
   KVGATE_INSECURE: 'insecure',
   KVGATE_LOG: 'log',
+  KVGATE_COLD_TIER: 'coldTier',
 }
 
 export const ENV_VARS = Object.keys(ENV)
@@ -169,6 +175,7 @@ export function settingsFromFile(file: string): ServeSettings {
     tokens: auth.tokens as TokenGrant[] | undefined,
     publicStatus: pick(auth, 'publicStatus'),
     log: pick(d, 'log'),
+    coldTier: d.coldTier,
   }
   for (const k of Object.keys(out) as (keyof ServeSettings)[]) if (out[k] === undefined) delete out[k]
   return out
@@ -278,5 +285,6 @@ export function resolveServeConfig(...layers: ServeSettings[]): ServeConfig {
     publicStatus: bool('publicStatus', s.publicStatus) ?? false,
     insecure,
     log,
+    coldTier: parseColdTier(s.coldTier, 'coldTier'),
   }
 }

@@ -2,12 +2,14 @@
 // lookup engine, GET coalescer, header cache, limits and the status counters.
 
 import { LRUCache } from 'lru-cache'
+import type { FleetAccounting } from '../coldtier/accounting.ts'
 import type { ChunkHeader } from '../core/format.ts'
 import { ChainLookup, type ChainLookupOptions } from './chain-lookup.ts'
 import { GetCoalescer } from './coalesce.ts'
 import { GatewayMetrics } from './metrics.ts'
 import { instrumentStore } from './stores/instrumented.ts'
 import type { ObjectStore } from './stores/types.ts'
+import type { UsageRecorder } from './usage/recorder.ts'
 
 export interface GatewayLimits {
   /** Largest chunk object accepted by PUT. @default 512 MiB */
@@ -78,6 +80,10 @@ export interface GatewayState {
   startedAt: number
   recentErrors: RecentError[]
   written: { objects: number; bytes: number }
+  /** Use tracking for the cold tier (src/gateway/usage); undefined when turned off. */
+  usage?: UsageRecorder
+  /** Fleet-wide per-namespace accounting (src/coldtier/accounting.ts); undefined when off. */
+  accounting?: FleetAccounting
 }
 
 export function createState(opts: {

@@ -133,6 +133,8 @@ export class GatewayMetrics {
     'kvgate_busy_total',
     'Requests refused with 503 ERR_BUSY because the in-flight byte or buffer bound was reached',
   )
+  /** Metrics other modules register (use tracking, cold-tier accounting), rendered after these. */
+  readonly extras: { render(): string[] }[] = []
 
   render(): string {
     const all = [
@@ -155,6 +157,7 @@ export class GatewayMetrics {
       this.corrupt,
       this.verifies,
       this.busy,
+      ...this.extras,
     ]
     return `${all.flatMap((m) => m.render()).join('\n')}\n`
   }

@@ -47,6 +47,10 @@ export interface StatusSnapshot {
   /** Requests refused (503 ERR_BUSY) at the in-flight bounds. */
   busy: number
   recentErrors: GatewayState['recentErrors']
+  /** Fleet-wide per namespace (gc's last listing + creations since), with monthly cost. */
+  namespaces: { ns: string; objects: number; bytes: number; monthlyUsd: number }[]
+  /** When gc's listing behind `namespaces` ran (ms); undefined before the first gc. */
+  accountingAt: number | undefined
 }
 
 let statsCache: { at: number; value: { objects: number; bytes: number } | undefined } | undefined
@@ -60,6 +64,7 @@ export async function snapshot(state: GatewayState): Promise<StatusSnapshot> {
       value: state.store.stats ? await state.store.stats().catch(() => undefined) : undefined,
     }
   }
+  await state.accounting?.refresh()
   const st = statsCache.value
   const bytesForCost = st?.bytes ?? state.written.bytes
   const storeLat = m.storeSeconds.totals()
@@ -89,6 +94,12 @@ export async function snapshot(state: GatewayState): Promise<StatusSnapshot> {
     presenceInvalidated: m.invalidations.value(),
     busy: m.busy.value(),
     recentErrors: state.recentErrors,
+    namespaces: Object.entries(state.accounting?.totals() ?? {}).map(([ns, t]) => ({
+      ns,
+      ...t,
+      monthlyUsd: (t.bytes / 1e9) * state.storagePricePerGBMonth,
+    })),
+    accountingAt: state.accounting?.snapshotAt,
   }
 }
 
@@ -118,6 +129,8 @@ ${row('bytes', s.bytes === undefined ? 'n/a for this store' : fmtBytes(s.bytes))
 ${row('written since start', `${s.writtenObjects} objects, ${fmtBytes(s.writtenBytes)}`)}
 ${row('est. storage cost / month', `$${(s.monthlyStorageUsd ?? 0).toFixed(2)} at $${price}/GB-month${s.bytes === undefined ? ' (bytes written since start)' : ''}`)}
 </table>
+<h2>Namespaces (fleet-wide${s.accountingAt === undefined ? ': no gc run yet, this instance only' : `, gc listing of ${new Date(s.accountingAt).toISOString()} + creations since`})</h2>
+${s.namespaces.length ? `<table><tr><th>namespace</th><th>objects</th><th>bytes</th><th>$ / month</th></tr>${s.namespaces.map((n) => `<tr><td>${esc(n.ns)}</td><td>${n.objects}</td><td>${esc(fmtBytes(n.bytes))}</td><td>$${n.monthlyUsd.toFixed(2)}</td></tr>`).join('')}</table>` : '<p>none</p>'}
 <h2>Traffic</h2><table>
 ${row('uptime', `${s.uptimeSeconds} s`)}
 ${row('requests', `${s.requests} (${s.errors} errors)`)}

@@ -15,13 +15,37 @@ locals {
       statement_id           = "AllowPublicFunctionUrl"
       action                 = "lambda:InvokeFunctionUrl"
       function_url_auth_type = "NONE"
+      principal              = "*"
+      source_arn             = null
     }
     invoke = {
       statement_id           = "AllowPublicFunctionUrlInvoke"
       action                 = "lambda:InvokeFunction"
       function_url_auth_type = null
+      principal              = "*"
+      source_arn             = null
     }
   }
+
+  # kvgate gc on a schedule: EventBridge invokes the same function with {"kvgate": "gc"}.
+  gc_enabled = var.gc_schedule_expression != null
+  gc_permissions = local.gc_enabled ? {
+    gc = {
+      statement_id           = "AllowEventBridgeGc"
+      action                 = "lambda:InvokeFunction"
+      function_url_auth_type = null
+      principal              = "events.amazonaws.com"
+      source_arn             = aws_cloudwatch_event_rule.this[0].arn
+    }
+  } : {}
+
+  # The coldTier section the gateway and gc read (docs/cold-tier.md); null attributes dropped.
+  cold_tier_json = jsonencode({
+    grace = var.gc_grace
+    namespaces = {
+      for ns, p in var.namespace_policies : ns => { for k, v in p : k => v if v != null }
+    }
+  })
 
   # Every object the gateway touches lives under this prefix; IAM and lifecycle are scoped to it.
   objects_arn = "${aws_s3_bucket.this.arn}/${var.object_prefix}/*"
@@ -328,6 +352,7 @@ resource "aws_lambda_function" "this" {
       KVGATE_PRESIGN_THRESHOLD  = tostring(var.presign_threshold_bytes)
       KVGATE_PRESIGN_TTL        = tostring(var.presign_ttl_seconds)
       KVGATE_MAX_CHUNK_BYTES    = tostring(var.max_chunk_bytes)
+      KVGATE_COLD_TIER          = local.cold_tier_json
       KVGATE_UPLOAD_MIN_BYTES   = tostring(var.upload_threshold_bytes)
       KVGATE_UPLOAD_MAX_BYTES   = tostring(var.upload_max_bytes)
       KVGATE_UPLOAD_TTL         = tostring(var.upload_ttl_seconds)
@@ -363,11 +388,36 @@ resource "aws_lambda_function_url" "this" {
 # 6.x only), so it is a plain public grant: no wider in effect than the public URL,
 # since the gateway authenticates every event with its bearer tokens either way.
 resource "aws_lambda_permission" "this" {
-  for_each = var.create_invoke_function_permission ? local.url_permissions : { url = local.url_permissions.url }
+  for_each = merge(
+    var.create_invoke_function_permission ? local.url_permissions : { url = local.url_permissions.url },
+    local.gc_permissions,
+  )
 
   statement_id           = each.value.statement_id
   action                 = each.value.action
   function_name          = aws_lambda_function.this.function_name
-  principal              = "*"
+  principal              = each.value.principal
+  source_arn             = each.value.source_arn
   function_url_auth_type = each.value.function_url_auth_type
+}
+
+################################################################################
+# Scheduled gc (retention by last use, per-namespace quotas, tail-first eviction)
+################################################################################
+
+resource "aws_cloudwatch_event_rule" "this" {
+  count = local.gc_enabled ? 1 : 0
+
+  name                = "${var.name}-gc"
+  description         = "kvgate gc: delete unused and over-quota KV chains from s3://${aws_s3_bucket.this.id}"
+  schedule_expression = var.gc_schedule_expression
+  tags                = var.tags
+}
+
+resource "aws_cloudwatch_event_target" "this" {
+  count = local.gc_enabled ? 1 : 0
+
+  rule  = aws_cloudwatch_event_rule.this[0].name
+  arn   = aws_lambda_function.this.arn
+  input = jsonencode({ kvgate = "gc" })
 }

@@ -67,18 +67,18 @@ variable "kms_key_arn" {
 ################################################################################
 
 variable "cold_tier_transition_days" {
-  description = "Days after creation when chunk objects move to `cold_tier_storage_class`. Null keeps them in S3 Standard."
+  description = "Days after creation when chunk objects move to `cold_tier_storage_class`. Null keeps them in S3 Standard. 0 (INTELLIGENT_TIERING only) puts objects there from the first lifecycle run."
   type        = number
   default     = 30
 
   validation {
-    condition     = var.cold_tier_transition_days == null || try(var.cold_tier_transition_days >= 1 && floor(var.cold_tier_transition_days) == var.cold_tier_transition_days, false)
-    error_message = "cold_tier_transition_days must be a whole number of days >= 1, or null."
+    condition     = var.cold_tier_transition_days == null || try(var.cold_tier_transition_days >= 0 && floor(var.cold_tier_transition_days) == var.cold_tier_transition_days, false)
+    error_message = "cold_tier_transition_days must be a whole number of days >= 0, or null."
   }
 }
 
 variable "cold_tier_storage_class" {
-  description = "Storage class for the cold tier. STANDARD_IA and ONEZONE_IA need >= 30 days; GLACIER_IR keeps millisecond reads."
+  description = "Storage class for the cold tier. INTELLIGENT_TIERING (with transition days 0) suits gc's retention by last use: a chunk not read for 30 days drops to the infrequent tier by itself, a read brings it back, no retrieval fee. STANDARD_IA and ONEZONE_IA need >= 30 days and bill 30 days minimum per object; GLACIER_IR keeps millisecond reads."
   type        = string
   default     = "STANDARD_IA"
 
@@ -90,6 +90,11 @@ variable "cold_tier_storage_class" {
   validation {
     condition     = !contains(["STANDARD_IA", "ONEZONE_IA"], var.cold_tier_storage_class) || var.cold_tier_transition_days == null || try(var.cold_tier_transition_days >= 30, false)
     error_message = "S3 refuses transitions to STANDARD_IA / ONEZONE_IA earlier than 30 days after creation."
+  }
+
+  validation {
+    condition     = var.cold_tier_transition_days != 0 || var.cold_tier_storage_class == "INTELLIGENT_TIERING"
+    error_message = "cold_tier_transition_days = 0 is only for INTELLIGENT_TIERING (its access tiers follow reads; other classes charge for early reads and deletes)."
   }
 }
 
@@ -257,6 +262,50 @@ variable "max_chunk_bytes" {
   validation {
     condition     = var.max_chunk_bytes >= 1024 && var.max_chunk_bytes <= 4718592
     error_message = "max_chunk_bytes must be between 1024 and 4718592 (4.5 MiB, what fits in a 6 MB Lambda request once base64-encoded)."
+  }
+}
+
+################################################################################
+# Scheduled gc (docs/cold-tier.md)
+################################################################################
+
+variable "gc_schedule_expression" {
+  description = "EventBridge schedule on which the function runs `kvgate gc` (retention by last use, quotas, accounting). Null turns scheduled gc off; the lifecycle rules remain the backstop."
+  type        = string
+  default     = "rate(1 hour)"
+
+  validation {
+    condition     = var.gc_schedule_expression == null || can(regex("^(rate|cron)\\(.+\\)$", var.gc_schedule_expression))
+    error_message = "gc_schedule_expression must be an EventBridge rate(...) or cron(...) expression, or null."
+  }
+}
+
+variable "gc_grace" {
+  description = "gc never deletes a chunk read or written within this long (e.g. 10m); longer than the gateways' use-record maxDelay (5m by default)."
+  type        = string
+  default     = "10m"
+
+  validation {
+    condition     = can(regex("^[0-9]+(ms|s|m|h|d)$", var.gc_grace))
+    error_message = "gc_grace must be a duration like 10m or 1h."
+  }
+}
+
+variable "namespace_policies" {
+  description = "Per-namespace cold-tier policy: retention by last use (e.g. 30d) and a byte quota (e.g. 500GiB), evicting least-recently-used chains from their tails. Key \"*\" applies to unlisted namespaces; a namespace without a policy is only accounted."
+  type = map(object({
+    retention = optional(string)
+    quota     = optional(string)
+  }))
+  default = {}
+
+  validation {
+    condition = alltrue([for ns, p in var.namespace_policies :
+      (ns == "*" || can(regex("^[a-z0-9][a-z0-9._-]{0,62}$", ns))) &&
+      (p.retention == null || can(regex("^[0-9]+(s|m|h|d)$", p.retention))) &&
+      (p.quota == null || can(regex("^[0-9]+(\\.[0-9]+)?\\s*([KMGT]i?B|B)$", p.quota)))
+    ])
+    error_message = "namespace_policies: keys are namespaces (or \"*\"); retention like 30d, quota like 500GiB or 2TB."
   }
 }
 

@@ -29,7 +29,9 @@ beside the baseline measured in the same run and writes bench/results/<name>.jso
 Benchmarks here: ${names.length > 0 ? names.join(', ') : '(none found in bench/)'}
 
   fleet   N client processes behind one gateway on Ceph RadosGW (or --store fs):
-          hit rate per tier vs an oracle, S3 requests and $ per 1,000 prefix hits`
+          hit rate per tier vs an oracle, S3 requests and $ per 1,000 prefix hits
+  cold-tier  the fleet workload under a quota below the working set with hourly gc:
+          hit rate vs an oracle LRU and creation-age lifecycle, use-tracking requests`
 }
 
 export async function run(argv: string[]): Promise<number> {

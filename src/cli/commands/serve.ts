@@ -63,6 +63,12 @@ Config file:
     tokens:
       - { name: fleet, sha256: <kvgate serve --hash-token ...>, scopes: write, namespaces: [prod] }
       - { name: ops, sha256: <...>, scopes: admin, namespaces: '*' }
+  coldTier:                            # env: KVGATE_COLD_TIER (the same as JSON); see docs/cold-tier.md
+    grace: 10m                         # never delete what was read or written this recently
+    usage: { flushInterval: 60s, maxDelay: 5m, maxKeys: 20000 }
+    namespaces:
+      prod: { retention: 30d, quota: 500GiB }
+      '*': { retention: 90d }
 `
 
 export async function run(argv: string[]): Promise<number> {
@@ -126,7 +132,7 @@ export async function run(argv: string[]): Promise<number> {
   return serve(config)
 }
 
-async function openStore(config: ServeConfig): Promise<ObjectStore> {
+export async function openStore(config: ServeConfig): Promise<ObjectStore> {
   const s = config.store
   if (s.kind === 'fs') return new FsStore({ root: s.dir, fsync: s.fsync }).open()
   if (s.kind === 'memory') return new MemoryStore()
@@ -168,12 +174,14 @@ async function serve(config: ServeConfig): Promise<number> {
     },
     lookup: { presenceTtlMs: config.presenceTtlMs },
     coalesce: { maxBytes: config.coalesceMaxBytes, maxBufferedBytes: config.coalesceMaxBufferedBytes },
+    coldTier: config.coldTier.tracking ? { usage: config.coldTier.usage } : { tracking: false },
     logger: (e) =>
       write({
         ...e,
         level: (e.status as number) >= 500 ? 'error' : (e.status as number) >= 400 ? 'warn' : 'info',
       }),
   })
+  app.state.usage?.start()
   const gw = await serveGateway(app, {
     host: config.host,
     port: config.port,
@@ -206,6 +214,8 @@ async function serve(config: ServeConfig): Promise<number> {
     process.once('SIGTERM', () => stop('SIGTERM'))
   })
   await gw.close(5000)
+  // Unflushed use records would otherwise be lost with the process (gc would see older last uses).
+  await app.state.usage?.close().catch(() => {})
   await store.close?.()
   return 0
 }

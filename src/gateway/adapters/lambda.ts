@@ -4,6 +4,7 @@
 import type { Writable } from 'node:stream'
 import { Readable } from 'node:stream'
 import { pipeline } from 'node:stream/promises'
+import { type ColdTierConfig, parseColdTier } from '../../coldtier/policy.ts'
 import { ConfigError, isKvgateError } from '../../core/errors.ts'
 import { createGateway } from '../app.ts'
 import type { TokenGrant } from '../middleware/auth.ts'
@@ -45,9 +46,36 @@ export interface AwsLambdaGlobal {
   HttpResponseStream: { from(stream: Writable, metadata: ResponseMetadata): Writable }
 }
 
-/** Anything with a Web fetch: the gateway app. */
+/** Anything with a Web fetch: the gateway app (with its state when it is the gateway). */
 export interface FetchApp {
   fetch(request: Request): Response | Promise<Response>
+  state?: { usage?: { pending: Promise<void> | undefined } }
+}
+
+/** An EventBridge schedule's event for gc (the Terraform module sends `{"kvgate": "gc"}`). */
+export function isGcEvent(event: unknown): boolean {
+  const e = event as { kvgate?: unknown; source?: unknown } | null
+  return e?.kvgate === 'gc' || e?.source === 'aws.events'
+}
+
+/** One gc pass with the function's own settings (store, prefix, KVGATE_COLD_TIER). */
+export async function lambdaGc(env: Record<string, string | undefined> = process.env) {
+  const cfg = configFromEnv({ ...env, KVGATE_AUTH: 'disabled' }) // gc serves no requests
+  const { runGc } = await import('../../coldtier/gc.ts')
+  const store = await openStore(cfg)
+  try {
+    const report = await runGc({ store, prefix: cfg.prefix, config: cfg.coldTier, pricePerGBMonth: 0.023 })
+    console.log(
+      JSON.stringify({
+        msg: 'kvgate gc',
+        ...report,
+        namespaces: report.namespaces.map(({ policy: _, ...n }) => n),
+      }),
+    )
+    return report
+  } finally {
+    await store.close?.()
+  }
 }
 
 /** Builds a Web Request from a function URL event (headers, cookies, base64 bodies). */
@@ -110,6 +138,11 @@ async function respond(getApp: () => Promise<FetchApp>, event: FunctionUrlEvent)
  */
 export function streamingHandler(getApp: () => Promise<FetchApp>, aws: AwsLambdaGlobal) {
   return async (event: FunctionUrlEvent, responseStream: Writable): Promise<void> => {
+    if (isGcEvent(event)) {
+      const report = await lambdaGc()
+      responseStream.end(JSON.stringify({ run: report.run, errors: report.errors.length }))
+      return
+    }
     const res = await respond(getApp, event)
     const out = aws.HttpResponseStream.from(responseStream, metadataOf(res))
     if (!res.body) {
@@ -122,12 +155,23 @@ export function streamingHandler(getApp: () => Promise<FetchApp>, aws: AwsLambda
       console.error('kvgate: response stream failed', e)
       out.destroy(e as Error)
     }
+    // A use-record flush started by this request finishes before the environment freezes.
+    await (await getApp().catch(() => undefined))?.state?.usage?.pending
   }
 }
 
 /** Fallback for BUFFERED invoke mode: the whole body base64-encoded (Lambda caps it at 6 MB). */
 export function bufferedHandler(getApp: () => Promise<FetchApp>) {
   return async (event: FunctionUrlEvent): Promise<FunctionUrlResult> => {
+    if (isGcEvent(event)) {
+      const report = await lambdaGc()
+      return {
+        statusCode: 200,
+        headers: {},
+        body: JSON.stringify({ run: report.run }),
+        isBase64Encoded: false,
+      }
+    }
     const res = await respond(getApp, event)
     const { statusCode, headers, cookies } = metadataOf(res)
     const body = Buffer.from(await res.arrayBuffer())
@@ -164,6 +208,8 @@ export interface LambdaGatewayConfig {
   presignMinBytes: number
   presignTtlSeconds: number
   maxChunkBytes: number
+  /** KVGATE_COLD_TIER: retention/quota per namespace, grace, use tracking. */
+  coldTier: ColdTierConfig
   /** Bodies from this size are written through presigned staging uploads (KVGATE_UPLOAD_MIN_BYTES). */
   uploadMinBytes: number
   /** Largest chunk accepted through an upload (KVGATE_UPLOAD_MAX_BYTES). */
@@ -198,6 +244,7 @@ export function configFromEnv(env: Record<string, string | undefined> = process.
     presignMinBytes: intFromEnv(env, 'KVGATE_PRESIGN_THRESHOLD', 1024 * 1024),
     presignTtlSeconds: intFromEnv(env, 'KVGATE_PRESIGN_TTL', 300),
     maxChunkBytes: intFromEnv(env, 'KVGATE_MAX_CHUNK_BYTES', 4 * 1024 * 1024),
+    coldTier: parseColdTier(env.KVGATE_COLD_TIER, 'KVGATE_COLD_TIER'),
     // Bodies above ~4.5 MiB cannot reach the function at all (6 MB events, base64);
     // from 1 MiB they already cost more in function duration than two small requests.
     uploadMinBytes: intFromEnv(env, 'KVGATE_UPLOAD_MIN_BYTES', 1024 * 1024),
@@ -280,6 +327,7 @@ export async function gatewayFromConfig(cfg: LambdaGatewayConfig): Promise<Fetch
     },
     prefix: cfg.prefix,
     storagePricePerGBMonth: 0.023,
+    coldTier: cfg.coldTier.tracking ? { usage: cfg.coldTier.usage } : { tracking: false },
   })
 }
 

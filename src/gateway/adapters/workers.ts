@@ -1,10 +1,12 @@
 // Cloudflare Workers entry: `export default { fetch }` building the gateway once per
 // isolate from its bindings (R2 bucket, token table secret, limits from vars).
 
+import { parseColdTier } from '../../coldtier/policy.ts'
 import { ConfigError, isKvgateError } from '../../core/errors.ts'
 import { createGateway, type GatewayApp } from '../app.ts'
 import type { TokenGrant } from '../middleware/auth.ts'
 import { type R2BucketLike, R2Store } from '../stores/r2.ts'
+import { R2_PRICE_PER_GB_MONTH, scheduledGc } from './workers-cron.ts'
 
 /** Bindings declared in wrangler.toml. */
 export interface WorkerEnv {
@@ -28,6 +30,8 @@ export interface WorkerEnv {
   KVGATE_COALESCE_MAX_BUFFERED_BYTES?: string
   /** How long a cached presence is trusted (ms). @default 30000 */
   KVGATE_PRESENCE_TTL_MS?: string
+  /** The coldTier section as JSON: retention/quota per namespace, grace, use tracking (docs/cold-tier.md). */
+  KVGATE_COLD_TIER?: string
 }
 
 function intVar(env: WorkerEnv, name: keyof WorkerEnv, fallback: number): number {
@@ -67,8 +71,10 @@ export function gatewayFromEnv(env: WorkerEnv): GatewayApp {
     multipartThreshold: intVar(env, 'KVGATE_MULTIPART_THRESHOLD', 64 * 1024 * 1024),
     partBytes: intVar(env, 'KVGATE_PART_BYTES', 8 * 1024 * 1024),
   })
+  const coldTier = parseColdTier(env.KVGATE_COLD_TIER, 'KVGATE_COLD_TIER')
   return createGateway({
     store,
+    coldTier: coldTier.tracking ? { usage: coldTier.usage } : { tracking: false },
     auth: tokens.length > 0 ? { tokens, publicStatus: env.KVGATE_PUBLIC_STATUS === 'true' } : undefined,
     limits: { maxChunkBytes: intVar(env, 'KVGATE_MAX_CHUNK_BYTES', 90 * 1024 * 1024) },
     prefix: env.KVGATE_PREFIX ?? 'kv',
@@ -76,7 +82,7 @@ export function gatewayFromEnv(env: WorkerEnv): GatewayApp {
     coalesce: { maxBufferedBytes: intVar(env, 'KVGATE_COALESCE_MAX_BUFFERED_BYTES', 32 * 1024 * 1024) },
     lookup: { presenceTtlMs: intVar(env, 'KVGATE_PRESENCE_TTL_MS', 30_000) },
     // R2 list price; no egress fees.
-    storagePricePerGBMonth: 0.015,
+    storagePricePerGBMonth: R2_PRICE_PER_GB_MONTH,
   })
 }
 
@@ -146,5 +152,10 @@ export default {
     const res = await app.fetch(req, env as unknown as Record<string, unknown>, ctx as never)
     await drain()
     return res
+  },
+
+  /** Cron Trigger: one gc pass (the promise keeps the invocation alive until it is done). */
+  async scheduled(_event: unknown, env: WorkerEnv): Promise<void> {
+    await scheduledGc(env)
   },
 }

@@ -10,7 +10,7 @@ import {
   layerSpan,
   readHeaderLength,
 } from '../../core/format.ts'
-import { assertKeyHex, assertNamespaceName, objectName } from '../../core/keys.ts'
+import { assertKeyHex, assertNamespaceName, objectName, toHex } from '../../core/keys.ts'
 import type { CachedHeader, GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
 import { namespaceIdOf, reportCorruptRead, type VerifyTarget } from '../heal.ts'
@@ -93,6 +93,7 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       state.inFlight.bytes -= size
     }
     if (result === 'exists') {
+      state.usage?.use(ns, key, 0)
       const head = await state.store.head(name)
       if (head) state.lookup.remember(name, head.size)
       state.metrics.puts.inc({ result: 'exists' })
@@ -101,6 +102,8 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     }
     state.lookup.remember(name, size)
     state.headers.delete(name)
+    const parent = vb.header()?.parentKey
+    if (parent) state.usage?.created(ns, key, toHex(parent), size)
     state.metrics.puts.inc({ result: 'created' })
     state.metrics.bytesIn.inc({}, size)
     state.written.objects++
@@ -111,13 +114,14 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
 
   app.get(PATH, async (c) => {
     const t = target(c, state, 'read')
-    const { name } = t
+    const { name, ns, key } = t
     if (c.req.method === 'HEAD') {
       const size = state.lookup.cached(name) ?? (await state.store.head(name))?.size
       if (size === undefined) {
         state.lookup.invalidateFrom(name)
         throw notFound()
       }
+      state.usage?.use(ns, key)
       state.lookup.remember(name, size)
       return c.body(null, 200, {
         'content-length': String(size),
@@ -129,7 +133,9 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     const rangeHeader = c.req.header('range')
     if (layers !== undefined) {
       if (rangeHeader !== undefined) throw badRequest('use either Range or ?layers=, not both')
-      return layersAnswer(c, state, t, layers)
+      const res = await layersAnswer(c, state, t, layers)
+      state.usage?.use(ns, key)
+      return res
     }
     const range = rangeHeader === undefined ? undefined : parseRange(rangeHeader)
 
@@ -141,6 +147,7 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       }
       state.lookup.remember(name, size)
       if (size >= state.presign.minBytes) {
+        state.usage?.use(ns, key)
         const url = await state.store.presignGet!(name, state.presign.expiresSeconds)
         state.metrics.redirects.inc()
         return c.body(null, 307, { location: url, 'cache-control': 'no-store' })
@@ -158,6 +165,7 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       state.lookup.invalidateFrom(name)
       throw notFound()
     }
+    state.usage?.use(ns, key)
     if (!range) state.lookup.remember(name, obj.size)
     state.metrics.bytesOut.inc({}, obj.length)
     c.set('bytes', obj.length)

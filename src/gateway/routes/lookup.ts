@@ -39,6 +39,7 @@ export function lookupRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       return `${base}${hex.slice(0, 2)}/${hex}`
     })
     const r = await state.lookup.lookup(names, { sizes: sizes ?? false })
+    if (r.present > 0) state.usage?.use(ns, keys[r.present - 1] as string, r.present)
     c.header('x-kvgate-store-requests', String(r.storeRequests))
     c.header('x-kvgate-store-rounds', String(r.rounds))
     return c.json(sizes === true ? { present: r.present, sizes: r.sizes } : { present: r.present })

@@ -10,8 +10,9 @@ import { renderStatusPage, snapshot } from '../status-page.ts'
 export function opsRoutes(app: Hono<GatewayEnv>, state: GatewayState, opts: { publicStatus: boolean }): void {
   app.get('/healthz', (c) => c.json({ ok: true, store: state.store.kind }))
 
-  app.get('/metrics', (c) => {
+  app.get('/metrics', async (c) => {
     if (!opts.publicStatus) authorize(c, '*', 'admin')
+    await state.accounting?.refresh()
     return c.text(state.metrics.render(), 200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' })
   })
 

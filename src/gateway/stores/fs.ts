@@ -190,7 +190,8 @@ export class FsStore implements ObjectStore {
       const name = path.relative(this.root, p).split(path.sep).join('/')
       if (path.basename(p).startsWith(TMP_PREFIX) || !name.startsWith(prefix)) continue
       if (opts.cursor !== undefined && name <= opts.cursor) continue
-      names.push({ name, size: (await fsp.stat(p).catch(() => ({ size: -1 }))).size })
+      const st = await fsp.stat(p).catch(() => ({ size: -1, mtimeMs: 0 }))
+      names.push({ name, size: st.size, modified: st.mtimeMs })
     }
     names.sort((a, b) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0))
     const entries = names.filter((e) => e.size >= 0).slice(0, limit)

@@ -22,6 +22,7 @@ export class MemoryStore implements ObjectStore {
   /** Write count per name: the version tag a re-PUT after a DELETE changes. */
   readonly #versions = new Map<string, number>()
   #writes = 0
+  readonly #modified = new Map<string, number>()
   readonly #onOp: MemoryStoreOptions['onOp']
 
   constructor(opts: MemoryStoreOptions = {}) {
@@ -75,12 +76,14 @@ export class MemoryStore implements ObjectStore {
     if (this.#objects.has(name)) return 'exists'
     this.#objects.set(name, bytes.slice())
     this.#versions.set(name, ++this.#writes)
+    this.#modified.set(name, Date.now())
     return 'created'
   }
 
   async delete(name: string): Promise<boolean> {
     this.#onOp?.('delete')
     this.#versions.delete(name)
+    this.#modified.delete(name)
     return this.#objects.delete(name)
   }
 
@@ -91,7 +94,11 @@ export class MemoryStore implements ObjectStore {
       .filter((n) => n.startsWith(prefix) && (opts.cursor === undefined || n > opts.cursor))
       .sort()
     const page = names.slice(0, limit)
-    const entries = page.map((name) => ({ name, size: this.#objects.get(name)!.length }))
+    const entries = page.map((name) => ({
+      name,
+      size: this.#objects.get(name)!.length,
+      modified: this.#modified.get(name)!,
+    }))
     return names.length > limit ? { entries, cursor: page[page.length - 1]! } : { entries }
   }
 

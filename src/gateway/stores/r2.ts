@@ -20,6 +20,8 @@ export interface R2ObjectLike {
   key: string
   size: number
   etag: string
+  /** When the object was written (R2 lists it). */
+  uploaded?: Date
 }
 
 export interface R2ObjectBodyLike extends R2ObjectLike {
@@ -237,7 +239,11 @@ export class R2Store implements ObjectStore {
     } catch (e) {
       throw storeFailure('list', prefix, e)
     }
-    const entries: StoreEntry[] = page.objects.map((o) => ({ name: o.key, size: o.size }))
+    const entries: StoreEntry[] = page.objects.map((o) => ({
+      name: o.key,
+      size: o.size,
+      ...(o.uploaded ? { modified: o.uploaded.getTime() } : {}),
+    }))
     return page.truncated && page.cursor ? { entries, cursor: page.cursor } : { entries }
   }
 }

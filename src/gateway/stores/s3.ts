@@ -341,7 +341,11 @@ export class S3Store implements ObjectStore {
           ...(opts.cursor ? { StartAfter: opts.cursor } : {}),
         }),
       )
-      const entries = (res.Contents ?? []).map((o) => ({ name: o.Key ?? '', size: o.Size ?? 0 }))
+      const entries = (res.Contents ?? []).map((o) => ({
+        name: o.Key ?? '',
+        size: o.Size ?? 0,
+        ...(o.LastModified ? { modified: o.LastModified.getTime() } : {}),
+      }))
       const last = entries[entries.length - 1]
       return res.IsTruncated && last ? { entries, cursor: last.name } : { entries }
     } catch (e) {

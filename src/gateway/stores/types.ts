@@ -19,6 +19,8 @@ export interface StoreObject {
 export interface StoreEntry {
   name: string
   size: number
+  /** Last-modified time (ms since epoch) when the backend lists it (gc's grace period for new writes). */
+  modified?: number
 }
 
 export type PutResult = 'created' | 'exists'

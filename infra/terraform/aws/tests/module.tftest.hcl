@@ -150,9 +150,85 @@ run "function_url_permissions_opt_out" {
   }
 
   assert {
-    condition     = keys(aws_lambda_permission.this) == ["url"]
-    error_message = "opting out leaves only the URL grant"
+    condition     = keys(aws_lambda_permission.this) == ["gc", "url"]
+    error_message = "opting out leaves only the URL grant (and the scheduled gc's)"
   }
+}
+
+run "scheduled_gc" {
+  command = plan
+
+  variables {
+    namespace_policies = {
+      prod = { retention = "30d", quota = "500GiB" }
+      "*"  = { retention = "90d" }
+    }
+  }
+
+  assert {
+    condition     = aws_cloudwatch_event_rule.this[0].schedule_expression == "rate(1 hour)"
+    error_message = "gc runs hourly by default"
+  }
+  assert {
+    condition     = aws_cloudwatch_event_target.this[0].input == jsonencode({ kvgate = "gc" })
+    error_message = "the schedule sends the event the handler recognises"
+  }
+  assert {
+    condition     = aws_lambda_permission.this["gc"].principal == "events.amazonaws.com"
+    error_message = "only EventBridge gets the gc grant"
+  }
+  assert {
+    condition     = jsondecode(aws_lambda_function.this.environment[0].variables["KVGATE_COLD_TIER"]) == { grace = "10m", namespaces = { prod = { retention = "30d", quota = "500GiB" }, "*" = { retention = "90d" } } }
+    error_message = "namespace policies reach the function as KVGATE_COLD_TIER"
+  }
+}
+
+run "scheduled_gc_off" {
+  command = plan
+
+  variables {
+    gc_schedule_expression = null
+  }
+
+  assert {
+    condition     = length(aws_cloudwatch_event_rule.this) == 0 && !contains(keys(aws_lambda_permission.this), "gc")
+    error_message = "gc_schedule_expression = null schedules nothing"
+  }
+}
+
+run "intelligent_tiering_from_creation" {
+  command = plan
+
+  variables {
+    cold_tier_storage_class   = "INTELLIGENT_TIERING"
+    cold_tier_transition_days = 0
+  }
+
+  assert {
+    condition     = one(flatten([for r in aws_s3_bucket_lifecycle_configuration.this.rule : [for t in r.transition : "${t.storage_class}@${t.days}"]])) == "INTELLIGENT_TIERING@0"
+    error_message = "objects move to Intelligent-Tiering"
+  }
+}
+
+run "rejects_day_zero_for_ia" {
+  command = plan
+
+  variables {
+    cold_tier_storage_class   = "STANDARD_IA"
+    cold_tier_transition_days = 0
+  }
+
+  expect_failures = [var.cold_tier_storage_class]
+}
+
+run "rejects_bad_namespace_policy" {
+  command = plan
+
+  variables {
+    namespace_policies = { prod = { quota = "lots" } }
+  }
+
+  expect_failures = [var.namespace_policies]
 }
 
 run "upload_ttl_is_bounded" {

@@ -1,0 +1,391 @@
+// One gc pass over a bucket: list it once, fold use records and the previous chain index
+// into last-use times, find parents (index, records, else a ranged header read), delete by
+// retention and quota from chain tails inward, then write a new index and an accounting
+// snapshot (create-only, named per run) and delete the records and objects it folded.
+//
+// Safe to run twice at once and beside live traffic: every write is a new create-only
+// object, deletes are idempotent, a chunk is deleted only after every deeper victim of its
+// chain is gone, and anything read or written within the grace period is kept.
+
+import { decodeHeader, HEADER_PREFIX_BYTES, readHeaderLength } from '../core/format.ts'
+import { objectName, toHex } from '../core/keys.ts'
+import type { ObjectStore, StoreEntry } from '../gateway/stores/types.ts'
+import { type AccountingSnapshot, type NamespaceTotals, parseSnapshot, snapshotName } from './accounting.ts'
+import { type ChunkNode, plan, settle } from './chain-graph.ts'
+import { classify, indexPrefix, randomId, runObjectName } from './names.ts'
+import { type ColdTierConfig, type NamespacePolicy, policyFor } from './policy.ts'
+import { decodeBatch, encodeBatch, type LinkEntry, type UseEntry } from './records.ts'
+
+const HEADER_PROBE_BYTES = 4096
+
+export type GcProgress =
+  | { phase: 'list'; objects: number }
+  | { phase: 'records'; ns: string; records: number }
+  | { phase: 'headers'; ns: string; done: number; total: number }
+  | { phase: 'delete'; ns: string; done: number; total: number }
+  | { phase: 'namespace'; report: NamespaceReport }
+
+export interface GcOptions {
+  store: ObjectStore
+  /** Object name prefix (the gateway's). */
+  prefix: string
+  config: ColdTierConfig
+  /** Plan and report only: nothing is written or deleted. */
+  dryRun?: boolean
+  /** Only these namespaces (others are still listed and accounted). */
+  namespaces?: string[]
+  /** @default Date.now() */
+  now?: number
+  /** Store requests in flight. @default 16 */
+  concurrency?: number
+  /** $/GB-month for the cost figures. @default 0.023 */
+  pricePerGBMonth?: number
+  onProgress?: (p: GcProgress) => void
+}
+
+export interface NamespaceReport {
+  ns: string
+  policy: NamespacePolicy | undefined
+  /** What the listing found (the reconciliation). */
+  listed: NamespaceTotals
+  /** The previous snapshot plus creations recorded since: the incremental figure, to compare. */
+  incremental: NamespaceTotals | undefined
+  /** Deleted (or, dry run, to delete) by reason. */
+  deleted: { objects: number; bytes: number; retention: number; quota: number }
+  /** Deletes that found the object already gone (another gc run, lifecycle). */
+  alreadyGone: number
+  /** Deletes that failed; their ancestors were kept (tail-first). */
+  failed: number
+  kept: NamespaceTotals
+  protectedByGrace: number
+  overQuotaBytes: number
+  chains: number
+  headerReads: number
+  unreadable: number
+  usageRecords: number
+  monthlyUsdBefore: number
+  monthlyUsdAfter: number
+}
+
+export interface GcReport {
+  run: string
+  at: number
+  dryRun: boolean
+  namespaces: NamespaceReport[]
+  requests: Record<'list' | 'get' | 'head' | 'put' | 'delete', number>
+  errors: string[]
+}
+
+interface NsListing {
+  chunks: StoreEntry[]
+  usage: string[]
+  index: string[]
+}
+
+export async function runGc(opts: GcOptions): Promise<GcReport> {
+  const now = opts.now ?? Date.now()
+  const concurrency = opts.concurrency ?? 16
+  const price = opts.pricePerGBMonth ?? 0.023
+  const dry = opts.dryRun ?? false
+  const run = randomId()
+  const requests = { list: 0, get: 0, head: 0, put: 0, delete: 0 }
+  const errors: string[] = []
+  const store = countingStore(opts.store, requests)
+  const progress = opts.onProgress ?? (() => {})
+
+  // 1. One listing of everything under the prefix.
+  const byNs = new Map<string, NsListing>()
+  const nsOf = (ns: string) => {
+    let l = byNs.get(ns)
+    if (!l) {
+      l = { chunks: [], usage: [], index: [] }
+      byNs.set(ns, l)
+    }
+    return l
+  }
+  const snapshots: string[] = []
+  const base = opts.prefix === '' ? '' : `${opts.prefix}/`
+  let cursor: string | undefined
+  let listed = 0
+  do {
+    // S3 and R2 answer at most 1,000 names a page anyway; fs and memory stores walk all
+    // their names per page, so larger pages keep a big local store from going quadratic.
+    const page = await store.list(base, { limit: 10_000, ...(cursor ? { cursor } : {}) })
+    for (const e of page.entries) {
+      const c = classify(opts.prefix, e.name)
+      if (c.kind === 'chunk') nsOf(c.ns).chunks.push(e)
+      else if (c.kind === 'usage') nsOf(c.ns).usage.push(e.name)
+      else if (c.kind === 'index') nsOf(c.ns).index.push(e.name)
+      else if (c.kind === 'accounting') snapshots.push(e.name)
+    }
+    listed += page.entries.length
+    progress({ phase: 'list', objects: listed })
+    cursor = page.cursor
+  } while (cursor)
+
+  snapshots.sort()
+  let previous: AccountingSnapshot | undefined
+  for (let i = snapshots.length - 1; i >= 0 && !previous; i--) {
+    const bytes = await readWhole(store, snapshots[i]!)
+    previous = bytes ? parseSnapshot(bytes) : undefined
+  }
+
+  const reports: NamespaceReport[] = []
+  const totals: Record<string, NamespaceTotals> = {}
+  for (const [ns, l] of [...byNs].sort(([a], [b]) => (a < b ? -1 : 1))) {
+    const listedTotals = sum(l.chunks)
+    if (opts.namespaces && !opts.namespaces.includes(ns)) {
+      totals[ns] = listedTotals
+      continue
+    }
+    const r = await gcNamespace(ns, l, listedTotals)
+    reports.push(r)
+    progress({ phase: 'namespace', report: r })
+    totals[ns] = r.kept
+  }
+
+  // 4. The reconciled accounting: this listing less what this run deleted.
+  if (!dry) {
+    const snap: AccountingSnapshot = { at: now, source: 'listing', namespaces: totals }
+    const bytes = new TextEncoder().encode(JSON.stringify(snap))
+    try {
+      await store.putIfAbsent(snapshotName(opts.prefix, now, run), bytes, bytes.length)
+      await pool(snapshots, concurrency, (n) => store.delete(n))
+    } catch (e) {
+      errors.push(`accounting snapshot: ${(e as Error).message}`)
+    }
+  }
+  return { run, at: now, dryRun: dry, namespaces: reports, requests, errors }
+
+  async function gcNamespace(
+    ns: string,
+    l: NsListing,
+    listedTotals: NamespaceTotals,
+  ): Promise<NamespaceReport> {
+    const policy = policyFor(opts.config, ns)
+    const lastUse = new Map<string, number>()
+    const parents = new Map<string, string>()
+    const folded: string[] = []
+    let createdSince: NamespaceTotals = { objects: 0, bytes: 0 }
+    const since = previous?.at ?? Infinity
+    const fold = (uses: UseEntry[], links: LinkEntry[], counts: boolean) => {
+      for (const u of uses) if (!(u.at <= (lastUse.get(u.key) ?? -Infinity))) lastUse.set(u.key, u.at)
+      for (const k of links) {
+        parents.set(k.key, k.parent)
+        if (!(k.at <= (lastUse.get(k.key) ?? -Infinity))) lastUse.set(k.key, k.at)
+        if (counts && k.at >= since) {
+          createdSince = { objects: createdSince.objects + 1, bytes: createdSince.bytes + k.size }
+        }
+      }
+    }
+    // 2. Previous indexes (more than one after concurrent runs: merged) and the use records.
+    let records = 0
+    await pool([...l.index, ...l.usage], concurrency, async (name) => {
+      const bytes = await readWhole(store, name)
+      if (!bytes) return // folded and deleted by a concurrent run: its index has it
+      try {
+        const b = decodeBatch(bytes)
+        fold(
+          b.uses,
+          b.kind === 'index' ? b.links.map((x) => ({ ...x, at: -Infinity })) : b.links,
+          b.kind === 'usage',
+        )
+        if (b.kind === 'usage') records++
+      } catch (e) {
+        errors.push(`${name}: ${(e as Error).message}`)
+      }
+      folded.push(name)
+    })
+    progress({ phase: 'records', ns, records })
+
+    // 3. Nodes from the listing; parents not yet known come from a ranged header read.
+    const nodes = new Map<string, ChunkNode>()
+    for (const e of l.chunks) {
+      const key = e.name.slice(e.name.lastIndexOf('/') + 1)
+      nodes.set(key, {
+        key,
+        size: e.size,
+        parent: parents.get(key),
+        lastUse: lastUse.get(key),
+        modified: e.modified,
+        depth: 0,
+        effective: 0,
+      })
+    }
+    const unknown = [...nodes.values()].filter((n) => !parents.has(n.key))
+    let headerReads = 0
+    let unreadable = 0
+    await pool(unknown, concurrency, async (n) => {
+      try {
+        const p = await readParent(store, objectName(opts.prefix, ns, n.key))
+        if (p === undefined)
+          nodes.delete(n.key) // gone since the listing
+        else {
+          n.parent = p
+          parents.set(n.key, p)
+        }
+      } catch {
+        unreadable++ // a corrupt object: its own chain (the verify endpoint deals with corruption)
+      }
+      if (++headerReads % 100 === 0 || headerReads === unknown.length)
+        progress({ phase: 'headers', ns, done: headerReads, total: unknown.length })
+    })
+
+    settle(nodes, now)
+    const p = plan(nodes, policy, now, opts.config.graceMs)
+    const deleted = { objects: 0, bytes: 0, retention: 0, quota: 0 }
+    let alreadyGone = 0
+    let failed = 0
+    const gone = new Set<string>()
+    if (dry) {
+      for (const v of p.victims) {
+        deleted.objects++
+        deleted.bytes += v.node.size
+        deleted[v.reason]++
+        gone.add(v.node.key)
+      }
+    } else {
+      // Deepest first, one depth at a time: chunk i goes only after chunk i+1 is gone.
+      const blocked = new Set<string>()
+      let done = 0
+      for (let i = 0; i < p.victims.length; ) {
+        const depth = p.victims[i]!.node.depth
+        let j = i
+        while (j < p.victims.length && p.victims[j]!.node.depth === depth) j++
+        await pool(p.victims.slice(i, j), concurrency, async (v) => {
+          if (blocked.has(v.node.key)) return
+          try {
+            const existed = await store.delete(objectName(opts.prefix, ns, v.node.key))
+            if (existed) {
+              deleted.objects++
+              deleted.bytes += v.node.size
+              deleted[v.reason]++
+            } else alreadyGone++
+            gone.add(v.node.key)
+          } catch (e) {
+            failed++
+            errors.push(`delete ${ns}/${v.node.key}: ${(e as Error).message}`)
+            // Its ancestors stay: deleting them would leave this chunk behind a hole.
+            for (let a = v.node.parent; a !== undefined && !blocked.has(a); a = nodes.get(a)?.parent)
+              blocked.add(a)
+          }
+          if (++done % 100 === 0 || done === p.victims.length)
+            progress({ phase: 'delete', ns, done, total: p.victims.length })
+        })
+        i = j
+      }
+    }
+    const kept = { objects: 0, bytes: 0 }
+    for (const n of nodes.values()) {
+      if (gone.has(n.key)) continue
+      kept.objects++
+      kept.bytes += n.size
+    }
+
+    // Compaction: the new index holds what survives; then the folded objects go.
+    if (!dry) {
+      const survivors = [...nodes.values()].filter((n) => !gone.has(n.key))
+      const uses: UseEntry[] = []
+      const links: LinkEntry[] = []
+      for (const n of survivors) {
+        const t = lastUse.get(n.key)
+        if (t !== undefined) uses.push({ key: n.key, at: t })
+        const parent = parents.get(n.key)
+        if (parent !== undefined) links.push({ key: n.key, parent, size: n.size, at: 0 })
+      }
+      const bytes = encodeBatch({ kind: 'index', at: now, uses, links })
+      try {
+        await store.putIfAbsent(runObjectName(indexPrefix(opts.prefix, ns), now, run), bytes, bytes.length)
+        await pool(folded, concurrency, (n) => store.delete(n))
+      } catch (e) {
+        // Records stay and are folded again next run (idempotent: max of times).
+        errors.push(`index ${ns}: ${(e as Error).message}`)
+      }
+    }
+    const prev = previous?.namespaces[ns]
+    return {
+      ns,
+      policy,
+      listed: listedTotals,
+      incremental: previous
+        ? {
+            objects: (prev?.objects ?? 0) + createdSince.objects,
+            bytes: (prev?.bytes ?? 0) + createdSince.bytes,
+          }
+        : undefined,
+      deleted,
+      alreadyGone,
+      failed,
+      kept,
+      protectedByGrace: p.protectedByGrace,
+      overQuotaBytes: p.overQuotaBytes,
+      chains: p.roots,
+      headerReads,
+      unreadable,
+      usageRecords: records,
+      monthlyUsdBefore: (listedTotals.bytes / 1e9) * price,
+      monthlyUsdAfter: (kept.bytes / 1e9) * price,
+    }
+  }
+}
+
+function sum(entries: StoreEntry[]): NamespaceTotals {
+  let bytes = 0
+  for (const e of entries) bytes += e.size
+  return { objects: entries.length, bytes }
+}
+
+async function readWhole(store: ObjectStore, name: string): Promise<Uint8Array | undefined> {
+  const obj = await store.get(name)
+  return obj ? new Uint8Array(await new Response(obj.body).arrayBuffer()) : undefined
+}
+
+/** The parent key from a ranged read of the header; undefined when the object is gone. */
+async function readParent(store: ObjectStore, name: string): Promise<string | undefined> {
+  const first = await store.get(name, { range: { offset: 0, length: HEADER_PROBE_BYTES } })
+  if (!first) return undefined
+  let bytes: Uint8Array = new Uint8Array(await new Response(first.body).arrayBuffer())
+  if (bytes.length < HEADER_PREFIX_BYTES) throw new Error('too short for a chunk header')
+  const headerBytes = readHeaderLength(bytes)
+  if (headerBytes > bytes.length) {
+    const more = await readWhole(store, name)
+    if (!more) return undefined
+    bytes = more
+  }
+  return toHex(decodeHeader(bytes.subarray(0, headerBytes)).parentKey)
+}
+
+/** Runs fn over items with at most n in flight. */
+async function pool<T>(items: readonly T[], n: number, fn: (t: T) => Promise<unknown>): Promise<void> {
+  let next = 0
+  const worker = async () => {
+    while (next < items.length) await fn(items[next++]!)
+  }
+  await Promise.all(Array.from({ length: Math.min(n, items.length) }, worker))
+}
+
+function countingStore(store: ObjectStore, c: GcReport['requests']): ObjectStore {
+  return {
+    kind: store.kind,
+    get(n, o) {
+      c.get++
+      return store.get(n, o)
+    },
+    head(n) {
+      c.head++
+      return store.head(n)
+    },
+    putIfAbsent(n, b, s) {
+      c.put++
+      return store.putIfAbsent(n, b, s)
+    },
+    delete(n) {
+      c.delete++
+      return store.delete(n)
+    },
+    list(p, o) {
+      c.list++
+      return store.list(p, o)
+    },
+  }
+}

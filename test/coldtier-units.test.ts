@@ -1,0 +1,397 @@
+// Cold tier units on a memory store: config validation, the use-record format, the
+// recorder's request and memory bounds, the tail-first plan, and gc end to end.
+
+import { describe, expect, it } from 'vitest'
+import { type ChunkNode, plan, settle } from '../src/coldtier/chain-graph.ts'
+import { runGc } from '../src/coldtier/gc.ts'
+import { usagePrefix } from '../src/coldtier/names.ts'
+import { DEFAULT_COLD_TIER, parseColdTier } from '../src/coldtier/policy.ts'
+import { decodeBatch, encodeBatch } from '../src/coldtier/records.ts'
+import { createGateway, MemoryStore } from '../src/gateway/index.ts'
+import type { ObjectStore } from '../src/gateway/stores/types.ts'
+import { UsageRecorder } from '../src/gateway/usage/recorder.ts'
+import { makeChain, putInit } from './gateway-fixtures.ts'
+
+const DAY = 86_400_000
+const key = (i: number) => i.toString(16).padStart(64, '0')
+
+describe('coldTier config', () => {
+  it('parses durations, sizes and per-namespace policies', () => {
+    const c = parseColdTier({
+      grace: '5m',
+      usage: { flushInterval: '30s', maxDelay: '2m', maxKeys: 1000 },
+      namespaces: { prod: { retention: '30d', quota: '2GiB' }, '*': { retention: 7 * 86400 } },
+    })
+    expect(c.graceMs).toBe(300_000)
+    expect(c.usage).toEqual({ flushIntervalMs: 30_000, maxDelayMs: 120_000, maxKeys: 1000 })
+    expect(c.namespaces.prod).toEqual({ retentionMs: 30 * DAY, quotaBytes: 2 * 1024 ** 3 })
+    expect(c.namespaces['*']).toEqual({ retentionMs: 7 * DAY })
+    expect(parseColdTier(JSON.stringify({ namespaces: { a: { quota: '1TB' } } })).namespaces.a).toEqual({
+      quotaBytes: 1e12,
+    })
+    expect(parseColdTier(undefined)).toBe(DEFAULT_COLD_TIER)
+  })
+
+  it('rejects unknown keys, bad values and a retention shorter than the grace period', () => {
+    const bad = [
+      { retention: '30d' },
+      { namespaces: { prod: { retension: '30d' } } },
+      { usage: { flushEvery: '1m' } },
+      { namespaces: { prod: { quota: 'lots' } } },
+      { namespaces: { prod: { retention: '-3d' } } },
+      { namespaces: { 'Bad/ns': { retention: '3d' } } },
+      { grace: '1h', namespaces: { prod: { retention: '10m' } } },
+      { usage: { flushInterval: '10m', maxDelay: '1m' } },
+      '{not json',
+    ]
+    for (const b of bad)
+      expect(() => parseColdTier(b), JSON.stringify(b)).toThrow(
+        expect.objectContaining({ code: 'ERR_CONFIG' }),
+      )
+  })
+})
+
+describe('use records', () => {
+  it('round-trip and reject any flipped byte', () => {
+    const b = encodeBatch({
+      kind: 'usage',
+      at: 1234.5,
+      uses: [{ key: key(1), at: 99 }],
+      links: [{ key: key(2), parent: key(1), size: 4096, at: 100 }],
+    })
+    expect(decodeBatch(b)).toEqual({
+      kind: 'usage',
+      at: 1234.5,
+      uses: [{ key: key(1), at: 99 }],
+      links: [{ key: key(2), parent: key(1), size: 4096, at: 100 }],
+    })
+    for (const i of [0, 7, 30, b.length - 1]) {
+      const c = b.slice()
+      c[i]! ^= 1
+      expect(() => decodeBatch(c)).toThrow()
+    }
+    expect(() => decodeBatch(b.subarray(0, b.length - 5))).toThrow()
+  })
+})
+
+describe('UsageRecorder', () => {
+  function setup(opts: { maxKeys?: number } = {}) {
+    let now = 1_000_000
+    const puts: string[] = []
+    const store = new MemoryStore({ onOp: (op) => op === 'put' && puts.push(op) })
+    const r = new UsageRecorder(store, 'kv', undefined, {
+      flushIntervalMs: 60_000,
+      maxDelayMs: 300_000,
+      maxKeys: opts.maxKeys ?? 1000,
+      now: () => now,
+    })
+    return { r, store, puts, tick: (ms: number) => (now += ms) }
+  }
+
+  it('costs at most one PUT per 100 hits in steady state', async () => {
+    const { r, puts, tick } = setup()
+    let hits = 0
+    // 10 minutes at 5 lookups/s of 4-chunk chains over 50 distinct chains.
+    for (let s = 0; s < 600; s++) {
+      for (let j = 0; j < 5; j++) {
+        r.use('prod', key((s * 5 + j) % 50), 4)
+        hits += 4
+      }
+      tick(1000)
+      await r.flushIfDue()
+    }
+    expect(puts.length).toBeGreaterThan(0)
+    expect(puts.length / hits).toBeLessThanOrEqual(1 / 100)
+  })
+
+  it('flushes a quiet batch after maxDelay (the loss window), not before', async () => {
+    const { r, puts, tick } = setup()
+    r.use('prod', key(1))
+    tick(299_000)
+    expect(r.due()).toBe(false)
+    tick(1000)
+    expect(r.due()).toBe(true)
+    await r.flushIfDue()
+    expect(puts.length).toBe(1)
+  })
+
+  it('bounds memory: flushes early at maxKeys and drops beyond twice that while a flush hangs', async () => {
+    let release!: () => void
+    const hang = new Promise<void>((r) => {
+      release = r
+    })
+    const store = new MemoryStore()
+    const slow: ObjectStore = Object.assign(Object.create(store) as ObjectStore, {
+      putIfAbsent: async (n: string, b: Uint8Array, s: number) => {
+        await hang
+        return store.putIfAbsent(n, b, s)
+      },
+    })
+    const r = new UsageRecorder(slow, 'kv', undefined, { maxKeys: 10 })
+    for (let i = 0; i < 10; i++) r.use('a', key(i)) // the 10th starts a flush (hanging)
+    expect(r.bufferedKeys).toBe(0)
+    for (let i = 10; i < 40; i++) r.use('a', key(i))
+    expect(r.bufferedKeys).toBe(20)
+    expect(r.dropped.value()).toBe(10)
+    release()
+    await r.close()
+    expect(r.bufferedKeys).toBe(0)
+    const list = await store.list(usagePrefix('kv', 'a'))
+    expect(list.entries.length).toBe(2)
+  })
+
+  it('flush() resolves only after uses made before it are written, even with a flush in flight', async () => {
+    let release!: () => void
+    const hang = new Promise<void>((r) => {
+      release = r
+    })
+    const store = new MemoryStore()
+    let first = true
+    const slow: ObjectStore = Object.assign(Object.create(store) as ObjectStore, {
+      putIfAbsent: async (n: string, b: Uint8Array, s: number) => {
+        if (first) {
+          first = false
+          await hang
+        }
+        return store.putIfAbsent(n, b, s)
+      },
+    })
+    const r = new UsageRecorder(slow, 'kv', undefined, {})
+    r.use('a', key(1))
+    const inFlight = r.flush()
+    r.use('a', key(2))
+    const later = r.flush()
+    release()
+    await Promise.all([inFlight, later])
+    const keys: string[] = []
+    for (const e of (await store.list(usagePrefix('kv', 'a'))).entries) {
+      const b = decodeBatch(new Uint8Array(await new Response((await store.get(e.name))!.body).arrayBuffer()))
+      keys.push(...b.uses.map((u) => u.key))
+    }
+    expect(keys.sort()).toEqual([key(1), key(2)])
+  })
+
+  it('puts a failed flush back and writes it on the next one', async () => {
+    const store = new MemoryStore()
+    let fail = true
+    const flaky: ObjectStore = Object.assign(Object.create(store) as ObjectStore, {
+      putIfAbsent: async (n: string, b: Uint8Array, s: number) => {
+        if (fail) throw new Error('store down')
+        return store.putIfAbsent(n, b, s)
+      },
+    })
+    const r = new UsageRecorder(flaky, 'kv', undefined, {})
+    r.use('a', key(1))
+    await expect(r.flush()).rejects.toThrow('store down')
+    expect(r.bufferedKeys).toBe(1)
+    fail = false
+    await r.flush()
+    const [e] = (await store.list(usagePrefix('kv', 'a'))).entries
+    const got = decodeBatch(
+      new Uint8Array(await new Response((await store.get(e!.name))!.body).arrayBuffer()),
+    )
+    expect(got.uses.map((u) => u.key)).toEqual([key(1)])
+  })
+})
+
+describe('deletion plan', () => {
+  function forest(chains: number, len: number, rnd: () => number): Map<string, ChunkNode> {
+    const nodes = new Map<string, ChunkNode>()
+    let id = 0
+    for (let c = 0; c < chains; c++) {
+      let parent: string | undefined
+      // Branches: some chains fork off an earlier node of the previous chain.
+      if (c > 0 && rnd() < 0.3) parent = key(Math.floor(rnd() * id))
+      for (let i = 0; i < len; i++) {
+        const k = key(++id)
+        nodes.set(k, {
+          key: k,
+          size: 100 + Math.floor(rnd() * 900),
+          parent,
+          lastUse: rnd() < 0.5 ? Math.floor(rnd() * 100 * DAY) : undefined,
+          modified: Math.floor(rnd() * 50 * DAY),
+          depth: 0,
+          effective: 0,
+        })
+        parent = k
+      }
+    }
+    return nodes
+  }
+
+  it('never plans a chunk whose child is kept, under retention and quota, on random forests', () => {
+    let seed = 7
+    const rnd = () => {
+      seed = (seed * 1103515245 + 12345) & 0x7fffffff
+      return seed / 0x7fffffff
+    }
+    for (let t = 0; t < 50; t++) {
+      const nodes = forest(20, 1 + Math.floor(rnd() * 8), rnd)
+      settle(nodes, 100 * DAY)
+      const total = [...nodes.values()].reduce((s, n) => s + n.size, 0)
+      const p = plan(
+        nodes,
+        { retentionMs: 60 * DAY, quotaBytes: Math.floor(total * rnd() * 0.5) },
+        100 * DAY,
+        0,
+      )
+      const victims = new Set(p.victims.map((v) => v.node.key))
+      const order = new Map(p.victims.map((v, i) => [v.node.key, i]))
+      for (const n of nodes.values()) {
+        if (n.parent !== undefined && victims.has(n.parent)) {
+          expect(victims.has(n.key)).toBe(true)
+          expect(order.get(n.key)!).toBeLessThan(order.get(n.parent)!)
+        }
+      }
+      const kept = [...nodes.values()].filter((n) => !victims.has(n.key)).reduce((s, n) => s + n.size, 0)
+      expect(kept).toBeLessThanOrEqual(Math.max(p.overQuotaBytes, total * 0.5) + 1000)
+    }
+  })
+})
+
+describe('gc on a memory store', () => {
+  async function fleet(now: () => number) {
+    const store = new MemoryStore()
+    const app = createGateway({ store, prefix: 'kv', coldTier: { now } })
+    const chains = [makeChain(4), makeChain(4), makeChain(3)]
+    for (const c of chains)
+      for (const k of c)
+        expect((await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))).status).toBe(201)
+    return { store, app, chains }
+  }
+  const lookup = (app: ReturnType<typeof createGateway>, keys: string[]) =>
+    app.request('/v1/ns/prod/lookup', {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ keys }),
+    })
+  const present = async (store: MemoryStore, chain: { key: string }[]) => {
+    const out: boolean[] = []
+    for (const c of chain) out.push((await store.head(`kv/prod/${c.key.slice(0, 2)}/${c.key}`)) !== undefined)
+    return out
+  }
+
+  it('retention deletes unused chains, keeps used ones; dry run first changes nothing', async () => {
+    let t = Date.now()
+    const { store, app, chains } = await fleet(() => t)
+    t += 20 * DAY
+    // Chain 0 used whole; chain 1 only its first two chunks; chain 2 not at all.
+    expect(
+      await (
+        await lookup(
+          app,
+          chains[0]!.map((c) => c.key),
+        )
+      ).json(),
+    ).toEqual({ present: 4 })
+    expect((await app.request(`/v1/ns/prod/chunks/${chains[1]![1]!.key}`)).status).toBe(200)
+    await app.state.usage!.flush()
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    const before = (await store.stats()).objects
+    const dry = await runGc({ store, prefix: 'kv', config, now: t + DAY, dryRun: true })
+    expect(dry.namespaces[0]).toMatchObject({ ns: 'prod', deleted: { objects: 5, retention: 5 } })
+    expect((await store.stats()).objects).toBe(before)
+    const r = await runGc({ store, prefix: 'kv', config, now: t + DAY })
+    expect(r.namespaces[0]).toMatchObject({ deleted: { objects: 5 }, kept: { objects: 6 }, usageRecords: 2 })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    expect(await present(store, chains[1]!)).toEqual([true, true, false, false])
+    expect(await present(store, chains[2]!)).toEqual([false, false, false])
+    // Idempotent, and the use record was compacted into the index.
+    const again = await runGc({ store, prefix: 'kv', config, now: t + DAY })
+    expect(again.namespaces[0]).toMatchObject({
+      deleted: { objects: 0 },
+      kept: { objects: 6 },
+      usageRecords: 0,
+      headerReads: 0,
+    })
+    expect((await store.list('kv/_usage/')).entries).toEqual([])
+  })
+
+  it('reads headers for chunks it has no links for (written before tracking) and still goes tail-first', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store, prefix: 'kv', coldTier: false })
+    const chain = makeChain(5)
+    for (const k of chain) await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))
+    const config = parseColdTier({ grace: '0s', namespaces: { prod: { quota: chain[0]!.bytes.length * 2 } } })
+    const r = await runGc({ store, prefix: 'kv', config, now: Date.now() + 1000 })
+    expect(r.namespaces[0]).toMatchObject({ headerReads: 5, chains: 1, deleted: { objects: 3, quota: 3 } })
+    expect(await present(store, chain)).toEqual([true, true, false, false, false])
+  })
+})
+
+describe('accounting on /metrics and the status page', () => {
+  it('shows gc snapshot totals per namespace plus this instance’s creations since, with the monthly cost', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store, prefix: 'kv', coldTier: { accountingRefreshMs: 0 } })
+    const a = makeChain(3)
+    for (const k of a) await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))
+    const before = await (await app.request('/metrics')).text()
+    // No gc yet: this instance's own creations only.
+    expect(before).toMatch(/^kvgate_namespace_stored_objects\{ns="prod"\} 3$/m)
+    await new Promise((r) => setTimeout(r, 1100)) // the next creation lands in a later second
+    await runGc({ store, prefix: 'kv', config: parseColdTier({}) })
+    const b = makeChain(2)
+    for (const k of b) await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))
+    const bytes = [...a, ...b].reduce((s, k) => s + k.bytes.length, 0)
+    await app.request('/v1/ns/prod/lookup', {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ keys: a.map((k) => k.key) }),
+    })
+    const text = await (await app.request('/metrics')).text()
+    expect(text).toMatch(/^kvgate_namespace_stored_objects\{ns="prod"\} 5$/m)
+    expect(text).toContain(`kvgate_namespace_stored_bytes{ns="prod"} ${bytes}`)
+    expect(text).toContain(`kvgate_namespace_storage_usd_per_month{ns="prod"} ${(bytes / 1e9) * 0.023}`)
+    expect(text).toMatch(/^kvgate_usage_hits_total 3$/m)
+    const page = (await (await app.request('/', { headers: { accept: 'application/json' } })).json()) as {
+      namespaces: { ns: string; objects: number; bytes: number }[]
+      accountingAt: number
+    }
+    expect(page.namespaces).toEqual([{ ns: 'prod', objects: 5, bytes, monthlyUsd: (bytes / 1e9) * 0.023 }])
+    expect(page.accountingAt).toBeGreaterThan(0)
+    const html = await (await app.request('/')).text()
+    expect(html).toContain('<td>prod</td><td>5</td>')
+  })
+})
+
+describe('kvgate gc (CLI) on an fs store', () => {
+  it('dry-runs, then deletes over quota from the tails, prints a summary, and rejects bad config', async () => {
+    const { mkdtempSync, rmSync } = await import('node:fs')
+    const { tmpdir } = await import('node:os')
+    const { join } = await import('node:path')
+    const { FsStore } = await import('../src/gateway/stores/fs.ts')
+    const { run } = await import('../src/cli/commands/gc.ts')
+    const dir = mkdtempSync(join(tmpdir(), 'kvgate-gc-cli-'))
+    const saved = { ...process.env }
+    const logs: string[] = []
+    const log = console.log
+    console.log = (s: string) => logs.push(String(s))
+    try {
+      const store = await new FsStore({ root: dir }).open()
+      const app = createGateway({ store, prefix: 'kv', coldTier: false })
+      const chain = makeChain(4)
+      for (const k of chain) await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))
+      process.env.KVGATE_CONFIG = ''
+      process.env.KVGATE_COLD_TIER = JSON.stringify({
+        grace: '0s',
+        namespaces: { prod: { quota: chain[0]!.bytes.length } },
+      })
+      expect(await run(['--dir', dir, '--prefix', 'kv', '--dry-run', '--quiet'])).toBe(0)
+      expect(logs.join('\n')).toMatch(/dry run[\s\S]*prod: quota[\s\S]*would delete 3 objects/)
+      expect((await store.stats()).objects).toBe(4)
+      logs.length = 0
+      expect(await run(['--dir', dir, '--prefix', 'kv', '--quiet'])).toBe(0)
+      expect(logs.join('\n')).toMatch(/deleted\s+3 objects[\s\S]*kept\s+1 objects/)
+      const left = (await store.list('kv/prod/')).entries.map((e) => e.name.slice(-64))
+      expect(left).toEqual([chain[0]!.key])
+      process.env.KVGATE_COLD_TIER = '{"namespaces":{"prod":{"quota":"lots"}}}'
+      await expect(run(['--dir', dir, '--quiet'])).rejects.toMatchObject({ code: 'ERR_CONFIG' })
+      expect(await run(['--dir', dir, '--concurrency', '0'])).toBe(2)
+    } finally {
+      console.log = log
+      for (const k of Object.keys(process.env)) if (!(k in saved)) delete process.env[k]
+      Object.assign(process.env, saved)
+      rmSync(dir, { recursive: true, force: true })
+    }
+  })
+})
