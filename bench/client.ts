@@ -7,6 +7,7 @@ import { execFileSync, spawn } from 'node:child_process'
 import { mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs'
 import { loadavg } from 'node:os'
 import { join } from 'node:path'
+import { fileURLToPath } from 'node:url'
 import { Pool } from 'undici'
 import { KVCache } from '../src/client/index.ts'
 import { allocPinned, nativeAvailable, readFileDirect } from '../src/client/native.ts'
@@ -15,6 +16,7 @@ import { DiskTier } from '../src/client/tiers/disk.ts'
 import { crc32 } from '../src/core/checksum.ts'
 import { decodeHeader } from '../src/core/format.ts'
 import { chunkBytes, MODEL_PRESETS, type ModelPreset } from '../src/core/layout.ts'
+import { nodeFlagsFor, siblingModule } from '../src/package-files.ts'
 import { syntheticKv, tensorOf } from '../test/codec-fixtures.ts'
 import { barChartSvg } from './lib/client-chart.ts'
 import { machineLine, median, RESULTS_DIR, table, writeResult } from './lib/stats.ts'
@@ -276,9 +278,10 @@ async function benchL4() {
   for (let i = 0; i < chunks; i++) kv.set(chunk, i * cb)
   const storeDir = join(scratch, 'gw-store')
   mkdirSync(storeDir)
+  const serverModule = siblingModule(import.meta.url, './lib/client-gateway-server.ts')
   const server = spawn(
     process.execPath,
-    ['--import', 'tsx', join(import.meta.dirname, 'lib', 'client-gateway-server.ts'), storeDir],
+    [...nodeFlagsFor(serverModule), fileURLToPath(serverModule), storeDir],
     {
       stdio: ['ignore', 'pipe', 'inherit'],
     },

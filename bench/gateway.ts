@@ -10,9 +10,11 @@ import { Agent, request as httpRequest } from 'node:http'
 import { cpus, loadavg } from 'node:os'
 import { join } from 'node:path'
 import { createInterface } from 'node:readline'
+import { fileURLToPath } from 'node:url'
 import { GetObjectCommand, PutObjectCommand } from '@aws-sdk/client-s3'
 import { createGateway } from '../src/gateway/index.ts'
 import { S3Store } from '../src/gateway/node.ts'
+import { nodeFlagsFor, siblingModule } from '../src/package-files.ts'
 import { makeChain, makeChunk, putInit } from '../test/gateway-fixtures.ts'
 import { rgwFromEnv, startRgw } from '../test/support/rgw.ts'
 import { barChartSvg } from './lib/gateway-chart.ts'
@@ -49,8 +51,8 @@ console.error(
 )
 
 async function startBareProxy(): Promise<{ url: string; pid: number; close(): Promise<void> }> {
-  const file = new URL('./lib/gateway-bare-proxy.ts', import.meta.url).pathname
-  const proc = spawn(process.execPath, ['--import', 'tsx', file], {
+  const file = siblingModule(import.meta.url, './lib/gateway-bare-proxy.ts')
+  const proc = spawn(process.execPath, [...nodeFlagsFor(file), fileURLToPath(file)], {
     stdio: ['ignore', 'pipe', 'inherit'],
     env: {
       ...process.env,
@@ -104,13 +106,12 @@ function findCephPids(): number[] {
 
 async function startServe(
   extra: string[] = [],
-  main = new URL('../src/cli/main.ts', import.meta.url).pathname,
+  main = fileURLToPath(siblingModule(import.meta.url, '../src/cli/bin.ts')),
 ): Promise<{ url: string; pid: number; close(): Promise<void> }> {
   const proc = spawn(
     process.execPath,
     [
-      '--import',
-      'tsx',
+      ...nodeFlagsFor(main),
       main,
       'serve',
       '--port',

@@ -2,7 +2,9 @@
 // on one machine with no gateway, plus a KVGATE_* environment / YAML file layer for the CLI.
 
 import { readFileSync } from 'node:fs'
+import * as v from 'valibot'
 import { parse as parseYaml } from 'yaml'
+import { byteSize, nearestKey, parseByteSize, parseConfig } from '../core/config-check.ts'
 import { ConfigError, InvalidArgumentError } from '../core/errors.ts'
 import { isNamespaceName, type KeyScheme, SCHEME_CODES } from '../core/keys.ts'
 import {
@@ -132,8 +134,19 @@ function int(name: string, v: unknown, min: number, max: number, dflt?: number):
 
 function unknownKeys(where: string, o: object, allowed: Set<string>): void {
   for (const k of Object.keys(o)) {
-    if (!allowed.has(k)) throw new InvalidArgumentError(`unknown option ${where}${k}`)
+    if (!allowed.has(k)) {
+      const near = nearestKey(k, [...allowed])
+      throw new InvalidArgumentError(
+        `unknown option ${where}${k}${near ? ` (did you mean ${where}${near}?)` : ''}; valid: ${[...allowed].join(', ')}`,
+      )
+    }
   }
+}
+
+/** A byte count: an integer, or a string with a unit ('512MiB', '10GB'). */
+function bytesOpt(name: string, v: unknown, min: number, dflt: number): number {
+  if (v === undefined) return dflt
+  return int(name, typeof v === 'string' ? parseBytes(name, v) : v, min, Number.MAX_SAFE_INTEGER)
 }
 
 function checkDirect(v: unknown): 'auto' | 'off' {
@@ -173,7 +186,7 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
   if (typeof memOpts !== 'object' || memOpts === null)
     throw new InvalidArgumentError('invalid memory: an object')
   unknownKeys('memory.', memOpts, new Set(['bytes']))
-  const memBytes = int('memory.bytes', memOpts.bytes, 1, Number.MAX_SAFE_INTEGER, Math.max(GiB, oneChunk))
+  const memBytes = bytesOpt('memory.bytes', memOpts.bytes, 1, Math.max(GiB, oneChunk))
   if (memBytes < oneChunk) {
     throw new InvalidArgumentError(
       `invalid memory.bytes: ${memBytes} is smaller than one chunk (${oneChunk} bytes for ${chunkTokens} tokens of ${model.modelId})`,
@@ -194,7 +207,7 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
     }
     disk = {
       dir: d.dir,
-      bytes: int('disk.bytes', d.bytes, 1, Number.MAX_SAFE_INTEGER, 10 * GiB),
+      bytes: bytesOpt('disk.bytes', d.bytes, 1, 10 * GiB),
       storeAs,
       concurrency: int('disk.concurrency', d.concurrency, 1, 256, 2),
       direct: checkDirect(d.direct),
@@ -235,13 +248,7 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
       breakerThreshold: int('remote.breakerThreshold', r.breakerThreshold, 1, 1000, 5),
       breakerCooldownMs: int('remote.breakerCooldownMs', r.breakerCooldownMs, 1, 3_600_000, 1000),
       maxQueuedWrites: int('remote.maxQueuedWrites', r.maxQueuedWrites, 0, 1_000_000, 64),
-      maxQueuedBytes: int(
-        'remote.maxQueuedBytes',
-        r.maxQueuedBytes,
-        0,
-        Number.MAX_SAFE_INTEGER,
-        512 * 1024 ** 2,
-      ),
+      maxQueuedBytes: bytesOpt('remote.maxQueuedBytes', r.maxQueuedBytes, 0, 512 * 1024 ** 2),
       writeConcurrency: int('remote.writeConcurrency', r.writeConcurrency, 1, 256, 4),
     }
   }
@@ -270,16 +277,39 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
 /** Parses '512MiB', '10 GB', '4096' into bytes. */
 export function parseBytes(name: string, v: unknown): number {
   if (typeof v === 'number') return int(name, v, 0, Number.MAX_SAFE_INTEGER)
-  const m = /^\s*(\d+(?:\.\d+)?)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)?\s*$/i.exec(String(v))
-  if (!m) throw new ConfigError(`invalid ${name}: '${String(v)}' is not a byte size (e.g. 512MiB, 10GB)`)
-  const unit = (m[2] ?? 'b').toLowerCase()
-  const pow = { b: 0, k: 1, m: 2, g: 3, t: 4 }[unit[0] as 'b' | 'k' | 'm' | 'g' | 't']
-  // kB/MB/GB/TB are decimal (disk vendors); k/M/G/T and KiB/MiB/... binary.
-  const base = /^[kmgt]b$/.test(unit) ? 1000 : 1024
-  const n = Math.round(Number(m[1]) * base ** pow)
-  if (!Number.isSafeInteger(n)) throw new ConfigError(`invalid ${name}: '${String(v)}' is too large`)
+  const n = parseByteSize(v)
+  if (n === undefined)
+    throw new ConfigError(`invalid ${name}: '${String(v)}' is not a byte size (e.g. 512MiB, 10GB)`)
   return n
 }
+
+/** The client's config file variable (the gateway's is KVGATE_CONFIG: the two files differ). */
+export const CLIENT_CONFIG_ENV = 'KVGATE_CLIENT_CONFIG'
+
+const anyOpt = v.optional(v.unknown())
+/** The client YAML file's keys (values are checked by resolveOptions); unknown keys are errors. */
+const CLIENT_FILE_SCHEMA = v.strictObject({
+  ...Object.fromEntries([...TOP_KEYS].map((k) => [k, anyOpt])),
+  memory: v.optional(v.strictObject({ bytes: v.optional(byteSize(1)) })),
+  disk: v.optional(
+    v.union([
+      v.literal(false),
+      v.strictObject({
+        ...Object.fromEntries([...DISK_KEYS].map((k) => [k, anyOpt])),
+        bytes: v.optional(byteSize(1)),
+      }),
+    ]),
+  ),
+  remote: v.optional(
+    v.union([
+      v.literal(false),
+      v.strictObject({
+        ...Object.fromEntries([...REMOTE_KEYS].map((k) => [k, anyOpt])),
+        maxQueuedBytes: v.optional(byteSize(0)),
+      }),
+    ]),
+  ),
+})
 
 function num(name: string, v: string): number {
   const n = Number(v)
@@ -292,7 +322,8 @@ type Plain = Record<string, unknown>
 
 /**
  * Options for processes started from the CLI: the YAML file named by
- * KVGATE_CONFIG (or `file`), then KVGATE_* variables on top (env overrides file).
+ * KVGATE_CLIENT_CONFIG (or `file`), then KVGATE_* variables on top (env overrides file).
+ * Unknown keys in the file are errors naming the path and the nearest valid key.
  * The result still goes through resolveOptions() in KVCache.open().
  */
 export function optionsFromEnvironment(
@@ -300,7 +331,7 @@ export function optionsFromEnvironment(
   file?: string,
 ): Partial<KVCacheOptions> {
   const out: Plain = {}
-  const path = file ?? env.KVGATE_CONFIG
+  const path = file ?? env[CLIENT_CONFIG_ENV]
   if (path) {
     let doc: unknown
     try {
@@ -311,7 +342,7 @@ export function optionsFromEnvironment(
     if (doc !== null && doc !== undefined) {
       if (typeof doc !== 'object' || Array.isArray(doc))
         throw new ConfigError(`config file ${path}: expected a mapping`)
-      Object.assign(out, doc)
+      Object.assign(out, parseConfig(CLIENT_FILE_SCHEMA, doc, path))
     }
   }
   const sub = (k: 'memory' | 'disk' | 'remote'): Plain => {
