@@ -91,6 +91,8 @@ case "$mode" in
     build || exit 1
     dest="prebuilds/$(node -p 'process.platform + "-" + process.arch')"
     mkdir -p "$dest" && cp "$addon" "$dest/kvgate_native.node" || exit 1
+    # Symbols are not needed to load it: the tarball stays small.
+    if command -v strip >/dev/null; then strip --strip-unneeded "$dest/kvgate_native.node" || true; fi
     echo "build-native: $dest/kvgate_native.node (ships in the packed tarball)"
     ;;
   ""|--clean)
