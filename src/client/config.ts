@@ -291,23 +291,26 @@ const anyOpt = v.optional(v.unknown())
 const CLIENT_FILE_SCHEMA = v.strictObject({
   ...Object.fromEntries([...TOP_KEYS].map((k) => [k, anyOpt])),
   memory: v.optional(v.strictObject({ bytes: v.optional(byteSize(1)) })),
+  // lazy, not union: the object's own issue (an unknown key) is reported, not "expected false or an object".
   disk: v.optional(
-    v.union([
-      v.literal(false),
-      v.strictObject({
-        ...Object.fromEntries([...DISK_KEYS].map((k) => [k, anyOpt])),
-        bytes: v.optional(byteSize(1)),
-      }),
-    ]),
+    v.lazy((x) =>
+      x === false
+        ? v.literal(false)
+        : v.strictObject({
+            ...Object.fromEntries([...DISK_KEYS].map((k) => [k, anyOpt])),
+            bytes: v.optional(byteSize(1)),
+          }),
+    ),
   ),
   remote: v.optional(
-    v.union([
-      v.literal(false),
-      v.strictObject({
-        ...Object.fromEntries([...REMOTE_KEYS].map((k) => [k, anyOpt])),
-        maxQueuedBytes: v.optional(byteSize(0)),
-      }),
-    ]),
+    v.lazy((x) =>
+      x === false
+        ? v.literal(false)
+        : v.strictObject({
+            ...Object.fromEntries([...REMOTE_KEYS].map((k) => [k, anyOpt])),
+            maxQueuedBytes: v.optional(byteSize(0)),
+          }),
+    ),
   ),
 })
 

@@ -99,7 +99,9 @@ function keysAt(schema: v.GenericSchema, path: readonly string[]): string[] {
   }
   for (const part of [...path, '']) {
     while (s && s.entries === undefined) {
-      if (s.wrapped) s = s.wrapped as typeof s
+      if (s.type === 'lazy')
+        s = (s as unknown as { getter(x: unknown): typeof s }).getter({}) // the object branch
+      else if (s.wrapped) s = s.wrapped as typeof s
       else if (s.pipe && s.pipe[0] !== (s as unknown)) s = s.pipe[0] as typeof s
       else if (s.options)
         s = (s.options.find((o) => (o as { entries?: unknown }).entries) ?? s.options[0]) as typeof s
@@ -113,6 +115,18 @@ function keysAt(schema: v.GenericSchema, path: readonly string[]): string[] {
 }
 
 /**
+ * A union's failure as the failures of the option that got furthest (`remote: { tokne }`
+ * reports the unknown key, not "expected false or an object").
+ */
+function specific(issue: v.BaseIssue<unknown>): v.BaseIssue<unknown>[] {
+  if (issue.type !== 'union' || !issue.issues?.length) return [issue]
+  const subs = issue.issues.flatMap(specific)
+  const depth = (i: v.BaseIssue<unknown>) => i.path?.length ?? 0
+  const deepest = Math.max(...subs.map(depth))
+  return deepest > depth(issue) ? subs.filter((i) => depth(i) === deepest) : [issue]
+}
+
+/**
  * Checks `input` against `schema`; on failure throws one ConfigError listing each problem as
  * `<where>: <path>: <message>`, with the nearest valid key for unknown ones.
  */
@@ -123,7 +137,7 @@ export function parseConfig<S extends v.GenericSchema>(
 ): v.InferOutput<S> {
   const r = v.safeParse(schema, input)
   if (r.success) return r.output
-  const lines = r.issues.map((issue) => {
+  const lines = r.issues.flatMap(specific).map((issue) => {
     const path = issuePath(issue)
     const at = path ? `${where}: ${path}` : where
     if (issue.kind === 'schema' && issue.type === 'strict_object' && issue.input !== undefined) {

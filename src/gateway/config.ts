@@ -196,15 +196,16 @@ export const GATEWAY_FILE_SCHEMA = v.strictObject({
   port: opt(v.unknown()),
   prefix: opt(v.unknown()),
   store: opt(
-    v.union([
-      v.string(),
-      v.strictObject({
-        kind: opt(v.unknown()),
-        dir: opt(v.unknown()),
-        fsync: opt(v.unknown()),
-        s3: opt(S3_FILE),
-      }),
-    ]),
+    v.lazy((x) =>
+      typeof x === 'string'
+        ? v.string()
+        : v.strictObject({
+            kind: opt(v.unknown()),
+            dir: opt(v.unknown()),
+            fsync: opt(v.unknown()),
+            s3: opt(S3_FILE),
+          }),
+    ),
   ),
   presign: opt(v.strictObject({ minBytes: opt(v.unknown()), expiresSeconds: opt(v.unknown()) })),
   maxChunkBytes: opt(v.unknown()),
