@@ -71,7 +71,7 @@ function appLockfile(tgz: string): object {
 }
 
 beforeAll(async () => {
-  // prepack builds dist/ and the prebuilt addon.
+  // prepare builds dist/, prepack the prebuilt addon.
   const { stdout } = await run('npm', ['pack', '--json', '--pack-destination', work], repo)
   const info = JSON.parse(stdout.slice(stdout.indexOf('['))) as {
     filename: string

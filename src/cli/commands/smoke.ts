@@ -181,6 +181,11 @@ export async function runSmoke(opts: SmokeOptions): Promise<SmokeReport> {
   await step('healthz', async () => {
     const res = await request(`${base}/healthz`)
     await res.body?.cancel()
+    if (res.status === 401 || res.status === 403) {
+      throw new StepFailure(
+        `GET /healthz answered ${res.status}: the gateway does not accept this token (check --token / KVGATE_TOKEN; kvgate token creates one)`,
+      )
+    }
     check(res.status === 200, `GET /healthz answered ${res.status}: is ${base} a kvgate gateway?`)
     return '200'
   })
