@@ -189,3 +189,28 @@ describe('model data lookup', () => {
       )
   })
 })
+
+describe('status page from a browser', () => {
+  it('--status-public serves / and /metrics without a token on loopback, and is refused on other binds', async () => {
+    const { resolveServeConfig, settingsFromFlags } = await import('../src/gateway/config.ts')
+    const { createGateway } = await import('../src/gateway/app.ts')
+    const { MemoryStore } = await import('../src/gateway/stores/memory.ts')
+    const tokens = JSON.stringify([
+      { sha256: await hashToken('t'.repeat(20)), scopes: 'admin', namespaces: '*' },
+    ])
+    const c = resolveServeConfig(settingsFromFlags({ tokens, publicStatus: true }))
+    expect(c.publicStatus).toBe(true)
+    const app = createGateway({
+      store: new MemoryStore(),
+      auth: { tokens: c.tokens, publicStatus: c.publicStatus },
+    })
+    expect((await app.request('/')).status).toBe(200)
+    expect((await app.request('/metrics')).status).toBe(200)
+    expect((await app.request('/v1/ns/a/lookup', { method: 'POST', body: '{"keys":[]}' })).status).toBe(401)
+    const closed = createGateway({ store: new MemoryStore(), auth: { tokens: c.tokens } })
+    expect((await closed.request('/')).status).toBe(401)
+    expect(() =>
+      resolveServeConfig(settingsFromFlags({ tokens, publicStatus: true, host: '0.0.0.0' })),
+    ).toThrow(/--status-public on 0.0.0.0/)
+  })
+})
