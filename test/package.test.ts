@@ -2,7 +2,7 @@
 // npm cache (offline), every entry imported by plain Node, a strict TypeScript consumer, the CLI run from the app.
 
 import { execFile, spawn } from 'node:child_process'
-import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import { copyFileSync, existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join, resolve } from 'node:path'
 import { createInterface } from 'node:readline'
@@ -176,7 +176,7 @@ describe('the packed kvgate, installed into a fresh app', () => {
 import { chainKeys, type KeyNamespace, MODEL_PRESETS } from 'kvgate/core'
 import { encodeChunk } from 'kvgate/codec/node'
 import { createGateway, FsStore, MemoryStore, S3Store, serveGateway, type ObjectStore } from 'kvgate/gateway'
-const opts: KVCacheOptions = { model: 'stories260k', memory: { bytes: 1 << 24 }, remote: { url: 'http://127.0.0.1:8787', token: 't' } }
+const opts: KVCacheOptions = { model: 'stories260k', memory: { bytes: '16MiB' }, remote: { url: 'http://127.0.0.1:8787', token: 't' } }
 const cache: KVCache = await KVCache.open(opts)
 const stats: KVCacheStats = cache.stats()
 const store: ObjectStore = new MemoryStore()
@@ -202,6 +202,15 @@ void [chainKeys([1, 2, 3], ns), encodeChunk, FsStore, S3Store, stats.native.load
       console.log(JSON.stringify(c.stats().native)); await c.close()`
     const { stdout } = await run(process.execPath, ['--input-type=module', '-e', script], app)
     expect(JSON.parse(stdout)).toEqual({ loaded: true })
+  })
+
+  it('the examples run against the installed package', async () => {
+    for (const f of ['client.mjs', 'embedded-gateway.mjs'])
+      copyFileSync(join(repo, 'examples', f), join(app, f))
+    const client = JSON.parse((await run(process.execPath, ['client.mjs'], app)).stdout)
+    expect(client).toEqual({ stored: 2, cachedTokens: 512, retrieved: true, native: true })
+    const embedded = JSON.parse((await run(process.execPath, ['embedded-gateway.mjs'], app)).stdout)
+    expect(embedded).toMatchObject({ found: 512, tier: 'remote', identical: true })
   })
 
   it('kvgate serve and kvgate smoke run from the app; smoke says auth is off', async () => {

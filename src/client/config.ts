@@ -17,16 +17,19 @@ import {
 import type { ChunkCodecName } from './chunk-codec.ts'
 import type { RemoteTierOptions } from './tiers/remote.ts'
 
+/** A byte count, or a string with a unit: '512MiB', '10GB' (k/M/G/T and KiB.. binary, kB/MB/GB/TB decimal). */
+export type ByteSize = number | string
+
 export interface MemoryOptions {
   /** Bytes of the pinned L1 region. @default 1 GiB (at least one chunk) */
-  bytes?: number
+  bytes?: ByteSize
 }
 
 export interface DiskOptions {
   /** Directory of chunk files (created if missing). */
   dir: string
   /** Byte budget; LRU files are deleted beyond it. @default 10 GiB */
-  bytes?: number
+  bytes?: ByteSize
   /** 'raw' (fastest reads) or 'lossless' (smaller, exact). @default 'raw' */
   storeAs?: 'raw' | 'lossless'
   /** Parallel file operations (2 lets one chunk's CRC overlap the next one's read). @default 2 */
@@ -79,7 +82,7 @@ export interface ResolvedOptions {
   keyScheme: KeyScheme
   hashSeed: string | undefined
   memory: { bytes: number }
-  disk: Required<DiskOptions> | false
+  disk: (Required<Omit<DiskOptions, 'bytes'>> & { bytes: number }) | false
   remote:
     | (Required<Omit<RemoteOptions, 'token' | 'quality'>> & {
         token: string | undefined
