@@ -214,3 +214,39 @@ describe('status page from a browser', () => {
     ).toThrow(/--status-public on 0.0.0.0/)
   })
 })
+
+describe('native addon messages', () => {
+  it('stats().native.reason lists every path tried, why, and a build command that exists', async () => {
+    const script = `
+      const { KVCache } = await import('./src/client/index.ts')
+      const c = await KVCache.open({ model: 'stories260k', memory: { bytes: 1 << 22 } })
+      console.log(JSON.stringify(c.stats().native)); await c.close()`
+    const { stdout } = await exec(
+      process.execPath,
+      ['--import', 'tsx', '--input-type=module', '-e', script],
+      {
+        encoding: 'utf8',
+        env: { ...process.env, KVGATE_NATIVE_PATH: '/nonexistent/kvgate_native.node' },
+      },
+    )
+    const native = JSON.parse(stdout) as { loaded: boolean; reason: string }
+    expect(native.loaded).toBe(false)
+    expect(native.reason).toContain('/nonexistent/kvgate_native.node: not found')
+    // A checkout: the npm script, which package.json defines.
+    expect(native.reason).toContain('npm run build:native')
+    const pkg = JSON.parse((await import('node:fs')).readFileSync('package.json', 'utf8'))
+    expect(pkg.scripts['build:native']).toBeDefined()
+  })
+
+  it('a failed build says so and why, and exits non-zero', async () => {
+    const r = await exec('bash', ['scripts/build-native.sh'], {
+      encoding: 'utf8',
+      env: { ...process.env, CXX: '/nonexistent/g++' },
+    }).then(
+      () => ({ code: 0, stderr: '' }),
+      (e: { code: number; stderr: string }) => e,
+    )
+    expect(r.code).toBe(1)
+    expect(r.stderr).toContain('build-native: /nonexistent/g++ not found')
+  })
+})
