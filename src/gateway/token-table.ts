@@ -35,7 +35,7 @@ export const TokenGrantSchema = v.strictObject({
 
 export const TokenTableSchema = v.array(
   TokenGrantSchema,
-  'expected a list of {name, sha256, scopes, namespaces}',
+  'expected a non-empty JSON array (a YAML list) of {name, sha256, scopes, namespaces}',
 )
 
 /** Parses a JSON token table (KVGATE_TOKENS, an SSM parameter); errors name `source` and the entry. */
