@@ -37,116 +37,112 @@ export interface ServeConfig {
   log: LogLevel
 }
 
-/** Flat settings, the common shape of the three sources. */
-export interface ServeSettings {
-  host?: string
-  port?: string | number
-  prefix?: string
-  store?: string
-  dir?: string
-  fsync?: string | boolean
-  s3Bucket?: string
-  s3Endpoint?: string
-  s3Region?: string
-  s3PathStyle?: string | boolean
-  s3AccessKeyId?: string
-  s3SecretAccessKey?: string
-  presignMinBytes?: string | number
-  presignExpiresSeconds?: string | number
-  maxChunkBytes?: string | number
-  coalesceMaxBytes?: string | number
-  tokens?: TokenGrant[] | string
-  publicStatus?: string | boolean
-  insecure?: string | boolean
-  log?: string
-}
+const nonEmpty = v.pipe(v.string('expected a string'), v.minLength(1, 'must not be empty'))
 
-const ENV: Record<string, keyof ServeSettings> = {
-  KVGATE_HOST: 'host',
-  KVGATE_PORT: 'port',
-  KVGATE_PREFIX: 'prefix',
-  KVGATE_STORE: 'store',
-  KVGATE_STORE_DIR: 'dir',
-  KVGATE_FSYNC: 'fsync',
-  KVGATE_S3_BUCKET: 's3Bucket',
-  KVGATE_S3_ENDPOINT: 's3Endpoint',
-  KVGATE_S3_REGION: 's3Region',
-  KVGATE_S3_FORCE_PATH_STYLE: 's3PathStyle',
-  KVGATE_S3_ACCESS_KEY_ID: 's3AccessKeyId',
-  KVGATE_S3_SECRET_ACCESS_KEY: 's3SecretAccessKey',
-  KVGATE_PRESIGN_MIN_BYTES: 'presignMinBytes',
-  KVGATE_PRESIGN_EXPIRES_SECONDS: 'presignExpiresSeconds',
-  KVGATE_MAX_CHUNK_BYTES: 'maxChunkBytes',
-  KVGATE_COALESCE_MAX_BYTES: 'coalesceMaxBytes',
-  KVGATE_TOKENS: 'tokens',
-  KVGATE_PUBLIC_STATUS: 'publicStatus',
-  KVGATE_INSECURE: 'insecure',
-  KVGATE_LOG: 'log',
-}
+/**
+ * Every setting once: its schema (checks and converts values from any source), its KVGATE_*
+ * variable, its flag, and its path in the YAML file. Adding an option is adding a line here
+ * (plus its use in resolveServeConfig); the env list, the file schema and the messages follow.
+ */
+const OPTIONS = {
+  host: { schema: nonEmpty, env: 'KVGATE_HOST', flag: '--host', file: 'host' },
+  port: { schema: intLike(0, 65535), env: 'KVGATE_PORT', flag: '--port', file: 'port' },
+  prefix: { schema: nonEmpty, env: 'KVGATE_PREFIX', flag: '--prefix', file: 'prefix' },
+  store: {
+    schema: v.picklist(['fs', 's3', 'memory'], 'expected fs, s3 or memory'),
+    env: 'KVGATE_STORE',
+    flag: '--store',
+    file: 'store.kind',
+  },
+  dir: { schema: nonEmpty, env: 'KVGATE_STORE_DIR', flag: '--dir', file: 'store.dir' },
+  fsync: { schema: boolLike, env: 'KVGATE_FSYNC', flag: 'store.fsync', file: 'store.fsync' },
+  s3Bucket: { schema: nonEmpty, env: 'KVGATE_S3_BUCKET', flag: '--s3-bucket', file: 'store.s3.bucket' },
+  s3Endpoint: {
+    schema: v.pipe(v.string(), v.url('expected a URL such as http://127.0.0.1:7480')),
+    env: 'KVGATE_S3_ENDPOINT',
+    flag: '--s3-endpoint',
+    file: 'store.s3.endpoint',
+  },
+  s3Region: { schema: nonEmpty, env: 'KVGATE_S3_REGION', flag: '--s3-region', file: 'store.s3.region' },
+  s3PathStyle: {
+    schema: boolLike,
+    env: 'KVGATE_S3_FORCE_PATH_STYLE',
+    flag: '--s3-path-style',
+    file: 'store.s3.forcePathStyle',
+  },
+  s3AccessKeyId: {
+    schema: nonEmpty,
+    env: 'KVGATE_S3_ACCESS_KEY_ID',
+    flag: 'KVGATE_S3_ACCESS_KEY_ID',
+    file: 'store.s3.accessKeyId',
+  },
+  s3SecretAccessKey: {
+    schema: nonEmpty,
+    env: 'KVGATE_S3_SECRET_ACCESS_KEY',
+    flag: 'KVGATE_S3_SECRET_ACCESS_KEY',
+    file: 'store.s3.secretAccessKey',
+  },
+  presignMinBytes: {
+    schema: v.union([v.literal('off'), byteSize()], "expected a byte size (8MiB) or 'off'"),
+    env: 'KVGATE_PRESIGN_MIN_BYTES',
+    flag: '--presign-min-bytes',
+    file: 'presign.minBytes',
+  },
+  presignExpiresSeconds: {
+    schema: intLike(1, 604800),
+    env: 'KVGATE_PRESIGN_EXPIRES_SECONDS',
+    flag: 'presign.expiresSeconds',
+    file: 'presign.expiresSeconds',
+  },
+  maxChunkBytes: {
+    schema: byteSize(1024, 4 * 1024 ** 3),
+    env: 'KVGATE_MAX_CHUNK_BYTES',
+    flag: '--max-chunk-bytes',
+    file: 'maxChunkBytes',
+  },
+  coalesceMaxBytes: {
+    schema: byteSize(0, 1024 ** 3),
+    env: 'KVGATE_COALESCE_MAX_BYTES',
+    flag: 'coalesceMaxBytes',
+    file: 'coalesceMaxBytes',
+  },
+  tokens: { schema: TokenTableSchema, env: 'KVGATE_TOKENS', flag: 'auth.tokens', file: 'auth.tokens' },
+  publicStatus: {
+    schema: boolLike,
+    env: 'KVGATE_PUBLIC_STATUS',
+    flag: '--status-public',
+    file: 'auth.publicStatus',
+  },
+  insecure: { schema: boolLike, env: 'KVGATE_INSECURE', flag: '--insecure', file: 'insecure' },
+  log: {
+    schema: v.picklist(['info', 'warn', 'error', 'silent'], 'expected info, warn, error or silent'),
+    env: 'KVGATE_LOG',
+    flag: '--log',
+    file: 'log',
+  },
+} as const satisfies Record<string, { schema: v.GenericSchema; env: string; flag: string; file: string }>
 
-export const ENV_VARS = Object.keys(ENV)
+type OptionName = keyof typeof OPTIONS
+
+/** Settings after checking: the type each schema produces. */
+export type ServeSettings = { [K in OptionName]?: v.InferOutput<(typeof OPTIONS)[K]['schema']> }
+
+/** Unchecked settings, as an embedder or a test may pass them to resolveServeConfig. */
+export type ServeSettingsInput = { [K in OptionName]?: unknown }
+
+const NAMES = Object.keys(OPTIONS) as OptionName[]
+
+export const ENV_VARS = NAMES.map((k) => OPTIONS[k].env)
 
 /** The gateway's config file variable (the client reads KVGATE_CLIENT_CONFIG: the two schemas differ). */
 export const CONFIG_ENV = 'KVGATE_CONFIG'
 
-// One schema per setting; every source (file, env, flag) is checked against it, and an
-// error names the source: the file path and key, the variable, or the flag.
-const nonEmpty = v.pipe(v.string('expected a string'), v.minLength(1, 'must not be empty'))
-const SETTING: { [K in keyof ServeSettings]-?: v.GenericSchema } = {
-  host: nonEmpty,
-  port: intLike(0, 65535),
-  prefix: nonEmpty,
-  store: v.picklist(['fs', 's3', 'memory'], 'expected fs, s3 or memory'),
-  dir: nonEmpty,
-  fsync: boolLike,
-  s3Bucket: nonEmpty,
-  s3Endpoint: v.pipe(v.string(), v.url('expected a URL such as http://127.0.0.1:7480')),
-  s3Region: nonEmpty,
-  s3PathStyle: boolLike,
-  s3AccessKeyId: nonEmpty,
-  s3SecretAccessKey: nonEmpty,
-  presignMinBytes: v.union([v.literal('off'), byteSize()], "expected a byte size (8MiB) or 'off'"),
-  presignExpiresSeconds: intLike(1, 604800),
-  maxChunkBytes: byteSize(1024, 4 * 1024 ** 3),
-  coalesceMaxBytes: byteSize(0, 1024 ** 3),
-  tokens: TokenTableSchema,
-  publicStatus: boolLike,
-  insecure: boolLike,
-  log: v.picklist(['info', 'warn', 'error', 'silent'], 'expected info, warn, error or silent'),
-}
-
-/** Flag names of the settings (for error messages). */
-export const FLAG_OF: { [K in keyof ServeSettings]-?: string } = {
-  host: '--host',
-  port: '--port',
-  prefix: '--prefix',
-  store: '--store',
-  dir: '--dir',
-  fsync: 'store.fsync',
-  s3Bucket: '--s3-bucket',
-  s3Endpoint: '--s3-endpoint',
-  s3Region: '--s3-region',
-  s3PathStyle: '--s3-path-style',
-  s3AccessKeyId: 'KVGATE_S3_ACCESS_KEY_ID',
-  s3SecretAccessKey: 'KVGATE_S3_SECRET_ACCESS_KEY',
-  presignMinBytes: '--presign-min-bytes',
-  presignExpiresSeconds: 'presign.expiresSeconds',
-  maxChunkBytes: '--max-chunk-bytes',
-  coalesceMaxBytes: 'coalesceMaxBytes',
-  tokens: 'auth.tokens',
-  publicStatus: '--status-public',
-  insecure: '--insecure',
-  log: '--log',
-}
-
-function checkSettings(
-  raw: Record<string, unknown>,
-  nameOf: (k: keyof ServeSettings) => string,
-): ServeSettings {
+function checkSettings(raw: Record<string, unknown>, nameOf: (k: OptionName) => string): ServeSettings {
   const out: Record<string, unknown> = {}
   for (const [k, value] of Object.entries(raw)) {
     if (value === undefined) continue
-    const key = k as keyof ServeSettings
+    if (!Object.hasOwn(OPTIONS, k)) throw new ConfigError(`unknown setting ${k}`)
+    const key = k as OptionName
     let input = value
     if (key === 'tokens' && typeof value === 'string') {
       try {
@@ -157,7 +153,7 @@ function checkSettings(
         )
       }
     }
-    out[key] = parseConfig(SETTING[key], input, nameOf(key))
+    out[key] = parseConfig(OPTIONS[key].schema, input, nameOf(key))
   }
   return out as ServeSettings
 }
@@ -165,55 +161,48 @@ function checkSettings(
 /** Reads KVGATE_* variables; a bad value is an error naming the variable. */
 export function settingsFromEnv(env: NodeJS.ProcessEnv): ServeSettings {
   const raw: Record<string, unknown> = {}
-  const varOf: Record<string, string> = {}
-  for (const [name, key] of Object.entries(ENV)) {
-    const value = env[name]
-    if (value !== undefined && value !== '') {
-      raw[key] = value
-      varOf[key] = name
-    }
+  for (const k of NAMES) {
+    const value = env[OPTIONS[k].env]
+    if (value !== undefined && value !== '') raw[k] = value
   }
-  return checkSettings(raw, (k) => varOf[k] ?? k)
+  return checkSettings(raw, (k) => OPTIONS[k].env)
 }
 
-/** Checks command-line values; a bad value is an error naming the flag. */
+/** Checks command-line values (keyed by setting name); a bad value is an error naming the flag. */
 export function settingsFromFlags(flags: Record<string, unknown>): ServeSettings {
-  return checkSettings(flags, (k) => FLAG_OF[k])
+  return checkSettings(flags, (k) => OPTIONS[k].flag)
 }
 
-const opt = v.optional
-const S3_FILE = v.strictObject({
-  bucket: opt(v.string()),
-  endpoint: opt(v.string()),
-  region: opt(v.string()),
-  forcePathStyle: opt(v.unknown()),
-  accessKeyId: opt(v.string()),
-  secretAccessKey: opt(v.string()),
-})
-/** The YAML file's shape: unknown keys anywhere are errors (a typo must not turn auth or the store off). */
-export const GATEWAY_FILE_SCHEMA = v.strictObject({
-  host: opt(v.unknown()),
-  port: opt(v.unknown()),
-  prefix: opt(v.unknown()),
-  store: opt(
-    v.lazy((x) =>
-      typeof x === 'string'
-        ? v.string()
-        : v.strictObject({
-            kind: opt(v.unknown()),
-            dir: opt(v.unknown()),
-            fsync: opt(v.unknown()),
-            s3: opt(S3_FILE),
-          }),
-    ),
-  ),
-  presign: opt(v.strictObject({ minBytes: opt(v.unknown()), expiresSeconds: opt(v.unknown()) })),
-  maxChunkBytes: opt(v.unknown()),
-  coalesceMaxBytes: opt(v.unknown()),
-  auth: opt(v.strictObject({ tokens: opt(v.unknown()), publicStatus: opt(v.unknown()) })),
-  insecure: opt(v.unknown()),
-  log: opt(v.unknown()),
-})
+type Tree = { [key: string]: Tree | null }
+
+/** The YAML file's shape from the options' paths: nested strict objects, so unknown keys anywhere are errors. */
+function fileSchema(tree: Tree): v.GenericSchema {
+  const entries: Record<string, v.GenericSchema> = {}
+  for (const [k, sub] of Object.entries(tree)) {
+    let s = sub === null ? v.unknown() : fileSchema(sub)
+    // `store: s3` is short for `store: { kind: s3 }`.
+    if (k === 'store') {
+      const obj = s
+      s = v.lazy((x) => (typeof x === 'string' ? v.string() : obj))
+    }
+    entries[k] = v.optional(s)
+  }
+  return v.strictObject(entries)
+}
+
+const FILE_TREE: Tree = {}
+for (const k of NAMES) {
+  const parts = OPTIONS[k].file.split('.')
+  let t = FILE_TREE
+  for (const p of parts.slice(0, -1)) {
+    t[p] ??= {}
+    t = t[p] as Tree
+  }
+  t[parts.at(-1)!] = null
+}
+
+/** The YAML file's schema: unknown keys anywhere are errors (a typo must not turn auth or the store off). */
+export const GATEWAY_FILE_SCHEMA = fileSchema(FILE_TREE)
 
 /** Reads a YAML config file (nested form, see docs in `kvgate serve --help`) into flat settings. */
 export function settingsFromFile(file: string): ServeSettings {
@@ -224,54 +213,15 @@ export function settingsFromFile(file: string): ServeSettings {
     throw new ConfigError(`cannot read config file ${file}: ${(e as Error).message}`, { cause: e })
   }
   if (doc === null || doc === undefined) return {}
-  const d = parseConfig(GATEWAY_FILE_SCHEMA, doc, file)
-  const store = typeof d.store === 'object' ? d.store : {}
-  const s3 = store.s3 ?? {}
-  const raw = {
-    host: d.host,
-    port: d.port,
-    prefix: d.prefix,
-    store: typeof d.store === 'string' ? d.store : store.kind,
-    dir: store.dir,
-    fsync: store.fsync,
-    s3Bucket: s3.bucket,
-    s3Endpoint: s3.endpoint,
-    s3Region: s3.region,
-    s3PathStyle: s3.forcePathStyle,
-    s3AccessKeyId: s3.accessKeyId,
-    s3SecretAccessKey: s3.secretAccessKey,
-    presignMinBytes: d.presign?.minBytes,
-    presignExpiresSeconds: d.presign?.expiresSeconds,
-    maxChunkBytes: d.maxChunkBytes,
-    coalesceMaxBytes: d.coalesceMaxBytes,
-    tokens: d.auth?.tokens,
-    publicStatus: d.auth?.publicStatus,
-    insecure: d.insecure,
-    log: d.log,
+  const d = parseConfig(GATEWAY_FILE_SCHEMA, doc, file) as Record<string, unknown>
+  if (typeof d.store === 'string') d.store = { kind: d.store }
+  const raw: Record<string, unknown> = {}
+  for (const k of NAMES) {
+    let node: unknown = d
+    for (const p of OPTIONS[k].file.split('.')) node = (node as Record<string, unknown> | undefined)?.[p]
+    if (node !== undefined) raw[k] = node
   }
-  const path: { [K in keyof ServeSettings]-?: string } = {
-    host: 'host',
-    port: 'port',
-    prefix: 'prefix',
-    store: typeof d.store === 'string' ? 'store' : 'store.kind',
-    dir: 'store.dir',
-    fsync: 'store.fsync',
-    s3Bucket: 'store.s3.bucket',
-    s3Endpoint: 'store.s3.endpoint',
-    s3Region: 'store.s3.region',
-    s3PathStyle: 'store.s3.forcePathStyle',
-    s3AccessKeyId: 'store.s3.accessKeyId',
-    s3SecretAccessKey: 'store.s3.secretAccessKey',
-    presignMinBytes: 'presign.minBytes',
-    presignExpiresSeconds: 'presign.expiresSeconds',
-    maxChunkBytes: 'maxChunkBytes',
-    coalesceMaxBytes: 'coalesceMaxBytes',
-    tokens: 'auth.tokens',
-    publicStatus: 'auth.publicStatus',
-    insecure: 'insecure',
-    log: 'log',
-  }
-  return checkSettings(raw, (k) => `${file}: ${path[k]}`)
+  return checkSettings(raw, (k) => `${file}: ${OPTIONS[k].file}`)
 }
 
 /** Objects at least this large are served by presigned redirect from an s3 store, unless turned off. */
@@ -279,12 +229,10 @@ export const DEFAULT_PRESIGN_MIN_BYTES = 8 * 1024 * 1024
 
 const LOOPBACK = /^(127\.\d+\.\d+\.\d+|::1|localhost)$/
 
-/**
- * Merges settings (later wins) into a config. Each layer is expected to come from
- * settingsFromFile / settingsFromEnv / settingsFromFlags (already checked); plain objects are checked here.
- */
-export function resolveServeConfig(...layers: ServeSettings[]): ServeConfig {
-  const s = checkSettings(Object.assign({}, ...layers), (k) => FLAG_OF[k]) as CheckedSettings
+/** Merges settings (later wins: file, env, flags) into a checked config. */
+export function resolveServeConfig(...layers: ServeSettingsInput[]): ServeConfig {
+  // Checked again: layers may be plain objects (tests, embedders); checking is idempotent.
+  const s = checkSettings(Object.assign({}, ...layers), (k) => OPTIONS[k].flag)
   const tokens = s.tokens ?? []
   const kind = s.store ?? 'fs'
   let store: ServeConfig['store']
@@ -340,28 +288,4 @@ export function resolveServeConfig(...layers: ServeSettings[]): ServeConfig {
     insecure,
     log: s.log ?? 'info',
   }
-}
-
-/** Settings after checking: the types each schema produces. */
-interface CheckedSettings {
-  host?: string
-  port?: number
-  prefix?: string
-  store?: 'fs' | 's3' | 'memory'
-  dir?: string
-  fsync?: boolean
-  s3Bucket?: string
-  s3Endpoint?: string
-  s3Region?: string
-  s3PathStyle?: boolean
-  s3AccessKeyId?: string
-  s3SecretAccessKey?: string
-  presignMinBytes?: number | 'off'
-  presignExpiresSeconds?: number
-  maxChunkBytes?: number
-  coalesceMaxBytes?: number
-  tokens?: TokenGrant[]
-  publicStatus?: boolean
-  insecure?: boolean
-  log?: LogLevel
 }
