@@ -7,6 +7,7 @@ import { execFileSync, spawn } from 'node:child_process'
 import { mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs'
 import { loadavg } from 'node:os'
 import { join } from 'node:path'
+import { fileURLToPath } from 'node:url'
 import { Pool } from 'undici'
 import { KVCache } from '../src/client/index.ts'
 import { allocPinned, nativeAvailable, readFileDirect } from '../src/client/native.ts'
@@ -15,9 +16,10 @@ import { DiskTier } from '../src/client/tiers/disk.ts'
 import { crc32 } from '../src/core/checksum.ts'
 import { decodeHeader } from '../src/core/format.ts'
 import { chunkBytes, MODEL_PRESETS, type ModelPreset } from '../src/core/layout.ts'
+import { nodeFlagsFor, siblingModule } from '../src/package-files.ts'
 import { syntheticKv, tensorOf } from '../test/codec-fixtures.ts'
-import { barChartSvg } from './lib/client-chart.ts'
 import { machineLine, median, RESULTS_DIR, table, writeResult } from './lib/stats.ts'
+import { figureChart, stackSvgs } from './lib/svg-chart.ts'
 
 const MiB = 1024 ** 2
 const repeats = Number(process.env.KVGATE_BENCH_REPEATS ?? 15)
@@ -276,9 +278,10 @@ async function benchL4() {
   for (let i = 0; i < chunks; i++) kv.set(chunk, i * cb)
   const storeDir = join(scratch, 'gw-store')
   mkdirSync(storeDir)
+  const serverModule = siblingModule(import.meta.url, './lib/client-gateway-server.ts')
   const server = spawn(
     process.execPath,
-    ['--import', 'tsx', join(import.meta.dirname, 'lib', 'client-gateway-server.ts'), storeDir],
+    [...nodeFlagsFor(serverModule), fileURLToPath(serverModule), storeDir],
     {
       stdio: ['ignore', 'pipe', 'inherit'],
     },
@@ -530,35 +533,23 @@ try {
     l4,
     bars,
   })
-  const svg = barChartSvg('kvgate client: bars (dashed = target)', [
-    {
-      label: 'L1 retrieve / memcpy',
-      value: l1.ratio,
-      target: 0.8,
-      higherIsBetter: true,
-      note: `${f(l1.ratio)}× (${f(l1.retrieveGBs)} vs ${f(l1.memcpyGBs)} GB/s)`,
-    },
-    {
-      label: 'L2 read / raw O_DIRECT read',
-      value: l2.ratio,
-      target: 0.8,
-      higherIsBetter: true,
-      note: `${f(l2.ratio)}× (${f(l2.l2PrefetchGBs)} vs ${f(l2.rawDirectGBs)} GB/s)`,
-    },
-    {
-      label: 'chain+lookup 128k warm (ms)',
-      value: lk.warmMs,
-      target: 2,
-      higherIsBetter: false,
-      note: `${f(lk.warmMs, 3)} ms (cold ${f(lk.coldMs, 3)} ms)`,
-    },
-    {
-      label: 'L4 32k: bytes raw / kvgate',
-      value: l4.raw.wireBytes / l4.kvgate.wireBytes,
-      target: 1,
-      higherIsBetter: true,
-      note: `${f(l4.raw.wireBytes / MiB, 0)} vs ${f(l4.kvgate.wireBytes / MiB, 0)} MiB; ${f(l4.raw.retrieveMs, 0)} vs ${f(l4.kvgate.retrieveMs, 0)} ms on localhost`,
-    },
+  const svg = stackSvgs([
+    figureChart('kvgate client: L1 and L2 read speed vs their baselines', 'GB/s', [
+      { label: 'L1 retrieve (32 MiB chunk)', value: l1.retrieveGBs },
+      { label: 'memcpy', value: l1.memcpyGBs, baseline: true },
+      { label: 'L2 read (O_DIRECT + CRC)', value: l2.l2PrefetchGBs },
+      { label: 'raw O_DIRECT read', value: l2.rawDirectGBs, baseline: true },
+    ]),
+    figureChart(
+      `kvgate client: chain + lookup of a 128k-token prompt (cold ${f(lk.coldMs, 3)} ms)`,
+      'ms (lower is better)',
+      [{ label: 'warm', value: lk.warmMs }],
+      [{ value: 2, label: 'bar: < 2 ms' }],
+    ),
+    figureChart('kvgate client: L4 bytes on the wire for 32k tokens', 'MiB', [
+      { label: 'kvgate codec', value: l4.kvgate.wireBytes / MiB },
+      { label: 'raw', value: l4.raw.wireBytes / MiB, baseline: true },
+    ]),
   ])
   writeFileSync(join(RESULTS_DIR, 'client.svg'), svg)
   console.log(

@@ -36,7 +36,8 @@ Options:
   --prefill-tokens-per-s N  assumed engine prefill speed for "time saved" [10000,
                             an 8B model on one H100]
   --price s3-standard|r2    list prices for the cost lines [s3-standard]
-  --out NAME                result name: bench/results/NAME.json + .svg [fleet]
+  --name NAME               result name: NAME.json + .svg in the results directory [fleet]
+  --out DIR                 results directory (kvgate bench passes it as KVGATE_BENCH_OUT)
   -h, --help`
 
 const { values } = parseArgs({
@@ -50,7 +51,7 @@ const { values } = parseArgs({
     'chunk-tokens': { type: 'string' },
     'prefill-tokens-per-s': { type: 'string' },
     price: { type: 'string' },
-    out: { type: 'string' },
+    name: { type: 'string' },
     help: { type: 'boolean', short: 'h' },
   },
   strict: true,
@@ -91,7 +92,7 @@ if (!price) {
   console.error(`bench fleet: invalid --price '${priceName}' (s3-standard or r2)`)
   process.exit(2)
 }
-const outName = values.out ?? 'fleet'
+const outName = values.name ?? 'fleet'
 const wantStore = values.store ?? 'rgw'
 if (wantStore !== 'rgw' && wantStore !== 'fs') {
   console.error(`bench fleet: invalid --store '${wantStore}' (rgw or fs)`)

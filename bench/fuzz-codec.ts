@@ -2,7 +2,9 @@
 // writes bench/results/fuzz-codec.json. Usage: node --import tsx bench/fuzz-codec.ts [iterations] [seed]
 
 import { mkdirSync, writeFileSync } from 'node:fs'
+import { join } from 'node:path'
 import { fuzzCodec } from './lib/fuzz-codec.ts'
+import { RESULTS_DIR } from './lib/stats.ts'
 
 const iterations = Number(process.argv[2] ?? 100_000)
 const seed = Number(process.argv[3] ?? 20261121)
@@ -20,9 +22,9 @@ console.log(
 console.log(`  failures (crashes / non-kvgate errors / corrupted instance): ${report.failures.length}`)
 for (const f of report.failures.slice(0, 5))
   console.log(`   - ${f.mode}: ${f.error.split('\n').slice(0, 3).join(' | ')}`)
-mkdirSync(new URL('./results/', import.meta.url), { recursive: true })
+mkdirSync(RESULTS_DIR, { recursive: true })
 writeFileSync(
-  new URL('./results/fuzz-codec.json', import.meta.url),
+  join(RESULTS_DIR, 'fuzz-codec.json'),
   `${JSON.stringify({ ...report, seed, seconds, failures: report.failures.slice(0, 50) }, null, 2)}\n`,
 )
 process.exitCode = report.failures.length === 0 ? 0 : 1

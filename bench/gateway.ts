@@ -10,13 +10,15 @@ import { Agent, request as httpRequest } from 'node:http'
 import { cpus, loadavg } from 'node:os'
 import { join } from 'node:path'
 import { createInterface } from 'node:readline'
+import { fileURLToPath } from 'node:url'
 import { GetObjectCommand, PutObjectCommand } from '@aws-sdk/client-s3'
 import { createGateway } from '../src/gateway/index.ts'
 import { S3Store } from '../src/gateway/node.ts'
+import { nodeFlagsFor, siblingModule } from '../src/package-files.ts'
 import { makeChain, makeChunk, putInit } from '../test/gateway-fixtures.ts'
 import { rgwFromEnv, startRgw } from '../test/support/rgw.ts'
-import { barChartSvg } from './lib/gateway-chart.ts'
 import { type BarResult, machineLine, median, RESULTS_DIR, table, writeResult } from './lib/stats.ts'
+import { barChart } from './lib/svg-chart.ts'
 
 const MIB = 1024 * 1024
 const CHUNK = 32 * MIB
@@ -49,8 +51,8 @@ console.error(
 )
 
 async function startBareProxy(): Promise<{ url: string; pid: number; close(): Promise<void> }> {
-  const file = new URL('./lib/gateway-bare-proxy.ts', import.meta.url).pathname
-  const proc = spawn(process.execPath, ['--import', 'tsx', file], {
+  const file = siblingModule(import.meta.url, './lib/gateway-bare-proxy.ts')
+  const proc = spawn(process.execPath, [...nodeFlagsFor(file), fileURLToPath(file)], {
     stdio: ['ignore', 'pipe', 'inherit'],
     env: {
       ...process.env,
@@ -104,13 +106,12 @@ function findCephPids(): number[] {
 
 async function startServe(
   extra: string[] = [],
-  main = new URL('../src/cli/main.ts', import.meta.url).pathname,
+  main = fileURLToPath(siblingModule(import.meta.url, '../src/cli/bin.ts')),
 ): Promise<{ url: string; pid: number; close(): Promise<void> }> {
   const proc = spawn(
     process.execPath,
     [
-      '--import',
-      'tsx',
+      ...nodeFlagsFor(main),
       main,
       'serve',
       '--port',
@@ -647,31 +648,17 @@ const path = writeResult({
 })
 writeFileSync(
   join(RESULTS_DIR, 'gateway.svg'),
-  barChartSvg('kvgate gateway vs direct S3 (RadosGW, 32 MiB chunks)', 'MiB/s', [
-    {
-      label: 'PUT',
-      bars: [
-        { label: 'gateway', value: tp.putGateway },
-        { label: 'direct S3', value: tp.putDirect },
-        { label: 'bare Node proxy', value: tp.putBare },
-      ],
-    },
-    {
-      label: 'GET',
-      bars: [
-        { label: 'gateway', value: tp.getGateway },
-        { label: 'direct S3', value: tp.getDirect },
-        { label: 'bare Node proxy', value: tp.getBare },
-      ],
-    },
-    {
-      label: 'GET, 307 redirect',
-      bars: [
-        { label: 'gateway', value: tp.getRedirect },
-        { label: 'direct S3', value: tp.getDirect },
-      ],
-    },
-  ]),
+  barChart({
+    title: 'kvgate gateway vs direct S3 (RadosGW, 32 MiB chunks)',
+    yLabel: 'MiB/s',
+    categories: ['PUT', 'GET', 'GET, 307 redirect'],
+    series: [
+      { name: 'gateway', values: [tp.putGateway, tp.getGateway, tp.getRedirect] },
+      { name: 'direct S3', values: [tp.putDirect, tp.getDirect, tp.getDirect] },
+      { name: 'bare Node proxy', values: [tp.putBare, tp.getBare, Number.NaN] },
+    ],
+    digits: 0,
+  }),
 )
 for (const b of bars)
   console.log(`${b.met ? 'MET ' : 'MISS'}  ${b.bar}: ${b.figure.toFixed(2)} ${b.unit} (target ${b.target})`)

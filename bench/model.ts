@@ -15,8 +15,8 @@ import {
   SAMPLE_STORIES,
   syntheticKv,
 } from '../src/model/index.ts'
-import { barChart } from './lib/model-chart.ts'
 import { machineLine, median, RESULTS_DIR, table, timeRuns, writeResult } from './lib/stats.ts'
+import { figureChart } from './lib/svg-chart.ts'
 
 const repeats = Number(process.env.KVGATE_BENCH_REPEATS ?? 9)
 const bars = []
@@ -132,7 +132,7 @@ const path = writeResult({
 })
 writeFileSync(
   join(RESULTS_DIR, 'model.svg'),
-  barChart(
+  figureChart(
     'stories260K forward pass vs weight-matvec floor',
     'tok/s',
     chart.filter((r) => !r.label.startsWith('synthetic')),

@@ -9,8 +9,8 @@ import { join } from 'node:path'
 import { setFlagsFromString } from 'node:v8'
 import { runInNewContext } from 'node:vm'
 import { nativePaths } from '../src/client/native.ts'
-import { groupedBarChart } from './lib/native-chart.ts'
 import { machineLine, median, RESULTS_DIR, table, writeResult } from './lib/stats.ts'
+import { figureChart, stackSvgs } from './lib/svg-chart.ts'
 
 // Copies go through the stub libcudart: "device" memory is host memory, so
 // the figure is the batched path's own overhead over a plain memcpy.
@@ -317,45 +317,34 @@ const path = writeResult({
   io: { fileBytes: CHUNK, gbps: ioGBs, directUsed, dropCaches },
   bars,
 })
-const svg = groupedBarChart('kvgate native addon (bench/native.ts)', [
-  {
-    title: `Allocation of ${allocRows[allocRows.length - 1]?.mib ?? 0} MiB`,
-    unit: 'ms, lower is better',
-    bars: (() => {
-      const r = allocRows[allocRows.length - 1]
-      if (!r) return []
-      return [
-        { label: `allocPinned ${r.mib} MiB (${r.kind})`, value: r.pinnedMs },
-        { label: 'Buffer.allocUnsafe + fill(0)', value: r.allocUnsafeFillMs, baseline: true },
-        { label: 'Buffer.allocUnsafe (pages untouched)', value: r.allocUnsafeMs, baseline: true },
+const lastAlloc = allocRows[allocRows.length - 1]
+const svg = stackSvgs([
+  ...(lastAlloc
+    ? [
+        figureChart(`Allocation of ${lastAlloc.mib} MiB`, 'ms (lower is better)', [
+          { label: `allocPinned (${lastAlloc.kind})`, value: lastAlloc.pinnedMs },
+          { label: 'Buffer.allocUnsafe + fill(0)', value: lastAlloc.allocUnsafeFillMs, baseline: true },
+          { label: 'Buffer.allocUnsafe (pages untouched)', value: lastAlloc.allocUnsafeMs, baseline: true },
+        ]),
       ]
-    })(),
-  },
-  {
-    title: 'Host copy of a 32 MiB chunk (stub CUDA)',
-    unit: 'GB/s, higher is better',
-    bars: [
-      { label: 'memcpy (TypedArray.set)', value: memcpyGBs, baseline: true },
-      ...copyRows.map((r) => ({
-        label: `batched gather, ${r.descriptors} × ${r.blockKiB} KiB`,
-        value: r.gatherGBs,
-      })),
-      ...copyRows.map((r) => ({
-        label: `JS gather, ${r.descriptors} × ${r.blockKiB} KiB`,
-        value: r.jsGatherGBs,
-        baseline: true,
-      })),
-    ],
-  },
-  {
-    title: 'Read a 32 MiB file',
-    unit: 'GB/s, higher is better',
-    bars: [
-      { label: 'O_DIRECT', value: ioGBs.direct },
-      { label: 'buffered, cold', value: ioGBs.bufferedCold, baseline: true },
-      { label: 'buffered, warm', value: ioGBs.bufferedWarm, baseline: true },
-    ],
-  },
+    : []),
+  figureChart('Host copy of a 32 MiB chunk (stub CUDA)', 'GB/s', [
+    { label: 'memcpy (TypedArray.set)', value: memcpyGBs, baseline: true },
+    ...copyRows.map((r) => ({
+      label: `batched gather ${r.descriptors} × ${r.blockKiB} KiB`,
+      value: r.gatherGBs,
+    })),
+    ...copyRows.map((r) => ({
+      label: `JS gather ${r.descriptors} × ${r.blockKiB} KiB`,
+      value: r.jsGatherGBs,
+      baseline: true,
+    })),
+  ]),
+  figureChart('Read a 32 MiB file', 'GB/s', [
+    { label: 'O_DIRECT', value: ioGBs.direct },
+    { label: 'buffered, cold', value: ioGBs.bufferedCold, baseline: true },
+    { label: 'buffered, warm', value: ioGBs.bufferedWarm, baseline: true },
+  ]),
 ])
 writeFileSync(join(RESULTS_DIR, 'native.svg'), svg)
 console.log(`\nwrote ${path} and ${join(RESULTS_DIR, 'native.svg')}`)

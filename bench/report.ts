@@ -1,6 +1,5 @@
-// Builds bench/results/report.html from the JSON results and SVG charts the
-// benchmarks wrote: for each bar in DESIGN.md §4, the figure, the baseline
-// measured in the same run, and whether the bar is met — readable in a minute.
+// Builds report.html (in the results directory) from the JSON results and SVG charts the
+// benchmarks wrote: for each bar (docs/benchmarks.md), the figure, the baseline measured in the same run, and the verdict.
 
 import { existsSync, readdirSync, readFileSync, writeFileSync } from 'node:fs'
 import { join } from 'node:path'
@@ -31,11 +30,21 @@ export function loadResults(dir = RESULTS_DIR): BenchResult[] {
     })
 }
 
+/**
+ * The ratio column has one meaning: figure ÷ baseline, both in the bar's unit. (Benchmarks
+ * used to store their own ratios, some inverted; the stored value is kept in the raw result only.)
+ */
+export function ratioOf(b: BarResult): number | undefined {
+  return b.baseline !== undefined && b.baseline !== 0 && Number.isFinite(b.figure / b.baseline)
+    ? b.figure / b.baseline
+    : undefined
+}
+
 function barRow(b: BarResult, bench: string): string {
   const verdict = b.met ? '<td class="ok">met</td>' : '<td class="no">not met</td>'
   return `<tr><td>${esc(bench)}</td><td>${esc(b.bar)}</td><td class="n">${fmt(b.figure)} ${esc(b.unit)}</td>
 <td class="n">${b.baseline === undefined ? '—' : `${fmt(b.baseline)} <span class="dim">${esc(b.baselineLabel ?? '')}</span>`}</td>
-<td class="n">${b.ratio === undefined ? '—' : `${fmt(b.ratio)}×`}</td><td>${esc(b.target)}</td>${verdict}</tr>`
+<td class="n">${ratioOf(b) === undefined ? '—' : `${fmt(ratioOf(b))}×`}</td><td>${esc(b.target)}</td>${verdict}</tr>`
 }
 
 export function renderReport(results: BenchResult[], dir = RESULTS_DIR): string {
@@ -59,13 +68,13 @@ table{border-collapse:collapse;width:100%}td,th{border-bottom:1px solid #ddd;pad
 section{margin-top:2em}pre{max-height:300px;overflow:auto;background:#f6f6f6;padding:8px}svg{max-width:100%;height:auto}</style></head><body>
 <h1>kvgate benchmark report</h1>
 <p><b>${met} of ${total}</b> bars met. Each figure and its baseline were measured in the same run on the same machine
-(ratios and medians of repeats: these machines are noisy). Bars are from DESIGN.md §4.</p>
-<table><thead><tr><th>bench</th><th>bar</th><th>figure</th><th>baseline (same run)</th><th>ratio</th><th>target</th><th>verdict</th></tr></thead>
+(ratios and medians of repeats: these machines are noisy). The bars and what they mean: docs/benchmarks.md.</p>
+<table><thead><tr><th>bench</th><th>bar</th><th>figure</th><th>baseline (same run)</th><th>figure ÷ baseline</th><th>target</th><th>verdict</th></tr></thead>
 <tbody>${rows.join('\n')}</tbody></table>
 ${
   infoRows.length > 0
     ? `<h3>Component targets (set by the project, not DESIGN.md bars)</h3>
-<table><thead><tr><th>bench</th><th>measure</th><th>figure</th><th>baseline (same run)</th><th>ratio</th><th>target</th><th>verdict</th></tr></thead>
+<table><thead><tr><th>bench</th><th>measure</th><th>figure</th><th>baseline (same run)</th><th>figure ÷ baseline</th><th>target</th><th>verdict</th></tr></thead>
 <tbody>${infoRows.join('\n')}</tbody></table>`
     : ''
 }

@@ -4,18 +4,17 @@
 
 import { spawnSync } from 'node:child_process'
 import { existsSync } from 'node:fs'
-import { dirname, join } from 'node:path'
 import { fileURLToPath } from 'node:url'
+import { nodeFlagsFor, siblingModule } from '../src/package-files.ts'
 import { writeReport } from './report.ts'
 
-const here = dirname(fileURLToPath(import.meta.url))
 export const BENCHES = ['keys', 'model', 'codec', 'native', 'gateway', 'client', 'fleet'] as const
 
 const wanted = process.argv.slice(2).filter((a) => !a.startsWith('-'))
 const names = wanted.length > 0 ? wanted : [...BENCHES]
 const failures: string[] = []
 for (const [i, name] of names.entries()) {
-  const file = join(here, `${name}.ts`)
+  const file = fileURLToPath(siblingModule(import.meta.url, `./${name}.ts`))
   if (!existsSync(file)) {
     console.error(`[${i + 1}/${names.length}] ${name}: no bench/${name}.ts, skipped`)
     failures.push(`${name} (missing)`)
@@ -23,7 +22,7 @@ for (const [i, name] of names.entries()) {
   }
   console.error(`\n[${i + 1}/${names.length}] bench/${name}.ts`)
   const t = performance.now()
-  const r = spawnSync(process.execPath, ['--import', 'tsx', '--expose-gc', file], { stdio: 'inherit' })
+  const r = spawnSync(process.execPath, [...nodeFlagsFor(file), '--expose-gc', file], { stdio: 'inherit' })
   const secs = ((performance.now() - t) / 1000).toFixed(0)
   if (r.status !== 0) failures.push(`${name} (exit ${r.status ?? r.signal})`)
   console.error(

@@ -1,7 +1,7 @@
 #!/usr/bin/env node
-// The `kvgate` command. The project ships TypeScript sources; tsx runs them
-// without a build step, so the CLI always matches the code in the checkout.
+// The `kvgate` command of a checkout (npm run kvgate, the tests): runs the TypeScript
+// sources through tsx so it always matches the code. Installs run dist/src/cli/bin.js.
 import { register } from 'tsx/esm/api'
 
 register()
-await import('../src/cli/main.ts')
+await import('../src/cli/bin.ts')

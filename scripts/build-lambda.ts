@@ -117,7 +117,7 @@ export async function buildLambda(opts: LambdaBuildOptions = {}): Promise<Lambda
     outfile: 'index.mjs',
     format: 'esm',
     platform: 'node',
-    target: 'node20',
+    target: 'node22',
     mainFields: ['module', 'main'],
     minify: opts.minify ?? true,
     // Names kept: stack traces in CloudWatch stay readable without a source map.

@@ -44,3 +44,30 @@ describe('benchmark report', () => {
     expect(html).not.toContain('<script>')
   })
 })
+
+describe('report ratio column', () => {
+  it('is figure ÷ baseline for every bar, whatever ratio the benchmark stored', async () => {
+    const { ratioOf } = await import('../bench/report.ts')
+    const bar = { bar: 'b', unit: 'ms', target: 't', met: true }
+    expect(ratioOf({ ...bar, figure: 2, baseline: 8, ratio: 4 })).toBe(0.25)
+    expect(ratioOf({ ...bar, figure: 2 })).toBeUndefined()
+    expect(ratioOf({ ...bar, figure: 2, baseline: 0 })).toBeUndefined()
+  })
+})
+
+describe('chart labels', () => {
+  it('wrap to the group width so neighbours never overlap', async () => {
+    const { wrapLabel, barChart } = await import('../bench/lib/svg-chart.ts')
+    const lines = wrapLabel('batched gather 512 × 64 KiB descriptors of a chunk', 12)
+    expect(lines.length).toBeLessThanOrEqual(3)
+    for (const l of lines) expect(l.length).toBeLessThanOrEqual(12)
+    const svg = barChart({
+      title: 't',
+      categories: Array.from({ length: 8 }, (_, i) => `a rather long category label number ${i}`),
+      series: [{ name: 's', values: [1, 2, 3, 4, 5, 6, 7, 8] }],
+    })
+    const groupChars = Math.floor((760 - 64 - 16) / 8 / 6.2)
+    for (const m of svg.matchAll(/<tspan[^>]*>([^<]*)<\/tspan>/g))
+      expect(m[1]!.length).toBeLessThanOrEqual(groupChars)
+  })
+})

@@ -107,7 +107,7 @@ describe('KVCache options', () => {
     )
     const o = optionsFromEnvironment(
       {
-        KVGATE_CONFIG: file,
+        KVGATE_CLIENT_CONFIG: file,
         KVGATE_CHUNK_TOKENS: '256',
         KVGATE_REMOTE_TOKEN: 'tok',
         KVGATE_MEMORY_BYTES: '512MiB',
@@ -120,9 +120,9 @@ describe('KVCache options', () => {
     expect(r.disk !== false && r.disk.bytes).toBe(100e9)
     expect(r.remote !== false && r.remote.url).toBe('http://gw:8080')
     expect(r.remote !== false && r.remote.token).toBe('tok')
-    expect(optionsFromEnvironment({ KVGATE_CONFIG: file, KVGATE_DISK: 'off' }).disk).toBe(false)
+    expect(optionsFromEnvironment({ KVGATE_CLIENT_CONFIG: file, KVGATE_DISK: 'off' }).disk).toBe(false)
     expect(() => optionsFromEnvironment({ KVGATE_CHUNK_TOKENS: '12abc' })).toThrow(/KVGATE_CHUNK_TOKENS/)
-    expect(() => optionsFromEnvironment({ KVGATE_CONFIG: join(dir, 'missing.yaml') })).toThrow(
+    expect(() => optionsFromEnvironment({ KVGATE_CLIENT_CONFIG: join(dir, 'missing.yaml') })).toThrow(
       /cannot read config/,
     )
     expect(parseBytes('x', '1k')).toBe(1024)

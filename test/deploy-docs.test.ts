@@ -220,7 +220,9 @@ describe('docs/deploy-node.md, run as written', () => {
   it('fails loudly (exit 1, FAIL lines) with a wrong token, and exit 2 without --url', () => {
     const bad = bash(smokeLine(), { FLEET_TOKEN: 'not-the-token' })
     expect(bad.code).toBe(1)
-    expect(bad.out).toMatch(/^\s+FAIL\s+put\s/m)
+    // The first step names the cause and smoke stops there (no cascade of FAIL lines).
+    expect(bad.out).toMatch(/^\s+FAIL\s+healthz\s.*does not accept this token/m)
+    expect(bad.out).not.toMatch(/^\s+FAIL\s+put\s/m)
     expect(bad.out).toMatch(/^FAIL: \d+\/\d+ steps passed$/m)
     const noUrl = bash('npx kvgate smoke --token x', { KVGATE_URL: '' })
     expect(noUrl.code).toBe(2)

@@ -435,13 +435,20 @@ describe('metrics, status page, coalescing', () => {
     expect(text).toMatch(/kvgate_store_op_seconds_bucket\{op="put",store="memory",le="\+Inf"\} 1/)
   })
 
-  it('the status page shows objects, bytes, cost and recent errors', async () => {
+  it('the status page shows objects, bytes, cost (only where a price applies), uptime and recent errors', async () => {
     const { app: app2 } = setup()
     const c = makeChunk()
     await app2.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
     const html = await (await app2.request('/')).text()
     expect(html).toContain('kvgate gateway')
-    expect(html).toMatch(/storage cost/)
+    // A memory store has no price: no cost row rather than "$0.00".
+    expect(html).not.toMatch(/storage cost/)
+    expect(html).toMatch(/<th>uptime<\/th><td>\d+ s<\/td>/)
+    expect(html).toContain('error answers (4xx and 5xx)')
+    const mem = new MemoryStore()
+    const priced = Object.assign(Object.create(mem) as MemoryStore, { kind: 's3' })
+    const s3ish = createGateway({ store: priced })
+    expect(await (await s3ish.request('/')).text()).toMatch(/storage cost \/ month.*list price/)
     const j = (await (await app2.request('/', { headers: { accept: 'application/json' } })).json()) as Record<
       string,
       number

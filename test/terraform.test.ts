@@ -268,9 +268,9 @@ describe('terraform module structure (hcl2json)', () => {
     expect(hcl.variable.expiration_days[0].default).toBe(180)
   })
 
-  it('runs the function on nodejs20.x arm64 behind a streaming URL, with log retention', () => {
+  it('runs the function on nodejs22.x arm64 behind a streaming URL, with log retention', () => {
     const fn = hcl.resource.aws_lambda_function.this[0]
-    expect(fn.runtime).toBe('nodejs20.x')
+    expect(fn.runtime).toBe('nodejs22.x')
     expect(fn.architectures).toEqual(['${var.lambda_architecture}'])
     expect(hcl.variable.lambda_architecture[0].default).toBe('arm64')
     expect(fn.source_code_hash).toBe('${filebase64sha256(var.lambda_zip_path)}')

@@ -2,10 +2,18 @@
 // write the JSON result a script (and the HTML report) reads.
 
 import { mkdirSync, writeFileSync } from 'node:fs'
-import { dirname, join } from 'node:path'
+import { dirname, join, resolve } from 'node:path'
 import { fileURLToPath } from 'node:url'
 
-export const RESULTS_DIR = join(dirname(fileURLToPath(import.meta.url)), '..', 'results')
+/**
+ * Where results are written: $KVGATE_BENCH_OUT (kvgate bench --out), else bench/results in a
+ * checkout, else ./kvgate-bench-results (compiled, inside an install: never into node_modules).
+ */
+export const RESULTS_DIR =
+  process.env.KVGATE_BENCH_OUT ??
+  (import.meta.url.endsWith('.ts')
+    ? join(dirname(fileURLToPath(import.meta.url)), '..', 'results')
+    : resolve('kvgate-bench-results'))
 
 export function median(xs: readonly number[]): number {
   const s = [...xs].sort((a, b) => a - b)

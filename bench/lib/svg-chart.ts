@@ -151,6 +151,60 @@ function refLines(f: Frame, lines: readonly RefLine[] | undefined): void {
   }
 }
 
+/** Splits a label into lines of at most `width` characters (words kept whole when they fit), at most 3 lines. */
+export function wrapLabel(label: string, width: number): string[] {
+  const lines: string[] = []
+  let cur = ''
+  for (const word of label.split(/\s+/)) {
+    if (cur && cur.length + 1 + word.length > width) {
+      lines.push(cur)
+      cur = word
+    } else cur = cur ? `${cur} ${word}` : word
+  }
+  if (cur) lines.push(cur)
+  if (lines.length > 3)
+    lines.splice(
+      2,
+      lines.length - 2,
+      `${lines
+        .slice(2)
+        .join(' ')
+        .slice(0, width - 1)}…`,
+    )
+  return lines.map((l) => (l.length > width ? `${l.slice(0, width - 1)}…` : l))
+}
+
+export interface FigureRow {
+  label: string
+  value: number
+  /** A baseline measured in the same run (drawn in its own colour). */
+  baseline?: boolean
+}
+
+/** One bar per row, figures and same-run baselines in two colours: the common bench chart. */
+export function figureChart(
+  title: string,
+  yLabel: string,
+  rows: readonly FigureRow[],
+  refLines?: readonly RefLine[],
+): string {
+  return barChart({
+    title,
+    yLabel,
+    categories: rows.map((r) => r.label),
+    series: [
+      { name: 'kvgate', values: rows.map((r) => (r.baseline ? Number.NaN : r.value)) },
+      {
+        name: 'baseline (same run)',
+        values: rows.map((r) => (r.baseline ? r.value : Number.NaN)),
+        color: '#9a9a9a',
+      },
+    ],
+    ...(refLines ? { refLines } : {}),
+    width: Math.max(760, rows.length * 110),
+  })
+}
+
 /** A grouped bar chart as SVG text. */
 export function barChart(opts: BarChartOptions): string {
   const width = opts.width ?? 760
@@ -182,8 +236,13 @@ export function barChart(opts: BarChartOptions): string {
         )
       }
     })
+    // Wrapped to the group's width (at most 3 lines) so neighbouring labels never overlap.
+    const cx = (f.left + ci * groupW + groupW / 2).toFixed(1)
+    const lines = wrapLabel(cat, Math.max(4, Math.floor(groupW / 6.2)))
     f.parts.push(
-      `<text x="${(f.left + ci * groupW + groupW / 2).toFixed(1)}" y="${f.top + f.plotH + 16}" text-anchor="middle">${escapeXml(cat)}</text>`,
+      `<text x="${cx}" y="${f.top + f.plotH + 16}" text-anchor="middle">${lines
+        .map((l, i) => `<tspan x="${cx}" dy="${i === 0 ? 0 : 12}">${escapeXml(l)}</tspan>`)
+        .join('')}</text>`,
     )
   })
   f.parts.push(`<line x1="${f.left}" x2="${f.left + f.plotW}" y1="${zero}" y2="${zero}" stroke="#333"/>`)

@@ -1,8 +1,8 @@
 // The `kvgate` command: a thin dispatcher. Each subcommand lives in its own
 // module under commands/ and is loaded only when used, so `kvgate --help` stays fast.
 
-import { readFileSync } from 'node:fs'
 import { isKvgateError } from '../core/errors.ts'
+import { packageVersion } from '../package-files.ts'
 
 export interface CommandModule {
   /** Runs the command; resolves to the process exit code. */
@@ -13,28 +13,22 @@ interface CommandEntry {
   summary: string
 }
 
-// Registered up front so `--help` can list them; the module is imported on use.
+// Registered up front so `--help` can list them; commands/<name>.ts is imported on use.
+// One line per command: adding a command is adding a line and its module.
 const COMMANDS: Record<string, CommandEntry> = {
-  demo: {
-    summary: 'two nodes share a prompt prefix through a local gateway (the main job)',
-  },
+  demo: { summary: 'two nodes share a prompt prefix through a local gateway (the main job)' },
   serve: { summary: 'run the gateway (fs store by default, or S3)' },
-  inspect: {
-    summary: "print a chunk object's header, layer index and checksums",
-  },
+  token: { summary: "create a bearer token and print its entry for the gateway's token table" },
+  smoke: { summary: 'put, get and look up a chunk against a running gateway' },
+  inspect: { summary: "print a chunk object's header, layer index and checksums" },
   keys: { summary: 'compute chained prefix keys for a token list' },
-  smoke: {
-    summary: 'put, get and look up a chunk against a running gateway',
-  },
   bench: { summary: 'run a benchmark (codec, gateway, native, client, fleet)' },
   gc: { summary: 'delete unused and over-quota chains from the bucket, tail first (cold tier)' },
+  'build-native': { summary: 'build the native addon where kvgate is installed (pinned L1, O_DIRECT)' },
 }
 
 export function version(): string {
-  const pkg = JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as {
-    version: string
-  }
-  return pkg.version
+  return packageVersion()
 }
 
 function usage(): string {
@@ -51,6 +45,8 @@ function usage(): string {
     'Options:',
     '  -h, --help     show help (also: kvgate <command> --help)',
     '  -v, --version  print the version',
+    '',
+    'Exit status: 0 success, 1 failure, 2 wrong usage or configuration (unknown flag, bad KVGATE_* value).',
   ].join('\n')
 }
 
@@ -82,17 +78,36 @@ export async function main(argv: string[]): Promise<number> {
   return mod.run(rest)
 }
 
-const invokedDirectly =
-  process.argv[1] !== undefined && /(?:main\.ts|kvgate(?:\.mjs)?)$/.test(process.argv[1])
-if (invokedDirectly) {
+/** Exit status of a usage or configuration mistake (a wrong flag, option or KVGATE_* value). */
+export const EXIT_USAGE = 2
+
+const USAGE_CODES = new Set(['ERR_INVALID_ARGUMENT', 'ERR_CONFIG'])
+
+/**
+ * Prints a failure that escaped a command as one line (no stack unless KVGATE_DEBUG=1)
+ * and returns the exit code: 2 for usage and configuration mistakes, 1 otherwise.
+ */
+export function reportFailure(e: unknown, command: string | undefined): number {
+  const who = command && Object.hasOwn(COMMANDS, command) ? `kvgate ${command}` : 'kvgate'
+  if (process.env.KVGATE_DEBUG === '1') console.error(e)
+  if (isKvgateError(e)) {
+    console.error(`${who}: ${e.message} [${e.code}]`)
+    return USAGE_CODES.has(e.code) ? EXIT_USAGE : 1
+  }
+  const err = e as NodeJS.ErrnoException
+  const text = err instanceof Error ? err.message : String(e)
+  console.error(`${who}: ${text}${err?.code ? ` [${err.code}]` : ''} (KVGATE_DEBUG=1 prints the stack)`)
+  return 1
+}
+
+// `node --import tsx src/cli/main.ts …` (scripts and tests of a checkout) runs like the bin.
+if (process.argv[1] !== undefined && /[\\/]cli[\\/]main\.[jt]s$/.test(process.argv[1])) {
   main(process.argv.slice(2)).then(
     (code) => {
       process.exitCode = code
     },
     (e: unknown) => {
-      if (isKvgateError(e)) console.error(`kvgate: ${e.message} [${e.code}]`)
-      else console.error(e)
-      process.exitCode = 1
+      process.exitCode = reportFailure(e, process.argv[2])
     },
   )
 }

@@ -1,6 +1,12 @@
-// Entry of a codec worker thread: plain JS, so it starts whatever loader the
-// parent used (tsx, vitest); it registers tsx and loads the TypeScript worker.
-import { register } from 'tsx/esm/api'
+// Entry of a codec worker thread, plain JS so it starts under any loader: an install
+// runs the compiled worker beside it; a checkout registers tsx and loads the TypeScript worker.
+import { existsSync } from 'node:fs'
 
-register()
-await import('./codec-worker.ts')
+const compiled = new URL('./codec-worker.js', import.meta.url)
+if (existsSync(compiled)) {
+  await import(compiled.href)
+} else {
+  const { register } = await import('tsx/esm/api')
+  register()
+  await import('./codec-worker.ts')
+}

@@ -2,7 +2,9 @@
 // on one machine with no gateway, plus a KVGATE_* environment / YAML file layer for the CLI.
 
 import { readFileSync } from 'node:fs'
+import * as v from 'valibot'
 import { parse as parseYaml } from 'yaml'
+import { byteSize, nearestKey, parseByteSize, parseConfig } from '../core/config-check.ts'
 import { ConfigError, InvalidArgumentError } from '../core/errors.ts'
 import { isNamespaceName, type KeyScheme, SCHEME_CODES } from '../core/keys.ts'
 import {
@@ -15,16 +17,19 @@ import {
 import type { ChunkCodecName } from './chunk-codec.ts'
 import type { RemoteTierOptions } from './tiers/remote.ts'
 
+/** A byte count, or a string with a unit: '512MiB', '10GB' (k/M/G/T and KiB.. binary, kB/MB/GB/TB decimal). */
+export type ByteSize = number | string
+
 export interface MemoryOptions {
   /** Bytes of the pinned L1 region. @default 1 GiB (at least one chunk) */
-  bytes?: number
+  bytes?: ByteSize
 }
 
 export interface DiskOptions {
   /** Directory of chunk files (created if missing). */
   dir: string
   /** Byte budget; LRU files are deleted beyond it. @default 10 GiB */
-  bytes?: number
+  bytes?: ByteSize
   /** 'raw' (fastest reads) or 'lossless' (smaller, exact). @default 'raw' */
   storeAs?: 'raw' | 'lossless'
   /** Parallel file operations (2 lets one chunk's CRC overlap the next one's read). @default 2 */
@@ -77,7 +82,7 @@ export interface ResolvedOptions {
   keyScheme: KeyScheme
   hashSeed: string | undefined
   memory: { bytes: number }
-  disk: Required<DiskOptions> | false
+  disk: (Required<Omit<DiskOptions, 'bytes'>> & { bytes: number }) | false
   remote:
     | (Required<Omit<RemoteOptions, 'token' | 'quality'>> & {
         token: string | undefined
@@ -134,8 +139,19 @@ function int(name: string, v: unknown, min: number, max: number, dflt?: number):
 
 function unknownKeys(where: string, o: object, allowed: Set<string>): void {
   for (const k of Object.keys(o)) {
-    if (!allowed.has(k)) throw new InvalidArgumentError(`unknown option ${where}${k}`)
+    if (!allowed.has(k)) {
+      const near = nearestKey(k, [...allowed])
+      throw new InvalidArgumentError(
+        `unknown option ${where}${k}${near ? ` (did you mean ${where}${near}?)` : ''}; valid: ${[...allowed].join(', ')}`,
+      )
+    }
   }
+}
+
+/** A byte count: an integer, or a string with a unit ('512MiB', '10GB'). */
+function bytesOpt(name: string, v: unknown, min: number, dflt: number): number {
+  if (v === undefined) return dflt
+  return int(name, typeof v === 'string' ? parseBytes(name, v) : v, min, Number.MAX_SAFE_INTEGER)
 }
 
 function checkDirect(v: unknown): 'auto' | 'off' {
@@ -175,7 +191,7 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
   if (typeof memOpts !== 'object' || memOpts === null)
     throw new InvalidArgumentError('invalid memory: an object')
   unknownKeys('memory.', memOpts, new Set(['bytes']))
-  const memBytes = int('memory.bytes', memOpts.bytes, 1, Number.MAX_SAFE_INTEGER, Math.max(GiB, oneChunk))
+  const memBytes = bytesOpt('memory.bytes', memOpts.bytes, 1, Math.max(GiB, oneChunk))
   if (memBytes < oneChunk) {
     throw new InvalidArgumentError(
       `invalid memory.bytes: ${memBytes} is smaller than one chunk (${oneChunk} bytes for ${chunkTokens} tokens of ${model.modelId})`,
@@ -196,7 +212,7 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
     }
     disk = {
       dir: d.dir,
-      bytes: int('disk.bytes', d.bytes, 1, Number.MAX_SAFE_INTEGER, 10 * GiB),
+      bytes: bytesOpt('disk.bytes', d.bytes, 1, 10 * GiB),
       storeAs,
       concurrency: int('disk.concurrency', d.concurrency, 1, 256, 2),
       direct: checkDirect(d.direct),
@@ -237,16 +253,10 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
       breakerThreshold: int('remote.breakerThreshold', r.breakerThreshold, 1, 1000, 5),
       breakerCooldownMs: int('remote.breakerCooldownMs', r.breakerCooldownMs, 1, 3_600_000, 1000),
       maxQueuedWrites: int('remote.maxQueuedWrites', r.maxQueuedWrites, 0, 1_000_000, 4096),
-      maxQueuedBytes: int(
-        'remote.maxQueuedBytes',
-        r.maxQueuedBytes,
-        0,
-        Number.MAX_SAFE_INTEGER,
-        512 * 1024 ** 2,
-      ),
+      maxQueuedBytes: bytesOpt('remote.maxQueuedBytes', r.maxQueuedBytes, 0, 512 * 1024 ** 2),
       writeConcurrency: int('remote.writeConcurrency', r.writeConcurrency, 1, 256, 8),
       presenceTtlMs: int('remote.presenceTtlMs', r.presenceTtlMs, 0, 3_600_000, 30_000),
-      uploadMinBytes: int('remote.uploadMinBytes', r.uploadMinBytes, 0, Number.MAX_SAFE_INTEGER, 1024 ** 2),
+      uploadMinBytes: bytesOpt('remote.uploadMinBytes', r.uploadMinBytes, 0, 1024 ** 2),
     }
   }
 
@@ -274,16 +284,42 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
 /** Parses '512MiB', '10 GB', '4096' into bytes. */
 export function parseBytes(name: string, v: unknown): number {
   if (typeof v === 'number') return int(name, v, 0, Number.MAX_SAFE_INTEGER)
-  const m = /^\s*(\d+(?:\.\d+)?)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)?\s*$/i.exec(String(v))
-  if (!m) throw new ConfigError(`invalid ${name}: '${String(v)}' is not a byte size (e.g. 512MiB, 10GB)`)
-  const unit = (m[2] ?? 'b').toLowerCase()
-  const pow = { b: 0, k: 1, m: 2, g: 3, t: 4 }[unit[0] as 'b' | 'k' | 'm' | 'g' | 't']
-  // kB/MB/GB/TB are decimal (disk vendors); k/M/G/T and KiB/MiB/... binary.
-  const base = /^[kmgt]b$/.test(unit) ? 1000 : 1024
-  const n = Math.round(Number(m[1]) * base ** pow)
-  if (!Number.isSafeInteger(n)) throw new ConfigError(`invalid ${name}: '${String(v)}' is too large`)
+  const n = parseByteSize(v)
+  if (n === undefined)
+    throw new ConfigError(`invalid ${name}: '${String(v)}' is not a byte size (e.g. 512MiB, 10GB)`)
   return n
 }
+
+/** The client's config file variable (the gateway's is KVGATE_CONFIG: the two files differ). */
+export const CLIENT_CONFIG_ENV = 'KVGATE_CLIENT_CONFIG'
+
+const anyOpt = v.optional(v.unknown())
+/** The client YAML file's keys (values are checked by resolveOptions); unknown keys are errors. */
+const CLIENT_FILE_SCHEMA = v.strictObject({
+  ...Object.fromEntries([...TOP_KEYS].map((k) => [k, anyOpt])),
+  memory: v.optional(v.strictObject({ bytes: v.optional(byteSize(1)) })),
+  // lazy, not union: the object's own issue (an unknown key) is reported, not "expected false or an object".
+  disk: v.optional(
+    v.lazy((x) =>
+      x === false
+        ? v.literal(false)
+        : v.strictObject({
+            ...Object.fromEntries([...DISK_KEYS].map((k) => [k, anyOpt])),
+            bytes: v.optional(byteSize(1)),
+          }),
+    ),
+  ),
+  remote: v.optional(
+    v.lazy((x) =>
+      x === false
+        ? v.literal(false)
+        : v.strictObject({
+            ...Object.fromEntries([...REMOTE_KEYS].map((k) => [k, anyOpt])),
+            maxQueuedBytes: v.optional(byteSize(0)),
+          }),
+    ),
+  ),
+})
 
 function num(name: string, v: string): number {
   const n = Number(v)
@@ -296,7 +332,8 @@ type Plain = Record<string, unknown>
 
 /**
  * Options for processes started from the CLI: the YAML file named by
- * KVGATE_CONFIG (or `file`), then KVGATE_* variables on top (env overrides file).
+ * KVGATE_CLIENT_CONFIG (or `file`), then KVGATE_* variables on top (env overrides file).
+ * Unknown keys in the file are errors naming the path and the nearest valid key.
  * The result still goes through resolveOptions() in KVCache.open().
  */
 export function optionsFromEnvironment(
@@ -304,7 +341,7 @@ export function optionsFromEnvironment(
   file?: string,
 ): Partial<KVCacheOptions> {
   const out: Plain = {}
-  const path = file ?? env.KVGATE_CONFIG
+  const path = file ?? env[CLIENT_CONFIG_ENV]
   if (path) {
     let doc: unknown
     try {
@@ -315,7 +352,7 @@ export function optionsFromEnvironment(
     if (doc !== null && doc !== undefined) {
       if (typeof doc !== 'object' || Array.isArray(doc))
         throw new ConfigError(`config file ${path}: expected a mapping`)
-      Object.assign(out, doc)
+      Object.assign(out, parseConfig(CLIENT_FILE_SCHEMA, doc, path))
     }
   }
   const sub = (k: 'memory' | 'disk' | 'remote'): Plain => {

@@ -2,7 +2,7 @@
 // its options and the types it hands out.
 
 export type { ChunkCodecName } from './chunk-codec.ts'
-export type { DiskOptions, KVCacheOptions, MemoryOptions, RemoteOptions } from './config.ts'
+export type { ByteSize, DiskOptions, KVCacheOptions, MemoryOptions, RemoteOptions } from './config.ts'
 export { optionsFromEnvironment, parseBytes, resolveOptions } from './config.ts'
 export type { CopyDescriptor, GpuBuffer, GpuContiguous, GpuPaged } from './gpu.ts'
 export { chunkDescriptors } from './gpu.ts'

@@ -20,7 +20,9 @@ export function loadNative(): NativeLoad {
     native.loadNative()
     cached = { api: native, reason: undefined }
   } catch (e) {
-    cached = { api: undefined, reason: (e as Error).message.split('\n')[0] }
+    // The whole message on one line: every path tried, why it failed, and the build command.
+    const lines = (e as Error).message.split('\n').map((l) => l.trim().replace(/^- /, ''))
+    cached = { api: undefined, reason: lines.filter((l) => l !== '').join(' | ') }
   }
   return cached
 }

@@ -7,9 +7,9 @@
 
 import { existsSync } from 'node:fs'
 import { createRequire } from 'node:module'
-import { dirname, resolve } from 'node:path'
-import { fileURLToPath } from 'node:url'
+import { resolve } from 'node:path'
 import { KvgateError, type KvgateErrorOptions } from '../core/errors.ts'
+import { installedAsDependency, packageRoot } from '../package-files.ts'
 
 /** The addon contract version this wrapper speaks (native/src/addon.cc `abiVersion`). */
 export const NATIVE_ABI_VERSION = 1
@@ -24,16 +24,20 @@ export const DIRECT_ALIGNMENT = 4096
  */
 export const MAX_PINNED_BYTES = 2 ** 32
 
-const REPO_ROOT = resolve(dirname(fileURLToPath(import.meta.url)), '..', '..')
+const ROOT = packageRoot()
 
 /** Where things are on disk, and the command that builds them. */
 export const nativePaths = {
-  /** Default addon location (node-gyp's Release build). */
-  addon: resolve(REPO_ROOT, 'native/build/Release/kvgate_native.node'),
+  /** A local build (node-gyp's Release output): in a checkout, or after `npx kvgate build-native`. */
+  addon: resolve(ROOT, 'native/build/Release/kvgate_native.node'),
+  /** The binary built when the package was packed (linux-x64), loaded when there is no local build. */
+  prebuilt: resolve(ROOT, 'prebuilds', `${process.platform}-${process.arch}`, 'kvgate_native.node'),
   /** The stub libcudart the tests load through `KVGATE_CUDART`. */
-  stubCudart: resolve(REPO_ROOT, 'native/test-stub/build/libcudart_stub.so'),
-  buildCommand:
-    'npm run build:native   (runs scripts/build-native.sh; needs g++, make, python3, Node headers)',
+  stubCudart: resolve(ROOT, 'native/test-stub/build/libcudart_stub.so'),
+  /** A command that exists where kvgate runs: the package's CLI when installed, the npm script in a checkout. */
+  buildCommand: installedAsDependency()
+    ? 'npx kvgate build-native   (needs g++, make, python3 and the Node headers)'
+    : 'npm run build:native   (runs scripts/build-native.sh; needs g++, make, python3, Node headers)',
 } as const
 
 export type NativeErrorCode = 'ERR_NATIVE' | 'ERR_CUDA'
@@ -184,13 +188,16 @@ export interface NativeBinding {
 let loaded: NativeBinding | undefined
 let loadError: NativeError | undefined
 
-/** Paths the loader tries, in order: `KVGATE_NATIVE_PATH` alone when set, else the Release and Debug builds. */
+/**
+ * Paths the loader tries, in order: `KVGATE_NATIVE_PATH` alone when set, else a local
+ * Release build, the prebuilt binary shipped in the package, and a Debug build.
+ */
 export function nativeCandidates(): string[] {
   const override = process.env.KVGATE_NATIVE_PATH
   // An explicit path is the only one tried: silently loading another build
   // would hide a broken override.
   if (override) return [resolve(override)]
-  return [nativePaths.addon, resolve(REPO_ROOT, 'native/build/Debug/kvgate_native.node')]
+  return [nativePaths.addon, nativePaths.prebuilt, resolve(ROOT, 'native/build/Debug/kvgate_native.node')]
 }
 
 /**

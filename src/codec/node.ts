@@ -5,6 +5,7 @@ import { readFileSync } from 'node:fs'
 import { CodecError } from '../core/errors.ts'
 import { initCodec } from './runtime.ts'
 
+// ../../wasm from src/codec in a checkout, and from dist/src/codec in an install (the build copies it there).
 export const WASM_PATH = new URL('../../wasm/kvgate_codec.wasm', import.meta.url)
 
 /** Reads and compiles the committed codec module (sync). */
@@ -13,7 +14,10 @@ export function loadCodecModule(): WebAssembly.Module {
   try {
     bytes = readFileSync(WASM_PATH)
   } catch (e) {
-    throw new CodecError(`cannot read ${WASM_PATH.pathname}: run wasm/build.sh or reinstall`, { cause: e })
+    throw new CodecError(
+      `cannot read ${WASM_PATH.pathname}: reinstall kvgate (in a checkout: npm run build:wasm)`,
+      { cause: e },
+    )
   }
   return new WebAssembly.Module(bytes)
 }

@@ -4,6 +4,14 @@
 import { CodecError } from '../core/errors.ts'
 import { WasmCodec } from './wasm-instance.ts'
 
+declare global {
+  // Public signatures name WebAssembly.Module. Consumers whose types lack WebAssembly (no
+  // DOM lib with @types/node 20) get this empty declaration; it merges with the full one elsewhere.
+  namespace WebAssembly {
+    interface Module {}
+  }
+}
+
 let codec: WasmCodec | undefined
 
 /** Initialises the codec from a compiled module. Later calls are no-ops. */

@@ -17,6 +17,7 @@ import {
   SAMPLE_STORIES,
   TOKENIZER_FILE,
 } from '../model/index.ts'
+import { siblingModule } from '../package-files.ts'
 import type { DemoCheck, DemoCodec, KvSource, NodeJob, ReaderReport, WriterReport } from './types.ts'
 import { forkWorker, type WorkerHandle } from './worker.ts'
 
@@ -181,7 +182,7 @@ export async function runDemo(opts: DemoOptions = {}): Promise<DemoResult> {
     })
     const detail = (who: string) => (line: string) => opts.onDetail?.(`      ${who}: ${line}`)
 
-    const a = await forkWorker(new URL('./node.ts', import.meta.url), { onProgress: detail('node A') })
+    const a = await forkWorker(siblingModule(import.meta.url, './node.ts'), { onProgress: detail('node A') })
     workers.push(a)
     const what =
       source.kind === 'model'
@@ -207,7 +208,7 @@ export async function runDemo(opts: DemoOptions = {}): Promise<DemoResult> {
       )
     }
 
-    const b = await forkWorker(new URL('./node.ts', import.meta.url), { onProgress: detail('node B') })
+    const b = await forkWorker(siblingModule(import.meta.url, './node.ts'), { onProgress: detail('node B') })
     workers.push(b)
     const nodeB = await timed(
       4,

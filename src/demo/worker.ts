@@ -3,6 +3,7 @@
 
 import { type ChildProcess, fork } from 'node:child_process'
 import { fileURLToPath } from 'node:url'
+import { nodeFlagsFor } from '../package-files.ts'
 
 /** A message from a worker: the reply to call `id`, or a progress line. */
 type FromWorker =
@@ -29,15 +30,11 @@ export interface ForkOptions {
   onProgress?: (text: string) => void
 }
 
-// An absolute loader URL: `--import tsx` would resolve against the caller's cwd,
-// which breaks `npx kvgate demo` run from outside the checkout.
-const TSX_LOADER = import.meta.resolve('tsx')
-
-/** Starts `script` (a .ts file) in its own Node process with an IPC channel. */
+/** Starts `script` (a .ts source in a checkout, .js when installed) in its own Node process with an IPC channel. */
 export function forkWorker(script: string | URL, opts: ForkOptions = {}): Promise<WorkerHandle> {
   const file = typeof script === 'string' ? script : fileURLToPath(script)
   const child = fork(file, [], {
-    execArgv: ['--import', TSX_LOADER],
+    execArgv: nodeFlagsFor(file),
     // A worker's stdout goes to our stderr: `kvgate demo --json` keeps stdout for the JSON.
     stdio: ['ignore', 'pipe', 'pipe', 'ipc'],
     env: opts.env ?? process.env,

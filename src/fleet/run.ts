@@ -14,6 +14,7 @@ import { forkWorker, type WorkerHandle } from '../demo/worker.ts'
 import { createGateway } from '../gateway/app.ts'
 import { serveGateway } from '../gateway/node.ts'
 import type { ObjectStore } from '../gateway/stores/types.ts'
+import { siblingModule } from '../package-files.ts'
 import { diffCounters, fetchGatewayCounters, type GatewayCounters } from './gateway-metrics.ts'
 import type { FleetNodeConfig, RequestReport, TierCount } from './node.ts'
 import { PrefixOracle } from './oracle.ts'
@@ -182,7 +183,7 @@ export async function runFleet(opts: FleetOptions): Promise<FleetResult> {
     lookupTimeoutMs: opts.lookupTimeoutMs ?? 1000,
   })
   const start = async (n: number, seq: number) => {
-    const wk = await forkWorker(new URL('./node.ts', import.meta.url))
+    const wk = await forkWorker(siblingModule(import.meta.url, './node.ts'))
     await wk.call('open', nodeConfig(n))
     workers[n] = wk
     const joinAt = workload.joinAt[n] ?? 0

@@ -1,12 +1,15 @@
-// Configuration of a served gateway (Node): a YAML file, then KVGATE_* env vars,
-// then command-line flags, each overriding the one before; validated eagerly.
+// Configuration of a served gateway (Node): a YAML file (KVGATE_CONFIG), then KVGATE_* env vars,
+// then command-line flags, each overriding the one before; each checked by a valibot schema.
 // Defaults give a working local gateway: fs store in ./.kvgate/store on 127.0.0.1:8787.
 
 import { readFileSync } from 'node:fs'
+import * as v from 'valibot'
 import { parse as parseYaml } from 'yaml'
 import { type ColdTierConfig, parseColdTier } from '../coldtier/policy.ts'
+import { boolLike, byteSize, intLike, parseConfig } from '../core/config-check.ts'
 import { ConfigError } from '../core/errors.ts'
 import type { TokenGrant } from './middleware/auth.ts'
+import { TokenTableSchema } from './token-table.ts'
 
 export type LogLevel = 'info' | 'warn' | 'error' | 'silent'
 
@@ -53,82 +56,222 @@ export interface ServeConfig {
   coldTier: ColdTierConfig
 }
 
-/** Flat settings, the common shape of the three sources. */
-export interface ServeSettings {
-  host?: string
-  port?: string | number
-  prefix?: string
-  store?: string
-  dir?: string
-  fsync?: string | boolean
-  s3Bucket?: string
-  s3Endpoint?: string
-  s3Region?: string
-  s3PathStyle?: string | boolean
-  s3AccessKeyId?: string
-  s3SecretAccessKey?: string
-  presignMinBytes?: string | number
-  presignExpiresSeconds?: string | number
-  maxChunkBytes?: string | number
-  coalesceMaxBytes?: string | number
-  coalesceMaxBufferedBytes?: string | number
-  presenceTtlMs?: string | number
-  bodyIdleTimeoutMs?: string | number
-  bodyMinBytesPerSecond?: string | number
-  readerIdleTimeoutMs?: string | number
-  maxInFlightBytes?: string | number
-  maxConnections?: string | number
-  maxConcurrentVerifies?: string | number
-  tokens?: TokenGrant[] | string
-  publicStatus?: string | boolean
-  insecure?: string | boolean
-  log?: string
-  /** The `coldTier` mapping (file) or its JSON (KVGATE_COLD_TIER). */
-  coldTier?: unknown
-}
+const nonEmpty = v.pipe(v.string('expected a string'), v.minLength(1, 'must not be empty'))
 
-const ENV: Record<string, keyof ServeSettings> = {
-  KVGATE_HOST: 'host',
-  KVGATE_PORT: 'port',
-  KVGATE_PREFIX: 'prefix',
-  KVGATE_STORE: 'store',
-  KVGATE_STORE_DIR: 'dir',
-  KVGATE_FSYNC: 'fsync',
-  KVGATE_S3_BUCKET: 's3Bucket',
-  KVGATE_S3_ENDPOINT: 's3Endpoint',
-  KVGATE_S3_REGION: 's3Region',
-  KVGATE_S3_FORCE_PATH_STYLE: 's3PathStyle',
-  KVGATE_S3_ACCESS_KEY_ID: 's3AccessKeyId',
-  KVGATE_S3_SECRET_ACCESS_KEY: 's3SecretAccessKey',
-  KVGATE_PRESIGN_MIN_BYTES: 'presignMinBytes',
-  KVGATE_PRESIGN_EXPIRES_SECONDS: 'presignExpiresSeconds',
-  KVGATE_MAX_CHUNK_BYTES: 'maxChunkBytes',
-  KVGATE_COALESCE_MAX_BYTES: 'coalesceMaxBytes',
-  KVGATE_COALESCE_MAX_BUFFERED_BYTES: 'coalesceMaxBufferedBytes',
-  KVGATE_PRESENCE_TTL_MS: 'presenceTtlMs',
-  KVGATE_BODY_IDLE_TIMEOUT_MS: 'bodyIdleTimeoutMs',
-  KVGATE_BODY_MIN_BYTES_PER_SECOND: 'bodyMinBytesPerSecond',
-  KVGATE_READER_IDLE_TIMEOUT_MS: 'readerIdleTimeoutMs',
-  KVGATE_MAX_IN_FLIGHT_BYTES: 'maxInFlightBytes',
-  KVGATE_MAX_CONNECTIONS: 'maxConnections',
-  KVGATE_MAX_CONCURRENT_VERIFIES: 'maxConcurrentVerifies',
-  KVGATE_TOKENS: 'tokens',
-  KVGATE_PUBLIC_STATUS: 'publicStatus',
-  KVGATE_INSECURE: 'insecure',
-  KVGATE_LOG: 'log',
-  KVGATE_COLD_TIER: 'coldTier',
-}
+/**
+ * Every setting once: its schema (checks and converts values from any source), its KVGATE_*
+ * variable, its flag, and its path in the YAML file. Adding an option is adding a line here
+ * (plus its use in resolveServeConfig); the env list, the file schema and the messages follow.
+ */
+const OPTIONS = {
+  host: { schema: nonEmpty, env: 'KVGATE_HOST', flag: '--host', file: 'host' },
+  port: { schema: intLike(0, 65535), env: 'KVGATE_PORT', flag: '--port', file: 'port' },
+  prefix: { schema: nonEmpty, env: 'KVGATE_PREFIX', flag: '--prefix', file: 'prefix' },
+  store: {
+    schema: v.picklist(['fs', 's3', 'memory'], 'expected fs, s3 or memory'),
+    env: 'KVGATE_STORE',
+    flag: '--store',
+    file: 'store.kind',
+  },
+  dir: { schema: nonEmpty, env: 'KVGATE_STORE_DIR', flag: '--dir', file: 'store.dir' },
+  fsync: { schema: boolLike, env: 'KVGATE_FSYNC', flag: 'store.fsync', file: 'store.fsync' },
+  s3Bucket: { schema: nonEmpty, env: 'KVGATE_S3_BUCKET', flag: '--s3-bucket', file: 'store.s3.bucket' },
+  s3Endpoint: {
+    schema: v.pipe(v.string(), v.url('expected a URL such as http://127.0.0.1:7480')),
+    env: 'KVGATE_S3_ENDPOINT',
+    flag: '--s3-endpoint',
+    file: 'store.s3.endpoint',
+  },
+  s3Region: { schema: nonEmpty, env: 'KVGATE_S3_REGION', flag: '--s3-region', file: 'store.s3.region' },
+  s3PathStyle: {
+    schema: boolLike,
+    env: 'KVGATE_S3_FORCE_PATH_STYLE',
+    flag: '--s3-path-style',
+    file: 'store.s3.forcePathStyle',
+  },
+  s3AccessKeyId: {
+    schema: nonEmpty,
+    env: 'KVGATE_S3_ACCESS_KEY_ID',
+    flag: 'KVGATE_S3_ACCESS_KEY_ID',
+    file: 'store.s3.accessKeyId',
+  },
+  s3SecretAccessKey: {
+    schema: nonEmpty,
+    env: 'KVGATE_S3_SECRET_ACCESS_KEY',
+    flag: 'KVGATE_S3_SECRET_ACCESS_KEY',
+    file: 'store.s3.secretAccessKey',
+  },
+  presignMinBytes: {
+    schema: v.union([v.literal('off'), byteSize()], "expected a byte size (8MiB) or 'off'"),
+    env: 'KVGATE_PRESIGN_MIN_BYTES',
+    flag: '--presign-min-bytes',
+    file: 'presign.minBytes',
+  },
+  presignExpiresSeconds: {
+    schema: intLike(1, 604800),
+    env: 'KVGATE_PRESIGN_EXPIRES_SECONDS',
+    flag: 'presign.expiresSeconds',
+    file: 'presign.expiresSeconds',
+  },
+  maxChunkBytes: {
+    schema: byteSize(1024, 4 * 1024 ** 3),
+    env: 'KVGATE_MAX_CHUNK_BYTES',
+    flag: '--max-chunk-bytes',
+    file: 'maxChunkBytes',
+  },
+  coalesceMaxBytes: {
+    schema: byteSize(0, 1024 ** 3),
+    env: 'KVGATE_COALESCE_MAX_BYTES',
+    flag: 'coalesceMaxBytes',
+    file: 'coalesceMaxBytes',
+  },
+  coalesceMaxBufferedBytes: {
+    schema: byteSize(0, 16 * 1024 ** 3),
+    env: 'KVGATE_COALESCE_MAX_BUFFERED_BYTES',
+    flag: 'coalesceMaxBufferedBytes',
+    file: 'coalesceMaxBufferedBytes',
+  },
+  presenceTtlMs: {
+    schema: intLike(1, 3_600_000),
+    env: 'KVGATE_PRESENCE_TTL_MS',
+    flag: '--presence-ttl-ms',
+    file: 'presenceTtlMs',
+  },
+  bodyIdleTimeoutMs: {
+    schema: intLike(1, 3_600_000),
+    env: 'KVGATE_BODY_IDLE_TIMEOUT_MS',
+    flag: '--body-idle-timeout-ms',
+    file: 'bodyIdleTimeoutMs',
+  },
+  bodyMinBytesPerSecond: {
+    schema: byteSize(0, 1024 ** 3),
+    env: 'KVGATE_BODY_MIN_BYTES_PER_SECOND',
+    flag: 'bodyMinBytesPerSecond',
+    file: 'bodyMinBytesPerSecond',
+  },
+  readerIdleTimeoutMs: {
+    schema: intLike(1, 3_600_000),
+    env: 'KVGATE_READER_IDLE_TIMEOUT_MS',
+    flag: '--reader-idle-timeout-ms',
+    file: 'readerIdleTimeoutMs',
+  },
+  maxInFlightBytes: {
+    schema: byteSize(1, 1024 ** 4),
+    env: 'KVGATE_MAX_IN_FLIGHT_BYTES',
+    flag: '--max-in-flight-bytes',
+    file: 'maxInFlightBytes',
+  },
+  maxConnections: {
+    schema: intLike(1, 1_000_000),
+    env: 'KVGATE_MAX_CONNECTIONS',
+    flag: '--max-connections',
+    file: 'maxConnections',
+  },
+  maxConcurrentVerifies: {
+    schema: intLike(1, 1024),
+    env: 'KVGATE_MAX_CONCURRENT_VERIFIES',
+    flag: 'maxConcurrentVerifies',
+    file: 'maxConcurrentVerifies',
+  },
+  // Checked by parseColdTier (unknown keys are errors there too); the variable holds it as JSON.
+  coldTier: { schema: v.unknown(), env: 'KVGATE_COLD_TIER', flag: 'coldTier', file: 'coldTier' },
+  tokens: { schema: TokenTableSchema, env: 'KVGATE_TOKENS', flag: 'auth.tokens', file: 'auth.tokens' },
+  publicStatus: {
+    schema: boolLike,
+    env: 'KVGATE_PUBLIC_STATUS',
+    flag: '--status-public',
+    file: 'auth.publicStatus',
+  },
+  insecure: { schema: boolLike, env: 'KVGATE_INSECURE', flag: '--insecure', file: 'insecure' },
+  log: {
+    schema: v.picklist(['info', 'warn', 'error', 'silent'], 'expected info, warn, error or silent'),
+    env: 'KVGATE_LOG',
+    flag: '--log',
+    file: 'log',
+  },
+} as const satisfies Record<string, { schema: v.GenericSchema; env: string; flag: string; file: string }>
 
-export const ENV_VARS = Object.keys(ENV)
+type OptionName = keyof typeof OPTIONS
 
-export function settingsFromEnv(env: NodeJS.ProcessEnv): ServeSettings {
-  const out: Record<string, string> = {}
-  for (const [name, key] of Object.entries(ENV)) {
-    const v = env[name]
-    if (v !== undefined && v !== '') out[key] = v
+/** Settings after checking: the type each schema produces. */
+export type ServeSettings = { [K in OptionName]?: v.InferOutput<(typeof OPTIONS)[K]['schema']> }
+
+/** Unchecked settings, as an embedder or a test may pass them to resolveServeConfig. */
+export type ServeSettingsInput = { [K in OptionName]?: unknown }
+
+const NAMES = Object.keys(OPTIONS) as OptionName[]
+
+export const ENV_VARS = NAMES.map((k) => OPTIONS[k].env)
+
+/** The gateway's config file variable (the client reads KVGATE_CLIENT_CONFIG: the two schemas differ). */
+export const CONFIG_ENV = 'KVGATE_CONFIG'
+
+function checkSettings(raw: Record<string, unknown>, nameOf: (k: OptionName) => string): ServeSettings {
+  const out: Record<string, unknown> = {}
+  for (const [k, value] of Object.entries(raw)) {
+    if (value === undefined) continue
+    if (!Object.hasOwn(OPTIONS, k)) throw new ConfigError(`unknown setting ${k}`)
+    const key = k as OptionName
+    let input = value
+    if (key === 'tokens' && typeof value === 'string') {
+      try {
+        input = JSON.parse(value)
+      } catch {
+        throw new ConfigError(
+          `${nameOf(key)}: not valid JSON (a JSON array of {name, sha256, scopes, namespaces}; kvgate token prints one)`,
+        )
+      }
+    }
+    out[key] = parseConfig(OPTIONS[key].schema, input, nameOf(key))
   }
   return out as ServeSettings
 }
+
+/** Reads KVGATE_* variables; a bad value is an error naming the variable. */
+export function settingsFromEnv(env: NodeJS.ProcessEnv): ServeSettings {
+  const raw: Record<string, unknown> = {}
+  for (const k of NAMES) {
+    const value = env[OPTIONS[k].env]
+    if (value !== undefined && value !== '') raw[k] = value
+  }
+  return checkSettings(raw, (k) => OPTIONS[k].env)
+}
+
+/** Checks command-line values (keyed by setting name); a bad value is an error naming the flag. */
+export function settingsFromFlags(flags: Record<string, unknown>): ServeSettings {
+  return checkSettings(flags, (k) => OPTIONS[k].flag)
+}
+
+type Tree = { [key: string]: Tree | null }
+
+/** The YAML file's shape from the options' paths: nested strict objects, so unknown keys anywhere are errors. */
+function fileSchema(tree: Tree): v.GenericSchema {
+  const entries: Record<string, v.GenericSchema> = {}
+  for (const [k, sub] of Object.entries(tree)) {
+    let s = sub === null ? v.unknown() : fileSchema(sub)
+    // `store: s3` is short for `store: { kind: s3 }`.
+    if (k === 'store') {
+      const obj = s
+      s = v.lazy((x) => (typeof x === 'string' ? v.string() : obj))
+    }
+    entries[k] = v.optional(s)
+  }
+  return v.strictObject(entries)
+}
+
+const FILE_TREE: Tree = {}
+for (const k of NAMES) {
+  const parts = OPTIONS[k].file.split('.')
+  let t = FILE_TREE
+  for (const p of parts.slice(0, -1)) {
+    t[p] ??= {}
+    t = t[p] as Tree
+  }
+  t[parts.at(-1)!] = null
+}
+
+/** The YAML file's schema: unknown keys anywhere are errors (a typo must not turn auth or the store off). */
+export const GATEWAY_FILE_SCHEMA = fileSchema(FILE_TREE)
 
 /** Reads a YAML config file (nested form, see docs in `kvgate serve --help`) into flat settings. */
 export function settingsFromFile(file: string): ServeSettings {
@@ -139,62 +282,15 @@ export function settingsFromFile(file: string): ServeSettings {
     throw new ConfigError(`cannot read config file ${file}: ${(e as Error).message}`, { cause: e })
   }
   if (doc === null || doc === undefined) return {}
-  if (typeof doc !== 'object' || Array.isArray(doc))
-    throw new ConfigError(`${file}: expected a mapping at the top level`)
-  const d = doc as Record<string, unknown>
-  const store = (d.store ?? {}) as Record<string, unknown>
-  const s3 = (store.s3 ?? {}) as Record<string, unknown>
-  const presign = (d.presign ?? {}) as Record<string, unknown>
-  const auth = (d.auth ?? {}) as Record<string, unknown>
-  const pick = (o: Record<string, unknown>, k: string) => (o[k] === undefined ? undefined : (o[k] as string))
-  const out: ServeSettings = {
-    host: pick(d, 'host'),
-    port: pick(d, 'port'),
-    prefix: pick(d, 'prefix'),
-    store: typeof d.store === 'string' ? d.store : pick(store, 'kind'),
-    dir: pick(store, 'dir'),
-    fsync: pick(store, 'fsync'),
-    s3Bucket: pick(s3, 'bucket'),
-    s3Endpoint: pick(s3, 'endpoint'),
-    s3Region: pick(s3, 'region'),
-    s3PathStyle: pick(s3, 'forcePathStyle'),
-    s3AccessKeyId: pick(s3, 'accessKeyId'),
-    s3SecretAccessKey: pick(s3, 'secretAccessKey'),
-    presignMinBytes: pick(presign, 'minBytes'),
-    presignExpiresSeconds: pick(presign, 'expiresSeconds'),
-    maxChunkBytes: pick(d, 'maxChunkBytes'),
-    coalesceMaxBytes: pick(d, 'coalesceMaxBytes'),
-    coalesceMaxBufferedBytes: pick(d, 'coalesceMaxBufferedBytes'),
-    presenceTtlMs: pick(d, 'presenceTtlMs'),
-    bodyIdleTimeoutMs: pick(d, 'bodyIdleTimeoutMs'),
-    bodyMinBytesPerSecond: pick(d, 'bodyMinBytesPerSecond'),
-    readerIdleTimeoutMs: pick(d, 'readerIdleTimeoutMs'),
-    maxInFlightBytes: pick(d, 'maxInFlightBytes'),
-    maxConnections: pick(d, 'maxConnections'),
-    maxConcurrentVerifies: pick(d, 'maxConcurrentVerifies'),
-    tokens: auth.tokens as TokenGrant[] | undefined,
-    publicStatus: pick(auth, 'publicStatus'),
-    log: pick(d, 'log'),
-    coldTier: d.coldTier,
+  const d = parseConfig(GATEWAY_FILE_SCHEMA, doc, file) as Record<string, unknown>
+  if (typeof d.store === 'string') d.store = { kind: d.store }
+  const raw: Record<string, unknown> = {}
+  for (const k of NAMES) {
+    let node: unknown = d
+    for (const p of OPTIONS[k].file.split('.')) node = (node as Record<string, unknown> | undefined)?.[p]
+    if (node !== undefined) raw[k] = node
   }
-  for (const k of Object.keys(out) as (keyof ServeSettings)[]) if (out[k] === undefined) delete out[k]
-  return out
-}
-
-function int(name: string, v: string | number | undefined, min: number, max: number): number | undefined {
-  if (v === undefined) return undefined
-  const n = typeof v === 'number' ? v : /^\d+$/.test(String(v).trim()) ? Number(v) : Number.NaN
-  if (!Number.isInteger(n) || n < min || n > max)
-    throw new ConfigError(`${name} must be an integer in ${min}..${max}, got ${JSON.stringify(v)}`)
-  return n
-}
-
-function bool(name: string, v: string | boolean | undefined): boolean | undefined {
-  if (v === undefined || typeof v === 'boolean') return v
-  const s = v.trim().toLowerCase()
-  if (['1', 'true', 'yes', 'on'].includes(s)) return true
-  if (['0', 'false', 'no', 'off'].includes(s)) return false
-  throw new ConfigError(`${name} must be true or false, got ${JSON.stringify(v)}`)
+  return checkSettings(raw, (k) => `${file}: ${OPTIONS[k].file}`)
 }
 
 /** Objects at least this large are served by presigned redirect from an s3 store, unless turned off. */
@@ -202,89 +298,72 @@ export const DEFAULT_PRESIGN_MIN_BYTES = 8 * 1024 * 1024
 
 const LOOPBACK = /^(127\.\d+\.\d+\.\d+|::1|localhost)$/
 
-/** Merges settings (later wins) into a validated config. */
-export function resolveServeConfig(...layers: ServeSettings[]): ServeConfig {
-  const s: ServeSettings = Object.assign({}, ...layers)
-  let tokens: TokenGrant[] = []
-  if (typeof s.tokens === 'string') {
-    try {
-      tokens = JSON.parse(s.tokens) as TokenGrant[]
-    } catch {
-      throw new ConfigError('KVGATE_TOKENS must be a JSON array of {sha256, scopes, namespaces}')
-    }
-  } else if (s.tokens) tokens = s.tokens
-  if (!Array.isArray(tokens)) throw new ConfigError('tokens must be a list')
-  for (const [i, t] of tokens.entries()) {
-    if (typeof t?.sha256 !== 'string' || !/^[0-9a-f]{64}$/i.test(t.sha256)) {
-      throw new ConfigError(
-        `tokens[${i}].sha256 must be the 64-hex SHA-256 of the token (kvgate serve --hash-token)`,
-      )
-    }
-  }
+/** Merges settings (later wins: file, env, flags) into a checked config. */
+export function resolveServeConfig(...layers: ServeSettingsInput[]): ServeConfig {
+  // Checked again: layers may be plain objects (tests, embedders); checking is idempotent.
+  const s = checkSettings(Object.assign({}, ...layers), (k) => OPTIONS[k].flag)
+  const tokens = s.tokens ?? []
   const kind = s.store ?? 'fs'
   let store: ServeConfig['store']
-  if (kind === 'fs') store = { kind, dir: s.dir ?? './.kvgate/store', fsync: bool('fsync', s.fsync) ?? true }
+  if (kind === 'fs') store = { kind, dir: s.dir ?? './.kvgate/store', fsync: s.fsync ?? true }
   else if (kind === 'memory') store = { kind }
-  else if (kind === 's3') {
-    if (!s.s3Bucket) throw new ConfigError('the s3 store needs a bucket (--s3-bucket / KVGATE_S3_BUCKET)')
+  else {
+    if (!s.s3Bucket)
+      throw new ConfigError('the s3 store needs a bucket (--s3-bucket / KVGATE_S3_BUCKET / store.s3.bucket)')
     store = {
       kind,
       bucket: s.s3Bucket,
       region: s.s3Region ?? 'us-east-1',
       ...(s.s3Endpoint ? { endpoint: s.s3Endpoint } : {}),
-      ...(s.s3PathStyle !== undefined ? { forcePathStyle: bool('s3 forcePathStyle', s.s3PathStyle)! } : {}),
+      ...(s.s3PathStyle !== undefined ? { forcePathStyle: s.s3PathStyle } : {}),
       ...(s.s3AccessKeyId ? { accessKeyId: s.s3AccessKeyId } : {}),
       ...(s.s3SecretAccessKey ? { secretAccessKey: s.s3SecretAccessKey } : {}),
     }
-  } else throw new ConfigError(`unknown store ${JSON.stringify(kind)}: use fs, s3 or memory`)
-  const log = (s.log ?? 'info') as LogLevel
-  if (!['info', 'warn', 'error', 'silent'].includes(log))
-    throw new ConfigError(`log must be info, warn, error or silent`)
+  }
   // Large GETs from S3 answer 307 to a presigned URL by default: the bytes then
   // bypass the gateway (measured here, a proxy hop costs ~1.7 CPU-s/GiB and capped
   // GETs at 0.6–0.8× direct S3). 'off' keeps every byte flowing through the gateway
   // (clients that cannot reach the bucket's endpoint).
-  const presignOff = s.presignMinBytes === 'off'
-  const presignMin = presignOff
-    ? undefined
-    : (int('presign minBytes', s.presignMinBytes, 0, Number.MAX_SAFE_INTEGER) ??
-      (kind === 's3' ? DEFAULT_PRESIGN_MIN_BYTES : undefined))
+  const presignMin =
+    s.presignMinBytes === 'off'
+      ? undefined
+      : (s.presignMinBytes ?? (kind === 's3' ? DEFAULT_PRESIGN_MIN_BYTES : undefined))
   const host = s.host ?? '127.0.0.1'
-  const insecure = bool('insecure', s.insecure) ?? false
+  const insecure = s.insecure ?? false
   if (tokens.length === 0 && !LOOPBACK.test(host) && !insecure) {
     throw new ConfigError(
-      `refusing to serve without auth on ${host}: configure tokens, bind to 127.0.0.1, or pass --insecure`,
+      `refusing to serve without auth on ${host}: configure tokens (kvgate token), bind to 127.0.0.1, or pass --insecure`,
     )
   }
-  const maxChunkBytes = int('maxChunkBytes', s.maxChunkBytes, 1024, 4 * 1024 ** 3)
+  const publicStatus = s.publicStatus ?? false
+  if (publicStatus && tokens.length > 0 && !LOOPBACK.test(host) && !insecure) {
+    // The status page and /metrics show namespaces and traffic: public only on loopback unless insisted.
+    throw new ConfigError(
+      `--status-public on ${host} exposes the status page to the network: bind to 127.0.0.1 or pass --insecure`,
+    )
+  }
   return {
     host,
-    port: int('port', s.port, 0, 65535) ?? 8787,
+    port: s.port ?? 8787,
     prefix: s.prefix ?? 'kvgate',
     store,
     ...(presignMin !== undefined
-      ? {
-          presign: {
-            minBytes: presignMin,
-            expiresSeconds: int('presign expiresSeconds', s.presignExpiresSeconds, 1, 604800) ?? 60,
-          },
-        }
+      ? { presign: { minBytes: presignMin, expiresSeconds: s.presignExpiresSeconds ?? 60 } }
       : {}),
-    ...(maxChunkBytes !== undefined ? { maxChunkBytes } : {}),
-    coalesceMaxBytes: int('coalesceMaxBytes', s.coalesceMaxBytes, 0, 1024 ** 3) ?? 8 * 1024 * 1024,
-    coalesceMaxBufferedBytes:
-      int('coalesceMaxBufferedBytes', s.coalesceMaxBufferedBytes, 0, 16 * 1024 ** 3) ?? 64 * 1024 * 1024,
-    presenceTtlMs: int('presenceTtlMs', s.presenceTtlMs, 1, 3_600_000) ?? 30_000,
-    bodyIdleTimeoutMs: int('bodyIdleTimeoutMs', s.bodyIdleTimeoutMs, 1, 3_600_000) ?? 30_000,
-    bodyMinBytesPerSecond: int('bodyMinBytesPerSecond', s.bodyMinBytesPerSecond, 0, 1024 ** 3) ?? 8192,
-    readerIdleTimeoutMs: int('readerIdleTimeoutMs', s.readerIdleTimeoutMs, 1, 3_600_000) ?? 30_000,
-    maxInFlightBytes: int('maxInFlightBytes', s.maxInFlightBytes, 1, 1024 ** 4) ?? 1024 ** 3,
-    maxConnections: int('maxConnections', s.maxConnections, 1, 1_000_000) ?? 1024,
-    maxConcurrentVerifies: int('maxConcurrentVerifies', s.maxConcurrentVerifies, 1, 1024) ?? 4,
+    ...(s.maxChunkBytes !== undefined ? { maxChunkBytes: s.maxChunkBytes } : {}),
+    coalesceMaxBytes: s.coalesceMaxBytes ?? 8 * 1024 * 1024,
+    coalesceMaxBufferedBytes: s.coalesceMaxBufferedBytes ?? 64 * 1024 * 1024,
+    presenceTtlMs: s.presenceTtlMs ?? 30_000,
+    bodyIdleTimeoutMs: s.bodyIdleTimeoutMs ?? 30_000,
+    bodyMinBytesPerSecond: s.bodyMinBytesPerSecond ?? 8192,
+    readerIdleTimeoutMs: s.readerIdleTimeoutMs ?? 30_000,
+    maxInFlightBytes: s.maxInFlightBytes ?? 1024 ** 3,
+    maxConnections: s.maxConnections ?? 1024,
+    maxConcurrentVerifies: s.maxConcurrentVerifies ?? 4,
     tokens,
-    publicStatus: bool('publicStatus', s.publicStatus) ?? false,
+    publicStatus,
     insecure,
-    log,
+    log: s.log ?? 'info',
     coldTier: parseColdTier(s.coldTier, 'coldTier'),
   }
 }

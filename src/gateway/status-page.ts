@@ -16,6 +16,21 @@ function fmtBytes(n: number): string {
   return `${v.toFixed(i === 0 ? 0 : 1)} ${units[i]}`
 }
 
+/** '3 d 4 h', '2 h 5 min', '42 s': uptime a person reads at a glance. */
+export function fmtDuration(seconds: number): string {
+  const s = Math.max(0, Math.round(seconds))
+  const d = Math.floor(s / 86400)
+  const h = Math.floor((s % 86400) / 3600)
+  const m = Math.floor((s % 3600) / 60)
+  if (d > 0) return `${d} d ${h} h`
+  if (h > 0) return `${h} h ${m} min`
+  if (m > 0) return `${m} min ${s % 60} s`
+  return `${s} s`
+}
+
+/** Stores billed per GB-month (a list price applies); fs and memory have none. */
+const PRICED_STORES = new Set(['s3', 'r2'])
+
 const pct = (a: number, b: number) => (b === 0 ? '–' : `${((100 * a) / b).toFixed(1)}%`)
 
 export interface StatusSnapshot {
@@ -74,7 +89,9 @@ export async function snapshot(state: GatewayState): Promise<StatusSnapshot> {
     bytes: st?.bytes,
     writtenObjects: state.written.objects,
     writtenBytes: state.written.bytes,
-    monthlyStorageUsd: (bytesForCost / 1e9) * state.storagePricePerGBMonth,
+    monthlyStorageUsd: PRICED_STORES.has(state.store.kind)
+      ? (bytesForCost / 1e9) * state.storagePricePerGBMonth
+      : undefined,
     uptimeSeconds: Math.round((Date.now() - state.startedAt) / 1000),
     requests: m.requests.value(),
     errors: m.errors.value(),
@@ -108,6 +125,9 @@ export function resetStatusCache(): void {
   statsCache = undefined
 }
 
+// The gateway keeps this many (middleware/errors.ts MAX_RECENT).
+const MAX_SHOWN = 20
+
 export function renderStatusPage(s: StatusSnapshot, price: number): string {
   const row = (k: string, v: string) => `<tr><th>${esc(k)}</th><td>${esc(v)}</td></tr>`
   const errors = s.recentErrors
@@ -127,13 +147,21 @@ ${row('store', s.store)}
 ${row('objects', s.objects === undefined ? 'n/a for this store' : String(s.objects))}
 ${row('bytes', s.bytes === undefined ? 'n/a for this store' : fmtBytes(s.bytes))}
 ${row('written since start', `${s.writtenObjects} objects, ${fmtBytes(s.writtenBytes)}`)}
-${row('est. storage cost / month', `$${(s.monthlyStorageUsd ?? 0).toFixed(2)} at $${price}/GB-month${s.bytes === undefined ? ' (bytes written since start)' : ''}`)}
+${
+  s.monthlyStorageUsd === undefined
+    ? ''
+    : row(
+        'est. storage cost / month',
+        `$${s.monthlyStorageUsd.toFixed(2)} at $${price}/GB-month list price${s.bytes === undefined ? ' (bytes written since start)' : ''}`,
+      )
+}
 </table>
 <h2>Namespaces (fleet-wide${s.accountingAt === undefined ? ': no gc run yet, this instance only' : `, gc listing of ${new Date(s.accountingAt).toISOString()} + creations since`})</h2>
 ${s.namespaces.length ? `<table><tr><th>namespace</th><th>objects</th><th>bytes</th><th>$ / month</th></tr>${s.namespaces.map((n) => `<tr><td>${esc(n.ns)}</td><td>${n.objects}</td><td>${esc(fmtBytes(n.bytes))}</td><td>$${n.monthlyUsd.toFixed(2)}</td></tr>`).join('')}</table>` : '<p>none</p>'}
 <h2>Traffic</h2><table>
-${row('uptime', `${s.uptimeSeconds} s`)}
-${row('requests', `${s.requests} (${s.errors} errors)`)}
+${row('uptime', fmtDuration(s.uptimeSeconds))}
+${row('requests', String(s.requests))}
+${row('error answers (4xx and 5xx)', String(s.errors))}
 ${row('lookup hit rate (keys present)', `${pct(s.lookupPresent, s.lookupKeys)} of ${s.lookupKeys}`)}
 ${row('positive cache hit rate', `${pct(s.cacheHits, s.cacheHits + s.cacheMisses)}`)}
 ${row('chunk PUTs', `${s.putsCreated} created, ${s.putsExisting} already present`)}
@@ -144,7 +172,8 @@ ${row('corrupt objects', `${s.corruptReads} corrupt reads, ${s.corruptDeleted} o
 ${row('presences forgotten after a miss', String(s.presenceInvalidated))}
 ${row('refused busy (503)', String(s.busy))}
 </table>
-<h2>Recent errors</h2>
+<h2>Recent server errors</h2>
+<p>5xx answers and timeouts, newest first (the last ${MAX_SHOWN}); client errors (4xx) are counted above, not listed.</p>
 ${errors ? `<table><tr><th>time</th><th>request</th><th>status</th><th>code</th><th>message</th></tr>${errors}</table>` : '<p>none</p>'}
 </body></html>`
 }

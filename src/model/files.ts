@@ -2,8 +2,8 @@
 // them. Everything else in src/model works on bytes and runs in any runtime.
 
 import { existsSync, readFileSync, statSync } from 'node:fs'
-import { dirname, join, resolve } from 'node:path'
-import { fileURLToPath } from 'node:url'
+import { join, resolve } from 'node:path'
+import { installedAsDependency, packageRoot } from '../package-files.ts'
 import { Transformer } from './forward.ts'
 import { type LlamaCheckpoint, type ParseCheckpointOptions, parseLlama2c } from './llama2c.ts'
 import { ModelError } from './model-error.ts'
@@ -25,17 +25,16 @@ export type SharedDataLookup =
   | { paths: SharedDataPaths; reason?: undefined }
   | { paths: undefined; reason: string }
 
-const repoRoot = resolve(dirname(fileURLToPath(import.meta.url)), '..', '..')
-
 /**
- * Locates the shared model data: $KVGATE_SHARED_DATA, else <repo>/../shared/data,
- * else /work/shared/data. `paths` is undefined when none holds both files, and
- * `reason` says where it looked (tests print it when they skip).
+ * Locates the shared model data: $KVGATE_SHARED_DATA (or the demo's --model), else
+ * ../shared/data beside the checkout. No machine's absolute path is guessed. `paths` is
+ * undefined when neither holds both files, and `reason` says where it looked (tests print it when they skip).
  */
 export function findSharedData(env: Record<string, string | undefined> = process.env): SharedDataLookup {
   const candidates: string[] = []
   if (env.KVGATE_SHARED_DATA) candidates.push(resolve(env.KVGATE_SHARED_DATA))
-  candidates.push(resolve(repoRoot, '..', 'shared', 'data'), '/work/shared/data')
+  // Beside a checkout only: under node_modules, ../shared would be another package.
+  if (!installedAsDependency()) candidates.push(resolve(packageRoot(), '..', 'shared', 'data'))
   const tried: string[] = []
   for (const dir of candidates) {
     const model = join(dir, MODEL_FILE)
@@ -52,7 +51,7 @@ export function findSharedData(env: Record<string, string | undefined> = process
   }
   return {
     paths: undefined,
-    reason: `model data (${MODEL_FILE}, ${TOKENIZER_FILE}) not found in ${tried.join(', ')}; set KVGATE_SHARED_DATA`,
+    reason: `model data (${MODEL_FILE}, ${TOKENIZER_FILE}) not found in ${tried.join(', ')}; set KVGATE_SHARED_DATA (or pass --model DIR)`,
   }
 }
 

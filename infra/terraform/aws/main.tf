@@ -337,7 +337,7 @@ resource "aws_lambda_function" "this" {
   filename         = var.lambda_zip_path
   source_code_hash = filebase64sha256(var.lambda_zip_path)
   handler          = "index.handler"
-  runtime          = "nodejs20.x"
+  runtime          = "nodejs22.x"
   architectures    = [var.lambda_architecture]
   memory_size      = var.lambda_memory_mb
   timeout          = var.lambda_timeout_seconds

@@ -1,37 +1,66 @@
-// `kvgate bench <name> [options]`: runs bench/<name>.ts of this checkout in its own Node
-// process (through tsx) with the options passed on; `kvgate bench` lists what is there.
+// `kvgate bench <name> [options]`: runs one benchmark (bench/<name>, compiled in an install)
+// in its own Node process; results go to --out DIR or the current directory, never into the package.
 
 import { spawn } from 'node:child_process'
-import { existsSync, readdirSync } from 'node:fs'
+import { existsSync, mkdirSync, readdirSync } from 'node:fs'
+import { resolve } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { InvalidArgumentError } from '../../core/errors.ts'
+import { installedAsDependency, nodeFlagsFor, runsCompiled } from '../../package-files.ts'
 
 const BENCH_DIR = fileURLToPath(new URL('../../../bench/', import.meta.url))
-const TSX_LOADER = import.meta.resolve('tsx')
+const EXT = runsCompiled ? '.js' : '.ts'
 
-/** Benchmarks present in bench/ (fuzzers and helpers are not benchmarks). */
+/** What each benchmark measures and needs (shown by --help without starting anything). */
+export const BENCH_SUMMARY: Record<string, string> = {
+  keys: 'chaining a 128k-token prompt into chunk keys (ms per 1k tokens) vs one SHA-256 of the same bytes',
+  model:
+    'the demo model (stories260K) forward pass and its real KV; needs the model files (KVGATE_SHARED_DATA)',
+  codec: 'kvgate codec: compression ratio, quality and encode/decode speed vs 8-bit quantization',
+  'codec-speed': 'codec throughput of the current wasm build vs a scalar build',
+  native: 'pinned L1, O_DIRECT reads and (stub) GPU copies through the addon vs plain Node buffers',
+  gateway: 'gateway PUT/GET/lookup throughput vs direct S3 (Ceph RadosGW when installed, else the fs store)',
+  client: 'KVCache store/retrieve through L1/L2/L4 vs recomputing and vs a bare HTTP fetch',
+  fleet:
+    'N client processes behind one gateway: hit rate per tier vs an oracle, S3 requests, $ per 1,000 hits',
+  'cold-tier':
+    'the fleet workload under a quota below the working set with hourly gc: hit rate vs an oracle LRU and creation-age lifecycle',
+  'load-vs-prefill':
+    'lookup + retrieve of a Llama-3.1-8B-shaped prefix from L1, cold L2 and L4 (RadosGW) vs its modelled H100 prefill',
+}
+
+/** Benchmarks present (fuzzers and helpers are not benchmarks). */
 export function availableBenches(dir = BENCH_DIR): string[] {
   if (!existsSync(dir)) return []
   return readdirSync(dir)
-    .filter((f) => f.endsWith('.ts') && !f.startsWith('fuzz-') && f !== 'run-all.ts' && f !== 'report.ts')
-    .map((f) => f.slice(0, -3))
+    .filter((f) => f.endsWith(EXT) && !f.endsWith('.d.ts') && !f.startsWith('fuzz-'))
+    .map((f) => f.slice(0, -EXT.length))
+    .filter((n) => n !== 'run-all' && n !== 'report')
     .sort()
+}
+
+/** Where results go: --out, else bench/results in a checkout, else ./kvgate-bench-results. */
+export function resultsDir(out: string | undefined): string {
+  if (out !== undefined) return resolve(out)
+  if (!installedAsDependency() && !runsCompiled) return resolve(BENCH_DIR, 'results')
+  return resolve('kvgate-bench-results')
 }
 
 function help(): string {
   const names = availableBenches()
-  return `Usage: kvgate bench <name> [options]    (kvgate bench <name> --help for its options)
+  const width = Math.max(0, ...names.map((n) => n.length))
+  return `Usage: kvgate bench <name> [--out DIR]    (kvgate bench <name> --help: what it measures)
 
-Runs one benchmark of this checkout: bench/<name>.ts, which prints its figures
-beside the baseline measured in the same run and writes bench/results/<name>.json
-(+ a chart). \`npm run bench\` runs them all and writes bench/results/report.html.
+Runs one benchmark in its own Node process. It prints each figure beside the baseline
+measured in the same run, and writes <name>.json (+ a chart) to --out DIR, or to
+./kvgate-bench-results (bench/results in a checkout). The bars: docs/benchmarks.md.
 
-Benchmarks here: ${names.length > 0 ? names.join(', ') : '(none found in bench/)'}
+Benchmarks:
+${names.map((n) => `  ${n.padEnd(width)}  ${BENCH_SUMMARY[n] ?? ''}`).join('\n') || '  (none found)'}
 
-  fleet   N client processes behind one gateway on Ceph RadosGW (or --store fs):
-          hit rate per tier vs an oracle, S3 requests and $ per 1,000 prefix hits
-  cold-tier  the fleet workload under a quota below the working set with hourly gc:
-          hit rate vs an oracle LRU and creation-age lifecycle, use-tracking requests`
+Options:
+  --out DIR   directory for the results [./kvgate-bench-results]
+  -h, --help  this help; with a name, that benchmark's help (nothing is started)`
 }
 
 export async function run(argv: string[]): Promise<number> {
@@ -40,14 +69,35 @@ export async function run(argv: string[]): Promise<number> {
     console.log(help())
     return name === undefined ? 1 : 0
   }
-  if (!/^[a-z0-9][a-z0-9-]*$/.test(name) || !availableBenches().includes(name)) {
-    throw new InvalidArgumentError(
-      `unknown benchmark '${name}' (available: ${availableBenches().join(', ') || 'none'})`,
-    )
+  const names = availableBenches()
+  if (!/^[a-z0-9][a-z0-9-]*$/.test(name) || !names.includes(name)) {
+    throw new InvalidArgumentError(`unknown benchmark '${name}' (available: ${names.join(', ') || 'none'})`)
   }
-  const file = `${BENCH_DIR}${name}.ts`
-  const child = spawn(process.execPath, ['--import', TSX_LOADER, '--expose-gc', file, ...rest], {
+  // Our own flags first: --help must never reach a benchmark that starts work on import.
+  let out: string | undefined
+  const passOn: string[] = []
+  for (let i = 0; i < rest.length; i++) {
+    const a = rest[i]!
+    if (a === '-h' || a === '--help') {
+      if (name !== 'fleet') {
+        console.log(
+          `kvgate bench ${name}: ${BENCH_SUMMARY[name] ?? 'a benchmark'}\n\nUsage: kvgate bench ${name} [--out DIR]\n  --out DIR  directory for ${name}.json and its chart [./kvgate-bench-results]`,
+        )
+        return 0
+      }
+      passOn.push('--help') // fleet parses its own options and prints its help before any work
+    } else if (a === '--out' || a.startsWith('--out=')) {
+      out = a === '--out' ? rest[++i] : a.slice('--out='.length)
+      if (out === undefined || out === '') throw new InvalidArgumentError('--out needs a directory')
+    } else if (name === 'fleet') passOn.push(a)
+    else throw new InvalidArgumentError(`kvgate bench ${name} takes only --out DIR, got '${a}'`)
+  }
+  const file = `${BENCH_DIR}${name}${EXT}`
+  const dir = resultsDir(out)
+  if (!passOn.includes('--help')) mkdirSync(dir, { recursive: true })
+  const child = spawn(process.execPath, [...nodeFlagsFor(file), '--expose-gc', file, ...passOn], {
     stdio: 'inherit',
+    env: { ...process.env, KVGATE_BENCH_OUT: dir },
   })
   // Ctrl-C reaches the child through the terminal's process group; just wait for it.
   return new Promise((resolve) => {

@@ -5,12 +5,14 @@ import { InvalidArgumentError } from '../../core/errors.ts'
 import { serveGateway } from '../../gateway/adapters/node.ts'
 import { createGateway } from '../../gateway/app.ts'
 import {
+  CONFIG_ENV,
   ENV_VARS,
   resolveServeConfig,
   type ServeConfig,
   type ServeSettings,
   settingsFromEnv,
   settingsFromFile,
+  settingsFromFlags,
 } from '../../gateway/config.ts'
 import { hashToken } from '../../gateway/middleware/auth.ts'
 import { FsStore } from '../../gateway/stores/fs.ts'
@@ -25,7 +27,7 @@ Runs the kvgate gateway (HTTP API /v1, /healthz, /metrics, status page at /).
 With no options: fs store in ./.kvgate/store, http://127.0.0.1:8787, auth off.
 
 Options (flags override KVGATE_* env vars, which override the config file):
-  -c, --config FILE          YAML config file (env: KVGATE_CONFIG)
+  -c, --config FILE          YAML config file (env: KVGATE_CONFIG; unknown keys are errors)
       --host HOST            bind address [127.0.0.1]
   -p, --port N               port, 0 = any free one [8787]
       --store KIND           fs | s3 | memory [fs]
@@ -44,8 +46,12 @@ Options (flags override KVGATE_* env vars, which override the config file):
       --max-in-flight-bytes N      declared PUT bytes in flight, 503 above [1073741824]
       --max-connections N          open connections at most [1024]
       --log LEVEL            info | warn | error | silent [info]
+      --status-public        serve the status page and /metrics without a token, so a
+                             browser can open http://HOST:PORT/ (loopback binds only,
+                             unless --insecure; env: KVGATE_PUBLIC_STATUS=true)
       --insecure             allow a non-loopback bind without tokens
-      --hash-token TOKEN     print the SHA-256 to put in the config, and exit
+      --hash-token TOKEN     print the SHA-256 of TOKEN, and exit (kvgate token makes
+                             a new token and prints its whole entry)
   -h, --help
 
 S3 credentials come from KVGATE_S3_ACCESS_KEY_ID / KVGATE_S3_SECRET_ACCESS_KEY or
@@ -61,14 +67,18 @@ Config file:
   presign: { minBytes: 8388608, expiresSeconds: 60 }   # s3 default; minBytes: off to proxy all
   auth:
     tokens:
-      - { name: fleet, sha256: <kvgate serve --hash-token ...>, scopes: write, namespaces: [prod] }
+      - { name: fleet, sha256: <kvgate token prints it>, scopes: write, namespaces: [prod] }
       - { name: ops, sha256: <...>, scopes: admin, namespaces: '*' }
+    publicStatus: false
   coldTier:                            # env: KVGATE_COLD_TIER (the same as JSON); see docs/cold-tier.md
     grace: 10m                         # never delete what was read or written this recently
     usage: { flushInterval: 60s, maxDelay: 5m, maxKeys: 20000 }
     namespaces:
       prod: { retention: 30d, quota: 500GiB }
       '*': { retention: 90d }
+  maxChunkBytes: 512MiB     # byte sizes take units: 4096, 8MiB, 10GB
+
+Exit status: 0 after a clean stop, 1 on a failure, 2 on a wrong flag, file key or KVGATE_* value.
 `
 
 export async function run(argv: string[]): Promise<number> {
@@ -92,6 +102,7 @@ export async function run(argv: string[]): Promise<number> {
     'max-connections': { type: 'string' },
     log: { type: 'string' },
     insecure: { type: 'boolean' },
+    'status-public': { type: 'boolean' },
     'hash-token': { type: 'string' },
   })
   if (help) {
@@ -122,13 +133,18 @@ export async function run(argv: string[]): Promise<number> {
     ['max-connections', 'maxConnections'],
     ['log', 'log'],
     ['insecure', 'insecure'],
+    ['status-public', 'publicStatus'],
   ]
   for (const [flag, key] of map) {
     const v = values[flag]
     if (v !== undefined) (flags as Record<string, unknown>)[key] = v
   }
-  const file = (values.config as string | undefined) ?? process.env.KVGATE_CONFIG
-  const config = resolveServeConfig(file ? settingsFromFile(file) : {}, settingsFromEnv(process.env), flags)
+  const file = (values.config as string | undefined) ?? process.env[CONFIG_ENV]
+  const config = resolveServeConfig(
+    file ? settingsFromFile(file) : {},
+    settingsFromEnv(process.env),
+    settingsFromFlags(flags as Record<string, unknown>),
+  )
   return serve(config)
 }
 
@@ -153,7 +169,29 @@ async function serve(config: ServeConfig): Promise<number> {
   if (config.presign && config.store.kind !== 's3') {
     throw new InvalidArgumentError('presigned redirects need the s3 store')
   }
-  const store = await openStore(config)
+  let store: ObjectStore
+  try {
+    store = await openStore(config)
+  } catch (e) {
+    const code = (e as NodeJS.ErrnoException).code
+    if (
+      config.store.kind === 'fs' &&
+      code &&
+      ['ENOTDIR', 'EACCES', 'EPERM', 'EEXIST', 'EROFS', 'ENOENT'].includes(code)
+    ) {
+      const why =
+        {
+          ENOTDIR: 'a path component is a file, not a directory',
+          EEXIST: 'exists and is not a directory',
+          EROFS: 'on a read-only file system',
+        }[code as 'ENOTDIR'] ?? 'not writable'
+      console.error(
+        `kvgate serve: store directory ${config.store.dir}: ${why} [${code}]; choose another with --dir (or KVGATE_STORE_DIR, store.dir)`,
+      )
+      return 1
+    }
+    throw e
+  }
   const min = LEVELS[config.log]
   const write = (entry: Record<string, unknown>) => {
     const level = (entry.level as keyof typeof LEVELS) ?? 'info'
@@ -182,11 +220,31 @@ async function serve(config: ServeConfig): Promise<number> {
       }),
   })
   app.state.usage?.start()
-  const gw = await serveGateway(app, {
-    host: config.host,
-    port: config.port,
-    maxConnections: config.maxConnections,
-  })
+  let gw: Awaited<ReturnType<typeof serveGateway>>
+  try {
+    gw = await serveGateway(app, {
+      host: config.host,
+      port: config.port,
+      maxConnections: config.maxConnections,
+    })
+  } catch (e) {
+    await app.state.usage?.close().catch(() => {})
+    await store.close?.()
+    const code = (e as NodeJS.ErrnoException).code
+    if (code === 'EADDRINUSE') {
+      console.error(
+        `kvgate serve: port ${config.port} on ${config.host} is already in use; pick another with --port (or KVGATE_PORT; 0 picks a free one) [EADDRINUSE]`,
+      )
+      return 1
+    }
+    if (code === 'EADDRNOTAVAIL' || code === 'ENOTFOUND' || code === 'EACCES') {
+      console.error(
+        `kvgate serve: cannot listen on ${config.host}:${config.port} [${code}]; check --host / --port (or KVGATE_HOST / KVGATE_PORT)`,
+      )
+      return 1
+    }
+    throw e
+  }
   // The listening line is printed at any level but silent: scripts read the URL from it.
   const announce =
     min < LEVELS.silent

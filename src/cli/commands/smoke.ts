@@ -52,6 +52,17 @@ export interface SmokeReport {
   key: string
   bytes: number
   steps: SmokeStep[]
+  /** The gateway answered a request without a token: anyone who reaches it can read and write. */
+  authOff: boolean
+  /** Things the user should know that are not step failures (auth off, a stripped /v1). */
+  notes: string[]
+}
+
+/** The base URL without trailing slashes or a trailing /v1 (the API paths add /v1 themselves). */
+export function gatewayBase(url: string): { base: string; strippedV1: boolean } {
+  const trimmed = url.replace(/\/+$/, '')
+  const base = trimmed.replace(/\/v1$/, '')
+  return { base, strippedV1: base !== trimmed }
 }
 
 // Small but real: 4 layers of bf16 K and V, so layer ranges and the layer index matter.
@@ -111,7 +122,10 @@ function generateChunk(chunkTokens: number, model: PresetName | undefined) {
 
 export async function runSmoke(opts: SmokeOptions): Promise<SmokeReport> {
   const doFetch = opts.fetch ?? fetch
-  const base = opts.url.replace(/\/+$/, '')
+  const { base, strippedV1 } = gatewayBase(opts.url)
+  const notes: string[] = []
+  if (strippedV1) notes.push(`the URL ends in /v1: using ${base} (the API paths add /v1 themselves)`)
+  let authOff = false
   const ns = assertNamespaceName(opts.ns ?? 'smoke')
   const timeoutMs = opts.timeoutMs ?? 30_000
   if (opts.model !== undefined && !Object.hasOwn(MODEL_PRESETS, opts.model))
@@ -157,24 +171,53 @@ export async function runSmoke(opts: SmokeOptions): Promise<SmokeReport> {
       const cause = (e as { cause?: { code?: string; message?: string } }).cause
       const why = cause ? ` (${cause.code ?? cause.message})` : ''
       detail = e instanceof StepFailure ? e.message : `${(e as Error).name}: ${(e as Error).message}${why}`
+      if (cause?.code === 'ECONNREFUSED' || cause?.code === 'ENOTFOUND') {
+        detail = `${cause.code}: nothing answers at ${base}. Is the gateway running at that URL? (kvgate serve prints the URL it listens on)`
+      }
     }
     steps.push({ name, ok, detail, ms: Math.round(performance.now() - t0) })
   }
 
+  const report = (): SmokeReport => ({
+    ok: steps.every((s) => s.ok),
+    url: base,
+    ns,
+    key: chunk.key,
+    bytes: chunk.bytes.length,
+    steps,
+    authOff,
+    notes,
+  })
+
   await step('healthz', async () => {
     const res = await request(`${base}/healthz`)
     await res.body?.cancel()
-    check(res.status === 200, `GET /healthz answered ${res.status}`)
+    if (res.status === 401 || res.status === 403) {
+      throw new StepFailure(
+        `GET /healthz answered ${res.status}: the gateway does not accept this token (check --token / KVGATE_TOKEN; kvgate token creates one)`,
+      )
+    }
+    check(res.status === 200, `GET /healthz answered ${res.status}: is ${base} a kvgate gateway?`)
     return '200'
   })
+  // Nothing else can pass when the gateway is not there: one clear failure, not ten.
+  if (!steps[0]!.ok) return report()
 
-  if (opts.token) {
-    await step('auth required', async () => {
-      const res = await request(chunkUrl, { method: 'HEAD' }, false)
-      check(res.status === 401, `HEAD without a token answered ${res.status}, expected 401`)
-      return '401 without a token'
-    })
-  }
+  // Whether the gateway asks for a token at all (a HEAD of a key that is not there yet).
+  await step(opts.token ? 'auth required' : 'auth', async () => {
+    const res = await request(chunkUrl, { method: 'HEAD' }, false)
+    await res.body?.cancel()
+    if (res.status !== 401 && res.status !== 403) {
+      authOff = true
+      notes.push(
+        `auth is off at ${base}: it answered ${res.status} without a token, so anyone who reaches it can read and write (create tokens with: kvgate token)`,
+      )
+    }
+    if (opts.token) check(!authOff, `HEAD without a token answered ${res.status}, expected 401 (auth is off)`)
+    else check(authOff, 'the gateway requires a token: pass --token or set KVGATE_TOKEN')
+    return authOff ? `${res.status} without a token: auth is off` : '401 without a token'
+  })
+  if (!opts.token && !authOff) return report()
 
   // Writes go through the upload protocol every deployment speaks: the gateway answers
   // "direct" (PUT the body to it) or presigned store targets, then a verified commit.
@@ -310,14 +353,7 @@ export async function runSmoke(opts: SmokeOptions): Promise<SmokeReport> {
     })
   }
 
-  return {
-    ok: steps.every((s) => s.ok),
-    url: base,
-    ns,
-    key: chunk.key,
-    bytes: chunk.bytes.length,
-    steps,
-  }
+  return report()
 }
 
 /** The command's flags (the deploy guides' smoke lines are checked against them). */
@@ -385,6 +421,7 @@ export async function run(argv: string[]): Promise<number> {
         `  ${s.ok ? 'PASS' : 'FAIL'}  ${s.name.padEnd(width)}  ${String(s.ms).padStart(5)} ms  ${s.detail}`,
       )
     }
+    for (const n of report.notes) console.log(`  NOTE  ${n}`)
     const passed = report.steps.filter((s) => s.ok).length
     console.log(`${report.ok ? 'PASS' : 'FAIL'}: ${passed}/${report.steps.length} steps passed`)
   }

@@ -9,6 +9,7 @@ import { ConfigError, isKvgateError } from '../../core/errors.ts'
 import { createGateway } from '../app.ts'
 import type { TokenGrant } from '../middleware/auth.ts'
 import type { ObjectStore } from '../stores/types.ts'
+import { parseTokenTable } from '../token-table.ts'
 
 /** A Lambda function URL / API Gateway HTTP API event, payload format 2.0. */
 export interface FunctionUrlEvent {
@@ -264,16 +265,7 @@ export function configFromEnv(env: Record<string, string | undefined> = process.
 
 /** Parses and checks a token table (a JSON array of TokenGrant). */
 export function parseTokens(json: string, source: string): TokenGrant[] {
-  let tokens: unknown
-  try {
-    tokens = JSON.parse(json)
-  } catch (e) {
-    throw new ConfigError(`${source} is not valid JSON`, { cause: e })
-  }
-  if (!Array.isArray(tokens) || tokens.length === 0) {
-    throw new ConfigError(`${source} must be a non-empty JSON array of {sha256, scopes, namespaces}`)
-  }
-  return tokens as TokenGrant[]
+  return parseTokenTable(json, source)
 }
 
 async function loadTokensFromSsm(name: string, region: string | undefined): Promise<TokenGrant[]> {

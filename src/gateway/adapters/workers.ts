@@ -6,6 +6,7 @@ import { ConfigError, isKvgateError } from '../../core/errors.ts'
 import { createGateway, type GatewayApp } from '../app.ts'
 import type { TokenGrant } from '../middleware/auth.ts'
 import { type R2BucketLike, R2Store } from '../stores/r2.ts'
+import { parseTokenTable } from '../token-table.ts'
 import { R2_PRICE_PER_GB_MONTH, scheduledGc } from './workers-cron.ts'
 
 /** Bindings declared in wrangler.toml. */
@@ -51,16 +52,7 @@ function tokensOf(env: WorkerEnv): TokenGrant[] {
       'no token table: run `wrangler secret put KVGATE_TOKENS` (or set KVGATE_AUTH=disabled locally)',
     )
   }
-  let tokens: unknown
-  try {
-    tokens = JSON.parse(env.KVGATE_TOKENS)
-  } catch (e) {
-    throw new ConfigError('KVGATE_TOKENS is not valid JSON', { cause: e })
-  }
-  if (!Array.isArray(tokens) || tokens.length === 0) {
-    throw new ConfigError('KVGATE_TOKENS must be a non-empty JSON array of {sha256, scopes, namespaces}')
-  }
-  return tokens as TokenGrant[]
+  return parseTokenTable(env.KVGATE_TOKENS, 'KVGATE_TOKENS')
 }
 
 /** Builds the gateway for one isolate's bindings; throws ConfigError on bad settings. */

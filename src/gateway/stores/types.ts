@@ -71,7 +71,7 @@ export interface ObjectStore {
   list(
     prefix: string,
     opts?: { cursor?: string; limit?: number },
-  ): Promise<{ entries: StoreEntry[]; cursor?: string }>
+  ): Promise<{ entries: StoreEntry[]; cursor?: string | undefined }>
   /** A short-lived URL that GETs the object directly from the backend (s3). */
   presignGet?(name: string, expiresInSeconds: number): Promise<string>
   /**

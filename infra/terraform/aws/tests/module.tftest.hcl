@@ -35,8 +35,8 @@ run "defaults" {
     error_message = "the function URL must stream responses"
   }
   assert {
-    condition     = aws_lambda_function.this.runtime == "nodejs20.x" && aws_lambda_function.this.architectures[0] == "arm64"
-    error_message = "nodejs20.x on arm64 by default"
+    condition     = aws_lambda_function.this.runtime == "nodejs22.x" && aws_lambda_function.this.architectures[0] == "arm64"
+    error_message = "nodejs22.x on arm64 by default"
   }
   assert {
     condition     = aws_cloudwatch_log_group.this.retention_in_days == 14

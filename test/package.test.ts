@@ -1,0 +1,238 @@
+// kvgate as a user gets it: `npm pack`, the tarball installed into a fresh app from the
+// npm cache (offline), every entry imported by plain Node, a strict TypeScript consumer, the CLI run from the app.
+
+import { execFile, spawn } from 'node:child_process'
+import { copyFileSync, existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join, resolve } from 'node:path'
+import { createInterface } from 'node:readline'
+import { promisify } from 'node:util'
+import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { crc32 } from '../src/core/checksum.ts'
+
+const exec = promisify(execFile)
+const repo = resolve(import.meta.dirname, '..')
+const work = mkdtempSync(join(tmpdir(), 'kvgate-package-'))
+const app = join(work, 'app')
+let tarball = ''
+let packedFiles: string[] = []
+
+// npm's own variables from a surrounding `npm test` must not leak into the nested npm runs.
+const cleanEnv = Object.fromEntries(
+  Object.entries(process.env).filter(([k]) => !k.toLowerCase().startsWith('npm_')),
+)
+
+async function run(cmd: string, args: string[], cwd: string, env: NodeJS.ProcessEnv = cleanEnv) {
+  try {
+    return await exec(cmd, args, { cwd, env, encoding: 'utf8', maxBuffer: 64 << 20 })
+  } catch (e) {
+    const err = e as { stdout?: string; stderr?: string; message: string }
+    throw new Error(
+      `${cmd} ${args.join(' ')} failed: ${err.message}\n${err.stdout ?? ''}\n${err.stderr ?? ''}`,
+    )
+  }
+}
+
+/**
+ * The app's lockfile, from the repo's: kvgate's runtime dependencies at the versions the repo
+ * pinned, so `npm install --offline` needs nothing but the cache (no registry metadata).
+ */
+function appLockfile(tgz: string): object {
+  const lock = JSON.parse(readFileSync(join(repo, 'package-lock.json'), 'utf8')) as {
+    packages: Record<string, Record<string, unknown>>
+  }
+  const me = lock.packages['']!
+  const keep = (k: string, v: Record<string, unknown>) =>
+    v.dev !== true || k === 'node_modules/@types/node' || k === 'node_modules/undici-types'
+  const packages: Record<string, unknown> = {}
+  for (const [k, v] of Object.entries(lock.packages)) {
+    if (k === '' || !keep(k, v)) continue
+    const entry = { ...v }
+    delete entry.dev
+    delete entry.devOptional
+    if (entry.resolved === undefined && entry.link === undefined) {
+      const name = k.slice(k.lastIndexOf('node_modules/') + 'node_modules/'.length)
+      entry.resolved = `https://registry.npmjs.org/${name}/-/${name.split('/').pop()}-${String(entry.version)}.tgz`
+    }
+    packages[k] = entry
+  }
+  const root = {
+    name: 'consumer',
+    dependencies: { kvgate: `file:${tgz}` },
+    devDependencies: { '@types/node': lock.packages['node_modules/@types/node']!.version },
+  }
+  packages['node_modules/kvgate'] = {
+    version: me.version,
+    resolved: `file:${tgz}`,
+    dependencies: me.dependencies,
+    bin: { kvgate: 'dist/src/cli/bin.js' },
+  }
+  return { name: 'consumer', lockfileVersion: 3, requires: true, packages: { '': root, ...packages } }
+}
+
+beforeAll(async () => {
+  // prepare builds dist/, prepack the prebuilt addon.
+  const { stdout } = await run('npm', ['pack', '--json', '--pack-destination', work], repo)
+  const info = JSON.parse(stdout.slice(stdout.indexOf('['))) as {
+    filename: string
+    files: { path: string }[]
+  }[]
+  tarball = join(work, info[0]!.filename)
+  packedFiles = info[0]!.files.map((f) => f.path)
+  await run('mkdir', ['-p', app], work)
+  const lock = appLockfile(tarball) as { packages: Record<string, unknown> }
+  writeFileSync(
+    join(app, 'package.json'),
+    JSON.stringify({ ...(lock.packages[''] as object), private: true, type: 'module' }),
+  )
+  writeFileSync(join(app, 'package-lock.json'), JSON.stringify(lock))
+  await run('npm', ['install', '--offline', '--no-audit', '--no-fund'], app)
+}, 240_000)
+
+afterAll(() => rmSync(work, { recursive: true, force: true }))
+
+describe('the packed kvgate, installed into a fresh app', () => {
+  it('ships only what users need: compiled code, types, wasm, the prebuilt addon and its sources', () => {
+    for (const f of [
+      'dist/src/client/index.js',
+      'dist/src/client/index.d.ts',
+      'dist/src/cli/bin.js',
+      'dist/wasm/kvgate_codec.wasm',
+      'dist/src/client/codec-worker-entry.mjs',
+      'prebuilds/linux-x64/kvgate_native.node',
+      'native/binding.gyp',
+      'scripts/build-native.sh',
+      'LICENSE',
+      'README.md',
+    ]) {
+      expect(packedFiles, f).toContain(f)
+    }
+    const unwanted = packedFiles.filter((f) =>
+      /^(src|test|bench|\.ci|infra|wasm)\/|\.test\.|^native\/build\//.test(f),
+    )
+    expect(unwanted).toEqual([])
+    const pkg = JSON.parse(readFileSync(join(app, 'node_modules/kvgate/package.json'), 'utf8'))
+    for (const dev of ['tsx', 'esbuild', '@aws-sdk/lib-storage', '@aws-sdk/client-ssm']) {
+      expect(pkg.dependencies[dev], dev).toBeUndefined()
+    }
+  })
+
+  it('every entry imports in plain Node (no loader); the codec works from dist', async () => {
+    const script = `
+      const out = {}
+      for (const e of ['core', 'codec', 'codec/node', 'gateway', 'gateway/node', 'client']) {
+        out[e] = Object.keys(await import('kvgate/' + e)).length
+      }
+      const { FsStore, S3Store, serveGateway, createGateway } = await import('kvgate/gateway')
+      out.gatewayEmbeds = [FsStore, S3Store, serveGateway, createGateway].every((f) => typeof f === 'function')
+      const codec = await import('kvgate/codec/node')
+      out.codecWorks = typeof codec.encodeChunk === 'function'
+      console.log(JSON.stringify(out))`
+    const { stdout } = await run(process.execPath, ['--input-type=module', '-e', script], app)
+    const out = JSON.parse(stdout)
+    for (const e of ['core', 'codec', 'codec/node', 'gateway', 'gateway/node', 'client'])
+      expect(out[e], e).toBeGreaterThan(0)
+    expect(out.gatewayEmbeds).toBe(true)
+    expect(out.codecWorks).toBe(true)
+  })
+
+  it('the codec worker entry runs the compiled worker', async () => {
+    const entry = join(app, 'node_modules/kvgate/dist/src/client/codec-worker-entry.mjs')
+    const script = `
+      import { Worker } from 'node:worker_threads'
+      const w = new Worker(${JSON.stringify(entry)}, { execArgv: [] })
+      const data = new Uint8Array([1, 2, 3, 4, 5])
+      w.postMessage({ id: 7, op: 'crc', data: data.buffer, ranges: [0, 5] })
+      w.once('message', (m) => { console.log(JSON.stringify({ id: m.id, crc: new Uint32Array(m.bytes)[0], error: m.error })); w.terminate() })
+      w.once('error', (e) => { console.log(JSON.stringify({ error: e.message })); process.exit(1) })`
+    const { stdout } = await run(process.execPath, ['--input-type=module', '-e', script], app)
+    const m = JSON.parse(stdout)
+    expect(m.error).toBeUndefined()
+    expect(m).toMatchObject({ id: 7, crc: crc32(new Uint8Array([1, 2, 3, 4, 5])) })
+  })
+
+  it('a strict TypeScript consumer type-checks (NodeNext, exactOptionalPropertyTypes, no DOM, skipLibCheck off)', async () => {
+    writeFileSync(
+      join(app, 'tsconfig.json'),
+      JSON.stringify({
+        compilerOptions: {
+          module: 'NodeNext',
+          moduleResolution: 'NodeNext',
+          target: 'ES2022',
+          lib: ['ES2023'],
+          types: ['node'],
+          strict: true,
+          exactOptionalPropertyTypes: true,
+          noUncheckedIndexedAccess: true,
+          skipLibCheck: false,
+          noEmit: true,
+        },
+        include: ['consumer.ts'],
+      }),
+    )
+    writeFileSync(
+      join(app, 'consumer.ts'),
+      `import { KVCache, type KVCacheOptions, type KVCacheStats } from 'kvgate/client'
+import { chainKeys, type KeyNamespace, MODEL_PRESETS } from 'kvgate/core'
+import { encodeChunk } from 'kvgate/codec/node'
+import { createGateway, FsStore, MemoryStore, S3Store, serveGateway, type ObjectStore } from 'kvgate/gateway'
+const opts: KVCacheOptions = { model: 'stories260k', memory: { bytes: '16MiB' }, remote: { url: 'http://127.0.0.1:8787', token: 't' } }
+const cache: KVCache = await KVCache.open(opts)
+const stats: KVCacheStats = cache.stats()
+const store: ObjectStore = new MemoryStore()
+const gw = await serveGateway(createGateway({ store }), { port: 0 })
+const ns: KeyNamespace = { modelId: 'm', geometry: MODEL_PRESETS['llama-3.1-8b'], chunkTokens: 256 }
+void [chainKeys([1, 2, 3], ns), encodeChunk, FsStore, S3Store, stats.native.loaded, gw.url]
+`,
+    )
+    const tsc = join(repo, 'node_modules/typescript/bin/tsc')
+    const r = await exec(process.execPath, [tsc, '-p', app], { cwd: app, encoding: 'utf8' }).then(
+      (x) => ({ code: 0, out: x.stdout }),
+      (e: { code: number; stdout: string }) => ({ code: e.code, out: e.stdout }),
+    )
+    expect(r.out).toBe('')
+    expect(r.code).toBe(0)
+  })
+
+  it('the prebuilt addon loads in the app (nothing was built there)', async () => {
+    expect(existsSync(join(app, 'node_modules/kvgate/native/build'))).toBe(false)
+    const script = `
+      const { KVCache } = await import('kvgate/client')
+      const c = await KVCache.open({ model: 'stories260k', memory: { bytes: 1 << 22 } })
+      console.log(JSON.stringify(c.stats().native)); await c.close()`
+    const { stdout } = await run(process.execPath, ['--input-type=module', '-e', script], app)
+    expect(JSON.parse(stdout)).toEqual({ loaded: true })
+  })
+
+  it('the examples run against the installed package', async () => {
+    for (const f of ['client.mjs', 'embedded-gateway.mjs'])
+      copyFileSync(join(repo, 'examples', f), join(app, f))
+    const client = JSON.parse((await run(process.execPath, ['client.mjs'], app)).stdout)
+    expect(client).toEqual({ stored: 2, cachedTokens: 512, retrieved: true, native: true })
+    const embedded = JSON.parse((await run(process.execPath, ['embedded-gateway.mjs'], app)).stdout)
+    expect(embedded).toMatchObject({ found: 512, tier: 'remote', identical: true })
+  })
+
+  it('kvgate serve and kvgate smoke run from the app; smoke says auth is off', async () => {
+    const bin = join(app, 'node_modules/.bin/kvgate')
+    const serve = spawn(bin, ['serve', '--store', 'memory', '--port', '0'], {
+      cwd: app,
+      env: { ...cleanEnv, KVGATE_CONFIG: '' },
+      stdio: ['ignore', 'pipe', 'pipe'],
+    })
+    try {
+      const url = await new Promise<string>((ok, fail) => {
+        createInterface({ input: serve.stdout! }).on('line', (l) => {
+          const j = JSON.parse(l) as { msg?: string; url?: string }
+          if (j.msg === 'listening' && j.url) ok(j.url)
+        })
+        serve.once('exit', (code) => fail(new Error(`serve exited ${code}`)))
+      })
+      const smoke = await run(bin, ['smoke', '--url', url], app)
+      expect(smoke.stdout).toMatch(/PASS: \d+\/\d+ steps passed/)
+      expect(smoke.stdout).toContain('auth is off')
+    } finally {
+      serve.kill('SIGTERM')
+    }
+  })
+})
