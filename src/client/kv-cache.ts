@@ -404,7 +404,8 @@ export class KVCache {
    * item. Remote chunks arrive through `?layers=a-b` range requests, so the
    * transfer of later layers overlaps the caller's work on earlier ones.
    * `chunks` never grows between items: if a remote chunk fails midway, later
-   * items cover fewer chunks and the caller recomputes from there.
+   * items cover fewer chunks. The last item's `tokens` are the tokens served
+   * (valid in every layer); the caller recomputes the rest (see LayerBatch).
    */
   retrieveLayers(tokens: Tokens, options: { includePartial?: boolean } = {}): AsyncGenerator<LayerBatch> {
     this.#open()
