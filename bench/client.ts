@@ -10,7 +10,7 @@ import { join } from 'node:path'
 import { createInterface } from 'node:readline'
 import { Pool } from 'undici'
 import { KVCache } from '../src/client/index.ts'
-import { allocPinned, nativeAvailable, readFileDirect } from '../src/client/native.ts'
+import { allocPinned, evictFileCache, nativeAvailable, readFileDirect } from '../src/client/native.ts'
 import { loadNative } from '../src/client/native-api.ts'
 import { DiskTier } from '../src/client/tiers/disk.ts'
 import { crc32 } from '../src/core/checksum.ts'
@@ -55,14 +55,20 @@ const shell = (() => {
   }
 })()
 
-/** Drops the page cache of every file under `dir` (GNU dd nocache), so reads hit the disk. */
+/**
+ * Drops the page cache of every file under `dir` so reads hit the disk: through
+ * the addon (fdatasync + POSIX_FADV_DONTNEED, no process at all), else GNU dd
+ * nocache in the long-lived shell.
+ */
 async function dropCache(dir: string): Promise<void> {
-  const cmds: string[] = []
-  for (const sub of readdirSync(dir)) {
-    const d = join(dir, sub)
-    for (const f of readdirSync(d)) cmds.push(`dd if=${join(d, f)} iflag=nocache count=0 status=none`)
+  const files: string[] = []
+  for (const sub of readdirSync(dir))
+    for (const f of readdirSync(join(dir, sub))) files.push(join(dir, sub, f))
+  if (nativeAvailable()) {
+    for (const f of files) await evictFileCache(f)
+    return
   }
-  await shell.run(cmds.join('; '))
+  await shell.run(files.map((f) => `dd if=${f} iflag=nocache count=0 status=none`).join('; '))
 }
 
 /** min / median / max of repeated timings, as GB/s for `bytes`. */
