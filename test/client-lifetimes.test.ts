@@ -114,6 +114,11 @@ async function gateway(): Promise<TestGateway> {
   return gw
 }
 
+/** L4 options; a generous lookup deadline, as this shared test machine is slow at times. */
+function remote(gw: TestGateway, extra: Record<string, unknown> = {}) {
+  return { url: gw.url, codec: 'raw' as const, lookupTimeoutMs: 10_000, ...extra }
+}
+
 /** Nothing reserved or pinned: every lifetime was settled. */
 function expectSettled(c: KVCache): void {
   const m = c.stats().memory
@@ -136,10 +141,10 @@ describe('retrieveLayers partial failure', () => {
     const N = 4
     const toks = tokens(N)
     const kv = kvFor(N * CB)
-    const a = await open({ remote: { url: gw.url, codec: 'raw' } })
+    const a = await open({ remote: remote(gw) })
     await a.store(toks, kv)
     await a.flush()
-    const b = await open({ remote: { url: gw.url, codec: 'raw' }, layersPerRequest: 2 })
+    const b = await open({ remote: remote(gw), layersPerRequest: 2 })
     await failLaterLayers(gw, b, toks)
     const batches: { layer: number; chunks: number; tokens: number }[] = []
     for await (const x of b.retrieveLayers(toks))
@@ -163,10 +168,10 @@ describe('retrieveLayers partial failure', () => {
   it('a caller that stops early leaves nothing reserved or pinned, and complete chunks only in L1', async () => {
     const gw = await gateway()
     const toks = tokens(3, 5)
-    const a = await open({ remote: { url: gw.url, codec: 'raw' } })
+    const a = await open({ remote: remote(gw) })
     await a.store(toks, kvFor(3 * CB, 5))
     await a.flush()
-    const b = await open({ remote: { url: gw.url, codec: 'raw' } })
+    const b = await open({ remote: remote(gw) })
     for await (const x of b.retrieveLayers(toks)) if (x.layer === 1) break
     expectSettled(b)
     expect(b.stats().memory.residentChunks).toBe(0)
@@ -215,7 +220,7 @@ describe('store lifetimes', () => {
 
   it('an L4 upload lost to a gateway fault is retried by a later store of the same chunks', async () => {
     const gw = await gateway()
-    const c = await open({ remote: { url: gw.url, codec: 'raw', breakerCooldownMs: 50 } })
+    const c = await open({ remote: remote(gw, { breakerCooldownMs: 50 }) })
     const toks = tokens(4)
     gw.faults.failPuts = true
     await c.store(toks, kvFor(4 * CB))
@@ -297,10 +302,10 @@ describe('retrieve deadline', () => {
     const gw = await gateway()
     const toks = tokens(4, 9)
     const kv = kvFor(4 * CB, 9)
-    const a = await open({ remote: { url: gw.url, codec: 'raw' } })
+    const a = await open({ remote: remote(gw) })
     await a.store(toks, kv)
     await a.flush()
-    const b = await open({ remote: { url: gw.url, codec: 'raw', timeoutMs: 60_000, retries: 0 } })
+    const b = await open({ remote: remote(gw, { timeoutMs: 60_000, retries: 0 }) })
     // Chunk 0 in L1 already; the gateway then hangs on every chunk GET.
     await b.store(toks.slice(0, T), kv.subarray(0, CB))
     gw.faults.hangGets = true
@@ -324,7 +329,7 @@ describe('close with operations in flight', () => {
   it('fails them with ERR_CLOSED, not a TypeError from freed memory', async () => {
     const gw = await gateway()
     const toks = tokens(3, 11)
-    const a = await open({ remote: { url: gw.url, codec: 'raw' } })
+    const a = await open({ remote: remote(gw) })
     await a.store(toks, kvFor(3 * CB, 11))
     await a.flush()
     const b = await KVCache.open({
@@ -333,16 +338,17 @@ describe('close with operations in flight', () => {
       native: false,
       codecWorkers: 0,
       memory: { bytes: 64 * CB },
-      remote: { url: gw.url, codec: 'raw' },
+      remote: remote(gw),
     })
     gw.faults.hangGets = true
     const pending = b.retrieve(toks, { into: new Uint8Array(3 * CB), deadlineMs: 60_000 })
     const prefetching = b.prefetch(toks)
     await sleep(100)
     const closing = b.close(100)
-    gw.releaseHung()
+    // They stop at close(), although the gateway still hangs.
     await expect(pending).rejects.toMatchObject({ code: 'ERR_CLOSED' })
     await expect(prefetching).rejects.toMatchObject({ code: 'ERR_CLOSED' })
+    gw.releaseHung()
     await closing
     await expect(b.store(toks, kvFor(3 * CB))).rejects.toMatchObject({ code: 'ERR_CLOSED' })
   })
@@ -362,11 +368,11 @@ describe('memory under faults', () => {
     const a = await open({
       ...base,
       memory: { bytes: (N + 1) * bigCB },
-      remote: { url: gw.url, codec: 'raw' },
+      remote: remote(gw),
     })
     await a.store(toks, kv)
     await a.flush()
-    const b = await open({ ...base, remote: { url: gw.url, codec: 'raw' }, layersPerRequest: 2 })
+    const b = await open({ ...base, remote: remote(gw), layersPerRequest: 2 })
     await failLaterLayers(gw, b, toks)
     const used = () => {
       gc()

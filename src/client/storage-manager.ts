@@ -98,6 +98,9 @@ export class StorageManager {
   readonly #inflight = new Map<string, Promise<Placed | undefined>>()
   readonly #background = new Set<Promise<unknown>>()
   #closed = false
+  /** Resolves on close(): operations waiting on a slow tier stop waiting. */
+  readonly #closing: Promise<undefined>
+  #signalClosed!: () => void
 
   constructor(opts: StorageManagerOptions) {
     this.geometry = opts.geometry
@@ -110,6 +113,9 @@ export class StorageManager {
     this.#fetchConcurrency = Math.max(1, opts.fetchConcurrency ?? 8)
     this.#layersPerRequest = Math.max(1, opts.layersPerRequest ?? Math.ceil(opts.geometry.layers / 4))
     this.retrieveDeadlineMs = opts.retrieveDeadlineMs ?? 5000
+    this.#closing = new Promise<undefined>((r) => {
+      this.#signalClosed = () => r(undefined)
+    })
     this.codec = opts.codec ?? new CodecPool()
     this.#reader = new ChunkReader({
       geometry: opts.geometry,
@@ -316,12 +322,20 @@ export class StorageManager {
   ): Promise<RetrieveRun> {
     const deadlineMs = opts.deadlineMs ?? this.retrieveDeadlineMs
     let timedOut = false
+    let stopped = false
     let timer: NodeJS.Timeout | undefined
-    const expired = new Promise<undefined>((resolve) => {
-      timer = setTimeout(() => {
-        timedOut = true
-        resolve(undefined)
-      }, deadlineMs)
+    // Stops the waiting at the deadline, or at close().
+    const expired = Promise.race([
+      new Promise<undefined>((resolve) => {
+        timer = setTimeout(() => {
+          timedOut = true
+          resolve(undefined)
+        }, deadlineMs)
+      }),
+      this.#closing,
+    ]).then(() => {
+      stopped = true
+      return undefined
     })
     try {
       const avail = opts.tiers ?? (await Promise.race([this.lookup(keys), expired]))
@@ -331,14 +345,18 @@ export class StorageManager {
       let next = 0
       let firstFail = n
       const worker = async () => {
-        while (next < n && !timedOut && !this.#closed) {
+        while (next < n && !stopped) {
           const i = next++
           if (i >= firstFail) return
           const pending = this.acquire(keys[i]!)
           const h = await Promise.race([pending, expired])
           if (!h) {
             // A late arrival is released the moment it lands: nothing stays pinned.
-            if (timedOut) void pending.then((late) => late?.release())
+            if (stopped)
+              void pending.then(
+                (late) => late?.release(),
+                () => {},
+              )
             firstFail = Math.min(firstFail, i)
             return
           }
@@ -346,12 +364,19 @@ export class StorageManager {
             if (this.#closed) return
             await write(i, h.bytes)
             ok[i] = 1
+          } catch (e) {
+            stopped = true // the other workers stop too: none writes after this rejects
+            throw e
           } finally {
             h.release()
           }
         }
       }
-      await Promise.all(Array.from({ length: Math.min(this.#fetchConcurrency, n) }, worker))
+      // allSettled: every worker has stopped (no write into the caller's buffer runs) before this returns or throws.
+      const results = await Promise.allSettled(
+        Array.from({ length: Math.min(this.#fetchConcurrency, n) }, worker),
+      )
+      for (const r of results) if (r.status === 'rejected') throw r.reason
       this.#checkOpen()
       let served = 0
       while (served < n && ok[served] === 1) served++
@@ -372,8 +397,16 @@ export class StorageManager {
     const worker = async () => {
       while (next < tiers.length && !this.#closed) {
         const i = next++
-        const h = await this.acquire(keys[i]!, 'prefetch')
-        if (!h) continue
+        const pending = this.acquire(keys[i]!, 'prefetch')
+        const h = await Promise.race([pending, this.#closing])
+        if (!h) {
+          if (this.#closed)
+            void pending.then(
+              (late) => late?.release(),
+              () => {},
+            )
+          continue
+        }
         // A private tensor (L1 had no slot) is not resident: nothing to keep.
         ok[i] = this.memory.has(keys[i]!.hex) ? 1 : 0
         h.release()
@@ -465,6 +498,7 @@ export class StorageManager {
   /** Refuses new work: operations in flight stop at their next step with ERR_CLOSED. */
   close(): void {
     this.#closed = true
+    this.#signalClosed()
   }
 
   /** Drops L2 writes still queued (after close's flush ran out of time), releasing what they held. */
