@@ -25,13 +25,15 @@ export class PriorityQueue {
   #closed = false
 
   /**
-   * `concurrency` jobs at once. Prefetches and writes may take at most
-   * concurrency − 1 of them (when there are two or more), so a demand read
-   * that arrives while they run finds a slot at once.
+   * `concurrency` jobs at once. From three on, prefetches and writes together
+   * take at most concurrency − 1, so a demand read arriving while they run finds
+   * a slot at once; below, they may use every slot (with two, the second slot is
+   * what overlaps one chunk's CRC with the next one's read) and demand reads
+   * still go first in line.
    */
   constructor(concurrency: number) {
     this.#concurrency = Math.max(1, concurrency)
-    this.#background = Math.max(1, this.#concurrency - 1)
+    this.#background = this.#concurrency >= 3 ? this.#concurrency - 1 : this.#concurrency
   }
 
   get pending(): number {
