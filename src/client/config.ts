@@ -74,7 +74,10 @@ export interface KVCacheOptions {
    * in stats().writeBehind.shedWrites. @default 512 MiB
    */
   writeBehindBytes?: number
-  /** Default deadline of one retrieve(), ms: past it the chunks not yet served are a miss. @default 5000 */
+  /**
+   * Default deadline of one retrieve(), ms: past it the chunks not yet served are a miss.
+   * Set it near the prefill time of a typical prompt (recomputing beats waiting longer). @default 10000
+   */
   retrieveDeadlineMs?: number
 }
 
@@ -283,7 +286,7 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
       Number.MAX_SAFE_INTEGER,
       512 * 1024 ** 2,
     ),
-    retrieveDeadlineMs: int('retrieveDeadlineMs', opts.retrieveDeadlineMs, 1, 3_600_000, 5000),
+    retrieveDeadlineMs: int('retrieveDeadlineMs', opts.retrieveDeadlineMs, 1, 3_600_000, 10_000),
   }
 }
 

@@ -40,7 +40,7 @@ export interface StorageManagerOptions {
   writeBehindBytes?: number
   /** L2 writes (encode + file write) running at once. @default 2 */
   diskWriteConcurrency?: number
-  /** Default deadline of one retrieve, ms: past it the remaining chunks are a miss. @default 5000 */
+  /** Default deadline of one retrieve, ms: past it the remaining chunks are a miss. @default 10000 */
   retrieveDeadlineMs?: number
 }
 
@@ -112,7 +112,7 @@ export class StorageManager {
     this.#nsId = opts.namespaceId
     this.#fetchConcurrency = Math.max(1, opts.fetchConcurrency ?? 8)
     this.#layersPerRequest = Math.max(1, opts.layersPerRequest ?? Math.ceil(opts.geometry.layers / 4))
-    this.retrieveDeadlineMs = opts.retrieveDeadlineMs ?? 5000
+    this.retrieveDeadlineMs = opts.retrieveDeadlineMs ?? 10_000
     this.#closing = new Promise<undefined>((r) => {
       this.#signalClosed = () => r(undefined)
     })
