@@ -315,6 +315,7 @@ describe('retrieve deadline', () => {
     expect(Buffer.compare(into.subarray(0, CB), kv.subarray(0, CB))).toBe(0)
     expect(into.subarray(CB).every((x) => x === 0)).toBe(true)
     expect(b.stats().retrieveTimeouts).toBe(1)
+    expect(b.metrics()).toMatch(/kvgate_client_retrieve_timeouts_total 1/)
     // The late chunks arrive after the deadline: promoted intact or dropped, never written to `into`.
     gw.releaseHung()
     for (let i = 0; i < 200 && b.stats().memory.liveReservations > 0; i++) await sleep(10)

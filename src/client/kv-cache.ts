@@ -555,6 +555,24 @@ export class KVCache {
         values: [{ value: s.disk?.usedBytes ?? 0 }],
       },
       {
+        name: 'write_behind_shed_total',
+        help: 'Stored chunks not written to L2/L4 because the write-behind byte budget was spent.',
+        type: 'counter',
+        values: [{ value: s.writeBehind.shedWrites }],
+      },
+      {
+        name: 'write_behind_held_bytes',
+        help: 'Bytes of stored chunks held for background L2/L4 writes.',
+        type: 'gauge',
+        values: [{ value: s.writeBehind.heldBytes }],
+      },
+      {
+        name: 'retrieve_timeouts_total',
+        help: 'Retrieves cut short by their deadline (the rest of their chunks were misses).',
+        type: 'counter',
+        values: [{ value: s.retrieveTimeouts }],
+      },
+      {
         name: 'retrieved_tokens_total',
         help: 'Tokens served by retrieve().',
         type: 'counter',
