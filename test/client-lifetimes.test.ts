@@ -39,6 +39,8 @@ interface StoreFaults {
   failPuts: boolean
   /** Chunk GETs wait until release() (a gateway hanging on reads). */
   hangGets: boolean
+  /** Delay of every HEAD (what a lookup asks the store), ms. */
+  headDelayMs: number
 }
 
 interface TestGateway {
@@ -50,7 +52,13 @@ interface TestGateway {
 }
 
 async function startGateway(): Promise<TestGateway> {
-  const faults: StoreFaults = { failName: '', failFrom: Infinity, failPuts: false, hangGets: false }
+  const faults: StoreFaults = {
+    failName: '',
+    failFrom: Infinity,
+    failPuts: false,
+    hangGets: false,
+    headDelayMs: 0,
+  }
   const inner = new MemoryStore()
   const hung: (() => void)[] = []
   const store = new Proxy(inner, {
@@ -61,6 +69,11 @@ async function startGateway(): Promise<TestGateway> {
           const off = o.range && 'offset' in o.range ? (o.range.offset ?? 0) : 0
           if (name === faults.failName && off >= faults.failFrom) return undefined
           return t.get(name, o as never)
+        }
+      if (p === 'head')
+        return async (name: string) => {
+          if (faults.headDelayMs > 0) await sleep(faults.headDelayMs)
+          return t.head(name)
         }
       if (p === 'putIfAbsent')
         return async (n: string, b: ReadableStream<Uint8Array> | Uint8Array, size: number) => {
@@ -321,6 +334,15 @@ describe('retrieve deadline', () => {
     for (let i = 0; i < 200 && b.stats().memory.liveReservations > 0; i++) await sleep(10)
     expectSettled(b)
     expect(into.subarray(CB).every((x) => x === 0)).toBe(true)
+    // A gateway lookup slower than the deadline still leaves the L1 prefix served.
+    const c = await open({ remote: remote(gw) })
+    const other = tokens(4, 13) // chunks 1..3 stored nowhere: the lookup must ask the store (HEADs)
+    await c.store(other.slice(0, T), kv.subarray(0, CB))
+    await c.flush()
+    gw.faults.headDelayMs = 1000
+    expect(sum(await c.retrieve(other, { into: new Uint8Array(4 * CB), deadlineMs: 200 }))).toBe(T)
+    expect(c.stats().retrieveTimeouts).toBe(1)
+    gw.faults.headDelayMs = 0
     await expect(b.retrieve(toks, { into, deadlineMs: 0 })).rejects.toThrow(/deadlineMs/)
     await expect(open({ retrieveDeadlineMs: -1 })).rejects.toThrow(/retrieveDeadlineMs/)
   })

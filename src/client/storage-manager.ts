@@ -258,6 +258,17 @@ export class StorageManager {
     return tiers
   }
 
+  /** The tiers of the leading chunks L1 or L2 hold (no gateway request). */
+  #localTiers(keys: readonly ChunkKey[]): TierName[] {
+    const tiers: TierName[] = []
+    for (const k of keys) {
+      if (this.memory.has(k.hex)) tiers.push('memory')
+      else if (this.disk?.has(k.hex)) tiers.push('disk')
+      else break
+    }
+    return tiers
+  }
+
   /**
    * Makes chunk `k` readable: a pinned L1 handle, or (when L1 cannot take it) a
    * private tensor. Undefined when no tier could serve it intact. The caller owns
@@ -338,25 +349,32 @@ export class StorageManager {
       return undefined
     })
     try {
-      const avail = opts.tiers ?? (await Promise.race([this.lookup(keys), expired]))
-      if (!avail) return { served: 0, timedOut: true }
+      // A slow gateway lookup past the deadline still leaves the local prefix to serve.
+      const avail = opts.tiers ?? (await Promise.race([this.lookup(keys), expired])) ?? this.#localTiers(keys)
       const n = avail.length
       const ok = new Uint8Array(n)
       let next = 0
       let firstFail = n
+      let failed = false
       const worker = async () => {
-        while (next < n && !stopped) {
+        while (next < n && !failed && !this.#closed) {
           const i = next++
           if (i >= firstFail) return
-          const pending = this.acquire(keys[i]!)
-          const h = await Promise.race([pending, expired])
-          if (!h) {
+          let h: ChunkHandle | undefined
+          if (stopped) {
+            // Past the deadline nothing is waited for: only chunks L1 holds are still served.
+            h = this.memory.acquire(keys[i]!.hex)
+          } else {
+            const pending = this.acquire(keys[i]!)
+            h = await Promise.race([pending, expired])
             // A late arrival is released the moment it lands: nothing stays pinned.
-            if (stopped)
+            if (!h && stopped)
               void pending.then(
                 (late) => late?.release(),
                 () => {},
               )
+          }
+          if (!h) {
             firstFail = Math.min(firstFail, i)
             return
           }
@@ -365,7 +383,7 @@ export class StorageManager {
             await write(i, h.bytes)
             ok[i] = 1
           } catch (e) {
-            stopped = true // the other workers stop too: none writes after this rejects
+            failed = true // the other workers stop too: none writes after this rejects
             throw e
           } finally {
             h.release()
