@@ -386,14 +386,26 @@ export class DiskTier {
     if (object.byteLength > this.#budget) return Promise.resolve(false)
     const p = this.#queue
       .run(priority, () => this.#writeFile(hex, object))
+      // The directory fsync runs outside the queue slot: concurrent ones share the
+      // journal commit instead of holding the next write back.
+      .then(async (r) => {
+        if (!r.durable) return r.ok
+        try {
+          await r.durable
+        } catch (e) {
+          this.#writeFailed(e)
+        }
+        return r.ok
+      })
       .catch(() => false) // closed: the write is dropped
       .finally(() => this.#writing.delete(hex))
     this.#writing.set(hex, p)
     return p
   }
 
-  async #writeFile(hex: string, object: Uint8Array): Promise<boolean> {
-    if (this.#index.has(hex)) return false
+  /** Writes temp + fsync + rename; `durable` settles once the directory entry is fsynced too. */
+  async #writeFile(hex: string, object: Uint8Array): Promise<{ ok: boolean; durable?: Promise<void> }> {
+    if (this.#index.has(hex)) return { ok: false }
     const t0 = performance.now()
     const subdir = join(this.dir, hex.slice(0, 2))
     const tmp = join(subdir, `${TMP_PREFIX}${hex}-${process.pid}-${randomBytes(4).toString('hex')}`)
@@ -413,22 +425,25 @@ export class DiskTier {
       await fh.close()
       fh = undefined
       await rename(tmp, this.#pathOf(hex))
-      // The rename is durable only once the directory entry is: fsync the directory.
-      await fsyncDir(subdir)
       this.#index.set(hex, { bytes: object.byteLength })
       this.#used += object.byteLength
       this.counters.puts++
       this.counters.bytesWritten += object.byteLength
       this.counters.writeLatency.record(since(t0))
-      return true
+      // The rename is durable only once the directory entry is: fsync the directory.
+      return { ok: true, durable: fsyncDir(subdir) }
     } catch (e) {
-      this.#writeErrors++
-      this.counters.errors++
-      this.#lastWriteError = `${(e as NodeJS.ErrnoException).code ?? 'ERR'}: ${(e as Error).message}`
+      this.#writeFailed(e)
       await fh?.close().catch(() => {})
       await unlink(tmp).catch(() => {})
-      return false
+      return { ok: false }
     }
+  }
+
+  #writeFailed(e: unknown): void {
+    this.#writeErrors++
+    this.counters.errors++
+    this.#lastWriteError = `${(e as NodeJS.ErrnoException).code ?? 'ERR'}: ${(e as Error).message}`
   }
 
   async delete(hex: string): Promise<void> {
