@@ -56,6 +56,12 @@ afterAll(async () => {
   await gw.close(100)
 })
 afterEach(async () => {
+  // Every test ends with every L1 reservation and pin settled (background writes included).
+  for (const c of caches) {
+    await c.flush(10_000)
+    const m = c.stats().memory
+    expect({ reservations: m.liveReservations, pins: m.livePins }).toEqual({ reservations: 0, pins: 0 })
+  }
   for (const c of caches.splice(0)) await c.close(100)
   for (const d of dirs.splice(0)) rmSync(d, { recursive: true, force: true })
 })

@@ -145,6 +145,29 @@ describe('GPU store / retrieve (stub libcudart)', () => {
     }
   })
 
+  it('a device copy failing part-way through a store leaks no pin: L1 frees every slot', async (ctx) => {
+    if (!usable) return ctx.skip()
+    const n = 4
+    const four = Array.from({ length: n * T }, (_, i) => (i * 5 + 7) % 512)
+    const src = cuda.deviceAlloc(n * CB)
+    const c = await KVCache.open({ model: 'stories260k', chunkTokens: T, memory: { bytes: 8 * (CB + 4096) } })
+    try {
+      await cuda.copyToDevice(new Uint8Array(n * CB).fill(5), src)
+      cuda.stubControl('cudaMemcpyAsync=2@2*1') // the third chunk's copy fails
+      await expect(c.store(four, { kind: 'device', pointer: src })).rejects.toMatchObject({
+        code: 'ERR_CUDA',
+      })
+      cuda.stubControl('reset')
+      expect(c.stats().memory).toMatchObject({ liveReservations: 0, livePins: 0 })
+      c.clearMemory()
+      expect(c.stats().memory.freeSlots).toBe(c.stats().memory.slots)
+    } finally {
+      cuda.stubControl('reset')
+      await c.close()
+      cuda.deviceFree(src)
+    }
+  })
+
   it('GPU buffers are validated, and need the addon', async () => {
     const c = await open(false)
     try {

@@ -96,23 +96,27 @@ describe('MemoryTier', () => {
     expect(m.counters.evictions).toBe(1)
   })
 
-  it('never reuses a pinned slot: the reader keeps intact bytes; store skips when all slots are pinned', async () => {
+  it('never reuses or evicts a pinned slot: the reader keeps intact bytes; store skips when all slots are pinned', async () => {
     const m = await MemoryTier.create({ bytes: 2 * 4096, chunkBytes: 4096 })
     m.put(hexOf(1), new Uint8Array(4096).fill(1))
     m.put(hexOf(2), new Uint8Array(4096).fill(2))
     const a = m.acquire(hexOf(1))!
     const b = m.acquire(hexOf(2))!
-    // Both pinned: the LRU drops them from the index, but their slots stay with the readers.
+    expect(m.stats().livePins).toBe(2)
+    // Both pinned: nothing can be evicted, the put is skipped and both stay resident.
     expect(m.put(hexOf(3), new Uint8Array(4096).fill(3))).toBe(false)
     expect(m.stats().skippedFull).toBe(1)
+    expect([m.has(hexOf(1)), m.has(hexOf(2))]).toEqual([true, true])
     expect(a.bytes.every((x) => x === 1)).toBe(true)
     expect(b.bytes.every((x) => x === 2)).toBe(true)
     a.release()
+    // Only the unpinned chunk is evicted, although 1 is more recently used than 2.
     expect(m.put(hexOf(4), new Uint8Array(4096).fill(4))).toBe(true)
+    expect([m.has(hexOf(1)), m.has(hexOf(2)), m.has(hexOf(4))]).toEqual([false, true, true])
     expect(b.bytes.every((x) => x === 2)).toBe(true)
     b.release()
     b.release() // double release is harmless
-    expect(m.stats().freeSlots).toBe(1)
+    expect(m.stats()).toMatchObject({ freeSlots: 0, livePins: 0, liveReservations: 0 })
   })
 
   it('reservations are invisible until commit and a duplicate commit returns the slot', async () => {
@@ -120,9 +124,19 @@ describe('MemoryTier', () => {
     const r1 = m.reserve(hexOf(7), 4096)!
     expect(m.has(hexOf(7))).toBe(false)
     const r2 = m.reserve(hexOf(7), 4096)!
+    expect(m.stats().liveReservations).toBe(2)
     expect(r1.commit()).toBe(true)
     expect(r2.commit()).toBe(false)
-    expect(m.stats().freeSlots).toBe(1)
+    r1.abort() // settled already: a no-op, the committed chunk stays
+    r2.abort()
+    expect(m.has(hexOf(7))).toBe(true)
+    expect(m.stats()).toMatchObject({ freeSlots: 1, liveReservations: 0 })
+    // commitPinned publishes and pins in one step; on a resident key it pins the resident copy.
+    const r3 = m.reserve(hexOf(7), 4096)!
+    const pin = r3.commitPinned()!
+    expect(pin.bytes.byteLength).toBe(4096)
+    expect(m.stats()).toMatchObject({ freeSlots: 1, livePins: 1, liveReservations: 0 })
+    pin.release()
     expect(() => m.reserve(hexOf(8), 5000)).toThrow(/does not fit/)
   })
 })
@@ -146,7 +160,7 @@ describe('DiskTier', () => {
     mkdirSync(join(dir, '00'))
     const good = object(hexOf(1), 1)
     writeFileSync(join(dir, '00', `${hexOf(1)}.kvc`), good)
-    writeFileSync(join(dir, '00', `.tmp-${hexOf(2)}-1-abcd`), good)
+    writeFileSync(join(dir, '00', `.tmp-${hexOf(2)}-${deadPid()}-abcd`), good) // its writer is gone
     writeFileSync(join(dir, '00', `${hexOf(3)}.kvc`), good.subarray(0, good.byteLength - 10)) // truncated
     writeFileSync(join(dir, '00', `${hexOf(4)}.kvc`), object(hexOf(5), 1)) // header names another key
     const bad = object(hexOf(6), 1)
@@ -261,7 +275,7 @@ describe('DiskTier', () => {
 })
 
 describe('PriorityQueue', () => {
-  it('runs prefetch before get before put once a slot frees up', async () => {
+  it('runs demand reads before prefetches before writes once a slot frees up', async () => {
     const q = new PriorityQueue(1)
     const order: string[] = []
     let open!: () => void
@@ -274,13 +288,47 @@ describe('PriorityQueue', () => {
     })
     const jobs = [
       q.run('put', async () => void order.push('put')),
-      q.run('get', async () => void order.push('get')),
       q.run('prefetch', async () => void order.push('prefetch')),
+      q.run('get', async () => void order.push('get')),
     ]
     expect(q.pending).toBe(3)
     open()
     await Promise.all([first, ...jobs])
-    expect(order).toEqual(['first', 'prefetch', 'get', 'put'])
+    expect(order).toEqual(['first', 'get', 'prefetch', 'put'])
+  })
+
+  it('keeps a slot free of prefetches and writes for a demand read', async () => {
+    const q = new PriorityQueue(3)
+    let open!: () => void
+    const gate = new Promise<void>((r) => {
+      open = r
+    })
+    const background = [
+      ...Array.from({ length: 4 }, () => q.run('prefetch', () => gate)),
+      ...Array.from({ length: 4 }, () => q.run('put', () => gate)),
+    ]
+    // At most concurrency − 1 = 2 background jobs run; the third slot waits for a demand read.
+    expect(q.runningOf('prefetch') + q.runningOf('put')).toBe(2)
+    let got = false
+    const demand = q.run('get', async () => {
+      got = true
+    })
+    await demand
+    expect(got).toBe(true)
+    open()
+    await Promise.all(background)
+  })
+
+  it('close() fails queued jobs with ERR_CLOSED and refuses new ones', async () => {
+    const q = new PriorityQueue(1)
+    let open!: () => void
+    const running = q.run('get', () => new Promise<void>((r) => (open = r)))
+    const queued = q.run('prefetch', async () => 1)
+    q.close()
+    await expect(queued).rejects.toMatchObject({ code: 'ERR_CLOSED' })
+    await expect(q.run('get', async () => 1)).rejects.toMatchObject({ code: 'ERR_CLOSED' })
+    open()
+    await running
   })
 
   it('propagates a job failure to its caller only', async () => {
@@ -289,5 +337,17 @@ describe('PriorityQueue', () => {
     await expect(q.run('get', async () => 5)).resolves.toBe(5)
   })
 })
+
+/** A pid no process has (the highest free one below the kernel's limit). */
+function deadPid(): number {
+  for (let pid = 4_000_000; pid > 1000; pid--) {
+    try {
+      process.kill(pid, 0)
+    } catch (e) {
+      if ((e as NodeJS.ErrnoException).code === 'ESRCH') return pid
+    }
+  }
+  throw new Error('no free pid')
+}
 
 void toHex

@@ -73,6 +73,17 @@ export interface KVCacheOptions {
   native?: boolean
   /** Worker threads for lossless/kvgate encode and decode (0: on the calling thread). @default cores − 1, at most 4 */
   codecWorkers?: number
+  /**
+   * Bytes of stored chunks held at once for background L2/L4 writes (pinned in L1,
+   * or copied when L1 could not take them); beyond it writes are shed and counted
+   * in stats().writeBehind.shedWrites. @default 512 MiB
+   */
+  writeBehindBytes?: number
+  /**
+   * Default deadline of one retrieve(), ms: past it the chunks not yet served are a miss.
+   * Set it near the prefill time of a typical prompt (recomputing beats waiting longer). @default 10000
+   */
+  retrieveDeadlineMs?: number
 }
 
 export interface ResolvedOptions {
@@ -93,6 +104,8 @@ export interface ResolvedOptions {
   layersPerRequest: number | undefined
   native: boolean
   codecWorkers: number | undefined
+  writeBehindBytes: number
+  retrieveDeadlineMs: number
 }
 
 const GiB = 1024 ** 3
@@ -109,6 +122,8 @@ const TOP_KEYS = new Set([
   'layersPerRequest',
   'native',
   'codecWorkers',
+  'writeBehindBytes',
+  'retrieveDeadlineMs',
 ])
 const DISK_KEYS = new Set(['dir', 'bytes', 'storeAs', 'concurrency', 'direct'])
 const REMOTE_KEYS = new Set([
@@ -278,6 +293,8 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
         : int('layersPerRequest', opts.layersPerRequest, 1, model.layers),
     native: opts.native ?? true,
     codecWorkers: opts.codecWorkers === undefined ? undefined : int('codecWorkers', opts.codecWorkers, 0, 64),
+    writeBehindBytes: bytesOpt('writeBehindBytes', opts.writeBehindBytes, 0, 512 * 1024 ** 2),
+    retrieveDeadlineMs: int('retrieveDeadlineMs', opts.retrieveDeadlineMs, 1, 3_600_000, 10_000),
   }
 }
 
@@ -366,6 +383,10 @@ export function optionsFromEnvironment(
   if (env.KVGATE_CHUNK_TOKENS) out.chunkTokens = num('KVGATE_CHUNK_TOKENS', env.KVGATE_CHUNK_TOKENS)
   if (env.KVGATE_NAMESPACE) out.namespace = env.KVGATE_NAMESPACE
   if (env.KVGATE_HASH_SEED) out.hashSeed = env.KVGATE_HASH_SEED
+  if (env.KVGATE_WRITE_BEHIND_BYTES)
+    out.writeBehindBytes = parseBytes('KVGATE_WRITE_BEHIND_BYTES', env.KVGATE_WRITE_BEHIND_BYTES)
+  if (env.KVGATE_RETRIEVE_DEADLINE_MS)
+    out.retrieveDeadlineMs = num('KVGATE_RETRIEVE_DEADLINE_MS', env.KVGATE_RETRIEVE_DEADLINE_MS)
   if (env.KVGATE_KEY_SCHEME) out.keyScheme = env.KVGATE_KEY_SCHEME
   if (env.KVGATE_MEMORY_BYTES)
     sub('memory').bytes = parseBytes('KVGATE_MEMORY_BYTES', env.KVGATE_MEMORY_BYTES)
@@ -398,6 +419,8 @@ export function optionsFromEnvironment(
       ;(o as Plain).bytes = parseBytes(`${k}.bytes`, (o as Plain).bytes)
     }
   }
+  if (typeof out.writeBehindBytes === 'string')
+    out.writeBehindBytes = parseBytes('writeBehindBytes', out.writeBehindBytes)
   const r = out.remote
   if (typeof r === 'object' && r !== null && typeof (r as Plain).maxQueuedBytes === 'string') {
     ;(r as Plain).maxQueuedBytes = parseBytes('remote.maxQueuedBytes', (r as Plain).maxQueuedBytes)

@@ -22,6 +22,7 @@ import { type LayerBatch, StorageManager, type TierName } from './storage-manage
 import { DiskTier, type DiskTierStats } from './tiers/disk.ts'
 import { MemoryTier, type MemoryTierStats } from './tiers/memory.ts'
 import { RemoteTier, type RemoteTierStats } from './tiers/remote.ts'
+import type { WriteBehindStats } from './write-behind.ts'
 
 /** Token ids: a plain array or a typed array of non-negative integers < 2^32. */
 export type Tokens = ArrayLike<number>
@@ -54,6 +55,12 @@ export interface RetrieveOptions {
   layout?: KvLayout
   /** Also retrieve the trailing partial chunk (if it was stored with includePartial). @default false */
   includePartial?: boolean
+  /**
+   * Deadline of this retrieve, ms (default: the cache's retrieveDeadlineMs). Past
+   * it the chunks not yet written are a miss (the mask says which tokens were
+   * served) so the engine recomputes them instead of waiting on a stuck tier.
+   */
+  deadlineMs?: number
 }
 
 /**
@@ -81,10 +88,14 @@ export interface KVCacheStats {
   native: { loaded: boolean; reason: string | undefined }
   memory: TierCounterSnapshot & MemoryTierStats
   disk: (TierCounterSnapshot & DiskTierStats) | null
+  /** Chunks held for background L2/L4 writes, and those shed past the budget. */
+  writeBehind: WriteBehindStats
   remote:
     | (TierCounterSnapshot & RemoteTierStats & { codec: ChunkCodecName; quality: number | undefined })
     | null
   operations: { store: LatencySummary; lookup: LatencySummary; retrieve: LatencySummary }
+  /** Retrieves cut short by their deadline (the rest of their chunks were misses). */
+  retrieveTimeouts: number
   /** Tokens served by retrieve() / asked for by retrieve(). */
   retrievedTokens: number
   requestedTokens: number
@@ -114,7 +125,10 @@ export class KVCache {
   readonly #ops = { store: new LatencyWindow(), lookup: new LatencyWindow(), retrieve: new LatencyWindow() }
   #retrievedTokens = 0
   #requestedTokens = 0
+  #retrieveTimeouts = 0
   #closed = false
+  /** Operations in flight: close() waits for them before freeing L1. */
+  readonly #ops_inflight = new Set<Promise<unknown>>()
 
   private constructor(
     o: ResolvedOptions,
@@ -161,8 +175,15 @@ export class KVCache {
       nativeReason: native.reason,
     })
     const codec = new CodecPool(o.codecWorkers)
+    const nsId = fromHex(namespaceId(ns))
     const disk = o.disk
-      ? await DiskTier.open({ ...o.disk, native: native.api, verify: (b) => codec.verify(b) })
+      ? await DiskTier.open({
+          ...o.disk,
+          native: native.api,
+          verify: (b) => codec.verify(b),
+          // Another model, namespace or chunk size sharing the directory is not ours to count or evict.
+          owns: (h) => equalBytes(h.namespaceId, nsId),
+        })
       : undefined
     const remoteCodec: ChunkCodecName = o.remote ? o.remote.codec : 'raw'
     const remote = o.remote
@@ -172,7 +193,7 @@ export class KVCache {
     const manager = new StorageManager({
       geometry: g,
       chunkTokens: o.chunkTokens,
-      namespaceId: fromHex(namespaceId(ns)),
+      namespaceId: nsId,
       memory,
       disk,
       remote,
@@ -182,12 +203,34 @@ export class KVCache {
       fetchConcurrency: o.fetchConcurrency,
       layersPerRequest: o.layersPerRequest,
       codec,
+      writeBehindBytes: o.writeBehindBytes,
+      retrieveDeadlineMs: o.retrieveDeadlineMs,
     })
     return new KVCache(o, manager, native, remoteCodec)
   }
 
   #open(): void {
-    if (this.#closed) throw new KvgateError('ERR_CLOSED', 'KVCache is closed')
+    if (this.#closed) throw closedError()
+  }
+
+  /**
+   * Runs one public operation, tracked so close() can wait for it before freeing
+   * L1: an operation that close() overtakes fails with ERR_CLOSED, whatever step it was at.
+   */
+  async #op<T>(fn: () => Promise<T>): Promise<T> {
+    this.#open()
+    const p = fn()
+    this.#ops_inflight.add(p)
+    try {
+      const v = await p
+      if (this.#closed) throw closedError()
+      return v
+    } catch (e) {
+      if (this.#closed) throw closedError()
+      throw e
+    } finally {
+      this.#ops_inflight.delete(p)
+    }
   }
 
   /**
@@ -217,8 +260,11 @@ export class KVCache {
    * that long), the 'sequence' layout, or a GPU buffer. Resolves once L1 holds
    * the chunks; L2 and L4 are written in the background.
    */
-  async store(tokens: Tokens, kv: Uint8Array | GpuBuffer, options: StoreOptions = {}): Promise<StoreResult> {
-    this.#open()
+  store(tokens: Tokens, kv: Uint8Array | GpuBuffer, options: StoreOptions = {}): Promise<StoreResult> {
+    return this.#op(() => this.#store(tokens, kv, options))
+  }
+
+  async #store(tokens: Tokens, kv: Uint8Array | GpuBuffer, options: StoreOptions): Promise<StoreResult> {
     const t0 = performance.now()
     const keys = this.keys(tokens, options.includePartial)
     const layout = checkLayout(options)
@@ -287,8 +333,11 @@ export class KVCache {
    * How many leading tokens some tier holds, and which tier holds each chunk
    * (the partial tail chunk counts with `includePartial`). Never throws on gateway faults.
    */
-  async lookup(tokens: Tokens, options: { includePartial?: boolean } = {}): Promise<LookupResult> {
-    this.#open()
+  lookup(tokens: Tokens, options: { includePartial?: boolean } = {}): Promise<LookupResult> {
+    return this.#op(() => this.#lookup(tokens, options))
+  }
+
+  async #lookup(tokens: Tokens, options: { includePartial?: boolean }): Promise<LookupResult> {
     const t0 = performance.now()
     const keys = this.keys(tokens, options.includePartial)
     const tiers = await this.#manager.lookup(keys)
@@ -306,14 +355,18 @@ export class KVCache {
    * always form a prefix of whole chunks (plus the partial tail chunk with
    * `includePartial`, when it was stored); the caller recomputes the rest.
    */
-  async retrieve(tokens: Tokens, options: RetrieveOptions): Promise<Uint8Array> {
-    this.#open()
+  retrieve(tokens: Tokens, options: RetrieveOptions): Promise<Uint8Array> {
+    return this.#op(() => this.#retrieve(tokens, options))
+  }
+
+  async #retrieve(tokens: Tokens, options: RetrieveOptions): Promise<Uint8Array> {
     const t0 = performance.now()
     if (typeof options !== 'object' || options === null || options.into === undefined) {
       throw new InvalidArgumentError('retrieve needs { into }: a host buffer or a GPU buffer')
     }
     const keys = this.keys(tokens, options.includePartial)
     const into = options.into
+    if (options.deadlineMs !== undefined) checkInt('deadlineMs', options.deadlineMs, 1, 3_600_000)
     const layout = checkLayout(options)
     let write: (i: number, tensor: Uint8Array) => void | Promise<void>
     if (layout === 'sequence' && !isGpuBuffer(into)) {
@@ -334,7 +387,10 @@ export class KVCache {
       }
       write = (i, t) => bytes.set(t, offsets[i]!)
     }
-    const served = await this.#manager.retrieve(keys, write)
+    const deadlineMs =
+      options.deadlineMs === undefined ? undefined : checkInt('deadlineMs', options.deadlineMs, 1, 3_600_000)
+    const { served, timedOut } = await this.#manager.retrieve(keys, write, { deadlineMs })
+    if (timedOut) this.#retrieveTimeouts++
     const servedTokens = served > 0 ? keys[served - 1]!.end : 0
     const mask = new Uint8Array(tokens.length)
     mask.fill(1, 0, servedTokens)
@@ -350,7 +406,8 @@ export class KVCache {
    * item. Remote chunks arrive through `?layers=a-b` range requests, so the
    * transfer of later layers overlaps the caller's work on earlier ones.
    * `chunks` never grows between items: if a remote chunk fails midway, later
-   * items cover fewer chunks and the caller recomputes from there.
+   * items cover fewer chunks. The last item's `tokens` are the tokens served
+   * (valid in every layer); the caller recomputes the rest (see LayerBatch).
    */
   retrieveLayers(tokens: Tokens, options: { includePartial?: boolean } = {}): AsyncGenerator<LayerBatch> {
     this.#open()
@@ -359,11 +416,12 @@ export class KVCache {
   }
 
   /** Brings the available prefix into L1 ahead of a retrieve. Resolves to the tokens now resident in L1. */
-  async prefetch(tokens: Tokens, options: { includePartial?: boolean } = {}): Promise<{ tokens: number }> {
-    this.#open()
-    const keys = this.keys(tokens, options.includePartial)
-    const n = await this.#manager.prefetch(keys)
-    return { tokens: n > 0 ? keys[n - 1]!.end : 0 }
+  prefetch(tokens: Tokens, options: { includePartial?: boolean } = {}): Promise<{ tokens: number }> {
+    return this.#op(async () => {
+      const keys = this.keys(tokens, options.includePartial)
+      const n = await this.#manager.prefetch(keys)
+      return { tokens: n > 0 ? keys[n - 1]!.end : 0 }
+    })
   }
 
   /**
@@ -390,6 +448,7 @@ export class KVCache {
       native: { loaded: this.#native !== undefined, reason: this.#nativeReason },
       memory: { ...m.memory.counters.snapshot(), ...m.memory.stats() },
       disk: m.disk ? { ...m.disk.counters.snapshot(), ...m.disk.stats() } : null,
+      writeBehind: m.writeBehindStats(),
       remote: m.remote
         ? {
             ...m.remote.counters.snapshot(),
@@ -403,6 +462,7 @@ export class KVCache {
         lookup: this.#ops.lookup.summary(),
         retrieve: this.#ops.retrieve.summary(),
       },
+      retrieveTimeouts: this.#retrieveTimeouts,
       retrievedTokens: this.#retrievedTokens,
       requestedTokens: this.#requestedTokens,
       keyMemo: { ...this.#memo.stats },
@@ -497,6 +557,24 @@ export class KVCache {
         values: [{ value: s.disk?.usedBytes ?? 0 }],
       },
       {
+        name: 'write_behind_shed_total',
+        help: 'Stored chunks not written to L2/L4 because the write-behind byte budget was spent.',
+        type: 'counter',
+        values: [{ value: s.writeBehind.shedWrites }],
+      },
+      {
+        name: 'write_behind_held_bytes',
+        help: 'Bytes of stored chunks held for background L2/L4 writes.',
+        type: 'gauge',
+        values: [{ value: s.writeBehind.heldBytes }],
+      },
+      {
+        name: 'retrieve_timeouts_total',
+        help: 'Retrieves cut short by their deadline (the rest of their chunks were misses).',
+        type: 'counter',
+        values: [{ value: s.retrieveTimeouts }],
+      },
+      {
         name: 'retrieved_tokens_total',
         help: 'Tokens served by retrieve().',
         type: 'counter',
@@ -511,12 +589,36 @@ export class KVCache {
    */
   async close(flushMs = 5000): Promise<void> {
     if (this.#closed) return
+    // Operations in flight see ERR_CLOSED at their next step; L1 is freed only
+    // after they stopped (a copy into freed pinned memory would be a crash, not an error).
     this.#closed = true
+    this.#manager.close()
+    await Promise.race([Promise.allSettled([...this.#ops_inflight]), sleepUnref(Math.max(flushMs, 1000))])
     await this.#manager.flush(flushMs)
+    this.#manager.dropQueuedWrites()
+    this.#manager.disk?.close()
     await this.#manager.remote?.close(0)
     await this.#manager.codec.close()
     this.#manager.memory.dispose()
   }
+}
+
+function closedError(): KvgateError {
+  return new KvgateError('ERR_CLOSED', 'KVCache is closed')
+}
+
+function checkInt(name: string, v: unknown, min: number, max: number): number {
+  if (typeof v !== 'number' || !Number.isSafeInteger(v) || v < min || v > max)
+    throw new InvalidArgumentError(`invalid ${name}: expected an integer in ${min}..${max}, got ${String(v)}`)
+  return v
+}
+
+function equalBytes(a: Uint8Array, b: Uint8Array): boolean {
+  return a.byteLength === b.byteLength && a.every((x, i) => x === b[i])
+}
+
+function sleepUnref(ms: number): Promise<void> {
+  return new Promise((r) => setTimeout(r, ms).unref())
 }
 
 function checkLayout(o: { layout?: unknown }): KvLayout {

@@ -1,22 +1,19 @@
-// Moves chunks between tiers: write-all on store (L1 now, L2/L4 in the
-// background), waterfall reads with promotion into L1, deduplicated fetches.
+// Policy of the tiers: what goes where. Write-all on store (L1 now, L2/L4 in the
+// background for whatever each lacks), waterfall reads with promotion, deduplicated fetches.
+// Moving bytes is plumbing elsewhere: ChunkReader (reads below L1), WriteBehind (writes below L1).
 
-import { FormatError } from '../core/errors.ts'
-import { type ChunkHeader, decodeHeader } from '../core/format.ts'
+import { KvgateError } from '../core/errors.ts'
 import { type ChunkKey, fromHex } from '../core/keys.ts'
 import { chunkBytes, type KvGeometry, layerSlabBytes } from '../core/layout.ts'
-import {
-  type ChunkCodecName,
-  type ChunkIdentity,
-  checkIdentity,
-  maxObjectBytes,
-  openLayerGroup,
-} from './chunk-codec.ts'
+import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
+import { ChunkReader, type Placed } from './chunk-reader.ts'
 import { CodecPool } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
+import { RemoteLayers } from './remote-layers.ts'
 import type { DiskTier } from './tiers/disk.ts'
-import type { MemoryHandle, MemoryReservation, MemoryTier } from './tiers/memory.ts'
+import type { MemoryHandle, MemoryTier } from './tiers/memory.ts'
 import type { RemoteTier } from './tiers/remote.ts'
+import { type HeldChunk, WriteBehind, type WriteBehindStats } from './write-behind.ts'
 
 export type TierName = 'memory' | 'disk' | 'remote'
 
@@ -33,12 +30,18 @@ export interface StorageManagerOptions {
   remoteCodec?: ChunkCodecName
   /** kvgate codec quality for L4 (1 smallest .. 9 closest). @default the codec's default */
   remoteQuality?: number
-  /** Chunks fetched from lower tiers at once per retrieve. @default 8 */
+  /** Chunks fetched from lower tiers at once per retrieve or prefetch. @default 8 */
   fetchConcurrency?: number
   /** Layers per `?layers=a-b` request in retrieveLayers. @default ceil(layers / 4) */
   layersPerRequest?: number
   /** Where lossless/kvgate encoding and decoding run. @default a new CodecPool */
   codec?: CodecPool
+  /** Bytes of chunks held for background L2/L4 writes at once; beyond, writes are shed (counted). @default 512 MiB */
+  writeBehindBytes?: number
+  /** L2 writes (encode + file write) running at once. @default 2 */
+  diskWriteConcurrency?: number
+  /** Default deadline of one retrieve, ms: past it the remaining chunks are a miss. @default 10000 */
+  retrieveDeadlineMs?: number
 }
 
 /** A chunk tensor a reader may copy from until release(). */
@@ -49,16 +52,33 @@ export interface StoreOutcome {
   stored: number
   /** Chunks L1 held already. */
   present: number
-  /** Chunks L1 could not take (full of pinned chunks); they still go to L2/L4. */
+  /** Chunks L1 could not take (full of pinned chunks); they still go to L2/L4 within the write-behind budget. */
   skipped: number
 }
 
+/**
+ * One layer of retrieveLayers. The contract: a chunk's KV is valid only if it is
+ * covered in EVERY batch, and `chunks` never grows from one batch to the next, so
+ * the batch of the last layer (`layer === layers - 1`) says what was served:
+ * its `tokens` leading tokens (whole chunks) are valid, the caller recomputes the
+ * rest. Slabs handed out for a chunk that a later batch drops are not valid KV.
+ * Only chunks that arrived whole and verified are made resident in L1.
+ */
 export interface LayerBatch {
   layer: number
-  /** Leading chunks whose slab for this layer is valid; never grows from one layer to the next. */
+  /** Leading chunks whose slab for this layer (and every earlier one) is valid; never grows. */
   chunks: number
+  /** Tokens those chunks cover (the end of chunk `chunks - 1`; 0 when none). */
+  tokens: number
   /** Layer slabs ([K|V][token][kvHead][headDim]) of chunks 0..chunks-1. Valid until the next iteration. */
   slabs: Uint8Array[]
+}
+
+export interface RetrieveRun {
+  /** Leading chunks written. */
+  served: number
+  /** True when the deadline cut the retrieve short. */
+  timedOut: boolean
 }
 
 export class StorageManager {
@@ -68,15 +88,19 @@ export class StorageManager {
   readonly memory: MemoryTier
   readonly disk: DiskTier | undefined
   readonly remote: RemoteTier | undefined
+  readonly codec: CodecPool
+  readonly retrieveDeadlineMs: number
   readonly #nsId: Uint8Array
-  readonly #diskCodec: 'raw' | 'lossless'
-  readonly #remoteCodec: ChunkCodecName
-  readonly #remoteQuality: number | undefined
   readonly #fetchConcurrency: number
   readonly #layersPerRequest: number
-  readonly codec: CodecPool
-  readonly #inflight = new Map<string, Promise<Uint8Array | 'resident' | undefined>>()
+  readonly #reader: ChunkReader
+  readonly #writes: WriteBehind
+  readonly #inflight = new Map<string, Promise<Placed | undefined>>()
   readonly #background = new Set<Promise<unknown>>()
+  #closed = false
+  /** Resolves on close(): operations waiting on a slow tier stop waiting. */
+  readonly #closing: Promise<undefined>
+  #signalClosed!: () => void
 
   constructor(opts: StorageManagerOptions) {
     this.geometry = opts.geometry
@@ -86,17 +110,40 @@ export class StorageManager {
     this.disk = opts.disk
     this.remote = opts.remote
     this.#nsId = opts.namespaceId
-    this.#diskCodec = opts.diskCodec ?? 'raw'
-    this.#remoteCodec = opts.remoteCodec ?? 'raw'
-    this.#remoteQuality = opts.remoteQuality
     this.#fetchConcurrency = Math.max(1, opts.fetchConcurrency ?? 8)
     this.#layersPerRequest = Math.max(1, opts.layersPerRequest ?? Math.ceil(opts.geometry.layers / 4))
+    this.retrieveDeadlineMs = opts.retrieveDeadlineMs ?? 10_000
+    this.#closing = new Promise<undefined>((r) => {
+      this.#signalClosed = () => r(undefined)
+    })
     this.codec = opts.codec ?? new CodecPool()
+    this.#reader = new ChunkReader({
+      geometry: opts.geometry,
+      memory: opts.memory,
+      codec: this.codec,
+      tensorBytes: (k) => this.tensorBytes(k),
+      identity: (k) => this.#identity(k),
+    })
+    this.#writes = new WriteBehind({
+      disk: opts.disk,
+      remote: opts.remote,
+      codec: this.codec,
+      diskCodec: opts.diskCodec ?? 'raw',
+      remoteCodec: opts.remoteCodec ?? 'raw',
+      remoteQuality: opts.remoteQuality,
+      identity: (k) => this.#identity(k),
+      maxBytes: opts.writeBehindBytes ?? 512 * 1024 * 1024,
+      diskConcurrency: Math.max(1, opts.diskWriteConcurrency ?? 2),
+    })
   }
 
   /** Bytes of chunk k's tensor (smaller for a partial tail chunk). */
   tensorBytes(k: ChunkKey): number {
     return k.end - k.start === this.chunkTokens ? this.chunkBytes : chunkBytes(this.geometry, k.end - k.start)
+  }
+
+  writeBehindStats(): WriteBehindStats {
+    return this.#writes.stats()
   }
 
   #identity(k: ChunkKey): ChunkIdentity {
@@ -116,87 +163,78 @@ export class StorageManager {
     void p.finally(() => this.#background.delete(p))
   }
 
+  #checkOpen(): void {
+    if (this.#closed) throw new KvgateError('ERR_CLOSED', 'KVCache is closed')
+  }
+
   /**
    * Write-all: each chunk goes into L1 now (`fill` writes its tensor into the
-   * slot), then to L2 and L4 in the background. Chunks a tier holds already are skipped.
+   * slot), then to whichever of L2 and L4 lacks it, in the background. The L4
+   * decision asks L4 (known present, or a lookup), never L1: an upload lost to a
+   * gateway fault is retried by the next store of the same chunks.
    */
   async store(
     keys: readonly ChunkKey[],
     fill: (i: number, dst: Uint8Array) => void | Promise<void>,
   ): Promise<StoreOutcome> {
     const out: StoreOutcome = { stored: 0, present: 0, skipped: 0 }
-    const sources: { key: ChunkKey; handle: ChunkHandle }[] = []
-    for (let i = 0; i < keys.length; i++) {
-      const k = keys[i]!
-      if (this.memory.has(k.hex)) {
-        out.present++
-        continue
-      }
-      const r = this.memory.reserve(k.hex, this.tensorBytes(k))
-      if (r) {
-        try {
-          await fill(i, r.bytes)
-        } catch (e) {
-          r.abort()
-          throw e
+    const wb = this.#writes
+    // Everything held for the lower tiers; handed to the write-behind on success,
+    // released on failure (a fill that throws part-way leaks no pin).
+    const held: HeldChunk[] = []
+    // This store's own chunks stay pinned until it returns, so a store larger than
+    // L1 cannot evict its leading chunks to make room for its later ones.
+    const own: MemoryHandle[] = []
+    let handedOff = false
+    try {
+      for (let i = 0; i < keys.length; i++) {
+        this.#checkOpen()
+        const k = keys[i]!
+        const resident = this.memory.peekPinned(k.hex)
+        if (resident) {
+          out.present++
+          own.push(resident)
+          if (wb.wanted(k.hex)) {
+            const pin = this.memory.peekPinned(k.hex)
+            const h = pin && wb.holdPinned(k, pin)
+            if (h) held.push(h)
+          }
+          continue
         }
-        if (r.commit()) out.stored++
-        const h = this.memory.peekPinned(k.hex)
-        if (h) sources.push({ key: k, handle: h })
-      } else {
-        // L1 is full of pinned chunks: keep a private copy for the lower tiers.
-        out.skipped++
-        const tmp = new Uint8Array(this.tensorBytes(k))
-        await fill(i, tmp)
-        sources.push({ key: k, handle: { bytes: tmp, release: () => {} } })
+        const r = this.memory.reserve(k.hex, this.tensorBytes(k))
+        if (r) {
+          let pin: MemoryHandle | undefined
+          try {
+            await fill(i, r.bytes)
+            this.#checkOpen()
+            pin = r.commitPinned()
+          } finally {
+            r.abort() // no-op once committed
+          }
+          if (!pin) continue
+          out.stored++
+          own.push(pin)
+          if (wb.active) {
+            const again = this.memory.peekPinned(k.hex)
+            const h = again && wb.holdPinned(k, again)
+            if (h) held.push(h)
+          }
+        } else {
+          // L1 is full of pinned chunks: a private copy for the lower tiers, within the budget.
+          out.skipped++
+          const h = wb.active ? wb.holdCopy(k, this.tensorBytes(k)) : undefined
+          if (!h) continue
+          held.push(h)
+          await fill(i, h.bytes)
+        }
       }
+      if (held.length > 0) this.#track(wb.submit(held))
+      handedOff = true
+      return out
+    } finally {
+      if (!handedOff) for (const h of held) h.done()
+      for (const p of own) p.release()
     }
-    if (sources.length > 0) this.#track(this.#writeBehind(sources))
-    return out
-  }
-
-  async #writeBehind(sources: { key: ChunkKey; handle: ChunkHandle }[]): Promise<void> {
-    const { disk, remote } = this
-    let remoteFrom = 0
-    if (remote) {
-      // One batched lookup: chunks the gateway holds (another node stored them) are not uploaded.
-      const lk = await remote.lookup(
-        sources.map((s) => s.key.hex),
-        'background',
-      )
-      remoteFrom = lk.present
-    }
-    const jobs: Promise<unknown>[] = []
-    for (let i = 0; i < sources.length; i++) {
-      const { key, handle } = sources[i]!
-      let refs = 1 + (disk ? 1 : 0) + (remote ? 1 : 0)
-      const done = () => {
-        if (--refs === 0) handle.release()
-      }
-      if (disk && !disk.has(key.hex)) {
-        jobs.push(
-          // Yield first so the caller's store() resolves before any encoding work starts.
-          yieldToCaller()
-            .then(() => this.codec.encode(this.#diskCodec, handle.bytes, this.#identity(key)))
-            .then((obj) => disk.put(key.hex, obj))
-            .catch(() => {
-              disk.counters.errors++
-            })
-            .finally(done),
-        )
-      } else if (disk) done()
-      if (remote && i >= remoteFrom && !remote.knownPresent(key.hex)) {
-        remote.enqueue({
-          hex: key.hex,
-          bytesHint: handle.bytes.byteLength,
-          encode: () =>
-            this.codec.encode(this.#remoteCodec, handle.bytes, this.#identity(key), this.#remoteQuality),
-          done,
-        })
-      } else if (remote) done()
-      done()
-    }
-    await Promise.allSettled(jobs)
   }
 
   /**
@@ -221,199 +259,191 @@ export class StorageManager {
     return tiers
   }
 
+  /** The tiers of the leading chunks L1 or L2 hold (no gateway request). */
+  #localTiers(keys: readonly ChunkKey[]): TierName[] {
+    const tiers: TierName[] = []
+    for (const k of keys) {
+      if (this.memory.has(k.hex)) tiers.push('memory')
+      else if (this.disk?.has(k.hex)) tiers.push('disk')
+      else break
+    }
+    return tiers
+  }
+
   /**
    * Makes chunk `k` readable: a pinned L1 handle, or (when L1 cannot take it) a
-   * private tensor. Undefined when no tier could serve it intact.
+   * private tensor. Undefined when no tier could serve it intact. The caller owns
+   * the handle and releases it exactly once.
    */
   async acquire(k: ChunkKey, priority: IoPriority = 'get'): Promise<ChunkHandle | undefined> {
-    const h = this.memory.acquire(k.hex)
-    if (h) return h
-    let p = this.#inflight.get(k.hex)
-    if (!p) {
-      p = this.#fetch(k, priority).finally(() => this.#inflight.delete(k.hex))
-      this.#inflight.set(k.hex, p)
-    }
-    const got = await p
-    if (got === undefined) return undefined
-    if (got === 'resident') {
+    // Two tries: a chunk promoted by a shared fetch can be evicted before this
+    // waiter pins it (a tiny L1 under pressure); then it is fetched once more.
+    for (let attempt = 0; attempt < 2; attempt++) {
+      const h = this.memory.acquire(k.hex)
+      if (h) return h
+      let p = this.#inflight.get(k.hex)
+      if (!p) {
+        p = this.#fetch(k, priority).finally(() => this.#inflight.delete(k.hex))
+        this.#inflight.set(k.hex, p)
+      }
+      const got = await p
+      if (got === undefined) return undefined
+      if (got !== 'resident') return { bytes: got, release: () => {} }
       const again = this.memory.peekPinned(k.hex)
       if (again) return again
-      // Evicted between promotion and now (tiny L1 under pressure): fetch once more.
-      return this.acquire(k, priority)
     }
-    return { bytes: got, release: () => {} }
+    return undefined
   }
 
-  /** Waterfall below L1: L2, then L4. Promotes what it finds into L1 (and L4 hits into L2). */
-  async #fetch(k: ChunkKey, priority: IoPriority): Promise<Uint8Array | 'resident' | undefined> {
-    const tokens = k.end - k.start
+  /** Waterfall below L1: L2, then L4 (while its breaker is closed). L4 hits are also copied down to L2. */
+  async #fetch(k: ChunkKey, priority: IoPriority): Promise<Placed | undefined> {
     if (this.disk?.has(k.hex)) {
-      const got = await this.#fromDisk(k, tokens, priority)
+      const got = await this.#reader.fromDisk(this.disk, k, priority)
       if (got) return got
     }
-    if (this.remote && this.remote.breaker.state === 'closed') {
-      const got = await this.#fromRemote(k, tokens)
-      if (!got) return undefined
-      const disk = this.disk
-      if (disk && !disk.has(k.hex)) {
-        const ref = got === 'resident' ? this.memory.peekPinned(k.hex) : { bytes: got, release: () => {} }
-        if (ref) {
-          this.#track(
-            yieldToCaller()
-              .then(() => this.codec.encode(this.#diskCodec, ref.bytes, this.#identity(k)))
-              .then((obj) => disk.put(k.hex, obj, 'put'))
-              .catch(() => {})
-              .finally(() => ref.release()),
-          )
-        }
+    const remote = this.remote
+    if (remote?.breaker.state !== 'closed') return undefined
+    const got = await this.#reader.fromRemote(remote, k)
+    if (got && this.disk && !this.disk.has(k.hex)) {
+      const wb = this.#writes
+      const pin = got === 'resident' ? this.memory.peekPinned(k.hex) : undefined
+      const h = pin
+        ? wb.holdPinned(k, pin)
+        : typeof got !== 'string'
+          ? wb.holdCopy(k, got.byteLength)
+          : undefined
+      if (h) {
+        if (typeof got !== 'string') h.bytes.set(got)
+        this.#track(wb.submit([h], false))
       }
-      return got
     }
-    return undefined
-  }
-
-  /**
-   * L2 → L1. The file is read straight into the slot (O_DIRECT when the addon is
-   * there); a raw object then already has its tensor at the slot's data offset,
-   * so promotion costs the read and the CRC check, no copy.
-   */
-  async #fromDisk(
-    k: ChunkKey,
-    _tokens: number,
-    priority: IoPriority,
-  ): Promise<Uint8Array | 'resident' | undefined> {
-    const disk = this.disk!
-    const r = this.memory.reserve(k.hex, this.tensorBytes(k))
-    const object = await disk.get(k.hex, priority, r?.slot)
-    if (!object) {
-      r?.abort()
-      return undefined
-    }
-    let got: Uint8Array | 'resident' | undefined
-    try {
-      // DiskTier.get verified every CRC already; what is left is the identity check.
-      const h = decodeHeader(object)
-      checkIdentity(h, this.#identity(k))
-      got = await this.#place(k, object, h, r)
-    } catch {
-      r?.abort()
-    }
-    if (got) return got
-    // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
-    disk.counters.corrupt++
-    await disk.delete(k.hex)
-    return undefined
-  }
-
-  /** L4 → L1: the body is read into the slot when it fits, like an L2 read. */
-  async #fromRemote(k: ChunkKey, tokens: number): Promise<Uint8Array | 'resident' | undefined> {
-    const remote = this.remote!
-    const r = this.memory.reserve(k.hex, this.tensorBytes(k))
-    const object = await remote.get(k.hex, undefined, r?.slot, {
-      maxBytes: maxObjectBytes(this.geometry, tokens),
-    })
-    if (!object) {
-      r?.abort()
-      return undefined
-    }
-    let got: Uint8Array | 'resident' | undefined
-    try {
-      const h = await this.codec.verify(object)
-      checkIdentity(h, this.#identity(k))
-      got = await this.#place(k, object, h, r)
-    } catch {
-      r?.abort()
-    }
-    if (!got) remote.reportCorrupt(k.hex)
     return got
   }
 
   /**
-   * Puts a verified object's tensor into the reservation (or a private buffer
-   * when L1 had no slot). A raw object read into the slot at the header offset
-   * is already in place; anything else is copied or decoded. Rejects on failure
-   * (the caller aborts the reservation).
-   */
-  async #place(
-    k: ChunkKey,
-    object: Uint8Array,
-    h: ChunkHeader,
-    r: MemoryReservation | undefined,
-  ): Promise<Uint8Array | 'resident'> {
-    const size = this.tensorBytes(k)
-    const inSlot =
-      r !== undefined && object.buffer === r.slot.buffer && object.byteOffset === r.slot.byteOffset
-    if (inSlot && h.codec === 'raw' && rawTensorAt(h, this.memory.dataOffset, size)) {
-      r.commit()
-      return 'resident'
-    }
-    // Decoding reads the object and writes the tensor: never both in one slot.
-    const src = inSlot ? object.slice() : object
-    const dst = r ? r.bytes : new Uint8Array(size)
-    if (h.codec === 'raw') copyRawSections(h, src, dst, layerSlabBytes(this.geometry, k.end - k.start))
-    else await this.codec.decodeInto(src, h.codec, dst)
-    if (!r) return dst
-    r.commit()
-    return 'resident'
-  }
-
-  /**
-   * Copies the longest servable prefix of chunks into `write(i, tensor)` and
-   * returns how many leading chunks were served.
+   * Copies the longest servable prefix of chunks into `write(i, tensor)`. Past the
+   * deadline no further chunk is waited for: the chunks not yet written are a
+   * miss, fetches still running finish in the background (their reservations
+   * settle there; a late chunk is promoted if intact, or dropped) and nothing is
+   * written into the caller's buffer after this resolves.
    */
   async retrieve(
     keys: readonly ChunkKey[],
     write: (i: number, tensor: Uint8Array) => void | Promise<void>,
-    tiers?: readonly TierName[],
-  ): Promise<number> {
-    const avail = tiers ?? (await this.lookup(keys))
-    const n = avail.length
-    const ok = new Uint8Array(n)
-    let next = 0
-    let firstFail = n
-    const worker = async () => {
-      while (next < n) {
-        const i = next++
-        if (i >= firstFail) return
-        const h = await this.acquire(keys[i]!)
-        if (!h) {
-          firstFail = Math.min(firstFail, i)
-          return
-        }
-        try {
-          await write(i, h.bytes)
-          ok[i] = 1
-        } finally {
-          h.release()
+    opts: { tiers?: readonly TierName[]; deadlineMs?: number } = {},
+  ): Promise<RetrieveRun> {
+    const deadlineMs = opts.deadlineMs ?? this.retrieveDeadlineMs
+    let timedOut = false
+    let stopped = false
+    let timer: NodeJS.Timeout | undefined
+    // Stops the waiting at the deadline, or at close().
+    const expired = Promise.race([
+      new Promise<undefined>((resolve) => {
+        timer = setTimeout(() => {
+          timedOut = true
+          resolve(undefined)
+        }, deadlineMs)
+      }),
+      this.#closing,
+    ]).then(() => {
+      stopped = true
+      return undefined
+    })
+    try {
+      // A slow gateway lookup past the deadline still leaves the local prefix to serve.
+      const avail = opts.tiers ?? (await Promise.race([this.lookup(keys), expired])) ?? this.#localTiers(keys)
+      const n = avail.length
+      const ok = new Uint8Array(n)
+      let next = 0
+      let firstFail = n
+      let failed = false
+      const worker = async () => {
+        while (next < n && !failed && !this.#closed) {
+          const i = next++
+          if (i >= firstFail) return
+          let h: ChunkHandle | undefined
+          if (stopped) {
+            // Past the deadline nothing is waited for: only chunks L1 holds are still served.
+            h = this.memory.acquire(keys[i]!.hex)
+          } else {
+            const pending = this.acquire(keys[i]!)
+            h = await Promise.race([pending, expired])
+            // A late arrival is released the moment it lands: nothing stays pinned.
+            if (!h && stopped)
+              void pending.then(
+                (late) => late?.release(),
+                () => {},
+              )
+          }
+          if (!h) {
+            firstFail = Math.min(firstFail, i)
+            return
+          }
+          try {
+            if (this.#closed) return
+            await write(i, h.bytes)
+            ok[i] = 1
+          } catch (e) {
+            failed = true // the other workers stop too: none writes after this rejects
+            throw e
+          } finally {
+            h.release()
+          }
         }
       }
+      // allSettled: every worker has stopped (no write into the caller's buffer runs) before this returns or throws.
+      const results = await Promise.allSettled(
+        Array.from({ length: Math.min(this.#fetchConcurrency, n) }, worker),
+      )
+      for (const r of results) if (r.status === 'rejected') throw r.reason
+      this.#checkOpen()
+      let served = 0
+      while (served < n && ok[served] === 1) served++
+      return { served, timedOut }
+    } finally {
+      clearTimeout(timer)
     }
-    await Promise.all(Array.from({ length: Math.min(this.#fetchConcurrency, n) }, worker))
-    let served = 0
-    while (served < n && ok[served] === 1) served++
-    return served
   }
 
-  /** Brings the available prefix into L1 at prefetch priority; resolves to the chunks resident. */
+  /**
+   * Brings the available prefix into L1 at prefetch priority, at most
+   * fetchConcurrency chunks at once; resolves to the leading chunks resident.
+   */
   async prefetch(keys: readonly ChunkKey[]): Promise<number> {
     const tiers = await this.lookup(keys)
-    let resident = 0
-    await Promise.all(
-      tiers.map(async (_t, i) => {
-        const h = await this.acquire(keys[i]!, 'prefetch')
-        if (h) {
-          resident++
-          h.release()
+    const ok = new Uint8Array(tiers.length)
+    let next = 0
+    const worker = async () => {
+      while (next < tiers.length && !this.#closed) {
+        const i = next++
+        const pending = this.acquire(keys[i]!, 'prefetch')
+        const h = await Promise.race([pending, this.#closing])
+        if (!h) {
+          if (this.#closed)
+            void pending.then(
+              (late) => late?.release(),
+              () => {},
+            )
+          continue
         }
-      }),
-    )
+        // A private tensor (L1 had no slot) is not resident: nothing to keep.
+        ok[i] = this.memory.has(keys[i]!.hex) ? 1 : 0
+        h.release()
+      }
+    }
+    await Promise.all(Array.from({ length: Math.min(this.#fetchConcurrency, tiers.length) }, worker))
+    let resident = 0
+    while (resident < ok.length && ok[resident] === 1) resident++
     return resident
   }
 
   /**
-   * Layer by layer over the available prefix. Local chunks are made resident
-   * first; remote chunks are fetched as `?layers=a-b` groups, all requested up
-   * front so transfer of later layers overlaps the caller's work on earlier ones.
+   * Layer by layer over the available prefix (see LayerBatch for the contract).
+   * Local chunks are pinned first; remote chunks are fetched as `?layers=a-b`
+   * groups, all requested up front so transfer of later layers overlaps the
+   * caller's work on earlier ones. A remote chunk is committed to L1 only when
+   * every one of its layers arrived and verified; every reservation and pin is
+   * settled in the generator's finally, also when the caller stops early.
    */
   async *retrieveLayers(keys: readonly ChunkKey[]): AsyncGenerator<LayerBatch> {
     const g = this.geometry
@@ -433,7 +463,17 @@ export class StorageManager {
           sources.push(async (l) => h.bytes.subarray(l * slabBytes, (l + 1) * slabBytes))
         } else {
           if (!this.remote) break
-          const rl = new RemoteLayers(this, k, this.#layersPerRequest)
+          const rl = new RemoteLayers(
+            {
+              reader: this.#reader,
+              remote: this.remote,
+              memory: this.memory,
+              geometry: g,
+              per: this.#layersPerRequest,
+            },
+            k,
+            this.tensorBytes(k),
+          )
           remoteChunks.push(rl)
           sources.push((l) => rl.layer(l))
         }
@@ -449,126 +489,41 @@ export class StorageManager {
         let n = 0
         while (n < slabs.length && slabs[n] !== undefined) n++
         valid = n
-        yield { layer: l, chunks: valid, slabs: slabs.slice(0, valid) as Uint8Array[] }
+        yield {
+          layer: l,
+          chunks: valid,
+          tokens: valid > 0 ? keys[valid - 1]!.end : 0,
+          slabs: slabs.slice(0, valid) as Uint8Array[],
+        }
       }
-      for (const rl of remoteChunks) rl.finish()
     } finally {
-      for (const rl of remoteChunks) rl.abort()
+      for (const rl of remoteChunks) rl.settle()
       for (const h of held) h.release()
-    }
-  }
-
-  /** Remote fetch of one chunk's layer group, used by RemoteLayers. */
-  async fetchLayerGroup(
-    k: ChunkKey,
-    first: number,
-    last: number,
-  ): Promise<Map<number, Uint8Array> | undefined> {
-    const remote = this.remote
-    if (!remote) return undefined
-    const body = await remote.get(k.hex, [first, last])
-    if (!body) return undefined
-    try {
-      const sub = openLayerGroup(body, first, last, this.#identity(k))
-      const out = new Map<number, Uint8Array>()
-      const slabs = await Promise.all(
-        Array.from({ length: last - first + 1 }, (_, i) =>
-          this.codec.decodeSection(sub.header, first + i, sub.section(first + i)),
-        ),
-      )
-      for (const [i, s] of slabs.entries()) out.set(first + i, s)
-      return out
-    } catch {
-      remote.reportCorrupt(k.hex)
-      return undefined
     }
   }
 
   /** Waits for background writes to L2 and the L4 write-behind queue. */
   async flush(timeoutMs = 30_000): Promise<void> {
     const deadline = Date.now() + timeoutMs
-    while (this.#background.size > 0 && Date.now() < deadline) {
-      await Promise.race([
-        Promise.allSettled([...this.#background]),
-        sleep(Math.max(0, deadline - Date.now())),
-      ])
+    const left = () => Math.max(0, deadline - Date.now())
+    while (this.#background.size > 0 && left() > 0) {
+      await Promise.race([Promise.allSettled([...this.#background]), sleep(left())])
     }
+    await this.#writes.drain(left())
     await this.disk?.drain()
-    await this.remote?.flush(Math.max(0, deadline - Date.now()))
-  }
-}
-
-/** One remote chunk fetched as layer groups; decoded layers land in an L1 reservation when one is free. */
-class RemoteLayers {
-  readonly #groups = new Map<number, Promise<Map<number, Uint8Array> | undefined>>()
-  readonly #reservation
-  readonly #slab: number
-  readonly #manager: StorageManager
-  readonly #key: ChunkKey
-  readonly #per: number
-  #complete = true
-
-  constructor(manager: StorageManager, key: ChunkKey, per: number) {
-    this.#manager = manager
-    this.#key = key
-    this.#per = per
-    this.#slab = layerSlabBytes(manager.geometry, key.end - key.start)
-    this.#reservation = manager.memory.reserve(key.hex, manager.tensorBytes(key))
+    await this.remote?.flush(left())
   }
 
-  /** Starts the GET of the layer group beginning at `first`. */
-  request(first: number): void {
-    const last = Math.min(this.#manager.geometry.layers - 1, first + this.#per - 1)
-    this.#groups.set(first, this.#manager.fetchLayerGroup(this.#key, first, last))
+  /** Refuses new work: operations in flight stop at their next step with ERR_CLOSED. */
+  close(): void {
+    this.#closed = true
+    this.#signalClosed()
   }
 
-  async layer(l: number): Promise<Uint8Array | undefined> {
-    const group = await this.#groups.get(Math.floor(l / this.#per) * this.#per)
-    const slab = group?.get(l)
-    if (!slab) {
-      this.#complete = false
-      return undefined
-    }
-    if (!this.#reservation) return slab
-    const dst = this.#reservation.bytes.subarray(l * this.#slab, (l + 1) * this.#slab)
-    dst.set(slab)
-    return dst
+  /** Drops L2 writes still queued (after close's flush ran out of time), releasing what they held. */
+  dropQueuedWrites(): void {
+    this.#writes.dropQueued()
   }
-
-  /** All layers arrived: publish the assembled tensor in L1 (promotion). */
-  finish(): void {
-    if (this.#complete && this.#reservation) this.#reservation.commit()
-  }
-
-  abort(): void {
-    this.#reservation?.abort()
-  }
-}
-
-/** True when a raw object's sections are contiguous right after a header of `offset` bytes. */
-function rawTensorAt(h: ChunkHeader, offset: number, size: number): boolean {
-  if (h.headerBytes !== offset || h.totalBytes !== offset + size || h.sections[0]?.offset !== offset)
-    return false
-  return h.sections.every(
-    (s, i) => i === 0 || s.offset === h.sections[i - 1]!.offset + h.sections[i - 1]!.length,
-  )
-}
-
-/**
- * A verified raw object's sections are the layer slabs: copy them out without
- * a second CRC pass (the caller verified every section).
- */
-function copyRawSections(h: ChunkHeader, object: Uint8Array, dst: Uint8Array, slab: number): void {
-  h.sections.forEach((s, l) => {
-    if (s.length !== slab)
-      throw new FormatError('ERR_FORMAT_BAD_FIELD', `raw section ${l} is ${s.length} bytes, expected ${slab}`)
-    dst.set(object.subarray(s.offset, s.offset + s.length), l * slab)
-  })
-}
-
-/** Lets the caller's continuation run before CPU-heavy background work starts. */
-function yieldToCaller(): Promise<void> {
-  return new Promise((r) => setImmediate(r))
 }
 
 function sleep(ms: number): Promise<void> {

@@ -1,5 +1,7 @@
 // L2: one chunk object per file under a directory (fan-out by the key's first
-// byte), written temp + fsync + rename, indexed in memory and rebuilt on start.
+// byte), written temp + fsync + rename + directory fsync, indexed in memory and rebuilt on start.
+// The directory may be shared (other processes, other models): only this instance's
+// files count against its budget, and another process's in-flight temp files are left alone.
 
 import { randomBytes } from 'node:crypto'
 import { constants as fsc } from 'node:fs'
@@ -39,6 +41,14 @@ export interface DiskTierOptions {
    * segment as they land, with the same rules (ChunkVerifier). @default verifyChunk
    */
   verify?: (object: Uint8Array) => ChunkHeader | Promise<ChunkHeader>
+  /**
+   * Which chunk files are this instance's (e.g. its namespace id): others in the
+   * directory are neither indexed, counted against the budget, evicted nor deleted.
+   * @default every valid chunk file
+   */
+  owns?: (header: ChunkHeader) => boolean
+  /** A temp file older than this is a dead writer's leftover and deleted at start. @default 1 hour */
+  staleTempMs?: number
 }
 
 export interface DiskTierStats {
@@ -48,6 +58,10 @@ export interface DiskTierStats {
   files: number
   /** Files removed at start: half-written temp files and objects that failed verification. */
   recoveredDiscarded: number
+  /** Files at start that belong to another instance (owns() said no): left alone, not counted. */
+  foreignFiles: number
+  /** Files at start that could not be read (EIO, EMFILE, EACCES…): left in place, not indexed. */
+  unreadableFiles: number
   /** Reads that went through O_DIRECT. */
   directReads: number
   /** Writes that failed (ENOSPC, EROFS, EACCES, ...); the chunk stays in the other tiers. */
@@ -84,14 +98,20 @@ export class DiskTier {
   #writeErrors = 0
   #lastWriteError: string | undefined
   #directReads = 0
+  #foreign = 0
+  #unreadable = 0
   readonly #native: NativeModule | undefined
   readonly #verify: (object: Uint8Array) => ChunkHeader | Promise<ChunkHeader>
+  readonly #owns: (header: ChunkHeader) => boolean
+  readonly #staleTempMs: number
 
   private constructor(opts: DiskTierOptions) {
     this.dir = opts.dir
     this.#budget = opts.bytes
     this.#native = opts.direct === 'off' ? undefined : opts.native
     this.#verify = opts.verify ?? verifyChunk
+    this.#owns = opts.owns ?? (() => true)
+    this.#staleTempMs = opts.staleTempMs ?? 3_600_000
     this.#queue = new PriorityQueue(opts.concurrency ?? 2)
   }
 
@@ -125,14 +145,25 @@ export class DiskTier {
       for (const name of names) {
         const path = join(subdir, name)
         if (name.startsWith(TMP_PREFIX)) {
-          // A write that never reached its rename: the process died mid-write.
-          await rm(path, { force: true })
-          this.#discarded++
+          // A write that never reached its rename: its writer died, unless it is still running.
+          if (await this.#staleTemp(path, name)) {
+            await rm(path, { force: true })
+            this.#discarded++
+          }
           continue
         }
         if (!FILE_RE.test(name) || !name.startsWith(sub)) continue
         const hex = name.slice(0, 64)
         const ok = await this.#checkHeader(path, hex)
+        if (ok === 'unreadable') {
+          // An I/O error says nothing about the file: keep it, just do not serve it.
+          this.#unreadable++
+          continue
+        }
+        if (ok === 'foreign') {
+          this.#foreign++
+          continue
+        }
         if (!ok) {
           await rm(path, { force: true })
           this.#discarded++
@@ -149,22 +180,51 @@ export class DiskTier {
     await this.#evictToBudget(0)
   }
 
-  /** Cheap start-up check: header decodes, names this key, and the size is exact. Sections are verified on read. */
-  async #checkHeader(path: string, hex: string): Promise<{ bytes: number; time: number } | undefined> {
+  /**
+   * A temp file is stale when its writer (pid in its name, on this host) is gone,
+   * or when it is older than staleTempMs (a writer on another host sharing the directory).
+   */
+  async #staleTemp(path: string, name: string): Promise<boolean> {
+    const pid = Number(/-(\d+)-[0-9a-f]+$/.exec(name)?.[1])
+    if (Number.isSafeInteger(pid) && pid > 0 && !processAlive(pid)) return true
+    try {
+      return Date.now() - (await stat(path)).mtimeMs > this.#staleTempMs
+    } catch {
+      return false
+    }
+  }
+
+  /**
+   * Cheap start-up check: header decodes, names this key, and the size is exact.
+   * Sections are verified on read. 'unreadable' on an I/O error (the file may be
+   * fine), 'foreign' for another instance's file, undefined when it is corrupt.
+   */
+  async #checkHeader(
+    path: string,
+    hex: string,
+  ): Promise<{ bytes: number; time: number } | 'unreadable' | 'foreign' | undefined> {
     let fh: Awaited<ReturnType<typeof open>> | undefined
+    let probe: Buffer
+    let st: Awaited<ReturnType<typeof stat>>
     try {
       fh = await open(path, 'r')
-      const st = await fh.stat()
-      const probe = Buffer.allocUnsafe(Math.min(st.size, HEADER_PROBE_BYTES))
+      st = await fh.stat()
+      probe = Buffer.allocUnsafe(Math.min(st.size, HEADER_PROBE_BYTES))
       await fh.read(probe, 0, probe.byteLength, 0)
-      const header = decodeHeader(probe)
-      if (header.totalBytes !== st.size || toHex(header.chainKey) !== hex) return undefined
-      return { bytes: st.size, time: Math.max(st.atimeMs, st.mtimeMs) }
+    } catch {
+      return 'unreadable'
+    } finally {
+      await fh?.close().catch(() => {})
+    }
+    let header: ChunkHeader
+    try {
+      header = decodeHeader(probe)
     } catch {
       return undefined
-    } finally {
-      await fh?.close()
     }
+    if (header.totalBytes !== st.size || toHex(header.chainKey) !== hex) return undefined
+    if (!this.#owns(header)) return 'foreign'
+    return { bytes: st.size, time: Math.max(st.atimeMs, st.mtimeMs) }
   }
 
   has(hex: string): boolean {
@@ -192,9 +252,13 @@ export class DiskTier {
       bytes = read?.bytes
       if (read && !read.verified) await this.#verify(read.bytes)
     } catch (e) {
-      if (!isKvgateError(e)) throw e
-      this.counters.corrupt++
-      await this.delete(hex)
+      if (isKvgateError(e) && e.code.startsWith('ERR_FORMAT_')) {
+        this.counters.corrupt++
+        await this.delete(hex)
+      } else {
+        // Not a verdict on the file (a closed codec pool, an addon error): a counted miss, the file stays.
+        this.counters.errors++
+      }
       bytes = undefined
     }
     if (!bytes) {
@@ -322,20 +386,34 @@ export class DiskTier {
     if (object.byteLength > this.#budget) return Promise.resolve(false)
     const p = this.#queue
       .run(priority, () => this.#writeFile(hex, object))
+      // The directory fsync runs outside the queue slot: concurrent ones share the
+      // journal commit instead of holding the next write back.
+      .then(async (r) => {
+        if (!r.durable) return r.ok
+        try {
+          await r.durable
+        } catch (e) {
+          this.#writeFailed(e)
+        }
+        return r.ok
+      })
+      .catch(() => false) // closed: the write is dropped
       .finally(() => this.#writing.delete(hex))
     this.#writing.set(hex, p)
     return p
   }
 
-  async #writeFile(hex: string, object: Uint8Array): Promise<boolean> {
-    if (this.#index.has(hex)) return false
+  /** Writes temp + fsync + rename; `durable` settles once the directory entry is fsynced too. */
+  async #writeFile(hex: string, object: Uint8Array): Promise<{ ok: boolean; durable?: Promise<void> }> {
+    if (this.#index.has(hex)) return { ok: false }
     const t0 = performance.now()
     const subdir = join(this.dir, hex.slice(0, 2))
     const tmp = join(subdir, `${TMP_PREFIX}${hex}-${process.pid}-${randomBytes(4).toString('hex')}`)
     let fh: Awaited<ReturnType<typeof open>> | undefined
     try {
       await this.#evictToBudget(object.byteLength)
-      await mkdir(subdir, { recursive: true })
+      // A new fan-out directory must itself survive a crash: fsync its parent once created.
+      if ((await mkdir(subdir, { recursive: true })) !== undefined) await fsyncDir(this.dir)
       fh = await open(tmp, fsc.O_WRONLY | fsc.O_CREAT | fsc.O_EXCL, 0o644)
       let off = 0
       while (off < object.byteLength) {
@@ -352,15 +430,20 @@ export class DiskTier {
       this.counters.puts++
       this.counters.bytesWritten += object.byteLength
       this.counters.writeLatency.record(since(t0))
-      return true
+      // The rename is durable only once the directory entry is: fsync the directory.
+      return { ok: true, durable: fsyncDir(subdir) }
     } catch (e) {
-      this.#writeErrors++
-      this.counters.errors++
-      this.#lastWriteError = `${(e as NodeJS.ErrnoException).code ?? 'ERR'}: ${(e as Error).message}`
+      this.#writeFailed(e)
       await fh?.close().catch(() => {})
       await unlink(tmp).catch(() => {})
-      return false
+      return { ok: false }
     }
+  }
+
+  #writeFailed(e: unknown): void {
+    this.#writeErrors++
+    this.counters.errors++
+    this.#lastWriteError = `${(e as NodeJS.ErrnoException).code ?? 'ERR'}: ${(e as Error).message}`
   }
 
   async delete(hex: string): Promise<void> {
@@ -384,6 +467,11 @@ export class DiskTier {
     }
   }
 
+  /** Fails queued reads and writes (ERR_CLOSED inside: misses and dropped writes); running ones finish. */
+  close(): void {
+    this.#queue.close()
+  }
+
   /** Waits for queued writes (used by close() and tests). */
   async drain(): Promise<void> {
     while (this.#writing.size > 0) await Promise.allSettled([...this.#writing.values()])
@@ -396,6 +484,8 @@ export class DiskTier {
       usedBytes: this.#used,
       files: this.#index.size,
       recoveredDiscarded: this.#discarded,
+      foreignFiles: this.#foreign,
+      unreadableFiles: this.#unreadable,
       directReads: this.#directReads,
       writeErrors: this.#writeErrors,
       lastWriteError: this.#lastWriteError,
@@ -414,5 +504,25 @@ export class DiskTier {
 
   pathOf(hex: string): string {
     return this.#pathOf(hex)
+  }
+}
+
+/** fsync of a directory: makes the entries created or renamed in it durable. */
+async function fsyncDir(dir: string): Promise<void> {
+  const fh = await open(dir, 'r')
+  try {
+    await fh.sync()
+  } finally {
+    await fh.close()
+  }
+}
+
+/** Whether a process with this pid runs on this host (EPERM: it does, owned by someone else). */
+function processAlive(pid: number): boolean {
+  try {
+    process.kill(pid, 0)
+    return true
+  } catch (e) {
+    return (e as NodeJS.ErrnoException).code === 'EPERM'
   }
 }

@@ -1,18 +1,25 @@
 // L1: chunk tensors in pinned host regions, carved into fixed-size slots (one
 // per chunk), indexed by an LRU keyed on chain key; pins keep in-use slots alive.
+// Every pin and reservation is an object settled exactly once (release / commit or
+// abort, both idempotent); live ones are counted so tests can assert none leak.
 
 import { LRUCache } from 'lru-cache'
 import { InvalidArgumentError } from '../../core/errors.ts'
 import type { NativeModule } from '../native-api.ts'
 import { since, TierCounters } from '../stats.ts'
 
-/** A pinned view of a resident chunk; call release() when done copying. */
+/** A pinned view of a resident chunk; call release() when done copying (idempotent). */
 export interface MemoryHandle {
   readonly bytes: Uint8Array
   release(): void
 }
 
-/** A slot reserved for an asynchronous fill (decode, GPU copy, file read); invisible until commit(). */
+/**
+ * A slot reserved for an asynchronous fill (decode, GPU copy, file read); invisible until commit().
+ * Its owner settles it exactly once: commit() (or commitPinned()) on success, abort() otherwise;
+ * calling abort() in a `finally` after a commit is a no-op, so `try { fill; commit } finally { abort }`
+ * is the one shape that can never leak a slot.
+ */
 export interface MemoryReservation {
   /** Where the chunk tensor goes: `length` bytes at the slot's data offset. */
   readonly bytes: Uint8Array
@@ -23,8 +30,15 @@ export interface MemoryReservation {
   readonly slot: Uint8Array
   /** Publishes the chunk under its key. Returns false when the key was resident already. */
   commit(): boolean
-  /** Returns the slot without publishing. */
+  /**
+   * Publishes the chunk and pins it in one step (no window where it could be evicted):
+   * a pin on this chunk, or on the copy that was resident already.
+   */
+  commitPinned(): MemoryHandle | undefined
+  /** Returns the slot without publishing (no-op once settled). */
   abort(): void
+  /** True once committed or aborted. */
+  readonly settled: boolean
 }
 
 export interface MemoryTierOptions {
@@ -62,6 +76,10 @@ export interface MemoryTierStats {
   pinReason: string | undefined
   /** Stores skipped because every slot was pinned or reserved. */
   skippedFull: number
+  /** Reservations not yet committed or aborted (0 when idle: anything else is a leak). */
+  liveReservations: number
+  /** Pins not yet released (0 when idle: anything else is a leak). */
+  livePins: number
 }
 
 const PAGE = 4096
@@ -82,6 +100,8 @@ export class MemoryTier {
   /** Set when the regions came from the addon (and can be freed through it). */
   #native: NativeModule | undefined
   #skippedFull = 0
+  #liveReservations = 0
+  #livePins = 0
 
   private constructor(
     slotBytes: number,
@@ -181,12 +201,14 @@ export class MemoryTier {
 
   #pin(entry: Entry): MemoryHandle {
     entry.refs++
+    this.#livePins++
     let released = false
     return {
       bytes: this.#dataView(entry.slot, entry.length),
       release: () => {
         if (released) return
         released = true
+        this.#livePins--
         entry.refs--
         if (entry.refs === 0 && !entry.indexed) this.#free.push(entry.slot)
       },
@@ -207,27 +229,43 @@ export class MemoryTier {
       return undefined
     }
     const entry: Entry = { slot, length, refs: 0, indexed: false }
+    this.#liveReservations++
     let done = false
+    const settle = (): boolean => {
+      if (done) return false
+      done = true
+      this.#liveReservations--
+      return true
+    }
+    const publish = (): Entry | undefined => {
+      if (!settle()) return undefined
+      const resident = this.#index.peek(hex)
+      if (resident) {
+        this.#free.push(slot)
+        return resident
+      }
+      entry.indexed = true
+      this.#index.set(hex, entry)
+      this.counters.puts++
+      this.counters.bytesWritten += length
+      return entry
+    }
     return {
       bytes: this.#dataView(slot, length),
       slot: this.#slotView(slot),
       commit: () => {
         if (done) return false
-        done = true
-        if (this.#index.has(hex)) {
-          this.#free.push(slot)
-          return false
-        }
-        entry.indexed = true
-        this.#index.set(hex, entry)
-        this.counters.puts++
-        this.counters.bytesWritten += length
-        return true
+        return publish() === entry
+      },
+      commitPinned: () => {
+        const e = publish()
+        return e ? this.#pin(e) : undefined
       },
       abort: () => {
-        if (done) return
-        done = true
-        this.#free.push(slot)
+        if (settle()) this.#free.push(slot)
+      },
+      get settled() {
+        return done
       },
     }
   }
@@ -251,17 +289,20 @@ export class MemoryTier {
   #allocSlot(): number | undefined {
     const free = this.#free.pop()
     if (free !== undefined) return free
-    // Evict from the LRU end. A pinned victim leaves the index now but keeps its
-    // slot until its last reader releases it, so eviction can need several pops.
-    let budget = this.#index.size
-    while (budget-- > 0) {
-      const victim = this.#index.pop()
-      if (!victim) break
-      this.counters.evictions++
-      const slot = this.#free.pop()
-      if (slot !== undefined) return slot
+    // Evict the least recently used chunk nobody holds. Pinned chunks stay: evicting
+    // one frees no slot until its reader is done, and it would empty L1 for nothing
+    // (a store larger than L1 pinning its own chunks used to wipe L1 that way).
+    let victim: string | undefined
+    for (const hex of this.#index.rkeys()) {
+      if (this.#index.peek(hex)!.refs === 0) {
+        victim = hex
+        break
+      }
     }
-    return undefined
+    if (victim === undefined) return undefined
+    this.counters.evictions++
+    this.#index.delete(victim)
+    return this.#free.pop()
   }
 
   stats(): MemoryTierStats {
@@ -274,6 +315,8 @@ export class MemoryTier {
       pinnedKind: this.#kind,
       pinReason: this.#pinReason,
       skippedFull: this.#skippedFull,
+      liveReservations: this.#liveReservations,
+      livePins: this.#livePins,
     }
   }
 

@@ -1,0 +1,157 @@
+// Plumbing of reads below L1: an L2 file or an L4 body into an L1 reservation (or
+// a private buffer when L1 has no slot), verified and decoded; the reservation is always settled here.
+
+import { FormatError } from '../core/errors.ts'
+import { type ChunkHeader, decodeHeader } from '../core/format.ts'
+import type { ChunkKey } from '../core/keys.ts'
+import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
+import { type ChunkIdentity, checkIdentity, maxObjectBytes, openLayerGroup } from './chunk-codec.ts'
+import type { CodecPool } from './codec-pool.ts'
+import type { IoPriority } from './io-queue.ts'
+import type { DiskTier } from './tiers/disk.ts'
+import type { MemoryReservation, MemoryTier } from './tiers/memory.ts'
+import type { RemoteTier } from './tiers/remote.ts'
+
+/** 'resident': committed to L1 under its key; a Uint8Array: a private tensor (L1 had no free slot). */
+export type Placed = 'resident' | Uint8Array
+
+export interface ChunkReaderOptions {
+  geometry: KvGeometry
+  memory: MemoryTier
+  codec: CodecPool
+  tensorBytes: (k: ChunkKey) => number
+  /** Every identity field a chunk object must carry (namespace, parent, index, chain key, geometry). */
+  identity: (k: ChunkKey) => ChunkIdentity
+}
+
+export class ChunkReader {
+  readonly #o: ChunkReaderOptions
+
+  constructor(o: ChunkReaderOptions) {
+    this.#o = o
+  }
+
+  /**
+   * L2 → L1. The file is read straight into the slot (O_DIRECT when the addon is
+   * there); a raw object then already has its tensor at the slot's data offset,
+   * so promotion costs the read and the CRC check, no copy. A file that verifies
+   * but is not this chunk (format, identity) is counted corrupt and deleted.
+   */
+  async fromDisk(disk: DiskTier, k: ChunkKey, priority: IoPriority): Promise<Placed | undefined> {
+    const r = this.#o.memory.reserve(k.hex, this.#o.tensorBytes(k))
+    try {
+      const object = await disk.get(k.hex, priority, r?.slot)
+      if (!object) return undefined
+      try {
+        // DiskTier.get verified every CRC already; what is left is the identity check.
+        const h = decodeHeader(object)
+        checkIdentity(h, this.#o.identity(k))
+        return await this.#place(k, object, h, r)
+      } catch {
+        // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
+        disk.counters.corrupt++
+        await disk.delete(k.hex)
+        return undefined
+      }
+    } finally {
+      r?.abort() // no-op after a commit
+    }
+  }
+
+  /** L4 → L1: the body is read into the slot when it fits, like an L2 read. */
+  async fromRemote(remote: RemoteTier, k: ChunkKey): Promise<Placed | undefined> {
+    const r = this.#o.memory.reserve(k.hex, this.#o.tensorBytes(k))
+    try {
+      const object = await remote.get(k.hex, undefined, r?.slot, {
+        maxBytes: maxObjectBytes(this.#o.geometry, k.end - k.start),
+      })
+      if (!object) return undefined
+      try {
+        const h = await this.#o.codec.verify(object)
+        checkIdentity(h, this.#o.identity(k))
+        return await this.#place(k, object, h, r)
+      } catch {
+        // Counted, no longer believed present, and reported to the gateway's verify endpoint.
+        remote.reportCorrupt(k.hex)
+        return undefined
+      }
+    } finally {
+      r?.abort()
+    }
+  }
+
+  /**
+   * Puts a verified object's tensor into the reservation (committing it) or a
+   * private buffer when L1 had no slot. A raw object read into the slot at the
+   * header offset is already in place; anything else is copied or decoded.
+   * Rejects on failure (the caller's finally aborts the reservation).
+   */
+  async #place(
+    k: ChunkKey,
+    object: Uint8Array,
+    h: ChunkHeader,
+    r: MemoryReservation | undefined,
+  ): Promise<Placed> {
+    const size = this.#o.tensorBytes(k)
+    const inSlot =
+      r !== undefined && object.buffer === r.slot.buffer && object.byteOffset === r.slot.byteOffset
+    if (inSlot && h.codec === 'raw' && rawTensorAt(h, this.#o.memory.dataOffset, size)) {
+      r.commit()
+      return 'resident'
+    }
+    // Decoding reads the object and writes the tensor: never both in one slot.
+    const src = inSlot ? object.slice() : object
+    const dst = r ? r.bytes : new Uint8Array(size)
+    if (h.codec === 'raw') copyRawSections(h, src, dst, layerSlabBytes(this.#o.geometry, k.end - k.start))
+    else await this.#o.codec.decodeInto(src, h.codec, dst)
+    if (!r) return dst
+    r.commit()
+    return 'resident'
+  }
+
+  /** One chunk's layers first..last through `?layers=a-b`, verified and decoded; undefined on any failure. */
+  async layerGroup(
+    remote: RemoteTier,
+    k: ChunkKey,
+    first: number,
+    last: number,
+  ): Promise<Map<number, Uint8Array> | undefined> {
+    const body = await remote.get(k.hex, [first, last])
+    if (!body) return undefined
+    try {
+      const sub = openLayerGroup(body, first, last, this.#o.identity(k))
+      const slabs = await Promise.all(
+        Array.from({ length: last - first + 1 }, (_, i) =>
+          this.#o.codec.decodeSection(sub.header, first + i, sub.section(first + i)),
+        ),
+      )
+      const out = new Map<number, Uint8Array>()
+      for (const [i, s] of slabs.entries()) out.set(first + i, s)
+      return out
+    } catch {
+      remote.reportCorrupt(k.hex)
+      return undefined
+    }
+  }
+}
+
+/** True when a raw object's sections are contiguous right after a header of `offset` bytes. */
+function rawTensorAt(h: ChunkHeader, offset: number, size: number): boolean {
+  if (h.headerBytes !== offset || h.totalBytes !== offset + size || h.sections[0]?.offset !== offset)
+    return false
+  return h.sections.every(
+    (s, i) => i === 0 || s.offset === h.sections[i - 1]!.offset + h.sections[i - 1]!.length,
+  )
+}
+
+/**
+ * A verified raw object's sections are the layer slabs: copy them out without
+ * a second CRC pass (the caller verified every section).
+ */
+function copyRawSections(h: ChunkHeader, object: Uint8Array, dst: Uint8Array, slab: number): void {
+  h.sections.forEach((s, l) => {
+    if (s.length !== slab)
+      throw new FormatError('ERR_FORMAT_BAD_FIELD', `raw section ${l} is ${s.length} bytes, expected ${slab}`)
+    dst.set(object.subarray(s.offset, s.offset + s.length), l * slab)
+  })
+}

@@ -1,0 +1,71 @@
+// One remote chunk fetched as `?layers=a-b` groups for retrieveLayers; its layers
+// are assembled in an L1 reservation that is committed only once every layer arrived and verified.
+
+import type { ChunkKey } from '../core/keys.ts'
+import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
+import type { ChunkReader } from './chunk-reader.ts'
+import type { MemoryReservation, MemoryTier } from './tiers/memory.ts'
+import type { RemoteTier } from './tiers/remote.ts'
+
+export class RemoteLayers {
+  readonly #groups = new Map<number, Promise<Map<number, Uint8Array> | undefined>>()
+  readonly #reservation: MemoryReservation | undefined
+  readonly #slab: number
+  readonly #layers: number
+  readonly #per: number
+  readonly #key: ChunkKey
+  readonly #reader: ChunkReader
+  readonly #remote: RemoteTier
+  /** Layers copied into the reservation; the chunk is complete only when all are. */
+  readonly #filled: Uint8Array
+  #filledCount = 0
+
+  constructor(
+    o: { reader: ChunkReader; remote: RemoteTier; memory: MemoryTier; geometry: KvGeometry; per: number },
+    key: ChunkKey,
+    tensorBytes: number,
+  ) {
+    this.#reader = o.reader
+    this.#remote = o.remote
+    this.#layers = o.geometry.layers
+    this.#per = o.per
+    this.#key = key
+    this.#slab = layerSlabBytes(o.geometry, key.end - key.start)
+    this.#filled = new Uint8Array(o.geometry.layers)
+    this.#reservation = o.memory.reserve(key.hex, tensorBytes)
+  }
+
+  /** Starts the GET of the layer group beginning at `first`. */
+  request(first: number): void {
+    const last = Math.min(this.#layers - 1, first + this.#per - 1)
+    this.#groups.set(first, this.#reader.layerGroup(this.#remote, this.#key, first, last))
+  }
+
+  /** Layer l's slab (in the reservation when there is one), or undefined when its group failed. */
+  async layer(l: number): Promise<Uint8Array | undefined> {
+    const group = await this.#groups.get(Math.floor(l / this.#per) * this.#per)
+    const slab = group?.get(l)
+    if (!slab) return undefined
+    const r = this.#reservation
+    if (!r || r.settled) return slab
+    const dst = r.bytes.subarray(l * this.#slab, (l + 1) * this.#slab)
+    dst.set(slab)
+    if (this.#filled[l] === 0) {
+      this.#filled[l] = 1
+      this.#filledCount++
+    }
+    return dst
+  }
+
+  /**
+   * Settles the reservation: published in L1 only when every layer landed in it
+   * (a chunk with a missing layer group, or whose later layers were never asked
+   * for, is never made resident); aborted otherwise. Idempotent.
+   */
+  settle(): void {
+    const r = this.#reservation
+    if (!r) return
+    if (this.#filledCount === this.#layers) r.commit()
+    else r.abort()
+  }
+}

@@ -1,0 +1,160 @@
+// L2 in a directory it does not own alone: other processes' temp files, other
+// models' chunk files, I/O errors that are not corruption, and durable renames
+// (the directory fsync). node:fs/promises is wrapped to inject errors and observe fsyncs.
+
+import { existsSync, mkdirSync, mkdtempSync, rmSync, utimesSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { afterEach, describe, expect, it, vi } from 'vitest'
+import { DiskTier } from '../src/client/tiers/disk.ts'
+import { CodecError } from '../src/core/errors.ts'
+import { encodeChunk } from '../src/core/format.ts'
+import { MODEL_PRESETS } from '../src/core/layout.ts'
+
+const io = vi.hoisted(() => ({
+  /** open() of these paths fails with the errno code. */
+  failOpen: new Map<string, string>(),
+  /** Directories fsynced, in order. */
+  syncedDirs: [] as string[],
+}))
+
+vi.mock('node:fs/promises', async (importOriginal) => {
+  const real = await importOriginal<typeof import('node:fs/promises')>()
+  const open: typeof real.open = async (path, flags, mode) => {
+    const code = io.failOpen.get(String(path))
+    if (code) throw Object.assign(new Error(`${code}: injected`), { code })
+    const fh = await real.open(path, flags, mode)
+    if ((await fh.stat()).isDirectory()) {
+      const sync = fh.sync.bind(fh)
+      fh.sync = async () => {
+        io.syncedDirs.push(String(path))
+        return sync()
+      }
+    }
+    return fh
+  }
+  return { ...real, open, default: { ...real, open } }
+})
+
+const g = MODEL_PRESETS.stories260k
+
+function hexOf(n: number): string {
+  return n.toString(16).padStart(64, '0')
+}
+
+function object(hex: string, ns = 0): Uint8Array {
+  const slab = 2 * 4 * g.kvHeads * g.headDim * 2
+  return encodeChunk(
+    {
+      codec: 'raw',
+      codecVersion: 1,
+      codecParams: new Uint8Array(0),
+      geometry: g,
+      tokens: 4,
+      chunkIndex: 0,
+      partial: false,
+      namespaceId: new Uint8Array(16).fill(ns),
+      chainKey: Buffer.from(hex, 'hex'),
+      parentKey: new Uint8Array(32),
+    },
+    Array.from({ length: g.layers }, (_, l) => new Uint8Array(slab).fill(l)),
+  )
+}
+
+const dirs: string[] = []
+function tempDir(): string {
+  const d = mkdtempSync(join(tmpdir(), 'kvgate-l2share-'))
+  dirs.push(d)
+  return d
+}
+afterEach(() => {
+  io.failOpen.clear()
+  io.syncedDirs.length = 0
+  for (const d of dirs.splice(0)) rmSync(d, { recursive: true, force: true })
+})
+
+const ours = (h: { namespaceId: Uint8Array }) => h.namespaceId.every((b) => b === 0)
+
+describe('DiskTier in a shared directory', () => {
+  it("leaves a live writer's fresh temp file alone; removes a dead writer's and a stale one", async () => {
+    const dir = tempDir()
+    mkdirSync(join(dir, '00'))
+    const live = join(dir, '00', `.tmp-${hexOf(1)}-${process.pid}-aaaa`)
+    const old = join(dir, '00', `.tmp-${hexOf(2)}-${process.pid}-bbbb`)
+    const dead = join(dir, '00', `.tmp-${hexOf(3)}-${4_194_000}-cccc`)
+    for (const p of [live, old, dead]) writeFileSync(p, 'partial')
+    const twoHoursAgo = (Date.now() - 2 * 3600_000) / 1000
+    utimesSync(old, twoHoursAgo, twoHoursAgo)
+    const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+    expect(existsSync(live)).toBe(true)
+    expect(existsSync(old)).toBe(false)
+    // 4194000 is above the default pid_max of most hosts: no such process.
+    expect(existsSync(dead)).toBe(false)
+    expect(d.stats().recoveredDiscarded).toBe(2)
+  })
+
+  it("another namespace's files are not indexed, counted against the budget, evicted or deleted", async () => {
+    const dir = tempDir()
+    const mine = object(hexOf(0x10))
+    const theirs = object(hexOf(0x11), 7)
+    mkdirSync(join(dir, '00'))
+    writeFileSync(join(dir, '00', `${hexOf(0x11)}.kvc`), theirs)
+    const d = await DiskTier.open({ dir, bytes: mine.byteLength + 10, owns: ours })
+    expect(d.stats()).toMatchObject({ files: 0, usedBytes: 0, foreignFiles: 1 })
+    expect(d.has(hexOf(0x11))).toBe(false)
+    // The whole budget is ours: a write fits without evicting (or deleting) their file.
+    expect(await d.put(hexOf(0x10), mine)).toBe(true)
+    expect(d.stats()).toMatchObject({ files: 1, usedBytes: mine.byteLength })
+    expect(existsSync(join(dir, '00', `${hexOf(0x11)}.kvc`))).toBe(true)
+  })
+
+  it('an I/O error at start (EIO, EMFILE) is not corruption: the file stays', async () => {
+    const dir = tempDir()
+    const d0 = await DiskTier.open({ dir, bytes: 1 << 20 })
+    await d0.put(hexOf(0x20), object(hexOf(0x20)))
+    const path = d0.pathOf(hexOf(0x20))
+    io.failOpen.set(path, 'EIO')
+    const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+    expect(d.stats()).toMatchObject({ files: 0, recoveredDiscarded: 0, unreadableFiles: 1 })
+    expect(existsSync(path)).toBe(true)
+    io.failOpen.clear()
+    const d2 = await DiskTier.open({ dir, bytes: 1 << 20 })
+    expect(await d2.get(hexOf(0x20))).toBeDefined()
+  })
+
+  it('a read or verify error that is not a format error is a counted miss, and the file stays', async () => {
+    const dir = tempDir()
+    let failVerify = false
+    const d = await DiskTier.open({
+      dir,
+      bytes: 1 << 20,
+      verify: async (b) => {
+        if (failVerify) throw new CodecError('codec pool closed')
+        const { verifyChunk } = await import('../src/core/format.ts')
+        return verifyChunk(b)
+      },
+    })
+    await d.put(hexOf(0x30), object(hexOf(0x30)))
+    const path = d.pathOf(hexOf(0x30))
+    io.failOpen.set(path, 'EMFILE')
+    expect(await d.get(hexOf(0x30))).toBeUndefined()
+    io.failOpen.clear()
+    failVerify = true
+    expect(await d.get(hexOf(0x30))).toBeUndefined()
+    expect(d.counters).toMatchObject({ errors: 2, corrupt: 0 })
+    expect(existsSync(path)).toBe(true)
+    failVerify = false
+    expect(await d.get(hexOf(0x30))).toBeDefined()
+  })
+
+  it('fsyncs the directory after each rename (and the parent of a new fan-out directory)', async () => {
+    const dir = tempDir()
+    const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+    await d.put(hexOf(0x40), object(hexOf(0x40)))
+    const sub = join(dir, '00')
+    expect(io.syncedDirs).toEqual([dir, sub])
+    io.syncedDirs.length = 0
+    await d.put(hexOf(0x41), object(hexOf(0x41)))
+    expect(io.syncedDirs).toEqual([sub])
+  })
+})

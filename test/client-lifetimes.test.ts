@@ -1,0 +1,422 @@
+// Lifetimes and partial failures of the storage manager against the real gateway
+// app: every reservation and pin is settled (counted to zero), a partly fetched
+// chunk is never served, write-behind memory is bounded, lost uploads are retried,
+// and a retrieve keeps its deadline.
+
+import { setFlagsFromString } from 'node:v8'
+import { runInNewContext } from 'node:vm'
+import { afterEach, describe, expect, it } from 'vitest'
+import { CodecPool } from '../src/client/codec-pool.ts'
+import { KVCache } from '../src/client/index.ts'
+import { StorageManager } from '../src/client/storage-manager.ts'
+import { MemoryTier } from '../src/client/tiers/memory.ts'
+import { StoreError } from '../src/core/errors.ts'
+import { decodeHeader } from '../src/core/format.ts'
+import { chainKeys, fromHex, type KeyNamespace, namespaceId } from '../src/core/keys.ts'
+import { chunkBytes, MODEL_PRESETS, type ModelPreset } from '../src/core/layout.ts'
+import { createGateway, MemoryStore } from '../src/gateway/index.ts'
+import { type RunningGateway, serveGateway } from '../src/gateway/node.ts'
+import type { ObjectStore } from '../src/gateway/stores/types.ts'
+
+const T = 16
+const g = MODEL_PRESETS.stories260k
+const CB = chunkBytes(g, T)
+
+function tokens(chunks: number, seed = 1): number[] {
+  return Array.from({ length: chunks * T }, (_, i) => (i * 7 + seed * 131) % 512)
+}
+function kvFor(bytes: number, seed = 3): Uint8Array {
+  return Uint8Array.from({ length: bytes }, (_, i) => ((i * 31 + seed) ^ (i >> 7)) & 255)
+}
+const sum = (m: Uint8Array) => m.reduce((a, b) => a + b, 0)
+
+/** Faults switched on by a test, applied by a wrapper around the gateway's store. */
+interface StoreFaults {
+  /** Range reads of this object name from this byte offset on answer "not found". */
+  failName: string
+  failFrom: number
+  /** Every putIfAbsent fails like S3 503 SlowDown. */
+  failPuts: boolean
+  /** Chunk GETs wait until release() (a gateway hanging on reads). */
+  hangGets: boolean
+  /** Delay of every HEAD (what a lookup asks the store), ms. */
+  headDelayMs: number
+}
+
+interface TestGateway {
+  url: string
+  faults: StoreFaults
+  store: MemoryStore
+  releaseHung(): void
+  close(): Promise<void>
+}
+
+async function startGateway(): Promise<TestGateway> {
+  const faults: StoreFaults = {
+    failName: '',
+    failFrom: Infinity,
+    failPuts: false,
+    hangGets: false,
+    headDelayMs: 0,
+  }
+  const inner = new MemoryStore()
+  const hung: (() => void)[] = []
+  const store = new Proxy(inner, {
+    get(t, p) {
+      if (p === 'get')
+        return async (name: string, o: { range?: { offset?: number } } = {}) => {
+          if (faults.hangGets) await new Promise<void>((r) => hung.push(r))
+          const off = o.range && 'offset' in o.range ? (o.range.offset ?? 0) : 0
+          if (name === faults.failName && off >= faults.failFrom) return undefined
+          return t.get(name, o as never)
+        }
+      if (p === 'head')
+        return async (name: string) => {
+          if (faults.headDelayMs > 0) await sleep(faults.headDelayMs)
+          return t.head(name)
+        }
+      if (p === 'putIfAbsent')
+        return async (n: string, b: ReadableStream<Uint8Array> | Uint8Array, size: number) => {
+          if (faults.failPuts) {
+            if (!(b instanceof Uint8Array)) await b.cancel().catch(() => {})
+            throw new StoreError('S3 503 SlowDown', { status: 503 })
+          }
+          return t.putIfAbsent(n, b, size)
+        }
+      const v = (t as unknown as Record<PropertyKey, unknown>)[p]
+      return typeof v === 'function' ? v.bind(t) : v
+    },
+  }) as ObjectStore
+  const gw: RunningGateway = await serveGateway(createGateway({ store, coalesce: false }), { port: 0 })
+  return {
+    url: gw.url,
+    faults,
+    store: inner,
+    releaseHung: () => {
+      faults.hangGets = false
+      for (const r of hung.splice(0)) r()
+    },
+    close: async () => {
+      for (const r of hung.splice(0)) r()
+      await gw.close(100)
+    },
+  }
+}
+
+const cleanup: (() => Promise<void>)[] = []
+afterEach(async () => {
+  for (const f of cleanup.splice(0).reverse()) await f()
+})
+
+async function open(opts: Record<string, unknown> = {}): Promise<KVCache> {
+  const c = await KVCache.open({
+    model: 'stories260k',
+    chunkTokens: T,
+    native: false,
+    codecWorkers: 0,
+    memory: { bytes: 64 * CB },
+    ...opts,
+  } as never)
+  cleanup.push(() => c.close(100))
+  return c
+}
+
+async function gateway(): Promise<TestGateway> {
+  const gw = await startGateway()
+  cleanup.push(() => gw.close())
+  return gw
+}
+
+/** L4 options; a generous lookup deadline, as this shared test machine is slow at times. */
+function remote(gw: TestGateway, extra: Record<string, unknown> = {}) {
+  return { url: gw.url, codec: 'raw' as const, lookupTimeoutMs: 10_000, ...extra }
+}
+
+/** Nothing reserved or pinned: every lifetime was settled. */
+function expectSettled(c: KVCache): void {
+  const m = c.stats().memory
+  expect({ reservations: m.liveReservations, pins: m.livePins }).toEqual({ reservations: 0, pins: 0 })
+}
+
+/** Fails chunk 0's range reads from layer 2 on (its later layer groups), as a flaky or expired read would. */
+async function failLaterLayers(gw: TestGateway, c: KVCache, toks: number[]): Promise<void> {
+  const hex = c.keys(toks)[0]!.hex
+  const obj = await gw.store.get(`kvgate/default/${hex.slice(0, 2)}/${hex}`)
+  expect(obj).toBeDefined()
+  const bytes = new Uint8Array(await new Response(obj!.body).arrayBuffer())
+  gw.faults.failName = `kvgate/default/${hex.slice(0, 2)}/${hex}`
+  gw.faults.failFrom = decodeHeader(bytes).sections[2]!.offset
+}
+
+describe('retrieveLayers partial failure', () => {
+  it('commits no partly fetched chunk to L1; the last batch says which tokens are valid', async () => {
+    const gw = await gateway()
+    const N = 4
+    const toks = tokens(N)
+    const kv = kvFor(N * CB)
+    const a = await open({ remote: remote(gw) })
+    await a.store(toks, kv)
+    await a.flush()
+    const b = await open({ remote: remote(gw), layersPerRequest: 2 })
+    await failLaterLayers(gw, b, toks)
+    const batches: { layer: number; chunks: number; tokens: number }[] = []
+    for await (const x of b.retrieveLayers(toks))
+      batches.push({ layer: x.layer, chunks: x.chunks, tokens: x.tokens })
+    // Chunk 0 loses layers 2..4, so from layer 2 no chunk is a valid prefix: the last batch serves 0 tokens.
+    expect(batches.map((x) => x.chunks)).toEqual([4, 4, 0, 0, 0])
+    expect(batches.at(-1)!.tokens).toBe(0)
+    expect(batches[0]!.tokens).toBe(N * T)
+    // None of the chunks whose later layers never arrived was made resident.
+    expect(b.stats().memory.residentChunks).toBe(0)
+    expectSettled(b)
+    // A later retrieve serves exactly what was stored, or a miss: never wrong bytes.
+    gw.faults.failFrom = Infinity
+    const into = new Uint8Array(N * CB)
+    const mask = await b.retrieve(toks, { into })
+    expect(sum(mask)).toBe(N * T)
+    expect(Buffer.compare(into, kv)).toBe(0)
+    expectSettled(b)
+  })
+
+  it('a caller that stops early leaves nothing reserved or pinned, and complete chunks only in L1', async () => {
+    const gw = await gateway()
+    const toks = tokens(3, 5)
+    const a = await open({ remote: remote(gw) })
+    await a.store(toks, kvFor(3 * CB, 5))
+    await a.flush()
+    const b = await open({ remote: remote(gw) })
+    for await (const x of b.retrieveLayers(toks)) if (x.layer === 1) break
+    expectSettled(b)
+    expect(b.stats().memory.residentChunks).toBe(0)
+  })
+})
+
+describe('store lifetimes', () => {
+  it('a fill that fails part-way releases every pin and reservation it took', async () => {
+    const memory = await MemoryTier.create({ bytes: 8 * CB, chunkBytes: CB })
+    const ns: KeyNamespace = { modelId: g.modelId, geometry: g, chunkTokens: T, scheme: 'sha256-v1' }
+    const m = new StorageManager({
+      geometry: g,
+      chunkTokens: T,
+      namespaceId: fromHex(namespaceId(ns)),
+      memory,
+      codec: new CodecPool(0),
+    })
+    const keys = chainKeys(tokens(4), ns)
+    for (let round = 0; round < 20; round++) {
+      await expect(
+        m.store(keys, (i, dst) => {
+          if (i === 2) throw new Error('copy failed')
+          dst.fill(i)
+        }),
+      ).rejects.toThrow('copy failed')
+      expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+    }
+    // The chunks that were filled are resident and evictable: clearing frees every slot.
+    memory.clear()
+    expect(memory.stats().freeSlots).toBe(memory.stats().slots)
+  })
+
+  it('a store larger than L1 leaves L1 holding the leading chunks that fit', async () => {
+    const c = await open({ memory: { bytes: 4 * (CB + 4096) } }) // 4 slots (a slot has room for a header)
+    const toks = tokens(8)
+    const kv = kvFor(8 * CB)
+    const r = await c.store(toks, kv)
+    expect(r).toEqual({ chunks: 8, stored: 4, present: 0, skipped: 4 })
+    expect(c.stats().memory.residentChunks).toBe(4)
+    expect((await c.lookup(toks)).tokens).toBe(4 * T)
+    const into = new Uint8Array(8 * CB)
+    expect(sum(await c.retrieve(toks, { into }))).toBe(4 * T)
+    expect(Buffer.compare(into.subarray(0, 4 * CB), kv.subarray(0, 4 * CB))).toBe(0)
+    expectSettled(c)
+  })
+
+  it('an L4 upload lost to a gateway fault is retried by a later store of the same chunks', async () => {
+    const gw = await gateway()
+    const c = await open({ remote: remote(gw, { breakerCooldownMs: 50 }) })
+    const toks = tokens(4)
+    gw.faults.failPuts = true
+    await c.store(toks, kvFor(4 * CB))
+    await c.flush()
+    expect((await gw.store.stats()).objects).toBe(0)
+    gw.faults.failPuts = false
+    // Wait for the breaker's probe to close it again.
+    for (let i = 0; i < 100 && c.stats().remote!.breaker !== 'closed'; i++) await sleep(20)
+    const r = await c.store(toks, kvFor(4 * CB))
+    expect(r.present).toBe(4) // L1 holds them: the L4 decision must not follow L1
+    await c.flush()
+    expect((await gw.store.stats()).objects).toBe(4)
+    expectSettled(c)
+  })
+})
+
+describe('write-behind memory', () => {
+  const big: ModelPreset = { modelId: 'wb-probe', layers: 8, kvHeads: 8, headDim: 128, dtype: 'fp16' }
+  const bigCB = chunkBytes(big, T) // 512 KiB
+
+  it('holds at most its byte budget and encodes a few chunks at a time; the rest is shed and counted', async () => {
+    const memory = await MemoryTier.create({ bytes: 33 * bigCB, chunkBytes: bigCB })
+    const ns: KeyNamespace = { modelId: big.modelId, geometry: big, chunkTokens: T, scheme: 'sha256-v1' }
+    const codec = new CodecPool(0)
+    let encoding = 0
+    let maxEncoding = 0
+    const encode = codec.encode.bind(codec)
+    codec.encode = async (...args) => {
+      maxEncoding = Math.max(maxEncoding, ++encoding)
+      try {
+        return await encode(...args)
+      } finally {
+        encoding--
+      }
+    }
+    const { mkdtempSync, rmSync } = await import('node:fs')
+    const dir = mkdtempSync('/tmp/kvgate-wb-')
+    cleanup.push(async () => rmSync(dir, { recursive: true, force: true }))
+    const { DiskTier } = await import('../src/client/tiers/disk.ts')
+    const disk = await DiskTier.open({ dir, bytes: 1 << 30 })
+    const m = new StorageManager({
+      geometry: big,
+      chunkTokens: T,
+      namespaceId: fromHex(namespaceId(ns)),
+      memory,
+      disk,
+      codec,
+      writeBehindBytes: 8 * bigCB,
+    })
+    const keys = chainKeys(
+      Array.from({ length: 32 * T }, (_, i) => i % 1000),
+      ns,
+    )
+    let peakHeld = 0
+    const timer = setInterval(() => {
+      peakHeld = Math.max(peakHeld, m.writeBehindStats().heldBytes)
+    }, 1)
+    const r = await m.store(keys, (i, dst) => void dst.fill(i))
+    peakHeld = Math.max(peakHeld, m.writeBehindStats().heldBytes)
+    await m.flush()
+    clearInterval(timer)
+    expect(r.stored).toBe(32)
+    expect(peakHeld).toBeLessThanOrEqual(8 * bigCB)
+    expect(maxEncoding).toBeLessThanOrEqual(2)
+    const s = m.writeBehindStats()
+    expect(s.shedWrites).toBe(24)
+    expect(s.heldBytes).toBe(0)
+    expect(disk.stats().files).toBe(8)
+    expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+    // A later store of the same chunks writes what was shed (the L2 decision follows L2).
+    await m.store(keys.slice(8, 16), (i, dst) => void dst.fill(i + 8))
+    await m.flush()
+    expect(disk.stats().files).toBe(16)
+  })
+})
+
+describe('retrieve deadline', () => {
+  it('past its deadline a retrieve serves what it has; the rest is a miss and nothing stays held', async () => {
+    const gw = await gateway()
+    const toks = tokens(4, 9)
+    const kv = kvFor(4 * CB, 9)
+    const a = await open({ remote: remote(gw) })
+    await a.store(toks, kv)
+    await a.flush()
+    const b = await open({ remote: remote(gw, { timeoutMs: 60_000, retries: 0 }) })
+    // Chunk 0 in L1 already; the gateway then hangs on every chunk GET.
+    await b.store(toks.slice(0, T), kv.subarray(0, CB))
+    gw.faults.hangGets = true
+    const into = new Uint8Array(4 * CB)
+    const mask = await b.retrieve(toks, { into, deadlineMs: 300 })
+    expect(sum(mask)).toBe(T)
+    expect(Buffer.compare(into.subarray(0, CB), kv.subarray(0, CB))).toBe(0)
+    expect(into.subarray(CB).every((x) => x === 0)).toBe(true)
+    expect(b.stats().retrieveTimeouts).toBe(1)
+    expect(b.metrics()).toMatch(/kvgate_client_retrieve_timeouts_total 1/)
+    // The late chunks arrive after the deadline: promoted intact or dropped, never written to `into`.
+    gw.releaseHung()
+    for (let i = 0; i < 200 && b.stats().memory.liveReservations > 0; i++) await sleep(10)
+    expectSettled(b)
+    expect(into.subarray(CB).every((x) => x === 0)).toBe(true)
+    // A gateway lookup slower than the deadline still leaves the L1 prefix served.
+    const c = await open({ remote: remote(gw) })
+    const other = tokens(4, 13) // chunks 1..3 stored nowhere: the lookup must ask the store (HEADs)
+    await c.store(other.slice(0, T), kv.subarray(0, CB))
+    await c.flush()
+    gw.faults.headDelayMs = 1000
+    expect(sum(await c.retrieve(other, { into: new Uint8Array(4 * CB), deadlineMs: 200 }))).toBe(T)
+    expect(c.stats().retrieveTimeouts).toBe(1)
+    gw.faults.headDelayMs = 0
+    await expect(b.retrieve(toks, { into, deadlineMs: 0 })).rejects.toThrow(/deadlineMs/)
+    await expect(open({ retrieveDeadlineMs: -1 })).rejects.toThrow(/retrieveDeadlineMs/)
+  })
+})
+
+describe('close with operations in flight', () => {
+  it('fails them with ERR_CLOSED, not a TypeError from freed memory', async () => {
+    const gw = await gateway()
+    const toks = tokens(3, 11)
+    const a = await open({ remote: remote(gw) })
+    await a.store(toks, kvFor(3 * CB, 11))
+    await a.flush()
+    const b = await KVCache.open({
+      model: 'stories260k',
+      chunkTokens: T,
+      native: false,
+      codecWorkers: 0,
+      memory: { bytes: 64 * CB },
+      remote: remote(gw),
+    })
+    gw.faults.hangGets = true
+    const pending = b.retrieve(toks, { into: new Uint8Array(3 * CB), deadlineMs: 60_000 })
+    const prefetching = b.prefetch(toks)
+    await sleep(100)
+    const closing = b.close(100)
+    // They stop at close(), although the gateway still hangs.
+    await expect(pending).rejects.toMatchObject({ code: 'ERR_CLOSED' })
+    await expect(prefetching).rejects.toMatchObject({ code: 'ERR_CLOSED' })
+    gw.releaseHung()
+    await closing
+    await expect(b.store(toks, kvFor(3 * CB))).rejects.toMatchObject({ code: 'ERR_CLOSED' })
+  })
+})
+
+describe('memory under faults', () => {
+  it('many failed layer reads and fills leave heap, RSS and pins at their baseline', async () => {
+    setFlagsFromString('--expose-gc')
+    const gc = runInNewContext('gc') as () => void
+    const big: ModelPreset = { modelId: 'mem-probe', layers: 8, kvHeads: 8, headDim: 128, dtype: 'fp16' }
+    const bigCB = chunkBytes(big, T) // 512 KiB
+    const gw = await gateway()
+    const N = 8
+    const toks = tokens(N, 21)
+    const kv = kvFor(N * bigCB, 21)
+    const base = { model: big, chunkTokens: T, native: false, codecWorkers: 0, memory: { bytes: 4 * bigCB } }
+    const a = await open({
+      ...base,
+      memory: { bytes: (N + 1) * bigCB },
+      remote: remote(gw),
+    })
+    await a.store(toks, kv)
+    await a.flush()
+    const b = await open({ ...base, remote: remote(gw), layersPerRequest: 2 })
+    await failLaterLayers(gw, b, toks)
+    const used = () => {
+      gc()
+      const m = process.memoryUsage()
+      return { heap: m.heapUsed + m.arrayBuffers, rss: m.rss }
+    }
+    const round = async () => {
+      for await (const x of b.retrieveLayers(toks)) void x
+    }
+    for (let i = 0; i < 3; i++) await round() // warm up pools, JIT, sockets
+    const before = used()
+    for (let i = 0; i < 30; i++) await round() // 30 × 8 chunks × 512 KiB = 120 MiB if anything leaked
+    const after = used()
+    expect(after.heap - before.heap).toBeLessThan(24 * 2 ** 20)
+    expect(after.rss - before.rss).toBeLessThan(64 * 2 ** 20)
+    expectSettled(b)
+    expect(b.stats().memory.residentChunks).toBe(0)
+    expect(b.stats().remote!.misses).toBeGreaterThan(0)
+  })
+})
+
+function sleep(ms: number): Promise<void> {
+  return new Promise((r) => setTimeout(r, ms))
+}
