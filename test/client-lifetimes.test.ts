@@ -35,6 +35,8 @@ interface StoreFaults {
   /** Range reads of this object name from this byte offset on answer "not found". */
   failName: string
   failFrom: number
+  /** Failed reads answer 404 (the object vanished) instead of 503. */
+  failAs404: boolean
   /** Every putIfAbsent fails like S3 503 SlowDown. */
   failPuts: boolean
   /** Chunk GETs wait until release() (a gateway hanging on reads). */
@@ -55,6 +57,7 @@ async function startGateway(): Promise<TestGateway> {
   const faults: StoreFaults = {
     failName: '',
     failFrom: Infinity,
+    failAs404: false,
     failPuts: false,
     hangGets: false,
     headDelayMs: 0,
@@ -67,7 +70,12 @@ async function startGateway(): Promise<TestGateway> {
         return async (name: string, o: { range?: { offset?: number } } = {}) => {
           if (faults.hangGets) await new Promise<void>((r) => hung.push(r))
           const off = o.range && 'offset' in o.range ? (o.range.offset ?? 0) : 0
-          if (name === faults.failName && off >= faults.failFrom) return undefined
+          // A transient store failure (503): a 404 would rightly make the gateway and the
+          // client forget the chain for the presence TTL, which is not what these tests probe.
+          if (name === faults.failName && off >= faults.failFrom) {
+            if (faults.failAs404) return undefined
+            throw new StoreError('S3 503 SlowDown', { status: 503 })
+          }
           return t.get(name, o as never)
         }
       if (p === 'head')
@@ -175,6 +183,33 @@ describe('retrieveLayers partial failure', () => {
     const mask = await b.retrieve(toks, { into })
     expect(sum(mask)).toBe(N * T)
     expect(Buffer.compare(into, kv)).toBe(0)
+    expectSettled(b)
+  })
+
+  it('after a 404 mid-layers (object deleted behind the gateway) serves exact bytes or a miss, never a mix', async () => {
+    const gw = await gateway()
+    const N = 4
+    const toks = tokens(N)
+    const kv = kvFor(N * CB)
+    const a = await open({ remote: remote(gw) })
+    await a.store(toks, kv)
+    await a.flush()
+    const b = await open({ remote: remote(gw), layersPerRequest: 2 })
+    await failLaterLayers(gw, b, toks)
+    gw.faults.failAs404 = true
+    let last = -1
+    for await (const x of b.retrieveLayers(toks)) last = x.tokens
+    expect(last).toBe(0)
+    expect(b.stats().memory.residentChunks).toBe(0)
+    expectSettled(b)
+    gw.faults.failFrom = Infinity
+    const into = new Uint8Array(N * CB)
+    const mask = await b.retrieve(toks, { into })
+    const served = sum(mask)
+    // Healing may hold the chain as absent for the presence TTL: a miss is right, wrong bytes never.
+    expect(served % T).toBe(0)
+    expect(Buffer.compare(into.subarray(0, (served / T) * CB), kv.subarray(0, (served / T) * CB))).toBe(0)
+    expect(into.subarray((served / T) * CB).every((x) => x === 0)).toBe(true)
     expectSettled(b)
   })
 
