@@ -28,8 +28,14 @@ import {
   DEFAULT_QUALITY,
   encodeParams,
   layerTargets,
+  splitOfParams,
 } from './params.ts'
-import { decodeCachegenLayer, encodeCachegenLayer } from './reference-cachegen.ts'
+import {
+  type CachegenSplit,
+  decodeCachegenLayer,
+  encodeCachegenLayer,
+  lmcacheSplit,
+} from './reference-cachegen.ts'
 import { wasmCodec } from './runtime.ts'
 import { MAX_WASM_SLAB_BYTES } from './wasm-instance.ts'
 
@@ -39,6 +45,8 @@ export interface EncodeOptions {
   mode: CodecMode
   /** kvgate only: 1 (smallest) .. 9 (closest); default DEFAULT_QUALITY. */
   quality?: number
+  /** reference-cachegen only: its 32-bin layers; default as LMCache sets it for the layer count. */
+  cachegenSplit?: CachegenSplit
 }
 
 export interface DecodeLimits {
@@ -83,13 +91,22 @@ export function encodeChunk(tensor: Uint8Array, meta: ChunkInfo, opts: EncodeOpt
   }
   const slab = layerSlabBytes(g, t)
   const c = rowElements(g)
+  const split = opts.cachegenSplit ?? lmcacheSplit(g.layers)
+  if (![split.k, split.v].every((x) => Number.isInteger(x) && x >= 0 && x <= 255)) {
+    throw new InvalidArgumentError('cachegenSplit layers must be integers in 0..255')
+  }
   const sections: Uint8Array[] = []
   for (let l = 0; l < g.layers; l++) {
     const s = tensor.subarray(l * slab, (l + 1) * slab)
-    sections.push(encodeSection(mode, quality, s, g, t, c, l))
+    sections.push(encodeSection(mode, quality, s, g, t, c, l, split))
   }
   return encodeChunkObject(
-    { ...meta, codec: mode, codecVersion: CODEC_VERSIONS[mode], codecParams: encodeParams(mode, quality) },
+    {
+      ...meta,
+      codec: mode,
+      codecVersion: CODEC_VERSIONS[mode],
+      codecParams: encodeParams(mode, quality, split),
+    },
     sections,
   )
 }
@@ -102,13 +119,14 @@ function encodeSection(
   t: number,
   c: number,
   layer: number,
+  split: CachegenSplit,
 ): Uint8Array {
   switch (mode) {
     case 'raw':
       return slab
     case 'reference-cachegen': {
       const x = decodeElements(slab, g.dtype)
-      return encodeCachegenLayer(x.subarray(0, t * c), x.subarray(t * c), t, c, layer)
+      return encodeCachegenLayer(x.subarray(0, t * c), x.subarray(t * c), t, c, layer, split)
     }
     case 'kvgate':
       return wasmCodec().encodeSection(
@@ -180,7 +198,7 @@ export function decodeSection(
     case 'reference-cachegen': {
       const k = new Float32Array(t * c)
       const v = new Float32Array(t * c)
-      decodeCachegenLayer(section, t, c, layer, k, v)
+      decodeCachegenLayer(section, t, c, layer, k, v, splitOfParams(header.codecParams))
       const half = slab / 2
       encodeElements(k, g.dtype, dst.subarray(0, half))
       encodeElements(v, g.dtype, dst.subarray(half))

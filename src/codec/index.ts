@@ -20,4 +20,5 @@ export {
   MAX_QUALITY,
   MIN_QUALITY,
 } from './params.ts'
+export { type CachegenSplit, LARGE_MODEL_SPLIT, lmcacheSplit } from './reference-cachegen.ts'
 export { initCodec, isCodecReady } from './runtime.ts'

@@ -4,6 +4,7 @@
 import { CodecError } from '../core/errors.ts'
 import type { CodecId } from '../core/format.ts'
 import { CODEC_PARAMS_BYTES } from '../core/format.ts'
+import { type CachegenSplit, LARGE_MODEL_SPLIT } from './reference-cachegen.ts'
 import { WASM_CODEC_VERSION } from './wasm-instance.ts'
 
 export type CodecMode = CodecId
@@ -71,16 +72,22 @@ export function checkQuality(q: unknown): number {
   return q
 }
 
-/** The 16 codecParams bytes a chunk of `mode` carries. */
-export function encodeParams(mode: CodecMode, quality: number): Uint8Array {
+/** The 16 codecParams bytes a chunk of `mode` carries (`split`: reference-cachegen's 32-bin layers). */
+export function encodeParams(mode: CodecMode, quality: number, split?: CachegenSplit): Uint8Array {
   const p = new Uint8Array(CODEC_PARAMS_BYTES)
   if (mode === 'kvgate') p[0] = quality
   if (mode === 'reference-cachegen') {
-    // LMCache's split points: K 32 bins below layer 10, V 32 bins below layer 2.
-    p[0] = 10
-    p[1] = 2
+    // Layers below p[0] (K) / p[1] (V) use 32 bins, the rest 16 (LMCache's split).
+    const s = split ?? LARGE_MODEL_SPLIT
+    p[0] = s.k
+    p[1] = s.v
   }
   return p
+}
+
+/** reference-cachegen's split as a header names it. */
+export function splitOfParams(params: Uint8Array): CachegenSplit {
+  return { k: params[0] ?? 0, v: params[1] ?? 0 }
 }
 
 /** Validates a header's codec version + params; throws ERR_CODEC_MISMATCH. */
@@ -90,7 +97,11 @@ export function checkHeaderCodec(mode: CodecMode, version: number, params: Uint8
   }
   if (version !== CODEC_VERSIONS[mode])
     mismatch(`version ${version}, this build decodes ${CODEC_VERSIONS[mode]}`)
-  const expected = encodeParams(mode, mode === 'kvgate' ? (params[0] ?? 0) : 0)
+  const expected = encodeParams(
+    mode,
+    mode === 'kvgate' ? (params[0] ?? 0) : 0,
+    mode === 'reference-cachegen' ? splitOfParams(params) : undefined,
+  )
   if (mode === 'kvgate' && !((params[0] ?? 0) >= MIN_QUALITY && (params[0] ?? 0) <= MAX_QUALITY)) {
     mismatch(`quality ${params[0]} is unknown`)
   }
