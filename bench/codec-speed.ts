@@ -1,7 +1,8 @@
 // Speed profile of the wasm kvgate codec on one Llama-3.1-8B-shaped 32 MiB chunk
 // (fp16, level q5): the chunk API, plus an interleaved A/B of raw wasm builds
-// (KVGATE_WASM_BASE=<old .wasm> against the committed one) so a noisy shared
-// machine hits both sides alike. Raw figures include the copies the API makes.
+// (KVGATE_WASM_BASE=<old .wasm> against the committed one; KVGATE_WASM_BASE_LEVELS=12:16 for
+// a build from before error targets) so a noisy shared machine hits both sides alike.
+// Raw figures include the copies the API makes.
 
 import { readFileSync } from 'node:fs'
 import { decodeChunkInto, encodeChunk, layerTargets } from '../src/codec/node.ts'
@@ -49,9 +50,10 @@ function timed(s: Sample, fn: () => void): void {
 /**
  * One raw wasm build: encode copies each layer slab in and the section out;
  * decode copies the section in and the slab out (what src/codec's wrapper does).
- * `perTokenV`: the build predates one-step V (it takes levelsV > 0, per-token steps).
+ * `levels` ("K:V", e.g. 12:16 for the old q5): the build predates error targets and takes
+ * per-channel K levels and one-step V levels instead (`perTokenV`: per-token V steps).
  */
-function rawBuild(path: string | URL, perTokenV: boolean) {
+function rawBuild(path: string | URL, perTokenV: boolean, levels?: string) {
   const e = new WebAssembly.Instance(new WebAssembly.Module(readFileSync(path)), {}).exports as Record<
     string,
     (...a: number[]) => number
@@ -63,17 +65,11 @@ function rawBuild(path: string | URL, perTokenV: boolean) {
   const encode = () => {
     sections.length = 0
     for (let l = 0; l < g.layers; l++) {
-      const { kLevels, vLevels } = layerTargets(QUALITY, l, g.layers)
-      new Float32Array(e.memory.buffer, par, 8).set([
-        0,
-        0,
-        0,
-        0,
-        1,
-        8,
-        kLevels,
-        perTokenV ? vLevels : -vLevels,
-      ])
+      const { kError, vError } = layerTargets(QUALITY, l, g.layers)
+      const [kl, vl] = (levels ?? '0:0').split(':').map(Number) as [number, number]
+      new Float32Array(e.memory.buffer, par, 8).set(
+        levels ? [0, 0, 0, 0, 1, 8, kl, perTokenV ? vl : -vl] : [-kError, vError, 0, 0, 1, 8, 0, 0],
+      )
       new Uint8Array(e.memory.buffer, src, slab).set(tensor.subarray(l * slab, (l + 1) * slab))
       const n = e.kv_encode!(2, src, 1, T, c, par)
       if (n < 0) throw new Error(`encode ${n}`)
@@ -97,7 +93,11 @@ const builds: [string, ReturnType<typeof rawBuild>][] = []
 if (process.env.KVGATE_WASM_BASE) {
   builds.push([
     'base',
-    rawBuild(process.env.KVGATE_WASM_BASE, process.env.KVGATE_WASM_BASE_PER_TOKEN_V === '1'),
+    rawBuild(
+      process.env.KVGATE_WASM_BASE,
+      process.env.KVGATE_WASM_BASE_PER_TOKEN_V === '1',
+      process.env.KVGATE_WASM_BASE_LEVELS,
+    ),
   ])
 }
 builds.push(['current', rawBuild(new URL('../wasm/kvgate_codec.wasm', import.meta.url), false)])

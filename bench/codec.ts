@@ -14,6 +14,7 @@ import {
   decodeChunkInto,
   encodeChunk,
   LARGE_MODEL_SPLIT,
+  type LayerTargets,
   lmcacheSplit,
 } from '../src/codec/node.ts'
 import { decodeElements, encodeElements } from '../src/core/dtype.ts'
@@ -27,6 +28,7 @@ import {
   prepareWindows,
   protocolWindows,
   type RoundTripInfo,
+  roundTripCache,
   runProtocol,
   syntheticKv,
 } from '../src/model/index.ts'
@@ -43,6 +45,7 @@ interface Config {
   mode: CodecMode
   quality?: number
   split?: CachegenSplit
+  targets?: LayerTargets
 }
 
 const REF_LABEL = 'reference-cachegen'
@@ -93,7 +96,35 @@ function meta(g: KvGeometry, tokens: number, chunkIndex: number) {
   }
 }
 
-const encodeOpts = (c: Config) => ({ mode: c.mode, quality: c.quality, cachegenSplit: c.split })
+const encodeOpts = (c: Config) => ({
+  mode: c.mode,
+  quality: c.quality,
+  cachegenSplit: c.split,
+  errorTargets: c.targets,
+})
+const MATCHED_LABEL = 'kvgate at reference error'
+
+interface Storage {
+  bytes: number
+  kErr: number
+  vErr: number
+}
+
+/**
+ * kvgate's error targets at which its per-layer-average K and V errors are just ≤ the
+ * reference's: a bisection in log space per stream (K and V are coded independently).
+ */
+function matchTargets(storage: (t: LayerTargets) => Storage, refK: number, refV: number): LayerTargets {
+  let k = [1e-4, 4]
+  let v = [1e-4, 4]
+  for (let i = 0; i < 14; i++) {
+    const t = { kError: Math.sqrt(k[0]! * k[1]!), vError: Math.sqrt(v[0]! * v[1]!) }
+    const s = storage(t)
+    k = s.kErr <= refK ? [t.kError, k[1]!] : [k[0]!, t.kError]
+    v = s.vErr <= refV ? [t.vError, v[1]!] : [v[0]!, t.vError]
+  }
+  return { kError: k[0]!, vError: v[0]! }
+}
 
 function roundTrip(c: Config) {
   return (t: Uint8Array, info: RoundTripInfo) => {
@@ -139,9 +170,30 @@ if (data.paths) {
   console.error(
     `real model: ${WINDOWS} windows of ${seqLen} tokens (context ${seqLen}), prefixes ${PREFIXES.join(' and ')}, agreement and perplexity at positions prefix..${seqLen - 1}; chunks ${CHUNKS.join(' and ')} tokens (fp16 KV)`,
   )
+  const storage = (c: Config, chunkTokens: number): Storage => {
+    const pairs: { exact: Uint8Array; decoded: Uint8Array }[] = []
+    let bytes = 0
+    for (const w of windows) {
+      const rt = roundTripCache(w.cache, roundTrip(c), { chunkTokens, dtype: 'fp16' })
+      bytes += rt.encodedBytes!
+      rt.exact.forEach((e, i) => {
+        pairs.push({ exact: e, decoded: rt.roundTripped[i]! })
+      })
+    }
+    const e = kvRelativeError(windows[0]!.cache.geometry('fp16'), pairs)
+    const avg = (xs: number[]) => xs.reduce((a, x) => a + x, 0) / xs.length
+    return { bytes, kErr: avg(e.k), vErr: avg(e.v) }
+  }
   for (const chunk of CHUNKS) {
     for (const c of CONFIGS) rows.push(evalConfig(c, chunk))
     rows.push(evalConfig({ label: REF_OTHER_LABEL, mode: 'reference-cachegen', split: other }, chunk))
+    const ref = rows.at(-2)!
+    const targets = matchTargets(
+      (t) => storage({ label: MATCHED_LABEL, mode: 'kvgate', targets: t }, chunk),
+      ref.kErr,
+      ref.vErr,
+    )
+    rows.push(evalConfig({ label: MATCHED_LABEL, mode: 'kvgate', targets }, chunk))
     for (const q of LEVELS) {
       if (q !== DEFAULT_QUALITY)
         rows.push(evalConfig({ label: `kvgate q${q}`, mode: 'kvgate', quality: q }, chunk))
@@ -209,9 +261,25 @@ function speed(c: Config, g: KvGeometry, tensor: Uint8Array, repeats: number): S
 const speedBf16: Record<string, Speed> = {}
 const speedFp16: Record<string, Speed> = {}
 // The 8B shape has 32 layers: LMCache's split is K 32 bins in layers 0–9, V in 0–1; the other is all 32.
+const synthStorage = (c: Config): Storage => {
+  const obj = encodeChunk(tensor8, meta(g8, T, 0), encodeOpts(c))
+  const e = kvRelativeError(g8, [{ exact: tensor8, decoded: decodeChunk(obj) }])
+  const avg = (xs: number[]) => xs.reduce((a, x) => a + x, 0) / xs.length
+  return { bytes: obj.byteLength, kErr: avg(e.k), vErr: avg(e.v) }
+}
+const synthRef = synthStorage({ label: REF_LABEL, mode: 'reference-cachegen' })
 const synthConfigs: Config[] = [
   ...CONFIGS,
   { label: REF_OTHER_LABEL, mode: 'reference-cachegen', split: { k: 32, v: 32 } },
+  {
+    label: MATCHED_LABEL,
+    mode: 'kvgate',
+    targets: matchTargets(
+      (t) => synthStorage({ label: MATCHED_LABEL, mode: 'kvgate', targets: t }),
+      synthRef.kErr,
+      synthRef.vErr,
+    ),
+  },
   ...LEVELS.filter((q) => q !== DEFAULT_QUALITY).map((q) => ({
     label: `kvgate q${q}`,
     mode: 'kvgate' as const,
@@ -222,7 +290,7 @@ for (const c of synthConfigs) {
   const obj = encodeChunk(tensor8, meta(g8, T, 0), encodeOpts(c))
   const dec = decodeChunk(obj)
   const e = kvRelativeError(g8, [{ exact: tensor8, decoded: dec }])
-  const isSweep = c.label.startsWith('kvgate q') || c.label === REF_OTHER_LABEL
+  const isSweep = c.label.startsWith('kvgate q') || c.label === REF_OTHER_LABEL || c.label === MATCHED_LABEL
   const reps = c.mode === 'reference-cachegen' ? (isSweep ? 0 : 1) : isSweep ? 0 : REPEATS
   const sp = reps > 0 ? speed(c, g8f16, tensor8f16, reps) : undefined
   if (sp) speedFp16[c.label] = sp
@@ -341,24 +409,25 @@ for (const g of groups) {
       target: `≥ ${target}×`,
       met: (best?.ratio ?? 0) >= target,
     })
-  } else {
+  }
+  const atRef = inGroup(g).find((r) => r.label === MATCHED_LABEL && r.kErr <= ref.kErr && r.vErr <= ref.vErr)
+  if (g.dataset !== 'stories260K') {
     bars.push({
-      bar: `kvgate default q${DEFAULT_QUALITY} ratio vs fp16 at per-layer K and V error ≤ reference's (${name})`,
-      figure: def.ratio,
+      bar: `kvgate ratio vs fp16 at per-layer K and V error ≤ reference's (${name})`,
+      figure: atRef?.ratio ?? 0,
       unit: '× fp16',
       baseline: ref.ratio,
-      baselineLabel: `reference-cachegen ratio (K ${ref.kErr.toFixed(4)}, V ${ref.vErr.toFixed(4)}); default K ${def.kErr.toFixed(4)}, V ${def.vErr.toFixed(4)}`,
+      baselineLabel: `reference-cachegen ratio (K ${ref.kErr.toFixed(4)}, V ${ref.vErr.toFixed(4)}); kvgate at matched error targets; default q${DEFAULT_QUALITY}: ${def.ratio.toFixed(2)}× (K ${def.kErr.toFixed(4)}, V ${def.vErr.toFixed(4)})`,
       target: '≥ 8× with K and V error ≤ reference',
-      met: def.ratio >= 8 && def.kErr <= ref.kErr && def.vErr <= ref.vErr,
+      met: (atRef?.ratio ?? 0) >= 8,
     })
   }
-  const atRef = kvRows(g).find((r) => r.kErr <= ref.kErr && r.vErr <= ref.vErr)
   bars.push({
     bar: `kvgate bytes vs reference-cachegen at ≤ its per-layer K and V error (${name})`,
     figure: atRef ? atRef.bytes / ref.bytes : Number.POSITIVE_INFINITY,
     unit: '× reference bytes',
     baseline: ref.ratio,
-    baselineLabel: `reference-cachegen ratio vs fp16 (K ${ref.kErr.toFixed(4)}, V ${ref.vErr.toFixed(4)}); smallest level at ≤ both: ${atRef ? `q${atRef.quality} (K ${atRef.kErr.toFixed(4)}, V ${atRef.vErr.toFixed(4)})` : 'none'}`,
+    baselineLabel: `reference-cachegen ratio vs fp16 (K ${ref.kErr.toFixed(4)}, V ${ref.vErr.toFixed(4)}); kvgate at matched error targets: ${atRef ? `K ${atRef.kErr.toFixed(4)}, V ${atRef.vErr.toFixed(4)}` : 'none'}`,
     ratio: atRef ? atRef.bytes / ref.bytes : undefined,
     target: '≤ 0.75×',
     met: atRef !== undefined && atRef.bytes <= 0.75 * ref.bytes,

@@ -16,6 +16,8 @@ export {
   CODEC_VERSIONS,
   type CodecMode,
   DEFAULT_QUALITY,
+  type LayerTargets,
+  LOGIT_SPREAD,
   layerTargets,
   MAX_QUALITY,
   MIN_QUALITY,

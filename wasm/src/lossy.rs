@@ -25,7 +25,7 @@ const F_TOKSCALE: u8 = 2;
 const F_MODES: u8 = 4;
 
 pub struct StreamParams {
-    /// Target relative RMS error of this stream.
+    /// Target relative RMS error of this stream (< 0: relative to the channel-centred RMS).
     pub eps: f32,
     /// Per-channel step exponent (0 = one step for all channels).
     pub gamma_c: f32,
@@ -94,6 +94,18 @@ pub fn encode_stream(x: &mut [f32], t: usize, c: usize, p: &StreamParams, out: &
         (2.0 * mean_max / -p.levels_t as f64).max(rms * 1e-3) as f32
     } else if by_levels {
         rms as f32
+    } else if p.eps < 0.0 {
+        // Relative to the channel-centred RMS: a constant offset per channel moves every
+        // logit of a query equally and cancels in softmax, so only K's variation around
+        // its channel means matters to attention (and the error no longer depends on
+        // how large those offsets or the chunk's range are).
+        let mut css = 0f64;
+        for ch in 0..c {
+            let s = ch_sum[ch] as f64;
+            css += (ch_ss[ch] as f64 - s * s / t as f64).max(0.0);
+        }
+        let crms = (css / (t * c) as f64).sqrt().max(rms * 1e-4);
+        (-p.eps as f64 * 12f64.sqrt() * crms) as f32
     } else {
         (p.eps as f64 * 12f64.sqrt() * rms) as f32
     };
