@@ -134,3 +134,34 @@ for (const [name, s] of samples) {
     `${name.padEnd(28)} ${w.toFixed(2).padStart(7)} ms  wall ${(mb / (w / 1e3)).toFixed(0).padStart(5)} MB/s  cpu ${(mb / (cp / 1e3)).toFixed(0).padStart(5)} MB/s`,
   )
 }
+
+// Decode through the client's codec pool: one prompt's chunks spread over 1, 2, … workers
+// (KVGATE_POOL_SIZES, default 1,2 and all cores) — a node's decode rate should scale with its cores.
+if (process.env.KVGATE_POOL_SIZES !== 'none') {
+  const { CodecPool } = await import('../src/client/codec-pool.ts')
+  const { availableParallelism } = await import('node:os')
+  const sizes = (process.env.KVGATE_POOL_SIZES ?? `1,2,${availableParallelism()}`)
+    .split(',')
+    .map(Number)
+    .filter((n, i, a) => n > 0 && a.indexOf(n) === i)
+  const CHUNKS = 8
+  for (const size of sizes) {
+    const pool = new CodecPool(size)
+    try {
+      const outs = Array.from({ length: CHUNKS }, () => new Uint8Array(tensor.length))
+      await Promise.all(outs.slice(0, size).map((o) => pool.decodeInto(obj, 'kvgate', o))) // start + warm the workers
+      const walls: number[] = []
+      for (let r = 0; r < 3; r++) {
+        const t0 = performance.now()
+        await Promise.all(outs.map((o) => pool.decodeInto(obj, 'kvgate', o)))
+        walls.push(performance.now() - t0)
+      }
+      const w = median(walls)
+      console.log(
+        `pool of ${size} worker(s): ${CHUNKS} chunks decoded in ${w.toFixed(0)} ms = ${((CHUNKS * mb) / (w / 1e3)).toFixed(0)} MB/s fp16 (${pool.inline ? `inline: ${pool.inline}` : `${pool.counts.workerJobs} worker jobs`})`,
+      )
+    } finally {
+      await pool.close()
+    }
+  }
+}
