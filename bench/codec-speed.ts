@@ -1,7 +1,8 @@
 // Speed profile of the wasm kvgate codec on one Llama-3.1-8B-shaped 32 MiB chunk
 // (fp16, level q5): the chunk API, plus an interleaved A/B of raw wasm builds
-// (KVGATE_WASM_BASE=<old .wasm> against the committed one) so a noisy shared
-// machine hits both sides alike. Raw figures include the copies the API makes.
+// (KVGATE_WASM_BASE=<old .wasm> against the committed one; KVGATE_WASM_BASE_LEVELS=12:16 for
+// a build from before error targets) so a noisy shared machine hits both sides alike.
+// Raw figures include the copies the API makes.
 
 import { readFileSync } from 'node:fs'
 import { decodeChunkInto, encodeChunk, layerTargets } from '../src/codec/node.ts'
@@ -49,9 +50,10 @@ function timed(s: Sample, fn: () => void): void {
 /**
  * One raw wasm build: encode copies each layer slab in and the section out;
  * decode copies the section in and the slab out (what src/codec's wrapper does).
- * `perTokenV`: the build predates one-step V (it takes levelsV > 0, per-token steps).
+ * `levels` ("K:V", e.g. 12:16 for the old q5): the build predates error targets and takes
+ * per-channel K levels and one-step V levels instead (`perTokenV`: per-token V steps).
  */
-function rawBuild(path: string | URL, perTokenV: boolean) {
+function rawBuild(path: string | URL, perTokenV: boolean, levels?: string) {
   const e = new WebAssembly.Instance(new WebAssembly.Module(readFileSync(path)), {}).exports as Record<
     string,
     (...a: number[]) => number
@@ -63,17 +65,11 @@ function rawBuild(path: string | URL, perTokenV: boolean) {
   const encode = () => {
     sections.length = 0
     for (let l = 0; l < g.layers; l++) {
-      const { kLevels, vLevels } = layerTargets(QUALITY, l, g.layers)
-      new Float32Array(e.memory.buffer, par, 8).set([
-        0,
-        0,
-        0,
-        0,
-        1,
-        8,
-        kLevels,
-        perTokenV ? vLevels : -vLevels,
-      ])
+      const { kError, vError } = layerTargets(QUALITY, l, g.layers)
+      const [kl, vl] = (levels ?? '0:0').split(':').map(Number) as [number, number]
+      new Float32Array(e.memory.buffer, par, 8).set(
+        levels ? [0, 0, 0, 0, 1, 8, kl, perTokenV ? vl : -vl] : [-kError, vError, 0, 0, 1, 8, 0, 0],
+      )
       new Uint8Array(e.memory.buffer, src, slab).set(tensor.subarray(l * slab, (l + 1) * slab))
       const n = e.kv_encode!(2, src, 1, T, c, par)
       if (n < 0) throw new Error(`encode ${n}`)
@@ -97,7 +93,11 @@ const builds: [string, ReturnType<typeof rawBuild>][] = []
 if (process.env.KVGATE_WASM_BASE) {
   builds.push([
     'base',
-    rawBuild(process.env.KVGATE_WASM_BASE, process.env.KVGATE_WASM_BASE_PER_TOKEN_V === '1'),
+    rawBuild(
+      process.env.KVGATE_WASM_BASE,
+      process.env.KVGATE_WASM_BASE_PER_TOKEN_V === '1',
+      process.env.KVGATE_WASM_BASE_LEVELS,
+    ),
   ])
 }
 builds.push(['current', rawBuild(new URL('../wasm/kvgate_codec.wasm', import.meta.url), false)])
@@ -133,4 +133,35 @@ for (const [name, s] of samples) {
   console.log(
     `${name.padEnd(28)} ${w.toFixed(2).padStart(7)} ms  wall ${(mb / (w / 1e3)).toFixed(0).padStart(5)} MB/s  cpu ${(mb / (cp / 1e3)).toFixed(0).padStart(5)} MB/s`,
   )
+}
+
+// Decode through the client's codec pool: one prompt's chunks spread over 1, 2, … workers
+// (KVGATE_POOL_SIZES, default 1,2 and all cores) — a node's decode rate should scale with its cores.
+if (process.env.KVGATE_POOL_SIZES !== 'none') {
+  const { CodecPool } = await import('../src/client/codec-pool.ts')
+  const { availableParallelism } = await import('node:os')
+  const sizes = (process.env.KVGATE_POOL_SIZES ?? `1,2,${availableParallelism()}`)
+    .split(',')
+    .map(Number)
+    .filter((n, i, a) => n > 0 && a.indexOf(n) === i)
+  const CHUNKS = 8
+  for (const size of sizes) {
+    const pool = new CodecPool(size)
+    try {
+      const outs = Array.from({ length: CHUNKS }, () => new Uint8Array(tensor.length))
+      await Promise.all(outs.slice(0, size).map((o) => pool.decodeInto(obj, 'kvgate', o))) // start + warm the workers
+      const walls: number[] = []
+      for (let r = 0; r < 3; r++) {
+        const t0 = performance.now()
+        await Promise.all(outs.map((o) => pool.decodeInto(obj, 'kvgate', o)))
+        walls.push(performance.now() - t0)
+      }
+      const w = median(walls)
+      console.log(
+        `pool of ${size} worker(s): ${CHUNKS} chunks decoded in ${w.toFixed(0)} ms = ${((CHUNKS * mb) / (w / 1e3)).toFixed(0)} MB/s fp16 (${pool.inline ? `inline: ${pool.inline}` : `${pool.counts.workerJobs} worker jobs`})`,
+      )
+    } finally {
+      await pool.close()
+    }
+  }
 }

@@ -4,6 +4,7 @@ import { fileURLToPath } from 'node:url'
 import { build } from 'esbuild'
 import { Miniflare } from 'miniflare'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { decodeChunk, encodeChunk } from '../src/codec/node.ts'
 
 // The workerd loader in real workerd (Miniflare's binary): Workers cannot compile
 // wasm from bytes, so the bundle imports the .wasm as a module, as wrangler does.
@@ -33,9 +34,15 @@ export default {
       for (let i = 0; same && i < back.length; i++) same = back[i] === tensor[i]
       out[mode] = { bytes: obj.length, raw: tensor.length, exact: same }
     }
+    const hex = (b) => Array.from(b, (x) => x.toString(16).padStart(2, '0')).join('')
+    const same = {}
+    for (const quality of [1, 5, 9]) {
+      const obj = encodeChunk(tensor, meta, { mode: 'kvgate', quality })
+      same[quality] = { obj: hex(obj), back: hex(decodeChunk(obj)) }
+    }
     let rejected = ''
     try { decodeChunk(new Uint8Array(100)) } catch (e) { rejected = e.code }
-    return Response.json({ ready: isCodecReady(), out, rejected })
+    return Response.json({ ready: isCodecReady(), out, rejected, tensor: hex(tensor), same })
   },
 }
 `
@@ -77,14 +84,32 @@ afterAll(async () => {
 })
 
 describe('codec in workerd', () => {
-  it('loads the wasm as a module and round-trips chunks; hostile bytes get a typed error', async () => {
+  it('loads the wasm as a module and round-trips chunks byte-identically to Node; hostile bytes get a typed error', async () => {
     const res = await mf!.dispatchFetch('http://localhost/')
     const body = (await res.json()) as {
       ready: boolean
       out: Record<string, { bytes: number; raw: number; exact: boolean }>
       rejected: string
+      tensor: string
+      same: Record<string, { obj: string; back: string }>
     }
     expect(body.ready).toBe(true)
+    // Identical bytes in Node and workerd: the encoded object and the decoded tensor, per level.
+    const tensor = new Uint8Array(Buffer.from(body.tensor, 'hex'))
+    const meta = {
+      geometry: { layers: 2, kvHeads: 2, headDim: 8, dtype: 'fp16' as const },
+      tokens: 40,
+      chunkIndex: 0,
+      partial: false,
+      namespaceId: new Uint8Array(16),
+      chainKey: new Uint8Array(32),
+      parentKey: new Uint8Array(32),
+    }
+    for (const quality of [1, 5, 9]) {
+      const obj = encodeChunk(tensor, meta, { mode: 'kvgate', quality })
+      expect(Buffer.from(obj).toString('hex')).toBe(body.same[quality]!.obj)
+      expect(Buffer.from(decodeChunk(obj)).toString('hex')).toBe(body.same[quality]!.back)
+    }
     expect(body.out.lossless!.exact).toBe(true)
     expect(body.out.kvgate!.exact).toBe(false)
     expect(body.out.kvgate!.bytes).toBeLessThan(body.out.kvgate!.raw / 2)

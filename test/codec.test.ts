@@ -285,7 +285,7 @@ describe('codec arguments and headers', () => {
       encodeChunkObject({ ...h, codecVersion, codecParams }, sections)
     const bad = [
       rebuild(2, h.codecParams),
-      rebuild(h.codecVersion, new Uint8Array([0])),
+      rebuild(h.codecVersion, new Uint8Array([10])),
       rebuild(h.codecVersion, new Uint8Array([12])),
       rebuild(h.codecVersion, new Uint8Array([4, 0, 0, 1])),
     ]

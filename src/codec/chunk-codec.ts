@@ -27,9 +27,16 @@ import {
   checkQuality,
   DEFAULT_QUALITY,
   encodeParams,
+  type LayerTargets,
   layerTargets,
+  splitOfParams,
 } from './params.ts'
-import { decodeCachegenLayer, encodeCachegenLayer } from './reference-cachegen.ts'
+import {
+  type CachegenSplit,
+  decodeCachegenLayer,
+  encodeCachegenLayer,
+  lmcacheSplit,
+} from './reference-cachegen.ts'
 import { wasmCodec } from './runtime.ts'
 import { MAX_WASM_SLAB_BYTES } from './wasm-instance.ts'
 
@@ -39,6 +46,13 @@ export interface EncodeOptions {
   mode: CodecMode
   /** kvgate only: 1 (smallest) .. 9 (closest); default DEFAULT_QUALITY. */
   quality?: number
+  /** reference-cachegen only: its 32-bin layers; default as LMCache sets it for the layer count. */
+  cachegenSplit?: CachegenSplit
+  /**
+   * kvgate only, instead of a quality level: relative RMS error targets for every layer's
+   * K (against its channel-centred RMS) and V. Benchmarks use it to compare at equal error.
+   */
+  errorTargets?: LayerTargets
 }
 
 export interface DecodeLimits {
@@ -59,18 +73,26 @@ const MAX_CLASSES = 8
 
 /**
  * wasm params: [epsK, epsV, gammaK, gammaV, deltaK, maxClasses, levelsK, levelsV];
- * a negative levelsV asks for one V step per stream (mean per-token range / levels).
+ * a negative epsK targets K's channel-centred RMS, one uniform step per stream.
  */
-function kvgateParams(quality: number, layer: number, layers: number): Float32Array {
-  const { kLevels, vLevels } = layerTargets(quality, layer, layers)
-  return new Float32Array([0, 0, 0, 0, 1, MAX_CLASSES, kLevels, -vLevels])
+function kvgateParams(targets: LayerTargets): Float32Array {
+  const { kError, vError } = targets
+  return new Float32Array([-kError, vError, 0, 0, 1, MAX_CLASSES, 0, 0])
 }
 
 /** Encodes a chunk tensor ([layer][K|V][token][kvHead][headDim]) into a chunk object. */
 export function encodeChunk(tensor: Uint8Array, meta: ChunkInfo, opts: EncodeOptions): Uint8Array {
   const mode = opts?.mode
   if (!CODEC_MODES.includes(mode)) throw new InvalidArgumentError(`unknown codec mode '${String(mode)}'`)
-  const quality = mode === 'kvgate' ? checkQuality(opts.quality ?? DEFAULT_QUALITY) : 0
+  const targets = opts?.errorTargets
+  if (targets !== undefined) {
+    const ok = (x: unknown) => typeof x === 'number' && x > 0 && x < 1e3
+    if (mode !== 'kvgate' || opts.quality !== undefined || !ok(targets.kError) || !ok(targets.vError)) {
+      throw new InvalidArgumentError('errorTargets: kvgate only, without quality, both errors in (0, 1000)')
+    }
+  }
+  const quality =
+    mode === 'kvgate' && targets === undefined ? checkQuality(opts.quality ?? DEFAULT_QUALITY) : 0
   const g = validateGeometry(meta?.geometry)
   const t = meta.tokens
   if (!Number.isInteger(t) || t < 1 || t > MAX_CHUNK_TOKENS) {
@@ -83,24 +105,35 @@ export function encodeChunk(tensor: Uint8Array, meta: ChunkInfo, opts: EncodeOpt
   }
   const slab = layerSlabBytes(g, t)
   const c = rowElements(g)
+  const split = opts.cachegenSplit ?? lmcacheSplit(g.layers)
+  if (![split.k, split.v].every((x) => Number.isInteger(x) && x >= 0 && x <= 255)) {
+    throw new InvalidArgumentError('cachegenSplit layers must be integers in 0..255')
+  }
   const sections: Uint8Array[] = []
   for (let l = 0; l < g.layers; l++) {
     const s = tensor.subarray(l * slab, (l + 1) * slab)
-    sections.push(encodeSection(mode, quality, s, g, t, c, l))
+    const p = mode === 'kvgate' ? kvgateParams(targets ?? layerTargets(quality, l, g.layers)) : undefined
+    sections.push(encodeSection(mode, p, s, g, t, c, split, l))
   }
   return encodeChunkObject(
-    { ...meta, codec: mode, codecVersion: CODEC_VERSIONS[mode], codecParams: encodeParams(mode, quality) },
+    {
+      ...meta,
+      codec: mode,
+      codecVersion: CODEC_VERSIONS[mode],
+      codecParams: encodeParams(mode, quality, split),
+    },
     sections,
   )
 }
 
 function encodeSection(
   mode: CodecMode,
-  quality: number,
+  kvgate: Float32Array | undefined,
   slab: Uint8Array,
   g: KvGeometry,
   t: number,
   c: number,
+  split: CachegenSplit,
   layer: number,
 ): Uint8Array {
   switch (mode) {
@@ -108,17 +141,10 @@ function encodeSection(
       return slab
     case 'reference-cachegen': {
       const x = decodeElements(slab, g.dtype)
-      return encodeCachegenLayer(x.subarray(0, t * c), x.subarray(t * c), t, c, layer)
+      return encodeCachegenLayer(x.subarray(0, t * c), x.subarray(t * c), t, c, layer, split)
     }
     case 'kvgate':
-      return wasmCodec().encodeSection(
-        mode,
-        slab,
-        DTYPE_CODES[g.dtype],
-        t,
-        c,
-        kvgateParams(quality, layer, g.layers),
-      )
+      return wasmCodec().encodeSection(mode, slab, DTYPE_CODES[g.dtype], t, c, kvgate)
     default:
       return wasmCodec().encodeSection(mode, slab, DTYPE_CODES[g.dtype], t, c)
   }
@@ -180,7 +206,7 @@ export function decodeSection(
     case 'reference-cachegen': {
       const k = new Float32Array(t * c)
       const v = new Float32Array(t * c)
-      decodeCachegenLayer(section, t, c, layer, k, v)
+      decodeCachegenLayer(section, t, c, layer, k, v, splitOfParams(header.codecParams))
       const half = slab / 2
       encodeElements(k, g.dtype, dst.subarray(0, half))
       encodeElements(v, g.dtype, dst.subarray(half))

@@ -16,8 +16,11 @@ export {
   CODEC_VERSIONS,
   type CodecMode,
   DEFAULT_QUALITY,
+  type LayerTargets,
+  LOGIT_SPREAD,
   layerTargets,
   MAX_QUALITY,
   MIN_QUALITY,
 } from './params.ts'
+export { type CachegenSplit, LARGE_MODEL_SPLIT, lmcacheSplit } from './reference-cachegen.ts'
 export { initCodec, isCodecReady } from './runtime.ts'

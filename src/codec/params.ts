@@ -4,6 +4,7 @@
 import { CodecError } from '../core/errors.ts'
 import type { CodecId } from '../core/format.ts'
 import { CODEC_PARAMS_BYTES } from '../core/format.ts'
+import { type CachegenSplit, LARGE_MODEL_SPLIT } from './reference-cachegen.ts'
 import { WASM_CODEC_VERSION } from './wasm-instance.ts'
 
 export type CodecMode = CodecId
@@ -21,47 +22,45 @@ export const CODEC_VERSIONS: Readonly<Record<CodecMode, number>> = {
 
 export const MIN_QUALITY = 1
 export const MAX_QUALITY = 9
-/** The product default for L4 (see bench/codec.ts for what it buys). */
+/** The product default for L4 (see docs/codec.md for what it buys). */
 export const DEFAULT_QUALITY = 5
+/** Header quality byte of a kvgate chunk coded with explicit error targets (benchmarks). */
+export const CUSTOM_TARGETS = 0
 
 /**
- * Quantization levels per quality level (index = level): K per channel (steps =
- * the channel's range over the chunk / levels), V with one step per layer
- * stream (the mean over tokens of 2·max|v_t| / levels: per-token quantization's
- * error without per-token side information), both entropy coded. Measured on
- * stories260K (bench/codec.ts): next-token agreement follows K's error, hardly
- * V's, so the upper levels refine K and keep V at the default's levels. Level 5
- * stays at or below reference-cachegen's K and V error on stories260K and on
- * 8B-shaped synthetic KV; level 7 is the first at ≥ 99% next-token agreement.
+ * How a K error reaches the attention output compared with a V error. A V error of
+ * relative size εV moves the output by about εV; a K error moves every logit by about
+ * εK × the logit spread σ (in nats; εK relative to K's channel-centred RMS, since channel
+ * offsets cancel in softmax), and the output by about σ·εK. Measured on stories260K's real
+ * KV (attention re-run on decoded KV, 8 windows, bench/codec.ts's attention error):
+ * error² ≈ (4.9·εK)² + (0.98·εV)², i.e. σ ≈ 5 nats, the order of magnitude a trained
+ * model's attention needs to be selective at all.
  */
-const LADDER: readonly (readonly [number, number])[] = [
-  [0, 0],
-  [5, 8],
-  [6, 10],
-  [8, 12],
-  [10, 14],
-  [12, 16],
-  [24, 16],
-  [48, 16],
-  [64, 32],
-  [128, 160],
-]
+export const LOGIT_SPREAD = 5
 
-/** Early layers' errors propagate through every later layer: they get this many times the levels. */
-export const EARLY_LAYER_BOOST = 1.5
+/**
+ * Target attention-output error per quality level (index = level): √2 apart from q1 to
+ * q7 (half a bit per value per level), then near-lossless steps. The default q5 budgets
+ * 0.14: on stories260K that keeps next-token agreement ≥ 99% with two standard errors to
+ * spare at 64- and 256-token chunks (0.2, q4, does not at 64: docs/codec.md). Each level splits its
+ * budget evenly between K and V (equal contributions minimise bytes for a given output
+ * error when both streams cost one bit per halving): εK = ε/(√2·σ), εV = ε/√2, one
+ * uniform step per stream (entropy-coded uniform steps beat per-channel steps in MSE per
+ * bit), so the error no longer depends on chunk length or outlier channels.
+ */
+const ATTENTION_ERROR: readonly number[] = [0, 0.56, 0.4, 0.28, 0.2, 0.14, 0.1, 0.07, 0.035, 0.01]
 
 export interface LayerTargets {
-  kLevels: number
-  /** V levels; V steps are uniform over the stream (see LADDER). */
-  vLevels: number
+  /** Relative RMS error of K against its channel-centred RMS. */
+  kError: number
+  /** Relative RMS error of V against its RMS. */
+  vError: number
 }
 
-/** Per-layer bit budget: the first ⌈layers/8⌉ layers get finer steps, the rest the level's. */
-export function layerTargets(quality: number, layer: number, layers: number): LayerTargets {
-  const [k, v] = LADDER[quality]!
-  const early = layer < Math.max(1, Math.round(layers / 8))
-  const f = early ? EARLY_LAYER_BOOST : 1
-  return { kLevels: k * f, vLevels: v * f }
+/** Error targets of a layer's K and V at `quality` (every layer alike: the bars average over layers). */
+export function layerTargets(quality: number, _layer: number, _layers: number): LayerTargets {
+  const e = ATTENTION_ERROR[quality]!
+  return { kError: e / (Math.SQRT2 * LOGIT_SPREAD), vError: e / Math.SQRT2 }
 }
 
 export function checkQuality(q: unknown): number {
@@ -71,16 +70,22 @@ export function checkQuality(q: unknown): number {
   return q
 }
 
-/** The 16 codecParams bytes a chunk of `mode` carries. */
-export function encodeParams(mode: CodecMode, quality: number): Uint8Array {
+/** The 16 codecParams bytes a chunk of `mode` carries (`split`: reference-cachegen's 32-bin layers). */
+export function encodeParams(mode: CodecMode, quality: number, split?: CachegenSplit): Uint8Array {
   const p = new Uint8Array(CODEC_PARAMS_BYTES)
   if (mode === 'kvgate') p[0] = quality
   if (mode === 'reference-cachegen') {
-    // LMCache's split points: K 32 bins below layer 10, V 32 bins below layer 2.
-    p[0] = 10
-    p[1] = 2
+    // Layers below p[0] (K) / p[1] (V) use 32 bins, the rest 16 (LMCache's split).
+    const s = split ?? LARGE_MODEL_SPLIT
+    p[0] = s.k
+    p[1] = s.v
   }
   return p
+}
+
+/** reference-cachegen's split as a header names it. */
+export function splitOfParams(params: Uint8Array): CachegenSplit {
+  return { k: params[0] ?? 0, v: params[1] ?? 0 }
 }
 
 /** Validates a header's codec version + params; throws ERR_CODEC_MISMATCH. */
@@ -90,8 +95,13 @@ export function checkHeaderCodec(mode: CodecMode, version: number, params: Uint8
   }
   if (version !== CODEC_VERSIONS[mode])
     mismatch(`version ${version}, this build decodes ${CODEC_VERSIONS[mode]}`)
-  const expected = encodeParams(mode, mode === 'kvgate' ? (params[0] ?? 0) : 0)
-  if (mode === 'kvgate' && !((params[0] ?? 0) >= MIN_QUALITY && (params[0] ?? 0) <= MAX_QUALITY)) {
+  const expected = encodeParams(
+    mode,
+    mode === 'kvgate' ? (params[0] ?? 0) : 0,
+    mode === 'reference-cachegen' ? splitOfParams(params) : undefined,
+  )
+  const q = params[0] ?? 0
+  if (mode === 'kvgate' && q !== CUSTOM_TARGETS && !(q >= MIN_QUALITY && q <= MAX_QUALITY)) {
     mismatch(`quality ${params[0]} is unknown`)
   }
   if (params.length > CODEC_PARAMS_BYTES) mismatch('params are too long')

@@ -1,6 +1,6 @@
 // LMCache's "cachegen" scheme, reimplemented as the benchmark baseline (DESIGN 2.3):
-// per-token symmetric quantization (K 32 bins in layers 0–9 else 16, V 32 bins in
-// layers 0–1 else 16), one 33-entry 16-bit CDF per (layer, channel) stored with the
+// per-token symmetric quantization (32 or 16 bins by layer, split as LMCache splits it for
+// the model's layer count), one 33-entry 16-bit CDF per (layer, channel) stored with the
 // data, and a 32-bit binary arithmetic coder. Correct, not fast: benchmarks only.
 
 import { f16ToF32, f32ToF16 } from '../core/dtype.ts'
@@ -13,8 +13,28 @@ const Q1 = 2 ** 30
 const Q3 = 3 * 2 ** 30
 const TOP = 2 ** 32
 
-export function cachegenBins(kind: 0 | 1, layer: number): number {
-  return kind === 0 ? (layer < 10 ? 32 : 16) : layer < 2 ? 32 : 16
+/** Layers below `k` (K) / `v` (V) get 32 bins, the rest 16. */
+export interface CachegenSplit {
+  k: number
+  v: number
+}
+
+/**
+ * The split LMCache uses for a model of `layers` layers when it is not in its named
+ * families: LMCache v1 `CacheGenConfig.from_model_name`
+ * (lmcache/v1/storage_backend/naive_serde/cachegen_basics.py) gives models with fewer
+ * than 10 layers 32 bins for K and V in every layer, others K 32 bins in layers 0–9 and
+ * V 32 bins in layers 0–1 (the split its Llama-3.1-8B and Mistral-7B entries name too).
+ */
+export function lmcacheSplit(layers: number): CachegenSplit {
+  return layers < 10 ? { k: layers, v: layers } : { k: 10, v: 2 }
+}
+
+/** The ≥ 10-layer split, for comparison on small models. */
+export const LARGE_MODEL_SPLIT: CachegenSplit = { k: 10, v: 2 }
+
+export function cachegenBins(kind: 0 | 1, layer: number, split: CachegenSplit): number {
+  return layer < (kind === 0 ? split.k : split.v) ? 32 : 16
 }
 
 class BitSink {
@@ -128,10 +148,11 @@ export function encodeCachegenLayer(
   t: number,
   c: number,
   layer: number,
+  split: CachegenSplit,
 ): Uint8Array {
   const parts: Uint8Array[] = []
-  encodeStream(k, t, c, cachegenBins(0, layer), parts)
-  encodeStream(v, t, c, cachegenBins(1, layer), parts)
+  encodeStream(k, t, c, cachegenBins(0, layer, split), parts)
+  encodeStream(v, t, c, cachegenBins(1, layer, split), parts)
   let n = 0
   for (const p of parts) n += p.length
   const out = new Uint8Array(n)
@@ -227,8 +248,9 @@ export function decodeCachegenLayer(
   layer: number,
   k: Float32Array,
   v: Float32Array,
+  split: CachegenSplit,
 ): void {
-  const at = decodeStream(sec, 0, t, c, cachegenBins(0, layer), k)
-  const end = decodeStream(sec, at, t, c, cachegenBins(1, layer), v)
+  const at = decodeStream(sec, 0, t, c, cachegenBins(0, layer, split), k)
+  const end = decodeStream(sec, at, t, c, cachegenBins(1, layer, split), v)
   if (end !== sec.length) throw new CodecError('corrupt reference-cachegen section (trailing bytes)')
 }

@@ -2,6 +2,16 @@
 // forward pass whose KV cache exports/imports kvgate chunk tensors, and KV statistics.
 
 export {
+  type MeanSe,
+  meanSe,
+  type PreparedWindow,
+  type ProtocolOptions,
+  type ProtocolResult,
+  prepareWindows,
+  protocolWindows,
+  runProtocol,
+} from './codec-protocol.ts'
+export {
   findSharedData,
   type LoadedModel,
   loadCheckpointFile,
@@ -28,6 +38,7 @@ export {
   type PrefillResult,
   Transformer,
 } from './forward.ts'
+export { HELD_OUT_STORIES } from './held-out-text.ts'
 export {
   channelRms,
   deltaVarianceRatio,

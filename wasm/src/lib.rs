@@ -73,7 +73,8 @@ fn slab_elems(t: u32, c: u32) -> Option<usize> {
 /// [epsK, epsV, gammaK, gammaV, deltaK, maxClasses, levelsK, levelsV]. With
 /// levelsK > 0, K steps are per channel (range / levelsK); with levelsV > 0, V
 /// steps are per token (2·max|v| / levelsV); with levelsV < 0, one V step, the
-/// mean over tokens of 2·max|v| / |levelsV|; otherwise eps·√12·rms (scaled by gamma).
+/// mean over tokens of 2·max|v| / |levelsV|; otherwise eps·√12·rms (scaled by gamma;
+/// epsK < 0: |epsK|·√12·the channel-centred rms, one step for every channel).
 ///
 /// # Safety
 /// `src` must hold 2·t·c elements of `dtype`; `params` 8 f32 (kvgate mode).
@@ -124,7 +125,7 @@ pub unsafe extern "C" fn kv_encode(
                     levels_c: 0.0,
                     levels_t: p[7],
                 };
-                if !((pk.eps > 0.0 || pk.levels_c > 0.0) && (pv.eps > 0.0 || pv.levels_t != 0.0)) {
+                if !((pk.eps != 0.0 || pk.levels_c > 0.0) && (pv.eps > 0.0 || pv.levels_t != 0.0)) {
                     return ERR_ARGS;
                 }
                 lossy::encode(&mut x, t, c, &pk, &pv, &mut out);

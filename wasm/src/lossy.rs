@@ -25,7 +25,7 @@ const F_TOKSCALE: u8 = 2;
 const F_MODES: u8 = 4;
 
 pub struct StreamParams {
-    /// Target relative RMS error of this stream.
+    /// Target relative RMS error of this stream (< 0: relative to the channel-centred RMS).
     pub eps: f32,
     /// Per-channel step exponent (0 = one step for all channels).
     pub gamma_c: f32,
@@ -94,6 +94,18 @@ pub fn encode_stream(x: &mut [f32], t: usize, c: usize, p: &StreamParams, out: &
         (2.0 * mean_max / -p.levels_t as f64).max(rms * 1e-3) as f32
     } else if by_levels {
         rms as f32
+    } else if p.eps < 0.0 {
+        // Relative to the channel-centred RMS: a constant offset per channel moves every
+        // logit of a query equally and cancels in softmax, so only K's variation around
+        // its channel means matters to attention (and the error no longer depends on
+        // how large those offsets or the chunk's range are).
+        let mut css = 0f64;
+        for ch in 0..c {
+            let s = ch_sum[ch] as f64;
+            css += (ch_ss[ch] as f64 - s * s / t as f64).max(0.0);
+        }
+        let crms = (css / (t * c) as f64).sqrt().max(rms * 1e-4);
+        (-p.eps as f64 * 12f64.sqrt() * crms) as f32
     } else {
         (p.eps as f64 * 12f64.sqrt() * rms) as f32
     };
@@ -866,6 +878,7 @@ pub fn decode_stream(
             0
         }
     ];
+    #[allow(unused_variables)] // the SIMD build decodes every row through sub-contexts
     let ctx = RowCtx {
         step: &step,
         centers: &centers,
@@ -891,45 +904,74 @@ pub fn decode_stream(
         let o = offset + tt * c;
         #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
         {
-            if simd::row_direct(row) {
-                // Steps for this row: one scalar when there are no channel steps,
-                // else per channel (times the token multiplier when there is one).
-                let m = mt[tt];
-                let uniform = flags & F_CHSCALE == 0;
-                let rstep: &[f32] = if uniform || m == 1.0 {
-                    &step
+            // Steps for this row: one scalar when there are no channel steps,
+            // else per channel (times the token multiplier when there is one).
+            let m = mt[tt];
+            let uniform = flags & F_CHSCALE == 0;
+            let rstep: &[f32] = if uniform || m == 1.0 {
+                &step
+            } else {
+                for (d, &s) in scaled.iter_mut().zip(step.iter()) {
+                    *d = s * m;
+                }
+                &scaled
+            };
+            let fast16 = dtype == DT_F16
+                && steps_finite
+                && min_step * m >= f32::from_bits((127 - 14) << 23)
+                && (base * m).is_finite();
+            let kind = if fast16 { DT_F16_NORMAL } else { dtype };
+            // Runs of direct symbols take the SIMD path; each escape (a symbol with extra
+            // bits, read in row order) is one scalar step. Fine steps on wide rows put an
+            // escape in almost every row, which used to send the whole row to the scalar path.
+            // (Rows with a token step multiplier keep the whole-row scalar path when they
+            // hold an escape: the fast path rounds q·(step·m), the scalar one (q·step)·m, and
+            // decoded bits must not depend on where an escape falls.)
+            let all_direct = simd::row_direct(row);
+            let segments = all_direct || m == 1.0;
+            let mut a = 0usize;
+            while a < c {
+                let b = if all_direct {
+                    c
+                } else if !segments {
+                    a
                 } else {
-                    for (d, &s) in scaled.iter_mut().zip(step.iter()) {
-                        *d = s * m;
-                    }
-                    &scaled
+                    a + row[a..]
+                        .iter()
+                        .position(|&s| s as u32 >= DIRECT)
+                        .unwrap_or(c - a)
                 };
-                let fast16 = dtype == DT_F16
-                    && steps_finite
-                    && min_step * m >= f32::from_bits((127 - 14) << 23)
-                    && (base * m).is_finite();
-                let done = row_fast_any(
-                    &ctx,
-                    rstep,
-                    base * m,
-                    row,
-                    &mut prev,
-                    if fast16 { DT_F16_NORMAL } else { dtype },
-                    dst,
-                    o,
-                    any_delta,
-                    uniform,
-                );
+                let mut done = a;
+                if b - a >= 8 {
+                    let sub = RowCtx {
+                        step: &step[a..b],
+                        centers: &centers[a..b],
+                        dmask: &dmask[a..b],
+                    };
+                    done = a + row_fast_any(
+                        &sub,
+                        &rstep[a..b],
+                        base * m,
+                        &row[a..b],
+                        &mut prev[a..b],
+                        kind,
+                        dst,
+                        o + a,
+                        any_delta,
+                        uniform,
+                    );
+                }
+                let end = if b < c { b + 1 } else { c };
                 let sub = RowCtx {
-                    step: &step[done..],
-                    centers: &centers[done..],
-                    dmask: &dmask[done..],
+                    step: &step[done..end],
+                    centers: &centers[done..end],
+                    dmask: &dmask[done..end],
                 };
                 if !row_scalar(
                     &sub,
-                    &row[done..],
-                    mt[tt],
-                    &mut prev[done..],
+                    &row[done..end],
+                    m,
+                    &mut prev[done..end],
                     &mut bits,
                     dtype,
                     dst,
@@ -937,8 +979,9 @@ pub fn decode_stream(
                 ) {
                     return None;
                 }
-                continue;
+                a = end;
             }
+            continue;
         }
         if !row_scalar(&ctx, row, mt[tt], &mut prev, &mut bits, dtype, dst, o) {
             return None;

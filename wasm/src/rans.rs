@@ -169,6 +169,11 @@ fn enc_step(e: EncSym, xs: u32) -> (u32, bool) {
     let big = xs >= X_MAX_UNIT * freq;
     let xs = if big { xs >> 16 } else { xs };
     let q = (((xs as u64) * (e.rcp_freq as u64)) >> 32) as u32 >> ((e.meta >> 12) & 0xf);
+    // The reciprocal is exact only below 2^31 (ryg_rans' bound); states of symbols with
+    // freq > 1024 reach up to 2^21·freq < 2^32, where it can overshoot x / freq by one
+    // (a skewed table, e.g. coarse V steps, then coded a stream no decoder accepts).
+    // q·freq ≤ 2^21·freq < 2^32 cannot overflow.
+    let q = q - (q * freq > xs) as u32;
     (xs + (e.meta >> 16) + q * (PROB_SCALE - freq), big)
 }
 
