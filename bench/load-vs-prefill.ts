@@ -22,6 +22,7 @@ import { chunkBytes, MODEL_PRESETS } from '../src/core/layout.ts'
 import { syntheticKv, tensorOf } from '../test/codec-fixtures.ts'
 import { rgwFromEnv, startRgw } from '../test/support/rgw.ts'
 import { machineLine, median, table, writeResult } from './lib/stats.ts'
+import { figureChart, writeSvg } from './lib/svg-chart.ts'
 
 const HELP = `kvgate bench load-vs-prefill: time lookup + retrieve of a Llama-3.1-8B-shaped prefix from
 L1, cold L2 and L4 (gateway on Ceph RadosGW, default codec) beside the modelled GPU prefill time.
@@ -387,4 +388,16 @@ const path = writeResult({
     informational: true,
   })),
 })
-log(`wrote ${path}`)
+const svg = figureChart(
+  `Load vs prefill of a ${TARGET}-token Llama-3.1-8B prefix (ms, lower is better; L4 on ${cores} cores here)`,
+  'ms',
+  [
+    ...tiers.map((t) => ({ label: `${t.tier.toUpperCase()} lookup + retrieve`, value: t.at32kMs })),
+    ...nodeGrid
+      .filter((m) => m.gbit === 25)
+      .map((m) => ({ label: `L4 modelled: ${m.cores} cores, 25 Gbit/s`, value: m.ms })),
+    { label: 'prefill, one H100 (modelled)', value: pf32k, baseline: true },
+  ],
+  [{ value: pf32k, label: 'prefill' }],
+)
+log(`wrote ${path} and ${writeSvg('load-vs-prefill', svg)}`)

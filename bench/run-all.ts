@@ -8,7 +8,17 @@ import { fileURLToPath } from 'node:url'
 import { nodeFlagsFor, siblingModule } from '../src/package-files.ts'
 import { writeReport } from './report.ts'
 
-export const BENCHES = ['keys', 'model', 'codec', 'native', 'gateway', 'client', 'fleet'] as const
+export const BENCHES = [
+  'keys',
+  'model',
+  'codec',
+  'native',
+  'gateway',
+  'client',
+  'load-vs-prefill',
+  'fleet',
+  'cold-tier',
+] as const
 
 const wanted = process.argv.slice(2).filter((a) => !a.startsWith('-'))
 const names = wanted.length > 0 ? wanted : [...BENCHES]
