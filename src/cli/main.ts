@@ -19,6 +19,7 @@ const COMMANDS: Record<string, CommandEntry> = {
     summary: 'two nodes share a prompt prefix through a local gateway (the main job)',
   },
   serve: { summary: 'run the gateway (fs store by default, or S3)' },
+  agent: { summary: 'run the per-node sidecar vLLM talks to (kvgate_vllm connector)' },
   inspect: {
     summary: "print a chunk object's header, layer index and checksums",
   },

@@ -1,0 +1,70 @@
+// An engine's KV tensor in host shared memory (a /dev/shm file the engine maps as a
+// torch tensor): the agent reads and writes block runs with positioned I/O on one fd.
+
+import { closeSync, fstatSync, openSync, readSync, writeSync } from 'node:fs'
+import { AgentError } from './protocol.ts'
+
+export class HostTensor {
+  readonly path: string
+  readonly offset: number
+  readonly bytes: number
+  #fd: number | undefined
+
+  constructor(path: string, offset: number, bytes: number) {
+    if (typeof path !== 'string' || path.length === 0 || path.includes('\0'))
+      throw new AgentError('ERR_INVALID_ARGUMENT', 'invalid tensor path')
+    let fd: number
+    try {
+      fd = openSync(path, 'r+')
+    } catch (e) {
+      throw new AgentError('ERR_IO', `cannot open ${path}: ${(e as Error).message}`)
+    }
+    try {
+      const st = fstatSync(fd)
+      if (!st.isFile()) throw new AgentError('ERR_INVALID_ARGUMENT', `${path} is not a regular file`)
+      if (st.size < offset + bytes) {
+        throw new AgentError(
+          'ERR_LAYOUT',
+          `${path} is ${st.size} bytes; the tensor needs ${bytes} bytes at offset ${offset}`,
+        )
+      }
+    } catch (e) {
+      closeSync(fd)
+      throw e
+    }
+    this.path = path
+    this.offset = offset
+    this.bytes = bytes
+    this.#fd = fd
+  }
+
+  #fdOrThrow(): number {
+    if (this.#fd === undefined) throw new AgentError('ERR_CLOSED', `tensor ${this.path} is closed`)
+    return this.#fd
+  }
+
+  /** Copies `dst.length` bytes from tensor offset `at` into `dst`. */
+  read(at: number, dst: Uint8Array): void {
+    const fd = this.#fdOrThrow()
+    let done = 0
+    while (done < dst.length) {
+      const n = readSync(fd, dst, done, dst.length - done, this.offset + at + done)
+      if (n <= 0) throw new AgentError('ERR_IO', `short read from ${this.path} at ${this.offset + at + done}`)
+      done += n
+    }
+  }
+
+  /** Copies `src` into the tensor at offset `at`. */
+  write(at: number, src: Uint8Array): void {
+    const fd = this.#fdOrThrow()
+    let done = 0
+    while (done < src.length) {
+      done += writeSync(fd, src, done, src.length - done, this.offset + at + done)
+    }
+  }
+
+  close(): void {
+    if (this.#fd !== undefined) closeSync(this.#fd)
+    this.#fd = undefined
+  }
+}

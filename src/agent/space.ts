@@ -1,0 +1,110 @@
+// A KV space: one model geometry (and TP rank, for non-MLA models) as the agent stores it.
+// Owns the KVCache of that space and turns vLLM block hashes into kvgate chunk keys.
+
+import { createHash } from 'node:crypto'
+import { join } from 'node:path'
+import type { KVCacheOptions } from '../client/config.ts'
+import { KVCache } from '../client/kv-cache.ts'
+import type { ChunkKey } from '../core/keys.ts'
+import { toHex } from '../core/keys.ts'
+import { type EngineGeometry, storageGeometry } from './engine-layout.ts'
+import { AgentError } from './protocol.ts'
+
+/** What a hello announces: the engine's model, per-rank geometry and hashing. */
+export interface SpaceDescriptor extends EngineGeometry {
+  model: string
+  /** Tensor-parallel world size. */
+  world: number
+  /** vLLM's PYTHONHASHSEED (NONE_HASH = sha256_cbor of it). */
+  hashSeed: string
+}
+
+const ZERO_KEY = '0'.repeat(64)
+
+/** The space id: every field that makes stored bytes differ. `rank` is null for MLA (one shared copy). */
+export function spaceId(d: SpaceDescriptor, rank: number | null): string {
+  return JSON.stringify([
+    d.model,
+    d.layout,
+    d.dtype,
+    d.layers,
+    d.kvHeads,
+    d.headSize,
+    d.blockSize,
+    d.hashSeed,
+    rank === null ? 'shared' : `${rank}/${d.world}`,
+  ])
+}
+
+export class KvSpace {
+  readonly id: string
+  readonly descriptor: SpaceDescriptor
+  /** null for MLA (every rank reads one copy) or TP 1. */
+  readonly rank: number | null
+  readonly cache: KVCache
+  readonly blocksPerChunk: number
+
+  private constructor(id: string, d: SpaceDescriptor, rank: number | null, cache: KVCache) {
+    this.id = id
+    this.descriptor = d
+    this.rank = rank
+    this.cache = cache
+    this.blocksPerChunk = cache.chunkTokens / d.blockSize
+  }
+
+  static async open(
+    d: SpaceDescriptor,
+    rank: number | null,
+    base: Omit<KVCacheOptions, 'model' | 'keyScheme' | 'hashSeed'> & { chunkTokens: number },
+  ): Promise<KvSpace> {
+    if (base.chunkTokens % d.blockSize !== 0) {
+      throw new AgentError(
+        'ERR_GEOMETRY_MISMATCH',
+        `the agent's chunkTokens ${base.chunkTokens} is not a multiple of the engine's block size ${d.blockSize}`,
+      )
+    }
+    const id = spaceId(d, rank)
+    const tag = createHash('sha256').update(id).digest('hex').slice(0, 16)
+    const suffix = rank === null ? '' : `#tp${rank}of${d.world}`
+    const cache = await KVCache.open({
+      ...base,
+      model: { modelId: `${d.model}#${d.layout}${suffix}`.slice(0, 256), ...storageGeometry(d) },
+      keyScheme: 'vllm-sha256-cbor',
+      hashSeed: d.hashSeed,
+      disk: base.disk ? { ...base.disk, dir: join(base.disk.dir, tag) } : false,
+    })
+    return new KvSpace(id, d, rank, cache)
+  }
+
+  /**
+   * Chunk keys from the engine's chunk hashes (vLLM's block hash of each chunk's last
+   * block). TP ranks of non-MLA models mix rank/world in: their shards differ.
+   */
+  keys(hashes: readonly Uint8Array[]): ChunkKey[] {
+    const ct = this.cache.chunkTokens
+    const out: ChunkKey[] = []
+    let parent = ZERO_KEY
+    for (let i = 0; i < hashes.length; i++) {
+      const h = hashes[i]!
+      if (!(h instanceof Uint8Array) || h.length !== 32)
+        throw new AgentError('ERR_INVALID_ARGUMENT', `hash ${i} is not 32 bytes`)
+      const key =
+        this.rank === null
+          ? Uint8Array.from(h)
+          : new Uint8Array(
+              createHash('sha256')
+                .update(h)
+                .update(`kvgate:tp:${this.rank}/${this.descriptor.world}`)
+                .digest(),
+            )
+      const hex = toHex(key)
+      out.push({ index: i, start: i * ct, end: (i + 1) * ct, key, hex, parentHex: parent, partial: false })
+      parent = hex
+    }
+    return out
+  }
+
+  close(): Promise<void> {
+    return this.cache.close()
+  }
+}
