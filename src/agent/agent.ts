@@ -99,6 +99,8 @@ export class Agent {
         return this.stats()
       case 'ping':
         return {}
+      case 'flush':
+        return this.#flush(req)
       default:
         throw new AgentError('ERR_UNKNOWN_OP', `unknown op '${req.op.slice(0, 40)}'`)
     }
@@ -371,10 +373,13 @@ export class Agent {
     const g = w.geometry
     const bpc = w.space.blocksPerChunk
     const bb = blockBytes(g)
-    const keys = w.space.keys(hashes)
+    // Keys always start at chunk 0 (chain identity); `from` skips chunks the engine loaded from us.
+    const from = optInt(m, 'from', 0, hashes.length, 0)
+    const keys = w.space.keys(hashes).slice(from)
     s.progress.set(m.id, { op: 'save', layers: 0 })
     try {
-      const out = await w.space.cache.storeKeys(keys, (i, dst) => {
+      const out = await w.space.cache.storeKeys(keys, (k, dst) => {
+        const i = k + from
         for (let layer = 0; layer < g.layers; layer++) {
           const t = w.layers[layer]!
           for (let side = 0; side < sides(g); side++) {
@@ -395,6 +400,14 @@ export class Agent {
     } finally {
       s.progress.delete(m.id)
     }
+  }
+
+  /** Waits for background writes to L2 and the gateway (tests, orderly shutdown of an engine). */
+  async #flush(m: Request): Promise<Record<string, unknown>> {
+    const timeout = optInt(m, 'timeoutMs', 0, 600_000, 30_000)
+    const spaces = await Promise.allSettled([...this.#spaces.values()])
+    await Promise.all(spaces.map((r) => (r.status === 'fulfilled' ? r.value.cache.flush(timeout) : undefined)))
+    return {}
   }
 
   #poll(s: Session, m: Request): Record<string, unknown> {
