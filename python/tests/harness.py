@@ -148,7 +148,7 @@ def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
         kv_transfer_config=SimpleNamespace(
             kv_connector="KVGateConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={"socket": spec.socket, "lookup_timeout_ms": 3000, "load_timeout_ms": 20000},
+            kv_connector_extra_config={"socket": spec.socket, "layout": spec.layout, "lookup_timeout_ms": 3000, "load_timeout_ms": 20000},
         ),
     )
 
@@ -202,7 +202,7 @@ def synthetic_kv(spec: EngineSpec, rank: int, layer: int, side: int, tokens: Lis
     tok = torch.tensor(tokens[start:end], dtype=torch.float64)
     width = (1 if spec.layout == "mla" else spec.kv_heads) * spec.head_size
     ch = torch.arange(width, dtype=torch.float64)
-    phase = tok[:, None] * 0.731 + pos[:, None] * 0.113 + ch[None, :] * 0.071 + layer * 1.37 + side * 2.9 + rank * 0.5
+    phase = tok[:, None] * 0.731 + pos[:, None] * 0.113 + ch[None, :] * 0.071 + layer * 1.37 + side * 2.9 + (0 if spec.layout == "mla" else rank * 0.5)
     x = torch.sin(phase) * 3.0 + torch.cos(phase * 1.7)
     return x.to(TORCH_DTYPES[spec.dtype])
 
@@ -270,9 +270,21 @@ def _write_synthetic(t: torch.Tensor, spec: EngineSpec, rank: int, layer: int, f
             blk[p % spec.block_size].copy_(kv[p - start].view(blk.shape[1:]))
 
 
+_CTX = None
+
+
+def _mp_context():
+    """Workers fork from a forkserver that imported torch once (a spawn per worker costs seconds)."""
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["harness"])
+    return _CTX
+
+
 class WorkerProc:
     def __init__(self, spec: EngineSpec, rank: int):
-        ctx = mp.get_context("spawn")
+        ctx = _mp_context()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, spec, rank), daemon=True)
         self.proc.start()

@@ -406,7 +406,9 @@ export class Agent {
   async #flush(m: Request): Promise<Record<string, unknown>> {
     const timeout = optInt(m, 'timeoutMs', 0, 600_000, 30_000)
     const spaces = await Promise.allSettled([...this.#spaces.values()])
-    await Promise.all(spaces.map((r) => (r.status === 'fulfilled' ? r.value.cache.flush(timeout) : undefined)))
+    await Promise.all(
+      spaces.map((r) => (r.status === 'fulfilled' ? r.value.cache.flush(timeout) : undefined)),
+    )
     return {}
   }
 

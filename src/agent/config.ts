@@ -13,7 +13,7 @@ export interface AgentSettings {
   socket?: string
   /** Tokens per stored chunk (a multiple of the engine's block size). @default 256 */
   chunkTokens?: number
-  /** Lookups answer from L1/L2 after this many ms when the gateway is slow. @default 20 */
+  /** Lookups answer from L1/L2 after this many ms when the gateway is slow. @default 250 */
   lookupDeadlineMs?: number
   /** Largest accepted frame. @default 16 MiB */
   maxFrameBytes?: number
@@ -82,7 +82,7 @@ export function resolveAgentConfig(
     chunkTokens: int('chunkTokens', flags.chunkTokens ?? ct ?? fromFile.chunkTokens ?? 256, 1, 1 << 20),
     lookupDeadlineMs: int(
       'lookupDeadlineMs',
-      pick('lookupDeadlineMs', 'KVGATE_AGENT_LOOKUP_DEADLINE_MS') ?? 20,
+      pick('lookupDeadlineMs', 'KVGATE_AGENT_LOOKUP_DEADLINE_MS') ?? 250,
       0,
       60_000,
     ),

@@ -25,7 +25,7 @@ const ZERO_KEY = '0'.repeat(64)
 export function spaceId(d: SpaceDescriptor, rank: number | null): string {
   return JSON.stringify([
     d.model,
-    d.layout,
+    d.layout === 'mla',
     d.dtype,
     d.layers,
     d.kvHeads,
@@ -36,6 +36,12 @@ export function spaceId(d: SpaceDescriptor, rank: number | null): string {
   ])
 }
 
+/** What an object key mixes into vLLM's block hash (docs/vllm.md, "Keys"). */
+export function keyTag(d: SpaceDescriptor, rank: number | null): Uint8Array {
+  const shard = rank === null ? '' : `tp${rank}/${d.world}`
+  return new TextEncoder().encode(`kvgate:vllm:v1\0${d.model}\0${shard}`)
+}
+
 export class KvSpace {
   readonly id: string
   readonly descriptor: SpaceDescriptor
@@ -43,8 +49,10 @@ export class KvSpace {
   readonly rank: number | null
   readonly cache: KVCache
   readonly blocksPerChunk: number
+  readonly #keyTag: Uint8Array
 
   private constructor(id: string, d: SpaceDescriptor, rank: number | null, cache: KVCache) {
+    this.#keyTag = keyTag(d, rank)
     this.id = id
     this.descriptor = d
     this.rank = rank
@@ -68,7 +76,7 @@ export class KvSpace {
     const suffix = rank === null ? '' : `#tp${rank}of${d.world}`
     const cache = await KVCache.open({
       ...base,
-      model: { modelId: `${d.model}#${d.layout}${suffix}`.slice(0, 256), ...storageGeometry(d) },
+      model: { modelId: `${d.model}${suffix}`.slice(0, 256), ...storageGeometry(d) },
       keyScheme: 'vllm-sha256-cbor',
       hashSeed: d.hashSeed,
       disk: base.disk ? { ...base.disk, dir: join(base.disk.dir, tag) } : false,
@@ -78,7 +86,8 @@ export class KvSpace {
 
   /**
    * Chunk keys from the engine's chunk hashes (vLLM's block hash of each chunk's last
-   * block). TP ranks of non-MLA models mix rank/world in: their shards differ.
+   * block). vLLM's hashes cover tokens only, so the model and, for non-MLA TP, the
+   * rank's shard are mixed in: another model (or shard) never reads these bytes.
    */
   keys(hashes: readonly Uint8Array[]): ChunkKey[] {
     const ct = this.cache.chunkTokens
@@ -88,15 +97,7 @@ export class KvSpace {
       const h = hashes[i]!
       if (!(h instanceof Uint8Array) || h.length !== 32)
         throw new AgentError('ERR_INVALID_ARGUMENT', `hash ${i} is not 32 bytes`)
-      const key =
-        this.rank === null
-          ? Uint8Array.from(h)
-          : new Uint8Array(
-              createHash('sha256')
-                .update(h)
-                .update(`kvgate:tp:${this.rank}/${this.descriptor.world}`)
-                .digest(),
-            )
+      const key = new Uint8Array(createHash('sha256').update(h).update(this.#keyTag).digest())
       const hex = toHex(key)
       out.push({ index: i, start: i * ct, end: (i + 1) * ct, key, hex, parentHex: parent, partial: false })
       parent = hex

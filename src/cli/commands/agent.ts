@@ -19,7 +19,7 @@ Options (flags override KVGATE_* env vars, which override the config file):
                                [$XDG_RUNTIME_DIR/kvgate/agent.sock or /tmp/kvgate-<uid>/agent.sock]
       --chunk-tokens N         tokens per stored chunk, a multiple of vLLM's block size [256]
       --lookup-deadline-ms N   answer lookups from local tiers after N ms (env:
-                               KVGATE_AGENT_LOOKUP_DEADLINE_MS) [20]
+                               KVGATE_AGENT_LOOKUP_DEADLINE_MS) [250]
       --metrics-port N         Prometheus /metrics on 127.0.0.1:N, 0 = any free port
                                (env: KVGATE_AGENT_METRICS_PORT) [off]
       --model ID               refuse engines serving another model (env: KVGATE_AGENT_MODEL)
