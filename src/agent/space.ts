@@ -1,12 +1,11 @@
 // A KV space: one model geometry (and TP rank, for non-MLA models) as the agent stores it.
 // Owns the KVCache of that space and turns vLLM block hashes into kvgate chunk keys.
 
-import { createHash } from 'node:crypto'
+import { createHash, hash } from 'node:crypto'
 import { join } from 'node:path'
 import type { KVCacheOptions } from '../client/config.ts'
 import { KVCache } from '../client/kv-cache.ts'
 import type { ChunkKey } from '../core/keys.ts'
-import { toHex } from '../core/keys.ts'
 import { type EngineGeometry, storageGeometry } from './engine-layout.ts'
 import { AgentError } from './protocol.ts'
 
@@ -20,6 +19,11 @@ export interface SpaceDescriptor extends EngineGeometry {
 }
 
 const ZERO_KEY = '0'.repeat(64)
+const MAX_DERIVED = 1 << 16
+
+function sha256(b: Uint8Array): Buffer {
+  return hash('sha256', b, 'buffer') as unknown as Buffer
+}
 
 /** The space id: every field that makes stored bytes differ. `rank` is null for MLA (one shared copy). */
 export function spaceId(d: SpaceDescriptor, rank: number | null): string {
@@ -49,10 +53,14 @@ export class KvSpace {
   readonly rank: number | null
   readonly cache: KVCache
   readonly blocksPerChunk: number
-  readonly #keyTag: Uint8Array
+  /** vLLM hash (32 bytes) followed by the key tag: the input of one key derivation. */
+  readonly #input: Uint8Array
+  readonly #derived = new Map<string, { key: Uint8Array; hex: string }>()
 
   private constructor(id: string, d: SpaceDescriptor, rank: number | null, cache: KVCache) {
-    this.#keyTag = keyTag(d, rank)
+    const tag = keyTag(d, rank)
+    this.#input = new Uint8Array(32 + tag.length)
+    this.#input.set(tag, 32)
     this.id = id
     this.descriptor = d
     this.rank = rank
@@ -97,12 +105,25 @@ export class KvSpace {
       const h = hashes[i]!
       if (!(h instanceof Uint8Array) || h.length !== 32)
         throw new AgentError('ERR_INVALID_ARGUMENT', `hash ${i} is not 32 bytes`)
-      const key = new Uint8Array(createHash('sha256').update(h).update(this.#keyTag).digest())
-      const hex = toHex(key)
+      const { key, hex } = this.#derive(h)
       out.push({ index: i, start: i * ct, end: (i + 1) * ct, key, hex, parentHex: parent, partial: false })
       parent = hex
     }
     return out
+  }
+
+  /** Memoized: a 128k-token prompt is 512 keys, and the same prompts come back (lookup, load, save). */
+  #derive(h: Uint8Array): { key: Uint8Array; hex: string } {
+    const id = Buffer.from(h.buffer, h.byteOffset, 32).toString('hex')
+    let d = this.#derived.get(id)
+    if (!d) {
+      if (this.#derived.size >= MAX_DERIVED) this.#derived.clear()
+      this.#input.set(h, 0)
+      const key = new Uint8Array(sha256(this.#input))
+      d = { key, hex: Buffer.from(key.buffer, key.byteOffset, 32).toString('hex') }
+      this.#derived.set(id, d)
+    }
+    return d
   }
 
   close(): Promise<void> {
