@@ -75,7 +75,7 @@ let server: AgentServer
 beforeAll(async () => {
   dir = mkdtempSync(join(tmpdir(), 'kvgate-agent-'))
   const cfg = resolveAgentConfig(
-    { socket: join(dir, 'a.sock'), chunkTokens: 32, maxFrameBytes: 1 << 20 },
+    { socket: join(dir, 'a.sock'), chunkTokens: 32, maxFrameBytes: 1 << 20, metricsPort: 0 },
     { KVGATE_MEMORY_BYTES: '64MiB' },
   )
   cfg.cache = { ...cfg.cache, native: false, remote: false, disk: false, codecWorkers: 0 }
@@ -129,6 +129,16 @@ describe('agent socket', () => {
     const st = (await d.call('stats')) as Msg
     expect(st.badFrames).toBeGreaterThanOrEqual(3)
     d.close()
+  })
+
+  it('serves Prometheus metrics on loopback', async () => {
+    const res = await fetch(`http://127.0.0.1:${server.metricsPort}/metrics`)
+    expect(res.status).toBe(200)
+    const text = await res.text()
+    expect(text).toMatch(/^kvgate_agent_requests_total \d+$/m)
+    expect(text).toMatch(/^kvgate_agent_bad_frames_total [1-9]\d*$/m)
+    expect(text).toContain('kvgate_agent_errors_total{code="ERR_UNKNOWN_OP"} 1')
+    expect((await fetch(`http://127.0.0.1:${server.metricsPort}/nope`)).status).toBe(404)
   })
 
   it('refuses a second agent on a live socket', async () => {

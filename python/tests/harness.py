@@ -101,6 +101,8 @@ def start_agent(sock: str, gateway_url: Optional[str], codec: str = "raw", chunk
         "KVGATE_MEMORY_BYTES": "32MiB",
         "KVGATE_DISK": "off",
         "KVGATE_REMOTE_CODEC": codec,
+        # Generous: these machines are shared and loaded; the deadline path has its own test.
+        "KVGATE_AGENT_LOOKUP_DEADLINE_MS": "5000",
     }
     if gateway_url:
         env["KVGATE_REMOTE_URL"] = gateway_url
@@ -148,7 +150,7 @@ def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
         kv_transfer_config=SimpleNamespace(
             kv_connector="KVGateConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={"socket": spec.socket, "layout": spec.layout, "lookup_timeout_ms": 3000, "load_timeout_ms": 20000},
+            kv_connector_extra_config={"socket": spec.socket, "layout": spec.layout, "lookup_timeout_ms": 10000, "load_timeout_ms": 20000},
         ),
     )
 
