@@ -2,8 +2,10 @@
 // (server.ts feeds it decoded requests per connection); owns the KV spaces and their caches.
 
 import type { KVCacheOptions } from '../client/config.ts'
+import { loadNative } from '../client/native-api.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import type { Dtype } from '../core/layout.ts'
+import { DeviceTensor, IpcMappings } from './device-tensor.ts'
 import {
   blockBytes,
   blockOffset,
@@ -16,7 +18,7 @@ import {
   sides,
 } from './engine-layout.ts'
 import { binList, int, intList, map, oneOf, optInt, str } from './fields.ts'
-import { HostTensor } from './host-tensor.ts'
+import { HostTensor, type KvTensor } from './host-tensor.ts'
 import { AgentMetrics } from './metrics.ts'
 import { AgentError, PROTOCOL_VERSION, type Request } from './protocol.ts'
 import { KvSpace, type SpaceDescriptor, spaceId } from './space.ts'
@@ -50,7 +52,11 @@ interface Worker {
   geometry: EngineGeometry
   rank: number
   numBlocks: number
-  layers: HostTensor[]
+  layers: KvTensor[]
+  /** Releases what the registration holds (files, IPC mappings). */
+  release(): Promise<void>
+  /** Loads and saves still copying: the registration is released only after them. */
+  inflight: Set<Promise<unknown>>
 }
 
 /** What the agent keeps per connection. */
@@ -90,9 +96,9 @@ export class Agent {
       case 'lookup':
         return this.#lookup(s, req)
       case 'load':
-        return this.#load(s, req)
+        return this.#tracked(s, req, (w) => this.#load(s, w, req))
       case 'save':
-        return this.#save(s, req)
+        return this.#tracked(s, req, (w) => this.#save(s, w, req))
       case 'poll':
         return this.#poll(s, req)
       case 'stats':
@@ -193,19 +199,20 @@ export class Agent {
     if (!Array.isArray(list) || list.length !== d.layers) {
       throw new AgentError('ERR_GEOMETRY_MISMATCH', `register needs one tensor per layer (${d.layers})`)
     }
-    const layers: HostTensor[] = []
+    const hosts: HostTensor[] = []
+    let ipc: IpcMappings | undefined
+    const release = async () => {
+      for (const h of hosts) h.close()
+      await ipc?.close()
+    }
+    const layers: KvTensor[] = []
+    let space: KvSpace
     try {
       for (let i = 0; i < list.length; i++) {
         const t = list[i] as Record<string, unknown>
         if (typeof t !== 'object' || t === null)
           throw new AgentError('ERR_INVALID_ARGUMENT', `tensors[${i}] is not a map`)
         const kind = oneOf(t, 'kind', ['shm', 'cuda-ipc'] as const)
-        if (kind === 'cuda-ipc') {
-          throw new AgentError(
-            'ERR_CUDA',
-            'CUDA IPC registration is not implemented in this agent build: register host shared memory',
-          )
-        }
         const tShape = t.shape
         if (!Array.isArray(tShape) || JSON.stringify(tShape) !== JSON.stringify(shape)) {
           throw new AgentError(
@@ -221,21 +228,29 @@ export class Agent {
           )
         }
         const offset = optInt(t, 'offset', 0, Number.MAX_SAFE_INTEGER, 0)
-        layers.push(new HostTensor(str(t, 'path', 4096), offset, want))
+        if (kind === 'shm') {
+          const h = new HostTensor(str(t, 'path', 4096), offset, want)
+          hosts.push(h)
+          layers.push(h)
+        } else {
+          const native = loadNative()
+          if (!native.api)
+            throw new AgentError('ERR_CUDA', `the native addon is not loaded: ${native.reason}`)
+          const st = native.api.cuda.status()
+          if (!st.available)
+            throw new AgentError('ERR_CUDA', `CUDA is not available to the agent: ${st.reason}`)
+          const [handle] = binList({ h: [t.handle] }, 'h', 64, 1)
+          ipc ??= new IpcMappings(native.api)
+          layers.push(new DeviceTensor(native.api, await ipc.map(handle!), offset, want))
+        }
       }
-    } catch (e) {
-      for (const l of layers) l.close()
-      throw e
-    }
-    let space: KvSpace
-    try {
       space = await this.#space(d, rank)
     } catch (e) {
-      for (const l of layers) l.close()
+      await release()
       throw e
     }
     const id = s.nextWorker++
-    s.workers.set(id, { space, geometry: g, rank, numBlocks, layers })
+    s.workers.set(id, { space, geometry: g, rank, numBlocks, layers, release, inflight: new Set() })
     this.metrics.workers++
     return { worker: id, chunkTokens: this.options.chunkTokens, blocksPerChunk: space.blocksPerChunk }
   }
@@ -309,8 +324,22 @@ export class Agent {
    * Fills the engine's blocks from the stored chunks, layer by layer (an event
    * per finished layer). Answers the blocks it could not fill: the engine recomputes them.
    */
-  async #load(s: Session, m: Request): Promise<Record<string, unknown>> {
+  #tracked(
+    s: Session,
+    m: Request,
+    op: (w: Worker) => Promise<Record<string, unknown>>,
+  ): Promise<Record<string, unknown>> {
     const w = this.#worker(s, m)
+    const p = op(w)
+    w.inflight.add(p)
+    void p.then(
+      () => w.inflight.delete(p),
+      () => w.inflight.delete(p),
+    )
+    return p
+  }
+
+  async #load(s: Session, w: Worker, m: Request): Promise<Record<string, unknown>> {
     const hashes = binList(m, 'keys', 32, MAX_KEYS)
     const ids = this.#blocks(w, m, hashes.length)
     const skip = optInt(m, 'skipBlocks', 0, ids.length, 0)
@@ -329,16 +358,16 @@ export class Agent {
         served = Math.min(served, batch.chunks)
         const t = w.layers[batch.layer]!
         for (let c = 0; c < batch.chunks; c++) {
-          const slab = batch.slabs[c]!
+          const runs: number[] = []
           for (let side = 0; side < sides(g); side++) {
             for (let j = 0; j < bpc; j++) {
               const b = c * bpc + j
               if (b < skip) continue
-              const at = chunkOffset(g, bpc, 0, side, j)
-              t.write(blockOffset(g, w.numBlocks, side, ids[b]!), slab.subarray(at, at + bb))
+              runs.push(blockOffset(g, w.numBlocks, side, ids[b]!), chunkOffset(g, bpc, 0, side, j), bb)
               bytes += bb
             }
           }
+          await t.scatter(batch.slabs[c]!, runs)
         }
         seen.add(batch.layer)
         prog.layers = seen.size
@@ -366,8 +395,7 @@ export class Agent {
   }
 
   /** Copies the engine's blocks out into the cache; answers once nothing reads engine memory any more. */
-  async #save(s: Session, m: Request): Promise<Record<string, unknown>> {
-    const w = this.#worker(s, m)
+  async #save(s: Session, w: Worker, m: Request): Promise<Record<string, unknown>> {
     const hashes = binList(m, 'keys', 32, MAX_KEYS)
     const ids = this.#blocks(w, m, hashes.length)
     const g = w.geometry
@@ -378,16 +406,20 @@ export class Agent {
     const keys = w.space.keys(hashes).slice(from)
     s.progress.set(m.id, { op: 'save', layers: 0 })
     try {
-      const out = await w.space.cache.storeKeys(keys, (k, dst) => {
+      const out = await w.space.cache.storeKeys(keys, async (k, dst) => {
         const i = k + from
         for (let layer = 0; layer < g.layers; layer++) {
-          const t = w.layers[layer]!
+          const runs: number[] = []
           for (let side = 0; side < sides(g); side++) {
             for (let j = 0; j < bpc; j++) {
-              const at = chunkOffset(g, bpc, layer, side, j)
-              t.read(blockOffset(g, w.numBlocks, side, ids[i * bpc + j]!), dst.subarray(at, at + bb))
+              runs.push(
+                blockOffset(g, w.numBlocks, side, ids[i * bpc + j]!),
+                chunkOffset(g, bpc, layer, side, j),
+                bb,
+              )
             }
           }
+          await w.layers[layer]!.gather(runs, dst)
         }
       })
       this.metrics.saves++
@@ -425,7 +457,8 @@ export class Agent {
   /** Releases what a closed connection registered. */
   endSession(s: Session): void {
     for (const w of s.workers.values()) {
-      for (const t of w.layers) t.close()
+      // An IPC mapping must outlive every copy through it.
+      void Promise.allSettled([...w.inflight]).then(() => w.release())
       this.metrics.workers--
     }
     s.workers.clear()

@@ -4,7 +4,16 @@
 import { closeSync, fstatSync, openSync, readSync, writeSync } from 'node:fs'
 import { AgentError } from './protocol.ts'
 
-export class HostTensor {
+/**
+ * A registered engine KV tensor. Runs are [tensorOffset, hostOffset, bytes] triples;
+ * `gather` copies tensor → host, `scatter` host → tensor.
+ */
+export interface KvTensor {
+  gather(runs: readonly number[], host: Uint8Array): void | Promise<void>
+  scatter(host: Uint8Array, runs: readonly number[]): void | Promise<void>
+}
+
+export class HostTensor implements KvTensor {
   readonly path: string
   readonly offset: number
   readonly bytes: number
@@ -60,6 +69,18 @@ export class HostTensor {
     let done = 0
     while (done < src.length) {
       done += writeSync(fd, src, done, src.length - done, this.offset + at + done)
+    }
+  }
+
+  gather(runs: readonly number[], host: Uint8Array): void {
+    for (let i = 0; i < runs.length; i += 3) {
+      this.read(runs[i]!, host.subarray(runs[i + 1]!, runs[i + 1]! + runs[i + 2]!))
+    }
+  }
+
+  scatter(host: Uint8Array, runs: readonly number[]): void {
+    for (let i = 0; i < runs.length; i += 3) {
+      this.write(runs[i]!, host.subarray(runs[i + 1]!, runs[i + 1]! + runs[i + 2]!))
     }
   }
 
