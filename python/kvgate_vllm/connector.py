@@ -115,6 +115,20 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
     }
 
 
+def cuda_ipc(t: torch.Tensor) -> Dict[str, Any]:
+    """The CUDA IPC handle of the allocation holding `t` and `t`'s byte offset in it."""
+    storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+    shared = storage._share_cuda_()
+    device, handle, _size, storage_offset = shared[0], shared[1], shared[2], shared[3]
+    if not isinstance(handle, (bytes, bytearray)) or len(handle) != 64:
+        raise ConfigurationError("this torch build returned no 64-byte CUDA IPC handle for the KV cache")
+    return {
+        "handle": bytes(handle),
+        "device": int(device),
+        "offset": int(storage_offset) + t.storage_offset() * t.element_size(),
+    }
+
+
 class _LoadState:
     def __init__(self, spec: LoadSpec):
         self.spec = spec
@@ -313,7 +327,8 @@ class KVGateConnector(KVConnectorBase_V1):
                     f"{layout} layout {want}, contiguous"
                 )
             if t.is_cuda:
-                raise ConfigurationError("CUDA KV tensors need the agent's CUDA IPC path, not in this build")
+                tensors.append({"kind": "cuda-ipc", "shape": want, "strides": list(t.stride()), **cuda_ipc(t)})
+                continue
             where = shm.describe(t)
             if where is None:
                 raise ConfigurationError(

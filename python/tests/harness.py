@@ -129,6 +129,7 @@ class EngineSpec:
     model: str = "test/synthetic"
     hash_algo: str = "sha256_cbor"
     weights: Optional[str] = None  # a llama2.c checkpoint: run the real model
+    device: str = "cpu"  # "cuda": KV in GPU memory, registered through CUDA IPC handles
 
 
 def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
@@ -214,13 +215,16 @@ def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
     from kvgate_vllm import KVGateConnector, shm
 
     names = [f"model.layers.{i}.self_attn" for i in range(spec.layers)]
-    caches = {n: shm.shm_tensor(layer_shape(spec), TORCH_DTYPES[spec.dtype]) for n in names}
+    if spec.device == "cuda":
+        caches = {n: torch.zeros(layer_shape(spec), dtype=TORCH_DTYPES[spec.dtype], device="cuda") for n in names}
+    else:
+        caches = {n: shm.shm_tensor(layer_shape(spec), TORCH_DTYPES[spec.dtype]) for n in names}
     model = None
     if spec.weights:
         from llama2c import Llama2c
 
         model = Llama2c(spec.weights)
-    conn.send({"paths": [shm.describe(caches[n])["path"] for n in names]})
+    conn.send({"paths": [] if spec.device == "cuda" else [shm.describe(caches[n])["path"] for n in names]})
     conn_ = None
     try:
         while True:
@@ -252,13 +256,16 @@ def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
                 out["load_errors"] = sorted(conn_.get_block_ids_with_load_errors())
                 conn_.clear_connector_metadata()
                 conn.send(out)
+            elif cmd[0] == "dump":
+                conn.send([caches[n].cpu() for n in names])
             elif cmd[0] == "stop":
                 break
     finally:
         if conn_ is not None:
             conn_.shutdown()
-        for t in caches.values():
-            shm.unlink(t)
+        if spec.device != "cuda":
+            for t in caches.values():
+                shm.unlink(t)
         conn.close()
 
 
@@ -378,6 +385,9 @@ class Engine:
 
     def tensors(self, rank: int = 0):
         from kvgate_vllm import shm
+
+        if self.spec.device == "cuda":
+            return self.workers[rank].call("dump")
 
         return [shm.attach(p, layer_shape(self.spec), TORCH_DTYPES[self.spec.dtype]) for p in self.workers[rank].paths]
 

@@ -282,7 +282,22 @@ def test_vllm_version_check():
     check_vllm_version(None)
 
 
-def test_real_gpu_ipc():
+def test_real_gpu_ipc(tmp):
+    """CUDA KV tensors: IPC handles into the agent, saved by one process, loaded by another."""
     if not torch.cuda.is_available():
-        pytest.skip("no GPU on this machine (and none lent to this task): the CUDA IPC path is not exercised here")
-    pytest.skip("the agent's CUDA IPC registration is not implemented in this build (docs/vllm.md)")
+        pytest.skip("no GPU on this machine (none was lent to this task): the CUDA IPC path runs only on a GPU host")
+    gw = start_gateway()
+    try:
+        a, b, ra, rb, agents = share(tmp, gw, "gpu", device="cuda")
+        try:
+            assert rb["matched"] == 96 and rb["load_errors"] == []
+            A = blocks_of(a, 0, ra["block_ids"], 6)
+            B = blocks_of(b, 0, rb["block_ids"], 6)
+            assert all(torch.equal(A[l][s][i], B[l][s][i]) for l in range(3) for s in range(2) for i in range(6))
+        finally:
+            a.close()
+            b.close()
+            for ag in agents:
+                ag.stop()
+    finally:
+        gw.stop()
