@@ -161,7 +161,8 @@ def test_lossy_codec_within_bound(tmp, gateway):
 def test_tensor_parallel_two_ranks(tmp, gateway, layout):
     a, b, ra, rb, agents = share(tmp, gateway, f"tp-{layout}", layout=layout, world=2)
     try:
-        assert rb["matched"] == 96 and rb["load_errors"] == []
+        diag = [agent_call(tmp.sock(f"tp-{layout}-{x}"), "stats", spaces=True) for x in "ab"]
+        assert rb["matched"] == 96 and rb["load_errors"] == [], diag
         for rank in range(2):
             A = blocks_of(a, rank, ra["block_ids"], 6)
             B = blocks_of(b, rank, rb["block_ids"], 6)

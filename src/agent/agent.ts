@@ -102,7 +102,7 @@ export class Agent {
       case 'poll':
         return this.#poll(s, req)
       case 'stats':
-        return this.stats()
+        return this.stats(req.spaces === true)
       case 'ping':
         return {}
       case 'flush':
@@ -464,8 +464,17 @@ export class Agent {
     s.workers.clear()
   }
 
-  stats(): Record<string, unknown> {
-    return { ...this.metrics.snapshot(), spaces: this.#spaces.size }
+  /** Agent counters; with `spaces`, each KV space's cache stats too (tiers, gateway errors, shed writes). */
+  async stats(detail = false): Promise<Record<string, unknown>> {
+    const base = { ...this.metrics.snapshot(), spaces: this.#spaces.size }
+    if (!detail) return base
+    const spaces = await Promise.allSettled([...this.#spaces.values()])
+    return {
+      ...base,
+      spaceStats: spaces.flatMap((r) =>
+        r.status === 'fulfilled' ? [{ id: r.value.id, cache: r.value.cache.stats() }] : [],
+      ),
+    }
   }
 
   async metricsText(): Promise<string> {
