@@ -233,7 +233,12 @@ def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
                 conn_ = KVGateConnector(vllm_config(spec, rank), KVConnectorRole.WORKER)
                 try:
                     conn_.register_kv_caches(caches)
-                    conn.send({"ok": True})
+                    # A loaded machine can be slow to answer the first hello: wait (bounded) so
+                    # tests start registered; a connector that is not gives up saves/loads by design.
+                    deadline = time.monotonic() + cmd[1]
+                    while not conn_._worker_ready() and time.monotonic() < deadline:
+                        time.sleep(0.2)
+                    conn.send({"ok": True, "ready": conn_._worker_ready()})
                 except Exception as e:  # surfaced to the test
                     conn.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
             elif cmd[0] == "step":
@@ -322,15 +327,17 @@ class WorkerProc:
 class Engine:
     """One vLLM engine: a scheduler-side connector here, `spec.world` worker processes."""
 
-    def __init__(self, spec: EngineSpec, block_order_seed: int):
+    def __init__(self, spec: EngineSpec, block_order_seed: int, wait_registered: float = 15.0):
         from kvgate_vllm import KVGateConnector
 
         self.spec = spec
         self.workers = [WorkerProc(spec, r) for r in range(spec.world)]
+        self.ready = True
         for w in self.workers:
-            r = w.call("init")
+            r = w.call("init", wait_registered)
             if not r["ok"]:
                 raise RuntimeError(r["error"])
+            self.ready = self.ready and r["ready"]
         self.sched = KVGateConnector(vllm_config(spec, 0), KVConnectorRole.SCHEDULER)
         g = torch.Generator().manual_seed(block_order_seed)
         self.free = torch.randperm(spec.num_blocks, generator=g).tolist()

@@ -100,6 +100,7 @@ def share(tmp, gateway, name, codec="raw", pair=None, **spec_kw):
     # One model id per test: keys cover the model, so tests sharing the gateway stay apart.
     a = Engine(EngineSpec(socket=sa, model=f"test/{name}", **spec_kw), block_order_seed=1)
     b = Engine(EngineSpec(socket=sb, model=f"test/{name}", **spec_kw), block_order_seed=2)
+    assert a.ready and b.ready, "a worker never registered with its agent"
     ra = a.prefill("r1", PROMPT)
     assert ra["matched"] == 0
     assert a.finish(ra["req"], ra["block_ids"]) is True
@@ -257,7 +258,8 @@ def test_gateway_down_and_stalled(tmp):
 
 
 def test_no_agent_means_full_prefill(tmp):
-    e = Engine(EngineSpec(socket=tmp.sock("nobody")), block_order_seed=4)
+    e = Engine(EngineSpec(socket=tmp.sock("nobody")), block_order_seed=4, wait_registered=0)
+    assert e.ready is False
     try:
         r = e.prefill("r1", PROMPT)
         assert r["matched"] == 0 and r["load_errors"] == []

@@ -44,7 +44,7 @@ def greedy(e: Engine, tokens, block_ids, n):
 def story():
     """A 456-token story the model writes itself from BOS (no agent involved)."""
     d = TempDir()
-    e = Engine(spec(d.sock("none"), "gen"), block_order_seed=9)
+    e = Engine(spec(d.sock("none"), "gen"), block_order_seed=9, wait_registered=0)
     try:
         ids = e.alloc(30)
         toks = [1]
@@ -65,6 +65,7 @@ def run_pair(codec, story, model):
     b = Engine(spec(sb, model), block_order_seed=2)
     prompt, rest = story[:PROMPT_TOKENS], story[PROMPT_TOKENS:]
     try:
+        assert a.ready and b.ready, "a worker never registered with its agent"
         ra = a.prefill("r1", prompt, extra_blocks=14)
         assert ra["matched"] == 0
         tf_a = step(a, prompt + rest[:-1], PROMPT_TOKENS, ra["block_ids"])["logits"].argmax(-1)
