@@ -13,6 +13,7 @@ import struct
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Dict, Optional
 
 import msgpack
@@ -165,7 +166,7 @@ class AgentClient:
         f = self.request(op, fields)
         try:
             return f.result(timeout=timeout)
-        except TimeoutError as e:  # concurrent.futures.TimeoutError is TimeoutError on 3.11
+        except FutureTimeout as e:  # a distinct class before Python 3.11
             raise AgentError("ERR_TIMEOUT", f"{op}: no answer from the kvgate agent in {timeout}s") from e
 
     def _read_loop(self, s: socket.socket) -> None:
