@@ -232,3 +232,41 @@ describe('agent socket', () => {
     })
   }
 })
+
+describe('agent configuration', () => {
+  it('flags over env over file; unknown agent keys and bad values are errors', async () => {
+    const file = join(dir, 'agent.yaml')
+    writeFileSync(file, 'agent:\n  lookupDeadlineMs: 40\n  metricsPort: 9100\nmemory:\n  bytes: 64MiB\n')
+    const c = resolveAgentConfig(
+      { config: file, socket: join(dir, 'x.sock') },
+      { KVGATE_AGENT_METRICS_PORT: '9200' },
+    )
+    expect(c).toMatchObject({
+      lookupDeadlineMs: 40,
+      metricsPort: 9200,
+      socket: join(dir, 'x.sock'),
+      chunkTokens: 256,
+    })
+    expect(c.cache).toMatchObject({ memory: { bytes: 64 * 2 ** 20 } })
+    writeFileSync(file, 'agent:\n  socketPath: /tmp/x\n')
+    expect(() => resolveAgentConfig({ config: file }, {})).toThrow(/unknown agent option 'socketPath'/)
+    expect(() => resolveAgentConfig({ lookupDeadlineMs: -1 }, {})).toThrow(/lookupDeadlineMs/)
+    expect(() => resolveAgentConfig({ socket: 'x'.repeat(200) }, {})).toThrow(/socket/)
+  })
+
+  it('kvgate agent --help', async () => {
+    const { main } = await import('../src/cli/main.ts')
+    const log = console.log
+    let out = ''
+    console.log = (s: string) => {
+      out += s
+    }
+    try {
+      expect(await main(['agent', '--help'])).toBe(0)
+    } finally {
+      console.log = log
+    }
+    expect(out).toContain('--socket PATH')
+    expect(out).toContain('docs/vllm.md')
+  })
+})
