@@ -73,19 +73,34 @@ export class HostTensor implements KvTensor {
   }
 
   gather(runs: readonly number[], host: Uint8Array): void {
-    for (let i = 0; i < runs.length; i += 3) {
-      this.read(runs[i]!, host.subarray(runs[i + 1]!, runs[i + 1]! + runs[i + 2]!))
-    }
+    forMerged(runs, (t, h, n) => this.read(t, host.subarray(h, h + n)))
   }
 
   scatter(host: Uint8Array, runs: readonly number[]): void {
-    for (let i = 0; i < runs.length; i += 3) {
-      this.write(runs[i]!, host.subarray(runs[i + 1]!, runs[i + 1]! + runs[i + 2]!))
-    }
+    forMerged(runs, (t, h, n) => this.write(t, host.subarray(h, h + n)))
   }
 
   close(): void {
     if (this.#fd !== undefined) closeSync(this.#fd)
     this.#fd = undefined
+  }
+}
+
+/** Runs adjacent on both sides (consecutive block ids, as vLLM often allocates) become one syscall. */
+function forMerged(
+  runs: readonly number[],
+  f: (tensorAt: number, hostAt: number, bytes: number) => void,
+): void {
+  let i = 0
+  while (i < runs.length) {
+    const t = runs[i]!
+    const h = runs[i + 1]!
+    let n = runs[i + 2]!
+    i += 3
+    while (i < runs.length && runs[i] === t + n && runs[i + 1] === h + n) {
+      n += runs[i + 2]!
+      i += 3
+    }
+    f(t, h, n)
   }
 }
