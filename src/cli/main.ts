@@ -21,6 +21,7 @@ const COMMANDS: Record<string, CommandEntry> = {
   token: { summary: "create a bearer token and print its entry for the gateway's token table" },
   smoke: { summary: 'put, get and look up a chunk against a running gateway' },
   inspect: { summary: "print a chunk object's header, layer index and checksums" },
+  agent: { summary: 'run the per-node sidecar vLLM talks to (kvgate_vllm connector)' },
   keys: { summary: 'compute chained prefix keys for a token list' },
   bench: { summary: 'run a benchmark (codec, gateway, native, client, fleet)' },
   gc: { summary: 'delete unused and over-quota chains from the bucket, tail first (cold tier)' },

@@ -356,6 +356,8 @@ type Plain = Record<string, unknown>
 export function optionsFromEnvironment(
   env: NodeJS.ProcessEnv = process.env,
   file?: string,
+  /** Top-level file sections a daemon reads itself (e.g. the agent's `agent:`): passed through unchecked. */
+  extraSections: readonly string[] = [],
 ): Partial<KVCacheOptions> {
   const out: Plain = {}
   const path = file ?? env[CLIENT_CONFIG_ENV]
@@ -369,7 +371,13 @@ export function optionsFromEnvironment(
     if (doc !== null && doc !== undefined) {
       if (typeof doc !== 'object' || Array.isArray(doc))
         throw new ConfigError(`config file ${path}: expected a mapping`)
-      Object.assign(out, parseConfig(CLIENT_FILE_SCHEMA, doc, path))
+      const d = { ...(doc as Plain) }
+      const extra: Plain = {}
+      for (const k of extraSections) {
+        if (k in d) extra[k] = d[k]
+        delete d[k]
+      }
+      Object.assign(out, parseConfig(CLIENT_FILE_SCHEMA, d, path), extra)
     }
   }
   const sub = (k: 'memory' | 'disk' | 'remote'): Plain => {

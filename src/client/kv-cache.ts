@@ -415,6 +415,45 @@ export class KVCache {
     return this.#manager.retrieveLayers(keys)
   }
 
+  // Engine integration (`kvgate agent`): the same operations over chain keys the caller
+  // derived itself (vLLM's block hashes), for engines that hash their own prompts.
+
+  /** Tiers of the leading chunks of `keys`; `localOnly` answers from L1/L2 without asking the gateway. */
+  async lookupKeys(keys: readonly ChunkKey[], options: { localOnly?: boolean } = {}): Promise<TierName[]> {
+    this.#open()
+    if (options.localOnly !== true) return this.#manager.lookup(keys)
+    const m = this.#manager
+    const tiers: TierName[] = []
+    for (const k of keys) {
+      if (m.memory.has(k.hex)) tiers.push('memory')
+      else if (m.disk?.has(k.hex)) tiers.push('disk')
+      else break
+    }
+    return tiers
+  }
+
+  /** store() over caller-derived keys: `fill(i, dst)` writes chunk i's tensor. Resolves once L1 (or a private copy) holds them. */
+  async storeKeys(
+    keys: readonly ChunkKey[],
+    fill: (i: number, dst: Uint8Array) => void | Promise<void>,
+  ): Promise<StoreResult> {
+    this.#open()
+    const out = await this.#manager.store(keys, fill)
+    return { chunks: keys.length, ...out }
+  }
+
+  /** retrieveLayers() over caller-derived keys. */
+  retrieveLayersKeys(keys: readonly ChunkKey[]): AsyncGenerator<LayerBatch> {
+    this.#open()
+    return this.#manager.retrieveLayers(keys)
+  }
+
+  /** prefetch() over caller-derived keys; resolves to the chunks resident in L1. */
+  async prefetchKeys(keys: readonly ChunkKey[]): Promise<number> {
+    this.#open()
+    return this.#manager.prefetch(keys)
+  }
+
   /** Brings the available prefix into L1 ahead of a retrieve. Resolves to the tokens now resident in L1. */
   prefetch(tokens: Tokens, options: { includePartial?: boolean } = {}): Promise<{ tokens: number }> {
     return this.#op(async () => {

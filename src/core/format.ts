@@ -37,6 +37,8 @@ export const HEADER_PREFIX_BYTES = 12
 export const DEFAULT_MAX_CHUNK_BYTES = 512 * 1024 * 1024
 const MAX_SECTION_BYTES = 0xffffffff
 const FLAG_PARTIAL = 1
+/** MLA: one latent tensor per layer (no V); geometry kvHeads 1, headDim = latent dim. */
+const FLAG_LATENT = 2
 
 export interface ChunkMeta {
   codec: CodecId
@@ -50,6 +52,8 @@ export interface ChunkMeta {
   chunkIndex: number
   /** True when this is a trailing chunk with fewer than chunkTokens tokens. */
   partial: boolean
+  /** MLA latent KV (flags bit 1): one tensor per layer, no V; kvHeads must be 1. @default false */
+  latent?: boolean
   /** First 16 bytes of the key namespace seed: a reader rejects chunks of another model. */
   namespaceId: Uint8Array
   chainKey: Uint8Array
@@ -90,6 +94,8 @@ function checkMeta(meta: ChunkMeta, sections: readonly Uint8Array[]): void {
     throw new InvalidArgumentError(`codecParams must be a Uint8Array of at most ${CODEC_PARAMS_BYTES} bytes`)
   }
   if (!(g.dtype in DTYPE_CODES)) throw new InvalidArgumentError(`unknown dtype '${String(g.dtype)}'`)
+  if (meta.latent === true && g.kvHeads !== 1)
+    throw new InvalidArgumentError('a latent (MLA) chunk has kvHeads 1 (headDim = the latent dim)')
   for (const [name, v, max] of [
     ['layers', g.layers, MAX_LAYERS],
     ['kvHeads', g.kvHeads, MAX_KV_HEADS],
@@ -129,7 +135,7 @@ export function encodeChunk(meta: ChunkMeta, sections: readonly Uint8Array[]): U
   const dv = new DataView(out.buffer)
   dv.setUint32(0, CHUNK_MAGIC, true)
   dv.setUint16(4, FORMAT_VERSION, true)
-  dv.setUint16(6, meta.partial ? FLAG_PARTIAL : 0, true)
+  dv.setUint16(6, (meta.partial ? FLAG_PARTIAL : 0) | (meta.latent ? FLAG_LATENT : 0), true)
   dv.setUint32(8, headerBytes, true)
   dv.setUint32(12, g.layers, true)
   dv.setBigUint64(16, BigInt(total), true)
@@ -200,7 +206,8 @@ export function decodeHeader(bytes: Uint8Array, opts: DecodeOptions = {}): Chunk
   // From here the header is what its writer wrote; fields are still checked
   // because a writer may be hostile (the gateway accepts PUTs from clients).
   const flags = dv.getUint16(6, true)
-  if (flags & ~FLAG_PARTIAL) fail('ERR_FORMAT_BAD_FIELD', `unknown flags 0x${flags.toString(16)}`)
+  if (flags & ~(FLAG_PARTIAL | FLAG_LATENT))
+    fail('ERR_FORMAT_BAD_FIELD', `unknown flags 0x${flags.toString(16)}`)
   const count = dv.getUint32(12, true)
   const layers = dv.getUint16(44, true)
   if (count !== layers || layers < 1 || layers > MAX_LAYERS || headerBytesFor(layers) !== headerBytes) {
@@ -228,6 +235,8 @@ export function decodeHeader(bytes: Uint8Array, opts: DecodeOptions = {}): Chunk
   }
   if (tokens < 1 || tokens > MAX_CHUNK_TOKENS)
     fail('ERR_FORMAT_BAD_FIELD', `implausible token count ${tokens}`)
+  if (flags & FLAG_LATENT && kvHeads !== 1)
+    fail('ERR_FORMAT_BAD_FIELD', `a latent (MLA) chunk has 1 kv head, not ${kvHeads}`)
   const sections: SectionEntry[] = []
   let expected = headerBytes
   for (let i = 0; i < layers; i++) {
@@ -256,6 +265,7 @@ export function decodeHeader(bytes: Uint8Array, opts: DecodeOptions = {}): Chunk
     tokens,
     chunkIndex: dv.getUint32(56, true),
     partial: (flags & FLAG_PARTIAL) !== 0,
+    latent: (flags & FLAG_LATENT) !== 0,
     namespaceId: bytes.slice(60, 76),
     chainKey: bytes.slice(76, 108),
     parentKey: bytes.slice(108, 140),

@@ -1,0 +1,423 @@
+"""KVGateConnector: vLLM's KVConnectorBase_V1 forwarding to the node's kvgate agent.
+
+Scheduler side: asynchronous lookups of the request's chunk keys (vLLM's own block
+hashes), load plans for the blocks vLLM allocated, saves of finished requests (their
+blocks stay allocated until the agent has copied them out). Worker side: registers the
+paged KV tensors, starts loads before the forward pass, waits per layer, reports saves
+finished and blocks that failed to load (vLLM recomputes those). The agent being down
+means 0 matched tokens and full prefill, never a hang or wrong KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+
+from . import shm
+from ._vllm import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, check_vllm_version
+from .client import PROTOCOL_VERSION, AgentClient, AgentError, default_socket_path
+from .hashing import block_hashes as compute_block_hashes
+
+log = logging.getLogger("kvgate_vllm")
+
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    keys: List[bytes]
+    block_ids: List[int]
+    skip_blocks: int
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    keys: List[bytes]
+    block_ids: List[int]
+    first: int
+
+
+@dataclass
+class KVGateMetadata(KVConnectorMetadata):
+    loads: List[LoadSpec] = field(default_factory=list)
+    saves: List[SaveSpec] = field(default_factory=list)
+
+
+class ConfigurationError(ValueError):
+    """A vLLM setting that would make kvgate share nothing (or the wrong KV)."""
+
+
+def _dtype_name(d: Any) -> str:
+    if isinstance(d, torch.dtype):
+        if d not in _DTYPES:
+            raise ConfigurationError(f"KV cache dtype {d} is not supported by kvgate (float16, bfloat16, float32)")
+        return _DTYPES[d]
+    return str(d)
+
+
+def engine_settings(vllm_config: Any) -> Dict[str, Any]:
+    """What the agent must know about this engine, read from vLLM's config (and checked)."""
+    cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    par = vllm_config.parallel_config
+    algo = getattr(cache, "prefix_caching_hash_algo", None)
+    if algo != "sha256_cbor":
+        raise ConfigurationError(
+            f"KVGateConnector needs `--prefix-caching-hash-algo sha256_cbor` (this engine uses {algo!r}): "
+            "kvgate keys chunks by vLLM's block hashes, and only sha256_cbor hashes agree across processes and nodes"
+        )
+    seed = os.environ.get("PYTHONHASHSEED")
+    if not seed or seed == "random":
+        raise ConfigurationError(
+            "KVGateConnector needs a fixed PYTHONHASHSEED (e.g. PYTHONHASHSEED=0) in vLLM's environment, the same "
+            "on every node: without it vLLM's first block hash is random per process and no prefix is ever shared"
+        )
+    extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
+    use_mla = bool(getattr(model, "use_mla", False))
+    layout = extra.get("layout")
+    if layout is None:
+        if use_mla:
+            layout = "mla"
+        elif "FLASHINFER" in os.environ.get("VLLM_ATTENTION_BACKEND", "").upper():
+            layout = "flashinfer"
+        else:
+            layout = "flash-attn"
+    dtype = getattr(cache, "cache_dtype", "auto")
+    if dtype in (None, "auto"):
+        dtype = model.dtype
+    if isinstance(dtype, str) and dtype.startswith("fp8"):
+        raise ConfigurationError("fp8 KV caches are not supported by this kvgate agent yet: use --kv-cache-dtype auto")
+    world = int(getattr(par, "tensor_parallel_size", 1))
+    return {
+        "model": str(getattr(model, "served_model_name", None) or model.model),
+        "socket": extra.get("socket") or default_socket_path(),
+        "hashSeed": seed,
+        "blockSize": int(cache.block_size),
+        "layout": layout,
+        "layers": int(model.get_num_layers(par)),
+        "kvHeads": 1 if layout == "mla" else int(model.get_num_kv_heads(par)),
+        "headSize": int(model.get_head_size()),
+        "dtype": _dtype_name(dtype),
+        "world": world,
+        "rank": int(getattr(par, "rank", 0)) % world,
+        "lookupWaitS": float(extra.get("lookup_wait_ms", 2)) / 1000,
+        "lookupTimeoutS": float(extra.get("lookup_timeout_ms", 1000)) / 1000,
+        "loadTimeoutS": float(extra.get("load_timeout_ms", 30000)) / 1000,
+    }
+
+
+def cuda_ipc(t: torch.Tensor) -> Dict[str, Any]:
+    """The CUDA IPC handle of the allocation holding `t` and `t`'s byte offset in it."""
+    storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+    shared = storage._share_cuda_()
+    device, handle, _size, storage_offset = shared[0], shared[1], shared[2], shared[3]
+    if not isinstance(handle, (bytes, bytearray)) or len(handle) != 64:
+        raise ConfigurationError("this torch build returned no 64-byte CUDA IPC handle for the KV cache")
+    return {
+        "handle": bytes(handle),
+        "device": int(device),
+        "offset": int(storage_offset) + t.storage_offset() * t.element_size(),
+    }
+
+
+class _LoadState:
+    def __init__(self, spec: LoadSpec):
+        self.spec = spec
+        self.layers = 0
+        self.cond = threading.Condition()
+        self.future: Optional[Future] = None
+
+    def on_progress(self, ev: Dict[str, Any]) -> None:
+        with self.cond:
+            self.layers = max(self.layers, int(ev.get("layers", 0)))
+            self.cond.notify_all()
+
+    def wait_layer(self, n: int, deadline: float) -> None:
+        with self.cond:
+            while self.layers < n and not (self.future is not None and self.future.done()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cond.wait(min(left, 0.05))
+
+
+class KVGateConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+        check_vllm_version()
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._settings = s = engine_settings(vllm_config)
+        self._block_size = s["blockSize"]
+        self._hello = {
+            "protocol": PROTOCOL_VERSION,
+            "model": s["model"],
+            "hashSeed": s["hashSeed"],
+            "geometry": {
+                k: s[k] for k in ("layout", "dtype", "layers", "kvHeads", "headSize", "blockSize", "world")
+            },
+        }
+        self._is_scheduler = role == KVConnectorRole.SCHEDULER
+        self._client = AgentClient(s["socket"], self._hello, on_connect=self._on_connect)
+        # scheduler state
+        self._lookups: Dict[str, Tuple[Future, float]] = {}
+        self._hits: Dict[str, int] = {}
+        self._computed: Dict[str, int] = {}
+        self._pending_loads: List[LoadSpec] = []
+        self._pending_saves: List[SaveSpec] = []
+        # worker state
+        self._register_msg: Optional[Dict[str, Any]] = None
+        self._worker_id: Optional[int] = None
+        self._worker_generation = -1
+        self._layer_index: Dict[str, int] = {}
+        self._loads: List[_LoadState] = []
+        self._saves: Dict[str, Future] = {}
+        self._saves_done: Set[str] = set()
+        self._finished_seen: Set[str] = set()
+        self._load_errors: Set[int] = set()
+        self._client.ensure()
+
+    # ------------------------------------------------------------------ shared
+
+    def _on_connect(self, client: AgentClient) -> None:
+        if self._register_msg is not None:
+            ans = client.call("register", self._register_msg, timeout=10.0)
+            self._worker_id = int(ans["worker"])
+            self._worker_generation = client.generation
+
+    @property
+    def _chunk_tokens(self) -> Optional[int]:
+        a = self._client.hello_answer
+        return int(a["chunkTokens"]) if a else None
+
+    def _blocks_per_chunk(self) -> Optional[int]:
+        ct = self._chunk_tokens
+        return None if ct is None else ct // self._block_size
+
+    def _chunk_keys(self, request: Any, bpc: int, tokens: Optional[int] = None) -> List[bytes]:
+        hashes = getattr(request, "block_hashes", None)
+        if hashes is None:
+            ids = list(getattr(request, "all_token_ids", None) or request.prompt_token_ids)
+            hashes = compute_block_hashes(ids, self._block_size, self._settings["hashSeed"])
+        n = len(hashes) // bpc
+        if tokens is not None:
+            n = min(n, tokens // (bpc * self._block_size))
+        out = []
+        for i in range(n):
+            h = hashes[(i + 1) * bpc - 1]
+            if not isinstance(h, (bytes, bytearray)) or len(h) != 32:
+                raise ConfigurationError(
+                    "vLLM's block hashes are not 32-byte sha256_cbor digests: this vLLM is too old for kvgate_vllm"
+                )
+            out.append(bytes(h))
+        return out
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        rid = request.request_id
+        prompt = len(request.prompt_token_ids)
+        self._computed[rid] = num_computed_tokens
+        st = self._lookups.get(rid)
+        if st is None:
+            if not self._client.ensure():
+                return 0, False
+            bpc = self._blocks_per_chunk()
+            keys = self._chunk_keys(request, bpc, prompt) if bpc else []
+            if not keys:
+                self._hits[rid] = 0
+                return 0, False
+            f = self._client.request("lookup", {"keys": keys})
+            st = (f, time.monotonic())
+            self._lookups[rid] = st
+            try:
+                f.result(timeout=self._settings["lookupWaitS"])
+            except AgentError:
+                pass
+            except Exception:  # still pending: the scheduler asks again next step
+                return None, False
+        f, t0 = st
+        if not f.done():
+            if time.monotonic() - t0 < self._settings["lookupTimeoutS"]:
+                return None, False
+            chunks = 0
+        else:
+            try:
+                chunks = int(f.result()["chunks"])
+            except AgentError:
+                chunks = 0
+        self._hits[rid] = chunks
+        ct = self._chunk_tokens or 0
+        tokens = chunks * ct
+        if tokens >= prompt:
+            tokens = prompt - 1  # vLLM computes at least the last prompt token itself
+        return max(0, tokens - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        if num_external_tokens <= 0:
+            return
+        bpc = self._blocks_per_chunk()
+        chunks = self._hits.get(rid, 0)
+        if not bpc or chunks == 0:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        chunks = min(chunks, len(block_ids) // bpc)
+        keys = self._chunk_keys(request, bpc)[:chunks]
+        skip = self._computed.get(rid, 0) // self._block_size
+        self._pending_loads.append(LoadSpec(rid, keys, block_ids[: chunks * bpc], min(skip, chunks * bpc)))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVGateMetadata:
+        meta = KVGateMetadata(loads=self._pending_loads, saves=self._pending_saves)
+        self._pending_loads = []
+        self._pending_saves = []
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        return None
+
+    def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        rid = request.request_id
+        self._lookups.pop(rid, None)
+        self._computed.pop(rid, None)
+        first = self._hits.pop(rid, 0)
+        bpc = self._blocks_per_chunk()
+        if not bpc or not self._client.ensure():
+            return False, None
+        keys = self._chunk_keys(request, bpc)
+        n = min(len(keys), len(block_ids) // bpc)
+        if n <= first:
+            return False, None
+        self._pending_saves.append(SaveSpec(rid, keys[:n], list(block_ids[: n * bpc]), first))
+        return True, None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        s = self._settings
+        names = list(kv_caches)
+        if len(names) != s["layers"]:
+            raise ConfigurationError(f"vLLM registered {len(names)} KV layers; the model config says {s['layers']}")
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        first = kv_caches[names[0]]
+        shape = list(first.shape)
+        layout = s["layout"]
+        if layout == "flash-attn":
+            num_blocks = shape[1]
+            want = [2, num_blocks, s["blockSize"], s["kvHeads"], s["headSize"]]
+        elif layout == "flashinfer":
+            num_blocks = shape[0]
+            want = [num_blocks, 2, s["blockSize"], s["kvHeads"], s["headSize"]]
+        else:
+            num_blocks = shape[0]
+            want = [num_blocks, s["blockSize"], s["headSize"]]
+        tensors = []
+        for n in names:
+            t = kv_caches[n]
+            if list(t.shape) != want or not t.is_contiguous():
+                raise ConfigurationError(
+                    f"KV layer {n} has shape {list(t.shape)} (contiguous: {t.is_contiguous()}); kvgate expects the "
+                    f"{layout} layout {want}, contiguous"
+                )
+            if t.is_cuda:
+                tensors.append({"kind": "cuda-ipc", "shape": want, "strides": list(t.stride()), **cuda_ipc(t)})
+                continue
+            where = shm.describe(t)
+            if where is None:
+                raise ConfigurationError(
+                    f"KV layer {n} is not in host shared memory: on a CPU engine allocate it with kvgate_vllm.shm"
+                )
+            tensors.append(
+                {"kind": "shm", "path": where["path"], "offset": where["offset"], "shape": want, "strides": list(t.stride())}
+            )
+        self._register_msg = {"rank": s["rank"], "numBlocks": num_blocks, "tensors": tensors}
+        if self._client.connected:
+            try:
+                self._on_connect(self._client)
+            except AgentError as e:
+                log.warning("kvgate: register failed: %s", e)
+                self._client.close()
+        else:
+            self._client.ensure()
+
+    def _worker_ready(self) -> bool:
+        if not self._client.ensure():
+            return False
+        return self._worker_id is not None and self._worker_generation == self._client.generation
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        ready = self._worker_ready()
+        for spec in meta.loads:
+            if not ready:
+                self._load_errors.update(spec.block_ids[spec.skip_blocks :])
+                continue
+            st = _LoadState(spec)
+            st.future = self._client.request(
+                "load",
+                {"worker": self._worker_id, "keys": spec.keys, "blockIds": spec.block_ids, "skipBlocks": spec.skip_blocks},
+                progress=st.on_progress,
+            )
+            st.future.add_done_callback(lambda _f, st=st: st.on_progress({}))
+            self._loads.append(st)
+        skip_saves = self._settings["layout"] == "mla" and self._settings["rank"] != 0
+        for spec in meta.saves:
+            if not ready or skip_saves:  # MLA: rank 0 stores the one shared copy
+                self._saves_done.add(spec.req_id)
+                continue
+            self._saves[spec.req_id] = self._client.request(
+                "save", {"worker": self._worker_id, "keys": spec.keys, "blockIds": spec.block_ids, "from": spec.first}
+            )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        idx = self._layer_index.get(layer_name)
+        if idx is None or not self._loads:
+            return
+        deadline = time.monotonic() + self._settings["loadTimeoutS"]
+        for st in self._loads:
+            st.wait_layer(idx + 1, deadline)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        # Saves happen once per finished request (request_finished), from the blocks vLLM keeps for us.
+        return None
+
+    def _finish_loads(self) -> None:
+        loads, self._loads = self._loads, []
+        for st in loads:
+            want = st.spec.block_ids[st.spec.skip_blocks :]
+            try:
+                ans = st.future.result(timeout=self._settings["loadTimeoutS"])
+                self._load_errors.update(int(b) for b in ans.get("failedBlocks", []))
+            except Exception:
+                self._load_errors.update(want)
+
+    def wait_for_save(self) -> None:
+        self._finish_loads()
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        self._finished_seen.update(finished_req_ids)
+        for rid, f in list(self._saves.items()):
+            if f.done():
+                del self._saves[rid]
+                self._saves_done.add(rid)
+        done = {r for r in self._saves_done if r in self._finished_seen}
+        self._saves_done -= done
+        self._finished_seen -= done
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        self._finish_loads()
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        self._client.close()

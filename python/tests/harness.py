@@ -1,0 +1,419 @@
+"""An engine harness that drives KVGateConnector in vLLM's call order, without vLLM.
+
+The scheduler connector runs in the test process; each TP worker is a separate process
+(spawned, as vLLM's workers are) holding its paged KV cache in /dev/shm tensors, which the
+kvgate agent maps. Services (a gateway, agents) are real `kvgate` processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from kvgate_vllm import hashing
+from kvgate_vllm._vllm import KVConnectorRole
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SEED = "0"
+os.environ.setdefault("PYTHONHASHSEED", SEED)
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+# ---------------------------------------------------------------------------- services
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """A kvgate child process that prints one JSON line when ready."""
+
+    def __init__(self, args: List[str], env: Dict[str, str], ready_key: str):
+        self.args = args
+        self.env = env
+        self.ready_key = ready_key
+        self.proc: Optional[subprocess.Popen] = None
+        self.ready: Dict[str, Any] = {}
+        self.start()
+
+    def start(self) -> None:
+        env = {**os.environ, **self.env}
+        self.proc = subprocess.Popen(
+            ["node", "--import", "tsx", os.path.join(REPO, "src/cli/main.ts"), *self.args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"kvgate {self.args[0]} exited before it was ready")
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if self.ready_key in msg:
+                self.ready = msg
+                return
+        raise RuntimeError(f"kvgate {self.args[0]} not ready in 60 s")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_gateway() -> Service:
+    port = free_port()
+    return Service(["serve", "--store", "memory", "-p", str(port), "--log", "error"], {}, "url")
+
+
+def start_agent(sock: str, gateway_url: Optional[str], codec: str = "raw", chunk_tokens: int = 32, extra=None) -> Service:
+    env = {
+        "KVGATE_MEMORY_BYTES": "32MiB",
+        "KVGATE_DISK": "off",
+        "KVGATE_REMOTE_CODEC": codec,
+        # Generous: these machines are shared and loaded; the deadline path has its own test.
+        "KVGATE_AGENT_LOOKUP_DEADLINE_MS": "5000",
+    }
+    if gateway_url:
+        env["KVGATE_REMOTE_URL"] = gateway_url
+    else:
+        env["KVGATE_REMOTE"] = "off"
+    env.update(extra or {})
+    return Service(["agent", "--socket", sock, "--chunk-tokens", str(chunk_tokens)], env, "socket")
+
+
+# ---------------------------------------------------------------------------- vLLM stand-ins
+
+
+@dataclass
+class EngineSpec:
+    socket: str
+    layout: str = "flash-attn"
+    layers: int = 3
+    kv_heads: int = 2  # per rank
+    head_size: int = 16  # latent dim for MLA
+    block_size: int = 16
+    dtype: str = "float16"
+    world: int = 1
+    num_blocks: int = 64
+    model: str = "test/synthetic"
+    hash_algo: str = "sha256_cbor"
+    weights: Optional[str] = None  # a llama2.c checkpoint: run the real model
+    device: str = "cpu"  # "cuda": KV in GPU memory, registered through CUDA IPC handles
+
+
+def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
+    model_config = SimpleNamespace(
+        model=spec.model,
+        served_model_name=None,
+        dtype=TORCH_DTYPES[spec.dtype],
+        use_mla=spec.layout == "mla",
+        get_num_layers=lambda par: spec.layers,
+        get_num_kv_heads=lambda par: spec.kv_heads,
+        get_head_size=lambda: spec.head_size,
+    )
+    return SimpleNamespace(
+        model_config=model_config,
+        cache_config=SimpleNamespace(
+            block_size=spec.block_size, cache_dtype="auto", prefix_caching_hash_algo=spec.hash_algo
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=spec.world, rank=rank),
+        kv_transfer_config=SimpleNamespace(
+            kv_connector="KVGateConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"socket": spec.socket, "layout": spec.layout, "lookup_timeout_ms": 10000, "load_timeout_ms": 20000},
+        ),
+    )
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    prompt_token_ids: List[int]
+    block_hashes: List[bytes]
+    all_token_ids: List[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class FakeBlocks:
+    def __init__(self, ids: List[int]):
+        self._ids = ids
+
+    def get_block_ids(self):
+        return (list(self._ids),)
+
+
+def layer_shape(spec: EngineSpec) -> List[int]:
+    if spec.layout == "flash-attn":
+        return [2, spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_size]
+    if spec.layout == "flashinfer":
+        return [spec.num_blocks, 2, spec.block_size, spec.kv_heads, spec.head_size]
+    return [spec.num_blocks, spec.block_size, spec.head_size]
+
+
+def block_view(t: torch.Tensor, spec: EngineSpec, side: int, block: int) -> torch.Tensor:
+    if spec.layout == "flash-attn":
+        return t[side, block]
+    if spec.layout == "flashinfer":
+        return t[block, side]
+    return t[block]
+
+
+def sides(spec: EngineSpec) -> int:
+    return 1 if spec.layout == "mla" else 2
+
+
+# ---------------------------------------------------------------------------- worker process
+
+
+def synthetic_kv(spec: EngineSpec, rank: int, layer: int, side: int, tokens: List[int], start: int, end: int):
+    """Deterministic KV of positions [start, end): a function of (token, position, layer, side, rank)."""
+    pos = torch.arange(start, end, dtype=torch.float64)
+    tok = torch.tensor(tokens[start:end], dtype=torch.float64)
+    width = (1 if spec.layout == "mla" else spec.kv_heads) * spec.head_size
+    ch = torch.arange(width, dtype=torch.float64)
+    phase = tok[:, None] * 0.731 + pos[:, None] * 0.113 + ch[None, :] * 0.071 + layer * 1.37 + side * 2.9 + (0 if spec.layout == "mla" else rank * 0.5)
+    x = torch.sin(phase) * 3.0 + torch.cos(phase * 1.7)
+    return x.to(TORCH_DTYPES[spec.dtype])
+
+
+def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
+    torch.set_num_threads(1)
+    from kvgate_vllm import KVGateConnector, shm
+
+    names = [f"model.layers.{i}.self_attn" for i in range(spec.layers)]
+    if spec.device == "cuda":
+        caches = {n: torch.zeros(layer_shape(spec), dtype=TORCH_DTYPES[spec.dtype], device="cuda") for n in names}
+    else:
+        caches = {n: shm.shm_tensor(layer_shape(spec), TORCH_DTYPES[spec.dtype]) for n in names}
+    model = None
+    if spec.weights:
+        from llama2c import Llama2c
+
+        model = Llama2c(spec.weights)
+    conn.send({"paths": [] if spec.device == "cuda" else [shm.describe(caches[n])["path"] for n in names]})
+    conn_ = None
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "init":
+                conn_ = KVGateConnector(vllm_config(spec, rank), KVConnectorRole.WORKER)
+                try:
+                    conn_.register_kv_caches(caches)
+                    # A loaded machine can be slow to answer the first hello: wait (bounded) so
+                    # tests start registered; a connector that is not gives up saves/loads by design.
+                    deadline = time.monotonic() + cmd[1]
+                    while not conn_._worker_ready() and time.monotonic() < deadline:
+                        time.sleep(0.2)
+                    conn.send({"ok": True, "ready": conn_._worker_ready()})
+                except Exception as e:  # surfaced to the test
+                    conn.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
+            elif cmd[0] == "step":
+                _, meta, finished, fwd = cmd
+                conn_.bind_connector_metadata(meta)
+                conn_.start_load_kv(None)
+                out: Dict[str, Any] = {}
+                if model is not None and fwd is not None:
+                    out["logits"] = model.forward_paged(
+                        fwd["tokens"], fwd["start"], fwd["block_ids"], caches, names, spec, conn_.wait_for_layer_load
+                    )
+                else:
+                    for li, n in enumerate(names):
+                        conn_.wait_for_layer_load(n)
+                        if fwd is not None:
+                            _write_synthetic(caches[n], spec, rank, li, fwd)
+                conn_.wait_for_save()
+                sending, _ = conn_.get_finished(set(finished))
+                out["finished_sending"] = sorted(sending or [])
+                out["load_errors"] = sorted(conn_.get_block_ids_with_load_errors())
+                conn_.clear_connector_metadata()
+                conn.send(out)
+            elif cmd[0] == "dump":
+                conn.send([caches[n].cpu() for n in names])
+            elif cmd[0] == "stop":
+                break
+    finally:
+        if conn_ is not None:
+            conn_.shutdown()
+        if spec.device != "cuda":
+            for t in caches.values():
+                shm.unlink(t)
+        conn.close()
+
+
+def _write_synthetic(t: torch.Tensor, spec: EngineSpec, rank: int, layer: int, fwd: Dict[str, Any]) -> None:
+    tokens, start, block_ids = fwd["tokens"], fwd["start"], fwd["block_ids"]
+    end = len(tokens)
+    for side in range(sides(spec)):
+        kv = synthetic_kv(spec, rank, layer, side, tokens, start, end)
+        for p in range(start, end):
+            blk = block_view(t, spec, side, block_ids[p // spec.block_size])
+            blk[p % spec.block_size].copy_(kv[p - start].view(blk.shape[1:]))
+
+
+_CTX = None
+
+
+def _mp_context():
+    """Workers fork from a forkserver that imported torch once (a spawn per worker costs seconds)."""
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["harness"])
+    return _CTX
+
+
+class WorkerProc:
+    def __init__(self, spec: EngineSpec, rank: int):
+        ctx = _mp_context()
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec, rank), daemon=True)
+        self.proc.start()
+        child.close()
+        self.paths = self.conn.recv()["paths"]
+
+    def call(self, *cmd, timeout: float = 120.0):
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"worker did not answer {cmd[0]} in {timeout} s")
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(20)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+class Engine:
+    """One vLLM engine: a scheduler-side connector here, `spec.world` worker processes."""
+
+    def __init__(self, spec: EngineSpec, block_order_seed: int, wait_registered: float = 15.0):
+        from kvgate_vllm import KVGateConnector
+
+        self.spec = spec
+        self.workers = [WorkerProc(spec, r) for r in range(spec.world)]
+        self.ready = True
+        for w in self.workers:
+            r = w.call("init", wait_registered)
+            if not r["ok"]:
+                raise RuntimeError(r["error"])
+            self.ready = self.ready and r["ready"]
+        self.sched = KVGateConnector(vllm_config(spec, 0), KVConnectorRole.SCHEDULER)
+        g = torch.Generator().manual_seed(block_order_seed)
+        self.free = torch.randperm(spec.num_blocks, generator=g).tolist()
+
+    def alloc(self, n: int) -> List[int]:
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+    def step(self, meta, finished=(), fwd=None) -> List[Dict[str, Any]]:
+        return [w.call("step", meta, list(finished), fwd) for w in self.workers]
+
+    def lookup(self, req: FakeRequest, computed: int = 0, timeout: float = 10.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            n, is_async = self.sched.get_num_new_matched_tokens(req, computed)
+            assert is_async is False
+            if n is not None:
+                return n
+            assert time.monotonic() < deadline, "lookup never answered"
+            time.sleep(0.005)
+
+    def prefill(self, rid: str, tokens: List[int], extra_blocks: int = 0, fwd_extra=None) -> Dict[str, Any]:
+        """Lookup, allocate, load what matched, compute the rest (one step)."""
+        req = make_request(rid, tokens, self.spec.block_size)
+        n = self.lookup(req)
+        block_ids = self.alloc(math.ceil(len(tokens) / self.spec.block_size) + extra_blocks)
+        self.sched.update_state_after_alloc(req, FakeBlocks(block_ids), n)
+        meta = self.sched.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
+        fwd = {"tokens": tokens, "start": n, "block_ids": block_ids, **(fwd_extra or {})}
+        outs = self.step(meta, (), fwd)
+        errors = sorted({b for o in outs for b in o["load_errors"]})
+        return {"req": req, "matched": n, "block_ids": block_ids, "load_errors": errors, "outs": outs}
+
+    def finish(self, req: FakeRequest, block_ids: List[int], max_steps: int = 400) -> bool:
+        """request_finished, then steps until every worker reports the save finished."""
+        delay, _ = self.sched.request_finished(req, block_ids)
+        if not delay:
+            return False
+        reported = set()
+        finished = {req.request_id}
+        for _ in range(max_steps):
+            meta = self.sched.build_connector_meta(SimpleNamespace(finished_req_ids=finished))
+            outs = self.step(meta, finished)
+            finished = set()
+            for i, o in enumerate(outs):
+                if req.request_id in o["finished_sending"]:
+                    reported.add(i)
+            if len(reported) == len(self.workers):
+                return True
+            time.sleep(0.01)
+        raise AssertionError("save never reported finished")
+
+    def tensors(self, rank: int = 0):
+        from kvgate_vllm import shm
+
+        if self.spec.device == "cuda":
+            return self.workers[rank].call("dump")
+
+        return [shm.attach(p, layer_shape(self.spec), TORCH_DTYPES[self.spec.dtype]) for p in self.workers[rank].paths]
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.sched.shutdown()
+
+
+def make_request(rid: str, tokens: List[int], block_size: int) -> FakeRequest:
+    return FakeRequest(rid, list(tokens), hashing.block_hashes(tokens, block_size, SEED), list(tokens))
+
+
+class TempDir:
+    def __init__(self):
+        self.path = tempfile.mkdtemp(prefix="kvgate-py-")
+
+    def sock(self, name: str) -> str:
+        return os.path.join(self.path, f"{name}.sock")
+
+    def cleanup(self):
+        shutil.rmtree(self.path, ignore_errors=True)

@@ -1,0 +1,492 @@
+// The agent's operations: hello, register, lookup, load, save, poll, stats. Transport-free
+// (server.ts feeds it decoded requests per connection); owns the KV spaces and their caches.
+
+import type { KVCacheOptions } from '../client/config.ts'
+import { loadNative } from '../client/native-api.ts'
+import type { ChunkKey } from '../core/keys.ts'
+import type { Dtype } from '../core/layout.ts'
+import { DeviceTensor, IpcMappings } from './device-tensor.ts'
+import {
+  blockBytes,
+  blockOffset,
+  chunkOffset,
+  contiguousStrides,
+  ENGINE_LAYOUTS,
+  type EngineGeometry,
+  layerBytes,
+  layerShape,
+  sides,
+} from './engine-layout.ts'
+import { binList, int, intList, map, oneOf, optInt, str } from './fields.ts'
+import { HostTensor, type KvTensor } from './host-tensor.ts'
+import { AgentMetrics } from './metrics.ts'
+import { AgentError, PROTOCOL_VERSION, type Request } from './protocol.ts'
+import { KvSpace, type SpaceDescriptor, spaceId } from './space.ts'
+
+const VLLM_DTYPES: Record<string, Dtype> = {
+  float16: 'fp16',
+  fp16: 'fp16',
+  bfloat16: 'bf16',
+  bf16: 'bf16',
+  float32: 'fp32',
+  fp32: 'fp32',
+}
+const MAX_KEYS = 1 << 16
+const MAX_BLOCKS = 1 << 24
+const MAX_WORLD = 64
+
+export interface AgentCoreOptions {
+  chunkTokens: number
+  /** Cache options every space shares (memory per space, disk under a per-space subdirectory, remote). */
+  cache: Omit<KVCacheOptions, 'model' | 'keyScheme' | 'hashSeed' | 'chunkTokens'>
+  /** Lookups answer from local tiers after this long when the gateway is slow. */
+  lookupDeadlineMs: number
+  /** When set, a hello for another model is refused. */
+  model?: string
+  version: string
+}
+
+/** One registered engine worker (one TP rank): its layer tensors. */
+interface Worker {
+  space: KvSpace
+  geometry: EngineGeometry
+  rank: number
+  numBlocks: number
+  layers: KvTensor[]
+  /** Releases what the registration holds (files, IPC mappings). */
+  release(): Promise<void>
+  /** Loads and saves still copying: the registration is released only after them. */
+  inflight: Set<Promise<unknown>>
+}
+
+/** What the agent keeps per connection. */
+export interface Session {
+  descriptor: SpaceDescriptor | undefined
+  workers: Map<number, Worker>
+  nextWorker: number
+  /** Progress of in-flight loads/saves by request id, for poll. */
+  progress: Map<number, { op: string; layers: number }>
+  /** Sends an unsolicited event frame (load progress). */
+  event(message: Record<string, unknown>): void
+}
+
+export function newSession(event: Session['event']): Session {
+  return { descriptor: undefined, workers: new Map(), nextWorker: 1, progress: new Map(), event }
+}
+
+export class Agent {
+  readonly options: AgentCoreOptions
+  readonly metrics = new AgentMetrics()
+  readonly #spaces = new Map<string, Promise<KvSpace>>()
+  #prefetching = 0
+  #closed = false
+
+  constructor(options: AgentCoreOptions) {
+    this.options = options
+  }
+
+  /** Runs one request; resolves to the response body (without id/ok). */
+  async handle(s: Session, req: Request): Promise<Record<string, unknown>> {
+    if (this.#closed) throw new AgentError('ERR_CLOSED', 'the agent is shutting down')
+    switch (req.op) {
+      case 'hello':
+        return this.#hello(s, req)
+      case 'register':
+        return this.#register(s, req)
+      case 'lookup':
+        return this.#lookup(s, req)
+      case 'load':
+        return this.#tracked(s, req, (w) => this.#load(s, w, req))
+      case 'save':
+        return this.#tracked(s, req, (w) => this.#save(s, w, req))
+      case 'poll':
+        return this.#poll(s, req)
+      case 'stats':
+        return this.stats(req.spaces === true)
+      case 'ping':
+        return {}
+      case 'flush':
+        return this.#flush(req)
+      default:
+        throw new AgentError('ERR_UNKNOWN_OP', `unknown op '${req.op.slice(0, 40)}'`)
+    }
+  }
+
+  #hello(s: Session, m: Request): Record<string, unknown> {
+    const protocol = int(m, 'protocol', 0, 0xffff)
+    if (protocol !== PROTOCOL_VERSION) {
+      throw new AgentError(
+        'ERR_PROTOCOL_VERSION',
+        `protocol ${protocol} is not supported: this agent speaks ${PROTOCOL_VERSION}`,
+      )
+    }
+    const model = str(m, 'model', 200)
+    if (this.options.model !== undefined && model !== this.options.model) {
+      throw new AgentError('ERR_MODEL_MISMATCH', `this agent serves '${this.options.model}', not '${model}'`)
+    }
+    const g = map(m, 'geometry')
+    const layout = oneOf(g, 'layout', ENGINE_LAYOUTS)
+    const dtypeName = str(g, 'dtype', 32)
+    const dtype = VLLM_DTYPES[dtypeName]
+    if (dtype === undefined) {
+      throw new AgentError(
+        'ERR_GEOMETRY_MISMATCH',
+        `KV dtype '${dtypeName}' is not supported (float16, bfloat16, float32)`,
+      )
+    }
+    const d: SpaceDescriptor = {
+      model,
+      layout,
+      dtype,
+      layers: int(g, 'layers', 1, 1024),
+      kvHeads: layout === 'mla' ? 1 : int(g, 'kvHeads', 1, 1024),
+      headSize: int(g, 'headSize', 1, 4096),
+      blockSize: int(g, 'blockSize', 1, 4096),
+      world: optInt(g, 'world', 1, MAX_WORLD, 1),
+      hashSeed: str(m, 'hashSeed', 256),
+    }
+    if (layout === 'mla' && g.kvHeads !== undefined && g.kvHeads !== 1) {
+      throw new AgentError('ERR_GEOMETRY_MISMATCH', 'MLA has one latent tensor per layer: kvHeads must be 1')
+    }
+    if (this.options.chunkTokens % d.blockSize !== 0) {
+      throw new AgentError(
+        'ERR_GEOMETRY_MISMATCH',
+        `the agent's chunk of ${this.options.chunkTokens} tokens is not a whole number of ${d.blockSize}-token blocks`,
+      )
+    }
+    if (s.descriptor && JSON.stringify(s.descriptor) !== JSON.stringify(d)) {
+      throw new AgentError(
+        'ERR_GEOMETRY_MISMATCH',
+        'a connection serves one engine geometry; reconnect to change it',
+      )
+    }
+    s.descriptor = d
+    return {
+      protocol: PROTOCOL_VERSION,
+      agent: this.options.version,
+      chunkTokens: this.options.chunkTokens,
+      blocksPerChunk: this.options.chunkTokens / d.blockSize,
+    }
+  }
+
+  #descriptor(s: Session): SpaceDescriptor {
+    if (!s.descriptor) throw new AgentError('ERR_HELLO_REQUIRED', 'send hello before other operations')
+    return s.descriptor
+  }
+
+  /** The space of `rank`'s shard: per rank for non-MLA TP, one shared space otherwise. */
+  #space(d: SpaceDescriptor, rank: number): Promise<KvSpace> {
+    const r = d.layout === 'mla' || d.world === 1 ? null : rank
+    const id = spaceId(d, r)
+    let p = this.#spaces.get(id)
+    if (!p) {
+      p = KvSpace.open(d, r, { ...this.options.cache, chunkTokens: this.options.chunkTokens })
+      this.#spaces.set(id, p)
+      // A space that failed to open is not cached: the next request tries again.
+      p.catch(() => this.#spaces.delete(id))
+    }
+    return p
+  }
+
+  async #register(s: Session, m: Request): Promise<Record<string, unknown>> {
+    const d = this.#descriptor(s)
+    const rank = int(m, 'rank', 0, d.world - 1)
+    const numBlocks = int(m, 'numBlocks', 1, MAX_BLOCKS)
+    const g: EngineGeometry = d
+    const shape = layerShape(g, numBlocks)
+    const want = layerBytes(g, numBlocks)
+    const list = m.tensors
+    if (!Array.isArray(list) || list.length !== d.layers) {
+      throw new AgentError('ERR_GEOMETRY_MISMATCH', `register needs one tensor per layer (${d.layers})`)
+    }
+    const hosts: HostTensor[] = []
+    let ipc: IpcMappings | undefined
+    const release = async () => {
+      for (const h of hosts) h.close()
+      await ipc?.close()
+    }
+    const layers: KvTensor[] = []
+    let space: KvSpace
+    try {
+      for (let i = 0; i < list.length; i++) {
+        const t = list[i] as Record<string, unknown>
+        if (typeof t !== 'object' || t === null)
+          throw new AgentError('ERR_INVALID_ARGUMENT', `tensors[${i}] is not a map`)
+        const kind = oneOf(t, 'kind', ['shm', 'cuda-ipc'] as const)
+        const tShape = t.shape
+        if (!Array.isArray(tShape) || JSON.stringify(tShape) !== JSON.stringify(shape)) {
+          throw new AgentError(
+            'ERR_LAYOUT',
+            `tensors[${i}] has shape ${JSON.stringify(tShape)}; the ${d.layout} layout needs ${JSON.stringify(shape)}`,
+          )
+        }
+        const strides = t.strides
+        if (strides !== undefined && JSON.stringify(strides) !== JSON.stringify(contiguousStrides(shape))) {
+          throw new AgentError(
+            'ERR_LAYOUT',
+            `tensors[${i}] is not contiguous (strides ${JSON.stringify(strides)})`,
+          )
+        }
+        const offset = optInt(t, 'offset', 0, Number.MAX_SAFE_INTEGER, 0)
+        if (kind === 'shm') {
+          const h = new HostTensor(str(t, 'path', 4096), offset, want)
+          hosts.push(h)
+          layers.push(h)
+        } else {
+          const native = loadNative()
+          if (!native.api)
+            throw new AgentError('ERR_CUDA', `the native addon is not loaded: ${native.reason}`)
+          const st = native.api.cuda.status()
+          if (!st.available)
+            throw new AgentError('ERR_CUDA', `CUDA is not available to the agent: ${st.reason}`)
+          const [handle] = binList({ h: [t.handle] }, 'h', 64, 1)
+          ipc ??= new IpcMappings(native.api)
+          layers.push(new DeviceTensor(native.api, await ipc.map(handle!), offset, want))
+        }
+      }
+      space = await this.#space(d, rank)
+    } catch (e) {
+      await release()
+      throw e
+    }
+    const id = s.nextWorker++
+    s.workers.set(id, { space, geometry: g, rank, numBlocks, layers, release, inflight: new Set() })
+    this.metrics.workers++
+    return { worker: id, chunkTokens: this.options.chunkTokens, blocksPerChunk: space.blocksPerChunk }
+  }
+
+  async #lookup(s: Session, m: Request): Promise<Record<string, unknown>> {
+    const d = this.#descriptor(s)
+    const hashes = binList(m, 'keys', 32, MAX_KEYS)
+    const deadline = optInt(m, 'deadlineMs', 0, 60_000, this.options.lookupDeadlineMs)
+    const ranks = d.layout === 'mla' || d.world === 1 ? [0] : Array.from({ length: d.world }, (_, r) => r)
+    const spaces = await Promise.all(ranks.map((r) => this.#space(d, r)))
+    const keys = spaces.map((sp) => sp.keys(hashes))
+    const full = Promise.all(spaces.map((sp, i) => sp.cache.lookupKeys(keys[i]!)))
+    let timer: NodeJS.Timeout | undefined
+    const late = new Promise<'late'>((resolve) => {
+      timer = setTimeout(() => resolve('late'), deadline)
+    })
+    let source = 'all'
+    let tiers: string[][]
+    try {
+      const got = await Promise.race([full, late])
+      if (got === 'late') {
+        source = 'local'
+        this.metrics.lookupDeadline++
+        full.catch(() => {})
+        tiers = await Promise.all(spaces.map((sp, i) => sp.cache.lookupKeys(keys[i]!, { localOnly: true })))
+      } else tiers = got
+    } finally {
+      clearTimeout(timer)
+    }
+    const chunks = Math.min(...tiers.map((t) => t.length))
+    this.metrics.lookups++
+    this.metrics.lookupChunks += hashes.length
+    this.metrics.lookupHitChunks += chunks
+    if (chunks > 0 && tiers.some((t) => t.slice(0, chunks).includes('remote'))) {
+      for (let i = 0; i < spaces.length; i++) this.#prefetch(spaces[i]!, keys[i]!.slice(0, chunks))
+    }
+    return { chunks, tokens: chunks * this.options.chunkTokens, source }
+  }
+
+  /** Brings a remote hit toward L1 before the load asks for it (bounded, best effort). */
+  #prefetch(space: KvSpace, keys: ChunkKey[]): void {
+    if (this.#prefetching >= 4) return
+    this.#prefetching++
+    space.cache
+      .prefetchKeys(keys)
+      .catch(() => {})
+      .finally(() => {
+        this.#prefetching--
+      })
+  }
+
+  #worker(s: Session, m: Request): Worker {
+    const id = int(m, 'worker', 1, Number.MAX_SAFE_INTEGER)
+    const w = s.workers.get(id)
+    if (!w) throw new AgentError('ERR_NOT_REGISTERED', `worker ${id} is not registered on this connection`)
+    return w
+  }
+
+  #blocks(w: Worker, m: Request, chunks: number): number[] {
+    const ids = intList(m, 'blockIds', w.numBlocks - 1, MAX_BLOCKS)
+    if (ids.length !== chunks * w.space.blocksPerChunk) {
+      throw new AgentError(
+        'ERR_INVALID_ARGUMENT',
+        `blockIds has ${ids.length} entries; ${chunks} chunks of ${w.space.blocksPerChunk} blocks need ${chunks * w.space.blocksPerChunk}`,
+      )
+    }
+    return ids
+  }
+
+  /**
+   * Fills the engine's blocks from the stored chunks, layer by layer (an event
+   * per finished layer). Answers the blocks it could not fill: the engine recomputes them.
+   */
+  #tracked(
+    s: Session,
+    m: Request,
+    op: (w: Worker) => Promise<Record<string, unknown>>,
+  ): Promise<Record<string, unknown>> {
+    const w = this.#worker(s, m)
+    const p = op(w)
+    w.inflight.add(p)
+    void p.then(
+      () => w.inflight.delete(p),
+      () => w.inflight.delete(p),
+    )
+    return p
+  }
+
+  async #load(s: Session, w: Worker, m: Request): Promise<Record<string, unknown>> {
+    const hashes = binList(m, 'keys', 32, MAX_KEYS)
+    const ids = this.#blocks(w, m, hashes.length)
+    const skip = optInt(m, 'skipBlocks', 0, ids.length, 0)
+    const g = w.geometry
+    const bpc = w.space.blocksPerChunk
+    const bb = blockBytes(g)
+    const keys = w.space.keys(hashes)
+    const prog = { op: 'load', layers: 0 }
+    s.progress.set(m.id, prog)
+    let served = hashes.length
+    let bytes = 0
+    let failure: string | undefined
+    try {
+      const seen = new Set<number>()
+      for await (const batch of w.space.cache.retrieveLayersKeys(keys)) {
+        served = Math.min(served, batch.chunks)
+        const t = w.layers[batch.layer]!
+        for (let c = 0; c < batch.chunks; c++) {
+          const runs: number[] = []
+          for (let side = 0; side < sides(g); side++) {
+            for (let j = 0; j < bpc; j++) {
+              const b = c * bpc + j
+              if (b < skip) continue
+              runs.push(blockOffset(g, w.numBlocks, side, ids[b]!), chunkOffset(g, bpc, 0, side, j), bb)
+              bytes += bb
+            }
+          }
+          await t.scatter(batch.slabs[c]!, runs)
+        }
+        seen.add(batch.layer)
+        prog.layers = seen.size
+        s.event({ event: 'load-progress', id: m.id, layers: prog.layers })
+      }
+      if (seen.size < g.layers) served = 0
+    } catch (e) {
+      served = 0
+      failure = (e as Error).message
+      this.metrics.loadErrors++
+    } finally {
+      s.progress.delete(m.id)
+    }
+    const failed: number[] = []
+    for (let b = Math.max(skip, served * bpc); b < ids.length; b++) failed.push(ids[b]!)
+    this.metrics.loads++
+    this.metrics.loadedBytes += bytes
+    this.metrics.loadedChunks += served
+    return {
+      chunks: served,
+      tokens: served * this.options.chunkTokens,
+      failedBlocks: failed,
+      error: failure ?? null,
+    }
+  }
+
+  /** Copies the engine's blocks out into the cache; answers once nothing reads engine memory any more. */
+  async #save(s: Session, w: Worker, m: Request): Promise<Record<string, unknown>> {
+    const hashes = binList(m, 'keys', 32, MAX_KEYS)
+    const ids = this.#blocks(w, m, hashes.length)
+    const g = w.geometry
+    const bpc = w.space.blocksPerChunk
+    const bb = blockBytes(g)
+    // Keys always start at chunk 0 (chain identity); `from` skips chunks the engine loaded from us.
+    const from = optInt(m, 'from', 0, hashes.length, 0)
+    const keys = w.space.keys(hashes).slice(from)
+    s.progress.set(m.id, { op: 'save', layers: 0 })
+    try {
+      const out = await w.space.cache.storeKeys(keys, async (k, dst) => {
+        const i = k + from
+        for (let layer = 0; layer < g.layers; layer++) {
+          const runs: number[] = []
+          for (let side = 0; side < sides(g); side++) {
+            for (let j = 0; j < bpc; j++) {
+              runs.push(
+                blockOffset(g, w.numBlocks, side, ids[i * bpc + j]!),
+                chunkOffset(g, bpc, layer, side, j),
+                bb,
+              )
+            }
+          }
+          await w.layers[layer]!.gather(runs, dst)
+        }
+      })
+      this.metrics.saves++
+      this.metrics.savedChunks += out.stored + out.skipped
+      this.metrics.savedBytes += (out.stored + out.skipped) * bpc * bb * sides(g) * g.layers
+      return { chunks: out.chunks, stored: out.stored, present: out.present, skipped: out.skipped }
+    } catch (e) {
+      this.metrics.saveErrors++
+      throw e instanceof AgentError ? e : new AgentError('ERR_IO', `save failed: ${(e as Error).message}`)
+    } finally {
+      s.progress.delete(m.id)
+    }
+  }
+
+  /** Waits for background writes to L2 and the gateway (tests, orderly shutdown of an engine). */
+  async #flush(m: Request): Promise<Record<string, unknown>> {
+    const timeout = optInt(m, 'timeoutMs', 0, 600_000, 30_000)
+    const spaces = await Promise.allSettled([...this.#spaces.values()])
+    await Promise.all(
+      spaces.map((r) => (r.status === 'fulfilled' ? r.value.cache.flush(timeout) : undefined)),
+    )
+    return {}
+  }
+
+  #poll(s: Session, m: Request): Record<string, unknown> {
+    const ids = intList(m, 'ids', Number.MAX_SAFE_INTEGER, 4096)
+    const states: Record<string, unknown> = {}
+    for (const id of ids) {
+      const p = s.progress.get(id)
+      states[String(id)] = p ? { state: 'pending', op: p.op, layers: p.layers } : { state: 'unknown' }
+    }
+    return { states }
+  }
+
+  /** Releases what a closed connection registered. */
+  endSession(s: Session): void {
+    for (const w of s.workers.values()) {
+      // An IPC mapping must outlive every copy through it.
+      void Promise.allSettled([...w.inflight]).then(() => w.release())
+      this.metrics.workers--
+    }
+    s.workers.clear()
+  }
+
+  /** Agent counters; with `spaces`, each KV space's cache stats too (tiers, gateway errors, shed writes). */
+  async stats(detail = false): Promise<Record<string, unknown>> {
+    const base = { ...this.metrics.snapshot(), spaces: this.#spaces.size }
+    if (!detail) return base
+    const spaces = await Promise.allSettled([...this.#spaces.values()])
+    return {
+      ...base,
+      spaceStats: spaces.flatMap((r) =>
+        r.status === 'fulfilled' ? [{ id: r.value.id, cache: r.value.cache.stats() }] : [],
+      ),
+    }
+  }
+
+  async metricsText(): Promise<string> {
+    const spaces = await Promise.allSettled([...this.#spaces.values()])
+    const caches = spaces.flatMap((r) => (r.status === 'fulfilled' ? [r.value.cache.stats()] : []))
+    return this.metrics.prometheus(caches)
+  }
+
+  async close(): Promise<void> {
+    this.#closed = true
+    const spaces = await Promise.allSettled([...this.#spaces.values()])
+    this.#spaces.clear()
+    await Promise.all(spaces.map((r) => (r.status === 'fulfilled' ? r.value.close() : undefined)))
+  }
+}

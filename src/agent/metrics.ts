@@ -1,0 +1,96 @@
+// Agent counters and their Prometheus text (kvgate_agent_*), plus the tier counters of
+// every KV space's cache summed, so one scrape shows what the engines got.
+
+import type { KVCacheStats } from '../client/kv-cache.ts'
+
+export class AgentMetrics {
+  connections = 0
+  workers = 0
+  requests = 0
+  badFrames = 0
+  errors = new Map<string, number>()
+  lookups = 0
+  lookupChunks = 0
+  lookupHitChunks = 0
+  lookupDeadline = 0
+  loads = 0
+  loadErrors = 0
+  loadedChunks = 0
+  loadedBytes = 0
+  saves = 0
+  saveErrors = 0
+  savedChunks = 0
+  savedBytes = 0
+
+  error(code: string): void {
+    this.errors.set(code, (this.errors.get(code) ?? 0) + 1)
+  }
+
+  snapshot(): Record<string, unknown> {
+    const { errors, ...rest } = Object.fromEntries(Object.entries(this)) as Record<string, unknown>
+    return { ...rest, errors: Object.fromEntries(this.errors) }
+  }
+
+  prometheus(caches: KVCacheStats[]): string {
+    const lines: string[] = []
+    const put = (name: string, type: 'counter' | 'gauge', help: string, values: [string, number][]) => {
+      lines.push(`# HELP kvgate_agent_${name} ${help}`, `# TYPE kvgate_agent_${name} ${type}`)
+      for (const [labels, v] of values) lines.push(`kvgate_agent_${name}${labels} ${v}`)
+    }
+    put('connections', 'gauge', 'Open engine connections.', [['', this.connections]])
+    put('workers', 'gauge', 'Registered engine workers (TP ranks).', [['', this.workers]])
+    put('requests_total', 'counter', 'Requests received.', [['', this.requests]])
+    put('bad_frames_total', 'counter', 'Frames refused (undecodable, oversized, bad envelope).', [
+      ['', this.badFrames],
+    ])
+    put(
+      'errors_total',
+      'counter',
+      'Error answers by code.',
+      [...this.errors].map(([c, n]) => [`{code="${c}"}`, n]),
+    )
+    put('lookups_total', 'counter', 'Lookups answered.', [['', this.lookups]])
+    put('lookup_chunks_total', 'counter', 'Chunks asked for by lookups.', [['', this.lookupChunks]])
+    put('lookup_hit_chunks_total', 'counter', 'Chunks lookups answered present.', [
+      ['', this.lookupHitChunks],
+    ])
+    put(
+      'lookup_deadline_total',
+      'counter',
+      'Lookups answered from local tiers because the gateway was slow.',
+      [['', this.lookupDeadline]],
+    )
+    put('loads_total', 'counter', 'Loads finished.', [['', this.loads]])
+    put('load_errors_total', 'counter', 'Loads that failed part-way (blocks reported to the engine).', [
+      ['', this.loadErrors],
+    ])
+    put('loaded_bytes_total', 'counter', 'Bytes written into engine KV blocks.', [['', this.loadedBytes]])
+    put('saves_total', 'counter', 'Saves finished.', [['', this.saves]])
+    put('save_errors_total', 'counter', 'Saves that failed.', [['', this.saveErrors]])
+    put('saved_bytes_total', 'counter', 'Bytes copied out of engine KV blocks.', [['', this.savedBytes]])
+    const tier = (f: (c: KVCacheStats) => { hits: number; misses: number } | null, name: string) => {
+      let hits = 0
+      let misses = 0
+      for (const c of caches) {
+        const t = f(c)
+        if (t) {
+          hits += t.hits
+          misses += t.misses
+        }
+      }
+      return [
+        [`{tier="${name}",result="hit"}`, hits],
+        [`{tier="${name}",result="miss"}`, misses],
+      ] as [string, number][]
+    }
+    put('tier_reads_total', 'counter', 'Chunk reads per tier, all KV spaces.', [
+      ...tier((c) => c.memory, 'memory'),
+      ...tier((c) => c.disk, 'disk'),
+      ...tier((c) => c.remote, 'remote'),
+    ])
+    put('memory_used_bytes', 'gauge', 'L1 bytes in use, all KV spaces.', [
+      ['', caches.reduce((a, c) => a + c.memory.usedBytes, 0)],
+    ])
+    return `${lines.join('\n')}\n`
+  }
+}

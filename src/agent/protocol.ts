@@ -1,0 +1,128 @@
+// The agent's wire protocol (docs/agent-protocol.md): length-prefixed msgpack frames
+// over a Unix socket, request ids, out-of-order answers, and stable error codes.
+
+import { Packr } from 'msgpackr'
+
+/** Bumped on any incompatible change; a hello with another version is refused. */
+export const PROTOCOL_VERSION = 1
+/** Default bound on one frame's body; larger frames are refused and the connection closed. */
+export const DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+/** Bytes of the big-endian u32 length in front of every frame. */
+export const FRAME_PREFIX_BYTES = 4
+
+/** Stable error codes of the protocol. Never renamed: connectors branch on them. */
+export const AGENT_ERROR_CODES = [
+  'ERR_BAD_FRAME',
+  'ERR_FRAME_TOO_LARGE',
+  'ERR_UNKNOWN_OP',
+  'ERR_INVALID_ARGUMENT',
+  'ERR_PROTOCOL_VERSION',
+  'ERR_HELLO_REQUIRED',
+  'ERR_MODEL_MISMATCH',
+  'ERR_GEOMETRY_MISMATCH',
+  'ERR_NOT_REGISTERED',
+  'ERR_LAYOUT',
+  'ERR_UNKNOWN_REQUEST',
+  'ERR_BUSY',
+  'ERR_IO',
+  'ERR_CUDA',
+  'ERR_CLOSED',
+  'ERR_INTERNAL',
+] as const
+
+export type AgentErrorCode = (typeof AGENT_ERROR_CODES)[number]
+
+/** An error that crosses the socket as `{ id, ok: false, error: { code, message } }`. */
+export class AgentError extends Error {
+  readonly code: AgentErrorCode
+  constructor(code: AgentErrorCode, message: string) {
+    super(message)
+    this.name = 'AgentError'
+    this.code = code
+  }
+}
+
+// One Packr for the process: plain maps (no records/structures) so any msgpack library reads the frames.
+const packr = new Packr({ useRecords: false, mapsAsObjects: true, int64AsType: 'number' })
+
+/** Encodes one message as a frame: u32 BE length + msgpack body. */
+export function encodeFrame(message: unknown): Buffer {
+  const body = packr.pack(message)
+  const out = Buffer.allocUnsafe(FRAME_PREFIX_BYTES + body.length)
+  out.writeUInt32BE(body.length, 0)
+  body.copy(out, FRAME_PREFIX_BYTES)
+  return out
+}
+
+export function decodeBody(body: Uint8Array): unknown {
+  return packr.unpack(body)
+}
+
+/**
+ * Cuts a byte stream into frame bodies. Holds at most one partial frame, so
+ * memory per connection is bounded by `maxFrameBytes`.
+ */
+export class FrameReader {
+  readonly #max: number
+  #parts: Buffer[] = []
+  #have = 0
+
+  constructor(maxFrameBytes = DEFAULT_MAX_FRAME_BYTES) {
+    this.#max = maxFrameBytes
+  }
+
+  /** Feeds bytes; returns complete bodies. Throws ERR_FRAME_TOO_LARGE on an oversized length. */
+  push(chunk: Buffer): Buffer[] {
+    this.#parts.push(chunk)
+    this.#have += chunk.length
+    const out: Buffer[] = []
+    for (;;) {
+      if (this.#have < FRAME_PREFIX_BYTES) break
+      const head = this.#peek(FRAME_PREFIX_BYTES)
+      const len = head.readUInt32BE(0)
+      if (len > this.#max) {
+        throw new AgentError('ERR_FRAME_TOO_LARGE', `frame of ${len} bytes exceeds the limit of ${this.#max}`)
+      }
+      if (this.#have < FRAME_PREFIX_BYTES + len) break
+      const all = this.#take(FRAME_PREFIX_BYTES + len)
+      out.push(all.subarray(FRAME_PREFIX_BYTES))
+    }
+    return out
+  }
+
+  #peek(n: number): Buffer {
+    if (this.#parts[0]!.length >= n) return this.#parts[0]!
+    const joined = Buffer.concat(this.#parts)
+    this.#parts = [joined]
+    return joined
+  }
+
+  #take(n: number): Buffer {
+    const joined = this.#parts.length === 1 ? this.#parts[0]! : Buffer.concat(this.#parts)
+    const out = joined.subarray(0, n)
+    const rest = joined.subarray(n)
+    this.#parts = rest.length > 0 ? [rest] : []
+    this.#have = rest.length
+    return out
+  }
+}
+
+/** A request as it arrives: `id` (a non-negative integer) and `op` are required. */
+export interface Request {
+  id: number
+  op: string
+  [field: string]: unknown
+}
+
+/** Validates the envelope of a decoded frame; returns the id when one can be read (for the error frame). */
+export function checkEnvelope(msg: unknown): Request {
+  if (typeof msg !== 'object' || msg === null || Array.isArray(msg)) {
+    throw new AgentError('ERR_BAD_FRAME', 'a frame must hold a map')
+  }
+  const m = msg as Record<string, unknown>
+  if (typeof m.id !== 'number' || !Number.isSafeInteger(m.id) || m.id < 0) {
+    throw new AgentError('ERR_BAD_FRAME', 'a request needs an integer id >= 0')
+  }
+  if (typeof m.op !== 'string') throw new AgentError('ERR_BAD_FRAME', 'a request needs a string op')
+  return m as Request
+}

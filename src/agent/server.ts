@@ -1,0 +1,175 @@
+// The agent's listeners: the engine socket (Unix domain, mode 0600, one session per
+// connection, answers in completion order) and the optional loopback /metrics port.
+
+import { chmodSync, lstatSync, unlinkSync } from 'node:fs'
+import { createServer as createHttpServer, type Server as HttpServer } from 'node:http'
+import { connect, createServer, type Server, type Socket } from 'node:net'
+import { type Agent, newSession } from './agent.ts'
+import { AgentError, checkEnvelope, decodeBody, encodeFrame, FrameReader } from './protocol.ts'
+
+/** In-flight requests per connection; more are answered ERR_BUSY. */
+export const MAX_INFLIGHT = 1024
+
+export interface ListenOptions {
+  socketPath: string
+  maxFrameBytes: number
+  /** Loopback port for GET /metrics and /healthz; undefined = off, 0 = any free port. */
+  metricsPort?: number
+}
+
+export class AgentServer {
+  readonly agent: Agent
+  readonly socketPath: string
+  #server: Server | undefined
+  #http: HttpServer | undefined
+  readonly #sockets = new Set<Socket>()
+  metricsPort: number | undefined
+
+  constructor(agent: Agent, socketPath: string) {
+    this.agent = agent
+    this.socketPath = socketPath
+  }
+
+  static async listen(agent: Agent, o: ListenOptions): Promise<AgentServer> {
+    const s = new AgentServer(agent, o.socketPath)
+    await removeStaleSocket(o.socketPath)
+    const server = createServer((sock) => s.#connection(sock, o.maxFrameBytes))
+    // The socket file is created 0600 (umask) so no other user can connect even briefly.
+    const old = process.umask(0o177)
+    try {
+      await new Promise<void>((resolve, reject) => {
+        server.once('error', reject)
+        server.listen(o.socketPath, () => {
+          server.off('error', reject)
+          resolve()
+        })
+      })
+    } finally {
+      process.umask(old)
+    }
+    chmodSync(o.socketPath, 0o600)
+    s.#server = server
+    if (o.metricsPort !== undefined) {
+      const http = createHttpServer((req, res) => {
+        if (req.method === 'GET' && req.url === '/metrics') {
+          agent.metricsText().then(
+            (t) => res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4' }).end(t),
+            () => res.writeHead(500).end(),
+          )
+        } else if (req.method === 'GET' && req.url === '/healthz') {
+          res.writeHead(200, { 'content-type': 'application/json' }).end('{"ok":true}')
+        } else res.writeHead(404).end()
+      })
+      await new Promise<void>((resolve, reject) => {
+        http.once('error', reject)
+        http.listen(o.metricsPort, '127.0.0.1', () => resolve())
+      })
+      const addr = http.address()
+      s.metricsPort = typeof addr === 'object' && addr ? addr.port : undefined
+      s.#http = http
+    }
+    return s
+  }
+
+  #connection(sock: Socket, maxFrameBytes: number): void {
+    const m = this.agent.metrics
+    m.connections++
+    this.#sockets.add(sock)
+    const reader = new FrameReader(maxFrameBytes)
+    const send = (msg: Record<string, unknown>) => {
+      if (!sock.destroyed) sock.write(encodeFrame(msg))
+    }
+    const session = newSession((ev) => send(ev))
+    let inflight = 0
+    const fail = (id: number | null, e: unknown) => {
+      const err =
+        e instanceof AgentError ? e : new AgentError('ERR_INTERNAL', (e as Error)?.message ?? String(e))
+      m.error(err.code)
+      send({ id, ok: false, error: { code: err.code, message: err.message } })
+    }
+    sock.on('data', (chunk: Buffer) => {
+      let bodies: Buffer[]
+      try {
+        bodies = reader.push(chunk)
+      } catch (e) {
+        // A bad length cannot be resynchronised: answer once, then close this connection only.
+        m.badFrames++
+        fail(null, e)
+        sock.end()
+        return
+      }
+      for (const body of bodies) {
+        let req: ReturnType<typeof checkEnvelope>
+        try {
+          const msg = decodeBody(body)
+          try {
+            req = checkEnvelope(msg)
+          } catch (e) {
+            const id = (msg as { id?: unknown })?.id
+            m.badFrames++
+            fail(typeof id === 'number' && Number.isSafeInteger(id) ? id : null, e)
+            continue
+          }
+        } catch (e) {
+          m.badFrames++
+          fail(null, new AgentError('ERR_BAD_FRAME', `undecodable frame: ${(e as Error).message}`))
+          continue
+        }
+        m.requests++
+        if (inflight >= MAX_INFLIGHT) {
+          fail(req.id, new AgentError('ERR_BUSY', `more than ${MAX_INFLIGHT} requests in flight`))
+          continue
+        }
+        inflight++
+        this.agent
+          .handle(session, req)
+          .then(
+            (body) => send({ id: req.id, ok: true, ...body }),
+            (e) => fail(req.id, e),
+          )
+          .finally(() => {
+            inflight--
+          })
+      }
+    })
+    sock.on('error', () => {})
+    sock.on('close', () => {
+      m.connections--
+      this.#sockets.delete(sock)
+      this.agent.endSession(session)
+    })
+  }
+
+  async close(): Promise<void> {
+    for (const s of this.#sockets) s.destroy()
+    await Promise.all([
+      new Promise<void>((r) => (this.#server ? this.#server.close(() => r()) : r())),
+      new Promise<void>((r) => (this.#http ? this.#http.close(() => r()) : r())),
+    ])
+    try {
+      unlinkSync(this.socketPath)
+    } catch {}
+    await this.agent.close()
+  }
+}
+
+/** A socket file left by a dead agent is removed; one a live agent answers on is an error. */
+async function removeStaleSocket(path: string): Promise<void> {
+  let st: ReturnType<typeof lstatSync>
+  try {
+    st = lstatSync(path)
+  } catch {
+    return
+  }
+  if (!st.isSocket()) throw new AgentError('ERR_INVALID_ARGUMENT', `${path} exists and is not a socket`)
+  const live = await new Promise<boolean>((resolve) => {
+    const c = connect(path)
+    c.once('connect', () => {
+      c.destroy()
+      resolve(true)
+    })
+    c.once('error', () => resolve(false))
+  })
+  if (live) throw new AgentError('ERR_INVALID_ARGUMENT', `another agent is listening on ${path}`)
+  unlinkSync(path)
+}

@@ -1,0 +1,272 @@
+// kvgate agent over its real socket: framing, error frames that leave the agent up,
+// and save → load through host shared memory for every vLLM layout.
+
+import { randomBytes } from 'node:crypto'
+import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
+import { connect, type Socket } from 'node:net'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { type AgentServer, resolveAgentConfig, startAgent } from '../src/agent/index.ts'
+import { decodeBody, encodeFrame, FrameReader } from '../src/agent/protocol.ts'
+
+type Msg = Record<string, unknown>
+
+/** A minimal protocol client: requests by id, events collected. */
+class Client {
+  readonly sock: Socket
+  readonly #reader = new FrameReader()
+  readonly #waiting = new Map<unknown, (m: Msg) => void>()
+  readonly events: Msg[] = []
+  readonly orphans: Msg[] = []
+  #next = 1
+  closed = false
+
+  private constructor(sock: Socket) {
+    this.sock = sock
+    sock.on('data', (d) => {
+      for (const b of this.#reader.push(d)) {
+        const m = decodeBody(b) as Msg
+        if (m.event) this.events.push(m)
+        else if (this.#waiting.has(m.id)) {
+          this.#waiting.get(m.id)!(m)
+          this.#waiting.delete(m.id)
+        } else this.orphans.push(m)
+      }
+    })
+    sock.on('close', () => {
+      this.closed = true
+    })
+  }
+
+  static open(path: string): Promise<Client> {
+    return new Promise((resolve, reject) => {
+      const s = connect(path)
+      s.once('connect', () => resolve(new Client(s)))
+      s.once('error', reject)
+    })
+  }
+
+  call(op: string, fields: Msg = {}): Promise<Msg> {
+    const id = this.#next++
+    return new Promise((resolve) => {
+      this.#waiting.set(id, resolve)
+      this.sock.write(encodeFrame({ id, op, ...fields }))
+    })
+  }
+
+  /** Writes raw bytes and waits for the next message without a known id. */
+  async raw(bytes: Buffer): Promise<Msg> {
+    const before = this.orphans.length
+    this.sock.write(bytes)
+    for (let i = 0; i < 200 && this.orphans.length === before; i++)
+      await new Promise((r) => setTimeout(r, 10))
+    return this.orphans[before]!
+  }
+
+  close(): void {
+    this.sock.destroy()
+  }
+}
+
+let dir: string
+let server: AgentServer
+
+beforeAll(async () => {
+  dir = mkdtempSync(join(tmpdir(), 'kvgate-agent-'))
+  const cfg = resolveAgentConfig(
+    { socket: join(dir, 'a.sock'), chunkTokens: 32, maxFrameBytes: 1 << 20, metricsPort: 0 },
+    { KVGATE_MEMORY_BYTES: '64MiB' },
+  )
+  cfg.cache = { ...cfg.cache, native: false, remote: false, disk: false, codecWorkers: 0 }
+  server = await startAgent(cfg, 'test')
+})
+
+afterAll(async () => {
+  await server?.close()
+  rmSync(dir, { recursive: true, force: true })
+})
+
+const hello = (layout: string, extra: Msg = {}) => ({
+  protocol: 1,
+  model: 'test/model',
+  hashSeed: '0',
+  geometry: { layout, dtype: 'float16', layers: 3, kvHeads: 2, headSize: 8, blockSize: 16, ...extra },
+})
+
+describe('agent socket', () => {
+  it('is created mode 0600', () => {
+    expect(statSync(join(dir, 'a.sock')).mode & 0o777).toBe(0o600)
+  })
+
+  it('answers bad frames with error frames and keeps serving', async () => {
+    const c = await Client.open(join(dir, 'a.sock'))
+    // msgpack for a bare integer: not a map.
+    const notMap = Buffer.from([0, 0, 0, 1, 0x05])
+    expect(await c.raw(notMap)).toMatchObject({ id: null, ok: false, error: { code: 'ERR_BAD_FRAME' } })
+    // 0xc1 is never valid msgpack.
+    expect(await c.raw(Buffer.from([0, 0, 0, 1, 0xc1]))).toMatchObject({ error: { code: 'ERR_BAD_FRAME' } })
+    expect(await c.call('frobnicate')).toMatchObject({ ok: false, error: { code: 'ERR_UNKNOWN_OP' } })
+    expect(await c.call('lookup', { keys: [] })).toMatchObject({ error: { code: 'ERR_HELLO_REQUIRED' } })
+    expect(await c.call('hello', { ...hello('flash-attn'), protocol: 99 })).toMatchObject({
+      error: { code: 'ERR_PROTOCOL_VERSION' },
+    })
+    expect(await c.call('hello', hello('flash-attn', { dtype: 'int4' }))).toMatchObject({
+      error: { code: 'ERR_GEOMETRY_MISMATCH' },
+    })
+    expect(await c.call('hello', hello('flash-attn', { blockSize: 24 }))).toMatchObject({
+      error: { code: 'ERR_GEOMETRY_MISMATCH' },
+    })
+    expect(await c.call('ping')).toMatchObject({ ok: true })
+    // An oversized length cannot be resynchronised: an error frame, then this connection closes.
+    const big = Buffer.alloc(4)
+    big.writeUInt32BE(64 << 20)
+    expect(await c.raw(big)).toMatchObject({ error: { code: 'ERR_FRAME_TOO_LARGE' } })
+    for (let i = 0; i < 100 && !c.closed; i++) await new Promise((r) => setTimeout(r, 10))
+    expect(c.closed).toBe(true)
+    const d = await Client.open(join(dir, 'a.sock'))
+    expect(await d.call('ping')).toMatchObject({ ok: true })
+    const st = (await d.call('stats')) as Msg
+    expect(st.badFrames).toBeGreaterThanOrEqual(3)
+    d.close()
+  })
+
+  it('serves Prometheus metrics on loopback', async () => {
+    const res = await fetch(`http://127.0.0.1:${server.metricsPort}/metrics`)
+    expect(res.status).toBe(200)
+    const text = await res.text()
+    expect(text).toMatch(/^kvgate_agent_requests_total \d+$/m)
+    expect(text).toMatch(/^kvgate_agent_bad_frames_total [1-9]\d*$/m)
+    expect(text).toContain('kvgate_agent_errors_total{code="ERR_UNKNOWN_OP"} 1')
+    expect((await fetch(`http://127.0.0.1:${server.metricsPort}/nope`)).status).toBe(404)
+  })
+
+  it('refuses a second agent on a live socket', async () => {
+    const cfg = resolveAgentConfig({ socket: join(dir, 'a.sock') }, {})
+    await expect(startAgent(cfg, 'test')).rejects.toThrow(/another agent/)
+  })
+
+  it('lookup of unknown keys is 0 and a load of them reports every block failed', async () => {
+    const c = await Client.open(join(dir, 'a.sock'))
+    expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true, blocksPerChunk: 2 })
+    const path = join(dir, 'kv-miss')
+    writeFileSync(path, Buffer.alloc(2 * 8 * 16 * 2 * 8 * 2 * 3))
+    const tensors = [0, 1, 2].map((l) => ({
+      kind: 'shm',
+      path,
+      offset: l * 2 * 8 * 16 * 2 * 8 * 2,
+      shape: [2, 8, 16, 2, 8],
+    }))
+    const r = await c.call('register', { rank: 0, numBlocks: 8, tensors })
+    expect(r).toMatchObject({ ok: true })
+    const keys = [randomBytes(32)]
+    expect(await c.call('lookup', { keys })).toMatchObject({ ok: true, chunks: 0, tokens: 0 })
+    const load = await c.call('load', { worker: r.worker, keys, blockIds: [3, 5] })
+    expect(load).toMatchObject({ ok: true, chunks: 0, failedBlocks: [3, 5] })
+    expect(readFileSync(path).every((b) => b === 0)).toBe(true)
+    expect(await c.call('load', { worker: r.worker, keys, blockIds: [3, 8] })).toMatchObject({
+      error: { code: 'ERR_INVALID_ARGUMENT' },
+    })
+    expect(await c.call('load', { worker: 99, keys, blockIds: [3, 4] })).toMatchObject({
+      error: { code: 'ERR_NOT_REGISTERED' },
+    })
+    c.close()
+  })
+
+  for (const layout of ['flash-attn', 'flashinfer', 'mla'] as const) {
+    it(`${layout}: save from some blocks, load into others, bytes equal`, async () => {
+      const numBlocks = 12
+      const heads = layout === 'mla' ? 1 : 2
+      const head = layout === 'mla' ? 16 : 8
+      const sides = layout === 'mla' ? 1 : 2
+      const bb = 16 * heads * head * 2
+      const layerBytes = sides * numBlocks * bb
+      const shape =
+        layout === 'flash-attn'
+          ? [2, numBlocks, 16, heads, head]
+          : layout === 'flashinfer'
+            ? [numBlocks, 2, 16, heads, head]
+            : [numBlocks, 16, head]
+      const engine = async (name: string, fill: boolean) => {
+        const path = join(dir, `${layout}-${name}`)
+        writeFileSync(path, fill ? randomBytes(3 * layerBytes) : Buffer.alloc(3 * layerBytes))
+        const c = await Client.open(join(dir, 'a.sock'))
+        const g = hello(layout, { kvHeads: heads, headSize: head })
+        expect(await c.call('hello', { ...g, model: `m-${layout}` })).toMatchObject({ ok: true })
+        const tensors = [0, 1, 2].map((l) => ({ kind: 'shm', path, offset: l * layerBytes, shape }))
+        const r = await c.call('register', { rank: 0, numBlocks, tensors })
+        expect(r.ok).toBe(true)
+        return { c, path, worker: r.worker }
+      }
+      const blockAt = (buf: Buffer, layer: number, side: number, b: number) => {
+        const off =
+          layout === 'flash-attn'
+            ? (side * numBlocks + b) * bb
+            : layout === 'flashinfer'
+              ? (b * 2 + side) * bb
+              : b * bb
+        return buf.subarray(layer * layerBytes + off, layer * layerBytes + off + bb)
+      }
+      const a = await engine('a', true)
+      const keys = [randomBytes(32), randomBytes(32)]
+      const src = [7, 2, 9, 0]
+      const saved = await a.c.call('save', { worker: a.worker, keys, blockIds: src })
+      expect(saved).toMatchObject({ ok: true, chunks: 2, stored: 2 })
+      const b = await engine('b', false)
+      expect(await b.c.call('lookup', { keys })).toMatchObject({ chunks: 2, tokens: 64 })
+      const dst = [1, 11, 4, 5]
+      const loaded = await b.c.call('load', { worker: b.worker, keys, blockIds: dst })
+      expect(loaded).toMatchObject({ ok: true, chunks: 2, failedBlocks: [] })
+      expect(b.c.events.filter((e) => e.event === 'load-progress').length).toBe(3)
+      const A = readFileSync(a.path)
+      const B = readFileSync(b.path)
+      for (let layer = 0; layer < 3; layer++)
+        for (let side = 0; side < sides; side++)
+          for (let i = 0; i < 4; i++) {
+            expect(blockAt(B, layer, side, dst[i]!).equals(blockAt(A, layer, side, src[i]!))).toBe(true)
+          }
+      // Blocks nobody loaded into stay untouched.
+      expect(blockAt(B, 0, 0, 3).every((x) => x === 0)).toBe(true)
+      a.c.close()
+      b.c.close()
+    })
+  }
+})
+
+describe('agent configuration', () => {
+  it('flags over env over file; unknown agent keys and bad values are errors', async () => {
+    const file = join(dir, 'agent.yaml')
+    writeFileSync(file, 'agent:\n  lookupDeadlineMs: 40\n  metricsPort: 9100\nmemory:\n  bytes: 64MiB\n')
+    const c = resolveAgentConfig(
+      { config: file, socket: join(dir, 'x.sock') },
+      { KVGATE_AGENT_METRICS_PORT: '9200' },
+    )
+    expect(c).toMatchObject({
+      lookupDeadlineMs: 40,
+      metricsPort: 9200,
+      socket: join(dir, 'x.sock'),
+      chunkTokens: 256,
+    })
+    expect(c.cache).toMatchObject({ memory: { bytes: 64 * 2 ** 20 } })
+    writeFileSync(file, 'agent:\n  socketPath: /tmp/x\n')
+    expect(() => resolveAgentConfig({ config: file }, {})).toThrow(/unknown agent option 'socketPath'/)
+    expect(() => resolveAgentConfig({ lookupDeadlineMs: -1 }, {})).toThrow(/lookupDeadlineMs/)
+    expect(() => resolveAgentConfig({ socket: 'x'.repeat(200) }, {})).toThrow(/socket/)
+  })
+
+  it('kvgate agent --help', async () => {
+    const { main } = await import('../src/cli/main.ts')
+    const log = console.log
+    let out = ''
+    console.log = (s: string) => {
+      out += s
+    }
+    try {
+      expect(await main(['agent', '--help'])).toBe(0)
+    } finally {
+      console.log = log
+    }
+    expect(out).toContain('--socket PATH')
+    expect(out).toContain('docs/vllm.md')
+  })
+})
