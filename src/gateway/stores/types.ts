@@ -20,7 +20,7 @@ export interface StoreEntry {
   name: string
   size: number
   /** Last-modified time (ms since epoch) when the backend lists it (gc's grace period for new writes). */
-  modified?: number
+  modified?: number | undefined
 }
 
 export type PutResult = 'created' | 'exists'
