@@ -18,6 +18,7 @@ export const BENCHES = [
   'load-vs-prefill',
   'fleet',
   'cold-tier',
+  'agent',
 ] as const
 
 const wanted = process.argv.slice(2).filter((a) => !a.startsWith('-'))

@@ -25,6 +25,8 @@ export const BENCH_SUMMARY: Record<string, string> = {
     'N client processes behind one gateway: hit rate per tier vs an oracle, S3 requests, $ per 1,000 hits',
   'cold-tier':
     'the fleet workload under a quota below the working set with hourly gc: hit rate vs an oracle LRU and creation-age lifecycle',
+  agent:
+    'kvgate agent over its socket: save/load of scattered paged blocks vs one memcpy, 512-key lookup p50/p99',
   'load-vs-prefill':
     'lookup + retrieve of a Llama-3.1-8B-shaped prefix from L1, cold L2 and L4 (RadosGW) vs its modelled H100 prefill',
 }
