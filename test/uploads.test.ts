@@ -5,11 +5,13 @@
 import { createHash } from 'node:crypto'
 import { afterEach, describe, expect, it, vi } from 'vitest'
 import { RemoteTier } from '../src/client/tiers/remote.ts'
+import { usagePrefix } from '../src/coldtier/names.ts'
+import { decodeBatch } from '../src/coldtier/records.ts'
 import { serveGateway } from '../src/gateway/adapters/node.ts'
 import { createGateway } from '../src/gateway/app.ts'
 import { MemoryStore } from '../src/gateway/stores/memory.ts'
 import type { UploadTargets } from '../src/gateway/stores/types.ts'
-import { makeChunk } from './gateway-fixtures.ts'
+import { makeChain, makeChunk, type TestChunk } from './gateway-fixtures.ts'
 
 const MIB = 1024 * 1024
 const sha256 = (s: string) => createHash('sha256').update(s).digest('hex')
@@ -207,6 +209,69 @@ describe('tickets over a staging store', () => {
     }
     // The genuine ticket still works after all of that.
     expect((await commit(app, 'a', uploadId)).status).toBe(201)
+  })
+})
+
+describe('a commit is a PUT to the rest of the gateway', () => {
+  const setup = (grants = true) => {
+    const store = new StagingMemoryStore()
+    const app = createGateway({
+      store,
+      prefix: 'kv',
+      ...(grants ? { auth: { tokens: GRANTS } } : {}),
+      uploads: { minBytes: 1024, expiresSeconds: 60 },
+      coldTier: { accountingRefreshMs: 0 },
+    })
+    return { store, app }
+  }
+  const stageAndCommit = async (app: App, store: StagingMemoryStore, ns: string, c: TestChunk) => {
+    const r = await open(app, ns, { key: c.key, bytes: c.bytes.length })
+    expect(r.json.mode).toBe('presigned')
+    const { uploadId, parts } = r.json as { uploadId: string; parts: { url: string }[] }
+    await store.putIfAbsent(stagedNameOf(parts[0]!.url), c.bytes, c.bytes.length)
+    return commit(app, ns, uploadId)
+  }
+
+  it('counts a committed chunk in the accounting and records its parent link for gc', async () => {
+    const { store, app } = setup(false)
+    const [root, child] = makeChain(2, { sectionBytes: 4096 })
+    expect((await stageAndCommit(app, store, 'a', root!)).status).toBe(201)
+    expect((await stageAndCommit(app, store, 'a', child!)).status).toBe(201)
+    const text = await (await app.request('/metrics')).text()
+    expect(text).toMatch(/^kvgate_namespace_stored_objects\{ns="a"\} 2$/m)
+    expect(text).toContain(
+      `kvgate_namespace_stored_bytes{ns="a"} ${root!.bytes.length + child!.bytes.length}`,
+    )
+    await app.state.usage!.flush()
+    const links = []
+    for (const e of (await store.list(usagePrefix('kv', 'a'))).entries) {
+      const obj = await store.get(e.name)
+      links.push(...decodeBatch(new Uint8Array(await new Response(obj!.body).arrayBuffer())).links)
+    }
+    expect(links.find((l) => l.key === child!.key)?.parent).toBe(root!.key)
+  })
+
+  it('a namespace named by its 32-hex id commits only chunks carrying that id, like PUT', async () => {
+    const { store, app } = setup(false)
+    const ns = 'ab'.repeat(16)
+    const foreign = makeChunk({ sectionBytes: 4096, namespaceId: 'cd'.repeat(16) })
+    const res = await stageAndCommit(app, store, ns, foreign)
+    expect([res.status, res.code]).toEqual([400, 'ERR_FORMAT_BAD_FIELD'])
+    expect(await store.head(`kv/${ns}/${foreign.key.slice(0, 2)}/${foreign.key}`)).toBeUndefined()
+    const mine = makeChunk({ sectionBytes: 4096, namespaceId: ns })
+    expect((await stageAndCommit(app, store, ns, mine)).status).toBe(201)
+  })
+
+  it('never answers "exists" from a cached presence: a chunk deleted behind the gateway is uploaded again', async () => {
+    const { store, app } = setup()
+    const c = makeChunk({ sectionBytes: 4096 })
+    expect((await stageAndCommit(app, store, 'a', c)).status).toBe(201)
+    const final = `kv/a/${c.key.slice(0, 2)}/${c.key}`
+    // gc (or another instance healing a corrupt object) deletes it; this instance still caches it.
+    expect(await store.delete(final)).toBe(true)
+    const res = await stageAndCommit(app, store, 'a', c)
+    expect([res.status, res.json]).toEqual([201, { status: 'created', bytes: c.bytes.length }])
+    expect((await store.head(final))?.size).toBe(c.bytes.length)
   })
 })
 

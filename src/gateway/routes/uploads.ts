@@ -5,9 +5,10 @@
 import type { Context, Hono } from 'hono'
 import { FormatError, KvgateError } from '../../core/errors.ts'
 import { headerBytesFor } from '../../core/format.ts'
-import { assertKeyHex, assertNamespaceName, objectName } from '../../core/keys.ts'
+import { assertKeyHex, assertNamespaceName, objectName, toHex } from '../../core/keys.ts'
 import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
+import { namespaceIdOf } from '../heal.ts'
 import { badRequest, notFound, payloadTooLarge, unsupportedMediaType } from '../http-errors.ts'
 import { authorize } from '../middleware/auth.ts'
 import { partLengths } from '../stores/types.ts'
@@ -159,10 +160,13 @@ export function uploadRoutes(
     }
     if (bytes > o.maxBytes)
       throw payloadTooLarge(`chunk is ${bytes} bytes; this gateway accepts at most ${o.maxBytes}`)
-    // N nodes writing one prefix: only the first should move the bytes.
+    // N nodes writing one prefix: only the first should move the bytes. Asked of the
+    // store, never of the cache: a cached presence may be stale (gc, a heal elsewhere),
+    // and "exists" from it would store nothing.
     const final = objectName(state.prefix, ns, key)
-    const stored = state.lookup.cached(final) ?? (await store.head(final))?.size
+    const stored = (await store.head(final))?.size
     if (stored !== undefined) {
+      state.usage?.use(ns, key, 0)
       state.lookup.remember(final, stored)
       state.metrics.puts.inc({ result: 'exists' })
       const answer: UploadAnswer = { mode: 'exists', bytes: stored }
@@ -218,8 +222,8 @@ export function uploadRoutes(
           )
         }
       }
-      const stored = state.lookup.cached(final) ?? (await store.head(final))?.size
-      if (stored !== undefined) return existsAnswer(c, state, final, stored)
+      const stored = (await store.head(final))?.size
+      if (stored !== undefined) return existsAnswer(c, state, ns, t.key, final, stored)
       const obj = await store.get(staged)
       if (!obj) {
         throw notFound('nothing staged under this upload: upload every part before the commit')
@@ -231,11 +235,13 @@ export function uploadRoutes(
           `the staged object is ${obj.size} bytes; the upload was opened for ${t.bytes}`,
         )
       }
+      const nsId = namespaceIdOf(ns)
       const vb = verifiedBody(streamSource(obj.body), {
         keyHex: t.key,
         size: t.bytes,
         maxBytes: o.maxBytes,
         idleTimeoutMs: state.limits.bodyIdleTimeoutMs,
+        ...(nsId ? { namespaceIdHex: nsId } : {}),
       })
       let result: 'created' | 'exists'
       try {
@@ -244,9 +250,13 @@ export function uploadRoutes(
         throw vb.failure() ?? e
       }
       if (result === 'exists') {
-        return existsAnswer(c, state, final, (await store.head(final))?.size ?? t.bytes)
+        return existsAnswer(c, state, ns, t.key, final, (await store.head(final))?.size ?? t.bytes)
       }
+      // What PUT does on a creation: presence, no stale layer header, a creation for gc and accounting.
       state.lookup.remember(final, t.bytes)
+      state.headers.delete(final)
+      const parent = vb.header()?.parentKey
+      if (parent) state.usage?.created(ns, t.key, toHex(parent), t.bytes)
       state.metrics.puts.inc({ result: 'created' })
       state.metrics.bytesIn.inc({}, t.bytes)
       state.written.objects++
@@ -263,7 +273,15 @@ export function uploadRoutes(
 }
 
 /** Create-only: the first writer's object stays, whatever its size (contract C3). */
-function existsAnswer(c: Context<GatewayEnv>, state: GatewayState, final: string, stored: number) {
+function existsAnswer(
+  c: Context<GatewayEnv>,
+  state: GatewayState,
+  ns: string,
+  key: string,
+  final: string,
+  stored: number,
+) {
+  state.usage?.use(ns, key, 0)
   state.lookup.remember(final, stored)
   state.metrics.puts.inc({ result: 'exists' })
   return c.json({ status: 'exists', bytes: stored }, 200)
