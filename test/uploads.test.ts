@@ -3,6 +3,8 @@
 // store, and the client's remote tier learning that a gateway takes PUTs directly.
 
 import { createHash } from 'node:crypto'
+import { createServer } from 'node:http'
+import type { AddressInfo } from 'node:net'
 import { afterEach, describe, expect, it, vi } from 'vitest'
 import { RemoteTier } from '../src/client/tiers/remote.ts'
 import { usagePrefix } from '../src/coldtier/names.ts'
@@ -276,6 +278,81 @@ describe('a commit is a PUT to the rest of the gateway', () => {
 })
 
 describe('the remote tier', () => {
+  it('an upload commit holds none of the connections lookups and GETs use', async () => {
+    // A store that presigns into a local HTTP "bucket" and whose read of a staged
+    // object (the commit's verification) waits until released.
+    let release!: () => void
+    const hold = new Promise<void>((r) => {
+      release = r
+    })
+    let committing!: () => void
+    const commitStarted = new Promise<void>((r) => {
+      committing = r
+    })
+    let bucketUrl = ''
+    class SlowStagingStore extends MemoryStore {
+      async presignUpload(name: string, size: number): Promise<UploadTargets> {
+        return { parts: [{ url: `${bucketUrl}/${encodeURIComponent(name)}`, offset: 0, length: size }] }
+      }
+      override async get(name: string, o?: Parameters<MemoryStore['get']>[1]) {
+        if (name.includes('-staging/')) {
+          committing()
+          await hold
+        }
+        return super.get(name, o)
+      }
+    }
+    const store = new SlowStagingStore()
+    const bucket = createServer((req, res) => {
+      const parts: Buffer[] = []
+      req.on('data', (b: Buffer) => parts.push(b))
+      req.on('end', () => {
+        const bytes = new Uint8Array(Buffer.concat(parts))
+        const name = decodeURIComponent(req.url!.slice(1))
+        void store.putIfAbsent(name, bytes, bytes.length).then(() => res.end())
+      })
+    })
+    await new Promise<void>((r) => bucket.listen(0, '127.0.0.1', r))
+    bucketUrl = `http://127.0.0.1:${(bucket.address() as AddressInfo).port}`
+    const gw = await serveGateway(createGateway({ store, uploads: { minBytes: 1024 } }), { port: 0 })
+    const tier = new RemoteTier({
+      url: gw.url,
+      namespace: 'a',
+      connections: 1,
+      lookupTimeoutMs: 5000,
+      uploadMinBytes: 1024,
+    })
+    try {
+      const stored = makeChunk()
+      const name = `kvgate/a/${stored.key.slice(0, 2)}/${stored.key}`
+      await store.putIfAbsent(name, stored.bytes, stored.bytes.length)
+      const big = makeChunk({ sectionBytes: 4096 })
+      const order: string[] = []
+      const put = tier.put(big.key, big.bytes).then((ok) => {
+        order.push('commit')
+        return ok
+      })
+      await commitStarted
+      // Undici does not end a request queued behind a busy connection at its deadline: were the
+      // commit on the lookup's connection, the lookup would wait for it. Released after a while
+      // either way, so a failure shows as the wrong order, not a hang.
+      const safety = setTimeout(release, 8000)
+      const found = await tier.lookup([stored.key])
+      order.push('lookup')
+      release()
+      clearTimeout(safety)
+      expect(await put).toBe(true)
+      expect(order).toEqual(['lookup', 'commit'])
+      expect(found).toEqual({ present: 1 })
+      expect((await store.head(`kvgate/a/${big.key.slice(0, 2)}/${big.key}`))?.size).toBe(big.bytes.length)
+    } finally {
+      release()
+      await tier.close()
+      await gw.close()
+      await new Promise((r) => bucket.close(r))
+    }
+  })
+
   it('asks a gateway that answers "direct" once, then PUTs large chunks without asking', async () => {
     const seen: string[] = []
     const app = createGateway({
