@@ -92,6 +92,24 @@ describe('stores that cannot presign answer "direct"', () => {
     expect((await open(app, 'b', { key, bytes: 4096 })).status).toBe(403)
   })
 
+  it('takes no larger chunk through an upload than through a PUT unless told to', async () => {
+    class Presigning extends MemoryStore {
+      async presignUpload(name: string, size: number): Promise<UploadTargets> {
+        return { parts: [{ url: `https://bucket.invalid/${name}`, offset: 0, length: size }] }
+      }
+    }
+    const key = makeChunk().key
+    const app = createGateway({ store: new Presigning(), limits: { maxChunkBytes: MIB }, uploads: {} })
+    const r = await open(app, 'a', { key, bytes: 2 * MIB })
+    expect([r.status, r.code]).toEqual([413, 'ERR_PAYLOAD_TOO_LARGE'])
+    const wide = createGateway({
+      store: new Presigning(),
+      limits: { maxChunkBytes: MIB },
+      uploads: { maxBytes: 4 * MIB },
+    })
+    expect((await open(wide, 'a', { key, bytes: 2 * MIB })).json.mode).toBe('presigned')
+  })
+
   it('refuses bad options eagerly', () => {
     const store = new MemoryStore()
     expect(() => createGateway({ store, uploads: { minBytes: 1, bogus: 1 } as never })).toThrow(

@@ -19,7 +19,7 @@ const MIB = 1024 * 1024
 export interface UploadOptions {
   /** Bodies of at least this many bytes get presigned targets (stores that can presign). @default 1 MiB */
   minBytes?: number
-  /** Largest chunk accepted through an upload. @default 512 MiB */
+  /** Largest chunk accepted through an upload. @default limits.maxChunkBytes (the PUT bound) */
   maxBytes?: number
   /** Targets expire, and commits are refused, this long after the upload was opened. @default 900 */
   expiresSeconds?: number
@@ -53,7 +53,7 @@ interface UploadTicket {
   multipartId?: string
 }
 
-function resolve(options: UploadOptions | undefined, prefix: string) {
+function resolve(options: UploadOptions | undefined, prefix: string, maxChunkBytes: number) {
   if (options === undefined) return undefined
   const known = new Set([
     'minBytes',
@@ -67,7 +67,8 @@ function resolve(options: UploadOptions | undefined, prefix: string) {
     if (!known.has(k)) throw new TypeError(`createGateway: unknown option uploads.${k}`)
   const o = {
     minBytes: options.minBytes ?? MIB,
-    maxBytes: options.maxBytes ?? 512 * MIB,
+    // A gateway told to take chunks up to N bytes takes no larger ones by another path.
+    maxBytes: options.maxBytes ?? maxChunkBytes,
     expiresSeconds: options.expiresSeconds ?? 900,
     multipartThreshold: options.multipartThreshold ?? 64 * MIB,
     partBytes: options.partBytes ?? 16 * MIB,
@@ -145,7 +146,7 @@ export function uploadRoutes(
   state: GatewayState,
   options: UploadOptions | undefined,
 ): void {
-  const o = resolve(options, state.prefix)
+  const o = resolve(options, state.prefix, state.limits.maxChunkBytes)
   const store = state.store
   const canPresign = o !== undefined && typeof store.presignUpload === 'function'
 
