@@ -477,7 +477,11 @@ export class RemoteTier {
       for (let attempt = 0; ; attempt++) {
         if (!this.breaker.allow()) return undefined
         try {
-          const r = await this.#once(method, path, opts, ac.signal)
+          const attempt = this.#once(method, path, opts, ac.signal)
+          // Undici leaves a request queued behind a busy connection waiting past its abort
+          // (it is ended only once dispatched): the deadline is kept here. A read into the
+          // caller's buffer is waited for, so no write into it follows the return.
+          const r = opts.into ? await attempt : await untilAborted(attempt, ac.signal)
           this.breaker.success()
           if ((r.status === 401 || r.status === 403) && !opts.quietAuth && !r.redirected) this.#authFailure(r)
           return r
@@ -858,6 +862,31 @@ function parseLookup(body: Uint8Array, max: number): number | undefined {
   } catch {
     return undefined
   }
+}
+
+/** `p`, or a rejection as soon as `signal` aborts (p's own outcome is then ignored). */
+function untilAborted<T>(p: Promise<T>, signal: AbortSignal): Promise<T> {
+  if (signal.aborted) {
+    p.catch(() => {})
+    return Promise.reject(new Error('aborted'))
+  }
+  return new Promise<T>((resolve, reject) => {
+    const onAbort = () => {
+      p.catch(() => {})
+      reject(new Error('aborted'))
+    }
+    signal.addEventListener('abort', onAbort, { once: true })
+    p.then(
+      (v) => {
+        signal.removeEventListener('abort', onAbort)
+        resolve(v)
+      },
+      (e: unknown) => {
+        signal.removeEventListener('abort', onAbort)
+        reject(e)
+      },
+    )
+  })
 }
 
 /** Backoff pause that ends early when the request's deadline fires (no timer left behind). */
