@@ -215,6 +215,37 @@ describe('status page from a browser', () => {
   })
 })
 
+describe('presigned uploads from kvgate serve', () => {
+  it('are off by default and reachable from the file, env and flags, bounded by maxChunkBytes', async () => {
+    const { resolveServeConfig, settingsFromEnv, settingsFromFile, settingsFromFlags } = await import(
+      '../src/gateway/config.ts'
+    )
+    expect(resolveServeConfig({ store: 's3', s3Bucket: 'kv' }).uploads).toBeUndefined()
+    const dir = mkdtempSync(join(tmpdir(), 'kvgate-serve-uploads-'))
+    const file = join(dir, 'gw.yaml')
+    writeFileSync(
+      file,
+      'store: { kind: s3, s3: { bucket: kv } }\nmaxChunkBytes: 64MiB\nuploads: { minBytes: 4MiB, expiresSeconds: 600, stagingPrefix: kv-up }\n',
+    )
+    expect(resolveServeConfig(settingsFromFile(file)).uploads).toEqual({
+      minBytes: 4 * 1024 ** 2,
+      maxBytes: 64 * 1024 ** 2,
+      expiresSeconds: 600,
+      stagingPrefix: 'kv-up',
+    })
+    const env = settingsFromEnv({ KVGATE_UPLOAD_MIN_BYTES: '2MiB', KVGATE_UPLOAD_TTL: '300' })
+    expect(resolveServeConfig(settingsFromFile(file), env).uploads).toMatchObject({
+      minBytes: 2 * 1024 ** 2,
+      expiresSeconds: 300,
+    })
+    const off = settingsFromFlags({ uploadMinBytes: 'off' })
+    expect(resolveServeConfig(settingsFromFile(file), env, off).uploads).toBeUndefined()
+    expect(() => settingsFromEnv({ KVGATE_UPLOAD_MIN_BYTES: 'lots' })).toThrow(/KVGATE_UPLOAD_MIN_BYTES/)
+    writeFileSync(file, 'uploads: { minBytes: 4MiB, partBytes: 8MiB }\n')
+    expect(() => settingsFromFile(file)).toThrow(/uploads.partBytes: unknown key/)
+  })
+})
+
 describe('native addon messages', () => {
   it('stats().native.reason lists every path tried, why, and a build command that exists', async () => {
     const script = `

@@ -104,6 +104,39 @@ describe('KVCache options', () => {
     await expect(c.store(tokens(T), { kind: 'device', pointer: 0n })).rejects.toThrow(/pointer/)
   })
 
+  it('takes the write-behind, deadline, presence and upload options from the file and from env', () => {
+    const dir = tempDir()
+    const file = join(dir, 'kvgate.yaml')
+    writeFileSync(
+      file,
+      'model: stories260k\nwriteBehindBytes: 64MiB\nretrieveDeadlineMs: 500\nremote:\n  url: http://gw:8080\n  presenceTtlMs: 5000\n  uploadMinBytes: 8MiB\n',
+    )
+    const fromFile = resolveOptions(optionsFromEnvironment({ KVGATE_CLIENT_CONFIG: file }) as never)
+    expect(fromFile).toMatchObject({
+      writeBehindBytes: 64 * 1024 ** 2,
+      retrieveDeadlineMs: 500,
+      remote: { presenceTtlMs: 5000, uploadMinBytes: 8 * 1024 ** 2 },
+    })
+    const env = {
+      KVGATE_CLIENT_CONFIG: file,
+      KVGATE_WRITE_BEHIND_BYTES: '1GiB',
+      KVGATE_RETRIEVE_DEADLINE_MS: '2000',
+      KVGATE_REMOTE_PRESENCE_TTL_MS: '60000',
+      KVGATE_REMOTE_UPLOAD_MIN_BYTES: '16MiB',
+    }
+    expect(resolveOptions(optionsFromEnvironment(env) as never)).toMatchObject({
+      writeBehindBytes: 1024 ** 3,
+      retrieveDeadlineMs: 2000,
+      remote: { presenceTtlMs: 60_000, uploadMinBytes: 16 * 1024 ** 2 },
+    })
+    expect(() => optionsFromEnvironment({ KVGATE_REMOTE_PRESENCE_TTL_MS: '1m' })).toThrow(
+      /KVGATE_REMOTE_PRESENCE_TTL_MS/,
+    )
+    expect(() => optionsFromEnvironment({ KVGATE_REMOTE_UPLOAD_MIN_BYTES: 'big' })).toThrow(
+      /KVGATE_REMOTE_UPLOAD_MIN_BYTES/,
+    )
+  })
+
   it('merges env over the YAML file and parses sizes', () => {
     const dir = tempDir()
     const file = join(dir, 'kvgate.yaml')

@@ -285,6 +285,33 @@ describe('store lifetimes', () => {
   })
 })
 
+describe('presence heals across a retrieve and the write-behind (contract C2)', () => {
+  it('a 404 mid-retrieve forgets the rest of the chain, so the next store re-uploads what gc deleted', async () => {
+    const gw = await gateway()
+    const N = 6
+    const toks = tokens(N, 11)
+    const kv = kvFor(N * CB, 11)
+    // One fetch at a time: the chain's later chunks are never asked for once chunk 2 misses.
+    const c = await open({ remote: remote(gw), fetchConcurrency: 1 })
+    await c.store(toks, kv)
+    await c.flush()
+    expect((await gw.store.stats()).objects).toBe(N)
+    // gc deletes the chain's tail behind the gateway, deepest first.
+    for (const k of c.keys(toks).slice(2).reverse())
+      expect(await gw.store.delete(`kvgate/default/${k.hex.slice(0, 2)}/${k.hex}`)).toBe(true)
+    c.clearMemory()
+    const into = new Uint8Array(N * CB)
+    expect(sum(await c.retrieve(toks, { into }))).toBe(2 * T)
+    expect(Buffer.compare(into.subarray(0, 2 * CB), kv.subarray(0, 2 * CB))).toBe(0)
+    expect(c.stats().remote!.knownPresent).toBe(2)
+    // Storing the prompt again uploads every deleted chunk, not only the one that answered 404.
+    await c.store(toks, kv)
+    await c.flush()
+    expect((await gw.store.stats()).objects).toBe(N)
+    expectSettled(c)
+  })
+})
+
 describe('write-behind memory', () => {
   const big: ModelPreset = { modelId: 'wb-probe', layers: 8, kvHeads: 8, headDim: 128, dtype: 'fp16' }
   const bigCB = chunkBytes(big, T) // 512 KiB

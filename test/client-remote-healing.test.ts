@@ -244,6 +244,28 @@ describe('deadlines and body caps', () => {
     b.dispose()
   })
 
+  it('a lookup queued behind a hung GET on a busy connection still ends at its deadline', async () => {
+    const { keys } = await seeded(1, 49)
+    gw.faults.hangGets = true
+    const r = new RemoteTier({ url: gw.url, namespace: 'team-a', connections: 1, lookupTimeoutMs: 200 })
+    tiers.push(r)
+    const order: string[] = []
+    // The GET holds the only read connection; it ends (caller's abort) long after the lookup's deadline.
+    const ac = new AbortController()
+    const safety = setTimeout(() => ac.abort(), 5000)
+    const get = r.get(keys[0]!, undefined, undefined, { signal: ac.signal }).then(() => order.push('get'))
+    for (let i = 0; i < 200 && chunkGets().length === 0; i++) await new Promise((res) => setTimeout(res, 10))
+    expect(chunkGets()).toHaveLength(1)
+    expect(await r.lookup(keys)).toEqual({ present: 0 })
+    order.push('lookup')
+    ac.abort()
+    clearTimeout(safety)
+    await get
+    expect(order).toEqual(['lookup', 'get'])
+    expect(r.stats().timeouts).toBe(1)
+    gw.faults.hangGets = false
+  })
+
   it("the caller's own deadline ends a GET without blaming the gateway", async () => {
     const { keys } = await seeded(1, 48)
     gw.faults.hangGets = true

@@ -3,13 +3,17 @@
 // store, and the client's remote tier learning that a gateway takes PUTs directly.
 
 import { createHash } from 'node:crypto'
+import { createServer } from 'node:http'
+import type { AddressInfo } from 'node:net'
 import { afterEach, describe, expect, it, vi } from 'vitest'
 import { RemoteTier } from '../src/client/tiers/remote.ts'
+import { usagePrefix } from '../src/coldtier/names.ts'
+import { decodeBatch } from '../src/coldtier/records.ts'
 import { serveGateway } from '../src/gateway/adapters/node.ts'
 import { createGateway } from '../src/gateway/app.ts'
 import { MemoryStore } from '../src/gateway/stores/memory.ts'
 import type { UploadTargets } from '../src/gateway/stores/types.ts'
-import { makeChunk } from './gateway-fixtures.ts'
+import { makeChain, makeChunk, type TestChunk } from './gateway-fixtures.ts'
 
 const MIB = 1024 * 1024
 const sha256 = (s: string) => createHash('sha256').update(s).digest('hex')
@@ -86,6 +90,24 @@ describe('stores that cannot presign answer "direct"', () => {
       expect([r.status, r.code], JSON.stringify(body)).toEqual([status, code])
     }
     expect((await open(app, 'b', { key, bytes: 4096 })).status).toBe(403)
+  })
+
+  it('takes no larger chunk through an upload than through a PUT unless told to', async () => {
+    class Presigning extends MemoryStore {
+      async presignUpload(name: string, size: number): Promise<UploadTargets> {
+        return { parts: [{ url: `https://bucket.invalid/${name}`, offset: 0, length: size }] }
+      }
+    }
+    const key = makeChunk().key
+    const app = createGateway({ store: new Presigning(), limits: { maxChunkBytes: MIB }, uploads: {} })
+    const r = await open(app, 'a', { key, bytes: 2 * MIB })
+    expect([r.status, r.code]).toEqual([413, 'ERR_PAYLOAD_TOO_LARGE'])
+    const wide = createGateway({
+      store: new Presigning(),
+      limits: { maxChunkBytes: MIB },
+      uploads: { maxBytes: 4 * MIB },
+    })
+    expect((await open(wide, 'a', { key, bytes: 2 * MIB })).json.mode).toBe('presigned')
   })
 
   it('refuses bad options eagerly', () => {
@@ -210,7 +232,145 @@ describe('tickets over a staging store', () => {
   })
 })
 
+describe('a commit is a PUT to the rest of the gateway', () => {
+  const setup = (grants = true) => {
+    const store = new StagingMemoryStore()
+    const app = createGateway({
+      store,
+      prefix: 'kv',
+      ...(grants ? { auth: { tokens: GRANTS } } : {}),
+      uploads: { minBytes: 1024, expiresSeconds: 60 },
+      coldTier: { accountingRefreshMs: 0 },
+    })
+    return { store, app }
+  }
+  const stageAndCommit = async (app: App, store: StagingMemoryStore, ns: string, c: TestChunk) => {
+    const r = await open(app, ns, { key: c.key, bytes: c.bytes.length })
+    expect(r.json.mode).toBe('presigned')
+    const { uploadId, parts } = r.json as { uploadId: string; parts: { url: string }[] }
+    await store.putIfAbsent(stagedNameOf(parts[0]!.url), c.bytes, c.bytes.length)
+    return commit(app, ns, uploadId)
+  }
+
+  it('counts a committed chunk in the accounting and records its parent link for gc', async () => {
+    const { store, app } = setup(false)
+    const [root, child] = makeChain(2, { sectionBytes: 4096 })
+    expect((await stageAndCommit(app, store, 'a', root!)).status).toBe(201)
+    expect((await stageAndCommit(app, store, 'a', child!)).status).toBe(201)
+    const text = await (await app.request('/metrics')).text()
+    expect(text).toMatch(/^kvgate_namespace_stored_objects\{ns="a"\} 2$/m)
+    expect(text).toContain(
+      `kvgate_namespace_stored_bytes{ns="a"} ${root!.bytes.length + child!.bytes.length}`,
+    )
+    await app.state.usage!.flush()
+    const links = []
+    for (const e of (await store.list(usagePrefix('kv', 'a'))).entries) {
+      const obj = await store.get(e.name)
+      links.push(...decodeBatch(new Uint8Array(await new Response(obj!.body).arrayBuffer())).links)
+    }
+    expect(links.find((l) => l.key === child!.key)?.parent).toBe(root!.key)
+  })
+
+  it('a namespace named by its 32-hex id commits only chunks carrying that id, like PUT', async () => {
+    const { store, app } = setup(false)
+    const ns = 'ab'.repeat(16)
+    const foreign = makeChunk({ sectionBytes: 4096, namespaceId: 'cd'.repeat(16) })
+    const res = await stageAndCommit(app, store, ns, foreign)
+    expect([res.status, res.code]).toEqual([400, 'ERR_FORMAT_BAD_FIELD'])
+    expect(await store.head(`kv/${ns}/${foreign.key.slice(0, 2)}/${foreign.key}`)).toBeUndefined()
+    const mine = makeChunk({ sectionBytes: 4096, namespaceId: ns })
+    expect((await stageAndCommit(app, store, ns, mine)).status).toBe(201)
+  })
+
+  it('never answers "exists" from a cached presence: a chunk deleted behind the gateway is uploaded again', async () => {
+    const { store, app } = setup()
+    const c = makeChunk({ sectionBytes: 4096 })
+    expect((await stageAndCommit(app, store, 'a', c)).status).toBe(201)
+    const final = `kv/a/${c.key.slice(0, 2)}/${c.key}`
+    // gc (or another instance healing a corrupt object) deletes it; this instance still caches it.
+    expect(await store.delete(final)).toBe(true)
+    const res = await stageAndCommit(app, store, 'a', c)
+    expect([res.status, res.json]).toEqual([201, { status: 'created', bytes: c.bytes.length }])
+    expect((await store.head(final))?.size).toBe(c.bytes.length)
+  })
+})
+
 describe('the remote tier', () => {
+  it('an upload commit holds none of the connections lookups and GETs use', async () => {
+    // A store that presigns into a local HTTP "bucket" and whose read of a staged
+    // object (the commit's verification) waits until released.
+    let release!: () => void
+    const hold = new Promise<void>((r) => {
+      release = r
+    })
+    let committing!: () => void
+    const commitStarted = new Promise<void>((r) => {
+      committing = r
+    })
+    let bucketUrl = ''
+    class SlowStagingStore extends MemoryStore {
+      async presignUpload(name: string, size: number): Promise<UploadTargets> {
+        return { parts: [{ url: `${bucketUrl}/${encodeURIComponent(name)}`, offset: 0, length: size }] }
+      }
+      override async get(name: string, o?: Parameters<MemoryStore['get']>[1]) {
+        if (name.includes('-staging/')) {
+          committing()
+          await hold
+        }
+        return super.get(name, o)
+      }
+    }
+    const store = new SlowStagingStore()
+    const bucket = createServer((req, res) => {
+      const parts: Buffer[] = []
+      req.on('data', (b: Buffer) => parts.push(b))
+      req.on('end', () => {
+        const bytes = new Uint8Array(Buffer.concat(parts))
+        const name = decodeURIComponent(req.url!.slice(1))
+        void store.putIfAbsent(name, bytes, bytes.length).then(() => res.end())
+      })
+    })
+    await new Promise<void>((r) => bucket.listen(0, '127.0.0.1', r))
+    bucketUrl = `http://127.0.0.1:${(bucket.address() as AddressInfo).port}`
+    const gw = await serveGateway(createGateway({ store, uploads: { minBytes: 1024 } }), { port: 0 })
+    const tier = new RemoteTier({
+      url: gw.url,
+      namespace: 'a',
+      connections: 1,
+      lookupTimeoutMs: 5000,
+      uploadMinBytes: 1024,
+    })
+    try {
+      const stored = makeChunk()
+      const name = `kvgate/a/${stored.key.slice(0, 2)}/${stored.key}`
+      await store.putIfAbsent(name, stored.bytes, stored.bytes.length)
+      const big = makeChunk({ sectionBytes: 4096 })
+      const order: string[] = []
+      const put = tier.put(big.key, big.bytes).then((ok) => {
+        order.push('commit')
+        return ok
+      })
+      await commitStarted
+      // Undici does not end a request queued behind a busy connection at its deadline: were the
+      // commit on the lookup's connection, the lookup would wait for it. Released after a while
+      // either way, so a failure shows as the wrong order, not a hang.
+      const safety = setTimeout(release, 8000)
+      const found = await tier.lookup([stored.key])
+      order.push('lookup')
+      release()
+      clearTimeout(safety)
+      expect(await put).toBe(true)
+      expect(order).toEqual(['lookup', 'commit'])
+      expect(found).toEqual({ present: 1 })
+      expect((await store.head(`kvgate/a/${big.key.slice(0, 2)}/${big.key}`))?.size).toBe(big.bytes.length)
+    } finally {
+      release()
+      await tier.close()
+      await gw.close()
+      await new Promise((r) => bucket.close(r))
+    }
+  })
+
   it('asks a gateway that answers "direct" once, then PUTs large chunks without asking', async () => {
     const seen: string[] = []
     const app = createGateway({

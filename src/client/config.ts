@@ -419,6 +419,15 @@ export function optionsFromEnvironment(
         env.KVGATE_REMOTE_LOOKUP_TIMEOUT_MS,
       )
     }
+    if (env.KVGATE_REMOTE_PRESENCE_TTL_MS) {
+      sub('remote').presenceTtlMs = num('KVGATE_REMOTE_PRESENCE_TTL_MS', env.KVGATE_REMOTE_PRESENCE_TTL_MS)
+    }
+    if (env.KVGATE_REMOTE_UPLOAD_MIN_BYTES) {
+      sub('remote').uploadMinBytes = parseBytes(
+        'KVGATE_REMOTE_UPLOAD_MIN_BYTES',
+        env.KVGATE_REMOTE_UPLOAD_MIN_BYTES,
+      )
+    }
   }
   // Sizes in the YAML file may be written like the env values ("512MiB").
   for (const k of ['memory', 'disk'] as const) {

@@ -366,8 +366,18 @@ export class StorageManager {
             // Past the deadline nothing is waited for: only chunks L1 holds are still served.
             h = this.memory.acquire(keys[i]!.hex)
           } else {
+            const known = this.remote?.knownPresent(keys[i]!.hex) ?? false
             const pending = this.acquire(keys[i]!)
             h = await Promise.race([pending, expired])
+            // L4 dropped a key it was believed to hold (a 404, a corrupt object): the GET forgot
+            // that key only; the chain's later keys go too (contract C2), or the write-behind
+            // would skip re-uploading them for the presence TTL. The workers stop at this miss
+            // and never ask for those keys, so nothing else would forget them.
+            if (!h && known && !stopped && !this.remote!.knownPresent(keys[i]!.hex))
+              this.remote!.forgetFrom(
+                keys.map((k) => k.hex),
+                i,
+              )
             // A late arrival is released the moment it lands: nothing stays pinned.
             if (!h && stopped)
               void pending.then(

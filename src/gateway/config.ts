@@ -30,6 +30,8 @@ export interface ServeConfig {
         secretAccessKey?: string
       }
   presign?: { minBytes: number; expiresSeconds: number }
+  /** Presigned staging uploads (s3 store; off unless a threshold is set: Node takes PUT bodies itself). */
+  uploads?: { minBytes: number; maxBytes: number; expiresSeconds?: number; stagingPrefix?: string }
   maxChunkBytes?: number
   coalesceMaxBytes: number
   /** Bytes the GET coalescer may buffer at once (above it GETs stream on their own). */
@@ -112,6 +114,24 @@ const OPTIONS = {
     env: 'KVGATE_PRESIGN_EXPIRES_SECONDS',
     flag: 'presign.expiresSeconds',
     file: 'presign.expiresSeconds',
+  },
+  uploadMinBytes: {
+    schema: v.union([v.literal('off'), byteSize()], "expected a byte size (8MiB) or 'off'"),
+    env: 'KVGATE_UPLOAD_MIN_BYTES',
+    flag: '--upload-min-bytes',
+    file: 'uploads.minBytes',
+  },
+  uploadExpiresSeconds: {
+    schema: intLike(1, 604800),
+    env: 'KVGATE_UPLOAD_TTL',
+    flag: 'uploads.expiresSeconds',
+    file: 'uploads.expiresSeconds',
+  },
+  stagingPrefix: {
+    schema: nonEmpty,
+    env: 'KVGATE_STAGING_PREFIX',
+    flag: 'uploads.stagingPrefix',
+    file: 'uploads.stagingPrefix',
   },
   maxChunkBytes: {
     schema: byteSize(1024, 4 * 1024 ** 3),
@@ -349,6 +369,16 @@ export function resolveServeConfig(...layers: ServeSettingsInput[]): ServeConfig
     store,
     ...(presignMin !== undefined
       ? { presign: { minBytes: presignMin, expiresSeconds: s.presignExpiresSeconds ?? 60 } }
+      : {}),
+    ...(s.uploadMinBytes !== undefined && s.uploadMinBytes !== 'off'
+      ? {
+          uploads: {
+            minBytes: s.uploadMinBytes,
+            maxBytes: s.maxChunkBytes ?? 512 * 1024 * 1024,
+            ...(s.uploadExpiresSeconds !== undefined ? { expiresSeconds: s.uploadExpiresSeconds } : {}),
+            ...(s.stagingPrefix !== undefined ? { stagingPrefix: s.stagingPrefix } : {}),
+          },
+        }
       : {}),
     ...(s.maxChunkBytes !== undefined ? { maxChunkBytes: s.maxChunkBytes } : {}),
     coalesceMaxBytes: s.coalesceMaxBytes ?? 8 * 1024 * 1024,

@@ -39,6 +39,9 @@ Options (flags override KVGATE_* env vars, which override the config file):
       --s3-path-style        path-style URLs (default on when an endpoint is set)
       --presign-min-bytes N  answer GETs of objects >= N bytes with 307 to a presigned URL
                              (s3 store; default 8388608; 'off' proxies every byte)
+      --upload-min-bytes N   hand bodies >= N bytes presigned staging uploads (s3 store;
+                             the client uploads to the bucket, the gateway verifies the
+                             commit) [off]
       --max-chunk-bytes N    largest chunk accepted [536870912]
       --presence-ttl-ms N    how long a cached presence is trusted [30000]
       --body-idle-timeout-ms N     a PUT body silent this long fails with 408 [30000]
@@ -65,6 +68,7 @@ Config file:
   prefix: kvgate
   store: { kind: s3, s3: { bucket: kv, endpoint: http://127.0.0.1:7480, region: us-east-1 } }
   presign: { minBytes: 8388608, expiresSeconds: 60 }   # s3 default; minBytes: off to proxy all
+  uploads: { minBytes: 8MiB, expiresSeconds: 900, stagingPrefix: kvgate-staging }   # s3; off by default
   auth:
     tokens:
       - { name: fleet, sha256: <kvgate token prints it>, scopes: write, namespaces: [prod] }
@@ -95,6 +99,7 @@ export async function run(argv: string[]): Promise<number> {
     's3-path-style': { type: 'boolean' },
     'presign-min-bytes': { type: 'string' },
     'max-chunk-bytes': { type: 'string' },
+    'upload-min-bytes': { type: 'string' },
     'presence-ttl-ms': { type: 'string' },
     'body-idle-timeout-ms': { type: 'string' },
     'reader-idle-timeout-ms': { type: 'string' },
@@ -126,6 +131,7 @@ export async function run(argv: string[]): Promise<number> {
     ['s3-path-style', 's3PathStyle'],
     ['presign-min-bytes', 'presignMinBytes'],
     ['max-chunk-bytes', 'maxChunkBytes'],
+    ['upload-min-bytes', 'uploadMinBytes'],
     ['presence-ttl-ms', 'presenceTtlMs'],
     ['body-idle-timeout-ms', 'bodyIdleTimeoutMs'],
     ['reader-idle-timeout-ms', 'readerIdleTimeoutMs'],
@@ -202,6 +208,7 @@ async function serve(config: ServeConfig): Promise<number> {
     prefix: config.prefix,
     ...(config.tokens.length ? { auth: { tokens: config.tokens, publicStatus: config.publicStatus } } : {}),
     ...(config.presign ? { presign: config.presign } : {}),
+    ...(config.uploads ? { uploads: config.uploads } : {}),
     limits: {
       ...(config.maxChunkBytes ? { maxChunkBytes: config.maxChunkBytes } : {}),
       bodyIdleTimeoutMs: config.bodyIdleTimeoutMs,

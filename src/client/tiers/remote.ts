@@ -212,6 +212,8 @@ interface RequestOptions {
   hangIsTimeout?: boolean
   /** Called when the body went over its cap. */
   onOversized?: () => void
+  /** Part of a background write (an upload's open and commit): sent on the write connections. */
+  write?: boolean
 }
 
 export interface RemoteGetOptions {
@@ -227,6 +229,8 @@ export class RemoteTier {
   readonly #pool: Pool
   readonly #writePool: Pool
   readonly #redirectAgent: Agent
+  /** Presigned store PUTs of uploads: their own connections, apart from redirected GETs. */
+  readonly #uploadAgent: Agent
   readonly #prefix: string
   readonly #base: string
   readonly #origin: string
@@ -308,14 +312,20 @@ export class RemoteTier {
       connect,
     })
     this.#redirectAgent = new Agent({ connections: opts.connections ?? 8, keepAliveTimeout: 30_000 })
+    this.#uploadAgent = new Agent({ connections: this.#writeConcurrency, keepAliveTimeout: 30_000 })
     this.#uploader = new TierUploader({
       base: this.#base,
       minBytes: opts.uploadMinBytes ?? 1024 * 1024,
       timeoutMs: this.#timeoutMs,
       retries: this.#retries,
-      agent: this.#redirectAgent,
+      agent: this.#uploadAgent,
       post: (path, body, timeoutMs) =>
-        this.#request('POST', path, { body, headers: { 'content-type': 'application/json' }, timeoutMs }),
+        this.#request('POST', path, {
+          body,
+          headers: { 'content-type': 'application/json' },
+          timeoutMs,
+          write: true,
+        }),
     })
     this.breaker = new CircuitBreaker({
       failureThreshold: opts.breakerThreshold ?? 5,
@@ -373,7 +383,10 @@ export class RemoteTier {
     opts: RequestOptions,
     signal: AbortSignal,
   ) {
-    const pool = method === 'PUT' ? this.#writePool : this.#pool
+    // Undici ends a request queued behind a busy connection only once it is dispatched, so
+    // a deadline does not bound the wait: writes (a commit verifies a whole object) never
+    // take the connections that lookups and GETs queue for.
+    const pool = method === 'PUT' || opts.write ? this.#writePool : this.#pool
     let r: Awaited<ReturnType<Pool['request']>>
     try {
       r = await pool.request({
@@ -464,7 +477,11 @@ export class RemoteTier {
       for (let attempt = 0; ; attempt++) {
         if (!this.breaker.allow()) return undefined
         try {
-          const r = await this.#once(method, path, opts, ac.signal)
+          const attempt = this.#once(method, path, opts, ac.signal)
+          // Undici leaves a request queued behind a busy connection waiting past its abort
+          // (it is ended only once dispatched): the deadline is kept here. A read into the
+          // caller's buffer is waited for, so no write into it follows the return.
+          const r = opts.into ? await attempt : await untilAborted(attempt, ac.signal)
           this.breaker.success()
           if ((r.status === 401 || r.status === 403) && !opts.quietAuth && !r.redirected) this.#authFailure(r)
           return r
@@ -826,7 +843,12 @@ export class RemoteTier {
     }
     this.breaker.dispose()
     this.#presence.clear()
-    await Promise.allSettled([this.#pool.close(), this.#writePool.close(), this.#redirectAgent.close()])
+    await Promise.allSettled([
+      this.#pool.close(),
+      this.#writePool.close(),
+      this.#redirectAgent.close(),
+      this.#uploadAgent.close(),
+    ])
   }
 }
 
@@ -840,6 +862,31 @@ function parseLookup(body: Uint8Array, max: number): number | undefined {
   } catch {
     return undefined
   }
+}
+
+/** `p`, or a rejection as soon as `signal` aborts (p's own outcome is then ignored). */
+function untilAborted<T>(p: Promise<T>, signal: AbortSignal): Promise<T> {
+  if (signal.aborted) {
+    p.catch(() => {})
+    return Promise.reject(new Error('aborted'))
+  }
+  return new Promise<T>((resolve, reject) => {
+    const onAbort = () => {
+      p.catch(() => {})
+      reject(new Error('aborted'))
+    }
+    signal.addEventListener('abort', onAbort, { once: true })
+    p.then(
+      (v) => {
+        signal.removeEventListener('abort', onAbort)
+        resolve(v)
+      },
+      (e: unknown) => {
+        signal.removeEventListener('abort', onAbort)
+        reject(e)
+      },
+    )
+  })
 }
 
 /** Backoff pause that ends early when the request's deadline fires (no timer left behind). */

@@ -5,9 +5,10 @@
 import type { Context, Hono } from 'hono'
 import { FormatError, KvgateError } from '../../core/errors.ts'
 import { headerBytesFor } from '../../core/format.ts'
-import { assertKeyHex, assertNamespaceName, objectName } from '../../core/keys.ts'
+import { assertKeyHex, assertNamespaceName, objectName, toHex } from '../../core/keys.ts'
 import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
+import { namespaceIdOf } from '../heal.ts'
 import { badRequest, notFound, payloadTooLarge, unsupportedMediaType } from '../http-errors.ts'
 import { authorize } from '../middleware/auth.ts'
 import { partLengths } from '../stores/types.ts'
@@ -18,7 +19,7 @@ const MIB = 1024 * 1024
 export interface UploadOptions {
   /** Bodies of at least this many bytes get presigned targets (stores that can presign). @default 1 MiB */
   minBytes?: number
-  /** Largest chunk accepted through an upload. @default 512 MiB */
+  /** Largest chunk accepted through an upload. @default limits.maxChunkBytes (the PUT bound) */
   maxBytes?: number
   /** Targets expire, and commits are refused, this long after the upload was opened. @default 900 */
   expiresSeconds?: number
@@ -52,7 +53,7 @@ interface UploadTicket {
   multipartId?: string
 }
 
-function resolve(options: UploadOptions | undefined, prefix: string) {
+function resolve(options: UploadOptions | undefined, prefix: string, maxChunkBytes: number) {
   if (options === undefined) return undefined
   const known = new Set([
     'minBytes',
@@ -66,7 +67,8 @@ function resolve(options: UploadOptions | undefined, prefix: string) {
     if (!known.has(k)) throw new TypeError(`createGateway: unknown option uploads.${k}`)
   const o = {
     minBytes: options.minBytes ?? MIB,
-    maxBytes: options.maxBytes ?? 512 * MIB,
+    // A gateway told to take chunks up to N bytes takes no larger ones by another path.
+    maxBytes: options.maxBytes ?? maxChunkBytes,
     expiresSeconds: options.expiresSeconds ?? 900,
     multipartThreshold: options.multipartThreshold ?? 64 * MIB,
     partBytes: options.partBytes ?? 16 * MIB,
@@ -144,7 +146,7 @@ export function uploadRoutes(
   state: GatewayState,
   options: UploadOptions | undefined,
 ): void {
-  const o = resolve(options, state.prefix)
+  const o = resolve(options, state.prefix, state.limits.maxChunkBytes)
   const store = state.store
   const canPresign = o !== undefined && typeof store.presignUpload === 'function'
 
@@ -159,10 +161,13 @@ export function uploadRoutes(
     }
     if (bytes > o.maxBytes)
       throw payloadTooLarge(`chunk is ${bytes} bytes; this gateway accepts at most ${o.maxBytes}`)
-    // N nodes writing one prefix: only the first should move the bytes.
+    // N nodes writing one prefix: only the first should move the bytes. Asked of the
+    // store, never of the cache: a cached presence may be stale (gc, a heal elsewhere),
+    // and "exists" from it would store nothing.
     const final = objectName(state.prefix, ns, key)
-    const stored = state.lookup.cached(final) ?? (await store.head(final))?.size
+    const stored = (await store.head(final))?.size
     if (stored !== undefined) {
+      state.usage?.use(ns, key, 0)
       state.lookup.remember(final, stored)
       state.metrics.puts.inc({ result: 'exists' })
       const answer: UploadAnswer = { mode: 'exists', bytes: stored }
@@ -218,8 +223,8 @@ export function uploadRoutes(
           )
         }
       }
-      const stored = state.lookup.cached(final) ?? (await store.head(final))?.size
-      if (stored !== undefined) return existsAnswer(c, state, final, stored)
+      const stored = (await store.head(final))?.size
+      if (stored !== undefined) return existsAnswer(c, state, ns, t.key, final, stored)
       const obj = await store.get(staged)
       if (!obj) {
         throw notFound('nothing staged under this upload: upload every part before the commit')
@@ -231,11 +236,13 @@ export function uploadRoutes(
           `the staged object is ${obj.size} bytes; the upload was opened for ${t.bytes}`,
         )
       }
+      const nsId = namespaceIdOf(ns)
       const vb = verifiedBody(streamSource(obj.body), {
         keyHex: t.key,
         size: t.bytes,
         maxBytes: o.maxBytes,
         idleTimeoutMs: state.limits.bodyIdleTimeoutMs,
+        ...(nsId ? { namespaceIdHex: nsId } : {}),
       })
       let result: 'created' | 'exists'
       try {
@@ -244,9 +251,13 @@ export function uploadRoutes(
         throw vb.failure() ?? e
       }
       if (result === 'exists') {
-        return existsAnswer(c, state, final, (await store.head(final))?.size ?? t.bytes)
+        return existsAnswer(c, state, ns, t.key, final, (await store.head(final))?.size ?? t.bytes)
       }
+      // What PUT does on a creation: presence, no stale layer header, a creation for gc and accounting.
       state.lookup.remember(final, t.bytes)
+      state.headers.delete(final)
+      const parent = vb.header()?.parentKey
+      if (parent) state.usage?.created(ns, t.key, toHex(parent), t.bytes)
       state.metrics.puts.inc({ result: 'created' })
       state.metrics.bytesIn.inc({}, t.bytes)
       state.written.objects++
@@ -263,7 +274,15 @@ export function uploadRoutes(
 }
 
 /** Create-only: the first writer's object stays, whatever its size (contract C3). */
-function existsAnswer(c: Context<GatewayEnv>, state: GatewayState, final: string, stored: number) {
+function existsAnswer(
+  c: Context<GatewayEnv>,
+  state: GatewayState,
+  ns: string,
+  key: string,
+  final: string,
+  stored: number,
+) {
+  state.usage?.use(ns, key, 0)
   state.lookup.remember(final, stored)
   state.metrics.puts.inc({ result: 'exists' })
   return c.json({ status: 'exists', bytes: stored }, 200)
