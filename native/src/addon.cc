@@ -22,6 +22,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   InitMemory(env, exports);
   InitCuda(env, exports);
   InitIo(env, exports);
+  InitMmap(env, exports);
   // Bumped when the JS-facing contract changes; the loader refuses a stale build.
   exports.Set("abiVersion", Napi::Number::New(env, 1));
   return exports;

@@ -113,5 +113,6 @@ std::string CudaErrorText(int err);
 void InitMemory(Napi::Env env, Napi::Object exports);
 void InitCuda(Napi::Env env, Napi::Object exports);
 void InitIo(Napi::Env env, Napi::Object exports);
+void InitMmap(Napi::Env env, Napi::Object exports);  // mmap.cc
 
 }  // namespace kvgate

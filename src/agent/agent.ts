@@ -78,6 +78,8 @@ export class Agent {
   readonly options: AgentCoreOptions
   readonly metrics = new AgentMetrics()
   readonly #spaces = new Map<string, Promise<KvSpace>>()
+  /** Every registration not yet released, on any connection: close() releases what sessions left. */
+  readonly #workers = new Set<Worker>()
   #prefetching = 0
   #closed = false
 
@@ -201,10 +203,17 @@ export class Agent {
     }
     const hosts: HostTensor[] = []
     let ipc: IpcMappings | undefined
-    const release = async () => {
-      for (const h of hosts) h.close()
-      await ipc?.close()
+    let released: Promise<void> | undefined
+    // Once: a session's end and the agent's close may both release a registration.
+    const release = () => {
+      released ??= (async () => {
+        for (const h of hosts) h.close()
+        await ipc?.close()
+      })()
+      return released
     }
+    // Host tensors are mapped once here when the addon can (else pread/pwrite per run).
+    const hostNative = loadNative().api
     const layers: KvTensor[] = []
     let space: KvSpace
     try {
@@ -229,7 +238,7 @@ export class Agent {
         }
         const offset = optInt(t, 'offset', 0, Number.MAX_SAFE_INTEGER, 0)
         if (kind === 'shm') {
-          const h = new HostTensor(str(t, 'path', 4096), offset, want)
+          const h = new HostTensor(str(t, 'path', 4096), offset, want, hostNative)
           hosts.push(h)
           layers.push(h)
         } else {
@@ -250,7 +259,9 @@ export class Agent {
       throw e
     }
     const id = s.nextWorker++
-    s.workers.set(id, { space, geometry: g, rank, numBlocks, layers, release, inflight: new Set() })
+    const worker: Worker = { space, geometry: g, rank, numBlocks, layers, release, inflight: new Set() }
+    s.workers.set(id, worker)
+    this.#workers.add(worker)
     this.metrics.workers++
     return { worker: id, chunkTokens: this.options.chunkTokens, blocksPerChunk: space.blocksPerChunk }
   }
@@ -457,8 +468,7 @@ export class Agent {
   /** Releases what a closed connection registered. */
   endSession(s: Session): void {
     for (const w of s.workers.values()) {
-      // An IPC mapping must outlive every copy through it.
-      void Promise.allSettled([...w.inflight]).then(() => w.release())
+      void this.#release(w)
       this.metrics.workers--
     }
     s.workers.clear()
@@ -483,8 +493,16 @@ export class Agent {
     return this.metrics.prometheus(caches)
   }
 
+  /** An IPC mapping or a host-tensor mapping must outlive every copy through it. */
+  async #release(w: Worker): Promise<void> {
+    await Promise.allSettled([...w.inflight])
+    this.#workers.delete(w)
+    await w.release()
+  }
+
   async close(): Promise<void> {
     this.#closed = true
+    await Promise.all([...this.#workers].map((w) => this.#release(w)))
     const spaces = await Promise.allSettled([...this.#spaces.values()])
     this.#spaces.clear()
     await Promise.all(spaces.map((r) => (r.status === 'fulfilled' ? r.value.close() : undefined)))

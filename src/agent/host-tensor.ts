@@ -1,7 +1,8 @@
 // An engine's KV tensor in host shared memory (a /dev/shm file the engine maps as a
-// torch tensor): the agent reads and writes block runs with positioned I/O on one fd.
+// torch tensor): the agent maps it once and copies block runs as memory, else pread/pwrite.
 
 import { closeSync, fstatSync, openSync, readSync, writeSync } from 'node:fs'
+import type { NativeModule } from '../client/native-api.ts'
 import { AgentError } from './protocol.ts'
 
 /**
@@ -18,8 +19,13 @@ export class HostTensor implements KvTensor {
   readonly offset: number
   readonly bytes: number
   #fd: number | undefined
+  /** The tensor's bytes through a MAP_SHARED mapping (one per registration), when the addon has mapFile. */
+  #map: Buffer | undefined
+  #mapped: ArrayBuffer | undefined
+  #native: NativeModule | undefined
 
-  constructor(path: string, offset: number, bytes: number) {
+  /** With `native` (an addon that has mapFile) the tensor is mapped; else every copy is a syscall. */
+  constructor(path: string, offset: number, bytes: number, native?: NativeModule) {
     if (typeof path !== 'string' || path.length === 0 || path.includes('\0'))
       throw new AgentError('ERR_INVALID_ARGUMENT', 'invalid tensor path')
     let fd: number
@@ -45,6 +51,35 @@ export class HostTensor implements KvTensor {
     this.offset = offset
     this.bytes = bytes
     this.#fd = fd
+    if (native?.mapFileAvailable()) {
+      try {
+        const ab = native.mapFile(path, { offset, length: bytes, writable: true })
+        this.#map = Buffer.from(ab)
+        this.#mapped = ab
+        this.#native = native
+      } catch (e) {
+        closeSync(fd)
+        throw new AgentError('ERR_IO', `cannot map ${path}: ${(e as Error).message}`)
+      }
+    }
+  }
+
+  /** Whether copies go through the mapping (else pread/pwrite). */
+  get mapped(): boolean {
+    return this.#map !== undefined
+  }
+
+  /**
+   * The mapping, after checking the file still holds the tensor: touching pages an engine
+   * truncated away would kill the agent (SIGBUS); one fstat per copy turns that into an error.
+   */
+  #mapOrThrow(): Buffer | undefined {
+    const fd = this.#fdOrThrow()
+    if (this.#map === undefined) return undefined
+    if (fstatSync(fd).size < this.offset + this.bytes) {
+      throw new AgentError('ERR_IO', `${this.path} shrank below the registered tensor`)
+    }
+    return this.#map
   }
 
   #fdOrThrow(): number {
@@ -73,14 +108,34 @@ export class HostTensor implements KvTensor {
   }
 
   gather(runs: readonly number[], host: Uint8Array): void {
-    forMerged(runs, (t, h, n) => this.read(t, host.subarray(h, h + n)))
+    const map = this.#mapOrThrow()
+    if (map === undefined) {
+      forMerged(runs, (t, h, n) => this.read(t, host.subarray(h, h + n)))
+      return
+    }
+    checkRuns(runs, this.bytes, host.length)
+    // Buffer#copy: a memmove with offsets, no view allocated per run.
+    const dst = Buffer.from(host.buffer, host.byteOffset, host.byteLength)
+    forMerged(runs, (t, h, n) => map.copy(dst, h, t, t + n))
   }
 
   scatter(host: Uint8Array, runs: readonly number[]): void {
-    forMerged(runs, (t, h, n) => this.write(t, host.subarray(h, h + n)))
+    const map = this.#mapOrThrow()
+    if (map === undefined) {
+      forMerged(runs, (t, h, n) => this.write(t, host.subarray(h, h + n)))
+      return
+    }
+    checkRuns(runs, this.bytes, host.length)
+    const src = Buffer.from(host.buffer, host.byteOffset, host.byteLength)
+    forMerged(runs, (t, h, n) => src.copy(map, t, h, h + n))
   }
 
+  /** Unmaps and closes; later copies throw ERR_CLOSED. Idempotent. */
   close(): void {
+    const ab = this.#mapped
+    this.#map = undefined
+    this.#mapped = undefined
+    if (ab !== undefined) this.#native?.unmapFile(ab)
     if (this.#fd !== undefined) closeSync(this.#fd)
     this.#fd = undefined
   }
@@ -102,5 +157,23 @@ function forMerged(
       i += 3
     }
     f(t, h, n)
+  }
+}
+
+/**
+ * Buffer#copy clamps a range that runs past either end instead of failing: a run the
+ * engine computed wrongly must be an error, as a short pread is, never a partial copy.
+ */
+function checkRuns(runs: readonly number[], tensorBytes: number, hostBytes: number): void {
+  for (let i = 0; i < runs.length; i += 3) {
+    const t = runs[i]!
+    const h = runs[i + 1]!
+    const n = runs[i + 2]!
+    if (!(t >= 0 && h >= 0 && n >= 0 && t + n <= tensorBytes && h + n <= hostBytes)) {
+      throw new AgentError(
+        'ERR_INVALID_ARGUMENT',
+        `run [${t}, ${h}, ${n}] is outside the tensor or the buffer`,
+      )
+    }
   }
 }

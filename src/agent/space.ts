@@ -46,6 +46,21 @@ export function keyTag(d: SpaceDescriptor, rank: number | null): Uint8Array {
   return new TextEncoder().encode(`kvgate:vllm:v1\0${d.model}\0${shard}`)
 }
 
+interface Derived {
+  hash: Uint8Array
+  key: Uint8Array
+  hex: string
+  /** Another hash with the same first 6 bytes. */
+  next: Derived | undefined
+  /** The last ChunkKey built from it (position and parent checked before reuse). */
+  chunk?: ChunkKey | undefined
+}
+
+function sameHash(a: Uint8Array, b: Uint8Array): boolean {
+  for (let i = 31; i >= 6; i--) if (a[i] !== b[i]) return false
+  return true
+}
+
 export class KvSpace {
   readonly id: string
   readonly descriptor: SpaceDescriptor
@@ -55,7 +70,9 @@ export class KvSpace {
   readonly blocksPerChunk: number
   /** vLLM hash (32 bytes) followed by the key tag: the input of one key derivation. */
   readonly #input: Uint8Array
-  readonly #derived = new Map<string, { key: Uint8Array; hex: string }>()
+  /** Derived keys by the vLLM hash's first 6 bytes (a number: no hex string per lookup), chained. */
+  readonly #derived = new Map<number, Derived>()
+  #derivedCount = 0
 
   private constructor(id: string, d: SpaceDescriptor, rank: number | null, cache: KVCache) {
     const tag = keyTag(d, rank)
@@ -105,24 +122,49 @@ export class KvSpace {
       const h = hashes[i]!
       if (!(h instanceof Uint8Array) || h.length !== 32)
         throw new AgentError('ERR_INVALID_ARGUMENT', `hash ${i} is not 32 bytes`)
-      const { key, hex } = this.#derive(h)
-      out.push({ index: i, start: i * ct, end: (i + 1) * ct, key, hex, parentHex: parent, partial: false })
-      parent = hex
+      const d = this.#derive(h)
+      // The same prompt comes back at the same position after the same parent: its
+      // (frozen) ChunkKey is reused rather than rebuilt for every request.
+      let c = d.chunk
+      if (c === undefined || c.index !== i || c.parentHex !== parent) {
+        c = Object.freeze({
+          index: i,
+          start: i * ct,
+          end: (i + 1) * ct,
+          key: d.key,
+          hex: d.hex,
+          parentHex: parent,
+          partial: false,
+        })
+        d.chunk = c
+      }
+      out.push(c)
+      parent = d.hex
     }
     return out
   }
 
-  /** Memoized: a 128k-token prompt is 512 keys, and the same prompts come back (lookup, load, save). */
-  #derive(h: Uint8Array): { key: Uint8Array; hex: string } {
-    const id = Buffer.from(h.buffer, h.byteOffset, 32).toString('hex')
-    let d = this.#derived.get(id)
-    if (!d) {
-      if (this.#derived.size >= MAX_DERIVED) this.#derived.clear()
-      this.#input.set(h, 0)
-      const key = new Uint8Array(sha256(this.#input))
-      d = { key, hex: Buffer.from(key.buffer, key.byteOffset, 32).toString('hex') }
-      this.#derived.set(id, d)
+  /**
+   * Memoized: a 128k-token prompt is 512 keys, and the same prompts come back (lookup,
+   * load, save). A hit costs a numeric Map lookup and a 32-byte compare: the hex id per
+   * key it replaced was most of a warm 512-key lookup's CPU.
+   */
+  #derive(h: Uint8Array): Derived {
+    const id = h[0]! + h[1]! * 2 ** 8 + h[2]! * 2 ** 16 + h[3]! * 2 ** 24 + h[4]! * 2 ** 32 + h[5]! * 2 ** 40
+    const head = this.#derived.get(id)
+    for (let d = head; d !== undefined; d = d.next) if (sameHash(d.hash, h)) return d
+    this.#input.set(h, 0)
+    const key = new Uint8Array(sha256(this.#input))
+    const hex = Buffer.from(key.buffer, key.byteOffset, 32).toString('hex')
+    // The hash is copied: the caller's bytes are a view of a request frame.
+    const d: Derived = { hash: Uint8Array.from(h), key, hex, next: head }
+    if (this.#derivedCount >= MAX_DERIVED) {
+      this.#derived.clear()
+      this.#derivedCount = 0
+      d.next = undefined
     }
+    this.#derived.set(id, d)
+    this.#derivedCount++
     return d
   }
 

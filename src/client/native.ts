@@ -5,7 +5,7 @@
 // re-checks host ranges before any copy, and does blocking work off the JS
 // thread. Every failure surfaces as a {@link NativeError} (ERR_NATIVE / ERR_CUDA).
 
-import { existsSync } from 'node:fs'
+import { existsSync, statSync } from 'node:fs'
 import { createRequire } from 'node:module'
 import { resolve } from 'node:path'
 import { KvgateError, type KvgateErrorOptions } from '../core/errors.ts'
@@ -182,6 +182,10 @@ export interface NativeBinding {
     truncate: boolean,
   ): Promise<RawIo>
   evictFileCache(path: string): Promise<void>
+  /** mmap.cc; absent from builds that predate it. */
+  mapFile?(path: string, offset: number, length: number, writable: boolean): ArrayBuffer
+  unmapFile?(buffer: ArrayBuffer): void
+  mapStats?(): FileMapStats
   cuda: RawCuda
 }
 
@@ -276,6 +280,8 @@ function hostRange(b: unknown, what: string): HostRange {
   }
   if (!(buffer instanceof ArrayBuffer)) throw misuse(`${what} must not be backed by a SharedArrayBuffer`)
   if (freedBuffers.has(buffer)) throw misuse(`${what} was freed with freePinned and cannot be used again`)
+  if (unmappedBuffers.has(buffer))
+    throw misuse(`${what} was unmapped with unmapFile and cannot be used again`)
   return { buffer, offset, length }
 }
 
@@ -724,4 +730,104 @@ export function writeFileDirect(
  */
 export function evictFileCache(path: string): Promise<void> {
   return callAsync(async () => loadNative().evictFileCache(checkPath(path)))
+}
+
+// ---------------------------------------------------------------------------
+// File mappings
+
+export interface MapFileOptions {
+  /** Byte offset in the file (any value; the mapping is page-aligned underneath). @default 0 */
+  offset?: number
+  /** Bytes to map; default: to the end of the file. At most {@link MAX_PINNED_BYTES}. */
+  length?: number
+  /**
+   * `true`: MAP_SHARED read-write, stores reach the file (and every process mapping it).
+   * `false`: a private copy-on-write view; stores stay in this process.
+   * @default false
+   */
+  writable?: boolean
+}
+
+export interface FileMapStats {
+  /** Live mappings (not yet unmapped or collected). */
+  mappings: number
+  mappedBytes: number
+}
+
+// Buffers given to unmapFile: later use gets a clear message (they are detached).
+const unmappedBuffers = new WeakSet<ArrayBuffer>()
+
+function mapBinding(): Required<Pick<NativeBinding, 'mapFile' | 'unmapFile' | 'mapStats'>> {
+  const n = loadNative()
+  if (!n.mapFile || !n.unmapFile || !n.mapStats) {
+    throw misuse(`this build of the native addon predates mapFile; rebuild it: ${nativePaths.buildCommand}`)
+  }
+  return n as Required<NativeBinding>
+}
+
+/** True when the loaded addon has {@link mapFile}; never throws. */
+export function mapFileAvailable(): boolean {
+  try {
+    mapBinding()
+    return true
+  } catch {
+    return false
+  }
+}
+
+/**
+ * Maps `[offset, offset + length)` of a regular file as an ArrayBuffer. Unmapped by
+ * {@link unmapFile} or, failing that, when the buffer is garbage collected. Truncating
+ * the file under a live mapping makes access to the lost pages fault (SIGBUS): map only
+ * files whose size their owner keeps.
+ * @throws NativeError ERR_NATIVE for bad arguments, a range past the end, or a failed open/mmap.
+ */
+export function mapFile(path: string, opts: MapFileOptions = {}): ArrayBuffer {
+  checkPath(path)
+  if (typeof opts !== 'object' || opts === null) throw misuse('mapFile options must be an object')
+  for (const k of Object.keys(opts)) {
+    if (k !== 'offset' && k !== 'length' && k !== 'writable') throw misuse(`unknown mapFile option '${k}'`)
+  }
+  if (opts.writable !== undefined && typeof opts.writable !== 'boolean')
+    throw misuse('writable must be a boolean')
+  const offset = checkSize(opts.offset ?? 0, 'offset', Number.MAX_SAFE_INTEGER, 0)
+  let size: number
+  try {
+    const st = statSync(path)
+    if (!st.isFile()) throw misuse(`${path} is not a regular file`)
+    size = st.size
+  } catch (e) {
+    if (e instanceof NativeError) throw e
+    const err = e as NodeJS.ErrnoException
+    throw new NativeError('ERR_NATIVE', `mapFile(${path}): ${err.message}`, {
+      cause: e,
+      syscode: err.code,
+      syscall: 'stat',
+    })
+  }
+  if (offset >= size) throw misuse(`offset ${offset} is not inside ${path} (${size} bytes)`)
+  const length =
+    opts.length === undefined
+      ? Math.min(size - offset, MAX_PINNED_BYTES)
+      : checkSize(opts.length, 'length', Math.min(size - offset, MAX_PINNED_BYTES))
+  const n = mapBinding()
+  return call(() => n.mapFile(path, offset, length, opts.writable === true))
+}
+
+/**
+ * Unmaps a {@link mapFile} buffer now. The ArrayBuffer is detached: views read as
+ * empty and every kvgate call given it again throws ERR_NATIVE. The caller must not
+ * have an asynchronous kvgate operation on it in flight.
+ */
+export function unmapFile(buffer: ArrayBuffer): void {
+  if (!(buffer instanceof ArrayBuffer)) throw misuse('unmapFile expects the ArrayBuffer from mapFile')
+  if (unmappedBuffers.has(buffer)) throw misuse('mapping was already unmapped')
+  const n = mapBinding()
+  call(() => n.unmapFile(buffer))
+  unmappedBuffers.add(buffer)
+}
+
+/** Live file mappings of this process (leak checks). */
+export function fileMapStats(): FileMapStats {
+  return mapBinding().mapStats()
 }

@@ -1,0 +1,73 @@
+// KvSpace.keys: the memo that makes warm lookups cheap must give exactly the keys a fresh
+// derivation gives (vLLM hash + key tag → sha256, parent chain), whatever came before.
+
+import { hash, randomBytes } from 'node:crypto'
+import { afterAll, expect, it } from 'vitest'
+import { KvSpace, keyTag, type SpaceDescriptor } from '../src/agent/space.ts'
+
+const d: SpaceDescriptor = {
+  model: 'm',
+  world: 1,
+  hashSeed: '0',
+  layout: 'flash-attn',
+  dtype: 'fp16',
+  layers: 1,
+  kvHeads: 1,
+  headSize: 8,
+  blockSize: 16,
+} as SpaceDescriptor
+const space = await KvSpace.open(d, null, {
+  chunkTokens: 32,
+  memory: { bytes: 1 << 20 },
+  native: false,
+  remote: false,
+  disk: false,
+  codecWorkers: 0,
+} as never)
+afterAll(() => space.close())
+
+function fresh(h: Uint8Array): string {
+  const tag = keyTag(d, null)
+  const input = new Uint8Array(32 + tag.length)
+  input.set(h, 0)
+  input.set(tag, 32)
+  return hash('sha256', input, 'hex')
+}
+
+it('memoized keys equal fresh derivations at any position, parent and prefix collision', () => {
+  const a = randomBytes(32)
+  const b = randomBytes(32)
+  // Same first 6 bytes as a: the memo's bucket, told apart by the rest.
+  const twin = Buffer.concat([a.subarray(0, 6), randomBytes(26)])
+  const orders = [
+    [a, b, twin],
+    [twin, a],
+    [b, a, twin, a],
+    [a, b, twin],
+  ]
+  for (const hashes of orders) {
+    const keys = space.keys(hashes)
+    let parent = '0'.repeat(64)
+    keys.forEach((k, i) => {
+      expect(k.hex).toBe(fresh(hashes[i]!))
+      expect(Buffer.from(k.key).toString('hex')).toBe(k.hex)
+      expect(k).toMatchObject({
+        index: i,
+        start: i * 32,
+        end: (i + 1) * 32,
+        parentHex: parent,
+        partial: false,
+      })
+      parent = k.hex
+    })
+  }
+  // The caller's bytes are a view of a request frame: changing them later changes nothing.
+  const c = randomBytes(32)
+  const before = space.keys([c])[0]!.hex
+  c[31]! ^= 1
+  expect(space.keys([c])[0]!.hex).toBe(fresh(c))
+  expect(space.keys([c])[0]!.hex).not.toBe(before)
+  expect(() => space.keys([randomBytes(31)])).toThrow(
+    expect.objectContaining({ code: 'ERR_INVALID_ARGUMENT' }),
+  )
+})
