@@ -219,22 +219,36 @@ pub fn encode_stream(x: &mut [f32], t: usize, c: usize, p: &StreamParams, out: &
     for tt in 0..t {
         let qr = &q[tt * c..(tt + 1) * c];
         let sr = &mut syms[tt * c..(tt + 1) * c];
-        let done = row_symbols_fast(qr, &mut pred, &centers, &dmask, sr);
-        for ch in done..c {
-            let v = qr[ch];
-            let z = zigzag(v.wrapping_sub(pred[ch]));
-            // Delta channels predict from this token next time; constant ones keep the centre.
-            pred[ch] = (v & dmask[ch]) | (centers[ch] & !dmask[ch]);
-            let s = if z < DIRECT {
-                z
-            } else {
-                let k = 31 - z.leading_zeros();
-                bits.put(z, k - 1);
-                let s = DIRECT + 2 * (k - DIRECT_BITS) + ((z >> (k - 1)) & 1);
-                esc_seen[fbase[ch] + s as usize] = true;
-                s
-            };
-            sr[ch] = s as u8;
+        // SIMD while symbols are direct; a group of 16 holding an escape goes through the
+        // scalar step (escape bits stay in row order), then SIMD resumes. Fine steps put an
+        // escape in most wide rows, which used to send the rest of the row to the scalar step.
+        let mut a = 0;
+        while a < c {
+            a += row_symbols_fast(
+                &qr[a..],
+                &mut pred[a..],
+                &centers[a..],
+                &dmask[a..],
+                &mut sr[a..],
+            );
+            let end = (a + 16).min(c);
+            for ch in a..end {
+                let v = qr[ch];
+                let z = zigzag(v.wrapping_sub(pred[ch]));
+                // Delta channels predict from this token next time; constant ones keep the centre.
+                pred[ch] = (v & dmask[ch]) | (centers[ch] & !dmask[ch]);
+                let s = if z < DIRECT {
+                    z
+                } else {
+                    let k = 31 - z.leading_zeros();
+                    bits.put(z, k - 1);
+                    let s = DIRECT + 2 * (k - DIRECT_BITS) + ((z >> (k - 1)) & 1);
+                    esc_seen[fbase[ch] + s as usize] = true;
+                    s
+                };
+                sr[ch] = s as u8;
+            }
+            a = end;
         }
         if count_stride > 1 {
             max_into(&mut ch_max, sr);
