@@ -219,36 +219,24 @@ pub fn encode_stream(x: &mut [f32], t: usize, c: usize, p: &StreamParams, out: &
     for tt in 0..t {
         let qr = &q[tt * c..(tt + 1) * c];
         let sr = &mut syms[tt * c..(tt + 1) * c];
-        // SIMD while symbols are direct; a group of 16 holding an escape goes through the
-        // scalar step (escape bits stay in row order), then SIMD resumes. Fine steps put an
-        // escape in most wide rows, which used to send the rest of the row to the scalar step.
-        let mut a = 0;
-        while a < c {
-            a += row_symbols_fast(
-                &qr[a..],
-                &mut pred[a..],
-                &centers[a..],
-                &dmask[a..],
-                &mut sr[a..],
-            );
-            let end = (a + 16).min(c);
-            for ch in a..end {
-                let v = qr[ch];
-                let z = zigzag(v.wrapping_sub(pred[ch]));
-                // Delta channels predict from this token next time; constant ones keep the centre.
-                pred[ch] = (v & dmask[ch]) | (centers[ch] & !dmask[ch]);
-                let s = if z < DIRECT {
-                    z
-                } else {
-                    let k = 31 - z.leading_zeros();
-                    bits.put(z, k - 1);
-                    let s = DIRECT + 2 * (k - DIRECT_BITS) + ((z >> (k - 1)) & 1);
-                    esc_seen[fbase[ch] + s as usize] = true;
-                    s
-                };
-                sr[ch] = s as u8;
-            }
-            a = end;
+        let done = row_symbols_fast(
+            qr,
+            &mut pred,
+            &centers,
+            &dmask,
+            sr,
+            &mut Escapes {
+                bits: &mut bits,
+                fbase: &fbase,
+                seen: &mut esc_seen,
+            },
+        );
+        for ch in done..c {
+            let v = qr[ch];
+            let z = zigzag(v.wrapping_sub(pred[ch]));
+            // Delta channels predict from this token next time; constant ones keep the centre.
+            pred[ch] = (v & dmask[ch]) | (centers[ch] & !dmask[ch]);
+            sr[ch] = escape_symbol(z, ch, &mut bits, &fbase, &mut esc_seen) as u8;
         }
         if count_stride > 1 {
             max_into(&mut ch_max, sr);
@@ -434,8 +422,30 @@ fn row_stats(
     (rs, rm)
 }
 
-/// Residual symbols of one row, 16 (then 4) channels at a time, while they are all direct
-/// (no escape bits); returns how many channels it did. Updates the predictions.
+/// Symbol of zigzag residual `z` of channel `ch`; a large one writes its extra bits and
+/// is recorded as seen in the channel's class (so its table gives it a frequency).
+#[inline(always)]
+fn escape_symbol(z: u32, ch: usize, bits: &mut BitWriter, fbase: &[usize], seen: &mut [bool]) -> u32 {
+    if z < DIRECT {
+        return z;
+    }
+    let k = 31 - z.leading_zeros();
+    bits.put(z, k - 1);
+    let s = DIRECT + 2 * (k - DIRECT_BITS) + ((z >> (k - 1)) & 1);
+    seen[fbase[ch] + s as usize] = true;
+    s
+}
+
+/// Where the symbol pass writes escapes: extra bits in row order, escape symbols seen per class.
+struct Escapes<'a> {
+    bits: &'a mut BitWriter,
+    fbase: &'a [usize],
+    seen: &'a mut [bool],
+}
+
+/// Residual symbols of one row, 16 channels at a time (a group holding an escape finishes
+/// its symbols one by one, in row order), then 4 at a time while they are all direct;
+/// returns how many channels it did. Updates the predictions.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 fn row_symbols_fast(
     q: &[i32],
@@ -443,6 +453,7 @@ fn row_symbols_fast(
     centers: &[i32],
     dmask: &[i32],
     out: &mut [u8],
+    esc: &mut Escapes,
 ) -> usize {
     use core::arch::wasm32::*;
     let c = q.len();
@@ -463,9 +474,6 @@ fn row_symbols_fast(
                 z[h] = v128_xor(i32x4_shl(r, 1), i32x4_shr(r, 31));
                 ok = v128_and(ok, u32x4_lt(z[h], lim));
             }
-            if !u32x4_all_true(ok) {
-                break;
-            }
             for h in 0..4 {
                 let b = ch + 4 * h;
                 let pp = pred.as_mut_ptr().add(b) as *mut v128;
@@ -474,12 +482,22 @@ fn row_symbols_fast(
                 let cv = v128_load(centers.as_ptr().add(b) as *const v128);
                 v128_store(pp, v128_bitselect(v, cv, dm));
             }
-            // z < 64 in every lane: the saturating narrows are exact.
-            let b = u8x16_narrow_i16x8(
-                i16x8_narrow_i32x4(z[0], z[1]),
-                i16x8_narrow_i32x4(z[2], z[3]),
-            );
-            v128_store(out.as_mut_ptr().add(ch) as *mut v128, b);
+            if u32x4_all_true(ok) {
+                // z < 64 in every lane: the saturating narrows are exact.
+                let b = u8x16_narrow_i16x8(
+                    i16x8_narrow_i32x4(z[0], z[1]),
+                    i16x8_narrow_i32x4(z[2], z[3]),
+                );
+                v128_store(out.as_mut_ptr().add(ch) as *mut v128, b);
+            } else {
+                let mut zs = [0u32; 16];
+                for h in 0..4 {
+                    v128_store(zs.as_mut_ptr().add(4 * h) as *mut v128, z[h]);
+                }
+                for (j, &zj) in zs.iter().enumerate() {
+                    out[ch + j] = escape_symbol(zj, ch + j, esc.bits, esc.fbase, esc.seen) as u8;
+                }
+            }
             ch += 16;
         }
         while ch + 4 <= c {
@@ -509,6 +527,7 @@ fn row_symbols_fast(
     _centers: &[i32],
     _dmask: &[i32],
     _out: &mut [u8],
+    _esc: &mut Escapes,
 ) -> usize {
     0
 }
