@@ -425,7 +425,13 @@ fn row_stats(
 /// Symbol of zigzag residual `z` of channel `ch`; a large one writes its extra bits and
 /// is recorded as seen in the channel's class (so its table gives it a frequency).
 #[inline(always)]
-fn escape_symbol(z: u32, ch: usize, bits: &mut BitWriter, fbase: &[usize], seen: &mut [bool]) -> u32 {
+fn escape_symbol(
+    z: u32,
+    ch: usize,
+    bits: &mut BitWriter,
+    fbase: &[usize],
+    seen: &mut [bool],
+) -> u32 {
     if z < DIRECT {
         return z;
     }
@@ -1030,14 +1036,34 @@ pub fn decode_stream(
             }
             let done = if all_direct {
                 row_fast_any::<false>(
-                    &ctx, rstep, base * m, row, &[], &mut prev, kind, dst, o, any_delta, uniform,
+                    &ctx,
+                    rstep,
+                    base * m,
+                    row,
+                    &[],
+                    &mut prev,
+                    kind,
+                    dst,
+                    o,
+                    any_delta,
+                    uniform,
                 )
             } else {
                 if !row_residuals(row, &mut zrow, &mut bits) {
                     return None;
                 }
                 row_fast_any::<true>(
-                    &ctx, rstep, base * m, &[], &zrow, &mut prev, kind, dst, o, any_delta, uniform,
+                    &ctx,
+                    rstep,
+                    base * m,
+                    &[],
+                    &zrow,
+                    &mut prev,
+                    kind,
+                    dst,
+                    o,
+                    any_delta,
+                    uniform,
                 )
             };
             // The last c mod 8 channels (and all of a row the SIMD path declined).
