@@ -219,22 +219,24 @@ pub fn encode_stream(x: &mut [f32], t: usize, c: usize, p: &StreamParams, out: &
     for tt in 0..t {
         let qr = &q[tt * c..(tt + 1) * c];
         let sr = &mut syms[tt * c..(tt + 1) * c];
-        let done = row_symbols_fast(qr, &mut pred, &centers, &dmask, sr);
+        let done = row_symbols_fast(
+            qr,
+            &mut pred,
+            &centers,
+            &dmask,
+            sr,
+            &mut Escapes {
+                bits: &mut bits,
+                fbase: &fbase,
+                seen: &mut esc_seen,
+            },
+        );
         for ch in done..c {
             let v = qr[ch];
             let z = zigzag(v.wrapping_sub(pred[ch]));
             // Delta channels predict from this token next time; constant ones keep the centre.
             pred[ch] = (v & dmask[ch]) | (centers[ch] & !dmask[ch]);
-            let s = if z < DIRECT {
-                z
-            } else {
-                let k = 31 - z.leading_zeros();
-                bits.put(z, k - 1);
-                let s = DIRECT + 2 * (k - DIRECT_BITS) + ((z >> (k - 1)) & 1);
-                esc_seen[fbase[ch] + s as usize] = true;
-                s
-            };
-            sr[ch] = s as u8;
+            sr[ch] = escape_symbol(z, ch, &mut bits, &fbase, &mut esc_seen) as u8;
         }
         if count_stride > 1 {
             max_into(&mut ch_max, sr);
@@ -420,8 +422,36 @@ fn row_stats(
     (rs, rm)
 }
 
-/// Residual symbols of one row, 16 (then 4) channels at a time, while they are all direct
-/// (no escape bits); returns how many channels it did. Updates the predictions.
+/// Symbol of zigzag residual `z` of channel `ch`; a large one writes its extra bits and
+/// is recorded as seen in the channel's class (so its table gives it a frequency).
+#[inline(always)]
+fn escape_symbol(
+    z: u32,
+    ch: usize,
+    bits: &mut BitWriter,
+    fbase: &[usize],
+    seen: &mut [bool],
+) -> u32 {
+    if z < DIRECT {
+        return z;
+    }
+    let k = 31 - z.leading_zeros();
+    bits.put(z, k - 1);
+    let s = DIRECT + 2 * (k - DIRECT_BITS) + ((z >> (k - 1)) & 1);
+    seen[fbase[ch] + s as usize] = true;
+    s
+}
+
+/// Where the symbol pass writes escapes: extra bits in row order, escape symbols seen per class.
+struct Escapes<'a> {
+    bits: &'a mut BitWriter,
+    fbase: &'a [usize],
+    seen: &'a mut [bool],
+}
+
+/// Residual symbols of one row, 16 channels at a time (a group holding an escape finishes
+/// its symbols one by one, in row order), then 4 at a time while they are all direct;
+/// returns how many channels it did. Updates the predictions.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 fn row_symbols_fast(
     q: &[i32],
@@ -429,6 +459,7 @@ fn row_symbols_fast(
     centers: &[i32],
     dmask: &[i32],
     out: &mut [u8],
+    esc: &mut Escapes,
 ) -> usize {
     use core::arch::wasm32::*;
     let c = q.len();
@@ -449,9 +480,6 @@ fn row_symbols_fast(
                 z[h] = v128_xor(i32x4_shl(r, 1), i32x4_shr(r, 31));
                 ok = v128_and(ok, u32x4_lt(z[h], lim));
             }
-            if !u32x4_all_true(ok) {
-                break;
-            }
             for h in 0..4 {
                 let b = ch + 4 * h;
                 let pp = pred.as_mut_ptr().add(b) as *mut v128;
@@ -460,12 +488,22 @@ fn row_symbols_fast(
                 let cv = v128_load(centers.as_ptr().add(b) as *const v128);
                 v128_store(pp, v128_bitselect(v, cv, dm));
             }
-            // z < 64 in every lane: the saturating narrows are exact.
-            let b = u8x16_narrow_i16x8(
-                i16x8_narrow_i32x4(z[0], z[1]),
-                i16x8_narrow_i32x4(z[2], z[3]),
-            );
-            v128_store(out.as_mut_ptr().add(ch) as *mut v128, b);
+            if u32x4_all_true(ok) {
+                // z < 64 in every lane: the saturating narrows are exact.
+                let b = u8x16_narrow_i16x8(
+                    i16x8_narrow_i32x4(z[0], z[1]),
+                    i16x8_narrow_i32x4(z[2], z[3]),
+                );
+                v128_store(out.as_mut_ptr().add(ch) as *mut v128, b);
+            } else {
+                let mut zs = [0u32; 16];
+                for h in 0..4 {
+                    v128_store(zs.as_mut_ptr().add(4 * h) as *mut v128, z[h]);
+                }
+                for (j, &zj) in zs.iter().enumerate() {
+                    out[ch + j] = escape_symbol(zj, ch + j, esc.bits, esc.fbase, esc.seen) as u8;
+                }
+            }
             ch += 16;
         }
         while ch + 4 <= c {
@@ -495,6 +533,7 @@ fn row_symbols_fast(
     _centers: &[i32],
     _dmask: &[i32],
     _out: &mut [u8],
+    _esc: &mut Escapes,
 ) -> usize {
     0
 }
@@ -639,6 +678,53 @@ fn row_scalar(
     true
 }
 
+/// Expands a row's symbols to zigzag residuals in `z` (escape symbols take their extra
+/// bits from `bits`, in row order, exactly as `row_scalar` reads them); false on a bad symbol.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+fn row_residuals(row: &[u8], z: &mut [u32], bits: &mut BitReader) -> bool {
+    use core::arch::wasm32::*;
+    let c = row.len().min(z.len());
+    let lim = u8x16_splat(DIRECT as u8);
+    let mut escape = |i: usize, z: &mut [u32]| -> bool {
+        let j = row[i] as u32 - DIRECT;
+        let k = j / 2 + DIRECT_BITS;
+        if k > MAX_K {
+            return false;
+        }
+        z[i] = (1u32 << k) | ((j & 1) << (k - 1)) | bits.get(k - 1);
+        true
+    };
+    let mut i = 0;
+    while i + 16 <= c {
+        // SAFETY: i + 16 ≤ c bounds the 16-byte load from `row` and the 16 stores into `z`.
+        let mut mask = unsafe {
+            let v = v128_load(row.as_ptr().add(i) as *const v128);
+            let w0 = u16x8_extend_low_u8x16(v);
+            let w1 = u16x8_extend_high_u8x16(v);
+            let zp = z.as_mut_ptr().add(i) as *mut v128;
+            v128_store(zp, u32x4_extend_low_u16x8(w0));
+            v128_store(zp.add(1), u32x4_extend_high_u16x8(w0));
+            v128_store(zp.add(2), u32x4_extend_low_u16x8(w1));
+            v128_store(zp.add(3), u32x4_extend_high_u16x8(w1));
+            u8x16_bitmask(u8x16_ge(v, lim))
+        };
+        while mask != 0 {
+            if !escape(i + mask.trailing_zeros() as usize, z) {
+                return false;
+            }
+            mask &= mask - 1;
+        }
+        i += 16;
+    }
+    for i in i..c {
+        z[i] = row[i] as u32;
+        if z[i] >= DIRECT && !escape(i, z) {
+            return false;
+        }
+    }
+    true
+}
+
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 mod simd {
     use core::arch::wasm32::*;
@@ -712,23 +798,29 @@ mod simd {
 /// delta-predicted, whether the step is one scalar (V: per-token steps) or per
 /// channel (K), and the output dtype, so the inner loop carries no branches.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-fn row_fast<const DELTA: bool, const UNIFORM: bool, const DT: u32>(
+fn row_fast<const DELTA: bool, const UNIFORM: bool, const DT: u32, const Z: bool>(
     ctx: &RowCtx,
     step: &[f32],
     s0: f32,
     row: &[u8],
+    zrow: &[u32],
     prev: &mut [i32],
     dst: &mut [u8],
     o: usize,
 ) -> usize {
     use core::arch::wasm32::*;
-    let c = row.len();
+    let c = if Z { zrow.len() } else { row.len() };
     let eb = if DT == DT_F16 || DT == DT_BF16 || DT == DT_F16_NORMAL {
         2
     } else {
         4
     };
-    if dst.len() < (o + c) * eb || step.len() < c || prev.len() < c {
+    if dst.len() < (o + c) * eb
+        || step.len() < c
+        || prev.len() < c
+        || ctx.centers.len() < c
+        || ctx.dmask.len() < c
+    {
         return 0;
     }
     let vs = f32x4_splat(s0);
@@ -738,8 +830,14 @@ fn row_fast<const DELTA: bool, const UNIFORM: bool, const DT: u32>(
     // output (checked above).
     unsafe {
         while ch + 8 <= c {
-            let w = u16x8_extend_low_u8x16(v128_load64_zero(row.as_ptr().add(ch) as *const u64));
-            let sv = [u32x4_extend_low_u16x8(w), u32x4_extend_high_u16x8(w)];
+            let sv = if Z {
+                let zp = zrow.as_ptr().add(ch) as *const v128;
+                [v128_load(zp), v128_load(zp.add(1))]
+            } else {
+                let w =
+                    u16x8_extend_low_u8x16(v128_load64_zero(row.as_ptr().add(ch) as *const u64));
+                [u32x4_extend_low_u16x8(w), u32x4_extend_high_u16x8(w)]
+            };
             let mut outv = [vs; 2];
             for h in 0..2 {
                 let b = ch + 4 * h;
@@ -789,11 +887,12 @@ fn row_fast<const DELTA: bool, const UNIFORM: bool, const DT: u32>(
 
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 #[allow(clippy::too_many_arguments)]
-fn row_fast_any(
+fn row_fast_any<const Z: bool>(
     ctx: &RowCtx,
     step: &[f32],
     s0: f32,
     row: &[u8],
+    zrow: &[u32],
     prev: &mut [i32],
     dtype: u32,
     dst: &mut [u8],
@@ -804,12 +903,12 @@ fn row_fast_any(
     macro_rules! go {
         ($d:expr, $u:expr) => {
             match dtype {
-                DT_F16 => row_fast::<$d, $u, DT_F16>(ctx, step, s0, row, prev, dst, o),
+                DT_F16 => row_fast::<$d, $u, DT_F16, Z>(ctx, step, s0, row, zrow, prev, dst, o),
                 DT_F16_NORMAL => {
-                    row_fast::<$d, $u, DT_F16_NORMAL>(ctx, step, s0, row, prev, dst, o)
+                    row_fast::<$d, $u, DT_F16_NORMAL, Z>(ctx, step, s0, row, zrow, prev, dst, o)
                 }
-                DT_BF16 => row_fast::<$d, $u, DT_BF16>(ctx, step, s0, row, prev, dst, o),
-                _ => row_fast::<$d, $u, 3>(ctx, step, s0, row, prev, dst, o),
+                DT_BF16 => row_fast::<$d, $u, DT_BF16, Z>(ctx, step, s0, row, zrow, prev, dst, o),
+                _ => row_fast::<$d, $u, 3, Z>(ctx, step, s0, row, zrow, prev, dst, o),
             }
         };
     }
@@ -878,7 +977,8 @@ pub fn decode_stream(
             0
         }
     ];
-    #[allow(unused_variables)] // the SIMD build decodes every row through sub-contexts
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    let mut zrow: Vec<u32> = vec![0; c];
     let ctx = RowCtx {
         step: &step,
         centers: &centers,
@@ -921,65 +1021,59 @@ pub fn decode_stream(
                 && min_step * m >= f32::from_bits((127 - 14) << 23)
                 && (base * m).is_finite();
             let kind = if fast16 { DT_F16_NORMAL } else { dtype };
-            // Runs of direct symbols take the SIMD path; each escape (a symbol with extra
-            // bits, read in row order) is one scalar step. Fine steps on wide rows put an
-            // escape in almost every row, which used to send the whole row to the scalar path.
-            // (Rows with a token step multiplier keep the whole-row scalar path when they
+            // Rows without escapes go straight to the SIMD path. Fine steps on wide rows put
+            // escapes (symbols with extra bits, read in row order) in most rows: those rows are
+            // first expanded to zigzag residuals (escapes patched in row order), then take the
+            // same SIMD path. Rows with a token step multiplier keep the scalar path when they
             // hold an escape: the fast path rounds q·(step·m), the scalar one (q·step)·m, and
-            // decoded bits must not depend on where an escape falls.)
+            // decoded bits must not depend on where an escape falls.
             let all_direct = simd::row_direct(row);
-            let segments = all_direct || m == 1.0;
-            let mut a = 0usize;
-            while a < c {
-                let b = if all_direct {
-                    c
-                } else if !segments {
-                    a
-                } else {
-                    a + row[a..]
-                        .iter()
-                        .position(|&s| s as u32 >= DIRECT)
-                        .unwrap_or(c - a)
-                };
-                let mut done = a;
-                if b - a >= 8 {
-                    let sub = RowCtx {
-                        step: &step[a..b],
-                        centers: &centers[a..b],
-                        dmask: &dmask[a..b],
-                    };
-                    done = a + row_fast_any(
-                        &sub,
-                        &rstep[a..b],
-                        base * m,
-                        &row[a..b],
-                        &mut prev[a..b],
-                        kind,
-                        dst,
-                        o + a,
-                        any_delta,
-                        uniform,
-                    );
-                }
-                let end = if b < c { b + 1 } else { c };
-                let sub = RowCtx {
-                    step: &step[done..end],
-                    centers: &centers[done..end],
-                    dmask: &dmask[done..end],
-                };
-                if !row_scalar(
-                    &sub,
-                    &row[done..end],
-                    m,
-                    &mut prev[done..end],
-                    &mut bits,
-                    dtype,
-                    dst,
-                    o + done,
-                ) {
+            if !all_direct && m != 1.0 {
+                if !row_scalar(&ctx, row, m, &mut prev, &mut bits, dtype, dst, o) {
                     return None;
                 }
-                a = end;
+                continue;
+            }
+            let done = if all_direct {
+                row_fast_any::<false>(
+                    &ctx,
+                    rstep,
+                    base * m,
+                    row,
+                    &[],
+                    &mut prev,
+                    kind,
+                    dst,
+                    o,
+                    any_delta,
+                    uniform,
+                )
+            } else {
+                if !row_residuals(row, &mut zrow, &mut bits) {
+                    return None;
+                }
+                row_fast_any::<true>(
+                    &ctx,
+                    rstep,
+                    base * m,
+                    &[],
+                    &zrow,
+                    &mut prev,
+                    kind,
+                    dst,
+                    o,
+                    any_delta,
+                    uniform,
+                )
+            };
+            // The last c mod 8 channels (and all of a row the SIMD path declined).
+            for ch in done..c {
+                let z = if all_direct { row[ch] as u32 } else { zrow[ch] };
+                let dm = dmask[ch];
+                let pred = (prev[ch] & dm) | (centers[ch] & !dm);
+                let qv = pred.wrapping_add(unzigzag(z));
+                prev[ch] = qv;
+                store(dst, o + ch, dtype, qv as f32 * step[ch] * m);
             }
             continue;
         }

@@ -163,8 +163,11 @@ fn enc_sym(start: u32, freq: u32) -> EncSym {
 
 /// One rANS encode step: returns the new state and whether the low 16 bits of
 /// the old state must be written first.
+///
+/// `FIX`: apply the one-compare quotient correction. Only symbols with freq > 1024 can need
+/// it (their states reach 2^31); `encode_block` leaves it out when no table has one.
 #[inline(always)]
-fn enc_step(e: EncSym, xs: u32) -> (u32, bool) {
+fn enc_step<const FIX: bool>(e: EncSym, xs: u32) -> (u32, bool) {
     let freq = e.meta & 0xfff;
     let big = xs >= X_MAX_UNIT * freq;
     let xs = if big { xs >> 16 } else { xs };
@@ -173,7 +176,7 @@ fn enc_step(e: EncSym, xs: u32) -> (u32, bool) {
     // freq > 1024 reach up to 2^21·freq < 2^32, where it can overshoot x / freq by one
     // (a skewed table, e.g. coarse V steps, then coded a stream no decoder accepts).
     // q·freq ≤ 2^21·freq < 2^32 cannot overflow.
-    let q = q - (q * freq > xs) as u32;
+    let q = if FIX { q - (q * freq > xs) as u32 } else { q };
     (xs + (e.meta >> 16) + q * (PROB_SCALE - freq), big)
 }
 
@@ -305,7 +308,7 @@ pub fn encode_block(
                 let e = *ep.add($base($ch) + *sp.add($i) as usize);
                 let xs = x[$lane];
                 *bp.add(p - 1) = xs as u16;
-                let (nx, big) = enc_step(e, xs);
+                let (nx, big) = enc_step::<true>(e, xs);
                 p -= big as usize;
                 x[$lane] = nx;
             }
@@ -329,7 +332,7 @@ pub fn encode_block(
     if c % LANES == 0 {
         // Pointers and local states (as in the decoder): fewer live registers, fewer V8 spills.
         macro_rules! groups {
-            ($base:expr, $track:expr) => {
+            ($base:expr, $track:expr, $fix:expr) => {
                 // SAFETY: as for `put!`; wp stays ≥ bp + (remaining symbols) since each
                 // symbol writes at most one word and cap covers one word per symbol.
                 unsafe {
@@ -347,7 +350,7 @@ pub fn encode_block(
                             ($xs:ident, $off:expr) => {{
                                 let e = *ep.add($base(ch + $off) + *ip.add($off) as usize);
                                 *wp.sub(1) = $xs as u16;
-                                let (nx, big) = enc_step(e, $xs);
+                                let (nx, big) = enc_step::<$fix>(e, $xs);
                                 wp = wp.sub(big as usize);
                                 $xs = nx;
                                 // Keeps LLVM from hoisting all eight lanes' table loads
@@ -371,11 +374,14 @@ pub fn encode_block(
                 }
             };
         }
-        if tables.len() == 1 {
+        // Fine steps (the default levels) give no symbol a probability above 1/2.
+        let fix = tables.iter().any(|f| f.iter().any(|&v| v > PROB_SCALE / 2));
+        match (tables.len() == 1, fix) {
             // One table: no per-channel class lookups.
-            groups!(|_cc: usize| 0usize, false);
-        } else {
-            groups!(|cc: usize| *cbase.get_unchecked(cc), true);
+            (true, true) => groups!(|_cc: usize| 0usize, false, true),
+            (true, false) => groups!(|_cc: usize| 0usize, false, false),
+            (false, true) => groups!(|cc: usize| *cbase.get_unchecked(cc), true, true),
+            (false, false) => groups!(|cc: usize| *cbase.get_unchecked(cc), true, false),
         }
     } else {
         let mut ch = if full > 0 { (full - 1) % c } else { 0 };
