@@ -23,7 +23,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   InitCuda(env, exports);
   InitIo(env, exports);
   // Bumped when the JS-facing contract changes; the loader refuses a stale build.
-  exports.Set("abiVersion", Napi::Number::New(env, 1));
+  exports.Set("abiVersion", Napi::Number::New(env, 2));
   return exports;
 }
 
