@@ -11,10 +11,6 @@
 #include <cstring>
 #include <memory>
 
-// Node's own zlib (its headers ship zlib.h; node exports the symbols addons link
-// against): the same crc32 as zlib.crc32 in JS, SIMD where the CPU has it.
-#include <zlib.h>
-
 #include "common.h"
 
 namespace kvgate {
@@ -306,17 +302,6 @@ Napi::Value ReadFileJs(const Napi::CallbackInfo& info) {
       [r](Napi::Env env) { return Result(env, *r); }, {info[1].As<Napi::Object>()}, [span]() { ReleaseHost(span); });
 }
 
-// CRC-32 (zlib's) of [start, end) of `data`, in pieces: crc32 takes a 32-bit length.
-uint32_t Crc32Of(const uint8_t* data, size_t start, size_t end) {
-  uLong c = crc32(0L, Z_NULL, 0);
-  for (size_t at = start; at < end;) {
-    size_t n = std::min<size_t>(end - at, size_t{1} << 30);
-    c = crc32(c, data + at, static_cast<uInt>(n));
-    at += n;
-  }
-  return static_cast<uint32_t>(c);
-}
-
 // readFileCrc(path, buffer, byteOffset, capacity, fileOffset, length|-1, mode, ranges)
 //   -> Promise<{bytes, direct, reason, crcs}>
 // As readFile, then the worker that read the bytes CRC-32s each range [ranges[2i],
@@ -358,7 +343,7 @@ Napi::Value ReadFileCrcJs(const Napi::CallbackInfo& info) {
         if (f.failed()) return;
         for (size_t i = 0; i < ranges->size(); i++) {
           size_t a = std::min((*ranges)[i].first, r->bytes), b = std::min((*ranges)[i].second, r->bytes);
-          (*crcs)[i] = Crc32Of(span.data, a, b);
+          (*crcs)[i] = Crc32(0, span.data + a, b - a);
         }
       },
       [r, crcs](Napi::Env env) {
