@@ -423,3 +423,32 @@ describe('readFileCrc: CRC-32 of ranges on the worker that read them', () => {
     expect(() => freePinned(b.buffer)).not.toThrow()
   })
 })
+
+describe('copyHost: host copies on the pool', () => {
+  it('copies exact bytes between pinned and plain buffers at offsets, and leaves both free after', async () => {
+    const src = allocPinnedSync(3 << 20)
+    const data = randomBytes(3 << 20)
+    new Uint8Array(src.buffer).set(data)
+    const plain = new Uint8Array((4 << 20) + 7)
+    await native.copyHost(plain.subarray(7, 7 + (2 << 20)), new Uint8Array(src.buffer, 4096, 2 << 20))
+    expect(same(plain.subarray(7, 7 + (2 << 20)), data.subarray(4096, 4096 + (2 << 20)))).toBe(true)
+    expect(plain[6]).toBe(0)
+    expect(plain[7 + (2 << 20)]).toBe(0)
+    const dst = allocPinnedSync(3 << 20)
+    await native.copyHost(dst.buffer, src.buffer)
+    expect(same(new Uint8Array(dst.buffer), data)).toBe(true)
+    freePinned(src.buffer)
+    freePinned(dst.buffer)
+  })
+
+  it('refuses a source larger than the destination, a freed or shared buffer, with ERR_NATIVE', async () => {
+    const b = allocPinnedSync(8192)
+    await rejectsWith(native.copyHost(new Uint8Array(10), new Uint8Array(11)), 'ERR_NATIVE', /does not fit/)
+    await rejectsWith(
+      native.copyHost(new Uint8Array(new SharedArrayBuffer(16)), new Uint8Array(8)),
+      'ERR_NATIVE',
+    )
+    freePinned(b.buffer)
+    await rejectsWith(native.copyHost(new Uint8Array(8192), b.buffer), 'ERR_NATIVE', /freed/)
+  })
+})

@@ -162,6 +162,13 @@ export interface NativeBinding {
   memoryStats(): NativeMemoryStats
   registerHost(buffer: ArrayBuffer): Promise<void>
   unregisterHost(buffer: ArrayBuffer): void
+  copyHost(
+    dst: ArrayBuffer,
+    dstOffset: number,
+    src: ArrayBuffer,
+    srcOffset: number,
+    length: number,
+  ): Promise<void>
   readFile(
     path: string,
     buffer: ArrayBuffer,
@@ -703,6 +710,20 @@ export function readFileDirect(
 export interface ReadFileCrcResult extends FileIoResult {
   /** CRC-32 (zlib's, as core/checksum.ts crc32) of each requested range, in order. */
   crcs: Uint32Array
+}
+
+/**
+ * Copies all of `src` into the start of `dst` on a libuv worker (memmove), so a
+ * large host copy does not hold the JS thread. Both stay referenced until it settles;
+ * do not detach or free either meanwhile (a pinned one refuses freePinned while busy).
+ */
+export function copyHost(dst: HostBuffer, src: HostBuffer): Promise<void> {
+  return callAsync(async () => {
+    const d = hostRange(dst, 'dst')
+    const s = hostRange(src, 'src')
+    if (s.length > d.length) throw misuse(`src (${s.length} bytes) does not fit dst (${d.length} bytes)`)
+    return loadNative().copyHost(d.buffer, d.offset, s.buffer, s.offset, s.length)
+  })
 }
 
 /**
