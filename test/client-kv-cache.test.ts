@@ -231,6 +231,37 @@ describe('KVCache over L1 and L2', () => {
     expect((await c2.lookup(toks)).tokens).toBe(0)
   })
 
+  it('chunks of 1 MiB and more: exact bytes from L2 (pool-verified) and L1 (pool-copied) into plain, offset and shared buffers', async () => {
+    const BT = 2048 // 1.25 MiB chunk tensors: the copy into `into` runs on the addon's pool
+    const BCB = chunkBytes(MODEL_PRESETS.stories260k, BT)
+    expect(BCB).toBeGreaterThanOrEqual(1 << 20)
+    const dir = tempDir()
+    const cfg = { chunkTokens: BT, memory: { bytes: 8 * BCB }, disk: { dir, bytes: 1 << 26 } }
+    const c = await open(cfg)
+    const toks = tokens(3 * BT, 4)
+    const big = new Uint8Array(3 * BCB)
+    for (let i = 0; i < big.length; i++) big[i] = (i * 2654435761) >>> 27
+    expect((await c.store(toks, big)).stored).toBe(3)
+    await c.flush()
+    await c.close()
+    const c2 = await open(cfg)
+    expect((await c2.lookup(toks)).chunks.map((x) => x.tier)).toEqual(['disk', 'disk', 'disk'])
+    // Cold: L2 → L1 → a view at an odd offset of a larger buffer; the bytes around it untouched.
+    const wide = new Uint8Array(3 * BCB + 11)
+    expect((await c2.retrieve(toks, { into: wide.subarray(5, 5 + 3 * BCB) })).every((m) => m === 1)).toBe(
+      true,
+    )
+    expect(Buffer.compare(wide.subarray(5, 5 + 3 * BCB), big)).toBe(0)
+    expect(
+      wide.subarray(0, 5).every((v) => v === 0) && wide.subarray(5 + 3 * BCB).every((v) => v === 0),
+    ).toBe(true)
+    expect(c2.stats().disk?.hits).toBe(3)
+    // Warm (L1) into a SharedArrayBuffer view: copied on this thread, same bytes.
+    const shared = new Uint8Array(new SharedArrayBuffer(3 * BCB))
+    expect((await c2.retrieve(toks, { into: shared })).every((m) => m === 1)).toBe(true)
+    expect(Buffer.compare(shared, big)).toBe(0)
+  })
+
   it('waterfall: an L1 miss is served from L2 and promoted; a restart keeps L2', async () => {
     const dir = tempDir()
     const c = await open({ disk: { dir, bytes: 1 << 24 } })

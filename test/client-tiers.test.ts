@@ -210,6 +210,65 @@ describe('DiskTier', () => {
     expect(d.counters.corrupt).toBe(2)
   })
 
+  it('through the addon, a flip on either side of a range boundary, in a small object, or in the header is a counted miss', async () => {
+    const dir = tempDir()
+    const n = loadNative()
+    expect(n.api, n.reason).toBeDefined()
+    const d = await DiskTier.open({ dir, bytes: 1 << 30, native: n.api })
+    const big = (key: number) => object(hexOf(key), 7, 16384) // ~10 MiB: two 8 MiB ranges
+    const small = (key: number) => object(hexOf(key), 9, 64) // one range
+    // An intact large object read into a pinned (L1-like) slot: exact bytes, verified on the pool.
+    const slot = new Uint8Array((await n.api!.allocPinned(big(0x60).byteLength + 4096)).buffer)
+    await d.put(hexOf(0x60), big(0x60))
+    const got = await d.get(hexOf(0x60), 'get', slot)
+    expect(got?.buffer).toBe(slot.buffer)
+    expect(Buffer.compare(Buffer.from(got!), Buffer.from(big(0x60)))).toBe(0)
+    const cases = [
+      [0x61, big, (8 << 20) - 1], // last byte of the first range (a section split across ranges)
+      [0x62, big, 8 << 20], // first byte of the second range
+      [0x63, small, -1], // last byte of a small object
+      [0x64, small, 20], // inside the header (total length field)
+      [0x65, big, -4096], // inside the tail block (unaligned O_DIRECT tail)
+    ] as const
+    for (const [key, make, at] of cases) {
+      const fresh = make(key)
+      await d.put(hexOf(key), fresh)
+      const i = at < 0 ? fresh.length + at : at
+      writeFileSync(d.pathOf(hexOf(key)), fresh.with(i, fresh[i]! ^ 0x10))
+      expect(await d.get(hexOf(key), 'get', slot), `flip at ${i}`).toBeUndefined()
+      expect(d.has(hexOf(key))).toBe(false)
+    }
+    expect(d.counters.corrupt).toBe(cases.length)
+    expect(d.counters.errors).toBe(0)
+    // No read is left running into the slot: it can be freed (a busy block refuses).
+    n.api!.freePinned(slot.buffer)
+  })
+
+  it('through the addon, a file cut short (EIO-like short read) or gone is a miss that leaves the slot free', async () => {
+    const dir = tempDir()
+    const n = loadNative()
+    const d = await DiskTier.open({ dir, bytes: 1 << 30, native: n.api })
+    const obj = object(hexOf(0x70), 3, 16384)
+    const slot = new Uint8Array((await n.api!.allocPinned(obj.byteLength + 4096)).buffer)
+    for (const [key, cut] of [
+      [0x70, obj.length - 1], // last range short
+      [0x71, 5 << 20], // first range short, the second reads nothing
+      [0x72, 100], // inside the header read
+    ] as const) {
+      const o = object(hexOf(key), 3, 16384)
+      await d.put(hexOf(key), o)
+      writeFileSync(d.pathOf(hexOf(key)), o.subarray(0, cut))
+      expect(await d.get(hexOf(key), 'get', slot)).toBeUndefined()
+      expect(d.has(hexOf(key))).toBe(false)
+    }
+    expect(d.counters.corrupt).toBe(3)
+    await d.put(hexOf(0x73), obj)
+    rmSync(d.pathOf(hexOf(0x73)))
+    expect(await d.get(hexOf(0x73), 'get', slot)).toBeUndefined()
+    expect(d.has(hexOf(0x73))).toBe(false)
+    n.api!.freePinned(slot.buffer)
+  })
+
   it('keeps within its byte budget by evicting the least recently used file', async () => {
     const dir = tempDir()
     const one = object(hexOf(1), 1).byteLength

@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest'
-import { crc32, crc32Portable } from '../src/core/checksum.ts'
+import { crc32, crc32Combine, crc32Portable } from '../src/core/checksum.ts'
 import { FormatError, KvgateError } from '../src/core/errors.ts'
 import {
   ChunkVerifier,
@@ -218,5 +218,25 @@ describe('fuzz: random and mutated inputs never escape as untyped errors', () =>
       expect(codeOf(() => verifyChunk(b))).toMatch(/^ERR_FORMAT_/)
       expect(streamVerify(b, [1 + rnd(32)])).toMatch(/^ERR_FORMAT_/)
     }
+  })
+})
+
+describe('crc32Combine', () => {
+  it('joins the CRCs of two pieces into the CRC of the whole (zlib crc32_combine)', () => {
+    const data = pseudoRandomBytes(3 * 65536 + 77, 5)
+    for (const cut of [0, 1, 15, 16, 4095, 65536, 2 * 65536 + 3, data.length - 1, data.length]) {
+      const a = data.subarray(0, cut)
+      const b = data.subarray(cut)
+      expect(crc32Combine(crc32(a), crc32(b), b.length)).toBe(crc32(data))
+    }
+    // Three pieces, left to right, as the disk tier joins a section read in ranges.
+    const [x, y] = [1000, 70000]
+    const joined = crc32Combine(
+      crc32Combine(crc32(data.subarray(0, x)), crc32(data.subarray(x, y)), y - x),
+      crc32(data.subarray(y)),
+      data.length - y,
+    )
+    expect(joined).toBe(crc32(data))
+    expect(() => crc32Combine(1, 2, -1)).toThrow(RangeError)
   })
 })

@@ -21,9 +21,12 @@ const {
   freePinned,
   nativeMemoryStats,
   pinnedInfo,
+  readFileCrc,
   readFileDirect,
   writeFileDirect,
 } = native
+const { crc32 } = await import('../src/core/checksum.ts')
+const { randomBytes } = await import('node:crypto')
 
 const dir = mkdtempSync(join(tmpdir(), 'kvgate-native-'))
 afterAll(() => rmSync(dir, { recursive: true, force: true }))
@@ -340,5 +343,112 @@ describe('file I/O (O_DIRECT with fallback)', () => {
     const r = await readFileDirect(path, into)
     expect(r.bytes).toBe(5000)
     expect(same(into.subarray(0, 5000), data)).toBe(true)
+  })
+})
+
+describe('readFileCrc: CRC-32 of ranges on the worker that read them', () => {
+  it('equals core/checksum crc32 for random bytes: whole, unaligned, empty and tail ranges, direct and buffered', async () => {
+    for (const n of [100, 4096, 64 << 10, (1 << 20) + 4097, (3 << 20) + 123]) {
+      const data = randomBytes(n)
+      const path = join(dir, `crc-${n}`)
+      writeFileSync(path, data)
+      const ranges: [number, number][] = [
+        [0, n],
+        [0, 0],
+        [n, n],
+        [1, Math.min(n, 64)],
+        [3, n - 5],
+        [Math.max(0, n - 63), n], // shorter than one SIMD block
+        [Math.floor(n / 3), Math.floor(n / 3) + 17],
+        [Math.floor(n / 2) + 1, n],
+      ]
+      for (const direct of ['auto', 'off'] as const) {
+        const b = allocPinnedSync(n + 4096)
+        const r = await readFileCrc(path, b.buffer, ranges, { direct })
+        expect(r.bytes).toBe(n)
+        expect(same(new Uint8Array(b.buffer, 0, n), data)).toBe(true)
+        expect([...r.crcs]).toEqual(ranges.map(([a, z]) => crc32(data.subarray(a, z))))
+        freePinned(b.buffer)
+      }
+    }
+  })
+
+  it('ranges are offsets into the read at fileOffset; a range past a short read is cut at its end', async () => {
+    const data = randomBytes(5 * 4096 + 300)
+    const path = join(dir, 'crc-range')
+    writeFileSync(path, data)
+    const b = allocPinnedSync(4 * 4096)
+    const r = await readFileCrc(
+      path,
+      b.buffer,
+      [
+        [0, 4096],
+        [10, 8000],
+        [4096, 4 * 4096],
+      ],
+      { fileOffset: 2 * 4096, length: 4 * 4096 },
+    )
+    const read = data.subarray(2 * 4096) // 3 blocks + 300 bytes: short
+    expect(r.bytes).toBe(read.length)
+    expect([...r.crcs]).toEqual([
+      crc32(read.subarray(0, 4096)),
+      crc32(read.subarray(10, 8000)),
+      crc32(read.subarray(4096)), // cut at bytes
+    ])
+    freePinned(b.buffer)
+  })
+
+  it('refuses ranges outside the buffer or reversed, with ERR_NATIVE, before any I/O', async () => {
+    const path = join(dir, 'crc-bad')
+    writeFileSync(path, randomBytes(8192))
+    const b = allocPinnedSync(8192)
+    await rejectsWith(readFileCrc(path, b.buffer, [[0, 8193]]), 'ERR_NATIVE', /ranges\[0\]\[1\]/)
+    await rejectsWith(readFileCrc(path, b.buffer, [[10, 5]]), 'ERR_NATIVE', /ranges\[0\]\[1\]/)
+    await rejectsWith(readFileCrc(path, b.buffer, [[-1, 5]]), 'ERR_NATIVE', /ranges\[0\]\[0\]/)
+    await rejectsWith(readFileCrc(path, b.buffer, [[0.5, 5]]), 'ERR_NATIVE')
+    await rejectsWith(readFileCrc(path, b.buffer, [[1, 2, 3] as unknown as [number, number]]), 'ERR_NATIVE')
+    // The raw binding checks too: a worker never CRCs outside the buffer.
+    const raw = native.loadNative()
+    expect(() => raw.readFileCrc(path, b.buffer, 0, 8192, 0, -1, 1, Float64Array.from([0, 9000]))).toThrow(
+      /within the buffer/,
+    )
+    expect(() => raw.readFileCrc(path, b.buffer, 0, 8192, 0, -1, 1, Float64Array.from([0]))).toThrow(/pairs/)
+    freePinned(b.buffer) // not left busy by any of the refusals
+  })
+
+  it('a failed read (missing file, a directory) rejects and leaves the buffer free', async () => {
+    const b = allocPinnedSync(8192)
+    await rejectsWith(readFileCrc(join(dir, 'no-such-file'), b.buffer, [[0, 10]]), 'ERR_NATIVE', /ENOENT/)
+    await rejectsWith(readFileCrc(dir, b.buffer, [[0, 10]], { length: 4096 }), 'ERR_NATIVE', /EISDIR/)
+    expect(() => freePinned(b.buffer)).not.toThrow()
+  })
+})
+
+describe('copyHost: host copies on the pool', () => {
+  it('copies exact bytes between pinned and plain buffers at offsets, and leaves both free after', async () => {
+    const src = allocPinnedSync(3 << 20)
+    const data = randomBytes(3 << 20)
+    new Uint8Array(src.buffer).set(data)
+    const plain = new Uint8Array((4 << 20) + 7)
+    await native.copyHost(plain.subarray(7, 7 + (2 << 20)), new Uint8Array(src.buffer, 4096, 2 << 20))
+    expect(same(plain.subarray(7, 7 + (2 << 20)), data.subarray(4096, 4096 + (2 << 20)))).toBe(true)
+    expect(plain[6]).toBe(0)
+    expect(plain[7 + (2 << 20)]).toBe(0)
+    const dst = allocPinnedSync(3 << 20)
+    await native.copyHost(dst.buffer, src.buffer)
+    expect(same(new Uint8Array(dst.buffer), data)).toBe(true)
+    freePinned(src.buffer)
+    freePinned(dst.buffer)
+  })
+
+  it('refuses a source larger than the destination, a freed or shared buffer, with ERR_NATIVE', async () => {
+    const b = allocPinnedSync(8192)
+    await rejectsWith(native.copyHost(new Uint8Array(10), new Uint8Array(11)), 'ERR_NATIVE', /does not fit/)
+    await rejectsWith(
+      native.copyHost(new Uint8Array(new SharedArrayBuffer(16)), new Uint8Array(8)),
+      'ERR_NATIVE',
+    )
+    freePinned(b.buffer)
+    await rejectsWith(native.copyHost(new Uint8Array(8192), b.buffer), 'ERR_NATIVE', /freed/)
   })
 })

@@ -110,6 +110,10 @@ int CurrentDevice();
 bool EnterDevice(Failure& f);
 std::string CudaErrorText(int err);
 
+// CRC-32 of data, continuing from crc (0 to start), as zlib's crc32 (crc32.cc):
+// PCLMULQDQ folding when the CPU has it, zlib's code otherwise and for tails.
+uint32_t Crc32(uint32_t crc, const uint8_t* data, size_t len);
+
 void InitMemory(Napi::Env env, Napi::Object exports);
 void InitCuda(Napi::Env env, Napi::Object exports);
 void InitIo(Napi::Env env, Napi::Object exports);

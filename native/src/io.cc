@@ -1,9 +1,11 @@
 // File reads and writes into host buffers off the JS thread, with O_DIRECT
 // when the request is aligned and the filesystem takes it, else buffered I/O.
+// readFileCrc also CRC-32s caller-given ranges of what it read, on the same worker.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -300,6 +302,60 @@ Napi::Value ReadFileJs(const Napi::CallbackInfo& info) {
       [r](Napi::Env env) { return Result(env, *r); }, {info[1].As<Napi::Object>()}, [span]() { ReleaseHost(span); });
 }
 
+// readFileCrc(path, buffer, byteOffset, capacity, fileOffset, length|-1, mode, ranges)
+//   -> Promise<{bytes, direct, reason, crcs}>
+// As readFile, then the worker that read the bytes CRC-32s each range [ranges[2i],
+// ranges[2i+1]) (offsets into the read, a Float64Array) while they are hot in its
+// cache. A range past the bytes read is cut at the end of the read (the caller sees
+// the short `bytes` and does not trust that CRC).
+Napi::Value ReadFileCrcJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  std::string path = ReadPath(env, info[0]);
+  uint64_t fileOffset = ToSize(env, info[4], "file offset");
+  if (!info[5].IsNumber()) ThrowNative(env, "length must be a number");
+  double len = info[5].As<Napi::Number>().DoubleValue();
+  int64_t length = len < 0 ? -1 : static_cast<int64_t>(ToSize(env, info[5], "length"));
+  Mode mode = ReadMode(env, info[6]);
+  if (!info[7].IsTypedArray() || info[7].As<Napi::TypedArray>().TypedArrayType() != napi_float64_array) {
+    ThrowNative(env, "ranges must be a Float64Array of [start, end) pairs");
+  }
+  Napi::Float64Array rv = info[7].As<Napi::Float64Array>();
+  if (rv.ElementLength() % 2 != 0) ThrowNative(env, "ranges must hold [start, end) pairs");
+  const size_t capacity = ToSize(env, info[3], "capacity");
+  auto ranges = std::make_shared<std::vector<std::pair<size_t, size_t>>>();
+  ranges->reserve(rv.ElementLength() / 2);
+  for (size_t i = 0; i < rv.ElementLength(); i += 2) {
+    double a = rv[i], b = rv[i + 1];
+    // Checked here, on the JS thread: the worker must never CRC outside the buffer.
+    if (!(a >= 0 && b >= a && b <= static_cast<double>(capacity)) || a != static_cast<double>(size_t(a)) ||
+        b != static_cast<double>(size_t(b))) {
+      ThrowNative(env, "range " + std::to_string(i / 2) + " is not a [start, end) within the buffer");
+    }
+    ranges->emplace_back(static_cast<size_t>(a), static_cast<size_t>(b));
+  }
+  HostSpan span = AcquireHost(env, info[1], info[2], info[3]);
+  auto r = std::make_shared<IoResult>();
+  auto crcs = std::make_shared<std::vector<uint32_t>>(ranges->size(), 0);
+  return RunAsync(
+      env, "kvgate.readFileCrc",
+      [path, span, fileOffset, length, mode, r, ranges, crcs](Failure& f) {
+        DoRead(path, span, fileOffset, length, mode, *r, f);
+        if (f.failed()) return;
+        for (size_t i = 0; i < ranges->size(); i++) {
+          size_t a = std::min((*ranges)[i].first, r->bytes), b = std::min((*ranges)[i].second, r->bytes);
+          (*crcs)[i] = Crc32(0, span.data + a, b - a);
+        }
+      },
+      [r, crcs](Napi::Env env) {
+        Napi::Object o = Result(env, *r).As<Napi::Object>();
+        Napi::Uint32Array out = Napi::Uint32Array::New(env, crcs->size());
+        for (size_t i = 0; i < crcs->size(); i++) out[i] = (*crcs)[i];
+        o.Set("crcs", out);
+        return o;
+      },
+      {info[1].As<Napi::Object>()}, [span]() { ReleaseHost(span); });
+}
+
 // writeFile(path, buffer, byteOffset, length, fileOffset, mode, fsync, truncate) -> Promise<{bytes, direct, reason}>
 Napi::Value WriteFileJs(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -347,6 +403,7 @@ Napi::Value EvictFileCacheJs(const Napi::CallbackInfo& info) {
 
 void InitIo(Napi::Env env, Napi::Object exports) {
   exports.Set("readFile", Napi::Function::New(env, ReadFileJs, "readFile"));
+  exports.Set("readFileCrc", Napi::Function::New(env, ReadFileCrcJs, "readFileCrc"));
   exports.Set("writeFile", Napi::Function::New(env, WriteFileJs, "writeFile"));
   exports.Set("evictFileCache", Napi::Function::New(env, EvictFileCacheJs, "evictFileCache"));
   exports.Set("directAlignment", Napi::Number::New(env, kAlign));

@@ -427,6 +427,29 @@ static void OnEnvTeardown(napi_env env) {
   }
 }
 
+// copyHost(dst, dstOffset, src, srcOffset, length) -> Promise<void>: a host-to-host
+// copy on the libuv pool, so a retrieve's copy from an L1 slot into the caller's
+// buffer runs beside the reads instead of on the JS thread. Both buffers stay
+// referenced (and a pinned one busy) until it settles.
+static Napi::Value CopyHost(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  HostSpan dst = AcquireHost(env, info[0], info[1], info[4]);
+  HostSpan src;
+  try {
+    src = AcquireHost(env, info[2], info[3], info[4]);
+  } catch (...) {
+    ReleaseHost(dst);
+    throw;
+  }
+  return RunAsync(
+      env, "kvgate.copyHost", [dst, src](Failure&) { std::memmove(dst.data, src.data, src.length); }, nullptr,
+      {info[0].As<Napi::Object>(), info[2].As<Napi::Object>()},
+      [dst, src]() {
+        ReleaseHost(dst);
+        ReleaseHost(src);
+      });
+}
+
 void InitMemory(Napi::Env env, Napi::Object exports) {
   napi_add_env_cleanup_hook(
       env, [](void* arg) { OnEnvTeardown(static_cast<napi_env>(arg)); }, static_cast<napi_env>(env));
@@ -437,6 +460,7 @@ void InitMemory(Napi::Env env, Napi::Object exports) {
   exports.Set("memoryStats", Napi::Function::New(env, MemoryStats, "memoryStats"));
   exports.Set("registerHost", Napi::Function::New(env, RegisterHost, "registerHost"));
   exports.Set("unregisterHost", Napi::Function::New(env, UnregisterHost, "unregisterHost"));
+  exports.Set("copyHost", Napi::Function::New(env, CopyHost, "copyHost"));
 }
 
 }  // namespace kvgate

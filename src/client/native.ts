@@ -12,7 +12,7 @@ import { KvgateError, type KvgateErrorOptions } from '../core/errors.ts'
 import { installedAsDependency, packageRoot } from '../package-files.ts'
 
 /** The addon contract version this wrapper speaks (native/src/addon.cc `abiVersion`). */
-export const NATIVE_ABI_VERSION = 1
+export const NATIVE_ABI_VERSION = 2
 
 /** O_DIRECT alignment kvgate uses for buffer addresses and file offsets (bytes). */
 export const DIRECT_ALIGNMENT = 4096
@@ -162,6 +162,13 @@ export interface NativeBinding {
   memoryStats(): NativeMemoryStats
   registerHost(buffer: ArrayBuffer): Promise<void>
   unregisterHost(buffer: ArrayBuffer): void
+  copyHost(
+    dst: ArrayBuffer,
+    dstOffset: number,
+    src: ArrayBuffer,
+    srcOffset: number,
+    length: number,
+  ): Promise<void>
   readFile(
     path: string,
     buffer: ArrayBuffer,
@@ -171,6 +178,16 @@ export interface NativeBinding {
     length: number,
     mode: 0 | 1 | 2,
   ): Promise<RawIo>
+  readFileCrc(
+    path: string,
+    buffer: ArrayBuffer,
+    byteOffset: number,
+    capacity: number,
+    fileOffset: number,
+    length: number,
+    mode: 0 | 1 | 2,
+    ranges: Float64Array,
+  ): Promise<RawIo & { crcs: Uint32Array }>
   writeFile(
     path: string,
     buffer: ArrayBuffer,
@@ -693,6 +710,57 @@ export function readFileDirect(
     const length = opts.length === undefined ? -1 : checkSize(opts.length, 'length', r.length, 0)
     checkDirectOffset(mode, fileOffset)
     return loadNative().readFile(path, r.buffer, r.offset, r.length, fileOffset, length, mode)
+  })
+}
+
+export interface ReadFileCrcResult extends FileIoResult {
+  /** CRC-32 (zlib's, as core/checksum.ts crc32) of each requested range, in order. */
+  crcs: Uint32Array
+}
+
+/**
+ * Copies all of `src` into the start of `dst` on a libuv worker (memmove), so a
+ * large host copy does not hold the JS thread. Both stay referenced until it settles;
+ * do not detach or free either meanwhile (a pinned one refuses freePinned while busy).
+ */
+export function copyHost(dst: HostBuffer, src: HostBuffer): Promise<void> {
+  return callAsync(async () => {
+    const d = hostRange(dst, 'dst')
+    const s = hostRange(src, 'src')
+    if (s.length > d.length) throw misuse(`src (${s.length} bytes) does not fit dst (${d.length} bytes)`)
+    return loadNative().copyHost(d.buffer, d.offset, s.buffer, s.offset, s.length)
+  })
+}
+
+/**
+ * readFileDirect, and the libuv worker that read the bytes also computes the CRC-32
+ * of each `[start, end)` range (offsets into `into`, i.e. relative to fileOffset), so
+ * verification runs beside the I/O on the pool instead of on the JS thread. A range
+ * past a short read is cut at `bytes`: check `bytes` before trusting its CRC.
+ */
+export function readFileCrc(
+  path: string,
+  into: HostBuffer,
+  ranges: readonly (readonly [number, number])[],
+  opts: ReadFileOptions = {},
+): Promise<ReadFileCrcResult> {
+  return callAsync(async () => {
+    checkPath(path)
+    const r = hostRange(into, 'into')
+    const mode = directMode(opts.direct)
+    const fileOffset = checkSize(opts.fileOffset ?? 0, 'fileOffset', Number.MAX_SAFE_INTEGER, 0)
+    const length = opts.length === undefined ? -1 : checkSize(opts.length, 'length', r.length, 0)
+    checkDirectOffset(mode, fileOffset)
+    if (!Array.isArray(ranges)) throw misuse('ranges must be an array of [start, end) pairs')
+    const flat = new Float64Array(ranges.length * 2)
+    ranges.forEach((pair, i) => {
+      if (!Array.isArray(pair) || pair.length !== 2) throw misuse(`range ${i} must be a [start, end) pair`)
+      const start = checkSize(pair[0], `ranges[${i}][0]`, r.length, 0)
+      const end = checkSize(pair[1], `ranges[${i}][1]`, r.length, start)
+      flat[2 * i] = start
+      flat[2 * i + 1] = end
+    })
+    return loadNative().readFileCrc(path, r.buffer, r.offset, r.length, fileOffset, length, mode, flat)
   })
 }
 

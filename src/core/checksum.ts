@@ -70,3 +70,48 @@ export const crc32: Crc32Fn = native ? (data, value = 0) => native(data, value) 
 
 /** Which implementation `crc32` uses here (reported by benchmarks). */
 export const crc32Implementation: 'native' | 'portable' = native ? 'native' : 'portable'
+
+// crc32Combine: zlib's crc32_combine (x^(8·len2) mod P, applied to crc1), so CRCs of
+// pieces computed apart (the addon's I/O threads read and CRC a file in ranges) join
+// into the CRC of the whole without touching the bytes again.
+const POLY = 0xedb88320
+
+/** (a · b) mod P over GF(2), reflected like the CRC. */
+function multModP(a: number, b: number): number {
+  let m = 0x80000000
+  let p = 0
+  for (;;) {
+    if (a & m) {
+      p ^= b
+      if ((a & (m - 1)) === 0) break
+    }
+    m >>>= 1
+    b = b & 1 ? (b >>> 1) ^ POLY : b >>> 1
+  }
+  return p >>> 0
+}
+
+let x2nTable: Uint32Array | undefined
+
+/** x^(n·2^k) mod P. */
+function x2nModP(n: number, k: number): number {
+  if (!x2nTable) {
+    x2nTable = new Uint32Array(32)
+    let p = 0x40000000 // x^1
+    x2nTable[0] = p
+    for (let i = 1; i < 32; i++) x2nTable[i] = p = multModP(p, p)
+  }
+  let p = 0x80000000 // x^0
+  while (n > 0) {
+    if (n % 2 === 1) p = multModP(x2nTable[k & 31]!, p)
+    n = Math.floor(n / 2)
+    k++
+  }
+  return p
+}
+
+/** CRC-32 of A‖B from crc32(A), crc32(B) and B's length (zlib's crc32_combine). */
+export function crc32Combine(crcA: number, crcB: number, lengthB: number): number {
+  if (!Number.isSafeInteger(lengthB) || lengthB < 0) throw new RangeError(`invalid length ${lengthB}`)
+  return (multModP(x2nModP(lengthB, 3), crcA >>> 0) ^ crcB) >>> 0
+}
