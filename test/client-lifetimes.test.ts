@@ -316,8 +316,9 @@ describe('write-behind memory', () => {
   const big: ModelPreset = { modelId: 'wb-probe', layers: 8, kvHeads: 8, headDim: 128, dtype: 'fp16' }
   const bigCB = chunkBytes(big, T) // 512 KiB
 
-  it('holds at most its byte budget and encodes a few chunks at a time; the rest is shed and counted', async () => {
-    const memory = await MemoryTier.create({ bytes: 33 * bigCB, chunkBytes: bigCB })
+  it('copies beyond L1 stay within the byte budget and encode a few at a time; the rest is shed and counted', async () => {
+    // L1 holds 4 chunks: the other 28 of the store need private copies, which the budget bounds.
+    const memory = await MemoryTier.create({ bytes: 4 * bigCB, chunkBytes: bigCB })
     const ns: KeyNamespace = { modelId: big.modelId, geometry: big, chunkTokens: T, scheme: 'sha256-v1' }
     const codec = new CodecPool(0)
     let encoding = 0
@@ -357,18 +358,53 @@ describe('write-behind memory', () => {
     peakHeld = Math.max(peakHeld, m.writeBehindStats().heldBytes)
     await m.flush()
     clearInterval(timer)
-    expect(r.stored).toBe(32)
+    expect(r.stored + r.skipped).toBe(32)
     expect(peakHeld).toBeLessThanOrEqual(8 * bigCB)
     expect(maxEncoding).toBeLessThanOrEqual(2)
     const s = m.writeBehindStats()
-    expect(s.shedWrites).toBe(24)
+    // The pinned chunks and 8 copies were written; every other copy was shed, and counted.
+    expect(s.shedWrites).toBe(32 - r.stored - 8)
     expect(s.heldBytes).toBe(0)
-    expect(disk.stats().files).toBe(8)
+    expect(s.pinnedBytes).toBe(0)
+    expect(disk.stats().files).toBe(r.stored + 8)
     expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
     // A later store of the same chunks writes what was shed (the L2 decision follows L2).
-    await m.store(keys.slice(8, 16), (i, dst) => void dst.fill(i + 8))
+    const before = disk.stats().files
+    await m.store(keys.slice(16, 24), (i, dst) => void dst.fill(i + 16))
     await m.flush()
-    expect(disk.stats().files).toBe(16)
+    expect(disk.stats().files).toBe(before + 8)
+  })
+
+  it('a store larger than the budget but held in L1 reaches L2 whole: pins cost no memory and are never shed', async () => {
+    const memory = await MemoryTier.create({ bytes: 33 * bigCB, chunkBytes: bigCB })
+    const ns: KeyNamespace = { modelId: big.modelId, geometry: big, chunkTokens: T, scheme: 'sha256-v1' }
+    const { mkdtempSync, rmSync } = await import('node:fs')
+    const dir = mkdtempSync('/tmp/kvgate-wb-')
+    cleanup.push(async () => rmSync(dir, { recursive: true, force: true }))
+    const { DiskTier } = await import('../src/client/tiers/disk.ts')
+    const disk = await DiskTier.open({ dir, bytes: 1 << 30 })
+    const m = new StorageManager({
+      geometry: big,
+      chunkTokens: T,
+      namespaceId: fromHex(namespaceId(ns)),
+      memory,
+      disk,
+      codec: new CodecPool(0),
+      writeBehindBytes: bigCB,
+    })
+    const keys = chainKeys(
+      Array.from({ length: 32 * T }, (_, i) => i % 1000),
+      ns,
+    )
+    const r = await m.store(keys, (i, dst) => void dst.fill(i))
+    expect(m.writeBehindStats().heldBytes).toBe(0)
+    await m.flush()
+    expect(r.stored).toBe(32)
+    const s = m.writeBehindStats()
+    expect(s.shedWrites).toBe(0)
+    expect(s.pinnedBytes).toBe(0)
+    expect(disk.stats().files).toBe(32)
+    expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
   })
 })
 

@@ -74,9 +74,9 @@ export interface KVCacheOptions {
   /** Worker threads for lossless/kvgate encode and decode (0: on the calling thread). @default cores − 1, at most 4 */
   codecWorkers?: number
   /**
-   * Bytes of stored chunks held at once for background L2/L4 writes (pinned in L1,
-   * or copied when L1 could not take them); beyond it writes are shed and counted
-   * in stats().writeBehind.shedWrites. @default 512 MiB
+   * Bytes of private copies held at once for background L2/L4 writes (chunks L1 could
+   * not take; chunks in L1 are pinned instead, which costs no memory beyond L1); beyond
+   * it writes are shed and counted in stats().writeBehind.shedWrites. @default 512 MiB
    */
   writeBehindBytes?: number
   /**

@@ -1,5 +1,5 @@
-// Background writes of stored chunks to L2 and L4 under one byte budget: every
-// chunk held for a lower tier (a pinned L1 chunk or a private copy) is counted; past the budget it is shed.
+// Background writes of stored chunks to L2 and L4. A chunk held for a lower tier is a pin on its
+// L1 slot (no extra memory: L1 bounds these) or a private copy (counted against the byte budget; past it, shed).
 
 import type { ChunkKey } from '../core/keys.ts'
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
@@ -16,15 +16,21 @@ export interface WriteBehindOptions {
   remoteCodec: ChunkCodecName
   remoteQuality: number | undefined
   identity: (k: ChunkKey) => ChunkIdentity
-  /** Bytes of chunk tensors held for background writes at once (pinned or copied). */
+  /**
+   * Bytes of private copies held for background writes at once (chunks L1 could not take).
+   * Pinned L1 chunks cost no memory beyond L1 and are not counted: L1's size bounds them, so a
+   * prompt larger than this budget still reaches L2/L4 when L1 holds it.
+   */
   maxBytes: number
   /** L2 encodes + writes running at once: the only encoded copies alive. */
   diskConcurrency: number
 }
 
 export interface WriteBehindStats {
-  /** Bytes of chunk tensors held for background writes now. */
+  /** Bytes of private copies held for background writes now (the budgeted memory). */
   heldBytes: number
+  /** Bytes of L1 chunks pinned for background writes now (inside L1, not extra memory). */
+  pinnedBytes: number
   maxBytes: number
   /** Chunks not written to L2/L4 because the budget was spent (counted, never silent). */
   shedWrites: number
@@ -76,6 +82,7 @@ export class WriteBehind {
   readonly #toDisk = new Set<string>()
   readonly #toRemote = new Set<string>()
   #held = 0
+  #pinned = 0
   #shed = 0
 
   constructor(o: WriteBehindOptions) {
@@ -97,17 +104,14 @@ export class WriteBehind {
   }
 
   /**
-   * Takes a pin on an L1 chunk for the lower tiers, or sheds (releasing the pin at
-   * once) when the budget is spent. The pin is released when the writes are done.
+   * Keeps a pin on an L1 chunk for the lower tiers; released when the writes are done.
+   * Never shed: the pin costs no memory beyond L1.
    */
-  holdPinned(key: ChunkKey, pin: MemoryHandle): HeldChunk | undefined {
+  holdPinned(key: ChunkKey, pin: MemoryHandle): HeldChunk {
     const n = pin.bytes.byteLength
-    if (!this.#admit(n)) {
-      pin.release()
-      return undefined
-    }
+    this.#pinned += n
     return new HeldChunk(key, pin.bytes, () => {
-      this.#held -= n
+      this.#pinned -= n
       pin.release()
     })
   }
@@ -242,6 +246,7 @@ export class WriteBehind {
   stats(): WriteBehindStats {
     return {
       heldBytes: this.#held,
+      pinnedBytes: this.#pinned,
       maxBytes: this.#o.maxBytes,
       shedWrites: this.#shed,
       queuedDiskWrites: this.#diskQueue.length,
