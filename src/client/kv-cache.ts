@@ -106,8 +106,6 @@ export interface KVCacheStats {
 }
 
 const MAX_TOKENS = 1 << 24
-/** Copies into a retrieve's host buffer from this size up run on the addon's pool (copyHost). */
-const ASYNC_COPY_BYTES = 1 << 20
 
 /**
  * A tiered KV cache for one model geometry and chunk size. Gateway faults never
@@ -387,15 +385,9 @@ export class KVCache {
           `invalid into: ${bytes.byteLength} bytes, need ${total} (${keys.length} chunk tensors of up to ${this.chunkBytes} bytes)`,
         )
       }
-      const native = this.#native
-      // Large copies run on the libuv pool (beside the L2 reads of the next chunks), not on this thread.
-      write = (i, t) =>
-        native &&
-        t.byteLength >= ASYNC_COPY_BYTES &&
-        t.buffer instanceof ArrayBuffer &&
-        bytes.buffer instanceof ArrayBuffer
-          ? native.copyHost(bytes.subarray(offsets[i]!, offsets[i]! + t.byteLength), t)
-          : bytes.set(t, offsets[i]!)
+      // A plain copy on this thread: measured here, a copy on the addon's pool (copyHost) made an
+      // L1 retrieve 0.75–0.81× memcpy instead of 0.86–0.90× and did not speed up cold L2 retrieves.
+      write = (i, t) => bytes.set(t, offsets[i]!)
     }
     const deadlineMs =
       options.deadlineMs === undefined ? undefined : checkInt('deadlineMs', options.deadlineMs, 1, 3_600_000)
