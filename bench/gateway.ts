@@ -17,6 +17,7 @@ import { S3Store } from '../src/gateway/node.ts'
 import { nodeFlagsFor, siblingModule } from '../src/package-files.ts'
 import { makeChain, makeChunk, putInit } from '../test/gateway-fixtures.ts'
 import { rgwFromEnv, startRgw } from '../test/support/rgw.ts'
+import { type ServeProcess, startServeProcess } from './lib/serve-process.ts'
 import { type BarResult, machineLine, median, RESULTS_DIR, table, writeResult } from './lib/stats.ts'
 import { barChart } from './lib/svg-chart.ts'
 
@@ -104,56 +105,8 @@ function findCephPids(): number[] {
   }
 }
 
-async function startServe(
-  extra: string[] = [],
-  main = fileURLToPath(siblingModule(import.meta.url, '../src/cli/bin.ts')),
-): Promise<{ url: string; pid: number; close(): Promise<void> }> {
-  const proc = spawn(
-    process.execPath,
-    [
-      ...nodeFlagsFor(main),
-      main,
-      'serve',
-      '--port',
-      '0',
-      '--store',
-      's3',
-      '--s3-bucket',
-      rgw.bucket,
-      '--s3-endpoint',
-      rgw.endpoint,
-      '--prefix',
-      'bench',
-      '--log',
-      'error',
-      ...extra,
-    ],
-    {
-      stdio: ['ignore', 'pipe', 'inherit'],
-      env: {
-        ...process.env,
-        KVGATE_S3_ACCESS_KEY_ID: rgw.accessKeyId,
-        KVGATE_S3_SECRET_ACCESS_KEY: rgw.secretAccessKey,
-        KVGATE_CONFIG: '',
-      },
-    },
-  )
-  const url = await new Promise<string>((resolve, reject) => {
-    createInterface({ input: proc.stdout! }).on('line', (l) => {
-      const j = JSON.parse(l) as { msg?: string; url?: string }
-      if (j.msg === 'listening') resolve(j.url!)
-    })
-    proc.once('exit', (code) => reject(new Error(`kvgate serve exited ${code}`)))
-  })
-  return {
-    url,
-    pid: proc.pid!,
-    close: () =>
-      new Promise<void>((r) => {
-        proc.once('exit', () => r())
-        proc.kill('SIGTERM')
-      }),
-  }
+function startServe(extra: string[] = [], main?: string): Promise<ServeProcess> {
+  return startServeProcess(rgw, 'bench', extra, ...(main ? [main] : []))
 }
 
 async function pool<T>(n: number, conc: number, fn: (i: number) => Promise<T>): Promise<T[]> {

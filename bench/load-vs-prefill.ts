@@ -10,11 +10,9 @@
 // Loading is linear in tokens, so a run on fewer tokens than 32k is scaled linearly to 32k
 // and says so.
 
-import { spawn } from 'node:child_process'
 import { mkdirSync, mkdtempSync, readdirSync, rmSync } from 'node:fs'
 import { availableParallelism, loadavg } from 'node:os'
 import { join } from 'node:path'
-import { createInterface } from 'node:readline'
 import { Pool } from 'undici'
 import { KVCache } from '../src/client/index.ts'
 import { evictFileCache } from '../src/client/native.ts'
@@ -22,6 +20,7 @@ import { decodeChunkInto } from '../src/codec/node.ts'
 import { chunkBytes, MODEL_PRESETS } from '../src/core/layout.ts'
 import { syntheticKv, tensorOf } from '../test/codec-fixtures.ts'
 import { rgwFromEnv, startRgw } from '../test/support/rgw.ts'
+import { startServeProcess } from './lib/serve-process.ts'
 import { machineLine, median, table, writeResult } from './lib/stats.ts'
 import { figureChart, writeSvg } from './lib/svg-chart.ts'
 
@@ -112,57 +111,6 @@ interface Spread {
 }
 const spread = (xs: number[]): Spread => ({ min: Math.min(...xs), median: median(xs), max: Math.max(...xs) })
 
-async function startGateway(rgw: Awaited<ReturnType<typeof startRgw>>) {
-  const main = new URL('../src/cli/main.ts', import.meta.url).pathname
-  const proc = spawn(
-    process.execPath,
-    [
-      '--import',
-      'tsx',
-      main,
-      'serve',
-      '--port',
-      '0',
-      '--store',
-      's3',
-      '--s3-bucket',
-      rgw.bucket,
-      '--s3-endpoint',
-      rgw.endpoint,
-      '--prefix',
-      'bench-load',
-      '--log',
-      'error',
-    ],
-    {
-      stdio: ['ignore', 'pipe', 'inherit'],
-      env: {
-        ...process.env,
-        KVGATE_S3_ACCESS_KEY_ID: rgw.accessKeyId,
-        KVGATE_S3_SECRET_ACCESS_KEY: rgw.secretAccessKey,
-        KVGATE_CONFIG: '',
-      },
-    },
-  )
-  const url = await new Promise<string>((resolve, reject) => {
-    createInterface({ input: proc.stdout! }).on('line', (l) => {
-      try {
-        const j = JSON.parse(l) as { msg?: string; url?: string }
-        if (j.msg === 'listening') resolve(j.url!)
-      } catch {}
-    })
-    proc.once('exit', (code) => reject(new Error(`kvgate serve exited ${code}`)))
-  })
-  return {
-    url,
-    close: () =>
-      new Promise<void>((r) => {
-        proc.once('exit', () => r())
-        proc.kill('SIGTERM')
-      }),
-  }
-}
-
 // ---------------------------------------------------------------------------
 const scratch = mkdtempSync(join(process.env.KVGATE_BENCH_DIR ?? '/var/tmp', 'kvgate-load-bench-'))
 const l2dir = join(scratch, 'l2')
@@ -170,7 +118,7 @@ mkdirSync(l2dir)
 const cores = availableParallelism()
 log(`load vs prefill: ${TOKENS} tokens (${N} chunks of ${cb / MiB} MiB), ${REPEATS} repeats, ${cores} cores`)
 const rgw = rgwFromEnv() ?? (await startRgw({ bucket: 'kvgate-load-bench' }))
-const gw = await startGateway(rgw)
+const gw = await startServeProcess(rgw, 'bench-load')
 const toks = tokensOf(TOKENS, 11)
 const into = new Uint8Array(N * cb)
 const memory = { bytes: (N + 2) * (cb + 64 * 1024) }
