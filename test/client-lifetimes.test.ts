@@ -316,22 +316,9 @@ describe('write-behind memory', () => {
   const big: ModelPreset = { modelId: 'wb-probe', layers: 8, kvHeads: 8, headDim: 128, dtype: 'fp16' }
   const bigCB = chunkBytes(big, T) // 512 KiB
 
-  it('copies beyond L1 stay within the byte budget and encode a few at a time; the rest is shed and counted', async () => {
-    // L1 holds 4 chunks: the other 28 of the store need private copies, which the budget bounds.
-    const memory = await MemoryTier.create({ bytes: 4 * bigCB, chunkBytes: bigCB })
+  /** A storage manager over `memory` and a fresh L2 directory, and the keys of a 32-chunk prompt. */
+  async function writeBehindSetup(memory: MemoryTier, codec: CodecPool, writeBehindBytes: number) {
     const ns: KeyNamespace = { modelId: big.modelId, geometry: big, chunkTokens: T, scheme: 'sha256-v1' }
-    const codec = new CodecPool(0)
-    let encoding = 0
-    let maxEncoding = 0
-    const encode = codec.encode.bind(codec)
-    codec.encode = async (...args) => {
-      maxEncoding = Math.max(maxEncoding, ++encoding)
-      try {
-        return await encode(...args)
-      } finally {
-        encoding--
-      }
-    }
     const { mkdtempSync, rmSync } = await import('node:fs')
     const dir = mkdtempSync('/tmp/kvgate-wb-')
     cleanup.push(async () => rmSync(dir, { recursive: true, force: true }))
@@ -344,12 +331,31 @@ describe('write-behind memory', () => {
       memory,
       disk,
       codec,
-      writeBehindBytes: 8 * bigCB,
+      writeBehindBytes,
     })
     const keys = chainKeys(
       Array.from({ length: 32 * T }, (_, i) => i % 1000),
       ns,
     )
+    return { m, disk, keys }
+  }
+
+  it('copies beyond L1 stay within the byte budget and encode a few at a time; the rest is shed and counted', async () => {
+    // L1 holds 4 chunks: the other 28 of the store need private copies, which the budget bounds.
+    const memory = await MemoryTier.create({ bytes: 4 * bigCB, chunkBytes: bigCB })
+    const codec = new CodecPool(0)
+    let encoding = 0
+    let maxEncoding = 0
+    const encode = codec.encode.bind(codec)
+    codec.encode = async (...args) => {
+      maxEncoding = Math.max(maxEncoding, ++encoding)
+      try {
+        return await encode(...args)
+      } finally {
+        encoding--
+      }
+    }
+    const { m, disk, keys } = await writeBehindSetup(memory, codec, 8 * bigCB)
     let peakHeld = 0
     const timer = setInterval(() => {
       peakHeld = Math.max(peakHeld, m.writeBehindStats().heldBytes)
@@ -377,25 +383,7 @@ describe('write-behind memory', () => {
 
   it('a store larger than the budget but held in L1 reaches L2 whole: pins cost no memory and are never shed', async () => {
     const memory = await MemoryTier.create({ bytes: 33 * bigCB, chunkBytes: bigCB })
-    const ns: KeyNamespace = { modelId: big.modelId, geometry: big, chunkTokens: T, scheme: 'sha256-v1' }
-    const { mkdtempSync, rmSync } = await import('node:fs')
-    const dir = mkdtempSync('/tmp/kvgate-wb-')
-    cleanup.push(async () => rmSync(dir, { recursive: true, force: true }))
-    const { DiskTier } = await import('../src/client/tiers/disk.ts')
-    const disk = await DiskTier.open({ dir, bytes: 1 << 30 })
-    const m = new StorageManager({
-      geometry: big,
-      chunkTokens: T,
-      namespaceId: fromHex(namespaceId(ns)),
-      memory,
-      disk,
-      codec: new CodecPool(0),
-      writeBehindBytes: bigCB,
-    })
-    const keys = chainKeys(
-      Array.from({ length: 32 * T }, (_, i) => i % 1000),
-      ns,
-    )
+    const { m, disk, keys } = await writeBehindSetup(memory, new CodecPool(0), bigCB)
     const r = await m.store(keys, (i, dst) => void dst.fill(i))
     expect(m.writeBehindStats().heldBytes).toBe(0)
     await m.flush()

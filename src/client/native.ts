@@ -703,14 +703,20 @@ export function readFileDirect(
   opts: ReadFileOptions = {},
 ): Promise<FileIoResult> {
   return callAsync(async () => {
-    checkPath(path)
-    const r = hostRange(into, 'into')
-    const mode = directMode(opts.direct)
-    const fileOffset = checkSize(opts.fileOffset ?? 0, 'fileOffset', Number.MAX_SAFE_INTEGER, 0)
-    const length = opts.length === undefined ? -1 : checkSize(opts.length, 'length', r.length, 0)
-    checkDirectOffset(mode, fileOffset)
+    const { r, mode, fileOffset, length } = readArgs(path, into, opts)
     return loadNative().readFile(path, r.buffer, r.offset, r.length, fileOffset, length, mode)
   })
+}
+
+/** The checked arguments every file read shares (readFileDirect, readFileCrc). */
+function readArgs(path: string, into: HostBuffer, opts: ReadFileOptions) {
+  checkPath(path)
+  const r = hostRange(into, 'into')
+  const mode = directMode(opts.direct)
+  const fileOffset = checkSize(opts.fileOffset ?? 0, 'fileOffset', Number.MAX_SAFE_INTEGER, 0)
+  const length = opts.length === undefined ? -1 : checkSize(opts.length, 'length', r.length, 0)
+  checkDirectOffset(mode, fileOffset)
+  return { r, mode, fileOffset, length }
 }
 
 export interface ReadFileCrcResult extends FileIoResult {
@@ -745,12 +751,7 @@ export function readFileCrc(
   opts: ReadFileOptions = {},
 ): Promise<ReadFileCrcResult> {
   return callAsync(async () => {
-    checkPath(path)
-    const r = hostRange(into, 'into')
-    const mode = directMode(opts.direct)
-    const fileOffset = checkSize(opts.fileOffset ?? 0, 'fileOffset', Number.MAX_SAFE_INTEGER, 0)
-    const length = opts.length === undefined ? -1 : checkSize(opts.length, 'length', r.length, 0)
-    checkDirectOffset(mode, fileOffset)
+    const { r, mode, fileOffset, length } = readArgs(path, into, opts)
     if (!Array.isArray(ranges)) throw misuse('ranges must be an array of [start, end) pairs')
     const flat = new Float64Array(ranges.length * 2)
     ranges.forEach((pair, i) => {
