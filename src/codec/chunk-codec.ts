@@ -20,6 +20,12 @@ import {
   validateGeometry,
 } from '../core/layout.ts'
 import {
+  type Calibration,
+  CalibrationMissingError,
+  checkCalibrationGeometry,
+  layerBlobs,
+} from './calibration.ts'
+import {
   CODEC_MODES,
   CODEC_VERSIONS,
   type CodecMode,
@@ -54,15 +60,27 @@ export interface EncodeOptions {
    */
   errorTargets?: LayerTargets
   /**
-   * The namespace calibration object the sections are coded with (src/codec/calibration.ts):
-   * the object becomes format v2 and names it by its SHA-256. Absent: format v1.
+   * kvgate only (other modes ignore it): the namespace calibration object
+   * (src/codec/calibration.ts, openCalibration) the sections are coded with; the object
+   * becomes format v2 and names it by its SHA-256. Absent: format v1.
    */
-  calibration?: { readonly hash: string }
+  calibration?: Calibration
 }
 
 export interface DecodeLimits {
   /** Largest chunk tensor decodeChunk will allocate (default 2 GiB). */
   maxOutputBytes?: number
+  /** The calibration a v2 object names (another or none: CalibrationMissingError). */
+  calibration?: Calibration
+}
+
+/** The calibration's layer blobs when `header` names one; throws when it is not `cal`. */
+function calibrationFor(header: ChunkHeader, cal: Calibration | undefined): Uint8Array[] | undefined {
+  const named = header.calibration
+  if (named === undefined) return undefined
+  if (cal?.hash !== named) throw new CalibrationMissingError(named)
+  checkCalibrationGeometry(cal, header.geometry)
+  return layerBlobs(cal)
 }
 
 const DEFAULT_MAX_OUTPUT = 2 * 1024 * 1024 * 1024
@@ -114,11 +132,17 @@ export function encodeChunk(tensor: Uint8Array, meta: ChunkInfo, opts: EncodeOpt
   if (![split.k, split.v].every((x) => Number.isInteger(x) && x >= 0 && x <= 255)) {
     throw new InvalidArgumentError('cachegenSplit layers must be integers in 0..255')
   }
+  const cal = mode === 'kvgate' ? opts.calibration : undefined
+  let blobs: Uint8Array[] | undefined
+  if (cal !== undefined) {
+    checkCalibrationGeometry(cal, g)
+    blobs = layerBlobs(cal)
+  }
   const sections: Uint8Array[] = []
   for (let l = 0; l < g.layers; l++) {
     const s = tensor.subarray(l * slab, (l + 1) * slab)
     const p = mode === 'kvgate' ? kvgateParams(targets ?? layerTargets(quality, l, g.layers)) : undefined
-    sections.push(encodeSection(mode, p, s, g, t, c, split, l))
+    sections.push(encodeSection(mode, p, s, g, t, c, split, l, blobs?.[l]))
   }
   return encodeChunkObject(
     {
@@ -126,7 +150,7 @@ export function encodeChunk(tensor: Uint8Array, meta: ChunkInfo, opts: EncodeOpt
       codec: mode,
       codecVersion: CODEC_VERSIONS[mode],
       codecParams: encodeParams(mode, quality, split),
-      calibration: opts.calibration?.hash,
+      calibration: cal?.hash,
     },
     sections,
   )
@@ -141,6 +165,7 @@ function encodeSection(
   c: number,
   split: CachegenSplit,
   layer: number,
+  cal: Uint8Array | undefined,
 ): Uint8Array {
   switch (mode) {
     case 'raw':
@@ -150,7 +175,7 @@ function encodeSection(
       return encodeCachegenLayer(x.subarray(0, t * c), x.subarray(t * c), t, c, layer, split)
     }
     case 'kvgate':
-      return wasmCodec().encodeSection(mode, slab, DTYPE_CODES[g.dtype], t, c, kvgate)
+      return wasmCodec().encodeSection(mode, slab, DTYPE_CODES[g.dtype], t, c, kvgate, cal)
     default:
       return wasmCodec().encodeSection(mode, slab, DTYPE_CODES[g.dtype], t, c)
   }
@@ -182,15 +207,18 @@ function checkExpansion(header: ChunkHeader, section: Uint8Array): void {
 
 /**
  * Decodes layer `layer`'s section (already extracted and CRC-checked, e.g. from a
- * layer-range GET) into `out` (the layer slab, K then V) or a new buffer.
+ * layer-range GET) into `out` (the layer slab, K then V) or a new buffer. A v2 header
+ * needs the calibration it names in `opts`.
  */
 export function decodeSection(
   header: ChunkHeader,
   layer: number,
   section: Uint8Array,
   out?: Uint8Array,
+  opts: { calibration?: Calibration } = {},
 ): Uint8Array {
   checkHeader(header)
+  const blobs = calibrationFor(header, opts.calibration)
   const g = header.geometry
   const t = header.tokens
   const c = rowElements(g)
@@ -219,7 +247,7 @@ export function decodeSection(
       break
     }
     default:
-      wasmCodec().decodeSection(header.codec, section, DTYPE_CODES[g.dtype], t, c, dst)
+      wasmCodec().decodeSection(header.codec, section, DTYPE_CODES[g.dtype], t, c, dst, blobs?.[layer])
   }
   return dst
 }
@@ -230,14 +258,17 @@ export function decodeLayer(
   header: ChunkHeader,
   layer: number,
   out?: Uint8Array,
+  opts: { calibration?: Calibration } = {},
 ): Uint8Array {
-  return decodeSection(header, layer, sectionOf(obj, header, layer), out)
+  return decodeSection(header, layer, sectionOf(obj, header, layer), out, opts)
 }
 
 /** Header checks shared by the whole-chunk decoders; returns the header and its tensor size. */
 function openChunk(obj: Uint8Array, limits: DecodeLimits): { header: ChunkHeader; size: number } {
   const header = decodeHeader(obj)
   checkHeader(header)
+  // Before any output exists: a chunk whose calibration is not at hand is a typed miss.
+  calibrationFor(header, limits.calibration)
   const size = chunkBytes(header.geometry, header.tokens)
   if (size > (limits.maxOutputBytes ?? DEFAULT_MAX_OUTPUT)) {
     throw new CodecError(`chunk decodes to ${size} bytes, over the limit`)
@@ -259,10 +290,15 @@ function checkedSections(obj: Uint8Array, header: ChunkHeader): Uint8Array[] {
   return sections
 }
 
-function decodeSections(header: ChunkHeader, sections: Uint8Array[], out: Uint8Array): void {
+function decodeSections(
+  header: ChunkHeader,
+  sections: Uint8Array[],
+  out: Uint8Array,
+  calibration: Calibration | undefined,
+): void {
   const slab = layerSlabBytes(header.geometry, header.tokens)
   sections.forEach((s, l) => {
-    decodeSection(header, l, s, out.subarray(l * slab, (l + 1) * slab))
+    decodeSection(header, l, s, out.subarray(l * slab, (l + 1) * slab), { calibration })
   })
 }
 
@@ -276,7 +312,7 @@ export function decodeChunkInto(obj: Uint8Array, out: Uint8Array, limits: Decode
   const { header, size } = openChunk(obj, limits)
   if (out.byteLength !== size)
     throw new InvalidArgumentError(`output must be ${size} bytes, got ${out.byteLength}`)
-  decodeSections(header, checkedSections(obj, header), out)
+  decodeSections(header, checkedSections(obj, header), out, limits.calibration)
   return header
 }
 
@@ -286,6 +322,6 @@ export function decodeChunk(obj: Uint8Array, limits: DecodeLimits = {}): Uint8Ar
   // Check every section before allocating the output.
   const sections = checkedSections(obj, header)
   const out = new Uint8Array(size)
-  decodeSections(header, sections, out)
+  decodeSections(header, sections, out, limits.calibration)
   return out
 }

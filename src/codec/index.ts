@@ -2,6 +2,14 @@
 // module first: src/codec/node.ts (Node, sync) or initCodec(module) (workerd).
 
 export {
+  buildCalibration,
+  type Calibration,
+  CalibrationMissingError,
+  MAX_CALIBRATION_BYTES,
+  type ModelGeometry,
+  openCalibration,
+} from './calibration.ts'
+export {
   type ChunkInfo,
   type DecodeLimits,
   decodeChunk,

@@ -13,6 +13,28 @@ interface CodecExports {
   kv_result_clear(): void
   kv_encode(mode: number, src: number, dtype: number, t: number, c: number, params: number): number
   kv_decode(mode: number, src: number, len: number, dtype: number, t: number, c: number, dst: number): number
+  kv_encode_cal(
+    src: number,
+    dtype: number,
+    t: number,
+    c: number,
+    params: number,
+    cal: number,
+    calLen: number,
+  ): number
+  kv_decode_cal(
+    src: number,
+    len: number,
+    dtype: number,
+    t: number,
+    c: number,
+    dst: number,
+    cal: number,
+    calLen: number,
+  ): number
+  kv_stats(src: number, dtype: number, t: number, c: number, params: number): number
+  kv_cal_check(cal: number, calLen: number, c: number): number
+  kv_alphabet(): number
 }
 
 /** Section encodings implemented in wasm (numbers are the crate's MODE_* constants). */
@@ -34,6 +56,11 @@ const EXPORTS = [
   'kv_result_clear',
   'kv_encode',
   'kv_decode',
+  'kv_encode_cal',
+  'kv_decode_cal',
+  'kv_stats',
+  'kv_cal_check',
+  'kv_alphabet',
 ] as const
 
 function instantiate(module: WebAssembly.Module): CodecExports {
@@ -96,21 +123,73 @@ export class WasmCodec {
     t: number,
     c: number,
     params?: Float32Array,
+    cal?: Uint8Array,
+  ): Uint8Array {
+    return this.#run(slab, params, cal, 'encode', (ex, src, par, calp, calLen) =>
+      calLen > 0
+        ? ex.kv_encode_cal(src, dtypeCode, t, c, par, calp, calLen)
+        : ex.kv_encode(WASM_MODES[mode], src, dtypeCode, t, c, par),
+    )
+  }
+
+  /**
+   * Per-channel symbol counts of a layer slab coded with kvgate `params`: K then V,
+   * c × alphabet each (calibration builds).
+   */
+  symbolCounts(slab: Uint8Array, dtypeCode: number, t: number, c: number, params: Float32Array): Uint32Array {
+    const b = this.#run(slab, params, undefined, 'stats', (ex, src, par) =>
+      ex.kv_stats(src, dtypeCode, t, c, par),
+    )
+    return new Uint32Array(b.buffer, b.byteOffset, b.byteLength / 4)
+  }
+
+  /** Symbols of the kvgate lossy alphabet. */
+  get alphabet(): number {
+    return this.#ex.kv_alphabet()
+  }
+
+  /** True when `cal` is a well-formed layer calibration blob for `c` channels. */
+  checkLayerCalibration(cal: Uint8Array, c: number): boolean {
+    return this.#guard('calibration check', (ex) => {
+      let p = 0
+      try {
+        p = this.#alloc(ex, cal.byteLength)
+        new Uint8Array(ex.memory.buffer, p, cal.byteLength).set(cal)
+        return ex.kv_cal_check(p, cal.byteLength, c) === 0
+      } finally {
+        if (this.#ex === ex && p) ex.kv_free(p, cal.byteLength)
+      }
+    })
+  }
+
+  /** Copies slab, params and calibration in, runs `call`, returns a copy of the result buffer. */
+  #run(
+    slab: Uint8Array,
+    params: Float32Array | undefined,
+    cal: Uint8Array | undefined,
+    what: string,
+    call: (ex: CodecExports, src: number, par: number, cal: number, calLen: number) => number,
   ): Uint8Array {
     if (slab.byteLength > MAX_WASM_SLAB_BYTES)
       throw new CodecError(`layer slab of ${slab.byteLength} bytes is too large`)
-    return this.#guard('encode', (ex) => {
+    const calLen = cal?.byteLength ?? 0
+    return this.#guard(what, (ex) => {
       let src = 0
       let par = 0
+      let calp = 0
       try {
         src = this.#alloc(ex, slab.byteLength)
         par = this.#alloc(ex, 32)
+        if (cal && calLen > 0) {
+          calp = this.#alloc(ex, calLen)
+          new Uint8Array(ex.memory.buffer, calp, calLen).set(cal)
+        }
         new Uint8Array(ex.memory.buffer, src, slab.byteLength).set(slab)
         const pv = new Float32Array(8)
         if (params) pv.set(params.subarray(0, 8))
         new Uint8Array(ex.memory.buffer, par, 32).set(new Uint8Array(pv.buffer))
-        const n = ex.kv_encode(WASM_MODES[mode], src, dtypeCode, t, c, par)
-        if (n < 0) throw new CodecError(`wasm encode rejected its arguments (${n})`)
+        const n = call(ex, src, par, calp, calLen)
+        if (n < 0) throw new CodecError(`wasm ${what} rejected its arguments (${n})`)
         const out = new Uint8Array(ex.memory.buffer, ex.kv_result_ptr(), n).slice()
         ex.kv_result_clear()
         return out
@@ -118,6 +197,7 @@ export class WasmCodec {
         if (this.#ex === ex) {
           if (src) ex.kv_free(src, slab.byteLength)
           if (par) ex.kv_free(par, 32)
+          if (calp) ex.kv_free(calp, calLen)
         }
       }
     })
@@ -134,23 +214,34 @@ export class WasmCodec {
     t: number,
     c: number,
     out: Uint8Array,
+    cal?: Uint8Array,
   ): void {
     if (out.byteLength > MAX_WASM_SLAB_BYTES)
       throw new CodecError(`layer slab of ${out.byteLength} bytes is too large`)
+    const calLen = cal?.byteLength ?? 0
     this.#guard('decode', (ex) => {
       let src = 0
       let dst = 0
+      let calp = 0
       try {
         src = this.#alloc(ex, section.byteLength)
         dst = this.#alloc(ex, out.byteLength)
+        if (cal && calLen > 0) {
+          calp = this.#alloc(ex, calLen)
+          new Uint8Array(ex.memory.buffer, calp, calLen).set(cal)
+        }
         new Uint8Array(ex.memory.buffer, src, section.byteLength).set(section)
-        const rc = ex.kv_decode(WASM_MODES[mode], src, section.byteLength, dtypeCode, t, c, dst)
+        const rc =
+          calLen > 0
+            ? ex.kv_decode_cal(src, section.byteLength, dtypeCode, t, c, dst, calp, calLen)
+            : ex.kv_decode(WASM_MODES[mode], src, section.byteLength, dtypeCode, t, c, dst)
         if (rc !== 0) throw new CodecError(`corrupt ${mode} section (wasm decode returned ${rc})`)
         out.set(new Uint8Array(ex.memory.buffer, dst, out.byteLength))
       } finally {
         if (this.#ex === ex) {
           if (src) ex.kv_free(src, section.byteLength)
           if (dst) ex.kv_free(dst, out.byteLength)
+          if (calp) ex.kv_free(calp, calLen)
         }
       }
     })

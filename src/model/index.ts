@@ -1,6 +1,7 @@
 // The real-model toolkit: llama2.c checkpoint + tokenizer loading, a TypeScript
 // forward pass whose KV cache exports/imports kvgate chunk tensors, and KV statistics.
 
+export { sampledWindows } from './calibration-text.ts'
 export {
   type MeanSe,
   meanSe,

@@ -9,6 +9,10 @@
 //! - `kv_decode(mode, src, len, dtype, t, c, dst) -> 0 | <0`: decodes a section
 //!   into the slab at `dst` (2·t·c elements). Hostile input returns an error code;
 //!   it never reads or writes outside the given buffers.
+//! - `kv_encode_cal` / `kv_decode_cal`: kvgate mode against one layer's calibration
+//!   blob (`cal`, `cal_len`; see `lossy::parse_layer_cal`); `kv_cal_check(cal, cal_len, c)`
+//!   validates a blob; `kv_stats` leaves per-channel symbol counts (u32, K then V,
+//!   c × `kv_alphabet()` each) in the result buffer, for building calibrations.
 
 pub mod bytes;
 pub mod half;
@@ -69,6 +73,31 @@ fn slab_elems(t: u32, c: u32) -> Option<usize> {
     (t as usize).checked_mul(c as usize)?.checked_mul(2)
 }
 
+fn stream_params(p: &[f32]) -> Option<(lossy::StreamParams, lossy::StreamParams)> {
+    let pk = lossy::StreamParams {
+        eps: p[0],
+        gamma_c: p[2],
+        gamma_t: 0.0,
+        delta: p[4] != 0.0,
+        max_classes: p[5] as usize,
+        levels_c: p[6],
+        levels_t: 0.0,
+    };
+    let pv = lossy::StreamParams {
+        eps: p[1],
+        gamma_c: 0.0,
+        gamma_t: p[3],
+        delta: false,
+        max_classes: p[5] as usize,
+        levels_c: 0.0,
+        levels_t: p[7],
+    };
+    if !((pk.eps != 0.0 || pk.levels_c > 0.0) && (pv.eps > 0.0 || pv.levels_t != 0.0)) {
+        return None;
+    }
+    Some((pk, pv))
+}
+
 /// Encodes one layer slab. `params` points at 8 f32 (kvgate mode only):
 /// [epsK, epsV, gammaK, gammaV, deltaK, maxClasses, levelsK, levelsV]. With
 /// levelsK > 0, K steps are per channel (range / levelsK); with levelsV > 0, V
@@ -87,6 +116,39 @@ pub unsafe extern "C" fn kv_encode(
     c: u32,
     params: *const f32,
 ) -> i32 {
+    encode_with(mode, src, dtype, t, c, params, &[])
+}
+
+/// `kv_encode` in kvgate mode against a layer's calibration blob.
+///
+/// # Safety
+/// As `kv_encode`; `cal` must hold `cal_len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kv_encode_cal(
+    src: *const u8,
+    dtype: u32,
+    t: u32,
+    c: u32,
+    params: *const f32,
+    cal: *const u8,
+    cal_len: u32,
+) -> i32 {
+    if cal_len == 0 {
+        return ERR_ARGS;
+    }
+    let blob = std::slice::from_raw_parts(cal, cal_len as usize);
+    encode_with(MODE_KVGATE, src, dtype, t, c, params, blob)
+}
+
+unsafe fn encode_with(
+    mode: u32,
+    src: *const u8,
+    dtype: u32,
+    t: u32,
+    c: u32,
+    params: *const f32,
+    blob: &[u8],
+) -> i32 {
     let eb = match half::elem_bytes(dtype) {
         Some(e) => e,
         None => return ERR_ARGS,
@@ -101,34 +163,32 @@ pub unsafe extern "C" fn kv_encode(
     match mode {
         MODE_LOSSLESS => lossless::encode(input, eb, t, c, &mut out),
         MODE_KVGATE | MODE_Q8 => {
+            let cal = if blob.is_empty() {
+                None
+            } else {
+                match lossy::parse_layer_cal(blob, c) {
+                    Some(p) => Some(p),
+                    None => return ERR_ARGS,
+                }
+            };
             let mut x: Vec<f32> = rans::uninit_vec(n);
             half::load(input, dtype, &mut x);
             if mode == MODE_Q8 {
                 q8::encode(&x, t, c, &mut out);
             } else {
-                let p = std::slice::from_raw_parts(params, 8);
-                let pk = lossy::StreamParams {
-                    eps: p[0],
-                    gamma_c: p[2],
-                    gamma_t: 0.0,
-                    delta: p[4] != 0.0,
-                    max_classes: p[5] as usize,
-                    levels_c: p[6],
-                    levels_t: 0.0,
+                let (pk, pv) = match stream_params(std::slice::from_raw_parts(params, 8)) {
+                    Some(p) => p,
+                    None => return ERR_ARGS,
                 };
-                let pv = lossy::StreamParams {
-                    eps: p[1],
-                    gamma_c: 0.0,
-                    gamma_t: p[3],
-                    delta: false,
-                    max_classes: p[5] as usize,
-                    levels_c: 0.0,
-                    levels_t: p[7],
-                };
-                if !((pk.eps != 0.0 || pk.levels_c > 0.0) && (pv.eps > 0.0 || pv.levels_t != 0.0)) {
-                    return ERR_ARGS;
-                }
-                lossy::encode(&mut x, t, c, &pk, &pv, &mut out);
+                lossy::encode(
+                    &mut x,
+                    t,
+                    c,
+                    &pk,
+                    &pv,
+                    cal.as_ref().map(|(k, v)| (k, v)),
+                    &mut out,
+                );
             }
         }
         _ => return ERR_ARGS,
@@ -139,6 +199,68 @@ pub unsafe extern "C" fn kv_encode(
     let len = out.len() as i32;
     RESULT.with(|r| *r.borrow_mut() = out);
     len
+}
+
+/// Symbols of the lossy alphabet (the stride of `kv_stats`' counts).
+#[no_mangle]
+pub extern "C" fn kv_alphabet() -> u32 {
+    lossy::ALPHABET as u32
+}
+
+/// Per-channel symbol counts of a layer slab coded with `params` (kvgate mode):
+/// 2·c·ALPHABET u32 (K then V) in the result buffer; returns its length in bytes.
+///
+/// # Safety
+/// As `kv_encode`.
+#[no_mangle]
+pub unsafe extern "C" fn kv_stats(
+    src: *const u8,
+    dtype: u32,
+    t: u32,
+    c: u32,
+    params: *const f32,
+) -> i32 {
+    let eb = match half::elem_bytes(dtype) {
+        Some(e) => e,
+        None => return ERR_ARGS,
+    };
+    let n = match slab_elems(t, c) {
+        Some(n) if n > 0 => n,
+        _ => return ERR_ARGS,
+    };
+    let (t, c) = (t as usize, c as usize);
+    let (pk, pv) = match stream_params(std::slice::from_raw_parts(params, 8)) {
+        Some(p) => p,
+        None => return ERR_ARGS,
+    };
+    let input = std::slice::from_raw_parts(src, n * eb);
+    let mut x: Vec<f32> = rans::uninit_vec(n);
+    half::load(input, dtype, &mut x);
+    let mut counts = vec![0u32; 2 * c * lossy::ALPHABET];
+    lossy::stats(&mut x, t, c, &pk, &pv, &mut counts);
+    let mut out = Vec::with_capacity(counts.len() * 4);
+    for v in counts {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    if out.len() > i32::MAX as usize {
+        return ERR_ARGS;
+    }
+    let len = out.len() as i32;
+    RESULT.with(|r| *r.borrow_mut() = out);
+    len
+}
+
+/// 0 when `cal` is a well-formed layer calibration blob for `c` channels, else < 0.
+///
+/// # Safety
+/// `cal` must hold `cal_len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kv_cal_check(cal: *const u8, cal_len: u32, c: u32) -> i32 {
+    let blob = std::slice::from_raw_parts(cal, cal_len as usize);
+    match lossy::check_layer_cal(blob, c as usize) {
+        Some(()) => 0,
+        None => ERR_CORRUPT,
+    }
 }
 
 /// Decodes one section into the slab at `dst` (2·t·c elements of `dtype`).
@@ -155,6 +277,42 @@ pub unsafe extern "C" fn kv_decode(
     c: u32,
     dst: *mut u8,
 ) -> i32 {
+    decode_with(mode, src, len, dtype, t, c, dst, &[])
+}
+
+/// `kv_decode` in kvgate mode against a layer's calibration blob.
+///
+/// # Safety
+/// As `kv_decode`; `cal` must hold `cal_len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kv_decode_cal(
+    src: *const u8,
+    len: u32,
+    dtype: u32,
+    t: u32,
+    c: u32,
+    dst: *mut u8,
+    cal: *const u8,
+    cal_len: u32,
+) -> i32 {
+    if cal_len == 0 {
+        return ERR_ARGS;
+    }
+    let blob = std::slice::from_raw_parts(cal, cal_len as usize);
+    decode_with(MODE_KVGATE, src, len, dtype, t, c, dst, blob)
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn decode_with(
+    mode: u32,
+    src: *const u8,
+    len: u32,
+    dtype: u32,
+    t: u32,
+    c: u32,
+    dst: *mut u8,
+    blob: &[u8],
+) -> i32 {
     let eb = match half::elem_bytes(dtype) {
         Some(e) => e,
         None => return ERR_ARGS,
@@ -168,7 +326,16 @@ pub unsafe extern "C" fn kv_decode(
     let out = std::slice::from_raw_parts_mut(dst, n * eb);
     let ok = match mode {
         MODE_LOSSLESS => lossless::decode(input, eb, tu, cu, out),
-        MODE_KVGATE => lossy::decode(input, dtype, tu, cu, out),
+        MODE_KVGATE => {
+            if blob.is_empty() {
+                lossy::decode(input, dtype, tu, cu, out, None)
+            } else {
+                match lossy::parse_layer_cal(blob, cu) {
+                    Some((k, v)) => lossy::decode(input, dtype, tu, cu, out, Some((&k, &v))),
+                    None => return ERR_CORRUPT,
+                }
+            }
+        }
         MODE_Q8 => q8::decode(input, dtype, tu, cu, out),
         _ => return ERR_ARGS,
     };

@@ -6,7 +6,10 @@
 
 use crate::bytes::{put_u32, put_varint, unzigzag, zigzag, BitReader, BitWriter, Reader};
 use crate::half::{self, DT_BF16, DT_F16};
-use crate::rans::{class_partition, decode_block, encode_block, uninit_vec};
+use crate::rans::{
+    class_partition, decode_block, decode_symbols, encode_symbols, fill_table, plan_classes,
+    read_freqs, uninit_vec, write_classes, MAX_CLASSES, PROB_BITS, PROB_SCALE,
+};
 
 /// Symbols 0..DIRECT are zigzag residuals; above, (bucket, extra raw bits).
 const DIRECT: u32 = 64;
@@ -23,6 +26,142 @@ const DT_F16_NORMAL: u32 = 101;
 const F_CHSCALE: u8 = 1;
 const F_TOKSCALE: u8 = 2;
 const F_MODES: u8 = 4;
+/// Coded against a calibration (DESIGN §2.9): centres are offsets from the calibrated
+/// channel means and the block starts with a table-set byte (IN_CHUNK_TABLES: its own).
+const F_CAL: u8 = 8;
+const IN_CHUNK_TABLES: u8 = 0xff;
+
+/// One stream's calibration (per namespace, per layer): channel means, the channels'
+/// classes, and table sets (one table per class each) for a ladder of step sizes; the
+/// encoder picks the set that codes the chunk smallest, or its own tables.
+pub struct StreamCal<'a> {
+    pub k: usize,
+    pub means: Vec<f32>,
+    pub class_of: &'a [u8],
+    offsets: Vec<u32>,
+    area: &'a [u8],
+}
+
+impl<'a> StreamCal<'a> {
+    /// Parses `k, nsets, c·f32 means, c class bytes, nsets·u32 offsets, sets` (tables
+    /// are read on demand by `set`). Hostile bytes give None.
+    pub fn parse(r: &mut Reader<'a>, c: usize) -> Option<Self> {
+        let k = r.u8()? as usize;
+        if k == 0 || k > MAX_CLASSES || !k.is_power_of_two() {
+            return None;
+        }
+        let nsets = r.u8()? as usize;
+        if nsets >= IN_CHUNK_TABLES as usize {
+            return None;
+        }
+        let mut means = Vec::with_capacity(c);
+        for _ in 0..c {
+            let m = r.f32()?;
+            if !m.is_finite() {
+                return None;
+            }
+            means.push(m);
+        }
+        let class_of = r.take(c)?;
+        if class_of.iter().any(|&v| v as usize >= k) {
+            return None;
+        }
+        let mut offsets = Vec::with_capacity(nsets + 1);
+        for _ in 0..=nsets {
+            offsets.push(r.u32()?);
+        }
+        let len = *offsets.last()? as usize;
+        if offsets.windows(2).any(|w| w[0] > w[1]) || offsets[0] != 0 {
+            return None;
+        }
+        let area = r.take(len)?;
+        Some(StreamCal {
+            k,
+            means,
+            class_of,
+            offsets,
+            area,
+        })
+    }
+
+    pub fn sets(&self) -> usize {
+        self.offsets.len() - 1
+    }
+
+    /// Table set `g`: `k` validated tables over the lossy alphabet.
+    pub fn set(&self, g: usize) -> Option<Vec<Vec<u32>>> {
+        if g >= self.sets() {
+            return None;
+        }
+        let bytes = self
+            .area
+            .get(self.offsets[g] as usize..self.offsets[g + 1] as usize)?;
+        let mut r = Reader::new(bytes);
+        let mut tables = Vec::with_capacity(self.k);
+        for _ in 0..self.k {
+            tables.push(read_freqs(&mut r, ALPHABET)?);
+        }
+        if r.remaining() != 0 {
+            return None;
+        }
+        Some(tables)
+    }
+}
+
+/// A layer's calibration blob: `u32 len, K stream calibration, V stream calibration`.
+pub fn parse_layer_cal(bytes: &[u8], c: usize) -> Option<(StreamCal, StreamCal)> {
+    let mut r = Reader::new(bytes);
+    let mut rk = Reader::new(r.block()?);
+    let k = StreamCal::parse(&mut rk, c)?;
+    let v = StreamCal::parse(&mut r, c)?;
+    if rk.remaining() != 0 || r.remaining() != 0 {
+        return None;
+    }
+    Some((k, v))
+}
+
+/// Validates every table of a layer's calibration blob.
+pub fn check_layer_cal(bytes: &[u8], c: usize) -> Option<()> {
+    let (k, v) = parse_layer_cal(bytes, c)?;
+    for s in [&k, &v] {
+        for g in 0..s.sets() {
+            s.set(g)?;
+        }
+    }
+    Some(())
+}
+
+/// The quantized centre a calibrated channel mean predicts (encoder and decoder alike).
+#[inline]
+fn cal_centre(mean: f32, step: f32) -> i32 {
+    let m = mean / step;
+    if m.is_finite() {
+        (m.round() as i32).max(-QMAX).min(QMAX)
+    } else {
+        0
+    }
+}
+
+/// Bits to code `counts` (per class × alphabet) with `tables`; infinite when a counted
+/// symbol has no frequency.
+fn set_cost(counts: &[u32], tables: &[Vec<u32>]) -> f64 {
+    let mut bits = 0.0;
+    for (cls, f) in tables.iter().enumerate() {
+        for (s, &n) in counts[cls * ALPHABET..(cls + 1) * ALPHABET]
+            .iter()
+            .enumerate()
+        {
+            if n > 0 {
+                let v = f.get(s).copied().unwrap_or(0);
+                if v == 0 {
+                    return f64::INFINITY;
+                }
+                bits += n as f64 * (PROB_BITS as f64 - (v as f64).log2());
+            }
+        }
+    }
+    bits
+}
 
 pub struct StreamParams {
     /// Target relative RMS error of this stream (< 0: relative to the channel-centred RMS).
@@ -64,7 +203,19 @@ fn bitlen(z: u32) -> u32 {
 /// Encodes one T×C stream `x` (f32, row = token). `x` is scratch: it is
 /// quantized in place (the i32 levels overwrite the floats, so the stream's
 /// working set stays within L2).
-pub fn encode_stream(x: &mut [f32], t: usize, c: usize, p: &StreamParams, out: &mut Vec<u8>) {
+///
+/// With `cal`, the channels' classes, centres and (when they code smaller) tables come
+/// from the calibration. With `stats` (c × ALPHABET), nothing is written: the symbol
+/// counts per channel over every row are added there (calibration builds).
+pub fn encode_stream(
+    x: &mut [f32],
+    t: usize,
+    c: usize,
+    p: &StreamParams,
+    cal: Option<&StreamCal>,
+    stats: Option<&mut [u32]>,
+    out: &mut Vec<u8>,
+) {
     // Pass 1: statistics (row sums of squares and max |x|, channel sums, squares, min, max).
     let mut ch_sum = vec![0f32; c];
     let mut ch_ss = vec![0f32; c];
@@ -195,7 +346,10 @@ pub fn encode_stream(x: &mut [f32], t: usize, c: usize, p: &StreamParams, out: &
             }
         }
     }
-    let (kmax, fine) = class_partition(&rank, c, p.max_classes);
+    let (kmax, fine) = match cal {
+        Some(k) => (k.k, k.class_of.to_vec()),
+        None => class_partition(&rank, c, p.max_classes),
+    };
     if delta.iter().any(|&d| d) {
         flags |= F_MODES;
     }
@@ -267,6 +421,14 @@ pub fn encode_stream(x: &mut [f32], t: usize, c: usize, p: &StreamParams, out: &
             counts4[fbase[j] + sr[j] as usize] += 1;
         }
     }
+    if let Some(st) = stats {
+        for row in syms.chunks_exact(c) {
+            for (ch, &sym) in row.iter().enumerate() {
+                st[ch * ALPHABET + sym as usize] += 1;
+            }
+        }
+        return;
+    }
     for (i, d) in counts.iter_mut().enumerate() {
         *d = (counts4[i] + counts4[ka + i] + counts4[2 * ka + i] + counts4[3 * ka + i])
             * count_stride as u32;
@@ -294,6 +456,24 @@ pub fn encode_stream(x: &mut [f32], t: usize, c: usize, p: &StreamParams, out: &
             }
         }
     }
+    let plan = plan_classes(kmax, &counts, c, ALPHABET);
+    // The calibrated table set that codes this chunk smallest, if it beats the chunk's own
+    // tables (which also carry class map and tables): a chunk unlike the calibration
+    // samples falls back to its own.
+    let mut chosen: Option<(usize, Vec<Vec<u32>>)> = None;
+    if let Some(k) = cal {
+        flags |= F_CAL;
+        let mut best = plan.bytes;
+        for g in 0..k.sets() {
+            if let Some(tables) = k.set(g) {
+                let bytes = set_cost(&counts, &tables) / 8.0;
+                if bytes < best {
+                    best = bytes;
+                    chosen = Some((g, tables));
+                }
+            }
+        }
+    }
     out.extend_from_slice(&base.to_le_bytes());
     out.push(flags);
     if flags & F_CHSCALE != 0 {
@@ -311,13 +491,35 @@ pub fn encode_stream(x: &mut [f32], t: usize, c: usize, p: &StreamParams, out: &
         }
         out.extend_from_slice(&m);
     }
-    for &ctr in &centers {
-        put_varint(out, zigzag(ctr));
+    match cal {
+        Some(k) => {
+            for ch in 0..c {
+                let pc = cal_centre(k.means[ch], step_c[ch]);
+                put_varint(out, zigzag(centers[ch].wrapping_sub(pc)));
+            }
+        }
+        None => {
+            for &ctr in &centers {
+                put_varint(out, zigzag(ctr));
+            }
+        }
     }
     let extra = bits.finish();
     put_u32(out, extra.len() as u32);
     out.extend_from_slice(&extra);
-    encode_block(out, &syms, &fine, kmax, &counts, t, c, ALPHABET);
+    match (cal, chosen) {
+        (Some(k), Some((g, tables))) => {
+            out.push(g as u8);
+            encode_symbols(out, &syms, k.class_of, &tables, t, c, ALPHABET);
+        }
+        _ => {
+            if cal.is_some() {
+                out.push(IN_CHUNK_TABLES);
+            }
+            let class_of = write_classes(out, &plan, &fine, kmax);
+            encode_symbols(out, &syms, &class_of, &plan.tables, t, c, ALPHABET);
+        }
+    }
 }
 
 /// `mx[i] = max(mx[i], row[i])`.
@@ -929,15 +1131,18 @@ pub fn decode_stream(
     dst: &mut [u8],
     offset: usize,
     syms: &mut [u8],
+    cal: Option<&StreamCal>,
 ) -> Option<()> {
     let base = r.f32()?;
     if !base.is_finite() {
         return None;
     }
     let flags = r.u8()?;
-    if flags & !(F_CHSCALE | F_TOKSCALE | F_MODES) != 0 {
+    if flags & !(F_CHSCALE | F_TOKSCALE | F_MODES | F_CAL) != 0 {
         return None;
     }
+    // A calibrated stream needs its calibration (the caller checked the chunk names it).
+    let cal = if flags & F_CAL != 0 { Some(cal?) } else { None };
     let mut step = vec![base; c];
     if flags & F_CHSCALE != 0 {
         for (s, &k) in step.iter_mut().zip(r.take(c)?) {
@@ -960,11 +1165,30 @@ pub fn decode_stream(
         }
     }
     let mut centers = vec![0i32; c];
-    for ctr in centers.iter_mut() {
+    for (ch, ctr) in centers.iter_mut().enumerate() {
         *ctr = unzigzag(r.varint()?);
+        if let Some(k) = cal {
+            *ctr = ctr.wrapping_add(cal_centre(k.means[ch], step[ch]));
+        }
     }
     let extra = r.block()?;
-    decode_block(r, t, c, ALPHABET, syms)?;
+    match cal {
+        Some(k) => {
+            let g = r.u8()?;
+            if g == IN_CHUNK_TABLES {
+                decode_block(r, t, c, ALPHABET, syms)?;
+            } else {
+                let tables = k.set(g as usize)?;
+                let mut dec: Vec<u32> = uninit_vec(k.k * PROB_SCALE as usize);
+                for (cls, f) in tables.iter().enumerate() {
+                    fill_table(f, &mut dec[cls * PROB_SCALE as usize..]);
+                }
+                let cbase: Vec<u32> = k.class_of.iter().map(|&v| v as u32 * PROB_SCALE).collect();
+                decode_symbols(r, t, c, k.k, &cbase, &dec, syms)?;
+            }
+        }
+        None => decode_block(r, t, c, ALPHABET, syms)?,
+    }
     let mut bits = BitReader::new(extra);
     let mut prev = centers.clone();
     let any_delta = dmask.iter().any(|&d| d != 0);
@@ -1093,17 +1317,41 @@ pub fn encode(
     c: usize,
     pk: &StreamParams,
     pv: &StreamParams,
+    cal: Option<(&StreamCal, &StreamCal)>,
     out: &mut Vec<u8>,
 ) {
     let n = t * c;
     let mut ks = Vec::new();
-    encode_stream(&mut x[..n], t, c, pk, &mut ks);
+    encode_stream(&mut x[..n], t, c, pk, cal.map(|p| p.0), None, &mut ks);
     put_u32(out, ks.len() as u32);
     out.extend_from_slice(&ks);
-    encode_stream(&mut x[n..2 * n], t, c, pv, out);
+    encode_stream(&mut x[n..2 * n], t, c, pv, cal.map(|p| p.1), None, out);
 }
 
-pub fn decode(input: &[u8], dtype: u32, t: usize, c: usize, dst: &mut [u8]) -> Option<()> {
+/// Per-channel symbol counts of K then V (each c × ALPHABET), as `encode` would code them.
+pub fn stats(
+    x: &mut [f32],
+    t: usize,
+    c: usize,
+    pk: &StreamParams,
+    pv: &StreamParams,
+    out: &mut [u32],
+) {
+    let n = t * c;
+    let (ok, ov) = out.split_at_mut(c * ALPHABET);
+    let mut sink = Vec::new();
+    encode_stream(&mut x[..n], t, c, pk, None, Some(ok), &mut sink);
+    encode_stream(&mut x[n..2 * n], t, c, pv, None, Some(ov), &mut sink);
+}
+
+pub fn decode(
+    input: &[u8],
+    dtype: u32,
+    t: usize,
+    c: usize,
+    dst: &mut [u8],
+    cal: Option<(&StreamCal, &StreamCal)>,
+) -> Option<()> {
     let eb = half::elem_bytes(dtype)?;
     let n = t * c;
     if dst.len() != 2 * n * eb {
@@ -1113,11 +1361,11 @@ pub fn decode(input: &[u8], dtype: u32, t: usize, c: usize, dst: &mut [u8]) -> O
     let mut syms: Vec<u8> = uninit_vec(n);
     let mut r = Reader::new(input);
     let mut rk = Reader::new(r.block()?);
-    decode_stream(&mut rk, t, c, dtype, dst, 0, &mut syms)?;
+    decode_stream(&mut rk, t, c, dtype, dst, 0, &mut syms, cal.map(|p| p.0))?;
     if rk.remaining() != 0 {
         return None;
     }
-    decode_stream(&mut r, t, c, dtype, dst, n, &mut syms)?;
+    decode_stream(&mut r, t, c, dtype, dst, n, &mut syms, cal.map(|p| p.1))?;
     if r.remaining() != 0 {
         return None;
     }

@@ -209,18 +209,18 @@ pub fn class_counts(syms: &[u8], fine: &[u8], kmax: usize, c: usize, alphabet: u
     counts
 }
 
+/// Tables chosen from the finest-class counts: the coded size in bytes (symbols plus
+/// class map and tables), how many classes, and their tables.
+pub struct ClassPlan {
+    pub bytes: f64,
+    pub k: usize,
+    pub tables: Vec<Vec<u32>>,
+}
+
 /// Chooses k ∈ {1, 2, 4, …, kmax} classes by coded size (including table
-/// bytes) from the finest-class counts, and writes `nclass, [class per
-/// channel], tables`. Returns the class of each channel and the tables.
-fn choose_classes(
-    out: &mut Vec<u8>,
-    fine: &[u8],
-    kmax: usize,
-    counts: &[u32],
-    c: usize,
-    alphabet: usize,
-) -> (Vec<u8>, Vec<Vec<u32>>) {
-    let mut best: Option<(f64, usize, Vec<Vec<u32>>)> = None;
+/// bytes) from the finest-class counts.
+pub fn plan_classes(kmax: usize, counts: &[u32], c: usize, alphabet: usize) -> ClassPlan {
+    let mut best: Option<ClassPlan> = None;
     let mut k = 1usize;
     while k <= kmax {
         let group = kmax / k;
@@ -243,22 +243,34 @@ fn choose_classes(
             tables.push(f);
         }
         let total = bits / 8.0 + side as f64;
-        if best.as_ref().map_or(true, |b| total < b.0) {
-            best = Some((total, k, tables));
+        if best.as_ref().map_or(true, |b| total < b.bytes) {
+            best = Some(ClassPlan {
+                bytes: total,
+                k,
+                tables,
+            });
         }
         k *= 2;
     }
-    let (_, k, tables) = best.unwrap_or((0.0, 1, vec![normalize(&[1])]));
-    let shift = (kmax / k).trailing_zeros();
+    best.unwrap_or(ClassPlan {
+        bytes: 0.0,
+        k: 1,
+        tables: vec![normalize(&[1])],
+    })
+}
+
+/// Writes `nclass, [class per channel], tables` of a plan; returns each channel's class.
+pub fn write_classes(out: &mut Vec<u8>, plan: &ClassPlan, fine: &[u8], kmax: usize) -> Vec<u8> {
+    let shift = (kmax / plan.k).trailing_zeros();
     let class_of: Vec<u8> = fine.iter().map(|&f| f >> shift).collect();
-    out.push(tables.len() as u8);
-    if tables.len() > 1 {
+    out.push(plan.tables.len() as u8);
+    if plan.tables.len() > 1 {
         out.extend_from_slice(&class_of);
     }
-    for f in &tables {
+    for f in &plan.tables {
         write_table(out, f);
     }
-    (class_of, tables)
+    class_of
 }
 
 /// Encodes a T×C symbol matrix (row major) into `out`, given the channels'
@@ -275,7 +287,22 @@ pub fn encode_block(
     c: usize,
     alphabet: usize,
 ) {
-    let (class_of, tables) = choose_classes(out, fine, kmax, counts, c, alphabet);
+    let plan = plan_classes(kmax, counts, c, alphabet);
+    let class_of = write_classes(out, &plan, fine, kmax);
+    encode_symbols(out, syms, &class_of, &plan.tables, t, c, alphabet);
+}
+
+/// Codes a T×C symbol matrix with the given tables (class of each channel, one table
+/// per class; every coded symbol has a frequency in its class): the payload block.
+pub fn encode_symbols(
+    out: &mut Vec<u8>,
+    syms: &[u8],
+    class_of: &[u8],
+    tables: &[Vec<u32>],
+    t: usize,
+    c: usize,
+    alphabet: usize,
+) {
     let mut enc = vec![EncSym::default(); tables.len() * alphabet];
     for (cls, f) in tables.iter().enumerate() {
         let mut cum = 0u32;
@@ -450,6 +477,34 @@ pub fn decode_block(
             &mut dec[cls * PROB_SCALE as usize..(cls + 1) * PROB_SCALE as usize],
         )?;
     }
+    decode_symbols(r, t, c, k, &cbase, &dec, syms)
+}
+
+/// Decode table entries of `f` (a validated table: sums to PROB_SCALE) into `dec`.
+pub fn fill_table(f: &[u32], dec: &mut [u32]) {
+    let mut pos = 0usize;
+    for (s, &v) in f.iter().enumerate() {
+        for k in 0..v {
+            dec[pos + k as usize] = (v << 20) | (k << 8) | s as u32;
+        }
+        pos += v as usize;
+    }
+}
+
+/// Decodes the payload block of `encode_symbols` given `k` classes, each channel's
+/// class base (class · PROB_SCALE) and the decode tables (k · PROB_SCALE entries).
+pub fn decode_symbols(
+    r: &mut Reader,
+    t: usize,
+    c: usize,
+    k: usize,
+    cbase: &[u32],
+    dec: &[u32],
+    syms: &mut [u8],
+) -> Option<()> {
+    if cbase.len() != c || dec.len() != k * PROB_SCALE as usize || k == 0 {
+        return None;
+    }
     let payload = r.block()?;
     let n = t * c;
     if syms.len() < n || c == 0 || payload.len() < 4 * LANES || (payload.len() - 4 * LANES) % 2 != 0
@@ -465,7 +520,6 @@ pub fn decode_block(
     let len = data.len();
     let mut p = 0usize;
     let mask = PROB_SCALE - 1;
-    let dec = &dec[..];
     // One table lookup and at most one 16-bit read per symbol. `base` < k·PROB_SCALE and
     // the slot is masked, so the index is always inside `dec`.
     macro_rules! step {
@@ -592,4 +646,27 @@ pub fn decode_block(
         return None;
     }
     Some(())
+}
+
+/// Reads a table in `write_table`'s format as frequencies, validated as `read_table` does
+/// (at most `max_syms` symbols, each below PROB_SCALE, summing to PROB_SCALE).
+pub fn read_freqs(r: &mut Reader, max_syms: usize) -> Option<Vec<u32>> {
+    let n = r.u8()? as usize + 1;
+    if n > max_syms {
+        return None;
+    }
+    let mut f = Vec::with_capacity(n);
+    let mut pos: u32 = 0;
+    for _ in 0..n {
+        let v = r.varint()?;
+        if v >= PROB_SCALE || pos + v > PROB_SCALE {
+            return None;
+        }
+        f.push(v);
+        pos += v;
+    }
+    if pos != PROB_SCALE {
+        return None;
+    }
+    Some(f)
 }
