@@ -8,7 +8,7 @@ use crate::bytes::{put_u32, put_varint, unzigzag, zigzag, BitReader, BitWriter, 
 use crate::half::{self, DT_BF16, DT_F16};
 use crate::rans::{
     class_partition, decode_block, decode_symbols, encode_symbols, fill_table, plan_classes,
-    read_freqs, uninit_vec, write_classes, MAX_CLASSES, PROB_BITS, PROB_SCALE,
+    read_freqs, uninit_vec, write_classes, write_table, MAX_CLASSES, PROB_BITS, PROB_SCALE,
 };
 
 /// Symbols 0..DIRECT are zigzag residuals; above, (bucket, extra raw bits).
@@ -30,6 +30,8 @@ const F_MODES: u8 = 4;
 /// channel means and the block starts with a table-set byte (IN_CHUNK_TABLES: its own).
 const F_CAL: u8 = 8;
 const IN_CHUNK_TABLES: u8 = 0xff;
+/// The chunk's own tables over the calibration's classes (merged to 2^j of them): no class map.
+const IN_CHUNK_TABLES_CAL_CLASSES: u8 = 0xfe;
 
 /// One stream's calibration (per namespace, per layer): channel means, the channels'
 /// classes, and table sets (one table per class each) for a ladder of step sizes; the
@@ -51,7 +53,7 @@ impl<'a> StreamCal<'a> {
             return None;
         }
         let nsets = r.u8()? as usize;
-        if nsets >= IN_CHUNK_TABLES as usize {
+        if nsets >= IN_CHUNK_TABLES_CAL_CLASSES as usize {
             return None;
         }
         let mut means = Vec::with_capacity(c);
@@ -456,10 +458,10 @@ pub fn encode_stream(
             }
         }
     }
-    let plan = plan_classes(kmax, &counts, c, ALPHABET);
+    let plan = plan_classes(kmax, &counts, c, ALPHABET, cal.is_some());
     // The calibrated table set that codes this chunk smallest, if it beats the chunk's own
-    // tables (which also carry class map and tables): a chunk unlike the calibration
-    // samples falls back to its own.
+    // tables (over the calibrated classes, no class map): a chunk unlike the calibration
+    // samples keeps its own tables.
     let mut chosen: Option<(usize, Vec<Vec<u32>>)> = None;
     if let Some(k) = cal {
         flags |= F_CAL;
@@ -512,10 +514,17 @@ pub fn encode_stream(
             out.push(g as u8);
             encode_symbols(out, &syms, k.class_of, &tables, t, c, ALPHABET);
         }
-        _ => {
-            if cal.is_some() {
-                out.push(IN_CHUNK_TABLES);
+        (Some(_), None) => {
+            out.push(IN_CHUNK_TABLES_CAL_CLASSES);
+            let shift = (kmax / plan.k).trailing_zeros();
+            let class_of: Vec<u8> = fine.iter().map(|&f| f >> shift).collect();
+            out.push(plan.k as u8);
+            for f in &plan.tables {
+                write_table(out, f);
             }
+            encode_symbols(out, &syms, &class_of, &plan.tables, t, c, ALPHABET);
+        }
+        (None, _) => {
             let class_of = write_classes(out, &plan, &fine, kmax);
             encode_symbols(out, &syms, &class_of, &plan.tables, t, c, ALPHABET);
         }
@@ -1177,6 +1186,23 @@ pub fn decode_stream(
             let g = r.u8()?;
             if g == IN_CHUNK_TABLES {
                 decode_block(r, t, c, ALPHABET, syms)?;
+            } else if g == IN_CHUNK_TABLES_CAL_CLASSES {
+                let n = r.u8()? as usize;
+                if n == 0 || n > k.k || !n.is_power_of_two() {
+                    return None;
+                }
+                let shift = (k.k / n).trailing_zeros();
+                let mut dec: Vec<u32> = uninit_vec(n * PROB_SCALE as usize);
+                for cls in 0..n {
+                    let f = read_freqs(r, ALPHABET)?;
+                    fill_table(&f, &mut dec[cls * PROB_SCALE as usize..]);
+                }
+                let cbase: Vec<u32> = k
+                    .class_of
+                    .iter()
+                    .map(|&v| (v >> shift) as u32 * PROB_SCALE)
+                    .collect();
+                decode_symbols(r, t, c, n, &cbase, &dec, syms)?;
             } else {
                 let tables = k.set(g as usize)?;
                 let mut dec: Vec<u32> = uninit_vec(k.k * PROB_SCALE as usize);

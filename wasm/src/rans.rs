@@ -218,15 +218,21 @@ pub struct ClassPlan {
 }
 
 /// Chooses k ∈ {1, 2, 4, …, kmax} classes by coded size (including table
-/// bytes) from the finest-class counts.
-pub fn plan_classes(kmax: usize, counts: &[u32], c: usize, alphabet: usize) -> ClassPlan {
+/// bytes, and the class map unless `map_known`) from the finest-class counts.
+pub fn plan_classes(
+    kmax: usize,
+    counts: &[u32],
+    c: usize,
+    alphabet: usize,
+    map_known: bool,
+) -> ClassPlan {
     let mut best: Option<ClassPlan> = None;
     let mut k = 1usize;
     while k <= kmax {
         let group = kmax / k;
         let mut tables = Vec::with_capacity(k);
         let mut bits = 0.0;
-        let mut side = if k > 1 { c } else { 0 };
+        let mut side = if k > 1 && !map_known { c } else { 0 };
         for cls in 0..k {
             let mut cnt = vec![0u64; alphabet];
             for f in cls * group..(cls + 1) * group {
@@ -287,7 +293,7 @@ pub fn encode_block(
     c: usize,
     alphabet: usize,
 ) {
-    let plan = plan_classes(kmax, counts, c, alphabet);
+    let plan = plan_classes(kmax, counts, c, alphabet, false);
     let class_of = write_classes(out, &plan, fine, kmax);
     encode_symbols(out, syms, &class_of, &plan.tables, t, c, alphabet);
 }
