@@ -133,6 +133,51 @@ pub fn check_layer_cal(bytes: &[u8], c: usize) -> Option<()> {
     Some(())
 }
 
+const MAX_EG_ORDER: u32 = 24;
+
+/// Bits of `z` as an exp-Golomb code of order `o`.
+fn eg_bits(z: u32, o: u32) -> u64 {
+    let v = z as u64 + (1u64 << o);
+    let n = 64 - v.leading_zeros() as u64;
+    2 * (n - 1) + 1 - o as u64
+}
+
+/// Exp-Golomb of order `o`, LSB first: (n − 1 − o) zeros, a one, the low n − 1 bits of z + 2^o.
+fn put_eg(bw: &mut BitWriter, z: u32, o: u32) {
+    let v = z as u64 + (1u64 << o);
+    let n = 64 - v.leading_zeros();
+    bw.put(0, n - 1 - o);
+    bw.put(1, 1);
+    let low = n - 1;
+    let lv = v & ((1u64 << low) - 1);
+    bw.put(lv as u32, low.min(32));
+    if low > 32 {
+        bw.put((lv >> 32) as u32, low - 32);
+    }
+}
+
+/// Reads `put_eg`'s code; None when the prefix or the value is out of range.
+fn get_eg(br: &mut BitReader, o: u32) -> Option<u32> {
+    let mut m = 0u32;
+    while br.get(1) == 0 {
+        m += 1;
+        if m > 32 - o || br.overrun {
+            return None;
+        }
+    }
+    let low = m + o;
+    let mut lv = br.get(low.min(32)) as u64;
+    if low > 32 {
+        lv |= (br.get(low - 32) as u64) << 32;
+    }
+    let v = (1u64 << low) | lv;
+    let z = v - (1u64 << o);
+    if z > u32::MAX as u64 {
+        return None;
+    }
+    Some(z as u32)
+}
+
 /// The quantized centre a calibrated channel mean predicts (encoder and decoder alike).
 #[inline]
 fn cal_centre(mean: f32, step: f32) -> i32 {
@@ -495,10 +540,23 @@ pub fn encode_stream(
     }
     match cal {
         Some(k) => {
-            for ch in 0..c {
-                let pc = cal_centre(k.means[ch], step_c[ch]);
-                put_varint(out, zigzag(centers[ch].wrapping_sub(pc)));
+            // Offsets from the calibrated centres, exp-Golomb coded with the order that
+            // codes them smallest (most are a few steps; a byte each was ~3 % of a
+            // 64-token chunk).
+            let zs: Vec<u32> = (0..c)
+                .map(|ch| zigzag(centers[ch].wrapping_sub(cal_centre(k.means[ch], step_c[ch]))))
+                .collect();
+            let order = (0..=MAX_EG_ORDER)
+                .min_by_key(|&o| zs.iter().map(|&z| eg_bits(z, o)).sum::<u64>())
+                .unwrap_or(0);
+            let mut bw = BitWriter::new();
+            for &z in &zs {
+                put_eg(&mut bw, z, order);
             }
+            let b = bw.finish();
+            out.push(order as u8);
+            put_varint(out, b.len() as u32);
+            out.extend_from_slice(&b);
         }
         None => {
             for &ctr in &centers {
@@ -1174,10 +1232,26 @@ pub fn decode_stream(
         }
     }
     let mut centers = vec![0i32; c];
-    for (ch, ctr) in centers.iter_mut().enumerate() {
-        *ctr = unzigzag(r.varint()?);
-        if let Some(k) = cal {
-            *ctr = ctr.wrapping_add(cal_centre(k.means[ch], step[ch]));
+    match cal {
+        Some(k) => {
+            let order = r.u8()? as u32;
+            if order > MAX_EG_ORDER {
+                return None;
+            }
+            let n = r.varint()? as usize;
+            let mut br = BitReader::new(r.take(n)?);
+            for (ch, ctr) in centers.iter_mut().enumerate() {
+                let z = get_eg(&mut br, order)?;
+                *ctr = unzigzag(z).wrapping_add(cal_centre(k.means[ch], step[ch]));
+            }
+            if br.overrun {
+                return None;
+            }
+        }
+        None => {
+            for ctr in centers.iter_mut() {
+                *ctr = unzigzag(r.varint()?);
+            }
         }
     }
     let extra = r.block()?;
