@@ -2,10 +2,17 @@
 // (fp16, level q5): the chunk API, plus an interleaved A/B of raw wasm builds
 // (KVGATE_WASM_BASE=<old .wasm> against the committed one; KVGATE_WASM_BASE_LEVELS=12:16 for
 // a build from before error targets) so a noisy shared machine hits both sides alike.
-// Raw figures include the copies the API makes.
+// Raw figures include the copies the API makes. The chunk API is timed with and without a
+// calibration object (built from two other synthetic chunks of the same model).
 
 import { readFileSync } from 'node:fs'
-import { decodeChunkInto, encodeChunk, layerTargets } from '../src/codec/node.ts'
+import {
+  buildCalibration,
+  decodeChunkInto,
+  encodeChunk,
+  layerTargets,
+  openCalibration,
+} from '../src/codec/node.ts'
 import { decodeElements, encodeElements } from '../src/core/dtype.ts'
 import type { KvGeometry } from '../src/core/layout.ts'
 import { syntheticKv } from '../src/model/index.ts'
@@ -104,6 +111,16 @@ builds.push(['current', rawBuild(new URL('../wasm/kvgate_codec.wasm', import.met
 
 const obj = encodeChunk(tensor, meta, { mode: 'kvgate', quality: QUALITY })
 const objBf = encodeChunk(bf, { ...meta, geometry: g8 }, { mode: 'kvgate', quality: QUALITY })
+const calibration = openCalibration(
+  buildCalibration(
+    [2, 3].map((seed) =>
+      encodeElements(decodeElements(syntheticKv({ geometry: g8, tokens: T, seed }), 'bf16'), 'fp16'),
+    ),
+    { geometry: g, dtype: 'fp16' },
+  ),
+)
+const calOpts = { mode: 'kvgate' as const, quality: QUALITY, calibration }
+const objCal = encodeChunk(tensor, meta, calOpts)
 const samples = new Map<string, Sample>()
 const at = (k: string): Sample => {
   const s = samples.get(k) ?? sample()
@@ -121,9 +138,12 @@ for (let i = 0; i <= REPEATS; i++) {
   timed(s('chunk API encode'), () => encodeChunk(tensor, meta, { mode: 'kvgate', quality: QUALITY }))
   timed(s('chunk API decode fp16'), () => decodeChunkInto(obj, out))
   timed(s('chunk API decode bf16'), () => decodeChunkInto(objBf, out))
+  timed(s('chunk API encode, calibrated'), () => encodeChunk(tensor, meta, calOpts))
+  timed(s('chunk API decode fp16, calibrated'), () => decodeChunkInto(objCal, out, { calibration }))
 }
 console.log(
   `q${QUALITY}, 8B synthetic 32 MiB chunk: current ${(tensor.length / obj.length).toFixed(3)}× vs fp16` +
+    ` (calibrated ${(tensor.length / objCal.length).toFixed(3)}×, calibration ${calibration.bytes.length} bytes)` +
     builds.map(([n, b]) => `; ${n} raw sections ${b.bytes()} bytes`).join(''),
 )
 console.log(`median of ${REPEATS} interleaved rounds: MB/s of fp16 tensor, wall clock and per CPU-second`)

@@ -14,6 +14,9 @@ describe('codec under hostile input', () => {
     // Some mutations (e.g. in raw sections or quantized payload bytes) decode to other values.
     expect(report.decoded).toBeGreaterThan(0)
     expect(report.maxMemoryBytes).toBeLessThan(16 * 1024 * 1024)
+    // Calibrated chunks and hostile calibration objects were in the mix.
+    expect(report.perMode['kvgate+calibration']).toBeGreaterThan(200)
+    expect(report.perMode['calibration bytes']).toBeGreaterThan(100)
   })
 
   it('a trap inside wasm becomes a CodecError and the instance is replaced', () => {

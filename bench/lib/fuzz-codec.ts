@@ -1,9 +1,21 @@
 // Mutation fuzzer for the codec's decoders, shared by bench/fuzz-codec.ts (≥ 100k
 // inputs) and the test suite (a few thousand). Sections are mutated and re-wrapped
-// with valid CRCs so the hostile bytes reach the wasm/TS decoders themselves.
+// with valid CRCs so the hostile bytes reach the wasm/TS decoders themselves. kvgate chunks
+// are also coded against a calibration object, and the calibration bytes are mutated too
+// (with their CRC fixed, so hostile tables reach openCalibration and the wasm decoder).
 
-import { CODEC_MODES, type CodecMode, decodeChunk, encodeChunk } from '../../src/codec/node.ts'
+import { layerBlobs } from '../../src/codec/calibration.ts'
+import {
+  buildCalibration,
+  type Calibration,
+  CODEC_MODES,
+  type CodecMode,
+  decodeChunk,
+  encodeChunk,
+  openCalibration,
+} from '../../src/codec/node.ts'
 import { wasmCodec } from '../../src/codec/runtime.ts'
+import { crc32 } from '../../src/core/checksum.ts'
 import { encodeElements } from '../../src/core/dtype.ts'
 import { isKvgateError } from '../../src/core/errors.ts'
 import {
@@ -13,11 +25,14 @@ import {
   sectionOf,
 } from '../../src/core/format.ts'
 import type { KvGeometry } from '../../src/core/layout.ts'
+import { DTYPE_CODES } from '../../src/core/layout.ts'
 
 export interface FuzzOptions {
   iterations: number
   seed?: number
   modes?: readonly CodecMode[]
+  /** Also fuzz kvgate chunks coded with a calibration, and the calibration bytes (default true). */
+  calibration?: boolean
 }
 
 export interface FuzzReport {
@@ -55,9 +70,10 @@ interface Seed {
   header: ChunkHeader
   sections: Uint8Array[]
   expected: Uint8Array
+  calibration?: Calibration
 }
 
-function makeSeeds(modes: readonly CodecMode[], r: () => number): Seed[] {
+function makeSeeds(modes: readonly CodecMode[], r: () => number, calibrated: boolean): Seed[] {
   const seeds: Seed[] = []
   const shapes: [KvGeometry, number][] = [
     [{ layers: 2, kvHeads: 2, headDim: 8, dtype: 'fp16' }, 24],
@@ -83,9 +99,37 @@ function makeSeeds(modes: readonly CodecMode[], r: () => number): Seed[] {
       const header = decodeHeader(obj)
       const sections = header.sections.map((_, i) => sectionOf(obj, header, i).slice())
       seeds.push({ mode, obj, header, sections, expected: decodeChunk(obj) })
+      if (mode === 'kvgate' && calibrated) {
+        // Calibrated on a shifted copy: close enough that some streams use the table sets.
+        const other = encodeElements(
+          vals.map((v, i) => v * (1 + 0.1 * Math.sin(i))),
+          g.dtype,
+        )
+        const calibration = openCalibration(
+          buildCalibration([other, tensor], { geometry: g, dtype: g.dtype }),
+        )
+        const cobj = encodeChunk(tensor, meta, { mode, calibration })
+        const ch = decodeHeader(cobj)
+        seeds.push({
+          mode,
+          obj: cobj,
+          header: ch,
+          sections: ch.sections.map((_, i) => sectionOf(cobj, ch, i).slice()),
+          expected: decodeChunk(cobj, { calibration }),
+          calibration,
+        })
+      }
     }
   }
   return seeds
+}
+
+/** Mutated calibration bytes, CRC fixed most of the time so the mutation reaches the parser. */
+function mutateCalibration(cal: Uint8Array, r: () => number, other: Uint8Array): Uint8Array {
+  const b = mutate(cal, r, other)
+  if (b.length >= 8 && r() < 0.8)
+    new DataView(b.buffer, b.byteOffset).setUint32(b.length - 4, crc32(b.subarray(0, b.length - 4)), true)
+  return b
 }
 
 const INTERESTING = [0, 1, 0x7f, 0x80, 0xff, 0x7fff, 0xffff, 0x7fffffff, 0x80000000, 0xffffffff]
@@ -140,7 +184,7 @@ function mutate(src: Uint8Array, r: () => number, other: Uint8Array): Uint8Array
 export function fuzzCodec(opts: FuzzOptions): FuzzReport {
   const r = rng(opts.seed ?? 1)
   const modes = opts.modes ?? CODEC_MODES
-  const seeds = makeSeeds(modes, r)
+  const seeds = makeSeeds(modes, r, opts.calibration ?? true)
   const report: FuzzReport = {
     iterations: 0,
     decoded: 0,
@@ -154,7 +198,47 @@ export function fuzzCodec(opts: FuzzOptions): FuzzReport {
   for (let i = 0; i < opts.iterations; i++) {
     const seed = seeds[i % seeds.length]!
     const other = seeds[Math.floor(r() * seeds.length)]!
+    const label = seed.calibration ? `${seed.mode}+calibration` : seed.mode
     let input: Uint8Array
+    let calibration = seed.calibration
+    const t0 = performance.now()
+    if (calibration && r() < 0.3) {
+      // Hostile calibration: through openCalibration, then (when it opens) as the chunk's named
+      // calibration; or straight into the wasm decoder as a layer blob, bypassing the checks.
+      const bad = mutateCalibration(calibration.bytes, r, other.obj)
+      try {
+        if (r() < 0.5) {
+          const c = seed.header.geometry.kvHeads * seed.header.geometry.headDim
+          const blobs = layerBlobs(calibration)
+          const layer = Math.floor(r() * blobs.length)
+          const blob = mutate(blobs[layer]!, r, bad)
+          wasmCodec().decodeSection(
+            'kvgate',
+            seed.sections[layer]!,
+            DTYPE_CODES[seed.header.geometry.dtype],
+            seed.header.tokens,
+            c,
+            new Uint8Array(seed.expected.byteLength / seed.header.geometry.layers),
+            blob.length ? blob : new Uint8Array(1),
+          )
+        } else {
+          const opened = openCalibration(bad)
+          decodeChunk(encodeChunkObject({ ...seed.header, calibration: opened.hash }, seed.sections), {
+            calibration: opened,
+          })
+        }
+        report.decoded++
+      } catch (e) {
+        if (isKvgateError(e)) {
+          report.rejected++
+          if (/inside wasm/.test((e as Error).message)) report.traps++
+        } else report.failures.push({ mode: seed.mode, error: String((e as Error)?.stack ?? e) })
+      }
+      report.maxDecodeMs = Math.max(report.maxDecodeMs, performance.now() - t0)
+      report.perMode['calibration bytes'] = (report.perMode['calibration bytes'] ?? 0) + 1
+      report.iterations++
+      continue
+    }
     if (r() < 0.1) {
       // Whole-object mutation: mostly caught by the format layer, sometimes not.
       input = mutate(seed.obj, r, other.obj)
@@ -164,9 +248,9 @@ export function fuzzCodec(opts: FuzzOptions): FuzzReport {
       sections[layer] = mutate(sections[layer]!, r, other.sections[0]!)
       input = encodeChunkObject(seed.header, sections)
     }
-    const t0 = performance.now()
+    if (calibration && r() < 0.05) calibration = other.calibration // another or none: a typed miss
     try {
-      const out = decodeChunk(input)
+      const out = decodeChunk(input, { calibration })
       if (out.byteLength !== seed.expected.byteLength && input.byteLength === seed.obj.byteLength) {
         // Sizes come from the header; a same-header decode must fill the same tensor.
         report.failures.push({ mode: seed.mode, error: 'decoded tensor has the wrong size' })
@@ -179,11 +263,11 @@ export function fuzzCodec(opts: FuzzOptions): FuzzReport {
       } else report.failures.push({ mode: seed.mode, error: String((e as Error)?.stack ?? e) })
     }
     report.maxDecodeMs = Math.max(report.maxDecodeMs, performance.now() - t0)
-    report.perMode[seed.mode] = (report.perMode[seed.mode] ?? 0) + 1
+    report.perMode[label] = (report.perMode[label] ?? 0) + 1
     report.iterations++
     if (i % 97 === 0) {
       // The instance must still decode honest input exactly after any hostile one.
-      const again = decodeChunk(seed.obj)
+      const again = decodeChunk(seed.obj, { calibration: seed.calibration })
       if (Buffer.compare(Buffer.from(again), Buffer.from(seed.expected)) !== 0) {
         report.failures.push({
           mode: seed.mode,

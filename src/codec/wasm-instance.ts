@@ -56,12 +56,23 @@ const EXPORTS = [
   'kv_result_clear',
   'kv_encode',
   'kv_decode',
+] as const
+/** Calibration entry points: checked when first used, so a module without them still codes v1. */
+const CALIBRATION_EXPORTS = [
   'kv_encode_cal',
   'kv_decode_cal',
   'kv_stats',
   'kv_cal_check',
   'kv_alphabet',
 ] as const
+
+function requireCalibration(ex: CodecExports): CodecExports {
+  for (const name of CALIBRATION_EXPORTS) {
+    if (typeof (ex as unknown as Record<string, unknown>)[name] !== 'function')
+      throw new CodecError(`wasm module lacks export '${name}': this codec build cannot use calibrations`)
+  }
+  return ex
+}
 
 function instantiate(module: WebAssembly.Module): CodecExports {
   const inst = new WebAssembly.Instance(module, {})
@@ -127,7 +138,7 @@ export class WasmCodec {
   ): Uint8Array {
     return this.#run(slab, params, cal, 'encode', (ex, src, par, calp, calLen) =>
       calLen > 0
-        ? ex.kv_encode_cal(src, dtypeCode, t, c, par, calp, calLen)
+        ? requireCalibration(ex).kv_encode_cal(src, dtypeCode, t, c, par, calp, calLen)
         : ex.kv_encode(WASM_MODES[mode], src, dtypeCode, t, c, par),
     )
   }
@@ -138,14 +149,14 @@ export class WasmCodec {
    */
   symbolCounts(slab: Uint8Array, dtypeCode: number, t: number, c: number, params: Float32Array): Uint32Array {
     const b = this.#run(slab, params, undefined, 'stats', (ex, src, par) =>
-      ex.kv_stats(src, dtypeCode, t, c, par),
+      requireCalibration(ex).kv_stats(src, dtypeCode, t, c, par),
     )
     return new Uint32Array(b.buffer, b.byteOffset, b.byteLength / 4)
   }
 
   /** Symbols of the kvgate lossy alphabet. */
   get alphabet(): number {
-    return this.#ex.kv_alphabet()
+    return requireCalibration(this.#ex).kv_alphabet()
   }
 
   /** True when `cal` is a well-formed layer calibration blob for `c` channels. */
@@ -155,7 +166,7 @@ export class WasmCodec {
       try {
         p = this.#alloc(ex, cal.byteLength)
         new Uint8Array(ex.memory.buffer, p, cal.byteLength).set(cal)
-        return ex.kv_cal_check(p, cal.byteLength, c) === 0
+        return requireCalibration(ex).kv_cal_check(p, cal.byteLength, c) === 0
       } finally {
         if (this.#ex === ex && p) ex.kv_free(p, cal.byteLength)
       }
@@ -233,7 +244,16 @@ export class WasmCodec {
         new Uint8Array(ex.memory.buffer, src, section.byteLength).set(section)
         const rc =
           calLen > 0
-            ? ex.kv_decode_cal(src, section.byteLength, dtypeCode, t, c, dst, calp, calLen)
+            ? requireCalibration(ex).kv_decode_cal(
+                src,
+                section.byteLength,
+                dtypeCode,
+                t,
+                c,
+                dst,
+                calp,
+                calLen,
+              )
             : ex.kv_decode(WASM_MODES[mode], src, section.byteLength, dtypeCode, t, c, dst)
         if (rc !== 0) throw new CodecError(`corrupt ${mode} section (wasm decode returned ${rc})`)
         out.set(new Uint8Array(ex.memory.buffer, dst, out.byteLength))
