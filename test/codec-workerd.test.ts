@@ -4,14 +4,14 @@ import { fileURLToPath } from 'node:url'
 import { build } from 'esbuild'
 import { Miniflare } from 'miniflare'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
-import { decodeChunk, encodeChunk } from '../src/codec/node.ts'
+import { buildCalibration, decodeChunk, encodeChunk, openCalibration } from '../src/codec/node.ts'
 
 // The workerd loader in real workerd (Miniflare's binary): Workers cannot compile
 // wasm from bytes, so the bundle imports the .wasm as a module, as wrangler does.
 const root = join(fileURLToPath(import.meta.url), '..', '..')
 
 const WORKER = `
-import { decodeChunk, encodeChunk, initCodec, isCodecReady } from './src/codec/workerd.ts'
+import { buildCalibration, decodeChunk, encodeChunk, initCodec, isCodecReady, openCalibration } from './src/codec/workerd.ts'
 import wasm from './wasm/kvgate_codec.wasm'
 export default {
   async fetch() {
@@ -42,7 +42,15 @@ export default {
     }
     let rejected = ''
     try { decodeChunk(new Uint8Array(100)) } catch (e) { rejected = e.code }
-    return Response.json({ ready: isCodecReady(), out, rejected, tensor: hex(tensor), same })
+    // A calibration built here (no node:crypto in this worker) and a chunk coded with it.
+    const half = tensor.subarray(0, tensor.length / 2)
+    const calBytes = buildCalibration([tensor, half], { geometry: g, dtype: 'fp16' })
+    const cal = openCalibration(calBytes)
+    const calObj = encodeChunk(tensor, meta, { mode: 'kvgate', calibration: cal })
+    let missing = ''
+    try { decodeChunk(calObj) } catch (e) { missing = e.code }
+    const calibrated = { bytes: hex(calBytes), hash: cal.hash, obj: hex(calObj), back: hex(decodeChunk(calObj, { calibration: cal })), missing }
+    return Response.json({ ready: isCodecReady(), out, rejected, tensor: hex(tensor), same, calibrated })
   },
 }
 `
@@ -92,6 +100,7 @@ describe('codec in workerd', () => {
       rejected: string
       tensor: string
       same: Record<string, { obj: string; back: string }>
+      calibrated: { bytes: string; hash: string; obj: string; back: string; missing: string }
     }
     expect(body.ready).toBe(true)
     // Identical bytes in Node and workerd: the encoded object and the decoded tensor, per level.
@@ -115,5 +124,15 @@ describe('codec in workerd', () => {
     expect(body.out.kvgate!.bytes).toBeLessThan(body.out.kvgate!.raw / 2)
     expect(body.out.q8!.bytes).toBeLessThan(body.out.q8!.raw)
     expect(body.rejected).toMatch(/^ERR_FORMAT/)
+    // Calibration: the same object, hash, calibrated chunk and decoded tensor in both runtimes.
+    const half = tensor.subarray(0, tensor.length / 2)
+    const calBytes = buildCalibration([tensor, half], { geometry: meta.geometry, dtype: 'fp16' })
+    const cal = openCalibration(calBytes)
+    const calObj = encodeChunk(tensor, meta, { mode: 'kvgate', calibration: cal })
+    expect(Buffer.from(calBytes).toString('hex')).toBe(body.calibrated.bytes)
+    expect(cal.hash).toBe(body.calibrated.hash)
+    expect(Buffer.from(calObj).toString('hex')).toBe(body.calibrated.obj)
+    expect(Buffer.from(decodeChunk(calObj, { calibration: cal })).toString('hex')).toBe(body.calibrated.back)
+    expect(body.calibrated.missing).toBe('ERR_CALIBRATION_MISSING')
   })
 })
