@@ -4,6 +4,8 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { promisify } from 'node:util'
 import { describe, expect, it } from 'vitest'
+import { sampleChunkObject } from '../src/cli/commands/inspect.ts'
+import { decodeHeader, encodeChunk } from '../src/core/format.ts'
 import { chainKeys } from '../src/core/keys.ts'
 import { MODEL_PRESETS } from '../src/core/layout.ts'
 
@@ -59,6 +61,21 @@ describe('kvgate CLI', () => {
     expect(cut.stdout).toContain('ERR_FORMAT_TRUNCATED')
     expect((await kvgate('inspect', join(dir, 'missing'))).code).toBe(2)
     expect((await kvgate('inspect', '--bogus')).stderr).toContain('--help')
+  })
+  it('inspect shows the calibration a format-v2 object names', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-'))
+    const file = join(dir, 'calibrated.kvc')
+    const v1 = sampleChunkObject()
+    const h = decodeHeader(v1)
+    const sections = h.sections.map((s) => v1.subarray(s.offset, s.offset + s.length))
+    const hash = 'c0ffee'.padEnd(64, '1')
+    writeFileSync(file, encodeChunk({ ...h, calibration: hash }, sections))
+    const text = await kvgate('inspect', file)
+    expect(text.code).toBe(0)
+    expect(text.stdout).toContain('format v2')
+    expect(text.stdout).toContain(`calibration ${hash}`)
+    const json = JSON.parse((await kvgate('inspect', file, '--json')).stdout)
+    expect([json.ok, json.header.formatVersion, json.header.calibration]).toEqual([true, 2, hash])
   })
   it('keys prints the same chain as the library', async () => {
     const r = await kvgate(

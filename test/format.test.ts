@@ -2,6 +2,7 @@ import { describe, expect, it } from 'vitest'
 import { crc32, crc32Combine, crc32Portable } from '../src/core/checksum.ts'
 import { FormatError, KvgateError } from '../src/core/errors.ts'
 import {
+  CALIBRATION_OFFSET,
   ChunkVerifier,
   decodeHeader,
   encodeChunk,
@@ -73,14 +74,15 @@ describe('chunk object round trip', () => {
       }
     }
   })
-  it('layer spans and subsets serve layers a..b', () => {
-    const { sections, bytes } = sampleChunk()
+  it.each([1, 2])('layer spans and subsets serve layers a..b (format v%i)', (version) => {
+    const { sections, bytes } = sampleChunk(version === 2 ? { calibration: 'cd'.repeat(32) } : {})
     const h = decodeHeader(bytes)
     const span = layerSpan(h, 1, 2)
     const subset = new Uint8Array(h.headerBytes + span.end - span.start)
     subset.set(bytes.subarray(0, h.headerBytes))
     subset.set(bytes.subarray(span.start, span.end), h.headerBytes)
     const view = openLayerSubset(subset, 1, 2)
+    expect(view.header.calibration).toBe(version === 2 ? 'cd'.repeat(32) : undefined)
     expect(view.section(1)).toEqual(sections[1])
     expect(view.section(2)).toEqual(sections[2])
     expect(codeOf(() => view.section(0))).toBe('ERR_INVALID_ARGUMENT')
@@ -98,6 +100,34 @@ describe('chunk object round trip', () => {
     expect(crc32Portable(b.subarray(3), 1234)).toBe(crc32(b.subarray(3), 1234))
     expect(crc32Portable(new TextEncoder().encode('123456789'))).toBe(0xcbf43926)
   })
+  it('a calibrated object is version 2 and names its calibration; an uncalibrated one stays version 1', () => {
+    const calibration = 'ab'.repeat(32)
+    const { meta, sections, bytes } = sampleChunk({ calibration })
+    const h = verifyChunk(bytes)
+    expect(h.formatVersion).toBe(2)
+    expect(h.calibration).toBe(calibration)
+    expect(h.headerBytes).toBe(headerBytesFor(3, 2))
+    // v2 = v1 + 32 bytes before the layer index: align16(172 + 16·3 + 4) = 224.
+    expect(h.headerBytes).toBe(224)
+    expect(bytes.subarray(CALIBRATION_OFFSET, CALIBRATION_OFFSET + 32)).toEqual(new Uint8Array(32).fill(0xab))
+    expect(new DataView(bytes.buffer).getBigUint64(172, true)).toBe(224n)
+    sections.forEach((s, i) => {
+      expect(sectionOf(bytes, h, i)).toEqual(s)
+    })
+    expect(h.chainKey).toEqual(meta.chainKey)
+    const v1 = sampleChunk().bytes
+    const h1 = verifyChunk(v1)
+    expect([h1.formatVersion, h1.headerBytes, 'calibration' in h1]).toEqual([1, 192, false])
+    // The same chunk without a calibration: v1 bytes exactly as before version 2 existed.
+    expect(encodeChunk({ ...meta, calibration: undefined }, sections)).toEqual(v1)
+    expect(new DataView(v1.buffer).getUint16(4, true)).toBe(1)
+    expect(streamVerify(bytes, [5, 100])).toBe('OK')
+  })
+  it('rejects a calibration that is not a 64-hex SHA-256', () => {
+    for (const calibration of ['AB'.repeat(32), 'ab'.repeat(31), `${'ab'.repeat(31)}zz`, '0'.repeat(64), 7]) {
+      expect(codeOf(() => sampleChunk({ calibration: calibration as string }))).toBe('ERR_INVALID_ARGUMENT')
+    }
+  })
   it('rejects bad metadata when encoding', () => {
     expect(codeOf(() => encodeChunk(sampleMeta(), []))).toBe('ERR_INVALID_ARGUMENT')
     expect(codeOf(() => encodeChunk(sampleMeta({ tokens: 0 }), [new Uint8Array(1)]))).toBe(
@@ -112,9 +142,11 @@ describe('chunk object round trip', () => {
   })
 })
 
-describe('hostile and damaged objects', () => {
-  const { bytes } = sampleChunk()
+describe.each([1, 2])('hostile and damaged objects (format v%i)', (version) => {
+  const { bytes } = sampleChunk(version === 2 ? { calibration: '5e'.repeat(32) } : {})
   const h = decodeHeader(bytes)
+  // The layer index follows the fixed header: 140 bytes in v1, 172 in v2.
+  const index = version === 2 ? 172 : 140
 
   it('truncation anywhere is a typed error, streamed or whole', () => {
     for (let n = 0; n < bytes.length; n++) {
@@ -151,15 +183,28 @@ describe('hostile and damaged objects', () => {
       return b
     }
     expect(codeOf(() => decodeHeader(patch(0, 0x46445025, 4)))).toBe('ERR_FORMAT_BAD_MAGIC')
-    expect(codeOf(() => decodeHeader(patch(4, 2, 2)))).toBe('ERR_FORMAT_BAD_VERSION')
+    expect(codeOf(() => decodeHeader(patch(4, 3, 2)))).toBe('ERR_FORMAT_BAD_VERSION')
+    expect(codeOf(() => decodeHeader(patch(4, 0, 2)))).toBe('ERR_FORMAT_BAD_VERSION')
+    // The other version with a valid CRC: its header length no longer fits (v1 192 / v2 224 for 3 layers).
+    expect(codeOf(() => decodeHeader(patch(4, 3 - version, 2)))).toBe('ERR_FORMAT_BAD_FIELD')
     expect(codeOf(() => decodeHeader(patch(8, 0xffffffff, 4)))).toBe('ERR_FORMAT_BAD_FIELD')
     expect(codeOf(() => decodeHeader(patch(8, 17, 4)))).toBe('ERR_FORMAT_BAD_FIELD')
     // A header that claims a huge object is refused before anything is allocated.
     expect(codeOf(() => decodeHeader(patch(16, 2 ** 52, 8)))).toBe('ERR_FORMAT_TOO_LARGE')
     expect(codeOf(() => decodeHeader(patch(16, bytes.length + 1, 8)))).toBe('ERR_FORMAT_BAD_FIELD')
     // A section pointing outside its slot (overlap / gap) is refused even with a valid CRC.
-    expect(codeOf(() => decodeHeader(patch(140, 0, 8)))).toBe('ERR_FORMAT_BAD_FIELD')
-    expect(codeOf(() => decodeHeader(patch(148, 0xffffffff, 4)))).toBe('ERR_FORMAT_BAD_FIELD')
+    expect(codeOf(() => decodeHeader(patch(index, 0, 8)))).toBe('ERR_FORMAT_BAD_FIELD')
+    expect(codeOf(() => decodeHeader(patch(index + 8, 0xffffffff, 4)))).toBe('ERR_FORMAT_BAD_FIELD')
+    if (version === 2) {
+      // A v2 header must name a calibration: an all-zero hash is refused even with a valid CRC.
+      const zero = bytes.slice()
+      zero.fill(0, CALIBRATION_OFFSET, CALIBRATION_OFFSET + 32)
+      new DataView(zero.buffer).setUint32(h.headerBytes - 4, crc32(zero.subarray(0, h.headerBytes - 4)), true)
+      expect(codeOf(() => decodeHeader(zero))).toBe('ERR_FORMAT_BAD_FIELD')
+      expect(streamVerify(zero, [9])).toBe('ERR_FORMAT_BAD_FIELD')
+      // Any other hash is just a name: it decodes and is reported as written.
+      expect(decodeHeader(patch(CALIBRATION_OFFSET, 1, 4)).calibration).toBe(`01000000${'5e'.repeat(28)}`)
+    }
     expect(codeOf(() => decodeHeader(patch(24, 99, 2)))).toBe('ERR_FORMAT_BAD_FIELD')
     expect(codeOf(() => decodeHeader(patch(44, 4, 2)))).toBe('ERR_FORMAT_BAD_FIELD')
     expect(codeOf(() => decodeHeader(patch(52, 0, 4)))).toBe('ERR_FORMAT_BAD_FIELD')
@@ -189,6 +234,12 @@ describe('fuzz: random and mutated inputs never escape as untyped errors', () =>
   const seeds = [
     sampleChunk().bytes,
     sampleChunk({ geometry: { layers: 1, kvHeads: 1, headDim: 1, dtype: 'fp32' }, tokens: 1 }).bytes,
+    sampleChunk({ calibration: '77'.repeat(32) }).bytes,
+    sampleChunk({
+      geometry: { layers: 1, kvHeads: 1, headDim: 1, dtype: 'bf16' },
+      tokens: 1,
+      calibration: '0f'.repeat(32),
+    }).bytes,
   ]
 
   it('3000 mutated objects: typed errors only; the ones that verify decode consistently', () => {
@@ -214,7 +265,7 @@ describe('fuzz: random and mutated inputs never escape as untyped errors', () =>
   it('2000 random byte strings, some with a valid prefix', () => {
     for (let i = 0; i < 2000; i++) {
       const b = pseudoRandomBytes(rnd(400), i + 1)
-      if (rnd(2) && b.length >= 12) b.set(seeds[0]!.subarray(0, 12))
+      if (rnd(2) && b.length >= 12) b.set(seeds[rnd(2) * 2]!.subarray(0, 12))
       expect(codeOf(() => verifyChunk(b))).toMatch(/^ERR_FORMAT_/)
       expect(streamVerify(b, [1 + rnd(32)])).toMatch(/^ERR_FORMAT_/)
     }

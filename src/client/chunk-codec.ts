@@ -2,7 +2,13 @@
 // field of the chunk asked for), the most bytes such an object can have, and layer-range answers.
 
 import { FormatError } from '../core/errors.ts'
-import { type ChunkHeader, type ChunkMeta, headerBytesFor, openLayerSubset } from '../core/format.ts'
+import {
+  type ChunkHeader,
+  type ChunkMeta,
+  FORMAT_VERSION_CALIBRATED,
+  headerBytesFor,
+  openLayerSubset,
+} from '../core/format.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 
 export type ChunkCodecName = 'raw' | 'lossless' | 'kvgate'
@@ -57,14 +63,14 @@ export function maxSectionBytes(g: KvGeometry, tokens: number): number {
   return 2 * layerSlabBytes(g, tokens) + 1024
 }
 
-/** The most bytes a whole chunk object of this geometry and token count can have. */
+/** The most bytes a whole chunk object of this geometry and token count can have (v2's longer header). */
 export function maxObjectBytes(g: KvGeometry, tokens: number): number {
-  return headerBytesFor(g.layers) + g.layers * maxSectionBytes(g, tokens)
+  return headerBytesFor(g.layers, FORMAT_VERSION_CALIBRATED) + g.layers * maxSectionBytes(g, tokens)
 }
 
 /** The most bytes a `?layers=first-last` answer (header + those sections) can have. */
 export function maxLayerGroupBytes(g: KvGeometry, tokens: number, first: number, last: number): number {
-  return headerBytesFor(g.layers) + (last - first + 1) * maxSectionBytes(g, tokens)
+  return headerBytesFor(g.layers, FORMAT_VERSION_CALIBRATED) + (last - first + 1) * maxSectionBytes(g, tokens)
 }
 
 /**

@@ -1,10 +1,13 @@
 // The KV chunk object: one self-describing binary layout shared by L2 files, the
 // wire and S3. A fixed header (geometry, codec, keys, a layer index with a CRC per
 // section, a CRC over the header) followed by one independently decodable section
-// per layer, so readers can range-GET layers a..b. The byte layout is docs/format.md.
+// per layer, so readers can range-GET layers a..b. Version 2 adds the SHA-256 of
+// the namespace calibration object the codec used (DESIGN §2.9); uncalibrated
+// objects stay version 1, byte for byte. The byte layout is docs/format.md.
 
 import { crc32 } from './checksum.ts'
 import { FormatError, InvalidArgumentError } from './errors.ts'
+import { fromHex, toHex } from './keys.ts'
 import {
   DTYPE_CODES,
   dtypeFromCode,
@@ -27,8 +30,17 @@ export const CODEC_CODES: Readonly<Record<CodecId, number>> = {
 }
 
 export const CHUNK_MAGIC = 0x4347564b // "KVGC" read as a little-endian u32
+/** The version of an uncalibrated object (what every writer emitted before calibration existed). */
 export const FORMAT_VERSION = 1
+/** The version of an object coded with a calibration object: v1 plus a 32-byte calibration hash. */
+export const FORMAT_VERSION_CALIBRATED = 2
+/** Fixed header of a version-1 object; the layer index starts here. */
 export const FIXED_HEADER_BYTES = 140
+/** Where a version-2 header holds the calibration object's SHA-256 (32 bytes). */
+export const CALIBRATION_OFFSET = 140
+export const CALIBRATION_BYTES = 32
+/** Fixed header of a version-2 object (v1's plus the calibration hash); the layer index starts here. */
+export const FIXED_HEADER_BYTES_V2 = FIXED_HEADER_BYTES + CALIBRATION_BYTES
 export const SECTION_ENTRY_BYTES = 16
 export const CODEC_PARAMS_BYTES = 16
 /** Bytes a reader needs to learn the header length (magic, version, flags, header length). */
@@ -58,6 +70,11 @@ export interface ChunkMeta {
   namespaceId: Uint8Array
   chainKey: Uint8Array
   parentKey: Uint8Array
+  /**
+   * SHA-256 (64 lowercase hex) of the calibration object the sections were coded
+   * with. Set: the object is format version 2 and names it; absent: version 1.
+   */
+  calibration?: string | undefined
 }
 
 export interface SectionEntry {
@@ -74,11 +91,22 @@ export interface ChunkHeader extends ChunkMeta {
   sections: SectionEntry[]
 }
 
-/** The header length is a pure function of the layer count (16-byte aligned). */
-export function headerBytesFor(layers: number): number {
-  const unpadded = FIXED_HEADER_BYTES + SECTION_ENTRY_BYTES * layers + 4
+function fixedHeaderBytes(version: number): number {
+  return version === FORMAT_VERSION_CALIBRATED ? FIXED_HEADER_BYTES_V2 : FIXED_HEADER_BYTES
+}
+
+/**
+ * The header length is a pure function of the format version and layer count
+ * (16-byte aligned). Bounds that must hold for any object (buffer sizes) take
+ * the larger, version 2.
+ */
+export function headerBytesFor(layers: number, version: number = FORMAT_VERSION): number {
+  const unpadded = fixedHeaderBytes(version) + SECTION_ENTRY_BYTES * layers + 4
   return (unpadded + 15) & ~15
 }
+
+const HEX64 = /^[0-9a-f]{64}$/
+const ZERO_HASH = '0'.repeat(64)
 
 function fail(code: ConstructorParameters<typeof FormatError>[0], message: string): never {
   throw new FormatError(code, message)
@@ -116,6 +144,12 @@ function checkMeta(meta: ChunkMeta, sections: readonly Uint8Array[]): void {
     if (!(b instanceof Uint8Array) || b.length !== n)
       throw new InvalidArgumentError(`${name} must be ${n} bytes`)
   }
+  if (
+    meta.calibration !== undefined &&
+    (typeof meta.calibration !== 'string' || !HEX64.test(meta.calibration) || meta.calibration === ZERO_HASH)
+  ) {
+    throw new InvalidArgumentError('calibration must be a SHA-256 as 64 lowercase hex digits (not all zero)')
+  }
   if (sections.length !== g.layers) {
     throw new InvalidArgumentError(`expected one section per layer (${g.layers}), got ${sections.length}`)
   }
@@ -128,13 +162,15 @@ function checkMeta(meta: ChunkMeta, sections: readonly Uint8Array[]): void {
 export function encodeChunk(meta: ChunkMeta, sections: readonly Uint8Array[]): Uint8Array {
   checkMeta(meta, sections)
   const g = meta.geometry
-  const headerBytes = headerBytesFor(g.layers)
+  const version = meta.calibration === undefined ? FORMAT_VERSION : FORMAT_VERSION_CALIBRATED
+  const fixed = fixedHeaderBytes(version)
+  const headerBytes = headerBytesFor(g.layers, version)
   let total = headerBytes
   for (const s of sections) total += s.length
   const out = new Uint8Array(total)
   const dv = new DataView(out.buffer)
   dv.setUint32(0, CHUNK_MAGIC, true)
-  dv.setUint16(4, FORMAT_VERSION, true)
+  dv.setUint16(4, version, true)
   dv.setUint16(6, (meta.partial ? FLAG_PARTIAL : 0) | (meta.latent ? FLAG_LATENT : 0), true)
   dv.setUint32(8, headerBytes, true)
   dv.setUint32(12, g.layers, true)
@@ -151,9 +187,10 @@ export function encodeChunk(meta: ChunkMeta, sections: readonly Uint8Array[]): U
   out.set(meta.namespaceId, 60)
   out.set(meta.chainKey, 76)
   out.set(meta.parentKey, 108)
+  if (meta.calibration !== undefined) out.set(fromHex(meta.calibration), CALIBRATION_OFFSET)
   let offset = headerBytes
   sections.forEach((s, i) => {
-    const e = FIXED_HEADER_BYTES + i * SECTION_ENTRY_BYTES
+    const e = fixed + i * SECTION_ENTRY_BYTES
     dv.setBigUint64(e, BigInt(offset), true)
     dv.setUint32(e + 8, s.length, true)
     dv.setUint32(e + 12, crc32(s), true)
@@ -169,7 +206,7 @@ export interface DecodeOptions {
   maxBytes?: number
 }
 
-/** Reads the header length from the first 12 bytes; validates magic and version. */
+/** Reads the header length from the first 12 bytes; validates magic, version and the length's bounds. */
 export function readHeaderLength(prefix: Uint8Array): number {
   if (prefix.length < HEADER_PREFIX_BYTES)
     fail('ERR_FORMAT_TRUNCATED', `need ${HEADER_PREFIX_BYTES} bytes to read a header`)
@@ -177,14 +214,18 @@ export function readHeaderLength(prefix: Uint8Array): number {
   if (dv.getUint32(0, true) !== CHUNK_MAGIC)
     fail('ERR_FORMAT_BAD_MAGIC', 'not a kvgate chunk object (bad magic)')
   const version = dv.getUint16(4, true)
-  if (version !== FORMAT_VERSION) {
+  if (version !== FORMAT_VERSION && version !== FORMAT_VERSION_CALIBRATED) {
     fail(
       'ERR_FORMAT_BAD_VERSION',
-      `chunk format version ${version} is not supported (this build reads ${FORMAT_VERSION})`,
+      `chunk format version ${version} is not supported (this build reads ${FORMAT_VERSION} and ${FORMAT_VERSION_CALIBRATED})`,
     )
   }
   const headerBytes = dv.getUint32(8, true)
-  if (headerBytes < headerBytesFor(1) || headerBytes > headerBytesFor(MAX_LAYERS) || headerBytes % 16 !== 0) {
+  if (
+    headerBytes < headerBytesFor(1, version) ||
+    headerBytes > headerBytesFor(MAX_LAYERS, version) ||
+    headerBytes % 16 !== 0
+  ) {
     fail('ERR_FORMAT_BAD_FIELD', `implausible header length ${headerBytes}`)
   }
   return headerBytes
@@ -200,6 +241,8 @@ export function decodeHeader(bytes: Uint8Array, opts: DecodeOptions = {}): Chunk
   if (bytes.length < headerBytes)
     fail('ERR_FORMAT_TRUNCATED', `header needs ${headerBytes} bytes, got ${bytes.length}`)
   const dv = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength)
+  const version = dv.getUint16(4, true)
+  const fixed = fixedHeaderBytes(version)
   const stored = dv.getUint32(headerBytes - 4, true)
   if (crc32(bytes.subarray(0, headerBytes - 4)) !== stored)
     fail('ERR_FORMAT_CHECKSUM', 'header checksum mismatch')
@@ -210,7 +253,12 @@ export function decodeHeader(bytes: Uint8Array, opts: DecodeOptions = {}): Chunk
     fail('ERR_FORMAT_BAD_FIELD', `unknown flags 0x${flags.toString(16)}`)
   const count = dv.getUint32(12, true)
   const layers = dv.getUint16(44, true)
-  if (count !== layers || layers < 1 || layers > MAX_LAYERS || headerBytesFor(layers) !== headerBytes) {
+  if (
+    count !== layers ||
+    layers < 1 ||
+    layers > MAX_LAYERS ||
+    headerBytesFor(layers, version) !== headerBytes
+  ) {
     fail(
       'ERR_FORMAT_BAD_FIELD',
       `section count ${count} / layers ${layers} disagree with header length ${headerBytes}`,
@@ -239,8 +287,14 @@ export function decodeHeader(bytes: Uint8Array, opts: DecodeOptions = {}): Chunk
     fail('ERR_FORMAT_BAD_FIELD', `a latent (MLA) chunk has 1 kv head, not ${kvHeads}`)
   const sections: SectionEntry[] = []
   let expected = headerBytes
+  let calibration: string | undefined
+  if (version === FORMAT_VERSION_CALIBRATED) {
+    calibration = toHex(bytes.subarray(CALIBRATION_OFFSET, CALIBRATION_OFFSET + CALIBRATION_BYTES))
+    // Version 2 exists to name a calibration; an uncalibrated writer emits version 1.
+    if (calibration === ZERO_HASH) fail('ERR_FORMAT_BAD_FIELD', 'version-2 header names no calibration')
+  }
   for (let i = 0; i < layers; i++) {
-    const e = FIXED_HEADER_BYTES + i * SECTION_ENTRY_BYTES
+    const e = fixed + i * SECTION_ENTRY_BYTES
     const offset = dv.getBigUint64(e, true)
     const length = dv.getUint32(e + 8, true)
     // Sections are contiguous and in layer order: no gaps, overlaps or holes to hide data in.
@@ -251,11 +305,11 @@ export function decodeHeader(bytes: Uint8Array, opts: DecodeOptions = {}): Chunk
   }
   if (expected !== totalBytes)
     fail('ERR_FORMAT_BAD_FIELD', `sections end at ${expected}, header says ${totalBytes} bytes`)
-  for (let i = FIXED_HEADER_BYTES + layers * SECTION_ENTRY_BYTES; i < headerBytes - 4; i++) {
+  for (let i = fixed + layers * SECTION_ENTRY_BYTES; i < headerBytes - 4; i++) {
     if (bytes[i] !== 0) fail('ERR_FORMAT_BAD_FIELD', 'header padding is not zero')
   }
   return {
-    formatVersion: FORMAT_VERSION,
+    formatVersion: version,
     headerBytes,
     totalBytes,
     codec,
@@ -269,6 +323,7 @@ export function decodeHeader(bytes: Uint8Array, opts: DecodeOptions = {}): Chunk
     namespaceId: bytes.slice(60, 76),
     chainKey: bytes.slice(76, 108),
     parentKey: bytes.slice(108, 140),
+    ...(calibration === undefined ? {} : { calibration }),
     sections,
   }
 }

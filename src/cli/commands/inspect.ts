@@ -90,6 +90,8 @@ function printReport(path: string, r: InspectReport): void {
   console.log(`  chunk #${h.chunkIndex}  key ${h.chainKey}`)
   console.log(`  parent     ${h.parentKey}`)
   console.log(`  namespace  ${h.namespaceId}`)
+  // v2: the sections decode only with this calibration object (GET /v1/ns/{ns}/calibrations/{hash}).
+  if (h.calibration) console.log(`  calibration ${h.calibration}`)
   console.log(`  raw KV ${r.rawBytes} bytes, stored ${h.totalBytes} bytes (ratio ${r.ratio?.toFixed(2)}×)`)
   console.log('  layer      offset      length  crc32     status')
   for (const s of r.sections) {
