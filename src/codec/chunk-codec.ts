@@ -53,6 +53,11 @@ export interface EncodeOptions {
    * K (against its channel-centred RMS) and V. Benchmarks use it to compare at equal error.
    */
   errorTargets?: LayerTargets
+  /**
+   * The namespace calibration object the sections are coded with (src/codec/calibration.ts):
+   * the object becomes format v2 and names it by its SHA-256. Absent: format v1.
+   */
+  calibration?: { readonly hash: string }
 }
 
 export interface DecodeLimits {
@@ -121,6 +126,7 @@ export function encodeChunk(tensor: Uint8Array, meta: ChunkInfo, opts: EncodeOpt
       codec: mode,
       codecVersion: CODEC_VERSIONS[mode],
       codecParams: encodeParams(mode, quality, split),
+      calibration: opts.calibration?.hash,
     },
     sections,
   )
