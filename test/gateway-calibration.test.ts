@@ -45,7 +45,7 @@ const putCalib = (bytes: Uint8Array, hash = sha(bytes), headers: Record<string, 
         'content-length': String(bytes.length),
         ...headers,
       },
-      body: bytes,
+      body: bytes as Uint8Array<ArrayBuffer>,
     },
   ] as const
 

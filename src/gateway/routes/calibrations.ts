@@ -32,7 +32,7 @@ const MAX_POINTER_BYTES = 1024
 const CURRENT_TTL_MS = 60_000
 
 export async function sha256Hex(bytes: Uint8Array): Promise<string> {
-  return toHex(new Uint8Array(await crypto.subtle.digest('SHA-256', bytes)))
+  return toHex(new Uint8Array(await crypto.subtle.digest('SHA-256', bytes as Uint8Array<ArrayBuffer>)))
 }
 
 function hashParam(c: Context<GatewayEnv>): string {
@@ -198,7 +198,7 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     if (c.req.method === 'HEAD') return c.body(null, 200, headers)
     c.set('bytes', bytes.length)
     state.metrics.bytesOut.inc({}, bytes.length)
-    return c.body(bytes, 200, headers)
+    return c.body(bytes as Uint8Array<ArrayBuffer>, 200, headers)
   })
 
   /** The namespace's current calibration hash, or undefined. */
