@@ -219,7 +219,10 @@ export class CalibrationStore {
         const hash = await this.#remote!.currentCalibration()
         if (hash === undefined) return // unreachable: keep what we knew
         this.#current = { hash, at: performance.now() }
-        if (hash) await this.get(hash)
+        if (hash) {
+          this.#samples = [] // calibrated by someone: samples are no longer needed
+          await this.get(hash)
+        }
       } finally {
         this.#refreshing = undefined
       }
@@ -229,16 +232,20 @@ export class CalibrationStore {
 
   /**
    * The policy's input: a full chunk this node stored (raw KV in the chunk tensor
-   * layout). While the namespace is known to have no calibration, the first
-   * `calibrateAfter` are copied; then one is built, published and the winner adopted.
+   * layout). Until the namespace is known to be calibrated the first
+   * `calibrateAfter` are copied (never more); once the gateway said it has none,
+   * one is built from them, published and the winner adopted.
    */
   observe(tensor: Uint8Array): void {
     if (this.#closed || this.#o.calibrateAfter <= 0 || !this.#remote || this.#building) return
-    if (this.#current?.hash !== null) {
-      if (!this.#current) void this.refresh()
-      return // unknown (ask first: another node may have one) or already calibrated
-    }
+    if (this.#current?.hash) return // calibrated
     if (this.#samples.length < this.#o.calibrateAfter) this.#samples.push(tensor.slice())
+    if (this.#current === undefined) void this.refresh().then(() => this.#maybeBuild())
+    else this.#maybeBuild()
+  }
+
+  #maybeBuild(): void {
+    if (this.#closed || this.#building || this.#current?.hash !== null) return
     if (this.#samples.length < this.#o.calibrateAfter) return
     const samples = this.#samples
     this.#samples = []

@@ -718,10 +718,8 @@ export class RemoteTier {
 
   /** GET …/calibration: the namespace's current hash, null when it has none, undefined when unknown (unreachable). */
   async currentCalibration(): Promise<string | null | undefined> {
-    const r = await this.#request('GET', `${this.#base}/calibration`, {
-      timeoutMs: this.#lookupTimeoutMs,
-      retries: 0,
-    })
+    // Asked in the background (never on a lookup's path): the chunk deadline and retries.
+    const r = await this.#request('GET', `${this.#base}/calibration`, { timeoutMs: this.#timeoutMs })
     if (r?.status === 404) return null
     if (r?.status !== 200) {
       this.#unexpected(r)
