@@ -370,6 +370,7 @@ describe('a restarted node decodes its L2 offline', () => {
     try {
       expect(sum(await d.retrieve(toks, { into: new Uint8Array(CB) }))).toBe(0)
       expect(d.stats().calibration!.misses).toBe(1)
+      expect(d.metrics()).toMatch(/^kvgate_client_calibration_misses_total 1$/m)
       // A's two chunks (raw L2 copies) and the calibrated one, which stays for when the calibration is back.
       expect(d.stats().disk).toMatchObject({ corrupt: 0, files: 3 })
       expect(existsSync(join(dir, k.hex.slice(0, 2), `${k.hex}.kvc`))).toBe(true)

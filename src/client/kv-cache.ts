@@ -603,6 +603,12 @@ export class KVCache {
         values: [{ value: s.remote?.shedWrites ?? 0 }],
       },
       {
+        name: 'calibration_misses_total',
+        help: 'Chunks that named a calibration object this node could not get (served as misses).',
+        type: 'counter',
+        values: [{ value: s.calibration?.misses ?? 0 }],
+      },
+      {
         name: 'breaker_open',
         help: '1 when the gateway circuit breaker is open or half-open.',
         type: 'gauge',
