@@ -198,6 +198,9 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     await store.delete(name)
     const gone = await createGateway({ store, prefix }).request(`/v1/ns/team/calibrations/${h}`)
     expect(gone.status).toBe(404)
+    // The writer cached the verified body: it still answers what the store holds, nothing more.
+    expect((await writer.request(`/v1/ns/team/calibrations/${h}`)).status).toBe(404)
+    expect((await writer.request(`/v1/ns/team/calibrations/${h}`, { method: 'HEAD' })).status).toBe(404)
     // A current pointer that is not one is the store's fault too.
     await store.delete(currentCalibrationName(prefix, 'team'))
     const junk = new TextEncoder().encode('{"hash": 1}')

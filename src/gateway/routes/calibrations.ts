@@ -4,7 +4,8 @@
 //   PUT/GET /v1/ns/{ns}/calibration: the namespace's current one, `{hash}`,
 //     create-only: the first stored calibration wins and every PUT learns the winner.
 // Bodies are small (≤ limits.maxCalibrationBytes, 16 MiB by default), so they are
-// read whole and hashed before anything is stored or served.
+// read whole and hashed before anything is stored or served; verified bodies are
+// cached, and a cached one is served only while the store still holds it (one HEAD).
 
 import type { Context, Hono } from 'hono'
 import { calibrationObjectName, currentCalibrationName } from '../../coldtier/names.ts'
@@ -133,7 +134,13 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
   async function load(ns: string, hash: string): Promise<Uint8Array | undefined> {
     const name = calibrationObjectName(state.prefix, ns, hash)
     const cached = bodies.get(name)
-    if (cached) return cached
+    // The cache saves the body and its hashing, not the store's word: an object deleted
+    // behind the gateway (an operator, another instance) is gone here too.
+    if (cached) {
+      if (await state.store.head(name)) return cached
+      bodies.delete(name)
+      return undefined
+    }
     const obj = await state.store.get(name)
     if (!obj) return undefined
     const bytes = await readWhole(obj, max)
