@@ -53,6 +53,9 @@ function fakeRemote() {
       if (!reachable) return undefined
       return objects.get(hash) ?? null
     },
+    async hasCalibration(hash) {
+      return reachable ? objects.has(hash) : undefined
+    },
     async currentCalibration() {
       calls.current++
       return reachable ? current : undefined
@@ -167,6 +170,19 @@ describe('CalibrationStore', () => {
     a.observe(kv(1, 13))
     await a.settled()
     expect(a.stats().built).toBe(1)
+  })
+
+  it('a holder puts the current calibration back when it is gone from the bucket', async () => {
+    const f = fakeRemote()
+    const s = new CalibrationStore({ codec, geometry: g, remote: f.remote, currentTtlMs: 0 })
+    const c = await s.publish(sample(8))
+    expect(c).toBeDefined()
+    f.objects.clear() // deleted behind the gateway; the pointer still names it
+    await s.refresh()
+    expect(f.objects.get(c!.hash)).toEqual(c!.bytes)
+    expect(s.stats().restored).toBe(1)
+    await s.refresh() // present again: nothing to do
+    expect(s.stats().restored).toBe(1)
   })
 
   it('calibrateAfter 0 never builds; an unreachable gateway publishes nothing and is not an error', async () => {
@@ -298,6 +314,14 @@ describe('clients calibrating through a gateway on RadosGW', () => {
       // The chunk objects themselves are untouched.
       const k = d.keys(pa)[0]!
       expect((await fetch(`${gw2.url}/v1/ns/calib/chunks/${k.hex}`, { method: 'HEAD' })).status).toBe(200)
+      // A node that holds it puts it back at its next refresh (the pointer still names it) ...
+      await new Promise((r) => setTimeout(r, 60))
+      await a.store(promptTokens(1, 7), kv(1, 7))
+      await until(() => a.stats().calibration!.restored === 1)
+      // ... and a node without a copy decodes again.
+      const e = await node(gw2.url, 0)
+      expect(sum(await e.retrieve(pa, { into: got }))).toBe(3 * T)
+      expect(e.stats().calibration).toMatchObject({ fetched: 1, misses: 0 })
     } finally {
       await gw2.close(100)
     }

@@ -16,6 +16,8 @@ import type { KvGeometry } from '../core/layout.ts'
 /** The gateway side of calibrations (RemoteTier implements it); null = "has none", undefined = unreachable. */
 export interface CalibrationRemote {
   getCalibration(hash: string, maxBytes: number): Promise<Uint8Array | null | undefined>
+  /** HEAD: whether the gateway holds it (undefined: unreachable). */
+  hasCalibration(hash: string): Promise<boolean | undefined>
   currentCalibration(): Promise<string | null | undefined>
   putCalibration(hash: string, bytes: Uint8Array): Promise<boolean>
   setCurrentCalibration(hash: string): Promise<string | undefined>
@@ -71,6 +73,8 @@ export interface CalibrationStats {
   won: number
   /** Times another node's calibration was adopted. */
   adopted: number
+  /** Times this node put the current calibration back after finding it gone from the bucket. */
+  restored: number
 }
 
 const HASH = /^[0-9a-f]{64}$/
@@ -91,7 +95,16 @@ export class CalibrationStore {
   #samples: Uint8Array[] = []
   #building: Promise<void> | undefined
   #closed = false
-  readonly #stats = { loaded: 0, fetched: 0, misses: 0, rejected: 0, built: 0, won: 0, adopted: 0 }
+  readonly #stats = {
+    loaded: 0,
+    fetched: 0,
+    misses: 0,
+    rejected: 0,
+    built: 0,
+    won: 0,
+    adopted: 0,
+    restored: 0,
+  }
 
   constructor(opts: CalibrationStoreOptions) {
     this.#o = {
@@ -221,13 +234,30 @@ export class CalibrationStore {
         this.#current = { hash, at: performance.now() }
         if (hash) {
           this.#samples = [] // calibrated by someone: samples are no longer needed
-          await this.get(hash)
+          await this.#loadCurrent(hash)
         }
       } finally {
         this.#refreshing = undefined
       }
     })()
     return this.#refreshing
+  }
+
+  /**
+   * Loads the current calibration. One this node already holds is checked against
+   * the bucket (a HEAD per refresh) and put back if it is gone (deleted behind the
+   * gateway): the pointer still names it, so without it every other node's decodes
+   * of chunks coded with it would miss. The PUT is create-only and verified by hash.
+   */
+  async #loadCurrent(hash: string): Promise<void> {
+    const held = this.#cache.get(hash) ?? (await this.#readPersisted(hash))
+    if (!held) {
+      await this.get(hash)
+      return
+    }
+    this.#cache.set(hash, held)
+    if ((await this.#remote!.hasCalibration(hash)) !== false) return
+    if (await this.#remote!.putCalibration(hash, held.bytes)) this.#stats.restored++
   }
 
   /**

@@ -716,6 +716,17 @@ export class RemoteTier {
     return undefined
   }
 
+  /** HEAD …/calibrations/{hash}: whether the gateway holds it, undefined when unreachable. */
+  async hasCalibration(hash: string): Promise<boolean | undefined> {
+    const r = await this.#request('HEAD', `${this.#base}/calibrations/${hash}`, {
+      timeoutMs: this.#timeoutMs,
+    })
+    if (r?.status === 200) return true
+    if (r?.status === 404) return false
+    this.#unexpected(r)
+    return undefined
+  }
+
   /** GET …/calibration: the namespace's current hash, null when it has none, undefined when unknown (unreachable). */
   async currentCalibration(): Promise<string | null | undefined> {
     // Asked in the background (never on a lookup's path): the chunk deadline and retries.
