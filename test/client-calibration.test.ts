@@ -10,6 +10,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { type CalibrationRemote, CalibrationStore } from '../src/client/calibration-store.ts'
+import { CodecPool } from '../src/client/codec-pool.ts'
 import { KVCache } from '../src/client/index.ts'
 import { buildCalibration, openCalibration } from '../src/codec/calibration.ts'
 import { encodeChunk } from '../src/codec/node.ts'
@@ -195,6 +196,24 @@ describe('CalibrationStore', () => {
     const t = new CalibrationStore({ codec, geometry: g, remote: f.remote })
     expect(await t.publish(sample(7))).toBeUndefined()
     expect(t.stats().won).toBe(0)
+  })
+})
+
+describe('CodecPool.buildCalibration', () => {
+  it('builds on a worker the same bytes as inline, leaving the calling thread free', async () => {
+    const pool = new CodecPool(1)
+    try {
+      const samples = [kv(1, 31), kv(1, 32)]
+      const want = buildCalibration(
+        samples.map((x) => x.slice()),
+        { geometry: g, dtype: g.dtype },
+      )
+      expect(await pool.buildCalibration(samples, g)).toEqual(want)
+      expect(pool.counts.workerJobs).toBe(1)
+      expect(pool.counts.inlineJobs).toBe(0)
+    } finally {
+      await pool.close()
+    }
   })
 })
 

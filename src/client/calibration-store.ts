@@ -23,9 +23,16 @@ export interface CalibrationRemote {
   setCurrentCalibration(hash: string): Promise<string | undefined>
 }
 
-/** The codec's calibration functions (src/codec/calibration.ts), injected so tests and runtimes can choose. */
+/**
+ * The codec's calibration functions (src/codec/calibration.ts), injected so tests and runtimes
+ * can choose. `build` may run elsewhere (the KVCache runs it on a codec worker: it reads every
+ * sample, tens of MiB for a large model, and must not hold up the inference thread).
+ */
 export interface CalibrationCodec {
-  build(samples: Uint8Array[], meta: { geometry: KvGeometry; dtype: KvGeometry['dtype'] }): Uint8Array
+  build(
+    samples: Uint8Array[],
+    meta: { geometry: KvGeometry; dtype: KvGeometry['dtype'] },
+  ): Uint8Array | Promise<Uint8Array>
   open(bytes: Uint8Array): Calibration
 }
 
@@ -174,7 +181,12 @@ export class CalibrationStore {
       const c = this.#codec.open(bytes)
       const g = c.geometry
       const want = this.#geometry
-      if (g.layers !== want.layers || g.kvHeads !== want.kvHeads || g.headDim !== want.headDim)
+      if (
+        g.layers !== want.layers ||
+        g.kvHeads !== want.kvHeads ||
+        g.headDim !== want.headDim ||
+        c.dtype !== want.dtype
+      )
         throw new Error('geometry mismatch')
       return c
     } catch {
@@ -287,7 +299,7 @@ export class CalibrationStore {
   async #buildAndPublish(samples: Uint8Array[]): Promise<void> {
     let bytes: Uint8Array
     try {
-      bytes = this.#codec.build(samples, { geometry: this.#geometry, dtype: this.#geometry.dtype })
+      bytes = await this.#codec.build(samples, { geometry: this.#geometry, dtype: this.#geometry.dtype })
     } catch {
       this.#stats.rejected++
       return

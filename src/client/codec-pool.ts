@@ -3,10 +3,11 @@
 
 import { availableParallelism } from 'node:os'
 import { Worker } from 'node:worker_threads'
-import type { Calibration } from '../codec/calibration.ts'
+import { buildCalibration, type Calibration } from '../codec/calibration.ts'
 import { crc32 } from '../core/checksum.ts'
 import { CodecError, FormatError, KvgateError } from '../core/errors.ts'
 import { type ChunkHeader, decodeHeader, verifyChunk } from '../core/format.ts'
+import type { KvGeometry } from '../core/layout.ts'
 import { type CalibrationRef, decodeIntoWith, decodeSectionWith, encodeWith } from './calibrated-codec.ts'
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
 import type { CodecReply, CodecRequest } from './codec-worker.ts'
@@ -243,6 +244,22 @@ export class CodecPool {
     }
     this.counts.inlineJobs++
     return encodeWith(tensor, meta, codec, quality, calibration)
+  }
+
+  /** Builds a calibration object from chunk tensors on a worker (samples are transferred: the caller's copies). */
+  async buildCalibration(samples: Uint8Array[], geometry: KvGeometry): Promise<Uint8Array> {
+    const p = this.#post('write', () => {
+      const bufs = samples.map((s) =>
+        s.byteOffset === 0 && s.byteLength === s.buffer.byteLength
+          ? (s.buffer as ArrayBuffer)
+          : (s.slice().buffer as ArrayBuffer),
+      )
+      return { msg: { op: 'calibrate', samples: bufs, geometry }, transfer: bufs }
+    })
+    const out = p && (await p.catch(noWorkersToUndefined))
+    if (out) return out
+    this.counts.inlineJobs++
+    return buildCalibration(samples, { geometry, dtype: geometry.dtype })
   }
 
   /** Decodes a verified whole object into `dst` (one chunk tensor). */

@@ -2,8 +2,10 @@
 // inference thread. Messages carry transferred ArrayBuffers; errors come back as strings.
 
 import { parentPort } from 'node:worker_threads'
+import { buildCalibration } from '../codec/calibration.ts'
 import { crc32 } from '../core/checksum.ts'
 import type { ChunkHeader } from '../core/format.ts'
+import type { KvGeometry } from '../core/layout.ts'
 import {
   type CalibrationRef,
   decodeIntoWith,
@@ -32,6 +34,8 @@ export type CodecRequest =
       section: ArrayBuffer
       calibration?: CalibrationRef | undefined
     }
+  /** Builds a calibration object from chunk tensors (the policy's samples). */
+  | { id: number; op: 'calibrate'; samples: ArrayBuffer[]; geometry: KvGeometry }
   /** CRC-32 of ranges [offset, length, offset, length, …] of `data`; the reply packs them as u32. */
   | { id: number; op: 'crc'; data: ArrayBuffer; ranges: number[] }
 
@@ -55,6 +59,9 @@ parentPort?.on('message', (m: CodecRequest) => {
     else if (m.op === 'decode') {
       out = new Uint8Array(m.size)
       decodeIntoWith(new Uint8Array(m.object), out, openRef(m.calibration))
+    } else if (m.op === 'calibrate') {
+      const samples = m.samples.map((b) => new Uint8Array(b))
+      out = buildCalibration(samples, { geometry: m.geometry, dtype: m.geometry.dtype })
     } else if (m.op === 'crc') {
       const data = new Uint8Array(m.data)
       const crcs = new Uint32Array(m.ranges.length / 2)

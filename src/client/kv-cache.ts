@@ -2,7 +2,7 @@
 // chunk keys and drives the storage manager across L1 (memory), L2 (disk) and L4 (gateway).
 
 import { join } from 'node:path'
-import { buildCalibration, openCalibration } from '../codec/calibration.ts'
+import { openCalibration } from '../codec/calibration.ts'
 import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
 import { headerBytesFor } from '../core/format.ts'
 import { type ChunkKey, fromHex, type KeyNamespace, namespaceId } from '../core/keys.ts'
@@ -201,7 +201,8 @@ export class KVCache {
     const calibrations =
       remote || disk
         ? new CalibrationStore({
-            codec: { build: buildCalibration, open: openCalibration },
+            // Built on a codec worker: it reads every sample and must not stall the calling thread.
+            codec: { build: (samples) => codec.buildCalibration(samples, g), open: openCalibration },
             geometry: g,
             remote,
             dir: o.disk ? join(o.disk.dir, 'calibrations') : undefined,
