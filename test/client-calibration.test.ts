@@ -11,6 +11,7 @@ import { join } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { type CalibrationRemote, CalibrationStore } from '../src/client/calibration-store.ts'
 import { CodecPool } from '../src/client/codec-pool.ts'
+import { optionsFromEnvironment } from '../src/client/config.ts'
 import { KVCache } from '../src/client/index.ts'
 import { buildCalibration, openCalibration } from '../src/codec/calibration.ts'
 import { encodeChunk } from '../src/codec/node.ts'
@@ -218,6 +219,17 @@ describe('CodecPool.buildCalibration', () => {
 })
 
 describe('client options', () => {
+  it('KVGATE_REMOTE_CALIBRATION(_AFTER) from the environment', () => {
+    const env = { KVGATE_REMOTE_URL: 'http://g:1' }
+    expect(optionsFromEnvironment({ ...env, KVGATE_REMOTE_CALIBRATION: 'off' }).remote).toMatchObject({
+      calibration: false,
+    })
+    expect(optionsFromEnvironment({ ...env, KVGATE_REMOTE_CALIBRATION_AFTER: '8' }).remote).toMatchObject({
+      calibration: { after: 8 },
+    })
+    expect(() => optionsFromEnvironment({ ...env, KVGATE_REMOTE_CALIBRATION: 'maybe' })).toThrow(/on or off/)
+    expect(() => optionsFromEnvironment({ ...env, KVGATE_REMOTE_CALIBRATION_AFTER: 'x' })).toThrow()
+  })
   it('remote.calibration keys are strict', async () => {
     for (const calibration of [{ after: -1 }, { afterr: 2 }, { currentTtlMs: 'x' }, 'yes', null]) {
       await expect(

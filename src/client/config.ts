@@ -453,6 +453,19 @@ export function optionsFromEnvironment(
     if (env.KVGATE_REMOTE_PRESENCE_TTL_MS) {
       sub('remote').presenceTtlMs = num('KVGATE_REMOTE_PRESENCE_TTL_MS', env.KVGATE_REMOTE_PRESENCE_TTL_MS)
     }
+    // KVGATE_REMOTE_CALIBRATION=off turns calibrated encoding off; _AFTER sets the build policy.
+    const calib = env.KVGATE_REMOTE_CALIBRATION
+    if (calib === 'off' || calib === 'false') sub('remote').calibration = false
+    else if (calib !== undefined && calib !== '' && calib !== 'on' && calib !== 'true')
+      throw new InvalidArgumentError(`invalid KVGATE_REMOTE_CALIBRATION: '${calib}' (on or off)`)
+    else if (env.KVGATE_REMOTE_CALIBRATION_AFTER) {
+      const r = sub('remote')
+      const fromFile = typeof r.calibration === 'object' && r.calibration !== null ? r.calibration : {}
+      r.calibration = {
+        ...fromFile,
+        after: num('KVGATE_REMOTE_CALIBRATION_AFTER', env.KVGATE_REMOTE_CALIBRATION_AFTER),
+      }
+    }
     if (env.KVGATE_REMOTE_UPLOAD_MIN_BYTES) {
       sub('remote').uploadMinBytes = parseBytes(
         'KVGATE_REMOTE_UPLOAD_MIN_BYTES',
