@@ -359,6 +359,64 @@ describe('clients calibrating through a gateway on RadosGW', () => {
   })
 })
 
+describe('calibrated chunks by layer ranges (memory gateway)', () => {
+  it('retrieveLayers decodes calibrated layer groups, and misses them without the calibration', async () => {
+    const store = new MemoryStore()
+    const gw = await serveGateway(createGateway({ store }), { port: 0 })
+    const open = (after: number) =>
+      KVCache.open({
+        model: 'stories260k',
+        chunkTokens: T,
+        namespace: 'layers',
+        memory: { bytes: 8 * CB },
+        remote: { url: gw.url, codec: 'kvgate', calibration: { after, currentTtlMs: 0 } },
+      })
+    const a = await open(1)
+    const b = await open(0)
+    try {
+      await a.store(promptTokens(1, 1), kv(1, 1))
+      await a.flush()
+      const end = Date.now() + 5000
+      while (!a.stats().calibration?.current && Date.now() < end) {
+        await a.store(promptTokens(1, 2), kv(1, 2))
+        await new Promise((r) => setTimeout(r, 20))
+      }
+      while (!a.stats().calibration!.won && Date.now() < end) await new Promise((r) => setTimeout(r, 20))
+      const toks = promptTokens(2, 9)
+      await a.store(toks, kv(2, 9))
+      await a.flush()
+      for (const k of a.keys(toks)) {
+        const r = await fetch(`${gw.url}/v1/ns/layers/chunks/${k.hex}`)
+        expect(decodeHeader(new Uint8Array(await r.arrayBuffer())).calibration).toBe(
+          a.stats().calibration!.current,
+        )
+      }
+      const layers: number[] = []
+      for await (const batch of b.retrieveLayers(toks)) {
+        expect(batch.chunks).toBe(2)
+        layers.push(batch.layer)
+      }
+      expect(layers).toEqual([0, 1, 2, 3, 4])
+      expect(b.stats().calibration).toMatchObject({ fetched: 1, misses: 0 })
+      // Gone from the bucket, and a node without a copy: every layer group is a miss, nothing corrupt.
+      const hash = a.stats().calibration!.current!
+      await store.delete(calibrationObjectName('kvgate', 'layers', hash))
+      const c = await open(0)
+      try {
+        for await (const batch of c.retrieveLayers(toks)) expect(batch.chunks).toBe(0)
+        expect(c.stats().calibration!.misses).toBeGreaterThan(0)
+        expect(c.stats().remote!.corruptReported).toBe(0)
+      } finally {
+        await c.close(100)
+      }
+    } finally {
+      await a.close(100)
+      await b.close(100)
+      await gw.close(100)
+    }
+  })
+})
+
 describe('a restarted node decodes its L2 offline', () => {
   it('with the calibration persisted beside L2; without it, a counted miss and the file kept', async () => {
     const app = createGateway({ store: new MemoryStore() })
