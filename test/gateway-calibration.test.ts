@@ -12,10 +12,12 @@ import { afterAll, describe, expect, it } from 'vitest'
 import { runGc } from '../src/coldtier/gc.ts'
 import { calibrationObjectName, classify, currentCalibrationName } from '../src/coldtier/names.ts'
 import { parseColdTier } from '../src/coldtier/policy.ts'
+import { crc32 } from '../src/core/checksum.ts'
+import { decodeHeader, encodeChunk, openLayerSubset } from '../src/core/format.ts'
 import { createGateway, hashToken, MemoryStore } from '../src/gateway/index.ts'
 import { FsStore, S3Store } from '../src/gateway/node.ts'
 import type { ObjectStore } from '../src/gateway/stores/types.ts'
-import { makeChain, putInit } from './gateway-fixtures.ts'
+import { makeChain, makeChunk, putInit } from './gateway-fixtures.ts'
 import { type Rgw, useRgw } from './support/rgw.ts'
 
 const rgw: Rgw | undefined = await useRgw('gateway-calibration (RadosGW)')
@@ -207,6 +209,29 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     await store.putIfAbsent(currentCalibrationName(prefix, 'team'), junk, junk.length)
     const cur = await createGateway({ store, prefix }).request('/v1/ns/team/calibration')
     expect(cur.status).toBe(502)
+  })
+
+  it('verifies and serves a calibrated (format v2) chunk whole and by layers; a zeroed hash is refused', async () => {
+    const { app } = await gateway()
+    const v1 = makeChunk({ layers: 5, sectionBytes: 300 })
+    const h1 = decodeHeader(v1.bytes)
+    const sections = h1.sections.map((s) => v1.bytes.subarray(s.offset, s.offset + s.length))
+    const named = sha(calib(12))
+    const v2 = encodeChunk({ ...h1, calibration: named }, sections)
+    // The same key with a zero calibration field and a valid header CRC: refused at the door.
+    const zero = v2.slice()
+    const h2 = decodeHeader(v2)
+    zero.fill(0, 140, 172)
+    new DataView(zero.buffer).setUint32(h2.headerBytes - 4, crc32(zero.subarray(0, h2.headerBytes - 4)), true)
+    const refused = await app.request(`/v1/ns/team/chunks/${v1.key}`, putInit(zero))
+    expect([refused.status, await errCode(refused)]).toEqual([400, 'ERR_FORMAT_BAD_FIELD'])
+    expect((await app.request(`/v1/ns/team/chunks/${v1.key}`, putInit(v2))).status).toBe(201)
+    const whole = await app.request(`/v1/ns/team/chunks/${v1.key}`)
+    expect(new Uint8Array(await whole.arrayBuffer())).toEqual(v2)
+    const r = await app.request(`/v1/ns/team/chunks/${v1.key}?layers=3-4`)
+    const sub = openLayerSubset(new Uint8Array(await r.arrayBuffer()), 3, 4)
+    expect(sub.header.calibration).toBe(named)
+    expect(sub.section(4)).toEqual(sections[4])
   })
 
   it('gc deletes a namespace’s chunks past their quota and never its calibrations', async () => {
