@@ -123,6 +123,20 @@ describe('CalibrationStore', () => {
     rmSync(dir, { recursive: true, force: true })
   })
 
+  it('a calibration the gateway lacks is not asked for again at once; an unreachable one is', async () => {
+    const f = fakeRemote()
+    const s = new CalibrationStore({ codec, geometry: g, remote: f.remote })
+    const h = sha(sample(40))
+    expect(await s.forDecode(h)).toBeUndefined()
+    expect(await s.forDecode(h)).toBeUndefined()
+    expect([f.calls.get, s.stats().misses]).toEqual([1, 2])
+    f.setReachable(false)
+    const t = new CalibrationStore({ codec, geometry: g, remote: f.remote })
+    await t.get(h)
+    await t.get(h)
+    expect(f.calls.get).toBe(3)
+  })
+
   it('refuses a calibration of another geometry', async () => {
     const f = fakeRemote()
     const foreign = buildCalibration([new Uint8Array(chunkBytes(MODEL_PRESETS['llama-3.1-8b'], 1))], {

@@ -85,6 +85,12 @@ export interface CalibrationStats {
 }
 
 const HASH = /^[0-9a-f]{64}$/
+/**
+ * A calibration the gateway did not have is not asked for again for this long: an L2 file or
+ * a chain of chunks naming it would otherwise cost one gateway GET per read.
+ */
+const MISSING_TTL_MS = 5000
+const MAX_MISSING = 256
 
 const sha256Hex = (b: Uint8Array) => createHash('sha256').update(b).digest('hex')
 
@@ -96,6 +102,8 @@ export class CalibrationStore {
   readonly #dir: string | undefined
   readonly #cache: LRUCache<string, Calibration>
   readonly #loading = new Map<string, Promise<Calibration | undefined>>()
+  /** Hashes the gateway answered 404 (or invalid bytes) for, with when. */
+  readonly #missing = new Map<string, number>()
   /** Current: a hash, null (the namespace has none) or undefined (not known); when it was learnt. */
   #current: { hash: string | null; at: number } | undefined
   #refreshing: Promise<void> | undefined
@@ -164,10 +172,18 @@ export class CalibrationStore {
       return local
     }
     if (!this.#remote || this.#closed) return undefined
+    const missedAt = this.#missing.get(hash)
+    if (missedAt !== undefined && performance.now() - missedAt < MISSING_TTL_MS) return undefined
     const bytes = await this.#remote.getCalibration(hash, this.#o.maxBytes)
-    if (!bytes) return undefined
-    const c = this.#accept(hash, bytes)
-    if (!c) return undefined
+    if (bytes === undefined) return undefined // unreachable: ask again next time
+    const c = bytes === null ? undefined : this.#accept(hash, bytes)
+    if (!c) {
+      this.#missing.delete(hash)
+      this.#missing.set(hash, performance.now())
+      if (this.#missing.size > MAX_MISSING) this.#missing.delete(this.#missing.keys().next().value as string)
+      return undefined
+    }
+    this.#missing.delete(hash)
     this.#stats.fetched++
     this.#cache.set(hash, c)
     await this.#persist(c)
