@@ -74,9 +74,15 @@ describe('serve config', () => {
       maxInFlightBytes: 1024 ** 3,
       maxConnections: 1024,
       maxConcurrentVerifies: 4,
+      maxCalibrationBytes: 16 * 1024 * 1024,
       coalesceMaxBufferedBytes: 64 * 1024 * 1024,
     })
     expect(d.presenceTtlMs).toBeLessThanOrEqual(60_000)
+    expect(
+      resolveServeConfig(settingsFromEnv({ KVGATE_MAX_CALIBRATION_BYTES: '1MiB' })).maxCalibrationBytes,
+    ).toBe(1024 * 1024)
+    expect(() => resolveServeConfig(settingsFromEnv({ KVGATE_MAX_CALIBRATION_BYTES: '4' }))).toThrow()
+    expect(() => resolveServeConfig(settingsFromEnv({ KVGATE_MAX_CALIBRATION_BYTES: 'lots' }))).toThrow()
     const file = join(tmp, 'limits.yaml')
     writeFileSync(file, 'presenceTtlMs: 5000\nmaxConnections: 10\n')
     const c = resolveServeConfig(

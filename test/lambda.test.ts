@@ -180,6 +180,52 @@ describe('the Lambda zip', () => {
     expect(stored.equals(Buffer.from(c.bytes))).toBe(true)
   })
 
+  it('stores a calibration (hash-checked), serves it, and keeps the first current one', async () => {
+    const calib = (seed: number) => {
+      const b = new Uint8Array(256).fill(seed)
+      b.set([0x4b, 0x56, 0x43, 0x4c, 1, 0])
+      return b
+    }
+    const put = (b: Uint8Array, hash = createHash('sha256').update(b).digest('hex')) =>
+      invoke(
+        bundled,
+        event('PUT', `/v1/ns/a/calibrations/${hash}`, {
+          headers: {
+            authorization: `Bearer ${TOKENS.writer}`,
+            'content-type': 'application/octet-stream',
+            'content-length': String(b.length),
+          },
+          body: b,
+        }),
+      )
+    const current = (hash: string) =>
+      invoke(
+        bundled,
+        event('PUT', '/v1/ns/a/calibration', {
+          headers: { authorization: `Bearer ${TOKENS.writer}`, 'content-type': 'application/json' },
+          body: JSON.stringify({ hash }),
+        }),
+      )
+    const [x, y] = [calib(1), calib(2)]
+    const hx = createHash('sha256').update(x).digest('hex')
+    const hy = createHash('sha256').update(y).digest('hex')
+    expect((await put(x)).status).toBe(201)
+    expect((await put(y)).status).toBe(201)
+    expect((await put(x, hy)).status).toBe(400)
+    const got = await invoke(
+      bundled,
+      event('GET', `/v1/ns/a/calibrations/${hx}`, { headers: { authorization: `Bearer ${TOKENS.reader}` } }),
+    )
+    expect(got.status).toBe(200)
+    expect(new Uint8Array(got.body)).toEqual(x)
+    expect((await current(hx)).status).toBe(201)
+    const lost = await current(hy)
+    expect([lost.status, JSON.parse(lost.body.toString()).hash]).toEqual([200, hx])
+    expect(readFileSync(join(work, 'objects', 'kv', '_calibration', 'a', hx)).equals(Buffer.from(x))).toBe(
+      true,
+    )
+  })
+
   it('streams GETs (whole, Range, ?layers) with the right headers', async () => {
     const c = makeChunk({ layers: 5, sectionBytes: 300_000 })
     await invoke(bundled, putEvent('a', c.key, c.bytes, TOKENS.writer))

@@ -11,7 +11,12 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { buildWorker, FREE_PLAN_GZIP_LIMIT, uploadSize, type WorkerBuild } from '../scripts/build-worker.ts'
 import { runSmoke } from '../src/cli/commands/smoke.ts'
 import { decodeChunk as nodeDecode, encodeChunk as nodeEncode } from '../src/codec/node.ts'
-import { decodeHeader, layerSpan } from '../src/core/format.ts'
+import {
+  decodeHeader,
+  encodeChunk as encodeChunkObject,
+  layerSpan,
+  openLayerSubset,
+} from '../src/core/format.ts'
 import type { R2BucketLike } from '../src/gateway/stores/r2.ts'
 import { makeChain, makeChunk, putInit } from './gateway-fixtures.ts'
 import { sampleMeta, sampleTensor } from './workers-fixtures/codec-sample.ts'
@@ -325,6 +330,94 @@ describe('gateway in workerd on R2', () => {
     expect(report.steps.map((s) => s.name)).toEqual(
       expect.arrayContaining(['put', 'put again (create-only)', 'get', 'get layers 1-2', 'lookup']),
     )
+  })
+})
+
+describe('calibration objects in workerd on R2', () => {
+  const calib = (seed: number) => {
+    const b = new Uint8Array(300)
+    b.set([0x4b, 0x56, 0x43, 0x4c, 1, 0])
+    for (let i = 8; i < b.length; i++) b[i] = (i * 29 + seed * 13) & 0xff
+    return b
+  }
+  const shaOf = (b: Uint8Array) => createHash('sha256').update(b).digest('hex')
+  const calibUrl = (ns: string, hash: string) => `${base}/v1/ns/${ns}/calibrations/${hash}`
+  const putCalib = (b: Uint8Array, hash = shaOf(b)) =>
+    fetch(calibUrl('a', hash), {
+      method: 'PUT',
+      headers: { ...auth(TOKENS.writerA), 'content-type': 'application/octet-stream' },
+      body: asBody(b),
+    })
+  const putCurrent = (hash: string) =>
+    fetch(`${base}/v1/ns/a/calibration`, {
+      method: 'PUT',
+      headers: { ...auth(TOKENS.writerA), 'content-type': 'application/json' },
+      body: JSON.stringify({ hash }),
+    })
+
+  it('stores a verified calibration once under _calibration/ and serves it immutable', async () => {
+    const c = calib(1)
+    const h = shaOf(c)
+    expect((await putCalib(c)).status).toBe(201)
+    expect((await putCalib(c)).status).toBe(200)
+    expect(await r2Objects(`kv/_calibration/a/${h}`)).toEqual([{ key: `kv/_calibration/a/${h}`, size: 300 }])
+    const get = await fetch(calibUrl('a', h), { headers: auth(TOKENS.readerA) })
+    expect([get.status, get.headers.get('etag')]).toEqual([200, `"${h}"`])
+    expect(await bytesOf(get)).toEqual(c)
+    const wrong = await putCalib(c, shaOf(calib(2)))
+    expect(wrong.status).toBe(400)
+    await wrong.body?.cancel()
+    const foreign = await fetch(calibUrl('b', h), { headers: auth(TOKENS.readerA) })
+    expect(foreign.status).toBe(403)
+    await foreign.body?.cancel()
+  })
+
+  it('two writers race for the current calibration: one winner, both learn it', async () => {
+    const a = calib(3)
+    const b = calib(4)
+    await Promise.all([putCalib(a), putCalib(b)])
+    const [r1, r2] = await Promise.all([putCurrent(shaOf(a)), putCurrent(shaOf(b))])
+    expect([r1.status, r2.status].sort()).toEqual([200, 201])
+    const [j1, j2] = [(await r1.json()) as { hash: string }, (await r2.json()) as { hash: string }]
+    expect(j1.hash).toBe(j2.hash)
+    const cur = await fetch(`${base}/v1/ns/a/calibration`, { headers: auth(TOKENS.readerA) })
+    expect(await cur.json()).toEqual({ hash: j1.hash })
+  })
+
+  it('a calibration object rotten in R2 is a 502, never its bytes', async () => {
+    const c = calib(5)
+    const h = shaOf(c)
+    const rotten = c.slice()
+    rotten[200]! ^= 4
+    const bucket = await bucketProxy()
+    await bucket.put(`kv/_calibration/a/${h}`, rotten)
+    const get = await fetch(calibUrl('a', h), { headers: auth(TOKENS.readerA) })
+    expect(get.status).toBe(502)
+    await get.body?.cancel()
+  })
+
+  it('verifies and serves a calibrated (format v2) chunk, whole and by layers', async () => {
+    const v1 = makeChunk({ layers: 4, sectionBytes: 500 })
+    const h1 = decodeHeader(v1.bytes)
+    const sections = h1.sections.map((s) => v1.bytes.subarray(s.offset, s.offset + s.length))
+    const v2 = encodeChunkObject({ ...h1, calibration: shaOf(calib(1)) }, sections)
+    expect((await fetch(url('a', v1.key), putInit(v2, TOKENS.writerA))).status).toBe(201)
+    expect(await bytesOf(await fetch(url('a', v1.key), { headers: auth(TOKENS.readerA) }))).toEqual(v2)
+    const r = await fetch(url('a', v1.key, '?layers=1-2'), { headers: auth(TOKENS.readerA) })
+    const sub = openLayerSubset(await bytesOf(r), 1, 2)
+    expect(sub.header.calibration).toBe(shaOf(calib(1)))
+    expect(sub.section(2)).toEqual(sections[2])
+    // A flipped bit in the calibration field is refused at the door (header CRC).
+    const other = makeChunk({ layers: 4, sectionBytes: 500 })
+    const h2 = decodeHeader(other.bytes)
+    const v2b = encodeChunkObject(
+      { ...h2, calibration: shaOf(calib(1)) },
+      h2.sections.map((s) => other.bytes.subarray(s.offset, s.offset + s.length)),
+    )
+    v2b[150]! ^= 1
+    const refused = await fetch(url('a', other.key), putInit(v2b, TOKENS.writerA))
+    expect(refused.status).toBe(400)
+    await refused.body?.cancel()
   })
 })
 

@@ -1,10 +1,12 @@
 // Plumbing of reads below L1: an L2 file or an L4 body into an L1 reservation (or
 // a private buffer when L1 has no slot), verified and decoded; the reservation is always settled here.
 
+import type { Calibration } from '../codec/calibration.ts'
 import { FormatError } from '../core/errors.ts'
 import { type ChunkHeader, decodeHeader } from '../core/format.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
+import type { CalibrationStore } from './calibration-store.ts'
 import { type ChunkIdentity, checkIdentity, maxObjectBytes, openLayerGroup } from './chunk-codec.ts'
 import type { CodecPool } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
@@ -22,7 +24,12 @@ export interface ChunkReaderOptions {
   tensorBytes: (k: ChunkKey) => number
   /** Every identity field a chunk object must carry (namespace, parent, index, chain key, geometry). */
   identity: (k: ChunkKey) => ChunkIdentity
+  /** Where calibrations named by format-v2 objects come from; none: such objects are misses. */
+  calibrations?: CalibrationStore | undefined
 }
+
+/** A valid object names a calibration this node cannot get: a miss, not corruption (nothing is deleted or reported). */
+class CalibrationUnavailable extends Error {}
 
 export class ChunkReader {
   readonly #o: ChunkReaderOptions
@@ -47,7 +54,8 @@ export class ChunkReader {
         const h = decodeHeader(object)
         checkIdentity(h, this.#o.identity(k))
         return await this.#place(k, object, h, r)
-      } catch {
+      } catch (e) {
+        if (e instanceof CalibrationUnavailable) return undefined
         // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
         disk.counters.corrupt++
         await disk.delete(k.hex)
@@ -70,7 +78,8 @@ export class ChunkReader {
         const h = await this.#o.codec.verify(object)
         checkIdentity(h, this.#o.identity(k))
         return await this.#place(k, object, h, r)
-      } catch {
+      } catch (e) {
+        if (e instanceof CalibrationUnavailable) return undefined
         // Counted, no longer believed present, and reported to the gateway's verify endpoint.
         remote.reportCorrupt(k.hex)
         return undefined
@@ -103,7 +112,7 @@ export class ChunkReader {
     const src = inSlot ? object.slice() : object
     const dst = r ? r.bytes : new Uint8Array(size)
     if (h.codec === 'raw') copyRawSections(h, src, dst, layerSlabBytes(this.#o.geometry, k.end - k.start))
-    else await this.#o.codec.decodeInto(src, h.codec, dst)
+    else await this.#o.codec.decodeInto(src, h.codec, dst, await this.#calibration(h))
     if (!r) return dst
     r.commit()
     return 'resident'
@@ -120,18 +129,27 @@ export class ChunkReader {
     if (!body) return undefined
     try {
       const sub = openLayerGroup(body, first, last, this.#o.identity(k))
+      const calibration = await this.#calibration(sub.header)
       const slabs = await Promise.all(
         Array.from({ length: last - first + 1 }, (_, i) =>
-          this.#o.codec.decodeSection(sub.header, first + i, sub.section(first + i)),
+          this.#o.codec.decodeSection(sub.header, first + i, sub.section(first + i), calibration),
         ),
       )
       const out = new Map<number, Uint8Array>()
       for (const [i, s] of slabs.entries()) out.set(first + i, s)
       return out
-    } catch {
-      remote.reportCorrupt(k.hex)
+    } catch (e) {
+      if (!(e instanceof CalibrationUnavailable)) remote.reportCorrupt(k.hex)
       return undefined
     }
+  }
+
+  /** The calibration a v2 object names (undefined for v1); throws CalibrationUnavailable when it cannot be had. */
+  async #calibration(h: ChunkHeader): Promise<Calibration | undefined> {
+    if (h.calibration === undefined) return undefined
+    const c = await this.#o.calibrations?.forDecode(h.calibration)
+    if (!c) throw new CalibrationUnavailable(h.calibration)
+    return c
   }
 }
 

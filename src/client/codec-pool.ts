@@ -3,10 +3,12 @@
 
 import { availableParallelism } from 'node:os'
 import { Worker } from 'node:worker_threads'
-import { decodeChunkInto, decodeSection, encodeChunk } from '../codec/node.ts'
+import { buildCalibration, type Calibration } from '../codec/calibration.ts'
 import { crc32 } from '../core/checksum.ts'
 import { CodecError, FormatError, KvgateError } from '../core/errors.ts'
 import { type ChunkHeader, decodeHeader, verifyChunk } from '../core/format.ts'
+import type { KvGeometry } from '../core/layout.ts'
+import { type CalibrationRef, decodeIntoWith, decodeSectionWith, encodeWith } from './calibrated-codec.ts'
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
 import type { CodecReply, CodecRequest } from './codec-worker.ts'
 
@@ -227,25 +229,56 @@ export class CodecPool {
     tensor: Uint8Array,
     meta: ChunkIdentity,
     quality?: number,
+    calibration?: Calibration,
   ): Promise<Uint8Array> {
     if (codec !== 'raw') {
       const p = this.#post('write', () => {
         const copy = tensor.slice().buffer as ArrayBuffer
-        return { msg: { op: 'encode', mode: codec, quality, tensor: copy, meta }, transfer: [copy] }
+        return {
+          msg: { op: 'encode', mode: codec, quality, tensor: copy, meta, calibration: refOf(calibration) },
+          transfer: [copy],
+        }
       })
       const out = p && (await p.catch(noWorkersToUndefined))
       if (out) return out
     }
     this.counts.inlineJobs++
-    return encodeChunk(tensor, meta, { mode: codec, quality })
+    return encodeWith(tensor, meta, codec, quality, calibration)
+  }
+
+  /** Builds a calibration object from chunk tensors on a worker (samples are transferred: the caller's copies). */
+  async buildCalibration(samples: Uint8Array[], geometry: KvGeometry): Promise<Uint8Array> {
+    const p = this.#post('write', () => {
+      const bufs = samples.map((s) =>
+        s.byteOffset === 0 && s.byteLength === s.buffer.byteLength
+          ? (s.buffer as ArrayBuffer)
+          : (s.slice().buffer as ArrayBuffer),
+      )
+      return { msg: { op: 'calibrate', samples: bufs, geometry }, transfer: bufs }
+    })
+    const out = p && (await p.catch(noWorkersToUndefined))
+    if (out) return out
+    this.counts.inlineJobs++
+    return buildCalibration(samples, { geometry, dtype: geometry.dtype })
   }
 
   /** Decodes a verified whole object into `dst` (one chunk tensor). */
-  async decodeInto(object: Uint8Array, codec: string, dst: Uint8Array): Promise<void> {
+  async decodeInto(
+    object: Uint8Array,
+    codec: string,
+    dst: Uint8Array,
+    calibration?: Calibration,
+  ): Promise<void> {
     if (codec !== 'raw') {
       const p = this.#post('read', () => {
         const buf = object.slice().buffer as ArrayBuffer
-        return { msg: { op: 'decode', object: buf }, transfer: [buf] }
+        const msg = {
+          op: 'decode',
+          object: buf,
+          size: dst.byteLength,
+          calibration: refOf(calibration),
+        } as const
+        return { msg, transfer: [buf] }
       })
       const out = p && (await p.catch(noWorkersToUndefined))
       if (out) {
@@ -255,21 +288,29 @@ export class CodecPool {
       }
     }
     this.counts.inlineJobs++
-    decodeChunkInto(object, dst)
+    decodeIntoWith(object, dst, calibration)
   }
 
   /** Decodes one CRC-checked layer section into a new layer slab. */
-  async decodeSection(header: ChunkHeader, layer: number, section: Uint8Array): Promise<Uint8Array> {
+  async decodeSection(
+    header: ChunkHeader,
+    layer: number,
+    section: Uint8Array,
+    calibration?: Calibration,
+  ): Promise<Uint8Array> {
     if (header.codec !== 'raw') {
       const p = this.#post('read', () => {
         const buf = section.slice().buffer as ArrayBuffer
-        return { msg: { op: 'section', header, layer, section: buf }, transfer: [buf] }
+        return {
+          msg: { op: 'section', header, layer, section: buf, calibration: refOf(calibration) },
+          transfer: [buf],
+        }
       })
       const out = p && (await p.catch(noWorkersToUndefined))
       if (out) return out
     }
     this.counts.inlineJobs++
-    return decodeSection(header, layer, section)
+    return decodeSectionWith(header, layer, section, calibration)
   }
 
   /**
@@ -338,6 +379,11 @@ export class CodecPool {
     await Promise.allSettled(this.#slots.map((s) => s.worker.terminate()))
     this.#slots.length = 0
   }
+}
+
+/** A calibration as a worker message carries it (bytes, copied; small and rare). */
+function refOf(c: Calibration | undefined): CalibrationRef | undefined {
+  return c ? { hash: c.hash, bytes: c.bytes } : undefined
 }
 
 /** Jobs that never reached a worker (every worker gone) run on the calling thread instead. */

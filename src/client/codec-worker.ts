@@ -2,9 +2,17 @@
 // inference thread. Messages carry transferred ArrayBuffers; errors come back as strings.
 
 import { parentPort } from 'node:worker_threads'
-import { decodeChunk, decodeSection, encodeChunk } from '../codec/node.ts'
+import { buildCalibration } from '../codec/calibration.ts'
 import { crc32 } from '../core/checksum.ts'
 import type { ChunkHeader } from '../core/format.ts'
+import type { KvGeometry } from '../core/layout.ts'
+import {
+  type CalibrationRef,
+  decodeIntoWith,
+  decodeSectionWith,
+  encodeWith,
+  openRef,
+} from './calibrated-codec.ts'
 import type { ChunkIdentity } from './chunk-codec.ts'
 
 export type CodecRequest =
@@ -15,9 +23,19 @@ export type CodecRequest =
       quality: number | undefined
       tensor: ArrayBuffer
       meta: ChunkIdentity
+      calibration?: CalibrationRef | undefined
     }
-  | { id: number; op: 'decode'; object: ArrayBuffer }
-  | { id: number; op: 'section'; header: ChunkHeader; layer: number; section: ArrayBuffer }
+  | { id: number; op: 'decode'; object: ArrayBuffer; size: number; calibration?: CalibrationRef | undefined }
+  | {
+      id: number
+      op: 'section'
+      header: ChunkHeader
+      layer: number
+      section: ArrayBuffer
+      calibration?: CalibrationRef | undefined
+    }
+  /** Builds a calibration object from chunk tensors (the policy's samples). */
+  | { id: number; op: 'calibrate'; samples: ArrayBuffer[]; geometry: KvGeometry }
   /** CRC-32 of ranges [offset, length, offset, length, …] of `data`; the reply packs them as u32. */
   | { id: number; op: 'crc'; data: ArrayBuffer; ranges: number[] }
 
@@ -37,9 +55,14 @@ parentPort?.on('message', (m: CodecRequest) => {
   try {
     let out: Uint8Array
     if (m.op === 'encode')
-      out = encodeChunk(new Uint8Array(m.tensor), m.meta, { mode: m.mode, quality: m.quality })
-    else if (m.op === 'decode') out = decodeChunk(new Uint8Array(m.object))
-    else if (m.op === 'crc') {
+      out = encodeWith(new Uint8Array(m.tensor), m.meta, m.mode, m.quality, openRef(m.calibration))
+    else if (m.op === 'decode') {
+      out = new Uint8Array(m.size)
+      decodeIntoWith(new Uint8Array(m.object), out, openRef(m.calibration))
+    } else if (m.op === 'calibrate') {
+      const samples = m.samples.map((b) => new Uint8Array(b))
+      out = buildCalibration(samples, { geometry: m.geometry, dtype: m.geometry.dtype })
+    } else if (m.op === 'crc') {
       const data = new Uint8Array(m.data)
       const crcs = new Uint32Array(m.ranges.length / 2)
       for (let i = 0; i < crcs.length; i++) {
@@ -47,7 +70,7 @@ parentPort?.on('message', (m: CodecRequest) => {
         crcs[i] = crc32(data.subarray(off, off + m.ranges[2 * i + 1]!))
       }
       out = new Uint8Array(crcs.buffer)
-    } else out = decodeSection(m.header, m.layer, new Uint8Array(m.section))
+    } else out = decodeSectionWith(m.header, m.layer, new Uint8Array(m.section), openRef(m.calibration))
     const bytes = own(out)
     parentPort!.postMessage({ id: m.id, bytes } satisfies CodecReply, [bytes])
   } catch (e) {

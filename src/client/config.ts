@@ -44,6 +44,20 @@ export interface RemoteOptions extends Omit<RemoteTierOptions, 'namespace'> {
   codec?: ChunkCodecName
   /** kvgate codec quality, 1 (smallest) .. 9 (closest to the original). @default 5 (the codec's default) */
   quality?: number
+  /**
+   * The namespace calibration object lossy ('kvgate') chunks are coded with (docs/calibration.md);
+   * false: never built nor used for encoding (chunks naming one still decode). @default {}
+   */
+  calibration?: CalibrationOptions | false
+}
+
+export interface CalibrationOptions {
+  /** Full chunks this node stores in a namespace without a calibration before it builds and publishes one; 0: never build (adopt only). @default 4 */
+  after?: number
+  /** How long the namespace's current calibration (or its absence) is trusted before the gateway is asked again, ms. @default 30000 */
+  currentTtlMs?: number
+  /** Calibration objects kept in memory. @default 8 */
+  cacheEntries?: number
 }
 
 export interface KVCacheOptions {
@@ -95,9 +109,10 @@ export interface ResolvedOptions {
   memory: { bytes: number }
   disk: (Required<Omit<DiskOptions, 'bytes'>> & { bytes: number }) | false
   remote:
-    | (Required<Omit<RemoteOptions, 'token' | 'quality'>> & {
+    | (Required<Omit<RemoteOptions, 'token' | 'quality' | 'calibration'>> & {
         token: string | undefined
         quality: number | undefined
+        calibration: Required<CalibrationOptions> | false
       })
     | false
   fetchConcurrency: number
@@ -126,7 +141,9 @@ const TOP_KEYS = new Set([
   'retrieveDeadlineMs',
 ])
 const DISK_KEYS = new Set(['dir', 'bytes', 'storeAs', 'concurrency', 'direct'])
+const CALIBRATION_KEYS = new Set(['after', 'currentTtlMs', 'cacheEntries'])
 const REMOTE_KEYS = new Set([
+  'calibration',
   'url',
   'token',
   'codec',
@@ -150,6 +167,19 @@ function int(name: string, v: unknown, min: number, max: number, dflt?: number):
     throw new InvalidArgumentError(`invalid ${name}: expected an integer in ${min}..${max}, got ${String(v)}`)
   }
   return v
+}
+
+function calibrationOptions(c: unknown): Required<CalibrationOptions> | false {
+  if (c === false) return false
+  if (c !== undefined && (typeof c !== 'object' || c === null || Array.isArray(c)))
+    throw new InvalidArgumentError('invalid remote.calibration: an object or false')
+  const o = (c ?? {}) as CalibrationOptions
+  unknownKeys('remote.calibration.', o, CALIBRATION_KEYS)
+  return {
+    after: int('remote.calibration.after', o.after, 0, 1_000, 4),
+    currentTtlMs: int('remote.calibration.currentTtlMs', o.currentTtlMs, 0, 3_600_000, 30_000),
+    cacheEntries: int('remote.calibration.cacheEntries', o.cacheEntries, 1, 1_000, 8),
+  }
 }
 
 function unknownKeys(where: string, o: object, allowed: Set<string>): void {
@@ -272,6 +302,7 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
       writeConcurrency: int('remote.writeConcurrency', r.writeConcurrency, 1, 256, 8),
       presenceTtlMs: int('remote.presenceTtlMs', r.presenceTtlMs, 0, 3_600_000, 30_000),
       uploadMinBytes: bytesOpt('remote.uploadMinBytes', r.uploadMinBytes, 0, 1024 ** 2),
+      calibration: calibrationOptions(r.calibration),
     }
   }
 
@@ -421,6 +452,19 @@ export function optionsFromEnvironment(
     }
     if (env.KVGATE_REMOTE_PRESENCE_TTL_MS) {
       sub('remote').presenceTtlMs = num('KVGATE_REMOTE_PRESENCE_TTL_MS', env.KVGATE_REMOTE_PRESENCE_TTL_MS)
+    }
+    // KVGATE_REMOTE_CALIBRATION=off turns calibrated encoding off; _AFTER sets the build policy.
+    const calib = env.KVGATE_REMOTE_CALIBRATION
+    if (calib === 'off' || calib === 'false') sub('remote').calibration = false
+    else if (calib !== undefined && calib !== '' && calib !== 'on' && calib !== 'true')
+      throw new InvalidArgumentError(`invalid KVGATE_REMOTE_CALIBRATION: '${calib}' (on or off)`)
+    else if (env.KVGATE_REMOTE_CALIBRATION_AFTER) {
+      const r = sub('remote')
+      const fromFile = typeof r.calibration === 'object' && r.calibration !== null ? r.calibration : {}
+      r.calibration = {
+        ...fromFile,
+        after: num('KVGATE_REMOTE_CALIBRATION_AFTER', env.KVGATE_REMOTE_CALIBRATION_AFTER),
+      }
     }
     if (env.KVGATE_REMOTE_UPLOAD_MIN_BYTES) {
       sub('remote').uploadMinBytes = parseBytes(

@@ -1,10 +1,13 @@
 // KVCache: the client library's public face. Cuts token sequences into chained
 // chunk keys and drives the storage manager across L1 (memory), L2 (disk) and L4 (gateway).
 
+import { join } from 'node:path'
+import { openCalibration } from '../codec/calibration.ts'
 import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
 import { headerBytesFor } from '../core/format.ts'
 import { type ChunkKey, fromHex, type KeyNamespace, namespaceId } from '../core/keys.ts'
 import { chunkBytes, dtypeBytes, type ModelPreset, rowElements } from '../core/layout.ts'
+import { type CalibrationStats, CalibrationStore } from './calibration-store.ts'
 import type { ChunkCodecName } from './chunk-codec.ts'
 import { CodecPool } from './codec-pool.ts'
 import { type KVCacheOptions, type ResolvedOptions, resolveOptions } from './config.ts'
@@ -103,6 +106,8 @@ export interface KVCacheStats {
   keyMemo: KeyMemoStats
   /** Codec jobs on worker threads vs the calling thread (and why inline, if so). */
   codec: { inline: string | undefined; workerJobs: number; inlineJobs: number }
+  /** The namespace's calibration objects (docs/calibration.md); null without L2 or L4. */
+  calibration: CalibrationStats | null
 }
 
 const MAX_TOKENS = 1 << 24
@@ -190,6 +195,22 @@ export class KVCache {
       ? new RemoteTier({ ...o.remote, namespace: o.namespace }, { geometry: g, chunkTokens: o.chunkTokens })
       : undefined
     const diskCodec = o.disk ? o.disk.storeAs : 'raw'
+    // Objects naming a calibration can come from L4 or (after a restart) L2: the store
+    // fetches from the gateway and keeps its objects beside L2 to decode offline.
+    const calib = o.remote ? o.remote.calibration : false
+    const calibrations =
+      remote || disk
+        ? new CalibrationStore({
+            // Built on a codec worker: it reads every sample and must not stall the calling thread.
+            codec: { build: (samples) => codec.buildCalibration(samples, g), open: openCalibration },
+            geometry: g,
+            remote,
+            dir: o.disk ? join(o.disk.dir, 'calibrations') : undefined,
+            // Building one makes sense only where lossy chunks are encoded with it.
+            calibrateAfter: calib && remoteCodec === 'kvgate' ? calib.after : 0,
+            ...(calib ? { currentTtlMs: calib.currentTtlMs, cacheEntries: calib.cacheEntries } : {}),
+          })
+        : undefined
     const manager = new StorageManager({
       geometry: g,
       chunkTokens: o.chunkTokens,
@@ -205,6 +226,8 @@ export class KVCache {
       codec,
       writeBehindBytes: o.writeBehindBytes,
       retrieveDeadlineMs: o.retrieveDeadlineMs,
+      calibrations,
+      encodeCalibrated: calib !== false,
     })
     return new KVCache(o, manager, native, remoteCodec)
   }
@@ -508,6 +531,7 @@ export class KVCache {
       requestedTokens: this.#requestedTokens,
       keyMemo: { ...this.#memo.stats },
       codec: { inline: m.codec.inline, ...m.codec.counts },
+      calibration: m.calibrations?.stats() ?? null,
     }
   }
 
@@ -580,6 +604,12 @@ export class KVCache {
         values: [{ value: s.remote?.shedWrites ?? 0 }],
       },
       {
+        name: 'calibration_misses_total',
+        help: 'Chunks that named a calibration object this node could not get (served as misses).',
+        type: 'counter',
+        values: [{ value: s.calibration?.misses ?? 0 }],
+      },
+      {
         name: 'breaker_open',
         help: '1 when the gateway circuit breaker is open or half-open.',
         type: 'gauge',
@@ -638,6 +668,7 @@ export class KVCache {
     await this.#manager.flush(flushMs)
     this.#manager.dropQueuedWrites()
     this.#manager.disk?.close()
+    this.#manager.calibrations?.close()
     await this.#manager.remote?.close(0)
     await this.#manager.codec.close()
     this.#manager.memory.dispose()

@@ -5,6 +5,7 @@
 import { KvgateError } from '../core/errors.ts'
 import { type ChunkKey, fromHex } from '../core/keys.ts'
 import { chunkBytes, type KvGeometry, layerSlabBytes } from '../core/layout.ts'
+import type { CalibrationStore } from './calibration-store.ts'
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
 import { ChunkReader, type Placed } from './chunk-reader.ts'
 import { CodecPool } from './codec-pool.ts'
@@ -42,6 +43,10 @@ export interface StorageManagerOptions {
   diskWriteConcurrency?: number
   /** Default deadline of one retrieve, ms: past it the remaining chunks are a miss. @default 10000 */
   retrieveDeadlineMs?: number
+  /** The namespace's calibration objects (lossy L4 encodes, v2 decodes); none: v2 objects are misses. */
+  calibrations?: CalibrationStore | undefined
+  /** Lossy L4 encodes use the namespace's calibration (remote.calibration not false). @default true */
+  encodeCalibrated?: boolean
 }
 
 /** A chunk tensor a reader may copy from until release(). */
@@ -89,6 +94,7 @@ export class StorageManager {
   readonly disk: DiskTier | undefined
   readonly remote: RemoteTier | undefined
   readonly codec: CodecPool
+  readonly calibrations: CalibrationStore | undefined
   readonly retrieveDeadlineMs: number
   readonly #nsId: Uint8Array
   readonly #fetchConcurrency: number
@@ -117,12 +123,14 @@ export class StorageManager {
       this.#signalClosed = () => r(undefined)
     })
     this.codec = opts.codec ?? new CodecPool()
+    this.calibrations = opts.calibrations
     this.#reader = new ChunkReader({
       geometry: opts.geometry,
       memory: opts.memory,
       codec: this.codec,
       tensorBytes: (k) => this.tensorBytes(k),
       identity: (k) => this.#identity(k),
+      calibrations: opts.calibrations,
     })
     this.#writes = new WriteBehind({
       disk: opts.disk,
@@ -131,6 +139,7 @@ export class StorageManager {
       diskCodec: opts.diskCodec ?? 'raw',
       remoteCodec: opts.remoteCodec ?? 'raw',
       remoteQuality: opts.remoteQuality,
+      calibrations: opts.encodeCalibrated === false ? undefined : opts.calibrations,
       identity: (k) => this.#identity(k),
       maxBytes: opts.writeBehindBytes ?? 512 * 1024 * 1024,
       diskConcurrency: Math.max(1, opts.diskWriteConcurrency ?? 2),

@@ -2,6 +2,7 @@
 // L1 slot (no extra memory: L1 bounds these) or a private copy (counted against the byte budget; past it, shed).
 
 import type { ChunkKey } from '../core/keys.ts'
+import type { CalibrationStore } from './calibration-store.ts'
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
 import type { CodecPool } from './codec-pool.ts'
 import type { DiskTier } from './tiers/disk.ts'
@@ -16,6 +17,8 @@ export interface WriteBehindOptions {
   remoteCodec: ChunkCodecName
   remoteQuality: number | undefined
   identity: (k: ChunkKey) => ChunkIdentity
+  /** The namespace's calibration (lossy L4 encodes use the current one) and its build policy. */
+  calibrations?: CalibrationStore | undefined
   /**
    * Bytes of private copies held for background writes at once (chunks L1 could not take).
    * Pinned L1 chunks cost no memory beyond L1 and are not counted: L1's size bounds them, so a
@@ -145,6 +148,10 @@ export class WriteBehind {
       for (const c of chunks)
         if (disk && !disk.has(c.key.hex) && !this.#toDisk.has(c.key.hex)) this.#queueDisk(c)
       if (!remote || !toRemote) return
+      const calibrations = this.#o.remoteCodec === 'kvgate' ? this.#o.calibrations : undefined
+      // The calibration policy samples full chunks this node stores (copied only while it needs samples).
+      if (calibrations)
+        for (const c of chunks) if (!this.#o.identity(c.key).partial) calibrations.observe(c.bytes)
       const todo = chunks.filter((c) => !remote.knownPresent(c.key.hex) && !this.#toRemote.has(c.key.hex))
       if (todo.length === 0) return
       // One batched lookup: the leading chunks the gateway holds (another node stored them) are skipped.
@@ -172,6 +179,8 @@ export class WriteBehind {
               c.bytes,
               this.#o.identity(c.key),
               this.#o.remoteQuality,
+              // Asked at encode time, never waited for: unknown or not loaded yet = a v1 object.
+              calibrations?.current(),
             ),
           done,
         })

@@ -1,5 +1,7 @@
 // Where the cold tier keeps its own objects beside the chunks: use records, chain
-// indexes and accounting snapshots, under `_` names no namespace can take.
+// indexes and accounting snapshots, under `_` names no namespace can take. The
+// namespaces' calibration objects live there too, so gc (which deletes only what
+// classify() calls a chunk) never takes one.
 
 import { isKeyHex, isNamespaceName } from '../core/keys.ts'
 
@@ -37,8 +39,20 @@ export function runObjectTime(name: string): number {
   return m ? Number(m[1]) : Number.NaN
 }
 
+/** `<prefix>/_calibration/<ns>/`: the namespace's calibration objects and its current pointer (docs/calibration.md). */
+export const calibrationPrefix = (prefix: string, ns: string) => join(prefix, `_calibration/${ns}/`)
+
+/** `<prefix>/_calibration/<ns>/<sha256>`: a calibration object, named by the SHA-256 of its bytes. */
+export const calibrationObjectName = (prefix: string, ns: string, hash: string) =>
+  `${calibrationPrefix(prefix, ns)}${hash}`
+
+/** `<prefix>/_calibration/<ns>/current`: `{"hash": …}`, create-only: the first stored calibration wins. */
+export const currentCalibrationName = (prefix: string, ns: string) =>
+  `${calibrationPrefix(prefix, ns)}current`
+
 export type BucketObjectKind =
   | { kind: 'chunk'; ns: string; key: string }
+  | { kind: 'calibration'; ns: string }
   | { kind: 'usage'; ns: string }
   | { kind: 'index'; ns: string }
   | { kind: 'accounting' }
@@ -62,6 +76,8 @@ export function classify(prefix: string, name: string): BucketObjectKind {
     return { kind: 'index', ns: parts[2]! }
   if (parts[0] === '_coldtier' && parts[1] === 'accounting' && parts.length === 3)
     return { kind: 'accounting' }
+  if (parts[0] === '_calibration' && parts.length === 3 && isNamespaceName(parts[1]))
+    return { kind: 'calibration', ns: parts[1]! }
   return { kind: 'other' }
 }
 

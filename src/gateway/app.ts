@@ -10,6 +10,7 @@ import type { GatewayMetrics } from './metrics.ts'
 import { type AuthOptions, bearerAuth } from './middleware/auth.ts'
 import { errorResponse } from './middleware/errors.ts'
 import { type RequestLogger, requestLog } from './middleware/request-log.ts'
+import { calibrationRoutes } from './routes/calibrations.ts'
 import { chunkRoutes } from './routes/chunks.ts'
 import { lookupRoutes } from './routes/lookup.ts'
 import { opsRoutes } from './routes/ops.ts'
@@ -62,6 +63,7 @@ export function createGateway(options: GatewayOptions): GatewayApp {
   app.use('*', bearerAuth(options.auth))
   lookupRoutes(app, state)
   chunkRoutes(app, state)
+  calibrationRoutes(app, state)
   uploadRoutes(app, state, options.uploads)
   verifyRoutes(app, state)
   opsRoutes(app, state, { publicStatus: options.auth?.publicStatus ?? false })

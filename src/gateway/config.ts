@@ -33,6 +33,8 @@ export interface ServeConfig {
   /** Presigned staging uploads (s3 store; off unless a threshold is set: Node takes PUT bodies itself). */
   uploads?: { minBytes: number; maxBytes: number; expiresSeconds?: number; stagingPrefix?: string }
   maxChunkBytes?: number
+  /** Largest calibration object accepted (docs/calibration.md). */
+  maxCalibrationBytes: number
   coalesceMaxBytes: number
   /** Bytes the GET coalescer may buffer at once (above it GETs stream on their own). */
   coalesceMaxBufferedBytes: number
@@ -138,6 +140,12 @@ const OPTIONS = {
     env: 'KVGATE_MAX_CHUNK_BYTES',
     flag: '--max-chunk-bytes',
     file: 'maxChunkBytes',
+  },
+  maxCalibrationBytes: {
+    schema: byteSize(8, 1024 ** 3),
+    env: 'KVGATE_MAX_CALIBRATION_BYTES',
+    flag: 'maxCalibrationBytes',
+    file: 'maxCalibrationBytes',
   },
   coalesceMaxBytes: {
     schema: byteSize(0, 1024 ** 3),
@@ -381,6 +389,7 @@ export function resolveServeConfig(...layers: ServeSettingsInput[]): ServeConfig
         }
       : {}),
     ...(s.maxChunkBytes !== undefined ? { maxChunkBytes: s.maxChunkBytes } : {}),
+    maxCalibrationBytes: s.maxCalibrationBytes ?? 16 * 1024 * 1024,
     coalesceMaxBytes: s.coalesceMaxBytes ?? 8 * 1024 * 1024,
     coalesceMaxBufferedBytes: s.coalesceMaxBufferedBytes ?? 64 * 1024 * 1024,
     presenceTtlMs: s.presenceTtlMs ?? 30_000,

@@ -35,6 +35,8 @@ export interface GatewayLimits {
   maxInFlightBytes?: number
   /** Stored-object verifications (POST …/verify, corrupt GETs) at once. @default 4 */
   maxConcurrentVerifies?: number
+  /** Largest calibration object accepted by PUT …/calibrations/{sha256}. @default 16 MiB */
+  maxCalibrationBytes?: number
 }
 
 export interface PresignOptions {
@@ -69,6 +71,8 @@ export interface GatewayState {
   coalescer: GetCoalescer | undefined
   /** Decoded headers for ?layers=, tagged with the object version they came from. */
   headers: LRUCache<string, CachedHeader>
+  /** Verified calibration bodies by object name (immutable: named by their SHA-256), bounded in bytes. */
+  calibrations: LRUCache<string, Uint8Array>
   /** Verifications in flight by object name (deduplicated). */
   verifying: Map<string, Promise<'ok' | 'corrupt' | 'missing'>>
   /** Declared bytes of the PUT bodies being received now. */
@@ -109,6 +113,7 @@ export function createState(opts: {
     readerIdleTimeoutMs: opts.limits?.readerIdleTimeoutMs ?? 30_000,
     maxInFlightBytes: opts.limits?.maxInFlightBytes ?? 1024 ** 3,
     maxConcurrentVerifies: opts.limits?.maxConcurrentVerifies ?? 4,
+    maxCalibrationBytes: opts.limits?.maxCalibrationBytes ?? 16 * 1024 * 1024,
   }
   for (const k of Object.keys(opts.limits ?? {})) {
     if (!(k in limits)) throw new TypeError(`createGateway: unknown limits.${k}`)
@@ -134,6 +139,10 @@ export function createState(opts: {
         ? undefined
         : new GetCoalescer(opts.coalesce?.maxBytes ?? 8 * 1024 * 1024, opts.coalesce?.maxBufferedBytes),
     headers: new LRUCache({ max: 10_000 }),
+    calibrations: new LRUCache<string, Uint8Array>({
+      maxSize: 64 * 1024 * 1024,
+      sizeCalculation: (b) => Math.max(1, b.length),
+    }),
     verifying: new Map(),
     inFlight: { bytes: 0 },
     limits,

@@ -133,6 +133,10 @@ export class GatewayMetrics {
     'kvgate_busy_total',
     'Requests refused with 503 ERR_BUSY because the in-flight byte or buffer bound was reached',
   )
+  readonly calibrations = new Counter(
+    'kvgate_calibration_ops_total',
+    'Calibration requests by op (put|get|current) and result (created|exists|hit|missing)',
+  )
   /** Metrics other modules register (use tracking, cold-tier accounting), rendered after these. */
   readonly extras: { render(): string[] }[] = []
 
@@ -157,6 +161,7 @@ export class GatewayMetrics {
       this.corrupt,
       this.verifies,
       this.busy,
+      this.calibrations,
       ...this.extras,
     ]
     return `${all.flatMap((m) => m.render()).join('\n')}\n`

@@ -81,6 +81,7 @@ Config file:
       prod: { retention: 30d, quota: 500GiB }
       '*': { retention: 90d }
   maxChunkBytes: 512MiB     # byte sizes take units: 4096, 8MiB, 10GB
+  maxCalibrationBytes: 16MiB  # calibration objects (docs/calibration.md); env KVGATE_MAX_CALIBRATION_BYTES
 
 Exit status: 0 after a clean stop, 1 on a failure, 2 on a wrong flag, file key or KVGATE_* value.
 `
@@ -216,6 +217,7 @@ async function serve(config: ServeConfig): Promise<number> {
       readerIdleTimeoutMs: config.readerIdleTimeoutMs,
       maxInFlightBytes: config.maxInFlightBytes,
       maxConcurrentVerifies: config.maxConcurrentVerifies,
+      maxCalibrationBytes: config.maxCalibrationBytes,
     },
     lookup: { presenceTtlMs: config.presenceTtlMs },
     coalesce: { maxBytes: config.coalesceMaxBytes, maxBufferedBytes: config.coalesceMaxBufferedBytes },

@@ -111,6 +111,16 @@ interface HttpResult {
   redirected: boolean
 }
 
+/** The `hash` of a `{"hash": …}` answer, or undefined when it is not one. */
+function hashOf(body: Uint8Array): string | undefined {
+  try {
+    const h = (JSON.parse(new TextDecoder().decode(body)) as { hash?: unknown }).hash
+    return typeof h === 'string' && /^[0-9a-f]{64}$/.test(h) ? h : undefined
+  } catch {
+    return undefined
+  }
+}
+
 /** Connection errors, 5xx: worth another attempt while the deadline lasts. */
 class RetryableError extends Error {}
 /** A body over its cap: the gateway (or redirect target) misbehaves; not retried. */
@@ -689,6 +699,70 @@ export class RemoteTier {
     } catch {
       // Not an answer of this contract (an older gateway): nothing to learn.
     }
+  }
+
+  // ------------------------------------------------ calibration objects (docs/calibration.md)
+  // Transport only: src/client/calibration-store.ts verifies, caches and decides.
+
+  /** GET …/calibrations/{hash}: the body (unverified), null when the gateway has none, undefined when unreachable. */
+  async getCalibration(hash: string, maxBytes: number): Promise<Uint8Array | null | undefined> {
+    const r = await this.#request('GET', `${this.#base}/calibrations/${hash}`, {
+      timeoutMs: this.#timeoutMs,
+      cap: maxBytes,
+    })
+    if (r?.status === 200) return r.body
+    if (r?.status === 404) return null
+    this.#unexpected(r)
+    return undefined
+  }
+
+  /** HEAD …/calibrations/{hash}: whether the gateway holds it, undefined when unreachable. */
+  async hasCalibration(hash: string): Promise<boolean | undefined> {
+    const r = await this.#request('HEAD', `${this.#base}/calibrations/${hash}`, {
+      timeoutMs: this.#timeoutMs,
+    })
+    if (r?.status === 200) return true
+    if (r?.status === 404) return false
+    this.#unexpected(r)
+    return undefined
+  }
+
+  /** GET …/calibration: the namespace's current hash, null when it has none, undefined when unknown (unreachable). */
+  async currentCalibration(): Promise<string | null | undefined> {
+    // Asked in the background (never on a lookup's path): the chunk deadline and retries.
+    const r = await this.#request('GET', `${this.#base}/calibration`, { timeoutMs: this.#timeoutMs })
+    if (r?.status === 404) return null
+    if (r?.status !== 200) {
+      this.#unexpected(r)
+      return undefined
+    }
+    return hashOf(r.body)
+  }
+
+  /** PUT …/calibrations/{hash} (create-only). True when stored or already there. */
+  async putCalibration(hash: string, bytes: Uint8Array): Promise<boolean> {
+    const r = await this.#request('PUT', `${this.#base}/calibrations/${hash}`, {
+      body: bytes,
+      headers: { 'content-type': 'application/octet-stream' },
+      timeoutMs: this.#timeoutMs,
+    })
+    if (r?.status === 200 || r?.status === 201) return true
+    this.#unexpected(r)
+    return false
+  }
+
+  /** PUT …/calibration {hash} (create-only): the namespace's winner (ours or an earlier one), undefined on failure. */
+  async setCurrentCalibration(hash: string): Promise<string | undefined> {
+    const r = await this.#request('PUT', `${this.#base}/calibration`, {
+      body: JSON.stringify({ hash }),
+      headers: { 'content-type': 'application/json' },
+      timeoutMs: this.#timeoutMs,
+    })
+    if (r?.status !== 200 && r?.status !== 201) {
+      this.#unexpected(r)
+      return undefined
+    }
+    return hashOf(r.body) ?? undefined
   }
 
   /** PUT now (create-only on the gateway). True when stored or already present ("exists" is success). */

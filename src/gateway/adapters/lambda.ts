@@ -209,6 +209,8 @@ export interface LambdaGatewayConfig {
   presignMinBytes: number
   presignTtlSeconds: number
   maxChunkBytes: number
+  /** KVGATE_MAX_CALIBRATION_BYTES: calibration bodies travel in the event (~4.5 MiB at most). */
+  maxCalibrationBytes: number
   /** KVGATE_COLD_TIER: retention/quota per namespace, grace, use tracking. */
   coldTier: ColdTierConfig
   /** Bodies from this size are written through presigned staging uploads (KVGATE_UPLOAD_MIN_BYTES). */
@@ -245,6 +247,7 @@ export function configFromEnv(env: Record<string, string | undefined> = process.
     presignMinBytes: intFromEnv(env, 'KVGATE_PRESIGN_THRESHOLD', 1024 * 1024),
     presignTtlSeconds: intFromEnv(env, 'KVGATE_PRESIGN_TTL', 300),
     maxChunkBytes: intFromEnv(env, 'KVGATE_MAX_CHUNK_BYTES', 4 * 1024 * 1024),
+    maxCalibrationBytes: intFromEnv(env, 'KVGATE_MAX_CALIBRATION_BYTES', 4 * 1024 * 1024),
     coldTier: parseColdTier(env.KVGATE_COLD_TIER, 'KVGATE_COLD_TIER'),
     // Bodies above ~4.5 MiB cannot reach the function at all (6 MB events, base64);
     // from 1 MiB they already cost more in function duration than two small requests.
@@ -309,7 +312,7 @@ export async function gatewayFromConfig(cfg: LambdaGatewayConfig): Promise<Fetch
   return createGateway({
     store,
     auth: tokens.length > 0 ? { tokens } : undefined,
-    limits: { maxChunkBytes: cfg.maxChunkBytes },
+    limits: { maxChunkBytes: cfg.maxChunkBytes, maxCalibrationBytes: cfg.maxCalibrationBytes },
     presign: { minBytes: cfg.presignMinBytes, expiresSeconds: cfg.presignTtlSeconds },
     uploads: {
       minBytes: cfg.uploadMinBytes,

@@ -21,6 +21,8 @@ export interface WorkerEnv {
   KVGATE_PREFIX?: string
   /** Largest PUT body. @default 94371840 (90 MiB, under the 100 MB request limit) */
   KVGATE_MAX_CHUNK_BYTES?: string
+  /** Largest calibration object accepted (docs/calibration.md). @default 16 MiB */
+  KVGATE_MAX_CALIBRATION_BYTES?: string
   /** Bodies above this use an R2 multipart upload. @default 67108864 */
   KVGATE_MULTIPART_THRESHOLD?: string
   /** Multipart part size (≥ 5 MiB). @default 8388608 */
@@ -68,7 +70,10 @@ export function gatewayFromEnv(env: WorkerEnv): GatewayApp {
     store,
     coldTier: coldTier.tracking ? { usage: coldTier.usage } : { tracking: false },
     auth: tokens.length > 0 ? { tokens, publicStatus: env.KVGATE_PUBLIC_STATUS === 'true' } : undefined,
-    limits: { maxChunkBytes: intVar(env, 'KVGATE_MAX_CHUNK_BYTES', 90 * 1024 * 1024) },
+    limits: {
+      maxChunkBytes: intVar(env, 'KVGATE_MAX_CHUNK_BYTES', 90 * 1024 * 1024),
+      maxCalibrationBytes: intVar(env, 'KVGATE_MAX_CALIBRATION_BYTES', 16 * 1024 * 1024),
+    },
     prefix: env.KVGATE_PREFIX ?? 'kv',
     // A 128 MB isolate: shared GET buffers stay a quarter of it.
     coalesce: { maxBufferedBytes: intVar(env, 'KVGATE_COALESCE_MAX_BUFFERED_BYTES', 32 * 1024 * 1024) },

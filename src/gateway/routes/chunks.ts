@@ -28,7 +28,7 @@ import { iteratorSource, type PieceSource, streamSource, verifiedBody } from '..
 import { checkedStream, objectCheck, type StreamCheck, sectionsCheck } from '../verified-read.ts'
 
 const PATH = '/v1/ns/:ns/chunks/:key'
-// Enough for the header of a 247-layer model in one ranged GET; larger ones take a second.
+// Enough for the header of a 247-layer (v1) / 244-layer (v2) model in one ranged GET; larger ones take a second.
 const HEADER_PROBE_BYTES = 4096
 
 function target(c: Context<GatewayEnv>, state: GatewayState, scope: Scope) {

@@ -1,0 +1,363 @@
+// The client's view of its namespace's calibration objects (DESIGN §2.9,
+// docs/calibration.md): fetch by hash (SHA-256 verified, a small in-memory LRU,
+// persisted in a directory beside L2 so a restarted node decodes offline), the
+// namespace's current one (a short TTL, refreshed in the background: the
+// inference path never waits for it; unknown = encode without), publishing
+// (create-only; the first stored wins and everyone adopts it), and the policy
+// that builds one from the first full chunks stored in a namespace that has none.
+
+import { createHash } from 'node:crypto'
+import { mkdir, readFile, rename, rm, writeFile } from 'node:fs/promises'
+import { join } from 'node:path'
+import { LRUCache } from 'lru-cache'
+import type { Calibration } from '../codec/calibration.ts'
+import type { KvGeometry } from '../core/layout.ts'
+
+/** The gateway side of calibrations (RemoteTier implements it); null = "has none", undefined = unreachable. */
+export interface CalibrationRemote {
+  getCalibration(hash: string, maxBytes: number): Promise<Uint8Array | null | undefined>
+  /** HEAD: whether the gateway holds it (undefined: unreachable). */
+  hasCalibration(hash: string): Promise<boolean | undefined>
+  currentCalibration(): Promise<string | null | undefined>
+  putCalibration(hash: string, bytes: Uint8Array): Promise<boolean>
+  setCurrentCalibration(hash: string): Promise<string | undefined>
+}
+
+/**
+ * The codec's calibration functions (src/codec/calibration.ts), injected so tests and runtimes
+ * can choose. `build` may run elsewhere (the KVCache runs it on a codec worker: it reads every
+ * sample, tens of MiB for a large model, and must not hold up the inference thread).
+ */
+export interface CalibrationCodec {
+  build(
+    samples: Uint8Array[],
+    meta: { geometry: KvGeometry; dtype: KvGeometry['dtype'] },
+  ): Uint8Array | Promise<Uint8Array>
+  open(bytes: Uint8Array): Calibration
+}
+
+export interface CalibrationPolicy {
+  /**
+   * Full chunks this node stores in a namespace with no current calibration before it
+   * builds one from their raw KV and publishes it; 0 never builds (it still adopts one). @default 4
+   */
+  calibrateAfter: number
+  /** How long a known current calibration (or "none") is trusted before it is asked again, ms. @default 30000 */
+  currentTtlMs: number
+  /** Calibrations kept in memory. @default 8 */
+  cacheEntries: number
+  /** Largest calibration object fetched. @default 16 MiB (the gateway's default cap) */
+  maxBytes: number
+}
+
+export const DEFAULT_CALIBRATION_POLICY: CalibrationPolicy = {
+  calibrateAfter: 4,
+  currentTtlMs: 30_000,
+  cacheEntries: 8,
+  maxBytes: 16 * 1024 * 1024,
+}
+
+export interface CalibrationStoreOptions extends Partial<CalibrationPolicy> {
+  codec: CalibrationCodec
+  geometry: KvGeometry
+  remote?: CalibrationRemote | undefined
+  /** Directory the objects are persisted in (`<L2 dir>/calibrations`); none: memory only. */
+  dir?: string | undefined
+}
+
+export interface CalibrationStats {
+  /** The current calibration's hash as this node knows it (undefined: none or not known yet). */
+  current: string | undefined
+  /** Objects read from the persisted directory, fetched from the gateway. */
+  loaded: number
+  fetched: number
+  /** Chunks that named a calibration this node could not get: served as misses. */
+  misses: number
+  /** Objects that failed their checks (hash, codec validation), from disk or the gateway. */
+  rejected: number
+  /** Calibrations this node built, and how many of them became the namespace's. */
+  built: number
+  won: number
+  /** Times another node's calibration was adopted. */
+  adopted: number
+  /** Times this node put the current calibration back after finding it gone from the bucket. */
+  restored: number
+}
+
+const HASH = /^[0-9a-f]{64}$/
+/**
+ * A calibration the gateway did not have is not asked for again for this long: an L2 file or
+ * a chain of chunks naming it would otherwise cost one gateway GET per read.
+ */
+const MISSING_TTL_MS = 5000
+const MAX_MISSING = 256
+
+const sha256Hex = (b: Uint8Array) => createHash('sha256').update(b).digest('hex')
+
+export class CalibrationStore {
+  readonly #o: CalibrationPolicy
+  readonly #codec: CalibrationCodec
+  readonly #geometry: KvGeometry
+  readonly #remote: CalibrationRemote | undefined
+  readonly #dir: string | undefined
+  readonly #cache: LRUCache<string, Calibration>
+  readonly #loading = new Map<string, Promise<Calibration | undefined>>()
+  /** Hashes the gateway answered 404 (or invalid bytes) for, with when. */
+  readonly #missing = new Map<string, number>()
+  /** Current: a hash, null (the namespace has none) or undefined (not known); when it was learnt. */
+  #current: { hash: string | null; at: number } | undefined
+  #refreshing: Promise<void> | undefined
+  #samples: Uint8Array[] = []
+  #building: Promise<void> | undefined
+  #closed = false
+  readonly #stats = {
+    loaded: 0,
+    fetched: 0,
+    misses: 0,
+    rejected: 0,
+    built: 0,
+    won: 0,
+    adopted: 0,
+    restored: 0,
+  }
+
+  constructor(opts: CalibrationStoreOptions) {
+    this.#o = {
+      calibrateAfter: opts.calibrateAfter ?? DEFAULT_CALIBRATION_POLICY.calibrateAfter,
+      currentTtlMs: opts.currentTtlMs ?? DEFAULT_CALIBRATION_POLICY.currentTtlMs,
+      cacheEntries: opts.cacheEntries ?? DEFAULT_CALIBRATION_POLICY.cacheEntries,
+      maxBytes: opts.maxBytes ?? DEFAULT_CALIBRATION_POLICY.maxBytes,
+    }
+    this.#codec = opts.codec
+    this.#geometry = opts.geometry
+    this.#remote = opts.remote
+    this.#dir = opts.dir
+    this.#cache = new LRUCache({ max: Math.max(1, this.#o.cacheEntries) })
+  }
+
+  /** A calibration already in memory (no I/O). */
+  peek(hash: string): Calibration | undefined {
+    return this.#cache.get(hash)
+  }
+
+  /**
+   * Calibration `hash`: memory, else the persisted directory, else the gateway
+   * (verified: its SHA-256 is its name, and the codec accepts it; then persisted).
+   * Undefined when none of them has a valid one.
+   */
+  async get(hash: string): Promise<Calibration | undefined> {
+    if (!HASH.test(hash)) return undefined
+    const hit = this.#cache.get(hash)
+    if (hit) return hit
+    let p = this.#loading.get(hash)
+    if (!p) {
+      p = this.#load(hash).finally(() => this.#loading.delete(hash))
+      this.#loading.set(hash, p)
+    }
+    return p
+  }
+
+  /** For a chunk that names `hash`: the calibration, or undefined counted as a miss. */
+  async forDecode(hash: string): Promise<Calibration | undefined> {
+    const c = await this.get(hash)
+    if (!c) this.#stats.misses++
+    return c
+  }
+
+  async #load(hash: string): Promise<Calibration | undefined> {
+    const local = await this.#readPersisted(hash)
+    if (local) {
+      this.#stats.loaded++
+      this.#cache.set(hash, local)
+      return local
+    }
+    if (!this.#remote || this.#closed) return undefined
+    const missedAt = this.#missing.get(hash)
+    if (missedAt !== undefined && performance.now() - missedAt < MISSING_TTL_MS) return undefined
+    const bytes = await this.#remote.getCalibration(hash, this.#o.maxBytes)
+    if (bytes === undefined) return undefined // unreachable: ask again next time
+    const c = bytes === null ? undefined : this.#accept(hash, bytes)
+    if (!c) {
+      this.#missing.delete(hash)
+      this.#missing.set(hash, performance.now())
+      if (this.#missing.size > MAX_MISSING) this.#missing.delete(this.#missing.keys().next().value as string)
+      return undefined
+    }
+    this.#missing.delete(hash)
+    this.#stats.fetched++
+    this.#cache.set(hash, c)
+    await this.#persist(c)
+    return c
+  }
+
+  /** Bytes that are calibration `hash` and that the codec accepts for this geometry, opened; else undefined. */
+  #accept(hash: string, bytes: Uint8Array): Calibration | undefined {
+    try {
+      if (sha256Hex(bytes) !== hash) throw new Error('hash mismatch')
+      const c = this.#codec.open(bytes)
+      const g = c.geometry
+      const want = this.#geometry
+      if (
+        g.layers !== want.layers ||
+        g.kvHeads !== want.kvHeads ||
+        g.headDim !== want.headDim ||
+        c.dtype !== want.dtype
+      )
+        throw new Error('geometry mismatch')
+      return c
+    } catch {
+      this.#stats.rejected++
+      return undefined
+    }
+  }
+
+  async #readPersisted(hash: string): Promise<Calibration | undefined> {
+    if (!this.#dir) return undefined
+    const path = join(this.#dir, `${hash}.kvcl`)
+    let bytes: Uint8Array
+    try {
+      bytes = await readFile(path)
+    } catch {
+      return undefined
+    }
+    const c = this.#accept(hash, new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength))
+    // A damaged file is dropped, so the gateway's copy replaces it.
+    if (!c) await rm(path, { force: true }).catch(() => {})
+    return c
+  }
+
+  async #persist(c: Calibration): Promise<void> {
+    if (!this.#dir) return
+    try {
+      await mkdir(this.#dir, { recursive: true })
+      const tmp = join(this.#dir, `.tmp-${c.hash}-${process.pid}`)
+      await writeFile(tmp, c.bytes)
+      await rename(tmp, join(this.#dir, `${c.hash}.kvcl`))
+    } catch {
+      // Persisting only saves a later fetch: a full or read-only disk is not an error here.
+    }
+  }
+
+  /**
+   * The calibration to encode with now, if this node knows the namespace's and has
+   * it in memory. Never waits: a stale or unknown answer starts a background
+   * refresh, and meanwhile chunks are encoded without (v1 objects stay valid).
+   */
+  current(): Calibration | undefined {
+    const cur = this.#current
+    if (!cur || performance.now() - cur.at >= this.#o.currentTtlMs) void this.refresh()
+    if (!cur?.hash) return undefined
+    const c = this.#cache.get(cur.hash)
+    if (!c) void this.get(cur.hash)
+    return c
+  }
+
+  /** Asks the gateway for the current calibration and loads it; one request at a time. */
+  refresh(): Promise<void> {
+    if (!this.#remote || this.#closed) return Promise.resolve()
+    this.#refreshing ??= (async () => {
+      try {
+        const hash = await this.#remote!.currentCalibration()
+        if (hash === undefined) return // unreachable: keep what we knew
+        this.#current = { hash, at: performance.now() }
+        if (hash) {
+          this.#samples = [] // calibrated by someone: samples are no longer needed
+          await this.#loadCurrent(hash)
+        }
+      } finally {
+        this.#refreshing = undefined
+      }
+    })()
+    return this.#refreshing
+  }
+
+  /**
+   * Loads the current calibration. One this node already holds is checked against
+   * the bucket (a HEAD per refresh) and put back if it is gone (deleted behind the
+   * gateway): the pointer still names it, so without it every other node's decodes
+   * of chunks coded with it would miss. The PUT is create-only and verified by hash.
+   */
+  async #loadCurrent(hash: string): Promise<void> {
+    const held = this.#cache.get(hash) ?? (await this.#readPersisted(hash))
+    if (!held) {
+      await this.get(hash)
+      return
+    }
+    this.#cache.set(hash, held)
+    if ((await this.#remote!.hasCalibration(hash)) !== false) return
+    if (await this.#remote!.putCalibration(hash, held.bytes)) this.#stats.restored++
+  }
+
+  /**
+   * The policy's input: a full chunk this node stored (raw KV in the chunk tensor
+   * layout). Until the namespace is known to be calibrated the first
+   * `calibrateAfter` are copied (never more); once the gateway said it has none,
+   * one is built from them, published and the winner adopted.
+   */
+  observe(tensor: Uint8Array): void {
+    if (this.#closed || this.#o.calibrateAfter <= 0 || !this.#remote || this.#building) return
+    if (this.#current?.hash) return // calibrated
+    if (this.#samples.length < this.#o.calibrateAfter) this.#samples.push(tensor.slice())
+    if (this.#current === undefined) void this.refresh().then(() => this.#maybeBuild())
+    else this.#maybeBuild()
+  }
+
+  #maybeBuild(): void {
+    if (this.#closed || this.#building || this.#current?.hash !== null) return
+    if (this.#samples.length < this.#o.calibrateAfter) return
+    const samples = this.#samples
+    this.#samples = []
+    this.#building = this.#buildAndPublish(samples).finally(() => {
+      this.#building = undefined
+    })
+  }
+
+  async #buildAndPublish(samples: Uint8Array[]): Promise<void> {
+    let bytes: Uint8Array
+    try {
+      bytes = await this.#codec.build(samples, { geometry: this.#geometry, dtype: this.#geometry.dtype })
+    } catch {
+      this.#stats.rejected++
+      return
+    }
+    this.#stats.built++
+    await this.publish(bytes)
+  }
+
+  /**
+   * Stores `bytes` as a calibration (create-only) and proposes it as the namespace's
+   * current one; adopts whichever the gateway answers (ours, or the earlier winner).
+   * Returns the adopted calibration, or undefined when the gateway could not be reached.
+   */
+  async publish(bytes: Uint8Array): Promise<Calibration | undefined> {
+    const remote = this.#remote
+    if (!remote || this.#closed) return undefined
+    const hash = sha256Hex(bytes)
+    const mine = this.#accept(hash, bytes)
+    if (!mine) return undefined
+    this.#cache.set(hash, mine)
+    await this.#persist(mine)
+    if (!(await remote.putCalibration(hash, mine.bytes))) return undefined
+    const winner = await remote.setCurrentCalibration(hash)
+    if (!winner) return undefined
+    if (winner === hash) this.#stats.won++
+    else this.#stats.adopted++
+    const adopted = winner === hash ? mine : await this.get(winner)
+    this.#current = { hash: winner, at: performance.now() }
+    return adopted
+  }
+
+  stats(): CalibrationStats {
+    return { current: this.#current?.hash ?? undefined, ...this.#stats }
+  }
+
+  /** Waits for a background refresh or build in progress (tests, close). */
+  async settled(): Promise<void> {
+    await Promise.all([this.#refreshing, this.#building, ...this.#loading.values()])
+  }
+
+  close(): void {
+    this.#closed = true
+    this.#samples = []
+  }
+}

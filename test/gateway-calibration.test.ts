@@ -1,0 +1,283 @@
+// The gateway's calibration objects (routes/calibrations.ts) on every store the
+// Node gateway runs on: memory, fs and S3 (Ceph RadosGW). Content-addressed PUT
+// verified against its name, immutable GET, the create-only current pointer (one
+// winner under a race), stores that lose or corrupt an object, and gc leaving
+// calibrations alone. Workerd/R2 runs the same routes in test/workers.test.ts.
+
+import { createHash } from 'node:crypto'
+import { mkdtempSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { afterAll, describe, expect, it } from 'vitest'
+import { runGc } from '../src/coldtier/gc.ts'
+import { calibrationObjectName, classify, currentCalibrationName } from '../src/coldtier/names.ts'
+import { parseColdTier } from '../src/coldtier/policy.ts'
+import { crc32 } from '../src/core/checksum.ts'
+import { decodeHeader, encodeChunk, openLayerSubset } from '../src/core/format.ts'
+import { createGateway, hashToken, MemoryStore } from '../src/gateway/index.ts'
+import { FsStore, S3Store } from '../src/gateway/node.ts'
+import type { ObjectStore } from '../src/gateway/stores/types.ts'
+import { makeChain, makeChunk, putInit } from './gateway-fixtures.ts'
+import { type Rgw, useRgw } from './support/rgw.ts'
+
+const rgw: Rgw | undefined = await useRgw('gateway-calibration (RadosGW)')
+afterAll(async () => {
+  await rgw?.stop()
+})
+
+let seq = 0
+const uniq = () => `c${Date.now().toString(36)}${(++seq).toString(36)}`
+const sha = (b: Uint8Array) => createHash('sha256').update(b).digest('hex')
+
+/** Bytes that pass the gateway's checks (magic "KVCL" + version); distinct per seed. */
+function calib(seed: number, size = 200): Uint8Array {
+  const b = new Uint8Array(size)
+  b.set([0x4b, 0x56, 0x43, 0x4c, 1, 0])
+  for (let i = 8; i < size; i++) b[i] = (i * 131 + seed * 17) & 0xff
+  return b
+}
+
+const putCalib = (bytes: Uint8Array, hash = sha(bytes), headers: Record<string, string> = {}) =>
+  [
+    `/v1/ns/team/calibrations/${hash}`,
+    {
+      method: 'PUT',
+      headers: {
+        'content-type': 'application/octet-stream',
+        'content-length': String(bytes.length),
+        ...headers,
+      },
+      body: bytes as Uint8Array<ArrayBuffer>,
+    },
+  ] as const
+
+const putCurrent = (hash: string) =>
+  [
+    '/v1/ns/team/calibration',
+    {
+      method: 'PUT',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ hash }),
+    },
+  ] as const
+
+const errCode = async (r: Response) => ((await r.json()) as { error: { code: string } }).error.code
+
+interface Backend {
+  name: string
+  store: () => Promise<ObjectStore>
+}
+
+const backends: Backend[] = [
+  { name: 'memory', store: async () => new MemoryStore() },
+  { name: 'fs', store: () => new FsStore({ root: mkdtempSync(join(tmpdir(), 'kvgate-calib-')) }).open() },
+]
+if (rgw) {
+  backends.push({
+    name: 's3 (RadosGW)',
+    store: async () =>
+      new S3Store({
+        bucket: rgw.bucket,
+        endpoint: rgw.endpoint,
+        region: rgw.region,
+        credentials: { accessKeyId: rgw.accessKeyId, secretAccessKey: rgw.secretAccessKey },
+      }),
+  })
+}
+
+describe.each(backends)('calibration objects on the $name store', (backend) => {
+  const gateway = async (limits = {}) => {
+    const store = await backend.store()
+    const prefix = uniq()
+    return { store, prefix, app: createGateway({ store, prefix, limits }) }
+  }
+
+  it('stores once, then serves the exact bytes, immutable, with the hash as ETag', async () => {
+    const { app } = await gateway()
+    const c = calib(1)
+    const h = sha(c)
+    const r1 = await app.request(...putCalib(c))
+    expect(r1.status).toBe(201)
+    expect(await r1.json()).toEqual({ status: 'created', hash: h, bytes: c.length })
+    const r2 = await app.request(...putCalib(c))
+    expect([r2.status, ((await r2.json()) as { status: string }).status]).toEqual([200, 'exists'])
+    const g = await app.request(`/v1/ns/team/calibrations/${h}`)
+    expect(g.status).toBe(200)
+    expect(g.headers.get('etag')).toBe(`"${h}"`)
+    expect(g.headers.get('cache-control')).toContain('immutable')
+    expect(new Uint8Array(await g.arrayBuffer())).toEqual(c)
+    const head = await app.request(`/v1/ns/team/calibrations/${h}`, { method: 'HEAD' })
+    expect([head.status, head.headers.get('content-length')]).toEqual([200, String(c.length)])
+    const cond = await app.request(`/v1/ns/team/calibrations/${h}`, {
+      headers: { 'if-none-match': `"${h}"` },
+    })
+    expect(cond.status).toBe(304)
+    const other = await app.request(`/v1/ns/other/calibrations/${h}`)
+    expect(other.status).toBe(404)
+  })
+
+  it('refuses a wrong hash, a foreign or short body, an oversized one and a bad name; stores nothing', async () => {
+    const { app, store, prefix } = await gateway({ maxCalibrationBytes: 4096 })
+    const c = calib(2)
+    const wrong = await app.request(...putCalib(c, sha(calib(3))))
+    expect([wrong.status, await errCode(wrong)]).toEqual([400, 'ERR_FORMAT_CHECKSUM'])
+    const flipped = c.slice()
+    flipped[100]! ^= 1
+    const corrupt = await app.request(...putCalib(flipped, sha(c)))
+    expect([corrupt.status, await errCode(corrupt)]).toEqual([400, 'ERR_FORMAT_CHECKSUM'])
+    const foreign = new Uint8Array(200).fill(7)
+    const magic = await app.request(...putCalib(foreign))
+    expect([magic.status, await errCode(magic)]).toEqual([400, 'ERR_FORMAT_BAD_MAGIC'])
+    const short = c.subarray(0, 5)
+    expect((await app.request(...putCalib(short))).status).toBe(400)
+    const big = calib(4, 4097)
+    const huge = await app.request(...putCalib(big))
+    expect([huge.status, await errCode(huge)]).toEqual([413, 'ERR_PAYLOAD_TOO_LARGE'])
+    // A body longer than its Content-Length claims is refused, not truncated into a valid one.
+    const lying = await app.request(...putCalib(c, sha(c.subarray(0, 100)), { 'content-length': '100' }))
+    expect(lying.status).toBe(400)
+    const typed = await app.request(...putCalib(c, sha(c), { 'content-type': 'text/plain' }))
+    expect(typed.status).toBe(415)
+    const badName = await app.request(...putCalib(c, sha(c).toUpperCase()))
+    expect(badName.status).toBe(400)
+    expect((await store.list(`${prefix}/`)).entries).toEqual([])
+  })
+
+  it('the first current calibration wins; later PUTs learn the winner; it must be stored first', async () => {
+    const { app } = await gateway()
+    const a = calib(5)
+    const b = calib(6)
+    expect((await app.request('/v1/ns/team/calibration')).status).toBe(404)
+    const early = await app.request(...putCurrent(sha(a)))
+    expect([early.status, await errCode(early)]).toEqual([409, 'ERR_PRECONDITION_FAILED'])
+    expect((await app.request(...putCalib(a))).status).toBe(201)
+    expect((await app.request(...putCalib(b))).status).toBe(201)
+    const first = await app.request(...putCurrent(sha(a)))
+    expect([first.status, await first.json()]).toEqual([201, { status: 'created', hash: sha(a) }])
+    const second = await app.request(...putCurrent(sha(b)))
+    expect([second.status, await second.json()]).toEqual([200, { status: 'exists', hash: sha(a) }])
+    const got = await app.request('/v1/ns/team/calibration')
+    expect(await got.json()).toEqual({ hash: sha(a) })
+    for (const body of ['{}', '{"hash":"xyz"}', 'not json', JSON.stringify({ hash: 'A'.repeat(64) })]) {
+      const r = await app.request('/v1/ns/team/calibration', { method: 'PUT', body })
+      expect(r.status, body).toBe(400)
+    }
+    const long = await app.request('/v1/ns/team/calibration', { method: 'PUT', body: 'x'.repeat(2000) })
+    expect(long.status).toBe(413)
+  })
+
+  it('two gateways race to set the current calibration: one winner, both answers name it', async () => {
+    const store = await backend.store()
+    const prefix = uniq()
+    const g1 = createGateway({ store, prefix })
+    const g2 = createGateway({ store, prefix })
+    const a = calib(7)
+    const b = calib(8)
+    await Promise.all([g1.request(...putCalib(a)), g2.request(...putCalib(b))])
+    const [r1, r2] = await Promise.all([g1.request(...putCurrent(sha(a))), g2.request(...putCurrent(sha(b)))])
+    const answers = [(await r1.json()) as { hash: string }, (await r2.json()) as { hash: string }]
+    expect([r1.status, r2.status].sort()).toEqual([200, 201])
+    expect(answers[0]!.hash).toBe(answers[1]!.hash)
+    expect([sha(a), sha(b)]).toContain(answers[0]!.hash)
+  })
+
+  it('an object deleted or corrupted behind the gateway is a miss or a 502, never other bytes', async () => {
+    const { store, prefix } = await gateway()
+    const a = calib(9)
+    const h = sha(a)
+    const writer = createGateway({ store, prefix })
+    expect((await writer.request(...putCalib(a))).status).toBe(201)
+    expect((await writer.request(...putCurrent(h))).status).toBe(201)
+    // Replace the object with other bytes under the same name (bit rot, a bad restore).
+    const name = calibrationObjectName(prefix, 'team', h)
+    expect(await store.delete(name)).toBe(true)
+    const rotten = a.slice()
+    rotten[50]! ^= 0x10
+    await store.putIfAbsent(name, rotten, rotten.length)
+    const reader = createGateway({ store, prefix })
+    const bad = await reader.request(`/v1/ns/team/calibrations/${h}`)
+    expect([bad.status, await errCode(bad)]).toEqual([502, 'ERR_FORMAT_CHECKSUM'])
+    await store.delete(name)
+    const gone = await createGateway({ store, prefix }).request(`/v1/ns/team/calibrations/${h}`)
+    expect(gone.status).toBe(404)
+    // The writer cached the verified body: it still answers what the store holds, nothing more.
+    expect((await writer.request(`/v1/ns/team/calibrations/${h}`)).status).toBe(404)
+    expect((await writer.request(`/v1/ns/team/calibrations/${h}`, { method: 'HEAD' })).status).toBe(404)
+    // A current pointer that is not one is the store's fault too.
+    await store.delete(currentCalibrationName(prefix, 'team'))
+    const junk = new TextEncoder().encode('{"hash": 1}')
+    await store.putIfAbsent(currentCalibrationName(prefix, 'team'), junk, junk.length)
+    const cur = await createGateway({ store, prefix }).request('/v1/ns/team/calibration')
+    expect(cur.status).toBe(502)
+  })
+
+  it('verifies and serves a calibrated (format v2) chunk whole and by layers; a zeroed hash is refused', async () => {
+    const { app } = await gateway()
+    const v1 = makeChunk({ layers: 5, sectionBytes: 300 })
+    const h1 = decodeHeader(v1.bytes)
+    const sections = h1.sections.map((s) => v1.bytes.subarray(s.offset, s.offset + s.length))
+    const named = sha(calib(12))
+    const v2 = encodeChunk({ ...h1, calibration: named }, sections)
+    // The same key with a zero calibration field and a valid header CRC: refused at the door.
+    const zero = v2.slice()
+    const h2 = decodeHeader(v2)
+    zero.fill(0, 140, 172)
+    new DataView(zero.buffer).setUint32(h2.headerBytes - 4, crc32(zero.subarray(0, h2.headerBytes - 4)), true)
+    const refused = await app.request(`/v1/ns/team/chunks/${v1.key}`, putInit(zero))
+    expect([refused.status, await errCode(refused)]).toEqual([400, 'ERR_FORMAT_BAD_FIELD'])
+    expect((await app.request(`/v1/ns/team/chunks/${v1.key}`, putInit(v2))).status).toBe(201)
+    const whole = await app.request(`/v1/ns/team/chunks/${v1.key}`)
+    expect(new Uint8Array(await whole.arrayBuffer())).toEqual(v2)
+    const r = await app.request(`/v1/ns/team/chunks/${v1.key}?layers=3-4`)
+    const sub = openLayerSubset(new Uint8Array(await r.arrayBuffer()), 3, 4)
+    expect(sub.header.calibration).toBe(named)
+    expect(sub.section(4)).toEqual(sections[4])
+  })
+
+  it('gc deletes a namespace’s chunks past their quota and never its calibrations', async () => {
+    const { app, store, prefix } = await gateway()
+    const chain = makeChain(3)
+    for (const c of chain)
+      expect((await app.request(`/v1/ns/team/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+    const a = calib(10)
+    expect((await app.request(...putCalib(a))).status).toBe(201)
+    expect((await app.request(...putCurrent(sha(a)))).status).toBe(201)
+    const config = parseColdTier({ namespaces: { team: { quota: '1B' } }, grace: '1s' })
+    const r = await runGc({ store, prefix, config, now: Date.now() + 86_400_000 })
+    expect(r.errors).toEqual([])
+    const names = (await store.list(`${prefix}/`, { limit: 10_000 })).entries.map((e) => e.name)
+    expect(names.filter((n) => classify(prefix, n).kind === 'chunk')).toEqual([])
+    expect(names).toContain(calibrationObjectName(prefix, 'team', sha(a)))
+    expect(names).toContain(currentCalibrationName(prefix, 'team'))
+    const g = await createGateway({ store, prefix }).request(`/v1/ns/team/calibrations/${sha(a)}`)
+    expect(new Uint8Array(await g.arrayBuffer())).toEqual(a)
+  })
+})
+
+describe('calibration routes and auth', () => {
+  it('reading needs read scope, writing needs write scope, per namespace', async () => {
+    const tokens = [
+      { name: 'r', sha256: await hashToken('reader'), scopes: 'read' as const, namespaces: ['team'] },
+      { name: 'w', sha256: await hashToken('writer'), scopes: 'write' as const, namespaces: ['team'] },
+    ]
+    const app = createGateway({ store: new MemoryStore(), auth: { tokens } })
+    const c = calib(11)
+    const [url, init] = putCalib(c)
+    const as = (token: string) => ({
+      ...init,
+      headers: { ...init.headers, authorization: `Bearer ${token}` },
+    })
+    expect((await app.request(url, init)).status).toBe(401)
+    expect((await app.request(url, as('reader'))).status).toBe(403)
+    expect((await app.request(url, as('writer'))).status).toBe(201)
+    const get = (token: string, ns = 'team') =>
+      app.request(`/v1/ns/${ns}/calibrations/${sha(c)}`, { headers: { authorization: `Bearer ${token}` } })
+    expect((await get('reader')).status).toBe(200)
+    expect((await get('reader', 'elsewhere')).status).toBe(403)
+    const [curl, cinit] = putCurrent(sha(c))
+    expect(
+      (await app.request(curl, { ...cinit, headers: { ...cinit.headers, authorization: 'Bearer reader' } }))
+        .status,
+    ).toBe(403)
+  })
+})
