@@ -67,7 +67,10 @@ export class ChunkReader {
       })
       if (!object) return undefined
       try {
-        const h = await this.#o.codec.verify(object)
+        // A coded object is verified by the decode job itself (every section CRC before any
+        // output): one worker job per chunk instead of a verify job and a decode job.
+        const head = decodeHeader(object)
+        const h = head.codec === 'raw' ? await this.#o.codec.verify(object) : head
         checkIdentity(h, this.#o.identity(k))
         return await this.#place(k, object, h, r)
       } catch {
@@ -99,11 +102,17 @@ export class ChunkReader {
       r.commit()
       return 'resident'
     }
-    // Decoding reads the object and writes the tensor: never both in one slot.
-    const src = inSlot ? object.slice() : object
     const dst = r ? r.bytes : new Uint8Array(size)
-    if (h.codec === 'raw') copyRawSections(h, src, dst, layerSlabBytes(this.#o.geometry, k.end - k.start))
-    else await this.#o.codec.decodeInto(src, h.codec, dst)
+    // Copying sections reads the object and writes the tensor: never both in one slot.
+    // (decodeInto copies the object out of the slot itself.)
+    if (h.codec === 'raw')
+      copyRawSections(
+        h,
+        inSlot ? object.slice() : object,
+        dst,
+        layerSlabBytes(this.#o.geometry, k.end - k.start),
+      )
+    else await this.#o.codec.decodeInto(object, h.codec, dst)
     if (!r) return dst
     r.commit()
     return 'resident'

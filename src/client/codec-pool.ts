@@ -4,10 +4,13 @@
 import { availableParallelism } from 'node:os'
 import { Worker } from 'node:worker_threads'
 import { decodeChunkInto, decodeSection, encodeChunk } from '../codec/node.ts'
+import { MAX_WASM_SLAB_BYTES } from '../codec/wasm-instance.ts'
 import { crc32 } from '../core/checksum.ts'
 import { CodecError, FormatError, KvgateError } from '../core/errors.ts'
 import { type ChunkHeader, decodeHeader, verifyChunk } from '../core/format.ts'
+import { layerSlabBytes } from '../core/layout.ts'
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
+import { CodecStaging } from './codec-staging.ts'
 import type { CodecReply, CodecRequest } from './codec-worker.ts'
 
 /** Objects from this size on are verified on two threads. */
@@ -48,10 +51,14 @@ export interface CodecPoolOptions {
 /** Distributive Omit, so each request variant keeps its own fields. */
 type RequestBody = CodecRequest extends infer R ? (R extends CodecRequest ? Omit<R, 'id'> : never) : never
 
-/** A job: its message is built when a worker takes it (copies are made then, not while queued). */
+/**
+ * A job: its message is built when a worker takes it (inputs are copied into
+ * that worker's staging then, not while queued); `done` takes the worker's
+ * answer on the calling thread before the staging serves another job.
+ */
 interface Job {
-  make: () => { msg: RequestBody; transfer: ArrayBuffer[] }
-  resolve: (b: Uint8Array) => void
+  make: (staging: CodecStaging) => { msg: RequestBody; transfer: ArrayBuffer[] }
+  done: (bytes: ArrayBuffer | null) => void
   reject: (e: Error) => void
 }
 
@@ -63,6 +70,8 @@ interface Slot {
   dead: boolean
   /** The worker loaded its module; one that dies before this never started (no restart). */
   ready: boolean
+  /** Shared buffers this worker's jobs go in and out through (dropped with the worker). */
+  staging: CodecStaging
 }
 
 /**
@@ -122,7 +131,7 @@ export class CodecPool {
   #spawn(): Slot {
     const worker = new Worker(this.#entry, { execArgv: [] })
     worker.unref()
-    const slot: Slot = { worker, job: undefined, dead: false, ready: false }
+    const slot: Slot = { worker, job: undefined, dead: false, ready: false, staging: new CodecStaging() }
     worker.on('message', (m: CodecReply) => this.#reply(slot, m))
     worker.on('error', (e) => this.#lost(slot, `codec worker failed: ${e.message}`))
     worker.on('exit', (code) => this.#lost(slot, `codec worker exited (code ${code})`))
@@ -139,7 +148,7 @@ export class CodecPool {
     if (!job || job.id !== m.id) return
     slot.job = undefined
     if ('error' in m) job.reject(new CodecError(m.error))
-    else job.resolve(new Uint8Array(m.bytes))
+    else job.done(m.bytes)
     this.#dispatch()
   }
 
@@ -188,7 +197,7 @@ export class CodecPool {
       const id = this.#next++
       let made: { msg: RequestBody; transfer: ArrayBuffer[] }
       try {
-        made = job.make()
+        made = job.make(slot.staging)
       } catch (e) {
         job.reject(e as Error)
         continue
@@ -204,7 +213,11 @@ export class CodecPool {
    * runs it inline); rejects with CodecBusyError at the queue bound, with
    * CodecWorkerLostError if its worker dies, with NoWorkers if every worker is gone first.
    */
-  #post(kind: 'read' | 'write', make: Job['make']): Promise<Uint8Array> | undefined {
+  #post<T>(
+    kind: 'read' | 'write',
+    make: Job['make'],
+    finish: (bytes: ArrayBuffer | null) => T,
+  ): Promise<T> | undefined {
     this.#start()
     if (this.#closed || this.#slots.length === 0) return undefined
     if (this.#reads.length + this.#writes.length >= this.#maxQueued) {
@@ -215,13 +228,20 @@ export class CodecPool {
         ),
       )
     }
-    return new Promise<Uint8Array>((resolve, reject) => {
-      ;(kind === 'read' ? this.#reads : this.#writes).push({ make, resolve, reject })
+    return new Promise<T>((resolve, reject) => {
+      const done = (bytes: ArrayBuffer | null) => {
+        try {
+          resolve(finish(bytes))
+        } catch (e) {
+          reject(e as Error)
+        }
+      }
+      ;(kind === 'read' ? this.#reads : this.#writes).push({ make, done, reject })
       this.#dispatch()
     })
   }
 
-  /** Encodes one chunk tensor (copied out when a worker takes it: L1 slots are not transferable). */
+  /** Encodes one chunk tensor (copied into the worker's staging when it takes the job: L1 slots are not transferable). */
   async encode(
     codec: ChunkCodecName,
     tensor: Uint8Array,
@@ -229,10 +249,14 @@ export class CodecPool {
     quality?: number,
   ): Promise<Uint8Array> {
     if (codec !== 'raw') {
-      const p = this.#post('write', () => {
-        const copy = tensor.slice().buffer as ArrayBuffer
-        return { msg: { op: 'encode', mode: codec, quality, tensor: copy, meta }, transfer: [copy] }
-      })
+      const p = this.#post(
+        'write',
+        (st) => ({
+          msg: { op: 'encode', mode: codec, quality, tensor: st.input(tensor), meta },
+          transfer: [],
+        }),
+        transferred,
+      )
       const out = p && (await p.catch(noWorkersToUndefined))
       if (out) return out
     }
@@ -240,33 +264,44 @@ export class CodecPool {
     return encodeChunk(tensor, meta, { mode: codec, quality })
   }
 
-  /** Decodes a verified whole object into `dst` (one chunk tensor). */
+  /**
+   * Verifies (every section CRC) and decodes a whole object into `dst` (one chunk
+   * tensor); nothing is written to `dst` unless every section verified. `object`
+   * may lie in the same memory as `dst` (an L4 body read into the L1 slot it decodes into).
+   */
   async decodeInto(object: Uint8Array, codec: string, dst: Uint8Array): Promise<void> {
     if (codec !== 'raw') {
-      const p = this.#post('read', () => {
-        const buf = object.slice().buffer as ArrayBuffer
-        return { msg: { op: 'decode', object: buf }, transfer: [buf] }
-      })
-      const out = p && (await p.catch(noWorkersToUndefined))
-      if (out) {
-        if (out.byteLength !== dst.byteLength) throw new CodecError('decoded chunk has the wrong size')
-        dst.set(out)
-        return
-      }
+      let out: Uint8Array | undefined
+      const p = this.#post(
+        'read',
+        (st) => {
+          out = st.output(dst.byteLength)
+          return { msg: { op: 'decode', object: st.input(object), out }, transfer: [] }
+        },
+        () => dst.set(out!),
+      )
+      if (p && (await p.then(() => true, noWorkersToUndefined))) return
     }
     this.counts.inlineJobs++
-    decodeChunkInto(object, dst)
+    decodeChunkInto(overlaps(object, dst) ? object.slice() : object, dst)
   }
 
   /** Decodes one CRC-checked layer section into a new layer slab. */
   async decodeSection(header: ChunkHeader, layer: number, section: Uint8Array): Promise<Uint8Array> {
-    if (header.codec !== 'raw') {
-      const p = this.#post('read', () => {
-        const buf = section.slice().buffer as ArrayBuffer
-        return { msg: { op: 'section', header, layer, section: buf }, transfer: [buf] }
-      })
-      const out = p && (await p.catch(noWorkersToUndefined))
-      if (out) return out
+    const slab = layerSlabBytes(header.geometry, header.tokens)
+    // A header's claim sizes the staging: refuse what the codec would refuse, before allocating.
+    if (header.codec !== 'raw' && slab <= MAX_WASM_SLAB_BYTES) {
+      let out: Uint8Array | undefined
+      const p = this.#post(
+        'read',
+        (st) => {
+          out = st.output(slab)
+          return { msg: { op: 'section', header, layer, section: st.input(section), out }, transfer: [] }
+        },
+        () => out!.slice(),
+      )
+      const got = p && (await p.catch(noWorkersToUndefined))
+      if (got) return got
     }
     this.counts.inlineJobs++
     return decodeSection(header, layer, section)
@@ -299,10 +334,11 @@ export class CodecPool {
       if (s.offset < lo || s.offset + s.length > hi) return verifyChunk(bytes)
       ranges.push(s.offset - lo, s.length)
     }
-    const remote = this.#post('read', () => {
-      const copy = bytes.slice(lo, hi).buffer as ArrayBuffer
-      return { msg: { op: 'crc', data: copy, ranges }, transfer: [copy] }
-    })
+    const remote = this.#post(
+      'read',
+      (st) => ({ msg: { op: 'crc', data: st.input(bytes.subarray(lo, hi)), ranges }, transfer: [] }),
+      transferred,
+    )
     // Settled below in every path; this keeps an early throw from leaving it unhandled.
     remote?.catch(() => {})
     for (let i = 0; i < split; i++) {
@@ -338,6 +374,21 @@ export class CodecPool {
     await Promise.allSettled(this.#slots.map((s) => s.worker.terminate()))
     this.#slots.length = 0
   }
+}
+
+/** A result the worker transferred (encode, CRCs). */
+function transferred(bytes: ArrayBuffer | null): Uint8Array {
+  if (!bytes) throw new CodecError('codec worker sent no result')
+  return new Uint8Array(bytes)
+}
+
+/** Whether two views share any byte (decoding one into the other would read what it wrote). */
+function overlaps(a: Uint8Array, b: Uint8Array): boolean {
+  return (
+    a.buffer === b.buffer &&
+    a.byteOffset < b.byteOffset + b.byteLength &&
+    b.byteOffset < a.byteOffset + a.byteLength
+  )
 }
 
 /** Jobs that never reached a worker (every worker gone) run on the calling thread instead. */

@@ -1,8 +1,9 @@
 // Worker thread of the client's codec pool: runs wasm encode/decode off the
-// inference thread. Messages carry transferred ArrayBuffers; errors come back as strings.
+// inference thread. Inputs arrive in the pool's shared staging buffers (see codec-staging.ts);
+// decoded tensors go back the same way, encoded objects as transferred ArrayBuffers; errors as strings.
 
 import { parentPort } from 'node:worker_threads'
-import { decodeChunk, decodeSection, encodeChunk } from '../codec/node.ts'
+import { decodeChunkInto, decodeSection, encodeChunk } from '../codec/node.ts'
 import { crc32 } from '../core/checksum.ts'
 import type { ChunkHeader } from '../core/format.ts'
 import type { ChunkIdentity } from './chunk-codec.ts'
@@ -13,16 +14,18 @@ export type CodecRequest =
       op: 'encode'
       mode: 'lossless' | 'kvgate'
       quality: number | undefined
-      tensor: ArrayBuffer
+      tensor: Uint8Array
       meta: ChunkIdentity
     }
-  | { id: number; op: 'decode'; object: ArrayBuffer }
-  | { id: number; op: 'section'; header: ChunkHeader; layer: number; section: ArrayBuffer }
+  /** Verifies and decodes a whole object into `out` (shared memory: the reply carries no bytes). */
+  | { id: number; op: 'decode'; object: Uint8Array; out: Uint8Array }
+  | { id: number; op: 'section'; header: ChunkHeader; layer: number; section: Uint8Array; out: Uint8Array }
   /** CRC-32 of ranges [offset, length, offset, length, …] of `data`; the reply packs them as u32. */
-  | { id: number; op: 'crc'; data: ArrayBuffer; ranges: number[] }
+  | { id: number; op: 'crc'; data: Uint8Array; ranges: number[] }
 
 export type CodecReply =
-  | { id: number; bytes: ArrayBuffer }
+  /** `bytes`: the result, transferred; null when it was written into the request's `out`. */
+  | { id: number; bytes: ArrayBuffer | null }
   | { id: number; error: string }
   /** Sent once the module loaded: the pool hands jobs only to workers that got this far. */
   | { ready: true }
@@ -33,23 +36,32 @@ function own(b: Uint8Array): ArrayBuffer {
     : (b.slice().buffer as ArrayBuffer)
 }
 
-parentPort?.on('message', (m: CodecRequest) => {
-  try {
-    let out: Uint8Array
-    if (m.op === 'encode')
-      out = encodeChunk(new Uint8Array(m.tensor), m.meta, { mode: m.mode, quality: m.quality })
-    else if (m.op === 'decode') out = decodeChunk(new Uint8Array(m.object))
-    else if (m.op === 'crc') {
-      const data = new Uint8Array(m.data)
+function run(m: CodecRequest): Uint8Array | null {
+  switch (m.op) {
+    case 'encode':
+      return encodeChunk(m.tensor, m.meta, { mode: m.mode, quality: m.quality })
+    case 'decode':
+      decodeChunkInto(m.object, m.out)
+      return null
+    case 'section':
+      decodeSection(m.header, m.layer, m.section, m.out)
+      return null
+    case 'crc': {
       const crcs = new Uint32Array(m.ranges.length / 2)
       for (let i = 0; i < crcs.length; i++) {
         const off = m.ranges[2 * i]!
-        crcs[i] = crc32(data.subarray(off, off + m.ranges[2 * i + 1]!))
+        crcs[i] = crc32(m.data.subarray(off, off + m.ranges[2 * i + 1]!))
       }
-      out = new Uint8Array(crcs.buffer)
-    } else out = decodeSection(m.header, m.layer, new Uint8Array(m.section))
-    const bytes = own(out)
-    parentPort!.postMessage({ id: m.id, bytes } satisfies CodecReply, [bytes])
+      return new Uint8Array(crcs.buffer)
+    }
+  }
+}
+
+parentPort?.on('message', (m: CodecRequest) => {
+  try {
+    const out = run(m)
+    const bytes = out && own(out)
+    parentPort!.postMessage({ id: m.id, bytes } satisfies CodecReply, bytes ? [bytes] : [])
   } catch (e) {
     parentPort!.postMessage({ id: m.id, error: (e as Error).message } satisfies CodecReply)
   }
