@@ -3,6 +3,7 @@
 
 import { afterAll, describe, expect, it } from 'vitest'
 import { CodecPool } from '../src/client/codec-pool.ts'
+import { CodecStaging } from '../src/client/codec-staging.ts'
 import { decodeChunk, encodeChunk } from '../src/codec/node.ts'
 import { decodeHeader, verifyChunk } from '../src/core/format.ts'
 import { chunkBytes, layerSlabBytes, MODEL_PRESETS } from '../src/core/layout.ts'
@@ -70,6 +71,82 @@ describe('CodecPool', () => {
     },
   )
 
+  it.each([1, 0])(
+    'with %i workers: decodes into a destination that holds its own object (an L4 body read into the slot)',
+    async (workers) => {
+      const pool = new CodecPool(workers)
+      pools.push(pool)
+      const obj = encodeChunk(tensor, meta, { mode: 'kvgate' })
+      const want = decodeChunk(obj)
+      const slot = new Uint8Array(Math.max(obj.byteLength, want.byteLength) + 64)
+      slot.set(obj, 64)
+      const dst = slot.subarray(0, want.byteLength)
+      await pool.decodeInto(slot.subarray(64, 64 + obj.byteLength), 'kvgate', dst)
+      expect(Buffer.compare(dst, want)).toBe(0)
+    },
+  )
+
+  it('chunks decoded at once on two workers each land in their own destination; staging stays at one job per buffer', async () => {
+    const pool = new CodecPool(2)
+    pools.push(pool)
+    const objs = [1, 2, 3, 4, 5, 6].map((seed) =>
+      encodeChunk(tensorOf(syntheticKv(g, 32, seed), g.dtype), meta, { mode: 'kvgate' }),
+    )
+    const outs = objs.map(() => new Uint8Array(chunkBytes(g, 32)))
+    await Promise.all(objs.map((o, i) => pool.decodeInto(o, 'kvgate', outs[i]!)))
+    objs.forEach((o, i) => expect(Buffer.compare(outs[i]!, decodeChunk(o))).toBe(0))
+    expect(pool.counts.workerJobs).toBe(objs.length)
+    // Per worker: one input and two output buffers of 1 MiB (the rounding), however many jobs ran.
+    for (let round = 0; round < 3; round++) {
+      expect(pool.stagingBytes).toBeGreaterThan(0)
+      expect(pool.stagingBytes).toBeLessThanOrEqual(2 * 3 * 1024 * 1024)
+      await Promise.all(objs.map((o, i) => pool.decodeInto(o, 'kvgate', outs[i]!)))
+    }
+  })
+
+  it.each([1, 0])(
+    'with %i workers: an object that fails verification is refused and its destination is left untouched',
+    async (workers) => {
+      const pool = new CodecPool(workers)
+      pools.push(pool)
+      const obj = encodeChunk(tensor, meta, { mode: 'kvgate' })
+      const s = decodeHeader(obj).sections[4]!
+      const flipped = obj.slice()
+      flipped[s.offset + (s.length >> 1)]! ^= 0x10
+      const cases: [Uint8Array, RegExp][] = [
+        [flipped, /checksum/],
+        [obj.subarray(0, obj.length - 1), /bytes, header says/],
+        [new Uint8Array([...obj, 0]), /bytes, header says/],
+      ]
+      for (const [bad, why] of cases) {
+        const dst = new Uint8Array(chunkBytes(g, 32))
+        await expect(pool.decodeInto(bad, 'kvgate', dst)).rejects.toThrow(why)
+        expect(dst.every((x) => x === 0)).toBe(true)
+      }
+      const short = new Uint8Array(chunkBytes(g, 32) - 2)
+      await expect(pool.decodeInto(obj, 'kvgate', short)).rejects.toThrow(/output must be/)
+      expect(short.every((x) => x === 0)).toBe(true)
+      // The pool still decodes after the failures.
+      const out = new Uint8Array(chunkBytes(g, 32))
+      await pool.decodeInto(obj, 'kvgate', out)
+      expect(Buffer.compare(out, decodeChunk(obj))).toBe(0)
+    },
+  )
+
+  it('a section whose header claims a huge layer is refused before a staging buffer is sized for it', async () => {
+    const pool = new CodecPool(1)
+    pools.push(pool)
+    const obj = await pool.encode('kvgate', tensor, meta)
+    const h = decodeHeader(obj)
+    const s = h.sections[0]!
+    const section = obj.subarray(s.offset, s.offset + s.length)
+    const before = pool.stagingBytes
+    await expect(pool.decodeSection({ ...h, tokens: 10_000_000 }, 0, section)).rejects.toMatchObject({
+      code: 'ERR_CODEC',
+    })
+    expect(pool.stagingBytes).toBe(before)
+  })
+
   it('a garbage section is a CodecError from the worker, and the pool keeps working', async () => {
     const pool = new CodecPool(1)
     pools.push(pool)
@@ -79,6 +156,28 @@ describe('CodecPool', () => {
     const bad = obj.slice(s.offset, s.offset + s.length).fill(0xff)
     await expect(pool.decodeSection(h, 1, bad)).rejects.toMatchObject({ code: 'ERR_CODEC' })
     expect((await pool.encode('lossless', tensor, meta)).byteLength).toBeGreaterThan(0)
+  })
+})
+
+describe('CodecStaging', () => {
+  it('consecutive outputs never share memory (one is copied out while the worker fills the next), and buffers are reused', () => {
+    const st = new CodecStaging()
+    const a = st.output(3 << 20)
+    const b = st.output(3 << 20)
+    expect(a.buffer).not.toBe(b.buffer)
+    const input = st.input(new Uint8Array(5).fill(7))
+    expect([...input]).toEqual([7, 7, 7, 7, 7])
+    expect(input.buffer).not.toBe(a.buffer)
+    expect(input.buffer).not.toBe(b.buffer)
+    const held = st.bytes
+    expect(held).toBe((3 + 3 + 1) << 20)
+    // The third output reuses the first buffer; smaller jobs reuse, bigger ones grow it.
+    expect(st.output(1000).buffer).toBe(a.buffer)
+    expect(st.output(3 << 20).buffer).toBe(b.buffer)
+    expect(st.input(new Uint8Array(1000)).buffer).toBe(input.buffer)
+    expect(st.bytes).toBe(held)
+    expect(st.output((4 << 20) + 1).byteLength).toBe((4 << 20) + 1)
+    expect(st.bytes).toBe(held + (2 << 20))
   })
 })
 

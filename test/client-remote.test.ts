@@ -162,6 +162,44 @@ describe('L4 through the gateway', () => {
     expect(yielded).toBe(0)
     expect((await b.lookup(toks)).chunks.some((c) => c.tier === 'memory')).toBe(false)
   })
+
+  // A coded object is verified by its decode job (no separate verify): the CRCs must still gate L1.
+  it.each([
+    ['kvgate', 1],
+    ['kvgate', 0],
+    ['lossless', 1],
+  ] as const)(
+    'corrupt %s bytes (%i codec workers) are never served nor made resident',
+    async (codec, workers) => {
+      const open = async () => {
+        const c = await KVCache.open({
+          model: 'stories260k',
+          chunkTokens: T,
+          namespace: 'team-a',
+          memory: { bytes: 32 * CB },
+          codecWorkers: workers,
+          remote: { url: gw.url, codec, token: 'secret', breakerCooldownMs: 50 },
+        })
+        caches.push(c)
+        return c
+      }
+      const a = await open()
+      const toks = tokens(2 * T, 6)
+      await a.store(toks, kvFor(2, 6))
+      await a.flush()
+      gw.faults.corrupt = true
+      const b = await open()
+      const into = new Uint8Array(2 * CB)
+      expect(sum(await b.retrieve(toks, { into }))).toBe(0)
+      expect(into.every((x) => x === 0)).toBe(true)
+      expect(b.stats().remote?.corrupt).toBeGreaterThanOrEqual(1)
+      expect((await b.lookup(toks)).chunks.some((c) => c.tier === 'memory')).toBe(false)
+      // The same objects, served intact, decode to what was stored.
+      gw.faults.corrupt = false
+      expect(sum(await b.retrieve(toks, { into }))).toBe(2 * T)
+      if (codec === 'lossless') expect(Buffer.compare(into, kvFor(2, 6))).toBe(0)
+    },
+  )
 })
 
 describe('L4 faults never reach the caller', () => {

@@ -54,7 +54,7 @@ type RequestBody = CodecRequest extends infer R ? (R extends CodecRequest ? Omit
 /**
  * A job: its message is built when a worker takes it (inputs are copied into
  * that worker's staging then, not while queued); `done` takes the worker's
- * answer on the calling thread before the staging serves another job.
+ * answer on the calling thread, synchronously, while the worker's next job fills the other output buffer.
  */
 interface Job {
   make: (staging: CodecStaging) => { msg: RequestBody; transfer: ArrayBuffer[] }
@@ -128,6 +128,11 @@ export class CodecPool {
     }
   }
 
+  /** Bytes the workers' staging buffers hold (the largest jobs seen; tests watch it stay bounded). */
+  get stagingBytes(): number {
+    return this.#slots.reduce((a, s) => a + s.staging.bytes, 0)
+  }
+
   #spawn(): Slot {
     const worker = new Worker(this.#entry, { execArgv: [] })
     worker.unref()
@@ -147,9 +152,11 @@ export class CodecPool {
     const job = slot.job
     if (!job || job.id !== m.id) return
     slot.job = undefined
+    // The worker starts its next job first: this thread's copy-out of the result
+    // (from the other output buffer, see CodecStaging) overlaps it.
+    this.#dispatch()
     if ('error' in m) job.reject(new CodecError(m.error))
     else job.done(m.bytes)
-    this.#dispatch()
   }
 
   /**

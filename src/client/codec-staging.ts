@@ -5,15 +5,19 @@
 const GRAIN = 1 << 20
 
 /**
- * Two growable SharedArrayBuffers, reused by every job of one worker. L1 slots
- * cannot be shared or transferred (they are pinned external memory), so one copy
- * in and one copy out on the calling thread remain; what goes is a fresh 32 MiB
- * buffer per job, whose page faults and zeroing cost as much CPU as the decode itself.
- * Holds the largest job it has seen (one chunk object and one chunk tensor) until its worker goes.
+ * SharedArrayBuffers reused by every job of one worker. L1 slots cannot be
+ * shared or transferred (they are pinned external memory), so one copy in and
+ * one copy out on the calling thread remain; what goes is a fresh 32 MiB buffer
+ * per job, whose page faults and zeroing cost as much CPU as the decode itself.
+ * Outputs alternate between two buffers: the calling thread copies one job's
+ * tensor out while the worker decodes the next into the other (the copy is ~15 %
+ * of a decode). Holds the largest job it has seen (one chunk object, two chunk
+ * tensors) until its worker goes.
  */
 export class CodecStaging {
   #input: SharedArrayBuffer | undefined
-  #output: SharedArrayBuffer | undefined
+  readonly #outputs: (SharedArrayBuffer | undefined)[] = [undefined, undefined]
+  #turn = 0
 
   /** A copy of `bytes` in the input buffer. */
   input(bytes: Uint8Array): Uint8Array {
@@ -23,15 +27,21 @@ export class CodecStaging {
     return view
   }
 
-  /** The first `n` bytes of the output buffer, for the worker to fill. */
+  /**
+   * The first `n` bytes of the output buffer the previous job did not use, for
+   * the worker to fill: valid until the job after next takes it.
+   */
   output(n: number): Uint8Array {
-    this.#output = sized(this.#output, n)
-    return new Uint8Array(this.#output, 0, n)
+    const i = this.#turn
+    this.#turn ^= 1
+    const buf = sized(this.#outputs[i], n)
+    this.#outputs[i] = buf
+    return new Uint8Array(buf, 0, n)
   }
 
   /** Bytes held (tests watch it stay at one job's size). */
   get bytes(): number {
-    return (this.#input?.byteLength ?? 0) + (this.#output?.byteLength ?? 0)
+    return this.#outputs.reduce((a, b) => a + (b?.byteLength ?? 0), this.#input?.byteLength ?? 0)
   }
 }
 
