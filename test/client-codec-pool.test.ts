@@ -133,6 +133,31 @@ describe('CodecPool', () => {
     },
   )
 
+  it.each([1, 0])(
+    'with %i workers: a layer range decodes in one job, each slab as the whole chunk has it',
+    async (workers) => {
+      const pool = new CodecPool(workers)
+      pools.push(pool)
+      const obj = encodeChunk(tensor, meta, { mode: 'kvgate' })
+      const whole = decodeChunk(obj)
+      const h = decodeHeader(obj)
+      const slab = layerSlabBytes(g, 32)
+      const sections = [1, 2, 3].map((l) =>
+        obj.subarray(h.sections[l]!.offset, h.sections[l]!.offset + h.sections[l]!.length),
+      )
+      const jobs = pool.counts.workerJobs
+      const slabs = await pool.decodeLayers(h, 1, sections)
+      expect(pool.counts.workerJobs).toBe(jobs + workers)
+      expect(slabs.length).toBe(3)
+      slabs.forEach((s, i) =>
+        expect(Buffer.compare(s, whole.subarray((1 + i) * slab, (2 + i) * slab))).toBe(0),
+      )
+      // A garbage section in the range fails the range.
+      const bad = [sections[0]!, sections[1]!.slice().fill(0xff), sections[2]!]
+      await expect(pool.decodeLayers(h, 1, bad)).rejects.toMatchObject({ code: 'ERR_CODEC' })
+    },
+  )
+
   it('a section whose header claims a huge layer is refused before a staging buffer is sized for it', async () => {
     const pool = new CodecPool(1)
     pools.push(pool)

@@ -129,10 +129,10 @@ export class ChunkReader {
     if (!body) return undefined
     try {
       const sub = openLayerGroup(body, first, last, this.#o.identity(k))
-      const slabs = await Promise.all(
-        Array.from({ length: last - first + 1 }, (_, i) =>
-          this.#o.codec.decodeSection(sub.header, first + i, sub.section(first + i)),
-        ),
+      const slabs = await this.#o.codec.decodeLayers(
+        sub.header,
+        first,
+        Array.from({ length: last - first + 1 }, (_, i) => sub.section(first + i)),
       )
       const out = new Map<number, Uint8Array>()
       for (const [i, s] of slabs.entries()) out.set(first + i, s)

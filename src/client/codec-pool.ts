@@ -295,23 +295,33 @@ export class CodecPool {
 
   /** Decodes one CRC-checked layer section into a new layer slab. */
   async decodeSection(header: ChunkHeader, layer: number, section: Uint8Array): Promise<Uint8Array> {
+    return (await this.decodeLayers(header, layer, [section]))[0]!
+  }
+
+  /**
+   * Decodes CRC-checked sections of layers first, first + 1, … (a `?layers=a-b`
+   * answer) into new layer slabs: one worker job for the whole range.
+   */
+  async decodeLayers(header: ChunkHeader, first: number, sections: Uint8Array[]): Promise<Uint8Array[]> {
     const slab = layerSlabBytes(header.geometry, header.tokens)
-    // A header's claim sizes the staging: refuse what the codec would refuse, before allocating.
-    if (header.codec !== 'raw' && slab <= MAX_WASM_SLAB_BYTES) {
+    // A header's claim sizes the staging: what the codec would refuse is refused inline, before allocating.
+    if (header.codec !== 'raw' && sections.length * slab <= MAX_WASM_SLAB_BYTES) {
       let out: Uint8Array | undefined
+      const lengths = sections.map((s) => s.byteLength)
       const p = this.#post(
         'read',
         (st) => {
-          out = st.output(slab)
-          return { msg: { op: 'section', header, layer, section: st.input(section), out }, transfer: [] }
+          out = st.output(sections.length * slab)
+          const input = st.input(sections)
+          return { msg: { op: 'layers', header, first, sections: input, lengths, out }, transfer: [] }
         },
-        () => out!.slice(),
+        () => sections.map((_, i) => out!.slice(i * slab, (i + 1) * slab)),
       )
       const got = p && (await p.catch(noWorkersToUndefined))
       if (got) return got
     }
     this.counts.inlineJobs++
-    return decodeSection(header, layer, section)
+    return sections.map((s, i) => decodeSection(header, first + i, s))
   }
 
   /**

@@ -19,11 +19,17 @@ export class CodecStaging {
   readonly #outputs: (SharedArrayBuffer | undefined)[] = [undefined, undefined]
   #turn = 0
 
-  /** A copy of `bytes` in the input buffer. */
-  input(bytes: Uint8Array): Uint8Array {
-    this.#input = sized(this.#input, bytes.byteLength)
-    const view = new Uint8Array(this.#input, 0, bytes.byteLength)
-    view.set(bytes)
+  /** A copy of `bytes` (of the parts one after another) in the input buffer. */
+  input(bytes: Uint8Array | readonly Uint8Array[]): Uint8Array {
+    const parts = bytes instanceof Uint8Array ? [bytes] : bytes
+    const n = parts.reduce((a, p) => a + p.byteLength, 0)
+    this.#input = sized(this.#input, n)
+    const view = new Uint8Array(this.#input, 0, n)
+    let at = 0
+    for (const p of parts) {
+      view.set(p, at)
+      at += p.byteLength
+    }
     return view
   }
 

@@ -19,7 +19,16 @@ export type CodecRequest =
     }
   /** Verifies and decodes a whole object into `out` (shared memory: the reply carries no bytes). */
   | { id: number; op: 'decode'; object: Uint8Array; out: Uint8Array }
-  | { id: number; op: 'section'; header: ChunkHeader; layer: number; section: Uint8Array; out: Uint8Array }
+  /** Decodes the sections of layers first, first + 1, … (one after another in `sections`) into `out`, slab after slab. */
+  | {
+      id: number
+      op: 'layers'
+      header: ChunkHeader
+      first: number
+      sections: Uint8Array
+      lengths: number[]
+      out: Uint8Array
+    }
   /** CRC-32 of ranges [offset, length, offset, length, …] of `data`; the reply packs them as u32. */
   | { id: number; op: 'crc'; data: Uint8Array; ranges: number[] }
 
@@ -43,9 +52,16 @@ function run(m: CodecRequest): Uint8Array | null {
     case 'decode':
       decodeChunkInto(m.object, m.out)
       return null
-    case 'section':
-      decodeSection(m.header, m.layer, m.section, m.out)
+    case 'layers': {
+      const slab = m.out.byteLength / m.lengths.length
+      let at = 0
+      m.lengths.forEach((n, i) => {
+        const section = m.sections.subarray(at, at + n)
+        decodeSection(m.header, m.first + i, section, m.out.subarray(i * slab, (i + 1) * slab))
+        at += n
+      })
       return null
+    }
     case 'crc': {
       const crcs = new Uint32Array(m.ranges.length / 2)
       for (let i = 0; i < crcs.length; i++) {
