@@ -107,29 +107,32 @@ describe('L4 through the gateway', () => {
     expect(gw.requests.filter((r) => r.method === 'GET' && r.path.includes('/chunks/')).length).toBe(1)
   })
 
-  it('retrieveLayers reads remote chunks with ?layers ranges and yields exact slabs', async () => {
-    const a = await node()
-    const toks = tokens(2 * T, 3)
-    const kv = kvFor(2, 3)
-    await a.store(toks, kv)
-    await a.flush()
-    const b = await node()
-    const slab = layerSlabBytes(MODEL_PRESETS.stories260k, T)
-    let layers = 0
-    for await (const batch of b.retrieveLayers(toks)) {
-      expect(batch.chunks).toBe(2)
-      for (let i = 0; i < 2; i++) {
-        const want = kv.subarray(i * CB + batch.layer * slab, i * CB + (batch.layer + 1) * slab)
-        expect(Buffer.compare(batch.slabs[i]!, want)).toBe(0)
+  it.each(['raw', 'lossless'] as const)(
+    'retrieveLayers reads remote %s chunks with ?layers ranges and yields exact slabs',
+    async (codec) => {
+      const a = await node({ codec })
+      const toks = tokens(2 * T, 3)
+      const kv = kvFor(2, 3)
+      await a.store(toks, kv)
+      await a.flush()
+      const b = await node({ codec })
+      const slab = layerSlabBytes(MODEL_PRESETS.stories260k, T)
+      let layers = 0
+      for await (const batch of b.retrieveLayers(toks)) {
+        expect(batch.chunks).toBe(2)
+        for (let i = 0; i < 2; i++) {
+          const want = kv.subarray(i * CB + batch.layer * slab, i * CB + (batch.layer + 1) * slab)
+          expect(Buffer.compare(batch.slabs[i]!, want)).toBe(0)
+        }
+        layers++
       }
-      layers++
-    }
-    expect(layers).toBe(5)
-    const ranged = gw.requests.filter((r) => /\?layers=\d+-\d+$/.test(r.path))
-    expect(ranged.length).toBeGreaterThan(2) // several groups per chunk
-    // The assembled chunks were promoted into L1.
-    expect((await b.lookup(toks)).chunks.every((c) => c.tier === 'memory')).toBe(true)
-  })
+      expect(layers).toBe(5)
+      const ranged = gw.requests.filter((r) => /\?layers=\d+-\d+$/.test(r.path))
+      expect(ranged.length).toBeGreaterThan(2) // several groups per chunk
+      // The assembled chunks were promoted into L1.
+      expect((await b.lookup(toks)).chunks.every((c) => c.tier === 'memory')).toBe(true)
+    },
+  )
 
   it('follows a 307 to a presigned URL without sending the bearer token there', async () => {
     const a = await node()
