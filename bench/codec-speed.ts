@@ -2,7 +2,8 @@
 // (fp16, level q5): the chunk API, plus an interleaved A/B of raw wasm builds
 // (KVGATE_WASM_BASE=<old .wasm> against the committed one; KVGATE_WASM_BASE_LEVELS=12:16 for
 // a build from before error targets) so a noisy shared machine hits both sides alike.
-// Raw figures include the copies the API makes.
+// Raw figures include the copies the API makes. Then the client's codec pool with 1, 2 and all
+// workers beside this thread, decode and encode (KVGATE_BENCH_ONLY=pool: that part alone).
 
 import { readFileSync } from 'node:fs'
 import { decodeChunkInto, encodeChunk, layerTargets } from '../src/codec/node.ts'
@@ -110,29 +111,32 @@ const at = (k: string): Sample => {
   samples.set(k, s)
   return s
 }
-for (let i = 0; i <= REPEATS; i++) {
-  // Round 0 warms up every path (V8 tiers wasm up after first calls).
-  const keep = i > 0
-  const s = (k: string) => (keep ? at(k) : sample())
-  for (const [name, b] of builds) {
-    timed(s(`${name} raw encode`), b.encode)
-    timed(s(`${name} raw decode fp16`), b.decode)
+// KVGATE_BENCH_ONLY=pool: only the codec pool section below.
+if (process.env.KVGATE_BENCH_ONLY !== 'pool') {
+  for (let i = 0; i <= REPEATS; i++) {
+    // Round 0 warms up every path (V8 tiers wasm up after first calls).
+    const keep = i > 0
+    const s = (k: string) => (keep ? at(k) : sample())
+    for (const [name, b] of builds) {
+      timed(s(`${name} raw encode`), b.encode)
+      timed(s(`${name} raw decode fp16`), b.decode)
+    }
+    timed(s('chunk API encode'), () => encodeChunk(tensor, meta, { mode: 'kvgate', quality: QUALITY }))
+    timed(s('chunk API decode fp16'), () => decodeChunkInto(obj, out))
+    timed(s('chunk API decode bf16'), () => decodeChunkInto(objBf, out))
   }
-  timed(s('chunk API encode'), () => encodeChunk(tensor, meta, { mode: 'kvgate', quality: QUALITY }))
-  timed(s('chunk API decode fp16'), () => decodeChunkInto(obj, out))
-  timed(s('chunk API decode bf16'), () => decodeChunkInto(objBf, out))
-}
-console.log(
-  `q${QUALITY}, 8B synthetic 32 MiB chunk: current ${(tensor.length / obj.length).toFixed(3)}× vs fp16` +
-    builds.map(([n, b]) => `; ${n} raw sections ${b.bytes()} bytes`).join(''),
-)
-console.log(`median of ${REPEATS} interleaved rounds: MB/s of fp16 tensor, wall clock and per CPU-second`)
-for (const [name, s] of samples) {
-  const w = median(s.wall)
-  const cp = median(s.cpu)
   console.log(
-    `${name.padEnd(28)} ${w.toFixed(2).padStart(7)} ms  wall ${(mb / (w / 1e3)).toFixed(0).padStart(5)} MB/s  cpu ${(mb / (cp / 1e3)).toFixed(0).padStart(5)} MB/s`,
+    `q${QUALITY}, 8B synthetic 32 MiB chunk: current ${(tensor.length / obj.length).toFixed(3)}× vs fp16` +
+      builds.map(([n, b]) => `; ${n} raw sections ${b.bytes()} bytes`).join(''),
   )
+  console.log(`median of ${REPEATS} interleaved rounds: MB/s of fp16 tensor, wall clock and per CPU-second`)
+  for (const [name, s] of samples) {
+    const w = median(s.wall)
+    const cp = median(s.cpu)
+    console.log(
+      `${name.padEnd(28)} ${w.toFixed(2).padStart(7)} ms  wall ${(mb / (w / 1e3)).toFixed(0).padStart(5)} MB/s  cpu ${(mb / (cp / 1e3)).toFixed(0).padStart(5)} MB/s`,
+    )
+  }
 }
 
 // Through the client's codec pool: one prompt's chunks spread over 1, 2, … workers
@@ -198,16 +202,17 @@ if (process.env.KVGATE_POOL_SIZES !== 'none') {
   const spread = (xs: number[]) =>
     `${Math.min(...xs).toFixed(3)} / ${median(xs).toFixed(3)} / ${Math.max(...xs).toFixed(3)}`
   console.log(
-    `\ncodec pool, ${chunks} chunks per run, ${rounds} interleaved rounds, ${cores} cores: GB/s of fp16 tensor (min / median / max)`,
+    `\ncodec pool, ${chunks} chunks per run, ${rounds} interleaved rounds, ${cores} cores: GB/s of fp16 tensor (min / median / max), × this thread's median`,
   )
   const table: Record<string, unknown>[] = []
   for (const [name, row] of rows) {
     const job = name.split(' ')[0]!
-    const base = median(rows.get(`${job} this thread`)!.gbs)
-    const ratio = median(row.gbs) / base
-    table.push({ name, gbs: row.gbs, cpuGbs: row.cpuGbs, vsThisThread: ratio })
+    const base = rows.get(`${job} this thread`)!
+    const ratio = median(row.gbs) / median(base.gbs)
+    const cpuRatio = median(row.cpuGbs) / median(base.cpuGbs)
+    table.push({ name, gbs: row.gbs, cpuGbs: row.cpuGbs, vsThisThread: ratio, cpuVsThisThread: cpuRatio })
     console.log(
-      `${name.padEnd(20)} wall ${spread(row.gbs)}  ×${ratio.toFixed(2)} this thread   per CPU-second ${spread(row.cpuGbs)}`,
+      `${name.padEnd(20)} wall ${spread(row.gbs)} ×${ratio.toFixed(2)}   per CPU-second ${spread(row.cpuGbs)} ×${cpuRatio.toFixed(2)}`,
     )
   }
   const { writeResult, machineLine } = await import('./lib/stats.ts')
