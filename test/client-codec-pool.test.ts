@@ -94,7 +94,7 @@ describe('CodecPool', () => {
     )
     const outs = objs.map(() => new Uint8Array(chunkBytes(g, 32)))
     await Promise.all(objs.map((o, i) => pool.decodeInto(o, 'kvgate', outs[i]!)))
-    objs.forEach((o, i) => expect(Buffer.compare(outs[i]!, decodeChunk(o))).toBe(0))
+    for (const [i, o] of objs.entries()) expect(Buffer.compare(outs[i]!, decodeChunk(o))).toBe(0)
     expect(pool.counts.workerJobs).toBe(objs.length)
     // Per worker: one input and two output buffers of 1 MiB (the rounding), however many jobs ran.
     for (let round = 0; round < 3; round++) {
@@ -149,9 +149,8 @@ describe('CodecPool', () => {
       const slabs = await pool.decodeLayers(h, 1, sections)
       expect(pool.counts.workerJobs).toBe(jobs + workers)
       expect(slabs.length).toBe(3)
-      slabs.forEach((s, i) =>
-        expect(Buffer.compare(s, whole.subarray((1 + i) * slab, (2 + i) * slab))).toBe(0),
-      )
+      for (const [i, s] of slabs.entries())
+        expect(Buffer.compare(s, whole.subarray((1 + i) * slab, (2 + i) * slab))).toBe(0)
       // A garbage section in the range fails the range.
       const bad = [sections[0]!, sections[1]!.slice().fill(0xff), sections[2]!]
       await expect(pool.decodeLayers(h, 1, bad)).rejects.toMatchObject({ code: 'ERR_CODEC' })
