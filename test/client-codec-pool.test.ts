@@ -238,6 +238,25 @@ describe('CodecPool under worker failures (finding 11)', () => {
     60_000,
   )
 
+  it('a worker dying in a decode fails only that decode (its destination untouched); the others land whole', async () => {
+    const pool = new CodecPool(2, false, { workerEntry: faulty })
+    pools.push(pool)
+    const obj = encodeChunk(tensor, meta, { mode: 'kvgate' })
+    const want = decodeChunk(obj)
+    const outs = Array.from({ length: 6 }, () => new Uint8Array(want.byteLength))
+    // An odd-length destination is what the faulty worker dies on (the real one would refuse it).
+    const poisonedDst = new Uint8Array(want.byteLength + 1)
+    const good = outs.map((o) => pool.decodeInto(obj, 'kvgate', o))
+    const bad = pool.decodeInto(obj, 'kvgate', poisonedDst)
+    const more = outs.map((o) => pool.decodeInto(obj, 'kvgate', o))
+    await expect(bad).rejects.toMatchObject({ name: 'CodecWorkerLostError' })
+    await Promise.all([...good, ...more])
+    for (const o of outs) expect(Buffer.compare(o, want)).toBe(0)
+    expect(poisonedDst.every((x) => x === 0)).toBe(true)
+    expect(pool.counts.jobsLost).toBe(1)
+    expect(pool.counts.workersReplaced).toBe(1)
+  }, 60_000)
+
   it('the queue is bounded: past it a job is refused with CodecBusyError, the rest complete', async () => {
     const pool = new CodecPool(1, false, { maxQueuedJobs: 2 })
     pools.push(pool)
