@@ -157,6 +157,21 @@ describe('CodecPool', () => {
     },
   )
 
+  it('an idle worker lets go of its staging; the next job gets it back', async () => {
+    const pool = new CodecPool(1, false, { stagingIdleMs: 50 })
+    pools.push(pool)
+    const obj = encodeChunk(tensor, meta, { mode: 'kvgate' })
+    const out = new Uint8Array(chunkBytes(g, 32))
+    await pool.decodeInto(obj, 'kvgate', out)
+    expect(pool.stagingBytes).toBeGreaterThan(0)
+    for (let i = 0; i < 100 && pool.stagingBytes > 0; i++) await new Promise((r) => setTimeout(r, 20))
+    expect(pool.stagingBytes).toBe(0)
+    out.fill(0)
+    await pool.decodeInto(obj, 'kvgate', out)
+    expect(Buffer.compare(out, decodeChunk(obj))).toBe(0)
+    expect(pool.stagingBytes).toBeGreaterThan(0)
+  })
+
   it('a section whose header claims a huge layer is refused before a staging buffer is sized for it', async () => {
     const pool = new CodecPool(1)
     pools.push(pool)

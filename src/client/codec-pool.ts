@@ -46,6 +46,11 @@ export interface CodecPoolOptions {
   maxQueuedJobs?: number
   /** Worker entry module (tests inject one that misbehaves). @default ./codec-worker-entry.mjs */
   workerEntry?: URL
+  /**
+   * A worker idle this long lets go of its staging buffers (a chunk object and two
+   * chunk tensors); the next job allocates them again. @default 10000
+   */
+  stagingIdleMs?: number
 }
 
 /** Distributive Omit, so each request variant keeps its own fields. */
@@ -70,8 +75,10 @@ interface Slot {
   dead: boolean
   /** The worker loaded its module; one that dies before this never started (no restart). */
   ready: boolean
-  /** Shared buffers this worker's jobs go in and out through (dropped with the worker). */
+  /** Shared buffers this worker's jobs go in and out through (dropped with the worker, or when idle). */
   staging: CodecStaging
+  /** When its last job finished (performance.now()). */
+  idleSince: number
 }
 
 /**
@@ -96,6 +103,8 @@ export class CodecPool {
   readonly #size: number
   readonly #maxQueued: number
   readonly #entry: URL
+  readonly #stagingIdleMs: number
+  #releaseTimer: ReturnType<typeof setTimeout> | undefined
   #started = false
   /** Split large verifications across two threads (see verify()). */
   parallelVerify: boolean
@@ -111,6 +120,7 @@ export class CodecPool {
     // A JS entry that registers tsx itself: loader flags of this process do not
     // reliably reach worker threads (npx tsx, vitest).
     this.#entry = opts.workerEntry ?? new URL('./codec-worker-entry.mjs', import.meta.url)
+    this.#stagingIdleMs = opts.stagingIdleMs ?? 10_000
     if (size <= 0) this.inline = 'codec workers disabled'
   }
 
@@ -136,7 +146,14 @@ export class CodecPool {
   #spawn(): Slot {
     const worker = new Worker(this.#entry, { execArgv: [] })
     worker.unref()
-    const slot: Slot = { worker, job: undefined, dead: false, ready: false, staging: new CodecStaging() }
+    const slot: Slot = {
+      worker,
+      job: undefined,
+      dead: false,
+      ready: false,
+      staging: new CodecStaging(),
+      idleSince: 0,
+    }
     worker.on('message', (m: CodecReply) => this.#reply(slot, m))
     worker.on('error', (e) => this.#lost(slot, `codec worker failed: ${e.message}`))
     worker.on('exit', (code) => this.#lost(slot, `codec worker exited (code ${code})`))
@@ -157,6 +174,29 @@ export class CodecPool {
     this.#dispatch()
     if ('error' in m) job.reject(new CodecError(m.error))
     else job.done(m.bytes)
+    if (!slot.job) {
+      slot.idleSince = performance.now()
+      this.#armRelease()
+    }
+  }
+
+  #armRelease(): void {
+    if (this.#releaseTimer || this.#closed) return
+    this.#releaseTimer = setTimeout(() => this.#releaseIdle(), this.#stagingIdleMs)
+    this.#releaseTimer.unref()
+  }
+
+  /** Idle workers drop their staging (a burst of loads keeps it; a quiet pool holds none). */
+  #releaseIdle(): void {
+    this.#releaseTimer = undefined
+    const now = performance.now()
+    let holding = false
+    for (const slot of this.#slots) {
+      if (slot.job || slot.staging.bytes === 0) continue
+      if (now - slot.idleSince >= this.#stagingIdleMs) slot.staging = new CodecStaging()
+      else holding = true
+    }
+    if (holding) this.#armRelease()
   }
 
   /**
@@ -380,6 +420,7 @@ export class CodecPool {
 
   async close(): Promise<void> {
     this.#closed = true
+    clearTimeout(this.#releaseTimer)
     const closed = new KvgateError('ERR_CLOSED', 'codec pool closed')
     for (const q of [this.#reads, this.#writes]) for (const j of q.splice(0)) j.reject(closed)
     for (const s of this.#slots) {

@@ -12,7 +12,7 @@ const GRAIN = 1 << 20
  * Outputs alternate between two buffers: the calling thread copies one job's
  * tensor out while the worker decodes the next into the other (the copy is ~15 %
  * of a decode). Holds the largest job it has seen (one chunk object, two chunk
- * tensors) until its worker goes.
+ * tensors) until its worker goes or idles (CodecPoolOptions.stagingIdleMs).
  */
 export class CodecStaging {
   #input: SharedArrayBuffer | undefined
