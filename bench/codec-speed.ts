@@ -3,7 +3,9 @@
 // (KVGATE_WASM_BASE=<old .wasm> against the committed one; KVGATE_WASM_BASE_LEVELS=12:16 for
 // a build from before error targets) so a noisy shared machine hits both sides alike.
 // Raw figures include the copies the API makes. The chunk API is timed with and without a
-// calibration object (built from two other synthetic chunks of the same model).
+// calibration object (built from two other synthetic chunks of the same model). Then the client's
+// codec pool with 1, 2 and all workers beside this thread, decode and encode
+// (KVGATE_BENCH_ONLY=pool: that part alone).
 
 import { readFileSync } from 'node:fs'
 import {
@@ -127,61 +129,123 @@ const at = (k: string): Sample => {
   samples.set(k, s)
   return s
 }
-for (let i = 0; i <= REPEATS; i++) {
-  // Round 0 warms up every path (V8 tiers wasm up after first calls).
-  const keep = i > 0
-  const s = (k: string) => (keep ? at(k) : sample())
-  for (const [name, b] of builds) {
-    timed(s(`${name} raw encode`), b.encode)
-    timed(s(`${name} raw decode fp16`), b.decode)
+// KVGATE_BENCH_ONLY=pool: only the codec pool section below.
+if (process.env.KVGATE_BENCH_ONLY !== 'pool') {
+  for (let i = 0; i <= REPEATS; i++) {
+    // Round 0 warms up every path (V8 tiers wasm up after first calls).
+    const keep = i > 0
+    const s = (k: string) => (keep ? at(k) : sample())
+    for (const [name, b] of builds) {
+      timed(s(`${name} raw encode`), b.encode)
+      timed(s(`${name} raw decode fp16`), b.decode)
+    }
+    timed(s('chunk API encode'), () => encodeChunk(tensor, meta, { mode: 'kvgate', quality: QUALITY }))
+    timed(s('chunk API decode fp16'), () => decodeChunkInto(obj, out))
+    timed(s('chunk API decode bf16'), () => decodeChunkInto(objBf, out))
+    timed(s('chunk API encode, calibrated'), () => encodeChunk(tensor, meta, calOpts))
+    timed(s('chunk API decode fp16, calibrated'), () => decodeChunkInto(objCal, out, { calibration }))
   }
-  timed(s('chunk API encode'), () => encodeChunk(tensor, meta, { mode: 'kvgate', quality: QUALITY }))
-  timed(s('chunk API decode fp16'), () => decodeChunkInto(obj, out))
-  timed(s('chunk API decode bf16'), () => decodeChunkInto(objBf, out))
-  timed(s('chunk API encode, calibrated'), () => encodeChunk(tensor, meta, calOpts))
-  timed(s('chunk API decode fp16, calibrated'), () => decodeChunkInto(objCal, out, { calibration }))
-}
-console.log(
-  `q${QUALITY}, 8B synthetic 32 MiB chunk: current ${(tensor.length / obj.length).toFixed(3)}× vs fp16` +
-    ` (calibrated ${(tensor.length / objCal.length).toFixed(3)}×, calibration ${calibration.bytes.length} bytes)` +
-    builds.map(([n, b]) => `; ${n} raw sections ${b.bytes()} bytes`).join(''),
-)
-console.log(`median of ${REPEATS} interleaved rounds: MB/s of fp16 tensor, wall clock and per CPU-second`)
-for (const [name, s] of samples) {
-  const w = median(s.wall)
-  const cp = median(s.cpu)
   console.log(
-    `${name.padEnd(28)} ${w.toFixed(2).padStart(7)} ms  wall ${(mb / (w / 1e3)).toFixed(0).padStart(5)} MB/s  cpu ${(mb / (cp / 1e3)).toFixed(0).padStart(5)} MB/s`,
+    `q${QUALITY}, 8B synthetic 32 MiB chunk: current ${(tensor.length / obj.length).toFixed(3)}× vs fp16` +
+      ` (calibrated ${(tensor.length / objCal.length).toFixed(3)}×, calibration ${calibration.bytes.length} bytes)` +
+      builds.map(([n, b]) => `; ${n} raw sections ${b.bytes()} bytes`).join(''),
   )
+  console.log(`median of ${REPEATS} interleaved rounds: MB/s of fp16 tensor, wall clock and per CPU-second`)
+  for (const [name, s] of samples) {
+    const w = median(s.wall)
+    const cp = median(s.cpu)
+    console.log(
+      `${name.padEnd(28)} ${w.toFixed(2).padStart(7)} ms  wall ${(mb / (w / 1e3)).toFixed(0).padStart(5)} MB/s  cpu ${(mb / (cp / 1e3)).toFixed(0).padStart(5)} MB/s`,
+    )
+  }
 }
 
-// Decode through the client's codec pool: one prompt's chunks spread over 1, 2, … workers
-// (KVGATE_POOL_SIZES, default 1,2 and all cores) — a node's decode rate should scale with its cores.
+// Through the client's codec pool: one prompt's chunks spread over 1, 2, … workers
+// (KVGATE_POOL_SIZES, default 1, 2 and all cores) beside the same chunks on this thread, every
+// variant once per round, rounds interleaved. A node's decode rate should scale with its cores,
+// and one worker should deliver what this thread does (the pool's overhead is copies and messages).
 if (process.env.KVGATE_POOL_SIZES !== 'none') {
   const { CodecPool } = await import('../src/client/codec-pool.ts')
   const { availableParallelism } = await import('node:os')
-  const sizes = (process.env.KVGATE_POOL_SIZES ?? `1,2,${availableParallelism()}`)
+  const cores = availableParallelism()
+  const sizes = (process.env.KVGATE_POOL_SIZES ?? `1,2,${cores}`)
     .split(',')
     .map(Number)
     .filter((n, i, a) => n > 0 && a.indexOf(n) === i)
-  const CHUNKS = 8
-  for (const size of sizes) {
-    const pool = new CodecPool(size)
-    try {
-      const outs = Array.from({ length: CHUNKS }, () => new Uint8Array(tensor.length))
-      await Promise.all(outs.slice(0, size).map((o) => pool.decodeInto(obj, 'kvgate', o))) // start + warm the workers
-      const walls: number[] = []
-      for (let r = 0; r < 3; r++) {
-        const t0 = performance.now()
-        await Promise.all(outs.map((o) => pool.decodeInto(obj, 'kvgate', o)))
-        walls.push(performance.now() - t0)
+  const rounds = Number(process.env.KVGATE_POOL_ROUNDS ?? 5)
+  const chunks = Math.max(8, 2 * Math.max(...sizes))
+  const outs = Array.from({ length: chunks }, () => new Uint8Array(tensor.length))
+  const pools = sizes.map((n) => ({ n, pool: new CodecPool(n, false) }))
+  type Run = (job: 'decode' | 'encode') => Promise<unknown>
+  const variants: [string, Run][] = [
+    [
+      'this thread',
+      async (job) => {
+        for (const o of outs)
+          if (job === 'decode') decodeChunkInto(obj, o)
+          else encodeChunk(tensor, meta, { mode: 'kvgate', quality: QUALITY })
+      },
+    ],
+    ...pools.map(({ n, pool }): [string, Run] => [
+      `pool of ${n}`,
+      (job) =>
+        Promise.all(
+          outs.map((o) =>
+            job === 'decode'
+              ? pool.decodeInto(obj, 'kvgate', o)
+              : pool.encode('kvgate', tensor, meta, QUALITY),
+          ),
+        ),
+    ]),
+  ]
+  const rows = new Map<string, { gbs: number[]; cpuGbs: number[] }>()
+  try {
+    for (let r = 0; r <= rounds; r++) {
+      for (const job of ['decode', 'encode'] as const) {
+        for (const [name, run] of variants) {
+          // process.cpuUsage counts every thread of the process: workers and the copies here.
+          const c0 = process.cpuUsage()
+          const t0 = performance.now()
+          await run(job)
+          const wall = (performance.now() - t0) / 1e3
+          const u = process.cpuUsage(c0)
+          if (r === 0) continue // round 0 starts the workers and lets V8 tier their wasm up
+          const row = rows.get(`${job} ${name}`) ?? { gbs: [], cpuGbs: [] }
+          rows.set(`${job} ${name}`, row)
+          row.gbs.push((chunks * tensor.length) / wall / 1e9)
+          row.cpuGbs.push((chunks * tensor.length) / ((u.user + u.system) / 1e6) / 1e9)
+        }
       }
-      const w = median(walls)
-      console.log(
-        `pool of ${size} worker(s): ${CHUNKS} chunks decoded in ${w.toFixed(0)} ms = ${((CHUNKS * mb) / (w / 1e3)).toFixed(0)} MB/s fp16 (${pool.inline ? `inline: ${pool.inline}` : `${pool.counts.workerJobs} worker jobs`})`,
-      )
-    } finally {
-      await pool.close()
     }
+  } finally {
+    for (const { pool } of pools) await pool.close()
   }
+  const spread = (xs: number[]) =>
+    `${Math.min(...xs).toFixed(3)} / ${median(xs).toFixed(3)} / ${Math.max(...xs).toFixed(3)}`
+  console.log(
+    `\ncodec pool, ${chunks} chunks per run, ${rounds} interleaved rounds, ${cores} cores: GB/s of fp16 tensor (min / median / max), × this thread's median`,
+  )
+  const table: Record<string, unknown>[] = []
+  for (const [name, row] of rows) {
+    const job = name.split(' ')[0]!
+    const base = rows.get(`${job} this thread`)!
+    const ratio = median(row.gbs) / median(base.gbs)
+    const cpuRatio = median(row.cpuGbs) / median(base.cpuGbs)
+    table.push({ name, gbs: row.gbs, cpuGbs: row.cpuGbs, vsThisThread: ratio, cpuVsThisThread: cpuRatio })
+    console.log(
+      `${name.padEnd(20)} wall ${spread(row.gbs)} ×${ratio.toFixed(2)}   per CPU-second ${spread(row.cpuGbs)} ×${cpuRatio.toFixed(2)}`,
+    )
+  }
+  const { writeResult, machineLine } = await import('./lib/stats.ts')
+  const path = writeResult({
+    name: 'codec-pool-speed',
+    date: new Date().toISOString(),
+    machine: await machineLine(),
+    bars: [],
+    quality: QUALITY,
+    chunks,
+    rounds,
+    rows: table,
+  })
+  console.log(`result: ${path}`)
 }

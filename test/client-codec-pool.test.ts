@@ -3,6 +3,7 @@
 
 import { afterAll, describe, expect, it } from 'vitest'
 import { CodecPool } from '../src/client/codec-pool.ts'
+import { CodecStaging } from '../src/client/codec-staging.ts'
 import { decodeChunk, encodeChunk } from '../src/codec/node.ts'
 import { decodeHeader, verifyChunk } from '../src/core/format.ts'
 import { chunkBytes, layerSlabBytes, MODEL_PRESETS } from '../src/core/layout.ts'
@@ -70,6 +71,121 @@ describe('CodecPool', () => {
     },
   )
 
+  it.each([1, 0])(
+    'with %i workers: decodes into a destination that holds its own object (an L4 body read into the slot)',
+    async (workers) => {
+      const pool = new CodecPool(workers)
+      pools.push(pool)
+      const obj = encodeChunk(tensor, meta, { mode: 'kvgate' })
+      const want = decodeChunk(obj)
+      const slot = new Uint8Array(Math.max(obj.byteLength, want.byteLength) + 64)
+      slot.set(obj, 64)
+      const dst = slot.subarray(0, want.byteLength)
+      await pool.decodeInto(slot.subarray(64, 64 + obj.byteLength), 'kvgate', dst)
+      expect(Buffer.compare(dst, want)).toBe(0)
+    },
+  )
+
+  it('chunks decoded at once on two workers each land in their own destination; staging stays at one job per buffer', async () => {
+    const pool = new CodecPool(2)
+    pools.push(pool)
+    const objs = [1, 2, 3, 4, 5, 6].map((seed) =>
+      encodeChunk(tensorOf(syntheticKv(g, 32, seed), g.dtype), meta, { mode: 'kvgate' }),
+    )
+    const outs = objs.map(() => new Uint8Array(chunkBytes(g, 32)))
+    await Promise.all(objs.map((o, i) => pool.decodeInto(o, 'kvgate', outs[i]!)))
+    for (const [i, o] of objs.entries()) expect(Buffer.compare(outs[i]!, decodeChunk(o))).toBe(0)
+    expect(pool.counts.workerJobs).toBe(objs.length)
+    // Per worker: one input and two output buffers of 1 MiB (the rounding), however many jobs ran.
+    for (let round = 0; round < 3; round++) {
+      expect(pool.stagingBytes).toBeGreaterThan(0)
+      expect(pool.stagingBytes).toBeLessThanOrEqual(2 * 3 * 1024 * 1024)
+      await Promise.all(objs.map((o, i) => pool.decodeInto(o, 'kvgate', outs[i]!)))
+    }
+  })
+
+  it.each([1, 0])(
+    'with %i workers: an object that fails verification is refused and its destination is left untouched',
+    async (workers) => {
+      const pool = new CodecPool(workers)
+      pools.push(pool)
+      const obj = encodeChunk(tensor, meta, { mode: 'kvgate' })
+      const s = decodeHeader(obj).sections[4]!
+      const flipped = obj.slice()
+      flipped[s.offset + (s.length >> 1)]! ^= 0x10
+      const cases: [Uint8Array, RegExp][] = [
+        [flipped, /checksum/],
+        [obj.subarray(0, obj.length - 1), /bytes, header says/],
+        [new Uint8Array([...obj, 0]), /bytes, header says/],
+      ]
+      for (const [bad, why] of cases) {
+        const dst = new Uint8Array(chunkBytes(g, 32))
+        await expect(pool.decodeInto(bad, 'kvgate', dst)).rejects.toThrow(why)
+        expect(dst.every((x) => x === 0)).toBe(true)
+      }
+      const short = new Uint8Array(chunkBytes(g, 32) - 2)
+      await expect(pool.decodeInto(obj, 'kvgate', short)).rejects.toThrow(/output must be/)
+      expect(short.every((x) => x === 0)).toBe(true)
+      // The pool still decodes after the failures.
+      const out = new Uint8Array(chunkBytes(g, 32))
+      await pool.decodeInto(obj, 'kvgate', out)
+      expect(Buffer.compare(out, decodeChunk(obj))).toBe(0)
+    },
+  )
+
+  it.each([1, 0])(
+    'with %i workers: a layer range decodes in one job, each slab as the whole chunk has it',
+    async (workers) => {
+      const pool = new CodecPool(workers)
+      pools.push(pool)
+      const obj = encodeChunk(tensor, meta, { mode: 'kvgate' })
+      const whole = decodeChunk(obj)
+      const h = decodeHeader(obj)
+      const slab = layerSlabBytes(g, 32)
+      const sections = [1, 2, 3].map((l) =>
+        obj.subarray(h.sections[l]!.offset, h.sections[l]!.offset + h.sections[l]!.length),
+      )
+      const jobs = pool.counts.workerJobs
+      const slabs = await pool.decodeLayers(h, 1, sections)
+      expect(pool.counts.workerJobs).toBe(jobs + workers)
+      expect(slabs.length).toBe(3)
+      for (const [i, s] of slabs.entries())
+        expect(Buffer.compare(s, whole.subarray((1 + i) * slab, (2 + i) * slab))).toBe(0)
+      // A garbage section in the range fails the range.
+      const bad = [sections[0]!, sections[1]!.slice().fill(0xff), sections[2]!]
+      await expect(pool.decodeLayers(h, 1, bad)).rejects.toMatchObject({ code: 'ERR_CODEC' })
+    },
+  )
+
+  it('an idle worker lets go of its staging; the next job gets it back', async () => {
+    const pool = new CodecPool(1, false, { stagingIdleMs: 50 })
+    pools.push(pool)
+    const obj = encodeChunk(tensor, meta, { mode: 'kvgate' })
+    const out = new Uint8Array(chunkBytes(g, 32))
+    await pool.decodeInto(obj, 'kvgate', out)
+    expect(pool.stagingBytes).toBeGreaterThan(0)
+    for (let i = 0; i < 100 && pool.stagingBytes > 0; i++) await new Promise((r) => setTimeout(r, 20))
+    expect(pool.stagingBytes).toBe(0)
+    out.fill(0)
+    await pool.decodeInto(obj, 'kvgate', out)
+    expect(Buffer.compare(out, decodeChunk(obj))).toBe(0)
+    expect(pool.stagingBytes).toBeGreaterThan(0)
+  })
+
+  it('a section whose header claims a huge layer is refused before a staging buffer is sized for it', async () => {
+    const pool = new CodecPool(1)
+    pools.push(pool)
+    const obj = await pool.encode('kvgate', tensor, meta)
+    const h = decodeHeader(obj)
+    const s = h.sections[0]!
+    const section = obj.subarray(s.offset, s.offset + s.length)
+    const before = pool.stagingBytes
+    await expect(pool.decodeSection({ ...h, tokens: 10_000_000 }, 0, section)).rejects.toMatchObject({
+      code: 'ERR_CODEC',
+    })
+    expect(pool.stagingBytes).toBe(before)
+  })
+
   it('a garbage section is a CodecError from the worker, and the pool keeps working', async () => {
     const pool = new CodecPool(1)
     pools.push(pool)
@@ -79,6 +195,28 @@ describe('CodecPool', () => {
     const bad = obj.slice(s.offset, s.offset + s.length).fill(0xff)
     await expect(pool.decodeSection(h, 1, bad)).rejects.toMatchObject({ code: 'ERR_CODEC' })
     expect((await pool.encode('lossless', tensor, meta)).byteLength).toBeGreaterThan(0)
+  })
+})
+
+describe('CodecStaging', () => {
+  it('consecutive outputs never share memory (one is copied out while the worker fills the next), and buffers are reused', () => {
+    const st = new CodecStaging()
+    const a = st.output(3 << 20)
+    const b = st.output(3 << 20)
+    expect(a.buffer).not.toBe(b.buffer)
+    const input = st.input(new Uint8Array(5).fill(7))
+    expect([...input]).toEqual([7, 7, 7, 7, 7])
+    expect(input.buffer).not.toBe(a.buffer)
+    expect(input.buffer).not.toBe(b.buffer)
+    const held = st.bytes
+    expect(held).toBe((3 + 3 + 1) << 20)
+    // The third output reuses the first buffer; smaller jobs reuse, bigger ones grow it.
+    expect(st.output(1000).buffer).toBe(a.buffer)
+    expect(st.output(3 << 20).buffer).toBe(b.buffer)
+    expect(st.input(new Uint8Array(1000)).buffer).toBe(input.buffer)
+    expect(st.bytes).toBe(held)
+    expect(st.output((4 << 20) + 1).byteLength).toBe((4 << 20) + 1)
+    expect(st.bytes).toBe(held + (2 << 20))
   })
 })
 
@@ -114,6 +252,25 @@ describe('CodecPool under worker failures (finding 11)', () => {
     },
     60_000,
   )
+
+  it('a worker dying in a decode fails only that decode (its destination untouched); the others land whole', async () => {
+    const pool = new CodecPool(2, false, { workerEntry: faulty })
+    pools.push(pool)
+    const obj = encodeChunk(tensor, meta, { mode: 'kvgate' })
+    const want = decodeChunk(obj)
+    const outs = Array.from({ length: 6 }, () => new Uint8Array(want.byteLength))
+    // An odd-length destination is what the faulty worker dies on (the real one would refuse it).
+    const poisonedDst = new Uint8Array(want.byteLength + 1)
+    const good = outs.map((o) => pool.decodeInto(obj, 'kvgate', o))
+    const bad = pool.decodeInto(obj, 'kvgate', poisonedDst)
+    const more = outs.map((o) => pool.decodeInto(obj, 'kvgate', o))
+    await expect(bad).rejects.toMatchObject({ name: 'CodecWorkerLostError' })
+    await Promise.all([...good, ...more])
+    for (const o of outs) expect(Buffer.compare(o, want)).toBe(0)
+    expect(poisonedDst.every((x) => x === 0)).toBe(true)
+    expect(pool.counts.jobsLost).toBe(1)
+    expect(pool.counts.workersReplaced).toBe(1)
+  }, 60_000)
 
   it('the queue is bounded: past it a job is refused with CodecBusyError, the rest complete', async () => {
     const pool = new CodecPool(1, false, { maxQueuedJobs: 2 })

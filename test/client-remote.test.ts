@@ -107,29 +107,32 @@ describe('L4 through the gateway', () => {
     expect(gw.requests.filter((r) => r.method === 'GET' && r.path.includes('/chunks/')).length).toBe(1)
   })
 
-  it('retrieveLayers reads remote chunks with ?layers ranges and yields exact slabs', async () => {
-    const a = await node()
-    const toks = tokens(2 * T, 3)
-    const kv = kvFor(2, 3)
-    await a.store(toks, kv)
-    await a.flush()
-    const b = await node()
-    const slab = layerSlabBytes(MODEL_PRESETS.stories260k, T)
-    let layers = 0
-    for await (const batch of b.retrieveLayers(toks)) {
-      expect(batch.chunks).toBe(2)
-      for (let i = 0; i < 2; i++) {
-        const want = kv.subarray(i * CB + batch.layer * slab, i * CB + (batch.layer + 1) * slab)
-        expect(Buffer.compare(batch.slabs[i]!, want)).toBe(0)
+  it.each(['raw', 'lossless'] as const)(
+    'retrieveLayers reads remote %s chunks with ?layers ranges and yields exact slabs',
+    async (codec) => {
+      const a = await node({ codec })
+      const toks = tokens(2 * T, 3)
+      const kv = kvFor(2, 3)
+      await a.store(toks, kv)
+      await a.flush()
+      const b = await node({ codec })
+      const slab = layerSlabBytes(MODEL_PRESETS.stories260k, T)
+      let layers = 0
+      for await (const batch of b.retrieveLayers(toks)) {
+        expect(batch.chunks).toBe(2)
+        for (let i = 0; i < 2; i++) {
+          const want = kv.subarray(i * CB + batch.layer * slab, i * CB + (batch.layer + 1) * slab)
+          expect(Buffer.compare(batch.slabs[i]!, want)).toBe(0)
+        }
+        layers++
       }
-      layers++
-    }
-    expect(layers).toBe(5)
-    const ranged = gw.requests.filter((r) => /\?layers=\d+-\d+$/.test(r.path))
-    expect(ranged.length).toBeGreaterThan(2) // several groups per chunk
-    // The assembled chunks were promoted into L1.
-    expect((await b.lookup(toks)).chunks.every((c) => c.tier === 'memory')).toBe(true)
-  })
+      expect(layers).toBe(5)
+      const ranged = gw.requests.filter((r) => /\?layers=\d+-\d+$/.test(r.path))
+      expect(ranged.length).toBeGreaterThan(2) // several groups per chunk
+      // The assembled chunks were promoted into L1.
+      expect((await b.lookup(toks)).chunks.every((c) => c.tier === 'memory')).toBe(true)
+    },
+  )
 
   it('follows a 307 to a presigned URL without sending the bearer token there', async () => {
     const a = await node()
@@ -162,6 +165,44 @@ describe('L4 through the gateway', () => {
     expect(yielded).toBe(0)
     expect((await b.lookup(toks)).chunks.some((c) => c.tier === 'memory')).toBe(false)
   })
+
+  // A coded object is verified by its decode job (no separate verify): the CRCs must still gate L1.
+  it.each([
+    ['kvgate', 1],
+    ['kvgate', 0],
+    ['lossless', 1],
+  ] as const)(
+    'corrupt %s bytes (%i codec workers) are never served nor made resident',
+    async (codec, workers) => {
+      const open = async () => {
+        const c = await KVCache.open({
+          model: 'stories260k',
+          chunkTokens: T,
+          namespace: 'team-a',
+          memory: { bytes: 32 * CB },
+          codecWorkers: workers,
+          remote: { url: gw.url, codec, token: 'secret', breakerCooldownMs: 50 },
+        })
+        caches.push(c)
+        return c
+      }
+      const a = await open()
+      const toks = tokens(2 * T, 6)
+      await a.store(toks, kvFor(2, 6))
+      await a.flush()
+      gw.faults.corrupt = true
+      const b = await open()
+      const into = new Uint8Array(2 * CB)
+      expect(sum(await b.retrieve(toks, { into }))).toBe(0)
+      expect(into.every((x) => x === 0)).toBe(true)
+      expect(b.stats().remote?.corrupt).toBeGreaterThanOrEqual(1)
+      expect((await b.lookup(toks)).chunks.some((c) => c.tier === 'memory')).toBe(false)
+      // The same objects, served intact, decode to what was stored.
+      gw.faults.corrupt = false
+      expect(sum(await b.retrieve(toks, { into }))).toBe(2 * T)
+      if (codec === 'lossless') expect(Buffer.compare(into, kvFor(2, 6))).toBe(0)
+    },
+  )
 })
 
 describe('L4 faults never reach the caller', () => {

@@ -66,6 +66,7 @@ export function decodeSectionWith(
   layer: number,
   section: Uint8Array,
   calibration: Calibration | undefined,
+  out?: Uint8Array,
 ): Uint8Array {
-  return decodeSectionC(header, layer, section, undefined, calibration ? { calibration } : undefined)
+  return decodeSectionC(header, layer, section, out, calibration ? { calibration } : undefined)
 }

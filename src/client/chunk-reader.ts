@@ -75,7 +75,10 @@ export class ChunkReader {
       })
       if (!object) return undefined
       try {
-        const h = await this.#o.codec.verify(object)
+        // A coded object is verified by the decode job itself (every section CRC before any
+        // output): one worker job per chunk instead of a verify job and a decode job.
+        const head = decodeHeader(object)
+        const h = head.codec === 'raw' ? await this.#o.codec.verify(object) : head
         checkIdentity(h, this.#o.identity(k))
         return await this.#place(k, object, h, r)
       } catch (e) {
@@ -108,11 +111,17 @@ export class ChunkReader {
       r.commit()
       return 'resident'
     }
-    // Decoding reads the object and writes the tensor: never both in one slot.
-    const src = inSlot ? object.slice() : object
     const dst = r ? r.bytes : new Uint8Array(size)
-    if (h.codec === 'raw') copyRawSections(h, src, dst, layerSlabBytes(this.#o.geometry, k.end - k.start))
-    else await this.#o.codec.decodeInto(src, h.codec, dst, await this.#calibration(h))
+    // Copying sections reads the object and writes the tensor: never both in one slot.
+    // (decodeInto copies the object out of the slot itself.)
+    if (h.codec === 'raw')
+      copyRawSections(
+        h,
+        inSlot ? object.slice() : object,
+        dst,
+        layerSlabBytes(this.#o.geometry, k.end - k.start),
+      )
+    else await this.#o.codec.decodeInto(object, h.codec, dst, await this.#calibration(h))
     if (!r) return dst
     r.commit()
     return 'resident'
@@ -130,10 +139,11 @@ export class ChunkReader {
     try {
       const sub = openLayerGroup(body, first, last, this.#o.identity(k))
       const calibration = await this.#calibration(sub.header)
-      const slabs = await Promise.all(
-        Array.from({ length: last - first + 1 }, (_, i) =>
-          this.#o.codec.decodeSection(sub.header, first + i, sub.section(first + i), calibration),
-        ),
+      const slabs = await this.#o.codec.decodeLayers(
+        sub.header,
+        first,
+        Array.from({ length: last - first + 1 }, (_, i) => sub.section(first + i)),
+        calibration,
       )
       const out = new Map<number, Uint8Array>()
       for (const [i, s] of slabs.entries()) out.set(first + i, s)

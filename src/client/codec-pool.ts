@@ -4,12 +4,14 @@
 import { availableParallelism } from 'node:os'
 import { Worker } from 'node:worker_threads'
 import { buildCalibration, type Calibration } from '../codec/calibration.ts'
+import { MAX_WASM_SLAB_BYTES } from '../codec/wasm-instance.ts'
 import { crc32 } from '../core/checksum.ts'
 import { CodecError, FormatError, KvgateError } from '../core/errors.ts'
 import { type ChunkHeader, decodeHeader, verifyChunk } from '../core/format.ts'
-import type { KvGeometry } from '../core/layout.ts'
+import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import { type CalibrationRef, decodeIntoWith, decodeSectionWith, encodeWith } from './calibrated-codec.ts'
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
+import { CodecStaging } from './codec-staging.ts'
 import type { CodecReply, CodecRequest } from './codec-worker.ts'
 
 /** Objects from this size on are verified on two threads. */
@@ -45,15 +47,24 @@ export interface CodecPoolOptions {
   maxQueuedJobs?: number
   /** Worker entry module (tests inject one that misbehaves). @default ./codec-worker-entry.mjs */
   workerEntry?: URL
+  /**
+   * A worker idle this long lets go of its staging buffers (a chunk object and two
+   * chunk tensors); the next job allocates them again. @default 10000
+   */
+  stagingIdleMs?: number
 }
 
 /** Distributive Omit, so each request variant keeps its own fields. */
 type RequestBody = CodecRequest extends infer R ? (R extends CodecRequest ? Omit<R, 'id'> : never) : never
 
-/** A job: its message is built when a worker takes it (copies are made then, not while queued). */
+/**
+ * A job: its message is built when a worker takes it (inputs are copied into
+ * that worker's staging then, not while queued); `done` takes the worker's
+ * answer on the calling thread, synchronously, while the worker's next job fills the other output buffer.
+ */
 interface Job {
-  make: () => { msg: RequestBody; transfer: ArrayBuffer[] }
-  resolve: (b: Uint8Array) => void
+  make: (staging: CodecStaging) => { msg: RequestBody; transfer: ArrayBuffer[] }
+  done: (bytes: ArrayBuffer | null) => void
   reject: (e: Error) => void
 }
 
@@ -65,6 +76,10 @@ interface Slot {
   dead: boolean
   /** The worker loaded its module; one that dies before this never started (no restart). */
   ready: boolean
+  /** Shared buffers this worker's jobs go in and out through (dropped with the worker, or when idle). */
+  staging: CodecStaging
+  /** When its last job finished (performance.now()). */
+  idleSince: number
 }
 
 /**
@@ -89,6 +104,8 @@ export class CodecPool {
   readonly #size: number
   readonly #maxQueued: number
   readonly #entry: URL
+  readonly #stagingIdleMs: number
+  #releaseTimer: ReturnType<typeof setTimeout> | undefined
   #started = false
   /** Split large verifications across two threads (see verify()). */
   parallelVerify: boolean
@@ -104,6 +121,7 @@ export class CodecPool {
     // A JS entry that registers tsx itself: loader flags of this process do not
     // reliably reach worker threads (npx tsx, vitest).
     this.#entry = opts.workerEntry ?? new URL('./codec-worker-entry.mjs', import.meta.url)
+    this.#stagingIdleMs = opts.stagingIdleMs ?? 10_000
     if (size <= 0) this.inline = 'codec workers disabled'
   }
 
@@ -121,10 +139,22 @@ export class CodecPool {
     }
   }
 
+  /** Bytes the workers' staging buffers hold (the largest jobs seen; tests watch it stay bounded). */
+  get stagingBytes(): number {
+    return this.#slots.reduce((a, s) => a + s.staging.bytes, 0)
+  }
+
   #spawn(): Slot {
     const worker = new Worker(this.#entry, { execArgv: [] })
     worker.unref()
-    const slot: Slot = { worker, job: undefined, dead: false, ready: false }
+    const slot: Slot = {
+      worker,
+      job: undefined,
+      dead: false,
+      ready: false,
+      staging: new CodecStaging(),
+      idleSince: 0,
+    }
     worker.on('message', (m: CodecReply) => this.#reply(slot, m))
     worker.on('error', (e) => this.#lost(slot, `codec worker failed: ${e.message}`))
     worker.on('exit', (code) => this.#lost(slot, `codec worker exited (code ${code})`))
@@ -140,9 +170,34 @@ export class CodecPool {
     const job = slot.job
     if (!job || job.id !== m.id) return
     slot.job = undefined
-    if ('error' in m) job.reject(new CodecError(m.error))
-    else job.resolve(new Uint8Array(m.bytes))
+    // The worker starts its next job first: this thread's copy-out of the result
+    // (from the other output buffer, see CodecStaging) overlaps it.
     this.#dispatch()
+    if ('error' in m) job.reject(new CodecError(m.error))
+    else job.done(m.bytes)
+    if (!slot.job) {
+      slot.idleSince = performance.now()
+      this.#armRelease()
+    }
+  }
+
+  #armRelease(): void {
+    if (this.#releaseTimer || this.#closed) return
+    this.#releaseTimer = setTimeout(() => this.#releaseIdle(), this.#stagingIdleMs)
+    this.#releaseTimer.unref()
+  }
+
+  /** Idle workers drop their staging (a burst of loads keeps it; a quiet pool holds none). */
+  #releaseIdle(): void {
+    this.#releaseTimer = undefined
+    const now = performance.now()
+    let holding = false
+    for (const slot of this.#slots) {
+      if (slot.job || slot.staging.bytes === 0) continue
+      if (now - slot.idleSince >= this.#stagingIdleMs) slot.staging = new CodecStaging()
+      else holding = true
+    }
+    if (holding) this.#armRelease()
   }
 
   /**
@@ -190,7 +245,7 @@ export class CodecPool {
       const id = this.#next++
       let made: { msg: RequestBody; transfer: ArrayBuffer[] }
       try {
-        made = job.make()
+        made = job.make(slot.staging)
       } catch (e) {
         job.reject(e as Error)
         continue
@@ -206,7 +261,11 @@ export class CodecPool {
    * runs it inline); rejects with CodecBusyError at the queue bound, with
    * CodecWorkerLostError if its worker dies, with NoWorkers if every worker is gone first.
    */
-  #post(kind: 'read' | 'write', make: Job['make']): Promise<Uint8Array> | undefined {
+  #post<T>(
+    kind: 'read' | 'write',
+    make: Job['make'],
+    finish: (bytes: ArrayBuffer | null) => T,
+  ): Promise<T> | undefined {
     this.#start()
     if (this.#closed || this.#slots.length === 0) return undefined
     if (this.#reads.length + this.#writes.length >= this.#maxQueued) {
@@ -217,13 +276,20 @@ export class CodecPool {
         ),
       )
     }
-    return new Promise<Uint8Array>((resolve, reject) => {
-      ;(kind === 'read' ? this.#reads : this.#writes).push({ make, resolve, reject })
+    return new Promise<T>((resolve, reject) => {
+      const done = (bytes: ArrayBuffer | null) => {
+        try {
+          resolve(finish(bytes))
+        } catch (e) {
+          reject(e as Error)
+        }
+      }
+      ;(kind === 'read' ? this.#reads : this.#writes).push({ make, done, reject })
       this.#dispatch()
     })
   }
 
-  /** Encodes one chunk tensor (copied out when a worker takes it: L1 slots are not transferable). */
+  /** Encodes one chunk tensor (copied into the worker's staging when it takes the job: L1 slots are not transferable). */
   async encode(
     codec: ChunkCodecName,
     tensor: Uint8Array,
@@ -232,13 +298,21 @@ export class CodecPool {
     calibration?: Calibration,
   ): Promise<Uint8Array> {
     if (codec !== 'raw') {
-      const p = this.#post('write', () => {
-        const copy = tensor.slice().buffer as ArrayBuffer
-        return {
-          msg: { op: 'encode', mode: codec, quality, tensor: copy, meta, calibration: refOf(calibration) },
-          transfer: [copy],
-        }
-      })
+      const p = this.#post(
+        'write',
+        (st) => ({
+          msg: {
+            op: 'encode',
+            mode: codec,
+            quality,
+            tensor: st.input(tensor),
+            meta,
+            calibration: refOf(calibration),
+          },
+          transfer: [],
+        }),
+        transferred,
+      )
       const out = p && (await p.catch(noWorkersToUndefined))
       if (out) return out
     }
@@ -248,21 +322,29 @@ export class CodecPool {
 
   /** Builds a calibration object from chunk tensors on a worker (samples are transferred: the caller's copies). */
   async buildCalibration(samples: Uint8Array[], geometry: KvGeometry): Promise<Uint8Array> {
-    const p = this.#post('write', () => {
-      const bufs = samples.map((s) =>
-        s.byteOffset === 0 && s.byteLength === s.buffer.byteLength
-          ? (s.buffer as ArrayBuffer)
-          : (s.slice().buffer as ArrayBuffer),
-      )
-      return { msg: { op: 'calibrate', samples: bufs, geometry }, transfer: bufs }
-    })
+    const p = this.#post(
+      'write',
+      () => {
+        const bufs = samples.map((s) =>
+          s.byteOffset === 0 && s.byteLength === s.buffer.byteLength
+            ? (s.buffer as ArrayBuffer)
+            : (s.slice().buffer as ArrayBuffer),
+        )
+        return { msg: { op: 'calibrate', samples: bufs, geometry }, transfer: bufs }
+      },
+      transferred,
+    )
     const out = p && (await p.catch(noWorkersToUndefined))
     if (out) return out
     this.counts.inlineJobs++
     return buildCalibration(samples, { geometry, dtype: geometry.dtype })
   }
 
-  /** Decodes a verified whole object into `dst` (one chunk tensor). */
+  /**
+   * Verifies (every section CRC) and decodes a whole object into `dst` (one chunk
+   * tensor); nothing is written to `dst` unless every section verified. `object`
+   * may lie in the same memory as `dst` (an L4 body read into the L1 slot it decodes into).
+   */
   async decodeInto(
     object: Uint8Array,
     codec: string,
@@ -270,25 +352,22 @@ export class CodecPool {
     calibration?: Calibration,
   ): Promise<void> {
     if (codec !== 'raw') {
-      const p = this.#post('read', () => {
-        const buf = object.slice().buffer as ArrayBuffer
-        const msg = {
-          op: 'decode',
-          object: buf,
-          size: dst.byteLength,
-          calibration: refOf(calibration),
-        } as const
-        return { msg, transfer: [buf] }
-      })
-      const out = p && (await p.catch(noWorkersToUndefined))
-      if (out) {
-        if (out.byteLength !== dst.byteLength) throw new CodecError('decoded chunk has the wrong size')
-        dst.set(out)
-        return
-      }
+      let out: Uint8Array | undefined
+      const p = this.#post(
+        'read',
+        (st) => {
+          out = st.output(dst.byteLength)
+          return {
+            msg: { op: 'decode', object: st.input(object), out, calibration: refOf(calibration) },
+            transfer: [],
+          }
+        },
+        () => dst.set(out!),
+      )
+      if (p && (await p.then(() => true, noWorkersToUndefined))) return
     }
     this.counts.inlineJobs++
-    decodeIntoWith(object, dst, calibration)
+    decodeIntoWith(overlaps(object, dst) ? object.slice() : object, dst, calibration)
   }
 
   /** Decodes one CRC-checked layer section into a new layer slab. */
@@ -298,19 +377,47 @@ export class CodecPool {
     section: Uint8Array,
     calibration?: Calibration,
   ): Promise<Uint8Array> {
-    if (header.codec !== 'raw') {
-      const p = this.#post('read', () => {
-        const buf = section.slice().buffer as ArrayBuffer
-        return {
-          msg: { op: 'section', header, layer, section: buf, calibration: refOf(calibration) },
-          transfer: [buf],
-        }
-      })
-      const out = p && (await p.catch(noWorkersToUndefined))
-      if (out) return out
+    return (await this.decodeLayers(header, layer, [section], calibration))[0]!
+  }
+
+  /**
+   * Decodes CRC-checked sections of layers first, first + 1, … (a `?layers=a-b`
+   * answer) into new layer slabs: one worker job for the whole range.
+   */
+  async decodeLayers(
+    header: ChunkHeader,
+    first: number,
+    sections: Uint8Array[],
+    calibration?: Calibration,
+  ): Promise<Uint8Array[]> {
+    const slab = layerSlabBytes(header.geometry, header.tokens)
+    // A header's claim sizes the staging: what the codec would refuse is refused inline, before allocating.
+    if (header.codec !== 'raw' && sections.length * slab <= MAX_WASM_SLAB_BYTES) {
+      let out: Uint8Array | undefined
+      const lengths = sections.map((s) => s.byteLength)
+      const p = this.#post(
+        'read',
+        (st) => {
+          out = st.output(sections.length * slab)
+          const input = st.input(sections)
+          const msg = {
+            op: 'layers',
+            header,
+            first,
+            sections: input,
+            lengths,
+            out,
+            calibration: refOf(calibration),
+          } as const
+          return { msg, transfer: [] }
+        },
+        () => sections.map((_, i) => out!.slice(i * slab, (i + 1) * slab)),
+      )
+      const got = p && (await p.catch(noWorkersToUndefined))
+      if (got) return got
     }
     this.counts.inlineJobs++
-    return decodeSectionWith(header, layer, section, calibration)
+    return sections.map((s, i) => decodeSectionWith(header, first + i, s, calibration))
   }
 
   /**
@@ -340,10 +447,11 @@ export class CodecPool {
       if (s.offset < lo || s.offset + s.length > hi) return verifyChunk(bytes)
       ranges.push(s.offset - lo, s.length)
     }
-    const remote = this.#post('read', () => {
-      const copy = bytes.slice(lo, hi).buffer as ArrayBuffer
-      return { msg: { op: 'crc', data: copy, ranges }, transfer: [copy] }
-    })
+    const remote = this.#post(
+      'read',
+      (st) => ({ msg: { op: 'crc', data: st.input(bytes.subarray(lo, hi)), ranges }, transfer: [] }),
+      transferred,
+    )
     // Settled below in every path; this keeps an early throw from leaving it unhandled.
     remote?.catch(() => {})
     for (let i = 0; i < split; i++) {
@@ -368,6 +476,7 @@ export class CodecPool {
 
   async close(): Promise<void> {
     this.#closed = true
+    clearTimeout(this.#releaseTimer)
     const closed = new KvgateError('ERR_CLOSED', 'codec pool closed')
     for (const q of [this.#reads, this.#writes]) for (const j of q.splice(0)) j.reject(closed)
     for (const s of this.#slots) {
@@ -384,6 +493,21 @@ export class CodecPool {
 /** A calibration as a worker message carries it (bytes, copied; small and rare). */
 function refOf(c: Calibration | undefined): CalibrationRef | undefined {
   return c ? { hash: c.hash, bytes: c.bytes } : undefined
+}
+
+/** A result the worker transferred (encode, CRCs, calibrations). */
+function transferred(bytes: ArrayBuffer | null): Uint8Array {
+  if (!bytes) throw new CodecError('codec worker sent no result')
+  return new Uint8Array(bytes)
+}
+
+/** Whether two views share any byte (decoding one into the other would read what it wrote). */
+function overlaps(a: Uint8Array, b: Uint8Array): boolean {
+  return (
+    a.buffer === b.buffer &&
+    a.byteOffset < b.byteOffset + b.byteLength &&
+    b.byteOffset < a.byteOffset + a.byteLength
+  )
 }
 
 /** Jobs that never reached a worker (every worker gone) run on the calling thread instead. */

@@ -1,5 +1,6 @@
 // Worker thread of the client's codec pool: runs wasm encode/decode off the
-// inference thread. Messages carry transferred ArrayBuffers; errors come back as strings.
+// inference thread. Inputs arrive in the pool's shared staging buffers (see codec-staging.ts);
+// decoded tensors go back the same way, encoded objects as transferred ArrayBuffers; errors as strings.
 
 import { parentPort } from 'node:worker_threads'
 import { buildCalibration } from '../codec/calibration.ts'
@@ -21,26 +22,37 @@ export type CodecRequest =
       op: 'encode'
       mode: 'lossless' | 'kvgate'
       quality: number | undefined
-      tensor: ArrayBuffer
+      tensor: Uint8Array
       meta: ChunkIdentity
       calibration?: CalibrationRef | undefined
     }
-  | { id: number; op: 'decode'; object: ArrayBuffer; size: number; calibration?: CalibrationRef | undefined }
+  /** Verifies and decodes a whole object into `out` (shared memory: the reply carries no bytes). */
   | {
       id: number
-      op: 'section'
-      header: ChunkHeader
-      layer: number
-      section: ArrayBuffer
+      op: 'decode'
+      object: Uint8Array
+      out: Uint8Array
       calibration?: CalibrationRef | undefined
     }
-  /** Builds a calibration object from chunk tensors (the policy's samples). */
+  /** Decodes the sections of layers first, first + 1, … (one after another in `sections`) into `out`, slab after slab. */
+  | {
+      id: number
+      op: 'layers'
+      header: ChunkHeader
+      first: number
+      sections: Uint8Array
+      lengths: number[]
+      out: Uint8Array
+      calibration?: CalibrationRef | undefined
+    }
+  /** Builds a calibration object from chunk tensors (the policy's samples, transferred). */
   | { id: number; op: 'calibrate'; samples: ArrayBuffer[]; geometry: KvGeometry }
   /** CRC-32 of ranges [offset, length, offset, length, …] of `data`; the reply packs them as u32. */
-  | { id: number; op: 'crc'; data: ArrayBuffer; ranges: number[] }
+  | { id: number; op: 'crc'; data: Uint8Array; ranges: number[] }
 
 export type CodecReply =
-  | { id: number; bytes: ArrayBuffer }
+  /** `bytes`: the result, transferred; null when it was written into the request's `out`. */
+  | { id: number; bytes: ArrayBuffer | null }
   | { id: number; error: string }
   /** Sent once the module loaded: the pool hands jobs only to workers that got this far. */
   | { ready: true }
@@ -51,28 +63,51 @@ function own(b: Uint8Array): ArrayBuffer {
     : (b.slice().buffer as ArrayBuffer)
 }
 
-parentPort?.on('message', (m: CodecRequest) => {
-  try {
-    let out: Uint8Array
-    if (m.op === 'encode')
-      out = encodeWith(new Uint8Array(m.tensor), m.meta, m.mode, m.quality, openRef(m.calibration))
-    else if (m.op === 'decode') {
-      out = new Uint8Array(m.size)
-      decodeIntoWith(new Uint8Array(m.object), out, openRef(m.calibration))
-    } else if (m.op === 'calibrate') {
-      const samples = m.samples.map((b) => new Uint8Array(b))
-      out = buildCalibration(samples, { geometry: m.geometry, dtype: m.geometry.dtype })
-    } else if (m.op === 'crc') {
-      const data = new Uint8Array(m.data)
+function run(m: CodecRequest): Uint8Array | null {
+  switch (m.op) {
+    case 'encode':
+      return encodeWith(m.tensor, m.meta, m.mode, m.quality, openRef(m.calibration))
+    case 'decode':
+      decodeIntoWith(m.object, m.out, openRef(m.calibration))
+      return null
+    case 'calibrate':
+      return buildCalibration(
+        m.samples.map((b) => new Uint8Array(b)),
+        { geometry: m.geometry, dtype: m.geometry.dtype },
+      )
+    case 'layers': {
+      const slab = m.out.byteLength / m.lengths.length
+      const calibration = openRef(m.calibration)
+      let at = 0
+      m.lengths.forEach((n, i) => {
+        const section = m.sections.subarray(at, at + n)
+        decodeSectionWith(
+          m.header,
+          m.first + i,
+          section,
+          calibration,
+          m.out.subarray(i * slab, (i + 1) * slab),
+        )
+        at += n
+      })
+      return null
+    }
+    case 'crc': {
       const crcs = new Uint32Array(m.ranges.length / 2)
       for (let i = 0; i < crcs.length; i++) {
         const off = m.ranges[2 * i]!
-        crcs[i] = crc32(data.subarray(off, off + m.ranges[2 * i + 1]!))
+        crcs[i] = crc32(m.data.subarray(off, off + m.ranges[2 * i + 1]!))
       }
-      out = new Uint8Array(crcs.buffer)
-    } else out = decodeSectionWith(m.header, m.layer, new Uint8Array(m.section), openRef(m.calibration))
-    const bytes = own(out)
-    parentPort!.postMessage({ id: m.id, bytes } satisfies CodecReply, [bytes])
+      return new Uint8Array(crcs.buffer)
+    }
+  }
+}
+
+parentPort?.on('message', (m: CodecRequest) => {
+  try {
+    const out = run(m)
+    const bytes = out && own(out)
+    parentPort!.postMessage({ id: m.id, bytes } satisfies CodecReply, bytes ? [bytes] : [])
   } catch (e) {
     parentPort!.postMessage({ id: m.id, error: (e as Error).message } satisfies CodecReply)
   }

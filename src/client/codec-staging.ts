@@ -1,0 +1,57 @@
+// Shared staging memory of one codec worker: a job's input is copied into it and a decoded
+// tensor comes back through it, so no job allocates (and page-faults in) chunk-sized buffers.
+
+/** Sizes are rounded up to this, so inputs that vary a little (encoded objects) reuse one buffer. */
+const GRAIN = 1 << 20
+
+/**
+ * SharedArrayBuffers reused by every job of one worker. L1 slots cannot be
+ * shared or transferred (they are pinned external memory), so one copy in and
+ * one copy out on the calling thread remain; what goes is a fresh 32 MiB buffer
+ * per job, whose page faults and zeroing cost as much CPU as the decode itself.
+ * Outputs alternate between two buffers: the calling thread copies one job's
+ * tensor out while the worker decodes the next into the other (the copy is ~15 %
+ * of a decode). Holds the largest job it has seen (one chunk object, two chunk
+ * tensors) until its worker goes or idles (CodecPoolOptions.stagingIdleMs).
+ */
+export class CodecStaging {
+  #input: SharedArrayBuffer | undefined
+  readonly #outputs: (SharedArrayBuffer | undefined)[] = [undefined, undefined]
+  #turn = 0
+
+  /** A copy of `bytes` (of the parts one after another) in the input buffer. */
+  input(bytes: Uint8Array | readonly Uint8Array[]): Uint8Array {
+    const parts = bytes instanceof Uint8Array ? [bytes] : bytes
+    const n = parts.reduce((a, p) => a + p.byteLength, 0)
+    this.#input = sized(this.#input, n)
+    const view = new Uint8Array(this.#input, 0, n)
+    let at = 0
+    for (const p of parts) {
+      view.set(p, at)
+      at += p.byteLength
+    }
+    return view
+  }
+
+  /**
+   * The first `n` bytes of the output buffer the previous job did not use, for
+   * the worker to fill: valid until the job after next takes it.
+   */
+  output(n: number): Uint8Array {
+    const i = this.#turn
+    this.#turn ^= 1
+    const buf = sized(this.#outputs[i], n)
+    this.#outputs[i] = buf
+    return new Uint8Array(buf, 0, n)
+  }
+
+  /** Bytes held (tests watch it stay at one job's size). */
+  get bytes(): number {
+    return this.#outputs.reduce((a, b) => a + (b?.byteLength ?? 0), this.#input?.byteLength ?? 0)
+  }
+}
+
+function sized(buf: SharedArrayBuffer | undefined, n: number): SharedArrayBuffer {
+  if (buf && buf.byteLength >= n) return buf
+  return new SharedArrayBuffer(Math.max(GRAIN, Math.ceil(n / GRAIN) * GRAIN))
+}
