@@ -373,6 +373,21 @@ describe('readFileCrc: CRC-32 of ranges on the worker that read them', () => {
     }
   })
 
+  it('equals crc32 for every length around the 64- and 256-byte SIMD block boundaries, at unaligned starts', async () => {
+    const data = randomBytes(3 * 4096)
+    const path = join(dir, 'crc-blocks')
+    writeFileSync(path, data)
+    const ranges: [number, number][] = []
+    for (const base of [48, 64, 240, 256, 496, 512, 1024, 4096])
+      for (let len = base - 17; len <= base + 17; len++)
+        for (const start of [0, 1, 7, 16, 31]) ranges.push([start, start + len])
+    const b = allocPinnedSync(data.length)
+    const r = await readFileCrc(path, b.buffer, ranges)
+    expect(r.bytes).toBe(data.length)
+    expect([...r.crcs]).toEqual(ranges.map(([a, z]) => crc32(data.subarray(a, z))))
+    freePinned(b.buffer)
+  })
+
   it('ranges are offsets into the read at fileOffset; a range past a short read is cut at its end', async () => {
     const data = randomBytes(5 * 4096 + 300)
     const path = join(dir, 'crc-range')
