@@ -6,7 +6,7 @@ import { KvgateError } from '../core/errors.ts'
 import { type ChunkKey, fromHex } from '../core/keys.ts'
 import { chunkBytes, type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
-import { ChunkReader, type Placed } from './chunk-reader.ts'
+import { ChunkReader, type Placed, type TensorSink } from './chunk-reader.ts'
 import { CodecPool } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
 import { RemoteLayers } from './remote-layers.ts'
@@ -275,7 +275,11 @@ export class StorageManager {
    * private tensor. Undefined when no tier could serve it intact. The caller owns
    * the handle and releases it exactly once.
    */
-  async acquire(k: ChunkKey, priority: IoPriority = 'get'): Promise<ChunkHandle | undefined> {
+  async acquire(
+    k: ChunkKey,
+    priority: IoPriority = 'get',
+    sink?: TensorSink,
+  ): Promise<ChunkHandle | undefined> {
     // Two tries: a chunk promoted by a shared fetch can be evicted before this
     // waiter pins it (a tiny L1 under pressure); then it is fetched once more.
     for (let attempt = 0; attempt < 2; attempt++) {
@@ -283,7 +287,8 @@ export class StorageManager {
       if (h) return h
       let p = this.#inflight.get(k.hex)
       if (!p) {
-        p = this.#fetch(k, priority).finally(() => this.#inflight.delete(k.hex))
+        // A fetch already running for another reader serves this one too, without the sink.
+        p = this.#fetch(k, priority, sink).finally(() => this.#inflight.delete(k.hex))
         this.#inflight.set(k.hex, p)
       }
       const got = await p
@@ -296,9 +301,9 @@ export class StorageManager {
   }
 
   /** Waterfall below L1: L2, then L4 (while its breaker is closed). L4 hits are also copied down to L2. */
-  async #fetch(k: ChunkKey, priority: IoPriority): Promise<Placed | undefined> {
+  async #fetch(k: ChunkKey, priority: IoPriority, sink?: TensorSink): Promise<Placed | undefined> {
     if (this.disk?.has(k.hex)) {
-      const got = await this.#reader.fromDisk(this.disk, k, priority)
+      const got = await this.#reader.fromDisk(this.disk, k, priority, sink)
       if (got) return got
     }
     const remote = this.remote
@@ -326,13 +331,24 @@ export class StorageManager {
    * miss, fetches still running finish in the background (their reservations
    * settle there; a late chunk is promoted if intact, or dropped) and nothing is
    * written into the caller's buffer after this resolves.
+   * `target(i)`, when given, is where write(i) would put chunk i's tensor (a plain
+   * host buffer): an L2 read then copies each verified section there on the workers
+   * that read it, and write(i) is skipped for a chunk they filled. Only verified
+   * bytes of chunk i are copied there, but a chunk that then fails (a later section's
+   * CRC) may leave some: like any byte outside the served prefix, they are not KV.
    */
   async retrieve(
     keys: readonly ChunkKey[],
     write: (i: number, tensor: Uint8Array) => void | Promise<void>,
-    opts: { tiers?: readonly TierName[]; deadlineMs?: number } = {},
+    opts: {
+      tiers?: readonly TierName[]
+      deadlineMs?: number
+      target?: (i: number) => Uint8Array | undefined
+    } = {},
   ): Promise<RetrieveRun> {
     const deadlineMs = opts.deadlineMs ?? this.retrieveDeadlineMs
+    // Closed before this returns: no copy into the caller's buffer runs or starts after.
+    const gate = opts.target ? this.disk?.copyGate() : undefined
     let timedOut = false
     let stopped = false
     let timer: NodeJS.Timeout | undefined
@@ -362,12 +378,15 @@ export class StorageManager {
           const i = next++
           if (i >= firstFail) return
           let h: ChunkHandle | undefined
+          let sink: TensorSink | undefined
           if (stopped) {
             // Past the deadline nothing is waited for: only chunks L1 holds are still served.
             h = this.memory.acquire(keys[i]!.hex)
           } else {
             const known = this.remote?.knownPresent(keys[i]!.hex) ?? false
-            const pending = this.acquire(keys[i]!)
+            const into = gate && opts.target!(i)
+            sink = into ? { into, gate: gate!, copied: false } : undefined
+            const pending = this.acquire(keys[i]!, 'get', sink)
             h = await Promise.race([pending, expired])
             // L4 dropped a key it was believed to hold (a 404, a corrupt object): the GET forgot
             // that key only; the chain's later keys go too (contract C2), or the write-behind
@@ -391,7 +410,7 @@ export class StorageManager {
           }
           try {
             if (this.#closed) return
-            await write(i, h.bytes)
+            if (!sink?.copied) await write(i, h.bytes)
             ok[i] = 1
           } catch (e) {
             failed = true // the other workers stop too: none writes after this rejects
@@ -412,6 +431,7 @@ export class StorageManager {
       return { served, timedOut }
     } finally {
       clearTimeout(timer)
+      gate?.close()
     }
   }
 
