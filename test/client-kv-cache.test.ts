@@ -463,6 +463,39 @@ describe('KVCache over L1 and L2', () => {
     expect(layers).toHaveLength(g.layers)
   })
 
+  it('retrieveLayers reads L2 chunks ahead (several in flight); past a corrupt one it serves the prefix and releases what it read ahead', async () => {
+    const dir = tempDir()
+    const c = await open({ disk: { dir, bytes: 1 << 24 } })
+    const toks = tokens(4 * T, 9)
+    const kv = kvFor(4, 9)
+    await c.store(toks, kv)
+    await c.flush()
+    await c.close()
+    const c2 = await open({ disk: { dir, bytes: 1 << 24 } })
+    const keys = c2.keys(toks)
+    const path = join(dir, keys[1]!.hex.slice(0, 2), `${keys[1]!.hex}.kvc`)
+    const { readFileSync } = await import('node:fs')
+    const b = readFileSync(path)
+    b[b.length - 7] = (b[b.length - 7] ?? 0) ^ 2
+    writeFileSync(path, b)
+    const g = MODEL_PRESETS.stories260k
+    const slab = layerSlabBytes(g, T)
+    let layers = 0
+    for await (const batch of c2.retrieveLayers(toks)) {
+      expect(batch.chunks).toBe(1)
+      expect(Buffer.compare(batch.slabs[0]!, kv.subarray(batch.layer * slab, (batch.layer + 1) * slab))).toBe(
+        0,
+      )
+      layers++
+    }
+    expect(layers).toBe(g.layers)
+    // Chunks 2 and 3 were read while chunk 1 was: once those reads land, nothing stays pinned.
+    for (let i = 0; i < 500 && c2.stats().disk!.hits + c2.stats().disk!.corrupt < 4; i++)
+      await new Promise((r) => setTimeout(r, 5))
+    expect(c2.stats().disk).toMatchObject({ hits: 3, corrupt: 1 })
+    expect(c2.stats().memory.livePins).toBe(0)
+  })
+
   it('retrieveLayers yields every layer of every chunk in order', async () => {
     const c = await open()
     const toks = tokens(2 * T, 11)

@@ -482,11 +482,23 @@ export class StorageManager {
     const remoteChunks: RemoteLayers[] = []
     // Per chunk: a function giving its slab for layer l (or undefined when it failed).
     const sources: ((l: number) => Promise<Uint8Array | undefined>)[] = []
+    // Local chunks are pinned in order, with up to fetchConcurrency of them being read
+    // ahead (L2 reads in flight at once, as retrieve does, not one chunk at a time).
+    const local = (i: number) => tiers[i] !== 'remote' || this.memory.has(keys[i]!.hex)
+    const ahead = new Map<number, Promise<ChunkHandle | undefined>>()
+    let issued = 0
+    const readAhead = (upTo: number) => {
+      for (; issued < tiers.length && issued <= upTo; issued++)
+        if (local(issued)) ahead.set(issued, this.acquire(keys[issued]!))
+    }
     try {
       for (let i = 0; i < tiers.length; i++) {
         const k = keys[i]!
-        if (tiers[i] !== 'remote' || this.memory.has(k.hex)) {
-          const h = await this.acquire(k)
+        readAhead(i + this.#fetchConcurrency - 1)
+        const pending = ahead.get(i)
+        if (pending) {
+          ahead.delete(i)
+          const h = await pending
           if (!h) break
           held.push(h)
           const slabBytes = layerSlabBytes(g, k.end - k.start)
@@ -529,6 +541,12 @@ export class StorageManager {
     } finally {
       for (const rl of remoteChunks) rl.settle()
       for (const h of held) h.release()
+      // Chunks read ahead past a miss (or past the caller stopping): released as they land.
+      for (const p of ahead.values())
+        void p.then(
+          (h) => h?.release(),
+          () => {},
+        )
     }
   }
 
