@@ -467,7 +467,9 @@ Napi::Value ReadFileCrcJs(const Napi::CallbackInfo& info) {
           if (!gate || (*expected)[i] < 0 || b != (*ranges)[i].second) continue;
           if ((*crcs)[i] != static_cast<uint32_t>((*expected)[i])) continue;
           uint64_t at = fileOffset + a;
-          if (at < dstFileOffset || at - dstFileOffset > dst.length || b - a > dst.length - (at - dstFileOffset)) continue;
+          if (at < dstFileOffset || at - dstFileOffset > dst.length || b - a > dst.length - (at - dstFileOffset)) {
+            continue;
+          }
           if (!gate->Enter()) continue;
           CopyOut(dst.data + (at - dstFileOffset), span.data + a, b - a);
           gate->Leave();
