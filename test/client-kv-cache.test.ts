@@ -324,6 +324,71 @@ describe('KVCache over L1 and L2', () => {
     expect(c2.stats().disk?.corrupt).toBeGreaterThanOrEqual(1)
   })
 
+  describe('cold L2 retrieve: the reading workers copy verified sections into `into`', () => {
+    const BT = 32768 // ~20 MiB chunk tensors: each L2 object is read in three ranges
+    const BCB = chunkBytes(MODEL_PRESETS.stories260k, BT)
+    const big = (n: number, seed: number) => {
+      const b = new Uint8Array(n * BCB)
+      for (let i = 0; i < b.length; i += 997) b[i] = (i * seed) >>> 13
+      return b
+    }
+    const stored = async (n: number, seed: number) => {
+      const dir = tempDir()
+      const cfg = {
+        chunkTokens: BT,
+        memory: { bytes: (n + 1) * BCB + (1 << 20) },
+        disk: { dir, bytes: 1 << 30 },
+      }
+      const w = await open(cfg)
+      const toks = tokens(n * BT, seed)
+      await w.store(toks, big(n, seed))
+      await w.flush()
+      await w.close()
+      return { dir, toks, c: await open(cfg) }
+    }
+
+    it("exact bytes through the workers' copy; a CRC mismatch mid-object is a counted miss that leaves nothing in L1", async () => {
+      const { dir, toks, c } = await stored(3, 3)
+      const keys = c.keys(toks)
+      const path = join(dir, keys[1]!.hex.slice(0, 2), `${keys[1]!.hex}.kvc`)
+      const { readFileSync } = await import('node:fs')
+      const b = readFileSync(path)
+      const at = Math.floor(b.length / 2) + 12345 // inside a section of the second range
+      b[at] = (b[at] ?? 0) ^ 1
+      writeFileSync(path, b)
+      const into = new Uint8Array(3 * BCB).fill(0xee)
+      const mask = await c.retrieve(toks, { into })
+      expect(sum(mask)).toBe(BT)
+      expect(Buffer.compare(into.subarray(0, BCB), big(3, 3).subarray(0, BCB))).toBe(0)
+      const s = c.stats()
+      expect(s.disk?.corrupt).toBe(1)
+      expect(s.disk?.sinkReads).toBeGreaterThanOrEqual(1)
+      expect((await c.lookup(toks)).chunks.map((x) => x.tier)).toEqual(['memory'])
+      // A SharedArrayBuffer `into` cannot take the workers' copy: the same bytes, copied here.
+      const { toks: t2, c: c2 } = await stored(2, 5)
+      const shared = new Uint8Array(new SharedArrayBuffer(2 * BCB))
+      expect(sum(await c2.retrieve(t2, { into: shared }))).toBe(2 * BT)
+      expect(Buffer.compare(shared, big(2, 5))).toBe(0)
+      expect(c2.stats().disk?.sinkReads).toBe(0)
+    })
+
+    it('past the deadline nothing more lands in `into`, though the reads finish and promote', async () => {
+      const { toks, c } = await stored(4, 7)
+      const into = new Uint8Array(4 * BCB).fill(0xee)
+      const mask = await c.retrieve(toks, { into, deadlineMs: 1 })
+      expect(sum(mask)).toBeLessThan(4 * BT)
+      const after = into.slice()
+      // Wait for every read that was started to end (hit or miss), then look again.
+      for (let i = 0; i < 500; i++) {
+        const d = c.stats().disk!
+        if (d.hits + d.misses >= 4) break
+        await new Promise((r) => setTimeout(r, 10))
+      }
+      expect(c.stats().disk!.hits).toBe(4)
+      expect(Buffer.compare(into, after)).toBe(0)
+    })
+  })
+
   it("layout 'sequence': a forward pass's whole-prompt tensor goes in and comes back", async () => {
     const c = await open()
     const g = MODEL_PRESETS.stories260k
@@ -396,6 +461,39 @@ describe('KVCache over L1 and L2', () => {
       layers.push(b.layer)
     }
     expect(layers).toHaveLength(g.layers)
+  })
+
+  it('retrieveLayers reads L2 chunks ahead (several in flight); past a corrupt one it serves the prefix and releases what it read ahead', async () => {
+    const dir = tempDir()
+    const c = await open({ disk: { dir, bytes: 1 << 24 } })
+    const toks = tokens(4 * T, 9)
+    const kv = kvFor(4, 9)
+    await c.store(toks, kv)
+    await c.flush()
+    await c.close()
+    const c2 = await open({ disk: { dir, bytes: 1 << 24 } })
+    const keys = c2.keys(toks)
+    const path = join(dir, keys[1]!.hex.slice(0, 2), `${keys[1]!.hex}.kvc`)
+    const { readFileSync } = await import('node:fs')
+    const b = readFileSync(path)
+    b[b.length - 7] = (b[b.length - 7] ?? 0) ^ 2
+    writeFileSync(path, b)
+    const g = MODEL_PRESETS.stories260k
+    const slab = layerSlabBytes(g, T)
+    let layers = 0
+    for await (const batch of c2.retrieveLayers(toks)) {
+      expect(batch.chunks).toBe(1)
+      expect(Buffer.compare(batch.slabs[0]!, kv.subarray(batch.layer * slab, (batch.layer + 1) * slab))).toBe(
+        0,
+      )
+      layers++
+    }
+    expect(layers).toBe(g.layers)
+    // Chunks 2 and 3 were read while chunk 1 was: once those reads land, nothing stays pinned.
+    for (let i = 0; i < 500 && c2.stats().disk!.hits + c2.stats().disk!.corrupt < 4; i++)
+      await new Promise((r) => setTimeout(r, 5))
+    expect(c2.stats().disk).toMatchObject({ hits: 3, corrupt: 1 })
+    expect(c2.stats().memory.livePins).toBe(0)
   })
 
   it('retrieveLayers yields every layer of every chunk in order', async () => {

@@ -7,11 +7,11 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterEach, describe, expect, it } from 'vitest'
 import { PriorityQueue } from '../src/client/io-queue.ts'
-import { nativeMemoryStats } from '../src/client/native.ts'
+import { CopyGate, nativeMemoryStats } from '../src/client/native.ts'
 import { loadNative } from '../src/client/native-api.ts'
-import { DiskTier } from '../src/client/tiers/disk.ts'
+import { DiskTier, type ReadSink, segmentStarts } from '../src/client/tiers/disk.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
-import { encodeChunk } from '../src/core/format.ts'
+import { decodeHeader, encodeChunk } from '../src/core/format.ts'
 import { toHex } from '../src/core/keys.ts'
 import { MODEL_PRESETS } from '../src/core/layout.ts'
 
@@ -191,17 +191,19 @@ describe('DiskTier', () => {
     const n = loadNative()
     expect(n.api, n.reason).toBeDefined()
     const d = await DiskTier.open({ dir, bytes: 1 << 30, native: n.api })
-    const obj = object(hexOf(0x51), 7, 16384) // 10 MiB: read + verified in 4 MiB segments
-    expect(obj.byteLength).toBeGreaterThan(8 << 20)
+    const obj = object(hexOf(0x51), 7, 32768) // 20 MiB: read + verified in three segments
+    const starts = segmentStarts(decodeHeader(obj), obj.byteLength)
+    expect(starts.length).toBe(3)
     await d.put(hexOf(0x51), obj)
     expect(Buffer.compare(Buffer.from((await d.get(hexOf(0x51)))!), Buffer.from(obj))).toBe(0)
     expect(d.counters.hits).toBe(1)
     // A flip in the second segment, then a truncation: each is a counted miss, never bytes.
+    const second = starts[1]! + 4096
     for (const [key, damage] of [
-      [0x52, (b: Uint8Array) => b.with(5 << 20, b[5 << 20]! ^ 1)],
+      [0x52, (b: Uint8Array) => b.with(second, b[second]! ^ 1)],
       [0x53, (b: Uint8Array) => b.subarray(0, b.length - 4096)],
     ] as const) {
-      const fresh = object(hexOf(key), 7, 16384)
+      const fresh = object(hexOf(key), 7, 32768)
       await d.put(hexOf(key), fresh)
       writeFileSync(d.pathOf(hexOf(key)), damage(fresh))
       expect(await d.get(hexOf(key))).toBeUndefined()
@@ -215,8 +217,11 @@ describe('DiskTier', () => {
     const n = loadNative()
     expect(n.api, n.reason).toBeDefined()
     const d = await DiskTier.open({ dir, bytes: 1 << 30, native: n.api })
-    const big = (key: number) => object(hexOf(key), 7, 16384) // ~10 MiB: two 8 MiB ranges
+    const big = (key: number) => object(hexOf(key), 7, 32768) // ~20 MiB: three ranges
     const small = (key: number) => object(hexOf(key), 9, 64) // one range
+    // Its sections are not 4 KiB aligned: the reads are cut inside sections.
+    const cut = segmentStarts(decodeHeader(big(0)), big(0).byteLength)[1]!
+    expect(decodeHeader(big(0)).sections.some((s) => s.offset < cut && s.offset + s.length > cut)).toBe(true)
     // An intact large object read into a pinned (L1-like) slot: exact bytes, verified on the pool.
     const slot = new Uint8Array((await n.api!.allocPinned(big(0x60).byteLength + 4096)).buffer)
     await d.put(hexOf(0x60), big(0x60))
@@ -224,8 +229,8 @@ describe('DiskTier', () => {
     expect(got?.buffer).toBe(slot.buffer)
     expect(Buffer.compare(Buffer.from(got!), Buffer.from(big(0x60)))).toBe(0)
     const cases = [
-      [0x61, big, (8 << 20) - 1], // last byte of the first range (a section split across ranges)
-      [0x62, big, 8 << 20], // first byte of the second range
+      [0x61, big, cut - 1], // last byte of the first range (a section split across ranges)
+      [0x62, big, cut], // first byte of the second range
       [0x63, small, -1], // last byte of a small object
       [0x64, small, 20], // inside the header (total length field)
       [0x65, big, -4096], // inside the tail block (unaligned O_DIRECT tail)
@@ -248,14 +253,15 @@ describe('DiskTier', () => {
     const dir = tempDir()
     const n = loadNative()
     const d = await DiskTier.open({ dir, bytes: 1 << 30, native: n.api })
-    const obj = object(hexOf(0x70), 3, 16384)
+    const obj = object(hexOf(0x70), 3, 32768)
+    const second = segmentStarts(decodeHeader(obj), obj.byteLength)[1]!
     const slot = new Uint8Array((await n.api!.allocPinned(obj.byteLength + 4096)).buffer)
     for (const [key, cut] of [
       [0x70, obj.length - 1], // last range short
-      [0x71, 5 << 20], // first range short, the second reads nothing
+      [0x71, second - 100], // first range short, the later ones read nothing
       [0x72, 100], // inside the header read
     ] as const) {
-      const o = object(hexOf(key), 3, 16384)
+      const o = object(hexOf(key), 3, 32768)
       await d.put(hexOf(key), o)
       writeFileSync(d.pathOf(hexOf(key)), o.subarray(0, cut))
       expect(await d.get(hexOf(key), 'get', slot)).toBeUndefined()
@@ -267,6 +273,93 @@ describe('DiskTier', () => {
     expect(await d.get(hexOf(0x73), 'get', slot)).toBeUndefined()
     expect(d.has(hexOf(0x73))).toBe(false)
     n.api!.freePinned(slot.buffer)
+  })
+
+  describe("a read with a sink (the caller's buffer) copies verified sections only", () => {
+    // ~20 MiB objects in three reads whose cuts fall inside sections: sections read whole
+    // are copied by the workers, the split ones by the JS thread once all verified.
+    const setup = async () => {
+      const n = loadNative()
+      expect(n.api, n.reason).toBeDefined()
+      const d = await DiskTier.open({ dir: tempDir(), bytes: 1 << 30, native: n.api })
+      const slot = new Uint8Array(
+        (await n.api!.allocPinned(object(hexOf(0), 0, 32768).byteLength + 4096)).buffer,
+      )
+      return { d, slot, free: () => n.api!.freePinned(slot.buffer) }
+    }
+    const sinkFor = (obj: Uint8Array, gate = new CopyGate()): ReadSink => {
+      const h = decodeHeader(obj)
+      return {
+        into: new Uint8Array(obj.byteLength - h.headerBytes).fill(0xee),
+        gate,
+        copied: false,
+        accept: (header) => header.headerBytes,
+      }
+    }
+
+    it('an intact object lands whole in the sink, verified; a closed gate copies nothing', async () => {
+      const { d, slot, free } = await setup()
+      const obj = object(hexOf(0x80), 5, 32768)
+      const h = decodeHeader(obj)
+      await d.put(hexOf(0x80), obj)
+      const sink = sinkFor(obj)
+      expect(await d.get(hexOf(0x80), 'get', slot, sink)).toBeDefined()
+      expect(sink.copied).toBe(true)
+      expect(Buffer.compare(sink.into, obj.subarray(h.headerBytes))).toBe(0)
+      expect(d.stats().sinkReads).toBe(1)
+      // The gate closed (its retrieve gave up): the read still serves L1, the sink stays untouched.
+      const gate = new CopyGate()
+      gate.close()
+      const late = sinkFor(obj, gate)
+      expect(await d.get(hexOf(0x80), 'get', slot, late)).toBeDefined()
+      expect(late.copied).toBe(false)
+      expect(late.into.every((v) => v === 0xee)).toBe(true)
+      // accept() saying "not this chunk" copies nothing either.
+      const refused = { ...sinkFor(obj), accept: () => undefined }
+      expect(await d.get(hexOf(0x80), 'get', slot, refused)).toBeDefined()
+      expect(refused.copied || refused.into.some((v) => v !== 0xee)).toBe(false)
+      expect(d.stats().sinkReads).toBe(1)
+      free()
+    })
+
+    it('a flip in a whole or a split section, or a read cut short mid-object, is a counted miss: the damaged section never reaches the sink, nothing stays held', async () => {
+      const { d, slot, free } = await setup()
+      const obj = object(hexOf(0x81), 6, 32768)
+      const h = decodeHeader(obj)
+      const cut = segmentStarts(h, obj.byteLength)[1]!
+      const split = h.sections.findIndex((s) => s.offset < cut && s.offset + s.length > cut)
+      const whole = h.sections.findIndex((s) => s.offset >= cut)
+      expect(split).toBeGreaterThanOrEqual(0)
+      expect(whole).toBeGreaterThan(split)
+      const cases = [
+        [
+          0x82,
+          whole,
+          (o: Uint8Array) => o.with(h.sections[whole]!.offset + 9, o[h.sections[whole]!.offset + 9]! ^ 4),
+        ],
+        [0x83, split, (o: Uint8Array) => o.with(cut, o[cut]! ^ 4)],
+        [0x84, whole, (o: Uint8Array) => o.subarray(0, h.sections[whole]!.offset + 100)],
+      ] as const
+      for (const [key, damaged, damage] of cases) {
+        const o = object(hexOf(key), 6, 32768)
+        await d.put(hexOf(key), o)
+        writeFileSync(d.pathOf(hexOf(key)), damage(o))
+        const sink = sinkFor(o)
+        expect(await d.get(hexOf(key), 'get', slot, sink)).toBeUndefined()
+        expect(sink.copied).toBe(false)
+        const s = h.sections[damaged]!
+        const inSink = sink.into.subarray(s.offset - h.headerBytes, s.offset - h.headerBytes + s.length)
+        expect(
+          inSink.every((v) => v === 0xee),
+          `section ${damaged} of ${key.toString(16)}`,
+        ).toBe(true)
+        expect(d.has(hexOf(key))).toBe(false)
+      }
+      expect(d.counters.corrupt).toBe(cases.length)
+      expect(d.stats().sinkReads).toBe(0)
+      // No read or copy is left running: the slot can be freed (a busy block refuses).
+      free()
+    })
   })
 
   it('keeps within its byte budget by evicting the least recently used file', async () => {

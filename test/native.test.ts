@@ -373,6 +373,21 @@ describe('readFileCrc: CRC-32 of ranges on the worker that read them', () => {
     }
   })
 
+  it('equals crc32 for every length around the 64- and 256-byte SIMD block boundaries, at unaligned starts', async () => {
+    const data = randomBytes(3 * 4096)
+    const path = join(dir, 'crc-blocks')
+    writeFileSync(path, data)
+    const ranges: [number, number][] = []
+    for (const base of [48, 64, 240, 256, 496, 512, 1024, 4096])
+      for (let len = base - 17; len <= base + 17; len++)
+        for (const start of [0, 1, 7, 16, 31]) ranges.push([start, start + len])
+    const b = allocPinnedSync(data.length)
+    const r = await readFileCrc(path, b.buffer, ranges)
+    expect(r.bytes).toBe(data.length)
+    expect([...r.crcs]).toEqual(ranges.map(([a, z]) => crc32(data.subarray(a, z))))
+    freePinned(b.buffer)
+  })
+
   it('ranges are offsets into the read at fileOffset; a range past a short read is cut at its end', async () => {
     const data = randomBytes(5 * 4096 + 300)
     const path = join(dir, 'crc-range')
@@ -414,6 +429,111 @@ describe('readFileCrc: CRC-32 of ranges on the worker that read them', () => {
     )
     expect(() => raw.readFileCrc(path, b.buffer, 0, 8192, 0, -1, 1, Float64Array.from([0]))).toThrow(/pairs/)
     freePinned(b.buffer) // not left busy by any of the refusals
+  })
+
+  it('copyTo: copies a range read whole only when its CRC is the expected one, within the destination, while the gate is open', async () => {
+    const data = randomBytes(6 * 4096 + 100)
+    const path = join(dir, 'crc-copy')
+    writeFileSync(path, data)
+    const b = allocPinnedSync(data.length + 4096)
+    // Read from file offset 4096; the destination holds file bytes [4096 + 50, ...).
+    const read = data.subarray(4096)
+    const ranges: [number, number][] = [
+      [50, 5000], // expected CRC right: copied
+      [5000, 9000], // expected CRC wrong: not copied
+      [9000, 12000], // no expectation: not copied
+      [12000, read.length], // right CRC, but ends past the destination: not copied
+      [20, 40], // starts before the destination: not copied
+    ]
+    const dst = new Uint8Array(read.length - 50 - 10).fill(0xab)
+    const crcOf = ([a, z]: [number, number]) => crc32(read.subarray(a, z))
+    const copyTo = (gate: InstanceType<typeof native.CopyGate>) => ({
+      into: dst,
+      fileOffset: 4096 + 50,
+      expected: [
+        crcOf(ranges[0]!),
+        (crcOf(ranges[1]!) ^ 1) >>> 0,
+        undefined,
+        crcOf(ranges[3]!),
+        crcOf(ranges[4]!),
+      ],
+      gate,
+    })
+    const gate = new native.CopyGate()
+    const r = await readFileCrc(path, b.buffer, ranges, { fileOffset: 4096, copyTo: copyTo(gate) })
+    expect([...r.crcs]).toEqual(ranges.map(crcOf))
+    expect([...r.copied]).toEqual([1, 0, 0, 0, 0])
+    expect(Buffer.compare(dst.subarray(0, 5000 - 50), read.subarray(50, 5000))).toBe(0)
+    expect(dst.subarray(5000 - 50).every((v) => v === 0xab)).toBe(true)
+    // Closed: the same read copies nothing.
+    gate.close()
+    dst.fill(0xab)
+    const late = await readFileCrc(path, b.buffer, ranges, { fileOffset: 4096, copyTo: copyTo(gate) })
+    expect([...late.copied]).toEqual([0, 0, 0, 0, 0])
+    expect(dst.every((v) => v === 0xab)).toBe(true)
+    // Malformed copy requests are refused before any I/O.
+    await rejectsWith(
+      readFileCrc(path, b.buffer, ranges, { copyTo: { ...copyTo(new native.CopyGate()), expected: [1] } }),
+      'ERR_NATIVE',
+      /one entry per range/,
+    )
+    await rejectsWith(
+      readFileCrc(path, b.buffer, ranges, { copyTo: { ...copyTo(gate), gate: {} as never } }),
+      'ERR_NATIVE',
+      /CopyGate/,
+    )
+    await rejectsWith(
+      readFileCrc(path, b.buffer, ranges, {
+        copyTo: { ...copyTo(gate), expected: [2 ** 32, undefined, undefined, undefined, undefined] },
+      }),
+      'ERR_NATIVE',
+      /expected\[0\]/,
+    )
+    await rejectsWith(
+      readFileCrc(path, b.buffer, ranges, {
+        copyTo: { ...copyTo(gate), into: new Uint8Array(new SharedArrayBuffer(16)) },
+      }),
+      'ERR_NATIVE',
+      /SharedArrayBuffer/,
+    )
+    const raw = native.loadNative()
+    expect(() =>
+      raw.readFileCrc(
+        path,
+        b.buffer,
+        0,
+        8192,
+        0,
+        -1,
+        1,
+        Float64Array.from([0, 10]),
+        new ArrayBuffer(8),
+        0,
+        8,
+        0,
+        Float64Array.from([0.5]),
+        gate.handle,
+      ),
+    ).toThrow(/CRC-32 or -1/)
+    expect(() =>
+      raw.readFileCrc(
+        path,
+        b.buffer,
+        0,
+        8192,
+        0,
+        -1,
+        1,
+        Float64Array.from([0, 10]),
+        new ArrayBuffer(8),
+        0,
+        8,
+        0,
+        Float64Array.from([-1]),
+        {},
+      ),
+    ).toThrow(/newCopyGate/)
+    freePinned(b.buffer) // not left busy by the reads or the refusals
   })
 
   it('a failed read (missing file, a directory) rejects and leaves the buffer free', async () => {

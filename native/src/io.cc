@@ -7,11 +7,17 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 
 #include "common.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace kvgate {
 namespace {
@@ -26,6 +32,33 @@ struct IoResult {
   bool direct = false;
   std::string reason;
 };
+
+// Where readFileCrc may copy verified bytes out to (a caller's buffer), and until
+// when: Close() (on the JS thread) waits for a copy in progress and refuses the
+// rest, so nothing lands in the caller's buffer after its owner stopped waiting
+// (a read that finishes late, past a deadline, copies nothing).
+struct CopyGate {
+  std::mutex mu;
+  std::condition_variable idle;
+  bool closed = false;
+  int active = 0;
+  bool Enter() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (closed) return false;
+    active++;
+    return true;
+  }
+  void Leave() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (--active == 0) idle.notify_all();
+  }
+  void Close() {
+    std::unique_lock<std::mutex> lock(mu);
+    closed = true;
+    idle.wait(lock, [this] { return active == 0; });
+  }
+};
+using GateRef = std::shared_ptr<CopyGate>;
 
 struct Fd {
   int fd = -1;
@@ -302,12 +335,72 @@ Napi::Value ReadFileJs(const Napi::CallbackInfo& info) {
       [r](Napi::Env env) { return Result(env, *r); }, {info[1].As<Napi::Object>()}, [span]() { ReleaseHost(span); });
 }
 
-// readFileCrc(path, buffer, byteOffset, capacity, fileOffset, length|-1, mode, ranges)
-//   -> Promise<{bytes, direct, reason, crcs}>
+// Copies a range just CRC'd (hot in this core's cache) to the caller's buffer with
+// streaming stores: an ordinary memcpy of a cache-sized piece first reads every
+// destination line from DRAM (read-for-ownership), which costs what the copy saves
+// by reading a cached source; streaming stores only write.
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void StreamCopyAvx2(uint8_t* dst, const uint8_t* src, size_t n) {
+  size_t head = (32 - reinterpret_cast<uintptr_t>(dst) % 32) % 32;
+  if (head > n) head = n;
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  for (; n >= 128; n -= 128, dst += 128, src += 128) {
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
+    __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 96), d);
+  }
+  _mm_sfence();  // the streaming stores are visible before the JS thread hears of them
+  std::memcpy(dst, src, n);
+}
+#endif
+
+void CopyOut(uint8_t* dst, const uint8_t* src, size_t n) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2 && n >= 4096) {
+    StreamCopyAvx2(dst, src, n);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+
+GateRef* GateOf(Napi::Env env, Napi::Value v) {
+  if (!v.IsExternal()) ThrowNative(env, "gate must come from newCopyGate()");
+  return v.As<Napi::External<GateRef>>().Data();
+}
+
+// newCopyGate() -> an opaque gate for readFileCrc's copy-out; closeCopyGate(gate) closes it (blocking
+// for at most the copy in progress, one verified range).
+Napi::Value NewCopyGateJs(const Napi::CallbackInfo& info) {
+  return Napi::External<GateRef>::New(info.Env(), new GateRef(std::make_shared<CopyGate>()),
+                                      [](Napi::Env, GateRef* g) { delete g; });
+}
+
+Napi::Value CloseCopyGateJs(const Napi::CallbackInfo& info) {
+  (*GateOf(info.Env(), info[0]))->Close();
+  return info.Env().Undefined();
+}
+
+// readFileCrc(path, buffer, byteOffset, capacity, fileOffset, length|-1, mode, ranges
+//             [, dst, dstOffset, dstLength, dstFileOffset, expected, gate])
+//   -> Promise<{bytes, direct, reason, crcs, copied}>
 // As readFile, then the worker that read the bytes CRC-32s each range [ranges[2i],
 // ranges[2i+1]) (offsets into the read, a Float64Array) while they are hot in its
 // cache. A range past the bytes read is cut at the end of the read (the caller sees
 // the short `bytes` and does not trust that CRC).
+// With a destination: a range read whole whose CRC equals expected[i] (-1: none) is then
+// copied, still in cache, to dst at (fileOffset + start − dstFileOffset) when it lies
+// within dst and the gate is open; copied[i] = 1 says so. Bytes that fail their check
+// are never copied.
 Napi::Value ReadFileCrcJs(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   std::string path = ReadPath(env, info[0]);
@@ -333,27 +426,72 @@ Napi::Value ReadFileCrcJs(const Napi::CallbackInfo& info) {
     }
     ranges->emplace_back(static_cast<size_t>(a), static_cast<size_t>(b));
   }
+  // Optional copy-out of verified ranges.
+  const bool withDst = info.Length() > 8 && !info[8].IsUndefined();
+  auto expected = std::make_shared<std::vector<int64_t>>(ranges->size(), -1);
+  HostSpan dst;
+  uint64_t dstFileOffset = 0;
+  GateRef gate;
+  std::vector<Napi::Object> keep{info[1].As<Napi::Object>()};
+  if (withDst) {
+    dstFileOffset = ToSize(env, info[11], "dst file offset");
+    if (!info[12].IsTypedArray() || info[12].As<Napi::TypedArray>().TypedArrayType() != napi_float64_array) {
+      ThrowNative(env, "expected must be a Float64Array (a CRC or -1 per range)");
+    }
+    Napi::Float64Array ev = info[12].As<Napi::Float64Array>();
+    if (ev.ElementLength() != ranges->size()) ThrowNative(env, "expected must hold one value per range");
+    for (size_t i = 0; i < ranges->size(); i++) {
+      double e = ev[i];
+      if (!(e == -1 || (e >= 0 && e <= 4294967295.0 && e == static_cast<double>(uint32_t(e))))) {
+        ThrowNative(env, "expected[" + std::to_string(i) + "] must be a CRC-32 or -1");
+      }
+      (*expected)[i] = static_cast<int64_t>(e);
+    }
+    gate = *GateOf(env, info[13]);
+    dst = AcquireHost(env, info[8], info[9], info[10]);
+    keep.push_back(info[8].As<Napi::Object>());
+  }
   HostSpan span = AcquireHost(env, info[1], info[2], info[3]);
   auto r = std::make_shared<IoResult>();
   auto crcs = std::make_shared<std::vector<uint32_t>>(ranges->size(), 0);
+  auto copied = std::make_shared<std::vector<uint8_t>>(ranges->size(), 0);
   return RunAsync(
       env, "kvgate.readFileCrc",
-      [path, span, fileOffset, length, mode, r, ranges, crcs](Failure& f) {
+      [path, span, fileOffset, length, mode, r, ranges, crcs, expected, dst, dstFileOffset, gate,
+       copied](Failure& f) {
         DoRead(path, span, fileOffset, length, mode, *r, f);
         if (f.failed()) return;
         for (size_t i = 0; i < ranges->size(); i++) {
           size_t a = std::min((*ranges)[i].first, r->bytes), b = std::min((*ranges)[i].second, r->bytes);
           (*crcs)[i] = Crc32(0, span.data + a, b - a);
+          if (!gate || (*expected)[i] < 0 || b != (*ranges)[i].second) continue;
+          if ((*crcs)[i] != static_cast<uint32_t>((*expected)[i])) continue;
+          uint64_t at = fileOffset + a;
+          if (at < dstFileOffset || at - dstFileOffset > dst.length || b - a > dst.length - (at - dstFileOffset)) {
+            continue;
+          }
+          if (!gate->Enter()) continue;
+          CopyOut(dst.data + (at - dstFileOffset), span.data + a, b - a);
+          gate->Leave();
+          (*copied)[i] = 1;
         }
       },
-      [r, crcs](Napi::Env env) {
+      [r, crcs, copied](Napi::Env env) {
         Napi::Object o = Result(env, *r).As<Napi::Object>();
         Napi::Uint32Array out = Napi::Uint32Array::New(env, crcs->size());
-        for (size_t i = 0; i < crcs->size(); i++) out[i] = (*crcs)[i];
+        Napi::Uint8Array done = Napi::Uint8Array::New(env, copied->size());
+        for (size_t i = 0; i < crcs->size(); i++) {
+          out[i] = (*crcs)[i];
+          done[i] = (*copied)[i];
+        }
         o.Set("crcs", out);
+        o.Set("copied", done);
         return o;
       },
-      {info[1].As<Napi::Object>()}, [span]() { ReleaseHost(span); });
+      keep, [span, dst, withDst]() {
+        ReleaseHost(span);
+        if (withDst) ReleaseHost(dst);
+      });
 }
 
 // writeFile(path, buffer, byteOffset, length, fileOffset, mode, fsync, truncate) -> Promise<{bytes, direct, reason}>
@@ -404,6 +542,8 @@ Napi::Value EvictFileCacheJs(const Napi::CallbackInfo& info) {
 void InitIo(Napi::Env env, Napi::Object exports) {
   exports.Set("readFile", Napi::Function::New(env, ReadFileJs, "readFile"));
   exports.Set("readFileCrc", Napi::Function::New(env, ReadFileCrcJs, "readFileCrc"));
+  exports.Set("newCopyGate", Napi::Function::New(env, NewCopyGateJs, "newCopyGate"));
+  exports.Set("closeCopyGate", Napi::Function::New(env, CloseCopyGateJs, "closeCopyGate"));
   exports.Set("writeFile", Napi::Function::New(env, WriteFileJs, "writeFile"));
   exports.Set("evictFileCache", Napi::Function::New(env, EvictFileCacheJs, "evictFileCache"));
   exports.Set("directAlignment", Napi::Number::New(env, kAlign));

@@ -10,12 +10,23 @@ import type { CalibrationStore } from './calibration-store.ts'
 import { type ChunkIdentity, checkIdentity, maxObjectBytes, openLayerGroup } from './chunk-codec.ts'
 import type { CodecPool } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
-import type { DiskTier } from './tiers/disk.ts'
+import type { CopyGate } from './native.ts'
+import type { DiskTier, ReadSink } from './tiers/disk.ts'
 import type { MemoryReservation, MemoryTier } from './tiers/memory.ts'
 import type { RemoteTier } from './tiers/remote.ts'
 
 /** 'resident': committed to L1 under its key; a Uint8Array: a private tensor (L1 had no free slot). */
 export type Placed = 'resident' | Uint8Array
+
+/**
+ * Where a retrieve wants chunk k's tensor (its part of the caller's buffer): an L2
+ * read fills it on the workers that verify it (ReadSink); `copied` says it did.
+ */
+export interface TensorSink {
+  into: Uint8Array
+  gate: CopyGate
+  copied: boolean
+}
 
 export interface ChunkReaderOptions {
   geometry: KvGeometry
@@ -44,16 +55,38 @@ export class ChunkReader {
    * so promotion costs the read and the CRC check, no copy. A file that verifies
    * but is not this chunk (format, identity) is counted corrupt and deleted.
    */
-  async fromDisk(disk: DiskTier, k: ChunkKey, priority: IoPriority): Promise<Placed | undefined> {
-    const r = this.#o.memory.reserve(k.hex, this.#o.tensorBytes(k))
+  async fromDisk(
+    disk: DiskTier,
+    k: ChunkKey,
+    priority: IoPriority,
+    sink?: TensorSink,
+  ): Promise<Placed | undefined> {
+    const size = this.#o.tensorBytes(k)
+    const r = this.#o.memory.reserve(k.hex, size)
     try {
-      const object = await disk.get(k.hex, priority, r?.slot)
+      // The sink is filled only from a raw object of this chunk read into the slot: the
+      // case where the slot is committed as read, so the copy is the only one made.
+      const read: ReadSink | undefined =
+        sink && r && sink.into.byteLength === size
+          ? {
+              into: sink.into,
+              gate: sink.gate,
+              copied: false,
+              accept: (h) =>
+                rawTensorAt(h, this.#o.memory.dataOffset, size) && isIdentity(h, this.#o.identity(k))
+                  ? h.headerBytes
+                  : undefined,
+            }
+          : undefined
+      const object = await disk.get(k.hex, priority, r?.slot, read)
       if (!object) return undefined
       try {
         // DiskTier.get verified every CRC already; what is left is the identity check.
         const h = decodeHeader(object)
         checkIdentity(h, this.#o.identity(k))
-        return await this.#place(k, object, h, r)
+        const placed = await this.#place(k, object, h, r)
+        if (sink && read?.copied) sink.copied = true
+        return placed
       } catch (e) {
         if (e instanceof CalibrationUnavailable) return undefined
         // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
@@ -160,6 +193,15 @@ export class ChunkReader {
     const c = await this.#o.calibrations?.forDecode(h.calibration)
     if (!c) throw new CalibrationUnavailable(h.calibration)
     return c
+  }
+}
+
+function isIdentity(h: ChunkHeader, id: ChunkIdentity): boolean {
+  try {
+    checkIdentity(h, id)
+    return true
+  } catch {
+    return false
   }
 }
 

@@ -392,6 +392,7 @@ export class KVCache {
     if (options.deadlineMs !== undefined) checkInt('deadlineMs', options.deadlineMs, 1, 3_600_000)
     const layout = checkLayout(options)
     let write: (i: number, tensor: Uint8Array) => void | Promise<void>
+    let target: ((i: number) => Uint8Array) | undefined
     if (layout === 'sequence' && !isGpuBuffer(into)) {
       const seq = this.#sequence('into', into, tokens.length)
       write = (i, t) => seq.scatter(keys[i]!, t)
@@ -411,10 +412,13 @@ export class KVCache {
       // A plain copy on this thread: measured here, a copy on the addon's pool (copyHost) made an
       // L1 retrieve 0.75–0.81× memcpy instead of 0.86–0.90× and did not speed up cold L2 retrieves.
       write = (i, t) => bytes.set(t, offsets[i]!)
+      // Chunks read from L2 are copied here by the workers that verify them, while in cache.
+      if (bytes.buffer instanceof ArrayBuffer)
+        target = (i) => bytes.subarray(offsets[i]!, offsets[i]! + this.#manager.tensorBytes(keys[i]!))
     }
     const deadlineMs =
       options.deadlineMs === undefined ? undefined : checkInt('deadlineMs', options.deadlineMs, 1, 3_600_000)
-    const { served, timedOut } = await this.#manager.retrieve(keys, write, { deadlineMs })
+    const { served, timedOut } = await this.#manager.retrieve(keys, write, { deadlineMs, target })
     if (timedOut) this.#retrieveTimeouts++
     const servedTokens = served > 0 ? keys[served - 1]!.end : 0
     const mask = new Uint8Array(tokens.length)

@@ -12,7 +12,7 @@ import { KvgateError, type KvgateErrorOptions } from '../core/errors.ts'
 import { installedAsDependency, packageRoot } from '../package-files.ts'
 
 /** The addon contract version this wrapper speaks (native/src/addon.cc `abiVersion`). */
-export const NATIVE_ABI_VERSION = 2
+export const NATIVE_ABI_VERSION = 3
 
 /** O_DIRECT alignment kvgate uses for buffer addresses and file offsets (bytes). */
 export const DIRECT_ALIGNMENT = 4096
@@ -187,7 +187,15 @@ export interface NativeBinding {
     length: number,
     mode: 0 | 1 | 2,
     ranges: Float64Array,
-  ): Promise<RawIo & { crcs: Uint32Array }>
+    dst?: ArrayBuffer,
+    dstOffset?: number,
+    dstLength?: number,
+    dstFileOffset?: number,
+    expected?: Float64Array,
+    gate?: unknown,
+  ): Promise<RawIo & { crcs: Uint32Array; copied: Uint8Array }>
+  newCopyGate(): unknown
+  closeCopyGate(gate: unknown): void
   writeFile(
     path: string,
     buffer: ArrayBuffer,
@@ -722,6 +730,41 @@ function readArgs(path: string, into: HostBuffer, opts: ReadFileOptions) {
 export interface ReadFileCrcResult extends FileIoResult {
   /** CRC-32 (zlib's, as core/checksum.ts crc32) of each requested range, in order. */
   crcs: Uint32Array
+  /** Per range: 1 when it was verified and copied to `copyTo.into` on the worker. */
+  copied: Uint8Array
+}
+
+/**
+ * Closes a window in which readFileCrc may copy into a caller's buffer: once
+ * close() returns, no copy is running or will start (a read that lands later
+ * copies nothing). close() waits for at most the copy in progress.
+ */
+export class CopyGate {
+  readonly handle: unknown
+  #closed = false
+
+  constructor() {
+    this.handle = loadNative().newCopyGate()
+  }
+
+  get closed(): boolean {
+    return this.#closed
+  }
+
+  close(): void {
+    if (this.#closed) return
+    this.#closed = true
+    loadNative().closeCopyGate(this.handle)
+  }
+}
+
+export interface CopyTo {
+  /** Where verified bytes go: into[0] holds the file's byte `fileOffset`. */
+  into: HostBuffer
+  fileOffset: number
+  /** Per range: the CRC-32 it must have to be copied, or undefined (never copied). */
+  expected: readonly (number | undefined)[]
+  gate: CopyGate
 }
 
 /**
@@ -748,7 +791,7 @@ export function readFileCrc(
   path: string,
   into: HostBuffer,
   ranges: readonly (readonly [number, number])[],
-  opts: ReadFileOptions = {},
+  opts: ReadFileOptions & { copyTo?: CopyTo } = {},
 ): Promise<ReadFileCrcResult> {
   return callAsync(async () => {
     const { r, mode, fileOffset, length } = readArgs(path, into, opts)
@@ -761,7 +804,33 @@ export function readFileCrc(
       flat[2 * i] = start
       flat[2 * i + 1] = end
     })
-    return loadNative().readFileCrc(path, r.buffer, r.offset, r.length, fileOffset, length, mode, flat)
+    const c = opts.copyTo
+    if (c === undefined)
+      return loadNative().readFileCrc(path, r.buffer, r.offset, r.length, fileOffset, length, mode, flat)
+    const d = hostRange(c.into, 'copyTo.into')
+    const dstFileOffset = checkSize(c.fileOffset, 'copyTo.fileOffset', Number.MAX_SAFE_INTEGER, 0)
+    if (!Array.isArray(c.expected) || c.expected.length !== ranges.length)
+      throw misuse('copyTo.expected must hold one entry per range')
+    if (!(c.gate instanceof CopyGate)) throw misuse('copyTo.gate must be a CopyGate')
+    const expected = Float64Array.from(c.expected, (e, i) =>
+      e === undefined ? -1 : checkSize(e, `copyTo.expected[${i}]`, 0xffffffff, 0),
+    )
+    return loadNative().readFileCrc(
+      path,
+      r.buffer,
+      r.offset,
+      r.length,
+      fileOffset,
+      length,
+      mode,
+      flat,
+      d.buffer,
+      d.offset,
+      d.length,
+      dstFileOffset,
+      expected,
+      c.gate.handle,
+    )
   })
 }
 

@@ -7,7 +7,7 @@ import { type ChunkKey, fromHex } from '../core/keys.ts'
 import { chunkBytes, type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import type { CalibrationStore } from './calibration-store.ts'
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
-import { ChunkReader, type Placed } from './chunk-reader.ts'
+import { ChunkReader, type Placed, type TensorSink } from './chunk-reader.ts'
 import { CodecPool } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
 import { RemoteLayers } from './remote-layers.ts'
@@ -284,7 +284,11 @@ export class StorageManager {
    * private tensor. Undefined when no tier could serve it intact. The caller owns
    * the handle and releases it exactly once.
    */
-  async acquire(k: ChunkKey, priority: IoPriority = 'get'): Promise<ChunkHandle | undefined> {
+  async acquire(
+    k: ChunkKey,
+    priority: IoPriority = 'get',
+    sink?: TensorSink,
+  ): Promise<ChunkHandle | undefined> {
     // Two tries: a chunk promoted by a shared fetch can be evicted before this
     // waiter pins it (a tiny L1 under pressure); then it is fetched once more.
     for (let attempt = 0; attempt < 2; attempt++) {
@@ -292,7 +296,8 @@ export class StorageManager {
       if (h) return h
       let p = this.#inflight.get(k.hex)
       if (!p) {
-        p = this.#fetch(k, priority).finally(() => this.#inflight.delete(k.hex))
+        // A fetch already running for another reader serves this one too, without the sink.
+        p = this.#fetch(k, priority, sink).finally(() => this.#inflight.delete(k.hex))
         this.#inflight.set(k.hex, p)
       }
       const got = await p
@@ -305,9 +310,9 @@ export class StorageManager {
   }
 
   /** Waterfall below L1: L2, then L4 (while its breaker is closed). L4 hits are also copied down to L2. */
-  async #fetch(k: ChunkKey, priority: IoPriority): Promise<Placed | undefined> {
+  async #fetch(k: ChunkKey, priority: IoPriority, sink?: TensorSink): Promise<Placed | undefined> {
     if (this.disk?.has(k.hex)) {
-      const got = await this.#reader.fromDisk(this.disk, k, priority)
+      const got = await this.#reader.fromDisk(this.disk, k, priority, sink)
       if (got) return got
     }
     const remote = this.remote
@@ -335,13 +340,24 @@ export class StorageManager {
    * miss, fetches still running finish in the background (their reservations
    * settle there; a late chunk is promoted if intact, or dropped) and nothing is
    * written into the caller's buffer after this resolves.
+   * `target(i)`, when given, is where write(i) would put chunk i's tensor (a plain
+   * host buffer): an L2 read then copies each verified section there on the workers
+   * that read it, and write(i) is skipped for a chunk they filled. Only verified
+   * bytes of chunk i are copied there, but a chunk that then fails (a later section's
+   * CRC) may leave some: like any byte outside the served prefix, they are not KV.
    */
   async retrieve(
     keys: readonly ChunkKey[],
     write: (i: number, tensor: Uint8Array) => void | Promise<void>,
-    opts: { tiers?: readonly TierName[]; deadlineMs?: number } = {},
+    opts: {
+      tiers?: readonly TierName[]
+      deadlineMs?: number
+      target?: (i: number) => Uint8Array | undefined
+    } = {},
   ): Promise<RetrieveRun> {
     const deadlineMs = opts.deadlineMs ?? this.retrieveDeadlineMs
+    // Closed before this returns: no copy into the caller's buffer runs or starts after.
+    const gate = opts.target ? this.disk?.copyGate() : undefined
     let timedOut = false
     let stopped = false
     let timer: NodeJS.Timeout | undefined
@@ -371,12 +387,15 @@ export class StorageManager {
           const i = next++
           if (i >= firstFail) return
           let h: ChunkHandle | undefined
+          let sink: TensorSink | undefined
           if (stopped) {
             // Past the deadline nothing is waited for: only chunks L1 holds are still served.
             h = this.memory.acquire(keys[i]!.hex)
           } else {
             const known = this.remote?.knownPresent(keys[i]!.hex) ?? false
-            const pending = this.acquire(keys[i]!)
+            const into = gate && opts.target!(i)
+            sink = into ? { into, gate: gate!, copied: false } : undefined
+            const pending = this.acquire(keys[i]!, 'get', sink)
             h = await Promise.race([pending, expired])
             // L4 dropped a key it was believed to hold (a 404, a corrupt object): the GET forgot
             // that key only; the chain's later keys go too (contract C2), or the write-behind
@@ -400,7 +419,7 @@ export class StorageManager {
           }
           try {
             if (this.#closed) return
-            await write(i, h.bytes)
+            if (!sink?.copied) await write(i, h.bytes)
             ok[i] = 1
           } catch (e) {
             failed = true // the other workers stop too: none writes after this rejects
@@ -421,6 +440,7 @@ export class StorageManager {
       return { served, timedOut }
     } finally {
       clearTimeout(timer)
+      gate?.close()
     }
   }
 
@@ -471,11 +491,23 @@ export class StorageManager {
     const remoteChunks: RemoteLayers[] = []
     // Per chunk: a function giving its slab for layer l (or undefined when it failed).
     const sources: ((l: number) => Promise<Uint8Array | undefined>)[] = []
+    // Local chunks are pinned in order, with up to fetchConcurrency of them being read
+    // ahead (L2 reads in flight at once, as retrieve does, not one chunk at a time).
+    const local = (i: number) => tiers[i] !== 'remote' || this.memory.has(keys[i]!.hex)
+    const ahead = new Map<number, Promise<ChunkHandle | undefined>>()
+    let issued = 0
+    const readAhead = (upTo: number) => {
+      for (; issued < tiers.length && issued <= upTo; issued++)
+        if (local(issued)) ahead.set(issued, this.acquire(keys[issued]!))
+    }
     try {
       for (let i = 0; i < tiers.length; i++) {
         const k = keys[i]!
-        if (tiers[i] !== 'remote' || this.memory.has(k.hex)) {
-          const h = await this.acquire(k)
+        readAhead(i + this.#fetchConcurrency - 1)
+        const pending = ahead.get(i)
+        if (pending) {
+          ahead.delete(i)
+          const h = await pending
           if (!h) break
           held.push(h)
           const slabBytes = layerSlabBytes(g, k.end - k.start)
@@ -518,6 +550,12 @@ export class StorageManager {
     } finally {
       for (const rl of remoteChunks) rl.settle()
       for (const h of held) h.release()
+      // Chunks read ahead past a miss (or past the caller stopping): released as they land.
+      for (const p of ahead.values())
+        void p.then(
+          (h) => h?.release(),
+          () => {},
+        )
     }
   }
 
