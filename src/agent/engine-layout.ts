@@ -94,3 +94,32 @@ export function chunkOffset(
   const bb = blockBytes(g)
   return ((layer * sides(g) + side) * blocksPerChunk + j) * bb
 }
+
+/**
+ * The copy runs ([tensorOffset, slabOffset, bytes] triples) between the engine blocks
+ * `ids[first .. first + blocksPerChunk)` of one layer tensor and that chunk's slab of one
+ * layer. The same in every layer: a layer's slab and tensor are passed with them. Blocks
+ * before `skip` (engine-wide index) are left out.
+ */
+export function chunkRuns(
+  g: EngineGeometry,
+  numBlocks: number,
+  ids: readonly number[],
+  first: number,
+  blocksPerChunk: number,
+  skip: number,
+): number[] {
+  const bb = blockBytes(g)
+  const runs: number[] = []
+  for (let side = 0; side < sides(g); side++) {
+    for (let j = 0; j < blocksPerChunk; j++) {
+      if (first + j < skip) continue
+      runs.push(
+        blockOffset(g, numBlocks, side, ids[first + j]!),
+        chunkOffset(g, blocksPerChunk, 0, side, j),
+        bb,
+      )
+    }
+  }
+  return runs
+}

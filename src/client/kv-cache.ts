@@ -107,6 +107,15 @@ export interface KVCacheStats {
 
 const MAX_TOKENS = 1 << 24
 
+/** Tiers a cache uses instead of its own (`kvgate agent`: one L1 budget for every KV space). */
+export interface SharedTiers {
+  /**
+   * L1 to use: a scoped view (MemoryTier#scoped) of a tier the caller owns. Its slots must
+   * fit this cache's chunks; close() drops this cache's chunks from it and frees nothing.
+   */
+  memory?: MemoryTier
+}
+
 /**
  * A tiered KV cache for one model geometry and chunk size. Gateway faults never
  * reach the caller: they degrade to local tiers and show up in stats().
@@ -155,7 +164,7 @@ export class KVCache {
   }
 
   /** Validates options (InvalidArgumentError), allocates L1, rebuilds the L2 index, connects L4 lazily. */
-  static async open(options: KVCacheOptions): Promise<KVCache> {
+  static async open(options: KVCacheOptions, shared: SharedTiers = {}): Promise<KVCache> {
     const o = resolveOptions(options)
     const native = o.native ? loadNative() : { api: undefined, reason: 'disabled by options.native = false' }
     const g = o.model
@@ -166,14 +175,21 @@ export class KVCache {
       scheme: o.keyScheme,
       hashSeed: o.hashSeed,
     }
-    const memory = await MemoryTier.create({
-      bytes: o.memory.bytes,
-      chunkBytes: chunkBytes(g, o.chunkTokens),
-      // Room for the chunk header in front of each tensor: raw L2 files and L4 bodies are read straight into slots.
-      dataOffset: headerBytesFor(g.layers),
-      native: native.api,
-      nativeReason: native.reason,
-    })
+    const memory =
+      shared.memory ??
+      (await MemoryTier.create({
+        bytes: o.memory.bytes,
+        chunkBytes: chunkBytes(g, o.chunkTokens),
+        // Room for the chunk header in front of each tensor: raw L2 files and L4 bodies are read straight into slots.
+        dataOffset: headerBytesFor(g.layers),
+        native: native.api,
+        nativeReason: native.reason,
+      }))
+    if (memory.dataOffset + chunkBytes(g, o.chunkTokens) > memory.slotBytes) {
+      throw new InvalidArgumentError(
+        `a chunk of ${chunkBytes(g, o.chunkTokens)} bytes does not fit the shared L1's slots of ${memory.slotBytes} bytes`,
+      )
+    }
     const codec = new CodecPool(o.codecWorkers)
     const nsId = fromHex(namespaceId(ns))
     const disk = o.disk
@@ -432,6 +448,20 @@ export class KVCache {
       else break
     }
     return tiers
+  }
+
+  /** Leading chunks of `keys` that L1 or L2 holds, synchronously (what lookupKeys answers with localOnly). */
+  localPrefixKeys(keys: readonly ChunkKey[]): number {
+    this.#open()
+    const m = this.#manager
+    let n = 0
+    while (n < keys.length && (m.memory.has(keys[n]!.hex) || m.disk?.has(keys[n]!.hex) === true)) n++
+    return n
+  }
+
+  /** Whether a gateway tier is configured (a lookup past the local tiers may ask it). */
+  get hasRemote(): boolean {
+    return this.#manager.remote !== undefined
   }
 
   /** store() over caller-derived keys: `fill(i, dst)` writes chunk i's tensor. Resolves once L1 (or a private copy) holds them. */
