@@ -2,7 +2,7 @@
 // faults) and the priority I/O queue, each tested on its own.
 
 import { execFileSync } from 'node:child_process'
-import { mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs'
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterEach, describe, expect, it } from 'vitest'
@@ -138,6 +138,72 @@ describe('MemoryTier', () => {
     expect(m.stats()).toMatchObject({ freeSlots: 1, livePins: 1, liveReservations: 0 })
     pin.release()
     expect(() => m.reserve(hexOf(8), 5000)).toThrow(/does not fit/)
+  })
+
+  it("scoped views share one budget and one LRU but never each other's chunks", async () => {
+    const pool = await MemoryTier.create({ bytes: 3 * 4096, chunkBytes: 4096 })
+    const a = pool.scoped('rank0')
+    const b = pool.scoped('rank1')
+    // The same chain key in two views is two chunks: each reads its own bytes.
+    expect(a.put(hexOf(1), new Uint8Array(4096).fill(0xa1))).toBe(true)
+    expect(b.has(hexOf(1))).toBe(false)
+    expect(b.acquire(hexOf(1))).toBeUndefined()
+    expect(b.peekPinned(hexOf(1))).toBeUndefined()
+    expect(b.put(hexOf(1), new Uint8Array(4096).fill(0xb1))).toBe(true)
+    const ha = a.acquire(hexOf(1))!
+    const hb = b.acquire(hexOf(1))!
+    expect(ha.bytes.every((x) => x === 0xa1)).toBe(true)
+    expect(hb.bytes.every((x) => x === 0xb1)).toBe(true)
+    ha.release()
+    hb.release()
+    // A reservation commits under its own view's key only.
+    const r = b.reserve(hexOf(2), 4096)!
+    r.bytes.fill(0xb2)
+    expect(r.commit()).toBe(true)
+    expect([a.has(hexOf(2)), b.has(hexOf(2))]).toEqual([false, true])
+    // One budget: the pool is full (3 slots); a's next chunk evicts the LRU chunk, b's oldest.
+    expect(pool.stats().freeSlots).toBe(0)
+    a.acquire(hexOf(1))?.release()
+    b.acquire(hexOf(2))?.release()
+    expect(a.put(hexOf(3), new Uint8Array(4096).fill(0xa3))).toBe(true)
+    expect(b.has(hexOf(1))).toBe(false)
+    expect([a.has(hexOf(1)), b.has(hexOf(2)), a.has(hexOf(3))]).toEqual([true, true, true])
+    expect(a.counters.evictions).toBe(1)
+    expect(a.stats()).toMatchObject({ slots: 3, residentChunks: 2 })
+    expect(b.stats()).toMatchObject({ slots: 3, residentChunks: 1 })
+    // A view's clear and dispose drop its chunks only; the pool and the other view keep theirs.
+    b.dispose()
+    expect(b.has(hexOf(2))).toBe(false)
+    expect([a.has(hexOf(1)), a.has(hexOf(3))]).toEqual([true, true])
+    expect(pool.stats()).toMatchObject({ freeSlots: 1, livePins: 0, liveReservations: 0 })
+    a.delete(hexOf(3))
+    expect(a.has(hexOf(3))).toBe(false)
+    // Scopes are names: empty or NUL-bearing ones are refused (NUL separates scope and key).
+    expect(() => pool.scoped('')).toThrow(/scope/)
+    expect(() => pool.scoped('a\0b')).toThrow(/scope/)
+    // A nested scope is distinct from its parent and from a scope named like the joined name.
+    const nested = a.scoped('x')
+    nested.put(hexOf(9), new Uint8Array(4096).fill(9))
+    expect([nested.has(hexOf(9)), a.has(hexOf(9)), pool.scoped('rank0x').has(hexOf(9))]).toEqual([
+      true,
+      false,
+      false,
+    ])
+  })
+
+  it('prefault: the region is resident from creation (through the addon or not)', async (ctx) => {
+    const rss = () => Number(readFileSync('/proc/self/statm', 'utf8').split(' ')[1]) * 4096
+    for (const native of [undefined, loadNative().api]) {
+      if (native === undefined && loadNative().api === undefined) continue
+      const bytes = 64 << 20
+      const before = rss()
+      const m = await MemoryTier.create({ bytes, chunkBytes: 1 << 20, native, prefault: true })
+      // Most of the region counts in RSS before anything was written to it.
+      expect(rss() - before).toBeGreaterThan(bytes * 0.75)
+      if (native) expect(m.stats().pinReason).toMatch(m.stats().pinnedKind === 'none' ? /pre-faulted/ : /./)
+      m.dispose()
+    }
+    if (!loadNative().api) ctx.skip()
   })
 })
 
