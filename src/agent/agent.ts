@@ -23,6 +23,7 @@ import { AgentMetrics } from './metrics.ts'
 import { AgentError, PROTOCOL_VERSION, type Request } from './protocol.ts'
 import {
   agentL1SlotBytes,
+  checkSpaceCodec,
   createAgentL1,
   KvSpace,
   type SpaceCacheOptions,
@@ -37,6 +38,12 @@ const VLLM_DTYPES: Record<string, Dtype> = {
   bf16: 'bf16',
   float32: 'fp32',
   fp32: 'fp32',
+  // vLLM's --kv-cache-dtype fp8 is e4m3 (its tensors are often uint8: the format comes from here).
+  fp8: 'fp8e4m3',
+  fp8_e4m3: 'fp8e4m3',
+  float8_e4m3fn: 'fp8e4m3',
+  fp8_e5m2: 'fp8e5m2',
+  float8_e5m2: 'fp8e5m2',
 }
 const MAX_KEYS = 1 << 16
 const MAX_BLOCKS = 1 << 24
@@ -144,7 +151,7 @@ export class Agent {
     if (dtype === undefined) {
       throw new AgentError(
         'ERR_GEOMETRY_MISMATCH',
-        `KV dtype '${dtypeName}' is not supported (float16, bfloat16, float32)`,
+        `KV dtype '${dtypeName}' is not supported (float16, bfloat16, float32, float8_e4m3fn, float8_e5m2)`,
       )
     }
     const d: SpaceDescriptor = {
@@ -167,6 +174,7 @@ export class Agent {
         `the agent's chunk of ${this.options.chunkTokens} tokens is not a whole number of ${d.blockSize}-token blocks`,
       )
     }
+    checkSpaceCodec(d, this.#cacheOptions())
     if (s.descriptor && JSON.stringify(s.descriptor) !== JSON.stringify(d)) {
       throw new AgentError(
         'ERR_GEOMETRY_MISMATCH',

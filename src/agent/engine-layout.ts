@@ -5,7 +5,7 @@
 // [num_blocks, 2, block_size, kv_heads, head_size], MLA [num_blocks, block_size, latent_dim].
 // In every one a block's K (V, latent) is one contiguous run of blockBytes.
 
-import type { Dtype, KvGeometry } from '../core/layout.ts'
+import { type Dtype, dtypeBytes, type KvGeometry } from '../core/layout.ts'
 import { AgentError } from './protocol.ts'
 
 export type EngineLayout = 'flash-attn' | 'flashinfer' | 'mla'
@@ -23,11 +23,9 @@ export interface EngineGeometry {
   dtype: Dtype
 }
 
-const DTYPE_BYTES: Record<Dtype, number> = { fp16: 2, bf16: 2, fp32: 4 }
-
 /** Bytes of one block's K (or V, or latent) in one layer. */
 export function blockBytes(g: EngineGeometry): number {
-  return g.blockSize * g.kvHeads * g.headSize * DTYPE_BYTES[g.dtype]
+  return g.blockSize * g.kvHeads * g.headSize * dtypeBytes(g.dtype)
 }
 
 /** K and V (2) or the latent alone (1). */

@@ -7,7 +7,7 @@ import { type KVCacheOptions, resolveOptions } from '../client/config.ts'
 import { KVCache } from '../client/kv-cache.ts'
 import { loadNative } from '../client/native-api.ts'
 import { MemoryTier } from '../client/tiers/memory.ts'
-import { InvalidArgumentError } from '../core/errors.ts'
+import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
 import { headerBytesFor } from '../core/format.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import { chunkBytes } from '../core/layout.ts'
@@ -78,6 +78,20 @@ function cacheOptions(d: SpaceDescriptor, rank: number | null, base: SpaceCacheO
 /** What one chunk of this geometry needs in L1 (header + tensor): spaces that agree share an L1. */
 export function agentL1SlotBytes(d: SpaceDescriptor, chunkTokens: number): number {
   return headerBytesFor(d.layers) + chunkBytes(storageGeometry(d), chunkTokens)
+}
+
+/**
+ * Refuses at hello what no space of this geometry could store: fp8 KV with a lossy gateway
+ * codec (fp8 is stored byte for byte; the lossless codec is its default).
+ */
+export function checkSpaceCodec(d: SpaceDescriptor, base: SpaceCacheOptions): void {
+  try {
+    resolveOptions(cacheOptions(d, null, base))
+  } catch (e) {
+    if (e instanceof KvgateError && e.code === 'ERR_CODEC_DTYPE')
+      throw new AgentError('ERR_GEOMETRY_MISMATCH', e.message)
+    // Anything else is reported where the space opens (register), as before.
+  }
 }
 
 /**

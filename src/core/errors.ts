@@ -14,6 +14,7 @@ export type ErrorCode =
   | 'ERR_FORMAT_TOO_LARGE'
   | 'ERR_CODEC'
   | 'ERR_CODEC_MISMATCH'
+  | 'ERR_CODEC_DTYPE'
   | 'ERR_NOT_FOUND'
   | 'ERR_ALREADY_EXISTS'
   | 'ERR_PRECONDITION_FAILED'
@@ -93,7 +94,7 @@ export class FormatError extends KvgateError {
 export class CodecError extends KvgateError {
   constructor(
     message: string,
-    options: KvgateErrorOptions & { code?: 'ERR_CODEC' | 'ERR_CODEC_MISMATCH' } = {},
+    options: KvgateErrorOptions & { code?: 'ERR_CODEC' | 'ERR_CODEC_MISMATCH' | 'ERR_CODEC_DTYPE' } = {},
   ) {
     super(options.code ?? 'ERR_CODEC', message, { status: 400, ...options })
     this.name = 'CodecError'

@@ -101,6 +101,9 @@ pub unsafe extern "C" fn kv_encode(
     match mode {
         MODE_LOSSLESS => lossless::encode(input, eb, t, c, &mut out),
         MODE_KVGATE | MODE_Q8 => {
+            if !half::has_float_conversion(dtype) {
+                return ERR_ARGS; // fp8 is stored byte-exact (raw or lossless), never re-quantised
+            }
             let mut x: Vec<f32> = rans::uninit_vec(n);
             half::load(input, dtype, &mut x);
             if mode == MODE_Q8 {
@@ -166,6 +169,9 @@ pub unsafe extern "C" fn kv_decode(
     let (tu, cu) = (t as usize, c as usize);
     let input = std::slice::from_raw_parts(src, len as usize);
     let out = std::slice::from_raw_parts_mut(dst, n * eb);
+    if mode != MODE_LOSSLESS && !half::has_float_conversion(dtype) {
+        return ERR_ARGS;
+    }
     let ok = match mode {
         MODE_LOSSLESS => lossless::decode(input, eb, tu, cu, out),
         MODE_KVGATE => lossy::decode(input, dtype, tu, cu, out),
