@@ -22,7 +22,7 @@ import { HostTensor, type KvTensor } from './host-tensor.ts'
 import { AgentMetrics } from './metrics.ts'
 import { AgentError, PROTOCOL_VERSION, type Request } from './protocol.ts'
 import {
-  agentL1SlotBytes,
+  agentL1Shape,
   checkSpaceCodec,
   createAgentL1,
   KvSpace,
@@ -94,8 +94,8 @@ export class Agent {
   readonly #spaces = new Map<string, Promise<KvSpace>>()
   /** The spaces of #spaces that finished opening, for lookups that need no await. */
   readonly #openSpaces = new Map<string, KvSpace>()
-  /** L1 by slot size: one budget and one LRU for the spaces of one chunk size (each sees only its chunks). */
-  readonly #l1 = new Map<number, Promise<MemoryTier>>()
+  /** L1 by slot shape (agentL1Shape): one budget and one LRU for the spaces of one chunk size (each sees only its chunks). */
+  readonly #l1 = new Map<string, Promise<MemoryTier>>()
   /** Every registration not yet released, on any connection: close() releases what sessions left. */
   readonly #workers = new Set<Worker>()
   #prefetching = 0
@@ -202,7 +202,7 @@ export class Agent {
    * since a fixed-size slot would waste most of itself on a smaller chunk.
    */
   #sharedL1(d: SpaceDescriptor): Promise<MemoryTier> {
-    const size = agentL1SlotBytes(d, this.options.chunkTokens)
+    const size = agentL1Shape(d, this.options.chunkTokens)
     let p = this.#l1.get(size)
     if (!p) {
       const made = createAgentL1(d, this.#cacheOptions())

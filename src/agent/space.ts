@@ -75,9 +75,12 @@ function cacheOptions(d: SpaceDescriptor, rank: number | null, base: SpaceCacheO
   }
 }
 
-/** What one chunk of this geometry needs in L1 (header + tensor): spaces that agree share an L1. */
-export function agentL1SlotBytes(d: SpaceDescriptor, chunkTokens: number): number {
-  return headerBytesFor(d.layers) + chunkBytes(storageGeometry(d), chunkTokens)
+/**
+ * What one chunk of this geometry needs in an L1 slot (header room, tensor): spaces that
+ * agree on both share an L1.
+ */
+export function agentL1Shape(d: SpaceDescriptor, chunkTokens: number): string {
+  return `${headerBytesFor(d.layers)}+${chunkBytes(storageGeometry(d), chunkTokens)}`
 }
 
 /**
