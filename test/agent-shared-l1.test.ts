@@ -1,4 +1,4 @@
-// One L1 for every KV space of an agent: TP ranks (and engines) of one chunk size share its
+// One L1 (and one L2 budget) for every KV space of an agent: TP ranks (and engines) of one chunk size share its
 // budget and evict each other's chunks, and no space is ever served another space's bytes,
 // even where their chain keys are equal (same model and hashes, another KV dtype).
 
@@ -8,6 +8,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { type AgentServer, resolveAgentConfig, startAgent } from '../src/agent/index.ts'
+import { headerBytesFor } from '../src/core/format.ts'
 import { AgentClient, type Msg } from './support/agent-client.ts'
 
 // 1 layer, 1 KV head of 8, blocks of 16 tokens, chunks of 32 tokens (2 blocks): a chunk
@@ -156,5 +157,71 @@ describe('agent L1 shared across KV spaces', () => {
     expect(kv(4).equals(kv(0))).toBe(true)
     expect(kv(5).equals(kv(1))).toBe(true)
     wide.c.close()
+  })
+
+  it('L2: every space keeps its own directory within one shared byte budget', async () => {
+    // A second agent with L2 on: 3.5 chunk objects of disk for both ranks together.
+    const object = headerBytesFor(1) + 1024
+    const cfg = resolveAgentConfig(
+      { socket: join(dir, 'disk.sock'), chunkTokens: 32 },
+      {
+        KVGATE_MEMORY_BYTES: '12KiB',
+        KVGATE_DISK_DIR: join(dir, 'l2'),
+        KVGATE_DISK_BYTES: String(Math.floor(3.5 * object)),
+      },
+    )
+    cfg.cache = { ...cfg.cache, remote: false, codecWorkers: 0 }
+    const agent = await startAgent(cfg, 'test')
+    try {
+      const open = async (rank: number) => {
+        const path = join(dir, `disk-rank${rank}`)
+        writeFileSync(path, randomBytes(LAYER))
+        const c = await AgentClient.open(join(dir, 'disk.sock'))
+        await c.call('hello', {
+          protocol: 1,
+          model: 'test/shared-l2',
+          hashSeed: '0',
+          geometry: {
+            layout: 'flash-attn',
+            dtype: 'float16',
+            layers: 1,
+            kvHeads: 1,
+            headSize: 8,
+            blockSize: 16,
+            world: 2,
+          },
+        })
+        const r = await c.call('register', {
+          rank,
+          numBlocks: NUM_BLOCKS,
+          tensors: [{ kind: 'shm', path, offset: 0, shape: SHAPE }],
+        })
+        return { c, worker: r.worker }
+      }
+      const r0 = await open(0)
+      const r1 = await open(1)
+      const keys = [randomBytes(32), randomBytes(32), randomBytes(32)]
+      const blockIds = [0, 1, 2, 3, 4, 5]
+      await r0.c.call('save', { worker: r0.worker, keys, blockIds })
+      expect((await r0.c.call('flush')).ok).toBe(true)
+      await r1.c.call('save', { worker: r1.worker, keys, blockIds })
+      expect((await r1.c.call('flush')).ok).toBe(true)
+      const s = (await r0.c.call('stats', { spaces: true })) as {
+        spaceStats: {
+          cache: { disk: { dir: string; files: number; usedBytes: number; capacityBytes: number } }
+        }[]
+      }
+      const disks = s.spaceStats.map((sp) => sp.cache.disk)
+      expect(disks.length).toBe(2)
+      expect(new Set(disks.map((d) => d.dir)).size).toBe(2) // a directory per space
+      // One budget: 3 files in all (rank 1's evicted rank 0's oldest), not 3 per space.
+      expect(disks.reduce((n, d) => n + d.files, 0)).toBe(3)
+      expect(disks.reduce((n, d) => n + d.usedBytes, 0)).toBeLessThanOrEqual(3.5 * object)
+      expect(disks.map((d) => d.files).sort()).toEqual([0, 3])
+      r0.c.close()
+      r1.c.close()
+    } finally {
+      await agent.close()
+    }
   })
 })

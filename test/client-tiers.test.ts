@@ -9,9 +9,9 @@ import { afterEach, describe, expect, it } from 'vitest'
 import { PriorityQueue } from '../src/client/io-queue.ts'
 import { nativeMemoryStats } from '../src/client/native.ts'
 import { loadNative } from '../src/client/native-api.ts'
-import { DiskTier } from '../src/client/tiers/disk.ts'
+import { DiskBudget, DiskTier } from '../src/client/tiers/disk.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
-import { encodeChunk } from '../src/core/format.ts'
+import { decodeHeader, encodeChunk } from '../src/core/format.ts'
 import { toHex } from '../src/core/keys.ts'
 import { MODEL_PRESETS } from '../src/core/layout.ts'
 
@@ -350,6 +350,52 @@ describe('DiskTier', () => {
     // A restart with a smaller budget trims on open.
     const d2 = await DiskTier.open({ dir, bytes: one + 1 })
     expect(d2.stats().files).toBe(1)
+  })
+
+  it('tiers sharing one budget evict the least recently used file of any of them', async () => {
+    const one = object(hexOf(1), 1).byteLength
+    const budget = new DiskBudget(3 * one + 10)
+    const a = await DiskTier.open({ dir: tempDir(), bytes: 1, sharedBudget: budget })
+    const b = await DiskTier.open({ dir: tempDir(), bytes: 1, sharedBudget: budget })
+    // The same chain key in two tiers is two files (their directories differ).
+    expect(await a.put(hexOf(1), object(hexOf(1), 1))).toBe(true)
+    expect(await b.put(hexOf(1), object(hexOf(1), 101))).toBe(true)
+    expect(await a.put(hexOf(2), object(hexOf(2), 2))).toBe(true)
+    expect(budget.used).toBe(3 * one)
+    await a.get(hexOf(1)) // a's 1 is now the most recently used: b's 1 is the oldest of all
+    // b's next write evicts b's own oldest only because it is the oldest overall; a's next, b's.
+    expect(await b.put(hexOf(3), object(hexOf(3), 3))).toBe(true)
+    expect([a.has(hexOf(1)), b.has(hexOf(1)), a.has(hexOf(2)), b.has(hexOf(3))]).toEqual([
+      true,
+      false,
+      true,
+      true,
+    ])
+    expect(await a.put(hexOf(4), object(hexOf(4), 4))).toBe(true)
+    // a's 2 was the oldest then (a's 1 was read after it): evicted from a for a's own write.
+    expect([a.has(hexOf(1)), a.has(hexOf(2)), b.has(hexOf(3)), a.has(hexOf(4))]).toEqual([
+      true,
+      false,
+      true,
+      true,
+    ])
+    await a.get(hexOf(1))
+    await a.get(hexOf(4))
+    // Now b's 3 is the oldest: a write to a evicts it from b (one budget, not a split).
+    expect(await a.put(hexOf(5), object(hexOf(5), 5))).toBe(true)
+    expect(b.has(hexOf(3))).toBe(false)
+    expect(b.counters.evictions).toBe(2)
+    expect(budget.used).toBe(3 * one)
+    expect(a.stats().usedBytes + b.stats().usedBytes).toBe(3 * one)
+    const got = await a.get(hexOf(1))
+    expect(got && decodeHeader(got).chainKey[31]).toBe(1)
+    // A closed tier leaves the budget: its files no longer count, nor are they evicted.
+    b.close()
+    b.close()
+    expect(budget.used).toBe(3 * one)
+    a.close()
+    expect(budget.used).toBe(0)
+    expect(() => new DiskBudget(0)).toThrow(/budget/)
   })
 
   it('survives ENOSPC on a full filesystem: the write fails quietly and nothing partial is left', async (ctx) => {

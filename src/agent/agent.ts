@@ -3,6 +3,7 @@
 
 import type { KVCacheOptions } from '../client/config.ts'
 import { loadNative } from '../client/native-api.ts'
+import type { DiskBudget } from '../client/tiers/disk.ts'
 import type { MemoryTier } from '../client/tiers/memory.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import type { Dtype } from '../core/layout.ts'
@@ -24,6 +25,7 @@ import { AgentError, PROTOCOL_VERSION, type Request } from './protocol.ts'
 import {
   agentL1Shape,
   checkSpaceCodec,
+  createAgentDiskBudget,
   createAgentL1,
   KvSpace,
   type SpaceCacheOptions,
@@ -96,6 +98,8 @@ export class Agent {
   readonly #openSpaces = new Map<string, KvSpace>()
   /** L1 by slot shape (agentL1Shape): one budget and one LRU for the spaces of one chunk size (each sees only its chunks). */
   readonly #l1 = new Map<string, Promise<MemoryTier>>()
+  /** L2 budget of every space; null when L2 is off. */
+  #disk: DiskBudget | null | undefined
   /** Every registration not yet released, on any connection: close() releases what sessions left. */
   readonly #workers = new Set<Worker>()
   #prefetching = 0
@@ -215,6 +219,12 @@ export class Agent {
     return p
   }
 
+  /** The one L2 budget of every space (made with the first; each space keeps its own subdirectory). */
+  #diskBudget(d: SpaceDescriptor): DiskBudget | undefined {
+    if (this.#disk === undefined) this.#disk = createAgentDiskBudget(d, this.#cacheOptions()) ?? null
+    return this.#disk ?? undefined
+  }
+
   #cacheOptions(): SpaceCacheOptions {
     return { ...this.options.cache, chunkTokens: this.options.chunkTokens }
   }
@@ -230,7 +240,7 @@ export class Agent {
     const id = spaceId(d, r)
     let p = this.#spaces.get(id)
     if (!p) {
-      p = this.#sharedL1(d).then((l1) => KvSpace.open(d, r, this.#cacheOptions(), l1))
+      p = this.#sharedL1(d).then((l1) => KvSpace.open(d, r, this.#cacheOptions(), l1, this.#diskBudget(d)))
       p.then(
         (sp) => {
           if (this.#spaces.get(id) === p) this.#openSpaces.set(id, sp)

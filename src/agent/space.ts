@@ -6,6 +6,7 @@ import { join } from 'node:path'
 import { type KVCacheOptions, resolveOptions } from '../client/config.ts'
 import { KVCache } from '../client/kv-cache.ts'
 import { loadNative } from '../client/native-api.ts'
+import { DiskBudget } from '../client/tiers/disk.ts'
 import { MemoryTier } from '../client/tiers/memory.ts'
 import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
 import { headerBytesFor } from '../core/format.ts'
@@ -81,6 +82,15 @@ function cacheOptions(d: SpaceDescriptor, rank: number | null, base: SpaceCacheO
  */
 export function agentL1Shape(d: SpaceDescriptor, chunkTokens: number): string {
   return `${headerBytesFor(d.layers)}+${chunkBytes(storageGeometry(d), chunkTokens)}`
+}
+
+/**
+ * The agent's one L2 budget for every space (each keeps its own subdirectory): `disk.bytes`
+ * in all, undefined when L2 is off.
+ */
+export function createAgentDiskBudget(d: SpaceDescriptor, base: SpaceCacheOptions): DiskBudget | undefined {
+  const o = resolveOptions(cacheOptions(d, null, base))
+  return o.disk ? new DiskBudget(o.disk.bytes) : undefined
 }
 
 /**
@@ -170,6 +180,7 @@ export class KvSpace {
     rank: number | null,
     base: SpaceCacheOptions,
     l1?: MemoryTier,
+    diskBudget?: DiskBudget,
   ): Promise<KvSpace> {
     checkChunk(d, base.chunkTokens)
     const id = spaceId(d, rank)
@@ -177,7 +188,7 @@ export class KvSpace {
     const options = cacheOptions(d, rank, base)
     let cache: KVCache
     try {
-      cache = await KVCache.open(options, l1 ? { memory: l1.scoped(tag) } : {})
+      cache = await KVCache.open(options, { memory: l1?.scoped(tag), diskBudget })
     } catch (e) {
       if (e instanceof InvalidArgumentError && l1) {
         throw new AgentError(

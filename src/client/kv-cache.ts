@@ -19,7 +19,7 @@ import {
   type TierCounterSnapshot,
 } from './stats.ts'
 import { type LayerBatch, StorageManager, type TierName } from './storage-manager.ts'
-import { DiskTier, type DiskTierStats } from './tiers/disk.ts'
+import { type DiskBudget, DiskTier, type DiskTierStats } from './tiers/disk.ts'
 import { MemoryTier, type MemoryTierStats } from './tiers/memory.ts'
 import { RemoteTier, type RemoteTierStats } from './tiers/remote.ts'
 import type { WriteBehindStats } from './write-behind.ts'
@@ -114,6 +114,8 @@ export interface SharedTiers {
    * fit this cache's chunks; close() drops this cache's chunks from it and frees nothing.
    */
   memory?: MemoryTier
+  /** L2 byte budget shared with other caches' disk tiers (each keeps its own directory). */
+  diskBudget?: DiskBudget
 }
 
 /**
@@ -199,6 +201,7 @@ export class KVCache {
           verify: (b) => codec.verify(b),
           // Another model, namespace or chunk size sharing the directory is not ours to count or evict.
           owns: (h) => equalBytes(h.namespaceId, nsId),
+          sharedBudget: shared.diskBudget,
         })
       : undefined
     const remoteCodec: ChunkCodecName = o.remote ? o.remote.codec : 'raw'
