@@ -194,9 +194,13 @@ async function main() {
     }
     for (let i = 0; i < 20; i++) await l2.call('lookup', { keys })
     const lookups: number[] = []
+    // Same-run baseline: an empty request's round trip over the same socket (transport and
+    // scheduling alone), interleaved with the lookups.
+    const pings: number[] = []
     let hit = 0
     for (let i = 0; i < 20 * repeats; i++) {
       lookups.push(await time(async () => (hit = (await l2.call('lookup', { keys })).chunks as number)))
+      pings.push(await time(() => l2.call('ping')))
     }
     c.sock.destroy()
     l2.sock.destroy()
@@ -225,7 +229,8 @@ async function main() {
       ]),
     )
     console.log(
-      `lookup of 512 keys over the socket (${hit} present): p50 ${p50.toFixed(3)} ms, p99 ${p99.toFixed(3)} ms`,
+      `lookup of 512 keys over the socket (${hit} present): p50 ${p50.toFixed(3)} ms, p99 ${p99.toFixed(3)} ms` +
+        ` (same-run ping round trip: p50 ${quantile(pings, 0.5).toFixed(3)} ms, p99 ${quantile(pings, 0.99).toFixed(3)} ms)`,
     )
     console.log(`agent CPU: ${cpuPerGiB.toFixed(3)} CPU-s per GiB moved (save + load)`)
     const load1 = loadavg()[0]!.toFixed(1)
@@ -265,11 +270,21 @@ async function main() {
       ],
       saveMs: sMs,
       loadMs: lMs,
-      saveVsMemcpy: { min: Math.min(...ratios(save)), median: median(ratios(save)), max: Math.max(...ratios(save)) },
-      loadVsMemcpy: { min: Math.min(...ratios(load)), median: median(ratios(load)), max: Math.max(...ratios(load)) },
+      saveVsMemcpy: {
+        min: Math.min(...ratios(save)),
+        median: median(ratios(save)),
+        max: Math.max(...ratios(save)),
+      },
+      loadVsMemcpy: {
+        min: Math.min(...ratios(load)),
+        median: median(ratios(load)),
+        max: Math.max(...ratios(load)),
+      },
       memcpyMs: mMs,
       lookupP50Ms: p50,
       lookupP99Ms: p99,
+      pingP50Ms: quantile(pings, 0.5),
+      pingP99Ms: quantile(pings, 0.99),
       agentCpuSecondsPerGiB: cpuPerGiB,
     })
     log(`wrote ${path}`)
