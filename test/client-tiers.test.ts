@@ -144,41 +144,51 @@ describe('MemoryTier', () => {
     const pool = await MemoryTier.create({ bytes: 3 * 4096, chunkBytes: 4096 })
     const a = pool.scoped('rank0')
     const b = pool.scoped('rank1')
-    // The same chain key in two views is two chunks: each reads its own bytes.
     expect(a.put(hexOf(1), new Uint8Array(4096).fill(0xa1))).toBe(true)
+    // Another view never sees it, under the same chain key.
     expect(b.has(hexOf(1))).toBe(false)
     expect(b.acquire(hexOf(1))).toBeUndefined()
     expect(b.peekPinned(hexOf(1))).toBeUndefined()
-    expect(b.put(hexOf(1), new Uint8Array(4096).fill(0xb1))).toBe(true)
+    expect(pool.has(hexOf(1))).toBe(false)
+    b.delete(hexOf(1)) // not b's: a keeps it
+    expect(a.has(hexOf(1))).toBe(true)
+    // While a reader holds a's chunk, b cannot store that key: skipped, a's bytes intact.
     const ha = a.acquire(hexOf(1))!
-    const hb = b.acquire(hexOf(1))!
+    expect(b.put(hexOf(1), new Uint8Array(4096).fill(0xb1))).toBe(false)
     expect(ha.bytes.every((x) => x === 0xa1)).toBe(true)
-    expect(hb.bytes.every((x) => x === 0xb1)).toBe(true)
+    expect([a.has(hexOf(1)), b.has(hexOf(1))]).toEqual([true, false])
     ha.release()
+    // Unpinned, b's chunk replaces a's: one chunk per chain key, each view reads only its own.
+    expect(b.put(hexOf(1), new Uint8Array(4096).fill(0xb1))).toBe(true)
+    expect([a.has(hexOf(1)), b.has(hexOf(1))]).toEqual([false, true])
+    const hb = b.acquire(hexOf(1))!
+    expect(hb.bytes.every((x) => x === 0xb1)).toBe(true)
     hb.release()
-    // A reservation commits under its own view's key only.
+    expect(pool.stats()).toMatchObject({ freeSlots: 2, livePins: 0, liveReservations: 0 })
+    // A reservation commits under its own view only.
     const r = b.reserve(hexOf(2), 4096)!
     r.bytes.fill(0xb2)
     expect(r.commit()).toBe(true)
     expect([a.has(hexOf(2)), b.has(hexOf(2))]).toEqual([false, true])
-    // One budget: the pool is full (3 slots); a's next chunk evicts the LRU chunk, b's oldest.
-    expect(pool.stats().freeSlots).toBe(0)
-    a.acquire(hexOf(1))?.release()
-    b.acquire(hexOf(2))?.release()
     expect(a.put(hexOf(3), new Uint8Array(4096).fill(0xa3))).toBe(true)
+    // One budget: the pool is full (3 slots); a's next chunk evicts the LRU chunk, b's 1.
+    expect(pool.stats().freeSlots).toBe(0)
+    b.acquire(hexOf(2))?.release()
+    a.acquire(hexOf(3))?.release()
+    expect(a.put(hexOf(4), new Uint8Array(4096).fill(0xa4))).toBe(true)
     expect(b.has(hexOf(1))).toBe(false)
-    expect([a.has(hexOf(1)), b.has(hexOf(2)), a.has(hexOf(3))]).toEqual([true, true, true])
+    expect([b.has(hexOf(2)), a.has(hexOf(3)), a.has(hexOf(4))]).toEqual([true, true, true])
     expect(a.counters.evictions).toBe(1)
     expect(a.stats()).toMatchObject({ slots: 3, residentChunks: 2 })
     expect(b.stats()).toMatchObject({ slots: 3, residentChunks: 1 })
     // A view's clear and dispose drop its chunks only; the pool and the other view keep theirs.
     b.dispose()
     expect(b.has(hexOf(2))).toBe(false)
-    expect([a.has(hexOf(1)), a.has(hexOf(3))]).toEqual([true, true])
+    expect([a.has(hexOf(3)), a.has(hexOf(4))]).toEqual([true, true])
     expect(pool.stats()).toMatchObject({ freeSlots: 1, livePins: 0, liveReservations: 0 })
-    a.delete(hexOf(3))
-    expect(a.has(hexOf(3))).toBe(false)
-    // Scopes are names: empty or NUL-bearing ones are refused (NUL separates scope and key).
+    a.delete(hexOf(4))
+    expect(a.has(hexOf(4))).toBe(false)
+    // Scopes are names: empty or NUL-bearing ones are refused.
     expect(() => pool.scoped('')).toThrow(/scope/)
     expect(() => pool.scoped('a\0b')).toThrow(/scope/)
     // A nested scope is distinct from its parent and from a scope named like the joined name.

@@ -28,7 +28,10 @@ export interface MemoryReservation {
    * its tensor exactly at `bytes` when the data offset equals the header size.
    */
   readonly slot: Uint8Array
-  /** Publishes the chunk under its key. Returns false when the key was resident already. */
+  /**
+   * Publishes the chunk under its key. Returns false when the key was resident already (or,
+   * for a scoped view, another view's chunk under it is pinned: this one is not stored).
+   */
   commit(): boolean
   /**
    * Publishes the chunk and pins it in one step (no window where it could be evicted):
@@ -68,6 +71,8 @@ interface Entry {
   refs: number
   /** In the LRU index (visible to readers). */
   indexed: boolean
+  /** The view (see MemoryTier#scoped) whose chunk this is: other views treat it as absent. */
+  scope: string
 }
 
 export interface MemoryTierStats {
@@ -88,7 +93,6 @@ export interface MemoryTierStats {
 }
 
 const PAGE = 4096
-const MAX_SCOPED_KEYS = 1 << 16
 /** Node 20 caps one external ArrayBuffer at 4 GiB: bigger L1s use several regions. */
 const MAX_REGION = 2 ** 32
 
@@ -114,37 +118,27 @@ export class MemoryTier {
   readonly dataOffset: number
   readonly #pool: SlotPool
   /**
-   * Put in front of every key of this view (see scoped()): views of one pool never
-   * see each other's chunks, but share its budget and evict each other's LRU chunks.
+   * This view's scope (see scoped()): the pool is indexed by chain key alone, and an
+   * entry of another scope under the same key is absent to this view. Views of one pool
+   * never see each other's chunks, but share its budget and evict each other's LRU chunks.
+   * (A scope in the key itself cost a second hash lookup per key: a third of a lookup.)
    */
-  readonly #prefix: string
+  readonly #scope: string
   /** The view that allocated the pool: only it frees the regions. */
   readonly #owner: boolean
-  /**
-   * Scoped keys by chain key, reused: a new `prefix + hex` string per call would be hashed
-   * anew every time (a 512-key lookup spent more on that than on everything else).
-   */
-  readonly #scopedKeys = new Map<string, string>()
 
-  private constructor(slotBytes: number, dataOffset: number, pool: SlotPool, prefix: string, owner: boolean) {
+  private constructor(slotBytes: number, dataOffset: number, pool: SlotPool, scope: string, owner: boolean) {
     this.slotBytes = slotBytes
     this.dataOffset = dataOffset
     this.#pool = pool
-    this.#prefix = prefix
+    this.#scope = scope
     this.#owner = owner
   }
 
-  /** The pool's key of chain key `hex` in this view. */
-  #key(hex: string): string {
-    if (this.#prefix === '') return hex
-    let k = this.#scopedKeys.get(hex)
-    if (k === undefined) {
-      // Bounded: past the cap the memo starts over (keys are rebuilt, never wrong).
-      if (this.#scopedKeys.size >= MAX_SCOPED_KEYS) this.#scopedKeys.clear()
-      k = this.#prefix + hex
-      this.#scopedKeys.set(hex, k)
-    }
-    return k
+  /** This view's entry for `hex` (no recency change), undefined when absent or another view's. */
+  #peek(hex: string): Entry | undefined {
+    const e = this.#pool.index.peek(hex)
+    return e !== undefined && e.scope === this.#scope ? e : undefined
   }
 
   static #newPool(
@@ -180,16 +174,18 @@ export class MemoryTier {
   }
 
   /**
-   * A view of this L1 whose keys live under `scope`: another KV space sharing the
-   * agent's one L1 budget. Its chunks are invisible to other views (the same chain key
-   * under another scope is another chunk); eviction is one LRU over every view. The
-   * view's counters are its own; capacity and pins are the pool's. Disposing a view
+   * A view of this L1 whose chunks belong to `scope`: another KV space sharing the
+   * agent's one L1 budget. Its chunks are invisible to other views; eviction is one LRU
+   * over every view. One chain key holds one chunk at a time: a view storing a key that
+   * another view holds replaces that chunk (or, while it is pinned, is skipped), which
+   * only spaces with equal chain keys (same model and hashes, another geometry) ever do.
+   * The view's counters are its own; capacity and pins are the pool's. Disposing a view
    * drops its chunks only; the pool's owner frees the memory.
    */
   scoped(scope: string): MemoryTier {
     if (typeof scope !== 'string' || scope.length === 0 || scope.includes('\0'))
       throw new InvalidArgumentError('invalid L1 scope')
-    return new MemoryTier(this.slotBytes, this.dataOffset, this.#pool, `${this.#prefix}${scope}\0`, false)
+    return new MemoryTier(this.slotBytes, this.dataOffset, this.#pool, `${this.#scope}${scope}\0`, false)
   }
 
   /** Sizes the slots and allocates the regions (pinned through the addon when it loads). */
@@ -241,12 +237,13 @@ export class MemoryTier {
 
   /** True when the chunk is resident (does not touch recency or counters). */
   has(hex: string): boolean {
-    return this.#pool.index.has(this.#key(hex))
+    return this.#peek(hex) !== undefined
   }
 
   /** Pins a resident chunk and marks it recently used; undefined on a miss. */
   acquire(hex: string): MemoryHandle | undefined {
-    const entry = this.#pool.index.get(this.#key(hex))
+    // get() marks the entry recently used: only this view's, never another view's.
+    const entry = this.#peek(hex) && this.#pool.index.get(hex)
     if (!entry) {
       this.counters.misses++
       return undefined
@@ -258,7 +255,7 @@ export class MemoryTier {
 
   /** Like acquire() without counting a hit or miss or touching recency (write-behind, promotion). */
   peekPinned(hex: string): MemoryHandle | undefined {
-    const entry = this.#pool.index.peek(this.#key(hex))
+    const entry = this.#peek(hex)
     return entry ? this.#pin(entry) : undefined
   }
 
@@ -288,13 +285,13 @@ export class MemoryTier {
       throw new InvalidArgumentError(`chunk of ${length} bytes does not fit an L1 slot of ${this.slotBytes}`)
     }
     const pool = this.#pool
-    const key = this.#key(hex)
+    const scope = this.#scope
     const slot = this.#allocSlot()
     if (slot === undefined) {
       pool.skippedFull++
       return undefined
     }
-    const entry: Entry = { slot, length, refs: 0, indexed: false }
+    const entry: Entry = { slot, length, refs: 0, indexed: false, scope }
     pool.liveReservations++
     let done = false
     const settle = (): boolean => {
@@ -305,13 +302,21 @@ export class MemoryTier {
     }
     const publish = (): Entry | undefined => {
       if (!settle()) return undefined
-      const resident = pool.index.peek(key)
-      if (resident) {
+      const resident = pool.index.peek(hex)
+      if (resident?.scope === scope) {
         pool.free.push(slot)
         return resident
       }
+      if (resident) {
+        // Another view's chunk under this chain key: replaced, unless a reader holds it.
+        if (resident.refs > 0) {
+          pool.free.push(slot)
+          return undefined
+        }
+        pool.index.delete(hex)
+      }
       entry.indexed = true
-      pool.index.set(key, entry)
+      pool.index.set(hex, entry)
       this.counters.puts++
       this.counters.bytesWritten += length
       return entry
@@ -349,7 +354,7 @@ export class MemoryTier {
   }
 
   delete(hex: string): void {
-    this.#pool.index.delete(this.#key(hex))
+    if (this.#peek(hex)) this.#pool.index.delete(hex)
   }
 
   #allocSlot(): number | undefined {
@@ -379,7 +384,7 @@ export class MemoryTier {
       usedBytes: (p.slots - p.free.length) * this.slotBytes,
       slots: p.slots,
       freeSlots: p.free.length,
-      residentChunks: this.#prefix === '' ? p.index.size : this.#keys().length,
+      residentChunks: this.#owner ? p.index.size : this.#keys().length,
       pinnedKind: p.kind,
       pinReason: p.pinReason,
       skippedFull: p.skippedFull,
@@ -391,13 +396,13 @@ export class MemoryTier {
   /** This view's keys in the pool (a scoped view; the owner's view is the whole index). */
   #keys(): string[] {
     const out: string[] = []
-    for (const k of this.#pool.index.keys()) if (k.startsWith(this.#prefix)) out.push(k)
+    for (const [k, e] of this.#pool.index.entries()) if (e.scope === this.#scope) out.push(k)
     return out
   }
 
   /** Drops this view's chunks (all of them, for the pool's own view). */
   clear(): void {
-    if (this.#prefix === '') this.#pool.index.clear()
+    if (this.#owner) this.#pool.index.clear()
     else for (const k of this.#keys()) this.#pool.index.delete(k)
   }
 
