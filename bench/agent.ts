@@ -64,7 +64,18 @@ class Client {
 function startAgent(sock: string): Promise<ChildProcess> {
   const child = spawn(
     process.execPath,
-    ['--import', 'tsx', 'src/cli/main.ts', 'agent', '--socket', sock, '--chunk-tokens', '256'],
+    [
+      // e.g. KVGATE_BENCH_AGENT_NODE_ARGS='--cpu-prof --cpu-prof-dir=/tmp/prof' to profile the agent.
+      ...(process.env.KVGATE_BENCH_AGENT_NODE_ARGS ?? '').split(' ').filter(Boolean),
+      '--import',
+      'tsx',
+      'src/cli/main.ts',
+      'agent',
+      '--socket',
+      sock,
+      '--chunk-tokens',
+      '256',
+    ],
     {
       env: { ...process.env, KVGATE_MEMORY_BYTES: '320MiB', KVGATE_DISK: 'off', KVGATE_REMOTE: 'off' },
       stdio: ['ignore', 'pipe', 'inherit'],
@@ -183,9 +194,13 @@ async function main() {
     }
     for (let i = 0; i < 20; i++) await l2.call('lookup', { keys })
     const lookups: number[] = []
+    // Same-run baseline: an empty request's round trip over the same socket (transport and
+    // scheduling alone), interleaved with the lookups.
+    const pings: number[] = []
     let hit = 0
     for (let i = 0; i < 20 * repeats; i++) {
       lookups.push(await time(async () => (hit = (await l2.call('lookup', { keys })).chunks as number)))
+      pings.push(await time(() => l2.call('ping')))
     }
     c.sock.destroy()
     l2.sock.destroy()
@@ -196,16 +211,26 @@ async function main() {
     const p50 = quantile(lookups, 0.5)
     const p99 = quantile(lookups, 0.99)
     const gbs = (ms: number) => (chunkBytes / ms / 1e6).toFixed(2)
+    // Per repeat: memcpy time / operation time of that same repeat (interleaved A/B).
+    const ratios = (op: number[]) => op.map((t, i) => memcpy[i]! / t)
+    const spread = (xs: number[], digits: number) =>
+      `${Math.min(...xs).toFixed(digits)} / ${median(xs).toFixed(digits)} / ${Math.max(...xs).toFixed(digits)}`
     console.log(
       table([
-        ['operation (32 MiB, 16 scattered blocks × 32 layers × K,V)', 'median ms', 'GB/s', 'vs memcpy'],
-        ['save (engine shm → agent L1)', sMs.toFixed(2), gbs(sMs), (mMs / sMs).toFixed(2)],
-        ['load (agent L1 → engine shm)', lMs.toFixed(2), gbs(lMs), (mMs / lMs).toFixed(2)],
-        ['one memcpy of the same bytes (baseline)', mMs.toFixed(2), gbs(mMs), '1.00'],
+        [
+          'operation (32 MiB, 16 scattered blocks × 32 layers × K,V)',
+          'min / median / max ms',
+          'GB/s (median)',
+          'vs memcpy, per repeat min / median / max',
+        ],
+        ['save (engine shm → agent L1)', spread(save, 2), gbs(sMs), spread(ratios(save), 2)],
+        ['load (agent L1 → engine shm)', spread(load, 2), gbs(lMs), spread(ratios(load), 2)],
+        ['one memcpy of the same bytes (baseline)', spread(memcpy, 2), gbs(mMs), '1.00'],
       ]),
     )
     console.log(
-      `lookup of 512 keys over the socket (${hit} present): p50 ${p50.toFixed(3)} ms, p99 ${p99.toFixed(3)} ms`,
+      `lookup of 512 keys over the socket (${hit} present): p50 ${p50.toFixed(3)} ms, p99 ${p99.toFixed(3)} ms` +
+        ` (same-run ping round trip: p50 ${quantile(pings, 0.5).toFixed(3)} ms, p99 ${quantile(pings, 0.99).toFixed(3)} ms)`,
     )
     console.log(`agent CPU: ${cpuPerGiB.toFixed(3)} CPU-s per GiB moved (save + load)`)
     const load1 = loadavg()[0]!.toFixed(1)
@@ -245,9 +270,21 @@ async function main() {
       ],
       saveMs: sMs,
       loadMs: lMs,
+      saveVsMemcpy: {
+        min: Math.min(...ratios(save)),
+        median: median(ratios(save)),
+        max: Math.max(...ratios(save)),
+      },
+      loadVsMemcpy: {
+        min: Math.min(...ratios(load)),
+        median: median(ratios(load)),
+        max: Math.max(...ratios(load)),
+      },
       memcpyMs: mMs,
       lookupP50Ms: p50,
       lookupP99Ms: p99,
+      pingP50Ms: quantile(pings, 0.5),
+      pingP99Ms: quantile(pings, 0.99),
       agentCpuSecondsPerGiB: cpuPerGiB,
     })
     log(`wrote ${path}`)

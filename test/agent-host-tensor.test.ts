@@ -34,11 +34,22 @@ describe('HostTensor', () => {
   // Scattered runs, two of them adjacent on both sides (merged into one copy).
   const runs = [8192, 0, 4096, 12288, 4096, 4096, 0, 8192, 1000, 60000, 9192, 536]
 
-  for (const mapped of [true, false]) {
-    it(`${mapped ? 'mapped' : 'pread/pwrite'}: gather and scatter move exactly the runs`, () => {
+  // The addon's one-call copy, the mapping with one Buffer#copy per run (an addon that
+  // predates copyRuns), and pread/pwrite (no addon).
+  const modes = [
+    { name: 'mapped, copyRuns', mapped: true, api: native },
+    {
+      name: 'mapped, Buffer#copy',
+      mapped: true,
+      api: native && { ...native, copyRunsAvailable: () => false },
+    },
+    { name: 'pread/pwrite', mapped: false, api: undefined },
+  ]
+  for (const { name, mapped, api } of modes) {
+    it(`${name}: gather and scatter move exactly the runs`, () => {
       const data = randomBytes(OFF + BYTES + 50)
-      const p = shm(`t-${mapped}`, data)
-      const t = new HostTensor(p, OFF, BYTES, mapped ? native : undefined)
+      const p = shm(`t-${name.replace(/\W/g, '-')}`, data)
+      const t = new HostTensor(p, OFF, BYTES, api)
       expect(t.mapped).toBe(mapped)
       const host = new Uint8Array(9728)
       t.gather(runs, host)

@@ -2,14 +2,14 @@
 // faults) and the priority I/O queue, each tested on its own.
 
 import { execFileSync } from 'node:child_process'
-import { mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs'
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterEach, describe, expect, it } from 'vitest'
 import { PriorityQueue } from '../src/client/io-queue.ts'
 import { CopyGate, nativeMemoryStats } from '../src/client/native.ts'
 import { loadNative } from '../src/client/native-api.ts'
-import { DiskTier, type ReadSink, segmentStarts } from '../src/client/tiers/disk.ts'
+import { DiskBudget, DiskTier, type ReadSink, segmentStarts } from '../src/client/tiers/disk.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
 import { decodeHeader, encodeChunk } from '../src/core/format.ts'
 import { toHex } from '../src/core/keys.ts'
@@ -138,6 +138,82 @@ describe('MemoryTier', () => {
     expect(m.stats()).toMatchObject({ freeSlots: 1, livePins: 1, liveReservations: 0 })
     pin.release()
     expect(() => m.reserve(hexOf(8), 5000)).toThrow(/does not fit/)
+  })
+
+  it("scoped views share one budget and one LRU but never each other's chunks", async () => {
+    const pool = await MemoryTier.create({ bytes: 3 * 4096, chunkBytes: 4096 })
+    const a = pool.scoped('rank0')
+    const b = pool.scoped('rank1')
+    expect(a.put(hexOf(1), new Uint8Array(4096).fill(0xa1))).toBe(true)
+    // Another view never sees it, under the same chain key.
+    expect(b.has(hexOf(1))).toBe(false)
+    expect(b.acquire(hexOf(1))).toBeUndefined()
+    expect(b.peekPinned(hexOf(1))).toBeUndefined()
+    expect(pool.has(hexOf(1))).toBe(false)
+    b.delete(hexOf(1)) // not b's: a keeps it
+    expect(a.has(hexOf(1))).toBe(true)
+    // While a reader holds a's chunk, b cannot store that key: skipped, a's bytes intact.
+    const ha = a.acquire(hexOf(1))!
+    expect(b.put(hexOf(1), new Uint8Array(4096).fill(0xb1))).toBe(false)
+    expect(ha.bytes.every((x) => x === 0xa1)).toBe(true)
+    expect([a.has(hexOf(1)), b.has(hexOf(1))]).toEqual([true, false])
+    ha.release()
+    // Unpinned, b's chunk replaces a's: one chunk per chain key, each view reads only its own.
+    expect(b.put(hexOf(1), new Uint8Array(4096).fill(0xb1))).toBe(true)
+    expect([a.has(hexOf(1)), b.has(hexOf(1))]).toEqual([false, true])
+    const hb = b.acquire(hexOf(1))!
+    expect(hb.bytes.every((x) => x === 0xb1)).toBe(true)
+    hb.release()
+    expect(pool.stats()).toMatchObject({ freeSlots: 2, livePins: 0, liveReservations: 0 })
+    // A reservation commits under its own view only.
+    const r = b.reserve(hexOf(2), 4096)!
+    r.bytes.fill(0xb2)
+    expect(r.commit()).toBe(true)
+    expect([a.has(hexOf(2)), b.has(hexOf(2))]).toEqual([false, true])
+    expect(a.put(hexOf(3), new Uint8Array(4096).fill(0xa3))).toBe(true)
+    // One budget: the pool is full (3 slots); a's next chunk evicts the LRU chunk, b's 1.
+    expect(pool.stats().freeSlots).toBe(0)
+    b.acquire(hexOf(2))?.release()
+    a.acquire(hexOf(3))?.release()
+    expect(a.put(hexOf(4), new Uint8Array(4096).fill(0xa4))).toBe(true)
+    expect(b.has(hexOf(1))).toBe(false)
+    expect([b.has(hexOf(2)), a.has(hexOf(3)), a.has(hexOf(4))]).toEqual([true, true, true])
+    expect(a.counters.evictions).toBe(1)
+    expect(a.stats()).toMatchObject({ slots: 3, residentChunks: 2 })
+    expect(b.stats()).toMatchObject({ slots: 3, residentChunks: 1 })
+    // A view's clear and dispose drop its chunks only; the pool and the other view keep theirs.
+    b.dispose()
+    expect(b.has(hexOf(2))).toBe(false)
+    expect([a.has(hexOf(3)), a.has(hexOf(4))]).toEqual([true, true])
+    expect(pool.stats()).toMatchObject({ freeSlots: 1, livePins: 0, liveReservations: 0 })
+    a.delete(hexOf(4))
+    expect(a.has(hexOf(4))).toBe(false)
+    // Scopes are names: empty or NUL-bearing ones are refused.
+    expect(() => pool.scoped('')).toThrow(/scope/)
+    expect(() => pool.scoped('a\0b')).toThrow(/scope/)
+    // A nested scope is distinct from its parent and from a scope named like the joined name.
+    const nested = a.scoped('x')
+    nested.put(hexOf(9), new Uint8Array(4096).fill(9))
+    expect([nested.has(hexOf(9)), a.has(hexOf(9)), pool.scoped('rank0x').has(hexOf(9))]).toEqual([
+      true,
+      false,
+      false,
+    ])
+  })
+
+  it('prefault: the region is resident from creation (through the addon or not)', async (ctx) => {
+    const rss = () => Number(readFileSync('/proc/self/statm', 'utf8').split(' ')[1]) * 4096
+    for (const native of [undefined, loadNative().api]) {
+      if (native === undefined && loadNative().api === undefined) continue
+      const bytes = 64 << 20
+      const before = rss()
+      const m = await MemoryTier.create({ bytes, chunkBytes: 1 << 20, native, prefault: true })
+      // Most of the region counts in RSS before anything was written to it.
+      expect(rss() - before).toBeGreaterThan(bytes * 0.75)
+      if (native) expect(m.stats().pinReason).toMatch(m.stats().pinnedKind === 'none' ? /pre-faulted/ : /./)
+      m.dispose()
+    }
+    if (!loadNative().api) ctx.skip()
   })
 })
 
@@ -377,6 +453,52 @@ describe('DiskTier', () => {
     // A restart with a smaller budget trims on open.
     const d2 = await DiskTier.open({ dir, bytes: one + 1 })
     expect(d2.stats().files).toBe(1)
+  })
+
+  it('tiers sharing one budget evict the least recently used file of any of them', async () => {
+    const one = object(hexOf(1), 1).byteLength
+    const budget = new DiskBudget(3 * one + 10)
+    const a = await DiskTier.open({ dir: tempDir(), bytes: 1, sharedBudget: budget })
+    const b = await DiskTier.open({ dir: tempDir(), bytes: 1, sharedBudget: budget })
+    // The same chain key in two tiers is two files (their directories differ).
+    expect(await a.put(hexOf(1), object(hexOf(1), 1))).toBe(true)
+    expect(await b.put(hexOf(1), object(hexOf(1), 101))).toBe(true)
+    expect(await a.put(hexOf(2), object(hexOf(2), 2))).toBe(true)
+    expect(budget.used).toBe(3 * one)
+    await a.get(hexOf(1)) // a's 1 is now the most recently used: b's 1 is the oldest of all
+    // b's next write evicts b's own oldest only because it is the oldest overall; a's next, b's.
+    expect(await b.put(hexOf(3), object(hexOf(3), 3))).toBe(true)
+    expect([a.has(hexOf(1)), b.has(hexOf(1)), a.has(hexOf(2)), b.has(hexOf(3))]).toEqual([
+      true,
+      false,
+      true,
+      true,
+    ])
+    expect(await a.put(hexOf(4), object(hexOf(4), 4))).toBe(true)
+    // a's 2 was the oldest then (a's 1 was read after it): evicted from a for a's own write.
+    expect([a.has(hexOf(1)), a.has(hexOf(2)), b.has(hexOf(3)), a.has(hexOf(4))]).toEqual([
+      true,
+      false,
+      true,
+      true,
+    ])
+    await a.get(hexOf(1))
+    await a.get(hexOf(4))
+    // Now b's 3 is the oldest: a write to a evicts it from b (one budget, not a split).
+    expect(await a.put(hexOf(5), object(hexOf(5), 5))).toBe(true)
+    expect(b.has(hexOf(3))).toBe(false)
+    expect(b.counters.evictions).toBe(2)
+    expect(budget.used).toBe(3 * one)
+    expect(a.stats().usedBytes + b.stats().usedBytes).toBe(3 * one)
+    const got = await a.get(hexOf(1))
+    expect(got && decodeHeader(got).chainKey[31]).toBe(1)
+    // A closed tier leaves the budget: its files no longer count, nor are they evicted.
+    b.close()
+    b.close()
+    expect(budget.used).toBe(3 * one)
+    a.close()
+    expect(budget.used).toBe(0)
+    expect(() => new DiskBudget(0)).toThrow(/budget/)
   })
 
   it('survives ENOSPC on a full filesystem: the write fails quietly and nothing partial is left', async (ctx) => {

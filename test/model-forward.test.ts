@@ -123,6 +123,9 @@ describe('chunk export / import', () => {
     expect(() => exportChunk(cache, 5, 5)).toThrow(/invalid range/)
     expect(() => exportChunk(cache, 0, 21)).toThrow(/invalid range/)
     expect(() => exportChunk(cache, 0, 4, 'int8' as never)).toThrow(/unknown dtype/)
+    // fp8 is a storage dtype (byte for byte): the forward pass never rounds KV to it.
+    expect(() => exportChunk(cache, 0, 4, 'fp8e4m3')).toThrow(/unknown dtype/)
+    expect(() => t.newCache({ dtype: 'fp8e5m2' })).toThrow(/unknown dtype/)
     const tensor = exportChunk(cache, 0, 4)
     expect(() => importChunk(c, 0, tensor.subarray(1))).toThrow(/not a whole number of tokens/)
     expect(() => importChunk(c, 0, new Uint8Array(0))).toThrow(/not a whole number/)

@@ -572,3 +572,70 @@ describe('copyHost: host copies on the pool', () => {
     await rejectsWith(native.copyHost(new Uint8Array(8192), b.buffer), 'ERR_NATIVE', /freed/)
   })
 })
+
+describe('copyRuns: scattered runs in one call', () => {
+  const { copyRuns } = native
+
+  it('copies exactly the runs (streamed and small, unaligned, into typed-array views) and nothing else', () => {
+    const src = pattern(300_000, 3)
+    const backing = new Uint8Array(300_100).fill(0xee)
+    const dst = backing.subarray(7, 300_007) // an unaligned view: offsets are relative to it
+    // [dst, src, bytes]: large runs (non-temporal path) at odd offsets, small ones, an empty one.
+    const runs = [
+      0, 100_000, 65_536, 65_537, 1, 40_000, 200_001, 3, 17, 250_000, 250_001, 4_096, 110_000, 0, 0,
+    ]
+    copyRuns(dst, src, Float64Array.from(runs))
+    const want = new Uint8Array(300_100).fill(0xee)
+    for (let i = 0; i < runs.length; i += 3) {
+      want.set(src.subarray(runs[i + 1]!, runs[i + 1]! + runs[i + 2]!), 7 + runs[i]!)
+    }
+    expect(same(backing, want)).toBe(true)
+    // An ArrayBuffer works as either side too.
+    const ab = new ArrayBuffer(8192)
+    copyRuns(ab, src, Float64Array.from([0, 5, 8192]))
+    expect(same(new Uint8Array(ab), src.subarray(5, 8197))).toBe(true)
+  })
+
+  it('overlapping runs within one buffer copy as memmove', () => {
+    const buf = pattern(64 << 10, 9)
+    const want = Uint8Array.from(buf)
+    want.copyWithin(100, 0, 32 << 10)
+    copyRuns(buf, buf, Float64Array.from([100, 0, 32 << 10]))
+    expect(same(buf, want)).toBe(true)
+  })
+
+  it('a bad run or argument copies nothing and throws ERR_NATIVE', async () => {
+    const src = pattern(16_384, 5)
+    const dst = new Uint8Array(16_384)
+    const bad: number[][] = [
+      [0, 0, 16_385], // past both ends
+      [8192, 0, 8193], // past dst
+      [0, 8192, 8193], // past src
+      [-1, 0, 10],
+      [0, 0.5, 10],
+      [Number.NaN, 0, 1],
+      [0, 0, Number.POSITIVE_INFINITY],
+      [0, 0, 2 ** 60],
+      [0, 0, 4096, 1], // not triples
+    ]
+    for (const runs of bad) {
+      // A good run first: it must not have been copied when a later one is refused.
+      await rejectsWith(() => copyRuns(dst, src, Float64Array.from([0, 0, 8192, ...runs])), 'ERR_NATIVE')
+      expect(dst.every((x) => x === 0)).toBe(true)
+    }
+    await rejectsWith(() => copyRuns(dst, src, [0, 0, 1] as unknown as Float64Array), 'ERR_NATIVE')
+    await rejectsWith(() => copyRuns(dst, 'x' as unknown as Uint8Array, new Float64Array(3)), 'ERR_NATIVE')
+    const raw = native.loadNative()
+    // The addon checks for itself (a bypassed wrapper): wrong array type, non-buffers.
+    expect(() => raw.copyRuns!(dst, src, new Float32Array(3) as unknown as Float64Array)).toThrow(
+      /Float64Array/,
+    )
+    expect(() => raw.copyRuns!({} as Uint8Array, src, new Float64Array(3))).toThrow(/dst/)
+    expect(() => raw.copyRuns!(dst, src, Float64Array.from([0, 0, 16_385]))).toThrow(/outside/)
+    // A detached buffer is empty: any byte of a run is outside it.
+    const gone = new ArrayBuffer(64)
+    structuredClone(gone, { transfer: [gone] })
+    await rejectsWith(() => copyRuns(gone, src, Float64Array.from([0, 0, 1])), 'ERR_NATIVE')
+    expect(dst.every((x) => x === 0)).toBe(true)
+  })
+})

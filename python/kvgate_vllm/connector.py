@@ -28,6 +28,12 @@ from .hashing import block_hashes as compute_block_hashes
 log = logging.getLogger("kvgate_vllm")
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+for _name in ("float8_e4m3fn", "float8_e5m2"):  # torch >= 2.1
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _name
+# vLLM's --kv-cache-dtype values for fp8 caches (allocated as uint8 or float8 tensors): the
+# format the agent stores them as, byte for byte (raw or lossless codec; a lossy one refuses).
+_FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 @dataclass
@@ -59,7 +65,9 @@ class ConfigurationError(ValueError):
 def _dtype_name(d: Any) -> str:
     if isinstance(d, torch.dtype):
         if d not in _DTYPES:
-            raise ConfigurationError(f"KV cache dtype {d} is not supported by kvgate (float16, bfloat16, float32)")
+            raise ConfigurationError(
+                f"KV cache dtype {d} is not supported by kvgate (float16, bfloat16, float32, float8_e4m3fn, float8_e5m2)"
+            )
         return _DTYPES[d]
     return str(d)
 
@@ -95,7 +103,11 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
     if dtype in (None, "auto"):
         dtype = model.dtype
     if isinstance(dtype, str) and dtype.startswith("fp8"):
-        raise ConfigurationError("fp8 KV caches are not supported by this kvgate agent yet: use --kv-cache-dtype auto")
+        if dtype not in _FP8_CACHE_DTYPES:
+            raise ConfigurationError(
+                f"--kv-cache-dtype {dtype} is not supported by kvgate (fp8, fp8_e4m3, fp8_e5m2, or auto)"
+            )
+        dtype = _FP8_CACHE_DTYPES[dtype]
     world = int(getattr(par, "tensor_parallel_size", 1))
     return {
         "model": str(getattr(model, "served_model_name", None) or model.model),

@@ -31,6 +31,10 @@ SEED = "0"
 os.environ.setdefault("PYTHONHASHSEED", SEED)
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# fp8 caches as vLLM allocates them with --kv-cache-dtype fp8*: uint8 tensors (this torch has no float8).
+FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
+for _d in FP8:
+    TORCH_DTYPES[_d] = torch.uint8
 
 
 # ---------------------------------------------------------------------------- services
@@ -136,7 +140,7 @@ def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
     model_config = SimpleNamespace(
         model=spec.model,
         served_model_name=None,
-        dtype=TORCH_DTYPES[spec.dtype],
+        dtype=torch.float16 if spec.dtype in FP8 else TORCH_DTYPES[spec.dtype],
         use_mla=spec.layout == "mla",
         get_num_layers=lambda par: spec.layers,
         get_num_kv_heads=lambda par: spec.kv_heads,
@@ -145,7 +149,9 @@ def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
     return SimpleNamespace(
         model_config=model_config,
         cache_config=SimpleNamespace(
-            block_size=spec.block_size, cache_dtype="auto", prefix_caching_hash_algo=spec.hash_algo
+            block_size=spec.block_size,
+            cache_dtype=spec.dtype if spec.dtype in FP8 else "auto",
+            prefix_caching_hash_algo=spec.hash_algo,
         ),
         parallel_config=SimpleNamespace(tensor_parallel_size=spec.world, rank=rank),
         kv_transfer_config=SimpleNamespace(
@@ -207,6 +213,8 @@ def synthetic_kv(spec: EngineSpec, rank: int, layer: int, side: int, tokens: Lis
     ch = torch.arange(width, dtype=torch.float64)
     phase = tok[:, None] * 0.731 + pos[:, None] * 0.113 + ch[None, :] * 0.071 + layer * 1.37 + side * 2.9 + (0 if spec.layout == "mla" else rank * 0.5)
     x = torch.sin(phase) * 3.0 + torch.cos(phase * 1.7)
+    if spec.dtype in FP8:  # opaque bytes: only byte-for-byte equality is checked
+        return torch.remainder(torch.round(x * 40.0), 256).to(torch.uint8)
     return x.to(TORCH_DTYPES[spec.dtype])
 
 

@@ -158,6 +158,56 @@ def test_lossy_codec_within_bound(tmp, gateway):
             ag.stop()
 
 
+@pytest.mark.parametrize("dtype,codec", [("fp8", "raw"), ("fp8_e5m2", "lossless")])
+def test_fp8_kv_byte_for_byte(tmp, gateway, dtype, codec):
+    """fp8 caches (uint8 tensors, --kv-cache-dtype fp8*) go through the raw and lossless codecs
+    byte for byte; engine B's blocks come from the gateway (its agent is cold)."""
+    a, b, ra, rb, agents = share(tmp, gateway, f"fp8-{dtype}-{codec}", codec=codec, dtype=dtype)
+    try:
+        assert a.spec.dtype == dtype and a.tensors(0)[0].dtype == torch.uint8
+        assert rb["matched"] == 96 and rb["load_errors"] == []
+        A = blocks_of(a, 0, ra["block_ids"], 6)
+        B = blocks_of(b, 0, rb["block_ids"], 6)
+        assert any(A[0][0][i].any() for i in range(6)), "the fp8 KV is all zero: this test checks nothing"
+        for layer in range(len(A)):
+            for s in range(2):
+                for i in range(6):
+                    assert torch.equal(A[layer][s][i], B[layer][s][i]), (layer, s, i)
+    finally:
+        a.close()
+        b.close()
+        for ag in agents:
+            ag.stop()
+
+
+def test_fp8_kv_with_a_lossy_codec_is_refused_at_hello(tmp, gateway):
+    """fp8 is never quantised again: an agent whose gateway codec is lossy refuses the engine
+    at hello with a typed error, and the connector fails at start instead of sharing nothing."""
+    sock = tmp.sock("fp8-lossy")
+    agent = start_agent(sock, gateway.ready["url"], codec="kvgate")
+    try:
+        from harness import vllm_config
+        from kvgate_vllm import AgentError
+
+        with pytest.raises(AgentError) as e:
+            KVGateConnector(vllm_config(EngineSpec(socket=sock, dtype="fp8", model="test/fp8-lossy")), KVConnectorRole.SCHEDULER)
+        assert e.value.code == "ERR_GEOMETRY_MISMATCH" and "fp8" in str(e.value)
+        # The same agent serves a 16-bit engine: only the fp8 one was refused.
+        ok = KVGateConnector(vllm_config(EngineSpec(socket=sock, model="test/fp8-lossy")), KVConnectorRole.SCHEDULER)
+        ok._client.close()
+    finally:
+        agent.stop()
+
+
+def test_refuses_unknown_fp8_cache_dtypes(tmp):
+    from harness import vllm_config
+
+    cfg = vllm_config(EngineSpec(socket=tmp.sock("x"), dtype="fp8"))
+    cfg.cache_config.cache_dtype = "fp8_inc"
+    with pytest.raises(ConfigurationError, match="fp8_inc"):
+        KVGateConnector(cfg, KVConnectorRole.SCHEDULER)
+
+
 @pytest.mark.parametrize("layout", ["flash-attn", "mla"])
 def test_tensor_parallel_two_ranks(tmp, gateway, layout):
     a, b, ra, rb, agents = share(tmp, gateway, f"tp-{layout}", layout=layout, world=2)

@@ -3,13 +3,14 @@
 
 import type { KVCacheOptions } from '../client/config.ts'
 import { loadNative } from '../client/native-api.ts'
+import type { DiskBudget } from '../client/tiers/disk.ts'
+import type { MemoryTier } from '../client/tiers/memory.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import type { Dtype } from '../core/layout.ts'
 import { DeviceTensor, IpcMappings } from './device-tensor.ts'
 import {
   blockBytes,
-  blockOffset,
-  chunkOffset,
+  chunkRuns,
   contiguousStrides,
   ENGINE_LAYOUTS,
   type EngineGeometry,
@@ -21,7 +22,16 @@ import { binList, int, intList, map, oneOf, optInt, str } from './fields.ts'
 import { HostTensor, type KvTensor } from './host-tensor.ts'
 import { AgentMetrics } from './metrics.ts'
 import { AgentError, PROTOCOL_VERSION, type Request } from './protocol.ts'
-import { KvSpace, type SpaceDescriptor, spaceId } from './space.ts'
+import {
+  agentL1Shape,
+  checkSpaceCodec,
+  createAgentDiskBudget,
+  createAgentL1,
+  KvSpace,
+  type SpaceCacheOptions,
+  type SpaceDescriptor,
+  spaceId,
+} from './space.ts'
 
 const VLLM_DTYPES: Record<string, Dtype> = {
   float16: 'fp16',
@@ -30,6 +40,12 @@ const VLLM_DTYPES: Record<string, Dtype> = {
   bf16: 'bf16',
   float32: 'fp32',
   fp32: 'fp32',
+  // vLLM's --kv-cache-dtype fp8 is e4m3 (its tensors are often uint8: the format comes from here).
+  fp8: 'fp8e4m3',
+  fp8_e4m3: 'fp8e4m3',
+  float8_e4m3fn: 'fp8e4m3',
+  fp8_e5m2: 'fp8e5m2',
+  float8_e5m2: 'fp8e5m2',
 }
 const MAX_KEYS = 1 << 16
 const MAX_BLOCKS = 1 << 24
@@ -37,7 +53,7 @@ const MAX_WORLD = 64
 
 export interface AgentCoreOptions {
   chunkTokens: number
-  /** Cache options every space shares (memory per space, disk under a per-space subdirectory, remote). */
+  /** Cache options every space shares (memory.bytes: the one L1 of all spaces; disk under a per-space subdirectory; remote). */
   cache: Omit<KVCacheOptions, 'model' | 'keyScheme' | 'hashSeed' | 'chunkTokens'>
   /** Lookups answer from local tiers after this long when the gateway is slow. */
   lookupDeadlineMs: number
@@ -78,6 +94,12 @@ export class Agent {
   readonly options: AgentCoreOptions
   readonly metrics = new AgentMetrics()
   readonly #spaces = new Map<string, Promise<KvSpace>>()
+  /** The spaces of #spaces that finished opening, for lookups that need no await. */
+  readonly #openSpaces = new Map<string, KvSpace>()
+  /** L1 by slot shape (agentL1Shape): one budget and one LRU for the spaces of one chunk size (each sees only its chunks). */
+  readonly #l1 = new Map<string, Promise<MemoryTier>>()
+  /** L2 budget of every space; null when L2 is off. */
+  #disk: DiskBudget | null | undefined
   /** Every registration not yet released, on any connection: close() releases what sessions left. */
   readonly #workers = new Set<Worker>()
   #prefetching = 0
@@ -133,7 +155,7 @@ export class Agent {
     if (dtype === undefined) {
       throw new AgentError(
         'ERR_GEOMETRY_MISMATCH',
-        `KV dtype '${dtypeName}' is not supported (float16, bfloat16, float32)`,
+        `KV dtype '${dtypeName}' is not supported (float16, bfloat16, float32, float8_e4m3fn, float8_e5m2)`,
       )
     }
     const d: SpaceDescriptor = {
@@ -156,6 +178,7 @@ export class Agent {
         `the agent's chunk of ${this.options.chunkTokens} tokens is not a whole number of ${d.blockSize}-token blocks`,
       )
     }
+    checkSpaceCodec(d, this.#cacheOptions())
     if (s.descriptor && JSON.stringify(s.descriptor) !== JSON.stringify(d)) {
       throw new AgentError(
         'ERR_GEOMETRY_MISMATCH',
@@ -176,13 +199,54 @@ export class Agent {
     return s.descriptor
   }
 
+  /**
+   * The L1 of every space whose chunks have this size: made when the first of them opens.
+   * Spaces of one chunk size (every TP rank of a model, every engine of that model on
+   * this node) share its budget and its LRU; another chunk size gets an L1 of its own,
+   * since a fixed-size slot would waste most of itself on a smaller chunk.
+   */
+  #sharedL1(d: SpaceDescriptor): Promise<MemoryTier> {
+    const size = agentL1Shape(d, this.options.chunkTokens)
+    let p = this.#l1.get(size)
+    if (!p) {
+      const made = createAgentL1(d, this.#cacheOptions())
+      this.#l1.set(size, made)
+      made.catch(() => {
+        if (this.#l1.get(size) === made) this.#l1.delete(size)
+      })
+      p = made
+    }
+    return p
+  }
+
+  /** The one L2 budget of every space (made with the first; each space keeps its own subdirectory). */
+  #diskBudget(d: SpaceDescriptor): DiskBudget | undefined {
+    if (this.#disk === undefined) this.#disk = createAgentDiskBudget(d, this.#cacheOptions()) ?? null
+    return this.#disk ?? undefined
+  }
+
+  #cacheOptions(): SpaceCacheOptions {
+    return { ...this.options.cache, chunkTokens: this.options.chunkTokens }
+  }
+
+  /** The shard a rank's KV belongs to: its rank for non-MLA TP, null (one shared copy) otherwise. */
+  #shard(d: SpaceDescriptor, rank: number): number | null {
+    return d.layout === 'mla' || d.world === 1 ? null : rank
+  }
+
   /** The space of `rank`'s shard: per rank for non-MLA TP, one shared space otherwise. */
   #space(d: SpaceDescriptor, rank: number): Promise<KvSpace> {
-    const r = d.layout === 'mla' || d.world === 1 ? null : rank
+    const r = this.#shard(d, rank)
     const id = spaceId(d, r)
     let p = this.#spaces.get(id)
     if (!p) {
-      p = KvSpace.open(d, r, { ...this.options.cache, chunkTokens: this.options.chunkTokens })
+      p = this.#sharedL1(d).then((l1) => KvSpace.open(d, r, this.#cacheOptions(), l1, this.#diskBudget(d)))
+      p.then(
+        (sp) => {
+          if (this.#spaces.get(id) === p) this.#openSpaces.set(id, sp)
+        },
+        () => {},
+      )
       this.#spaces.set(id, p)
       // A space that failed to open is not cached: the next request tries again.
       p.catch(() => this.#spaces.delete(id))
@@ -266,11 +330,41 @@ export class Agent {
     return { worker: id, chunkTokens: this.options.chunkTokens, blocksPerChunk: space.blocksPerChunk }
   }
 
-  async #lookup(s: Session, m: Request): Promise<Record<string, unknown>> {
+  #lookup(s: Session, m: Request): Record<string, unknown> | Promise<Record<string, unknown>> {
     const d = this.#descriptor(s)
     const hashes = binList(m, 'keys', 32, MAX_KEYS)
     const deadline = optInt(m, 'deadlineMs', 0, 60_000, this.options.lookupDeadlineMs)
     const ranks = d.layout === 'mla' || d.world === 1 ? [0] : Array.from({ length: d.world }, (_, r) => r)
+    // Fast path, without a promise or a timer: the spaces are open and the local tiers
+    // answer for every space (they hold every key, or there is no gateway to ask).
+    const open = ranks.map((r) => this.#openSpaces.get(spaceId(d, this.#shard(d, r))))
+    if (open.every((sp) => sp !== undefined)) {
+      let chunks = hashes.length
+      let final = true
+      for (const sp of open as KvSpace[]) {
+        const local = sp.cache.localPrefixKeys(sp.keys(hashes))
+        if (local < hashes.length && sp.cache.hasRemote) final = false
+        chunks = Math.min(chunks, local)
+      }
+      if (final) return this.#lookedUp(hashes.length, chunks, 'all')
+    }
+    return this.#lookupAll(d, hashes, ranks, deadline)
+  }
+
+  #lookedUp(asked: number, chunks: number, source: string): Record<string, unknown> {
+    this.metrics.lookups++
+    this.metrics.lookupChunks += asked
+    this.metrics.lookupHitChunks += chunks
+    return { chunks, tokens: chunks * this.options.chunkTokens, source }
+  }
+
+  /** A lookup that may ask the gateway: answered from the local tiers past `deadline`. */
+  async #lookupAll(
+    d: SpaceDescriptor,
+    hashes: Uint8Array[],
+    ranks: number[],
+    deadline: number,
+  ): Promise<Record<string, unknown>> {
     const spaces = await Promise.all(ranks.map((r) => this.#space(d, r)))
     const keys = spaces.map((sp) => sp.keys(hashes))
     const full = Promise.all(spaces.map((sp, i) => sp.cache.lookupKeys(keys[i]!)))
@@ -292,13 +386,10 @@ export class Agent {
       clearTimeout(timer)
     }
     const chunks = Math.min(...tiers.map((t) => t.length))
-    this.metrics.lookups++
-    this.metrics.lookupChunks += hashes.length
-    this.metrics.lookupHitChunks += chunks
     if (chunks > 0 && tiers.some((t) => t.slice(0, chunks).includes('remote'))) {
       for (let i = 0; i < spaces.length; i++) this.#prefetch(spaces[i]!, keys[i]!.slice(0, chunks))
     }
-    return { chunks, tokens: chunks * this.options.chunkTokens, source }
+    return this.#lookedUp(hashes.length, chunks, source)
   }
 
   /** Brings a remote hit toward L1 before the load asks for it (bounded, best effort). */
@@ -356,29 +447,26 @@ export class Agent {
     const skip = optInt(m, 'skipBlocks', 0, ids.length, 0)
     const g = w.geometry
     const bpc = w.space.blocksPerChunk
-    const bb = blockBytes(g)
     const keys = w.space.keys(hashes)
     const prog = { op: 'load', layers: 0 }
     s.progress.set(m.id, prog)
     let served = hashes.length
     let bytes = 0
     let failure: string | undefined
+    // Each chunk's runs are the same in every layer (offsets inside one layer's slab).
+    const runsByChunk: number[][] = []
+    for (let c = 0; c < hashes.length; c++)
+      runsByChunk.push(chunkRuns(g, w.numBlocks, ids, c * bpc, bpc, skip))
     try {
       const seen = new Set<number>()
       for await (const batch of w.space.cache.retrieveLayersKeys(keys)) {
         served = Math.min(served, batch.chunks)
         const t = w.layers[batch.layer]!
         for (let c = 0; c < batch.chunks; c++) {
-          const runs: number[] = []
-          for (let side = 0; side < sides(g); side++) {
-            for (let j = 0; j < bpc; j++) {
-              const b = c * bpc + j
-              if (b < skip) continue
-              runs.push(blockOffset(g, w.numBlocks, side, ids[b]!), chunkOffset(g, bpc, 0, side, j), bb)
-              bytes += bb
-            }
-          }
-          await t.scatter(batch.slabs[c]!, runs)
+          const runs = runsByChunk[c]!
+          const copying = t.scatter(batch.slabs[c]!, runs)
+          if (copying) await copying // a host tensor copies synchronously: no await per chunk
+          for (let r = 2; r < runs.length; r += 3) bytes += runs[r]!
         }
         seen.add(batch.layer)
         prog.layers = seen.size
@@ -417,20 +505,12 @@ export class Agent {
     const keys = w.space.keys(hashes).slice(from)
     s.progress.set(m.id, { op: 'save', layers: 0 })
     try {
+      const slab = sides(g) * bpc * bb // one layer of the chunk tensor
       const out = await w.space.cache.storeKeys(keys, async (k, dst) => {
-        const i = k + from
+        const runs = chunkRuns(g, w.numBlocks, ids, (k + from) * bpc, bpc, 0)
         for (let layer = 0; layer < g.layers; layer++) {
-          const runs: number[] = []
-          for (let side = 0; side < sides(g); side++) {
-            for (let j = 0; j < bpc; j++) {
-              runs.push(
-                blockOffset(g, w.numBlocks, side, ids[i * bpc + j]!),
-                chunkOffset(g, bpc, layer, side, j),
-                bb,
-              )
-            }
-          }
-          await w.layers[layer]!.gather(runs, dst)
+          const copying = w.layers[layer]!.gather(runs, dst.subarray(layer * slab, (layer + 1) * slab))
+          if (copying) await copying
         }
       })
       this.metrics.saves++
@@ -505,6 +585,10 @@ export class Agent {
     await Promise.all([...this.#workers].map((w) => this.#release(w)))
     const spaces = await Promise.allSettled([...this.#spaces.values()])
     this.#spaces.clear()
+    this.#openSpaces.clear()
     await Promise.all(spaces.map((r) => (r.status === 'fulfilled' ? r.value.close() : undefined)))
+    const l1 = [...this.#l1.values()]
+    this.#l1.clear()
+    await Promise.allSettled(l1.map((p) => p.then((t) => t.dispose())))
   }
 }

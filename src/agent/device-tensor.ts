@@ -52,7 +52,7 @@ export class DeviceTensor implements KvTensor {
     this.bytes = bytes
   }
 
-  async gather(runs: readonly number[], host: Uint8Array): Promise<void> {
+  async gather(runs: ArrayLike<number>, host: Uint8Array): Promise<void> {
     const d = new BigInt64Array(runs.length)
     for (let i = 0; i < runs.length; i += 3) {
       d[i] = this.#ptr + BigInt(runs[i]!)
@@ -62,7 +62,7 @@ export class DeviceTensor implements KvTensor {
     await this.#native.cuda.copyBatch('d2h', host, d)
   }
 
-  async scatter(host: Uint8Array, runs: readonly number[]): Promise<void> {
+  async scatter(host: Uint8Array, runs: ArrayLike<number>): Promise<void> {
     const d = new BigInt64Array(runs.length)
     for (let i = 0; i < runs.length; i += 3) {
       d[i] = BigInt(runs[i + 1]!)

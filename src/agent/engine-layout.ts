@@ -5,7 +5,7 @@
 // [num_blocks, 2, block_size, kv_heads, head_size], MLA [num_blocks, block_size, latent_dim].
 // In every one a block's K (V, latent) is one contiguous run of blockBytes.
 
-import type { Dtype, KvGeometry } from '../core/layout.ts'
+import { type Dtype, dtypeBytes, type KvGeometry } from '../core/layout.ts'
 import { AgentError } from './protocol.ts'
 
 export type EngineLayout = 'flash-attn' | 'flashinfer' | 'mla'
@@ -23,11 +23,9 @@ export interface EngineGeometry {
   dtype: Dtype
 }
 
-const DTYPE_BYTES: Record<Dtype, number> = { fp16: 2, bf16: 2, fp32: 4 }
-
 /** Bytes of one block's K (or V, or latent) in one layer. */
 export function blockBytes(g: EngineGeometry): number {
-  return g.blockSize * g.kvHeads * g.headSize * DTYPE_BYTES[g.dtype]
+  return g.blockSize * g.kvHeads * g.headSize * dtypeBytes(g.dtype)
 }
 
 /** K and V (2) or the latent alone (1). */
@@ -93,4 +91,33 @@ export function chunkOffset(
 ): number {
   const bb = blockBytes(g)
   return ((layer * sides(g) + side) * blocksPerChunk + j) * bb
+}
+
+/**
+ * The copy runs ([tensorOffset, slabOffset, bytes] triples) between the engine blocks
+ * `ids[first .. first + blocksPerChunk)` of one layer tensor and that chunk's slab of one
+ * layer. The same in every layer: a layer's slab and tensor are passed with them. Blocks
+ * before `skip` (engine-wide index) are left out.
+ */
+export function chunkRuns(
+  g: EngineGeometry,
+  numBlocks: number,
+  ids: readonly number[],
+  first: number,
+  blocksPerChunk: number,
+  skip: number,
+): number[] {
+  const bb = blockBytes(g)
+  const runs: number[] = []
+  for (let side = 0; side < sides(g); side++) {
+    for (let j = 0; j < blocksPerChunk; j++) {
+      if (first + j < skip) continue
+      runs.push(
+        blockOffset(g, numBlocks, side, ids[first + j]!),
+        chunkOffset(g, blocksPerChunk, 0, side, j),
+        bb,
+      )
+    }
+  }
+  return runs
 }

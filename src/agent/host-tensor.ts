@@ -10,8 +10,8 @@ import { AgentError } from './protocol.ts'
  * `gather` copies tensor → host, `scatter` host → tensor.
  */
 export interface KvTensor {
-  gather(runs: readonly number[], host: Uint8Array): void | Promise<void>
-  scatter(host: Uint8Array, runs: readonly number[]): void | Promise<void>
+  gather(runs: ArrayLike<number>, host: Uint8Array): void | Promise<void>
+  scatter(host: Uint8Array, runs: ArrayLike<number>): void | Promise<void>
 }
 
 export class HostTensor implements KvTensor {
@@ -23,6 +23,10 @@ export class HostTensor implements KvTensor {
   #map: Buffer | undefined
   #mapped: ArrayBuffer | undefined
   #native: NativeModule | undefined
+  /** The addon copies a layer's runs in one call (else one Buffer#copy per run). */
+  #copyRuns: NativeModule['copyRuns'] | undefined
+  /** Runs in the addon's [dst, src, bytes] order, reused: copies are synchronous. */
+  #scratch = new Float64Array(0)
 
   /** With `native` (an addon that has mapFile) the tensor is mapped; else every copy is a syscall. */
   constructor(path: string, offset: number, bytes: number, native?: NativeModule) {
@@ -57,6 +61,7 @@ export class HostTensor implements KvTensor {
         this.#map = Buffer.from(ab)
         this.#mapped = ab
         this.#native = native
+        if (native.copyRunsAvailable()) this.#copyRuns = native.copyRuns
       } catch (e) {
         closeSync(fd)
         throw new AgentError('ERR_IO', `cannot map ${path}: ${(e as Error).message}`)
@@ -107,27 +112,47 @@ export class HostTensor implements KvTensor {
     }
   }
 
-  gather(runs: readonly number[], host: Uint8Array): void {
+  gather(runs: ArrayLike<number>, host: Uint8Array): void {
     const map = this.#mapOrThrow()
     if (map === undefined) {
       forMerged(runs, (t, h, n) => this.read(t, host.subarray(h, h + n)))
       return
     }
     checkRuns(runs, this.bytes, host.length)
+    if (this.#copyRuns) {
+      this.#copyRuns(host, map, this.#ordered(runs, 1, 0))
+      return
+    }
     // Buffer#copy: a memmove with offsets, no view allocated per run.
     const dst = Buffer.from(host.buffer, host.byteOffset, host.byteLength)
     forMerged(runs, (t, h, n) => map.copy(dst, h, t, t + n))
   }
 
-  scatter(host: Uint8Array, runs: readonly number[]): void {
+  scatter(host: Uint8Array, runs: ArrayLike<number>): void {
     const map = this.#mapOrThrow()
     if (map === undefined) {
       forMerged(runs, (t, h, n) => this.write(t, host.subarray(h, h + n)))
       return
     }
     checkRuns(runs, this.bytes, host.length)
+    if (this.#copyRuns) {
+      this.#copyRuns(map, host, this.#ordered(runs, 0, 1))
+      return
+    }
     const src = Buffer.from(host.buffer, host.byteOffset, host.byteLength)
     forMerged(runs, (t, h, n) => src.copy(map, t, h, h + n))
+  }
+
+  /** `runs` ([tensor, host, bytes]) as the addon's [dst, src, bytes]: `dst`/`src` pick the fields. */
+  #ordered(runs: ArrayLike<number>, dst: 0 | 1, src: 0 | 1): Float64Array {
+    if (this.#scratch.length !== runs.length) this.#scratch = new Float64Array(runs.length)
+    const out = this.#scratch
+    for (let i = 0; i < runs.length; i += 3) {
+      out[i] = runs[i + dst]!
+      out[i + 1] = runs[i + src]!
+      out[i + 2] = runs[i + 2]!
+    }
+    return out
   }
 
   /** Unmaps and closes; later copies throw ERR_CLOSED. Idempotent. */
@@ -143,7 +168,7 @@ export class HostTensor implements KvTensor {
 
 /** Runs adjacent on both sides (consecutive block ids, as vLLM often allocates) become one syscall. */
 function forMerged(
-  runs: readonly number[],
+  runs: ArrayLike<number>,
   f: (tensorAt: number, hostAt: number, bytes: number) => void,
 ): void {
   let i = 0
@@ -164,7 +189,7 @@ function forMerged(
  * Buffer#copy clamps a range that runs past either end instead of failing: a run the
  * engine computed wrongly must be an error, as a short pread is, never a partial copy.
  */
-function checkRuns(runs: readonly number[], tensorBytes: number, hostBytes: number): void {
+function checkRuns(runs: ArrayLike<number>, tensorBytes: number, hostBytes: number): void {
   for (let i = 0; i < runs.length; i += 3) {
     const t = runs[i]!
     const h = runs[i + 1]!

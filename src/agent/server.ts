@@ -76,8 +76,22 @@ export class AgentServer {
     m.connections++
     this.#sockets.add(sock)
     const reader = new FrameReader(maxFrameBytes)
+    // Frames produced in one tick (a load's per-layer events when the copies are synchronous,
+    // the answers to a batch of requests) leave in one write: each write to the socket is a
+    // syscall and a wake-up of the engine's reader.
+    let corked = false
+    const uncork = () => {
+      corked = false
+      sock.uncork()
+    }
     const send = (msg: Record<string, unknown>) => {
-      if (!sock.destroyed) sock.write(encodeFrame(msg))
+      if (sock.destroyed) return
+      if (!corked) {
+        corked = true
+        sock.cork()
+        process.nextTick(uncork)
+      }
+      sock.write(encodeFrame(msg))
     }
     const session = newSession((ev) => send(ev))
     let inflight = 0

@@ -3,9 +3,15 @@
 
 import { createHash, hash } from 'node:crypto'
 import { join } from 'node:path'
-import type { KVCacheOptions } from '../client/config.ts'
+import { type KVCacheOptions, resolveOptions } from '../client/config.ts'
 import { KVCache } from '../client/kv-cache.ts'
+import { loadNative } from '../client/native-api.ts'
+import { DiskBudget } from '../client/tiers/disk.ts'
+import { MemoryTier } from '../client/tiers/memory.ts'
+import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
+import { headerBytesFor } from '../core/format.ts'
 import type { ChunkKey } from '../core/keys.ts'
+import { chunkBytes } from '../core/layout.ts'
 import { type EngineGeometry, storageGeometry } from './engine-layout.ts'
 import { AgentError } from './protocol.ts'
 
@@ -40,6 +46,86 @@ export function spaceId(d: SpaceDescriptor, rank: number | null): string {
   ])
 }
 
+/** The agent's cache options for every space (chunkTokens fixed by the agent). */
+export type SpaceCacheOptions = Omit<KVCacheOptions, 'model' | 'keyScheme' | 'hashSeed'> & {
+  chunkTokens: number
+}
+
+function checkChunk(d: SpaceDescriptor, chunkTokens: number): void {
+  if (chunkTokens % d.blockSize !== 0) {
+    throw new AgentError(
+      'ERR_GEOMETRY_MISMATCH',
+      `the agent's chunkTokens ${chunkTokens} is not a multiple of the engine's block size ${d.blockSize}`,
+    )
+  }
+}
+
+/** A short stable name of a space: its L2 subdirectory and its L1 scope. */
+function spaceTag(id: string): string {
+  return createHash('sha256').update(id).digest('hex').slice(0, 16)
+}
+
+function cacheOptions(d: SpaceDescriptor, rank: number | null, base: SpaceCacheOptions): KVCacheOptions {
+  const suffix = rank === null ? '' : `#tp${rank}of${d.world}`
+  return {
+    ...base,
+    model: { modelId: `${d.model}${suffix}`.slice(0, 256), ...storageGeometry(d) },
+    keyScheme: 'vllm-sha256-cbor',
+    hashSeed: d.hashSeed,
+    disk: base.disk ? { ...base.disk, dir: join(base.disk.dir, spaceTag(spaceId(d, rank))) } : false,
+  }
+}
+
+/**
+ * What one chunk of this geometry needs in an L1 slot (header room, tensor): spaces that
+ * agree on both share an L1.
+ */
+export function agentL1Shape(d: SpaceDescriptor, chunkTokens: number): string {
+  return `${headerBytesFor(d.layers)}+${chunkBytes(storageGeometry(d), chunkTokens)}`
+}
+
+/**
+ * The agent's one L2 budget for every space (each keeps its own subdirectory): `disk.bytes`
+ * in all, undefined when L2 is off.
+ */
+export function createAgentDiskBudget(d: SpaceDescriptor, base: SpaceCacheOptions): DiskBudget | undefined {
+  const o = resolveOptions(cacheOptions(d, null, base))
+  return o.disk ? new DiskBudget(o.disk.bytes) : undefined
+}
+
+/**
+ * Refuses at hello what no space of this geometry could store: fp8 KV with a lossy gateway
+ * codec (fp8 is stored byte for byte; the lossless codec is its default).
+ */
+export function checkSpaceCodec(d: SpaceDescriptor, base: SpaceCacheOptions): void {
+  try {
+    resolveOptions(cacheOptions(d, null, base))
+  } catch (e) {
+    if (e instanceof KvgateError && e.code === 'ERR_CODEC_DTYPE')
+      throw new AgentError('ERR_GEOMETRY_MISMATCH', e.message)
+    // Anything else is reported where the space opens (register), as before.
+  }
+}
+
+/**
+ * The agent's one L1 for the KV spaces of one chunk size (every TP rank, every engine of a
+ * model): `memory.bytes` in all, slots sized for chunks of geometry `d`, pages faulted in now (an
+ * agent lives long: the first copy into a slot should not pay for faults).
+ */
+export async function createAgentL1(d: SpaceDescriptor, base: SpaceCacheOptions): Promise<MemoryTier> {
+  checkChunk(d, base.chunkTokens)
+  const o = resolveOptions(cacheOptions(d, null, base))
+  const native = o.native ? loadNative() : { api: undefined, reason: 'disabled by options.native = false' }
+  return MemoryTier.create({
+    bytes: o.memory.bytes,
+    chunkBytes: chunkBytes(o.model, o.chunkTokens),
+    dataOffset: headerBytesFor(o.model.layers),
+    native: native.api,
+    nativeReason: native.reason,
+    prefault: true,
+  })
+}
+
 /** What an object key mixes into vLLM's block hash (docs/vllm.md, "Keys"). */
 export function keyTag(d: SpaceDescriptor, rank: number | null): Uint8Array {
   const shard = rank === null ? '' : `tp${rank}/${d.world}`
@@ -50,14 +136,14 @@ interface Derived {
   hash: Uint8Array
   key: Uint8Array
   hex: string
-  /** Another hash with the same first 6 bytes. */
+  /** Another hash with the same first 30 bits. */
   next: Derived | undefined
   /** The last ChunkKey built from it (position and parent checked before reuse). */
   chunk?: ChunkKey | undefined
 }
 
 function sameHash(a: Uint8Array, b: Uint8Array): boolean {
-  for (let i = 31; i >= 6; i--) if (a[i] !== b[i]) return false
+  for (let i = 31; i >= 0; i--) if (a[i] !== b[i]) return false
   return true
 }
 
@@ -70,7 +156,7 @@ export class KvSpace {
   readonly blocksPerChunk: number
   /** vLLM hash (32 bytes) followed by the key tag: the input of one key derivation. */
   readonly #input: Uint8Array
-  /** Derived keys by the vLLM hash's first 6 bytes (a number: no hex string per lookup), chained. */
+  /** Derived keys by the vLLM hash's first 30 bits (a small integer: no hex string per lookup), chained. */
   readonly #derived = new Map<number, Derived>()
   #derivedCount = 0
 
@@ -85,27 +171,33 @@ export class KvSpace {
     this.blocksPerChunk = cache.chunkTokens / d.blockSize
   }
 
+  /**
+   * Opens the space's cache. With `l1`, its L1 is a view of that tier (the agent's one
+   * budget for every space), scoped by the space id so spaces never read each other's chunks.
+   */
   static async open(
     d: SpaceDescriptor,
     rank: number | null,
-    base: Omit<KVCacheOptions, 'model' | 'keyScheme' | 'hashSeed'> & { chunkTokens: number },
+    base: SpaceCacheOptions,
+    l1?: MemoryTier,
+    diskBudget?: DiskBudget,
   ): Promise<KvSpace> {
-    if (base.chunkTokens % d.blockSize !== 0) {
-      throw new AgentError(
-        'ERR_GEOMETRY_MISMATCH',
-        `the agent's chunkTokens ${base.chunkTokens} is not a multiple of the engine's block size ${d.blockSize}`,
-      )
-    }
+    checkChunk(d, base.chunkTokens)
     const id = spaceId(d, rank)
-    const tag = createHash('sha256').update(id).digest('hex').slice(0, 16)
-    const suffix = rank === null ? '' : `#tp${rank}of${d.world}`
-    const cache = await KVCache.open({
-      ...base,
-      model: { modelId: `${d.model}${suffix}`.slice(0, 256), ...storageGeometry(d) },
-      keyScheme: 'vllm-sha256-cbor',
-      hashSeed: d.hashSeed,
-      disk: base.disk ? { ...base.disk, dir: join(base.disk.dir, tag) } : false,
-    })
+    const tag = spaceTag(id)
+    const options = cacheOptions(d, rank, base)
+    let cache: KVCache
+    try {
+      cache = await KVCache.open(options, { memory: l1?.scoped(tag), diskBudget })
+    } catch (e) {
+      if (e instanceof InvalidArgumentError && l1) {
+        throw new AgentError(
+          'ERR_GEOMETRY_MISMATCH',
+          `this engine's chunks do not fit the agent's L1, whose slots were sized by the first engine geometry: ${e.message}`,
+        )
+      }
+      throw e
+    }
     return new KvSpace(id, d, rank, cache)
   }
 
@@ -150,7 +242,9 @@ export class KvSpace {
    * key it replaced was most of a warm 512-key lookup's CPU.
    */
   #derive(h: Uint8Array): Derived {
-    const id = h[0]! + h[1]! * 2 ** 8 + h[2]! * 2 ** 16 + h[3]! * 2 ** 24 + h[4]! * 2 ** 32 + h[5]! * 2 ** 40
+    // 30 bits: a small integer (no heap number per key, the fastest Map key); the chain
+    // below tells apart hashes that share them.
+    const id = h[0]! | (h[1]! << 8) | (h[2]! << 16) | ((h[3]! & 0x3f) << 24)
     const head = this.#derived.get(id)
     for (let d = head; d !== undefined; d = d.next) if (sameHash(d.hash, h)) return d
     this.#input.set(h, 0)

@@ -5,10 +5,11 @@ import { readFileSync } from 'node:fs'
 import * as v from 'valibot'
 import { parse as parseYaml } from 'yaml'
 import { byteSize, nearestKey, parseByteSize, parseConfig } from '../core/config-check.ts'
-import { ConfigError, InvalidArgumentError } from '../core/errors.ts'
+import { CodecError, ConfigError, InvalidArgumentError } from '../core/errors.ts'
 import { isNamespaceName, type KeyScheme, SCHEME_CODES } from '../core/keys.ts'
 import {
   chunkBytes,
+  isFp8,
   MAX_CHUNK_TOKENS,
   type ModelPreset,
   type PresetName,
@@ -279,9 +280,16 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
     if (url.protocol !== 'http:' && url.protocol !== 'https:') {
       throw new InvalidArgumentError(`invalid remote.url: ${String(r.url)} (http: or https:)`)
     }
-    const codec = r.codec ?? 'kvgate'
+    // fp8 KV is stored byte for byte: its default is the lossless codec, and kvgate (lossy) is refused.
+    const codec = r.codec ?? (isFp8(model.dtype) ? 'lossless' : 'kvgate')
     if (codec !== 'raw' && codec !== 'lossless' && codec !== 'kvgate') {
       throw new InvalidArgumentError(`invalid remote.codec: '${String(codec)}' (kvgate, lossless or raw)`)
+    }
+    if (codec === 'kvgate' && isFp8(model.dtype)) {
+      throw new CodecError(
+        `remote.codec kvgate is lossy and does not take ${model.dtype} KV: use lossless (the default for fp8) or raw`,
+        { code: 'ERR_CODEC_DTYPE' },
+      )
     }
     if (r.token !== undefined && (typeof r.token !== 'string' || /[\r\n]/.test(r.token))) {
       throw new InvalidArgumentError('invalid remote.token: a single-line string')

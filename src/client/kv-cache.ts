@@ -22,7 +22,7 @@ import {
   type TierCounterSnapshot,
 } from './stats.ts'
 import { type LayerBatch, StorageManager, type TierName } from './storage-manager.ts'
-import { DiskTier, type DiskTierStats } from './tiers/disk.ts'
+import { type DiskBudget, DiskTier, type DiskTierStats } from './tiers/disk.ts'
 import { MemoryTier, type MemoryTierStats } from './tiers/memory.ts'
 import { RemoteTier, type RemoteTierStats } from './tiers/remote.ts'
 import type { WriteBehindStats } from './write-behind.ts'
@@ -112,6 +112,17 @@ export interface KVCacheStats {
 
 const MAX_TOKENS = 1 << 24
 
+/** Tiers a cache uses instead of its own (`kvgate agent`: one L1 budget for every KV space). */
+export interface SharedTiers {
+  /**
+   * L1 to use: a scoped view (MemoryTier#scoped) of a tier the caller owns. Its slots must
+   * fit this cache's chunks; close() drops this cache's chunks from it and frees nothing.
+   */
+  memory?: MemoryTier
+  /** L2 byte budget shared with other caches' disk tiers (each keeps its own directory). */
+  diskBudget?: DiskBudget
+}
+
 /**
  * A tiered KV cache for one model geometry and chunk size. Gateway faults never
  * reach the caller: they degrade to local tiers and show up in stats().
@@ -160,7 +171,7 @@ export class KVCache {
   }
 
   /** Validates options (InvalidArgumentError), allocates L1, rebuilds the L2 index, connects L4 lazily. */
-  static async open(options: KVCacheOptions): Promise<KVCache> {
+  static async open(options: KVCacheOptions, shared: SharedTiers = {}): Promise<KVCache> {
     const o = resolveOptions(options)
     const native = o.native ? loadNative() : { api: undefined, reason: 'disabled by options.native = false' }
     const g = o.model
@@ -171,14 +182,21 @@ export class KVCache {
       scheme: o.keyScheme,
       hashSeed: o.hashSeed,
     }
-    const memory = await MemoryTier.create({
-      bytes: o.memory.bytes,
-      chunkBytes: chunkBytes(g, o.chunkTokens),
-      // Room for the chunk header in front of each tensor: raw L2 files and L4 bodies are read straight into slots.
-      dataOffset: headerBytesFor(g.layers),
-      native: native.api,
-      nativeReason: native.reason,
-    })
+    const memory =
+      shared.memory ??
+      (await MemoryTier.create({
+        bytes: o.memory.bytes,
+        chunkBytes: chunkBytes(g, o.chunkTokens),
+        // Room for the chunk header in front of each tensor: raw L2 files and L4 bodies are read straight into slots.
+        dataOffset: headerBytesFor(g.layers),
+        native: native.api,
+        nativeReason: native.reason,
+      }))
+    if (memory.dataOffset + chunkBytes(g, o.chunkTokens) > memory.slotBytes) {
+      throw new InvalidArgumentError(
+        `a chunk of ${chunkBytes(g, o.chunkTokens)} bytes does not fit the shared L1's slots of ${memory.slotBytes} bytes`,
+      )
+    }
     const codec = new CodecPool(o.codecWorkers)
     const nsId = fromHex(namespaceId(ns))
     const disk = o.disk
@@ -188,6 +206,7 @@ export class KVCache {
           verify: (b) => codec.verify(b),
           // Another model, namespace or chunk size sharing the directory is not ours to count or evict.
           owns: (h) => equalBytes(h.namespaceId, nsId),
+          sharedBudget: shared.diskBudget,
         })
       : undefined
     const remoteCodec: ChunkCodecName = o.remote ? o.remote.codec : 'raw'
@@ -459,6 +478,20 @@ export class KVCache {
       else break
     }
     return tiers
+  }
+
+  /** Leading chunks of `keys` that L1 or L2 holds, synchronously (what lookupKeys answers with localOnly). */
+  localPrefixKeys(keys: readonly ChunkKey[]): number {
+    this.#open()
+    const m = this.#manager
+    let n = 0
+    while (n < keys.length && (m.memory.has(keys[n]!.hex) || m.disk?.has(keys[n]!.hex) === true)) n++
+    return n
+  }
+
+  /** Whether a gateway tier is configured (a lookup past the local tiers may ask it). */
+  get hasRemote(): boolean {
+    return this.#manager.remote !== undefined
   }
 
   /** store() over caller-derived keys: `fill(i, dst)` writes chunk i's tensor. Resolves once L1 (or a private copy) holds them. */

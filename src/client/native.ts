@@ -151,12 +151,15 @@ interface RawCuda {
   stubControl(spec: string): number
 }
 
+/** Options as the addon reads them (`prefault` absent reads as false, as in builds before it). */
+type RawAllocOptions = Required<Omit<AllocPinnedOptions, 'prefault'>> & { prefault?: boolean }
+
 /** The addon's raw exports. Prefer the typed functions below: they validate. */
 export interface NativeBinding {
   abiVersion: number
   directAlignment: number
-  allocPinned(bytes: number, opts: Required<AllocPinnedOptions>): Promise<RawPinned>
-  allocPinnedSync(bytes: number, opts: Required<AllocPinnedOptions>): RawPinned
+  allocPinned(bytes: number, opts: RawAllocOptions): Promise<RawPinned>
+  allocPinnedSync(bytes: number, opts: RawAllocOptions): RawPinned
   freePinned(buffer: ArrayBuffer): void
   pinnedInfo(buffer: ArrayBuffer): PinnedInfo | null
   memoryStats(): NativeMemoryStats
@@ -211,6 +214,8 @@ export interface NativeBinding {
   mapFile?(path: string, offset: number, length: number, writable: boolean): ArrayBuffer
   unmapFile?(buffer: ArrayBuffer): void
   mapStats?(): FileMapStats
+  /** mmap.cc; absent from builds that predate it. */
+  copyRuns?(dst: HostBuffer, src: HostBuffer, runs: Float64Array): void
   cuda: RawCuda
 }
 
@@ -349,6 +354,13 @@ export interface AllocPinnedOptions {
    * @default true
    */
   hugePages?: boolean
+  /**
+   * Fault every page in now (on the worker thread) when the memory is not locked, so the
+   * first copy into it does not pay one page fault per page: what mlock would have done,
+   * without RLIMIT_MEMLOCK. The memory is resident (counted in RSS) from the start.
+   * @default false
+   */
+  prefault?: boolean
 }
 
 export interface PinnedAllocation {
@@ -382,7 +394,12 @@ export interface NativeMemoryStats {
 
 function allocOptions(opts: AllocPinnedOptions): Required<AllocPinnedOptions> {
   if (typeof opts !== 'object' || opts === null) throw misuse('allocPinned options must be an object')
-  return { cuda: opts.cuda ?? true, lock: opts.lock ?? true, hugePages: opts.hugePages ?? true }
+  return {
+    cuda: opts.cuda ?? true,
+    lock: opts.lock ?? true,
+    hugePages: opts.hugePages ?? true,
+    prefault: opts.prefault ?? false,
+  }
 }
 
 /**
@@ -901,6 +918,33 @@ function mapBinding(): Required<Pick<NativeBinding, 'mapFile' | 'unmapFile' | 'm
     throw misuse(`this build of the native addon predates mapFile; rebuild it: ${nativePaths.buildCommand}`)
   }
   return n as Required<NativeBinding>
+}
+
+/** True when the loaded addon has {@link copyRuns}; never throws. */
+export function copyRunsAvailable(): boolean {
+  try {
+    return typeof loadNative().copyRuns === 'function'
+  } catch {
+    return false
+  }
+}
+
+/**
+ * Copies scattered runs from `src` into `dst` on this thread, in one call: `runs` holds
+ * [dstOffset, srcOffset, bytes] triples (byte offsets into the views). Runs of 4 KiB and
+ * more use non-temporal stores (they bypass the cache: for copies much larger than it
+ * that are not read back soon, as a chunk's blocks between engine memory and L1, that
+ * saves the read-for-ownership of every destination line). Every run is checked against
+ * both views before any byte moves.
+ * @throws NativeError ERR_NATIVE for a run outside either view or a malformed `runs`.
+ */
+export function copyRuns(dst: HostBuffer, src: HostBuffer, runs: Float64Array): void {
+  const n = loadNative()
+  if (!n.copyRuns) {
+    throw misuse(`this build of the native addon predates copyRuns; rebuild it: ${nativePaths.buildCommand}`)
+  }
+  if (!(runs instanceof Float64Array)) throw misuse('runs must be a Float64Array')
+  call(() => n.copyRuns!(dst, src, runs))
 }
 
 /** True when the loaded addon has {@link mapFile}; never throws. */

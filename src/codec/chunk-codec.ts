@@ -13,6 +13,7 @@ import {
 import {
   chunkBytes,
   DTYPE_CODES,
+  isFp8,
   type KvGeometry,
   layerSlabBytes,
   MAX_CHUNK_TOKENS,
@@ -117,6 +118,7 @@ export function encodeChunk(tensor: Uint8Array, meta: ChunkInfo, opts: EncodeOpt
   const quality =
     mode === 'kvgate' && targets === undefined ? checkQuality(opts.quality ?? DEFAULT_QUALITY) : 0
   const g = validateGeometry(meta?.geometry)
+  checkCodecDtype(mode, g)
   const t = meta.tokens
   if (!Number.isInteger(t) || t < 1 || t > MAX_CHUNK_TOKENS) {
     throw new InvalidArgumentError(`tokens must be an integer in 1..${MAX_CHUNK_TOKENS}, got ${String(t)}`)
@@ -183,6 +185,20 @@ function encodeSection(
 
 function checkHeader(header: ChunkHeader): void {
   checkHeaderCodec(header.codec, header.codecVersion, header.codecParams)
+  checkCodecDtype(header.codec, header.geometry)
+}
+
+/** The byte-exact codecs the fp8 dtypes take (see isFp8); other codecs would quantise them again. */
+export const FP8_CODECS: readonly CodecMode[] = ['raw', 'lossless']
+
+/** fp8 KV with a lossy codec: refused on encode, and on decode (a header no encoder writes). */
+export function checkCodecDtype(mode: CodecMode, g: KvGeometry): void {
+  if (isFp8(g.dtype) && !FP8_CODECS.includes(mode)) {
+    throw new CodecError(
+      `the ${mode} codec does not take ${g.dtype} KV: fp8 is stored byte for byte, with the raw or lossless codec`,
+      { code: 'ERR_CODEC_DTYPE' },
+    )
+  }
 }
 
 /** Refuses sections that could not honestly expand to the slab they claim. */

@@ -2,7 +2,8 @@
 // Runtime-neutral and allocation-free in the loops: the model, the codec tests
 // and synthetic KV all go through these, so rounding is the same everywhere.
 
-import type { Dtype } from './layout.ts'
+import { CodecError } from './errors.ts'
+import { type Dtype, isFp8 } from './layout.ts'
 
 const f32 = new Float32Array(1)
 const u32 = new Uint32Array(f32.buffer)
@@ -62,8 +63,17 @@ export function f16ToF32(h: number): number {
   return sign * (1 + mant / 1024) * 2 ** (exp - 15)
 }
 
+/** fp8 KV is only ever moved as bytes (see isFp8): a conversion asked for is a caller's bug. */
+function noFloatConversion(dtype: Dtype): void {
+  if (isFp8(dtype))
+    throw new CodecError(`${dtype} elements are not converted: fp8 KV is stored as raw bytes`, {
+      code: 'ERR_CODEC_DTYPE',
+    })
+}
+
 /** Encodes float32 values as `dtype` little-endian bytes. */
 export function encodeElements(values: ArrayLike<number>, dtype: Dtype, out?: Uint8Array): Uint8Array {
+  noFloatConversion(dtype)
   const n = values.length
   const bytes = out ?? new Uint8Array(n * (dtype === 'fp32' ? 4 : 2))
   if (dtype === 'fp32') {
@@ -78,6 +88,7 @@ export function encodeElements(values: ArrayLike<number>, dtype: Dtype, out?: Ui
 
 /** Decodes `dtype` little-endian bytes into float32 values. */
 export function decodeElements(bytes: Uint8Array, dtype: Dtype, out?: Float32Array): Float32Array {
+  noFloatConversion(dtype)
   const size = dtype === 'fp32' ? 4 : 2
   const n = Math.floor(bytes.byteLength / size)
   const res = out ?? new Float32Array(n)

@@ -15,6 +15,7 @@ export type ErrorCode =
   | 'ERR_CODEC'
   | 'ERR_CODEC_MISMATCH'
   | 'ERR_CALIBRATION_MISSING'
+  | 'ERR_CODEC_DTYPE'
   | 'ERR_NOT_FOUND'
   | 'ERR_ALREADY_EXISTS'
   | 'ERR_PRECONDITION_FAILED'
@@ -95,7 +96,7 @@ export class CodecError extends KvgateError {
   constructor(
     message: string,
     options: KvgateErrorOptions & {
-      code?: 'ERR_CODEC' | 'ERR_CODEC_MISMATCH' | 'ERR_CALIBRATION_MISSING'
+      code?: 'ERR_CODEC' | 'ERR_CODEC_MISMATCH' | 'ERR_CALIBRATION_MISSING' | 'ERR_CODEC_DTYPE'
     } = {},
   ) {
     super(options.code ?? 'ERR_CODEC', message, { status: 400, ...options })

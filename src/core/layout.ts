@@ -8,10 +8,17 @@
 
 import { InvalidArgumentError } from './errors.ts'
 
-export type Dtype = 'fp16' | 'bf16' | 'fp32'
+/** fp8e4m3 / fp8e5m2: float8_e4m3fn / float8_e5m2 KV (vLLM's fp8 caches), stored as raw bytes. */
+export type Dtype = 'fp16' | 'bf16' | 'fp32' | 'fp8e4m3' | 'fp8e5m2'
 
 /** Wire codes for dtypes (chunk header byte). Never renumber. */
-export const DTYPE_CODES: Readonly<Record<Dtype, number>> = { fp16: 1, bf16: 2, fp32: 3 }
+export const DTYPE_CODES: Readonly<Record<Dtype, number>> = {
+  fp16: 1,
+  bf16: 2,
+  fp32: 3,
+  fp8e4m3: 4,
+  fp8e5m2: 5,
+}
 
 export function dtypeFromCode(code: number): Dtype | undefined {
   for (const [name, c] of Object.entries(DTYPE_CODES)) if (c === code) return name as Dtype
@@ -19,7 +26,15 @@ export function dtypeFromCode(code: number): Dtype | undefined {
 }
 
 export function dtypeBytes(dtype: Dtype): number {
-  return dtype === 'fp32' ? 4 : 2
+  return dtype === 'fp32' ? 4 : isFp8(dtype) ? 1 : 2
+}
+
+/**
+ * fp8 KV is already quantised: it is stored byte for byte (raw or lossless codec), never
+ * converted to floats and quantised again by a lossy codec.
+ */
+export function isFp8(dtype: Dtype): boolean {
+  return dtype === 'fp8e4m3' || dtype === 'fp8e5m2'
 }
 
 export interface KvGeometry {
@@ -80,7 +95,7 @@ export function validateGeometry(g: KvGeometry): KvGeometry {
   checkDim('kvHeads', g.kvHeads, MAX_KV_HEADS)
   checkDim('headDim', g.headDim, MAX_HEAD_DIM)
   if (!(g.dtype in DTYPE_CODES))
-    throw new InvalidArgumentError(`invalid dtype: ${String(g.dtype)} (fp16, bf16 or fp32)`)
+    throw new InvalidArgumentError(`invalid dtype: ${String(g.dtype)} (fp16, bf16, fp32, fp8e4m3 or fp8e5m2)`)
   return g
 }
 

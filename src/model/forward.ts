@@ -8,7 +8,7 @@
 // allocation); the cache stores post-RoPE K and V per layer as [position][kvHead][headDim].
 
 import { bf16ToF32, decodeElements, encodeElements, f16ToF32, f32ToBf16, f32ToF16 } from '../core/dtype.ts'
-import { DTYPE_CODES, type Dtype, dtypeBytes, type KvGeometry } from '../core/layout.ts'
+import { DTYPE_CODES, type Dtype, dtypeBytes, isFp8, type KvGeometry } from '../core/layout.ts'
 import type { LlamaCheckpoint, LlamaConfig, LlamaWeights } from './llama2c.ts'
 import { ModelError } from './model-error.ts'
 import { BOS_ID } from './tokenizer.ts'
@@ -30,7 +30,8 @@ export interface KvCacheOptions {
 }
 
 function checkDtype(d: unknown): Dtype {
-  if (typeof d !== 'string' || !(d in DTYPE_CODES))
+  // fp8 is a storage dtype (moved as bytes): this forward pass rounds KV to fp16, bf16 or fp32 only.
+  if (typeof d !== 'string' || !(d in DTYPE_CODES) || isFp8(d as Dtype))
     throw new ModelError(`unknown dtype ${String(d)} (fp16, bf16, fp32)`)
   return d as Dtype
 }

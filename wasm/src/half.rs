@@ -4,13 +4,22 @@
 pub const DT_F16: u32 = 1;
 pub const DT_BF16: u32 = 2;
 pub const DT_F32: u32 = 3;
+/// fp8 (float8_e4m3fn, float8_e5m2): stored as raw bytes, lossless mode only.
+pub const DT_F8E4M3: u32 = 4;
+pub const DT_F8E5M2: u32 = 5;
 
 pub fn elem_bytes(dtype: u32) -> Option<usize> {
     match dtype {
         DT_F16 | DT_BF16 => Some(2),
         DT_F32 => Some(4),
+        DT_F8E4M3 | DT_F8E5M2 => Some(1),
         _ => None,
     }
+}
+
+/// Whether the lossy modes (which convert elements to f32) take this dtype.
+pub fn has_float_conversion(dtype: u32) -> bool {
+    matches!(dtype, DT_F16 | DT_BF16 | DT_F32)
 }
 
 #[inline(always)]

@@ -163,6 +163,9 @@ unsafe fn encode_with(
     match mode {
         MODE_LOSSLESS => lossless::encode(input, eb, t, c, &mut out),
         MODE_KVGATE | MODE_Q8 => {
+            if !half::has_float_conversion(dtype) {
+                return ERR_ARGS; // fp8 is stored byte-exact (raw or lossless), never re-quantised
+            }
             let cal = if blob.is_empty() {
                 None
             } else {
@@ -224,6 +227,9 @@ pub unsafe extern "C" fn kv_stats(
         Some(e) => e,
         None => return ERR_ARGS,
     };
+    if !half::has_float_conversion(dtype) {
+        return ERR_ARGS; // statistics are of float values; fp8 is never coded lossy
+    }
     let n = match slab_elems(t, c) {
         Some(n) if n > 0 => n,
         _ => return ERR_ARGS,
@@ -324,6 +330,9 @@ unsafe fn decode_with(
     let (tu, cu) = (t as usize, c as usize);
     let input = std::slice::from_raw_parts(src, len as usize);
     let out = std::slice::from_raw_parts_mut(dst, n * eb);
+    if mode != MODE_LOSSLESS && !half::has_float_conversion(dtype) {
+        return ERR_ARGS;
+    }
     let ok = match mode {
         MODE_LOSSLESS => lossless::decode(input, eb, tu, cu, out),
         MODE_KVGATE => {

@@ -25,9 +25,10 @@ Options (flags override KVGATE_* env vars, which override the config file):
       --model ID               refuse engines serving another model (env: KVGATE_AGENT_MODEL)
   -h, --help                   show this help
 
-Cache tiers as for the client: KVGATE_MEMORY_BYTES (L1 per KV space), KVGATE_DISK_DIR /
-KVGATE_DISK_BYTES (L2), KVGATE_REMOTE_URL / KVGATE_REMOTE_TOKEN / KVGATE_REMOTE_CODEC (the
-gateway), KVGATE_NAMESPACE. Prints one JSON line {"socket", "metricsPort"} when ready.
+Cache tiers as for the client: KVGATE_MEMORY_BYTES (the one L1 of every engine and rank,
+per chunk size; faulted in when the first engine registers), KVGATE_DISK_DIR /
+KVGATE_DISK_BYTES (L2: a subdirectory per KV space, one budget for all), KVGATE_REMOTE_URL /
+KVGATE_REMOTE_TOKEN / KVGATE_REMOTE_CODEC (the gateway), KVGATE_NAMESPACE. Prints one JSON line {"socket", "metricsPort"} when ready.
 `
 
 export async function run(argv: string[]): Promise<number> {

@@ -52,6 +52,56 @@ export interface DiskTierOptions {
   owns?: (header: ChunkHeader) => boolean
   /** A temp file older than this is a dead writer's leftover and deleted at start. @default 1 hour */
   staleTempMs?: number
+  /**
+   * A byte budget shared with other tiers (`kvgate agent`: every KV space's L2 directory):
+   * replaces `bytes`; beyond it the least recently used file of any of them is deleted.
+   */
+  sharedBudget?: DiskBudget
+}
+
+/**
+ * One L2 byte budget over several DiskTiers (each its own directory and chunks): eviction
+ * takes the least recently used file among all of them, so a busy tier grows into an idle
+ * one's share instead of each being capped at a fixed split.
+ */
+export class DiskBudget {
+  readonly bytes: number
+  used = 0
+  readonly #tiers = new Set<DiskTier>()
+
+  constructor(bytes: number) {
+    if (!Number.isSafeInteger(bytes) || bytes < 1) throw new InvalidArgumentError('invalid disk budget')
+    this.bytes = bytes
+  }
+
+  join(t: DiskTier): void {
+    this.#tiers.add(t)
+  }
+
+  leave(t: DiskTier): void {
+    this.#tiers.delete(t)
+  }
+
+  /** The tier whose least recently used file is the oldest of all (undefined when none holds one). */
+  oldest(): DiskTier | undefined {
+    let best: DiskTier | undefined
+    let at = Number.POSITIVE_INFINITY
+    for (const t of this.#tiers) {
+      const a = t.oldestUse()
+      if (a !== undefined && a < at) {
+        at = a
+        best = t
+      }
+    }
+    return best
+  }
+}
+
+/** A monotonic clock in ms shared by every tier of a process (file times at start, then now). */
+let lastUse = 0
+function useTime(at = Date.now()): number {
+  lastUse = Math.max(at, lastUse + 1e-3)
+  return lastUse
 }
 
 export interface DiskTierStats {
@@ -98,6 +148,8 @@ const HEADER_PROBE_BYTES = 64 * 1024
 
 interface FileEntry {
   bytes: number
+  /** Last use (useTime): compares recency across the tiers of a shared budget. */
+  used: number
 }
 
 /**
@@ -160,9 +212,16 @@ export class DiskTier {
   readonly #owns: (header: ChunkHeader) => boolean
   readonly #staleTempMs: number
 
+  /** One budget with other tiers, or this tier's own. */
+  readonly #shared: DiskBudget
+  /** Closed: no longer counted in (or evicted for) the shared budget. */
+  #left = false
+
   private constructor(opts: DiskTierOptions) {
     this.dir = opts.dir
-    this.#budget = opts.bytes
+    this.#budget = opts.sharedBudget?.bytes ?? opts.bytes
+    this.#shared = opts.sharedBudget ?? new DiskBudget(opts.bytes)
+    this.#shared.join(this)
     this.#native = opts.direct === 'off' ? undefined : opts.native
     this.#verify = opts.verify ?? verifyChunk
     this.#owns = opts.owns ?? (() => true)
@@ -174,7 +233,7 @@ export class DiskTier {
   static async open(opts: DiskTierOptions): Promise<DiskTier> {
     if (typeof opts.dir !== 'string' || opts.dir.length === 0)
       throw new InvalidArgumentError('invalid disk.dir')
-    if (!Number.isSafeInteger(opts.bytes) || opts.bytes < 1)
+    if (opts.sharedBudget === undefined && (!Number.isSafeInteger(opts.bytes) || opts.bytes < 1))
       throw new InvalidArgumentError('invalid disk.bytes')
     const tier = new DiskTier(opts)
     await mkdir(opts.dir, { recursive: true })
@@ -229,8 +288,8 @@ export class DiskTier {
     }
     found.sort((a, b) => a.time - b.time)
     for (const f of found) {
-      this.#index.set(f.hex, { bytes: f.bytes })
-      this.#used += f.bytes
+      this.#index.set(f.hex, { bytes: f.bytes, used: f.time })
+      this.#addUsed(f.bytes)
     }
     await this.#evictToBudget(0)
   }
@@ -309,6 +368,7 @@ export class DiskTier {
     }
     // Touch now so a queued read is not evicted from under itself by recency.
     this.#index.delete(hex)
+    entry.used = useTime()
     this.#index.set(hex, entry)
     const t0 = performance.now()
     const dst = into && into.byteLength >= entry.bytes ? into.subarray(0, entry.bytes) : undefined
@@ -572,8 +632,8 @@ export class DiskTier {
       await fh.close()
       fh = undefined
       await rename(tmp, this.#pathOf(hex))
-      this.#index.set(hex, { bytes: object.byteLength })
-      this.#used += object.byteLength
+      this.#index.set(hex, { bytes: object.byteLength, used: useTime() })
+      this.#addUsed(object.byteLength)
       this.counters.puts++
       this.counters.bytesWritten += object.byteLength
       this.counters.writeLatency.record(since(t0))
@@ -602,21 +662,48 @@ export class DiskTier {
     const e = this.#index.get(hex)
     if (!e) return false
     this.#index.delete(hex)
-    this.#used -= e.bytes
+    this.#addUsed(-e.bytes)
     return true
   }
 
+  #addUsed(bytes: number): void {
+    this.#used += bytes
+    if (!this.#left) this.#shared.used += bytes
+  }
+
+  /** When this tier's least recently used file was last used (undefined when it holds none). */
+  oldestUse(): number | undefined {
+    for (const e of this.#index.values()) return e.used
+    return undefined
+  }
+
+  /** The least recently used file here, when this tier holds one. */
+  #evictOldest(): Promise<void> | undefined {
+    const oldest = this.#index.keys().next().value as string | undefined
+    if (oldest === undefined) return undefined
+    this.counters.evictions++
+    return this.delete(oldest)
+  }
+
+  /** Deletes least recently used files (of any tier sharing the budget) until `incoming` fits. */
   async #evictToBudget(incoming: number): Promise<void> {
-    while (this.#used + incoming > this.#budget && this.#index.size > 0) {
-      const oldest = this.#index.keys().next().value as string
-      this.counters.evictions++
-      await this.delete(oldest)
+    const b = this.#shared
+    while (b.used + incoming > b.bytes) {
+      const victim = b.oldest() ?? this
+      const done = victim.#evictOldest()
+      if (done === undefined) return
+      await done
     }
   }
 
   /** Fails queued reads and writes (ERR_CLOSED inside: misses and dropped writes); running ones finish. */
   close(): void {
     this.#queue.close()
+    // Its files stay on disk but leave the shared budget's count with it (a reopen counts them again).
+    if (this.#left) return
+    this.#left = true
+    this.#shared.leave(this)
+    this.#shared.used -= this.#used
   }
 
   /** Waits for queued writes (used by close() and tests). */

@@ -28,7 +28,10 @@ export interface MemoryReservation {
    * its tensor exactly at `bytes` when the data offset equals the header size.
    */
   readonly slot: Uint8Array
-  /** Publishes the chunk under its key. Returns false when the key was resident already. */
+  /**
+   * Publishes the chunk under its key. Returns false when the key was resident already (or,
+   * for a scoped view, another view's chunk under it is pinned: this one is not stored).
+   */
   commit(): boolean
   /**
    * Publishes the chunk and pins it in one step (no window where it could be evicted):
@@ -55,6 +58,11 @@ export interface MemoryTierOptions {
   native?: NativeModule | undefined
   /** Why the addon is absent, reported in stats. */
   nativeReason?: string | undefined
+  /**
+   * Fault every page in at creation when the memory cannot be locked (a long-lived
+   * agent): the first copy into a slot then runs at memory speed. @default false
+   */
+  prefault?: boolean
 }
 
 interface Entry {
@@ -63,6 +71,8 @@ interface Entry {
   refs: number
   /** In the LRU index (visible to readers). */
   indexed: boolean
+  /** The view (see MemoryTier#scoped) whose chunk this is: other views treat it as absent. */
+  scope: string
 }
 
 export interface MemoryTierStats {
@@ -86,48 +96,96 @@ const PAGE = 4096
 /** Node 20 caps one external ArrayBuffer at 4 GiB: bigger L1s use several regions. */
 const MAX_REGION = 2 ** 32
 
+/** What every view of one L1 shares: the regions, the free slots and one LRU over all keys. */
+interface SlotPool {
+  readonly regions: Uint8Array[]
+  readonly slotsPerRegion: number
+  readonly slots: number
+  readonly kind: MemoryTierStats['pinnedKind']
+  readonly pinReason: string | undefined
+  readonly free: number[]
+  readonly index: LRUCache<string, Entry>
+  /** Set when the regions came from the addon (and can be freed through it). */
+  native: NativeModule | undefined
+  skippedFull: number
+  liveReservations: number
+  livePins: number
+}
+
 export class MemoryTier {
   readonly counters = new TierCounters()
   readonly slotBytes: number
   readonly dataOffset: number
-  readonly #regions: Uint8Array[]
-  readonly #slotsPerRegion: number
-  readonly #kind: MemoryTierStats['pinnedKind']
-  readonly #pinReason: string | undefined
-  readonly #free: number[] = []
-  readonly #slots: number
-  readonly #index: LRUCache<string, Entry>
-  /** Set when the regions came from the addon (and can be freed through it). */
-  #native: NativeModule | undefined
-  #skippedFull = 0
-  #liveReservations = 0
-  #livePins = 0
+  readonly #pool: SlotPool
+  /**
+   * This view's scope (see scoped()): the pool is indexed by chain key alone, and an
+   * entry of another scope under the same key is absent to this view. Views of one pool
+   * never see each other's chunks, but share its budget and evict each other's LRU chunks.
+   * (A scope in the key itself cost a second hash lookup per key: a third of a lookup.)
+   */
+  readonly #scope: string
+  /** The view that allocated the pool: only it frees the regions. */
+  readonly #owner: boolean
 
-  private constructor(
-    slotBytes: number,
-    dataOffset: number,
+  private constructor(slotBytes: number, dataOffset: number, pool: SlotPool, scope: string, owner: boolean) {
+    this.slotBytes = slotBytes
+    this.dataOffset = dataOffset
+    this.#pool = pool
+    this.#scope = scope
+    this.#owner = owner
+  }
+
+  /** This view's entry for `hex` (no recency change), undefined when absent or another view's. */
+  #peek(hex: string): Entry | undefined {
+    const e = this.#pool.index.peek(hex)
+    return e !== undefined && e.scope === this.#scope ? e : undefined
+  }
+
+  static #newPool(
     regions: Uint8Array[],
     slotsPerRegion: number,
     slots: number,
     kind: MemoryTierStats['pinnedKind'],
     reason: string | undefined,
-  ) {
-    this.slotBytes = slotBytes
-    this.dataOffset = dataOffset
-    this.#regions = regions
-    this.#slotsPerRegion = slotsPerRegion
-    this.#slots = slots
-    this.#kind = kind
-    this.#pinReason = reason
+  ): SlotPool {
+    const free: number[] = []
     // Low slots first: keeps the touched part of the region small when lightly used.
-    for (let s = slots - 1; s >= 0; s--) this.#free.push(s)
-    this.#index = new LRUCache<string, Entry>({
+    for (let s = slots - 1; s >= 0; s--) free.push(s)
+    const index = new LRUCache<string, Entry>({
       max: slots,
       dispose: (entry) => {
         entry.indexed = false
-        if (entry.refs === 0) this.#free.push(entry.slot)
+        if (entry.refs === 0) free.push(entry.slot)
       },
     })
+    return {
+      regions,
+      slotsPerRegion,
+      slots,
+      kind,
+      pinReason: reason,
+      free,
+      index,
+      native: undefined,
+      skippedFull: 0,
+      liveReservations: 0,
+      livePins: 0,
+    }
+  }
+
+  /**
+   * A view of this L1 whose chunks belong to `scope`: another KV space sharing the
+   * agent's one L1 budget. Its chunks are invisible to other views; eviction is one LRU
+   * over every view. One chain key holds one chunk at a time: a view storing a key that
+   * another view holds replaces that chunk (or, while it is pinned, is skipped), which
+   * only spaces with equal chain keys (same model and hashes, another geometry) ever do.
+   * The view's counters are its own; capacity and pins are the pool's. Disposing a view
+   * drops its chunks only; the pool's owner frees the memory.
+   */
+  scoped(scope: string): MemoryTier {
+    if (typeof scope !== 'string' || scope.length === 0 || scope.includes('\0'))
+      throw new InvalidArgumentError('invalid L1 scope')
+    return new MemoryTier(this.slotBytes, this.dataOffset, this.#pool, `${this.#scope}${scope}\0`, false)
   }
 
   /** Sizes the slots and allocates the regions (pinned through the addon when it loads). */
@@ -154,21 +212,22 @@ export class MemoryTier {
     let reason: string | undefined = opts.nativeReason ?? 'native addon not loaded'
     for (let left = slots; left > 0; left -= slotsPerRegion) {
       const size = Math.min(left, slotsPerRegion) * slotBytes
-      const r = await allocateRegion(size, opts.native)
+      const r = await allocateRegion(size, opts.native, opts.prefault === true)
       regions.push(r.bytes)
       native.push(r.fromAddon)
       if (r.kind === 'none' || (r.kind === 'mlock' && kind === 'cuda')) kind = r.kind
       if (regions.length === 1 || r.kind === 'none') reason = r.reason
     }
     if (!opts.native) kind = 'none'
-    const tier = new MemoryTier(slotBytes, dataOffset, regions, slotsPerRegion, slots, kind, reason)
-    if (opts.native && native.every((n) => n)) tier.#native = opts.native
-    return tier
+    const pool = MemoryTier.#newPool(regions, slotsPerRegion, slots, kind, reason)
+    if (opts.native && native.every((n) => n)) pool.native = opts.native
+    return new MemoryTier(slotBytes, dataOffset, pool, '', true)
   }
 
   #slotView(slot: number): Uint8Array {
-    const r = this.#regions[Math.floor(slot / this.#slotsPerRegion)]!
-    const start = (slot % this.#slotsPerRegion) * this.slotBytes
+    const p = this.#pool
+    const r = p.regions[Math.floor(slot / p.slotsPerRegion)]!
+    const start = (slot % p.slotsPerRegion) * this.slotBytes
     return r.subarray(start, start + this.slotBytes)
   }
 
@@ -178,12 +237,13 @@ export class MemoryTier {
 
   /** True when the chunk is resident (does not touch recency or counters). */
   has(hex: string): boolean {
-    return this.#index.has(hex)
+    return this.#peek(hex) !== undefined
   }
 
   /** Pins a resident chunk and marks it recently used; undefined on a miss. */
   acquire(hex: string): MemoryHandle | undefined {
-    const entry = this.#index.get(hex)
+    // get() marks the entry recently used: only this view's, never another view's.
+    const entry = this.#peek(hex) && this.#pool.index.get(hex)
     if (!entry) {
       this.counters.misses++
       return undefined
@@ -195,22 +255,23 @@ export class MemoryTier {
 
   /** Like acquire() without counting a hit or miss or touching recency (write-behind, promotion). */
   peekPinned(hex: string): MemoryHandle | undefined {
-    const entry = this.#index.peek(hex)
+    const entry = this.#peek(hex)
     return entry ? this.#pin(entry) : undefined
   }
 
   #pin(entry: Entry): MemoryHandle {
+    const pool = this.#pool
     entry.refs++
-    this.#livePins++
+    pool.livePins++
     let released = false
     return {
       bytes: this.#dataView(entry.slot, entry.length),
       release: () => {
         if (released) return
         released = true
-        this.#livePins--
+        pool.livePins--
         entry.refs--
-        if (entry.refs === 0 && !entry.indexed) this.#free.push(entry.slot)
+        if (entry.refs === 0 && !entry.indexed) pool.free.push(entry.slot)
       },
     }
   }
@@ -223,29 +284,39 @@ export class MemoryTier {
     if (length < 1 || this.dataOffset + length > this.slotBytes) {
       throw new InvalidArgumentError(`chunk of ${length} bytes does not fit an L1 slot of ${this.slotBytes}`)
     }
+    const pool = this.#pool
+    const scope = this.#scope
     const slot = this.#allocSlot()
     if (slot === undefined) {
-      this.#skippedFull++
+      pool.skippedFull++
       return undefined
     }
-    const entry: Entry = { slot, length, refs: 0, indexed: false }
-    this.#liveReservations++
+    const entry: Entry = { slot, length, refs: 0, indexed: false, scope }
+    pool.liveReservations++
     let done = false
     const settle = (): boolean => {
       if (done) return false
       done = true
-      this.#liveReservations--
+      pool.liveReservations--
       return true
     }
     const publish = (): Entry | undefined => {
       if (!settle()) return undefined
-      const resident = this.#index.peek(hex)
-      if (resident) {
-        this.#free.push(slot)
+      const resident = pool.index.peek(hex)
+      if (resident?.scope === scope) {
+        pool.free.push(slot)
         return resident
       }
+      if (resident) {
+        // Another view's chunk under this chain key: replaced, unless a reader holds it.
+        if (resident.refs > 0) {
+          pool.free.push(slot)
+          return undefined
+        }
+        pool.index.delete(hex)
+      }
       entry.indexed = true
-      this.#index.set(hex, entry)
+      pool.index.set(hex, entry)
       this.counters.puts++
       this.counters.bytesWritten += length
       return entry
@@ -262,7 +333,7 @@ export class MemoryTier {
         return e ? this.#pin(e) : undefined
       },
       abort: () => {
-        if (settle()) this.#free.push(slot)
+        if (settle()) pool.free.push(slot)
       },
       get settled() {
         return done
@@ -272,7 +343,7 @@ export class MemoryTier {
 
   /** Copies `bytes` in under `hex`. False when skipped (full of pins) or already resident. */
   put(hex: string, bytes: Uint8Array): boolean {
-    if (this.#index.has(hex)) return false
+    if (this.has(hex)) return false
     const t0 = performance.now()
     const r = this.reserve(hex, bytes.byteLength)
     if (!r) return false
@@ -283,57 +354,71 @@ export class MemoryTier {
   }
 
   delete(hex: string): void {
-    this.#index.delete(hex)
+    if (this.#peek(hex)) this.#pool.index.delete(hex)
   }
 
   #allocSlot(): number | undefined {
-    const free = this.#free.pop()
+    const pool = this.#pool
+    const free = pool.free.pop()
     if (free !== undefined) return free
     // Evict the least recently used chunk nobody holds. Pinned chunks stay: evicting
     // one frees no slot until its reader is done, and it would empty L1 for nothing
     // (a store larger than L1 pinning its own chunks used to wipe L1 that way).
     let victim: string | undefined
-    for (const hex of this.#index.rkeys()) {
-      if (this.#index.peek(hex)!.refs === 0) {
-        victim = hex
+    for (const key of pool.index.rkeys()) {
+      if (pool.index.peek(key)!.refs === 0) {
+        victim = key
         break
       }
     }
     if (victim === undefined) return undefined
     this.counters.evictions++
-    this.#index.delete(victim)
-    return this.#free.pop()
+    pool.index.delete(victim)
+    return pool.free.pop()
   }
 
   stats(): MemoryTierStats {
+    const p = this.#pool
     return {
-      capacityBytes: this.#slots * this.slotBytes,
-      usedBytes: (this.#slots - this.#free.length) * this.slotBytes,
-      slots: this.#slots,
-      freeSlots: this.#free.length,
-      residentChunks: this.#index.size,
-      pinnedKind: this.#kind,
-      pinReason: this.#pinReason,
-      skippedFull: this.#skippedFull,
-      liveReservations: this.#liveReservations,
-      livePins: this.#livePins,
+      capacityBytes: p.slots * this.slotBytes,
+      usedBytes: (p.slots - p.free.length) * this.slotBytes,
+      slots: p.slots,
+      freeSlots: p.free.length,
+      residentChunks: this.#owner ? p.index.size : this.#keys().length,
+      pinnedKind: p.kind,
+      pinReason: p.pinReason,
+      skippedFull: p.skippedFull,
+      liveReservations: p.liveReservations,
+      livePins: p.livePins,
     }
   }
 
+  /** This view's keys in the pool (a scoped view; the owner's view is the whole index). */
+  #keys(): string[] {
+    const out: string[] = []
+    for (const [k, e] of this.#pool.index.entries()) if (e.scope === this.#scope) out.push(k)
+    return out
+  }
+
+  /** Drops this view's chunks (all of them, for the pool's own view). */
   clear(): void {
-    this.#index.clear()
+    if (this.#owner) this.#pool.index.clear()
+    else for (const k of this.#keys()) this.#pool.index.delete(k)
   }
 
   /**
    * Empties the index and returns pinned regions to the addon now rather than
    * at garbage collection. Views handed out earlier read as empty afterwards.
+   * A scoped view only drops its own chunks: the pool lives until its owner is disposed.
    */
   dispose(): void {
-    this.#index.clear()
-    if (!this.#native) return
-    for (const r of this.#regions) {
+    this.clear()
+    if (!this.#owner) return
+    const p = this.#pool
+    if (!p.native) return
+    for (const r of p.regions) {
       try {
-        this.#native.freePinned(r.buffer as ArrayBuffer)
+        p.native.freePinned(r.buffer as ArrayBuffer)
       } catch {
         // Busy (an addon copy still runs) or not a pinned buffer: the GC frees it later.
       }
@@ -344,6 +429,7 @@ export class MemoryTier {
 async function allocateRegion(
   size: number,
   native: NativeModule | undefined,
+  prefault: boolean,
 ): Promise<{
   bytes: Uint8Array
   kind: MemoryTierStats['pinnedKind']
@@ -353,11 +439,14 @@ async function allocateRegion(
   let reason = 'native addon not loaded: ordinary (pageable) memory'
   if (native) {
     try {
-      const a = await native.allocPinned(size)
+      const a = await native.allocPinned(size, { prefault })
       return { bytes: new Uint8Array(a.buffer), kind: a.kind, reason: a.reason, fromAddon: true }
     } catch (e) {
       reason = `allocPinned failed (${(e as Error).message}): ordinary (pageable) memory`
     }
   }
-  return { bytes: new Uint8Array(new ArrayBuffer(size)), kind: 'none', reason, fromAddon: false }
+  const bytes = new Uint8Array(new ArrayBuffer(size))
+  // Without the addon, touching one byte per page faults the (zeroed) pages in all the same.
+  if (prefault) for (let i = 0; i < size; i += PAGE) bytes[i] = 0
+  return { bytes, kind: 'none', reason, fromAddon: false }
 }
