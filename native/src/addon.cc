@@ -24,7 +24,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   InitIo(env, exports);
   InitMmap(env, exports);
   // Bumped when the JS-facing contract changes; the loader refuses a stale build.
-  exports.Set("abiVersion", Napi::Number::New(env, 3));
+  exports.Set("abiVersion", Napi::Number::New(env, 4));
   return exports;
 }
 
