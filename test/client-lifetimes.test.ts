@@ -6,7 +6,7 @@
 import { setFlagsFromString } from 'node:v8'
 import { runInNewContext } from 'node:vm'
 import { afterEach, describe, expect, it } from 'vitest'
-import { CodecPool } from '../src/client/codec-pool.ts'
+import { CodecBusyError, CodecPool } from '../src/client/codec-pool.ts'
 import { KVCache } from '../src/client/index.ts'
 import { StorageManager } from '../src/client/storage-manager.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
@@ -317,7 +317,12 @@ describe('write-behind memory', () => {
   const bigCB = chunkBytes(big, T) // 512 KiB
 
   /** A storage manager over `memory` and a fresh L2 directory, and the keys of a 32-chunk prompt. */
-  async function writeBehindSetup(memory: MemoryTier, codec: CodecPool, writeBehindBytes: number) {
+  async function writeBehindSetup(
+    memory: MemoryTier,
+    codec: CodecPool,
+    writeBehindBytes: number,
+    diskCodec: 'raw' | 'lossless' = 'raw',
+  ) {
     const ns: KeyNamespace = { modelId: big.modelId, geometry: big, chunkTokens: T, scheme: 'sha256-v1' }
     const { mkdtempSync, rmSync } = await import('node:fs')
     const dir = mkdtempSync('/tmp/kvgate-wb-')
@@ -332,6 +337,7 @@ describe('write-behind memory', () => {
       disk,
       codec,
       writeBehindBytes,
+      diskCodec,
     })
     const keys = chainKeys(
       Array.from({ length: 32 * T }, (_, i) => i % 1000),
@@ -339,6 +345,37 @@ describe('write-behind memory', () => {
     )
     return { m, disk, keys }
   }
+
+  it('a codec pool that is busy makes an L2 chunk a miss; the file is kept, not counted corrupt', async () => {
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+    const codec = new CodecPool(0)
+    const { m, disk, keys } = await writeBehindSetup(memory, codec, 64 * bigCB, 'lossless')
+    const few = keys.slice(0, 3)
+    await m.store(few, (i, dst) => void dst.fill(i + 1))
+    await m.flush()
+    expect(disk.stats().files).toBe(3)
+    memory.clear()
+    const decodeInto = codec.decodeInto.bind(codec)
+    codec.decodeInto = async () => {
+      throw new CodecBusyError('codec pool queue is full (test)')
+    }
+    const got: number[] = []
+    const run = await m.retrieve(few, (i) => void got.push(i), { tiers: ['disk', 'disk', 'disk'] })
+    expect(got).toEqual([])
+    expect(run.served).toBe(0)
+    expect(disk.stats().files).toBe(3)
+    expect(disk.counters.corrupt).toBe(0)
+    expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+    // Once the pool has room again the same files serve exact bytes.
+    codec.decodeInto = decodeInto
+    const seen: number[] = []
+    const r2 = await m.retrieve(few, (i, t) => void seen.push(t.every((b) => b === i + 1) ? i : -1), {
+      tiers: ['disk', 'disk', 'disk'],
+    })
+    expect(r2.served).toBe(3)
+    expect(seen).toEqual([0, 1, 2])
+    m.close()
+  })
 
   it('copies beyond L1 stay within the byte budget and encode a few at a time; the rest is shed and counted', async () => {
     // L1 holds 4 chunks: the other 28 of the store need private copies, which the budget bounds.

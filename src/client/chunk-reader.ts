@@ -8,7 +8,7 @@ import type { ChunkKey } from '../core/keys.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import type { CalibrationStore } from './calibration-store.ts'
 import { type ChunkIdentity, checkIdentity, maxObjectBytes, openLayerGroup } from './chunk-codec.ts'
-import type { CodecPool } from './codec-pool.ts'
+import { CodecBusyError, type CodecPool } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
 import type { CopyGate } from './native.ts'
 import type { DiskTier, ReadSink } from './tiers/disk.ts'
@@ -41,6 +41,15 @@ export interface ChunkReaderOptions {
 
 /** A valid object names a calibration this node cannot get: a miss, not corruption (nothing is deleted or reported). */
 class CalibrationUnavailable extends Error {}
+
+/**
+ * A failure that says nothing about the object's bytes: its calibration cannot be had, or the
+ * codec pool's queue was full (load, not damage). Such a chunk is a plain miss; deleting the L2
+ * file or reporting the L4 object as corrupt would throw good data away under load.
+ */
+function notAboutTheBytes(e: unknown): boolean {
+  return e instanceof CalibrationUnavailable || e instanceof CodecBusyError
+}
 
 export class ChunkReader {
   readonly #o: ChunkReaderOptions
@@ -88,7 +97,7 @@ export class ChunkReader {
         if (sink && read?.copied) sink.copied = true
         return placed
       } catch (e) {
-        if (e instanceof CalibrationUnavailable) return undefined
+        if (notAboutTheBytes(e)) return undefined
         // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
         disk.counters.corrupt++
         await disk.delete(k.hex)
@@ -115,7 +124,7 @@ export class ChunkReader {
         checkIdentity(h, this.#o.identity(k))
         return await this.#place(k, object, h, r)
       } catch (e) {
-        if (e instanceof CalibrationUnavailable) return undefined
+        if (notAboutTheBytes(e)) return undefined
         // Counted, no longer believed present, and reported to the gateway's verify endpoint.
         remote.reportCorrupt(k.hex)
         return undefined
@@ -182,7 +191,7 @@ export class ChunkReader {
       for (const [i, s] of slabs.entries()) out.set(first + i, s)
       return out
     } catch (e) {
-      if (!(e instanceof CalibrationUnavailable)) remote.reportCorrupt(k.hex)
+      if (!notAboutTheBytes(e)) remote.reportCorrupt(k.hex)
       return undefined
     }
   }
