@@ -86,7 +86,7 @@ export interface KVCacheOptions {
   layersPerRequest?: number
   /** Try the native addon for pinned memory and GPU copies. @default true */
   native?: boolean
-  /** Worker threads for lossless/kvgate encode and decode (0: on the calling thread). @default cores − 1, at most 4 */
+  /** Worker threads for lossless/kvgate encode and decode (0: on the calling thread). @default cores − 1, at most 16 */
   codecWorkers?: number
   /**
    * Bytes of private copies held at once for background L2/L4 writes (chunks L1 could
