@@ -16,7 +16,7 @@ import {
 } from '../src/codec/node.ts'
 import { wasmCodec } from '../src/codec/runtime.ts'
 import { crc32 } from '../src/core/checksum.ts'
-import { decodeHeader } from '../src/core/format.ts'
+import { decodeHeader, encodeChunk as encodeChunkObject } from '../src/core/format.ts'
 import type { KvGeometry } from '../src/core/layout.ts'
 import { syntheticKv as modelKv } from '../src/model/index.ts'
 import { metaFor, syntheticKv, tensorOf } from './codec-fixtures.ts'
@@ -117,6 +117,13 @@ describe('calibration object', () => {
       const obj = encodeChunk(t, metaFor(g, T), { mode, calibration: cal })
       expect(decodeHeader(obj).formatVersion).toBe(1)
     }
+    // A v2 header on another codec's sections (never written, but a writer may be hostile)
+    // still decodes them with that codec.
+    const q8 = encodeChunk(t, metaFor(g, T), { mode: 'q8' })
+    const h = decodeHeader(q8)
+    const sections = h.sections.map((x) => q8.subarray(x.offset, x.offset + x.length))
+    const q8v2 = encodeChunkObject({ ...h, calibration: cal.hash }, sections)
+    expect(Buffer.from(decodeChunk(q8v2, { calibration: cal }))).toEqual(Buffer.from(decodeChunk(q8)))
     const g2 = { ...g, kvHeads: 2 }
     expect(() => encodeChunk(chunk(1, g2), metaFor(g2, T), { mode: 'kvgate', calibration: cal })).toThrow(
       /calibration .* is for 2×4×16 fp16/,

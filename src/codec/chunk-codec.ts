@@ -263,7 +263,17 @@ export function decodeSection(
       break
     }
     default:
-      wasmCodec().decodeSection(header.codec, section, DTYPE_CODES[g.dtype], t, c, dst, blobs?.[layer])
+      // Only kvgate sections are coded against a calibration (other codecs never write v2,
+      // and a v2 header on one must not turn its section into a kvgate one).
+      wasmCodec().decodeSection(
+        header.codec,
+        section,
+        DTYPE_CODES[g.dtype],
+        t,
+        c,
+        dst,
+        header.codec === 'kvgate' ? blobs?.[layer] : undefined,
+      )
   }
   return dst
 }
