@@ -51,6 +51,14 @@ describe('calibration object', () => {
     )
   })
 
+  it('keeps its own copy of the bytes (a Node Buffer the caller reuses does not change it)', () => {
+    const buf = Buffer.from(bytes)
+    const opened = openCalibration(buf)
+    buf.fill(0)
+    expect(sha(opened.bytes)).toBe(cal.hash)
+    expect(opened.hash).toBe(cal.hash)
+  })
+
   it('refuses bad samples and geometries', () => {
     expect(() => buildCalibration([], { geometry: g, dtype: 'fp16' })).toThrow(/samples/)
     expect(() => buildCalibration([new Uint8Array(7)], { geometry: g, dtype: 'fp16' })).toThrow(

@@ -275,7 +275,8 @@ export function openCalibration(bytes: Uint8Array): Calibration {
   if (!(bytes instanceof Uint8Array)) bad('not bytes')
   if (bytes.byteLength < FIXED_BYTES + 8) bad(`${bytes.byteLength} bytes is too short`)
   if (bytes.byteLength > MAX_CALIBRATION_BYTES) bad(`${bytes.byteLength} bytes is over the limit`)
-  const copy = bytes.slice()
+  // A copy in its own ArrayBuffer (a Node Buffer's slice() would share the caller's memory).
+  const copy = new Uint8Array(bytes)
   const dv = new DataView(copy.buffer)
   if (dv.getUint32(0, true) !== MAGIC) bad('bad magic')
   if (dv.getUint16(4, true) !== VERSION) bad(`version ${dv.getUint16(4, true)} is not supported`)

@@ -10,6 +10,8 @@ use crate::rans::{
     class_partition, decode_block, decode_symbols, encode_symbols, fill_table, plan_classes,
     read_freqs, uninit_vec, write_classes, write_table, MAX_CLASSES, PROB_BITS, PROB_SCALE,
 };
+use std::cell::RefCell;
+use std::rc::Rc;
 
 /// Symbols 0..DIRECT are zigzag residuals; above, (bucket, extra raw bits).
 const DIRECT: u32 = 64;
@@ -90,14 +92,18 @@ impl<'a> StreamCal<'a> {
         self.offsets.len() - 1
     }
 
-    /// Table set `g`: `k` validated tables over the lossy alphabet.
-    pub fn set(&self, g: usize) -> Option<Vec<Vec<u32>>> {
+    /// The bytes of table set `g` (unvalidated).
+    fn set_bytes(&self, g: usize) -> Option<&'a [u8]> {
         if g >= self.sets() {
             return None;
         }
-        let bytes = self
-            .area
-            .get(self.offsets[g] as usize..self.offsets[g + 1] as usize)?;
+        self.area
+            .get(self.offsets[g] as usize..self.offsets[g + 1] as usize)
+    }
+
+    /// Table set `g`: `k` validated tables over the lossy alphabet.
+    pub fn set(&self, g: usize) -> Option<Vec<Vec<u32>>> {
+        let bytes = self.set_bytes(g)?;
         let mut r = Reader::new(bytes);
         let mut tables = Vec::with_capacity(self.k);
         for _ in 0..self.k {
@@ -108,6 +114,50 @@ impl<'a> StreamCal<'a> {
         }
         Some(tables)
     }
+}
+
+/// Decode tables of recently used calibrated table sets, keyed by their bytes (and class
+/// count), so a stale entry cannot match. A small stream (a 64-token chunk of a small model:
+/// 2,048 symbols) otherwise spends longer filling 8 × 2,048 table entries than decoding.
+const DEC_CACHE_ENTRIES: usize = 16;
+
+thread_local! {
+    static DEC_CACHE: RefCell<Vec<(Vec<u8>, Rc<Vec<u32>>)>> = RefCell::new(Vec::new());
+}
+
+/// Decode tables (k · PROB_SCALE entries) of set `g`, built or reused.
+fn set_decode_tables(k: &StreamCal, g: usize) -> Option<Rc<Vec<u32>>> {
+    let bytes = k.set_bytes(g)?;
+    let same =
+        |key: &[u8]| key.len() == bytes.len() + 1 && key[0] as usize == k.k && &key[1..] == bytes;
+    let hit = DEC_CACHE.with(|c| {
+        let mut c = c.borrow_mut();
+        let i = c.iter().position(|(key, _)| same(key))?;
+        let e = c.remove(i);
+        let d = e.1.clone();
+        c.push(e);
+        Some(d)
+    });
+    if hit.is_some() {
+        return hit;
+    }
+    let tables = k.set(g)?;
+    let mut dec: Vec<u32> = uninit_vec(k.k * PROB_SCALE as usize);
+    for (cls, f) in tables.iter().enumerate() {
+        fill_table(f, &mut dec[cls * PROB_SCALE as usize..]);
+    }
+    let d = Rc::new(dec);
+    DEC_CACHE.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() >= DEC_CACHE_ENTRIES {
+            c.remove(0);
+        }
+        let mut key = Vec::with_capacity(bytes.len() + 1);
+        key.push(k.k as u8);
+        key.extend_from_slice(bytes);
+        c.push((key, d.clone()));
+    });
+    Some(d)
 }
 
 /// A layer's calibration blob: `u32 len, K stream calibration, V stream calibration`.
@@ -1278,11 +1328,7 @@ pub fn decode_stream(
                     .collect();
                 decode_symbols(r, t, c, n, &cbase, &dec, syms)?;
             } else {
-                let tables = k.set(g as usize)?;
-                let mut dec: Vec<u32> = uninit_vec(k.k * PROB_SCALE as usize);
-                for (cls, f) in tables.iter().enumerate() {
-                    fill_table(f, &mut dec[cls * PROB_SCALE as usize..]);
-                }
+                let dec = set_decode_tables(k, g as usize)?;
                 let cbase: Vec<u32> = k.class_of.iter().map(|&v| v as u32 * PROB_SCALE).collect();
                 decode_symbols(r, t, c, k.k, &cbase, &dec, syms)?;
             }
