@@ -211,6 +211,26 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     expect(cur.status).toBe(502)
   })
 
+  it('a stored object that is not its name is dropped, so a node holding the real bytes puts it back', async () => {
+    const { store, prefix } = await gateway()
+    const a = calib(13)
+    const h = sha(a)
+    const name = calibrationObjectName(prefix, 'team', h)
+    const rotten = a.slice()
+    rotten[60]! ^= 0x04
+    await store.putIfAbsent(name, rotten, rotten.length)
+    const reader = createGateway({ store, prefix })
+    const bad = await reader.request(`/v1/ns/team/calibrations/${h}`, { method: 'HEAD' })
+    expect(bad.status).toBe(502)
+    // What a holder's refresh does (CalibrationStore#loadCurrent): HEAD, then on a 404 a create-only PUT.
+    const head = await reader.request(`/v1/ns/team/calibrations/${h}`, { method: 'HEAD' })
+    expect(head.status).toBe(404)
+    expect((await reader.request(...putCalib(a))).status).toBe(201)
+    const g = await createGateway({ store, prefix }).request(`/v1/ns/team/calibrations/${h}`)
+    expect(g.status).toBe(200)
+    expect(new Uint8Array(await g.arrayBuffer())).toEqual(a)
+  })
+
   it('verifies and serves a calibrated (format v2) chunk whole and by layers; a zeroed hash is refused', async () => {
     const { app } = await gateway()
     const v1 = makeChunk({ layers: 5, sectionBytes: 300 })

@@ -144,7 +144,14 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     const obj = await state.store.get(name)
     if (!obj) return undefined
     const bytes = await readWhole(obj, max)
-    if ((await sha256Hex(bytes)) !== hash) throw corrupt('its SHA-256 is not its name')
+    if ((await sha256Hex(bytes)) !== hash) {
+      // Named by their SHA-256, these bytes can never be this calibration (bit rot, a bad
+      // restore). Left there, every HEAD would answer 502 and a create-only PUT "exists", so
+      // no node holding the real bytes could put them back: drop them, as a corrupt chunk is.
+      await state.store.delete(name)
+      state.metrics.calibrations.inc({ op: 'get', result: 'corrupt' })
+      throw corrupt('its SHA-256 is not its name')
+    }
     bodies.set(name, bytes)
     return bytes
   }
