@@ -231,6 +231,34 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     expect(new Uint8Array(await g.arrayBuffer())).toEqual(a)
   })
 
+  it('calibration uploads count against the bytes in flight: past the bound, 503 ERR_BUSY', async () => {
+    const { app } = await gateway({ maxInFlightBytes: 300 })
+    const a = calib(14)
+    const b = calib(15)
+    let finish!: () => void
+    const held = new Promise<void>((r) => {
+      finish = r
+    })
+    // An upload whose body is still arriving holds its declared bytes.
+    const slow = new ReadableStream<Uint8Array>({
+      async start(ctl) {
+        ctl.enqueue(a.subarray(0, 100))
+        await held
+        ctl.enqueue(a.subarray(100))
+        ctl.close()
+      },
+    })
+    const [url, init] = putCalib(a)
+    const first = app.request(url, { ...init, body: slow, duplex: 'half' } as RequestInit)
+    await new Promise((r) => setTimeout(r, 20))
+    const second = await app.request(...putCalib(b))
+    expect([second.status, await errCode(second)]).toEqual([503, 'ERR_BUSY'])
+    finish()
+    expect((await first).status).toBe(201)
+    // Released: the next upload goes through.
+    expect((await app.request(...putCalib(b))).status).toBe(201)
+  })
+
   it('verifies and serves a calibrated (format v2) chunk whole and by layers; a zeroed hash is refused', async () => {
     const { app } = await gateway()
     const v1 = makeChunk({ layers: 5, sectionBytes: 300 })

@@ -164,7 +164,23 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
       throw unsupportedMediaType(
         `calibration uploads must be application/octet-stream, got ${JSON.stringify(type || 'none')}`,
       )
-    const bytes = await requestBytes(c, max, 'calibration')
+    // Read whole before it is checked: each upload's bytes count against the gateway's bound
+    // on bytes in flight, as a chunk PUT's do (16 MiB bodies, any number of them at once).
+    const declared = Number(c.req.header('content-length') ?? 0)
+    const inFlight = state.inFlight
+    if (declared <= max && inFlight.bytes > 0 && inFlight.bytes + declared > state.limits.maxInFlightBytes) {
+      state.metrics.busy.inc({ what: 'calibration' })
+      c.header('retry-after', '1')
+      throw new KvgateError('ERR_BUSY', 'too many upload bytes in flight; retry later', { status: 503 })
+    }
+    let bytes: Uint8Array
+    const held = Number.isSafeInteger(declared) && declared <= max ? declared : 0
+    inFlight.bytes += held
+    try {
+      bytes = await requestBytes(c, max, 'calibration')
+    } finally {
+      inFlight.bytes -= held
+    }
     if (bytes.length < MIN_CALIBRATION_BYTES)
       throw new KvgateError('ERR_FORMAT_TRUNCATED', `a ${bytes.length}-byte body cannot be a calibration`, {
         status: 400,
