@@ -329,3 +329,25 @@ describe('calibration routes and auth', () => {
     ).toBe(403)
   })
 })
+
+describe('calibration reads on a cold gateway', () => {
+  it('concurrent GETs of one calibration read and hash it once (a fleet restarting holds one copy)', async () => {
+    const store = new MemoryStore()
+    const a = calib(16, 64 * 1024)
+    expect((await createGateway({ store }).request(...putCalib(a))).status).toBe(201)
+    let reads = 0
+    const get = store.get.bind(store)
+    store.get = async (name, opts) => {
+      if (name.includes('/_calibration/')) reads++
+      // A store read takes a while: the requests below all arrive before the first is answered.
+      await new Promise((r) => setTimeout(r, 20))
+      return get(name, opts)
+    }
+    const cold = createGateway({ store })
+    const answers = await Promise.all(
+      Array.from({ length: 16 }, () => cold.request(`/v1/ns/team/calibrations/${sha(a)}`)),
+    )
+    for (const r of answers) expect(new Uint8Array(await r.arrayBuffer())).toEqual(a)
+    expect(reads).toBe(1)
+  })
+})

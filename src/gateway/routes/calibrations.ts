@@ -129,6 +129,8 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
   // Immutable, content-addressed bodies: a bounded cache can never serve a stale one.
   const bodies = state.calibrations
   const current = new Map<string, { hash: string; at: number }>()
+  /** Store reads in progress by object name: a fleet asking for one calibration at once reads it once. */
+  const reading = new Map<string, Promise<Uint8Array | undefined>>()
 
   /** The verified bytes of calibration `hash`, or undefined when the store has none. */
   async function load(ns: string, hash: string): Promise<Uint8Array | undefined> {
@@ -141,6 +143,14 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
       bodies.delete(name)
       return undefined
     }
+    const running = reading.get(name)
+    if (running) return running
+    const p = readVerified(name, hash).finally(() => reading.delete(name))
+    reading.set(name, p)
+    return p
+  }
+
+  async function readVerified(name: string, hash: string): Promise<Uint8Array | undefined> {
     const obj = await state.store.get(name)
     if (!obj) return undefined
     const bytes = await readWhole(obj, max)
