@@ -351,3 +351,32 @@ describe('calibration reads on a cold gateway', () => {
     expect(reads).toBe(1)
   })
 })
+
+describe('calibration reads that the store cuts short', () => {
+  it('a store read that fails mid-body is a store fault (ERR_STORE), not a corrupt object, and keeps it', async () => {
+    const store = new MemoryStore()
+    const a = calib(17, 4096)
+    expect((await createGateway({ store }).request(...putCalib(a))).status).toBe(201)
+    const get = store.get.bind(store)
+    let failing = true
+    store.get = async (name, opts) => {
+      const obj = await get(name, opts)
+      if (!obj || !failing || !name.includes('/_calibration/')) return obj
+      // The connection to the store drops after the first piece.
+      const cut = new ReadableStream<Uint8Array>({
+        start(ctl) {
+          ctl.enqueue(a.subarray(0, 100))
+          ctl.error(new Error('socket hang up'))
+        },
+      })
+      return { ...obj, body: cut }
+    }
+    const app = createGateway({ store })
+    const r = await app.request(`/v1/ns/team/calibrations/${sha(a)}`)
+    expect(r.status).toBe(502)
+    expect(await errCode(r)).toBe('ERR_STORE')
+    failing = false
+    const ok = await app.request(`/v1/ns/team/calibrations/${sha(a)}`)
+    expect(new Uint8Array(await ok.arrayBuffer())).toEqual(a)
+  })
+})

@@ -9,7 +9,7 @@
 
 import type { Context, Hono } from 'hono'
 import { calibrationObjectName, currentCalibrationName } from '../../coldtier/names.ts'
-import { KvgateError } from '../../core/errors.ts'
+import { KvgateError, StoreError } from '../../core/errors.ts'
 import { assertNamespaceName, isKeyHex, toHex } from '../../core/keys.ts'
 import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
@@ -62,7 +62,9 @@ async function readWhole(obj: StoreObject, max: number): Promise<Uint8Array> {
   try {
     return await collectBody(obj.body, obj.length)
   } catch (e) {
-    throw corrupt((e as Error).message)
+    // A read the store broke off or cut short says nothing about the object's bytes:
+    // only a whole body that is not its name is corrupt (and deleted, see load()).
+    throw new StoreError(`reading the stored calibration failed: ${(e as Error).message}`)
   }
 }
 
