@@ -380,3 +380,26 @@ describe('calibration reads that the store cuts short', () => {
     expect(new Uint8Array(await ok.arrayBuffer())).toEqual(a)
   })
 })
+
+describe('calibration uploads held until stored', () => {
+  it('an upload the store is still writing keeps its bytes in flight', async () => {
+    const store = new MemoryStore()
+    let finish!: () => void
+    const held = new Promise<void>((r) => {
+      finish = r
+    })
+    const put = store.putIfAbsent.bind(store)
+    store.putIfAbsent = async (name, body, size) => {
+      await held
+      return put(name, body, size)
+    }
+    const app = createGateway({ store, limits: { maxInFlightBytes: 300 } })
+    const first = app.request(...putCalib(calib(18)))
+    await new Promise((r) => setTimeout(r, 20))
+    const second = await app.request(...putCalib(calib(19)))
+    expect([second.status, await errCode(second)]).toEqual([503, 'ERR_BUSY'])
+    finish()
+    expect((await first).status).toBe(201)
+    expect((await app.request(...putCalib(calib(19)))).status).toBe(201)
+  })
+})

@@ -185,14 +185,18 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
       c.header('retry-after', '1')
       throw new KvgateError('ERR_BUSY', 'too many upload bytes in flight; retry later', { status: 503 })
     }
-    let bytes: Uint8Array
     const held = Number.isSafeInteger(declared) && declared <= max ? declared : 0
     inFlight.bytes += held
     try {
-      bytes = await requestBytes(c, max, 'calibration')
+      return await storeUpload(c, ns, hash)
     } finally {
+      // The body stays in memory until the store has it (S3: a whole PUT round trip).
       inFlight.bytes -= held
     }
+  })
+
+  async function storeUpload(c: Context<GatewayEnv>, ns: string, hash: string): Promise<Response> {
+    const bytes = await requestBytes(c, max, 'calibration')
     if (bytes.length < MIN_CALIBRATION_BYTES)
       throw new KvgateError('ERR_FORMAT_TRUNCATED', `a ${bytes.length}-byte body cannot be a calibration`, {
         status: 400,
@@ -217,7 +221,7 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     c.set('bytes', bytes.length)
     state.metrics.calibrations.inc({ op: 'put', result })
     return c.json({ status: result, hash, bytes: bytes.length }, result === 'created' ? 201 : 200)
-  })
+  }
 
   app.get('/v1/ns/:ns/calibrations/:hash', async (c) => {
     const ns = target(c, 'read')
