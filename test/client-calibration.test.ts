@@ -123,6 +123,30 @@ describe('CalibrationStore', () => {
     rmSync(dir, { recursive: true, force: true })
   })
 
+  it('a directory shared by two models: one refuses the other’s calibration and leaves its file', async () => {
+    const f = fakeRemote()
+    const dir = tmp()
+    const g2 = { ...g, kvHeads: 2 }
+    const theirs = buildCalibration([new Uint8Array(chunkBytes(g2, 4)).fill(0x31)], {
+      geometry: g2,
+      dtype: g2.dtype,
+    })
+    const h = sha(theirs)
+    f.objects.set(h, theirs)
+    const owner = new CalibrationStore({ codec, geometry: g2, remote: f.remote, dir })
+    expect((await owner.get(h))?.hash).toBe(h)
+    // The other model's cache, same L2 directory (e.g. the same gateway namespace names it current).
+    const other = new CalibrationStore({ codec, geometry: g, remote: f.remote, dir })
+    expect(await other.get(h)).toBeUndefined()
+    expect(other.stats().rejected).toBeGreaterThan(0)
+    expect(readdirSync(dir)).toContain(`${h}.kvcl`)
+    // The owner restarted with the gateway gone still has it.
+    f.setReachable(false)
+    const restarted = new CalibrationStore({ codec, geometry: g2, remote: f.remote, dir })
+    expect((await restarted.get(h))?.hash).toBe(h)
+    rmSync(dir, { recursive: true, force: true })
+  })
+
   it('a calibration the gateway lacks is not asked for again at once; an unreachable one is', async () => {
     const f = fakeRemote()
     const s = new CalibrationStore({ codec, geometry: g, remote: f.remote })

@@ -192,23 +192,32 @@ export class CalibrationStore {
 
   /** Bytes that are calibration `hash` and that the codec accepts for this geometry, opened; else undefined. */
   #accept(hash: string, bytes: Uint8Array): Calibration | undefined {
+    const c = this.#check(hash, bytes)
+    return typeof c === 'string' ? undefined : c
+  }
+
+  /** #accept, telling damaged bytes from a sound calibration of another model ('foreign'). */
+  #check(hash: string, bytes: Uint8Array): Calibration | 'damaged' | 'foreign' {
+    let c: Calibration
     try {
       if (sha256Hex(bytes) !== hash) throw new Error('hash mismatch')
-      const c = this.#codec.open(bytes)
-      const g = c.geometry
-      const want = this.#geometry
-      if (
-        g.layers !== want.layers ||
-        g.kvHeads !== want.kvHeads ||
-        g.headDim !== want.headDim ||
-        c.dtype !== want.dtype
-      )
-        throw new Error('geometry mismatch')
-      return c
+      c = this.#codec.open(bytes)
     } catch {
       this.#stats.rejected++
-      return undefined
+      return 'damaged'
     }
+    const g = c.geometry
+    const want = this.#geometry
+    if (
+      g.layers !== want.layers ||
+      g.kvHeads !== want.kvHeads ||
+      g.headDim !== want.headDim ||
+      c.dtype !== want.dtype
+    ) {
+      this.#stats.rejected++
+      return 'foreign'
+    }
+    return c
   }
 
   async #readPersisted(hash: string): Promise<Calibration | undefined> {
@@ -220,10 +229,11 @@ export class CalibrationStore {
     } catch {
       return undefined
     }
-    const c = this.#accept(hash, new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength))
-    // A damaged file is dropped, so the gateway's copy replaces it.
-    if (!c) await rm(path, { force: true }).catch(() => {})
-    return c
+    const c = this.#check(hash, new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength))
+    // A damaged file is dropped, so the gateway's copy replaces it. A sound one of another
+    // geometry belongs to another model sharing this L2 directory: its file, kept.
+    if (c === 'damaged') await rm(path, { force: true }).catch(() => {})
+    return typeof c === 'string' ? undefined : c
   }
 
   async #persist(c: Calibration): Promise<void> {
