@@ -19,7 +19,8 @@ export interface CalibrationRemote {
   /** HEAD: whether the gateway holds it (undefined: unreachable). */
   hasCalibration(hash: string): Promise<boolean | undefined>
   currentCalibration(): Promise<string | null | undefined>
-  putCalibration(hash: string, bytes: Uint8Array): Promise<boolean>
+  /** True: stored (or already there); 'refused': never for these bytes (size cap, scope); false: unreachable. */
+  putCalibration(hash: string, bytes: Uint8Array): Promise<boolean | 'refused'>
   setCurrentCalibration(hash: string): Promise<string | undefined>
 }
 
@@ -109,6 +110,8 @@ export class CalibrationStore {
   #refreshing: Promise<void> | undefined
   #samples: Uint8Array[] = []
   #building: Promise<void> | undefined
+  /** The gateway refused a calibration this node built for good: building another is wasted work. */
+  #refused = false
   #closed = false
   readonly #stats = {
     loaded: 0,
@@ -295,7 +298,7 @@ export class CalibrationStore {
     }
     this.#cache.set(hash, held)
     if ((await this.#remote!.hasCalibration(hash)) !== false) return
-    if (await this.#remote!.putCalibration(hash, held.bytes)) this.#stats.restored++
+    if ((await this.#remote!.putCalibration(hash, held.bytes)) === true) this.#stats.restored++
   }
 
   /**
@@ -305,7 +308,8 @@ export class CalibrationStore {
    * one is built from them, published and the winner adopted.
    */
   observe(tensor: Uint8Array): void {
-    if (this.#closed || this.#o.calibrateAfter <= 0 || !this.#remote || this.#building) return
+    if (this.#closed || this.#refused || this.#o.calibrateAfter <= 0 || !this.#remote || this.#building)
+      return
     if (this.#current?.hash) return // calibrated
     if (this.#samples.length < this.#o.calibrateAfter) this.#samples.push(tensor.slice())
     if (this.#current === undefined) void this.refresh().then(() => this.#maybeBuild())
@@ -347,7 +351,13 @@ export class CalibrationStore {
     if (!mine) return undefined
     this.#cache.set(hash, mine)
     await this.#persist(mine)
-    if (!(await remote.putCalibration(hash, mine.bytes))) return undefined
+    const stored = await remote.putCalibration(hash, mine.bytes)
+    if (stored === 'refused') {
+      // Another build gives an object of about the same size, for the same gateway: refused too.
+      this.#refused = true
+      this.#samples = []
+    }
+    if (stored !== true) return undefined
     const winner = await remote.setCurrentCalibration(hash)
     if (!winner) return undefined
     if (winner === hash) this.#stats.won++
