@@ -253,13 +253,20 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
   async function readCurrent(ns: string, fresh: boolean): Promise<string | undefined> {
     const known = current.get(ns)
     if (known && !fresh && Date.now() - known.at < CURRENT_TTL_MS) return known.hash
-    const obj = await state.store.get(currentCalibrationName(state.prefix, ns))
+    const name = currentCalibrationName(state.prefix, ns)
+    const obj = await state.store.get(name)
     if (!obj) {
       current.delete(ns)
       return undefined
     }
     const hash = parsePointer(await readWhole(obj, MAX_POINTER_BYTES))
-    if (hash === undefined) throw corrupt(`the current pointer of namespace ${ns} is not {"hash": <sha256>}`)
+    if (hash === undefined) {
+      // Create-only, a pointer that is not one would block the namespace for good (every GET
+      // and PUT a 502). Chunks name their calibration by hash, not through it: drop it.
+      await state.store.delete(name)
+      current.delete(ns)
+      throw corrupt(`the current pointer of namespace ${ns} is not {"hash": <sha256>}`)
+    }
     current.set(ns, { hash, at: Date.now() })
     return hash
   }
