@@ -105,6 +105,12 @@ export class CalibrationStore {
   readonly #loading = new Map<string, Promise<Calibration | undefined>>()
   /** Hashes the gateway answered 404 (or invalid bytes) for, with when. */
   readonly #missing = new Map<string, number>()
+  /**
+   * Hashes of sound calibrations of another geometry (another model's, in a shared directory or
+   * namespace): never this cache's, whatever asks. Without this, a current pointer naming one
+   * made each encode read, hash and open its file again.
+   */
+  readonly #foreign = new Set<string>()
   /** Current: a hash, null (the namespace has none) or undefined (not known); when it was learnt. */
   #current: { hash: string | null; at: number } | undefined
   #refreshing: Promise<void> | undefined
@@ -149,7 +155,7 @@ export class CalibrationStore {
    * Undefined when none of them has a valid one.
    */
   async get(hash: string): Promise<Calibration | undefined> {
-    if (!HASH.test(hash)) return undefined
+    if (!HASH.test(hash) || this.#foreign.has(hash)) return undefined
     const hit = this.#cache.get(hash)
     if (hit) return hit
     let p = this.#loading.get(hash)
@@ -174,7 +180,7 @@ export class CalibrationStore {
       this.#cache.set(hash, local)
       return local
     }
-    if (!this.#remote || this.#closed) return undefined
+    if (!this.#remote || this.#closed || this.#foreign.has(hash)) return undefined
     const missedAt = this.#missing.get(hash)
     if (missedAt !== undefined && performance.now() - missedAt < MISSING_TTL_MS) return undefined
     const bytes = await this.#remote.getCalibration(hash, this.#o.maxBytes)
@@ -218,6 +224,9 @@ export class CalibrationStore {
       c.dtype !== want.dtype
     ) {
       this.#stats.rejected++
+      this.#foreign.add(hash)
+      if (this.#foreign.size > MAX_MISSING)
+        this.#foreign.delete(this.#foreign.values().next().value as string)
       return 'foreign'
     }
     return c
