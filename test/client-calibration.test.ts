@@ -123,6 +123,32 @@ describe('CalibrationStore', () => {
     rmSync(dir, { recursive: true, force: true })
   })
 
+  it('a directory shared by two models: one refuses the other’s calibration and leaves its file', async () => {
+    const f = fakeRemote()
+    const dir = tmp()
+    const g2 = { ...g, kvHeads: 2 }
+    const theirs = buildCalibration([new Uint8Array(chunkBytes(g2, 4)).fill(0x31)], {
+      geometry: g2,
+      dtype: g2.dtype,
+    })
+    const h = sha(theirs)
+    f.objects.set(h, theirs)
+    const owner = new CalibrationStore({ codec, geometry: g2, remote: f.remote, dir })
+    expect((await owner.get(h))?.hash).toBe(h)
+    // The other model's cache, same L2 directory (e.g. the same gateway namespace names it current).
+    const other = new CalibrationStore({ codec, geometry: g, remote: f.remote, dir })
+    expect(await other.get(h)).toBeUndefined()
+    // Known to be another model's: not read, hashed and opened again at each ask (each encode).
+    for (let i = 0; i < 3; i++) expect(await other.get(h)).toBeUndefined()
+    expect(other.stats().rejected).toBe(1)
+    expect(readdirSync(dir)).toContain(`${h}.kvcl`)
+    // The owner restarted with the gateway gone still has it.
+    f.setReachable(false)
+    const restarted = new CalibrationStore({ codec, geometry: g2, remote: f.remote, dir })
+    expect((await restarted.get(h))?.hash).toBe(h)
+    rmSync(dir, { recursive: true, force: true })
+  })
+
   it('a calibration the gateway lacks is not asked for again at once; an unreachable one is', async () => {
     const f = fakeRemote()
     const s = new CalibrationStore({ codec, geometry: g, remote: f.remote })
@@ -199,6 +225,23 @@ describe('CalibrationStore', () => {
     expect(s.stats().restored).toBe(1)
     await s.refresh() // present again: nothing to do
     expect(s.stats().restored).toBe(1)
+  })
+
+  it('a gateway that refuses the calibration for good (413: over its size cap) is not asked again', async () => {
+    const f = fakeRemote()
+    f.remote.putCalibration = async () => {
+      f.calls.put++
+      return 'refused'
+    }
+    const s = new CalibrationStore({ codec, geometry: g, remote: f.remote, calibrateAfter: 1 })
+    for (let i = 0; i < 4; i++) {
+      s.observe(kv(1, 50 + i))
+      await s.settled()
+    }
+    // Built once and refused: no build (a codec worker reading every sample) and no sample
+    // copies per `calibrateAfter` chunks after that, for as long as the process runs.
+    expect([s.stats().built, f.calls.put, f.calls.set]).toEqual([1, 1, 0])
+    expect(s.stats().current).toBeUndefined()
   })
 
   it('calibrateAfter 0 never builds; an unreachable gateway publishes nothing and is not an error', async () => {
@@ -432,6 +475,39 @@ describe('calibrated chunks by layer ranges (memory gateway)', () => {
 })
 
 describe('a restarted node decodes its L2 offline', () => {
+  it('a gateway whose size cap refuses the calibration (413) is not sent another build', async () => {
+    const app = createGateway({ store: new MemoryStore(), limits: { maxCalibrationBytes: 1000 } })
+    const gw = await serveGateway(app, { port: 0 })
+    const c = await KVCache.open({
+      model: 'stories260k',
+      chunkTokens: T,
+      namespace: 'capped',
+      memory: { bytes: 8 * CB },
+      remote: { url: gw.url, codec: 'kvgate', calibration: { after: 1, currentTtlMs: 0 } },
+    })
+    try {
+      const settle = async () => {
+        await c.flush()
+        await new Promise((r) => setTimeout(r, 100))
+      }
+      await c.store(promptTokens(1, 1), kv(1, 1))
+      await settle()
+      const end = Date.now() + 5000
+      while (c.stats().calibration!.built === 0 && Date.now() < end)
+        await new Promise((r) => setTimeout(r, 20))
+      await settle()
+      for (let i = 2; i <= 5; i++) {
+        await c.store(promptTokens(1, i), kv(1, i))
+        await settle()
+      }
+      // One build, refused for good: no more builds (each reads every sample on a codec worker).
+      expect(c.stats().calibration).toMatchObject({ built: 1, current: undefined })
+    } finally {
+      await c.close(100)
+      await gw.close(100)
+    }
+  })
+
   it('with the calibration persisted beside L2; without it, a counted miss and the file kept', async () => {
     const app = createGateway({ store: new MemoryStore() })
     const gw = await serveGateway(app, { port: 0 })

@@ -209,6 +209,61 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     await store.putIfAbsent(currentCalibrationName(prefix, 'team'), junk, junk.length)
     const cur = await createGateway({ store, prefix }).request('/v1/ns/team/calibration')
     expect(cur.status).toBe(502)
+    // It names nothing a chunk depends on (chunks name their calibration by hash): dropped, so
+    // the namespace can be calibrated again instead of answering 502 to every node for good.
+    const b = calib(20)
+    const healer = createGateway({ store, prefix })
+    expect((await healer.request(...putCalib(b))).status).toBe(201)
+    const set = await healer.request(...putCurrent(sha(b)))
+    expect([set.status, await set.json()]).toEqual([201, { status: 'created', hash: sha(b) }])
+  })
+
+  it('a stored object that is not its name is dropped, so a node holding the real bytes puts it back', async () => {
+    const { store, prefix } = await gateway()
+    const a = calib(13)
+    const h = sha(a)
+    const name = calibrationObjectName(prefix, 'team', h)
+    const rotten = a.slice()
+    rotten[60]! ^= 0x04
+    await store.putIfAbsent(name, rotten, rotten.length)
+    const reader = createGateway({ store, prefix })
+    const bad = await reader.request(`/v1/ns/team/calibrations/${h}`, { method: 'HEAD' })
+    expect(bad.status).toBe(502)
+    // What a holder's refresh does (CalibrationStore#loadCurrent): HEAD, then on a 404 a create-only PUT.
+    const head = await reader.request(`/v1/ns/team/calibrations/${h}`, { method: 'HEAD' })
+    expect(head.status).toBe(404)
+    expect((await reader.request(...putCalib(a))).status).toBe(201)
+    const g = await createGateway({ store, prefix }).request(`/v1/ns/team/calibrations/${h}`)
+    expect(g.status).toBe(200)
+    expect(new Uint8Array(await g.arrayBuffer())).toEqual(a)
+  })
+
+  it('calibration uploads count against the bytes in flight: past the bound, 503 ERR_BUSY', async () => {
+    const { app } = await gateway({ maxInFlightBytes: 300 })
+    const a = calib(14)
+    const b = calib(15)
+    let finish!: () => void
+    const held = new Promise<void>((r) => {
+      finish = r
+    })
+    // An upload whose body is still arriving holds its declared bytes.
+    const slow = new ReadableStream<Uint8Array>({
+      async start(ctl) {
+        ctl.enqueue(a.subarray(0, 100))
+        await held
+        ctl.enqueue(a.subarray(100))
+        ctl.close()
+      },
+    })
+    const [url, init] = putCalib(a)
+    const first = app.request(url, { ...init, body: slow, duplex: 'half' } as RequestInit)
+    await new Promise((r) => setTimeout(r, 20))
+    const second = await app.request(...putCalib(b))
+    expect([second.status, await errCode(second)]).toEqual([503, 'ERR_BUSY'])
+    finish()
+    expect((await first).status).toBe(201)
+    // Released: the next upload goes through.
+    expect((await app.request(...putCalib(b))).status).toBe(201)
   })
 
   it('verifies and serves a calibrated (format v2) chunk whole and by layers; a zeroed hash is refused', async () => {
@@ -279,5 +334,79 @@ describe('calibration routes and auth', () => {
       (await app.request(curl, { ...cinit, headers: { ...cinit.headers, authorization: 'Bearer reader' } }))
         .status,
     ).toBe(403)
+  })
+})
+
+describe('calibration reads on a cold gateway', () => {
+  it('concurrent GETs of one calibration read and hash it once (a fleet restarting holds one copy)', async () => {
+    const store = new MemoryStore()
+    const a = calib(16, 64 * 1024)
+    expect((await createGateway({ store }).request(...putCalib(a))).status).toBe(201)
+    let reads = 0
+    const get = store.get.bind(store)
+    store.get = async (name, opts) => {
+      if (name.includes('/_calibration/')) reads++
+      // A store read takes a while: the requests below all arrive before the first is answered.
+      await new Promise((r) => setTimeout(r, 20))
+      return get(name, opts)
+    }
+    const cold = createGateway({ store })
+    const answers = await Promise.all(
+      Array.from({ length: 16 }, () => cold.request(`/v1/ns/team/calibrations/${sha(a)}`)),
+    )
+    for (const r of answers) expect(new Uint8Array(await r.arrayBuffer())).toEqual(a)
+    expect(reads).toBe(1)
+  })
+})
+
+describe('calibration reads that the store cuts short', () => {
+  it('a store read that fails mid-body is a store fault (ERR_STORE), not a corrupt object, and keeps it', async () => {
+    const store = new MemoryStore()
+    const a = calib(17, 4096)
+    expect((await createGateway({ store }).request(...putCalib(a))).status).toBe(201)
+    const get = store.get.bind(store)
+    let failing = true
+    store.get = async (name, opts) => {
+      const obj = await get(name, opts)
+      if (!obj || !failing || !name.includes('/_calibration/')) return obj
+      // The connection to the store drops after the first piece.
+      const cut = new ReadableStream<Uint8Array>({
+        start(ctl) {
+          ctl.enqueue(a.subarray(0, 100))
+          ctl.error(new Error('socket hang up'))
+        },
+      })
+      return { ...obj, body: cut }
+    }
+    const app = createGateway({ store })
+    const r = await app.request(`/v1/ns/team/calibrations/${sha(a)}`)
+    expect(r.status).toBe(502)
+    expect(await errCode(r)).toBe('ERR_STORE')
+    failing = false
+    const ok = await app.request(`/v1/ns/team/calibrations/${sha(a)}`)
+    expect(new Uint8Array(await ok.arrayBuffer())).toEqual(a)
+  })
+})
+
+describe('calibration uploads held until stored', () => {
+  it('an upload the store is still writing keeps its bytes in flight', async () => {
+    const store = new MemoryStore()
+    let finish!: () => void
+    const held = new Promise<void>((r) => {
+      finish = r
+    })
+    const put = store.putIfAbsent.bind(store)
+    store.putIfAbsent = async (name, body, size) => {
+      await held
+      return put(name, body, size)
+    }
+    const app = createGateway({ store, limits: { maxInFlightBytes: 300 } })
+    const first = app.request(...putCalib(calib(18)))
+    await new Promise((r) => setTimeout(r, 20))
+    const second = await app.request(...putCalib(calib(19)))
+    expect([second.status, await errCode(second)]).toEqual([503, 'ERR_BUSY'])
+    finish()
+    expect((await first).status).toBe(201)
+    expect((await app.request(...putCalib(calib(19)))).status).toBe(201)
   })
 })

@@ -394,6 +394,12 @@ describe('calibration objects in workerd on R2', () => {
     const get = await fetch(calibUrl('a', h), { headers: auth(TOKENS.readerA) })
     expect(get.status).toBe(502)
     await get.body?.cancel()
+    // Dropped, so a node holding the real bytes puts them back (its refresh: HEAD 404, then PUT).
+    const head = await fetch(calibUrl('a', h), { method: 'HEAD', headers: auth(TOKENS.readerA) })
+    expect(head.status).toBe(404)
+    expect((await putCalib(c)).status).toBe(201)
+    const back = await fetch(calibUrl('a', h), { headers: auth(TOKENS.readerA) })
+    expect(await bytesOf(back)).toEqual(c)
   })
 
   it('verifies and serves a calibrated (format v2) chunk, whole and by layers', async () => {

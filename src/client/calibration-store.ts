@@ -19,7 +19,8 @@ export interface CalibrationRemote {
   /** HEAD: whether the gateway holds it (undefined: unreachable). */
   hasCalibration(hash: string): Promise<boolean | undefined>
   currentCalibration(): Promise<string | null | undefined>
-  putCalibration(hash: string, bytes: Uint8Array): Promise<boolean>
+  /** True: stored (or already there); 'refused': never for these bytes (size cap, scope); false: unreachable. */
+  putCalibration(hash: string, bytes: Uint8Array): Promise<boolean | 'refused'>
   setCurrentCalibration(hash: string): Promise<string | undefined>
 }
 
@@ -104,11 +105,19 @@ export class CalibrationStore {
   readonly #loading = new Map<string, Promise<Calibration | undefined>>()
   /** Hashes the gateway answered 404 (or invalid bytes) for, with when. */
   readonly #missing = new Map<string, number>()
+  /**
+   * Hashes of sound calibrations of another geometry (another model's, in a shared directory or
+   * namespace): never this cache's, whatever asks. Without this, a current pointer naming one
+   * made each encode read, hash and open its file again.
+   */
+  readonly #foreign = new Set<string>()
   /** Current: a hash, null (the namespace has none) or undefined (not known); when it was learnt. */
   #current: { hash: string | null; at: number } | undefined
   #refreshing: Promise<void> | undefined
   #samples: Uint8Array[] = []
   #building: Promise<void> | undefined
+  /** The gateway refused a calibration this node built for good: building another is wasted work. */
+  #refused = false
   #closed = false
   readonly #stats = {
     loaded: 0,
@@ -146,7 +155,7 @@ export class CalibrationStore {
    * Undefined when none of them has a valid one.
    */
   async get(hash: string): Promise<Calibration | undefined> {
-    if (!HASH.test(hash)) return undefined
+    if (!HASH.test(hash) || this.#foreign.has(hash)) return undefined
     const hit = this.#cache.get(hash)
     if (hit) return hit
     let p = this.#loading.get(hash)
@@ -171,7 +180,7 @@ export class CalibrationStore {
       this.#cache.set(hash, local)
       return local
     }
-    if (!this.#remote || this.#closed) return undefined
+    if (!this.#remote || this.#closed || this.#foreign.has(hash)) return undefined
     const missedAt = this.#missing.get(hash)
     if (missedAt !== undefined && performance.now() - missedAt < MISSING_TTL_MS) return undefined
     const bytes = await this.#remote.getCalibration(hash, this.#o.maxBytes)
@@ -192,23 +201,35 @@ export class CalibrationStore {
 
   /** Bytes that are calibration `hash` and that the codec accepts for this geometry, opened; else undefined. */
   #accept(hash: string, bytes: Uint8Array): Calibration | undefined {
+    const c = this.#check(hash, bytes)
+    return typeof c === 'string' ? undefined : c
+  }
+
+  /** #accept, telling damaged bytes from a sound calibration of another model ('foreign'). */
+  #check(hash: string, bytes: Uint8Array): Calibration | 'damaged' | 'foreign' {
+    let c: Calibration
     try {
       if (sha256Hex(bytes) !== hash) throw new Error('hash mismatch')
-      const c = this.#codec.open(bytes)
-      const g = c.geometry
-      const want = this.#geometry
-      if (
-        g.layers !== want.layers ||
-        g.kvHeads !== want.kvHeads ||
-        g.headDim !== want.headDim ||
-        c.dtype !== want.dtype
-      )
-        throw new Error('geometry mismatch')
-      return c
+      c = this.#codec.open(bytes)
     } catch {
       this.#stats.rejected++
-      return undefined
+      return 'damaged'
     }
+    const g = c.geometry
+    const want = this.#geometry
+    if (
+      g.layers !== want.layers ||
+      g.kvHeads !== want.kvHeads ||
+      g.headDim !== want.headDim ||
+      c.dtype !== want.dtype
+    ) {
+      this.#stats.rejected++
+      this.#foreign.add(hash)
+      if (this.#foreign.size > MAX_MISSING)
+        this.#foreign.delete(this.#foreign.values().next().value as string)
+      return 'foreign'
+    }
+    return c
   }
 
   async #readPersisted(hash: string): Promise<Calibration | undefined> {
@@ -220,10 +241,11 @@ export class CalibrationStore {
     } catch {
       return undefined
     }
-    const c = this.#accept(hash, new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength))
-    // A damaged file is dropped, so the gateway's copy replaces it.
-    if (!c) await rm(path, { force: true }).catch(() => {})
-    return c
+    const c = this.#check(hash, new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength))
+    // A damaged file is dropped, so the gateway's copy replaces it. A sound one of another
+    // geometry belongs to another model sharing this L2 directory: its file, kept.
+    if (c === 'damaged') await rm(path, { force: true }).catch(() => {})
+    return typeof c === 'string' ? undefined : c
   }
 
   async #persist(c: Calibration): Promise<void> {
@@ -285,7 +307,7 @@ export class CalibrationStore {
     }
     this.#cache.set(hash, held)
     if ((await this.#remote!.hasCalibration(hash)) !== false) return
-    if (await this.#remote!.putCalibration(hash, held.bytes)) this.#stats.restored++
+    if ((await this.#remote!.putCalibration(hash, held.bytes)) === true) this.#stats.restored++
   }
 
   /**
@@ -295,7 +317,8 @@ export class CalibrationStore {
    * one is built from them, published and the winner adopted.
    */
   observe(tensor: Uint8Array): void {
-    if (this.#closed || this.#o.calibrateAfter <= 0 || !this.#remote || this.#building) return
+    if (this.#closed || this.#refused || this.#o.calibrateAfter <= 0 || !this.#remote || this.#building)
+      return
     if (this.#current?.hash) return // calibrated
     if (this.#samples.length < this.#o.calibrateAfter) this.#samples.push(tensor.slice())
     if (this.#current === undefined) void this.refresh().then(() => this.#maybeBuild())
@@ -337,7 +360,13 @@ export class CalibrationStore {
     if (!mine) return undefined
     this.#cache.set(hash, mine)
     await this.#persist(mine)
-    if (!(await remote.putCalibration(hash, mine.bytes))) return undefined
+    const stored = await remote.putCalibration(hash, mine.bytes)
+    if (stored === 'refused') {
+      // Another build gives an object of about the same size, for the same gateway: refused too.
+      this.#refused = true
+      this.#samples = []
+    }
+    if (stored !== true) return undefined
     const winner = await remote.setCurrentCalibration(hash)
     if (!winner) return undefined
     if (winner === hash) this.#stats.won++

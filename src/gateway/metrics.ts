@@ -135,7 +135,7 @@ export class GatewayMetrics {
   )
   readonly calibrations = new Counter(
     'kvgate_calibration_ops_total',
-    'Calibration requests by op (put|get|current) and result (created|exists|hit|missing)',
+    'Calibration requests by op (put|get|current) and result (created|exists|hit|missing|corrupt)',
   )
   /** Metrics other modules register (use tracking, cold-tier accounting), rendered after these. */
   readonly extras: { render(): string[] }[] = []

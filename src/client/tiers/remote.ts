@@ -739,8 +739,12 @@ export class RemoteTier {
     return hashOf(r.body)
   }
 
-  /** PUT …/calibrations/{hash} (create-only). True when stored or already there. */
-  async putCalibration(hash: string, bytes: Uint8Array): Promise<boolean> {
+  /**
+   * PUT …/calibrations/{hash} (create-only). True when stored or already there; 'refused' when
+   * the gateway will never take these bytes from this client (400, 403, 413: over its size cap);
+   * false when it could not be asked (worth another try later).
+   */
+  async putCalibration(hash: string, bytes: Uint8Array): Promise<boolean | 'refused'> {
     const r = await this.#request('PUT', `${this.#base}/calibrations/${hash}`, {
       body: bytes,
       headers: { 'content-type': 'application/octet-stream' },
@@ -748,7 +752,7 @@ export class RemoteTier {
     })
     if (r?.status === 200 || r?.status === 201) return true
     this.#unexpected(r)
-    return false
+    return r?.status === 400 || r?.status === 403 || r?.status === 413 ? 'refused' : false
   }
 
   /** PUT …/calibration {hash} (create-only): the namespace's winner (ours or an earlier one), undefined on failure. */

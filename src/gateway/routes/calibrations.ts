@@ -9,7 +9,7 @@
 
 import type { Context, Hono } from 'hono'
 import { calibrationObjectName, currentCalibrationName } from '../../coldtier/names.ts'
-import { KvgateError } from '../../core/errors.ts'
+import { KvgateError, StoreError } from '../../core/errors.ts'
 import { assertNamespaceName, isKeyHex, toHex } from '../../core/keys.ts'
 import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
@@ -62,7 +62,9 @@ async function readWhole(obj: StoreObject, max: number): Promise<Uint8Array> {
   try {
     return await collectBody(obj.body, obj.length)
   } catch (e) {
-    throw corrupt((e as Error).message)
+    // A read the store broke off or cut short says nothing about the object's bytes:
+    // only a whole body that is not its name is corrupt (and deleted, see load()).
+    throw new StoreError(`reading the stored calibration failed: ${(e as Error).message}`)
   }
 }
 
@@ -129,6 +131,8 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
   // Immutable, content-addressed bodies: a bounded cache can never serve a stale one.
   const bodies = state.calibrations
   const current = new Map<string, { hash: string; at: number }>()
+  /** Store reads in progress by object name: a fleet asking for one calibration at once reads it once. */
+  const reading = new Map<string, Promise<Uint8Array | undefined>>()
 
   /** The verified bytes of calibration `hash`, or undefined when the store has none. */
   async function load(ns: string, hash: string): Promise<Uint8Array | undefined> {
@@ -141,10 +145,25 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
       bodies.delete(name)
       return undefined
     }
+    const running = reading.get(name)
+    if (running) return running
+    const p = readVerified(name, hash).finally(() => reading.delete(name))
+    reading.set(name, p)
+    return p
+  }
+
+  async function readVerified(name: string, hash: string): Promise<Uint8Array | undefined> {
     const obj = await state.store.get(name)
     if (!obj) return undefined
     const bytes = await readWhole(obj, max)
-    if ((await sha256Hex(bytes)) !== hash) throw corrupt('its SHA-256 is not its name')
+    if ((await sha256Hex(bytes)) !== hash) {
+      // Named by their SHA-256, these bytes can never be this calibration (bit rot, a bad
+      // restore). Left there, every HEAD would answer 502 and a create-only PUT "exists", so
+      // no node holding the real bytes could put them back: drop them, as a corrupt chunk is.
+      await state.store.delete(name)
+      state.metrics.calibrations.inc({ op: 'get', result: 'corrupt' })
+      throw corrupt('its SHA-256 is not its name')
+    }
     bodies.set(name, bytes)
     return bytes
   }
@@ -157,6 +176,26 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
       throw unsupportedMediaType(
         `calibration uploads must be application/octet-stream, got ${JSON.stringify(type || 'none')}`,
       )
+    // Read whole before it is checked: each upload's bytes count against the gateway's bound
+    // on bytes in flight, as a chunk PUT's do (16 MiB bodies, any number of them at once).
+    const declared = Number(c.req.header('content-length') ?? 0)
+    const inFlight = state.inFlight
+    if (declared <= max && inFlight.bytes > 0 && inFlight.bytes + declared > state.limits.maxInFlightBytes) {
+      state.metrics.busy.inc({ what: 'calibration' })
+      c.header('retry-after', '1')
+      throw new KvgateError('ERR_BUSY', 'too many upload bytes in flight; retry later', { status: 503 })
+    }
+    const held = Number.isSafeInteger(declared) && declared <= max ? declared : 0
+    inFlight.bytes += held
+    try {
+      return await storeUpload(c, ns, hash)
+    } finally {
+      // The body stays in memory until the store has it (S3: a whole PUT round trip).
+      inFlight.bytes -= held
+    }
+  })
+
+  async function storeUpload(c: Context<GatewayEnv>, ns: string, hash: string): Promise<Response> {
     const bytes = await requestBytes(c, max, 'calibration')
     if (bytes.length < MIN_CALIBRATION_BYTES)
       throw new KvgateError('ERR_FORMAT_TRUNCATED', `a ${bytes.length}-byte body cannot be a calibration`, {
@@ -182,7 +221,7 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     c.set('bytes', bytes.length)
     state.metrics.calibrations.inc({ op: 'put', result })
     return c.json({ status: result, hash, bytes: bytes.length }, result === 'created' ? 201 : 200)
-  })
+  }
 
   app.get('/v1/ns/:ns/calibrations/:hash', async (c) => {
     const ns = target(c, 'read')
@@ -214,13 +253,20 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
   async function readCurrent(ns: string, fresh: boolean): Promise<string | undefined> {
     const known = current.get(ns)
     if (known && !fresh && Date.now() - known.at < CURRENT_TTL_MS) return known.hash
-    const obj = await state.store.get(currentCalibrationName(state.prefix, ns))
+    const name = currentCalibrationName(state.prefix, ns)
+    const obj = await state.store.get(name)
     if (!obj) {
       current.delete(ns)
       return undefined
     }
     const hash = parsePointer(await readWhole(obj, MAX_POINTER_BYTES))
-    if (hash === undefined) throw corrupt(`the current pointer of namespace ${ns} is not {"hash": <sha256>}`)
+    if (hash === undefined) {
+      // Create-only, a pointer that is not one would block the namespace for good (every GET
+      // and PUT a 502). Chunks name their calibration by hash, not through it: drop it.
+      await state.store.delete(name)
+      current.delete(ns)
+      throw corrupt(`the current pointer of namespace ${ns} is not {"hash": <sha256>}`)
+    }
     current.set(ns, { hash, at: Date.now() })
     return hash
   }
