@@ -214,6 +214,26 @@ describe('CalibrationStore', () => {
     expect(a.stats().built).toBe(1)
   })
 
+  it('holds at most maxSampleBytes of samples: with a large `after` it builds from the chunks that fit', async () => {
+    const f = fakeRemote()
+    const one = kv(1, 30).byteLength
+    const s = new CalibrationStore({
+      codec,
+      geometry: g,
+      remote: f.remote,
+      calibrateAfter: 1000,
+      maxSampleBytes: 2 * one + 1,
+    })
+    s.observe(kv(1, 30))
+    await s.settled()
+    expect(s.stats().built).toBe(0)
+    s.observe(kv(1, 31))
+    await s.settled()
+    // Two chunks fit the bound: built from them, not after 1000 chunks held in memory.
+    expect(s.stats().built).toBe(1)
+    expect(f.calls.put).toBe(1)
+  })
+
   it('a holder puts the current calibration back when it is gone from the bucket', async () => {
     const f = fakeRemote()
     const s = new CalibrationStore({ codec, geometry: g, remote: f.remote, currentTtlMs: 0 })

@@ -49,6 +49,11 @@ export interface CalibrationPolicy {
   cacheEntries: number
   /** Largest calibration object fetched. @default 16 MiB (the gateway's default cap) */
   maxBytes: number
+  /**
+   * Bytes of sample chunks held while waiting to build (outside every other budget): the build
+   * takes at most this many bytes of chunks, at least one. @default 256 MiB (8 Llama-3.1-8B chunks)
+   */
+  maxSampleBytes: number
 }
 
 export const DEFAULT_CALIBRATION_POLICY: CalibrationPolicy = {
@@ -56,6 +61,7 @@ export const DEFAULT_CALIBRATION_POLICY: CalibrationPolicy = {
   currentTtlMs: 30_000,
   cacheEntries: 8,
   maxBytes: 16 * 1024 * 1024,
+  maxSampleBytes: 256 * 1024 * 1024,
 }
 
 export interface CalibrationStoreOptions extends Partial<CalibrationPolicy> {
@@ -136,6 +142,7 @@ export class CalibrationStore {
       currentTtlMs: opts.currentTtlMs ?? DEFAULT_CALIBRATION_POLICY.currentTtlMs,
       cacheEntries: opts.cacheEntries ?? DEFAULT_CALIBRATION_POLICY.cacheEntries,
       maxBytes: opts.maxBytes ?? DEFAULT_CALIBRATION_POLICY.maxBytes,
+      maxSampleBytes: opts.maxSampleBytes ?? DEFAULT_CALIBRATION_POLICY.maxSampleBytes,
     }
     this.#codec = opts.codec
     this.#geometry = opts.geometry
@@ -320,19 +327,25 @@ export class CalibrationStore {
     if (this.#closed || this.#refused || this.#o.calibrateAfter <= 0 || !this.#remote || this.#building)
       return
     if (this.#current?.hash) return // calibrated
-    if (this.#samples.length < this.#o.calibrateAfter) this.#samples.push(tensor.slice())
+    if (this.#samples.length < this.#sampleCount(tensor.byteLength)) this.#samples.push(tensor.slice())
     if (this.#current === undefined) void this.refresh().then(() => this.#maybeBuild())
     else this.#maybeBuild()
   }
 
   #maybeBuild(): void {
     if (this.#closed || this.#building || this.#current?.hash !== null) return
-    if (this.#samples.length < this.#o.calibrateAfter) return
+    const first = this.#samples[0]
+    if (!first || this.#samples.length < this.#sampleCount(first.byteLength)) return
     const samples = this.#samples
     this.#samples = []
     this.#building = this.#buildAndPublish(samples).finally(() => {
       this.#building = undefined
     })
+  }
+
+  /** Chunks to sample: `calibrateAfter`, fewer where they would hold more than maxSampleBytes. */
+  #sampleCount(chunkBytes: number): number {
+    return Math.min(this.#o.calibrateAfter, Math.max(1, Math.floor(this.#o.maxSampleBytes / chunkBytes)))
   }
 
   async #buildAndPublish(samples: Uint8Array[]): Promise<void> {
