@@ -142,7 +142,8 @@ describe('the packed kvgate, installed into a fresh app', () => {
       import { Worker } from 'node:worker_threads'
       const w = new Worker(${JSON.stringify(entry)}, { execArgv: [] })
       const data = new Uint8Array([1, 2, 3, 4, 5])
-      w.postMessage({ id: 7, op: 'crc', data: data.buffer, ranges: [0, 5] })
+      // Jobs carry views of the pool's shared staging (codec-worker.ts's CodecRequest).
+      w.postMessage({ id: 7, op: 'crc', data, ranges: [0, 5] })
       // A worker says {ready: true} once loaded, then answers jobs.
       w.on('message', (m) => { if (m.ready) return; console.log(JSON.stringify({ id: m.id, crc: new Uint32Array(m.bytes)[0], error: m.error })); w.terminate() })
       w.once('error', (e) => { console.log(JSON.stringify({ error: e.message })); process.exit(1) })`
