@@ -2,7 +2,7 @@
 // a private buffer when L1 has no slot), verified and decoded; the reservation is always settled here.
 
 import type { Calibration } from '../codec/calibration.ts'
-import { FormatError } from '../core/errors.ts'
+import { FormatError, isKvgateError } from '../core/errors.ts'
 import { type ChunkHeader, decodeHeader } from '../core/format.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
@@ -43,12 +43,17 @@ export interface ChunkReaderOptions {
 class CalibrationUnavailable extends Error {}
 
 /**
- * A failure that says nothing about the object's bytes: its calibration cannot be had, or the
- * codec pool's queue was full (load, not damage). Such a chunk is a plain miss; deleting the L2
- * file or reporting the L4 object as corrupt would throw good data away under load.
+ * A failure that says nothing about the object's bytes: its calibration cannot be had, the
+ * codec pool's queue was full (load, not damage), or the pool closed under the job (close()
+ * during a retrieve). Such a chunk is a plain miss; deleting the L2 file or reporting the L4
+ * object as corrupt would throw good data away under load or at shutdown.
  */
 function notAboutTheBytes(e: unknown): boolean {
-  return e instanceof CalibrationUnavailable || e instanceof CodecBusyError
+  return (
+    e instanceof CalibrationUnavailable ||
+    e instanceof CodecBusyError ||
+    (isKvgateError(e) && e.code === 'ERR_CLOSED')
+  )
 }
 
 export class ChunkReader {
