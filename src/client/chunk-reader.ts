@@ -37,6 +37,11 @@ export interface ChunkReaderOptions {
   identity: (k: ChunkKey) => ChunkIdentity
   /** Where calibrations named by format-v2 objects come from; none: such objects are misses. */
   calibrations?: CalibrationStore | undefined
+  /**
+   * True once the owner closed: a failure after that (its L1 freed, its pool closed under a
+   * decode) says nothing about the object's bytes, so nothing is deleted or reported.
+   */
+  closed?: () => boolean
 }
 
 /** A valid object names a calibration this node cannot get: a miss, not corruption (nothing is deleted or reported). */
@@ -102,7 +107,7 @@ export class ChunkReader {
         if (sink && read?.copied) sink.copied = true
         return placed
       } catch (e) {
-        if (notAboutTheBytes(e)) return undefined
+        if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
         // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
         disk.counters.corrupt++
         await disk.delete(k.hex)
@@ -129,7 +134,7 @@ export class ChunkReader {
         checkIdentity(h, this.#o.identity(k))
         return await this.#place(k, object, h, r)
       } catch (e) {
-        if (notAboutTheBytes(e)) return undefined
+        if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
         // Counted, no longer believed present, and reported to the gateway's verify endpoint.
         remote.reportCorrupt(k.hex)
         return undefined
@@ -196,7 +201,7 @@ export class ChunkReader {
       for (const [i, s] of slabs.entries()) out.set(first + i, s)
       return out
     } catch (e) {
-      if (!notAboutTheBytes(e)) remote.reportCorrupt(k.hex)
+      if (!notAboutTheBytes(e) && !this.#o.closed?.()) remote.reportCorrupt(k.hex)
       return undefined
     }
   }
