@@ -377,6 +377,60 @@ describe('write-behind memory', () => {
     m.close()
   })
 
+  it('a codec pool closed under an L2 decode (close() during a retrieve) keeps the L2 files', async () => {
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+    const codec = new CodecPool(1)
+    const { m, disk, keys } = await writeBehindSetup(memory, codec, 64 * bigCB, 'lossless')
+    const few = keys.slice(0, 3)
+    await m.store(few, (i, dst) => void dst.fill(i + 1))
+    await m.flush()
+    expect(disk.stats().files).toBe(3)
+    memory.clear()
+    // The decode job is queued on the pool, then the cache closes (KVCache.close closes the pool).
+    const decodeInto = codec.decodeInto.bind(codec)
+    let closing: Promise<void> | undefined
+    codec.decodeInto = (...a) => {
+      const p = decodeInto(...a)
+      closing ??= codec.close()
+      return p
+    }
+    const run = await m.retrieve(few, () => {}, { tiers: ['disk', 'disk', 'disk'] })
+    await closing
+    expect(run.served).toBe(0)
+    expect(disk.stats().files).toBe(3)
+    expect(disk.counters.corrupt).toBe(0)
+    for (const k of few) expect(await disk.fileBytes(k.hex)).toBeGreaterThan(0)
+    expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+    m.close()
+  })
+
+  it('an L2 decode that fails because the cache closed under it (L1 freed) keeps the L2 file', async () => {
+    const { loadNative } = await import('../src/client/native-api.ts')
+    const native = loadNative().api
+    if (!native) return // the freed-L1 case needs pinned regions from the addon
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB, native })
+    const codec = new CodecPool(0)
+    const { m, disk, keys } = await writeBehindSetup(memory, codec, 64 * bigCB, 'lossless')
+    const few = keys.slice(0, 1)
+    await m.store(few, (i, dst) => void dst.fill(i + 1))
+    await m.flush()
+    expect(disk.stats().files).toBe(1)
+    memory.clear()
+    // KVCache.close() in the window between the L2 read and the decode: the manager closes,
+    // the pool closes and L1's regions are freed, so the decode's destination is gone.
+    const decodeInto = codec.decodeInto.bind(codec)
+    codec.decodeInto = async (...a) => {
+      m.close()
+      await codec.close()
+      memory.dispose()
+      return decodeInto(...a)
+    }
+    await m.retrieve(few, () => {}, { tiers: ['disk'] }).catch(() => undefined)
+    expect(disk.counters.corrupt).toBe(0)
+    expect(disk.stats().files).toBe(1)
+    expect(await disk.fileBytes(few[0]!.hex)).toBeGreaterThan(0)
+  })
+
   it('copies beyond L1 stay within the byte budget and encode a few at a time; the rest is shed and counted', async () => {
     // L1 holds 4 chunks: the other 28 of the store need private copies, which the budget bounds.
     const memory = await MemoryTier.create({ bytes: 4 * bigCB, chunkBytes: bigCB })

@@ -2,7 +2,7 @@
 // a private buffer when L1 has no slot), verified and decoded; the reservation is always settled here.
 
 import type { Calibration } from '../codec/calibration.ts'
-import { FormatError } from '../core/errors.ts'
+import { FormatError, isKvgateError } from '../core/errors.ts'
 import { type ChunkHeader, decodeHeader } from '../core/format.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
@@ -37,18 +37,28 @@ export interface ChunkReaderOptions {
   identity: (k: ChunkKey) => ChunkIdentity
   /** Where calibrations named by format-v2 objects come from; none: such objects are misses. */
   calibrations?: CalibrationStore | undefined
+  /**
+   * True once the owner closed: a failure after that (its L1 freed, its pool closed under a
+   * decode) says nothing about the object's bytes, so nothing is deleted or reported.
+   */
+  closed?: () => boolean
 }
 
 /** A valid object names a calibration this node cannot get: a miss, not corruption (nothing is deleted or reported). */
 class CalibrationUnavailable extends Error {}
 
 /**
- * A failure that says nothing about the object's bytes: its calibration cannot be had, or the
- * codec pool's queue was full (load, not damage). Such a chunk is a plain miss; deleting the L2
- * file or reporting the L4 object as corrupt would throw good data away under load.
+ * A failure that says nothing about the object's bytes: its calibration cannot be had, the
+ * codec pool's queue was full (load, not damage), or the pool closed under the job (close()
+ * during a retrieve). Such a chunk is a plain miss; deleting the L2 file or reporting the L4
+ * object as corrupt would throw good data away under load or at shutdown.
  */
 function notAboutTheBytes(e: unknown): boolean {
-  return e instanceof CalibrationUnavailable || e instanceof CodecBusyError
+  return (
+    e instanceof CalibrationUnavailable ||
+    e instanceof CodecBusyError ||
+    (isKvgateError(e) && e.code === 'ERR_CLOSED')
+  )
 }
 
 export class ChunkReader {
@@ -97,7 +107,7 @@ export class ChunkReader {
         if (sink && read?.copied) sink.copied = true
         return placed
       } catch (e) {
-        if (notAboutTheBytes(e)) return undefined
+        if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
         // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
         disk.counters.corrupt++
         await disk.delete(k.hex)
@@ -124,7 +134,7 @@ export class ChunkReader {
         checkIdentity(h, this.#o.identity(k))
         return await this.#place(k, object, h, r)
       } catch (e) {
-        if (notAboutTheBytes(e)) return undefined
+        if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
         // Counted, no longer believed present, and reported to the gateway's verify endpoint.
         remote.reportCorrupt(k.hex)
         return undefined
@@ -191,7 +201,7 @@ export class ChunkReader {
       for (const [i, s] of slabs.entries()) out.set(first + i, s)
       return out
     } catch (e) {
-      if (!notAboutTheBytes(e)) remote.reportCorrupt(k.hex)
+      if (!notAboutTheBytes(e) && !this.#o.closed?.()) remote.reportCorrupt(k.hex)
       return undefined
     }
   }

@@ -131,6 +131,7 @@ export class StorageManager {
       tensorBytes: (k) => this.tensorBytes(k),
       identity: (k) => this.#identity(k),
       calibrations: opts.calibrations,
+      closed: () => this.#closed,
     })
     this.#writes = new WriteBehind({
       disk: opts.disk,
