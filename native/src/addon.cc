@@ -23,8 +23,9 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   InitCuda(env, exports);
   InitIo(env, exports);
   InitMmap(env, exports);
+  InitKeys(env, exports);
   // Bumped when the JS-facing contract changes; the loader refuses a stale build.
-  exports.Set("abiVersion", Napi::Number::New(env, 4));
+  exports.Set("abiVersion", Napi::Number::New(env, 5));
   return exports;
 }
 

@@ -118,5 +118,6 @@ void InitMemory(Napi::Env env, Napi::Object exports);
 void InitCuda(Napi::Env env, Napi::Object exports);
 void InitIo(Napi::Env env, Napi::Object exports);
 void InitMmap(Napi::Env env, Napi::Object exports);  // mmap.cc
+void InitKeys(Napi::Env env, Napi::Object exports);  // keys.cc
 
 }  // namespace kvgate

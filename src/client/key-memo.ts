@@ -3,6 +3,17 @@
 
 import { type ChunkKey, chainKeys, type KeyNamespace } from '../core/keys.ts'
 
+/**
+ * The sha256-v1 keys of `chunks` full chunks of `tokens` chained from `parent`, 32 bytes each
+ * (the addon's one-call chain), or undefined to fall back to hashing in JS.
+ */
+export type V1ChainHasher = (
+  parent: Uint8Array,
+  tokens: Uint32Array,
+  chunkTokens: number,
+  chunks: number,
+) => Uint8Array | undefined
+
 interface Memo {
   tokens: Uint32Array
   keys: ChunkKey[]
@@ -25,17 +36,22 @@ export class KeyMemo {
   readonly #ns: KeyNamespace
   readonly #chunk: number
   readonly #maxTokens: number
+  readonly #v1Chain: V1ChainHasher | undefined
   /** first chunk hex → memos starting with that chunk, most recent last. */
   readonly #byFirst = new Map<string, Memo[]>()
   #order: Memo[] = []
   #tokens = 0
   readonly stats: KeyMemoStats = { reused: 0, hashed: 0, entries: 0 }
 
-  /** @param maxTokens tokens remembered in total (4 bytes each + keys). */
-  constructor(ns: KeyNamespace, maxTokens = 4 << 20) {
+  /**
+   * @param maxTokens tokens remembered in total (4 bytes each + keys).
+   * @param v1Chain hashes a sha256-v1 chain in one call (the addon); other schemes, or none, hash in JS.
+   */
+  constructor(ns: KeyNamespace, maxTokens = 4 << 20, v1Chain?: V1ChainHasher) {
     this.#ns = ns
     this.#chunk = ns.chunkTokens
     this.#maxTokens = maxTokens
+    this.#v1Chain = (ns.scheme ?? 'sha256-v1') === 'sha256-v1' ? v1Chain : undefined
   }
 
   /**
@@ -78,14 +94,43 @@ export class KeyMemo {
       // Hash the rest from the last shared key: chainKeys over the whole prefix
       // would redo the shared part, so continue the chain by hand.
       keys = best.keys.slice(0, bestChunks)
-      keys.push(...chainKeys(t, this.#ns, { after: keys[bestChunks - 1]! }))
+      keys.push(...this.#after(t, keys[bestChunks - 1]!))
     } else {
-      keys = chainKeys(t, this.#ns)
+      keys = [head, ...this.#after(t, head)]
     }
     this.stats.reused += best ? Math.min(bestChunks, full) : 0
     this.stats.hashed += full - (best ? Math.min(bestChunks, full) : 0)
     if (!best || bestChunks < full) this.#remember(head.hex, { tokens: t.slice(), keys })
     else this.#touch(best)
+    return keys
+  }
+
+  /** Keys of the full chunks of `t` after `after` (its chain continued). */
+  #after(t: Uint32Array, after: ChunkKey): ChunkKey[] {
+    const c = this.#chunk
+    const from = after.index + 1
+    const chunks = Math.floor(t.length / c) - from
+    if (chunks <= 0) return []
+    const out = this.#v1Chain?.(after.key, t.subarray(from * c, (from + chunks) * c), c, chunks)
+    if (!out) return chainKeys(t, this.#ns, { after })
+    const hex = Buffer.from(out.buffer, out.byteOffset, out.byteLength).toString('hex')
+    const keys: ChunkKey[] = new Array(chunks)
+    let parentHex = after.hex
+    for (let i = 0; i < chunks; i++) {
+      const h = hex.slice(64 * i, 64 * i + 64)
+      const index = from + i
+      // The field order of keys.ts's chunkKey: one object shape for every key.
+      keys[i] = {
+        index,
+        start: index * c,
+        end: index * c + c,
+        key: out.slice(32 * i, 32 * i + 32),
+        hex: h,
+        parentHex,
+        partial: false,
+      }
+      parentHex = h
+    }
     return keys
   }
 

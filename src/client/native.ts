@@ -12,7 +12,7 @@ import { KvgateError, type KvgateErrorOptions } from '../core/errors.ts'
 import { installedAsDependency, packageRoot } from '../package-files.ts'
 
 /** The addon contract version this wrapper speaks (native/src/addon.cc `abiVersion`). */
-export const NATIVE_ABI_VERSION = 4
+export const NATIVE_ABI_VERSION = 5
 
 /** O_DIRECT alignment kvgate uses for buffer addresses and file offsets (bytes). */
 export const DIRECT_ALIGNMENT = 4096
@@ -216,6 +216,14 @@ export interface NativeBinding {
   mapStats?(): FileMapStats
   /** mmap.cc; absent from builds that predate it. */
   copyRuns?(dst: HostBuffer, src: HostBuffer, runs: Float64Array): void
+  /** keys.cc; absent from builds that predate it. */
+  sha256V1Chain?(
+    parent: Uint8Array,
+    tokens: Uint32Array,
+    chunkTokens: number,
+    chunks: number,
+    out: Uint8Array,
+  ): void
   cuda: RawCuda
 }
 
@@ -945,6 +953,36 @@ export function copyRuns(dst: HostBuffer, src: HostBuffer, runs: Float64Array): 
   }
   if (!(runs instanceof Float64Array)) throw misuse('runs must be a Float64Array')
   call(() => n.copyRuns!(dst, src, runs))
+}
+
+/**
+ * The sha256-v1 chain keys of `chunks` full chunks of `tokens`, chained from `parent`, in one
+ * call (32 bytes per key, in order), or undefined when the addon is absent or predates it: the
+ * caller then hashes in JS. Same bytes as chainKeys (docs/keys.md); one JS → OpenSSL call per
+ * key is what made a 512-chunk chain cost milliseconds.
+ */
+export function sha256V1Chain(
+  parent: Uint8Array,
+  tokens: Uint32Array,
+  chunkTokens: number,
+  chunks: number,
+): Uint8Array | undefined {
+  let n: NativeBinding
+  try {
+    n = loadNative()
+  } catch {
+    return undefined
+  }
+  if (typeof n.sha256V1Chain !== 'function') return undefined
+  if (!(parent instanceof Uint8Array) || parent.length !== 32) throw misuse('parent must be a 32-byte key')
+  if (!(tokens instanceof Uint32Array)) throw misuse('tokens must be a Uint32Array')
+  if (!Number.isInteger(chunkTokens) || chunkTokens < 1 || chunkTokens > 1 << 20)
+    throw misuse('chunkTokens must be an integer in 1..2^20')
+  if (!Number.isInteger(chunks) || chunks < 0 || chunks * chunkTokens > tokens.length)
+    throw misuse('chunks × chunkTokens must fit in tokens')
+  const out = new Uint8Array(32 * chunks)
+  call(() => n.sha256V1Chain!(parent, tokens, chunkTokens, chunks, out))
+  return out
 }
 
 /** True when the loaded addon has {@link mapFile}; never throws. */
