@@ -501,6 +501,20 @@ describe('DiskTier', () => {
     expect(() => new DiskBudget(0)).toThrow(/budget/)
   })
 
+  it('a tier that fails to open leaves the shared budget it joined', async () => {
+    const budget = new DiskBudget(1 << 20)
+    const a = await DiskTier.open({ dir: tempDir(), bytes: 1, sharedBudget: budget })
+    expect(budget.members).toBe(1)
+    // Its directory cannot be made: a path under a regular file (ENOTDIR).
+    const file = join(tempDir(), 'not-a-dir')
+    writeFileSync(file, 'x')
+    await expect(DiskTier.open({ dir: join(file, 'l2'), bytes: 1, sharedBudget: budget })).rejects.toThrow()
+    expect(budget.members).toBe(1)
+    expect(budget.used).toBe(0)
+    a.close()
+    expect(budget.members).toBe(0)
+  })
+
   it('survives ENOSPC on a full filesystem: the write fails quietly and nothing partial is left', async (ctx) => {
     const dir = tempDir()
     try {

@@ -82,6 +82,11 @@ export class DiskBudget {
     this.#tiers.delete(t)
   }
 
+  /** Open tiers counted in this budget. */
+  get members(): number {
+    return this.#tiers.size
+  }
+
   /** The tier whose least recently used file is the oldest of all (undefined when none holds one). */
   oldest(): DiskTier | undefined {
     let best: DiskTier | undefined
@@ -236,8 +241,15 @@ export class DiskTier {
     if (opts.sharedBudget === undefined && (!Number.isSafeInteger(opts.bytes) || opts.bytes < 1))
       throw new InvalidArgumentError('invalid disk.bytes')
     const tier = new DiskTier(opts)
-    await mkdir(opts.dir, { recursive: true })
-    await tier.#rebuild()
+    try {
+      await mkdir(opts.dir, { recursive: true })
+      await tier.#rebuild()
+    } catch (e) {
+      // A tier that never opened leaves the shared budget it joined (and the bytes its
+      // rebuild counted), or eviction would keep choosing from an index nobody serves.
+      tier.close()
+      throw e
+    }
     return tier
   }
 
