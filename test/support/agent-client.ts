@@ -1,4 +1,5 @@
-// A minimal kvgate agent protocol client for tests: requests by id, events collected.
+// A minimal kvgate agent protocol client for tests: requests by id, events collected,
+// answers without a known id (error frames for bad bytes) kept apart.
 
 import { connect, type Socket } from 'node:net'
 import { decodeBody, encodeFrame, FrameReader } from '../../src/agent/protocol.ts'
@@ -8,9 +9,11 @@ export type Msg = Record<string, unknown>
 export class AgentClient {
   readonly sock: Socket
   readonly events: Msg[] = []
+  readonly orphans: Msg[] = []
   readonly #reader = new FrameReader()
   readonly #waiting = new Map<unknown, (m: Msg) => void>()
   #next = 1
+  closed = false
 
   private constructor(sock: Socket) {
     this.sock = sock
@@ -18,11 +21,14 @@ export class AgentClient {
       for (const b of this.#reader.push(d)) {
         const m = decodeBody(b) as Msg
         if (m.event) this.events.push(m)
-        else {
-          this.#waiting.get(m.id)?.(m)
+        else if (this.#waiting.has(m.id)) {
+          this.#waiting.get(m.id)!(m)
           this.#waiting.delete(m.id)
-        }
+        } else this.orphans.push(m)
       }
+    })
+    sock.on('close', () => {
+      this.closed = true
     })
   }
 
@@ -40,6 +46,15 @@ export class AgentClient {
       this.#waiting.set(id, resolve)
       this.sock.write(encodeFrame({ id, op, ...fields }))
     })
+  }
+
+  /** Writes raw bytes and waits for the next message without a known id. */
+  async raw(bytes: Buffer): Promise<Msg> {
+    const before = this.orphans.length
+    this.sock.write(bytes)
+    for (let i = 0; i < 200 && this.orphans.length === before; i++)
+      await new Promise((r) => setTimeout(r, 10))
+    return this.orphans[before]!
   }
 
   close(): void {
