@@ -4,6 +4,7 @@
 import { afterEach, beforeEach, describe, expect, it } from 'vitest'
 import { KVCache, type KVCacheOptions } from '../src/client/index.ts'
 import { chunkBytes, layerSlabBytes, MODEL_PRESETS } from '../src/core/layout.ts'
+import { pattern } from './support/bytes.ts'
 import { type FaultGateway, startFaultGateway } from './support/client-fault-gateway.ts'
 
 const T = 16
@@ -13,13 +14,7 @@ function tokens(n: number, seed = 1): number[] {
   return Array.from({ length: n }, (_, i) => (i * 13 + seed * 101) % 512)
 }
 function kvFor(chunks: number, seed = 1): Uint8Array {
-  const out = new Uint8Array(chunks * CB)
-  let x = seed * 7919
-  for (let i = 0; i < out.length; i++) {
-    x = (x * 1103515245 + 12345) >>> 0
-    out[i] = x >>> 24
-  }
-  return out
+  return pattern(chunks * CB, seed * 7919)
 }
 const sum = (m: Uint8Array) => m.reduce((a, b) => a + b, 0)
 
