@@ -214,6 +214,22 @@ export class S3Store implements ObjectStore {
 
   // Parts are read from the stream one at a time (bounded memory), uploaded with
   // bounded concurrency; the create-only condition sits on CompleteMultipartUpload.
+  /** Starts a multipart upload of `name`; its upload id. */
+  async #createMultipart(name: string): Promise<string> {
+    const created = await this.client
+      .send(
+        new CreateMultipartUploadCommand({
+          Bucket: this.bucket,
+          Key: name,
+          ContentType: 'application/octet-stream',
+        }),
+      )
+      .catch((e) => {
+        throw mapError(e, 'CreateMultipartUpload')
+      })
+    return created.UploadId!
+  }
+
   async #putMultipart(
     name: string,
     body: ReadableStream<Uint8Array> | Uint8Array,
@@ -232,18 +248,7 @@ export class S3Store implements ObjectStore {
       await stream.cancel().catch(() => {})
       return 'exists'
     }
-    const created = await this.client
-      .send(
-        new CreateMultipartUploadCommand({
-          Bucket: this.bucket,
-          Key: name,
-          ContentType: 'application/octet-stream',
-        }),
-      )
-      .catch((e) => {
-        throw mapError(e, 'CreateMultipartUpload')
-      })
-    const uploadId = created.UploadId!
+    const uploadId = await this.#createMultipart(name)
     const abortUpload = () =>
       this.client
         .send(new AbortMultipartUploadCommand({ Bucket: this.bucket, Key: name, UploadId: uploadId }))
@@ -374,18 +379,7 @@ export class S3Store implements ObjectStore {
     if (!Number.isInteger(opts.partBytes) || opts.partBytes < 5 * MIB)
       throw new TypeError('S3Store: upload parts must be ≥ 5 MiB')
     if (size / opts.partBytes > 10_000) throw new TypeError('S3Store: more than 10000 parts')
-    const created = await this.client
-      .send(
-        new CreateMultipartUploadCommand({
-          Bucket: this.bucket,
-          Key: name,
-          ContentType: 'application/octet-stream',
-        }),
-      )
-      .catch((e) => {
-        throw mapError(e, 'CreateMultipartUpload')
-      })
-    const multipartId = created.UploadId!
+    const multipartId = await this.#createMultipart(name)
     const parts = []
     let offset = 0
     for (const [i, length] of partLengths(size, opts.partBytes).entries()) {
