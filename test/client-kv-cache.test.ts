@@ -1,7 +1,7 @@
 // KVCache end to end over the tiers: validation, waterfall and promotion,
 // layer-wise retrieval, eviction under pressure, config layers and metrics.
 
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterEach, describe, expect, it } from 'vitest'
@@ -28,6 +28,15 @@ function kvFor(chunks: number, seed = 1): Uint8Array {
 }
 
 const sum = (m: Uint8Array) => m.reduce((a, b) => a + b, 0)
+
+/** XORs `mask` into one byte of a chunk's L2 file, at `at(file length)`. */
+function flipL2Byte(dir: string, hex: string, at: (length: number) => number, mask: number): void {
+  const path = join(dir, hex.slice(0, 2), `${hex}.kvc`)
+  const b = readFileSync(path)
+  const i = at(b.length)
+  b[i] = (b[i] ?? 0) ^ mask
+  writeFileSync(path, b)
+}
 const dirs: string[] = []
 const caches: KVCache[] = []
 function tempDir(): string {
@@ -312,11 +321,7 @@ describe('KVCache over L1 and L2', () => {
     await c.close()
     const c2 = await open({ disk: { dir, bytes: 1 << 24 } })
     const keys = c2.keys(toks)
-    const path = join(dir, keys[1]!.hex.slice(0, 2), `${keys[1]!.hex}.kvc`)
-    const { readFileSync } = await import('node:fs')
-    const b = readFileSync(path)
-    b[b.length - 100] = (b[b.length - 100] ?? 0) ^ 1
-    writeFileSync(path, b)
+    flipL2Byte(dir, keys[1]!.hex, (n) => n - 100, 1)
     const into = new Uint8Array(2 * CB)
     const mask = await c2.retrieve(toks, { into })
     expect(mask.reduce((a, x) => a + x, 0)).toBe(T)
@@ -350,12 +355,7 @@ describe('KVCache over L1 and L2', () => {
     it("exact bytes through the workers' copy; a CRC mismatch mid-object is a counted miss that leaves nothing in L1", async () => {
       const { dir, toks, c } = await stored(3, 3)
       const keys = c.keys(toks)
-      const path = join(dir, keys[1]!.hex.slice(0, 2), `${keys[1]!.hex}.kvc`)
-      const { readFileSync } = await import('node:fs')
-      const b = readFileSync(path)
-      const at = Math.floor(b.length / 2) + 12345 // inside a section of the second range
-      b[at] = (b[at] ?? 0) ^ 1
-      writeFileSync(path, b)
+      flipL2Byte(dir, keys[1]!.hex, (n) => Math.floor(n / 2) + 12345, 1) // inside a section of the second range
       const into = new Uint8Array(3 * BCB).fill(0xee)
       const mask = await c.retrieve(toks, { into })
       expect(sum(mask)).toBe(BT)
@@ -473,11 +473,7 @@ describe('KVCache over L1 and L2', () => {
     await c.close()
     const c2 = await open({ disk: { dir, bytes: 1 << 24 } })
     const keys = c2.keys(toks)
-    const path = join(dir, keys[1]!.hex.slice(0, 2), `${keys[1]!.hex}.kvc`)
-    const { readFileSync } = await import('node:fs')
-    const b = readFileSync(path)
-    b[b.length - 7] = (b[b.length - 7] ?? 0) ^ 2
-    writeFileSync(path, b)
+    flipL2Byte(dir, keys[1]!.hex, (n) => n - 7, 2)
     const g = MODEL_PRESETS.stories260k
     const slab = layerSlabBytes(g, T)
     let layers = 0
