@@ -156,17 +156,23 @@ async function failLaterLayers(gw: TestGateway, c: KVCache, toks: number[]): Pro
   gw.faults.failFrom = decodeHeader(bytes).sections[2]!.offset
 }
 
+/** N chunks stored by one node; a second node (2 layers per request) whose L4 reads fail from layer 2 of chunk 0. */
+async function storedWithLaterLayersFailing(N: number) {
+  const gw = await gateway()
+  const toks = tokens(N)
+  const kv = kvFor(N * CB)
+  const a = await open({ remote: remote(gw) })
+  await a.store(toks, kv)
+  await a.flush()
+  const b = await open({ remote: remote(gw), layersPerRequest: 2 })
+  await failLaterLayers(gw, b, toks)
+  return { gw, toks, kv, b }
+}
+
 describe('retrieveLayers partial failure', () => {
   it('commits no partly fetched chunk to L1; the last batch says which tokens are valid', async () => {
-    const gw = await gateway()
     const N = 4
-    const toks = tokens(N)
-    const kv = kvFor(N * CB)
-    const a = await open({ remote: remote(gw) })
-    await a.store(toks, kv)
-    await a.flush()
-    const b = await open({ remote: remote(gw), layersPerRequest: 2 })
-    await failLaterLayers(gw, b, toks)
+    const { gw, toks, kv, b } = await storedWithLaterLayersFailing(N)
     const batches: { layer: number; chunks: number; tokens: number }[] = []
     for await (const x of b.retrieveLayers(toks))
       batches.push({ layer: x.layer, chunks: x.chunks, tokens: x.tokens })
@@ -187,15 +193,8 @@ describe('retrieveLayers partial failure', () => {
   })
 
   it('after a 404 mid-layers (object deleted behind the gateway) serves exact bytes or a miss, never a mix', async () => {
-    const gw = await gateway()
     const N = 4
-    const toks = tokens(N)
-    const kv = kvFor(N * CB)
-    const a = await open({ remote: remote(gw) })
-    await a.store(toks, kv)
-    await a.flush()
-    const b = await open({ remote: remote(gw), layersPerRequest: 2 })
-    await failLaterLayers(gw, b, toks)
+    const { gw, toks, kv, b } = await storedWithLaterLayersFailing(N)
     gw.faults.failAs404 = true
     let last = -1
     for await (const x of b.retrieveLayers(toks)) last = x.tokens
