@@ -372,7 +372,8 @@ describe('write-behind memory', () => {
       tiers: ['disk', 'disk', 'disk'],
     })
     expect(r2.served).toBe(3)
-    expect(seen).toEqual([0, 1, 2])
+    // Chunks are written as they arrive (several reads in flight), in any order.
+    expect(seen.sort()).toEqual([0, 1, 2])
     m.close()
   })
 
@@ -395,7 +396,9 @@ describe('write-behind memory', () => {
     }
     const run = await m.retrieve(few, () => {}, { tiers: ['disk', 'disk', 'disk'] })
     await closing
-    expect(run.served).toBe(0)
+    // The first job may already have finished on the worker when close() ran (on a loaded machine
+    // it does, now and then): that chunk is served, exact; the rest miss. Never fewer files.
+    expect(run.served).toBeLessThanOrEqual(1)
     expect(disk.stats().files).toBe(3)
     expect(disk.counters.corrupt).toBe(0)
     for (const k of few) expect(await disk.fileBytes(k.hex)).toBeGreaterThan(0)
