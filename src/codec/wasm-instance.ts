@@ -41,6 +41,12 @@ interface CodecExports {
 export const WASM_MODES = { lossless: 1, kvgate: 2, q8: 4 } as const
 export type WasmMode = keyof typeof WASM_MODES
 
+/**
+ * OR-ed into a dtype code: the slab is one t×c plane, an MLA latent `[token][latent]`,
+ * instead of K then V (each mode codes it as it codes K alone; wasm/src/lib.rs).
+ */
+export const WASM_LATENT = 0x100
+
 /** The crate version this wrapper speaks; the chunk header carries it as codecVersion. */
 export const WASM_CODEC_VERSION = 1
 
@@ -126,7 +132,7 @@ export class WasmCodec {
     return p
   }
 
-  /** Encodes one layer slab (K then V, `t`×`c` elements each). */
+  /** Encodes one layer slab (K then V, `t`×`c` elements each; one plane with `dtypeCode | WASM_LATENT`). */
   encodeSection(
     mode: WasmMode,
     slab: Uint8Array,
@@ -145,7 +151,7 @@ export class WasmCodec {
 
   /**
    * Per-channel symbol counts of a layer slab coded with kvgate `params`: K then V,
-   * c × alphabet each (calibration builds).
+   * c × alphabet each (the latent alone with WASM_LATENT; calibration builds).
    */
   symbolCounts(slab: Uint8Array, dtypeCode: number, t: number, c: number, params: Float32Array): Uint32Array {
     const b = this.#run(slab, params, undefined, 'stats', (ex, src, par) =>
@@ -215,7 +221,7 @@ export class WasmCodec {
   }
 
   /**
-   * Decodes one section into `out` (the layer slab, 2·t·c elements of the dtype).
+   * Decodes one section into `out` (the layer slab, 2·t·c elements of the dtype; t·c with WASM_LATENT).
    * Throws CodecError for a corrupt section; the instance stays usable.
    */
   decodeSection(

@@ -13,6 +13,10 @@
 //!   blob (`cal`, `cal_len`; see `lossy::parse_layer_cal`); `kv_cal_check(cal, cal_len, c)`
 //!   validates a blob; `kv_stats` leaves per-channel symbol counts (u32, K then V,
 //!   c × `kv_alphabet()` each) in the result buffer, for building calibrations.
+//! - `dtype | LATENT` (every entry point that takes a dtype): the slab is one t·c
+//!   plane, an MLA latent `[token][latent]`, instead of K then V. Each mode codes it as
+//!   it codes K alone (lossless: its byte planes; q8: its rows; kvgate: one stream with
+//!   K's parameters and K's calibration); `kv_stats` then leaves c × `kv_alphabet()` counts.
 
 pub mod bytes;
 pub mod half;
@@ -26,6 +30,9 @@ use std::cell::RefCell;
 pub const MODE_LOSSLESS: u32 = 1;
 pub const MODE_KVGATE: u32 = 2;
 pub const MODE_Q8: u32 = 4;
+
+/// OR-ed into a dtype code: the slab is one t·c plane (MLA latent), not K then V.
+pub const LATENT: u32 = 0x100;
 
 pub const ERR_ARGS: i32 = -1;
 pub const ERR_CORRUPT: i32 = -2;
@@ -69,8 +76,17 @@ pub extern "C" fn kv_result_clear() {
     RESULT.with(|r| *r.borrow_mut() = Vec::new());
 }
 
-fn slab_elems(t: u32, c: u32) -> Option<usize> {
-    (t as usize).checked_mul(c as usize)?.checked_mul(2)
+/// The element dtype and the planes (1 latent, 2 K and V) a dtype argument names.
+fn split_dtype(dtype: u32) -> Option<(u32, usize)> {
+    match dtype & !0xff {
+        0 => Some((dtype, 2)),
+        LATENT => Some((dtype & 0xff, 1)),
+        _ => None,
+    }
+}
+
+fn slab_elems(t: u32, c: u32, planes: usize) -> Option<usize> {
+    (t as usize).checked_mul(c as usize)?.checked_mul(planes)
 }
 
 fn stream_params(p: &[f32]) -> Option<(lossy::StreamParams, lossy::StreamParams)> {
@@ -149,11 +165,15 @@ unsafe fn encode_with(
     params: *const f32,
     blob: &[u8],
 ) -> i32 {
+    let (dtype, planes) = match split_dtype(dtype) {
+        Some(d) => d,
+        None => return ERR_ARGS,
+    };
     let eb = match half::elem_bytes(dtype) {
         Some(e) => e,
         None => return ERR_ARGS,
     };
-    let n = match slab_elems(t, c) {
+    let n = match slab_elems(t, c, planes) {
         Some(n) if n > 0 => n,
         _ => return ERR_ARGS,
     };
@@ -161,7 +181,7 @@ unsafe fn encode_with(
     let input = std::slice::from_raw_parts(src, n * eb);
     let mut out = Vec::with_capacity(n * eb / 3 + 64);
     match mode {
-        MODE_LOSSLESS => lossless::encode(input, eb, t, c, &mut out),
+        MODE_LOSSLESS => lossless::encode(input, eb, t, c, planes, &mut out),
         MODE_KVGATE | MODE_Q8 => {
             if !half::has_float_conversion(dtype) {
                 return ERR_ARGS; // fp8 is stored byte-exact (raw or lossless), never re-quantised
@@ -177,7 +197,7 @@ unsafe fn encode_with(
             let mut x: Vec<f32> = rans::uninit_vec(n);
             half::load(input, dtype, &mut x);
             if mode == MODE_Q8 {
-                q8::encode(&x, t, c, &mut out);
+                q8::encode(&x, t, c, planes, &mut out);
             } else {
                 let (pk, pv) = match stream_params(std::slice::from_raw_parts(params, 8)) {
                     Some(p) => p,
@@ -187,6 +207,7 @@ unsafe fn encode_with(
                     &mut x,
                     t,
                     c,
+                    planes,
                     &pk,
                     &pv,
                     cal.as_ref().map(|(k, v)| (k, v)),
@@ -223,6 +244,10 @@ pub unsafe extern "C" fn kv_stats(
     c: u32,
     params: *const f32,
 ) -> i32 {
+    let (dtype, planes) = match split_dtype(dtype) {
+        Some(d) => d,
+        None => return ERR_ARGS,
+    };
     let eb = match half::elem_bytes(dtype) {
         Some(e) => e,
         None => return ERR_ARGS,
@@ -230,7 +255,7 @@ pub unsafe extern "C" fn kv_stats(
     if !half::has_float_conversion(dtype) {
         return ERR_ARGS; // statistics are of float values; fp8 is never coded lossy
     }
-    let n = match slab_elems(t, c) {
+    let n = match slab_elems(t, c, planes) {
         Some(n) if n > 0 => n,
         _ => return ERR_ARGS,
     };
@@ -242,8 +267,8 @@ pub unsafe extern "C" fn kv_stats(
     let input = std::slice::from_raw_parts(src, n * eb);
     let mut x: Vec<f32> = rans::uninit_vec(n);
     half::load(input, dtype, &mut x);
-    let mut counts = vec![0u32; 2 * c * lossy::ALPHABET];
-    lossy::stats(&mut x, t, c, &pk, &pv, &mut counts);
+    let mut counts = vec![0u32; planes * c * lossy::ALPHABET];
+    lossy::stats(&mut x, t, c, planes, &pk, &pv, &mut counts);
     let mut out = Vec::with_capacity(counts.len() * 4);
     for v in counts {
         out.extend_from_slice(&v.to_le_bytes());
@@ -319,11 +344,15 @@ unsafe fn decode_with(
     dst: *mut u8,
     blob: &[u8],
 ) -> i32 {
+    let (dtype, planes) = match split_dtype(dtype) {
+        Some(d) => d,
+        None => return ERR_ARGS,
+    };
     let eb = match half::elem_bytes(dtype) {
         Some(e) => e,
         None => return ERR_ARGS,
     };
-    let n = match slab_elems(t, c) {
+    let n = match slab_elems(t, c, planes) {
         Some(n) if n > 0 => n,
         _ => return ERR_ARGS,
     };
@@ -334,18 +363,20 @@ unsafe fn decode_with(
         return ERR_ARGS;
     }
     let ok = match mode {
-        MODE_LOSSLESS => lossless::decode(input, eb, tu, cu, out),
+        MODE_LOSSLESS => lossless::decode(input, eb, tu, cu, planes, out),
         MODE_KVGATE => {
             if blob.is_empty() {
-                lossy::decode(input, dtype, tu, cu, out, None)
+                lossy::decode(input, dtype, tu, cu, planes, out, None)
             } else {
                 match lossy::parse_layer_cal(blob, cu) {
-                    Some((k, v)) => lossy::decode(input, dtype, tu, cu, out, Some((&k, &v))),
+                    Some((k, v)) => {
+                        lossy::decode(input, dtype, tu, cu, planes, out, Some((&k, &v)))
+                    }
                     None => return ERR_CORRUPT,
                 }
             }
         }
-        MODE_Q8 => q8::decode(input, dtype, tu, cu, out),
+        MODE_Q8 => q8::decode(input, dtype, tu, cu, planes, out),
         _ => return ERR_ARGS,
     };
     match ok {

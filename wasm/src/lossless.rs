@@ -25,11 +25,12 @@ fn encode_plane(out: &mut Vec<u8>, plane: &[u8], t: usize, c: usize) {
     }
 }
 
-/// `src` is one layer slab (K then V, T×C elements each, `eb` bytes per element).
-pub fn encode(src: &[u8], eb: usize, t: usize, c: usize, out: &mut Vec<u8>) {
+/// `src` is one layer slab (K then V, or one latent plane: `planes` × T×C elements,
+/// `eb` bytes per element).
+pub fn encode(src: &[u8], eb: usize, t: usize, c: usize, planes: usize, out: &mut Vec<u8>) {
     let n = t * c;
     let mut plane = vec![0u8; n];
-    for kv in 0..2 {
+    for kv in 0..planes {
         let half = &src[kv * n * eb..(kv + 1) * n * eb];
         for b in 0..eb {
             for (i, p) in plane.iter_mut().enumerate() {
@@ -40,14 +41,21 @@ pub fn encode(src: &[u8], eb: usize, t: usize, c: usize, out: &mut Vec<u8>) {
     }
 }
 
-pub fn decode(input: &[u8], eb: usize, t: usize, c: usize, dst: &mut [u8]) -> Option<()> {
+pub fn decode(
+    input: &[u8],
+    eb: usize,
+    t: usize,
+    c: usize,
+    planes: usize,
+    dst: &mut [u8],
+) -> Option<()> {
     let n = t * c;
-    if dst.len() != 2 * n * eb {
+    if dst.len() != planes * n * eb {
         return None;
     }
     let mut r = Reader::new(input);
     let mut plane = vec![0u8; n];
-    for kv in 0..2 {
+    for kv in 0..planes {
         for b in 0..eb {
             match r.u8()? {
                 0 => plane.copy_from_slice(r.take(n)?),

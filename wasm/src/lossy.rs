@@ -1457,16 +1457,24 @@ pub fn decode_stream(
     Some(())
 }
 
+/// K then V (a u32-length-prefixed K stream, then V), or with `planes` 1 an MLA latent
+/// alone: one stream, coded with K's parameters and calibration, no prefix.
+#[allow(clippy::too_many_arguments)]
 pub fn encode(
     x: &mut [f32],
     t: usize,
     c: usize,
+    planes: usize,
     pk: &StreamParams,
     pv: &StreamParams,
     cal: Option<(&StreamCal, &StreamCal)>,
     out: &mut Vec<u8>,
 ) {
     let n = t * c;
+    if planes == 1 {
+        encode_stream(&mut x[..n], t, c, pk, cal.map(|p| p.0), None, out);
+        return;
+    }
     let mut ks = Vec::new();
     encode_stream(&mut x[..n], t, c, pk, cal.map(|p| p.0), None, &mut ks);
     put_u32(out, ks.len() as u32);
@@ -1474,11 +1482,13 @@ pub fn encode(
     encode_stream(&mut x[n..2 * n], t, c, pv, cal.map(|p| p.1), None, out);
 }
 
-/// Per-channel symbol counts of K then V (each c × ALPHABET), as `encode` would code them.
+/// Per-channel symbol counts of K then V (each c × ALPHABET), or of the latent alone
+/// (`planes` 1), as `encode` would code them.
 pub fn stats(
     x: &mut [f32],
     t: usize,
     c: usize,
+    planes: usize,
     pk: &StreamParams,
     pv: &StreamParams,
     out: &mut [u32],
@@ -1487,6 +1497,9 @@ pub fn stats(
     let (ok, ov) = out.split_at_mut(c * ALPHABET);
     let mut sink = Vec::new();
     encode_stream(&mut x[..n], t, c, pk, None, Some(ok), &mut sink);
+    if planes == 1 {
+        return;
+    }
     encode_stream(&mut x[n..2 * n], t, c, pv, None, Some(ov), &mut sink);
 }
 
@@ -1495,17 +1508,22 @@ pub fn decode(
     dtype: u32,
     t: usize,
     c: usize,
+    planes: usize,
     dst: &mut [u8],
     cal: Option<(&StreamCal, &StreamCal)>,
 ) -> Option<()> {
     let eb = half::elem_bytes(dtype)?;
     let n = t * c;
-    if dst.len() != 2 * n * eb {
+    if dst.len() != planes * n * eb {
         return None;
     }
     // decode_block writes every symbol before anything reads one.
     let mut syms: Vec<u8> = uninit_vec(n);
     let mut r = Reader::new(input);
+    if planes == 1 {
+        decode_stream(&mut r, t, c, dtype, dst, 0, &mut syms, cal.map(|p| p.0))?;
+        return if r.remaining() == 0 { Some(()) } else { None };
+    }
     let mut rk = Reader::new(r.block()?);
     decode_stream(&mut rk, t, c, dtype, dst, 0, &mut syms, cal.map(|p| p.0))?;
     if rk.remaining() != 0 {

@@ -1,11 +1,11 @@
 //! q8 mode: plain symmetric 8-bit quantization with one f32 scale per token
-//! (per K/V row). A simple, fast baseline between raw and the entropy-coded modes.
+//! (per K/V or latent row). A simple, fast baseline between raw and the entropy-coded modes.
 
 use crate::bytes::Reader;
 use crate::half;
 
-pub fn encode(x: &[f32], t: usize, c: usize, out: &mut Vec<u8>) {
-    for kv in 0..2 {
+pub fn encode(x: &[f32], t: usize, c: usize, planes: usize, out: &mut Vec<u8>) {
+    for kv in 0..planes {
         let m = &x[kv * t * c..(kv + 1) * t * c];
         let mut scales = Vec::with_capacity(t);
         for row in m.chunks_exact(c) {
@@ -31,14 +31,21 @@ pub fn encode(x: &[f32], t: usize, c: usize, out: &mut Vec<u8>) {
     }
 }
 
-pub fn decode(input: &[u8], dtype: u32, t: usize, c: usize, dst: &mut [u8]) -> Option<()> {
+pub fn decode(
+    input: &[u8],
+    dtype: u32,
+    t: usize,
+    c: usize,
+    planes: usize,
+    dst: &mut [u8],
+) -> Option<()> {
     let eb = half::elem_bytes(dtype)?;
-    if input.len() != 2 * (t * 4 + t * c) || dst.len() != 2 * t * c * eb {
+    if input.len() != planes * (t * 4 + t * c) || dst.len() != planes * t * c * eb {
         return None;
     }
     let mut r = Reader::new(input);
     let mut o = 0usize;
-    for _ in 0..2 {
+    for _ in 0..planes {
         let mut scales = Vec::with_capacity(t);
         for _ in 0..t {
             scales.push(r.f32()?);
