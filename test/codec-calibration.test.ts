@@ -186,7 +186,9 @@ describe('calibration object under hostile bytes', () => {
       [patch(0, 0x4c43564c, 4), /magic/],
       [patch(4, 2, 2), /version 2/],
       [patch(6, 9, 1), /dtype/],
-      [patch(7, 1, 1), /reserved/],
+      [patch(7, 2, 1), /reserved/],
+      // Byte 7 bit 0 marks a latent (MLA) calibration: one kv head only.
+      [patch(7, 1, 1), /latent/],
       [patch(8, 0, 2), /geometry/],
       [patch(8, 3, 2), /offset|index|bytes after|malformed/],
       [patch(10, 5, 2), /tables are malformed|offset|bytes after/],

@@ -11,7 +11,7 @@ import { mkdir, readFile, rename, rm, writeFile } from 'node:fs/promises'
 import { join } from 'node:path'
 import { LRUCache } from 'lru-cache'
 import type { Calibration } from '../codec/calibration.ts'
-import type { KvGeometry } from '../core/layout.ts'
+import { type KvGeometry, sameGeometry } from '../core/layout.ts'
 
 /** The gateway side of calibrations (RemoteTier implements it); null = "has none", undefined = unreachable. */
 export interface CalibrationRemote {
@@ -224,12 +224,7 @@ export class CalibrationStore {
     }
     const g = c.geometry
     const want = this.#geometry
-    if (
-      g.layers !== want.layers ||
-      g.kvHeads !== want.kvHeads ||
-      g.headDim !== want.headDim ||
-      c.dtype !== want.dtype
-    ) {
+    if (!sameGeometry({ ...g, dtype: c.dtype }, want)) {
       this.#stats.rejected++
       this.#foreign.add(hash)
       if (this.#foreign.size > MAX_MISSING)

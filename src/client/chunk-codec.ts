@@ -9,7 +9,7 @@ import {
   headerBytesFor,
   openLayerSubset,
 } from '../core/format.ts'
-import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
+import { type KvGeometry, layerSlabBytes, sameGeometry } from '../core/layout.ts'
 
 export type ChunkCodecName = 'raw' | 'lossless' | 'kvgate'
 
@@ -35,14 +35,9 @@ function sameBytes(a: Uint8Array, b: Uint8Array): boolean {
 export function checkIdentity(h: ChunkHeader, want: ChunkIdentity): void {
   const hg = h.geometry
   const g = want.geometry
-  if (
-    hg.layers !== g.layers ||
-    hg.kvHeads !== g.kvHeads ||
-    hg.headDim !== g.headDim ||
-    hg.dtype !== g.dtype
-  ) {
-    bad('chunk geometry does not match this cache')
-  }
+  // Latent included: an MLA chunk of the other representation (a latent chunk read as a K/V
+  // slab, or the reverse) has other bytes per layer and is as wrong as another model's.
+  if (!sameGeometry(hg, g)) bad('chunk geometry does not match this cache')
   if (h.tokens !== want.tokens) bad(`chunk holds ${h.tokens} tokens, expected ${want.tokens}`)
   if (h.partial !== want.partial) bad(`chunk partial flag is ${h.partial}, expected ${want.partial}`)
   if (h.chunkIndex !== want.chunkIndex) bad(`chunk index is ${h.chunkIndex}, expected ${want.chunkIndex}`)

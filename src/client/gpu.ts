@@ -2,7 +2,7 @@
 // contiguous buffer, or a paged block table like vLLM's), turned into batched copies.
 
 import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
-import { dtypeBytes, type KvGeometry, kvRange, rowElements } from '../core/layout.ts'
+import { dtypeBytes, type KvGeometry, kvPlanes, kvRange, rowElements } from '../core/layout.ts'
 import type { NativeModule } from './native-api.ts'
 
 /** Device memory holding chunk tensors back to back, in the host `kv` layout. */
@@ -20,7 +20,7 @@ export interface GpuContiguous {
 export interface GpuPaged {
   kind: 'paged'
   blockTokens: number
-  /** blocks[layer][0 = K, 1 = V][block index in the sequence] = device address. */
+  /** blocks[layer][0 = K, 1 = V][block index in the sequence] = device address ([layer][0] alone for a latent geometry). */
   blocks: readonly (readonly (readonly bigint[])[])[]
 }
 
@@ -55,8 +55,10 @@ export function validateGpuBuffer(b: GpuBuffer, g: KvGeometry, chunkTokens: numb
   const need = Math.ceil((chunks * chunkTokens) / b.blockTokens)
   for (let l = 0; l < g.layers; l++) {
     const kv = b.blocks[l]
-    if (!Array.isArray(kv) || kv.length !== 2)
-      throw new InvalidArgumentError(`invalid GPU buffer: blocks[${l}] needs [K, V]`)
+    if (!Array.isArray(kv) || kv.length !== kvPlanes(g))
+      throw new InvalidArgumentError(
+        `invalid GPU buffer: blocks[${l}] needs ${g.latent === true ? '[latent]' : '[K, V]'}`,
+      )
     for (const side of kv) {
       if (!Array.isArray(side) || side.length < need) {
         throw new InvalidArgumentError(
@@ -82,14 +84,14 @@ export function chunkDescriptors(
   index: number,
 ): CopyDescriptor[] {
   const row = rowElements(g) * dtypeBytes(g.dtype)
-  const tensorBytes = 2 * g.layers * chunkTokens * row
+  const tensorBytes = kvPlanes(g) * g.layers * chunkTokens * row
   if (b.kind === 'device')
     return [{ device: b.pointer + BigInt(index * tensorBytes), host: 0, bytes: tensorBytes }]
   const out: CopyDescriptor[] = []
   const first = index * chunkTokens
   for (let l = 0; l < g.layers; l++) {
-    for (const kind of [0, 1] as const) {
-      const base = kvRange(g, chunkTokens, l, kind).start
+    for (let kind = 0; kind < kvPlanes(g); kind++) {
+      const base = kvRange(g, chunkTokens, l, kind as 0 | 1).start
       let t = 0
       while (t < chunkTokens) {
         const abs = first + t

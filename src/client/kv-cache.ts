@@ -6,7 +6,7 @@ import { openCalibration } from '../codec/calibration.ts'
 import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
 import { headerBytesFor } from '../core/format.ts'
 import { type ChunkKey, fromHex, type KeyNamespace, namespaceId } from '../core/keys.ts'
-import { chunkBytes, dtypeBytes, type ModelPreset, rowElements } from '../core/layout.ts'
+import { chunkBytes, dtypeBytes, kvPlanes, type ModelPreset, rowElements } from '../core/layout.ts'
 import { type CalibrationStats, CalibrationStore } from './calibration-store.ts'
 import type { ChunkCodecName } from './chunk-codec.ts'
 import { CodecPool } from './codec-pool.ts'
@@ -360,7 +360,7 @@ export class KVCache {
     const bytes = asBytes(name, v)
     const g = this.model
     const row = rowElements(g) * dtypeBytes(g.dtype)
-    const want = 2 * g.layers * n * row
+    const want = kvPlanes(g) * g.layers * n * row
     if (bytes.byteLength !== want) {
       throw new InvalidArgumentError(
         `invalid ${name}: ${bytes.byteLength} bytes, a sequence tensor of ${n} tokens is ${want} ([layer][K|V][token][kvHead][headDim])`,
@@ -368,7 +368,8 @@ export class KVCache {
     }
     const each = (k: ChunkKey, f: (seqOff: number, chunkOff: number, run: number) => void) => {
       const run = (k.end - k.start) * row
-      for (let side = 0; side < 2 * g.layers; side++) f(side * n * row + k.start * row, side * run, run)
+      for (let side = 0; side < kvPlanes(g) * g.layers; side++)
+        f(side * n * row + k.start * row, side * run, run)
     }
     return {
       gather: (k, dst) => each(k, (so, co, run) => dst.set(bytes.subarray(so, so + run), co)),

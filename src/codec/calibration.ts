@@ -6,7 +6,7 @@
 // in one byte, or carries its own tables when its statistics are far off the calibration's).
 //
 // Layout (little-endian; docs/codec.md):
-//   0 "KVCL" | 4 u16 version 1 | 6 u8 dtype code | 7 u8 0 | 8 u16 layers | 10 u16 kvHeads
+//   0 "KVCL" | 4 u16 version 1 | 6 u8 dtype code | 7 u8 flags (bit 0 latent) | 8 u16 layers | 10 u16 kvHeads
 //   | 12 u16 headDim | 14 u16 table sets | 16 u32 sample tokens | 20 u32 0
 //   | 24 u32 × (layers + 1) layer blob offsets (from the end of this index)
 //   | layer blobs (wasm/src/lossy.rs parse_layer_cal) | u32 CRC-32 of everything before it
@@ -20,13 +20,16 @@ import {
   type Dtype,
   dtypeFromCode,
   type KvGeometry,
+  kvPlanes,
   layerSlabBytes,
   MAX_CHUNK_TOKENS,
   rowElements,
+  sameGeometry,
   validateGeometry,
 } from '../core/layout.ts'
 import { wasmCodec } from './runtime.ts'
 import { sha256Hex } from './sha256.ts'
+import { WASM_LATENT } from './wasm-instance.ts'
 
 /** The model geometry a calibration is measured for (the chunk geometry, dtype included). */
 export type ModelGeometry = KvGeometry
@@ -52,6 +55,8 @@ export class CalibrationMissingError extends CodecError {
 const MAGIC = 0x4c43564b // "KVCL" read as a little-endian u32
 const VERSION = 1
 const FIXED_BYTES = 24
+/** Byte 7 flag: measured on latent (MLA) chunks, one stream per layer. */
+const FLAG_LATENT = 1
 /** Refused above this size before anything is parsed (an 8B-class model's is ~1 MiB). */
 export const MAX_CALIBRATION_BYTES = 64 * 1024 * 1024
 /** Channels per stream with their own class; the wasm decoder takes at most 8 classes. */
@@ -202,6 +207,8 @@ export function buildCalibration(
   const codec = wasmCodec()
   const A = codec.alphabet
   const dcode = DTYPE_CODES[g.dtype]
+  const planes = kvPlanes(g)
+  const wasmDtype = dcode | (planes === 1 ? WASM_LATENT : 0)
   const blobs: number[][] = []
   for (let l = 0; l < g.layers; l++) {
     const means = [new Float64Array(c), new Float64Array(c)]
@@ -211,7 +218,7 @@ export function buildCalibration(
       const slab = layerSlabBytes(g, t)
       const layer = s.subarray(l * slab, (l + 1) * slab)
       const x = decodeElements(layer, g.dtype)
-      for (let kv = 0; kv < 2; kv++) {
+      for (let kv = 0; kv < planes; kv++) {
         for (let tt = 0; tt < t; tt++) {
           const o = (kv * t + tt) * c
           for (let ch = 0; ch < c; ch++) {
@@ -221,8 +228,8 @@ export function buildCalibration(
         }
       }
       EPS_GRID.forEach((eps, gi) => {
-        const n = codec.symbolCounts(layer, dcode, t, c, new Float32Array([-eps, eps, 0, 0, 1, 8, 0, 0]))
-        for (let kv = 0; kv < 2; kv++) {
+        const n = codec.symbolCounts(layer, wasmDtype, t, c, new Float32Array([-eps, eps, 0, 0, 1, 8, 0, 0]))
+        for (let kv = 0; kv < planes; kv++) {
           const dst = counts[kv]![gi]!
           const src = n.subarray(kv * c * A, (kv + 1) * c * A)
           for (let j = 0; j < c * A; j++) dst[j]! += src[j]!
@@ -230,7 +237,9 @@ export function buildCalibration(
       })
     })
     const kBlob = streamBlob(means[0]!, counts[0]!, c, A)
-    const vBlob = streamBlob(means[1]!, counts[1]!, c, A)
+    // A latent layer is one stream, coded with the K stream's calibration; the layer blob
+    // keeps its K-then-V shape (what the wasm parser takes) with the latent's twice.
+    const vBlob = planes === 1 ? kBlob : streamBlob(means[1]!, counts[1]!, c, A)
     const len = new DataView(new ArrayBuffer(4))
     len.setUint32(0, kBlob.length, true)
     const blob: number[] = []
@@ -246,6 +255,7 @@ export function buildCalibration(
   dv.setUint32(0, MAGIC, true)
   dv.setUint16(4, VERSION, true)
   out[6] = dcode
+  out[7] = planes === 1 ? FLAG_LATENT : 0
   dv.setUint16(8, g.layers, true)
   dv.setUint16(10, g.kvHeads, true)
   dv.setUint16(12, g.headDim, true)
@@ -284,7 +294,7 @@ export function openCalibration(bytes: Uint8Array): Calibration {
     bad('checksum mismatch')
   const dtype = dtypeFromCode(copy[6]!)
   if (dtype === undefined) bad(`unknown dtype code ${copy[6]}`)
-  if (copy[7] !== 0 || dv.getUint32(20, true) !== 0) bad('reserved bytes are not zero')
+  if ((copy[7]! & ~FLAG_LATENT) !== 0 || dv.getUint32(20, true) !== 0) bad('reserved bytes are not zero')
   let geometry: KvGeometry
   try {
     geometry = validateGeometry({
@@ -292,6 +302,7 @@ export function openCalibration(bytes: Uint8Array): Calibration {
       kvHeads: dv.getUint16(10, true),
       headDim: dv.getUint16(12, true),
       dtype: dtype as Dtype,
+      ...(copy[7] === FLAG_LATENT ? { latent: true } : {}),
     })
   } catch (e) {
     return bad(`geometry: ${(e as Error).message}`)
@@ -343,10 +354,11 @@ export function layerBlobs(cal: Calibration): Uint8Array[] {
 /** Throws unless `cal` was measured for chunks of geometry `g`. */
 export function checkCalibrationGeometry(cal: Calibration, g: KvGeometry): void {
   const h = cal.geometry
-  if (h.layers !== g.layers || h.kvHeads !== g.kvHeads || h.headDim !== g.headDim || cal.dtype !== g.dtype) {
+  if (!sameGeometry({ ...h, dtype: cal.dtype }, g)) {
+    const latent = (x: KvGeometry) => (x.latent === true ? ' latent' : '')
     throw new CodecError(
-      `calibration ${cal.hash.slice(0, 12)} is for ${h.layers}×${h.kvHeads}×${h.headDim} ${cal.dtype}, ` +
-        `the chunk is ${g.layers}×${g.kvHeads}×${g.headDim} ${g.dtype}`,
+      `calibration ${cal.hash.slice(0, 12)} is for ${h.layers}×${h.kvHeads}×${h.headDim} ${cal.dtype}${latent(h)}, ` +
+        `the chunk is ${g.layers}×${g.kvHeads}×${g.headDim} ${g.dtype}${latent(g)}`,
     )
   }
 }

@@ -15,6 +15,7 @@ import {
   DTYPE_CODES,
   isFp8,
   type KvGeometry,
+  kvPlanes,
   layerSlabBytes,
   MAX_CHUNK_TOKENS,
   rowElements,
@@ -35,6 +36,7 @@ import {
   DEFAULT_QUALITY,
   encodeParams,
   type LayerTargets,
+  latentTarget,
   layerTargets,
   splitOfParams,
 } from './params.ts'
@@ -45,7 +47,7 @@ import {
   lmcacheSplit,
 } from './reference-cachegen.ts'
 import { wasmCodec } from './runtime.ts'
-import { MAX_WASM_SLAB_BYTES } from './wasm-instance.ts'
+import { MAX_WASM_SLAB_BYTES, WASM_LATENT } from './wasm-instance.ts'
 
 export type ChunkInfo = Omit<ChunkMeta, 'codec' | 'codecVersion' | 'codecParams'>
 
@@ -58,6 +60,7 @@ export interface EncodeOptions {
   /**
    * kvgate only, instead of a quality level: relative RMS error targets for every layer's
    * K (against its channel-centred RMS) and V. Benchmarks use it to compare at equal error.
+   * A latent (MLA) chunk's one stream takes `kError` (against its channel-centred RMS).
    */
   errorTargets?: LayerTargets
   /**
@@ -97,14 +100,41 @@ const MAX_CLASSES = 8
 
 /**
  * wasm params: [epsK, epsV, gammaK, gammaV, deltaK, maxClasses, levelsK, levelsV];
- * a negative epsK targets K's channel-centred RMS, one uniform step per stream.
+ * a negative epsK targets K's channel-centred RMS, one uniform step per stream. A latent
+ * slab is one stream coded with K's parameters (epsV is then unused).
  */
 function kvgateParams(targets: LayerTargets): Float32Array {
   const { kError, vError } = targets
   return new Float32Array([-kError, vError, 0, 0, 1, MAX_CLASSES, 0, 0])
 }
 
-/** Encodes a chunk tensor ([layer][K|V][token][kvHead][headDim]) into a chunk object. */
+/** The targets of layer `l`: a latent chunk's one stream gets latentTarget (its kError). */
+function targetsOf(quality: number, l: number, g: KvGeometry): LayerTargets {
+  if (g.latent !== true) return layerTargets(quality, l, g.layers)
+  const e = latentTarget(quality)
+  return { kError: e, vError: e }
+}
+
+/** The dtype code the wasm codec takes for a slab of `g` (a latent slab is one plane). */
+function wasmDtype(g: KvGeometry): number {
+  return DTYPE_CODES[g.dtype] | (g.latent === true ? WASM_LATENT : 0)
+}
+
+/** reference-cachegen is LMCache's K/V codec, kept as a baseline: it has no latent form. */
+function checkCachegenLatent(mode: CodecMode, g: KvGeometry): void {
+  if (mode === 'reference-cachegen' && g.latent === true)
+    throw new CodecError(
+      'the reference-cachegen baseline codes K and V; it does not take latent (MLA) chunks',
+      {
+        code: 'ERR_CODEC_MISMATCH',
+      },
+    )
+}
+
+/**
+ * Encodes a chunk tensor ([layer][K|V][token][kvHead][headDim], or a latent geometry's
+ * [layer][token][latent]) into a chunk object.
+ */
 export function encodeChunk(tensor: Uint8Array, meta: ChunkInfo, opts: EncodeOptions): Uint8Array {
   const mode = opts?.mode
   if (!CODEC_MODES.includes(mode)) throw new InvalidArgumentError(`unknown codec mode '${String(mode)}'`)
@@ -119,6 +149,7 @@ export function encodeChunk(tensor: Uint8Array, meta: ChunkInfo, opts: EncodeOpt
     mode === 'kvgate' && targets === undefined ? checkQuality(opts.quality ?? DEFAULT_QUALITY) : 0
   const g = validateGeometry(meta?.geometry)
   checkCodecDtype(mode, g)
+  checkCachegenLatent(mode, g)
   const t = meta.tokens
   if (!Number.isInteger(t) || t < 1 || t > MAX_CHUNK_TOKENS) {
     throw new InvalidArgumentError(`tokens must be an integer in 1..${MAX_CHUNK_TOKENS}, got ${String(t)}`)
@@ -143,7 +174,7 @@ export function encodeChunk(tensor: Uint8Array, meta: ChunkInfo, opts: EncodeOpt
   const sections: Uint8Array[] = []
   for (let l = 0; l < g.layers; l++) {
     const s = tensor.subarray(l * slab, (l + 1) * slab)
-    const p = mode === 'kvgate' ? kvgateParams(targets ?? layerTargets(quality, l, g.layers)) : undefined
+    const p = mode === 'kvgate' ? kvgateParams(targets ?? targetsOf(quality, l, g)) : undefined
     sections.push(encodeSection(mode, p, s, g, t, c, split, l, blobs?.[l]))
   }
   return encodeChunkObject(
@@ -177,15 +208,16 @@ function encodeSection(
       return encodeCachegenLayer(x.subarray(0, t * c), x.subarray(t * c), t, c, layer, split)
     }
     case 'kvgate':
-      return wasmCodec().encodeSection(mode, slab, DTYPE_CODES[g.dtype], t, c, kvgate, cal)
+      return wasmCodec().encodeSection(mode, slab, wasmDtype(g), t, c, kvgate, cal)
     default:
-      return wasmCodec().encodeSection(mode, slab, DTYPE_CODES[g.dtype], t, c)
+      return wasmCodec().encodeSection(mode, slab, wasmDtype(g), t, c)
   }
 }
 
 function checkHeader(header: ChunkHeader): void {
   checkHeaderCodec(header.codec, header.codecVersion, header.codecParams)
   checkCodecDtype(header.codec, header.geometry)
+  checkCachegenLatent(header.codec, header.geometry)
 }
 
 /** The byte-exact codecs the fp8 dtypes take (see isFp8); other codecs would quantise them again. */
@@ -204,13 +236,13 @@ export function checkCodecDtype(mode: CodecMode, g: KvGeometry): void {
 /** Refuses sections that could not honestly expand to the slab they claim. */
 function checkExpansion(header: ChunkHeader, section: Uint8Array): void {
   const g = header.geometry
-  const values = 2 * header.tokens * rowElements(g)
+  const values = kvPlanes(g) * header.tokens * rowElements(g)
   const slab = layerSlabBytes(g, header.tokens)
   const ok =
     header.codec === 'raw'
       ? section.byteLength === slab
       : header.codec === 'q8'
-        ? section.byteLength === 2 * header.tokens * (4 + rowElements(g))
+        ? section.byteLength === kvPlanes(g) * header.tokens * (4 + rowElements(g))
         : header.codec === 'reference-cachegen'
           ? // Baseline only, decoded in TS: refuse implausible expansion (< 1/32 bit per value) to bound time.
             values <= (section.byteLength + 1) * 256
@@ -223,7 +255,7 @@ function checkExpansion(header: ChunkHeader, section: Uint8Array): void {
 
 /**
  * Decodes layer `layer`'s section (already extracted and CRC-checked, e.g. from a
- * layer-range GET) into `out` (the layer slab, K then V) or a new buffer. A v2 header
+ * layer-range GET) into `out` (the layer slab, K then V, or the latent) or a new buffer. A v2 header
  * needs the calibration it names in `opts`.
  */
 export function decodeSection(
@@ -268,7 +300,7 @@ export function decodeSection(
       wasmCodec().decodeSection(
         header.codec,
         section,
-        DTYPE_CODES[g.dtype],
+        wasmDtype(g),
         t,
         c,
         dst,

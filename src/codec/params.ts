@@ -63,6 +63,18 @@ export function layerTargets(quality: number, _layer: number, _layers: number): 
   return { kError: e / (Math.SQRT2 * LOGIT_SPREAD), vError: e / Math.SQRT2 }
 }
 
+/**
+ * Error target of a latent (MLA) layer's one stream at `quality`, relative to its
+ * channel-centred RMS. The latent becomes both K and V (the model's up-projections are
+ * linear: a relative error εL reaches K and V as about εL each), so its error reaches the
+ * output as about √(σ² + 1)·εL, and the whole budget goes to this one stream:
+ * εL = ε / √(σ² + 1). The rope slice (K only) takes the same step: its error counts only
+ * in K's term, so it stays within the budget (docs/codec.md, "MLA latent chunks").
+ */
+export function latentTarget(quality: number): number {
+  return ATTENTION_ERROR[quality]! / Math.hypot(LOGIT_SPREAD, 1)
+}
+
 export function checkQuality(q: unknown): number {
   if (typeof q !== 'number' || !Number.isInteger(q) || q < MIN_QUALITY || q > MAX_QUALITY) {
     throw new CodecError(`quality must be an integer in ${MIN_QUALITY}..${MAX_QUALITY}, got ${String(q)}`)

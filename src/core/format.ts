@@ -64,8 +64,6 @@ export interface ChunkMeta {
   chunkIndex: number
   /** True when this is a trailing chunk with fewer than chunkTokens tokens. */
   partial: boolean
-  /** MLA latent KV (flags bit 1): one tensor per layer, no V; kvHeads must be 1. @default false */
-  latent?: boolean
   /** First 16 bytes of the key namespace seed: a reader rejects chunks of another model. */
   namespaceId: Uint8Array
   chainKey: Uint8Array
@@ -122,7 +120,9 @@ function checkMeta(meta: ChunkMeta, sections: readonly Uint8Array[]): void {
     throw new InvalidArgumentError(`codecParams must be a Uint8Array of at most ${CODEC_PARAMS_BYTES} bytes`)
   }
   if (!(g.dtype in DTYPE_CODES)) throw new InvalidArgumentError(`unknown dtype '${String(g.dtype)}'`)
-  if (meta.latent === true && g.kvHeads !== 1)
+  if (g.latent !== undefined && typeof g.latent !== 'boolean')
+    throw new InvalidArgumentError('geometry.latent must be a boolean')
+  if (g.latent === true && g.kvHeads !== 1)
     throw new InvalidArgumentError('a latent (MLA) chunk has kvHeads 1 (headDim = the latent dim)')
   for (const [name, v, max] of [
     ['layers', g.layers, MAX_LAYERS],
@@ -171,7 +171,7 @@ export function encodeChunk(meta: ChunkMeta, sections: readonly Uint8Array[]): U
   const dv = new DataView(out.buffer)
   dv.setUint32(0, CHUNK_MAGIC, true)
   dv.setUint16(4, version, true)
-  dv.setUint16(6, (meta.partial ? FLAG_PARTIAL : 0) | (meta.latent ? FLAG_LATENT : 0), true)
+  dv.setUint16(6, (meta.partial ? FLAG_PARTIAL : 0) | (g.latent === true ? FLAG_LATENT : 0), true)
   dv.setUint32(8, headerBytes, true)
   dv.setUint32(12, g.layers, true)
   dv.setBigUint64(16, BigInt(total), true)
@@ -315,11 +315,14 @@ export function decodeHeader(bytes: Uint8Array, opts: DecodeOptions = {}): Chunk
     codec,
     codecVersion: bytes[25]!,
     codecParams: bytes.slice(28, 44),
-    geometry: { layers, kvHeads, headDim, dtype },
+    // The latent flag is part of the geometry (flags bit 1): absent, not false, on K/V chunks.
+    geometry:
+      flags & FLAG_LATENT
+        ? { layers, kvHeads, headDim, dtype, latent: true }
+        : { layers, kvHeads, headDim, dtype },
     tokens,
     chunkIndex: dv.getUint32(56, true),
     partial: (flags & FLAG_PARTIAL) !== 0,
-    latent: (flags & FLAG_LATENT) !== 0,
     namespaceId: bytes.slice(60, 76),
     chainKey: bytes.slice(76, 108),
     parentKey: bytes.slice(108, 140),

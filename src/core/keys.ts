@@ -270,7 +270,9 @@ function seedPreimage(ns: ReturnType<typeof validateNamespace>): Uint8Array {
   dv.setUint16(o, ns.geometry.layers, true)
   dv.setUint16(o + 2, ns.geometry.kvHeads, true)
   dv.setUint16(o + 4, ns.geometry.headDim, true)
-  out[o + 6] = DTYPE_CODES[ns.geometry.dtype]
+  // A latent (MLA) geometry sets the dtype byte's top bit: its chunks hold one plane per
+  // layer, never the K/V chunks of a geometry with the same numbers (those seeds are unchanged).
+  out[o + 6] = DTYPE_CODES[ns.geometry.dtype] | (ns.geometry.latent === true ? 0x80 : 0)
   o += 7
   dv.setUint32(o, ns.chunkTokens, true)
   o += 4

@@ -4,7 +4,8 @@
 // Host layout of a chunk (the "chunk tensor"): [layer][K|V][token][kvHead][headDim],
 // contiguous, little-endian elements of `dtype`. One layer's K then V is a "layer
 // slab"; the chunk object stores one section per layer, so a reader can fetch
-// layers a..b with one range request.
+// layers a..b with one range request. A latent (MLA) geometry has one plane per layer
+// instead of K and V: [layer][token][latent] (kvHeads 1, headDim = the latent dim).
 
 import { InvalidArgumentError } from './errors.ts'
 
@@ -42,9 +43,14 @@ export interface KvGeometry {
   readonly layers: number
   /** KV heads per layer (GQA: fewer than query heads). */
   readonly kvHeads: number
-  /** Dimension of one head. */
+  /** Dimension of one head (the latent dim when `latent`). */
   readonly headDim: number
   readonly dtype: Dtype
+  /**
+   * MLA: each layer holds one latent tensor [token][latent] (it becomes K and V only after
+   * the model's up-projections), not K and V. kvHeads must be 1. @default false
+   */
+  readonly latent?: boolean
 }
 
 export interface ModelPreset extends KvGeometry {
@@ -96,22 +102,44 @@ export function validateGeometry(g: KvGeometry): KvGeometry {
   checkDim('headDim', g.headDim, MAX_HEAD_DIM)
   if (!(g.dtype in DTYPE_CODES))
     throw new InvalidArgumentError(`invalid dtype: ${String(g.dtype)} (fp16, bf16, fp32, fp8e4m3 or fp8e5m2)`)
+  if (g.latent !== undefined && typeof g.latent !== 'boolean')
+    throw new InvalidArgumentError(`invalid latent: expected a boolean, got ${String(g.latent)}`)
+  if (g.latent === true && g.kvHeads !== 1)
+    throw new InvalidArgumentError(
+      `a latent (MLA) geometry has kvHeads 1 (headDim = the latent dim), not ${g.kvHeads}`,
+    )
   return g
 }
 
-/** Elements of K (or V) for one token in one layer. */
+/** Planes per layer: K and V (2), or a latent geometry's one latent tensor (1). */
+export function kvPlanes(g: KvGeometry): 1 | 2 {
+  return g.latent === true ? 1 : 2
+}
+
+/** True when two geometries describe the same chunk bytes (a missing latent is false). */
+export function sameGeometry(a: KvGeometry, b: KvGeometry): boolean {
+  return (
+    a.layers === b.layers &&
+    a.kvHeads === b.kvHeads &&
+    a.headDim === b.headDim &&
+    a.dtype === b.dtype &&
+    (a.latent === true) === (b.latent === true)
+  )
+}
+
+/** Elements of K (or V, or the latent) for one token in one layer. */
 export function rowElements(g: KvGeometry): number {
   return g.kvHeads * g.headDim
 }
 
-/** Bytes of K+V for one token across all layers. Llama-3.1-8B bf16: 128 KiB. */
+/** Bytes of K+V (or the latent) for one token across all layers. Llama-3.1-8B bf16: 128 KiB. */
 export function bytesPerToken(g: KvGeometry): number {
-  return 2 * g.layers * rowElements(g) * dtypeBytes(g.dtype)
+  return kvPlanes(g) * g.layers * rowElements(g) * dtypeBytes(g.dtype)
 }
 
-/** Bytes of one layer's K+V for `tokens` tokens (one layer slab). */
+/** Bytes of one layer's K+V (or latent) for `tokens` tokens (one layer slab). */
 export function layerSlabBytes(g: KvGeometry, tokens: number): number {
-  return 2 * tokens * rowElements(g) * dtypeBytes(g.dtype)
+  return kvPlanes(g) * tokens * rowElements(g) * dtypeBytes(g.dtype)
 }
 
 /** Bytes of a whole chunk tensor. Llama-3.1-8B, 256 tokens, bf16: 32 MiB. */
@@ -135,8 +163,9 @@ export function layerRange(g: KvGeometry, tokens: number, layer: number): ByteRa
   return { start: layer * size, end: (layer + 1) * size }
 }
 
-/** A view of one layer's K (kind 0) or V (kind 1) inside a chunk tensor. */
+/** A view of one layer's K (kind 0) or V (kind 1), or a latent geometry's latent (kind 0), inside a chunk tensor. */
 export function kvRange(g: KvGeometry, tokens: number, layer: number, kind: 0 | 1): ByteRange {
+  if (kind >= kvPlanes(g)) throw new InvalidArgumentError('a latent (MLA) geometry has no V plane')
   const { start } = layerRange(g, tokens, layer)
   const half = tokens * rowElements(g) * dtypeBytes(g.dtype)
   return { start: start + kind * half, end: start + (kind + 1) * half }
@@ -166,8 +195,8 @@ export function sliceTokens(
   const out = new Uint8Array(chunkBytes(g, n))
   let o = 0
   for (let layer = 0; layer < g.layers; layer++) {
-    for (const kind of [0, 1] as const) {
-      const { start } = kvRange(g, tokens, layer, kind)
+    for (let kind = 0; kind < kvPlanes(g); kind++) {
+      const { start } = kvRange(g, tokens, layer, kind as 0 | 1)
       out.set(chunk.subarray(start + from * row, start + to * row), o)
       o += n * row
     }
