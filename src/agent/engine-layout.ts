@@ -6,7 +6,6 @@
 // In every one a block's K (V, latent) is one contiguous run of blockBytes.
 
 import { type Dtype, dtypeBytes, type KvGeometry } from '../core/layout.ts'
-import { AgentError } from './protocol.ts'
 
 export type EngineLayout = 'flash-attn' | 'flashinfer' | 'mla'
 export const ENGINE_LAYOUTS: readonly EngineLayout[] = ['flash-attn', 'flashinfer', 'mla']
@@ -70,14 +69,13 @@ export function blockOffset(g: EngineGeometry, numBlocks: number, side: number, 
 
 /**
  * The kvgate geometry a chunk of this engine is stored with. Chunk tensors are
- * [layer][K|V][token][kvHead][headDim]; an MLA layer's [token][latent] run is stored
- * as one slab of the same byte size (kvHeads 1, headDim latent/2, see docs/vllm.md).
+ * [layer][K|V][token][kvHead][headDim]; an MLA engine's are latent chunks,
+ * [layer][token][latent] (kvHeads 1, headDim = the latent dim, docs/format.md flags bit 1),
+ * so the codecs see the latent's own channels.
  */
 export function storageGeometry(g: EngineGeometry): KvGeometry {
-  if (g.layout === 'mla') {
-    if (g.headSize % 2 !== 0) throw new AgentError('ERR_LAYOUT', `MLA latent dim ${g.headSize} must be even`)
-    return { layers: g.layers, kvHeads: 1, headDim: g.headSize / 2, dtype: g.dtype }
-  }
+  if (g.layout === 'mla')
+    return { layers: g.layers, kvHeads: 1, headDim: g.headSize, dtype: g.dtype, latent: true }
   return { layers: g.layers, kvHeads: g.kvHeads, headDim: g.headSize, dtype: g.dtype }
 }
 

@@ -31,11 +31,18 @@ function sha256(b: Uint8Array): Buffer {
   return hash('sha256', b, 'buffer') as unknown as Buffer
 }
 
+/**
+ * How an MLA space's chunks are stored: 'latent' chunks (one plane per layer). Builds
+ * before it stored them as K/V split slabs under `true` here and key tag v1; the two never
+ * share an L2 directory, an L1 scope or a key (and a header check refuses the other's bytes).
+ */
+const MLA_STORAGE = 'latent'
+
 /** The space id: every field that makes stored bytes differ. `rank` is null for MLA (one shared copy). */
 export function spaceId(d: SpaceDescriptor, rank: number | null): string {
   return JSON.stringify([
     d.model,
-    d.layout === 'mla',
+    d.layout === 'mla' ? MLA_STORAGE : false,
     d.dtype,
     d.layers,
     d.kvHeads,
@@ -126,10 +133,14 @@ export async function createAgentL1(d: SpaceDescriptor, base: SpaceCacheOptions)
   })
 }
 
-/** What an object key mixes into vLLM's block hash (docs/vllm.md, "Keys"). */
+/**
+ * What an object key mixes into vLLM's block hash (docs/vllm.md, "Keys"). v2 is MLA stored
+ * as latent chunks: the split-slab objects of v1 MLA spaces are never looked up.
+ */
 export function keyTag(d: SpaceDescriptor, rank: number | null): Uint8Array {
   const shard = rank === null ? '' : `tp${rank}/${d.world}`
-  return new TextEncoder().encode(`kvgate:vllm:v1\0${d.model}\0${shard}`)
+  const version = d.layout === 'mla' ? 'v2' : 'v1'
+  return new TextEncoder().encode(`kvgate:vllm:${version}\0${d.model}\0${shard}`)
 }
 
 interface Derived {
