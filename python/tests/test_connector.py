@@ -133,8 +133,11 @@ def test_engine_b_loads_engine_a_kv_byte_for_byte(tmp, gateway, pair, layout):
             ag.stop()
 
 
-def test_lossy_codec_within_bound(tmp, gateway):
-    a, b, ra, rb, agents = share(tmp, gateway, "lossy", codec="kvgate", head_size=64)
+@pytest.mark.parametrize("layout", ["flash-attn", "mla"])
+def test_lossy_codec_within_bound(tmp, gateway, layout):
+    """MLA blocks are stored as latent chunks: the codec codes the latent (one stream per
+    layer, on its own channels) at the latent budget, finer than K/V's V."""
+    a, b, ra, rb, agents = share(tmp, gateway, f"lossy-{layout}", codec="kvgate", head_size=64, layout=layout)
     try:
         assert rb["matched"] == 96 and rb["load_errors"] == []
         A = blocks_of(a, 0, ra["block_ids"], 6)
@@ -142,7 +145,8 @@ def test_lossy_codec_within_bound(tmp, gateway):
         worst = 0.0
         differs = False
         for layer in range(len(A)):
-            for s in range(2):
+            assert len(A[layer]) == (1 if layout == "mla" else 2)
+            for s in range(len(A[layer])):
                 x = torch.stack(A[layer][s]).float()
                 y = torch.stack(B[layer][s]).float()
                 differs = differs or not torch.equal(x, y)
@@ -150,7 +154,9 @@ def test_lossy_codec_within_bound(tmp, gateway):
         assert differs, "the lossy codec returned exact bytes: this test did not exercise it"
         # The kvgate codec's default level on this synthetic KV: ~8 % relative RMSE per layer.
         # The model-level bar (>= 99 % next-token agreement) is test_model.py's.
-        assert worst < 0.12, worst
+        # MLA: the latent budget (ε/√(σ²+1), docs/codec.md) is ~3 % at the default level; the
+        # split slab it replaced coded half of each latent at V's ~10 % (7 % worst here).
+        assert worst < (0.05 if layout == "mla" else 0.12), worst
     finally:
         a.close()
         b.close()
