@@ -14,6 +14,7 @@ import { keyTag, type SpaceDescriptor } from '../src/agent/space.ts'
 import type { RemoteOptions } from '../src/client/config.ts'
 import { encodeChunk } from '../src/codec/node.ts'
 import { latentTarget } from '../src/codec/params.ts'
+import { crc32 } from '../src/core/checksum.ts'
 import { decodeHeader } from '../src/core/format.ts'
 import { fromHex, namespaceId } from '../src/core/keys.ts'
 import type { KvGeometry } from '../src/core/layout.ts'
@@ -291,6 +292,36 @@ describe('MLA engines store latent chunks', () => {
         expect(blockAt(B1, l, dst1[j]!).equals(blockAt(A, l, src[j]!))).toBe(true)
       }
     for (const e of [a0, a1, b0, b1]) e.c.close()
+  })
+
+  it('the gateway refuses a latent header with more than one kv head (CRC fixed) as a bad field', async () => {
+    const key = randomBytes(32)
+    const obj = encodeChunk(
+      new Uint8Array(LAYERS * CHUNK * LATENT * 2),
+      {
+        geometry: { ...STORED, latent: false, kvHeads: 2, headDim: LATENT / 4 },
+        tokens: CHUNK,
+        chunkIndex: 0,
+        partial: false,
+        namespaceId: new Uint8Array(16),
+        chainKey: key,
+        parentKey: new Uint8Array(32),
+      },
+      { mode: 'raw' },
+    )
+    const dv = new DataView(obj.buffer, obj.byteOffset)
+    dv.setUint16(6, 2, true) // flags: latent
+    const hb = dv.getUint32(8, true)
+    dv.setUint32(hb - 4, crc32(obj.subarray(0, hb - 4)), true)
+    const res = await fetch(`${gw.url}/v1/ns/${NS}/chunks/${Buffer.from(key).toString('hex')}`, {
+      method: 'PUT',
+      headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/octet-stream' },
+      body: Buffer.from(obj),
+    })
+    expect(res.status).toBe(400)
+    expect(await res.text()).toContain('ERR_FORMAT_BAD_FIELD')
+    const hex = Buffer.from(key).toString('hex')
+    expect([...(await gatewayObjects()).keys()].some((n) => n.endsWith(hex))).toBe(false)
   })
 
   it('an MLA chunk stored the old way (split slab) is a miss: never looked up, never served', async () => {

@@ -58,6 +58,26 @@ describe('kvgate CLI', () => {
     writeFileSync(file, bytes.subarray(0, 100))
     const cut = await kvgate('inspect', file)
     expect(cut.code).toBe(1)
+    // A latent (MLA) chunk says so.
+    const latent = encodeChunk(
+      {
+        codec: 'raw',
+        codecVersion: 1,
+        codecParams: new Uint8Array(16),
+        geometry: { layers: 2, kvHeads: 1, headDim: 64, dtype: 'bf16', latent: true },
+        tokens: 4,
+        chunkIndex: 0,
+        partial: false,
+        namespaceId: new Uint8Array(16),
+        chainKey: new Uint8Array(32).fill(1),
+        parentKey: new Uint8Array(32),
+      },
+      [new Uint8Array(4 * 64 * 2), new Uint8Array(4 * 64 * 2)],
+    )
+    writeFileSync(file, latent)
+    const mla = await kvgate('inspect', file)
+    expect(mla.code).toBe(0)
+    expect(mla.stdout).toMatch(/2 layers × latent 64 \(MLA/)
     expect(cut.stdout).toContain('ERR_FORMAT_TRUNCATED')
     expect((await kvgate('inspect', join(dir, 'missing'))).code).toBe(2)
     expect((await kvgate('inspect', '--bogus')).stderr).toContain('--help')

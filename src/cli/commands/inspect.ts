@@ -85,7 +85,9 @@ function printReport(path: string, r: InspectReport): void {
     `  format v${h.formatVersion}, header ${h.headerBytes} bytes, codec ${h.codec} v${h.codecVersion} (params ${h.codecParams})`,
   )
   console.log(
-    `  geometry ${g.layers} layers × ${g.kvHeads} kv heads × ${g.headDim} dims, ${g.dtype} (${dtypeBytes(g.dtype)} B), ${h.tokens} tokens${h.partial ? ' (partial chunk)' : ''}`,
+    g.latent === true
+      ? `  geometry ${g.layers} layers × latent ${g.headDim} (MLA: one latent plane per layer, no V), ${g.dtype} (${dtypeBytes(g.dtype)} B), ${h.tokens} tokens${h.partial ? ' (partial chunk)' : ''}`
+      : `  geometry ${g.layers} layers × ${g.kvHeads} kv heads × ${g.headDim} dims, ${g.dtype} (${dtypeBytes(g.dtype)} B), ${h.tokens} tokens${h.partial ? ' (partial chunk)' : ''}`,
   )
   console.log(`  chunk #${h.chunkIndex}  key ${h.chainKey}`)
   console.log(`  parent     ${h.parentKey}`)
