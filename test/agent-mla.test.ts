@@ -59,14 +59,14 @@ afterAll(async () => {
 let agentCount = 0
 async function agent(
   remote: Partial<RemoteOptions> | false,
-  extra: { disk?: string; layersPerRequest?: number } = {},
+  extra: { disk?: string; layersPerRequest?: number; codecWorkers?: number | undefined } = {},
 ): Promise<string> {
   const socket = join(dir, `a${agentCount++}.sock`)
   const cfg = resolveAgentConfig({ socket, chunkTokens: CHUNK }, { KVGATE_MEMORY_BYTES: '4MiB' })
   cfg.cache = {
     ...cfg.cache,
     namespace: NS,
-    codecWorkers: 0,
+    codecWorkers: extra.codecWorkers ?? 0,
     disk: extra.disk ? { dir: extra.disk, bytes: 1 << 26, storeAs: 'lossless' } : false,
     remote: remote === false ? false : { url: gw.url, token: TOKEN, ...remote },
     ...(extra.layersPerRequest ? { layersPerRequest: extra.layersPerRequest } : {}),
@@ -152,27 +152,38 @@ const keyFor = (hash: Uint8Array, tag: Uint8Array) =>
   new Uint8Array(createHash('sha256').update(hash).update(tag).digest())
 
 describe('MLA engines store latent chunks', () => {
-  const cases: { name: string; remote: Partial<RemoteOptions>; exact: boolean; layersPerRequest?: number }[] =
-    [
-      { name: 'raw', remote: { codec: 'raw' }, exact: true },
-      {
-        name: 'lossless, one layer per request',
-        remote: { codec: 'lossless' },
-        exact: true,
-        layersPerRequest: 1,
-      },
-      { name: 'kvgate', remote: { codec: 'kvgate', calibration: false }, exact: false },
-      { name: 'kvgate calibrated', remote: { codec: 'kvgate', calibration: { after: 1 } }, exact: false },
-    ]
+  const cases: {
+    name: string
+    remote: Partial<RemoteOptions>
+    exact: boolean
+    layersPerRequest?: number
+    codecWorkers?: number
+  }[] = [
+    { name: 'raw', remote: { codec: 'raw' }, exact: true },
+    {
+      name: 'lossless, one layer per request',
+      remote: { codec: 'lossless' },
+      exact: true,
+      layersPerRequest: 1,
+    },
+    { name: 'kvgate', remote: { codec: 'kvgate', calibration: false }, exact: false },
+    { name: 'kvgate calibrated', remote: { codec: 'kvgate', calibration: { after: 1 } }, exact: false },
+    {
+      name: 'kvgate calibrated in a codec worker thread',
+      remote: { codec: 'kvgate', calibration: { after: 1 } },
+      exact: false,
+      codecWorkers: 1,
+    },
+  ]
   for (const [i, k] of cases.entries()) {
     it(`${k.name}: engine B (cold agent) loads engine A's saved blocks through the gateway`, async () => {
       const before = new Set((await gatewayObjects()).keys())
-      const a = await engine(await agent(k.remote), `a-${i}`, 10 + i)
+      const a = await engine(await agent(k.remote, { codecWorkers: k.codecWorkers }), `a-${i}`, 10 + i)
       const keys = [randomBytes(32), randomBytes(32)]
       const src = [7, 2, 9, 0]
       // The calibrated case saves a first chunk alone: its store builds and publishes the
       // namespace's latent calibration, which the second chunk is then coded with.
-      if (k.name === 'kvgate calibrated') {
+      if (k.remote.calibration) {
         expect(
           await a.c.call('save', { worker: a.worker, keys: keys.slice(0, 1), blockIds: src.slice(0, 2) }),
         ).toMatchObject({ ok: true, stored: 1 })
@@ -191,10 +202,10 @@ describe('MLA engines store latent chunks', () => {
         expect(h.geometry).toEqual(STORED)
         expect(h.codec).toBe(k.remote.codec)
       }
-      if (k.name === 'kvgate calibrated') expect(headers.some((h) => h.calibration !== undefined)).toBe(true)
+      if (k.remote.calibration) expect(headers.some((h) => h.calibration !== undefined)).toBe(true)
 
       const b = await engine(
-        await agent(k.remote, { layersPerRequest: k.layersPerRequest }),
+        await agent(k.remote, { layersPerRequest: k.layersPerRequest, codecWorkers: k.codecWorkers }),
         `b-${i}`,
         undefined,
       )
