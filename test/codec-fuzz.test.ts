@@ -17,6 +17,11 @@ describe('codec under hostile input', () => {
     // Calibrated chunks and hostile calibration objects were in the mix.
     expect(report.perMode['kvgate+calibration']).toBeGreaterThan(200)
     expect(report.perMode['calibration bytes']).toBeGreaterThan(100)
+    // So were latent (MLA) chunks, calibrated or not.
+    expect(report.perMode['kvgate+latent']).toBeGreaterThan(100)
+    expect(report.perMode['lossless+latent']).toBeGreaterThan(100)
+    expect(report.perMode['q8+latent']).toBeGreaterThan(100)
+    expect(report.perMode['kvgate+calibration+latent']).toBeGreaterThan(50)
   })
 
   it('a trap inside wasm becomes a CodecError and the instance is replaced', () => {

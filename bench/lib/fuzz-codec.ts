@@ -15,6 +15,7 @@ import {
   openCalibration,
 } from '../../src/codec/node.ts'
 import { wasmCodec } from '../../src/codec/runtime.ts'
+import { WASM_LATENT } from '../../src/codec/wasm-instance.ts'
 import { crc32 } from '../../src/core/checksum.ts'
 import { encodeElements } from '../../src/core/dtype.ts'
 import { isKvgateError } from '../../src/core/errors.ts'
@@ -25,7 +26,7 @@ import {
   sectionOf,
 } from '../../src/core/format.ts'
 import type { KvGeometry } from '../../src/core/layout.ts'
-import { DTYPE_CODES } from '../../src/core/layout.ts'
+import { DTYPE_CODES, kvPlanes } from '../../src/core/layout.ts'
 
 export interface FuzzOptions {
   iterations: number
@@ -79,11 +80,14 @@ function makeSeeds(modes: readonly CodecMode[], r: () => number, calibrated: boo
     [{ layers: 2, kvHeads: 2, headDim: 8, dtype: 'fp16' }, 24],
     [{ layers: 1, kvHeads: 3, headDim: 5, dtype: 'bf16' }, 7],
     [{ layers: 2, kvHeads: 1, headDim: 16, dtype: 'fp32' }, 33],
+    // An MLA latent chunk: one [token][latent] plane per layer.
+    [{ layers: 2, kvHeads: 1, headDim: 12, dtype: 'bf16', latent: true }, 19],
   ]
   for (const mode of modes) {
     for (const [g, tokens] of shapes) {
+      if (g.latent && mode === 'reference-cachegen') continue // a K/V-only baseline
       const c = g.kvHeads * g.headDim
-      const vals = new Float32Array(g.layers * 2 * tokens * c)
+      const vals = new Float32Array(g.layers * kvPlanes(g) * tokens * c)
       for (let i = 0; i < vals.length; i++) vals[i] = (r() - 0.5) * (i % 7 === 0 ? 20 : 2) + Math.sin(i / c)
       const tensor = encodeElements(vals, g.dtype)
       const meta = {
@@ -198,7 +202,9 @@ export function fuzzCodec(opts: FuzzOptions): FuzzReport {
   for (let i = 0; i < opts.iterations; i++) {
     const seed = seeds[i % seeds.length]!
     const other = seeds[Math.floor(r() * seeds.length)]!
-    const label = seed.calibration ? `${seed.mode}+calibration` : seed.mode
+    const label =
+      (seed.calibration ? `${seed.mode}+calibration` : seed.mode) +
+      (seed.header.geometry.latent ? '+latent' : '')
     let input: Uint8Array
     let calibration = seed.calibration
     const t0 = performance.now()
@@ -215,7 +221,7 @@ export function fuzzCodec(opts: FuzzOptions): FuzzReport {
           wasmCodec().decodeSection(
             'kvgate',
             seed.sections[layer]!,
-            DTYPE_CODES[seed.header.geometry.dtype],
+            DTYPE_CODES[seed.header.geometry.dtype] | (seed.header.geometry.latent ? WASM_LATENT : 0),
             seed.header.tokens,
             c,
             new Uint8Array(seed.expected.byteLength / seed.header.geometry.layers),
