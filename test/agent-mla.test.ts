@@ -188,6 +188,17 @@ describe('MLA engines store latent chunks', () => {
           await a.c.call('save', { worker: a.worker, keys: keys.slice(0, 1), blockIds: src.slice(0, 2) }),
         ).toMatchObject({ ok: true, stored: 1 })
         expect(await a.c.call('flush', {})).toMatchObject({ ok: true })
+        // Building and publishing (or fetching) it is in the background: wait until the space holds it.
+        const end = Date.now() + 20_000
+        for (;;) {
+          const st = (await a.c.call('stats', { spaces: true })) as {
+            spaceStats: { cache: { calibration?: { current?: string; won: number; fetched: number } } }[]
+          }
+          const cal = st.spaceStats[0]?.cache.calibration
+          if (cal?.current && cal.won + cal.fetched > 0) break
+          if (Date.now() > end) throw new Error(`no calibration: ${JSON.stringify(cal)}`)
+          await new Promise((r) => setTimeout(r, 20))
+        }
       }
       expect(await a.c.call('save', { worker: a.worker, keys, blockIds: src })).toMatchObject({
         ok: true,
