@@ -11,7 +11,7 @@ import { FormatError } from '../src/core/errors.ts'
 import { decodeHeader, encodeChunk as encodeChunkObject, sectionOf } from '../src/core/format.ts'
 import { fromHex, namespaceId } from '../src/core/keys.ts'
 import { chunkBytes, type Dtype, type KvGeometry, layerSlabBytes } from '../src/core/layout.ts'
-import { gaussian, metaFor, rng, tensorOf, valuesOf } from './codec-fixtures.ts'
+import { gaussian, metaFor, relRmse, rng, tensorOf, valuesOf } from './codec-fixtures.ts'
 
 const T = 48
 /** A DeepSeek-shaped latent, scaled down: 48 compressed channels and 16 rope channels. */
@@ -133,6 +133,30 @@ describe('latent (MLA) chunks through the codecs', () => {
       ).toThrow(/latent/)
     })
   }
+
+  it('odd shapes: an odd latent dim (the split slab refused it), one token, fp32', () => {
+    for (const [headDim, tokens, dtype] of [
+      [9, 5, 'fp16'],
+      [575, 1, 'bf16'],
+      [3, 17, 'fp32'],
+    ] as const) {
+      const g: KvGeometry = { layers: 2, kvHeads: 1, headDim, dtype, latent: true }
+      const n = gaussian(rng(headDim))
+      const tensor = tensorOf(
+        Float32Array.from({ length: 2 * tokens * headDim }, () => n()),
+        dtype,
+      )
+      for (const mode of ['raw', 'lossless', 'q8', 'kvgate'] as const) {
+        const back = decodeChunk(encodeChunk(tensor, metaFor(g, tokens), { mode }))
+        if (mode === 'raw' || mode === 'lossless') expect(back, mode).toEqual(tensor)
+        else {
+          expect(back.byteLength, mode).toBe(tensor.byteLength)
+          const err = relRmse(valuesOf(tensor, dtype), valuesOf(back, dtype))
+          expect(err, mode).toBeLessThan(mode === 'q8' ? 0.02 : 0.2)
+        }
+      }
+    }
+  })
 
   it('the reference-cachegen baseline (K and V only) refuses latent chunks, both ways', () => {
     const g = latentGeometry('fp16')
