@@ -14,8 +14,12 @@ import { calibrationObjectName, classify, currentCalibrationName } from '../src/
 import { parseColdTier } from '../src/coldtier/policy.ts'
 import { crc32 } from '../src/core/checksum.ts'
 import { decodeHeader, encodeChunk, openLayerSubset } from '../src/core/format.ts'
+import { configFromEnv } from '../src/gateway/adapters/lambda.ts'
+import { gatewayFromEnv } from '../src/gateway/adapters/workers.ts'
+import { resolveServeConfig, settingsFromEnv } from '../src/gateway/config.ts'
 import { createGateway, hashToken, MemoryStore } from '../src/gateway/index.ts'
 import { FsStore, S3Store } from '../src/gateway/node.ts'
+import type { R2BucketLike } from '../src/gateway/stores/r2.ts'
 import type { ObjectStore } from '../src/gateway/stores/types.ts'
 import { makeChain, makeChunk, putInit } from './gateway-fixtures.ts'
 import { type Rgw, useRgw } from './support/rgw.ts'
@@ -25,6 +29,7 @@ afterAll(async () => {
   await rgw?.stop()
 })
 
+const MIB = 1024 * 1024
 let seq = 0
 const uniq = () => `c${Date.now().toString(36)}${(++seq).toString(36)}`
 const sha = (b: Uint8Array) => createHash('sha256').update(b).digest('hex')
@@ -289,6 +294,39 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     expect(sub.section(4)).toEqual(sections[4])
   })
 
+  it('a body larger than the calibration cache streams, hashed on the way, and is never kept', async () => {
+    const limits = { calibrationCacheBytes: 1000 }
+    const { app, store, prefix } = await gateway(limits)
+    const small = calib(30)
+    const big = calib(31, 64 * 1024 + 3)
+    for (const c of [small, big]) expect((await app.request(...putCalib(c))).status).toBe(201)
+    const bigName = calibrationObjectName(prefix, 'team', sha(big))
+    const url = `/v1/ns/team/calibrations/${sha(big)}`
+    expect(app.state.calibrations.has(calibrationObjectName(prefix, 'team', sha(small)))).toBe(true)
+    // The writer and a cold instance alike: the exact bytes, and the cache stays within its bound.
+    for (const g of [app, createGateway({ store, prefix, limits })]) {
+      const r = await g.request(url)
+      expect([r.status, r.headers.get('content-length')]).toEqual([200, String(big.length)])
+      expect(new Uint8Array(await r.arrayBuffer())).toEqual(big)
+      const head = await g.request(url, { method: 'HEAD' })
+      expect([head.status, head.headers.get('content-length')]).toEqual([200, String(big.length)])
+      expect((await g.request(url, { headers: { 'if-none-match': `"${sha(big)}"` } })).status).toBe(304)
+      expect(g.state.calibrations.has(bigName)).toBe(false)
+      expect(g.state.calibrations.calculatedSize).toBeLessThanOrEqual(1000)
+    }
+    // Other bytes under the name: the streamed body fails at its end, and the object is dropped
+    // so a holder of the real bytes can put them back.
+    await store.delete(bigName)
+    const rotten = big.slice()
+    rotten[40_000]! ^= 1
+    await store.putIfAbsent(bigName, rotten, rotten.length)
+    const cold = createGateway({ store, prefix, limits })
+    const bad = await cold.request(url)
+    await expect(bad.arrayBuffer()).rejects.toThrow(/SHA-256 is not its name/)
+    expect(await store.head(bigName)).toBeUndefined()
+    expect((await cold.request(url)).status).toBe(404)
+  })
+
   it('gc deletes a namespace’s chunks past their quota and never its calibrations', async () => {
     const { app, store, prefix } = await gateway()
     const chain = makeChain(3)
@@ -408,5 +446,50 @@ describe('calibration uploads held until stored', () => {
     finish()
     expect((await first).status).toBe(201)
     expect((await app.request(...putCalib(calib(19)))).status).toBe(201)
+  })
+})
+
+describe('the calibration cache bound per runtime', () => {
+  it('is validated; 0 keeps no body; Node keeps 64 MiB, Lambda 16 MiB, a Worker 8 MiB', async () => {
+    for (const bad of [-1, 1.5, Number.NaN, '8' as unknown as number])
+      expect(() =>
+        createGateway({ store: new MemoryStore(), limits: { calibrationCacheBytes: bad } }),
+      ).toThrow(/calibrationCacheBytes/)
+    const none = createGateway({ store: new MemoryStore(), limits: { calibrationCacheBytes: 0 } })
+    const a = calib(32)
+    expect((await none.request(...putCalib(a))).status).toBe(201)
+    const g = await none.request(`/v1/ns/team/calibrations/${sha(a)}`)
+    expect(new Uint8Array(await g.arrayBuffer())).toEqual(a)
+    expect(none.state.calibrations.size).toBe(0)
+
+    expect(createGateway({ store: new MemoryStore() }).state.limits.calibrationCacheBytes).toBe(64 * MIB)
+    expect(resolveServeConfig().calibrationCacheBytes).toBe(64 * MIB)
+    const env = (v: string) => settingsFromEnv({ KVGATE_CALIBRATION_CACHE_BYTES: v })
+    expect(resolveServeConfig(env('8MiB')).calibrationCacheBytes).toBe(8 * MIB)
+    expect(resolveServeConfig(env('0')).calibrationCacheBytes).toBe(0)
+    for (const bad of ['lots', '-1', '17GiB']) expect(() => resolveServeConfig(env(bad))).toThrow()
+
+    const lambda = (v?: string) =>
+      configFromEnv({
+        KVGATE_S3_BUCKET: 'b',
+        KVGATE_AUTH: 'disabled',
+        ...(v === undefined ? {} : { KVGATE_CALIBRATION_CACHE_BYTES: v }),
+      }).calibrationCacheBytes
+    expect(lambda()).toBe(16 * MIB)
+    expect(lambda('0')).toBe(0)
+    expect(() => lambda('-1')).toThrow(/KVGATE_CALIBRATION_CACHE_BYTES/)
+
+    const bucket = { get: async () => null, put: async () => null } as unknown as R2BucketLike
+    const worker = (v?: string) =>
+      gatewayFromEnv({
+        KVGATE_BUCKET: bucket,
+        KVGATE_AUTH: 'disabled',
+        ...(v === undefined ? {} : { KVGATE_CALIBRATION_CACHE_BYTES: v }),
+      }).state.limits.calibrationCacheBytes
+    expect(worker()).toBe(8 * MIB)
+    expect(worker('0')).toBe(0)
+    expect(worker('1048576')).toBe(MIB)
+    for (const bad of ['-1', '1.5', 'x', '1e6'])
+      expect(() => worker(bad)).toThrow(/KVGATE_CALIBRATION_CACHE_BYTES/)
   })
 })

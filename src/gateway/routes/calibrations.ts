@@ -3,11 +3,13 @@
 //     verified (the body's SHA-256 is its name), immutable, so cacheable anywhere;
 //   PUT/GET /v1/ns/{ns}/calibration: the namespace's current one, `{hash}`,
 //     create-only: the first stored calibration wins and every PUT learns the winner.
-// Bodies are small (≤ limits.maxCalibrationBytes, 16 MiB by default), so they are
-// read whole and hashed before anything is stored or served; verified bodies are
-// cached, and a cached one is served only while the store still holds it (one HEAD).
+// Uploads (≤ limits.maxCalibrationBytes, 16 MiB by default) are read whole and hashed
+// before anything is stored. Reads that fit limits.calibrationCacheBytes are read whole,
+// hashed, then served and cached (a cached one only while the store still holds it: one
+// HEAD); larger ones stream from the store, hashed on the way, and a mismatch errors the body.
 
 import type { Context, Hono } from 'hono'
+import { Sha256 } from '../../codec/sha256.ts'
 import { calibrationObjectName, currentCalibrationName } from '../../coldtier/names.ts'
 import { KvgateError, StoreError } from '../../core/errors.ts'
 import { assertNamespaceName, isKeyHex, toHex } from '../../core/keys.ts'
@@ -126,46 +128,91 @@ function parsePointer(bytes: Uint8Array): string | undefined {
 
 const IMMUTABLE = 'public, max-age=31536000, immutable'
 
+/** What a GET serves: verified bytes (cached), or a body too large to cache, checked as it streams. */
+type Served = { bytes: Uint8Array } | { stream: ReadableStream<Uint8Array>; size: number }
+
+/** A shared read found the body too large to share: each reader streams its own. */
+const STREAMED = Symbol('streamed')
+
 export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
   const max = state.limits.maxCalibrationBytes
   // Immutable, content-addressed bodies: a bounded cache can never serve a stale one.
   const bodies = state.calibrations
+  const cacheBytes = state.limits.calibrationCacheBytes
   const current = new Map<string, { hash: string; at: number }>()
   /** Store reads in progress by object name: a fleet asking for one calibration at once reads it once. */
-  const reading = new Map<string, Promise<Uint8Array | undefined>>()
+  const reading = new Map<string, Promise<Uint8Array | typeof STREAMED | undefined>>()
 
-  /** The verified bytes of calibration `hash`, or undefined when the store has none. */
-  async function load(ns: string, hash: string): Promise<Uint8Array | undefined> {
+  /** Calibration `hash` (verified, or checked as it streams), or undefined when the store has none. */
+  async function open(ns: string, hash: string, share = true): Promise<Served | undefined> {
     const name = calibrationObjectName(state.prefix, ns, hash)
     const cached = bodies.get(name)
     // The cache saves the body and its hashing, not the store's word: an object deleted
     // behind the gateway (an operator, another instance) is gone here too.
     if (cached) {
-      if (await state.store.head(name)) return cached
+      if (await state.store.head(name)) return { bytes: cached }
       bodies.delete(name)
       return undefined
     }
-    const running = reading.get(name)
-    if (running) return running
-    const p = readVerified(name, hash).finally(() => reading.delete(name))
-    reading.set(name, p)
+    const running = share ? reading.get(name) : undefined
+    if (running) {
+      const got = await running
+      return got === STREAMED ? open(ns, hash, false) : got && { bytes: got }
+    }
+    const p = read(name, hash)
+    if (share) {
+      const shared = p
+        .then((s) => (s === undefined ? undefined : 'bytes' in s ? s.bytes : STREAMED))
+        .finally(() => reading.delete(name))
+      shared.catch(() => {}) // its waiters see the failure; with none it is not unhandled
+      reading.set(name, shared)
+    }
     return p
   }
 
-  async function readVerified(name: string, hash: string): Promise<Uint8Array | undefined> {
+  async function read(name: string, hash: string): Promise<Served | undefined> {
     const obj = await state.store.get(name)
     if (!obj) return undefined
+    // Larger than the whole cache: never held here, whatever the runtime's memory.
+    if (obj.size > cacheBytes && obj.size <= max)
+      return { stream: checkedStream(name, hash, obj), size: obj.size }
     const bytes = await readWhole(obj, max)
-    if ((await sha256Hex(bytes)) !== hash) {
-      // Named by their SHA-256, these bytes can never be this calibration (bit rot, a bad
-      // restore). Left there, every HEAD would answer 502 and a create-only PUT "exists", so
-      // no node holding the real bytes could put them back: drop them, as a corrupt chunk is.
-      await state.store.delete(name)
-      state.metrics.calibrations.inc({ op: 'get', result: 'corrupt' })
-      throw corrupt('its SHA-256 is not its name')
-    }
+    if ((await sha256Hex(bytes)) !== hash) await dropCorrupt(name)
     bodies.set(name, bytes)
-    return bytes
+    return { bytes }
+  }
+
+  async function dropCorrupt(name: string): Promise<never> {
+    // Named by their SHA-256, these bytes can never be this calibration (bit rot, a bad
+    // restore). Left there, every HEAD would answer 502 and a create-only PUT "exists", so
+    // no node holding the real bytes could put them back: drop them, as a corrupt chunk is.
+    await state.store.delete(name)
+    state.metrics.calibrations.inc({ op: 'get', result: 'corrupt' })
+    throw corrupt('its SHA-256 is not its name')
+  }
+
+  /**
+   * The store's body, hashed as it passes: bytes that are not the name (or fewer than the
+   * store's size) error the response at its end, so a client sees a failed body, never a
+   * complete wrong one (clients hash what they fetch too).
+   */
+  function checkedStream(name: string, hash: string, obj: StoreObject): ReadableStream<Uint8Array> {
+    const hasher = new Sha256()
+    let seen = 0
+    return obj.body.pipeThrough(
+      new TransformStream<Uint8Array, Uint8Array>({
+        transform(piece, ctl) {
+          seen += piece.length
+          hasher.update(piece)
+          ctl.enqueue(piece)
+        },
+        async flush() {
+          if (seen !== obj.length)
+            throw new StoreError(`the store served ${seen} of ${obj.length} calibration bytes`)
+          if (hasher.hex() !== hash) await dropCorrupt(name)
+        },
+      }),
+    )
   }
 
   app.put('/v1/ns/:ns/calibrations/:hash', async (c) => {
@@ -217,7 +264,7 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     // magic + hash + size, and clients validate every calibration before use (CalibrationStore).
     const name = calibrationObjectName(state.prefix, ns, hash)
     const result = await state.store.putIfAbsent(name, bytes, bytes.length)
-    bodies.set(name, bytes)
+    if (bytes.length <= cacheBytes) bodies.set(name, bytes)
     c.set('bytes', bytes.length)
     state.metrics.calibrations.inc({ op: 'put', result })
     return c.json({ status: result, hash, bytes: bytes.length }, result === 'created' ? 201 : 200)
@@ -227,26 +274,30 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     const ns = target(c, 'read')
     const hash = hashParam(c)
     const etag = `"${hash}"`
-    const bytes = await load(ns, hash)
-    state.metrics.calibrations.inc({ op: 'get', result: bytes ? 'hit' : 'missing' })
-    if (!bytes) throw notFound(`no calibration ${hash} in namespace ${ns}`)
+    const served = await open(ns, hash)
+    state.metrics.calibrations.inc({ op: 'get', result: served ? 'hit' : 'missing' })
+    if (!served) throw notFound(`no calibration ${hash} in namespace ${ns}`)
+    const size = 'bytes' in served ? served.bytes.length : served.size
     const headers = {
       'content-type': 'application/octet-stream',
-      'content-length': String(bytes.length),
+      'content-length': String(size),
       etag,
       'cache-control': IMMUTABLE,
     }
-    if (
-      c.req
-        .header('if-none-match')
-        ?.split(',')
-        .some((t) => t.trim() === etag || t.trim() === '*')
-    )
-      return c.body(null, 304, { etag, 'cache-control': IMMUTABLE })
-    if (c.req.method === 'HEAD') return c.body(null, 200, headers)
-    c.set('bytes', bytes.length)
-    state.metrics.bytesOut.inc({}, bytes.length)
-    return c.body(bytes as Uint8Array<ArrayBuffer>, 200, headers)
+    const notModified = c.req
+      .header('if-none-match')
+      ?.split(',')
+      .some((t) => t.trim() === etag || t.trim() === '*')
+    if (notModified || c.req.method === 'HEAD') {
+      // Hono drops a HEAD answer's body without cancelling it: release the store's stream here.
+      if ('stream' in served) await served.stream.cancel().catch(() => {})
+      if (notModified) return c.body(null, 304, { etag, 'cache-control': IMMUTABLE })
+      return c.body(null, 200, headers)
+    }
+    c.set('bytes', size)
+    state.metrics.bytesOut.inc({}, size)
+    if ('stream' in served) return c.body(served.stream, 200, headers)
+    return c.body(served.bytes as Uint8Array<ArrayBuffer>, 200, headers)
   })
 
   /** The namespace's current calibration hash, or undefined. */
