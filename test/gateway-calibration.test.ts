@@ -232,7 +232,9 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     rotten[60]! ^= 0x04
     await store.putIfAbsent(name, rotten, rotten.length)
     const reader = createGateway({ store, prefix })
-    const bad = await reader.request(`/v1/ns/team/calibrations/${h}`, { method: 'HEAD' })
+    // HEAD answers from the store's metadata; the first GET (any node's) reads and hashes it.
+    expect((await reader.request(`/v1/ns/team/calibrations/${h}`, { method: 'HEAD' })).status).toBe(200)
+    const bad = await reader.request(`/v1/ns/team/calibrations/${h}`)
     expect(bad.status).toBe(502)
     // What a holder's refresh does (CalibrationStore#loadCurrent): HEAD, then on a 404 a create-only PUT.
     const head = await reader.request(`/v1/ns/team/calibrations/${h}`, { method: 'HEAD' })
@@ -325,6 +327,46 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     await expect(bad.arrayBuffer()).rejects.toThrow(/SHA-256 is not its name/)
     expect(await store.head(bigName)).toBeUndefined()
     expect((await cold.request(url)).status).toBe(404)
+  })
+
+  it('HEAD answers from the store’s metadata, cold or warm, without reading the body', async () => {
+    const { app, store, prefix } = await gateway()
+    const a = calib(33, 8192)
+    const h = sha(a)
+    expect((await app.request(...putCalib(a))).status).toBe(201)
+    const reads: string[] = []
+    const get = store.get.bind(store)
+    store.get = async (name, opts) => {
+      reads.push(name)
+      return get(name, opts)
+    }
+    const url = `/v1/ns/team/calibrations/${h}`
+    const cold = createGateway({ store, prefix })
+    for (const g of [cold, app]) {
+      const r = await g.request(url, { method: 'HEAD' })
+      expect([r.status, r.headers.get('content-length'), r.headers.get('etag')]).toEqual([
+        200,
+        String(a.length),
+        `"${h}"`,
+      ])
+      expect((await g.request(url, { method: 'HEAD', headers: { 'if-none-match': `"${h}"` } })).status).toBe(
+        304,
+      )
+    }
+    expect(reads).toEqual([])
+    expect(
+      (await cold.request(`/v1/ns/team/calibrations/${sha(calib(34))}`, { method: 'HEAD' })).status,
+    ).toBe(404)
+    // An object whose size cannot be a calibration is the store's fault, from its size alone.
+    const name = calibrationObjectName(prefix, 'team', h)
+    await store.delete(name)
+    await store.putIfAbsent(name, a.subarray(0, 4), 4)
+    const tiny = await createGateway({ store, prefix }).request(url, { method: 'HEAD' })
+    expect(tiny.status).toBe(502)
+    // The writer's verified copy no longer vouches for what the store holds.
+    expect((await app.request(url, { method: 'HEAD' })).status).toBe(502)
+    expect(app.state.calibrations.has(name)).toBe(false)
+    expect(reads).toEqual([])
   })
 
   it('gc deletes a namespace’s chunks past their quota and never its calibrations', async () => {

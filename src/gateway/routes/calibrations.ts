@@ -274,6 +274,11 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     const ns = target(c, 'read')
     const hash = hashParam(c)
     const etag = `"${hash}"`
+    const notModified = c.req
+      .header('if-none-match')
+      ?.split(',')
+      .some((t) => t.trim() === etag || t.trim() === '*')
+    if (c.req.method === 'HEAD') return headAnswer(c, ns, hash, notModified === true)
     const served = await open(ns, hash)
     state.metrics.calibrations.inc({ op: 'get', result: served ? 'hit' : 'missing' })
     if (!served) throw notFound(`no calibration ${hash} in namespace ${ns}`)
@@ -284,21 +289,41 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
       etag,
       'cache-control': IMMUTABLE,
     }
-    const notModified = c.req
-      .header('if-none-match')
-      ?.split(',')
-      .some((t) => t.trim() === etag || t.trim() === '*')
-    if (notModified || c.req.method === 'HEAD') {
-      // Hono drops a HEAD answer's body without cancelling it: release the store's stream here.
+    if (notModified) {
       if ('stream' in served) await served.stream.cancel().catch(() => {})
-      if (notModified) return c.body(null, 304, { etag, 'cache-control': IMMUTABLE })
-      return c.body(null, 200, headers)
+      return c.body(null, 304, { etag, 'cache-control': IMMUTABLE })
     }
     c.set('bytes', size)
     state.metrics.bytesOut.inc({}, size)
     if ('stream' in served) return c.body(served.stream, 200, headers)
     return c.body(served.bytes as Uint8Array<ArrayBuffer>, 200, headers)
   })
+
+  /**
+   * HEAD from the store's metadata (S3 HeadObject, R2 head, fs stat), never the body: a cold
+   * instance (a new Lambda, a Worker isolate) answers a holder's restore check in one small
+   * request. The bytes are hashed where they are served (GET), which deletes an object that
+   * is not its name, so the holder's next HEAD is a 404 and it puts the calibration back.
+   */
+  async function headAnswer(c: Context<GatewayEnv>, ns: string, hash: string, notModified: boolean) {
+    const name = calibrationObjectName(state.prefix, ns, hash)
+    const head = await state.store.head(name)
+    const cached = bodies.get(name)
+    // A verified copy vouches only for an object of its size: anything else was replaced behind us.
+    if (cached && cached.length !== head?.size) bodies.delete(name)
+    state.metrics.calibrations.inc({ op: 'head', result: head ? 'hit' : 'missing' })
+    if (!head) throw notFound(`no calibration ${hash} in namespace ${ns}`)
+    if (head.size > max || head.size < MIN_CALIBRATION_BYTES)
+      throw corrupt(`${head.size} bytes, outside ${MIN_CALIBRATION_BYTES}..${max}`)
+    const etag = `"${hash}"`
+    if (notModified) return c.body(null, 304, { etag, 'cache-control': IMMUTABLE })
+    return c.body(null, 200, {
+      'content-type': 'application/octet-stream',
+      'content-length': String(head.size),
+      etag,
+      'cache-control': IMMUTABLE,
+    })
+  }
 
   /** The namespace's current calibration hash, or undefined. */
   async function readCurrent(ns: string, fresh: boolean): Promise<string | undefined> {
