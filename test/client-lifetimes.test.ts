@@ -6,7 +6,7 @@
 import { setFlagsFromString } from 'node:v8'
 import { runInNewContext } from 'node:vm'
 import { afterEach, describe, expect, it } from 'vitest'
-import { CodecBusyError, CodecPool } from '../src/client/codec-pool.ts'
+import { CodecBusyError, CodecPool, CodecWorkerLostError } from '../src/client/codec-pool.ts'
 import { KVCache } from '../src/client/index.ts'
 import { StorageManager } from '../src/client/storage-manager.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
@@ -373,6 +373,36 @@ describe('write-behind memory', () => {
     })
     expect(r2.served).toBe(3)
     // Chunks are written as they arrive (several reads in flight), in any order.
+    expect(seen.sort()).toEqual([0, 1, 2])
+    m.close()
+  })
+
+  it('a codec worker that dies under an L2 decode is a counted read error: a miss, the file kept', async () => {
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+    const codec = new CodecPool(0)
+    const { m, disk, keys } = await writeBehindSetup(memory, codec, 64 * bigCB, 'lossless')
+    const few = keys.slice(0, 3)
+    await m.store(few, (i, dst) => void dst.fill(i + 1))
+    await m.flush()
+    expect(disk.stats().files).toBe(3)
+    memory.clear()
+    const decodeInto = codec.decodeInto.bind(codec)
+    // What the pool answers when the worker running the job exits (killed, out of memory).
+    codec.decodeInto = async () => {
+      throw new CodecWorkerLostError('codec worker exited (code 1) (test)')
+    }
+    const run = await m.retrieve(few, () => {}, { tiers: ['disk', 'disk', 'disk'] })
+    expect(run.served).toBe(0)
+    expect(disk.stats().files).toBe(3)
+    expect(disk.counters.corrupt).toBe(0)
+    expect(disk.counters.errors).toBe(3)
+    expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+    codec.decodeInto = decodeInto
+    const seen: number[] = []
+    const r2 = await m.retrieve(few, (i, t) => void seen.push(t.every((b) => b === i + 1) ? i : -1), {
+      tiers: ['disk', 'disk', 'disk'],
+    })
+    expect(r2.served).toBe(3)
     expect(seen.sort()).toEqual([0, 1, 2])
     m.close()
   })
