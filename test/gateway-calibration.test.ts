@@ -171,6 +171,20 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     expect(long.status).toBe(413)
   })
 
+  it('GET calibration with Cache-Control: no-cache reads the stored pointer, past the instance’s cache', async () => {
+    const { app, store, prefix } = await gateway()
+    const a = calib(35)
+    expect((await app.request(...putCalib(a))).status).toBe(201)
+    expect((await app.request(...putCurrent(sha(a)))).status).toBe(201)
+    await store.delete(currentCalibrationName(prefix, 'team'))
+    // Cached for 60 s: an operator's delete is not seen at once ...
+    expect((await app.request('/v1/ns/team/calibration')).status).toBe(200)
+    // ... except by a reader that asks for the stored pointer (a holder about to put one back).
+    const fresh = await app.request('/v1/ns/team/calibration', { headers: { 'cache-control': 'no-cache' } })
+    expect(fresh.status).toBe(404)
+    expect((await app.request('/v1/ns/team/calibration')).status).toBe(404)
+  })
+
   it('two gateways race to set the current calibration: one winner, both answers name it', async () => {
     const store = await backend.store()
     const prefix = uniq()

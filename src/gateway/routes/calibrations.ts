@@ -378,7 +378,10 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
 
   app.get('/v1/ns/:ns/calibration', async (c) => {
     const ns = target(c, 'read')
-    const hash = await readCurrent(ns, false)
+    // `Cache-Control: no-cache`: the stored pointer itself (a holder deciding whether to put back
+    // an object it found gone must not act on a pointer an operator deleted a minute ago).
+    const fresh = /\bno-cache\b/i.test(c.req.header('cache-control') ?? '')
+    const hash = await readCurrent(ns, fresh)
     if (hash === undefined) throw notFound(`namespace ${ns} has no calibration`)
     return c.json({ hash }, 200, { 'cache-control': 'no-cache' })
   })
