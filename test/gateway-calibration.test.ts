@@ -482,6 +482,42 @@ describe('calibration reads that the store cuts short', () => {
   })
 })
 
+describe('streamed calibration reads that the store cuts short', () => {
+  it('a body larger than the cache cut off mid-stream fails the response and keeps the object', async () => {
+    const store = new MemoryStore()
+    const a = calib(36, 64 * 1024)
+    const limits = { calibrationCacheBytes: 1024 }
+    expect((await createGateway({ store, limits }).request(...putCalib(a))).status).toBe(201)
+    const get = store.get.bind(store)
+    let cut: 'error' | 'short' | undefined = 'error'
+    store.get = async (name, opts) => {
+      const obj = await get(name, opts)
+      if (!obj || !cut || !name.includes('/_calibration/')) return obj
+      const how = cut
+      const body = new ReadableStream<Uint8Array>({
+        start(ctl) {
+          ctl.enqueue(a.subarray(0, 1000))
+          // The connection drops, or the store ends the body early without an error.
+          if (how === 'error') ctl.error(new Error('socket hang up'))
+          else ctl.close()
+        },
+      })
+      return { ...obj, body }
+    }
+    const app = createGateway({ store, limits })
+    const url = `/v1/ns/team/calibrations/${sha(a)}`
+    const dropped = await app.request(url)
+    expect(dropped.status).toBe(200)
+    await expect(dropped.arrayBuffer()).rejects.toThrow(/socket hang up/)
+    cut = 'short'
+    const short = await app.request(url)
+    await expect(short.arrayBuffer()).rejects.toThrow(/1000 of 65536/)
+    cut = undefined
+    const ok = await app.request(url)
+    expect(new Uint8Array(await ok.arrayBuffer())).toEqual(a)
+  })
+})
+
 describe('calibration uploads held until stored', () => {
   it('an upload the store is still writing keeps its bytes in flight', async () => {
     const store = new MemoryStore()
