@@ -66,6 +66,14 @@ const putCurrent = (hash: string) =>
     },
   ] as const
 
+async function until(cond: () => Promise<boolean>, ms = 5000): Promise<void> {
+  const end = Date.now() + ms
+  while (!(await cond())) {
+    if (Date.now() > end) throw new Error('timed out')
+    await new Promise((r) => setTimeout(r, 10))
+  }
+}
+
 const errCode = async (r: Response) => ((await r.json()) as { error: { code: string } }).error.code
 
 interface Backend {
@@ -339,7 +347,8 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     const cold = createGateway({ store, prefix, limits })
     const bad = await cold.request(url)
     await expect(bad.arrayBuffer()).rejects.toThrow(/SHA-256 is not its name/)
-    expect(await store.head(bigName)).toBeUndefined()
+    // Dropped as the body fails (the response does not wait for the store's DELETE).
+    await until(async () => (await store.head(bigName)) === undefined)
     expect((await cold.request(url)).status).toBe(404)
   })
 

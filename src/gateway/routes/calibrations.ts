@@ -24,11 +24,13 @@ import {
 } from '../http-errors.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
 import { collectBody, type StoreObject } from '../stores/types.ts'
+import { checkedStream, type StreamCheck } from '../verified-read.ts'
 
 /** "KVCL": the first four bytes of every calibration object (src/codec/calibration.ts). */
 export const CALIBRATION_MAGIC = Uint8Array.of(0x4b, 0x56, 0x43, 0x4c)
 /** The smallest body that can be a calibration object: magic + version. */
 const MIN_CALIBRATION_BYTES = 8
+const NOT_ITS_NAME = 'its SHA-256 is not its name'
 /** The current pointer is `{"hash":"<64 hex>"}`: anything much longer is not one. */
 const MAX_POINTER_BYTES = 1024
 /** How long a gateway trusts a current pointer it read (it only changes if an admin deletes it). */
@@ -192,44 +194,51 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     if (!obj) return undefined
     // Larger than the whole cache: never held here, whatever the runtime's memory.
     if (obj.size > cacheBytes && obj.size <= max)
-      return { stream: checkedStream(name, hash, obj), size: obj.size }
+      return { stream: hashedBody(name, hash, obj), size: obj.size }
     const bytes = await readWhole(obj, max)
-    if ((await sha256Hex(bytes)) !== hash) await dropCorrupt(name)
+    if ((await sha256Hex(bytes)) !== hash) {
+      await drop(name)
+      throw corrupt(NOT_ITS_NAME)
+    }
     bodies.set(name, bytes)
     return { bytes }
   }
 
-  async function dropCorrupt(name: string): Promise<never> {
+  async function drop(name: string): Promise<void> {
     // Named by their SHA-256, these bytes can never be this calibration (bit rot, a bad
-    // restore). Left there, every HEAD would answer 502 and a create-only PUT "exists", so
+    // restore). Left there, every GET would answer 502 and a create-only PUT "exists", so
     // no node holding the real bytes could put them back: drop them, as a corrupt chunk is.
-    await state.store.delete(name)
     state.metrics.calibrations.inc({ op: 'get', result: 'corrupt' })
-    throw corrupt('its SHA-256 is not its name')
+    await state.store.delete(name)
   }
 
   /**
-   * The store's body, hashed as it passes: bytes that are not the name (or fewer than the
-   * store's size) error the response at its end, so a client sees a failed body, never a
-   * complete wrong one (clients hash what they fetch too).
+   * The store's body, hashed as it passes (checkedStream: the last piece is held back until
+   * the hash is proven, and an idle reader is cut off): bytes that are not the name, or fewer
+   * than the store's size, fail the response before the client has all of it.
    */
-  function checkedStream(name: string, hash: string, obj: StoreObject): ReadableStream<Uint8Array> {
+  function hashedBody(name: string, hash: string, obj: StoreObject): ReadableStream<Uint8Array> {
     const hasher = streamHasher()
     let seen = 0
-    return obj.body.pipeThrough(
-      new TransformStream<Uint8Array, Uint8Array>({
-        transform(piece, ctl) {
-          seen += piece.length
-          hasher.update(piece)
-          ctl.enqueue(piece)
-        },
-        async flush() {
-          if (seen !== obj.length)
-            throw new StoreError(`the store served ${seen} of ${obj.length} calibration bytes`)
-          if (hasher.hex() !== hash) await dropCorrupt(name)
-        },
-      }),
-    )
+    const check: StreamCheck = {
+      push(piece) {
+        seen += piece.length
+        hasher.update(piece)
+      },
+      async finish() {
+        // A store that ends early says nothing about the object: not corrupt, not dropped.
+        if (seen !== obj.length)
+          throw new StoreError(`the store served ${seen} of ${obj.length} calibration bytes`)
+        if (hasher.hex() === hash) return
+        // Dropped before the response fails: a Worker's work ends with its response.
+        await drop(name)
+        throw corrupt(NOT_ITS_NAME)
+      },
+    }
+    return checkedStream(obj.body, check, {
+      idleTimeoutMs: state.limits.readerIdleTimeoutMs,
+      onCorrupt: () => {}, // counted and dropped in finish()
+    })
   }
 
   app.put('/v1/ns/:ns/calibrations/:hash', async (c) => {
