@@ -29,18 +29,22 @@ describe.skipIf(!rgw)('lambda handler on S3 (RadosGW)', () => {
     },
   ]
 
-  const handler = async (): Promise<StreamingFn> => {
+  /** The function's settings on a prefix of its own. */
+  const config = () => {
     // The SDK's default credential chain, as on Lambda (there: the execution role).
     process.env.AWS_ACCESS_KEY_ID = rgw!.accessKeyId
     process.env.AWS_SECRET_ACCESS_KEY = rgw!.secretAccessKey
-    const cfg = configFromEnv({
+    return configFromEnv({
       KVGATE_S3_BUCKET: rgw!.bucket,
       KVGATE_S3_ENDPOINT: rgw!.endpoint,
       AWS_REGION: rgw!.region,
       KVGATE_S3_PREFIX: `lambda-${randomBytes(4).toString('hex')}`,
       KVGATE_TOKENS: JSON.stringify(tokens),
     })
-    const app = await gatewayFromConfig(cfg)
+  }
+
+  const handler = async (): Promise<StreamingFn> => {
+    const app = await gatewayFromConfig(config())
     return streamingHandler(async () => app, fakeAwsLambda) as StreamingFn
   }
 
@@ -63,15 +67,7 @@ describe.skipIf(!rgw)('lambda handler on S3 (RadosGW)', () => {
   })
 
   it('a cold function answers a calibration HEAD from S3 metadata, never reading the body', async () => {
-    process.env.AWS_ACCESS_KEY_ID = rgw!.accessKeyId
-    process.env.AWS_SECRET_ACCESS_KEY = rgw!.secretAccessKey
-    const cfg = configFromEnv({
-      KVGATE_S3_BUCKET: rgw!.bucket,
-      KVGATE_S3_ENDPOINT: rgw!.endpoint,
-      AWS_REGION: rgw!.region,
-      KVGATE_S3_PREFIX: `lambda-${randomBytes(4).toString('hex')}`,
-      KVGATE_TOKENS: JSON.stringify(tokens),
-    })
+    const cfg = config()
     const calib = new Uint8Array(2 * MIB)
     calib.set([0x4b, 0x56, 0x43, 0x4c, 1, 0])
     for (let i = 8; i < calib.length; i++) calib[i] = (i * 131) & 0xff
