@@ -15,7 +15,7 @@ import { optionsFromEnvironment } from '../src/client/config.ts'
 import { KVCache } from '../src/client/index.ts'
 import { buildCalibration, openCalibration } from '../src/codec/calibration.ts'
 import { encodeChunk } from '../src/codec/node.ts'
-import { calibrationObjectName } from '../src/coldtier/names.ts'
+import { calibrationObjectName, currentCalibrationName } from '../src/coldtier/names.ts'
 import { decodeHeader } from '../src/core/format.ts'
 import { fromHex, namespaceId } from '../src/core/keys.ts'
 import { chunkBytes, MODEL_PRESETS } from '../src/core/layout.ts'
@@ -47,6 +47,8 @@ function kv(chunks: number, seed: number): Uint8Array {
 function fakeRemote() {
   const objects = new Map<string, Uint8Array>()
   let current: string | null = null
+  /** What a gateway's cached pointer answers (it keeps one 60 s); undefined: the stored one. */
+  let cached: string | null | undefined
   const calls = { get: 0, current: 0, put: 0, set: 0 }
   let reachable = true
   const remote: CalibrationRemote = {
@@ -58,9 +60,10 @@ function fakeRemote() {
     async hasCalibration(hash) {
       return reachable ? objects.has(hash) : undefined
     },
-    async currentCalibration() {
+    async currentCalibration(opts) {
       calls.current++
-      return reachable ? current : undefined
+      if (!reachable) return undefined
+      return opts?.fresh || cached === undefined ? current : cached
     },
     async putCalibration(hash, bytes) {
       calls.put++
@@ -84,6 +87,9 @@ function fakeRemote() {
     },
     setCurrent: (h: string | null) => {
       current = h
+    },
+    setCached: (h: string | null | undefined) => {
+      cached = h
     },
   }
 }
@@ -247,6 +253,27 @@ describe('CalibrationStore', () => {
     expect(s.stats().restored).toBe(1)
   })
 
+  it('an operator’s delete holds: a holder puts back only what the stored pointer still names', async () => {
+    const f = fakeRemote()
+    const s = new CalibrationStore({ codec, geometry: g, remote: f.remote, currentTtlMs: 0 })
+    const c = await s.publish(sample(9))
+    expect(s.stats().current).toBe(c!.hash)
+    // The operator deletes the pointer, then the object; gateways still answer their cached pointer.
+    f.setCached(c!.hash)
+    f.setCurrent(null)
+    f.objects.clear()
+    await s.refresh()
+    expect(f.objects.size).toBe(0)
+    expect(f.calls.put).toBe(1) // the publish only
+    expect(s.stats().restored).toBe(0)
+    // The node stops encoding with it (chunks coded with it were removed with it).
+    expect(s.stats().current).toBeUndefined()
+    f.setCached(undefined)
+    expect(s.current()).toBeUndefined()
+    await s.settled()
+    expect(f.objects.size).toBe(0)
+  })
+
   it('a gateway that refuses the calibration for good (413: over its size cap) is not asked again', async () => {
     const f = fakeRemote()
     f.remote.putCalibration = async () => {
@@ -347,11 +374,11 @@ describe('clients calibrating through a gateway on RadosGW', () => {
     await rgw?.stop()
   })
 
-  async function node(url: string, after = 2) {
+  async function node(url: string, after = 2, namespace = 'calib') {
     const c = await KVCache.open({
       model: 'stories260k',
       chunkTokens: T,
-      namespace: 'calib',
+      namespace,
       memory: { bytes: 32 * CB },
       remote: { url, codec: 'kvgate', calibration: { after, currentTtlMs: 50 } },
     })
@@ -433,6 +460,25 @@ describe('clients calibrating through a gateway on RadosGW', () => {
     } finally {
       await gw2.close(100)
     }
+  })
+
+  it('an operator’s delete of the pointer and the object holds: no holder puts the object back', async (ctx) => {
+    if (!gw) return ctx.skip()
+    const ns = 'calib-deleted'
+    const a = await node(gw.url, 2, ns)
+    await a.store(promptTokens(3, 11), kv(3, 11))
+    await until(() => a.stats().calibration!.won === 1)
+    const hash = a.stats().calibration!.current!
+    // Deleted as docs/calibration.md says: the pointer, then the object. The gateway keeps
+    // answering its cached pointer (60 s), so the holder's next refresh still hears the hash.
+    expect(await store.delete(currentCalibrationName(prefix, ns))).toBe(true)
+    expect(await store.delete(calibrationObjectName(prefix, ns, hash))).toBe(true)
+    expect(await (await fetch(`${gw.url}/v1/ns/${ns}/calibration`)).json()).toEqual({ hash })
+    await new Promise((r) => setTimeout(r, 60))
+    await a.store(promptTokens(1, 12), kv(1, 12))
+    await until(() => a.stats().calibration!.current === undefined)
+    expect(await store.head(calibrationObjectName(prefix, ns, hash))).toBeUndefined()
+    expect(a.stats().calibration!.restored).toBe(0)
   })
 })
 

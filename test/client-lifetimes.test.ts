@@ -6,7 +6,7 @@
 import { setFlagsFromString } from 'node:v8'
 import { runInNewContext } from 'node:vm'
 import { afterEach, describe, expect, it } from 'vitest'
-import { CodecBusyError, CodecPool } from '../src/client/codec-pool.ts'
+import { CodecBusyError, CodecPool, CodecWorkerLostError } from '../src/client/codec-pool.ts'
 import { KVCache } from '../src/client/index.ts'
 import { StorageManager } from '../src/client/storage-manager.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
@@ -345,37 +345,51 @@ describe('write-behind memory', () => {
     return { m, disk, keys }
   }
 
-  it('a codec pool that is busy makes an L2 chunk a miss; the file is kept, not counted corrupt', async () => {
-    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
-    const codec = new CodecPool(0)
-    const { m, disk, keys } = await writeBehindSetup(memory, codec, 64 * bigCB, 'lossless')
-    const few = keys.slice(0, 3)
-    await m.store(few, (i, dst) => void dst.fill(i + 1))
-    await m.flush()
-    expect(disk.stats().files).toBe(3)
-    memory.clear()
-    const decodeInto = codec.decodeInto.bind(codec)
-    codec.decodeInto = async () => {
-      throw new CodecBusyError('codec pool queue is full (test)')
-    }
-    const got: number[] = []
-    const run = await m.retrieve(few, (i) => void got.push(i), { tiers: ['disk', 'disk', 'disk'] })
-    expect(got).toEqual([])
-    expect(run.served).toBe(0)
-    expect(disk.stats().files).toBe(3)
-    expect(disk.counters.corrupt).toBe(0)
-    expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
-    // Once the pool has room again the same files serve exact bytes.
-    codec.decodeInto = decodeInto
-    const seen: number[] = []
-    const r2 = await m.retrieve(few, (i, t) => void seen.push(t.every((b) => b === i + 1) ? i : -1), {
-      tiers: ['disk', 'disk', 'disk'],
-    })
-    expect(r2.served).toBe(3)
-    // Chunks are written as they arrive (several reads in flight), in any order.
-    expect(seen.sort()).toEqual([0, 1, 2])
-    m.close()
-  })
+  it.each([
+    // Load, not damage: nothing counted against the tier.
+    ['a codec pool that is busy', () => new CodecBusyError('codec pool queue is full (test)'), 0],
+    // What the pool answers when the worker running the job exits (killed, out of memory): a
+    // failed read, counted, of a file whose every CRC passed.
+    [
+      'a codec worker that dies under it',
+      () => new CodecWorkerLostError('codec worker exited (code 1) (test)'),
+      3,
+    ],
+  ] as const)(
+    '%s makes an L2 decode a miss; the file is kept, not counted corrupt',
+    async (_, failure, errors) => {
+      const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+      const codec = new CodecPool(0)
+      const { m, disk, keys } = await writeBehindSetup(memory, codec, 64 * bigCB, 'lossless')
+      const few = keys.slice(0, 3)
+      await m.store(few, (i, dst) => void dst.fill(i + 1))
+      await m.flush()
+      expect(disk.stats().files).toBe(3)
+      memory.clear()
+      const decodeInto = codec.decodeInto.bind(codec)
+      codec.decodeInto = async () => {
+        throw failure()
+      }
+      const got: number[] = []
+      const run = await m.retrieve(few, (i) => void got.push(i), { tiers: ['disk', 'disk', 'disk'] })
+      expect(got).toEqual([])
+      expect(run.served).toBe(0)
+      expect(disk.stats().files).toBe(3)
+      expect(disk.counters.corrupt).toBe(0)
+      expect(disk.counters.errors).toBe(errors)
+      expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+      // Once the pool has room again the same files serve exact bytes.
+      codec.decodeInto = decodeInto
+      const seen: number[] = []
+      const r2 = await m.retrieve(few, (i, t) => void seen.push(t.every((b) => b === i + 1) ? i : -1), {
+        tiers: ['disk', 'disk', 'disk'],
+      })
+      expect(r2.served).toBe(3)
+      // Chunks are written as they arrive (several reads in flight), in any order.
+      expect(seen.sort()).toEqual([0, 1, 2])
+      m.close()
+    },
+  )
 
   it('a codec pool closed under an L2 decode (close() during a retrieve) keeps the L2 files', async () => {
     const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })

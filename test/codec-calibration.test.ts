@@ -15,6 +15,7 @@ import {
   openCalibration,
 } from '../src/codec/node.ts'
 import { wasmCodec } from '../src/codec/runtime.ts'
+import { Sha256, sha256Hex } from '../src/codec/sha256.ts'
 import { crc32 } from '../src/core/checksum.ts'
 import { decodeHeader, encodeChunk as encodeChunkObject } from '../src/core/format.ts'
 import type { KvGeometry } from '../src/core/layout.ts'
@@ -37,6 +38,26 @@ function withCrc(b: Uint8Array): Uint8Array {
   new DataView(c.buffer).setUint32(c.length - 4, crc32(c.subarray(0, c.length - 4)), true)
   return c
 }
+
+describe('SHA-256 (the codec’s TypeScript one)', () => {
+  it('one-shot and incremental digests equal node:crypto’s for every length and split', () => {
+    const bytes = Uint8Array.from({ length: 1000 }, (_, i) => (i * 131 + (i >> 3)) & 255)
+    for (const n of [0, 1, 55, 56, 63, 64, 65, 119, 120, 128, 1000]) {
+      const b = bytes.subarray(0, n)
+      const want = createHash('sha256').update(b).digest('hex')
+      expect(sha256Hex(b), `${n}`).toBe(want)
+      for (const step of [1, 3, 63, 64, 65, 333]) {
+        const h = new Sha256()
+        for (let i = 0; i < n; i += step) h.update(b.subarray(i, i + step))
+        expect(h.hex(), `${n} in pieces of ${step}`).toBe(want)
+      }
+    }
+    const h = new Sha256().update(bytes)
+    h.hex()
+    expect(() => h.hex()).toThrow(/twice/)
+    expect(() => h.update(bytes)).toThrow(/after hex/)
+  })
+})
 
 describe('calibration object', () => {
   it('is deterministic and named by the SHA-256 of its bytes', () => {

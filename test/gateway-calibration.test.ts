@@ -14,8 +14,12 @@ import { calibrationObjectName, classify, currentCalibrationName } from '../src/
 import { parseColdTier } from '../src/coldtier/policy.ts'
 import { crc32 } from '../src/core/checksum.ts'
 import { decodeHeader, encodeChunk, openLayerSubset } from '../src/core/format.ts'
+import { configFromEnv } from '../src/gateway/adapters/lambda.ts'
+import { gatewayFromEnv } from '../src/gateway/adapters/workers.ts'
+import { resolveServeConfig, settingsFromEnv } from '../src/gateway/config.ts'
 import { createGateway, hashToken, MemoryStore } from '../src/gateway/index.ts'
 import { FsStore, S3Store } from '../src/gateway/node.ts'
+import type { R2BucketLike } from '../src/gateway/stores/r2.ts'
 import type { ObjectStore } from '../src/gateway/stores/types.ts'
 import { makeChain, makeChunk, putInit } from './gateway-fixtures.ts'
 import { type Rgw, useRgw } from './support/rgw.ts'
@@ -25,6 +29,7 @@ afterAll(async () => {
   await rgw?.stop()
 })
 
+const MIB = 1024 * 1024
 let seq = 0
 const uniq = () => `c${Date.now().toString(36)}${(++seq).toString(36)}`
 const sha = (b: Uint8Array) => createHash('sha256').update(b).digest('hex')
@@ -60,6 +65,14 @@ const putCurrent = (hash: string) =>
       body: JSON.stringify({ hash }),
     },
   ] as const
+
+async function until(cond: () => Promise<boolean>, ms = 5000): Promise<void> {
+  const end = Date.now() + ms
+  while (!(await cond())) {
+    if (Date.now() > end) throw new Error('timed out')
+    await new Promise((r) => setTimeout(r, 10))
+  }
+}
 
 const errCode = async (r: Response) => ((await r.json()) as { error: { code: string } }).error.code
 
@@ -166,6 +179,20 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     expect(long.status).toBe(413)
   })
 
+  it('GET calibration with Cache-Control: no-cache reads the stored pointer, past the instance’s cache', async () => {
+    const { app, store, prefix } = await gateway()
+    const a = calib(35)
+    expect((await app.request(...putCalib(a))).status).toBe(201)
+    expect((await app.request(...putCurrent(sha(a)))).status).toBe(201)
+    await store.delete(currentCalibrationName(prefix, 'team'))
+    // Cached for 60 s: an operator's delete is not seen at once ...
+    expect((await app.request('/v1/ns/team/calibration')).status).toBe(200)
+    // ... except by a reader that asks for the stored pointer (a holder about to put one back).
+    const fresh = await app.request('/v1/ns/team/calibration', { headers: { 'cache-control': 'no-cache' } })
+    expect(fresh.status).toBe(404)
+    expect((await app.request('/v1/ns/team/calibration')).status).toBe(404)
+  })
+
   it('two gateways race to set the current calibration: one winner, both answers name it', async () => {
     const store = await backend.store()
     const prefix = uniq()
@@ -227,7 +254,9 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     rotten[60]! ^= 0x04
     await store.putIfAbsent(name, rotten, rotten.length)
     const reader = createGateway({ store, prefix })
-    const bad = await reader.request(`/v1/ns/team/calibrations/${h}`, { method: 'HEAD' })
+    // HEAD answers from the store's metadata; the first GET (any node's) reads and hashes it.
+    expect((await reader.request(`/v1/ns/team/calibrations/${h}`, { method: 'HEAD' })).status).toBe(200)
+    const bad = await reader.request(`/v1/ns/team/calibrations/${h}`)
     expect(bad.status).toBe(502)
     // What a holder's refresh does (CalibrationStore#loadCurrent): HEAD, then on a 404 a create-only PUT.
     const head = await reader.request(`/v1/ns/team/calibrations/${h}`, { method: 'HEAD' })
@@ -287,6 +316,80 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     const sub = openLayerSubset(new Uint8Array(await r.arrayBuffer()), 3, 4)
     expect(sub.header.calibration).toBe(named)
     expect(sub.section(4)).toEqual(sections[4])
+  })
+
+  it('a body larger than the calibration cache streams, hashed on the way, and is never kept', async () => {
+    const limits = { calibrationCacheBytes: 1000 }
+    const { app, store, prefix } = await gateway(limits)
+    const small = calib(30)
+    const big = calib(31, 64 * 1024 + 3)
+    for (const c of [small, big]) expect((await app.request(...putCalib(c))).status).toBe(201)
+    const bigName = calibrationObjectName(prefix, 'team', sha(big))
+    const url = `/v1/ns/team/calibrations/${sha(big)}`
+    expect(app.state.calibrations.has(calibrationObjectName(prefix, 'team', sha(small)))).toBe(true)
+    // The writer and a cold instance alike: the exact bytes, and the cache stays within its bound.
+    for (const g of [app, createGateway({ store, prefix, limits })]) {
+      const r = await g.request(url)
+      expect([r.status, r.headers.get('content-length')]).toEqual([200, String(big.length)])
+      expect(new Uint8Array(await r.arrayBuffer())).toEqual(big)
+      const head = await g.request(url, { method: 'HEAD' })
+      expect([head.status, head.headers.get('content-length')]).toEqual([200, String(big.length)])
+      expect((await g.request(url, { headers: { 'if-none-match': `"${sha(big)}"` } })).status).toBe(304)
+      expect(g.state.calibrations.has(bigName)).toBe(false)
+      expect(g.state.calibrations.calculatedSize).toBeLessThanOrEqual(1000)
+    }
+    // Other bytes under the name: the streamed body fails at its end, and the object is dropped
+    // so a holder of the real bytes can put them back.
+    await store.delete(bigName)
+    const rotten = big.slice()
+    rotten[40_000]! ^= 1
+    await store.putIfAbsent(bigName, rotten, rotten.length)
+    const cold = createGateway({ store, prefix, limits })
+    const bad = await cold.request(url)
+    await expect(bad.arrayBuffer()).rejects.toThrow(/SHA-256 is not its name/)
+    // Dropped as the body fails (the response does not wait for the store's DELETE).
+    await until(async () => (await store.head(bigName)) === undefined)
+    expect((await cold.request(url)).status).toBe(404)
+  })
+
+  it('HEAD answers from the store’s metadata, cold or warm, without reading the body', async () => {
+    const { app, store, prefix } = await gateway()
+    const a = calib(33, 8192)
+    const h = sha(a)
+    expect((await app.request(...putCalib(a))).status).toBe(201)
+    const reads: string[] = []
+    const get = store.get.bind(store)
+    store.get = async (name, opts) => {
+      reads.push(name)
+      return get(name, opts)
+    }
+    const url = `/v1/ns/team/calibrations/${h}`
+    const cold = createGateway({ store, prefix })
+    for (const g of [cold, app]) {
+      const r = await g.request(url, { method: 'HEAD' })
+      expect([r.status, r.headers.get('content-length'), r.headers.get('etag')]).toEqual([
+        200,
+        String(a.length),
+        `"${h}"`,
+      ])
+      expect((await g.request(url, { method: 'HEAD', headers: { 'if-none-match': `"${h}"` } })).status).toBe(
+        304,
+      )
+    }
+    expect(reads).toEqual([])
+    expect(
+      (await cold.request(`/v1/ns/team/calibrations/${sha(calib(34))}`, { method: 'HEAD' })).status,
+    ).toBe(404)
+    // An object whose size cannot be a calibration is the store's fault, from its size alone.
+    const name = calibrationObjectName(prefix, 'team', h)
+    await store.delete(name)
+    await store.putIfAbsent(name, a.subarray(0, 4), 4)
+    const tiny = await createGateway({ store, prefix }).request(url, { method: 'HEAD' })
+    expect(tiny.status).toBe(502)
+    // The writer's verified copy no longer vouches for what the store holds.
+    expect((await app.request(url, { method: 'HEAD' })).status).toBe(502)
+    expect(app.state.calibrations.has(name)).toBe(false)
+    expect(reads).toEqual([])
   })
 
   it('gc deletes a namespace’s chunks past their quota and never its calibrations', async () => {
@@ -388,6 +491,42 @@ describe('calibration reads that the store cuts short', () => {
   })
 })
 
+describe('streamed calibration reads that the store cuts short', () => {
+  it('a body larger than the cache cut off mid-stream fails the response and keeps the object', async () => {
+    const store = new MemoryStore()
+    const a = calib(36, 64 * 1024)
+    const limits = { calibrationCacheBytes: 1024 }
+    expect((await createGateway({ store, limits }).request(...putCalib(a))).status).toBe(201)
+    const get = store.get.bind(store)
+    let cut: 'error' | 'short' | undefined = 'error'
+    store.get = async (name, opts) => {
+      const obj = await get(name, opts)
+      if (!obj || !cut || !name.includes('/_calibration/')) return obj
+      const how = cut
+      const body = new ReadableStream<Uint8Array>({
+        start(ctl) {
+          ctl.enqueue(a.subarray(0, 1000))
+          // The connection drops, or the store ends the body early without an error.
+          if (how === 'error') ctl.error(new Error('socket hang up'))
+          else ctl.close()
+        },
+      })
+      return { ...obj, body }
+    }
+    const app = createGateway({ store, limits })
+    const url = `/v1/ns/team/calibrations/${sha(a)}`
+    const dropped = await app.request(url)
+    expect(dropped.status).toBe(200)
+    await expect(dropped.arrayBuffer()).rejects.toThrow(/socket hang up/)
+    cut = 'short'
+    const short = await app.request(url)
+    await expect(short.arrayBuffer()).rejects.toThrow(/1000 of 65536/)
+    cut = undefined
+    const ok = await app.request(url)
+    expect(new Uint8Array(await ok.arrayBuffer())).toEqual(a)
+  })
+})
+
 describe('calibration uploads held until stored', () => {
   it('an upload the store is still writing keeps its bytes in flight', async () => {
     const store = new MemoryStore()
@@ -408,5 +547,50 @@ describe('calibration uploads held until stored', () => {
     finish()
     expect((await first).status).toBe(201)
     expect((await app.request(...putCalib(calib(19)))).status).toBe(201)
+  })
+})
+
+describe('the calibration cache bound per runtime', () => {
+  it('is validated; 0 keeps no body; Node keeps 64 MiB, Lambda 16 MiB, a Worker 8 MiB', async () => {
+    for (const bad of [-1, 1.5, Number.NaN, '8' as unknown as number])
+      expect(() =>
+        createGateway({ store: new MemoryStore(), limits: { calibrationCacheBytes: bad } }),
+      ).toThrow(/calibrationCacheBytes/)
+    const none = createGateway({ store: new MemoryStore(), limits: { calibrationCacheBytes: 0 } })
+    const a = calib(32)
+    expect((await none.request(...putCalib(a))).status).toBe(201)
+    const g = await none.request(`/v1/ns/team/calibrations/${sha(a)}`)
+    expect(new Uint8Array(await g.arrayBuffer())).toEqual(a)
+    expect(none.state.calibrations.size).toBe(0)
+
+    expect(createGateway({ store: new MemoryStore() }).state.limits.calibrationCacheBytes).toBe(64 * MIB)
+    expect(resolveServeConfig().calibrationCacheBytes).toBe(64 * MIB)
+    const env = (v: string) => settingsFromEnv({ KVGATE_CALIBRATION_CACHE_BYTES: v })
+    expect(resolveServeConfig(env('8MiB')).calibrationCacheBytes).toBe(8 * MIB)
+    expect(resolveServeConfig(env('0')).calibrationCacheBytes).toBe(0)
+    for (const bad of ['lots', '-1', '17GiB']) expect(() => resolveServeConfig(env(bad))).toThrow()
+
+    const lambda = (v?: string) =>
+      configFromEnv({
+        KVGATE_S3_BUCKET: 'b',
+        KVGATE_AUTH: 'disabled',
+        ...(v === undefined ? {} : { KVGATE_CALIBRATION_CACHE_BYTES: v }),
+      }).calibrationCacheBytes
+    expect(lambda()).toBe(16 * MIB)
+    expect(lambda('0')).toBe(0)
+    expect(() => lambda('-1')).toThrow(/KVGATE_CALIBRATION_CACHE_BYTES/)
+
+    const bucket = { get: async () => null, put: async () => null } as unknown as R2BucketLike
+    const worker = (v?: string) =>
+      gatewayFromEnv({
+        KVGATE_BUCKET: bucket,
+        KVGATE_AUTH: 'disabled',
+        ...(v === undefined ? {} : { KVGATE_CALIBRATION_CACHE_BYTES: v }),
+      }).state.limits.calibrationCacheBytes
+    expect(worker()).toBe(8 * MIB)
+    expect(worker('0')).toBe(0)
+    expect(worker('1048576')).toBe(MIB)
+    for (const bad of ['-1', '1.5', 'x', '1e6'])
+      expect(() => worker(bad)).toThrow(/KVGATE_CALIBRATION_CACHE_BYTES/)
   })
 })

@@ -82,7 +82,12 @@ beforeAll(async () => {
       }),
       // A tiny PUT limit, so the 413 test's body fits in socket buffers: the gateway answers
       // before reading it, and a large unread body would race with the connection closing.
-      gatewayWorker('tight', { KVGATE_TOKENS: JSON.stringify(GRANTS), KVGATE_MAX_CHUNK_BYTES: '8192' }),
+      // And a calibration cache smaller than any calibration: every one streams from R2.
+      gatewayWorker('tight', {
+        KVGATE_TOKENS: JSON.stringify(GRANTS),
+        KVGATE_MAX_CHUNK_BYTES: '8192',
+        KVGATE_CALIBRATION_CACHE_BYTES: '256',
+      }),
       gatewayWorker('misconfigured', {}),
       { ...common, name: 'keys', modulesRoot: join(out, 'keys'), scriptPath: keys.script },
       { ...common, name: 'codec', modulesRoot: join(out, 'codec'), scriptPath: codec.script },
@@ -400,6 +405,37 @@ describe('calibration objects in workerd on R2', () => {
     expect((await putCalib(c)).status).toBe(201)
     const back = await fetch(calibUrl('a', h), { headers: auth(TOKENS.readerA) })
     expect(await bytesOf(back)).toEqual(c)
+  })
+
+  it('a calibration larger than the isolate’s cache streams from R2, hashed in workerd; rotten bytes fail', async () => {
+    const w = await worker('tight')
+    const at = (hash: string) => `http://gateway/v1/ns/a/calibrations/${hash}`
+    const c = calib(6)
+    const h = shaOf(c)
+    expect((await putCalib(c)).status).toBe(201)
+    const get = await w.fetch(at(h), { headers: auth(TOKENS.readerA) })
+    // workerd sends a streamed body chunked (as it does a chunk GET's): the bytes are the check.
+    expect(get.status).toBe(200)
+    expect(await bytesOf(get)).toEqual(c)
+    const head = await w.fetch(at(h), { method: 'HEAD', headers: auth(TOKENS.readerA) })
+    expect([head.status, head.headers.get('content-length')]).toEqual([200, '300'])
+    const d = calib(7)
+    const rotten = d.slice()
+    rotten[100]! ^= 1
+    const bucket = await bucketProxy()
+    await bucket.put(`kv/_calibration/a/${shaOf(d)}`, rotten)
+    const bad = await w.fetch(at(shaOf(d)), { headers: auth(TOKENS.readerA) })
+    expect(bad.status).toBe(200)
+    // Failed before the last piece: however the runtime ends a failed chunked body (here
+    // cleanly), the client never holds all 300 bytes, so never a complete wrong calibration.
+    const got = await bad.arrayBuffer().then(
+      (b) => b.byteLength,
+      () => -1,
+    )
+    expect(got).toBeLessThan(d.length)
+    for (let i = 0; i < 100 && (await r2Objects(`kv/_calibration/a/${shaOf(d)}`)).length > 0; i++)
+      await new Promise((r) => setTimeout(r, 20))
+    expect(await r2Objects(`kv/_calibration/a/${shaOf(d)}`)).toEqual([])
   })
 
   it('verifies and serves a calibrated (format v2) chunk, whole and by layers', async () => {

@@ -18,7 +18,8 @@ export interface CalibrationRemote {
   getCalibration(hash: string, maxBytes: number): Promise<Uint8Array | null | undefined>
   /** HEAD: whether the gateway holds it (undefined: unreachable). */
   hasCalibration(hash: string): Promise<boolean | undefined>
-  currentCalibration(): Promise<string | null | undefined>
+  /** `fresh`: read the stored pointer itself, past every cache (gateway instances keep it 60 s). */
+  currentCalibration(opts?: { fresh?: boolean }): Promise<string | null | undefined>
   /** True: stored (or already there); 'refused': never for these bytes (size cap, scope); false: unreachable. */
   putCalibration(hash: string, bytes: Uint8Array): Promise<boolean | 'refused'>
   setCurrentCalibration(hash: string): Promise<string | undefined>
@@ -297,9 +298,12 @@ export class CalibrationStore {
 
   /**
    * Loads the current calibration. One this node already holds is checked against
-   * the bucket (a HEAD per refresh) and put back if it is gone (deleted behind the
-   * gateway): the pointer still names it, so without it every other node's decodes
-   * of chunks coded with it would miss. The PUT is create-only and verified by hash.
+   * the bucket (a HEAD per refresh) and put back if it is gone (lost behind the
+   * gateway) while the stored pointer still names it: without it every other node's
+   * decodes of chunks coded with it would miss. The pointer is read fresh first: an
+   * operator removes a calibration by deleting the pointer, then the objects, and a
+   * gateway's cached pointer must not bring back what they deleted (docs/calibration.md).
+   * The PUT is create-only and verified by hash.
    */
   async #loadCurrent(hash: string): Promise<void> {
     const held = this.#cache.get(hash) ?? (await this.#readPersisted(hash))
@@ -309,6 +313,13 @@ export class CalibrationStore {
     }
     this.#cache.set(hash, held)
     if ((await this.#remote!.hasCalibration(hash)) !== false) return
+    const stored = await this.#remote!.currentCalibration({ fresh: true })
+    if (stored === undefined) return // unreachable: the next refresh asks again
+    if (stored !== hash) {
+      // Deleted on purpose (or replaced): stop encoding with it; chunks coded with it were removed too.
+      this.#current = { hash: stored, at: performance.now() }
+      return
+    }
     if ((await this.#remote!.putCalibration(hash, held.bytes)) === true) this.#stats.restored++
   }
 

@@ -8,7 +8,7 @@ import type { ChunkKey } from '../core/keys.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import type { CalibrationStore } from './calibration-store.ts'
 import { type ChunkIdentity, checkIdentity, maxObjectBytes, openLayerGroup } from './chunk-codec.ts'
-import { CodecBusyError, type CodecPool } from './codec-pool.ts'
+import { CodecBusyError, type CodecPool, CodecWorkerLostError } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
 import type { CopyGate } from './native.ts'
 import type { DiskTier, ReadSink } from './tiers/disk.ts'
@@ -108,6 +108,12 @@ export class ChunkReader {
         return placed
       } catch (e) {
         if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
+        // Every CRC of the file passed: a worker that died under its decode (killed, out of
+        // memory, the pool's fault) is a failed read, counted, and the file is kept.
+        if (e instanceof CodecWorkerLostError) {
+          disk.counters.errors++
+          return undefined
+        }
         // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
         disk.counters.corrupt++
         await disk.delete(k.hex)

@@ -180,13 +180,6 @@ export class KVCache {
     const o = resolveOptions(options)
     const native = o.native ? loadNative() : { api: undefined, reason: 'disabled by options.native = false' }
     const g = o.model
-    const ns: KeyNamespace = {
-      modelId: g.modelId,
-      geometry: g,
-      chunkTokens: o.chunkTokens,
-      scheme: o.keyScheme,
-      hashSeed: o.hashSeed,
-    }
     const memory =
       shared.memory ??
       (await MemoryTier.create({
@@ -197,12 +190,44 @@ export class KVCache {
         native: native.api,
         nativeReason: native.reason,
       }))
+    const codec = new CodecPool(o.codecWorkers)
+    // What this open acquired, released if a later step throws: a cache that never opened is
+    // nobody's to close, and its L2 tier would stay counted (and evicted for) in a shared budget.
+    const opened: { disk?: DiskTier; remote?: RemoteTier; calibrations?: CalibrationStore } = {}
+    try {
+      return await KVCache.#assemble(o, shared, native, memory, codec, opened)
+    } catch (e) {
+      opened.calibrations?.close()
+      opened.disk?.close()
+      await opened.remote?.close(0).catch(() => {})
+      await codec.close().catch(() => {})
+      if (!shared.memory) memory.dispose()
+      throw e
+    }
+  }
+
+  /** open()'s steps after L1: each tier it opens is recorded in `opened` as soon as it exists. */
+  static async #assemble(
+    o: ResolvedOptions,
+    shared: SharedTiers,
+    native: { api: NativeModule | undefined; reason: string | undefined },
+    memory: MemoryTier,
+    codec: CodecPool,
+    opened: { disk?: DiskTier; remote?: RemoteTier; calibrations?: CalibrationStore },
+  ): Promise<KVCache> {
+    const g = o.model
     if (memory.dataOffset + chunkBytes(g, o.chunkTokens) > memory.slotBytes) {
       throw new InvalidArgumentError(
         `a chunk of ${chunkBytes(g, o.chunkTokens)} bytes does not fit the shared L1's slots of ${memory.slotBytes} bytes`,
       )
     }
-    const codec = new CodecPool(o.codecWorkers)
+    const ns: KeyNamespace = {
+      modelId: g.modelId,
+      geometry: g,
+      chunkTokens: o.chunkTokens,
+      scheme: o.keyScheme,
+      hashSeed: o.hashSeed,
+    }
     const nsId = fromHex(namespaceId(ns))
     const disk = o.disk
       ? await DiskTier.open({
@@ -214,10 +239,12 @@ export class KVCache {
           sharedBudget: shared.diskBudget,
         })
       : undefined
+    opened.disk = disk
     const remoteCodec: ChunkCodecName = o.remote ? o.remote.codec : 'raw'
     const remote = o.remote
       ? new RemoteTier({ ...o.remote, namespace: o.namespace }, { geometry: g, chunkTokens: o.chunkTokens })
       : undefined
+    opened.remote = remote
     const diskCodec = o.disk ? o.disk.storeAs : 'raw'
     // Objects naming a calibration can come from L4 or (after a restart) L2: the store
     // fetches from the gateway and keeps its objects beside L2 to decode offline.
@@ -235,6 +262,7 @@ export class KVCache {
             ...(calib ? { currentTtlMs: calib.currentTtlMs, cacheEntries: calib.cacheEntries } : {}),
           })
         : undefined
+    opened.calibrations = calibrations
     const manager = new StorageManager({
       geometry: g,
       chunkTokens: o.chunkTokens,

@@ -8,6 +8,7 @@ import { parse as parseYaml } from 'yaml'
 import { type ColdTierConfig, parseColdTier } from '../coldtier/policy.ts'
 import { boolLike, byteSize, intLike, parseConfig } from '../core/config-check.ts'
 import { ConfigError } from '../core/errors.ts'
+import { DEFAULT_CALIBRATION_CACHE_BYTES } from './context.ts'
 import type { TokenGrant } from './middleware/auth.ts'
 import { TokenTableSchema } from './token-table.ts'
 
@@ -35,6 +36,8 @@ export interface ServeConfig {
   maxChunkBytes?: number
   /** Largest calibration object accepted (docs/calibration.md). */
   maxCalibrationBytes: number
+  /** Verified calibration bodies kept in memory (larger ones stream from the store; 0: none). */
+  calibrationCacheBytes: number
   coalesceMaxBytes: number
   /** Bytes the GET coalescer may buffer at once (above it GETs stream on their own). */
   coalesceMaxBufferedBytes: number
@@ -146,6 +149,12 @@ const OPTIONS = {
     env: 'KVGATE_MAX_CALIBRATION_BYTES',
     flag: 'maxCalibrationBytes',
     file: 'maxCalibrationBytes',
+  },
+  calibrationCacheBytes: {
+    schema: byteSize(0, 16 * 1024 ** 3),
+    env: 'KVGATE_CALIBRATION_CACHE_BYTES',
+    flag: 'calibrationCacheBytes',
+    file: 'calibrationCacheBytes',
   },
   coalesceMaxBytes: {
     schema: byteSize(0, 1024 ** 3),
@@ -390,6 +399,7 @@ export function resolveServeConfig(...layers: ServeSettingsInput[]): ServeConfig
       : {}),
     ...(s.maxChunkBytes !== undefined ? { maxChunkBytes: s.maxChunkBytes } : {}),
     maxCalibrationBytes: s.maxCalibrationBytes ?? 16 * 1024 * 1024,
+    calibrationCacheBytes: s.calibrationCacheBytes ?? DEFAULT_CALIBRATION_CACHE_BYTES,
     coalesceMaxBytes: s.coalesceMaxBytes ?? 8 * 1024 * 1024,
     coalesceMaxBufferedBytes: s.coalesceMaxBufferedBytes ?? 64 * 1024 * 1024,
     presenceTtlMs: s.presenceTtlMs ?? 30_000,

@@ -37,7 +37,16 @@ export interface GatewayLimits {
   maxConcurrentVerifies?: number
   /** Largest calibration object accepted by PUT …/calibrations/{sha256}. @default 16 MiB */
   maxCalibrationBytes?: number
+  /**
+   * Bytes of verified calibration bodies kept in memory per instance. A body larger than this
+   * is streamed from the store (hashed on the way) and not kept; 0 keeps none. Workers set
+   * 8 MiB: a whole isolate has 128 MB. @default 64 MiB
+   */
+  calibrationCacheBytes?: number
 }
+
+/** Verified calibration bodies kept per instance where the runtime sets no smaller bound. */
+export const DEFAULT_CALIBRATION_CACHE_BYTES = 64 * 1024 * 1024
 
 export interface PresignOptions {
   /** Objects of at least this many bytes are answered with a 307 to a presigned URL. */
@@ -114,12 +123,13 @@ export function createState(opts: {
     maxInFlightBytes: opts.limits?.maxInFlightBytes ?? 1024 ** 3,
     maxConcurrentVerifies: opts.limits?.maxConcurrentVerifies ?? 4,
     maxCalibrationBytes: opts.limits?.maxCalibrationBytes ?? 16 * 1024 * 1024,
+    calibrationCacheBytes: opts.limits?.calibrationCacheBytes ?? DEFAULT_CALIBRATION_CACHE_BYTES,
   }
   for (const k of Object.keys(opts.limits ?? {})) {
     if (!(k in limits)) throw new TypeError(`createGateway: unknown limits.${k}`)
   }
   for (const [k, v] of Object.entries(limits)) {
-    const min = k === 'bodyMinBytesPerSecond' ? 0 : 1
+    const min = k === 'bodyMinBytesPerSecond' || k === 'calibrationCacheBytes' ? 0 : 1
     if (!Number.isInteger(v) || v < min) throw new TypeError(`createGateway: invalid limits.${k}`)
   }
   if (opts.presign && (!Number.isInteger(opts.presign.minBytes) || opts.presign.minBytes < 0)) {
@@ -140,7 +150,8 @@ export function createState(opts: {
         : new GetCoalescer(opts.coalesce?.maxBytes ?? 8 * 1024 * 1024, opts.coalesce?.maxBufferedBytes),
     headers: new LRUCache({ max: 10_000 }),
     calibrations: new LRUCache<string, Uint8Array>({
-      maxSize: 64 * 1024 * 1024,
+      // lru-cache wants a positive bound; with 0 the routes put nothing in (they stream every body).
+      maxSize: Math.max(1, limits.calibrationCacheBytes),
       sizeCalculation: (b) => Math.max(1, b.length),
     }),
     verifying: new Map(),

@@ -8,10 +8,13 @@ import { FormatError, InvalidKeyError, KvgateError } from '../core/errors.ts'
 import { type ChunkHeader, ChunkVerifier } from '../core/format.ts'
 import { toHex } from '../core/keys.ts'
 
-/** Incremental check over the bytes of one response. push() and finish() throw on a bad object. */
+/**
+ * Incremental check over the bytes of one response. push() and finish() throw on a bad object;
+ * finish() may settle first what a bad object needs (a delete) before the response fails.
+ */
 export interface StreamCheck {
   push(bytes: Uint8Array): void
-  finish(): void
+  finish(): void | Promise<void>
 }
 
 /** The whole object: format, checksums, exact length and identity (key, namespace id). */
@@ -163,7 +166,7 @@ export function checkedStream(
           if (ended) return
           if (r.done) {
             try {
-              check?.finish()
+              await check?.finish()
             } catch (e) {
               opts.onCorrupt(e)
               throw e

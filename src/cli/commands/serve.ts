@@ -82,6 +82,7 @@ Config file:
       '*': { retention: 90d }
   maxChunkBytes: 512MiB     # byte sizes take units: 4096, 8MiB, 10GB
   maxCalibrationBytes: 16MiB  # calibration objects (docs/calibration.md); env KVGATE_MAX_CALIBRATION_BYTES
+  calibrationCacheBytes: 64MiB  # verified calibrations kept in memory; larger ones stream. env KVGATE_CALIBRATION_CACHE_BYTES
 
 Exit status: 0 after a clean stop, 1 on a failure, 2 on a wrong flag, file key or KVGATE_* value.
 `
@@ -218,6 +219,7 @@ async function serve(config: ServeConfig): Promise<number> {
       maxInFlightBytes: config.maxInFlightBytes,
       maxConcurrentVerifies: config.maxConcurrentVerifies,
       maxCalibrationBytes: config.maxCalibrationBytes,
+      calibrationCacheBytes: config.calibrationCacheBytes,
     },
     lookup: { presenceTtlMs: config.presenceTtlMs },
     coalesce: { maxBytes: config.coalesceMaxBytes, maxBufferedBytes: config.coalesceMaxBufferedBytes },

@@ -728,9 +728,13 @@ export class RemoteTier {
   }
 
   /** GET …/calibration: the namespace's current hash, null when it has none, undefined when unknown (unreachable). */
-  async currentCalibration(): Promise<string | null | undefined> {
+  async currentCalibration(opts: { fresh?: boolean } = {}): Promise<string | null | undefined> {
     // Asked in the background (never on a lookup's path): the chunk deadline and retries.
-    const r = await this.#request('GET', `${this.#base}/calibration`, { timeoutMs: this.#timeoutMs })
+    const r = await this.#request('GET', `${this.#base}/calibration`, {
+      timeoutMs: this.#timeoutMs,
+      // The gateway then reads the stored pointer instead of its cached copy.
+      ...(opts.fresh ? { headers: { 'cache-control': 'no-cache' } } : {}),
+    })
     if (r?.status === 404) return null
     if (r?.status !== 200) {
       this.#unexpected(r)

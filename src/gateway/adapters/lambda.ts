@@ -211,6 +211,8 @@ export interface LambdaGatewayConfig {
   maxChunkBytes: number
   /** KVGATE_MAX_CALIBRATION_BYTES: calibration bodies travel in the event (~4.5 MiB at most). */
   maxCalibrationBytes: number
+  /** KVGATE_CALIBRATION_CACHE_BYTES: verified calibration bodies kept per environment (0: none). */
+  calibrationCacheBytes: number
   /** KVGATE_COLD_TIER: retention/quota per namespace, grace, use tracking. */
   coldTier: ColdTierConfig
   /** Bodies from this size are written through presigned staging uploads (KVGATE_UPLOAD_MIN_BYTES). */
@@ -248,6 +250,8 @@ export function configFromEnv(env: Record<string, string | undefined> = process.
     presignTtlSeconds: intFromEnv(env, 'KVGATE_PRESIGN_TTL', 300),
     maxChunkBytes: intFromEnv(env, 'KVGATE_MAX_CHUNK_BYTES', 4 * 1024 * 1024),
     maxCalibrationBytes: intFromEnv(env, 'KVGATE_MAX_CALIBRATION_BYTES', 4 * 1024 * 1024),
+    // A few of the 4 MiB bodies, small beside the function's memory (256 MB at the least).
+    calibrationCacheBytes: intFromEnv(env, 'KVGATE_CALIBRATION_CACHE_BYTES', 16 * 1024 * 1024),
     coldTier: parseColdTier(env.KVGATE_COLD_TIER, 'KVGATE_COLD_TIER'),
     // Bodies above ~4.5 MiB cannot reach the function at all (6 MB events, base64);
     // from 1 MiB they already cost more in function duration than two small requests.
@@ -312,7 +316,11 @@ export async function gatewayFromConfig(cfg: LambdaGatewayConfig): Promise<Fetch
   return createGateway({
     store,
     auth: tokens.length > 0 ? { tokens } : undefined,
-    limits: { maxChunkBytes: cfg.maxChunkBytes, maxCalibrationBytes: cfg.maxCalibrationBytes },
+    limits: {
+      maxChunkBytes: cfg.maxChunkBytes,
+      maxCalibrationBytes: cfg.maxCalibrationBytes,
+      calibrationCacheBytes: cfg.calibrationCacheBytes,
+    },
     presign: { minBytes: cfg.presignMinBytes, expiresSeconds: cfg.presignTtlSeconds },
     uploads: {
       minBytes: cfg.uploadMinBytes,

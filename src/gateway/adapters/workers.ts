@@ -23,6 +23,11 @@ export interface WorkerEnv {
   KVGATE_MAX_CHUNK_BYTES?: string
   /** Largest calibration object accepted (docs/calibration.md). @default 16 MiB */
   KVGATE_MAX_CALIBRATION_BYTES?: string
+  /**
+   * Bytes of verified calibration bodies kept in the isolate; larger ones stream from R2.
+   * 0 keeps none. @default 8388608 (8 MiB of the isolate's 128 MB)
+   */
+  KVGATE_CALIBRATION_CACHE_BYTES?: string
   /** Bodies above this use an R2 multipart upload. @default 67108864 */
   KVGATE_MULTIPART_THRESHOLD?: string
   /** Multipart part size (≥ 5 MiB). @default 8388608 */
@@ -37,12 +42,12 @@ export interface WorkerEnv {
   KVGATE_COLD_TIER?: string
 }
 
-function intVar(env: WorkerEnv, name: keyof WorkerEnv, fallback: number): number {
+function intVar(env: WorkerEnv, name: keyof WorkerEnv, fallback: number, min = 1): number {
   const raw = env[name]
   if (raw === undefined || raw === '') return fallback
   const n = Number(raw)
-  if (typeof raw !== 'string' || !Number.isSafeInteger(n) || n < 1) {
-    throw new ConfigError(`${name} must be a positive integer, got ${String(raw)}`)
+  if (typeof raw !== 'string' || !/^\d+$/.test(raw) || !Number.isSafeInteger(n) || n < min) {
+    throw new ConfigError(`${name} must be an integer ≥ ${min}, got ${String(raw)}`)
   }
   return n
 }
@@ -73,6 +78,8 @@ export function gatewayFromEnv(env: WorkerEnv): GatewayApp {
     limits: {
       maxChunkBytes: intVar(env, 'KVGATE_MAX_CHUNK_BYTES', 90 * 1024 * 1024),
       maxCalibrationBytes: intVar(env, 'KVGATE_MAX_CALIBRATION_BYTES', 16 * 1024 * 1024),
+      // The Node default (64 MiB) is half an isolate: keep a few calibrations, stream the rest.
+      calibrationCacheBytes: intVar(env, 'KVGATE_CALIBRATION_CACHE_BYTES', 8 * 1024 * 1024, 0),
     },
     prefix: env.KVGATE_PREFIX ?? 'kv',
     // A 128 MB isolate: shared GET buffers stay a quarter of it.

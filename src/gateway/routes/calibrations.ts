@@ -3,11 +3,13 @@
 //     verified (the body's SHA-256 is its name), immutable, so cacheable anywhere;
 //   PUT/GET /v1/ns/{ns}/calibration: the namespace's current one, `{hash}`,
 //     create-only: the first stored calibration wins and every PUT learns the winner.
-// Bodies are small (≤ limits.maxCalibrationBytes, 16 MiB by default), so they are
-// read whole and hashed before anything is stored or served; verified bodies are
-// cached, and a cached one is served only while the store still holds it (one HEAD).
+// Uploads (≤ limits.maxCalibrationBytes, 16 MiB by default) are read whole and hashed
+// before anything is stored. Reads that fit limits.calibrationCacheBytes are read whole,
+// hashed, then served and cached (a cached one only while the store still holds it: one
+// HEAD); larger ones stream from the store, hashed on the way, and a mismatch errors the body.
 
 import type { Context, Hono } from 'hono'
+import { Sha256 } from '../../codec/sha256.ts'
 import { calibrationObjectName, currentCalibrationName } from '../../coldtier/names.ts'
 import { KvgateError, StoreError } from '../../core/errors.ts'
 import { assertNamespaceName, isKeyHex, toHex } from '../../core/keys.ts'
@@ -22,11 +24,13 @@ import {
 } from '../http-errors.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
 import { collectBody, type StoreObject } from '../stores/types.ts'
+import { checkedStream, type StreamCheck } from '../verified-read.ts'
 
 /** "KVCL": the first four bytes of every calibration object (src/codec/calibration.ts). */
 export const CALIBRATION_MAGIC = Uint8Array.of(0x4b, 0x56, 0x43, 0x4c)
 /** The smallest body that can be a calibration object: magic + version. */
 const MIN_CALIBRATION_BYTES = 8
+const NOT_ITS_NAME = 'its SHA-256 is not its name'
 /** The current pointer is `{"hash":"<64 hex>"}`: anything much longer is not one. */
 const MAX_POINTER_BYTES = 1024
 /** How long a gateway trusts a current pointer it read (it only changes if an admin deletes it). */
@@ -126,46 +130,115 @@ function parsePointer(bytes: Uint8Array): string | undefined {
 
 const IMMUTABLE = 'public, max-age=31536000, immutable'
 
+interface StreamHasher {
+  update(piece: Uint8Array): unknown
+  hex(): string
+}
+
+/**
+ * An incremental SHA-256 for a streamed body: Node's native one where the runtime has it
+ * (Node, Lambda: ~3× the TypeScript one), else the codec's TypeScript one (workerd).
+ */
+function streamHasher(): StreamHasher {
+  const proc = (globalThis as { process?: { getBuiltinModule?: (id: string) => unknown } }).process
+  const nodeCrypto = proc?.getBuiltinModule?.('node:crypto') as typeof import('node:crypto') | undefined
+  if (!nodeCrypto) return new Sha256()
+  const h = nodeCrypto.createHash('sha256')
+  return { update: (piece) => h.update(piece), hex: () => h.digest('hex') }
+}
+
+/** What a GET serves: verified bytes (cached), or a body too large to cache, checked as it streams. */
+type Served = { bytes: Uint8Array } | { stream: ReadableStream<Uint8Array>; size: number }
+
+/** A shared read found the body too large to share: each reader streams its own. */
+const STREAMED = Symbol('streamed')
+
 export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
   const max = state.limits.maxCalibrationBytes
   // Immutable, content-addressed bodies: a bounded cache can never serve a stale one.
   const bodies = state.calibrations
+  const cacheBytes = state.limits.calibrationCacheBytes
   const current = new Map<string, { hash: string; at: number }>()
   /** Store reads in progress by object name: a fleet asking for one calibration at once reads it once. */
-  const reading = new Map<string, Promise<Uint8Array | undefined>>()
+  const reading = new Map<string, Promise<Uint8Array | typeof STREAMED | undefined>>()
 
-  /** The verified bytes of calibration `hash`, or undefined when the store has none. */
-  async function load(ns: string, hash: string): Promise<Uint8Array | undefined> {
+  /** Calibration `hash` (verified, or checked as it streams), or undefined when the store has none. */
+  async function open(ns: string, hash: string, share = true): Promise<Served | undefined> {
     const name = calibrationObjectName(state.prefix, ns, hash)
     const cached = bodies.get(name)
     // The cache saves the body and its hashing, not the store's word: an object deleted
     // behind the gateway (an operator, another instance) is gone here too.
     if (cached) {
-      if (await state.store.head(name)) return cached
+      if (await state.store.head(name)) return { bytes: cached }
       bodies.delete(name)
       return undefined
     }
-    const running = reading.get(name)
-    if (running) return running
-    const p = readVerified(name, hash).finally(() => reading.delete(name))
-    reading.set(name, p)
+    const running = share ? reading.get(name) : undefined
+    if (running) {
+      const got = await running
+      return got === STREAMED ? open(ns, hash, false) : got && { bytes: got }
+    }
+    const p = read(name, hash)
+    if (share) {
+      const shared = p
+        .then((s) => (s === undefined ? undefined : 'bytes' in s ? s.bytes : STREAMED))
+        .finally(() => reading.delete(name))
+      shared.catch(() => {}) // its waiters see the failure; with none it is not unhandled
+      reading.set(name, shared)
+    }
     return p
   }
 
-  async function readVerified(name: string, hash: string): Promise<Uint8Array | undefined> {
+  async function read(name: string, hash: string): Promise<Served | undefined> {
     const obj = await state.store.get(name)
     if (!obj) return undefined
+    // Larger than the whole cache: never held here, whatever the runtime's memory.
+    if (obj.size > cacheBytes && obj.size <= max)
+      return { stream: hashedBody(name, hash, obj), size: obj.size }
     const bytes = await readWhole(obj, max)
     if ((await sha256Hex(bytes)) !== hash) {
-      // Named by their SHA-256, these bytes can never be this calibration (bit rot, a bad
-      // restore). Left there, every HEAD would answer 502 and a create-only PUT "exists", so
-      // no node holding the real bytes could put them back: drop them, as a corrupt chunk is.
-      await state.store.delete(name)
-      state.metrics.calibrations.inc({ op: 'get', result: 'corrupt' })
-      throw corrupt('its SHA-256 is not its name')
+      await drop(name)
+      throw corrupt(NOT_ITS_NAME)
     }
     bodies.set(name, bytes)
-    return bytes
+    return { bytes }
+  }
+
+  async function drop(name: string): Promise<void> {
+    // Named by their SHA-256, these bytes can never be this calibration (bit rot, a bad
+    // restore). Left there, every GET would answer 502 and a create-only PUT "exists", so
+    // no node holding the real bytes could put them back: drop them, as a corrupt chunk is.
+    state.metrics.calibrations.inc({ op: 'get', result: 'corrupt' })
+    await state.store.delete(name)
+  }
+
+  /**
+   * The store's body, hashed as it passes (checkedStream: the last piece is held back until
+   * the hash is proven, and an idle reader is cut off): bytes that are not the name, or fewer
+   * than the store's size, fail the response before the client has all of it.
+   */
+  function hashedBody(name: string, hash: string, obj: StoreObject): ReadableStream<Uint8Array> {
+    const hasher = streamHasher()
+    let seen = 0
+    const check: StreamCheck = {
+      push(piece) {
+        seen += piece.length
+        hasher.update(piece)
+      },
+      async finish() {
+        // A store that ends early says nothing about the object: not corrupt, not dropped.
+        if (seen !== obj.length)
+          throw new StoreError(`the store served ${seen} of ${obj.length} calibration bytes`)
+        if (hasher.hex() === hash) return
+        // Dropped before the response fails: a Worker's work ends with its response.
+        await drop(name)
+        throw corrupt(NOT_ITS_NAME)
+      },
+    }
+    return checkedStream(obj.body, check, {
+      idleTimeoutMs: state.limits.readerIdleTimeoutMs,
+      onCorrupt: () => {}, // counted and dropped in finish()
+    })
   }
 
   app.put('/v1/ns/:ns/calibrations/:hash', async (c) => {
@@ -217,7 +290,7 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     // magic + hash + size, and clients validate every calibration before use (CalibrationStore).
     const name = calibrationObjectName(state.prefix, ns, hash)
     const result = await state.store.putIfAbsent(name, bytes, bytes.length)
-    bodies.set(name, bytes)
+    if (bytes.length <= cacheBytes) bodies.set(name, bytes)
     c.set('bytes', bytes.length)
     state.metrics.calibrations.inc({ op: 'put', result })
     return c.json({ status: result, hash, bytes: bytes.length }, result === 'created' ? 201 : 200)
@@ -227,27 +300,56 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     const ns = target(c, 'read')
     const hash = hashParam(c)
     const etag = `"${hash}"`
-    const bytes = await load(ns, hash)
-    state.metrics.calibrations.inc({ op: 'get', result: bytes ? 'hit' : 'missing' })
-    if (!bytes) throw notFound(`no calibration ${hash} in namespace ${ns}`)
+    const notModified = c.req
+      .header('if-none-match')
+      ?.split(',')
+      .some((t) => t.trim() === etag || t.trim() === '*')
+    if (c.req.method === 'HEAD') return headAnswer(c, ns, hash, notModified === true)
+    const served = await open(ns, hash)
+    state.metrics.calibrations.inc({ op: 'get', result: served ? 'hit' : 'missing' })
+    if (!served) throw notFound(`no calibration ${hash} in namespace ${ns}`)
+    const size = 'bytes' in served ? served.bytes.length : served.size
     const headers = {
       'content-type': 'application/octet-stream',
-      'content-length': String(bytes.length),
+      'content-length': String(size),
       etag,
       'cache-control': IMMUTABLE,
     }
-    if (
-      c.req
-        .header('if-none-match')
-        ?.split(',')
-        .some((t) => t.trim() === etag || t.trim() === '*')
-    )
+    if (notModified) {
+      if ('stream' in served) await served.stream.cancel().catch(() => {})
       return c.body(null, 304, { etag, 'cache-control': IMMUTABLE })
-    if (c.req.method === 'HEAD') return c.body(null, 200, headers)
-    c.set('bytes', bytes.length)
-    state.metrics.bytesOut.inc({}, bytes.length)
-    return c.body(bytes as Uint8Array<ArrayBuffer>, 200, headers)
+    }
+    c.set('bytes', size)
+    state.metrics.bytesOut.inc({}, size)
+    if ('stream' in served) return c.body(served.stream, 200, headers)
+    return c.body(served.bytes as Uint8Array<ArrayBuffer>, 200, headers)
   })
+
+  /**
+   * HEAD from the store's metadata (S3 HeadObject, R2 head, fs stat), never the body: a cold
+   * instance (a new Lambda, a Worker isolate) answers a holder's restore check in one small
+   * request. The bytes are hashed where they are served (GET), which deletes an object that
+   * is not its name, so the holder's next HEAD is a 404 and it puts the calibration back.
+   */
+  async function headAnswer(c: Context<GatewayEnv>, ns: string, hash: string, notModified: boolean) {
+    const name = calibrationObjectName(state.prefix, ns, hash)
+    const head = await state.store.head(name)
+    const cached = bodies.get(name)
+    // A verified copy vouches only for an object of its size: anything else was replaced behind us.
+    if (cached && cached.length !== head?.size) bodies.delete(name)
+    state.metrics.calibrations.inc({ op: 'head', result: head ? 'hit' : 'missing' })
+    if (!head) throw notFound(`no calibration ${hash} in namespace ${ns}`)
+    if (head.size > max || head.size < MIN_CALIBRATION_BYTES)
+      throw corrupt(`${head.size} bytes, outside ${MIN_CALIBRATION_BYTES}..${max}`)
+    const etag = `"${hash}"`
+    if (notModified) return c.body(null, 304, { etag, 'cache-control': IMMUTABLE })
+    return c.body(null, 200, {
+      'content-type': 'application/octet-stream',
+      'content-length': String(head.size),
+      etag,
+      'cache-control': IMMUTABLE,
+    })
+  }
 
   /** The namespace's current calibration hash, or undefined. */
   async function readCurrent(ns: string, fresh: boolean): Promise<string | undefined> {
@@ -302,7 +404,10 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
 
   app.get('/v1/ns/:ns/calibration', async (c) => {
     const ns = target(c, 'read')
-    const hash = await readCurrent(ns, false)
+    // `Cache-Control: no-cache`: the stored pointer itself (a holder deciding whether to put back
+    // an object it found gone must not act on a pointer an operator deleted a minute ago).
+    const fresh = /\bno-cache\b/i.test(c.req.header('cache-control') ?? '')
+    const hash = await readCurrent(ns, fresh)
     if (hash === undefined) throw notFound(`namespace ${ns} has no calibration`)
     return c.json({ hash }, 200, { 'cache-control': 'no-cache' })
   })
