@@ -6,6 +6,7 @@ import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { hashCount, hashes } from '../src/agent/fields.ts'
 import { type AgentServer, resolveAgentConfig, startAgent } from '../src/agent/index.ts'
 import { AgentClient as Client, type Msg } from './support/agent-client.ts'
 
@@ -113,6 +114,64 @@ describe('agent socket', () => {
     c.close()
   })
 
+  it('packed keys: a bin that is not 32·n bytes (or holds too many) is an error frame, in every op', async () => {
+    const c = await Client.open(join(dir, 'a.sock'))
+    expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true })
+    const path = join(dir, 'kv-packed')
+    writeFileSync(path, Buffer.alloc(2 * 8 * 16 * 2 * 8 * 2 * 3))
+    const tensors = [0, 1, 2].map((l) => ({
+      kind: 'shm',
+      path,
+      offset: l * 2 * 8 * 16 * 2 * 8 * 2,
+      shape: [2, 8, 16, 2, 8],
+    }))
+    const { worker } = await c.call('register', { rank: 0, numBlocks: 8, tensors })
+    const bad = [randomBytes(31), randomBytes(33), randomBytes(65), randomBytes(1)]
+    for (const keys of bad) {
+      for (const [op, extra] of [
+        ['lookup', {}],
+        ['load', { worker, blockIds: [1, 2] }],
+        ['save', { worker, blockIds: [1, 2] }],
+      ] as const) {
+        const r = await c.call(op, { keys, ...extra })
+        expect(r, `${op} with ${keys.length} bytes`).toMatchObject({
+          ok: false,
+          error: { code: 'ERR_INVALID_ARGUMENT', message: expect.stringMatching(/multiple of 32 bytes/) },
+        })
+      }
+    }
+    // More hashes than the op takes (the frame limit of this agent is below 65 536 keys).
+    expect(() => hashes({ keys: Buffer.alloc(96) }, 'keys', 2)).toThrow(/at most 2 hashes/)
+    expect(hashCount(hashes({ keys: Buffer.alloc(64) }, 'keys', 2))).toBe(2)
+    // Empty is zero keys, as an empty array is.
+    expect(await c.call('lookup', { keys: Buffer.alloc(0) })).toMatchObject({ ok: true, chunks: 0 })
+    // A packed save and load move the same bytes the array form does (block ids 1,2 -> 5,6).
+    writeFileSync(path, randomBytes(2 * 8 * 16 * 2 * 8 * 2 * 3))
+    const keys = randomBytes(32)
+    expect(await c.call('save', { worker, keys, blockIds: [1, 2] })).toMatchObject({ ok: true, stored: 1 })
+    expect(await c.call('load', { worker, keys: [keys], blockIds: [5, 6] })).toMatchObject({
+      ok: true,
+      chunks: 1,
+    })
+    const kv = readFileSync(path)
+    const block = 16 * 2 * 8 * 2
+    for (let l = 0; l < 3; l++)
+      for (let side = 0; side < 2; side++)
+        for (const [from, to] of [
+          [1, 5],
+          [2, 6],
+        ] as const) {
+          const at = (b: number) => l * 2 * 8 * block + (side * 8 + b) * block
+          expect(kv.subarray(at(to), at(to) + block).equals(kv.subarray(at(from), at(from) + block))).toBe(
+            true,
+          )
+        }
+    const st = (await c.call('stats')) as Msg
+    expect(st.packedKeyRequests).toBeGreaterThan(0)
+    expect(await c.call('ping')).toMatchObject({ ok: true })
+    c.close()
+  })
+
   for (const layout of ['flash-attn', 'flashinfer', 'mla'] as const) {
     it(`${layout}: save from some blocks, load into others, bytes equal`, async () => {
       const numBlocks = 12
@@ -154,6 +213,13 @@ describe('agent socket', () => {
       expect(saved).toMatchObject({ ok: true, chunks: 2, stored: 2 })
       const b = await engine('b', false)
       expect(await b.c.call('lookup', { keys })).toMatchObject({ chunks: 2, tokens: 64 })
+      // The packed form (one bin of 32·n bytes) names the same chunks.
+      const packed = Buffer.concat(keys)
+      expect(await b.c.call('lookup', { keys: packed })).toMatchObject({ chunks: 2, tokens: 64 })
+      expect(await b.c.call('lookup', { keys: packed.subarray(0, 32) })).toMatchObject({ chunks: 1 })
+      expect(await b.c.call('lookup', { keys: Buffer.concat([randomBytes(32), packed]) })).toMatchObject({
+        chunks: 0,
+      })
       const dst = [1, 11, 4, 5]
       const loaded = await b.c.call('load', { worker: b.worker, keys, blockIds: dst })
       expect(loaded).toMatchObject({ ok: true, chunks: 2, failedBlocks: [] })

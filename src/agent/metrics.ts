@@ -3,6 +3,34 @@
 
 import type { KVCacheStats } from '../client/kv-cache.ts'
 
+/** The last `size` durations of one kind of request, for quantiles (bounded memory, no histogram buckets to pick). */
+export class LatencyWindow {
+  readonly #ms: Float64Array
+  #count = 0
+
+  constructor(size = 1024) {
+    this.#ms = new Float64Array(size)
+  }
+
+  add(ms: number): void {
+    this.#ms[this.#count % this.#ms.length] = ms
+    this.#count++
+  }
+
+  /** Quantile q of the window in ms (0 when empty). */
+  quantile(q: number): number {
+    const n = Math.min(this.#count, this.#ms.length)
+    if (n === 0) return 0
+    const sorted = this.#ms.slice(0, n).sort()
+    return sorted[Math.min(n - 1, Math.floor(q * n))]!
+  }
+
+  /** Durations recorded since the start (the window holds the latest of them). */
+  get count(): number {
+    return this.#count
+  }
+}
+
 export class AgentMetrics {
   connections = 0
   workers = 0
@@ -21,6 +49,15 @@ export class AgentMetrics {
   saveErrors = 0
   savedChunks = 0
   savedBytes = 0
+  /** Lookups, loads and saves whose keys came as one packed bin, and as an array of bins. */
+  packedKeyRequests = 0
+  arrayKeyRequests = 0
+  /** Agent-side time of each lookup: frame decoded to answer encoded (no socket, no engine). */
+  readonly #lookupTime = new LatencyWindow()
+
+  lookupTook(ms: number): void {
+    this.#lookupTime.add(ms)
+  }
 
   error(code: string): void {
     this.errors.set(code, (this.errors.get(code) ?? 0) + 1)
@@ -28,7 +65,13 @@ export class AgentMetrics {
 
   snapshot(): Record<string, unknown> {
     const { errors, ...rest } = Object.fromEntries(Object.entries(this)) as Record<string, unknown>
-    return { ...rest, errors: Object.fromEntries(this.errors) }
+    const t = this.#lookupTime
+    return {
+      ...rest,
+      errors: Object.fromEntries(this.errors),
+      // Over the latest 1024 lookups (`samples` counts all of them).
+      lookupAgentMs: { p50: t.quantile(0.5), p99: t.quantile(0.99), samples: t.count },
+    }
   }
 
   prometheus(caches: KVCacheStats[]): string {
@@ -60,6 +103,17 @@ export class AgentMetrics {
       'Lookups answered from local tiers because the gateway was slow.',
       [['', this.lookupDeadline]],
     )
+    lines.push(
+      '# HELP kvgate_agent_lookup_seconds Agent-side time of a lookup (decoded to answered), latest 1024.',
+      '# TYPE kvgate_agent_lookup_seconds summary',
+      `kvgate_agent_lookup_seconds{quantile="0.5"} ${this.#lookupTime.quantile(0.5) / 1000}`,
+      `kvgate_agent_lookup_seconds{quantile="0.99"} ${this.#lookupTime.quantile(0.99) / 1000}`,
+      `kvgate_agent_lookup_seconds_count ${this.#lookupTime.count}`,
+    )
+    put('key_requests_total', 'counter', 'Lookups, loads and saves by the form of their keys.', [
+      ['{form="packed"}', this.packedKeyRequests],
+      ['{form="array"}', this.arrayKeyRequests],
+    ])
     put('loads_total', 'counter', 'Loads finished.', [['', this.loads]])
     put('load_errors_total', 'counter', 'Loads that failed part-way (blocks reported to the engine).', [
       ['', this.loadErrors],

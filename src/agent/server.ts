@@ -113,6 +113,7 @@ export class AgentServer {
         return
       }
       for (const body of bodies) {
+        const t0 = performance.now()
         let req: ReturnType<typeof checkEnvelope>
         try {
           const msg = decodeBody(body)
@@ -135,10 +136,14 @@ export class AgentServer {
           continue
         }
         inflight++
+        const lookup = req.op === 'lookup'
         this.agent
           .handle(session, req)
           .then(
-            (body) => send({ id: req.id, ok: true, ...body }),
+            (body) => {
+              send({ id: req.id, ok: true, ...body })
+              if (lookup) m.lookupTook(performance.now() - t0)
+            },
             (e) => fail(req.id, e),
           )
           .finally(() => {
