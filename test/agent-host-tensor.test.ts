@@ -265,13 +265,13 @@ describe('agent: registration lifetimes', () => {
   const BLOCKS = 48
   const LAYER_BYTES = 2 * BLOCKS * BLOCK
 
-  async function bigAgent(name: string, native: boolean) {
+  async function bigAgent(name: string, native: boolean, copyThreads = 2) {
     const cfg = resolveAgentConfig(
       { socket: join(dir, `${name}.sock`), chunkTokens: 256, maxFrameBytes: 1 << 20 },
       { KVGATE_MEMORY_BYTES: '64MiB' },
     )
     cfg.cache = { ...cfg.cache, native, remote: false, disk: false, codecWorkers: 0 }
-    cfg.copyThreads = 2
+    cfg.copyThreads = copyThreads
     const server = await startAgent(cfg, 'test')
     const path = shm(`${name}-kv`, randomBytes(LAYERS * LAYER_BYTES))
     const open = async () => {
@@ -306,43 +306,46 @@ describe('agent: registration lifetimes', () => {
     expect(nativeMemoryStats().pinnedBytes).toBe(pinned)
   })
 
-  it('a connection ending during a save: what a later lookup finds loads exactly the saved bytes', async () => {
-    const maps = fileMapStats().mappings
-    const { server, path, open } = await bigAgent('end-mid-save', false)
-    try {
-      const a = await open()
-      const keys = Buffer.concat([0, 1, 2].map(() => randomBytes(32))) // packed keys
-      const src = Array.from({ length: 48 }, (_, i) => (i * 7) % BLOCKS)
-      void a.c.call('save', { worker: a.worker, keys, blockIds: src })
-      await new Promise((r) => setImmediate(r))
-      a.c.sock.destroy()
-      for (let i = 0; i < 400 && fileMapStats().mappings !== maps; i++)
-        await new Promise((r) => setTimeout(r, 5))
-      expect(fileMapStats().mappings).toBe(maps) // released once the copy ended
-      const before = readFileSync(path)
-      const b = await open()
-      const found = (await b.c.call('lookup', { keys })) as { chunks: number }
-      const dst = Array.from({ length: 48 }, (_, i) => (i * 7 + 3) % BLOCKS).slice(0, found.chunks * 16)
-      const loaded = await b.c.call('load', {
-        worker: b.worker,
-        keys: keys.subarray(0, found.chunks * 32),
-        blockIds: dst,
-      })
-      expect(loaded).toMatchObject({ ok: true, chunks: found.chunks, failedBlocks: [] })
-      const after = readFileSync(path)
-      for (let l = 0; l < LAYERS; l++)
-        for (let side = 0; side < 2; side++)
-          for (let i = 0; i < dst.length; i++) {
-            const at = (id: number) => l * LAYER_BYTES + (side * BLOCKS + id) * BLOCK
-            expect(
-              after
-                .subarray(at(dst[i]!), at(dst[i]!) + BLOCK)
-                .equals(before.subarray(at(src[i]!), at(src[i]!) + BLOCK)),
-            ).toBe(true)
-          }
-      b.c.sock.destroy()
-    } finally {
-      await server.close()
-    }
-  })
+  // 0: the copies on the agent's event loop (copyThreads 0), the path without the addon's copyRunsAsync.
+  for (const threads of [2, 0]) {
+    it(`${threads} copy threads: a connection ending during a save: what a later lookup finds loads exactly the saved bytes`, async () => {
+      const maps = fileMapStats().mappings
+      const { server, path, open } = await bigAgent(`end-mid-save-${threads}`, false, threads)
+      try {
+        const a = await open()
+        const keys = Buffer.concat([0, 1, 2].map(() => randomBytes(32))) // packed keys
+        const src = Array.from({ length: 48 }, (_, i) => (i * 7) % BLOCKS)
+        void a.c.call('save', { worker: a.worker, keys, blockIds: src })
+        await new Promise((r) => setImmediate(r))
+        a.c.sock.destroy()
+        for (let i = 0; i < 400 && fileMapStats().mappings !== maps; i++)
+          await new Promise((r) => setTimeout(r, 5))
+        expect(fileMapStats().mappings).toBe(maps) // released once the copy ended
+        const before = readFileSync(path)
+        const b = await open()
+        const found = (await b.c.call('lookup', { keys })) as { chunks: number }
+        const dst = Array.from({ length: 48 }, (_, i) => (i * 7 + 3) % BLOCKS).slice(0, found.chunks * 16)
+        const loaded = await b.c.call('load', {
+          worker: b.worker,
+          keys: keys.subarray(0, found.chunks * 32),
+          blockIds: dst,
+        })
+        expect(loaded).toMatchObject({ ok: true, chunks: found.chunks, failedBlocks: [] })
+        const after = readFileSync(path)
+        for (let l = 0; l < LAYERS; l++)
+          for (let side = 0; side < 2; side++)
+            for (let i = 0; i < dst.length; i++) {
+              const at = (id: number) => l * LAYER_BYTES + (side * BLOCKS + id) * BLOCK
+              expect(
+                after
+                  .subarray(at(dst[i]!), at(dst[i]!) + BLOCK)
+                  .equals(before.subarray(at(src[i]!), at(src[i]!) + BLOCK)),
+              ).toBe(true)
+            }
+        b.c.sock.destroy()
+      } finally {
+        await server.close()
+      }
+    })
+  }
 })

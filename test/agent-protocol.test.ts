@@ -258,6 +258,20 @@ describe('agent configuration', () => {
     expect(() => resolveAgentConfig({ config: file }, {})).toThrow(/unknown agent option 'socketPath'/)
     expect(() => resolveAgentConfig({ lookupDeadlineMs: -1 }, {})).toThrow(/lookupDeadlineMs/)
     expect(() => resolveAgentConfig({ socket: 'x'.repeat(200) }, {})).toThrow(/socket/)
+    // copyThreads: min(cores, 4) by default; 0 (on the event loop) .. 64; flag over env over file.
+    expect(resolveAgentConfig({ socket: join(dir, 'x.sock') }, {}).copyThreads).toBeGreaterThanOrEqual(1)
+    expect(resolveAgentConfig({ socket: join(dir, 'x.sock') }, {}).copyThreads).toBeLessThanOrEqual(4)
+    writeFileSync(file, 'agent:\n  copyThreads: 3\n')
+    expect(resolveAgentConfig({ config: file, socket: join(dir, 'x.sock') }, {}).copyThreads).toBe(3)
+    const env = { KVGATE_AGENT_COPY_THREADS: '0' }
+    expect(resolveAgentConfig({ config: file, socket: join(dir, 'x.sock') }, env).copyThreads).toBe(0)
+    expect(
+      resolveAgentConfig({ config: file, socket: join(dir, 'x.sock'), copyThreads: 7 }, env).copyThreads,
+    ).toBe(7)
+    for (const bad of ['-1', '65', 'two', '1.5'])
+      expect(() =>
+        resolveAgentConfig({ socket: join(dir, 'x.sock') }, { KVGATE_AGENT_COPY_THREADS: bad }),
+      ).toThrow(/copyThreads/)
   })
 
   it('kvgate agent --help', async () => {

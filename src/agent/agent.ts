@@ -71,7 +71,7 @@ export interface AgentCoreOptions {
   lookupDeadlineMs: number
   /** When set, a hello for another model is refused. */
   model?: string
-  /** Threads one host-memory save or load copies with. @default min(cores, 4) */
+  /** Threads one host-memory save or load copies with; 0: on the event loop. @default min(cores, 4) */
   copyThreads?: number
   version: string
 }
@@ -339,7 +339,8 @@ export class Agent {
       throw e
     }
     const id = s.nextWorker++
-    const copier = HostCopier.for(layers, hostNative, this.options.copyThreads ?? defaultCopyThreads())
+    const threads = this.options.copyThreads ?? defaultCopyThreads()
+    const copier = threads > 0 ? HostCopier.for(layers, hostNative, threads) : undefined
     const worker: Worker = {
       space,
       geometry: g,

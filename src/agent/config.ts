@@ -22,7 +22,10 @@ export interface AgentSettings {
   metricsPort?: number
   /** Refuse engines serving another model id. @default any */
   model?: string
-  /** Threads one save's or load's copy is split across (host-memory tensors). @default min(cores, 4) */
+  /**
+   * Threads one save's or load's copy is split across (host-memory tensors); 0 copies on the
+   * event loop instead (the pre-threaded path, for comparison). @default min(cores, 4)
+   */
   copyThreads?: number
 }
 
@@ -114,7 +117,7 @@ export function resolveAgentConfig(
     metricsPort: metricsPort === undefined ? undefined : int('metricsPort', metricsPort, 0, 65535),
     model: model === undefined ? undefined : String(model),
     copyThreads:
-      copyThreads === undefined ? defaultCopyThreads() : int('copyThreads', copyThreads, 1, MAX_COPY_THREADS),
+      copyThreads === undefined ? defaultCopyThreads() : int('copyThreads', copyThreads, 0, MAX_COPY_THREADS),
     cache: cache as ResolvedAgentConfig['cache'],
   }
 }

@@ -23,8 +23,8 @@ Options (flags override KVGATE_* env vars, which override the config file):
       --metrics-port N         Prometheus /metrics on 127.0.0.1:N, 0 = any free port
                                (env: KVGATE_AGENT_METRICS_PORT) [off]
       --model ID               refuse engines serving another model (env: KVGATE_AGENT_MODEL)
-      --copy-threads N         threads one save or load copies with (env: KVGATE_AGENT_COPY_THREADS)
-                               [min(cores, 4)]
+      --copy-threads N         threads one save or load copies with, off the event loop; 0 copies
+                               on the event loop (env: KVGATE_AGENT_COPY_THREADS) [min(cores, 4)]
   -h, --help                   show this help
 
 Cache tiers as for the client: KVGATE_MEMORY_BYTES (the one L1 of every engine and rank,
