@@ -267,7 +267,10 @@ export class KvSpace {
     const id = h[at]! | (h[at + 1]! << 8) | (h[at + 2]! << 16) | ((h[at + 3]! & 0x3f) << 24)
     const head = this.#derived.get(id)
     for (let d = head; d !== undefined; d = d.next) if (sameHash(d.hash, h, at)) return d
-    const hash = h.slice(at, at + HASH_BYTES) // a copy: the caller's bytes are a view of a request frame
+    // A copy, and a plain Uint8Array (Buffer#slice would be a view of the request frame, kept alive
+    // and read again by later compares): every memoized hash has one type, so sameHash stays monomorphic.
+    const hash = new Uint8Array(HASH_BYTES)
+    for (let k = 0; k < HASH_BYTES; k++) hash[k] = h[at + k]!
     this.#input.set(hash, 0)
     const key = new Uint8Array(sha256(this.#input))
     const hex = Buffer.from(key.buffer, key.byteOffset, 32).toString('hex')
