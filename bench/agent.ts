@@ -1,7 +1,9 @@
 // Agent benchmark (DESIGN §4, agent bar): save and load of a Llama-3.1-8B-shaped 32 MiB
 // chunk's scattered paged blocks (block size 16, FlashAttention layout in /dev/shm) through
-// a real `kvgate agent` process vs one memcpy of the same bytes; a 512-key lookup (a
-// 128k-token prompt) over the socket with warm local tiers; agent CPU-seconds per GiB moved.
+// real `kvgate agent` processes copying on their event loop, with 1 thread and with N
+// (KVGATE_BENCH_COPY_THREADS, default min(cores, 4)), interleaved with one memcpy of the same
+// bytes; a 512-key lookup (a 128k-token prompt) over the socket with warm local tiers, keys as
+// an array of bins and packed, round trip and time inside the agent; agent CPU-seconds per GiB moved.
 
 import { type ChildProcess, spawn } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
