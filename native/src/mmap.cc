@@ -359,7 +359,8 @@ void HoldBuffer(Napi::Env env, CopyJob* job, Napi::ArrayBuffer ab) {
   napi_ref ref;
   napi_create_reference(env, ab, 1, &ref);
   job->refs.push_back(ref);
-  HostSpan span = AcquireHost(env, ab, Napi::Number::New(env, 0), Napi::Number::New(env, static_cast<double>(ab.ByteLength())));
+  Napi::Number length = Napi::Number::New(env, static_cast<double>(ab.ByteLength()));
+  HostSpan span = AcquireHost(env, ab, Napi::Number::New(env, 0), length);
   if (span.block != nullptr) job->pinned.push_back(span);
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_maps.find(ab.Data());
@@ -400,7 +401,9 @@ Napi::Value CopyRunsAsync(const Napi::CallbackInfo& info) {
   if (wantParts < 1 || wantParts > kMaxParts) ThrowNative(env, "copyRunsAsync: parts must be in [1, 64]");
   const double* r = runs.Data();
   constexpr double kMax = 9007199254740991.0;  // 2^53 - 1
-  auto whole = [&](double x, double limit) { return x >= 0 && x <= limit && x == static_cast<double>(static_cast<uint64_t>(x)); };
+  auto whole = [](double x, double limit) {
+    return x >= 0 && x <= limit && x == static_cast<double>(static_cast<uint64_t>(x));
+  };
   std::vector<Piece> pieces;
   pieces.reserve(count / 5);
   size_t total = 0;
@@ -413,22 +416,26 @@ Napi::Value CopyRunsAsync(const Napi::CallbackInfo& info) {
       ok = du <= dl && nu <= dl - du && su <= sl && nu <= sl - su;
     }
     if (!ok) {
-      ThrowNative(env, "copyRunsAsync: run " + std::to_string(i / 5) + " [" + std::to_string(db) + ", " + std::to_string(d) +
-                           ", " + std::to_string(sb) + ", " + std::to_string(s) + ", " + std::to_string(n) +
-                           "] names no buffer or is outside one");
+      ThrowNative(env, "copyRunsAsync: run " + std::to_string(i / 5) + " [" + std::to_string(db) + ", " +
+                           std::to_string(d) + ", " + std::to_string(sb) + ", " + std::to_string(s) + ", " +
+                           std::to_string(n) + "] names no buffer or is outside one");
     }
     size_t nu = static_cast<size_t>(n);
     if (nu == 0) continue;
     uint8_t* to = data[static_cast<size_t>(db)] + static_cast<size_t>(d);
     const uint8_t* from = data[static_cast<size_t>(sb)] + static_cast<size_t>(s);
     // Pieces run concurrently: a run reading what it writes has no defined result.
-    if (to < from + nu && from < to + nu) ThrowNative(env, "copyRunsAsync: run " + std::to_string(i / 5) + " overlaps itself");
+    if (to < from + nu && from < to + nu) {
+      ThrowNative(env, "copyRunsAsync: run " + std::to_string(i / 5) + " overlaps itself");
+    }
     pieces.push_back({to, from, nu});
     total += nu;
   }
   napi_deferred deferred;
   napi_value promise;
-  if (napi_create_promise(env, &deferred, &promise) != napi_ok) ThrowNative(env, "copyRunsAsync: cannot create a promise");
+  if (napi_create_promise(env, &deferred, &promise) != napi_ok) {
+    ThrowNative(env, "copyRunsAsync: cannot create a promise");
+  }
   if (total == 0) {
     napi_resolve_deferred(env, deferred, env.Undefined());
     return Napi::Value(env, promise);
