@@ -115,7 +115,7 @@ describe('HostCopier (threaded copies of every layer at once)', () => {
   const SLAB = 59_192
 
   for (const threads of [1, 3]) {
-    it(`${threads} thread(s): gatherChunk and scatterLayer move what gather and scatter move`, async () => {
+    it(`${threads} thread(s): gatherChunk and scatterLayers move what gather and scatter move`, async () => {
       const data = randomBytes(3 * LAYER)
       const p = shm(`copier-${threads}`, data)
       const layers = [0, 1, 2].map((l) => new HostTensor(p, l * LAYER, LAYER, native))
@@ -130,7 +130,7 @@ describe('HostCopier (threaded copies of every layer at once)', () => {
       }
       expect(chunk.subarray(3 * SLAB).every((x) => x === 0)).toBe(true)
       const fresh = randomBytes(SLAB)
-      await copier.scatterLayer(1, fresh, runs)
+      await copier.scatterLayers([{ layer: 1, chunks: 1, slabs: [fresh] }], [runs])
       const back = readFileSync(p)
       const want = Buffer.from(data)
       for (let i = 0; i < runs.length; i += 3)
@@ -139,6 +139,33 @@ describe('HostCopier (threaded copies of every layer at once)', () => {
       for (const t of layers) t.close()
     })
   }
+
+  it('scatterLayers: several layers and chunks in one call, each chunk through its own runs, only the first `chunks` of a layer', async () => {
+    const data = randomBytes(3 * LAYER)
+    const p = shm('copier-group', data)
+    const layers = [0, 1, 2].map((l) => new HostTensor(p, l * LAYER, LAYER, native))
+    const copier = HostCopier.for(layers, native, 2)!
+    const runsByChunk = [
+      [0, 0, 4096, 40_000, 4096, 8192],
+      [100_000, 0, 12_288],
+    ]
+    const slab = (x: number) => new Uint8Array(12_288).fill(x)
+    await copier.scatterLayers(
+      [
+        { layer: 0, chunks: 2, slabs: [slab(1), slab(2)] },
+        { layer: 2, chunks: 1, slabs: [slab(3), slab(4)] }, // chunk 1 dropped at this layer
+      ],
+      runsByChunk,
+    )
+    const want = Buffer.from(data)
+    want.fill(1, 0, 4096)
+    want.fill(1, 40_000, 48_192)
+    want.fill(2, 100_000, 112_288)
+    want.fill(3, 2 * LAYER, 2 * LAYER + 4096)
+    want.fill(3, 2 * LAYER + 40_000, 2 * LAYER + 48_192)
+    expect(readFileSync(p).equals(want)).toBe(true)
+    for (const t of layers) t.close()
+  })
 
   it('bad runs, a short chunk tensor and a shrunk file are errors before any byte moves', async () => {
     const p = shm('copier-bad', new Uint8Array(2 * LAYER))
@@ -151,9 +178,10 @@ describe('HostCopier (threaded copies of every layer at once)', () => {
     expect(() => copier.gatherChunk([0, 0, 4096], chunk.subarray(0, 8192), 8192)).toThrow(
       code('ERR_INVALID_ARGUMENT'),
     )
-    expect(() => copier.scatterLayer(1, chunk, [LAYER, 0, 1])).toThrow(code('ERR_INVALID_ARGUMENT'))
+    const one = (runs: number[]) => copier.scatterLayers([{ layer: 1, chunks: 1, slabs: [chunk] }], [runs])
+    expect(() => one([LAYER, 0, 1])).toThrow(code('ERR_INVALID_ARGUMENT'))
     truncateSync(p, LAYER + 4096)
-    expect(() => copier.scatterLayer(1, chunk, [0, 0, 4096])).toThrow(code('ERR_IO'))
+    expect(() => one([0, 0, 4096])).toThrow(code('ERR_IO'))
     expect(chunk.every((x) => x === 0)).toBe(true)
     for (const t of layers) t.close()
     expect(() => copier.gatherChunk([0, 0, 16], chunk, 8192)).toThrow(code('ERR_CLOSED'))

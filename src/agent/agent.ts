@@ -31,7 +31,7 @@ import {
   optInt,
   str,
 } from './fields.ts'
-import { HostCopier, HostTensor, type KvTensor } from './host-tensor.ts'
+import { HostCopier, HostTensor, type KvTensor, type LayerSlabs } from './host-tensor.ts'
 import { AgentMetrics } from './metrics.ts'
 import { AgentError, PROTOCOL_VERSION, type Request } from './protocol.ts'
 import {
@@ -62,6 +62,10 @@ const VLLM_DTYPES: Record<string, Dtype> = {
 const MAX_KEYS = 1 << 16
 const MAX_BLOCKS = 1 << 24
 const MAX_WORLD = 64
+/** A load reports its progress in about this many steps (one threaded copy each). */
+const LOAD_PROGRESS_STEPS = 8
+/** Buffers one native copy may name (the addon refuses more than 65 536). */
+const MAX_COPY_BUFFERS = 60_000
 
 export interface AgentCoreOptions {
   chunkTokens: number
@@ -495,12 +499,18 @@ export class Agent {
     // Each chunk's runs are the same in every layer (offsets inside one layer's slab).
     const runsByChunk: number[][] = []
     for (let c = 0; c < count; c++) runsByChunk.push(chunkRuns(g, w.numBlocks, ids, c * bpc, bpc, skip))
-    // Threaded layer copies run while the next layer is fetched. Their slabs stay valid
-    // until the generator finishes (L1 handles, reservations and fetched groups are held
-    // until its finally), and it cannot finish before every copy settled: the last layer
-    // waits for them, and every other exit waits in `finally` before return().
+    // Threaded copies of a group of layers run while the next layers are fetched: one native
+    // call and one progress event per group (an eighth of the model), not per layer. Their
+    // slabs stay valid until the generator finishes (L1 handles, reservations and fetched
+    // groups are held until its finally), and it cannot finish before every copy settled:
+    // the last layer waits for them, and every other exit waits in `finally` before return().
     const copies = new CopySet()
     const done = new Uint8Array(g.layers)
+    const perGroup = Math.max(
+      1,
+      Math.min(Math.ceil(g.layers / LOAD_PROGRESS_STEPS), Math.floor(MAX_COPY_BUFFERS / (count + 1))),
+    )
+    let group: LayerSlabs[] = []
     const it = w.space.cache.retrieveLayersKeys(keys)
     try {
       const seen = new Set<number>()
@@ -520,18 +530,23 @@ export class Agent {
         seen.add(batch.layer)
         const copier = w.copier
         if (copier) {
-          const layer = batch.layer
-          const parts: Promise<void>[] = []
+          group.push({ layer: batch.layer, chunks: batch.chunks, slabs: batch.slabs })
           for (let c = 0; c < batch.chunks; c++) {
             const runs = runsByChunk[c]!
-            parts.push(copies.add(copier.scatterLayer(layer, batch.slabs[c]!, runs)))
             for (let r = 2; r < runs.length; r += 3) bytes += runs[r]!
           }
-          void Promise.all(parts).then(
-            () => finished(layer),
+          const last = batch.layer === g.layers - 1
+          if (group.length < perGroup && !last) continue
+          const copied = group.map((e) => e.layer)
+          const p = copies.add(copier.scatterLayers(group, runsByChunk))
+          group = []
+          void p.then(
+            () => {
+              for (const l of copied) finished(l)
+            },
             () => {},
           )
-          if (layer === g.layers - 1) await copies.settled()
+          if (last) await copies.settled()
           continue
         }
         const t = w.layers[batch.layer]!

@@ -173,11 +173,18 @@ export class HostTensor implements KvTensor {
 
 type CopyRunsAsync = NativeModule['copyRunsAsync']
 
+/** One layer of a load: the slabs of its first `chunks` chunks. */
+export interface LayerSlabs {
+  layer: number
+  chunks: number
+  slabs: readonly Uint8Array[]
+}
+
 /**
  * Copies between an engine's mapped layer tensors and the agent's chunk tensors with the
  * addon's copyRunsAsync: off the JS thread (lookups and other engines' requests are
  * answered meanwhile) and split across `threads` pool threads. A save's whole chunk (every
- * layer) is one call; a load's layer is one call. The native call holds the buffers
+ * layer) is one call; a load's group of layers (every chunk) is one call. The native call holds the buffers
  * (references, pinned-block and mapping busy marks) until its promise settles, and its
  * promise only settles once every byte moved: the caller's await is the one place that
  * says when the L1 slot and the engine's blocks are free again.
@@ -245,21 +252,36 @@ export class HostCopier {
     return this.#copy(buffers, out, this.threads)
   }
 
-  /** One layer slab into the engine's blocks of layer `layer` (runs [tensor, slab, bytes]). */
-  scatterLayer(layer: number, src: Uint8Array, runs: ArrayLike<number>): Promise<void> {
-    const t = this.#tensors[layer]!
-    const map = t.checkedMap()!
-    checkRuns(runs, t.bytes, src.length)
-    const out = this.#runs((runs.length / 3) * 5)
+  /**
+   * Layer slabs into the engine's blocks, several layers in one call: for each entry, chunk
+   * c's slab goes through `runsByChunk[c]` ([tensor, slab, bytes]) into that layer's tensor.
+   */
+  scatterLayers(group: readonly LayerSlabs[], runsByChunk: readonly ArrayLike<number>[]): Promise<void> {
+    const buffers: Uint8Array[] = []
+    let n = 0
+    for (const g of group) for (let c = 0; c < g.chunks; c++) n += runsByChunk[c]!.length
+    const out = this.#runs((n / 3) * 5)
     let o = 0
-    for (let i = 0; i < runs.length; i += 3) {
-      out[o++] = 0
-      out[o++] = runs[i]!
-      out[o++] = 1
-      out[o++] = runs[i + 1]!
-      out[o++] = runs[i + 2]!
+    for (const g of group) {
+      const t = this.#tensors[g.layer]!
+      const mapAt = buffers.length
+      buffers.push(t.checkedMap()!)
+      for (let c = 0; c < g.chunks; c++) {
+        const runs = runsByChunk[c]!
+        const slab = g.slabs[c]!
+        checkRuns(runs, t.bytes, slab.length)
+        const slabAt = buffers.length
+        buffers.push(slab)
+        for (let i = 0; i < runs.length; i += 3) {
+          out[o++] = mapAt
+          out[o++] = runs[i]!
+          out[o++] = slabAt
+          out[o++] = runs[i + 1]!
+          out[o++] = runs[i + 2]!
+        }
+      }
     }
-    return this.#copy([map, src], out, this.threads)
+    return this.#copy(buffers, out, this.threads)
   }
 }
 
