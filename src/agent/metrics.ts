@@ -31,6 +31,10 @@ export class LatencyWindow {
   }
 }
 
+/** Requests whose time inside the agent is kept (stats agentMs, kvgate_agent_request_seconds). */
+const TIMED_OPS = ['lookup', 'load', 'save'] as const
+type TimedOp = (typeof TIMED_OPS)[number]
+
 export class AgentMetrics {
   connections = 0
   workers = 0
@@ -52,11 +56,12 @@ export class AgentMetrics {
   /** Lookups, loads and saves whose keys came as one packed bin, and as an array of bins. */
   packedKeyRequests = 0
   arrayKeyRequests = 0
-  /** Agent-side time of each lookup: frame decoded to answer encoded (no socket, no engine). */
-  readonly #lookupTime = new LatencyWindow()
+  /** Agent-side time of each lookup, load and save: frame decoded to answer encoded (no socket, no engine). */
+  readonly #took = new Map<TimedOp, LatencyWindow>(TIMED_OPS.map((op) => [op, new LatencyWindow()]))
 
-  lookupTook(ms: number): void {
-    this.#lookupTime.add(ms)
+  /** Records a request's time inside the agent (ops other than lookup, load and save are not timed). */
+  took(op: string, ms: number): void {
+    this.#took.get(op as TimedOp)?.add(ms)
   }
 
   error(code: string): void {
@@ -65,13 +70,14 @@ export class AgentMetrics {
 
   snapshot(): Record<string, unknown> {
     const { errors, ...rest } = Object.fromEntries(Object.entries(this)) as Record<string, unknown>
-    const t = this.#lookupTime
-    return {
-      ...rest,
-      errors: Object.fromEntries(this.errors),
-      // Over the latest 1024 lookups (`samples` counts all of them).
-      lookupAgentMs: { p50: t.quantile(0.5), p99: t.quantile(0.99), samples: t.count },
-    }
+    // Per op over its latest 1024 requests (`samples` counts all of them).
+    const agentMs = Object.fromEntries(
+      [...this.#took].map(([op, t]) => [
+        op,
+        { p50: t.quantile(0.5), p99: t.quantile(0.99), samples: t.count },
+      ]),
+    )
+    return { ...rest, errors: Object.fromEntries(this.errors), agentMs }
   }
 
   prometheus(caches: KVCacheStats[]): string {
@@ -104,12 +110,14 @@ export class AgentMetrics {
       [['', this.lookupDeadline]],
     )
     lines.push(
-      '# HELP kvgate_agent_lookup_seconds Agent-side time of a lookup (decoded to answered), latest 1024.',
-      '# TYPE kvgate_agent_lookup_seconds summary',
-      `kvgate_agent_lookup_seconds{quantile="0.5"} ${this.#lookupTime.quantile(0.5) / 1000}`,
-      `kvgate_agent_lookup_seconds{quantile="0.99"} ${this.#lookupTime.quantile(0.99) / 1000}`,
-      `kvgate_agent_lookup_seconds_count ${this.#lookupTime.count}`,
+      '# HELP kvgate_agent_request_seconds Time inside the agent (decoded to answered), latest 1024 per op.',
+      '# TYPE kvgate_agent_request_seconds summary',
     )
+    for (const [op, t] of this.#took) {
+      for (const q of [0.5, 0.99])
+        lines.push(`kvgate_agent_request_seconds{op="${op}",quantile="${q}"} ${t.quantile(q) / 1000}`)
+      lines.push(`kvgate_agent_request_seconds_count{op="${op}"} ${t.count}`)
+    }
     put('key_requests_total', 'counter', 'Lookups, loads and saves by the form of their keys.', [
       ['{form="packed"}', this.packedKeyRequests],
       ['{form="array"}', this.arrayKeyRequests],

@@ -136,13 +136,12 @@ export class AgentServer {
           continue
         }
         inflight++
-        const lookup = req.op === 'lookup'
         this.agent
           .handle(session, req)
           .then(
             (body) => {
               send({ id: req.id, ok: true, ...body })
-              if (lookup) m.lookupTook(performance.now() - t0)
+              m.took(req.op, performance.now() - t0)
             },
             (e) => fail(req.id, e),
           )
