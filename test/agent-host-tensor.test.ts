@@ -334,6 +334,31 @@ describe('agent: registration lifetimes', () => {
     expect(nativeMemoryStats().pinnedBytes).toBe(pinned)
   })
 
+  it('a connection ending and then the agent closing during loads: every mapping and the pinned L1 are released after the copies', async () => {
+    const maps = fileMapStats().mappings
+    const pinned = nativeMemoryStats().pinnedBytes
+    const { server, open } = await bigAgent('end-mid-load', true)
+    const a = await open()
+    const keys = Buffer.concat([0, 1].map(() => randomBytes(32)))
+    const blockIds = Array.from({ length: 32 }, (_, i) => i)
+    expect(await a.c.call('save', { worker: a.worker, keys, blockIds })).toMatchObject({
+      ok: true,
+      stored: 2,
+    })
+    const b = await open()
+    void b.c.call('load', { worker: b.worker, keys, blockIds: blockIds.map((i) => i + 16) })
+    await new Promise((r) => setImmediate(r))
+    b.c.sock.destroy() // the load's copies may still be running
+    for (let i = 0; i < 400 && fileMapStats().mappings !== maps + LAYERS; i++)
+      await new Promise((r) => setTimeout(r, 5))
+    expect(fileMapStats().mappings).toBe(maps + LAYERS) // only a's registration is left
+    void a.c.call('load', { worker: a.worker, keys, blockIds: blockIds.map((i) => i + 16) })
+    await new Promise((r) => setImmediate(r))
+    await server.close() // waits for a's load before unmapping and freeing L1
+    expect(fileMapStats().mappings).toBe(maps)
+    expect(nativeMemoryStats().pinnedBytes).toBe(pinned)
+  })
+
   // 0: the copies on the agent's event loop (copyThreads 0), the path without the addon's copyRunsAsync.
   for (const threads of [2, 0]) {
     it(`${threads} copy threads: a connection ending during a save: what a later lookup finds loads exactly the saved bytes`, async () => {
