@@ -8,10 +8,10 @@ import { connect, type Socket } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, describe, expect, it } from 'vitest'
-import { HostTensor } from '../src/agent/host-tensor.ts'
+import { HostCopier, HostTensor } from '../src/agent/host-tensor.ts'
 import { resolveAgentConfig, startAgent } from '../src/agent/index.ts'
 import { decodeBody, encodeFrame, FrameReader } from '../src/agent/protocol.ts'
-import { fileMapStats } from '../src/client/native.ts'
+import { fileMapStats, nativeMemoryStats } from '../src/client/native.ts'
 import { loadNative } from '../src/client/native-api.ts'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvgate-host-tensor-'))
@@ -109,6 +109,98 @@ describe('HostTensor', () => {
   })
 })
 
+describe('HostCopier (threaded copies of every layer at once)', () => {
+  const LAYER = 256 * 1024
+  const runs = [8192, 0, 4096, 12288, 4096, 4096, 0, 8192, 1000, 200_000, 9192, 50_000]
+  const SLAB = 59_192
+
+  for (const threads of [1, 3]) {
+    it(`${threads} thread(s): gatherChunk and scatterLayers move what gather and scatter move`, async () => {
+      const data = randomBytes(3 * LAYER)
+      const p = shm(`copier-${threads}`, data)
+      const layers = [0, 1, 2].map((l) => new HostTensor(p, l * LAYER, LAYER, native))
+      const copier = HostCopier.for(layers, native, threads)!
+      expect(copier.threads).toBe(threads)
+      const chunk = new Uint8Array(3 * SLAB + 10)
+      await copier.gatherChunk(runs, chunk, SLAB)
+      for (let l = 0; l < 3; l++) {
+        const want = new Uint8Array(SLAB)
+        layers[l]!.gather(runs, want)
+        expect(Buffer.from(chunk.subarray(l * SLAB, (l + 1) * SLAB)).equals(want)).toBe(true)
+      }
+      expect(chunk.subarray(3 * SLAB).every((x) => x === 0)).toBe(true)
+      const fresh = randomBytes(SLAB)
+      await copier.scatterLayers([{ layer: 1, chunks: 1, slabs: [fresh] }], [runs])
+      const back = readFileSync(p)
+      const want = Buffer.from(data)
+      for (let i = 0; i < runs.length; i += 3)
+        want.set(fresh.subarray(runs[i + 1]!, runs[i + 1]! + runs[i + 2]!), LAYER + runs[i]!)
+      expect(back.equals(want)).toBe(true) // layer 1's runs changed, nothing else did
+      for (const t of layers) t.close()
+    })
+  }
+
+  it('scatterLayers: several layers and chunks in one call, each chunk through its own runs, only the first `chunks` of a layer', async () => {
+    const data = randomBytes(3 * LAYER)
+    const p = shm('copier-group', data)
+    const layers = [0, 1, 2].map((l) => new HostTensor(p, l * LAYER, LAYER, native))
+    const copier = HostCopier.for(layers, native, 2)!
+    const runsByChunk = [
+      [0, 0, 4096, 40_000, 4096, 8192],
+      [100_000, 0, 12_288],
+    ]
+    const slab = (x: number) => new Uint8Array(12_288).fill(x)
+    await copier.scatterLayers(
+      [
+        { layer: 0, chunks: 2, slabs: [slab(1), slab(2)] },
+        { layer: 2, chunks: 1, slabs: [slab(3), slab(4)] }, // chunk 1 dropped at this layer
+      ],
+      runsByChunk,
+    )
+    const want = Buffer.from(data)
+    want.fill(1, 0, 4096)
+    want.fill(1, 40_000, 48_192)
+    want.fill(2, 100_000, 112_288)
+    want.fill(3, 2 * LAYER, 2 * LAYER + 4096)
+    want.fill(3, 2 * LAYER + 40_000, 2 * LAYER + 48_192)
+    expect(readFileSync(p).equals(want)).toBe(true)
+    for (const t of layers) t.close()
+  })
+
+  it('bad runs, a short chunk tensor and a shrunk file are errors before any byte moves', async () => {
+    const p = shm('copier-bad', new Uint8Array(2 * LAYER))
+    const layers = [0, 1].map((l) => new HostTensor(p, l * LAYER, LAYER, native))
+    const copier = HostCopier.for(layers, native, 2)!
+    const chunk = new Uint8Array(2 * 8192)
+    const code = (code: string) => expect.objectContaining({ code })
+    expect(() => copier.gatherChunk([LAYER - 10, 0, 20], chunk, 8192)).toThrow(code('ERR_INVALID_ARGUMENT'))
+    expect(() => copier.gatherChunk([0, 8000, 400], chunk, 8192)).toThrow(code('ERR_INVALID_ARGUMENT'))
+    expect(() => copier.gatherChunk([0, 0, 4096], chunk.subarray(0, 8192), 8192)).toThrow(
+      code('ERR_INVALID_ARGUMENT'),
+    )
+    const one = (runs: number[]) => copier.scatterLayers([{ layer: 1, chunks: 1, slabs: [chunk] }], [runs])
+    expect(() => one([LAYER, 0, 1])).toThrow(code('ERR_INVALID_ARGUMENT'))
+    truncateSync(p, LAYER + 4096)
+    expect(() => one([0, 0, 4096])).toThrow(code('ERR_IO'))
+    expect(chunk.every((x) => x === 0)).toBe(true)
+    for (const t of layers) t.close()
+    expect(() => copier.gatherChunk([0, 0, 16], chunk, 8192)).toThrow(code('ERR_CLOSED'))
+  })
+
+  it('is only made for mapped host tensors with an addon that has copyRunsAsync', () => {
+    const p = shm('copier-none', new Uint8Array(LAYER))
+    const mapped = new HostTensor(p, 0, LAYER, native)
+    const unmapped = new HostTensor(p, 0, LAYER, undefined)
+    expect(HostCopier.for([mapped], native, 2)).toBeDefined()
+    expect(HostCopier.for([mapped, unmapped], native, 2)).toBeUndefined()
+    expect(
+      HostCopier.for([mapped], native && { ...native, copyRunsAsyncAvailable: () => false }, 2),
+    ).toBeUndefined()
+    mapped.close()
+    unmapped.close()
+  })
+})
+
 type Msg = Record<string, unknown>
 
 function client(path: string): Promise<{ call(op: string, f?: Msg): Promise<Msg>; sock: Socket }> {
@@ -186,4 +278,127 @@ describe('agent: registration lifetimes', () => {
     }
     expect(fileMapStats().mappings).toBe(start)
   })
+
+  // Llama-like blocks (32 KiB) so a save's copy is still running when the connection or the agent goes.
+  const LAYERS = 16
+  const big = {
+    layout: 'flash-attn',
+    dtype: 'bfloat16',
+    layers: LAYERS,
+    kvHeads: 8,
+    headSize: 128,
+    blockSize: 16,
+  }
+  const BLOCK = 16 * 8 * 128 * 2
+  const BLOCKS = 48
+  const LAYER_BYTES = 2 * BLOCKS * BLOCK
+
+  async function bigAgent(name: string, native: boolean, copyThreads = 2) {
+    const cfg = resolveAgentConfig(
+      { socket: join(dir, `${name}.sock`), chunkTokens: 256, maxFrameBytes: 1 << 20 },
+      { KVGATE_MEMORY_BYTES: '64MiB' },
+    )
+    cfg.cache = { ...cfg.cache, native, remote: false, disk: false, codecWorkers: 0 }
+    cfg.copyThreads = copyThreads
+    const server = await startAgent(cfg, 'test')
+    const path = shm(`${name}-kv`, randomBytes(LAYERS * LAYER_BYTES))
+    const open = async () => {
+      const c = await client(join(dir, `${name}.sock`))
+      expect(await c.call('hello', { protocol: 1, model: 'm', hashSeed: '0', geometry: big })).toMatchObject({
+        ok: true,
+      })
+      const tensors = Array.from({ length: LAYERS }, (_, l) => ({
+        kind: 'shm',
+        path,
+        offset: l * LAYER_BYTES,
+        shape: [2, BLOCKS, 16, 8, 128],
+      }))
+      const r = await c.call('register', { rank: 0, numBlocks: BLOCKS, tensors })
+      expect(r).toMatchObject({ ok: true })
+      return { c, worker: r.worker as number }
+    }
+    return { server, path, open }
+  }
+
+  it('an agent closed during a save releases the mappings and the pinned L1 only after the copy (no fault, no leak)', async () => {
+    const maps = fileMapStats().mappings
+    const pinned = nativeMemoryStats().pinnedBytes
+    const { server, open } = await bigAgent('close-mid-save', true)
+    const { c, worker } = await open()
+    const keys = [0, 1, 2].map(() => randomBytes(32))
+    const blockIds = Array.from({ length: 48 }, (_, i) => (i * 7) % BLOCKS)
+    void c.call('save', { worker, keys, blockIds })
+    await new Promise((r) => setImmediate(r)) // the save is in the agent, its copy queued
+    await server.close() // must wait for the copy before unmapping and freeing L1
+    expect(fileMapStats().mappings).toBe(maps)
+    expect(nativeMemoryStats().pinnedBytes).toBe(pinned)
+  })
+
+  it('a connection ending and then the agent closing during loads: every mapping and the pinned L1 are released after the copies', async () => {
+    const maps = fileMapStats().mappings
+    const pinned = nativeMemoryStats().pinnedBytes
+    const { server, open } = await bigAgent('end-mid-load', true)
+    const a = await open()
+    const keys = Buffer.concat([0, 1].map(() => randomBytes(32)))
+    const blockIds = Array.from({ length: 32 }, (_, i) => i)
+    expect(await a.c.call('save', { worker: a.worker, keys, blockIds })).toMatchObject({
+      ok: true,
+      stored: 2,
+    })
+    const b = await open()
+    void b.c.call('load', { worker: b.worker, keys, blockIds: blockIds.map((i) => i + 16) })
+    await new Promise((r) => setImmediate(r))
+    b.c.sock.destroy() // the load's copies may still be running
+    for (let i = 0; i < 400 && fileMapStats().mappings !== maps + LAYERS; i++)
+      await new Promise((r) => setTimeout(r, 5))
+    expect(fileMapStats().mappings).toBe(maps + LAYERS) // only a's registration is left
+    void a.c.call('load', { worker: a.worker, keys, blockIds: blockIds.map((i) => i + 16) })
+    await new Promise((r) => setImmediate(r))
+    await server.close() // waits for a's load before unmapping and freeing L1
+    expect(fileMapStats().mappings).toBe(maps)
+    expect(nativeMemoryStats().pinnedBytes).toBe(pinned)
+  })
+
+  // 0: the copies on the agent's event loop (copyThreads 0), the path without the addon's copyRunsAsync.
+  for (const threads of [2, 0]) {
+    it(`${threads} copy threads: a connection ending during a save: what a later lookup finds loads exactly the saved bytes`, async () => {
+      const maps = fileMapStats().mappings
+      const { server, path, open } = await bigAgent(`end-mid-save-${threads}`, false, threads)
+      try {
+        const a = await open()
+        const keys = Buffer.concat([0, 1, 2].map(() => randomBytes(32))) // packed keys
+        const src = Array.from({ length: 48 }, (_, i) => (i * 7) % BLOCKS)
+        void a.c.call('save', { worker: a.worker, keys, blockIds: src })
+        await new Promise((r) => setImmediate(r))
+        a.c.sock.destroy()
+        for (let i = 0; i < 400 && fileMapStats().mappings !== maps; i++)
+          await new Promise((r) => setTimeout(r, 5))
+        expect(fileMapStats().mappings).toBe(maps) // released once the copy ended
+        const before = readFileSync(path)
+        const b = await open()
+        const found = (await b.c.call('lookup', { keys })) as { chunks: number }
+        const dst = Array.from({ length: 48 }, (_, i) => (i * 7 + 3) % BLOCKS).slice(0, found.chunks * 16)
+        const loaded = await b.c.call('load', {
+          worker: b.worker,
+          keys: keys.subarray(0, found.chunks * 32),
+          blockIds: dst,
+        })
+        expect(loaded).toMatchObject({ ok: true, chunks: found.chunks, failedBlocks: [] })
+        const after = readFileSync(path)
+        for (let l = 0; l < LAYERS; l++)
+          for (let side = 0; side < 2; side++)
+            for (let i = 0; i < dst.length; i++) {
+              const at = (id: number) => l * LAYER_BYTES + (side * BLOCKS + id) * BLOCK
+              expect(
+                after
+                  .subarray(at(dst[i]!), at(dst[i]!) + BLOCK)
+                  .equals(before.subarray(at(src[i]!), at(src[i]!) + BLOCK)),
+              ).toBe(true)
+            }
+        b.c.sock.destroy()
+      } finally {
+        await server.close()
+      }
+    })
+  }
 })

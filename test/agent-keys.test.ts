@@ -71,3 +71,28 @@ it('memoized keys equal fresh derivations at any position, parent and prefix col
     expect.objectContaining({ code: 'ERR_INVALID_ARGUMENT' }),
   )
 })
+
+it('packed hashes (one bin of 32·n bytes) give the keys the array form gives; a reused buffer changes nothing memoized', () => {
+  const hashes = [randomBytes(32), randomBytes(32), randomBytes(32)]
+  const packed = Buffer.concat(hashes)
+  expect(space.keys(packed).map((k) => k.hex)).toEqual(space.keys(hashes).map((k) => k.hex))
+  expect(space.keys(packed).map((k) => k.hex)).toEqual(hashes.map(fresh))
+  // The same frame buffer rewritten with other hashes that share each memo bucket (same first bytes).
+  const before = space.keys(packed).map((k) => k.hex)
+  for (let i = 0; i < 3; i++) packed[i * 32 + 31]! ^= 0xff
+  const now = [0, 1, 2].map((i) => packed.subarray(i * 32, i * 32 + 32))
+  expect(space.keys(packed).map((k) => k.hex)).toEqual(now.map(fresh))
+  expect(space.keys(hashes).map((k) => k.hex)).toEqual(before)
+  expect(space.keys(Buffer.alloc(0))).toEqual([])
+})
+
+it('localPrefix counts the leading hashes whose chunks L1 holds, in either form', async () => {
+  const hashes = [randomBytes(32), randomBytes(32), randomBytes(32)]
+  const keys = space.keys(hashes)
+  expect(space.localPrefix(Buffer.concat(hashes))).toBe(0)
+  await space.cache.storeKeys(keys.slice(0, 2), () => {})
+  expect(space.localPrefix(Buffer.concat(hashes))).toBe(2)
+  expect(space.localPrefix(hashes)).toBe(2)
+  expect(space.localPrefix(Buffer.concat([hashes[1]!, hashes[0]!]))).toBe(2) // presence is per key
+  expect(space.localPrefix(Buffer.concat([hashes[2]!, hashes[0]!]))).toBe(0)
+})

@@ -6,6 +6,7 @@ import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { hashCount, hashes } from '../src/agent/fields.ts'
 import { type AgentServer, resolveAgentConfig, startAgent } from '../src/agent/index.ts'
 import { AgentClient as Client, type Msg } from './support/agent-client.ts'
 
@@ -79,6 +80,10 @@ describe('agent socket', () => {
     expect(text).toMatch(/^kvgate_agent_bad_frames_total [1-9]\d*$/m)
     expect(text).toContain('kvgate_agent_errors_total{code="ERR_UNKNOWN_OP"} 1')
     expect((await fetch(`http://127.0.0.1:${server.metricsPort}/nope`)).status).toBe(404)
+    // Time inside the agent per timed op (counted once answered; the packed-keys test checks the figures).
+    expect(text).toMatch(/^kvgate_agent_request_seconds\{op="lookup",quantile="0.99"\} [\d.e-]+$/m)
+    expect(text).toMatch(/^kvgate_agent_request_seconds_count\{op="lookup"\} \d+$/m)
+    expect(text).toContain('kvgate_agent_request_seconds_count{op="save"}')
   })
 
   it('refuses a second agent on a live socket', async () => {
@@ -110,6 +115,70 @@ describe('agent socket', () => {
     expect(await c.call('load', { worker: 99, keys, blockIds: [3, 4] })).toMatchObject({
       error: { code: 'ERR_NOT_REGISTERED' },
     })
+    c.close()
+  })
+
+  it('packed keys: a bin that is not 32·n bytes (or holds too many) is an error frame, in every op', async () => {
+    const c = await Client.open(join(dir, 'a.sock'))
+    expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true })
+    const path = join(dir, 'kv-packed')
+    writeFileSync(path, Buffer.alloc(2 * 8 * 16 * 2 * 8 * 2 * 3))
+    const tensors = [0, 1, 2].map((l) => ({
+      kind: 'shm',
+      path,
+      offset: l * 2 * 8 * 16 * 2 * 8 * 2,
+      shape: [2, 8, 16, 2, 8],
+    }))
+    const { worker } = await c.call('register', { rank: 0, numBlocks: 8, tensors })
+    const bad = [randomBytes(31), randomBytes(33), randomBytes(65), randomBytes(1)]
+    for (const keys of bad) {
+      for (const [op, extra] of [
+        ['lookup', {}],
+        ['load', { worker, blockIds: [1, 2] }],
+        ['save', { worker, blockIds: [1, 2] }],
+      ] as const) {
+        const r = await c.call(op, { keys, ...extra })
+        expect(r, `${op} with ${keys.length} bytes`).toMatchObject({
+          ok: false,
+          error: { code: 'ERR_INVALID_ARGUMENT', message: expect.stringMatching(/multiple of 32 bytes/) },
+        })
+      }
+    }
+    // More hashes than the op takes (the frame limit of this agent is below 65 536 keys).
+    expect(() => hashes({ keys: Buffer.alloc(96) }, 'keys', 2)).toThrow(/at most 2 hashes/)
+    expect(hashCount(hashes({ keys: Buffer.alloc(64) }, 'keys', 2))).toBe(2)
+    // Empty is zero keys, as an empty array is.
+    expect(await c.call('lookup', { keys: Buffer.alloc(0) })).toMatchObject({ ok: true, chunks: 0 })
+    // A packed save and load move the same bytes the array form does (block ids 1,2 -> 5,6).
+    writeFileSync(path, randomBytes(2 * 8 * 16 * 2 * 8 * 2 * 3))
+    const keys = randomBytes(32)
+    expect(await c.call('save', { worker, keys, blockIds: [1, 2] })).toMatchObject({ ok: true, stored: 1 })
+    expect(await c.call('load', { worker, keys: [keys], blockIds: [5, 6] })).toMatchObject({
+      ok: true,
+      chunks: 1,
+    })
+    const kv = readFileSync(path)
+    const block = 16 * 2 * 8 * 2
+    for (let l = 0; l < 3; l++)
+      for (let side = 0; side < 2; side++)
+        for (const [from, to] of [
+          [1, 5],
+          [2, 6],
+        ] as const) {
+          const at = (b: number) => l * 2 * 8 * block + (side * 8 + b) * block
+          expect(kv.subarray(at(to), at(to) + block).equals(kv.subarray(at(from), at(from) + block))).toBe(
+            true,
+          )
+        }
+    const st = (await c.call('stats')) as Msg
+    expect(st.packedKeyRequests).toBeGreaterThan(0)
+    const agentMs = st.agentMs as Record<string, { p50: number; p99: number; samples: number }>
+    for (const op of ['lookup', 'load', 'save']) {
+      expect(agentMs[op]!.samples, op).toBeGreaterThan(0)
+      expect(agentMs[op]!.p99).toBeGreaterThanOrEqual(agentMs[op]!.p50)
+      expect(agentMs[op]!.p50).toBeGreaterThan(0)
+    }
+    expect(await c.call('ping')).toMatchObject({ ok: true })
     c.close()
   })
 
@@ -154,10 +223,24 @@ describe('agent socket', () => {
       expect(saved).toMatchObject({ ok: true, chunks: 2, stored: 2 })
       const b = await engine('b', false)
       expect(await b.c.call('lookup', { keys })).toMatchObject({ chunks: 2, tokens: 64 })
+      // The packed form (one bin of 32·n bytes) names the same chunks.
+      const packed = Buffer.concat(keys)
+      expect(await b.c.call('lookup', { keys: packed })).toMatchObject({ chunks: 2, tokens: 64 })
+      expect(await b.c.call('lookup', { keys: packed.subarray(0, 32) })).toMatchObject({ chunks: 1 })
+      expect(await b.c.call('lookup', { keys: Buffer.concat([randomBytes(32), packed]) })).toMatchObject({
+        chunks: 0,
+      })
       const dst = [1, 11, 4, 5]
       const loaded = await b.c.call('load', { worker: b.worker, keys, blockIds: dst })
       expect(loaded).toMatchObject({ ok: true, chunks: 2, failedBlocks: [] })
-      expect(b.c.events.filter((e) => e.event === 'load-progress').length).toBe(3)
+      // Progress names growing layer prefixes (copies may finish out of order: a prefix can
+      // grow by several layers at once), ending with every layer, before the answer.
+      const progress = b.c.events.filter((e) => e.event === 'load-progress').map((e) => e.layers as number)
+      expect(progress.length).toBeGreaterThanOrEqual(1)
+      expect(progress.length).toBeLessThanOrEqual(3)
+      expect(progress).toEqual([...progress].sort((x, y) => x - y))
+      expect(new Set(progress).size).toBe(progress.length)
+      expect(progress.at(-1)).toBe(3)
       const A = readFileSync(a.path)
       const B = readFileSync(b.path)
       for (let layer = 0; layer < 3; layer++)
@@ -192,6 +275,20 @@ describe('agent configuration', () => {
     expect(() => resolveAgentConfig({ config: file }, {})).toThrow(/unknown agent option 'socketPath'/)
     expect(() => resolveAgentConfig({ lookupDeadlineMs: -1 }, {})).toThrow(/lookupDeadlineMs/)
     expect(() => resolveAgentConfig({ socket: 'x'.repeat(200) }, {})).toThrow(/socket/)
+    // copyThreads: min(cores, 4) by default; 0 (on the event loop) .. 64; flag over env over file.
+    expect(resolveAgentConfig({ socket: join(dir, 'x.sock') }, {}).copyThreads).toBeGreaterThanOrEqual(1)
+    expect(resolveAgentConfig({ socket: join(dir, 'x.sock') }, {}).copyThreads).toBeLessThanOrEqual(4)
+    writeFileSync(file, 'agent:\n  copyThreads: 3\n')
+    expect(resolveAgentConfig({ config: file, socket: join(dir, 'x.sock') }, {}).copyThreads).toBe(3)
+    const env = { KVGATE_AGENT_COPY_THREADS: '0' }
+    expect(resolveAgentConfig({ config: file, socket: join(dir, 'x.sock') }, env).copyThreads).toBe(0)
+    expect(
+      resolveAgentConfig({ config: file, socket: join(dir, 'x.sock'), copyThreads: 7 }, env).copyThreads,
+    ).toBe(7)
+    for (const bad of ['-1', '65', 'two', '1.5'])
+      expect(() =>
+        resolveAgentConfig({ socket: join(dir, 'x.sock') }, { KVGATE_AGENT_COPY_THREADS: bad }),
+      ).toThrow(/copyThreads/)
   })
 
   it('kvgate agent --help', async () => {

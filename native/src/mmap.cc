@@ -12,7 +12,9 @@
 #include <cerrno>
 #include <cstring>
 #include <mutex>
+#include <algorithm>
 #include <unordered_map>
+#include <vector>
 
 #include "common.h"
 
@@ -28,6 +30,12 @@ struct Mapping {
   uint8_t* data = nullptr;
   size_t length = 0;
   bool unmapped = false;  // by unmapFile; the finalizer then only deletes the record
+  // copyRunsAsync jobs reading or writing the mapping now. While > 0, unmapFile and the
+  // finalizer only mark it: the last job to finish unmaps (and deletes) it, so a pool
+  // thread never touches an unmapped page.
+  int busy = 0;
+  bool unmapPending = false;  // unmapFile or the finalizer ran while busy
+  bool finalized = false;     // the ArrayBuffer is gone: the last job deletes the record
 };
 
 std::mutex g_mu;
@@ -45,7 +53,16 @@ void Release(Mapping* m) {
 void FinalizeMapping(Napi::Env, void*, Mapping* m) {
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    if (!m->unmapped) {
+    if (m->busy > 0) {
+      if (!m->unmapped && !m->unmapPending) {
+        auto it = g_maps.find(m->data);
+        if (it != g_maps.end() && it->second == m) g_maps.erase(it);
+        m->unmapPending = true;
+      }
+      m->finalized = true;
+      return;
+    }
+    if (!m->unmapped && !m->unmapPending) {
       auto it = g_maps.find(m->data);
       if (it != g_maps.end() && it->second == m) g_maps.erase(it);
       Release(m);
@@ -124,7 +141,11 @@ Napi::Value UnmapFile(const Napi::CallbackInfo& info) {
     }
     Mapping* m = it->second;
     g_maps.erase(it);
-    Release(m);
+    if (m->busy > 0) {
+      m->unmapPending = true;  // the last copy using it unmaps
+    } else {
+      Release(m);
+    }
   }
   ab.Detach();
   return env.Undefined();
@@ -247,10 +268,244 @@ Napi::Value CopyRuns(const Napi::CallbackInfo& info) {
   return env.Undefined();
 }
 
+// ---- copyRunsAsync: the same copies, split across pool threads ----
+
+// Parts smaller than this are not worth a thread of their own (the wake-up costs more).
+constexpr size_t kMinPartBytes = 256 * 1024;
+constexpr size_t kMaxParts = 64;
+
+struct Piece {
+  uint8_t* dst;
+  const uint8_t* src;
+  size_t n;
+};
+
+struct CopyJob;
+
+struct CopyPart {
+  CopyJob* job = nullptr;
+  std::vector<Piece> pieces;
+  napi_async_work work = nullptr;
+};
+
+// One copyRunsAsync call: what it keeps alive and busy until its last part finishes.
+// Settled on the JS thread by the last part's completion, which releases everything
+// the job holds in one place (references, pinned-block and mapping busy marks).
+struct CopyJob {
+  napi_env env = nullptr;
+  napi_deferred deferred = nullptr;
+  std::vector<napi_ref> refs;      // the buffers' ArrayBuffers: the GC cannot free them
+  std::vector<HostSpan> pinned;    // busy marks: freePinned refuses while the copy runs
+  std::vector<Mapping*> mappings;  // busy marks: unmapFile defers the munmap
+  std::vector<CopyPart> parts;
+  size_t remaining = 0;
+};
+
+void ExecutePart(napi_env, void* data) {
+  auto* part = static_cast<CopyPart*>(data);
+  bool streamed = false;
+  for (const Piece& p : part->pieces) {
+    if (p.n >= kStreamRunBytes) {
+      StreamCopy(p.dst, p.src, p.n);
+      streamed = true;
+    } else {
+      std::memcpy(p.dst, p.src, p.n);
+    }
+  }
+#if defined(__SSE2__)
+  if (streamed) _mm_sfence();  // this thread's streamed stores are visible before it reports done
+#else
+  (void)streamed;
+#endif
+}
+
+// Releases what the job holds. JS thread only (napi_delete_reference).
+void ReleaseJob(CopyJob* job) {
+  for (const HostSpan& s : job->pinned) ReleaseHost(s);
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (Mapping* m : job->mappings) {
+      if (--m->busy > 0) continue;
+      if (m->unmapPending && !m->unmapped) Release(m);
+      if (m->finalized) delete m;
+    }
+  }
+  job->mappings.clear();
+  for (napi_ref r : job->refs) napi_delete_reference(job->env, r);
+  job->refs.clear();
+}
+
+void CompletePart(napi_env env, napi_status status, void* data) {
+  auto* part = static_cast<CopyPart*>(data);
+  CopyJob* job = part->job;
+  napi_delete_async_work(env, part->work);
+  part->work = nullptr;
+  if (--job->remaining > 0) return;
+  ReleaseJob(job);
+  napi_value v;
+  if (status == napi_ok) {
+    napi_get_undefined(env, &v);
+    napi_resolve_deferred(env, job->deferred, v);
+  } else {
+    // Only a cancelled work item gets here (the environment is shutting down).
+    v = ToError(Napi::Env(env), NativeFailure("copyRunsAsync was cancelled")).Value();
+    napi_reject_deferred(env, job->deferred, v);
+  }
+  delete job;
+}
+
+// Marks what backs `ab` busy for the job: a pinned block or a file mapping.
+void HoldBuffer(Napi::Env env, CopyJob* job, Napi::ArrayBuffer ab) {
+  napi_ref ref;
+  napi_create_reference(env, ab, 1, &ref);
+  job->refs.push_back(ref);
+  Napi::Number length = Napi::Number::New(env, static_cast<double>(ab.ByteLength()));
+  HostSpan span = AcquireHost(env, ab, Napi::Number::New(env, 0), length);
+  if (span.block != nullptr) job->pinned.push_back(span);
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_maps.find(ab.Data());
+  if (ab.Data() != nullptr && it != g_maps.end()) {
+    it->second->busy++;
+    job->mappings.push_back(it->second);
+  }
+}
+
+// copyRunsAsync(buffers: (ArrayBuffer | typed array)[], runs: Float64Array of
+// [dstBuffer, dstOffset, srcBuffer, srcOffset, bytes] quintuples, parts) -> Promise<void>.
+// Every run is checked before any byte moves; the bytes are then split into up to
+// `parts` near-equal pieces (a run may be cut), each copied on a libuv pool thread.
+// Until the promise settles every buffer stays referenced, a pinned one busy and a
+// mapping's munmap deferred; the caller must not change the ranges meanwhile.
+Napi::Value CopyRunsAsync(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (!info[0].IsArray()) ThrowNative(env, "copyRunsAsync: buffers must be an array");
+  Napi::Array list = info[0].As<Napi::Array>();
+  uint32_t nbuf = list.Length();
+  if (nbuf == 0 || nbuf > 65536) ThrowNative(env, "copyRunsAsync: buffers must hold 1 to 65536 entries");
+  std::vector<uint8_t*> data(nbuf);
+  std::vector<size_t> length(nbuf);
+  std::vector<Napi::ArrayBuffer> backing(nbuf);
+  for (uint32_t i = 0; i < nbuf; i++) {
+    Napi::Value v = list.Get(i);
+    if (!ByteRange(v, &data[i], &length[i]))
+      ThrowNative(env, "copyRunsAsync: buffers[" + std::to_string(i) + "] must be an ArrayBuffer or a typed array");
+    backing[i] = v.IsArrayBuffer() ? v.As<Napi::ArrayBuffer>() : v.As<Napi::TypedArray>().ArrayBuffer();
+  }
+  if (!info[1].IsTypedArray() || info[1].As<Napi::TypedArray>().TypedArrayType() != napi_float64_array)
+    ThrowNative(env, "copyRunsAsync: runs must be a Float64Array");
+  Napi::Float64Array runs = info[1].As<Napi::Float64Array>();
+  size_t count = runs.ElementLength();
+  if (count % 5 != 0)
+    ThrowNative(env, "copyRunsAsync: runs must hold [dstBuffer, dstOffset, srcBuffer, srcOffset, bytes] quintuples");
+  size_t wantParts = ToSize(env, info[2], "parts");
+  if (wantParts < 1 || wantParts > kMaxParts) ThrowNative(env, "copyRunsAsync: parts must be in [1, 64]");
+  const double* r = runs.Data();
+  constexpr double kMax = 9007199254740991.0;  // 2^53 - 1
+  auto whole = [](double x, double limit) {
+    return x >= 0 && x <= limit && x == static_cast<double>(static_cast<uint64_t>(x));
+  };
+  std::vector<Piece> pieces;
+  pieces.reserve(count / 5);
+  size_t total = 0;
+  for (size_t i = 0; i < count; i += 5) {
+    double db = r[i], d = r[i + 1], sb = r[i + 2], s = r[i + 3], n = r[i + 4];
+    bool ok = whole(db, nbuf - 1) && whole(sb, nbuf - 1) && whole(d, kMax) && whole(s, kMax) && whole(n, kMax);
+    if (ok) {
+      size_t dl = length[static_cast<size_t>(db)], sl = length[static_cast<size_t>(sb)];
+      uint64_t du = static_cast<uint64_t>(d), su = static_cast<uint64_t>(s), nu = static_cast<uint64_t>(n);
+      ok = du <= dl && nu <= dl - du && su <= sl && nu <= sl - su;
+    }
+    if (!ok) {
+      ThrowNative(env, "copyRunsAsync: run " + std::to_string(i / 5) + " [" + std::to_string(db) + ", " +
+                           std::to_string(d) + ", " + std::to_string(sb) + ", " + std::to_string(s) + ", " +
+                           std::to_string(n) + "] names no buffer or is outside one");
+    }
+    size_t nu = static_cast<size_t>(n);
+    if (nu == 0) continue;
+    uint8_t* to = data[static_cast<size_t>(db)] + static_cast<size_t>(d);
+    const uint8_t* from = data[static_cast<size_t>(sb)] + static_cast<size_t>(s);
+    // Pieces run concurrently: a run reading what it writes has no defined result.
+    if (to < from + nu && from < to + nu) {
+      ThrowNative(env, "copyRunsAsync: run " + std::to_string(i / 5) + " overlaps itself");
+    }
+    pieces.push_back({to, from, nu});
+    total += nu;
+  }
+  napi_deferred deferred;
+  napi_value promise;
+  if (napi_create_promise(env, &deferred, &promise) != napi_ok) {
+    ThrowNative(env, "copyRunsAsync: cannot create a promise");
+  }
+  if (total == 0) {
+    napi_resolve_deferred(env, deferred, env.Undefined());
+    return Napi::Value(env, promise);
+  }
+  size_t parts = std::min(wantParts, std::max<size_t>(1, total / kMinPartBytes));
+  auto* job = new CopyJob();
+  job->env = env;
+  job->deferred = deferred;
+  try {
+    for (uint32_t i = 0; i < nbuf; i++) HoldBuffer(env, job, backing[i]);
+  } catch (...) {
+    ReleaseJob(job);
+    napi_resolve_deferred(env, deferred, env.Undefined());  // nobody sees this promise: the call throws
+    delete job;
+    throw;
+  }
+  // Near-equal byte shares, cut at 4 KiB inside a run so each thread streams whole pages.
+  job->parts.resize(parts);
+  size_t share = (total + parts - 1) / parts;
+  size_t p = 0, have = 0;
+  for (Piece pc : pieces) {
+    while (pc.n > 0) {
+      size_t room = share - have;
+      size_t take = pc.n;
+      if (p + 1 < parts && take > room) {
+        take = room < 4096 ? room : room - room % 4096;
+        if (take == 0) take = room;
+      }
+      job->parts[p].pieces.push_back({pc.dst, pc.src, take});
+      pc.dst += take;
+      pc.src += take;
+      pc.n -= take;
+      have += take;
+      if (have >= share && p + 1 < parts) {
+        p++;
+        have = 0;
+      }
+    }
+  }
+  napi_value name;
+  napi_create_string_utf8(env, "kvgate.copyRunsAsync", NAPI_AUTO_LENGTH, &name);
+  // Parts the split left empty (rounding) are dropped before anything is queued.
+  while (!job->parts.empty() && job->parts.back().pieces.empty()) job->parts.pop_back();
+  job->remaining = job->parts.size();
+  for (CopyPart& part : job->parts) {
+    part.job = job;
+    napi_status st = napi_create_async_work(env, nullptr, name, ExecutePart, CompletePart, &part, &part.work);
+    if (st == napi_ok) st = napi_queue_async_work(env, part.work);
+    if (st != napi_ok) {
+      // Cannot happen short of OOM; pieces already queued finish and settle the job, so
+      // this one's bytes are copied inline instead of abandoning the promise.
+      if (part.work != nullptr) napi_delete_async_work(env, part.work);
+      part.work = nullptr;
+      ExecutePart(env, &part);
+      job->remaining--;
+    }
+  }
+  if (job->remaining == 0) {
+    ReleaseJob(job);
+    napi_resolve_deferred(env, deferred, env.Undefined());
+    delete job;
+  }
+  return Napi::Value(env, promise);
+}
+
 }  // namespace
 
 void InitMmap(Napi::Env env, Napi::Object exports) {
   exports.Set("copyRuns", Napi::Function::New(env, CopyRuns, "copyRuns"));
+  exports.Set("copyRunsAsync", Napi::Function::New(env, CopyRunsAsync, "copyRunsAsync"));
   exports.Set("mapFile", Napi::Function::New(env, MapFile, "mapFile"));
   exports.Set("unmapFile", Napi::Function::New(env, UnmapFile, "unmapFile"));
   exports.Set("mapStats", Napi::Function::New(env, MapStats, "mapStats"));

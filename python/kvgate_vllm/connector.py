@@ -62,6 +62,12 @@ class ConfigurationError(ValueError):
     """A vLLM setting that would make kvgate share nothing (or the wrong KV)."""
 
 
+def _packed(keys: List[bytes]) -> bytes:
+    """Chunk hashes as one bin of 32*n bytes (docs/agent-protocol.md, "Keys"): one msgpack
+    value for the agent to decode instead of n, so a 512-key lookup costs it no per-key objects."""
+    return b"".join(keys)
+
+
 def _dtype_name(d: Any) -> str:
     if isinstance(d, torch.dtype):
         if d not in _DTYPES:
@@ -246,7 +252,7 @@ class KVGateConnector(KVConnectorBase_V1):
             if not keys:
                 self._hits[rid] = 0
                 return 0, False
-            f = self._client.request("lookup", {"keys": keys})
+            f = self._client.request("lookup", {"keys": _packed(keys)})
             st = (f, time.monotonic())
             self._lookups[rid] = st
             try:
@@ -376,7 +382,12 @@ class KVGateConnector(KVConnectorBase_V1):
             st = _LoadState(spec)
             st.future = self._client.request(
                 "load",
-                {"worker": self._worker_id, "keys": spec.keys, "blockIds": spec.block_ids, "skipBlocks": spec.skip_blocks},
+                {
+                    "worker": self._worker_id,
+                    "keys": _packed(spec.keys),
+                    "blockIds": spec.block_ids,
+                    "skipBlocks": spec.skip_blocks,
+                },
                 progress=st.on_progress,
             )
             st.future.add_done_callback(lambda _f, st=st: st.on_progress({}))
@@ -387,7 +398,8 @@ class KVGateConnector(KVConnectorBase_V1):
                 self._saves_done.add(spec.req_id)
                 continue
             self._saves[spec.req_id] = self._client.request(
-                "save", {"worker": self._worker_id, "keys": spec.keys, "blockIds": spec.block_ids, "from": spec.first}
+                "save",
+                {"worker": self._worker_id, "keys": _packed(spec.keys), "blockIds": spec.block_ids, "from": spec.first},
             )
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -115,6 +115,10 @@ def test_engine_b_loads_engine_a_kv_byte_for_byte(tmp, gateway, pair, layout):
     try:
         assert rb["matched"] == 96
         assert rb["load_errors"] == []
+        # The connector sends its keys packed (one bin of 32*n bytes), never as arrays of bins.
+        for sock in pair:
+            st = agent_call(sock, "stats")
+            assert st["packedKeyRequests"] > 0 and st["arrayKeyRequests"] == 0, st
         assert rb["block_ids"][:6] != ra["block_ids"][:6]  # different physical blocks
         A = blocks_of(a, 0, ra["block_ids"], 6)
         B = blocks_of(b, 0, rb["block_ids"], 6)

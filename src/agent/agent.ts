@@ -7,6 +7,7 @@ import type { DiskBudget } from '../client/tiers/disk.ts'
 import type { MemoryTier } from '../client/tiers/memory.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import type { Dtype } from '../core/layout.ts'
+import { defaultCopyThreads } from './config.ts'
 import { DeviceTensor, IpcMappings } from './device-tensor.ts'
 import {
   blockBytes,
@@ -18,8 +19,19 @@ import {
   layerShape,
   sides,
 } from './engine-layout.ts'
-import { binList, int, intList, map, oneOf, optInt, str } from './fields.ts'
-import { HostTensor, type KvTensor } from './host-tensor.ts'
+import {
+  binList,
+  type Hashes,
+  hashCount,
+  hashes as hashList,
+  int,
+  intList,
+  map,
+  oneOf,
+  optInt,
+  str,
+} from './fields.ts'
+import { HostCopier, HostTensor, type KvTensor, type LayerSlabs } from './host-tensor.ts'
 import { AgentMetrics } from './metrics.ts'
 import { AgentError, PROTOCOL_VERSION, type Request } from './protocol.ts'
 import {
@@ -50,6 +62,10 @@ const VLLM_DTYPES: Record<string, Dtype> = {
 const MAX_KEYS = 1 << 16
 const MAX_BLOCKS = 1 << 24
 const MAX_WORLD = 64
+/** A load reports its progress in about this many steps (one threaded copy each). */
+const LOAD_PROGRESS_STEPS = 8
+/** Buffers one native copy may name (the addon refuses more than 65 536). */
+const MAX_COPY_BUFFERS = 60_000
 
 export interface AgentCoreOptions {
   chunkTokens: number
@@ -59,6 +75,8 @@ export interface AgentCoreOptions {
   lookupDeadlineMs: number
   /** When set, a hello for another model is refused. */
   model?: string
+  /** Threads one host-memory save or load copies with; 0: on the event loop. @default min(cores, 4) */
+  copyThreads?: number
   version: string
 }
 
@@ -69,6 +87,8 @@ interface Worker {
   rank: number
   numBlocks: number
   layers: KvTensor[]
+  /** Batched, threaded copies when every layer is a mapped host tensor (else each layer's gather/scatter). */
+  copier: HostCopier | undefined
   /** Releases what the registration holds (files, IPC mappings). */
   release(): Promise<void>
   /** Loads and saves still copying: the registration is released only after them. */
@@ -323,7 +343,18 @@ export class Agent {
       throw e
     }
     const id = s.nextWorker++
-    const worker: Worker = { space, geometry: g, rank, numBlocks, layers, release, inflight: new Set() }
+    const threads = this.options.copyThreads ?? defaultCopyThreads()
+    const copier = threads > 0 ? HostCopier.for(layers, hostNative, threads) : undefined
+    const worker: Worker = {
+      space,
+      geometry: g,
+      rank,
+      numBlocks,
+      layers,
+      copier,
+      release,
+      inflight: new Set(),
+    }
     s.workers.set(id, worker)
     this.#workers.add(worker)
     this.metrics.workers++
@@ -332,23 +363,34 @@ export class Agent {
 
   #lookup(s: Session, m: Request): Record<string, unknown> | Promise<Record<string, unknown>> {
     const d = this.#descriptor(s)
-    const hashes = binList(m, 'keys', 32, MAX_KEYS)
+    const hashes = this.#hashes(m)
     const deadline = optInt(m, 'deadlineMs', 0, 60_000, this.options.lookupDeadlineMs)
-    const ranks = d.layout === 'mla' || d.world === 1 ? [0] : Array.from({ length: d.world }, (_, r) => r)
-    // Fast path, without a promise or a timer: the spaces are open and the local tiers
-    // answer for every space (they hold every key, or there is no gateway to ask).
-    const open = ranks.map((r) => this.#openSpaces.get(spaceId(d, this.#shard(d, r))))
-    if (open.every((sp) => sp !== undefined)) {
-      let chunks = hashes.length
-      let final = true
-      for (const sp of open as KvSpace[]) {
-        const local = sp.cache.localPrefixKeys(sp.keys(hashes))
-        if (local < hashes.length && sp.cache.hasRemote) final = false
-        chunks = Math.min(chunks, local)
+    const asked = hashCount(hashes)
+    // Fast path, without a promise, a timer or a key object: the spaces are open and the
+    // local tiers answer for every space (they hold every key, or there is no gateway to ask).
+    const world = d.layout === 'mla' ? 1 : d.world
+    let chunks = asked
+    let final = true
+    for (let r = 0; r < world && final; r++) {
+      const sp = this.#openSpaces.get(spaceId(d, this.#shard(d, r)))
+      if (sp === undefined) final = false
+      else {
+        const local = sp.localPrefix(hashes)
+        if (local < asked && sp.cache.hasRemote) final = false
+        if (local < chunks) chunks = local
       }
-      if (final) return this.#lookedUp(hashes.length, chunks, 'all')
     }
+    if (final) return this.#lookedUp(asked, chunks, 'all')
+    const ranks = Array.from({ length: world }, (_, r) => r)
     return this.#lookupAll(d, hashes, ranks, deadline)
+  }
+
+  /** The request's `keys` in either form; counts the forms (an engine still sending arrays runs an older connector). */
+  #hashes(m: Request): Hashes {
+    const h = hashList(m, 'keys', MAX_KEYS)
+    if (h instanceof Uint8Array) this.metrics.packedKeyRequests++
+    else this.metrics.arrayKeyRequests++
+    return h
   }
 
   #lookedUp(asked: number, chunks: number, source: string): Record<string, unknown> {
@@ -361,7 +403,7 @@ export class Agent {
   /** A lookup that may ask the gateway: answered from the local tiers past `deadline`. */
   async #lookupAll(
     d: SpaceDescriptor,
-    hashes: Uint8Array[],
+    hashes: Hashes,
     ranks: number[],
     deadline: number,
   ): Promise<Record<string, unknown>> {
@@ -389,7 +431,7 @@ export class Agent {
     if (chunks > 0 && tiers.some((t) => t.slice(0, chunks).includes('remote'))) {
       for (let i = 0; i < spaces.length; i++) this.#prefetch(spaces[i]!, keys[i]!.slice(0, chunks))
     }
-    return this.#lookedUp(hashes.length, chunks, source)
+    return this.#lookedUp(hashCount(hashes), chunks, source)
   }
 
   /** Brings a remote hit toward L1 before the load asks for it (bounded, best effort). */
@@ -442,25 +484,71 @@ export class Agent {
   }
 
   async #load(s: Session, w: Worker, m: Request): Promise<Record<string, unknown>> {
-    const hashes = binList(m, 'keys', 32, MAX_KEYS)
-    const ids = this.#blocks(w, m, hashes.length)
+    const hashes = this.#hashes(m)
+    const count = hashCount(hashes)
+    const ids = this.#blocks(w, m, count)
     const skip = optInt(m, 'skipBlocks', 0, ids.length, 0)
     const g = w.geometry
     const bpc = w.space.blocksPerChunk
     const keys = w.space.keys(hashes)
     const prog = { op: 'load', layers: 0 }
     s.progress.set(m.id, prog)
-    let served = hashes.length
+    let served = count
     let bytes = 0
     let failure: string | undefined
     // Each chunk's runs are the same in every layer (offsets inside one layer's slab).
     const runsByChunk: number[][] = []
-    for (let c = 0; c < hashes.length; c++)
-      runsByChunk.push(chunkRuns(g, w.numBlocks, ids, c * bpc, bpc, skip))
+    for (let c = 0; c < count; c++) runsByChunk.push(chunkRuns(g, w.numBlocks, ids, c * bpc, bpc, skip))
+    // Threaded copies of a group of layers run while the next layers are fetched: one native
+    // call and one progress event per group (an eighth of the model), not per layer. Their
+    // slabs stay valid until the generator finishes (L1 handles, reservations and fetched
+    // groups are held until its finally), and it cannot finish before every copy settled:
+    // the last layer waits for them, and every other exit waits in `finally` before return().
+    const copies = new CopySet()
+    const done = new Uint8Array(g.layers)
+    const perGroup = Math.max(
+      1,
+      Math.min(Math.ceil(g.layers / LOAD_PROGRESS_STEPS), Math.floor(MAX_COPY_BUFFERS / (count + 1))),
+    )
+    let group: LayerSlabs[] = []
+    const it = w.space.cache.retrieveLayersKeys(keys)
     try {
       const seen = new Set<number>()
-      for await (const batch of w.space.cache.retrieveLayersKeys(keys)) {
+      const finished = (layer: number) => {
+        done[layer] = 1
+        let n = prog.layers
+        while (n < g.layers && done[n] === 1) n++
+        if (n === prog.layers) return
+        prog.layers = n
+        s.event({ event: 'load-progress', id: m.id, layers: n })
+      }
+      for (;;) {
+        const next = await it.next()
+        if (next.done) break
+        const batch = next.value
         served = Math.min(served, batch.chunks)
+        seen.add(batch.layer)
+        const copier = w.copier
+        if (copier) {
+          group.push({ layer: batch.layer, chunks: batch.chunks, slabs: batch.slabs })
+          for (let c = 0; c < batch.chunks; c++) {
+            const runs = runsByChunk[c]!
+            for (let r = 2; r < runs.length; r += 3) bytes += runs[r]!
+          }
+          const last = batch.layer === g.layers - 1
+          if (group.length < perGroup && !last) continue
+          const copied = group.map((e) => e.layer)
+          const p = copies.add(copier.scatterLayers(group, runsByChunk))
+          group = []
+          void p.then(
+            () => {
+              for (const l of copied) finished(l)
+            },
+            () => {},
+          )
+          if (last) await copies.settled()
+          continue
+        }
         const t = w.layers[batch.layer]!
         for (let c = 0; c < batch.chunks; c++) {
           const runs = runsByChunk[c]!
@@ -468,16 +556,18 @@ export class Agent {
           if (copying) await copying // a host tensor copies synchronously: no await per chunk
           for (let r = 2; r < runs.length; r += 3) bytes += runs[r]!
         }
-        seen.add(batch.layer)
-        prog.layers = seen.size
-        s.event({ event: 'load-progress', id: m.id, layers: prog.layers })
+        finished(batch.layer)
       }
+      await copies.settled()
       if (seen.size < g.layers) served = 0
     } catch (e) {
       served = 0
       failure = (e as Error).message
       this.metrics.loadErrors++
     } finally {
+      // Nothing may still write the engine's blocks once the answer names the failed ones.
+      await copies.settled().catch(() => {})
+      await it.return(undefined).catch(() => {})
       s.progress.delete(m.id)
     }
     const failed: number[] = []
@@ -495,19 +585,23 @@ export class Agent {
 
   /** Copies the engine's blocks out into the cache; answers once nothing reads engine memory any more. */
   async #save(s: Session, w: Worker, m: Request): Promise<Record<string, unknown>> {
-    const hashes = binList(m, 'keys', 32, MAX_KEYS)
-    const ids = this.#blocks(w, m, hashes.length)
+    const hashes = this.#hashes(m)
+    const count = hashCount(hashes)
+    const ids = this.#blocks(w, m, count)
     const g = w.geometry
     const bpc = w.space.blocksPerChunk
     const bb = blockBytes(g)
     // Keys always start at chunk 0 (chain identity); `from` skips chunks the engine loaded from us.
-    const from = optInt(m, 'from', 0, hashes.length, 0)
+    const from = optInt(m, 'from', 0, count, 0)
     const keys = w.space.keys(hashes).slice(from)
     s.progress.set(m.id, { op: 'save', layers: 0 })
     try {
       const slab = sides(g) * bpc * bb // one layer of the chunk tensor
       const out = await w.space.cache.storeKeys(keys, async (k, dst) => {
         const runs = chunkRuns(g, w.numBlocks, ids, (k + from) * bpc, bpc, 0)
+        // Every layer in one threaded copy; storeKeys commits the L1 slot only after it
+        // settled (and aborts it if the agent closed meanwhile).
+        if (w.copier) return w.copier.gatherChunk(runs, dst, slab)
         for (let layer = 0; layer < g.layers; layer++) {
           const copying = w.layers[layer]!.gather(runs, dst.subarray(layer * slab, (layer + 1) * slab))
           if (copying) await copying
@@ -590,5 +684,32 @@ export class Agent {
     const l1 = [...this.#l1.values()]
     this.#l1.clear()
     await Promise.allSettled(l1.map((p) => p.then((t) => t.dispose())))
+  }
+}
+
+/** Copies in flight: `settled()` waits for every one, then rejects with the first failure. */
+class CopySet {
+  readonly #pending = new Set<Promise<void>>()
+  #error: unknown
+
+  add(p: Promise<void>): Promise<void> {
+    const tracked = p.then(
+      () => {
+        this.#pending.delete(tracked)
+      },
+      (e) => {
+        this.#pending.delete(tracked)
+        this.#error ??= e
+        throw e
+      },
+    )
+    tracked.catch(() => {})
+    this.#pending.add(tracked)
+    return tracked
+  }
+
+  async settled(): Promise<void> {
+    while (this.#pending.size > 0) await Promise.allSettled([...this.#pending])
+    if (this.#error !== undefined) throw this.#error
   }
 }

@@ -2,6 +2,7 @@
 // kvgate process) plus the agent's own (socket, deadlines, metrics port), validated eagerly.
 
 import { mkdirSync } from 'node:fs'
+import { availableParallelism } from 'node:os'
 import { join } from 'node:path'
 import type { KVCacheOptions } from '../client/config.ts'
 import { optionsFromEnvironment, parseBytes } from '../client/config.ts'
@@ -21,9 +22,30 @@ export interface AgentSettings {
   metricsPort?: number
   /** Refuse engines serving another model id. @default any */
   model?: string
+  /**
+   * Threads one save's or load's copy is split across (host-memory tensors); 0 copies on the
+   * event loop instead (the pre-threaded path, for comparison). @default min(cores, 4)
+   */
+  copyThreads?: number
 }
 
-const AGENT_KEYS = ['socket', 'chunkTokens', 'lookupDeadlineMs', 'maxFrameBytes', 'metricsPort', 'model']
+const AGENT_KEYS = [
+  'socket',
+  'chunkTokens',
+  'lookupDeadlineMs',
+  'maxFrameBytes',
+  'metricsPort',
+  'model',
+  'copyThreads',
+]
+
+/** Copies split across more threads than this stop gaining (memory bandwidth) and crowd the libuv pool. */
+export const MAX_COPY_THREADS = 64
+
+/** The default split of one copy: every core up to 4 (a node's engines share the agent's pool). */
+export function defaultCopyThreads(): number {
+  return Math.max(1, Math.min(availableParallelism(), 4))
+}
 
 export interface ResolvedAgentConfig {
   socket: string
@@ -32,6 +54,7 @@ export interface ResolvedAgentConfig {
   maxFrameBytes: number
   metricsPort: number | undefined
   model: string | undefined
+  copyThreads: number
   cache: Omit<KVCacheOptions, 'model' | 'keyScheme' | 'hashSeed' | 'chunkTokens'>
 }
 
@@ -77,6 +100,7 @@ export function resolveAgentConfig(
   const metricsPort = pick('metricsPort', 'KVGATE_AGENT_METRICS_PORT')
   const model = pick('model', 'KVGATE_AGENT_MODEL')
   const maxFrame = pick('maxFrameBytes', 'KVGATE_AGENT_MAX_FRAME_BYTES')
+  const copyThreads = pick('copyThreads', 'KVGATE_AGENT_COPY_THREADS')
   return {
     socket: (socket as string | undefined) ?? defaultSocketPath(env),
     chunkTokens: int('chunkTokens', flags.chunkTokens ?? ct ?? fromFile.chunkTokens ?? 256, 1, 1 << 20),
@@ -92,6 +116,8 @@ export function resolveAgentConfig(
         : int('maxFrameBytes', parseBytes('maxFrameBytes', maxFrame), 1024, 1 << 30),
     metricsPort: metricsPort === undefined ? undefined : int('metricsPort', metricsPort, 0, 65535),
     model: model === undefined ? undefined : String(model),
+    copyThreads:
+      copyThreads === undefined ? defaultCopyThreads() : int('copyThreads', copyThreads, 0, MAX_COPY_THREADS),
     cache: cache as ResolvedAgentConfig['cache'],
   }
 }

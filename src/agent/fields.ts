@@ -59,3 +59,30 @@ export function map(m: Fields, name: string): Fields {
     bad(name, 'a map', v)
   return v as Fields
 }
+
+/**
+ * The engine's chunk hashes as sent: an array of `HASH_BYTES`-byte bins, or (the packed
+ * form) one bin of `HASH_BYTES`·n bytes, hash i at offset `HASH_BYTES`·i. The packed form
+ * is one msgpack value, not n: no per-key object to decode, check or collect.
+ */
+export type Hashes = Uint8Array | readonly Uint8Array[]
+
+/** Bytes of one engine block hash (sha256). */
+export const HASH_BYTES = 32
+
+export function hashes(m: Fields, name: string, maxKeys: number): Hashes {
+  const v = m[name]
+  if (!(v instanceof Uint8Array)) return binList(m, name, HASH_BYTES, maxKeys)
+  if (v.length % HASH_BYTES !== 0 || v.length > maxKeys * HASH_BYTES) {
+    throw new AgentError(
+      'ERR_INVALID_ARGUMENT',
+      `invalid ${name}: a packed bin must hold a multiple of ${HASH_BYTES} bytes, at most ${maxKeys} hashes; got ${v.length} bytes`,
+    )
+  }
+  return v
+}
+
+/** How many hashes `h` holds. */
+export function hashCount(h: Hashes): number {
+  return h instanceof Uint8Array ? h.length / HASH_BYTES : h.length
+}

@@ -79,6 +79,11 @@ export class HostTensor implements KvTensor {
    * truncated away would kill the agent (SIGBUS); one fstat per copy turns that into an error.
    */
   #mapOrThrow(): Buffer | undefined {
+    return this.checkedMap()
+  }
+
+  /** The mapping (undefined when unmapped reads/writes are used), after the size check of {@link #mapOrThrow}. */
+  checkedMap(): Buffer | undefined {
     const fd = this.#fdOrThrow()
     if (this.#map === undefined) return undefined
     if (fstatSync(fd).size < this.offset + this.bytes) {
@@ -163,6 +168,120 @@ export class HostTensor implements KvTensor {
     if (ab !== undefined) this.#native?.unmapFile(ab)
     if (this.#fd !== undefined) closeSync(this.#fd)
     this.#fd = undefined
+  }
+}
+
+type CopyRunsAsync = NativeModule['copyRunsAsync']
+
+/** One layer of a load: the slabs of its first `chunks` chunks. */
+export interface LayerSlabs {
+  layer: number
+  chunks: number
+  slabs: readonly Uint8Array[]
+}
+
+/**
+ * Copies between an engine's mapped layer tensors and the agent's chunk tensors with the
+ * addon's copyRunsAsync: off the JS thread (lookups and other engines' requests are
+ * answered meanwhile) and split across `threads` pool threads. A save's whole chunk (every
+ * layer) is one call; a load's group of layers (every chunk) is one call. The native call holds the buffers
+ * (references, pinned-block and mapping busy marks) until its promise settles, and its
+ * promise only settles once every byte moved: the caller's await is the one place that
+ * says when the L1 slot and the engine's blocks are free again.
+ */
+export class HostCopier {
+  readonly threads: number
+  readonly #tensors: HostTensor[]
+  readonly #copy: CopyRunsAsync
+  #scratch = new Float64Array(0)
+
+  private constructor(tensors: HostTensor[], copy: CopyRunsAsync, threads: number) {
+    this.#tensors = tensors
+    this.#copy = copy
+    this.threads = threads
+  }
+
+  /** A copier for `layers` when every one is a mapped host tensor and the addon has copyRunsAsync. */
+  static for(
+    layers: readonly KvTensor[],
+    native: NativeModule | undefined,
+    threads: number,
+  ): HostCopier | undefined {
+    if (!native?.copyRunsAsyncAvailable()) return undefined
+    const hosts: HostTensor[] = []
+    for (const t of layers) {
+      if (!(t instanceof HostTensor) || !t.mapped) return undefined
+      hosts.push(t)
+    }
+    return new HostCopier(hosts, native.copyRunsAsync, threads)
+  }
+
+  #runs(n: number): Float64Array {
+    if (this.#scratch.length < n) this.#scratch = new Float64Array(n)
+    return this.#scratch.length === n ? this.#scratch : this.#scratch.subarray(0, n)
+  }
+
+  /**
+   * Every layer's blocks into one chunk tensor: layer l's runs ([tensor, slab, bytes])
+   * land in `dst[l * slab ...]`. Checked before any byte moves; one native call.
+   */
+  gatherChunk(runs: ArrayLike<number>, dst: Uint8Array, slab: number): Promise<void> {
+    const layers = this.#tensors.length
+    if (dst.length < layers * slab) {
+      throw new AgentError(
+        'ERR_INVALID_ARGUMENT',
+        `chunk tensor of ${dst.length} bytes is short of ${layers} slabs`,
+      )
+    }
+    const buffers: Uint8Array[] = [dst]
+    const out = this.#runs((runs.length / 3) * 5 * layers)
+    let o = 0
+    for (let l = 0; l < layers; l++) {
+      const t = this.#tensors[l]!
+      const map = t.checkedMap()!
+      checkRuns(runs, t.bytes, slab)
+      buffers.push(map)
+      for (let i = 0; i < runs.length; i += 3) {
+        out[o++] = 0
+        out[o++] = l * slab + runs[i + 1]!
+        out[o++] = l + 1
+        out[o++] = runs[i]!
+        out[o++] = runs[i + 2]!
+      }
+    }
+    return this.#copy(buffers, out, this.threads)
+  }
+
+  /**
+   * Layer slabs into the engine's blocks, several layers in one call: for each entry, chunk
+   * c's slab goes through `runsByChunk[c]` ([tensor, slab, bytes]) into that layer's tensor.
+   */
+  scatterLayers(group: readonly LayerSlabs[], runsByChunk: readonly ArrayLike<number>[]): Promise<void> {
+    const buffers: Uint8Array[] = []
+    let n = 0
+    for (const g of group) for (let c = 0; c < g.chunks; c++) n += runsByChunk[c]!.length
+    const out = this.#runs((n / 3) * 5)
+    let o = 0
+    for (const g of group) {
+      const t = this.#tensors[g.layer]!
+      const mapAt = buffers.length
+      buffers.push(t.checkedMap()!)
+      for (let c = 0; c < g.chunks; c++) {
+        const runs = runsByChunk[c]!
+        const slab = g.slabs[c]!
+        checkRuns(runs, t.bytes, slab.length)
+        const slabAt = buffers.length
+        buffers.push(slab)
+        for (let i = 0; i < runs.length; i += 3) {
+          out[o++] = mapAt
+          out[o++] = runs[i]!
+          out[o++] = slabAt
+          out[o++] = runs[i + 1]!
+          out[o++] = runs[i + 2]!
+        }
+      }
+    }
+    return this.#copy(buffers, out, this.threads)
   }
 }
 

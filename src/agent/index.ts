@@ -16,6 +16,7 @@ export function startAgent(config: ResolvedAgentConfig, version: string): Promis
     cache: config.cache,
     lookupDeadlineMs: config.lookupDeadlineMs,
     model: config.model,
+    copyThreads: config.copyThreads,
     version,
   })
   return AgentServer.listen(agent, {

@@ -3,6 +3,38 @@
 
 import type { KVCacheStats } from '../client/kv-cache.ts'
 
+/** The last `size` durations of one kind of request, for quantiles (bounded memory, no histogram buckets to pick). */
+export class LatencyWindow {
+  readonly #ms: Float64Array
+  #count = 0
+
+  constructor(size = 1024) {
+    this.#ms = new Float64Array(size)
+  }
+
+  add(ms: number): void {
+    this.#ms[this.#count % this.#ms.length] = ms
+    this.#count++
+  }
+
+  /** Quantile q of the window in ms (0 when empty). */
+  quantile(q: number): number {
+    const n = Math.min(this.#count, this.#ms.length)
+    if (n === 0) return 0
+    const sorted = this.#ms.slice(0, n).sort()
+    return sorted[Math.min(n - 1, Math.floor(q * n))]!
+  }
+
+  /** Durations recorded since the start (the window holds the latest of them). */
+  get count(): number {
+    return this.#count
+  }
+}
+
+/** Requests whose time inside the agent is kept (stats agentMs, kvgate_agent_request_seconds). */
+const TIMED_OPS = ['lookup', 'load', 'save'] as const
+type TimedOp = (typeof TIMED_OPS)[number]
+
 export class AgentMetrics {
   connections = 0
   workers = 0
@@ -21,6 +53,16 @@ export class AgentMetrics {
   saveErrors = 0
   savedChunks = 0
   savedBytes = 0
+  /** Lookups, loads and saves whose keys came as one packed bin, and as an array of bins. */
+  packedKeyRequests = 0
+  arrayKeyRequests = 0
+  /** Agent-side time of each lookup, load and save: frame decoded to answer encoded (no socket, no engine). */
+  readonly #took = new Map<TimedOp, LatencyWindow>(TIMED_OPS.map((op) => [op, new LatencyWindow()]))
+
+  /** Records a request's time inside the agent (ops other than lookup, load and save are not timed). */
+  took(op: string, ms: number): void {
+    this.#took.get(op as TimedOp)?.add(ms)
+  }
 
   error(code: string): void {
     this.errors.set(code, (this.errors.get(code) ?? 0) + 1)
@@ -28,7 +70,14 @@ export class AgentMetrics {
 
   snapshot(): Record<string, unknown> {
     const { errors, ...rest } = Object.fromEntries(Object.entries(this)) as Record<string, unknown>
-    return { ...rest, errors: Object.fromEntries(this.errors) }
+    // Per op over its latest 1024 requests (`samples` counts all of them).
+    const agentMs = Object.fromEntries(
+      [...this.#took].map(([op, t]) => [
+        op,
+        { p50: t.quantile(0.5), p99: t.quantile(0.99), samples: t.count },
+      ]),
+    )
+    return { ...rest, errors: Object.fromEntries(this.errors), agentMs }
   }
 
   prometheus(caches: KVCacheStats[]): string {
@@ -60,6 +109,19 @@ export class AgentMetrics {
       'Lookups answered from local tiers because the gateway was slow.',
       [['', this.lookupDeadline]],
     )
+    lines.push(
+      '# HELP kvgate_agent_request_seconds Time inside the agent (decoded to answered), latest 1024 per op.',
+      '# TYPE kvgate_agent_request_seconds summary',
+    )
+    for (const [op, t] of this.#took) {
+      for (const q of [0.5, 0.99])
+        lines.push(`kvgate_agent_request_seconds{op="${op}",quantile="${q}"} ${t.quantile(q) / 1000}`)
+      lines.push(`kvgate_agent_request_seconds_count{op="${op}"} ${t.count}`)
+    }
+    put('key_requests_total', 'counter', 'Lookups, loads and saves by the form of their keys.', [
+      ['{form="packed"}', this.packedKeyRequests],
+      ['{form="array"}', this.arrayKeyRequests],
+    ])
     put('loads_total', 'counter', 'Loads finished.', [['', this.loads]])
     put('load_errors_total', 'counter', 'Loads that failed part-way (blocks reported to the engine).', [
       ['', this.loadErrors],

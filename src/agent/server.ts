@@ -113,6 +113,7 @@ export class AgentServer {
         return
       }
       for (const body of bodies) {
+        const t0 = performance.now()
         let req: ReturnType<typeof checkEnvelope>
         try {
           const msg = decodeBody(body)
@@ -138,7 +139,10 @@ export class AgentServer {
         this.agent
           .handle(session, req)
           .then(
-            (body) => send({ id: req.id, ok: true, ...body }),
+            (body) => {
+              send({ id: req.id, ok: true, ...body })
+              m.took(req.op, performance.now() - t0)
+            },
             (e) => fail(req.id, e),
           )
           .finally(() => {

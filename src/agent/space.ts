@@ -13,6 +13,7 @@ import { headerBytesFor } from '../core/format.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import { chunkBytes } from '../core/layout.ts'
 import { type EngineGeometry, storageGeometry } from './engine-layout.ts'
+import { HASH_BYTES, type Hashes, hashCount } from './fields.ts'
 import { AgentError } from './protocol.ts'
 
 /** What a hello announces: the engine's model, per-rank geometry and hashing. */
@@ -153,8 +154,9 @@ interface Derived {
   chunk?: ChunkKey | undefined
 }
 
-function sameHash(a: Uint8Array, b: Uint8Array): boolean {
-  for (let i = 31; i >= 0; i--) if (a[i] !== b[i]) return false
+/** Whether `a` (32 bytes) equals `b[at, at + 32)`. */
+function sameHash(a: Uint8Array, b: Uint8Array, at: number): boolean {
+  for (let i = 31; i >= 0; i--) if (a[i] !== b[at + i]) return false
   return true
 }
 
@@ -217,15 +219,13 @@ export class KvSpace {
    * block). vLLM's hashes cover tokens only, so the model and, for non-MLA TP, the
    * rank's shard are mixed in: another model (or shard) never reads these bytes.
    */
-  keys(hashes: readonly Uint8Array[]): ChunkKey[] {
+  keys(hashes: Hashes): ChunkKey[] {
     const ct = this.cache.chunkTokens
-    const out: ChunkKey[] = []
+    const n = hashCount(hashes)
+    const out: ChunkKey[] = new Array(n)
     let parent = ZERO_KEY
-    for (let i = 0; i < hashes.length; i++) {
-      const h = hashes[i]!
-      if (!(h instanceof Uint8Array) || h.length !== 32)
-        throw new AgentError('ERR_INVALID_ARGUMENT', `hash ${i} is not 32 bytes`)
-      const d = this.#derive(h)
+    for (let i = 0; i < n; i++) {
+      const d = this.#deriveAt(hashes, i)
       // The same prompt comes back at the same position after the same parent: its
       // (frozen) ChunkKey is reused rather than rebuilt for every request.
       let c = d.chunk
@@ -241,10 +241,30 @@ export class KvSpace {
         })
         d.chunk = c
       }
-      out.push(c)
+      out[i] = c
       parent = d.hex
     }
     return out
+  }
+
+  /**
+   * Leading hashes whose chunks L1 or L2 holds (a warm lookup): no ChunkKey or array per
+   * request, only the memoized derivations (presence is by key, whatever the parent).
+   */
+  localPrefix(hashes: Hashes): number {
+    const n = hashCount(hashes)
+    let i = 0
+    while (i < n && this.cache.hasLocal(this.#deriveAt(hashes, i).hex)) i++
+    return i
+  }
+
+  /** Hash i of either form, derived (packed hashes are read in place, without a view). */
+  #deriveAt(hashes: Hashes, i: number): Derived {
+    if (hashes instanceof Uint8Array) return this.#derive(hashes, i * HASH_BYTES)
+    const h = hashes[i]!
+    if (!(h instanceof Uint8Array) || h.length !== HASH_BYTES)
+      throw new AgentError('ERR_INVALID_ARGUMENT', `hash ${i} is not ${HASH_BYTES} bytes`)
+    return this.#derive(h, 0)
   }
 
   /**
@@ -252,17 +272,20 @@ export class KvSpace {
    * load, save). A hit costs a numeric Map lookup and a 32-byte compare: the hex id per
    * key it replaced was most of a warm 512-key lookup's CPU.
    */
-  #derive(h: Uint8Array): Derived {
+  #derive(h: Uint8Array, at: number): Derived {
     // 30 bits: a small integer (no heap number per key, the fastest Map key); the chain
     // below tells apart hashes that share them.
-    const id = h[0]! | (h[1]! << 8) | (h[2]! << 16) | ((h[3]! & 0x3f) << 24)
+    const id = h[at]! | (h[at + 1]! << 8) | (h[at + 2]! << 16) | ((h[at + 3]! & 0x3f) << 24)
     const head = this.#derived.get(id)
-    for (let d = head; d !== undefined; d = d.next) if (sameHash(d.hash, h)) return d
-    this.#input.set(h, 0)
+    for (let d = head; d !== undefined; d = d.next) if (sameHash(d.hash, h, at)) return d
+    // A copy, and a plain Uint8Array (Buffer#slice would be a view of the request frame, kept alive
+    // and read again by later compares): every memoized hash has one type, so sameHash stays monomorphic.
+    const hash = new Uint8Array(HASH_BYTES)
+    for (let k = 0; k < HASH_BYTES; k++) hash[k] = h[at + k]!
+    this.#input.set(hash, 0)
     const key = new Uint8Array(sha256(this.#input))
     const hex = Buffer.from(key.buffer, key.byteOffset, 32).toString('hex')
-    // The hash is copied: the caller's bytes are a view of a request frame.
-    const d: Derived = { hash: Uint8Array.from(h), key, hex, next: head }
+    const d: Derived = { hash, key, hex, next: head }
     if (this.#derivedCount >= MAX_DERIVED) {
       this.#derived.clear()
       this.#derivedCount = 0

@@ -523,6 +523,13 @@ export class KVCache {
     return n
   }
 
+  /** Whether L1 or L2 holds the chunk with this key id (localPrefixKeys for one key, by its hex). */
+  hasLocal(hex: string): boolean {
+    this.#open()
+    const m = this.#manager
+    return m.memory.has(hex) || m.disk?.has(hex) === true
+  }
+
   /** Whether a gateway tier is configured (a lookup past the local tiers may ask it). */
   get hasRemote(): boolean {
     return this.#manager.remote !== undefined

@@ -12,7 +12,7 @@ import { KvgateError, type KvgateErrorOptions } from '../core/errors.ts'
 import { installedAsDependency, packageRoot } from '../package-files.ts'
 
 /** The addon contract version this wrapper speaks (native/src/addon.cc `abiVersion`). */
-export const NATIVE_ABI_VERSION = 5
+export const NATIVE_ABI_VERSION = 6
 
 /** O_DIRECT alignment kvgate uses for buffer addresses and file offsets (bytes). */
 export const DIRECT_ALIGNMENT = 4096
@@ -216,6 +216,7 @@ export interface NativeBinding {
   mapStats?(): FileMapStats
   /** mmap.cc; absent from builds that predate it. */
   copyRuns?(dst: HostBuffer, src: HostBuffer, runs: Float64Array): void
+  copyRunsAsync?(buffers: HostBuffer[], runs: Float64Array, parts: number): Promise<void>
   /** keys.cc; absent from builds that predate it. */
   sha256V1Chain?(
     parent: Uint8Array,
@@ -953,6 +954,39 @@ export function copyRuns(dst: HostBuffer, src: HostBuffer, runs: Float64Array): 
   }
   if (!(runs instanceof Float64Array)) throw misuse('runs must be a Float64Array')
   call(() => n.copyRuns!(dst, src, runs))
+}
+
+/** True when the loaded addon has {@link copyRunsAsync}; never throws. */
+export function copyRunsAsyncAvailable(): boolean {
+  try {
+    return typeof loadNative().copyRunsAsync === 'function'
+  } catch {
+    return false
+  }
+}
+
+/**
+ * {@link copyRuns} off the JS thread and across threads: `runs` holds
+ * [dstBuffer, dstOffset, srcBuffer, srcOffset, bytes] quintuples (indexes into `buffers`,
+ * byte offsets into those views). Every run is checked before any byte moves; the bytes
+ * are then split into up to `parts` near-equal pieces copied on the libuv pool at once.
+ * Until the promise settles the buffers stay referenced, a pinned one cannot be freed and
+ * a file mapping's munmap waits; the caller must not read the destinations or change the
+ * sources meanwhile. Runs must not overlap one another (they run in any order).
+ * @throws NativeError ERR_NATIVE (synchronously) for a run outside a buffer or malformed arguments.
+ */
+export function copyRunsAsync(buffers: HostBuffer[], runs: Float64Array, parts: number): Promise<void> {
+  const n = loadNative()
+  if (!n.copyRunsAsync) {
+    throw misuse(
+      `this build of the native addon predates copyRunsAsync; rebuild it: ${nativePaths.buildCommand}`,
+    )
+  }
+  if (!(runs instanceof Float64Array)) throw misuse('runs must be a Float64Array')
+  if (!Number.isInteger(parts) || parts < 1 || parts > 64) throw misuse('parts must be an integer in [1, 64]')
+  return call(() => n.copyRunsAsync!(buffers, runs, parts)).catch((e) => {
+    throw translate(e)
+  })
 }
 
 /**

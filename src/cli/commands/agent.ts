@@ -23,6 +23,8 @@ Options (flags override KVGATE_* env vars, which override the config file):
       --metrics-port N         Prometheus /metrics on 127.0.0.1:N, 0 = any free port
                                (env: KVGATE_AGENT_METRICS_PORT) [off]
       --model ID               refuse engines serving another model (env: KVGATE_AGENT_MODEL)
+      --copy-threads N         threads one save or load copies with, off the event loop; 0 copies
+                               on the event loop (env: KVGATE_AGENT_COPY_THREADS) [min(cores, 4)]
   -h, --help                   show this help
 
 Cache tiers as for the client: KVGATE_MEMORY_BYTES (the one L1 of every engine and rank,
@@ -39,6 +41,7 @@ export async function run(argv: string[]): Promise<number> {
     'lookup-deadline-ms': { type: 'string' },
     'metrics-port': { type: 'string' },
     model: { type: 'string' },
+    'copy-threads': { type: 'string' },
   })
   if (help) {
     console.log(HELP)
@@ -52,6 +55,7 @@ export async function run(argv: string[]): Promise<number> {
     lookupDeadlineMs: num(values['lookup-deadline-ms']),
     metricsPort: num(values['metrics-port']),
     model: values.model,
+    copyThreads: num(values['copy-threads']),
   })
   const server = await startAgent(config, version())
   console.log(JSON.stringify({ socket: server.socketPath, metricsPort: server.metricsPort ?? null }))

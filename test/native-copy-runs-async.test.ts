@@ -1,0 +1,163 @@
+// copyRunsAsync of the native addon: scattered runs between several buffers, split across
+// pool threads, land exactly as one in-order copy would put them; bad runs copy nothing;
+// and the buffers it uses outlive the copy (an unmapFile or freePinned meanwhile waits or
+// is refused, never a fault or a write into freed memory).
+
+import { randomBytes } from 'node:crypto'
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { afterAll, describe, expect, it } from 'vitest'
+import {
+  allocPinnedSync,
+  copyRunsAsync,
+  copyRunsAsyncAvailable,
+  fileMapStats,
+  freePinned,
+  mapFile,
+  NativeError,
+  unmapFile,
+} from '../src/client/native.ts'
+
+const dir = mkdtempSync(join(tmpdir(), 'kvgate-copy-async-'))
+afterAll(() => rmSync(dir, { recursive: true, force: true }))
+
+const MiB = 1 << 20
+
+/** What copyRunsAsync must produce: the runs applied in order, in JS. */
+function reference(buffers: Uint8Array[], runs: Float64Array): void {
+  for (let i = 0; i < runs.length; i += 5) {
+    const [db, d, sb, s, n] = [runs[i]!, runs[i + 1]!, runs[i + 2]!, runs[i + 3]!, runs[i + 4]!]
+    buffers[db]!.set(buffers[sb]!.subarray(s, s + n), d)
+  }
+}
+
+function bytesOf(b: ArrayBuffer | Uint8Array): Uint8Array {
+  return b instanceof Uint8Array ? b : new Uint8Array(b)
+}
+
+function expectNative(f: () => unknown, match: RegExp): void {
+  try {
+    f()
+  } catch (e) {
+    expect(e).toBeInstanceOf(NativeError)
+    expect((e as Error).message).toMatch(match)
+    return
+  }
+  throw new Error('expected a NativeError')
+}
+
+it('the loaded addon has copyRunsAsync (else this suite tests nothing)', () => {
+  expect(copyRunsAsyncAvailable()).toBe(true)
+})
+
+describe('copyRunsAsync', () => {
+  it('scattered runs between a mapping, pinned memory and a view land as an in-order copy would put them, for every split', async () => {
+    const file = join(dir, 'engine')
+    writeFileSync(file, randomBytes(4 * MiB + 123))
+    const map = mapFile(file, { offset: 123, writable: true })
+    const pinned = allocPinnedSync(2 * MiB).buffer
+    const backing = new Uint8Array(3 * MiB)
+    const view = backing.subarray(777, 777 + 2 * MiB) // a view with a byte offset
+    try {
+      // Distinct destination ranges (small, 4 KiB-multiple and odd sizes), from anywhere.
+      const runs: number[] = []
+      const used = new Set<string>()
+      let x = 12345
+      const rnd = (n: number) => {
+        x = (x * 1103515245 + 12345) & 0x7fffffff
+        return x % n
+      }
+      const sizes = [1, 63, 4096, 4097, 32 * 1024, 100_000, 300_000]
+      for (let i = 0; i < 40; i++) {
+        const n = sizes[i % sizes.length]!
+        const db = 1 + rnd(2) // into the pinned buffer or the view
+        const slot = rnd(Math.floor((2 * MiB) / 300_000))
+        if (used.has(`${db}:${slot}`)) continue
+        used.add(`${db}:${slot}`)
+        runs.push(db, slot * 300_000, 0, rnd(4 * MiB - n), n)
+      }
+      const r = new Float64Array(runs)
+      for (const parts of [1, 2, 3, 4, 8]) {
+        const seed = randomBytes(2 * MiB)
+        bytesOf(pinned).set(seed)
+        view.set(seed)
+        const want = [new Uint8Array(map).slice(), Uint8Array.from(seed), Uint8Array.from(seed)]
+        reference(want, r)
+        await copyRunsAsync([map, pinned, view], r, parts)
+        expect(Buffer.from(bytesOf(pinned)).equals(want[1]!), `parts ${parts}`).toBe(true)
+        expect(Buffer.from(view).equals(want[2]!), `parts ${parts}`).toBe(true)
+        // Nothing outside the view moved.
+        expect(backing.subarray(0, 777).every((b) => b === 0)).toBe(true)
+        expect(backing.subarray(777 + 2 * MiB).every((b) => b === 0)).toBe(true)
+      }
+    } finally {
+      unmapFile(map)
+      freePinned(pinned)
+    }
+  })
+
+  it('refuses bad runs and arguments before any byte moves', async () => {
+    const a = new Uint8Array(8192)
+    const b = new Uint8Array(8192).fill(9)
+    const bad: [number[], RegExp][] = [
+      [[0, 8000, 1, 0, 200], /outside/], // past the destination
+      [[0, 0, 1, 8100, 100], /outside/], // past the source
+      [[2, 0, 1, 0, 10], /names no buffer/], // no such buffer
+      [[0, 0.5, 1, 0, 10], /outside/], // not an integer
+      [[0, Number.NaN, 1, 0, 10], /outside/],
+      [[0, -1, 1, 0, 10], /outside/],
+      [[0, 0, 0, 10, 20], /overlaps itself/],
+    ]
+    for (const [run, match] of bad) {
+      // A good run first: it must not have been copied either.
+      expectNative(() => copyRunsAsync([a, b], new Float64Array([0, 0, 1, 0, 4096, ...run]), 2), match)
+      expect(a.every((x) => x === 0)).toBe(true)
+    }
+    expectNative(() => copyRunsAsync([a, b], new Float64Array([0, 0, 1, 0]), 1), /quintuples/)
+    expectNative(() => copyRunsAsync([], new Float64Array(0), 1), /1 to 65536/)
+    expectNative(() => copyRunsAsync([a, 7 as unknown as Uint8Array], new Float64Array(0), 1), /buffers\[1\]/)
+    expectNative(() => copyRunsAsync([a, b], [0, 0, 1, 0, 1] as unknown as Float64Array, 1), /Float64Array/)
+    for (const parts of [0, 65, 1.5]) {
+      expectNative(() => copyRunsAsync([a, b], new Float64Array(0), parts), /parts/)
+    }
+    // Nothing to copy resolves at once.
+    await copyRunsAsync([a, b], new Float64Array([0, 0, 1, 0, 0]), 4)
+    expect(a.every((x) => x === 0)).toBe(true)
+  })
+
+  it('unmapFile during a copy defers the munmap to the copy’s end: the copy completes intact', async () => {
+    const file = join(dir, 'unmapped-during')
+    const data = randomBytes(64 * MiB)
+    writeFileSync(file, data)
+    const before = fileMapStats()
+    const map = mapFile(file, { writable: true })
+    const dst = new Uint8Array(64 * MiB)
+    // Many runs so the copy is still going when unmapFile runs on this thread.
+    const runs = new Float64Array(1024 * 5)
+    for (let i = 0; i < 1024; i++) runs.set([0, i * 65536, 1, (1023 - i) * 65536, 65536], i * 5)
+    const copying = copyRunsAsync([dst, map], runs, 2)
+    unmapFile(map)
+    expect(map.byteLength).toBe(0) // detached at once for JS
+    await copying
+    for (let i = 0; i < 1024; i += 97) {
+      const at = (1023 - i) * 65536
+      expect(
+        Buffer.from(dst.subarray(i * 65536, (i + 1) * 65536)).equals(data.subarray(at, at + 65536)),
+      ).toBe(true)
+    }
+    expect(fileMapStats()).toEqual(before) // unmapped once the copy ended
+  })
+
+  it('freePinned is refused while a copy uses the buffer, and works after', async () => {
+    const pinned = allocPinnedSync(32 * MiB).buffer
+    const src = new Uint8Array(32 * MiB).fill(3)
+    const runs = new Float64Array(512 * 5)
+    for (let i = 0; i < 512; i++) runs.set([0, i * 65536, 1, i * 65536, 65536], i * 5)
+    const copying = copyRunsAsync([pinned, src], runs, 2)
+    expectNative(() => freePinned(pinned), /in use/)
+    await copying
+    expect(bytesOf(pinned).every((b) => b === 3)).toBe(true)
+    freePinned(pinned)
+  })
+})
