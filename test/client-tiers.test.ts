@@ -402,6 +402,36 @@ describe('DiskTier', () => {
     n.api!.freePinned(slot.buffer)
   })
 
+  it('keeps indexed headers within indexedHeaderBytes: files beyond it are read header first; a deleted file frees its share', async () => {
+    const dir = tempDir()
+    const api = loadNative().api!
+    let headerReads = 0
+    const native = {
+      ...api,
+      readFileDirect: (...a: Parameters<typeof api.readFileDirect>) => {
+        headerReads++
+        return api.readFileDirect(...a)
+      },
+    }
+    const one = decodeHeader(object(hexOf(0xa0), 1)).headerBytes
+    const open = () => DiskTier.open({ dir, bytes: 1 << 30, native, indexedHeaderBytes: one + 100 })
+    const d = await open()
+    for (const k of [0xa0, 0xa1]) await d.put(hexOf(k), object(hexOf(k), k))
+    expect(d.stats().indexedHeaderBytes).toBe(one)
+    expect(await d.get(hexOf(0xa0))).toBeDefined()
+    expect(headerReads).toBe(0)
+    expect(await d.get(hexOf(0xa1))).toBeDefined()
+    expect(headerReads).toBe(1)
+    await d.delete(hexOf(0xa0))
+    expect(d.stats().indexedHeaderBytes).toBe(0)
+    await d.put(hexOf(0xa2), object(hexOf(0xa2), 2))
+    expect(d.stats().indexedHeaderBytes).toBe(one)
+    expect(await d.get(hexOf(0xa2))).toBeDefined()
+    expect(headerReads).toBe(1)
+    // A restart indexes two files within room for one header.
+    expect((await open()).stats()).toMatchObject({ files: 2, indexedHeaderBytes: one })
+  })
+
   describe("a read with a sink (the caller's buffer) copies verified sections only", () => {
     // ~20 MiB objects in three reads whose cuts fall inside sections: sections read whole
     // are copied by the workers, the split ones by the JS thread once all verified.
