@@ -429,7 +429,15 @@ describe('DiskTier', () => {
     expect(await d.get(hexOf(0xa2))).toBeDefined()
     expect(headerReads).toBe(1)
     // A restart indexes two files within room for one header.
-    expect((await open()).stats()).toMatchObject({ files: 2, indexedHeaderBytes: one })
+    const d2 = await open()
+    expect(d2.stats()).toMatchObject({ files: 2, indexedHeaderBytes: one })
+    // What is kept is a copy of the header alone, not a view holding the object or a read probe alive.
+    for (const t of [d, d2])
+      for (const k of [0xa1, 0xa2]) {
+        const h = t.indexedHeader(hexOf(k))
+        if (h) expect(h.buffer.byteLength).toBe(one)
+      }
+    expect([0xa1, 0xa2].filter((k) => d2.indexedHeader(hexOf(k)) !== undefined)).toHaveLength(1)
   })
 
   describe("a read with a sink (the caller's buffer) copies verified sections only", () => {

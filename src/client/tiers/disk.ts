@@ -174,11 +174,14 @@ interface FileEntry {
 /** The file no longer starts with the header it was indexed with (replaced since): read its own. */
 class StaleHeader extends Error {}
 
-/** A copy of an object's header bytes, or undefined when it has none that parses. */
+/**
+ * A copy of an object's header bytes (never a view: it must not keep the object's or a
+ * probe's memory alive), or undefined when it has none that parses.
+ */
 function headerOf(object: Uint8Array): Uint8Array | undefined {
   try {
     const n = readHeaderLength(object)
-    return n <= object.byteLength ? object.slice(0, n) : undefined
+    return n <= object.byteLength ? new Uint8Array(object.subarray(0, n)) : undefined
   } catch {
     return undefined
   }
@@ -386,7 +389,7 @@ export class DiskTier {
     return {
       bytes: st.size,
       time: Math.max(st.atimeMs, st.mtimeMs),
-      header: probe.slice(0, header.headerBytes),
+      header: new Uint8Array(probe.subarray(0, header.headerBytes)), // a copy (Buffer.slice is a view)
     }
   }
 
@@ -826,6 +829,11 @@ export class DiskTier {
     } catch {
       return undefined
     }
+  }
+
+  /** The header the index keeps for a file, if any (for tests and the inspect command). */
+  indexedHeader(hex: string): Uint8Array | undefined {
+    return this.#index.get(hex)?.header
   }
 
   pathOf(hex: string): string {
