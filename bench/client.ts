@@ -233,6 +233,7 @@ async function benchL2() {
     raw2: [] as number[],
     raw4: [] as number[],
     prefetch: [] as number[],
+    layers: [] as number[],
     buffered: [] as number[],
     raw: [] as number[],
     dd: [] as number[],
@@ -278,6 +279,16 @@ async function benchL2() {
     await dropCache(dir)
     cacheD.clearMemory()
     res.prefetch.push(await time(() => cacheD.prefetch(toks)))
+    // The agent's load path: layer by layer over the same chunks (L2 → L1, slabs handed out).
+    await dropCache(dir)
+    cacheD.clearMemory()
+    res.layers.push(
+      await time(async () => {
+        let last = 0
+        for await (const b of cacheD.retrieveLayers(toks)) last = b.chunks
+        if (last !== N) throw new Error('L2 retrieveLayers missed chunks')
+      }),
+    )
     await dropCache(dir)
     cacheB.clearMemory()
     res.buffered.push(await time(() => cacheB.retrieve(toks, { into })))
@@ -352,6 +363,7 @@ async function benchL2() {
       retrieve: spread(bytes, res.retrieve),
       retrieveJsCopy: spread(bytes, res.retrieveJsCopy),
       prefetch: spread(bytes, res.prefetch),
+      retrieveLayers: spread(bytes, res.layers),
       buffered: spread(bytes, res.buffered),
       raw: spread(bytes, rawRuns),
       rawOneAtATime: res.raw.length > 0 ? spread(bytes, res.raw) : undefined,
@@ -373,6 +385,7 @@ async function benchL2() {
     ratio: raw / median(res.retrieve),
     ratioJsCopy: raw / median(res.retrieveJsCopy),
     ratioPrefetch: raw / median(res.prefetch),
+    ratioRetrieveLayers: raw / median(res.layers),
     ratioBuffered: raw / median(res.buffered),
     /** CPU seconds (process: JS thread + libuv pool) per GiB moved, median over the runs. */
     cpuSecondsPerGiB: {
@@ -585,6 +598,12 @@ try {
         `${f(l2.l2PrefetchGBs)} (${f(l2.spreads.prefetch.min)}–${f(l2.spreads.prefetch.max)})`,
         'same raw read',
         `${f(l2.ratioPrefetch)}×`,
+      ],
+      [
+        'L2 retrieveLayers, the agent load path (L2 → L1, layer slabs) (GB/s)',
+        `${f(l2.spreads.retrieveLayers.median)} (${f(l2.spreads.retrieveLayers.min)}–${f(l2.spreads.retrieveLayers.max)})`,
+        'same raw read',
+        `${f(l2.ratioRetrieveLayers)}×`,
       ],
       [
         'L2 retrieve, buffered reads (GB/s)',

@@ -351,6 +351,95 @@ describe('DiskTier', () => {
     n.api!.freePinned(slot.buffer)
   })
 
+  it('through the addon, an indexed file is read without a header read first; one replaced since (same key) is read as it is now, not counted corrupt', async () => {
+    const dir = tempDir()
+    const n = loadNative()
+    expect(n.api, n.reason).toBeDefined()
+    const api = n.api!
+    let headerReads = 0
+    const native = {
+      ...api,
+      readFileDirect: (...a: Parameters<typeof api.readFileDirect>) => {
+        headerReads++
+        return api.readFileDirect(...a)
+      },
+    }
+    const obj = object(hexOf(0x90), 4, 32768)
+    const slot = new Uint8Array((await api.allocPinned(obj.byteLength + 4096)).buffer)
+    const d = await DiskTier.open({ dir, bytes: 1 << 30, native })
+    await d.put(hexOf(0x90), obj)
+    const same = (got: Uint8Array | undefined, want: Uint8Array) =>
+      got !== undefined && Buffer.compare(Buffer.from(got), Buffer.from(want)) === 0
+    // Indexed by the write, then by a restart's rebuild: every range is read at once, no header read.
+    expect(same(await d.get(hexOf(0x90), 'get', slot), obj)).toBe(true)
+    const d2 = await DiskTier.open({ dir, bytes: 1 << 30, native })
+    expect(same(await d2.get(hexOf(0x90), 'get', slot), obj)).toBe(true)
+    expect(headerReads).toBe(0)
+    // Another writer replaced the file (same key, same size, other bytes): served as it is
+    // now, its tensor (not the indexed object's) in the sink, and indexed with its header.
+    const other = object(hexOf(0x90), 200, 32768)
+    writeFileSync(d2.pathOf(hexOf(0x90)), other)
+    const h = decodeHeader(other)
+    const sink: ReadSink = {
+      into: new Uint8Array(other.byteLength - h.headerBytes).fill(0xee),
+      gate: new CopyGate(),
+      copied: false,
+      accept: (header) => header.headerBytes,
+    }
+    expect(same(await d2.get(hexOf(0x90), 'get', slot, sink), other)).toBe(true)
+    expect(sink.copied).toBe(true)
+    expect(Buffer.compare(sink.into, other.subarray(h.headerBytes))).toBe(0)
+    expect(headerReads).toBe(1)
+    expect(same(await d2.get(hexOf(0x90), 'get', slot), other)).toBe(true)
+    expect(headerReads).toBe(1)
+    expect(d2.counters.corrupt).toBe(0)
+    expect(d2.has(hexOf(0x90))).toBe(true)
+    // Replaced by a damaged object: a counted corrupt miss, as any damaged file.
+    writeFileSync(d2.pathOf(hexOf(0x90)), obj.with(obj.length - 5, obj[obj.length - 5]! ^ 1).with(20, 99))
+    expect(await d2.get(hexOf(0x90), 'get', slot)).toBeUndefined()
+    expect(d2.counters.corrupt).toBe(1)
+    expect(d2.has(hexOf(0x90))).toBe(false)
+    n.api!.freePinned(slot.buffer)
+  })
+
+  it('keeps indexed headers within indexedHeaderBytes: files beyond it are read header first; a deleted file frees its share', async () => {
+    const dir = tempDir()
+    const api = loadNative().api!
+    let headerReads = 0
+    const native = {
+      ...api,
+      readFileDirect: (...a: Parameters<typeof api.readFileDirect>) => {
+        headerReads++
+        return api.readFileDirect(...a)
+      },
+    }
+    const one = decodeHeader(object(hexOf(0xa0), 1)).headerBytes
+    const open = () => DiskTier.open({ dir, bytes: 1 << 30, native, indexedHeaderBytes: one + 100 })
+    const d = await open()
+    for (const k of [0xa0, 0xa1]) await d.put(hexOf(k), object(hexOf(k), k))
+    expect(d.stats().indexedHeaderBytes).toBe(one)
+    expect(await d.get(hexOf(0xa0))).toBeDefined()
+    expect(headerReads).toBe(0)
+    expect(await d.get(hexOf(0xa1))).toBeDefined()
+    expect(headerReads).toBe(1)
+    await d.delete(hexOf(0xa0))
+    expect(d.stats().indexedHeaderBytes).toBe(0)
+    await d.put(hexOf(0xa2), object(hexOf(0xa2), 2))
+    expect(d.stats().indexedHeaderBytes).toBe(one)
+    expect(await d.get(hexOf(0xa2))).toBeDefined()
+    expect(headerReads).toBe(1)
+    // A restart indexes two files within room for one header.
+    const d2 = await open()
+    expect(d2.stats()).toMatchObject({ files: 2, indexedHeaderBytes: one })
+    // What is kept is a copy of the header alone, not a view holding the object or a read probe alive.
+    for (const t of [d, d2])
+      for (const k of [0xa1, 0xa2]) {
+        const h = t.indexedHeader(hexOf(k))
+        if (h) expect(h.buffer.byteLength).toBe(one)
+      }
+    expect([0xa1, 0xa2].filter((k) => d2.indexedHeader(hexOf(k)) !== undefined)).toHaveLength(1)
+  })
+
   describe("a read with a sink (the caller's buffer) copies verified sections only", () => {
     // ~20 MiB objects in three reads whose cuts fall inside sections: sections read whole
     // are copied by the workers, the split ones by the JS thread once all verified.

@@ -57,6 +57,12 @@ export interface DiskTierOptions {
    * replaces `bytes`; beyond it the least recently used file of any of them is deleted.
    */
   sharedBudget?: DiskBudget
+  /**
+   * Memory for the headers the index keeps (a read of an indexed file skips its header
+   * read); files beyond it are read header first. ~0.7 KiB per 32-layer chunk file.
+   * @default 64 MiB
+   */
+  indexedHeaderBytes?: number
 }
 
 /**
@@ -124,6 +130,8 @@ export interface DiskTierStats {
   directReads: number
   /** Reads whose tensor the reading workers also copied, verified, into a caller's buffer (ReadSink). */
   sinkReads: number
+  /** Memory held by the file headers the index keeps (reads of those files skip a header read). */
+  indexedHeaderBytes: number
   /** Writes that failed (ENOSPC, EROFS, EACCES, ...); the chunk stays in the other tiers. */
   writeErrors: number
   lastWriteError: string | undefined
@@ -155,6 +163,28 @@ interface FileEntry {
   bytes: number
   /** Last use (useTime): compares recency across the tiers of a shared budget. */
   used: number
+  /**
+   * The object's header as indexed (written here, or read at start): a read issues every
+   * range at once instead of reading the header first, and checks that the file still
+   * starts with these bytes. Undefined: the read fetches the header from the file.
+   */
+  header?: Uint8Array | undefined
+}
+
+/** The file no longer starts with the header it was indexed with (replaced since): read its own. */
+class StaleHeader extends Error {}
+
+/**
+ * A copy of an object's header bytes (never a view: it must not keep the object's or a
+ * probe's memory alive), or undefined when it has none that parses.
+ */
+function headerOf(object: Uint8Array): Uint8Array | undefined {
+  try {
+    const n = readHeaderLength(object)
+    return n <= object.byteLength ? new Uint8Array(object.subarray(0, n)) : undefined
+  } catch {
+    return undefined
+  }
 }
 
 /**
@@ -216,6 +246,9 @@ export class DiskTier {
   readonly #verify: (object: Uint8Array) => ChunkHeader | Promise<ChunkHeader>
   readonly #owns: (header: ChunkHeader) => boolean
   readonly #staleTempMs: number
+  readonly #headerBudget: number
+  /** Bytes of the headers the index holds (FileEntry.header), at most #headerBudget. */
+  #headerBytes = 0
 
   /** One budget with other tiers, or this tier's own. */
   readonly #shared: DiskBudget
@@ -231,6 +264,7 @@ export class DiskTier {
     this.#verify = opts.verify ?? verifyChunk
     this.#owns = opts.owns ?? (() => true)
     this.#staleTempMs = opts.staleTempMs ?? 3_600_000
+    this.#headerBudget = opts.indexedHeaderBytes ?? 64 * 1024 * 1024
     this.#queue = new PriorityQueue(opts.concurrency ?? 2)
   }
 
@@ -258,7 +292,7 @@ export class DiskTier {
   }
 
   async #rebuild(): Promise<void> {
-    const found: { hex: string; bytes: number; time: number }[] = []
+    const found: { hex: string; bytes: number; time: number; header: Uint8Array }[] = []
     for (const sub of await readdir(this.dir)) {
       if (!SUBDIR_RE.test(sub)) continue
       const subdir = join(this.dir, sub)
@@ -295,12 +329,14 @@ export class DiskTier {
           this.#discarded++
           continue
         }
-        found.push({ hex, bytes: ok.bytes, time: ok.time })
+        found.push({ hex, bytes: ok.bytes, time: ok.time, header: ok.header })
       }
     }
     found.sort((a, b) => a.time - b.time)
     for (const f of found) {
-      this.#index.set(f.hex, { bytes: f.bytes, used: f.time })
+      const entry: FileEntry = { bytes: f.bytes, used: f.time }
+      this.#index.set(f.hex, entry)
+      this.#keepHeader(entry, f.header)
       this.#addUsed(f.bytes)
     }
     await this.#evictToBudget(0)
@@ -328,7 +364,7 @@ export class DiskTier {
   async #checkHeader(
     path: string,
     hex: string,
-  ): Promise<{ bytes: number; time: number } | 'unreadable' | 'foreign' | undefined> {
+  ): Promise<{ bytes: number; time: number; header: Uint8Array } | 'unreadable' | 'foreign' | undefined> {
     let fh: Awaited<ReturnType<typeof open>> | undefined
     let probe: Buffer
     let st: Awaited<ReturnType<typeof stat>>
@@ -350,7 +386,11 @@ export class DiskTier {
     }
     if (header.totalBytes !== st.size || toHex(header.chainKey) !== hex) return undefined
     if (!this.#owns(header)) return 'foreign'
-    return { bytes: st.size, time: Math.max(st.atimeMs, st.mtimeMs) }
+    return {
+      bytes: st.size,
+      time: Math.max(st.atimeMs, st.mtimeMs),
+      header: new Uint8Array(probe.subarray(0, header.headerBytes)), // a copy (Buffer.slice is a view)
+    }
   }
 
   has(hex: string): boolean {
@@ -386,7 +426,7 @@ export class DiskTier {
     const dst = into && into.byteLength >= entry.bytes ? into.subarray(0, entry.bytes) : undefined
     let bytes: Uint8Array | undefined
     try {
-      const read = await this.#queue.run(priority, () => this.#readFile(hex, entry.bytes, dst, sink))
+      const read = await this.#queue.run(priority, () => this.#readFile(hex, entry, dst, sink))
       bytes = read?.bytes
       if (read && !read.verified) await this.#verify(read.bytes)
     } catch (e) {
@@ -411,15 +451,26 @@ export class DiskTier {
 
   async #readFile(
     hex: string,
-    size: number,
+    entry: FileEntry,
     into: Uint8Array | undefined,
     sink: ReadSink | undefined,
   ): Promise<{ bytes: Uint8Array; verified: boolean } | undefined> {
+    const size = entry.bytes
     // One buffer, one read call per pass: readFile() would read in 512 KiB pieces.
     const buf = into ?? new Uint8Array(size)
     if (this.#native && buf.byteOffset % 4096 === 0) {
       try {
-        return await this.#readVerifiedDirect(hex, buf, size, sink)
+        try {
+          return await this.#readVerifiedDirect(hex, buf, size, sink, entry.header)
+        } catch (e) {
+          if (!(e instanceof StaleHeader)) throw e
+          // Replaced since it was indexed: once more with the header the file has now,
+          // which is then the one indexed.
+          this.#keepHeader(entry, undefined)
+          const read = await this.#readVerifiedDirect(hex, buf, size, sink, undefined)
+          if (read && this.#index.get(hex) === entry) this.#keepHeader(entry, headerOf(read.bytes))
+          return read
+        }
       } catch (e) {
         if (isKvgateError(e) && e.code.startsWith('ERR_FORMAT_')) throw e
         return this.#readError(hex, e)
@@ -430,8 +481,9 @@ export class DiskTier {
   }
 
   /**
-   * Reads through the addon with verification off this thread: a small header read,
-   * then the object in SEGMENT_BYTES ranges, several at once, and the libuv worker
+   * Reads through the addon with verification off this thread: the object in
+   * SEGMENT_BYTES ranges, all at once (after a small header read when the index holds
+   * no header for it), and the libuv worker
    * that read each range CRC-32s the section pieces in it (readFileCrc). Here only
    * the per-piece CRCs are joined (crc32Combine) and compared with the header's, so
    * every byte is verified before it is served while the JS thread stays free.
@@ -442,21 +494,14 @@ export class DiskTier {
     buf: Uint8Array,
     size: number,
     sink: ReadSink | undefined,
+    indexed: Uint8Array | undefined,
   ): Promise<{ bytes: Uint8Array; verified: boolean } | undefined> {
     const native = this.#native!
     const path = this.#pathOf(hex)
     const maxBytes = Math.max(size, DEFAULT_MAX_CHUNK_BYTES)
-    // Header: one aligned block, a second read only for a header longer than that.
-    let got = await this.#readHead(path, buf, Math.min(size, HEADER_READ_BYTES))
-    if (got < Math.min(size, HEADER_READ_BYTES)) {
-      this.#checkLength(hex, got, size) // shorter than the index says: a counted corrupt miss
-      return undefined
-    }
-    const headerBytes = readHeaderLength(buf.subarray(0, got))
-    if (headerBytes > got && got < size) {
-      got = await this.#readHead(path, buf, Math.min(size, alignUp(headerBytes)))
-    }
-    const header = decodeHeader(buf.subarray(0, Math.min(got, headerBytes)), { maxBytes })
+    const headerCopy = indexed ?? (await this.#readHeader(hex, path, buf, size))
+    if (!headerCopy) return undefined
+    const header = decodeHeader(headerCopy, { maxBytes })
     if (header.totalBytes !== size) {
       // The file's size is what the index holds: a header that disagrees is corrupt.
       throw new FormatError(
@@ -464,7 +509,6 @@ export class DiskTier {
         `file is ${size} bytes, its header says ${header.totalBytes}`,
       )
     }
-    const headerCopy = buf.slice(0, headerBytes)
     const sections = header.sections
     const crcs = new Uint32Array(sections.length)
     // Sections a worker verified and copied into the sink whole.
@@ -513,6 +557,8 @@ export class DiskTier {
           return undefined
         }
         if (off === 0 && !equalPrefix(buf, headerCopy)) {
+          // Not the header the index holds: the file was replaced since, read it afresh.
+          if (indexed) throw new StaleHeader()
           // The file was replaced between the header read and this one: not one object.
           throw new FormatError('ERR_FORMAT_BAD_FIELD', 'header changed while the object was read')
         }
@@ -554,6 +600,28 @@ export class DiskTier {
     })
     sink.copied = true
     this.#sinkReads++
+  }
+
+  /**
+   * The file's header bytes: one aligned block, a second read only for a header longer
+   * than that. Undefined (a counted corrupt miss) when the file is shorter than indexed.
+   */
+  async #readHeader(
+    hex: string,
+    path: string,
+    buf: Uint8Array,
+    size: number,
+  ): Promise<Uint8Array | undefined> {
+    let got = await this.#readHead(path, buf, Math.min(size, HEADER_READ_BYTES))
+    if (got < Math.min(size, HEADER_READ_BYTES)) {
+      this.#checkLength(hex, got, size)
+      return undefined
+    }
+    const headerBytes = readHeaderLength(buf.subarray(0, got))
+    if (headerBytes > got && got < size) {
+      got = await this.#readHead(path, buf, Math.min(size, alignUp(headerBytes)))
+    }
+    return buf.slice(0, Math.min(got, headerBytes))
   }
 
   /** Reads the first `length` bytes of the file into `buf` (through the addon); resolves the bytes read. */
@@ -644,7 +712,9 @@ export class DiskTier {
       await fh.close()
       fh = undefined
       await rename(tmp, this.#pathOf(hex))
-      this.#index.set(hex, { bytes: object.byteLength, used: useTime() })
+      const entry: FileEntry = { bytes: object.byteLength, used: useTime() }
+      this.#index.set(hex, entry)
+      this.#keepHeader(entry, headerOf(object))
       this.#addUsed(object.byteLength)
       this.counters.puts++
       this.counters.bytesWritten += object.byteLength
@@ -670,9 +740,20 @@ export class DiskTier {
     await unlink(this.#pathOf(hex)).catch(() => {})
   }
 
+  /** Sets (or clears) an indexed file's header, within the memory for headers. */
+  #keepHeader(entry: FileEntry, header: Uint8Array | undefined): void {
+    this.#headerBytes -= entry.header?.byteLength ?? 0
+    entry.header = undefined
+    if (header && this.#headerBytes + header.byteLength <= this.#headerBudget) {
+      entry.header = header
+      this.#headerBytes += header.byteLength
+    }
+  }
+
   #dropIndex(hex: string): boolean {
     const e = this.#index.get(hex)
     if (!e) return false
+    this.#keepHeader(e, undefined)
     this.#index.delete(hex)
     this.#addUsed(-e.bytes)
     return true
@@ -734,6 +815,7 @@ export class DiskTier {
       unreadableFiles: this.#unreadable,
       directReads: this.#directReads,
       sinkReads: this.#sinkReads,
+      indexedHeaderBytes: this.#headerBytes,
       writeErrors: this.#writeErrors,
       lastWriteError: this.#lastWriteError,
       queued: this.#queue.pending,
@@ -747,6 +829,11 @@ export class DiskTier {
     } catch {
       return undefined
     }
+  }
+
+  /** The header the index keeps for a file, if any (for tests and the inspect command). */
+  indexedHeader(hex: string): Uint8Array | undefined {
+    return this.#index.get(hex)?.header
   }
 
   pathOf(hex: string): string {
