@@ -546,67 +546,88 @@ pub fn decode_symbols(
         // Fast path: lanes line up with channels; the loop head guarantees the
         // next LANES symbols' reads (≤ LANES words) are inside `data`, so renormalisation
         // is branch-free (an unpredictable branch costs more than the read).
-        let dp = data.as_ptr();
-        let sp = syms.as_mut_ptr();
-        let tp = dec.as_ptr();
-        let cbp = cbase.as_ptr();
-        // Pointers instead of indices: fewer live registers (V8 spills the states otherwise).
-        macro_rules! fast_loop {
-            ($base:expr, $track:expr) => {
-                if len >= 2 * LANES {
-                    // SAFETY: rp ≤ rlim keeps the next LANES words inside `data`; op < oend
-                    // (oend = sp + n, n a multiple of LANES here) keeps the LANES stores inside
-                    // `syms`; the table index is < k·PROB_SCALE (class base + masked slot).
-                    unsafe {
-                        let mut rp = dp;
-                        let rlim = dp.add(len - 2 * LANES);
-                        let mut op = sp;
-                        let oend = sp.add(n);
-                        let (mut x0, mut x1, mut x2, mut x3) = (x[0], x[1], x[2], x[3]);
-                        let (mut x4, mut x5, mut x6, mut x7) = (x[4], x[5], x[6], x[7]);
-                        while op < oend && rp <= rlim {
-                            macro_rules! fast {
-                                ($xs:ident, $off:expr) => {{
-                                    let e = *tp.add(($base($off) + ($xs & mask)) as usize);
-                                    *op.add($off) = e as u8;
-                                    let xs = (e >> 20) * ($xs >> PROB_BITS) + ((e >> 8) & 0xfff);
-                                    let w =
-                                        u16::from_le((rp as *const u16).read_unaligned()) as u32;
-                                    let need = xs < RANS_L;
-                                    // Two selects (cmov), no branch.
-                                    $xs = if need { (xs << 16) | w } else { xs };
-                                    rp = rp.add(if need { 2 } else { 0 });
-                                }};
-                            }
-                            fast!(x0, 0);
-                            fast!(x1, 1);
-                            fast!(x2, 2);
-                            fast!(x3, 3);
-                            fast!(x4, 4);
-                            fast!(x5, 5);
-                            fast!(x6, 6);
-                            fast!(x7, 7);
-                            op = op.add(LANES);
-                            if $track {
-                                ch += LANES;
-                                if ch == c {
-                                    ch = 0;
+        #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+        {
+            if len >= SIMD_SLACK {
+                // SAFETY: `dec` holds k·PROB_SCALE entries and every class base in `cbase` is
+                // < k·PROB_SCALE (see simd_fast_loop); syms has n ≥ LANES·(groups) entries.
+                let (done, read) = unsafe {
+                    if k == 1 {
+                        simd_fast_loop::<false>(&mut x, data, syms, n, c, dec, cbase)
+                    } else {
+                        simd_fast_loop::<true>(&mut x, data, syms, n, c, dec, cbase)
+                    }
+                };
+                i = done;
+                ch = i % c;
+                p = read;
+            }
+        }
+        #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+        {
+            let dp = data.as_ptr();
+            let sp = syms.as_mut_ptr();
+            let tp = dec.as_ptr();
+            let cbp = cbase.as_ptr();
+            // Pointers instead of indices: fewer live registers (V8 spills the states otherwise).
+            macro_rules! fast_loop {
+                ($base:expr, $track:expr) => {
+                    if len >= 2 * LANES {
+                        // SAFETY: rp ≤ rlim keeps the next LANES words inside `data`; op < oend
+                        // (oend = sp + n, n a multiple of LANES here) keeps the LANES stores inside
+                        // `syms`; the table index is < k·PROB_SCALE (class base + masked slot).
+                        unsafe {
+                            let mut rp = dp;
+                            let rlim = dp.add(len - 2 * LANES);
+                            let mut op = sp;
+                            let oend = sp.add(n);
+                            let (mut x0, mut x1, mut x2, mut x3) = (x[0], x[1], x[2], x[3]);
+                            let (mut x4, mut x5, mut x6, mut x7) = (x[4], x[5], x[6], x[7]);
+                            while op < oend && rp <= rlim {
+                                macro_rules! fast {
+                                    ($xs:ident, $off:expr) => {{
+                                        let e = *tp.add(($base($off) + ($xs & mask)) as usize);
+                                        *op.add($off) = e as u8;
+                                        let xs =
+                                            (e >> 20) * ($xs >> PROB_BITS) + ((e >> 8) & 0xfff);
+                                        let w = u16::from_le((rp as *const u16).read_unaligned())
+                                            as u32;
+                                        let need = xs < RANS_L;
+                                        // Two selects (cmov), no branch.
+                                        $xs = if need { (xs << 16) | w } else { xs };
+                                        rp = rp.add(if need { 2 } else { 0 });
+                                    }};
+                                }
+                                fast!(x0, 0);
+                                fast!(x1, 1);
+                                fast!(x2, 2);
+                                fast!(x3, 3);
+                                fast!(x4, 4);
+                                fast!(x5, 5);
+                                fast!(x6, 6);
+                                fast!(x7, 7);
+                                op = op.add(LANES);
+                                if $track {
+                                    ch += LANES;
+                                    if ch == c {
+                                        ch = 0;
+                                    }
                                 }
                             }
+                            x = [x0, x1, x2, x3, x4, x5, x6, x7];
+                            i = op.offset_from(sp) as usize;
+                            ch = i % c;
+                            p = rp.offset_from(dp) as usize;
                         }
-                        x = [x0, x1, x2, x3, x4, x5, x6, x7];
-                        i = op.offset_from(sp) as usize;
-                        ch = i % c;
-                        p = rp.offset_from(dp) as usize;
                     }
-                }
-            };
-        }
-        if k == 1 {
-            // One table: no per-channel class lookups (and no channel counter).
-            fast_loop!(|_off: usize| 0u32, false);
-        } else {
-            fast_loop!(|off: usize| *cbp.add(ch + off), true);
+                };
+            }
+            if k == 1 {
+                // One table: no per-channel class lookups (and no channel counter).
+                fast_loop!(|_off: usize| 0u32, false);
+            } else {
+                fast_loop!(|off: usize| *cbp.add(ch + off), true);
+            }
         }
     }
     // Careful tail: every read checked.
@@ -652,6 +673,150 @@ pub fn decode_symbols(
         return None;
     }
     Some(())
+}
+
+/// Bytes the SIMD decode loop may read past its position: two 16-byte loads, the second
+/// up to 4 words (8 bytes) after the first.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+const SIMD_SLACK: usize = 24;
+
+/// Renormalisation shuffles: for each 4-bit mask of the lanes whose state fell below RANS_L
+/// (bit j = lane j), the i8x16.swizzle that moves the next words of the stream, in lane order,
+/// into the low halves of those lanes (0x80 zeroes every other byte).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+const fn renorm_shuffles() -> [[u8; 16]; 16] {
+    let mut t = [[0x80u8; 16]; 16];
+    let mut m = 0;
+    while m < 16 {
+        let mut k = 0u8;
+        let mut j = 0;
+        while j < 4 {
+            if (m >> j) & 1 == 1 {
+                t[m][4 * j] = 2 * k;
+                t[m][4 * j + 1] = 2 * k + 1;
+                k += 1;
+            }
+            j += 1;
+        }
+        m += 1;
+    }
+    t
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+static RENORM: [[u8; 16]; 16] = renorm_shuffles();
+
+/// The branch-free decode loop with the 8 states in two i32x4 vectors (lanes 0–3, 4–7).
+/// A vector reads the words its lanes need in lane order, then the next vector reads its
+/// words: the order of the scalar decoder, so the stream format is unchanged. Runs whole
+/// groups of LANES symbols while both 16-byte word loads stay inside `data`; returns the
+/// symbols decoded and the bytes of `data` consumed, and leaves the states in `x`.
+///
+/// SAFETY: `c % LANES == 0`, `n ≤ syms.len()`, `cbase.len() == c`, every `cbase` entry plus
+/// PROB_SCALE − 1 is inside `dec` (decode_symbols' callers give class · PROB_SCALE, class < k,
+/// and dec.len() == k · PROB_SCALE), and `data.len() ≥ SIMD_SLACK`.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+unsafe fn simd_fast_loop<const TRACK: bool>(
+    x: &mut [u32; LANES],
+    data: &[u8],
+    syms: &mut [u8],
+    n: usize,
+    c: usize,
+    dec: &[u32],
+    cbase: &[u32],
+) -> (usize, usize) {
+    use core::arch::wasm32::*;
+    let dp = data.as_ptr();
+    let rlim = dp.add(data.len() - SIMD_SLACK);
+    let sp = syms.as_mut_ptr();
+    let oend = sp.add(n);
+    let tp = dec.as_ptr();
+    let cbp = cbase.as_ptr();
+    let shuf = RENORM.as_ptr();
+    let mask = u32x4_splat(PROB_SCALE - 1);
+    let bias_mask = u32x4_splat(0xfff);
+    let zero = u32x4_splat(0);
+    let sym_mask = u32x4_splat(0xff);
+    let mut xa = u32x4(x[0], x[1], x[2], x[3]);
+    let mut xb = u32x4(x[4], x[5], x[6], x[7]);
+    let mut rp = dp;
+    let mut op = sp;
+    let mut ch = 0usize;
+    // One table entry per lane: wasm has no gather, so extract each slot and load it into
+    // its lane.
+    macro_rules! gather {
+        ($idx:expr) => {{
+            let idx = $idx;
+            let lo = v128_load32_zero(tp.add(u32x4_extract_lane::<0>(idx) as usize));
+            let lo = v128_load32_lane::<1>(lo, tp.add(u32x4_extract_lane::<1>(idx) as usize));
+            let hi = v128_load32_zero(tp.add(u32x4_extract_lane::<2>(idx) as usize));
+            let hi = v128_load32_lane::<1>(hi, tp.add(u32x4_extract_lane::<3>(idx) as usize));
+            i64x2_shuffle::<0, 2>(lo, hi)
+        }};
+    }
+    // x = freq · (x >> 11) + bias, then the lanes below RANS_L take the next words.
+    macro_rules! step {
+        ($x:ident, $e:expr) => {{
+            let e = $e;
+            let xs = i32x4_add(
+                i32x4_mul(u32x4_shr(e, 20), u32x4_shr($x, PROB_BITS)),
+                v128_and(u32x4_shr(e, 8), bias_mask),
+            );
+            // xs < 2^16 as "high half zero": LLVM turns a u32 compare (or shift + compare)
+            // into i32x4 lt_u, which V8 lowers to four instructions (x64 has no unsigned compare).
+            let need = i32x4_shr(i16x8_eq(xs, zero), 16);
+            let m = i32x4_bitmask(need) as usize & 15;
+            let w = i8x16_swizzle(
+                v128_load(rp as *const v128),
+                v128_load(shuf.add(m) as *const v128),
+            );
+            $x = v128_or(v128_bitselect(u32x4_shl(xs, 16), xs, need), w);
+            rp = rp.add(2 * (m as u32).count_ones() as usize);
+        }};
+    }
+    while op < oend && rp <= rlim {
+        let (ia, ib) = if TRACK {
+            (v128_and(xa, mask), v128_and(xb, mask))
+        } else {
+            (v128_and(xa, mask), v128_and(xb, mask))
+        };
+        let (ia, ib) = if TRACK {
+            (
+                i32x4_add(ia, v128_load(cbp.add(ch) as *const v128)),
+                i32x4_add(ib, v128_load(cbp.add(ch + 4) as *const v128)),
+            )
+        } else {
+            (ia, ib)
+        };
+        let ea = gather!(ia);
+        let eb = gather!(ib);
+        // The symbols (low bytes) of the 8 entries; a two-vector byte shuffle costs V8 two
+        // pshufb with constants built in registers.
+        let s = u16x8_narrow_i32x4(v128_and(ea, sym_mask), v128_and(eb, sym_mask));
+        let s = u8x16_narrow_i16x8(s, s);
+        v128_store64_lane::<0>(s, op as *mut u64);
+        step!(xa, ea);
+        step!(xb, eb);
+        op = op.add(LANES);
+        if TRACK {
+            ch += LANES;
+            if ch == c {
+                ch = 0;
+            }
+        }
+    }
+    *x = [
+        u32x4_extract_lane::<0>(xa),
+        u32x4_extract_lane::<1>(xa),
+        u32x4_extract_lane::<2>(xa),
+        u32x4_extract_lane::<3>(xa),
+        u32x4_extract_lane::<0>(xb),
+        u32x4_extract_lane::<1>(xb),
+        u32x4_extract_lane::<2>(xb),
+        u32x4_extract_lane::<3>(xb),
+    ];
+    (op.offset_from(sp) as usize, rp.offset_from(dp) as usize)
 }
 
 /// Reads a table in `write_table`'s format as frequencies, validated as `read_table` does
