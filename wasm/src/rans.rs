@@ -460,6 +460,18 @@ pub fn decode_block(
     alphabet: usize,
     syms: &mut [u8],
 ) -> Option<()> {
+    decode_block_with(r, t, c, alphabet, syms, &mut NoSink)
+}
+
+/// `decode_block` that runs `sink` inside the decode loop (see GroupSink).
+pub fn decode_block_with<S: GroupSink>(
+    r: &mut Reader,
+    t: usize,
+    c: usize,
+    alphabet: usize,
+    syms: &mut [u8],
+    sink: &mut S,
+) -> Option<()> {
     let k = r.u8()? as usize;
     if k == 0 || k > MAX_CLASSES {
         return None;
@@ -483,7 +495,7 @@ pub fn decode_block(
             &mut dec[cls * PROB_SCALE as usize..(cls + 1) * PROB_SCALE as usize],
         )?;
     }
-    decode_symbols(r, t, c, k, &cbase, &dec, syms)
+    decode_symbols_with(r, t, c, k, &cbase, &dec, syms, sink)
 }
 
 /// Decode table entries of `f` (a validated table: sums to PROB_SCALE) into `dec`.
@@ -507,6 +519,59 @@ pub fn decode_symbols(
     cbase: &[u32],
     dec: &[u32],
     syms: &mut [u8],
+) -> Option<()> {
+    decode_symbols_with(r, t, c, k, cbase, dec, syms, &mut NoSink)
+}
+
+/// Work run inside the SIMD decode loop after each group of LANES symbols. The loop is
+/// bound by its dependency chain (table lookup → multiply → renormalise, state by state),
+/// which leaves issue slots idle: independent work placed in the same loop body (the
+/// reconstruction of earlier symbols) runs in them almost for free.
+///
+/// The loop calls no function (V8 would spill every vector live across a call, on every
+/// iteration): work that needs one (rare) pauses the loop, which returns, lets `resume` do
+/// it, and re-enters.
+pub trait GroupSink: Copy {
+    /// One more group of LANES symbols is decoded: `syms` (the loop's own pointer to the
+    /// symbol buffer) holds every symbol decoded so far. false pauses the loop after this
+    /// group (then `resume` is called).
+    ///
+    /// # Safety
+    /// `syms` points at the buffer being decoded, with all symbols so far written.
+    unsafe fn group(&mut self, syms: *const u8) -> bool;
+    /// Does what made `group` pause; false rejects the block.
+    ///
+    /// # Safety
+    /// As for `group`.
+    unsafe fn resume(&mut self, syms: *const u8) -> bool;
+}
+
+/// No work in the loop.
+#[derive(Clone, Copy)]
+pub struct NoSink;
+
+impl GroupSink for NoSink {
+    #[inline(always)]
+    unsafe fn group(&mut self, _syms: *const u8) -> bool {
+        true
+    }
+    unsafe fn resume(&mut self, _syms: *const u8) -> bool {
+        true
+    }
+}
+
+/// `decode_symbols` that runs `sink` in the SIMD decode loop (the loop may stop early, and
+/// the scalar paths call no sink: the caller finishes whatever the sink did not do).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_symbols_with<S: GroupSink>(
+    r: &mut Reader,
+    t: usize,
+    c: usize,
+    k: usize,
+    cbase: &[u32],
+    dec: &[u32],
+    syms: &mut [u8],
+    sink: &mut S,
 ) -> Option<()> {
     if cbase.len() != c || dec.len() != k * PROB_SCALE as usize || k == 0 {
         return None;
@@ -548,23 +613,32 @@ pub fn decode_symbols(
         // is branch-free (an unpredictable branch costs more than the read).
         #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
         {
-            if len >= SIMD_SLACK {
+            while len >= SIMD_SLACK {
                 // SAFETY: `dec` holds k·PROB_SCALE entries and every class base in `cbase` is
-                // < k·PROB_SCALE (see simd_fast_loop); syms has n ≥ LANES·(groups) entries.
-                let (done, read) = unsafe {
+                // < k·PROB_SCALE (see simd_fast_loop); syms has n ≥ LANES·(groups) entries;
+                // i and p come from the previous call (whole groups, inside `data`).
+                let (done, read, paused) = unsafe {
                     if k == 1 {
-                        simd_fast_loop::<false>(&mut x, data, syms, n, c, dec, cbase)
+                        simd_fast_loop::<false, S>(&mut x, data, syms, n, c, dec, cbase, sink, i, p)
                     } else {
-                        simd_fast_loop::<true>(&mut x, data, syms, n, c, dec, cbase)
+                        simd_fast_loop::<true, S>(&mut x, data, syms, n, c, dec, cbase, sink, i, p)
                     }
                 };
                 i = done;
                 ch = i % c;
                 p = read;
+                // SAFETY: the sink's contract; every symbol before i is decoded.
+                if !paused {
+                    break;
+                }
+                if unsafe { !sink.resume(syms.as_ptr()) } {
+                    return None;
+                }
             }
         }
         #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
         {
+            let _ = &sink;
             let dp = data.as_ptr();
             let sp = syms.as_mut_ptr();
             let tp = dec.as_ptr();
@@ -709,15 +783,18 @@ static RENORM: [[u8; 16]; 16] = renorm_shuffles();
 /// The branch-free decode loop with the 8 states in two i32x4 vectors (lanes 0–3, 4–7).
 /// A vector reads the words its lanes need in lane order, then the next vector reads its
 /// words: the order of the scalar decoder, so the stream format is unchanged. Runs whole
-/// groups of LANES symbols while both 16-byte word loads stay inside `data`; returns the
-/// symbols decoded and the bytes of `data` consumed, and leaves the states in `x`.
+/// groups of LANES symbols, from symbol `i0` and byte `p0` of `data` (the states in `x`),
+/// while both 16-byte word loads stay inside `data` and the sink does not pause; returns
+/// the symbols decoded, the bytes of `data` consumed and whether the sink paused; leaves
+/// the states in `x`.
 ///
 /// SAFETY: `c % LANES == 0`, `n ≤ syms.len()`, `cbase.len() == c`, every `cbase` entry plus
 /// PROB_SCALE − 1 is inside `dec` (decode_symbols' callers give class · PROB_SCALE, class < k,
 /// and dec.len() == k · PROB_SCALE), and `data.len() ≥ SIMD_SLACK`.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 #[inline(always)]
-unsafe fn simd_fast_loop<const TRACK: bool>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn simd_fast_loop<const TRACK: bool, S: GroupSink>(
     x: &mut [u32; LANES],
     data: &[u8],
     syms: &mut [u8],
@@ -725,7 +802,10 @@ unsafe fn simd_fast_loop<const TRACK: bool>(
     c: usize,
     dec: &[u32],
     cbase: &[u32],
-) -> (usize, usize) {
+    sink: &mut S,
+    i0: usize,
+    p0: usize,
+) -> (usize, usize, bool) {
     use core::arch::wasm32::*;
     let dp = data.as_ptr();
     let rlim = dp.add(data.len() - SIMD_SLACK);
@@ -740,9 +820,12 @@ unsafe fn simd_fast_loop<const TRACK: bool>(
     let sym_mask = u32x4_splat(0xff);
     let mut xa = u32x4(x[0], x[1], x[2], x[3]);
     let mut xb = u32x4(x[4], x[5], x[6], x[7]);
-    let mut rp = dp;
-    let mut op = sp;
-    let mut ch = 0usize;
+    let mut rp = dp.add(p0);
+    let mut op = sp.add(i0);
+    let mut ch = if TRACK { i0 % c } else { 0 };
+    let mut paused = false;
+    // A local copy (Copy, address never taken) that LLVM keeps in locals, i.e. registers.
+    let mut sk = *sink;
     // One table entry per lane: wasm has no gather, so extract each slot and load it into
     // its lane.
     macro_rules! gather {
@@ -776,11 +859,7 @@ unsafe fn simd_fast_loop<const TRACK: bool>(
         }};
     }
     while op < oend && rp <= rlim {
-        let (ia, ib) = if TRACK {
-            (v128_and(xa, mask), v128_and(xb, mask))
-        } else {
-            (v128_and(xa, mask), v128_and(xb, mask))
-        };
+        let (ia, ib) = (v128_and(xa, mask), v128_and(xb, mask));
         let (ia, ib) = if TRACK {
             (
                 i32x4_add(ia, v128_load(cbp.add(ch) as *const v128)),
@@ -805,6 +884,10 @@ unsafe fn simd_fast_loop<const TRACK: bool>(
                 ch = 0;
             }
         }
+        if !sk.group(sp) {
+            paused = true;
+            break;
+        }
     }
     *x = [
         u32x4_extract_lane::<0>(xa),
@@ -816,7 +899,12 @@ unsafe fn simd_fast_loop<const TRACK: bool>(
         u32x4_extract_lane::<2>(xb),
         u32x4_extract_lane::<3>(xb),
     ];
-    (op.offset_from(sp) as usize, rp.offset_from(dp) as usize)
+    *sink = sk;
+    (
+        op.offset_from(sp) as usize,
+        rp.offset_from(dp) as usize,
+        paused,
+    )
 }
 
 /// Reads a table in `write_table`'s format as frequencies, validated as `read_table` does
