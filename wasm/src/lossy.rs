@@ -1340,10 +1340,9 @@ struct FusedRows<'b, const DELTA: bool, const DT: u32> {
 
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 impl<'b, const DELTA: bool, const DT: u32> FusedRows<'b, DELTA, DT> {
-    /// Reconstructs the 8 symbols at `j`; false on a bad escape symbol, or (unless SLOW)
-    /// when the group has an escape (expanding it calls a function).
+    /// Reconstructs the 8 symbols at `j`; false on a bad escape symbol.
     #[inline(always)]
-    unsafe fn next<const SLOW: bool>(&mut self, syms: *const u8) -> bool {
+    unsafe fn next(&mut self, syms: *const u8) -> bool {
         use core::arch::wasm32::*;
         let (j, ch) = (self.j, self.ch);
         let b = v128_load64_zero(syms.add(j) as *const u64);
@@ -1353,9 +1352,6 @@ impl<'b, const DELTA: bool, const DT: u32> FusedRows<'b, DELTA, DT> {
         // are < 128: a signed compare (one instruction; unsigned ones take V8 four).
         let esc = u8x16_bitmask(i8x16_gt(b, i8x16_splat(DIRECT as i8 - 1))) as u32;
         if esc != 0 {
-            if !SLOW {
-                return false;
-            }
             match escape_group(syms.add(j), esc, self.bits, z) {
                 Some(v) => z = v,
                 None => return false,
@@ -1379,10 +1375,10 @@ impl<'b, const DELTA: bool, const DT: u32> FusedRows<'b, DELTA, DT> {
 /// The zigzag residuals `z` of a group of 8 symbols at `syms` with its escape symbols (lanes
 /// `esc`) expanded from the escape bits, read in lane order; None on a bad escape symbol.
 ///
-/// SAFETY: `syms` has 8 symbols and `bits` points at a live reader.
+/// Inlined, with the bit reader, into the decode loop: a call there costs more than the
+/// code (GroupSink). SAFETY: `syms` has 8 symbols and `bits` points at a live reader.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-#[inline(never)]
-#[cold]
+#[inline(always)]
 unsafe fn escape_group(
     syms: *const u8,
     mut esc: u32,
@@ -1417,10 +1413,7 @@ impl<'b, const DELTA: bool, const DT: u32> GroupSink for FusedRows<'b, DELTA, DT
             self.skip -= 1;
             return true;
         }
-        self.next::<false>(syms)
-    }
-    unsafe fn resume(&mut self, syms: *const u8) -> bool {
-        self.next::<true>(syms)
+        self.next(syms)
     }
 }
 
@@ -1470,7 +1463,7 @@ fn decode_fused<const DELTA: bool, const DT: u32>(
     // SAFETY: every symbol is decoded now; j < n keeps the group inside syms and out.
     unsafe {
         while sink.j < n {
-            if !sink.next::<true>(syms.as_ptr()) {
+            if !sink.next(syms.as_ptr()) {
                 return None;
             }
         }

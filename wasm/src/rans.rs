@@ -528,22 +528,16 @@ pub fn decode_symbols(
 /// which leaves issue slots idle: independent work placed in the same loop body (the
 /// reconstruction of earlier symbols) runs in them almost for free.
 ///
-/// The loop calls no function (V8 would spill every vector live across a call, on every
-/// iteration): work that needs one (rare) pauses the loop, which returns, lets `resume` do
-/// it, and re-enters.
+/// `group` must call no function: V8 spills every vector live across a call site, and a
+/// call anywhere in the loop body (even on a rare branch) costs that on every iteration.
+/// The sink is Copy so that the loop keeps a local copy in registers.
 pub trait GroupSink: Copy {
     /// One more group of LANES symbols is decoded: `syms` (the loop's own pointer to the
-    /// symbol buffer) holds every symbol decoded so far. false pauses the loop after this
-    /// group (then `resume` is called).
+    /// symbol buffer) holds every symbol decoded so far. false rejects the block.
     ///
     /// # Safety
     /// `syms` points at the buffer being decoded, with all symbols so far written.
     unsafe fn group(&mut self, syms: *const u8) -> bool;
-    /// Does what made `group` pause; false rejects the block.
-    ///
-    /// # Safety
-    /// As for `group`.
-    unsafe fn resume(&mut self, syms: *const u8) -> bool;
 }
 
 /// No work in the loop.
@@ -553,9 +547,6 @@ pub struct NoSink;
 impl GroupSink for NoSink {
     #[inline(always)]
     unsafe fn group(&mut self, _syms: *const u8) -> bool {
-        true
-    }
-    unsafe fn resume(&mut self, _syms: *const u8) -> bool {
         true
     }
 }
@@ -613,27 +604,22 @@ pub fn decode_symbols_with<S: GroupSink>(
         // is branch-free (an unpredictable branch costs more than the read).
         #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
         {
-            while len >= SIMD_SLACK {
+            if len >= SIMD_SLACK {
                 // SAFETY: `dec` holds k·PROB_SCALE entries and every class base in `cbase` is
-                // < k·PROB_SCALE (see simd_fast_loop); syms has n ≥ LANES·(groups) entries;
-                // i and p come from the previous call (whole groups, inside `data`).
-                let (done, read, paused) = unsafe {
+                // < k·PROB_SCALE (see simd_fast_loop); syms has n ≥ LANES·(groups) entries.
+                let (done, read, ok) = unsafe {
                     if k == 1 {
-                        simd_fast_loop::<false, S>(&mut x, data, syms, n, c, dec, cbase, sink, i, p)
+                        simd_fast_loop::<false, S>(&mut x, data, syms, n, c, dec, cbase, sink)
                     } else {
-                        simd_fast_loop::<true, S>(&mut x, data, syms, n, c, dec, cbase, sink, i, p)
+                        simd_fast_loop::<true, S>(&mut x, data, syms, n, c, dec, cbase, sink)
                     }
                 };
+                if !ok {
+                    return None;
+                }
                 i = done;
                 ch = i % c;
                 p = read;
-                // SAFETY: the sink's contract; every symbol before i is decoded.
-                if !paused {
-                    break;
-                }
-                if unsafe { !sink.resume(syms.as_ptr()) } {
-                    return None;
-                }
             }
         }
         #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
@@ -783,10 +769,9 @@ static RENORM: [[u8; 16]; 16] = renorm_shuffles();
 /// The branch-free decode loop with the 8 states in two i32x4 vectors (lanes 0–3, 4–7).
 /// A vector reads the words its lanes need in lane order, then the next vector reads its
 /// words: the order of the scalar decoder, so the stream format is unchanged. Runs whole
-/// groups of LANES symbols, from symbol `i0` and byte `p0` of `data` (the states in `x`),
-/// while both 16-byte word loads stay inside `data` and the sink does not pause; returns
-/// the symbols decoded, the bytes of `data` consumed and whether the sink paused; leaves
-/// the states in `x`.
+/// groups of LANES symbols while both 16-byte word loads stay inside `data`; returns the
+/// symbols decoded, the bytes of `data` consumed and false when the sink rejected a group;
+/// leaves the states in `x`.
 ///
 /// SAFETY: `c % LANES == 0`, `n ≤ syms.len()`, `cbase.len() == c`, every `cbase` entry plus
 /// PROB_SCALE − 1 is inside `dec` (decode_symbols' callers give class · PROB_SCALE, class < k,
@@ -803,8 +788,6 @@ unsafe fn simd_fast_loop<const TRACK: bool, S: GroupSink>(
     dec: &[u32],
     cbase: &[u32],
     sink: &mut S,
-    i0: usize,
-    p0: usize,
 ) -> (usize, usize, bool) {
     use core::arch::wasm32::*;
     let dp = data.as_ptr();
@@ -820,10 +803,10 @@ unsafe fn simd_fast_loop<const TRACK: bool, S: GroupSink>(
     let sym_mask = u32x4_splat(0xff);
     let mut xa = u32x4(x[0], x[1], x[2], x[3]);
     let mut xb = u32x4(x[4], x[5], x[6], x[7]);
-    let mut rp = dp.add(p0);
-    let mut op = sp.add(i0);
-    let mut ch = if TRACK { i0 % c } else { 0 };
-    let mut paused = false;
+    let mut rp = dp;
+    let mut op = sp;
+    let mut ch = 0usize;
+    let mut ok = true;
     // A local copy (Copy, address never taken) that LLVM keeps in locals, i.e. registers.
     let mut sk = *sink;
     // One table entry per lane: wasm has no gather, so extract each slot and load it into
@@ -885,7 +868,7 @@ unsafe fn simd_fast_loop<const TRACK: bool, S: GroupSink>(
             }
         }
         if !sk.group(sp) {
-            paused = true;
+            ok = false;
             break;
         }
     }
@@ -900,11 +883,7 @@ unsafe fn simd_fast_loop<const TRACK: bool, S: GroupSink>(
         u32x4_extract_lane::<3>(xb),
     ];
     *sink = sk;
-    (
-        op.offset_from(sp) as usize,
-        rp.offset_from(dp) as usize,
-        paused,
-    )
+    (op.offset_from(sp) as usize, rp.offset_from(dp) as usize, ok)
 }
 
 /// Reads a table in `write_table`'s format as frequencies, validated as `read_table` does
