@@ -322,7 +322,8 @@ pub fn encode_symbols(
     let cbase: Vec<usize> = class_of.iter().map(|&k| k as usize * alphabet).collect();
     let n = t * c;
     // Worst case 12 bits per symbol plus state flush; u16 words written backwards.
-    let cap = n + n / 2 + 16;
+    // (+ SIMD_ENC_SLACK: the SIMD encoder stores 16 bytes ending at its write position.)
+    let cap = n + n / 2 + 16 + SIMD_ENC_SLACK;
     let mut buf: Vec<u16> = uninit_vec(cap);
     let mut p = cap;
     let mut x = [RANS_L; LANES];
@@ -409,12 +410,40 @@ pub fn encode_symbols(
         }
         // Fine steps (the default levels) give no symbol a probability above 1/2.
         let fix = tables.iter().any(|f| f.iter().any(|&v| v > PROB_SCALE / 2));
-        match (tables.len() == 1, fix) {
-            // One table: no per-channel class lookups.
-            (true, true) => groups!(|_cc: usize| 0usize, false, true),
-            (true, false) => groups!(|_cc: usize| 0usize, false, false),
-            (false, true) => groups!(|cc: usize| *cbase.get_unchecked(cc), true, true),
-            (false, false) => groups!(|cc: usize| *cbase.get_unchecked(cc), true, false),
+        #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+        let simd = !fix;
+        #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+        let simd = false;
+        if simd {
+            #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+            {
+                // Start and frequency of each (class, symbol), packed for one load per lane.
+                let mut fs = vec![0u32; tables.len() * alphabet];
+                for (cls, f) in tables.iter().enumerate() {
+                    let mut cum = 0u32;
+                    for (s, &v) in f.iter().enumerate() {
+                        fs[cls * alphabet + s] = v | cum << 16;
+                        cum += v;
+                    }
+                }
+                // SAFETY: as for `groups!` (every coded symbol's entry is inside `fs`);
+                // p ≥ SIMD_ENC_SLACK + the words still to write (cap covers a word per symbol).
+                p = unsafe {
+                    if tables.len() == 1 {
+                        simd_encode_groups::<false>(&mut x, syms, full, c, &cbase, &fs, bp, p)
+                    } else {
+                        simd_encode_groups::<true>(&mut x, syms, full, c, &cbase, &fs, bp, p)
+                    }
+                };
+            }
+        } else {
+            match (tables.len() == 1, fix) {
+                // One table: no per-channel class lookups.
+                (true, true) => groups!(|_cc: usize| 0usize, false, true),
+                (true, false) => groups!(|_cc: usize| 0usize, false, false),
+                (false, true) => groups!(|cc: usize| *cbase.get_unchecked(cc), true, true),
+                (false, false) => groups!(|cc: usize| *cbase.get_unchecked(cc), true, false),
+            }
         }
     } else {
         let mut ch = if full > 0 { (full - 1) % c } else { 0 };
@@ -448,6 +477,148 @@ pub fn encode_symbols(
             out.extend_from_slice(&w.to_le_bytes());
         }
     }
+}
+
+/// Words of slack below the encoder's output for the SIMD encoder's 16-byte stores.
+const SIMD_ENC_SLACK: usize = 8;
+
+/// Word compaction for the SIMD encoder: for each 4-bit mask of lanes that shed 16 bits
+/// (bit j = lane j), the i8x16.swizzle that puts those lanes' low 16 bits, in lane order,
+/// in the last bytes of the vector (stored so that they end at the write position).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+const fn shed_shuffles() -> [[u8; 16]; 16] {
+    let mut t = [[0x80u8; 16]; 16];
+    let mut m = 0;
+    while m < 16 {
+        let cnt = (m & 1) + ((m >> 1) & 1) + ((m >> 2) & 1) + ((m >> 3) & 1);
+        let mut k = 16 - 2 * cnt;
+        let mut j = 0;
+        while j < 4 {
+            if (m >> j) & 1 == 1 {
+                t[m][k] = 4 * j as u8;
+                t[m][k + 1] = 4 * j as u8 + 1;
+                k += 2;
+            }
+            j += 1;
+        }
+        m += 1;
+    }
+    t
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+static SHED: [[u8; 16]; 16] = shed_shuffles();
+
+/// Encodes the whole groups of LANES symbols before `full` (last group first) with the
+/// 8 states in two i32x4 vectors: lanes 4–7 first, then 0–3, each vector writing the
+/// words of its lanes that shed 16 bits in lane order below the previous ones: the word
+/// order of the scalar encoder, so the bytes are identical. x / freq is an f64 division
+/// (exact: x < 2^31 and the floor of a correctly rounded quotient of integers below 2^53
+/// is the integer quotient), so only tables without a frequency above PROB_SCALE / 2 come
+/// here (their states stay below 2^31, as the signed conversions need). Returns the new
+/// write position (in words) and leaves the states in `x`.
+///
+/// SAFETY: `c % LANES == 0`, `full % LANES == 0`, `full ≤ syms.len()`, `cbase[ch] + sym` is
+/// inside `fs` for every coded symbol, and `p ≥ SIMD_ENC_SLACK + full`.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn simd_encode_groups<const TRACK: bool>(
+    x: &mut [u32; LANES],
+    syms: &[u8],
+    full: usize,
+    c: usize,
+    cbase: &[usize],
+    fs: &[u32],
+    bp: *mut u16,
+    p: usize,
+) -> usize {
+    use core::arch::wasm32::*;
+    let sp = syms.as_ptr();
+    let fp = fs.as_ptr();
+    let cbp = cbase.as_ptr();
+    let shed = SHED.as_ptr();
+    let mut wp = bp.add(p);
+    let mut ip = sp.add(full);
+    let mut ch = full % c;
+    let lo16 = u32x4_splat(0xffff);
+    let one = u32x4_splat(1);
+    let scale = u32x4_splat(PROB_SCALE);
+    let magic = f64x2_splat(4503599627370496.0); // 2^52
+    let magic_hi = u32x4_splat(0x4330_0000); // 2^52's high word in every lane
+    let mut xa = u32x4(x[0], x[1], x[2], x[3]);
+    let mut xb = u32x4(x[4], x[5], x[6], x[7]);
+    macro_rules! base {
+        ($off:expr) => {
+            if TRACK {
+                *cbp.add(ch + $off)
+            } else {
+                0
+            }
+        };
+    }
+    macro_rules! gather {
+        ($o:expr) => {{
+            let e = v128_load32_zero(fp.add(base!($o) + *ip.add($o) as usize));
+            let e = v128_load32_lane::<1>(e, fp.add(base!($o + 1) + *ip.add($o + 1) as usize));
+            let e = v128_load32_lane::<2>(e, fp.add(base!($o + 2) + *ip.add($o + 2) as usize));
+            v128_load32_lane::<3>(e, fp.add(base!($o + 3) + *ip.add($o + 3) as usize))
+        }};
+    }
+    macro_rules! put {
+        ($x:ident, $e:expr) => {{
+            let e = $e;
+            let freq = v128_and(e, lo16);
+            // x ≥ 2^21·freq ⇔ x >> 21 > freq − 1 (small values: a signed compare).
+            let big = i32x4_gt(u32x4_shr($x, 21), i32x4_sub(freq, one));
+            let m = i32x4_bitmask(big) as usize & 15;
+            let w = i8x16_swizzle($x, v128_load(shed.add(m) as *const v128));
+            v128_store(wp.sub(8) as *mut v128, w);
+            wp = wp.sub((m as u32).count_ones() as usize);
+            let xs = v128_bitselect(u32x4_shr($x, 16), $x, big);
+            // u32 → f64 as 2^52 + u (the u32 under the high word of 2^52: one unpack) − 2^52;
+            // convert_low on the high half costs V8 a byte shuffle with built constants.
+            let ql = f64x2_div(
+                f64x2_sub(i32x4_shuffle::<0, 4, 1, 5>(xs, magic_hi), magic),
+                f64x2_sub(i32x4_shuffle::<0, 4, 1, 5>(freq, magic_hi), magic),
+            );
+            let qh = f64x2_div(
+                f64x2_sub(i32x4_shuffle::<2, 6, 3, 7>(xs, magic_hi), magic),
+                f64x2_sub(i32x4_shuffle::<2, 6, 3, 7>(freq, magic_hi), magic),
+            );
+            // floor, then + 2^52: the integer lands in the low 32 bits (LLVM scalarises
+            // i32x4.trunc_sat_f64x2_zero into eight checked conversions).
+            let ql = f64x2_add(f64x2_floor(ql), magic);
+            let qh = f64x2_add(f64x2_floor(qh), magic);
+            let q = i32x4_shuffle::<0, 2, 4, 6>(ql, qh);
+            // x' = (x / freq) · PROB_SCALE + x mod freq + start
+            $x = i32x4_add(
+                i32x4_add(xs, u32x4_shr(e, 16)),
+                i32x4_mul(q, i32x4_sub(scale, freq)),
+            );
+        }};
+    }
+    while ip > sp {
+        ip = ip.sub(LANES);
+        if TRACK {
+            ch = if ch == 0 { c - LANES } else { ch - LANES };
+        }
+        let eb = gather!(4);
+        let ea = gather!(0);
+        put!(xb, eb);
+        put!(xa, ea);
+    }
+    *x = [
+        u32x4_extract_lane::<0>(xa),
+        u32x4_extract_lane::<1>(xa),
+        u32x4_extract_lane::<2>(xa),
+        u32x4_extract_lane::<3>(xa),
+        u32x4_extract_lane::<0>(xb),
+        u32x4_extract_lane::<1>(xb),
+        u32x4_extract_lane::<2>(xb),
+        u32x4_extract_lane::<3>(xb),
+    ];
+    wp.offset_from(bp) as usize
 }
 
 /// Decodes a block written by `encode_block` into `syms` (T×C). Never panics on
