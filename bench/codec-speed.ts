@@ -151,11 +151,13 @@ if (process.env.KVGATE_BENCH_ONLY !== 'pool') {
       builds.map(([n, b]) => `; ${n} raw sections ${b.bytes()} bytes`).join(''),
   )
   console.log(`median of ${REPEATS} interleaved rounds: MB/s of fp16 tensor, wall clock and per CPU-second`)
+  // MB/s as min/median/max over the rounds (min from the slowest round).
+  const rate = (ms: number[]) =>
+    [Math.max(...ms), median(ms), Math.min(...ms)].map((t) => (mb / (t / 1e3)).toFixed(0)).join('/')
   for (const [name, s] of samples) {
     const w = median(s.wall)
-    const cp = median(s.cpu)
     console.log(
-      `${name.padEnd(28)} ${w.toFixed(2).padStart(7)} ms  wall ${(mb / (w / 1e3)).toFixed(0).padStart(5)} MB/s  cpu ${(mb / (cp / 1e3)).toFixed(0).padStart(5)} MB/s`,
+      `${name.padEnd(28)} ${w.toFixed(2).padStart(7)} ms  wall ${rate(s.wall).padStart(14)} MB/s  cpu ${rate(s.cpu).padStart(14)} MB/s (min/median/max)`,
     )
   }
 }

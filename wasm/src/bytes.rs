@@ -130,6 +130,8 @@ impl<'a> BitReader<'a> {
             overrun: false,
         }
     }
+    /// Inlined: the fused decode loop must not call functions (rans::GroupSink).
+    #[inline(always)]
     pub fn get(&mut self, bits: u32) -> u32 {
         if bits == 0 {
             return 0;

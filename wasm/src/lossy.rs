@@ -7,8 +7,9 @@
 use crate::bytes::{put_u32, put_varint, unzigzag, zigzag, BitReader, BitWriter, Reader};
 use crate::half::{self, DT_BF16, DT_F16};
 use crate::rans::{
-    class_partition, decode_block, decode_symbols, encode_symbols, fill_table, plan_classes,
-    read_freqs, uninit_vec, write_classes, write_table, MAX_CLASSES, PROB_BITS, PROB_SCALE,
+    class_partition, decode_block_with, decode_symbols_with, encode_symbols, fill_table,
+    plan_classes, read_freqs, uninit_vec, write_classes, write_table, GroupSink, NoSink,
+    MAX_CLASSES, PROB_BITS, PROB_SCALE,
 };
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -1112,6 +1113,67 @@ mod simd {
     }
 }
 
+/// Reconstructs 8 channels from their zigzag residuals (`z`, two u32x4) and writes them
+/// at `out` as DT: the prediction (the previous token's q where `dmask` is set, else the
+/// centre) plus the residual, times the step (`vs`, or per channel from `step` unless
+/// UNIFORM). Updates `prev` when DELTA.
+///
+/// SAFETY: `centers`, `dmask`, `prev` and (unless UNIFORM) `step` have 8 elements, and
+/// `out` 8 elements of DT.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+unsafe fn recon8<const DELTA: bool, const UNIFORM: bool, const DT: u32>(
+    z: [core::arch::wasm32::v128; 2],
+    centers: *const i32,
+    dmask: *const i32,
+    prev: *mut i32,
+    step: *const f32,
+    vs: core::arch::wasm32::v128,
+    out: *mut u8,
+) {
+    use core::arch::wasm32::*;
+    let one = u32x4_splat(1);
+    let mut outv = [vs; 2];
+    for h in 0..2 {
+        let b = 4 * h;
+        let z = z[h];
+        let r = v128_xor(u32x4_shr(z, 1), i32x4_neg(v128_and(z, one)));
+        let cv = v128_load(centers.add(b) as *const v128);
+        let qv = if DELTA {
+            let dm = v128_load(dmask.add(b) as *const v128);
+            let pv = v128_load(prev.add(b) as *const v128);
+            let qv = i32x4_add(v128_bitselect(pv, cv, dm), r);
+            v128_store(prev.add(b) as *mut v128, qv);
+            qv
+        } else {
+            i32x4_add(cv, r)
+        };
+        let sc = if UNIFORM {
+            vs
+        } else {
+            v128_load(step.add(b) as *const v128)
+        };
+        outv[h] = f32x4_mul(f32x4_convert_i32x4(qv), sc);
+    }
+    let p = out;
+    if DT == DT_BF16 {
+        let v = u16x8_narrow_i32x4(simd::f32x4_to_bf16(outv[0]), simd::f32x4_to_bf16(outv[1]));
+        v128_store(p as *mut v128, v);
+    } else if DT == DT_F16 {
+        let v = u16x8_narrow_i32x4(simd::f32x4_to_f16(outv[0]), simd::f32x4_to_f16(outv[1]));
+        v128_store(p as *mut v128, v);
+    } else if DT == DT_F16_NORMAL {
+        let v = u16x8_narrow_i32x4(
+            simd::f32x4_to_f16_normal(outv[0]),
+            simd::f32x4_to_f16_normal(outv[1]),
+        );
+        v128_store(p as *mut v128, v);
+    } else {
+        v128_store(p as *mut v128, outv[0]);
+        v128_store(p.add(16) as *mut v128, outv[1]);
+    }
+}
+
 /// SIMD reconstruction of the direct-symbol part of a row (8 channels at a time);
 /// returns how many channels it wrote. Specialised on whether any channel is
 /// delta-predicted, whether the step is one scalar (V: per-token steps) or per
@@ -1143,7 +1205,6 @@ fn row_fast<const DELTA: bool, const UNIFORM: bool, const DT: u32, const Z: bool
         return 0;
     }
     let vs = f32x4_splat(s0);
-    let one = u32x4_splat(1);
     let mut ch = 0;
     // SAFETY: ch + 8 ≤ c bounds every per-channel slice (all ≥ c long) and the
     // output (checked above).
@@ -1157,47 +1218,15 @@ fn row_fast<const DELTA: bool, const UNIFORM: bool, const DT: u32, const Z: bool
                     u16x8_extend_low_u8x16(v128_load64_zero(row.as_ptr().add(ch) as *const u64));
                 [u32x4_extend_low_u16x8(w), u32x4_extend_high_u16x8(w)]
             };
-            let mut outv = [vs; 2];
-            for h in 0..2 {
-                let b = ch + 4 * h;
-                let z = sv[h];
-                let r = v128_xor(u32x4_shr(z, 1), i32x4_neg(v128_and(z, one)));
-                let cv = v128_load(ctx.centers.as_ptr().add(b) as *const v128);
-                let qv = if DELTA {
-                    let dm = v128_load(ctx.dmask.as_ptr().add(b) as *const v128);
-                    let pv = v128_load(prev.as_ptr().add(b) as *const v128);
-                    let qv = i32x4_add(v128_bitselect(pv, cv, dm), r);
-                    v128_store(prev.as_mut_ptr().add(b) as *mut v128, qv);
-                    qv
-                } else {
-                    i32x4_add(cv, r)
-                };
-                let sc = if UNIFORM {
-                    vs
-                } else {
-                    v128_load(step.as_ptr().add(b) as *const v128)
-                };
-                outv[h] = f32x4_mul(f32x4_convert_i32x4(qv), sc);
-            }
-            let p = dst.as_mut_ptr().add((o + ch) * eb);
-            if DT == DT_BF16 {
-                let v =
-                    u16x8_narrow_i32x4(simd::f32x4_to_bf16(outv[0]), simd::f32x4_to_bf16(outv[1]));
-                v128_store(p as *mut v128, v);
-            } else if DT == DT_F16 {
-                let v =
-                    u16x8_narrow_i32x4(simd::f32x4_to_f16(outv[0]), simd::f32x4_to_f16(outv[1]));
-                v128_store(p as *mut v128, v);
-            } else if DT == DT_F16_NORMAL {
-                let v = u16x8_narrow_i32x4(
-                    simd::f32x4_to_f16_normal(outv[0]),
-                    simd::f32x4_to_f16_normal(outv[1]),
-                );
-                v128_store(p as *mut v128, v);
-            } else {
-                v128_store(p as *mut v128, outv[0]);
-                v128_store(p.add(16) as *mut v128, outv[1]);
-            }
+            recon8::<DELTA, UNIFORM, DT>(
+                sv,
+                ctx.centers.as_ptr().add(ch),
+                ctx.dmask.as_ptr().add(ch),
+                prev.as_mut_ptr().add(ch),
+                step.as_ptr().add(ch),
+                vs,
+                dst.as_mut_ptr().add((o + ch) * eb),
+            );
             ch += 8;
         }
     }
@@ -1237,6 +1266,209 @@ fn row_fast_any<const Z: bool>(
         (false, true) => go!(false, true),
         (false, false) => go!(false, false),
     }
+}
+
+/// Decodes a stream's symbol block (after its centres and escape bits): the chunk's own
+/// tables, or a calibration's.
+fn decode_payload<S: GroupSink>(
+    r: &mut Reader,
+    t: usize,
+    c: usize,
+    syms: &mut [u8],
+    cal: Option<&StreamCal>,
+    sink: &mut S,
+) -> Option<()> {
+    match cal {
+        Some(k) => {
+            let g = r.u8()?;
+            if g == IN_CHUNK_TABLES {
+                decode_block_with(r, t, c, ALPHABET, syms, sink)?;
+            } else if g == IN_CHUNK_TABLES_CAL_CLASSES {
+                let n = r.u8()? as usize;
+                if n == 0 || n > k.k || !n.is_power_of_two() {
+                    return None;
+                }
+                let shift = (k.k / n).trailing_zeros();
+                let mut dec: Vec<u32> = uninit_vec(n * PROB_SCALE as usize);
+                for cls in 0..n {
+                    let f = read_freqs(r, ALPHABET)?;
+                    fill_table(&f, &mut dec[cls * PROB_SCALE as usize..]);
+                }
+                let cbase: Vec<u32> = k
+                    .class_of
+                    .iter()
+                    .map(|&v| (v >> shift) as u32 * PROB_SCALE)
+                    .collect();
+                decode_symbols_with(r, t, c, n, &cbase, &dec, syms, sink)?;
+            } else {
+                let dec = set_decode_tables(k, g as usize)?;
+                let cbase: Vec<u32> = k.class_of.iter().map(|&v| v as u32 * PROB_SCALE).collect();
+                decode_symbols_with(r, t, c, k.k, &cbase, &dec, syms, sink)?;
+            }
+        }
+        None => decode_block_with(r, t, c, ALPHABET, syms, sink)?,
+    }
+    Some(())
+}
+
+/// Reconstructs the rows of a uniform-step stream inside the rANS decode loop: after each
+/// group of 8 symbols is decoded, the same 8 channels of the previous row are expanded
+/// (escape bits read in row order, as `row_residuals` does) and written as DT. Whatever the
+/// loop left (the last row, the careful tail) is finished here.
+///
+/// SAFETY (of the sink): `c % 8 == 0`; `centers`, `dmask`, `prev` have c elements and
+/// `out` n elements of DT (checked by `decode_fused`); group() is called once per decoded
+/// group, so the group it expands (one row behind) is always decoded.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[derive(Clone, Copy)]
+struct FusedRows<'b, const DELTA: bool, const DT: u32> {
+    c: usize,
+    /// Next symbol (a multiple of 8) to reconstruct, and its channel.
+    j: usize,
+    ch: usize,
+    /// Groups still to decode before the first row is complete.
+    skip: usize,
+    vs: core::arch::wasm32::v128,
+    centers: *const i32,
+    dmask: *const i32,
+    prev: *mut i32,
+    out: *mut u8,
+    /// A pointer (not a reference) keeps the sink Copy, so the decode loop can hold it in
+    /// registers; only the escape path touches the reader.
+    bits: *mut BitReader<'b>,
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+impl<'b, const DELTA: bool, const DT: u32> FusedRows<'b, DELTA, DT> {
+    /// Reconstructs the 8 symbols at `j`; false on a bad escape symbol.
+    #[inline(always)]
+    unsafe fn next(&mut self, syms: *const u8) -> bool {
+        use core::arch::wasm32::*;
+        let (j, ch) = (self.j, self.ch);
+        let b = v128_load64_zero(syms.add(j) as *const u64);
+        let w = u16x8_extend_low_u8x16(b);
+        let mut z = [u32x4_extend_low_u16x8(w), u32x4_extend_high_u16x8(w)];
+        // The upper 8 bytes are zero, so only this group's symbols can be escapes. Symbols
+        // are < 128: a signed compare (one instruction; unsigned ones take V8 four).
+        let esc = u8x16_bitmask(i8x16_gt(b, i8x16_splat(DIRECT as i8 - 1))) as u32;
+        if esc != 0 {
+            match escape_group(syms.add(j), esc, self.bits, z) {
+                Some(v) => z = v,
+                None => return false,
+            }
+        }
+        recon8::<DELTA, true, DT>(
+            z,
+            self.centers.add(ch),
+            self.dmask.add(ch),
+            self.prev.add(ch),
+            core::ptr::null(),
+            self.vs,
+            self.out.add(j * 2),
+        );
+        self.j = j + 8;
+        self.ch = if ch + 8 == self.c { 0 } else { ch + 8 };
+        true
+    }
+}
+
+/// The zigzag residuals `z` of a group of 8 symbols at `syms` with its escape symbols (lanes
+/// `esc`) expanded from the escape bits, read in lane order; None on a bad escape symbol.
+///
+/// Inlined, with the bit reader, into the decode loop: a call there costs more than the
+/// code (GroupSink). SAFETY: `syms` has 8 symbols and `bits` points at a live reader.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+unsafe fn escape_group(
+    syms: *const u8,
+    mut esc: u32,
+    bits: *mut BitReader,
+    z: [core::arch::wasm32::v128; 2],
+) -> Option<[core::arch::wasm32::v128; 2]> {
+    use core::arch::wasm32::*;
+    let mut a = [0u32; 8];
+    v128_store(a.as_mut_ptr() as *mut v128, z[0]);
+    v128_store(a.as_mut_ptr().add(4) as *mut v128, z[1]);
+    while esc != 0 {
+        let i = esc.trailing_zeros() as usize;
+        let jj = *syms.add(i) as u32 - DIRECT;
+        let k = jj / 2 + DIRECT_BITS;
+        if k > MAX_K {
+            return None;
+        }
+        a[i] = (1u32 << k) | ((jj & 1) << (k - 1)) | (*bits).get(k - 1);
+        esc &= esc - 1;
+    }
+    Some([
+        v128_load(a.as_ptr() as *const v128),
+        v128_load(a.as_ptr().add(4) as *const v128),
+    ])
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+impl<'b, const DELTA: bool, const DT: u32> GroupSink for FusedRows<'b, DELTA, DT> {
+    #[inline(always)]
+    unsafe fn group(&mut self, syms: *const u8) -> bool {
+        if self.skip > 0 {
+            self.skip -= 1;
+            return true;
+        }
+        self.next(syms)
+    }
+}
+
+/// Decodes the symbol block of a uniform-step stream with its rows reconstructed in the
+/// decode loop (FusedRows), into elements [offset, offset + T×C) of `dst` (DT: bf16 or
+/// fp16 without subnormal outputs).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[allow(clippy::too_many_arguments)]
+fn decode_fused<const DELTA: bool, const DT: u32>(
+    r: &mut Reader,
+    t: usize,
+    c: usize,
+    base: f32,
+    centers: &[i32],
+    dmask: &[i32],
+    prev: &mut [i32],
+    bits: &mut BitReader,
+    dst: &mut [u8],
+    offset: usize,
+    syms: &mut [u8],
+    cal: Option<&StreamCal>,
+) -> Option<()> {
+    let n = t * c;
+    if c % 8 != 0
+        || centers.len() != c
+        || dmask.len() != c
+        || prev.len() != c
+        || syms.len() < n
+        || dst.len() < (offset + n) * 2
+    {
+        return None;
+    }
+    let mut sink = FusedRows::<DELTA, DT> {
+        c,
+        j: 0,
+        ch: 0,
+        skip: c / 8,
+        vs: core::arch::wasm32::f32x4_splat(base),
+        centers: centers.as_ptr(),
+        dmask: dmask.as_ptr(),
+        prev: prev.as_mut_ptr(),
+        // SAFETY: offset + n elements of 2 bytes fit in dst (checked above).
+        out: unsafe { dst.as_mut_ptr().add(offset * 2) },
+        bits: bits as *mut BitReader,
+    };
+    decode_payload(r, t, c, syms, cal, &mut sink)?;
+    // SAFETY: every symbol is decoded now; j < n keeps the group inside syms and out.
+    unsafe {
+        while sink.j < n {
+            if !sink.next(syms.as_ptr()) {
+                return None;
+            }
+        }
+    }
+    Some(())
 }
 
 /// Decodes one stream into elements [offset, offset + T×C) of `dst`.
@@ -1305,39 +1537,42 @@ pub fn decode_stream(
         }
     }
     let extra = r.block()?;
-    match cal {
-        Some(k) => {
-            let g = r.u8()?;
-            if g == IN_CHUNK_TABLES {
-                decode_block(r, t, c, ALPHABET, syms)?;
-            } else if g == IN_CHUNK_TABLES_CAL_CLASSES {
-                let n = r.u8()? as usize;
-                if n == 0 || n > k.k || !n.is_power_of_two() {
-                    return None;
-                }
-                let shift = (k.k / n).trailing_zeros();
-                let mut dec: Vec<u32> = uninit_vec(n * PROB_SCALE as usize);
-                for cls in 0..n {
-                    let f = read_freqs(r, ALPHABET)?;
-                    fill_table(&f, &mut dec[cls * PROB_SCALE as usize..]);
-                }
-                let cbase: Vec<u32> = k
-                    .class_of
-                    .iter()
-                    .map(|&v| (v >> shift) as u32 * PROB_SCALE)
-                    .collect();
-                decode_symbols(r, t, c, n, &cbase, &dec, syms)?;
-            } else {
-                let dec = set_decode_tables(k, g as usize)?;
-                let cbase: Vec<u32> = k.class_of.iter().map(|&v| v as u32 * PROB_SCALE).collect();
-                decode_symbols(r, t, c, k.k, &cbase, &dec, syms)?;
-            }
-        }
-        None => decode_block(r, t, c, ALPHABET, syms)?,
-    }
     let mut bits = BitReader::new(extra);
     let mut prev = centers.clone();
     let any_delta = dmask.iter().any(|&d| d != 0);
+    // Streams without channel or token steps (what the encoder writes) decoded to fp16 (no
+    // subnormal outputs) or bf16: each row is reconstructed inside the rANS loop while the next
+    // row's symbols are decoded (FusedRows). Same arithmetic, same order of escape bits.
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    {
+        let uniform = flags & (F_CHSCALE | F_TOKSCALE) == 0;
+        let kind = if dtype == DT_F16 && base.abs() >= f32::from_bits((127 - 14) << 23) {
+            DT_F16_NORMAL
+        } else {
+            dtype
+        };
+        if uniform && c % 8 == 0 && (kind == DT_F16_NORMAL || kind == DT_BF16) {
+            macro_rules! fused {
+                ($delta:expr, $dt:expr) => {
+                    decode_fused::<$delta, $dt>(
+                        r, t, c, base, &centers, &dmask, &mut prev, &mut bits, dst, offset, syms,
+                        cal,
+                    )?
+                };
+            }
+            match (any_delta, kind) {
+                (true, DT_BF16) => fused!(true, DT_BF16),
+                (false, DT_BF16) => fused!(false, DT_BF16),
+                (true, _) => fused!(true, DT_F16_NORMAL),
+                (false, _) => fused!(false, DT_F16_NORMAL),
+            }
+            if bits.overrun {
+                return None;
+            }
+            return Some(());
+        }
+    }
+    decode_payload(r, t, c, syms, cal, &mut NoSink)?;
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
     let mut scaled = vec![
         0f32;

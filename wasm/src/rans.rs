@@ -322,7 +322,8 @@ pub fn encode_symbols(
     let cbase: Vec<usize> = class_of.iter().map(|&k| k as usize * alphabet).collect();
     let n = t * c;
     // Worst case 12 bits per symbol plus state flush; u16 words written backwards.
-    let cap = n + n / 2 + 16;
+    // (+ SIMD_ENC_SLACK: the SIMD encoder stores 16 bytes ending at its write position.)
+    let cap = n + n / 2 + 16 + SIMD_ENC_SLACK;
     let mut buf: Vec<u16> = uninit_vec(cap);
     let mut p = cap;
     let mut x = [RANS_L; LANES];
@@ -409,12 +410,40 @@ pub fn encode_symbols(
         }
         // Fine steps (the default levels) give no symbol a probability above 1/2.
         let fix = tables.iter().any(|f| f.iter().any(|&v| v > PROB_SCALE / 2));
-        match (tables.len() == 1, fix) {
-            // One table: no per-channel class lookups.
-            (true, true) => groups!(|_cc: usize| 0usize, false, true),
-            (true, false) => groups!(|_cc: usize| 0usize, false, false),
-            (false, true) => groups!(|cc: usize| *cbase.get_unchecked(cc), true, true),
-            (false, false) => groups!(|cc: usize| *cbase.get_unchecked(cc), true, false),
+        #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+        let simd = !fix;
+        #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+        let simd = false;
+        if simd {
+            #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+            {
+                // Start and frequency of each (class, symbol), packed for one load per lane.
+                let mut fs = vec![0u32; tables.len() * alphabet];
+                for (cls, f) in tables.iter().enumerate() {
+                    let mut cum = 0u32;
+                    for (s, &v) in f.iter().enumerate() {
+                        fs[cls * alphabet + s] = v | cum << 16;
+                        cum += v;
+                    }
+                }
+                // SAFETY: as for `groups!` (every coded symbol's entry is inside `fs`);
+                // p ≥ SIMD_ENC_SLACK + the words still to write (cap covers a word per symbol).
+                p = unsafe {
+                    if tables.len() == 1 {
+                        simd_encode_groups::<false>(&mut x, syms, full, c, &cbase, &fs, bp, p)
+                    } else {
+                        simd_encode_groups::<true>(&mut x, syms, full, c, &cbase, &fs, bp, p)
+                    }
+                };
+            }
+        } else {
+            match (tables.len() == 1, fix) {
+                // One table: no per-channel class lookups.
+                (true, true) => groups!(|_cc: usize| 0usize, false, true),
+                (true, false) => groups!(|_cc: usize| 0usize, false, false),
+                (false, true) => groups!(|cc: usize| *cbase.get_unchecked(cc), true, true),
+                (false, false) => groups!(|cc: usize| *cbase.get_unchecked(cc), true, false),
+            }
         }
     } else {
         let mut ch = if full > 0 { (full - 1) % c } else { 0 };
@@ -450,6 +479,148 @@ pub fn encode_symbols(
     }
 }
 
+/// Words of slack below the encoder's output for the SIMD encoder's 16-byte stores.
+const SIMD_ENC_SLACK: usize = 8;
+
+/// Word compaction for the SIMD encoder: for each 4-bit mask of lanes that shed 16 bits
+/// (bit j = lane j), the i8x16.swizzle that puts those lanes' low 16 bits, in lane order,
+/// in the last bytes of the vector (stored so that they end at the write position).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+const fn shed_shuffles() -> [[u8; 16]; 16] {
+    let mut t = [[0x80u8; 16]; 16];
+    let mut m = 0;
+    while m < 16 {
+        let cnt = (m & 1) + ((m >> 1) & 1) + ((m >> 2) & 1) + ((m >> 3) & 1);
+        let mut k = 16 - 2 * cnt;
+        let mut j = 0;
+        while j < 4 {
+            if (m >> j) & 1 == 1 {
+                t[m][k] = 4 * j as u8;
+                t[m][k + 1] = 4 * j as u8 + 1;
+                k += 2;
+            }
+            j += 1;
+        }
+        m += 1;
+    }
+    t
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+static SHED: [[u8; 16]; 16] = shed_shuffles();
+
+/// Encodes the whole groups of LANES symbols before `full` (last group first) with the
+/// 8 states in two i32x4 vectors: lanes 4–7 first, then 0–3, each vector writing the
+/// words of its lanes that shed 16 bits in lane order below the previous ones: the word
+/// order of the scalar encoder, so the bytes are identical. x / freq is an f64 division
+/// (exact: x < 2^31 and the floor of a correctly rounded quotient of integers below 2^53
+/// is the integer quotient), so only tables without a frequency above PROB_SCALE / 2 come
+/// here (their states stay below 2^31, as the signed conversions need). Returns the new
+/// write position (in words) and leaves the states in `x`.
+///
+/// SAFETY: `c % LANES == 0`, `full % LANES == 0`, `full ≤ syms.len()`, `cbase[ch] + sym` is
+/// inside `fs` for every coded symbol, and `p ≥ SIMD_ENC_SLACK + full`.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn simd_encode_groups<const TRACK: bool>(
+    x: &mut [u32; LANES],
+    syms: &[u8],
+    full: usize,
+    c: usize,
+    cbase: &[usize],
+    fs: &[u32],
+    bp: *mut u16,
+    p: usize,
+) -> usize {
+    use core::arch::wasm32::*;
+    let sp = syms.as_ptr();
+    let fp = fs.as_ptr();
+    let cbp = cbase.as_ptr();
+    let shed = SHED.as_ptr();
+    let mut wp = bp.add(p);
+    let mut ip = sp.add(full);
+    let mut ch = full % c;
+    let lo16 = u32x4_splat(0xffff);
+    let one = u32x4_splat(1);
+    let scale = u32x4_splat(PROB_SCALE);
+    let magic = f64x2_splat(4503599627370496.0); // 2^52
+    let magic_hi = u32x4_splat(0x4330_0000); // 2^52's high word in every lane
+    let mut xa = u32x4(x[0], x[1], x[2], x[3]);
+    let mut xb = u32x4(x[4], x[5], x[6], x[7]);
+    macro_rules! base {
+        ($off:expr) => {
+            if TRACK {
+                *cbp.add(ch + $off)
+            } else {
+                0
+            }
+        };
+    }
+    macro_rules! gather {
+        ($o:expr) => {{
+            let e = v128_load32_zero(fp.add(base!($o) + *ip.add($o) as usize));
+            let e = v128_load32_lane::<1>(e, fp.add(base!($o + 1) + *ip.add($o + 1) as usize));
+            let e = v128_load32_lane::<2>(e, fp.add(base!($o + 2) + *ip.add($o + 2) as usize));
+            v128_load32_lane::<3>(e, fp.add(base!($o + 3) + *ip.add($o + 3) as usize))
+        }};
+    }
+    macro_rules! put {
+        ($x:ident, $e:expr) => {{
+            let e = $e;
+            let freq = v128_and(e, lo16);
+            // x ≥ 2^21·freq ⇔ x >> 21 > freq − 1 (small values: a signed compare).
+            let big = i32x4_gt(u32x4_shr($x, 21), i32x4_sub(freq, one));
+            let m = i32x4_bitmask(big) as usize & 15;
+            let w = i8x16_swizzle($x, v128_load(shed.add(m) as *const v128));
+            v128_store(wp.sub(8) as *mut v128, w);
+            wp = wp.sub((m as u32).count_ones() as usize);
+            let xs = v128_bitselect(u32x4_shr($x, 16), $x, big);
+            // u32 → f64 as 2^52 + u (the u32 under the high word of 2^52: one unpack) − 2^52;
+            // convert_low on the high half costs V8 a byte shuffle with built constants.
+            let ql = f64x2_div(
+                f64x2_sub(i32x4_shuffle::<0, 4, 1, 5>(xs, magic_hi), magic),
+                f64x2_sub(i32x4_shuffle::<0, 4, 1, 5>(freq, magic_hi), magic),
+            );
+            let qh = f64x2_div(
+                f64x2_sub(i32x4_shuffle::<2, 6, 3, 7>(xs, magic_hi), magic),
+                f64x2_sub(i32x4_shuffle::<2, 6, 3, 7>(freq, magic_hi), magic),
+            );
+            // floor, then + 2^52: the integer lands in the low 32 bits (LLVM scalarises
+            // i32x4.trunc_sat_f64x2_zero into eight checked conversions).
+            let ql = f64x2_add(f64x2_floor(ql), magic);
+            let qh = f64x2_add(f64x2_floor(qh), magic);
+            let q = i32x4_shuffle::<0, 2, 4, 6>(ql, qh);
+            // x' = (x / freq) · PROB_SCALE + x mod freq + start
+            $x = i32x4_add(
+                i32x4_add(xs, u32x4_shr(e, 16)),
+                i32x4_mul(q, i32x4_sub(scale, freq)),
+            );
+        }};
+    }
+    while ip > sp {
+        ip = ip.sub(LANES);
+        if TRACK {
+            ch = if ch == 0 { c - LANES } else { ch - LANES };
+        }
+        let eb = gather!(4);
+        let ea = gather!(0);
+        put!(xb, eb);
+        put!(xa, ea);
+    }
+    *x = [
+        u32x4_extract_lane::<0>(xa),
+        u32x4_extract_lane::<1>(xa),
+        u32x4_extract_lane::<2>(xa),
+        u32x4_extract_lane::<3>(xa),
+        u32x4_extract_lane::<0>(xb),
+        u32x4_extract_lane::<1>(xb),
+        u32x4_extract_lane::<2>(xb),
+        u32x4_extract_lane::<3>(xb),
+    ];
+    wp.offset_from(bp) as usize
+}
+
 /// Decodes a block written by `encode_block` into `syms` (T×C). Never panics on
 /// hostile input; a stream that does not end exactly where the encoder started
 /// is rejected.
@@ -459,6 +630,18 @@ pub fn decode_block(
     c: usize,
     alphabet: usize,
     syms: &mut [u8],
+) -> Option<()> {
+    decode_block_with(r, t, c, alphabet, syms, &mut NoSink)
+}
+
+/// `decode_block` that runs `sink` inside the decode loop (see GroupSink).
+pub fn decode_block_with<S: GroupSink>(
+    r: &mut Reader,
+    t: usize,
+    c: usize,
+    alphabet: usize,
+    syms: &mut [u8],
+    sink: &mut S,
 ) -> Option<()> {
     let k = r.u8()? as usize;
     if k == 0 || k > MAX_CLASSES {
@@ -483,7 +666,7 @@ pub fn decode_block(
             &mut dec[cls * PROB_SCALE as usize..(cls + 1) * PROB_SCALE as usize],
         )?;
     }
-    decode_symbols(r, t, c, k, &cbase, &dec, syms)
+    decode_symbols_with(r, t, c, k, &cbase, &dec, syms, sink)
 }
 
 /// Decode table entries of `f` (a validated table: sums to PROB_SCALE) into `dec`.
@@ -507,6 +690,50 @@ pub fn decode_symbols(
     cbase: &[u32],
     dec: &[u32],
     syms: &mut [u8],
+) -> Option<()> {
+    decode_symbols_with(r, t, c, k, cbase, dec, syms, &mut NoSink)
+}
+
+/// Work run inside the SIMD decode loop after each group of LANES symbols. The loop is
+/// bound by its dependency chain (table lookup → multiply → renormalise, state by state),
+/// which leaves issue slots idle: independent work placed in the same loop body (the
+/// reconstruction of earlier symbols) runs in them almost for free.
+///
+/// `group` must call no function: V8 spills every vector live across a call site, and a
+/// call anywhere in the loop body (even on a rare branch) costs that on every iteration.
+/// The sink is Copy so that the loop keeps a local copy in registers.
+pub trait GroupSink: Copy {
+    /// One more group of LANES symbols is decoded: `syms` (the loop's own pointer to the
+    /// symbol buffer) holds every symbol decoded so far. false rejects the block.
+    ///
+    /// # Safety
+    /// `syms` points at the buffer being decoded, with all symbols so far written.
+    unsafe fn group(&mut self, syms: *const u8) -> bool;
+}
+
+/// No work in the loop.
+#[derive(Clone, Copy)]
+pub struct NoSink;
+
+impl GroupSink for NoSink {
+    #[inline(always)]
+    unsafe fn group(&mut self, _syms: *const u8) -> bool {
+        true
+    }
+}
+
+/// `decode_symbols` that runs `sink` in the SIMD decode loop (the loop may stop early, and
+/// the scalar paths call no sink: the caller finishes whatever the sink did not do).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_symbols_with<S: GroupSink>(
+    r: &mut Reader,
+    t: usize,
+    c: usize,
+    k: usize,
+    cbase: &[u32],
+    dec: &[u32],
+    syms: &mut [u8],
+    sink: &mut S,
 ) -> Option<()> {
     if cbase.len() != c || dec.len() != k * PROB_SCALE as usize || k == 0 {
         return None;
@@ -546,67 +773,92 @@ pub fn decode_symbols(
         // Fast path: lanes line up with channels; the loop head guarantees the
         // next LANES symbols' reads (≤ LANES words) are inside `data`, so renormalisation
         // is branch-free (an unpredictable branch costs more than the read).
-        let dp = data.as_ptr();
-        let sp = syms.as_mut_ptr();
-        let tp = dec.as_ptr();
-        let cbp = cbase.as_ptr();
-        // Pointers instead of indices: fewer live registers (V8 spills the states otherwise).
-        macro_rules! fast_loop {
-            ($base:expr, $track:expr) => {
-                if len >= 2 * LANES {
-                    // SAFETY: rp ≤ rlim keeps the next LANES words inside `data`; op < oend
-                    // (oend = sp + n, n a multiple of LANES here) keeps the LANES stores inside
-                    // `syms`; the table index is < k·PROB_SCALE (class base + masked slot).
-                    unsafe {
-                        let mut rp = dp;
-                        let rlim = dp.add(len - 2 * LANES);
-                        let mut op = sp;
-                        let oend = sp.add(n);
-                        let (mut x0, mut x1, mut x2, mut x3) = (x[0], x[1], x[2], x[3]);
-                        let (mut x4, mut x5, mut x6, mut x7) = (x[4], x[5], x[6], x[7]);
-                        while op < oend && rp <= rlim {
-                            macro_rules! fast {
-                                ($xs:ident, $off:expr) => {{
-                                    let e = *tp.add(($base($off) + ($xs & mask)) as usize);
-                                    *op.add($off) = e as u8;
-                                    let xs = (e >> 20) * ($xs >> PROB_BITS) + ((e >> 8) & 0xfff);
-                                    let w =
-                                        u16::from_le((rp as *const u16).read_unaligned()) as u32;
-                                    let need = xs < RANS_L;
-                                    // Two selects (cmov), no branch.
-                                    $xs = if need { (xs << 16) | w } else { xs };
-                                    rp = rp.add(if need { 2 } else { 0 });
-                                }};
-                            }
-                            fast!(x0, 0);
-                            fast!(x1, 1);
-                            fast!(x2, 2);
-                            fast!(x3, 3);
-                            fast!(x4, 4);
-                            fast!(x5, 5);
-                            fast!(x6, 6);
-                            fast!(x7, 7);
-                            op = op.add(LANES);
-                            if $track {
-                                ch += LANES;
-                                if ch == c {
-                                    ch = 0;
+        #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+        {
+            if len >= SIMD_SLACK {
+                // SAFETY: `dec` holds k·PROB_SCALE entries and every class base in `cbase` is
+                // < k·PROB_SCALE (see simd_fast_loop); syms has n ≥ LANES·(groups) entries.
+                let (done, read, ok) = unsafe {
+                    if k == 1 {
+                        simd_fast_loop::<false, S>(&mut x, data, syms, n, c, dec, cbase, sink)
+                    } else {
+                        simd_fast_loop::<true, S>(&mut x, data, syms, n, c, dec, cbase, sink)
+                    }
+                };
+                if !ok {
+                    return None;
+                }
+                i = done;
+                ch = i % c;
+                p = read;
+            }
+        }
+        #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+        {
+            let _ = &sink;
+            let dp = data.as_ptr();
+            let sp = syms.as_mut_ptr();
+            let tp = dec.as_ptr();
+            let cbp = cbase.as_ptr();
+            // Pointers instead of indices: fewer live registers (V8 spills the states otherwise).
+            macro_rules! fast_loop {
+                ($base:expr, $track:expr) => {
+                    if len >= 2 * LANES {
+                        // SAFETY: rp ≤ rlim keeps the next LANES words inside `data`; op < oend
+                        // (oend = sp + n, n a multiple of LANES here) keeps the LANES stores inside
+                        // `syms`; the table index is < k·PROB_SCALE (class base + masked slot).
+                        unsafe {
+                            let mut rp = dp;
+                            let rlim = dp.add(len - 2 * LANES);
+                            let mut op = sp;
+                            let oend = sp.add(n);
+                            let (mut x0, mut x1, mut x2, mut x3) = (x[0], x[1], x[2], x[3]);
+                            let (mut x4, mut x5, mut x6, mut x7) = (x[4], x[5], x[6], x[7]);
+                            while op < oend && rp <= rlim {
+                                macro_rules! fast {
+                                    ($xs:ident, $off:expr) => {{
+                                        let e = *tp.add(($base($off) + ($xs & mask)) as usize);
+                                        *op.add($off) = e as u8;
+                                        let xs =
+                                            (e >> 20) * ($xs >> PROB_BITS) + ((e >> 8) & 0xfff);
+                                        let w = u16::from_le((rp as *const u16).read_unaligned())
+                                            as u32;
+                                        let need = xs < RANS_L;
+                                        // Two selects (cmov), no branch.
+                                        $xs = if need { (xs << 16) | w } else { xs };
+                                        rp = rp.add(if need { 2 } else { 0 });
+                                    }};
+                                }
+                                fast!(x0, 0);
+                                fast!(x1, 1);
+                                fast!(x2, 2);
+                                fast!(x3, 3);
+                                fast!(x4, 4);
+                                fast!(x5, 5);
+                                fast!(x6, 6);
+                                fast!(x7, 7);
+                                op = op.add(LANES);
+                                if $track {
+                                    ch += LANES;
+                                    if ch == c {
+                                        ch = 0;
+                                    }
                                 }
                             }
+                            x = [x0, x1, x2, x3, x4, x5, x6, x7];
+                            i = op.offset_from(sp) as usize;
+                            ch = i % c;
+                            p = rp.offset_from(dp) as usize;
                         }
-                        x = [x0, x1, x2, x3, x4, x5, x6, x7];
-                        i = op.offset_from(sp) as usize;
-                        ch = i % c;
-                        p = rp.offset_from(dp) as usize;
                     }
-                }
-            };
-        }
-        if k == 1 {
-            // One table: no per-channel class lookups (and no channel counter).
-            fast_loop!(|_off: usize| 0u32, false);
-        } else {
-            fast_loop!(|off: usize| *cbp.add(ch + off), true);
+                };
+            }
+            if k == 1 {
+                // One table: no per-channel class lookups (and no channel counter).
+                fast_loop!(|_off: usize| 0u32, false);
+            } else {
+                fast_loop!(|off: usize| *cbp.add(ch + off), true);
+            }
         }
     }
     // Careful tail: every read checked.
@@ -652,6 +904,157 @@ pub fn decode_symbols(
         return None;
     }
     Some(())
+}
+
+/// Bytes the SIMD decode loop may read past its position: two 16-byte loads, the second
+/// up to 4 words (8 bytes) after the first.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+const SIMD_SLACK: usize = 24;
+
+/// Renormalisation shuffles: for each 4-bit mask of the lanes whose state fell below RANS_L
+/// (bit j = lane j), the i8x16.swizzle that moves the next words of the stream, in lane order,
+/// into the low halves of those lanes (0x80 zeroes every other byte).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+const fn renorm_shuffles() -> [[u8; 16]; 16] {
+    let mut t = [[0x80u8; 16]; 16];
+    let mut m = 0;
+    while m < 16 {
+        let mut k = 0u8;
+        let mut j = 0;
+        while j < 4 {
+            if (m >> j) & 1 == 1 {
+                t[m][4 * j] = 2 * k;
+                t[m][4 * j + 1] = 2 * k + 1;
+                k += 1;
+            }
+            j += 1;
+        }
+        m += 1;
+    }
+    t
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+static RENORM: [[u8; 16]; 16] = renorm_shuffles();
+
+/// The branch-free decode loop with the 8 states in two i32x4 vectors (lanes 0–3, 4–7).
+/// A vector reads the words its lanes need in lane order, then the next vector reads its
+/// words: the order of the scalar decoder, so the stream format is unchanged. Runs whole
+/// groups of LANES symbols while both 16-byte word loads stay inside `data`; returns the
+/// symbols decoded, the bytes of `data` consumed and false when the sink rejected a group;
+/// leaves the states in `x`.
+///
+/// SAFETY: `c % LANES == 0`, `n ≤ syms.len()`, `cbase.len() == c`, every `cbase` entry plus
+/// PROB_SCALE − 1 is inside `dec` (decode_symbols' callers give class · PROB_SCALE, class < k,
+/// and dec.len() == k · PROB_SCALE), and `data.len() ≥ SIMD_SLACK`.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn simd_fast_loop<const TRACK: bool, S: GroupSink>(
+    x: &mut [u32; LANES],
+    data: &[u8],
+    syms: &mut [u8],
+    n: usize,
+    c: usize,
+    dec: &[u32],
+    cbase: &[u32],
+    sink: &mut S,
+) -> (usize, usize, bool) {
+    use core::arch::wasm32::*;
+    let dp = data.as_ptr();
+    let rlim = dp.add(data.len() - SIMD_SLACK);
+    let sp = syms.as_mut_ptr();
+    let oend = sp.add(n);
+    let tp = dec.as_ptr();
+    let cbp = cbase.as_ptr();
+    let shuf = RENORM.as_ptr();
+    let mask = u32x4_splat(PROB_SCALE - 1);
+    let bias_mask = u32x4_splat(0xfff);
+    let zero = u32x4_splat(0);
+    let sym_mask = u32x4_splat(0xff);
+    let mut xa = u32x4(x[0], x[1], x[2], x[3]);
+    let mut xb = u32x4(x[4], x[5], x[6], x[7]);
+    let mut rp = dp;
+    let mut op = sp;
+    let mut ch = 0usize;
+    let mut ok = true;
+    // A local copy (Copy, address never taken) that LLVM keeps in locals, i.e. registers.
+    let mut sk = *sink;
+    // One table entry per lane: wasm has no gather, so extract each slot and load it into
+    // its lane.
+    macro_rules! gather {
+        ($idx:expr) => {{
+            let idx = $idx;
+            let lo = v128_load32_zero(tp.add(u32x4_extract_lane::<0>(idx) as usize));
+            let lo = v128_load32_lane::<1>(lo, tp.add(u32x4_extract_lane::<1>(idx) as usize));
+            let hi = v128_load32_zero(tp.add(u32x4_extract_lane::<2>(idx) as usize));
+            let hi = v128_load32_lane::<1>(hi, tp.add(u32x4_extract_lane::<3>(idx) as usize));
+            i64x2_shuffle::<0, 2>(lo, hi)
+        }};
+    }
+    // x = freq · (x >> 11) + bias, then the lanes below RANS_L take the next words.
+    macro_rules! step {
+        ($x:ident, $e:expr) => {{
+            let e = $e;
+            let xs = i32x4_add(
+                i32x4_mul(u32x4_shr(e, 20), u32x4_shr($x, PROB_BITS)),
+                v128_and(u32x4_shr(e, 8), bias_mask),
+            );
+            // xs < 2^16 as "high half zero": LLVM turns a u32 compare (or shift + compare)
+            // into i32x4 lt_u, which V8 lowers to four instructions (x64 has no unsigned compare).
+            let need = i32x4_shr(i16x8_eq(xs, zero), 16);
+            let m = i32x4_bitmask(need) as usize & 15;
+            let w = i8x16_swizzle(
+                v128_load(rp as *const v128),
+                v128_load(shuf.add(m) as *const v128),
+            );
+            $x = v128_or(v128_bitselect(u32x4_shl(xs, 16), xs, need), w);
+            rp = rp.add(2 * (m as u32).count_ones() as usize);
+        }};
+    }
+    while op < oend && rp <= rlim {
+        let (ia, ib) = (v128_and(xa, mask), v128_and(xb, mask));
+        let (ia, ib) = if TRACK {
+            (
+                i32x4_add(ia, v128_load(cbp.add(ch) as *const v128)),
+                i32x4_add(ib, v128_load(cbp.add(ch + 4) as *const v128)),
+            )
+        } else {
+            (ia, ib)
+        };
+        let ea = gather!(ia);
+        let eb = gather!(ib);
+        // The symbols (low bytes) of the 8 entries; a two-vector byte shuffle costs V8 two
+        // pshufb with constants built in registers.
+        let s = u16x8_narrow_i32x4(v128_and(ea, sym_mask), v128_and(eb, sym_mask));
+        let s = u8x16_narrow_i16x8(s, s);
+        v128_store64_lane::<0>(s, op as *mut u64);
+        step!(xa, ea);
+        step!(xb, eb);
+        op = op.add(LANES);
+        if TRACK {
+            ch += LANES;
+            if ch == c {
+                ch = 0;
+            }
+        }
+        if !sk.group(sp) {
+            ok = false;
+            break;
+        }
+    }
+    *x = [
+        u32x4_extract_lane::<0>(xa),
+        u32x4_extract_lane::<1>(xa),
+        u32x4_extract_lane::<2>(xa),
+        u32x4_extract_lane::<3>(xa),
+        u32x4_extract_lane::<0>(xb),
+        u32x4_extract_lane::<1>(xb),
+        u32x4_extract_lane::<2>(xb),
+        u32x4_extract_lane::<3>(xb),
+    ];
+    *sink = sk;
+    (op.offset_from(sp) as usize, rp.offset_from(dp) as usize, ok)
 }
 
 /// Reads a table in `write_table`'s format as frequencies, validated as `read_table` does
