@@ -527,6 +527,47 @@ describe('streamed calibration reads that the store cuts short', () => {
   })
 })
 
+describe('streamed calibration reads that end with an empty piece', () => {
+  it('rotten bytes then an empty piece: the client never holds all the bytes before the failure', async () => {
+    const store = new MemoryStore()
+    const a = calib(37, 64 * 1024)
+    const limits = { calibrationCacheBytes: 1024 }
+    expect((await createGateway({ store, limits }).request(...putCalib(a))).status).toBe(201)
+    const rotten = a.slice()
+    rotten[50_000]! ^= 1
+    const get = store.get.bind(store)
+    store.get = async (name, opts) => {
+      const obj = await get(name, opts)
+      if (!obj || !name.includes('/_calibration/')) return obj
+      // A store (or a body adapter) that closes with a zero-length read.
+      const body = new ReadableStream<Uint8Array>({
+        start(ctl) {
+          ctl.enqueue(rotten.subarray(0, 40_000))
+          ctl.enqueue(rotten.subarray(40_000))
+          ctl.enqueue(new Uint8Array(0))
+          ctl.close()
+        },
+      })
+      return { ...obj, body }
+    }
+    const r = await createGateway({ store, limits }).request(`/v1/ns/team/calibrations/${sha(a)}`)
+    expect(r.status).toBe(200)
+    const reader = r.body!.getReader()
+    let got = 0
+    await expect(
+      (async () => {
+        for (;;) {
+          const { done, value } = await reader.read()
+          if (done) return
+          got += value.length
+        }
+      })(),
+    ).rejects.toThrow(/SHA-256 is not its name/)
+    // Over HTTP a client holding Content-Length bytes has a complete (wrong) body.
+    expect(got).toBeLessThan(a.length)
+  })
+})
+
 describe('calibration uploads held until stored', () => {
   it('an upload the store is still writing keeps its bytes in flight', async () => {
     const store = new MemoryStore()
