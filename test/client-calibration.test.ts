@@ -274,6 +274,44 @@ describe('CalibrationStore', () => {
     expect(f.objects.size).toBe(0)
   })
 
+  it('a removed calibration stays removed while gateways still answer their cached pointer', async () => {
+    const f = fakeRemote()
+    const s = new CalibrationStore({ codec, geometry: g, remote: f.remote, currentTtlMs: 0 })
+    const c = await s.publish(sample(10))
+    f.setCached(c!.hash)
+    f.setCurrent(null)
+    f.objects.clear()
+    await s.refresh()
+    expect(s.stats().current).toBeUndefined()
+    // The next refreshes (the gateways' cached pointers last 60 s) name it again: it is not
+    // encoded with meanwhile, not even while the check is in flight.
+    const head = f.remote.hasCalibration.bind(f.remote)
+    let release: (() => void) | undefined
+    f.remote.hasCalibration = async (h) => {
+      if (release === undefined)
+        await new Promise<void>((r) => {
+          release = r
+        })
+      return head(h)
+    }
+    const p = s.refresh()
+    while (release === undefined) await new Promise((r) => setTimeout(r, 5))
+    expect(s.current()).toBeUndefined()
+    release!()
+    await p
+    expect(s.current()).toBeUndefined()
+    await s.settled()
+    expect(f.objects.size).toBe(0)
+    // Put back on purpose (objects, then the pointer): adopted again.
+    f.remote.hasCalibration = head
+    expect(await f.remote.putCalibration(c!.hash, c!.bytes)).toBe(true)
+    f.setCurrent(c!.hash)
+    f.setCached(undefined)
+    await s.refresh()
+    expect(s.stats().current).toBe(c!.hash)
+    expect(s.current()?.hash).toBe(c!.hash)
+  })
+
   it('a gateway that refuses the calibration for good (413: over its size cap) is not asked again', async () => {
     const f = fakeRemote()
     f.remote.putCalibration = async () => {

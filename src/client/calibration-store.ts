@@ -121,6 +121,11 @@ export class CalibrationStore {
   /** Current: a hash, null (the namespace has none) or undefined (not known); when it was learnt. */
   #current: { hash: string | null; at: number } | undefined
   #refreshing: Promise<void> | undefined
+  /**
+   * A calibration this node found removed on purpose (its object gone, the stored pointer no
+   * longer naming it): a gateway's cached pointer may name it for another minute.
+   */
+  #removed: string | undefined
   #samples: Uint8Array[] = []
   #building: Promise<void> | undefined
   /** The gateway refused a calibration this node built for good: building another is wasted work. */
@@ -284,6 +289,15 @@ export class CalibrationStore {
       try {
         const hash = await this.#remote!.currentCalibration()
         if (hash === undefined) return // unreachable: keep what we knew
+        if (hash !== null && hash === this.#removed) {
+          // Adopted again only once its object is back (an operator put it back on purpose);
+          // until then what the stored pointer said stands, and nothing is encoded with it.
+          if ((await this.#remote!.hasCalibration(hash)) !== true) {
+            this.#current = { hash: this.#current?.hash ?? null, at: performance.now() }
+            return
+          }
+          this.#removed = undefined
+        }
         this.#current = { hash, at: performance.now() }
         if (hash) {
           this.#samples = [] // calibrated by someone: samples are no longer needed
@@ -317,6 +331,7 @@ export class CalibrationStore {
     if (stored === undefined) return // unreachable: the next refresh asks again
     if (stored !== hash) {
       // Deleted on purpose (or replaced): stop encoding with it; chunks coded with it were removed too.
+      this.#removed = hash
       this.#current = { hash: stored, at: performance.now() }
       return
     }

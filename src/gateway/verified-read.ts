@@ -176,6 +176,9 @@ export function checkedStream(
             c.close()
             return
           }
+          // An empty read is not a piece: held back, it would let the real last piece through
+          // before the end proves it (the client then has every byte of a bad object).
+          if (r.value.length === 0) continue
           try {
             check?.push(r.value)
           } catch (e) {

@@ -223,6 +223,10 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     const check: StreamCheck = {
       push(piece) {
         seen += piece.length
+        // More than the store said: the client holds Content-Length bytes before the end proves
+        // them, so fail here (the piece held back never goes out). A store fault: kept.
+        if (seen > obj.length)
+          throw new StoreError(`the store served more than the ${obj.length} calibration bytes it reported`)
         hasher.update(piece)
       },
       async finish() {
