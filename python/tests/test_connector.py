@@ -328,6 +328,21 @@ def test_refuses_settings_that_share_nothing(tmp, monkeypatch):
         KVGateConnector(vllm_config(EngineSpec(socket=tmp.sock("x"))), KVConnectorRole.SCHEDULER)
 
 
+def test_pci_bus_id_from_device_properties():
+    """The GPU identity the connector sends beside its ordinal (the agent prefers it)."""
+    from types import SimpleNamespace
+
+    from kvgate_vllm.connector import pci_bus_id
+
+    assert pci_bus_id(SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)) == "0000:3b:00.0"
+    assert pci_bus_id(SimpleNamespace(pci_domain_id=0x10001, pci_bus_id=255, pci_device_id=31)) == "10001:ff:1f.0"
+    # Older torch without the fields, or nonsense values: no id (the agent falls back to `device`).
+    assert pci_bus_id(SimpleNamespace(name="GPU")) is None
+    assert pci_bus_id(SimpleNamespace(pci_domain_id=0, pci_bus_id=256, pci_device_id=0)) is None
+    assert pci_bus_id(SimpleNamespace(pci_domain_id=0, pci_bus_id=-1, pci_device_id=0)) is None
+    assert pci_bus_id(SimpleNamespace(pci_domain_id=0, pci_bus_id="x", pci_device_id=0)) is None
+
+
 def test_vllm_version_check():
     with pytest.raises(RuntimeError, match="vLLM"):
         check_vllm_version("0.9.1")
