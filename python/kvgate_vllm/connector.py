@@ -205,6 +205,7 @@ class KVGateConnector(KVConnectorBase_V1):
         # worker state
         self._register_msg: Optional[Dict[str, Any]] = None
         self._worker_id: Optional[int] = None
+        self.agent_device: Optional[int] = None
         self._worker_generation = -1
         self._layer_index: Dict[str, int] = {}
         self._loads: List[_LoadState] = []
@@ -221,6 +222,8 @@ class KVGateConnector(KVConnectorBase_V1):
             ans = client.call("register", self._register_msg, timeout=10.0)
             self._worker_id = int(ans["worker"])
             self._worker_generation = client.generation
+            # The agent's ordinal of this rank's GPU (None for host tensors): where it maps and copies.
+            self.agent_device = ans.get("device")
 
     @property
     def _chunk_tokens(self) -> Optional[int]:

@@ -328,6 +328,32 @@ def test_refuses_settings_that_share_nothing(tmp, monkeypatch):
         KVGateConnector(vllm_config(EngineSpec(socket=tmp.sock("x"))), KVConnectorRole.SCHEDULER)
 
 
+def test_real_gpu_tp2_across_two_gpus(tmp):
+    """TP 2 with rank r's KV on GPU r, one agent per engine serving both GPUs: each rank's
+    tensors are opened and copied on its own GPU (the agent answers which), bytes equal."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs a node with 2 GPUs (none was lent to this task): the several-GPUs CUDA IPC path")
+    gw = start_gateway()
+    try:
+        a, b, ra, rb, agents = share(tmp, gw, "gpu-tp2", device="cuda", world=2)
+        try:
+            assert rb["matched"] == 96 and rb["load_errors"] == []
+            for rank in range(2):
+                A = blocks_of(a, rank, ra["block_ids"], 6)
+                B = blocks_of(b, rank, rb["block_ids"], 6)
+                # Rank r's KV is on GPU r, and the agent mapped and copied it there (not on GPU 0).
+                assert a.workers[rank].call("devices") == (rank, rank)
+                assert b.workers[rank].call("devices") == (rank, rank)
+                assert all(torch.equal(A[l][s][i], B[l][s][i]) for l in range(3) for s in range(2) for i in range(6))
+        finally:
+            a.close()
+            b.close()
+            for ag in agents:
+                ag.stop()
+    finally:
+        gw.stop()
+
+
 def test_pci_bus_id_from_device_properties():
     """The GPU identity the connector sends beside its ordinal (the agent prefers it)."""
     from types import SimpleNamespace
