@@ -28,6 +28,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <condition_variable>
@@ -81,6 +82,7 @@ int g_deviceCount = 1;
 thread_local int t_device = 0;
 std::map<std::string, long> g_calls;  // "fn@device" -> successful calls
 std::set<int> g_held;                 // devices whose copies wait (hold=D)
+std::atomic<bool> g_anyHeld{false};   // g_held is not empty: lets copies skip g_mu when nothing is held
 std::condition_variable g_release;    // signalled (under g_mu) when g_held shrinks
 
 void CountLocked(const char* fn) { g_calls[std::string(fn) + "@" + std::to_string(t_device)]++; }
@@ -93,6 +95,7 @@ struct Copy {
 };
 
 void WaitWhileHeld(int device) {
+  if (!g_anyHeld.load(std::memory_order_acquire)) return;
   std::unique_lock<std::mutex> lock(g_mu);
   g_release.wait(lock, [device] { return g_held.count(device) == 0; });
 }
@@ -188,6 +191,7 @@ void ApplySpecLocked(const std::string& spec, bool& ok, long& query) {
       g_delayUs = 0;
       g_calls.clear();
       g_held.clear();
+      g_anyHeld = false;
       g_release.notify_all();
       continue;
     }
@@ -209,8 +213,10 @@ void ApplySpecLocked(const std::string& spec, bool& ok, long& query) {
         ok = false;
       } else if (key == "hold") {
         g_held.insert(static_cast<int>(d));
+        g_anyHeld = true;
       } else {
         g_held.erase(static_cast<int>(d));
+        g_anyHeld = !g_held.empty();
         g_release.notify_all();
       }
       continue;
