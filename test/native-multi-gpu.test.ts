@@ -6,23 +6,12 @@
 import { afterAll, beforeEach, describe, expect, it } from 'vitest'
 import { nativePaths } from '../src/client/native.ts'
 import { pattern, same } from './support/bytes.ts'
+import { rejectsWith } from './support/native-errors.ts'
 
 process.env.KVGATE_CUDART = nativePaths.stubCudart
 process.env.KVGATE_STUB_DEVICES = '2'
 const native = await import('../src/client/native.ts')
 const { cuda } = native
-
-async function rejectsWith(p: Promise<unknown> | (() => unknown), code: string, message?: RegExp) {
-  let err: unknown
-  try {
-    await (typeof p === 'function' ? p() : p)
-  } catch (e) {
-    err = e
-  }
-  expect(err, 'expected an error').toBeInstanceOf(native.NativeError)
-  expect((err as InstanceType<typeof native.NativeError>).code).toBe(code)
-  if (message) expect((err as Error).message).toMatch(message)
-}
 
 const calls = (fn: string, device: number) => cuda.stubControl(`calls=${fn}@${device}`)
 
