@@ -9,25 +9,12 @@ import { join } from 'node:path'
 import { afterAll, beforeEach, describe, expect, it } from 'vitest'
 import { nativePaths } from '../src/client/native.ts'
 import { pattern, same } from './support/bytes.ts'
+import { rejectsWith } from './support/native-errors.ts'
 
 process.env.KVGATE_CUDART = nativePaths.stubCudart
 
 const native = await import('../src/client/native.ts')
 const { allocPinnedSync, cuda, freePinned, pinnedInfo } = native
-type NativeError = InstanceType<typeof native.NativeError>
-
-async function rejectsWith(p: Promise<unknown> | (() => unknown), code: string, message?: RegExp) {
-  let err: unknown
-  try {
-    await (typeof p === 'function' ? p() : p)
-  } catch (e) {
-    err = e
-  }
-  expect(err, 'expected an error').toBeInstanceOf(native.NativeError)
-  expect((err as NativeError).code).toBe(code)
-  if (message) expect((err as Error).message).toMatch(message)
-  return err as NativeError
-}
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms))
 

@@ -8,6 +8,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, describe, expect, it } from 'vitest'
 import { pattern, same } from './support/bytes.ts'
+import { rejectsWith } from './support/native-errors.ts'
 
 // Before anything probes CUDA (the choice is per process).
 process.env.KVGATE_CUDART = '/nonexistent/kvgate-test/libcudart.so'
@@ -30,19 +31,6 @@ const { randomBytes } = await import('node:crypto')
 
 const dir = mkdtempSync(join(tmpdir(), 'kvgate-native-'))
 afterAll(() => rmSync(dir, { recursive: true, force: true }))
-
-async function rejectsWith(p: Promise<unknown> | (() => unknown), code: string, message?: RegExp) {
-  let err: unknown
-  try {
-    await (typeof p === 'function' ? p() : p)
-  } catch (e) {
-    err = e
-  }
-  expect(err, 'expected an error').toBeInstanceOf(native.NativeError)
-  expect((err as { code: string }).code).toBe(code)
-  if (message) expect((err as Error).message).toMatch(message)
-  return err as InstanceType<typeof native.NativeError>
-}
 
 // toEqual walks typed arrays element by element (seconds per MiB): compare bytes.
 

@@ -92,6 +92,8 @@ struct CudaApi {
   int (*streamCreateWithFlags)(void**, unsigned) = nullptr;
   int (*eventCreateWithFlags)(void**, unsigned) = nullptr;
   int (*ipcGetMemHandle)(CudaIpcHandle*, void*) = nullptr;
+  int (*deviceGetByPCIBusId)(int*, const char*) = nullptr;
+  int (*deviceGetPCIBusId)(char*, int, int) = nullptr;
   int (*stubControl)(const char*) = nullptr;  // only in kvgate's test stub
 
   bool available = false;
@@ -104,10 +106,13 @@ struct CudaApi {
 
 // Loads and probes libcudart once per process (thread-safe).
 const CudaApi& Cuda();
-// The device chosen by setDevice; every worker thread selects it first.
+// The device chosen by setDevice: the default for calls that name none.
 int CurrentDevice();
 // cudaSetDevice(CurrentDevice()) on the calling thread; false + failure if not.
 bool EnterDevice(Failure& f);
+// cudaSetDevice(device) on the calling thread (a worker thread serves calls for
+// any device, so each call selects its own); false + failure if not.
+bool EnterDeviceIndex(int device, Failure& f);
 std::string CudaErrorText(int err);
 
 // CRC-32 of data, continuing from crc (0 to start), as zlib's crc32 (crc32.cc):

@@ -19,10 +19,15 @@ std::once_flag g_once;
 CudaApi g_api;
 std::atomic<int> g_device{0};
 
-// Streams created through createStream, with the number of copies using each
+// Streams created through createStream: the device each belongs to (copies on
+// it must run with that device current) and the number of copies using it
 // (destroying a stream under a running copy would be a use-after-free).
+struct StreamInfo {
+  int device;
+  int inflight;
+};
 std::mutex g_streamMu;
-std::unordered_map<void*, int> g_streams;
+std::unordered_map<void*, StreamInfo> g_streams;
 std::unordered_map<int, void*> g_defaultStreams;  // per device, created on first use
 
 const char* ErrorName(int err) {
@@ -96,6 +101,8 @@ void Probe(CudaApi& a) {
   Resolve(h, "cudaStreamCreateWithFlags", a.streamCreateWithFlags);
   Resolve(h, "cudaEventCreateWithFlags", a.eventCreateWithFlags);
   Resolve(h, "cudaIpcGetMemHandle", a.ipcGetMemHandle);
+  Resolve(h, "cudaDeviceGetByPCIBusId", a.deviceGetByPCIBusId);
+  Resolve(h, "cudaDeviceGetPCIBusId", a.deviceGetPCIBusId);
   Resolve(h, "kvgate_stub_control", a.stubControl);
   if (!missing.empty()) {
     a.reason = a.library + " lacks " + missing;
@@ -164,6 +171,52 @@ Napi::Value SetDeviceJs(const Napi::CallbackInfo& info) {
 
 Napi::Value GetDeviceJs(const Napi::CallbackInfo& info) { return Napi::Number::New(info.Env(), g_device.load()); }
 
+// The device a call names: undefined or -1 = the one chosen by setDevice;
+// else an ordinal below the device count, checked here on the JS thread so a
+// bad one throws before anything is queued.
+int DeviceArg(Napi::Env env, const Napi::Value& v) {
+  if (v.IsUndefined() || v.IsNull()) return g_device.load();
+  if (!v.IsNumber()) ThrowNative(env, "device must be an integer");
+  double d = v.As<Napi::Number>().DoubleValue();
+  if (d == -1) return g_device.load();
+  const int n = Cuda().deviceCount;
+  if (!(d >= 0) || d != static_cast<double>(static_cast<int64_t>(d)) || d >= n) {
+    ThrowNative(env, "device " + v.ToString().Utf8Value() + " out of range (" + std::to_string(n) + " device(s))");
+  }
+  return static_cast<int>(d);
+}
+
+// deviceByPciBusId(id: string) -> ordinal in this process (cudaDeviceGetByPCIBusId):
+// the same physical GPU whatever CUDA_VISIBLE_DEVICES each process was given.
+Napi::Value DeviceByPciBusIdJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireAvailable(env);
+  if (!info[0].IsString()) ThrowNative(env, "PCI bus id must be a string");
+  std::string id = info[0].As<Napi::String>().Utf8Value();
+  if (id.empty() || id.size() > 63 || id.find('\0') != std::string::npos) {
+    ThrowNative(env, "PCI bus id must be 1 to 63 characters");
+  }
+  const CudaApi& c = Cuda();
+  if (c.deviceGetByPCIBusId == nullptr) ThrowNative(env, c.library + " has no cudaDeviceGetByPCIBusId");
+  int d = -1;
+  int err = c.deviceGetByPCIBusId(&d, id.c_str());
+  if (err != 0) FailCuda(env, "cudaDeviceGetByPCIBusId", err, "PCI bus id " + id);
+  return Napi::Number::New(env, d);
+}
+
+// pciBusId(device) -> "domain:bus:device.function" (cudaDeviceGetPCIBusId).
+Napi::Value PciBusIdJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireAvailable(env);
+  int d = DeviceArg(env, info[0]);
+  const CudaApi& c = Cuda();
+  if (c.deviceGetPCIBusId == nullptr) ThrowNative(env, c.library + " has no cudaDeviceGetPCIBusId");
+  char id[64] = {0};
+  int err = c.deviceGetPCIBusId(id, sizeof id - 1, d);
+  if (err != 0) FailCuda(env, "cudaDeviceGetPCIBusId", err, "device " + std::to_string(d));
+  return Napi::String::New(env, id);
+}
+
 Napi::Value MallocJs(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   RequireAvailable(env);
@@ -190,8 +243,9 @@ Napi::Value FreeJs(const Napi::CallbackInfo& info) {
 Napi::Value StreamCreateJs(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   RequireAvailable(env);
+  const int device = DeviceArg(env, info[0]);
   Failure f;
-  if (!EnterDevice(f)) Throw(env, f);
+  if (!EnterDeviceIndex(device, f)) Throw(env, f);
   const CudaApi& c = Cuda();
   void* s = nullptr;
   // Non-blocking: kvgate's copies must not serialize with the engine's work on
@@ -199,7 +253,7 @@ Napi::Value StreamCreateJs(const Napi::CallbackInfo& info) {
   int err = c.streamCreateWithFlags != nullptr ? c.streamCreateWithFlags(&s, 1) : c.streamCreate(&s);
   if (err != 0) FailCuda(env, "cudaStreamCreate", err, "createStream");
   std::lock_guard<std::mutex> lock(g_streamMu);
-  g_streams[s] = 0;
+  g_streams[s] = StreamInfo{device, 0};
   return FromU64(env, reinterpret_cast<uintptr_t>(s));
 }
 
@@ -210,7 +264,9 @@ Napi::Value StreamDestroyJs(const Napi::CallbackInfo& info) {
     std::lock_guard<std::mutex> lock(g_streamMu);
     auto it = g_streams.find(s);
     if (it == g_streams.end()) ThrowNative(env, "unknown stream (not created by createStream, or destroyed)");
-    if (it->second > 0) ThrowNative(env, "stream has " + std::to_string(it->second) + " copy(ies) in flight");
+    if (it->second.inflight > 0) {
+      ThrowNative(env, "stream has " + std::to_string(it->second.inflight) + " copy(ies) in flight");
+    }
     g_streams.erase(it);
   }
   int err = Cuda().streamDestroy(s);
@@ -218,14 +274,14 @@ Napi::Value StreamDestroyJs(const Napi::CallbackInfo& info) {
   return env.Undefined();
 }
 
-// Worker side: the stream a copy runs on (0 = this device's kvgate stream).
-bool StreamFor(void* requested, void** out, Failure& f) {
+// Worker side, with `dev` current: the stream a copy runs on (0 = kvgate's
+// stream of `dev`, one per device so copies for different GPUs run side by side).
+bool StreamFor(void* requested, int dev, void** out, Failure& f) {
   if (requested != nullptr) {
     *out = requested;
     return true;
   }
   std::lock_guard<std::mutex> lock(g_streamMu);
-  int dev = CurrentDevice();
   auto it = g_defaultStreams.find(dev);
   if (it != g_defaultStreams.end()) {
     *out = it->second;
@@ -249,8 +305,9 @@ struct Desc {
 
 enum Direction { kH2D = 1, kD2H = 2, kD2D = 3 };
 
-// copy(direction, hostBuffer|null, hostOffset, hostLength, descriptors: BigInt64Array, stream: bigint)
-//   -> Promise<{descriptors, issued, bytes}>
+// copy(direction, hostBuffer|null, hostOffset, hostLength, descriptors: BigInt64Array, stream: bigint,
+//      device?: number) -> Promise<{descriptors, issued, bytes}>
+// Runs with `device` current (default: the stream's device, else setDevice's).
 // Descriptors are [src, dst, bytes] triples; the host side of each is an
 // offset into the host range, re-checked here before anything is queued.
 Napi::Value CopyJs(const Napi::CallbackInfo& info) {
@@ -265,6 +322,9 @@ Napi::Value CopyJs(const Napi::CallbackInfo& info) {
   size_t n = ta.ElementLength();
   if (n % 3 != 0) ThrowNative(env, "descriptors length must be a multiple of 3");
   void* stream = reinterpret_cast<void*>(ToU64(env, info[5], "stream"));
+  const bool deviceGiven = !info[6].IsUndefined() && !info[6].IsNull() &&
+                           !(info[6].IsNumber() && info[6].As<Napi::Number>().DoubleValue() == -1);
+  int device = DeviceArg(env, info[6]);
   // Copied out below, so later JS writes cannot change what was validated.
   const int64_t* raw = info[4].As<Napi::BigInt64Array>().Data();
   auto descs = std::make_shared<std::vector<Desc>>();
@@ -322,17 +382,24 @@ Napi::Value CopyJs(const Napi::CallbackInfo& info) {
       ReleaseHost(host);
       ThrowNative(env, "unknown stream (not created by createStream, or destroyed)");
     }
-    it->second++;
+    if (deviceGiven && it->second.device != device) {
+      const int own = it->second.device;
+      lock.unlock();
+      ReleaseHost(host);
+      ThrowNative(env, "stream belongs to device " + std::to_string(own) + ", not device " + std::to_string(device));
+    }
+    device = it->second.device;
+    it->second.inflight++;
   }
   const size_t count = n / 3;
   const int kind = static_cast<int>(dir);
   return RunAsync(
       env, "kvgate.copy",
-      [descs, host, stream, kind, hostSrc, hostDst](Failure& f) {
-        if (!EnterDevice(f)) return;
+      [descs, host, stream, device, kind, hostSrc, hostDst](Failure& f) {
+        if (!EnterDeviceIndex(device, f)) return;
         const CudaApi& c = Cuda();
         void* s = nullptr;
-        if (!StreamFor(stream, &s, f)) return;
+        if (!StreamFor(stream, device, &s, f)) return;
         for (const Desc& d : *descs) {
           void* dst = hostDst ? host.data + d.dst : reinterpret_cast<void*>(d.dst);
           const void* src = hostSrc ? host.data + d.src : reinterpret_cast<const void*>(d.src);
@@ -376,12 +443,13 @@ Napi::Value CopyJs(const Napi::CallbackInfo& info) {
         if (stream != nullptr) {
           std::lock_guard<std::mutex> lock(g_streamMu);
           auto it = g_streams.find(stream);
-          if (it != g_streams.end()) it->second--;
+          if (it != g_streams.end()) it->second.inflight--;
         }
       });
 }
 
-// ipcOpen(handle: Uint8Array(64), flags) -> Promise<bigint>
+// ipcOpen(handle: Uint8Array(64), flags, device?) -> Promise<bigint>: maps the
+// allocation into `device`'s context (the engine's GPU, so copies stay on it).
 Napi::Value IpcOpenJs(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   RequireAvailable(env);
@@ -393,11 +461,12 @@ Napi::Value IpcOpenJs(const Napi::CallbackInfo& info) {
   CudaIpcHandle h;
   std::memcpy(h.reserved, u.Data(), sizeof h.reserved);
   unsigned flags = static_cast<unsigned>(ToSize(env, info[1], "flags"));
+  const int device = DeviceArg(env, info[2]);
   auto out = std::make_shared<uint64_t>(0);
   return RunAsync(
       env, "kvgate.ipcOpen",
-      [h, flags, out](Failure& f) {
-        if (!EnterDevice(f)) return;
+      [h, flags, device, out](Failure& f) {
+        if (!EnterDeviceIndex(device, f)) return;
         void* p = nullptr;
         int err = Cuda().ipcOpenMemHandle(&p, h, flags);
         if (err != 0) {
@@ -413,10 +482,11 @@ Napi::Value IpcCloseJs(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   RequireAvailable(env);
   uint64_t p = ToU64(env, info[0], "device pointer");
+  const int device = DeviceArg(env, info[1]);  // the device it was opened on
   return RunAsync(
       env, "kvgate.ipcClose",
-      [p](Failure& f) {
-        if (!EnterDevice(f)) return;
+      [p, device](Failure& f) {
+        if (!EnterDeviceIndex(device, f)) return;
         int err = Cuda().ipcCloseMemHandle(reinterpret_cast<void*>(p));
         if (err != 0) f = CudaFailure("cudaIpcCloseMemHandle", err, "ipcClose");
       },
@@ -459,16 +529,18 @@ const CudaApi& Cuda() {
 
 int CurrentDevice() { return g_device.load(); }
 
-bool EnterDevice(Failure& f) {
+bool EnterDevice(Failure& f) { return EnterDeviceIndex(g_device.load(), f); }
+
+bool EnterDeviceIndex(int device, Failure& f) {
   const CudaApi& c = Cuda();
   if (!c.available) {
     f.code = "ERR_CUDA";
     f.message = "CUDA is not available: " + c.reason;
     return false;
   }
-  int err = c.setDevice(g_device.load());
+  int err = c.setDevice(device);
   if (err != 0) {
-    f = CudaFailure("cudaSetDevice", err, "device " + std::to_string(g_device.load()));
+    f = CudaFailure("cudaSetDevice", err, "device " + std::to_string(device));
     return false;
   }
   return true;
@@ -498,6 +570,8 @@ void InitCuda(Napi::Env env, Napi::Object exports) {
   c.Set("ipcClose", Napi::Function::New(env, IpcCloseJs, "ipcClose"));
   c.Set("ipcGetHandle", Napi::Function::New(env, IpcGetHandleJs, "ipcGetHandle"));
   c.Set("stubControl", Napi::Function::New(env, StubControlJs, "stubControl"));
+  c.Set("deviceByPciBusId", Napi::Function::New(env, DeviceByPciBusIdJs, "deviceByPciBusId"));
+  c.Set("pciBusId", Napi::Function::New(env, PciBusIdJs, "pciBusId"));
   exports.Set("cuda", c);
 }
 

@@ -11,12 +11,26 @@
 //   kvgate_stub_control(spec)   same spec at run time; returns live allocations
 // Spec: comma-separated `fn=code[@skip][*times]` (fail `fn` with `code` after
 // `skip` successful calls, `times` times, default forever), `delay_us=N` (each
-// queued copy sleeps N µs first), `reset` (clear everything), or "" (query).
+// queued copy sleeps N µs first), `hold=D` / `release=D` (copies on device D's
+// streams wait until released), `calls=fn@D` (answer how many successful `fn`
+// calls ran with device D current, instead of the allocation count), `reset`
+// (clear rules, delays, holds and call counts), or "" (query).
+//
+// Devices: each thread has a current device (cudaSetDevice); allocations,
+// streams and IPC mappings belong to the device current when they were made.
+// Stricter than CUDA (which reaches peer memory through unified addressing):
+// a copy must run with its stream's device current and touch only device
+// memory allocated on, or IPC-opened on, that device; an IPC mapping must be
+// closed on the device it was opened on. So work issued from the wrong
+// device's context fails here instead of silently crossing devices.
+// PCI bus ids: device d is "0000:<0x10 * (d + 1)>:00.0".
 #include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -56,7 +70,8 @@ bool g_initialized = false;
 
 struct Region {
   size_t size;
-  int ipcOpen;
+  int device;                  // current device at cudaMalloc
+  std::map<int, int> ipcOpen;  // open IPC mappings by the device they were opened on
 };
 std::map<uintptr_t, Region> g_device;     // cudaMalloc
 std::map<uintptr_t, size_t> g_hostAlloc;  // cudaHostAlloc
@@ -65,6 +80,12 @@ size_t g_deviceBytes = 0;
 size_t g_deviceLimit = size_t(1) << 30;
 int g_deviceCount = 1;
 thread_local int t_device = 0;
+std::map<std::string, long> g_calls;  // "fn@device" -> successful calls
+std::set<int> g_held;                 // devices whose copies wait (hold=D)
+std::atomic<bool> g_anyHeld{false};   // g_held is not empty: lets copies skip g_mu when nothing is held
+std::condition_variable g_release;    // signalled (under g_mu) when g_held shrinks
+
+void CountLocked(const char* fn) { g_calls[std::string(fn) + "@" + std::to_string(t_device)]++; }
 
 struct Copy {
   void* dst;
@@ -72,6 +93,12 @@ struct Copy {
   size_t count;
   long delayUs;
 };
+
+void WaitWhileHeld(int device) {
+  if (!g_anyHeld.load(std::memory_order_acquire)) return;
+  std::unique_lock<std::mutex> lock(g_mu);
+  g_release.wait(lock, [device] { return g_held.count(device) == 0; });
+}
 
 // One worker thread per stream runs queued copies in order. It takes the whole
 // queue at once and signals only when someone waits, so a batch of thousands
@@ -86,9 +113,10 @@ struct Stream {
   int waiters = 0;
   bool idle = false;
   bool stop = false;
+  const int device;
   std::thread worker;
 
-  Stream() {
+  explicit Stream(int dev) : device(dev) {
     worker = std::thread([this] { Run(); });
   }
   void Run() {
@@ -102,6 +130,7 @@ struct Stream {
       batch.swap(queue);
       lock.unlock();
       for (const Copy& c : batch) {
+        WaitWhileHeld(device);
         if (c.delayUs > 0) std::this_thread::sleep_for(std::chrono::microseconds(c.delayUs));
         std::memmove(c.dst, c.src, c.count);
       }
@@ -147,9 +176,9 @@ struct Event {
 
 std::set<Stream*> g_streams;
 std::set<Event*> g_events;
-Stream* g_legacy = nullptr;  // the null stream; never destroyed
+std::map<int, Stream*> g_legacy;  // the null stream of each device; never destroyed
 
-void ApplySpecLocked(const std::string& spec, bool& ok) {
+void ApplySpecLocked(const std::string& spec, bool& ok, long& query) {
   size_t i = 0;
   while (i <= spec.size()) {
     size_t j = spec.find(',', i);
@@ -160,6 +189,10 @@ void ApplySpecLocked(const std::string& spec, bool& ok) {
     if (item == "reset") {
       g_rules.clear();
       g_delayUs = 0;
+      g_calls.clear();
+      g_held.clear();
+      g_anyHeld = false;
+      g_release.notify_all();
       continue;
     }
     size_t eq = item.find('=');
@@ -171,6 +204,36 @@ void ApplySpecLocked(const std::string& spec, bool& ok) {
     std::string val = item.substr(eq + 1);
     if (key == "delay_us") {
       g_delayUs = std::strtol(val.c_str(), nullptr, 10);
+      continue;
+    }
+    if (key == "hold" || key == "release") {
+      char* end = nullptr;
+      long d = std::strtol(val.c_str(), &end, 10);
+      if (val.empty() || *end != '\0' || d < 0) {
+        ok = false;
+      } else if (key == "hold") {
+        g_held.insert(static_cast<int>(d));
+        g_anyHeld = true;
+      } else {
+        g_held.erase(static_cast<int>(d));
+        g_anyHeld = !g_held.empty();
+        g_release.notify_all();
+      }
+      continue;
+    }
+    if (key == "calls") {
+      size_t at = val.rfind('@');
+      char* end = nullptr;
+      if (at == std::string::npos || val.rfind("cuda", 0) != 0 || at + 1 >= val.size()) {
+        ok = false;
+        continue;
+      }
+      std::strtol(val.c_str() + at + 1, &end, 10);
+      if (*end != '\0') {
+        ok = false;
+        continue;
+      }
+      query = g_calls[val];  // "fn@device", as CountLocked spells it
       continue;
     }
     Rule r{0, 0, -1};
@@ -195,7 +258,8 @@ void InitLocked() {
   g_initialized = true;
   if (const char* s = std::getenv("KVGATE_STUB_FAIL")) {
     bool ok = true;
-    ApplySpecLocked(s, ok);
+    long query = -1;
+    ApplySpecLocked(s, ok, query);
   }
   if (const char* s = std::getenv("KVGATE_STUB_DEVICES")) g_deviceCount = std::atoi(s);
   if (const char* s = std::getenv("KVGATE_STUB_DEVICE_BYTES")) g_deviceLimit = std::strtoull(s, nullptr, 10);
@@ -222,22 +286,29 @@ int InjectedLocked(const char* fn) {
     if (injected_ != 0) return injected_; \
   } while (0)
 
-// True when [p, p+len) lies inside one device allocation.
+// True when [p, p+len) lies inside one device allocation that the current
+// device may touch: allocated on it, or IPC-opened on it.
 bool InDeviceLocked(uintptr_t p, size_t len) {
   auto it = g_device.upper_bound(p);
   if (it == g_device.begin()) return false;
   --it;
-  return p >= it->first && len <= it->second.size && p - it->first <= it->second.size - len;
+  if (!(p >= it->first && len <= it->second.size && p - it->first <= it->second.size - len)) return false;
+  if (it->second.device == t_device) return true;
+  auto o = it->second.ipcOpen.find(t_device);
+  return o != it->second.ipcOpen.end() && o->second > 0;
 }
 
+// The stream `s` (null: the current device's legacy stream); ok = false when
+// unknown or when it belongs to another device than the current one.
 Stream* StreamLocked(void* s, bool& ok) {
   ok = true;
   if (s == nullptr) {
-    if (g_legacy == nullptr) g_legacy = new Stream();
-    return g_legacy;
+    Stream*& legacy = g_legacy[t_device];
+    if (legacy == nullptr) legacy = new Stream(t_device);
+    return legacy;
   }
   Stream* st = static_cast<Stream*>(s);
-  if (g_streams.count(st) == 0) ok = false;
+  if (g_streams.count(st) == 0 || st->device != t_device) ok = false;
   return st;
 }
 
@@ -322,8 +393,9 @@ int cudaMalloc(void** p, size_t size) {
   if (size > g_deviceLimit - g_deviceBytes) return kMemoryAllocation;
   void* m = nullptr;
   if (posix_memalign(&m, 256, size) != 0) return kMemoryAllocation;
-  g_device[reinterpret_cast<uintptr_t>(m)] = Region{size, 0};
+  g_device[reinterpret_cast<uintptr_t>(m)] = Region{size, t_device, {}};
   g_deviceBytes += size;
+  CountLocked("cudaMalloc");
   *p = m;
   return kSuccess;
 }
@@ -386,8 +458,9 @@ int cudaHostUnregister(void* p) {
 int cudaStreamCreate(void** s) {
   std::lock_guard<std::mutex> lock(g_mu);
   STUB_INJECT("cudaStreamCreate");
-  Stream* st = new Stream();
+  Stream* st = new Stream(t_device);
   g_streams.insert(st);
+  CountLocked("cudaStreamCreate");
   *s = st;
   return kSuccess;
 }
@@ -441,6 +514,7 @@ int cudaMemcpyAsync(void* dst, const void* src, size_t count, int kind, void* s)
                  (kind == 3 && InDeviceLocked(d, count) && InDeviceLocked(sr, count));
     if (!valid) return kInvalidValue;
     delay = g_delayUs;
+    CountLocked("cudaMemcpyAsync");
   }
   st->Push(Copy{dst, src, count, delay});
   return kSuccess;
@@ -473,6 +547,7 @@ int cudaEventRecord(void* e, void* s) {
   if (!ok) return kInvalidResourceHandle;
   ev->stream = st;
   ev->seq = st->Mark();
+  CountLocked("cudaEventRecord");
   return kSuccess;
 }
 
@@ -540,7 +615,8 @@ int cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t h, unsigned flags) {
   std::memcpy(&size, h.reserved + 24, 8);
   auto it = g_device.find(base);
   if (pid != getpid() || it == g_device.end() || it->second.size != size) return kInvalidResourceHandle;
-  it->second.ipcOpen++;
+  it->second.ipcOpen[t_device]++;
+  CountLocked("cudaIpcOpenMemHandle");
   *p = reinterpret_cast<void*>(base);
   return kSuccess;
 }
@@ -549,9 +625,42 @@ int cudaIpcCloseMemHandle(void* p) {
   std::lock_guard<std::mutex> lock(g_mu);
   STUB_INJECT("cudaIpcCloseMemHandle");
   auto it = g_device.find(reinterpret_cast<uintptr_t>(p));
-  if (it == g_device.end() || it->second.ipcOpen == 0) return kInvalidValue;
-  it->second.ipcOpen--;
+  if (it == g_device.end()) return kInvalidValue;
+  auto o = it->second.ipcOpen.find(t_device);  // opened on another device: not this context's mapping
+  if (o == it->second.ipcOpen.end() || o->second == 0) return kInvalidValue;
+  if (--o->second == 0) it->second.ipcOpen.erase(o);
+  CountLocked("cudaIpcCloseMemHandle");
   return kSuccess;
+}
+
+int cudaDeviceGetPCIBusId(char* id, int len, int device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  STUB_INJECT("cudaDeviceGetPCIBusId");
+  if (id == nullptr || len <= 0) return kInvalidValue;
+  if (device < 0 || device >= g_deviceCount) return kInvalidDevice;
+  std::snprintf(id, static_cast<size_t>(len), "0000:%02X:00.0", 0x10 * (device + 1));
+  return kSuccess;
+}
+
+// Accepts what CUDA documents: "domain:bus:device.function", "domain:bus:device"
+// and "bus:device.function", hexadecimal, either case.
+int cudaDeviceGetByPCIBusId(int* device, const char* id) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  STUB_INJECT("cudaDeviceGetByPCIBusId");
+  if (device == nullptr || id == nullptr) return kInvalidValue;
+  unsigned dom = 0, bus = 0, dev = 0, fn = 0;
+  char tail = 0;
+  bool parsed = std::sscanf(id, "%x:%x:%x.%x%c", &dom, &bus, &dev, &fn, &tail) == 4 ||
+                std::sscanf(id, "%x:%x:%x%c", &dom, &bus, &dev, &tail) == 3 ||
+                (dom = 0, std::sscanf(id, "%x:%x.%x%c", &bus, &dev, &fn, &tail) == 3);
+  if (!parsed) return kInvalidValue;
+  for (int d = 0; d < g_deviceCount; d++) {
+    if (dom == 0 && bus == static_cast<unsigned>(0x10 * (d + 1)) && dev == 0 && fn == 0) {
+      *device = d;
+      return kSuccess;
+    }
+  }
+  return kInvalidDevice;
 }
 
 // Test control (see the header comment). Returns the number of live device
@@ -561,10 +670,13 @@ int kvgate_stub_control(const char* spec) {
   std::lock_guard<std::mutex> lock(g_mu);
   InitLocked();
   bool ok = true;
-  if (spec != nullptr) ApplySpecLocked(spec, ok);
+  long query = -1;
+  if (spec != nullptr) ApplySpecLocked(spec, ok, query);
   if (!ok) return -1;
+  if (query >= 0) return static_cast<int>(query);
   int ipc = 0;
-  for (const auto& kv : g_device) ipc += kv.second.ipcOpen;
+  for (const auto& kv : g_device)
+    for (const auto& o : kv.second.ipcOpen) ipc += o.second;
   return static_cast<int>(g_device.size() + g_hostAlloc.size() + g_registered.size()) + ipc;
 }
 

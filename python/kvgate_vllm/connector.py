@@ -133,18 +133,36 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
     }
 
 
+def pci_bus_id(props: Any) -> Optional[str]:
+    """The GPU's PCI bus id ("0000:3b:00.0") from torch's device properties, or None when this
+    torch does not expose it. The agent resolves it to its own device ordinal, which differs
+    from the engine's when their CUDA_VISIBLE_DEVICES differ (vLLM gives each rank its GPU)."""
+    try:
+        domain, bus, dev = (int(getattr(props, a)) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if not (0 <= domain <= 0xFFFFFFFF and 0 <= bus <= 0xFF and 0 <= dev <= 0xFF):
+        return None
+    return f"{domain:04x}:{bus:02x}:{dev:02x}.0"
+
+
 def cuda_ipc(t: torch.Tensor) -> Dict[str, Any]:
-    """The CUDA IPC handle of the allocation holding `t` and `t`'s byte offset in it."""
+    """The CUDA IPC handle of the allocation holding `t`, `t`'s byte offset in it, and its GPU:
+    the engine's ordinal and, when torch knows it, the PCI bus id (which the agent prefers)."""
     storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
     shared = storage._share_cuda_()
     device, handle, _size, storage_offset = shared[0], shared[1], shared[2], shared[3]
     if not isinstance(handle, (bytes, bytearray)) or len(handle) != 64:
         raise ConfigurationError("this torch build returned no 64-byte CUDA IPC handle for the KV cache")
-    return {
+    out: Dict[str, Any] = {
         "handle": bytes(handle),
         "device": int(device),
         "offset": int(storage_offset) + t.storage_offset() * t.element_size(),
     }
+    bus = pci_bus_id(torch.cuda.get_device_properties(int(device)))
+    if bus is not None:
+        out["pciBusId"] = bus
+    return out
 
 
 class _LoadState:
@@ -193,6 +211,7 @@ class KVGateConnector(KVConnectorBase_V1):
         # worker state
         self._register_msg: Optional[Dict[str, Any]] = None
         self._worker_id: Optional[int] = None
+        self.agent_device: Optional[int] = None
         self._worker_generation = -1
         self._layer_index: Dict[str, int] = {}
         self._loads: List[_LoadState] = []
@@ -209,6 +228,8 @@ class KVGateConnector(KVConnectorBase_V1):
             ans = client.call("register", self._register_msg, timeout=10.0)
             self._worker_id = int(ans["worker"])
             self._worker_generation = client.generation
+            # The agent's ordinal of this rank's GPU (None for host tensors): where it maps and copies.
+            self.agent_device = ans.get("device")
 
     @property
     def _chunk_tokens(self) -> Optional[int]:

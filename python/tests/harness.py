@@ -224,7 +224,9 @@ def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
 
     names = [f"model.layers.{i}.self_attn" for i in range(spec.layers)]
     if spec.device == "cuda":
-        caches = {n: torch.zeros(layer_shape(spec), dtype=TORCH_DTYPES[spec.dtype], device="cuda") for n in names}
+        # As vLLM does on a multi-GPU node: TP rank r on GPU r (wrapping when there are fewer GPUs).
+        gpu = f"cuda:{rank % torch.cuda.device_count()}"
+        caches = {n: torch.zeros(layer_shape(spec), dtype=TORCH_DTYPES[spec.dtype], device=gpu) for n in names}
     else:
         caches = {n: shm.shm_tensor(layer_shape(spec), TORCH_DTYPES[spec.dtype]) for n in names}
     model = None
@@ -271,6 +273,9 @@ def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
                 conn.send(out)
             elif cmd[0] == "dump":
                 conn.send([caches[n].cpu() for n in names])
+            elif cmd[0] == "devices":  # (the engine's GPU index, the agent's ordinal of it)
+                first = caches[names[0]]
+                conn.send((first.device.index, conn_.agent_device if conn_ is not None else None))
             elif cmd[0] == "stop":
                 break
     finally:

@@ -338,6 +338,36 @@ def test_refuses_settings_that_share_nothing(tmp, monkeypatch):
         KVGateConnector(vllm_config(EngineSpec(socket=tmp.sock("x"))), KVConnectorRole.SCHEDULER)
 
 
+def test_real_gpu_tp2_across_two_gpus(tmp):
+    """TP 2 with rank r's KV on GPU r, one agent per engine serving both GPUs: each rank's
+    tensors are opened and copied on its own GPU (the agent answers which), bytes equal."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs a node with 2 GPUs (none was lent to this task): the several-GPUs CUDA IPC path")
+
+    def on_own_gpus(a, b):
+        # Rank r's KV is on GPU r, and the agent mapped and copied it there (not on GPU 0).
+        for rank in range(2):
+            assert a.workers[rank].call("devices") == (rank, rank)
+            assert b.workers[rank].call("devices") == (rank, rank)
+
+    _gpu_round_trip(tmp, "gpu-tp2", world=2, check=on_own_gpus)
+
+
+def test_pci_bus_id_from_device_properties():
+    """The GPU identity the connector sends beside its ordinal (the agent prefers it)."""
+    from types import SimpleNamespace
+
+    from kvgate_vllm.connector import pci_bus_id
+
+    assert pci_bus_id(SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)) == "0000:3b:00.0"
+    assert pci_bus_id(SimpleNamespace(pci_domain_id=0x10001, pci_bus_id=255, pci_device_id=31)) == "10001:ff:1f.0"
+    # Older torch without the fields, or nonsense values: no id (the agent falls back to `device`).
+    assert pci_bus_id(SimpleNamespace(name="GPU")) is None
+    assert pci_bus_id(SimpleNamespace(pci_domain_id=0, pci_bus_id=256, pci_device_id=0)) is None
+    assert pci_bus_id(SimpleNamespace(pci_domain_id=0, pci_bus_id=-1, pci_device_id=0)) is None
+    assert pci_bus_id(SimpleNamespace(pci_domain_id=0, pci_bus_id="x", pci_device_id=0)) is None
+
+
 def test_vllm_version_check():
     with pytest.raises(RuntimeError, match="vLLM"):
         check_vllm_version("0.9.1")
@@ -349,14 +379,23 @@ def test_real_gpu_ipc(tmp):
     """CUDA KV tensors: IPC handles into the agent, saved by one process, loaded by another."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU on this machine (none was lent to this task): the CUDA IPC path runs only on a GPU host")
+    _gpu_round_trip(tmp, "gpu")
+
+
+def _gpu_round_trip(tmp, name, world=1, check=None):
+    """Engine A saves PROMPT from CUDA KV, engine B (its own agent) loads it: every rank's blocks
+    equal A's. `check(a, b)` adds assertions while the engines run."""
     gw = start_gateway()
     try:
-        a, b, ra, rb, agents = share(tmp, gw, "gpu", device="cuda")
+        a, b, ra, rb, agents = share(tmp, gw, name, device="cuda", world=world)
         try:
             assert rb["matched"] == 96 and rb["load_errors"] == []
-            A = blocks_of(a, 0, ra["block_ids"], 6)
-            B = blocks_of(b, 0, rb["block_ids"], 6)
-            assert all(torch.equal(A[l][s][i], B[l][s][i]) for l in range(3) for s in range(2) for i in range(6))
+            for rank in range(world):
+                A = blocks_of(a, rank, ra["block_ids"], 6)
+                B = blocks_of(b, rank, rb["block_ids"], 6)
+                assert all(torch.equal(A[l][s][i], B[l][s][i]) for l in range(3) for s in range(2) for i in range(6))
+            if check is not None:
+                check(a, b)
         finally:
             a.close()
             b.close()

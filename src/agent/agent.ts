@@ -8,7 +8,7 @@ import type { MemoryTier } from '../client/tiers/memory.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import type { Dtype } from '../core/layout.ts'
 import { defaultCopyThreads } from './config.ts'
-import { DeviceTensor, IpcMappings } from './device-tensor.ts'
+import { DeviceTensor, IpcMappings, resolveDevice } from './device-tensor.ts'
 import {
   blockBytes,
   chunkRuns,
@@ -333,8 +333,15 @@ export class Agent {
           if (!st.available)
             throw new AgentError('ERR_CUDA', `CUDA is not available to the agent: ${st.reason}`)
           const [handle] = binList({ h: [t.handle] }, 'h', 64, 1)
-          ipc ??= new IpcMappings(native.api)
-          layers.push(new DeviceTensor(native.api, await ipc.map(handle!), offset, want))
+          // The engine's GPU, in this agent's numbering; checked before anything is mapped.
+          const device = resolveDevice(native.api, t, `tensors[${i}]`)
+          if (ipc && ipc.device !== device)
+            throw new AgentError(
+              'ERR_INVALID_ARGUMENT',
+              `tensors[${i}] is on device ${device}, earlier tensors on device ${ipc.device}: a registration (one TP rank) is one GPU`,
+            )
+          ipc ??= new IpcMappings(native.api, device)
+          layers.push(new DeviceTensor(native.api, device, await ipc.map(handle!), offset, want))
         }
       }
       space = await this.#space(d, rank)
@@ -358,7 +365,12 @@ export class Agent {
     s.workers.set(id, worker)
     this.#workers.add(worker)
     this.metrics.workers++
-    return { worker: id, chunkTokens: this.options.chunkTokens, blocksPerChunk: space.blocksPerChunk }
+    return {
+      worker: id,
+      chunkTokens: this.options.chunkTokens,
+      blocksPerChunk: space.blocksPerChunk,
+      device: ipc?.device ?? null,
+    }
   }
 
   #lookup(s: Session, m: Request): Record<string, unknown> | Promise<Record<string, unknown>> {

@@ -12,7 +12,7 @@ import { KvgateError, type KvgateErrorOptions } from '../core/errors.ts'
 import { installedAsDependency, packageRoot } from '../package-files.ts'
 
 /** The addon contract version this wrapper speaks (native/src/addon.cc `abiVersion`). */
-export const NATIVE_ABI_VERSION = 6
+export const NATIVE_ABI_VERSION = 8
 
 /** O_DIRECT alignment kvgate uses for buffer addresses and file offsets (bytes). */
 export const DIRECT_ALIGNMENT = 4096
@@ -135,7 +135,7 @@ interface RawCuda {
   getDevice(): number
   malloc(bytes: number): bigint
   free(ptr: bigint): void
-  streamCreate(): bigint
+  streamCreate(device?: number): bigint
   streamDestroy(stream: bigint): void
   copy(
     direction: 1 | 2 | 3,
@@ -144,11 +144,14 @@ interface RawCuda {
     hostLength: number,
     descriptors: BigInt64Array,
     stream: bigint,
+    device?: number,
   ): Promise<CopyResult>
-  ipcOpen(handle: Uint8Array, flags: number): Promise<bigint>
-  ipcClose(ptr: bigint): Promise<void>
+  ipcOpen(handle: Uint8Array, flags: number, device?: number): Promise<bigint>
+  ipcClose(ptr: bigint, device?: number): Promise<void>
   ipcGetHandle(ptr: bigint): Uint8Array
   stubControl(spec: string): number
+  deviceByPciBusId(id: string): number
+  pciBusId(device?: number): string
 }
 
 /** Options as the addon reads them (`prefault` absent reads as false, as in builds before it). */
@@ -499,8 +502,21 @@ export interface CudaStatus {
 export type CudaStream = bigint & { readonly __cudaStream: unique symbol }
 
 export interface CopyOptions {
-  /** Stream to queue on; default: kvgate's own non-blocking stream for the current device. */
+  /** Stream to queue on; default: kvgate's own non-blocking stream of the copy's device. */
   stream?: CudaStream
+  /**
+   * The GPU the copy runs on (made current on the worker thread; its device pointers must be
+   * valid there, e.g. mapped by {@link cuda.ipcOpen} with the same device). Default: the
+   * stream's device, else the one chosen by {@link cuda.setDevice}.
+   */
+  device?: number
+}
+
+/** A device ordinal argument: undefined (the setDevice choice) or 0..deviceCount-1. */
+function deviceArg(device: number | undefined): number | undefined {
+  if (device === undefined) return undefined
+  checkSize(device, 'device', 1024, 0)
+  return device
 }
 
 export interface CopyResult {
@@ -568,9 +584,10 @@ export const cuda = {
     checkPtr(ptr, 'device pointer')
     call(() => cudaBinding().free(ptr))
   },
-  /** A non-blocking stream; destroy it with {@link cuda.destroyStream}. */
-  createStream(): CudaStream {
-    return call(() => cudaBinding().streamCreate()) as CudaStream
+  /** A non-blocking stream of `device` (default: the setDevice choice); destroy it with {@link cuda.destroyStream}. */
+  createStream(device?: number): CudaStream {
+    const d = deviceArg(device)
+    return call(() => cudaBinding().streamCreate(d)) as CudaStream
   },
   /** Refuses (ERR_NATIVE) while copies on the stream are in flight. */
   destroyStream(stream: CudaStream): void {
@@ -624,6 +641,7 @@ export const cuda = {
       if (!(descriptors instanceof BigInt64Array)) throw misuse('descriptors must be a BigInt64Array')
       if (descriptors.length % 3 !== 0) throw misuse('descriptors must hold [src, dst, bytes] triples')
       const stream = streamArg(opts)
+      const device = deviceArg(opts.device)
       let r: HostRange | null = null
       if (direction === 'd2d') {
         if (host !== null && host !== undefined) throw misuse("a 'd2d' copy takes no host buffer (pass null)")
@@ -631,26 +649,46 @@ export const cuda = {
         r = hostRange(host, 'host')
       }
       const c = cudaBinding()
-      return c.copy(dir, r?.buffer ?? null, r?.offset ?? 0, r?.length ?? 0, descriptors, stream)
+      return c.copy(dir, r?.buffer ?? null, r?.offset ?? 0, r?.length ?? 0, descriptors, stream, device)
     })
   },
   /**
    * Maps another process's device allocation (cudaIpcOpenMemHandle with
-   * lazy peer access) and answers its device pointer in this process.
+   * lazy peer access) into `device`'s context (default: the setDevice choice)
+   * and answers its device pointer in this process. Open it on the GPU that
+   * holds it, and copy through it with that `device`.
    */
-  ipcOpen(handle: Uint8Array, opts: { lazyPeerAccess?: boolean } = {}): Promise<bigint> {
+  ipcOpen(handle: Uint8Array, opts: { lazyPeerAccess?: boolean; device?: number } = {}): Promise<bigint> {
     return callAsync(async () => {
       if (!(handle instanceof Uint8Array) || handle.byteLength !== 64)
         throw misuse('IPC handle must be a 64-byte Uint8Array')
-      return cudaBinding().ipcOpen(handle, opts.lazyPeerAccess === false ? 0 : 1)
+      const device = deviceArg(opts.device)
+      return cudaBinding().ipcOpen(handle, opts.lazyPeerAccess === false ? 0 : 1, device)
     })
   },
-  /** Unmaps a pointer from {@link cuda.ipcOpen}. */
-  ipcClose(ptr: bigint): Promise<void> {
+  /** Unmaps a pointer from {@link cuda.ipcOpen}, on the device it was opened on. */
+  ipcClose(ptr: bigint, opts: { device?: number } = {}): Promise<void> {
     return callAsync(async () => {
       checkPtr(ptr, 'device pointer')
-      return cudaBinding().ipcClose(ptr)
+      const device = deviceArg(opts.device)
+      return cudaBinding().ipcClose(ptr, device)
     })
+  },
+  /**
+   * This process's ordinal of the GPU at PCI bus id `id` ("0000:3b:00.0";
+   * cudaDeviceGetByPCIBusId). Processes with different CUDA_VISIBLE_DEVICES
+   * number GPUs differently; the bus id names the same GPU in all of them.
+   * ERR_CUDA when no visible device has that id.
+   */
+  deviceByPciBusId(id: string): number {
+    if (typeof id !== 'string' || id.length === 0 || id.length > 63)
+      throw misuse('PCI bus id must be a string of 1 to 63 characters')
+    return call(() => cudaBinding().deviceByPciBusId(id))
+  },
+  /** The PCI bus id of `device` (default: the setDevice choice), as cudaDeviceGetPCIBusId spells it. */
+  pciBusId(device?: number): string {
+    const d = deviceArg(device)
+    return call(() => cudaBinding().pciBusId(d))
   },
   /** The 64-byte IPC handle of a device allocation (cudaIpcGetMemHandle), for another process. */
   ipcGetHandle(ptr: bigint): Uint8Array {
