@@ -501,9 +501,11 @@ export class Agent {
     for (let c = 0; c < count; c++) runsByChunk.push(chunkRuns(g, w.numBlocks, ids, c * bpc, bpc, skip))
     // Threaded copies of a group of layers run while the next layers are fetched: one native
     // call and one progress event per group (an eighth of the model), not per layer. Their
-    // slabs stay valid until the generator finishes (L1 handles, reservations and fetched
-    // groups are held until its finally), and it cannot finish before every copy settled:
-    // the last layer waits for them, and every other exit waits in `finally` before return().
+    // slabs stay valid until the generator finishes (LayerBatch.slabs: L1 handles, reservations
+    // and fetched groups are held until its finally), and we finish it only after every copy
+    // settled: the last layer waits for them, and every other exit waits in `finally` before
+    // return(). Only a generator that throws finishes on its own with copies in flight; the
+    // load then fails every block (served = 0) and still answers only once they settled.
     const copies = new CopySet()
     const done = new Uint8Array(g.layers)
     const perGroup = Math.max(
