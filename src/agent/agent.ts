@@ -64,7 +64,7 @@ const MAX_BLOCKS = 1 << 24
 const MAX_WORLD = 64
 /** A load reports its progress in about this many steps (one threaded copy each). */
 const LOAD_PROGRESS_STEPS = 8
-/** Buffers one native copy may name (the addon refuses more than 65 536). */
+/** Buffers a load's layer group is sized to name at most (one layer of more chunks is one group, which HostCopier cuts into calls within the addon's 65 536). */
 const MAX_COPY_BUFFERS = 60_000
 
 export interface AgentCoreOptions {
