@@ -7,7 +7,7 @@ import type { DiskBudget } from '../client/tiers/disk.ts'
 import type { MemoryTier } from '../client/tiers/memory.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import type { Dtype } from '../core/layout.ts'
-import { defaultCopyThreads } from './config.ts'
+import { defaultCopyThreads, MAX_COPY_THREADS } from './config.ts'
 import { DeviceTensor, IpcMappings } from './device-tensor.ts'
 import {
   blockBytes,
@@ -126,6 +126,14 @@ export class Agent {
   #closed = false
 
   constructor(options: AgentCoreOptions) {
+    // resolveAgentConfig checks it too; an embedder's value would otherwise fail every save and load.
+    const t = options.copyThreads
+    if (t !== undefined && !(Number.isInteger(t) && t >= 0 && t <= MAX_COPY_THREADS)) {
+      throw new AgentError(
+        'ERR_INVALID_ARGUMENT',
+        `invalid copyThreads: expected an integer in 0..${MAX_COPY_THREADS}, got ${String(t)}`,
+      )
+    }
     this.options = options
   }
 
