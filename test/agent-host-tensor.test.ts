@@ -167,6 +167,44 @@ describe('HostCopier (threaded copies of every layer at once)', () => {
     for (const t of layers) t.close()
   })
 
+  it('scatterLayers: a layer of 65 536 chunks (the most a load names) is copied, though one native call takes at most 65 536 buffers', async () => {
+    const CHUNKS = 65_536
+    const data = randomBytes(CHUNKS)
+    const p = shm('copier-many', data)
+    const layers = [new HostTensor(p, 0, CHUNKS, native)]
+    const copier = HostCopier.for(layers, native, 2)!
+    // Chunk c's one-byte slab lands at tensor byte c: the layer's mapping and 65 536 slabs.
+    const slabs = Array.from({ length: CHUNKS }, (_, c) => new Uint8Array([(c * 7 + 1) & 0xff]))
+    const runsByChunk = Array.from({ length: CHUNKS }, (_, c) => [c, 0, 1])
+    await copier.scatterLayers([{ layer: 0, chunks: CHUNKS, slabs }], runsByChunk)
+    const back = readFileSync(p)
+    expect(back.every((x, c) => x === ((c * 7 + 1) & 0xff))).toBe(true)
+    // A later call that cannot start: the answer waits for the call already running.
+    let first: Promise<void> | undefined
+    let firstDone = false
+    const failing = HostCopier.for(
+      layers,
+      native && {
+        ...native,
+        copyRunsAsync: (b, r, t) => {
+          if (first) throw new Error('cannot start')
+          first = native.copyRunsAsync(b, r, t).then(() => {
+            firstDone = true
+          })
+          return first
+        },
+      },
+      2,
+    )!
+    await expect(
+      failing.scatterLayers([{ layer: 0, chunks: CHUNKS, slabs }], runsByChunk).catch((e) => {
+        expect(firstDone).toBe(true)
+        throw e
+      }),
+    ).rejects.toThrow('cannot start')
+    layers[0]!.close()
+  })
+
   it('bad runs, a short chunk tensor and a shrunk file are errors before any byte moves', async () => {
     const p = shm('copier-bad', new Uint8Array(2 * LAYER))
     const layers = [0, 1].map((l) => new HostTensor(p, l * LAYER, LAYER, native))

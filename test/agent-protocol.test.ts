@@ -7,7 +7,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { hashCount, hashes } from '../src/agent/fields.ts'
-import { type AgentServer, resolveAgentConfig, startAgent } from '../src/agent/index.ts'
+import { Agent, type AgentServer, resolveAgentConfig, startAgent } from '../src/agent/index.ts'
 import { AgentClient as Client, type Msg } from './support/agent-client.ts'
 
 let dir: string
@@ -289,6 +289,11 @@ describe('agent configuration', () => {
       expect(() =>
         resolveAgentConfig({ socket: join(dir, 'x.sock') }, { KVGATE_AGENT_COPY_THREADS: bad }),
       ).toThrow(/copyThreads/)
+    // An agent made without resolveAgentConfig (embedded) refuses them too, rather than failing every copy.
+    const core = { chunkTokens: 256, cache: {}, lookupDeadlineMs: 250, version: 'test' }
+    for (const bad of [-1, 65, 1.5, Number.NaN])
+      expect(() => new Agent({ ...core, copyThreads: bad })).toThrow(/copyThreads/)
+    expect(new Agent({ ...core, copyThreads: 0 }).options.copyThreads).toBe(0)
   })
 
   it('kvgate agent --help', async () => {

@@ -492,6 +492,39 @@ describe('KVCache over L1 and L2', () => {
     expect(c2.stats().memory.livePins).toBe(0)
   })
 
+  it("retrieveLayers: an item's slabs stay valid until the generator finishes, not only until the next item (L1 churned, L2 chunks, L1 full)", async () => {
+    // The agent's threaded load copies a group of layers while it asks for the next ones:
+    // it relies on every slab handed out staying intact until the generator's finally.
+    const dir = tempDir()
+    const g = MODEL_PRESETS.stories260k
+    const slab = layerSlabBytes(g, T)
+    const c = await open({ disk: { dir, bytes: 1 << 24 } })
+    const toks = tokens(3 * T, 21)
+    const kv = kvFor(3, 21)
+    await c.store(toks, kv)
+    await c.flush()
+    await c.close()
+    // Three slots: chunk 0 in L1, chunks 1 and 2 read from L2 (one into L1, one private: L1 full).
+    const c2 = await open({ disk: { dir, bytes: 1 << 24 }, memory: { bytes: 3 * (CB + 8192) } })
+    await c2.retrieve(toks.slice(0, T), { into: new Uint8Array(CB) })
+    const kept: { layer: number; slabs: Uint8Array[] }[] = []
+    let other = 100
+    for await (const b of c2.retrieveLayers(toks)) {
+      expect(b.chunks).toBe(3)
+      kept.push({ layer: b.layer, slabs: b.slabs })
+      // Between items: stores that want L1 slots (evicting whatever is not pinned).
+      await c2.store(tokens(T, other), kvFor(1, other++))
+      // Every slab of every earlier item still holds its chunk's bytes.
+      for (const k of kept)
+        for (let i = 0; i < 3; i++) {
+          const want = kv.subarray(i * CB + k.layer * slab, i * CB + (k.layer + 1) * slab)
+          expect(Buffer.compare(k.slabs[i]!, want)).toBe(0)
+        }
+    }
+    expect(kept).toHaveLength(g.layers)
+    expect(c2.stats().memory.skippedFull).toBeGreaterThan(0)
+  })
+
   it('retrieveLayers yields every layer of every chunk in order', async () => {
     const c = await open()
     const toks = tokens(2 * T, 11)

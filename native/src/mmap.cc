@@ -452,7 +452,7 @@ Napi::Value CopyRunsAsync(const Napi::CallbackInfo& info) {
     delete job;
     throw;
   }
-  // Near-equal byte shares, cut at 4 KiB inside a run so each thread streams whole pages.
+  // Near-equal byte shares, cut at 4 KiB of a run so each thread streams whole pages of it.
   job->parts.resize(parts);
   size_t share = (total + parts - 1) / parts;
   size_t p = 0, have = 0;
@@ -460,16 +460,19 @@ Napi::Value CopyRunsAsync(const Napi::CallbackInfo& info) {
     while (pc.n > 0) {
       size_t room = share - have;
       size_t take = pc.n;
-      if (p + 1 < parts && take > room) {
-        take = room < 4096 ? room : room - room % 4096;
-        if (take == 0) take = room;
+      // A cut inside the run ends this part there, rounded down to 4 KiB of the run (this
+      // part runs a little short; with under 4 KiB of room the run starts the next part).
+      // share >= kMinPartBytes whenever there are parts to cut into, so every pass moves on.
+      bool cut = p + 1 < parts && take > room;
+      if (cut) take = room - room % 4096;
+      if (take > 0) {
+        job->parts[p].pieces.push_back({pc.dst, pc.src, take});
+        pc.dst += take;
+        pc.src += take;
+        pc.n -= take;
+        have += take;
       }
-      job->parts[p].pieces.push_back({pc.dst, pc.src, take});
-      pc.dst += take;
-      pc.src += take;
-      pc.n -= take;
-      have += take;
-      if (have >= share && p + 1 < parts) {
+      if ((cut || have >= share) && p + 1 < parts) {
         p++;
         have = 0;
       }

@@ -7,7 +7,7 @@ import type { DiskBudget } from '../client/tiers/disk.ts'
 import type { MemoryTier } from '../client/tiers/memory.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import type { Dtype } from '../core/layout.ts'
-import { defaultCopyThreads } from './config.ts'
+import { defaultCopyThreads, MAX_COPY_THREADS } from './config.ts'
 import { DeviceTensor, IpcMappings, resolveDevice } from './device-tensor.ts'
 import {
   blockBytes,
@@ -64,7 +64,7 @@ const MAX_BLOCKS = 1 << 24
 const MAX_WORLD = 64
 /** A load reports its progress in about this many steps (one threaded copy each). */
 const LOAD_PROGRESS_STEPS = 8
-/** Buffers one native copy may name (the addon refuses more than 65 536). */
+/** Buffers a load's layer group is sized to name at most (one layer of more chunks is one group, which HostCopier cuts into calls within the addon's 65 536). */
 const MAX_COPY_BUFFERS = 60_000
 
 export interface AgentCoreOptions {
@@ -126,6 +126,14 @@ export class Agent {
   #closed = false
 
   constructor(options: AgentCoreOptions) {
+    // resolveAgentConfig checks it too; an embedder's value would otherwise fail every save and load.
+    const t = options.copyThreads
+    if (t !== undefined && !(Number.isInteger(t) && t >= 0 && t <= MAX_COPY_THREADS)) {
+      throw new AgentError(
+        'ERR_INVALID_ARGUMENT',
+        `invalid copyThreads: expected an integer in 0..${MAX_COPY_THREADS}, got ${String(t)}`,
+      )
+    }
     this.options = options
   }
 
@@ -513,9 +521,11 @@ export class Agent {
     for (let c = 0; c < count; c++) runsByChunk.push(chunkRuns(g, w.numBlocks, ids, c * bpc, bpc, skip))
     // Threaded copies of a group of layers run while the next layers are fetched: one native
     // call and one progress event per group (an eighth of the model), not per layer. Their
-    // slabs stay valid until the generator finishes (L1 handles, reservations and fetched
-    // groups are held until its finally), and it cannot finish before every copy settled:
-    // the last layer waits for them, and every other exit waits in `finally` before return().
+    // slabs stay valid until the generator finishes (LayerBatch.slabs: L1 handles, reservations
+    // and fetched groups are held until its finally), and we finish it only after every copy
+    // settled: the last layer waits for them, and every other exit waits in `finally` before
+    // return(). Only a generator that throws finishes on its own with copies in flight; the
+    // load then fails every block (served = 0) and still answers only once they settled.
     const copies = new CopySet()
     const done = new Uint8Array(g.layers)
     const perGroup = Math.max(

@@ -257,19 +257,36 @@ export class HostCopier {
    * c's slab goes through `runsByChunk[c]` ([tensor, slab, bytes]) into that layer's tensor.
    */
   scatterLayers(group: readonly LayerSlabs[], runsByChunk: readonly ArrayLike<number>[]): Promise<void> {
-    const buffers: Uint8Array[] = []
     let n = 0
     for (const g of group) for (let c = 0; c < g.chunks; c++) n += runsByChunk[c]!.length
     const out = this.#runs((n / 3) * 5)
+    // One native call names at most ADDON_MAX_BUFFERS buffers, and a layer of a load's most
+    // chunks names one more (its mapping): such a group is cut into several calls, every
+    // run checked before the first one starts.
+    const calls: { buffers: Uint8Array[]; runs: Float64Array }[] = []
+    let buffers: Uint8Array[] = []
+    let from = 0
     let o = 0
+    const cut = () => {
+      calls.push({ buffers, runs: out.subarray(from, o) })
+      buffers = []
+      from = o
+    }
     for (const g of group) {
       const t = this.#tensors[g.layer]!
-      const mapAt = buffers.length
-      buffers.push(t.checkedMap()!)
+      const map = t.checkedMap()!
+      if (buffers.length + 2 > ADDON_MAX_BUFFERS) cut()
+      let mapAt = buffers.length
+      buffers.push(map)
       for (let c = 0; c < g.chunks; c++) {
         const runs = runsByChunk[c]!
         const slab = g.slabs[c]!
         checkRuns(runs, t.bytes, slab.length)
+        if (buffers.length === ADDON_MAX_BUFFERS) {
+          cut()
+          mapAt = 0
+          buffers.push(map)
+        }
         const slabAt = buffers.length
         buffers.push(slab)
         for (let i = 0; i < runs.length; i += 3) {
@@ -281,8 +298,33 @@ export class HostCopier {
         }
       }
     }
-    return this.#copy(buffers, out, this.threads)
+    cut()
+    if (calls.length === 1) return this.#copy(calls[0]!.buffers, calls[0]!.runs, this.threads)
+    return allCopies(calls.map((k) => () => this.#copy(k.buffers, k.runs, this.threads)))
   }
+}
+
+/** Buffers one copyRunsAsync call may name (the addon refuses more). */
+const ADDON_MAX_BUFFERS = 65_536
+
+/**
+ * Starts every copy and settles once all of them did (rejecting with the first failure):
+ * never while one still runs, even when a later one cannot start (then after the started ones).
+ */
+async function allCopies(starts: (() => Promise<void>)[]): Promise<void> {
+  const started: Promise<void>[] = []
+  let failure: { e: unknown } | undefined
+  for (const start of starts) {
+    try {
+      started.push(start())
+    } catch (e) {
+      failure = { e }
+      break
+    }
+  }
+  const settled = await Promise.allSettled(started)
+  if (failure) throw failure.e
+  for (const r of settled) if (r.status === 'rejected') throw r.reason
 }
 
 /** Runs adjacent on both sides (consecutive block ids, as vLLM often allocates) become one syscall. */

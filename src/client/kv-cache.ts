@@ -484,8 +484,9 @@ export class KVCache {
 
   /**
    * Layer by layer over the available prefix: each item holds one layer's slab
-   * ([K|V][token][kvHead][headDim]) for each served chunk, valid until the next
-   * item. Remote chunks arrive through `?layers=a-b` range requests, so the
+   * ([K|V][token][kvHead][headDim]) for each served chunk, valid until the
+   * generator finishes (run to its end, return()ed, or thrown), not only until the
+   * next item. Remote chunks arrive through `?layers=a-b` range requests, so the
    * transfer of later layers overlaps the caller's work on earlier ones.
    * `chunks` never grows between items: if a remote chunk fails midway, later
    * items cover fewer chunks. The last item's `tokens` are the tokens served

@@ -75,7 +75,12 @@ export interface LayerBatch {
   chunks: number
   /** Tokens those chunks cover (the end of chunk `chunks - 1`; 0 when none). */
   tokens: number
-  /** Layer slabs ([K|V][token][kvHead][headDim]) of chunks 0..chunks-1. Valid until the next iteration. */
+  /**
+   * Layer slabs ([K|V][token][kvHead][headDim]) of chunks 0..chunks-1. Valid until the
+   * generator finishes (its finally releases the pins and reservations behind them: after the
+   * item past the last layer, on return(), or when it throws), so a caller may still copy an
+   * earlier item's slabs while it asks for the next ones (the agent's threaded loads do).
+   */
   slabs: Uint8Array[]
 }
 
@@ -483,7 +488,8 @@ export class StorageManager {
    * groups, all requested up front so transfer of later layers overlaps the
    * caller's work on earlier ones. A remote chunk is committed to L1 only when
    * every one of its layers arrived and verified; every reservation and pin is
-   * settled in the generator's finally, also when the caller stops early.
+   * settled in the generator's finally, also when the caller stops early: only
+   * then are the slabs of earlier items invalid.
    */
   async *retrieveLayers(keys: readonly ChunkKey[]): AsyncGenerator<LayerBatch> {
     const g = this.geometry

@@ -165,7 +165,7 @@ interface FileEntry {
   used: number
   /**
    * The object's header as indexed (written here, or read at start): a read issues every
-   * range at once instead of reading the header first, and checks that the file still
+   * range (up to SEGMENTS_IN_FLIGHT) at once instead of reading the header first, and checks that the file still
    * starts with these bytes. Undefined: the read fetches the header from the file.
    */
   header?: Uint8Array | undefined
@@ -482,7 +482,7 @@ export class DiskTier {
 
   /**
    * Reads through the addon with verification off this thread: the object in
-   * SEGMENT_BYTES ranges, all at once (after a small header read when the index holds
+   * SEGMENT_BYTES ranges, SEGMENTS_IN_FLIGHT at once (after a small header read when the index holds
    * no header for it), and the libuv worker
    * that read each range CRC-32s the section pieces in it (readFileCrc). Here only
    * the per-piece CRCs are joined (crc32Combine) and compared with the header's, so
