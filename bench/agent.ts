@@ -15,6 +15,7 @@ import {
   readFileSync,
   rmSync,
   unlinkSync,
+  writeFileSync,
   writeSync,
 } from 'node:fs'
 import { connect, type Socket } from 'node:net'
@@ -62,6 +63,39 @@ class Client {
     if (!m.ok) throw new Error(`${op}: ${JSON.stringify(m.error)}`)
     return m
   }
+}
+
+type Quantiles = { p50: number; p99: number }
+type ConnectorLookup =
+  | { hit: number; lookup: Quantiles; ping: Quantiles; bare: Quantiles }
+  | { skipped: string }
+
+/** bench/lib/agent_lookup.py with Debian's python3 (torch-free: it imports only the connector's client). */
+function connectorLookup(sock: string, packed: Buffer): Promise<ConnectorLookup> {
+  const keysFile = join(dir, 'lookup-keys.hex')
+  writeFileSync(keysFile, packed.toString('hex'))
+  const python = process.env.KVGATE_PYTHON ?? '/usr/bin/python3'
+  return new Promise((resolve) => {
+    const child = spawn(python, ['bench/lib/agent_lookup.py', sock, 'python', '3000', keysFile], {
+      stdio: ['ignore', 'pipe', 'pipe'],
+    })
+    let out = ''
+    let err = ''
+    child.stdout.on('data', (d) => (out += d))
+    child.stderr.on('data', (d) => (err += d))
+    // Bounded: a stuck client must not hold the benchmark (3,000 lookups take ~2 s).
+    const timer = setTimeout(() => child.kill('SIGKILL'), 120_000)
+    child.on('error', (e) => resolve({ skipped: `${python}: ${e.message}` }))
+    child.on('close', (code) => {
+      clearTimeout(timer)
+      if (code !== 0) return resolve({ skipped: `${python} exited ${code}: ${err.trim().split('\n').pop()}` })
+      try {
+        resolve(JSON.parse(out) as ConnectorLookup)
+      } catch {
+        resolve({ skipped: `unreadable output: ${out.slice(0, 200)}` })
+      }
+    })
+  })
 }
 
 function startAgent(sock: string, copyThreads: number): Promise<ChildProcess> {
@@ -265,6 +299,9 @@ async function main() {
       phases.push({ form, keys: k, rtt, agentP50: st.p50, agentP99: st.p99 })
     }
     const lookups = phases[1]!.rtt
+    // The engine's own path: vLLM's connector (python/kvgate_vllm, its reader thread and futures)
+    // against the same agent and keys, and the machine's floor for any socket round trip.
+    const connector = await connectorLookup(sock, packed)
     for (const sub of subjects) sub.c.sock.destroy()
     l2.sock.destroy()
 
@@ -315,6 +352,15 @@ async function main() {
     console.log(
       `same-run ping round trip: p50 ${quantile(pings, 0.5).toFixed(3)} ms, p99 ${quantile(pings, 0.99).toFixed(3)} ms`,
     )
+    if ('skipped' in connector)
+      console.log(`lookup through the Python connector: skipped (${connector.skipped})`)
+    else
+      console.log(
+        `lookup of 512 keys through the Python connector (kvgate_vllm.AgentClient, ${connector.hit} present):` +
+          ` p50 ${connector.lookup.p50.toFixed(3)} ms, p99 ${connector.lookup.p99.toFixed(3)} ms;` +
+          ` its ping p50 ${connector.ping.p50.toFixed(3)}, p99 ${connector.ping.p99.toFixed(3)} ms;` +
+          ` bare Unix-socket ping-pong between two processes (the machine's floor) p50 ${connector.bare.p50.toFixed(3)}, p99 ${connector.bare.p99.toFixed(3)} ms`,
+      )
     console.log(`agent CPU: ${cpuPerGiB.toFixed(3)} CPU-s per GiB moved (save + load)`)
     const load1 = loadavg()[0]!.toFixed(1)
     console.log(`machine load average during the run: ${load1}`)
@@ -375,6 +421,7 @@ async function main() {
       })),
       pingP50Ms: quantile(pings, 0.5),
       pingP99Ms: quantile(pings, 0.99),
+      connectorLookup: connector,
       agentCpuSecondsPerGiB: cpuPerGiB,
     })
     log(`wrote ${path}`)
