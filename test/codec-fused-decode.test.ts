@@ -1,0 +1,166 @@
+// The fused decode (wasm/src/lossy.rs FusedRows: rows of uniform-step fp16/bf16 streams
+// reconstructed inside the SIMD rANS loop, one row behind, escapes expanded in the loop) must
+// accept, reject and decode exactly as the row-by-row path. A stream given a token-step block
+// of code 128 (multiplier exactly 1.0) means the same values but takes the row-by-row path,
+// so every section is decoded both ways, clean and under the same mutation of its rANS
+// payload and escape bits: tiny T, the last row (finished after the loop), escape groups.
+
+import { readFileSync } from 'node:fs'
+import { describe, expect, it } from 'vitest'
+
+type Exports = Record<string, (...a: number[]) => number> & { memory: WebAssembly.Memory }
+
+const wasm = readFileSync(new URL('../wasm/kvgate_codec.wasm', import.meta.url))
+const ex = new WebAssembly.Instance(new WebAssembly.Module(wasm), {}).exports as Exports
+const F_TOKSCALE = 2
+const UNIT_SCALE_CODE = 128 // scale_of(128) = 2^0
+
+let seed = 20261124
+const rnd = () => {
+  seed = (Math.imul(seed, 1103515245) + 12345) >>> 0
+  return seed / 2 ** 32
+}
+
+function encode(dt: number, t: number, c: number, eps: number): Uint8Array {
+  const n = 2 * t * c
+  const f = new Float32Array(n)
+  const scale = Array.from({ length: c }, () => 0.05 + rnd() * (rnd() < 0.1 ? 20 : 2))
+  for (let i = 0; i < n; i++) {
+    const ch = i % c
+    // Rare large outliers: escape symbols (extra bits) in some groups.
+    const big = rnd() < 0.01 ? 400 : 1
+    const fresh = scale[ch]! * (rnd() + rnd() + rnd() - 1.5) * big
+    // Half the channels walk over tokens (delta-predicted channels).
+    f[i] = ch % 2 === 0 && i % (t * c) >= c ? f[i - c]! + 0.01 * scale[ch]! * (rnd() - 0.5) : fresh
+  }
+  const u = new Uint16Array(n)
+  const bits = new Uint32Array(f.buffer)
+  for (let i = 0; i < n; i++) {
+    const b = bits[i]!
+    if (dt === 2) u[i] = b >>> 16
+    else {
+      const sign = (b >>> 16) & 0x8000
+      const exp = ((b >>> 23) & 0xff) - 127 + 15
+      u[i] = exp <= 0 ? sign : exp >= 31 ? sign | 0x7bff : sign | (exp << 10) | ((b >>> 13) & 0x3ff)
+    }
+  }
+  const slab = new Uint8Array(u.buffer)
+  const src = ex.kv_alloc!(slab.length)
+  const par = ex.kv_alloc!(32)
+  new Uint8Array(ex.memory.buffer, src, slab.length).set(slab)
+  new Float32Array(ex.memory.buffer, par, 8).set([-eps / 5, eps, 0, 0, 1, 8, 0, 0])
+  const len = ex.kv_encode!(2, src, dt, t, c, par)
+  expect(len).toBeGreaterThan(0)
+  const out = new Uint8Array(ex.memory.buffer, ex.kv_result_ptr!(), len).slice()
+  ex.kv_result_clear!()
+  ex.kv_free!(src, slab.length)
+  ex.kv_free!(par, 32)
+  return out
+}
+
+function decode(dt: number, t: number, c: number, section: Uint8Array): { rc: number; out: Uint8Array } {
+  const size = 2 * t * c * 2
+  const len = Math.max(1, section.length)
+  const src = ex.kv_alloc!(len)
+  const dst = ex.kv_alloc!(size)
+  new Uint8Array(ex.memory.buffer, src, section.length).set(section)
+  const rc = ex.kv_decode!(2, src, section.length, dt, t, c, dst)
+  const out = new Uint8Array(ex.memory.buffer, dst, size).slice()
+  ex.kv_free!(src, len)
+  ex.kv_free!(dst, size)
+  return { rc, out }
+}
+
+/** Offsets of the K and V streams' flags bytes (each stream starts with its f32 base). */
+function flagOffsets(s: Uint8Array): [number, number] {
+  const klen = new DataView(s.buffer, s.byteOffset).getUint32(0, true)
+  return [4 + 4, 4 + klen + 4]
+}
+
+/** The same section with a token-step block of multiplier 1.0 in both streams. */
+function withUnitTokenSteps(s: Uint8Array, t: number): Uint8Array {
+  const [fk, fv] = flagOffsets(s)
+  const out = new Uint8Array(s.length + 2 * t)
+  const codes = new Uint8Array(t).fill(UNIT_SCALE_CODE)
+  let o = 0
+  const put = (b: Uint8Array) => {
+    out.set(b, o)
+    o += b.length
+  }
+  put(s.subarray(0, fk + 1))
+  out[fk] = s[fk]! | F_TOKSCALE
+  put(codes)
+  put(s.subarray(fk + 1, fv + 1))
+  out[fv + t] = s[fv]! | F_TOKSCALE
+  put(codes)
+  put(s.subarray(fv + 1))
+  new DataView(out.buffer).setUint32(0, new DataView(s.buffer, s.byteOffset).getUint32(0, true) + t, true)
+  return out
+}
+
+describe('fused row decode (wasm) against the row-by-row path', () => {
+  const shapes: [number, number][] = [
+    [1, 8],
+    [2, 8],
+    [1, 16],
+    [2, 16],
+    [3, 24],
+    [4, 32],
+    [9, 64],
+    [17, 64],
+    [33, 128],
+  ]
+  const corpus: { dt: number; t: number; c: number; s: Uint8Array }[] = []
+  for (const [t, c] of shapes)
+    for (const dt of [1, 2])
+      for (const eps of [0.56, 0.14, 0.01]) corpus.push({ dt, t, c, s: encode(dt, t, c, eps) })
+
+  it('clean sections: the encoder writes uniform-step streams, and both paths decode them alike', () => {
+    for (const { dt, t, c, s } of corpus) {
+      const [fk, fv] = flagOffsets(s)
+      // No channel or token steps: the streams the fused path takes.
+      expect(s[fk]! & 3).toBe(0)
+      expect(s[fv]! & 3).toBe(0)
+      const a = decode(dt, t, c, s)
+      const b = decode(dt, t, c, withUnitTokenSteps(s, t))
+      expect(a.rc).toBe(0)
+      expect(b.rc).toBe(0)
+      expect(Buffer.compare(a.out, b.out)).toBe(0)
+    }
+  })
+
+  it('mutated payloads and escape bits: the same accept/reject and the same bytes', () => {
+    let accepted = 0
+    let rejected = 0
+    for (let i = 0; i < 6000; i++) {
+      const { dt, t, c, s: clean } = corpus[Math.floor(rnd() * corpus.length)]!
+      const [fk, fv] = flagOffsets(clean)
+      // Everything but the K length and the two streams' base and flags may change.
+      const protectedAt = (p: number) => p < fk + 1 || (p >= fv - 4 && p <= fv)
+      let s = clean.slice()
+      const kind = rnd()
+      if (kind < 0.6) {
+        for (let k = 1 + Math.floor(rnd() * 3); k > 0; k--) {
+          const p = Math.floor(rnd() * s.length)
+          if (!protectedAt(p)) s[p] = s[p]! ^ (1 << Math.floor(rnd() * 8))
+        }
+      } else if (kind < 0.8) {
+        const p = Math.floor(rnd() * s.length)
+        for (let j = p; j < Math.min(s.length, p + 1 + Math.floor(rnd() * 16)); j++)
+          if (!protectedAt(j)) s[j] = Math.floor(rnd() * 256)
+      } else {
+        // Truncated V stream (its rANS tail, escape bits).
+        s = s.subarray(0, fv + 1 + Math.floor(rnd() * (s.length - fv - 1)))
+      }
+      const a = decode(dt, t, c, s)
+      const b = decode(dt, t, c, withUnitTokenSteps(s, t))
+      if (a.rc !== b.rc || (a.rc === 0 && Buffer.compare(a.out, b.out) !== 0))
+        expect.fail(`${t}x${c} dtype ${dt}: fused rc ${a.rc}, row path rc ${b.rc}`)
+      if (a.rc === 0) accepted++
+      else rejected++
+    }
+    // Both outcomes were exercised.
+    expect(accepted).toBeGreaterThan(300)
+    expect(rejected).toBeGreaterThan(300)
+  })
+})
