@@ -18,6 +18,7 @@ process.env.KVGATE_STUB_DEVICES = '2'
 const native = await import('../src/client/native.ts')
 const { cuda } = native
 const { resolveAgentConfig, startAgent } = await import('../src/agent/index.ts')
+const { newSession } = await import('../src/agent/agent.ts')
 
 const stub = (() => {
   try {
@@ -298,6 +299,43 @@ describe.skipIf(stub !== undefined)('agent on a node with several GPUs (stub lib
     expect(calls('cudaIpcCloseMemHandle', 0)).toBe(1)
     expect(cuda.stubControl('')).toBe(before)
     c.close()
+    free(kv)
+  })
+
+  it('a connection that closes while its register is in flight leaves nothing mapped', async () => {
+    const kv = await kvOn(1, true)
+    const agent = server.agent
+    const s = newSession(() => {})
+    await agent.handle(s, {
+      id: 1,
+      op: 'hello',
+      protocol: 1,
+      model: 'gpus/test-1',
+      hashSeed: '0',
+      geometry: {
+        layout: 'flash-attn',
+        dtype: 'float16',
+        layers: LAYERS,
+        kvHeads: 2,
+        headSize: 8,
+        blockSize: 16,
+        world: 1,
+      },
+    })
+    const workers = agent.metrics.workers
+    const reg = agent.handle(s, {
+      id: 2,
+      op: 'register',
+      rank: 0,
+      numBlocks: BLOCKS,
+      tensors: tensors(kv.handle, { device: 1 }),
+    })
+    // The socket's close: the registration has not answered yet (its IPC open is on the thread pool).
+    agent.endSession(s)
+    await expect(reg).rejects.toMatchObject({ code: 'ERR_CLOSED' })
+    expect(calls('cudaIpcOpenMemHandle', 1)).toBe(1)
+    await until('mapping closed', () => calls('cudaIpcCloseMemHandle', 1) === 1)
+    expect(agent.metrics.workers).toBe(workers)
     free(kv)
   })
 

@@ -104,10 +104,19 @@ export interface Session {
   progress: Map<number, { op: string; layers: number }>
   /** Sends an unsolicited event frame (load progress). */
   event(message: Record<string, unknown>): void
+  /** The connection closed (endSession): a register still in flight releases what it mapped. */
+  ended: boolean
 }
 
 export function newSession(event: Session['event']): Session {
-  return { descriptor: undefined, workers: new Map(), nextWorker: 1, progress: new Map(), event }
+  return {
+    descriptor: undefined,
+    workers: new Map(),
+    nextWorker: 1,
+    progress: new Map(),
+    event,
+    ended: false,
+  }
 }
 
 export class Agent {
@@ -356,6 +365,12 @@ export class Agent {
     } catch (e) {
       await release()
       throw e
+    }
+    // The connection (or the agent) closed while this registration was mapping: nothing would
+    // release it later (endSession / close saw no worker yet), so it must not become one.
+    if (s.ended || this.#closed) {
+      await release()
+      throw new AgentError('ERR_CLOSED', 'the connection closed while register was in flight')
     }
     const id = s.nextWorker++
     const threads = this.options.copyThreads ?? defaultCopyThreads()
@@ -663,6 +678,7 @@ export class Agent {
 
   /** Releases what a closed connection registered. */
   endSession(s: Session): void {
+    s.ended = true
     for (const w of s.workers.values()) {
       void this.#release(w)
       this.metrics.workers--
