@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import msgpack
 
@@ -72,7 +72,9 @@ class AgentClient:
         # On _lock: the reader thread waits here until asked to read (or its socket is gone).
         self._reader_wake = threading.Condition(self._lock)
         self._reader_wanted = False
-        self._buf = bytearray()
+        # The partial frame read so far, with the socket it came from: a reader still on a dropped
+        # socket must never append to the next connection's bytes.
+        self._buf: Tuple[Optional[socket.socket], bytearray] = (None, bytearray())
         self._pending: Dict[int, Future] = {}
         self._progress: Dict[int, Callable[[Dict[str, Any]], None]] = {}
         self._next_id = 1
@@ -113,7 +115,7 @@ class AgentClient:
                 self.last_error = f"cannot reach the kvgate agent at {self.path}: {e}"
                 return False
             self._sock = s
-            self._buf = bytearray()
+            self._buf = (s, bytearray())
             self._reader_wanted = False
             self._generation += 1
             t = threading.Thread(target=self._read_loop, args=(s,), name="kvgate-agent-reader", daemon=True)
@@ -256,7 +258,9 @@ class AgentClient:
             chunk = s.recv(1 << 20)
             if not chunk:
                 raise EOFError
-            buf = self._buf
+            owner, buf = self._buf
+            if owner is not s:
+                return False
             buf += chunk
             while len(buf) >= 4:
                 (n,) = struct.unpack_from(">I", buf, 0)

@@ -231,3 +231,28 @@ def test_agent_death_while_idle_is_noticed_by_the_next_ensure():
     assert c.call("echo", {"n": 2}, timeout=5)["echo"] == 2
     c.close()
     a2.close()
+
+
+@pytest.mark.parametrize("caller_reads", [True, False])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        struct.pack(">I", 64 * 1024 * 1024),  # oversized length
+        struct.pack(">I", 3) + b"\xc1\xc1\xc1",  # undecodable body (0xc1 is never used)
+    ],
+)
+def test_a_bad_frame_from_the_agent_drops_the_connection(bad, caller_reads):
+    def garbage(agent, conn, req):
+        with agent.send_lock:
+            conn.sendall(bad)
+
+    agent = FakeAgent(garbage)
+    c = connect(agent)
+    with pytest.raises(AgentError) as e:
+        if caller_reads:
+            c.call("lookup", {}, timeout=10)
+        else:
+            c.request("lookup", {}).result(timeout=10)
+    assert e.value.code == "ERR_DISCONNECTED"
+    assert not c.connected
+    agent.close()
