@@ -67,7 +67,14 @@ class Client {
 
 type Quantiles = { p50: number; p99: number }
 type ConnectorLookup =
-  | { hit: number; lookup: Quantiles; ping: Quantiles; bare: Quantiles }
+  | {
+      hit: number
+      lookup: Quantiles
+      ping: Quantiles
+      lookupHop: Quantiles
+      pingHop: Quantiles
+      bare: Quantiles
+    }
   | { skipped: string }
 
 /** bench/lib/agent_lookup.py with Debian's python3 (torch-free: it imports only the connector's client). */
@@ -299,7 +306,7 @@ async function main() {
       phases.push({ form, keys: k, rtt, agentP50: st.p50, agentP99: st.p99 })
     }
     const lookups = phases[1]!.rtt
-    // The engine's own path: vLLM's connector (python/kvgate_vllm, its reader thread and futures)
+    // The engine's own path: vLLM's connector (python/kvgate_vllm: the caller reads its answer, or its reader thread and futures)
     // against the same agent and keys, and the machine's floor for any socket round trip.
     const connector = await connectorLookup(sock, packed)
     for (const sub of subjects) sub.c.sock.destroy()
@@ -359,6 +366,7 @@ async function main() {
         `lookup of 512 keys through the Python connector (kvgate_vllm.AgentClient, ${connector.hit} present):` +
           ` p50 ${connector.lookup.p50.toFixed(3)} ms, p99 ${connector.lookup.p99.toFixed(3)} ms;` +
           ` its ping p50 ${connector.ping.p50.toFixed(3)}, p99 ${connector.ping.p99.toFixed(3)} ms;` +
+          ` same-run baseline, each answer through the client's reader thread to a Future: lookup p50 ${connector.lookupHop.p50.toFixed(3)}, p99 ${connector.lookupHop.p99.toFixed(3)} ms, ping p50 ${connector.pingHop.p50.toFixed(3)}, p99 ${connector.pingHop.p99.toFixed(3)} ms;` +
           ` bare Unix-socket ping-pong between two processes (the machine's floor) p50 ${connector.bare.p50.toFixed(3)}, p99 ${connector.bare.p99.toFixed(3)} ms`,
       )
     console.log(`agent CPU: ${cpuPerGiB.toFixed(3)} CPU-s per GiB moved (save + load)`)

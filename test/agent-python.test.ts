@@ -36,6 +36,11 @@ describe.skipIf(missing !== undefined)('kvgate_vllm (pytest)', () => {
     () => pytest('test_hashing.py'),
     120_000,
   )
+  it(
+    "the connector's agent client: who reads the socket, progress events, a dead agent",
+    () => pytest('test_client.py'),
+    120_000,
+  )
   it('connector harness against real agents and a gateway', () => pytest('test_connector.py'), 15 * 60_000)
   it('real model: continuation after load', () => pytest('test_model.py'), 15 * 60_000)
 })

@@ -1,20 +1,28 @@
 """A thread-safe client of the kvgate agent's socket protocol (docs/agent-protocol.md).
 
-One socket, a reader thread, requests matched to answers by id (the agent answers in
-completion order), load-progress events, and reconnection: a dead agent fails every
-pending request at once and the next call after `reconnect_interval` dials again.
+One socket, requests matched to answers by id (the agent answers in completion order),
+load-progress events, and reconnection: a dead agent fails every pending request at once
+and the next call after `reconnect_interval` dials again.
+
+Who reads the socket: a caller that waits for its answer at once (`call`, or `request(...,
+wait_here=True)` then `result()`) reads it on its own thread when no one else is reading,
+dispatching any other answers and events it meets; otherwise the reader thread does. The
+hop through a second thread (its wake-up, then the caller's) was most of a lookup's tail
+on a busy host. The reader thread reads only while some request is pending and no caller
+is reading, so it never sits in recv() where a caller would want to be.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import msgpack
 
@@ -58,6 +66,15 @@ class AgentClient:
         # Separate from _lock: a blocked send must never stall the reader that drains answers.
         self._send_lock = threading.Lock()
         self._sock: Optional[socket.socket] = None
+        # Held by whichever thread reads the socket (a waiting caller or the reader thread):
+        # frames arrive in pieces, so only one may recv at a time. Never held while waiting on _lock's condition.
+        self._read_lock = threading.Lock()
+        # On _lock: the reader thread waits here until asked to read (or its socket is gone).
+        self._reader_wake = threading.Condition(self._lock)
+        self._reader_wanted = False
+        # The partial frame read so far, with the socket it came from: a reader still on a dropped
+        # socket must never append to the next connection's bytes.
+        self._buf: Tuple[Optional[socket.socket], bytearray] = (None, bytearray())
         self._pending: Dict[int, Future] = {}
         self._progress: Dict[int, Callable[[Dict[str, Any]], None]] = {}
         self._next_id = 1
@@ -79,7 +96,8 @@ class AgentClient:
 
     def ensure(self) -> bool:
         """Connected (dialing again at most once per reconnect_interval); never raises."""
-        if self._sock is not None:
+        s = self._sock
+        if s is not None and not self._closed_while_idle(s):
             return True
         now = time.monotonic()
         with self._lock:
@@ -97,6 +115,8 @@ class AgentClient:
                 self.last_error = f"cannot reach the kvgate agent at {self.path}: {e}"
                 return False
             self._sock = s
+            self._buf = (s, bytearray())
+            self._reader_wanted = False
             self._generation += 1
             t = threading.Thread(target=self._read_loop, args=(s,), name="kvgate-agent-reader", daemon=True)
             t.start()
@@ -113,6 +133,26 @@ class AgentClient:
             return False
         return self._sock is not None
 
+    def _closed_while_idle(self, s: socket.socket) -> bool:
+        """With nothing pending nobody reads, so an agent that died idle is noticed here (one
+        non-blocking peek) and the caller dials again at once, as when the reader thread saw EOF."""
+        if self._pending or not self._read_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._sock is not s:
+                return self._sock is None
+            try:
+                eof = s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except (BlockingIOError, InterruptedError):
+                eof = False
+            except OSError:
+                eof = True
+        finally:
+            self._read_lock.release()
+        if eof:
+            self._drop(s)
+        return eof
+
     def _drop(self, s: socket.socket) -> None:
         with self._lock:
             if self._sock is not s:
@@ -120,6 +160,7 @@ class AgentClient:
             self._sock = None
             pending, self._pending = self._pending, {}
             self._progress = {}
+            self._reader_wake.notify_all()
         try:
             s.close()
         except OSError:
@@ -140,11 +181,20 @@ class AgentClient:
     # ------------------------------------------------------------------ requests
 
     def request(
-        self, op: str, fields: Optional[Dict[str, Any]] = None, progress: Optional[Callable] = None
+        self,
+        op: str,
+        fields: Optional[Dict[str, Any]] = None,
+        progress: Optional[Callable] = None,
+        wait_here: bool = False,
     ) -> Future:
-        """Sends a request; the Future resolves to the answer map or raises AgentError."""
-        f: Future = Future()
+        """Sends a request; the Future resolves to the answer map or raises AgentError.
+
+        wait_here: the caller calls result() at once; its thread then reads the answer itself
+        when no one else is reading (no reader-thread hop). Its answer is read by the reader
+        thread only after such a result() gives up (timeout) or while another thread reads.
+        """
         s = self._sock
+        f: Future = _Answer(self, s)
         if s is None:
             f.set_exception(AgentError("ERR_DISCONNECTED", self.last_error or "not connected to the kvgate agent"))
             return f
@@ -160,36 +210,87 @@ class AgentClient:
                 s.sendall(struct.pack(">I", len(body)) + body)
         except OSError:
             self._drop(s)
+            return f
+        if not wait_here:
+            self._want_reader()
         return f
 
     def call(self, op: str, fields: Optional[Dict[str, Any]] = None, timeout: float = 30.0) -> Dict[str, Any]:
-        f = self.request(op, fields)
+        f = self.request(op, fields, wait_here=True)
         try:
             return f.result(timeout=timeout)
         except FutureTimeout as e:  # a distinct class before Python 3.11
             raise AgentError("ERR_TIMEOUT", f"{op}: no answer from the kvgate agent in {timeout}s") from e
 
-    def _read_loop(self, s: socket.socket) -> None:
-        buf = bytearray()
+    def _want_reader(self) -> None:
+        with self._lock:
+            self._reader_wanted = True
+            self._reader_wake.notify()
+
+    def _read_until(self, f: Future, s: Optional[socket.socket], timeout: Optional[float]) -> Optional[float]:
+        """Reads on the calling thread until `f` is done, if no one else is reading; returns
+        the time left of `timeout` (None: no limit)."""
+        if s is None or f.done() or not self._read_lock.acquire(blocking=False):
+            return timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            while True:
-                chunk = s.recv(1 << 20)
-                if not chunk:
-                    break
-                buf += chunk
-                while len(buf) >= 4:
-                    (n,) = struct.unpack_from(">I", buf, 0)
-                    if n > MAX_FRAME_BYTES:
-                        raise ValueError("oversized frame from the agent")
-                    if len(buf) < 4 + n:
+            if deadline is not None:
+                readable = select.poll()  # not select(): an engine may hold fds past FD_SETSIZE
+                readable.register(s, select.POLLIN)
+            while not f.done() and self._sock is s:
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not readable.poll(max(1, int(left * 1000 + 0.999))):
                         break
-                    msg = msgpack.unpackb(bytes(buf[4 : 4 + n]), raw=False)
-                    del buf[: 4 + n]
-                    self._dispatch(msg)
-        except (OSError, ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.UnpackException):
-            pass
+                if not self._read_some(s):
+                    break
         finally:
+            self._read_lock.release()
+            # After the release: a request registered while this thread held the lock had its
+            # caller fall back to waiting on its Future, so someone must read for it.
+            if self._pending:
+                self._want_reader()
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _read_some(self, s: socket.socket) -> bool:
+        """One recv and the frames it completes dispatched; False (connection dropped) on EOF or a bad frame."""
+        try:
+            chunk = s.recv(1 << 20)
+            if not chunk:
+                raise EOFError
+            owner, buf = self._buf
+            if owner is not s:
+                return False
+            buf += chunk
+            while len(buf) >= 4:
+                (n,) = struct.unpack_from(">I", buf, 0)
+                if n > MAX_FRAME_BYTES:
+                    raise ValueError("oversized frame from the agent")
+                if len(buf) < 4 + n:
+                    break
+                msg = msgpack.unpackb(bytes(buf[4 : 4 + n]), raw=False)
+                del buf[: 4 + n]
+                self._dispatch(msg)
+            return True
+        except (EOFError, OSError, ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.UnpackException):
             self._drop(s)
+            return False
+
+    def _read_loop(self, s: socket.socket) -> None:
+        while True:
+            with self._lock:
+                while not self._reader_wanted and self._sock is s:
+                    self._reader_wake.wait()
+                if self._sock is not s:
+                    return
+                self._reader_wanted = False
+            with self._read_lock:
+                while self._pending and self._sock is s:
+                    if not self._read_some(s):
+                        return
+            # A caller that found the lock held just before the release waits on its Future.
+            if self._pending:
+                self._want_reader()
 
     def _dispatch(self, msg: Dict[str, Any]) -> None:
         if not isinstance(msg, dict):
@@ -210,3 +311,18 @@ class AgentClient:
         else:
             err = msg.get("error") or {}
             f.set_exception(AgentError(str(err.get("code", "ERR_INTERNAL")), str(err.get("message", ""))))
+
+
+class _Answer(Future):
+    """A request's Future whose result() reads the socket on the waiting thread when no one
+    else is reading (see AgentClient.request's wait_here)."""
+
+    def __init__(self, client: AgentClient, sock: Optional[socket.socket]):
+        super().__init__()
+        self._client = client
+        self._sock = sock
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        if not self.done():
+            timeout = self._client._read_until(self, self._sock, timeout)
+        return super().result(timeout=timeout)

@@ -273,7 +273,8 @@ class KVGateConnector(KVConnectorBase_V1):
             if not keys:
                 self._hits[rid] = 0
                 return 0, False
-            f = self._client.request("lookup", {"keys": _packed(keys)})
+            # Waited on at once: this thread reads the answer itself when nothing else is in flight.
+            f = self._client.request("lookup", {"keys": _packed(keys)}, wait_here=True)
             st = (f, time.monotonic())
             self._lookups[rid] = st
             try:

@@ -1,0 +1,258 @@
+"""AgentClient's reading against a scripted fake agent (no torch, no Node): a caller that waits
+reads its own answer on its thread, others' answers and progress events it meets reach their
+owners, a timed-out wait hands the reading to the reader thread, and a dead agent fails every
+pending request (ERR_DISCONNECTED) without a hang."""
+
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+
+import msgpack
+import pytest
+
+from kvgate_vllm.client import AgentClient, AgentError
+
+
+def frame(msg) -> bytes:
+    body = msgpack.packb(msg, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+class FakeAgent:
+    """Accepts connections one at a time; `handle(conn, req)` answers each request (hello is answered here)."""
+
+    def __init__(self, handle):
+        self.dir = tempfile.mkdtemp(prefix="kvgate-client-")
+        self.path = os.path.join(self.dir, "agent.sock")
+        self.handle = handle
+        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.srv.bind(self.path)
+        self.srv.listen(4)
+        self.conns = []
+        self.send_lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def send(self, conn, msg) -> None:
+        with self.send_lock:
+            conn.sendall(frame(msg))
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        buf = b""
+        try:
+            while True:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                buf += chunk
+                while len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]:
+                    n = struct.unpack(">I", buf[:4])[0]
+                    req = msgpack.unpackb(buf[4 : 4 + n], raw=False)
+                    buf = buf[4 + n :]
+                    if req["op"] == "hello":
+                        self.send(conn, {"id": req["id"], "ok": True})
+                    else:
+                        self.handle(self, conn, req)
+        except OSError:
+            return
+
+    def close(self):
+        self.srv.close()
+        for c in self.conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+                c.close()
+            except OSError:
+                pass
+
+
+def connect(agent: FakeAgent) -> AgentClient:
+    c = AgentClient(agent.path, {"protocol": 1}, reconnect_interval=0)
+    assert c.ensure(), c.last_error
+    return c
+
+
+def echo(agent, conn, req):
+    agent.send(conn, {"id": req["id"], "ok": True, "echo": req.get("n")})
+
+
+def test_two_threads_get_their_own_answers():
+    # Answers come back late and out of order (each after a random short delay), so each
+    # thread's reads meet the other's answers.
+    def late(agent, conn, req):
+        threading.Timer((req["n"] % 7) / 2000, echo, (agent, conn, req)).start()
+
+    agent = FakeAgent(late)
+    c = connect(agent)
+    wrong = []
+
+    def worker(base):
+        for i in range(300):
+            n = base + i
+            if c.call("echo", {"n": n}, timeout=5)["echo"] != n:
+                wrong.append(n)
+
+    ts = [threading.Thread(target=worker, args=(b,)) for b in (0, 100_000)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert not any(t.is_alive() for t in ts), "a caller hung"
+    assert wrong == []
+    c.close()
+    agent.close()
+
+
+def test_a_lone_caller_reads_its_own_answer_and_events_on_its_thread():
+    def script(agent, conn, req):
+        agent.send(conn, {"id": req["id"], "event": "progress", "layers": 7})
+        agent.send(conn, {"id": req["id"], "ok": True, "chunks": 3})
+
+    agent = FakeAgent(script)
+    c = connect(agent)
+    seen = []
+
+    def progress(ev):
+        seen.append((ev["layers"], threading.current_thread()))
+
+    for _ in range(3):
+        f = c.request("lookup", {}, progress=progress, wait_here=True)
+        assert f.result(timeout=5)["chunks"] == 3
+    # No hop through the reader thread when nothing else is in flight.
+    assert seen == [(7, threading.current_thread())] * 3
+    c.close()
+    agent.close()
+
+
+def test_progress_events_between_answers_reach_their_request():
+    # A load gets events before and after a lookup's answer; each reaches its own request.
+    load_req = {}
+
+    def script(agent, conn, req):
+        if req["op"] == "load":
+            load_req["id"] = req["id"]
+            return
+        agent.send(conn, {"id": load_req["id"], "event": "progress", "layers": 1})
+        agent.send(conn, {"id": req["id"], "event": "progress", "layers": 7})
+        agent.send(conn, {"id": req["id"], "ok": True, "chunks": 3})
+        agent.send(conn, {"id": load_req["id"], "event": "progress", "layers": 2})
+        agent.send(conn, {"id": load_req["id"], "ok": True, "layers": 2})
+
+    agent = FakeAgent(script)
+    c = connect(agent)
+    load_events, own_events = [], []
+    load = c.request("load", {}, progress=load_events.append)
+    deadline = time.monotonic() + 5
+    while "id" not in load_req and time.monotonic() < deadline:
+        time.sleep(0.001)
+    f = c.request("lookup", {}, progress=own_events.append, wait_here=True)
+    assert f.result(timeout=5)["chunks"] == 3
+    assert load.result(timeout=5)["layers"] == 2
+    assert [e["layers"] for e in own_events] == [7]
+    assert [e["layers"] for e in load_events] == [1, 2]
+    c.close()
+    agent.close()
+
+
+def test_a_timed_out_wait_hands_the_answer_to_the_reader_thread():
+    def slow(agent, conn, req):
+        threading.Timer(0.3, echo, (agent, conn, req)).start()
+
+    agent = FakeAgent(slow)
+    c = connect(agent)
+    f = c.request("lookup", {"n": 5}, wait_here=True)
+    with pytest.raises(Exception):
+        f.result(timeout=0.02)
+    # Nobody calls result() again: the reader thread must read the late answer.
+    deadline = time.monotonic() + 5
+    while not f.done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert f.done() and f.result()["echo"] == 5
+    with pytest.raises(AgentError) as e:
+        c.call("lookup", {"n": 6}, timeout=0.02)
+    assert e.value.code == "ERR_TIMEOUT"
+    c.close()
+    agent.close()
+
+
+@pytest.mark.parametrize("caller_reads", [True, False])
+def test_agent_death_mid_call_fails_every_pending_request(caller_reads):
+    def die(agent, conn, req):
+        if req["op"] == "lookup":
+            conn.shutdown(socket.SHUT_RDWR)
+
+    agent = FakeAgent(die)
+    c = connect(agent)
+    load = c.request("load", {})  # pending, its answer never comes
+    t0 = time.monotonic()
+    with pytest.raises(AgentError) as e:
+        if caller_reads:
+            c.call("lookup", {}, timeout=10)
+        else:
+            c.request("lookup", {}).result(timeout=10)
+    assert e.value.code == "ERR_DISCONNECTED"
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(AgentError) as e:
+        load.result(timeout=5)
+    assert e.value.code == "ERR_DISCONNECTED"
+    assert not c.connected
+    agent.close()
+
+
+def test_agent_death_while_idle_is_noticed_by_the_next_ensure():
+    # Nobody reads while nothing is pending: ensure() must still see the EOF and dial again.
+    a1 = FakeAgent(echo)
+    c = connect(a1)
+    assert c.call("echo", {"n": 1})["echo"] == 1
+    gen = c.generation
+    a1.close()
+    os.unlink(a1.path)
+    a2 = FakeAgent(echo)
+    a2.srv.close()
+    a2.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    a2.srv.bind(a1.path)
+    a2.srv.listen(4)
+    a2.path = a1.path
+    threading.Thread(target=a2._accept, daemon=True).start()
+    time.sleep(0.05)
+    assert c.ensure()
+    assert c.generation == gen + 1
+    assert c.call("echo", {"n": 2}, timeout=5)["echo"] == 2
+    c.close()
+    a2.close()
+
+
+@pytest.mark.parametrize("caller_reads", [True, False])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        struct.pack(">I", 64 * 1024 * 1024),  # oversized length
+        struct.pack(">I", 3) + b"\xc1\xc1\xc1",  # undecodable body (0xc1 is never used)
+    ],
+)
+def test_a_bad_frame_from_the_agent_drops_the_connection(bad, caller_reads):
+    def garbage(agent, conn, req):
+        with agent.send_lock:
+            conn.sendall(bad)
+
+    agent = FakeAgent(garbage)
+    c = connect(agent)
+    with pytest.raises(AgentError) as e:
+        if caller_reads:
+            c.call("lookup", {}, timeout=10)
+        else:
+            c.request("lookup", {}).result(timeout=10)
+    assert e.value.code == "ERR_DISCONNECTED"
+    assert not c.connected
+    agent.close()
