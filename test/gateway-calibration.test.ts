@@ -527,85 +527,71 @@ describe('streamed calibration reads that the store cuts short', () => {
   })
 })
 
+/**
+ * A stored 64 KiB calibration (cache too small to hold it, so reads stream) whose store GET
+ * answers with its bytes, one of them rotten, then `tail`: what a broken store or body adapter
+ * sends at the end.
+ */
+async function streamedWithTail(seed: number, tail: Uint8Array) {
+  const store = new MemoryStore()
+  const a = calib(seed, 64 * 1024)
+  const limits = { calibrationCacheBytes: 1024 }
+  expect((await createGateway({ store, limits }).request(...putCalib(a))).status).toBe(201)
+  const rotten = a.slice()
+  rotten[50_000]! ^= 1
+  const get = store.get.bind(store)
+  store.get = async (name, opts) => {
+    const obj = await get(name, opts)
+    if (!obj || !name.includes('/_calibration/')) return obj
+    const body = new ReadableStream<Uint8Array>({
+      start(ctl) {
+        ctl.enqueue(rotten.subarray(0, 40_000))
+        ctl.enqueue(rotten.subarray(40_000))
+        ctl.enqueue(tail)
+        ctl.close()
+      },
+    })
+    return { ...obj, body }
+  }
+  return { store, a, app: createGateway({ store, limits }) }
+}
+
+/** Reads `r` to its end or its error; `got()` is how many bytes the client held by then. */
+function drain(r: Response): { done: Promise<void>; got: () => number } {
+  const reader = r.body!.getReader()
+  let got = 0
+  const done = (async () => {
+    for (;;) {
+      const { done, value } = await reader.read()
+      if (done) return
+      got += value.length
+    }
+  })()
+  return { done, got: () => got }
+}
+
 describe('streamed calibration reads that end with an empty piece', () => {
   it('rotten bytes then an empty piece: the client never holds all the bytes before the failure', async () => {
-    const store = new MemoryStore()
-    const a = calib(37, 64 * 1024)
-    const limits = { calibrationCacheBytes: 1024 }
-    expect((await createGateway({ store, limits }).request(...putCalib(a))).status).toBe(201)
-    const rotten = a.slice()
-    rotten[50_000]! ^= 1
-    const get = store.get.bind(store)
-    store.get = async (name, opts) => {
-      const obj = await get(name, opts)
-      if (!obj || !name.includes('/_calibration/')) return obj
-      // A store (or a body adapter) that closes with a zero-length read.
-      const body = new ReadableStream<Uint8Array>({
-        start(ctl) {
-          ctl.enqueue(rotten.subarray(0, 40_000))
-          ctl.enqueue(rotten.subarray(40_000))
-          ctl.enqueue(new Uint8Array(0))
-          ctl.close()
-        },
-      })
-      return { ...obj, body }
-    }
-    const r = await createGateway({ store, limits }).request(`/v1/ns/team/calibrations/${sha(a)}`)
+    // A store (or a body adapter) that closes with a zero-length read.
+    const { a, app } = await streamedWithTail(37, new Uint8Array(0))
+    const r = await app.request(`/v1/ns/team/calibrations/${sha(a)}`)
     expect(r.status).toBe(200)
-    const reader = r.body!.getReader()
-    let got = 0
-    await expect(
-      (async () => {
-        for (;;) {
-          const { done, value } = await reader.read()
-          if (done) return
-          got += value.length
-        }
-      })(),
-    ).rejects.toThrow(/SHA-256 is not its name/)
+    const read = drain(r)
+    await expect(read.done).rejects.toThrow(/SHA-256 is not its name/)
     // Over HTTP a client holding Content-Length bytes has a complete (wrong) body.
-    expect(got).toBeLessThan(a.length)
+    expect(read.got()).toBeLessThan(a.length)
   })
 })
 
 describe('streamed calibration reads longer than the store said', () => {
   it('bytes past the object size fail the response before the client holds Content-Length bytes', async () => {
-    const store = new MemoryStore()
-    const a = calib(38, 64 * 1024)
-    const limits = { calibrationCacheBytes: 1024 }
-    expect((await createGateway({ store, limits }).request(...putCalib(a))).status).toBe(201)
-    const rotten = a.slice()
-    rotten[50_000]! ^= 1
-    const get = store.get.bind(store)
-    store.get = async (name, opts) => {
-      const obj = await get(name, opts)
-      if (!obj || !name.includes('/_calibration/')) return obj
-      // A store whose body runs past the size it reported (a replaced object, a broken adapter).
-      const body = new ReadableStream<Uint8Array>({
-        start(ctl) {
-          ctl.enqueue(rotten.subarray(0, 40_000))
-          ctl.enqueue(rotten.subarray(40_000))
-          ctl.enqueue(new Uint8Array(100))
-          ctl.close()
-        },
-      })
-      return { ...obj, body }
-    }
-    const app = createGateway({ store, limits })
+    // A store whose body runs past the size it reported (a replaced object, a broken adapter).
+    const { store, a, app } = await streamedWithTail(38, new Uint8Array(100))
     const r = await app.request(`/v1/ns/team/calibrations/${sha(a)}`)
     expect(r.headers.get('content-length')).toBe(String(a.length))
-    const reader = r.body!.getReader()
-    let got = 0
-    await expect(
-      (async () => {
-        for (;;) {
-          const { done, value } = await reader.read()
-          if (done) return
-          got += value.length
-        }
-      })(),
-    ).rejects.toThrow(/65536/)
-    expect(got).toBeLessThan(a.length)
+    const read = drain(r)
+    await expect(read.done).rejects.toThrow(/65536/)
+    expect(read.got()).toBeLessThan(a.length)
     // A store fault, not proof about the object: it is kept.
     expect(await store.head(calibrationObjectName(app.state.prefix, 'team', sha(a)))).toBeDefined()
   })
