@@ -80,21 +80,24 @@ describe.skipIf(stub !== undefined)('agent on a node with several GPUs (stub lib
     }
   }
 
+  /** The engines' geometry: FlashAttention, fp16, LAYERS layers of 2 heads × 8 on each of `world` ranks. */
+  const geometry = (world: number) => ({
+    layout: 'flash-attn',
+    dtype: 'float16',
+    layers: LAYERS,
+    kvHeads: 2,
+    headSize: 8,
+    blockSize: 16,
+    world,
+  })
+
   async function hello(world = 1) {
     const c = await AgentClient.open(sock())
     const h = await c.call('hello', {
       protocol: 1,
       model: `gpus/test-${world}`,
       hashSeed: '0',
-      geometry: {
-        layout: 'flash-attn',
-        dtype: 'float16',
-        layers: LAYERS,
-        kvHeads: 2,
-        headSize: 8,
-        blockSize: 16,
-        world,
-      },
+      geometry: geometry(world),
     })
     expect(h.ok).toBe(true)
     return c
@@ -312,15 +315,7 @@ describe.skipIf(stub !== undefined)('agent on a node with several GPUs (stub lib
       protocol: 1,
       model: 'gpus/test-1',
       hashSeed: '0',
-      geometry: {
-        layout: 'flash-attn',
-        dtype: 'float16',
-        layers: LAYERS,
-        kvHeads: 2,
-        headSize: 8,
-        blockSize: 16,
-        world: 1,
-      },
+      geometry: geometry(1),
     })
     const workers = agent.metrics.workers
     const reg = agent.handle(s, {
