@@ -23,7 +23,7 @@ import {
   unsupportedMediaType,
 } from '../http-errors.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
-import { collectBody, type StoreObject } from '../stores/types.ts'
+import { collectAtMost, collectBody, type StoreObject } from '../stores/types.ts'
 import { checkedStream, type StreamCheck } from '../verified-read.ts'
 
 /** "KVCL": the first four bytes of every calibration object (src/codec/calibration.ts). */
@@ -97,26 +97,9 @@ async function requestBytes(
       throw badRequest(`${what}: ${(e as Error).message}`)
     }
   }
-  const pieces: Uint8Array[] = []
-  let n = 0
-  const reader = body.getReader()
-  for (;;) {
-    const { done, value } = await reader.read()
-    if (done) break
-    n += value.length
-    if (n > max) {
-      await reader.cancel().catch(() => {})
-      throw payloadTooLarge(`${what} is over ${max} bytes`)
-    }
-    pieces.push(value)
-  }
-  const out = new Uint8Array(n)
-  let at = 0
-  for (const p of pieces) {
-    out.set(p, at)
-    at += p.length
-  }
-  return out
+  const bytes = await collectAtMost(body, max)
+  if (!bytes) throw payloadTooLarge(`${what} is over ${max} bytes`)
+  return bytes
 }
 
 function parsePointer(bytes: Uint8Array): string | undefined {

@@ -8,6 +8,7 @@ import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
 import { badRequest, lengthRequired, payloadTooLarge, unsupportedMediaType } from '../http-errors.ts'
 import { authorize } from '../middleware/auth.ts'
+import { collectAtMost } from '../stores/types.ts'
 
 export function lookupRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
   app.post('/v1/ns/:ns/lookup', async (c) => {
@@ -51,25 +52,8 @@ async function readCapped(req: Request, max: number): Promise<string> {
   const declared = req.headers.get('content-length')
   if (declared !== null && Number(declared) > max) throw payloadTooLarge(`body exceeds ${max} bytes`)
   if (!req.body) throw lengthRequired()
-  const parts: Uint8Array[] = []
-  let total = 0
-  const reader = req.body.getReader()
-  for (;;) {
-    const { done, value } = await reader.read()
-    if (done) break
-    total += value.length
-    if (total > max) {
-      await reader.cancel().catch(() => {})
-      throw payloadTooLarge(`body exceeds ${max} bytes`)
-    }
-    parts.push(value)
-  }
-  const all = new Uint8Array(total)
-  let at = 0
-  for (const p of parts) {
-    all.set(p, at)
-    at += p.length
-  }
+  const all = await collectAtMost(req.body, max)
+  if (!all) throw payloadTooLarge(`body exceeds ${max} bytes`)
   try {
     return new TextDecoder('utf-8', { fatal: true }).decode(all)
   } catch {

@@ -147,3 +147,33 @@ export async function collectBody(
   if (at !== size) throw new Error(`body ended at ${at} of ${size} bytes`)
   return out
 }
+
+/**
+ * Reads a body of unknown length, at most `max` bytes; undefined (the stream cancelled)
+ * once it runs past `max`, so a caller answers 413 without holding more than the cap.
+ */
+export async function collectAtMost(
+  body: ReadableStream<Uint8Array>,
+  max: number,
+): Promise<Uint8Array | undefined> {
+  const pieces: Uint8Array[] = []
+  let n = 0
+  const reader = body.getReader()
+  for (;;) {
+    const { done, value } = await reader.read()
+    if (done) break
+    n += value.length
+    if (n > max) {
+      await reader.cancel().catch(() => {})
+      return undefined
+    }
+    pieces.push(value)
+  }
+  const out = new Uint8Array(n)
+  let at = 0
+  for (const p of pieces) {
+    out.set(p, at)
+    at += p.length
+  }
+  return out
+}
