@@ -324,6 +324,21 @@ describe('lookup', () => {
     expect(wrongType.status).toBe(415)
     const big = await post(app, 'a', `{"keys":[${'"x",'.repeat(200_000)}"x"]}`)
     expect(big.status).toBe(413)
+    // No Content-Length (a chunked body): refused once the bytes read pass the cap.
+    // Few keys, many bytes (JSON whitespace): only the byte cap can refuse it.
+    const pieces = ['{"keys":[', ...Array(200).fill(' '.repeat(4096)), ']}']
+    const chunked = await app.request('/v1/ns/a/lookup', {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: new ReadableStream<Uint8Array>({
+        start(ctl) {
+          for (const p of pieces) ctl.enqueue(new TextEncoder().encode(p))
+          ctl.close()
+        },
+      }),
+      duplex: 'half',
+    } as RequestInit)
+    expect([chunked.status, await errCode(chunked)]).toEqual([413, 'ERR_PAYLOAD_TOO_LARGE'])
     expect(await json(await post(app, 'a', { keys: [] }))).toEqual({ present: 0 })
     expect(await json(await post(app, 'a', { keys: [], sizes: true }))).toEqual({ present: 0, sizes: [] })
   })
