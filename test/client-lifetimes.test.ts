@@ -345,6 +345,17 @@ describe('write-behind memory', () => {
     return { m, disk, keys }
   }
 
+  /** `n` lossless chunks (chunk i filled with i + 1) written through to L2, then dropped from L1. */
+  async function onDiskOnly(memory: MemoryTier, codec: CodecPool, n: number) {
+    const { m, disk, keys } = await writeBehindSetup(memory, codec, 64 * bigCB, 'lossless')
+    const few = keys.slice(0, n)
+    await m.store(few, (i, dst) => void dst.fill(i + 1))
+    await m.flush()
+    expect(disk.stats().files).toBe(n)
+    memory.clear()
+    return { m, disk, few }
+  }
+
   it.each([
     // Load, not damage: nothing counted against the tier.
     ['a codec pool that is busy', () => new CodecBusyError('codec pool queue is full (test)'), 0],
@@ -360,12 +371,7 @@ describe('write-behind memory', () => {
     async (_, failure, errors) => {
       const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
       const codec = new CodecPool(0)
-      const { m, disk, keys } = await writeBehindSetup(memory, codec, 64 * bigCB, 'lossless')
-      const few = keys.slice(0, 3)
-      await m.store(few, (i, dst) => void dst.fill(i + 1))
-      await m.flush()
-      expect(disk.stats().files).toBe(3)
-      memory.clear()
+      const { m, disk, few } = await onDiskOnly(memory, codec, 3)
       const decodeInto = codec.decodeInto.bind(codec)
       codec.decodeInto = async () => {
         throw failure()
@@ -394,12 +400,7 @@ describe('write-behind memory', () => {
   it('a codec pool closed under an L2 decode (close() during a retrieve) keeps the L2 files', async () => {
     const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
     const codec = new CodecPool(1)
-    const { m, disk, keys } = await writeBehindSetup(memory, codec, 64 * bigCB, 'lossless')
-    const few = keys.slice(0, 3)
-    await m.store(few, (i, dst) => void dst.fill(i + 1))
-    await m.flush()
-    expect(disk.stats().files).toBe(3)
-    memory.clear()
+    const { m, disk, few } = await onDiskOnly(memory, codec, 3)
     // The decode job is queued on the pool, then the cache closes (KVCache.close closes the pool).
     const decodeInto = codec.decodeInto.bind(codec)
     let closing: Promise<void> | undefined
@@ -426,12 +427,7 @@ describe('write-behind memory', () => {
     if (!native) return // the freed-L1 case needs pinned regions from the addon
     const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB, native })
     const codec = new CodecPool(0)
-    const { m, disk, keys } = await writeBehindSetup(memory, codec, 64 * bigCB, 'lossless')
-    const few = keys.slice(0, 1)
-    await m.store(few, (i, dst) => void dst.fill(i + 1))
-    await m.flush()
-    expect(disk.stats().files).toBe(1)
-    memory.clear()
+    const { m, disk, few } = await onDiskOnly(memory, codec, 1)
     // KVCache.close() in the window between the L2 read and the decode: the manager closes,
     // the pool closes and L1's regions are freed, so the decode's destination is gone.
     const decodeInto = codec.decodeInto.bind(codec)
