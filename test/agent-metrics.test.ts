@@ -28,3 +28,14 @@ it('AgentMetrics.took keeps lookup, load and save; other ops are not timed', () 
   expect(s.agentMs.load).toMatchObject({ p50: 0, samples: 0 })
   expect(m.prometheus([])).toContain('kvgate_agent_request_seconds{op="save",quantile="0.5"} 0.004')
 })
+
+it('kvgate_agent_request_seconds is a whole summary: _sum and _count of every request, not of the window', () => {
+  const m = new AgentMetrics()
+  for (let i = 0; i < 1500; i++) m.took('lookup', 2) // past the 1024-sample window
+  m.took('load', 250)
+  const text = m.prometheus([])
+  expect(text).toContain('kvgate_agent_request_seconds_sum{op="lookup"} 3\n')
+  expect(text).toContain('kvgate_agent_request_seconds_count{op="lookup"} 1500\n')
+  expect(text).toContain('kvgate_agent_request_seconds_sum{op="load"} 0.25\n')
+  expect(text).toContain('kvgate_agent_request_seconds_sum{op="save"} 0\n')
+})

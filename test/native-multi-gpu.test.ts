@@ -139,6 +139,9 @@ describe('two stub devices', () => {
     const raw = native.loadNative().cuda
     expect(() => raw.ipcOpen(handle, 1, 2)).toThrow(/device 2 out of range \(2 device/)
     expect(() => raw.ipcOpen(handle, 1, 0.5)).toThrow(/out of range/)
+    // Past int64 (was converted before its range check: undefined behaviour in C++).
+    for (const device of [1e300, Number.POSITIVE_INFINITY, -1e300])
+      expect(() => raw.ipcOpen(handle, 1, device)).toThrow(/out of range/)
     expect(() => raw.copy(2, new ArrayBuffer(8), 0, 8, new BigInt64Array([d, 0n, 8n]), 0n, 5)).toThrow(
       /out of range/,
     )

@@ -1,5 +1,6 @@
 // CUDA through a run-time dlopen of libcudart (no link-time dependency):
 // probing, device memory, streams, async and batched copies, IPC handles.
+#include <cmath>
 #include <dlfcn.h>
 #include <link.h>
 
@@ -180,7 +181,8 @@ int DeviceArg(Napi::Env env, const Napi::Value& v) {
   double d = v.As<Napi::Number>().DoubleValue();
   if (d == -1) return g_device.load();
   const int n = Cuda().deviceCount;
-  if (!(d >= 0) || d != static_cast<double>(static_cast<int64_t>(d)) || d >= n) {
+  // Range first: converting a double outside int64 (1e300, Infinity) to an integer is undefined behaviour.
+  if (!(d >= 0) || d >= n || d != std::floor(d)) {
     ThrowNative(env, "device " + v.ToString().Utf8Value() + " out of range (" + std::to_string(n) + " device(s))");
   }
   return static_cast<int>(d);

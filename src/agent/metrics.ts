@@ -7,6 +7,7 @@ import type { KVCacheStats } from '../client/kv-cache.ts'
 export class LatencyWindow {
   readonly #ms: Float64Array
   #count = 0
+  #sumMs = 0
 
   constructor(size = 1024) {
     this.#ms = new Float64Array(size)
@@ -15,6 +16,7 @@ export class LatencyWindow {
   add(ms: number): void {
     this.#ms[this.#count % this.#ms.length] = ms
     this.#count++
+    this.#sumMs += ms
   }
 
   /** Quantile q of the window in ms (0 when empty). */
@@ -28,6 +30,11 @@ export class LatencyWindow {
   /** Durations recorded since the start (the window holds the latest of them). */
   get count(): number {
     return this.#count
+  }
+
+  /** Their total in ms since the start (a Prometheus summary's _sum: rate(_sum)/rate(_count) is the mean). */
+  get sumMs(): number {
+    return this.#sumMs
   }
 }
 
@@ -116,6 +123,7 @@ export class AgentMetrics {
     for (const [op, t] of this.#took) {
       for (const q of [0.5, 0.99])
         lines.push(`kvgate_agent_request_seconds{op="${op}",quantile="${q}"} ${t.quantile(q) / 1000}`)
+      lines.push(`kvgate_agent_request_seconds_sum{op="${op}"} ${t.sumMs / 1000}`)
       lines.push(`kvgate_agent_request_seconds_count{op="${op}"} ${t.count}`)
     }
     put('key_requests_total', 'counter', 'Lookups, loads and saves by the form of their keys.', [
