@@ -225,6 +225,29 @@ describe('HostCopier (threaded copies of every layer at once)', () => {
     expect(() => copier.gatherChunk([0, 0, 16], chunk, 8192)).toThrow(code('ERR_CLOSED'))
   })
 
+  it('a file the engine shrinks while the threaded copy runs: ERR_IO for that save or load, the agent lives on', async () => {
+    const p = shm('copier-shrinks-during', new Uint8Array(2 * LAYER).fill(5))
+    const layers = [0, 1].map((l) => new HostTensor(p, l * LAYER, LAYER, native))
+    // The size checks pass; the engine truncates between them and the pool threads' copy.
+    const shrinking = {
+      ...native!,
+      copyRunsAsync: (...a: Parameters<NonNullable<typeof native>['copyRunsAsync']>) => {
+        truncateSync(p, 4096)
+        return native!.copyRunsAsync(...a)
+      },
+    }
+    const copier = HostCopier.for(layers, shrinking, 2)!
+    const chunk = new Uint8Array(2 * SLAB)
+    const code = (code: string) =>
+      expect.objectContaining({ code, message: expect.stringMatching(/shrank during a copy/) })
+    await expect(copier.gatherChunk(runs, chunk, SLAB)).rejects.toThrow(code('ERR_IO'))
+    writeFileSync(p, new Uint8Array(2 * LAYER).fill(5))
+    await expect(
+      copier.scatterLayers([{ layer: 1, chunks: 1, slabs: [randomBytes(SLAB)] }], [runs]),
+    ).rejects.toThrow(code('ERR_IO'))
+    for (const t of layers) t.close()
+  })
+
   it('is only made for mapped host tensors with an addon that has copyRunsAsync', () => {
     const p = shm('copier-none', new Uint8Array(LAYER))
     const mapped = new HostTensor(p, 0, LAYER, native)

@@ -3,13 +3,15 @@
 // and the buffers it uses outlive the copy (an unmapFile or freePinned meanwhile waits or
 // is refused, never a fault or a write into freed memory).
 
+import { spawnSync } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import { mkdtempSync, rmSync, truncateSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, describe, expect, it } from 'vitest'
 import {
   allocPinnedSync,
+  copyRuns,
   copyRunsAsync,
   copyRunsAsyncAvailable,
   fileMapStats,
@@ -159,5 +161,56 @@ describe('copyRunsAsync', () => {
     await copying
     expect(bytesOf(pinned).every((b) => b === 3)).toBe(true)
     freePinned(pinned)
+  })
+
+  it('a file truncated under its mapping fails the copy with a typed error; the process lives and copies go on', async () => {
+    for (const writable of [false, true]) {
+      const file = join(dir, `shrinks-${writable}`)
+      writeFileSync(file, randomBytes(8 * MiB))
+      const map = mapFile(file, { writable })
+      const into = new Uint8Array(4 * MiB)
+      const ok = new Uint8Array(64 * 1024).fill(9)
+      // The engine shrinks its file: every page past 4 KiB is gone from the mapping.
+      truncateSync(file, 4096)
+      const runs = new Float64Array([1, 0, 0, 2 * MiB, 2 * MiB, 1, 2 * MiB, 2, 0, ok.length])
+      await expect(copyRunsAsync([map, into, ok], runs, 4)).rejects.toMatchObject({
+        code: 'ERR_NATIVE',
+        syscode: 'EFAULT',
+        message: expect.stringMatching(/shrank during the copy/),
+      })
+      const out = new Uint8Array(4096)
+      expect(() => copyRuns(out, map, new Float64Array([0, 5 * MiB, 4096]))).toThrow(/shrank during the copy/)
+      // Writing into the lost pages faults too (a load into a shrunk engine tensor).
+      await expect(
+        copyRunsAsync([map, ok], new Float64Array([0, 6 * MiB, 1, 0, ok.length]), 1),
+      ).rejects.toThrow(NativeError)
+      // What is still mapped copies as before, and the mapping unmaps.
+      copyRuns(out, map, new Float64Array([0, 0, 4096]))
+      await copyRunsAsync([into, ok], new Float64Array([0, 0, 1, 0, ok.length]), 2)
+      expect(into.subarray(0, ok.length).every((b) => b === 9)).toBe(true)
+      unmapFile(map)
+    }
+    expect(fileMapStats().mappings).toBe(0)
+  })
+
+  it('a SIGBUS outside a guarded copy still kills the process, as it did before the guard was installed', () => {
+    const file = join(dir, 'shrinks-outside')
+    writeFileSync(file, randomBytes(2 * MiB))
+    const script = [
+      `import { copyRunsAsync, mapFile } from ${JSON.stringify(new URL('../src/client/native.ts', import.meta.url).pathname)}`,
+      `import { truncateSync } from 'node:fs'`,
+      `const map = mapFile(${JSON.stringify(file)})`,
+      'const out = new Uint8Array(8)',
+      'await copyRunsAsync([out, map], new Float64Array([0, 0, 1, 0, 8]), 1)', // installs the guard
+      `truncateSync(${JSON.stringify(file)}, 0)`,
+      'console.log(new Uint8Array(map)[MiB_SPOT])'.replace('MiB_SPOT', String(MiB)),
+      "console.log('survived')",
+    ].join('\n')
+    const r = spawnSync(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', script], {
+      encoding: 'utf8',
+      timeout: 60_000,
+    })
+    expect(r.stdout).not.toContain('survived')
+    expect(r.signal).toBe('SIGBUS')
   })
 })

@@ -9,6 +9,8 @@
 #include <emmintrin.h>
 #endif
 
+#include <csetjmp>
+#include <csignal>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
@@ -194,6 +196,102 @@ void StreamCopy(uint8_t* dst, const uint8_t* src, size_t n) {
 #endif
 }
 
+// ---- copies that survive a file shrinking under its mapping ----
+//
+// A page of a file mapping past the file's end faults with SIGBUS: an engine that truncates
+// (or replaces and shrinks) its KV file while a copy runs would kill the agent, and with the
+// copies on pool threads that window is a whole copy long. Copies through mappings run under
+// a per-thread guard: SIGBUS inside one jumps back to the guard, which reports the copy failed
+// (its bytes are then never served: the caller treats it as a failed save or load). A SIGBUS
+// anywhere else goes to the handler that was there before, or kills the process as it would have.
+
+thread_local sigjmp_buf* t_faultJump = nullptr;
+struct sigaction g_previousBus;
+std::once_flag g_busOnce;
+
+void OnBus(int sig, siginfo_t* info, void* context) {
+  sigjmp_buf* jump = t_faultJump;
+  if (jump != nullptr) {
+    t_faultJump = nullptr;
+    siglongjmp(*jump, 1);
+  }
+  if ((g_previousBus.sa_flags & SA_SIGINFO) != 0 && g_previousBus.sa_sigaction != nullptr) {
+    g_previousBus.sa_sigaction(sig, info, context);
+    return;
+  }
+  if ((g_previousBus.sa_flags & SA_SIGINFO) == 0 && g_previousBus.sa_handler != SIG_DFL &&
+      g_previousBus.sa_handler != SIG_IGN) {
+    g_previousBus.sa_handler(sig);
+    return;
+  }
+  // Not a guarded copy: back to the default, and the faulting access runs again and dies of it.
+  signal(SIGBUS, SIG_DFL);
+}
+
+void InstallBusGuard() {
+  std::call_once(g_busOnce, [] {
+    struct sigaction sa {};
+    sa.sa_sigaction = OnBus;
+    // SA_NODEFER: the handler leaves by siglongjmp without restoring a signal mask (sigsetjmp(, 0)
+    // saves none: no syscall per copy), so SIGBUS must not be blocked while it runs.
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGBUS, &sa, &g_previousBus);
+  });
+}
+
+struct Piece {
+  uint8_t* dst;
+  const uint8_t* src;
+  size_t n;
+};
+
+// Copies the pieces (streaming runs of kStreamRunBytes and more). False when one faulted:
+// the destination then holds some of the bytes and must not be used.
+bool GuardedCopy(const Piece* pieces, size_t count) {
+  sigjmp_buf jump;
+  // No local is changed between sigsetjmp and a jump back (none needs to be volatile).
+  if (sigsetjmp(jump, 0) != 0) {
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+    return false;
+  }
+  t_faultJump = &jump;
+  for (size_t i = 0; i < count; i++) {
+    const Piece& p = pieces[i];
+    // Ranges of one buffer that overlap (not an agent copy, but copyRuns allows it) get memmove.
+    bool overlap = p.dst < p.src + p.n && p.src < p.dst + p.n;
+    if (p.n >= kStreamRunBytes && !overlap) {
+      StreamCopy(p.dst, p.src, p.n);
+    } else {
+      std::memmove(p.dst, p.src, p.n);
+    }
+  }
+  t_faultJump = nullptr;
+#if defined(__SSE2__)
+  for (size_t i = 0; i < count; i++) {
+    if (pieces[i].n >= kStreamRunBytes) {
+      _mm_sfence();  // streamed stores are visible before this returns
+      break;
+    }
+  }
+#endif
+  return true;
+}
+
+// The failure of a copy that faulted: errno EFAULT (syscode "EFAULT", syscall "copy") tells
+// callers apart from bad arguments, which are thrown before anything is copied.
+Failure ShrankFailure(const char* what) {
+  Failure f;
+  f.code = "ERR_NATIVE";
+  f.sysErrno = EFAULT;
+  f.syscall = "copy";
+  f.message = std::string(what) +
+              ": a mapped file shrank during the copy (SIGBUS); the copy failed and its destination holds partial bytes";
+  return f;
+}
+
 // A typed array or ArrayBuffer argument as a byte range (null data when detached).
 bool ByteRange(Napi::Value v, uint8_t** data, size_t* length) {
   if (v.IsArrayBuffer()) {
@@ -246,25 +344,13 @@ Napi::Value CopyRuns(const Napi::CallbackInfo& info) {
     }
   }
   if (dst == nullptr || src == nullptr) return env.Undefined();  // detached: every run was 0 bytes
-  bool streamed = false;
+  std::vector<Piece> pieces;
+  pieces.reserve(count / 3);
   for (size_t i = 0; i < count; i += 3) {
-    size_t n = static_cast<size_t>(r[i + 2]);
-    uint8_t* to = dst + static_cast<size_t>(r[i]);
-    const uint8_t* from = src + static_cast<size_t>(r[i + 1]);
-    // Ranges of one buffer that overlap (not an agent copy, but the call allows it) get memmove.
-    bool overlap = to < from + n && from < to + n;
-    if (n >= kStreamRunBytes && !overlap) {
-      StreamCopy(to, from, n);
-      streamed = true;
-    } else {
-      std::memmove(to, from, n);
-    }
+    pieces.push_back({dst + static_cast<size_t>(r[i]), src + static_cast<size_t>(r[i + 1]), static_cast<size_t>(r[i + 2])});
   }
-#if defined(__SSE2__)
-  if (streamed) _mm_sfence();  // streamed stores are visible before this returns
-#else
-  (void)streamed;
-#endif
+  InstallBusGuard();
+  if (!GuardedCopy(pieces.data(), pieces.size())) Throw(env, ShrankFailure("copyRuns"));
   return env.Undefined();
 }
 
@@ -274,18 +360,13 @@ Napi::Value CopyRuns(const Napi::CallbackInfo& info) {
 constexpr size_t kMinPartBytes = 256 * 1024;
 constexpr size_t kMaxParts = 64;
 
-struct Piece {
-  uint8_t* dst;
-  const uint8_t* src;
-  size_t n;
-};
-
 struct CopyJob;
 
 struct CopyPart {
   CopyJob* job = nullptr;
   std::vector<Piece> pieces;
   napi_async_work work = nullptr;
+  bool faulted = false;  // a SIGBUS stopped this part's copy (set on its pool thread)
 };
 
 // One copyRunsAsync call: what it keeps alive and busy until its last part finishes.
@@ -299,24 +380,12 @@ struct CopyJob {
   std::vector<Mapping*> mappings;  // busy marks: unmapFile defers the munmap
   std::vector<CopyPart> parts;
   size_t remaining = 0;
+  bool faulted = false;  // some part's copy faulted: the promise rejects
 };
 
 void ExecutePart(napi_env, void* data) {
   auto* part = static_cast<CopyPart*>(data);
-  bool streamed = false;
-  for (const Piece& p : part->pieces) {
-    if (p.n >= kStreamRunBytes) {
-      StreamCopy(p.dst, p.src, p.n);
-      streamed = true;
-    } else {
-      std::memcpy(p.dst, p.src, p.n);
-    }
-  }
-#if defined(__SSE2__)
-  if (streamed) _mm_sfence();  // this thread's streamed stores are visible before it reports done
-#else
-  (void)streamed;
-#endif
+  part->faulted = !GuardedCopy(part->pieces.data(), part->pieces.size());
 }
 
 // Releases what the job holds. JS thread only (napi_delete_reference).
@@ -340,10 +409,14 @@ void CompletePart(napi_env env, napi_status status, void* data) {
   CopyJob* job = part->job;
   napi_delete_async_work(env, part->work);
   part->work = nullptr;
+  if (part->faulted) job->faulted = true;
   if (--job->remaining > 0) return;
   ReleaseJob(job);
   napi_value v;
-  if (status == napi_ok) {
+  if (job->faulted) {
+    v = ToError(Napi::Env(env), ShrankFailure("copyRunsAsync")).Value();
+    napi_reject_deferred(env, job->deferred, v);
+  } else if (status == napi_ok) {
     napi_get_undefined(env, &v);
     napi_resolve_deferred(env, job->deferred, v);
   } else {
@@ -440,6 +513,7 @@ Napi::Value CopyRunsAsync(const Napi::CallbackInfo& info) {
     napi_resolve_deferred(env, deferred, env.Undefined());
     return Napi::Value(env, promise);
   }
+  InstallBusGuard();
   size_t parts = std::min(wantParts, std::max<size_t>(1, total / kMinPartBytes));
   auto* job = new CopyJob();
   job->env = env;
@@ -493,12 +567,18 @@ Napi::Value CopyRunsAsync(const Napi::CallbackInfo& info) {
       if (part.work != nullptr) napi_delete_async_work(env, part.work);
       part.work = nullptr;
       ExecutePart(env, &part);
+      if (part.faulted) job->faulted = true;
       job->remaining--;
     }
   }
   if (job->remaining == 0) {
     ReleaseJob(job);
-    napi_resolve_deferred(env, deferred, env.Undefined());
+    if (job->faulted) {
+      napi_reject_deferred(env, deferred,
+                           ToError(env, ShrankFailure("copyRunsAsync")).Value());
+    } else {
+      napi_resolve_deferred(env, deferred, env.Undefined());
+    }
     delete job;
   }
   return Napi::Value(env, promise);

@@ -249,7 +249,22 @@ export class HostCopier {
         out[o++] = runs[i + 2]!
       }
     }
-    return this.#copy(buffers, out, this.threads)
+    return this.#copied(this.#copy(buffers, out, this.threads))
+  }
+
+  /**
+   * A copy that faulted because an engine shrank its file while the copy ran (the addon's
+   * SIGBUS guard: errno EFAULT) is the engine's I/O failure, like a shrink seen before the copy.
+   */
+  #copied(copy: Promise<void>): Promise<void> {
+    return copy.catch((e: unknown) => {
+      if ((e as { syscode?: unknown }).syscode !== 'EFAULT') throw e
+      const paths = [...new Set(this.#tensors.map((t) => t.path))].join(', ')
+      throw new AgentError(
+        'ERR_IO',
+        `an engine KV file shrank during a copy (${paths}): ${(e as Error).message}`,
+      )
+    })
   }
 
   /**
@@ -299,8 +314,8 @@ export class HostCopier {
       }
     }
     cut()
-    if (calls.length === 1) return this.#copy(calls[0]!.buffers, calls[0]!.runs, this.threads)
-    return allCopies(calls.map((k) => () => this.#copy(k.buffers, k.runs, this.threads)))
+    if (calls.length === 1) return this.#copied(this.#copy(calls[0]!.buffers, calls[0]!.runs, this.threads))
+    return this.#copied(allCopies(calls.map((k) => () => this.#copy(k.buffers, k.runs, this.threads))))
   }
 }
 

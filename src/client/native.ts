@@ -1071,7 +1071,9 @@ export function mapFileAvailable(): boolean {
  * Maps `[offset, offset + length)` of a regular file as an ArrayBuffer. Unmapped by
  * {@link unmapFile} or, failing that, when the buffer is garbage collected. Truncating
  * the file under a live mapping makes access to the lost pages fault (SIGBUS): map only
- * files whose size their owner keeps.
+ * files whose size their owner keeps. {@link copyRuns} and {@link copyRunsAsync} survive it
+ * (the copy fails with ERR_NATIVE, syscode EFAULT); any other access (a typed array over the
+ * mapping) still kills the process.
  * @throws NativeError ERR_NATIVE for bad arguments, a range past the end, or a failed open/mmap.
  */
 export function mapFile(path: string, opts: MapFileOptions = {}): ArrayBuffer {
