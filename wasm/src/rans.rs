@@ -418,11 +418,16 @@ pub fn encode_symbols(
             #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
             {
                 // Start and frequency of each (class, symbol), packed for one load per lane.
+                // and 1 / frequency, so the hot loop multiplies instead of dividing.
                 let mut fs = vec![0u32; tables.len() * alphabet];
+                let mut rcp = vec![0f64; tables.len() * alphabet];
                 for (cls, f) in tables.iter().enumerate() {
                     let mut cum = 0u32;
                     for (s, &v) in f.iter().enumerate() {
                         fs[cls * alphabet + s] = v | cum << 16;
+                        if v > 0 {
+                            rcp[cls * alphabet + s] = 1.0 / v as f64;
+                        }
                         cum += v;
                     }
                 }
@@ -430,9 +435,9 @@ pub fn encode_symbols(
                 // p ≥ SIMD_ENC_SLACK + the words still to write (cap covers a word per symbol).
                 p = unsafe {
                     if tables.len() == 1 {
-                        simd_encode_groups::<false>(&mut x, syms, full, c, &cbase, &fs, bp, p)
+                        simd_encode_groups::<false>(&mut x, syms, full, c, &cbase, &fs, &rcp, bp, p)
                     } else {
-                        simd_encode_groups::<true>(&mut x, syms, full, c, &cbase, &fs, bp, p)
+                        simd_encode_groups::<true>(&mut x, syms, full, c, &cbase, &fs, &rcp, bp, p)
                     }
                 };
             }
@@ -512,10 +517,11 @@ static SHED: [[u8; 16]; 16] = shed_shuffles();
 /// Encodes the whole groups of LANES symbols before `full` (last group first) with the
 /// 8 states in two i32x4 vectors: lanes 4–7 first, then 0–3, each vector writing the
 /// words of its lanes that shed 16 bits in lane order below the previous ones: the word
-/// order of the scalar encoder, so the bytes are identical. x / freq is an f64 division
-/// (exact: x < 2^31 and the floor of a correctly rounded quotient of integers below 2^53
-/// is the integer quotient), so only tables without a frequency above PROB_SCALE / 2 come
-/// here (their states stay below 2^31, as the signed conversions need). Returns the new
+/// order of the scalar encoder, so the bytes are identical. x / freq is an f64 product
+/// with a tabled 1 / freq (`rcp`, exact as argued in `put!`; a division here cost a third of
+/// the loop: the divider is on every state's dependency chain), so only tables without a
+/// frequency above PROB_SCALE / 2 come here (their states stay below 2^31, as the signed
+/// conversions and that argument need). Returns the new
 /// write position (in words) and leaves the states in `x`.
 ///
 /// SAFETY: `c % LANES == 0`, `full % LANES == 0`, `full ≤ syms.len()`, `cbase[ch] + sym` is
@@ -530,12 +536,14 @@ unsafe fn simd_encode_groups<const TRACK: bool>(
     c: usize,
     cbase: &[usize],
     fs: &[u32],
+    rcp: &[f64],
     bp: *mut u16,
     p: usize,
 ) -> usize {
     use core::arch::wasm32::*;
     let sp = syms.as_ptr();
     let fp = fs.as_ptr();
+    let rp = rcp.as_ptr();
     let cbp = cbase.as_ptr();
     let shed = SHED.as_ptr();
     let mut wp = bp.add(p);
@@ -544,7 +552,7 @@ unsafe fn simd_encode_groups<const TRACK: bool>(
     let lo16 = u32x4_splat(0xffff);
     let one = u32x4_splat(1);
     let scale = u32x4_splat(PROB_SCALE);
-    let magic = f64x2_splat(4503599627370496.0); // 2^52
+    let magic_half = f64x2_splat(4503599627370495.5); // 2^52 − 1/2 (exact: ulp 1/2 below 2^52)
     let magic_hi = u32x4_splat(0x4330_0000); // 2^52's high word in every lane
     let mut xa = u32x4(x[0], x[1], x[2], x[3]);
     let mut xb = u32x4(x[4], x[5], x[6], x[7]);
@@ -557,17 +565,31 @@ unsafe fn simd_encode_groups<const TRACK: bool>(
             }
         };
     }
+    // The packed entries of 4 lanes, and their reciprocals as two f64x2 (lanes 0–1, 2–3).
     macro_rules! gather {
         ($o:expr) => {{
-            let e = v128_load32_zero(fp.add(base!($o) + *ip.add($o) as usize));
-            let e = v128_load32_lane::<1>(e, fp.add(base!($o + 1) + *ip.add($o + 1) as usize));
-            let e = v128_load32_lane::<2>(e, fp.add(base!($o + 2) + *ip.add($o + 2) as usize));
-            v128_load32_lane::<3>(e, fp.add(base!($o + 3) + *ip.add($o + 3) as usize))
+            let i0 = base!($o) + *ip.add($o) as usize;
+            let i1 = base!($o + 1) + *ip.add($o + 1) as usize;
+            let i2 = base!($o + 2) + *ip.add($o + 2) as usize;
+            let i3 = base!($o + 3) + *ip.add($o + 3) as usize;
+            let e = v128_load32_zero(fp.add(i0));
+            let e = v128_load32_lane::<1>(e, fp.add(i1));
+            let e = v128_load32_lane::<2>(e, fp.add(i2));
+            let e = v128_load32_lane::<3>(e, fp.add(i3));
+            let rl = v128_load64_lane::<1>(
+                v128_load64_zero(rp.add(i0) as *const u64),
+                rp.add(i1) as *const u64,
+            );
+            let rh = v128_load64_lane::<1>(
+                v128_load64_zero(rp.add(i2) as *const u64),
+                rp.add(i3) as *const u64,
+            );
+            (e, rl, rh)
         }};
     }
     macro_rules! put {
-        ($x:ident, $e:expr) => {{
-            let e = $e;
+        ($x:ident, $g:expr) => {{
+            let (e, rl, rh) = $g;
             let freq = v128_and(e, lo16);
             // x ≥ 2^21·freq ⇔ x >> 21 > freq − 1 (small values: a signed compare).
             let big = i32x4_gt(u32x4_shr($x, 21), i32x4_sub(freq, one));
@@ -576,20 +598,29 @@ unsafe fn simd_encode_groups<const TRACK: bool>(
             v128_store(wp.sub(8) as *mut v128, w);
             wp = wp.sub((m as u32).count_ones() as usize);
             let xs = v128_bitselect(u32x4_shr($x, 16), $x, big);
-            // u32 → f64 as 2^52 + u (the u32 under the high word of 2^52: one unpack) − 2^52;
-            // convert_low on the high half costs V8 a byte shuffle with built constants.
-            let ql = f64x2_div(
-                f64x2_sub(i32x4_shuffle::<0, 4, 1, 5>(xs, magic_hi), magic),
-                f64x2_sub(i32x4_shuffle::<0, 4, 1, 5>(freq, magic_hi), magic),
+            // u32 → f64 as 2^52 + u (the u32 under the high word of 2^52: one unpack), minus
+            // 2^52 − 1/2 gives x + 1/2 exactly; convert_low on the high half costs V8 a byte
+            // shuffle with built constants. x / freq = floor((x + 1/2) · (1 / freq)): the
+            // fraction of (x + 1/2) / freq lies in [1/(2 freq), 1 − 1/(2 freq)], at least 2^-11
+            // from an integer (freq ≤ PROB_SCALE / 2 here), and the two roundings (1 / freq,
+            // then the product) move a value below 2^31 by less than 2^31 · 2^-52 = 2^-21.
+            let ql = f64x2_mul(
+                f64x2_sub(i32x4_shuffle::<0, 4, 1, 5>(xs, magic_hi), magic_half),
+                rl,
             );
-            let qh = f64x2_div(
-                f64x2_sub(i32x4_shuffle::<2, 6, 3, 7>(xs, magic_hi), magic),
-                f64x2_sub(i32x4_shuffle::<2, 6, 3, 7>(freq, magic_hi), magic),
+            let qh = f64x2_mul(
+                f64x2_sub(i32x4_shuffle::<2, 6, 3, 7>(xs, magic_hi), magic_half),
+                rh,
             );
-            // floor, then + 2^52: the integer lands in the low 32 bits (LLVM scalarises
+            // floor by adding 2^52 − 1/2 (no round instruction): the quotient is ≥ 32 (a state
+            // is ≥ 2^16 before shedding and ≥ 2^21·freq when it sheds, so x ≥ 32·freq), the sum
+            // lies in [2^52, 2^53), where f64 holds exactly the integers, and rounds to nearest
+            // (checked for every freq ≤ 1024 on 3·10^8 states around multiples); the quotient's
+            // fraction minus 1/2 stays more than 2^-12 inside (−1/2, 1/2), so the sum rounds
+            // to 2^52 + floor and the integer lands in the low 32 bits (LLVM scalarises
             // i32x4.trunc_sat_f64x2_zero into eight checked conversions).
-            let ql = f64x2_add(f64x2_floor(ql), magic);
-            let qh = f64x2_add(f64x2_floor(qh), magic);
+            let ql = f64x2_add(ql, magic_half);
+            let qh = f64x2_add(qh, magic_half);
             let q = i32x4_shuffle::<0, 2, 4, 6>(ql, qh);
             // x' = (x / freq) · PROB_SCALE + x mod freq + start
             $x = i32x4_add(
