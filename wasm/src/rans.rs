@@ -188,9 +188,28 @@ pub fn class_partition(rank: &[u32], c: usize, max_classes: usize) -> (usize, Ve
     while kmax * 2 <= max_classes.min(MAX_CLASSES).min(c.max(1)) {
         kmax *= 2;
     }
+    let mut fine = vec![0u8; c];
+    let rank = &rank[..c];
+    let top = rank.iter().copied().max().unwrap_or(0) as usize;
+    if top < 1 << 16 {
+        // Ranks are small (sampled bit-length sums): a counting sort gives the order of the
+        // sort below, by rank then channel (sorting was ~2.5 % of encode time).
+        let mut at = vec![0u32; top + 2];
+        for &r in rank {
+            at[r as usize + 1] += 1;
+        }
+        for i in 1..at.len() {
+            at[i] += at[i - 1];
+        }
+        for (ch, &r) in rank.iter().enumerate() {
+            let pos = at[r as usize] as usize;
+            at[r as usize] += 1;
+            fine[ch] = ((pos * kmax) / c) as u8;
+        }
+        return (kmax, fine);
+    }
     let mut order: Vec<(u32, usize)> = (0..c).map(|ch| (rank[ch], ch)).collect();
     order.sort_unstable();
-    let mut fine = vec![0u8; c];
     for (r, &(_, ch)) in order.iter().enumerate() {
         fine[ch] = ((r * kmax) / c.max(1)) as u8;
     }
