@@ -1,6 +1,7 @@
 // The fused decode (wasm/src/lossy.rs FusedRows: rows of uniform-step fp16/bf16 streams
-// reconstructed inside the SIMD rANS loop, one row behind, escapes expanded in the loop) must
-// accept, reject and decode exactly as the row-by-row path. A stream given a token-step block
+// reconstructed inside the SIMD rANS loop, one row behind, escapes expanded in the loop; one-plane
+// latent sections take it, K/V sections decode both symbol blocks in one loop, then their rows)
+// must accept, reject and decode exactly as the row-by-row path. A stream given a token-step block
 // of code 128 (multiplier exactly 1.0) means the same values but takes the row-by-row path,
 // so every section is decoded both ways, clean and under the same mutation of its rANS
 // payload and escape bits: tiny T, the last row (finished after the loop), escape groups.
@@ -21,8 +22,10 @@ const rnd = () => {
   return seed / 2 ** 32
 }
 
-function encode(dt: number, t: number, c: number, eps: number): Uint8Array {
-  const n = 2 * t * c
+const LATENT = 0x100
+
+function encode(dt: number, t: number, c: number, eps: number, planes: number): Uint8Array {
+  const n = planes * t * c
   const f = new Float32Array(n)
   const scale = Array.from({ length: c }, () => 0.05 + rnd() * (rnd() < 0.1 ? 20 : 2))
   for (let i = 0; i < n; i++) {
@@ -49,7 +52,7 @@ function encode(dt: number, t: number, c: number, eps: number): Uint8Array {
   const par = ex.kv_alloc!(32)
   new Uint8Array(ex.memory.buffer, src, slab.length).set(slab)
   new Float32Array(ex.memory.buffer, par, 8).set([-eps / 5, eps, 0, 0, 1, 8, 0, 0])
-  const len = ex.kv_encode!(2, src, dt, t, c, par)
+  const len = ex.kv_encode!(2, src, planes === 1 ? dt | LATENT : dt, t, c, par)
   expect(len).toBeGreaterThan(0)
   const out = new Uint8Array(ex.memory.buffer, ex.kv_result_ptr!(), len).slice()
   ex.kv_result_clear!()
@@ -58,30 +61,46 @@ function encode(dt: number, t: number, c: number, eps: number): Uint8Array {
   return out
 }
 
-function decode(dt: number, t: number, c: number, section: Uint8Array): { rc: number; out: Uint8Array } {
-  const size = 2 * t * c * 2
+function decode(
+  dt: number,
+  t: number,
+  c: number,
+  planes: number,
+  section: Uint8Array,
+): { rc: number; out: Uint8Array } {
+  const size = planes * t * c * 2
   const len = Math.max(1, section.length)
   const src = ex.kv_alloc!(len)
   const dst = ex.kv_alloc!(size)
   new Uint8Array(ex.memory.buffer, src, section.length).set(section)
-  const rc = ex.kv_decode!(2, src, section.length, dt, t, c, dst)
+  const rc = ex.kv_decode!(2, src, section.length, planes === 1 ? dt | LATENT : dt, t, c, dst)
   const out = new Uint8Array(ex.memory.buffer, dst, size).slice()
   ex.kv_free!(src, len)
   ex.kv_free!(dst, size)
   return { rc, out }
 }
 
-/** Offsets of the K and V streams' flags bytes (each stream starts with its f32 base). */
-function flagOffsets(s: Uint8Array): [number, number] {
+/** Offsets of the K and V streams' flags bytes (each stream starts with its f32 base); a latent
+ * section is one stream without a length prefix. */
+function flagOffsets(s: Uint8Array, planes: number): number[] {
+  if (planes === 1) return [4]
   const klen = new DataView(s.buffer, s.byteOffset).getUint32(0, true)
   return [4 + 4, 4 + klen + 4]
 }
 
-/** The same section with a token-step block of multiplier 1.0 in both streams. */
-function withUnitTokenSteps(s: Uint8Array, t: number): Uint8Array {
-  const [fk, fv] = flagOffsets(s)
-  const out = new Uint8Array(s.length + 2 * t)
+/** The same section with a token-step block of multiplier 1.0 in every stream. */
+function withUnitTokenSteps(s: Uint8Array, t: number, planes: number): Uint8Array {
   const codes = new Uint8Array(t).fill(UNIT_SCALE_CODE)
+  if (planes === 1) {
+    const out = new Uint8Array(s.length + t)
+    out.set(s.subarray(0, 5))
+    out[4] = s[4]! | F_TOKSCALE
+    out.set(codes, 5)
+    out.set(s.subarray(5), 5 + t)
+    return out
+  }
+  const [fk, fv] = flagOffsets(s, planes) as [number, number]
+  const out = new Uint8Array(s.length + 2 * t)
   let o = 0
   const put = (b: Uint8Array) => {
     out.set(b, o)
@@ -110,19 +129,19 @@ describe('fused row decode (wasm) against the row-by-row path', () => {
     [17, 64],
     [33, 128],
   ]
-  const corpus: { dt: number; t: number; c: number; s: Uint8Array }[] = []
-  for (const [t, c] of shapes)
-    for (const dt of [1, 2])
-      for (const eps of [0.56, 0.14, 0.01]) corpus.push({ dt, t, c, s: encode(dt, t, c, eps) })
+  const corpus: { dt: number; t: number; c: number; planes: number; s: Uint8Array }[] = []
+  for (const planes of [2, 1])
+    for (const [t, c] of shapes)
+      for (const dt of [1, 2])
+        for (const eps of [0.56, 0.14, 0.01])
+          corpus.push({ dt, t, c, planes, s: encode(dt, t, c, eps, planes) })
 
   it('clean sections: the encoder writes uniform-step streams, and both paths decode them alike', () => {
-    for (const { dt, t, c, s } of corpus) {
-      const [fk, fv] = flagOffsets(s)
+    for (const { dt, t, c, planes, s } of corpus) {
       // No channel or token steps: the streams the fused path takes.
-      expect(s[fk]! & 3).toBe(0)
-      expect(s[fv]! & 3).toBe(0)
-      const a = decode(dt, t, c, s)
-      const b = decode(dt, t, c, withUnitTokenSteps(s, t))
+      for (const f of flagOffsets(s, planes)) expect(s[f]! & 3).toBe(0)
+      const a = decode(dt, t, c, planes, s)
+      const b = decode(dt, t, c, planes, withUnitTokenSteps(s, t, planes))
       expect(a.rc).toBe(0)
       expect(b.rc).toBe(0)
       expect(Buffer.compare(a.out, b.out)).toBe(0)
@@ -133,10 +152,11 @@ describe('fused row decode (wasm) against the row-by-row path', () => {
     let accepted = 0
     let rejected = 0
     for (let i = 0; i < 6000; i++) {
-      const { dt, t, c, s: clean } = corpus[Math.floor(rnd() * corpus.length)]!
-      const [fk, fv] = flagOffsets(clean)
-      // Everything but the K length and the two streams' base and flags may change.
-      const protectedAt = (p: number) => p < fk + 1 || (p >= fv - 4 && p <= fv)
+      const { dt, t, c, planes, s: clean } = corpus[Math.floor(rnd() * corpus.length)]!
+      const offsets = flagOffsets(clean, planes)
+      const fv = offsets[offsets.length - 1]!
+      // Everything but the K length and the streams' base and flags may change.
+      const protectedAt = (p: number) => offsets.some((f) => p >= f - 4 && p <= f) || p < offsets[0]!
       let s = clean.slice()
       const kind = rnd()
       if (kind < 0.6) {
@@ -149,13 +169,13 @@ describe('fused row decode (wasm) against the row-by-row path', () => {
         for (let j = p; j < Math.min(s.length, p + 1 + Math.floor(rnd() * 16)); j++)
           if (!protectedAt(j)) s[j] = Math.floor(rnd() * 256)
       } else {
-        // Truncated V stream (its rANS tail, escape bits).
+        // Truncated V (or latent) stream (its rANS tail, escape bits).
         s = s.subarray(0, fv + 1 + Math.floor(rnd() * (s.length - fv - 1)))
       }
-      const a = decode(dt, t, c, s)
-      const b = decode(dt, t, c, withUnitTokenSteps(s, t))
+      const a = decode(dt, t, c, planes, s)
+      const b = decode(dt, t, c, planes, withUnitTokenSteps(s, t, planes))
       if (a.rc !== b.rc || (a.rc === 0 && Buffer.compare(a.out, b.out) !== 0))
-        expect.fail(`${t}x${c} dtype ${dt}: fused rc ${a.rc}, row path rc ${b.rc}`)
+        expect.fail(`${t}x${c} dtype ${dt} planes ${planes}: fused rc ${a.rc}, row path rc ${b.rc}`)
       if (a.rc === 0) accepted++
       else rejected++
     }

@@ -65,3 +65,59 @@ describe('kvgate codec bytes are pinned', () => {
     })
   }
 })
+
+describe('SIMD rANS encoder quotient', () => {
+  // The SIMD encoder computes x / freq as (x + 1/2) · (1 / freq), floored by adding
+  // 2^52 − 1/2 (wasm/README.md). Frequencies that are not powers of two (inexact reciprocals)
+  // and the largest it takes (1024 = PROB_SCALE / 2) are where a wrong floor would show; a
+  // wrong quotient codes states the decoder rejects or decodes to other bytes.
+  it('codes a table with frequencies 1024, 683, 300, 37, 3 and 1 losslessly', () => {
+    const freqs = [1024, 683, 300, 37, 3, 1] // sum 2048: the normalised table is exactly this
+    const T = 2048
+    const C = 8 // every channel holds each symbol `freq` times: one class, the table above
+    let seed = 7
+    const rnd = () => {
+      seed = (Math.imul(seed, 1103515245) + 12345) >>> 0
+      return seed / 2 ** 32
+    }
+    const column = freqs.flatMap((f, s) => Array<number>(f).fill(s * 37 + 5))
+    const plane = new Uint8Array(2 * T * C) // K then V, fp8 bytes: one byte plane each
+    for (let kv = 0; kv < 2; kv++)
+      for (let ch = 0; ch < C; ch++) {
+        const col = column.slice()
+        for (let i = col.length - 1; i > 0; i--) {
+          const j = Math.floor(rnd() * (i + 1))
+          ;[col[i], col[j]] = [col[j]!, col[i]!]
+        }
+        for (let t = 0; t < T; t++) plane[kv * T * C + t * C + ch] = col[t]!
+      }
+    const e = new WebAssembly.Instance(loadCodecModule(), {}).exports as Record<
+      string,
+      (...a: number[]) => number
+    > & { memory: WebAssembly.Memory }
+    const src = e.kv_alloc!(plane.length)
+    new Uint8Array(e.memory.buffer, src, plane.length).set(plane)
+    const n = e.kv_encode!(1, src, 4, T, C, 0)
+    expect(n).toBeGreaterThan(0)
+    const section = new Uint8Array(e.memory.buffer, e.kv_result_ptr!(), n).slice()
+    // K's plane: kind 1 (rANS), one class, one table: (symbols − 1), LEB128 frequencies.
+    const table: number[] = []
+    let p = 3
+    for (let s = 0; s <= section[2]!; s++) {
+      let v = 0
+      for (let shift = 0; ; shift += 7) {
+        const b = section[p++]!
+        v |= (b & 0x7f) << shift
+        if (b < 0x80) break
+      }
+      table.push(v)
+    }
+    expect([section[0], section[1]]).toEqual([1, 1])
+    expect(table.filter((f) => f > 0)).toEqual(freqs)
+    const inp = e.kv_alloc!(n)
+    const dst = e.kv_alloc!(plane.length)
+    new Uint8Array(e.memory.buffer, inp, n).set(section)
+    expect(e.kv_decode!(1, inp, n, 4, T, C, dst)).toBe(0)
+    expect(new Uint8Array(e.memory.buffer, dst, plane.length)).toEqual(plane)
+  })
+})

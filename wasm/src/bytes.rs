@@ -1,6 +1,7 @@
 //! Bounds-checked little-endian readers/writers for section bytes.
 //! Every read of untrusted input goes through `Reader`, which never panics.
 
+#[derive(Clone)]
 pub struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,

@@ -7,9 +7,9 @@
 use crate::bytes::{put_u32, put_varint, unzigzag, zigzag, BitReader, BitWriter, Reader};
 use crate::half::{self, DT_BF16, DT_F16};
 use crate::rans::{
-    class_partition, decode_block_with, decode_symbols_with, encode_symbols, fill_table,
-    plan_classes, read_freqs, uninit_vec, write_classes, write_table, GroupSink, NoSink,
-    MAX_CLASSES, PROB_BITS, PROB_SCALE,
+    class_partition, decode_symbols_pair, decode_symbols_with, encode_symbols, fill_table,
+    plan_classes, read_block_tables, read_freqs, uninit_vec, write_classes, write_table, GroupSink,
+    NoSink, PairStream, MAX_CLASSES, PROB_BITS, PROB_SCALE,
 };
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -1278,11 +1278,23 @@ fn decode_payload<S: GroupSink>(
     cal: Option<&StreamCal>,
     sink: &mut S,
 ) -> Option<()> {
+    let (k, cbase, dec) = payload_tables(r, c, cal)?;
+    decode_symbols_with(r, t, c, k, &cbase, &dec, syms, sink)
+}
+
+/// A stream's block up to its payload: class count, class bases and decode tables (the
+/// chunk's own, or a calibration's set).
+fn payload_tables(
+    r: &mut Reader,
+    c: usize,
+    cal: Option<&StreamCal>,
+) -> Option<(usize, Vec<u32>, Rc<Vec<u32>>)> {
     match cal {
         Some(k) => {
             let g = r.u8()?;
             if g == IN_CHUNK_TABLES {
-                decode_block_with(r, t, c, ALPHABET, syms, sink)?;
+                let (n, cbase, dec) = read_block_tables(r, c, ALPHABET)?;
+                Some((n, cbase, Rc::new(dec)))
             } else if g == IN_CHUNK_TABLES_CAL_CLASSES {
                 let n = r.u8()? as usize;
                 if n == 0 || n > k.k || !n.is_power_of_two() {
@@ -1299,16 +1311,18 @@ fn decode_payload<S: GroupSink>(
                     .iter()
                     .map(|&v| (v >> shift) as u32 * PROB_SCALE)
                     .collect();
-                decode_symbols_with(r, t, c, n, &cbase, &dec, syms, sink)?;
+                Some((n, cbase, Rc::new(dec)))
             } else {
                 let dec = set_decode_tables(k, g as usize)?;
                 let cbase: Vec<u32> = k.class_of.iter().map(|&v| v as u32 * PROB_SCALE).collect();
-                decode_symbols_with(r, t, c, k.k, &cbase, &dec, syms, sink)?;
+                Some((k.k, cbase, dec))
             }
         }
-        None => decode_block_with(r, t, c, ALPHABET, syms, sink)?,
+        None => {
+            let (n, cbase, dec) = read_block_tables(r, c, ALPHABET)?;
+            Some((n, cbase, Rc::new(dec)))
+        }
     }
-    Some(())
 }
 
 /// Reconstructs the rows of a uniform-step stream inside the rANS decode loop: after each
@@ -1482,6 +1496,84 @@ pub fn decode_stream(
     syms: &mut [u8],
     cal: Option<&StreamCal>,
 ) -> Option<()> {
+    let StreamHead {
+        base,
+        flags,
+        cal,
+        step,
+        mt,
+        dmask,
+        centers,
+        extra,
+    } = read_head(r, t, c, cal)?;
+    let mut bits = BitReader::new(extra);
+    let mut prev = centers.clone();
+    let any_delta = dmask.iter().any(|&d| d != 0);
+    // Streams without channel or token steps (what the encoder writes) decoded to fp16 (no
+    // subnormal outputs) or bf16: each row is reconstructed inside the rANS loop while the next
+    // row's symbols are decoded (FusedRows). Same arithmetic, same order of escape bits.
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    if let Some(kind) = fused_kind(base, flags, dtype, c) {
+        macro_rules! fused {
+            ($delta:expr, $dt:expr) => {
+                decode_fused::<$delta, $dt>(
+                    r, t, c, base, &centers, &dmask, &mut prev, &mut bits, dst, offset, syms, cal,
+                )?
+            };
+        }
+        match (any_delta, kind) {
+            (true, DT_BF16) => fused!(true, DT_BF16),
+            (false, DT_BF16) => fused!(false, DT_BF16),
+            (true, _) => fused!(true, DT_F16_NORMAL),
+            (false, _) => fused!(false, DT_F16_NORMAL),
+        }
+        if bits.overrun {
+            return None;
+        }
+        return Some(());
+    }
+    decode_rows(
+        r, t, c, dtype, dst, offset, syms, base, flags, cal, &step, &mt, &dmask, &centers,
+        &mut prev, &mut bits, any_delta,
+    )
+}
+
+/// A stream's header, up to its symbol block.
+struct StreamHead<'a, 'k> {
+    base: f32,
+    flags: u8,
+    cal: Option<&'k StreamCal<'k>>,
+    step: Vec<f32>,
+    mt: Vec<f32>,
+    dmask: Vec<i32>,
+    centers: Vec<i32>,
+    /// The escape bits.
+    extra: &'a [u8],
+}
+
+/// The fused decode's output kind for a stream with this header (DT_F16_NORMAL or DT_BF16),
+/// or None when it takes the two-pass path.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+fn fused_kind(base: f32, flags: u8, dtype: u32, c: usize) -> Option<u32> {
+    let uniform = flags & (F_CHSCALE | F_TOKSCALE) == 0;
+    let kind = if dtype == DT_F16 && base.abs() >= f32::from_bits((127 - 14) << 23) {
+        DT_F16_NORMAL
+    } else {
+        dtype
+    };
+    if uniform && c % 8 == 0 && (kind == DT_F16_NORMAL || kind == DT_BF16) {
+        Some(kind)
+    } else {
+        None
+    }
+}
+
+fn read_head<'a, 'k>(
+    r: &mut Reader<'a>,
+    t: usize,
+    c: usize,
+    cal: Option<&'k StreamCal<'k>>,
+) -> Option<StreamHead<'a, 'k>> {
     let base = r.f32()?;
     if !base.is_finite() {
         return None;
@@ -1537,42 +1629,65 @@ pub fn decode_stream(
         }
     }
     let extra = r.block()?;
-    let mut bits = BitReader::new(extra);
-    let mut prev = centers.clone();
-    let any_delta = dmask.iter().any(|&d| d != 0);
-    // Streams without channel or token steps (what the encoder writes) decoded to fp16 (no
-    // subnormal outputs) or bf16: each row is reconstructed inside the rANS loop while the next
-    // row's symbols are decoded (FusedRows). Same arithmetic, same order of escape bits.
-    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-    {
-        let uniform = flags & (F_CHSCALE | F_TOKSCALE) == 0;
-        let kind = if dtype == DT_F16 && base.abs() >= f32::from_bits((127 - 14) << 23) {
-            DT_F16_NORMAL
-        } else {
-            dtype
-        };
-        if uniform && c % 8 == 0 && (kind == DT_F16_NORMAL || kind == DT_BF16) {
-            macro_rules! fused {
-                ($delta:expr, $dt:expr) => {
-                    decode_fused::<$delta, $dt>(
-                        r, t, c, base, &centers, &dmask, &mut prev, &mut bits, dst, offset, syms,
-                        cal,
-                    )?
-                };
-            }
-            match (any_delta, kind) {
-                (true, DT_BF16) => fused!(true, DT_BF16),
-                (false, DT_BF16) => fused!(false, DT_BF16),
-                (true, _) => fused!(true, DT_F16_NORMAL),
-                (false, _) => fused!(false, DT_F16_NORMAL),
-            }
-            if bits.overrun {
-                return None;
-            }
-            return Some(());
-        }
-    }
+    Some(StreamHead {
+        base,
+        flags,
+        cal,
+        step,
+        mt,
+        dmask,
+        centers,
+        extra,
+    })
+}
+
+/// The two-pass decode of a stream (symbols, then rows) after its header.
+#[allow(clippy::too_many_arguments)]
+fn decode_rows(
+    r: &mut Reader,
+    t: usize,
+    c: usize,
+    dtype: u32,
+    dst: &mut [u8],
+    offset: usize,
+    syms: &mut [u8],
+    base: f32,
+    flags: u8,
+    cal: Option<&StreamCal>,
+    step: &[f32],
+    mt: &[f32],
+    dmask: &[i32],
+    centers: &[i32],
+    prev: &mut Vec<i32>,
+    bits: &mut BitReader,
+    any_delta: bool,
+) -> Option<()> {
     decode_payload(r, t, c, syms, cal, &mut NoSink)?;
+    reconstruct_rows(
+        t, c, dtype, dst, offset, syms, base, flags, step, mt, dmask, centers, prev, bits,
+        any_delta,
+    )
+}
+
+/// The rows of a stream from its decoded symbols (the second pass).
+#[allow(clippy::too_many_arguments)]
+fn reconstruct_rows(
+    t: usize,
+    c: usize,
+    dtype: u32,
+    dst: &mut [u8],
+    offset: usize,
+    syms: &[u8],
+    base: f32,
+    flags: u8,
+    step: &[f32],
+    mt: &[f32],
+    dmask: &[i32],
+    centers: &[i32],
+    prev: &mut Vec<i32>,
+    bits: &mut BitReader,
+    any_delta: bool,
+) -> Option<()> {
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
     let mut scaled = vec![
         0f32;
@@ -1595,7 +1710,7 @@ pub fn decode_stream(
     let (min_step, steps_finite) = {
         let mut mn = f32::INFINITY;
         let mut fin = true;
-        for &s in &step {
+        for &s in step {
             let a = s.abs();
             fin &= a.is_finite();
             if a < mn {
@@ -1634,7 +1749,7 @@ pub fn decode_stream(
             // decoded bits must not depend on where an escape falls.
             let all_direct = simd::row_direct(row);
             if !all_direct && m != 1.0 {
-                if !row_scalar(&ctx, row, m, &mut prev, &mut bits, dtype, dst, o) {
+                if !row_scalar(&ctx, row, m, prev, bits, dtype, dst, o) {
                     return None;
                 }
                 continue;
@@ -1646,7 +1761,7 @@ pub fn decode_stream(
                     base * m,
                     row,
                     &[],
-                    &mut prev,
+                    prev,
                     kind,
                     dst,
                     o,
@@ -1654,7 +1769,7 @@ pub fn decode_stream(
                     uniform,
                 )
             } else {
-                if !row_residuals(row, &mut zrow, &mut bits) {
+                if !row_residuals(row, &mut zrow, bits) {
                     return None;
                 }
                 row_fast_any::<true>(
@@ -1663,7 +1778,7 @@ pub fn decode_stream(
                     base * m,
                     &[],
                     &zrow,
-                    &mut prev,
+                    prev,
                     kind,
                     dst,
                     o,
@@ -1682,12 +1797,67 @@ pub fn decode_stream(
             }
             continue;
         }
-        if !row_scalar(&ctx, row, mt[tt], &mut prev, &mut bits, dtype, dst, o) {
+        if !row_scalar(&ctx, row, mt[tt], prev, bits, dtype, dst, o) {
             return None;
         }
     }
     if bits.overrun {
         return None;
+    }
+    Some(())
+}
+
+/// A layer's K then V (headers read): both tables, then both symbol blocks in one SIMD loop
+/// (rans::decode_symbols_pair: two independent dependency chains), then each stream's rows
+/// (the two-pass reconstruction of `decode_stream`). Same arithmetic, same escape-bit order
+/// and the same checks per stream as decoding K, then V, with `decode_stream`; any failure
+/// rejects the section. (Reconstructing both streams' rows inside the joint loop, as the
+/// single-stream path does, made V8 spill: wasm/README.md.)
+#[allow(clippy::too_many_arguments)]
+fn decode_layer(
+    mut rk: Reader,
+    hk: StreamHead,
+    rv: &mut Reader,
+    hv: StreamHead,
+    dtype: u32,
+    t: usize,
+    c: usize,
+    dst: &mut [u8],
+    syms: &mut [u8],
+) -> Option<()> {
+    let n = t * c;
+    let (kk, cbk, deck) = payload_tables(&mut rk, c, hk.cal)?;
+    let (kv, cbv, decv) = payload_tables(rv, c, hv.cal)?;
+    let mut syms_v: Vec<u8> = uninit_vec(syms.len());
+    decode_symbols_pair(
+        t,
+        c,
+        PairStream {
+            r: &mut rk,
+            k: kk,
+            cbase: &cbk,
+            dec: &deck,
+            syms: &mut *syms,
+        },
+        PairStream {
+            r: rv,
+            k: kv,
+            cbase: &cbv,
+            dec: &decv,
+            syms: &mut syms_v,
+        },
+    )?;
+    if rk.remaining() != 0 {
+        return None;
+    }
+    for (h, sy, off) in [(&hk, &*syms, 0), (&hv, &syms_v[..], n)] {
+        let mut bits = BitReader::new(h.extra);
+        let mut prev = h.centers.clone();
+        let any_delta = h.dmask.iter().any(|&d| d != 0);
+        reconstruct_rows(
+            t, c, dtype, dst, off, sy, h.base, h.flags, &h.step, &h.mt, &h.dmask, &h.centers,
+            &mut prev, &mut bits, any_delta,
+        )?;
     }
     Some(())
 }
@@ -1759,7 +1929,20 @@ pub fn decode(
         decode_stream(&mut r, t, c, dtype, dst, 0, &mut syms, cal.map(|p| p.0))?;
         return if r.remaining() == 0 { Some(()) } else { None };
     }
-    let mut rk = Reader::new(r.block()?);
+    let kin = r.block()?;
+    let mut rk = Reader::new(kin);
+    let mut rv = r.clone();
+    let hk = read_head(&mut rk, t, c, cal.map(|p| p.0))?;
+    let hv = read_head(&mut rv, t, c, cal.map(|p| p.1))?;
+    // Escape-heavy streams (fine steps: ~4.5 escape bits per K symbol at q9, 0.07 at q5) decode
+    // faster one at a time in the fused loop, which expands escapes inside it (the row pass
+    // after the joint loop lost 12 % at q9): the joint loop takes sections with at most one
+    // escape bit per symbol.
+    if (hk.extra.len() as u64 + hv.extra.len() as u64) * 8 <= 2 * n as u64 {
+        decode_layer(rk, hk, &mut rv, hv, dtype, t, c, dst, &mut syms)?;
+        return if rv.remaining() == 0 { Some(()) } else { None };
+    }
+    let mut rk = Reader::new(kin);
     decode_stream(&mut rk, t, c, dtype, dst, 0, &mut syms, cal.map(|p| p.0))?;
     if rk.remaining() != 0 {
         return None;
