@@ -1,5 +1,12 @@
 import { describe, expect, it } from 'vitest'
-import { decodeChunk, encodeChunk, loadCodecModule, RD_LAMBDA } from '../src/codec/node.ts'
+import {
+  buildCalibration,
+  decodeChunk,
+  encodeChunk,
+  loadCodecModule,
+  openCalibration,
+  RD_LAMBDA,
+} from '../src/codec/node.ts'
 import { decodeHeader } from '../src/core/format.ts'
 import type { KvGeometry } from '../src/core/layout.ts'
 import { kvRelativeError } from '../src/model/index.ts'
@@ -120,6 +127,22 @@ describe('kvgate rate-distortion rounding', () => {
         expect(decodeChunk(obj).byteLength).toBe(t.byteLength)
       }
     }
+  })
+
+  it('with a calibration: fewer bytes than nearest with it, and the same tensor as without it', () => {
+    const g16: KvGeometry = { ...g, dtype: 'fp16' }
+    const t16 = tensorOf(syntheticKv(g16, tokens, 5), 'fp16')
+    const cal = openCalibration(
+      buildCalibration(
+        [11, 12].map((seed) => tensorOf(syntheticKv(g16, tokens, seed), 'fp16')),
+        { geometry: g16, dtype: 'fp16' },
+      ),
+    )
+    const code = (rdRounding: boolean, calibration?: typeof cal) =>
+      encodeChunk(t16, metaFor(g16, tokens), { mode: 'kvgate', quality: 1, rdRounding, calibration })
+    const rdCal = code(true, cal)
+    expect(rdCal.byteLength).toBeLessThan(code(false, cal).byteLength)
+    expect(decodeChunk(rdCal, { calibration: cal })).toEqual(decodeChunk(code(true)))
   })
 
   it('rejects a non-boolean option', () => {
