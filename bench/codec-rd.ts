@@ -5,10 +5,19 @@
 // it), and encode/decode CPU time on the 8B chunk, the two encoders interleaved.
 // Writes bench/results/codec-rd.json.
 
-import { decodeChunk, decodeChunkInto, encodeChunk, type LayerTargets } from '../src/codec/node.ts'
+import {
+  buildCalibration,
+  type Calibration,
+  decodeChunk,
+  decodeChunkInto,
+  encodeChunk,
+  type LayerTargets,
+  openCalibration,
+} from '../src/codec/node.ts'
 import { decodeElements, encodeElements } from '../src/core/dtype.ts'
 import type { KvGeometry } from '../src/core/layout.ts'
 import {
+  exportChunk,
   findSharedData,
   HELD_OUT_STORIES,
   kvRelativeError,
@@ -17,6 +26,7 @@ import {
   prepareWindows,
   protocolWindows,
   runProtocol,
+  sampledWindows,
   syntheticKv,
 } from '../src/model/index.ts'
 import { machineLine, median, table, writeResult } from './lib/stats.ts'
@@ -29,6 +39,8 @@ const PROTOCOL_LEVELS = (process.env.KVGATE_RD_PROTOCOL_LEVELS ?? '3,5')
   .map(Number)
 const ROUNDS = Number(process.env.KVGATE_BENCH_REPEATS ?? 7)
 const CHUNKS = [64, 256]
+/** As bench/codec.ts: a calibration's bytes count as shared by this many chunks. */
+const CAL_CHUNKS = 1000
 
 const meta = (g: KvGeometry, tokens: number, chunkIndex: number) => ({
   geometry: g,
@@ -50,6 +62,9 @@ interface Row {
   chunkTokens: number
   level: string
   rdRounding: boolean
+  calibrated?: boolean
+  /** Bytes over reference-cachegen's (LMCache's split) on the same KV. */
+  vsReference?: number
   ratio: number
   bytes: number
   kErr: number
@@ -64,33 +79,58 @@ if (data.paths) {
   const { transformer, tokenizer } = loadStories260k(data.paths)
   const seqLen = transformer.config.seqLen
   const windows = prepareWindows(transformer, protocolWindows(tokenizer, HELD_OUT_STORIES, seqLen, 8))
+  const calWindows = prepareWindows(transformer, sampledWindows(transformer, tokenizer, 4, seqLen))
+  const chunks = (chunkTokens: number) => (windows.length * seqLen) / chunkTokens
   for (const chunkTokens of CHUNKS) {
+    const samples: Uint8Array[] = []
+    for (const w of calWindows) {
+      for (let s = 0; s + chunkTokens <= seqLen; s += chunkTokens)
+        samples.push(exportChunk(w.cache, s, s + chunkTokens, 'fp16'))
+    }
+    const cal = openCalibration(
+      buildCalibration(samples, { geometry: windows[0]!.cache.geometry('fp16'), dtype: 'fp16' }),
+    )
+    const storage = (opts: Parameters<typeof encodeChunk>[2], prefixes: number[], c?: Calibration) =>
+      runProtocol(
+        transformer,
+        windows,
+        (t, info) => {
+          const obj = encodeChunk(t, meta(info.geometry, info.tokens, info.chunkIndex), {
+            ...opts,
+            calibration: c,
+          })
+          return { decoded: decodeChunk(obj, { calibration: c }), encodedBytes: obj.byteLength }
+        },
+        { chunkTokens, prefixes },
+      )
+    const refBytes = storage({ mode: 'reference-cachegen' }, []).encodedBytes
     for (const q of LEVELS) {
       for (const rdRounding of [false, true]) {
-        const r = runProtocol(
-          transformer,
-          windows,
-          (t, info) => {
-            const obj = encodeChunk(t, meta(info.geometry, info.tokens, info.chunkIndex), {
-              mode: 'kvgate',
-              quality: q,
-              rdRounding,
-            })
-            return { decoded: decodeChunk(obj), encodedBytes: obj.byteLength }
-          },
-          { chunkTokens, prefixes: PROTOCOL_LEVELS.includes(q) ? [256, 384] : [] },
+        const r = storage(
+          { mode: 'kvgate', quality: q, rdRounding },
+          PROTOCOL_LEVELS.includes(q) ? [256, 384] : [],
         )
-        rows.push({
+        const base = {
           dataset: 'stories260K',
           chunkTokens,
           level: `q${q}`,
           rdRounding,
-          ratio: r.ratio,
-          bytes: r.encodedBytes,
           kErr: r.kMean,
           vErr: r.vMean,
           agreement: PROTOCOL_LEVELS.includes(q) ? r.agreement : undefined,
           pplChange: PROTOCOL_LEVELS.includes(q) ? r.pplChange : undefined,
+        }
+        rows.push({ ...base, ratio: r.ratio, bytes: r.encodedBytes, vsReference: r.encodedBytes / refBytes })
+        // A calibrated chunk decodes to the same tensor (same levels, other tables), so its
+        // errors and quality are the row's above; its bytes count the calibration's share.
+        const rc = storage({ mode: 'kvgate', quality: q, rdRounding }, [], cal)
+        const bytes = rc.encodedBytes + (cal.bytes.length * chunks(chunkTokens)) / CAL_CHUNKS
+        rows.push({
+          ...base,
+          calibrated: true,
+          ratio: rc.rawBytes / bytes,
+          bytes,
+          vsReference: bytes / refBytes,
         })
       }
     }
@@ -107,7 +147,8 @@ const errors = (obj: Uint8Array) => {
   const e = kvRelativeError(g8, [{ exact: x8, decoded: decodeChunk(obj) }])
   return { kErr: avg(e.k), vErr: avg(e.v) }
 }
-const ref = errors(encodeChunk(x8, meta(g8, T, 0), { mode: 'reference-cachegen' }))
+const refObj = encodeChunk(x8, meta(g8, T, 0), { mode: 'reference-cachegen' })
+const ref = errors(refObj)
 for (const rdRounding of [false, true]) {
   const storage = (t: LayerTargets) => {
     const obj = encodeChunk(x8, meta(g8, T, 0), { mode: 'kvgate', errorTargets: t, rdRounding })
@@ -129,6 +170,7 @@ for (const rdRounding of [false, true]) {
     level: 'at reference error',
     rdRounding,
     ratio: x8.length / s.bytes,
+    vsReference: s.bytes / refObj.byteLength,
     ...s,
   })
   for (const q of LEVELS) {
@@ -140,6 +182,7 @@ for (const rdRounding of [false, true]) {
       rdRounding,
       ratio: x8.length / obj.byteLength,
       bytes: obj.byteLength,
+      vsReference: obj.byteLength / refObj.byteLength,
       ...errors(obj),
     })
   }
@@ -181,7 +224,7 @@ const speed = {
 }
 
 console.log(
-  `\nkvgate, nearest vs rate-distortion rounding (same levels; K/V rRMSE per layer averaged over layers; reference-cachegen on the 8B shape: K ${ref.kErr.toFixed(4)}, V ${ref.vErr.toFixed(4)})`,
+  `\nkvgate, nearest vs rate-distortion rounding (same levels; K/V rRMSE per layer averaged over layers; calibrated rows: calibration shared by ${CAL_CHUNKS} chunks, same tensors as uncalibrated; reference-cachegen on the 8B shape: K ${ref.kErr.toFixed(4)}, V ${ref.vErr.toFixed(4)})`,
 )
 console.log(
   table([
@@ -192,6 +235,7 @@ console.log(
       'rounding',
       'ratio',
       'bytes vs nearest',
+      'bytes / ref',
       'K rRMSE',
       'V rRMSE',
       'agreement',
@@ -200,15 +244,20 @@ console.log(
     ...rows.map((r) => {
       const base = rows.find(
         (b) =>
-          b.dataset === r.dataset && b.chunkTokens === r.chunkTokens && b.level === r.level && !b.rdRounding,
+          b.dataset === r.dataset &&
+          b.chunkTokens === r.chunkTokens &&
+          b.level === r.level &&
+          b.calibrated === r.calibrated &&
+          !b.rdRounding,
       )!
       return [
         r.dataset,
         String(r.chunkTokens),
         r.level,
-        r.rdRounding ? 'rate-distortion' : 'nearest',
+        `${r.rdRounding ? 'rate-distortion' : 'nearest'}${r.calibrated ? ', calibrated' : ''}`,
         `${r.ratio.toFixed(3)}×`,
         (r.bytes / base.bytes).toFixed(4),
+        r.vsReference === undefined ? '—' : r.vsReference.toFixed(3),
         r.kErr.toFixed(5),
         r.vErr.toFixed(5),
         pm(r.agreement),
