@@ -29,6 +29,7 @@ export {
   layerTargets,
   MAX_QUALITY,
   MIN_QUALITY,
+  RD_LAMBDA,
 } from './params.ts'
 export { type CachegenSplit, LARGE_MODEL_SPLIT, lmcacheSplit } from './reference-cachegen.ts'
 export { initCodec, isCodecReady } from './runtime.ts'

@@ -50,6 +50,17 @@ export const LOGIT_SPREAD = 5
  */
 const ATTENTION_ERROR: readonly number[] = [0, 0.56, 0.4, 0.28, 0.2, 0.14, 0.1, 0.07, 0.035, 0.01]
 
+/**
+ * λ of the encoder's rate-distortion rounding (`rdRounding`; wasm/src/lossy.rs rd_round), in
+ * squared steps per bit: each level is the nearest one or the next towards its prediction,
+ * whichever costs less in error² + λ·bits. ln 2 / 6 is the slope of an entropy-coded
+ * uniform quantizer's distortion–rate curve, dD/dR = −2 ln 2 · D with D = Δ²/12: the error
+ * a bit buys anywhere else in the stream, a property of the coder, not of a model. The
+ * encoder shrinks the step so the error stays nearest rounding's; the decoder is unchanged
+ * (docs/codec.md).
+ */
+export const RD_LAMBDA = Math.LN2 / 6
+
 export interface LayerTargets {
   /** Relative RMS error of K against its channel-centred RMS. */
   kError: number

@@ -35,6 +35,8 @@ interface CodecExports {
   kv_stats(src: number, dtype: number, t: number, c: number, params: number): number
   kv_cal_check(cal: number, calLen: number, c: number): number
   kv_alphabet(): number
+  /** Rate-distortion rounding's λ for the encodes that follow (0: nearest); builds before it lack it. */
+  kv_set_rd_lambda?(lambda: number): void
 }
 
 /** Section encodings implemented in wasm (numbers are the crate's MODE_* constants). */
@@ -132,7 +134,10 @@ export class WasmCodec {
     return p
   }
 
-  /** Encodes one layer slab (K then V, `t`×`c` elements each; one plane with `dtypeCode | WASM_LATENT`). */
+  /**
+   * Encodes one layer slab (K then V, `t`×`c` elements each; one plane with `dtypeCode | WASM_LATENT`).
+   * `rdLambda` > 0 (kvgate): rate-distortion rounding with that λ (params.ts RD_LAMBDA).
+   */
   encodeSection(
     mode: WasmMode,
     slab: Uint8Array,
@@ -141,12 +146,24 @@ export class WasmCodec {
     c: number,
     params?: Float32Array,
     cal?: Uint8Array,
+    rdLambda = 0,
   ): Uint8Array {
-    return this.#run(slab, params, cal, 'encode', (ex, src, par, calp, calLen) =>
-      calLen > 0
-        ? requireCalibration(ex).kv_encode_cal(src, dtypeCode, t, c, par, calp, calLen)
-        : ex.kv_encode(WASM_MODES[mode], src, dtypeCode, t, c, par),
-    )
+    return this.#run(slab, params, cal, 'encode', (ex, src, par, calp, calLen) => {
+      const setRd = ex.kv_set_rd_lambda
+      if (rdLambda > 0 && typeof setRd !== 'function')
+        throw new CodecError(
+          "wasm module lacks export 'kv_set_rd_lambda': this codec build cannot round for rate",
+        )
+      // Set around this one call only: the next encode (any caller) starts at nearest rounding.
+      setRd?.(rdLambda)
+      try {
+        return calLen > 0
+          ? requireCalibration(ex).kv_encode_cal(src, dtypeCode, t, c, par, calp, calLen)
+          : ex.kv_encode(WASM_MODES[mode], src, dtypeCode, t, c, par)
+      } finally {
+        setRd?.(0)
+      }
+    })
   }
 
   /**

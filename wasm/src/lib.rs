@@ -13,6 +13,8 @@
 //!   blob (`cal`, `cal_len`; see `lossy::parse_layer_cal`); `kv_cal_check(cal, cal_len, c)`
 //!   validates a blob; `kv_stats` leaves per-channel symbol counts (u32, K then V,
 //!   c × `kv_alphabet()` each) in the result buffer, for building calibrations.
+//! - `kv_set_rd_lambda(λ)`: rate-distortion rounding for the kvgate encodes that follow
+//!   (`lossy::rd_round`; 0, the default: nearest rounding). Decoding is unaffected.
 //! - `dtype | LATENT` (every entry point that takes a dtype): the slab is one t·c
 //!   plane, an MLA latent `[token][latent]`, instead of K then V. Each mode codes it as
 //!   it codes K alone (lossless: its byte planes; q8: its rows; kvgate: one stream with
@@ -25,7 +27,7 @@ pub mod lossy;
 pub mod q8;
 pub mod rans;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 pub const MODE_LOSSLESS: u32 = 1;
 pub const MODE_KVGATE: u32 = 2;
@@ -42,6 +44,7 @@ pub const VERSION: u32 = 1;
 
 thread_local! {
     static RESULT: RefCell<Vec<u8>> = RefCell::new(Vec::new());
+    static RD_LAMBDA: Cell<f32> = Cell::new(0.0);
 }
 
 #[no_mangle]
@@ -64,6 +67,20 @@ pub unsafe extern "C" fn kv_free(p: *mut u8, n: usize) {
     if !p.is_null() {
         drop(Vec::from_raw_parts(p, 0, n.max(1)));
     }
+}
+
+/// Sets the λ of rate-distortion rounding (lossy::rd_round, squared steps per bit) for the
+/// kvgate encodes that follow; 0 (the default), negative or non-finite: nearest rounding.
+/// A separate call, not a ninth f32 of `params`, so that callers written for 8 keep coding
+/// exactly as before; the TypeScript wrapper sets it around each encode and clears it.
+#[no_mangle]
+pub extern "C" fn kv_set_rd_lambda(lambda: f32) {
+    let l = if lambda.is_finite() && lambda > 0.0 {
+        lambda
+    } else {
+        0.0
+    };
+    RD_LAMBDA.with(|c| c.set(l));
 }
 
 #[no_mangle]
@@ -89,7 +106,7 @@ fn slab_elems(t: u32, c: u32, planes: usize) -> Option<usize> {
     (t as usize).checked_mul(c as usize)?.checked_mul(planes)
 }
 
-fn stream_params(p: &[f32]) -> Option<(lossy::StreamParams, lossy::StreamParams)> {
+fn stream_params(p: &[f32], rd_lambda: f32) -> Option<(lossy::StreamParams, lossy::StreamParams)> {
     let pk = lossy::StreamParams {
         eps: p[0],
         gamma_c: p[2],
@@ -98,6 +115,7 @@ fn stream_params(p: &[f32]) -> Option<(lossy::StreamParams, lossy::StreamParams)
         max_classes: p[5] as usize,
         levels_c: p[6],
         levels_t: 0.0,
+        rd_lambda,
     };
     let pv = lossy::StreamParams {
         eps: p[1],
@@ -107,6 +125,7 @@ fn stream_params(p: &[f32]) -> Option<(lossy::StreamParams, lossy::StreamParams)
         max_classes: p[5] as usize,
         levels_c: 0.0,
         levels_t: p[7],
+        rd_lambda,
     };
     if !((pk.eps != 0.0 || pk.levels_c > 0.0) && (pv.eps > 0.0 || pv.levels_t != 0.0)) {
         return None;
@@ -119,7 +138,8 @@ fn stream_params(p: &[f32]) -> Option<(lossy::StreamParams, lossy::StreamParams)
 /// levelsK > 0, K steps are per channel (range / levelsK); with levelsV > 0, V
 /// steps are per token (2·max|v| / levelsV); with levelsV < 0, one V step, the
 /// mean over tokens of 2·max|v| / |levelsV|; otherwise eps·√12·rms (scaled by gamma;
-/// epsK < 0: |epsK|·√12·the channel-centred rms, one step for every channel).
+/// epsK < 0: |epsK|·√12·the channel-centred rms, one step for every channel). Uniform-step
+/// streams use rate-distortion rounding when `kv_set_rd_lambda` set a λ.
 ///
 /// # Safety
 /// `src` must hold 2·t·c elements of `dtype`; `params` 8 f32 (kvgate mode).
@@ -199,7 +219,8 @@ unsafe fn encode_with(
             if mode == MODE_Q8 {
                 q8::encode(&x, t, c, planes, &mut out);
             } else {
-                let (pk, pv) = match stream_params(std::slice::from_raw_parts(params, 8)) {
+                let rd = RD_LAMBDA.with(|l| l.get());
+                let (pk, pv) = match stream_params(std::slice::from_raw_parts(params, 8), rd) {
                     Some(p) => p,
                     None => return ERR_ARGS,
                 };
@@ -260,7 +281,7 @@ pub unsafe extern "C" fn kv_stats(
         _ => return ERR_ARGS,
     };
     let (t, c) = (t as usize, c as usize);
-    let (pk, pv) = match stream_params(std::slice::from_raw_parts(params, 8)) {
+    let (pk, pv) = match stream_params(std::slice::from_raw_parts(params, 8), 0.0) {
         Some(p) => p,
         None => return ERR_ARGS,
     };

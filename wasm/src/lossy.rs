@@ -279,6 +279,9 @@ pub struct StreamParams {
     /// 2·max|x_t| / |levels| (per-token quantization's error without its per-token side
     /// information; uniform steps are what an entropy coder wants).
     pub levels_t: f32,
+    /// Rate-distortion rounding (uniform steps only; 0: round to nearest): the
+    /// Lagrangian λ in squared steps per bit (see `rd_round`).
+    pub rd_lambda: f32,
 }
 
 fn scale_of(code: u8) -> f32 {
@@ -388,6 +391,23 @@ pub fn encode_stream(
             tok_codes[tt] = scale_code((row_ss[tt] / c as f64).sqrt() / rms, p.gamma_t);
         }
     }
+    // Rate-distortion rounding moves some levels one step towards their prediction, which
+    // raises the error; the step shrinks so that the error stays the nearest rounding's
+    // (a trial quantization measures by how much), and the bytes saved are net.
+    let mut rd =
+        p.rd_lambda > 0.0 && p.rd_lambda.is_finite() && flags & (F_CHSCALE | F_TOKSCALE) == 0;
+    let mut xf: Vec<f32> = Vec::new();
+    let mut theta: Vec<f32> = Vec::new();
+    if rd {
+        match rd_step(x, t, c, base, &ch_sum, p.delta && t > 1, p.rd_lambda) {
+            Some((b, th)) => {
+                base = b;
+                theta = th;
+                xf = x.to_vec();
+            }
+            None => rd = false,
+        }
+    }
     // Steps exactly as the decoder will compute them.
     let step_c: Vec<f32> = ch_codes.iter().map(|&k| base * scale_of(k)).collect();
     let inv_c: Vec<f32> = step_c.iter().map(|&s| 1.0 / s).collect();
@@ -401,49 +421,15 @@ pub fn encode_stream(
     // is a valid i32; quantize_row left the i32 levels in place of the floats, and
     // `x` is not used as floats again.
     let q: &[i32] = unsafe { std::slice::from_raw_parts(x.as_ptr() as *const i32, t * c) };
-    // Channel prediction: delta from the previous token vs a constant centre,
-    // decided on (up to) 64 sampled token pairs.
-    let mut delta = vec![false; c];
-    let mut centers: Vec<i32> = (0..c)
-        .map(|ch| {
-            let m = ch_sum[ch] / t as f32 * inv_c[ch];
-            if m.is_finite() {
-                (m.round() as i32).max(-QMAX).min(QMAX)
-            } else {
-                0
-            }
-        })
-        .collect();
-    // Sampled residual costs (bit lengths) also rank channels for the entropy
-    // coder's classes, so the symbol pass can count per class directly.
-    let stride = (t / 64).max(1);
-    let mut cost_c = vec![0u32; c];
-    let mut cost_d = vec![0u32; c];
     let try_delta = p.delta && t > 1;
-    let mut tt = if try_delta { 1 } else { 0 };
-    while tt < t {
-        let cur = &q[tt * c..(tt + 1) * c];
-        for ch in 0..c {
-            cost_c[ch] += bitlen(zigzag(cur[ch].wrapping_sub(centers[ch])));
-        }
-        if try_delta {
-            let prev = &q[(tt - 1) * c..tt * c];
-            for ch in 0..c {
-                cost_d[ch] += bitlen(zigzag(cur[ch].wrapping_sub(prev[ch])));
-            }
-        }
-        tt += stride;
+    let (delta, centers, rank) = predictions(q, t, c, &ch_sum, &inv_c, try_delta);
+    if rd {
+        // SAFETY: as for `q` above; `q` is not used again.
+        let q = unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr() as *mut i32, t * c) };
+        rd_round(q, &xf, t, c, inv_c[0], &delta, &centers, &theta);
     }
-    let mut rank = cost_c.clone();
-    if try_delta {
-        for ch in 0..c {
-            if cost_d[ch] < cost_c[ch] {
-                delta[ch] = true;
-                centers[ch] = q[ch];
-                rank[ch] = cost_d[ch];
-            }
-        }
-    }
+    // SAFETY: as above.
+    let q: &[i32] = unsafe { std::slice::from_raw_parts(x.as_ptr() as *const i32, t * c) };
     let (kmax, fine) = match cal {
         Some(k) => (k.k, k.class_of.to_vec()),
         None => class_partition(&rank, c, p.max_classes),
@@ -638,6 +624,301 @@ pub fn encode_stream(
             encode_symbols(out, &syms, &class_of, &plan.tables, t, c, ALPHABET);
         }
     }
+}
+
+/// Residuals (zigzag) below this get a rate from the stream's histogram; a level whose
+/// residual would reach it (an escape symbol) keeps its nearest rounding.
+const RD_SYMBOLS: usize = 256;
+
+/// The thresholds of rate-distortion rounding (RDOQ, as H.264/HEVC encoders do), per
+/// residual symbol, from the levels `q` (nearest rounding) of a uniform-step stream: each
+/// level becomes the nearest one or the next one towards its prediction (the centre, or a
+/// delta channel's previous level as re-rounded), whichever costs less in error² (steps²) +
+/// λ · bits, the bits of a residual from this histogram of nearest-rounded residuals. With u
+/// = how far past the nearest level's magnitude the value lies (−½..½), moving one step
+/// down costs (u + 1)² − u² = 2u + 1 in error and saves the bits between the two residuals,
+/// so a value moves iff u < θ[z] = (λ·Δbits − 1) / 2.
+fn rd_thresholds(
+    q: &[i32],
+    t: usize,
+    c: usize,
+    delta: &[bool],
+    centers: &[i32],
+    lambda: f32,
+) -> Vec<f32> {
+    // Four sub-histograms (channel mod 4): consecutive increments of one counter would
+    // otherwise wait on each other through memory. The last bin gathers the residuals too
+    // large for a rate (they keep their level); a delta channel's first residual is 0.
+    let mut hist4 = [[0u32; RD_SYMBOLS]; 4];
+    let mut prev = centers.to_vec();
+    for row in q.chunks_exact(c).take(t) {
+        for (ch, ((&v, p), (&d, &ctr))) in row
+            .iter()
+            .zip(prev.iter_mut())
+            .zip(delta.iter().zip(centers))
+            .enumerate()
+        {
+            let pred = if d { *p } else { ctr };
+            let z = (zigzag(v.wrapping_sub(pred)) as usize).min(RD_SYMBOLS - 1);
+            hist4[ch & 3][z & (RD_SYMBOLS - 1)] += 1;
+            *p = v;
+        }
+    }
+    // Add-one counts: every symbol has a rate.
+    let hist: Vec<f64> = (0..RD_SYMBOLS)
+        .map(|z| 1.0 + hist4.iter().map(|h| h[z] as f64).sum::<f64>())
+        .collect();
+    let n: f64 = hist.iter().sum();
+    let bits: Vec<f64> = hist.iter().map(|&h| -(h / n).log2()).collect();
+    // One step towards the prediction turns zigzag z into z − 2 (±1 into 0); residual 0 and
+    // the last bin never move.
+    let mut theta = vec![f32::NEG_INFINITY; RD_SYMBOLS];
+    for z in 1..RD_SYMBOLS - 1 {
+        let lo = z.saturating_sub(2);
+        theta[z] = ((lambda as f64 * (bits[z] - bits[lo]) - 1.0) / 2.0) as f32;
+    }
+    theta
+}
+
+/// Applies `rd_thresholds`' thresholds to the nearest levels `q` of `xf` × `inv`, row by
+/// row (a delta channel's prediction is the previous row's chosen level). Returns the
+/// squared error (steps²) of nearest rounding and of the levels chosen.
+#[allow(clippy::too_many_arguments)]
+fn rd_round(
+    q: &mut [i32],
+    xf: &[f32],
+    t: usize,
+    c: usize,
+    inv: f32,
+    delta: &[bool],
+    centers: &[i32],
+    theta: &[f32],
+) -> (f64, f64) {
+    let dmask: Vec<i32> = delta.iter().map(|&d| if d { -1 } else { 0 }).collect();
+    let mut prev = centers.to_vec();
+    let (mut dn, mut moved) = (0f64, 0f64);
+    // Row by row: a delta channel's prediction is the previous row's chosen level.
+    for (row, xr) in q.chunks_exact_mut(c).zip(xf.chunks_exact(c)).take(t) {
+        let (done, mut row_dn, mut row_moved) =
+            rd_row_fast(row, xr, &mut prev, centers, &dmask, &theta, inv);
+        for ch in done..c {
+            let qn = row[ch];
+            let e0 = xr[ch] * inv - qn as f32;
+            // Clamped, NaN and ±Inf values keep their level and stay out of the errors.
+            let ok = e0.abs() <= 0.5;
+            let e = if ok { e0 } else { 0.0 };
+            row_dn += e * e;
+            let dm = dmask[ch];
+            let pred = (prev[ch] & dm) | (centers[ch] & !dm);
+            let r = qn.wrapping_sub(pred);
+            let z = (zigzag(r) as usize).min(RD_SYMBOLS - 1);
+            let u = if r > 0 { e } else { -e };
+            let mv = ok & (u < theta[z]);
+            let v = if mv { qn - r.signum() } else { qn };
+            row_moved += if mv { 2.0 * u + 1.0 } else { 0.0 };
+            row[ch] = v;
+            prev[ch] = v;
+        }
+        dn += row_dn as f64;
+        moved += row_moved as f64;
+    }
+    (dn, dn + moved)
+}
+
+/// `rd_round`'s decisions for one row, 4 channels at a time (the scalar loop does the
+/// rest); returns the channels done and their squared error and error added (steps²).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+fn rd_row_fast(
+    row: &mut [i32],
+    xr: &[f32],
+    prev: &mut [i32],
+    centers: &[i32],
+    dmask: &[i32],
+    theta: &[f32],
+    inv: f32,
+) -> (usize, f32, f32) {
+    use core::arch::wasm32::*;
+    let c = row
+        .len()
+        .min(xr.len())
+        .min(prev.len())
+        .min(centers.len())
+        .min(dmask.len());
+    if theta.len() < RD_SYMBOLS {
+        return (0, 0.0, 0.0);
+    }
+    let vinv = f32x4_splat(inv);
+    let half = f32x4_splat(0.5);
+    let one = f32x4_splat(1.0);
+    let top = i32x4_splat(RD_SYMBOLS as i32 - 1);
+    let (mut acc_dn, mut acc_mv) = (f32x4_splat(0.0), f32x4_splat(0.0));
+    let mut ch = 0;
+    // SAFETY: ch + 4 ≤ c bounds every slice; each theta index is ≤ RD_SYMBOLS − 1 <
+    // theta.len().
+    unsafe {
+        while ch + 4 <= c {
+            let qn = v128_load(row.as_ptr().add(ch) as *const v128);
+            let x = v128_load(xr.as_ptr().add(ch) as *const v128);
+            let e0 = f32x4_sub(f32x4_mul(x, vinv), f32x4_convert_i32x4(qn));
+            // NaN compares false: clamped, NaN and ±Inf values keep their level.
+            let ok = f32x4_le(f32x4_abs(e0), half);
+            let e = v128_and(e0, ok);
+            acc_dn = f32x4_add(acc_dn, f32x4_mul(e, e));
+            let dm = v128_load(dmask.as_ptr().add(ch) as *const v128);
+            let pred = v128_bitselect(
+                v128_load(prev.as_ptr().add(ch) as *const v128),
+                v128_load(centers.as_ptr().add(ch) as *const v128),
+                dm,
+            );
+            let r = i32x4_sub(qn, pred);
+            let z = v128_xor(i32x4_shl(r, 1), i32x4_shr(r, 31));
+            let z = u32x4_min(z, top);
+            let th = f32x4(
+                *theta.get_unchecked(u32x4_extract_lane::<0>(z) as usize),
+                *theta.get_unchecked(u32x4_extract_lane::<1>(z) as usize),
+                *theta.get_unchecked(u32x4_extract_lane::<2>(z) as usize),
+                *theta.get_unchecked(u32x4_extract_lane::<3>(z) as usize),
+            );
+            let pos = i32x4_gt(r, i32x4_splat(0));
+            let u = v128_bitselect(e, f32x4_neg(e), pos);
+            let mv = v128_and(ok, f32x4_lt(u, th));
+            // Residual 0 never moves (theta[0] = −∞), so the step is ±1 where it does.
+            let step = v128_bitselect(i32x4_splat(1), i32x4_splat(-1), pos);
+            let v = i32x4_sub(qn, v128_and(step, mv));
+            acc_mv = f32x4_add(acc_mv, v128_and(f32x4_add(f32x4_add(u, u), one), mv));
+            v128_store(row.as_mut_ptr().add(ch) as *mut v128, v);
+            v128_store(prev.as_mut_ptr().add(ch) as *mut v128, v);
+            ch += 4;
+        }
+    }
+    let sum = |v: v128| {
+        f32x4_extract_lane::<0>(v)
+            + f32x4_extract_lane::<1>(v)
+            + f32x4_extract_lane::<2>(v)
+            + f32x4_extract_lane::<3>(v)
+    };
+    (ch, sum(acc_dn), sum(acc_mv))
+}
+
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+fn rd_row_fast(
+    _row: &mut [i32],
+    _xr: &[f32],
+    _prev: &mut [i32],
+    _centers: &[i32],
+    _dmask: &[i32],
+    _theta: &[f32],
+    _inv: f32,
+) -> (usize, f32, f32) {
+    (0, 0.0, 0.0)
+}
+
+/// Channels the trial quantization of `rd_step` samples: every RD_TRIAL_STRIDE-th of a
+/// wide stream (each channel is its own prediction chain, so a subset of channels is a
+/// faithful sample; the error rise it measures is a ratio, not a sum).
+const RD_TRIAL_STRIDE: usize = 8;
+
+/// The step at which rate-distortion rounding gives the error that nearest rounding gives
+/// at `base`: a trial quantization at `base` (on a sample of the channels) measures the
+/// rise, and for a density smooth at the scale of a step the error scales with the step, so
+/// the step shrinks by the square root of the rise. None when the trial moves no level
+/// (high rates: the bits between neighbouring residuals are too few to pay for any error).
+fn rd_step(
+    xf: &[f32],
+    t: usize,
+    c: usize,
+    base: f32,
+    ch_sum: &[f32],
+    try_delta: bool,
+    lambda: f32,
+) -> Option<(f32, Vec<f32>)> {
+    let stride = if c >= 8 * RD_TRIAL_STRIDE {
+        RD_TRIAL_STRIDE
+    } else {
+        1
+    };
+    let m = (c + stride - 1) / stride;
+    let inv = 1.0 / base;
+    let mut yf = vec![0f32; t * m];
+    for tt in 0..t {
+        for j in 0..m {
+            yf[tt * m + j] = xf[tt * c + j * stride];
+        }
+    }
+    let sums: Vec<f32> = (0..m).map(|j| ch_sum[j * stride]).collect();
+    let inv_m = vec![inv; m];
+    let mut y = yf.clone();
+    for row in y.chunks_exact_mut(m) {
+        quantize_row(row, &inv_m, true, 1.0);
+    }
+    // SAFETY: as in encode_stream: quantize_row left the i32 levels' bits in `y`.
+    let q = unsafe { std::slice::from_raw_parts_mut(y.as_mut_ptr() as *mut i32, t * m) };
+    let (delta, centers, _) = predictions(q, t, m, &sums, &inv_m, try_delta);
+    let theta = rd_thresholds(q, t, m, &delta, &centers, lambda);
+    let (dn, dr) = rd_round(q, &yf, t, m, inv, &delta, &centers, &theta);
+    if !(dr > dn && dn > 0.0) {
+        return None;
+    }
+    let b = (base as f64 * (dn / dr).sqrt()) as f32;
+    if b > 1e-30 && b.is_finite() {
+        Some((b, theta))
+    } else {
+        None
+    }
+}
+
+/// Channel prediction from the levels `q`: delta from the previous token vs a constant centre
+/// (the channel mean in levels), decided on (up to) 64 sampled token pairs. Returns the
+/// delta flags, the centres (a delta channel's is its first level) and each channel's
+/// sampled residual cost (bit lengths), which also ranks channels for the entropy coder's
+/// classes, so the symbol pass can count per class directly.
+fn predictions(
+    q: &[i32],
+    t: usize,
+    c: usize,
+    ch_sum: &[f32],
+    inv_c: &[f32],
+    try_delta: bool,
+) -> (Vec<bool>, Vec<i32>, Vec<u32>) {
+    let mut delta = vec![false; c];
+    let mut centers: Vec<i32> = (0..c)
+        .map(|ch| {
+            let m = ch_sum[ch] / t as f32 * inv_c[ch];
+            if m.is_finite() {
+                (m.round() as i32).max(-QMAX).min(QMAX)
+            } else {
+                0
+            }
+        })
+        .collect();
+    let stride = (t / 64).max(1);
+    let mut cost_c = vec![0u32; c];
+    let mut cost_d = vec![0u32; c];
+    let mut tt = if try_delta { 1 } else { 0 };
+    while tt < t {
+        let cur = &q[tt * c..(tt + 1) * c];
+        for ch in 0..c {
+            cost_c[ch] += bitlen(zigzag(cur[ch].wrapping_sub(centers[ch])));
+        }
+        if try_delta {
+            let prev = &q[(tt - 1) * c..tt * c];
+            for ch in 0..c {
+                cost_d[ch] += bitlen(zigzag(cur[ch].wrapping_sub(prev[ch])));
+            }
+        }
+        tt += stride;
+    }
+    let mut rank = cost_c.clone();
+    if try_delta {
+        for ch in 0..c {
+            if cost_d[ch] < cost_c[ch] {
+                delta[ch] = true;
+                centers[ch] = q[ch];
+                rank[ch] = cost_d[ch];
+            }
+        }
+    }
+    (delta, centers, rank)
 }
 
 /// `mx[i] = max(mx[i], row[i])`.
