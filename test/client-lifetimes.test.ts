@@ -10,6 +10,7 @@ import { CodecBusyError, CodecPool, CodecWorkerLostError } from '../src/client/c
 import { KVCache } from '../src/client/index.ts'
 import { StorageManager } from '../src/client/storage-manager.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
+import { RemoteTier } from '../src/client/tiers/remote.ts'
 import { StoreError } from '../src/core/errors.ts'
 import { decodeHeader } from '../src/core/format.ts'
 import { chainKeys, fromHex, type KeyNamespace, namespaceId } from '../src/core/keys.ts'
@@ -309,6 +310,93 @@ describe('presence heals across a retrieve and the write-behind (contract C2)', 
     expect((await gw.store.stats()).objects).toBe(N)
     expectSettled(c)
   })
+})
+
+describe('L4 decodes that fail for a reason other than the bytes', () => {
+  const failures = [
+    ['a codec pool that is busy', () => new CodecBusyError('codec pool queue is full (test)'), 0],
+    // The job that checks the object's CRCs died with its worker: nothing is known of the bytes.
+    [
+      'a codec worker that dies under it',
+      () => new CodecWorkerLostError('codec worker exited (code 1) (test)'),
+      3,
+    ],
+  ] as const
+
+  /** A manager whose L4 holds 3 lossless chunks (chunk i filled with i + 1), with nothing local. */
+  async function remoteOnly() {
+    const gw = await gateway()
+    const ns: KeyNamespace = { modelId: g.modelId, geometry: g, chunkTokens: T, scheme: 'sha256-v1' }
+    const remoteTier = new RemoteTier({ url: gw.url, namespace: 'default', lookupTimeoutMs: 10_000 })
+    cleanup.push(() => remoteTier.close(100))
+    const memory = await MemoryTier.create({ bytes: 16 * CB, chunkBytes: CB })
+    const codec = new CodecPool(0)
+    const m = new StorageManager({
+      geometry: g,
+      chunkTokens: T,
+      namespaceId: fromHex(namespaceId(ns)),
+      memory,
+      remote: remoteTier,
+      remoteCodec: 'lossless',
+      codec,
+    })
+    const few = chainKeys(tokens(3), ns)
+    await m.store(few, (i, dst) => void dst.fill(i + 1))
+    await m.flush()
+    expect((await gw.store.stats()).objects).toBe(3)
+    memory.clear()
+    return { m, codec, remoteTier, memory, few }
+  }
+
+  it.each(failures)('%s: a whole-chunk read is a miss, not reported corrupt', async (_, failure, errors) => {
+    const { m, codec, remoteTier, memory, few } = await remoteOnly()
+    const decodeInto = codec.decodeInto.bind(codec)
+    codec.decodeInto = async () => {
+      throw failure()
+    }
+    const run = await m.retrieve(few, () => {}, { tiers: ['remote', 'remote', 'remote'] })
+    expect(run.served).toBe(0)
+    expect(remoteTier.counters.corrupt).toBe(0)
+    expect(remoteTier.stats().corruptReported).toBe(0)
+    expect(remoteTier.counters.errors).toBe(errors)
+    expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+    codec.decodeInto = decodeInto
+    const seen: number[] = []
+    const r2 = await m.retrieve(few, (i, t) => void seen.push(t.every((b) => b === i + 1) ? i : -1), {
+      tiers: ['remote', 'remote', 'remote'],
+    })
+    expect(r2.served).toBe(3)
+    expect(seen.sort()).toEqual([0, 1, 2])
+    m.close()
+  })
+
+  it.each(failures)(
+    '%s: a ?layers read (the agent’s load path) is a miss, not reported corrupt',
+    async (_, failure, errors) => {
+      const { m, codec, remoteTier, memory, few } = await remoteOnly()
+      const decodeLayers = codec.decodeLayers.bind(codec)
+      codec.decodeLayers = async () => {
+        throw failure()
+      }
+      let served = Infinity
+      for await (const b of m.retrieveLayers(few)) served = Math.min(served, b.chunks)
+      expect(served).toBe(0)
+      expect(remoteTier.counters.corrupt).toBe(0)
+      expect(remoteTier.stats().corruptReported).toBe(0)
+      // One failed layer group per chunk at least (a chunk's later groups may fail too).
+      if (errors > 0) expect(remoteTier.counters.errors).toBeGreaterThanOrEqual(errors)
+      else expect(remoteTier.counters.errors).toBe(0)
+      expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+      codec.decodeLayers = decodeLayers
+      served = Infinity
+      for await (const b of m.retrieveLayers(few)) {
+        served = Math.min(served, b.chunks)
+        b.slabs.forEach((slab, i) => expect(slab.every((x) => x === i + 1)).toBe(true))
+      }
+      expect(served).toBe(3)
+      m.close()
+    },
+  )
 })
 
 describe('write-behind memory', () => {

@@ -61,6 +61,16 @@ function notAboutTheBytes(e: unknown): boolean {
   )
 }
 
+/**
+ * A codec worker died under the decode (killed, out of memory): nothing is known about the
+ * object's bytes (the job that checks their CRCs died too), so it is a counted read error and a
+ * miss, as for L2; not reported corrupt (the gateway would re-read and re-verify it for nothing).
+ */
+function remoteReadFailed(remote: RemoteTier): undefined {
+  remote.counters.errors++
+  return undefined
+}
+
 export class ChunkReader {
   readonly #o: ChunkReaderOptions
 
@@ -141,6 +151,7 @@ export class ChunkReader {
         return await this.#place(k, object, h, r)
       } catch (e) {
         if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
+        if (e instanceof CodecWorkerLostError) return remoteReadFailed(remote)
         // Counted, no longer believed present, and reported to the gateway's verify endpoint.
         remote.reportCorrupt(k.hex)
         return undefined
@@ -207,7 +218,9 @@ export class ChunkReader {
       for (const [i, s] of slabs.entries()) out.set(first + i, s)
       return out
     } catch (e) {
-      if (!notAboutTheBytes(e) && !this.#o.closed?.()) remote.reportCorrupt(k.hex)
+      if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
+      if (e instanceof CodecWorkerLostError) return remoteReadFailed(remote)
+      remote.reportCorrupt(k.hex)
       return undefined
     }
   }
