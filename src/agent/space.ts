@@ -180,6 +180,9 @@ export class KvSpace {
   readonly #input: Uint8Array
   /** Derived keys by the vLLM hash's first 30 bits (a small integer: no hex string per lookup), chained. */
   readonly #derived = new Map<number, Derived>()
+  /** Scratch for a hash of the array form of `keys`, and its view. */
+  readonly #one = new Uint8Array(HASH_BYTES)
+  readonly #oneView = viewOf(this.#one)
   #derivedCount = 0
 
   private constructor(id: string, d: SpaceDescriptor, rank: number | null, cache: KVCache) {
@@ -275,7 +278,9 @@ export class KvSpace {
     const h = (hashes as readonly Uint8Array[])[i]
     if (!(h instanceof Uint8Array) || h.length !== HASH_BYTES)
       throw new AgentError('ERR_INVALID_ARGUMENT', `hash ${i} is not ${HASH_BYTES} bytes`)
-    return this.#derive(viewOf(h), 0)
+    // Copied into one scratch hash and its view: no DataView per key.
+    this.#one.set(h, 0)
+    return this.#derive(this.#oneView, 0)
   }
 
   /**
