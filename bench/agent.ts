@@ -187,13 +187,12 @@ async function main() {
     for (let l = 0; l < layers; l++) writeSync(fd, zeros, 0, layerBytes, l * layerBytes)
     closeSync(fd)
     files.push(kvPath)
-    // The lookups first, on the main agent alone: the copy phase's agents (and this process),
-    // idle after 32 MiB saves and loads, collect their garbage seconds later (V8's memory
-    // reducer: 30-80 ms bursts of CPU each), which on a small host is the lookups' tail.
-    const main = threads[threads.length - 1]!
-    const sock = join(dir, `agent-${main}.sock`)
-    const started = new Map<number, ChildProcess>([[main, await startAgent(sock, main)]])
-    agents.push(started.get(main)!)
+    // The lookups first, on an agent of their own (configured as the main one) running alone:
+    // the copy phase's agents, idle after 32 MiB saves and loads, collect their garbage seconds
+    // later (30-80 ms bursts of CPU each), which on a small host became the lookups' tail.
+    const sock = join(dir, 'agent-lookup.sock')
+    const lookupAgent = await startAgent(sock, threads[threads.length - 1]!)
+    agents.push(lookupAgent)
     // Lookup of 512 keys (a 128k-token prompt), all resident in L1 (a tiny geometry: only presence matters).
     const l2 = await Client.open(sock)
     const tinyPath = join(shmDir, `kvgate-bench-tiny-${process.pid}`)
@@ -249,14 +248,16 @@ async function main() {
     // against the same agent and keys, and the machine's floor for any socket round trip.
     const connector = await connectorLookup(sock, packed)
     l2.sock.destroy()
+    await new Promise((resolve) => {
+      const stuck = setTimeout(() => lookupAgent.kill('SIGKILL'), 10_000)
+      lookupAgent.once('exit', () => resolve(clearTimeout(stuck)))
+      lookupAgent.kill('SIGTERM')
+    })
 
     const subjects: Subject[] = []
     for (const t of threads) {
-      let agent = started.get(t)
-      if (!agent) {
-        agent = await startAgent(join(dir, `agent-${t}.sock`), t)
-        agents.push(agent)
-      }
+      const agent = await startAgent(join(dir, `agent-${t}.sock`), t)
+      agents.push(agent)
       const c = await Client.open(join(dir, `agent-${t}.sock`))
       await c.call('hello', {
         protocol: 1,
@@ -406,13 +407,24 @@ async function main() {
           target: '>= 0.8',
           met: mMs / lMs >= 0.8,
         },
-        {
-          bar: 'lookup of a 128k-token prompt (512 keys, packed) over the socket, warm, p99',
-          figure: p99,
-          unit: 'ms',
-          target: '< 1',
-          met: p99 < 1,
-        },
+        // The engine's path (vLLM's connector client) when python3 ran it; else the bench's Node client.
+        'skipped' in connector
+          ? {
+              bar: 'lookup of a 128k-token prompt (512 keys, packed) over the socket, warm, p99 (Node client)',
+              figure: p99,
+              unit: 'ms',
+              target: '< 1',
+              met: p99 < 1,
+            }
+          : {
+              bar: 'lookup of a 128k-token prompt (512 keys, packed) over the socket through the Python connector, warm, p99',
+              figure: connector.lookup.p99,
+              unit: 'ms',
+              baseline: connector.bare.p99,
+              baselineLabel: 'bare socket ping-pong p99 ms, same run',
+              target: '< 1',
+              met: connector.lookup.p99 < 1,
+            },
       ],
       saveMs: sMs,
       loadMs: lMs,
