@@ -187,74 +187,12 @@ async function main() {
     for (let l = 0; l < layers; l++) writeSync(fd, zeros, 0, layerBytes, l * layerBytes)
     closeSync(fd)
     files.push(kvPath)
-    const subjects: Subject[] = []
-    for (const t of threads) {
-      const agent = await startAgent(join(dir, `agent-${t}.sock`), t)
-      agents.push(agent)
-      const c = await Client.open(join(dir, `agent-${t}.sock`))
-      await c.call('hello', {
-        protocol: 1,
-        model: 'meta-llama/Llama-3.1-8B',
-        hashSeed: '0',
-        geometry: {
-          layout: 'flash-attn',
-          dtype: 'bfloat16',
-          layers,
-          kvHeads: 8,
-          headSize: 128,
-          blockSize: 16,
-        },
-      })
-      const tensors = Array.from({ length: layers }, (_, l) => ({
-        kind: 'shm',
-        path: kvPath,
-        offset: l * layerBytes,
-        shape: [2, numBlocks, 16, 8, 128],
-      }))
-      const { worker } = await c.call('register', { rank: 0, numBlocks, tensors })
-      subjects.push({
-        label: t === 0 ? 'on the event loop' : `${t} copy thread${t === 1 ? '' : 's'}`,
-        agent,
-        c,
-        worker: worker as number,
-        save: [],
-        load: [],
-      })
-    }
-    const chunkBytes = 32 * MiB
-    const src = Buffer.alloc(chunkBytes, 7)
-    const dst = Buffer.alloc(chunkBytes, 1)
-    const memcpy: number[] = []
-    let moved = 0
-    const main = subjects[subjects.length - 1]!
-    const cpu0 = cpuSeconds(main.agent.pid!)
-    for (let i = 0; i < repeats + 2; i++) {
-      const order = shuffled(numBlocks, i + 1)
-      const keys = [randomBytes(32)]
-      const m = await time(async () => src.copy(dst))
-      for (const sub of subjects) {
-        const { c, worker } = sub
-        const s = await time(() => c.call('save', { worker, keys, blockIds: order.slice(0, 16) }))
-        const l = await time(() => c.call('load', { worker, keys, blockIds: order.slice(16, 32) }))
-        if (i >= 2) {
-          sub.save.push(s)
-          sub.load.push(l)
-        }
-      }
-      if (i >= 2) {
-        memcpy.push(m)
-        moved += 2 * chunkBytes
-      }
-    }
-    // Time inside each agent (frame decoded to answer encoded): the rest of a round trip is the socket and scheduling.
-    const inside = new Map<Subject, Record<string, { p50: number; p99: number }>>()
-    for (const sub of subjects)
-      inside.set(sub, (await sub.c.call('stats')).agentMs as Record<string, { p50: number; p99: number }>)
-    const cpuPerGiB = (cpuSeconds(main.agent.pid!) - cpu0) / ((moved * (repeats + 2)) / repeats / 2 ** 30)
-    const sock = join(dir, `agent-${threads[threads.length - 1]}.sock`)
-    const save = main.save
-    const load = main.load
-
+    // The lookups first, on an agent of their own (configured as the main one) running alone:
+    // the copy phase's agents, idle after 32 MiB saves and loads, collect their garbage seconds
+    // later (30-80 ms bursts of CPU each), which on a small host became the lookups' tail.
+    const sock = join(dir, 'agent-lookup.sock')
+    const lookupAgent = await startAgent(sock, threads[threads.length - 1]!)
+    agents.push(lookupAgent)
     // Lookup of 512 keys (a 128k-token prompt), all resident in L1 (a tiny geometry: only presence matters).
     const l2 = await Client.open(sock)
     const tinyPath = join(shmDir, `kvgate-bench-tiny-${process.pid}`)
@@ -309,8 +247,80 @@ async function main() {
     // The engine's own path: vLLM's connector (python/kvgate_vllm: the caller reads its answer, or its reader thread and futures)
     // against the same agent and keys, and the machine's floor for any socket round trip.
     const connector = await connectorLookup(sock, packed)
-    for (const sub of subjects) sub.c.sock.destroy()
     l2.sock.destroy()
+    await new Promise((resolve) => {
+      const stuck = setTimeout(() => lookupAgent.kill('SIGKILL'), 10_000)
+      lookupAgent.once('exit', () => resolve(clearTimeout(stuck)))
+      lookupAgent.kill('SIGTERM')
+    })
+
+    const subjects: Subject[] = []
+    for (const t of threads) {
+      const agent = await startAgent(join(dir, `agent-${t}.sock`), t)
+      agents.push(agent)
+      const c = await Client.open(join(dir, `agent-${t}.sock`))
+      await c.call('hello', {
+        protocol: 1,
+        model: 'meta-llama/Llama-3.1-8B',
+        hashSeed: '0',
+        geometry: {
+          layout: 'flash-attn',
+          dtype: 'bfloat16',
+          layers,
+          kvHeads: 8,
+          headSize: 128,
+          blockSize: 16,
+        },
+      })
+      const tensors = Array.from({ length: layers }, (_, l) => ({
+        kind: 'shm',
+        path: kvPath,
+        offset: l * layerBytes,
+        shape: [2, numBlocks, 16, 8, 128],
+      }))
+      const { worker } = await c.call('register', { rank: 0, numBlocks, tensors })
+      subjects.push({
+        label: t === 0 ? 'on the event loop' : `${t} copy thread${t === 1 ? '' : 's'}`,
+        agent,
+        c,
+        worker: worker as number,
+        save: [],
+        load: [],
+      })
+    }
+    const chunkBytes = 32 * MiB
+    const src = Buffer.alloc(chunkBytes, 7)
+    const dst = Buffer.alloc(chunkBytes, 1)
+    const memcpy: number[] = []
+    let moved = 0
+    const last = subjects[subjects.length - 1]!
+    const cpu0 = cpuSeconds(last.agent.pid!)
+    for (let i = 0; i < repeats + 2; i++) {
+      const order = shuffled(numBlocks, i + 1)
+      const keys = [randomBytes(32)]
+      const m = await time(async () => src.copy(dst))
+      for (const sub of subjects) {
+        const { c, worker } = sub
+        const s = await time(() => c.call('save', { worker, keys, blockIds: order.slice(0, 16) }))
+        const l = await time(() => c.call('load', { worker, keys, blockIds: order.slice(16, 32) }))
+        if (i >= 2) {
+          sub.save.push(s)
+          sub.load.push(l)
+        }
+      }
+      if (i >= 2) {
+        memcpy.push(m)
+        moved += 2 * chunkBytes
+      }
+    }
+    // Time inside each agent (frame decoded to answer encoded): the rest of a round trip is the socket and scheduling.
+    const inside = new Map<Subject, Record<string, { p50: number; p99: number }>>()
+    for (const sub of subjects)
+      inside.set(sub, (await sub.c.call('stats')).agentMs as Record<string, { p50: number; p99: number }>)
+    const cpuPerGiB = (cpuSeconds(last.agent.pid!) - cpu0) / ((moved * (repeats + 2)) / repeats / 2 ** 30)
+    for (const sub of subjects) sub.c.sock.destroy()
+    const save = last.save
+    const load = last.load
 
     const sMs = median(save)
     const lMs = median(load)
@@ -366,8 +376,8 @@ async function main() {
         `lookup of 512 keys through the Python connector (kvgate_vllm.AgentClient, ${connector.hit} present):` +
           ` p50 ${connector.lookup.p50.toFixed(3)} ms, p99 ${connector.lookup.p99.toFixed(3)} ms;` +
           ` its ping p50 ${connector.ping.p50.toFixed(3)}, p99 ${connector.ping.p99.toFixed(3)} ms;` +
-          ` same-run baseline, each answer through the client's reader thread to a Future: lookup p50 ${connector.lookupHop.p50.toFixed(3)}, p99 ${connector.lookupHop.p99.toFixed(3)} ms, ping p50 ${connector.pingHop.p50.toFixed(3)}, p99 ${connector.pingHop.p99.toFixed(3)} ms;` +
-          ` bare Unix-socket ping-pong between two processes (the machine's floor) p50 ${connector.bare.p50.toFixed(3)}, p99 ${connector.bare.p99.toFixed(3)} ms`,
+          ` same-run baseline, in alternate blocks each answer through the client's reader thread to a Future: lookup p50 ${connector.lookupHop.p50.toFixed(3)}, p99 ${connector.lookupHop.p99.toFixed(3)} ms, ping p50 ${connector.pingHop.p50.toFixed(3)}, p99 ${connector.pingHop.p99.toFixed(3)} ms;` +
+          ` bare Unix-socket ping-pong between two processes beside each lookup (the machine's floor) p50 ${connector.bare.p50.toFixed(3)}, p99 ${connector.bare.p99.toFixed(3)} ms`,
       )
     console.log(`agent CPU: ${cpuPerGiB.toFixed(3)} CPU-s per GiB moved (save + load)`)
     const load1 = loadavg()[0]!.toFixed(1)
@@ -397,13 +407,24 @@ async function main() {
           target: '>= 0.8',
           met: mMs / lMs >= 0.8,
         },
-        {
-          bar: 'lookup of a 128k-token prompt (512 keys, packed) over the socket, warm, p99',
-          figure: p99,
-          unit: 'ms',
-          target: '< 1',
-          met: p99 < 1,
-        },
+        // The engine's path (vLLM's connector client) when python3 ran it; else the bench's Node client.
+        'skipped' in connector
+          ? {
+              bar: 'lookup of a 128k-token prompt (512 keys, packed) over the socket, warm, p99 (Node client)',
+              figure: p99,
+              unit: 'ms',
+              target: '< 1',
+              met: p99 < 1,
+            }
+          : {
+              bar: 'lookup of a 128k-token prompt (512 keys, packed) over the socket through the Python connector, warm, p99',
+              figure: connector.lookup.p99,
+              unit: 'ms',
+              baseline: connector.bare.p99,
+              baselineLabel: 'bare socket ping-pong p99 ms, same run',
+              target: '< 1',
+              met: connector.lookup.p99 < 1,
+            },
       ],
       saveMs: sMs,
       loadMs: lMs,

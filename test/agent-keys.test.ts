@@ -86,6 +86,22 @@ it('packed hashes (one bin of 32·n bytes) give the keys the array form gives; a
   expect(space.keys(Buffer.alloc(0))).toEqual([])
 })
 
+it('packed hashes at an odd offset of a frame, differing in one byte of any word, are told apart', () => {
+  // The memo compares 4-byte words read through a DataView of the request frame (the bin is a view at any offset).
+  const a = randomBytes(32)
+  const twins = Array.from({ length: 32 }, (_, i) => {
+    const t = Buffer.from(a)
+    t[i]! ^= 1 << (i % 8)
+    return t
+  })
+  const hashes = [a, ...twins, a]
+  const frame = Buffer.concat([Buffer.alloc(7), ...hashes, Buffer.alloc(3)])
+  const packed = frame.subarray(7, 7 + 32 * hashes.length)
+  expect(space.keys(packed).map((k) => k.hex)).toEqual(hashes.map(fresh))
+  expect(space.keys(hashes).map((k) => k.hex)).toEqual(hashes.map(fresh))
+  expect(new Set(hashes.slice(0, -1).map(fresh)).size).toBe(33)
+})
+
 it('localPrefix counts the leading hashes whose chunks L1 holds, in either form', async () => {
   const hashes = [randomBytes(32), randomBytes(32), randomBytes(32)]
   const keys = space.keys(hashes)

@@ -6,8 +6,10 @@ import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { newSession } from '../src/agent/agent.ts'
 import { hashCount, hashes } from '../src/agent/fields.ts'
 import { Agent, type AgentServer, resolveAgentConfig, startAgent } from '../src/agent/index.ts'
+import { decodeBody, encodeFrame, FrameReader } from '../src/agent/protocol.ts'
 import { AgentClient as Client, type Msg } from './support/agent-client.ts'
 
 let dir: string
@@ -89,6 +91,66 @@ describe('agent socket', () => {
   it('refuses a second agent on a live socket', async () => {
     const cfg = resolveAgentConfig({ socket: join(dir, 'a.sock') }, {})
     await expect(startAgent(cfg, 'test')).rejects.toThrow(/another agent/)
+  })
+
+  it('frames in one write are each answered once, by id, whether they answer at once or wait', async () => {
+    const c = await Client.open(join(dir, 'a.sock'))
+    const frames: Buffer[] = []
+    const want: [number, Msg][] = [
+      [1, { ok: true }], // ping: at once
+      [2, { ok: true, connections: expect.any(Number) }], // stats: a promise
+      [3, { ok: false, error: { code: 'ERR_UNKNOWN_OP' } }], // refused at once (thrown)
+      [4, { ok: false, error: { code: 'ERR_HELLO_REQUIRED' } }], // lookup before hello
+      [5, { ok: true, protocol: 1 }], // hello: at once
+      [6, { ok: true, chunks: 0 }], // lookup after it: at once
+      [7, { ok: true }], // flush: a promise
+    ]
+    const ops = ['ping', 'stats', 'frobnicate', 'lookup', 'hello', 'lookup', 'flush']
+    const fields: Msg[] = [{}, {}, {}, { keys: [] }, hello('flash-attn'), { keys: [randomBytes(32)] }, {}]
+    for (let i = 0; i < ops.length; i++) frames.push(encodeFrame({ id: i + 1, op: ops[i], ...fields[i] }))
+    frames.push(Buffer.from([0, 0, 0, 1, 0x05])) // not a map: an error frame without an id
+    const got = new Map<unknown, Msg[]>()
+    const reader = new FrameReader()
+    const all = new Promise<void>((resolve) => {
+      c.sock.on('data', (d) => {
+        for (const b of reader.push(d)) {
+          const m = decodeBody(b) as Msg
+          got.set(m.id, [...(got.get(m.id) ?? []), m])
+        }
+        if (got.size === want.length + 1) resolve()
+      })
+    })
+    c.sock.write(Buffer.concat(frames))
+    await all
+    for (const [id, m] of want) {
+      expect(got.get(id)).toHaveLength(1)
+      expect(got.get(id)![0]).toMatchObject(m)
+    }
+    expect(got.get(null)).toMatchObject([{ ok: false, error: { code: 'ERR_BAD_FRAME' } }])
+    expect(await c.call('ping')).toMatchObject({ ok: true })
+    c.close()
+  })
+
+  it('answer(): ping, hello, poll and a local lookup are plain bodies (no promise); a refusal throws at once', async () => {
+    const agent = server.agent
+    const s = newSession(() => {})
+    expect(agent.answer(s, { id: 1, op: 'ping' })).toEqual({})
+    expect(() => agent.answer(s, { id: 2, op: 'lookup', keys: [] })).toThrow(/hello/)
+    await expect(agent.handle(s, { id: 2, op: 'lookup', keys: [] })).rejects.toMatchObject({
+      code: 'ERR_HELLO_REQUIRED',
+    })
+    expect(agent.answer(s, { id: 3, op: 'hello', ...hello('flash-attn') })).toMatchObject({ protocol: 1 })
+    expect(agent.answer(s, { id: 4, op: 'poll', ids: [9] })).toEqual({
+      states: { '9': { state: 'unknown' } },
+    })
+    // The space opens with the first lookup (a promise); once open, a lookup the local tiers answer is a body.
+    await agent.answer(s, { id: 5, op: 'lookup', keys: [randomBytes(32)] })
+    const r = agent.answer(s, { id: 6, op: 'lookup', keys: [randomBytes(32)] })
+    expect(r).not.toBeInstanceOf(Promise)
+    expect(r).toMatchObject({ chunks: 0, source: 'all' })
+    expect(() => agent.answer(s, { id: 7, op: 'frobnicate' })).toThrow(/unknown op/)
+    expect(agent.answer(s, { id: 8, op: 'stats' })).toBeInstanceOf(Promise)
+    agent.endSession(s)
   })
 
   it('lookup of unknown keys is 0 and a load of them reports every block failed', async () => {

@@ -3,10 +3,15 @@
 Usage: agent_lookup.py SOCKET PYTHON_PKG_DIR N KEYS_HEX_FILE
 Connects with kvgate_vllm's own AgentClient (the engine's path), looks up the 512 packed
 keys N times and prints JSON: the round-trip times' p50/p99 and a ping's, each as the
-engine waits (the caller reads its own answer) and, interleaved request by request, with
-the answer handed through the client's reader thread to a Future (the same-run baseline:
-the client before it let a lone waiting caller read), and a bare Unix-socket ping-pong
-between two Python processes (the machine's floor for any socket round trip).
+engine waits (the caller reads its own answer) and, in alternate blocks, with the answer
+handed through the client's reader thread to a Future (the same-run baseline: the client
+before it let a lone waiting caller read); and a bare Unix-socket ping-pong between two
+Python processes (the machine's floor for any socket round trip), one beside each lookup
+so that it sees the same load.
+
+Blocks, not request by request: right after a reader-thread answer that thread is still
+finishing (holding the GIL) when the next caller's answer comes in, which is the tail of
+neither path. The first calls of each block are not counted.
 """
 
 import json
@@ -25,7 +30,12 @@ def q(xs, p):
     return s[min(len(s) - 1, int(p * len(s)))]
 
 
-def bare_ping_pong(n):
+BLOCK = 250
+SETTLE = 5
+
+
+def echo_peer():
+    """A forked process echoing bytes: the floor's other end (forked before any thread starts)."""
     a, b = socket.socketpair()
     pid = os.fork()
     if pid == 0:
@@ -36,15 +46,7 @@ def bare_ping_pong(n):
                 os._exit(0)
             b.sendall(d)
     b.close()
-    r = []
-    for _ in range(n):
-        t = time.perf_counter()
-        a.sendall(b"x")
-        a.recv(64)
-        r.append((time.perf_counter() - t) * 1e3)
-    a.close()
-    os.waitpid(pid, 0)
-    return r
+    return a, pid
 
 
 def main():
@@ -57,44 +59,55 @@ def main():
         "hashSeed": "0",
         "geometry": {"layout": "flash-attn", "dtype": "float16", "layers": 1, "kvHeads": 1, "headSize": 8, "blockSize": 16},
     }
+    peer, peer_pid = echo_peer()
     c = AgentClient(sock, hello)
     if not c.ensure():
         raise SystemExit(c.last_error)
+
     def hop(op, fields=None):
         # Future.result, not the client's: the answer comes through the reader thread.
         return Future.result(c.request(op, fields), timeout=30)
 
+    def bare():
+        peer.sendall(b"x")
+        peer.recv(64)
+
     for _ in range(50):
         c.call("lookup", {"keys": packed})
         hop("lookup", {"keys": packed})
-    rtt, ping, rtt_hop, ping_hop = [], [], [], []
+    out = {k: [] for k in ("lookup", "ping", "lookupHop", "pingHop", "bare")}
     hit = 0
-    for i in range(n):
+
+    def timed(key, fn, counted):
         t = time.perf_counter()
-        hit = c.call("lookup", {"keys": packed})["chunks"]
-        rtt.append((time.perf_counter() - t) * 1e3)
-        t = time.perf_counter()
-        hop("lookup", {"keys": packed})
-        rtt_hop.append((time.perf_counter() - t) * 1e3)
-        if i % 2 == 0:
-            t = time.perf_counter()
-            c.call("ping")
-            ping.append((time.perf_counter() - t) * 1e3)
-            t = time.perf_counter()
-            hop("ping")
-            ping_hop.append((time.perf_counter() - t) * 1e3)
+        r = fn()
+        if counted:
+            out[key].append((time.perf_counter() - t) * 1e3)
+        return r
+
+    for b in range(2 * ((n + BLOCK - SETTLE - 1) // (BLOCK - SETTLE))):
+        via_reader = b % 2 == 1
+        for i in range(BLOCK):
+            counted = i >= SETTLE and len(out["lookupHop" if via_reader else "lookup"]) < n
+            if via_reader:
+                timed("lookupHop", lambda: hop("lookup", {"keys": packed}), counted)
+                if i % 2 == 0:
+                    timed("pingHop", lambda: hop("ping"), counted)
+            else:
+                hit = timed("lookup", lambda: c.call("lookup", {"keys": packed}), counted)["chunks"]
+                if i % 2 == 0:
+                    timed("ping", lambda: c.call("ping"), counted)
+                timed("bare", bare, counted)
     c.close()
-    bare = bare_ping_pong(n)
+    peer.close()
+    os.waitpid(peer_pid, 0)
+    stats = {k: {"p50": q(v, 0.5), "p99": q(v, 0.99)} for k, v in out.items()}
     print(
         json.dumps(
             {
                 "hit": hit,
                 "n": n,
-                "lookup": {"p50": q(rtt, 0.5), "p99": q(rtt, 0.99)},
-                "ping": {"p50": q(ping, 0.5), "p99": q(ping, 0.99)},
-                "lookupHop": {"p50": q(rtt_hop, 0.5), "p99": q(rtt_hop, 0.99)},
-                "pingHop": {"p50": q(ping_hop, 0.5), "p99": q(ping_hop, 0.99)},
-                "bare": {"p50": q(bare, 0.5), "p99": q(bare, 0.99)},
+                **stats,
             }
         )
     )

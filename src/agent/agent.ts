@@ -148,6 +148,17 @@ export class Agent {
 
   /** Runs one request; resolves to the response body (without id/ok). */
   async handle(s: Session, req: Request): Promise<Record<string, unknown>> {
+    return this.answer(s, req)
+  }
+
+  /**
+   * Runs one request: the response body (without id/ok) or, for an operation that waits
+   * (register, load, save, stats, flush, a lookup that asks the gateway), a promise of it.
+   * Throws an AgentError for a request refused at once. The server answers a synchronous
+   * body in the same tick, without a promise, its microtasks and a tick for the write:
+   * ping, hello, poll and a warm lookup are most of an engine's requests.
+   */
+  answer(s: Session, req: Request): Record<string, unknown> | Promise<Record<string, unknown>> {
     if (this.#closed) throw new AgentError('ERR_CLOSED', 'the agent is shutting down')
     switch (req.op) {
       case 'hello':

@@ -78,15 +78,17 @@ export class AgentServer {
     const reader = new FrameReader(maxFrameBytes)
     // Frames produced in one tick (a load's per-layer events when the copies are synchronous,
     // the answers to a batch of requests) leave in one write: each write to the socket is a
-    // syscall and a wake-up of the engine's reader.
+    // syscall and a wake-up of the engine's reader. While a read's frames are handled
+    // (`reading`) the read itself decides: its synchronous answers leave before it returns.
     let corked = false
+    let reading = false
     const uncork = () => {
       corked = false
       sock.uncork()
     }
     const send = (msg: Record<string, unknown>) => {
       if (sock.destroyed) return
-      if (!corked) {
+      if (!corked && !reading) {
         corked = true
         sock.cork()
         process.nextTick(uncork)
@@ -112,44 +114,66 @@ export class AgentServer {
         sock.end()
         return
       }
-      for (const body of bodies) {
-        const t0 = performance.now()
-        let req: ReturnType<typeof checkEnvelope>
-        try {
-          const msg = decodeBody(body)
-          try {
-            req = checkEnvelope(msg)
-          } catch (e) {
-            const id = (msg as { id?: unknown })?.id
-            m.badFrames++
-            fail(typeof id === 'number' && Number.isSafeInteger(id) ? id : null, e)
-            continue
-          }
-        } catch (e) {
-          m.badFrames++
-          fail(null, new AgentError('ERR_BAD_FRAME', `undecodable frame: ${(e as Error).message}`))
-          continue
-        }
-        m.requests++
-        if (inflight >= MAX_INFLIGHT) {
-          fail(req.id, new AgentError('ERR_BUSY', `more than ${MAX_INFLIGHT} requests in flight`))
-          continue
-        }
-        inflight++
-        this.agent
-          .handle(session, req)
-          .then(
-            (body) => {
-              send({ id: req.id, ok: true, ...body })
-              m.took(req.op, performance.now() - t0)
-            },
-            (e) => fail(req.id, e),
-          )
-          .finally(() => {
-            inflight--
-          })
+      // One frame: its answer is one write now. Several: their answers (those ready now)
+      // leave in one corked write when this handler returns, not a tick later.
+      const batch = bodies.length > 1 && !corked
+      if (batch) sock.cork()
+      reading = true
+      try {
+        for (const body of bodies) request(body)
+      } finally {
+        reading = false
+        if (batch) sock.uncork()
       }
     })
+    const request = (body: Buffer) => {
+      const t0 = performance.now()
+      let req: ReturnType<typeof checkEnvelope>
+      try {
+        const msg = decodeBody(body)
+        try {
+          req = checkEnvelope(msg)
+        } catch (e) {
+          const id = (msg as { id?: unknown })?.id
+          m.badFrames++
+          fail(typeof id === 'number' && Number.isSafeInteger(id) ? id : null, e)
+          return
+        }
+      } catch (e) {
+        m.badFrames++
+        fail(null, new AgentError('ERR_BAD_FRAME', `undecodable frame: ${(e as Error).message}`))
+        return
+      }
+      m.requests++
+      if (inflight >= MAX_INFLIGHT) {
+        fail(req.id, new AgentError('ERR_BUSY', `more than ${MAX_INFLIGHT} requests in flight`))
+        return
+      }
+      let out: ReturnType<Agent['answer']>
+      try {
+        out = this.agent.answer(session, req)
+      } catch (e) {
+        fail(req.id, e)
+        return
+      }
+      if (!(out instanceof Promise)) {
+        send({ id: req.id, ok: true, ...out })
+        m.took(req.op, performance.now() - t0)
+        return
+      }
+      inflight++
+      out
+        .then(
+          (body) => {
+            send({ id: req.id, ok: true, ...body })
+            m.took(req.op, performance.now() - t0)
+          },
+          (e) => fail(req.id, e),
+        )
+        .finally(() => {
+          inflight--
+        })
+    }
     sock.on('error', () => {})
     sock.on('close', () => {
       m.connections--
