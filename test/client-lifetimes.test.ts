@@ -391,7 +391,7 @@ describe('L4 decodes that fail for a reason other than the bytes', () => {
       served = Infinity
       for await (const b of m.retrieveLayers(few)) {
         served = Math.min(served, b.chunks)
-        b.slabs.forEach((slab, i) => expect(slab.every((x) => x === i + 1)).toBe(true))
+        for (const [i, slab] of b.slabs.entries()) expect(slab.every((x) => x === i + 1)).toBe(true)
       }
       expect(served).toBe(3)
       m.close()
