@@ -3,12 +3,13 @@
 
 import { randomBytes } from 'node:crypto'
 import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
+import { connect } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { newSession } from '../src/agent/agent.ts'
 import { hashCount, hashes } from '../src/agent/fields.ts'
-import { Agent, type AgentServer, resolveAgentConfig, startAgent } from '../src/agent/index.ts'
+import { Agent, AgentServer, resolveAgentConfig, startAgent } from '../src/agent/index.ts'
 import { decodeBody, encodeFrame, FrameReader } from '../src/agent/protocol.ts'
 import { AgentClient as Client, type Msg } from './support/agent-client.ts'
 
@@ -130,6 +131,47 @@ describe('agent socket', () => {
     expect(await c.call('ping')).toMatchObject({ ok: true })
     c.close()
   })
+
+  it('a client that sends without reading its answers: the agent stops reading it, then answers every request once it reads', async () => {
+    const path = join(dir, 'unread.sock')
+    const agent = new Agent({ chunkTokens: 32, cache: {}, lookupDeadlineMs: 250, version: 't' })
+    const srv = await AgentServer.listen(agent, {
+      socketPath: path,
+      maxFrameBytes: 1 << 20,
+      maxUnsentBytes: 64 * 1024,
+    })
+    const sock = connect(path)
+    await new Promise((r) => sock.once('connect', r))
+    sock.pause() // reads nothing: every answer stays in the agent's socket
+    const n = 100_000 // ~2 MB of pings, ~1.7 MB of answers: far past 64 KiB and the kernel's socket buffers
+    sock.write(Buffer.concat(Array.from({ length: n }, (_, i) => encodeFrame({ id: i + 1, op: 'ping' }))))
+    // The agent reads until its unsent answers pass the bound, then waits: the count stops short of n.
+    let seen = -1
+    for (let i = 0; i < 400 && agent.metrics.requests !== seen && agent.metrics.requests < n; i++) {
+      seen = agent.metrics.requests
+      await new Promise((r) => setTimeout(r, 100))
+    }
+    expect(agent.metrics.requests).toBeLessThan(n)
+    // Once the client reads, the agent reads on: every request answered exactly once, in order.
+    const reader = new FrameReader()
+    let next = 1
+    const all = new Promise<void>((resolve, reject) => {
+      sock.on('data', (d) => {
+        for (const b of reader.push(d)) {
+          const m = decodeBody(b) as Msg
+          if (m.id !== next || m.ok !== true)
+            reject(new Error(`answer ${JSON.stringify(m)} where id ${next} was due`))
+          next++
+        }
+        if (next > n) resolve()
+      })
+    })
+    sock.resume()
+    await all
+    expect(agent.metrics.requests).toBe(n)
+    sock.destroy()
+    await srv.close()
+  }, 60_000)
 
   it('answer(): ping, hello, poll and a local lookup are plain bodies (no promise); a refusal throws at once', async () => {
     const agent = server.agent

@@ -9,12 +9,20 @@ import { AgentError, checkEnvelope, decodeBody, encodeFrame, FrameReader } from 
 
 /** In-flight requests per connection; more are answered ERR_BUSY. */
 export const MAX_INFLIGHT = 1024
+/**
+ * Answers a connection may leave unsent before the agent stops reading its requests: an
+ * engine that sends without reading (a stuck reader thread) would otherwise grow the
+ * agent's write buffer without bound, since answered requests are no longer in flight.
+ */
+export const MAX_UNSENT_BYTES = 4 * 1024 * 1024
 
 export interface ListenOptions {
   socketPath: string
   maxFrameBytes: number
   /** Loopback port for GET /metrics and /healthz; undefined = off, 0 = any free port. */
   metricsPort?: number
+  /** Bound on a connection's unsent answers before its requests are no longer read. @default MAX_UNSENT_BYTES */
+  maxUnsentBytes?: number
 }
 
 export class AgentServer {
@@ -33,7 +41,9 @@ export class AgentServer {
   static async listen(agent: Agent, o: ListenOptions): Promise<AgentServer> {
     const s = new AgentServer(agent, o.socketPath)
     await removeStaleSocket(o.socketPath)
-    const server = createServer((sock) => s.#connection(sock, o.maxFrameBytes))
+    const server = createServer((sock) =>
+      s.#connection(sock, o.maxFrameBytes, o.maxUnsentBytes ?? MAX_UNSENT_BYTES),
+    )
     // The socket file is created 0600 (umask) so no other user can connect even briefly.
     const old = process.umask(0o177)
     try {
@@ -71,7 +81,7 @@ export class AgentServer {
     return s
   }
 
-  #connection(sock: Socket, maxFrameBytes: number): void {
+  #connection(sock: Socket, maxFrameBytes: number, maxUnsentBytes: number): void {
     const m = this.agent.metrics
     m.connections++
     this.#sockets.add(sock)
@@ -124,6 +134,12 @@ export class AgentServer {
       } finally {
         reading = false
         if (batch) sock.uncork()
+      }
+      // Backpressure: past the bound, read nothing more until the engine has read its answers
+      // ('drain': the buffer emptied). Answers still in flight (at most MAX_INFLIGHT) are sent meanwhile.
+      if (!sock.isPaused() && sock.writableNeedDrain && sock.writableLength >= maxUnsentBytes) {
+        sock.pause()
+        sock.once('drain', () => sock.resume())
       }
     })
     const request = (body: Buffer) => {
