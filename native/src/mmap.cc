@@ -210,8 +210,11 @@ struct sigaction g_previousBus;
 std::once_flag g_busOnce;
 
 void OnBus(int sig, siginfo_t* info, void* context) {
+  // Only a fault (si_code > 0: BUS_ADRERR, BUS_OBJERR, ...) is a copy's. A SIGBUS sent by
+  // kill, tgkill or sigqueue (si_code <= 0) is not, even when it lands on a thread in a copy.
+  const bool fault = info != nullptr && info->si_code > 0;
   sigjmp_buf* jump = t_faultJump;
-  if (jump != nullptr) {
+  if (fault && jump != nullptr) {
     t_faultJump = nullptr;
     siglongjmp(*jump, 1);
   }
@@ -224,8 +227,11 @@ void OnBus(int sig, siginfo_t* info, void* context) {
     g_previousBus.sa_handler(sig);
     return;
   }
-  // Not a guarded copy: back to the default, and the faulting access runs again and dies of it.
+  // Neither a guarded copy's nor another handler's: back to the default, as before the guard.
+  // A fault runs its access again and dies of it; a sent SIGBUS does not come back by itself,
+  // so it is raised again (SA_NODEFER: not blocked here, it is delivered at once and kills).
   signal(SIGBUS, SIG_DFL);
+  if (!fault) raise(SIGBUS);
 }
 
 void InstallBusGuard() {
