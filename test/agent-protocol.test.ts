@@ -75,6 +75,32 @@ describe('agent socket', () => {
     d.close()
   })
 
+  it('a client that goes on sending after an oversized length (its write side open) is answered once and closed; what it sends after is dropped', async () => {
+    const c = connect({ path: join(dir, 'a.sock'), allowHalfOpen: true })
+    await new Promise((r) => c.once('connect', r))
+    const got: Msg[] = []
+    const reader = new FrameReader()
+    c.on('data', (d) => {
+      for (const b of reader.push(d)) got.push(decodeBody(b) as Msg)
+    })
+    c.on('error', () => {})
+    const closed = new Promise((r) => c.once('close', r))
+    const big = Buffer.alloc(4)
+    big.writeUInt32BE(64 << 20)
+    const before = server.agent.metrics.badFrames
+    c.write(big)
+    // It keeps writing (frames the agent must no longer buffer behind the bad length, nor answer).
+    const more = Buffer.alloc(256 * 1024)
+    for (let i = 0; i < 20 && !c.destroyed; i++) {
+      c.write(more)
+      await new Promise((r) => setTimeout(r, 20))
+    }
+    await Promise.race([closed, new Promise((r) => setTimeout(r, 2000))])
+    expect(c.destroyed).toBe(true)
+    expect(got).toMatchObject([{ id: null, ok: false, error: { code: 'ERR_FRAME_TOO_LARGE' } }])
+    expect(server.agent.metrics.badFrames).toBe(before + 1)
+  })
+
   it('serves Prometheus metrics on loopback', async () => {
     const res = await fetch(`http://127.0.0.1:${server.metricsPort}/metrics`)
     expect(res.status).toBe(200)

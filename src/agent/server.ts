@@ -113,15 +113,20 @@ export class AgentServer {
       m.error(err.code)
       send({ id, ok: false, error: { code: err.code, message: err.message } })
     }
+    let unframed = false
     sock.on('data', (chunk: Buffer) => {
+      // Bytes after a bad length (a client whose write side stays open) are dropped, not framed again.
+      if (unframed) return
       let bodies: Buffer[]
       try {
         bodies = reader.push(chunk)
       } catch (e) {
-        // A bad length cannot be resynchronised: answer once, then close this connection only.
+        // A bad length cannot be resynchronised: answer once, then close this connection only
+        // (closed once the answer is flushed: a half-open client would otherwise keep it).
+        unframed = true
         m.badFrames++
         fail(null, e)
-        sock.end()
+        sock.end(() => sock.destroy())
         return
       }
       // One frame: its answer is one write now. Several: their answers (those ready now)
