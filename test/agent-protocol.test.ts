@@ -3,7 +3,7 @@
 
 import { randomBytes } from 'node:crypto'
 import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
-import { connect } from 'node:net'
+import { connect, Socket } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
@@ -99,6 +99,32 @@ describe('agent socket', () => {
     expect(c.destroyed).toBe(true)
     expect(got).toMatchObject([{ id: null, ok: false, error: { code: 'ERR_FRAME_TOO_LARGE' } }])
     expect(server.agent.metrics.badFrames).toBe(before + 1)
+  })
+
+  it('agentMs ends with the answer encoded: an answer sent at once is timed before its socket write', async () => {
+    const c = await Client.open(join(dir, 'a.sock'))
+    expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true })
+    await c.call('lookup', { keys: [randomBytes(32)] }) // opens the space: later lookups answer at once
+    const log: string[] = []
+    const metrics = server.agent.metrics
+    const took = metrics.took
+    const write = Socket.prototype.write
+    metrics.took = (op: string, ms: number) => {
+      log.push(`took ${op}`)
+      took.call(metrics, op, ms)
+    }
+    Socket.prototype.write = function (this: Socket, ...a: unknown[]) {
+      if (this !== c.sock) log.push('write')
+      return (write as (...x: unknown[]) => boolean).apply(this, a)
+    } as typeof write
+    try {
+      expect(await c.call('lookup', { keys: [randomBytes(32)] })).toMatchObject({ ok: true, chunks: 0 })
+    } finally {
+      Socket.prototype.write = write
+      metrics.took = took
+    }
+    expect(log).toEqual(['took lookup', 'write'])
+    c.close()
   })
 
   it('serves Prometheus metrics on loopback', async () => {
