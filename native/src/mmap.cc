@@ -213,8 +213,11 @@ void OnBus(int sig, siginfo_t* info, void* context) {
   // Only a fault (si_code > 0: BUS_ADRERR, BUS_OBJERR, ...) is a copy's. A SIGBUS sent by
   // kill, tgkill or sigqueue (si_code <= 0) is not, even when it lands on a thread in a copy.
   const bool fault = info != nullptr && info->si_code > 0;
-  sigjmp_buf* jump = t_faultJump;
-  if (fault && jump != nullptr) {
+  // The thread_local only for a fault: in a dlopen'd addon its first read on a thread goes
+  // through __tls_get_addr, which may malloc (not async-signal-safe; a sent SIGBUS can land on
+  // a thread inside malloc). A faulting thread is in a copy through a mapping, not in malloc.
+  sigjmp_buf* jump = fault ? t_faultJump : nullptr;
+  if (jump != nullptr) {
     t_faultJump = nullptr;
     siglongjmp(*jump, 1);
   }
