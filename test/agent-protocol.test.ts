@@ -3,12 +3,13 @@
 
 import { randomBytes } from 'node:crypto'
 import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
+import { connect, Socket } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { newSession } from '../src/agent/agent.ts'
 import { hashCount, hashes } from '../src/agent/fields.ts'
-import { Agent, type AgentServer, resolveAgentConfig, startAgent } from '../src/agent/index.ts'
+import { Agent, AgentServer, resolveAgentConfig, startAgent } from '../src/agent/index.ts'
 import { decodeBody, encodeFrame, FrameReader } from '../src/agent/protocol.ts'
 import { AgentClient as Client, type Msg } from './support/agent-client.ts'
 
@@ -74,6 +75,58 @@ describe('agent socket', () => {
     d.close()
   })
 
+  it('a client that goes on sending after an oversized length (its write side open) is answered once and closed; what it sends after is dropped', async () => {
+    const c = connect({ path: join(dir, 'a.sock'), allowHalfOpen: true })
+    await new Promise((r) => c.once('connect', r))
+    const got: Msg[] = []
+    const reader = new FrameReader()
+    c.on('data', (d) => {
+      for (const b of reader.push(d)) got.push(decodeBody(b) as Msg)
+    })
+    c.on('error', () => {})
+    const closed = new Promise((r) => c.once('close', r))
+    const big = Buffer.alloc(4)
+    big.writeUInt32BE(64 << 20)
+    const before = server.agent.metrics.badFrames
+    c.write(big)
+    // It keeps writing (frames the agent must no longer buffer behind the bad length, nor answer).
+    const more = Buffer.alloc(256 * 1024)
+    for (let i = 0; i < 20 && !c.destroyed; i++) {
+      c.write(more)
+      await new Promise((r) => setTimeout(r, 20))
+    }
+    await Promise.race([closed, new Promise((r) => setTimeout(r, 2000))])
+    expect(c.destroyed).toBe(true)
+    expect(got).toMatchObject([{ id: null, ok: false, error: { code: 'ERR_FRAME_TOO_LARGE' } }])
+    expect(server.agent.metrics.badFrames).toBe(before + 1)
+  })
+
+  it('agentMs ends with the answer encoded: an answer sent at once is timed before its socket write', async () => {
+    const c = await Client.open(join(dir, 'a.sock'))
+    expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true })
+    await c.call('lookup', { keys: [randomBytes(32)] }) // opens the space: later lookups answer at once
+    const log: string[] = []
+    const metrics = server.agent.metrics
+    const took = metrics.took
+    const write = Socket.prototype.write
+    metrics.took = (op: string, ms: number) => {
+      log.push(`took ${op}`)
+      took.call(metrics, op, ms)
+    }
+    Socket.prototype.write = function (this: Socket, ...a: unknown[]) {
+      if (this !== c.sock) log.push('write')
+      return (write as (...x: unknown[]) => boolean).apply(this, a)
+    } as typeof write
+    try {
+      expect(await c.call('lookup', { keys: [randomBytes(32)] })).toMatchObject({ ok: true, chunks: 0 })
+    } finally {
+      Socket.prototype.write = write
+      metrics.took = took
+    }
+    expect(log).toEqual(['took lookup', 'write'])
+    c.close()
+  })
+
   it('serves Prometheus metrics on loopback', async () => {
     const res = await fetch(`http://127.0.0.1:${server.metricsPort}/metrics`)
     expect(res.status).toBe(200)
@@ -130,6 +183,47 @@ describe('agent socket', () => {
     expect(await c.call('ping')).toMatchObject({ ok: true })
     c.close()
   })
+
+  it('a client that sends without reading its answers: the agent stops reading it, then answers every request once it reads', async () => {
+    const path = join(dir, 'unread.sock')
+    const agent = new Agent({ chunkTokens: 32, cache: {}, lookupDeadlineMs: 250, version: 't' })
+    const srv = await AgentServer.listen(agent, {
+      socketPath: path,
+      maxFrameBytes: 1 << 20,
+      maxUnsentBytes: 64 * 1024,
+    })
+    const sock = connect(path)
+    await new Promise((r) => sock.once('connect', r))
+    sock.pause() // reads nothing: every answer stays in the agent's socket
+    const n = 100_000 // ~2 MB of pings, ~1.7 MB of answers: far past 64 KiB and the kernel's socket buffers
+    sock.write(Buffer.concat(Array.from({ length: n }, (_, i) => encodeFrame({ id: i + 1, op: 'ping' }))))
+    // The agent reads until its unsent answers pass the bound, then waits: the count stops short of n.
+    let seen = -1
+    for (let i = 0; i < 400 && agent.metrics.requests !== seen && agent.metrics.requests < n; i++) {
+      seen = agent.metrics.requests
+      await new Promise((r) => setTimeout(r, 100))
+    }
+    expect(agent.metrics.requests).toBeLessThan(n)
+    // Once the client reads, the agent reads on: every request answered exactly once, in order.
+    const reader = new FrameReader()
+    let next = 1
+    const all = new Promise<void>((resolve, reject) => {
+      sock.on('data', (d) => {
+        for (const b of reader.push(d)) {
+          const m = decodeBody(b) as Msg
+          if (m.id !== next || m.ok !== true)
+            reject(new Error(`answer ${JSON.stringify(m)} where id ${next} was due`))
+          next++
+        }
+        if (next > n) resolve()
+      })
+    })
+    sock.resume()
+    await all
+    expect(agent.metrics.requests).toBe(n)
+    sock.destroy()
+    await srv.close()
+  }, 60_000)
 
   it('answer(): ping, hello, poll and a local lookup are plain bodies (no promise); a refusal throws at once', async () => {
     const agent = server.agent

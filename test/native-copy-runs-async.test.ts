@@ -193,6 +193,24 @@ describe('copyRunsAsync', () => {
     expect(fileMapStats().mappings).toBe(0)
   })
 
+  it('a SIGBUS sent to the process (kill -BUS) still kills it once the guard is installed', () => {
+    const file = join(dir, 'sent-bus')
+    writeFileSync(file, randomBytes(64 * 1024))
+    const script = [
+      `import { copyRunsAsync, mapFile } from ${JSON.stringify(new URL('../src/client/native.ts', import.meta.url).pathname)}`,
+      `const map = mapFile(${JSON.stringify(file)})`,
+      'await copyRunsAsync([new Uint8Array(8), map], new Float64Array([0, 0, 1, 0, 8]), 1)', // installs the guard
+      "process.kill(process.pid, 'SIGBUS')",
+      "setTimeout(() => console.log('survived'), 200)",
+    ].join('\n')
+    const r = spawnSync(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', script], {
+      encoding: 'utf8',
+      timeout: 60_000,
+    })
+    expect(r.stdout).not.toContain('survived')
+    expect(r.signal).toBe('SIGBUS')
+  })
+
   it('a SIGBUS outside a guarded copy still kills the process, as it did before the guard was installed', () => {
     const file = join(dir, 'shrinks-outside')
     writeFileSync(file, randomBytes(2 * MiB))

@@ -210,7 +210,13 @@ struct sigaction g_previousBus;
 std::once_flag g_busOnce;
 
 void OnBus(int sig, siginfo_t* info, void* context) {
-  sigjmp_buf* jump = t_faultJump;
+  // Only a fault (si_code > 0: BUS_ADRERR, BUS_OBJERR, ...) is a copy's. A SIGBUS sent by
+  // kill, tgkill or sigqueue (si_code <= 0) is not, even when it lands on a thread in a copy.
+  const bool fault = info != nullptr && info->si_code > 0;
+  // The thread_local only for a fault: in a dlopen'd addon its first read on a thread goes
+  // through __tls_get_addr, which may malloc (not async-signal-safe; a sent SIGBUS can land on
+  // a thread inside malloc). A faulting thread is in a copy through a mapping, not in malloc.
+  sigjmp_buf* jump = fault ? t_faultJump : nullptr;
   if (jump != nullptr) {
     t_faultJump = nullptr;
     siglongjmp(*jump, 1);
@@ -224,8 +230,11 @@ void OnBus(int sig, siginfo_t* info, void* context) {
     g_previousBus.sa_handler(sig);
     return;
   }
-  // Not a guarded copy: back to the default, and the faulting access runs again and dies of it.
+  // Neither a guarded copy's nor another handler's: back to the default, as before the guard.
+  // A fault runs its access again and dies of it; a sent SIGBUS does not come back by itself,
+  // so it is raised again (SA_NODEFER: not blocked here, it is delivered at once and kills).
   signal(SIGBUS, SIG_DFL);
+  if (!fault) raise(SIGBUS);
 }
 
 void InstallBusGuard() {

@@ -9,12 +9,20 @@ import { AgentError, checkEnvelope, decodeBody, encodeFrame, FrameReader } from 
 
 /** In-flight requests per connection; more are answered ERR_BUSY. */
 export const MAX_INFLIGHT = 1024
+/**
+ * Answers a connection may leave unsent before the agent stops reading its requests: an
+ * engine that sends without reading (a stuck reader thread) would otherwise grow the
+ * agent's write buffer without bound, since answered requests are no longer in flight.
+ */
+export const MAX_UNSENT_BYTES = 4 * 1024 * 1024
 
 export interface ListenOptions {
   socketPath: string
   maxFrameBytes: number
   /** Loopback port for GET /metrics and /healthz; undefined = off, 0 = any free port. */
   metricsPort?: number
+  /** Bound on a connection's unsent answers before its requests are no longer read. @default MAX_UNSENT_BYTES */
+  maxUnsentBytes?: number
 }
 
 export class AgentServer {
@@ -33,7 +41,9 @@ export class AgentServer {
   static async listen(agent: Agent, o: ListenOptions): Promise<AgentServer> {
     const s = new AgentServer(agent, o.socketPath)
     await removeStaleSocket(o.socketPath)
-    const server = createServer((sock) => s.#connection(sock, o.maxFrameBytes))
+    const server = createServer((sock) =>
+      s.#connection(sock, o.maxFrameBytes, o.maxUnsentBytes ?? MAX_UNSENT_BYTES),
+    )
     // The socket file is created 0600 (umask) so no other user can connect even briefly.
     const old = process.umask(0o177)
     try {
@@ -71,7 +81,7 @@ export class AgentServer {
     return s
   }
 
-  #connection(sock: Socket, maxFrameBytes: number): void {
+  #connection(sock: Socket, maxFrameBytes: number, maxUnsentBytes: number): void {
     const m = this.agent.metrics
     m.connections++
     this.#sockets.add(sock)
@@ -86,14 +96,24 @@ export class AgentServer {
       corked = false
       sock.uncork()
     }
-    const send = (msg: Record<string, unknown>) => {
+    const write = (frame: Buffer) => {
       if (sock.destroyed) return
       if (!corked && !reading) {
         corked = true
         sock.cork()
         process.nextTick(uncork)
       }
-      sock.write(encodeFrame(msg))
+      sock.write(frame)
+    }
+    const send = (msg: Record<string, unknown>) => {
+      if (!sock.destroyed) write(encodeFrame(msg))
+    }
+    // A request's time inside the agent ends with its answer encoded (stats agentMs): the write
+    // of an answer sent at once is a syscall on the socket, not the agent's time.
+    const answered = (req: { id: number; op: string }, t0: number, body: Record<string, unknown>) => {
+      const frame = encodeFrame({ id: req.id, ok: true, ...body })
+      m.took(req.op, performance.now() - t0)
+      write(frame)
     }
     const session = newSession((ev) => send(ev))
     let inflight = 0
@@ -103,15 +123,20 @@ export class AgentServer {
       m.error(err.code)
       send({ id, ok: false, error: { code: err.code, message: err.message } })
     }
+    let unframed = false
     sock.on('data', (chunk: Buffer) => {
+      // Bytes after a bad length (a client whose write side stays open) are dropped, not framed again.
+      if (unframed) return
       let bodies: Buffer[]
       try {
         bodies = reader.push(chunk)
       } catch (e) {
-        // A bad length cannot be resynchronised: answer once, then close this connection only.
+        // A bad length cannot be resynchronised: answer once, then close this connection only
+        // (closed once the answer is flushed: a half-open client would otherwise keep it).
+        unframed = true
         m.badFrames++
         fail(null, e)
-        sock.end()
+        sock.end(() => sock.destroy())
         return
       }
       // One frame: its answer is one write now. Several: their answers (those ready now)
@@ -124,6 +149,12 @@ export class AgentServer {
       } finally {
         reading = false
         if (batch) sock.uncork()
+      }
+      // Backpressure: past the bound, read nothing more until the engine has read its answers
+      // ('drain': the buffer emptied). Answers still in flight (at most MAX_INFLIGHT) are sent meanwhile.
+      if (!sock.isPaused() && sock.writableNeedDrain && sock.writableLength >= maxUnsentBytes) {
+        sock.pause()
+        sock.once('drain', () => sock.resume())
       }
     })
     const request = (body: Buffer) => {
@@ -157,17 +188,13 @@ export class AgentServer {
         return
       }
       if (!(out instanceof Promise)) {
-        send({ id: req.id, ok: true, ...out })
-        m.took(req.op, performance.now() - t0)
+        answered(req, t0, out)
         return
       }
       inflight++
       out
         .then(
-          (body) => {
-            send({ id: req.id, ok: true, ...body })
-            m.took(req.op, performance.now() - t0)
-          },
+          (body) => answered(req, t0, body),
           (e) => fail(req.id, e),
         )
         .finally(() => {
