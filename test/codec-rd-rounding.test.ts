@@ -84,6 +84,64 @@ describe('kvgate rate-distortion rounding', () => {
     expect(stats()).toEqual(withRd)
   })
 
+  it('wasm: values on the step grid (nearest rounding exact) keep nearest rounding’s error', () => {
+    // V: every channel constant at 40 steps of 0.125 with rare one-step jumps, and one value
+    // 2^-21 off the grid, with εV chosen so the step is exactly 0.125. The trial quantization's
+    // error is ~0 while the rare jumps move (λ·Δbits > 1), so the measured rise is ~10^11:
+    // the step correction must not follow it (a step shrunk by ~3·10^5 clamps every level
+    // at QMAX: a 77 % error where nearest rounding's is 10^-9).
+    const e = new WebAssembly.Instance(loadCodecModule(), {}).exports as Record<
+      string,
+      (...a: number[]) => number
+    > & { memory: WebAssembly.Memory }
+    const T = 256
+    const C = 64
+    const x = new Float32Array(2 * T * C)
+    for (let i = 0; i < T * C; i++) x[i] = ((i * 7919) % 1000) / 1000 - 0.5 // K: anything
+    const step = 0.125
+    for (let t = 0; t < T; t++)
+      for (let ch = 0; ch < C; ch++) x[T * C + t * C + ch] = 5 + ((t * 31 + ch * 17) % 1000 === 0 ? step : 0)
+    x[T * C + 5 * C] = 5 + 2 ** -21 // channel 0 is in the trial's sample
+    // εV = step / (√12 · rms), with rms as the encoder computes it (f32 row sums, exact here).
+    let total = 0
+    for (let t = 0; t < T; t++) {
+      let rs = 0
+      for (let ch = 0; ch < C; ch++) rs = Math.fround(rs + Math.fround(x[T * C + t * C + ch]! ** 2))
+      total += rs
+    }
+    const rms = Math.sqrt(total / (T * C))
+    let eps = Math.fround(step / (Math.sqrt(12) * rms))
+    for (let k = 0; k < 64 && Math.fround(eps * Math.sqrt(12) * rms) !== step; k++)
+      eps = Math.fround(eps * (1 + 2 ** -24))
+    expect(Math.fround(eps * Math.sqrt(12) * rms)).toBe(step)
+    const bytes = new Uint8Array(x.buffer)
+    const src = e.kv_alloc!(bytes.length)
+    new Uint8Array(e.memory.buffer, src, bytes.length).set(bytes)
+    const par = e.kv_alloc!(32)
+    new Float32Array(e.memory.buffer, par, 8).set([-0.07, eps, 0, 0, 1, 8, 0, 0])
+    const dst = e.kv_alloc!(bytes.length)
+    const vError = (lambda: number) => {
+      e.kv_set_rd_lambda!(lambda)
+      const n = e.kv_encode!(2, src, 3, T, C, par)
+      e.kv_set_rd_lambda!(0)
+      expect(n).toBeGreaterThan(0)
+      const section = new Uint8Array(e.memory.buffer, e.kv_result_ptr!(), n).slice()
+      const inp = e.kv_alloc!(n)
+      new Uint8Array(e.memory.buffer, inp, n).set(section)
+      expect(e.kv_decode!(2, inp, n, 3, T, C, dst)).toBe(0)
+      const y = new Float32Array(e.memory.buffer.slice(dst + T * C * 4, dst + 2 * T * C * 4))
+      let se = 0
+      let ss = 0
+      for (let i = 0; i < T * C; i++) {
+        se += (y[i]! - x[T * C + i]!) ** 2
+        ss += x[T * C + i]! ** 2
+      }
+      return Math.sqrt(se / ss)
+    }
+    expect(vError(0)).toBeLessThan(1e-6)
+    expect(vError(RD_LAMBDA)).toBeLessThan(1e-6)
+  })
+
   it('keeps non-finite and huge values as nearest rounding does, and every finite value close', () => {
     const x = tensorOf(syntheticKv(g, tokens, 6), 'fp32')
     const f = new Float32Array(x.buffer.slice(0))
