@@ -1,3 +1,4 @@
+import { readFileSync } from 'node:fs'
 import { describe, expect, it } from 'vitest'
 import {
   buildCalibration,
@@ -7,6 +8,8 @@ import {
   openCalibration,
   RD_LAMBDA,
 } from '../src/codec/node.ts'
+import { WasmCodec } from '../src/codec/wasm-instance.ts'
+import { CodecError } from '../src/core/errors.ts'
 import { decodeHeader } from '../src/core/format.ts'
 import type { KvGeometry } from '../src/core/layout.ts'
 import { kvRelativeError } from '../src/model/index.ts'
@@ -203,6 +206,43 @@ describe('kvgate rate-distortion rounding', () => {
     const rdCal = code(true, cal)
     expect(rdCal.byteLength).toBeLessThan(code(false, cal).byteLength)
     expect(decodeChunk(rdCal, { calibration: cal })).toEqual(decodeChunk(code(true)))
+  })
+
+  describe('the wrapper (WasmCodec.encodeSection)', () => {
+    const c = g.kvHeads * g.headDim
+    const slab = tensor.subarray(0, 2 * tokens * c * 4)
+    const params = new Float32Array([-0.07, 0.39, 0, 0, 1, 8, 0, 0])
+
+    it('λ never carries into the next encode, also after one the wasm rejects', () => {
+      // Each call sets its own λ (0 included) and clears it after; either alone prevents a leak.
+      const codec = new WasmCodec(loadCodecModule())
+      const nearest = codec.encodeSection('kvgate', slab, 3, tokens, c, params)
+      expect(codec.encodeSection('kvgate', slab, 3, tokens, c, params, undefined, RD_LAMBDA)).not.toEqual(
+        nearest,
+      )
+      expect(codec.encodeSection('kvgate', slab, 3, tokens, c, params)).toEqual(nearest)
+      // εK = εV = 0 and no levels: the wasm rejects the parameters after λ was set.
+      const none = new Float32Array([0, 0, 0, 0, 1, 8, 0, 0])
+      expect(() => codec.encodeSection('kvgate', slab, 3, tokens, c, none, undefined, RD_LAMBDA)).toThrow(
+        CodecError,
+      )
+      expect(codec.encodeSection('kvgate', slab, 3, tokens, c, params)).toEqual(nearest)
+    })
+
+    it('a codec build without kv_set_rd_lambda refuses λ > 0 and codes nearest rounding without it', () => {
+      // The committed build with that export renamed (same length): an older build's exports.
+      const bytes = readFileSync(new URL('../wasm/kvgate_codec.wasm', import.meta.url))
+      const name = Buffer.from('kv_set_rd_lambda')
+      const at = bytes.indexOf(name)
+      expect(at).toBeGreaterThan(0)
+      bytes[at + name.length - 1] = 'X'.charCodeAt(0)
+      const old = new WasmCodec(new WebAssembly.Module(bytes))
+      expect(() => old.encodeSection('kvgate', slab, 3, tokens, c, params, undefined, RD_LAMBDA)).toThrow(
+        /lacks export 'kv_set_rd_lambda'/,
+      )
+      const nearest = new WasmCodec(loadCodecModule()).encodeSection('kvgate', slab, 3, tokens, c, params)
+      expect(old.encodeSection('kvgate', slab, 3, tokens, c, params)).toEqual(nearest)
+    })
   })
 
   it('rejects a non-boolean option', () => {
