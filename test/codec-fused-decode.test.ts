@@ -184,3 +184,125 @@ describe('fused row decode (wasm) against the row-by-row path', () => {
     expect(rejected).toBeGreaterThan(300)
   })
 })
+
+// The joint K/V loop (lossy.rs decode_layer) takes sections with at most one escape bit per
+// symbol; the others decode one stream at a time (the fused loop above). Escape bits past the
+// last one read are ignored, so the same section with V's escape block padded past that limit
+// means the same values but takes the one-stream path: under the same mutation of the K
+// stream and of V's payload, both must accept, reject and decode alike.
+describe('joint K/V decode (wasm) against one stream at a time', () => {
+  /** The stream starting at `p0`: the offset of its escape block's u32 length and the block's end. */
+  function escapes(s: Uint8Array, p0: number, c: number): { at: number; end: number } {
+    let p = p0 + 4 // base
+    const flags = s[p++]!
+    expect(flags & 3).toBe(0)
+    if (flags & 4) p += Math.ceil(c / 8) // delta channel bits
+    for (let i = 0; i < c; i++) while (s[p++]! & 0x80); // centres (varints)
+    return { at: p, end: p + 4 + new DataView(s.buffer, s.byteOffset).getUint32(p, true) }
+  }
+  const vStart = (s: Uint8Array) => 4 + new DataView(s.buffer, s.byteOffset).getUint32(0, true)
+  const shapes: [number, number][] = [
+    [1, 8],
+    [2, 16],
+    [3, 24],
+    [9, 64],
+    [17, 64],
+    [33, 128],
+  ]
+  const corpus: { dt: number; t: number; c: number; s: Uint8Array }[] = []
+  for (const [t, c] of shapes)
+    for (const dt of [1, 2])
+      for (const eps of [0.56, 0.14]) {
+        const s = encode(dt, t, c, eps, 2)
+        const k = escapes(s, 4, c)
+        const v = escapes(s, vStart(s), c)
+        // Within the joint loop's limit (one escape bit per symbol, K and V together).
+        if ((k.end - k.at - 4 + v.end - v.at - 4) * 8 <= 2 * t * c) corpus.push({ dt, t, c, s })
+      }
+
+  /** `s` with `pad` zero bytes after V's escape bits (past the joint loop's limit). */
+  function padded(s: Uint8Array, c: number, pad: number) {
+    const { at, end } = escapes(s, vStart(s), c)
+    const out = new Uint8Array(s.length + pad)
+    out.set(s.subarray(0, end))
+    out.set(s.subarray(end), end + pad)
+    new DataView(out.buffer).setUint32(at, end - at - 4 + pad, true)
+    return { out, at, end }
+  }
+  const padOf = (t: number, c: number) => Math.ceil((2 * t * c) / 8) + 1
+
+  it('the corpus takes the joint loop, and clean sections decode alike both ways', () => {
+    expect(corpus.length).toBeGreaterThanOrEqual(20)
+    for (const { dt, t, c, s } of corpus) {
+      const a = decode(dt, t, c, 2, s)
+      const b = decode(dt, t, c, 2, padded(s, c, padOf(t, c)).out)
+      expect(a.rc).toBe(0)
+      expect(b.rc).toBe(0)
+      expect(Buffer.compare(a.out, b.out)).toBe(0)
+    }
+  })
+
+  it('mutated K streams and V payloads: the same accept/reject and the same bytes', () => {
+    let accepted = 0
+    let rejected = 0
+    for (let i = 0; i < 6000; i++) {
+      const { dt, t, c, s: clean } = corpus[Math.floor(rnd() * corpus.length)]!
+      const pad = padOf(t, c)
+      const { out: cleanPadded, at, end } = padded(clean, c, pad)
+      const map = (p: number) => (p < end ? p : p + pad)
+      const v0 = vStart(clean)
+      // Everything but the K length, K's base and flags and V's header up to its escape
+      // block's length (which locate the padding) may change.
+      const protectedAt = (p: number) => p <= 8 || (p >= v0 && p < at + 4)
+      let a = clean.slice()
+      let b = cleanPadded.slice()
+      const kind = rnd()
+      if (kind < 0.6) {
+        for (let k = 1 + Math.floor(rnd() * 3); k > 0; k--) {
+          const p = Math.floor(rnd() * a.length)
+          if (protectedAt(p)) continue
+          const bit = 1 << Math.floor(rnd() * 8)
+          a[p] = a[p]! ^ bit
+          b[map(p)] = b[map(p)]! ^ bit
+        }
+      } else if (kind < 0.8) {
+        const p = Math.floor(rnd() * a.length)
+        for (let j = p; j < Math.min(a.length, p + 1 + Math.floor(rnd() * 16)); j++)
+          if (!protectedAt(j)) {
+            const v = Math.floor(rnd() * 256)
+            a[j] = v
+            b[map(j)] = v
+          }
+      } else if (kind < 0.9) {
+        // Bytes after K's stream inside its block (K length grown), or after V's.
+        const extra = Uint8Array.from({ length: 1 + Math.floor(rnd() * 3) }, () => Math.floor(rnd() * 256))
+        const grow = (x: Uint8Array, afterK: boolean) => {
+          const at = afterK ? v0 : x.length
+          const y = new Uint8Array(x.length + extra.length)
+          y.set(x.subarray(0, at))
+          y.set(extra, at)
+          y.set(x.subarray(at), at + extra.length)
+          if (afterK) new DataView(y.buffer).setUint32(0, v0 - 4 + extra.length, true)
+          return y
+        }
+        const afterK = rnd() < 0.5
+        a = grow(a, afterK)
+        b = grow(b, afterK)
+      } else {
+        // Truncated V payload (the second stream's rANS block).
+        const n = end + Math.floor(rnd() * (a.length - end))
+        a = a.subarray(0, n)
+        b = b.subarray(0, n + pad)
+      }
+      const da = decode(dt, t, c, 2, a)
+      const db = decode(dt, t, c, 2, b)
+      if (da.rc !== db.rc || (da.rc === 0 && Buffer.compare(da.out, db.out) !== 0))
+        expect.fail(`${t}x${c} dtype ${dt}: joint rc ${da.rc}, one-stream rc ${db.rc}`)
+      if (da.rc === 0) accepted++
+      else rejected++
+    }
+    // Both outcomes were exercised.
+    expect(accepted).toBeGreaterThan(300)
+    expect(rejected).toBeGreaterThan(300)
+  })
+})

@@ -818,11 +818,16 @@ fn rd_row_fast(
 /// faithful sample; the error rise it measures is a ratio, not a sum).
 const RD_TRIAL_STRIDE: usize = 8;
 
+/// The largest error rise (trial error with rate-distortion rounding / nearest rounding's)
+/// that `rd_step` corrects for; smooth densities give 1.0–1.3 (1.28 at 8× q1's error).
+const RD_MAX_RISE: f64 = 2.0;
+
 /// The step at which rate-distortion rounding gives the error that nearest rounding gives
 /// at `base`: a trial quantization at `base` (on a sample of the channels) measures the
 /// rise, and for a density smooth at the scale of a step the error scales with the step, so
 /// the step shrinks by the square root of the rise. None when the trial moves no level
-/// (high rates: the bits between neighbouring residuals are too few to pay for any error).
+/// (high rates: the bits between neighbouring residuals are too few to pay for any error)
+/// or the rise exceeds RD_MAX_RISE.
 fn rd_step(
     xf: &[f32],
     t: usize,
@@ -856,7 +861,11 @@ fn rd_step(
     let (delta, centers, _) = predictions(q, t, m, &sums, &inv_m, try_delta);
     let theta = rd_thresholds(q, t, m, &delta, &centers, lambda);
     let (dn, dr) = rd_round(q, &yf, t, m, inv, &delta, &centers, &theta);
-    if !(dr > dn && dn > 0.0) {
+    // A rise beyond RD_MAX_RISE says the density is not smooth at the scale of a step (values
+    // on the step grid: nearest rounding's error ~0 while rare levels still move), so the
+    // square-root correction does not hold: followed, it shrank the step without bound and
+    // clamped levels at QMAX. Nearest rounding then.
+    if !(dr > dn && dn > 0.0 && dr <= RD_MAX_RISE * dn) {
         return None;
     }
     let b = (base as f64 * (dn / dr).sqrt()) as f32;
