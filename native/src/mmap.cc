@@ -297,7 +297,8 @@ Failure ShrankFailure(const char* what) {
   f.sysErrno = EFAULT;
   f.syscall = "copy";
   f.message = std::string(what) +
-              ": a mapped file shrank during the copy (SIGBUS); the copy failed and its destination holds partial bytes";
+              ": a mapped file shrank during the copy, or its filesystem (a full /dev/shm) could not back a page (SIGBUS); "
+              "the copy failed and its destination holds partial bytes";
   return f;
 }
 

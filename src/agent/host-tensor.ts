@@ -262,7 +262,7 @@ export class HostCopier {
       const paths = [...new Set(this.#tensors.map((t) => t.path))].join(', ')
       throw new AgentError(
         'ERR_IO',
-        `an engine KV file shrank during a copy (${paths}): ${(e as Error).message}`,
+        `an engine KV file shrank during a copy, or its filesystem is full (${paths}): ${(e as Error).message}`,
       )
     })
   }
