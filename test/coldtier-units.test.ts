@@ -317,6 +317,39 @@ describe('gc on a memory store', () => {
     expect(r.namespaces[0]).toMatchObject({ headerReads: 5, chains: 1, deleted: { objects: 3, quota: 3 } })
     expect(await present(store, chain)).toEqual([true, true, false, false, false])
   })
+
+  // A record (or index) with a hand-made, CRC-valid body: what a hostile or buggy writer leaves.
+  async function putRecord(store: MemoryStore, uses: { key: string; at: number }[], seq = 1) {
+    const bytes = encodeBatch({ kind: 'usage', at: Date.now(), uses, links: [] })
+    await store.putIfAbsent(`${usagePrefix('kv', 'prod')}2026010100/feedface-${seq}`, bytes, bytes.length)
+  }
+
+  it('a header read that fails (store error) keeps the namespace whole: no parent goes before its unread child', async () => {
+    const base = new MemoryStore()
+    const app = createGateway({ store: base, prefix: 'kv', coldTier: false })
+    const chain = makeChain(3)
+    for (const k of chain) await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))
+    const t = Date.now() + 20 * DAY
+    // The tail was used an hour ago; its parents were not (a use of the tail covers them).
+    await putRecord(base, [{ key: chain[2]!.key, at: t - 3_600_000 }])
+    const tail = `kv/prod/${chain[2]!.key.slice(0, 2)}/${chain[2]!.key}`
+    const store: ObjectStore = {
+      kind: base.kind,
+      get: (n, o) => (n === tail ? Promise.reject(new Error('503 SlowDown')) : base.get(n, o)),
+      head: (n) => base.head(n),
+      putIfAbsent: (n, b, sz) => base.putIfAbsent(n, b, sz),
+      delete: (n) => base.delete(n),
+      list: (p, o) => base.list(p, o),
+    }
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    const r = await runGc({ store, prefix: 'kv', config, now: t })
+    expect(await present(base, chain)).toEqual([true, true, true])
+    expect(r.errors.join('\n')).toMatch(/503 SlowDown/)
+    // The next run, with the store healthy, finds the tail used and keeps the chain too.
+    const again = await runGc({ store: base, prefix: 'kv', config, now: t })
+    expect(again.errors).toEqual([])
+    expect(await present(base, chain)).toEqual([true, true, true])
+  })
 })
 
 describe('accounting on /metrics and the status page', () => {

@@ -7,6 +7,7 @@
 // object, deletes are idempotent, a chunk is deleted only after every deeper victim of its
 // chain is gone, and anything read or written within the grace period is kept.
 
+import { FormatError } from '../core/errors.ts'
 import { decodeHeader, HEADER_PREFIX_BYTES, readHeaderLength } from '../core/format.ts'
 import { objectName, toHex } from '../core/keys.ts'
 import type { ObjectStore, StoreEntry } from '../gateway/stores/types.ts'
@@ -215,6 +216,9 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     const unknown = [...nodes.values()].filter((n) => !parents.has(n.key))
     let headerReads = 0
     let unreadable = 0
+    // Header reads the store failed (not a corrupt header): such a chunk's parent is unknown,
+    // so any victim could be its ancestor and deleting it could leave a hole.
+    let unresolved = 0
     await pool(unknown, concurrency, async (n) => {
       try {
         const p = await readParent(store, objectName(opts.prefix, ns, n.key))
@@ -224,8 +228,12 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
           n.parent = p
           parents.set(n.key, p)
         }
-      } catch {
-        unreadable++ // a corrupt object: its own chain (the verify endpoint deals with corruption)
+      } catch (e) {
+        if (e instanceof FormatError)
+          unreadable++ // a corrupt object: its own chain (the verify endpoint deals with corruption)
+        else {
+          if (unresolved++ === 0) errors.push(`header ${ns}/${n.key}: ${(e as Error).message}`)
+        }
       }
       if (++headerReads % 100 === 0 || headerReads === unknown.length)
         progress({ phase: 'headers', ns, done: headerReads, total: unknown.length })
@@ -233,6 +241,10 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
 
     settle(nodes, now)
     const p = plan(nodes, policy, now, opts.config.graceMs)
+    if (unresolved > 0) {
+      errors.push(`${ns}: ${unresolved} header reads failed; nothing deleted in this namespace this run`)
+      p.victims = []
+    }
     const deleted = { objects: 0, bytes: 0, retention: 0, quota: 0 }
     let alreadyGone = 0
     let failed = 0
@@ -345,7 +357,8 @@ async function readParent(store: ObjectStore, name: string): Promise<string | un
   const first = await store.get(name, { range: { offset: 0, length: HEADER_PROBE_BYTES } })
   if (!first) return undefined
   let bytes: Uint8Array = new Uint8Array(await new Response(first.body).arrayBuffer())
-  if (bytes.length < HEADER_PREFIX_BYTES) throw new Error('too short for a chunk header')
+  if (bytes.length < HEADER_PREFIX_BYTES)
+    throw new FormatError('ERR_FORMAT_TRUNCATED', 'too short for a chunk header')
   const headerBytes = readHeaderLength(bytes)
   if (headerBytes > bytes.length) {
     const more = await readWhole(store, name)
