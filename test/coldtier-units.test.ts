@@ -72,6 +72,24 @@ describe('use records', () => {
     }
     expect(() => decodeBatch(b.subarray(0, b.length - 5))).toThrow()
   })
+
+  it('reject CRC-valid records whose times or sizes are not finite, non-negative numbers', () => {
+    const ok = { key: key(2), parent: key(1), size: 4096, at: 100 }
+    const bad = [
+      { at: Number.NaN, uses: [], links: [] },
+      { at: 1, uses: [{ key: key(1), at: Number.NaN }], links: [] },
+      { at: 1, uses: [{ key: key(1), at: Number.POSITIVE_INFINITY }], links: [] },
+      { at: 1, uses: [], links: [{ ...ok, at: Number.NaN }] },
+      { at: 1, uses: [], links: [{ ...ok, size: -1 }] },
+      { at: 1, uses: [], links: [{ ...ok, size: 1.5 }] },
+      { at: 1, uses: [], links: [{ ...ok, size: Number.NaN }] },
+    ]
+    for (const b of bad)
+      expect(() => decodeBatch(encodeBatch({ kind: 'usage', ...b })), JSON.stringify(b)).toThrow(
+        expect.objectContaining({ code: 'ERR_FORMAT_BAD_FIELD' }),
+      )
+    expect(decodeBatch(encodeBatch({ kind: 'usage', at: 1, uses: [], links: [ok] })).links).toEqual([ok])
+  })
 })
 
 describe('UsageRecorder', () => {
@@ -323,6 +341,7 @@ describe('gc on a memory store', () => {
     const bytes = encodeBatch({ kind: 'usage', at: Date.now(), uses, links: [] })
     await store.putIfAbsent(`${usagePrefix('kv', 'prod')}2026010100/feedface-${seq}`, bytes, bytes.length)
   }
+  const noHole = (p: boolean[]) => p.every((x, i) => !x || i === 0 || p[i - 1])
 
   it('a header read that fails (store error) keeps the namespace whole: no parent goes before its unread child', async () => {
     const base = new MemoryStore()
@@ -349,6 +368,18 @@ describe('gc on a memory store', () => {
     const again = await runGc({ store: base, prefix: 'kv', config, now: t })
     expect(again.errors).toEqual([])
     expect(await present(base, chain)).toEqual([true, true, true])
+  })
+
+  it('a use record with a non-finite time is an error, never a reason to delete a parent of a kept chunk', async () => {
+    let t = Date.now()
+    const { store, chains } = await fleet(() => t)
+    t += 20 * DAY
+    const chain = chains[0]!
+    await putRecord(store, [{ key: chain[3]!.key, at: Number.NaN }])
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    const r = await runGc({ store, prefix: 'kv', config, now: t })
+    expect(noHole(await present(store, chain))).toBe(true)
+    expect(r.errors.join('\n')).toMatch(/feedface-1/)
   })
 })
 
