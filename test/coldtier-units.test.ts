@@ -381,6 +381,19 @@ describe('gc on a memory store', () => {
     expect(noHole(await present(store, chain))).toBe(true)
     expect(r.errors.join('\n')).toMatch(/feedface-1/)
   })
+
+  it('a use in the future counts as now: it cannot pin a chain past its retention', async () => {
+    let t = Date.now()
+    const { store, chains } = await fleet(() => t)
+    const chain = chains[0]!
+    await putRecord(store, [{ key: chain[3]!.key, at: t + 10_000 * DAY }])
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    await runGc({ store, prefix: 'kv', config, now: t + DAY })
+    expect(await present(store, chain)).toEqual([true, true, true, true])
+    t += 20 * DAY
+    await runGc({ store, prefix: 'kv', config, now: t })
+    expect(await present(store, chain)).toEqual([false, false, false, false])
+  })
 })
 
 describe('accounting on /metrics and the status page', () => {

@@ -169,11 +169,17 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     const folded: string[] = []
     let createdSince: NamespaceTotals = { objects: 0, bytes: 0 }
     const since = previous?.at ?? Infinity
+    // A use after `now` (a gateway's clock ahead, a hostile record) counts as now: kept at
+    // its face value it would pin the chain past every retention, and the index would carry it on.
+    const touch = (key: string, at: number) => {
+      const t = Math.min(at, now)
+      if (!(t <= (lastUse.get(key) ?? -Infinity))) lastUse.set(key, t)
+    }
     const fold = (uses: UseEntry[], links: LinkEntry[], counts: boolean) => {
-      for (const u of uses) if (!(u.at <= (lastUse.get(u.key) ?? -Infinity))) lastUse.set(u.key, u.at)
+      for (const u of uses) touch(u.key, u.at)
       for (const k of links) {
         parents.set(k.key, k.parent)
-        if (!(k.at <= (lastUse.get(k.key) ?? -Infinity))) lastUse.set(k.key, k.at)
+        touch(k.key, k.at)
         if (counts && k.at >= since) {
           createdSince = { objects: createdSince.objects + 1, bytes: createdSince.bytes + k.size }
         }
