@@ -1,10 +1,10 @@
 // Cold tier units on a memory store: config validation, the use-record format, the
 // recorder's request and memory bounds, the tail-first plan, and gc end to end.
 
-import { describe, expect, it } from 'vitest'
+import { describe, expect, it, vi } from 'vitest'
 import { type ChunkNode, plan, settle } from '../src/coldtier/chain-graph.ts'
 import { runGc } from '../src/coldtier/gc.ts'
-import { usagePrefix } from '../src/coldtier/names.ts'
+import { classify, usagePrefix } from '../src/coldtier/names.ts'
 import { DEFAULT_COLD_TIER, parseColdTier } from '../src/coldtier/policy.ts'
 import { decodeBatch, encodeBatch } from '../src/coldtier/records.ts'
 import { createGateway, MemoryStore } from '../src/gateway/index.ts'
@@ -380,6 +380,27 @@ describe('gc on a memory store', () => {
     const r = await runGc({ store, prefix: 'kv', config, now: t })
     expect(noHole(await present(store, chain))).toBe(true)
     expect(r.errors.join('\n')).toMatch(/feedface-1/)
+  })
+
+  it('a name whose shard is not the key’s first two characters is not that chunk (never deleted for it, not counted)', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store, prefix: 'kv', coldTier: false })
+    const [c] = makeChain(1)
+    expect((await app.request(`/v1/ns/prod/chunks/${c!.key}`, putInit(c!.bytes))).status).toBe(201)
+    // An old object under a longer shard: it lists after the real name and would stand for it.
+    vi.useFakeTimers({ now: Date.now() - 30 * DAY, toFake: ['Date'] })
+    try {
+      await store.putIfAbsent(`kv/prod/${c!.key.slice(0, 3)}/${c!.key}`, c!.bytes, c!.bytes.length)
+    } finally {
+      vi.useRealTimers()
+    }
+    expect(classify('kv', `kv/prod/${c!.key.slice(0, 3)}/${c!.key}`).kind).toBe('other')
+    expect(classify('kv', `kv/prod//${c!.key}`).kind).toBe('other')
+    expect(classify('kv', `kv/prod/${c!.key.slice(0, 2)}/${c!.key}`).kind).toBe('chunk')
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    const r = await runGc({ store, prefix: 'kv', config, now: Date.now() + 60_000 })
+    expect(r.namespaces[0]).toMatchObject({ listed: { objects: 1 }, deleted: { objects: 0 } })
+    expect(await present(store, [c!])).toEqual([true])
   })
 
   it('a use in the future counts as now: it cannot pin a chain past its retention', async () => {
