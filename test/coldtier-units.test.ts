@@ -403,6 +403,45 @@ describe('gc on a memory store', () => {
     expect(await present(store, [c!])).toEqual([true])
   })
 
+  it('two runs at once: a run whose listed records another run folded meanwhile deletes nothing by them', async () => {
+    let t = Date.now()
+    const { store, app, chains } = await fleet(() => t)
+    t += 20 * DAY
+    // Chain 0 used now; the others not: a 10-day retention keeps only chain 0.
+    await app.request(`/v1/ns/prod/chunks/${chains[0]![3]!.key}`)
+    await app.state.usage!.flush()
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    // Run B lists, then run A does its whole pass (folds the record into its index, deletes
+    // it) before B reads anything: B sees neither the record nor A's index.
+    let first = true
+    const slow: ObjectStore = {
+      kind: store.kind,
+      get: (n, o) => store.get(n, o),
+      head: (n) => store.head(n),
+      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+      delete: (n) => store.delete(n),
+      list: async (p, o) => {
+        const page = await store.list(p, o)
+        if (first) {
+          first = false
+          const a = await runGc({ store, prefix: 'kv', config, now: t })
+          expect(a.namespaces[0]).toMatchObject({ deleted: { objects: 7 }, usageRecords: 1 })
+        }
+        return page
+      },
+    }
+    const b = await runGc({ store: slow, prefix: 'kv', config, now: t })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    expect(b.namespaces[0]).toMatchObject({
+      deleted: { objects: 0 },
+      deferred: expect.stringMatching(/concurrent/),
+    })
+    // The next run has both indexes and agrees with A.
+    const c = await runGc({ store, prefix: 'kv', config, now: t })
+    expect(c.errors).toEqual([])
+    expect(c.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, kept: { objects: 4 }, headerReads: 0 })
+  })
+
   it('a use in the future counts as now: it cannot pin a chain past its retention', async () => {
     let t = Date.now()
     const { store, chains } = await fleet(() => t)

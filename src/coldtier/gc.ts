@@ -57,6 +57,8 @@ export interface NamespaceReport {
   alreadyGone: number
   /** Deletes that failed; their ancestors were kept (tail-first). */
   failed: number
+  /** Why this run deleted nothing in the namespace and left it to the next run (its view was incomplete). */
+  deferred: string | undefined
   kept: NamespaceTotals
   protectedByGrace: number
   overQuotaBytes: number
@@ -187,9 +189,15 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     }
     // 2. Previous indexes (more than one after concurrent runs: merged) and the use records.
     let records = 0
+    let vanished = 0
     await pool([...l.index, ...l.usage], concurrency, async (name) => {
       const bytes = await readWhole(store, name)
-      if (!bytes) return // folded and deleted by a concurrent run: its index has it
+      if (!bytes) {
+        // Folded and deleted by a concurrent run since the listing: its uses are in that run's
+        // index, which this run did not list, so this run must not delete by what it knows.
+        vanished++
+        return
+      }
       try {
         const b = decodeBatch(bytes)
         fold(
@@ -247,10 +255,13 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
 
     settle(nodes, now)
     const p = plan(nodes, policy, now, opts.config.graceMs)
+    let deferred: string | undefined
     if (unresolved > 0) {
-      errors.push(`${ns}: ${unresolved} header reads failed; nothing deleted in this namespace this run`)
-      p.victims = []
-    }
+      deferred = `${unresolved} header reads failed`
+      errors.push(`${ns}: ${deferred}; nothing deleted in this namespace this run`)
+    } else if (vanished > 0)
+      deferred = `${vanished} use records or indexes were folded by a concurrent gc run`
+    if (deferred !== undefined) p.victims = []
     const deleted = { objects: 0, bytes: 0, retention: 0, quota: 0 }
     let alreadyGone = 0
     let failed = 0
@@ -334,6 +345,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
       deleted,
       alreadyGone,
       failed,
+      deferred,
       kept,
       protectedByGrace: p.protectedByGrace,
       overQuotaBytes: p.overQuotaBytes,
