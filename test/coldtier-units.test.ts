@@ -442,6 +442,25 @@ describe('gc on a memory store', () => {
     expect(c.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, kept: { objects: 4 }, headerReads: 0 })
   })
 
+  it('a use record of a newer format (a gateway upgraded before gc) is kept and defers deletes, not folded away', async () => {
+    let t = Date.now()
+    const { store, chains } = await fleet(() => t)
+    t += 20 * DAY
+    const bytes = encodeBatch({ kind: 'usage', at: t, uses: [{ key: chains[0]![3]!.key, at: t }], links: [] })
+    bytes[4] = 2 // format version 2: this build cannot read what it says
+    const name = `${usagePrefix('kv', 'prod')}2026010100/feedface-9`
+    await store.putIfAbsent(name, bytes, bytes.length)
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    const r = await runGc({ store, prefix: 'kv', config, now: t })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    expect(r.namespaces[0]).toMatchObject({
+      deleted: { objects: 0 },
+      deferred: expect.stringMatching(/newer/),
+    })
+    expect(r.errors.join('\n')).toMatch(/feedface-9/)
+    expect(await store.head(name)).toBeDefined()
+  })
+
   it('a use in the future counts as now: it cannot pin a chain past its retention', async () => {
     let t = Date.now()
     const { store, chains } = await fleet(() => t)

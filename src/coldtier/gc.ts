@@ -190,6 +190,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     // 2. Previous indexes (more than one after concurrent runs: merged) and the use records.
     let records = 0
     let vanished = 0
+    let newer = 0
     await pool([...l.index, ...l.usage], concurrency, async (name) => {
       const bytes = await readWhole(store, name)
       if (!bytes) {
@@ -208,6 +209,13 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
         if (b.kind === 'usage') records++
       } catch (e) {
         errors.push(`${name}: ${(e as Error).message}`)
+        // A newer format (gateways upgraded before gc) holds uses this build cannot read: keep
+        // it for an upgraded gc and delete nothing by a view that lacks them. A corrupt record
+        // is garbage: it is dropped with the folded ones.
+        if (e instanceof FormatError && e.code === 'ERR_FORMAT_BAD_VERSION') {
+          newer++
+          return
+        }
       }
       folded.push(name)
     })
@@ -259,8 +267,8 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     if (unresolved > 0) {
       deferred = `${unresolved} header reads failed`
       errors.push(`${ns}: ${deferred}; nothing deleted in this namespace this run`)
-    } else if (vanished > 0)
-      deferred = `${vanished} use records or indexes were folded by a concurrent gc run`
+    } else if (newer > 0) deferred = `${newer} use records or indexes of a newer format (upgrade kvgate gc)`
+    else if (vanished > 0) deferred = `${vanished} use records or indexes were folded by a concurrent gc run`
     if (deferred !== undefined) p.victims = []
     const deleted = { objects: 0, bytes: 0, retention: 0, quota: 0 }
     let alreadyGone = 0
