@@ -461,6 +461,38 @@ describe('gc on a memory store', () => {
     expect(await store.head(name)).toBeDefined()
   })
 
+  it('an oversized use record is not read into memory: an error, kept, and the namespace’s deletes deferred', async () => {
+    let t = Date.now()
+    const { store, chains } = await fleet(() => t)
+    t += 20 * DAY
+    const huge = `${usagePrefix('kv', 'prod')}2026010100/feedface-7`
+    const got: string[] = []
+    const listed: ObjectStore = {
+      kind: store.kind,
+      get: (n, o) => {
+        got.push(n)
+        return store.get(n, o)
+      },
+      head: (n) => store.head(n),
+      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+      delete: (n) => store.delete(n),
+      // The listing shows a 64 GiB record (only its size matters: gc must not fetch it).
+      list: async (p, o) => {
+        const page = await store.list(p, o)
+        return { ...page, entries: [...page.entries, { name: huge, size: 2 ** 36, modified: t }] }
+      },
+    }
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    const r = await runGc({ store: listed, prefix: 'kv', config, now: t })
+    expect(got).not.toContain(huge)
+    expect(r.errors.join('\n')).toMatch(/feedface-7/)
+    expect(r.namespaces[0]).toMatchObject({
+      deleted: { objects: 0 },
+      deferred: expect.stringMatching(/too large/),
+    })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+  })
+
   it('a use in the future counts as now: it cannot pin a chain past its retention', async () => {
     let t = Date.now()
     const { store, chains } = await fleet(() => t)

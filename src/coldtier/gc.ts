@@ -19,6 +19,13 @@ import { decodeBatch, encodeBatch, type LinkEntry, type UseEntry } from './recor
 
 const HEADER_PROBE_BYTES = 4096
 
+/**
+ * The largest use record or chain index gc reads (each is read whole). An index is ~120
+ * bytes per chunk, so this is ~9 million chunks in one namespace: past the memory one run
+ * holds for a namespace anyway. A larger object is reported and left in place.
+ */
+export const MAX_RECORD_BYTES = 1 << 30
+
 export type GcProgress =
   | { phase: 'list'; objects: number }
   | { phase: 'records'; ns: string; records: number }
@@ -81,8 +88,8 @@ export interface GcReport {
 
 interface NsListing {
   chunks: StoreEntry[]
-  usage: string[]
-  index: string[]
+  usage: StoreEntry[]
+  index: StoreEntry[]
 }
 
 export async function runGc(opts: GcOptions): Promise<GcReport> {
@@ -117,8 +124,8 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     for (const e of page.entries) {
       const c = classify(opts.prefix, e.name)
       if (c.kind === 'chunk') nsOf(c.ns).chunks.push(e)
-      else if (c.kind === 'usage') nsOf(c.ns).usage.push(e.name)
-      else if (c.kind === 'index') nsOf(c.ns).index.push(e.name)
+      else if (c.kind === 'usage') nsOf(c.ns).usage.push(e)
+      else if (c.kind === 'index') nsOf(c.ns).index.push(e)
       else if (c.kind === 'accounting') snapshots.push(e.name)
     }
     listed += page.entries.length
@@ -191,7 +198,14 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     let records = 0
     let vanished = 0
     let newer = 0
-    await pool([...l.index, ...l.usage], concurrency, async (name) => {
+    let oversized = 0
+    await pool([...l.index, ...l.usage], concurrency, async ({ name, size }) => {
+      if (size > MAX_RECORD_BYTES) {
+        // Its uses stay unknown: kept, and nothing is deleted by a view that lacks them.
+        oversized++
+        errors.push(`${name}: ${size} bytes is more than the ${MAX_RECORD_BYTES} gc reads`)
+        return
+      }
       const bytes = await readWhole(store, name)
       if (!bytes) {
         // Folded and deleted by a concurrent run since the listing: its uses are in that run's
@@ -267,7 +281,8 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     if (unresolved > 0) {
       deferred = `${unresolved} header reads failed`
       errors.push(`${ns}: ${deferred}; nothing deleted in this namespace this run`)
-    } else if (newer > 0) deferred = `${newer} use records or indexes of a newer format (upgrade kvgate gc)`
+    } else if (oversized > 0) deferred = `${oversized} use records or indexes too large to read`
+    else if (newer > 0) deferred = `${newer} use records or indexes of a newer format (upgrade kvgate gc)`
     else if (vanished > 0) deferred = `${vanished} use records or indexes were folded by a concurrent gc run`
     if (deferred !== undefined) p.victims = []
     const deleted = { objects: 0, bytes: 0, retention: 0, quota: 0 }
