@@ -1,10 +1,10 @@
 // Cold tier units on a memory store: config validation, the use-record format, the
 // recorder's request and memory bounds, the tail-first plan, and gc end to end.
 
-import { describe, expect, it } from 'vitest'
+import { describe, expect, it, vi } from 'vitest'
 import { type ChunkNode, plan, settle } from '../src/coldtier/chain-graph.ts'
 import { runGc } from '../src/coldtier/gc.ts'
-import { usagePrefix } from '../src/coldtier/names.ts'
+import { classify, usagePrefix } from '../src/coldtier/names.ts'
 import { DEFAULT_COLD_TIER, parseColdTier } from '../src/coldtier/policy.ts'
 import { decodeBatch, encodeBatch } from '../src/coldtier/records.ts'
 import { createGateway, MemoryStore } from '../src/gateway/index.ts'
@@ -71,6 +71,24 @@ describe('use records', () => {
       expect(() => decodeBatch(c)).toThrow()
     }
     expect(() => decodeBatch(b.subarray(0, b.length - 5))).toThrow()
+  })
+
+  it('reject CRC-valid records whose times or sizes are not finite, non-negative numbers', () => {
+    const ok = { key: key(2), parent: key(1), size: 4096, at: 100 }
+    const bad = [
+      { at: Number.NaN, uses: [], links: [] },
+      { at: 1, uses: [{ key: key(1), at: Number.NaN }], links: [] },
+      { at: 1, uses: [{ key: key(1), at: Number.POSITIVE_INFINITY }], links: [] },
+      { at: 1, uses: [], links: [{ ...ok, at: Number.NaN }] },
+      { at: 1, uses: [], links: [{ ...ok, size: -1 }] },
+      { at: 1, uses: [], links: [{ ...ok, size: 1.5 }] },
+      { at: 1, uses: [], links: [{ ...ok, size: Number.NaN }] },
+    ]
+    for (const b of bad)
+      expect(() => decodeBatch(encodeBatch({ kind: 'usage', ...b })), JSON.stringify(b)).toThrow(
+        expect.objectContaining({ code: 'ERR_FORMAT_BAD_FIELD' }),
+      )
+    expect(decodeBatch(encodeBatch({ kind: 'usage', at: 1, uses: [], links: [ok] })).links).toEqual([ok])
   })
 })
 
@@ -316,6 +334,176 @@ describe('gc on a memory store', () => {
     const r = await runGc({ store, prefix: 'kv', config, now: Date.now() + 1000 })
     expect(r.namespaces[0]).toMatchObject({ headerReads: 5, chains: 1, deleted: { objects: 3, quota: 3 } })
     expect(await present(store, chain)).toEqual([true, true, false, false, false])
+  })
+
+  // A record (or index) with a hand-made, CRC-valid body: what a hostile or buggy writer leaves.
+  async function putRecord(store: MemoryStore, uses: { key: string; at: number }[], seq = 1) {
+    const bytes = encodeBatch({ kind: 'usage', at: Date.now(), uses, links: [] })
+    await store.putIfAbsent(`${usagePrefix('kv', 'prod')}2026010100/feedface-${seq}`, bytes, bytes.length)
+  }
+  const noHole = (p: boolean[]) => p.every((x, i) => !x || i === 0 || p[i - 1])
+
+  it('a header read that fails (store error) keeps the namespace whole: no parent goes before its unread child', async () => {
+    const base = new MemoryStore()
+    const app = createGateway({ store: base, prefix: 'kv', coldTier: false })
+    const chain = makeChain(3)
+    for (const k of chain) await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))
+    const t = Date.now() + 20 * DAY
+    // The tail was used an hour ago; its parents were not (a use of the tail covers them).
+    await putRecord(base, [{ key: chain[2]!.key, at: t - 3_600_000 }])
+    const tail = `kv/prod/${chain[2]!.key.slice(0, 2)}/${chain[2]!.key}`
+    const store: ObjectStore = {
+      kind: base.kind,
+      get: (n, o) => (n === tail ? Promise.reject(new Error('503 SlowDown')) : base.get(n, o)),
+      head: (n) => base.head(n),
+      putIfAbsent: (n, b, sz) => base.putIfAbsent(n, b, sz),
+      delete: (n) => base.delete(n),
+      list: (p, o) => base.list(p, o),
+    }
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    const r = await runGc({ store, prefix: 'kv', config, now: t })
+    expect(await present(base, chain)).toEqual([true, true, true])
+    expect(r.errors.join('\n')).toMatch(/503 SlowDown/)
+    // The next run, with the store healthy, finds the tail used and keeps the chain too.
+    const again = await runGc({ store: base, prefix: 'kv', config, now: t })
+    expect(again.errors).toEqual([])
+    expect(await present(base, chain)).toEqual([true, true, true])
+  })
+
+  it('a use record with a non-finite time is an error, never a reason to delete a parent of a kept chunk', async () => {
+    let t = Date.now()
+    const { store, chains } = await fleet(() => t)
+    t += 20 * DAY
+    const chain = chains[0]!
+    await putRecord(store, [{ key: chain[3]!.key, at: Number.NaN }])
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    const r = await runGc({ store, prefix: 'kv', config, now: t })
+    expect(noHole(await present(store, chain))).toBe(true)
+    expect(r.errors.join('\n')).toMatch(/feedface-1/)
+  })
+
+  it('a name whose shard is not the key’s first two characters is not that chunk (never deleted for it, not counted)', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store, prefix: 'kv', coldTier: false })
+    const [c] = makeChain(1)
+    expect((await app.request(`/v1/ns/prod/chunks/${c!.key}`, putInit(c!.bytes))).status).toBe(201)
+    // An old object under a longer shard: it lists after the real name and would stand for it.
+    vi.useFakeTimers({ now: Date.now() - 30 * DAY, toFake: ['Date'] })
+    try {
+      await store.putIfAbsent(`kv/prod/${c!.key.slice(0, 3)}/${c!.key}`, c!.bytes, c!.bytes.length)
+    } finally {
+      vi.useRealTimers()
+    }
+    expect(classify('kv', `kv/prod/${c!.key.slice(0, 3)}/${c!.key}`).kind).toBe('other')
+    expect(classify('kv', `kv/prod//${c!.key}`).kind).toBe('other')
+    expect(classify('kv', `kv/prod/${c!.key.slice(0, 2)}/${c!.key}`).kind).toBe('chunk')
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    const r = await runGc({ store, prefix: 'kv', config, now: Date.now() + 60_000 })
+    expect(r.namespaces[0]).toMatchObject({ listed: { objects: 1 }, deleted: { objects: 0 } })
+    expect(await present(store, [c!])).toEqual([true])
+  })
+
+  it('two runs at once: a run whose listed records another run folded meanwhile deletes nothing by them', async () => {
+    let t = Date.now()
+    const { store, app, chains } = await fleet(() => t)
+    t += 20 * DAY
+    // Chain 0 used now; the others not: a 10-day retention keeps only chain 0.
+    await app.request(`/v1/ns/prod/chunks/${chains[0]![3]!.key}`)
+    await app.state.usage!.flush()
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    // Run B lists, then run A does its whole pass (folds the record into its index, deletes
+    // it) before B reads anything: B sees neither the record nor A's index.
+    let first = true
+    const slow: ObjectStore = {
+      kind: store.kind,
+      get: (n, o) => store.get(n, o),
+      head: (n) => store.head(n),
+      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+      delete: (n) => store.delete(n),
+      list: async (p, o) => {
+        const page = await store.list(p, o)
+        if (first) {
+          first = false
+          const a = await runGc({ store, prefix: 'kv', config, now: t })
+          expect(a.namespaces[0]).toMatchObject({ deleted: { objects: 7 }, usageRecords: 1 })
+        }
+        return page
+      },
+    }
+    const b = await runGc({ store: slow, prefix: 'kv', config, now: t })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    expect(b.namespaces[0]).toMatchObject({
+      deleted: { objects: 0 },
+      deferred: expect.stringMatching(/concurrent/),
+    })
+    // The next run has both indexes and agrees with A.
+    const c = await runGc({ store, prefix: 'kv', config, now: t })
+    expect(c.errors).toEqual([])
+    expect(c.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, kept: { objects: 4 }, headerReads: 0 })
+  })
+
+  it('a use record of a newer format (a gateway upgraded before gc) is kept and defers deletes, not folded away', async () => {
+    let t = Date.now()
+    const { store, chains } = await fleet(() => t)
+    t += 20 * DAY
+    const bytes = encodeBatch({ kind: 'usage', at: t, uses: [{ key: chains[0]![3]!.key, at: t }], links: [] })
+    bytes[4] = 2 // format version 2: this build cannot read what it says
+    const name = `${usagePrefix('kv', 'prod')}2026010100/feedface-9`
+    await store.putIfAbsent(name, bytes, bytes.length)
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    const r = await runGc({ store, prefix: 'kv', config, now: t })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    expect(r.namespaces[0]).toMatchObject({
+      deleted: { objects: 0 },
+      deferred: expect.stringMatching(/newer/),
+    })
+    expect(r.errors.join('\n')).toMatch(/feedface-9/)
+    expect(await store.head(name)).toBeDefined()
+  })
+
+  it('an oversized use record is not read into memory: an error, kept, and the namespace’s deletes deferred', async () => {
+    let t = Date.now()
+    const { store, chains } = await fleet(() => t)
+    t += 20 * DAY
+    const huge = `${usagePrefix('kv', 'prod')}2026010100/feedface-7`
+    const got: string[] = []
+    const listed: ObjectStore = {
+      kind: store.kind,
+      get: (n, o) => {
+        got.push(n)
+        return store.get(n, o)
+      },
+      head: (n) => store.head(n),
+      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+      delete: (n) => store.delete(n),
+      // The listing shows a 64 GiB record (only its size matters: gc must not fetch it).
+      list: async (p, o) => {
+        const page = await store.list(p, o)
+        return { ...page, entries: [...page.entries, { name: huge, size: 2 ** 36, modified: t }] }
+      },
+    }
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    const r = await runGc({ store: listed, prefix: 'kv', config, now: t })
+    expect(got).not.toContain(huge)
+    expect(r.errors.join('\n')).toMatch(/feedface-7/)
+    expect(r.namespaces[0]).toMatchObject({
+      deleted: { objects: 0 },
+      deferred: expect.stringMatching(/too large/),
+    })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+  })
+
+  it('a use in the future counts as now: it cannot pin a chain past its retention', async () => {
+    let t = Date.now()
+    const { store, chains } = await fleet(() => t)
+    const chain = chains[0]!
+    await putRecord(store, [{ key: chain[3]!.key, at: t + 10_000 * DAY }])
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    await runGc({ store, prefix: 'kv', config, now: t + DAY })
+    expect(await present(store, chain)).toEqual([true, true, true, true])
+    t += 20 * DAY
+    await runGc({ store, prefix: 'kv', config, now: t })
+    expect(await present(store, chain)).toEqual([false, false, false, false])
   })
 })
 

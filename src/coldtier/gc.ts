@@ -7,6 +7,7 @@
 // object, deletes are idempotent, a chunk is deleted only after every deeper victim of its
 // chain is gone, and anything read or written within the grace period is kept.
 
+import { FormatError } from '../core/errors.ts'
 import { decodeHeader, HEADER_PREFIX_BYTES, readHeaderLength } from '../core/format.ts'
 import { objectName, toHex } from '../core/keys.ts'
 import type { ObjectStore, StoreEntry } from '../gateway/stores/types.ts'
@@ -17,6 +18,13 @@ import { type ColdTierConfig, type NamespacePolicy, policyFor } from './policy.t
 import { decodeBatch, encodeBatch, type LinkEntry, type UseEntry } from './records.ts'
 
 const HEADER_PROBE_BYTES = 4096
+
+/**
+ * The largest use record or chain index gc reads (each is read whole). An index is ~120
+ * bytes per chunk, so this is ~9 million chunks in one namespace: past the memory one run
+ * holds for a namespace anyway. A larger object is reported and left in place.
+ */
+export const MAX_RECORD_BYTES = 1 << 30
 
 export type GcProgress =
   | { phase: 'list'; objects: number }
@@ -56,6 +64,8 @@ export interface NamespaceReport {
   alreadyGone: number
   /** Deletes that failed; their ancestors were kept (tail-first). */
   failed: number
+  /** Why this run deleted nothing in the namespace and left it to the next run (its view was incomplete). */
+  deferred: string | undefined
   kept: NamespaceTotals
   protectedByGrace: number
   overQuotaBytes: number
@@ -78,8 +88,8 @@ export interface GcReport {
 
 interface NsListing {
   chunks: StoreEntry[]
-  usage: string[]
-  index: string[]
+  usage: StoreEntry[]
+  index: StoreEntry[]
 }
 
 export async function runGc(opts: GcOptions): Promise<GcReport> {
@@ -114,8 +124,8 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     for (const e of page.entries) {
       const c = classify(opts.prefix, e.name)
       if (c.kind === 'chunk') nsOf(c.ns).chunks.push(e)
-      else if (c.kind === 'usage') nsOf(c.ns).usage.push(e.name)
-      else if (c.kind === 'index') nsOf(c.ns).index.push(e.name)
+      else if (c.kind === 'usage') nsOf(c.ns).usage.push(e)
+      else if (c.kind === 'index') nsOf(c.ns).index.push(e)
       else if (c.kind === 'accounting') snapshots.push(e.name)
     }
     listed += page.entries.length
@@ -168,11 +178,17 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     const folded: string[] = []
     let createdSince: NamespaceTotals = { objects: 0, bytes: 0 }
     const since = previous?.at ?? Infinity
+    // A use after `now` (a gateway's clock ahead, a hostile record) counts as now: kept at
+    // its face value it would pin the chain past every retention, and the index would carry it on.
+    const touch = (key: string, at: number) => {
+      const t = Math.min(at, now)
+      if (!(t <= (lastUse.get(key) ?? -Infinity))) lastUse.set(key, t)
+    }
     const fold = (uses: UseEntry[], links: LinkEntry[], counts: boolean) => {
-      for (const u of uses) if (!(u.at <= (lastUse.get(u.key) ?? -Infinity))) lastUse.set(u.key, u.at)
+      for (const u of uses) touch(u.key, u.at)
       for (const k of links) {
         parents.set(k.key, k.parent)
-        if (!(k.at <= (lastUse.get(k.key) ?? -Infinity))) lastUse.set(k.key, k.at)
+        touch(k.key, k.at)
         if (counts && k.at >= since) {
           createdSince = { objects: createdSince.objects + 1, bytes: createdSince.bytes + k.size }
         }
@@ -180,9 +196,23 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     }
     // 2. Previous indexes (more than one after concurrent runs: merged) and the use records.
     let records = 0
-    await pool([...l.index, ...l.usage], concurrency, async (name) => {
+    let vanished = 0
+    let newer = 0
+    let oversized = 0
+    await pool([...l.index, ...l.usage], concurrency, async ({ name, size }) => {
+      if (size > MAX_RECORD_BYTES) {
+        // Its uses stay unknown: kept, and nothing is deleted by a view that lacks them.
+        oversized++
+        errors.push(`${name}: ${size} bytes is more than the ${MAX_RECORD_BYTES} gc reads`)
+        return
+      }
       const bytes = await readWhole(store, name)
-      if (!bytes) return // folded and deleted by a concurrent run: its index has it
+      if (!bytes) {
+        // Folded and deleted by a concurrent run since the listing: its uses are in that run's
+        // index, which this run did not list, so this run must not delete by what it knows.
+        vanished++
+        return
+      }
       try {
         const b = decodeBatch(bytes)
         fold(
@@ -193,6 +223,13 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
         if (b.kind === 'usage') records++
       } catch (e) {
         errors.push(`${name}: ${(e as Error).message}`)
+        // A newer format (gateways upgraded before gc) holds uses this build cannot read: keep
+        // it for an upgraded gc and delete nothing by a view that lacks them. A corrupt record
+        // is garbage: it is dropped with the folded ones.
+        if (e instanceof FormatError && e.code === 'ERR_FORMAT_BAD_VERSION') {
+          newer++
+          return
+        }
       }
       folded.push(name)
     })
@@ -215,6 +252,9 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     const unknown = [...nodes.values()].filter((n) => !parents.has(n.key))
     let headerReads = 0
     let unreadable = 0
+    // Header reads the store failed (not a corrupt header): such a chunk's parent is unknown,
+    // so any victim could be its ancestor and deleting it could leave a hole.
+    let unresolved = 0
     await pool(unknown, concurrency, async (n) => {
       try {
         const p = await readParent(store, objectName(opts.prefix, ns, n.key))
@@ -224,8 +264,12 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
           n.parent = p
           parents.set(n.key, p)
         }
-      } catch {
-        unreadable++ // a corrupt object: its own chain (the verify endpoint deals with corruption)
+      } catch (e) {
+        if (e instanceof FormatError)
+          unreadable++ // a corrupt object: its own chain (the verify endpoint deals with corruption)
+        else {
+          if (unresolved++ === 0) errors.push(`header ${ns}/${n.key}: ${(e as Error).message}`)
+        }
       }
       if (++headerReads % 100 === 0 || headerReads === unknown.length)
         progress({ phase: 'headers', ns, done: headerReads, total: unknown.length })
@@ -233,6 +277,14 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
 
     settle(nodes, now)
     const p = plan(nodes, policy, now, opts.config.graceMs)
+    let deferred: string | undefined
+    if (unresolved > 0) {
+      deferred = `${unresolved} header reads failed`
+      errors.push(`${ns}: ${deferred}; nothing deleted in this namespace this run`)
+    } else if (oversized > 0) deferred = `${oversized} use records or indexes too large to read`
+    else if (newer > 0) deferred = `${newer} use records or indexes of a newer format (upgrade kvgate gc)`
+    else if (vanished > 0) deferred = `${vanished} use records or indexes were folded by a concurrent gc run`
+    if (deferred !== undefined) p.victims = []
     const deleted = { objects: 0, bytes: 0, retention: 0, quota: 0 }
     let alreadyGone = 0
     let failed = 0
@@ -316,6 +368,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
       deleted,
       alreadyGone,
       failed,
+      deferred,
       kept,
       protectedByGrace: p.protectedByGrace,
       overQuotaBytes: p.overQuotaBytes,
@@ -345,7 +398,8 @@ async function readParent(store: ObjectStore, name: string): Promise<string | un
   const first = await store.get(name, { range: { offset: 0, length: HEADER_PROBE_BYTES } })
   if (!first) return undefined
   let bytes: Uint8Array = new Uint8Array(await new Response(first.body).arrayBuffer())
-  if (bytes.length < HEADER_PREFIX_BYTES) throw new Error('too short for a chunk header')
+  if (bytes.length < HEADER_PREFIX_BYTES)
+    throw new FormatError('ERR_FORMAT_TRUNCATED', 'too short for a chunk header')
   const headerBytes = readHeaderLength(bytes)
   if (headerBytes > bytes.length) {
     const more = await readWhole(store, name)

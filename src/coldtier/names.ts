@@ -67,7 +67,9 @@ export function classify(prefix: string, name: string): BucketObjectKind {
     parts.length === 3 &&
     isNamespaceName(parts[0]) &&
     isKeyHex(parts[2]) &&
-    parts[2]!.startsWith(parts[1]!)
+    // Exactly objectName()'s shard: gc deletes by objectName(), so any other name listed for
+    // the key (`ab/`, `abc/`, ``) would lend its size and age to the real object.
+    parts[1] === parts[2]!.slice(0, 2)
   )
     return { kind: 'chunk', ns: parts[0]!, key: parts[2]! }
   if (parts[0] === '_usage' && parts.length === 4 && isNamespaceName(parts[1]))

@@ -79,19 +79,30 @@ export function decodeBatch(bytes: Uint8Array): UsageBatch {
   if (end + 4 !== bytes.length) throw new FormatError('ERR_FORMAT_TRUNCATED', 'use record length mismatch')
   if (crc32(bytes.subarray(0, end)) !== dv.getUint32(end, true))
     throw new FormatError('ERR_FORMAT_CHECKSUM', 'use record checksum mismatch')
+  // A CRC only proves the bytes arrived as written: times and sizes are checked too, since a
+  // NaN time would make a chunk compare neither older nor newer than its parent in gc's plan.
+  const batchAt = time(dv.getFloat64(8, true))
   const uses: UseEntry[] = []
   const links: LinkEntry[] = []
   let at = HEAD
   for (let i = 0; i < nUses; i++, at += USE_BYTES) {
-    uses.push({ key: toHex(bytes.subarray(at, at + 32)), at: dv.getFloat64(at + 32, true) })
+    uses.push({ key: toHex(bytes.subarray(at, at + 32)), at: time(dv.getFloat64(at + 32, true)) })
   }
   for (let i = 0; i < nLinks; i++, at += LINK_BYTES) {
+    const size = dv.getFloat64(at + 64, true)
+    if (!Number.isSafeInteger(size) || size < 0)
+      throw new FormatError('ERR_FORMAT_BAD_FIELD', `use record link size ${size}`)
     links.push({
       key: toHex(bytes.subarray(at, at + 32)),
       parent: toHex(bytes.subarray(at + 32, at + 64)),
-      size: dv.getFloat64(at + 64, true),
-      at: dv.getFloat64(at + 72, true),
+      size,
+      at: time(dv.getFloat64(at + 72, true)),
     })
   }
-  return { kind, at: dv.getFloat64(8, true), uses, links }
+  return { kind, at: batchAt, uses, links }
+}
+
+function time(t: number): number {
+  if (!Number.isFinite(t)) throw new FormatError('ERR_FORMAT_BAD_FIELD', `use record time ${t}`)
+  return t
 }

@@ -154,7 +154,8 @@ export function summary(r: GcReport): string {
           : ''),
       `    ${verb.padEnd(8)} ${n.deleted.objects} objects, ${bytes(n.deleted.bytes)} (retention ${n.deleted.retention}, quota ${n.deleted.quota})` +
         (n.alreadyGone ? `, ${n.alreadyGone} already gone` : '') +
-        (n.failed ? `, ${n.failed} FAILED` : ''),
+        (n.failed ? `, ${n.failed} FAILED` : '') +
+        (n.deferred ? `; nothing deleted, left to the next run: ${n.deferred}` : ''),
       `    kept     ${n.kept.objects} objects, ${bytes(n.kept.bytes)} ($${n.monthlyUsdAfter.toFixed(2)}/month) in ${n.chains} chains` +
         (n.protectedByGrace ? `; ${n.protectedByGrace} kept by the grace period` : '') +
         (n.overQuotaBytes ? `; still ${bytes(n.overQuotaBytes)} over quota (recently used)` : ''),

@@ -31,6 +31,7 @@ export async function scheduledGc(env: WorkerEnv, opts: { dryRun?: boolean } = {
       namespaces: report.namespaces.map((n) => ({
         ns: n.ns,
         deleted: n.deleted,
+        ...(n.deferred ? { deferred: n.deferred } : {}),
         kept: n.kept,
         listed: n.listed,
         monthlyUsd: n.monthlyUsdAfter,
