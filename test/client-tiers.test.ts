@@ -249,6 +249,29 @@ describe('DiskTier', () => {
     expect(readdirSync(join(dir, '00'))).toEqual([`${hexOf(1)}.kvc`])
   })
 
+  it('at start, a FIFO or other non-regular file with a chunk name is left alone: open does not block on it', async () => {
+    const dir = tempDir()
+    mkdirSync(join(dir, '00'))
+    writeFileSync(join(dir, '00', `${hexOf(1)}.kvc`), object(hexOf(1), 1))
+    // open(O_RDONLY) of a FIFO waits for a writer: without O_NONBLOCK the tier never opens
+    // (and a libuv pool thread stays blocked for good).
+    execFileSync('mkfifo', [join(dir, '00', `${hexOf(2)}.kvc`)])
+    mkdirSync(join(dir, '00', `${hexOf(3)}.kvc`))
+    const opened = await Promise.race([
+      DiskTier.open({ dir, bytes: 1 << 20 }),
+      new Promise<'blocked'>((r) => setTimeout(() => r('blocked'), 2000)),
+    ])
+    expect(opened).not.toBe('blocked')
+    const d = opened as DiskTier
+    expect(d.stats().files).toBe(1)
+    expect(d.stats().unreadableFiles).toBe(2)
+    expect(readdirSync(join(dir, '00')).sort()).toEqual([
+      `${hexOf(1)}.kvc`,
+      `${hexOf(2)}.kvc`,
+      `${hexOf(3)}.kvc`,
+    ])
+  })
+
   it('treats a file corrupted after start as a miss and deletes it', async () => {
     const dir = tempDir()
     const d = await DiskTier.open({ dir, bytes: 1 << 20 })

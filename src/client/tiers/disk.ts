@@ -359,7 +359,7 @@ export class DiskTier {
   /**
    * Cheap start-up check: header decodes, names this key, and the size is exact.
    * Sections are verified on read. 'unreadable' on an I/O error (the file may be
-   * fine), 'foreign' for another instance's file, undefined when it is corrupt.
+   * fine) or for anything but a regular file (left alone), 'foreign' for another instance's file, undefined when it is corrupt.
    */
   async #checkHeader(
     path: string,
@@ -369,8 +369,11 @@ export class DiskTier {
     let probe: Buffer
     let st: Awaited<ReturnType<typeof stat>>
     try {
-      fh = await open(path, 'r')
+      // O_NONBLOCK: a FIFO (or device) under a chunk's name must not hold start-up (and a
+      // pool thread) waiting for a writer; only a regular file can be a chunk.
+      fh = await open(path, fsc.O_RDONLY | fsc.O_NONBLOCK)
       st = await fh.stat()
+      if (!st.isFile()) return 'unreadable'
       probe = Buffer.allocUnsafe(Math.min(st.size, HEADER_PROBE_BYTES))
       await fh.read(probe, 0, probe.byteLength, 0)
     } catch {
