@@ -2,7 +2,7 @@
 // faults) and the priority I/O queue, each tested on its own.
 
 import { execFileSync } from 'node:child_process'
-import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterEach, describe, expect, it } from 'vitest'
@@ -372,6 +372,30 @@ describe('DiskTier', () => {
     expect(await d.get(hexOf(0x73), 'get', slot)).toBeUndefined()
     expect(d.has(hexOf(0x73))).toBe(false)
     n.api!.freePinned(slot.buffer)
+  })
+
+  it('a file found cut short at read is deleted, not only dropped from the index (it would sit on disk uncounted)', async () => {
+    const n = loadNative()
+    for (const native of [undefined, n.api]) {
+      const dir = tempDir()
+      const d = await DiskTier.open({ dir, bytes: 1 << 30, native })
+      const slot = native ? new Uint8Array((await native.allocPinned(1 << 20)).buffer) : undefined
+      for (const [key, cut] of [
+        [0x80, 100], // inside the header
+        [0x81, -1], // the last byte
+      ] as const) {
+        const o = object(hexOf(key), 3, 64)
+        await d.put(hexOf(key), o)
+        const path = d.pathOf(hexOf(key))
+        writeFileSync(path, o.subarray(0, cut < 0 ? o.byteLength + cut : cut))
+        expect(await d.get(hexOf(key), 'get', slot)).toBeUndefined()
+        expect(d.has(hexOf(key))).toBe(false)
+        expect(existsSync(path)).toBe(false)
+      }
+      expect(d.counters.corrupt).toBe(2)
+      expect(d.stats().usedBytes).toBe(0)
+      if (slot) native!.freePinned(slot.buffer)
+    }
   })
 
   it('through the addon, an indexed file is read without a header read first; one replaced since (same key) is read as it is now, not counted corrupt', async () => {

@@ -502,7 +502,7 @@ export class DiskTier {
     const native = this.#native!
     const path = this.#pathOf(hex)
     const maxBytes = Math.max(size, DEFAULT_MAX_CHUNK_BYTES)
-    const headerCopy = indexed ?? (await this.#readHeader(hex, path, buf, size))
+    const headerCopy = indexed ?? (await this.#readHeader(path, buf, size))
     if (!headerCopy) return undefined
     const header = decodeHeader(headerCopy, { maxBytes })
     if (header.totalBytes !== size) {
@@ -555,10 +555,7 @@ export class DiskTier {
         const { r, off, length, first, count } = await inflight.shift()!
         refill()
         if (r.direct) this.#directReads++
-        if (r.bytes !== length) {
-          this.#checkLength(hex, off + r.bytes, size)
-          return undefined
-        }
+        if (r.bytes !== length) this.#checkLength(off + r.bytes, size)
         if (off === 0 && !equalPrefix(buf, headerCopy)) {
           // Not the header the index holds: the file was replaced since, read it afresh.
           if (indexed) throw new StaleHeader()
@@ -607,19 +604,11 @@ export class DiskTier {
 
   /**
    * The file's header bytes: one aligned block, a second read only for a header longer
-   * than that. Undefined (a counted corrupt miss) when the file is shorter than indexed.
+   * than that. Throws ERR_FORMAT_TRUNCATED when the file is shorter than indexed.
    */
-  async #readHeader(
-    hex: string,
-    path: string,
-    buf: Uint8Array,
-    size: number,
-  ): Promise<Uint8Array | undefined> {
+  async #readHeader(path: string, buf: Uint8Array, size: number): Promise<Uint8Array | undefined> {
     let got = await this.#readHead(path, buf, Math.min(size, HEADER_READ_BYTES))
-    if (got < Math.min(size, HEADER_READ_BYTES)) {
-      this.#checkLength(hex, got, size)
-      return undefined
-    }
+    if (got < Math.min(size, HEADER_READ_BYTES)) this.#checkLength(got, size)
     const headerBytes = readHeaderLength(buf.subarray(0, got))
     if (headerBytes > got && got < size) {
       got = await this.#readHead(path, buf, Math.min(size, alignUp(headerBytes)))
@@ -635,27 +624,30 @@ export class DiskTier {
 
   async #readBuffered(hex: string, buf: Uint8Array, size: number): Promise<Uint8Array | undefined> {
     let fh: Awaited<ReturnType<typeof open>> | undefined
+    let off = 0
     try {
       fh = await open(this.#pathOf(hex), 'r')
-      let off = 0
       while (off < size) {
         const { bytesRead } = await fh.read(buf, off, size - off, off)
         if (bytesRead === 0) break
         off += bytesRead
       }
-      return this.#checkLength(hex, off, size) ? buf : undefined
     } catch (e) {
       return this.#readError(hex, e)
     } finally {
       await fh?.close()
     }
+    this.#checkLength(off, size)
+    return buf
   }
 
-  #checkLength(hex: string, got: number, size: number): boolean {
-    if (got === size) return true
-    this.counters.corrupt++
-    this.#dropIndex(hex)
-    return false
+  /**
+   * A file shorter than indexed is corrupt (a read ends short only at end of file; an I/O
+   * error throws): get() counts it and deletes it, or it would stay on disk uncounted.
+   */
+  #checkLength(got: number, size: number): void {
+    if (got !== size)
+      throw new FormatError('ERR_FORMAT_TRUNCATED', `file is ${got} bytes, ${size} were indexed`)
   }
 
   #readError(hex: string, e: unknown): undefined {
