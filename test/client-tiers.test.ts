@@ -398,6 +398,29 @@ describe('DiskTier', () => {
     }
   })
 
+  it('a chunk file replaced behind the index by a FIFO is a quick miss: the read neither blocks nor holds a queue slot', async () => {
+    const n = loadNative()
+    for (const native of [undefined, n.api]) {
+      const dir = tempDir()
+      const d = await DiskTier.open({ dir, bytes: 1 << 30, native, concurrency: 1 })
+      const slot = native ? new Uint8Array((await native.allocPinned(1 << 20)).buffer) : undefined
+      await d.put(hexOf(0x90), object(hexOf(0x90), 3, 64))
+      await d.put(hexOf(0x91), object(hexOf(0x91), 4, 64))
+      rmSync(d.pathOf(hexOf(0x90)))
+      execFileSync('mkfifo', [d.pathOf(hexOf(0x90))])
+      const got = await Promise.race([
+        d.get(hexOf(0x90), 'get', slot),
+        new Promise<'blocked'>((r) => setTimeout(() => r('blocked'), 2000)),
+      ])
+      // A read left waiting on the FIFO (without the fix) is unblocked: no pool thread lost for the run.
+      if (got === 'blocked') writeFileSync(d.pathOf(hexOf(0x90)), '')
+      expect(got).toBeUndefined()
+      // The one queue slot is free again: the next chunk is served.
+      expect(await d.get(hexOf(0x91), 'get', slot)).toBeDefined()
+      if (slot) native!.freePinned(slot.buffer)
+    }
+  })
+
   it('through the addon, an indexed file is read without a header read first; one replaced since (same key) is read as it is now, not counted corrupt', async () => {
     const dir = tempDir()
     const n = loadNative()

@@ -626,7 +626,9 @@ export class DiskTier {
     let fh: Awaited<ReturnType<typeof open>> | undefined
     let off = 0
     try {
-      fh = await open(this.#pathOf(hex), 'r')
+      // O_NONBLOCK: a FIFO put in the file's place reads as empty (a corrupt miss) instead
+      // of blocking this queue slot and a pool thread until a writer opens it.
+      fh = await open(this.#pathOf(hex), fsc.O_RDONLY | fsc.O_NONBLOCK)
       while (off < size) {
         const { bytesRead } = await fh.read(buf, off, size - off, off)
         if (bytesRead === 0) break
