@@ -614,6 +614,33 @@ describe('DiskTier', () => {
     expect(d2.stats().files).toBe(1)
   })
 
+  it('concurrent writes stay within the budget: each one reserves its bytes before the next one evicts', async () => {
+    const one = object(hexOf(1), 1).byteLength
+    for (const concurrency of [2, 4]) {
+      const dir = tempDir()
+      const d = await DiskTier.open({ dir, bytes: 4 * one + 10, concurrency })
+      let peak = 0
+      const puts = Array.from({ length: 12 }, (_, i) =>
+        d.put(hexOf(i + 1), object(hexOf(i + 1), i + 1)).then((ok) => {
+          peak = Math.max(peak, d.stats().usedBytes)
+          return ok
+        }),
+      )
+      expect(await Promise.all(puts)).toEqual(Array(12).fill(true))
+      expect(peak).toBeLessThanOrEqual(4 * one + 10)
+      expect(d.stats().files).toBe(4)
+      // A failed write (its fan-out directory is a file) gives its reservation back: had it
+      // kept it, the next write would evict one more file than it needs.
+      writeFileSync(join(dir, 'ab'), '')
+      const failing = 'ab'.repeat(32)
+      expect(await d.put(failing, object(failing, 9))).toBe(false)
+      expect(d.stats().files).toBe(3)
+      expect(await d.put(hexOf(99), object(hexOf(99), 9))).toBe(true)
+      expect(d.stats().files).toBe(4)
+      expect(d.counters.evictions).toBe(12 - 4 + 1)
+    }
+  })
+
   it('tiers sharing one budget evict the least recently used file of any of them', async () => {
     const one = object(hexOf(1), 1).byteLength
     const budget = new DiskBudget(3 * one + 10)

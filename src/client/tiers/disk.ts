@@ -73,6 +73,12 @@ export interface DiskTierOptions {
 export class DiskBudget {
   readonly bytes: number
   used = 0
+  /**
+   * Bytes of writes in flight (evicted for, not yet renamed into place): counted by every
+   * later eviction, or concurrent writes would each make room for themselves only and
+   * together overshoot the budget.
+   */
+  reserved = 0
   readonly #tiers = new Set<DiskTier>()
 
   constructor(bytes: number) {
@@ -694,8 +700,12 @@ export class DiskTier {
     const subdir = join(this.dir, hex.slice(0, 2))
     const tmp = join(subdir, `${TMP_PREFIX}${hex}-${process.pid}-${randomBytes(4).toString('hex')}`)
     let fh: Awaited<ReturnType<typeof open>> | undefined
+    let reserved = 0
     try {
       await this.#evictToBudget(object.byteLength)
+      // No await since the eviction's last check: no other write slips in between.
+      reserved = object.byteLength
+      this.#shared.reserved += reserved
       // A new fan-out directory must itself survive a crash: fsync its parent once created.
       if ((await mkdir(subdir, { recursive: true })) !== undefined) await fsyncDir(this.dir)
       fh = await open(tmp, fsc.O_WRONLY | fsc.O_CREAT | fsc.O_EXCL, 0o644)
@@ -709,6 +719,8 @@ export class DiskTier {
       await fh.close()
       fh = undefined
       await rename(tmp, this.#pathOf(hex))
+      this.#shared.reserved -= reserved
+      reserved = 0
       const entry: FileEntry = { bytes: object.byteLength, used: useTime() }
       this.#index.set(hex, entry)
       this.#keepHeader(entry, headerOf(object))
@@ -719,6 +731,7 @@ export class DiskTier {
       // The rename is durable only once the directory entry is: fsync the directory.
       return { ok: true, durable: fsyncDir(subdir) }
     } catch (e) {
+      this.#shared.reserved -= reserved
       this.#writeFailed(e)
       await fh?.close().catch(() => {})
       await unlink(tmp).catch(() => {})
@@ -778,7 +791,7 @@ export class DiskTier {
   /** Deletes least recently used files (of any tier sharing the budget) until `incoming` fits. */
   async #evictToBudget(incoming: number): Promise<void> {
     const b = this.#shared
-    while (b.used + incoming > b.bytes) {
+    while (b.used + b.reserved + incoming > b.bytes) {
       const victim = b.oldest() ?? this
       const done = victim.#evictOldest()
       if (done === undefined) return
