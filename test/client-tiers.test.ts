@@ -2,7 +2,16 @@
 // faults) and the priority I/O queue, each tested on its own.
 
 import { execFileSync } from 'node:child_process'
-import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import {
+  existsSync,
+  mkdirSync,
+  mkdtempSync,
+  readdirSync,
+  readFileSync,
+  renameSync,
+  rmSync,
+  writeFileSync,
+} from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterEach, describe, expect, it } from 'vitest'
@@ -394,6 +403,36 @@ describe('DiskTier', () => {
       }
       expect(d.counters.corrupt).toBe(2)
       expect(d.stats().usedBytes).toBe(0)
+      if (slot) native!.freePinned(slot.buffer)
+    }
+  })
+
+  it('a file another writer replaced with a valid object of another size (same key) is re-indexed, not deleted as corrupt', async () => {
+    const n = loadNative()
+    for (const native of [undefined, n.api]) {
+      const dir = tempDir()
+      const d = await DiskTier.open({ dir, bytes: 1 << 30, native })
+      const slot = native ? new Uint8Array((await native.allocPinned(1 << 20)).buffer) : undefined
+      for (const [key, before, after] of [
+        [0xa0, 64, 4], // now shorter than indexed
+        [0xa1, 4, 64], // now longer
+      ] as const) {
+        const hex = hexOf(key)
+        await d.put(hex, object(hex, 1, before))
+        // Another process (another diskCodec, another chunk size) writes the key: temp + rename.
+        const now = object(hex, 2, after)
+        writeFileSync(`${d.pathOf(hex)}.other`, now)
+        renameSync(`${d.pathOf(hex)}.other`, d.pathOf(hex))
+        const first = await d.get(hex, 'get', slot)
+        // Served as it is now, or a miss: never the bytes of both, never a deleted file.
+        if (first) expect(Buffer.compare(Buffer.from(first), Buffer.from(now))).toBe(0)
+        expect(existsSync(d.pathOf(hex))).toBe(true)
+        expect(d.has(hex)).toBe(true)
+        const again = await d.get(hex, 'get', slot)
+        expect(again && Buffer.compare(Buffer.from(again), Buffer.from(now))).toBe(0)
+      }
+      expect(d.counters.corrupt).toBe(0)
+      expect(d.stats().usedBytes).toBe(object(hexOf(1), 1, 4).byteLength + object(hexOf(1), 1, 64).byteLength)
       if (slot) native!.freePinned(slot.buffer)
     }
   })

@@ -440,8 +440,10 @@ export class DiskTier {
       if (read && !read.verified) await this.#verify(read.bytes)
     } catch (e) {
       if (isKvgateError(e) && e.code.startsWith('ERR_FORMAT_')) {
-        this.counters.corrupt++
-        await this.delete(hex)
+        if (!(await this.#reindexReplaced(hex, entry))) {
+          this.counters.corrupt++
+          await this.delete(hex)
+        }
       } else {
         // Not a verdict on the file (a closed codec pool, an addon error): a counted miss, the file stays.
         this.counters.errors++
@@ -456,6 +458,28 @@ export class DiskTier {
     this.counters.bytesRead += bytes.byteLength
     this.counters.readLatency.record(since(t0))
     return bytes
+  }
+
+  /**
+   * After a read that failed verification: whether the file is another writer's valid object
+   * of another size under this key (a shared directory, another diskCodec), written temp +
+   * rename since it was indexed. Then it is indexed as it is now (this read is a miss),
+   * or dropped from the index if another instance owns it, and not deleted as corrupt.
+   */
+  async #reindexReplaced(hex: string, entry: FileEntry): Promise<boolean> {
+    const now = await this.#checkHeader(this.#pathOf(hex), hex)
+    if (now === 'foreign') {
+      if (this.#index.get(hex) === entry) this.#dropIndex(hex)
+      return true
+    }
+    if (typeof now !== 'object' || now.bytes === entry.bytes) return false
+    if (this.#index.get(hex) === entry) {
+      this.#addUsed(now.bytes - entry.bytes)
+      entry.bytes = now.bytes
+      this.#keepHeader(entry, now.header)
+      await this.#evictToBudget(0)
+    }
+    return true
   }
 
   async #readFile(
