@@ -159,6 +159,16 @@ export interface ReadSink {
   copied: boolean
 }
 
+/** A chunk file found at start, to be indexed. */
+interface Found {
+  hex: string
+  bytes: number
+  time: number
+  header: Uint8Array
+}
+
+/** Files probed at once at start (each a few pool round trips: open, stat, read, close). */
+const PROBES_IN_FLIGHT = 16
 const FILE_RE = /^[0-9a-f]{64}\.kvc$/
 const SUBDIR_RE = /^[0-9a-f]{2}$/
 const TMP_PREFIX = '.tmp-'
@@ -298,7 +308,7 @@ export class DiskTier {
   }
 
   async #rebuild(): Promise<void> {
-    const found: { hex: string; bytes: number; time: number; header: Uint8Array }[] = []
+    const found: Found[] = []
     for (const sub of await readdir(this.dir)) {
       if (!SUBDIR_RE.test(sub)) continue
       const subdir = join(this.dir, sub)
@@ -308,35 +318,17 @@ export class DiskTier {
       } catch {
         continue
       }
-      for (const name of names) {
-        const path = join(subdir, name)
-        if (name.startsWith(TMP_PREFIX)) {
-          // A write that never reached its rename: its writer died, unless it is still running.
-          if (await this.#staleTemp(path, name)) {
-            await rm(path, { force: true })
-            this.#discarded++
-          }
-          continue
-        }
-        if (!FILE_RE.test(name) || !name.startsWith(sub)) continue
-        const hex = name.slice(0, 64)
-        const ok = await this.#checkHeader(path, hex)
-        if (ok === 'unreadable') {
-          // An I/O error says nothing about the file: keep it, just do not serve it.
-          this.#unreadable++
-          continue
-        }
-        if (ok === 'foreign') {
-          this.#foreign++
-          continue
-        }
-        if (!ok) {
-          await rm(path, { force: true })
-          this.#discarded++
-          continue
-        }
-        found.push({ hex, bytes: ok.bytes, time: ok.time, header: ok.header })
+      // Several files probed at once: one at a time, each costs four pool round trips in a
+      // row (open, stat, read, close) and a large directory takes minutes to open.
+      let next = 0
+      const worker = async () => {
+        while (next < names.length) await this.#recover(subdir, sub, names[next++]!, found)
       }
+      // allSettled: no probe (nor its rm) still runs after a failed open returns.
+      const done = await Promise.allSettled(
+        Array.from({ length: Math.min(PROBES_IN_FLIGHT, names.length) }, worker),
+      )
+      for (const r of done) if (r.status === 'rejected') throw r.reason
     }
     found.sort((a, b) => a.time - b.time)
     for (const f of found) {
@@ -346,6 +338,37 @@ export class DiskTier {
       this.#addUsed(f.bytes)
     }
     await this.#evictToBudget(0)
+  }
+
+  /** One directory entry at start: a stale temp file or a corrupt file is deleted, a chunk file indexed. */
+  async #recover(subdir: string, sub: string, name: string, found: Found[]): Promise<void> {
+    const path = join(subdir, name)
+    if (name.startsWith(TMP_PREFIX)) {
+      // A write that never reached its rename: its writer died, unless it is still running.
+      if (await this.#staleTemp(path, name)) {
+        await rm(path, { force: true })
+        this.#discarded++
+      }
+      return
+    }
+    if (!FILE_RE.test(name) || !name.startsWith(sub)) return
+    const hex = name.slice(0, 64)
+    const ok = await this.#checkHeader(path, hex)
+    if (ok === 'unreadable') {
+      // An I/O error says nothing about the file: keep it, just do not serve it.
+      this.#unreadable++
+      return
+    }
+    if (ok === 'foreign') {
+      this.#foreign++
+      return
+    }
+    if (!ok) {
+      await rm(path, { force: true })
+      this.#discarded++
+      return
+    }
+    found.push({ hex, bytes: ok.bytes, time: ok.time, header: ok.header })
   }
 
   /**
