@@ -281,6 +281,41 @@ describe('DiskTier', () => {
     ])
   })
 
+  it('at start, an entry that cannot be deleted (a directory named like a dead temp file) does not fail the open', async () => {
+    const dir = tempDir()
+    mkdirSync(join(dir, '00'))
+    writeFileSync(join(dir, '00', `${hexOf(1)}.kvc`), object(hexOf(1), 1))
+    // rm() of a directory (no recursive) throws EISDIR: the tier must still open.
+    mkdirSync(join(dir, '00', `.tmp-${hexOf(2)}-${deadPid()}-abcd`))
+    const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+    expect(d.stats().files).toBe(1)
+    expect(d.stats().unreadableFiles).toBe(1)
+    expect(await d.get(hexOf(1))).toBeDefined()
+  })
+
+  it('at start, a corrupt file on a read-only directory is left in place, not indexed, and the tier opens', async (ctx) => {
+    const dir = tempDir()
+    mkdirSync(join(dir, '00'))
+    writeFileSync(join(dir, '00', `${hexOf(1)}.kvc`), object(hexOf(1), 1))
+    writeFileSync(join(dir, '00', `${hexOf(2)}.kvc`), object(hexOf(2), 1).subarray(0, 100))
+    try {
+      execFileSync('mount', ['--bind', dir, dir], { stdio: 'ignore' })
+      execFileSync('mount', ['-o', 'remount,ro,bind', dir], { stdio: 'ignore' })
+    } catch {
+      ctx.skip()
+      return
+    }
+    try {
+      const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+      expect(d.stats().files).toBe(1)
+      expect(d.stats().unreadableFiles).toBe(1)
+      expect(d.has(hexOf(2))).toBe(false)
+      expect(await d.get(hexOf(1))).toBeDefined()
+    } finally {
+      execFileSync('umount', [dir])
+    }
+  })
+
   it('treats a file corrupted after start as a miss and deletes it', async () => {
     const dir = tempDir()
     const d = await DiskTier.open({ dir, bytes: 1 << 20 })

@@ -130,7 +130,10 @@ export interface DiskTierStats {
   recoveredDiscarded: number
   /** Files at start that belong to another instance (owns() said no): left alone, not counted. */
   foreignFiles: number
-  /** Files at start that could not be read (EIO, EMFILE, EACCES…): left in place, not indexed. */
+  /**
+   * Files at start that could not be read (EIO, EMFILE, EACCES…), are not regular files, or
+   * were to be discarded but could not be deleted (read-only directory): left in place, not indexed.
+   */
   unreadableFiles: number
   /** Reads that went through O_DIRECT. */
   directReads: number
@@ -345,10 +348,7 @@ export class DiskTier {
     const path = join(subdir, name)
     if (name.startsWith(TMP_PREFIX)) {
       // A write that never reached its rename: its writer died, unless it is still running.
-      if (await this.#staleTemp(path, name)) {
-        await rm(path, { force: true })
-        this.#discarded++
-      }
+      if (await this.#staleTemp(path, name)) await this.#discard(path)
       return
     }
     if (!FILE_RE.test(name) || !name.startsWith(sub)) return
@@ -364,11 +364,24 @@ export class DiskTier {
       return
     }
     if (!ok) {
-      await rm(path, { force: true })
-      this.#discarded++
+      await this.#discard(path)
       return
     }
     found.push({ hex, bytes: ok.bytes, time: ok.time, header: ok.header })
+  }
+
+  /**
+   * Deletes a dead writer's temp file or a corrupt file found at start. One that cannot be
+   * deleted (a read-only directory, a directory under that name) is left in place, counted
+   * unreadable: it is not indexed either way, and it must not fail the tier's open.
+   */
+  async #discard(path: string): Promise<void> {
+    try {
+      await rm(path, { force: true })
+      this.#discarded++
+    } catch {
+      this.#unreadable++
+    }
   }
 
   /**
