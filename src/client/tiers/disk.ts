@@ -525,8 +525,9 @@ export class DiskTier {
     sink: ReadSink | undefined,
   ): Promise<{ bytes: Uint8Array; verified: boolean } | undefined> {
     const size = entry.bytes
-    // One buffer, one read call per pass: readFile() would read in 512 KiB pieces.
-    const buf = into ?? new Uint8Array(size)
+    // One buffer, one read call per pass: readFile() would read in 512 KiB pieces. `into` was
+    // sized when the read was queued: a file re-indexed larger since (#reindexReplaced) gets its own.
+    const buf = into && into.byteLength >= size ? into.subarray(0, size) : new Uint8Array(size)
     if (this.#native && buf.byteOffset % 4096 === 0) {
       try {
         try {
