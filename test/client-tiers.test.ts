@@ -10,6 +10,7 @@ import {
   readFileSync,
   renameSync,
   rmSync,
+  utimesSync,
   writeFileSync,
 } from 'node:fs'
 import { tmpdir } from 'node:os'
@@ -582,6 +583,23 @@ describe('DiskTier', () => {
         if (h) expect(h.buffer.byteLength).toBe(one)
       }
     expect([0xa1, 0xa2].filter((k) => d2.indexedHeader(hexOf(k)) !== undefined)).toHaveLength(1)
+  })
+
+  it('a restart keeps the headers of the most recently used files within indexedHeaderBytes (not of the coldest)', async () => {
+    const dir = tempDir()
+    const one = decodeHeader(object(hexOf(1), 1)).headerBytes
+    const d = await DiskTier.open({ dir, bytes: 1 << 30 })
+    const N = 40
+    for (let k = 1; k <= N; k++) await d.put(hexOf(k), object(hexOf(k), k))
+    // File k was last used k minutes after the first: file N is the most recent.
+    const base = Date.now() / 1000 - 10 * N * 60
+    for (let k = 1; k <= N; k++) utimesSync(d.pathOf(hexOf(k)), base + k * 60, base + k * 60)
+    const d2 = await DiskTier.open({ dir, bytes: 1 << 30, indexedHeaderBytes: 3 * one + 10 })
+    expect(d2.stats()).toMatchObject({ files: N, indexedHeaderBytes: 3 * one })
+    const kept = Array.from({ length: N }, (_, i) => i + 1).filter(
+      (k) => d2.indexedHeader(hexOf(k)) !== undefined,
+    )
+    expect(kept).toEqual([N - 2, N - 1, N])
   })
 
   describe("a read with a sink (the caller's buffer) copies verified sections only", () => {

@@ -167,7 +167,16 @@ interface Found {
   hex: string
   bytes: number
   time: number
-  header: Uint8Array
+  /** Dropped for the older files once the scan holds more than the index may keep. */
+  header: Uint8Array | undefined
+}
+
+/** What a start-up scan has found so far, and the memory its headers hold. */
+interface Scan {
+  found: Found[]
+  /** The found files still holding their header (at most about twice the index's memory for them). */
+  held: Found[]
+  headerBytes: number
 }
 
 /** Files probed at once at start (each a few pool round trips: open, stat, read, close). */
@@ -311,7 +320,7 @@ export class DiskTier {
   }
 
   async #rebuild(): Promise<void> {
-    const found: Found[] = []
+    const scan: Scan = { found: [], held: [], headerBytes: 0 }
     for (const sub of await readdir(this.dir)) {
       if (!SUBDIR_RE.test(sub)) continue
       const subdir = join(this.dir, sub)
@@ -325,7 +334,7 @@ export class DiskTier {
       // row (open, stat, read, close) and a large directory takes minutes to open.
       let next = 0
       const worker = async () => {
-        while (next < names.length) await this.#recover(subdir, sub, names[next++]!, found)
+        while (next < names.length) await this.#recover(subdir, sub, names[next++]!, scan)
       }
       // allSettled: no probe (nor its rm) still runs after a failed open returns.
       const done = await Promise.allSettled(
@@ -333,18 +342,20 @@ export class DiskTier {
       )
       for (const r of done) if (r.status === 'rejected') throw r.reason
     }
-    found.sort((a, b) => a.time - b.time)
-    for (const f of found) {
+    const found = scan.found.sort((a, b) => a.time - b.time)
+    const entries = found.map((f) => {
       const entry: FileEntry = { bytes: f.bytes, used: f.time }
       this.#index.set(f.hex, entry)
-      this.#keepHeader(entry, f.header)
       this.#addUsed(f.bytes)
-    }
+      return entry
+    })
+    // Headers for the most recently used files first: those are the ones read next.
+    for (let i = found.length - 1; i >= 0; i--) this.#keepHeader(entries[i]!, found[i]!.header)
     await this.#evictToBudget(0)
   }
 
   /** One directory entry at start: a stale temp file or a corrupt file is deleted, a chunk file indexed. */
-  async #recover(subdir: string, sub: string, name: string, found: Found[]): Promise<void> {
+  async #recover(subdir: string, sub: string, name: string, scan: Scan): Promise<void> {
     const path = join(subdir, name)
     if (name.startsWith(TMP_PREFIX)) {
       // A write that never reached its rename: its writer died, unless it is still running.
@@ -367,7 +378,13 @@ export class DiskTier {
       await this.#discard(path)
       return
     }
-    found.push({ hex, bytes: ok.bytes, time: ok.time, header: ok.header })
+    const f: Found = { hex, bytes: ok.bytes, time: ok.time, header: ok.header }
+    scan.found.push(f)
+    scan.held.push(f)
+    scan.headerBytes += ok.header.byteLength
+    // A directory of millions of files must not hold all their headers until the end of the
+    // scan: past twice what the index keeps, only the newest files' headers are kept.
+    if (scan.headerBytes > 2 * this.#headerBudget) keepNewestHeaders(scan, this.#headerBudget)
   }
 
   /**
@@ -910,6 +927,19 @@ export class DiskTier {
   pathOf(hex: string): string {
     return this.#pathOf(hex)
   }
+}
+
+/** Drops the headers of all but the most recently used files holding at most `budget` bytes of them. */
+function keepNewestHeaders(scan: Scan, budget: number): void {
+  scan.held.sort((a, b) => b.time - a.time)
+  scan.headerBytes = 0
+  let n = 0
+  for (const f of scan.held) {
+    if (scan.headerBytes + f.header!.byteLength > budget) break
+    scan.headerBytes += f.header!.byteLength
+    n++
+  }
+  for (const f of scan.held.splice(n)) f.header = undefined
 }
 
 /** fsync of a directory: makes the entries created or renamed in it durable. */
