@@ -744,8 +744,8 @@ export class DiskTier {
   }
 
   /**
-   * Writes a chunk object durably (temp, fsync, rename). Resolves false when the
-   * chunk was present or the write failed; never rejects.
+   * Writes a chunk object durably (temp, fsync, rename, directory fsync). Resolves false when
+   * the chunk was present or the write failed (its directory fsync included); never rejects.
    */
   put(hex: string, object: Uint8Array, priority: IoPriority = 'put'): Promise<boolean> {
     if (this.#index.has(hex)) return Promise.resolve(false)
@@ -761,7 +761,9 @@ export class DiskTier {
         try {
           await r.durable
         } catch (e) {
+          // Readable now but not known to survive a crash: not an acknowledged write.
           this.#writeFailed(e)
+          return false
         }
         return r.ok
       })
