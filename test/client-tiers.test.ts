@@ -10,6 +10,7 @@ import {
   readFileSync,
   renameSync,
   rmSync,
+  statSync,
   utimesSync,
   writeFileSync,
 } from 'node:fs'
@@ -730,6 +731,58 @@ describe('DiskTier', () => {
       expect(await d.put(hexOf(99), object(hexOf(99), 9))).toBe(true)
       expect(d.stats().files).toBe(4)
       expect(d.counters.evictions).toBe(12 - 4 + 1)
+    }
+  })
+
+  it('under a mix of writes, reads and files cut, replaced or deleted behind the index, the accounting matches the disk', async () => {
+    const n = loadNative()
+    let seed = 7
+    const rnd = () => {
+      seed = (seed * 1103515245 + 12345) & 0x7fffffff
+      return seed / 0x7fffffff
+    }
+    const bytesOnDisk = (dir: string) =>
+      readdirSync(dir)
+        .flatMap((sub) => readdirSync(join(dir, sub)).map((f) => join(dir, sub, f)))
+        .filter((f) => f.endsWith('.kvc'))
+        .reduce((a, f) => a + statSync(f).size, 0)
+    for (const native of [undefined, n.api]) {
+      const budget = new DiskBudget(40 * object(hexOf(1), 1).byteLength)
+      const dirs = [tempDir(), tempDir()]
+      const tiers = await Promise.all(
+        dirs.map((dir) => DiskTier.open({ dir, bytes: 1, sharedBudget: budget, native, concurrency: 3 })),
+      )
+      const ops: Promise<unknown>[] = []
+      for (let i = 0; i < 600; i++) {
+        const d = tiers[Math.floor(rnd() * 2)]!
+        const k = 1 + Math.floor(rnd() * 80)
+        const hex = hexOf(k)
+        const path = d.pathOf(hex)
+        const r = rnd()
+        const tokens = rnd() < 0.5 ? 4 : 8
+        if (r < 0.5) ops.push(d.put(hex, object(hex, k, tokens)))
+        else if (r < 0.8) ops.push(d.get(hex))
+        else if (r < 0.95) {
+          // Behind the tier's back, to a file it holds (once nothing runs: no eviction races the check).
+          await Promise.all(ops.splice(0))
+          if (!existsSync(path)) continue
+          if (r < 0.85) writeFileSync(path, readFileSync(path).subarray(0, 50))
+          else if (r < 0.9) {
+            writeFileSync(`${path}.x`, object(hex, 3, tokens))
+            renameSync(`${path}.x`, path)
+          } else rmSync(path)
+        } else ops.push(d.delete(hex))
+        if (i % 20 === 0) await Promise.all(ops.splice(0))
+      }
+      await Promise.all(ops)
+      for (const d of tiers) await d.drain()
+      // Every indexed file read once, so each tier has seen what happened to its files.
+      for (const d of tiers) for (let k = 1; k <= 80; k++) if (d.has(hexOf(k))) await d.get(hexOf(k))
+      const used = tiers.map((d) => d.stats().usedBytes)
+      expect(budget.reserved).toBe(0)
+      expect(budget.used).toBe(used[0]! + used[1]!)
+      expect(used).toEqual(dirs.map(bytesOnDisk))
+      expect(budget.used).toBeLessThanOrEqual(budget.bytes)
     }
   })
 
