@@ -452,19 +452,33 @@ export class StorageManager {
 
   /**
    * Brings the available prefix into L1 at prefetch priority, at most
-   * fetchConcurrency chunks at once; resolves to the leading chunks resident.
+   * fetchConcurrency chunks at once; resolves to the leading chunks resident
+   * (waiting at most retrieveDeadlineMs for them).
    */
   async prefetch(keys: readonly ChunkKey[]): Promise<number> {
+    let stopped = false
+    let timer: NodeJS.Timeout | undefined
+    // Past retrieveDeadlineMs (a stuck L2 read) or at close() no chunk is waited for; reads
+    // still running land in L1 in the background.
+    const expired = Promise.race([
+      new Promise<undefined>((resolve) => {
+        timer = setTimeout(() => resolve(undefined), this.retrieveDeadlineMs)
+      }),
+      this.#closing,
+    ]).then(() => {
+      stopped = true
+      return undefined
+    })
     const tiers = await this.lookup(keys)
     const ok = new Uint8Array(tiers.length)
     let next = 0
     const worker = async () => {
-      while (next < tiers.length && !this.#closed) {
+      while (next < tiers.length && !this.#closed && !stopped) {
         const i = next++
         const pending = this.acquire(keys[i]!, 'prefetch')
-        const h = await Promise.race([pending, this.#closing])
+        const h = await Promise.race([pending, expired])
         if (!h) {
-          if (this.#closed)
+          if (stopped)
             void pending.then(
               (late) => late?.release(),
               () => {},
@@ -476,7 +490,11 @@ export class StorageManager {
         h.release()
       }
     }
-    await Promise.all(Array.from({ length: Math.min(this.#fetchConcurrency, tiers.length) }, worker))
+    try {
+      await Promise.all(Array.from({ length: Math.min(this.#fetchConcurrency, tiers.length) }, worker))
+    } finally {
+      clearTimeout(timer)
+    }
     let resident = 0
     while (resident < ok.length && ok[resident] === 1) resident++
     return resident
