@@ -157,4 +157,19 @@ describe('DiskTier in a shared directory', () => {
     await d.put(hexOf(0x41), object(hexOf(0x41)))
     expect(io.syncedDirs).toEqual([sub])
   })
+
+  it('a write whose directory fsync fails is not acknowledged (put resolves false), and counted', async () => {
+    const dir = tempDir()
+    const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+    await d.put(hexOf(0x40), object(hexOf(0x40)))
+    // The rename is not known durable: a crash may lose it, so the write must not be reported done.
+    io.failOpen.set(join(dir, '00'), 'EIO')
+    expect(await d.put(hexOf(0x41), object(hexOf(0x41)))).toBe(false)
+    expect(d.stats().writeErrors).toBe(1)
+    expect(d.stats().lastWriteError).toMatch(/EIO/)
+    // The file is intact on disk: still served now (a restart after a crash may not find it).
+    expect(await d.get(hexOf(0x41))).toBeDefined()
+    io.failOpen.clear()
+    expect(await d.put(hexOf(0x42), object(hexOf(0x42)))).toBe(true)
+  })
 })

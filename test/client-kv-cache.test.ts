@@ -4,9 +4,10 @@
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { afterEach, describe, expect, it } from 'vitest'
+import { afterEach, describe, expect, it, vi } from 'vitest'
 import { optionsFromEnvironment, parseBytes, resolveOptions } from '../src/client/config.ts'
 import { KVCache } from '../src/client/index.ts'
+import { DiskTier } from '../src/client/tiers/disk.ts'
 import { chainKeys } from '../src/core/keys.ts'
 import { chunkBytes, layerSlabBytes, MODEL_PRESETS } from '../src/core/layout.ts'
 
@@ -490,6 +491,55 @@ describe('KVCache over L1 and L2', () => {
       await new Promise((r) => setTimeout(r, 5))
     expect(c2.stats().disk).toMatchObject({ hits: 3, corrupt: 1 })
     expect(c2.stats().memory.livePins).toBe(0)
+  })
+
+  it('retrieveLayers and prefetch: an L2 read stuck past retrieveDeadlineMs is a miss (the prefix before it is served), and what it holds is released when it lands', async () => {
+    const dir = tempDir()
+    const c = await open({ disk: { dir, bytes: 1 << 24 } })
+    const toks = tokens(3 * T, 31)
+    const kv = kvFor(3, 31)
+    await c.store(toks, kv)
+    await c.flush()
+    await c.close()
+    const c2 = await open({ disk: { dir, bytes: 1 << 24 }, retrieveDeadlineMs: 200 })
+    const stuck = c2.keys(toks)[1]!.hex
+    // A disk that never answers for chunk 1 (a hung device, a dead network filesystem).
+    const stuckReads: (() => void)[] = []
+    const get = DiskTier.prototype.get
+    const spy = vi.spyOn(DiskTier.prototype, 'get').mockImplementation(function (
+      this: DiskTier,
+      hex,
+      ...rest
+    ) {
+      if (hex !== stuck) return get.call(this, hex, ...rest)
+      return new Promise<Uint8Array | undefined>((r) => stuckReads.push(() => r(undefined)))
+    })
+    try {
+      const t0 = Date.now()
+      const served = await Promise.race([
+        (async () => {
+          let chunks = -1
+          for await (const b of c2.retrieveLayers(toks)) chunks = b.chunks
+          return chunks
+        })(),
+        new Promise<'hung'>((r) => setTimeout(() => r('hung'), 3000)),
+      ])
+      expect(served).toBe(1)
+      expect(Date.now() - t0).toBeLessThan(2500)
+      // prefetch() too: it resolves with the resident prefix instead of waiting on the stuck read.
+      const c3 = await open({ disk: { dir, bytes: 1 << 24 }, retrieveDeadlineMs: 200 })
+      const fetched = await Promise.race([
+        c3.prefetch(toks),
+        new Promise<'hung'>((r) => setTimeout(() => r('hung'), 3000)),
+      ])
+      expect(fetched).toEqual({ tokens: T })
+    } finally {
+      for (const unstick of stuckReads) unstick()
+      spy.mockRestore()
+    }
+    for (const c of [c2, ...caches.slice(-1)])
+      for (let i = 0; i < 200 && c.stats().memory.liveReservations + c.stats().memory.livePins > 0; i++)
+        await new Promise((r) => setTimeout(r, 5))
   })
 
   it("retrieveLayers: an item's slabs stay valid until the generator finishes, not only until the next item (L1 churned, L2 chunks, L1 full)", async () => {

@@ -2,7 +2,18 @@
 // faults) and the priority I/O queue, each tested on its own.
 
 import { execFileSync } from 'node:child_process'
-import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import {
+  existsSync,
+  mkdirSync,
+  mkdtempSync,
+  readdirSync,
+  readFileSync,
+  renameSync,
+  rmSync,
+  statSync,
+  utimesSync,
+  writeFileSync,
+} from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterEach, describe, expect, it } from 'vitest'
@@ -249,6 +260,64 @@ describe('DiskTier', () => {
     expect(readdirSync(join(dir, '00'))).toEqual([`${hexOf(1)}.kvc`])
   })
 
+  it('at start, a FIFO or other non-regular file with a chunk name is left alone: open does not block on it', async () => {
+    const dir = tempDir()
+    mkdirSync(join(dir, '00'))
+    writeFileSync(join(dir, '00', `${hexOf(1)}.kvc`), object(hexOf(1), 1))
+    // open(O_RDONLY) of a FIFO waits for a writer: without O_NONBLOCK the tier never opens
+    // (and a libuv pool thread stays blocked for good).
+    execFileSync('mkfifo', [join(dir, '00', `${hexOf(2)}.kvc`)])
+    mkdirSync(join(dir, '00', `${hexOf(3)}.kvc`))
+    const opened = await Promise.race([
+      DiskTier.open({ dir, bytes: 1 << 20 }),
+      new Promise<'blocked'>((r) => setTimeout(() => r('blocked'), 2000)),
+    ])
+    expect(opened).not.toBe('blocked')
+    const d = opened as DiskTier
+    expect(d.stats().files).toBe(1)
+    expect(d.stats().unreadableFiles).toBe(2)
+    expect(readdirSync(join(dir, '00')).sort()).toEqual([
+      `${hexOf(1)}.kvc`,
+      `${hexOf(2)}.kvc`,
+      `${hexOf(3)}.kvc`,
+    ])
+  })
+
+  it('at start, an entry that cannot be deleted (a directory named like a dead temp file) does not fail the open', async () => {
+    const dir = tempDir()
+    mkdirSync(join(dir, '00'))
+    writeFileSync(join(dir, '00', `${hexOf(1)}.kvc`), object(hexOf(1), 1))
+    // rm() of a directory (no recursive) throws EISDIR: the tier must still open.
+    mkdirSync(join(dir, '00', `.tmp-${hexOf(2)}-${deadPid()}-abcd`))
+    const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+    expect(d.stats().files).toBe(1)
+    expect(d.stats().unreadableFiles).toBe(1)
+    expect(await d.get(hexOf(1))).toBeDefined()
+  })
+
+  it('at start, a corrupt file on a read-only directory is left in place, not indexed, and the tier opens', async (ctx) => {
+    const dir = tempDir()
+    mkdirSync(join(dir, '00'))
+    writeFileSync(join(dir, '00', `${hexOf(1)}.kvc`), object(hexOf(1), 1))
+    writeFileSync(join(dir, '00', `${hexOf(2)}.kvc`), object(hexOf(2), 1).subarray(0, 100))
+    try {
+      execFileSync('mount', ['--bind', dir, dir], { stdio: 'ignore' })
+      execFileSync('mount', ['-o', 'remount,ro,bind', dir], { stdio: 'ignore' })
+    } catch {
+      ctx.skip()
+      return
+    }
+    try {
+      const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+      expect(d.stats().files).toBe(1)
+      expect(d.stats().unreadableFiles).toBe(1)
+      expect(d.has(hexOf(2))).toBe(false)
+      expect(await d.get(hexOf(1))).toBeDefined()
+    } finally {
+      execFileSync('umount', [dir])
+    }
+  })
+
   it('treats a file corrupted after start as a miss and deletes it', async () => {
     const dir = tempDir()
     const d = await DiskTier.open({ dir, bytes: 1 << 20 })
@@ -351,6 +420,83 @@ describe('DiskTier', () => {
     n.api!.freePinned(slot.buffer)
   })
 
+  it('a file found cut short at read is deleted, not only dropped from the index (it would sit on disk uncounted)', async () => {
+    const n = loadNative()
+    for (const native of [undefined, n.api]) {
+      const dir = tempDir()
+      const d = await DiskTier.open({ dir, bytes: 1 << 30, native })
+      const slot = native ? new Uint8Array((await native.allocPinned(1 << 20)).buffer) : undefined
+      for (const [key, cut] of [
+        [0x80, 100], // inside the header
+        [0x81, -1], // the last byte
+      ] as const) {
+        const o = object(hexOf(key), 3, 64)
+        await d.put(hexOf(key), o)
+        const path = d.pathOf(hexOf(key))
+        writeFileSync(path, o.subarray(0, cut < 0 ? o.byteLength + cut : cut))
+        expect(await d.get(hexOf(key), 'get', slot)).toBeUndefined()
+        expect(d.has(hexOf(key))).toBe(false)
+        expect(existsSync(path)).toBe(false)
+      }
+      expect(d.counters.corrupt).toBe(2)
+      expect(d.stats().usedBytes).toBe(0)
+      if (slot) native!.freePinned(slot.buffer)
+    }
+  })
+
+  it('a file another writer replaced with a valid object of another size (same key) is re-indexed, not deleted as corrupt', async () => {
+    const n = loadNative()
+    for (const native of [undefined, n.api]) {
+      const dir = tempDir()
+      const d = await DiskTier.open({ dir, bytes: 1 << 30, native })
+      const slot = native ? new Uint8Array((await native.allocPinned(1 << 20)).buffer) : undefined
+      for (const [key, before, after] of [
+        [0xa0, 64, 4], // now shorter than indexed
+        [0xa1, 4, 64], // now longer
+      ] as const) {
+        const hex = hexOf(key)
+        await d.put(hex, object(hex, 1, before))
+        // Another process (another diskCodec, another chunk size) writes the key: temp + rename.
+        const now = object(hex, 2, after)
+        writeFileSync(`${d.pathOf(hex)}.other`, now)
+        renameSync(`${d.pathOf(hex)}.other`, d.pathOf(hex))
+        const first = await d.get(hex, 'get', slot)
+        // Served as it is now, or a miss: never the bytes of both, never a deleted file.
+        if (first) expect(Buffer.compare(Buffer.from(first), Buffer.from(now))).toBe(0)
+        expect(existsSync(d.pathOf(hex))).toBe(true)
+        expect(d.has(hex)).toBe(true)
+        const again = await d.get(hex, 'get', slot)
+        expect(again && Buffer.compare(Buffer.from(again), Buffer.from(now))).toBe(0)
+      }
+      expect(d.counters.corrupt).toBe(0)
+      expect(d.stats().usedBytes).toBe(object(hexOf(1), 1, 4).byteLength + object(hexOf(1), 1, 64).byteLength)
+      if (slot) native!.freePinned(slot.buffer)
+    }
+  })
+
+  it('a chunk file replaced behind the index by a FIFO is a quick miss: the read neither blocks nor holds a queue slot', async () => {
+    const n = loadNative()
+    for (const native of [undefined, n.api]) {
+      const dir = tempDir()
+      const d = await DiskTier.open({ dir, bytes: 1 << 30, native, concurrency: 1 })
+      const slot = native ? new Uint8Array((await native.allocPinned(1 << 20)).buffer) : undefined
+      await d.put(hexOf(0x90), object(hexOf(0x90), 3, 64))
+      await d.put(hexOf(0x91), object(hexOf(0x91), 4, 64))
+      rmSync(d.pathOf(hexOf(0x90)))
+      execFileSync('mkfifo', [d.pathOf(hexOf(0x90))])
+      const got = await Promise.race([
+        d.get(hexOf(0x90), 'get', slot),
+        new Promise<'blocked'>((r) => setTimeout(() => r('blocked'), 2000)),
+      ])
+      // A read left waiting on the FIFO (without the fix) is unblocked: no pool thread lost for the run.
+      if (got === 'blocked') writeFileSync(d.pathOf(hexOf(0x90)), '')
+      expect(got).toBeUndefined()
+      // The one queue slot is free again: the next chunk is served.
+      expect(await d.get(hexOf(0x91), 'get', slot)).toBeDefined()
+      if (slot) native!.freePinned(slot.buffer)
+    }
+  })
+
   it('through the addon, an indexed file is read without a header read first; one replaced since (same key) is read as it is now, not counted corrupt', async () => {
     const dir = tempDir()
     const n = loadNative()
@@ -438,6 +584,23 @@ describe('DiskTier', () => {
         if (h) expect(h.buffer.byteLength).toBe(one)
       }
     expect([0xa1, 0xa2].filter((k) => d2.indexedHeader(hexOf(k)) !== undefined)).toHaveLength(1)
+  })
+
+  it('a restart keeps the headers of the most recently used files within indexedHeaderBytes (not of the coldest)', async () => {
+    const dir = tempDir()
+    const one = decodeHeader(object(hexOf(1), 1)).headerBytes
+    const d = await DiskTier.open({ dir, bytes: 1 << 30 })
+    const N = 40
+    for (let k = 1; k <= N; k++) await d.put(hexOf(k), object(hexOf(k), k))
+    // File k was last used k minutes after the first: file N is the most recent.
+    const base = Date.now() / 1000 - 10 * N * 60
+    for (let k = 1; k <= N; k++) utimesSync(d.pathOf(hexOf(k)), base + k * 60, base + k * 60)
+    const d2 = await DiskTier.open({ dir, bytes: 1 << 30, indexedHeaderBytes: 3 * one + 10 })
+    expect(d2.stats()).toMatchObject({ files: N, indexedHeaderBytes: 3 * one })
+    const kept = Array.from({ length: N }, (_, i) => i + 1).filter(
+      (k) => d2.indexedHeader(hexOf(k)) !== undefined,
+    )
+    expect(kept).toEqual([N - 2, N - 1, N])
   })
 
   describe("a read with a sink (the caller's buffer) copies verified sections only", () => {
@@ -542,6 +705,85 @@ describe('DiskTier', () => {
     // A restart with a smaller budget trims on open.
     const d2 = await DiskTier.open({ dir, bytes: one + 1 })
     expect(d2.stats().files).toBe(1)
+  })
+
+  it('concurrent writes stay within the budget: each one reserves its bytes before the next one evicts', async () => {
+    const one = object(hexOf(1), 1).byteLength
+    for (const concurrency of [2, 4]) {
+      const dir = tempDir()
+      const d = await DiskTier.open({ dir, bytes: 4 * one + 10, concurrency })
+      let peak = 0
+      const puts = Array.from({ length: 12 }, (_, i) =>
+        d.put(hexOf(i + 1), object(hexOf(i + 1), i + 1)).then((ok) => {
+          peak = Math.max(peak, d.stats().usedBytes)
+          return ok
+        }),
+      )
+      expect(await Promise.all(puts)).toEqual(Array(12).fill(true))
+      expect(peak).toBeLessThanOrEqual(4 * one + 10)
+      expect(d.stats().files).toBe(4)
+      // A failed write (its fan-out directory is a file) gives its reservation back: had it
+      // kept it, the next write would evict one more file than it needs.
+      writeFileSync(join(dir, 'ab'), '')
+      const failing = 'ab'.repeat(32)
+      expect(await d.put(failing, object(failing, 9))).toBe(false)
+      expect(d.stats().files).toBe(3)
+      expect(await d.put(hexOf(99), object(hexOf(99), 9))).toBe(true)
+      expect(d.stats().files).toBe(4)
+      expect(d.counters.evictions).toBe(12 - 4 + 1)
+    }
+  })
+
+  it('under a mix of writes, reads and files cut, replaced or deleted behind the index, the accounting matches the disk', async () => {
+    const n = loadNative()
+    let seed = 7
+    const rnd = () => {
+      seed = (seed * 1103515245 + 12345) & 0x7fffffff
+      return seed / 0x7fffffff
+    }
+    const bytesOnDisk = (dir: string) =>
+      readdirSync(dir)
+        .flatMap((sub) => readdirSync(join(dir, sub)).map((f) => join(dir, sub, f)))
+        .filter((f) => f.endsWith('.kvc'))
+        .reduce((a, f) => a + statSync(f).size, 0)
+    for (const native of [undefined, n.api]) {
+      const budget = new DiskBudget(40 * object(hexOf(1), 1).byteLength)
+      const dirs = [tempDir(), tempDir()]
+      const tiers = await Promise.all(
+        dirs.map((dir) => DiskTier.open({ dir, bytes: 1, sharedBudget: budget, native, concurrency: 3 })),
+      )
+      const ops: Promise<unknown>[] = []
+      for (let i = 0; i < 600; i++) {
+        const d = tiers[Math.floor(rnd() * 2)]!
+        const k = 1 + Math.floor(rnd() * 80)
+        const hex = hexOf(k)
+        const path = d.pathOf(hex)
+        const r = rnd()
+        const tokens = rnd() < 0.5 ? 4 : 8
+        if (r < 0.5) ops.push(d.put(hex, object(hex, k, tokens)))
+        else if (r < 0.8) ops.push(d.get(hex))
+        else if (r < 0.95) {
+          // Behind the tier's back, to a file it holds (once nothing runs: no eviction races the check).
+          await Promise.all(ops.splice(0))
+          if (!existsSync(path)) continue
+          if (r < 0.85) writeFileSync(path, readFileSync(path).subarray(0, 50))
+          else if (r < 0.9) {
+            writeFileSync(`${path}.x`, object(hex, 3, tokens))
+            renameSync(`${path}.x`, path)
+          } else rmSync(path)
+        } else ops.push(d.delete(hex))
+        if (i % 20 === 0) await Promise.all(ops.splice(0))
+      }
+      await Promise.all(ops)
+      for (const d of tiers) await d.drain()
+      // Every indexed file read once, so each tier has seen what happened to its files.
+      for (const d of tiers) for (let k = 1; k <= 80; k++) if (d.has(hexOf(k))) await d.get(hexOf(k))
+      const used = tiers.map((d) => d.stats().usedBytes)
+      expect(budget.reserved).toBe(0)
+      expect(budget.used).toBe(used[0]! + used[1]!)
+      expect(used).toEqual(dirs.map(bytesOnDisk))
+      expect(budget.used).toBeLessThanOrEqual(budget.bytes)
+    }
   })
 
   it('tiers sharing one budget evict the least recently used file of any of them', async () => {

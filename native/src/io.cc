@@ -157,7 +157,9 @@ void DoRead(const std::string& path, HostSpan span, uint64_t fileOffset, int64_t
   bool direct = PlanDirect(mode, span.data, fileOffset, r, f);
   if (f.failed()) return;
   Fd fd;
-  fd.fd = OpenFile(path, O_RDONLY, direct, mode, r, f, "readFile");
+  // O_NONBLOCK: a FIFO put where a file was expected must fail the read (ESPIPE), not hold
+  // this pool thread waiting for a writer; it changes nothing for regular files.
+  fd.fd = OpenFile(path, O_RDONLY | O_NONBLOCK, direct, mode, r, f, "readFile");
   if (fd.fd < 0) return;
   struct stat st;
   if (fstat(fd.fd, &st) != 0) {
@@ -194,7 +196,7 @@ void DoRead(const std::string& path, HostSpan span, uint64_t fileOffset, int64_t
       direct = false;
       r.reason = "filesystem rejected an O_DIRECT read (EINVAL): buffered I/O";
       close(fd.release());
-      fd.fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      fd.fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
       if (fd.fd < 0) {
         f = ErrnoFailure("open", errno, "readFile " + path);
         return;

@@ -452,19 +452,33 @@ export class StorageManager {
 
   /**
    * Brings the available prefix into L1 at prefetch priority, at most
-   * fetchConcurrency chunks at once; resolves to the leading chunks resident.
+   * fetchConcurrency chunks at once; resolves to the leading chunks resident
+   * (waiting at most retrieveDeadlineMs for them).
    */
   async prefetch(keys: readonly ChunkKey[]): Promise<number> {
+    let stopped = false
+    let timer: NodeJS.Timeout | undefined
+    // Past retrieveDeadlineMs (a stuck L2 read) or at close() no chunk is waited for; reads
+    // still running land in L1 in the background.
+    const expired = Promise.race([
+      new Promise<undefined>((resolve) => {
+        timer = setTimeout(() => resolve(undefined), this.retrieveDeadlineMs)
+      }),
+      this.#closing,
+    ]).then(() => {
+      stopped = true
+      return undefined
+    })
     const tiers = await this.lookup(keys)
     const ok = new Uint8Array(tiers.length)
     let next = 0
     const worker = async () => {
-      while (next < tiers.length && !this.#closed) {
+      while (next < tiers.length && !this.#closed && !stopped) {
         const i = next++
         const pending = this.acquire(keys[i]!, 'prefetch')
-        const h = await Promise.race([pending, this.#closing])
+        const h = await Promise.race([pending, expired])
         if (!h) {
-          if (this.#closed)
+          if (stopped)
             void pending.then(
               (late) => late?.release(),
               () => {},
@@ -476,7 +490,11 @@ export class StorageManager {
         h.release()
       }
     }
-    await Promise.all(Array.from({ length: Math.min(this.#fetchConcurrency, tiers.length) }, worker))
+    try {
+      await Promise.all(Array.from({ length: Math.min(this.#fetchConcurrency, tiers.length) }, worker))
+    } finally {
+      clearTimeout(timer)
+    }
     let resident = 0
     while (resident < ok.length && ok[resident] === 1) resident++
     return resident
@@ -489,10 +507,19 @@ export class StorageManager {
    * caller's work on earlier ones. A remote chunk is committed to L1 only when
    * every one of its layers arrived and verified; every reservation and pin is
    * settled in the generator's finally, also when the caller stops early: only
-   * then are the slabs of earlier items invalid.
+   * then are the slabs of earlier items invalid. A local chunk not pinned within
+   * retrieveDeadlineMs (a stuck L2 read) or by close() is a miss, like in retrieve().
    */
   async *retrieveLayers(keys: readonly ChunkKey[]): AsyncGenerator<LayerBatch> {
     const g = this.geometry
+    let timer: NodeJS.Timeout | undefined
+    // Past it (or at close()) no local chunk is waited for: the prefix pinned so far is served.
+    const expired = Promise.race([
+      new Promise<undefined>((resolve) => {
+        timer = setTimeout(() => resolve(undefined), this.retrieveDeadlineMs)
+      }),
+      this.#closing,
+    ])
     const tiers = await this.lookup(keys)
     const held: ChunkHandle[] = []
     const remoteChunks: RemoteLayers[] = []
@@ -514,8 +541,15 @@ export class StorageManager {
         const pending = ahead.get(i)
         if (pending) {
           ahead.delete(i)
-          const h = await pending
-          if (!h) break
+          const h = await Promise.race([pending, expired])
+          if (!h) {
+            // A late arrival is released the moment it lands: nothing stays pinned.
+            void pending.then(
+              (late) => late?.release(),
+              () => {},
+            )
+            break
+          }
           held.push(h)
           const slabBytes = layerSlabBytes(g, k.end - k.start)
           sources.push(async (l) => h.bytes.subarray(l * slabBytes, (l + 1) * slabBytes))
@@ -555,6 +589,7 @@ export class StorageManager {
         }
       }
     } finally {
+      clearTimeout(timer)
       for (const rl of remoteChunks) rl.settle()
       for (const h of held) h.release()
       // Chunks read ahead past a miss (or past the caller stopping): released as they land.

@@ -73,6 +73,12 @@ export interface DiskTierOptions {
 export class DiskBudget {
   readonly bytes: number
   used = 0
+  /**
+   * Bytes of writes in flight (evicted for, not yet renamed into place): counted by every
+   * later eviction, or concurrent writes would each make room for themselves only and
+   * together overshoot the budget.
+   */
+  reserved = 0
   readonly #tiers = new Set<DiskTier>()
 
   constructor(bytes: number) {
@@ -124,7 +130,10 @@ export interface DiskTierStats {
   recoveredDiscarded: number
   /** Files at start that belong to another instance (owns() said no): left alone, not counted. */
   foreignFiles: number
-  /** Files at start that could not be read (EIO, EMFILE, EACCES…): left in place, not indexed. */
+  /**
+   * Files at start that could not be read (EIO, EMFILE, EACCES…), are not regular files, or
+   * were to be discarded but could not be deleted (read-only directory): left in place, not indexed.
+   */
   unreadableFiles: number
   /** Reads that went through O_DIRECT. */
   directReads: number
@@ -153,6 +162,25 @@ export interface ReadSink {
   copied: boolean
 }
 
+/** A chunk file found at start, to be indexed. */
+interface Found {
+  hex: string
+  bytes: number
+  time: number
+  /** Dropped for the older files once the scan holds more than the index may keep. */
+  header: Uint8Array | undefined
+}
+
+/** What a start-up scan has found so far, and the memory its headers hold. */
+interface Scan {
+  found: Found[]
+  /** The found files still holding their header (at most about twice the index's memory for them). */
+  held: Found[]
+  headerBytes: number
+}
+
+/** Files probed at once at start (each a few pool round trips: open, stat, read, close). */
+const PROBES_IN_FLIGHT = 16
 const FILE_RE = /^[0-9a-f]{64}\.kvc$/
 const SUBDIR_RE = /^[0-9a-f]{2}$/
 const TMP_PREFIX = '.tmp-'
@@ -292,7 +320,7 @@ export class DiskTier {
   }
 
   async #rebuild(): Promise<void> {
-    const found: { hex: string; bytes: number; time: number; header: Uint8Array }[] = []
+    const scan: Scan = { found: [], held: [], headerBytes: 0 }
     for (const sub of await readdir(this.dir)) {
       if (!SUBDIR_RE.test(sub)) continue
       const subdir = join(this.dir, sub)
@@ -302,44 +330,75 @@ export class DiskTier {
       } catch {
         continue
       }
-      for (const name of names) {
-        const path = join(subdir, name)
-        if (name.startsWith(TMP_PREFIX)) {
-          // A write that never reached its rename: its writer died, unless it is still running.
-          if (await this.#staleTemp(path, name)) {
-            await rm(path, { force: true })
-            this.#discarded++
-          }
-          continue
-        }
-        if (!FILE_RE.test(name) || !name.startsWith(sub)) continue
-        const hex = name.slice(0, 64)
-        const ok = await this.#checkHeader(path, hex)
-        if (ok === 'unreadable') {
-          // An I/O error says nothing about the file: keep it, just do not serve it.
-          this.#unreadable++
-          continue
-        }
-        if (ok === 'foreign') {
-          this.#foreign++
-          continue
-        }
-        if (!ok) {
-          await rm(path, { force: true })
-          this.#discarded++
-          continue
-        }
-        found.push({ hex, bytes: ok.bytes, time: ok.time, header: ok.header })
+      // Several files probed at once: one at a time, each costs four pool round trips in a
+      // row (open, stat, read, close) and a large directory takes minutes to open.
+      let next = 0
+      const worker = async () => {
+        while (next < names.length) await this.#recover(subdir, sub, names[next++]!, scan)
       }
+      // allSettled: no probe (nor its rm) still runs after a failed open returns.
+      const done = await Promise.allSettled(
+        Array.from({ length: Math.min(PROBES_IN_FLIGHT, names.length) }, worker),
+      )
+      for (const r of done) if (r.status === 'rejected') throw r.reason
     }
-    found.sort((a, b) => a.time - b.time)
-    for (const f of found) {
+    const found = scan.found.sort((a, b) => a.time - b.time)
+    const entries = found.map((f) => {
       const entry: FileEntry = { bytes: f.bytes, used: f.time }
       this.#index.set(f.hex, entry)
-      this.#keepHeader(entry, f.header)
       this.#addUsed(f.bytes)
-    }
+      return entry
+    })
+    // Headers for the most recently used files first: those are the ones read next.
+    for (let i = found.length - 1; i >= 0; i--) this.#keepHeader(entries[i]!, found[i]!.header)
     await this.#evictToBudget(0)
+  }
+
+  /** One directory entry at start: a stale temp file or a corrupt file is deleted, a chunk file indexed. */
+  async #recover(subdir: string, sub: string, name: string, scan: Scan): Promise<void> {
+    const path = join(subdir, name)
+    if (name.startsWith(TMP_PREFIX)) {
+      // A write that never reached its rename: its writer died, unless it is still running.
+      if (await this.#staleTemp(path, name)) await this.#discard(path)
+      return
+    }
+    if (!FILE_RE.test(name) || !name.startsWith(sub)) return
+    const hex = name.slice(0, 64)
+    const ok = await this.#checkHeader(path, hex)
+    if (ok === 'unreadable') {
+      // An I/O error says nothing about the file: keep it, just do not serve it.
+      this.#unreadable++
+      return
+    }
+    if (ok === 'foreign') {
+      this.#foreign++
+      return
+    }
+    if (!ok) {
+      await this.#discard(path)
+      return
+    }
+    const f: Found = { hex, bytes: ok.bytes, time: ok.time, header: ok.header }
+    scan.found.push(f)
+    scan.held.push(f)
+    scan.headerBytes += ok.header.byteLength
+    // A directory of millions of files must not hold all their headers until the end of the
+    // scan: past twice what the index keeps, only the newest files' headers are kept.
+    if (scan.headerBytes > 2 * this.#headerBudget) keepNewestHeaders(scan, this.#headerBudget)
+  }
+
+  /**
+   * Deletes a dead writer's temp file or a corrupt file found at start. One that cannot be
+   * deleted (a read-only directory, a directory under that name) is left in place, counted
+   * unreadable: it is not indexed either way, and it must not fail the tier's open.
+   */
+  async #discard(path: string): Promise<void> {
+    try {
+      await rm(path, { force: true })
+      this.#discarded++
+    } catch {
+      this.#unreadable++
+    }
   }
 
   /**
@@ -359,7 +418,7 @@ export class DiskTier {
   /**
    * Cheap start-up check: header decodes, names this key, and the size is exact.
    * Sections are verified on read. 'unreadable' on an I/O error (the file may be
-   * fine), 'foreign' for another instance's file, undefined when it is corrupt.
+   * fine) or for anything but a regular file (left alone), 'foreign' for another instance's file, undefined when it is corrupt.
    */
   async #checkHeader(
     path: string,
@@ -369,8 +428,11 @@ export class DiskTier {
     let probe: Buffer
     let st: Awaited<ReturnType<typeof stat>>
     try {
-      fh = await open(path, 'r')
+      // O_NONBLOCK: a FIFO (or device) under a chunk's name must not hold start-up (and a
+      // pool thread) waiting for a writer; only a regular file can be a chunk.
+      fh = await open(path, fsc.O_RDONLY | fsc.O_NONBLOCK)
       st = await fh.stat()
+      if (!st.isFile()) return 'unreadable'
       probe = Buffer.allocUnsafe(Math.min(st.size, HEADER_PROBE_BYTES))
       await fh.read(probe, 0, probe.byteLength, 0)
     } catch {
@@ -431,8 +493,10 @@ export class DiskTier {
       if (read && !read.verified) await this.#verify(read.bytes)
     } catch (e) {
       if (isKvgateError(e) && e.code.startsWith('ERR_FORMAT_')) {
-        this.counters.corrupt++
-        await this.delete(hex)
+        if (!(await this.#reindexReplaced(hex, entry))) {
+          this.counters.corrupt++
+          await this.delete(hex)
+        }
       } else {
         // Not a verdict on the file (a closed codec pool, an addon error): a counted miss, the file stays.
         this.counters.errors++
@@ -449,6 +513,28 @@ export class DiskTier {
     return bytes
   }
 
+  /**
+   * After a read that failed verification: whether the file is another writer's valid object
+   * of another size under this key (a shared directory, another diskCodec), written temp +
+   * rename since it was indexed. Then it is indexed as it is now (this read is a miss),
+   * or dropped from the index if another instance owns it, and not deleted as corrupt.
+   */
+  async #reindexReplaced(hex: string, entry: FileEntry): Promise<boolean> {
+    const now = await this.#checkHeader(this.#pathOf(hex), hex)
+    if (now === 'foreign') {
+      if (this.#index.get(hex) === entry) this.#dropIndex(hex)
+      return true
+    }
+    if (typeof now !== 'object' || now.bytes === entry.bytes) return false
+    if (this.#index.get(hex) === entry) {
+      this.#addUsed(now.bytes - entry.bytes)
+      entry.bytes = now.bytes
+      this.#keepHeader(entry, now.header)
+      await this.#evictToBudget(0)
+    }
+    return true
+  }
+
   async #readFile(
     hex: string,
     entry: FileEntry,
@@ -456,8 +542,9 @@ export class DiskTier {
     sink: ReadSink | undefined,
   ): Promise<{ bytes: Uint8Array; verified: boolean } | undefined> {
     const size = entry.bytes
-    // One buffer, one read call per pass: readFile() would read in 512 KiB pieces.
-    const buf = into ?? new Uint8Array(size)
+    // One buffer, one read call per pass: readFile() would read in 512 KiB pieces. `into` was
+    // sized when the read was queued: a file re-indexed larger since (#reindexReplaced) gets its own.
+    const buf = into && into.byteLength >= size ? into.subarray(0, size) : new Uint8Array(size)
     if (this.#native && buf.byteOffset % 4096 === 0) {
       try {
         try {
@@ -499,7 +586,7 @@ export class DiskTier {
     const native = this.#native!
     const path = this.#pathOf(hex)
     const maxBytes = Math.max(size, DEFAULT_MAX_CHUNK_BYTES)
-    const headerCopy = indexed ?? (await this.#readHeader(hex, path, buf, size))
+    const headerCopy = indexed ?? (await this.#readHeader(path, buf, size))
     if (!headerCopy) return undefined
     const header = decodeHeader(headerCopy, { maxBytes })
     if (header.totalBytes !== size) {
@@ -552,10 +639,7 @@ export class DiskTier {
         const { r, off, length, first, count } = await inflight.shift()!
         refill()
         if (r.direct) this.#directReads++
-        if (r.bytes !== length) {
-          this.#checkLength(hex, off + r.bytes, size)
-          return undefined
-        }
+        if (r.bytes !== length) this.#checkLength(off + r.bytes, size)
         if (off === 0 && !equalPrefix(buf, headerCopy)) {
           // Not the header the index holds: the file was replaced since, read it afresh.
           if (indexed) throw new StaleHeader()
@@ -604,19 +688,11 @@ export class DiskTier {
 
   /**
    * The file's header bytes: one aligned block, a second read only for a header longer
-   * than that. Undefined (a counted corrupt miss) when the file is shorter than indexed.
+   * than that. Throws ERR_FORMAT_TRUNCATED when the file is shorter than indexed.
    */
-  async #readHeader(
-    hex: string,
-    path: string,
-    buf: Uint8Array,
-    size: number,
-  ): Promise<Uint8Array | undefined> {
+  async #readHeader(path: string, buf: Uint8Array, size: number): Promise<Uint8Array | undefined> {
     let got = await this.#readHead(path, buf, Math.min(size, HEADER_READ_BYTES))
-    if (got < Math.min(size, HEADER_READ_BYTES)) {
-      this.#checkLength(hex, got, size)
-      return undefined
-    }
+    if (got < Math.min(size, HEADER_READ_BYTES)) this.#checkLength(got, size)
     const headerBytes = readHeaderLength(buf.subarray(0, got))
     if (headerBytes > got && got < size) {
       got = await this.#readHead(path, buf, Math.min(size, alignUp(headerBytes)))
@@ -632,27 +708,32 @@ export class DiskTier {
 
   async #readBuffered(hex: string, buf: Uint8Array, size: number): Promise<Uint8Array | undefined> {
     let fh: Awaited<ReturnType<typeof open>> | undefined
+    let off = 0
     try {
-      fh = await open(this.#pathOf(hex), 'r')
-      let off = 0
+      // O_NONBLOCK: a FIFO put in the file's place reads as empty (a corrupt miss) instead
+      // of blocking this queue slot and a pool thread until a writer opens it.
+      fh = await open(this.#pathOf(hex), fsc.O_RDONLY | fsc.O_NONBLOCK)
       while (off < size) {
         const { bytesRead } = await fh.read(buf, off, size - off, off)
         if (bytesRead === 0) break
         off += bytesRead
       }
-      return this.#checkLength(hex, off, size) ? buf : undefined
     } catch (e) {
       return this.#readError(hex, e)
     } finally {
       await fh?.close()
     }
+    this.#checkLength(off, size)
+    return buf
   }
 
-  #checkLength(hex: string, got: number, size: number): boolean {
-    if (got === size) return true
-    this.counters.corrupt++
-    this.#dropIndex(hex)
-    return false
+  /**
+   * A file shorter than indexed is corrupt (a read ends short only at end of file; an I/O
+   * error throws): get() counts it and deletes it, or it would stay on disk uncounted.
+   */
+  #checkLength(got: number, size: number): void {
+    if (got !== size)
+      throw new FormatError('ERR_FORMAT_TRUNCATED', `file is ${got} bytes, ${size} were indexed`)
   }
 
   #readError(hex: string, e: unknown): undefined {
@@ -663,8 +744,8 @@ export class DiskTier {
   }
 
   /**
-   * Writes a chunk object durably (temp, fsync, rename). Resolves false when the
-   * chunk was present or the write failed; never rejects.
+   * Writes a chunk object durably (temp, fsync, rename, directory fsync). Resolves false when
+   * the chunk was present or the write failed (its directory fsync included); never rejects.
    */
   put(hex: string, object: Uint8Array, priority: IoPriority = 'put'): Promise<boolean> {
     if (this.#index.has(hex)) return Promise.resolve(false)
@@ -680,7 +761,9 @@ export class DiskTier {
         try {
           await r.durable
         } catch (e) {
+          // Readable now but not known to survive a crash: not an acknowledged write.
           this.#writeFailed(e)
+          return false
         }
         return r.ok
       })
@@ -697,8 +780,12 @@ export class DiskTier {
     const subdir = join(this.dir, hex.slice(0, 2))
     const tmp = join(subdir, `${TMP_PREFIX}${hex}-${process.pid}-${randomBytes(4).toString('hex')}`)
     let fh: Awaited<ReturnType<typeof open>> | undefined
+    let reserved = 0
     try {
       await this.#evictToBudget(object.byteLength)
+      // No await since the eviction's last check: no other write slips in between.
+      reserved = object.byteLength
+      this.#shared.reserved += reserved
       // A new fan-out directory must itself survive a crash: fsync its parent once created.
       if ((await mkdir(subdir, { recursive: true })) !== undefined) await fsyncDir(this.dir)
       fh = await open(tmp, fsc.O_WRONLY | fsc.O_CREAT | fsc.O_EXCL, 0o644)
@@ -712,6 +799,8 @@ export class DiskTier {
       await fh.close()
       fh = undefined
       await rename(tmp, this.#pathOf(hex))
+      this.#shared.reserved -= reserved
+      reserved = 0
       const entry: FileEntry = { bytes: object.byteLength, used: useTime() }
       this.#index.set(hex, entry)
       this.#keepHeader(entry, headerOf(object))
@@ -722,6 +811,7 @@ export class DiskTier {
       // The rename is durable only once the directory entry is: fsync the directory.
       return { ok: true, durable: fsyncDir(subdir) }
     } catch (e) {
+      this.#shared.reserved -= reserved
       this.#writeFailed(e)
       await fh?.close().catch(() => {})
       await unlink(tmp).catch(() => {})
@@ -781,7 +871,7 @@ export class DiskTier {
   /** Deletes least recently used files (of any tier sharing the budget) until `incoming` fits. */
   async #evictToBudget(incoming: number): Promise<void> {
     const b = this.#shared
-    while (b.used + incoming > b.bytes) {
+    while (b.used + b.reserved + incoming > b.bytes) {
       const victim = b.oldest() ?? this
       const done = victim.#evictOldest()
       if (done === undefined) return
@@ -839,6 +929,19 @@ export class DiskTier {
   pathOf(hex: string): string {
     return this.#pathOf(hex)
   }
+}
+
+/** Drops the headers of all but the most recently used files holding at most `budget` bytes of them. */
+function keepNewestHeaders(scan: Scan, budget: number): void {
+  scan.held.sort((a, b) => b.time - a.time)
+  scan.headerBytes = 0
+  let n = 0
+  for (const f of scan.held) {
+    if (scan.headerBytes + f.header!.byteLength > budget) break
+    scan.headerBytes += f.header!.byteLength
+    n++
+  }
+  for (const f of scan.held.splice(n)) f.header = undefined
 }
 
 /** fsync of a directory: makes the entries created or renamed in it durable. */
