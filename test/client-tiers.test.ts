@@ -420,6 +420,35 @@ describe('DiskTier', () => {
     n.api!.freePinned(slot.buffer)
   })
 
+  it('through the addon, a file gone behind the index fails every segment read in flight, none as an unhandled rejection', async () => {
+    // Segment reads run SEGMENTS_IN_FLIGHT at once and are awaited in file order: a later one failing
+    // first (ENOENT comes back from each pool thread in any order) had no handler yet.
+    const dir = tempDir()
+    const n = loadNative()
+    const d = await DiskTier.open({ dir, bytes: 1 << 30, native: n.api })
+    const obj = object(hexOf(0x90), 3, 32768)
+    expect(segmentStarts(decodeHeader(obj), obj.byteLength).length).toBeGreaterThan(1)
+    const slot = new Uint8Array((await n.api!.allocPinned(obj.byteLength + 4096)).buffer)
+    const unhandled: unknown[] = []
+    const onUnhandled = (e: unknown) => unhandled.push(e)
+    process.on('unhandledRejection', onUnhandled)
+    try {
+      for (let i = 0; i < 40; i++) {
+        await d.put(hexOf(0x90), obj)
+        rmSync(d.pathOf(hexOf(0x90)))
+        expect(await d.get(hexOf(0x90), 'get', slot)).toBeUndefined()
+        expect(d.has(hexOf(0x90))).toBe(false)
+        await new Promise((r) => setImmediate(r))
+      }
+    } finally {
+      process.off('unhandledRejection', onUnhandled)
+      n.api!.freePinned(slot.buffer)
+    }
+    expect(unhandled).toEqual([])
+    // A file gone is a plain miss (dropped from the index), neither corrupt nor an I/O error.
+    expect(d.counters).toMatchObject({ misses: 40, corrupt: 0, errors: 0 })
+  })
+
   it('a file found cut short at read is deleted, not only dropped from the index (it would sit on disk uncounted)', async () => {
     const n = loadNative()
     for (const native of [undefined, n.api]) {

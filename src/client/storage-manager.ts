@@ -531,8 +531,14 @@ export class StorageManager {
     const ahead = new Map<number, Promise<ChunkHandle | undefined>>()
     let issued = 0
     const readAhead = (upTo: number) => {
-      for (; issued < tiers.length && issued <= upTo; issued++)
-        if (local(issued)) ahead.set(issued, this.acquire(keys[issued]!))
+      for (; issued < tiers.length && issued <= upTo; issued++) {
+        if (!local(issued)) continue
+        const p = this.acquire(keys[issued]!)
+        // Read ahead and awaited in order: one failing before its turn is handled here (its
+        // error still surfaces where it is awaited), never an unhandled rejection.
+        p.catch(() => {})
+        ahead.set(issued, p)
+      }
     }
     try {
       for (let i = 0; i < tiers.length; i++) {

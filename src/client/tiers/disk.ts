@@ -624,9 +624,14 @@ export class DiskTier {
         sinkAt === undefined
           ? undefined
           : { into: sink!.into, fileOffset: sinkAt, expected, gate: sink!.gate }
-      return native
+      const segment = native
         .readFileCrc(path, buf.subarray(off, end), ranges, { fileOffset: off, length, copyTo })
         .then((r) => ({ r, off, length, first, count: ranges.length }))
+      // Awaited in file order, so a later segment can fail first (a file gone: every read's open
+      // fails, on pool threads, in any order): handled from the start, its error still seen where
+      // it is awaited or settled below, never an unhandled rejection (which ends a Node process).
+      segment.catch(() => {})
+      return segment
     }
     const inflight: Promise<Segment>[] = []
     let next = 0
