@@ -16,7 +16,7 @@ import {
 } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { afterEach, describe, expect, it } from 'vitest'
+import { afterEach, describe, expect, it, type TestContext } from 'vitest'
 import { PriorityQueue } from '../src/client/io-queue.ts'
 import { CopyGate, nativeMemoryStats } from '../src/client/native.ts'
 import { loadNative } from '../src/client/native-api.ts'
@@ -33,6 +33,25 @@ function hexOf(n: number): string {
 }
 
 /** A small raw chunk object whose chain key is `hex` and whose sections are filled with `fill`. */
+/**
+ * Runs `use` with `dir` bind-mounted read-only over itself, unmounted after; skips the test
+ * where this process cannot mount (not root).
+ */
+async function whileReadOnly(dir: string, ctx: TestContext, use: () => Promise<void>): Promise<void> {
+  try {
+    execFileSync('mount', ['--bind', dir, dir], { stdio: 'ignore' })
+    execFileSync('mount', ['-o', 'remount,ro,bind', dir], { stdio: 'ignore' })
+  } catch {
+    ctx.skip()
+    return
+  }
+  try {
+    await use()
+  } finally {
+    execFileSync('umount', [dir])
+  }
+}
+
 function object(hex: string, fill: number, tokens = 4): Uint8Array {
   const slab = 2 * tokens * g.kvHeads * g.headDim * 2
   const sections = Array.from({ length: g.layers }, (_, l) => new Uint8Array(slab).fill((fill + l) & 255))
@@ -300,22 +319,13 @@ describe('DiskTier', () => {
     mkdirSync(join(dir, '00'))
     writeFileSync(join(dir, '00', `${hexOf(1)}.kvc`), object(hexOf(1), 1))
     writeFileSync(join(dir, '00', `${hexOf(2)}.kvc`), object(hexOf(2), 1).subarray(0, 100))
-    try {
-      execFileSync('mount', ['--bind', dir, dir], { stdio: 'ignore' })
-      execFileSync('mount', ['-o', 'remount,ro,bind', dir], { stdio: 'ignore' })
-    } catch {
-      ctx.skip()
-      return
-    }
-    try {
+    await whileReadOnly(dir, ctx, async () => {
       const d = await DiskTier.open({ dir, bytes: 1 << 20 })
       expect(d.stats().files).toBe(1)
       expect(d.stats().unreadableFiles).toBe(1)
       expect(d.has(hexOf(2))).toBe(false)
       expect(await d.get(hexOf(1))).toBeDefined()
-    } finally {
-      execFileSync('umount', [dir])
-    }
+    })
   })
 
   it('treats a file corrupted after start as a miss and deletes it', async () => {
@@ -904,21 +914,12 @@ describe('DiskTier', () => {
     const dir = tempDir()
     const d0 = await DiskTier.open({ dir, bytes: 1 << 20 })
     await d0.put(hexOf(1), object(hexOf(1), 1))
-    try {
-      execFileSync('mount', ['--bind', dir, dir], { stdio: 'ignore' })
-      execFileSync('mount', ['-o', 'remount,ro,bind', dir], { stdio: 'ignore' })
-    } catch {
-      ctx.skip()
-      return
-    }
-    try {
+    await whileReadOnly(dir, ctx, async () => {
       const d = await DiskTier.open({ dir, bytes: 1 << 20 })
       expect(await d.get(hexOf(1))).toBeDefined()
       expect(await d.put(hexOf(2), object(hexOf(2), 2))).toBe(false)
       expect(d.stats().lastWriteError).toMatch(/EROFS/)
-    } finally {
-      execFileSync('umount', [dir])
-    }
+    })
   })
 })
 

@@ -202,13 +202,8 @@ describe('copyRunsAsync', () => {
       'await copyRunsAsync([new Uint8Array(8), map], new Float64Array([0, 0, 1, 0, 8]), 1)', // installs the guard
       "process.kill(process.pid, 'SIGBUS')",
       "setTimeout(() => console.log('survived'), 200)",
-    ].join('\n')
-    const r = spawnSync(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', script], {
-      encoding: 'utf8',
-      timeout: 60_000,
-    })
-    expect(r.stdout).not.toContain('survived')
-    expect(r.signal).toBe('SIGBUS')
+    ]
+    expectKilledBySigbus(script)
   })
 
   it('a SIGBUS outside a guarded copy still kills the process, as it did before the guard was installed', () => {
@@ -223,12 +218,17 @@ describe('copyRunsAsync', () => {
       `truncateSync(${JSON.stringify(file)}, 0)`,
       'console.log(new Uint8Array(map)[MiB_SPOT])'.replace('MiB_SPOT', String(MiB)),
       "console.log('survived')",
-    ].join('\n')
-    const r = spawnSync(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', script], {
-      encoding: 'utf8',
-      timeout: 60_000,
-    })
-    expect(r.stdout).not.toContain('survived')
-    expect(r.signal).toBe('SIGBUS')
+    ]
+    expectKilledBySigbus(script)
   })
 })
+
+/** Runs `lines` as an ES module in a child process, which must die of SIGBUS before it prints 'survived'. */
+function expectKilledBySigbus(lines: string[]): void {
+  const r = spawnSync(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', lines.join('\n')], {
+    encoding: 'utf8',
+    timeout: 60_000,
+  })
+  expect(r.stdout).not.toContain('survived')
+  expect(r.signal).toBe('SIGBUS')
+}
