@@ -2,6 +2,12 @@
 // recorder's request and memory bounds, the tail-first plan, and gc end to end.
 
 import { describe, expect, it, vi } from 'vitest'
+import {
+  MAX_SNAPSHOT_BYTES,
+  parseSnapshot,
+  readLatestSnapshot,
+  snapshotName,
+} from '../src/coldtier/accounting.ts'
 import { type ChunkNode, plan, settle } from '../src/coldtier/chain-graph.ts'
 import { runGc } from '../src/coldtier/gc.ts'
 import { classify, usagePrefix } from '../src/coldtier/names.ts'
@@ -539,6 +545,67 @@ describe('accounting on /metrics and the status page', () => {
     expect(page.accountingAt).toBeGreaterThan(0)
     const html = await (await app.request('/')).text()
     expect(html).toContain('<td>prod</td><td>5</td>')
+  })
+})
+
+describe('accounting snapshots from the bucket', () => {
+  const put = (store: MemoryStore, name: string, bytes: Uint8Array) =>
+    store.putIfAbsent(name, bytes, bytes.length).then((r) => expect(r).toBe('created'))
+  const json = (v: unknown) => new TextEncoder().encode(JSON.stringify(v))
+  const older = snapshotName('kv', 1_000, 'a')
+  const newer = snapshotName('kv', 2_000, 'b')
+
+  it('skips a snapshot over the size gc ever writes, without holding it, for the one before', async () => {
+    const store = new MemoryStore()
+    await put(
+      store,
+      older,
+      json({ at: 1_000, source: 'listing', namespaces: { prod: { objects: 7, bytes: 70 } } }),
+    )
+    // Valid JSON, but larger than MAX_SNAPSHOT_BYTES: read until the cap, then given up.
+    const pad = 'x'.repeat(MAX_SNAPSHOT_BYTES)
+    await put(
+      store,
+      newer,
+      json({ at: 2_000, source: 'listing', pad, namespaces: { prod: { objects: 9, bytes: 90 } } }),
+    )
+    const s = await readLatestSnapshot(store, 'kv')
+    expect(s?.namespaces).toEqual({ prod: { objects: 7, bytes: 70 } })
+  })
+
+  it('refuses a snapshot whose namespace names or counts a gc could not have written (labels stay clean)', async () => {
+    for (const namespaces of [
+      { 'prod"} 1\nkvgate_fake{ns="x': { objects: 1, bytes: 1 } },
+      { 'Prod/../x': { objects: 1, bytes: 1 } },
+      { prod: { objects: -1, bytes: 1 } },
+      { prod: { objects: 1.5, bytes: 1 } },
+      { prod: { objects: 1, bytes: 1e300 } },
+    ]) {
+      expect(parseSnapshot(json({ at: 1, source: 'listing', namespaces }))).toBeUndefined()
+    }
+    expect(
+      parseSnapshot(json({ at: 1, source: 'listing', namespaces: { prod: { objects: 1, bytes: 1 } } })),
+    ).toBeDefined()
+    const store = new MemoryStore()
+    await put(
+      store,
+      older,
+      json({ at: 1_000, source: 'listing', namespaces: { prod: { objects: 7, bytes: 70 } } }),
+    )
+    await put(
+      store,
+      newer,
+      json({
+        at: 2_000,
+        source: 'listing',
+        namespaces: { 'a"} 1\nkvgate_fake 1\nx{ns="': { objects: 1, bytes: 1 } },
+      }),
+    )
+    const app = createGateway({ store, prefix: 'kv', coldTier: { accountingRefreshMs: 0 } })
+    await app.request('/metrics')
+    const text = await (await app.request('/metrics')).text()
+    expect(text).not.toMatch(/^kvgate_fake/m)
+    expect(text).toMatch(/^kvgate_namespace_stored_objects\{ns="prod"\} 7$/m)
   })
 })
 

@@ -1,9 +1,10 @@
 // Fleet-wide bytes and objects per namespace: gc writes a snapshot from its listing
 // (the reconciliation), gateways add what they created since; /metrics, the status page and gc show it.
 
+import { isNamespaceName } from '../core/keys.ts'
 import type { GatewayMetrics } from '../gateway/metrics.ts'
-import { Counter } from '../gateway/metrics.ts'
-import type { ObjectStore } from '../gateway/stores/types.ts'
+import { Counter, escapeLabel } from '../gateway/metrics.ts'
+import { collectAtMost, type ObjectStore } from '../gateway/stores/types.ts'
 import type { UsageRecorder } from '../gateway/usage/recorder.ts'
 import { accountingPrefix, runObjectName } from './names.ts'
 
@@ -24,17 +25,32 @@ export function snapshotName(prefix: string, at: number, run: string): string {
   return runObjectName(accountingPrefix(prefix), at, run, '.json')
 }
 
+/**
+ * The largest snapshot read (~100 bytes per namespace: 16 MiB is ~150k namespaces). gc writes
+ * them; one larger is not gc's and is never held whole, in a Worker least of all.
+ */
+export const MAX_SNAPSHOT_BYTES = 16 << 20
+
 export function parseSnapshot(bytes: Uint8Array): AccountingSnapshot | undefined {
   try {
     const s = JSON.parse(new TextDecoder().decode(bytes)) as AccountingSnapshot
-    if (typeof s?.at !== 'number' || typeof s.namespaces !== 'object' || s.namespaces === null)
-      return undefined
-    for (const t of Object.values(s.namespaces))
-      if (!Number.isFinite(t?.bytes) || !Number.isFinite(t?.objects)) return undefined
+    if (!Number.isFinite(s?.at) || typeof s.namespaces !== 'object' || s.namespaces === null) return undefined
+    // Namespace names become metric labels and status-page rows: only names a namespace can have.
+    for (const [ns, t] of Object.entries(s.namespaces))
+      if (!isNamespaceName(ns) || !isCount(t?.bytes) || !isCount(t?.objects)) return undefined
     return s
   } catch {
     return undefined
   }
+}
+
+const isCount = (v: unknown): v is number => Number.isSafeInteger(v) && (v as number) >= 0
+
+/** A snapshot object's bytes, at most MAX_SNAPSHOT_BYTES (undefined: gone or larger). */
+export async function readSnapshotBytes(store: ObjectStore, name: string): Promise<Uint8Array | undefined> {
+  const obj = await store.get(name)
+  if (!obj) return undefined
+  return collectAtMost(obj.body, MAX_SNAPSHOT_BYTES)
 }
 
 /** The newest snapshot in the bucket (one LIST of a few names + one GET), or undefined. */
@@ -51,9 +67,9 @@ export async function readLatestSnapshot(
   } while (cursor)
   names.sort()
   for (let i = names.length - 1; i >= 0; i--) {
-    const obj = await store.get(names[i]!)
-    if (!obj) continue // deleted by a concurrent gc between list and get
-    const s = parseSnapshot(new Uint8Array(await new Response(obj.body).arrayBuffer()))
+    // Gone (a concurrent gc deleted it between list and get), too large or not a snapshot: the one before.
+    const bytes = await readSnapshotBytes(store, names[i]!)
+    const s = bytes && parseSnapshot(bytes)
     if (s) return s
   }
   return undefined
@@ -69,7 +85,7 @@ class GaugeSet {
     const out = [`# HELP ${this.name} ${this.help}`, `# TYPE ${this.name} gauge`]
     for (const [labels, v] of this.values()) {
       const l = Object.entries(labels)
-        .map(([k, x]) => `${k}="${x.replace(/\\/g, '\\\\').replace(/"/g, '\\"')}"`)
+        .map(([k, x]) => `${k}="${escapeLabel(x)}"`)
         .join(',')
       out.push(`${this.name}${l ? `{${l}}` : ''} ${v}`)
     }

@@ -11,7 +11,13 @@ import { FormatError } from '../core/errors.ts'
 import { decodeHeader, HEADER_PREFIX_BYTES, readHeaderLength } from '../core/format.ts'
 import { objectName, toHex } from '../core/keys.ts'
 import type { ObjectStore, StoreEntry } from '../gateway/stores/types.ts'
-import { type AccountingSnapshot, type NamespaceTotals, parseSnapshot, snapshotName } from './accounting.ts'
+import {
+  type AccountingSnapshot,
+  type NamespaceTotals,
+  parseSnapshot,
+  readSnapshotBytes,
+  snapshotName,
+} from './accounting.ts'
 import { type ChunkNode, plan, settle } from './chain-graph.ts'
 import { classify, indexPrefix, randomId, runObjectName } from './names.ts'
 import { type ColdTierConfig, type NamespacePolicy, policyFor } from './policy.ts'
@@ -136,7 +142,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
   snapshots.sort()
   let previous: AccountingSnapshot | undefined
   for (let i = snapshots.length - 1; i >= 0 && !previous; i--) {
-    const bytes = await readWhole(store, snapshots[i]!)
+    const bytes = await readSnapshotBytes(store, snapshots[i]!)
     previous = bytes ? parseSnapshot(bytes) : undefined
   }
 

@@ -3,7 +3,8 @@
 
 type Labels = Record<string, string>
 
-const escapeLabel = (v: string) => v.replace(/\\/g, '\\\\').replace(/\n/g, '\\n').replace(/"/g, '\\"')
+/** A Prometheus label value: backslash, line feed and double quote escaped (the exposition format). */
+export const escapeLabel = (v: string) => v.replace(/\\/g, '\\\\').replace(/\n/g, '\\n').replace(/"/g, '\\"')
 function labelKey(labels: Labels): string {
   const keys = Object.keys(labels).sort()
   return keys.map((k) => `${k}="${escapeLabel(labels[k]!)}"`).join(',')
