@@ -364,22 +364,9 @@ export class StorageManager {
     const deadlineMs = opts.deadlineMs ?? this.retrieveDeadlineMs
     // Closed before this returns: no copy into the caller's buffer runs or starts after.
     const gate = opts.target ? this.disk?.copyGate() : undefined
-    let timedOut = false
-    let stopped = false
-    let timer: NodeJS.Timeout | undefined
     // Stops the waiting at the deadline, or at close().
-    const expired = Promise.race([
-      new Promise<undefined>((resolve) => {
-        timer = setTimeout(() => {
-          timedOut = true
-          resolve(undefined)
-        }, deadlineMs)
-      }),
-      this.#closing,
-    ]).then(() => {
-      stopped = true
-      return undefined
-    })
+    const deadline = new Deadline(deadlineMs, this.#closing)
+    const { expired } = deadline
     try {
       // A slow gateway lookup past the deadline still leaves the local prefix to serve.
       const avail = opts.tiers ?? (await Promise.race([this.lookup(keys), expired])) ?? this.#localTiers(keys)
@@ -394,7 +381,7 @@ export class StorageManager {
           if (i >= firstFail) return
           let h: ChunkHandle | undefined
           let sink: TensorSink | undefined
-          if (stopped) {
+          if (deadline.passed) {
             // Past the deadline nothing is waited for: only chunks L1 holds are still served.
             h = this.memory.acquire(keys[i]!.hex)
           } else {
@@ -407,13 +394,13 @@ export class StorageManager {
             // that key only; the chain's later keys go too (contract C2), or the write-behind
             // would skip re-uploading them for the presence TTL. The workers stop at this miss
             // and never ask for those keys, so nothing else would forget them.
-            if (!h && known && !stopped && !this.remote!.knownPresent(keys[i]!.hex))
+            if (!h && known && !deadline.passed && !this.remote!.knownPresent(keys[i]!.hex))
               this.remote!.forgetFrom(
                 keys.map((k) => k.hex),
                 i,
               )
             // A late arrival is released the moment it lands: nothing stays pinned.
-            if (!h && stopped)
+            if (!h && deadline.passed)
               void pending.then(
                 (late) => late?.release(),
                 () => {},
@@ -443,9 +430,9 @@ export class StorageManager {
       this.#checkOpen()
       let served = 0
       while (served < n && ok[served] === 1) served++
-      return { served, timedOut }
+      return { served, timedOut: deadline.timedOut }
     } finally {
-      clearTimeout(timer)
+      deadline.clear()
       gate?.close()
     }
   }
@@ -456,29 +443,20 @@ export class StorageManager {
    * (waiting at most retrieveDeadlineMs for them).
    */
   async prefetch(keys: readonly ChunkKey[]): Promise<number> {
-    let stopped = false
-    let timer: NodeJS.Timeout | undefined
     // Past retrieveDeadlineMs (a stuck L2 read) or at close() no chunk is waited for; reads
     // still running land in L1 in the background.
-    const expired = Promise.race([
-      new Promise<undefined>((resolve) => {
-        timer = setTimeout(() => resolve(undefined), this.retrieveDeadlineMs)
-      }),
-      this.#closing,
-    ]).then(() => {
-      stopped = true
-      return undefined
-    })
+    const deadline = new Deadline(this.retrieveDeadlineMs, this.#closing)
+    const { expired } = deadline
     const tiers = await this.lookup(keys)
     const ok = new Uint8Array(tiers.length)
     let next = 0
     const worker = async () => {
-      while (next < tiers.length && !this.#closed && !stopped) {
+      while (next < tiers.length && !this.#closed && !deadline.passed) {
         const i = next++
         const pending = this.acquire(keys[i]!, 'prefetch')
         const h = await Promise.race([pending, expired])
         if (!h) {
-          if (stopped)
+          if (deadline.passed)
             void pending.then(
               (late) => late?.release(),
               () => {},
@@ -493,7 +471,7 @@ export class StorageManager {
     try {
       await Promise.all(Array.from({ length: Math.min(this.#fetchConcurrency, tiers.length) }, worker))
     } finally {
-      clearTimeout(timer)
+      deadline.clear()
     }
     let resident = 0
     while (resident < ok.length && ok[resident] === 1) resident++
@@ -512,14 +490,9 @@ export class StorageManager {
    */
   async *retrieveLayers(keys: readonly ChunkKey[]): AsyncGenerator<LayerBatch> {
     const g = this.geometry
-    let timer: NodeJS.Timeout | undefined
     // Past it (or at close()) no local chunk is waited for: the prefix pinned so far is served.
-    const expired = Promise.race([
-      new Promise<undefined>((resolve) => {
-        timer = setTimeout(() => resolve(undefined), this.retrieveDeadlineMs)
-      }),
-      this.#closing,
-    ])
+    const deadline = new Deadline(this.retrieveDeadlineMs, this.#closing)
+    const { expired } = deadline
     const tiers = await this.lookup(keys)
     const held: ChunkHandle[] = []
     const remoteChunks: RemoteLayers[] = []
@@ -595,7 +568,7 @@ export class StorageManager {
         }
       }
     } finally {
-      clearTimeout(timer)
+      deadline.clear()
       for (const rl of remoteChunks) rl.settle()
       for (const h of held) h.release()
       // Chunks read ahead past a miss (or past the caller stopping): released as they land.
@@ -633,4 +606,32 @@ export class StorageManager {
 
 function sleep(ms: number): Promise<void> {
   return new Promise((r) => setTimeout(r, ms).unref())
+}
+
+/**
+ * A wait's end: `expired` resolves (undefined) at `ms` or when `closing` does, whichever
+ * comes first; `passed` from then on, `timedOut` when it was the time. `clear()` stops the timer.
+ */
+class Deadline {
+  readonly expired: Promise<undefined>
+  passed = false
+  timedOut = false
+  #timer: NodeJS.Timeout | undefined
+
+  constructor(ms: number, closing: Promise<undefined>) {
+    const time = new Promise<undefined>((resolve) => {
+      this.#timer = setTimeout(() => {
+        this.timedOut = true
+        resolve(undefined)
+      }, ms)
+    })
+    this.expired = Promise.race([time, closing]).then(() => {
+      this.passed = true
+      return undefined
+    })
+  }
+
+  clear(): void {
+    clearTimeout(this.#timer)
+  }
 }
