@@ -52,6 +52,26 @@ async function whileReadOnly(dir: string, ctx: TestContext, use: () => Promise<v
   }
 }
 
+/**
+ * Runs `check` on a fresh tier once per read path: buffered, then through the addon into a
+ * pinned slot (freed after, pass or fail).
+ */
+async function eachReadPath(
+  options: { concurrency?: number },
+  check: (d: DiskTier, slot: Uint8Array | undefined) => Promise<void>,
+): Promise<void> {
+  const n = loadNative()
+  for (const native of [undefined, n.api]) {
+    const d = await DiskTier.open({ dir: tempDir(), bytes: 1 << 30, native, ...options })
+    const slot = native ? new Uint8Array((await native.allocPinned(1 << 20)).buffer) : undefined
+    try {
+      await check(d, slot)
+    } finally {
+      if (slot) native!.freePinned(slot.buffer)
+    }
+  }
+}
+
 function object(hex: string, fill: number, tokens = 4): Uint8Array {
   const slab = 2 * tokens * g.kvHeads * g.headDim * 2
   const sections = Array.from({ length: g.layers }, (_, l) => new Uint8Array(slab).fill((fill + l) & 255))
@@ -460,11 +480,7 @@ describe('DiskTier', () => {
   })
 
   it('a file found cut short at read is deleted, not only dropped from the index (it would sit on disk uncounted)', async () => {
-    const n = loadNative()
-    for (const native of [undefined, n.api]) {
-      const dir = tempDir()
-      const d = await DiskTier.open({ dir, bytes: 1 << 30, native })
-      const slot = native ? new Uint8Array((await native.allocPinned(1 << 20)).buffer) : undefined
+    await eachReadPath({}, async (d, slot) => {
       for (const [key, cut] of [
         [0x80, 100], // inside the header
         [0x81, -1], // the last byte
@@ -479,16 +495,11 @@ describe('DiskTier', () => {
       }
       expect(d.counters.corrupt).toBe(2)
       expect(d.stats().usedBytes).toBe(0)
-      if (slot) native!.freePinned(slot.buffer)
-    }
+    })
   })
 
   it('a file another writer replaced with a valid object of another size (same key) is re-indexed, not deleted as corrupt', async () => {
-    const n = loadNative()
-    for (const native of [undefined, n.api]) {
-      const dir = tempDir()
-      const d = await DiskTier.open({ dir, bytes: 1 << 30, native })
-      const slot = native ? new Uint8Array((await native.allocPinned(1 << 20)).buffer) : undefined
+    await eachReadPath({}, async (d, slot) => {
       for (const [key, before, after] of [
         [0xa0, 64, 4], // now shorter than indexed
         [0xa1, 4, 64], // now longer
@@ -509,16 +520,11 @@ describe('DiskTier', () => {
       }
       expect(d.counters.corrupt).toBe(0)
       expect(d.stats().usedBytes).toBe(object(hexOf(1), 1, 4).byteLength + object(hexOf(1), 1, 64).byteLength)
-      if (slot) native!.freePinned(slot.buffer)
-    }
+    })
   })
 
   it('a chunk file replaced behind the index by a FIFO is a quick miss: the read neither blocks nor holds a queue slot', async () => {
-    const n = loadNative()
-    for (const native of [undefined, n.api]) {
-      const dir = tempDir()
-      const d = await DiskTier.open({ dir, bytes: 1 << 30, native, concurrency: 1 })
-      const slot = native ? new Uint8Array((await native.allocPinned(1 << 20)).buffer) : undefined
+    await eachReadPath({ concurrency: 1 }, async (d, slot) => {
       await d.put(hexOf(0x90), object(hexOf(0x90), 3, 64))
       await d.put(hexOf(0x91), object(hexOf(0x91), 4, 64))
       rmSync(d.pathOf(hexOf(0x90)))
@@ -532,8 +538,7 @@ describe('DiskTier', () => {
       expect(got).toBeUndefined()
       // The one queue slot is free again: the next chunk is served.
       expect(await d.get(hexOf(0x91), 'get', slot)).toBeDefined()
-      if (slot) native!.freePinned(slot.buffer)
-    }
+    })
   })
 
   it('through the addon, an indexed file is read without a header read first; one replaced since (same key) is read as it is now, not counted corrupt', async () => {
