@@ -7,6 +7,7 @@
 // object, deletes are idempotent, a chunk is deleted only after every deeper victim of its
 // chain is gone, and anything read or written within the grace period is kept.
 
+import { eachBounded } from '../core/bounded-each.ts'
 import { FormatError } from '../core/errors.ts'
 import { decodeHeader, HEADER_PREFIX_BYTES, readHeaderLength } from '../core/format.ts'
 import { objectName, toHex } from '../core/keys.ts'
@@ -166,7 +167,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     const bytes = new TextEncoder().encode(JSON.stringify(snap))
     try {
       await store.putIfAbsent(snapshotName(opts.prefix, now, run), bytes, bytes.length)
-      await pool(snapshots, concurrency, (n) => store.delete(n))
+      await eachBounded(snapshots, concurrency, (n) => store.delete(n))
     } catch (e) {
       errors.push(`accounting snapshot: ${(e as Error).message}`)
     }
@@ -205,7 +206,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     let vanished = 0
     let newer = 0
     let oversized = 0
-    await pool([...l.index, ...l.usage], concurrency, async ({ name, size }) => {
+    await eachBounded([...l.index, ...l.usage], concurrency, async ({ name, size }) => {
       if (size > MAX_RECORD_BYTES) {
         // Its uses stay unknown: kept, and nothing is deleted by a view that lacks them.
         oversized++
@@ -261,7 +262,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     // Header reads the store failed (not a corrupt header): such a chunk's parent is unknown,
     // so any victim could be its ancestor and deleting it could leave a hole.
     let unresolved = 0
-    await pool(unknown, concurrency, async (n) => {
+    await eachBounded(unknown, concurrency, async (n) => {
       try {
         const p = await readParent(store, objectName(opts.prefix, ns, n.key))
         if (p === undefined)
@@ -310,7 +311,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
         const depth = p.victims[i]!.node.depth
         let j = i
         while (j < p.victims.length && p.victims[j]!.node.depth === depth) j++
-        await pool(p.victims.slice(i, j), concurrency, async (v) => {
+        await eachBounded(p.victims.slice(i, j), concurrency, async (v) => {
           if (blocked.has(v.node.key)) return
           try {
             const existed = await store.delete(objectName(opts.prefix, ns, v.node.key))
@@ -354,7 +355,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
       const bytes = encodeBatch({ kind: 'index', at: now, uses, links })
       try {
         await store.putIfAbsent(runObjectName(indexPrefix(opts.prefix, ns), now, run), bytes, bytes.length)
-        await pool(folded, concurrency, (n) => store.delete(n))
+        await eachBounded(folded, concurrency, (n) => store.delete(n))
       } catch (e) {
         // Records stay and are folded again next run (idempotent: max of times).
         errors.push(`index ${ns}: ${(e as Error).message}`)
@@ -413,15 +414,6 @@ async function readParent(store: ObjectStore, name: string): Promise<string | un
     bytes = more
   }
   return toHex(decodeHeader(bytes.subarray(0, headerBytes)).parentKey)
-}
-
-/** Runs fn over items with at most n in flight. */
-async function pool<T>(items: readonly T[], n: number, fn: (t: T) => Promise<unknown>): Promise<void> {
-  let next = 0
-  const worker = async () => {
-    while (next < items.length) await fn(items[next++]!)
-  }
-  await Promise.all(Array.from({ length: Math.min(n, items.length) }, worker))
 }
 
 function countingStore(store: ObjectStore, c: GcReport['requests']): ObjectStore {

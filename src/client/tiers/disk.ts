@@ -7,6 +7,7 @@ import { randomBytes } from 'node:crypto'
 import { constants as fsc } from 'node:fs'
 import { mkdir, open, readdir, rename, rm, stat, unlink } from 'node:fs/promises'
 import { join } from 'node:path'
+import { eachBounded } from '../../core/bounded-each.ts'
 import { crc32Combine } from '../../core/checksum.ts'
 import { FormatError, InvalidArgumentError, isKvgateError } from '../../core/errors.ts'
 import {
@@ -332,15 +333,8 @@ export class DiskTier {
       }
       // Several files probed at once: one at a time, each costs four pool round trips in a
       // row (open, stat, read, close) and a large directory takes minutes to open.
-      let next = 0
-      const worker = async () => {
-        while (next < names.length) await this.#recover(subdir, sub, names[next++]!, scan)
-      }
-      // allSettled: no probe (nor its rm) still runs after a failed open returns.
-      const done = await Promise.allSettled(
-        Array.from({ length: Math.min(PROBES_IN_FLIGHT, names.length) }, worker),
-      )
-      for (const r of done) if (r.status === 'rejected') throw r.reason
+      // Settled whole: no probe (nor its rm) still runs after a failed open returns.
+      await eachBounded(names, PROBES_IN_FLIGHT, (name) => this.#recover(subdir, sub, name, scan))
     }
     const found = scan.found.sort((a, b) => a.time - b.time)
     const entries = found.map((f) => {
