@@ -1,8 +1,15 @@
 // Small gateway parts on their own: Range parsing, the GET
 // coalescer's size cap, the chain lookup's probing budget, the metrics text.
 
+import { createHash } from 'node:crypto'
 import { describe, expect, it } from 'vitest'
-import { ChainLookup, type ChainLookupOptions } from '../src/gateway/chain-lookup.ts'
+import { assertKeysHex, objectName } from '../src/core/keys.ts'
+import {
+  ChainLookup,
+  type ChainLookupOptions,
+  chainName,
+  splitChainName,
+} from '../src/gateway/chain-lookup.ts'
 import { GetCoalescer } from '../src/gateway/coalesce.ts'
 import { GatewayMetrics } from '../src/gateway/metrics.ts'
 import { parseRange } from '../src/gateway/routes/chunks.ts'
@@ -135,18 +142,21 @@ describe('ChainLookup', () => {
   async function chain(n: number, present: (i: number) => boolean, opts: ChainLookupOptions = {}) {
     let heads = 0
     const store = new MemoryStore({ onOp: (op) => op === 'head' && heads++ })
-    const names = Array.from({ length: n }, (_, i) => `n/${String(i).padStart(5, '0')}`)
+    const base = 'p/ns/'
+    const keys = Array.from({ length: n }, (_, i) => createHash('sha256').update(String(i)).digest('hex'))
+    const names = keys.map((k) => chainName(base, k))
     for (const [i, name] of names.entries())
       if (present(i)) await store.putIfAbsent(name, new Uint8Array(i + 1), i + 1)
     heads = 0
-    return { lookup: new ChainLookup(store, new GatewayMetrics(), opts), names, heads: () => heads, store }
+    const lookup = new ChainLookup(store, new GatewayMetrics(), opts)
+    return { lookup, chain: { base, keys }, names, heads: () => heads, store }
   }
 
   it('finds the boundary of a 4096-key chain in ≤ 3 rounds without sizes', async () => {
     for (const n of [0, 1, 24, 25, 1000, 4095, 4096]) {
       // Foreground budget only: no background checks of inferred keys.
       const c = await chain(4096, (i) => i < n, { verifyInferred: 0 })
-      const r = await c.lookup.lookup(c.names, { sizes: false })
+      const r = await c.lookup.lookup(c.chain, { sizes: false })
       expect(r.present, `n=${n}`).toBe(n)
       expect(r.rounds, `n=${n}`).toBeLessThanOrEqual(3)
       expect(c.heads()).toBe(r.storeRequests)
@@ -157,25 +167,25 @@ describe('ChainLookup', () => {
   it('checks inferred keys earliest first in the background: an expired early chunk stops the answer', async () => {
     // Chunk 3 expired behind the gateway; the search's probes happen to skip it.
     const c = await chain(100, (i) => i !== 3, { fanout: 8, verifyInferred: 4 })
-    const first = await c.lookup.lookup(c.names)
+    const first = await c.lookup.lookup(c.chain)
     for (let i = 0; i < 100 && c.lookup.checking > 0; i++) await new Promise((r) => setTimeout(r, 5))
-    const second = await c.lookup.lookup(c.names)
+    const second = await c.lookup.lookup(c.chain)
     expect(first.present).toBeGreaterThan(3) // the search alone inferred it present
     expect(second.present).toBe(3)
   })
 
   it('a repeated lookup of a chain is all cache; sizes asked later are still exact', async () => {
     const c = await chain(500, () => true)
-    const first = await c.lookup.lookup(c.names)
+    const first = await c.lookup.lookup(c.chain)
     expect(first.present).toBe(500)
     expect(first.storeRequests).toBeGreaterThan(0)
     expect(first.storeRequests).toBeLessThan(100)
-    const again = await c.lookup.lookup(c.names)
+    const again = await c.lookup.lookup(c.chain)
     expect([again.present, again.storeRequests]).toEqual([500, 0])
     // Chunks answered present by inference have no size to give out.
     const inferred = c.names.findIndex((n) => c.lookup.cached(n) === undefined)
     expect(inferred).toBeGreaterThanOrEqual(0)
-    const withSizes = await c.lookup.lookup(c.names, { sizes: true })
+    const withSizes = await c.lookup.lookup(c.chain, { sizes: true })
     expect(withSizes.sizes).toEqual(Array.from({ length: 500 }, (_, i) => i + 1))
     expect(withSizes.storeRequests).toBeGreaterThan(0)
     expect(c.lookup.cached(c.names[inferred]!)).toBe(inferred + 1)
@@ -183,15 +193,97 @@ describe('ChainLookup', () => {
 
   it('returns exact sizes and stops at a hole', async () => {
     const c = await chain(100, (i) => i !== 40)
-    const r = await c.lookup.lookup(c.names, { sizes: true })
+    const r = await c.lookup.lookup(c.chain, { sizes: true })
     expect(r.present).toBe(40)
     expect(r.sizes).toEqual(Array.from({ length: 40 }, (_, i) => i + 1))
+  })
+
+  it("a key sharing another's cache slot (same first 40 bits) is never answered from the other's entry", async () => {
+    const c = await chain(1, () => true)
+    const a = c.chain.keys[0]!
+    expect((await c.lookup.lookup(c.chain)).present).toBe(1)
+    expect(c.lookup.cached(c.names[0]!)).toBe(1)
+    // Same slot, another key, not stored: a probe, and absent.
+    const b = a.slice(0, 10) + (a[10] === '0' ? '1' : '0') + a.slice(11)
+    const other = { base: c.chain.base, keys: [b] }
+    const r = await c.lookup.lookup(other)
+    expect([r.present, r.storeRequests]).toEqual([0, 1])
+    expect(c.lookup.cached(chainName(c.chain.base, b))).toBeUndefined()
+    // The same key under another namespace is another object.
+    const r2 = await c.lookup.lookup({ base: 'p/other/', keys: [a] })
+    expect([r2.present, r2.storeRequests]).toEqual([0, 1])
+    expect(c.lookup.cached(chainName('p/other/', a))).toBeUndefined()
+    // Storing the slot's other key takes the slot; the first key is then a probe again, still exact.
+    await c.store.putIfAbsent(chainName(c.chain.base, b), new Uint8Array(7), 7)
+    c.lookup.remember(chainName(c.chain.base, b), 7)
+    expect(c.lookup.cached(chainName(c.chain.base, b))).toBe(7)
+    expect(c.lookup.cached(c.names[0]!)).toBeUndefined()
+    const again = await c.lookup.lookup(c.chain, { sizes: true })
+    expect([again.present, again.sizes]).toEqual([1, [1]])
+  })
+
+  it('a read that misses invalidates only its own name, not a slot-sharing one', async () => {
+    const c = await chain(3, () => true)
+    expect((await c.lookup.lookup(c.chain, { sizes: true })).present).toBe(3)
+    const a = c.chain.keys[1]!
+    const twin = chainName(c.chain.base, a.slice(0, 10) + (a[10] === '0' ? '1' : '0') + a.slice(11))
+    expect(c.lookup.invalidateFrom(twin)).toBe(0)
+    expect(c.lookup.cached(c.names[1]!)).toBe(2)
+    expect(c.lookup.invalidateFrom(c.names[1]!)).toBe(2) // it and the key after it
+    expect(c.lookup.cached(c.names[0]!)).toBe(1)
+    expect(c.lookup.cached(c.names[2]!)).toBeUndefined()
+  })
+
+  it('object names split back into base and key exactly as objectName builds them', () => {
+    const key = createHash('sha256').update('k').digest('hex')
+    for (const [prefix, base] of [
+      ['', 'ns1/'],
+      ['a/b', 'a/b/ns1/'],
+    ] as const) {
+      const name = objectName(prefix, 'ns1', key)
+      expect(chainName(base, key)).toBe(name)
+      expect(splitChainName(name)).toEqual({ base, key })
+    }
+    for (const bad of [
+      'x',
+      `ns1/${key.slice(0, 2)}/${key.slice(1)}`,
+      `ns1/zz/${key}`,
+      `ns1/${key.slice(0, 2)}/${key.toUpperCase()}`,
+      `ns1${key.slice(0, 2)}/${key}x`,
+      `${key.slice(0, 2)}/${key}`,
+    ])
+      expect(splitChainName(bad), bad).toBeUndefined()
   })
 
   it('rejects bad options with a TypeError', () => {
     const store = new MemoryStore()
     expect(() => new ChainLookup(store, new GatewayMetrics(), { fanout: 1 })).toThrow(TypeError)
     expect(() => new ChainLookup(store, new GatewayMetrics(), { concurrency: 0 })).toThrow(TypeError)
+  })
+})
+
+describe('assertKeysHex', () => {
+  const good = Array.from({ length: 40 }, (_, i) => createHash('sha256').update(String(i)).digest('hex'))
+  it('accepts lowercase 64-hex keys and rejects any other element, naming it', () => {
+    expect(assertKeysHex(good)).toBe(good)
+    expect(assertKeysHex([])).toEqual([])
+    const cases: [unknown, RegExp][] = [
+      [good[3]!.toUpperCase(), /invalid chunk key "[0-9A-F]{64}"/],
+      [`${good[3]!.slice(0, 63)}g`, /invalid chunk key/],
+      [`${good[3]!.slice(0, 63)}é`, /invalid chunk key/],
+      [`${good[3]!.slice(0, 62)}Ab`, /invalid chunk key/],
+      [good[3]!.slice(1), /invalid chunk key/],
+      [`${good[3]}0`, /invalid chunk key/],
+      [` ${good[3]!.slice(1)}`, /invalid chunk key/],
+      [7, /invalid chunk key number/],
+      [null, /invalid chunk key object/],
+    ]
+    for (const [bad, msg] of cases)
+      for (const at of [0, 17, 39]) {
+        const keys: unknown[] = [...good]
+        keys[at] = bad
+        expect(() => assertKeysHex(keys), `${String(bad)} at ${at}`).toThrow(msg)
+      }
   })
 })
 

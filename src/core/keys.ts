@@ -95,6 +95,30 @@ export function assertKeyHex(s: unknown): string {
   return s
 }
 
+const HEX_RUN = /^[0-9a-f]*$/
+
+type HexDecoder = { from(s: string, encoding: 'hex'): { length: number } }
+// Node's Buffer hex decoder stops at the first non-hex character, at native speed; the
+// module must load in workerd too, so it is looked up, never imported.
+const hexDecoder = (globalThis as { Buffer?: HexDecoder }).Buffer
+
+/** Whether `s` is only lowercase hex digits and of even length. */
+function isHexRun(s: string): boolean {
+  if (hexDecoder === undefined) return HEX_RUN.test(s)
+  return hexDecoder.from(s, 'hex').length * 2 === s.length && s.toLowerCase() === s
+}
+
+/**
+ * Checks that every element is a chunk key, as assertKeyHex on each (the first bad one
+ * is named), in one pass over their concatenation: 4096 separate regex calls took a
+ * fifth of a warm lookup's time.
+ */
+export function assertKeysHex(keys: readonly unknown[]): readonly string[] {
+  for (const k of keys) if (typeof k !== 'string' || k.length !== 64) assertKeyHex(k)
+  if (!isHexRun((keys as readonly string[]).join(''))) for (const k of keys) assertKeyHex(k)
+  return keys as readonly string[]
+}
+
 /** Namespace names: 1–63 of [a-z0-9._-], starting alphanumeric, no "..". */
 export function isNamespaceName(s: unknown): s is string {
   return typeof s === 'string' && NS_NAME.test(s) && !s.includes('..')

@@ -8,6 +8,7 @@
 // the search cannot infer it present again from a later cached key.
 
 import { LRUCache } from 'lru-cache'
+import { isKeyHex } from '../core/keys.ts'
 import type { GatewayMetrics } from './metrics.ts'
 import type { ObjectStore } from './stores/types.ts'
 
@@ -45,19 +46,54 @@ export interface LookupResult {
  */
 const INFERRED = -1
 
-interface Entry {
-  /** Object size, or INFERRED. */
-  size: number
-  /** The name that followed this one in the last chain a lookup answered (chain order, for invalidation). */
-  next?: string
+/** One namespace's key chain: object names `${base}${key.slice(0, 2)}/${key}` (core/keys.ts objectName). */
+export interface KeyChain {
+  /** Everything before the shard folder, ending in `/`: `<prefix>/<ns>/`, or `<ns>/` without a prefix. */
+  readonly base: string
+  /** 64 lowercase hex characters each, validated by the caller. */
+  readonly keys: readonly string[]
 }
 
+/** The object name of `key` under `base` (the layout objectName builds). */
+export function chainName(base: string, key: string): string {
+  return `${base}${key.slice(0, 2)}/${key}`
+}
+
+/** A chunk's object name split into its chain base and key; undefined for any other name. */
+export function splitChainName(name: string): { base: string; key: string } | undefined {
+  const n = name.length
+  if (n < 68 || name.charCodeAt(n - 65) !== 47 || name.charCodeAt(n - 68) !== 47) return undefined
+  const key = name.slice(n - 64)
+  if (!isKeyHex(key) || name.slice(n - 67, n - 65) !== key.slice(0, 2)) return undefined
+  return { base: name.slice(0, n - 67), key }
+}
+
+interface Entry {
+  readonly base: string
+  readonly key: string
+  /** Object size, or INFERRED. */
+  readonly size: number
+  /** The key that followed this one in the last chain a lookup answered (chain order, for invalidation). */
+  readonly next?: string
+}
+
+/** Bases (namespaces) with an id at once; past it the ids start over (old slots then miss: never wrong). */
+const MAX_BASES = 4096
+const KEY_BITS = 2 ** 40
+
+// The caches are keyed by a number, a slot, not by object name: a Map probed with a
+// freshly built 80-character name hashes and compares the whole string each time, about
+// half of a warm 512-key lookup on a slow core. A slot is the base's id and 40 bits of the
+// key; every entry keeps its base and key and is used only when both match, so two names
+// sharing a slot cost a miss (a probe), never a wrong answer.
 export class ChainLookup {
   readonly #store: ObjectStore
   readonly #metrics: GatewayMetrics
-  readonly #cache: LRUCache<string, Entry>
+  readonly #cache: LRUCache<number, Entry>
   /** Names a read found missing: the search treats them as absent until they expire or are written. */
-  readonly #absent: LRUCache<string, true>
+  readonly #absent: LRUCache<number, { base: string; key: string }>
+  readonly #baseIds = new Map<string, number>()
+  #nextBaseId = 0
   readonly #fanout: number
   readonly #concurrency: number
   readonly #verifyInferred: number
@@ -89,9 +125,30 @@ export class ChainLookup {
     this.#concurrency = concurrency
   }
 
+  #baseId(base: string): number {
+    let id = this.#baseIds.get(base)
+    if (id === undefined) {
+      if (this.#baseIds.size >= MAX_BASES) this.#baseIds.clear()
+      id = this.#nextBaseId++ % MAX_BASES
+      this.#baseIds.set(base, id)
+    }
+    return id
+  }
+
+  static #slot(baseId: number, key: string): number {
+    return baseId * KEY_BITS + Number.parseInt(key.slice(0, 10), 16)
+  }
+
+  /** The live entry of (base, key), or undefined (none, expired, or another name's in its slot). */
+  #entry(slot: number, base: string, key: string, touch = true): Entry | undefined {
+    const e = touch ? this.#cache.get(slot) : this.#cache.get(slot, { updateAgeOnGet: false })
+    return e !== undefined && e.key === key && e.base === base ? e : undefined
+  }
+
   /** Size of a stored object known from the store itself (never an inference), counting hit/miss. */
   cached(name: string): number | undefined {
-    const v = this.#cache.get(name)
+    const at = splitChainName(name)
+    const v = at && this.#entry(ChainLookup.#slot(this.#baseId(at.base), at.key), at.base, at.key)
     const known = v !== undefined && v.size !== INFERRED ? v.size : undefined
     this.#metrics.cache.inc({ result: known === undefined ? 'miss' : 'hit' })
     return known
@@ -99,14 +156,27 @@ export class ChainLookup {
 
   /** The store just showed this object (PUT, HEAD, GET): its size, keeping its chain link. */
   remember(name: string, size: number): void {
-    this.#absent.delete(name)
-    const prev = this.#cache.get(name, { updateAgeOnGet: false })
-    this.#cache.set(name, prev?.next === undefined ? { size } : { size, next: prev.next })
+    const at = splitChainName(name)
+    if (at) this.#remember(this.#baseId(at.base), at.base, at.key, size)
+  }
+
+  #remember(baseId: number, base: string, key: string, size: number): void {
+    const slot = ChainLookup.#slot(baseId, key)
+    const gone = this.#absent.get(slot)
+    if (gone !== undefined && gone.key === key && gone.base === base) this.#absent.delete(slot)
+    const prev = this.#entry(slot, base, key, false)
+    this.#cache.set(
+      slot,
+      prev?.next === undefined ? { base, key, size } : { base, key, size, next: prev.next },
+    )
   }
 
   /** Forgets one object (a DELETE through this instance). */
   forget(name: string): void {
-    this.#cache.delete(name)
+    const at = splitChainName(name)
+    if (!at) return
+    const slot = ChainLookup.#slot(this.#baseId(at.base), at.key)
+    if (this.#entry(slot, at.base, at.key, false)) this.#cache.delete(slot)
   }
 
   /**
@@ -115,18 +185,28 @@ export class ChainLookup {
    * rest of that prefix is unusable too), and treat it as absent for a while.
    */
   invalidateFrom(name: string): number {
+    const at = splitChainName(name)
+    if (!at) return 0
+    const { base, key } = at
+    const id = this.#baseId(base)
     let forgotten = 0
-    let at: string | undefined = name
+    let cur: string | undefined = key
     const seen = new Set<string>()
-    while (at !== undefined && !seen.has(at)) {
-      seen.add(at)
-      const e = this.#cache.get(at, { updateAgeOnGet: false })
-      if (this.#cache.delete(at)) forgotten++
-      at = e?.next
+    while (cur !== undefined && !seen.has(cur)) {
+      seen.add(cur)
+      const slot = ChainLookup.#slot(id, cur)
+      const e = this.#entry(slot, base, cur, false)
+      if (e && this.#cache.delete(slot)) forgotten++
+      cur = e?.next
     }
-    this.#absent.set(name, true)
+    this.#absent.set(ChainLookup.#slot(id, key), { base, key })
     this.#metrics.invalidations.inc({}, forgotten)
     return forgotten
+  }
+
+  #isAbsent(slot: number, base: string, key: string): boolean {
+    const gone = this.#absent.get(slot)
+    return gone !== undefined && gone.key === key && gone.base === base
   }
 
   /** Background HEADs still running (tests wait for them). */
@@ -136,12 +216,13 @@ export class ChainLookup {
 
   // Turns the earliest inferred presences of an answer into seen ones (or forgets
   // them and the rest of their chain), without holding up the answer.
-  #checkInferred(names: readonly string[], sizes: readonly (number | undefined)[], present: number): void {
+  #checkInferred(chain: KeyChain, sizes: readonly (number | undefined)[], present: number): void {
     if (this.#verifyInferred === 0 || this.#checking.size >= 8 * this.#verifyInferred) return
     let budget = this.#verifyInferred
     for (let i = 0; i < present && budget > 0; i++) {
-      const name = names[i]!
-      if ((sizes[i] ?? INFERRED) !== INFERRED || this.#checking.has(name)) continue
+      if ((sizes[i] ?? INFERRED) !== INFERRED) continue
+      const name = chainName(chain.base, chain.keys[i]!)
+      if (this.#checking.has(name)) continue
       budget--
       this.#checking.add(name)
       this.#store
@@ -163,12 +244,22 @@ export class ChainLookup {
     return this.#cache.size
   }
 
-  async lookup(names: readonly string[], opts: { sizes?: boolean } = {}): Promise<LookupResult> {
+  async lookup(chain: KeyChain, opts: { sizes?: boolean } = {}): Promise<LookupResult> {
     const wantSizes = opts.sizes ?? false
-    const m = names.length
-    const sizes: (number | undefined)[] = names.map((n) => this.#cache.get(n)?.size)
+    const { base, keys } = chain
+    const id = this.#baseId(base)
+    const m = keys.length
+    const slots = new Array<number>(m)
+    const sizes = new Array<number | undefined>(m)
     let hits = 0
-    for (const s of sizes) if (s !== undefined) hits++
+    for (let i = 0; i < m; i++) {
+      const key = keys[i]!
+      const slot = ChainLookup.#slot(id, key)
+      slots[i] = slot
+      const size = this.#entry(slot, base, key)?.size
+      sizes[i] = size
+      if (size !== undefined) hits++
+    }
     this.#metrics.cache.inc({ result: 'hit' }, hits)
     this.#metrics.cache.inc({ result: 'miss' }, m - hits)
     let storeRequests = 0
@@ -181,13 +272,13 @@ export class ChainLookup {
         const wave = idx.slice(w, w + this.#concurrency)
         rounds++
         storeRequests += wave.length
-        const res = await Promise.all(wave.map((i) => this.#store.head(names[i]!)))
+        const res = await Promise.all(wave.map((i) => this.#store.head(chainName(base, keys[i]!))))
         wave.forEach((i, j) => {
           const r = res[j]
           out.set(i, r !== undefined)
           if (r) {
             sizes[i] = r.size
-            this.remember(names[i]!, r.size)
+            this.#remember(id, base, keys[i]!, r.size)
           }
         })
       }
@@ -197,10 +288,12 @@ export class ChainLookup {
     // Search: the answer n lies in [lo, hi]; lo = leading cached run, hi = first key
     // a read recently found missing (no later cached key may infer it back).
     let hi = m
-    for (let i = 0; i < m; i++) {
-      if (this.#absent.has(names[i]!)) {
-        hi = i
-        break
+    if (this.#absent.size > 0) {
+      for (let i = 0; i < m; i++) {
+        if (this.#isAbsent(slots[i]!, base, keys[i]!)) {
+          hi = i
+          break
+        }
       }
     }
     let lo = 0
@@ -239,13 +332,20 @@ export class ChainLookup {
     }
     // Remember what this answer claimed (a repeated lookup within the TTL is all
     // cache) and the chain order, so a miss on one key can forget the keys after it.
+    // An entry that already says exactly this is left alone (the read above renewed
+    // its recency; noUpdateTTL would have kept its age anyway).
     for (let i = 0; i < present; i++) {
-      const next = names[i + 1]
+      const key = keys[i]!
+      const next = keys[i + 1]
       const size = sizes[i] ?? INFERRED
+      const cur = this.#entry(slots[i]!, base, key, false)
+      if (cur !== undefined && cur.size === size && cur.next === next) continue
       // noUpdateTTL: re-asking never extends a presence the store has not shown again.
-      this.#cache.set(names[i]!, next === undefined ? { size } : { size, next }, { noUpdateTTL: true })
+      this.#cache.set(slots[i]!, next === undefined ? { base, key, size } : { base, key, size, next }, {
+        noUpdateTTL: true,
+      })
     }
-    this.#checkInferred(names, sizes, present)
+    this.#checkInferred(chain, sizes, present)
     this.#metrics.lookupProbes.observe(storeRequests)
     this.#metrics.lookupRounds.observe(rounds)
     this.#metrics.lookupKeys.inc({ result: 'present' }, present)

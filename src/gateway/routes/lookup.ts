@@ -3,7 +3,7 @@
 // (`"sizes": true`): S3 has no cheap source of sizes, so they cost a HEAD per unknown chunk.
 
 import type { Hono } from 'hono'
-import { assertKeyHex, assertNamespaceName, objectName } from '../../core/keys.ts'
+import { assertKeysHex, assertNamespaceName, objectName } from '../../core/keys.ts'
 import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
 import { badRequest, lengthRequired, payloadTooLarge, unsupportedMediaType } from '../http-errors.ts'
@@ -32,14 +32,10 @@ export function lookupRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     const sizes = (body as { sizes?: unknown }).sizes
     if (sizes !== undefined && typeof sizes !== 'boolean') throw badRequest('"sizes" must be a boolean')
     // objectName() re-validates prefix and namespace per call; for up to 4096 keys
-    // validate those once (here and in createState) and only check each key.
+    // validate those once and the keys in one pass; names are built only for probes.
     const first = objectName(state.prefix, ns, '0'.repeat(64))
     const base = first.slice(0, first.length - 64 - 3)
-    const names = keys.map((k) => {
-      const hex = assertKeyHex(k)
-      return `${base}${hex.slice(0, 2)}/${hex}`
-    })
-    const r = await state.lookup.lookup(names, { sizes: sizes ?? false })
+    const r = await state.lookup.lookup({ base, keys: assertKeysHex(keys) }, { sizes: sizes ?? false })
     if (r.present > 0) state.usage?.use(ns, keys[r.present - 1] as string, r.present)
     c.header('x-kvgate-store-requests', String(r.storeRequests))
     c.header('x-kvgate-store-rounds', String(r.rounds))
