@@ -397,3 +397,33 @@ describe('the remote tier', () => {
     }
   })
 })
+
+describe('an upload request body is bounded before it is read', () => {
+  it('a body past 4 KiB that never ends is refused with 413, and its stream released', async () => {
+    const app = createGateway({ store: new MemoryStore(), auth: { tokens: GRANTS }, uploads: {} })
+    let cancelled = false
+    const body = new ReadableStream<Uint8Array>({
+      start(c) {
+        c.enqueue(new TextEncoder().encode(`{"key": "${'0'.repeat(64)}", "pad": "${' '.repeat(8192)}`))
+      },
+      // never closes: a gateway that reads to the end would hold it (and all it sent) forever
+      cancel() {
+        cancelled = true
+      },
+    })
+    const req = new Request('http://gw/v1/ns/a/uploads', {
+      method: 'POST',
+      headers: { authorization: 'Bearer tok-a', 'content-type': 'application/json' },
+      body,
+      duplex: 'half',
+    } as RequestInit)
+    const res = await Promise.race([
+      app.fetch(req),
+      new Promise<undefined>((r) => setTimeout(() => r(undefined), 2000)),
+    ])
+    expect(res?.status).toBe(413)
+    expect(((await res!.json()) as { error: { code: string } }).error.code).toBe('ERR_PAYLOAD_TOO_LARGE')
+    expect(cancelled).toBe(true)
+  })
+})
+

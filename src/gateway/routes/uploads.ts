@@ -11,10 +11,12 @@ import type { GatewayEnv } from '../env.ts'
 import { namespaceIdOf } from '../heal.ts'
 import { badRequest, notFound, payloadTooLarge, unsupportedMediaType } from '../http-errors.ts'
 import { authorize } from '../middleware/auth.ts'
-import { partLengths } from '../stores/types.ts'
+import { collectAtMost, partLengths } from '../stores/types.ts'
 import { streamSource, verifiedBody } from '../verified-body.ts'
 
 const MIB = 1024 * 1024
+/** An upload request is `{key, bytes}`: a few dozen bytes of JSON. */
+const MAX_OPEN_REQUEST_BYTES = 4096
 
 export interface UploadOptions {
   /** Bodies of at least this many bytes get presigned targets (stores that can presign). @default 1 MiB */
@@ -291,8 +293,15 @@ function existsAnswer(
 async function readOpenRequest(c: Context<GatewayEnv>): Promise<{ key: string; bytes: number }> {
   const type = (c.req.header('content-type') ?? '').split(';')[0]!.trim().toLowerCase()
   if (type !== 'application/json') throw unsupportedMediaType('upload requests must be application/json')
-  const text = await c.req.text()
-  if (text.length > 4096) throw payloadTooLarge('an upload request is at most 4 KiB of JSON')
+  // Read at most the cap: an unbounded read would hold whatever a client sends.
+  const raw = c.req.raw.body ? await collectAtMost(c.req.raw.body, MAX_OPEN_REQUEST_BYTES) : new Uint8Array()
+  if (!raw) throw payloadTooLarge('an upload request is at most 4 KiB of JSON')
+  let text: string
+  try {
+    text = new TextDecoder('utf-8', { fatal: true }).decode(raw)
+  } catch {
+    throw badRequest('upload request is not UTF-8')
+  }
   let body: { key?: unknown; bytes?: unknown }
   try {
     body = JSON.parse(text)
