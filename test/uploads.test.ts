@@ -427,3 +427,66 @@ describe('an upload request body is bounded before it is read', () => {
   })
 })
 
+describe('a commit that fails releases the staged read', () => {
+  /** Stages like StagingMemoryStore; every staged read records whether it was released. */
+  class WatchedStagingStore extends StagingMemoryStore {
+    readonly reads: { cancelled: boolean; done: boolean }[] = []
+    finalPut: 'fail' | 'exists' | undefined
+    override async get(name: string, opts?: Parameters<MemoryStore['get']>[1]) {
+      const obj = await super.get(name, opts)
+      if (!obj || !name.includes('-staging/')) return obj
+      const seen = { cancelled: false, done: false }
+      this.reads.push(seen)
+      const reader = obj.body.getReader()
+      // One piece at a time, like a socket: the rest stays with the store until pulled.
+      const body = new ReadableStream<Uint8Array>(
+        {
+          async pull(c) {
+            const r = await reader.read()
+            if (r.done) {
+              seen.done = true
+              c.close()
+            } else for (let o = 0; o < r.value.length; o += 4096) c.enqueue(r.value.subarray(o, o + 4096))
+          },
+          cancel(reason) {
+            seen.cancelled = true
+            return reader.cancel(reason)
+          },
+        },
+        { highWaterMark: 0 },
+      )
+      return { ...obj, body }
+    }
+    override async putIfAbsent(name: string, body: ReadableStream<Uint8Array> | Uint8Array, size: number) {
+      if (name.includes('-staging/') || this.finalPut === undefined)
+        return super.putIfAbsent(name, body, size)
+      // The store gives up before it reads the body (S3: an early 412 or a reset socket; the SDK
+      // only releases its hold on the stream); the body is left to the gateway.
+      if (this.finalPut === 'exists') return 'exists'
+      throw Object.assign(new Error('connection reset'), { code: 'ECONNRESET' })
+    }
+  }
+
+  for (const outcome of ['fail', 'exists'] as const) {
+    it(`the store ${outcome === 'fail' ? 'fails' : 'answers "exists"'} without reading the body: the staged read is cancelled`, async () => {
+      const store = new WatchedStagingStore()
+      const app = createGateway({
+        store,
+        prefix: 'kv',
+        auth: { tokens: GRANTS },
+        uploads: { minBytes: 1024, expiresSeconds: 60 },
+      })
+      // Larger than the commit's read-ahead (4 MiB): the body is never read to its end by itself.
+      const c = makeChunk({ layers: 4, sectionBytes: MIB })
+      const r = await open(app, 'a', { key: c.key, bytes: c.bytes.length })
+      const { uploadId, parts } = r.json as { uploadId: string; parts: { url: string }[] }
+      await store.putIfAbsent(stagedNameOf(parts[0]!.url), c.bytes, c.bytes.length)
+      store.finalPut = outcome
+      const res = await commit(app, 'a', uploadId)
+      expect(res.status).toBe(outcome === 'fail' ? 500 : 200)
+      await new Promise((r) => setTimeout(r, 100))
+      expect(store.reads).toHaveLength(1)
+      expect(store.reads[0]).toEqual({ cancelled: true, done: false })
+    })
+  }
+})

@@ -251,6 +251,10 @@ export function uploadRoutes(
         result = await store.putIfAbsent(final, vb.stream, t.bytes)
       } catch (e) {
         throw vb.failure() ?? e
+      } finally {
+        // A store that gave up on the body (failed, or "exists" without reading it) leaves the
+        // staged read open: release it, or its socket, read-ahead and idle watchdog stay behind.
+        vb.release()
       }
       if (result === 'exists') {
         return existsAnswer(c, state, ns, t.key, final, (await store.head(final))?.size ?? t.bytes)
