@@ -233,3 +233,49 @@ describe('two gateway instances over one store', () => {
     }
   })
 })
+
+describe('a heal racing a re-PUT', () => {
+  /** A store whose reads send their bytes only when the test says (a slow store). */
+  class GatedStore extends MemoryStore {
+    gate: Promise<void> | undefined
+    override async get(n: string, opts?: Parameters<MemoryStore['get']>[1]) {
+      const obj = await super.get(n, opts)
+      const gate = this.gate
+      if (!obj || !gate) return obj
+      const reader = obj.body.getReader()
+      const body = new ReadableStream<Uint8Array>({
+        async pull(c) {
+          await gate
+          const r = await reader.read()
+          if (r.done) c.close()
+          else c.enqueue(r.value)
+        },
+      })
+      return { ...obj, body }
+    }
+  }
+
+  it('deletes only the corrupt version it read: a sound copy put back meanwhile stays', async () => {
+    const store = new GatedStore()
+    const app = createGateway({ store })
+    const c = makeChunk()
+    const n = name('a', c.key)
+    await replace(store, n, makeChunk().bytes) // a sound chunk of another key: corrupt under this name
+    let open!: () => void
+    store.gate = new Promise((r) => {
+      open = r
+    })
+    const verdict = app.request(`/v1/ns/a/chunks/${c.key}/verify`, { method: 'POST' })
+    await sleep(20)
+    // While the verify reads: the object goes (an operator, gc) and a writer puts the real bytes.
+    store.gate = undefined
+    await replace(store, n, c.bytes)
+    open()
+    const v = (await (await verdict).json()) as { verdict: string; deleted: boolean }
+    expect(v.verdict).toBe('corrupt')
+    expect(v.deleted).toBe(false)
+    const got = await app.request(`/v1/ns/a/chunks/${c.key}`)
+    expect(got.status).toBe(200)
+    expect(await body(got)).toEqual(c.bytes)
+  })
+})

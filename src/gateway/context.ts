@@ -6,6 +6,7 @@ import type { FleetAccounting } from '../coldtier/accounting.ts'
 import type { ChunkHeader } from '../core/format.ts'
 import { ChainLookup, type ChainLookupOptions } from './chain-lookup.ts'
 import { GetCoalescer } from './coalesce.ts'
+import type { Verified } from './heal.ts'
 import { GatewayMetrics } from './metrics.ts'
 import { instrumentStore } from './stores/instrumented.ts'
 import type { ObjectStore } from './stores/types.ts'
@@ -83,7 +84,7 @@ export interface GatewayState {
   /** Verified calibration bodies by object name (immutable: named by their SHA-256), bounded in bytes. */
   calibrations: LRUCache<string, Uint8Array>
   /** Verifications in flight by object name (deduplicated). */
-  verifying: Map<string, Promise<'ok' | 'corrupt' | 'missing'>>
+  verifying: Map<string, Promise<Verified>>
   /** Declared bytes of the PUT bodies being received now. */
   inFlight: { bytes: number }
   limits: Required<GatewayLimits>
