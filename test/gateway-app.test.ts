@@ -434,6 +434,24 @@ describe('auth', () => {
       }),
     ).toThrow(TypeError)
   })
+
+  it('rejects bad options eagerly, not at the first request: unknown keys, a prefix with . or .., bad presign', () => {
+    const store = new MemoryStore()
+    const bad: Record<string, unknown>[] = [
+      { prefix: 'kv/..' },
+      { prefix: '..' },
+      { prefix: 'kv/./x' },
+      { limitz: { maxChunkBytes: 1 } },
+      { presign: { minBytes: 0, expireSeconds: 60 } },
+      { presign: { minBytes: 0, expiresSeconds: 0 } },
+      { presign: { minBytes: 0, expiresSeconds: 8 * 24 * 3600 } },
+      { coalesce: { maxByte: 1 } },
+    ]
+    for (const o of bad) expect(() => createGateway({ store, ...o }), JSON.stringify(o)).toThrow(TypeError)
+    expect(() =>
+      createGateway({ store, prefix: 'a.b/c..d', presign: { minBytes: 0, expiresSeconds: 60 } }),
+    ).not.toThrow()
+  })
 })
 
 describe('metrics, status page, coalescing', () => {

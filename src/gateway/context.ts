@@ -133,11 +133,21 @@ export function createState(opts: {
     const min = k === 'bodyMinBytesPerSecond' || k === 'calibrationCacheBytes' ? 0 : 1
     if (!Number.isInteger(v) || v < min) throw new TypeError(`createGateway: invalid limits.${k}`)
   }
+  knownKeys(opts.presign, ['minBytes', 'expiresSeconds'], 'presign')
+  knownKeys(opts.coalesce || undefined, ['maxBytes', 'maxBufferedBytes'], 'coalesce')
   if (opts.presign && (!Number.isInteger(opts.presign.minBytes) || opts.presign.minBytes < 0)) {
     throw new TypeError('createGateway: invalid presign.minBytes')
   }
+  const presignSeconds = opts.presign?.expiresSeconds ?? 60
+  if (!Number.isInteger(presignSeconds) || presignSeconds < 1 || presignSeconds > 7 * 24 * 3600)
+    throw new TypeError('createGateway: presign.expiresSeconds must be 1..604800 (SigV4 limit)')
   const prefix = opts.prefix ?? 'kvgate'
-  if (prefix !== '' && !/^[A-Za-z0-9._-]+(\/[A-Za-z0-9._-]+)*$/.test(prefix)) {
+  // objectName() refuses . and .. segments: caught here, not as a 400 on every request.
+  if (
+    prefix !== '' &&
+    (!/^[A-Za-z0-9._-]+(\/[A-Za-z0-9._-]+)*$/.test(prefix) ||
+      prefix.split('/').some((p) => p === '.' || p === '..'))
+  ) {
     throw new TypeError(`createGateway: invalid prefix ${JSON.stringify(prefix)}`)
   }
   return {
@@ -160,7 +170,7 @@ export function createState(opts: {
     limits,
     presign:
       opts.presign && opts.store.presignGet
-        ? { minBytes: opts.presign.minBytes, expiresSeconds: opts.presign.expiresSeconds ?? 60 }
+        ? { minBytes: opts.presign.minBytes, expiresSeconds: presignSeconds }
         : undefined,
     prefix,
     storagePricePerGBMonth: opts.storagePricePerGBMonth ?? 0.023,
@@ -168,4 +178,11 @@ export function createState(opts: {
     recentErrors: [],
     written: { objects: 0, bytes: 0 },
   }
+}
+
+/** Throws on an option key `section` does not have (a typo would silently keep a default). */
+export function knownKeys(section: object | undefined, keys: readonly string[], name: string): void {
+  if (section === undefined || section === null) return
+  for (const k of Object.keys(section))
+    if (!keys.includes(k)) throw new TypeError(`createGateway: unknown option ${name ? `${name}.` : ''}${k}`)
 }
