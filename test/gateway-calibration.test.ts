@@ -245,6 +245,20 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     expect([set.status, await set.json()]).toEqual([201, { status: 'created', hash: sha(b) }])
   })
 
+  it('a current pointer too large to be one is dropped like any other that is not one', async () => {
+    const { store, prefix } = await gateway()
+    const junk = new TextEncoder().encode(`{"hash": "${'a'.repeat(64)}", "pad": "${' '.repeat(2000)}"}`)
+    await store.putIfAbsent(currentCalibrationName(prefix, 'team'), junk, junk.length)
+    const app = createGateway({ store, prefix })
+    const cur = await app.request('/v1/ns/team/calibration')
+    expect([cur.status, await errCode(cur)]).toEqual([502, 'ERR_FORMAT_CHECKSUM'])
+    expect(await store.head(currentCalibrationName(prefix, 'team'))).toBeUndefined()
+    const b = calib(21)
+    expect((await app.request(...putCalib(b))).status).toBe(201)
+    const set = await app.request(...putCurrent(sha(b)))
+    expect([set.status, await set.json()]).toEqual([201, { status: 'created', hash: sha(b) }])
+  })
+
   it('a stored object that is not its name is dropped, so a node holding the real bytes puts it back', async () => {
     const { store, prefix } = await gateway()
     const a = calib(13)

@@ -349,7 +349,14 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
       current.delete(ns)
       return undefined
     }
-    const hash = parsePointer(await readWhole(obj, MAX_POINTER_BYTES))
+    // Larger than any pointer: not one (read no further), dropped like one that does not parse.
+    const hash =
+      obj.size > MAX_POINTER_BYTES
+        ? await obj.body.cancel().then(
+            () => undefined,
+            () => undefined,
+          )
+        : parsePointer(await readWhole(obj, MAX_POINTER_BYTES))
     if (hash === undefined) {
       // Create-only, a pointer that is not one would block the namespace for good (every GET
       // and PUT a 502). Chunks name their calibration by hash, not through it: drop it.
