@@ -152,6 +152,33 @@ describe('corruption heals (C1)', () => {
     expect(app.state.metrics.corruptReads.value({ layers: 'true' })).toBe(1)
   })
 
+  it('a layer GET of an object whose header is rotten or names another chunk: 502, counted, healed', async () => {
+    for (const kind of ['rotten header', 'another key', 'another namespace id']) {
+      const store = new MemoryStore()
+      const ns = 'ab'.repeat(16)
+      const app = createGateway({ store })
+      const c = makeChunk({ layers: 4, sectionBytes: 1000, namespaceId: ns })
+      const n = objectName('kvgate', ns, c.key)
+      const bytes =
+        kind === 'another key'
+          ? makeChunk({ layers: 4, sectionBytes: 1000, namespaceId: ns }).bytes
+          : kind === 'another namespace id'
+            ? makeChunk({ layers: 4, sectionBytes: 1000, key: c.key, namespaceId: 'cd'.repeat(16) }).bytes
+            : c.bytes.slice()
+      if (kind === 'rotten header') bytes[30]! ^= 0x01
+      await replace(store, n, bytes)
+      const r = await app.request(`/v1/ns/${ns}/chunks/${c.key}?layers=0-1`)
+      expect(r.status, kind).toBe(502)
+      expect(app.state.metrics.corruptReads.value({ layers: 'true' }), kind).toBe(1)
+      for (let i = 0; i < 50 && (await store.head(n)); i++) await sleep(10)
+      expect(await store.head(n), kind).toBeUndefined()
+      expect((await app.request(`/v1/ns/${ns}/chunks/${c.key}`, putInit(c.bytes))).status, kind).toBe(201)
+      const good = await app.request(`/v1/ns/${ns}/chunks/${c.key}?layers=0-1`)
+      expect(good.status, kind).toBe(200)
+      expect(await body(good), kind).toBeInstanceOf(Uint8Array)
+    }
+  })
+
   it('POST …/verify: ok keeps an intact object, corrupt deletes it, missing says so', async () => {
     const store = new MemoryStore()
     const tokens = { writer: 'w-token', reader: 'r-token' }
