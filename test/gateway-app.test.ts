@@ -446,6 +446,10 @@ describe('auth', () => {
       { presign: { minBytes: 0, expiresSeconds: 0 } },
       { presign: { minBytes: 0, expiresSeconds: 8 * 24 * 3600 } },
       { coalesce: { maxByte: 1 } },
+      { auth: { tokens: [], publicstatus: true } },
+      { lookup: { presenceTTLMs: 1000 } },
+      { coldTier: { trackng: false } },
+      { coldTier: { usage: { flushIntervalMS: 1000 } } },
     ]
     for (const o of bad) expect(() => createGateway({ store, ...o }), JSON.stringify(o)).toThrow(TypeError)
     expect(() =>

@@ -74,6 +74,16 @@ const OPTION_KEYS = [
 
 export function createGateway(options: GatewayOptions): GatewayApp {
   knownKeys(options, OPTION_KEYS, '')
+  knownKeys(options.auth, ['tokens', 'publicStatus'], 'auth')
+  knownKeys(
+    options.lookup,
+    ['cacheEntries', 'fanout', 'concurrency', 'presenceTtlMs', 'verifyInferred'],
+    'lookup',
+  )
+  if (options.coldTier) {
+    knownKeys(options.coldTier, ['tracking', 'usage', 'accountingRefreshMs', 'now'], 'coldTier')
+    knownKeys(options.coldTier.usage, ['flushIntervalMs', 'maxDelayMs', 'maxKeys'], 'coldTier.usage')
+  }
   const state = createState(options)
   const app = new Hono<GatewayEnv>()
   app.onError((err, c) => errorResponse(state, err, c))
