@@ -4,6 +4,7 @@
 import { LRUCache } from 'lru-cache'
 import type { FleetAccounting } from '../coldtier/accounting.ts'
 import type { ChunkHeader } from '../core/format.ts'
+import { isObjectPrefix } from '../core/keys.ts'
 import { ChainLookup, type ChainLookupOptions } from './chain-lookup.ts'
 import { GetCoalescer } from './coalesce.ts'
 import type { Verified } from './heal.ts'
@@ -142,12 +143,8 @@ export function createState(opts: {
   if (!Number.isInteger(presignSeconds) || presignSeconds < 1 || presignSeconds > 7 * 24 * 3600)
     throw new TypeError('createGateway: presign.expiresSeconds must be 1..604800 (SigV4 limit)')
   const prefix = opts.prefix ?? 'kvgate'
-  // objectName() refuses . and .. segments: caught here, not as a 400 on every request.
-  if (
-    prefix !== '' &&
-    (!/^[A-Za-z0-9._-]+(\/[A-Za-z0-9._-]+)*$/.test(prefix) ||
-      prefix.split('/').some((p) => p === '.' || p === '..'))
-  ) {
+  // objectName() refuses it too, but as a 400 on every request: refused here, at start.
+  if (!isObjectPrefix(prefix)) {
     throw new TypeError(`createGateway: invalid prefix ${JSON.stringify(prefix)}`)
   }
   return {

@@ -5,7 +5,7 @@
 import type { Context, Hono } from 'hono'
 import { FormatError, KvgateError } from '../../core/errors.ts'
 import { headerBytesFor } from '../../core/format.ts'
-import { assertKeyHex, assertNamespaceName, objectName, toHex } from '../../core/keys.ts'
+import { assertKeyHex, assertNamespaceName, isObjectPrefix, objectName, toHex } from '../../core/keys.ts'
 import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
 import { namespaceIdOf } from '../heal.ts'
@@ -84,8 +84,8 @@ function resolve(options: UploadOptions | undefined, prefix: string, maxChunkByt
     throw new TypeError('createGateway: uploads.expiresSeconds must be 1..604800 (SigV4 limit)')
   if (o.partBytes < 5 * MIB) throw new TypeError('createGateway: uploads.partBytes must be ≥ 5 MiB')
   if (
-    !/^[A-Za-z0-9._-]+(\/[A-Za-z0-9._-]+)*$/.test(o.stagingPrefix) ||
-    o.stagingPrefix.split('/').some((p) => p === '.' || p === '..') ||
+    o.stagingPrefix === '' ||
+    !isObjectPrefix(o.stagingPrefix) ||
     o.stagingPrefix === prefix ||
     o.stagingPrefix.startsWith(`${prefix}/`)
   ) {
