@@ -179,6 +179,44 @@ describe('corruption heals (C1)', () => {
     }
   })
 
+  it('a store that sends more bytes than it said is at fault, not the object: 502, nothing deleted', async () => {
+    class Overlong extends MemoryStore {
+      cancelled = 0
+      override async get(n: string, opts?: Parameters<MemoryStore['get']>[1]) {
+        const obj = await super.get(n, opts)
+        if (!obj) return obj
+        const extra = new Uint8Array(100).fill(7)
+        const reader = obj.body.getReader()
+        let tail = false
+        const body = new ReadableStream<Uint8Array>(
+          {
+            async pull(c) {
+              const r = await reader.read()
+              if (!r.done) return c.enqueue(r.value)
+              if (tail) return c.close()
+              tail = true
+              c.enqueue(extra)
+            },
+            cancel: () => {
+              this.cancelled++
+            },
+          },
+          { highWaterMark: 0 },
+        )
+        return { ...obj, body }
+      }
+    }
+    const store = new Overlong()
+    const app = createGateway({ store })
+    const c = makeChunk()
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+    const v = await app.request(`/v1/ns/a/chunks/${c.key}/verify`, { method: 'POST' })
+    expect(v.status).toBe(502)
+    expect(((await v.json()) as { error: { code: string } }).error.code).toBe('ERR_STORE')
+    expect(await store.head(name('a', c.key))).toBeDefined()
+    expect(store.cancelled).toBe(1) // the store's stream released, not left open
+  })
+
   it('POST …/verify: ok keeps an intact object, corrupt deletes it, missing says so', async () => {
     const store = new MemoryStore()
     const tokens = { writer: 'w-token', reader: 'r-token' }

@@ -63,11 +63,21 @@ export function verifyStored(state: GatewayState, t: VerifyTarget, by: 'get' | '
     const reader = obj.body.getReader()
     let seen = 0
     let failure: unknown
+    let ended = false
     try {
       for (;;) {
         const { done, value } = await reader.read()
-        if (done) break
+        if (done) {
+          ended = true
+          break
+        }
         seen += value.length
+        // Bytes past what the store said it holds are the store's fault, not the object's:
+        // the verifier would call them corrupt and delete a sound object.
+        if (seen > obj.length)
+          throw new KvgateError('ERR_STORE', `store sent more than the ${obj.length} bytes it reported`, {
+            status: 502,
+          })
         try {
           check.push(value)
         } catch (e) {
@@ -86,7 +96,8 @@ export function verifyStored(state: GatewayState, t: VerifyTarget, by: 'get' | '
         }
       }
     } finally {
-      if (failure !== undefined) await reader.cancel(failure).catch(() => {})
+      // Stopped before the end (a corrupt piece, a store fault): release the store's stream.
+      if (!ended) await reader.cancel(failure ?? new Error('verification stopped')).catch(() => {})
       reader.releaseLock()
     }
     if (failure === undefined) return { verdict: 'ok', deleted: false }
