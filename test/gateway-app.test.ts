@@ -459,6 +459,21 @@ describe('auth', () => {
 })
 
 describe('metrics, status page, coalescing', () => {
+  it('each gateway in a process shows its own store on the status page', async () => {
+    const one = createGateway({ store: new MemoryStore() })
+    const two = createGateway({ store: new MemoryStore() })
+    for (const c of [makeChunk(), makeChunk()])
+      expect((await two.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+    const status = async (app: typeof one) =>
+      (
+        (await (await app.request('/', { headers: { accept: 'application/json' } })).json()) as {
+          objects: number
+        }
+      ).objects
+    expect(await status(one)).toBe(0)
+    expect(await status(two)).toBe(2)
+  })
+
   it('counts requests, bytes and store ops in Prometheus text', async () => {
     const { app } = setup()
     const c = makeChunk()
