@@ -282,6 +282,29 @@ describe('a commit is a PUT to the rest of the gateway', () => {
     expect((await stageAndCommit(app, store, ns, mine)).status).toBe(201)
   })
 
+  it('a commit counts against the bytes in flight, as a PUT does: past the bound, 503 ERR_BUSY', async () => {
+    const store = new StagingMemoryStore()
+    const app = createGateway({
+      store,
+      prefix: 'kv',
+      uploads: { minBytes: 1024, expiresSeconds: 60 },
+      limits: { maxInFlightBytes: 64 * 1024 },
+    })
+    const c = makeChunk({ sectionBytes: 4096 })
+    const r = await open(app, 'a', { key: c.key, bytes: c.bytes.length })
+    const { uploadId, parts } = r.json as { uploadId: string; parts: { url: string }[] }
+    await store.putIfAbsent(stagedNameOf(parts[0]!.url), c.bytes, c.bytes.length)
+    app.state.inFlight.bytes = 60 * 1024 // PUTs being received now
+    const busy = await commit(app, 'a', uploadId)
+    expect([busy.status, busy.code]).toEqual([503, 'ERR_BUSY'])
+    expect(app.state.inFlight.bytes).toBe(60 * 1024)
+    // The staged object stays for a retry (a busy answer is not a failed upload).
+    expect(await store.head(stagedNameOf(parts[0]!.url))).toBeDefined()
+    app.state.inFlight.bytes = 0
+    expect((await commit(app, 'a', uploadId)).status).toBe(201)
+    expect(app.state.inFlight.bytes).toBe(0)
+  })
+
   it('never answers "exists" from a cached presence: a chunk deleted behind the gateway is uploaded again', async () => {
     const { store, app } = setup()
     const c = makeChunk({ sectionBytes: 4096 })

@@ -205,6 +205,16 @@ export function uploadRoutes(
     const t = decodeTicket(c.req.param('id'))
     const staged = stagingName(o, ns, t)
     const final = objectName(state.prefix, ns, t.key)
+    // The staged body passes through the gateway as a PUT body does: the same bound on bytes in
+    // flight. Busy before anything is touched, so the staged object stays for the retry.
+    const held = t.bytes <= o.maxBytes ? t.bytes : 0
+    const inFlight = state.inFlight
+    if (inFlight.bytes > 0 && inFlight.bytes + held > state.limits.maxInFlightBytes) {
+      state.metrics.busy.inc({ what: 'commit' })
+      c.header('retry-after', '1')
+      throw new KvgateError('ERR_BUSY', 'too many upload bytes in flight; retry later', { status: 503 })
+    }
+    inFlight.bytes += held
     // Whatever the outcome, the staged object (and an unfinished multipart) goes.
     const cleanup = async () => {
       if (t.multipartId) await store.abortUpload?.(staged, t.multipartId).catch(() => {})
@@ -274,6 +284,7 @@ export function uploadRoutes(
       state.metrics.puts.inc({ result: 'rejected' })
       throw e
     } finally {
+      inFlight.bytes -= held
       await cleanup()
     }
   })
