@@ -434,9 +434,46 @@ describe('auth', () => {
       }),
     ).toThrow(TypeError)
   })
+
+  it('rejects bad options eagerly, not at the first request: unknown keys, a prefix with . or .., bad presign', () => {
+    const store = new MemoryStore()
+    const bad: Record<string, unknown>[] = [
+      { prefix: 'kv/..' },
+      { prefix: '..' },
+      { prefix: 'kv/./x' },
+      { limitz: { maxChunkBytes: 1 } },
+      { presign: { minBytes: 0, expireSeconds: 60 } },
+      { presign: { minBytes: 0, expiresSeconds: 0 } },
+      { presign: { minBytes: 0, expiresSeconds: 8 * 24 * 3600 } },
+      { coalesce: { maxByte: 1 } },
+      { auth: { tokens: [], publicstatus: true } },
+      { lookup: { presenceTTLMs: 1000 } },
+      { coldTier: { trackng: false } },
+      { coldTier: { usage: { flushIntervalMS: 1000 } } },
+    ]
+    for (const o of bad) expect(() => createGateway({ store, ...o }), JSON.stringify(o)).toThrow(TypeError)
+    expect(() =>
+      createGateway({ store, prefix: 'a.b/c..d', presign: { minBytes: 0, expiresSeconds: 60 } }),
+    ).not.toThrow()
+  })
 })
 
 describe('metrics, status page, coalescing', () => {
+  it('each gateway in a process shows its own store on the status page', async () => {
+    const one = createGateway({ store: new MemoryStore() })
+    const two = createGateway({ store: new MemoryStore() })
+    for (const c of [makeChunk(), makeChunk()])
+      expect((await two.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+    const status = async (app: typeof one) =>
+      (
+        (await (await app.request('/', { headers: { accept: 'application/json' } })).json()) as {
+          objects: number
+        }
+      ).objects
+    expect(await status(one)).toBe(0)
+    expect(await status(two)).toBe(2)
+  })
+
   it('counts requests, bytes and store ops in Prometheus text', async () => {
     const { app } = setup()
     const c = makeChunk()

@@ -245,6 +245,20 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     expect([set.status, await set.json()]).toEqual([201, { status: 'created', hash: sha(b) }])
   })
 
+  it('a current pointer too large to be one is dropped like any other that is not one', async () => {
+    const { store, prefix } = await gateway()
+    const junk = new TextEncoder().encode(`{"hash": "${'a'.repeat(64)}", "pad": "${' '.repeat(2000)}"}`)
+    await store.putIfAbsent(currentCalibrationName(prefix, 'team'), junk, junk.length)
+    const app = createGateway({ store, prefix })
+    const cur = await app.request('/v1/ns/team/calibration')
+    expect([cur.status, await errCode(cur)]).toEqual([502, 'ERR_FORMAT_CHECKSUM'])
+    expect(await store.head(currentCalibrationName(prefix, 'team'))).toBeUndefined()
+    const b = calib(21)
+    expect((await app.request(...putCalib(b))).status).toBe(201)
+    const set = await app.request(...putCurrent(sha(b)))
+    expect([set.status, await set.json()]).toEqual([201, { status: 'created', hash: sha(b) }])
+  })
+
   it('a stored object that is not its name is dropped, so a node holding the real bytes puts it back', async () => {
     const { store, prefix } = await gateway()
     const a = calib(13)
@@ -350,6 +364,75 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     // Dropped as the body fails (the response does not wait for the store's DELETE).
     await until(async () => (await store.head(bigName)) === undefined)
     expect((await cold.request(url)).status).toBe(404)
+  })
+
+  it('the store deletes only the version named by ifMatch; another one put back since stays', async () => {
+    const store = await backend.store()
+    const name = `${uniq()}/v`
+    expect(await store.putIfAbsent(name, calib(50), 200)).toBe('created')
+    const first = (await store.get(name))!
+    await first.body.cancel()
+    expect(first.etag).toBeDefined()
+    expect(await store.delete(name)).toBe(true)
+    expect(await store.putIfAbsent(name, calib(51), 200)).toBe('created')
+    const second = await store.head(name)
+    expect(second?.etag).not.toBe(first.etag)
+    expect(await store.delete(name, { ifMatch: first.etag })).toBe(false)
+    expect(await store.head(name)).toEqual(second)
+    expect(await store.delete(name, { ifMatch: second!.etag })).toBe(true)
+    expect(await store.head(name)).toBeUndefined()
+    expect(await store.delete(name, { ifMatch: second!.etag })).toBe(false)
+  })
+
+  it('a corrupt body read slowly drops only what it read: a correct copy put back meanwhile stays', async () => {
+    const limits = { calibrationCacheBytes: 1000 }
+    const { store, prefix } = await gateway(limits)
+    const big = calib(41, 64 * 1024 + 5)
+    const h = sha(big)
+    const name = calibrationObjectName(prefix, 'team', h)
+    const rotten = big.slice()
+    rotten[50_000]! ^= 1
+    await store.putIfAbsent(name, rotten, rotten.length)
+    // A slow read: the store's body ends only when the test says.
+    let open!: () => void
+    const gate = new Promise<void>((r) => {
+      open = r
+    })
+    const slowStore: ObjectStore = {
+      kind: store.kind,
+      head: (n) => store.head(n),
+      putIfAbsent: (...a) => store.putIfAbsent(...a),
+      delete: (...a: Parameters<ObjectStore['delete']>) => store.delete(...a),
+      list: (...a) => store.list(...a),
+      async get(n: string, o?: Parameters<ObjectStore['get']>[1]) {
+        const obj = await store.get(n, o)
+        if (!obj) return obj
+        const reader = obj.body.getReader()
+        const body = new ReadableStream<Uint8Array>({
+          async pull(c) {
+            const r = await reader.read()
+            if (r.done) {
+              await gate
+              c.close()
+            } else c.enqueue(r.value)
+          },
+        })
+        return { ...obj, body }
+      },
+    }
+    const app = createGateway({ store: slowStore, prefix, limits })
+    const slow = await app.request(`/v1/ns/team/calibrations/${h}`)
+    expect(slow.status).toBe(200)
+    // While it reads: an operator deletes the object and a holder puts the real bytes back.
+    expect(await store.delete(name)).toBe(true)
+    expect(await store.putIfAbsent(name, big, big.length)).toBe('created')
+    open()
+    await expect(slow.arrayBuffer()).rejects.toThrow(/SHA-256 is not its name/)
+    await new Promise((r) => setTimeout(r, 100))
+    expect((await store.head(name))?.size).toBe(big.length)
+    const good = await createGateway({ store, prefix, limits }).request(`/v1/ns/team/calibrations/${h}`)
+    expect(good.status).toBe(200)
+    expect(new Uint8Array(await good.arrayBuffer())).toEqual(big)
   })
 
   it('HEAD answers from the store’s metadata, cold or warm, without reading the body', async () => {

@@ -152,6 +152,71 @@ describe('corruption heals (C1)', () => {
     expect(app.state.metrics.corruptReads.value({ layers: 'true' })).toBe(1)
   })
 
+  it('a layer GET of an object whose header is rotten or names another chunk: 502, counted, healed', async () => {
+    for (const kind of ['rotten header', 'another key', 'another namespace id']) {
+      const store = new MemoryStore()
+      const ns = 'ab'.repeat(16)
+      const app = createGateway({ store })
+      const c = makeChunk({ layers: 4, sectionBytes: 1000, namespaceId: ns })
+      const n = objectName('kvgate', ns, c.key)
+      const bytes =
+        kind === 'another key'
+          ? makeChunk({ layers: 4, sectionBytes: 1000, namespaceId: ns }).bytes
+          : kind === 'another namespace id'
+            ? makeChunk({ layers: 4, sectionBytes: 1000, key: c.key, namespaceId: 'cd'.repeat(16) }).bytes
+            : c.bytes.slice()
+      if (kind === 'rotten header') bytes[30]! ^= 0x01
+      await replace(store, n, bytes)
+      const r = await app.request(`/v1/ns/${ns}/chunks/${c.key}?layers=0-1`)
+      expect(r.status, kind).toBe(502)
+      expect(app.state.metrics.corruptReads.value({ layers: 'true' }), kind).toBe(1)
+      for (let i = 0; i < 50 && (await store.head(n)); i++) await sleep(10)
+      expect(await store.head(n), kind).toBeUndefined()
+      expect((await app.request(`/v1/ns/${ns}/chunks/${c.key}`, putInit(c.bytes))).status, kind).toBe(201)
+      const good = await app.request(`/v1/ns/${ns}/chunks/${c.key}?layers=0-1`)
+      expect(good.status, kind).toBe(200)
+      expect(await body(good), kind).toBeInstanceOf(Uint8Array)
+    }
+  })
+
+  it('a store that sends more bytes than it said is at fault, not the object: 502, nothing deleted', async () => {
+    class Overlong extends MemoryStore {
+      cancelled = 0
+      override async get(n: string, opts?: Parameters<MemoryStore['get']>[1]) {
+        const obj = await super.get(n, opts)
+        if (!obj) return obj
+        const extra = new Uint8Array(100).fill(7)
+        const reader = obj.body.getReader()
+        let tail = false
+        const body = new ReadableStream<Uint8Array>(
+          {
+            async pull(c) {
+              const r = await reader.read()
+              if (!r.done) return c.enqueue(r.value)
+              if (tail) return c.close()
+              tail = true
+              c.enqueue(extra)
+            },
+            cancel: () => {
+              this.cancelled++
+            },
+          },
+          { highWaterMark: 0 },
+        )
+        return { ...obj, body }
+      }
+    }
+    const store = new Overlong()
+    const app = createGateway({ store })
+    const c = makeChunk()
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+    const v = await app.request(`/v1/ns/a/chunks/${c.key}/verify`, { method: 'POST' })
+    expect(v.status).toBe(502)
+    expect(((await v.json()) as { error: { code: string } }).error.code).toBe('ERR_STORE')
+    expect(await store.head(name('a', c.key))).toBeDefined()
+    expect(store.cancelled).toBe(1) // the store's stream released, not left open
+  })
+
   it('POST …/verify: ok keeps an intact object, corrupt deletes it, missing says so', async () => {
     const store = new MemoryStore()
     const tokens = { writer: 'w-token', reader: 'r-token' }
@@ -231,5 +296,51 @@ describe('two gateway instances over one store', () => {
         expect(subset.section(l)).toEqual(c2.bytes.subarray(s.offset, s.offset + s.length))
       }
     }
+  })
+})
+
+describe('a heal racing a re-PUT', () => {
+  /** A store whose reads send their bytes only when the test says (a slow store). */
+  class GatedStore extends MemoryStore {
+    gate: Promise<void> | undefined
+    override async get(n: string, opts?: Parameters<MemoryStore['get']>[1]) {
+      const obj = await super.get(n, opts)
+      const gate = this.gate
+      if (!obj || !gate) return obj
+      const reader = obj.body.getReader()
+      const body = new ReadableStream<Uint8Array>({
+        async pull(c) {
+          await gate
+          const r = await reader.read()
+          if (r.done) c.close()
+          else c.enqueue(r.value)
+        },
+      })
+      return { ...obj, body }
+    }
+  }
+
+  it('deletes only the corrupt version it read: a sound copy put back meanwhile stays', async () => {
+    const store = new GatedStore()
+    const app = createGateway({ store })
+    const c = makeChunk()
+    const n = name('a', c.key)
+    await replace(store, n, makeChunk().bytes) // a sound chunk of another key: corrupt under this name
+    let open!: () => void
+    store.gate = new Promise((r) => {
+      open = r
+    })
+    const verdict = app.request(`/v1/ns/a/chunks/${c.key}/verify`, { method: 'POST' })
+    await sleep(20)
+    // While the verify reads: the object goes (an operator, gc) and a writer puts the real bytes.
+    store.gate = undefined
+    await replace(store, n, c.bytes)
+    open()
+    const v = (await (await verdict).json()) as { verdict: string; deleted: boolean }
+    expect(v.verdict).toBe('corrupt')
+    expect(v.deleted).toBe(false)
+    const got = await app.request(`/v1/ns/a/chunks/${c.key}`)
+    expect(got.status).toBe(200)
+    expect(await body(got)).toEqual(c.bytes)
   })
 })

@@ -116,6 +116,31 @@ run('s3 store on RadosGW', () => {
     }
   })
 
+  it('deletes only the version named by ifMatch, though RadosGW 16.2 ignores If-Match on DELETE', async () => {
+    const name = `${uniq()}/v`
+    const first = new Uint8Array(100).fill(1)
+    expect(await store.putIfAbsent(name, first, first.length)).toBe('created')
+    const stale = (await store.head(name))!.etag!
+    // What the store has to work around: RGW deletes whatever is there despite a wrong If-Match
+    // (AWS S3 answers 412). If this starts failing, RGW honours it: update docs/calibration.md.
+    await store.client.send(
+      new DeleteObjectCommand({
+        Bucket: store.bucket,
+        Key: name,
+        IfMatch: '"0123456789abcdef0123456789abcdef"',
+      }),
+    )
+    expect(await store.head(name)).toBeUndefined()
+    // A copy put back since the etag was read stays: the store checks the version first.
+    const second = new Uint8Array(100).fill(2)
+    expect(await store.putIfAbsent(name, second, second.length)).toBe('created')
+    expect((await store.head(name))!.etag).not.toBe(stale)
+    expect(await store.delete(name, { ifMatch: stale })).toBe(false)
+    expect(await text((await store.get(name))!.body)).toEqual(second)
+    expect(await store.delete(name, { ifMatch: (await store.head(name))!.etag })).toBe(true)
+    expect(await store.head(name)).toBeUndefined()
+  })
+
   it('lists with pagination and deletes', async () => {
     const dir = uniq()
     for (let i = 0; i < 5; i++) await store.putIfAbsent(`${dir}/o${i}`, new Uint8Array(i + 1), i + 1)

@@ -111,6 +111,9 @@ describe('serve config', () => {
       { readerIdleTimeoutMs: 'soon' },
       { maxConnections: -1 },
       { maxInFlightBytes: '1e9' },
+      { prefix: '..' },
+      { prefix: 'kv/../x' },
+      { prefix: 'kv prefix' },
     ]) {
       expect(() => resolveServeConfig(bad), JSON.stringify(bad)).toThrow(
         expect.objectContaining({ code: 'ERR_CONFIG' }),

@@ -69,6 +69,30 @@ describe('GetCoalescer', () => {
   })
 })
 
+describe('GetCoalescer over a store that breaks a body off', () => {
+  const body = (pieces: Uint8Array[], fail?: Error) =>
+    new ReadableStream<Uint8Array>({
+      start(c) {
+        for (const p of pieces) c.enqueue(p)
+        if (fail) c.error(fail)
+        else c.close()
+      },
+    })
+  it('a body shorter or longer than the store said, or one that errors, is a store fault (502), not a 500', async () => {
+    const cases = [
+      body([new Uint8Array(60)]),
+      body([new Uint8Array(60), new Uint8Array(60)]),
+      body([new Uint8Array(60)], Object.assign(new Error('socket hang up'), { code: 'ECONNRESET' })),
+    ]
+    for (const b of cases) {
+      const c = new GetCoalescer(1024)
+      const got = c.get('k', async () => ({ body: b, size: 100, offset: 0, length: 100 }))
+      await expect(got).rejects.toMatchObject({ code: 'ERR_STORE', status: 502 })
+      expect(c.bufferedBytes).toBe(0)
+    }
+  })
+})
+
 describe('GetCoalescer memory bound (Workers: 128 MB isolates)', () => {
   const obj = (n: number) => {
     const bytes = new Uint8Array(n).fill(1)

@@ -451,6 +451,13 @@ describe('lambda adapter', () => {
     expect(() =>
       configFromEnv({ KVGATE_S3_BUCKET: 'b', KVGATE_AUTH: 'disabled', KVGATE_MAX_CHUNK_BYTES: '1e3x' }),
     ).toThrow(/KVGATE_MAX_CHUNK_BYTES/)
+    // Decimal digits only, as the Workers vars and the Node settings: hex, exponents and
+    // fractions would be taken silently (0x10 as 16 bytes, 0.5 as 0.5 seconds).
+    for (const raw of ['0x10', '1e6', '4.5', '-0', 'Infinity'])
+      expect(
+        () => configFromEnv({ KVGATE_S3_BUCKET: 'b', KVGATE_AUTH: 'disabled', KVGATE_UPLOAD_TTL: raw }),
+        raw,
+      ).toThrow(/KVGATE_UPLOAD_TTL/)
     const cfg = configFromEnv({
       KVGATE_S3_BUCKET: 'b',
       KVGATE_S3_PREFIX: 'kv',

@@ -282,6 +282,29 @@ describe('a commit is a PUT to the rest of the gateway', () => {
     expect((await stageAndCommit(app, store, ns, mine)).status).toBe(201)
   })
 
+  it('a commit counts against the bytes in flight, as a PUT does: past the bound, 503 ERR_BUSY', async () => {
+    const store = new StagingMemoryStore()
+    const app = createGateway({
+      store,
+      prefix: 'kv',
+      uploads: { minBytes: 1024, expiresSeconds: 60 },
+      limits: { maxInFlightBytes: 64 * 1024 },
+    })
+    const c = makeChunk({ sectionBytes: 4096 })
+    const r = await open(app, 'a', { key: c.key, bytes: c.bytes.length })
+    const { uploadId, parts } = r.json as { uploadId: string; parts: { url: string }[] }
+    await store.putIfAbsent(stagedNameOf(parts[0]!.url), c.bytes, c.bytes.length)
+    app.state.inFlight.bytes = 60 * 1024 // PUTs being received now
+    const busy = await commit(app, 'a', uploadId)
+    expect([busy.status, busy.code]).toEqual([503, 'ERR_BUSY'])
+    expect(app.state.inFlight.bytes).toBe(60 * 1024)
+    // The staged object stays for a retry (a busy answer is not a failed upload).
+    expect(await store.head(stagedNameOf(parts[0]!.url))).toBeDefined()
+    app.state.inFlight.bytes = 0
+    expect((await commit(app, 'a', uploadId)).status).toBe(201)
+    expect(app.state.inFlight.bytes).toBe(0)
+  })
+
   it('never answers "exists" from a cached presence: a chunk deleted behind the gateway is uploaded again', async () => {
     const { store, app } = setup()
     const c = makeChunk({ sectionBytes: 4096 })
@@ -396,4 +419,97 @@ describe('the remote tier', () => {
       await gw.close()
     }
   })
+})
+
+describe('an upload request body is bounded before it is read', () => {
+  it('a body past 4 KiB that never ends is refused with 413, and its stream released', async () => {
+    const app = createGateway({ store: new MemoryStore(), auth: { tokens: GRANTS }, uploads: {} })
+    let cancelled = false
+    const body = new ReadableStream<Uint8Array>({
+      start(c) {
+        c.enqueue(new TextEncoder().encode(`{"key": "${'0'.repeat(64)}", "pad": "${' '.repeat(8192)}`))
+      },
+      // never closes: a gateway that reads to the end would hold it (and all it sent) forever
+      cancel() {
+        cancelled = true
+      },
+    })
+    const req = new Request('http://gw/v1/ns/a/uploads', {
+      method: 'POST',
+      headers: { authorization: 'Bearer tok-a', 'content-type': 'application/json' },
+      body,
+      duplex: 'half',
+    } as RequestInit)
+    const res = await Promise.race([
+      app.fetch(req),
+      new Promise<undefined>((r) => setTimeout(() => r(undefined), 2000)),
+    ])
+    expect(res?.status).toBe(413)
+    expect(((await res!.json()) as { error: { code: string } }).error.code).toBe('ERR_PAYLOAD_TOO_LARGE')
+    expect(cancelled).toBe(true)
+  })
+})
+
+describe('a commit that fails releases the staged read', () => {
+  /** Stages like StagingMemoryStore; every staged read records whether it was released. */
+  class WatchedStagingStore extends StagingMemoryStore {
+    readonly reads: { cancelled: boolean; done: boolean }[] = []
+    finalPut: 'fail' | 'exists' | undefined
+    override async get(name: string, opts?: Parameters<MemoryStore['get']>[1]) {
+      const obj = await super.get(name, opts)
+      if (!obj || !name.includes('-staging/')) return obj
+      const seen = { cancelled: false, done: false }
+      this.reads.push(seen)
+      const reader = obj.body.getReader()
+      // One piece at a time, like a socket: the rest stays with the store until pulled.
+      const body = new ReadableStream<Uint8Array>(
+        {
+          async pull(c) {
+            const r = await reader.read()
+            if (r.done) {
+              seen.done = true
+              c.close()
+            } else for (let o = 0; o < r.value.length; o += 4096) c.enqueue(r.value.subarray(o, o + 4096))
+          },
+          cancel(reason) {
+            seen.cancelled = true
+            return reader.cancel(reason)
+          },
+        },
+        { highWaterMark: 0 },
+      )
+      return { ...obj, body }
+    }
+    override async putIfAbsent(name: string, body: ReadableStream<Uint8Array> | Uint8Array, size: number) {
+      if (name.includes('-staging/') || this.finalPut === undefined)
+        return super.putIfAbsent(name, body, size)
+      // The store gives up before it reads the body (S3: an early 412 or a reset socket; the SDK
+      // only releases its hold on the stream); the body is left to the gateway.
+      if (this.finalPut === 'exists') return 'exists'
+      throw Object.assign(new Error('connection reset'), { code: 'ECONNRESET' })
+    }
+  }
+
+  for (const outcome of ['fail', 'exists'] as const) {
+    it(`the store ${outcome === 'fail' ? 'fails' : 'answers "exists"'} without reading the body: the staged read is cancelled`, async () => {
+      const store = new WatchedStagingStore()
+      const app = createGateway({
+        store,
+        prefix: 'kv',
+        auth: { tokens: GRANTS },
+        uploads: { minBytes: 1024, expiresSeconds: 60 },
+      })
+      // Larger than the commit's read-ahead (4 MiB): the body is never read to its end by itself.
+      const c = makeChunk({ layers: 4, sectionBytes: MIB })
+      const r = await open(app, 'a', { key: c.key, bytes: c.bytes.length })
+      const { uploadId, parts } = r.json as { uploadId: string; parts: { url: string }[] }
+      await store.putIfAbsent(stagedNameOf(parts[0]!.url), c.bytes, c.bytes.length)
+      store.finalPut = outcome
+      const res = await commit(app, 'a', uploadId)
+      expect(res.status).toBe(outcome === 'fail' ? 500 : 200)
+      await new Promise((r) => setTimeout(r, 100))
+      expect(store.reads).toHaveLength(1)
+      expect(store.reads[0]).toEqual({ cancelled: true, done: false })
+    })
+  }
 })

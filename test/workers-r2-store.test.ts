@@ -322,6 +322,16 @@ describe('R2Store', () => {
     expect(second).toEqual({ entries: [{ name: 'p/c', size: 3 }] })
   })
 
+  it('delete with ifMatch keeps another version (the binding has no condition: checked by HEAD)', async () => {
+    const r2 = new FakeR2()
+    r2.objects.set('k/v', bytes(10))
+    const store = new R2Store(r2)
+    expect(await store.delete('k/v', { ifMatch: 'an-older-version' })).toBe(false)
+    expect(r2.objects.has('k/v')).toBe(true)
+    expect(await store.delete('k/v', { ifMatch: (await store.head('k/v'))!.etag })).toBe(true)
+    expect(r2.objects.has('k/v')).toBe(false)
+  })
+
   it('maps binding failures to StoreError (502), keeping the cause', async () => {
     const r2 = new FakeR2()
     r2.head = async () => {

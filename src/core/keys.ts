@@ -134,18 +134,28 @@ export function assertNamespaceName(s: unknown): string {
   return s
 }
 
+/**
+ * An object name prefix: '' or /-separated segments of [A-Za-z0-9._-], none of them . or ..
+ * (a name is a path on the fs store). Checked where a prefix is configured, not per request.
+ */
+export function isObjectPrefix(prefix: unknown): prefix is string {
+  return (
+    typeof prefix === 'string' &&
+    (prefix === '' ||
+      (/^[A-Za-z0-9._-]+(\/[A-Za-z0-9._-]+)*$/.test(prefix) &&
+        !prefix.split('/').some((p) => p === '.' || p === '..')))
+  )
+}
+
 /** Object name in the bucket: `<prefix>/<ns>/<first 2 hex>/<key>`; the fan-out spreads S3 partitions. */
 export function objectName(prefix: string, ns: string, keyHex: string): string {
   assertNamespaceName(ns)
   assertKeyHex(keyHex)
-  if (
-    typeof prefix !== 'string' ||
-    (prefix !== '' && !/^[A-Za-z0-9._-]+(\/[A-Za-z0-9._-]+)*$/.test(prefix))
-  ) {
-    throw new InvalidArgumentError(`invalid object prefix ${JSON.stringify(prefix)}`)
+  if (!isObjectPrefix(prefix)) {
+    throw new InvalidArgumentError(
+      `invalid object prefix ${JSON.stringify(prefix)}: /-separated segments of A-Z a-z 0-9 . _ -, none . or ..`,
+    )
   }
-  if (prefix.split('/').some((p) => p === '.' || p === '..'))
-    throw new InvalidArgumentError('object prefix may not contain . or ..')
   const tail = `${ns}/${keyHex.slice(0, 2)}/${keyHex}`
   return prefix === '' ? tail : `${prefix}/${tail}`
 }

@@ -3,7 +3,13 @@
 
 import { Hono } from 'hono'
 import type { ChainLookupOptions } from './chain-lookup.ts'
-import { createState, type GatewayLimits, type GatewayState, type PresignOptions } from './context.ts'
+import {
+  createState,
+  type GatewayLimits,
+  type GatewayState,
+  knownKeys,
+  type PresignOptions,
+} from './context.ts'
 import type { GatewayEnv } from './env.ts'
 import { notFound } from './http-errors.ts'
 import type { GatewayMetrics } from './metrics.ts'
@@ -51,7 +57,33 @@ export interface GatewayOptions {
 
 export type GatewayApp = Hono<GatewayEnv> & { readonly state: GatewayState }
 
+const OPTION_KEYS = [
+  'store',
+  'auth',
+  'limits',
+  'presign',
+  'metrics',
+  'lookup',
+  'coalesce',
+  'prefix',
+  'storagePricePerGBMonth',
+  'uploads',
+  'logger',
+  'coldTier',
+] as const satisfies readonly (keyof GatewayOptions)[]
+
 export function createGateway(options: GatewayOptions): GatewayApp {
+  knownKeys(options, OPTION_KEYS, '')
+  knownKeys(options.auth, ['tokens', 'publicStatus'], 'auth')
+  knownKeys(
+    options.lookup,
+    ['cacheEntries', 'fanout', 'concurrency', 'presenceTtlMs', 'verifyInferred'],
+    'lookup',
+  )
+  if (options.coldTier) {
+    knownKeys(options.coldTier, ['tracking', 'usage', 'accountingRefreshMs', 'now'], 'coldTier')
+    knownKeys(options.coldTier.usage, ['flushIntervalMs', 'maxDelayMs', 'maxKeys'], 'coldTier.usage')
+  }
   const state = createState(options)
   const app = new Hono<GatewayEnv>()
   app.onError((err, c) => errorResponse(state, err, c))

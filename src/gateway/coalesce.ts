@@ -4,6 +4,7 @@
 // the body is never buffered and followers do their own GET.
 // (A tee would buffer without bound behind the slowest client.)
 
+import { isKvgateError, StoreError } from '../core/errors.ts'
 import type { StoreObject } from './stores/types.ts'
 
 type Shared =
@@ -82,11 +83,13 @@ export class GetCoalescer {
         for (;;) {
           const { done, value } = await reader.read()
           if (done) break
-          if (at + value.length > bytes.length) throw new Error('store returned more bytes than announced')
+          if (at + value.length > bytes.length)
+            throw new StoreError('the store sent more bytes than it announced')
           bytes.set(value, at)
           at += value.length
         }
-        if (at !== bytes.length) throw new Error(`store body ended at ${at} of ${bytes.length} bytes`)
+        if (at !== bytes.length)
+          throw new StoreError(`the store body ended at ${at} of ${bytes.length} bytes`)
         return {
           kind: 'bytes',
           bytes,
@@ -97,7 +100,10 @@ export class GetCoalescer {
       } catch (e) {
         // Stop the store read: nobody will take the rest.
         await reader.cancel(e).catch(() => {})
-        throw e
+        // A body the store broke off is its fault (502), not the gateway's (500).
+        throw isKvgateError(e)
+          ? e
+          : new StoreError(`reading the store body failed: ${(e as Error)?.message}`, { cause: e })
       }
     })()
     this.#inflight.set(key, { shared, lease })

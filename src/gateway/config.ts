@@ -8,6 +8,7 @@ import { parse as parseYaml } from 'yaml'
 import { type ColdTierConfig, parseColdTier } from '../coldtier/policy.ts'
 import { boolLike, byteSize, intLike, parseConfig } from '../core/config-check.ts'
 import { ConfigError } from '../core/errors.ts'
+import { isObjectPrefix } from '../core/keys.ts'
 import { DEFAULT_CALIBRATION_CACHE_BYTES } from './context.ts'
 import type { TokenGrant } from './middleware/auth.ts'
 import { TokenTableSchema } from './token-table.ts'
@@ -73,7 +74,18 @@ const nonEmpty = v.pipe(v.string('expected a string'), v.minLength(1, 'must not 
 const OPTIONS = {
   host: { schema: nonEmpty, env: 'KVGATE_HOST', flag: '--host', file: 'host' },
   port: { schema: intLike(0, 65535), env: 'KVGATE_PORT', flag: '--port', file: 'port' },
-  prefix: { schema: nonEmpty, env: 'KVGATE_PREFIX', flag: '--prefix', file: 'prefix' },
+  prefix: {
+    schema: v.pipe(
+      nonEmpty,
+      v.check(
+        (p: string) => isObjectPrefix(p),
+        '/-separated segments of A-Z a-z 0-9 . _ -, none of them . or ..',
+      ),
+    ),
+    env: 'KVGATE_PREFIX',
+    flag: '--prefix',
+    file: 'prefix',
+  },
   store: {
     schema: v.picklist(['fs', 's3', 'memory'], 'expected fs, s3 or memory'),
     env: 'KVGATE_STORE',

@@ -4,8 +4,10 @@
 import { LRUCache } from 'lru-cache'
 import type { FleetAccounting } from '../coldtier/accounting.ts'
 import type { ChunkHeader } from '../core/format.ts'
+import { isObjectPrefix } from '../core/keys.ts'
 import { ChainLookup, type ChainLookupOptions } from './chain-lookup.ts'
 import { GetCoalescer } from './coalesce.ts'
+import type { Verified } from './heal.ts'
 import { GatewayMetrics } from './metrics.ts'
 import { instrumentStore } from './stores/instrumented.ts'
 import type { ObjectStore } from './stores/types.ts'
@@ -83,7 +85,7 @@ export interface GatewayState {
   /** Verified calibration bodies by object name (immutable: named by their SHA-256), bounded in bytes. */
   calibrations: LRUCache<string, Uint8Array>
   /** Verifications in flight by object name (deduplicated). */
-  verifying: Map<string, Promise<'ok' | 'corrupt' | 'missing'>>
+  verifying: Map<string, Promise<Verified>>
   /** Declared bytes of the PUT bodies being received now. */
   inFlight: { bytes: number }
   limits: Required<GatewayLimits>
@@ -132,11 +134,17 @@ export function createState(opts: {
     const min = k === 'bodyMinBytesPerSecond' || k === 'calibrationCacheBytes' ? 0 : 1
     if (!Number.isInteger(v) || v < min) throw new TypeError(`createGateway: invalid limits.${k}`)
   }
+  knownKeys(opts.presign, ['minBytes', 'expiresSeconds'], 'presign')
+  knownKeys(opts.coalesce || undefined, ['maxBytes', 'maxBufferedBytes'], 'coalesce')
   if (opts.presign && (!Number.isInteger(opts.presign.minBytes) || opts.presign.minBytes < 0)) {
     throw new TypeError('createGateway: invalid presign.minBytes')
   }
+  const presignSeconds = opts.presign?.expiresSeconds ?? 60
+  if (!Number.isInteger(presignSeconds) || presignSeconds < 1 || presignSeconds > 7 * 24 * 3600)
+    throw new TypeError('createGateway: presign.expiresSeconds must be 1..604800 (SigV4 limit)')
   const prefix = opts.prefix ?? 'kvgate'
-  if (prefix !== '' && !/^[A-Za-z0-9._-]+(\/[A-Za-z0-9._-]+)*$/.test(prefix)) {
+  // objectName() refuses it too, but as a 400 on every request: refused here, at start.
+  if (!isObjectPrefix(prefix)) {
     throw new TypeError(`createGateway: invalid prefix ${JSON.stringify(prefix)}`)
   }
   return {
@@ -159,7 +167,7 @@ export function createState(opts: {
     limits,
     presign:
       opts.presign && opts.store.presignGet
-        ? { minBytes: opts.presign.minBytes, expiresSeconds: opts.presign.expiresSeconds ?? 60 }
+        ? { minBytes: opts.presign.minBytes, expiresSeconds: presignSeconds }
         : undefined,
     prefix,
     storagePricePerGBMonth: opts.storagePricePerGBMonth ?? 0.023,
@@ -167,4 +175,11 @@ export function createState(opts: {
     recentErrors: [],
     written: { objects: 0, bytes: 0 },
   }
+}
+
+/** Throws on an option key `section` does not have (a typo would silently keep a default). */
+export function knownKeys(section: object | undefined, keys: readonly string[], name: string): void {
+  if (section === undefined || section === null) return
+  for (const k of Object.keys(section))
+    if (!keys.includes(k)) throw new TypeError(`createGateway: unknown option ${name ? `${name}.` : ''}${k}`)
 }

@@ -9,6 +9,12 @@ import { objectCheck } from './verified-read.ts'
 
 export type Verdict = 'ok' | 'corrupt' | 'missing'
 
+/** A verification's outcome; `deleted` only for the corrupt version it read (never one put back since). */
+export interface Verified {
+  verdict: Verdict
+  deleted: boolean
+}
+
 export interface VerifyTarget {
   ns: string
   key: string
@@ -33,7 +39,7 @@ export function isCorruption(e: unknown): boolean {
  * counted and its presence (and its chain's later keys) forgotten. Store faults
  * throw; they say nothing about the object.
  */
-export function verifyStored(state: GatewayState, t: VerifyTarget, by: 'get' | 'verify'): Promise<Verdict> {
+export function verifyStored(state: GatewayState, t: VerifyTarget, by: 'get' | 'verify'): Promise<Verified> {
   const running = state.verifying.get(t.name)
   if (running) return running
   if (state.verifying.size >= state.limits.maxConcurrentVerifies) {
@@ -42,11 +48,11 @@ export function verifyStored(state: GatewayState, t: VerifyTarget, by: 'get' | '
       new KvgateError('ERR_BUSY', 'too many verifications in flight; retry later', { status: 503 }),
     )
   }
-  const p = (async (): Promise<Verdict> => {
+  const p = (async (): Promise<Verified> => {
     const obj = await state.store.get(t.name)
     if (!obj) {
       state.lookup.invalidateFrom(t.name)
-      return 'missing'
+      return { verdict: 'missing', deleted: false }
     }
     const nsId = namespaceIdOf(t.ns)
     const check = objectCheck({
@@ -57,11 +63,21 @@ export function verifyStored(state: GatewayState, t: VerifyTarget, by: 'get' | '
     const reader = obj.body.getReader()
     let seen = 0
     let failure: unknown
+    let ended = false
     try {
       for (;;) {
         const { done, value } = await reader.read()
-        if (done) break
+        if (done) {
+          ended = true
+          break
+        }
         seen += value.length
+        // Bytes past what the store said it holds are the store's fault, not the object's:
+        // the verifier would call them corrupt and delete a sound object.
+        if (seen > obj.length)
+          throw new KvgateError('ERR_STORE', `store sent more than the ${obj.length} bytes it reported`, {
+            status: 502,
+          })
         try {
           check.push(value)
         } catch (e) {
@@ -80,20 +96,22 @@ export function verifyStored(state: GatewayState, t: VerifyTarget, by: 'get' | '
         }
       }
     } finally {
-      if (failure !== undefined) await reader.cancel(failure).catch(() => {})
+      // Stopped before the end (a corrupt piece, a store fault): release the store's stream.
+      if (!ended) await reader.cancel(failure ?? new Error('verification stopped')).catch(() => {})
       reader.releaseLock()
     }
-    if (failure === undefined) return 'ok'
+    if (failure === undefined) return { verdict: 'ok', deleted: false }
     if (!isCorruption(failure)) throw failure
-    await state.store.delete(t.name)
+    // Only the version read: a sound copy put back while it was read (after a DELETE elsewhere) stays.
+    const deleted = await state.store.delete(t.name, { ifMatch: obj.etag })
     state.lookup.invalidateFrom(t.name)
     state.headers.delete(t.name)
     state.metrics.corrupt.inc({ by })
-    return 'corrupt'
+    return { verdict: 'corrupt', deleted }
   })().finally(() => state.verifying.delete(t.name))
   state.verifying.set(t.name, p)
   return p.then((v) => {
-    state.metrics.verifies.inc({ verdict: v })
+    state.metrics.verifies.inc({ verdict: v.verdict })
     return v
   })
 }

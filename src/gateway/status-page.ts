@@ -68,19 +68,23 @@ export interface StatusSnapshot {
   accountingAt: number | undefined
 }
 
-let statsCache: { at: number; value: { objects: number; bytes: number } | undefined } | undefined
+type StoreStats = { at: number; value: { objects: number; bytes: number } | undefined }
+/** Per gateway: one module-wide entry showed one gateway's store on every other's page in a process. */
+let statsCache = new WeakMap<GatewayState, StoreStats>()
 
 export async function snapshot(state: GatewayState): Promise<StatusSnapshot> {
   const m = state.metrics
   // Counting a store can mean walking it: at most once a minute.
-  if (!statsCache || Date.now() - statsCache.at > 60_000) {
-    statsCache = {
+  let stats = statsCache.get(state)
+  if (!stats || Date.now() - stats.at > 60_000) {
+    stats = {
       at: Date.now(),
       value: state.store.stats ? await state.store.stats().catch(() => undefined) : undefined,
     }
+    statsCache.set(state, stats)
   }
   await state.accounting?.refresh()
-  const st = statsCache.value
+  const st = stats.value
   const bytesForCost = st?.bytes ?? state.written.bytes
   const storeLat = m.storeSeconds.totals()
   return {
@@ -122,7 +126,7 @@ export async function snapshot(state: GatewayState): Promise<StatusSnapshot> {
 
 /** Resets the cached store count (tests, after bulk changes). */
 export function resetStatusCache(): void {
-  statsCache = undefined
+  statsCache = new WeakMap()
 }
 
 // The gateway keeps this many (middleware/errors.ts MAX_RECENT).

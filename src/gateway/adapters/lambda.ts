@@ -229,7 +229,8 @@ function intFromEnv(env: Record<string, string | undefined>, name: string, fallb
   const raw = env[name]
   if (raw === undefined || raw === '') return fallback
   const n = Number(raw)
-  if (!Number.isSafeInteger(n) || n < 0)
+  // Decimal digits only (as the Node settings): Number() would also take 0x10, 1e6 and -0.
+  if (!/^\s*\d+\s*$/.test(raw) || !Number.isSafeInteger(n))
     throw new ConfigError(`${name} must be a non-negative integer, got ${raw}`)
   return n
 }

@@ -180,19 +180,20 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
       return { stream: hashedBody(name, hash, obj), size: obj.size }
     const bytes = await readWhole(obj, max)
     if ((await sha256Hex(bytes)) !== hash) {
-      await drop(name)
+      await drop(name, obj.etag)
       throw corrupt(NOT_ITS_NAME)
     }
     bodies.set(name, bytes)
     return { bytes }
   }
 
-  async function drop(name: string): Promise<void> {
+  async function drop(name: string, etag: string | undefined): Promise<void> {
     // Named by their SHA-256, these bytes can never be this calibration (bit rot, a bad
     // restore). Left there, every GET would answer 502 and a create-only PUT "exists", so
     // no node holding the real bytes could put them back: drop them, as a corrupt chunk is.
+    // Only the version read: a slow read may end after a holder put the real bytes back.
     state.metrics.calibrations.inc({ op: 'get', result: 'corrupt' })
-    await state.store.delete(name)
+    await state.store.delete(name, { ifMatch: etag })
   }
 
   /**
@@ -218,7 +219,7 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
           throw new StoreError(`the store served ${seen} of ${obj.length} calibration bytes`)
         if (hasher.hex() === hash) return
         // Dropped before the response fails: a Worker's work ends with its response.
-        await drop(name)
+        await drop(name, obj.etag)
         throw corrupt(NOT_ITS_NAME)
       },
     }
@@ -348,11 +349,18 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
       current.delete(ns)
       return undefined
     }
-    const hash = parsePointer(await readWhole(obj, MAX_POINTER_BYTES))
+    // Larger than any pointer: not one (read no further), dropped like one that does not parse.
+    const hash =
+      obj.size > MAX_POINTER_BYTES
+        ? await obj.body.cancel().then(
+            () => undefined,
+            () => undefined,
+          )
+        : parsePointer(await readWhole(obj, MAX_POINTER_BYTES))
     if (hash === undefined) {
       // Create-only, a pointer that is not one would block the namespace for good (every GET
       // and PUT a 502). Chunks name their calibration by hash, not through it: drop it.
-      await state.store.delete(name)
+      await state.store.delete(name, { ifMatch: obj.etag })
       current.delete(ns)
       throw corrupt(`the current pointer of namespace ${ns} is not {"hash": <sha256>}`)
     }

@@ -13,7 +13,7 @@ import {
 import { assertKeyHex, assertNamespaceName, objectName, toHex } from '../../core/keys.ts'
 import type { CachedHeader, GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
-import { namespaceIdOf, reportCorruptRead, type VerifyTarget } from '../heal.ts'
+import { isCorruption, namespaceIdOf, reportCorruptRead, type VerifyTarget } from '../heal.ts'
 import {
   badRequest,
   lengthRequired,
@@ -25,7 +25,13 @@ import { authorize, type Scope } from '../middleware/auth.ts'
 import { RangeNotSatisfiableError } from '../stores/errors.ts'
 import type { ByteRange, StoreObject } from '../stores/types.ts'
 import { iteratorSource, type PieceSource, streamSource, verifiedBody } from '../verified-body.ts'
-import { checkedStream, objectCheck, type StreamCheck, sectionsCheck } from '../verified-read.ts'
+import {
+  checkedStream,
+  checkIdentity,
+  objectCheck,
+  type StreamCheck,
+  sectionsCheck,
+} from '../verified-read.ts'
 
 const PATH = '/v1/ns/:ns/chunks/:key'
 // Enough for the header of a 247-layer (v1) / 244-layer (v2) model in one ranged GET; larger ones take a second.
@@ -278,7 +284,22 @@ async function readAll(obj: StoreObject): Promise<Uint8Array> {
   return out.subarray(0, Math.min(at, out.length))
 }
 
-async function readHeader(state: GatewayState, name: string): Promise<CachedHeader> {
+/**
+ * The stored object's header, decoded and checked to name this chunk (key; namespace id when
+ * the namespace is named by one), as a whole GET checks it: a header that fails is a corrupt
+ * read, counted and verified in the background (deleted when corrupt), then a 502.
+ */
+async function readHeader(state: GatewayState, t: VerifyTarget): Promise<CachedHeader> {
+  try {
+    return await decodeStoredHeader(state, t)
+  } catch (e) {
+    if (isCorruption(e)) reportCorruptRead(state, t, true)
+    throw e
+  }
+}
+
+async function decodeStoredHeader(state: GatewayState, t: VerifyTarget): Promise<CachedHeader> {
+  const { name } = t
   let probe: StoreObject | undefined
   try {
     probe = await state.store.get(name, { range: { offset: 0, length: HEADER_PROBE_BYTES } })
@@ -299,6 +320,8 @@ async function readHeader(state: GatewayState, name: string): Promise<CachedHead
     version = { size: more.size, etag: more.etag }
   }
   const header = guard(() => decodeHeader(bytes.subarray(0, headerBytes)))
+  const nsId = namespaceIdOf(t.ns)
+  guard(() => checkIdentity(header, { keyHex: t.key, ...(nsId ? { namespaceIdHex: nsId } : {}) }))
   const entry: CachedHeader = { header, bytes: bytes.slice(0, headerBytes), ...version }
   state.headers.set(name, entry)
   return entry
@@ -334,7 +357,7 @@ async function layersAnswer(c: Context<GatewayEnv>, state: GatewayState, t: Veri
   if (!m) throw badRequest(`invalid layers ${JSON.stringify(spec.slice(0, 40))}: use layers=a-b`)
   const first = Number(m[1])
   const last = Number(m[2])
-  let entry = state.headers.get(name) ?? (await readHeader(state, name))
+  let entry = state.headers.get(name) ?? (await readHeader(state, t))
   let obj: StoreObject | undefined
   // A cached header may describe an object deleted and re-written since (another
   // instance): the sections' read tells its version; on a mismatch read the header again.
@@ -356,7 +379,7 @@ async function layersAnswer(c: Context<GatewayEnv>, state: GatewayState, t: Veri
       // The cached header's span no longer fits the object: it is another one now.
       if (!(e instanceof RangeNotSatisfiableError) || attempt > 0) throw e
       state.headers.delete(name)
-      entry = await readHeader(state, name)
+      entry = await readHeader(state, t)
       continue
     }
     if (!obj) return notFoundFrom(state, name)
@@ -366,7 +389,7 @@ async function layersAnswer(c: Context<GatewayEnv>, state: GatewayState, t: Veri
     if (attempt > 0)
       throw new KvgateError('ERR_STORE', 'the object changed while it was read', { status: 503 })
     state.headers.delete(name)
-    entry = await readHeader(state, name)
+    entry = await readHeader(state, t)
   }
   const { header, bytes } = entry
   const span = layerSpan(header, first, last)

@@ -5,16 +5,18 @@
 import type { Context, Hono } from 'hono'
 import { FormatError, KvgateError } from '../../core/errors.ts'
 import { headerBytesFor } from '../../core/format.ts'
-import { assertKeyHex, assertNamespaceName, objectName, toHex } from '../../core/keys.ts'
+import { assertKeyHex, assertNamespaceName, isObjectPrefix, objectName, toHex } from '../../core/keys.ts'
 import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
 import { namespaceIdOf } from '../heal.ts'
 import { badRequest, notFound, payloadTooLarge, unsupportedMediaType } from '../http-errors.ts'
 import { authorize } from '../middleware/auth.ts'
-import { partLengths } from '../stores/types.ts'
+import { collectAtMost, partLengths } from '../stores/types.ts'
 import { streamSource, verifiedBody } from '../verified-body.ts'
 
 const MIB = 1024 * 1024
+/** An upload request is `{key, bytes}`: a few dozen bytes of JSON. */
+const MAX_OPEN_REQUEST_BYTES = 4096
 
 export interface UploadOptions {
   /** Bodies of at least this many bytes get presigned targets (stores that can presign). @default 1 MiB */
@@ -82,8 +84,8 @@ function resolve(options: UploadOptions | undefined, prefix: string, maxChunkByt
     throw new TypeError('createGateway: uploads.expiresSeconds must be 1..604800 (SigV4 limit)')
   if (o.partBytes < 5 * MIB) throw new TypeError('createGateway: uploads.partBytes must be ≥ 5 MiB')
   if (
-    !/^[A-Za-z0-9._-]+(\/[A-Za-z0-9._-]+)*$/.test(o.stagingPrefix) ||
-    o.stagingPrefix.split('/').some((p) => p === '.' || p === '..') ||
+    o.stagingPrefix === '' ||
+    !isObjectPrefix(o.stagingPrefix) ||
     o.stagingPrefix === prefix ||
     o.stagingPrefix.startsWith(`${prefix}/`)
   ) {
@@ -203,6 +205,16 @@ export function uploadRoutes(
     const t = decodeTicket(c.req.param('id'))
     const staged = stagingName(o, ns, t)
     const final = objectName(state.prefix, ns, t.key)
+    // The staged body passes through the gateway as a PUT body does: the same bound on bytes in
+    // flight. Busy before anything is touched, so the staged object stays for the retry.
+    const held = t.bytes <= o.maxBytes ? t.bytes : 0
+    const inFlight = state.inFlight
+    if (inFlight.bytes > 0 && inFlight.bytes + held > state.limits.maxInFlightBytes) {
+      state.metrics.busy.inc({ what: 'commit' })
+      c.header('retry-after', '1')
+      throw new KvgateError('ERR_BUSY', 'too many upload bytes in flight; retry later', { status: 503 })
+    }
+    inFlight.bytes += held
     // Whatever the outcome, the staged object (and an unfinished multipart) goes.
     const cleanup = async () => {
       if (t.multipartId) await store.abortUpload?.(staged, t.multipartId).catch(() => {})
@@ -249,6 +261,10 @@ export function uploadRoutes(
         result = await store.putIfAbsent(final, vb.stream, t.bytes)
       } catch (e) {
         throw vb.failure() ?? e
+      } finally {
+        // A store that gave up on the body (failed, or "exists" without reading it) leaves the
+        // staged read open: release it, or its socket, read-ahead and idle watchdog stay behind.
+        vb.release()
       }
       if (result === 'exists') {
         return existsAnswer(c, state, ns, t.key, final, (await store.head(final))?.size ?? t.bytes)
@@ -268,6 +284,7 @@ export function uploadRoutes(
       state.metrics.puts.inc({ result: 'rejected' })
       throw e
     } finally {
+      inFlight.bytes -= held
       await cleanup()
     }
   })
@@ -291,8 +308,15 @@ function existsAnswer(
 async function readOpenRequest(c: Context<GatewayEnv>): Promise<{ key: string; bytes: number }> {
   const type = (c.req.header('content-type') ?? '').split(';')[0]!.trim().toLowerCase()
   if (type !== 'application/json') throw unsupportedMediaType('upload requests must be application/json')
-  const text = await c.req.text()
-  if (text.length > 4096) throw payloadTooLarge('an upload request is at most 4 KiB of JSON')
+  // Read at most the cap: an unbounded read would hold whatever a client sends.
+  const raw = c.req.raw.body ? await collectAtMost(c.req.raw.body, MAX_OPEN_REQUEST_BYTES) : new Uint8Array()
+  if (!raw) throw payloadTooLarge('an upload request is at most 4 KiB of JSON')
+  let text: string
+  try {
+    text = new TextDecoder('utf-8', { fatal: true }).decode(raw)
+  } catch {
+    throw badRequest('upload request is not UTF-8')
+  }
   let body: { key?: unknown; bytes?: unknown }
   try {
     body = JSON.parse(text)

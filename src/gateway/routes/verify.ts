@@ -15,7 +15,11 @@ export function verifyRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     const key = assertKeyHex(c.req.param('key'))
     authorize(c, ns, 'write')
     c.set('ns', ns)
-    const verdict = await verifyStored(state, { ns, key, name: objectName(state.prefix, ns, key) }, 'verify')
-    return c.json({ key, verdict, deleted: verdict === 'corrupt' })
+    const { verdict, deleted } = await verifyStored(
+      state,
+      { ns, key, name: objectName(state.prefix, ns, key) },
+      'verify',
+    )
+    return c.json({ key, verdict, deleted })
   })
 }

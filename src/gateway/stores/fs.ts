@@ -9,7 +9,7 @@ import * as path from 'node:path'
 import { Readable } from 'node:stream'
 import { InvalidArgumentError, StoreError } from '../../core/errors.ts'
 import { RangeNotSatisfiableError } from './errors.ts'
-import type { GetOptions, ObjectStore, PutResult, StoreEntry, StoreObject } from './types.ts'
+import type { DeleteOptions, GetOptions, ObjectStore, PutResult, StoreEntry, StoreObject } from './types.ts'
 import { resolveRange } from './types.ts'
 
 export interface FsStoreOptions {
@@ -173,9 +173,12 @@ export class FsStore implements ObjectStore {
     return 'created'
   }
 
-  async delete(name: string): Promise<boolean> {
+  async delete(name: string, opts: DeleteOptions = {}): Promise<boolean> {
+    const file = this.#file(name)
     try {
-      await fsp.unlink(this.#file(name))
+      // Another version (re-created since the etag was read) stays; only a stat→unlink window is left.
+      if (opts.ifMatch !== undefined && fsEtag(await fsp.stat(file)) !== opts.ifMatch) return false
+      await fsp.unlink(file)
       return true
     } catch (e) {
       if (isNotFound(e)) return false

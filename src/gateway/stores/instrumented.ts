@@ -29,10 +29,10 @@ export function instrumentStore(store: ObjectStore, metrics: GatewayMetrics): Ob
         () => store.putIfAbsent(name, body, size),
         (r) => r,
       ),
-    delete: (name) =>
+    delete: (name, opts) =>
       timed(
         'delete',
-        () => store.delete(name),
+        () => store.delete(name, opts),
         (r) => (r ? 'ok' : 'absent'),
       ),
     list: (prefix, opts) =>

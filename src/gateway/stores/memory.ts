@@ -4,6 +4,7 @@
 import { RangeNotSatisfiableError } from './errors.ts'
 import {
   collectBody,
+  type DeleteOptions,
   type GetOptions,
   type ObjectStore,
   type PutResult,
@@ -80,8 +81,10 @@ export class MemoryStore implements ObjectStore {
     return 'created'
   }
 
-  async delete(name: string): Promise<boolean> {
+  async delete(name: string, opts: DeleteOptions = {}): Promise<boolean> {
     this.#onOp?.('delete')
+    if (opts.ifMatch !== undefined && this.#objects.has(name) && this.#etag(name) !== opts.ifMatch)
+      return false
     this.#versions.delete(name)
     this.#modified.delete(name)
     return this.#objects.delete(name)

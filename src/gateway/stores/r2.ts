@@ -6,6 +6,7 @@ import { RangeNotSatisfiableError } from './errors.ts'
 import {
   type ByteRange,
   collectBody,
+  type DeleteOptions,
   type GetOptions,
   type ObjectStore,
   type PutResult,
@@ -217,9 +218,11 @@ export class R2Store implements ObjectStore {
     }
   }
 
-  async delete(name: string): Promise<boolean> {
-    // R2's delete does not say whether the key existed.
-    if (!(await this.head(name))) return false
+  async delete(name: string, opts: DeleteOptions = {}): Promise<boolean> {
+    // R2's delete does not say whether the key existed, and takes no condition: the HEAD also
+    // keeps another version (put back since the etag was read) but for its one round trip.
+    const head = await this.head(name)
+    if (!head || (opts.ifMatch !== undefined && head.etag !== opts.ifMatch)) return false
     try {
       await this.#bucket.delete(name)
       return true

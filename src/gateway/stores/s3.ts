@@ -23,6 +23,7 @@ import { StoreError } from '../../core/errors.ts'
 import { RangeNotSatisfiableError, storeTimeout, storeUnavailable } from './errors.ts'
 import {
   type ByteRange,
+  type DeleteOptions,
   type GetOptions,
   type ObjectStore,
   type PresignUploadOptions,
@@ -326,14 +327,27 @@ export class S3Store implements ObjectStore {
     }
   }
 
-  async delete(name: string): Promise<boolean> {
-    const existed = (await this.head(name)) !== undefined
+  async delete(name: string, opts: DeleteOptions = {}): Promise<boolean> {
+    const head = await this.head(name)
+    // AWS S3 refuses a DELETE If-Match of another version (412); RadosGW Pacific ignores the
+    // header and deletes whatever is there: the HEAD narrows that to one round trip.
+    if (head && opts.ifMatch !== undefined && head.etag !== undefined && head.etag !== opts.ifMatch)
+      return false
     try {
-      await this.client.send(new DeleteObjectCommand({ Bucket: this.bucket, Key: name }))
+      await this.client.send(
+        new DeleteObjectCommand({
+          Bucket: this.bucket,
+          Key: name,
+          ...(opts.ifMatch !== undefined ? { IfMatch: opts.ifMatch } : {}),
+        }),
+      )
     } catch (e) {
+      if (opts.ifMatch !== undefined && (status(e) === 412 || errName(e) === 'PreconditionFailed'))
+        return false
+      if (opts.ifMatch !== undefined && isNotFound(e)) return false
       throw mapError(e, 'DELETE')
     }
-    return existed
+    return head !== undefined
   }
 
   async list(prefix: string, opts: { cursor?: string; limit?: number } = {}) {

@@ -47,6 +47,11 @@ export interface PresignUploadOptions {
   partBytes: number
 }
 
+export interface DeleteOptions {
+  /** Delete only the object version with this etag (StoreObject.etag, head().etag). */
+  ifMatch?: string | undefined
+}
+
 export interface GetOptions {
   range?: ByteRange
   signal?: AbortSignal
@@ -65,8 +70,14 @@ export interface ObjectStore {
    * leaves nothing behind. Resolves 'exists' without overwriting.
    */
   putIfAbsent(name: string, body: ReadableStream<Uint8Array> | Uint8Array, size: number): Promise<PutResult>
-  /** Removes the object; resolves false when there was none. */
-  delete(name: string): Promise<boolean>
+  /**
+   * Removes the object; resolves false when there was none. With `ifMatch` (an etag from get or
+   * head) only that version goes: false when the name holds another one now (a copy put back
+   * since). Atomic on memory, fs (to a stat and an unlink) and AWS S3 (DeleteObject If-Match);
+   * RadosGW Pacific ignores If-Match on DELETE and R2's binding has no condition, so there the
+   * version is checked by a HEAD just before the DELETE (docs/calibration.md: the window left).
+   */
+  delete(name: string, opts?: DeleteOptions): Promise<boolean>
   /** One page of objects under `prefix`, in name order. */
   list(
     prefix: string,
