@@ -11,7 +11,7 @@ import {
 import { type ChunkNode, plan, settle } from '../src/coldtier/chain-graph.ts'
 import { runGc } from '../src/coldtier/gc.ts'
 import { classify, usagePrefix } from '../src/coldtier/names.ts'
-import { DEFAULT_COLD_TIER, parseColdTier } from '../src/coldtier/policy.ts'
+import { condemnWaitMs, DEFAULT_COLD_TIER, DEFAULT_USAGE, parseColdTier } from '../src/coldtier/policy.ts'
 import { decodeBatch, encodeBatch } from '../src/coldtier/records.ts'
 import { createGateway, MemoryStore } from '../src/gateway/index.ts'
 import type { ObjectStore } from '../src/gateway/stores/types.ts'
@@ -19,6 +19,8 @@ import { UsageRecorder } from '../src/gateway/usage/recorder.ts'
 import { makeChain, putInit } from './gateway-fixtures.ts'
 
 const DAY = 86_400_000
+/** How long a condemned chunk waits at the default usage settings (6 min 15 s). */
+const WAIT = condemnWaitMs(DEFAULT_USAGE)
 const key = (i: number) => i.toString(16).padStart(64, '0')
 
 describe('coldTier config', () => {
@@ -313,22 +315,42 @@ describe('gc on a memory store', () => {
     const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
     const before = (await store.stats()).objects
     const dry = await runGc({ store, prefix: 'kv', config, now: t + DAY, dryRun: true })
-    expect(dry.namespaces[0]).toMatchObject({ ns: 'prod', deleted: { objects: 5, retention: 5 } })
+    expect(dry.namespaces[0]).toMatchObject({
+      ns: 'prod',
+      deleted: { objects: 0 },
+      condemned: { objects: 5 },
+    })
     expect((await store.stats()).objects).toBe(before)
-    const r = await runGc({ store, prefix: 'kv', config, now: t + DAY })
-    expect(r.namespaces[0]).toMatchObject({ deleted: { objects: 5 }, kept: { objects: 6 }, usageRecords: 2 })
+    // Two phases: the first run condemns, a run at least WAIT later deletes.
+    const first = await runGc({ store, prefix: 'kv', config, now: t + DAY })
+    expect(first.namespaces[0]).toMatchObject({
+      deleted: { objects: 0 },
+      condemned: { objects: 5 },
+      usageRecords: 2,
+    })
+    expect((await store.stats()).objects).toBe(before + 1) // the index, the condemned list, less the 2 records, plus a snapshot
+    const early = await runGc({ store, prefix: 'kv', config, now: t + DAY + WAIT - 1 })
+    expect(early.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, condemned: { objects: 5 } })
+    const r = await runGc({ store, prefix: 'kv', config, now: t + DAY + WAIT })
+    expect(r.namespaces[0]).toMatchObject({
+      deleted: { objects: 5, retention: 5 },
+      kept: { objects: 6 },
+      condemned: { objects: 0 },
+    })
     expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
     expect(await present(store, chains[1]!)).toEqual([true, true, false, false])
     expect(await present(store, chains[2]!)).toEqual([false, false, false])
     // Idempotent, and the use record was compacted into the index.
-    const again = await runGc({ store, prefix: 'kv', config, now: t + DAY })
+    const again = await runGc({ store, prefix: 'kv', config, now: t + DAY + WAIT })
     expect(again.namespaces[0]).toMatchObject({
       deleted: { objects: 0 },
       kept: { objects: 6 },
       usageRecords: 0,
       headerReads: 0,
+      condemned: { objects: 0 },
     })
     expect((await store.list('kv/_usage/')).entries).toEqual([])
+    expect((await store.list('kv/_coldtier/condemned/')).entries).toEqual([])
   })
 
   it('reads headers for chunks it has no links for (written before tracking) and still goes tail-first', async () => {
@@ -337,8 +359,10 @@ describe('gc on a memory store', () => {
     const chain = makeChain(5)
     for (const k of chain) await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))
     const config = parseColdTier({ grace: '0s', namespaces: { prod: { quota: chain[0]!.bytes.length * 2 } } })
-    const r = await runGc({ store, prefix: 'kv', config, now: Date.now() + 1000 })
-    expect(r.namespaces[0]).toMatchObject({ headerReads: 5, chains: 1, deleted: { objects: 3, quota: 3 } })
+    const first = await runGc({ store, prefix: 'kv', config, now: Date.now() + 1000 })
+    expect(first.namespaces[0]).toMatchObject({ headerReads: 5, chains: 1, condemned: { objects: 3 } })
+    const r = await runGc({ store, prefix: 'kv', config, now: Date.now() + 1000 + WAIT })
+    expect(r.namespaces[0]).toMatchObject({ headerReads: 0, chains: 1, deleted: { objects: 3, quota: 3 } })
     expect(await present(store, chain)).toEqual([true, true, false, false, false])
   })
 
@@ -417,6 +441,11 @@ describe('gc on a memory store', () => {
     await app.request(`/v1/ns/prod/chunks/${chains[0]![3]!.key}`)
     await app.state.usage!.flush()
     const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    // An earlier run condemned chains 1 and 2; chain 0 is used again since.
+    expect((await runGc({ store, prefix: 'kv', config, now: t })).namespaces[0]!.condemned.objects).toBe(7)
+    t += WAIT
+    await app.request(`/v1/ns/prod/chunks/${chains[0]![3]!.key}`)
+    await app.state.usage!.flush()
     // Run B lists, then run A does its whole pass (folds the record into its index, deletes
     // it) before B reads anything: B sees neither the record nor A's index.
     let first = true
@@ -509,6 +538,7 @@ describe('gc on a memory store', () => {
     expect(await present(store, chain)).toEqual([true, true, true, true])
     t += 20 * DAY
     await runGc({ store, prefix: 'kv', config, now: t })
+    await runGc({ store, prefix: 'kv', config, now: t + WAIT })
     expect(await present(store, chain)).toEqual([false, false, false, false])
   })
 })
@@ -632,10 +662,21 @@ describe('kvgate gc (CLI) on an fs store', () => {
         namespaces: { prod: { quota: chain[0]!.bytes.length } },
       })
       expect(await run(['--dir', dir, '--prefix', 'kv', '--dry-run', '--quiet'])).toBe(0)
-      expect(logs.join('\n')).toMatch(/dry run[\s\S]*prod: quota[\s\S]*would delete 3 objects/)
+      expect(logs.join('\n')).toMatch(
+        /dry run[\s\S]*prod: quota[\s\S]*would delete 0 objects[\s\S]*would condemn 3 objects/,
+      )
       expect((await store.stats()).objects).toBe(4)
       logs.length = 0
       expect(await run(['--dir', dir, '--prefix', 'kv', '--quiet'])).toBe(0)
+      expect(logs.join('\n')).toMatch(/deleted\s+0 objects[\s\S]*condemned\s+3 objects/)
+      logs.length = 0
+      // The next run, past the wait (only Date moves: the files keep their real times).
+      vi.useFakeTimers({ now: Date.now() + WAIT + 1000, toFake: ['Date'] })
+      try {
+        expect(await run(['--dir', dir, '--prefix', 'kv', '--quiet'])).toBe(0)
+      } finally {
+        vi.useRealTimers()
+      }
       expect(logs.join('\n')).toMatch(/deleted\s+3 objects[\s\S]*kept\s+1 objects/)
       const left = (await store.list('kv/prod/')).entries.map((e) => e.name.slice(-64))
       expect(left).toEqual([chain[0]!.key])

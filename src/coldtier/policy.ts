@@ -138,6 +138,17 @@ export function parseColdTier(raw: unknown, what = 'coldTier'): ColdTierConfig {
   return { namespaces, graceMs, usage, tracking: (o.tracking as boolean | undefined) ?? true }
 }
 
+/**
+ * How long a chunk gc condemned waits before a later run may delete it: long enough that every
+ * use a gateway made before the condemning run is in a record the deleting run lists. A use is
+ * flushed within maxDelay of the batch's first entry, plus one period of the Node flush timer
+ * (a quarter of the shorter interval), plus the PUT itself and the clock difference between the
+ * hosts of two gc runs: one minute for those two.
+ */
+export function condemnWaitMs(usage: UsageOptions): number {
+  return usage.maxDelayMs + Math.max(250, Math.min(usage.flushIntervalMs, usage.maxDelayMs) / 4) + 60_000
+}
+
 /** The policy that applies to a namespace: its own, else '*', else none (keep everything). */
 export function policyFor(cfg: ColdTierConfig, ns: string): NamespacePolicy | undefined {
   return cfg.namespaces[ns] ?? cfg.namespaces['*']
