@@ -330,9 +330,11 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     // parents have not landed yet. A link's parent is the header's, so telling a first chunk
     // from a hole costs one header read (once: the index keeps ROOT_PARENT), and a HEAD makes
     // sure the parent was not written again since the listing.
+    // A namespace with no policy is never deleted from, holes included.
     const graceCut = now - opts.config.graceMs
     const suspects = [...nodes.values()].filter(
       (n) =>
+        policy !== undefined &&
         n.parent !== undefined &&
         n.parent !== ROOT_PARENT &&
         !nodes.has(n.parent) &&
