@@ -40,6 +40,17 @@ describe('coldTier config', () => {
     expect(parseColdTier(undefined)).toBe(DEFAULT_COLD_TIER)
   })
 
+  it('takes a condemning wait no shorter than usage.maxDelay (default: maxDelay plus margins)', () => {
+    expect(parseColdTier({}).condemnWaitMs).toBeUndefined()
+    expect(WAIT).toBe(300_000 + 15_000 + 60_000)
+    expect(parseColdTier({ condemnWait: '20m' }).condemnWaitMs).toBe(1_200_000)
+    expect(() => parseColdTier({ condemnWait: '4m' })).toThrow(/condemnWait is shorter than usage.maxDelay/)
+    expect(() => parseColdTier({ condemnWait: 'soon' })).toThrow(/condemnWait must be a duration/)
+    expect(
+      parseColdTier({ condemnWait: '1s', usage: { flushInterval: '0s', maxDelay: '1s' } }).condemnWaitMs,
+    ).toBe(1000)
+  })
+
   it('rejects unknown keys, bad values and a retention shorter than the grace period', () => {
     const bad = [
       { retention: '30d' },

@@ -64,7 +64,7 @@ export interface GcOptions {
   now?: number
   /**
    * How long a condemned chunk waits before a later run may delete it.
-   * @default condemnWaitMs(config.usage): the gateways' maxDelay plus margins
+   * @default config.condemnWaitMs, else condemnWaitMs(config.usage): the gateways' maxDelay plus margins
    */
   condemnWaitMs?: number
   /** Store requests in flight. @default 16 */
@@ -137,7 +137,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
   const errors: string[] = []
   const store = countingStore(opts.store, requests)
   const progress = opts.onProgress ?? (() => {})
-  const wait = opts.condemnWaitMs ?? condemnWaitMs(opts.config.usage)
+  const wait = opts.condemnWaitMs ?? opts.config.condemnWaitMs ?? condemnWaitMs(opts.config.usage)
 
   // 1. One listing of everything under the prefix.
   const byNs = new Map<string, NsListing>()
