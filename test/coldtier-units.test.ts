@@ -614,14 +614,11 @@ describe('gc on a memory store', () => {
     const r = await runGc({ store, prefix: 'kv', config, now: t + WAIT })
     expect(await present(store, [...chain, next])).toEqual([true, true, true, true, true])
     expect(r.namespaces[0]).toMatchObject({ deleted: { objects: 7 }, saved: 4 })
-    expect(
-      (await lookup(
-        app,
-        [...chain, next].map((c) => c.key),
-      ).then((x) => x.json())) as object,
-    ).toEqual({
-      present: 5,
-    })
+    const res = await lookup(
+      app,
+      [...chain, next].map((c) => c.key),
+    )
+    expect(await res.json()).toEqual({ present: 5 })
   })
 
   it('a chunk behind a hole goes with its descendants once older than the grace period; first chunks and young uploads stay', async () => {
