@@ -402,6 +402,14 @@ describe('gc on a memory store', () => {
       list: (p, o) => base.list(p, o),
     }
     const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    // An earlier run condemned the two parents (seen without the tail they look unused).
+    const list = encodeBatch({
+      kind: 'condemned',
+      at: t - WAIT,
+      uses: chain.slice(0, 2).map((c) => ({ key: c.key, at: t - WAIT })),
+      links: [],
+    })
+    await base.putIfAbsent(`${condemnedPrefix('kv', 'prod')}0000000000001-ab`, list, list.length)
     const r = await runGc({ store, prefix: 'kv', config, now: t })
     expect(await present(base, chain)).toEqual([true, true, true])
     expect(r.errors.join('\n')).toMatch(/503 SlowDown/)
@@ -448,12 +456,10 @@ describe('gc on a memory store', () => {
     let t = Date.now()
     const { store, app, chains } = await fleet(() => t)
     t += 20 * DAY
-    // Chain 0 used now; the others not: a 10-day retention keeps only chain 0.
-    await app.request(`/v1/ns/prod/chunks/${chains[0]![3]!.key}`)
-    await app.state.usage!.flush()
     const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
-    // An earlier run condemned chains 1 and 2; chain 0 is used again since.
-    expect((await runGc({ store, prefix: 'kv', config, now: t })).namespaces[0]!.condemned.objects).toBe(7)
+    // An earlier run condemned all three chains; chain 0 is used since (a 10-day retention
+    // keeps only chain 0), in a record A folds and B misses.
+    expect((await runGc({ store, prefix: 'kv', config, now: t })).namespaces[0]!.condemned.objects).toBe(11)
     t += WAIT
     await app.request(`/v1/ns/prod/chunks/${chains[0]![3]!.key}`)
     await app.state.usage!.flush()
@@ -492,19 +498,27 @@ describe('gc on a memory store', () => {
     let t = Date.now()
     const { store, chains } = await fleet(() => t)
     t += 20 * DAY
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    // An earlier run condemned everything: this one would delete it all, were its view whole.
+    await runGc({ store, prefix: 'kv', config, now: t - WAIT })
+    const lists = (await store.list(condemnedPrefix('kv', 'prod'))).entries.map((e) => e.name)
+    expect(lists).toHaveLength(1)
     const bytes = encodeBatch({ kind: 'usage', at: t, uses: [{ key: chains[0]![3]!.key, at: t }], links: [] })
     bytes[4] = 2 // format version 2: this build cannot read what it says
     const name = `${usagePrefix('kv', 'prod')}2026010100/feedface-9`
     await store.putIfAbsent(name, bytes, bytes.length)
-    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
     const r = await runGc({ store, prefix: 'kv', config, now: t })
     expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
     expect(r.namespaces[0]).toMatchObject({
       deleted: { objects: 0 },
+      condemned: { objects: 0 },
+      saved: 0,
       deferred: expect.stringMatching(/newer/),
     })
     expect(r.errors.join('\n')).toMatch(/feedface-9/)
     expect(await store.head(name)).toBeDefined()
+    // The condemned list is left as it was for a run with the whole view.
+    expect((await store.list(condemnedPrefix('kv', 'prod'))).entries.map((e) => e.name)).toEqual(lists)
   })
 
   it('an oversized use record is not read into memory: an error, kept, and the namespace’s deletes deferred', async () => {
@@ -529,6 +543,7 @@ describe('gc on a memory store', () => {
       },
     }
     const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    await runGc({ store, prefix: 'kv', config, now: t - WAIT }) // condemns everything
     const r = await runGc({ store: listed, prefix: 'kv', config, now: t })
     expect(got).not.toContain(huge)
     expect(r.errors.join('\n')).toMatch(/feedface-7/)

@@ -416,7 +416,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     let deferred: string | undefined
     if (unresolved > 0) {
       deferred = `${unresolved} header reads failed`
-      errors.push(`${ns}: ${deferred}; nothing deleted in this namespace this run`)
+      errors.push(`${ns}: ${deferred}; nothing deleted by policy in this namespace this run`)
     } else if (oversized > 0) deferred = `${oversized} use records or indexes too large to read`
     else if (newer > 0) deferred = `${newer} use records or indexes of a newer format (upgrade kvgate gc)`
     else if (vanished > 0) deferred = `${vanished} use records or indexes were folded by a concurrent gc run`
