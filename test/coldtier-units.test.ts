@@ -810,6 +810,29 @@ describe('gc on a memory store', () => {
         .sort(),
     )
   })
+
+  it('--namespace: other namespaces are only accounted (sizes, not entries), their records and lists left alone', async () => {
+    let t = Date.now()
+    const store = new MemoryStore()
+    const app = createGateway({ store, prefix: 'kv', coldTier: { now: () => t } })
+    const prod = makeChain(2)
+    const other = makeChain(3)
+    for (const c of prod) await app.request(`/v1/ns/prod/chunks/${c.key}`, putInit(c.bytes))
+    for (const c of other) await app.request(`/v1/ns/batch/chunks/${c.key}`, putInit(c.bytes))
+    await app.state.usage!.flush()
+    t += 20 * DAY
+    const config = parseColdTier({ grace: '10m', namespaces: { '*': { retention: '10d' } } })
+    const r = await runGc({ store, prefix: 'kv', config, now: t, namespaces: ['prod'] })
+    expect(r.namespaces.map((n) => n.ns)).toEqual(['prod'])
+    expect(r.namespaces[0]).toMatchObject({ condemned: { objects: 2 }, usageRecords: 1 })
+    expect((await store.list(usagePrefix('kv', 'batch'))).entries).toHaveLength(1)
+    expect((await store.list(condemnedPrefix('kv', 'batch'))).entries).toHaveLength(0)
+    const snap = await readLatestSnapshot(store, 'kv')
+    expect(snap?.namespaces).toEqual({
+      prod: { objects: 2, bytes: prod[0]!.bytes.length * 2 },
+      batch: { objects: 3, bytes: other[0]!.bytes.length * 3 },
+    })
+  })
 })
 
 describe('accounting on /metrics and the status page', () => {

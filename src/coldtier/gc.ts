@@ -141,6 +141,8 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
 
   // 1. One listing of everything under the prefix.
   const byNs = new Map<string, NsListing>()
+  const selected = (ns: string) => !opts.namespaces || opts.namespaces.includes(ns)
+  const others = new Map<string, NamespaceTotals>()
   const nsOf = (ns: string) => {
     let l = byNs.get(ns)
     if (!l) {
@@ -159,7 +161,15 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     const page = await store.list(base, { limit: 10_000, ...(cursor ? { cursor } : {}) })
     for (const e of page.entries) {
       const c = classify(opts.prefix, e.name)
-      if (c.kind === 'chunk') nsOf(c.ns).chunks.push(e)
+      if (
+        (c.kind === 'chunk' || c.kind === 'usage' || c.kind === 'index' || c.kind === 'condemned') &&
+        !selected(c.ns)
+      ) {
+        // Namespaces this run does not collect are only accounted: their sizes, not their entries.
+        const o = others.get(c.ns) ?? { objects: 0, bytes: 0 }
+        if (c.kind === 'chunk') others.set(c.ns, { objects: o.objects + 1, bytes: o.bytes + e.size })
+        else others.set(c.ns, o)
+      } else if (c.kind === 'chunk') nsOf(c.ns).chunks.push(e)
       else if (c.kind === 'usage') nsOf(c.ns).usage.push(e)
       else if (c.kind === 'index') nsOf(c.ns).index.push(e)
       else if (c.kind === 'condemned') nsOf(c.ns).condemned.push(e)
@@ -178,13 +188,9 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
   }
 
   const reports: NamespaceReport[] = []
-  const totals: Record<string, NamespaceTotals> = {}
+  const totals: Record<string, NamespaceTotals> = Object.fromEntries(others)
   for (const [ns, l] of [...byNs].sort(([a], [b]) => (a < b ? -1 : 1))) {
     const listedTotals = sum(l.chunks)
-    if (opts.namespaces && !opts.namespaces.includes(ns)) {
-      totals[ns] = listedTotals
-      continue
-    }
     const r = await gcNamespace(ns, l, listedTotals)
     reports.push(r)
     progress({ phase: 'namespace', report: r })
