@@ -5,10 +5,10 @@
 import { type ChildProcess, spawn } from 'node:child_process'
 import { createInterface } from 'node:readline'
 import { Writable } from 'node:stream'
-import { afterAll, describe, expect, it } from 'vitest'
+import { afterAll, describe, expect, it, vi } from 'vitest'
 import { runGc } from '../src/coldtier/gc.ts'
 import { usagePrefix } from '../src/coldtier/names.ts'
-import { parseColdTier } from '../src/coldtier/policy.ts'
+import { condemnWaitMs, DEFAULT_USAGE, parseColdTier } from '../src/coldtier/policy.ts'
 import { decodeBatch } from '../src/coldtier/records.ts'
 import { objectName } from '../src/core/keys.ts'
 import { streamingHandler } from '../src/gateway/adapters/lambda.ts'
@@ -20,6 +20,8 @@ import { fakeAwsLambda } from './lambda-support.ts'
 import { type Rgw, useRgw } from './support/rgw.ts'
 
 const DAY = 86_400_000
+/** Two-phase deletes: a run condemns, a run this much later deletes (default usage settings). */
+const WAIT = condemnWaitMs(DEFAULT_USAGE)
 const rgw: Rgw | undefined = await useRgw('coldtier (RadosGW)')
 const run = rgw ? describe : describe.skip
 let seq = 0
@@ -107,7 +109,9 @@ run('cold tier on RadosGW', () => {
     expect(new Uint8Array(await g.arrayBuffer())).toEqual(chains[1]![1]!.bytes)
     await app.state.usage!.flush()
     const config = parseColdTier({ namespaces: { prod: { retention: '10d' } } })
-    const r = await runGc({ store, prefix, config, now: t + DAY })
+    const first = await runGc({ store, prefix, config, now: t + DAY })
+    expect(first.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, condemned: { objects: 5 } })
+    const r = await runGc({ store, prefix, config, now: t + DAY + WAIT })
     expect(r.errors).toEqual([])
     expect(r.namespaces[0]).toMatchObject({
       ns: 'prod',
@@ -131,7 +135,7 @@ run('cold tier on RadosGW', () => {
     ]).toEqual([2, 0])
     // The live gateway never serves a deleted chunk's bytes: a miss.
     expect((await app.request(`/v1/ns/prod/chunks/${chains[2]![0]!.key}`)).status).toBe(404)
-    const again = await runGc({ store, prefix, config, now: t + DAY })
+    const again = await runGc({ store, prefix, config, now: t + DAY + WAIT })
     expect(again.namespaces[0]).toMatchObject({
       deleted: { objects: 0 },
       kept: { objects: 6 },
@@ -161,7 +165,9 @@ run('cold tier on RadosGW', () => {
     const { guarded, violations } = tailFirstGuard(store, prefix, chains)
     // Room for 10 chunks: chains 2 and 1 whole, then 2 chunks of chain 4.
     const config = parseColdTier({ namespaces: { prod: { quota: chunkBytes * 10 } } })
-    const r = await runGc({ store: guarded, prefix, config, now: t + 3_600_000 })
+    const first = await runGc({ store: guarded, prefix, config, now: t + 3_600_000 })
+    expect(first.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, condemned: { objects: 10 } })
+    const r = await runGc({ store: guarded, prefix, config, now: t + 3_600_000 + WAIT })
     expect(violations).toEqual([])
     expect(r.namespaces[0]).toMatchObject({
       deleted: { objects: 10, quota: 10 },
@@ -225,21 +231,47 @@ run('cold tier on RadosGW', () => {
     })()
     await new Promise((r) => setTimeout(r, 300))
     const { guarded, violations } = tailFirstGuard(store, prefix, [...cold, hot])
+    // An earlier run condemned; the two at once delete (no wait: the test's clock is real).
+    const condemning = await runGc({ store: guarded, prefix, config })
+    expect(condemning.namespaces[0]!.condemned.objects).toBeGreaterThanOrEqual(12)
     const [a, b] = await Promise.all([
-      runGc({ store: guarded, prefix, config }),
-      runGc({ store: guarded, prefix, config }),
+      runGc({ store: guarded, prefix, config, condemnWaitMs: 0 }),
+      runGc({ store: guarded, prefix, config, condemnWaitMs: 0 }),
     ])
     stop = true
     await traffic
     expect(violations).toEqual([])
     expect(statuses.filter((s) => s >= 500)).toEqual([])
-    expect([...a!.errors, ...b!.errors]).toEqual([])
+    expect([...condemning.errors, ...a!.errors, ...b!.errors]).toEqual([])
     // Between them the two runs deleted each victim once; the other found it gone.
     const deleted = a!.namespaces[0]!.deleted.objects + b!.namespaces[0]!.deleted.objects
     expect(deleted).toBeGreaterThanOrEqual(12)
     expect(await prefixLength(store, prefix, hot)).toBe(3)
     for (const c of [...cold, ...written]) await prefixLength(store, prefix, c)
     for (const c of written) expect(await prefixLength(store, prefix, c)).toBe(2)
+  })
+
+  it('a chunk left behind a hole on S3 is swept with its descendants, tail first', async () => {
+    const prefix = uniq()
+    const app = createGateway({ store, prefix })
+    const chain = makeChain(4)
+    await put(app, chain)
+    await app.state.usage!.flush()
+    // Something other than gc (lifecycle expiry, an admin) took chunk 1.
+    await store.delete(objectName(prefix, 'prod', chain[1]!.key))
+    const keys = chain.map((c) => c.key)
+    const config = parseColdTier({ namespaces: { prod: { retention: '10d' } } })
+    const { guarded, violations } = tailFirstGuard(store, prefix, [chain])
+    const r = await runGc({ store: guarded, prefix, config, now: Date.now() + 3_600_000 })
+    expect(r.errors).toEqual([])
+    expect(violations).toEqual([])
+    expect(r.namespaces[0]).toMatchObject({ deleted: { objects: 2, orphan: 2 }, kept: { objects: 1 } })
+    expect(await prefixLength(store, prefix, chain)).toBe(1)
+    // (A 4-key lookup probes every key, so it saw 1 before too; a long chain's k-ary search
+    // would have inferred chunk 1 from chunks 2-3.) Now nothing behind the hole is served.
+    const fresh = createGateway({ store, prefix, coldTier: false })
+    expect(await lookup(fresh, keys)).toBe(1)
+    expect((await fresh.request(`/v1/ns/prod/chunks/${chain[2]!.key}`)).status).toBe(404)
   })
 
   it('the Lambda handler runs gc on the EventBridge schedule event, with KVGATE_COLD_TIER', async () => {
@@ -264,16 +296,28 @@ run('cold tier on RadosGW', () => {
     Object.assign(process.env, env)
     try {
       const fn = streamingHandler(() => Promise.reject(new Error('gc must not build the app')), fakeAwsLambda)
-      const parts: Buffer[] = []
-      const out = new Writable({
-        write(c, _e, cb) {
-          parts.push(c)
-          cb()
-        },
-      })
-      // What the Terraform module's aws_cloudwatch_event_target sends.
-      await fn({ kvgate: 'gc' } as never, out)
-      expect(JSON.parse(Buffer.concat(parts).toString())).toMatchObject({ errors: 0 })
+      const invoke = async () => {
+        const parts: Buffer[] = []
+        const out = new Writable({
+          write(c, _e, cb) {
+            parts.push(c)
+            cb()
+          },
+        })
+        // What the Terraform module's aws_cloudwatch_event_target sends.
+        await fn({ kvgate: 'gc' } as never, out)
+        return JSON.parse(Buffer.concat(parts).toString())
+      }
+      expect(await invoke()).toMatchObject({ errors: 0 })
+      expect(await prefixLength(store, prefix, chain)).toBe(3)
+      // The schedule's next run (only Date moves on, within S3's 15-minute signing skew)
+      // deletes what the first condemned.
+      vi.useFakeTimers({ now: Date.now() + WAIT + 1000, toFake: ['Date'] })
+      try {
+        expect(await invoke()).toMatchObject({ errors: 0 })
+      } finally {
+        vi.useRealTimers()
+      }
     } finally {
       for (const k of Object.keys(env)) delete process.env[k]
       Object.assign(process.env, saved)

@@ -10,15 +10,17 @@ import {
 } from '../src/coldtier/accounting.ts'
 import { type ChunkNode, plan, settle } from '../src/coldtier/chain-graph.ts'
 import { runGc } from '../src/coldtier/gc.ts'
-import { classify, usagePrefix } from '../src/coldtier/names.ts'
-import { DEFAULT_COLD_TIER, parseColdTier } from '../src/coldtier/policy.ts'
+import { classify, condemnedPrefix, usagePrefix } from '../src/coldtier/names.ts'
+import { condemnWaitMs, DEFAULT_COLD_TIER, DEFAULT_USAGE, parseColdTier } from '../src/coldtier/policy.ts'
 import { decodeBatch, encodeBatch } from '../src/coldtier/records.ts'
 import { createGateway, MemoryStore } from '../src/gateway/index.ts'
 import type { ObjectStore } from '../src/gateway/stores/types.ts'
 import { UsageRecorder } from '../src/gateway/usage/recorder.ts'
-import { makeChain, putInit } from './gateway-fixtures.ts'
+import { makeChain, makeChunk, putInit } from './gateway-fixtures.ts'
 
 const DAY = 86_400_000
+/** How long a condemned chunk waits at the default usage settings (6 min 15 s). */
+const WAIT = condemnWaitMs(DEFAULT_USAGE)
 const key = (i: number) => i.toString(16).padStart(64, '0')
 
 describe('coldTier config', () => {
@@ -36,6 +38,17 @@ describe('coldTier config', () => {
       quotaBytes: 1e12,
     })
     expect(parseColdTier(undefined)).toBe(DEFAULT_COLD_TIER)
+  })
+
+  it('takes a condemning wait no shorter than usage.maxDelay (default: maxDelay plus margins)', () => {
+    expect(parseColdTier({}).condemnWaitMs).toBeUndefined()
+    expect(WAIT).toBe(300_000 + 15_000 + 60_000)
+    expect(parseColdTier({ condemnWait: '20m' }).condemnWaitMs).toBe(1_200_000)
+    expect(() => parseColdTier({ condemnWait: '4m' })).toThrow(/condemnWait is shorter than usage.maxDelay/)
+    expect(() => parseColdTier({ condemnWait: 'soon' })).toThrow(/condemnWait must be a duration/)
+    expect(
+      parseColdTier({ condemnWait: '1s', usage: { flushInterval: '0s', maxDelay: '1s' } }).condemnWaitMs,
+    ).toBe(1000)
   })
 
   it('rejects unknown keys, bad values and a retention shorter than the grace period', () => {
@@ -313,22 +326,42 @@ describe('gc on a memory store', () => {
     const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
     const before = (await store.stats()).objects
     const dry = await runGc({ store, prefix: 'kv', config, now: t + DAY, dryRun: true })
-    expect(dry.namespaces[0]).toMatchObject({ ns: 'prod', deleted: { objects: 5, retention: 5 } })
+    expect(dry.namespaces[0]).toMatchObject({
+      ns: 'prod',
+      deleted: { objects: 0 },
+      condemned: { objects: 5 },
+    })
     expect((await store.stats()).objects).toBe(before)
-    const r = await runGc({ store, prefix: 'kv', config, now: t + DAY })
-    expect(r.namespaces[0]).toMatchObject({ deleted: { objects: 5 }, kept: { objects: 6 }, usageRecords: 2 })
+    // Two phases: the first run condemns, a run at least WAIT later deletes.
+    const first = await runGc({ store, prefix: 'kv', config, now: t + DAY })
+    expect(first.namespaces[0]).toMatchObject({
+      deleted: { objects: 0 },
+      condemned: { objects: 5 },
+      usageRecords: 2,
+    })
+    expect((await store.stats()).objects).toBe(before + 1) // the index, the condemned list, less the 2 records, plus a snapshot
+    const early = await runGc({ store, prefix: 'kv', config, now: t + DAY + WAIT - 1 })
+    expect(early.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, condemned: { objects: 5 } })
+    const r = await runGc({ store, prefix: 'kv', config, now: t + DAY + WAIT })
+    expect(r.namespaces[0]).toMatchObject({
+      deleted: { objects: 5, retention: 5 },
+      kept: { objects: 6 },
+      condemned: { objects: 0 },
+    })
     expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
     expect(await present(store, chains[1]!)).toEqual([true, true, false, false])
     expect(await present(store, chains[2]!)).toEqual([false, false, false])
     // Idempotent, and the use record was compacted into the index.
-    const again = await runGc({ store, prefix: 'kv', config, now: t + DAY })
+    const again = await runGc({ store, prefix: 'kv', config, now: t + DAY + WAIT })
     expect(again.namespaces[0]).toMatchObject({
       deleted: { objects: 0 },
       kept: { objects: 6 },
       usageRecords: 0,
       headerReads: 0,
+      condemned: { objects: 0 },
     })
     expect((await store.list('kv/_usage/')).entries).toEqual([])
+    expect((await store.list('kv/_coldtier/condemned/')).entries).toEqual([])
   })
 
   it('reads headers for chunks it has no links for (written before tracking) and still goes tail-first', async () => {
@@ -337,8 +370,10 @@ describe('gc on a memory store', () => {
     const chain = makeChain(5)
     for (const k of chain) await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))
     const config = parseColdTier({ grace: '0s', namespaces: { prod: { quota: chain[0]!.bytes.length * 2 } } })
-    const r = await runGc({ store, prefix: 'kv', config, now: Date.now() + 1000 })
-    expect(r.namespaces[0]).toMatchObject({ headerReads: 5, chains: 1, deleted: { objects: 3, quota: 3 } })
+    const first = await runGc({ store, prefix: 'kv', config, now: Date.now() + 1000 })
+    expect(first.namespaces[0]).toMatchObject({ headerReads: 5, chains: 1, condemned: { objects: 3 } })
+    const r = await runGc({ store, prefix: 'kv', config, now: Date.now() + 1000 + WAIT })
+    expect(r.namespaces[0]).toMatchObject({ headerReads: 0, chains: 1, deleted: { objects: 3, quota: 3 } })
     expect(await present(store, chain)).toEqual([true, true, false, false, false])
   })
 
@@ -367,6 +402,14 @@ describe('gc on a memory store', () => {
       list: (p, o) => base.list(p, o),
     }
     const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    // An earlier run condemned the two parents (seen without the tail they look unused).
+    const list = encodeBatch({
+      kind: 'condemned',
+      at: t - WAIT,
+      uses: chain.slice(0, 2).map((c) => ({ key: c.key, at: t - WAIT })),
+      links: [],
+    })
+    await base.putIfAbsent(`${condemnedPrefix('kv', 'prod')}0000000000001-ab`, list, list.length)
     const r = await runGc({ store, prefix: 'kv', config, now: t })
     expect(await present(base, chain)).toEqual([true, true, true])
     expect(r.errors.join('\n')).toMatch(/503 SlowDown/)
@@ -413,10 +456,13 @@ describe('gc on a memory store', () => {
     let t = Date.now()
     const { store, app, chains } = await fleet(() => t)
     t += 20 * DAY
-    // Chain 0 used now; the others not: a 10-day retention keeps only chain 0.
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    // An earlier run condemned all three chains; chain 0 is used since (a 10-day retention
+    // keeps only chain 0), in a record A folds and B misses.
+    expect((await runGc({ store, prefix: 'kv', config, now: t })).namespaces[0]!.condemned.objects).toBe(11)
+    t += WAIT
     await app.request(`/v1/ns/prod/chunks/${chains[0]![3]!.key}`)
     await app.state.usage!.flush()
-    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
     // Run B lists, then run A does its whole pass (folds the record into its index, deletes
     // it) before B reads anything: B sees neither the record nor A's index.
     let first = true
@@ -452,19 +498,27 @@ describe('gc on a memory store', () => {
     let t = Date.now()
     const { store, chains } = await fleet(() => t)
     t += 20 * DAY
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    // An earlier run condemned everything: this one would delete it all, were its view whole.
+    await runGc({ store, prefix: 'kv', config, now: t - WAIT })
+    const lists = (await store.list(condemnedPrefix('kv', 'prod'))).entries.map((e) => e.name)
+    expect(lists).toHaveLength(1)
     const bytes = encodeBatch({ kind: 'usage', at: t, uses: [{ key: chains[0]![3]!.key, at: t }], links: [] })
     bytes[4] = 2 // format version 2: this build cannot read what it says
     const name = `${usagePrefix('kv', 'prod')}2026010100/feedface-9`
     await store.putIfAbsent(name, bytes, bytes.length)
-    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
     const r = await runGc({ store, prefix: 'kv', config, now: t })
     expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
     expect(r.namespaces[0]).toMatchObject({
       deleted: { objects: 0 },
+      condemned: { objects: 0 },
+      saved: 0,
       deferred: expect.stringMatching(/newer/),
     })
     expect(r.errors.join('\n')).toMatch(/feedface-9/)
     expect(await store.head(name)).toBeDefined()
+    // The condemned list is left as it was for a run with the whole view.
+    expect((await store.list(condemnedPrefix('kv', 'prod'))).entries.map((e) => e.name)).toEqual(lists)
   })
 
   it('an oversized use record is not read into memory: an error, kept, and the namespace’s deletes deferred', async () => {
@@ -489,6 +543,7 @@ describe('gc on a memory store', () => {
       },
     }
     const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    await runGc({ store, prefix: 'kv', config, now: t - WAIT }) // condemns everything
     const r = await runGc({ store: listed, prefix: 'kv', config, now: t })
     expect(got).not.toContain(huge)
     expect(r.errors.join('\n')).toMatch(/feedface-7/)
@@ -509,7 +564,274 @@ describe('gc on a memory store', () => {
     expect(await present(store, chain)).toEqual([true, true, true, true])
     t += 20 * DAY
     await runGc({ store, prefix: 'kv', config, now: t })
+    await runGc({ store, prefix: 'kv', config, now: t + WAIT })
     expect(await present(store, chain)).toEqual([false, false, false, false])
+  })
+
+  // Two-phase deletes and holes (docs/cold-tier.md). Each of the first three fails on a gc
+  // that deletes what one listing shows.
+  const config10d = () => parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+  /** Runs `fn` with Date (only) at `at`: the memory store dates its objects by it. */
+  async function at<T>(when: number, fn: () => Promise<T>): Promise<T> {
+    vi.useFakeTimers({ now: when, toFake: ['Date'] })
+    try {
+      return await fn()
+    } finally {
+      vi.useRealTimers()
+    }
+  }
+
+  it('race 1: a read gc cannot see yet (still in a gateway buffer) saves its chain: condemned, then kept', async () => {
+    let t = Date.now()
+    const { store, app, chains } = await fleet(() => t)
+    await app.state.usage!.flush()
+    t += 20 * DAY
+    // Chain 0 read one minute before gc lists; the gateway flushes within its maxDelay (5 min).
+    expect(
+      await (
+        await lookup(
+          app,
+          chains[0]!.map((c) => c.key),
+        )
+      ).json(),
+    ).toEqual({ present: 4 })
+    const config = config10d()
+    const first = await runGc({ store, prefix: 'kv', config, now: t + 60_000 })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    expect(first.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, condemned: { objects: 11 } })
+    await app.state.usage!.flush()
+    const second = await runGc({ store, prefix: 'kv', config, now: t + 60_000 + WAIT })
+    expect(second.namespaces[0]).toMatchObject({
+      deleted: { objects: 7 },
+      saved: 4,
+      condemned: { objects: 0 },
+    })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    expect(await present(store, chains[1]!)).toEqual([false, false, false, false])
+    expect(second.errors).toEqual([])
+  })
+
+  it('race 2: a chunk written after the condemning run that extends a condemned chain saves it (no hole)', async () => {
+    let t = Date.now()
+    const { store, app, chains } = await fleet(() => t)
+    await app.state.usage!.flush()
+    t += 20 * DAY
+    const config = config10d()
+    await runGc({ store, prefix: 'kv', config, now: t })
+    // A node extends chain 0 by one chunk two minutes later.
+    const chain = chains[0]!
+    const next = makeChunk({ parent: chain[3]!.key, index: 4 })
+    t += 120_000
+    await at(t, async () => {
+      expect((await app.request(`/v1/ns/prod/chunks/${next.key}`, putInit(next.bytes))).status).toBe(201)
+    })
+    await app.state.usage!.flush()
+    const r = await runGc({ store, prefix: 'kv', config, now: t + WAIT })
+    expect(await present(store, [...chain, next])).toEqual([true, true, true, true, true])
+    expect(r.namespaces[0]).toMatchObject({ deleted: { objects: 7 }, saved: 4 })
+    const res = await lookup(
+      app,
+      [...chain, next].map((c) => c.key),
+    )
+    expect(await res.json()).toEqual({ present: 5 })
+  })
+
+  it('a chunk behind a hole goes with its descendants once older than the grace period; first chunks and young uploads stay', async () => {
+    const store = new MemoryStore()
+    const t0 = Date.now()
+    const app = createGateway({ store, prefix: 'kv', coldTier: { now: () => t0 } })
+    const chain = makeChain(5)
+    // First chunks whose header parent is a namespace seed (as real chains have), not zeros.
+    const seeded = makeChunk({ parent: key(0xabc), index: 0 })
+    const olderGateway = makeChunk({ parent: key(0xabd), index: 0 })
+    for (const c of [...chain, seeded, olderGateway])
+      expect((await app.request(`/v1/ns/prod/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+    await app.state.usage!.flush()
+    // An older gateway's link names the seed (today's names ROOT_PARENT).
+    const old = encodeBatch({
+      kind: 'usage',
+      at: t0,
+      uses: [],
+      links: [{ key: olderGateway.key, parent: key(0xabd), size: olderGateway.bytes.length, at: t0 }],
+    })
+    await store.putIfAbsent(`${usagePrefix('kv', 'prod')}2026010100/feedface-1`, old, old.length)
+    // Lifecycle expiry (or a gc race) took chunk 1; a young upload's parent has not landed yet.
+    await store.delete(`kv/prod/${chain[1]!.key.slice(0, 2)}/${chain[1]!.key}`)
+    const young = makeChunk({ parent: key(0xdef), index: 3 })
+    await at(t0 + 3_600_000 - 60_000, () =>
+      store.putIfAbsent(`kv/prod/${young.key.slice(0, 2)}/${young.key}`, young.bytes, young.bytes.length),
+    )
+    const config = config10d()
+    const r = await runGc({ store, prefix: 'kv', config, now: t0 + 3_600_000 })
+    expect(r.errors).toEqual([])
+    expect(await present(store, chain)).toEqual([true, false, false, false, false])
+    expect(await present(store, [seeded, olderGateway, young])).toEqual([true, true, true])
+    // Young: one header read (no link); the older gateway's root: one, to tell it from a hole.
+    expect(r.namespaces[0]).toMatchObject({
+      deleted: { objects: 3, orphan: 3, retention: 0 },
+      condemned: { objects: 0 },
+      headerReads: 2,
+    })
+    // The index remembers both first chunks: no header read for them again.
+    const again = await runGc({ store, prefix: 'kv', config, now: t0 + 3_600_000 })
+    expect(again.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, headerReads: 0 })
+    // Past the grace period the young chunk's parent is still missing: a hole, swept.
+    const later = await runGc({ store, prefix: 'kv', config, now: t0 + 2 * 3_600_000 })
+    expect(later.namespaces[0]).toMatchObject({ deleted: { objects: 1, orphan: 1 } })
+    expect(await present(store, [chain[0]!, seeded, olderGateway, young])).toEqual([true, true, true, false])
+  })
+
+  it('a hole healed after the listing (the parent written again) is not swept; a namespace with no policy is never swept', async () => {
+    const base = new MemoryStore()
+    const app = createGateway({ store: base, prefix: 'kv', coldTier: false })
+    const chain = makeChain(3)
+    for (const c of chain) await app.request(`/v1/ns/prod/chunks/${c.key}`, putInit(c.bytes))
+    const name1 = `kv/prod/${chain[1]!.key.slice(0, 2)}/${chain[1]!.key}`
+    await base.delete(name1)
+    const store: ObjectStore = {
+      kind: base.kind,
+      get: (n, o) => base.get(n, o),
+      head: (n) => base.head(n),
+      putIfAbsent: (n, b, sz) => base.putIfAbsent(n, b, sz),
+      delete: (n) => base.delete(n),
+      // A node writes chunk 1 again right after gc's listing.
+      list: async (p, o) => {
+        const page = await base.list(p, o)
+        await base.putIfAbsent(name1, chain[1]!.bytes, chain[1]!.bytes.length)
+        return page
+      },
+    }
+    const none = await runGc({ store: base, prefix: 'kv', config: parseColdTier({}), now: Date.now() + DAY })
+    expect(none.namespaces[0]).toMatchObject({ deleted: { objects: 0 } })
+    const r = await runGc({ store, prefix: 'kv', config: config10d(), now: Date.now() + DAY })
+    expect(r.namespaces[0]).toMatchObject({ deleted: { objects: 0 } })
+    expect(await present(base, chain)).toEqual([true, true, true])
+  })
+
+  it('condemned lists that are corrupt, oversized, of another kind or newer are skipped, stale or future ones do not count: never an early or wrong delete', async () => {
+    const t0 = Date.now()
+    let t = t0
+    const { store, app, chains } = await fleet(() => t)
+    t += 20 * DAY
+    await app.request(`/v1/ns/prod/chunks/${chains[0]![3]!.key}`) // chain 0 in use
+    await app.state.usage!.flush()
+    const dir = condemnedPrefix('kv', 'prod')
+    const list = (keys: { key: string }[], when: number, kind: 'condemned' | 'usage' = 'condemned') =>
+      encodeBatch({ kind, at: t, uses: keys.map((k) => ({ key: k.key, at: when })), links: [] })
+    const put = (id: string, b: Uint8Array) => store.putIfAbsent(`${dir}0000000000001-${id}`, b, b.length)
+    const corrupt = list(chains[1]!, t - DAY)
+    corrupt[30] = (corrupt[30] ?? 0) ^ 1
+    await put('aa', corrupt)
+    await put('bb', list(chains[1]!, t - DAY, 'usage'))
+    const newer = list(chains[1]!, t - DAY)
+    newer[4] = 2
+    await put('cc', newer)
+    await put('dd', list(chains[2]!, t0 - 60_000)) // before the chunks were written: another object
+    await put('ee', list(chains[2]!, t + 100 * DAY)) // in the future: counts as now
+    await put('ff', list(chains[0]!, t - DAY)) // CRC-valid and old, but the plan keeps chain 0
+    const huge = `${dir}0000000000001-99`
+    const got: string[] = []
+    const listed: ObjectStore = {
+      kind: store.kind,
+      get: (n, o) => {
+        got.push(n)
+        return store.get(n, o)
+      },
+      head: (n) => store.head(n),
+      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+      delete: (n) => store.delete(n),
+      list: async (p, o) => {
+        const page = await store.list(p, o)
+        return { ...page, entries: [...page.entries, { name: huge, size: 2 ** 36, modified: t }] }
+      },
+    }
+    const config = config10d()
+    const r = await runGc({ store: listed, prefix: 'kv', config, now: t })
+    expect(got).not.toContain(huge)
+    expect(r.namespaces[0]).toMatchObject({
+      deleted: { objects: 0 },
+      condemned: { objects: 7 },
+      saved: 4,
+      condemnedSkipped: 4,
+    })
+    for (const id of ['aa', 'bb', 'cc']) expect(r.errors.join('\n')).toContain(`-${id}`)
+    expect(await store.head(`${dir}0000000000001-cc`)).toBeDefined() // kept for a newer gc
+    expect(await store.head(`${dir}0000000000001-ff`)).toBeUndefined() // folded
+    // Not one chunk goes before a run WAIT after this one.
+    const early = await runGc({ store, prefix: 'kv', config, now: t + WAIT - 1 })
+    expect(early.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, condemned: { objects: 7 } })
+    const due = await runGc({ store, prefix: 'kv', config, now: t + WAIT })
+    expect(due.namespaces[0]).toMatchObject({ deleted: { objects: 7 } })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+  })
+
+  it('a run that dies between its condemned list and its deletes loses nothing: the next run deletes tail-first', async () => {
+    let t = Date.now()
+    const { store, chains } = await fleet(() => t)
+    t += 20 * DAY
+    const config = config10d()
+    // Chain 0 was last used just inside its retention at the first run, outside it at the next.
+    await putRecord(store, [{ key: chains[0]![3]!.key, at: t - 10 * DAY + WAIT / 2 }])
+    expect((await runGc({ store, prefix: 'kv', config, now: t })).namespaces[0]!.condemned.objects).toBe(7)
+    // The next run's process dies once its condemned list is written: nothing after it lands.
+    let dead = false
+    const dying: ObjectStore = {
+      kind: store.kind,
+      get: (n, o) => (dead ? Promise.reject(new Error('killed')) : store.get(n, o)),
+      head: (n) => (dead ? Promise.reject(new Error('killed')) : store.head(n)),
+      putIfAbsent: async (n, b, sz) => {
+        if (dead) throw new Error('killed')
+        const r = await store.putIfAbsent(n, b, sz)
+        if (n.includes('/_coldtier/condemned/')) dead = true
+        return r
+      },
+      delete: (n) => (dead ? Promise.reject(new Error('killed')) : store.delete(n)),
+      list: (p, o) => store.list(p, o),
+    }
+    const crashed = await runGc({ store: dying, prefix: 'kv', config, now: t + WAIT })
+    expect(crashed.errors.length).toBeGreaterThan(0)
+    for (const c of chains) expect(noHole(await present(store, c))).toBe(true)
+    expect((await store.list(condemnedPrefix('kv', 'prod'))).entries).toHaveLength(2)
+    const next = await runGc({ store, prefix: 'kv', config, now: t + WAIT })
+    expect(next.errors).toEqual([])
+    expect(next.namespaces[0]).toMatchObject({ deleted: { objects: 7 }, condemned: { objects: 4 }, saved: 0 })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    expect(await present(store, chains[2]!)).toEqual([false, false, false])
+    // The two lists were merged into one: chain 0, condemned by the run that died.
+    const lists = (await store.list(condemnedPrefix('kv', 'prod'))).entries
+    expect(lists).toHaveLength(1)
+    const last = decodeBatch(
+      new Uint8Array(await new Response((await store.get(lists[0]!.name))!.body).arrayBuffer()),
+    )
+    expect(last.uses.map((u) => [u.key, u.at]).sort()).toEqual(
+      [...chains[0]!]
+        .reverse()
+        .map((c) => [c.key, t + WAIT])
+        .sort(),
+    )
+  })
+
+  it('--namespace: other namespaces are only accounted (sizes, not entries), their records and lists left alone', async () => {
+    let t = Date.now()
+    const store = new MemoryStore()
+    const app = createGateway({ store, prefix: 'kv', coldTier: { now: () => t } })
+    const prod = makeChain(2)
+    const other = makeChain(3)
+    for (const c of prod) await app.request(`/v1/ns/prod/chunks/${c.key}`, putInit(c.bytes))
+    for (const c of other) await app.request(`/v1/ns/batch/chunks/${c.key}`, putInit(c.bytes))
+    await app.state.usage!.flush()
+    t += 20 * DAY
+    const config = parseColdTier({ grace: '10m', namespaces: { '*': { retention: '10d' } } })
+    const r = await runGc({ store, prefix: 'kv', config, now: t, namespaces: ['prod'] })
+    expect(r.namespaces.map((n) => n.ns)).toEqual(['prod'])
+    expect(r.namespaces[0]).toMatchObject({ condemned: { objects: 2 }, usageRecords: 1 })
+    expect((await store.list(usagePrefix('kv', 'batch'))).entries).toHaveLength(1)
+    expect((await store.list(condemnedPrefix('kv', 'batch'))).entries).toHaveLength(0)
+    const snap = await readLatestSnapshot(store, 'kv')
+    expect(snap?.namespaces).toEqual({
+      prod: { objects: 2, bytes: prod[0]!.bytes.length * 2 },
+      batch: { objects: 3, bytes: other[0]!.bytes.length * 3 },
+    })
   })
 })
 
@@ -632,10 +954,21 @@ describe('kvgate gc (CLI) on an fs store', () => {
         namespaces: { prod: { quota: chain[0]!.bytes.length } },
       })
       expect(await run(['--dir', dir, '--prefix', 'kv', '--dry-run', '--quiet'])).toBe(0)
-      expect(logs.join('\n')).toMatch(/dry run[\s\S]*prod: quota[\s\S]*would delete 3 objects/)
+      expect(logs.join('\n')).toMatch(
+        /dry run[\s\S]*prod: quota[\s\S]*would delete 0 objects[\s\S]*would condemn 3 objects/,
+      )
       expect((await store.stats()).objects).toBe(4)
       logs.length = 0
       expect(await run(['--dir', dir, '--prefix', 'kv', '--quiet'])).toBe(0)
+      expect(logs.join('\n')).toMatch(/deleted\s+0 objects[\s\S]*condemned\s+3 objects/)
+      logs.length = 0
+      // The next run, past the wait (only Date moves: the files keep their real times).
+      vi.useFakeTimers({ now: Date.now() + WAIT + 1000, toFake: ['Date'] })
+      try {
+        expect(await run(['--dir', dir, '--prefix', 'kv', '--quiet'])).toBe(0)
+      } finally {
+        vi.useRealTimers()
+      }
       expect(logs.join('\n')).toMatch(/deleted\s+3 objects[\s\S]*kept\s+1 objects/)
       const left = (await store.list('kv/prod/')).entries.map((e) => e.name.slice(-64))
       expect(left).toEqual([chain[0]!.key])

@@ -11,7 +11,7 @@ import { join } from 'node:path'
 import { afterAll, describe, expect, it } from 'vitest'
 import { runGc } from '../src/coldtier/gc.ts'
 import { calibrationObjectName, classify, currentCalibrationName } from '../src/coldtier/names.ts'
-import { parseColdTier } from '../src/coldtier/policy.ts'
+import { condemnWaitMs, parseColdTier } from '../src/coldtier/policy.ts'
 import { crc32 } from '../src/core/checksum.ts'
 import { decodeHeader, encodeChunk, openLayerSubset } from '../src/core/format.ts'
 import { configFromEnv } from '../src/gateway/adapters/lambda.ts'
@@ -484,7 +484,14 @@ describe.each(backends)('calibration objects on the $name store', (backend) => {
     expect((await app.request(...putCalib(a))).status).toBe(201)
     expect((await app.request(...putCurrent(sha(a)))).status).toBe(201)
     const config = parseColdTier({ namespaces: { team: { quota: '1B' } }, grace: '1s' })
-    const r = await runGc({ store, prefix, config, now: Date.now() + 86_400_000 })
+    // Two phases: the first run condemns the chunks, one past the wait deletes them.
+    await runGc({ store, prefix, config, now: Date.now() + 86_400_000 })
+    const r = await runGc({
+      store,
+      prefix,
+      config,
+      now: Date.now() + 86_400_000 + condemnWaitMs(config.usage),
+    })
     expect(r.errors).toEqual([])
     const names = (await store.list(`${prefix}/`, { limit: 10_000 })).entries.map((e) => e.name)
     expect(names.filter((n) => classify(prefix, n).kind === 'chunk')).toEqual([])

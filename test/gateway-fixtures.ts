@@ -14,7 +14,15 @@ let counter = 0
 
 /** A valid raw chunk of `layers` sections of `sectionBytes` each, with a fresh chain key. */
 export function makeChunk(
-  opts: { layers?: number; sectionBytes?: number; parent?: string; key?: string; namespaceId?: string } = {},
+  opts: {
+    layers?: number
+    sectionBytes?: number
+    parent?: string
+    key?: string
+    namespaceId?: string
+    /** Position in its chain (header chunkIndex). @default 0 */
+    index?: number
+  } = {},
 ): TestChunk {
   const layers = opts.layers ?? 4
   const sectionBytes = opts.sectionBytes ?? 256
@@ -36,7 +44,7 @@ export function makeChunk(
       codecParams: new Uint8Array(0),
       geometry,
       tokens: 1,
-      chunkIndex: 0,
+      chunkIndex: opts.index ?? 0,
       partial: false,
       namespaceId: opts.namespaceId
         ? Uint8Array.from(Buffer.from(opts.namespaceId, 'hex'))
@@ -52,7 +60,7 @@ export function makeChunk(
 /** A chain of n chunks (keys in chain order). */
 export function makeChain(n: number, opts: { layers?: number; sectionBytes?: number } = {}): TestChunk[] {
   const out: TestChunk[] = []
-  for (let i = 0; i < n; i++) out.push(makeChunk({ ...opts, parent: out[i - 1]?.key }))
+  for (let i = 0; i < n; i++) out.push(makeChunk({ ...opts, parent: out[i - 1]?.key, index: i }))
   return out
 }
 

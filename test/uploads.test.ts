@@ -8,12 +8,12 @@ import type { AddressInfo } from 'node:net'
 import { afterEach, describe, expect, it, vi } from 'vitest'
 import { RemoteTier } from '../src/client/tiers/remote.ts'
 import { usagePrefix } from '../src/coldtier/names.ts'
-import { decodeBatch } from '../src/coldtier/records.ts'
+import { decodeBatch, ROOT_PARENT } from '../src/coldtier/records.ts'
 import { serveGateway } from '../src/gateway/adapters/node.ts'
 import { createGateway } from '../src/gateway/app.ts'
 import { MemoryStore } from '../src/gateway/stores/memory.ts'
 import type { UploadTargets } from '../src/gateway/stores/types.ts'
-import { makeChain, makeChunk, type TestChunk } from './gateway-fixtures.ts'
+import { makeChunk, type TestChunk } from './gateway-fixtures.ts'
 
 const MIB = 1024 * 1024
 const sha256 = (s: string) => createHash('sha256').update(s).digest('hex')
@@ -254,9 +254,11 @@ describe('a commit is a PUT to the rest of the gateway', () => {
 
   it('counts a committed chunk in the accounting and records its parent link for gc', async () => {
     const { store, app } = setup(false)
-    const [root, child] = makeChain(2, { sectionBytes: 4096 })
-    expect((await stageAndCommit(app, store, 'a', root!)).status).toBe(201)
-    expect((await stageAndCommit(app, store, 'a', child!)).status).toBe(201)
+    // A first chunk whose header parent is the namespace seed, as real chains have.
+    const root = makeChunk({ sectionBytes: 4096, parent: 'ab'.repeat(32), index: 0 })
+    const child = makeChunk({ sectionBytes: 4096, parent: root.key, index: 1 })
+    expect((await stageAndCommit(app, store, 'a', root)).status).toBe(201)
+    expect((await stageAndCommit(app, store, 'a', child)).status).toBe(201)
     const text = await (await app.request('/metrics')).text()
     expect(text).toMatch(/^kvgate_namespace_stored_objects\{ns="a"\} 2$/m)
     expect(text).toContain(
@@ -269,6 +271,8 @@ describe('a commit is a PUT to the rest of the gateway', () => {
       links.push(...decodeBatch(new Uint8Array(await new Response(obj!.body).arrayBuffer())).links)
     }
     expect(links.find((l) => l.key === child!.key)?.parent).toBe(root!.key)
+    // The first chunk's link names ROOT_PARENT, not the seed: gc tells it from a hole without a read.
+    expect(links.find((l) => l.key === root!.key)?.parent).toBe(ROOT_PARENT)
   })
 
   it('a namespace named by its 32-hex id commits only chunks carrying that id, like PUT', async () => {

@@ -36,6 +36,7 @@ beforeAll(async () => {
       // Short enough for a test: a chain unused for 2 s is past retention.
       KVGATE_COLD_TIER: JSON.stringify({
         grace: '0s',
+        condemnWait: '1s',
         usage: { flushInterval: '0s', maxDelay: '0s' },
         namespaces: { prod: { retention: '2s' } },
       }),
@@ -85,8 +86,14 @@ describe('cold tier in workerd on R2', () => {
     expect((await names('kv/_usage/prod/')).length).toBeGreaterThan(records)
 
     const worker = (await mf.getWorker()) as unknown as ScheduledWorker
+    // Two phases: the first run condemns, the next one past condemnWait deletes.
+    expect((await worker.scheduled({ cron: crons[0]!, scheduledTime: new Date() })).outcome).toBe('ok')
+    expect((await names('kv/prod/')).length).toBe(6)
+    expect((await names('kv/_coldtier/condemned/prod/')).length).toBe(1)
+    await new Promise((r) => setTimeout(r, 1100))
     const res = await worker.scheduled({ cron: crons[0]!, scheduledTime: new Date() })
     expect(res.outcome).toBe('ok')
+    expect(await names('kv/_coldtier/condemned/prod/')).toEqual([])
     const chunks = await names('kv/prod/')
     expect(used.every((c) => chunks.some((n) => n.endsWith(c.key)))).toBe(true)
     expect(unused.some((c) => chunks.some((n) => n.endsWith(c.key)))).toBe(false)

@@ -1,7 +1,11 @@
 // One gc pass over a bucket: list it once, fold use records and the previous chain index
-// into last-use times, find parents (index, records, else a ranged header read), delete by
-// retention and quota from chain tails inward, then write a new index and an accounting
-// snapshot (create-only, named per run) and delete the records and objects it folded.
+// into last-use times, find parents (index, records, else a ranged header read), plan by
+// retention and quota, then delete in two phases: a run condemns what its plan picks (a
+// create-only list under _coldtier/condemned/) and deletes, from chain tails inward, only
+// what an earlier run condemned at least condemnWaitMs ago and this plan still picks, so
+// every use made before the condemning run is seen first. Chunks whose parent is gone (a
+// hole) are deleted at once with their descendants. Then it writes a new index and an
+// accounting snapshot (create-only, named per run) and deletes the objects it folded.
 //
 // Safe to run twice at once and beside live traffic: every write is a new create-only
 // object, deletes are idempotent, a chunk is deleted only after every deeper victim of its
@@ -20,9 +24,16 @@ import {
   snapshotName,
 } from './accounting.ts'
 import { type ChunkNode, plan, settle } from './chain-graph.ts'
-import { classify, indexPrefix, randomId, runObjectName } from './names.ts'
-import { type ColdTierConfig, type NamespacePolicy, policyFor } from './policy.ts'
-import { decodeBatch, encodeBatch, type LinkEntry, type UseEntry } from './records.ts'
+import { classify, condemnedPrefix, indexPrefix, randomId, runObjectName } from './names.ts'
+import { type ColdTierConfig, condemnWaitMs, type NamespacePolicy, policyFor } from './policy.ts'
+import {
+  decodeBatch,
+  encodeBatch,
+  type LinkEntry,
+  ROOT_PARENT,
+  recordBytes,
+  type UseEntry,
+} from './records.ts'
 
 const HEADER_PROBE_BYTES = 4096
 
@@ -51,6 +62,11 @@ export interface GcOptions {
   namespaces?: string[]
   /** @default Date.now() */
   now?: number
+  /**
+   * How long a condemned chunk waits before a later run may delete it.
+   * @default config.condemnWaitMs, else condemnWaitMs(config.usage): the gateways' maxDelay plus margins
+   */
+  condemnWaitMs?: number
   /** Store requests in flight. @default 16 */
   concurrency?: number
   /** $/GB-month for the cost figures. @default 0.023 */
@@ -65,8 +81,17 @@ export interface NamespaceReport {
   listed: NamespaceTotals
   /** The previous snapshot plus creations recorded since: the incremental figure, to compare. */
   incremental: NamespaceTotals | undefined
-  /** Deleted (or, dry run, to delete) by reason. */
-  deleted: { objects: number; bytes: number; retention: number; quota: number }
+  /**
+   * Deleted (or, dry run, to delete) by reason: retention and quota (condemned by an earlier
+   * run), orphan (its parent was gone: a hole, with its descendants).
+   */
+  deleted: { objects: number; bytes: number; retention: number; quota: number; orphan: number }
+  /** Planned for deletion but not yet condemned long enough: left (or, dry run, to leave) condemned for a later run. */
+  condemned: NamespaceTotals
+  /** Condemned by an earlier run but no longer planned (a use or a new child since): not deleted. */
+  saved: number
+  /** Condemned lists skipped: corrupt, oversized or of a newer format (nothing is deleted by them). */
+  condemnedSkipped: number
   /** Deletes that found the object already gone (another gc run, lifecycle). */
   alreadyGone: number
   /** Deletes that failed; their ancestors were kept (tail-first). */
@@ -88,6 +113,8 @@ export interface GcReport {
   run: string
   at: number
   dryRun: boolean
+  /** How long this run's condemnations wait before a later run may delete them. */
+  condemnWaitMs: number
   namespaces: NamespaceReport[]
   requests: Record<'list' | 'get' | 'head' | 'put' | 'delete', number>
   errors: string[]
@@ -97,6 +124,7 @@ interface NsListing {
   chunks: StoreEntry[]
   usage: StoreEntry[]
   index: StoreEntry[]
+  condemned: StoreEntry[]
 }
 
 export async function runGc(opts: GcOptions): Promise<GcReport> {
@@ -109,13 +137,16 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
   const errors: string[] = []
   const store = countingStore(opts.store, requests)
   const progress = opts.onProgress ?? (() => {})
+  const wait = opts.condemnWaitMs ?? opts.config.condemnWaitMs ?? condemnWaitMs(opts.config.usage)
 
   // 1. One listing of everything under the prefix.
   const byNs = new Map<string, NsListing>()
+  const selected = (ns: string) => !opts.namespaces || opts.namespaces.includes(ns)
+  const others = new Map<string, NamespaceTotals>()
   const nsOf = (ns: string) => {
     let l = byNs.get(ns)
     if (!l) {
-      l = { chunks: [], usage: [], index: [] }
+      l = { chunks: [], usage: [], index: [], condemned: [] }
       byNs.set(ns, l)
     }
     return l
@@ -130,9 +161,18 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     const page = await store.list(base, { limit: 10_000, ...(cursor ? { cursor } : {}) })
     for (const e of page.entries) {
       const c = classify(opts.prefix, e.name)
-      if (c.kind === 'chunk') nsOf(c.ns).chunks.push(e)
+      if (
+        (c.kind === 'chunk' || c.kind === 'usage' || c.kind === 'index' || c.kind === 'condemned') &&
+        !selected(c.ns)
+      ) {
+        // Namespaces this run does not collect are only accounted: their sizes, not their entries.
+        const o = others.get(c.ns) ?? { objects: 0, bytes: 0 }
+        if (c.kind === 'chunk') others.set(c.ns, { objects: o.objects + 1, bytes: o.bytes + e.size })
+        else others.set(c.ns, o)
+      } else if (c.kind === 'chunk') nsOf(c.ns).chunks.push(e)
       else if (c.kind === 'usage') nsOf(c.ns).usage.push(e)
       else if (c.kind === 'index') nsOf(c.ns).index.push(e)
+      else if (c.kind === 'condemned') nsOf(c.ns).condemned.push(e)
       else if (c.kind === 'accounting') snapshots.push(e.name)
     }
     listed += page.entries.length
@@ -148,13 +188,9 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
   }
 
   const reports: NamespaceReport[] = []
-  const totals: Record<string, NamespaceTotals> = {}
+  const totals: Record<string, NamespaceTotals> = Object.fromEntries(others)
   for (const [ns, l] of [...byNs].sort(([a], [b]) => (a < b ? -1 : 1))) {
     const listedTotals = sum(l.chunks)
-    if (opts.namespaces && !opts.namespaces.includes(ns)) {
-      totals[ns] = listedTotals
-      continue
-    }
     const r = await gcNamespace(ns, l, listedTotals)
     reports.push(r)
     progress({ phase: 'namespace', report: r })
@@ -172,7 +208,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
       errors.push(`accounting snapshot: ${(e as Error).message}`)
     }
   }
-  return { run, at: now, dryRun: dry, namespaces: reports, requests, errors }
+  return { run, at: now, dryRun: dry, condemnWaitMs: wait, namespaces: reports, requests, errors }
 
   async function gcNamespace(
     ns: string,
@@ -222,6 +258,8 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
       }
       try {
         const b = decodeBatch(bytes)
+        if (b.kind === 'condemned')
+          throw new FormatError('ERR_FORMAT_BAD_FIELD', 'a condemned list among use records')
         fold(
           b.uses,
           b.kind === 'index' ? b.links.map((x) => ({ ...x, at: -Infinity })) : b.links,
@@ -262,15 +300,24 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     // Header reads the store failed (not a corrupt header): such a chunk's parent is unknown,
     // so any victim could be its ancestor and deleting it could leave a hole.
     let unresolved = 0
+    /** Chunks whose parent this run read from the header itself (ROOT_PARENT for a chain's first). */
+    const fromHeader = new Set<string>()
+    const readHeader = async (n: ChunkNode): Promise<boolean> => {
+      const p = await readParent(store, objectName(opts.prefix, ns, n.key))
+      headerReads++
+      if (p === undefined) {
+        nodes.delete(n.key) // gone since the listing
+        return false
+      }
+      n.parent = p
+      parents.set(n.key, p)
+      fromHeader.add(n.key)
+      return true
+    }
+    let headersDone = 0
     await eachBounded(unknown, concurrency, async (n) => {
       try {
-        const p = await readParent(store, objectName(opts.prefix, ns, n.key))
-        if (p === undefined)
-          nodes.delete(n.key) // gone since the listing
-        else {
-          n.parent = p
-          parents.set(n.key, p)
-        }
+        await readHeader(n)
       } catch (e) {
         if (e instanceof FormatError)
           unreadable++ // a corrupt object: its own chain (the verify endpoint deals with corruption)
@@ -278,26 +325,170 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
           if (unresolved++ === 0) errors.push(`header ${ns}/${n.key}: ${(e as Error).message}`)
         }
       }
-      if (++headerReads % 100 === 0 || headerReads === unknown.length)
-        progress({ phase: 'headers', ns, done: headerReads, total: unknown.length })
+      if (++headersDone % 100 === 0 || headersDone === unknown.length)
+        progress({ phase: 'headers', ns, done: headersDone, total: unknown.length })
     })
 
-    settle(nodes, now)
-    const p = plan(nodes, policy, now, opts.config.graceMs)
+    // 4. Holes: a chunk older than the grace period whose parent is not listed and is not the
+    // namespace seed (chunk 0's parent) sits behind a missing chunk: lookups infer that chunk
+    // present from it and the GET 404s. It goes now, with its descendants (they are behind
+    // the same hole: deleting them cannot make a new one). Younger chunks may be uploads whose
+    // parents have not landed yet. A link's parent is the header's, so telling a first chunk
+    // from a hole costs one header read (once: the index keeps ROOT_PARENT), and a HEAD makes
+    // sure the parent was not written again since the listing.
+    // A namespace with no policy is never deleted from, holes included.
+    const graceCut = now - opts.config.graceMs
+    const suspects = [...nodes.values()].filter(
+      (n) =>
+        policy !== undefined &&
+        n.parent !== undefined &&
+        n.parent !== ROOT_PARENT &&
+        !nodes.has(n.parent) &&
+        n.modified !== undefined &&
+        n.modified < graceCut,
+    )
+    const orphans: ChunkNode[] = []
+    await eachBounded(suspects, concurrency, async (n) => {
+      try {
+        if (!fromHeader.has(n.key) && !(await readHeader(n))) return
+        if (n.parent === ROOT_PARENT || nodes.has(n.parent!)) return
+        if (await store.head(objectName(opts.prefix, ns, n.parent!))) return
+        orphans.push(n)
+      } catch (e) {
+        // Not known to be a hole: kept, and the next run looks again.
+        if (e instanceof FormatError) unreadable++
+        else errors.push(`hole check ${ns}/${n.key}: ${(e as Error).message}`)
+      }
+    })
+    const children = new Map<string, ChunkNode[]>()
+    for (const n of nodes.values()) {
+      if (n.parent === undefined) continue
+      const c = children.get(n.parent)
+      if (c) c.push(n)
+      else children.set(n.parent, [n])
+    }
+    const swept = new Map<string, ChunkNode>()
+    for (const stack = [...orphans]; stack.length > 0; ) {
+      const n = stack.pop()!
+      if (swept.has(n.key)) continue
+      swept.set(n.key, n)
+      stack.push(...(children.get(n.key) ?? []))
+    }
+    const live = new Map([...nodes].filter(([k]) => !swept.has(k)))
+    settle(swept, now)
+    settle(live, now)
+    const p = plan(live, policy, now, opts.config.graceMs)
+
+    // 5. Condemned lists from earlier runs: a chunk's earliest condemnation that still applies
+    // to the object listed now (one written after it was condemned is a new object).
+    const condemnedAt = new Map<string, number>()
+    const condemnedFolded: string[] = []
+    let condemnedSkipped = 0
+    // A run condemns only chunks it lists; some may have gone since (lifecycle, an admin). A
+    // list longer than twice this listing (plus slack) is not read: memory stays within what
+    // the index holds anyway, and dropping a condemnation only delays a delete.
+    const maxCondemnedBytes = Math.min(MAX_RECORD_BYTES, recordBytes(2 * l.chunks.length + 10_000))
+    await eachBounded(l.condemned, concurrency, async ({ name, size }) => {
+      if (size > maxCondemnedBytes) {
+        condemnedSkipped++
+        condemnedFolded.push(name)
+        return
+      }
+      const bytes = await readWhole(store, name)
+      // Folded by a concurrent run: that run's own list carries what it still condemns.
+      if (!bytes) return
+      try {
+        const b = decodeBatch(bytes)
+        if (b.kind !== 'condemned' || b.links.length > 0)
+          throw new FormatError('ERR_FORMAT_BAD_FIELD', `a ${b.kind} record among condemned lists`)
+        for (const u of b.uses) {
+          const n = live.get(u.key)
+          // A time after now counts as now (it cannot shorten the wait); one before the object
+          // was written condemned an earlier object of that key.
+          const t = Math.min(u.at, now)
+          if (!n || n.modified === undefined || !(t > n.modified)) continue
+          if (!(t >= (condemnedAt.get(u.key) ?? Infinity))) condemnedAt.set(u.key, t)
+        }
+      } catch (e) {
+        condemnedSkipped++
+        errors.push(`${name}: ${(e as Error).message}`)
+        // Written by a newer gc: kept for it. Anything else unreadable is dropped: a lost
+        // condemnation only means the chunk is condemned again and deleted a run later.
+        if (e instanceof FormatError && e.code === 'ERR_FORMAT_BAD_VERSION') return
+      }
+      condemnedFolded.push(name)
+    })
+
     let deferred: string | undefined
     if (unresolved > 0) {
       deferred = `${unresolved} header reads failed`
-      errors.push(`${ns}: ${deferred}; nothing deleted in this namespace this run`)
+      errors.push(`${ns}: ${deferred}; nothing deleted by policy in this namespace this run`)
     } else if (oversized > 0) deferred = `${oversized} use records or indexes too large to read`
     else if (newer > 0) deferred = `${newer} use records or indexes of a newer format (upgrade kvgate gc)`
     else if (vanished > 0) deferred = `${vanished} use records or indexes were folded by a concurrent gc run`
+    // An incomplete view decides nothing: no deletes by policy, no condemnations (the lists
+    // stay as they are). Holes still go: that needs no uses.
     if (deferred !== undefined) p.victims = []
-    const deleted = { objects: 0, bytes: 0, retention: 0, quota: 0 }
+
+    // 6. Two phases: what the plan picks and an earlier run condemned at least `wait` ago goes
+    // now; the rest of the plan is condemned (keeping an earlier time) for a later run. A
+    // chunk is due only if every listed child is due too, so deletes stay tail-first.
+    const due = new Set<string>()
+    for (const v of p.victims) {
+      const t = condemnedAt.get(v.node.key)
+      if (t !== undefined && t <= now - wait) due.add(v.node.key)
+    }
+    const walked = new Set<string>()
+    for (const n of live.values()) {
+      if (due.has(n.key)) continue
+      for (let a = n.parent; a !== undefined && !walked.has(a); a = live.get(a)?.parent) {
+        walked.add(a)
+        due.delete(a)
+      }
+    }
+    const planned = new Set(p.victims.map((v) => v.node.key))
+    let saved = 0
+    if (deferred === undefined) for (const k of condemnedAt.keys()) if (!planned.has(k)) saved++
+    const condemned = { objects: 0, bytes: 0 }
+    const condemnations: UseEntry[] = []
+    for (const v of p.victims) {
+      if (due.has(v.node.key)) continue
+      condemned.objects++
+      condemned.bytes += v.node.size
+      condemnations.push({ key: v.node.key, at: condemnedAt.get(v.node.key) ?? now })
+    }
+    const victims: { node: ChunkNode; reason: 'retention' | 'quota' | 'orphan' }[] = [
+      ...p.victims.filter((v) => due.has(v.node.key)),
+      ...[...swept.values()].map((node) => ({ node, reason: 'orphan' as const })),
+    ]
+    // Deepest first. Swept chunks and planned ones are in different trees, each with its own depths.
+    victims.sort((a, b) => b.node.depth - a.node.depth)
+
+    // The new list goes first: a crash after it loses nothing; the old lists go last.
+    let listWritten = false
+    if (!dry && deferred === undefined) {
+      try {
+        if (condemnations.length > 0) {
+          const bytes = encodeBatch({ kind: 'condemned', at: now, uses: condemnations, links: [] })
+          await store.putIfAbsent(
+            runObjectName(condemnedPrefix(opts.prefix, ns), now, run),
+            bytes,
+            bytes.length,
+          )
+        }
+        listWritten = true
+      } catch (e) {
+        // The old lists stay (their condemnations still count); this run's new ones wait a run.
+        errors.push(`condemned ${ns}: ${(e as Error).message}`)
+      }
+    }
+
+    const deleted = { objects: 0, bytes: 0, retention: 0, quota: 0, orphan: 0 }
     let alreadyGone = 0
     let failed = 0
     const gone = new Set<string>()
     if (dry) {
-      for (const v of p.victims) {
+      for (const v of victims) {
         deleted.objects++
         deleted.bytes += v.node.size
         deleted[v.reason]++
@@ -307,11 +498,11 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
       // Deepest first, one depth at a time: chunk i goes only after chunk i+1 is gone.
       const blocked = new Set<string>()
       let done = 0
-      for (let i = 0; i < p.victims.length; ) {
-        const depth = p.victims[i]!.node.depth
+      for (let i = 0; i < victims.length; ) {
+        const depth = victims[i]!.node.depth
         let j = i
-        while (j < p.victims.length && p.victims[j]!.node.depth === depth) j++
-        await eachBounded(p.victims.slice(i, j), concurrency, async (v) => {
+        while (j < victims.length && victims[j]!.node.depth === depth) j++
+        await eachBounded(victims.slice(i, j), concurrency, async (v) => {
           if (blocked.has(v.node.key)) return
           try {
             const existed = await store.delete(objectName(opts.prefix, ns, v.node.key))
@@ -328,11 +519,15 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
             for (let a = v.node.parent; a !== undefined && !blocked.has(a); a = nodes.get(a)?.parent)
               blocked.add(a)
           }
-          if (++done % 100 === 0 || done === p.victims.length)
-            progress({ phase: 'delete', ns, done, total: p.victims.length })
+          if (++done % 100 === 0 || done === victims.length)
+            progress({ phase: 'delete', ns, done, total: victims.length })
         })
         i = j
       }
+      if (listWritten)
+        await eachBounded(condemnedFolded, concurrency, (n) => store.delete(n)).catch((e) => {
+          errors.push(`condemned ${ns}: ${(e as Error).message}`)
+        })
     }
     const kept = { objects: 0, bytes: 0 }
     for (const n of nodes.values()) {
@@ -373,6 +568,9 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
           }
         : undefined,
       deleted,
+      condemned,
+      saved,
+      condemnedSkipped,
       alreadyGone,
       failed,
       deferred,
@@ -400,7 +598,10 @@ async function readWhole(store: ObjectStore, name: string): Promise<Uint8Array |
   return obj ? new Uint8Array(await new Response(obj.body).arrayBuffer()) : undefined
 }
 
-/** The parent key from a ranged read of the header; undefined when the object is gone. */
+/**
+ * The parent key from a ranged read of the header (ROOT_PARENT for the first chunk of a chain);
+ * undefined when the object is gone.
+ */
 async function readParent(store: ObjectStore, name: string): Promise<string | undefined> {
   const first = await store.get(name, { range: { offset: 0, length: HEADER_PROBE_BYTES } })
   if (!first) return undefined
@@ -413,7 +614,8 @@ async function readParent(store: ObjectStore, name: string): Promise<string | un
     if (!more) return undefined
     bytes = more
   }
-  return toHex(decodeHeader(bytes.subarray(0, headerBytes)).parentKey)
+  const h = decodeHeader(bytes.subarray(0, headerBytes))
+  return h.chunkIndex === 0 ? ROOT_PARENT : toHex(h.parentKey)
 }
 
 function countingStore(store: ObjectStore, c: GcReport['requests']): ObjectStore {

@@ -26,6 +26,12 @@ export function usageRecordName(
 /** `<prefix>/_coldtier/index/<ns>/`: gc's compacted chain index, one create-only object per run. */
 export const indexPrefix = (prefix: string, ns: string) => join(prefix, `_coldtier/index/${ns}/`)
 
+/**
+ * `<prefix>/_coldtier/condemned/<ns>/`: chunks a gc run found deletable, one create-only object
+ * per run; only a run at least the condemning wait later deletes them (docs/cold-tier.md).
+ */
+export const condemnedPrefix = (prefix: string, ns: string) => join(prefix, `_coldtier/condemned/${ns}/`)
+
 /** `<prefix>/_coldtier/accounting/`: per-namespace bytes and objects, one create-only object per run. */
 export const accountingPrefix = (prefix: string) => join(prefix, '_coldtier/accounting/')
 
@@ -55,6 +61,7 @@ export type BucketObjectKind =
   | { kind: 'calibration'; ns: string }
   | { kind: 'usage'; ns: string }
   | { kind: 'index'; ns: string }
+  | { kind: 'condemned'; ns: string }
   | { kind: 'accounting' }
   | { kind: 'other' }
 
@@ -76,6 +83,8 @@ export function classify(prefix: string, name: string): BucketObjectKind {
     return { kind: 'usage', ns: parts[1]! }
   if (parts[0] === '_coldtier' && parts[1] === 'index' && parts.length === 4 && isNamespaceName(parts[2]))
     return { kind: 'index', ns: parts[2]! }
+  if (parts[0] === '_coldtier' && parts[1] === 'condemned' && parts.length === 4 && isNamespaceName(parts[2]))
+    return { kind: 'condemned', ns: parts[2]! }
   if (parts[0] === '_coldtier' && parts[1] === 'accounting' && parts.length === 3)
     return { kind: 'accounting' }
   if (parts[0] === '_calibration' && parts.length === 3 && isNamespaceName(parts[1]))

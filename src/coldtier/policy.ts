@@ -29,6 +29,11 @@ export interface ColdTierConfig {
   /** Chunks read or written this recently are never deleted, whatever the policy says. @default 600000 (10 min) */
   graceMs: number
   usage: UsageOptions
+  /**
+   * How long a chunk gc condemned waits before a later run may delete it (at least
+   * usage.maxDelayMs). @default condemnWaitMs(usage)
+   */
+  condemnWaitMs?: number
   /** false turns use tracking off on this gateway. @default true */
   tracking: boolean
 }
@@ -97,7 +102,7 @@ export function parseColdTier(raw: unknown, what = 'coldTier'): ColdTierConfig {
       throw new ConfigError(`${what} is not valid JSON`, { cause: e })
     }
   }
-  const o = mapping(what, raw, ['grace', 'tracking', 'usage', 'namespaces'])
+  const o = mapping(what, raw, ['grace', 'condemnWait', 'tracking', 'usage', 'namespaces'])
   const usage = { ...DEFAULT_USAGE }
   if (o.usage !== undefined) {
     const u = mapping(`${what}.usage`, o.usage, ['flushInterval', 'maxDelay', 'maxKeys'])
@@ -135,7 +140,31 @@ export function parseColdTier(raw: unknown, what = 'coldTier'): ColdTierConfig {
         `${what}.namespaces.${ns}.retention is shorter than the grace period (${graceMs} ms)`,
       )
   }
-  return { namespaces, graceMs, usage, tracking: (o.tracking as boolean | undefined) ?? true }
+  let condemnWait: number | undefined
+  if (o.condemnWait !== undefined) {
+    condemnWait = parseDuration(`${what}.condemnWait`, o.condemnWait)
+    // Shorter, a use a gateway still buffers when the condemning run lists can be missed again.
+    if (condemnWait < usage.maxDelayMs)
+      throw new ConfigError(`${what}.condemnWait is shorter than usage.maxDelay (${usage.maxDelayMs} ms)`)
+  }
+  return {
+    namespaces,
+    graceMs,
+    usage,
+    ...(condemnWait === undefined ? {} : { condemnWaitMs: condemnWait }),
+    tracking: (o.tracking as boolean | undefined) ?? true,
+  }
+}
+
+/**
+ * How long a chunk gc condemned waits before a later run may delete it: long enough that every
+ * use a gateway made before the condemning run is in a record the deleting run lists. A use is
+ * flushed within maxDelay of the batch's first entry, plus one period of the Node flush timer
+ * (a quarter of the shorter interval), plus the PUT itself and the clock difference between the
+ * hosts of two gc runs: one minute for those two.
+ */
+export function condemnWaitMs(usage: UsageOptions): number {
+  return usage.maxDelayMs + Math.max(250, Math.min(usage.flushIntervalMs, usage.maxDelayMs) / 4) + 60_000
 }
 
 /** The policy that applies to a namespace: its own, else '*', else none (keep everything). */

@@ -1,5 +1,6 @@
-// The binary form of use records (what gateways append) and of gc's chain index
-// (what gc compacts them into): uses (key, time) and links (key, parent, size, time), CRC-checked.
+// The binary form of use records (what gateways append), of gc's chain index (what gc
+// compacts them into) and of gc's condemned lists (chunks a run found deletable, deleted only
+// by a later run): uses (key, time) and links (key, parent, size, time), CRC-checked.
 
 import { crc32 } from '../core/checksum.ts'
 import { FormatError } from '../core/errors.ts'
@@ -11,10 +12,25 @@ const HEAD = 24
 const USE_BYTES = 40
 const LINK_BYTES = 80
 
-export type RecordKind = 'usage' | 'index'
-const KIND_CODE: Record<RecordKind, number> = { usage: 1, index: 2 }
+export type RecordKind = 'usage' | 'index' | 'condemned'
+// 'condemned' (3) lives under its own prefix, which a gc older than the kind never lists.
+const KIND_CODE: Record<RecordKind, number> = { usage: 1, index: 2, condemned: 3 }
 
-/** A chunk read (by lookup or GET) at `at` ms: it and every chunk before it in its chain were used. */
+/** Bytes of a record with `uses` uses and no links (a condemned list's size bound). */
+export const recordBytes = (uses: number) => HEAD + uses * USE_BYTES + 4
+
+/**
+ * The parent a link names for the first chunk of a chain (header chunkIndex 0): its header's
+ * parent is the namespace seed, never a stored chunk, so "parent not listed" means a root
+ * here, not a hole. Gateways and gc both write it; a gc or gateway older than it wrote the
+ * seed, which reads as an unlisted parent and costs gc one header read to tell apart.
+ */
+export const ROOT_PARENT = '0'.repeat(64)
+
+/**
+ * A chunk read (by lookup or GET) at `at` ms: it and every chunk before it in its chain were
+ * used. In a condemned list: the chunk and when a gc run first found it deletable.
+ */
 export interface UseEntry {
   key: string
   at: number

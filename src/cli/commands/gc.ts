@@ -17,7 +17,10 @@ One garbage-collection pass over the gateway's bucket, with the gateway's own co
   - folds the gateways' use records into each namespace's chain index (compaction);
   - deletes chains not used within the namespace's retention;
   - evicts least-recently-used chains while a namespace is over its byte quota;
+  - in two phases: a run condemns, a run at least the gateways' maxDelay (+ margin) later
+    deletes what is still unused, so uses gateways had not flushed yet save their chunks;
   - always from a chain's tail: chunk i never goes while chunk i+1 of its chain stays;
+  - deletes chunks left behind a missing chunk (a hole) once older than the grace period;
   - keeps anything read or written within the grace period;
   - writes the per-namespace accounting the gateways show on /metrics and /.
 Safe to run from a timer, twice at once, and beside live traffic. See docs/cold-tier.md.
@@ -131,6 +134,12 @@ function bytes(n: number): string {
   return `${v.toFixed(i === 0 ? 0 : 1)} ${units[i]}`
 }
 
+function duration(ms: number): string {
+  return ms >= 60_000
+    ? `${(ms / 60_000).toFixed(ms % 60_000 === 0 ? 0 : 1)} min`
+    : `${Math.round(ms / 1000)} s`
+}
+
 function policyText(r: NamespaceReport): string {
   const p = r.policy
   if (!p) return 'no policy (kept)'
@@ -146,16 +155,20 @@ export function summary(r: GcReport): string {
   ]
   for (const n of r.namespaces) {
     const verb = r.dryRun ? 'would delete' : 'deleted'
+    const condemn = r.dryRun ? 'would condemn' : 'condemned'
     lines.push(
       `  ${n.ns}: ${policyText(n)}`,
       `    listed   ${n.listed.objects} objects, ${bytes(n.listed.bytes)} ($${n.monthlyUsdBefore.toFixed(2)}/month)` +
         (n.incremental
           ? `; incremental accounting said ${n.incremental.objects} objects, ${bytes(n.incremental.bytes)}`
           : ''),
-      `    ${verb.padEnd(8)} ${n.deleted.objects} objects, ${bytes(n.deleted.bytes)} (retention ${n.deleted.retention}, quota ${n.deleted.quota})` +
+      `    ${verb.padEnd(8)} ${n.deleted.objects} objects, ${bytes(n.deleted.bytes)} (retention ${n.deleted.retention}, quota ${n.deleted.quota}, behind a hole ${n.deleted.orphan})` +
         (n.alreadyGone ? `, ${n.alreadyGone} already gone` : '') +
         (n.failed ? `, ${n.failed} FAILED` : '') +
-        (n.deferred ? `; nothing deleted, left to the next run: ${n.deferred}` : ''),
+        (n.deferred ? `; nothing deleted by policy, left to the next run: ${n.deferred}` : ''),
+      `    ${condemn.padEnd(8)} ${n.condemned.objects} objects, ${bytes(n.condemned.bytes)} (deleted by a run ${duration(r.condemnWaitMs)} or more after the first to condemn them, if still unused)` +
+        (n.saved ? `; ${n.saved} condemned earlier saved by a use or a new chunk` : '') +
+        (n.condemnedSkipped ? `; ${n.condemnedSkipped} condemned lists skipped` : ''),
       `    kept     ${n.kept.objects} objects, ${bytes(n.kept.bytes)} ($${n.monthlyUsdAfter.toFixed(2)}/month) in ${n.chains} chains` +
         (n.protectedByGrace ? `; ${n.protectedByGrace} kept by the grace period` : '') +
         (n.overQuotaBytes ? `; still ${bytes(n.overQuotaBytes)} over quota (recently used)` : ''),

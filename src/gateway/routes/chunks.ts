@@ -2,6 +2,7 @@
 // presigned 307 for large objects, coalesced store GETs), HEAD and admin DELETE.
 
 import type { Context, Hono } from 'hono'
+import { ROOT_PARENT } from '../../coldtier/records.ts'
 import { KvgateError } from '../../core/errors.ts'
 import {
   decodeHeader,
@@ -108,8 +109,10 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     }
     state.lookup.remember(name, size)
     state.headers.delete(name)
-    const parent = vb.header()?.parentKey
-    if (parent) state.usage?.created(ns, key, toHex(parent), size)
+    // A chain's first chunk names the namespace seed, never a stored chunk: ROOT_PARENT tells gc so.
+    const header = vb.header()
+    const parent = header && (header.chunkIndex === 0 ? ROOT_PARENT : toHex(header.parentKey))
+    if (parent) state.usage?.created(ns, key, parent, size)
     state.metrics.puts.inc({ result: 'created' })
     state.metrics.bytesIn.inc({}, size)
     state.written.objects++

@@ -3,6 +3,7 @@
 // staged object through the same verifier as PUT into a create-only write, then drops it.
 
 import type { Context, Hono } from 'hono'
+import { ROOT_PARENT } from '../../coldtier/records.ts'
 import { FormatError, KvgateError } from '../../core/errors.ts'
 import { headerBytesFor } from '../../core/format.ts'
 import { assertKeyHex, assertNamespaceName, isObjectPrefix, objectName, toHex } from '../../core/keys.ts'
@@ -272,8 +273,10 @@ export function uploadRoutes(
       // What PUT does on a creation: presence, no stale layer header, a creation for gc and accounting.
       state.lookup.remember(final, t.bytes)
       state.headers.delete(final)
-      const parent = vb.header()?.parentKey
-      if (parent) state.usage?.created(ns, t.key, toHex(parent), t.bytes)
+      // A chain's first chunk names the namespace seed, never a stored chunk: ROOT_PARENT tells gc so.
+      const header = vb.header()
+      const parent = header && (header.chunkIndex === 0 ? ROOT_PARENT : toHex(header.parentKey))
+      if (parent) state.usage?.created(ns, t.key, parent, t.bytes)
       state.metrics.puts.inc({ result: 'created' })
       state.metrics.bytesIn.inc({}, t.bytes)
       state.written.objects++
