@@ -301,6 +301,31 @@ describe('deadlines and body caps', () => {
     },
   )
 
+  it('close() ends what a stuck gateway holds (a GET past its retrieve, an upload) at once, blaming nobody', async () => {
+    const { toks } = await seeded(2, 50)
+    gw.faults.hangGets = true
+    const b = await node({ timeoutMs: 60_000, retries: 0 })
+    // The GET outlives its retrieve's deadline; it would hold its connection for a minute.
+    expect(sum(await b.retrieve(toks, { into: new Uint8Array(2 * CB), deadlineMs: 100 }))).toBe(0)
+    for (let i = 0; i < 200 && chunkGets().length < 2; i++) await new Promise((r) => setTimeout(r, 10))
+    expect(chunkGets()).toHaveLength(2)
+    // An upload the gateway answers a minute late (its lookup, then its PUT).
+    gw.faults.delayMs = 60_000
+    await b.store(tokens(T, 51), kvFor(1, 51))
+    await new Promise((r) => setTimeout(r, 50))
+    const closing = b.close(100).then(() => 'closed')
+    const bound = new Promise((r) => setTimeout(() => r('still waiting on the gateway'), 10_000).unref())
+    expect(await Promise.race([closing, bound])).toBe('closed')
+    const s = b.stats().remote!
+    // Ended by close, not by the gateway: no timeout or failure is counted against it.
+    expect([s.timeouts, s.breaker]).toEqual([0, 'closed'])
+    // The upload is dropped and counted, like one still queued at close.
+    expect(s.shedByReason.closed).toBe(1)
+    expect(b.stats().memory).toMatchObject({ liveReservations: 0, livePins: 0 })
+    gw.faults.hangGets = false
+    gw.faults.delayMs = 0
+  }, 30_000)
+
   it('layer-range answers are capped at their range', async () => {
     const { toks } = await seeded(1, 47)
     gw.faults.oversize = 1024 * 1024

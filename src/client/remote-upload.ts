@@ -175,6 +175,8 @@ export interface TierUploaderOptions {
   retries: number
   /** Sends store PUTs (the tier's agent for store URLs: no bearer token). */
   agent: Dispatcher
+  /** Aborted when the tier closes: a store PUT still running ends then. */
+  signal?: AbortSignal
   /** The tier's gateway POST (auth, breaker, retries). */
   post(
     path: string,
@@ -216,15 +218,18 @@ export class TierUploader {
 
   async #storePut(url: string, bytes: Uint8Array, timeoutMs: number): Promise<number | undefined> {
     const u = new URL(url)
+    const closing = this.#o.signal
     for (let attempt = 0; ; attempt++) {
+      if (closing?.aborted) return undefined
       let status: number | undefined
       try {
+        const deadline = AbortSignal.timeout(timeoutMs)
         const r = await this.#o.agent.request({
           origin: u.origin,
           path: u.pathname + u.search,
           method: 'PUT',
           body: bytes,
-          signal: AbortSignal.timeout(timeoutMs),
+          signal: closing ? AbortSignal.any([deadline, closing]) : deadline,
         })
         await r.body.dump()
         status = r.statusCode
