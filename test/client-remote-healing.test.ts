@@ -326,6 +326,30 @@ describe('deadlines and body caps', () => {
     gw.faults.delayMs = 0
   }, 30_000)
 
+  it('retrieveLayers keeps retrieveDeadlineMs on the L4 path too: a hung gateway ends the prefix there', async () => {
+    const { toks, kv } = await seeded(3, 52)
+    const b = await node({ timeoutMs: 60_000, retries: 0 }, { retrieveDeadlineMs: 200 })
+    await b.store(toks.slice(0, T), kv.subarray(0, CB)) // chunk 0 local, chunks 1..2 in L4 only
+    gw.faults.hangGets = true
+    const run = (async () => {
+      const batches: { chunks: number; slab0: Uint8Array | undefined }[] = []
+      for await (const x of b.retrieveLayers(toks))
+        batches.push({ chunks: x.chunks, slab0: x.slabs[0]?.slice() })
+      return batches
+    })()
+    const bound = new Promise<'held'>((r) => setTimeout(() => r('held'), 10_000).unref())
+    const batches = await Promise.race([run, bound])
+    expect(batches).not.toBe('held')
+    const got = batches as Awaited<typeof run>
+    expect(got).toHaveLength(MODEL_PRESETS.stories260k.layers)
+    // The local chunk is served whole; the L4 chunks are a miss from the first layer on.
+    expect(got.map((x) => x.chunks)).toEqual(got.map(() => 1))
+    const slab = CB / MODEL_PRESETS.stories260k.layers
+    expect(Buffer.compare(got[0]!.slab0!, kv.subarray(0, slab))).toBe(0)
+    expect(b.stats().memory).toMatchObject({ liveReservations: 0, livePins: 0 })
+    gw.faults.hangGets = false
+  }, 30_000)
+
   it('layer-range answers are capped at their range', async () => {
     const { toks } = await seeded(1, 47)
     gw.faults.oversize = 1024 * 1024

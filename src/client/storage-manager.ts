@@ -486,7 +486,8 @@ export class StorageManager {
    * every one of its layers arrived and verified; every reservation and pin is
    * settled in the generator's finally, also when the caller stops early: only
    * then are the slabs of earlier items invalid. A local chunk not pinned within
-   * retrieveDeadlineMs (a stuck L2 read) or by close() is a miss, like in retrieve().
+   * retrieveDeadlineMs (a stuck L2 read) or by close(), or a remote layer group not arrived
+   * by then (a stuck gateway), is a miss from there on, like in retrieve().
    */
   async *retrieveLayers(keys: readonly ChunkKey[]): AsyncGenerator<LayerBatch> {
     const g = this.geometry
@@ -546,7 +547,9 @@ export class StorageManager {
             this.tensorBytes(k),
           )
           remoteChunks.push(rl)
-          sources.push((l) => rl.layer(l))
+          // Past the deadline (or at close()) a layer group still on its way is a miss: that
+          // chunk and the later ones drop out there. Groups that already arrived are still served.
+          sources.push((l) => (rl.ended(l) ? rl.layer(l) : Promise.race([rl.layer(l), expired])))
         }
       }
       // Group-major order: every chunk's first layers are requested before anyone's
