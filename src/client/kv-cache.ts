@@ -504,7 +504,7 @@ export class KVCache {
   /** Tiers of the leading chunks of `keys`; `localOnly` answers from L1/L2 without asking the gateway. */
   async lookupKeys(keys: readonly ChunkKey[], options: { localOnly?: boolean } = {}): Promise<TierName[]> {
     this.#open()
-    if (options.localOnly !== true) return this.#manager.lookup(keys)
+    if (options.localOnly !== true) return this.#op(() => this.#manager.lookup(keys))
     const m = this.#manager
     const tiers: TierName[] = []
     for (const k of keys) {
@@ -537,13 +537,12 @@ export class KVCache {
   }
 
   /** store() over caller-derived keys: `fill(i, dst)` writes chunk i's tensor. Resolves once L1 (or a private copy) holds them. */
-  async storeKeys(
+  storeKeys(
     keys: readonly ChunkKey[],
     fill: (i: number, dst: Uint8Array) => void | Promise<void>,
   ): Promise<StoreResult> {
-    this.#open()
-    const out = await this.#manager.store(keys, fill)
-    return { chunks: keys.length, ...out }
+    // Tracked like store(): close() frees L1 only after the fill (an engine's copy into it) ended.
+    return this.#op(async () => ({ chunks: keys.length, ...(await this.#manager.store(keys, fill)) }))
   }
 
   /** retrieveLayers() over caller-derived keys. */
@@ -553,9 +552,8 @@ export class KVCache {
   }
 
   /** prefetch() over caller-derived keys; resolves to the chunks resident in L1. */
-  async prefetchKeys(keys: readonly ChunkKey[]): Promise<number> {
-    this.#open()
-    return this.#manager.prefetch(keys)
+  prefetchKeys(keys: readonly ChunkKey[]): Promise<number> {
+    return this.#op(() => this.#manager.prefetch(keys))
   }
 
   /** Brings the available prefix into L1 ahead of a retrieve. Resolves to the tokens now resident in L1. */

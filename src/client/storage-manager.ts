@@ -559,7 +559,17 @@ export class StorageManager {
       }
       let valid = sources.length
       for (let l = 0; l < g.layers; l++) {
-        const slabs = await Promise.all(sources.slice(0, valid).map((s) => s(l)))
+        // After close() L1 may be freed under the slabs: the next step fails typed, never
+        // with a TypeError from freed memory nor with a batch read from it.
+        this.#checkOpen()
+        let slabs: (Uint8Array | undefined)[]
+        try {
+          slabs = await Promise.all(sources.slice(0, valid).map((s) => s(l)))
+        } catch (e) {
+          this.#checkOpen()
+          throw e
+        }
+        this.#checkOpen()
         let n = 0
         while (n < slabs.length && slabs[n] !== undefined) n++
         valid = n
