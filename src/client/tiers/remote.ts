@@ -36,7 +36,7 @@ export interface RemoteTierOptions {
    * limits memory; a healthy gateway must not be shed at the normal rate of stores. @default 4096
    */
   maxQueuedWrites?: number
-  /** Write-behind queue bound in bytes (estimated). @default 512 MiB */
+  /** Write-behind queue bound in bytes held beyond L1 (private copies; pinned L1 chunks cost none). @default 512 MiB */
   maxQueuedBytes?: number
   /** Concurrent background PUTs, on their own connections (uploads never delay lookups or GETs). @default 8 */
   writeConcurrency?: number
@@ -61,7 +61,7 @@ export interface RemoteTierContext {
 /** A background upload: `encode` runs when a writer picks the job up; `done` always runs once. */
 export interface RemoteWriteJob {
   hex: string
-  /** Bytes the job holds while queued (for the byte bound). */
+  /** Bytes the job holds beyond L1 while queued (for the byte bound): 0 for a pinned L1 chunk. */
   bytesHint: number
   encode: () => Promise<Uint8Array | undefined>
   done: () => void
