@@ -347,6 +347,8 @@ describe('deadlines and body caps', () => {
     const slab = CB / MODEL_PRESETS.stories260k.layers
     expect(Buffer.compare(got[0]!.slab0!, kv.subarray(0, slab))).toBe(0)
     expect(b.stats().memory).toMatchObject({ liveReservations: 0, livePins: 0 })
+    // Counted like a retrieve cut short (not as a gateway timeout: the GETs still run).
+    expect(b.stats().retrieveTimeouts).toBe(1)
     gw.faults.hangGets = false
   }, 30_000)
 

@@ -97,7 +97,7 @@ export interface KVCacheStats {
     | (TierCounterSnapshot & RemoteTierStats & { codec: ChunkCodecName; quality: number | undefined })
     | null
   operations: { store: LatencySummary; lookup: LatencySummary; retrieve: LatencySummary }
-  /** Retrieves cut short by their deadline (the rest of their chunks were misses). */
+  /** Retrieves (retrieve and retrieveLayers) cut short by their deadline (the rest of their chunks were misses). */
   retrieveTimeouts: number
   /** Tokens served by retrieve() / asked for by retrieve(). */
   retrievedTokens: number
@@ -603,7 +603,7 @@ export class KVCache {
         lookup: this.#ops.lookup.summary(),
         retrieve: this.#ops.retrieve.summary(),
       },
-      retrieveTimeouts: this.#retrieveTimeouts,
+      retrieveTimeouts: this.#retrieveTimeouts + this.#manager.layerRetrieveTimeouts,
       retrievedTokens: this.#retrievedTokens,
       requestedTokens: this.#requestedTokens,
       keyMemo: { ...this.#memo.stats },
@@ -718,7 +718,7 @@ export class KVCache {
       },
       {
         name: 'retrieve_timeouts_total',
-        help: 'Retrieves cut short by their deadline (the rest of their chunks were misses).',
+        help: 'Retrieves (retrieve and retrieveLayers) cut short by their deadline (the rest of their chunks were misses).',
         type: 'counter',
         values: [{ value: s.retrieveTimeouts }],
       },

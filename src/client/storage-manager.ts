@@ -101,6 +101,8 @@ export class StorageManager {
   readonly codec: CodecPool
   readonly calibrations: CalibrationStore | undefined
   readonly retrieveDeadlineMs: number
+  /** retrieveLayers runs cut short by the deadline (a chunk or layer group still awaited then). */
+  layerRetrieveTimeouts = 0
   readonly #nsId: Uint8Array
   readonly #fetchConcurrency: number
   readonly #layersPerRequest: number
@@ -494,6 +496,8 @@ export class StorageManager {
     // Past it (or at close()) no local chunk is waited for: the prefix pinned so far is served.
     const deadline = new Deadline(this.retrieveDeadlineMs, this.#closing)
     const { expired } = deadline
+    // Set when the deadline (not close(), not a failure) ended a wait: counted once per run.
+    let cutShort = false
     const tiers = await this.lookup(keys)
     const held: ChunkHandle[] = []
     const remoteChunks: RemoteLayers[] = []
@@ -523,6 +527,7 @@ export class StorageManager {
           ahead.delete(i)
           const h = await Promise.race([pending, expired])
           if (!h) {
+            if (deadline.timedOut) cutShort = true
             // A late arrival is released the moment it lands: nothing stays pinned.
             void pending.then(
               (late) => late?.release(),
@@ -549,7 +554,12 @@ export class StorageManager {
           remoteChunks.push(rl)
           // Past the deadline (or at close()) a layer group still on its way is a miss: that
           // chunk and the later ones drop out there. Groups that already arrived are still served.
-          sources.push((l) => (rl.ended(l) ? rl.layer(l) : Promise.race([rl.layer(l), expired])))
+          sources.push(async (l) => {
+            if (rl.ended(l)) return rl.layer(l)
+            const slab = await Promise.race([rl.layer(l), expired])
+            if (slab === undefined && !rl.ended(l) && deadline.timedOut) cutShort = true
+            return slab
+          })
         }
       }
       // Group-major order: every chunk's first layers are requested before anyone's
@@ -582,6 +592,7 @@ export class StorageManager {
       }
     } finally {
       deadline.clear()
+      if (cutShort) this.layerRetrieveTimeouts++
       for (const rl of remoteChunks) rl.settle()
       for (const h of held) h.release()
       // Chunks read ahead past a miss (or past the caller stopping): released as they land.
