@@ -791,6 +791,11 @@ export class RemoteTier {
   async put(hex: string, object: Uint8Array): Promise<boolean> {
     const t0 = performance.now()
     const up = await this.#uploader.put(hex, object)
+    if (up === 'lost') {
+      // A part the store refused, or an upload answer that is not one: nobody counted it yet.
+      if (!this.#closed) this.counters.errors++
+      return false
+    }
     const r =
       up !== 'direct'
         ? up
