@@ -111,9 +111,12 @@ export class StorageManager {
   readonly #inflight = new Map<string, Promise<Placed | undefined>>()
   readonly #background = new Set<Promise<unknown>>()
   #closed = false
-  /** Resolves on close(): operations waiting on a slow tier stop waiting. */
-  readonly #closing: Promise<undefined>
-  #signalClosed!: () => void
+  /**
+   * Called on close(): operations waiting on a slow tier stop waiting. A set each Deadline
+   * leaves when cleared, not a promise raced against: a race against a promise pending for
+   * the cache's whole life kept every call's reaction (~2 KiB a retrieve) until close().
+   */
+  readonly #closing: CloseSignal
 
   constructor(opts: StorageManagerOptions) {
     this.geometry = opts.geometry
@@ -126,9 +129,7 @@ export class StorageManager {
     this.#fetchConcurrency = Math.max(1, opts.fetchConcurrency ?? 8)
     this.#layersPerRequest = Math.max(1, opts.layersPerRequest ?? Math.ceil(opts.geometry.layers / 4))
     this.retrieveDeadlineMs = opts.retrieveDeadlineMs ?? 10_000
-    this.#closing = new Promise<undefined>((r) => {
-      this.#signalClosed = () => r(undefined)
-    })
+    this.#closing = new CloseSignal()
     this.codec = opts.codec ?? new CodecPool()
     this.calibrations = opts.calibrations
     this.#reader = new ChunkReader({
@@ -274,6 +275,16 @@ export class StorageManager {
       } else break
     }
     return tiers
+  }
+
+  /** lookup() before the owner's try: a failure clears the deadline (its timer and close listener). */
+  async #lookupUnder(deadline: Deadline, keys: readonly ChunkKey[]): Promise<TierName[]> {
+    try {
+      return await this.lookup(keys)
+    } catch (e) {
+      deadline.clear()
+      throw e
+    }
   }
 
   /** The tiers of the leading chunks L1 or L2 hold (no gateway request). */
@@ -449,7 +460,7 @@ export class StorageManager {
     // still running land in L1 in the background.
     const deadline = new Deadline(this.retrieveDeadlineMs, this.#closing)
     const { expired } = deadline
-    const tiers = await this.lookup(keys)
+    const tiers = await this.#lookupUnder(deadline, keys)
     const ok = new Uint8Array(tiers.length)
     let next = 0
     const worker = async () => {
@@ -498,7 +509,7 @@ export class StorageManager {
     const { expired } = deadline
     // Set when the deadline (not close(), not a failure) ended a wait: counted once per run.
     let cutShort = false
-    const tiers = await this.lookup(keys)
+    const tiers = await this.#lookupUnder(deadline, keys)
     const held: ChunkHandle[] = []
     const remoteChunks: RemoteLayers[] = []
     // Per chunk: a function giving its slab for layer l (or undefined when it failed).
@@ -619,7 +630,7 @@ export class StorageManager {
   /** Refuses new work: operations in flight stop at their next step with ERR_CLOSED. */
   close(): void {
     this.#closed = true
-    this.#signalClosed()
+    this.#closing.fire()
   }
 
   /** Drops L2 writes still queued (after close's flush ran out of time), releasing what they held. */
@@ -632,30 +643,58 @@ function sleep(ms: number): Promise<void> {
   return new Promise((r) => setTimeout(r, ms).unref())
 }
 
+/** close() for the waits in flight: each subscribes and unsubscribes (nothing is kept once a wait is done). */
+class CloseSignal {
+  readonly #listeners = new Set<() => void>()
+  #fired = false
+
+  /** Calls `f` at fire() (now, if it fired already); returns the unsubscribe. */
+  subscribe(f: () => void): () => void {
+    if (this.#fired) {
+      f()
+      return () => {}
+    }
+    this.#listeners.add(f)
+    return () => this.#listeners.delete(f)
+  }
+
+  fire(): void {
+    this.#fired = true
+    for (const f of [...this.#listeners]) f()
+    this.#listeners.clear()
+  }
+}
+
 /**
- * A wait's end: `expired` resolves (undefined) at `ms` or when `closing` does, whichever
- * comes first; `passed` from then on, `timedOut` when it was the time. `clear()` stops the timer.
+ * A wait's end: `expired` resolves (undefined) at `ms` or at close(), whichever comes
+ * first; `passed` from then on, `timedOut` when it was the time. `clear()` stops the timer
+ * and leaves the close signal (every owner calls it in a `finally`).
  */
 class Deadline {
   readonly expired: Promise<undefined>
   passed = false
   timedOut = false
-  #timer: NodeJS.Timeout | undefined
+  readonly #timer: NodeJS.Timeout
+  readonly #leave: () => void
 
-  constructor(ms: number, closing: Promise<undefined>) {
-    const time = new Promise<undefined>((resolve) => {
-      this.#timer = setTimeout(() => {
-        this.timedOut = true
+  constructor(ms: number, closing: CloseSignal) {
+    let end!: () => void
+    this.expired = new Promise<undefined>((resolve) => {
+      end = () => {
+        this.passed = true
         resolve(undefined)
-      }, ms)
+      }
     })
-    this.expired = Promise.race([time, closing]).then(() => {
-      this.passed = true
-      return undefined
-    })
+    this.#timer = setTimeout(() => {
+      this.timedOut = true
+      this.#leave()
+      end()
+    }, ms)
+    this.#leave = closing.subscribe(end)
   }
 
   clear(): void {
     clearTimeout(this.#timer)
+    this.#leave()
   }
 }
