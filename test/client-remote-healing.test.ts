@@ -352,6 +352,26 @@ describe('deadlines and body caps', () => {
     gw.faults.hangGets = false
   }, 30_000)
 
+  it("retrieveLayers' deadline counts its own waits, not the caller's work between layers", async () => {
+    const { toks, kv } = await seeded(1, 53)
+    // One connection, one layer per request, every answer 200 ms late: the groups arrive one
+    // after another (the last ~1.2 s in) while the caller works 150 ms on each layer. The
+    // generator itself waits ~400 ms in all, well within its 900 ms deadline.
+    const b = await node({ connections: 1 }, { retrieveDeadlineMs: 900, layersPerRequest: 1 })
+    gw.faults.delayMs = 200
+    const slab = CB / MODEL_PRESETS.stories260k.layers
+    const chunks: number[] = []
+    for await (const x of b.retrieveLayers(toks)) {
+      chunks.push(x.chunks)
+      if (x.chunks === 1)
+        expect(Buffer.compare(x.slabs[0]!, kv.subarray(x.layer * slab, (x.layer + 1) * slab))).toBe(0)
+      await new Promise((r) => setTimeout(r, 150))
+    }
+    gw.faults.delayMs = 0
+    expect(chunks).toEqual([1, 1, 1, 1, 1])
+    expect(b.stats().retrieveTimeouts).toBe(0)
+  }, 30_000)
+
   it('layer-range answers are capped at their range', async () => {
     const { toks } = await seeded(1, 47)
     gw.faults.oversize = 1024 * 1024

@@ -499,12 +499,14 @@ export class StorageManager {
    * every one of its layers arrived and verified; every reservation and pin is
    * settled in the generator's finally, also when the caller stops early: only
    * then are the slabs of earlier items invalid. A local chunk not pinned within
-   * retrieveDeadlineMs (a stuck L2 read) or by close(), or a remote layer group not arrived
-   * by then (a stuck gateway), is a miss from there on, like in retrieve().
+   * retrieveDeadlineMs (a stuck L2 read) or by close() is a miss, like in retrieve(); so is a
+   * remote layer group not arrived once this generator's waits for groups (not the caller's
+   * work between items) add up to the deadline (a stuck gateway), from that layer on.
    */
   async *retrieveLayers(keys: readonly ChunkKey[]): AsyncGenerator<LayerBatch> {
     const g = this.geometry
     // Past it (or at close()) no local chunk is waited for: the prefix pinned so far is served.
+    const started = performance.now()
     const deadline = new Deadline(this.retrieveDeadlineMs, this.#closing)
     const { expired } = deadline
     // Set when the deadline (not close(), not a failure) ended a wait: counted once per run.
@@ -512,8 +514,9 @@ export class StorageManager {
     const tiers = await this.#lookupUnder(deadline, keys)
     const held: ChunkHandle[] = []
     const remoteChunks: RemoteLayers[] = []
-    // Per chunk: a function giving its slab for layer l (or undefined when it failed).
-    const sources: ((l: number) => Promise<Uint8Array | undefined>)[] = []
+    // Per chunk: a function giving its slab for layer l (or undefined when it failed), waiting
+    // for a remote layer group until `wait` expires.
+    const sources: ((l: number, wait: Deadline) => Promise<Uint8Array | undefined>)[] = []
     // Local chunks are pinned in order, with up to fetchConcurrency of them being read
     // ahead (L2 reads in flight at once, as retrieve does, not one chunk at a time).
     const local = (i: number) => tiers[i] !== 'remote' || this.memory.has(keys[i]!.hex)
@@ -565,10 +568,10 @@ export class StorageManager {
           remoteChunks.push(rl)
           // Past the deadline (or at close()) a layer group still on its way is a miss: that
           // chunk and the later ones drop out there. Groups that already arrived are still served.
-          sources.push(async (l) => {
+          sources.push(async (l, wait) => {
             if (rl.ended(l)) return rl.layer(l)
-            const slab = await Promise.race([rl.layer(l), expired])
-            if (slab === undefined && !rl.ended(l) && deadline.timedOut) cutShort = true
+            const slab = await Promise.race([rl.layer(l), wait.expired])
+            if (slab === undefined && !rl.ended(l) && wait.timedOut) cutShort = true
             return slab
           })
         }
@@ -579,16 +582,25 @@ export class StorageManager {
         for (const rl of remoteChunks) rl.request(first)
       }
       let valid = sources.length
+      // What is left of the deadline for the layer groups: spent only while this waits for
+      // them, not while the caller works on a layer (a pipeline slower than the deadline but
+      // fed in time is not cut short; a stuck gateway is, once the waits add up to it).
+      let budget = Math.max(0, this.retrieveDeadlineMs - (performance.now() - started))
       for (let l = 0; l < g.layers; l++) {
         // After close() L1 may be freed under the slabs: the next step fails typed, never
         // with a TypeError from freed memory nor with a batch read from it.
         this.#checkOpen()
         let slabs: (Uint8Array | undefined)[]
+        const t0 = performance.now()
+        const wait = new Deadline(budget, this.#closing)
         try {
-          slabs = await Promise.all(sources.slice(0, valid).map((s) => s(l)))
+          slabs = await Promise.all(sources.slice(0, valid).map((s) => s(l, wait)))
         } catch (e) {
           this.#checkOpen()
           throw e
+        } finally {
+          wait.clear()
+          budget = Math.max(0, budget - (performance.now() - t0))
         }
         this.#checkOpen()
         let n = 0
