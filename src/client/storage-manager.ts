@@ -566,8 +566,9 @@ export class StorageManager {
             this.tensorBytes(k),
           )
           remoteChunks.push(rl)
-          // Past the deadline (or at close()) a layer group still on its way is a miss: that
-          // chunk and the later ones drop out there. Groups that already arrived are still served.
+          // A layer group still on its way when the wait ends (the budget below is spent, or
+          // close()) is a miss: that chunk and the later ones drop out there. Groups that already
+          // arrived are still served.
           sources.push(async (l, wait) => {
             if (rl.ended(l)) return rl.layer(l)
             const slab = await Promise.race([rl.layer(l), wait.expired])
