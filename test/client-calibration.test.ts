@@ -4,6 +4,7 @@
 // once, decoding each other's chunks, a calibration deleted behind the gateway, and a
 // restarted node decoding its L2 with the gateway gone.
 
+import { execFileSync } from 'node:child_process'
 import { createHash } from 'node:crypto'
 import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
@@ -126,6 +127,31 @@ describe('CalibrationStore', () => {
     expect(readdirSync(dir)).not.toContain(`${sha(other)}.kvcl`)
     f.setReachable(true)
     expect((await again.get(sha(other)))?.hash).toBe(sha(other))
+    rmSync(dir, { recursive: true, force: true })
+  })
+
+  it('a persisted name that is a FIFO or over maxBytes is not read: no decode waits on it, nothing big is read', async () => {
+    const f = fakeRemote()
+    const dir = tmp()
+    const good = sample(5)
+    const h = sha(good)
+    f.objects.set(h, good)
+    // A FIFO under the name: reading it waits for a writer that never comes.
+    execFileSync('mkfifo', [join(dir, `${h}.kvcl`)])
+    const s = new CalibrationStore({ codec, geometry: g, remote: f.remote, dir })
+    const bound = new Promise<'held'>((r) => setTimeout(() => r('held'), 5000).unref())
+    const got = await Promise.race([s.get(h), bound])
+    expect(got).not.toBe('held')
+    // Not read, left alone: the gateway's copy is fetched (and persisted over the name).
+    expect((got as Awaited<ReturnType<CalibrationStore['get']>>)?.hash).toBe(h)
+    expect(s.stats()).toMatchObject({ loaded: 0, fetched: 1, rejected: 0 })
+    // A file over maxBytes under the name is not read either (it cannot be one this node accepts).
+    const big = sample(6)
+    const hb = sha(big)
+    writeFileSync(join(dir, `${hb}.kvcl`), new Uint8Array(big.byteLength + 1))
+    const small = new CalibrationStore({ codec, geometry: g, dir, maxBytes: big.byteLength })
+    expect(await small.get(hb)).toBeUndefined()
+    expect(small.stats()).toMatchObject({ loaded: 0, rejected: 0 })
     rmSync(dir, { recursive: true, force: true })
   })
 

@@ -36,6 +36,26 @@ describe('CodecPool', () => {
     else expect(pool.counts.workerJobs).toBe(0)
   })
 
+  it('a job that cannot be handed to a worker (its staging cannot be made) fails alone: the next one still runs', async () => {
+    const pool = new CodecPool(1)
+    pools.push(pool)
+    const obj = encodeChunk(tensor, meta, { mode: 'lossless' })
+    // Both queue before the worker is ready; the first one's message cannot be built (as when
+    // its staging buffer cannot be allocated): the worker, then idle, must take the second.
+    const unbuildable = {
+      get hash(): string {
+        throw new RangeError('Array buffer allocation failed')
+      },
+    }
+    const bad = pool.decodeInto(obj, 'lossless', new Uint8Array(chunkBytes(g, 32)), unbuildable as never)
+    const out = new Uint8Array(chunkBytes(g, 32))
+    const good = pool.decodeInto(obj, 'lossless', out)
+    await expect(bad).rejects.toThrow(/allocation failed/)
+    const bound = new Promise<'stuck'>((r) => setTimeout(() => r('stuck'), 5000).unref())
+    expect(await Promise.race([good.then(() => 'done'), bound])).toBe('done')
+    expect(Buffer.compare(out, decodeChunk(obj))).toBe(0)
+  })
+
   it('passes the kvgate quality through to the worker', async () => {
     const pool = new CodecPool(1)
     pools.push(pool)

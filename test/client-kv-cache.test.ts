@@ -179,6 +179,29 @@ describe('KVCache options', () => {
     expect(() => parseBytes('x', 'lots')).toThrow(/byte size/)
   })
 
+  it('KVGATE_DISK and KVGATE_REMOTE take on/off only: a typo does not leave a tier on silently', () => {
+    for (const off of ['off', 'false']) {
+      expect(optionsFromEnvironment({ KVGATE_DISK: off, KVGATE_DISK_DIR: '/d' }).disk).toBe(false)
+      expect(optionsFromEnvironment({ KVGATE_REMOTE: off, KVGATE_REMOTE_URL: 'http://gw' }).remote).toBe(
+        false,
+      )
+    }
+    for (const on of ['on', 'true']) {
+      expect(optionsFromEnvironment({ KVGATE_DISK: on, KVGATE_DISK_DIR: '/d' }).disk).toEqual({ dir: '/d' })
+      expect(optionsFromEnvironment({ KVGATE_REMOTE: on, KVGATE_REMOTE_URL: 'http://gw' }).remote).toEqual({
+        url: 'http://gw',
+      })
+    }
+    for (const typo of ['0', 'no', 'disabled', 'OFF ']) {
+      expect(() => optionsFromEnvironment({ KVGATE_DISK: typo, KVGATE_DISK_DIR: '/d' })).toThrow(
+        /KVGATE_DISK\b.*on or off/,
+      )
+      expect(() => optionsFromEnvironment({ KVGATE_REMOTE: typo, KVGATE_REMOTE_URL: 'http://gw' })).toThrow(
+        /KVGATE_REMOTE\b.*on or off/,
+      )
+    }
+  })
+
   it('defaults work on one machine: memory only, no disk, no gateway', () => {
     const r = resolveOptions({ model: 'stories260k' })
     expect(r.chunkTokens).toBe(256)

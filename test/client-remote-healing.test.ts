@@ -301,6 +301,77 @@ describe('deadlines and body caps', () => {
     },
   )
 
+  it('close() ends what a stuck gateway holds (a GET past its retrieve, an upload) at once, blaming nobody', async () => {
+    const { toks } = await seeded(2, 50)
+    gw.faults.hangGets = true
+    const b = await node({ timeoutMs: 60_000, retries: 0 })
+    // The GET outlives its retrieve's deadline; it would hold its connection for a minute.
+    expect(sum(await b.retrieve(toks, { into: new Uint8Array(2 * CB), deadlineMs: 100 }))).toBe(0)
+    for (let i = 0; i < 200 && chunkGets().length < 2; i++) await new Promise((r) => setTimeout(r, 10))
+    expect(chunkGets()).toHaveLength(2)
+    // An upload the gateway answers a minute late (its lookup, then its PUT).
+    gw.faults.delayMs = 60_000
+    await b.store(tokens(T, 51), kvFor(1, 51))
+    await new Promise((r) => setTimeout(r, 50))
+    const closing = b.close(100).then(() => 'closed')
+    const bound = new Promise((r) => setTimeout(() => r('still waiting on the gateway'), 10_000).unref())
+    expect(await Promise.race([closing, bound])).toBe('closed')
+    const s = b.stats().remote!
+    // Ended by close, not by the gateway: no timeout or failure is counted against it.
+    expect([s.timeouts, s.breaker]).toEqual([0, 'closed'])
+    // The upload is dropped and counted, like one still queued at close.
+    expect(s.shedByReason.closed).toBe(1)
+    expect(b.stats().memory).toMatchObject({ liveReservations: 0, livePins: 0 })
+    gw.faults.hangGets = false
+    gw.faults.delayMs = 0
+  }, 30_000)
+
+  it('retrieveLayers keeps retrieveDeadlineMs on the L4 path too: a hung gateway ends the prefix there', async () => {
+    const { toks, kv } = await seeded(3, 52)
+    const b = await node({ timeoutMs: 60_000, retries: 0 }, { retrieveDeadlineMs: 200 })
+    await b.store(toks.slice(0, T), kv.subarray(0, CB)) // chunk 0 local, chunks 1..2 in L4 only
+    gw.faults.hangGets = true
+    const run = (async () => {
+      const batches: { chunks: number; slab0: Uint8Array | undefined }[] = []
+      for await (const x of b.retrieveLayers(toks))
+        batches.push({ chunks: x.chunks, slab0: x.slabs[0]?.slice() })
+      return batches
+    })()
+    const bound = new Promise<'held'>((r) => setTimeout(() => r('held'), 10_000).unref())
+    const batches = await Promise.race([run, bound])
+    expect(batches).not.toBe('held')
+    const got = batches as Awaited<typeof run>
+    expect(got).toHaveLength(MODEL_PRESETS.stories260k.layers)
+    // The local chunk is served whole; the L4 chunks are a miss from the first layer on.
+    expect(got.map((x) => x.chunks)).toEqual(got.map(() => 1))
+    const slab = CB / MODEL_PRESETS.stories260k.layers
+    expect(Buffer.compare(got[0]!.slab0!, kv.subarray(0, slab))).toBe(0)
+    expect(b.stats().memory).toMatchObject({ liveReservations: 0, livePins: 0 })
+    // Counted like a retrieve cut short (not as a gateway timeout: the GETs still run).
+    expect(b.stats().retrieveTimeouts).toBe(1)
+    gw.faults.hangGets = false
+  }, 30_000)
+
+  it("retrieveLayers' deadline counts its own waits, not the caller's work between layers", async () => {
+    const { toks, kv } = await seeded(1, 53)
+    // One connection, one layer per request, every answer 200 ms late: the groups arrive one
+    // after another (the last ~1.2 s in) while the caller works 150 ms on each layer. The
+    // generator itself waits ~400 ms in all, well within its 900 ms deadline.
+    const b = await node({ connections: 1 }, { retrieveDeadlineMs: 900, layersPerRequest: 1 })
+    gw.faults.delayMs = 200
+    const slab = CB / MODEL_PRESETS.stories260k.layers
+    const chunks: number[] = []
+    for await (const x of b.retrieveLayers(toks)) {
+      chunks.push(x.chunks)
+      if (x.chunks === 1)
+        expect(Buffer.compare(x.slabs[0]!, kv.subarray(x.layer * slab, (x.layer + 1) * slab))).toBe(0)
+      await new Promise((r) => setTimeout(r, 150))
+    }
+    gw.faults.delayMs = 0
+    expect(chunks).toEqual([1, 1, 1, 1, 1])
+    expect(b.stats().retrieveTimeouts).toBe(0)
+  }, 30_000)
+
   it('layer-range answers are capped at their range', async () => {
     const { toks } = await seeded(1, 47)
     gw.faults.oversize = 1024 * 1024

@@ -59,6 +59,51 @@ describe('a healthy gateway is not shed (finding 20)', () => {
   })
 })
 
+describe('chunks held in L1 reach L4 whole (README "Write-behind")', () => {
+  it('a prompt far over remote.maxQueuedBytes that fits L1 is uploaded whole: pinned chunks cost no queue bytes', async () => {
+    const gw = await serveGateway(createGateway({ store: new MemoryStore() }), { port: 0 })
+    const c = await KVCache.open({
+      model: 'stories260k',
+      chunkTokens: T,
+      memory: { bytes: 64 * CB },
+      // The queue's byte bound is 4 chunks; the prompt is 32, all held (pinned) in L1.
+      remote: { url: gw.url, codec: 'raw', maxQueuedBytes: 4 * CB, writeConcurrency: 2 },
+    })
+    try {
+      await c.store(tokens(32 * T, 300), kvFor(32, 300))
+      await c.flush()
+      const s = c.stats().remote!
+      expect(s.shedByReason).toEqual({ breaker: 0, queueFull: 0, closed: 0 })
+      expect(s.puts).toBe(32)
+      expect(c.stats().memory.livePins).toBe(0)
+    } finally {
+      await c.close(100)
+      await gw.close(100)
+    }
+  })
+
+  it('private copies (chunks L1 could not take) still count against the byte bound', async () => {
+    const gw = await serveGateway(createGateway({ store: new MemoryStore() }), { port: 0 })
+    const c = await KVCache.open({
+      model: 'stories260k',
+      chunkTokens: T,
+      memory: { bytes: 2 * CB }, // one slot (a slot is page-rounded, with the header before the tensor)
+      remote: { url: gw.url, codec: 'raw', maxQueuedBytes: 4 * CB, writeConcurrency: 1 },
+    })
+    try {
+      // One chunk fits L1 (pinned by the store); the others are copies, 4 of them within the bound.
+      await c.store(tokens(12 * T, 301), kvFor(12, 301))
+      await c.flush()
+      const s = c.stats().remote!
+      expect(s.shedByReason.queueFull).toBeGreaterThan(0)
+      expect(s.puts + s.shedByReason.queueFull).toBe(12)
+    } finally {
+      await c.close(100)
+      await gw.close(100)
+    }
+  })
+})
+
 describe('failed requests leave nothing behind', () => {
   let fgw: FaultGateway
   beforeAll(async () => {

@@ -398,6 +398,39 @@ describe('the remote tier', () => {
     }
   })
 
+  it('an upload lost at the store (a part PUT refused) is counted, not silent', async () => {
+    // A bucket that refuses every part: the gateway's own requests all succeed.
+    const bucket = createServer((req, res) => {
+      req.resume()
+      req.on('end', () => res.writeHead(403).end('AccessDenied'))
+    })
+    await new Promise<void>((r) => bucket.listen(0, '127.0.0.1', r))
+    const bucketUrl = `http://127.0.0.1:${(bucket.address() as AddressInfo).port}`
+    class RefusedStagingStore extends MemoryStore {
+      async presignUpload(name: string, size: number): Promise<UploadTargets> {
+        return { parts: [{ url: `${bucketUrl}/${encodeURIComponent(name)}`, offset: 0, length: size }] }
+      }
+    }
+    const gw = await serveGateway(
+      createGateway({ store: new RefusedStagingStore(), uploads: { minBytes: 1024 } }),
+      {
+        port: 0,
+      },
+    )
+    const tier = new RemoteTier({ url: gw.url, namespace: 'a', uploadMinBytes: 1024, retries: 0 })
+    try {
+      const big = makeChunk({ sectionBytes: 4096 })
+      expect(await tier.put(big.key, big.bytes)).toBe(false)
+      expect(tier.counters.errors).toBe(1)
+      expect(tier.counters.puts).toBe(0)
+      expect(tier.knownPresent(big.key)).toBe(false)
+    } finally {
+      await tier.close()
+      await gw.close()
+      await new Promise((r) => bucket.close(r))
+    }
+  })
+
   it('asks a gateway that answers "direct" once, then PUTs large chunks without asking', async () => {
     const seen: string[] = []
     const app = createGateway({

@@ -7,7 +7,8 @@
 // that builds one from the first full chunks stored in a namespace that has none.
 
 import { createHash } from 'node:crypto'
-import { mkdir, readFile, rename, rm, writeFile } from 'node:fs/promises'
+import { constants as fsc } from 'node:fs'
+import { mkdir, open, rename, rm, writeFile } from 'node:fs/promises'
 import { join } from 'node:path'
 import { LRUCache } from 'lru-cache'
 import type { Calibration } from '../codec/calibration.ts'
@@ -243,17 +244,40 @@ export class CalibrationStore {
   async #readPersisted(hash: string): Promise<Calibration | undefined> {
     if (!this.#dir) return undefined
     const path = join(this.#dir, `${hash}.kvcl`)
-    let bytes: Uint8Array
-    try {
-      bytes = await readFile(path)
-    } catch {
-      return undefined
-    }
-    const c = this.#check(hash, new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength))
+    const bytes = await this.#readBounded(path)
+    if (!bytes) return undefined
+    const c = this.#check(hash, bytes)
     // A damaged file is dropped, so the gateway's copy replaces it. A sound one of another
     // geometry belongs to another model sharing this L2 directory: its file, kept.
     if (c === 'damaged') await rm(path, { force: true }).catch(() => {})
     return typeof c === 'string' ? undefined : c
+  }
+
+  /**
+   * A regular file of at most maxBytes (what this node accepts from the gateway), read whole;
+   * anything else under the name is left alone and not read. O_NONBLOCK: a FIFO there would
+   * hold every decode naming this calibration (and a pool thread) waiting for a writer.
+   */
+  async #readBounded(path: string): Promise<Uint8Array | undefined> {
+    let fh: Awaited<ReturnType<typeof open>> | undefined
+    try {
+      fh = await open(path, fsc.O_RDONLY | fsc.O_NONBLOCK)
+      const st = await fh.stat()
+      if (!st.isFile() || st.size > this.#o.maxBytes) return undefined
+      const bytes = new Uint8Array(st.size)
+      let off = 0
+      while (off < bytes.byteLength) {
+        const { bytesRead } = await fh.read(bytes, off, bytes.byteLength - off, off)
+        if (bytesRead === 0) break
+        off += bytesRead
+      }
+      // Shorter than it was (truncated under us): its hash cannot match; damaged.
+      return bytes.subarray(0, off)
+    } catch {
+      return undefined
+    } finally {
+      await fh?.close().catch(() => {})
+    }
   }
 
   async #persist(c: Calibration): Promise<void> {

@@ -243,16 +243,21 @@ export class CodecPool {
   #dispatch(): void {
     for (const slot of this.#slots) {
       if (slot.job || slot.dead || !slot.ready) continue
-      const job = this.#reads.shift() ?? this.#writes.shift()
+      let job: Job | undefined
+      let made: { msg: RequestBody; transfer: ArrayBuffer[] } | undefined
+      // A job whose message cannot be built (its staging not allocated) fails alone; this
+      // slot takes the next one (moving on left it idle with jobs queued until some other event).
+      while (!made) {
+        job = this.#reads.shift() ?? this.#writes.shift()
+        if (!job) return
+        try {
+          made = job.make(slot.staging)
+        } catch (e) {
+          job.reject(e as Error)
+        }
+      }
       if (!job) return
       const id = this.#next++
-      let made: { msg: RequestBody; transfer: ArrayBuffer[] }
-      try {
-        made = job.make(slot.staging)
-      } catch (e) {
-        job.reject(e as Error)
-        continue
-      }
       slot.job = { ...job, id }
       this.counts.workerJobs++
       slot.worker.postMessage({ ...made.msg, id } as CodecRequest, made.transfer)

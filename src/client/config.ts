@@ -386,6 +386,13 @@ function num(name: string, v: string): number {
 
 type Plain = Record<string, unknown>
 
+/** A tier switch variable: false for off/false, true for on/true (or empty); anything else names the variable. */
+function onOff(name: string, v: string | undefined): boolean {
+  if (v === 'off' || v === 'false') return false
+  if (v === undefined || v === '' || v === 'on' || v === 'true') return true
+  throw new InvalidArgumentError(`invalid ${name}: '${v}' (on or off)`)
+}
+
 /**
  * Options for processes started from the CLI: the YAML file named by
  * KVGATE_CLIENT_CONFIG (or `file`), then KVGATE_* variables on top (env overrides file).
@@ -437,13 +444,13 @@ export function optionsFromEnvironment(
   if (env.KVGATE_KEY_SCHEME) out.keyScheme = env.KVGATE_KEY_SCHEME
   if (env.KVGATE_MEMORY_BYTES)
     sub('memory').bytes = parseBytes('KVGATE_MEMORY_BYTES', env.KVGATE_MEMORY_BYTES)
-  if (env.KVGATE_DISK === 'off' || env.KVGATE_DISK === 'false') out.disk = false
+  if (!onOff('KVGATE_DISK', env.KVGATE_DISK)) out.disk = false
   else {
     if (env.KVGATE_DISK_DIR) sub('disk').dir = env.KVGATE_DISK_DIR
     if (env.KVGATE_DISK_BYTES) sub('disk').bytes = parseBytes('KVGATE_DISK_BYTES', env.KVGATE_DISK_BYTES)
     if (env.KVGATE_DISK_STORE_AS) sub('disk').storeAs = env.KVGATE_DISK_STORE_AS
   }
-  if (env.KVGATE_REMOTE === 'off' || env.KVGATE_REMOTE === 'false') out.remote = false
+  if (!onOff('KVGATE_REMOTE', env.KVGATE_REMOTE)) out.remote = false
   else {
     if (env.KVGATE_REMOTE_URL) sub('remote').url = env.KVGATE_REMOTE_URL
     if (env.KVGATE_REMOTE_TOKEN) sub('remote').token = env.KVGATE_REMOTE_TOKEN
@@ -462,10 +469,7 @@ export function optionsFromEnvironment(
       sub('remote').presenceTtlMs = num('KVGATE_REMOTE_PRESENCE_TTL_MS', env.KVGATE_REMOTE_PRESENCE_TTL_MS)
     }
     // KVGATE_REMOTE_CALIBRATION=off turns calibrated encoding off; _AFTER sets the build policy.
-    const calib = env.KVGATE_REMOTE_CALIBRATION
-    if (calib === 'off' || calib === 'false') sub('remote').calibration = false
-    else if (calib !== undefined && calib !== '' && calib !== 'on' && calib !== 'true')
-      throw new InvalidArgumentError(`invalid KVGATE_REMOTE_CALIBRATION: '${calib}' (on or off)`)
+    if (!onOff('KVGATE_REMOTE_CALIBRATION', env.KVGATE_REMOTE_CALIBRATION)) sub('remote').calibration = false
     else if (env.KVGATE_REMOTE_CALIBRATION_AFTER) {
       const r = sub('remote')
       const fromFile = typeof r.calibration === 'object' && r.calibration !== null ? r.calibration : {}

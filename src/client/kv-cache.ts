@@ -97,7 +97,7 @@ export interface KVCacheStats {
     | (TierCounterSnapshot & RemoteTierStats & { codec: ChunkCodecName; quality: number | undefined })
     | null
   operations: { store: LatencySummary; lookup: LatencySummary; retrieve: LatencySummary }
-  /** Retrieves cut short by their deadline (the rest of their chunks were misses). */
+  /** Retrieves (retrieve and retrieveLayers) cut short by their deadline (the rest of their chunks were misses). */
   retrieveTimeouts: number
   /** Tokens served by retrieve() / asked for by retrieve(). */
   retrievedTokens: number
@@ -504,7 +504,7 @@ export class KVCache {
   /** Tiers of the leading chunks of `keys`; `localOnly` answers from L1/L2 without asking the gateway. */
   async lookupKeys(keys: readonly ChunkKey[], options: { localOnly?: boolean } = {}): Promise<TierName[]> {
     this.#open()
-    if (options.localOnly !== true) return this.#manager.lookup(keys)
+    if (options.localOnly !== true) return this.#op(() => this.#manager.lookup(keys))
     const m = this.#manager
     const tiers: TierName[] = []
     for (const k of keys) {
@@ -537,13 +537,12 @@ export class KVCache {
   }
 
   /** store() over caller-derived keys: `fill(i, dst)` writes chunk i's tensor. Resolves once L1 (or a private copy) holds them. */
-  async storeKeys(
+  storeKeys(
     keys: readonly ChunkKey[],
     fill: (i: number, dst: Uint8Array) => void | Promise<void>,
   ): Promise<StoreResult> {
-    this.#open()
-    const out = await this.#manager.store(keys, fill)
-    return { chunks: keys.length, ...out }
+    // Tracked like store(): close() frees L1 only after the fill (an engine's copy into it) ended.
+    return this.#op(async () => ({ chunks: keys.length, ...(await this.#manager.store(keys, fill)) }))
   }
 
   /** retrieveLayers() over caller-derived keys. */
@@ -553,9 +552,8 @@ export class KVCache {
   }
 
   /** prefetch() over caller-derived keys; resolves to the chunks resident in L1. */
-  async prefetchKeys(keys: readonly ChunkKey[]): Promise<number> {
-    this.#open()
-    return this.#manager.prefetch(keys)
+  prefetchKeys(keys: readonly ChunkKey[]): Promise<number> {
+    return this.#op(() => this.#manager.prefetch(keys))
   }
 
   /** Brings the available prefix into L1 ahead of a retrieve. Resolves to the tokens now resident in L1. */
@@ -605,7 +603,7 @@ export class KVCache {
         lookup: this.#ops.lookup.summary(),
         retrieve: this.#ops.retrieve.summary(),
       },
-      retrieveTimeouts: this.#retrieveTimeouts,
+      retrieveTimeouts: this.#retrieveTimeouts + this.#manager.layerRetrieveTimeouts,
       retrievedTokens: this.#retrievedTokens,
       requestedTokens: this.#requestedTokens,
       keyMemo: { ...this.#memo.stats },
@@ -720,7 +718,7 @@ export class KVCache {
       },
       {
         name: 'retrieve_timeouts_total',
-        help: 'Retrieves cut short by their deadline (the rest of their chunks were misses).',
+        help: 'Retrieves (retrieve and retrieveLayers) cut short by their deadline (the rest of their chunks were misses).',
         type: 'counter',
         values: [{ value: s.retrieveTimeouts }],
       },

@@ -9,6 +9,8 @@ import type { RemoteTier } from './tiers/remote.ts'
 
 export class RemoteLayers {
   readonly #groups = new Map<number, Promise<Map<number, Uint8Array> | undefined>>()
+  /** Groups whose GET has ended (arrived or failed): their layers are had without waiting. */
+  readonly #ended = new Set<number>()
   readonly #reservation: MemoryReservation | undefined
   readonly #slab: number
   readonly #layers: number
@@ -38,12 +40,23 @@ export class RemoteLayers {
   /** Starts the GET of the layer group beginning at `first`. */
   request(first: number): void {
     const last = Math.min(this.#layers - 1, first + this.#per - 1)
-    this.#groups.set(first, this.#reader.layerGroup(this.#remote, this.#key, first, last))
+    const group = this.#reader.layerGroup(this.#remote, this.#key, first, last)
+    void group.finally(() => this.#ended.add(first)).catch(() => {})
+    this.#groups.set(first, group)
+  }
+
+  /** True when layer l's group has ended: layer(l) then answers without waiting on the gateway. */
+  ended(l: number): boolean {
+    return this.#ended.has(this.#groupOf(l))
+  }
+
+  #groupOf(l: number): number {
+    return Math.floor(l / this.#per) * this.#per
   }
 
   /** Layer l's slab (in the reservation when there is one), or undefined when its group failed. */
   async layer(l: number): Promise<Uint8Array | undefined> {
-    const group = await this.#groups.get(Math.floor(l / this.#per) * this.#per)
+    const group = await this.#groups.get(this.#groupOf(l))
     const slab = group?.get(l)
     if (!slab) return undefined
     const r = this.#reservation

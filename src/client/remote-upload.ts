@@ -21,7 +21,11 @@ export type UploadOutcome =
   | { kind: 'direct'; presignMinBytes: number | null }
   /** Stored (201) or already stored by someone (200): the gateway's answer, like a PUT's. */
   | { kind: 'stored'; status: 200 | 201; bytes: number; via: 'commit' | 'exists'; parts: number }
-  | { kind: 'failed'; reason: string; status?: number }
+  /**
+   * `by`: who failed. 'gateway': a request to it failed or was refused (the transport saw it);
+   * 'store': a part PUT to the presigned target; 'answer': the gateway's answer is not one of the protocol.
+   */
+  | { kind: 'failed'; reason: string; status?: number; by: 'gateway' | 'store' | 'answer' }
 
 export interface UploadChunkOptions {
   /** Gateway path of the namespace, e.g. `/v1/ns/prod` (a URL path prefix included). */
@@ -52,14 +56,19 @@ export async function uploadChunk(
     JSON.stringify({ key: hex, bytes: object.byteLength }),
     opts.timeoutMs,
   )
-  if (!opened) return { kind: 'failed', reason: 'upload request failed' }
+  if (!opened) return { kind: 'failed', reason: 'upload request failed', by: 'gateway' }
   // A gateway from before the protocol: it only knows PUT.
   if (opened.status === 404 || opened.status === 405) return { kind: 'direct', presignMinBytes: null }
   const answer = parseJson(opened.body) as
     | { mode?: unknown; presignMinBytes?: unknown; bytes?: unknown }
     | undefined
   if (opened.status !== 200 || !answer)
-    return { kind: 'failed', reason: `upload request answered ${opened.status}`, status: opened.status }
+    return {
+      kind: 'failed',
+      reason: `upload request answered ${opened.status}`,
+      status: opened.status,
+      by: 'gateway',
+    }
   if (answer.mode === 'direct') {
     const min = answer.presignMinBytes
     return { kind: 'direct', presignMinBytes: typeof min === 'number' && min >= 0 ? min : null }
@@ -69,7 +78,7 @@ export async function uploadChunk(
     return { kind: 'stored', status: 200, bytes, via: 'exists', parts: 0 }
   }
   const presigned = checkPresigned(answer, object.byteLength)
-  if (!presigned) return { kind: 'failed', reason: 'malformed upload answer' }
+  if (!presigned) return { kind: 'failed', reason: 'malformed upload answer', by: 'answer' }
 
   // Parts in order with a bounded number in flight; the first failure stops the rest.
   let next = 0
@@ -85,14 +94,14 @@ export async function uploadChunk(
   const lanes = Math.max(1, Math.min(opts.partConcurrency ?? 4, presigned.parts.length))
   await Promise.all(Array.from({ length: lanes }, worker))
   // Uncommitted staging is removed by the gateway's lifecycle rule; nothing is visible.
-  if (failure !== undefined) return { kind: 'failed', reason: failure }
+  if (failure !== undefined) return { kind: 'failed', reason: failure, by: 'store' }
 
   const committed = await t.gateway(
     `${opts.base}/uploads/${presigned.uploadId}/commit`,
     '{}',
     opts.commitTimeoutMs,
   )
-  if (!committed) return { kind: 'failed', reason: 'commit failed' }
+  if (!committed) return { kind: 'failed', reason: 'commit failed', by: 'gateway' }
   const result = parseJson(committed.body) as { status?: unknown; bytes?: unknown } | undefined
   if ((committed.status === 201 || committed.status === 200) && result) {
     const bytes = typeof result.bytes === 'number' ? result.bytes : object.byteLength
@@ -109,6 +118,7 @@ export async function uploadChunk(
     kind: 'failed',
     reason: `commit answered ${committed.status}${err ? ` ${err.code}: ${err.message}` : ''}`,
     status: committed.status,
+    by: 'gateway',
   }
 }
 
@@ -175,6 +185,8 @@ export interface TierUploaderOptions {
   retries: number
   /** Sends store PUTs (the tier's agent for store URLs: no bearer token). */
   agent: Dispatcher
+  /** Aborted when the tier closes: a store PUT still running ends then. */
+  signal?: AbortSignal
   /** The tier's gateway POST (auth, breaker, retries). */
   post(
     path: string,
@@ -198,7 +210,12 @@ export class TierUploader {
     }
   }
 
-  async put(hex: string, object: Uint8Array): Promise<{ status: number } | undefined | 'direct'> {
+  /**
+   * 'direct': PUT it as always. A gateway's answer ({status}) or undefined when a gateway
+   * request failed (counted by the tier's transport), 'lost' when the store or an answer
+   * that is not one of the protocol lost it (counted by nobody yet).
+   */
+  async put(hex: string, object: Uint8Array): Promise<{ status: number } | undefined | 'direct' | 'lost'> {
     if (!this.#policy.wants(object.byteLength)) return 'direct'
     const out = await uploadChunk(this.#transport, hex, object, {
       base: this.#o.base,
@@ -210,21 +227,27 @@ export class TierUploader {
       this.#policy.learn(out.presignMinBytes)
       return 'direct'
     }
-    if (out.kind === 'failed') return out.status === undefined ? undefined : { status: out.status }
+    if (out.kind === 'failed') {
+      if (out.by !== 'gateway') return 'lost'
+      return out.status === undefined ? undefined : { status: out.status }
+    }
     return { status: out.status }
   }
 
   async #storePut(url: string, bytes: Uint8Array, timeoutMs: number): Promise<number | undefined> {
     const u = new URL(url)
+    const closing = this.#o.signal
     for (let attempt = 0; ; attempt++) {
+      if (closing?.aborted) return undefined
       let status: number | undefined
       try {
+        const deadline = AbortSignal.timeout(timeoutMs)
         const r = await this.#o.agent.request({
           origin: u.origin,
           path: u.pathname + u.search,
           method: 'PUT',
           body: bytes,
-          signal: AbortSignal.timeout(timeoutMs),
+          signal: closing ? AbortSignal.any([deadline, closing]) : deadline,
         })
         await r.body.dump()
         status = r.statusCode

@@ -101,6 +101,8 @@ export class StorageManager {
   readonly codec: CodecPool
   readonly calibrations: CalibrationStore | undefined
   readonly retrieveDeadlineMs: number
+  /** retrieveLayers runs cut short by the deadline (a chunk or layer group still awaited then). */
+  layerRetrieveTimeouts = 0
   readonly #nsId: Uint8Array
   readonly #fetchConcurrency: number
   readonly #layersPerRequest: number
@@ -109,9 +111,12 @@ export class StorageManager {
   readonly #inflight = new Map<string, Promise<Placed | undefined>>()
   readonly #background = new Set<Promise<unknown>>()
   #closed = false
-  /** Resolves on close(): operations waiting on a slow tier stop waiting. */
-  readonly #closing: Promise<undefined>
-  #signalClosed!: () => void
+  /**
+   * Called on close(): operations waiting on a slow tier stop waiting. A set each Deadline
+   * leaves when cleared, not a promise raced against: a race against a promise pending for
+   * the cache's whole life kept every call's reaction (~2 KiB a retrieve) until close().
+   */
+  readonly #closing: CloseSignal
 
   constructor(opts: StorageManagerOptions) {
     this.geometry = opts.geometry
@@ -124,9 +129,7 @@ export class StorageManager {
     this.#fetchConcurrency = Math.max(1, opts.fetchConcurrency ?? 8)
     this.#layersPerRequest = Math.max(1, opts.layersPerRequest ?? Math.ceil(opts.geometry.layers / 4))
     this.retrieveDeadlineMs = opts.retrieveDeadlineMs ?? 10_000
-    this.#closing = new Promise<undefined>((r) => {
-      this.#signalClosed = () => r(undefined)
-    })
+    this.#closing = new CloseSignal()
     this.codec = opts.codec ?? new CodecPool()
     this.calibrations = opts.calibrations
     this.#reader = new ChunkReader({
@@ -272,6 +275,16 @@ export class StorageManager {
       } else break
     }
     return tiers
+  }
+
+  /** lookup() before the owner's try: a failure clears the deadline (its timer and close listener). */
+  async #lookupUnder(deadline: Deadline, keys: readonly ChunkKey[]): Promise<TierName[]> {
+    try {
+      return await this.lookup(keys)
+    } catch (e) {
+      deadline.clear()
+      throw e
+    }
   }
 
   /** The tiers of the leading chunks L1 or L2 hold (no gateway request). */
@@ -447,7 +460,7 @@ export class StorageManager {
     // still running land in L1 in the background.
     const deadline = new Deadline(this.retrieveDeadlineMs, this.#closing)
     const { expired } = deadline
-    const tiers = await this.lookup(keys)
+    const tiers = await this.#lookupUnder(deadline, keys)
     const ok = new Uint8Array(tiers.length)
     let next = 0
     const worker = async () => {
@@ -486,18 +499,24 @@ export class StorageManager {
    * every one of its layers arrived and verified; every reservation and pin is
    * settled in the generator's finally, also when the caller stops early: only
    * then are the slabs of earlier items invalid. A local chunk not pinned within
-   * retrieveDeadlineMs (a stuck L2 read) or by close() is a miss, like in retrieve().
+   * retrieveDeadlineMs (a stuck L2 read) or by close() is a miss, like in retrieve(); so is a
+   * remote layer group not arrived once this generator's waits for groups (not the caller's
+   * work between items) add up to the deadline (a stuck gateway), from that layer on.
    */
   async *retrieveLayers(keys: readonly ChunkKey[]): AsyncGenerator<LayerBatch> {
     const g = this.geometry
     // Past it (or at close()) no local chunk is waited for: the prefix pinned so far is served.
+    const started = performance.now()
     const deadline = new Deadline(this.retrieveDeadlineMs, this.#closing)
     const { expired } = deadline
-    const tiers = await this.lookup(keys)
+    // Set when the deadline (not close(), not a failure) ended a wait: counted once per run.
+    let cutShort = false
+    const tiers = await this.#lookupUnder(deadline, keys)
     const held: ChunkHandle[] = []
     const remoteChunks: RemoteLayers[] = []
-    // Per chunk: a function giving its slab for layer l (or undefined when it failed).
-    const sources: ((l: number) => Promise<Uint8Array | undefined>)[] = []
+    // Per chunk: a function giving its slab for layer l (or undefined when it failed), waiting
+    // for a remote layer group until `wait` expires.
+    const sources: ((l: number, wait: Deadline) => Promise<Uint8Array | undefined>)[] = []
     // Local chunks are pinned in order, with up to fetchConcurrency of them being read
     // ahead (L2 reads in flight at once, as retrieve does, not one chunk at a time).
     const local = (i: number) => tiers[i] !== 'remote' || this.memory.has(keys[i]!.hex)
@@ -522,6 +541,7 @@ export class StorageManager {
           ahead.delete(i)
           const h = await Promise.race([pending, expired])
           if (!h) {
+            if (deadline.timedOut) cutShort = true
             // A late arrival is released the moment it lands: nothing stays pinned.
             void pending.then(
               (late) => late?.release(),
@@ -546,7 +566,15 @@ export class StorageManager {
             this.tensorBytes(k),
           )
           remoteChunks.push(rl)
-          sources.push((l) => rl.layer(l))
+          // A layer group still on its way when the wait ends (the budget below is spent, or
+          // close()) is a miss: that chunk and the later ones drop out there. Groups that already
+          // arrived are still served.
+          sources.push(async (l, wait) => {
+            if (rl.ended(l)) return rl.layer(l)
+            const slab = await Promise.race([rl.layer(l), wait.expired])
+            if (slab === undefined && !rl.ended(l) && wait.timedOut) cutShort = true
+            return slab
+          })
         }
       }
       // Group-major order: every chunk's first layers are requested before anyone's
@@ -555,8 +583,27 @@ export class StorageManager {
         for (const rl of remoteChunks) rl.request(first)
       }
       let valid = sources.length
+      // What is left of the deadline for the layer groups: spent only while this waits for
+      // them, not while the caller works on a layer (a pipeline slower than the deadline but
+      // fed in time is not cut short; a stuck gateway is, once the waits add up to it).
+      let budget = Math.max(0, this.retrieveDeadlineMs - (performance.now() - started))
       for (let l = 0; l < g.layers; l++) {
-        const slabs = await Promise.all(sources.slice(0, valid).map((s) => s(l)))
+        // After close() L1 may be freed under the slabs: the next step fails typed, never
+        // with a TypeError from freed memory nor with a batch read from it.
+        this.#checkOpen()
+        let slabs: (Uint8Array | undefined)[]
+        const t0 = performance.now()
+        const wait = new Deadline(budget, this.#closing)
+        try {
+          slabs = await Promise.all(sources.slice(0, valid).map((s) => s(l, wait)))
+        } catch (e) {
+          this.#checkOpen()
+          throw e
+        } finally {
+          wait.clear()
+          budget = Math.max(0, budget - (performance.now() - t0))
+        }
+        this.#checkOpen()
         let n = 0
         while (n < slabs.length && slabs[n] !== undefined) n++
         valid = n
@@ -569,6 +616,7 @@ export class StorageManager {
       }
     } finally {
       deadline.clear()
+      if (cutShort) this.layerRetrieveTimeouts++
       for (const rl of remoteChunks) rl.settle()
       for (const h of held) h.release()
       // Chunks read ahead past a miss (or past the caller stopping): released as they land.
@@ -595,7 +643,7 @@ export class StorageManager {
   /** Refuses new work: operations in flight stop at their next step with ERR_CLOSED. */
   close(): void {
     this.#closed = true
-    this.#signalClosed()
+    this.#closing.fire()
   }
 
   /** Drops L2 writes still queued (after close's flush ran out of time), releasing what they held. */
@@ -608,30 +656,58 @@ function sleep(ms: number): Promise<void> {
   return new Promise((r) => setTimeout(r, ms).unref())
 }
 
+/** close() for the waits in flight: each subscribes and unsubscribes (nothing is kept once a wait is done). */
+class CloseSignal {
+  readonly #listeners = new Set<() => void>()
+  #fired = false
+
+  /** Calls `f` at fire() (now, if it fired already); returns the unsubscribe. */
+  subscribe(f: () => void): () => void {
+    if (this.#fired) {
+      f()
+      return () => {}
+    }
+    this.#listeners.add(f)
+    return () => this.#listeners.delete(f)
+  }
+
+  fire(): void {
+    this.#fired = true
+    for (const f of [...this.#listeners]) f()
+    this.#listeners.clear()
+  }
+}
+
 /**
- * A wait's end: `expired` resolves (undefined) at `ms` or when `closing` does, whichever
- * comes first; `passed` from then on, `timedOut` when it was the time. `clear()` stops the timer.
+ * A wait's end: `expired` resolves (undefined) at `ms` or at close(), whichever comes
+ * first; `passed` from then on, `timedOut` when it was the time. `clear()` stops the timer
+ * and leaves the close signal (every owner calls it in a `finally`).
  */
 class Deadline {
   readonly expired: Promise<undefined>
   passed = false
   timedOut = false
-  #timer: NodeJS.Timeout | undefined
+  readonly #timer: NodeJS.Timeout
+  readonly #leave: () => void
 
-  constructor(ms: number, closing: Promise<undefined>) {
-    const time = new Promise<undefined>((resolve) => {
-      this.#timer = setTimeout(() => {
-        this.timedOut = true
+  constructor(ms: number, closing: CloseSignal) {
+    let end!: () => void
+    this.expired = new Promise<undefined>((resolve) => {
+      end = () => {
+        this.passed = true
         resolve(undefined)
-      }, ms)
+      }
     })
-    this.expired = Promise.race([time, closing]).then(() => {
-      this.passed = true
-      return undefined
-    })
+    this.#timer = setTimeout(() => {
+      this.timedOut = true
+      this.#leave()
+      end()
+    }, ms)
+    this.#leave = closing.subscribe(end)
   }
 
   clear(): void {
     clearTimeout(this.#timer)
+    this.#leave()
   }
 }

@@ -49,12 +49,15 @@ export interface WriteBehindStats {
 export class HeldChunk {
   readonly key: ChunkKey
   readonly bytes: Uint8Array
+  /** A pin on the L1 chunk (no memory beyond L1), not a private copy. */
+  readonly pinned: boolean
   #refs = 1
   readonly #release: () => void
 
-  constructor(key: ChunkKey, bytes: Uint8Array, release: () => void) {
+  constructor(key: ChunkKey, bytes: Uint8Array, release: () => void, pinned = false) {
     this.key = key
     this.bytes = bytes
+    this.pinned = pinned
     this.#release = release
   }
 
@@ -113,10 +116,15 @@ export class WriteBehind {
   holdPinned(key: ChunkKey, pin: MemoryHandle): HeldChunk {
     const n = pin.bytes.byteLength
     this.#pinned += n
-    return new HeldChunk(key, pin.bytes, () => {
-      this.#pinned -= n
-      pin.release()
-    })
+    return new HeldChunk(
+      key,
+      pin.bytes,
+      () => {
+        this.#pinned -= n
+        pin.release()
+      },
+      true,
+    )
   }
 
   /** A private buffer for a chunk L1 could not take, or undefined (shed) past the budget. */
@@ -172,7 +180,9 @@ export class WriteBehind {
         }
         remote.enqueue({
           hex: c.key.hex,
-          bytesHint: c.bytes.byteLength,
+          // A pinned L1 chunk holds no memory beyond L1 while queued: it never fills the
+          // queue's byte bound (a prompt that fits L1 reaches L4 whole); a private copy does.
+          bytesHint: c.pinned ? 0 : c.bytes.byteLength,
           encode: () =>
             this.#o.codec.encode(
               this.#o.remoteCodec,

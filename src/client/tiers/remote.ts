@@ -36,7 +36,7 @@ export interface RemoteTierOptions {
    * limits memory; a healthy gateway must not be shed at the normal rate of stores. @default 4096
    */
   maxQueuedWrites?: number
-  /** Write-behind queue bound in bytes (estimated). @default 512 MiB */
+  /** Write-behind queue bound in bytes held beyond L1 (private copies; pinned L1 chunks cost none). @default 512 MiB */
   maxQueuedBytes?: number
   /** Concurrent background PUTs, on their own connections (uploads never delay lookups or GETs). @default 8 */
   writeConcurrency?: number
@@ -61,7 +61,7 @@ export interface RemoteTierContext {
 /** A background upload: `encode` runs when a writer picks the job up; `done` always runs once. */
 export interface RemoteWriteJob {
   hex: string
-  /** Bytes the job holds while queued (for the byte bound). */
+  /** Bytes the job holds beyond L1 while queued (for the byte bound): 0 for a pinned L1 chunk. */
   bytesHint: number
   encode: () => Promise<Uint8Array | undefined>
   done: () => void
@@ -267,6 +267,12 @@ export class RemoteTier {
   #queuedBytes = 0
   #writers = 0
   #closed = false
+  /**
+   * Aborted by close(): every request still running ends then. The pools close gracefully
+   * (they wait for their requests), so without it a stuck gateway held close() for a whole
+   * request deadline (60 s for an upload's commit).
+   */
+  readonly #closing = new AbortController()
   #shed = 0
   readonly #shedBy = { breaker: 0, queueFull: 0, closed: 0 }
   #shedUnwarned = 0
@@ -329,6 +335,7 @@ export class RemoteTier {
       timeoutMs: this.#timeoutMs,
       retries: this.#retries,
       agent: this.#uploadAgent,
+      signal: this.#closing.signal,
       post: (path, body, timeoutMs) =>
         this.#request('POST', path, {
           body,
@@ -370,6 +377,8 @@ export class RemoteTier {
   async #probe(): Promise<boolean> {
     const ac = new AbortController()
     const t = setTimeout(() => ac.abort(), Math.min(this.#timeoutMs, 2000))
+    const onClose = () => ac.abort()
+    this.#closing.signal.addEventListener('abort', onClose, { once: true })
     try {
       const r = await this.#pool.request({
         origin: this.#origin,
@@ -383,6 +392,7 @@ export class RemoteTier {
       return false
     } finally {
       clearTimeout(t)
+      this.#closing.signal.removeEventListener('abort', onClose)
     }
   }
 
@@ -483,6 +493,7 @@ export class RemoteTier {
     }, opts.timeoutMs)
     const onCallerAbort = () => ac.abort()
     opts.signal?.addEventListener('abort', onCallerAbort, { once: true })
+    this.#closing.signal.addEventListener('abort', onCallerAbort, { once: true })
     try {
       for (let attempt = 0; ; attempt++) {
         if (!this.breaker.allow()) return undefined
@@ -496,6 +507,8 @@ export class RemoteTier {
           if ((r.status === 401 || r.status === 403) && !opts.quietAuth && !r.redirected) this.#authFailure(r)
           return r
         } catch (e) {
+          // Ended by close(): not the gateway's failure.
+          if (this.#closed) return undefined
           if (timedOut) {
             this.counters.errors++
             this.#timedOut(opts)
@@ -523,6 +536,7 @@ export class RemoteTier {
     } finally {
       clearTimeout(timer)
       opts.signal?.removeEventListener('abort', onCallerAbort)
+      this.#closing.signal.removeEventListener('abort', onCallerAbort)
     }
   }
 
@@ -777,6 +791,11 @@ export class RemoteTier {
   async put(hex: string, object: Uint8Array): Promise<boolean> {
     const t0 = performance.now()
     const up = await this.#uploader.put(hex, object)
+    if (up === 'lost') {
+      // A part the store refused, or an upload answer that is not one: nobody counted it yet.
+      if (!this.#closed) this.counters.errors++
+      return false
+    }
     const r =
       up !== 'direct'
         ? up
@@ -865,7 +884,8 @@ export class RemoteTier {
         return
       }
       const object = await job.encode()
-      if (object) await this.put(job.hex, object)
+      // An upload close() ended (or found closed) is dropped like a queued one: counted.
+      if (object && !(await this.put(job.hex, object)) && this.#closed) this.#shedOne('closed')
     } catch {
       this.counters.errors++
     } finally {
@@ -914,7 +934,7 @@ export class RemoteTier {
     }
   }
 
-  /** Drops queued (not started) uploads, then closes connections. */
+  /** Drops queued (not started) uploads, ends the requests still running, then closes connections. */
   async close(flushMs = 5000): Promise<void> {
     await this.flush(flushMs)
     this.#closed = true
@@ -923,6 +943,7 @@ export class RemoteTier {
       this.#shedOne('closed')
       job.done()
     }
+    this.#closing.abort()
     this.breaker.dispose()
     this.#presence.clear()
     await Promise.allSettled([
