@@ -215,6 +215,9 @@ class KVGateConnector(KVConnectorBase_V1):
         self._worker_generation = -1
         self._layer_index: Dict[str, int] = {}
         self._loads: List[_LoadState] = []
+        # When this step's loads must have landed: one load_timeout_ms for the whole step
+        # (every layer's wait and the final one), not one per layer and per load.
+        self._load_deadline = 0.0
         self._saves: Dict[str, Future] = {}
         self._saves_done: Set[str] = set()
         self._finished_seen: Set[str] = set()
@@ -397,6 +400,8 @@ class KVGateConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         ready = self._worker_ready()
+        if meta.loads and not self._loads:
+            self._load_deadline = time.monotonic() + self._settings["loadTimeoutS"]
         for spec in meta.loads:
             if not ready:
                 self._load_errors.update(spec.block_ids[spec.skip_blocks :])
@@ -428,9 +433,8 @@ class KVGateConnector(KVConnectorBase_V1):
         idx = self._layer_index.get(layer_name)
         if idx is None or not self._loads:
             return
-        deadline = time.monotonic() + self._settings["loadTimeoutS"]
         for st in self._loads:
-            st.wait_layer(idx + 1, deadline)
+            st.wait_layer(idx + 1, self._load_deadline)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         # Saves happen once per finished request (request_finished), from the blocks vLLM keeps for us.
@@ -441,7 +445,7 @@ class KVGateConnector(KVConnectorBase_V1):
         for st in loads:
             want = st.spec.block_ids[st.spec.skip_blocks :]
             try:
-                ans = st.future.result(timeout=self._settings["loadTimeoutS"])
+                ans = st.future.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
                 self._load_errors.update(int(b) for b in ans.get("failedBlocks", []))
             except Exception:
                 self._load_errors.update(want)

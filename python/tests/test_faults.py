@@ -1,0 +1,192 @@
+"""KVGateConnector against a scripted fake agent that misbehaves: it stalls, answers garbage,
+refuses after a restart, or stops reading. Whatever it does, vLLM's scheduler and workers get
+an answer within their deadlines (0 matched tokens, blocks reported as load errors), never an
+exception and never a hang; and nothing is saved that vLLM has not computed."""
+
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+
+from harness import EngineSpec, FakeBlocks, make_request, vllm_config
+from kvgate_vllm import KVGateConnector, shm
+from kvgate_vllm._vllm import KVConnectorRole
+from kvgate_vllm.connector import KVGateMetadata, LoadSpec
+
+CHUNK = 32  # tokens: 2 blocks of 16
+HELLO_OK = {"ok": True, "protocol": 1, "chunkTokens": CHUNK, "blocksPerChunk": 2}
+
+
+def frame(msg) -> bytes:
+    body = msgpack.packb(msg, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+class ScriptedAgent:
+    """A fake agent: `script(agent, conn, req, n)` answers each request (n: which connection, from 0)
+    with `agent.send(conn, {...})`, or returns a map to send with the request's id."""
+
+    def __init__(self, script, read=True):
+        self.dir = tempfile.mkdtemp(prefix="kvgate-faults-")
+        self.path = os.path.join(self.dir, "agent.sock")
+        self.script = script
+        self.read = read
+        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.srv.bind(self.path)
+        self.srv.listen(8)
+        self.conns = []
+        self.requests = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def send(self, conn, msg) -> None:
+        with self.lock:
+            conn.sendall(frame(msg))
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn, len(self.conns) - 1), daemon=True).start()
+
+    def _serve(self, conn, n):
+        buf = b""
+        try:
+            while True:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                buf += chunk
+                while len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]:
+                    size = struct.unpack(">I", buf[:4])[0]
+                    req = msgpack.unpackb(buf[4 : 4 + size], raw=False)
+                    buf = buf[4 + size :]
+                    self.requests.append((n, req["op"]))
+                    out = self.script(self, conn, req, n)
+                    if out is not None:
+                        self.send(conn, {"id": req["id"], **out})
+                    if not self.read and req["op"] == "hello":
+                        # Stalled after hello: never reads again (its socket buffer fills).
+                        threading.Event().wait()
+        except OSError:
+            return
+
+    def drop_all(self):
+        for c in list(self.conns):
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self):
+        self.srv.close()
+        self.drop_all()
+
+
+def well_behaved(agent, conn, req, n):
+    op = req["op"]
+    if op == "hello":
+        return HELLO_OK
+    if op == "register":
+        return {"ok": True, "worker": 1, "chunkTokens": CHUNK, "blocksPerChunk": 2, "device": None}
+    if op == "lookup":
+        return {"ok": True, "chunks": len(req["keys"]) // 32, "tokens": 0, "source": "all"}
+    return None
+
+
+def spec_for(agent, **kw) -> EngineSpec:
+    return EngineSpec(socket=agent.path, model="test/faults", **kw)
+
+
+def config(agent, load_timeout_ms=20000, lookup_timeout_ms=10000, **kw):
+    cfg = vllm_config(spec_for(agent, **kw))
+    cfg.kv_transfer_config.kv_connector_extra_config.update(
+        load_timeout_ms=load_timeout_ms, lookup_timeout_ms=lookup_timeout_ms
+    )
+    return cfg
+
+
+def scheduler(agent, **kw) -> KVGateConnector:
+    c = KVGateConnector(config(agent, **kw), KVConnectorRole.SCHEDULER)
+    c._client._reconnect_interval = 0
+    return c
+
+
+def worker(agent, layers=3, **kw):
+    spec = spec_for(agent, layers=layers)
+    caches = {f"l{i}": shm.shm_tensor([2, spec.num_blocks, 16, spec.kv_heads, spec.head_size], __import__("torch").float16) for i in range(layers)}
+    c = KVGateConnector(config(agent, layers=layers, **kw), KVConnectorRole.WORKER)
+    c._client._reconnect_interval = 0
+    c.register_kv_caches(caches)
+    return c, caches
+
+
+def drop_caches(caches):
+    for t in caches.values():
+        shm.unlink(t)
+
+
+def lookup(conn, req, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        n, is_async = conn.get_num_new_matched_tokens(req, 0)
+        if n is not None:
+            return n
+        assert time.monotonic() < deadline, "lookup never answered"
+        time.sleep(0.005)
+
+
+PROMPT = [(i * 7919 + 13) % 32000 for i in range(100)]
+
+
+def run_load(c, names, spec: LoadSpec):
+    c.bind_connector_metadata(KVGateMetadata(loads=[spec]))
+    c.start_load_kv(None)
+    for n in names:
+        c.wait_for_layer_load(n)
+    c.wait_for_save()
+    c.get_finished(set())
+    errors = c.get_block_ids_with_load_errors()
+    c.clear_connector_metadata()
+    return errors
+
+
+def load_spec(chunks=2):
+    req = make_request("r", PROMPT, 16)
+    keys = [req.block_hashes[(i + 1) * 2 - 1] for i in range(chunks)]
+    return LoadSpec("r", keys, list(range(10, 10 + 2 * chunks)), 0)
+
+
+# ---------------------------------------------------------------------------- deadlines
+
+
+def test_a_stalled_load_costs_one_load_timeout_per_step_not_one_per_layer():
+    """The agent takes the load and never answers: the forward pass waits at most
+    load_timeout_ms in all (not per layer, then once more per load), and every block is an error."""
+
+    def stall(agent, conn, req, n):
+        return None if req["op"] == "load" else well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(stall)
+    c, caches = worker(agent, layers=8, load_timeout_ms=250)
+    try:
+        assert c._worker_ready()
+        t0 = time.monotonic()
+        errors = run_load(c, list(caches), load_spec())
+        took = time.monotonic() - t0
+        assert errors == set(range(10, 14))
+        # One timeout is 0.25 s; per layer and per load it was 8 x 0.25 + 0.25 = 2.25 s.
+        assert took < 1.2, took
+    finally:
+        c.shutdown()
+        drop_caches(caches)
+        agent.close()
