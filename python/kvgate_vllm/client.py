@@ -28,6 +28,9 @@ import msgpack
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+# A send that makes no progress this long means an agent that stopped reading (stalled, not
+# dead): the connection is dropped (its requests fail) rather than blocking vLLM's thread.
+SEND_TIMEOUT_S = 5.0
 
 
 class AgentError(Exception):
@@ -56,12 +59,14 @@ class AgentClient:
         on_connect: Optional[Callable[["AgentClient"], None]] = None,
         connect_timeout: float = 1.0,
         reconnect_interval: float = 1.0,
+        send_timeout: float = SEND_TIMEOUT_S,
     ):
         self.path = path
         self._hello = hello
         self._on_connect = on_connect
         self._connect_timeout = connect_timeout
         self._reconnect_interval = reconnect_interval
+        self._send_timeout = send_timeout
         self._lock = threading.Lock()
         # Separate from _lock: a blocked send must never stall the reader that drains answers.
         self._send_lock = threading.Lock()
@@ -111,6 +116,14 @@ class AgentClient:
                 s.settimeout(self._connect_timeout)
                 s.connect(self.path)
                 s.settimeout(None)
+                # On the kernel's send only (recv stays blocking: a load may take long): a full
+                # socket buffer that does not drain within it fails sendall with EAGAIN.
+                sec = int(self._send_timeout)
+                s.setsockopt(
+                    socket.SOL_SOCKET,
+                    socket.SO_SNDTIMEO,
+                    struct.pack("ll", sec, int((self._send_timeout - sec) * 1_000_000)),
+                )
             except OSError as e:
                 self.last_error = f"cannot reach the kvgate agent at {self.path}: {e}"
                 return False
@@ -208,7 +221,8 @@ class AgentClient:
         try:
             with self._send_lock:
                 s.sendall(struct.pack(">I", len(body)) + body)
-        except OSError:
+        except OSError as e:  # also SO_SNDTIMEO's EAGAIN: part of a frame may be sent, so the stream is lost
+            self.last_error = f"cannot send to the kvgate agent: {e}"
             self._drop(s)
             return f
         if not wait_here:

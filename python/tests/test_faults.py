@@ -190,3 +190,36 @@ def test_a_stalled_load_costs_one_load_timeout_per_step_not_one_per_layer():
         c.shutdown()
         drop_caches(caches)
         agent.close()
+
+
+def test_an_agent_that_stops_reading_never_blocks_the_scheduler():
+    """A stalled agent (alive, socket open, not reading): lookups fill its socket buffer.
+    The scheduler's sends must give up (the connection is dropped), not block vLLM forever."""
+    agent = ScriptedAgent(well_behaved, read=False)
+    c = scheduler(agent, lookup_timeout_ms=50)
+    done = threading.Event()
+    errors = []
+
+    def go():
+        try:
+            for i in range(400):
+                # 4096 blocks of 16 = 2048 chunk keys: 64 KiB a lookup.
+                toks = [(i * 1000003 + j) % 32000 for j in range(16 * 4096)]
+                req = make_request(f"r{i}", toks, 16)
+                assert lookup(c, req) == 0
+                if not c._client.connected:
+                    break
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    try:
+        assert done.wait(30), "the scheduler blocked in a send to a stalled agent"
+        assert errors == []
+        assert not c._client.connected
+    finally:
+        c.shutdown()
+        agent.close()
