@@ -14,6 +14,7 @@ is reading, so it never sits in recv() where a caller would want to be.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -26,11 +27,17 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import msgpack
 
+log = logging.getLogger("kvgate_vllm")
+
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 # A send that makes no progress this long means an agent that stopped reading (stalled, not
 # dead): the connection is dropped (its requests fail) rather than blocking vLLM's thread.
 SEND_TIMEOUT_S = 5.0
+
+
+# Answers to hello or register that no retry on this connection changes.
+REFUSALS = ("ERR_PROTOCOL_VERSION", "ERR_MODEL_MISMATCH", "ERR_GEOMETRY_MISMATCH", "ERR_LAYOUT")
 
 
 class AgentError(Exception):
@@ -99,8 +106,12 @@ class AgentClient:
         """Bumped on every successful connect: registrations belong to one generation."""
         return self._generation
 
-    def ensure(self) -> bool:
-        """Connected (dialing again at most once per reconnect_interval); never raises."""
+    def ensure(self, raise_refusal: bool = False) -> bool:
+        """Connected (dialing again at most once per reconnect_interval). Never raises, except
+        with `raise_refusal` (at the engine's start) for an agent that refuses this engine
+        (protocol version, model, geometry, layout): later, from vLLM's scheduler or worker
+        loop, such a refusal (an agent restarted with other settings) or a malformed answer
+        to hello or register is logged and means no agent, as a dead one does."""
         s = self._sock
         if s is not None and not self._closed_while_idle(s):
             return True
@@ -137,12 +148,16 @@ class AgentClient:
             self.hello_answer = self.call("hello", dict(self._hello), timeout=5.0)
             if self._on_connect is not None:
                 self._on_connect(self)
-        except AgentError as e:
-            if e.code in ("ERR_PROTOCOL_VERSION", "ERR_MODEL_MISMATCH", "ERR_GEOMETRY_MISMATCH", "ERR_LAYOUT"):
-                self.close()
-                raise
-            self.last_error = str(e)
+        except Exception as e:  # AgentError, or a malformed answer the callback could not use
+            self.hello_answer = None
             self._drop(s)
+            refused = isinstance(e, AgentError) and e.code in REFUSALS
+            if refused and raise_refusal:
+                raise
+            msg = f"the kvgate agent at {self.path} {'refused this engine' if refused else 'failed'}: {e}"
+            if msg != self.last_error:
+                log.warning("%s; running without kvgate until it accepts", msg)
+            self.last_error = msg
             return False
         return self._sock is not None
 

@@ -222,14 +222,25 @@ class KVGateConnector(KVConnectorBase_V1):
         self._saves_done: Set[str] = set()
         self._finished_seen: Set[str] = set()
         self._load_errors: Set[int] = set()
-        self._client.ensure()
+        # At start an agent that refuses this engine fails it with the agent's message; later
+        # (an agent restarted with other settings) it means running without kvgate.
+        self._client.ensure(raise_refusal=True)
 
     # ------------------------------------------------------------------ shared
 
     def _on_connect(self, client: AgentClient) -> None:
+        # Checked before anything uses it: chunk keys are cut by this size.
+        ct = (client.hello_answer or {}).get("chunkTokens")
+        if type(ct) is not int or ct <= 0 or ct % self._block_size != 0:
+            raise AgentError(
+                "ERR_BAD_ANSWER", f"hello answered chunkTokens {ct!r}: not a multiple of {self._block_size}"
+            )
         if self._register_msg is not None:
             ans = client.call("register", self._register_msg, timeout=10.0)
-            self._worker_id = int(ans["worker"])
+            worker = ans.get("worker")
+            if type(worker) is not int:
+                raise AgentError("ERR_BAD_ANSWER", f"register answered worker {worker!r}")
+            self._worker_id = worker
             self._worker_generation = client.generation
             # The agent's ordinal of this rank's GPU (None for host tensors): where it maps and copies.
             self.agent_device = ans.get("device")
@@ -388,7 +399,7 @@ class KVGateConnector(KVConnectorBase_V1):
                 log.warning("kvgate: register failed: %s", e)
                 self._client.close()
         else:
-            self._client.ensure()
+            self._client.ensure(raise_refusal=True)
 
     def _worker_ready(self) -> bool:
         if not self._client.ensure():

@@ -223,3 +223,85 @@ def test_an_agent_that_stops_reading_never_blocks_the_scheduler():
     finally:
         c.shutdown()
         agent.close()
+
+
+# ---------------------------------------------------------------------------- refusals after start
+
+
+def test_a_restarted_agent_that_refuses_this_engine_means_no_kvgate_not_a_crash():
+    """Started fine, then the agent comes back speaking another protocol version (or for
+    another model, or refusing the layout): every later call answers 0 / load errors."""
+
+    def restarted(agent, conn, req, n):
+        if not getattr(agent, "restarted", False):
+            return well_behaved(agent, conn, req, n)
+        if req["op"] == "hello":
+            code = ["ERR_PROTOCOL_VERSION", "ERR_MODEL_MISMATCH"][n % 2]
+            return {"ok": False, "error": {"code": code, "message": "refused"}}
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(restarted)
+    s = scheduler(agent)
+    w, caches = worker(agent)
+    try:
+        assert s._client.connected and w._worker_ready()
+        agent.restarted = True
+        agent.drop_all()
+        time.sleep(0.1)
+        for i in range(4):
+            assert lookup(s, make_request(f"x{i}", PROMPT, 16)) == 0
+            assert run_load(w, list(caches), load_spec()) == set(range(10, 14))
+            assert s.request_finished(make_request(f"x{i}", PROMPT, 16), list(range(8))) == (False, None)
+    finally:
+        s.shutdown()
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def test_a_register_refused_after_a_restart_means_load_errors_not_a_crash():
+    def layout_refused(agent, conn, req, n):
+        if getattr(agent, "restarted", False) and req["op"] == "register":
+            return {"ok": False, "error": {"code": "ERR_LAYOUT", "message": "refused"}}
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(layout_refused)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        agent.restarted = True
+        agent.drop_all()
+        time.sleep(0.1)
+        for _ in range(3):
+            assert run_load(w, list(caches), load_spec()) == set(range(10, 14))
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+# ---------------------------------------------------------------------------- garbage answers
+
+
+@pytest.mark.parametrize(
+    "hello",
+    [
+        {"ok": True},  # no chunkTokens
+        {"ok": True, "chunkTokens": "32"},
+        {"ok": True, "chunkTokens": 24},  # not a whole number of 16-token blocks
+        {"ok": True, "chunkTokens": -32},
+        {"ok": True, "chunkTokens": 0},
+    ],
+)
+def test_a_garbage_hello_answer_is_no_agent(hello):
+    def script(agent, conn, req, n):
+        return hello if req["op"] == "hello" else well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    s = scheduler(agent)
+    try:
+        assert lookup(s, make_request("r", PROMPT, 16)) == 0
+        assert s.request_finished(make_request("r", PROMPT, 16), list(range(8))) == (False, None)
+    finally:
+        s.shutdown()
+        agent.close()
