@@ -203,7 +203,8 @@ class KVGateConnector(KVConnectorBase_V1):
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         self._client = AgentClient(s["socket"], self._hello, on_connect=self._on_connect)
         # scheduler state
-        self._lookups: Dict[str, Tuple[Future, float]] = {}
+        # request id -> (the lookup's answer, when it was sent, how many chunk keys it asked)
+        self._lookups: Dict[str, Tuple[Future, float, int]] = {}
         self._hits: Dict[str, int] = {}
         self._computed: Dict[str, int] = {}
         self._pending_loads: List[LoadSpec] = []
@@ -289,7 +290,7 @@ class KVGateConnector(KVConnectorBase_V1):
                 return 0, False
             # Waited on at once: this thread reads the answer itself when nothing else is in flight.
             f = self._client.request("lookup", {"keys": _packed(keys)}, wait_here=True)
-            st = (f, time.monotonic())
+            st = (f, time.monotonic(), len(keys))
             self._lookups[rid] = st
             try:
                 f.result(timeout=self._settings["lookupWaitS"])
@@ -297,16 +298,18 @@ class KVGateConnector(KVConnectorBase_V1):
                 pass
             except Exception:  # still pending: the scheduler asks again next step
                 return None, False
-        f, t0 = st
+        f, t0, asked = st
         if not f.done():
             if time.monotonic() - t0 < self._settings["lookupTimeoutS"]:
                 return None, False
             chunks = 0
         else:
             try:
-                chunks = int(f.result()["chunks"])
+                chunks = f.result().get("chunks")
             except AgentError:
                 chunks = 0
+            if type(chunks) is not int or not 0 <= chunks <= asked:
+                chunks = 0  # a malformed answer is a miss, never tokens vLLM would skip computing
         self._hits[rid] = chunks
         ct = self._chunk_tokens or 0
         tokens = chunks * ct
@@ -457,7 +460,12 @@ class KVGateConnector(KVConnectorBase_V1):
             want = st.spec.block_ids[st.spec.skip_blocks :]
             try:
                 ans = st.future.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
-                self._load_errors.update(int(b) for b in ans.get("failedBlocks", []))
+                failed = ans.get("failedBlocks")
+                # Blocks not named are taken as filled: only a well-formed list may say so.
+                if not isinstance(failed, list) or any(type(b) is not int for b in failed):
+                    raise ValueError(f"load answered failedBlocks {failed!r}")
+                mine = set(want)
+                self._load_errors.update(b for b in failed if b in mine)
             except Exception:
                 self._load_errors.update(want)
 

@@ -305,3 +305,70 @@ def test_a_garbage_hello_answer_is_no_agent(hello):
     finally:
         s.shutdown()
         agent.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"ok": True},
+        {"ok": True, "chunks": "3"},
+        {"ok": True, "chunks": None},
+        {"ok": True, "chunks": 3.5},
+        {"ok": True, "chunks": -1},
+        {"ok": True, "chunks": 99},  # more chunks than were asked
+        {"ok": True, "chunks": True},
+    ],
+)
+def test_a_garbage_lookup_answer_is_a_miss(answer):
+    def script(agent, conn, req, n):
+        return answer if req["op"] == "lookup" else well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    s = scheduler(agent)
+    try:
+        assert lookup(s, make_request("r", PROMPT, 16)) == 0
+    finally:
+        s.shutdown()
+        agent.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"ok": True},  # no failedBlocks: nothing says the blocks were filled
+        {"ok": True, "failedBlocks": "none"},
+        {"ok": True, "failedBlocks": [10, "x"]},
+        {"ok": True, "failedBlocks": None},
+        {"ok": True, "failedBlocks": [10.5]},
+    ],
+)
+def test_a_garbage_load_answer_reports_every_block(answer):
+    def script(agent, conn, req, n):
+        return answer if req["op"] == "load" else well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        assert run_load(w, list(caches), load_spec()) == set(range(10, 14))
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def test_a_load_answer_naming_other_blocks_reports_only_the_loads_blocks():
+    def script(agent, conn, req, n):
+        if req["op"] == "load":
+            return {"ok": True, "chunks": 1, "failedBlocks": [12, 13, 999, 0], "error": None}
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        assert run_load(w, list(caches), load_spec()) == {12, 13}
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
