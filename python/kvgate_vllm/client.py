@@ -282,7 +282,8 @@ class AgentClient:
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def _read_some(self, s: socket.socket) -> bool:
-        """One recv and the frames it completes dispatched; False (connection dropped) on EOF or a bad frame."""
+        """One recv and the frames it completes dispatched; False (connection dropped) on EOF or a bad
+        frame. Nothing the agent sends raises out of here: this runs on vLLM's threads."""
         try:
             chunk = s.recv(1 << 20)
             if not chunk:
@@ -301,7 +302,7 @@ class AgentClient:
                 del buf[: 4 + n]
                 self._dispatch(msg)
             return True
-        except (EOFError, OSError, ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.UnpackException):
+        except Exception:  # EOF, a bad frame, or a frame whose fields cannot be dispatched (an unhashable id)
             self._drop(s)
             return False
 

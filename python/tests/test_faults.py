@@ -372,3 +372,34 @@ def test_a_load_answer_naming_other_blocks_reports_only_the_loads_blocks():
         w.shutdown()
         drop_caches(caches)
         agent.close()
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"event": "load-progress", "id": [1], "layers": 1},  # an unhashable id
+        {"event": "load-progress", "id": {"a": 1}, "layers": 1},
+        {"event": "load-progress", "layers": "x"},  # id filled in below: a garbage field
+        {"id": [1], "ok": True},  # an answer with an unhashable id
+    ],
+)
+def test_garbage_frames_drop_the_connection_and_the_load_is_reported(event):
+    def script(agent, conn, req, n):
+        if req["op"] == "load":
+            ev = dict(event)
+            ev.setdefault("id", req["id"])
+            agent.send(conn, ev)
+            return None  # the load's answer never comes
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    w, caches = worker(agent, load_timeout_ms=5000)
+    try:
+        assert w._worker_ready()
+        t0 = time.monotonic()
+        assert run_load(w, list(caches), load_spec()) == set(range(10, 14))
+        assert time.monotonic() - t0 < 4, "the garbage frame did not end the load"
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
