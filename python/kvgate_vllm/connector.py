@@ -349,7 +349,13 @@ class KVGateConnector(KVConnectorBase_V1):
         if not bpc or not self._client.ensure():
             return False, None
         keys = self._chunk_keys(request, bpc)
-        n = min(len(keys), len(block_ids) // bpc)
+        # Only chunks whose every token's KV vLLM computed: a request ends with a sampled token
+        # that never went through the model, so when it completes a chunk (its block has a hash)
+        # that chunk's last slot holds whatever the block held before. (vLLM's own prefix cache
+        # caches by num_computed_tokens likewise; a request without it saves nothing.)
+        computed = getattr(request, "num_computed_tokens", 0)
+        computed = computed if type(computed) is int else 0
+        n = min(len(keys), len(block_ids) // bpc, computed // (bpc * self._block_size))
         if n <= first:
             return False, None
         self._pending_saves.append(SaveSpec(rid, keys[:n], list(block_ids[: n * bpc]), first))

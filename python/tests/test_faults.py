@@ -403,3 +403,34 @@ def test_garbage_frames_drop_the_connection_and_the_load_is_reported(event):
         w.shutdown()
         drop_caches(caches)
         agent.close()
+
+
+# ---------------------------------------------------------------------------- saves
+
+
+def test_request_finished_saves_only_chunks_whose_kv_vllm_computed():
+    """A request ends when its last token is sampled; that token's KV is never computed. When it
+    completes a chunk, that chunk's last slot holds whatever the block held before: not stored."""
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        toks = PROMPT[:64]  # 2 chunks of 32
+        req = make_request("r", toks, 16)
+        req.num_computed_tokens = 63  # the 64th token was sampled, not computed
+        delay, _ = s.request_finished(req, list(range(4)))
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={"r"}))
+        saved = [len(sp.keys) for sp in meta.saves]
+        assert delay is True and saved == [1], saved
+        # Every token computed: both chunks.
+        req2 = make_request("r2", toks, 16)
+        req2.num_computed_tokens = 64
+        assert s.request_finished(req2, list(range(4)))[0] is True
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={"r2"}))
+        assert [len(sp.keys) for sp in meta.saves] == [2]
+        # No full chunk computed: nothing held back.
+        req3 = make_request("r3", toks, 16)
+        req3.num_computed_tokens = 31
+        assert s.request_finished(req3, list(range(4))) == (False, None)
+    finally:
+        s.shutdown()
+        agent.close()
