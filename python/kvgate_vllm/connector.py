@@ -115,6 +115,13 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
             )
         dtype = _FP8_CACHE_DTYPES[dtype]
     world = int(getattr(par, "tensor_parallel_size", 1))
+    if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1:
+        # Each stage holds other layers but would register and store them under the same chunk
+        # keys (the namespace has the TP shard, not the stage): one stage would load another's KV.
+        raise ConfigurationError(
+            "KVGateConnector does not support pipeline parallelism (--pipeline-parallel-size > 1): "
+            "its stages would share chunk keys for different layers"
+        )
     return {
         "model": str(getattr(model, "served_model_name", None) or model.model),
         "socket": extra.get("socket") or default_socket_path(),
@@ -230,8 +237,17 @@ class KVGateConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ shared
 
     def _on_connect(self, client: AgentClient) -> None:
+        answer = client.hello_answer or {}
+        proto = answer.get("protocol")
+        if type(proto) is not int:
+            raise AgentError("ERR_BAD_ANSWER", f"hello answered protocol {proto!r}")
+        if proto != PROTOCOL_VERSION:  # a refusal: the engine fails at start, later runs without kvgate
+            raise AgentError(
+                "ERR_PROTOCOL_VERSION",
+                f"the agent answered hello for protocol {proto}; this connector speaks {PROTOCOL_VERSION}",
+            )
         # Checked before anything uses it: chunk keys are cut by this size.
-        ct = (client.hello_answer or {}).get("chunkTokens")
+        ct = answer.get("chunkTokens")
         if type(ct) is not int or ct <= 0 or ct % self._block_size != 0:
             raise AgentError(
                 "ERR_BAD_ANSWER", f"hello answered chunkTokens {ct!r}: not a multiple of {self._block_size}"

@@ -286,11 +286,13 @@ def test_a_register_refused_after_a_restart_means_load_errors_not_a_crash():
 @pytest.mark.parametrize(
     "hello",
     [
-        {"ok": True},  # no chunkTokens
-        {"ok": True, "chunkTokens": "32"},
-        {"ok": True, "chunkTokens": 24},  # not a whole number of 16-token blocks
-        {"ok": True, "chunkTokens": -32},
-        {"ok": True, "chunkTokens": 0},
+        {"ok": True},  # no protocol, no chunkTokens
+        {"ok": True, "protocol": "1", "chunkTokens": 32},
+        {"ok": True, "protocol": 1},  # no chunkTokens
+        {"ok": True, "protocol": 1, "chunkTokens": "32"},
+        {"ok": True, "protocol": 1, "chunkTokens": 24},  # not a whole number of 16-token blocks
+        {"ok": True, "protocol": 1, "chunkTokens": -32},
+        {"ok": True, "protocol": 1, "chunkTokens": 0},
     ],
 )
 def test_a_garbage_hello_answer_is_no_agent(hello):
@@ -433,4 +435,34 @@ def test_request_finished_saves_only_chunks_whose_kv_vllm_computed():
         assert s.request_finished(req3, list(range(4))) == (False, None)
     finally:
         s.shutdown()
+        agent.close()
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+def test_pipeline_parallelism_is_refused_at_start(tmp_path):
+    """Every PP stage registers its own layers under the same keys (the namespace has the TP
+    rank, not the stage): stage 1 would load stage 0's KV. Refused with a message, not served."""
+    from kvgate_vllm import ConfigurationError, engine_settings
+
+    cfg = vllm_config(EngineSpec(socket=str(tmp_path / "x.sock")))
+    cfg.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ConfigurationError, match="pipeline"):
+        engine_settings(cfg)
+    cfg.parallel_config.pipeline_parallel_size = 1
+    assert engine_settings(cfg)["world"] == 1
+
+
+def test_a_hello_answered_ok_for_another_protocol_is_no_agent():
+    def script(agent, conn, req, n):
+        if req["op"] == "hello":
+            return {**HELLO_OK, "protocol": 2}
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    try:
+        with pytest.raises(Exception, match="protocol"):
+            scheduler(agent)  # at start: the engine fails with the reason
+    finally:
         agent.close()
