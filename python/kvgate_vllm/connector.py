@@ -490,6 +490,11 @@ class KVGateConnector(KVConnectorBase_V1):
                 self._load_errors.update(b for b in failed if b in mine)
             except Exception:
                 self._load_errors.update(want)
+        if any(not st.future.done() for st in loads):
+            # Its blocks are reported failed and vLLM recomputes or reuses them; a load's only
+            # cancellation is its connection closing (the agent then starts no copy into them).
+            log.warning("kvgate: a load did not finish within load_timeout_ms; dropping the agent connection")
+            self._client.close()
 
     def wait_for_save(self) -> None:
         self._finish_loads()

@@ -186,6 +186,12 @@ def test_a_stalled_load_costs_one_load_timeout_per_step_not_one_per_layer():
         assert errors == set(range(10, 14))
         # One timeout is 0.25 s; per layer and per load it was 8 x 0.25 + 0.25 = 2.25 s.
         assert took < 1.2, took
+        # The load is abandoned the only way the protocol has: the connection is closed, so the
+        # agent starts no copy into blocks vLLM now recomputes (or reuses).
+        assert not c._client.connected
+        conn = agent.conns[-1]
+        conn.settimeout(5)
+        assert conn.recv(1) == b""
     finally:
         c.shutdown()
         drop_caches(caches)
