@@ -507,7 +507,9 @@ class KVGateConnector(KVConnectorBase_V1):
                 self._saves_done.add(rid)
         done = {r for r in self._saves_done if r in self._finished_seen}
         self._saves_done -= done
-        self._finished_seen -= done
+        # Only ids whose save is still copying are kept: vLLM names every finished request here
+        # once, in the step whose metadata carries its save (start_load_kv registered it).
+        self._finished_seen = {r for r in self._finished_seen if r in self._saves}
         return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> Set[int]:

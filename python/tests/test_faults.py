@@ -472,3 +472,42 @@ def test_a_hello_answered_ok_for_another_protocol_is_no_agent():
             scheduler(agent)  # at start: the engine fails with the reason
     finally:
         agent.close()
+
+
+# ---------------------------------------------------------------------------- bounded state
+
+
+def test_finished_requests_without_a_save_are_not_remembered():
+    """vLLM passes every finished request to get_finished; only those with a kvgate save may be
+    kept until it is done (the worker saw one id per request ever served, forever)."""
+
+    def script(agent, conn, req, n):
+        if req["op"] == "save":
+            return None  # answered below, after the request finished
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        for i in range(1000):
+            w.get_finished({f"plain-{i}"})
+        assert len(w._finished_seen) == 0
+        # A save still waits for its request's id, and is reported once both are in.
+        req = make_request("s", PROMPT, 16)
+        from kvgate_vllm.connector import SaveSpec
+
+        w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
+        w.start_load_kv(None)
+        assert w.get_finished({"s"}) == (None, None)
+        save_id = max(w._client._pending)
+        agent.send(agent.conns[-1], {"id": save_id, "ok": True, "chunks": 2, "stored": 2, "present": 0, "skipped": 0})
+        deadline = time.monotonic() + 5
+        while w.get_finished(set()) == (None, None):
+            assert time.monotonic() < deadline, "the save was never reported finished"
+            time.sleep(0.01)
+        assert len(w._finished_seen) == 0
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
