@@ -34,6 +34,10 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 # A send that makes no progress this long means an agent that stopped reading (stalled, not
 # dead): the connection is dropped (its requests fail) rather than blocking vLLM's thread.
 SEND_TIMEOUT_S = 5.0
+# Requests waiting for an answer on one connection: beyond, a request fails at once (ERR_BUSY).
+# An agent that reads but never answers (the connector gives up on a lookup after its
+# timeout, but the answer is still awaited) would otherwise grow this without bound.
+MAX_PENDING = 4096
 
 
 # Answers to hello or register that no retry on this connection changes.
@@ -227,6 +231,9 @@ class AgentClient:
             f.set_exception(AgentError("ERR_DISCONNECTED", self.last_error or "not connected to the kvgate agent"))
             return f
         with self._lock:
+            if len(self._pending) >= MAX_PENDING:
+                f.set_exception(AgentError("ERR_BUSY", f"{MAX_PENDING} requests to the kvgate agent await answers"))
+                return f
             rid = self._next_id
             self._next_id += 1
             self._pending[rid] = f

@@ -511,3 +511,25 @@ def test_finished_requests_without_a_save_are_not_remembered():
         w.shutdown()
         drop_caches(caches)
         agent.close()
+
+
+def test_requests_to_an_agent_that_reads_and_never_answers_are_bounded():
+    """The client keeps at most MAX_PENDING requests waiting: beyond, a request fails at once
+    (ERR_BUSY: a miss, a load error, a save not stored) instead of growing without bound."""
+    from kvgate_vllm.client import MAX_PENDING, AgentClient, AgentError
+
+    agent = ScriptedAgent(lambda agent, conn, req, n: HELLO_OK if req["op"] == "hello" else None)
+    c = AgentClient(agent.path, {"protocol": 1}, reconnect_interval=0)
+    try:
+        assert c.ensure()
+        futures = [c.request("lookup", {"keys": b""}) for _ in range(MAX_PENDING + 10)]
+        assert len(c._pending) <= MAX_PENDING
+        late = futures[-1]
+        assert late.done()
+        with pytest.raises(AgentError) as e:
+            late.result(timeout=0)
+        assert e.value.code == "ERR_BUSY"
+        assert c.connected  # the agent may be slow, not broken: answers still reach the others
+    finally:
+        c.close()
+        agent.close()
