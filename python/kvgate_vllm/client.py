@@ -38,6 +38,8 @@ SEND_TIMEOUT_S = 5.0
 # An agent that reads but never answers (the connector gives up on a lookup after its
 # timeout, but the answer is still awaited) would otherwise grow this without bound.
 MAX_PENDING = 4096
+# The longest wait between dials of an agent that accepts connections but fails their hello.
+MAX_BACKOFF_S = 30.0
 
 
 # Answers to hello or register that no retry on this connection changes.
@@ -77,6 +79,11 @@ class AgentClient:
         self._on_connect = on_connect
         self._connect_timeout = connect_timeout
         self._reconnect_interval = reconnect_interval
+        # Seconds one dial may wait for hello's answer (vLLM's thread is held meanwhile).
+        self._hello_timeout = 5.0
+        # The wait before the next dial after failed hellos: doubles per failure up to
+        # MAX_BACKOFF_S, so a stalled agent does not hold the engine for a hello every interval.
+        self._backoff = 0.0
         self._send_timeout = send_timeout
         self._lock = threading.Lock()
         # Separate from _lock: a blocked send must never stall the reader that drains answers.
@@ -123,7 +130,7 @@ class AgentClient:
         with self._lock:
             if self._sock is not None:
                 return True
-            if now - self._last_attempt < self._reconnect_interval:
+            if now - self._last_attempt < max(self._reconnect_interval, self._backoff):
                 return False
             self._last_attempt = now
             try:
@@ -149,12 +156,14 @@ class AgentClient:
             t = threading.Thread(target=self._read_loop, args=(s,), name="kvgate-agent-reader", daemon=True)
             t.start()
         try:
-            self.hello_answer = self.call("hello", dict(self._hello), timeout=5.0)
+            self.hello_answer = self.call("hello", dict(self._hello), timeout=self._hello_timeout)
             if self._on_connect is not None:
                 self._on_connect(self)
         except Exception as e:  # AgentError, or a malformed answer the callback could not use
             self.hello_answer = None
             self._drop(s)
+            self._backoff = min(MAX_BACKOFF_S, max(self._reconnect_interval, 2 * self._backoff))
+            self._last_attempt = time.monotonic()
             refused = isinstance(e, AgentError) and e.code in REFUSALS
             if refused and raise_refusal:
                 raise
@@ -163,6 +172,7 @@ class AgentClient:
                 log.warning("%s; running without kvgate until it accepts", msg)
             self.last_error = msg
             return False
+        self._backoff = 0.0
         return self._sock is not None
 
     def _closed_while_idle(self, s: socket.socket) -> bool:

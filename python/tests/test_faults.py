@@ -533,3 +533,28 @@ def test_requests_to_an_agent_that_reads_and_never_answers_are_bounded():
     finally:
         c.close()
         agent.close()
+
+
+def test_an_agent_that_accepts_and_never_answers_hello_is_dialed_ever_less_often():
+    """Each dial of a stalled agent holds vLLM's thread for the hello timeout: after failed
+    hellos the next dial waits longer and longer (a refused connect, an agent not yet
+    restarted, keeps the plain interval), so the engine is not held most of the time."""
+    from kvgate_vllm.client import AgentClient
+
+    agent = ScriptedAgent(lambda agent, conn, req, n: None)  # reads, never answers
+    c = AgentClient(agent.path, {"protocol": 1}, reconnect_interval=0.01)
+    c._hello_timeout = 0.05
+    try:
+        held = 0.0
+        t_end = time.monotonic() + 2.0
+        while time.monotonic() < t_end:
+            t0 = time.monotonic()
+            assert c.ensure() is False
+            held += time.monotonic() - t0
+            time.sleep(0.002)
+        # Every 10 ms: ~30 dials, each held 50 ms (75 % of the time). Backing off: ~8.
+        assert len(agent.conns) <= 12, len(agent.conns)
+        assert held < 0.8, held
+    finally:
+        c.close()
+        agent.close()
