@@ -172,6 +172,13 @@ def cuda_ipc(t: torch.Tensor) -> Dict[str, Any]:
     return out
 
 
+def _replays_full_cuda_graph(forward_context: Any) -> bool:
+    """Whether this step's forward is one FULL CUDA graph replay (vLLM's ForwardContext
+    .cudagraph_runtime_mode, a CUDAGraphMode: NONE, PIECEWISE or FULL; absent before 0.11)."""
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", None) == "FULL"
+
+
 class _LoadState:
     def __init__(self, spec: LoadSpec):
         self.spec = spec
@@ -455,6 +462,16 @@ class KVGateConnector(KVConnectorBase_V1):
             )
             st.future.add_done_callback(lambda _f, st=st: st.on_progress({}))
             self._loads.append(st)
+        if self._loads and _replays_full_cuda_graph(forward_context):
+            # The forward replays a FULL CUDA graph: its attention layers' Python, and so
+            # wait_for_layer_load, does not run (vLLM issue 29608; FULL_AND_PIECEWISE is the
+            # default before vLLM added requires_piecewise_for_cudagraph). The loads must
+            # be in place before it starts: no layer overlap for this step, but no race.
+            for st in self._loads:
+                try:
+                    st.future.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
+                except Exception:  # a failure or the deadline: reported by _finish_loads
+                    pass
         skip_saves = self._settings["layout"] == "mla" and self._settings["rank"] != 0
         for spec in meta.saves:
             if not ready or skip_saves:  # MLA: rank 0 stores the one shared copy

@@ -558,3 +558,46 @@ def test_an_agent_that_accepts_and_never_answers_hello_is_dialed_ever_less_often
     finally:
         c.close()
         agent.close()
+
+
+# ---------------------------------------------------------------------------- CUDA graphs
+
+
+@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE", None])
+def test_a_step_replaying_a_full_cuda_graph_has_its_loads_in_place_before_the_forward(mode):
+    """A FULL CUDA graph replays the forward without its Python: wait_for_layer_load is never
+    called (vLLM issue 29608; vLLM <= 0.13 runs uniform decode batches, a 1-token prefill after a
+    full prefix load included, that way). Such a step waits for its loads in start_load_kv;
+    other steps still overlap the load with the forward."""
+
+    def slow_load(agent, conn, req, n):
+        if req["op"] == "load":
+
+            def answer():
+                for layers in (1, 2, 3):
+                    agent.send(conn, {"event": "load-progress", "id": req["id"], "layers": layers})
+                agent.send(conn, {"id": req["id"], "ok": True, "chunks": 2, "failedBlocks": [], "error": None})
+
+            threading.Timer(0.3, answer).start()
+            return None
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(slow_load)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        fc = SimpleNamespace(cudagraph_runtime_mode=None if mode is None else SimpleNamespace(name=mode))
+        w.bind_connector_metadata(KVGateMetadata(loads=[load_spec()]))
+        w.start_load_kv(fc)
+        landed = all(st.future.done() for st in w._loads)
+        assert landed is (mode == "FULL")
+        if mode != "FULL":
+            for n in caches:
+                w.wait_for_layer_load(n)
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set()
+        w.clear_connector_metadata()
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
