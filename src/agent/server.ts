@@ -127,7 +127,7 @@ export class AgentServer {
     // dropped, not framed again, and the connection closes once its requests are answered.
     let unframed = false
     const closeWhenAnswered = () => {
-      if (inflight > 0 || sock.destroyed) return
+      if (inflight > 0 || sock.destroyed || sock.writableEnded) return
       // Answer once, last, then close this connection only (once the answers are flushed:
       // a half-open client would otherwise keep it).
       fail(null, reader.error)
