@@ -237,6 +237,9 @@ class KVGateConnector(KVConnectorBase_V1):
         self._saves_done: Set[str] = set()
         self._finished_seen: Set[str] = set()
         self._load_errors: Set[int] = set()
+        # Saves whose blocks were released unstored (no agent, or it died or refused before it
+        # answered): the blocks are never held for an agent that is gone, but the loss is counted.
+        self.saves_not_stored = 0
         # At start an agent that refuses this engine fails it with the agent's message; later
         # (an agent restarted with other settings) it means running without kvgate.
         self._client.ensure(raise_refusal=True)
@@ -476,6 +479,7 @@ class KVGateConnector(KVConnectorBase_V1):
         for spec in meta.saves:
             if not ready or skip_saves:  # MLA: rank 0 stores the one shared copy
                 self._saves_done.add(spec.req_id)
+                self.saves_not_stored += not ready and not skip_saves
                 continue
             self._saves[spec.req_id] = self._client.request(
                 "save",
@@ -522,6 +526,15 @@ class KVGateConnector(KVConnectorBase_V1):
             if f.done():
                 del self._saves[rid]
                 self._saves_done.add(rid)
+                if f.exception() is not None:
+                    self.saves_not_stored += 1
+                    log.warning(
+                        "kvgate: the save of request %s was not stored (%s); its blocks are released "
+                        "(%d saves not stored so far)",
+                        rid,
+                        f.exception(),
+                        self.saves_not_stored,
+                    )
         done = {r for r in self._saves_done if r in self._finished_seen}
         self._saves_done -= done
         # Only ids whose save is still copying are kept: vLLM names every finished request here

@@ -601,3 +601,39 @@ def test_a_step_replaying_a_full_cuda_graph_has_its_loads_in_place_before_the_fo
         w.shutdown()
         drop_caches(caches)
         agent.close()
+
+
+def test_a_save_pending_when_the_agent_dies_frees_its_blocks_and_is_counted():
+    """request_finished held the blocks for the save: the agent dying before it answered ends
+    the save (reported finished, so vLLM frees the blocks), counted as not stored."""
+
+    def script(agent, conn, req, n):
+        return None if req["op"] == "save" else well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    w, caches = worker(agent)
+    try:
+        from kvgate_vllm.connector import SaveSpec
+
+        assert w._worker_ready()
+        req = make_request("s", PROMPT, 16)
+        w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
+        w.start_load_kv(None)
+        w.wait_for_save()
+        assert w.get_finished({"s"}) == (None, None)
+        w.clear_connector_metadata()
+        assert w.saves_not_stored == 0
+        agent.close()  # the agent dies with the save unanswered
+        deadline = time.monotonic() + 5
+        while True:
+            done, _ = w.get_finished(set())
+            if done:
+                break
+            assert time.monotonic() < deadline, "the blocks were never released"
+            time.sleep(0.01)
+        assert done == {"s"}
+        assert w.saves_not_stored == 1
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
