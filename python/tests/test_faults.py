@@ -13,11 +13,12 @@ from types import SimpleNamespace
 
 import msgpack
 import pytest
+import torch
 
-from harness import EngineSpec, FakeBlocks, make_request, vllm_config
+from harness import EngineSpec, make_request, vllm_config
 from kvgate_vllm import KVGateConnector, shm
 from kvgate_vllm._vllm import KVConnectorRole
-from kvgate_vllm.connector import KVGateMetadata, LoadSpec
+from kvgate_vllm.connector import KVGateMetadata, LoadSpec, SaveSpec
 
 CHUNK = 32  # tokens: 2 blocks of 16
 HELLO_OK = {"ok": True, "protocol": 1, "chunkTokens": CHUNK, "blocksPerChunk": 2}
@@ -123,7 +124,8 @@ def scheduler(agent, **kw) -> KVGateConnector:
 
 def worker(agent, layers=3, **kw):
     spec = spec_for(agent, layers=layers)
-    caches = {f"l{i}": shm.shm_tensor([2, spec.num_blocks, 16, spec.kv_heads, spec.head_size], __import__("torch").float16) for i in range(layers)}
+    shape = [2, spec.num_blocks, 16, spec.kv_heads, spec.head_size]
+    caches = {f"l{i}": shm.shm_tensor(shape, torch.float16) for i in range(layers)}
     c = KVGateConnector(config(agent, layers=layers, **kw), KVConnectorRole.WORKER)
     c._client._reconnect_interval = 0
     c.register_kv_caches(caches)
@@ -495,8 +497,6 @@ def test_finished_requests_without_a_save_are_not_remembered():
         assert len(w._finished_seen) == 0
         # A save still waits for its request's id, and is reported once both are in.
         req = make_request("s", PROMPT, 16)
-        from kvgate_vllm.connector import SaveSpec
-
         w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
         w.start_load_kv(None)
         assert w.get_finished({"s"}) == (None, None)
@@ -613,8 +613,6 @@ def test_a_save_pending_when_the_agent_dies_frees_its_blocks_and_is_counted():
     agent = ScriptedAgent(script)
     w, caches = worker(agent)
     try:
-        from kvgate_vllm.connector import SaveSpec
-
         assert w._worker_ready()
         req = make_request("s", PROMPT, 16)
         w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
