@@ -221,6 +221,9 @@ class KVGateConnector(KVConnectorBase_V1):
         self._lookups: Dict[str, Tuple[Future, float, int]] = {}
         self._hits: Dict[str, int] = {}
         self._computed: Dict[str, int] = {}
+        # request id -> the block ids its load fills, and blocks per chunk (to find the first
+        # chunk a load error names: the request's save starts there)
+        self._load_blocks: Dict[str, Tuple[List[int], int]] = {}
         self._pending_loads: List[LoadSpec] = []
         self._pending_saves: List[SaveSpec] = []
         # worker state
@@ -356,6 +359,7 @@ class KVGateConnector(KVConnectorBase_V1):
         keys = self._chunk_keys(request, bpc)[:chunks]
         skip = self._computed.get(rid, 0) // self._block_size
         self._pending_loads.append(LoadSpec(rid, keys, block_ids[: chunks * bpc], min(skip, chunks * bpc)))
+        self._load_blocks[rid] = (block_ids[: chunks * bpc], bpc)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVGateMetadata:
         meta = KVGateMetadata(loads=self._pending_loads, saves=self._pending_saves)
@@ -364,12 +368,23 @@ class KVGateConnector(KVConnectorBase_V1):
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
-        return None
+        # Blocks the workers could not load (vLLM recomputes them): the request's save must
+        # store their chunks, which request_finished would otherwise skip as loaded from kvgate.
+        # A block id reused since by another request's load at most saves a chunk again.
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        for rid, (ids, bpc) in self._load_blocks.items():
+            for i, b in enumerate(ids):
+                if b in invalid:
+                    self._hits[rid] = min(self._hits.get(rid, 0), i // bpc)
+                    break
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         rid = request.request_id
         self._lookups.pop(rid, None)
         self._computed.pop(rid, None)
+        self._load_blocks.pop(rid, None)
         first = self._hits.pop(rid, 0)
         bpc = self._blocks_per_chunk()
         if not bpc or not self._client.ensure():

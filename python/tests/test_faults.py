@@ -15,7 +15,7 @@ import msgpack
 import pytest
 import torch
 
-from harness import EngineSpec, make_request, vllm_config
+from harness import EngineSpec, FakeBlocks, make_request, vllm_config
 from kvgate_vllm import KVGateConnector, shm
 from kvgate_vllm._vllm import KVConnectorRole
 from kvgate_vllm.connector import KVGateMetadata, LoadSpec, SaveSpec
@@ -634,4 +634,36 @@ def test_a_save_pending_when_the_agent_dies_frees_its_blocks_and_is_counted():
     finally:
         w.shutdown()
         drop_caches(caches)
+        agent.close()
+
+
+def test_chunks_that_failed_to_load_are_saved_again():
+    """The lookup found 3 chunks, chunk 1 failed to load (vLLM recomputed it): the request's
+    save starts at chunk 1, not after the 3 the lookup promised, or this node never stores the
+    chunk it could not load and every later request fails on it again."""
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        req = make_request("r", PROMPT, 16)
+        assert lookup(s, req) == 96
+        blocks = list(range(20, 27))
+        s.update_state_after_alloc(req, FakeBlocks(blocks), 96)
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
+        assert [ld.block_ids for ld in meta.loads] == [blocks[:6]]
+        # The workers reported chunk 1's first block (and an unrelated one) as not loaded.
+        s.update_connector_output(SimpleNamespace(invalid_block_ids={blocks[2], 999}))
+        req.num_computed_tokens = 100
+        assert s.request_finished(req, blocks)[0] is True
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={"r"}))
+        assert [(len(sp.keys), sp.first) for sp in meta.saves] == [(3, 1)]
+        # A load that went well: nothing saved again.
+        req2 = make_request("r2", PROMPT, 16)
+        assert lookup(s, req2) == 96
+        s.update_state_after_alloc(req2, FakeBlocks(blocks), 96)
+        s.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
+        s.update_connector_output(SimpleNamespace(invalid_block_ids=set()))
+        req2.num_computed_tokens = 100
+        assert s.request_finished(req2, blocks) == (False, None)
+    finally:
+        s.shutdown()
         agent.close()
