@@ -8,6 +8,7 @@ import { connect, type Socket } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, describe, expect, it } from 'vitest'
+import { newSession } from '../src/agent/agent.ts'
 import { HostCopier, HostTensor } from '../src/agent/host-tensor.ts'
 import { resolveAgentConfig, startAgent } from '../src/agent/index.ts'
 import { decodeBody, encodeFrame, FrameReader } from '../src/agent/protocol.ts'
@@ -419,6 +420,58 @@ describe('agent: registration lifetimes', () => {
     expect(fileMapStats().mappings).toBe(maps)
     expect(nativeMemoryStats().pinnedBytes).toBe(pinned)
   })
+
+  for (const threads of [2, 0]) {
+    it(`${threads} copy threads: once the connection is gone no save copies out of, and no load writes into, the engine's blocks (the engine may reuse them)`, async () => {
+      const { server, path, open } = await bigAgent(`ended-${threads}`, false, threads)
+      const agent = server.agent
+      // A session driven directly, so that it ends before any copy can start (a socket's
+      // close event comes in a later turn of the loop).
+      const session = async () => {
+        const s = newSession(() => {})
+        expect(
+          agent.answer(s, { id: 1, op: 'hello', protocol: 1, model: 'm', hashSeed: '0', geometry: big }),
+        ).toMatchObject({ protocol: 1 })
+        const tensors = Array.from({ length: LAYERS }, (_, l) => ({
+          kind: 'shm',
+          path,
+          offset: l * LAYER_BYTES,
+          shape: [2, BLOCKS, 16, 8, 128],
+        }))
+        const r = await agent.answer(s, { id: 2, op: 'register', rank: 0, numBlocks: BLOCKS, tensors })
+        return { s, worker: r.worker as number }
+      }
+      try {
+        const src = Array.from({ length: 48 }, (_, i) => (i * 7) % BLOCKS)
+        const gone = Buffer.concat([0, 1, 2].map(() => randomBytes(32)))
+        const a = await session()
+        const save = agent.answer(a.s, { id: 3, op: 'save', worker: a.worker, keys: gone, blockIds: src })
+        agent.endSession(a.s)
+        await expect(save).rejects.toMatchObject({ code: 'ERR_CLOSED' })
+        const b = await open()
+        // Without copy threads chunk 0 is copied inside answer(), before the end: it is kept.
+        expect(await b.c.call('lookup', { keys: gone })).toMatchObject({
+          ok: true,
+          chunks: threads === 0 ? 1 : 0,
+        })
+        // Stored while connected; then a load whose connection ends at once writes nothing.
+        const kept = Buffer.concat([0, 1].map(() => randomBytes(32)))
+        expect(
+          await b.c.call('save', { worker: b.worker, keys: kept, blockIds: src.slice(0, 32) }),
+        ).toMatchObject({ ok: true, stored: 2 })
+        const before = readFileSync(path)
+        const c = await session()
+        const dst = Array.from({ length: 32 }, (_, i) => (i * 5 + 3) % BLOCKS)
+        const load = agent.answer(c.s, { id: 4, op: 'load', worker: c.worker, keys: kept, blockIds: dst })
+        agent.endSession(c.s)
+        expect(await load).toMatchObject({ chunks: 0, failedBlocks: dst })
+        expect(readFileSync(path).equals(before)).toBe(true)
+        b.c.sock.destroy()
+      } finally {
+        await server.close()
+      }
+    })
+  }
 
   // 0: the copies on the agent's event loop (copyThreads 0), the path without the addon's copyRunsAsync.
   for (const threads of [2, 0]) {

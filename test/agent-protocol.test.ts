@@ -101,6 +101,37 @@ describe('agent socket', () => {
     expect(server.agent.metrics.badFrames).toBe(before + 1)
   })
 
+  it('frames read before an oversized length in the same read are answered (at once and later ones) before the error and the close', async () => {
+    const c = connect({ path: join(dir, 'a.sock') })
+    await new Promise((r) => c.once('connect', r))
+    const got: Msg[] = []
+    const reader = new FrameReader()
+    c.on('data', (d) => {
+      for (const b of reader.push(d)) got.push(decodeBody(b) as Msg)
+    })
+    c.on('error', () => {})
+    const closed = new Promise((r) => c.once('close', r))
+    const big = Buffer.alloc(4)
+    big.writeUInt32BE(64 << 20)
+    // ping answers at once; stats and flush answer through a promise (a later tick).
+    c.write(
+      Buffer.concat([
+        encodeFrame({ id: 1, op: 'ping' }),
+        encodeFrame({ id: 2, op: 'stats' }),
+        encodeFrame({ id: 3, op: 'flush' }),
+        encodeFrame({ id: 4, op: 'ping' }),
+        big,
+      ]),
+    )
+    await Promise.race([closed, new Promise((r) => setTimeout(r, 3000))])
+    expect(c.destroyed).toBe(true)
+    const answered = got.filter((m) => m.id !== null)
+    expect(answered.map((m) => m.id).sort()).toEqual([1, 2, 3, 4])
+    expect(answered.every((m) => m.ok === true)).toBe(true)
+    // The refusal is the last frame: nothing of this connection is answered after it.
+    expect(got.at(-1)).toMatchObject({ id: null, ok: false, error: { code: 'ERR_FRAME_TOO_LARGE' } })
+  })
+
   it('agentMs ends with the answer encoded: an answer sent at once is timed before its socket write', async () => {
     const c = await Client.open(join(dir, 'a.sock'))
     expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true })

@@ -41,6 +41,11 @@ describe.skipIf(missing !== undefined)('kvgate_vllm (pytest)', () => {
     () => pytest('test_client.py'),
     120_000,
   )
+  it(
+    'the connector against a misbehaving agent: stalls, refusals, garbage answers, bounded state',
+    () => pytest('test_faults.py'),
+    5 * 60_000,
+  )
   it('connector harness against real agents and a gateway', () => pytest('test_connector.py'), 15 * 60_000)
   it('real model: continuation after load', () => pytest('test_model.py'), 15 * 60_000)
 })

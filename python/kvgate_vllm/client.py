@@ -14,6 +14,7 @@ is reading, so it never sits in recv() where a caller would want to be.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -26,8 +27,23 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import msgpack
 
+log = logging.getLogger("kvgate_vllm")
+
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+# A send that makes no progress this long means an agent that stopped reading (stalled, not
+# dead): the connection is dropped (its requests fail) rather than blocking vLLM's thread.
+SEND_TIMEOUT_S = 5.0
+# Requests waiting for an answer on one connection: beyond, a request fails at once (ERR_BUSY).
+# An agent that reads but never answers (the connector gives up on a lookup after its
+# timeout, but the answer is still awaited) would otherwise grow this without bound.
+MAX_PENDING = 4096
+# The longest wait between dials of an agent that accepts connections but fails their hello.
+MAX_BACKOFF_S = 30.0
+
+
+# Answers to hello or register that no retry on this connection changes.
+REFUSALS = ("ERR_PROTOCOL_VERSION", "ERR_MODEL_MISMATCH", "ERR_GEOMETRY_MISMATCH", "ERR_LAYOUT")
 
 
 class AgentError(Exception):
@@ -56,12 +72,19 @@ class AgentClient:
         on_connect: Optional[Callable[["AgentClient"], None]] = None,
         connect_timeout: float = 1.0,
         reconnect_interval: float = 1.0,
+        send_timeout: float = SEND_TIMEOUT_S,
     ):
         self.path = path
         self._hello = hello
         self._on_connect = on_connect
         self._connect_timeout = connect_timeout
         self._reconnect_interval = reconnect_interval
+        # Seconds one dial may wait for hello's answer (vLLM's thread is held meanwhile).
+        self._hello_timeout = 5.0
+        # The wait before the next dial after failed hellos: doubles per failure up to
+        # MAX_BACKOFF_S, so a stalled agent does not hold the engine for a hello every interval.
+        self._backoff = 0.0
+        self._send_timeout = send_timeout
         self._lock = threading.Lock()
         # Separate from _lock: a blocked send must never stall the reader that drains answers.
         self._send_lock = threading.Lock()
@@ -94,8 +117,12 @@ class AgentClient:
         """Bumped on every successful connect: registrations belong to one generation."""
         return self._generation
 
-    def ensure(self) -> bool:
-        """Connected (dialing again at most once per reconnect_interval); never raises."""
+    def ensure(self, raise_refusal: bool = False) -> bool:
+        """Connected (dialing again at most once per reconnect_interval). Never raises, except
+        with `raise_refusal` (at the engine's start) for an agent that refuses this engine
+        (protocol version, model, geometry, layout): later, from vLLM's scheduler or worker
+        loop, such a refusal (an agent restarted with other settings) or a malformed answer
+        to hello or register is logged and means no agent, as a dead one does."""
         s = self._sock
         if s is not None and not self._closed_while_idle(s):
             return True
@@ -103,7 +130,7 @@ class AgentClient:
         with self._lock:
             if self._sock is not None:
                 return True
-            if now - self._last_attempt < self._reconnect_interval:
+            if now - self._last_attempt < max(self._reconnect_interval, self._backoff):
                 return False
             self._last_attempt = now
             try:
@@ -111,6 +138,14 @@ class AgentClient:
                 s.settimeout(self._connect_timeout)
                 s.connect(self.path)
                 s.settimeout(None)
+                # On the kernel's send only (recv stays blocking: a load may take long): a full
+                # socket buffer that does not drain within it fails sendall with EAGAIN.
+                sec = int(self._send_timeout)
+                s.setsockopt(
+                    socket.SOL_SOCKET,
+                    socket.SO_SNDTIMEO,
+                    struct.pack("ll", sec, int((self._send_timeout - sec) * 1_000_000)),
+                )
             except OSError as e:
                 self.last_error = f"cannot reach the kvgate agent at {self.path}: {e}"
                 return False
@@ -121,16 +156,23 @@ class AgentClient:
             t = threading.Thread(target=self._read_loop, args=(s,), name="kvgate-agent-reader", daemon=True)
             t.start()
         try:
-            self.hello_answer = self.call("hello", dict(self._hello), timeout=5.0)
+            self.hello_answer = self.call("hello", dict(self._hello), timeout=self._hello_timeout)
             if self._on_connect is not None:
                 self._on_connect(self)
-        except AgentError as e:
-            if e.code in ("ERR_PROTOCOL_VERSION", "ERR_MODEL_MISMATCH", "ERR_GEOMETRY_MISMATCH", "ERR_LAYOUT"):
-                self.close()
-                raise
-            self.last_error = str(e)
+        except Exception as e:  # AgentError, or a malformed answer the callback could not use
+            self.hello_answer = None
             self._drop(s)
+            self._backoff = min(MAX_BACKOFF_S, max(self._reconnect_interval, 2 * self._backoff))
+            self._last_attempt = time.monotonic()
+            refused = isinstance(e, AgentError) and e.code in REFUSALS
+            if refused and raise_refusal:
+                raise
+            msg = f"the kvgate agent at {self.path} {'refused this engine' if refused else 'failed'}: {e}"
+            if msg != self.last_error:
+                log.warning("%s; running without kvgate until it accepts", msg)
+            self.last_error = msg
             return False
+        self._backoff = 0.0
         return self._sock is not None
 
     def _closed_while_idle(self, s: socket.socket) -> bool:
@@ -199,6 +241,9 @@ class AgentClient:
             f.set_exception(AgentError("ERR_DISCONNECTED", self.last_error or "not connected to the kvgate agent"))
             return f
         with self._lock:
+            if len(self._pending) >= MAX_PENDING:
+                f.set_exception(AgentError("ERR_BUSY", f"{MAX_PENDING} requests to the kvgate agent await answers"))
+                return f
             rid = self._next_id
             self._next_id += 1
             self._pending[rid] = f
@@ -208,7 +253,8 @@ class AgentClient:
         try:
             with self._send_lock:
                 s.sendall(struct.pack(">I", len(body)) + body)
-        except OSError:
+        except OSError as e:  # also SO_SNDTIMEO's EAGAIN: part of a frame may be sent, so the stream is lost
+            self.last_error = f"cannot send to the kvgate agent: {e}"
             self._drop(s)
             return f
         if not wait_here:
@@ -253,7 +299,8 @@ class AgentClient:
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def _read_some(self, s: socket.socket) -> bool:
-        """One recv and the frames it completes dispatched; False (connection dropped) on EOF or a bad frame."""
+        """One recv and the frames it completes dispatched; False (connection dropped) on EOF or a bad
+        frame. Nothing the agent sends raises out of here: this runs on vLLM's threads."""
         try:
             chunk = s.recv(1 << 20)
             if not chunk:
@@ -272,7 +319,7 @@ class AgentClient:
                 del buf[: 4 + n]
                 self._dispatch(msg)
             return True
-        except (EOFError, OSError, ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.UnpackException):
+        except Exception:  # EOF, a bad frame, or a frame whose fields cannot be dispatched (an unhashable id)
             self._drop(s)
             return False
 

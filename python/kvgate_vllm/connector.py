@@ -115,6 +115,13 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
             )
         dtype = _FP8_CACHE_DTYPES[dtype]
     world = int(getattr(par, "tensor_parallel_size", 1))
+    if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1:
+        # Each stage holds other layers but would register and store them under the same chunk
+        # keys (the namespace has the TP shard, not the stage): one stage would load another's KV.
+        raise ConfigurationError(
+            "KVGateConnector does not support pipeline parallelism (--pipeline-parallel-size > 1): "
+            "its stages would share chunk keys for different layers"
+        )
     return {
         "model": str(getattr(model, "served_model_name", None) or model.model),
         "socket": extra.get("socket") or default_socket_path(),
@@ -165,6 +172,13 @@ def cuda_ipc(t: torch.Tensor) -> Dict[str, Any]:
     return out
 
 
+def _replays_full_cuda_graph(forward_context: Any) -> bool:
+    """Whether this step's forward is one FULL CUDA graph replay (vLLM's ForwardContext
+    .cudagraph_runtime_mode, a CUDAGraphMode: NONE, PIECEWISE or FULL; absent before 0.11)."""
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", None) == "FULL"
+
+
 class _LoadState:
     def __init__(self, spec: LoadSpec):
         self.spec = spec
@@ -203,9 +217,13 @@ class KVGateConnector(KVConnectorBase_V1):
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         self._client = AgentClient(s["socket"], self._hello, on_connect=self._on_connect)
         # scheduler state
-        self._lookups: Dict[str, Tuple[Future, float]] = {}
+        # request id -> (the lookup's answer, when it was sent, how many chunk keys it asked)
+        self._lookups: Dict[str, Tuple[Future, float, int]] = {}
         self._hits: Dict[str, int] = {}
         self._computed: Dict[str, int] = {}
+        # request id -> the block ids its load fills, and blocks per chunk (to find the first
+        # chunk a load error names: the request's save starts there)
+        self._load_blocks: Dict[str, Tuple[List[int], int]] = {}
         self._pending_loads: List[LoadSpec] = []
         self._pending_saves: List[SaveSpec] = []
         # worker state
@@ -215,18 +233,44 @@ class KVGateConnector(KVConnectorBase_V1):
         self._worker_generation = -1
         self._layer_index: Dict[str, int] = {}
         self._loads: List[_LoadState] = []
+        # When this step's loads must have landed: one load_timeout_ms for the whole step
+        # (every layer's wait and the final one), not one per layer and per load.
+        self._load_deadline = 0.0
         self._saves: Dict[str, Future] = {}
         self._saves_done: Set[str] = set()
         self._finished_seen: Set[str] = set()
         self._load_errors: Set[int] = set()
-        self._client.ensure()
+        # Saves whose blocks were released unstored (no agent, or it died or refused before it
+        # answered): the blocks are never held for an agent that is gone, but the loss is counted.
+        self.saves_not_stored = 0
+        # At start an agent that refuses this engine fails it with the agent's message; later
+        # (an agent restarted with other settings) it means running without kvgate.
+        self._client.ensure(raise_refusal=True)
 
     # ------------------------------------------------------------------ shared
 
     def _on_connect(self, client: AgentClient) -> None:
+        answer = client.hello_answer or {}
+        proto = answer.get("protocol")
+        if type(proto) is not int:
+            raise AgentError("ERR_BAD_ANSWER", f"hello answered protocol {proto!r}")
+        if proto != PROTOCOL_VERSION:  # a refusal: the engine fails at start, later runs without kvgate
+            raise AgentError(
+                "ERR_PROTOCOL_VERSION",
+                f"the agent answered hello for protocol {proto}; this connector speaks {PROTOCOL_VERSION}",
+            )
+        # Checked before anything uses it: chunk keys are cut by this size.
+        ct = answer.get("chunkTokens")
+        if type(ct) is not int or ct <= 0 or ct % self._block_size != 0:
+            raise AgentError(
+                "ERR_BAD_ANSWER", f"hello answered chunkTokens {ct!r}: not a multiple of {self._block_size}"
+            )
         if self._register_msg is not None:
             ans = client.call("register", self._register_msg, timeout=10.0)
-            self._worker_id = int(ans["worker"])
+            worker = ans.get("worker")
+            if type(worker) is not int:
+                raise AgentError("ERR_BAD_ANSWER", f"register answered worker {worker!r}")
+            self._worker_id = worker
             self._worker_generation = client.generation
             # The agent's ordinal of this rank's GPU (None for host tensors): where it maps and copies.
             self.agent_device = ans.get("device")
@@ -275,7 +319,7 @@ class KVGateConnector(KVConnectorBase_V1):
                 return 0, False
             # Waited on at once: this thread reads the answer itself when nothing else is in flight.
             f = self._client.request("lookup", {"keys": _packed(keys)}, wait_here=True)
-            st = (f, time.monotonic())
+            st = (f, time.monotonic(), len(keys))
             self._lookups[rid] = st
             try:
                 f.result(timeout=self._settings["lookupWaitS"])
@@ -283,16 +327,18 @@ class KVGateConnector(KVConnectorBase_V1):
                 pass
             except Exception:  # still pending: the scheduler asks again next step
                 return None, False
-        f, t0 = st
+        f, t0, asked = st
         if not f.done():
             if time.monotonic() - t0 < self._settings["lookupTimeoutS"]:
                 return None, False
             chunks = 0
         else:
             try:
-                chunks = int(f.result()["chunks"])
+                chunks = f.result().get("chunks")
             except AgentError:
                 chunks = 0
+            if type(chunks) is not int or not 0 <= chunks <= asked:
+                chunks = 0  # a malformed answer is a miss, never tokens vLLM would skip computing
         self._hits[rid] = chunks
         ct = self._chunk_tokens or 0
         tokens = chunks * ct
@@ -313,6 +359,7 @@ class KVGateConnector(KVConnectorBase_V1):
         keys = self._chunk_keys(request, bpc)[:chunks]
         skip = self._computed.get(rid, 0) // self._block_size
         self._pending_loads.append(LoadSpec(rid, keys, block_ids[: chunks * bpc], min(skip, chunks * bpc)))
+        self._load_blocks[rid] = (block_ids[: chunks * bpc], bpc)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVGateMetadata:
         meta = KVGateMetadata(loads=self._pending_loads, saves=self._pending_saves)
@@ -321,18 +368,35 @@ class KVGateConnector(KVConnectorBase_V1):
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
-        return None
+        # Blocks the workers could not load (vLLM recomputes them): the request's save must
+        # store their chunks, which request_finished would otherwise skip as loaded from kvgate.
+        # A block id reused since by another request's load at most saves a chunk again.
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        for rid, (ids, bpc) in self._load_blocks.items():
+            for i, b in enumerate(ids):
+                if b in invalid:
+                    self._hits[rid] = min(self._hits.get(rid, 0), i // bpc)
+                    break
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         rid = request.request_id
         self._lookups.pop(rid, None)
         self._computed.pop(rid, None)
+        self._load_blocks.pop(rid, None)
         first = self._hits.pop(rid, 0)
         bpc = self._blocks_per_chunk()
         if not bpc or not self._client.ensure():
             return False, None
         keys = self._chunk_keys(request, bpc)
-        n = min(len(keys), len(block_ids) // bpc)
+        # Only chunks whose every token's KV vLLM computed: a request ends with a sampled token
+        # that never went through the model, so when it completes a chunk (its block has a hash)
+        # that chunk's last slot holds whatever the block held before. (vLLM's own prefix cache
+        # caches by num_computed_tokens likewise; a request without it saves nothing.)
+        computed = getattr(request, "num_computed_tokens", 0)
+        computed = computed if type(computed) is int else 0
+        n = min(len(keys), len(block_ids) // bpc, computed // (bpc * self._block_size))
         if n <= first:
             return False, None
         self._pending_saves.append(SaveSpec(rid, keys[:n], list(block_ids[: n * bpc]), first))
@@ -385,7 +449,7 @@ class KVGateConnector(KVConnectorBase_V1):
                 log.warning("kvgate: register failed: %s", e)
                 self._client.close()
         else:
-            self._client.ensure()
+            self._client.ensure(raise_refusal=True)
 
     def _worker_ready(self) -> bool:
         if not self._client.ensure():
@@ -397,6 +461,8 @@ class KVGateConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         ready = self._worker_ready()
+        if meta.loads and not self._loads:
+            self._load_deadline = time.monotonic() + self._settings["loadTimeoutS"]
         for spec in meta.loads:
             if not ready:
                 self._load_errors.update(spec.block_ids[spec.skip_blocks :])
@@ -414,10 +480,21 @@ class KVGateConnector(KVConnectorBase_V1):
             )
             st.future.add_done_callback(lambda _f, st=st: st.on_progress({}))
             self._loads.append(st)
+        if self._loads and _replays_full_cuda_graph(forward_context):
+            # The forward replays a FULL CUDA graph: its attention layers' Python, and so
+            # wait_for_layer_load, does not run (vLLM issue 29608; FULL_AND_PIECEWISE is the
+            # default before vLLM added requires_piecewise_for_cudagraph). The loads must
+            # be in place before it starts: no layer overlap for this step, but no race.
+            for st in self._loads:
+                try:
+                    st.future.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
+                except Exception:  # a failure or the deadline: reported by _finish_loads
+                    pass
         skip_saves = self._settings["layout"] == "mla" and self._settings["rank"] != 0
         for spec in meta.saves:
             if not ready or skip_saves:  # MLA: rank 0 stores the one shared copy
                 self._saves_done.add(spec.req_id)
+                self.saves_not_stored += not ready and not skip_saves
                 continue
             self._saves[spec.req_id] = self._client.request(
                 "save",
@@ -428,9 +505,8 @@ class KVGateConnector(KVConnectorBase_V1):
         idx = self._layer_index.get(layer_name)
         if idx is None or not self._loads:
             return
-        deadline = time.monotonic() + self._settings["loadTimeoutS"]
         for st in self._loads:
-            st.wait_layer(idx + 1, deadline)
+            st.wait_layer(idx + 1, self._load_deadline)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         # Saves happen once per finished request (request_finished), from the blocks vLLM keeps for us.
@@ -441,10 +517,20 @@ class KVGateConnector(KVConnectorBase_V1):
         for st in loads:
             want = st.spec.block_ids[st.spec.skip_blocks :]
             try:
-                ans = st.future.result(timeout=self._settings["loadTimeoutS"])
-                self._load_errors.update(int(b) for b in ans.get("failedBlocks", []))
+                ans = st.future.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
+                failed = ans.get("failedBlocks")
+                # Blocks not named are taken as filled: only a well-formed list may say so.
+                if not isinstance(failed, list) or any(type(b) is not int for b in failed):
+                    raise ValueError(f"load answered failedBlocks {failed!r}")
+                mine = set(want)
+                self._load_errors.update(b for b in failed if b in mine)
             except Exception:
                 self._load_errors.update(want)
+        if any(not st.future.done() for st in loads):
+            # Its blocks are reported failed and vLLM recomputes or reuses them; a load's only
+            # cancellation is its connection closing (the agent then starts no copy into them).
+            log.warning("kvgate: a load did not finish within load_timeout_ms; dropping the agent connection")
+            self._client.close()
 
     def wait_for_save(self) -> None:
         self._finish_loads()
@@ -455,9 +541,20 @@ class KVGateConnector(KVConnectorBase_V1):
             if f.done():
                 del self._saves[rid]
                 self._saves_done.add(rid)
+                if f.exception() is not None:
+                    self.saves_not_stored += 1
+                    log.warning(
+                        "kvgate: the save of request %s was not stored (%s); its blocks are released "
+                        "(%d saves not stored so far)",
+                        rid,
+                        f.exception(),
+                        self.saves_not_stored,
+                    )
         done = {r for r in self._saves_done if r in self._finished_seen}
         self._saves_done -= done
-        self._finished_seen -= done
+        # Only ids whose save is still copying are kept: vLLM names every finished request here
+        # once, in the step whose metadata carries its save (start_load_kv registered it).
+        self._finished_seen = {r for r in self._finished_seen if r in self._saves}
         return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> Set[int]:

@@ -168,6 +168,8 @@ class FakeRequest:
     prompt_token_ids: List[int]
     block_hashes: List[bytes]
     all_token_ids: List[int] = field(default_factory=list)
+    # Tokens whose KV the engine computed (vLLM's Request.num_computed_tokens): set by prefill.
+    num_computed_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -381,6 +383,8 @@ class Engine:
         meta = self.sched.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
         fwd = {"tokens": tokens, "start": n, "block_ids": block_ids, **(fwd_extra or {})}
         outs = self.step(meta, (), fwd)
+        # The whole prompt went through the model (the first sampled token is not in `tokens`).
+        req.num_computed_tokens = len(tokens)
         errors = sorted({b for o in outs for b in o["load_errors"]})
         return {"req": req, "matched": n, "block_ids": block_ids, "load_errors": errors, "outs": outs}
 

@@ -585,6 +585,9 @@ export class Agent {
           }
           const last = batch.layer === g.layers - 1
           if (group.length < perGroup && !last) continue
+          // The engine counts a load whose connection closed as failed and recomputes (or
+          // reuses) its blocks: no copy into them starts after the close.
+          notEnded(s)
           const copied = group.map((e) => e.layer)
           const p = copies.add(copier.scatterLayers(group, runsByChunk))
           group = []
@@ -599,6 +602,7 @@ export class Agent {
         }
         const t = w.layers[batch.layer]!
         for (let c = 0; c < batch.chunks; c++) {
+          notEnded(s)
           const runs = runsByChunk[c]!
           const copying = t.scatter(batch.slabs[c]!, runs)
           if (copying) await copying // a host tensor copies synchronously: no await per chunk
@@ -646,14 +650,20 @@ export class Agent {
     try {
       const slab = sides(g) * bpc * bb // one layer of the chunk tensor
       const out = await w.space.cache.storeKeys(keys, async (k, dst) => {
+        // Once the connection is gone the engine counts this save as ended and may reuse the
+        // blocks: a copy not yet begun does not begin, and one that ended after the close is
+        // not kept (a throw here aborts the chunk's slot; chunks copied before stay stored).
+        notEnded(s)
         const runs = chunkRuns(g, w.numBlocks, ids, (k + from) * bpc, bpc, 0)
         // Every layer in one threaded copy; storeKeys commits the L1 slot only after it
         // settled (and aborts it if the agent closed meanwhile).
-        if (w.copier) return w.copier.gatherChunk(runs, dst, slab)
-        for (let layer = 0; layer < g.layers; layer++) {
-          const copying = w.layers[layer]!.gather(runs, dst.subarray(layer * slab, (layer + 1) * slab))
-          if (copying) await copying
-        }
+        if (w.copier) await w.copier.gatherChunk(runs, dst, slab)
+        else
+          for (let layer = 0; layer < g.layers; layer++) {
+            const copying = w.layers[layer]!.gather(runs, dst.subarray(layer * slab, (layer + 1) * slab))
+            if (copying) await copying
+          }
+        notEnded(s)
       })
       this.metrics.saves++
       this.metrics.savedChunks += out.stored + out.skipped
@@ -734,6 +744,11 @@ export class Agent {
     this.#l1.clear()
     await Promise.allSettled(l1.map((p) => p.then((t) => t.dispose())))
   }
+}
+
+/** Throws once the session's connection closed: its engine no longer waits on its copies. */
+function notEnded(s: Session): void {
+  if (s.ended) throw new AgentError('ERR_CLOSED', 'the connection closed: the engine may reuse its blocks')
 }
 
 /** Copies in flight: `settled()` waits for every one, then rejects with the first failure. */

@@ -66,13 +66,20 @@ export class FrameReader {
   readonly #max: number
   #parts: Buffer[] = []
   #have = 0
+  /** Set once an oversized length was met: the stream cannot be resynchronised after it. */
+  error: AgentError | undefined
 
   constructor(maxFrameBytes = DEFAULT_MAX_FRAME_BYTES) {
     this.#max = maxFrameBytes
   }
 
-  /** Feeds bytes; returns complete bodies. Throws ERR_FRAME_TOO_LARGE on an oversized length. */
+  /**
+   * Feeds bytes; returns the complete bodies. On an oversized length it returns the bodies
+   * complete before it (valid requests the peer sent first, to be answered) and sets `error`
+   * (ERR_FRAME_TOO_LARGE); every later push returns nothing and holds nothing.
+   */
   push(chunk: Buffer): Buffer[] {
+    if (this.error) return []
     this.#parts.push(chunk)
     this.#have += chunk.length
     const out: Buffer[] = []
@@ -81,7 +88,13 @@ export class FrameReader {
       const head = this.#peek(FRAME_PREFIX_BYTES)
       const len = head.readUInt32BE(0)
       if (len > this.#max) {
-        throw new AgentError('ERR_FRAME_TOO_LARGE', `frame of ${len} bytes exceeds the limit of ${this.#max}`)
+        this.error = new AgentError(
+          'ERR_FRAME_TOO_LARGE',
+          `frame of ${len} bytes exceeds the limit of ${this.#max}`,
+        )
+        this.#parts = []
+        this.#have = 0
+        break
       }
       if (this.#have < FRAME_PREFIX_BYTES + len) break
       const all = this.#take(FRAME_PREFIX_BYTES + len)

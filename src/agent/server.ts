@@ -123,22 +123,19 @@ export class AgentServer {
       m.error(err.code)
       send({ id, ok: false, error: { code: err.code, message: err.message } })
     }
+    // Set once a bad length was read: bytes after it (a client whose write side stays open) are
+    // dropped, not framed again, and the connection closes once its requests are answered.
     let unframed = false
+    const closeWhenAnswered = () => {
+      if (inflight > 0 || sock.destroyed || sock.writableEnded) return
+      // Answer once, last, then close this connection only (once the answers are flushed:
+      // a half-open client would otherwise keep it).
+      fail(null, reader.error)
+      sock.end(() => sock.destroy())
+    }
     sock.on('data', (chunk: Buffer) => {
-      // Bytes after a bad length (a client whose write side stays open) are dropped, not framed again.
       if (unframed) return
-      let bodies: Buffer[]
-      try {
-        bodies = reader.push(chunk)
-      } catch (e) {
-        // A bad length cannot be resynchronised: answer once, then close this connection only
-        // (closed once the answer is flushed: a half-open client would otherwise keep it).
-        unframed = true
-        m.badFrames++
-        fail(null, e)
-        sock.end(() => sock.destroy())
-        return
-      }
+      const bodies = reader.push(chunk)
       // One frame: its answer is one write now. Several: their answers (those ready now)
       // leave in one corked write when this handler returns, not a tick later.
       const batch = bodies.length > 1 && !corked
@@ -149,6 +146,14 @@ export class AgentServer {
       } finally {
         reading = false
         if (batch) sock.uncork()
+      }
+      // A bad length cannot be resynchronised. The requests framed before it in this read are
+      // valid: each is answered (those that wait, once they settle) before the refusal.
+      if (reader.error) {
+        unframed = true
+        m.badFrames++
+        closeWhenAnswered()
+        return
       }
       // Backpressure: past the bound, read nothing more until the engine has read its answers
       // ('drain': the buffer emptied). Answers still in flight (at most MAX_INFLIGHT) are sent meanwhile.
@@ -199,6 +204,7 @@ export class AgentServer {
         )
         .finally(() => {
           inflight--
+          if (unframed) closeWhenAnswered()
         })
     }
     sock.on('error', () => {})

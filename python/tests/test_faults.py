@@ -1,0 +1,669 @@
+"""KVGateConnector against a scripted fake agent that misbehaves: it stalls, answers garbage,
+refuses after a restart, or stops reading. Whatever it does, vLLM's scheduler and workers get
+an answer within their deadlines (0 matched tokens, blocks reported as load errors), never an
+exception and never a hang; and nothing is saved that vLLM has not computed."""
+
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+import torch
+
+from harness import EngineSpec, FakeBlocks, make_request, vllm_config
+from kvgate_vllm import KVGateConnector, shm
+from kvgate_vllm._vllm import KVConnectorRole
+from kvgate_vllm.connector import KVGateMetadata, LoadSpec, SaveSpec
+
+CHUNK = 32  # tokens: 2 blocks of 16
+HELLO_OK = {"ok": True, "protocol": 1, "chunkTokens": CHUNK, "blocksPerChunk": 2}
+
+
+def frame(msg) -> bytes:
+    body = msgpack.packb(msg, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+class ScriptedAgent:
+    """A fake agent: `script(agent, conn, req, n)` answers each request (n: which connection, from 0)
+    with `agent.send(conn, {...})`, or returns a map to send with the request's id."""
+
+    def __init__(self, script, read=True):
+        self.dir = tempfile.mkdtemp(prefix="kvgate-faults-")
+        self.path = os.path.join(self.dir, "agent.sock")
+        self.script = script
+        self.read = read
+        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.srv.bind(self.path)
+        self.srv.listen(8)
+        self.conns = []
+        self.requests = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def send(self, conn, msg) -> None:
+        with self.lock:
+            conn.sendall(frame(msg))
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn, len(self.conns) - 1), daemon=True).start()
+
+    def _serve(self, conn, n):
+        buf = b""
+        try:
+            while True:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                buf += chunk
+                while len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]:
+                    size = struct.unpack(">I", buf[:4])[0]
+                    req = msgpack.unpackb(buf[4 : 4 + size], raw=False)
+                    buf = buf[4 + size :]
+                    self.requests.append((n, req["op"]))
+                    out = self.script(self, conn, req, n)
+                    if out is not None:
+                        self.send(conn, {"id": req["id"], **out})
+                    if not self.read and req["op"] == "hello":
+                        # Stalled after hello: never reads again (its socket buffer fills).
+                        threading.Event().wait()
+        except OSError:
+            return
+
+    def drop_all(self):
+        for c in list(self.conns):
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self):
+        self.srv.close()
+        self.drop_all()
+
+
+def well_behaved(agent, conn, req, n):
+    op = req["op"]
+    if op == "hello":
+        return HELLO_OK
+    if op == "register":
+        return {"ok": True, "worker": 1, "chunkTokens": CHUNK, "blocksPerChunk": 2, "device": None}
+    if op == "lookup":
+        return {"ok": True, "chunks": len(req["keys"]) // 32, "tokens": 0, "source": "all"}
+    return None
+
+
+def spec_for(agent, **kw) -> EngineSpec:
+    return EngineSpec(socket=agent.path, model="test/faults", **kw)
+
+
+def config(agent, load_timeout_ms=20000, lookup_timeout_ms=10000, **kw):
+    cfg = vllm_config(spec_for(agent, **kw))
+    cfg.kv_transfer_config.kv_connector_extra_config.update(
+        load_timeout_ms=load_timeout_ms, lookup_timeout_ms=lookup_timeout_ms
+    )
+    return cfg
+
+
+def scheduler(agent, **kw) -> KVGateConnector:
+    c = KVGateConnector(config(agent, **kw), KVConnectorRole.SCHEDULER)
+    c._client._reconnect_interval = 0
+    return c
+
+
+def worker(agent, layers=3, **kw):
+    spec = spec_for(agent, layers=layers)
+    shape = [2, spec.num_blocks, 16, spec.kv_heads, spec.head_size]
+    caches = {f"l{i}": shm.shm_tensor(shape, torch.float16) for i in range(layers)}
+    c = KVGateConnector(config(agent, layers=layers, **kw), KVConnectorRole.WORKER)
+    c._client._reconnect_interval = 0
+    c.register_kv_caches(caches)
+    return c, caches
+
+
+def drop_caches(caches):
+    for t in caches.values():
+        shm.unlink(t)
+
+
+def lookup(conn, req, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        n, is_async = conn.get_num_new_matched_tokens(req, 0)
+        if n is not None:
+            return n
+        assert time.monotonic() < deadline, "lookup never answered"
+        time.sleep(0.005)
+
+
+PROMPT = [(i * 7919 + 13) % 32000 for i in range(100)]
+
+
+def run_load(c, names, spec: LoadSpec):
+    c.bind_connector_metadata(KVGateMetadata(loads=[spec]))
+    c.start_load_kv(None)
+    for n in names:
+        c.wait_for_layer_load(n)
+    c.wait_for_save()
+    c.get_finished(set())
+    errors = c.get_block_ids_with_load_errors()
+    c.clear_connector_metadata()
+    return errors
+
+
+def load_spec(chunks=2):
+    req = make_request("r", PROMPT, 16)
+    keys = [req.block_hashes[(i + 1) * 2 - 1] for i in range(chunks)]
+    return LoadSpec("r", keys, list(range(10, 10 + 2 * chunks)), 0)
+
+
+# ---------------------------------------------------------------------------- deadlines
+
+
+def test_a_stalled_load_costs_one_load_timeout_per_step_not_one_per_layer():
+    """The agent takes the load and never answers: the forward pass waits at most
+    load_timeout_ms in all (not per layer, then once more per load), and every block is an error."""
+
+    def stall(agent, conn, req, n):
+        return None if req["op"] == "load" else well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(stall)
+    c, caches = worker(agent, layers=8, load_timeout_ms=250)
+    try:
+        assert c._worker_ready()
+        t0 = time.monotonic()
+        errors = run_load(c, list(caches), load_spec())
+        took = time.monotonic() - t0
+        assert errors == set(range(10, 14))
+        # One timeout is 0.25 s; per layer and per load it was 8 x 0.25 + 0.25 = 2.25 s.
+        assert took < 1.2, took
+        # The load is abandoned the only way the protocol has: the connection is closed, so the
+        # agent starts no copy into blocks vLLM now recomputes (or reuses).
+        assert not c._client.connected
+        conn = agent.conns[-1]
+        conn.settimeout(5)
+        assert conn.recv(1) == b""
+    finally:
+        c.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def test_an_agent_that_stops_reading_never_blocks_the_scheduler():
+    """A stalled agent (alive, socket open, not reading): lookups fill its socket buffer.
+    The scheduler's sends must give up (the connection is dropped), not block vLLM forever."""
+    agent = ScriptedAgent(well_behaved, read=False)
+    c = scheduler(agent, lookup_timeout_ms=50)
+    done = threading.Event()
+    errors = []
+
+    def go():
+        try:
+            for i in range(400):
+                # 4096 blocks of 16 = 2048 chunk keys: 64 KiB a lookup.
+                toks = [(i * 1000003 + j) % 32000 for j in range(16 * 4096)]
+                req = make_request(f"r{i}", toks, 16)
+                assert lookup(c, req) == 0
+                if not c._client.connected:
+                    break
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    try:
+        assert done.wait(30), "the scheduler blocked in a send to a stalled agent"
+        assert errors == []
+        assert not c._client.connected
+    finally:
+        c.shutdown()
+        agent.close()
+
+
+# ---------------------------------------------------------------------------- refusals after start
+
+
+def test_a_restarted_agent_that_refuses_this_engine_means_no_kvgate_not_a_crash():
+    """Started fine, then the agent comes back speaking another protocol version (or for
+    another model, or refusing the layout): every later call answers 0 / load errors."""
+
+    def restarted(agent, conn, req, n):
+        if not getattr(agent, "restarted", False):
+            return well_behaved(agent, conn, req, n)
+        if req["op"] == "hello":
+            code = ["ERR_PROTOCOL_VERSION", "ERR_MODEL_MISMATCH"][n % 2]
+            return {"ok": False, "error": {"code": code, "message": "refused"}}
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(restarted)
+    s = scheduler(agent)
+    w, caches = worker(agent)
+    try:
+        assert s._client.connected and w._worker_ready()
+        agent.restarted = True
+        agent.drop_all()
+        time.sleep(0.1)
+        for i in range(4):
+            assert lookup(s, make_request(f"x{i}", PROMPT, 16)) == 0
+            assert run_load(w, list(caches), load_spec()) == set(range(10, 14))
+            assert s.request_finished(make_request(f"x{i}", PROMPT, 16), list(range(8))) == (False, None)
+    finally:
+        s.shutdown()
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def test_a_register_refused_after_a_restart_means_load_errors_not_a_crash():
+    def layout_refused(agent, conn, req, n):
+        if getattr(agent, "restarted", False) and req["op"] == "register":
+            return {"ok": False, "error": {"code": "ERR_LAYOUT", "message": "refused"}}
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(layout_refused)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        agent.restarted = True
+        agent.drop_all()
+        time.sleep(0.1)
+        for _ in range(3):
+            assert run_load(w, list(caches), load_spec()) == set(range(10, 14))
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+# ---------------------------------------------------------------------------- garbage answers
+
+
+@pytest.mark.parametrize(
+    "hello",
+    [
+        {"ok": True},  # no protocol, no chunkTokens
+        {"ok": True, "protocol": "1", "chunkTokens": 32},
+        {"ok": True, "protocol": 1},  # no chunkTokens
+        {"ok": True, "protocol": 1, "chunkTokens": "32"},
+        {"ok": True, "protocol": 1, "chunkTokens": 24},  # not a whole number of 16-token blocks
+        {"ok": True, "protocol": 1, "chunkTokens": -32},
+        {"ok": True, "protocol": 1, "chunkTokens": 0},
+    ],
+)
+def test_a_garbage_hello_answer_is_no_agent(hello):
+    def script(agent, conn, req, n):
+        return hello if req["op"] == "hello" else well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    s = scheduler(agent)
+    try:
+        assert lookup(s, make_request("r", PROMPT, 16)) == 0
+        assert s.request_finished(make_request("r", PROMPT, 16), list(range(8))) == (False, None)
+    finally:
+        s.shutdown()
+        agent.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"ok": True},
+        {"ok": True, "chunks": "3"},
+        {"ok": True, "chunks": None},
+        {"ok": True, "chunks": 3.5},
+        {"ok": True, "chunks": -1},
+        {"ok": True, "chunks": 99},  # more chunks than were asked
+        {"ok": True, "chunks": True},
+    ],
+)
+def test_a_garbage_lookup_answer_is_a_miss(answer):
+    def script(agent, conn, req, n):
+        return answer if req["op"] == "lookup" else well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    s = scheduler(agent)
+    try:
+        assert lookup(s, make_request("r", PROMPT, 16)) == 0
+    finally:
+        s.shutdown()
+        agent.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"ok": True},  # no failedBlocks: nothing says the blocks were filled
+        {"ok": True, "failedBlocks": "none"},
+        {"ok": True, "failedBlocks": [10, "x"]},
+        {"ok": True, "failedBlocks": None},
+        {"ok": True, "failedBlocks": [10.5]},
+    ],
+)
+def test_a_garbage_load_answer_reports_every_block(answer):
+    def script(agent, conn, req, n):
+        return answer if req["op"] == "load" else well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        assert run_load(w, list(caches), load_spec()) == set(range(10, 14))
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def test_a_load_answer_naming_other_blocks_reports_only_the_loads_blocks():
+    def script(agent, conn, req, n):
+        if req["op"] == "load":
+            return {"ok": True, "chunks": 1, "failedBlocks": [12, 13, 999, 0], "error": None}
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        assert run_load(w, list(caches), load_spec()) == {12, 13}
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"event": "load-progress", "id": [1], "layers": 1},  # an unhashable id
+        {"event": "load-progress", "id": {"a": 1}, "layers": 1},
+        {"event": "load-progress", "layers": "x"},  # id filled in below: a garbage field
+        {"id": [1], "ok": True},  # an answer with an unhashable id
+    ],
+)
+def test_garbage_frames_drop_the_connection_and_the_load_is_reported(event):
+    def script(agent, conn, req, n):
+        if req["op"] == "load":
+            ev = dict(event)
+            ev.setdefault("id", req["id"])
+            agent.send(conn, ev)
+            return None  # the load's answer never comes
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    w, caches = worker(agent, load_timeout_ms=5000)
+    try:
+        assert w._worker_ready()
+        t0 = time.monotonic()
+        assert run_load(w, list(caches), load_spec()) == set(range(10, 14))
+        assert time.monotonic() - t0 < 4, "the garbage frame did not end the load"
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+# ---------------------------------------------------------------------------- saves
+
+
+def test_request_finished_saves_only_chunks_whose_kv_vllm_computed():
+    """A request ends when its last token is sampled; that token's KV is never computed. When it
+    completes a chunk, that chunk's last slot holds whatever the block held before: not stored."""
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        toks = PROMPT[:64]  # 2 chunks of 32
+        req = make_request("r", toks, 16)
+        req.num_computed_tokens = 63  # the 64th token was sampled, not computed
+        delay, _ = s.request_finished(req, list(range(4)))
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={"r"}))
+        saved = [len(sp.keys) for sp in meta.saves]
+        assert delay is True and saved == [1], saved
+        # Every token computed: both chunks.
+        req2 = make_request("r2", toks, 16)
+        req2.num_computed_tokens = 64
+        assert s.request_finished(req2, list(range(4)))[0] is True
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={"r2"}))
+        assert [len(sp.keys) for sp in meta.saves] == [2]
+        # No full chunk computed: nothing held back.
+        req3 = make_request("r3", toks, 16)
+        req3.num_computed_tokens = 31
+        assert s.request_finished(req3, list(range(4))) == (False, None)
+    finally:
+        s.shutdown()
+        agent.close()
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+def test_pipeline_parallelism_is_refused_at_start(tmp_path):
+    """Every PP stage registers its own layers under the same keys (the namespace has the TP
+    rank, not the stage): stage 1 would load stage 0's KV. Refused with a message, not served."""
+    from kvgate_vllm import ConfigurationError, engine_settings
+
+    cfg = vllm_config(EngineSpec(socket=str(tmp_path / "x.sock")))
+    cfg.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ConfigurationError, match="pipeline"):
+        engine_settings(cfg)
+    cfg.parallel_config.pipeline_parallel_size = 1
+    assert engine_settings(cfg)["world"] == 1
+
+
+def test_a_hello_answered_ok_for_another_protocol_is_no_agent():
+    def script(agent, conn, req, n):
+        if req["op"] == "hello":
+            return {**HELLO_OK, "protocol": 2}
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    try:
+        with pytest.raises(Exception, match="protocol"):
+            scheduler(agent)  # at start: the engine fails with the reason
+    finally:
+        agent.close()
+
+
+# ---------------------------------------------------------------------------- bounded state
+
+
+def test_finished_requests_without_a_save_are_not_remembered():
+    """vLLM passes every finished request to get_finished; only those with a kvgate save may be
+    kept until it is done (the worker saw one id per request ever served, forever)."""
+
+    def script(agent, conn, req, n):
+        if req["op"] == "save":
+            return None  # answered below, after the request finished
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        for i in range(1000):
+            w.get_finished({f"plain-{i}"})
+        assert len(w._finished_seen) == 0
+        # A save still waits for its request's id, and is reported once both are in.
+        req = make_request("s", PROMPT, 16)
+        w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
+        w.start_load_kv(None)
+        assert w.get_finished({"s"}) == (None, None)
+        save_id = max(w._client._pending)
+        agent.send(agent.conns[-1], {"id": save_id, "ok": True, "chunks": 2, "stored": 2, "present": 0, "skipped": 0})
+        deadline = time.monotonic() + 5
+        while w.get_finished(set()) == (None, None):
+            assert time.monotonic() < deadline, "the save was never reported finished"
+            time.sleep(0.01)
+        assert len(w._finished_seen) == 0
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def test_requests_to_an_agent_that_reads_and_never_answers_are_bounded():
+    """The client keeps at most MAX_PENDING requests waiting: beyond, a request fails at once
+    (ERR_BUSY: a miss, a load error, a save not stored) instead of growing without bound."""
+    from kvgate_vllm.client import MAX_PENDING, AgentClient, AgentError
+
+    agent = ScriptedAgent(lambda agent, conn, req, n: HELLO_OK if req["op"] == "hello" else None)
+    c = AgentClient(agent.path, {"protocol": 1}, reconnect_interval=0)
+    try:
+        assert c.ensure()
+        futures = [c.request("lookup", {"keys": b""}) for _ in range(MAX_PENDING + 10)]
+        assert len(c._pending) <= MAX_PENDING
+        late = futures[-1]
+        assert late.done()
+        with pytest.raises(AgentError) as e:
+            late.result(timeout=0)
+        assert e.value.code == "ERR_BUSY"
+        assert c.connected  # the agent may be slow, not broken: answers still reach the others
+    finally:
+        c.close()
+        agent.close()
+
+
+def test_an_agent_that_accepts_and_never_answers_hello_is_dialed_ever_less_often():
+    """Each dial of a stalled agent holds vLLM's thread for the hello timeout: after failed
+    hellos the next dial waits longer and longer (a refused connect, an agent not yet
+    restarted, keeps the plain interval), so the engine is not held most of the time."""
+    from kvgate_vllm.client import AgentClient
+
+    agent = ScriptedAgent(lambda agent, conn, req, n: None)  # reads, never answers
+    c = AgentClient(agent.path, {"protocol": 1}, reconnect_interval=0.01)
+    c._hello_timeout = 0.05
+    try:
+        held = 0.0
+        t_end = time.monotonic() + 2.0
+        while time.monotonic() < t_end:
+            t0 = time.monotonic()
+            assert c.ensure() is False
+            held += time.monotonic() - t0
+            time.sleep(0.002)
+        # Every 10 ms: ~30 dials, each held 50 ms (75 % of the time). Backing off: ~8.
+        assert len(agent.conns) <= 12, len(agent.conns)
+        assert held < 0.8, held
+    finally:
+        c.close()
+        agent.close()
+
+
+# ---------------------------------------------------------------------------- CUDA graphs
+
+
+@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE", None])
+def test_a_step_replaying_a_full_cuda_graph_has_its_loads_in_place_before_the_forward(mode):
+    """A FULL CUDA graph replays the forward without its Python: wait_for_layer_load is never
+    called (vLLM issue 29608; vLLM <= 0.13 runs uniform decode batches, a 1-token prefill after a
+    full prefix load included, that way). Such a step waits for its loads in start_load_kv;
+    other steps still overlap the load with the forward."""
+
+    def slow_load(agent, conn, req, n):
+        if req["op"] == "load":
+
+            def answer():
+                for layers in (1, 2, 3):
+                    agent.send(conn, {"event": "load-progress", "id": req["id"], "layers": layers})
+                agent.send(conn, {"id": req["id"], "ok": True, "chunks": 2, "failedBlocks": [], "error": None})
+
+            threading.Timer(0.3, answer).start()
+            return None
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(slow_load)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        fc = SimpleNamespace(cudagraph_runtime_mode=None if mode is None else SimpleNamespace(name=mode))
+        w.bind_connector_metadata(KVGateMetadata(loads=[load_spec()]))
+        w.start_load_kv(fc)
+        landed = all(st.future.done() for st in w._loads)
+        assert landed is (mode == "FULL")
+        if mode != "FULL":
+            for n in caches:
+                w.wait_for_layer_load(n)
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set()
+        w.clear_connector_metadata()
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def test_a_save_pending_when_the_agent_dies_frees_its_blocks_and_is_counted():
+    """request_finished held the blocks for the save: the agent dying before it answered ends
+    the save (reported finished, so vLLM frees the blocks), counted as not stored."""
+
+    def script(agent, conn, req, n):
+        return None if req["op"] == "save" else well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        req = make_request("s", PROMPT, 16)
+        w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
+        w.start_load_kv(None)
+        w.wait_for_save()
+        assert w.get_finished({"s"}) == (None, None)
+        w.clear_connector_metadata()
+        assert w.saves_not_stored == 0
+        agent.close()  # the agent dies with the save unanswered
+        deadline = time.monotonic() + 5
+        while True:
+            done, _ = w.get_finished(set())
+            if done:
+                break
+            assert time.monotonic() < deadline, "the blocks were never released"
+            time.sleep(0.01)
+        assert done == {"s"}
+        assert w.saves_not_stored == 1
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def test_chunks_that_failed_to_load_are_saved_again():
+    """The lookup found 3 chunks, chunk 1 failed to load (vLLM recomputed it): the request's
+    save starts at chunk 1, not after the 3 the lookup promised, or this node never stores the
+    chunk it could not load and every later request fails on it again."""
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        req = make_request("r", PROMPT, 16)
+        assert lookup(s, req) == 96
+        blocks = list(range(20, 27))
+        s.update_state_after_alloc(req, FakeBlocks(blocks), 96)
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
+        assert [ld.block_ids for ld in meta.loads] == [blocks[:6]]
+        # The workers reported chunk 1's first block (and an unrelated one) as not loaded.
+        s.update_connector_output(SimpleNamespace(invalid_block_ids={blocks[2], 999}))
+        req.num_computed_tokens = 100
+        assert s.request_finished(req, blocks)[0] is True
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={"r"}))
+        assert [(len(sp.keys), sp.first) for sp in meta.saves] == [(3, 1)]
+        # A load that went well: nothing saved again.
+        req2 = make_request("r2", PROMPT, 16)
+        assert lookup(s, req2) == 96
+        s.update_state_after_alloc(req2, FakeBlocks(blocks), 96)
+        s.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
+        s.update_connector_output(SimpleNamespace(invalid_block_ids=set()))
+        req2.num_computed_tokens = 100
+        assert s.request_finished(req2, blocks) == (False, None)
+    finally:
+        s.shutdown()
+        agent.close()
