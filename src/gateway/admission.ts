@@ -5,10 +5,8 @@
 // finally, whichever way the request ends (done, error, client abort), so no route
 // releases anything itself.
 
-import type { Context } from 'hono'
 import { KvgateError } from '../core/errors.ts'
 import type { GatewayState } from './context.ts'
-import type { GatewayEnv } from './env.ts'
 
 export interface Need {
   /** Body bytes the request declares (Content-Length, an upload's size). */
@@ -18,11 +16,10 @@ export interface Need {
 }
 
 /**
- * Runs `run` with the request admitted, or throws 503 ERR_BUSY (Retry-After: 1) before
+ * Runs `run` with the request admitted, or throws 503 ERR_BUSY (errors.ts adds Retry-After) before
  * anything is read or stored. `what` labels kvgate_busy_total.
  */
 export async function admitted<T>(
-  c: Context<GatewayEnv>,
   state: GatewayState,
   what: string,
   need: Need,
@@ -35,7 +32,6 @@ export async function admitted<T>(
   const lease = tooMuch ? undefined : state.memory.tryReserve(need.held)
   if (!lease) {
     state.metrics.busy.inc({ what })
-    c.header('retry-after', '1')
     throw new KvgateError(
       'ERR_BUSY',
       tooMuch

@@ -249,7 +249,7 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     // malformed or oversized Content-Length is refused by requestBytes, after admission of 0.
     const declared = Number(c.req.header('content-length') ?? 0)
     const held = Number.isSafeInteger(declared) && declared <= max ? declared : 0
-    return admitted(c, state, 'calibration', { declared: held, held }, () => storeUpload(c, ns, hash))
+    return admitted(state, 'calibration', { declared: held, held }, () => storeUpload(c, ns, hash))
   })
 
   async function storeUpload(c: Context<GatewayEnv>, ns: string, hash: string): Promise<Response> {

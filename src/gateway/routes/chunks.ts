@@ -72,7 +72,7 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     // admitted against the bytes in flight and the memory budget, both given back when it ends.
     const need = { declared: size, held: bodyHoldBytes(size, state.store) }
     const nsId = namespaceIdOf(ns)
-    const { result, header } = await admitted(c, state, 'put', need, async () => {
+    const { result, header } = await admitted(state, 'put', need, async () => {
       const source = requestBodySource(c)
       if (!source) throw badRequest('missing request body')
       const vb = verifiedBody(source, {

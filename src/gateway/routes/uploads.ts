@@ -216,7 +216,7 @@ export function uploadRoutes(
     // flight and held. Busy before anything is touched, so the staged object stays for the retry.
     const declared = t.bytes <= o.maxBytes ? t.bytes : 0
     const need = { declared, held: bodyHoldBytes(declared, store) }
-    return admitted(c, state, 'commit', need, () => commitStaged(c, o, ns, t, staged, final))
+    return admitted(state, 'commit', need, () => commitStaged(c, o, ns, t, staged, final))
   })
 
   async function commitStaged(
