@@ -125,6 +125,7 @@ describe('MemoryBudget', () => {
     const s3 = new S3Store({ bucket: 'b', region: 'us-east-1', partSize: 16 * MIB, partConcurrency: 4 })
     expect(s3.putHoldBytes(512 * MIB)).toBe(80 * MIB) // 4 parts in flight + the one being filled
     expect(s3.putHoldBytes(100 * MIB)).toBe(4 * MIB) // its Readable's read-ahead
+    expect(s3.getHoldBytes(100 * MIB)).toBe(4 * MIB) // a GET body reads ahead of its reader
   })
 })
 
@@ -371,15 +372,16 @@ describe('maxHeldBytes per runtime', () => {
     expect(held({})).toBe(256 * MIB) // a local run of the bundle: the Node default
     expect(() => held({ AWS_LAMBDA_FUNCTION_MEMORY_SIZE: 'lots' })).toThrow(/AWS_LAMBDA_FUNCTION_MEMORY_SIZE/)
     expect(lambdaMaxHeldBytes(128)).toBe(16 * MIB) // never below 16 MiB
-    // One commit's S3 multipart (5 MiB read-ahead + (n + 1) × 16 MiB parts) fits its budget.
+    // One commit's S3 multipart (5 + 4 MiB read-ahead + (n + 1) × 16 MiB parts) fits its budget.
     for (const mem of [256, 512, 1024, 10240]) {
       const budget = lambdaMaxHeldBytes(mem)
       const n = lambdaPartConcurrency(budget)
       expect(n).toBeGreaterThanOrEqual(1)
       expect(n).toBeLessThanOrEqual(4)
-      expect(BODY_HOLD_BYTES + (n + 1) * 16 * MIB).toBeLessThanOrEqual(budget)
+      expect(BODY_HOLD_BYTES + 4 * MIB + (n + 1) * 16 * MIB).toBeLessThanOrEqual(budget)
       const s3 = new S3Store({ bucket: 'b', region: 'us-east-1', partSize: 16 * MIB, partConcurrency: n })
-      expect(() => createGateway({ store: s3, limits: { maxHeldBytes: budget } })).not.toThrow()
+      const uploads = { minBytes: MIB, maxBytes: 512 * MIB }
+      expect(() => createGateway({ store: s3, uploads, limits: { maxHeldBytes: budget } })).not.toThrow()
     }
   })
 })

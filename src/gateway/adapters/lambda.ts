@@ -234,12 +234,15 @@ export interface LambdaGatewayConfig {
 /** S3 part size the Lambda store uses (the S3Store default). */
 const LAMBDA_PART_BYTES = 16 * 1024 * 1024
 
+/** What an upload commit holds beside its parts: the staged GET's and the verifier's read-ahead. */
+const LAMBDA_COMMIT_READ_AHEAD = BODY_HOLD_BYTES + 4 * 1024 * 1024
+
 /**
  * Parts in flight per S3 multipart upload (an upload commit's store side) that fit `budget`
  * beside the read-ahead: each holds a 16 MiB part, plus the one being filled. 1 to 4.
  */
 export function lambdaPartConcurrency(budget: number): number {
-  return Math.max(1, Math.min(4, Math.floor((budget - BODY_HOLD_BYTES) / LAMBDA_PART_BYTES) - 1))
+  return Math.max(1, Math.min(4, Math.floor((budget - LAMBDA_COMMIT_READ_AHEAD) / LAMBDA_PART_BYTES) - 1))
 }
 
 function intFromEnv(env: Record<string, string | undefined>, name: string, fallback: number): number {

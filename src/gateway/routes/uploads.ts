@@ -156,7 +156,8 @@ export function uploadRoutes(
   const canPresign = o !== undefined && typeof store.presignUpload === 'function'
   if (canPresign)
     assertFitsBudget(state.limits.maxHeldBytes, {
-      'an upload commit of uploads.maxBytes (read-ahead and store parts)': bodyHoldBytes(o.maxBytes, store),
+      'an upload commit of uploads.maxBytes (read-ahead and store parts)':
+        bodyHoldBytes(o.maxBytes, store) + (store.getHoldBytes?.(o.maxBytes) ?? 0),
     })
 
   app.post('/v1/ns/:ns/uploads', async (c) => {
@@ -215,7 +216,8 @@ export function uploadRoutes(
     // The staged body passes through the gateway as a PUT body does: the same bounds on bytes in
     // flight and held. Busy before anything is touched, so the staged object stays for the retry.
     const declared = t.bytes <= o.maxBytes ? t.bytes : 0
-    const need = { declared, held: bodyHoldBytes(declared, store) }
+    // It also holds the staged GET's read-ahead (S3).
+    const need = { declared, held: bodyHoldBytes(declared, store) + (store.getHoldBytes?.(declared) ?? 0) }
     return admitted(state, 'commit', need, () => commitStaged(c, o, ns, t, staged, final))
   })
 

@@ -53,6 +53,7 @@ export function instrumentStore(store: ObjectStore, metrics: GatewayMetrics): Ob
       )
   if (store.abortUpload) wrapped.abortUpload = (name, id) => store.abortUpload!(name, id)
   if (store.putHoldBytes) wrapped.putHoldBytes = (size) => store.putHoldBytes!(size)
+  if (store.getHoldBytes) wrapped.getHoldBytes = (length) => store.getHoldBytes!(length)
   if (store.stats) wrapped.stats = () => store.stats!()
   if (store.close) wrapped.close = () => store.close!()
   return wrapped

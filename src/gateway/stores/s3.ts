@@ -173,6 +173,11 @@ export class S3Store implements ObjectStore {
     return Math.min(size, READ_AHEAD_BYTES)
   }
 
+  /** A GET body reads up to READ_AHEAD_BYTES ahead of its reader (webStream). */
+  getHoldBytes(length: number): number {
+    return Math.min(length, READ_AHEAD_BYTES)
+  }
+
   async putIfAbsent(
     name: string,
     body: ReadableStream<Uint8Array> | Uint8Array,

@@ -84,6 +84,8 @@ export interface ObjectStore {
    * limits.maxHeldBytes before the PUT (memory-budget.ts). Absent: none.
    */
   putHoldBytes?(size: number): number
+  /** Bytes a get() body of `length` bytes reads ahead of its reader in memory (S3). Absent: none. */
+  getHoldBytes?(length: number): number
   /** One page of objects under `prefix`, in name order. */
   list(
     prefix: string,
