@@ -8,6 +8,7 @@ import { configFromEnv, lambdaPartConcurrency } from '../src/gateway/adapters/la
 import { gatewayFromEnv } from '../src/gateway/adapters/workers.ts'
 import { GetCoalescer } from '../src/gateway/coalesce.ts'
 import { resolveServeConfig, settingsFromEnv } from '../src/gateway/config.ts'
+import { HEADER_CACHE_BYTES } from '../src/gateway/context.ts'
 import { createGateway, MemoryStore } from '../src/gateway/index.ts'
 import {
   BODY_HOLD_BYTES,
@@ -383,5 +384,22 @@ describe('maxHeldBytes per runtime', () => {
       const uploads = { minBytes: MIB, maxBytes: 512 * MIB }
       expect(() => createGateway({ store: s3, uploads, limits: { maxHeldBytes: budget } })).not.toThrow()
     }
+  })
+})
+
+describe('the decoded header cache (?layers=)', () => {
+  it('is bounded in bytes, not only in entries: large headers cannot fill an isolate', async () => {
+    const app = createGateway({ store: new MemoryStore() })
+    // 1024 sections (the most a chunk has): a ~16 KiB header, ~64 KiB more decoded; 110 pass 8 MiB.
+    const chunks = Array.from({ length: 110 }, () => makeChunk({ layers: 1024, sectionBytes: 16 }))
+    for (const c of chunks) {
+      expect((await app.request(`/v1/ns/a/chunks/${c.key}`, putOf(c.bytes))).status).toBe(201)
+      const r = await app.request(`/v1/ns/a/chunks/${c.key}?layers=1-2`)
+      expect(r.status).toBe(200)
+      await r.arrayBuffer()
+    }
+    expect(app.state.headers.size).toBeGreaterThan(0)
+    expect(app.state.headers.size).toBeLessThan(chunks.length)
+    expect(app.state.headers.calculatedSize).toBeLessThanOrEqual(HEADER_CACHE_BYTES)
   })
 })

@@ -56,6 +56,11 @@ export interface GatewayLimits {
   calibrationCacheBytes?: number
 }
 
+/** Bytes of decoded chunk headers kept for ?layers= (their bytes and decoded sections). */
+export const HEADER_CACHE_BYTES = 8 * 1024 * 1024
+/** What one decoded section entry costs on the JS heap (an object of three numbers), roughly. */
+const DECODED_SECTION_BYTES = 64
+
 /** Verified calibration bodies kept per instance where the runtime sets no smaller bound. */
 export const DEFAULT_CALIBRATION_CACHE_BYTES = 64 * 1024 * 1024
 
@@ -182,7 +187,13 @@ export function createState(opts: {
             opts.coalesce?.maxBufferedBytes,
             memory,
           ),
-    headers: new LRUCache({ max: 10_000 }),
+    // Bounded in bytes too: a header is up to ~1 MiB (65535 sections), decoded a JS object per
+    // section; 10 000 of them could pass a Worker isolate's whole memory.
+    headers: new LRUCache<string, CachedHeader>({
+      max: 10_000,
+      maxSize: HEADER_CACHE_BYTES,
+      sizeCalculation: (e) => e.bytes.length + e.header.sections.length * DECODED_SECTION_BYTES,
+    }),
     calibrations: new LRUCache<string, Uint8Array>({
       // lru-cache wants a positive bound; with 0 the routes put nothing in (they stream every body).
       maxSize: Math.max(1, limits.calibrationCacheBytes),

@@ -94,8 +94,8 @@ export const DEFAULT_MAX_HELD_BYTES = 256 * MIB
 
 /**
  * A Worker isolate has 128 MB (122 MiB) for everything. Of it: ~16 MiB for the runtime,
- * the bundle and the JS heap's own objects (header and presence caches), 8 MiB for the
- * calibration cache, and the rest left as headroom for bytes released but not yet
+ * the bundle and the JS heap's own objects (the presence cache; the decoded header cache,
+ * 8 MiB at most: HEADER_CACHE_BYTES), 8 MiB for the calibration cache, and the rest left as headroom for bytes released but not yet
  * collected (V8 frees ArrayBuffers at its next GC, not at release) — half of what remains.
  * 48 MiB admits three 16 MiB calibration PUTs, three multipart chunk PUTs (5 MiB read-ahead
  * + an 8 MiB part) or nine streamed ones at once; the next one gets 503 ERR_BUSY.
