@@ -309,6 +309,37 @@ describe('a commit is a PUT to the rest of the gateway', () => {
     expect(app.state.inFlight.bytes).toBe(0)
   })
 
+  it('a commit reserves its read-ahead in the memory bound: past it 503 ERR_BUSY, the staged object kept', async () => {
+    const store = new StagingMemoryStore()
+    const app = createGateway({
+      store,
+      prefix: 'kv',
+      uploads: { minBytes: 1024, expiresSeconds: 60 },
+      limits: { maxHeldBytes: 8 * 1024 * 1024, maxCalibrationBytes: 1024, maxChunkBytes: 1024 * 1024 },
+    })
+    const c = makeChunk({ sectionBytes: 4096 })
+    const r = await open(app, 'a', { key: c.key, bytes: c.bytes.length })
+    const { uploadId, parts } = r.json as { uploadId: string; parts: { url: string }[] }
+    await store.putIfAbsent(stagedNameOf(parts[0]!.url), c.bytes, c.bytes.length)
+    // Other requests hold all but less than this commit's body.
+    const others = app.state.memory.tryReserve(app.state.limits.maxHeldBytes - c.bytes.length + 1)!
+    const busy = await commit(app, 'a', uploadId)
+    expect([busy.status, busy.code]).toEqual([503, 'ERR_BUSY'])
+    expect(await store.head(stagedNameOf(parts[0]!.url))).toBeDefined()
+    others.release()
+    expect(app.state.memory.held).toBe(0)
+    expect((await commit(app, 'a', uploadId)).status).toBe(201)
+    expect(app.state.memory.held).toBe(0)
+    // A commit that fails (its staged bytes are another chunk's) gives its reservation back too.
+    const other = makeChunk({ sectionBytes: 4096 })
+    const bad = makeChunk({ sectionBytes: 4096 })
+    const o2 = await open(app, 'a', { key: other.key, bytes: bad.bytes.length })
+    const t2 = o2.json as { uploadId: string; parts: { url: string }[] }
+    await store.putIfAbsent(stagedNameOf(t2.parts[0]!.url), bad.bytes, bad.bytes.length)
+    expect((await commit(app, 'a', t2.uploadId)).status).toBe(400)
+    expect(app.state.memory.held).toBe(0)
+  })
+
   it('never answers "exists" from a cached presence: a chunk deleted behind the gateway is uploaded again', async () => {
     const { store, app } = setup()
     const c = makeChunk({ sectionBytes: 4096 })

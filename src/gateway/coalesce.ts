@@ -5,6 +5,7 @@
 // (A tee would buffer without bound behind the slowest client.)
 
 import { isKvgateError, StoreError } from '../core/errors.ts'
+import type { MemoryBudget, MemoryLease } from './memory-budget.ts'
 import type { StoreObject } from './stores/types.ts'
 
 type Shared =
@@ -22,20 +23,25 @@ export interface CoalescedGet {
 interface Lease {
   refs: number
   bytes: number
+  /** The buffer's reservation in the gateway's memory budget, given back with the last ref. */
+  memory?: MemoryLease
 }
 
 export class GetCoalescer {
   readonly #inflight = new Map<string, { shared: Promise<Shared>; lease: Lease }>()
   readonly #maxBytes: number
   readonly #maxBuffered: number
+  readonly #budget: MemoryBudget | undefined
   #buffered = 0
 
-  constructor(maxBytes: number, maxBufferedBytes = 64 * 1024 * 1024) {
+  /** `budget`: the gateway's memory budget, which a buffer must also fit (else the GET streams). */
+  constructor(maxBytes: number, maxBufferedBytes = 64 * 1024 * 1024, budget?: MemoryBudget) {
     if (!Number.isInteger(maxBytes) || maxBytes < 0) throw new TypeError('invalid coalesce maxBytes')
     if (!Number.isInteger(maxBufferedBytes) || maxBufferedBytes < 0)
       throw new TypeError('invalid coalesce maxBufferedBytes')
     this.#maxBytes = maxBytes
     this.#maxBuffered = maxBufferedBytes
+    this.#budget = budget
   }
 
   get inflight(): number {
@@ -48,7 +54,9 @@ export class GetCoalescer {
   }
 
   #release(lease: Lease): void {
-    if (--lease.refs === 0) this.#buffered -= lease.bytes
+    if (--lease.refs > 0) return
+    this.#buffered -= lease.bytes
+    lease.memory?.release()
   }
 
   async get(key: string, fetch: () => Promise<StoreObject | undefined>): Promise<CoalescedGet> {
@@ -74,6 +82,11 @@ export class GetCoalescer {
       if (!obj) return { kind: 'absent' }
       if (obj.length > this.#maxBytes || this.#buffered + obj.length > this.#maxBuffered)
         return { kind: 'stream', obj }
+      if (this.#budget) {
+        const memory = this.#budget.tryReserve(obj.length)
+        if (!memory) return { kind: 'stream', obj }
+        lease.memory = memory
+      }
       lease.bytes = obj.length
       this.#buffered += obj.length
       const reader = obj.body.getReader()

@@ -10,6 +10,7 @@ import { boolLike, byteSize, intLike, parseConfig } from '../core/config-check.t
 import { ConfigError } from '../core/errors.ts'
 import { isObjectPrefix } from '../core/keys.ts'
 import { DEFAULT_CALIBRATION_CACHE_BYTES } from './context.ts'
+import { DEFAULT_MAX_HELD_BYTES } from './memory-budget.ts'
 import type { TokenGrant } from './middleware/auth.ts'
 import { TokenTableSchema } from './token-table.ts'
 
@@ -52,6 +53,8 @@ export interface ServeConfig {
   readerIdleTimeoutMs: number
   /** Declared PUT body bytes in flight at once (503 ERR_BUSY above). */
   maxInFlightBytes: number
+  /** Bytes the gateway holds for requests at once: read-ahead, parts, bodies (503 ERR_BUSY above). */
+  maxHeldBytes: number
   /** Open connections at most. */
   maxConnections: number
   /** Stored-object verifications at once. */
@@ -209,6 +212,12 @@ const OPTIONS = {
     env: 'KVGATE_MAX_IN_FLIGHT_BYTES',
     flag: '--max-in-flight-bytes',
     file: 'maxInFlightBytes',
+  },
+  maxHeldBytes: {
+    schema: byteSize(1, 1024 ** 4),
+    env: 'KVGATE_MAX_HELD_BYTES',
+    flag: '--max-held-bytes',
+    file: 'maxHeldBytes',
   },
   maxConnections: {
     schema: intLike(1, 1_000_000),
@@ -419,6 +428,7 @@ export function resolveServeConfig(...layers: ServeSettingsInput[]): ServeConfig
     bodyMinBytesPerSecond: s.bodyMinBytesPerSecond ?? 8192,
     readerIdleTimeoutMs: s.readerIdleTimeoutMs ?? 30_000,
     maxInFlightBytes: s.maxInFlightBytes ?? 1024 ** 3,
+    maxHeldBytes: s.maxHeldBytes ?? DEFAULT_MAX_HELD_BYTES,
     maxConnections: s.maxConnections ?? 1024,
     maxConcurrentVerifies: s.maxConcurrentVerifies ?? 4,
     tokens,

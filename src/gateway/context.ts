@@ -8,6 +8,7 @@ import { isObjectPrefix } from '../core/keys.ts'
 import { ChainLookup, type ChainLookupOptions } from './chain-lookup.ts'
 import { GetCoalescer } from './coalesce.ts'
 import type { Verified } from './heal.ts'
+import { bodyHoldBytes, DEFAULT_MAX_HELD_BYTES, MemoryBudget } from './memory-budget.ts'
 import { GatewayMetrics } from './metrics.ts'
 import { instrumentStore } from './stores/instrumented.ts'
 import type { ObjectStore } from './stores/types.ts'
@@ -35,6 +36,14 @@ export interface GatewayLimits {
   readerIdleTimeoutMs?: number
   /** Declared PUT body bytes in flight at once; above it PUTs get 503 ERR_BUSY. @default 1 GiB */
   maxInFlightBytes?: number
+  /**
+   * Bytes the gateway itself holds for requests at once: PUT read-ahead, multipart parts,
+   * whole calibration bodies, coalesced GET buffers (memory-budget.ts). A PUT that would
+   * pass it gets 503 ERR_BUSY; a GET streams instead of buffering. Must fit what one
+   * request holds. Workers set 48 MiB, Lambda half of what its memory leaves the runtime.
+   * @default 256 MiB
+   */
+  maxHeldBytes?: number
   /** Stored-object verifications (POST …/verify, corrupt GETs) at once. @default 4 */
   maxConcurrentVerifies?: number
   /** Largest calibration object accepted by PUT …/calibrations/{sha256}. @default 16 MiB */
@@ -46,6 +55,11 @@ export interface GatewayLimits {
    */
   calibrationCacheBytes?: number
 }
+
+/** Bytes of decoded chunk headers kept for ?layers= (their bytes and decoded sections). */
+export const HEADER_CACHE_BYTES = 8 * 1024 * 1024
+/** What one decoded section entry costs on the JS heap (an object of three numbers), roughly. */
+const DECODED_SECTION_BYTES = 64
 
 /** Verified calibration bodies kept per instance where the runtime sets no smaller bound. */
 export const DEFAULT_CALIBRATION_CACHE_BYTES = 64 * 1024 * 1024
@@ -88,6 +102,8 @@ export interface GatewayState {
   verifying: Map<string, Promise<Verified>>
   /** Declared bytes of the PUT bodies being received now. */
   inFlight: { bytes: number }
+  /** Bytes held for requests now, bounded by limits.maxHeldBytes (reserve before holding). */
+  memory: MemoryBudget
   limits: Required<GatewayLimits>
   presign: Required<PresignOptions> | undefined
   prefix: string
@@ -123,6 +139,7 @@ export function createState(opts: {
     bodyMinBytesPerSecond: opts.limits?.bodyMinBytesPerSecond ?? 8192,
     readerIdleTimeoutMs: opts.limits?.readerIdleTimeoutMs ?? 30_000,
     maxInFlightBytes: opts.limits?.maxInFlightBytes ?? 1024 ** 3,
+    maxHeldBytes: opts.limits?.maxHeldBytes ?? DEFAULT_MAX_HELD_BYTES,
     maxConcurrentVerifies: opts.limits?.maxConcurrentVerifies ?? 4,
     maxCalibrationBytes: opts.limits?.maxCalibrationBytes ?? 16 * 1024 * 1024,
     calibrationCacheBytes: opts.limits?.calibrationCacheBytes ?? DEFAULT_CALIBRATION_CACHE_BYTES,
@@ -134,6 +151,14 @@ export function createState(opts: {
     const min = k === 'bodyMinBytesPerSecond' || k === 'calibrationCacheBytes' ? 0 : 1
     if (!Number.isInteger(v) || v < min) throw new TypeError(`createGateway: invalid limits.${k}`)
   }
+  // A request that could never fit would be refused forever: say so at start instead.
+  assertFitsBudget(limits.maxHeldBytes, {
+    'a calibration PUT (limits.maxCalibrationBytes, held whole)': limits.maxCalibrationBytes,
+    'a chunk PUT of limits.maxChunkBytes (read-ahead and store parts)': bodyHoldBytes(
+      limits.maxChunkBytes,
+      opts.store,
+    ),
+  })
   knownKeys(opts.presign, ['minBytes', 'expiresSeconds'], 'presign')
   knownKeys(opts.coalesce || undefined, ['maxBytes', 'maxBufferedBytes'], 'coalesce')
   if (opts.presign && (!Number.isInteger(opts.presign.minBytes) || opts.presign.minBytes < 0)) {
@@ -147,6 +172,8 @@ export function createState(opts: {
   if (!isObjectPrefix(prefix)) {
     throw new TypeError(`createGateway: invalid prefix ${JSON.stringify(prefix)}`)
   }
+  const memory = new MemoryBudget(limits.maxHeldBytes)
+  metrics.extras.push(memory)
   return {
     store,
     rawStore: opts.store,
@@ -155,8 +182,18 @@ export function createState(opts: {
     coalescer:
       opts.coalesce === false
         ? undefined
-        : new GetCoalescer(opts.coalesce?.maxBytes ?? 8 * 1024 * 1024, opts.coalesce?.maxBufferedBytes),
-    headers: new LRUCache({ max: 10_000 }),
+        : new GetCoalescer(
+            opts.coalesce?.maxBytes ?? 8 * 1024 * 1024,
+            opts.coalesce?.maxBufferedBytes,
+            memory,
+          ),
+    // Bounded in bytes too: a header is up to ~1 MiB (65535 sections), decoded a JS object per
+    // section; 10 000 of them could pass a Worker isolate's whole memory.
+    headers: new LRUCache<string, CachedHeader>({
+      max: 10_000,
+      maxSize: HEADER_CACHE_BYTES,
+      sizeCalculation: (e) => e.bytes.length + e.header.sections.length * DECODED_SECTION_BYTES,
+    }),
     calibrations: new LRUCache<string, Uint8Array>({
       // lru-cache wants a positive bound; with 0 the routes put nothing in (they stream every body).
       maxSize: Math.max(1, limits.calibrationCacheBytes),
@@ -164,6 +201,7 @@ export function createState(opts: {
     }),
     verifying: new Map(),
     inFlight: { bytes: 0 },
+    memory,
     limits,
     presign:
       opts.presign && opts.store.presignGet
@@ -182,4 +220,14 @@ export function knownKeys(section: object | undefined, keys: readonly string[], 
   if (section === undefined || section === null) return
   for (const k of Object.keys(section))
     if (!keys.includes(k)) throw new TypeError(`createGateway: unknown option ${name ? `${name}.` : ''}${k}`)
+}
+
+/** Throws when one request's hold (by what it is) exceeds the budget `max`. */
+export function assertFitsBudget(max: number, holds: Record<string, number>): void {
+  for (const [what, bytes] of Object.entries(holds)) {
+    if (bytes > max)
+      throw new TypeError(
+        `createGateway: limits.maxHeldBytes (${max}) is below the ${bytes} bytes ${what} holds: raise it or lower that limit`,
+      )
+  }
 }

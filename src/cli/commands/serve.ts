@@ -47,6 +47,8 @@ Options (flags override KVGATE_* env vars, which override the config file):
       --body-idle-timeout-ms N     a PUT body silent this long fails with 408 [30000]
       --reader-idle-timeout-ms N   a GET reader idle this long is cut off [30000]
       --max-in-flight-bytes N      declared PUT bytes in flight, 503 above [1073741824]
+      --max-held-bytes N           bytes held for requests (read-ahead, parts, bodies),
+                                   503 above [268435456]
       --max-connections N          open connections at most [1024]
       --log LEVEL            info | warn | error | silent [info]
       --status-public        serve the status page and /metrics without a token, so a
@@ -106,6 +108,7 @@ export async function run(argv: string[]): Promise<number> {
     'body-idle-timeout-ms': { type: 'string' },
     'reader-idle-timeout-ms': { type: 'string' },
     'max-in-flight-bytes': { type: 'string' },
+    'max-held-bytes': { type: 'string' },
     'max-connections': { type: 'string' },
     log: { type: 'string' },
     insecure: { type: 'boolean' },
@@ -138,6 +141,7 @@ export async function run(argv: string[]): Promise<number> {
     ['body-idle-timeout-ms', 'bodyIdleTimeoutMs'],
     ['reader-idle-timeout-ms', 'readerIdleTimeoutMs'],
     ['max-in-flight-bytes', 'maxInFlightBytes'],
+    ['max-held-bytes', 'maxHeldBytes'],
     ['max-connections', 'maxConnections'],
     ['log', 'log'],
     ['insecure', 'insecure'],
@@ -217,6 +221,7 @@ async function serve(config: ServeConfig): Promise<number> {
       bodyMinBytesPerSecond: config.bodyMinBytesPerSecond,
       readerIdleTimeoutMs: config.readerIdleTimeoutMs,
       maxInFlightBytes: config.maxInFlightBytes,
+      maxHeldBytes: config.maxHeldBytes,
       maxConcurrentVerifies: config.maxConcurrentVerifies,
       maxCalibrationBytes: config.maxCalibrationBytes,
       calibrationCacheBytes: config.calibrationCacheBytes,

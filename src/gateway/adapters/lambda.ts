@@ -7,6 +7,7 @@ import { pipeline } from 'node:stream/promises'
 import { type ColdTierConfig, parseColdTier } from '../../coldtier/policy.ts'
 import { ConfigError, isKvgateError } from '../../core/errors.ts'
 import { createGateway } from '../app.ts'
+import { BODY_HOLD_BYTES, DEFAULT_MAX_HELD_BYTES, lambdaMaxHeldBytes } from '../memory-budget.ts'
 import type { TokenGrant } from '../middleware/auth.ts'
 import type { ObjectStore } from '../stores/types.ts'
 import { parseTokenTable } from '../token-table.ts'
@@ -223,6 +224,25 @@ export interface LambdaGatewayConfig {
   uploadTtlSeconds: number
   /** Staging prefix for uploads (KVGATE_STAGING_PREFIX); `<prefix>-staging` by default. */
   stagingPrefix?: string
+  /**
+   * KVGATE_MAX_HELD_BYTES: bytes held for requests at once (limits.maxHeldBytes). By default
+   * from the function's memory (AWS_LAMBDA_FUNCTION_MEMORY_SIZE, see lambdaMaxHeldBytes).
+   */
+  maxHeldBytes: number
+}
+
+/** S3 part size the Lambda store uses (the S3Store default). */
+const LAMBDA_PART_BYTES = 16 * 1024 * 1024
+
+/** What an upload commit holds beside its parts: the staged GET's and the verifier's read-ahead. */
+const LAMBDA_COMMIT_READ_AHEAD = BODY_HOLD_BYTES + 4 * 1024 * 1024
+
+/**
+ * Parts in flight per S3 multipart upload (an upload commit's store side) that fit `budget`
+ * beside the read-ahead: each holds a 16 MiB part, plus the one being filled. 1 to 4.
+ */
+export function lambdaPartConcurrency(budget: number): number {
+  return Math.max(1, Math.min(4, Math.floor((budget - LAMBDA_COMMIT_READ_AHEAD) / LAMBDA_PART_BYTES) - 1))
 }
 
 function intFromEnv(env: Record<string, string | undefined>, name: string, fallback: number): number {
@@ -260,6 +280,14 @@ export function configFromEnv(env: Record<string, string | undefined> = process.
     uploadMaxBytes: intFromEnv(env, 'KVGATE_UPLOAD_MAX_BYTES', 512 * 1024 * 1024),
     uploadTtlSeconds: intFromEnv(env, 'KVGATE_UPLOAD_TTL', 900),
     stagingPrefix: env.KVGATE_STAGING_PREFIX || undefined,
+    // One request at a time per execution environment, in the memory the function was given.
+    maxHeldBytes: intFromEnv(
+      env,
+      'KVGATE_MAX_HELD_BYTES',
+      env.AWS_LAMBDA_FUNCTION_MEMORY_SIZE
+        ? lambdaMaxHeldBytes(intFromEnv(env, 'AWS_LAMBDA_FUNCTION_MEMORY_SIZE', 1024))
+        : DEFAULT_MAX_HELD_BYTES,
+    ),
   }
   if (!cfg.bucket && !cfg.fsRoot)
     throw new ConfigError('set KVGATE_S3_BUCKET (or KVGATE_FS_ROOT for a local run)')
@@ -303,6 +331,8 @@ async function openStore(cfg: LambdaGatewayConfig): Promise<ObjectStore> {
     region: cfg.region,
     ...(cfg.endpoint ? { endpoint: cfg.endpoint } : {}),
     maxSockets: 16,
+    partSize: LAMBDA_PART_BYTES,
+    partConcurrency: lambdaPartConcurrency(cfg.maxHeldBytes),
   })
 }
 
@@ -321,6 +351,7 @@ export async function gatewayFromConfig(cfg: LambdaGatewayConfig): Promise<Fetch
       maxChunkBytes: cfg.maxChunkBytes,
       maxCalibrationBytes: cfg.maxCalibrationBytes,
       calibrationCacheBytes: cfg.calibrationCacheBytes,
+      maxHeldBytes: cfg.maxHeldBytes,
     },
     presign: { minBytes: cfg.presignMinBytes, expiresSeconds: cfg.presignTtlSeconds },
     uploads: {

@@ -4,6 +4,7 @@
 import { parseColdTier } from '../../coldtier/policy.ts'
 import { ConfigError, isKvgateError } from '../../core/errors.ts'
 import { createGateway, type GatewayApp } from '../app.ts'
+import { WORKER_MAX_HELD_BYTES } from '../memory-budget.ts'
 import type { TokenGrant } from '../middleware/auth.ts'
 import { type R2BucketLike, R2Store } from '../stores/r2.ts'
 import { parseTokenTable } from '../token-table.ts'
@@ -34,6 +35,12 @@ export interface WorkerEnv {
   KVGATE_PART_BYTES?: string
   /** "true": /metrics and the status page need no token. */
   KVGATE_PUBLIC_STATUS?: string
+  /**
+   * Bytes the gateway holds for requests at once in this isolate (read-ahead, multipart parts,
+   * calibration PUT bodies, coalesced GET buffers); past it PUTs get 503 ERR_BUSY.
+   * @default 50331648 (48 MiB of the isolate's 128 MB: see WORKER_MAX_HELD_BYTES)
+   */
+  KVGATE_MAX_HELD_BYTES?: string
   /** Bytes the GET coalescer may buffer at once in this isolate. @default 33554432 (32 MiB) */
   KVGATE_COALESCE_MAX_BUFFERED_BYTES?: string
   /** How long a cached presence is trusted (ms). @default 30000 */
@@ -80,9 +87,10 @@ export function gatewayFromEnv(env: WorkerEnv): GatewayApp {
       maxCalibrationBytes: intVar(env, 'KVGATE_MAX_CALIBRATION_BYTES', 16 * 1024 * 1024),
       // The Node default (64 MiB) is half an isolate: keep a few calibrations, stream the rest.
       calibrationCacheBytes: intVar(env, 'KVGATE_CALIBRATION_CACHE_BYTES', 8 * 1024 * 1024, 0),
+      maxHeldBytes: intVar(env, 'KVGATE_MAX_HELD_BYTES', WORKER_MAX_HELD_BYTES),
     },
     prefix: env.KVGATE_PREFIX ?? 'kv',
-    // A 128 MB isolate: shared GET buffers stay a quarter of it.
+    // A 128 MB isolate: shared GET buffers stay a quarter of it (and within maxHeldBytes).
     coalesce: { maxBufferedBytes: intVar(env, 'KVGATE_COALESCE_MAX_BUFFERED_BYTES', 32 * 1024 * 1024) },
     lookup: { presenceTtlMs: intVar(env, 'KVGATE_PRESENCE_TTL_MS', 30_000) },
     // R2 list price; no egress fees.

@@ -36,6 +36,8 @@ export function errorResponse(state: GatewayState, err: unknown, c: Context<Gate
   }
   const headers: Record<string, string> = { 'content-type': 'application/json', 'x-kvgate-error': code }
   if (status === 401) headers['www-authenticate'] = 'Bearer realm="kvgate"'
+  // A busy gateway sheds load: clients back off (the client retries 503 after Retry-After).
+  if (code === 'ERR_BUSY') headers['retry-after'] = '1'
   if (status === 408 || status >= 500) headers.connection = 'close'
   return new Response(JSON.stringify({ error: { code, message } }), { status, headers })
 }

@@ -13,6 +13,7 @@ import { Sha256 } from '../../codec/sha256.ts'
 import { calibrationObjectName, currentCalibrationName } from '../../coldtier/names.ts'
 import { KvgateError, StoreError } from '../../core/errors.ts'
 import { assertNamespaceName, isKeyHex, toHex } from '../../core/keys.ts'
+import { admitted } from '../admission.ts'
 import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
 import {
@@ -175,16 +176,22 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
   async function read(name: string, hash: string): Promise<Served | undefined> {
     const obj = await state.store.get(name)
     if (!obj) return undefined
-    // Larger than the whole cache: never held here, whatever the runtime's memory.
-    if (obj.size > cacheBytes && obj.size <= max)
-      return { stream: hashedBody(name, hash, obj), size: obj.size }
-    const bytes = await readWhole(obj, max)
-    if ((await sha256Hex(bytes)) !== hash) {
-      await drop(name, obj.etag)
-      throw corrupt(NOT_ITS_NAME)
+    // Larger than the whole cache: never held here, whatever the runtime's memory. Nor when
+    // the gateway holds its memory bound already: streamed (hashed on the way) instead.
+    const lease = obj.size <= cacheBytes ? state.memory.tryReserve(obj.size) : undefined
+    if (obj.size <= max && !lease) return { stream: hashedBody(name, hash, obj), size: obj.size }
+    try {
+      const bytes = await readWhole(obj, max)
+      if ((await sha256Hex(bytes)) !== hash) {
+        await drop(name, obj.etag)
+        throw corrupt(NOT_ITS_NAME)
+      }
+      // From here the cache holds it (its own bound, calibrationCacheBytes).
+      bodies.set(name, bytes)
+      return { bytes }
+    } finally {
+      lease?.release()
     }
-    bodies.set(name, bytes)
-    return { bytes }
   }
 
   async function drop(name: string, etag: string | undefined): Promise<void> {
@@ -237,23 +244,12 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
       throw unsupportedMediaType(
         `calibration uploads must be application/octet-stream, got ${JSON.stringify(type || 'none')}`,
       )
-    // Read whole before it is checked: each upload's bytes count against the gateway's bound
-    // on bytes in flight, as a chunk PUT's do (16 MiB bodies, any number of them at once).
+    // Read whole before it is checked, and held until the store has it (S3: a whole PUT round
+    // trip): all its bytes count against the memory budget and the bytes in flight. A missing,
+    // malformed or oversized Content-Length is refused by requestBytes, after admission of 0.
     const declared = Number(c.req.header('content-length') ?? 0)
-    const inFlight = state.inFlight
-    if (declared <= max && inFlight.bytes > 0 && inFlight.bytes + declared > state.limits.maxInFlightBytes) {
-      state.metrics.busy.inc({ what: 'calibration' })
-      c.header('retry-after', '1')
-      throw new KvgateError('ERR_BUSY', 'too many upload bytes in flight; retry later', { status: 503 })
-    }
     const held = Number.isSafeInteger(declared) && declared <= max ? declared : 0
-    inFlight.bytes += held
-    try {
-      return await storeUpload(c, ns, hash)
-    } finally {
-      // The body stays in memory until the store has it (S3: a whole PUT round trip).
-      inFlight.bytes -= held
-    }
+    return admitted(state, 'calibration', { declared: held, held }, () => storeUpload(c, ns, hash))
   })
 
   async function storeUpload(c: Context<GatewayEnv>, ns: string, hash: string): Promise<Response> {

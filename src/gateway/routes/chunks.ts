@@ -12,6 +12,7 @@ import {
   readHeaderLength,
 } from '../../core/format.ts'
 import { assertKeyHex, assertNamespaceName, objectName, toHex } from '../../core/keys.ts'
+import { admitted } from '../admission.ts'
 import type { CachedHeader, GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
 import { isCorruption, namespaceIdOf, reportCorruptRead, type VerifyTarget } from '../heal.ts'
@@ -22,6 +23,7 @@ import {
   payloadTooLarge,
   unsupportedMediaType,
 } from '../http-errors.ts'
+import { bodyHoldBytes } from '../memory-budget.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
 import { RangeNotSatisfiableError } from '../stores/errors.ts'
 import type { ByteRange, StoreObject } from '../stores/types.ts'
@@ -66,39 +68,35 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     }
     if (size < headerBytesFor(1))
       throw new KvgateError('ERR_FORMAT_TRUNCATED', `a ${size}-byte body cannot be a chunk`, { status: 400 })
-    // Bodies stream through, but each holds read-ahead and a socket: bound the bytes in flight.
-    if (state.inFlight.bytes > 0 && state.inFlight.bytes + size > state.limits.maxInFlightBytes) {
-      state.metrics.busy.inc({ what: 'put' })
-      c.header('retry-after', '1')
-      throw new KvgateError('ERR_BUSY', 'too many upload bytes in flight; retry later', { status: 503 })
-    }
-    const source = requestBodySource(c)
-    if (!source) throw badRequest('missing request body')
-    state.inFlight.bytes += size
+    // Bodies stream through, but each holds read-ahead (and the store's parts) and a socket:
+    // admitted against the bytes in flight and the memory budget, both given back when it ends.
+    const need = { declared: size, held: bodyHoldBytes(size, state.store) }
     const nsId = namespaceIdOf(ns)
-    const vb = verifiedBody(source, {
-      keyHex: key,
-      size,
-      maxBytes: state.limits.maxChunkBytes,
-      idleTimeoutMs: state.limits.bodyIdleTimeoutMs,
-      minBytesPerSecond: state.limits.bodyMinBytesPerSecond,
-      ...(nsId ? { namespaceIdHex: nsId } : {}),
+    const { result, header } = await admitted(state, 'put', need, async () => {
+      const source = requestBodySource(c)
+      if (!source) throw badRequest('missing request body')
+      const vb = verifiedBody(source, {
+        keyHex: key,
+        size,
+        maxBytes: state.limits.maxChunkBytes,
+        idleTimeoutMs: state.limits.bodyIdleTimeoutMs,
+        minBytesPerSecond: state.limits.bodyMinBytesPerSecond,
+        ...(nsId ? { namespaceIdHex: nsId } : {}),
+      })
+      try {
+        // Always the store's create-only write (a conditional PUT's 412, link()'s
+        // EEXIST): a cached presence may be stale, and "exists" from it stores nothing.
+        const result = await state.store.putIfAbsent(name, vb.stream, size)
+        // The store may say "exists" without reading the body: read the rest, so a
+        // client that closes after its request (Connection: close) still gets the answer.
+        if (result === 'exists') await vb.drain()
+        return { result, header: vb.header() }
+      } catch (e) {
+        state.metrics.puts.inc({ result: 'rejected' })
+        vb.release(e)
+        throw vb.failure() ?? e
+      }
     })
-    let result: 'created' | 'exists'
-    try {
-      // Always the store's create-only write (a conditional PUT's 412, link()'s
-      // EEXIST): a cached presence may be stale, and "exists" from it stores nothing.
-      result = await state.store.putIfAbsent(name, vb.stream, size)
-      // The store may say "exists" without reading the body: read the rest, so a
-      // client that closes after its request (Connection: close) still gets the answer.
-      if (result === 'exists') await vb.drain()
-    } catch (e) {
-      state.metrics.puts.inc({ result: 'rejected' })
-      vb.release(e)
-      throw vb.failure() ?? e
-    } finally {
-      state.inFlight.bytes -= size
-    }
     if (result === 'exists') {
       state.usage?.use(ns, key, 0)
       const head = await state.store.head(name)
@@ -110,7 +108,6 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     state.lookup.remember(name, size)
     state.headers.delete(name)
     // A chain's first chunk names the namespace seed, never a stored chunk: ROOT_PARENT tells gc so.
-    const header = vb.header()
     const parent = header && (header.chunkIndex === 0 ? ROOT_PARENT : toHex(header.parentKey))
     if (parent) state.usage?.created(ns, key, parent, size)
     state.metrics.puts.inc({ result: 'created' })

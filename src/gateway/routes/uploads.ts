@@ -7,10 +7,12 @@ import { ROOT_PARENT } from '../../coldtier/records.ts'
 import { FormatError, KvgateError } from '../../core/errors.ts'
 import { headerBytesFor } from '../../core/format.ts'
 import { assertKeyHex, assertNamespaceName, isObjectPrefix, objectName, toHex } from '../../core/keys.ts'
-import type { GatewayState } from '../context.ts'
+import { admitted } from '../admission.ts'
+import { assertFitsBudget, type GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
 import { namespaceIdOf } from '../heal.ts'
 import { badRequest, notFound, payloadTooLarge, unsupportedMediaType } from '../http-errors.ts'
+import { bodyHoldBytes } from '../memory-budget.ts'
 import { authorize } from '../middleware/auth.ts'
 import { collectAtMost, partLengths } from '../stores/types.ts'
 import { streamSource, verifiedBody } from '../verified-body.ts'
@@ -152,6 +154,11 @@ export function uploadRoutes(
   const o = resolve(options, state.prefix, state.limits.maxChunkBytes)
   const store = state.store
   const canPresign = o !== undefined && typeof store.presignUpload === 'function'
+  if (canPresign)
+    assertFitsBudget(state.limits.maxHeldBytes, {
+      'an upload commit of uploads.maxBytes (read-ahead and store parts)':
+        bodyHoldBytes(o.maxBytes, store) + (store.getHoldBytes?.(o.maxBytes) ?? 0),
+    })
 
   app.post('/v1/ns/:ns/uploads', async (c) => {
     const ns = assertNamespaceName(c.req.param('ns'))
@@ -206,16 +213,22 @@ export function uploadRoutes(
     const t = decodeTicket(c.req.param('id'))
     const staged = stagingName(o, ns, t)
     const final = objectName(state.prefix, ns, t.key)
-    // The staged body passes through the gateway as a PUT body does: the same bound on bytes in
-    // flight. Busy before anything is touched, so the staged object stays for the retry.
-    const held = t.bytes <= o.maxBytes ? t.bytes : 0
-    const inFlight = state.inFlight
-    if (inFlight.bytes > 0 && inFlight.bytes + held > state.limits.maxInFlightBytes) {
-      state.metrics.busy.inc({ what: 'commit' })
-      c.header('retry-after', '1')
-      throw new KvgateError('ERR_BUSY', 'too many upload bytes in flight; retry later', { status: 503 })
-    }
-    inFlight.bytes += held
+    // The staged body passes through the gateway as a PUT body does: the same bounds on bytes in
+    // flight and held. Busy before anything is touched, so the staged object stays for the retry.
+    const declared = t.bytes <= o.maxBytes ? t.bytes : 0
+    // It also holds the staged GET's read-ahead (S3).
+    const need = { declared, held: bodyHoldBytes(declared, store) + (store.getHoldBytes?.(declared) ?? 0) }
+    return admitted(state, 'commit', need, () => commitStaged(c, o, ns, t, staged, final))
+  })
+
+  async function commitStaged(
+    c: Context<GatewayEnv>,
+    o: Resolved,
+    ns: string,
+    t: UploadTicket,
+    staged: string,
+    final: string,
+  ): Promise<Response> {
     // Whatever the outcome, the staged object (and an unfinished multipart) goes.
     const cleanup = async () => {
       if (t.multipartId) await store.abortUpload?.(staged, t.multipartId).catch(() => {})
@@ -287,10 +300,9 @@ export function uploadRoutes(
       state.metrics.puts.inc({ result: 'rejected' })
       throw e
     } finally {
-      inFlight.bytes -= held
       await cleanup()
     }
-  })
+  }
 }
 
 /** Create-only: the first writer's object stays, whatever its size (contract C3). */

@@ -52,6 +52,8 @@ export function instrumentStore(store: ObjectStore, metrics: GatewayMetrics): Ob
         (r) => (r === 'completed' ? 'ok' : r),
       )
   if (store.abortUpload) wrapped.abortUpload = (name, id) => store.abortUpload!(name, id)
+  if (store.putHoldBytes) wrapped.putHoldBytes = (size) => store.putHoldBytes!(size)
+  if (store.getHoldBytes) wrapped.getHoldBytes = (length) => store.getHoldBytes!(length)
   if (store.stats) wrapped.stats = () => store.stats!()
   if (store.close) wrapped.close = () => store.close!()
   return wrapped

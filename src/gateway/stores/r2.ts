@@ -131,6 +131,15 @@ export class R2Store implements ObjectStore {
     }
   }
 
+  /**
+   * A multipart PUT holds the part being filled (uploadPart takes a whole one); a single put
+   * streams through a FixedLengthStream. Outside workerd (a fake bucket) the body is collected.
+   */
+  putHoldBytes(size: number): number {
+    if (size > this.#multipartThreshold) return Math.min(size, this.#partBytes)
+    return (globalThis as { FixedLengthStream?: unknown }).FixedLengthStream ? 0 : size
+  }
+
   async putIfAbsent(
     name: string,
     body: ReadableStream<Uint8Array> | Uint8Array,

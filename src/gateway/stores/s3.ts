@@ -164,6 +164,20 @@ export class S3Store implements ObjectStore {
     }
   }
 
+  /**
+   * A multipart PUT holds up to partConcurrency parts in flight and one being filled; a single
+   * PUT, its Readable's read-ahead (READ_AHEAD_BYTES).
+   */
+  putHoldBytes(size: number): number {
+    if (size > this.#multipartThreshold) return Math.min(size, this.#partSize * (this.#partConcurrency + 1))
+    return Math.min(size, READ_AHEAD_BYTES)
+  }
+
+  /** A GET body reads up to READ_AHEAD_BYTES ahead of its reader (webStream). */
+  getHoldBytes(length: number): number {
+    return Math.min(length, READ_AHEAD_BYTES)
+  }
+
   async putIfAbsent(
     name: string,
     body: ReadableStream<Uint8Array> | Uint8Array,

@@ -78,6 +78,14 @@ export interface ObjectStore {
    * version is checked by a HEAD just before the DELETE (docs/calibration.md: the window left).
    */
   delete(name: string, opts?: DeleteOptions): Promise<boolean>
+  /**
+   * Bytes the store holds in memory, beyond the body stream, to write `size` bytes with
+   * putIfAbsent (multipart parts, its own read-ahead). The gateway reserves them against
+   * limits.maxHeldBytes before the PUT (memory-budget.ts). Absent: none.
+   */
+  putHoldBytes?(size: number): number
+  /** Bytes a get() body of `length` bytes reads ahead of its reader in memory (S3). Absent: none. */
+  getHoldBytes?(length: number): number
   /** One page of objects under `prefix`, in name order. */
   list(
     prefix: string,

@@ -1,0 +1,405 @@
+// The gateway's bound on the bytes it holds for requests (limits.maxHeldBytes,
+// src/gateway/memory-budget.ts): reserved before bytes are held, refused past the bound
+// (PUTs 503 ERR_BUSY, GETs stream instead of buffering), given back on every path.
+
+import { createHash } from 'node:crypto'
+import { describe, expect, it } from 'vitest'
+import { configFromEnv, lambdaPartConcurrency } from '../src/gateway/adapters/lambda.ts'
+import { gatewayFromEnv } from '../src/gateway/adapters/workers.ts'
+import { GetCoalescer } from '../src/gateway/coalesce.ts'
+import { resolveServeConfig, settingsFromEnv } from '../src/gateway/config.ts'
+import { HEADER_CACHE_BYTES } from '../src/gateway/context.ts'
+import { createGateway, MemoryStore } from '../src/gateway/index.ts'
+import {
+  BODY_HOLD_BYTES,
+  bodyHoldBytes,
+  lambdaMaxHeldBytes,
+  MemoryBudget,
+  WORKER_MAX_HELD_BYTES,
+} from '../src/gateway/memory-budget.ts'
+import { S3Store } from '../src/gateway/node.ts'
+import { type R2BucketLike, R2Store } from '../src/gateway/stores/r2.ts'
+import type { StoreObject } from '../src/gateway/stores/types.ts'
+import { makeChunk } from './gateway-fixtures.ts'
+
+const MIB = 1024 * 1024
+const sha = (b: Uint8Array) => createHash('sha256').update(b).digest('hex')
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms))
+const errCode = async (r: Response) => ((await r.json()) as { error: { code: string } }).error.code
+
+async function until(cond: () => boolean, ms = 5000): Promise<void> {
+  const end = Date.now() + ms
+  while (!cond()) {
+    if (Date.now() > end) throw new Error('timed out')
+    await sleep(5)
+  }
+}
+
+/** Bytes that pass the calibration checks (magic "KVCL" + version); distinct per seed. */
+function calib(seed: number, size: number): Uint8Array {
+  const b = new Uint8Array(size)
+  b.set([0x4b, 0x56, 0x43, 0x4c, 1, 0])
+  for (let i = 8; i < size; i++) b[i] = (i * 131 + seed * 17) & 0xff
+  return b
+}
+
+/**
+ * A request body that sends its first `head` bytes, then waits for `go()`: it ends (the
+ * rest), or errors (a client that went away) when `go(true)`.
+ */
+function gated(bytes: Uint8Array, head = 64) {
+  let go!: (abort?: boolean) => void
+  const gate = new Promise<boolean>((r) => {
+    go = (abort = false) => r(abort)
+  })
+  const body = new ReadableStream<Uint8Array>({
+    async start(ctl) {
+      ctl.enqueue(bytes.slice(0, head))
+      if (await gate) ctl.error(new Error('client went away'))
+      else {
+        ctl.enqueue(bytes.slice(head))
+        ctl.close()
+      }
+    },
+  })
+  return { body, go }
+}
+
+const putOf = (bytes: Uint8Array, body: BodyInit = bytes as Uint8Array<ArrayBuffer>) =>
+  ({
+    method: 'PUT',
+    headers: { 'content-type': 'application/octet-stream', 'content-length': String(bytes.length) },
+    body,
+    duplex: 'half',
+  }) as RequestInit
+
+/** A memory store that says it holds a part per PUT over `threshold`, as R2 and S3 multipart do. */
+class PartedStore extends MemoryStore {
+  constructor(
+    readonly threshold: number,
+    readonly partBytes: number,
+  ) {
+    super()
+  }
+  putHoldBytes(size: number): number {
+    return size > this.threshold ? this.partBytes : 0
+  }
+}
+
+describe('MemoryBudget', () => {
+  it('grants reservations up to its limit, refuses past it, and a release is counted once', () => {
+    const b = new MemoryBudget(100)
+    const a = b.tryReserve(60)!
+    expect(b.tryReserve(41)).toBeUndefined()
+    const c = b.tryReserve(40)!
+    expect([b.held, b.peak]).toEqual([100, 100])
+    expect(b.tryReserve(1)).toBeUndefined()
+    a.release()
+    a.release() // idempotent: a second release must not free someone else's bytes
+    expect(b.held).toBe(40)
+    expect(b.tryReserve(61)).toBeUndefined()
+    c.release()
+    expect([b.held, b.peak]).toEqual([0, 100])
+    expect(b.tryReserve(0)).toBeDefined()
+    expect(b.render().join('\n')).toMatch(
+      /kvgate_held_bytes 0\n[\s\S]*kvgate_held_bytes_peak 100[\s\S]*limit 100/,
+    )
+  })
+
+  it('refuses malformed limits and reservations', () => {
+    for (const bad of [0, -1, 1.5, Number.NaN, 2 ** 60])
+      expect(() => new MemoryBudget(bad)).toThrow(TypeError)
+    const b = new MemoryBudget(10)
+    for (const bad of [-1, 0.5, Number.NaN, Number.POSITIVE_INFINITY])
+      expect(() => b.tryReserve(bad)).toThrow(TypeError)
+    expect(b.held).toBe(0)
+  })
+
+  it('a streamed PUT holds its read-ahead and the store parts, not its declared size', () => {
+    const none = {}
+    expect(bodyHoldBytes(1000, none)).toBe(1000)
+    expect(bodyHoldBytes(90 * MIB, none)).toBe(BODY_HOLD_BYTES)
+    expect(bodyHoldBytes(90 * MIB, new PartedStore(64 * MIB, 8 * MIB))).toBe(BODY_HOLD_BYTES + 8 * MIB)
+    const bucket = { get: async () => null, put: async () => null } as unknown as R2BucketLike
+    const r2 = new R2Store(bucket, { multipartThreshold: 64 * MIB, partBytes: 8 * MIB })
+    expect(r2.putHoldBytes(90 * MIB)).toBe(8 * MIB)
+    const s3 = new S3Store({ bucket: 'b', region: 'us-east-1', partSize: 16 * MIB, partConcurrency: 4 })
+    expect(s3.putHoldBytes(512 * MIB)).toBe(80 * MIB) // 4 parts in flight + the one being filled
+    expect(s3.putHoldBytes(100 * MIB)).toBe(4 * MIB) // its Readable's read-ahead
+    expect(s3.getHoldBytes(100 * MIB)).toBe(4 * MIB) // a GET body reads ahead of its reader
+  })
+})
+
+describe('a gateway past maxHeldBytes', () => {
+  it('calibration PUTs: those past the budget get 503 ERR_BUSY; held bytes return to 0 after done, bad and aborted bodies', async () => {
+    const size = 1000
+    const app = createGateway({
+      store: new MemoryStore(),
+      limits: { maxHeldBytes: 3 * size, maxCalibrationBytes: size, maxChunkBytes: size },
+    })
+    const [ok, bad, aborted, late] = [1, 2, 3, 4].map((s) => calib(s, size)) as [
+      Uint8Array,
+      Uint8Array,
+      Uint8Array,
+      Uint8Array,
+    ]
+    const url = (h: string) => `/v1/ns/team/calibrations/${h}`
+    const g = [gated(ok), gated(bad), gated(aborted)]
+    const running = [
+      app.request(url(sha(ok)), putOf(ok, g[0]!.body)),
+      app.request(url(sha(late)), putOf(bad, g[1]!.body)), // its bytes are not its name
+      app.request(url(sha(aborted)), putOf(aborted, g[2]!.body)),
+    ]
+    // Held whole while they arrive: three bodies fill the budget.
+    await until(() => app.state.memory.held === 3 * size)
+    const busy = await app.request(url(sha(late)), putOf(late))
+    expect(busy.status).toBe(503)
+    expect(busy.headers.get('retry-after')).toBe('1')
+    expect(await errCode(busy)).toBe('ERR_BUSY')
+    expect(app.state.metrics.busy.value({ what: 'calibration' })).toBe(1)
+    g[0]!.go()
+    g[1]!.go()
+    g[2]!.go(true)
+    const [a, b, c] = await Promise.all(running)
+    expect(a!.status).toBe(201)
+    expect([b!.status, await errCode(b!)]).toEqual([400, 'ERR_FORMAT_CHECKSUM'])
+    expect(c!.status).toBeGreaterThanOrEqual(400)
+    expect(app.state.memory.held).toBe(0)
+    expect(app.state.memory.peak).toBe(3 * size)
+    expect(app.state.inFlight.bytes).toBe(0)
+    // Nothing half-stored: the refused one goes through now, the aborted one was never stored.
+    expect((await app.request(url(sha(late)), putOf(late))).status).toBe(201)
+    expect((await app.request(url(sha(aborted)), { method: 'HEAD' })).status).toBe(404)
+    expect(app.state.memory.held).toBe(0)
+  })
+
+  it('chunk PUTs on the multipart path hold a part each: past the budget 503; held returns to 0 after done, bad and aborted bodies', async () => {
+    const chunks = [0, 1, 2, 3].map(() => makeChunk({ layers: 2, sectionBytes: 64 * 1024 }))
+    const size = chunks[0]!.bytes.length
+    const part = MIB
+    const store = new PartedStore(100 * 1024, part)
+    // Two multipart PUTs fit (each its body, under the read-ahead, plus a part); a third does not.
+    const app = createGateway({
+      store,
+      limits: {
+        maxHeldBytes: 2 * (size + part) + 1000,
+        maxChunkBytes: 200 * 1024,
+        maxCalibrationBytes: 1000,
+      },
+    })
+    const url = (k: string) => `/v1/ns/a/chunks/${k}`
+    const [ok, bad, aborted, late] = chunks as [
+      (typeof chunks)[0],
+      (typeof chunks)[0],
+      (typeof chunks)[0],
+      (typeof chunks)[0],
+    ]
+    const corrupt = bad.bytes.slice()
+    corrupt[corrupt.length - 10]! ^= 0xff // a section CRC fails at the end
+    const g = [gated(ok.bytes), gated(corrupt)]
+    const running = [
+      app.request(url(ok.key), putOf(ok.bytes, g[0]!.body)),
+      app.request(url(bad.key), putOf(corrupt, g[1]!.body)),
+    ]
+    await until(() => app.state.memory.held === 2 * (size + part))
+    const busy = await app.request(url(late.key), putOf(late.bytes))
+    expect([busy.status, busy.headers.get('retry-after'), await errCode(busy)]).toEqual([
+      503,
+      '1',
+      'ERR_BUSY',
+    ])
+    expect(app.state.metrics.busy.value({ what: 'put' })).toBe(1)
+    g[0]!.go()
+    g[1]!.go()
+    const [a, b] = await Promise.all(running)
+    expect(a!.status).toBe(201)
+    expect(b!.status).toBe(400)
+    expect(app.state.memory.held).toBe(0)
+    // A client that goes away mid-body gives its reservation back too.
+    const ga = gated(aborted.bytes)
+    const gone = app.request(url(aborted.key), putOf(aborted.bytes, ga.body))
+    await until(() => app.state.memory.held === size + part)
+    ga.go(true)
+    expect((await gone).status).toBeGreaterThanOrEqual(400)
+    expect(app.state.memory.held).toBe(0)
+    expect(app.state.inFlight.bytes).toBe(0)
+    // Nothing half-stored; the refused one goes through now.
+    expect(await store.head(`kvgate/a/${bad.key.slice(0, 2)}/${bad.key}`)).toBeUndefined()
+    expect(await store.head(`kvgate/a/${aborted.key.slice(0, 2)}/${aborted.key}`)).toBeUndefined()
+    expect((await app.request(url(late.key), putOf(late.bytes))).status).toBe(201)
+    expect(app.state.memory.peak).toBeLessThanOrEqual(app.state.limits.maxHeldBytes)
+  })
+
+  it('a store that fails the PUT gives the reservation back', async () => {
+    const store = new MemoryStore()
+    store.putIfAbsent = async () => {
+      throw new Error('store down')
+    }
+    const app = createGateway({ store })
+    const c = makeChunk()
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}`, putOf(c.bytes))
+    expect(r.status).toBeGreaterThanOrEqual(500)
+    expect(app.state.memory.held).toBe(0)
+    expect(app.state.memory.peak).toBe(c.bytes.length)
+  })
+
+  it('a calibration GET streams (hashed) instead of buffering when the budget is spent', async () => {
+    const store = new MemoryStore()
+    const bytes = calib(9, 4000)
+    const writer = createGateway({ store })
+    const url = `/v1/ns/team/calibrations/${sha(bytes)}`
+    expect((await writer.request(url, putOf(bytes))).status).toBe(201)
+    const app = createGateway({ store }) // a fresh instance: nothing cached
+    const others = app.state.memory.tryReserve(app.state.limits.maxHeldBytes)!
+    const g = await app.request(url)
+    expect(g.status).toBe(200)
+    expect(new Uint8Array(await g.arrayBuffer())).toEqual(bytes)
+    expect(app.state.calibrations.size).toBe(0) // streamed, not read whole
+    expect(app.state.memory.held).toBe(app.state.limits.maxHeldBytes)
+    others.release()
+    expect(new Uint8Array(await (await app.request(url)).arrayBuffer())).toEqual(bytes)
+    expect(app.state.calibrations.size).toBe(1)
+    expect(app.state.memory.held).toBe(0)
+  })
+})
+
+describe('coalesced GET buffers', () => {
+  const object = (n: number): StoreObject => ({
+    body: new ReadableStream({
+      start(c) {
+        c.enqueue(new Uint8Array(n).fill(7))
+        c.close()
+      },
+    }),
+    size: n,
+    offset: 0,
+    length: n,
+  })
+
+  it('are reserved in the budget while a request holds them, and not buffered past it', async () => {
+    const budget = new MemoryBudget(1000)
+    const co = new GetCoalescer(8 * MIB, 64 * MIB, budget)
+    let fetches = 0
+    const fetch = async () => {
+      fetches++
+      await sleep(10)
+      return object(600)
+    }
+    const [a, b] = await Promise.all([co.get('k', fetch), co.get('k', fetch)])
+    expect([fetches, b.coalesced, budget.held]).toEqual([1, true, 600])
+    await new Response(a.obj!.body).arrayBuffer()
+    expect(budget.held).toBe(600) // the follower still holds it
+    await new Response(b.obj!.body).arrayBuffer()
+    expect(budget.held).toBe(0)
+
+    // With the budget spent elsewhere, the leader streams and followers do their own GET.
+    const others = budget.tryReserve(500)!
+    fetches = 0
+    const [c, d] = await Promise.all([co.get('k', fetch), co.get('k', fetch)])
+    expect([fetches, d.coalesced, budget.held]).toEqual([2, false, 500])
+    expect((await new Response(c.obj!.body).arrayBuffer()).byteLength).toBe(600)
+    expect((await new Response(d.obj!.body).arrayBuffer()).byteLength).toBe(600)
+    others.release()
+    expect([budget.held, co.bufferedBytes]).toEqual([0, 0])
+  })
+
+  it('a store body that breaks while buffered gives its reservation back', async () => {
+    const budget = new MemoryBudget(1000)
+    const co = new GetCoalescer(8 * MIB, 64 * MIB, budget)
+    const broken = async (): Promise<StoreObject> => ({
+      body: new ReadableStream({
+        pull(c) {
+          c.error(new Error('socket reset'))
+        },
+      }),
+      size: 600,
+      offset: 0,
+      length: 600,
+    })
+    await expect(co.get('k', broken)).rejects.toThrow(/socket reset/)
+    expect([budget.held, co.bufferedBytes]).toEqual([0, 0])
+  })
+})
+
+describe('maxHeldBytes per runtime', () => {
+  it('is validated, and a budget one request could never fit fails at start', () => {
+    for (const bad of [0, -1, 1.5, Number.NaN, '8' as unknown as number])
+      expect(() => createGateway({ store: new MemoryStore(), limits: { maxHeldBytes: bad } })).toThrow(
+        /maxHeldBytes/,
+      )
+    // A 16 MiB calibration is held whole: an 8 MiB budget would refuse it forever.
+    expect(() =>
+      createGateway({
+        store: new MemoryStore(),
+        limits: { maxHeldBytes: 8 * MIB, maxCalibrationBytes: 16 * MIB, maxChunkBytes: MIB },
+      }),
+    ).toThrow(/maxHeldBytes .* below .* calibration/)
+    // S3 multipart parts in flight: 5 MiB read-ahead + 5 × 16 MiB do not fit 64 MiB.
+    const s3 = new S3Store({ bucket: 'b', region: 'us-east-1' })
+    expect(() => createGateway({ store: s3, limits: { maxHeldBytes: 64 * MIB } })).toThrow(/chunk PUT/)
+    expect(createGateway({ store: s3 }).state.limits.maxHeldBytes).toBe(256 * MIB)
+  })
+
+  it('Node: 256 MiB unless set (file, env, flag)', () => {
+    expect(resolveServeConfig().maxHeldBytes).toBe(256 * MIB)
+    expect(resolveServeConfig(settingsFromEnv({ KVGATE_MAX_HELD_BYTES: '64MiB' })).maxHeldBytes).toBe(
+      64 * MIB,
+    )
+    expect(() => resolveServeConfig(settingsFromEnv({ KVGATE_MAX_HELD_BYTES: '0' }))).toThrow(/MAX_HELD/)
+  })
+
+  it('Worker: 48 MiB of the 128 MB isolate unless KVGATE_MAX_HELD_BYTES says otherwise', () => {
+    const bucket = { get: async () => null, put: async () => null } as unknown as R2BucketLike
+    const worker = (v?: string) =>
+      gatewayFromEnv({
+        KVGATE_BUCKET: bucket,
+        KVGATE_AUTH: 'disabled',
+        ...(v === undefined ? {} : { KVGATE_MAX_HELD_BYTES: v }),
+      }).state.limits.maxHeldBytes
+    expect(worker()).toBe(WORKER_MAX_HELD_BYTES)
+    expect(WORKER_MAX_HELD_BYTES).toBe(48 * MIB)
+    expect(worker('33554432')).toBe(32 * MIB)
+    for (const bad of ['0', '-1', '1.5', 'x']) expect(() => worker(bad)).toThrow(/KVGATE_MAX_HELD_BYTES/)
+    // Smaller than one 16 MiB calibration PUT: refused at start, not at the first upload.
+    expect(() => worker(String(8 * MIB))).toThrow(/maxHeldBytes/)
+  })
+
+  it('Lambda: from the function memory, and S3 part concurrency sized to fit', () => {
+    const env = { KVGATE_S3_BUCKET: 'b', KVGATE_AUTH: 'disabled' }
+    const held = (more: Record<string, string>) => configFromEnv({ ...env, ...more }).maxHeldBytes
+    expect(held({ AWS_LAMBDA_FUNCTION_MEMORY_SIZE: '256' })).toBe(80 * MIB)
+    expect(held({ AWS_LAMBDA_FUNCTION_MEMORY_SIZE: '1024' })).toBe(464 * MIB)
+    expect(held({ AWS_LAMBDA_FUNCTION_MEMORY_SIZE: '1024', KVGATE_MAX_HELD_BYTES: String(MIB) })).toBe(MIB)
+    expect(held({})).toBe(256 * MIB) // a local run of the bundle: the Node default
+    expect(() => held({ AWS_LAMBDA_FUNCTION_MEMORY_SIZE: 'lots' })).toThrow(/AWS_LAMBDA_FUNCTION_MEMORY_SIZE/)
+    expect(lambdaMaxHeldBytes(128)).toBe(16 * MIB) // never below 16 MiB
+    // One commit's S3 multipart (5 + 4 MiB read-ahead + (n + 1) × 16 MiB parts) fits its budget.
+    for (const mem of [256, 512, 1024, 10240]) {
+      const budget = lambdaMaxHeldBytes(mem)
+      const n = lambdaPartConcurrency(budget)
+      expect(n).toBeGreaterThanOrEqual(1)
+      expect(n).toBeLessThanOrEqual(4)
+      expect(BODY_HOLD_BYTES + 4 * MIB + (n + 1) * 16 * MIB).toBeLessThanOrEqual(budget)
+      const s3 = new S3Store({ bucket: 'b', region: 'us-east-1', partSize: 16 * MIB, partConcurrency: n })
+      const uploads = { minBytes: MIB, maxBytes: 512 * MIB }
+      expect(() => createGateway({ store: s3, uploads, limits: { maxHeldBytes: budget } })).not.toThrow()
+    }
+  })
+})
+
+describe('the decoded header cache (?layers=)', () => {
+  it('is bounded in bytes, not only in entries: large headers cannot fill an isolate', async () => {
+    const app = createGateway({ store: new MemoryStore() })
+    // 1024 sections (the most a chunk has): a ~16 KiB header, ~64 KiB more decoded; 110 pass 8 MiB.
+    const chunks = Array.from({ length: 110 }, () => makeChunk({ layers: 1024, sectionBytes: 16 }))
+    for (const c of chunks) {
+      expect((await app.request(`/v1/ns/a/chunks/${c.key}`, putOf(c.bytes))).status).toBe(201)
+      const r = await app.request(`/v1/ns/a/chunks/${c.key}?layers=1-2`)
+      expect(r.status).toBe(200)
+      await r.arrayBuffer()
+    }
+    expect(app.state.headers.size).toBeGreaterThan(0)
+    expect(app.state.headers.size).toBeLessThan(chunks.length)
+    expect(app.state.headers.calculatedSize).toBeLessThanOrEqual(HEADER_CACHE_BYTES)
+  })
+})

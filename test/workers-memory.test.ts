@@ -1,0 +1,205 @@
+// The gateway's memory bound in real workerd (Miniflare 4): the production Worker bundle with
+// its default budget (48 MiB of the 128 MB isolate) takes concurrent 16 MiB calibration PUTs
+// and multipart chunk PUTs only while what it holds fits, answers the rest 503 ERR_BUSY with
+// Retry-After, and gives every reservation back (done, bad body, client abort).
+
+import { createHash } from 'node:crypto'
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { Miniflare } from 'miniflare'
+import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { buildWorker } from '../scripts/build-worker.ts'
+import { makeChunk } from './gateway-fixtures.ts'
+
+const ROOT = join(import.meta.dirname, '..')
+const MIB = 1024 * 1024
+const wrangler = readFileSync(join(ROOT, 'wrangler.toml'), 'utf8')
+const compatibilityDate = /^compatibility_date\s*=\s*"([^"]+)"/m.exec(wrangler)?.[1]
+const compatibilityFlags = JSON.parse(
+  /^compatibility_flags\s*=\s*(\[[^\]]*\])/m.exec(wrangler)?.[1] ?? '[]',
+) as string[]
+const bucketBinding = /\[\[r2_buckets\]\]\s*binding\s*=\s*"([^"]+)"/.exec(wrangler)?.[1]
+const sha = (b: Uint8Array) => createHash('sha256').update(b).digest('hex')
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms))
+
+let out: string
+const instances: Miniflare[] = []
+/** The gateway with the Worker defaults (only auth off). */
+let base: string
+/** A gateway whose chunk PUTs take R2 multipart (6 MiB threshold, 5 MiB parts) in a 20 MiB budget. */
+let parts: string
+
+beforeAll(async () => {
+  out = mkdtempSync(join(tmpdir(), 'kvgate-workers-memory-'))
+  const build = await buildWorker({ outdir: join(out, 'gateway') })
+  // One Miniflare per gateway: each its own origin (Node's fetch cannot set Host to route).
+  const start = async (name: string, bindings: Record<string, string>) => {
+    const mf = new Miniflare({
+      modules: true,
+      compatibilityDate,
+      compatibilityFlags,
+      modulesRules: [{ type: 'CompiledWasm' as const, include: ['**/*.wasm'] }],
+      name,
+      modulesRoot: join(out, 'gateway'),
+      scriptPath: build.script,
+      r2Buckets: [bucketBinding!],
+      bindings: { KVGATE_AUTH: 'disabled', ...bindings },
+    })
+    instances.push(mf)
+    return (await mf.ready).toString().replace(/\/$/, '')
+  }
+  base = await start('defaults', {})
+  parts = await start('parts', {
+    KVGATE_MULTIPART_THRESHOLD: String(6 * MIB),
+    KVGATE_PART_BYTES: String(5 * MIB),
+    KVGATE_MAX_CHUNK_BYTES: String(16 * MIB),
+    KVGATE_MAX_CALIBRATION_BYTES: String(MIB),
+    KVGATE_MAX_HELD_BYTES: String(20 * MIB),
+  })
+}, 120_000)
+
+afterAll(async () => {
+  for (const mf of instances) await mf.dispose()
+  if (out) rmSync(out, { recursive: true, force: true })
+})
+
+async function metric(origin: string, name: string): Promise<number> {
+  const text = await (await fetch(`${origin}/metrics`)).text()
+  let sum = 0
+  for (const m of text.matchAll(new RegExp(`^${name}(?:\\{[^}]*\\})? (\\d+)$`, 'gm'))) sum += Number(m[1])
+  return sum
+}
+
+async function until(cond: () => Promise<boolean>, ms: number): Promise<boolean> {
+  const end = Date.now() + ms
+  while (Date.now() < end) {
+    if (await cond()) return true
+    await sleep(50)
+  }
+  return false
+}
+
+/** A body that sends 64 KiB, then waits for `go()`: the rest, or an error (client gone) with go(true). */
+function gated(bytes: Uint8Array) {
+  let go!: (abort?: boolean) => void
+  const gate = new Promise<boolean>((r) => {
+    go = (abort = false) => r(abort)
+  })
+  const body = new ReadableStream<Uint8Array>({
+    async start(ctl) {
+      ctl.enqueue(bytes.slice(0, 64 * 1024))
+      if (await gate) ctl.error(new Error('client went away'))
+      else {
+        for (let o = 64 * 1024; o < bytes.length; o += MIB) ctl.enqueue(bytes.slice(o, o + MIB))
+        ctl.close()
+      }
+    },
+  })
+  return { body, go }
+}
+
+function put(origin: string, path: string, bytes: Uint8Array, body: BodyInit) {
+  return fetch(`${origin}${path}`, {
+    method: 'PUT',
+    headers: {
+      'content-type': 'application/octet-stream',
+      'content-length': String(bytes.length),
+    },
+    body,
+    duplex: 'half',
+  } as RequestInit)
+}
+
+function calib(seed: number, size: number): Uint8Array {
+  const b = new Uint8Array(size)
+  b.set([0x4b, 0x56, 0x43, 0x4c, 1, 0])
+  for (let i = 8; i < size; i += 4096) b[i] = (i + seed * 17) & 0xff
+  b[size - 1] = seed
+  return b
+}
+
+describe('the Worker memory bound (defaults: 48 MiB held)', () => {
+  it('six concurrent 16 MiB calibration PUTs: three are held, three get 503 ERR_BUSY; held returns to 0', async () => {
+    const bodies = Array.from({ length: 6 }, (_, i) => calib(100 + i, 16 * MIB))
+    const gates = bodies.map((b) => gated(b))
+    // The first one's URL names other bytes: a bad body, refused after it was held.
+    const paths = bodies.map((b, i) => `/v1/ns/m/calibrations/${sha(i === 0 ? bodies[1]! : b)}`)
+    const answers = bodies.map((b, i) =>
+      put(base, paths[i]!, b, gates[i]!.body).catch((e: unknown) => e as Error),
+    )
+    // Every request reached the gateway: admitted ones hold their bodies, the rest were refused.
+    const settled = await until(
+      async () =>
+        (await metric(base, 'kvgate_held_bytes')) + (await metric(base, 'kvgate_busy_total')) * 16 * MIB >=
+        6 * 16 * MIB,
+      20_000,
+    )
+    const held = await metric(base, 'kvgate_held_bytes')
+    for (const g of gates) g.go()
+    const res = await Promise.all(answers)
+    const statuses = res.map((r) => (r instanceof Response ? r.status : String(r)))
+    // Held, never declared: at most 48 MiB of the isolate, whatever the clients send at once.
+    expect(statuses.filter((s) => s === 503)).toHaveLength(3)
+    expect(settled).toBe(true)
+    expect(held).toBe(48 * MIB)
+    for (const r of res) {
+      if (!(r instanceof Response) || r.status !== 503) continue
+      expect(r.headers.get('retry-after')).toBe('1')
+      expect(((await r.json()) as { error: { code: string } }).error.code).toBe('ERR_BUSY')
+    }
+    expect(statuses.filter((s) => s === 201).length + statuses.filter((s) => s === 400).length).toBe(3)
+    expect(await metric(base, 'kvgate_held_bytes')).toBe(0)
+    expect(await metric(base, 'kvgate_held_bytes_peak')).toBeLessThanOrEqual(48 * MIB)
+    expect(await metric(base, 'kvgate_held_bytes_limit')).toBe(48 * MIB)
+    // Nothing half-stored: a refused one is absent until it is sent again, then stored.
+    const refused = statuses.findIndex((s, i) => s === 503 && i > 0)
+    const head = () => fetch(`${base}${paths[refused]!}`, { method: 'HEAD' })
+    expect((await head()).status).toBe(404)
+    const again = await put(base, paths[refused]!, bodies[refused]!, bodies[refused]! as never)
+    expect(again.status).toBe(201)
+    expect(await metric(base, 'kvgate_held_bytes')).toBe(0)
+  }, 90_000)
+
+  it('a client that goes away mid-body gives its reservation back', async () => {
+    const bytes = calib(200, 16 * MIB)
+    const g = gated(bytes)
+    const abort = new AbortController()
+    const p = fetch(`${base}/v1/ns/m/calibrations/${sha(bytes)}`, {
+      method: 'PUT',
+      headers: { 'content-type': 'application/octet-stream', 'content-length': String(bytes.length) },
+      body: g.body,
+      duplex: 'half',
+      signal: abort.signal,
+    } as RequestInit).catch((e: unknown) => e)
+    expect(await until(async () => (await metric(base, 'kvgate_held_bytes')) === 16 * MIB, 20_000)).toBe(true)
+    abort.abort()
+    g.go(true)
+    await p
+    expect(await until(async () => (await metric(base, 'kvgate_held_bytes')) === 0, 20_000)).toBe(true)
+    const head = await fetch(`${base}/v1/ns/m/calibrations/${sha(bytes)}`, { method: 'HEAD' })
+    expect(head.status).toBe(404)
+  }, 60_000)
+})
+
+describe('multipart chunk PUTs in a 20 MiB budget (5 MiB read-ahead + a 5 MiB part each)', () => {
+  it('two are held, the third gets 503 ERR_BUSY; held returns to 0', async () => {
+    const chunks = Array.from({ length: 3 }, () => makeChunk({ layers: 3, sectionBytes: 4 * MIB }))
+    const gates = chunks.map((c) => gated(c.bytes))
+    const answers = chunks.map((c, i) =>
+      put(parts, `/v1/ns/m/chunks/${c.key}`, c.bytes, gates[i]!.body).catch((e: unknown) => e as Error),
+    )
+    const settled = await until(
+      async () =>
+        (await metric(parts, 'kvgate_held_bytes')) === 20 * MIB &&
+        (await metric(parts, 'kvgate_busy_total')) === 1,
+      20_000,
+    )
+    for (const g of gates) g.go()
+    const statuses = (await Promise.all(answers)).map((r) => (r instanceof Response ? r.status : String(r)))
+    expect(statuses.sort()).toEqual([201, 201, 503])
+    expect(settled).toBe(true)
+    expect(await metric(parts, 'kvgate_held_bytes')).toBe(0)
+    expect(await metric(parts, 'kvgate_held_bytes_peak')).toBe(20 * MIB)
+  }, 90_000)
+})
