@@ -5,7 +5,7 @@
 import { createHash } from 'node:crypto'
 import { describe, expect, it } from 'vitest'
 import { configFromEnv, lambdaPartConcurrency } from '../src/gateway/adapters/lambda.ts'
-import { gatewayFromEnv } from '../src/gateway/adapters/workers.ts'
+import { gatewayFromEnv, WORKER_PRESENCE_ENTRIES } from '../src/gateway/adapters/workers.ts'
 import { GetCoalescer } from '../src/gateway/coalesce.ts'
 import { resolveServeConfig, settingsFromEnv } from '../src/gateway/config.ts'
 import { HEADER_CACHE_BYTES } from '../src/gateway/context.ts'
@@ -362,6 +362,14 @@ describe('maxHeldBytes per runtime', () => {
     for (const bad of ['0', '-1', '1.5', 'x']) expect(() => worker(bad)).toThrow(/KVGATE_MAX_HELD_BYTES/)
     // Smaller than one 16 MiB calibration PUT: refused at start, not at the first upload.
     expect(() => worker(String(8 * MIB))).toThrow(/maxHeldBytes/)
+  })
+
+  it('Worker: a presence cache sized for the isolate (Node keeps 100,000 entries, ~20 MiB)', () => {
+    const bucket = { get: async () => null, put: async () => null } as unknown as R2BucketLike
+    const app = gatewayFromEnv({ KVGATE_BUCKET: bucket, KVGATE_AUTH: 'disabled' })
+    expect(app.state.lookup.cacheEntries).toBe(WORKER_PRESENCE_ENTRIES)
+    expect(WORKER_PRESENCE_ENTRIES).toBeLessThanOrEqual(20_000)
+    expect(createGateway({ store: new MemoryStore() }).state.lookup.cacheEntries).toBe(100_000)
   })
 
   it('Lambda: from the function memory, and S3 part concurrency sized to fit', () => {

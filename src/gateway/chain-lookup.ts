@@ -244,6 +244,11 @@ export class ChainLookup {
     return this.#cache.size
   }
 
+  /** The most presence entries kept (cacheEntries). */
+  get cacheEntries(): number {
+    return this.#cache.max
+  }
+
   async lookup(chain: KeyChain, opts: { sizes?: boolean } = {}): Promise<LookupResult> {
     const wantSizes = opts.sizes ?? false
     const { base, keys } = chain
