@@ -347,10 +347,12 @@ const lookupReq = () =>
     headers: { 'content-type': 'application/json' },
     body: keysBody,
   })
-await lookupReq()
+// A gateway serving lookups runs them optimised: 300 untimed first (the first ~100 run in
+// V8's lower tiers), then 1,000 timed for the median and p99.
+for (let i = 0; i < 300; i++) await (await lookupReq()).arrayBuffer()
 const warm: number[] = []
 let warmRequests = 0
-for (let i = 0; i < 200; i++) {
+for (let i = 0; i < 1000; i++) {
   const t = performance.now()
   const r = await lookupReq()
   await r.arrayBuffer()
@@ -486,7 +488,13 @@ console.log(
       String(coldNsRounds),
       (median(coldNoSizes.map((c) => c.ms)) / rtt).toFixed(1),
     ],
-    ['warm (in-process)', warmMs.toFixed(3), String(warmRequests), '0', '-'],
+    [
+      `warm (in-process; p99 ${[...warm].sort((a, b) => a - b)[Math.floor(warm.length * 0.99)]!.toFixed(3)})`,
+      warmMs.toFixed(3),
+      String(warmRequests),
+      '0',
+      '-',
+    ],
     ['single HEAD RTT', rtt.toFixed(2), '1', '1', '1'],
   ]),
 )
