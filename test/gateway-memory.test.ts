@@ -5,7 +5,7 @@
 import { createHash } from 'node:crypto'
 import { describe, expect, it } from 'vitest'
 import { configFromEnv, lambdaPartConcurrency } from '../src/gateway/adapters/lambda.ts'
-import { gatewayFromEnv, WORKER_PRESENCE_ENTRIES } from '../src/gateway/adapters/workers.ts'
+import { gatewayFromEnv } from '../src/gateway/adapters/workers.ts'
 import { GetCoalescer } from '../src/gateway/coalesce.ts'
 import { resolveServeConfig, settingsFromEnv } from '../src/gateway/config.ts'
 import { HEADER_CACHE_BYTES } from '../src/gateway/context.ts'
@@ -16,6 +16,7 @@ import {
   lambdaMaxHeldBytes,
   MemoryBudget,
   WORKER_MAX_HELD_BYTES,
+  WORKER_PRESENCE_ENTRIES,
 } from '../src/gateway/memory-budget.ts'
 import { S3Store } from '../src/gateway/node.ts'
 import { type R2BucketLike, R2Store } from '../src/gateway/stores/r2.ts'
@@ -370,6 +371,14 @@ describe('maxHeldBytes per runtime', () => {
     expect(app.state.lookup.cacheEntries).toBe(WORKER_PRESENCE_ENTRIES)
     expect(WORKER_PRESENCE_ENTRIES).toBeLessThanOrEqual(20_000)
     expect(createGateway({ store: new MemoryStore() }).state.lookup.cacheEntries).toBe(100_000)
+  })
+
+  it('Worker entry module exports only handlers and functions (workerd refuses to start otherwise)', async () => {
+    const entry: Record<string, unknown> = await import('../src/gateway/adapters/workers.ts')
+    for (const [name, value] of Object.entries(entry)) {
+      const handler = typeof value === 'object' && value !== null && 'fetch' in value
+      expect(typeof value === 'function' || handler, `export ${name}`).toBe(true)
+    }
   })
 
   it('Lambda: from the function memory, and S3 part concurrency sized to fit', () => {

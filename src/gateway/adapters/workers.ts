@@ -1,10 +1,12 @@
 // Cloudflare Workers entry: `export default { fetch }` building the gateway once per
 // isolate from its bindings (R2 bucket, token table secret, limits from vars).
+// workerd requires every export of the entry module to be a handler or a function: constants
+// live in other modules (memory-budget.ts), never here.
 
 import { parseColdTier } from '../../coldtier/policy.ts'
 import { ConfigError, isKvgateError } from '../../core/errors.ts'
 import { createGateway, type GatewayApp } from '../app.ts'
-import { WORKER_MAX_HELD_BYTES } from '../memory-budget.ts'
+import { WORKER_MAX_HELD_BYTES, WORKER_PRESENCE_ENTRIES } from '../memory-budget.ts'
 import type { TokenGrant } from '../middleware/auth.ts'
 import { type R2BucketLike, R2Store } from '../stores/r2.ts'
 import { parseTokenTable } from '../token-table.ts'
@@ -48,9 +50,6 @@ export interface WorkerEnv {
   /** The coldTier section as JSON: retention/quota per namespace, grace, use tracking (docs/cold-tier.md). */
   KVGATE_COLD_TIER?: string
 }
-
-/** Presence-cache entries in a Worker (~190 bytes each, measured: ~4 MiB of the isolate). */
-export const WORKER_PRESENCE_ENTRIES = 20_000
 
 function intVar(env: WorkerEnv, name: keyof WorkerEnv, fallback: number, min = 1): number {
   const raw = env[name]
