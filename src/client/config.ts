@@ -1,10 +1,9 @@
 // KVCache options: eager validation with clear messages and defaults that work
 // on one machine with no gateway, plus a KVGATE_* environment / YAML file layer for the CLI.
 
-import { readFileSync } from 'node:fs'
 import * as v from 'valibot'
-import { parse as parseYaml } from 'yaml'
 import { byteSize, nearestKey, parseByteSize, parseConfig } from '../core/config-check.ts'
+import { readConfigFile } from '../core/config-file.ts'
 import { CodecError, ConfigError, InvalidArgumentError } from '../core/errors.ts'
 import { isNamespaceName, type KeyScheme, SCHEME_CODES } from '../core/keys.ts'
 import {
@@ -401,16 +400,9 @@ export function optionsFromEnvironment(
   const out: Plain = {}
   const path = file ?? env[CLIENT_CONFIG_ENV]
   if (path) {
-    let doc: unknown
-    try {
-      doc = parseYaml(readFileSync(path, 'utf8'))
-    } catch (e) {
-      throw new ConfigError(`cannot read config file ${path}: ${(e as Error).message}`)
-    }
-    if (doc !== null && doc !== undefined) {
-      if (typeof doc !== 'object' || Array.isArray(doc))
-        throw new ConfigError(`config file ${path}: expected a mapping`)
-      const d = { ...(doc as Plain) }
+    const doc = readConfigFile(path)
+    if (doc !== undefined) {
+      const d = { ...doc }
       const extra: Plain = {}
       for (const k of extraSections) {
         if (k in d) extra[k] = d[k]
