@@ -108,6 +108,31 @@ describe('kvgate serve: mistakes are one line naming the fix', () => {
   })
 })
 
+describe('stray arguments', () => {
+  // `kvgate serve 9000` or `kvgate gc config.yaml` must not run with the defaults instead.
+  it.each([
+    ['serve', '9000'],
+    ['agent', 'agent.yaml'],
+    ['gc', 'prod'],
+    ['keys', '1,2,3'],
+    ['smoke', 'http://127.0.0.1:1'],
+    ['build-native', 'clean'],
+  ])('kvgate %s %s exits 2 naming the argument, starting nothing', async (command, stray) => {
+    const r = await new Promise<{ code: number | null; stderr: string }>((resolve) => {
+      execFile(
+        process.execPath,
+        [bin, command, stray],
+        { encoding: 'utf8', env: { ...process.env, KVGATE_CONFIG: '' }, timeout: 15_000 },
+        (e, _stdout, stderr) =>
+          resolve({ code: e ? (typeof e.code === 'number' ? e.code : null) : 0, stderr }),
+      )
+    })
+    expect(r.code).toBe(2)
+    expect(r.stderr).toContain(`unexpected argument '${stray}'`)
+    expect(oneLine(r.stderr)).toBe(true)
+  })
+})
+
 describe('kvgate token', () => {
   it('prints a token and the matching hashed entry for the token table', async () => {
     const r = await kvgate(['token', '--json', '--name', 'ops', '--scope', 'admin', '--namespaces', '*'])
