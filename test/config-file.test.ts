@@ -91,3 +91,34 @@ describe('kvgate serve with a non-UTF-8 config file', () => {
     expect(r.stderr.trim()).toBe(`kvgate serve: config file ${path} is not UTF-8 text [ERR_CONFIG]`)
   })
 })
+
+describe('client KVGATE_* variables with a fixed set of values', () => {
+  // Checked when read, naming the variable: the agent reads them at start-up and must not
+  // start with a value that fails every engine's registration later.
+  it.each([
+    ['KVGATE_REMOTE_CODEC', 'zip', 'kvgate, lossless or raw'],
+    ['KVGATE_KEY_SCHEME', 'md5', 'sha256-v1 or vllm-sha256-cbor'],
+    ['KVGATE_DISK_STORE_AS', 'zstd', 'raw or lossless'],
+    ['KVGATE_DISK', 'no', 'on or off'],
+    ['KVGATE_REMOTE', 'disabled', 'on or off'],
+  ])('%s=%s is an error naming the variable', (name, value, expected) => {
+    expect(() => optionsFromEnvironment({ [name]: value })).toThrow(
+      `invalid ${name}: '${value}' (${expected})`,
+    )
+  })
+
+  it('the valid values still work', () => {
+    expect(
+      optionsFromEnvironment({
+        KVGATE_REMOTE_CODEC: 'lossless',
+        KVGATE_KEY_SCHEME: 'vllm-sha256-cbor',
+        KVGATE_DISK_STORE_AS: 'lossless',
+        KVGATE_REMOTE: 'on',
+      }),
+    ).toEqual({ keyScheme: 'vllm-sha256-cbor', disk: { storeAs: 'lossless' }, remote: { codec: 'lossless' } })
+    expect(optionsFromEnvironment({ KVGATE_DISK: 'off', KVGATE_REMOTE: 'false' })).toEqual({
+      disk: false,
+      remote: false,
+    })
+  })
+})

@@ -418,6 +418,18 @@ export function optionsFromEnvironment(
     out[k] = fresh
     return fresh
   }
+  // Variables with a fixed set of values are checked here, naming the variable: a daemon (the
+  // agent) reads them at start-up and must not accept what fails every registration later.
+  const oneOf = (name: string, allowed: readonly string[], shown: string): string | undefined => {
+    const value = env[name]
+    if (value === undefined || value === '') return undefined
+    if (!allowed.includes(value)) throw new InvalidArgumentError(`invalid ${name}: '${value}' (${shown})`)
+    return value
+  }
+  const onOff = (name: string): boolean | undefined => {
+    const value = oneOf(name, ['on', 'off', 'true', 'false'], 'on or off')
+    return value === undefined ? undefined : value === 'on' || value === 'true'
+  }
   if (env.KVGATE_MODEL) out.model = env.KVGATE_MODEL
   if (env.KVGATE_CHUNK_TOKENS) out.chunkTokens = num('KVGATE_CHUNK_TOKENS', env.KVGATE_CHUNK_TOKENS)
   if (env.KVGATE_NAMESPACE) out.namespace = env.KVGATE_NAMESPACE
@@ -426,20 +438,27 @@ export function optionsFromEnvironment(
     out.writeBehindBytes = parseBytes('KVGATE_WRITE_BEHIND_BYTES', env.KVGATE_WRITE_BEHIND_BYTES)
   if (env.KVGATE_RETRIEVE_DEADLINE_MS)
     out.retrieveDeadlineMs = num('KVGATE_RETRIEVE_DEADLINE_MS', env.KVGATE_RETRIEVE_DEADLINE_MS)
-  if (env.KVGATE_KEY_SCHEME) out.keyScheme = env.KVGATE_KEY_SCHEME
+  const keyScheme = oneOf(
+    'KVGATE_KEY_SCHEME',
+    ['sha256-v1', 'vllm-sha256-cbor'],
+    'sha256-v1 or vllm-sha256-cbor',
+  )
+  if (keyScheme) out.keyScheme = keyScheme
   if (env.KVGATE_MEMORY_BYTES)
     sub('memory').bytes = parseBytes('KVGATE_MEMORY_BYTES', env.KVGATE_MEMORY_BYTES)
-  if (env.KVGATE_DISK === 'off' || env.KVGATE_DISK === 'false') out.disk = false
+  if (onOff('KVGATE_DISK') === false) out.disk = false
   else {
     if (env.KVGATE_DISK_DIR) sub('disk').dir = env.KVGATE_DISK_DIR
     if (env.KVGATE_DISK_BYTES) sub('disk').bytes = parseBytes('KVGATE_DISK_BYTES', env.KVGATE_DISK_BYTES)
-    if (env.KVGATE_DISK_STORE_AS) sub('disk').storeAs = env.KVGATE_DISK_STORE_AS
+    const storeAs = oneOf('KVGATE_DISK_STORE_AS', ['raw', 'lossless'], 'raw or lossless')
+    if (storeAs) sub('disk').storeAs = storeAs
   }
-  if (env.KVGATE_REMOTE === 'off' || env.KVGATE_REMOTE === 'false') out.remote = false
+  if (onOff('KVGATE_REMOTE') === false) out.remote = false
   else {
     if (env.KVGATE_REMOTE_URL) sub('remote').url = env.KVGATE_REMOTE_URL
     if (env.KVGATE_REMOTE_TOKEN) sub('remote').token = env.KVGATE_REMOTE_TOKEN
-    if (env.KVGATE_REMOTE_CODEC) sub('remote').codec = env.KVGATE_REMOTE_CODEC
+    const codec = oneOf('KVGATE_REMOTE_CODEC', ['kvgate', 'lossless', 'raw'], 'kvgate, lossless or raw')
+    if (codec) sub('remote').codec = codec
     if (env.KVGATE_REMOTE_QUALITY)
       sub('remote').quality = num('KVGATE_REMOTE_QUALITY', env.KVGATE_REMOTE_QUALITY)
     if (env.KVGATE_REMOTE_TIMEOUT_MS)
