@@ -10,7 +10,7 @@ import { promisify } from 'node:util'
 import { describe, expect, it } from 'vitest'
 import { optionsFromEnvironment } from '../src/client/config.ts'
 import { MAX_CONFIG_FILE_BYTES } from '../src/core/config-file.ts'
-import { settingsFromFile } from '../src/gateway/config.ts'
+import { settingsFromEnv, settingsFromFile } from '../src/gateway/config.ts'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvgate-config-file-'))
 const file = (name: string, body: string | Uint8Array) => {
@@ -120,5 +120,18 @@ describe('client KVGATE_* variables with a fixed set of values', () => {
       disk: false,
       remote: false,
     })
+  })
+})
+
+describe('the gateway cold-tier settings', () => {
+  it('a mistake names KVGATE_COLD_TIER or the file, not an internal coldTier', () => {
+    expect(() => settingsFromEnv({ KVGATE_COLD_TIER: '{bad' })).toThrow('KVGATE_COLD_TIER is not valid JSON')
+    expect(() => settingsFromEnv({ KVGATE_COLD_TIER: '{"namespaces":{"*":{"retenion":"30d"}}}' })).toThrow(
+      'KVGATE_COLD_TIER.namespaces.*: unknown key "retenion"',
+    )
+    const path = file('cold.yaml', 'coldTier:\n  grace: soon\n')
+    expect(() => settingsFromFile(path)).toThrow(`${path}: coldTier.grace`)
+    // Valid settings pass through unchanged (resolved later with the rest).
+    expect(settingsFromEnv({ KVGATE_COLD_TIER: '{"grace":"10m"}' })).toEqual({ coldTier: '{"grace":"10m"}' })
   })
 })

@@ -271,6 +271,8 @@ function checkSettings(raw: Record<string, unknown>, nameOf: (k: OptionName) => 
       }
     }
     out[key] = parseConfig(OPTIONS[key].schema, input, nameOf(key))
+    // Checked now, so a mistake names its variable or file (resolveServeConfig parses it again).
+    if (key === 'coldTier') parseColdTier(input, nameOf(key))
   }
   return out as ServeSettings
 }
