@@ -82,6 +82,14 @@ describe('kvgate serve: mistakes are one line naming the fix', () => {
     expect(c.coalesceMaxBytes).toBe(4_000_000)
   })
 
+  it('a value that is not a byte size is one line, not also "at least" and "at most" lines', async () => {
+    const r = await kvgate(['serve', '--max-chunk-bytes', '1XB'])
+    expect(r.code).toBe(2)
+    expect(r.stderr.trim()).toBe(
+      'kvgate serve: --max-chunk-bytes: expected a byte size such as 4096, 512MiB or 10GB [ERR_CONFIG]',
+    )
+  })
+
   it('a store directory under a file is ENOTDIR in one line naming --dir', async () => {
     const file = join(dir, 'plain-file')
     writeFileSync(file, 'x')
