@@ -459,8 +459,8 @@ describe('agent configuration', () => {
     })
     expect(c.cache).toMatchObject({ memory: { bytes: 64 * 2 ** 20 } })
     writeFileSync(file, 'agent:\n  socketPath: /tmp/x\n')
-    expect(() => resolveAgentConfig({ config: file }, {})).toThrow(/unknown agent option 'socketPath'/)
-    expect(() => resolveAgentConfig({ lookupDeadlineMs: -1 }, {})).toThrow(/lookupDeadlineMs/)
+    expect(() => resolveAgentConfig({ config: file }, {})).toThrow(/agent.socketPath: unknown key/)
+    expect(() => resolveAgentConfig({ lookupDeadlineMs: -1 }, {})).toThrow(/--lookup-deadline-ms/)
     expect(() => resolveAgentConfig({ socket: 'x'.repeat(200) }, {})).toThrow(/socket/)
     // copyThreads: min(cores, 4) by default; 0 (on the event loop) .. 64; flag over env over file.
     expect(resolveAgentConfig({ socket: join(dir, 'x.sock') }, {}).copyThreads).toBeGreaterThanOrEqual(1)
@@ -475,12 +475,49 @@ describe('agent configuration', () => {
     for (const bad of ['-1', '65', 'two', '1.5'])
       expect(() =>
         resolveAgentConfig({ socket: join(dir, 'x.sock') }, { KVGATE_AGENT_COPY_THREADS: bad }),
-      ).toThrow(/copyThreads/)
+      ).toThrow(/KVGATE_AGENT_COPY_THREADS/)
     // An agent made without resolveAgentConfig (embedded) refuses them too, rather than failing every copy.
     const core = { chunkTokens: 256, cache: {}, lookupDeadlineMs: 250, version: 'test' }
     for (const bad of [-1, 65, 1.5, Number.NaN])
       expect(() => new Agent({ ...core, copyThreads: bad })).toThrow(/copyThreads/)
     expect(new Agent({ ...core, copyThreads: 0 }).options.copyThreads).toBe(0)
+  })
+
+  it('a bad value names where it came from: the flag, the KVGATE_* variable or the file key', async () => {
+    const file = join(dir, 'agent-where.yaml')
+    const sock = join(dir, 'x.sock')
+    expect(() => resolveAgentConfig({ socket: sock }, { KVGATE_AGENT_COPY_THREADS: '-1' })).toThrow(
+      "KVGATE_AGENT_COPY_THREADS: expected an integer in 0..64, got '-1'",
+    )
+    expect(() => resolveAgentConfig({ socket: sock }, { KVGATE_AGENT_METRICS_PORT: 'http' })).toThrow(
+      "KVGATE_AGENT_METRICS_PORT: expected an integer in 0..65535, got 'http'",
+    )
+    writeFileSync(file, 'agent:\n  lookupDeadlineMs: soon\n')
+    expect(() => resolveAgentConfig({ config: file, socket: sock }, {})).toThrow(
+      `${file}: agent.lookupDeadlineMs: expected an integer in 0..60000, got 'soon'`,
+    )
+    writeFileSync(file, 'agent:\n  sockt: /tmp/x\n')
+    expect(() => resolveAgentConfig({ config: file }, {})).toThrow(
+      `${file}: agent.sockt: unknown key (did you mean 'socket'?)`,
+    )
+    // The CLI: the flag as typed, exit 2, one line.
+    const { main, reportFailure } = await import('../src/cli/main.ts')
+    const err = console.error
+    let out = ''
+    console.error = (s: string) => {
+      out += `${s}\n`
+    }
+    try {
+      const code = await main(['agent', '--socket', sock, '--chunk-tokens', 'abc']).catch((e: unknown) =>
+        reportFailure(e, 'agent'),
+      )
+      expect(code).toBe(2)
+    } finally {
+      console.error = err
+    }
+    expect(out.trim()).toBe(
+      "kvgate agent: --chunk-tokens: expected an integer in 1..1048576, got 'abc' [ERR_CONFIG]",
+    )
   })
 
   it('kvgate agent --help', async () => {

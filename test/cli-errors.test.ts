@@ -82,6 +82,14 @@ describe('kvgate serve: mistakes are one line naming the fix', () => {
     expect(c.coalesceMaxBytes).toBe(4_000_000)
   })
 
+  it('a value that is not a byte size is one line, not also "at least" and "at most" lines', async () => {
+    const r = await kvgate(['serve', '--max-chunk-bytes', '1XB'])
+    expect(r.code).toBe(2)
+    expect(r.stderr.trim()).toBe(
+      'kvgate serve: --max-chunk-bytes: expected a byte size such as 4096, 512MiB or 10GB [ERR_CONFIG]',
+    )
+  })
+
   it('a store directory under a file is ENOTDIR in one line naming --dir', async () => {
     const file = join(dir, 'plain-file')
     writeFileSync(file, 'x')
@@ -105,6 +113,31 @@ describe('kvgate serve: mistakes are one line naming the fix', () => {
     } finally {
       blocker.close()
     }
+  })
+})
+
+describe('stray arguments', () => {
+  // `kvgate serve 9000` or `kvgate gc config.yaml` must not run with the defaults instead.
+  it.each([
+    ['serve', '9000'],
+    ['agent', 'agent.yaml'],
+    ['gc', 'prod'],
+    ['keys', '1,2,3'],
+    ['smoke', 'http://127.0.0.1:1'],
+    ['build-native', 'clean'],
+  ])('kvgate %s %s exits 2 naming the argument, starting nothing', async (command, stray) => {
+    const r = await new Promise<{ code: number | null; stderr: string }>((resolve) => {
+      execFile(
+        process.execPath,
+        [bin, command, stray],
+        { encoding: 'utf8', env: { ...process.env, KVGATE_CONFIG: '' }, timeout: 15_000 },
+        (e, _stdout, stderr) =>
+          resolve({ code: e ? (typeof e.code === 'number' ? e.code : null) : 0, stderr }),
+      )
+    })
+    expect(r.code).toBe(2)
+    expect(r.stderr).toContain(`unexpected argument '${stray}'`)
+    expect(oneLine(r.stderr)).toBe(true)
   })
 })
 

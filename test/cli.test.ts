@@ -30,6 +30,14 @@ describe('kvgate CLI', () => {
     const v = await kvgate('--version')
     expect(v.stdout.trim()).toBe(JSON.parse(readFileSync('package.json', 'utf8')).version)
   })
+  it('a missing command or benchmark name is wrong usage: exit 2, the usage on stderr', async () => {
+    for (const args of [[], ['bench']]) {
+      const r = await kvgate(...args)
+      expect(r.code).toBe(2)
+      expect(r.stdout).toBe('')
+      expect(r.stderr).toContain('Usage: kvgate')
+    }
+  })
   it('unknown commands fail with a pointer to --help, even prototype names', async () => {
     for (const name of ['nope', 'toString', '__proto__']) {
       const r = await kvgate(name)

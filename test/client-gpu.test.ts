@@ -178,6 +178,10 @@ describe('GPU store / retrieve (stub libcudart)', () => {
       await expect(c.store(toks, { kind: 'device', pointer: 0x1000n })).rejects.toMatchObject({
         code: 'ERR_NATIVE',
       })
+      // The build command named is one that exists where kvgate runs (the CLI when installed).
+      await expect(c.store(toks, { kind: 'device', pointer: 0x1000n })).rejects.toThrow(
+        nativePaths.buildCommand,
+      )
     } finally {
       await c.close()
     }

@@ -517,6 +517,12 @@ describe('bundle size contract', () => {
       `worker bundle: ${(size.bytes / 1024).toFixed(1)} KiB raw, ${(size.gzipBytes / 1024).toFixed(1)} KiB gzip`,
     )
     expect(size.gzipBytes).toBeLessThan(FREE_PLAN_GZIP_LIMIT)
+    // The deploy guide quotes the size: it must be this build's (within a quarter).
+    const quoted = /bundle stays at ~(\d+) KiB gzip/.exec(
+      readFileSync(join(ROOT, 'docs/deploy-workers.md'), 'utf8'),
+    )
+    expect(quoted, 'docs/deploy-workers.md quotes the bundle size').not.toBeNull()
+    expect(Math.abs(Number(quoted![1]) * 1024 - size.gzipBytes) / size.gzipBytes).toBeLessThan(0.25)
     // The Worker must not drag in Node-only code (fs/s3 stores, the AWS SDK).
     const js = readFileSync(gatewayBuild.script, 'utf8')
     expect(js).not.toMatch(/@aws-sdk|S3Client|node:fs/)

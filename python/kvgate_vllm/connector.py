@@ -10,7 +10,9 @@ means 0 matched tokens and full prefill, never a hang or wrong KV.
 
 from __future__ import annotations
 
+import difflib
 import logging
+import math
 import os
 import threading
 import time
@@ -78,6 +80,41 @@ def _dtype_name(d: Any) -> str:
     return str(d)
 
 
+_LAYOUTS = ("flash-attn", "flashinfer", "mla")
+# kv_connector_extra_config keys and their defaults (docs/vllm.md lists them).
+_EXTRA_MS_DEFAULTS = {"lookup_wait_ms": 2, "lookup_timeout_ms": 1000, "load_timeout_ms": 30000}
+_EXTRA_KEYS = ("socket", "layout", *_EXTRA_MS_DEFAULTS)
+
+
+def _check_extra_config(extra: Dict[str, Any]) -> Dict[str, Any]:
+    """Checks kv_connector_extra_config: an unknown key (a typo such as "sokcet" would otherwise
+    fall back to the default socket in silence) or a bad value is a ConfigurationError naming it.
+    Returns the timeouts in seconds."""
+    where = "kv_connector_extra_config"
+    for key in extra:
+        if key not in _EXTRA_KEYS:
+            near = difflib.get_close_matches(str(key), _EXTRA_KEYS, n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            raise ConfigurationError(f"{where}: unknown key {key!r}{hint}; valid keys: {', '.join(_EXTRA_KEYS)}")
+    socket = extra.get("socket")
+    if socket is not None and (not isinstance(socket, str) or not socket):
+        raise ConfigurationError(f"{where}: socket: expected a path to the agent's Unix socket, got {socket!r}")
+    layout = extra.get("layout")
+    if layout is not None and layout not in _LAYOUTS:
+        raise ConfigurationError(f"{where}: layout: expected one of {', '.join(_LAYOUTS)}, got {layout!r}")
+    out = {}
+    for key, default in _EXTRA_MS_DEFAULTS.items():
+        v = extra.get(key, default)
+        try:
+            ms = float(v) if not isinstance(v, bool) else math.nan
+        except (TypeError, ValueError):
+            ms = math.nan
+        if not math.isfinite(ms) or ms < 0:
+            raise ConfigurationError(f"{where}: {key}: expected a number of milliseconds >= 0, got {v!r}")
+        out[key] = ms / 1000
+    return out
+
+
 def engine_settings(vllm_config: Any) -> Dict[str, Any]:
     """What the agent must know about this engine, read from vLLM's config (and checked)."""
     cache = vllm_config.cache_config
@@ -96,6 +133,7 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
             "on every node: without it vLLM's first block hash is random per process and no prefix is ever shared"
         )
     extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
+    waits = _check_extra_config(extra)
     use_mla = bool(getattr(model, "use_mla", False))
     layout = extra.get("layout")
     if layout is None:
@@ -134,9 +172,9 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
         "dtype": _dtype_name(dtype),
         "world": world,
         "rank": int(getattr(par, "rank", 0)) % world,
-        "lookupWaitS": float(extra.get("lookup_wait_ms", 2)) / 1000,
-        "lookupTimeoutS": float(extra.get("lookup_timeout_ms", 1000)) / 1000,
-        "loadTimeoutS": float(extra.get("load_timeout_ms", 30000)) / 1000,
+        "lookupWaitS": waits["lookup_wait_ms"],
+        "lookupTimeoutS": waits["lookup_timeout_ms"],
+        "loadTimeoutS": waits["load_timeout_ms"],
     }
 
 

@@ -403,3 +403,28 @@ def _gpu_round_trip(tmp, name, world=1, check=None):
                 ag.stop()
     finally:
         gw.stop()
+
+
+def test_extra_config_unknown_keys_and_bad_values_are_errors(tmp):
+    """A typo in kv_connector_extra_config ("sokcet") must not fall back to the default socket
+    silently, and a bad value names its key (not a bare ValueError from float())."""
+    from harness import vllm_config
+    from kvgate_vllm import engine_settings
+
+    def with_extra(**extra):
+        cfg = vllm_config(EngineSpec(socket=tmp.sock("x")))
+        cfg.kv_transfer_config.kv_connector_extra_config = extra
+        return cfg
+
+    with pytest.raises(ConfigurationError, match=r"sokcet.*did you mean 'socket'"):
+        engine_settings(with_extra(sokcet="/run/kvgate/agent.sock"))
+    with pytest.raises(ConfigurationError, match="lookup_wait_ms.*a number"):
+        engine_settings(with_extra(lookup_wait_ms="soon"))
+    with pytest.raises(ConfigurationError, match="load_timeout_ms.*a number"):
+        engine_settings(with_extra(load_timeout_ms=-5))
+    with pytest.raises(ConfigurationError, match="layout.*flash-attn, flashinfer, mla"):
+        engine_settings(with_extra(layout="paged"))
+    with pytest.raises(ConfigurationError, match="socket.*a path"):
+        engine_settings(with_extra(socket=7))
+    s = engine_settings(with_extra(socket="/s.sock", layout="flashinfer", lookup_wait_ms="5", load_timeout_ms=100))
+    assert (s["socket"], s["layout"], s["lookupWaitS"], s["loadTimeoutS"]) == ("/s.sock", "flashinfer", 0.005, 0.1)

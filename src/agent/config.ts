@@ -6,27 +6,30 @@ import { availableParallelism } from 'node:os'
 import { join } from 'node:path'
 import type { KVCacheOptions } from '../client/config.ts'
 import { optionsFromEnvironment, parseBytes } from '../client/config.ts'
+import { nearestKey } from '../core/config-check.ts'
 import { ConfigError } from '../core/errors.ts'
 import { DEFAULT_MAX_FRAME_BYTES } from './protocol.ts'
 
+// Numbers may also be strings as typed on the command line: they are checked here, and an
+// error quotes them as given.
 export interface AgentSettings {
   /** Unix socket path. @default $XDG_RUNTIME_DIR/kvgate/agent.sock, else /tmp/kvgate-<uid>/agent.sock */
   socket?: string
   /** Tokens per stored chunk (a multiple of the engine's block size). @default 256 */
-  chunkTokens?: number
+  chunkTokens?: number | string
   /** Lookups answer from L1/L2 after this many ms when the gateway is slow. @default 250 */
-  lookupDeadlineMs?: number
+  lookupDeadlineMs?: number | string
   /** Largest accepted frame. @default 16 MiB */
-  maxFrameBytes?: number
+  maxFrameBytes?: number | string
   /** Loopback port for Prometheus /metrics; off unless given (0 = any free port). */
-  metricsPort?: number
+  metricsPort?: number | string
   /** Refuse engines serving another model id. @default any */
   model?: string
   /**
    * Threads one save's or load's copy is split across (host-memory tensors); 0 copies on the
    * event loop instead (the pre-threaded path, for comparison). @default min(cores, 4)
    */
-  copyThreads?: number
+  copyThreads?: number | string
 }
 
 const AGENT_KEYS = [
@@ -67,12 +70,16 @@ export function defaultSocketPath(env: NodeJS.ProcessEnv = process.env): string 
   return join(dir, 'agent.sock')
 }
 
-function int(name: string, v: unknown, min: number, max: number): number {
+function int(where: string, v: unknown, min: number, max: number): number {
   const n = typeof v === 'string' && /^\s*\d+\s*$/.test(v) ? Number(v) : v
-  if (typeof n !== 'number' || !Number.isSafeInteger(n) || n < min || n > max)
-    throw new ConfigError(`invalid ${name}: expected an integer in ${min}..${max}, got ${String(v)}`)
+  if (typeof n !== 'number' || !Number.isSafeInteger(n) || n < min || n > max) {
+    const got = typeof v === 'string' ? `'${v}'` : String(v)
+    throw new ConfigError(`${where}: expected an integer in ${min}..${max}, got ${got}`)
+  }
   return n
 }
+
+const kebab = (k: string) => `--${k.replace(/[A-Z]/g, (c) => `-${c.toLowerCase()}`)}`
 
 /**
  * Flags over env over the YAML file (`agent:` section for the agent's own keys; the
@@ -83,41 +90,57 @@ export function resolveAgentConfig(
   env: NodeJS.ProcessEnv = process.env,
 ): ResolvedAgentConfig {
   const base = optionsFromEnvironment(env, flags.config, ['agent']) as Record<string, unknown>
+  const file = flags.config ?? env.KVGATE_CLIENT_CONFIG
   const fromFile = (base.agent ?? {}) as Record<string, unknown>
   if (typeof fromFile !== 'object' || Array.isArray(fromFile))
-    throw new ConfigError('agent: expected a mapping')
+    throw new ConfigError(`${file}: agent: expected a mapping`)
   for (const k of Object.keys(fromFile)) {
-    if (!AGENT_KEYS.includes(k))
-      throw new ConfigError(`unknown agent option '${k}' (${AGENT_KEYS.join(', ')})`)
+    if (!AGENT_KEYS.includes(k)) {
+      const near = nearestKey(k, AGENT_KEYS)
+      throw new ConfigError(
+        `${file}: agent.${k}: unknown key${near ? ` (did you mean '${near}'?)` : ''}; valid keys here: ${AGENT_KEYS.join(', ')}`,
+      )
+    }
   }
   const { agent: _a, model: _m, keyScheme: _k, hashSeed: _h, chunkTokens: ct, ...cache } = base
-  const pick = (k: keyof AgentSettings, envName: string): unknown =>
-    flags[k] ?? (env[envName] !== undefined && env[envName] !== '' ? env[envName] : undefined) ?? fromFile[k]
-  const socket = pick('socket', 'KVGATE_AGENT_SOCKET')
-  if (socket !== undefined && (typeof socket !== 'string' || socket.length === 0 || socket.length > 107)) {
-    throw new ConfigError('invalid socket: a path of 1..107 characters (the Unix socket limit)')
+  // Each value with where it came from, so an error names the flag, variable or file key to fix.
+  const pick = (k: keyof AgentSettings, envName: string, fallback?: unknown): [unknown, string] => {
+    if (flags[k] !== undefined) return [flags[k], kebab(k)]
+    if (env[envName] !== undefined && env[envName] !== '') return [env[envName], envName]
+    if (fromFile[k] !== undefined) return [fromFile[k], `${file}: agent.${k}`]
+    return [fallback, k]
   }
-  const metricsPort = pick('metricsPort', 'KVGATE_AGENT_METRICS_PORT')
-  const model = pick('model', 'KVGATE_AGENT_MODEL')
-  const maxFrame = pick('maxFrameBytes', 'KVGATE_AGENT_MAX_FRAME_BYTES')
-  const copyThreads = pick('copyThreads', 'KVGATE_AGENT_COPY_THREADS')
+  const [socket, socketWhere] = pick('socket', 'KVGATE_AGENT_SOCKET')
+  if (socket !== undefined && (typeof socket !== 'string' || socket.length === 0 || socket.length > 107)) {
+    throw new ConfigError(`${socketWhere}: expected a path of 1..107 characters (the Unix socket limit)`)
+  }
+  const [metricsPort, metricsWhere] = pick('metricsPort', 'KVGATE_AGENT_METRICS_PORT')
+  const [model] = pick('model', 'KVGATE_AGENT_MODEL')
+  const [maxFrame, maxFrameWhere] = pick('maxFrameBytes', 'KVGATE_AGENT_MAX_FRAME_BYTES')
+  const [copyThreads, copyWhere] = pick('copyThreads', 'KVGATE_AGENT_COPY_THREADS')
+  const [lookupDeadline, lookupWhere] = pick('lookupDeadlineMs', 'KVGATE_AGENT_LOOKUP_DEADLINE_MS', 250)
+  // chunkTokens: the flag, else the client's (KVGATE_CHUNK_TOKENS or the file's top level,
+  // checked there), else the file's agent section.
+  const [chunkTokens, chunkWhere]: [unknown, string] =
+    flags.chunkTokens !== undefined
+      ? [flags.chunkTokens, '--chunk-tokens']
+      : ct !== undefined
+        ? [ct, 'chunkTokens']
+        : fromFile.chunkTokens !== undefined
+          ? [fromFile.chunkTokens, `${file}: agent.chunkTokens`]
+          : [256, 'chunkTokens']
   return {
     socket: (socket as string | undefined) ?? defaultSocketPath(env),
-    chunkTokens: int('chunkTokens', flags.chunkTokens ?? ct ?? fromFile.chunkTokens ?? 256, 1, 1 << 20),
-    lookupDeadlineMs: int(
-      'lookupDeadlineMs',
-      pick('lookupDeadlineMs', 'KVGATE_AGENT_LOOKUP_DEADLINE_MS') ?? 250,
-      0,
-      60_000,
-    ),
+    chunkTokens: int(chunkWhere, chunkTokens, 1, 1 << 20),
+    lookupDeadlineMs: int(lookupWhere, lookupDeadline, 0, 60_000),
     maxFrameBytes:
       maxFrame === undefined
         ? DEFAULT_MAX_FRAME_BYTES
-        : int('maxFrameBytes', parseBytes('maxFrameBytes', maxFrame), 1024, 1 << 30),
-    metricsPort: metricsPort === undefined ? undefined : int('metricsPort', metricsPort, 0, 65535),
+        : int(maxFrameWhere, parseBytes(maxFrameWhere, maxFrame), 1024, 1 << 30),
+    metricsPort: metricsPort === undefined ? undefined : int(metricsWhere, metricsPort, 0, 65535),
     model: model === undefined ? undefined : String(model),
     copyThreads:
-      copyThreads === undefined ? defaultCopyThreads() : int('copyThreads', copyThreads, 0, MAX_COPY_THREADS),
+      copyThreads === undefined ? defaultCopyThreads() : int(copyWhere, copyThreads, 0, MAX_COPY_THREADS),
     cache: cache as ResolvedAgentConfig['cache'],
   }
 }

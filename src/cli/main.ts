@@ -56,8 +56,13 @@ export async function main(argv: string[]): Promise<number> {
   if (first === undefined || first === '-h' || first === '--help' || first === 'help') {
     const target = first === 'help' ? rest[0] : undefined
     if (target && Object.hasOwn(COMMANDS, target)) return main([target, '--help'])
-    console.log(usage())
-    return first === undefined ? 1 : 0
+    // Asked for: stdout, 0. No command at all is wrong usage: stderr, 2 (as documented).
+    if (first !== undefined) {
+      console.log(usage())
+      return 0
+    }
+    console.error(usage())
+    return EXIT_USAGE
   }
   if (first === '-v' || first === '--version') {
     console.log(version())

@@ -1,10 +1,9 @@
 // KVCache options: eager validation with clear messages and defaults that work
 // on one machine with no gateway, plus a KVGATE_* environment / YAML file layer for the CLI.
 
-import { readFileSync } from 'node:fs'
 import * as v from 'valibot'
-import { parse as parseYaml } from 'yaml'
 import { byteSize, nearestKey, parseByteSize, parseConfig } from '../core/config-check.ts'
+import { readConfigFile } from '../core/config-file.ts'
 import { CodecError, ConfigError, InvalidArgumentError } from '../core/errors.ts'
 import { isNamespaceName, type KeyScheme, SCHEME_CODES } from '../core/keys.ts'
 import {
@@ -387,12 +386,6 @@ function num(name: string, v: string): number {
 type Plain = Record<string, unknown>
 
 /** A tier switch variable: false for off/false, true for on/true (or empty); anything else names the variable. */
-function onOff(name: string, v: string | undefined): boolean {
-  if (v === 'off' || v === 'false') return false
-  if (v === undefined || v === '' || v === 'on' || v === 'true') return true
-  throw new InvalidArgumentError(`invalid ${name}: '${v}' (on or off)`)
-}
-
 /**
  * Options for processes started from the CLI: the YAML file named by
  * KVGATE_CLIENT_CONFIG (or `file`), then KVGATE_* variables on top (env overrides file).
@@ -408,16 +401,9 @@ export function optionsFromEnvironment(
   const out: Plain = {}
   const path = file ?? env[CLIENT_CONFIG_ENV]
   if (path) {
-    let doc: unknown
-    try {
-      doc = parseYaml(readFileSync(path, 'utf8'))
-    } catch (e) {
-      throw new ConfigError(`cannot read config file ${path}: ${(e as Error).message}`)
-    }
-    if (doc !== null && doc !== undefined) {
-      if (typeof doc !== 'object' || Array.isArray(doc))
-        throw new ConfigError(`config file ${path}: expected a mapping`)
-      const d = { ...(doc as Plain) }
+    const doc = readConfigFile(path)
+    if (doc !== undefined) {
+      const d = { ...doc }
       const extra: Plain = {}
       for (const k of extraSections) {
         if (k in d) extra[k] = d[k]
@@ -433,6 +419,18 @@ export function optionsFromEnvironment(
     out[k] = fresh
     return fresh
   }
+  // Variables with a fixed set of values are checked here, naming the variable: a daemon (the
+  // agent) reads them at start-up and must not accept what fails every registration later.
+  const oneOf = (name: string, allowed: readonly string[], shown: string): string | undefined => {
+    const value = env[name]
+    if (value === undefined || value === '') return undefined
+    if (!allowed.includes(value)) throw new InvalidArgumentError(`invalid ${name}: '${value}' (${shown})`)
+    return value
+  }
+  const onOff = (name: string): boolean | undefined => {
+    const value = oneOf(name, ['on', 'off', 'true', 'false'], 'on or off')
+    return value === undefined ? undefined : value === 'on' || value === 'true'
+  }
   if (env.KVGATE_MODEL) out.model = env.KVGATE_MODEL
   if (env.KVGATE_CHUNK_TOKENS) out.chunkTokens = num('KVGATE_CHUNK_TOKENS', env.KVGATE_CHUNK_TOKENS)
   if (env.KVGATE_NAMESPACE) out.namespace = env.KVGATE_NAMESPACE
@@ -441,20 +439,27 @@ export function optionsFromEnvironment(
     out.writeBehindBytes = parseBytes('KVGATE_WRITE_BEHIND_BYTES', env.KVGATE_WRITE_BEHIND_BYTES)
   if (env.KVGATE_RETRIEVE_DEADLINE_MS)
     out.retrieveDeadlineMs = num('KVGATE_RETRIEVE_DEADLINE_MS', env.KVGATE_RETRIEVE_DEADLINE_MS)
-  if (env.KVGATE_KEY_SCHEME) out.keyScheme = env.KVGATE_KEY_SCHEME
+  const keyScheme = oneOf(
+    'KVGATE_KEY_SCHEME',
+    ['sha256-v1', 'vllm-sha256-cbor'],
+    'sha256-v1 or vllm-sha256-cbor',
+  )
+  if (keyScheme) out.keyScheme = keyScheme
   if (env.KVGATE_MEMORY_BYTES)
     sub('memory').bytes = parseBytes('KVGATE_MEMORY_BYTES', env.KVGATE_MEMORY_BYTES)
-  if (!onOff('KVGATE_DISK', env.KVGATE_DISK)) out.disk = false
+  if (onOff('KVGATE_DISK') === false) out.disk = false
   else {
     if (env.KVGATE_DISK_DIR) sub('disk').dir = env.KVGATE_DISK_DIR
     if (env.KVGATE_DISK_BYTES) sub('disk').bytes = parseBytes('KVGATE_DISK_BYTES', env.KVGATE_DISK_BYTES)
-    if (env.KVGATE_DISK_STORE_AS) sub('disk').storeAs = env.KVGATE_DISK_STORE_AS
+    const storeAs = oneOf('KVGATE_DISK_STORE_AS', ['raw', 'lossless'], 'raw or lossless')
+    if (storeAs) sub('disk').storeAs = storeAs
   }
-  if (!onOff('KVGATE_REMOTE', env.KVGATE_REMOTE)) out.remote = false
+  if (onOff('KVGATE_REMOTE') === false) out.remote = false
   else {
     if (env.KVGATE_REMOTE_URL) sub('remote').url = env.KVGATE_REMOTE_URL
     if (env.KVGATE_REMOTE_TOKEN) sub('remote').token = env.KVGATE_REMOTE_TOKEN
-    if (env.KVGATE_REMOTE_CODEC) sub('remote').codec = env.KVGATE_REMOTE_CODEC
+    const codec = oneOf('KVGATE_REMOTE_CODEC', ['kvgate', 'lossless', 'raw'], 'kvgate, lossless or raw')
+    if (codec) sub('remote').codec = codec
     if (env.KVGATE_REMOTE_QUALITY)
       sub('remote').quality = num('KVGATE_REMOTE_QUALITY', env.KVGATE_REMOTE_QUALITY)
     if (env.KVGATE_REMOTE_TIMEOUT_MS)
@@ -469,7 +474,7 @@ export function optionsFromEnvironment(
       sub('remote').presenceTtlMs = num('KVGATE_REMOTE_PRESENCE_TTL_MS', env.KVGATE_REMOTE_PRESENCE_TTL_MS)
     }
     // KVGATE_REMOTE_CALIBRATION=off turns calibrated encoding off; _AFTER sets the build policy.
-    if (!onOff('KVGATE_REMOTE_CALIBRATION', env.KVGATE_REMOTE_CALIBRATION)) sub('remote').calibration = false
+    if (onOff('KVGATE_REMOTE_CALIBRATION') === false) sub('remote').calibration = false
     else if (env.KVGATE_REMOTE_CALIBRATION_AFTER) {
       const r = sub('remote')
       const fromFile = typeof r.calibration === 'object' && r.calibration !== null ? r.calibration : {}

@@ -3,6 +3,7 @@
 
 import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
 import { dtypeBytes, type KvGeometry, kvPlanes, kvRange, rowElements } from '../core/layout.ts'
+import { nativePaths } from './native.ts'
 import type { NativeModule } from './native-api.ts'
 
 /** Device memory holding chunk tensors back to back, in the host `kv` layout. */
@@ -113,7 +114,7 @@ export function chunkDescriptors(
 
 function requireCuda(native: NativeModule | undefined): NativeModule['cuda'] {
   if (!native) {
-    throw new KvgateError('ERR_NATIVE', 'GPU buffers need the native addon: npm run build:native')
+    throw new KvgateError('ERR_NATIVE', `GPU buffers need the native addon: ${nativePaths.buildCommand}`)
   }
   return native.cuda
 }

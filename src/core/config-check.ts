@@ -135,7 +135,9 @@ export function parseConfig<S extends v.GenericSchema>(
   input: unknown,
   where: string,
 ): v.InferOutput<S> {
-  const r = v.safeParse(schema, input)
+  // abortPipeEarly: a value that is not a byte size is one problem, not also "at least" and
+  // "at most" ones for the NaN it became.
+  const r = v.safeParse(schema, input, { abortPipeEarly: true })
   if (r.success) return r.output
   const lines = r.issues.flatMap(specific).map((issue) => {
     const path = issuePath(issue)

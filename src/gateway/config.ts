@@ -2,11 +2,10 @@
 // then command-line flags, each overriding the one before; each checked by a valibot schema.
 // Defaults give a working local gateway: fs store in ./.kvgate/store on 127.0.0.1:8787.
 
-import { readFileSync } from 'node:fs'
 import * as v from 'valibot'
-import { parse as parseYaml } from 'yaml'
 import { type ColdTierConfig, parseColdTier } from '../coldtier/policy.ts'
 import { boolLike, byteSize, intLike, parseConfig } from '../core/config-check.ts'
+import { readConfigFile } from '../core/config-file.ts'
 import { ConfigError } from '../core/errors.ts'
 import { isObjectPrefix } from '../core/keys.ts'
 import { DEFAULT_CALIBRATION_CACHE_BYTES } from './context.ts'
@@ -281,6 +280,8 @@ function checkSettings(raw: Record<string, unknown>, nameOf: (k: OptionName) => 
       }
     }
     out[key] = parseConfig(OPTIONS[key].schema, input, nameOf(key))
+    // Checked now, so a mistake names its variable or file (resolveServeConfig parses it again).
+    if (key === 'coldTier') parseColdTier(input, nameOf(key))
   }
   return out as ServeSettings
 }
@@ -333,13 +334,8 @@ export const GATEWAY_FILE_SCHEMA = fileSchema(FILE_TREE)
 
 /** Reads a YAML config file (nested form, see docs in `kvgate serve --help`) into flat settings. */
 export function settingsFromFile(file: string): ServeSettings {
-  let doc: unknown
-  try {
-    doc = parseYaml(readFileSync(file, 'utf8'))
-  } catch (e) {
-    throw new ConfigError(`cannot read config file ${file}: ${(e as Error).message}`, { cause: e })
-  }
-  if (doc === null || doc === undefined) return {}
+  const doc = readConfigFile(file)
+  if (doc === undefined) return {}
   const d = parseConfig(GATEWAY_FILE_SCHEMA, doc, file) as Record<string, unknown>
   if (typeof d.store === 'string') d.store = { kind: d.store }
   const raw: Record<string, unknown> = {}

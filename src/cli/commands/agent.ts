@@ -47,15 +47,15 @@ export async function run(argv: string[]): Promise<number> {
     console.log(HELP)
     return 0
   }
-  const num = (v: string | undefined) => (v === undefined ? undefined : Number(v))
+  // Flags go in as typed: resolveAgentConfig checks them and quotes a bad one with its flag.
   const config = resolveAgentConfig({
     config: values.config,
     socket: values.socket,
-    chunkTokens: num(values['chunk-tokens']),
-    lookupDeadlineMs: num(values['lookup-deadline-ms']),
-    metricsPort: num(values['metrics-port']),
+    chunkTokens: values['chunk-tokens'],
+    lookupDeadlineMs: values['lookup-deadline-ms'],
+    metricsPort: values['metrics-port'],
     model: values.model,
-    copyThreads: num(values['copy-threads']),
+    copyThreads: values['copy-threads'],
   })
   const server = await startAgent(config, version())
   console.log(JSON.stringify({ socket: server.socketPath, metricsPort: server.metricsPort ?? null }))

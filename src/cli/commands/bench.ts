@@ -67,9 +67,13 @@ Options:
 
 export async function run(argv: string[]): Promise<number> {
   const [name, ...rest] = argv
-  if (name === undefined || name === '-h' || name === '--help') {
+  if (name === '-h' || name === '--help') {
     console.log(help())
-    return name === undefined ? 1 : 0
+    return 0
+  }
+  if (name === undefined) {
+    console.error(help()) // no benchmark named: wrong usage
+    return 2
   }
   const names = availableBenches()
   if (!/^[a-z0-9][a-z0-9-]*$/.test(name) || !names.includes(name)) {

@@ -45,7 +45,7 @@ export async function run(argv: string[]): Promise<number> {
 }
 
 async function demo(argv: string[]): Promise<number> {
-  const { values, help, positionals } = parseCommandArgs(argv, {
+  const { values, help } = parseCommandArgs(argv, {
     codec: { type: 'string' },
     model: { type: 'string' },
     synthetic: { type: 'boolean' },
@@ -60,7 +60,6 @@ async function demo(argv: string[]): Promise<number> {
     console.log(HELP)
     return 0
   }
-  if (positionals.length > 0) throw new InvalidArgumentError(`unexpected argument '${positionals[0]}'`)
   const codec = (values.codec ?? 'kvgate') as DemoCodec
   if (codec !== 'kvgate' && codec !== 'lossless') {
     throw new InvalidArgumentError(`invalid --codec '${codec}' (kvgate or lossless)`)

@@ -133,10 +133,14 @@ export function sampleChunkObject(): Uint8Array {
 }
 
 export async function run(argv: string[]): Promise<number> {
-  const { values, positionals, help } = parseCommandArgs(argv, {
-    json: { type: 'boolean' },
-    'write-sample': { type: 'string' },
-  })
+  const { values, positionals, help } = parseCommandArgs(
+    argv,
+    {
+      json: { type: 'boolean' },
+      'write-sample': { type: 'string' },
+    },
+    { positionals: true },
+  )
   if (help) {
     console.log(HELP)
     return 0

@@ -27,7 +27,7 @@ Give the token to clients as remote.token / KVGATE_REMOTE_TOKEN.`
 const SCOPES: readonly Scope[] = ['read', 'write', 'admin']
 
 export async function run(argv: string[]): Promise<number> {
-  const { values, positionals, help } = parseCommandArgs(argv, {
+  const { values, help } = parseCommandArgs(argv, {
     name: { type: 'string' },
     scope: { type: 'string' },
     namespaces: { type: 'string' },
@@ -38,7 +38,6 @@ export async function run(argv: string[]): Promise<number> {
     console.log(HELP)
     return 0
   }
-  if (positionals.length > 0) throw new InvalidArgumentError(`unexpected argument '${positionals[0]}'`)
   const scope = (values.scope ?? 'write') as Scope
   if (!SCOPES.includes(scope)) {
     throw new InvalidArgumentError(`--scope must be read, write or admin, got '${values.scope}'`)

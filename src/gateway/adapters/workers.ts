@@ -4,6 +4,7 @@
 // live in other modules (memory-budget.ts), never here.
 
 import { parseColdTier } from '../../coldtier/policy.ts'
+import { nearestKey } from '../../core/config-check.ts'
 import { ConfigError, isKvgateError } from '../../core/errors.ts'
 import { createGateway, type GatewayApp } from '../app.ts'
 import { WORKER_MAX_HELD_BYTES, WORKER_PRESENCE_ENTRIES } from '../memory-budget.ts'
@@ -51,6 +52,41 @@ export interface WorkerEnv {
   KVGATE_COLD_TIER?: string
 }
 
+// Every KVGATE_* name the Worker reads (WorkerEnv's keys): [vars] are typed by hand, so any
+// other KVGATE_* name is a typo or a Node-only setting, and leaving a default in its place
+// in silence would be worse than an ERR_CONFIG answer.
+const WORKER_VARS = Object.keys({
+  KVGATE_BUCKET: true,
+  KVGATE_TOKENS: true,
+  KVGATE_AUTH: true,
+  KVGATE_PREFIX: true,
+  KVGATE_MAX_CHUNK_BYTES: true,
+  KVGATE_MAX_CALIBRATION_BYTES: true,
+  KVGATE_CALIBRATION_CACHE_BYTES: true,
+  KVGATE_MULTIPART_THRESHOLD: true,
+  KVGATE_PART_BYTES: true,
+  KVGATE_PUBLIC_STATUS: true,
+  KVGATE_MAX_HELD_BYTES: true,
+  KVGATE_COALESCE_MAX_BUFFERED_BYTES: true,
+  KVGATE_PRESENCE_TTL_MS: true,
+  KVGATE_COLD_TIER: true,
+} satisfies Record<keyof WorkerEnv, true>) as (keyof WorkerEnv)[]
+
+function checkVars(env: WorkerEnv): void {
+  for (const name of Object.keys(env)) {
+    if (!name.startsWith('KVGATE_') || (WORKER_VARS as readonly string[]).includes(name)) continue
+    const near = nearestKey(name, WORKER_VARS)
+    throw new ConfigError(
+      `unknown variable ${name}${near ? ` (did you mean '${near}'?)` : ''}: the Worker reads ${WORKER_VARS.join(', ')} (docs/deploy-workers.md)`,
+    )
+  }
+  const status = env.KVGATE_PUBLIC_STATUS
+  if (status !== undefined && status !== 'true' && status !== 'false')
+    throw new ConfigError(`KVGATE_PUBLIC_STATUS: expected 'true' or 'false', got '${String(status)}'`)
+  if (env.KVGATE_AUTH !== undefined && env.KVGATE_AUTH !== 'disabled')
+    throw new ConfigError(`KVGATE_AUTH: expected 'disabled' or unset, got '${String(env.KVGATE_AUTH)}'`)
+}
+
 function intVar(env: WorkerEnv, name: keyof WorkerEnv, fallback: number, min = 1): number {
   const raw = env[name]
   if (raw === undefined || raw === '') return fallback
@@ -74,6 +110,7 @@ function tokensOf(env: WorkerEnv): TokenGrant[] {
 /** Builds the gateway for one isolate's bindings; throws ConfigError on bad settings. */
 export function gatewayFromEnv(env: WorkerEnv): GatewayApp {
   if (!env.KVGATE_BUCKET) throw new ConfigError('missing the KVGATE_BUCKET R2 binding (see wrangler.toml)')
+  checkVars(env)
   const tokens = tokensOf(env)
   const store = new R2Store(env.KVGATE_BUCKET, {
     multipartThreshold: intVar(env, 'KVGATE_MULTIPART_THRESHOLD', 64 * 1024 * 1024),

@@ -1,0 +1,35 @@
+// The Worker's settings come from wrangler.toml's [vars] (and secrets), typed by hand: a typo
+// must not leave a default in place in silence. Checked in Node on gatewayFromEnv; the real
+// isolate answers the same ConfigError as 500 ERR_CONFIG (test/workers.test.ts).
+
+import { describe, expect, it } from 'vitest'
+import { gatewayFromEnv, type WorkerEnv } from '../src/gateway/adapters/workers.ts'
+import type { R2BucketLike } from '../src/gateway/stores/r2.ts'
+
+const bucket = { get: async () => null, put: async () => null } as unknown as R2BucketLike
+const worker = (vars: Record<string, string>) =>
+  gatewayFromEnv({ KVGATE_BUCKET: bucket, KVGATE_AUTH: 'disabled', ...vars } as WorkerEnv)
+
+describe('Worker [vars]', () => {
+  it('an unknown KVGATE_* variable is an error naming it and the nearest known one', () => {
+    expect(() => worker({ KVGATE_MAX_CHUNKS_BYTES: '1000' })).toThrow(
+      "unknown variable KVGATE_MAX_CHUNKS_BYTES (did you mean 'KVGATE_MAX_CHUNK_BYTES'?)",
+    )
+    // Settings of the Node gateway that the Worker does not read are unknown here too.
+    expect(() => worker({ KVGATE_S3_BUCKET: 'b' })).toThrow('unknown variable KVGATE_S3_BUCKET')
+  })
+
+  it('KVGATE_PUBLIC_STATUS and KVGATE_AUTH take only their documented values', () => {
+    expect(() => worker({ KVGATE_PUBLIC_STATUS: 'yes' })).toThrow(
+      "KVGATE_PUBLIC_STATUS: expected 'true' or 'false'",
+    )
+    expect(() =>
+      gatewayFromEnv({ KVGATE_BUCKET: bucket, KVGATE_AUTH: 'off', KVGATE_TOKENS: '[]' } as WorkerEnv),
+    ).toThrow("KVGATE_AUTH: expected 'disabled' or unset")
+  })
+
+  it('known variables and other bindings pass', () => {
+    const app = worker({ KVGATE_MAX_CHUNK_BYTES: '1000', KVGATE_PUBLIC_STATUS: 'false', OTHER_BINDING: 'x' })
+    expect(app.state.limits.maxChunkBytes).toBe(1000)
+  })
+})
