@@ -13,7 +13,7 @@ import { MemoryTier } from '../src/client/tiers/memory.ts'
 import { RemoteTier } from '../src/client/tiers/remote.ts'
 import { StoreError } from '../src/core/errors.ts'
 import { decodeHeader } from '../src/core/format.ts'
-import { chainKeys, fromHex, type KeyNamespace, namespaceId } from '../src/core/keys.ts'
+import { type ChunkKey, chainKeys, fromHex, type KeyNamespace, namespaceId } from '../src/core/keys.ts'
 import { chunkBytes, MODEL_PRESETS, type ModelPreset } from '../src/core/layout.ts'
 import { createGateway, MemoryStore } from '../src/gateway/index.ts'
 import { type RunningGateway, serveGateway } from '../src/gateway/node.ts'
@@ -309,6 +309,96 @@ describe('presence heals across a retrieve and the write-behind (contract C2)', 
     await c.flush()
     expect((await gw.store.stats()).objects).toBe(N)
     expectSettled(c)
+  })
+})
+
+describe('presence heals on every read path (contract C2)', () => {
+  const N = 6
+  /**
+   * A manager whose chain of N chunks was uploaded by this node (its presence set knows them,
+   * unlinked), then gc deleted chunks 2.. behind the gateway. L1 still holds every chunk but 2,
+   * so a read GETs only chunk 2: nothing but the read that met its 404 can forget 3..
+   */
+  async function goneTail(fetchConcurrency?: number) {
+    const gw = await gateway()
+    const ns: KeyNamespace = { modelId: g.modelId, geometry: g, chunkTokens: T, scheme: 'sha256-v1' }
+    const remoteTier = new RemoteTier({ url: gw.url, namespace: 'default', lookupTimeoutMs: 10_000 })
+    cleanup.push(() => remoteTier.close(100))
+    const memory = await MemoryTier.create({ bytes: 16 * CB, chunkBytes: CB })
+    const m = new StorageManager({
+      geometry: g,
+      chunkTokens: T,
+      namespaceId: fromHex(namespaceId(ns)),
+      memory,
+      remote: remoteTier,
+      remoteCodec: 'raw',
+      codec: new CodecPool(0),
+      fetchConcurrency,
+    })
+    const keys = chainKeys(tokens(N, 12), ns)
+    const fill = (i: number, dst: Uint8Array) => void dst.fill(i + 1)
+    await m.store(keys, fill)
+    await m.flush()
+    expect((await gw.store.stats()).objects).toBe(N)
+    expect(remoteTier.stats().knownPresent).toBe(N)
+    for (const k of keys.slice(2).reverse())
+      expect(await gw.store.delete(`kvgate/default/${k.hex.slice(0, 2)}/${k.hex}`)).toBe(true)
+    memory.delete(keys[2]!.hex)
+    return { gw, m, remoteTier, memory, keys, fill }
+  }
+
+  const reads = {
+    retrieve: async (m: StorageManager, keys: ChunkKey[]) => (await m.retrieve(keys, () => {})).served,
+    prefetch: (m: StorageManager, keys: ChunkKey[]) => m.prefetch(keys),
+    retrieveLayers: async (m: StorageManager, keys: ChunkKey[]) => {
+      let served = N
+      for await (const b of m.retrieveLayers(keys)) served = Math.min(served, b.chunks)
+      return served
+    },
+  }
+
+  it.each(Object.keys(reads) as (keyof typeof reads)[])(
+    '%s: a 404 forgets the rest of the chain; the next read asks the gateway and the next store re-uploads it',
+    async (path) => {
+      const { gw, m, remoteTier, memory, keys, fill } = await goneTail()
+      expect(await reads[path](m, keys)).toBe(2)
+      // (retrieveLayers: chunk 2's later layer groups may still be on their way, each a 404.)
+      expect(remoteTier.stats().notFound).toBeGreaterThanOrEqual(1)
+      expect(remoteTier.stats().knownPresent).toBe(2) // chunks 0 and 1 only
+      // Read again: the lookup asks the gateway from chunk 2 on (it answers 0): no GET at all.
+      const lookups = remoteTier.stats().lookupRequests
+      const get = remoteTier.get.bind(remoteTier)
+      const gets: string[] = []
+      remoteTier.get = (hex, ...rest) => {
+        gets.push(hex)
+        return get(hex, ...rest)
+      }
+      expect(await reads[path](m, keys)).toBe(2)
+      expect(remoteTier.stats().lookupRequests).toBe(lookups + 1)
+      expect(gets).toEqual([])
+      // Storing the prompt again re-uploads every deleted chunk, not only the one that answered 404.
+      await m.store(keys, fill)
+      await m.flush()
+      expect((await gw.store.stats()).objects).toBe(N)
+      expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+      m.close()
+    },
+  )
+
+  it('a prefetch stops asking for chunks past its first miss (they could not be served)', async () => {
+    const { m, remoteTier, memory, keys } = await goneTail(1)
+    memory.clear()
+    const get = remoteTier.get.bind(remoteTier)
+    const gets: string[] = []
+    remoteTier.get = (hex, ...rest) => {
+      gets.push(hex)
+      return get(hex, ...rest)
+    }
+    expect(await m.prefetch(keys)).toBe(2)
+    expect(gets).toEqual(keys.slice(0, 3).map((k) => k.hex))
+    expect(remoteTier.stats().knownPresent).toBe(2)
+    expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+    m.close()
   })
 })
 

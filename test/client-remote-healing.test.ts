@@ -175,6 +175,23 @@ describe('presence heals (contract C2)', () => {
     expect(lookups().length).toBe(asked + 1)
   })
 
+  it('a key trimmed or expired takes the keys learned after it along: a later 404 on it could not reach them', () => {
+    let now = 0
+    const p = new PresenceSet(1000, 4, () => now)
+    p.rememberChain(['a', 'b'])
+    now = 10
+    p.rememberChain(['a', 'x'], 1) // another continuation after a, learned later
+    p.rememberChain(['c', 'd', 'e']) // over the bound: a, the oldest, goes, and b and x with it
+    expect(['a', 'b', 'x', 'c', 'd', 'e'].map((k) => p.has(k))).toEqual([false, false, false, true, true, true])
+    expect(p.size).toBe(3)
+    now = 500
+    p.rememberChain(['c', 'y'], 1) // y expires at 1500, c at 1010
+    now = 1011
+    expect(p.has('c')).toBe(false)
+    expect(p.has('y')).toBe(false) // learned after c: gone with it
+    expect(p.size).toBe(0)
+  })
+
   it('presence learned from a lookup expires after presenceTtlMs', async () => {
     const { toks } = await seeded(2, 44)
     const b = await node({ presenceTtlMs: 30 })

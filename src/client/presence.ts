@@ -15,7 +15,10 @@ const MAX_SUCCESSORS = 8
  * behind the gateway (lifecycle expiry, an admin DELETE, a corrupt object
  * removed), so a belief is only trusted for `ttlMs`. Chain links let a 404 on
  * chunk i drop i and everything learned after it, which a later chunk's presence
- * was inferred from.
+ * was inferred from. A key trimmed or found expired takes the keys learned after
+ * it along: its links go with it, so a later 404 on it (once a lookup re-learned
+ * it) could no longer reach them. Dropping a belief only costs a lookup, and a
+ * lookup asks the gateway from the first key not believed present anyway.
  */
 export class PresenceSet {
   readonly #entries = new Map<string, Entry>()
@@ -37,7 +40,8 @@ export class PresenceSet {
     const e = this.#entries.get(hex)
     if (!e) return false
     if (e.expires > this.#now()) return true
-    this.#entries.delete(hex)
+    // Its links go with it, so the keys learned after it go too (see the class comment).
+    this.forgetChainFrom(hex)
     return false
   }
 
@@ -75,7 +79,7 @@ export class PresenceSet {
     }
     while (this.#entries.size > this.#max) {
       const first = this.#entries.keys().next().value as string
-      this.#entries.delete(first)
+      this.forgetChainFrom(first)
     }
   }
 

@@ -403,15 +403,7 @@ export class StorageManager {
             sink = into ? { into, gate: gate!, copied: false } : undefined
             const pending = this.acquire(keys[i]!, 'get', sink)
             h = await Promise.race([pending, expired])
-            // L4 dropped a key it was believed to hold (a 404, a corrupt object): the GET forgot
-            // that key only; the chain's later keys go too (contract C2), or the write-behind
-            // would skip re-uploading them for the presence TTL. The workers stop at this miss
-            // and never ask for those keys, so nothing else would forget them.
-            if (!h && known && !deadline.passed && !this.remote!.knownPresent(keys[i]!.hex))
-              this.remote!.forgetFrom(
-                keys.map((k) => k.hex),
-                i,
-              )
+            if (!h && !deadline.passed) this.#forgetChainAfterMiss(keys, i, known)
             // A late arrival is released the moment it lands: nothing stays pinned.
             if (!h && deadline.passed)
               void pending.then(
@@ -451,9 +443,26 @@ export class StorageManager {
   }
 
   /**
+   * Chunk i of `keys` missed although L4 was believed to hold it (`knownBefore`), and that
+   * belief is gone now (its GET answered 404, or the object failed verification): the GET
+   * forgot that key only; the chain's later keys go too (contract C2), or the write-behind
+   * would skip re-uploading them for the presence TTL. A read stops at this miss and never
+   * asks the gateway for those keys (later chunks held locally are not asked for either), so
+   * nothing else would forget them.
+   */
+  #forgetChainAfterMiss(keys: readonly ChunkKey[], i: number, knownBefore: boolean): void {
+    const remote = this.remote
+    if (!knownBefore || !remote || remote.knownPresent(keys[i]!.hex)) return
+    remote.forgetFrom(
+      keys.map((k) => k.hex),
+      i,
+    )
+  }
+
+  /**
    * Brings the available prefix into L1 at prefetch priority, at most
-   * fetchConcurrency chunks at once; resolves to the leading chunks resident
-   * (waiting at most retrieveDeadlineMs for them).
+   * fetchConcurrency chunks at once, up to the first chunk no tier could serve;
+   * resolves to the leading chunks resident (waiting at most retrieveDeadlineMs for them).
    */
   async prefetch(keys: readonly ChunkKey[]): Promise<number> {
     // Past retrieveDeadlineMs (a stuck L2 read) or at close() no chunk is waited for; reads
@@ -463,9 +472,12 @@ export class StorageManager {
     const tiers = await this.#lookupUnder(deadline, keys)
     const ok = new Uint8Array(tiers.length)
     let next = 0
+    // Chunks past a miss cannot be served (a prefix ends there): not asked for, as in retrieve().
+    let firstMiss = tiers.length
     const worker = async () => {
-      while (next < tiers.length && !this.#closed && !deadline.passed) {
+      while (next < firstMiss && !this.#closed && !deadline.passed) {
         const i = next++
+        const known = this.remote?.knownPresent(keys[i]!.hex) ?? false
         const pending = this.acquire(keys[i]!, 'prefetch')
         const h = await Promise.race([pending, expired])
         if (!h) {
@@ -474,6 +486,10 @@ export class StorageManager {
               (late) => late?.release(),
               () => {},
             )
+          else {
+            firstMiss = Math.min(firstMiss, i)
+            this.#forgetChainAfterMiss(keys, i, known)
+          }
           continue
         }
         // A private tensor (L1 had no slot) is not resident: nothing to keep.
@@ -514,6 +530,8 @@ export class StorageManager {
     const tiers = await this.#lookupUnder(deadline, keys)
     const held: ChunkHandle[] = []
     const remoteChunks: RemoteLayers[] = []
+    // Index of each remote chunk in `keys`, and whether L4 was believed to hold it when asked for.
+    const remoteAt: { i: number; known: boolean }[] = []
     // Per chunk: a function giving its slab for layer l (or undefined when it failed), waiting
     // for a remote layer group until `wait` expires.
     const sources: ((l: number, wait: Deadline) => Promise<Uint8Array | undefined>)[] = []
@@ -566,6 +584,7 @@ export class StorageManager {
             this.tensorBytes(k),
           )
           remoteChunks.push(rl)
+          remoteAt.push({ i, known: this.remote.knownPresent(k.hex) })
           // A layer group still on its way when the wait ends (the budget below is spent, or
           // close()) is a miss: that chunk and the later ones drop out there. Groups that already
           // arrived are still served.
@@ -618,6 +637,10 @@ export class StorageManager {
       deadline.clear()
       if (cutShort) this.layerRetrieveTimeouts++
       for (const rl of remoteChunks) rl.settle()
+      // The first chunk whose layer groups met a 404 (or a corrupt object) forgets the chain from
+      // there; groups still in flight when the caller stopped early forget their own key only.
+      const gone = remoteAt.find(({ i, known }) => known && !this.remote!.knownPresent(keys[i]!.hex))
+      if (gone) this.#forgetChainAfterMiss(keys, gone.i, true)
       for (const h of held) h.release()
       // Chunks read ahead past a miss (or past the caller stopping): released as they land.
       for (const p of ahead.values())
