@@ -182,7 +182,14 @@ describe('presence heals (contract C2)', () => {
     now = 10
     p.rememberChain(['a', 'x'], 1) // another continuation after a, learned later
     p.rememberChain(['c', 'd', 'e']) // over the bound: a, the oldest, goes, and b and x with it
-    expect(['a', 'b', 'x', 'c', 'd', 'e'].map((k) => p.has(k))).toEqual([false, false, false, true, true, true])
+    expect(['a', 'b', 'x', 'c', 'd', 'e'].map((k) => p.has(k))).toEqual([
+      false,
+      false,
+      false,
+      true,
+      true,
+      true,
+    ])
     expect(p.size).toBe(3)
     now = 500
     p.rememberChain(['c', 'y'], 1) // y expires at 1500, c at 1010
