@@ -14,6 +14,7 @@ import {
   BODY_HOLD_BYTES,
   bodyHoldBytes,
   lambdaMaxHeldBytes,
+  lookupHoldBytes,
   MemoryBudget,
   WORKER_MAX_HELD_BYTES,
   WORKER_PRESENCE_ENTRIES,
@@ -136,7 +137,12 @@ describe('a gateway past maxHeldBytes', () => {
     const size = 1000
     const app = createGateway({
       store: new MemoryStore(),
-      limits: { maxHeldBytes: 3 * size, maxCalibrationBytes: size, maxChunkBytes: size },
+      limits: {
+        maxHeldBytes: 3 * size,
+        maxCalibrationBytes: size,
+        maxChunkBytes: size,
+        maxLookupBodyBytes: size,
+      },
     })
     const [ok, bad, aborted, late] = [1, 2, 3, 4].map((s) => calib(s, size)) as [
       Uint8Array,
@@ -184,6 +190,7 @@ describe('a gateway past maxHeldBytes', () => {
       store,
       limits: {
         maxHeldBytes: 2 * (size + part) + 1000,
+        maxLookupBodyBytes: 1000,
         maxChunkBytes: 200 * 1024,
         maxCalibrationBytes: 1000,
       },
@@ -229,6 +236,53 @@ describe('a gateway past maxHeldBytes', () => {
     expect(await store.head(`kvgate/a/${aborted.key.slice(0, 2)}/${aborted.key}`)).toBeUndefined()
     expect((await app.request(url(late.key), putOf(late.bytes))).status).toBe(201)
     expect(app.state.memory.peak).toBeLessThanOrEqual(app.state.limits.maxHeldBytes)
+  })
+
+  it('lookups hold their body, text and keys: past the budget 503; held returns to 0 after done, bad and aborted bodies', async () => {
+    const max = 4096
+    const app = createGateway({
+      store: new MemoryStore(),
+      limits: {
+        maxHeldBytes: 2 * lookupHoldBytes(max),
+        maxLookupBodyBytes: max,
+        maxCalibrationBytes: 1000,
+        maxChunkBytes: 1000,
+      },
+    })
+    const url = '/v1/ns/a/lookup'
+    const json = new TextEncoder().encode(JSON.stringify({ keys: ['ab'.repeat(32), 'cd'.repeat(32)] }))
+    const post = (body: BodyInit, length?: number) =>
+      ({
+        method: 'POST',
+        headers: {
+          'content-type': 'application/json',
+          ...(length === undefined ? {} : { 'content-length': String(length) }),
+        },
+        body,
+        duplex: 'half',
+      }) as RequestInit
+    // Chunked bodies declare no length: each reserves for the largest body allowed.
+    const g = [gated(json, 10), gated(json, 10)]
+    const running = [app.request(url, post(g[0]!.body)), app.request(url, post(g[1]!.body))]
+    await until(() => app.state.memory.held === 2 * lookupHoldBytes(max))
+    const busy = await app.request(url, post(json as Uint8Array<ArrayBuffer>, json.length))
+    expect(busy.status).toBe(503)
+    expect(busy.headers.get('retry-after')).toBe('1')
+    expect(await errCode(busy)).toBe('ERR_BUSY')
+    expect(app.state.metrics.busy.value({ what: 'lookup' })).toBe(1)
+    g[0]!.go()
+    g[1]!.go(true)
+    const [done, aborted] = await Promise.all(running)
+    expect([done!.status, await done!.json()]).toEqual([200, { present: 0 }])
+    expect(aborted!.status).toBeGreaterThanOrEqual(400)
+    expect(app.state.memory.held).toBe(0)
+    // With a declared length only that much is reserved; a bad body gives it back too.
+    const bad = new TextEncoder().encode('{"keys": [')
+    expect((await app.request(url, post(bad as Uint8Array<ArrayBuffer>, bad.length))).status).toBe(400)
+    const ok = await app.request(url, post(json as Uint8Array<ArrayBuffer>, json.length))
+    expect(ok.status).toBe(200)
+    expect(app.state.memory.held).toBe(0)
+    expect(app.state.memory.peak).toBe(2 * lookupHoldBytes(max))
   })
 
   it('a store that fails the PUT gives the reservation back', async () => {

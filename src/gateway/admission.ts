@@ -1,4 +1,4 @@
-// Admission of a request that takes a body in (chunk PUT, calibration PUT, upload commit):
+// Admission of a request that takes a body in (chunk PUT, calibration PUT, upload commit, lookup):
 // its declared bytes count against limits.maxInFlightBytes (how much upload traffic one
 // gateway takes on at once) and the bytes it will hold against the memory budget
 // (limits.maxHeldBytes). Both are taken before the body is read and given back in one
@@ -28,7 +28,9 @@ export async function admitted<T>(
   const inFlight = state.inFlight
   // A lone upload larger than maxInFlightBytes still goes (it is bounded by maxChunkBytes);
   // the memory budget has no such exception: createState checks that one request fits it.
-  const tooMuch = inFlight.bytes > 0 && inFlight.bytes + need.declared > state.limits.maxInFlightBytes
+  // A request that declares no upload bytes (a lookup) is bounded by the memory budget alone.
+  const tooMuch =
+    need.declared > 0 && inFlight.bytes > 0 && inFlight.bytes + need.declared > state.limits.maxInFlightBytes
   const lease = tooMuch ? undefined : state.memory.tryReserve(need.held)
   if (!lease) {
     state.metrics.busy.inc({ what })

@@ -8,7 +8,7 @@ import { isObjectPrefix } from '../core/keys.ts'
 import { ChainLookup, type ChainLookupOptions } from './chain-lookup.ts'
 import { GetCoalescer } from './coalesce.ts'
 import type { Verified } from './heal.ts'
-import { bodyHoldBytes, DEFAULT_MAX_HELD_BYTES, MemoryBudget } from './memory-budget.ts'
+import { bodyHoldBytes, DEFAULT_MAX_HELD_BYTES, lookupHoldBytes, MemoryBudget } from './memory-budget.ts'
 import { GatewayMetrics } from './metrics.ts'
 import { instrumentStore } from './stores/instrumented.ts'
 import type { ObjectStore } from './stores/types.ts'
@@ -157,6 +157,9 @@ export function createState(opts: {
     'a chunk PUT of limits.maxChunkBytes (read-ahead and store parts)': bodyHoldBytes(
       limits.maxChunkBytes,
       opts.store,
+    ),
+    'a lookup of limits.maxLookupBodyBytes (body, text and parsed keys)': lookupHoldBytes(
+      limits.maxLookupBodyBytes,
     ),
   })
   knownKeys(opts.presign, ['minBytes', 'expiresSeconds'], 'presign')

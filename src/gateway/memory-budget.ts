@@ -25,6 +25,15 @@ export function bodyHoldBytes(size: number, store: HoldingStore): number {
   return Math.min(size, BODY_HOLD_BYTES) + (store.putHoldBytes?.(size) ?? 0)
 }
 
+/**
+ * What one lookup holds while it is parsed: the body's bytes, the decoded text and the parsed
+ * key strings, about the body's size each. `bodyBytes` is its Content-Length, or the body cap
+ * when it declares none (chunked): reserved before the first byte is read.
+ */
+export function lookupHoldBytes(bodyBytes: number): number {
+  return 3 * bodyBytes
+}
+
 /** A reservation: released once, whatever path ends it (release is idempotent). */
 export interface MemoryLease {
   readonly bytes: number

@@ -40,7 +40,7 @@ export interface WorkerEnv {
   KVGATE_PUBLIC_STATUS?: string
   /**
    * Bytes the gateway holds for requests at once in this isolate (read-ahead, multipart parts,
-   * calibration PUT bodies, coalesced GET buffers); past it PUTs get 503 ERR_BUSY.
+   * calibration PUT bodies, coalesced GET buffers, lookup bodies); past it PUTs and lookups get 503 ERR_BUSY.
    * @default 50331648 (48 MiB of the isolate's 128 MB: see WORKER_MAX_HELD_BYTES)
    */
   KVGATE_MAX_HELD_BYTES?: string

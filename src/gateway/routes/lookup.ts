@@ -2,11 +2,13 @@
 // answered by ChainLookup (probing, not one HEAD per key). Sizes only on request
 // (`"sizes": true`): S3 has no cheap source of sizes, so they cost a HEAD per unknown chunk.
 
-import type { Hono } from 'hono'
+import type { Context, Hono } from 'hono'
 import { assertKeysHex, assertNamespaceName, objectName } from '../../core/keys.ts'
+import { admitted } from '../admission.ts'
 import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
 import { badRequest, lengthRequired, payloadTooLarge, unsupportedMediaType } from '../http-errors.ts'
+import { lookupHoldBytes } from '../memory-budget.ts'
 import { authorize } from '../middleware/auth.ts'
 import { collectAtMost } from '../stores/types.ts'
 
@@ -17,36 +19,54 @@ export function lookupRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     c.set('ns', ns)
     const type = (c.req.header('content-type') ?? '').split(';')[0]!.trim().toLowerCase()
     if (type !== 'application/json') throw unsupportedMediaType('lookup bodies must be application/json')
-    const text = await readCapped(c.req.raw, state.limits.maxLookupBodyBytes)
-    let body: unknown
-    try {
-      body = JSON.parse(text)
-    } catch {
-      throw badRequest('lookup body is not valid JSON')
-    }
-    const keys = (body as { keys?: unknown })?.keys
-    if (!Array.isArray(keys)) throw badRequest('lookup body must be {"keys": ["<64 hex>", ...]}')
-    if (keys.length > state.limits.maxLookupKeys) {
-      throw payloadTooLarge(`${keys.length} keys; at most ${state.limits.maxLookupKeys} per lookup`)
-    }
-    const sizes = (body as { sizes?: unknown }).sizes
-    if (sizes !== undefined && typeof sizes !== 'boolean') throw badRequest('"sizes" must be a boolean')
-    // objectName() re-validates prefix and namespace per call; for up to 4096 keys
-    // validate those once and the keys in one pass; names are built only for probes.
-    const first = objectName(state.prefix, ns, '0'.repeat(64))
-    const base = first.slice(0, first.length - 64 - 3)
-    const r = await state.lookup.lookup({ base, keys: assertKeysHex(keys) }, { sizes: sizes ?? false })
-    if (r.present > 0) state.usage?.use(ns, keys[r.present - 1] as string, r.present)
-    c.header('x-kvgate-store-requests', String(r.storeRequests))
-    c.header('x-kvgate-store-rounds', String(r.rounds))
-    return c.json(sizes === true ? { present: r.present, sizes: r.sizes } : { present: r.present })
+    const max = state.limits.maxLookupBodyBytes
+    const declared = declaredLength(c.req.raw, max)
+    // The body, its text and the parsed keys are held at once: reserved before reading, so
+    // many large lookups at once get 503 ERR_BUSY instead of filling a 128 MB isolate.
+    return admitted(state, 'lookup', { declared: 0, held: lookupHoldBytes(declared ?? max) }, () =>
+      answer(c, state, ns, max),
+    )
   })
+}
+
+async function answer(c: Context<GatewayEnv>, state: GatewayState, ns: string, max: number) {
+  const text = await readCapped(c.req.raw, max)
+  let body: unknown
+  try {
+    body = JSON.parse(text)
+  } catch {
+    throw badRequest('lookup body is not valid JSON')
+  }
+  const keys = (body as { keys?: unknown })?.keys
+  if (!Array.isArray(keys)) throw badRequest('lookup body must be {"keys": ["<64 hex>", ...]}')
+  if (keys.length > state.limits.maxLookupKeys) {
+    throw payloadTooLarge(`${keys.length} keys; at most ${state.limits.maxLookupKeys} per lookup`)
+  }
+  const sizes = (body as { sizes?: unknown }).sizes
+  if (sizes !== undefined && typeof sizes !== 'boolean') throw badRequest('"sizes" must be a boolean')
+  // objectName() re-validates prefix and namespace per call; for up to 4096 keys
+  // validate those once and the keys in one pass; names are built only for probes.
+  const first = objectName(state.prefix, ns, '0'.repeat(64))
+  const base = first.slice(0, first.length - 64 - 3)
+  const r = await state.lookup.lookup({ base, keys: assertKeysHex(keys) }, { sizes: sizes ?? false })
+  if (r.present > 0) state.usage?.use(ns, keys[r.present - 1] as string, r.present)
+  c.header('x-kvgate-store-requests', String(r.storeRequests))
+  c.header('x-kvgate-store-rounds', String(r.rounds))
+  return c.json(sizes === true ? { present: r.present, sizes: r.sizes } : { present: r.present })
+}
+
+/** The body's declared length (refused past `max`), or undefined when it declares none. */
+function declaredLength(req: Request, max: number): number | undefined {
+  const declared = req.headers.get('content-length')
+  if (declared === null) return undefined
+  const n = Number(declared)
+  if (!/^\d+$/.test(declared) || !Number.isSafeInteger(n)) throw badRequest('invalid Content-Length')
+  if (n > max) throw payloadTooLarge(`body exceeds ${max} bytes`)
+  return n
 }
 
 /** Reads a request body as text, refusing more than `max` bytes (declared or actual). */
 async function readCapped(req: Request, max: number): Promise<string> {
-  const declared = req.headers.get('content-length')
-  if (declared !== null && Number(declared) > max) throw payloadTooLarge(`body exceeds ${max} bytes`)
   if (!req.body) throw lengthRequired()
   const all = await collectAtMost(req.body, max)
   if (!all) throw payloadTooLarge(`body exceeds ${max} bytes`)
