@@ -226,6 +226,18 @@ function oracleLru(budget: number): { hits: number; avgBytes: number } {
   return { hits: h, avgBytes: byteTime / (chains.length * DT) }
 }
 
+/** The oracle LRU whose average stored bytes reach `target` (bisection on its budget, in objects). */
+function sameAverageBytes(target: number): { hits: number; avgBytes: number; budget: number } {
+  let lo = 1
+  let hi = chains.reduce((n, c) => n + c.length, 0)
+  while (lo < hi) {
+    const mid = Math.floor((lo + hi) / 2)
+    if (oracleLru(mid * OBJECT_BYTES).avgBytes < target) lo = mid + 1
+    else hi = mid
+  }
+  return { ...oracleLru(lo * OBJECT_BYTES), budget: lo * OBJECT_BYTES }
+}
+
 /** Creation-age expiry, evaluated hourly; re-PUTs of a present key keep the first creation time. */
 function lifecycle(maxAgeMs: number): { hits: number; avgBytes: number; puts: number } {
   const created = new Map<string, number>()
@@ -254,7 +266,9 @@ function lifecycle(maxAgeMs: number): { hits: number; avgBytes: number; puts: nu
 const avgKvgateBytes = storedByteTime / (chains.length * DT)
 // gc enforces the quota when it runs, so between runs the bucket holds more: compare at the
 // same average bytes (the fair budget), and show the LRU held to the quota at every instant too.
-const oracle = oracleLru(avgKvgateBytes)
+// An LRU of budget B stores less than B on average (it starts empty and fills), so its budget
+// is searched until its own average reaches kvgate's: the same bytes, not the same nominal budget.
+const oracle = sameAverageBytes(avgKvgateBytes)
 const oracleAtQuota = oracleLru(QUOTA)
 // S3 evaluates lifecycle rules once a day; the simulation grants it every 10 minutes.
 const STEP = 600_000
