@@ -80,6 +80,21 @@ def _dtype_name(d: Any) -> str:
     return str(d)
 
 
+# vLLM's BlockPool keeps block 0 as its null block: the placeholder a sliding-window or chunked
+# local attention manager puts in a request's block table for blocks that fell out of its
+# window (their KV is gone; block 0 holds nothing of the request's). Such positions are never
+# saved from nor loaded into. The null blocks of a table are always its leading ones.
+NULL_BLOCK = 0
+
+
+def _after_null_blocks(block_ids: List[int]) -> int:
+    """The index after the last null block of `block_ids` (0 when it has none)."""
+    for i in range(len(block_ids) - 1, -1, -1):
+        if block_ids[i] == NULL_BLOCK:
+            return i + 1
+    return 0
+
+
 _LAYOUTS = ("flash-attn", "flashinfer", "mla")
 # kv_connector_extra_config keys and their defaults (docs/vllm.md lists them).
 _EXTRA_MS_DEFAULTS = {"lookup_wait_ms": 2, "lookup_timeout_ms": 1000, "load_timeout_ms": 30000}
@@ -395,7 +410,9 @@ class KVGateConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0])
         chunks = min(chunks, len(block_ids) // bpc)
         keys = self._chunk_keys(request, bpc)[:chunks]
-        skip = self._computed.get(rid, 0) // self._block_size
+        # Blocks vLLM computed itself (its prefix cache) and null blocks (out of a sliding window):
+        # nothing is copied into them.
+        skip = max(self._computed.get(rid, 0) // self._block_size, _after_null_blocks(block_ids[: chunks * bpc]))
         self._pending_loads.append(LoadSpec(rid, keys, block_ids[: chunks * bpc], min(skip, chunks * bpc)))
         self._load_blocks[rid] = (block_ids[: chunks * bpc], bpc)
 
@@ -435,6 +452,10 @@ class KVGateConnector(KVConnectorBase_V1):
         computed = getattr(request, "num_computed_tokens", 0)
         computed = computed if type(computed) is int else 0
         n = min(len(keys), len(block_ids) // bpc, computed // (bpc * self._block_size))
+        # A chunk with a null block (its KV fell out of a sliding window) is never stored: block
+        # 0's bytes would be served as that prefix's KV. Chunks after it are stored (a node that
+        # holds the chunks before them serves them).
+        first = max(first, -(-_after_null_blocks(list(block_ids[: n * bpc])) // bpc))
         if n <= first:
             return False, None
         self._pending_saves.append(SaveSpec(rid, keys[:n], list(block_ids[: n * bpc]), first))

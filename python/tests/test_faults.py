@@ -427,20 +427,48 @@ def test_request_finished_saves_only_chunks_whose_kv_vllm_computed():
         toks = PROMPT[:64]  # 2 chunks of 32
         req = make_request("r", toks, 16)
         req.num_computed_tokens = 63  # the 64th token was sampled, not computed
-        delay, _ = s.request_finished(req, list(range(4)))
+        delay, _ = s.request_finished(req, list(range(1, 5)))
         meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={"r"}))
         saved = [len(sp.keys) for sp in meta.saves]
         assert delay is True and saved == [1], saved
         # Every token computed: both chunks.
         req2 = make_request("r2", toks, 16)
         req2.num_computed_tokens = 64
-        assert s.request_finished(req2, list(range(4)))[0] is True
+        assert s.request_finished(req2, list(range(1, 5)))[0] is True
         meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={"r2"}))
         assert [len(sp.keys) for sp in meta.saves] == [2]
         # No full chunk computed: nothing held back.
         req3 = make_request("r3", toks, 16)
         req3.num_computed_tokens = 31
-        assert s.request_finished(req3, list(range(4))) == (False, None)
+        assert s.request_finished(req3, list(range(1, 5))) == (False, None)
+    finally:
+        s.shutdown()
+        agent.close()
+
+
+def test_null_blocks_are_neither_loaded_into_nor_saved():
+    """A sliding-window model: vLLM's block table starts with its null block (id 0) where blocks
+    fell out of the window. A load copies nothing into them; a save starts after the last chunk
+    holding one (block 0's bytes are nobody's KV)."""
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        req = make_request("r", PROMPT, 16)
+        assert lookup(s, req) == 96
+        blocks = [0, 0, 0, 23, 24, 25, 26]
+        s.update_state_after_alloc(req, FakeBlocks(blocks), 96)
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
+        assert [(ld.block_ids, ld.skip_blocks) for ld in meta.loads] == [(blocks[:6], 3)]
+        # A request that loaded nothing: chunks 0 and 1 hold null blocks, chunk 2 is saved.
+        req2 = make_request("r2", PROMPT, 16)
+        req2.num_computed_tokens = 100
+        assert s.request_finished(req2, blocks)[0] is True
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={"r2"}))
+        assert [(len(sp.keys), sp.first) for sp in meta.saves] == [(3, 2)]
+        # Every chunk out of the window: nothing held back.
+        req3 = make_request("r3", PROMPT, 16)
+        req3.num_computed_tokens = 100
+        assert s.request_finished(req3, [0] * 6 + [26]) == (False, None)
     finally:
         s.shutdown()
         agent.close()
