@@ -70,6 +70,14 @@ def _packed(keys: List[bytes]) -> bytes:
     return b"".join(keys)
 
 
+def _holds(tensor_dtype: torch.dtype, name: str) -> bool:
+    """Whether a KV tensor of `tensor_dtype` holds KV of the dtype `name` the agent is told at
+    hello (fp8 caches are float8 or uint8 tensors: vLLM allocates them as bytes)."""
+    if _DTYPES.get(tensor_dtype) == name:
+        return True
+    return tensor_dtype == torch.uint8 and name.startswith("float8")
+
+
 def _dtype_name(d: Any) -> str:
     if isinstance(d, torch.dtype):
         if d not in _DTYPES:
@@ -488,6 +496,12 @@ class KVGateConnector(KVConnectorBase_V1):
                 raise ConfigurationError(
                     f"KV layer {n} has shape {list(t.shape)} (contiguous: {t.is_contiguous()}); kvgate expects the "
                     f"{layout} layout {want}, contiguous"
+                )
+            # The agent cuts and labels blocks by the dtype the config named (hello): another one
+            # would be stored as that dtype (and shared with engines really using it) or cut wrong.
+            if not _holds(t.dtype, s["dtype"]):
+                raise ConfigurationError(
+                    f"KV layer {n} holds {t.dtype}; vLLM's config says the KV cache dtype is {s['dtype']}"
                 )
             if t.is_cuda:
                 tensors.append({"kind": "cuda-ipc", "shape": want, "strides": list(t.stride()), **cuda_ipc(t)})

@@ -477,6 +477,26 @@ def test_null_blocks_are_neither_loaded_into_nor_saved():
 # ---------------------------------------------------------------------------- settings
 
 
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, "float16"), (torch.float32, "float16"), (torch.float16, "fp8")])
+def test_kv_tensors_of_another_dtype_than_the_config_are_refused_at_register(tmp_path, dtype, cache_dtype):
+    """The agent sizes and labels the KV by the dtype the connector derived from vLLM's config
+    (hello): tensors of another dtype (of the same width: mislabelled KV shared with engines
+    that really use that dtype; another width: blocks cut at the wrong bytes) are refused."""
+    from kvgate_vllm import ConfigurationError
+
+    spec = EngineSpec(socket=str(tmp_path / "none.sock"), dtype=cache_dtype)
+    c = KVGateConnector(vllm_config(spec), KVConnectorRole.WORKER)
+    shape = [2, spec.num_blocks, 16, spec.kv_heads, spec.head_size]
+    caches = {f"l{i}": shm.shm_tensor(shape, dtype) for i in range(spec.layers)}
+    try:
+        with pytest.raises(ConfigurationError, match="dtype"):
+            c.register_kv_caches(caches)
+        assert c._register_msg is None
+    finally:
+        c.shutdown()
+        drop_caches(caches)
+
+
 def test_pipeline_parallelism_is_refused_at_start(tmp_path):
     """Every PP stage registers its own layers under the same keys (the namespace has the TP
     rank, not the stage): stage 1 would load stage 0's KV. Refused with a message, not served."""
