@@ -183,6 +183,14 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
             "KVGateConnector does not support pipeline parallelism (--pipeline-parallel-size > 1): "
             "its stages would share chunk keys for different layers"
         )
+    for knob in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(par, knob, 1) or 1) > 1:
+            # Each rank holds every n-th token of a block, and vLLM hashes blocks of block_size * n
+            # tokens: neither the chunk keys nor the blocks' bytes would be what kvgate assumes.
+            raise ConfigurationError(
+                f"KVGateConnector does not support context parallelism (--{knob.replace('_', '-')} > 1): "
+                "its ranks split each block's tokens and vLLM hashes larger blocks"
+            )
     return {
         "model": str(getattr(model, "served_model_name", None) or model.model),
         "socket": extra.get("socket") or default_socket_path(),
@@ -287,6 +295,7 @@ class KVGateConnector(KVConnectorBase_V1):
         self._load_blocks: Dict[str, Tuple[List[int], int]] = {}
         self._pending_loads: List[LoadSpec] = []
         self._pending_saves: List[SaveSpec] = []
+        self._warned_hash_size = False
         # worker state
         self._register_msg: Optional[Dict[str, Any]] = None
         self._worker_id: Optional[int] = None
@@ -350,6 +359,21 @@ class KVGateConnector(KVConnectorBase_V1):
         if hashes is None:
             ids = list(getattr(request, "all_token_ids", None) or request.prompt_token_ids)
             hashes = compute_block_hashes(ids, self._block_size, self._settings["hashSeed"])
+        # One hash per block_size tokens, or a chunk would be keyed by a prefix longer than the
+        # blocks it holds (vLLM hashes blocks of its scheduler's block size, which another
+        # setting can make larger): no keys then, a miss and no save.
+        num_tokens = getattr(request, "num_tokens", None)
+        if type(num_tokens) is int and len(hashes) != num_tokens // self._block_size:
+            if not self._warned_hash_size:
+                self._warned_hash_size = True
+                log.warning(
+                    "kvgate: vLLM gave %d block hashes for %d tokens, not one per %d-token block: "
+                    "running without kvgate for such requests",
+                    len(hashes),
+                    num_tokens,
+                    self._block_size,
+                )
+            return []
         n = len(hashes) // bpc
         if tokens is not None:
             n = min(n, tokens // (bpc * self._block_size))
@@ -416,8 +440,9 @@ class KVGateConnector(KVConnectorBase_V1):
         if not bpc or chunks == 0:
             return
         block_ids = list(blocks.get_block_ids()[0])
-        chunks = min(chunks, len(block_ids) // bpc)
-        keys = self._chunk_keys(request, bpc)[:chunks]
+        keys = self._chunk_keys(request, bpc)
+        chunks = min(chunks, len(block_ids) // bpc, len(keys))
+        keys = keys[:chunks]
         # Blocks vLLM computed itself (its prefix cache) and null blocks (out of a sliding window):
         # nothing is copied into them.
         skip = max(self._computed.get(rid, 0) // self._block_size, _after_null_blocks(block_ids[: chunks * bpc]))

@@ -173,8 +173,8 @@ class FakeRequest:
     num_computed_tokens: int = 0
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def num_tokens(self) -> int:  # vLLM's: prompt and output tokens
+        return len(self.all_token_ids) or len(self.prompt_token_ids)
 
 
 class FakeBlocks:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from harness import EngineSpec, FakeBlocks, make_request, vllm_config
-from kvgate_vllm import KVGateConnector, shm
+from kvgate_vllm import KVGateConnector, hashing, shm
 from kvgate_vllm._vllm import KVConnectorRole
 from kvgate_vllm.connector import KVGateMetadata, LoadSpec, SaveSpec
 
@@ -508,6 +508,42 @@ def test_pipeline_parallelism_is_refused_at_start(tmp_path):
         engine_settings(cfg)
     cfg.parallel_config.pipeline_parallel_size = 1
     assert engine_settings(cfg)["world"] == 1
+
+
+@pytest.mark.parametrize("knob", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused_at_start(tmp_path, knob):
+    """With DCP/PCP each rank holds every n-th token of a block and vLLM hashes blocks of
+    block_size * n tokens: chunk keys and block contents would not match. Refused, not served."""
+    from kvgate_vllm import ConfigurationError, engine_settings
+
+    cfg = vllm_config(EngineSpec(socket=str(tmp_path / "x.sock")))
+    setattr(cfg.parallel_config, knob, 2)
+    with pytest.raises(ConfigurationError, match="context parallel"):
+        engine_settings(cfg)
+    setattr(cfg.parallel_config, knob, 1)
+    assert engine_settings(cfg)["world"] == 1
+
+
+def test_block_hashes_of_another_block_size_are_no_keys():
+    """A chunk's key is the hash of its last block: vLLM's block hashes must be one per
+    block_size tokens. Hashes of larger blocks (vLLM hashes at block_size * DCP * PCP, or a
+    hash block size of its own) would key a chunk by a longer prefix than it holds: a miss
+    and no save, never such a key."""
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        req = make_request("r", PROMPT, 16)
+        req.block_hashes = hashing.block_hashes(PROMPT, 32, "0")
+        assert lookup(s, req) == 0
+        req.num_computed_tokens = 100
+        assert s.request_finished(req, list(range(1, 8))) == (False, None)
+        assert not [op for _, op in agent.requests if op == "lookup"]
+        # The same request with vLLM's hashes at block_size: found, saved.
+        ok = make_request("r2", PROMPT, 16)
+        assert lookup(s, ok) == 96
+    finally:
+        s.shutdown()
+        agent.close()
 
 
 def test_a_hello_answered_ok_for_another_protocol_is_no_agent():
