@@ -241,6 +241,13 @@ def cuda_ipc(t: torch.Tensor) -> Dict[str, Any]:
     return out
 
 
+def _prompt_tokens(request: Any) -> int:
+    """The prompt's length: vLLM's num_prompt_tokens (prompt_token_ids is None for a prompt
+    given as embeddings; its block hashes cover them)."""
+    n = getattr(request, "num_prompt_tokens", None)
+    return n if type(n) is int else len(request.prompt_token_ids or ())
+
+
 def _replays_full_cuda_graph(forward_context: Any) -> bool:
     """Whether this step's forward is one FULL CUDA graph replay (vLLM's ForwardContext
     .cudagraph_runtime_mode, a CUDAGraphMode: NONE, PIECEWISE or FULL; absent before 0.11)."""
@@ -391,7 +398,7 @@ class KVGateConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         rid = request.request_id
-        prompt = len(request.prompt_token_ids)
+        prompt = _prompt_tokens(request)
         self._computed[rid] = num_computed_tokens
         st = self._lookups.get(rid)
         if st is None:

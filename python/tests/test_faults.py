@@ -446,6 +446,33 @@ def test_request_finished_saves_only_chunks_whose_kv_vllm_computed():
         agent.close()
 
 
+def test_a_prompt_given_as_embeddings_is_looked_up_loaded_and_saved():
+    """With --enable-prompt-embeds vLLM's Request has prompt_token_ids None (its length is
+    num_prompt_tokens; its block hashes cover the embeddings): the scheduler's calls must not
+    raise on it (a TypeError there stops the engine)."""
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        hashes = make_request("e", PROMPT, 16).block_hashes
+        req = SimpleNamespace(
+            request_id="e", prompt_token_ids=None, num_prompt_tokens=100, num_tokens=100, block_hashes=hashes
+        )
+        assert lookup(s, req) == 96
+        s.update_state_after_alloc(req, FakeBlocks(list(range(1, 8))), 96)
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
+        assert [len(ld.keys) for ld in meta.loads] == [3]
+        req.num_computed_tokens = 100
+        assert s.request_finished(req, list(range(1, 8))) == (False, None)  # all 3 chunks came from kvgate
+        req2 = SimpleNamespace(
+            request_id="e2", prompt_token_ids=None, num_prompt_tokens=100, num_tokens=100, block_hashes=hashes
+        )
+        req2.num_computed_tokens = 100
+        assert s.request_finished(req2, list(range(1, 8)))[0] is True
+    finally:
+        s.shutdown()
+        agent.close()
+
+
 def test_null_blocks_are_neither_loaded_into_nor_saved():
     """A sliding-window model: vLLM's block table starts with its null block (id 0) where blocks
     fell out of the window. A load copies nothing into them; a save starts after the last chunk
