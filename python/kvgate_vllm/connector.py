@@ -25,7 +25,6 @@ import torch
 from . import shm
 from ._vllm import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, check_vllm_version
 from .client import PROTOCOL_VERSION, AgentClient, AgentError, default_socket_path
-from .hashing import block_hashes as compute_block_hashes
 
 log = logging.getLogger("kvgate_vllm")
 
@@ -362,10 +361,11 @@ class KVGateConnector(KVConnectorBase_V1):
         return None if ct is None else ct // self._block_size
 
     def _chunk_keys(self, request: Any, bpc: int, tokens: Optional[int] = None) -> List[bytes]:
+        # Only vLLM's own block hashes: they mix in the LoRA adapter, images, cache_salt and
+        # prompt embeddings, which hashes of the token ids alone would not (another request's KV).
         hashes = getattr(request, "block_hashes", None)
         if hashes is None:
-            ids = list(getattr(request, "all_token_ids", None) or request.prompt_token_ids)
-            hashes = compute_block_hashes(ids, self._block_size, self._settings["hashSeed"])
+            return []
         # One hash per block_size tokens, or a chunk would be keyed by a prefix longer than the
         # blocks it holds (vLLM hashes blocks of its scheduler's block size, which another
         # setting can make larger): no keys then, a miss and no save.

@@ -473,6 +473,30 @@ def test_a_prompt_given_as_embeddings_is_looked_up_loaded_and_saved():
         agent.close()
 
 
+def test_a_request_without_vllm_block_hashes_is_never_keyed_by_its_tokens_alone():
+    """vLLM's block hashes mix in what else decides the KV (LoRA adapter, images, cache_salt,
+    prompt embeddings). Keys made from the token ids alone would give a LoRA or image request
+    the base model's or another image's KV: a request without vLLM's hashes is a miss."""
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        req = SimpleNamespace(
+            request_id="l",
+            prompt_token_ids=list(PROMPT),
+            all_token_ids=list(PROMPT),
+            num_prompt_tokens=100,
+            num_tokens=100,
+            lora_request=SimpleNamespace(lora_name="adapter-1"),
+        )
+        assert lookup(s, req) == 0
+        req.num_computed_tokens = 100
+        assert s.request_finished(req, list(range(1, 8))) == (False, None)
+        assert not [op for _, op in agent.requests if op == "lookup"]
+    finally:
+        s.shutdown()
+        agent.close()
+
+
 def test_null_blocks_are_neither_loaded_into_nor_saved():
     """A sliding-window model: vLLM's block table starts with its null block (id 0) where blocks
     fell out of the window. A load copies nothing into them; a save starts after the last chunk
