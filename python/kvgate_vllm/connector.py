@@ -308,6 +308,8 @@ class KVGateConnector(KVConnectorBase_V1):
         self.agent_device: Optional[int] = None
         self._worker_generation = -1
         self._layer_index: Dict[str, int] = {}
+        # The GPU of the registered KV (None: host tensors), whose stream the agent's copies follow.
+        self._kv_device: Optional[torch.device] = None
         self._loads: List[_LoadState] = []
         # When this step's loads must have landed: one load_timeout_ms for the whole step
         # (every layer's wait and the final one), not one per layer and per load.
@@ -547,6 +549,7 @@ class KVGateConnector(KVConnectorBase_V1):
                 {"kind": "shm", "path": where["path"], "offset": where["offset"], "shape": want, "strides": list(t.stride())}
             )
         self._register_msg = {"rank": s["rank"], "numBlocks": num_blocks, "tensors": tensors}
+        self._kv_device = first.device if first.is_cuda else None
         if self._client.connected:
             try:
                 self._on_connect(self._client)
@@ -566,6 +569,12 @@ class KVGateConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         ready = self._worker_ready()
+        if ready and (meta.loads or meta.saves) and self._kv_device is not None:
+            # The agent copies on its own stream, unordered with vLLM's. With async scheduling
+            # the previous step's kernels may still be writing the blocks: a finished request's
+            # last tokens (its save would store what was there before) or a freed block now
+            # allocated to a load (its kernel would overwrite what the agent loaded).
+            torch.cuda.current_stream(self._kv_device).synchronize()
         if meta.loads and not self._loads:
             self._load_deadline = time.monotonic() + self._settings["loadTimeoutS"]
         for spec in meta.loads:

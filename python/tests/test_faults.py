@@ -738,6 +738,49 @@ def test_a_step_replaying_a_full_cuda_graph_has_its_loads_in_place_before_the_fo
         agent.close()
 
 
+def test_gpu_kv_waits_for_the_engine_stream_before_the_agent_touches_its_blocks(monkeypatch):
+    """The agent copies on its own CUDA stream, unordered with vLLM's: with async scheduling
+    the previous step's kernels may still be writing (a finished request's last token, about
+    to be saved; a freed block, about to be loaded into) when start_load_kv runs. The engine's
+    stream is synchronized before a load or save is sent, and not on steps without either."""
+    agent = ScriptedAgent(well_behaved)
+    w, caches = worker(agent)
+    order = []
+
+    class Stream:
+        def synchronize(self):
+            order.append("sync")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    w._kv_device = torch.device("cuda", 0)  # as registered from CUDA tensors
+    sent = w._client.request
+
+    def request(op, *a, **kw):
+        order.append(op)
+        return sent(op, *a, **kw)
+
+    monkeypatch.setattr(w._client, "request", request)
+    try:
+        assert w._worker_ready()
+        req = make_request("s", PROMPT, 16)
+        w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
+        w.start_load_kv(None)
+        w.clear_connector_metadata()
+        assert order == ["sync", "save"], order
+        w.bind_connector_metadata(KVGateMetadata(loads=[load_spec()]))
+        w.start_load_kv(None)
+        w.clear_connector_metadata()
+        assert order[2:4] == ["sync", "load"], order
+        w.bind_connector_metadata(KVGateMetadata())
+        w.start_load_kv(None)
+        w.clear_connector_metadata()
+        assert len(order) == 4, order
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
 def test_a_save_pending_when_the_agent_dies_frees_its_blocks_and_is_counted():
     """request_finished held the blocks for the save: the agent dying before it answered ends
     the save (reported finished, so vLLM frees the blocks), counted as not stored."""
