@@ -25,7 +25,6 @@ import torch
 from . import shm
 from ._vllm import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, check_vllm_version
 from .client import PROTOCOL_VERSION, AgentClient, AgentError, default_socket_path
-from .hashing import block_hashes as compute_block_hashes
 
 log = logging.getLogger("kvgate_vllm")
 
@@ -70,6 +69,14 @@ def _packed(keys: List[bytes]) -> bytes:
     return b"".join(keys)
 
 
+def _holds(tensor_dtype: torch.dtype, name: str) -> bool:
+    """Whether a KV tensor of `tensor_dtype` holds KV of the dtype `name` the agent is told at
+    hello (fp8 caches are float8 or uint8 tensors: vLLM allocates them as bytes)."""
+    if _DTYPES.get(tensor_dtype) == name:
+        return True
+    return tensor_dtype == torch.uint8 and name.startswith("float8")
+
+
 def _dtype_name(d: Any) -> str:
     if isinstance(d, torch.dtype):
         if d not in _DTYPES:
@@ -78,6 +85,21 @@ def _dtype_name(d: Any) -> str:
             )
         return _DTYPES[d]
     return str(d)
+
+
+# vLLM's BlockPool keeps block 0 as its null block: the placeholder a sliding-window or chunked
+# local attention manager puts in a request's block table for blocks that fell out of its
+# window (their KV is gone; block 0 holds nothing of the request's). Such positions are never
+# saved from nor loaded into. The null blocks of a table are always its leading ones.
+NULL_BLOCK = 0
+
+
+def _after_null_blocks(block_ids: List[int]) -> int:
+    """The index after the last null block of `block_ids` (0 when it has none)."""
+    for i in range(len(block_ids) - 1, -1, -1):
+        if block_ids[i] == NULL_BLOCK:
+            return i + 1
+    return 0
 
 
 _LAYOUTS = ("flash-attn", "flashinfer", "mla")
@@ -160,6 +182,14 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
             "KVGateConnector does not support pipeline parallelism (--pipeline-parallel-size > 1): "
             "its stages would share chunk keys for different layers"
         )
+    for knob in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(par, knob, 1) or 1) > 1:
+            # Each rank holds every n-th token of a block, and vLLM hashes blocks of block_size * n
+            # tokens: neither the chunk keys nor the blocks' bytes would be what kvgate assumes.
+            raise ConfigurationError(
+                f"KVGateConnector does not support context parallelism (--{knob.replace('_', '-')} > 1): "
+                "its ranks split each block's tokens and vLLM hashes larger blocks"
+            )
     return {
         "model": str(getattr(model, "served_model_name", None) or model.model),
         "socket": extra.get("socket") or default_socket_path(),
@@ -208,6 +238,13 @@ def cuda_ipc(t: torch.Tensor) -> Dict[str, Any]:
     if bus is not None:
         out["pciBusId"] = bus
     return out
+
+
+def _prompt_tokens(request: Any) -> int:
+    """The prompt's length: vLLM's num_prompt_tokens (prompt_token_ids is None for a prompt
+    given as embeddings; its block hashes cover them)."""
+    n = getattr(request, "num_prompt_tokens", None)
+    return n if type(n) is int else len(request.prompt_token_ids or ())
 
 
 def _replays_full_cuda_graph(forward_context: Any) -> bool:
@@ -264,12 +301,15 @@ class KVGateConnector(KVConnectorBase_V1):
         self._load_blocks: Dict[str, Tuple[List[int], int]] = {}
         self._pending_loads: List[LoadSpec] = []
         self._pending_saves: List[SaveSpec] = []
+        self._warned_hash_size = False
         # worker state
         self._register_msg: Optional[Dict[str, Any]] = None
         self._worker_id: Optional[int] = None
         self.agent_device: Optional[int] = None
         self._worker_generation = -1
         self._layer_index: Dict[str, int] = {}
+        # The GPU of the registered KV (None: host tensors), whose stream the agent's copies follow.
+        self._kv_device: Optional[torch.device] = None
         self._loads: List[_LoadState] = []
         # When this step's loads must have landed: one load_timeout_ms for the whole step
         # (every layer's wait and the final one), not one per layer and per load.
@@ -323,10 +363,26 @@ class KVGateConnector(KVConnectorBase_V1):
         return None if ct is None else ct // self._block_size
 
     def _chunk_keys(self, request: Any, bpc: int, tokens: Optional[int] = None) -> List[bytes]:
+        # Only vLLM's own block hashes: they mix in the LoRA adapter, images, cache_salt and
+        # prompt embeddings, which hashes of the token ids alone would not (another request's KV).
         hashes = getattr(request, "block_hashes", None)
         if hashes is None:
-            ids = list(getattr(request, "all_token_ids", None) or request.prompt_token_ids)
-            hashes = compute_block_hashes(ids, self._block_size, self._settings["hashSeed"])
+            return []
+        # One hash per block_size tokens, or a chunk would be keyed by a prefix longer than the
+        # blocks it holds (vLLM hashes blocks of its scheduler's block size, which another
+        # setting can make larger): no keys then, a miss and no save.
+        num_tokens = getattr(request, "num_tokens", None)
+        if type(num_tokens) is int and len(hashes) != num_tokens // self._block_size:
+            if not self._warned_hash_size:
+                self._warned_hash_size = True
+                log.warning(
+                    "kvgate: vLLM gave %d block hashes for %d tokens, not one per %d-token block: "
+                    "running without kvgate for such requests",
+                    len(hashes),
+                    num_tokens,
+                    self._block_size,
+                )
+            return []
         n = len(hashes) // bpc
         if tokens is not None:
             n = min(n, tokens // (bpc * self._block_size))
@@ -344,7 +400,7 @@ class KVGateConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         rid = request.request_id
-        prompt = len(request.prompt_token_ids)
+        prompt = _prompt_tokens(request)
         self._computed[rid] = num_computed_tokens
         st = self._lookups.get(rid)
         if st is None:
@@ -393,9 +449,12 @@ class KVGateConnector(KVConnectorBase_V1):
         if not bpc or chunks == 0:
             return
         block_ids = list(blocks.get_block_ids()[0])
-        chunks = min(chunks, len(block_ids) // bpc)
-        keys = self._chunk_keys(request, bpc)[:chunks]
-        skip = self._computed.get(rid, 0) // self._block_size
+        keys = self._chunk_keys(request, bpc)
+        chunks = min(chunks, len(block_ids) // bpc, len(keys))
+        keys = keys[:chunks]
+        # Blocks vLLM computed itself (its prefix cache) and null blocks (out of a sliding window):
+        # nothing is copied into them.
+        skip = max(self._computed.get(rid, 0) // self._block_size, _after_null_blocks(block_ids[: chunks * bpc]))
         self._pending_loads.append(LoadSpec(rid, keys, block_ids[: chunks * bpc], min(skip, chunks * bpc)))
         self._load_blocks[rid] = (block_ids[: chunks * bpc], bpc)
 
@@ -435,6 +494,10 @@ class KVGateConnector(KVConnectorBase_V1):
         computed = getattr(request, "num_computed_tokens", 0)
         computed = computed if type(computed) is int else 0
         n = min(len(keys), len(block_ids) // bpc, computed // (bpc * self._block_size))
+        # A chunk with a null block (its KV fell out of a sliding window) is never stored: block
+        # 0's bytes would be served as that prefix's KV. Chunks after it are stored (a node that
+        # holds the chunks before them serves them).
+        first = max(first, -(-_after_null_blocks(list(block_ids[: n * bpc])) // bpc))
         if n <= first:
             return False, None
         self._pending_saves.append(SaveSpec(rid, keys[:n], list(block_ids[: n * bpc]), first))
@@ -468,6 +531,12 @@ class KVGateConnector(KVConnectorBase_V1):
                     f"KV layer {n} has shape {list(t.shape)} (contiguous: {t.is_contiguous()}); kvgate expects the "
                     f"{layout} layout {want}, contiguous"
                 )
+            # The agent cuts and labels blocks by the dtype the config named (hello): another one
+            # would be stored as that dtype (and shared with engines really using it) or cut wrong.
+            if not _holds(t.dtype, s["dtype"]):
+                raise ConfigurationError(
+                    f"KV layer {n} holds {t.dtype}; vLLM's config says the KV cache dtype is {s['dtype']}"
+                )
             if t.is_cuda:
                 tensors.append({"kind": "cuda-ipc", "shape": want, "strides": list(t.stride()), **cuda_ipc(t)})
                 continue
@@ -480,6 +549,7 @@ class KVGateConnector(KVConnectorBase_V1):
                 {"kind": "shm", "path": where["path"], "offset": where["offset"], "shape": want, "strides": list(t.stride())}
             )
         self._register_msg = {"rank": s["rank"], "numBlocks": num_blocks, "tensors": tensors}
+        self._kv_device = first.device if first.is_cuda else None
         if self._client.connected:
             try:
                 self._on_connect(self._client)
@@ -499,6 +569,12 @@ class KVGateConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         ready = self._worker_ready()
+        if ready and (meta.loads or meta.saves) and self._kv_device is not None:
+            # The agent copies on its own stream, unordered with vLLM's. With async scheduling
+            # the previous step's kernels may still be writing the blocks: a finished request's
+            # last tokens (its save would store what was there before) or a freed block now
+            # allocated to a load (its kernel would overwrite what the agent loaded).
+            torch.cuda.current_stream(self._kv_device).synchronize()
         if meta.loads and not self._loads:
             self._load_deadline = time.monotonic() + self._settings["loadTimeoutS"]
         for spec in meta.loads:

@@ -28,6 +28,7 @@ from kvgate_vllm._vllm import KVConnectorRole
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SEED = "0"
+NULL_BLOCK = 0  # vLLM's null block id
 os.environ.setdefault("PYTHONHASHSEED", SEED)
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -172,8 +173,8 @@ class FakeRequest:
     num_computed_tokens: int = 0
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def num_tokens(self) -> int:  # vLLM's: prompt and output tokens
+        return len(self.all_token_ids) or len(self.prompt_token_ids)
 
 
 class FakeBlocks:
@@ -355,7 +356,9 @@ class Engine:
             self.ready = self.ready and r["ready"]
         self.sched = KVGateConnector(vllm_config(spec, 0), KVConnectorRole.SCHEDULER)
         g = torch.Generator().manual_seed(block_order_seed)
-        self.free = torch.randperm(spec.num_blocks, generator=g).tolist()
+        # Block 0 is never a request's: vLLM's BlockPool keeps it as its null block (the
+        # placeholder for blocks a sliding window dropped), as here.
+        self.free = [b for b in torch.randperm(spec.num_blocks, generator=g).tolist() if b != NULL_BLOCK]
 
     def alloc(self, n: int) -> List[int]:
         out, self.free = self.free[:n], self.free[n:]

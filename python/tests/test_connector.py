@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from harness import (
+    NULL_BLOCK,
     Engine,
     EngineSpec,
     TempDir,
@@ -242,6 +243,41 @@ def test_tensor_parallel_two_ranks(tmp, gateway, layout):
         b.close()
         for ag in agents:
             ag.stop()
+
+
+def test_blocks_a_sliding_window_dropped_are_never_saved(tmp, gateway, pair):
+    """A sliding-window (or chunked local attention) model: by request_finished vLLM has put its
+    null block (id 0, shared by every request, holding nothing of theirs) in the place of the
+    blocks that fell out of the window. Saving those positions would store block 0's bytes as
+    the prefix's KV and serve them to every engine that matches it: B must load exactly A's
+    computed KV or miss."""
+    sa, sb = pair
+    a = Engine(EngineSpec(socket=sa, model="test/null-block"), block_order_seed=1)
+    b = Engine(EngineSpec(socket=sb, model="test/null-block"), block_order_seed=2)
+    try:
+        assert a.ready and b.ready
+        ra = a.prefill("r1", PROMPT)
+        assert NULL_BLOCK not in ra["block_ids"]
+        computed = blocks_of(a, 0, ra["block_ids"], 6)
+        for t in a.tensors(0):  # the null block holds whatever another request's window left there
+            for s in range(sides(a.spec)):
+                block_view(t, a.spec, s, NULL_BLOCK).fill_(7)
+        # The window dropped blocks 0-2 (chunk 0 and half of chunk 1).
+        table = [NULL_BLOCK] * 3 + ra["block_ids"][3:]
+        a.finish(ra["req"], table)
+        assert agent_call(sa, "flush")["ok"]
+        rb = b.prefill("r1", PROMPT)
+        assert rb["load_errors"] == []
+        got = blocks_of(b, 0, rb["block_ids"], rb["matched"] // 16)
+        for layer in range(len(got)):
+            for s in range(len(got[layer])):
+                for i in range(len(got[layer][s])):
+                    assert torch.equal(got[layer][s][i], computed[layer][s][i]), (layer, s, i)
+        # Chunks 0 and 1 were never stored, so nothing after them can be found.
+        assert rb["matched"] == 0
+    finally:
+        a.close()
+        b.close()
 
 
 def test_agent_killed_mid_load_then_restarted(tmp, gateway):

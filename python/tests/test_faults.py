@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from harness import EngineSpec, FakeBlocks, make_request, vllm_config
-from kvgate_vllm import KVGateConnector, shm
+from kvgate_vllm import KVGateConnector, hashing, shm
 from kvgate_vllm._vllm import KVConnectorRole
 from kvgate_vllm.connector import KVGateMetadata, LoadSpec, SaveSpec
 
@@ -427,26 +427,125 @@ def test_request_finished_saves_only_chunks_whose_kv_vllm_computed():
         toks = PROMPT[:64]  # 2 chunks of 32
         req = make_request("r", toks, 16)
         req.num_computed_tokens = 63  # the 64th token was sampled, not computed
-        delay, _ = s.request_finished(req, list(range(4)))
+        delay, _ = s.request_finished(req, list(range(1, 5)))
         meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={"r"}))
         saved = [len(sp.keys) for sp in meta.saves]
         assert delay is True and saved == [1], saved
         # Every token computed: both chunks.
         req2 = make_request("r2", toks, 16)
         req2.num_computed_tokens = 64
-        assert s.request_finished(req2, list(range(4)))[0] is True
+        assert s.request_finished(req2, list(range(1, 5)))[0] is True
         meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={"r2"}))
         assert [len(sp.keys) for sp in meta.saves] == [2]
         # No full chunk computed: nothing held back.
         req3 = make_request("r3", toks, 16)
         req3.num_computed_tokens = 31
-        assert s.request_finished(req3, list(range(4))) == (False, None)
+        assert s.request_finished(req3, list(range(1, 5))) == (False, None)
+    finally:
+        s.shutdown()
+        agent.close()
+
+
+def test_a_prompt_given_as_embeddings_is_looked_up_loaded_and_saved():
+    """With --enable-prompt-embeds vLLM's Request has prompt_token_ids None (its length is
+    num_prompt_tokens; its block hashes cover the embeddings): the scheduler's calls must not
+    raise on it (a TypeError there stops the engine)."""
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        hashes = make_request("e", PROMPT, 16).block_hashes
+        req = SimpleNamespace(
+            request_id="e", prompt_token_ids=None, num_prompt_tokens=100, num_tokens=100, block_hashes=hashes
+        )
+        assert lookup(s, req) == 96
+        s.update_state_after_alloc(req, FakeBlocks(list(range(1, 8))), 96)
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
+        assert [len(ld.keys) for ld in meta.loads] == [3]
+        req.num_computed_tokens = 100
+        assert s.request_finished(req, list(range(1, 8))) == (False, None)  # all 3 chunks came from kvgate
+        req2 = SimpleNamespace(
+            request_id="e2", prompt_token_ids=None, num_prompt_tokens=100, num_tokens=100, block_hashes=hashes
+        )
+        req2.num_computed_tokens = 100
+        assert s.request_finished(req2, list(range(1, 8)))[0] is True
+    finally:
+        s.shutdown()
+        agent.close()
+
+
+def test_a_request_without_vllm_block_hashes_is_never_keyed_by_its_tokens_alone():
+    """vLLM's block hashes mix in what else decides the KV (LoRA adapter, images, cache_salt,
+    prompt embeddings). Keys made from the token ids alone would give a LoRA or image request
+    the base model's or another image's KV: a request without vLLM's hashes is a miss."""
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        req = SimpleNamespace(
+            request_id="l",
+            prompt_token_ids=list(PROMPT),
+            all_token_ids=list(PROMPT),
+            num_prompt_tokens=100,
+            num_tokens=100,
+            lora_request=SimpleNamespace(lora_name="adapter-1"),
+        )
+        assert lookup(s, req) == 0
+        req.num_computed_tokens = 100
+        assert s.request_finished(req, list(range(1, 8))) == (False, None)
+        assert not [op for _, op in agent.requests if op == "lookup"]
+    finally:
+        s.shutdown()
+        agent.close()
+
+
+def test_null_blocks_are_neither_loaded_into_nor_saved():
+    """A sliding-window model: vLLM's block table starts with its null block (id 0) where blocks
+    fell out of the window. A load copies nothing into them; a save starts after the last chunk
+    holding one (block 0's bytes are nobody's KV)."""
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        req = make_request("r", PROMPT, 16)
+        assert lookup(s, req) == 96
+        blocks = [0, 0, 0, 23, 24, 25, 26]
+        s.update_state_after_alloc(req, FakeBlocks(blocks), 96)
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
+        assert [(ld.block_ids, ld.skip_blocks) for ld in meta.loads] == [(blocks[:6], 3)]
+        # A request that loaded nothing: chunks 0 and 1 hold null blocks, chunk 2 is saved.
+        req2 = make_request("r2", PROMPT, 16)
+        req2.num_computed_tokens = 100
+        assert s.request_finished(req2, blocks)[0] is True
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={"r2"}))
+        assert [(len(sp.keys), sp.first) for sp in meta.saves] == [(3, 2)]
+        # Every chunk out of the window: nothing held back.
+        req3 = make_request("r3", PROMPT, 16)
+        req3.num_computed_tokens = 100
+        assert s.request_finished(req3, [0] * 6 + [26]) == (False, None)
     finally:
         s.shutdown()
         agent.close()
 
 
 # ---------------------------------------------------------------------------- settings
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, "float16"), (torch.float32, "float16"), (torch.float16, "fp8")])
+def test_kv_tensors_of_another_dtype_than_the_config_are_refused_at_register(tmp_path, dtype, cache_dtype):
+    """The agent sizes and labels the KV by the dtype the connector derived from vLLM's config
+    (hello): tensors of another dtype (of the same width: mislabelled KV shared with engines
+    that really use that dtype; another width: blocks cut at the wrong bytes) are refused."""
+    from kvgate_vllm import ConfigurationError
+
+    spec = EngineSpec(socket=str(tmp_path / "none.sock"), dtype=cache_dtype)
+    c = KVGateConnector(vllm_config(spec), KVConnectorRole.WORKER)
+    shape = [2, spec.num_blocks, 16, spec.kv_heads, spec.head_size]
+    caches = {f"l{i}": shm.shm_tensor(shape, dtype) for i in range(spec.layers)}
+    try:
+        with pytest.raises(ConfigurationError, match="dtype"):
+            c.register_kv_caches(caches)
+        assert c._register_msg is None
+    finally:
+        c.shutdown()
+        drop_caches(caches)
 
 
 def test_pipeline_parallelism_is_refused_at_start(tmp_path):
@@ -460,6 +559,42 @@ def test_pipeline_parallelism_is_refused_at_start(tmp_path):
         engine_settings(cfg)
     cfg.parallel_config.pipeline_parallel_size = 1
     assert engine_settings(cfg)["world"] == 1
+
+
+@pytest.mark.parametrize("knob", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused_at_start(tmp_path, knob):
+    """With DCP/PCP each rank holds every n-th token of a block and vLLM hashes blocks of
+    block_size * n tokens: chunk keys and block contents would not match. Refused, not served."""
+    from kvgate_vllm import ConfigurationError, engine_settings
+
+    cfg = vllm_config(EngineSpec(socket=str(tmp_path / "x.sock")))
+    setattr(cfg.parallel_config, knob, 2)
+    with pytest.raises(ConfigurationError, match="context parallel"):
+        engine_settings(cfg)
+    setattr(cfg.parallel_config, knob, 1)
+    assert engine_settings(cfg)["world"] == 1
+
+
+def test_block_hashes_of_another_block_size_are_no_keys():
+    """A chunk's key is the hash of its last block: vLLM's block hashes must be one per
+    block_size tokens. Hashes of larger blocks (vLLM hashes at block_size * DCP * PCP, or a
+    hash block size of its own) would key a chunk by a longer prefix than it holds: a miss
+    and no save, never such a key."""
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        req = make_request("r", PROMPT, 16)
+        req.block_hashes = hashing.block_hashes(PROMPT, 32, "0")
+        assert lookup(s, req) == 0
+        req.num_computed_tokens = 100
+        assert s.request_finished(req, list(range(1, 8))) == (False, None)
+        assert not [op for _, op in agent.requests if op == "lookup"]
+        # The same request with vLLM's hashes at block_size: found, saved.
+        ok = make_request("r2", PROMPT, 16)
+        assert lookup(s, ok) == 96
+    finally:
+        s.shutdown()
+        agent.close()
 
 
 def test_a_hello_answered_ok_for_another_protocol_is_no_agent():
@@ -597,6 +732,49 @@ def test_a_step_replaying_a_full_cuda_graph_has_its_loads_in_place_before_the_fo
         w.wait_for_save()
         assert w.get_block_ids_with_load_errors() == set()
         w.clear_connector_metadata()
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def test_gpu_kv_waits_for_the_engine_stream_before_the_agent_touches_its_blocks(monkeypatch):
+    """The agent copies on its own CUDA stream, unordered with vLLM's: with async scheduling
+    the previous step's kernels may still be writing (a finished request's last token, about
+    to be saved; a freed block, about to be loaded into) when start_load_kv runs. The engine's
+    stream is synchronized before a load or save is sent, and not on steps without either."""
+    agent = ScriptedAgent(well_behaved)
+    w, caches = worker(agent)
+    order = []
+
+    class Stream:
+        def synchronize(self):
+            order.append("sync")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    w._kv_device = torch.device("cuda", 0)  # as registered from CUDA tensors
+    sent = w._client.request
+
+    def request(op, *a, **kw):
+        order.append(op)
+        return sent(op, *a, **kw)
+
+    monkeypatch.setattr(w._client, "request", request)
+    try:
+        assert w._worker_ready()
+        req = make_request("s", PROMPT, 16)
+        w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
+        w.start_load_kv(None)
+        w.clear_connector_metadata()
+        assert order == ["sync", "save"], order
+        w.bind_connector_metadata(KVGateMetadata(loads=[load_spec()]))
+        w.start_load_kv(None)
+        w.clear_connector_metadata()
+        assert order[2:4] == ["sync", "load"], order
+        w.bind_connector_metadata(KVGateMetadata())
+        w.start_load_kv(None)
+        w.clear_connector_metadata()
+        assert len(order) == 4, order
     finally:
         w.shutdown()
         drop_caches(caches)
