@@ -8,7 +8,7 @@ import { connect, type Socket } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, describe, expect, it } from 'vitest'
-import { newSession } from '../src/agent/agent.ts'
+import { newSession, type Session } from '../src/agent/agent.ts'
 import { HostCopier, HostTensor } from '../src/agent/host-tensor.ts'
 import { resolveAgentConfig, startAgent } from '../src/agent/index.ts'
 import { decodeBody, encodeFrame, FrameReader } from '../src/agent/protocol.ts'
@@ -472,6 +472,72 @@ describe('agent: registration lifetimes', () => {
       }
     })
   }
+
+  it("a save's copy that ends after the engine closed is not kept, though the close event has not reached the agent yet", async () => {
+    const { server, path } = await bigAgent('peer-closed', false, 2)
+    const agent = server.agent
+    try {
+      const s = newSession(() => {})
+      let gone = false
+      // What server.ts wires to the kernel (POLLRDHUP on the socket): here the engine closes
+      // while the copy runs and the agent's JS has seen no close event (s.ended stays false).
+      s.peerClosed = () => gone
+      expect(
+        agent.answer(s, { id: 1, op: 'hello', protocol: 1, model: 'm', hashSeed: '0', geometry: big }),
+      ).toMatchObject({ protocol: 1 })
+      const tensors = Array.from({ length: LAYERS }, (_, l) => ({
+        kind: 'shm',
+        path,
+        offset: l * LAYER_BYTES,
+        shape: [2, BLOCKS, 16, 8, 128],
+      }))
+      const { worker } = (await agent.answer(s, {
+        id: 2,
+        op: 'register',
+        rank: 0,
+        numBlocks: BLOCKS,
+        tensors,
+      })) as {
+        worker: number
+      }
+      const keys = Buffer.concat([0, 1, 2].map(() => randomBytes(32)))
+      const blockIds = Array.from({ length: 48 }, (_, i) => (i * 7) % BLOCKS)
+      const save = agent.answer(s, { id: 3, op: 'save', worker, keys, blockIds })
+      gone = true
+      await expect(save).rejects.toMatchObject({ code: 'ERR_CLOSED' })
+      expect(s.ended).toBe(false)
+      const other = newSession(() => {})
+      agent.answer(other, { id: 1, op: 'hello', protocol: 1, model: 'm', hashSeed: '0', geometry: big })
+      await agent.answer(other, { id: 2, op: 'register', rank: 0, numBlocks: BLOCKS, tensors })
+      expect(await agent.answer(other, { id: 3, op: 'lookup', keys })).toMatchObject({ chunks: 0 })
+      agent.endSession(s)
+      agent.endSession(other)
+    } finally {
+      await server.close()
+    }
+  })
+
+  it('the server asks the kernel whether the engine closed: true at once, before the close event', async () => {
+    const { server } = await bigAgent('peer-wired', false, 2)
+    const sessions: Session[] = []
+    const answer = server.agent.answer.bind(server.agent)
+    server.agent.answer = (s, m) => {
+      sessions.push(s)
+      return answer(s, m)
+    }
+    try {
+      const c = await client(join(dir, 'peer-wired.sock'))
+      expect(await c.call('ping')).toMatchObject({ ok: true })
+      const s = sessions[0]!
+      expect(s.peerClosed).toBeTypeOf('function')
+      expect(s.peerClosed!()).toBe(false)
+      c.sock.destroy()
+      expect(s.peerClosed!()).toBe(true)
+      expect(s.ended).toBe(false)
+    } finally {
+      await server.close()
+    }
+  })
 
   // 0: the copies on the agent's event loop (copyThreads 0), the path without the addon's copyRunsAsync.
   for (const threads of [2, 0]) {

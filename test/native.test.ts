@@ -611,3 +611,42 @@ describe('copyRuns: scattered runs in one call', () => {
     expect(dst.every((x) => x === 0)).toBe(true)
   })
 })
+
+describe('socketPeerClosed (POLLRDHUP)', () => {
+  it('sees a peer close at once, with unread data queued, before the close event reaches JS', async () => {
+    const { createServer, connect } = await import('node:net')
+    const path = join(dir, 'peer.sock')
+    let accepted!: (s: import('node:net').Socket) => void
+    const serverSide = new Promise<import('node:net').Socket>((r) => (accepted = r))
+    const server = createServer((s) => accepted(s))
+    await new Promise<void>((r) => server.listen(path, r))
+    try {
+      const client = connect(path)
+      await new Promise<void>((r) => client.once('connect', () => r()))
+      const s = await serverSide
+      const fd = (s as unknown as { _handle: { fd: number } })._handle.fd
+      expect(fd).toBeGreaterThanOrEqual(0)
+      expect(native.socketPeerClosed(fd)).toBe(false)
+      s.pause() // nothing read: the data stays queued ahead of the close
+      await new Promise<void>((r) => client.write(Buffer.alloc(4096, 7), () => r()))
+      expect(native.socketPeerClosed(fd)).toBe(false)
+      let ended = false
+      s.on('end', () => (ended = true))
+      s.on('close', () => (ended = true))
+      client.destroy()
+      // Same turn of the loop: the kernel knows, JS does not yet.
+      expect(native.socketPeerClosed(fd)).toBe(true)
+      expect(ended).toBe(false)
+      s.destroy()
+    } finally {
+      await new Promise<void>((r) => server.close(() => r()))
+    }
+  })
+
+  it('an fd that is no socket or not open: never throws', () => {
+    expect(native.socketPeerClosed(2 ** 30)).toBe(true) // POLLNVAL: no such fd, nothing to wait for
+    expect(native.socketPeerClosed(-1)).toBeUndefined()
+    expect(native.socketPeerClosed(Number.NaN)).toBeUndefined()
+    expect(() => native.loadNative().peerClosed!(1.5)).toThrow(/non-negative integer/)
+  })
+})

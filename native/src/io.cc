@@ -2,6 +2,7 @@
 // when the request is aligned and the filesystem takes it, else buffered I/O.
 // readFileCrc also CRC-32s caller-given ranges of what it read, on the same worker.
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -539,6 +540,26 @@ Napi::Value EvictFileCacheJs(const Napi::CallbackInfo& info) {
       nullptr);
 }
 
+// Whether the peer of a connected socket shut down its side (POLLRDHUP), seen by the kernel
+// the moment the peer closed, even with unread frames queued before it. The agent asks after
+// a save's copy ends: the engine frees a save's blocks once its connection is gone, and the
+// close event reaches JS only in a later turn of the loop (or never, while reading is paused).
+Napi::Value PeerClosedJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (info.Length() < 1 || !info[0].IsNumber()) ThrowNative(env, "peerClosed: fd must be a number");
+  double d = info[0].As<Napi::Number>().DoubleValue();
+  if (!(d >= 0 && d <= 2147483647.0) || d != static_cast<double>(static_cast<int>(d)))
+    ThrowNative(env, "peerClosed: fd must be a non-negative integer");
+  struct pollfd p = {static_cast<int>(d), POLLRDHUP, 0};
+  int r;
+  do {
+    r = poll(&p, 1, 0);
+  } while (r < 0 && errno == EINTR);
+  if (r < 0) Throw(env, ErrnoFailure("poll", errno, "peerClosed"));
+  // POLLNVAL: the fd is not open any more; the connection is gone either way.
+  return Napi::Boolean::New(env, r > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0);
+}
+
 }  // namespace
 
 void InitIo(Napi::Env env, Napi::Object exports) {
@@ -548,6 +569,7 @@ void InitIo(Napi::Env env, Napi::Object exports) {
   exports.Set("closeCopyGate", Napi::Function::New(env, CloseCopyGateJs, "closeCopyGate"));
   exports.Set("writeFile", Napi::Function::New(env, WriteFileJs, "writeFile"));
   exports.Set("evictFileCache", Napi::Function::New(env, EvictFileCacheJs, "evictFileCache"));
+  exports.Set("peerClosed", Napi::Function::New(env, PeerClosedJs, "peerClosed"));
   exports.Set("directAlignment", Napi::Number::New(env, kAlign));
 }
 

@@ -106,6 +106,11 @@ export interface Session {
   event(message: Record<string, unknown>): void
   /** The connection closed (endSession): a register still in flight releases what it mapped. */
   ended: boolean
+  /**
+   * Whether the engine closed the connection, asked of the kernel (server.ts): true turns
+   * before the socket's close event reaches JS. Undefined: only `ended` is known.
+   */
+  peerClosed?: () => boolean
 }
 
 export function newSession(event: Session['event']): Session {
@@ -746,9 +751,14 @@ export class Agent {
   }
 }
 
-/** Throws once the session's connection closed: its engine no longer waits on its copies. */
+/**
+ * Throws once the session's connection closed: its engine no longer waits on its copies and
+ * may already reuse their blocks. The kernel's view counts: a save whose copy ended after the
+ * engine closed must not be kept even when the close event has not reached JS yet.
+ */
 function notEnded(s: Session): void {
-  if (s.ended) throw new AgentError('ERR_CLOSED', 'the connection closed: the engine may reuse its blocks')
+  if (s.ended || s.peerClosed?.() === true)
+    throw new AgentError('ERR_CLOSED', 'the connection closed: the engine may reuse its blocks')
 }
 
 /** Copies in flight: `settled()` waits for every one, then rejects with the first failure. */

@@ -4,6 +4,7 @@
 import { chmodSync, lstatSync, unlinkSync } from 'node:fs'
 import { createServer as createHttpServer, type Server as HttpServer } from 'node:http'
 import { connect, createServer, type Server, type Socket } from 'node:net'
+import { loadNative } from '../client/native-api.ts'
 import { type Agent, newSession } from './agent.ts'
 import { AgentError, checkEnvelope, decodeBody, encodeFrame, FrameReader } from './protocol.ts'
 
@@ -116,6 +117,12 @@ export class AgentServer {
       write(frame)
     }
     const session = newSession((ev) => send(ev))
+    // The socket's fd (a pipe handle's, on Unix): the kernel knows the engine closed before
+    // the close event reaches this loop, and a save's copy that ended after it is not kept.
+    const fd = (sock as unknown as { _handle?: { fd?: number } })._handle?.fd
+    const peerClosed = loadNative().api?.socketPeerClosed
+    if (peerClosed && typeof fd === 'number' && fd >= 0 && peerClosed(fd) !== undefined)
+      session.peerClosed = () => sock.destroyed || peerClosed(fd) === true
     let inflight = 0
     const fail = (id: number | null, e: unknown) => {
       const err =

@@ -12,7 +12,7 @@ import { KvgateError, type KvgateErrorOptions } from '../core/errors.ts'
 import { installedAsDependency, packageRoot } from '../package-files.ts'
 
 /** The addon contract version this wrapper speaks (native/src/addon.cc `abiVersion`). */
-export const NATIVE_ABI_VERSION = 8
+export const NATIVE_ABI_VERSION = 9
 
 /** O_DIRECT alignment kvgate uses for buffer addresses and file offsets (bytes). */
 export const DIRECT_ALIGNMENT = 4096
@@ -213,6 +213,8 @@ export interface NativeBinding {
     truncate: boolean,
   ): Promise<RawIo>
   evictFileCache(path: string): Promise<void>
+  /** io.cc (abi 9): whether a connected socket's peer shut down its side (POLLRDHUP). */
+  peerClosed?(fd: number): boolean
   /** mmap.cc; absent from builds that predate it. */
   mapFile?(path: string, offset: number, length: number, writable: boolean): ArrayBuffer
   unmapFile?(buffer: ArrayBuffer): void
@@ -932,6 +934,21 @@ export function writeFileDirect(
  */
 export function evictFileCache(path: string): Promise<void> {
   return callAsync(async () => loadNative().evictFileCache(checkPath(path)))
+}
+
+/**
+ * Whether the peer of the connected socket `fd` shut down its side: the kernel knows the
+ * moment the peer closes (POLLRDHUP), ahead of unread data, where a socket's 'close' event
+ * reaches JS turns later. undefined when the addon is not loaded or the check failed;
+ * never throws.
+ */
+export function socketPeerClosed(fd: number): boolean | undefined {
+  try {
+    const n = loadNative()
+    return n.peerClosed ? n.peerClosed(fd) : undefined
+  } catch {
+    return undefined
+  }
 }
 
 // ---------------------------------------------------------------------------
