@@ -636,6 +636,44 @@ describe('gc on a memory store', () => {
     expect(await res.json()).toEqual({ present: 5 })
   })
 
+  it('race 1 under a long listing: a read while the condemning run lists is still saved (condemned as of the listing’s end, not the run’s start)', async () => {
+    let t = Date.now()
+    const { store, app, chains } = await fleet(() => t)
+    await app.state.usage!.flush()
+    t += 20 * DAY
+    const config = config10d()
+    // The condemning run's listing takes 10 minutes (a big bucket); chain 0 is read 9 minutes
+    // in, after its use records were listed: the gateway flushes that read within maxDelay.
+    const LISTING = 600_000
+    const slowList: ObjectStore = {
+      kind: store.kind,
+      get: (n, o) => store.get(n, o),
+      head: (n) => store.head(n),
+      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+      delete: (n) => store.delete(n),
+      list: async (p, o) => {
+        const page = await store.list(p, o)
+        vi.setSystemTime(Date.now() + LISTING)
+        return page
+      },
+    }
+    const first = await at(t, () => runGc({ store: slowList, prefix: 'kv', config, now: t }))
+    expect(first.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, condemned: { objects: 11 } })
+    // The next run starts right after it (back to back), past condemnWait from the first
+    // run's start but within maxDelay of the read: the read is still in the gateway's buffer.
+    const second = await at(t + LISTING + 30_000, () =>
+      runGc({ store, prefix: 'kv', config, now: t + LISTING + 30_000 }),
+    )
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    expect(second.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, condemned: { objects: 11 } })
+    // The read lands; the run after that sees it.
+    await putRecord(store, [{ key: chains[0]![3]!.key, at: t + LISTING - 60_000 }])
+    const third = await runGc({ store, prefix: 'kv', config, now: t + LISTING + WAIT })
+    expect(third.namespaces[0]).toMatchObject({ deleted: { objects: 7 }, saved: 4 })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    expect(await present(store, chains[1]!)).toEqual([false, false, false, false])
+  })
+
   it('a chunk behind a hole goes with its descendants once older than the grace period; first chunks and young uploads stay', async () => {
     const store = new MemoryStore()
     const t0 = Date.now()
