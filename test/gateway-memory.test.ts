@@ -180,6 +180,45 @@ describe('a gateway past maxHeldBytes', () => {
     expect(app.state.memory.held).toBe(0)
   })
 
+  it('a calibration PUT whose client stalls or trickles gives its reservation back after the body idle bounds (408)', async () => {
+    const size = 100_000
+    const app = createGateway({
+      store: new MemoryStore(),
+      limits: {
+        maxHeldBytes: 2 * size,
+        maxCalibrationBytes: size,
+        maxChunkBytes: size,
+        bodyIdleTimeoutMs: 200,
+        bodyMinBytesPerSecond: 50_000,
+      },
+    })
+    const url = (b: Uint8Array) => `/v1/ns/team/calibrations/${sha(b)}`
+    const [stalled, slow, ok] = [1, 2, 3].map((s) => calib(s, size)) as [Uint8Array, Uint8Array, Uint8Array]
+    // Sends 64 bytes, then nothing (the client is alive: its socket stays open).
+    const g = gated(stalled)
+    // Sends 1 KiB every 50 ms: never idle, ~20 KB/s.
+    const trickle = new ReadableStream<Uint8Array>({
+      async pull(c) {
+        await sleep(50)
+        c.enqueue(new Uint8Array(1024))
+      },
+    })
+    const outcome = (p: Promise<Response>) =>
+      Promise.race([p.then(async (r) => [r.status, await errCode(r)]), sleep(3000).then(() => 'still held')])
+    const both = Promise.all([
+      outcome(Promise.resolve(app.request(url(stalled), putOf(stalled, g.body)))),
+      outcome(Promise.resolve(app.request(url(slow), putOf(slow, trickle)))),
+    ])
+    await until(() => app.state.memory.held === 2 * size)
+    expect(await both).toEqual([
+      [408, 'ERR_TIMEOUT'],
+      [408, 'ERR_TIMEOUT'],
+    ])
+    expect([app.state.memory.held, app.state.inFlight.bytes]).toEqual([0, 0])
+    expect((await app.request(url(ok), putOf(ok))).status).toBe(201)
+    g.go(true)
+  })
+
   it('chunk PUTs on the multipart path hold a part each: past the budget 503; held returns to 0 after done, bad and aborted bodies', async () => {
     const chunks = [0, 1, 2, 3].map(() => makeChunk({ layers: 2, sectionBytes: 64 * 1024 }))
     const size = chunks[0]!.bytes.length
