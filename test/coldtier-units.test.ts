@@ -674,6 +674,44 @@ describe('gc on a memory store', () => {
     expect(await present(store, chains[1]!)).toEqual([false, false, false, false])
   })
 
+  it('race 1 under a long listing: a later-dated condemnation from a concurrent run is not moved back to this run’s start', async () => {
+    let t = Date.now()
+    const { store, chains } = await fleet(() => t)
+    t += 20 * DAY
+    const config = config10d()
+    // A concurrent run whose listing ended 5 minutes after this run started condemned chain 0.
+    const early = encodeBatch({
+      kind: 'condemned',
+      at: t,
+      uses: chains[0]!.map((c) => ({ key: c.key, at: t + 300_000 })),
+      links: [],
+    })
+    await store.putIfAbsent(`${condemnedPrefix('kv', 'prod')}0000000000001-aa`, early, early.length)
+    // This run lists for 10 minutes; chain 0 is read 9 minutes in (after its records were listed).
+    const LISTING = 600_000
+    const slowList: ObjectStore = {
+      kind: store.kind,
+      get: (n, o) => store.get(n, o),
+      head: (n) => store.head(n),
+      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+      delete: (n) => store.delete(n),
+      list: async (p, o) => {
+        const page = await store.list(p, o)
+        vi.setSystemTime(Date.now() + LISTING)
+        return page
+      },
+    }
+    await at(t, () => runGc({ store: slowList, prefix: 'kv', config, now: t }))
+    // A run past condemnWait from this run's start, within maxDelay of the read: nothing is due.
+    const next = await runGc({ store, prefix: 'kv', config, now: t + 60_000 + WAIT })
+    expect(next.namespaces[0]).toMatchObject({ deleted: { objects: 0 } })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    await putRecord(store, [{ key: chains[0]![3]!.key, at: t + LISTING - 60_000 }])
+    const last = await runGc({ store, prefix: 'kv', config, now: t + LISTING + WAIT })
+    expect(last.namespaces[0]).toMatchObject({ deleted: { objects: 7 }, saved: 4 })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+  })
+
   it('a chunk behind a hole goes with its descendants once older than the grace period; first chunks and young uploads stay', async () => {
     const store = new MemoryStore()
     const t0 = Date.now()

@@ -409,9 +409,10 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
           throw new FormatError('ERR_FORMAT_BAD_FIELD', `a ${b.kind} record among condemned lists`)
         for (const u of b.uses) {
           const n = live.get(u.key)
-          // A time after now counts as now (it cannot shorten the wait); one before the object
-          // was written condemned an earlier object of that key.
-          const t = Math.min(u.at, now)
+          // A time after this run's own condemnation time counts as that (it cannot shorten the
+          // wait, and a concurrent run that listed later condemned as of then); one before the
+          // object was written condemned an earlier object of that key.
+          const t = Math.min(u.at, condemnAt)
           if (!n || n.modified === undefined || !(t > n.modified)) continue
           if (!(t >= (condemnedAt.get(u.key) ?? Infinity))) condemnedAt.set(u.key, t)
         }
