@@ -1,6 +1,8 @@
 // Cold tier units on a memory store: config validation, the use-record format, the
 // recorder's request and memory bounds, the tail-first plan, and gc end to end.
 
+import { setFlagsFromString } from 'node:v8'
+import { runInNewContext } from 'node:vm'
 import { describe, expect, it, vi } from 'vitest'
 import {
   MAX_SNAPSHOT_BYTES,
@@ -71,6 +73,28 @@ describe('coldTier config', () => {
 })
 
 describe('use records', () => {
+  it('decode to flat key strings: gc holds a namespace index of ~300 bytes a link, not ~2 KiB', () => {
+    // A hex string built by appending two characters at a time is a tree of ~30 string
+    // pieces (~870 bytes) until something flattens it; gc keeps every decoded key and parent.
+    setFlagsFromString('--expose-gc')
+    const gc = runInNewContext('gc') as () => void
+    const n = 20_000
+    const links = Array.from({ length: n }, (_, i) => ({
+      key: key(2 * i + 1),
+      parent: key(2 * i),
+      size: 1,
+      at: 0,
+    }))
+    const bytes = encodeBatch({ kind: 'index', at: 0, uses: [], links })
+    gc()
+    const before = process.memoryUsage().heapUsed
+    const decoded = decodeBatch(bytes)
+    gc()
+    const perLink = (process.memoryUsage().heapUsed - before) / n
+    expect(decoded.links[n - 1]).toEqual(links[n - 1])
+    expect(perLink).toBeLessThan(400)
+  })
+
   it('round-trip and reject any flipped byte', () => {
     const b = encodeBatch({
       kind: 'usage',
