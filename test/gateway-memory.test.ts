@@ -188,6 +188,7 @@ describe('a gateway past maxHeldBytes', () => {
         maxHeldBytes: 2 * size,
         maxCalibrationBytes: size,
         maxChunkBytes: size,
+        maxLookupBodyBytes: size / 2,
         bodyIdleTimeoutMs: 200,
         bodyMinBytesPerSecond: 50_000,
       },
