@@ -325,6 +325,52 @@ describe('a gateway past maxHeldBytes', () => {
     expect(app.state.memory.peak).toBe(2 * lookupHoldBytes(max))
   })
 
+  it('a lookup whose client stalls or trickles gives its reservation back after the body idle bounds (408)', async () => {
+    const max = 64 * 1024
+    const app = createGateway({
+      store: new MemoryStore(),
+      limits: {
+        maxHeldBytes: 2 * lookupHoldBytes(max),
+        maxLookupBodyBytes: max,
+        maxCalibrationBytes: 1000,
+        maxChunkBytes: 1000,
+        bodyIdleTimeoutMs: 200,
+        bodyMinBytesPerSecond: 50_000,
+      },
+    })
+    const keys = Array.from({ length: 900 }, (_, i) => i.toString(16).padStart(64, '0'))
+    const json = new TextEncoder().encode(JSON.stringify({ keys }))
+    const post = (body: BodyInit) =>
+      ({
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body,
+        duplex: 'half',
+      }) as RequestInit
+    const g = gated(json, 10) // sends 10 bytes, then nothing
+    const trickle = new ReadableStream<Uint8Array>({
+      async pull(c) {
+        await sleep(50)
+        c.enqueue(new TextEncoder().encode(' '.repeat(1024))) // ~20 KB/s of JSON whitespace
+      },
+    })
+    const outcome = (p: Promise<Response>) =>
+      Promise.race([p.then(async (r) => [r.status, await errCode(r)]), sleep(3000).then(() => 'still held')])
+    const both = Promise.all([
+      outcome(Promise.resolve(app.request('/v1/ns/a/lookup', post(g.body)))),
+      outcome(Promise.resolve(app.request('/v1/ns/a/lookup', post(trickle)))),
+    ])
+    await until(() => app.state.memory.held === 2 * lookupHoldBytes(max))
+    expect(await both).toEqual([
+      [408, 'ERR_TIMEOUT'],
+      [408, 'ERR_TIMEOUT'],
+    ])
+    expect(app.state.memory.held).toBe(0)
+    const ok = await app.request('/v1/ns/a/lookup', post(json as Uint8Array<ArrayBuffer>))
+    expect([ok.status, await ok.json()]).toEqual([200, { present: 0 }])
+    g.go(true)
+  })
+
   it('a store that fails the PUT gives the reservation back', async () => {
     const store = new MemoryStore()
     store.putIfAbsent = async () => {

@@ -24,7 +24,8 @@ import {
   unsupportedMediaType,
 } from '../http-errors.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
-import { collectAtMost, collectBody, type StoreObject } from '../stores/types.ts'
+import { readPromptly } from '../request-body.ts'
+import { collectBody, type StoreObject } from '../stores/types.ts'
 import { checkedStream, type StreamCheck } from '../verified-read.ts'
 
 /** "KVCL": the first four bytes of every calibration object (src/codec/calibration.ts). */
@@ -74,60 +75,6 @@ async function readWhole(obj: StoreObject, max: number): Promise<Uint8Array> {
 }
 
 /**
- * Exactly `size` body bytes, within the bounds a chunk PUT's body has (verified-body.ts): a
- * client that sends nothing for bodyIdleTimeoutMs, or less than bodyMinBytesPerSecond on
- * average once that long has passed, fails with 408. The body is held whole against the
- * memory budget meanwhile, so a stalled client must not keep it for the whole request timeout.
- */
-async function collectPromptly(
-  body: ReadableStream<Uint8Array>,
-  size: number,
-  limits: { bodyIdleTimeoutMs: number; bodyMinBytesPerSecond: number },
-): Promise<Uint8Array> {
-  const { bodyIdleTimeoutMs: idleMs, bodyMinBytesPerSecond: minRate } = limits
-  const reader = body.getReader()
-  const out = new Uint8Array(size)
-  const started = Date.now()
-  let at = 0
-  let timer: ReturnType<typeof setTimeout> | undefined
-  try {
-    for (;;) {
-      const now = Date.now()
-      // The next piece is due before the body idles, and before the average falls below minRate.
-      const due = Math.max(started + idleMs, minRate > 0 ? started + (at * 1000) / minRate : Infinity)
-      const wait = Math.max(0, Math.min(now + idleMs, due) - now)
-      const late = new Promise<never>((_, reject) => {
-        timer = setTimeout(
-          () =>
-            reject(
-              new KvgateError(
-                'ERR_TIMEOUT',
-                now + idleMs <= due
-                  ? `request body stalled for ${idleMs} ms`
-                  : `request body arrives slower than ${minRate} bytes/s`,
-                { status: 408 },
-              ),
-            ),
-          wait,
-        )
-      })
-      const { done, value } = await Promise.race([reader.read(), late])
-      clearTimeout(timer)
-      if (done) break
-      if (at + value.length > size) throw new Error(`body is longer than the declared ${size} bytes`)
-      out.set(value, at)
-      at += value.length
-    }
-  } catch (e) {
-    clearTimeout(timer)
-    await reader.cancel(e).catch(() => {})
-    throw e
-  }
-  if (at !== size) throw new Error(`body ended at ${at} of ${size} bytes`)
-  return out
-}
-
-/**
  * A request body of at most `max` bytes: exactly Content-Length when given (required
  * for calibration objects), else read up to the cap (the small JSON pointer).
  */
@@ -148,13 +95,13 @@ async function requestBytes(
   if (!body) return new Uint8Array(0)
   if (size !== undefined) {
     try {
-      return await collectPromptly(body, size, limits)
+      return await readPromptly(body, { size }, limits)
     } catch (e) {
       if (e instanceof KvgateError) throw e
       throw badRequest(`${what}: ${(e as Error).message}`)
     }
   }
-  const bytes = await collectAtMost(body, max)
+  const bytes = await readPromptly(body, { max }, limits)
   if (!bytes) throw payloadTooLarge(`${what} is over ${max} bytes`)
   return bytes
 }
