@@ -444,6 +444,29 @@ describe('coalesced GET buffers', () => {
     expect([budget.held, co.bufferedBytes]).toEqual([0, 0])
   })
 
+  it('stay reserved until every request has read its bytes, not only started to (slow readers)', async () => {
+    const n = 200 * 1024
+    const budget = new MemoryBudget(300 * 1024)
+    const co = new GetCoalescer(8 * MIB, 64 * MIB, budget)
+    const fetch = async () => {
+      await sleep(10)
+      return object(n)
+    }
+    const [a, b] = await Promise.all([co.get('k', fetch), co.get('k', fetch)])
+    expect(b.coalesced).toBe(true)
+    // Each client has taken its first piece and reads no further yet (a slow socket).
+    const ra = a.obj!.body.getReader()
+    const rb = b.obj!.body.getReader()
+    const first = [(await ra.read()).value!, (await rb.read()).value!]
+    expect(first.every((p) => p.length < n)).toBe(true)
+    expect(budget.held).toBe(n)
+    let read = first[0]!.length
+    for (let r = await ra.read(); !r.done; r = await ra.read()) read += r.value.length
+    expect([read, budget.held]).toEqual([n, n]) // b is still reading it
+    await rb.cancel()
+    expect([budget.held, co.bufferedBytes]).toEqual([0, 0])
+  })
+
   it('a store body that breaks while buffered gives its reservation back', async () => {
     const budget = new MemoryBudget(1000)
     const co = new GetCoalescer(8 * MIB, 64 * MIB, budget)
