@@ -1,6 +1,8 @@
 // Cold tier units on a memory store: config validation, the use-record format, the
 // recorder's request and memory bounds, the tail-first plan, and gc end to end.
 
+import { setFlagsFromString } from 'node:v8'
+import { runInNewContext } from 'node:vm'
 import { describe, expect, it, vi } from 'vitest'
 import {
   MAX_SNAPSHOT_BYTES,
@@ -71,6 +73,28 @@ describe('coldTier config', () => {
 })
 
 describe('use records', () => {
+  it('decode to flat key strings: gc holds a namespace index of ~300 bytes a link, not ~2 KiB', () => {
+    // A hex string built by appending two characters at a time is a tree of ~30 string
+    // pieces (~870 bytes) until something flattens it; gc keeps every decoded key and parent.
+    setFlagsFromString('--expose-gc')
+    const gc = runInNewContext('gc') as () => void
+    const n = 20_000
+    const links = Array.from({ length: n }, (_, i) => ({
+      key: key(2 * i + 1),
+      parent: key(2 * i),
+      size: 1,
+      at: 0,
+    }))
+    const bytes = encodeBatch({ kind: 'index', at: 0, uses: [], links })
+    gc()
+    const before = process.memoryUsage().heapUsed
+    const decoded = decodeBatch(bytes)
+    gc()
+    const perLink = (process.memoryUsage().heapUsed - before) / n
+    expect(decoded.links[n - 1]).toEqual(links[n - 1])
+    expect(perLink).toBeLessThan(400)
+  })
+
   it('round-trip and reject any flipped byte', () => {
     const b = encodeBatch({
       kind: 'usage',
@@ -634,6 +658,82 @@ describe('gc on a memory store', () => {
       [...chain, next].map((c) => c.key),
     )
     expect(await res.json()).toEqual({ present: 5 })
+  })
+
+  it('race 1 under a long listing: a read while the condemning run lists is still saved (condemned as of the listing’s end, not the run’s start)', async () => {
+    let t = Date.now()
+    const { store, app, chains } = await fleet(() => t)
+    await app.state.usage!.flush()
+    t += 20 * DAY
+    const config = config10d()
+    // The condemning run's listing takes 10 minutes (a big bucket); chain 0 is read 9 minutes
+    // in, after its use records were listed: the gateway flushes that read within maxDelay.
+    const LISTING = 600_000
+    const slowList: ObjectStore = {
+      kind: store.kind,
+      get: (n, o) => store.get(n, o),
+      head: (n) => store.head(n),
+      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+      delete: (n) => store.delete(n),
+      list: async (p, o) => {
+        const page = await store.list(p, o)
+        vi.setSystemTime(Date.now() + LISTING)
+        return page
+      },
+    }
+    const first = await at(t, () => runGc({ store: slowList, prefix: 'kv', config, now: t }))
+    expect(first.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, condemned: { objects: 11 } })
+    // The next run starts right after it (back to back), past condemnWait from the first
+    // run's start but within maxDelay of the read: the read is still in the gateway's buffer.
+    const second = await at(t + LISTING + 30_000, () =>
+      runGc({ store, prefix: 'kv', config, now: t + LISTING + 30_000 }),
+    )
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    expect(second.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, condemned: { objects: 11 } })
+    // The read lands; the run after that sees it.
+    await putRecord(store, [{ key: chains[0]![3]!.key, at: t + LISTING - 60_000 }])
+    const third = await runGc({ store, prefix: 'kv', config, now: t + LISTING + WAIT })
+    expect(third.namespaces[0]).toMatchObject({ deleted: { objects: 7 }, saved: 4 })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    expect(await present(store, chains[1]!)).toEqual([false, false, false, false])
+  })
+
+  it('race 1 under a long listing: a later-dated condemnation from a concurrent run is not moved back to this run’s start', async () => {
+    let t = Date.now()
+    const { store, chains } = await fleet(() => t)
+    t += 20 * DAY
+    const config = config10d()
+    // A concurrent run whose listing ended 5 minutes after this run started condemned chain 0.
+    const early = encodeBatch({
+      kind: 'condemned',
+      at: t,
+      uses: chains[0]!.map((c) => ({ key: c.key, at: t + 300_000 })),
+      links: [],
+    })
+    await store.putIfAbsent(`${condemnedPrefix('kv', 'prod')}0000000000001-aa`, early, early.length)
+    // This run lists for 10 minutes; chain 0 is read 9 minutes in (after its records were listed).
+    const LISTING = 600_000
+    const slowList: ObjectStore = {
+      kind: store.kind,
+      get: (n, o) => store.get(n, o),
+      head: (n) => store.head(n),
+      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+      delete: (n) => store.delete(n),
+      list: async (p, o) => {
+        const page = await store.list(p, o)
+        vi.setSystemTime(Date.now() + LISTING)
+        return page
+      },
+    }
+    await at(t, () => runGc({ store: slowList, prefix: 'kv', config, now: t }))
+    // A run past condemnWait from this run's start, within maxDelay of the read: nothing is due.
+    const next = await runGc({ store, prefix: 'kv', config, now: t + 60_000 + WAIT })
+    expect(next.namespaces[0]).toMatchObject({ deleted: { objects: 0 } })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    await putRecord(store, [{ key: chains[0]![3]!.key, at: t + LISTING - 60_000 }])
+    const last = await runGc({ store, prefix: 'kv', config, now: t + LISTING + WAIT })
+    expect(last.namespaces[0]).toMatchObject({ deleted: { objects: 7 }, saved: 4 })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
   })
 
   it('a chunk behind a hole goes with its descendants once older than the grace period; first chunks and young uploads stay', async () => {

@@ -99,6 +99,29 @@ describe('PUT and GET', () => {
     expect(await json(look)).toEqual({ present: 0 })
     expect((await app.request(`/v1/ns/a/chunks/${c.key}`, { method: 'DELETE' })).status).toBe(404)
   })
+
+  it('a chunk deleted mid-chain ends the chain for lookups: later chunks cannot infer it back', async () => {
+    // Presences trusted 300 ms (the default is 30 s): they have expired when the chunk is deleted.
+    const { app } = setup({ lookup: { presenceTtlMs: 300, verifyInferred: 0 } })
+    // Longer than one search round's fanout (24): the search samples the chain (0, 3, 5, 8, …).
+    const chain = makeChain(60)
+    for (const c of chain) await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    const look = async () =>
+      json(
+        await app.request('/v1/ns/a/lookup', {
+          method: 'POST',
+          headers: { 'content-type': 'application/json' },
+          body: JSON.stringify({ keys: chain.map((c) => c.key) }),
+        }),
+      )
+    await new Promise((r) => setTimeout(r, 350))
+    expect((await app.request(`/v1/ns/a/chunks/${chain[6]!.key}`, { method: 'DELETE' })).status).toBe(204)
+    // This gateway deleted it: chunk 8 present does not make it present.
+    expect(await look()).toEqual({ present: 6 })
+    // Written again: the chain is whole again.
+    await app.request(`/v1/ns/a/chunks/${chain[6]!.key}`, putInit(chain[6]!.bytes))
+    expect(await look()).toEqual({ present: 60 })
+  })
 })
 
 describe('PUT rejects bad bodies and leaves nothing behind', () => {

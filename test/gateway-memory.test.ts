@@ -180,6 +180,46 @@ describe('a gateway past maxHeldBytes', () => {
     expect(app.state.memory.held).toBe(0)
   })
 
+  it('a calibration PUT whose client stalls or trickles gives its reservation back after the body idle bounds (408)', async () => {
+    const size = 100_000
+    const app = createGateway({
+      store: new MemoryStore(),
+      limits: {
+        maxHeldBytes: 2 * size,
+        maxCalibrationBytes: size,
+        maxChunkBytes: size,
+        maxLookupBodyBytes: size / 2,
+        bodyIdleTimeoutMs: 200,
+        bodyMinBytesPerSecond: 50_000,
+      },
+    })
+    const url = (b: Uint8Array) => `/v1/ns/team/calibrations/${sha(b)}`
+    const [stalled, slow, ok] = [1, 2, 3].map((s) => calib(s, size)) as [Uint8Array, Uint8Array, Uint8Array]
+    // Sends 64 bytes, then nothing (the client is alive: its socket stays open).
+    const g = gated(stalled)
+    // Sends 1 KiB every 50 ms: never idle, ~20 KB/s.
+    const trickle = new ReadableStream<Uint8Array>({
+      async pull(c) {
+        await sleep(50)
+        c.enqueue(new Uint8Array(1024))
+      },
+    })
+    const outcome = (p: Promise<Response>) =>
+      Promise.race([p.then(async (r) => [r.status, await errCode(r)]), sleep(3000).then(() => 'still held')])
+    const both = Promise.all([
+      outcome(Promise.resolve(app.request(url(stalled), putOf(stalled, g.body)))),
+      outcome(Promise.resolve(app.request(url(slow), putOf(slow, trickle)))),
+    ])
+    await until(() => app.state.memory.held === 2 * size)
+    expect(await both).toEqual([
+      [408, 'ERR_TIMEOUT'],
+      [408, 'ERR_TIMEOUT'],
+    ])
+    expect([app.state.memory.held, app.state.inFlight.bytes]).toEqual([0, 0])
+    expect((await app.request(url(ok), putOf(ok))).status).toBe(201)
+    g.go(true)
+  })
+
   it('chunk PUTs on the multipart path hold a part each: past the budget 503; held returns to 0 after done, bad and aborted bodies', async () => {
     const chunks = [0, 1, 2, 3].map(() => makeChunk({ layers: 2, sectionBytes: 64 * 1024 }))
     const size = chunks[0]!.bytes.length
@@ -285,6 +325,52 @@ describe('a gateway past maxHeldBytes', () => {
     expect(app.state.memory.peak).toBe(2 * lookupHoldBytes(max))
   })
 
+  it('a lookup whose client stalls or trickles gives its reservation back after the body idle bounds (408)', async () => {
+    const max = 64 * 1024
+    const app = createGateway({
+      store: new MemoryStore(),
+      limits: {
+        maxHeldBytes: 2 * lookupHoldBytes(max),
+        maxLookupBodyBytes: max,
+        maxCalibrationBytes: 1000,
+        maxChunkBytes: 1000,
+        bodyIdleTimeoutMs: 200,
+        bodyMinBytesPerSecond: 50_000,
+      },
+    })
+    const keys = Array.from({ length: 900 }, (_, i) => i.toString(16).padStart(64, '0'))
+    const json = new TextEncoder().encode(JSON.stringify({ keys }))
+    const post = (body: BodyInit) =>
+      ({
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body,
+        duplex: 'half',
+      }) as RequestInit
+    const g = gated(json, 10) // sends 10 bytes, then nothing
+    const trickle = new ReadableStream<Uint8Array>({
+      async pull(c) {
+        await sleep(50)
+        c.enqueue(new TextEncoder().encode(' '.repeat(1024))) // ~20 KB/s of JSON whitespace
+      },
+    })
+    const outcome = (p: Promise<Response>) =>
+      Promise.race([p.then(async (r) => [r.status, await errCode(r)]), sleep(3000).then(() => 'still held')])
+    const both = Promise.all([
+      outcome(Promise.resolve(app.request('/v1/ns/a/lookup', post(g.body)))),
+      outcome(Promise.resolve(app.request('/v1/ns/a/lookup', post(trickle)))),
+    ])
+    await until(() => app.state.memory.held === 2 * lookupHoldBytes(max))
+    expect(await both).toEqual([
+      [408, 'ERR_TIMEOUT'],
+      [408, 'ERR_TIMEOUT'],
+    ])
+    expect(app.state.memory.held).toBe(0)
+    const ok = await app.request('/v1/ns/a/lookup', post(json as Uint8Array<ArrayBuffer>))
+    expect([ok.status, await ok.json()]).toEqual([200, { present: 0 }])
+    g.go(true)
+  })
+
   it('a store that fails the PUT gives the reservation back', async () => {
     const store = new MemoryStore()
     store.putIfAbsent = async () => {
@@ -355,6 +441,29 @@ describe('coalesced GET buffers', () => {
     expect((await new Response(c.obj!.body).arrayBuffer()).byteLength).toBe(600)
     expect((await new Response(d.obj!.body).arrayBuffer()).byteLength).toBe(600)
     others.release()
+    expect([budget.held, co.bufferedBytes]).toEqual([0, 0])
+  })
+
+  it('stay reserved until every request has read its bytes, not only started to (slow readers)', async () => {
+    const n = 200 * 1024
+    const budget = new MemoryBudget(300 * 1024)
+    const co = new GetCoalescer(8 * MIB, 64 * MIB, budget)
+    const fetch = async () => {
+      await sleep(10)
+      return object(n)
+    }
+    const [a, b] = await Promise.all([co.get('k', fetch), co.get('k', fetch)])
+    expect(b.coalesced).toBe(true)
+    // Each client has taken its first piece and reads no further yet (a slow socket).
+    const ra = a.obj!.body.getReader()
+    const rb = b.obj!.body.getReader()
+    const first = [(await ra.read()).value!, (await rb.read()).value!]
+    expect(first.every((p) => p.length < n)).toBe(true)
+    expect(budget.held).toBe(n)
+    let read = first[0]!.length
+    for (let r = await ra.read(); !r.done; r = await ra.read()) read += r.value.length
+    expect([read, budget.held]).toEqual([n, n]) // b is still reading it
+    await rb.cancel()
     expect([budget.held, co.bufferedBytes]).toEqual([0, 0])
   })
 

@@ -129,6 +129,7 @@ interface NsListing {
 
 export async function runGc(opts: GcOptions): Promise<GcReport> {
   const now = opts.now ?? Date.now()
+  const started = Date.now()
   const concurrency = opts.concurrency ?? 16
   const price = opts.pricePerGBMonth ?? 0.023
   const dry = opts.dryRun ?? false
@@ -179,6 +180,11 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     progress({ phase: 'list', objects: listed })
     cursor = page.cursor
   } while (cursor)
+  // This run's condemnations date from the end of its listing, not its start: a use made while
+  // the listing ran (a big bucket lists for minutes) may be missing from the records it listed,
+  // and the deleting run, at least condemnWait later, must see it (docs/cold-tier.md, race 1).
+  // Whole seconds: less than one is within condemnWait's margin for clocks.
+  const condemnAt = now + Math.max(0, Math.floor((Date.now() - started) / 1000) * 1000)
 
   snapshots.sort()
   let previous: AccountingSnapshot | undefined
@@ -403,9 +409,10 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
           throw new FormatError('ERR_FORMAT_BAD_FIELD', `a ${b.kind} record among condemned lists`)
         for (const u of b.uses) {
           const n = live.get(u.key)
-          // A time after now counts as now (it cannot shorten the wait); one before the object
-          // was written condemned an earlier object of that key.
-          const t = Math.min(u.at, now)
+          // A time after this run's own condemnation time counts as that (it cannot shorten the
+          // wait, and a concurrent run that listed later condemned as of then); one before the
+          // object was written condemned an earlier object of that key.
+          const t = Math.min(u.at, condemnAt)
           if (!n || n.modified === undefined || !(t > n.modified)) continue
           if (!(t >= (condemnedAt.get(u.key) ?? Infinity))) condemnedAt.set(u.key, t)
         }
@@ -455,7 +462,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
       if (due.has(v.node.key)) continue
       condemned.objects++
       condemned.bytes += v.node.size
-      condemnations.push({ key: v.node.key, at: condemnedAt.get(v.node.key) ?? now })
+      condemnations.push({ key: v.node.key, at: condemnedAt.get(v.node.key) ?? condemnAt })
     }
     const victims: { node: ChunkNode; reason: 'retention' | 'quota' | 'orphan' }[] = [
       ...p.victims.filter((v) => due.has(v.node.key)),

@@ -8,6 +8,9 @@ import { isKvgateError, StoreError } from '../core/errors.ts'
 import type { MemoryBudget, MemoryLease } from './memory-budget.ts'
 import type { StoreObject } from './stores/types.ts'
 
+/** A shared buffer's pieces as served: what one socket write takes before it waits (Node, workerd). */
+const PIECE_BYTES = 64 * 1024
+
 type Shared =
   | { kind: 'absent' }
   | { kind: 'bytes'; bytes: Uint8Array; size: number; offset: number; etag?: string }
@@ -133,13 +136,15 @@ export class GetCoalescer {
     }
   }
 
-  // The buffer is handed on when the consumer pulls it (or gives up): only then is
-  // this request's hold on the shared bytes released.
+  // The buffer goes out in pieces (views, no copies), one per pull: a whole buffer handed
+  // on at once would sit in the socket's write queue behind a slow client, held but no
+  // longer reserved. This request's hold is released once it has taken the last piece (or gives up).
   #fromBytes(
     s: { bytes: Uint8Array; size: number; offset: number; etag?: string },
     lease: Lease,
   ): StoreObject {
     let held = true
+    let at = 0
     const release = () => {
       if (!held) return
       held = false
@@ -148,7 +153,12 @@ export class GetCoalescer {
     const body = new ReadableStream<Uint8Array>(
       {
         pull(c) {
-          if (s.bytes.length > 0) c.enqueue(s.bytes)
+          if (at < s.bytes.length) {
+            const end = Math.min(s.bytes.length, at + PIECE_BYTES)
+            c.enqueue(s.bytes.subarray(at, end))
+            at = end
+            if (at < s.bytes.length) return
+          }
           c.close()
           release()
         },

@@ -116,7 +116,7 @@ export class GatewayMetrics {
   readonly errors = new Counter('kvgate_errors_total', 'Error responses by code')
   readonly invalidations = new Counter(
     'kvgate_presence_invalidated_total',
-    'Cached presences forgotten because a read found the object (or an earlier one of its chain) missing',
+    'Cached presences forgotten because a read found the object (or an earlier one of its chain) missing, or an admin DELETE removed it',
   )
   readonly corruptReads = new Counter(
     'kvgate_corrupt_reads_total',

@@ -24,7 +24,8 @@ import {
   unsupportedMediaType,
 } from '../http-errors.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
-import { collectAtMost, collectBody, type StoreObject } from '../stores/types.ts'
+import { readPromptly } from '../request-body.ts'
+import { collectBody, type StoreObject } from '../stores/types.ts'
 import { checkedStream, type StreamCheck } from '../verified-read.ts'
 
 /** "KVCL": the first four bytes of every calibration object (src/codec/calibration.ts). */
@@ -79,6 +80,7 @@ async function readWhole(obj: StoreObject, max: number): Promise<Uint8Array> {
  */
 async function requestBytes(
   c: Context<GatewayEnv>,
+  limits: GatewayState['limits'],
   max: number,
   what: string,
   needLength = true,
@@ -93,12 +95,13 @@ async function requestBytes(
   if (!body) return new Uint8Array(0)
   if (size !== undefined) {
     try {
-      return await collectBody(body, size)
+      return await readPromptly(body, { size }, limits)
     } catch (e) {
+      if (e instanceof KvgateError) throw e
       throw badRequest(`${what}: ${(e as Error).message}`)
     }
   }
-  const bytes = await collectAtMost(body, max)
+  const bytes = await readPromptly(body, { max }, limits)
   if (!bytes) throw payloadTooLarge(`${what} is over ${max} bytes`)
   return bytes
 }
@@ -253,7 +256,7 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
   })
 
   async function storeUpload(c: Context<GatewayEnv>, ns: string, hash: string): Promise<Response> {
-    const bytes = await requestBytes(c, max, 'calibration')
+    const bytes = await requestBytes(c, state.limits, max, 'calibration')
     if (bytes.length < MIN_CALIBRATION_BYTES)
       throw new KvgateError('ERR_FORMAT_TRUNCATED', `a ${bytes.length}-byte body cannot be a calibration`, {
         status: 400,
@@ -366,7 +369,9 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
 
   app.put('/v1/ns/:ns/calibration', async (c) => {
     const ns = target(c, 'write')
-    const hash = parsePointer(await requestBytes(c, MAX_POINTER_BYTES, 'current calibration', false))
+    const hash = parsePointer(
+      await requestBytes(c, state.limits, MAX_POINTER_BYTES, 'current calibration', false),
+    )
     if (hash === undefined) throw badRequest('body must be {"hash": "<sha256 of a stored calibration>"}')
     // The pointer must never name nothing: the calibration goes up first.
     if (!(await state.store.head(calibrationObjectName(state.prefix, ns, hash))))

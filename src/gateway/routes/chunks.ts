@@ -200,7 +200,9 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
   app.delete(PATH, async (c) => {
     const { name } = target(c, state, 'admin')
     const existed = await state.store.delete(name)
-    state.lookup.forget(name)
+    // Absent from now on, with the rest of its chain: a later chunk still stored would
+    // otherwise let a lookup infer this one present again.
+    state.lookup.invalidateFrom(name)
     state.headers.delete(name)
     if (!existed) throw notFound()
     return c.body(null, 204)

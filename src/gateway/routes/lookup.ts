@@ -10,7 +10,7 @@ import type { GatewayEnv } from '../env.ts'
 import { badRequest, lengthRequired, payloadTooLarge, unsupportedMediaType } from '../http-errors.ts'
 import { lookupHoldBytes } from '../memory-budget.ts'
 import { authorize } from '../middleware/auth.ts'
-import { collectAtMost } from '../stores/types.ts'
+import { type BodyPace, readPromptly } from '../request-body.ts'
 
 export function lookupRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
   app.post('/v1/ns/:ns/lookup', async (c) => {
@@ -30,7 +30,7 @@ export function lookupRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
 }
 
 async function answer(c: Context<GatewayEnv>, state: GatewayState, ns: string, max: number) {
-  const text = await readCapped(c.req.raw, max)
+  const text = await readCapped(c.req.raw, max, state.limits)
   let body: unknown
   try {
     body = JSON.parse(text)
@@ -66,9 +66,9 @@ function declaredLength(req: Request, max: number): number | undefined {
 }
 
 /** Reads a request body as text, refusing more than `max` bytes (declared or actual). */
-async function readCapped(req: Request, max: number): Promise<string> {
+async function readCapped(req: Request, max: number, pace: BodyPace): Promise<string> {
   if (!req.body) throw lengthRequired()
-  const all = await collectAtMost(req.body, max)
+  const all = await readPromptly(req.body, { max }, pace)
   if (!all) throw payloadTooLarge(`body exceeds ${max} bytes`)
   try {
     return new TextDecoder('utf-8', { fatal: true }).decode(all)
