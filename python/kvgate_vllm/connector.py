@@ -105,7 +105,7 @@ def _after_null_blocks(block_ids: List[int]) -> int:
 _LAYOUTS = ("flash-attn", "flashinfer", "mla")
 # kv_connector_extra_config keys and their defaults (docs/vllm.md lists them).
 _EXTRA_MS_DEFAULTS = {"lookup_wait_ms": 2, "lookup_timeout_ms": 1000, "load_timeout_ms": 30000}
-_EXTRA_KEYS = ("socket", "layout", *_EXTRA_MS_DEFAULTS)
+_EXTRA_KEYS = ("socket", "layout", "model_id", *_EXTRA_MS_DEFAULTS)
 
 
 def _check_extra_config(extra: Dict[str, Any]) -> Dict[str, Any]:
@@ -121,6 +121,9 @@ def _check_extra_config(extra: Dict[str, Any]) -> Dict[str, Any]:
     socket = extra.get("socket")
     if socket is not None and (not isinstance(socket, str) or not socket):
         raise ConfigurationError(f"{where}: socket: expected a path to the agent's Unix socket, got {socket!r}")
+    model_id = extra.get("model_id")
+    if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
+        raise ConfigurationError(f"{where}: model_id: expected a non-empty string naming the weights, got {model_id!r}")
     layout = extra.get("layout")
     if layout is not None and layout not in _LAYOUTS:
         raise ConfigurationError(f"{where}: layout: expected one of {', '.join(_LAYOUTS)}, got {layout!r}")
@@ -135,6 +138,25 @@ def _check_extra_config(extra: Dict[str, Any]) -> Dict[str, Any]:
             raise ConfigurationError(f"{where}: {key}: expected a number of milliseconds >= 0, got {v!r}")
         out[key] = ms / 1000
     return out
+
+
+def model_identity(model: Any, extra: Dict[str, Any]) -> str:
+    """The model id chunk keys are mixed with: what names the weights, never the alias clients
+    use. `--served-model-name` is often the same ("default", "chat") for different models or
+    fine-tunes of one base with the same geometry, which would then share keys: another model's
+    KV. The model's path or Hugging Face id, with its revision and quantization when set; or the
+    operator's `model_id` (for weights whose path differs between nodes)."""
+    explicit = extra.get("model_id")
+    if explicit is not None:
+        return str(explicit)
+    ident = str(model.model)
+    revision = getattr(model, "revision", None)
+    if revision:
+        ident += f"@{revision}"
+    quantization = getattr(model, "quantization", None)
+    if quantization:
+        ident += f"+{quantization}"
+    return ident
 
 
 def engine_settings(vllm_config: Any) -> Dict[str, Any]:
@@ -191,7 +213,7 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
                 "its ranks split each block's tokens and vLLM hashes larger blocks"
             )
     return {
-        "model": str(getattr(model, "served_model_name", None) or model.model),
+        "model": model_identity(model, extra),
         "socket": extra.get("socket") or default_socket_path(),
         "hashSeed": seed,
         "blockSize": int(cache.block_size),

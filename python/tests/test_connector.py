@@ -464,3 +464,27 @@ def test_extra_config_unknown_keys_and_bad_values_are_errors(tmp):
         engine_settings(with_extra(socket=7))
     s = engine_settings(with_extra(socket="/s.sock", layout="flashinfer", lookup_wait_ms="5", load_timeout_ms=100))
     assert (s["socket"], s["layout"], s["lookupWaitS"], s["loadTimeoutS"]) == ("/s.sock", "flashinfer", 0.005, 0.1)
+
+
+def test_model_identity_names_the_weights_not_the_served_alias(tmp):
+    """Two models served under one alias ("chat") with the same geometry must not share keys
+    (another model's KV); one model under two aliases must (cross-node hits)."""
+    from harness import vllm_config
+    from kvgate_vllm import engine_settings
+
+    def ident(model="org/base", served=None, revision=None, quantization=None, **extra):
+        cfg = vllm_config(EngineSpec(socket=tmp.sock("x"), model=model))
+        cfg.model_config.served_model_name = served
+        cfg.model_config.revision = revision
+        cfg.model_config.quantization = quantization
+        cfg.kv_transfer_config.kv_connector_extra_config = {"socket": "/s.sock", **extra}
+        return engine_settings(cfg)["model"]
+
+    assert ident("org/base", "chat") != ident("org/finetune", "chat")
+    assert ident("org/base", "chat") == ident("org/base", "assistant") == ident("org/base")
+    assert ident(revision="abc123") != ident(revision="def456") != ident()
+    assert ident(quantization="awq") != ident()
+    assert ident("/models/a", model_id="team/llama-8b") == ident("/mnt/b", model_id="team/llama-8b") == "team/llama-8b"
+    for bad in ("", "  ", 7):
+        with pytest.raises(ConfigurationError, match="model_id"):
+            ident(model_id=bad)
