@@ -1,8 +1,9 @@
 // The codec pool must give the same bytes on worker threads as inline, report
 // codec errors as errors, and fall back to inline work when workers are off.
 
+import { readFileSync } from 'node:fs'
 import { afterAll, describe, expect, it } from 'vitest'
-import { CodecPool } from '../src/client/codec-pool.ts'
+import { CodecPool, CodecWorkerLostError } from '../src/client/codec-pool.ts'
 import { CodecStaging } from '../src/client/codec-staging.ts'
 import { decodeChunk, encodeChunk } from '../src/codec/node.ts'
 import { decodeHeader, verifyChunk } from '../src/core/format.ts'
@@ -242,7 +243,7 @@ describe('CodecStaging', () => {
 
 describe('CodecPool under worker failures (finding 11)', () => {
   const faulty = new URL('./support/faulty-codec-worker.mjs', import.meta.url)
-  const poison = (kind: 0 | 1) => {
+  const poison = (kind: 0 | 1 | 2 | 3) => {
     const t = tensor.slice()
     t.set([0xde, 0xad, kind])
     return t
@@ -290,6 +291,107 @@ describe('CodecPool under worker failures (finding 11)', () => {
     expect(poisonedDst.every((x) => x === 0)).toBe(true)
     expect(pool.counts.jobsLost).toBe(1)
     expect(pool.counts.workersReplaced).toBe(1)
+  }, 60_000)
+
+  /** OS threads of this process (each codec worker is one): a hung thread left running would show. */
+  const threads = () => Number(/^Threads:\s+(\d+)/m.exec(readFileSync('/proc/self/status', 'utf8'))![1])
+  /** Timers keeping this process alive (a job's deadline is one while it runs). */
+  const timers = () => process.getActiveResourcesInfo().filter((r) => r === 'Timeout').length
+  const settle = async (until: () => boolean) => {
+    for (let i = 0; i < 200 && !until(); i++) await new Promise((r) => setTimeout(r, 25))
+  }
+
+  it.each([
+    ['spins in JavaScript', 2],
+    ['spins in wasm', 3],
+  ] as const)(
+    'a worker that never answers (%s) fails its job typed after the bound, is terminated and replaced; jobs queued behind it run on the replacement',
+    async (_, kind) => {
+      const pool = new CodecPool(1, false, {
+        workerEntry: faulty,
+        jobTimeout: { floorMs: 1000, msPerMiB: 0 },
+      })
+      pools.push(pool)
+      const want = encodeChunk(tensor, meta, { mode: 'lossless' })
+      expect(Buffer.compare(await pool.encode('lossless', tensor, meta), want)).toBe(0)
+      const idleThreads = threads()
+      const t0 = performance.now()
+      const hung = pool.encode('lossless', poison(kind), meta)
+      const queued = Array.from({ length: 3 }, () => pool.encode('lossless', tensor, meta))
+      const e = await hung.then(
+        () => undefined,
+        (x: unknown) => x,
+      )
+      expect(performance.now() - t0).toBeGreaterThanOrEqual(990)
+      expect(e).toMatchObject({ name: 'CodecJobTimeoutError', code: 'ERR_CODEC' })
+      // Callers treat it as a dead worker: a counted miss, the object kept.
+      expect(e).toBeInstanceOf(CodecWorkerLostError)
+      expect((e as Error).message).toMatch(/did not answer within 1000 ms/)
+      for (const out of await Promise.all(queued)) expect(Buffer.compare(out, want)).toBe(0)
+      expect(pool.counts).toMatchObject({ jobsLost: 1, jobsTimedOut: 1, workersReplaced: 1 })
+      expect(pool.inline).toBeUndefined()
+      // The hung thread is gone, not left spinning beside its replacement.
+      await settle(() => threads() <= idleThreads)
+      expect(threads()).toBeLessThanOrEqual(idleThreads)
+    },
+    60_000,
+  )
+
+  it('the deadline grows with the bytes a job moves', async () => {
+    const pool = new CodecPool(1, false, {
+      workerEntry: faulty,
+      jobTimeout: { floorMs: 200, msPerMiB: 20_000 },
+    })
+    pools.push(pool)
+    const ms = Math.ceil(200 + (tensor.byteLength / 2 ** 20) * 20_000)
+    expect(ms).toBeGreaterThan(300)
+    await expect(pool.encode('lossless', poison(2), meta)).rejects.toThrow(
+      new RegExp(`did not answer within ${ms} ms`),
+    )
+  }, 60_000)
+
+  it.each([-1, Number.NaN, Number.POSITIVE_INFINITY, '5', null])(
+    'a jobTimeout of %s is refused when the pool is made',
+    (bad) => {
+      for (const key of ['floorMs', 'msPerMiB'])
+        expect(() => new CodecPool(1, false, { jobTimeout: { [key]: bad as never } })).toThrow(
+          new RegExp(`jobTimeout.${key} must be a finite number`),
+        )
+    },
+  )
+
+  it("a job's deadline timer is cleared when it answers and when it times out; the pool closes cleanly after a timeout", async () => {
+    const pool = new CodecPool(1, false, { workerEntry: faulty, jobTimeout: { floorMs: 1000, msPerMiB: 0 } })
+    const want = encodeChunk(tensor, meta, { mode: 'lossless' })
+    await pool.encode('lossless', tensor, meta)
+    const idle = timers()
+    const good = pool.encode('lossless', tensor, meta)
+    expect(timers()).toBe(idle + 1) // armed while the worker runs it
+    expect(Buffer.compare(await good, want)).toBe(0)
+    expect(timers()).toBe(idle)
+    const hung = pool.encode('lossless', poison(2), meta)
+    await expect(hung).rejects.toMatchObject({ name: 'CodecJobTimeoutError' })
+    expect(timers()).toBe(idle)
+    // Close while the replacement starts and a job waits for it: that job fails ERR_CLOSED, nothing stays behind.
+    const waiting = expect(pool.encode('lossless', tensor, meta)).rejects.toMatchObject({
+      code: 'ERR_CLOSED',
+    })
+    await pool.close()
+    await waiting
+    expect(timers()).toBe(idle)
+    // Closed with a hung job in flight: it fails ERR_CLOSED at once, its timer goes with it.
+    const other = new CodecPool(1, false, {
+      workerEntry: faulty,
+      jobTimeout: { floorMs: 30_000, msPerMiB: 0 },
+    })
+    await other.encode('lossless', tensor, meta)
+    const inFlight = expect(other.encode('lossless', poison(3), meta)).rejects.toMatchObject({
+      code: 'ERR_CLOSED',
+    })
+    expect(timers()).toBe(idle + 1)
+    await other.close()
+    await inFlight
+    expect(timers()).toBe(idle)
   }, 60_000)
 
   it('the queue is bounded: past it a job is refused with CodecBusyError, the rest complete', async () => {

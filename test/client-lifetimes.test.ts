@@ -6,7 +6,12 @@
 import { setFlagsFromString } from 'node:v8'
 import { runInNewContext } from 'node:vm'
 import { afterEach, describe, expect, it } from 'vitest'
-import { CodecBusyError, CodecPool, CodecWorkerLostError } from '../src/client/codec-pool.ts'
+import {
+  CodecBusyError,
+  CodecJobTimeoutError,
+  CodecPool,
+  CodecWorkerLostError,
+} from '../src/client/codec-pool.ts'
 import { KVCache } from '../src/client/index.ts'
 import { StorageManager } from '../src/client/storage-manager.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
@@ -411,6 +416,12 @@ describe('L4 decodes that fail for a reason other than the bytes', () => {
       () => new CodecWorkerLostError('codec worker exited (code 1) (test)'),
       3,
     ],
+    // A worker that did not answer within the job's deadline was terminated: the same as one that died.
+    [
+      'a codec worker that hangs under it',
+      () => new CodecJobTimeoutError('codec worker did not answer within 10000 ms (test)'),
+      3,
+    ],
   ] as const
 
   /** A manager whose L4 holds 3 lossless chunks (chunk i filled with i + 1), with nothing local. */
@@ -542,6 +553,12 @@ describe('write-behind memory', () => {
     [
       'a codec worker that dies under it',
       () => new CodecWorkerLostError('codec worker exited (code 1) (test)'),
+      3,
+    ],
+    // A worker that did not answer within the job's deadline was terminated: the same as one that died.
+    [
+      'a codec worker that hangs under it',
+      () => new CodecJobTimeoutError('codec worker did not answer within 10000 ms (test)'),
       3,
     ],
   ] as const)(

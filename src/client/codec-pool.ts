@@ -18,6 +18,22 @@ import type { CodecReply, CodecRequest } from './codec-worker.ts'
 const PARALLEL_VERIFY_BYTES = 4 * 1024 * 1024
 /** Worker deaths within a minute after which a slot is not restarted (a crash loop, not bad luck). */
 const MAX_RESTARTS_PER_MINUTE = 8
+/**
+ * Default job deadline: a floor plus the bytes a job moves at a pessimistic rate. On this
+ * project's 2-core machine under load (two pools of two busy workers beside other work, load
+ * average 5; docs/codec.md) the slowest codec job took 59 ms/MiB (a kvgate encode of random
+ * bytes) and the slowest small one 23 ms; 250 ms/MiB is 4× that rate and the floor 400× that
+ * job, so a busy machine does not fail a healthy job, and a hung one frees its caller in
+ * seconds (a 32 MiB encode: 18 s, 9× the slowest seen).
+ */
+const DEFAULT_JOB_TIMEOUT = { floorMs: 10_000, msPerMiB: 250 }
+/**
+ * Building a calibration costs ~7× a codec job per byte (415 ms/MiB worst measured, 4 × 32 MiB
+ * samples in 53 s), so its samples count 8× toward its deadline.
+ */
+const CALIBRATE_COST = 8
+/** setTimeout's largest delay; a longer one fires at once. */
+const MAX_TIMER_MS = 2 ** 31 - 1
 
 /**
  * A worker died (exited, crashed, ran out of memory) while running this job.
@@ -28,6 +44,19 @@ export class CodecWorkerLostError extends CodecError {
   constructor(message: string) {
     super(message)
     this.name = 'CodecWorkerLostError'
+  }
+}
+
+/**
+ * A worker did not answer its job within the job's deadline (CodecPoolOptions.jobTimeout):
+ * it is taken as hung (a codec stuck in a loop, a stalled thread), terminated and replaced.
+ * A CodecWorkerLostError, so callers treat it as they treat a dead worker (a counted miss,
+ * nothing deleted or reported corrupt): nothing is known about the bytes.
+ */
+export class CodecJobTimeoutError extends CodecWorkerLostError {
+  constructor(message: string) {
+    super(message)
+    this.name = 'CodecJobTimeoutError'
   }
 }
 
@@ -52,6 +81,14 @@ export interface CodecPoolOptions {
    * chunk tensors); the next job allocates them again. @default 10000
    */
   stagingIdleMs?: number
+  /**
+   * How long a worker may take to answer a job before it counts as hung: `floorMs` plus
+   * `msPerMiB` for every MiB the job moves (input and output; a calibration's samples count
+   * 8×). Past it the job fails with CodecJobTimeoutError and the worker is terminated and
+   * replaced; jobs queued behind it run on the replacement. The clock starts when a worker
+   * takes the job, not while it waits in the queue. @default { floorMs: 10000, msPerMiB: 250 }
+   */
+  jobTimeout?: { floorMs?: number; msPerMiB?: number }
 }
 
 /** Distributive Omit, so each request variant keeps its own fields. */
@@ -72,6 +109,8 @@ interface Slot {
   worker: Worker
   /** The one job this worker runs, if any: a dying worker takes only its own job with it. */
   job: (Job & { id: number }) | undefined
+  /** Fires when that job is past its deadline; cleared when it is answered or the worker goes. */
+  deadline: ReturnType<typeof setTimeout> | undefined
   /** Set once the worker is gone (error or exit), so the death is handled once. */
   dead: boolean
   /** The worker loaded its module; one that dies before this never started (no restart). */
@@ -99,12 +138,21 @@ export class CodecPool {
   /** Why the pool runs inline, if it does. */
   inline: string | undefined
   /** Jobs run on workers / inline; workers replaced after dying; jobs refused at the queue bound. */
-  readonly counts = { workerJobs: 0, inlineJobs: 0, workersReplaced: 0, jobsLost: 0, jobsRefused: 0 }
+  readonly counts = {
+    workerJobs: 0,
+    inlineJobs: 0,
+    workersReplaced: 0,
+    jobsLost: 0,
+    jobsRefused: 0,
+    /** Jobs whose worker did not answer in time (also counted lost). */
+    jobsTimedOut: 0,
+  }
 
   readonly #size: number
   readonly #maxQueued: number
   readonly #entry: URL
   readonly #stagingIdleMs: number
+  readonly #jobTimeout: { floorMs: number; msPerMiB: number }
   #releaseTimer: ReturnType<typeof setTimeout> | undefined
   #started = false
   /** Split large verifications across two threads (see verify()). */
@@ -125,6 +173,11 @@ export class CodecPool {
     // reliably reach worker threads (npx tsx, vitest).
     this.#entry = opts.workerEntry ?? new URL('./codec-worker-entry.mjs', import.meta.url)
     this.#stagingIdleMs = opts.stagingIdleMs ?? 10_000
+    this.#jobTimeout = { ...DEFAULT_JOB_TIMEOUT, ...opts.jobTimeout }
+    for (const [k, v] of Object.entries(this.#jobTimeout)) {
+      if (typeof v !== 'number' || !(v >= 0) || !Number.isFinite(v))
+        throw new TypeError(`jobTimeout.${k} must be a finite number >= 0, got ${String(v)}`)
+    }
     if (size <= 0) this.inline = 'codec workers disabled'
   }
 
@@ -153,6 +206,7 @@ export class CodecPool {
     const slot: Slot = {
       worker,
       job: undefined,
+      deadline: undefined,
       dead: false,
       ready: false,
       staging: new CodecStaging(),
@@ -173,6 +227,8 @@ export class CodecPool {
     const job = slot.job
     if (!job || job.id !== m.id) return
     slot.job = undefined
+    clearTimeout(slot.deadline)
+    slot.deadline = undefined
     // The worker starts its next job first: this thread's copy-out of the result
     // (from the other output buffer, see CodecStaging) overlaps it.
     this.#dispatch()
@@ -204,20 +260,38 @@ export class CodecPool {
   }
 
   /**
+   * A job's deadline passed: its worker is taken as hung, the job fails with
+   * CodecJobTimeoutError and the worker is terminated and replaced like a dead one.
+   */
+  #hung(slot: Slot, id: number, ms: number): void {
+    if (slot.dead || slot.job?.id !== id) return
+    this.counts.jobsTimedOut++
+    this.#lost(slot, `codec worker did not answer within ${ms} ms`, CodecJobTimeoutError)
+    // Interrupts a spinning thread too (JavaScript or wasm); its exit event finds the slot dead.
+    slot.worker.terminate().catch(() => {})
+  }
+
+  /**
    * A worker is gone: its own job (if any) fails with CodecWorkerLostError and a
    * new worker takes the slot, unless workers keep dying (then the slot is
    * dropped; with none left, queued jobs run inline).
    */
-  #lost(slot: Slot, why: string): void {
+  #lost(
+    slot: Slot,
+    why: string,
+    typed: new (why: string) => CodecWorkerLostError = CodecWorkerLostError,
+  ): void {
     if (slot.dead) return
     slot.dead = true
+    clearTimeout(slot.deadline)
+    slot.deadline = undefined
     const i = this.#slots.indexOf(slot)
     if (i >= 0) this.#slots.splice(i, 1)
     const job = slot.job
     slot.job = undefined
     if (job) {
       this.counts.jobsLost++
-      job.reject(new CodecWorkerLostError(why))
+      job.reject(new typed(why))
     }
     if (this.#closed) return
     const now = performance.now()
@@ -261,7 +335,24 @@ export class CodecPool {
       slot.job = { ...job, id }
       this.counts.workerJobs++
       slot.worker.postMessage({ ...made.msg, id } as CodecRequest, made.transfer)
+      this.#armDeadline(slot, id, made.msg)
     }
+  }
+
+  /**
+   * Starts the clock on the job a worker just took. The timer keeps the process alive while
+   * the job runs (a caller is waiting on it; the worker itself is unref'd so an idle pool holds
+   * nothing). When it fires, the verdict waits one turn of the event loop (setImmediate runs
+   * after the poll phase): an answer that arrived while this thread was blocked past the
+   * deadline is taken first, so a stalled calling thread never fails a job its worker finished.
+   */
+  #armDeadline(slot: Slot, id: number, msg: RequestBody): void {
+    const { floorMs, msPerMiB } = this.#jobTimeout
+    const ms = Math.min(MAX_TIMER_MS, Math.ceil(floorMs + (jobBytes(msg) / 2 ** 20) * msPerMiB))
+    slot.deadline = setTimeout(() => {
+      slot.deadline = undefined
+      setImmediate(() => this.#hung(slot, id, ms))
+    }, ms)
   }
 
   /**
@@ -489,6 +580,8 @@ export class CodecPool {
     for (const q of [this.#reads, this.#writes]) for (const j of q.splice(0)) j.reject(closed)
     for (const s of this.#slots) {
       s.dead = true
+      clearTimeout(s.deadline)
+      s.deadline = undefined
       const job = s.job
       s.job = undefined
       job?.reject(closed)
@@ -501,6 +594,22 @@ export class CodecPool {
 /** A calibration as a worker message carries it (bytes, copied; small and rare). */
 function refOf(c: Calibration | undefined): CalibrationRef | undefined {
   return c ? { hash: c.hash, bytes: c.bytes } : undefined
+}
+
+/** Bytes a job moves, what its deadline scales with: inputs and outputs (a calibration's samples weighted). */
+function jobBytes(m: RequestBody): number {
+  switch (m.op) {
+    case 'encode':
+      return m.tensor.byteLength
+    case 'decode':
+      return m.object.byteLength + m.out.byteLength
+    case 'layers':
+      return m.sections.byteLength + m.out.byteLength
+    case 'calibrate':
+      return CALIBRATE_COST * m.samples.reduce((a, b) => a + b.byteLength, 0)
+    case 'crc':
+      return m.data.byteLength
+  }
 }
 
 /** A result the worker transferred (encode, CRCs, calibrations). */
