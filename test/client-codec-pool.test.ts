@@ -394,6 +394,71 @@ describe('CodecPool under worker failures (finding 11)', () => {
     expect(timers()).toBe(idle)
   }, 60_000)
 
+  it.each([
+    ['first, taken as it is queued', true],
+    ['behind another job, taken when that one answers', false],
+  ])(
+    'a job whose message cannot be posted (DataCloneError) fails typed, %s; the worker keeps serving',
+    async (_, first) => {
+      const pool = new CodecPool(1)
+      pools.push(pool)
+      const want = encodeChunk(tensor, meta, { mode: 'lossless' })
+      await pool.encode('lossless', tensor, meta)
+      const before = pool.counts.workerJobs
+      const ahead = first ? undefined : pool.encode('lossless', tensor, meta)
+      // A calibration that cannot be cloned, and a sample buffer twice in the transfer list.
+      const noClone = { hash: 'x', bytes: () => 0 } as never
+      const bad = pool.encode('kvgate', tensor, meta, 5, noClone)
+      const s = tensor.slice()
+      const twice = pool.buildCalibration([s, s], g)
+      const after = Array.from({ length: 3 }, () => pool.encode('lossless', tensor, meta))
+      for (const p of [bad, twice])
+        await expect(p).rejects.toMatchObject({ name: 'CodecDispatchError', code: 'ERR_CODEC' })
+      await expect(bad).rejects.toThrow(/could not be cloned/)
+      await expect(twice).rejects.toThrow(/duplicate ArrayBuffer/)
+      // The caller's samples were not transferred away.
+      expect(s.byteLength).toBe(tensor.byteLength)
+      for (const out of await Promise.all([...(ahead ? [ahead] : []), ...after]))
+        expect(Buffer.compare(out, want)).toBe(0)
+      expect(pool.counts.workerJobs).toBe(before + after.length + (ahead ? 1 : 0))
+      expect(pool.counts.jobsUnsent).toBe(2)
+      expect(pool.counts.jobsLost).toBe(0)
+      expect(pool.inline).toBeUndefined()
+    },
+    60_000,
+  )
+
+  it('many hung jobs: threads and memory stay bounded, and the pool still answers', async () => {
+    const pool = new CodecPool(2, false, { workerEntry: faulty, jobTimeout: { floorMs: 300, msPerMiB: 0 } })
+    pools.push(pool)
+    const want = encodeChunk(tensor, meta, { mode: 'lossless' })
+    await Promise.all([pool.encode('lossless', tensor, meta), pool.encode('lossless', tensor, meta)])
+    const baseThreads = threads()
+    const baseRss = process.memoryUsage().rss
+    let peak = 0
+    const watch = setInterval(() => {
+      peak = Math.max(peak, threads())
+    }, 10)
+    try {
+      for (let round = 0; round < 4; round++) {
+        const hung = [pool.encode('lossless', poison(2), meta), pool.encode('lossless', poison(3), meta)]
+        const good = pool.encode('lossless', tensor, meta)
+        for (const r of await Promise.allSettled(hung)) expect(r.status).toBe('rejected')
+        expect(Buffer.compare(await good, want)).toBe(0)
+      }
+    } finally {
+      clearInterval(watch)
+    }
+    expect(pool.counts.jobsTimedOut).toBe(8)
+    // At most both slots' old workers being torn down while their replacements start (a worker is
+    // two threads here); 8 hung workers left behind would be 16 more.
+    expect(peak).toBeLessThanOrEqual(baseThreads + 8)
+    await settle(() => threads() <= baseThreads)
+    expect(threads()).toBeLessThanOrEqual(baseThreads)
+    expect(process.memoryUsage().rss - baseRss).toBeLessThan(256 * 1024 * 1024)
+    expect(Buffer.compare(await pool.encode('lossless', tensor, meta), want)).toBe(0)
+  }, 60_000)
+
   it('the queue is bounded: past it a job is refused with CodecBusyError, the rest complete', async () => {
     const pool = new CodecPool(1, false, { maxQueuedJobs: 2 })
     pools.push(pool)

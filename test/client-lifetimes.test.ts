@@ -8,6 +8,7 @@ import { runInNewContext } from 'node:vm'
 import { afterEach, describe, expect, it } from 'vitest'
 import {
   CodecBusyError,
+  CodecDispatchError,
   CodecJobTimeoutError,
   CodecPool,
   CodecWorkerLostError,
@@ -422,6 +423,12 @@ describe('L4 decodes that fail for a reason other than the bytes', () => {
       () => new CodecJobTimeoutError('codec worker did not answer within 10000 ms (test)'),
       3,
     ],
+    // The job never reached a worker (its message could not be posted): the pool's fault, not the bytes'.
+    [
+      'a codec job that cannot be posted to a worker',
+      () => new CodecDispatchError('codec job could not be sent to a worker: DataCloneError (test)'),
+      3,
+    ],
   ] as const
 
   /** A manager whose L4 holds 3 lossless chunks (chunk i filled with i + 1), with nothing local. */
@@ -559,6 +566,12 @@ describe('write-behind memory', () => {
     [
       'a codec worker that hangs under it',
       () => new CodecJobTimeoutError('codec worker did not answer within 10000 ms (test)'),
+      3,
+    ],
+    // The job never reached a worker (its message could not be posted): the pool's fault, not the bytes'.
+    [
+      'a codec job that cannot be posted to a worker',
+      () => new CodecDispatchError('codec job could not be sent to a worker: DataCloneError (test)'),
       3,
     ],
   ] as const)(

@@ -60,6 +60,18 @@ export class CodecJobTimeoutError extends CodecWorkerLostError {
   }
 }
 
+/**
+ * A job's message could not be posted to a worker (postMessage threw, e.g. a DataCloneError):
+ * nothing was sent or transferred, and nothing is known about the job's bytes. Only that job
+ * fails; the worker takes the next one.
+ */
+export class CodecDispatchError extends CodecError {
+  constructor(message: string, options: { cause?: unknown } = {}) {
+    super(message, options)
+    this.name = 'CodecDispatchError'
+  }
+}
+
 /** The pool's queue is at its bound: the job was refused, nothing was done. */
 export class CodecBusyError extends CodecError {
   constructor(message: string) {
@@ -146,6 +158,8 @@ export class CodecPool {
     jobsRefused: 0,
     /** Jobs whose worker did not answer in time (also counted lost). */
     jobsTimedOut: 0,
+    /** Jobs whose message could not be posted to a worker (CodecDispatchError). */
+    jobsUnsent: 0,
   }
 
   readonly #size: number
@@ -317,26 +331,46 @@ export class CodecPool {
   #dispatch(): void {
     for (const slot of this.#slots) {
       if (slot.job || slot.dead || !slot.ready) continue
-      let job: Job | undefined
-      let made: { msg: RequestBody; transfer: ArrayBuffer[] } | undefined
-      // A job whose message cannot be built (its staging not allocated) fails alone; this
-      // slot takes the next one (moving on left it idle with jobs queued until some other event).
-      while (!made) {
-        job = this.#reads.shift() ?? this.#writes.shift()
+      // A job that cannot be handed over fails alone and this slot takes the next one (moving
+      // on left it idle with jobs queued until some other event).
+      while (!slot.job) {
+        const job = this.#reads.shift() ?? this.#writes.shift()
         if (!job) return
-        try {
-          made = job.make(slot.staging)
-        } catch (e) {
-          job.reject(e as Error)
-        }
+        this.#send(slot, job)
       }
-      if (!job) return
-      const id = this.#next++
-      slot.job = { ...job, id }
-      this.counts.workerJobs++
-      slot.worker.postMessage({ ...made.msg, id } as CodecRequest, made.transfer)
-      this.#armDeadline(slot, id, made.msg)
     }
+  }
+
+  /**
+   * Gives one job to an idle worker, or fails it: its message cannot be built (its staging
+   * not allocated) or cannot be sent. A postMessage that throws (a DataCloneError: a value
+   * that cannot be cloned, an ArrayBuffer twice in the transfer list) sends and transfers
+   * nothing, so the worker is still idle and the caller's buffers are still its own. It runs
+   * in a worker's message handler too, where a throw would be an uncaught exception.
+   */
+  #send(slot: Slot, job: Job): void {
+    let made: { msg: RequestBody; transfer: ArrayBuffer[] }
+    try {
+      made = job.make(slot.staging)
+    } catch (e) {
+      job.reject(e as Error)
+      return
+    }
+    const id = this.#next++
+    try {
+      slot.worker.postMessage({ ...made.msg, id } as CodecRequest, made.transfer)
+    } catch (e) {
+      this.counts.jobsUnsent++
+      job.reject(
+        new CodecDispatchError(`codec job could not be sent to a worker: ${(e as Error).message}`, {
+          cause: e,
+        }),
+      )
+      return
+    }
+    slot.job = { ...job, id }
+    this.counts.workerJobs++
+    this.#armDeadline(slot, id, made.msg)
   }
 
   /**
