@@ -52,6 +52,8 @@ describe('CodecPool', () => {
     const out = new Uint8Array(chunkBytes(g, 32))
     const good = pool.decodeInto(obj, 'lossless', out)
     await expect(bad).rejects.toThrow(/allocation failed/)
+    // Typed as the pool's failure, not the bytes': a reader keeps the object (counted error, not corrupt).
+    await expect(bad).rejects.toMatchObject({ name: 'CodecDispatchError', code: 'ERR_CODEC' })
     const bound = new Promise<'stuck'>((r) => setTimeout(() => r('stuck'), 5000).unref())
     expect(await Promise.race([good.then(() => 'done'), bound])).toBe('done')
     expect(Buffer.compare(out, decodeChunk(obj))).toBe(0)

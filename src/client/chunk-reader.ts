@@ -63,8 +63,9 @@ function notAboutTheBytes(e: unknown): boolean {
 
 /**
  * The pool failed the job itself: its worker died or hung under it (CodecWorkerLostError,
- * CodecJobTimeoutError) or its message could not be posted (CodecDispatchError). Nothing is
- * known about the object's bytes (the job that checks their CRCs never finished).
+ * CodecJobTimeoutError) or it could not be handed to one (CodecDispatchError: its staging not
+ * allocated, its message not posted). Nothing is known about the object's bytes (the job that
+ * checks their CRCs never finished).
  */
 function poolFailed(e: unknown): boolean {
   return e instanceof CodecWorkerLostError || e instanceof CodecDispatchError
@@ -127,8 +128,8 @@ export class ChunkReader {
         return placed
       } catch (e) {
         if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
-        // Every CRC of the file passed: a decode the pool failed (its worker died or hung, its
-        // message could not be posted) is a failed read, counted, and the file is kept.
+        // Every CRC of the file passed: a decode the pool failed (its worker died or hung, it
+        // could not be handed to one) is a failed read, counted, and the file is kept.
         if (poolFailed(e)) {
           disk.counters.errors++
           return undefined

@@ -61,9 +61,10 @@ export class CodecJobTimeoutError extends CodecWorkerLostError {
 }
 
 /**
- * A job's message could not be posted to a worker (postMessage threw, e.g. a DataCloneError):
- * nothing was sent or transferred, and nothing is known about the job's bytes. Only that job
- * fails; the worker takes the next one.
+ * A job could not be handed to a worker: its message could not be built (its staging buffer
+ * could not be allocated) or posted (postMessage threw, e.g. a DataCloneError). Nothing was
+ * sent or transferred, and nothing is known about the job's bytes. Only that job fails; the
+ * worker takes the next one.
  */
 export class CodecDispatchError extends CodecError {
   constructor(message: string, options: { cause?: unknown } = {}) {
@@ -158,7 +159,7 @@ export class CodecPool {
     jobsRefused: 0,
     /** Jobs whose worker did not answer in time (also counted lost). */
     jobsTimedOut: 0,
-    /** Jobs whose message could not be posted to a worker (CodecDispatchError). */
+    /** Jobs whose message could not be built or posted (CodecDispatchError). */
     jobsUnsent: 0,
   }
 
@@ -342,30 +343,31 @@ export class CodecPool {
   }
 
   /**
-   * Gives one job to an idle worker, or fails it: its message cannot be built (its staging
-   * not allocated) or cannot be sent. A postMessage that throws (a DataCloneError: a value
-   * that cannot be cloned, an ArrayBuffer twice in the transfer list) sends and transfers
-   * nothing, so the worker is still idle and the caller's buffers are still its own. It runs
-   * in a worker's message handler too, where a throw would be an uncaught exception.
+   * Gives one job to an idle worker, or fails it with CodecDispatchError: its message cannot
+   * be built (its staging not allocated) or cannot be sent. A postMessage that throws (a
+   * DataCloneError: a value that cannot be cloned, an ArrayBuffer twice in the transfer list)
+   * sends and transfers nothing, so the worker is still idle and the caller's buffers are still
+   * its own. It runs in a worker's message handler too, where a throw would be an uncaught exception.
    */
   #send(slot: Slot, job: Job): void {
+    const unsent = (what: string, e: unknown) => {
+      this.counts.jobsUnsent++
+      job.reject(
+        new CodecDispatchError(`codec job could not be ${what}: ${(e as Error)?.message}`, { cause: e }),
+      )
+    }
     let made: { msg: RequestBody; transfer: ArrayBuffer[] }
     try {
       made = job.make(slot.staging)
     } catch (e) {
-      job.reject(e as Error)
+      unsent('handed to a worker', e)
       return
     }
     const id = this.#next++
     try {
       slot.worker.postMessage({ ...made.msg, id } as CodecRequest, made.transfer)
     } catch (e) {
-      this.counts.jobsUnsent++
-      job.reject(
-        new CodecDispatchError(`codec job could not be sent to a worker: ${(e as Error).message}`, {
-          cause: e,
-        }),
-      )
+      unsent('sent to a worker', e)
       return
     }
     slot.job = { ...job, id }
