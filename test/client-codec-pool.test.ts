@@ -475,6 +475,34 @@ describe('CodecPool under worker failures (finding 11)', () => {
     expect(pool.counts.jobsRefused).toBe(refused.length)
   }, 60_000)
 
+  it('a worker that never finishes starting is given up after its start deadline: queued jobs run inline', async () => {
+    const idleThreads = threads()
+    const pool = new CodecPool(1, false, {
+      workerEntry: new URL('./support/stuck-codec-worker.mjs', import.meta.url),
+      workerStartTimeoutMs: 500,
+    })
+    pools.push(pool)
+    const want = encodeChunk(tensor, meta, { mode: 'lossless' })
+    const outs = await Promise.all([
+      pool.encode('lossless', tensor, meta),
+      pool.encode('lossless', tensor, meta),
+    ])
+    for (const out of outs) expect(Buffer.compare(out, want)).toBe(0)
+    expect(pool.inline).toMatch(/did not start within 500 ms/)
+    expect(pool.counts).toMatchObject({ inlineJobs: 2, workerJobs: 0, jobsLost: 0, workersReplaced: 0 })
+    await settle(() => threads() <= idleThreads)
+    expect(threads()).toBeLessThanOrEqual(idleThreads)
+  }, 20_000)
+
+  it.each([-1, Number.NaN, Number.POSITIVE_INFINITY, '5'])(
+    'a workerStartTimeoutMs of %s is refused when the pool is made',
+    (bad) => {
+      expect(() => new CodecPool(1, false, { workerStartTimeoutMs: bad as never })).toThrow(
+        /workerStartTimeoutMs must be a finite number/,
+      )
+    },
+  )
+
   it('workers that cannot start: jobs run inline and `inline` says why', async () => {
     const pool = new CodecPool(2, false, {
       workerEntry: new URL('./support/broken-codec-worker.mjs', import.meta.url),

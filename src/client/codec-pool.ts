@@ -102,6 +102,12 @@ export interface CodecPoolOptions {
    * takes the job, not while it waits in the queue. @default { floorMs: 10000, msPerMiB: 250 }
    */
   jobTimeout?: { floorMs?: number; msPerMiB?: number }
+  /**
+   * A worker that has not finished loading after this long is given up (terminated, not
+   * restarted), like one that failed to load: with none left, jobs run inline. A worker
+   * started in ≤ 3 s with this project's tsx loader on a 2-core machine at load 8. @default 30000
+   */
+  workerStartTimeoutMs?: number
 }
 
 /** Distributive Omit, so each request variant keeps its own fields. */
@@ -124,6 +130,8 @@ interface Slot {
   job: (Job & { id: number }) | undefined
   /** Fires when that job is past its deadline; cleared when it is answered or the worker goes. */
   deadline: ReturnType<typeof setTimeout> | undefined
+  /** Fires if the worker has not loaded in time; cleared when it is ready or goes. */
+  startDeadline: ReturnType<typeof setTimeout> | undefined
   /** Set once the worker is gone (error or exit), so the death is handled once. */
   dead: boolean
   /** The worker loaded its module; one that dies before this never started (no restart). */
@@ -168,6 +176,7 @@ export class CodecPool {
   readonly #entry: URL
   readonly #stagingIdleMs: number
   readonly #jobTimeout: { floorMs: number; msPerMiB: number }
+  readonly #startTimeoutMs: number
   #releaseTimer: ReturnType<typeof setTimeout> | undefined
   #started = false
   /** Split large verifications across two threads (see verify()). */
@@ -189,9 +198,14 @@ export class CodecPool {
     this.#entry = opts.workerEntry ?? new URL('./codec-worker-entry.mjs', import.meta.url)
     this.#stagingIdleMs = opts.stagingIdleMs ?? 10_000
     this.#jobTimeout = { ...DEFAULT_JOB_TIMEOUT, ...opts.jobTimeout }
-    for (const [k, v] of Object.entries(this.#jobTimeout)) {
+    this.#startTimeoutMs = opts.workerStartTimeoutMs ?? 30_000
+    const durations: [string, unknown][] = [
+      ...Object.entries(this.#jobTimeout).map(([k, v]): [string, unknown] => [`jobTimeout.${k}`, v]),
+      ['workerStartTimeoutMs', this.#startTimeoutMs],
+    ]
+    for (const [k, v] of durations) {
       if (typeof v !== 'number' || !(v >= 0) || !Number.isFinite(v))
-        throw new TypeError(`jobTimeout.${k} must be a finite number >= 0, got ${String(v)}`)
+        throw new TypeError(`${k} must be a finite number >= 0, got ${String(v)}`)
     }
     if (size <= 0) this.inline = 'codec workers disabled'
   }
@@ -222,6 +236,7 @@ export class CodecPool {
       worker,
       job: undefined,
       deadline: undefined,
+      startDeadline: undefined,
       dead: false,
       ready: false,
       staging: new CodecStaging(),
@@ -230,12 +245,29 @@ export class CodecPool {
     worker.on('message', (m: CodecReply) => this.#reply(slot, m))
     worker.on('error', (e) => this.#lost(slot, `codec worker failed: ${e.message}`))
     worker.on('exit', (code) => this.#lost(slot, `codec worker exited (code ${code})`))
+    // Unref'd: a start that stalls fails the jobs waiting for it over to inline, but holds no
+    // process open by itself (the worker does not either).
+    const ms = Math.min(MAX_TIMER_MS, this.#startTimeoutMs)
+    slot.startDeadline = setTimeout(() => {
+      slot.startDeadline = undefined
+      setImmediate(() => this.#stalled(slot, ms))
+    }, ms)
+    slot.startDeadline.unref()
     return slot
+  }
+
+  /** A worker did not load in time (a loader stuck): given up like one that failed to load. */
+  #stalled(slot: Slot, ms: number): void {
+    if (slot.dead || slot.ready) return
+    this.#lost(slot, `codec worker did not start within ${ms} ms`)
+    slot.worker.terminate().catch(() => {})
   }
 
   #reply(slot: Slot, m: CodecReply): void {
     if ('ready' in m) {
       slot.ready = true
+      clearTimeout(slot.startDeadline)
+      slot.startDeadline = undefined
       this.#dispatch()
       return
     }
@@ -299,7 +331,8 @@ export class CodecPool {
     if (slot.dead) return
     slot.dead = true
     clearTimeout(slot.deadline)
-    slot.deadline = undefined
+    clearTimeout(slot.startDeadline)
+    slot.deadline = slot.startDeadline = undefined
     const i = this.#slots.indexOf(slot)
     if (i >= 0) this.#slots.splice(i, 1)
     const job = slot.job
@@ -617,7 +650,8 @@ export class CodecPool {
     for (const s of this.#slots) {
       s.dead = true
       clearTimeout(s.deadline)
-      s.deadline = undefined
+      clearTimeout(s.startDeadline)
+      s.deadline = s.startDeadline = undefined
       const job = s.job
       s.job = undefined
       job?.reject(closed)
