@@ -339,7 +339,7 @@ describe('CodecPool under worker failures (finding 11)', () => {
     60_000,
   )
 
-  it('the deadline grows with the bytes a job moves', async () => {
+  it("the deadline grows with the bytes a job moves (a calibration's samples weighted)", async () => {
     const pool = new CodecPool(1, false, {
       workerEntry: faulty,
       jobTimeout: { floorMs: 200, msPerMiB: 20_000 },
@@ -349,6 +349,13 @@ describe('CodecPool under worker failures (finding 11)', () => {
     expect(ms).toBeGreaterThan(300)
     await expect(pool.encode('lossless', poison(2), meta)).rejects.toThrow(
       new RegExp(`did not answer within ${ms} ms`),
+    )
+    // A calibration's samples count 8× (it costs ~7× a codec job per byte), though they are
+    // transferred to the worker (gone from this thread once posted).
+    const samples = [poison(2)]
+    const calMs = Math.ceil(200 + ((8 * tensor.byteLength) / 2 ** 20) * 20_000)
+    await expect(pool.buildCalibration(samples, g)).rejects.toThrow(
+      new RegExp(`did not answer within ${calMs} ms`),
     )
   }, 60_000)
 

@@ -397,6 +397,8 @@ export class CodecPool {
       return
     }
     const id = this.#next++
+    // Sized before posting: a calibration's samples are transferred (detached here) by it.
+    const bytes = jobBytes(made.msg)
     try {
       slot.worker.postMessage({ ...made.msg, id } as CodecRequest, made.transfer)
     } catch (e) {
@@ -405,7 +407,7 @@ export class CodecPool {
     }
     slot.job = { ...job, id }
     this.counts.workerJobs++
-    this.#armDeadline(slot, id, made.msg)
+    this.#armDeadline(slot, id, bytes)
   }
 
   /**
@@ -415,9 +417,9 @@ export class CodecPool {
    * after the poll phase): an answer that arrived while this thread was blocked past the
    * deadline is taken first, so a stalled calling thread never fails a job its worker finished.
    */
-  #armDeadline(slot: Slot, id: number, msg: RequestBody): void {
+  #armDeadline(slot: Slot, id: number, bytes: number): void {
     const { floorMs, msPerMiB } = this.#jobTimeout
-    const ms = Math.min(MAX_TIMER_MS, Math.ceil(floorMs + (jobBytes(msg) / 2 ** 20) * msPerMiB))
+    const ms = Math.min(MAX_TIMER_MS, Math.ceil(floorMs + (bytes / 2 ** 20) * msPerMiB))
     slot.deadline = setTimeout(() => {
       slot.deadline = undefined
       setImmediate(() => this.#hung(slot, id, ms))

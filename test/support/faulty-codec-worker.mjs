@@ -1,5 +1,5 @@
 // A codec worker that dies or hangs on demand, for the pool's failure tests: an encode
-// whose tensor starts 0xde 0xad ends the thread, with exit code 0 and no error
+// whose tensor (a calibration whose first sample) starts 0xde 0xad ends the thread, with exit code 0 and no error
 // when the third byte is 0, by an uncaught error when it is 1; with 2 it never answers
 // (spins in JavaScript), with 3 it spins inside wasm (a hung codec). A decode into an
 // output of odd length crashes it. Anything else is the real worker.
@@ -17,18 +17,23 @@ const spinWasm = new WebAssembly.Instance(
     ]),
   ),
 ).exports.f
+const poisonedBytes = (t) => t[0] === 0xde && t[1] === 0xad
 const poisoned = (m) => {
   if (m.op === 'decode') return m.out.byteLength % 2 === 1
-  if (m.op !== 'encode') return false
-  const t = new Uint8Array(m.tensor)
-  return t[0] === 0xde && t[1] === 0xad
+  if (m.op === 'calibrate') return poisonedBytes(new Uint8Array(m.samples[0]))
+  return m.op === 'encode' && poisonedBytes(new Uint8Array(m.tensor))
 }
 // Wraps the real worker's message listener so a poisoned job never reaches it.
 const on = parentPort.on.bind(parentPort)
 parentPort.on = (event, listener) =>
   on(event, (m) => {
     if (event === 'message' && poisoned(m)) {
-      const kind = m.op === 'encode' ? new Uint8Array(m.tensor)[2] : 1
+      const kind =
+        m.op === 'encode'
+          ? new Uint8Array(m.tensor)[2]
+          : m.op === 'calibrate'
+            ? new Uint8Array(m.samples[0])[2]
+            : 1
       if (kind === 0) process.exit(0)
       if (kind === 2) for (;;);
       if (kind === 3) spinWasm()
