@@ -438,7 +438,8 @@ describe('CodecPool under worker failures (finding 11)', () => {
   )
 
   it('many hung jobs: threads and memory stay bounded, and the pool still answers', async () => {
-    const pool = new CodecPool(2, false, { workerEntry: faulty, jobTimeout: { floorMs: 300, msPerMiB: 0 } })
+    // The healthy jobs share the deadline: 1 s is ~40× the slowest small job seen on a loaded machine.
+    const pool = new CodecPool(2, false, { workerEntry: faulty, jobTimeout: { floorMs: 1000, msPerMiB: 0 } })
     pools.push(pool)
     const want = encodeChunk(tensor, meta, { mode: 'lossless' })
     await Promise.all([pool.encode('lossless', tensor, meta), pool.encode('lossless', tensor, meta)])
@@ -449,7 +450,7 @@ describe('CodecPool under worker failures (finding 11)', () => {
       peak = Math.max(peak, threads())
     }, 10)
     try {
-      for (let round = 0; round < 4; round++) {
+      for (let round = 0; round < 3; round++) {
         const hung = [pool.encode('lossless', poison(2), meta), pool.encode('lossless', poison(3), meta)]
         const good = pool.encode('lossless', tensor, meta)
         for (const r of await Promise.allSettled(hung)) expect(r.status).toBe('rejected')
@@ -458,9 +459,9 @@ describe('CodecPool under worker failures (finding 11)', () => {
     } finally {
       clearInterval(watch)
     }
-    expect(pool.counts.jobsTimedOut).toBe(8)
+    expect(pool.counts.jobsTimedOut).toBe(6)
     // At most both slots' old workers being torn down while their replacements start (a worker is
-    // two threads here); 8 hung workers left behind would be 16 more.
+    // two threads here); 6 hung workers left behind would be 12 more.
     expect(peak).toBeLessThanOrEqual(baseThreads + 8)
     await settle(() => threads() <= baseThreads)
     expect(threads()).toBeLessThanOrEqual(baseThreads)
