@@ -339,6 +339,26 @@ describe('CodecPool under worker failures (finding 11)', () => {
     60_000,
   )
 
+  it('an answer that arrived while the calling thread was blocked past the deadline is taken, not failed', async () => {
+    const pool = new CodecPool(1, false, { jobTimeout: { floorMs: 200, msPerMiB: 0 } })
+    pools.push(pool)
+    const want = encodeChunk(tensor, meta, { mode: 'lossless' })
+    await pool.encode('lossless', tensor, meta)
+    const job = pool.encode('lossless', tensor, meta)
+    // The worker answers in milliseconds; this thread, blocked in the check phase, sees the
+    // answer only after its deadline passed, and the next turn of the event loop runs the
+    // expired timer before it polls for the answer.
+    await new Promise<void>((done) =>
+      setImmediate(() => {
+        const until = performance.now() + 1500
+        while (performance.now() < until) {}
+        done()
+      }),
+    )
+    expect(Buffer.compare(await job, want)).toBe(0)
+    expect(pool.counts).toMatchObject({ jobsTimedOut: 0, jobsLost: 0, workersReplaced: 0 })
+  }, 60_000)
+
   it("the deadline grows with the bytes a job moves (a calibration's samples weighted)", async () => {
     const pool = new CodecPool(1, false, {
       workerEntry: faulty,
