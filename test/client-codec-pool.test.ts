@@ -390,6 +390,7 @@ describe('CodecPool under worker failures (finding 11)', () => {
   )
 
   it("a job's deadline timer is cleared when it answers and when it times out; the pool closes cleanly after a timeout", async () => {
+    const noPool = threads()
     const pool = new CodecPool(1, false, { workerEntry: faulty, jobTimeout: { floorMs: 1000, msPerMiB: 0 } })
     const want = encodeChunk(tensor, meta, { mode: 'lossless' })
     await pool.encode('lossless', tensor, meta)
@@ -408,6 +409,8 @@ describe('CodecPool under worker failures (finding 11)', () => {
     await pool.close()
     await waiting
     expect(timers()).toBe(idle)
+    // Every thread the pool started has exited once close() resolves, the hung one included.
+    expect(threads()).toBeLessThanOrEqual(noPool)
     // Closed with a hung job in flight: it fails ERR_CLOSED at once, its timer goes with it.
     const other = new CodecPool(1, false, {
       workerEntry: faulty,
@@ -421,6 +424,7 @@ describe('CodecPool under worker failures (finding 11)', () => {
     await other.close()
     await inFlight
     expect(timers()).toBe(idle)
+    expect(threads()).toBeLessThanOrEqual(noPool)
   }, 60_000)
 
   it.each([
