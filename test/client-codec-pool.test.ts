@@ -295,7 +295,7 @@ describe('CodecPool under worker failures (finding 11)', () => {
     expect(pool.counts.workersReplaced).toBe(1)
   }, 60_000)
 
-  /** OS threads of this process (each codec worker is one): a hung thread left running would show. */
+  /** OS threads of this process (each codec worker adds its own): a hung one left running would show. */
   const threads = () => Number(/^Threads:\s+(\d+)/m.exec(readFileSync('/proc/self/status', 'utf8'))![1])
   /** Timers keeping this process alive (a job's deadline is one while it runs). */
   const timers = () => process.getActiveResourcesInfo().filter((r) => r === 'Timeout').length
@@ -388,6 +388,25 @@ describe('CodecPool under worker failures (finding 11)', () => {
         )
     },
   )
+
+  it('a decode whose worker hangs half way fails typed and leaves its destination untouched; the others land whole', async () => {
+    const pool = new CodecPool(1, false, { workerEntry: faulty, jobTimeout: { floorMs: 1000, msPerMiB: 0 } })
+    pools.push(pool)
+    const obj = encodeChunk(tensor, meta, { mode: 'kvgate' })
+    const want = decodeChunk(obj)
+    const outs = Array.from({ length: 3 }, () => new Uint8Array(want.byteLength))
+    // An output of 3 mod 4 bytes: the faulty worker writes garbage into its staging, then spins.
+    const hungDst = new Uint8Array(want.byteLength + ((3 - (want.byteLength % 4) + 4) % 4))
+    expect(hungDst.byteLength % 4).toBe(3)
+    const good = pool.decodeInto(obj, 'kvgate', outs[0]!)
+    const hung = pool.decodeInto(obj, 'kvgate', hungDst)
+    const more = outs.slice(1).map((o) => pool.decodeInto(obj, 'kvgate', o))
+    await expect(hung).rejects.toMatchObject({ name: 'CodecJobTimeoutError' })
+    await Promise.all([good, ...more])
+    for (const o of outs) expect(Buffer.compare(o, want)).toBe(0)
+    expect(hungDst.every((x) => x === 0)).toBe(true)
+    expect(pool.counts).toMatchObject({ jobsTimedOut: 1, workersReplaced: 1 })
+  }, 60_000)
 
   it("a job's deadline timer is cleared when it answers and when it times out; the pool closes cleanly after a timeout", async () => {
     const noPool = threads()

@@ -1,8 +1,9 @@
 // A codec worker that dies or hangs on demand, for the pool's failure tests: an encode
-// whose tensor (a calibration whose first sample) starts 0xde 0xad ends the thread, with exit code 0 and no error
-// when the third byte is 0, by an uncaught error when it is 1; with 2 it never answers
-// (spins in JavaScript), with 3 it spins inside wasm (a hung codec). A decode into an
-// output of odd length crashes it. Anything else is the real worker.
+// whose tensor (a calibration whose first sample) starts 0xde 0xad ends the thread, with
+// exit code 0 and no error when the third byte is 0, by an uncaught error when it is 1; with
+// 2 it never answers (spins in JavaScript), with 3 it spins inside wasm (a hung codec). A
+// decode into an output of odd length crashes it, or, when the length is 3 mod 4, writes
+// garbage into its output and then spins (a decode hung half way). Anything else is the real worker.
 import { parentPort } from 'node:worker_threads'
 import { register } from 'tsx/esm/api'
 
@@ -33,10 +34,16 @@ parentPort.on = (event, listener) =>
           ? new Uint8Array(m.tensor)[2]
           : m.op === 'calibrate'
             ? new Uint8Array(m.samples[0])[2]
-            : 1
+            : m.out.byteLength % 4 === 3
+              ? 4
+              : 1
       if (kind === 0) process.exit(0)
       if (kind === 2) for (;;);
       if (kind === 3) spinWasm()
+      if (kind === 4) {
+        m.out.fill(0xa5)
+        spinWasm()
+      }
       throw new Error('codec worker crashed on purpose')
     }
     return listener(m)
