@@ -389,6 +389,18 @@ describe('CodecPool under worker failures (finding 11)', () => {
     },
   )
 
+  it('hung workers are replaced however many hang: the pool never falls back to running such jobs on the calling thread', async () => {
+    const pool = new CodecPool(1, false, { workerEntry: faulty, jobTimeout: { floorMs: 200, msPerMiB: 0 } })
+    pools.push(pool)
+    // More than the crash-loop cap (8 deaths a minute): each was still a hang, typed, on a worker.
+    for (let i = 0; i < 10; i++)
+      await expect(pool.encode('lossless', poison(3), meta)).rejects.toMatchObject({
+        name: 'CodecJobTimeoutError',
+      })
+    expect(pool.counts).toMatchObject({ jobsTimedOut: 10, workersReplaced: 10, inlineJobs: 0 })
+    expect(pool.inline).toBeUndefined()
+  }, 60_000)
+
   it('a decode whose worker hangs half way fails typed and leaves its destination untouched; the others land whole', async () => {
     const pool = new CodecPool(1, false, { workerEntry: faulty, jobTimeout: { floorMs: 1000, msPerMiB: 0 } })
     pools.push(pool)

@@ -319,7 +319,7 @@ export class CodecPool {
   }
 
   /**
-   * A worker is gone: its own job (if any) fails with CodecWorkerLostError and a
+   * A worker is gone: its own job (if any) fails with CodecWorkerLostError (or `typed`) and a
    * new worker takes the slot, unless workers keep dying (then the slot is
    * dropped; with none left, queued jobs run inline).
    */
@@ -342,11 +342,15 @@ export class CodecPool {
       job.reject(new typed(why))
     }
     if (this.#closed) return
+    // A hung worker is always replaced and not counted toward the crash-loop cap: its deadline
+    // (at least floorMs) already spaces such restarts, and the inline fallback the cap leads to
+    // would run the next such job on the calling thread, where nothing could stop it.
+    const hung = typed === CodecJobTimeoutError
     const now = performance.now()
-    this.#deaths.push(now)
+    if (!hung) this.#deaths.push(now)
     while (this.#deaths.length > 0 && now - this.#deaths[0]! > 60_000) this.#deaths.shift()
     // A worker that never loaded (no loader, sandbox) would fail again: not restarted.
-    if (slot.ready && this.#deaths.length <= MAX_RESTARTS_PER_MINUTE) {
+    if (slot.ready && (hung || this.#deaths.length <= MAX_RESTARTS_PER_MINUTE)) {
       try {
         this.#slots.splice(Math.max(0, i), 0, this.#spawn())
         this.counts.workersReplaced++
