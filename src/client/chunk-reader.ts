@@ -72,9 +72,9 @@ function poolFailed(e: unknown): boolean {
 }
 
 /**
- * The pool failed the decode (poolFailed: a worker killed, out of memory, hung): nothing is known about the
- * object's bytes (the job that checks their CRCs died too), so it is a counted read error and a
- * miss, as for L2; not reported corrupt (the gateway would re-read and re-verify it for nothing).
+ * The pool failed the decode (poolFailed: its worker killed, out of memory, hung): nothing is
+ * known about the object's bytes, so it is a counted read error and a miss, as for L2; not
+ * reported corrupt (the gateway would re-read and re-verify it for nothing).
  */
 function remoteReadFailed(remote: RemoteTier): undefined {
   remote.counters.errors++
