@@ -1,8 +1,9 @@
 // The codec pool must give the same bytes on worker threads as inline, report
 // codec errors as errors, and fall back to inline work when workers are off.
 
+import { readFileSync } from 'node:fs'
 import { afterAll, describe, expect, it } from 'vitest'
-import { CodecPool } from '../src/client/codec-pool.ts'
+import { CodecPool, CodecWorkerLostError } from '../src/client/codec-pool.ts'
 import { CodecStaging } from '../src/client/codec-staging.ts'
 import { decodeChunk, encodeChunk } from '../src/codec/node.ts'
 import { decodeHeader, verifyChunk } from '../src/core/format.ts'
@@ -51,6 +52,8 @@ describe('CodecPool', () => {
     const out = new Uint8Array(chunkBytes(g, 32))
     const good = pool.decodeInto(obj, 'lossless', out)
     await expect(bad).rejects.toThrow(/allocation failed/)
+    // Typed as the pool's failure, not the bytes': a reader keeps the object (counted error, not corrupt).
+    await expect(bad).rejects.toMatchObject({ name: 'CodecDispatchError', code: 'ERR_CODEC' })
     const bound = new Promise<'stuck'>((r) => setTimeout(() => r('stuck'), 5000).unref())
     expect(await Promise.race([good.then(() => 'done'), bound])).toBe('done')
     expect(Buffer.compare(out, decodeChunk(obj))).toBe(0)
@@ -242,7 +245,7 @@ describe('CodecStaging', () => {
 
 describe('CodecPool under worker failures (finding 11)', () => {
   const faulty = new URL('./support/faulty-codec-worker.mjs', import.meta.url)
-  const poison = (kind: 0 | 1) => {
+  const poison = (kind: 0 | 1 | 2 | 3) => {
     const t = tensor.slice()
     t.set([0xde, 0xad, kind])
     return t
@@ -292,6 +295,235 @@ describe('CodecPool under worker failures (finding 11)', () => {
     expect(pool.counts.workersReplaced).toBe(1)
   }, 60_000)
 
+  /** OS threads of this process (each codec worker adds its own): a hung one left running would show. */
+  const threads = () => Number(/^Threads:\s+(\d+)/m.exec(readFileSync('/proc/self/status', 'utf8'))![1])
+  /** Timers keeping this process alive (a job's deadline is one while it runs). */
+  const timers = () => process.getActiveResourcesInfo().filter((r) => r === 'Timeout').length
+  const settle = async (until: () => boolean) => {
+    for (let i = 0; i < 200 && !until(); i++) await new Promise((r) => setTimeout(r, 25))
+  }
+
+  it.each([
+    ['spins in JavaScript', 2],
+    ['spins in wasm', 3],
+  ] as const)(
+    'a worker that never answers (%s) fails its job typed after the bound, is terminated and replaced; jobs queued behind it run on the replacement',
+    async (_, kind) => {
+      const pool = new CodecPool(1, false, {
+        workerEntry: faulty,
+        jobTimeout: { floorMs: 1000, msPerMiB: 0 },
+      })
+      pools.push(pool)
+      const want = encodeChunk(tensor, meta, { mode: 'lossless' })
+      expect(Buffer.compare(await pool.encode('lossless', tensor, meta), want)).toBe(0)
+      const idleThreads = threads()
+      const t0 = performance.now()
+      const hung = pool.encode('lossless', poison(kind), meta)
+      const queued = Array.from({ length: 3 }, () => pool.encode('lossless', tensor, meta))
+      const e = await hung.then(
+        () => undefined,
+        (x: unknown) => x,
+      )
+      expect(performance.now() - t0).toBeGreaterThanOrEqual(990)
+      expect(e).toMatchObject({ name: 'CodecJobTimeoutError', code: 'ERR_CODEC' })
+      // Callers treat it as a dead worker: a counted miss, the object kept.
+      expect(e).toBeInstanceOf(CodecWorkerLostError)
+      expect((e as Error).message).toMatch(/did not answer within 1000 ms/)
+      for (const out of await Promise.all(queued)) expect(Buffer.compare(out, want)).toBe(0)
+      expect(pool.counts).toMatchObject({ jobsLost: 1, jobsTimedOut: 1, workersReplaced: 1 })
+      expect(pool.inline).toBeUndefined()
+      // The hung thread is gone, not left spinning beside its replacement.
+      await settle(() => threads() <= idleThreads)
+      expect(threads()).toBeLessThanOrEqual(idleThreads)
+    },
+    60_000,
+  )
+
+  it('an answer that arrived while the calling thread was blocked past the deadline is taken, not failed', async () => {
+    const pool = new CodecPool(1, false, { jobTimeout: { floorMs: 200, msPerMiB: 0 } })
+    pools.push(pool)
+    const want = encodeChunk(tensor, meta, { mode: 'lossless' })
+    await pool.encode('lossless', tensor, meta)
+    const job = pool.encode('lossless', tensor, meta)
+    // The worker answers in milliseconds; this thread, blocked in the check phase, sees the
+    // answer only after its deadline passed, and the next turn of the event loop runs the
+    // expired timer before it polls for the answer.
+    await new Promise<void>((done) =>
+      setImmediate(() => {
+        const until = performance.now() + 1500
+        while (performance.now() < until) {}
+        done()
+      }),
+    )
+    expect(Buffer.compare(await job, want)).toBe(0)
+    expect(pool.counts).toMatchObject({ jobsTimedOut: 0, jobsLost: 0, workersReplaced: 0 })
+  }, 60_000)
+
+  it("the deadline grows with the bytes a job moves (a calibration's samples weighted)", async () => {
+    const pool = new CodecPool(1, false, {
+      workerEntry: faulty,
+      jobTimeout: { floorMs: 200, msPerMiB: 20_000 },
+    })
+    pools.push(pool)
+    const ms = Math.ceil(200 + (tensor.byteLength / 2 ** 20) * 20_000)
+    expect(ms).toBeGreaterThan(300)
+    await expect(pool.encode('lossless', poison(2), meta)).rejects.toThrow(
+      new RegExp(`did not answer within ${ms} ms`),
+    )
+    // A calibration's samples count 8× (it costs ~7× a codec job per byte), though they are
+    // transferred to the worker (gone from this thread once posted).
+    const samples = [poison(2)]
+    const calMs = Math.ceil(200 + ((8 * tensor.byteLength) / 2 ** 20) * 20_000)
+    await expect(pool.buildCalibration(samples, g)).rejects.toThrow(
+      new RegExp(`did not answer within ${calMs} ms`),
+    )
+  }, 60_000)
+
+  it.each([-1, Number.NaN, Number.POSITIVE_INFINITY, '5', null])(
+    'a jobTimeout of %s is refused when the pool is made',
+    (bad) => {
+      for (const key of ['floorMs', 'msPerMiB'])
+        expect(() => new CodecPool(1, false, { jobTimeout: { [key]: bad as never } })).toThrow(
+          new RegExp(`jobTimeout.${key} must be a finite number`),
+        )
+    },
+  )
+
+  it('hung workers are replaced however many hang: the pool never falls back to running such jobs on the calling thread', async () => {
+    const pool = new CodecPool(1, false, { workerEntry: faulty, jobTimeout: { floorMs: 200, msPerMiB: 0 } })
+    pools.push(pool)
+    // More than the crash-loop cap (8 deaths a minute): each was still a hang, typed, on a worker.
+    for (let i = 0; i < 10; i++)
+      await expect(pool.encode('lossless', poison(3), meta)).rejects.toMatchObject({
+        name: 'CodecJobTimeoutError',
+      })
+    expect(pool.counts).toMatchObject({ jobsTimedOut: 10, workersReplaced: 10, inlineJobs: 0 })
+    expect(pool.inline).toBeUndefined()
+  }, 60_000)
+
+  it('a decode whose worker hangs half way fails typed and leaves its destination untouched; the others land whole', async () => {
+    const pool = new CodecPool(1, false, { workerEntry: faulty, jobTimeout: { floorMs: 1000, msPerMiB: 0 } })
+    pools.push(pool)
+    const obj = encodeChunk(tensor, meta, { mode: 'kvgate' })
+    const want = decodeChunk(obj)
+    const outs = Array.from({ length: 3 }, () => new Uint8Array(want.byteLength))
+    // An output of 3 mod 4 bytes: the faulty worker writes garbage into its staging, then spins.
+    const hungDst = new Uint8Array(want.byteLength + ((3 - (want.byteLength % 4) + 4) % 4))
+    expect(hungDst.byteLength % 4).toBe(3)
+    const good = pool.decodeInto(obj, 'kvgate', outs[0]!)
+    const hung = pool.decodeInto(obj, 'kvgate', hungDst)
+    const more = outs.slice(1).map((o) => pool.decodeInto(obj, 'kvgate', o))
+    await expect(hung).rejects.toMatchObject({ name: 'CodecJobTimeoutError' })
+    await Promise.all([good, ...more])
+    for (const o of outs) expect(Buffer.compare(o, want)).toBe(0)
+    expect(hungDst.every((x) => x === 0)).toBe(true)
+    expect(pool.counts).toMatchObject({ jobsTimedOut: 1, workersReplaced: 1 })
+  }, 60_000)
+
+  it("a job's deadline timer is cleared when it answers and when it times out; the pool closes cleanly after a timeout", async () => {
+    const noPool = threads()
+    const pool = new CodecPool(1, false, { workerEntry: faulty, jobTimeout: { floorMs: 1000, msPerMiB: 0 } })
+    const want = encodeChunk(tensor, meta, { mode: 'lossless' })
+    await pool.encode('lossless', tensor, meta)
+    const idle = timers()
+    const good = pool.encode('lossless', tensor, meta)
+    expect(timers()).toBe(idle + 1) // armed while the worker runs it
+    expect(Buffer.compare(await good, want)).toBe(0)
+    expect(timers()).toBe(idle)
+    const hung = pool.encode('lossless', poison(2), meta)
+    await expect(hung).rejects.toMatchObject({ name: 'CodecJobTimeoutError' })
+    expect(timers()).toBe(idle)
+    // Close while the replacement starts and a job waits for it: that job fails ERR_CLOSED, nothing stays behind.
+    const waiting = expect(pool.encode('lossless', tensor, meta)).rejects.toMatchObject({
+      code: 'ERR_CLOSED',
+    })
+    await pool.close()
+    await waiting
+    expect(timers()).toBe(idle)
+    // Every thread the pool started has exited once close() resolves, the hung one included.
+    expect(threads()).toBeLessThanOrEqual(noPool)
+    // Closed with a hung job in flight: it fails ERR_CLOSED at once, its timer goes with it.
+    const other = new CodecPool(1, false, {
+      workerEntry: faulty,
+      jobTimeout: { floorMs: 30_000, msPerMiB: 0 },
+    })
+    await other.encode('lossless', tensor, meta)
+    const inFlight = expect(other.encode('lossless', poison(3), meta)).rejects.toMatchObject({
+      code: 'ERR_CLOSED',
+    })
+    expect(timers()).toBe(idle + 1)
+    await other.close()
+    await inFlight
+    expect(timers()).toBe(idle)
+    expect(threads()).toBeLessThanOrEqual(noPool)
+  }, 60_000)
+
+  it.each([
+    ['first, taken as it is queued', true],
+    ['behind another job, taken when that one answers', false],
+  ])(
+    'a job whose message cannot be posted (DataCloneError) fails typed, %s; the worker keeps serving',
+    async (_, first) => {
+      const pool = new CodecPool(1)
+      pools.push(pool)
+      const want = encodeChunk(tensor, meta, { mode: 'lossless' })
+      await pool.encode('lossless', tensor, meta)
+      const before = pool.counts.workerJobs
+      const ahead = first ? undefined : pool.encode('lossless', tensor, meta)
+      // A calibration that cannot be cloned, and a sample buffer twice in the transfer list.
+      const noClone = { hash: 'x', bytes: () => 0 } as never
+      const bad = pool.encode('kvgate', tensor, meta, 5, noClone)
+      const s = tensor.slice()
+      const twice = pool.buildCalibration([s, s], g)
+      const after = Array.from({ length: 3 }, () => pool.encode('lossless', tensor, meta))
+      for (const p of [bad, twice])
+        await expect(p).rejects.toMatchObject({ name: 'CodecDispatchError', code: 'ERR_CODEC' })
+      await expect(bad).rejects.toThrow(/could not be cloned/)
+      await expect(twice).rejects.toThrow(/duplicate ArrayBuffer/)
+      // The caller's samples were not transferred away.
+      expect(s.byteLength).toBe(tensor.byteLength)
+      for (const out of await Promise.all([...(ahead ? [ahead] : []), ...after]))
+        expect(Buffer.compare(out, want)).toBe(0)
+      expect(pool.counts.workerJobs).toBe(before + after.length + (ahead ? 1 : 0))
+      expect(pool.counts.jobsUnsent).toBe(2)
+      expect(pool.counts.jobsLost).toBe(0)
+      expect(pool.inline).toBeUndefined()
+    },
+    60_000,
+  )
+
+  it('many hung jobs: threads and memory stay bounded, and the pool still answers', async () => {
+    // The healthy jobs share the deadline: 1 s is ~40× the slowest small job seen on a loaded machine.
+    const pool = new CodecPool(2, false, { workerEntry: faulty, jobTimeout: { floorMs: 1000, msPerMiB: 0 } })
+    pools.push(pool)
+    const want = encodeChunk(tensor, meta, { mode: 'lossless' })
+    await Promise.all([pool.encode('lossless', tensor, meta), pool.encode('lossless', tensor, meta)])
+    const baseThreads = threads()
+    const baseRss = process.memoryUsage().rss
+    let peak = 0
+    const watch = setInterval(() => {
+      peak = Math.max(peak, threads())
+    }, 10)
+    try {
+      for (let round = 0; round < 3; round++) {
+        const hung = [pool.encode('lossless', poison(2), meta), pool.encode('lossless', poison(3), meta)]
+        const good = pool.encode('lossless', tensor, meta)
+        for (const r of await Promise.allSettled(hung)) expect(r.status).toBe('rejected')
+        expect(Buffer.compare(await good, want)).toBe(0)
+      }
+    } finally {
+      clearInterval(watch)
+    }
+    expect(pool.counts.jobsTimedOut).toBe(6)
+    // At most both slots' old workers being torn down while their replacements start (a worker is
+    // two threads here); 6 hung workers left behind would be 12 more.
+    expect(peak).toBeLessThanOrEqual(baseThreads + 8)
+    await settle(() => threads() <= baseThreads)
+    expect(threads()).toBeLessThanOrEqual(baseThreads)
+    expect(process.memoryUsage().rss - baseRss).toBeLessThan(256 * 1024 * 1024)
+    expect(Buffer.compare(await pool.encode('lossless', tensor, meta), want)).toBe(0)
+  }, 60_000)
+
   it('the queue is bounded: past it a job is refused with CodecBusyError, the rest complete', async () => {
     const pool = new CodecPool(1, false, { maxQueuedJobs: 2 })
     pools.push(pool)
@@ -305,6 +537,34 @@ describe('CodecPool under worker failures (finding 11)', () => {
     expect(results.filter((r) => r.status === 'fulfilled').length).toBeGreaterThanOrEqual(2)
     expect(pool.counts.jobsRefused).toBe(refused.length)
   }, 60_000)
+
+  it('a worker that never finishes starting is given up after its start deadline: queued jobs run inline', async () => {
+    const idleThreads = threads()
+    const pool = new CodecPool(1, false, {
+      workerEntry: new URL('./support/stuck-codec-worker.mjs', import.meta.url),
+      workerStartTimeoutMs: 500,
+    })
+    pools.push(pool)
+    const want = encodeChunk(tensor, meta, { mode: 'lossless' })
+    const outs = await Promise.all([
+      pool.encode('lossless', tensor, meta),
+      pool.encode('lossless', tensor, meta),
+    ])
+    for (const out of outs) expect(Buffer.compare(out, want)).toBe(0)
+    expect(pool.inline).toMatch(/did not start within 500 ms/)
+    expect(pool.counts).toMatchObject({ inlineJobs: 2, workerJobs: 0, jobsLost: 0, workersReplaced: 0 })
+    await settle(() => threads() <= idleThreads)
+    expect(threads()).toBeLessThanOrEqual(idleThreads)
+  }, 20_000)
+
+  it.each([-1, Number.NaN, Number.POSITIVE_INFINITY, '5'])(
+    'a workerStartTimeoutMs of %s is refused when the pool is made',
+    (bad) => {
+      expect(() => new CodecPool(1, false, { workerStartTimeoutMs: bad as never })).toThrow(
+        /workerStartTimeoutMs must be a finite number/,
+      )
+    },
+  )
 
   it('workers that cannot start: jobs run inline and `inline` says why', async () => {
     const pool = new CodecPool(2, false, {

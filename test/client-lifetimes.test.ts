@@ -6,7 +6,13 @@
 import { setFlagsFromString } from 'node:v8'
 import { runInNewContext } from 'node:vm'
 import { afterEach, describe, expect, it } from 'vitest'
-import { CodecBusyError, CodecPool, CodecWorkerLostError } from '../src/client/codec-pool.ts'
+import {
+  CodecBusyError,
+  CodecDispatchError,
+  CodecJobTimeoutError,
+  CodecPool,
+  CodecWorkerLostError,
+} from '../src/client/codec-pool.ts'
 import { KVCache } from '../src/client/index.ts'
 import { StorageManager } from '../src/client/storage-manager.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
@@ -411,6 +417,18 @@ describe('L4 decodes that fail for a reason other than the bytes', () => {
       () => new CodecWorkerLostError('codec worker exited (code 1) (test)'),
       3,
     ],
+    // A worker that did not answer within the job's deadline was terminated: the same as one that died.
+    [
+      'a codec worker that hangs under it',
+      () => new CodecJobTimeoutError('codec worker did not answer within 10000 ms (test)'),
+      3,
+    ],
+    // The job never reached a worker (its message could not be posted): the pool's fault, not the bytes'.
+    [
+      'a codec job that cannot be posted to a worker',
+      () => new CodecDispatchError('codec job could not be sent to a worker: DataCloneError (test)'),
+      3,
+    ],
   ] as const
 
   /** A manager whose L4 holds 3 lossless chunks (chunk i filled with i + 1), with nothing local. */
@@ -542,6 +560,18 @@ describe('write-behind memory', () => {
     [
       'a codec worker that dies under it',
       () => new CodecWorkerLostError('codec worker exited (code 1) (test)'),
+      3,
+    ],
+    // A worker that did not answer within the job's deadline was terminated: the same as one that died.
+    [
+      'a codec worker that hangs under it',
+      () => new CodecJobTimeoutError('codec worker did not answer within 10000 ms (test)'),
+      3,
+    ],
+    // The job never reached a worker (its message could not be posted): the pool's fault, not the bytes'.
+    [
+      'a codec job that cannot be posted to a worker',
+      () => new CodecDispatchError('codec job could not be sent to a worker: DataCloneError (test)'),
       3,
     ],
   ] as const)(

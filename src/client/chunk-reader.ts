@@ -8,7 +8,7 @@ import type { ChunkKey } from '../core/keys.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import type { CalibrationStore } from './calibration-store.ts'
 import { type ChunkIdentity, checkIdentity, maxObjectBytes, openLayerGroup } from './chunk-codec.ts'
-import { CodecBusyError, type CodecPool, CodecWorkerLostError } from './codec-pool.ts'
+import { CodecBusyError, CodecDispatchError, type CodecPool, CodecWorkerLostError } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
 import type { CopyGate } from './native.ts'
 import type { DiskTier, ReadSink } from './tiers/disk.ts'
@@ -62,9 +62,19 @@ function notAboutTheBytes(e: unknown): boolean {
 }
 
 /**
- * A codec worker died under the decode (killed, out of memory): nothing is known about the
- * object's bytes (the job that checks their CRCs died too), so it is a counted read error and a
- * miss, as for L2; not reported corrupt (the gateway would re-read and re-verify it for nothing).
+ * The pool failed the job itself: its worker died or hung under it (CodecWorkerLostError,
+ * CodecJobTimeoutError) or it could not be handed to one (CodecDispatchError: its staging not
+ * allocated, its message not posted). Nothing is known about the object's bytes (the job that
+ * checks their CRCs never finished).
+ */
+function poolFailed(e: unknown): boolean {
+  return e instanceof CodecWorkerLostError || e instanceof CodecDispatchError
+}
+
+/**
+ * The pool failed the decode (poolFailed: its worker killed, out of memory, hung): nothing is
+ * known about the object's bytes, so it is a counted read error and a miss, as for L2; not
+ * reported corrupt (the gateway would re-read and re-verify it for nothing).
  */
 function remoteReadFailed(remote: RemoteTier): undefined {
   remote.counters.errors++
@@ -118,9 +128,9 @@ export class ChunkReader {
         return placed
       } catch (e) {
         if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
-        // Every CRC of the file passed: a worker that died under its decode (killed, out of
-        // memory, the pool's fault) is a failed read, counted, and the file is kept.
-        if (e instanceof CodecWorkerLostError) {
+        // Every CRC of the file passed: a decode the pool failed (its worker died or hung, it
+        // could not be handed to one) is a failed read, counted, and the file is kept.
+        if (poolFailed(e)) {
           disk.counters.errors++
           return undefined
         }
@@ -151,7 +161,7 @@ export class ChunkReader {
         return await this.#place(k, object, h, r)
       } catch (e) {
         if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
-        if (e instanceof CodecWorkerLostError) return remoteReadFailed(remote)
+        if (poolFailed(e)) return remoteReadFailed(remote)
         // Counted, no longer believed present, and reported to the gateway's verify endpoint.
         remote.reportCorrupt(k.hex)
         return undefined
@@ -219,7 +229,7 @@ export class ChunkReader {
       return out
     } catch (e) {
       if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
-      if (e instanceof CodecWorkerLostError) return remoteReadFailed(remote)
+      if (poolFailed(e)) return remoteReadFailed(remote)
       remote.reportCorrupt(k.hex)
       return undefined
     }

@@ -18,6 +18,22 @@ import type { CodecReply, CodecRequest } from './codec-worker.ts'
 const PARALLEL_VERIFY_BYTES = 4 * 1024 * 1024
 /** Worker deaths within a minute after which a slot is not restarted (a crash loop, not bad luck). */
 const MAX_RESTARTS_PER_MINUTE = 8
+/**
+ * Default job deadline: a floor plus the bytes a job moves at a pessimistic rate. On this
+ * project's 2-core machine under load (two pools of two busy workers beside other work, load
+ * average 5; docs/codec.md) the slowest codec job took 59 ms/MiB (a kvgate encode of random
+ * bytes) and the slowest small one 23 ms; 250 ms/MiB is 4× that rate and the floor 400× that
+ * job, so a busy machine does not fail a healthy job, and a hung one frees its caller in
+ * seconds (a 32 MiB encode: 18 s, 9× the slowest seen).
+ */
+const DEFAULT_JOB_TIMEOUT = { floorMs: 10_000, msPerMiB: 250 }
+/**
+ * Building a calibration costs ~7× a codec job per byte (415 ms/MiB worst measured, 4 × 32 MiB
+ * samples in 53 s), so its samples count 8× toward its deadline.
+ */
+const CALIBRATE_COST = 8
+/** setTimeout's largest delay; a longer one fires at once. */
+const MAX_TIMER_MS = 2 ** 31 - 1
 
 /**
  * A worker died (exited, crashed, ran out of memory) while running this job.
@@ -28,6 +44,32 @@ export class CodecWorkerLostError extends CodecError {
   constructor(message: string) {
     super(message)
     this.name = 'CodecWorkerLostError'
+  }
+}
+
+/**
+ * A worker did not answer its job within the job's deadline (CodecPoolOptions.jobTimeout):
+ * it is taken as hung (a codec stuck in a loop, a stalled thread), terminated and replaced.
+ * A CodecWorkerLostError, so callers treat it as they treat a dead worker (a counted miss,
+ * nothing deleted or reported corrupt): nothing is known about the bytes.
+ */
+export class CodecJobTimeoutError extends CodecWorkerLostError {
+  constructor(message: string) {
+    super(message)
+    this.name = 'CodecJobTimeoutError'
+  }
+}
+
+/**
+ * A job could not be handed to a worker: its message could not be built (its staging buffer
+ * could not be allocated) or posted (postMessage threw, e.g. a DataCloneError). Nothing was
+ * sent or transferred, and nothing is known about the job's bytes. Only that job fails; the
+ * worker takes the next one.
+ */
+export class CodecDispatchError extends CodecError {
+  constructor(message: string, options: { cause?: unknown } = {}) {
+    super(message, options)
+    this.name = 'CodecDispatchError'
   }
 }
 
@@ -52,6 +94,20 @@ export interface CodecPoolOptions {
    * chunk tensors); the next job allocates them again. @default 10000
    */
   stagingIdleMs?: number
+  /**
+   * How long a worker may take to answer a job before it counts as hung: `floorMs` plus
+   * `msPerMiB` for every MiB the job moves (input and output; a calibration's samples count
+   * 8×). Past it the job fails with CodecJobTimeoutError and the worker is terminated and
+   * replaced; jobs queued behind it run on the replacement. The clock starts when a worker
+   * takes the job, not while it waits in the queue. @default { floorMs: 10000, msPerMiB: 250 }
+   */
+  jobTimeout?: { floorMs?: number; msPerMiB?: number }
+  /**
+   * A worker that has not finished loading after this long is given up (terminated, not
+   * restarted), like one that failed to load: with none left, jobs run inline. A worker
+   * started in ≤ 3 s with this project's tsx loader on a 2-core machine at load 8. @default 30000
+   */
+  workerStartTimeoutMs?: number
 }
 
 /** Distributive Omit, so each request variant keeps its own fields. */
@@ -72,6 +128,10 @@ interface Slot {
   worker: Worker
   /** The one job this worker runs, if any: a dying worker takes only its own job with it. */
   job: (Job & { id: number }) | undefined
+  /** Fires when that job is past its deadline; cleared when it is answered or the worker goes. */
+  deadline: ReturnType<typeof setTimeout> | undefined
+  /** Fires if the worker has not loaded in time; cleared when it is ready or goes. */
+  startDeadline: ReturnType<typeof setTimeout> | undefined
   /** Set once the worker is gone (error or exit), so the death is handled once. */
   dead: boolean
   /** The worker loaded its module; one that dies before this never started (no restart). */
@@ -99,12 +159,24 @@ export class CodecPool {
   /** Why the pool runs inline, if it does. */
   inline: string | undefined
   /** Jobs run on workers / inline; workers replaced after dying; jobs refused at the queue bound. */
-  readonly counts = { workerJobs: 0, inlineJobs: 0, workersReplaced: 0, jobsLost: 0, jobsRefused: 0 }
+  readonly counts = {
+    workerJobs: 0,
+    inlineJobs: 0,
+    workersReplaced: 0,
+    jobsLost: 0,
+    jobsRefused: 0,
+    /** Jobs whose worker did not answer in time (also counted lost). */
+    jobsTimedOut: 0,
+    /** Jobs whose message could not be built or posted (CodecDispatchError). */
+    jobsUnsent: 0,
+  }
 
   readonly #size: number
   readonly #maxQueued: number
   readonly #entry: URL
   readonly #stagingIdleMs: number
+  readonly #jobTimeout: { floorMs: number; msPerMiB: number }
+  readonly #startTimeoutMs: number
   #releaseTimer: ReturnType<typeof setTimeout> | undefined
   #started = false
   /** Split large verifications across two threads (see verify()). */
@@ -125,6 +197,16 @@ export class CodecPool {
     // reliably reach worker threads (npx tsx, vitest).
     this.#entry = opts.workerEntry ?? new URL('./codec-worker-entry.mjs', import.meta.url)
     this.#stagingIdleMs = opts.stagingIdleMs ?? 10_000
+    this.#jobTimeout = { ...DEFAULT_JOB_TIMEOUT, ...opts.jobTimeout }
+    this.#startTimeoutMs = opts.workerStartTimeoutMs ?? 30_000
+    const durations: [string, unknown][] = [
+      ...Object.entries(this.#jobTimeout).map(([k, v]): [string, unknown] => [`jobTimeout.${k}`, v]),
+      ['workerStartTimeoutMs', this.#startTimeoutMs],
+    ]
+    for (const [k, v] of durations) {
+      if (typeof v !== 'number' || !(v >= 0) || !Number.isFinite(v))
+        throw new TypeError(`${k} must be a finite number >= 0, got ${String(v)}`)
+    }
     if (size <= 0) this.inline = 'codec workers disabled'
   }
 
@@ -153,6 +235,8 @@ export class CodecPool {
     const slot: Slot = {
       worker,
       job: undefined,
+      deadline: undefined,
+      startDeadline: undefined,
       dead: false,
       ready: false,
       staging: new CodecStaging(),
@@ -161,18 +245,37 @@ export class CodecPool {
     worker.on('message', (m: CodecReply) => this.#reply(slot, m))
     worker.on('error', (e) => this.#lost(slot, `codec worker failed: ${e.message}`))
     worker.on('exit', (code) => this.#lost(slot, `codec worker exited (code ${code})`))
+    // Unref'd: a start that stalls fails the jobs waiting for it over to inline, but holds no
+    // process open by itself (the worker does not either).
+    const ms = Math.min(MAX_TIMER_MS, this.#startTimeoutMs)
+    slot.startDeadline = setTimeout(() => {
+      slot.startDeadline = undefined
+      setImmediate(() => this.#stalled(slot, ms))
+    }, ms)
+    slot.startDeadline.unref()
     return slot
+  }
+
+  /** A worker did not load in time (a loader stuck): given up like one that failed to load. */
+  #stalled(slot: Slot, ms: number): void {
+    if (slot.dead || slot.ready) return
+    this.#lost(slot, `codec worker did not start within ${ms} ms`)
+    slot.worker.terminate().catch(() => {})
   }
 
   #reply(slot: Slot, m: CodecReply): void {
     if ('ready' in m) {
       slot.ready = true
+      clearTimeout(slot.startDeadline)
+      slot.startDeadline = undefined
       this.#dispatch()
       return
     }
     const job = slot.job
     if (!job || job.id !== m.id) return
     slot.job = undefined
+    clearTimeout(slot.deadline)
+    slot.deadline = undefined
     // The worker starts its next job first: this thread's copy-out of the result
     // (from the other output buffer, see CodecStaging) overlaps it.
     this.#dispatch()
@@ -204,27 +307,50 @@ export class CodecPool {
   }
 
   /**
-   * A worker is gone: its own job (if any) fails with CodecWorkerLostError and a
+   * A job's deadline passed: its worker is taken as hung, the job fails with
+   * CodecJobTimeoutError and the worker is terminated and replaced like a dead one.
+   */
+  #hung(slot: Slot, id: number, ms: number): void {
+    if (slot.dead || slot.job?.id !== id) return
+    this.counts.jobsTimedOut++
+    this.#lost(slot, `codec worker did not answer within ${ms} ms`, CodecJobTimeoutError)
+    // Interrupts a spinning thread too (JavaScript or wasm); its exit event finds the slot dead.
+    slot.worker.terminate().catch(() => {})
+  }
+
+  /**
+   * A worker is gone: its own job (if any) fails with CodecWorkerLostError (or `typed`) and a
    * new worker takes the slot, unless workers keep dying (then the slot is
    * dropped; with none left, queued jobs run inline).
    */
-  #lost(slot: Slot, why: string): void {
+  #lost(
+    slot: Slot,
+    why: string,
+    typed: new (why: string) => CodecWorkerLostError = CodecWorkerLostError,
+  ): void {
     if (slot.dead) return
     slot.dead = true
+    clearTimeout(slot.deadline)
+    clearTimeout(slot.startDeadline)
+    slot.deadline = slot.startDeadline = undefined
     const i = this.#slots.indexOf(slot)
     if (i >= 0) this.#slots.splice(i, 1)
     const job = slot.job
     slot.job = undefined
     if (job) {
       this.counts.jobsLost++
-      job.reject(new CodecWorkerLostError(why))
+      job.reject(new typed(why))
     }
     if (this.#closed) return
+    // A hung worker is always replaced and not counted toward the crash-loop cap: its deadline
+    // (at least floorMs) already spaces such restarts, and the inline fallback the cap leads to
+    // would run the next such job on the calling thread, where nothing could stop it.
+    const hung = typed === CodecJobTimeoutError
     const now = performance.now()
-    this.#deaths.push(now)
+    if (!hung) this.#deaths.push(now)
     while (this.#deaths.length > 0 && now - this.#deaths[0]! > 60_000) this.#deaths.shift()
     // A worker that never loaded (no loader, sandbox) would fail again: not restarted.
-    if (slot.ready && this.#deaths.length <= MAX_RESTARTS_PER_MINUTE) {
+    if (slot.ready && (hung || this.#deaths.length <= MAX_RESTARTS_PER_MINUTE)) {
       try {
         this.#slots.splice(Math.max(0, i), 0, this.#spawn())
         this.counts.workersReplaced++
@@ -243,25 +369,65 @@ export class CodecPool {
   #dispatch(): void {
     for (const slot of this.#slots) {
       if (slot.job || slot.dead || !slot.ready) continue
-      let job: Job | undefined
-      let made: { msg: RequestBody; transfer: ArrayBuffer[] } | undefined
-      // A job whose message cannot be built (its staging not allocated) fails alone; this
-      // slot takes the next one (moving on left it idle with jobs queued until some other event).
-      while (!made) {
-        job = this.#reads.shift() ?? this.#writes.shift()
+      // A job that cannot be handed over fails alone and this slot takes the next one (moving
+      // on left it idle with jobs queued until some other event).
+      while (!slot.job) {
+        const job = this.#reads.shift() ?? this.#writes.shift()
         if (!job) return
-        try {
-          made = job.make(slot.staging)
-        } catch (e) {
-          job.reject(e as Error)
-        }
+        this.#send(slot, job)
       }
-      if (!job) return
-      const id = this.#next++
-      slot.job = { ...job, id }
-      this.counts.workerJobs++
-      slot.worker.postMessage({ ...made.msg, id } as CodecRequest, made.transfer)
     }
+  }
+
+  /**
+   * Gives one job to an idle worker, or fails it with CodecDispatchError: its message cannot
+   * be built (its staging not allocated) or cannot be sent. A postMessage that throws (a
+   * DataCloneError: a value that cannot be cloned, an ArrayBuffer twice in the transfer list)
+   * sends and transfers nothing, so the worker is still idle and the caller's buffers are still
+   * its own. It runs in a worker's message handler too, where a throw would be an uncaught exception.
+   */
+  #send(slot: Slot, job: Job): void {
+    const unsent = (what: string, e: unknown) => {
+      this.counts.jobsUnsent++
+      job.reject(
+        new CodecDispatchError(`codec job could not be ${what}: ${(e as Error)?.message}`, { cause: e }),
+      )
+    }
+    let made: { msg: RequestBody; transfer: ArrayBuffer[] }
+    try {
+      made = job.make(slot.staging)
+    } catch (e) {
+      unsent('handed to a worker', e)
+      return
+    }
+    const id = this.#next++
+    // Sized before posting: a calibration's samples are transferred (detached here) by it.
+    const bytes = jobBytes(made.msg)
+    try {
+      slot.worker.postMessage({ ...made.msg, id } as CodecRequest, made.transfer)
+    } catch (e) {
+      unsent('sent to a worker', e)
+      return
+    }
+    slot.job = { ...job, id }
+    this.counts.workerJobs++
+    this.#armDeadline(slot, id, bytes)
+  }
+
+  /**
+   * Starts the clock on the job a worker just took. The timer keeps the process alive while
+   * the job runs (a caller is waiting on it; the worker itself is unref'd so an idle pool holds
+   * nothing). When it fires, the verdict waits one turn of the event loop (setImmediate runs
+   * after the poll phase): an answer that arrived while this thread was blocked past the
+   * deadline is taken first, so a stalled calling thread never fails a job its worker finished.
+   */
+  #armDeadline(slot: Slot, id: number, bytes: number): void {
+    const { floorMs, msPerMiB } = this.#jobTimeout
+    const ms = Math.min(MAX_TIMER_MS, Math.ceil(floorMs + (bytes / 2 ** 20) * msPerMiB))
+    slot.deadline = setTimeout(() => {
+      slot.deadline = undefined
+      setImmediate(() => this.#hung(slot, id, ms))
+    }, ms)
   }
 
   /**
@@ -489,6 +655,9 @@ export class CodecPool {
     for (const q of [this.#reads, this.#writes]) for (const j of q.splice(0)) j.reject(closed)
     for (const s of this.#slots) {
       s.dead = true
+      clearTimeout(s.deadline)
+      clearTimeout(s.startDeadline)
+      s.deadline = s.startDeadline = undefined
       const job = s.job
       s.job = undefined
       job?.reject(closed)
@@ -501,6 +670,22 @@ export class CodecPool {
 /** A calibration as a worker message carries it (bytes, copied; small and rare). */
 function refOf(c: Calibration | undefined): CalibrationRef | undefined {
   return c ? { hash: c.hash, bytes: c.bytes } : undefined
+}
+
+/** Bytes a job moves, what its deadline scales with: inputs and outputs (a calibration's samples weighted). */
+function jobBytes(m: RequestBody): number {
+  switch (m.op) {
+    case 'encode':
+      return m.tensor.byteLength
+    case 'decode':
+      return m.object.byteLength + m.out.byteLength
+    case 'layers':
+      return m.sections.byteLength + m.out.byteLength
+    case 'calibrate':
+      return CALIBRATE_COST * m.samples.reduce((a, b) => a + b.byteLength, 0)
+    case 'crc':
+      return m.data.byteLength
+  }
 }
 
 /** A result the worker transferred (encode, CRCs, calibrations). */

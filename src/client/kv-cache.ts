@@ -104,8 +104,11 @@ export interface KVCacheStats {
   requestedTokens: number
   /** Chain keys reused from recent prompts vs hashed. */
   keyMemo: KeyMemoStats
-  /** Codec jobs on worker threads vs the calling thread (and why inline, if so). */
-  codec: { inline: string | undefined; workerJobs: number; inlineJobs: number }
+  /**
+   * Codec jobs on worker threads vs the calling thread (and why inline, if so), and the pool's
+   * failures: jobs lost with their worker, timed out (a hung worker), refused, not sent.
+   */
+  codec: { inline: string | undefined } & CodecPool['counts']
   /** The namespace's calibration objects (docs/calibration.md); null without L2 or L4. */
   calibration: CalibrationStats | null
 }
