@@ -442,6 +442,19 @@ describe('lambda adapter', () => {
     }
   })
 
+  it('an unknown KVGATE_* variable, or KVGATE_AUTH outside its value, is an error naming it', () => {
+    const env = { KVGATE_S3_BUCKET: 'b', KVGATE_AUTH: 'disabled' }
+    expect(() => configFromEnv({ ...env, KVGATE_MAX_CHUNK_BYTE: '1024' })).toThrow(
+      /unknown variable KVGATE_MAX_CHUNK_BYTE \(did you mean 'KVGATE_MAX_CHUNK_BYTES'\?\)/,
+    )
+    expect(() => configFromEnv({ ...env, KVGATE_PORT: '8787' })).toThrow(/unknown variable KVGATE_PORT/)
+    expect(() => configFromEnv({ KVGATE_S3_BUCKET: 'b', KVGATE_AUTH: 'off' })).toThrow(
+      /KVGATE_AUTH: expected 'disabled'/,
+    )
+    // Other variables (the runtime's, the SDK's) are not kvgate's to judge.
+    expect(configFromEnv({ ...env, AWS_REGION: 'eu-west-1', PATH: '/bin' }).bucket).toBe('b')
+  })
+
   it('validates its environment eagerly', () => {
     expect(() => configFromEnv({ KVGATE_AUTH_SSM_PARAMETER: '/p' })).toThrow(/KVGATE_S3_BUCKET/)
     expect(() => configFromEnv({ KVGATE_S3_BUCKET: 'b' })).toThrow(/auth is required/)

@@ -5,6 +5,7 @@ import type { Writable } from 'node:stream'
 import { Readable } from 'node:stream'
 import { pipeline } from 'node:stream/promises'
 import { type ColdTierConfig, parseColdTier } from '../../coldtier/policy.ts'
+import { nearestKey } from '../../core/config-check.ts'
 import { ConfigError, isKvgateError } from '../../core/errors.ts'
 import { createGateway } from '../app.ts'
 import { BODY_HOLD_BYTES, DEFAULT_MAX_HELD_BYTES, lambdaMaxHeldBytes } from '../memory-budget.ts'
@@ -256,7 +257,44 @@ function intFromEnv(env: Record<string, string | undefined>, name: string, fallb
 }
 
 /** Reads the gateway settings the Terraform module sets (KVGATE_* environment variables). */
+// Every KVGATE_* name the function reads: Terraform (or a console edit) sets them by hand, and a
+// misspelt one left its default in place in silence. Node-only settings (KVGATE_PORT …) are
+// refused too: they would do nothing here.
+const LAMBDA_VARS = [
+  'KVGATE_S3_BUCKET',
+  'KVGATE_S3_ENDPOINT',
+  'KVGATE_S3_PREFIX',
+  'KVGATE_AUTH_SSM_PARAMETER',
+  'KVGATE_TOKENS',
+  'KVGATE_AUTH',
+  'KVGATE_FS_ROOT',
+  'KVGATE_PRESIGN_THRESHOLD',
+  'KVGATE_PRESIGN_TTL',
+  'KVGATE_MAX_CHUNK_BYTES',
+  'KVGATE_MAX_CALIBRATION_BYTES',
+  'KVGATE_CALIBRATION_CACHE_BYTES',
+  'KVGATE_COLD_TIER',
+  'KVGATE_UPLOAD_MIN_BYTES',
+  'KVGATE_UPLOAD_MAX_BYTES',
+  'KVGATE_UPLOAD_TTL',
+  'KVGATE_STAGING_PREFIX',
+  'KVGATE_MAX_HELD_BYTES',
+] as const
+
+function checkVars(env: Record<string, string | undefined>): void {
+  for (const name of Object.keys(env)) {
+    if (!name.startsWith('KVGATE_') || (LAMBDA_VARS as readonly string[]).includes(name)) continue
+    const near = nearestKey(name, LAMBDA_VARS)
+    throw new ConfigError(
+      `unknown variable ${name}${near ? ` (did you mean '${near}'?)` : ''}: the Lambda gateway reads ${LAMBDA_VARS.join(', ')} (docs/deploy-aws.md)`,
+    )
+  }
+  if (env.KVGATE_AUTH !== undefined && env.KVGATE_AUTH !== 'disabled')
+    throw new ConfigError(`KVGATE_AUTH: expected 'disabled' or unset, got '${env.KVGATE_AUTH}'`)
+}
+
 export function configFromEnv(env: Record<string, string | undefined> = process.env): LambdaGatewayConfig {
+  checkVars(env)
   const cfg: LambdaGatewayConfig = {
     bucket: env.KVGATE_S3_BUCKET || undefined,
     region: env.AWS_REGION || undefined,
