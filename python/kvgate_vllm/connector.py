@@ -140,21 +140,39 @@ def _check_extra_config(extra: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _checkpoint_quantized(model: Any) -> bool:
+    """Whether the checkpoint carries its own quantization config (where vLLM reads it: the HF
+    config's quantization_config, or compression_config, or its text config's)."""
+    hf = getattr(model, "hf_config", None)
+    for cfg in (hf, getattr(hf, "text_config", None), getattr(model, "hf_text_config", None)):
+        if cfg is not None and any(getattr(cfg, k, None) for k in ("quantization_config", "compression_config")):
+            return True
+    return False
+
+
 def model_identity(model: Any, extra: Dict[str, Any]) -> str:
     """The model id chunk keys are mixed with: what names the weights, never the alias clients
     use. `--served-model-name` is often the same ("default", "chat") for different models or
     fine-tunes of one base with the same geometry, which would then share keys: another model's
     KV. The model's path or Hugging Face id, with its revision and quantization when set; or the
-    operator's `model_id` (for weights whose path differs between nodes)."""
+    operator's `model_id` (for weights whose path differs between nodes).
+
+    Nothing vLLM derives per node may enter it (keys must agree on every node of one model):
+    for a model in object storage vLLM's `model` is the local directory it mirrored the config
+    into (under its cache root; a temp dir in older vLLM) and `model_weights` the URI; and for a
+    quantized checkpoint `quantization` is the kernel vLLM picked for this GPU and version
+    (gptq_marlin or gptq), while the path already names the weights. Only a quantization applied
+    as an unquantized checkpoint loads (--quantization fp8) changes them."""
     explicit = extra.get("model_id")
     if explicit is not None:
         return str(explicit)
-    ident = str(model.model)
+    weights = getattr(model, "model_weights", None)
+    ident = str(weights) if isinstance(weights, str) and weights else str(model.model)
     revision = getattr(model, "revision", None)
     if revision:
         ident += f"@{revision}"
     quantization = getattr(model, "quantization", None)
-    if quantization:
+    if quantization and not _checkpoint_quantized(model):
         ident += f"+{quantization}"
     return ident
 

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -488,3 +489,39 @@ def test_model_identity_names_the_weights_not_the_served_alias(tmp):
     for bad in ("", "  ", 7):
         with pytest.raises(ConfigurationError, match="model_id"):
             ident(model_id=bad)
+
+
+def test_model_identity_is_the_same_on_every_node_of_one_model(tmp):
+    """What vLLM derives per node must not reach the key: the local directory it mirrors an
+    object-store model's config into (its cache root differs between nodes; older vLLM used a
+    fresh temp dir per process), and the kernel it picked for a quantized checkpoint (gptq_marlin
+    on one GPU or vLLM version, gptq on another): the same weights, so the same keys."""
+    from harness import vllm_config
+    from kvgate_vllm import engine_settings
+
+    def ident(model, weights=None, quantization=None, checkpoint_quant=None, attr="quantization_config"):
+        cfg = vllm_config(EngineSpec(socket=tmp.sock("x"), model=model))
+        cfg.model_config.model_weights = weights if weights is not None else ""
+        cfg.model_config.quantization = quantization
+        hf = SimpleNamespace() if checkpoint_quant is None else SimpleNamespace(**{attr: checkpoint_quant})
+        cfg.model_config.hf_config = hf
+        cfg.model_config.hf_text_config = hf
+        return engine_settings(cfg)["model"]
+
+    # vLLM's model is the local mirror of the config files; model_weights is the object-store URI.
+    a = ident("/root/.cache/vllm/model_streamer/1a2b3c4d", "s3://models/llama-8b")
+    b = ident("/home/svc/.cache/vllm/model_streamer/1a2b3c4d", "s3://models/llama-8b")
+    assert a == b and "s3://models/llama-8b" in a
+    assert ident("/tmp/x", "s3://models/llama-8b") != ident("/tmp/x", "s3://models/other")
+    # A quantized checkpoint: vLLM's kernel choice (per GPU, per version) is not the weights.
+    gptq = {"quant_method": "gptq", "bits": 4}
+    assert ident("org/m-gptq", quantization="gptq_marlin", checkpoint_quant=gptq) == ident(
+        "org/m-gptq", quantization="gptq", checkpoint_quant=gptq
+    )
+    # Older compressed-tensors checkpoints name theirs compression_config (vLLM reads both).
+    ct = {"quant_method": "compressed-tensors"}
+    assert ident("org/m-ct", quantization="compressed-tensors", checkpoint_quant=ct, attr="compression_config") == (
+        ident("org/m-ct", quantization="ascend", checkpoint_quant=ct, attr="compression_config")
+    )
+    # An unquantized checkpoint quantized as it loads (--quantization fp8): other weights, other keys.
+    assert ident("org/m", quantization="fp8") != ident("org/m") == ident("org/m", weights="")
