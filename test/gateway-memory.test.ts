@@ -3,7 +3,7 @@
 // (PUTs 503 ERR_BUSY, GETs stream instead of buffering), given back on every path.
 
 import { createHash } from 'node:crypto'
-import { describe, expect, it } from 'vitest'
+import { describe, expect, it, vi } from 'vitest'
 import { configFromEnv, lambdaPartConcurrency } from '../src/gateway/adapters/lambda.ts'
 import { gatewayFromEnv } from '../src/gateway/adapters/workers.ts'
 import { GetCoalescer } from '../src/gateway/coalesce.ts'
@@ -141,7 +141,7 @@ describe('a gateway past maxHeldBytes', () => {
         maxHeldBytes: 3 * size,
         maxCalibrationBytes: size,
         maxChunkBytes: size,
-        maxLookupBodyBytes: size,
+        maxLookupBodyBytes: 10,
       },
     })
     const [ok, bad, aborted, late] = [1, 2, 3, 4].map((s) => calib(s, size)) as [
@@ -188,7 +188,7 @@ describe('a gateway past maxHeldBytes', () => {
         maxHeldBytes: 2 * size,
         maxCalibrationBytes: size,
         maxChunkBytes: size,
-        maxLookupBodyBytes: size / 2,
+        maxLookupBodyBytes: 1000,
         bodyIdleTimeoutMs: 200,
         bodyMinBytesPerSecond: 50_000,
       },
@@ -283,7 +283,7 @@ describe('a gateway past maxHeldBytes', () => {
     const app = createGateway({
       store: new MemoryStore(),
       limits: {
-        maxHeldBytes: 2 * lookupHoldBytes(max),
+        maxHeldBytes: 2 * lookupHoldBytes(max, 4096),
         maxLookupBodyBytes: max,
         maxCalibrationBytes: 1000,
         maxChunkBytes: 1000,
@@ -304,7 +304,7 @@ describe('a gateway past maxHeldBytes', () => {
     // Chunked bodies declare no length: each reserves for the largest body allowed.
     const g = [gated(json, 10), gated(json, 10)]
     const running = [app.request(url, post(g[0]!.body)), app.request(url, post(g[1]!.body))]
-    await until(() => app.state.memory.held === 2 * lookupHoldBytes(max))
+    await until(() => app.state.memory.held === 2 * lookupHoldBytes(max, 4096))
     const busy = await app.request(url, post(json as Uint8Array<ArrayBuffer>, json.length))
     expect(busy.status).toBe(503)
     expect(busy.headers.get('retry-after')).toBe('1')
@@ -322,7 +322,53 @@ describe('a gateway past maxHeldBytes', () => {
     const ok = await app.request(url, post(json as Uint8Array<ArrayBuffer>, json.length))
     expect(ok.status).toBe(200)
     expect(app.state.memory.held).toBe(0)
-    expect(app.state.memory.peak).toBe(2 * lookupHoldBytes(max))
+    expect(app.state.memory.peak).toBe(2 * lookupHoldBytes(max, 4096))
+  })
+
+  it('a lookup body of many small JSON values is refused before it is parsed (JSON.parse would build ~22x the body)', async () => {
+    const app = createGateway({ store: new MemoryStore() })
+    const { maxLookupBodyBytes: max, maxLookupKeys } = app.state.limits
+    const post = (text: string) =>
+      app.request('/v1/ns/a/lookup', {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: text,
+      })
+    // Within the body cap: 512 KiB of `{}` are ~175,000 objects (~11 MB of heap) for 1.5 MiB reserved.
+    const amplified = ['{}', '[]', '0', '{"a":0}'].map((v) => {
+      const n = Math.floor((max - 20) / (v.length + 1))
+      return `{"keys":[${Array(n).fill(v).join(',')}]}`
+    })
+    const parse = vi.spyOn(JSON, 'parse')
+    try {
+      for (const text of amplified) {
+        expect(text.length).toBeLessThanOrEqual(max)
+        const r = await post(text)
+        expect(r.status).toBe(413)
+        expect(await errCode(r)).toBe('ERR_PAYLOAD_TOO_LARGE')
+        expect(parse.mock.calls.some(([t]) => typeof t === 'string' && t.length >= text.length)).toBe(false)
+        expect(app.state.memory.held).toBe(0)
+      }
+    } finally {
+      parse.mockRestore()
+    }
+    // The largest lookup allowed, with its other fields and commas, colons and brackets inside strings.
+    const keys = Array.from({ length: maxLookupKeys }, (_, i) => i.toString(16).padStart(64, '0'))
+    const full = JSON.stringify({ note: ',:[{\\"'.repeat(50), keys, sizes: false, more: [1, 2, { x: [] }] })
+    const ok = await post(full)
+    expect([ok.status, await ok.json()]).toEqual([200, { present: 0 }])
+    // Past maxLookupKeys it is refused as before.
+    const over = await post(JSON.stringify({ keys: [...keys, 'ab'.repeat(32)] }))
+    expect(over.status).toBe(413)
+    expect(app.state.memory.held).toBe(0)
+  })
+
+  it('a lookup reserves what parsing its largest body holds: body, text and the V8 heap of its values', () => {
+    const keys = Array.from({ length: 4096 }, (_, i) => i.toString(16).padStart(64, '0'))
+    const text = JSON.stringify({ keys })
+    // Measured: ~100 bytes of heap per parsed key beyond its 64 characters (body and text count once each).
+    expect(lookupHoldBytes(text.length, 4096)).toBeGreaterThanOrEqual(3 * text.length + 100 * 4096)
+    expect(lookupHoldBytes(512 * 1024, 4096)).toBeLessThanOrEqual(3 * 512 * 1024 + 2 * MIB)
   })
 
   it('a lookup whose client stalls or trickles gives its reservation back after the body idle bounds (408)', async () => {
@@ -330,7 +376,7 @@ describe('a gateway past maxHeldBytes', () => {
     const app = createGateway({
       store: new MemoryStore(),
       limits: {
-        maxHeldBytes: 2 * lookupHoldBytes(max),
+        maxHeldBytes: 2 * lookupHoldBytes(max, 4096),
         maxLookupBodyBytes: max,
         maxCalibrationBytes: 1000,
         maxChunkBytes: 1000,
@@ -360,7 +406,7 @@ describe('a gateway past maxHeldBytes', () => {
       outcome(Promise.resolve(app.request('/v1/ns/a/lookup', post(g.body)))),
       outcome(Promise.resolve(app.request('/v1/ns/a/lookup', post(trickle)))),
     ])
-    await until(() => app.state.memory.held === 2 * lookupHoldBytes(max))
+    await until(() => app.state.memory.held === 2 * lookupHoldBytes(max, 4096))
     expect(await both).toEqual([
       [408, 'ERR_TIMEOUT'],
       [408, 'ERR_TIMEOUT'],

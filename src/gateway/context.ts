@@ -160,6 +160,7 @@ export function createState(opts: {
     ),
     'a lookup of limits.maxLookupBodyBytes (body, text and parsed keys)': lookupHoldBytes(
       limits.maxLookupBodyBytes,
+      limits.maxLookupKeys,
     ),
   })
   knownKeys(opts.presign, ['minBytes', 'expiresSeconds'], 'presign')

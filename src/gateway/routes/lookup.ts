@@ -8,7 +8,7 @@ import { admitted } from '../admission.ts'
 import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
 import { badRequest, lengthRequired, payloadTooLarge, unsupportedMediaType } from '../http-errors.ts'
-import { lookupHoldBytes } from '../memory-budget.ts'
+import { LOOKUP_EXTRA_VALUES, lookupHoldBytes } from '../memory-budget.ts'
 import { authorize } from '../middleware/auth.ts'
 import { type BodyPace, readPromptly } from '../request-body.ts'
 
@@ -23,14 +23,21 @@ export function lookupRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     const declared = declaredLength(c.req.raw, max)
     // The body, its text and the parsed keys are held at once: reserved before reading, so
     // many large lookups at once get 503 ERR_BUSY instead of filling a 128 MB isolate.
-    return admitted(state, 'lookup', { declared: 0, held: lookupHoldBytes(declared ?? max) }, () =>
-      answer(c, state, ns, max),
-    )
+    const held = lookupHoldBytes(declared ?? max, state.limits.maxLookupKeys)
+    return admitted(state, 'lookup', { declared: 0, held }, () => answer(c, state, ns, max))
   })
 }
 
 async function answer(c: Context<GatewayEnv>, state: GatewayState, ns: string, max: number) {
   const text = await readCapped(c.req.raw, max, state.limits)
+  // JSON.parse builds up to ~22x a body of small values (`[{},{},…]`): what the reservation
+  // covers is only as many values as a lookup may have, so count them before parsing.
+  const values = state.limits.maxLookupKeys + LOOKUP_EXTRA_VALUES
+  if (jsonValueBound(text, values) > values) {
+    throw payloadTooLarge(
+      `more than ${values} JSON values; at most ${state.limits.maxLookupKeys} keys per lookup`,
+    )
+  }
   let body: unknown
   try {
     body = JSON.parse(text)
@@ -62,6 +69,26 @@ function declaredLength(req: Request, max: number): number | undefined {
   const n = Number(declared)
   if (!/^\d+$/.test(declared) || !Number.isSafeInteger(n)) throw badRequest('invalid Content-Length')
   if (n > max) throw payloadTooLarge(`body exceeds ${max} bytes`)
+  return n
+}
+
+/**
+ * An upper bound on the values JSON.parse would build from `text`, counted up to `limit` + 1:
+ * its structural characters (`{ [ , :`) outside strings. Lexed as JSON lexes strings, so
+ * a text that is not JSON is bounded up to where the parser would give up.
+ */
+export function jsonValueBound(text: string, limit: number): number {
+  let n = 1
+  let inString = false
+  for (let i = 0; i < text.length; i++) {
+    const c = text.charCodeAt(i)
+    if (inString) {
+      if (c === 0x5c)
+        i++ // a backslash escapes the next character (\" stays in the string)
+      else if (c === 0x22) inString = false
+    } else if (c === 0x22) inString = true
+    else if ((c === 0x7b || c === 0x5b || c === 0x2c || c === 0x3a) && ++n > limit) return n
+  }
   return n
 }
 
