@@ -22,7 +22,7 @@ import {
 import { S3Store } from '../src/gateway/node.ts'
 import { type R2BucketLike, R2Store } from '../src/gateway/stores/r2.ts'
 import type { StoreObject } from '../src/gateway/stores/types.ts'
-import { makeChunk } from './gateway-fixtures.ts'
+import { makeChunk, putInit } from './gateway-fixtures.ts'
 
 const MIB = 1024 * 1024
 const sha = (b: Uint8Array) => createHash('sha256').update(b).digest('hex')
@@ -511,6 +511,43 @@ describe('coalesced GET buffers', () => {
     expect([read, budget.held]).toEqual([n, n]) // b is still reading it
     await rb.cancel()
     expect([budget.held, co.bufferedBytes]).toEqual([0, 0])
+  })
+
+  it('through the GET route: a client that never reads, or stops mid-body, gives the shared buffer back (idle bound, cancel)', async () => {
+    let release!: () => void
+    const gate = new Promise<void>((r) => (release = r))
+    const base = new MemoryStore()
+    const store = {
+      kind: 'slow',
+      get: async (n: string, o?: Parameters<MemoryStore['get']>[1]) => {
+        await gate
+        return base.get(n, o)
+      },
+      head: base.head.bind(base),
+      putIfAbsent: base.putIfAbsent.bind(base),
+      delete: base.delete.bind(base),
+      list: base.list.bind(base),
+    }
+    const app = createGateway({ store, limits: { readerIdleTimeoutMs: 150 } })
+    const c = makeChunk({ sectionBytes: 96 * 1024 }) // more than one 64 KiB piece
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBeLessThan(300)
+    const url = `/v1/ns/a/chunks/${c.key}`
+    const pending = [app.request(url), app.request(url), app.request(url)]
+    await sleep(20)
+    release()
+    const [whole, idle, stopped] = await Promise.all(pending)
+    expect(app.state.metrics.coalesced.value()).toBe(2)
+    expect(app.state.memory.held).toBe(c.bytes.length)
+    expect(new Uint8Array(await whole!.arrayBuffer())).toEqual(c.bytes)
+    const r = stopped!.body!.getReader()
+    expect((await r.read()).value!.length).toBeLessThan(c.bytes.length)
+    await r.cancel()
+    expect(app.state.memory.held).toBe(c.bytes.length) // `idle` has not read a byte yet
+    await until(() => app.state.memory.held === 0, 3000) // its reader idled out: released once
+    expect(app.state.memory.held).toBe(0)
+    expect(app.state.coalescer!.bufferedBytes).toBe(0)
+    await idle!.body?.cancel().catch(() => {})
+    expect(app.state.memory.held).toBe(0)
   })
 
   it('a store body that breaks while buffered gives its reservation back', async () => {
