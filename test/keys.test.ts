@@ -192,6 +192,10 @@ describe('validation of keys, namespaces and object names', () => {
   it('hex round-trips', () => {
     const b = Uint8Array.from({ length: 256 }, (_, i) => i)
     expect(fromHex(toHex(b))).toEqual(b)
+    // Exactly Node's lowercase hex for every byte value, of a view at an offset too, and empty.
+    expect(toHex(b)).toBe(Buffer.from(b).toString('hex'))
+    expect(toHex(b.subarray(3, 40))).toBe(Buffer.from(b.subarray(3, 40)).toString('hex'))
+    expect(toHex(new Uint8Array(0))).toBe('')
     expect(() => fromHex('abc')).toThrow()
     expect(() => fromHex('zz')).toThrow()
   })
