@@ -77,14 +77,14 @@ function declaredLength(req: Request, max: number): number | undefined {
  * its structural characters (`{ [ , :`) outside strings. Lexed as JSON lexes strings, so
  * a text that is not JSON is bounded up to where the parser would give up.
  */
-export function jsonValueBound(text: string, limit: number): number {
+function jsonValueBound(text: string, limit: number): number {
   let n = 1
   let inString = false
   for (let i = 0; i < text.length; i++) {
     const c = text.charCodeAt(i)
     if (inString) {
-      if (c === 0x5c)
-        i++ // a backslash escapes the next character (\" stays in the string)
+      // A backslash escapes the next character: \" does not end the string.
+      if (c === 0x5c) i++
       else if (c === 0x22) inString = false
     } else if (c === 0x22) inString = true
     else if ((c === 0x7b || c === 0x5b || c === 0x2c || c === 0x3a) && ++n > limit) return n
