@@ -70,6 +70,20 @@ except ImportError:
             return self._connector_metadata is not None
 
 
+def hashes_cover_prompt_embeds() -> bool:
+    """Whether vLLM's block hashes mix in a prompt given as embeddings (vLLM PR 27219, after
+    0.11.0). Before it such a prompt hashed as its placeholder token ids (zeros), so every one
+    of a length had the same hashes. Told by the helper that PR added: a vLLM that renamed it
+    reads as not covering them (a miss for such prompts, never another prompt's KV)."""
+    if not HAVE_VLLM:
+        return True  # no vLLM: the tests' harness hands the connector its own hashes
+    try:
+        from vllm.v1.core import kv_cache_utils  # type: ignore
+    except ImportError:
+        return False
+    return hasattr(kv_cache_utils, "_gen_prompt_embeds_extra_hash_keys")
+
+
 def check_vllm_version(version: Optional[str] = VLLM_VERSION) -> None:
     """Fails with a clear message on a vLLM older than this connector's API."""
     if version is None:

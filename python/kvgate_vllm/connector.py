@@ -23,7 +23,13 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from . import shm
-from ._vllm import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, check_vllm_version
+from ._vllm import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    check_vllm_version,
+    hashes_cover_prompt_embeds,
+)
 from .client import PROTOCOL_VERSION, AgentClient, AgentError, default_socket_path
 
 log = logging.getLogger("kvgate_vllm")
@@ -342,6 +348,8 @@ class KVGateConnector(KVConnectorBase_V1):
         self._pending_loads: List[LoadSpec] = []
         self._pending_saves: List[SaveSpec] = []
         self._warned_hash_size = False
+        # Whether vLLM's block hashes tell prompts given as embeddings apart (_chunk_keys).
+        self._embeds_hashed = hashes_cover_prompt_embeds()
         # worker state
         self._register_msg: Optional[Dict[str, Any]] = None
         self._worker_id: Optional[int] = None
@@ -407,6 +415,10 @@ class KVGateConnector(KVConnectorBase_V1):
         # prompt embeddings, which hashes of the token ids alone would not (another request's KV).
         hashes = getattr(request, "block_hashes", None)
         if hashes is None:
+            return []
+        # A prompt given as embeddings, where vLLM hashes only its placeholder token ids: every
+        # such prompt of one length has the same hashes (another prompt's KV). A miss instead.
+        if getattr(request, "prompt_embeds", None) is not None and not self._embeds_hashed:
             return []
         # One hash per block_size tokens, or a chunk would be keyed by a prefix longer than the
         # blocks it holds (vLLM hashes blocks of its scheduler's block size, which another

@@ -455,7 +455,12 @@ def test_a_prompt_given_as_embeddings_is_looked_up_loaded_and_saved():
     try:
         hashes = make_request("e", PROMPT, 16).block_hashes
         req = SimpleNamespace(
-            request_id="e", prompt_token_ids=None, num_prompt_tokens=100, num_tokens=100, block_hashes=hashes
+            request_id="e",
+            prompt_token_ids=None,
+            prompt_embeds=torch.zeros(100, 8),
+            num_prompt_tokens=100,
+            num_tokens=100,
+            block_hashes=hashes,
         )
         assert lookup(s, req) == 96
         s.update_state_after_alloc(req, FakeBlocks(list(range(1, 8))), 96)
@@ -468,6 +473,39 @@ def test_a_prompt_given_as_embeddings_is_looked_up_loaded_and_saved():
         )
         req2.num_computed_tokens = 100
         assert s.request_finished(req2, list(range(1, 8)))[0] is True
+    finally:
+        s.shutdown()
+        agent.close()
+
+
+def test_a_prompt_given_as_embeddings_is_a_miss_where_vllm_does_not_hash_the_embeddings(monkeypatch):
+    """vLLM 0.11.0 takes prompts as embeddings but hashes their blocks as placeholder token ids
+    (zeros) until its PR 27219: every such prompt of one length has the same block hashes, so
+    keys from them would load one prompt's KV for another. There: no lookup, no load, no save."""
+    import kvgate_vllm.connector as connector_module
+
+    monkeypatch.setattr(connector_module, "hashes_cover_prompt_embeds", lambda: False, raising=False)
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        hashes = make_request("e", PROMPT, 16).block_hashes
+        embeds = SimpleNamespace(
+            request_id="e",
+            prompt_token_ids=None,
+            prompt_embeds=torch.ones(100, 8),
+            num_prompt_tokens=100,
+            num_tokens=100,
+            block_hashes=hashes,
+        )
+        assert lookup(s, embeds) == 0
+        embeds.num_computed_tokens = 100
+        assert s.request_finished(embeds, list(range(1, 8))) == (False, None)
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
+        assert (meta.loads, meta.saves) == ([], [])
+        with agent.lock:
+            assert not any(op in ("lookup", "save") for _, op in agent.requests)
+        # A prompt of token ids is keyed as before.
+        assert lookup(s, make_request("t", PROMPT, 16)) == 96
     finally:
         s.shutdown()
         agent.close()
