@@ -7,13 +7,23 @@ driven by a test harness in vLLM's call order on machines without vLLM (and with
 from __future__ import annotations
 
 import enum
+import logging
 import re
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional, Set
 
-# vLLM releases whose KVConnectorBase_V1 and Request.block_hashes this connector targets.
+# vLLM releases whose KVConnectorBase_V1 and Request.block_hashes this connector targets. The
+# harness drives it in the call orders of 0.11-0.13 and of 0.29 (loads started after the forward
+# on steps without synchronous loads, get_transfer_results), both as read from vLLM's source
+# (docs/vllm.md, "vLLM versions"): not run against a real vLLM here.
 MIN_VLLM = (0, 10, 2)
-MAX_TESTED_VLLM = (0, 13)
-SUPPORTED_VLLM = ">=0.10.2 (tested API: 0.11-0.13)"
+MAX_TESTED_VLLM = (0, 29)
+SUPPORTED_VLLM = (
+    ">=0.10.2 (tested against the call orders of 0.11-0.13 and 0.29 as read from vLLM's source; "
+    "not run against a real vLLM here)"
+)
+
+log = logging.getLogger("kvgate_vllm")
 
 
 def _version_tuple(v: str) -> tuple:
@@ -21,6 +31,7 @@ def _version_tuple(v: str) -> tuple:
     return tuple(int(p) for p in parts)
 
 
+HAVE_VLLM_TRANSFER_RESULTS = False
 try:  # pragma: no cover - exercised only where vLLM is installed
     import vllm  # noqa: F401
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
@@ -32,8 +43,18 @@ try:  # pragma: no cover - exercised only where vLLM is installed
     VLLM_VERSION: Optional[str] = getattr(vllm, "__version__", "0")
     HAVE_VLLM = True
 except ImportError:
-    VLLM_VERSION = None
     HAVE_VLLM = False
+if HAVE_VLLM:  # pragma: no cover - exercised only where vLLM is installed
+    try:  # after 0.13: the worker asks get_transfer_results instead of get_finished
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+            KVConnectorTransferResults,
+        )
+    except ImportError:  # 0.13 and older (a stand-in with its fields below: vLLM reads only those)
+        pass
+    else:
+        HAVE_VLLM_TRANSFER_RESULTS = True
+else:
+    VLLM_VERSION = None
 
     class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
         SCHEDULER = 0
@@ -69,9 +90,32 @@ except ImportError:
         def has_connector_metadata(self) -> bool:
             return self._connector_metadata is not None
 
+        # Hooks vLLM's base class has after 0.13, with its defaults (the harness calls them).
+        def handle_preemptions(self, connector_metadata) -> None:
+            return None
+
+        def build_connector_worker_meta(self):
+            return None
+
+
+if not HAVE_VLLM_TRANSFER_RESULTS:
+
+    @dataclass
+    class KVConnectorTransferResults:  # type: ignore[no-redef]
+        """Stand-in for vLLM's (after 0.13) result of get_transfer_results."""
+
+        finished_sending: Set[str] = field(default_factory=set)
+        finished_recving: Set[str] = field(default_factory=set)
+        failed_recving: Set[str] = field(default_factory=set)
+
+
+_warned_untested = False
+
 
 def check_vllm_version(version: Optional[str] = VLLM_VERSION) -> None:
-    """Fails with a clear message on a vLLM older than this connector's API."""
+    """Fails with a clear message on a vLLM older than this connector's API; warns (once) on one
+    newer than the call orders it was tested against."""
+    global _warned_untested
     if version is None:
         return
     v = _version_tuple(version)
@@ -79,4 +123,12 @@ def check_vllm_version(version: Optional[str] = VLLM_VERSION) -> None:
         raise RuntimeError(
             f"kvgate_vllm needs vLLM {SUPPORTED_VLLM}; this is vLLM {version}, whose KV connector API "
             "lacks Request.block_hashes / async lookups. Upgrade vLLM."
+        )
+    if v and v[:2] > MAX_TESTED_VLLM and not _warned_untested:
+        _warned_untested = True
+        log.warning(
+            "kvgate_vllm: vLLM %s is newer than the KV connector call orders kvgate_vllm was tested against "
+            "(%s); it refuses at start the modes it knows it cannot serve",
+            version,
+            SUPPORTED_VLLM,
         )

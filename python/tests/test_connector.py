@@ -110,9 +110,14 @@ def share(tmp, gateway, name, codec="raw", pair=None, **spec_kw):
     return a, b, ra, rb, (agent_a, agent_b)
 
 
-@pytest.mark.parametrize("layout", ["flash-attn", "flashinfer", "mla"])
-def test_engine_b_loads_engine_a_kv_byte_for_byte(tmp, gateway, pair, layout):
-    a, b, ra, rb, agents = share(tmp, gateway, f"share-{layout}", pair=pair, layout=layout)
+# vLLM's call orders (harness docstring): 0.11-0.13, and after 0.13 (loads before the forward only
+# on steps with synchronous loads, get_transfer_results).
+ORDERS = [("flash-attn", "0.13"), ("flashinfer", "0.13"), ("mla", "0.13"), ("flash-attn", "0.29"), ("mla", "0.29")]
+
+
+@pytest.mark.parametrize("layout,order", ORDERS)
+def test_engine_b_loads_engine_a_kv_byte_for_byte(tmp, gateway, pair, layout, order):
+    a, b, ra, rb, agents = share(tmp, gateway, f"share-{layout}-{order}", pair=pair, layout=layout, call_order=order)
     try:
         assert rb["matched"] == 96
         assert rb["load_errors"] == []
@@ -219,11 +224,12 @@ def test_refuses_unknown_fp8_cache_dtypes(tmp):
         KVGateConnector(cfg, KVConnectorRole.SCHEDULER)
 
 
-@pytest.mark.parametrize("layout", ["flash-attn", "mla"])
-def test_tensor_parallel_two_ranks(tmp, gateway, layout):
-    a, b, ra, rb, agents = share(tmp, gateway, f"tp-{layout}", layout=layout, world=2)
+@pytest.mark.parametrize("layout,order", [("flash-attn", "0.13"), ("mla", "0.13"), ("flash-attn", "0.29")])
+def test_tensor_parallel_two_ranks(tmp, gateway, layout, order):
+    name = f"tp-{layout}-{order}"
+    a, b, ra, rb, agents = share(tmp, gateway, name, layout=layout, world=2, call_order=order)
     try:
-        diag = [agent_call(tmp.sock(f"tp-{layout}-{x}"), "stats", spaces=True) for x in "ab"]
+        diag = [agent_call(tmp.sock(f"{name}-{x}"), "stats", spaces=True) for x in "ab"]
         assert rb["matched"] == 96 and rb["load_errors"] == [], diag
         for rank in range(2):
             A = blocks_of(a, rank, ra["block_ids"], 6)
@@ -236,13 +242,38 @@ def test_tensor_parallel_two_ranks(tmp, gateway, layout):
             A0 = blocks_of(a, 0, ra["block_ids"], 1)
             A1 = blocks_of(a, 1, ra["block_ids"], 1)
             assert not torch.equal(A0[0][0][0], A1[0][0][0])
-        stats = agent_call(tmp.sock(f"tp-{layout}-b"), "stats")
+        stats = agent_call(tmp.sock(f"{name}-b"), "stats")
         assert stats["spaces"] == (1 if layout == "mla" else 2)
     finally:
         a.close()
         b.close()
         for ag in agents:
             ag.stop()
+
+
+def test_loads_a_vllm_starts_after_the_forward_are_reported_failed_not_served(tmp, gateway, pair):
+    """A vLLM that starts a step's loads after its forward (after 0.13 it does so on steps without
+    synchronous loads): the forward has read the blocks unfilled. The loads are refused and their
+    blocks reported failed (vLLM recomputes them), never filled behind the forward's back."""
+    sa, sb = pair
+    a = Engine(EngineSpec(socket=sa, model="test/late-loads", call_order="0.29"), block_order_seed=1)
+    b = Engine(EngineSpec(socket=sb, model="test/late-loads", call_order="0.29", late_loads=True), block_order_seed=2)
+    try:
+        assert a.ready and b.ready
+        ra = a.prefill("r1", PROMPT)
+        assert a.finish(ra["req"], ra["block_ids"]) is True
+        assert agent_call(sa, "flush")["ok"]
+        loads_before = agent_call(sb, "stats").get("loads")
+        rb = b.prefill("r1", PROMPT)
+        assert rb["matched"] == 96
+        assert rb["load_errors"] == sorted(rb["block_ids"][:6])
+        assert agent_call(sb, "stats").get("loads") == loads_before  # the agent was never asked
+        for t in b.tensors(0):  # nothing copied into the blocks after the forward
+            for blk in rb["block_ids"][:6]:
+                assert block_view(t, b.spec, 0, blk).abs().sum() == 0
+    finally:
+        a.close()
+        b.close()
 
 
 def test_blocks_a_sliding_window_dropped_are_never_saved(tmp, gateway, pair):
