@@ -435,11 +435,20 @@ def test_pci_bus_id_from_device_properties():
     assert pci_bus_id(SimpleNamespace(pci_domain_id=0, pci_bus_id="x", pci_device_id=0)) is None
 
 
-def test_vllm_version_check():
+def test_vllm_version_check(caplog, monkeypatch):
+    import kvgate_vllm._vllm as v
+
     with pytest.raises(RuntimeError, match="vLLM"):
         check_vllm_version("0.9.1")
-    check_vllm_version("0.11.0")
-    check_vllm_version(None)
+    monkeypatch.setattr(v, "_warned_untested", False)
+    with caplog.at_level("WARNING", logger="kvgate_vllm"):
+        check_vllm_version("0.11.0")
+        check_vllm_version("0.29.1")
+        check_vllm_version(None)
+        assert not caplog.records  # within the call orders tested
+        check_vllm_version("0.30.0")  # newer: runs, says it was not tested
+        check_vllm_version("0.31.0")
+    assert len(caplog.records) == 1 and "newer than the KV connector call orders" in caplog.text
 
 
 def test_real_gpu_ipc(tmp):
