@@ -45,14 +45,16 @@ try:  # pragma: no cover - exercised only where vLLM is installed
 except ImportError:
     HAVE_VLLM = False
 if HAVE_VLLM:  # pragma: no cover - exercised only where vLLM is installed
-    try:  # after 0.13: the worker asks get_transfer_results instead of get_finished
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
-            KVConnectorTransferResults,
-        )
-    except ImportError:  # 0.13 and older (a stand-in with its fields below: vLLM reads only those)
-        pass
-    else:
+    # After 0.13 the worker asks get_transfer_results instead of get_finished. vLLM's own result
+    # class where it is found (its defaults for the fields kvgate leaves alone), else a stand-in
+    # with the fields vLLM's runners read.
+    for _module in ("vllm.distributed.kv_transfer.kv_connector.v1.base", "vllm.v1.outputs"):
+        try:
+            KVConnectorTransferResults = getattr(__import__(_module, fromlist=["_"]), "KVConnectorTransferResults")
+        except (ImportError, AttributeError):
+            continue
         HAVE_VLLM_TRANSFER_RESULTS = True
+        break
 else:
     VLLM_VERSION = None
 
@@ -97,6 +99,9 @@ else:
         def build_connector_worker_meta(self):
             return None
 
+        def finish_forward(self) -> None:  # vLLM's V2 runner: the step's forward was launched
+            return None
+
 
 if not HAVE_VLLM_TRANSFER_RESULTS:
 
@@ -107,6 +112,7 @@ if not HAVE_VLLM_TRANSFER_RESULTS:
         finished_sending: Set[str] = field(default_factory=set)
         finished_recving: Set[str] = field(default_factory=set)
         failed_recving: Set[str] = field(default_factory=set)
+        prefix_replay_checkpoints: Any = None  # read by vLLM 0.29's runners; kvgate has none
 
 
 _warned_untested = False

@@ -702,6 +702,14 @@ class KVGateConnector(KVConnectorBase_V1):
         for st in self._loads:
             st.wait_layer(idx + 1, self._load_deadline)
 
+    def finish_forward(self) -> None:
+        # vLLM's V2 model runner (after 0.13) calls this once the step's forward is launched, also
+        # when a FULL CUDA graph replays it and no layer hook runs.
+        self._forward_ran = True
+        parent = getattr(super(), "finish_forward", None)
+        if parent is not None:
+            parent()
+
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         # Saves happen once per finished request (request_finished), from the blocks vLLM keeps for us.
         self._forward_ran = True
@@ -751,10 +759,10 @@ class KVGateConnector(KVConnectorBase_V1):
         self._finished_seen = {r for r in self._finished_seen if r in self._saves}
         return (done or None), None
 
-    def get_transfer_results(self, finished_req_ids: Set[str]) -> Any:
+    def get_transfer_results(self, finished_req_ids: Optional[Set[str]] = None) -> Any:
         # vLLM after 0.13 asks this instead of get_finished; a finished save it never hears of
         # would hold the request's blocks for ever. kvgate's loads are synchronous: no recvs.
-        sending, _ = self.get_finished(finished_req_ids)
+        sending, _ = self.get_finished(set(finished_req_ids or ()))
         return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set())
 
     def get_block_ids_with_load_errors(self) -> Set[int]:

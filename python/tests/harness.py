@@ -282,6 +282,8 @@ def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
                         conn_.wait_for_layer_load(n)
                         if fwd is not None:
                             _write_synthetic(caches[n], spec, rank, li, fwd)
+                if new_order:
+                    conn_.finish_forward()  # vLLM's V2 runner
                 if not before:
                     conn_.start_load_kv(None)
                 conn_.wait_for_save()

@@ -879,8 +879,8 @@ def test_a_step_with_kvgate_loads_or_saves_starts_them_before_the_forward():
 
 
 def test_loads_started_after_the_forward_ran_are_reported_failed_and_never_sent():
-    agent = ScriptedAgent(well_behaved)
-    w, caches = worker(agent)
+    agent = ScriptedAgent(well_behaved)  # answers no load: the in-order step ends at its deadline
+    w, caches = worker(agent, load_timeout_ms=300)
     try:
         assert w._worker_ready()
         spec = load_spec()
@@ -949,4 +949,25 @@ def test_a_pending_save_never_makes_vllm_recompute_a_preempted_request():
         assert s.requires_kv_delivery is False
     finally:
         s.shutdown()
+        agent.close()
+
+
+def test_loads_started_after_a_full_cuda_graph_forward_are_reported_failed():
+    """A FULL CUDA graph replay runs no layer hook; vLLM's V2 runner still calls finish_forward
+    once the forward is launched: loads started after it are refused like any late load."""
+    agent = ScriptedAgent(well_behaved)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        spec = load_spec()
+        w.bind_connector_metadata(KVGateMetadata(loads=[spec]))
+        w.finish_forward()
+        w.start_load_kv(SimpleNamespace(cudagraph_runtime_mode=SimpleNamespace(name="FULL")))
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set(spec.block_ids)
+        assert (0, "load") not in agent.requests
+        w.clear_connector_metadata()
+    finally:
+        w.shutdown()
+        drop_caches(caches)
         agent.close()
