@@ -276,15 +276,16 @@ def test_loads_a_vllm_starts_after_the_forward_are_reported_failed_not_served(tm
         b.close()
 
 
-def test_blocks_a_sliding_window_dropped_are_never_saved(tmp, gateway, pair):
+@pytest.mark.parametrize("order", ["0.13", "0.29"])
+def test_blocks_a_sliding_window_dropped_are_never_saved(tmp, gateway, pair, order):
     """A sliding-window (or chunked local attention) model: by request_finished vLLM has put its
     null block (id 0, shared by every request, holding nothing of theirs) in the place of the
     blocks that fell out of the window. Saving those positions would store block 0's bytes as
     the prefix's KV and serve them to every engine that matches it: B must load exactly A's
     computed KV or miss."""
     sa, sb = pair
-    a = Engine(EngineSpec(socket=sa, model="test/null-block"), block_order_seed=1)
-    b = Engine(EngineSpec(socket=sb, model="test/null-block"), block_order_seed=2)
+    a = Engine(EngineSpec(socket=sa, model=f"test/null-block-{order}", call_order=order), block_order_seed=1)
+    b = Engine(EngineSpec(socket=sb, model=f"test/null-block-{order}", call_order=order), block_order_seed=2)
     try:
         assert a.ready and b.ready
         ra = a.prefill("r1", PROMPT)
@@ -311,28 +312,27 @@ def test_blocks_a_sliding_window_dropped_are_never_saved(tmp, gateway, pair):
         b.close()
 
 
-def test_agent_killed_mid_load_then_restarted(tmp, gateway):
-    a, b, ra, rb, agents = share(tmp, gateway, "kill")
+@pytest.mark.parametrize("order", ["0.13", "0.29"])
+def test_agent_killed_mid_load_then_restarted(tmp, gateway, order):
+    a, b, ra, rb, agents = share(tmp, gateway, f"kill-{order}", call_order=order)
     agent_a, agent_b = agents
     try:
         assert rb["matched"] == 96
         # Engine B again, new request: the agent answers the lookup, then stops before the load
         # and dies while the worker waits on it.
-        sock_b = tmp.sock("kill-b")
         req_tokens = PROMPT
         from harness import FakeBlocks, make_request
-        from types import SimpleNamespace
 
         req = make_request("r2", req_tokens, 16)
         n = b.lookup(req)
         assert n == 96
         block_ids = b.alloc(7)
         b.sched.update_state_after_alloc(req, FakeBlocks(block_ids), n)
-        meta = b.sched.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
+        meta, sync = b.schedule(sync_loads=True)
         os.kill(agent_b.proc.pid, signal.SIGSTOP)
         killer = threading.Timer(0.5, agent_b.kill)
         killer.start()
-        outs = b.step(meta, (), {"tokens": req_tokens, "start": n, "block_ids": block_ids})
+        outs = b.step(meta, (), {"tokens": req_tokens, "start": n, "block_ids": block_ids}, sync)
         killer.join()
         assert outs[0]["load_errors"] == sorted(block_ids[:6])
         # With the agent gone: 0 matched tokens (full prefill), no hang.
