@@ -267,11 +267,13 @@ def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
                 new_order = spec.call_order != "0.13"
                 # After 0.13 loads start before the forward only on a step with synchronous loads.
                 before = not new_order or (sync and not spec.late_loads)
+                # vLLM 0.29's V2 runner passes the batch's request rows as keyword arguments.
+                load_kw = {"request_ids": [], "request_state_indices": None, "attn_metadata": {}} if new_order else {}
                 if new_order:
                     conn_.handle_preemptions(meta)
                 conn_.bind_connector_metadata(meta)
                 if before:
-                    conn_.start_load_kv(None)
+                    conn_.start_load_kv(None, **load_kw)
                 out: Dict[str, Any] = {}
                 if model is not None and fwd is not None:
                     out["logits"] = model.forward_paged(
@@ -285,7 +287,7 @@ def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
                 if new_order:
                     conn_.finish_forward()  # vLLM's V2 runner
                 if not before:
-                    conn_.start_load_kv(None)
+                    conn_.start_load_kv(None, **load_kw)
                 conn_.wait_for_save()
                 if new_order:
                     sending = conn_.get_transfer_results(set(finished)).finished_sending
