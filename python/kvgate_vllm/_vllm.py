@@ -7,13 +7,23 @@ driven by a test harness in vLLM's call order on machines without vLLM (and with
 from __future__ import annotations
 
 import enum
+import logging
 import re
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional, Set
 
-# vLLM releases whose KVConnectorBase_V1 and Request.block_hashes this connector targets.
+# vLLM releases whose KVConnectorBase_V1 and Request.block_hashes this connector targets. The
+# harness drives it in the call orders of 0.11-0.13 and of 0.29 (loads started after the forward
+# on steps without synchronous loads, get_transfer_results), both as read from vLLM's source
+# (docs/vllm.md, "vLLM versions"): not run against a real vLLM here.
 MIN_VLLM = (0, 10, 2)
-MAX_TESTED_VLLM = (0, 13)
-SUPPORTED_VLLM = ">=0.10.2 (tested API: 0.11-0.13)"
+MAX_TESTED_VLLM = (0, 29)
+SUPPORTED_VLLM = (
+    ">=0.10.2 (tested against the call orders of 0.11-0.13 and 0.29 as read from vLLM's source; "
+    "not run against a real vLLM here)"
+)
+
+log = logging.getLogger("kvgate_vllm")
 
 
 def _version_tuple(v: str) -> tuple:
@@ -21,6 +31,7 @@ def _version_tuple(v: str) -> tuple:
     return tuple(int(p) for p in parts)
 
 
+HAVE_VLLM_TRANSFER_RESULTS = False
 try:  # pragma: no cover - exercised only where vLLM is installed
     import vllm  # noqa: F401
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
@@ -32,8 +43,20 @@ try:  # pragma: no cover - exercised only where vLLM is installed
     VLLM_VERSION: Optional[str] = getattr(vllm, "__version__", "0")
     HAVE_VLLM = True
 except ImportError:
-    VLLM_VERSION = None
     HAVE_VLLM = False
+if HAVE_VLLM:  # pragma: no cover - exercised only where vLLM is installed
+    # After 0.13 the worker asks get_transfer_results instead of get_finished. vLLM's own result
+    # class where it is found (its defaults for the fields kvgate leaves alone), else a stand-in
+    # with the fields vLLM's runners read.
+    for _module in ("vllm.distributed.kv_transfer.kv_connector.v1.base", "vllm.v1.outputs"):
+        try:
+            KVConnectorTransferResults = getattr(__import__(_module, fromlist=["_"]), "KVConnectorTransferResults")
+        except (ImportError, AttributeError):
+            continue
+        HAVE_VLLM_TRANSFER_RESULTS = True
+        break
+else:
+    VLLM_VERSION = None
 
     class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
         SCHEDULER = 0
@@ -69,6 +92,31 @@ except ImportError:
         def has_connector_metadata(self) -> bool:
             return self._connector_metadata is not None
 
+        # Hooks vLLM's base class has after 0.13, with its defaults (the harness calls them).
+        def handle_preemptions(self, connector_metadata) -> None:
+            return None
+
+        def build_connector_worker_meta(self):
+            return None
+
+        def finish_forward(self) -> None:  # vLLM's V2 runner: the step's forward was launched
+            return None
+
+
+if not HAVE_VLLM_TRANSFER_RESULTS:
+
+    @dataclass
+    class KVConnectorTransferResults:  # type: ignore[no-redef]
+        """Stand-in for vLLM's (after 0.13) result of get_transfer_results."""
+
+        finished_sending: Set[str] = field(default_factory=set)
+        finished_recving: Set[str] = field(default_factory=set)
+        failed_recving: Set[str] = field(default_factory=set)
+        prefix_replay_checkpoints: Any = None  # read by vLLM 0.29's runners; kvgate has none
+
+
+_warned_untested = False
+
 
 def hashes_cover_prompt_embeds() -> bool:
     """Whether vLLM's block hashes mix in a prompt given as embeddings (vLLM PR 27219, after
@@ -85,7 +133,9 @@ def hashes_cover_prompt_embeds() -> bool:
 
 
 def check_vllm_version(version: Optional[str] = VLLM_VERSION) -> None:
-    """Fails with a clear message on a vLLM older than this connector's API."""
+    """Fails with a clear message on a vLLM older than this connector's API; warns (once) on one
+    newer than the call orders it was tested against."""
+    global _warned_untested
     if version is None:
         return
     v = _version_tuple(version)
@@ -93,4 +143,12 @@ def check_vllm_version(version: Optional[str] = VLLM_VERSION) -> None:
         raise RuntimeError(
             f"kvgate_vllm needs vLLM {SUPPORTED_VLLM}; this is vLLM {version}, whose KV connector API "
             "lacks Request.block_hashes / async lookups. Upgrade vLLM."
+        )
+    if v and v[:2] > MAX_TESTED_VLLM and not _warned_untested:
+        _warned_untested = True
+        log.warning(
+            "kvgate_vllm: vLLM %s is newer than the KV connector call orders kvgate_vllm was tested against "
+            "(%s); it refuses at start the modes it knows it cannot serve",
+            version,
+            SUPPORTED_VLLM,
         )

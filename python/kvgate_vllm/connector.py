@@ -27,6 +27,7 @@ from ._vllm import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     check_vllm_version,
     hashes_cover_prompt_embeds,
 )
@@ -183,6 +184,19 @@ def model_identity(model: Any, extra: Dict[str, Any]) -> str:
     return ident
 
 
+def check_kv_cache_groups(kv_cache_config: Any) -> None:
+    """Refuses vLLM's hybrid KV cache manager (more than one KV cache group: full attention beside
+    sliding window or Mamba layers). Its blocks come one list per group and its requests finish
+    once for all groups (SupportsHMA); kvgate reads one group's blocks, so the others' KV would be
+    neither saved nor loaded while their tokens counted as loaded."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is not None and len(groups) > 1:
+        raise ConfigurationError(
+            f"KVGateConnector does not support vLLM's hybrid KV cache manager ({len(groups)} KV cache groups): "
+            "run vLLM with --disable-hybrid-kv-cache-manager"
+        )
+
+
 def engine_settings(vllm_config: Any) -> Dict[str, Any]:
     """What the agent must know about this engine, read from vLLM's config (and checked)."""
     cache = vllm_config.cache_config
@@ -325,6 +339,7 @@ class KVGateConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         check_vllm_version()
         super().__init__(vllm_config, role, kv_cache_config)
+        check_kv_cache_groups(kv_cache_config)
         self._settings = s = engine_settings(vllm_config)
         self._block_size = s["blockSize"]
         self._hello = {
@@ -350,6 +365,7 @@ class KVGateConnector(KVConnectorBase_V1):
         self._warned_hash_size = False
         # Whether vLLM's block hashes tell prompts given as embeddings apart (_chunk_keys).
         self._embeds_hashed = hashes_cover_prompt_embeds()
+        self._warned_late_loads = False
         # worker state
         self._register_msg: Optional[Dict[str, Any]] = None
         self._worker_id: Optional[int] = None
@@ -366,12 +382,30 @@ class KVGateConnector(KVConnectorBase_V1):
         self._saves_done: Set[str] = set()
         self._finished_seen: Set[str] = set()
         self._load_errors: Set[int] = set()
+        # Whether the forward of the bound step has run (a layer hook was called): loads started
+        # after it would fill blocks the forward already read (vLLM after 0.13 starts a step's
+        # loads after the forward when the step has no synchronous load).
+        self._forward_ran = False
         # Saves whose blocks were released unstored (no agent, or it died or refused before it
         # answered): the blocks are never held for an agent that is gone, but the loss is counted.
         self.saves_not_stored = 0
         # At start an agent that refuses this engine fails it with the agent's message; later
         # (an agent restarted with other settings) it means running without kvgate.
         self._client.ensure(raise_refusal=True)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # vLLM after 0.13 recomputes a preempted request whose hand-off is pending when this is
+        # True (its default for kv_both). kvgate is a cache: a save not made is a later miss.
+        return False
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._forward_ran = False
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._forward_ran = False
 
     # ------------------------------------------------------------------ shared
 
@@ -514,6 +548,12 @@ class KVGateConnector(KVConnectorBase_V1):
         meta = KVGateMetadata(loads=self._pending_loads, saves=self._pending_saves)
         self._pending_loads = []
         self._pending_saves = []
+        if (meta.loads or meta.saves) and hasattr(scheduler_output, "has_sync_kv_loads"):
+            # vLLM after 0.13 starts a step's loads before its forward only when this is set. The
+            # scheduler sets it for kvgate's (synchronous) loads itself; set here too so no step
+            # carrying them can start late, and for saves: started after the forward, they would
+            # wait for it on the engine's stream before the agent copies.
+            scheduler_output.has_sync_kv_loads = True
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -546,6 +586,11 @@ class KVGateConnector(KVConnectorBase_V1):
         computed = getattr(request, "num_computed_tokens", 0)
         computed = computed if type(computed) is int else 0
         n = min(len(keys), len(block_ids) // bpc, computed // (bpc * self._block_size))
+        # vLLM after 0.13: only the first num_publishable_block_hashes hashes may key stored KV
+        # (with EAGLE the draft model's KV of a block is materialised a step later).
+        publishable = getattr(request, "num_publishable_block_hashes", None)
+        if type(publishable) is int:
+            n = min(n, max(0, publishable) // bpc)
         # A chunk with a null block (its KV fell out of a sliding window) is never stored: block
         # 0's bytes would be served as that prefix's KV. Chunks after it are stored (a node that
         # holds the chunks before them serves them).
@@ -627,10 +672,17 @@ class KVGateConnector(KVConnectorBase_V1):
             # last tokens (its save would store what was there before) or a freed block now
             # allocated to a load (its kernel would overwrite what the agent loaded).
             torch.cuda.current_stream(self._kv_device).synchronize()
+        late = bool(meta.loads) and self._forward_ran
+        if late and not self._warned_late_loads:
+            self._warned_late_loads = True
+            log.warning(
+                "kvgate: vLLM started this step's loads after its forward (a step without synchronous "
+                "loads): their blocks are reported failed and vLLM recomputes them"
+            )
         if meta.loads and not self._loads:
             self._load_deadline = time.monotonic() + self._settings["loadTimeoutS"]
         for spec in meta.loads:
-            if not ready:
+            if not ready or late:
                 self._load_errors.update(spec.block_ids[spec.skip_blocks :])
                 continue
             st = _LoadState(spec)
@@ -668,15 +720,24 @@ class KVGateConnector(KVConnectorBase_V1):
             )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        self._forward_ran = True
         idx = self._layer_index.get(layer_name)
         if idx is None or not self._loads:
             return
         for st in self._loads:
             st.wait_layer(idx + 1, self._load_deadline)
 
+    def finish_forward(self) -> None:
+        # vLLM's V2 model runner (after 0.13) calls this once the step's forward is launched, also
+        # when a FULL CUDA graph replays it and no layer hook runs.
+        self._forward_ran = True
+        parent = getattr(super(), "finish_forward", None)
+        if parent is not None:
+            parent()
+
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         # Saves happen once per finished request (request_finished), from the blocks vLLM keeps for us.
-        return None
+        self._forward_ran = True
 
     def _finish_loads(self) -> None:
         loads, self._loads = self._loads, []
@@ -722,6 +783,12 @@ class KVGateConnector(KVConnectorBase_V1):
         # once, in the step whose metadata carries its save (start_load_kv registered it).
         self._finished_seen = {r for r in self._finished_seen if r in self._saves}
         return (done or None), None
+
+    def get_transfer_results(self, finished_req_ids: Optional[Set[str]] = None) -> Any:
+        # vLLM after 0.13 asks this instead of get_finished; a finished save it never hears of
+        # would hold the request's blocks for ever. kvgate's loads are synchronous: no recvs.
+        sending, _ = self.get_finished(set(finished_req_ids or ()))
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set())
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         self._finish_loads()

@@ -1,5 +1,11 @@
 """An engine harness that drives KVGateConnector in vLLM's call order, without vLLM.
 
+Two call orders (EngineSpec.call_order), as read from vLLM's source: "0.13" (0.11-0.13: bind,
+start_load_kv, forward, wait_for_save, get_finished) and "0.29" (after 0.13: handle_preemptions,
+bind, start_load_kv before the forward only on a step with synchronous loads, else after it,
+wait_for_save, get_transfer_results, build_connector_worker_meta). `late_loads` plays a vLLM
+that starts every step's loads after its forward.
+
 The scheduler connector runs in the test process; each TP worker is a separate process
 (spawned, as vLLM's workers are) holding its paged KV cache in /dev/shm tensors, which the
 kvgate agent maps. Services (a gateway, agents) are real `kvgate` processes.
@@ -135,6 +141,8 @@ class EngineSpec:
     hash_algo: str = "sha256_cbor"
     weights: Optional[str] = None  # a llama2.c checkpoint: run the real model
     device: str = "cpu"  # "cuda": KV in GPU memory, registered through CUDA IPC handles
+    call_order: str = "0.13"  # or "0.29" (module docstring)
+    late_loads: bool = False  # "0.29" order, loads always started after the forward
 
 
 def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
@@ -255,9 +263,17 @@ def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
                 except Exception as e:  # surfaced to the test
                     conn.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
             elif cmd[0] == "step":
-                _, meta, finished, fwd = cmd
+                _, meta, finished, fwd, sync = cmd
+                new_order = spec.call_order != "0.13"
+                # After 0.13 loads start before the forward only on a step with synchronous loads.
+                before = not new_order or (sync and not spec.late_loads)
+                # vLLM 0.29's V2 runner passes the batch's request rows as keyword arguments.
+                load_kw = {"request_ids": [], "request_state_indices": None, "attn_metadata": {}} if new_order else {}
+                if new_order:
+                    conn_.handle_preemptions(meta)
                 conn_.bind_connector_metadata(meta)
-                conn_.start_load_kv(None)
+                if before:
+                    conn_.start_load_kv(None, **load_kw)
                 out: Dict[str, Any] = {}
                 if model is not None and fwd is not None:
                     out["logits"] = model.forward_paged(
@@ -268,10 +284,19 @@ def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
                         conn_.wait_for_layer_load(n)
                         if fwd is not None:
                             _write_synthetic(caches[n], spec, rank, li, fwd)
+                if new_order:
+                    conn_.finish_forward()  # vLLM's V2 runner
+                if not before:
+                    conn_.start_load_kv(None, **load_kw)
                 conn_.wait_for_save()
-                sending, _ = conn_.get_finished(set(finished))
+                if new_order:
+                    sending = conn_.get_transfer_results(set(finished)).finished_sending
+                else:
+                    sending, _ = conn_.get_finished(set(finished))
                 out["finished_sending"] = sorted(sending or [])
                 out["load_errors"] = sorted(conn_.get_block_ids_with_load_errors())
+                if new_order:
+                    conn_.build_connector_worker_meta()
                 conn_.clear_connector_metadata()
                 conn.send(out)
             elif cmd[0] == "dump":
@@ -364,8 +389,18 @@ class Engine:
         out, self.free = self.free[:n], self.free[n:]
         return out
 
-    def step(self, meta, finished=(), fwd=None) -> List[Dict[str, Any]]:
-        return [w.call("step", meta, list(finished), fwd) for w in self.workers]
+    def schedule(self, finished=(), sync_loads: bool = False):
+        """build_connector_meta as vLLM's scheduler calls it. After 0.13 its SchedulerOutput says
+        whether a request of the step loads synchronously (`sync_loads`: vLLM's own reckoning,
+        which the connector may raise). Returns (metadata, has_sync_kv_loads)."""
+        out = SimpleNamespace(finished_req_ids=set(finished))
+        if self.spec.call_order != "0.13":
+            out.has_sync_kv_loads = sync_loads
+        meta = self.sched.build_connector_meta(out)
+        return meta, getattr(out, "has_sync_kv_loads", True)
+
+    def step(self, meta, finished=(), fwd=None, sync=True) -> List[Dict[str, Any]]:
+        return [w.call("step", meta, list(finished), fwd, sync) for w in self.workers]
 
     def lookup(self, req: FakeRequest, computed: int = 0, timeout: float = 10.0):
         deadline = time.monotonic() + timeout
@@ -383,9 +418,9 @@ class Engine:
         n = self.lookup(req)
         block_ids = self.alloc(math.ceil(len(tokens) / self.spec.block_size) + extra_blocks)
         self.sched.update_state_after_alloc(req, FakeBlocks(block_ids), n)
-        meta = self.sched.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
+        meta, sync = self.schedule(sync_loads=n > 0)
         fwd = {"tokens": tokens, "start": n, "block_ids": block_ids, **(fwd_extra or {})}
-        outs = self.step(meta, (), fwd)
+        outs = self.step(meta, (), fwd, sync)
         # The whole prompt went through the model (the first sampled token is not in `tokens`).
         req.num_computed_tokens = len(tokens)
         errors = sorted({b for o in outs for b in o["load_errors"]})
@@ -399,8 +434,8 @@ class Engine:
         reported = set()
         finished = {req.request_id}
         for _ in range(max_steps):
-            meta = self.sched.build_connector_meta(SimpleNamespace(finished_req_ids=finished))
-            outs = self.step(meta, finished)
+            meta, sync = self.schedule(finished)
+            outs = self.step(meta, finished, None, sync)
             finished = set()
             for i, o in enumerate(outs):
                 if req.request_id in o["finished_sending"]:

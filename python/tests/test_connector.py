@@ -111,9 +111,14 @@ def share(tmp, gateway, name, codec="raw", pair=None, **spec_kw):
     return a, b, ra, rb, (agent_a, agent_b)
 
 
-@pytest.mark.parametrize("layout", ["flash-attn", "flashinfer", "mla"])
-def test_engine_b_loads_engine_a_kv_byte_for_byte(tmp, gateway, pair, layout):
-    a, b, ra, rb, agents = share(tmp, gateway, f"share-{layout}", pair=pair, layout=layout)
+# vLLM's call orders (harness docstring): 0.11-0.13, and after 0.13 (loads before the forward only
+# on steps with synchronous loads, get_transfer_results).
+ORDERS = [("flash-attn", "0.13"), ("flashinfer", "0.13"), ("mla", "0.13"), ("flash-attn", "0.29"), ("mla", "0.29")]
+
+
+@pytest.mark.parametrize("layout,order", ORDERS)
+def test_engine_b_loads_engine_a_kv_byte_for_byte(tmp, gateway, pair, layout, order):
+    a, b, ra, rb, agents = share(tmp, gateway, f"share-{layout}-{order}", pair=pair, layout=layout, call_order=order)
     try:
         assert rb["matched"] == 96
         assert rb["load_errors"] == []
@@ -220,11 +225,12 @@ def test_refuses_unknown_fp8_cache_dtypes(tmp):
         KVGateConnector(cfg, KVConnectorRole.SCHEDULER)
 
 
-@pytest.mark.parametrize("layout", ["flash-attn", "mla"])
-def test_tensor_parallel_two_ranks(tmp, gateway, layout):
-    a, b, ra, rb, agents = share(tmp, gateway, f"tp-{layout}", layout=layout, world=2)
+@pytest.mark.parametrize("layout,order", [("flash-attn", "0.13"), ("mla", "0.13"), ("flash-attn", "0.29")])
+def test_tensor_parallel_two_ranks(tmp, gateway, layout, order):
+    name = f"tp-{layout}-{order}"
+    a, b, ra, rb, agents = share(tmp, gateway, name, layout=layout, world=2, call_order=order)
     try:
-        diag = [agent_call(tmp.sock(f"tp-{layout}-{x}"), "stats", spaces=True) for x in "ab"]
+        diag = [agent_call(tmp.sock(f"{name}-{x}"), "stats", spaces=True) for x in "ab"]
         assert rb["matched"] == 96 and rb["load_errors"] == [], diag
         for rank in range(2):
             A = blocks_of(a, rank, ra["block_ids"], 6)
@@ -237,7 +243,7 @@ def test_tensor_parallel_two_ranks(tmp, gateway, layout):
             A0 = blocks_of(a, 0, ra["block_ids"], 1)
             A1 = blocks_of(a, 1, ra["block_ids"], 1)
             assert not torch.equal(A0[0][0][0], A1[0][0][0])
-        stats = agent_call(tmp.sock(f"tp-{layout}-b"), "stats")
+        stats = agent_call(tmp.sock(f"{name}-b"), "stats")
         assert stats["spaces"] == (1 if layout == "mla" else 2)
     finally:
         a.close()
@@ -246,15 +252,41 @@ def test_tensor_parallel_two_ranks(tmp, gateway, layout):
             ag.stop()
 
 
-def test_blocks_a_sliding_window_dropped_are_never_saved(tmp, gateway, pair):
+def test_loads_a_vllm_starts_after_the_forward_are_reported_failed_not_served(tmp, gateway, pair):
+    """A vLLM that starts a step's loads after its forward (after 0.13 it does so on steps without
+    synchronous loads): the forward has read the blocks unfilled. The loads are refused and their
+    blocks reported failed (vLLM recomputes them), never filled behind the forward's back."""
+    sa, sb = pair
+    a = Engine(EngineSpec(socket=sa, model="test/late-loads", call_order="0.29"), block_order_seed=1)
+    b = Engine(EngineSpec(socket=sb, model="test/late-loads", call_order="0.29", late_loads=True), block_order_seed=2)
+    try:
+        assert a.ready and b.ready
+        ra = a.prefill("r1", PROMPT)
+        assert a.finish(ra["req"], ra["block_ids"]) is True
+        assert agent_call(sa, "flush")["ok"]
+        loads_before = agent_call(sb, "stats").get("loads")
+        rb = b.prefill("r1", PROMPT)
+        assert rb["matched"] == 96
+        assert rb["load_errors"] == sorted(rb["block_ids"][:6])
+        assert agent_call(sb, "stats").get("loads") == loads_before  # the agent was never asked
+        for t in b.tensors(0):  # nothing copied into the blocks after the forward
+            for blk in rb["block_ids"][:6]:
+                assert block_view(t, b.spec, 0, blk).abs().sum() == 0
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("order", ["0.13", "0.29"])
+def test_blocks_a_sliding_window_dropped_are_never_saved(tmp, gateway, pair, order):
     """A sliding-window (or chunked local attention) model: by request_finished vLLM has put its
     null block (id 0, shared by every request, holding nothing of theirs) in the place of the
     blocks that fell out of the window. Saving those positions would store block 0's bytes as
     the prefix's KV and serve them to every engine that matches it: B must load exactly A's
     computed KV or miss."""
     sa, sb = pair
-    a = Engine(EngineSpec(socket=sa, model="test/null-block"), block_order_seed=1)
-    b = Engine(EngineSpec(socket=sb, model="test/null-block"), block_order_seed=2)
+    a = Engine(EngineSpec(socket=sa, model=f"test/null-block-{order}", call_order=order), block_order_seed=1)
+    b = Engine(EngineSpec(socket=sb, model=f"test/null-block-{order}", call_order=order), block_order_seed=2)
     try:
         assert a.ready and b.ready
         ra = a.prefill("r1", PROMPT)
@@ -281,28 +313,27 @@ def test_blocks_a_sliding_window_dropped_are_never_saved(tmp, gateway, pair):
         b.close()
 
 
-def test_agent_killed_mid_load_then_restarted(tmp, gateway):
-    a, b, ra, rb, agents = share(tmp, gateway, "kill")
+@pytest.mark.parametrize("order", ["0.13", "0.29"])
+def test_agent_killed_mid_load_then_restarted(tmp, gateway, order):
+    a, b, ra, rb, agents = share(tmp, gateway, f"kill-{order}", call_order=order)
     agent_a, agent_b = agents
     try:
         assert rb["matched"] == 96
         # Engine B again, new request: the agent answers the lookup, then stops before the load
         # and dies while the worker waits on it.
-        sock_b = tmp.sock("kill-b")
         req_tokens = PROMPT
         from harness import FakeBlocks, make_request
-        from types import SimpleNamespace
 
         req = make_request("r2", req_tokens, 16)
         n = b.lookup(req)
         assert n == 96
         block_ids = b.alloc(7)
         b.sched.update_state_after_alloc(req, FakeBlocks(block_ids), n)
-        meta = b.sched.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
+        meta, sync = b.schedule(sync_loads=True)
         os.kill(agent_b.proc.pid, signal.SIGSTOP)
         killer = threading.Timer(0.5, agent_b.kill)
         killer.start()
-        outs = b.step(meta, (), {"tokens": req_tokens, "start": n, "block_ids": block_ids})
+        outs = b.step(meta, (), {"tokens": req_tokens, "start": n, "block_ids": block_ids}, sync)
         killer.join()
         assert outs[0]["load_errors"] == sorted(block_ids[:6])
         # With the agent gone: 0 matched tokens (full prefill), no hang.
@@ -405,11 +436,20 @@ def test_pci_bus_id_from_device_properties():
     assert pci_bus_id(SimpleNamespace(pci_domain_id=0, pci_bus_id="x", pci_device_id=0)) is None
 
 
-def test_vllm_version_check():
+def test_vllm_version_check(caplog, monkeypatch):
+    import kvgate_vllm._vllm as v
+
     with pytest.raises(RuntimeError, match="vLLM"):
         check_vllm_version("0.9.1")
-    check_vllm_version("0.11.0")
-    check_vllm_version(None)
+    monkeypatch.setattr(v, "_warned_untested", False)
+    with caplog.at_level("WARNING", logger="kvgate_vllm"):
+        check_vllm_version("0.11.0")
+        check_vllm_version("0.29.1")
+        check_vllm_version(None)
+        assert not caplog.records  # within the call orders tested
+        check_vllm_version("0.30.0")  # newer: runs, says it was not tested
+        check_vllm_version("0.31.0")
+    assert len(caplog.records) == 1 and "newer than the KV connector call orders" in caplog.text
 
 
 def test_real_gpu_ipc(tmp):

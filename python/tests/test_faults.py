@@ -883,3 +883,129 @@ def test_chunks_that_failed_to_load_are_saved_again():
     finally:
         s.shutdown()
         agent.close()
+
+
+# ---------------------------------------------------------------------------- vLLM after 0.13
+
+
+def test_a_step_with_kvgate_loads_or_saves_starts_them_before_the_forward():
+    """After 0.13 vLLM starts a step's loads before its forward only when the SchedulerOutput
+    says has_sync_kv_loads: a step carrying kvgate loads or saves says so; others are left as
+    vLLM reckoned them, and an older SchedulerOutput (no such field) gets none."""
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        req = make_request("r", PROMPT, 16)
+        assert lookup(s, req) == 96
+        s.update_state_after_alloc(req, FakeBlocks(list(range(20, 27))), 96)
+        out = SimpleNamespace(finished_req_ids=set(), has_sync_kv_loads=False)
+        assert s.build_connector_meta(out).loads and out.has_sync_kv_loads is True
+        saver = make_request("s", PROMPT, 16)
+        saver.num_computed_tokens = 100
+        assert s.request_finished(saver, list(range(40, 47)))[0] is True
+        out = SimpleNamespace(finished_req_ids={"s"}, has_sync_kv_loads=False)
+        assert s.build_connector_meta(out).saves and out.has_sync_kv_loads is True
+        out = SimpleNamespace(finished_req_ids=set(), has_sync_kv_loads=False)
+        meta = s.build_connector_meta(out)
+        assert not meta.loads and not meta.saves and out.has_sync_kv_loads is False
+        old = SimpleNamespace(finished_req_ids=set())
+        s.update_state_after_alloc(req, FakeBlocks(list(range(20, 27))), 96)
+        assert s.build_connector_meta(old).loads and not hasattr(old, "has_sync_kv_loads")
+    finally:
+        s.shutdown()
+        agent.close()
+
+
+def test_loads_started_after_the_forward_ran_are_reported_failed_and_never_sent():
+    agent = ScriptedAgent(well_behaved)  # answers no load: the in-order step ends at its deadline
+    w, caches = worker(agent, load_timeout_ms=300)
+    try:
+        assert w._worker_ready()
+        spec = load_spec()
+        w.bind_connector_metadata(KVGateMetadata(loads=[spec]))
+        for n in caches:  # the forward ran first
+            w.wait_for_layer_load(n)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set(spec.block_ids)
+        assert (0, "load") not in agent.requests
+        w.clear_connector_metadata()
+        # The next step, in order: its load is sent and lands.
+        w.bind_connector_metadata(KVGateMetadata(loads=[spec]))
+        w.start_load_kv(None)
+        for n in caches:
+            w.wait_for_layer_load(n)
+        w.wait_for_save()
+        w.get_block_ids_with_load_errors()
+        assert (0, "load") in agent.requests
+        w.clear_connector_metadata()
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def test_saves_stop_at_the_hashes_vllm_lets_be_published():
+    """After 0.13 request_finished's blocks may cover more than vLLM lets connectors key KV by:
+    only the first num_publishable_block_hashes block hashes (with EAGLE, a block's draft KV is
+    materialised a step later). Older requests have no such field: every computed chunk."""
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        for publishable, chunks in ((6, 3), (5, 2), (1, 0), (None, 3)):
+            req = make_request(f"r{publishable}", PROMPT, 16)
+            req.num_computed_tokens = 100
+            if publishable is not None:
+                req.num_publishable_block_hashes = publishable
+            delay, _ = s.request_finished(req, list(range(20, 27)))
+            meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={req.request_id}))
+            assert delay is (chunks > 0)
+            assert [len(sp.keys) for sp in meta.saves] == ([chunks] if chunks else []), publishable
+    finally:
+        s.shutdown()
+        agent.close()
+
+
+def test_hybrid_kv_cache_groups_are_refused_at_start(tmp_path):
+    from kvgate_vllm import ConfigurationError
+
+    agent = ScriptedAgent(well_behaved)
+    try:
+        two = SimpleNamespace(kv_cache_groups=[object(), object()])
+        with pytest.raises(ConfigurationError, match="--disable-hybrid-kv-cache-manager"):
+            KVGateConnector(config(agent), KVConnectorRole.SCHEDULER, two)
+        one = KVGateConnector(config(agent), KVConnectorRole.SCHEDULER, SimpleNamespace(kv_cache_groups=[object()]))
+        one.shutdown()
+    finally:
+        agent.close()
+
+
+def test_a_pending_save_never_makes_vllm_recompute_a_preempted_request():
+    agent = ScriptedAgent(well_behaved)
+    s = scheduler(agent)
+    try:
+        assert s.requires_kv_delivery is False
+    finally:
+        s.shutdown()
+        agent.close()
+
+
+def test_loads_started_after_a_full_cuda_graph_forward_are_reported_failed():
+    """A FULL CUDA graph replay runs no layer hook; vLLM's V2 runner still calls finish_forward
+    once the forward is launched: loads started after it are refused like any late load."""
+    agent = ScriptedAgent(well_behaved)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        spec = load_spec()
+        w.bind_connector_metadata(KVGateMetadata(loads=[spec]))
+        w.finish_forward()
+        w.start_load_kv(SimpleNamespace(cudagraph_runtime_mode=SimpleNamespace(name="FULL")))
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set(spec.block_ids)
+        assert (0, "load") not in agent.requests
+        w.clear_connector_metadata()
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()

@@ -3,7 +3,6 @@ a paged KV cache and saves; engine B (cold agent) loads the prefix into other bl
 continues exactly like A (lossless) or agrees >= 99 % teacher-forced (default lossy codec)."""
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,15 +17,23 @@ PROMPT_TOKENS = 256
 EVAL_TOKENS = 200
 
 
-def spec(sock, model):
+def spec(sock, model, order="0.13"):
     return EngineSpec(
-        socket=sock, layers=5, kv_heads=4, head_size=8, block_size=16, num_blocks=64, model=model, weights=WEIGHTS
+        socket=sock,
+        layers=5,
+        kv_heads=4,
+        head_size=8,
+        block_size=16,
+        num_blocks=64,
+        model=model,
+        weights=WEIGHTS,
+        call_order=order,
     )
 
 
 def step(e: Engine, tokens, start, block_ids):
-    meta = e.sched.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
-    return e.step(meta, (), {"tokens": tokens, "start": start, "block_ids": block_ids})[0]
+    meta, sync = e.schedule()
+    return e.step(meta, (), {"tokens": tokens, "start": start, "block_ids": block_ids}, sync)[0]
 
 
 def greedy(e: Engine, tokens, block_ids, n):
@@ -56,13 +63,13 @@ def story():
         d.cleanup()
 
 
-def run_pair(codec, story, model):
+def run_pair(codec, story, model, order="0.13"):
     d = TempDir()
     gw = start_gateway()
     sa, sb = d.sock("a"), d.sock("b")
     agents = [start_agent(sa, gw.ready["url"], codec=codec), start_agent(sb, gw.ready["url"], codec=codec)]
-    a = Engine(spec(sa, model), block_order_seed=1)
-    b = Engine(spec(sb, model), block_order_seed=2)
+    a = Engine(spec(sa, model, order), block_order_seed=1)
+    b = Engine(spec(sb, model, order), block_order_seed=2)
     prompt, rest = story[:PROMPT_TOKENS], story[PROMPT_TOKENS:]
     try:
         assert a.ready and b.ready, "a worker never registered with its agent"
@@ -89,8 +96,9 @@ def run_pair(codec, story, model):
         d.cleanup()
 
 
-def test_lossless_continuation_identical(story):
-    tf_a, tf_b, cont_a, cont_b, same = run_pair("raw", story, "stories-raw")
+@pytest.mark.parametrize("order", ["0.13", "0.29"])  # vLLM's call orders (harness docstring)
+def test_lossless_continuation_identical(story, order):
+    tf_a, tf_b, cont_a, cont_b, same = run_pair("raw", story, f"stories-raw-{order}", order)
     assert same  # the loaded prefix is A's KV byte for byte
     assert cont_b == cont_a
     assert torch.equal(tf_a, tf_b)
