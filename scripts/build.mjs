@@ -2,7 +2,7 @@
 // with tsc, then adds what tsc does not emit: the wasm codec and the codec worker's JS entry.
 
 import { execFileSync } from 'node:child_process'
-import { copyFileSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import { chmodSync, copyFileSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { createRequire } from 'node:module'
 import { dirname, join } from 'node:path'
 
@@ -13,6 +13,11 @@ rmSync(dist, { recursive: true, force: true })
 // typescript's exports map hides bin/: go through its package.json.
 const tsc = join(dirname(createRequire(import.meta.url).resolve('typescript/package.json')), 'bin/tsc')
 execFileSync(process.execPath, [tsc, '-p', join(root, 'tsconfig.build.json')], { stdio: 'inherit' })
+
+// tsc writes files 0644. An installed package gets its bin made executable by npm, but in a
+// checkout `npx kvgate` (the README's first command) runs this file as it is: without the
+// bits, a fresh clone's `npx kvgate demo` failed with "Permission denied".
+chmodSync(join(dist, 'src/cli/bin.js'), 0o755)
 
 // Same relative place as in the checkout (../../wasm from src/codec), so one URL works in both.
 mkdirSync(join(dist, 'wasm'))

@@ -2,7 +2,7 @@
 // npm cache (offline), every entry imported by plain Node, a strict TypeScript consumer, the CLI run from the app.
 
 import { execFile, spawn } from 'node:child_process'
-import { copyFileSync, existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import { copyFileSync, existsSync, mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join, resolve } from 'node:path'
 import { createInterface } from 'node:readline'
@@ -16,6 +16,8 @@ const work = mkdtempSync(join(tmpdir(), 'kvgate-package-'))
 const app = join(work, 'app')
 let tarball = ''
 let packedFiles: string[] = []
+/** The checkout's built CLI's mode, read as the build left it (before any npm run could chmod it). */
+let checkoutBinMode = 0
 
 // npm's own variables from a surrounding `npm test` must not leak into the nested npm runs.
 const cleanEnv = Object.fromEntries(
@@ -78,6 +80,7 @@ beforeAll(async () => {
     files: { path: string }[]
   }[]
   tarball = join(work, info[0]!.filename)
+  checkoutBinMode = statSync(join(repo, 'dist/src/cli/bin.js')).mode
   packedFiles = info[0]!.files.map((f) => f.path)
   await run('mkdir', ['-p', app], work)
   const lock = appLockfile(tarball) as { packages: Record<string, unknown> }
@@ -90,6 +93,17 @@ beforeAll(async () => {
 }, 240_000)
 
 afterAll(() => rmSync(work, { recursive: true, force: true }))
+
+describe("the checkout's CLI (the README's first command: npm install && npx kvgate demo)", () => {
+  it('the build leaves dist/src/cli/bin.js executable, and npx kvgate runs it', async () => {
+    // npx in the checkout runs the bin file as the build left it (npm makes an installed
+    // package's bin executable, not the root project's): 0644 was "Permission denied".
+    expect((checkoutBinMode & 0o111).toString(8)).toBe('111')
+    const { stdout } = await run('npx', ['--no-install', 'kvgate', '--version'], repo)
+    const me = JSON.parse(readFileSync(join(repo, 'package.json'), 'utf8')) as { version: string }
+    expect(stdout.trim()).toBe(me.version)
+  })
+})
 
 describe('the packed kvgate, installed into a fresh app', () => {
   it('ships only what users need: compiled code, types, wasm, the prebuilt addon and its sources', () => {
