@@ -776,6 +776,45 @@ def test_a_step_replaying_a_full_cuda_graph_has_its_loads_in_place_before_the_fo
         agent.close()
 
 
+@pytest.mark.parametrize("attn_metadata", [None, {"model.layers.0.self_attn": object()}])
+def test_a_v2_runner_full_cuda_graph_step_has_its_loads_in_place_before_the_forward(attn_metadata):
+    """vLLM's V2 model runner calls pre_forward for a FULL CUDA graph replay outside any forward
+    context (vllm/v1/worker/gpu/model_runner.py, execute_model), so start_load_kv gets the
+    stand-in ActiveKVConnector._start_load_kv makes (vllm/v1/worker/gpu/kv_connector.py):
+    set_forward_context(None, ...), mode NONE, attn_metadata None. The layer hooks skip a
+    context without attention metadata and the replay runs none: the loads must have landed
+    when start_load_kv returns. With attention metadata (an eager or PIECEWISE forward under
+    its own context) the load still overlaps the forward."""
+
+    def slow_load(agent, conn, req, n):
+        if req["op"] == "load":
+
+            def answer():
+                agent.send(conn, {"id": req["id"], "ok": True, "chunks": 2, "failedBlocks": [], "error": None})
+
+            threading.Timer(0.3, answer).start()
+            return None
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(slow_load)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        fc = SimpleNamespace(cudagraph_runtime_mode=SimpleNamespace(name="NONE"), attn_metadata=attn_metadata)
+        w.bind_connector_metadata(KVGateMetadata(loads=[load_spec()]))
+        w.start_load_kv(fc, request_ids=[], request_state_indices=None)
+        landed = all(st.future.done() for st in w._loads)
+        assert landed is (attn_metadata is None)
+        w.finish_forward()
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set()
+        w.clear_connector_metadata()
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
 def test_gpu_kv_waits_for_the_engine_stream_before_the_agent_touches_its_blocks(monkeypatch):
     """The agent copies on its own CUDA stream, unordered with vLLM's: with async scheduling
     the previous step's kernels may still be writing (a finished request's last token, about
