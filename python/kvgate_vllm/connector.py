@@ -307,11 +307,17 @@ def _prompt_tokens(request: Any) -> int:
     return n if type(n) is int else len(request.prompt_token_ids or ())
 
 
-def _replays_full_cuda_graph(forward_context: Any) -> bool:
-    """Whether this step's forward is one FULL CUDA graph replay (vLLM's ForwardContext
-    .cudagraph_runtime_mode, a CUDAGraphMode: NONE, PIECEWISE or FULL; absent before 0.11)."""
+def _no_layer_hook_will_wait(forward_context: Any) -> bool:
+    """Whether the forward may run without calling wait_for_layer_load: a FULL CUDA graph replay
+    (vLLM's ForwardContext.cudagraph_runtime_mode, a CUDAGraphMode: NONE, PIECEWISE or FULL;
+    absent before 0.11), or a forward context without attention metadata. vLLM's V2 runner
+    starts a FULL replay's loads outside any forward context, under the stand-in
+    set_forward_context(None, ...) of ActiveKVConnector._start_load_kv (mode NONE, no
+    metadata), and vLLM's layer hooks skip a context without attention metadata."""
     mode = getattr(forward_context, "cudagraph_runtime_mode", None)
-    return getattr(mode, "name", None) == "FULL"
+    if getattr(mode, "name", None) == "FULL":
+        return True
+    return forward_context is not None and getattr(forward_context, "attn_metadata", ...) is None
 
 
 class _LoadState:
@@ -698,10 +704,11 @@ class KVGateConnector(KVConnectorBase_V1):
             )
             st.future.add_done_callback(lambda _f, st=st: st.on_progress({}))
             self._loads.append(st)
-        if self._loads and _replays_full_cuda_graph(forward_context):
+        if self._loads and _no_layer_hook_will_wait(forward_context):
             # The forward replays a FULL CUDA graph: its attention layers' Python, and so
             # wait_for_layer_load, does not run (vLLM issue 29608; FULL_AND_PIECEWISE is the
-            # default before vLLM added requires_piecewise_for_cudagraph). The loads must
+            # default before vLLM added requires_piecewise_for_cudagraph). vLLM's V2 runner
+            # tells it only by starting the loads without attention metadata. The loads must
             # be in place before it starts: no layer overlap for this step, but no race.
             for st in self._loads:
                 try:

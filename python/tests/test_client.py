@@ -6,78 +6,28 @@ pending request (ERR_DISCONNECTED) without a hang."""
 import os
 import socket
 import struct
-import tempfile
 import threading
 import time
 
-import msgpack
 import pytest
 
+from fake_agent import ScriptedAgent
 from kvgate_vllm.client import AgentClient, AgentError
 
 
-def frame(msg) -> bytes:
-    body = msgpack.packb(msg, use_bin_type=True)
-    return struct.pack(">I", len(body)) + body
+def FakeAgent(handle) -> ScriptedAgent:
+    """A fake agent that answers hello itself and each other request with `handle(agent, conn, req)`."""
+
+    def script(agent, conn, req, n):
+        if req["op"] == "hello":
+            return {"ok": True}
+        handle(agent, conn, req)
+        return None
+
+    return ScriptedAgent(script)
 
 
-class FakeAgent:
-    """Accepts connections one at a time; `handle(conn, req)` answers each request (hello is answered here)."""
-
-    def __init__(self, handle):
-        self.dir = tempfile.mkdtemp(prefix="kvgate-client-")
-        self.path = os.path.join(self.dir, "agent.sock")
-        self.handle = handle
-        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.srv.bind(self.path)
-        self.srv.listen(4)
-        self.conns = []
-        self.send_lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def send(self, conn, msg) -> None:
-        with self.send_lock:
-            conn.sendall(frame(msg))
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.srv.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn):
-        buf = b""
-        try:
-            while True:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                buf += chunk
-                while len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]:
-                    n = struct.unpack(">I", buf[:4])[0]
-                    req = msgpack.unpackb(buf[4 : 4 + n], raw=False)
-                    buf = buf[4 + n :]
-                    if req["op"] == "hello":
-                        self.send(conn, {"id": req["id"], "ok": True})
-                    else:
-                        self.handle(self, conn, req)
-        except OSError:
-            return
-
-    def close(self):
-        self.srv.close()
-        for c in self.conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-                c.close()
-            except OSError:
-                pass
-
-
-def connect(agent: FakeAgent) -> AgentClient:
+def connect(agent: ScriptedAgent) -> AgentClient:
     c = AgentClient(agent.path, {"protocol": 1}, reconnect_interval=0)
     assert c.ensure(), c.last_error
     return c
@@ -243,8 +193,7 @@ def test_agent_death_while_idle_is_noticed_by_the_next_ensure():
 )
 def test_a_bad_frame_from_the_agent_drops_the_connection(bad, caller_reads):
     def garbage(agent, conn, req):
-        with agent.send_lock:
-            conn.sendall(bad)
+        agent.send_raw(conn, bad)
 
     agent = FakeAgent(garbage)
     c = connect(agent)

@@ -3,18 +3,14 @@ refuses after a restart, or stops reading. Whatever it does, vLLM's scheduler an
 an answer within their deadlines (0 matched tokens, blocks reported as load errors), never an
 exception and never a hang; and nothing is saved that vLLM has not computed."""
 
-import os
-import socket
-import struct
-import tempfile
 import threading
 import time
 from types import SimpleNamespace
 
-import msgpack
 import pytest
 import torch
 
+from fake_agent import ScriptedAgent
 from harness import EngineSpec, FakeBlocks, make_request, vllm_config
 from kvgate_vllm import KVGateConnector, hashing, shm
 from kvgate_vllm._vllm import KVConnectorRole
@@ -22,75 +18,6 @@ from kvgate_vllm.connector import KVGateMetadata, LoadSpec, SaveSpec
 
 CHUNK = 32  # tokens: 2 blocks of 16
 HELLO_OK = {"ok": True, "protocol": 1, "chunkTokens": CHUNK, "blocksPerChunk": 2}
-
-
-def frame(msg) -> bytes:
-    body = msgpack.packb(msg, use_bin_type=True)
-    return struct.pack(">I", len(body)) + body
-
-
-class ScriptedAgent:
-    """A fake agent: `script(agent, conn, req, n)` answers each request (n: which connection, from 0)
-    with `agent.send(conn, {...})`, or returns a map to send with the request's id."""
-
-    def __init__(self, script, read=True):
-        self.dir = tempfile.mkdtemp(prefix="kvgate-faults-")
-        self.path = os.path.join(self.dir, "agent.sock")
-        self.script = script
-        self.read = read
-        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.srv.bind(self.path)
-        self.srv.listen(8)
-        self.conns = []
-        self.requests = []
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def send(self, conn, msg) -> None:
-        with self.lock:
-            conn.sendall(frame(msg))
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.srv.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn, len(self.conns) - 1), daemon=True).start()
-
-    def _serve(self, conn, n):
-        buf = b""
-        try:
-            while True:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                buf += chunk
-                while len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]:
-                    size = struct.unpack(">I", buf[:4])[0]
-                    req = msgpack.unpackb(buf[4 : 4 + size], raw=False)
-                    buf = buf[4 + size :]
-                    self.requests.append((n, req["op"]))
-                    out = self.script(self, conn, req, n)
-                    if out is not None:
-                        self.send(conn, {"id": req["id"], **out})
-                    if not self.read and req["op"] == "hello":
-                        # Stalled after hello: never reads again (its socket buffer fills).
-                        threading.Event().wait()
-        except OSError:
-            return
-
-    def drop_all(self):
-        for c in list(self.conns):
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self):
-        self.srv.close()
-        self.drop_all()
 
 
 def well_behaved(agent, conn, req, n):
@@ -767,6 +694,45 @@ def test_a_step_replaying_a_full_cuda_graph_has_its_loads_in_place_before_the_fo
         if mode != "FULL":
             for n in caches:
                 w.wait_for_layer_load(n)
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set()
+        w.clear_connector_metadata()
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+@pytest.mark.parametrize("attn_metadata", [None, {"model.layers.0.self_attn": object()}])
+def test_a_v2_runner_full_cuda_graph_step_has_its_loads_in_place_before_the_forward(attn_metadata):
+    """vLLM's V2 model runner calls pre_forward for a FULL CUDA graph replay outside any forward
+    context (vllm/v1/worker/gpu/model_runner.py, execute_model), so start_load_kv gets the
+    stand-in ActiveKVConnector._start_load_kv makes (vllm/v1/worker/gpu/kv_connector.py):
+    set_forward_context(None, ...), mode NONE, attn_metadata None. The layer hooks skip a
+    context without attention metadata and the replay runs none: the loads must have landed
+    when start_load_kv returns. With attention metadata (an eager or PIECEWISE forward under
+    its own context) the load still overlaps the forward."""
+
+    def slow_load(agent, conn, req, n):
+        if req["op"] == "load":
+
+            def answer():
+                agent.send(conn, {"id": req["id"], "ok": True, "chunks": 2, "failedBlocks": [], "error": None})
+
+            threading.Timer(0.3, answer).start()
+            return None
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(slow_load)
+    w, caches = worker(agent)
+    try:
+        assert w._worker_ready()
+        fc = SimpleNamespace(cudagraph_runtime_mode=SimpleNamespace(name="NONE"), attn_metadata=attn_metadata)
+        w.bind_connector_metadata(KVGateMetadata(loads=[load_spec()]))
+        w.start_load_kv(fc, request_ids=[], request_state_indices=None)
+        landed = all(st.future.done() for st in w._loads)
+        assert landed is (attn_metadata is None)
+        w.finish_forward()
         w.wait_for_save()
         assert w.get_block_ids_with_load_errors() == set()
         w.clear_connector_metadata()
