@@ -8,7 +8,7 @@ import { connect, type Socket } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, describe, expect, it } from 'vitest'
-import { newSession, type Session } from '../src/agent/agent.ts'
+import { type Agent, newSession, type Session } from '../src/agent/agent.ts'
 import { HostCopier, HostTensor } from '../src/agent/host-tensor.ts'
 import { resolveAgentConfig, startAgent } from '../src/agent/index.ts'
 import { decodeBody, encodeFrame, FrameReader } from '../src/agent/protocol.ts'
@@ -382,6 +382,24 @@ describe('agent: registration lifetimes', () => {
     return { server, path, open }
   }
 
+  /**
+   * A session driven directly (no socket, so nothing ends it but the test): hello, then the
+   * tensors of `path` registered. `s` may come with hooks set (peerClosed).
+   */
+  async function directSession(agent: Agent, path: string, s: Session = newSession(() => {})) {
+    expect(
+      agent.answer(s, { id: 1, op: 'hello', protocol: 1, model: 'm', hashSeed: '0', geometry: big }),
+    ).toMatchObject({ protocol: 1 })
+    const tensors = Array.from({ length: LAYERS }, (_, l) => ({
+      kind: 'shm',
+      path,
+      offset: l * LAYER_BYTES,
+      shape: [2, BLOCKS, 16, 8, 128],
+    }))
+    const r = await agent.answer(s, { id: 2, op: 'register', rank: 0, numBlocks: BLOCKS, tensors })
+    return { s, worker: r.worker as number }
+  }
+
   it('an agent closed during a save releases the mappings and the pinned L1 only after the copy (no fault, no leak)', async () => {
     const maps = fileMapStats().mappings
     const pinned = nativeMemoryStats().pinnedBytes
@@ -427,20 +445,7 @@ describe('agent: registration lifetimes', () => {
       const agent = server.agent
       // A session driven directly, so that it ends before any copy can start (a socket's
       // close event comes in a later turn of the loop).
-      const session = async () => {
-        const s = newSession(() => {})
-        expect(
-          agent.answer(s, { id: 1, op: 'hello', protocol: 1, model: 'm', hashSeed: '0', geometry: big }),
-        ).toMatchObject({ protocol: 1 })
-        const tensors = Array.from({ length: LAYERS }, (_, l) => ({
-          kind: 'shm',
-          path,
-          offset: l * LAYER_BYTES,
-          shape: [2, BLOCKS, 16, 8, 128],
-        }))
-        const r = await agent.answer(s, { id: 2, op: 'register', rank: 0, numBlocks: BLOCKS, tensors })
-        return { s, worker: r.worker as number }
-      }
+      const session = () => directSession(agent, path)
       try {
         const src = Array.from({ length: 48 }, (_, i) => (i * 7) % BLOCKS)
         const gone = Buffer.concat([0, 1, 2].map(() => randomBytes(32)))
@@ -482,33 +487,14 @@ describe('agent: registration lifetimes', () => {
       // What server.ts wires to the kernel (POLLRDHUP on the socket): here the engine closes
       // while the copy runs and the agent's JS has seen no close event (s.ended stays false).
       s.peerClosed = () => gone
-      expect(
-        agent.answer(s, { id: 1, op: 'hello', protocol: 1, model: 'm', hashSeed: '0', geometry: big }),
-      ).toMatchObject({ protocol: 1 })
-      const tensors = Array.from({ length: LAYERS }, (_, l) => ({
-        kind: 'shm',
-        path,
-        offset: l * LAYER_BYTES,
-        shape: [2, BLOCKS, 16, 8, 128],
-      }))
-      const { worker } = (await agent.answer(s, {
-        id: 2,
-        op: 'register',
-        rank: 0,
-        numBlocks: BLOCKS,
-        tensors,
-      })) as {
-        worker: number
-      }
+      const { worker } = await directSession(agent, path, s)
       const keys = Buffer.concat([0, 1, 2].map(() => randomBytes(32)))
       const blockIds = Array.from({ length: 48 }, (_, i) => (i * 7) % BLOCKS)
       const save = agent.answer(s, { id: 3, op: 'save', worker, keys, blockIds })
       gone = true
       await expect(save).rejects.toMatchObject({ code: 'ERR_CLOSED' })
       expect(s.ended).toBe(false)
-      const other = newSession(() => {})
-      agent.answer(other, { id: 1, op: 'hello', protocol: 1, model: 'm', hashSeed: '0', geometry: big })
-      await agent.answer(other, { id: 2, op: 'register', rank: 0, numBlocks: BLOCKS, tensors })
+      const { s: other } = await directSession(agent, path)
       expect(await agent.answer(other, { id: 3, op: 'lookup', keys })).toMatchObject({ chunks: 0 })
       agent.endSession(s)
       agent.endSession(other)

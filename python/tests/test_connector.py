@@ -549,8 +549,8 @@ def test_model_identity_is_the_same_on_every_node_of_one_model(tmp):
         return engine_settings(cfg)["model"]
 
     # vLLM's model is the local mirror of the config files; model_weights is the object-store URI.
-    a = ident("/root/.cache/vllm/model_streamer/1a2b3c4d", "s3://models/llama-8b")
-    b = ident("/home/svc/.cache/vllm/model_streamer/1a2b3c4d", "s3://models/llama-8b")
+    a = ident("/var/cache/node-a/vllm/model_streamer/1a2b3c4d", "s3://models/llama-8b")
+    b = ident("/srv/node-b/.cache/vllm/model_streamer/1a2b3c4d", "s3://models/llama-8b")
     assert a == b and "s3://models/llama-8b" in a
     assert ident("/tmp/x", "s3://models/llama-8b") != ident("/tmp/x", "s3://models/other")
     # A quantized checkpoint: vLLM's kernel choice (per GPU, per version) is not the weights.
