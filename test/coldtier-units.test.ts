@@ -25,6 +25,29 @@ const DAY = 86_400_000
 const WAIT = condemnWaitMs(DEFAULT_USAGE)
 const key = (i: number) => i.toString(16).padStart(64, '0')
 
+/**
+ * `store` whose listings also show `name` as a 64 GiB object modified at `t` (it does not
+ * exist: only its listed size matters), recording every name gc GETs.
+ */
+function listingHuge(store: ObjectStore, name: string, t: number): { store: ObjectStore; got: string[] } {
+  const got: string[] = []
+  const wrapped: ObjectStore = {
+    kind: store.kind,
+    get: (n, o) => {
+      got.push(n)
+      return store.get(n, o)
+    },
+    head: (n) => store.head(n),
+    putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+    delete: (n) => store.delete(n),
+    list: async (p, o) => {
+      const page = await store.list(p, o)
+      return { ...page, entries: [...page.entries, { name, size: 2 ** 36, modified: t }] }
+    },
+  }
+  return { store: wrapped, got }
+}
+
 describe('coldTier config', () => {
   it('parses durations, sizes and per-namespace policies', () => {
     const c = parseColdTier({
@@ -550,22 +573,8 @@ describe('gc on a memory store', () => {
     const { store, chains } = await fleet(() => t)
     t += 20 * DAY
     const huge = `${usagePrefix('kv', 'prod')}2026010100/feedface-7`
-    const got: string[] = []
-    const listed: ObjectStore = {
-      kind: store.kind,
-      get: (n, o) => {
-        got.push(n)
-        return store.get(n, o)
-      },
-      head: (n) => store.head(n),
-      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
-      delete: (n) => store.delete(n),
-      // The listing shows a 64 GiB record (only its size matters: gc must not fetch it).
-      list: async (p, o) => {
-        const page = await store.list(p, o)
-        return { ...page, entries: [...page.entries, { name: huge, size: 2 ** 36, modified: t }] }
-      },
-    }
+    // The listing shows a 64 GiB record (only its size matters: gc must not fetch it).
+    const { store: listed, got } = listingHuge(store, huge, t)
     const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
     await runGc({ store, prefix: 'kv', config, now: t - WAIT }) // condemns everything
     const r = await runGc({ store: listed, prefix: 'kv', config, now: t })
@@ -830,21 +839,7 @@ describe('gc on a memory store', () => {
     await put('ee', list(chains[2]!, t + 100 * DAY)) // in the future: counts as now
     await put('ff', list(chains[0]!, t - DAY)) // CRC-valid and old, but the plan keeps chain 0
     const huge = `${dir}0000000000001-99`
-    const got: string[] = []
-    const listed: ObjectStore = {
-      kind: store.kind,
-      get: (n, o) => {
-        got.push(n)
-        return store.get(n, o)
-      },
-      head: (n) => store.head(n),
-      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
-      delete: (n) => store.delete(n),
-      list: async (p, o) => {
-        const page = await store.list(p, o)
-        return { ...page, entries: [...page.entries, { name: huge, size: 2 ** 36, modified: t }] }
-      },
-    }
+    const { store: listed, got } = listingHuge(store, huge, t)
     const config = config10d()
     const r = await runGc({ store: listed, prefix: 'kv', config, now: t })
     expect(got).not.toContain(huge)

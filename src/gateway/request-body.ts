@@ -4,6 +4,7 @@
 // reservation for the whole request timeout (Node: 5 min; a Worker: as long as the socket).
 
 import { KvgateError } from '../core/errors.ts'
+import { concatPieces } from './stores/types.ts'
 
 export interface BodyPace {
   /** A body that sends nothing for this long fails with 408. */
@@ -81,11 +82,5 @@ export async function readPromptly(
     if (at !== exact.length) throw new Error(`body ended at ${at} of ${exact.length} bytes`)
     return exact
   }
-  const out = new Uint8Array(at)
-  let to = 0
-  for (const p of pieces) {
-    out.set(p, to)
-    to += p.length
-  }
-  return out
+  return concatPieces(pieces, at)
 }

@@ -188,7 +188,12 @@ export async function collectAtMost(
     }
     pieces.push(value)
   }
-  const out = new Uint8Array(n)
+  return concatPieces(pieces, n)
+}
+
+/** `pieces` (of `total` bytes in all) as one array. */
+export function concatPieces(pieces: readonly Uint8Array[], total: number): Uint8Array {
+  const out = new Uint8Array(total)
   let at = 0
   for (const p of pieces) {
     out.set(p, at)
