@@ -37,6 +37,31 @@ describe('CodecPool', () => {
     else expect(pool.counts.workerJobs).toBe(0)
   })
 
+  it('warm() loads the workers before any job (a pool never warmed loads none); a warmed pool still codes', async () => {
+    const cold = new CodecPool(2)
+    const warm = new CodecPool(2)
+    pools.push(cold, warm)
+    warm.warm()
+    warm.warm() // idempotent: still two workers
+    const until = Date.now() + 20_000
+    while (warm.readyWorkers < 2 && Date.now() < until) await new Promise((r) => setTimeout(r, 10))
+    expect(warm.readyWorkers).toBe(2)
+    expect(cold.readyWorkers).toBe(0)
+    expect(warm.counts.workerJobs).toBe(0)
+    const obj = await warm.encode('kvgate', tensor, meta)
+    expect(Buffer.compare(obj, encodeChunk(tensor, meta, { mode: 'kvgate' }))).toBe(0)
+    expect(warm.counts).toMatchObject({ workerJobs: 1, inlineJobs: 0 })
+    expect(warm.readyWorkers).toBe(2)
+  })
+
+  it('warm() after close() starts nothing', async () => {
+    const pool = new CodecPool(1)
+    await pool.close()
+    pool.warm()
+    await new Promise((r) => setTimeout(r, 50))
+    expect(pool.readyWorkers).toBe(0)
+  })
+
   it('a job that cannot be handed to a worker (its staging cannot be made) fails alone: the next one still runs', async () => {
     const pool = new CodecPool(1)
     pools.push(pool)

@@ -211,6 +211,32 @@ describe('KVCache options', () => {
   })
 })
 
+describe('KVCache codec workers', () => {
+  const until = async (ok: () => boolean) => {
+    const end = Date.now() + 20_000
+    while (!ok() && Date.now() < end) await new Promise((r) => setTimeout(r, 10))
+  }
+
+  it('a cache with an L4 tier or coded L2 files loads its codec workers at open, before any hit', async () => {
+    // The gateway is never reached: the workers load at open, not on the first L4 hit.
+    const withRemote = await open({ codecWorkers: 1, remote: { url: 'http://127.0.0.1:9' } })
+    const withLossless = await open({ codecWorkers: 1, disk: { dir: tempDir(), storeAs: 'lossless' } })
+    await until(
+      () => withRemote.stats().codec.readyWorkers === 1 && withLossless.stats().codec.readyWorkers === 1,
+    )
+    expect(withRemote.stats().codec).toMatchObject({ readyWorkers: 1, workerJobs: 0, inlineJobs: 0 })
+    expect(withLossless.stats().codec).toMatchObject({ readyWorkers: 1, workerJobs: 0, inlineJobs: 0 })
+  })
+
+  it('a cache that moves only raw chunks (L1, raw L2) starts no codec worker', async () => {
+    const c = await open({ codecWorkers: 1, disk: { dir: tempDir() } })
+    await c.store(tokens(2 * T), kvFor(2))
+    await c.flush()
+    await new Promise((r) => setTimeout(r, 300))
+    expect(c.stats().codec).toMatchObject({ readyWorkers: 0, workerJobs: 0 })
+  })
+})
+
 describe('KVCache key schemes', () => {
   it("keyScheme 'vllm-sha256-cbor' keys chunks exactly as vLLM's block hash, memo or not", async () => {
     const p = MODEL_PRESETS.stories260k

@@ -112,8 +112,11 @@ def start_agent(sock: str, gateway_url: Optional[str], codec: str = "raw", chunk
         "KVGATE_MEMORY_BYTES": "32MiB",
         "KVGATE_DISK": "off",
         "KVGATE_REMOTE_CODEC": codec,
-        # Generous: these machines are shared and loaded; the deadline path has its own test.
+        # Generous: these machines are shared and loaded; the deadline paths have their own tests.
         "KVGATE_AGENT_LOOKUP_DEADLINE_MS": "5000",
+        # The agent's gateway lookup (250 ms by default) shares two loaded cores with the agent's
+        # codec worker loading under tsx at start: a late answer would read as 0 matched tokens.
+        "KVGATE_REMOTE_LOOKUP_TIMEOUT_MS": "5000",
     }
     if gateway_url:
         env["KVGATE_REMOTE_URL"] = gateway_url

@@ -210,7 +210,22 @@ export class CodecPool {
     if (size <= 0) this.inline = 'codec workers disabled'
   }
 
-  /** Workers start on first use: caches that only move raw chunks never pay for them. */
+  /**
+   * Starts the workers now instead of on the first job. A worker takes tens of milliseconds
+   * to load (hundreds under a TypeScript loader) and the first job waits for it: a cache that
+   * will decode (an L4 tier, coded L2 files) warms the pool when it opens, so the first L4
+   * hit of a freshly started node does not pay for it. Idempotent; a closed pool stays closed.
+   */
+  warm(): void {
+    if (!this.#closed) this.#start()
+  }
+
+  /** Workers loaded and able to take a job (0 until the pool starts). */
+  get readyWorkers(): number {
+    return this.#slots.filter((s) => s.ready && !s.dead).length
+  }
+
+  /** Workers start on first use (or warm()): caches that only move raw chunks never pay for them. */
   #start(): void {
     if (this.#started) return
     this.#started = true

@@ -105,10 +105,11 @@ export interface KVCacheStats {
   /** Chain keys reused from recent prompts vs hashed. */
   keyMemo: KeyMemoStats
   /**
-   * Codec jobs on worker threads vs the calling thread (and why inline, if so), and the pool's
-   * failures: jobs lost with their worker, timed out (a hung worker), refused, not sent.
+   * Codec jobs on worker threads vs the calling thread (and why inline, if so), workers loaded
+   * and ready, and the pool's failures: jobs lost with their worker, timed out (a hung worker),
+   * refused, not sent.
    */
-  codec: { inline: string | undefined } & CodecPool['counts']
+  codec: { inline: string | undefined; readyWorkers: number } & CodecPool['counts']
   /** The namespace's calibration objects (docs/calibration.md); null without L2 or L4. */
   calibration: CalibrationStats | null
 }
@@ -194,6 +195,9 @@ export class KVCache {
         nativeReason: native.reason,
       }))
     const codec = new CodecPool(o.codecWorkers)
+    // Chunks from L4 (any writer's codec) and coded L2 files are decoded on the pool's workers:
+    // start them while the caller is still setting up, not on its first hit.
+    if (o.remote || (o.disk && o.disk.storeAs !== 'raw')) codec.warm()
     // What this open acquired, released if a later step throws: a cache that never opened is
     // nobody's to close, and its L2 tier would stay counted (and evicted for) in a shared budget.
     const opened: { disk?: DiskTier; remote?: RemoteTier; calibrations?: CalibrationStore } = {}
@@ -610,7 +614,7 @@ export class KVCache {
       retrievedTokens: this.#retrievedTokens,
       requestedTokens: this.#requestedTokens,
       keyMemo: { ...this.#memo.stats },
-      codec: { inline: m.codec.inline, ...m.codec.counts },
+      codec: { inline: m.codec.inline, readyWorkers: m.codec.readyWorkers, ...m.codec.counts },
       calibration: m.calibrations?.stats() ?? null,
     }
   }
