@@ -67,6 +67,10 @@ describe('L4 through the gateway', () => {
     expect(b.stats().remote?.lookupKeysKnown).toBe(3)
     expect((await b.lookup(toks)).chunks.every((c) => c.tier === 'memory')).toBe(true)
     expect(b.stats().remote?.hits).toBe(3)
+    // L4 read latency is the chunk GETs'; the lookup's round trip is counted apart.
+    expect(b.stats().remote?.readLatency.count).toBe(3)
+    expect(b.stats().remote?.lookupLatency.count).toBe(1)
+    expect(b.metrics()).toMatch(/^kvgate_client_remote_lookup_latency_seconds\{quantile="0.5"\} [0-9.e-]+$/m)
 
     // Re-storing on b uploads nothing: the gateway holds it.
     const puts = gw.requests.filter((r) => r.method === 'PUT').length

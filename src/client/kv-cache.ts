@@ -677,9 +677,20 @@ export class KVCache {
       },
       {
         name: 'read_latency_seconds',
-        help: 'Read latency quantiles (recent window).',
+        help: 'Chunk read latency quantiles (recent window; L4: GETs, not lookups).',
         type: 'gauge',
         values: [...lat('p50Ms'), ...lat('p99Ms')],
+      },
+      {
+        name: 'remote_lookup_latency_seconds',
+        help: 'Gateway lookup round-trip quantiles (recent window).',
+        type: 'gauge',
+        values: s.remote
+          ? (['p50Ms', 'p99Ms'] as const).map((q) => ({
+              labels: { quantile: q === 'p50Ms' ? '0.5' : '0.99' },
+              value: s.remote!.lookupLatency[q] / 1000,
+            }))
+          : [],
       },
       {
         name: 'shed_writes_total',

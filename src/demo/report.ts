@@ -19,7 +19,9 @@ function tierRows(s: KVCacheStats): [string, string][] {
     ])
   const r = s.remote
   if (r) {
-    const lat = r.readLatency.count > 0 ? `, p50 ${fmtMs(r.readLatency.p50Ms)}` : ''
+    const lat =
+      (r.readLatency.count > 0 ? `, GET p50 ${fmtMs(r.readLatency.p50Ms)}` : '') +
+      (r.lookupLatency.count > 0 ? `, lookup p50 ${fmtMs(r.lookupLatency.p50Ms)}` : '')
     rows.push([
       'L4 gateway',
       `${r.hits} hits, ${fmtBytes(r.bytesRead)} read${lat}; ${r.puts} PUTs, ${fmtBytes(r.bytesWritten)} written` +

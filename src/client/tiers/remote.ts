@@ -10,7 +10,7 @@ import { maxLayerGroupBytes, maxObjectBytes } from '../chunk-codec.ts'
 import { type BreakerState, CircuitBreaker } from '../circuit-breaker.ts'
 import { PresenceSet } from '../presence.ts'
 import { TierUploader } from '../remote-upload.ts'
-import { since, TierCounters } from '../stats.ts'
+import { type LatencySummary, LatencyWindow, since, TierCounters } from '../stats.ts'
 
 export interface RemoteTierOptions {
   /** Gateway base URL, e.g. http://127.0.0.1:8080 (a path prefix is kept; a trailing /v1 is dropped). */
@@ -97,6 +97,8 @@ export interface RemoteTierStats {
   corruptConfirmed: number
   /** Lookup requests sent to the gateway. */
   lookupRequests: number
+  /** Their round trips (readLatency counts chunk GETs only). */
+  lookupLatency: LatencySummary
   /** Leading keys a lookup answered from what this client already knew was stored. */
   lookupKeysKnown: number
   /** Keys currently believed present in L4 (expire after presenceTtlMs). */
@@ -288,6 +290,7 @@ export class RemoteTier {
   #redirects = 0
   #timeouts = 0
   #lookupRequests = 0
+  readonly #lookupLatency = new LatencyWindow()
   #lookupKeysKnown = 0
 
   constructor(opts: RemoteTierOptions, ctx: RemoteTierContext = {}) {
@@ -603,7 +606,7 @@ export class RemoteTier {
         retries: background ? this.#retries : 0,
         cap: MAX_SMALL_BODY + 80 * batch.length,
       })
-      this.counters.readLatency.record(since(t0))
+      this.#lookupLatency.record(since(t0))
       if (r?.status !== 200) {
         this.#unexpected(r)
         break
@@ -929,6 +932,7 @@ export class RemoteTier {
       corruptReported: this.#corruptReported,
       corruptConfirmed: this.#corruptConfirmed,
       lookupRequests: this.#lookupRequests,
+      lookupLatency: this.#lookupLatency.summary(),
       lookupKeysKnown: this.#lookupKeysKnown,
       knownPresent: this.#presence.size,
     }
