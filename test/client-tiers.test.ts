@@ -541,6 +541,81 @@ describe('DiskTier', () => {
     })
   })
 
+  it("a read's late verdict (corrupt, gone) on a file evicted and written again since leaves the new file indexed, counted and on disk", async () => {
+    const hex = hexOf(0xb0)
+    const obj = object(hex, 5, 64)
+    const same = (got: Uint8Array | undefined) =>
+      got !== undefined && Buffer.compare(Buffer.from(got), Buffer.from(obj)) === 0
+    // Corrupt: the buffered path's verify (outside the queue slot) is held until the key is rewritten.
+    let held: (() => void) | undefined
+    let holdNext = false
+    const d = await DiskTier.open({
+      dir: tempDir(),
+      bytes: 1 << 30,
+      verify: async (b) => {
+        if (holdNext) {
+          holdNext = false
+          await new Promise<void>((r) => {
+            held = r
+          })
+        }
+        const { verifyChunk } = await import('../src/core/format.ts')
+        return verifyChunk(b)
+      },
+    })
+    await d.put(hex, obj)
+    writeFileSync(d.pathOf(hex), obj.with(obj.length - 9, obj[obj.length - 9]! ^ 1)) // same size, a flipped bit
+    holdNext = true
+    const late = d.get(hex)
+    while (!held) await new Promise((r) => setTimeout(r, 1))
+    await d.delete(hex) // evicted meanwhile, then stored again: an intact file under the key
+    expect(await d.put(hex, obj)).toBe(true)
+    held()
+    expect(await late).toBeUndefined()
+    expect(d.counters.corrupt).toBe(1)
+    expect(existsSync(d.pathOf(hex))).toBe(true)
+    expect(d.has(hex)).toBe(true)
+    expect(d.stats().usedBytes).toBe(obj.byteLength)
+    expect(same(await d.get(hex))).toBe(true)
+
+    // Gone: through the addon, a read that found no file (the file evicted) reports it only
+    // after the key was written again.
+    const api = loadNative().api!
+    let release: (() => void) | undefined
+    let gateNext = false
+    const native = {
+      ...api,
+      readFileCrc: async (...a: Parameters<typeof api.readFileCrc>) => {
+        const r = api.readFileCrc(...a)
+        if (!gateNext) return r
+        gateNext = false
+        r.catch(() => {})
+        await new Promise<void>((ok) => {
+          release = ok
+        })
+        return r
+      },
+    }
+    const d2 = await DiskTier.open({ dir: tempDir(), bytes: 1 << 30, native })
+    const slot = new Uint8Array((await api.allocPinned(1 << 20)).buffer)
+    try {
+      await d2.put(hex, obj)
+      rmSync(d2.pathOf(hex))
+      gateNext = true
+      const gone = d2.get(hex, 'get', slot)
+      while (!release) await new Promise((r) => setTimeout(r, 1))
+      await d2.delete(hex)
+      expect(await d2.put(hex, obj)).toBe(true)
+      release()
+      expect(await gone).toBeUndefined()
+      expect(d2.has(hex)).toBe(true)
+      expect(d2.stats().usedBytes).toBe(obj.byteLength)
+      expect(same(await d2.get(hex, 'get', slot))).toBe(true)
+    } finally {
+      api.freePinned(slot.buffer)
+    }
+  })
+
   it('through the addon, an indexed file is read without a header read first; one replaced since (same key) is read as it is now, not counted corrupt', async () => {
     const dir = tempDir()
     const n = loadNative()

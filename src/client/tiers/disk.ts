@@ -489,7 +489,8 @@ export class DiskTier {
       if (isKvgateError(e) && e.code.startsWith('ERR_FORMAT_')) {
         if (!(await this.#reindexReplaced(hex, entry))) {
           this.counters.corrupt++
-          await this.delete(hex)
+          // Only the file this read found: one evicted and written again meanwhile is intact.
+          await this.#deleteEntry(hex, entry)
         }
       } else {
         // Not a verdict on the file (a closed codec pool, an addon error): a counted miss, the file stays.
@@ -554,10 +555,10 @@ export class DiskTier {
         }
       } catch (e) {
         if (isKvgateError(e) && e.code.startsWith('ERR_FORMAT_')) throw e
-        return this.#readError(hex, e)
+        return this.#readError(hex, entry, e)
       }
     }
-    const bytes = await this.#readBuffered(hex, buf, size)
+    const bytes = await this.#readBuffered(hex, entry, buf, size)
     return bytes ? { bytes, verified: false } : undefined
   }
 
@@ -705,7 +706,12 @@ export class DiskTier {
     return r.bytes
   }
 
-  async #readBuffered(hex: string, buf: Uint8Array, size: number): Promise<Uint8Array | undefined> {
+  async #readBuffered(
+    hex: string,
+    entry: FileEntry,
+    buf: Uint8Array,
+    size: number,
+  ): Promise<Uint8Array | undefined> {
     let fh: Awaited<ReturnType<typeof open>> | undefined
     let off = 0
     try {
@@ -718,7 +724,7 @@ export class DiskTier {
         off += bytesRead
       }
     } catch (e) {
-      return this.#readError(hex, e)
+      return this.#readError(hex, entry, e)
     } finally {
       await fh?.close()
     }
@@ -735,10 +741,11 @@ export class DiskTier {
       throw new FormatError('ERR_FORMAT_TRUNCATED', `file is ${got} bytes, ${size} were indexed`)
   }
 
-  #readError(hex: string, e: unknown): undefined {
+  #readError(hex: string, entry: FileEntry, e: unknown): undefined {
     const code = (e as { code?: string; syscode?: string }).syscode ?? (e as { code?: string }).code
-    if (code === 'ENOENT') this.#dropIndex(hex)
-    else this.counters.errors++
+    // Gone: the file this read looked for. One written under the key since is indexed anew.
+    if (code !== 'ENOENT') this.counters.errors++
+    else if (this.#index.get(hex) === entry) this.#dropIndex(hex)
     return undefined
   }
 
@@ -827,6 +834,14 @@ export class DiskTier {
   async delete(hex: string): Promise<void> {
     if (!this.#dropIndex(hex)) return
     await unlink(this.#pathOf(hex)).catch(() => {})
+  }
+
+  /**
+   * delete(), when the key is still indexed as `entry`: a read's verdict applies to the file it
+   * read, not to one written under the key since (the read's file was evicted meanwhile).
+   */
+  async #deleteEntry(hex: string, entry: FileEntry): Promise<void> {
+    if (this.#index.get(hex) === entry) await this.delete(hex)
   }
 
   /** Sets (or clears) an indexed file's header, within the memory for headers. */
