@@ -616,6 +616,63 @@ describe('DiskTier', () => {
     }
   })
 
+  it("close() and the L1 slot freed under a read's verification (KVCache.close) leave the file: a miss, not corruption", async () => {
+    const api = loadNative().api!
+    for (const direct of ['off', 'auto'] as const) {
+      const hex = hexOf(0xb1)
+      const obj = object(hex, 6, 64)
+      let held: (() => void) | undefined
+      let d: DiskTier | undefined
+      const slot = new Uint8Array((await api.allocPinned(1 << 20)).buffer)
+      let freed = false
+      // The buffered path verifies on the JS thread after the read; the direct path joins the
+      // workers' CRCs there. Either way close() (then the slot freed) can land in between.
+      const native =
+        direct === 'auto'
+          ? {
+              ...api,
+              readFileCrc: async (...a: Parameters<typeof api.readFileCrc>) => {
+                const r = await api.readFileCrc(...a)
+                await new Promise<void>((ok) => {
+                  held = ok
+                })
+                return r
+              },
+            }
+          : api
+      d = await DiskTier.open({
+        dir: tempDir(),
+        bytes: 1 << 30,
+        native,
+        direct,
+        // Not indexed: the direct read checks the header it read first against segment 0's.
+        indexedHeaderBytes: 0,
+        verify: async (b) => {
+          await new Promise<void>((ok) => {
+            held = ok
+          })
+          const { verifyChunk } = await import('../src/core/format.ts')
+          return verifyChunk(b)
+        },
+      })
+      await d.put(hex, obj)
+      try {
+        const reading = d.get(hex, 'get', slot)
+        while (!held) await new Promise((r) => setTimeout(r, 1))
+        // What KVCache.close() does: the disk tier closed, then L1's regions freed.
+        d.close()
+        api.freePinned(slot.buffer)
+        freed = true
+        held()
+        expect(await reading).toBeUndefined()
+        expect(existsSync(d.pathOf(hex)), direct).toBe(true)
+        expect(d.counters.corrupt, direct).toBe(0)
+      } finally {
+        if (!freed) api.freePinned(slot.buffer)
+      }
+    }
+  })
+
   it('through the addon, an indexed file is read without a header read first; one replaced since (same key) is read as it is now, not counted corrupt', async () => {
     const dir = tempDir()
     const n = loadNative()

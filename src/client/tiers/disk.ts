@@ -283,6 +283,11 @@ export class DiskTier {
   readonly #shared: DiskBudget
   /** Closed: no longer counted in (or evicted for) the shared budget. */
   #left = false
+  /**
+   * Closed: a read that fails from now on says nothing about the file (its owner may have
+   * freed the buffer it read into, KVCache.close()): a miss, never a corrupt verdict.
+   */
+  #closed = false
 
   private constructor(opts: DiskTierOptions) {
     this.dir = opts.dir
@@ -487,7 +492,9 @@ export class DiskTier {
       if (read && !read.verified) await this.#verify(read.bytes)
     } catch (e) {
       if (isKvgateError(e) && e.code.startsWith('ERR_FORMAT_')) {
-        if (!(await this.#reindexReplaced(hex, entry))) {
+        // After close() the bytes checked may not be the file's (KVCache.close() frees the L1
+        // slot read into: it reads as empty): a miss, no verdict on the file.
+        if (!this.#closed && !(await this.#reindexReplaced(hex, entry))) {
           this.counters.corrupt++
           // Only the file this read found: one evicted and written again meanwhile is intact.
           await this.#deleteEntry(hex, entry)
@@ -895,6 +902,7 @@ export class DiskTier {
 
   /** Fails queued reads and writes (ERR_CLOSED inside: misses and dropped writes); running ones finish. */
   close(): void {
+    this.#closed = true
     this.#queue.close()
     // Its files stay on disk but leave the shared budget's count with it (a reopen counts them again).
     if (this.#left) return
