@@ -6,6 +6,7 @@ import { existsSync, mkdirSync, mkdtempSync, rmSync, utimesSync, writeFileSync }
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterEach, describe, expect, it, vi } from 'vitest'
+import { loadNative } from '../src/client/native-api.ts'
 import { DiskTier } from '../src/client/tiers/disk.ts'
 import { CodecError } from '../src/core/errors.ts'
 import { encodeChunk } from '../src/core/format.ts'
@@ -16,6 +17,8 @@ const io = vi.hoisted(() => ({
   failOpen: new Map<string, string>(),
   /** Directories fsynced, in order. */
   syncedDirs: [] as string[],
+  /** Called once a FileHandle.read is issued (its buffer handed to the pool), before it settles. */
+  onRead: undefined as (() => void) | undefined,
 }))
 
 vi.mock('node:fs/promises', async (importOriginal) => {
@@ -24,6 +27,12 @@ vi.mock('node:fs/promises', async (importOriginal) => {
     const code = io.failOpen.get(String(path))
     if (code) throw Object.assign(new Error(`${code}: injected`), { code })
     const fh = await real.open(path, flags, mode)
+    const read = fh.read.bind(fh) as (...a: unknown[]) => Promise<unknown>
+    fh.read = ((...a: unknown[]) => {
+      const p = read(...a)
+      io.onRead?.()
+      return p
+    }) as typeof fh.read
     if ((await fh.stat()).isDirectory()) {
       const sync = fh.sync.bind(fh)
       fh.sync = async () => {
@@ -68,6 +77,7 @@ function tempDir(): string {
   return d
 }
 afterEach(() => {
+  io.onRead = undefined
   io.failOpen.clear()
   io.syncedDirs.length = 0
   for (const d of dirs.splice(0)) rmSync(d, { recursive: true, force: true })
@@ -145,6 +155,41 @@ describe('DiskTier in a shared directory', () => {
     expect(existsSync(path)).toBe(true)
     failVerify = false
     expect(await d.get(hexOf(0x30))).toBeDefined()
+  })
+
+  it("a buffered read (direct: 'off') into pinned L1 memory keeps it busy: freePinned refuses until the read ends", async () => {
+    // KVCache.close() frees L1 once its operations stopped waiting; an L2 read they left running
+    // must not pread into the freed (or by then reused) memory.
+    const api = loadNative().api!
+    const slot = new Uint8Array((await api.allocPinned(1 << 20)).buffer)
+    const freedWhileReading: boolean[] = []
+    const tryFree = () => {
+      try {
+        api.freePinned(slot.buffer)
+        freedWhileReading.push(true)
+      } catch {
+        freedWhileReading.push(false)
+      }
+    }
+    const native = {
+      ...api,
+      readFileDirect: (...a: Parameters<typeof api.readFileDirect>) => {
+        const r = api.readFileDirect(...a)
+        tryFree()
+        return r
+      },
+    }
+    const d = await DiskTier.open({ dir: tempDir(), bytes: 1 << 20, native, direct: 'off' })
+    const o = object(hexOf(0x40))
+    await d.put(hexOf(0x40), o)
+    io.onRead = tryFree
+    const got = await d.get(hexOf(0x40), 'get', slot)
+    io.onRead = undefined
+    expect(freedWhileReading.length).toBeGreaterThan(0)
+    expect(freedWhileReading.every((freed) => !freed)).toBe(true)
+    expect(got && Buffer.compare(Buffer.from(got), Buffer.from(o))).toBe(0)
+    expect(d.stats().directReads).toBe(0)
+    api.freePinned(slot.buffer)
   })
 
   it('fsyncs the directory after each rename (and the parent of a new fan-out directory)', async () => {

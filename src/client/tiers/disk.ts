@@ -34,7 +34,8 @@ export interface DiskTierOptions {
   native?: NativeModule | undefined
   /**
    * 'auto': O_DIRECT reads through the addon when the destination is 4 KiB
-   * aligned (L1 slots are), bypassing the page cache; 'off': buffered reads.
+   * aligned (L1 slots are), bypassing the page cache; 'off': buffered reads (through the
+   * addon when given, which keeps the pinned memory read into from being freed meanwhile).
    * @default 'auto'
    */
   direct?: 'auto' | 'off'
@@ -271,7 +272,10 @@ export class DiskTier {
   #sinkReads = 0
   #foreign = 0
   #unreadable = 0
+  /** The addon for direct reads (undefined with direct: 'off'). */
   readonly #native: NativeModule | undefined
+  /** The addon for any read into a caller's buffer (direct or not). */
+  readonly #addon: NativeModule | undefined
   readonly #verify: (object: Uint8Array) => ChunkHeader | Promise<ChunkHeader>
   readonly #owns: (header: ChunkHeader) => boolean
   readonly #staleTempMs: number
@@ -295,6 +299,7 @@ export class DiskTier {
     this.#shared = opts.sharedBudget ?? new DiskBudget(opts.bytes)
     this.#shared.join(this)
     this.#native = opts.direct === 'off' ? undefined : opts.native
+    this.#addon = opts.native
     this.#verify = opts.verify ?? verifyChunk
     this.#owns = opts.owns ?? (() => true)
     this.#staleTempMs = opts.staleTempMs ?? 3_600_000
@@ -719,6 +724,20 @@ export class DiskTier {
     buf: Uint8Array,
     size: number,
   ): Promise<Uint8Array | undefined> {
+    if (this.#addon) {
+      // Buffered, through the addon all the same: it marks pinned memory (an L1 slot) busy while
+      // the read runs, so L1 freed at close() (freePinned) refuses, the GC frees it after the
+      // read, and no pread lands in freed or reused memory. (fs reads are invisible to it.)
+      let got: number
+      try {
+        got = (await this.#addon.readFileDirect(this.#pathOf(hex), buf, { direct: 'off', length: size }))
+          .bytes
+      } catch (e) {
+        return this.#readError(hex, entry, e)
+      }
+      this.#checkLength(got, size)
+      return buf
+    }
     let fh: Awaited<ReturnType<typeof open>> | undefined
     let off = 0
     try {
