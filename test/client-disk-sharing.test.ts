@@ -2,7 +2,7 @@
 // models' chunk files, I/O errors that are not corruption, and durable renames
 // (the directory fsync). node:fs/promises is wrapped to inject errors and observe fsyncs.
 
-import { existsSync, mkdirSync, mkdtempSync, rmSync, utimesSync, writeFileSync } from 'node:fs'
+import { existsSync, mkdirSync, mkdtempSync, renameSync, rmSync, utimesSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterEach, describe, expect, it, vi } from 'vitest'
@@ -116,6 +116,25 @@ describe('DiskTier in a shared directory', () => {
     expect(await d.put(hexOf(0x10), mine)).toBe(true)
     expect(d.stats()).toMatchObject({ files: 1, usedBytes: mine.byteLength })
     expect(existsSync(join(dir, '00', `${hexOf(0x11)}.kvc`))).toBe(true)
+  })
+
+  it("a file of ours replaced by another namespace's object (same key) is neither served nor deleted, and leaves the index", async () => {
+    const api = loadNative().api!
+    for (const native of [undefined, api]) {
+      const dir = tempDir()
+      const d = await DiskTier.open({ dir, bytes: 1 << 20, owns: ours, native })
+      const hex = hexOf(0x50)
+      await d.put(hex, object(hex))
+      // Another process (another model, the same vLLM block hash) writes the key: temp + rename.
+      const theirs = object(hex, 1)
+      writeFileSync(`${d.pathOf(hex)}.other`, theirs)
+      renameSync(`${d.pathOf(hex)}.other`, d.pathOf(hex))
+      expect(await d.get(hex), native ? 'addon' : 'buffered').toBeUndefined()
+      expect(existsSync(d.pathOf(hex))).toBe(true)
+      expect(d.has(hex)).toBe(false)
+      expect(d.counters.corrupt).toBe(0)
+      expect(d.stats().usedBytes).toBe(0)
+    }
   })
 
   it('an I/O error at start (EIO, EMFILE) is not corruption: the file stays', async () => {

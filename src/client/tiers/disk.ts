@@ -201,6 +201,12 @@ interface FileEntry {
   header?: Uint8Array | undefined
 }
 
+/** An object read back: `header` when it was verified while read (else the caller verifies it). */
+interface VerifiedRead {
+  bytes: Uint8Array
+  header: ChunkHeader | undefined
+}
+
 /** The file no longer starts with the header it was indexed with (replaced since): read its own. */
 class StaleHeader extends Error {}
 
@@ -493,8 +499,13 @@ export class DiskTier {
     let bytes: Uint8Array | undefined
     try {
       const read = await this.#queue.run(priority, () => this.#readFile(hex, entry, dst, sink))
-      bytes = read?.bytes
-      if (read && !read.verified) await this.#verify(read.bytes)
+      const header = read && (read.header ?? (await this.#verify(read.bytes)))
+      if (header && !this.#owns(header)) {
+        // Another instance's object, written over this one under the key (a shared directory):
+        // neither served nor deleted, and no longer indexed (or counted) here.
+        if (this.#index.get(hex) === entry) this.#dropIndex(hex)
+        if (sink) sink.copied = false
+      } else bytes = read?.bytes
     } catch (e) {
       if (isKvgateError(e) && e.code.startsWith('ERR_FORMAT_')) {
         // After close() the bytes checked may not be the file's (KVCache.close() frees the L1
@@ -547,7 +558,7 @@ export class DiskTier {
     entry: FileEntry,
     into: Uint8Array | undefined,
     sink: ReadSink | undefined,
-  ): Promise<{ bytes: Uint8Array; verified: boolean } | undefined> {
+  ): Promise<VerifiedRead | undefined> {
     const size = entry.bytes
     // One buffer, one read call per pass: readFile() would read in 512 KiB pieces. `into` was
     // sized when the read was queued: a file re-indexed larger since (#reindexReplaced) gets its own.
@@ -571,7 +582,7 @@ export class DiskTier {
       }
     }
     const bytes = await this.#readBuffered(hex, entry, buf, size)
-    return bytes ? { bytes, verified: false } : undefined
+    return bytes ? { bytes, header: undefined } : undefined
   }
 
   /**
@@ -589,7 +600,7 @@ export class DiskTier {
     size: number,
     sink: ReadSink | undefined,
     indexed: Uint8Array | undefined,
-  ): Promise<{ bytes: Uint8Array; verified: boolean } | undefined> {
+  ): Promise<VerifiedRead | undefined> {
     const native = this.#native!
     const path = this.#pathOf(hex)
     const maxBytes = Math.max(size, DEFAULT_MAX_CHUNK_BYTES)
@@ -672,7 +683,7 @@ export class DiskTier {
           throw new FormatError('ERR_FORMAT_CHECKSUM', `section ${i} checksum mismatch`)
       })
       if (sinkAt !== undefined) this.#finishSink(sink!, sinkAt, buf, copied, sections)
-      return { bytes: buf, verified: true }
+      return { bytes: buf, header }
     } finally {
       // Never leave a read writing into `buf` after we return (corrupt object, I/O error).
       await Promise.allSettled(inflight)
