@@ -11,6 +11,7 @@ import {
   renameSync,
   rmSync,
   statSync,
+  truncateSync,
   utimesSync,
   writeFileSync,
 } from 'node:fs'
@@ -22,6 +23,7 @@ import { CopyGate, nativeMemoryStats } from '../src/client/native.ts'
 import { loadNative } from '../src/client/native-api.ts'
 import { DiskBudget, DiskTier, type ReadSink, segmentStarts } from '../src/client/tiers/disk.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
+import { crc32 } from '../src/core/checksum.ts'
 import { decodeHeader, encodeChunk } from '../src/core/format.ts'
 import { toHex } from '../src/core/keys.ts'
 import { MODEL_PRESETS } from '../src/core/layout.ts'
@@ -279,6 +281,41 @@ describe('DiskTier', () => {
     expect(d2.has(hexOf(0xab01))).toBe(true)
     expect(Buffer.compare(Buffer.from((await d2.get(hexOf(0xab01)))!), Buffer.from(obj))).toBe(0)
     expect(d2.stats().usedBytes).toBe(obj.byteLength)
+  })
+
+  it('a restart keeps a chunk file larger than 512 MiB (the default limit of objects from the gateway) indexed', async () => {
+    // Written here and read back through the addon (which allows any size the index holds), such a
+    // file must survive a restart too. Sparse: the header is real, the sections are holes.
+    const dir = tempDir()
+    const hex = hexOf(0xc0)
+    const small = object(hex, 1)
+    const h = decodeHeader(small)
+    const last = h.sections.at(-1)!
+    const total = 600 * 1024 * 1024
+    const header = small.slice(0, h.headerBytes)
+    const dv = new DataView(header.buffer)
+    // The last section entry (offset u64, length u32, crc u32) grows to end at `total`.
+    const entry = Buffer.from(header).findIndex(
+      (_, i) =>
+        i + 16 <= header.length - 4 &&
+        dv.getBigUint64(i, true) === BigInt(last.offset) &&
+        dv.getUint32(i + 8, true) === last.length &&
+        dv.getUint32(i + 12, true) === last.crc32,
+    )
+    expect(entry).toBeGreaterThan(0)
+    dv.setUint32(entry + 8, total - last.offset, true)
+    dv.setBigUint64(16, BigInt(total), true)
+    dv.setUint32(header.length - 4, crc32(header.subarray(0, header.length - 4)), true)
+    expect(decodeHeader(header, { maxBytes: total }).totalBytes).toBe(total)
+    mkdirSync(join(dir, hex.slice(0, 2)))
+    const path = join(dir, hex.slice(0, 2), `${hex}.kvc`)
+    writeFileSync(path, header)
+    truncateSync(path, total)
+    const d = await DiskTier.open({ dir, bytes: 1 << 30 })
+    expect(d.stats().recoveredDiscarded).toBe(0)
+    expect(existsSync(path)).toBe(true)
+    expect(d.has(hex)).toBe(true)
+    expect(d.stats().usedBytes).toBe(total)
   })
 
   it('discards temp files, truncated, corrupt and misnamed files on start', async () => {

@@ -452,7 +452,9 @@ export class DiskTier {
     }
     let header: ChunkHeader
     try {
-      header = decodeHeader(probe)
+      // Any size the file has: a chunk larger than the gateway's default limit was written
+      // (and is read back) here all the same; the size is checked against the header below.
+      header = decodeHeader(probe, { maxBytes: Math.max(st.size, DEFAULT_MAX_CHUNK_BYTES) })
     } catch {
       return undefined
     }
