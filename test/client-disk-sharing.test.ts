@@ -17,6 +17,8 @@ const io = vi.hoisted(() => ({
   failOpen: new Map<string, string>(),
   /** Directories fsynced, in order. */
   syncedDirs: [] as string[],
+  /** Awaited by every FileHandle.datasync before it runs (a write held between its data and its rename). */
+  beforeDatasync: undefined as (() => Promise<void>) | undefined,
   /** Called once a FileHandle.read is issued (its buffer handed to the pool), before it settles. */
   onRead: undefined as (() => void) | undefined,
 }))
@@ -33,6 +35,11 @@ vi.mock('node:fs/promises', async (importOriginal) => {
       io.onRead?.()
       return p
     }) as typeof fh.read
+    const datasync = fh.datasync.bind(fh)
+    fh.datasync = async () => {
+      await io.beforeDatasync?.()
+      return datasync()
+    }
     if ((await fh.stat()).isDirectory()) {
       const sync = fh.sync.bind(fh)
       fh.sync = async () => {
@@ -77,6 +84,7 @@ function tempDir(): string {
   return d
 }
 afterEach(() => {
+  io.beforeDatasync = undefined
   io.onRead = undefined
   io.failOpen.clear()
   io.syncedDirs.length = 0
@@ -89,8 +97,9 @@ describe('DiskTier in a shared directory', () => {
   it("leaves a live writer's fresh temp file alone; removes a dead writer's and a stale one", async () => {
     const dir = tempDir()
     mkdirSync(join(dir, '00'))
-    const live = join(dir, '00', `.tmp-${hexOf(1)}-${process.pid}-aaaa`)
-    const old = join(dir, '00', `.tmp-${hexOf(2)}-${process.pid}-bbbb`)
+    // The parent process (the test runner) stands for another live writer on this host.
+    const live = join(dir, '00', `.tmp-${hexOf(1)}-${process.ppid}-aaaa`)
+    const old = join(dir, '00', `.tmp-${hexOf(2)}-${process.ppid}-bbbb`)
     const dead = join(dir, '00', `.tmp-${hexOf(3)}-${4_194_000}-cccc`)
     for (const p of [live, old, dead]) writeFileSync(p, 'partial')
     const twoHoursAgo = (Date.now() - 2 * 3600_000) / 1000
@@ -101,6 +110,30 @@ describe('DiskTier in a shared directory', () => {
     // 4194000 is above the default pid_max of most hosts: no such process.
     expect(existsSync(dead)).toBe(false)
     expect(d.stats().recoveredDiscarded).toBe(2)
+  })
+
+  it("a fresh temp file named with this process's pid is a previous process's leftover (a container's pid 1), unless this process writes it", async () => {
+    const dir = tempDir()
+    mkdirSync(join(dir, '00'))
+    // A write of this process (another tier on the directory) held between its data and its rename.
+    const a = await DiskTier.open({ dir, bytes: 1 << 20 })
+    // Left by a process that had this pid before (it crashed mid-write; the container restarted).
+    const leftover = join(dir, '00', `.tmp-${hexOf(4)}-${process.pid}-dddd`)
+    writeFileSync(leftover, 'partial')
+    let release: (() => void) | undefined
+    io.beforeDatasync = () =>
+      new Promise<void>((r) => {
+        release = r
+      })
+    const writing = a.put(hexOf(5), object(hexOf(5)))
+    while (!release) await new Promise((r) => setTimeout(r, 1))
+    io.beforeDatasync = undefined
+    const b = await DiskTier.open({ dir, bytes: 1 << 20 })
+    expect(existsSync(leftover)).toBe(false)
+    expect(b.stats().recoveredDiscarded).toBe(1)
+    release()
+    expect(await writing).toBe(true)
+    expect(existsSync(a.pathOf(hexOf(5)))).toBe(true)
   })
 
   it("another namespace's files are not indexed, counted against the budget, evicted or deleted", async () => {

@@ -186,6 +186,12 @@ const PROBES_IN_FLIGHT = 16
 const FILE_RE = /^[0-9a-f]{64}\.kvc$/
 const SUBDIR_RE = /^[0-9a-f]{2}$/
 const TMP_PREFIX = '.tmp-'
+/**
+ * Temp files this process is writing (names), by every tier: a temp file named with this
+ * process's pid and not among them was left by an earlier process that had the same pid (a
+ * container's entrypoint is pid 1 at every restart), not by a live writer.
+ */
+const writingTemps = new Set<string>()
 /** Enough for the header of any chunk up to 1024 layers. */
 const HEADER_PROBE_BYTES = 64 * 1024
 
@@ -412,11 +418,13 @@ export class DiskTier {
   }
 
   /**
-   * A temp file is stale when its writer (pid in its name, on this host) is gone,
-   * or when it is older than staleTempMs (a writer on another host sharing the directory).
+   * A temp file is stale when its writer (pid in its name, on this host) is gone (this pid:
+   * when this process is not writing it), or when it is older than staleTempMs (a writer on
+   * another host sharing the directory).
    */
   async #staleTemp(path: string, name: string): Promise<boolean> {
     const pid = Number(/-(\d+)-[0-9a-f]+$/.exec(name)?.[1])
+    if (pid === process.pid) return !writingTemps.has(name)
     if (Number.isSafeInteger(pid) && pid > 0 && !processAlive(pid)) return true
     try {
       return Date.now() - (await stat(path)).mtimeMs > this.#staleTempMs
@@ -823,7 +831,9 @@ export class DiskTier {
     if (this.#index.has(hex)) return { ok: false }
     const t0 = performance.now()
     const subdir = join(this.dir, hex.slice(0, 2))
-    const tmp = join(subdir, `${TMP_PREFIX}${hex}-${process.pid}-${randomBytes(4).toString('hex')}`)
+    const tmpName = `${TMP_PREFIX}${hex}-${process.pid}-${randomBytes(4).toString('hex')}`
+    const tmp = join(subdir, tmpName)
+    writingTemps.add(tmpName)
     let fh: Awaited<ReturnType<typeof open>> | undefined
     let reserved = 0
     try {
@@ -861,6 +871,8 @@ export class DiskTier {
       await fh?.close().catch(() => {})
       await unlink(tmp).catch(() => {})
       return { ok: false }
+    } finally {
+      writingTemps.delete(tmpName)
     }
   }
 
