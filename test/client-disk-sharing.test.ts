@@ -2,10 +2,11 @@
 // models' chunk files, I/O errors that are not corruption, and durable renames
 // (the directory fsync). node:fs/promises is wrapped to inject errors and observe fsyncs.
 
-import { existsSync, mkdirSync, mkdtempSync, rmSync, utimesSync, writeFileSync } from 'node:fs'
+import { existsSync, mkdirSync, mkdtempSync, renameSync, rmSync, utimesSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterEach, describe, expect, it, vi } from 'vitest'
+import { loadNative } from '../src/client/native-api.ts'
 import { DiskTier } from '../src/client/tiers/disk.ts'
 import { CodecError } from '../src/core/errors.ts'
 import { encodeChunk } from '../src/core/format.ts'
@@ -16,6 +17,10 @@ const io = vi.hoisted(() => ({
   failOpen: new Map<string, string>(),
   /** Directories fsynced, in order. */
   syncedDirs: [] as string[],
+  /** Awaited by every FileHandle.datasync before it runs (a write held between its data and its rename). */
+  beforeDatasync: undefined as (() => Promise<void>) | undefined,
+  /** Called once a FileHandle.read is issued (its buffer handed to the pool), before it settles. */
+  onRead: undefined as (() => void) | undefined,
 }))
 
 vi.mock('node:fs/promises', async (importOriginal) => {
@@ -24,6 +29,17 @@ vi.mock('node:fs/promises', async (importOriginal) => {
     const code = io.failOpen.get(String(path))
     if (code) throw Object.assign(new Error(`${code}: injected`), { code })
     const fh = await real.open(path, flags, mode)
+    const read = fh.read.bind(fh) as (...a: unknown[]) => Promise<unknown>
+    fh.read = ((...a: unknown[]) => {
+      const p = read(...a)
+      io.onRead?.()
+      return p
+    }) as typeof fh.read
+    const datasync = fh.datasync.bind(fh)
+    fh.datasync = async () => {
+      await io.beforeDatasync?.()
+      return datasync()
+    }
     if ((await fh.stat()).isDirectory()) {
       const sync = fh.sync.bind(fh)
       fh.sync = async () => {
@@ -68,6 +84,8 @@ function tempDir(): string {
   return d
 }
 afterEach(() => {
+  io.beforeDatasync = undefined
+  io.onRead = undefined
   io.failOpen.clear()
   io.syncedDirs.length = 0
   for (const d of dirs.splice(0)) rmSync(d, { recursive: true, force: true })
@@ -79,8 +97,9 @@ describe('DiskTier in a shared directory', () => {
   it("leaves a live writer's fresh temp file alone; removes a dead writer's and a stale one", async () => {
     const dir = tempDir()
     mkdirSync(join(dir, '00'))
-    const live = join(dir, '00', `.tmp-${hexOf(1)}-${process.pid}-aaaa`)
-    const old = join(dir, '00', `.tmp-${hexOf(2)}-${process.pid}-bbbb`)
+    // The parent process (the test runner) stands for another live writer on this host.
+    const live = join(dir, '00', `.tmp-${hexOf(1)}-${process.ppid}-aaaa`)
+    const old = join(dir, '00', `.tmp-${hexOf(2)}-${process.ppid}-bbbb`)
     const dead = join(dir, '00', `.tmp-${hexOf(3)}-${4_194_000}-cccc`)
     for (const p of [live, old, dead]) writeFileSync(p, 'partial')
     const twoHoursAgo = (Date.now() - 2 * 3600_000) / 1000
@@ -91,6 +110,30 @@ describe('DiskTier in a shared directory', () => {
     // 4194000 is above the default pid_max of most hosts: no such process.
     expect(existsSync(dead)).toBe(false)
     expect(d.stats().recoveredDiscarded).toBe(2)
+  })
+
+  it("a fresh temp file named with this process's pid is a previous process's leftover (a container's pid 1), unless this process writes it", async () => {
+    const dir = tempDir()
+    mkdirSync(join(dir, '00'))
+    // A write of this process (another tier on the directory) held between its data and its rename.
+    const a = await DiskTier.open({ dir, bytes: 1 << 20 })
+    // Left by a process that had this pid before (it crashed mid-write; the container restarted).
+    const leftover = join(dir, '00', `.tmp-${hexOf(4)}-${process.pid}-dddd`)
+    writeFileSync(leftover, 'partial')
+    let release: (() => void) | undefined
+    io.beforeDatasync = () =>
+      new Promise<void>((r) => {
+        release = r
+      })
+    const writing = a.put(hexOf(5), object(hexOf(5)))
+    while (!release) await new Promise((r) => setTimeout(r, 1))
+    io.beforeDatasync = undefined
+    const b = await DiskTier.open({ dir, bytes: 1 << 20 })
+    expect(existsSync(leftover)).toBe(false)
+    expect(b.stats().recoveredDiscarded).toBe(1)
+    release()
+    expect(await writing).toBe(true)
+    expect(existsSync(a.pathOf(hexOf(5)))).toBe(true)
   })
 
   it("another namespace's files are not indexed, counted against the budget, evicted or deleted", async () => {
@@ -106,6 +149,25 @@ describe('DiskTier in a shared directory', () => {
     expect(await d.put(hexOf(0x10), mine)).toBe(true)
     expect(d.stats()).toMatchObject({ files: 1, usedBytes: mine.byteLength })
     expect(existsSync(join(dir, '00', `${hexOf(0x11)}.kvc`))).toBe(true)
+  })
+
+  it("a file of ours replaced by another namespace's object (same key) is neither served nor deleted, and leaves the index", async () => {
+    const api = loadNative().api!
+    for (const native of [undefined, api]) {
+      const dir = tempDir()
+      const d = await DiskTier.open({ dir, bytes: 1 << 20, owns: ours, native })
+      const hex = hexOf(0x50)
+      await d.put(hex, object(hex))
+      // Another process (another model, the same vLLM block hash) writes the key: temp + rename.
+      const theirs = object(hex, 1)
+      writeFileSync(`${d.pathOf(hex)}.other`, theirs)
+      renameSync(`${d.pathOf(hex)}.other`, d.pathOf(hex))
+      expect(await d.get(hex), native ? 'addon' : 'buffered').toBeUndefined()
+      expect(existsSync(d.pathOf(hex))).toBe(true)
+      expect(d.has(hex)).toBe(false)
+      expect(d.counters.corrupt).toBe(0)
+      expect(d.stats().usedBytes).toBe(0)
+    }
   })
 
   it('an I/O error at start (EIO, EMFILE) is not corruption: the file stays', async () => {
@@ -145,6 +207,41 @@ describe('DiskTier in a shared directory', () => {
     expect(existsSync(path)).toBe(true)
     failVerify = false
     expect(await d.get(hexOf(0x30))).toBeDefined()
+  })
+
+  it("a buffered read (direct: 'off') into pinned L1 memory keeps it busy: freePinned refuses until the read ends", async () => {
+    // KVCache.close() frees L1 once its operations stopped waiting; an L2 read they left running
+    // must not pread into the freed (or by then reused) memory.
+    const api = loadNative().api!
+    const slot = new Uint8Array((await api.allocPinned(1 << 20)).buffer)
+    const freedWhileReading: boolean[] = []
+    const tryFree = () => {
+      try {
+        api.freePinned(slot.buffer)
+        freedWhileReading.push(true)
+      } catch {
+        freedWhileReading.push(false)
+      }
+    }
+    const native = {
+      ...api,
+      readFileDirect: (...a: Parameters<typeof api.readFileDirect>) => {
+        const r = api.readFileDirect(...a)
+        tryFree()
+        return r
+      },
+    }
+    const d = await DiskTier.open({ dir: tempDir(), bytes: 1 << 20, native, direct: 'off' })
+    const o = object(hexOf(0x40))
+    await d.put(hexOf(0x40), o)
+    io.onRead = tryFree
+    const got = await d.get(hexOf(0x40), 'get', slot)
+    io.onRead = undefined
+    expect(freedWhileReading.length).toBeGreaterThan(0)
+    expect(freedWhileReading.every((freed) => !freed)).toBe(true)
+    expect(got && Buffer.compare(Buffer.from(got), Buffer.from(o))).toBe(0)
+    expect(d.stats().directReads).toBe(0)
+    api.freePinned(slot.buffer)
   })
 
   it('fsyncs the directory after each rename (and the parent of a new fan-out directory)', async () => {

@@ -11,6 +11,7 @@ import {
   renameSync,
   rmSync,
   statSync,
+  truncateSync,
   utimesSync,
   writeFileSync,
 } from 'node:fs'
@@ -22,6 +23,7 @@ import { CopyGate, nativeMemoryStats } from '../src/client/native.ts'
 import { loadNative } from '../src/client/native-api.ts'
 import { DiskBudget, DiskTier, type ReadSink, segmentStarts } from '../src/client/tiers/disk.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
+import { crc32 } from '../src/core/checksum.ts'
 import { decodeHeader, encodeChunk } from '../src/core/format.ts'
 import { toHex } from '../src/core/keys.ts'
 import { MODEL_PRESETS } from '../src/core/layout.ts'
@@ -279,6 +281,41 @@ describe('DiskTier', () => {
     expect(d2.has(hexOf(0xab01))).toBe(true)
     expect(Buffer.compare(Buffer.from((await d2.get(hexOf(0xab01)))!), Buffer.from(obj))).toBe(0)
     expect(d2.stats().usedBytes).toBe(obj.byteLength)
+  })
+
+  it('a restart keeps a chunk file larger than 512 MiB (the default limit of objects from the gateway) indexed', async () => {
+    // Written here and read back through the addon (which allows any size the index holds), such a
+    // file must survive a restart too. Sparse: the header is real, the sections are holes.
+    const dir = tempDir()
+    const hex = hexOf(0xc0)
+    const small = object(hex, 1)
+    const h = decodeHeader(small)
+    const last = h.sections.at(-1)!
+    const total = 600 * 1024 * 1024
+    const header = small.slice(0, h.headerBytes)
+    const dv = new DataView(header.buffer)
+    // The last section entry (offset u64, length u32, crc u32) grows to end at `total`.
+    const entry = Buffer.from(header).findIndex(
+      (_, i) =>
+        i + 16 <= header.length - 4 &&
+        dv.getBigUint64(i, true) === BigInt(last.offset) &&
+        dv.getUint32(i + 8, true) === last.length &&
+        dv.getUint32(i + 12, true) === last.crc32,
+    )
+    expect(entry).toBeGreaterThan(0)
+    dv.setUint32(entry + 8, total - last.offset, true)
+    dv.setBigUint64(16, BigInt(total), true)
+    dv.setUint32(header.length - 4, crc32(header.subarray(0, header.length - 4)), true)
+    expect(decodeHeader(header, { maxBytes: total }).totalBytes).toBe(total)
+    mkdirSync(join(dir, hex.slice(0, 2)))
+    const path = join(dir, hex.slice(0, 2), `${hex}.kvc`)
+    writeFileSync(path, header)
+    truncateSync(path, total)
+    const d = await DiskTier.open({ dir, bytes: 1 << 30 })
+    expect(d.stats().recoveredDiscarded).toBe(0)
+    expect(existsSync(path)).toBe(true)
+    expect(d.has(hex)).toBe(true)
+    expect(d.stats().usedBytes).toBe(total)
   })
 
   it('discards temp files, truncated, corrupt and misnamed files on start', async () => {
@@ -539,6 +576,138 @@ describe('DiskTier', () => {
       // The one queue slot is free again: the next chunk is served.
       expect(await d.get(hexOf(0x91), 'get', slot)).toBeDefined()
     })
+  })
+
+  it("a read's late verdict (corrupt, gone) on a file evicted and written again since leaves the new file indexed, counted and on disk", async () => {
+    const hex = hexOf(0xb0)
+    const obj = object(hex, 5, 64)
+    const same = (got: Uint8Array | undefined) =>
+      got !== undefined && Buffer.compare(Buffer.from(got), Buffer.from(obj)) === 0
+    // Corrupt: the buffered path's verify (outside the queue slot) is held until the key is rewritten.
+    let held: (() => void) | undefined
+    let holdNext = false
+    const d = await DiskTier.open({
+      dir: tempDir(),
+      bytes: 1 << 30,
+      verify: async (b) => {
+        if (holdNext) {
+          holdNext = false
+          await new Promise<void>((r) => {
+            held = r
+          })
+        }
+        const { verifyChunk } = await import('../src/core/format.ts')
+        return verifyChunk(b)
+      },
+    })
+    await d.put(hex, obj)
+    writeFileSync(d.pathOf(hex), obj.with(obj.length - 9, obj[obj.length - 9]! ^ 1)) // same size, a flipped bit
+    holdNext = true
+    const late = d.get(hex)
+    while (!held) await new Promise((r) => setTimeout(r, 1))
+    await d.delete(hex) // evicted meanwhile, then stored again: an intact file under the key
+    expect(await d.put(hex, obj)).toBe(true)
+    held()
+    expect(await late).toBeUndefined()
+    expect(d.counters.corrupt).toBe(1)
+    expect(existsSync(d.pathOf(hex))).toBe(true)
+    expect(d.has(hex)).toBe(true)
+    expect(d.stats().usedBytes).toBe(obj.byteLength)
+    expect(same(await d.get(hex))).toBe(true)
+
+    // Gone: through the addon, a read that found no file (the file evicted) reports it only
+    // after the key was written again.
+    const api = loadNative().api!
+    let release: (() => void) | undefined
+    let gateNext = false
+    const native = {
+      ...api,
+      readFileCrc: async (...a: Parameters<typeof api.readFileCrc>) => {
+        const r = api.readFileCrc(...a)
+        if (!gateNext) return r
+        gateNext = false
+        r.catch(() => {})
+        await new Promise<void>((ok) => {
+          release = ok
+        })
+        return r
+      },
+    }
+    const d2 = await DiskTier.open({ dir: tempDir(), bytes: 1 << 30, native })
+    const slot = new Uint8Array((await api.allocPinned(1 << 20)).buffer)
+    try {
+      await d2.put(hex, obj)
+      rmSync(d2.pathOf(hex))
+      gateNext = true
+      const gone = d2.get(hex, 'get', slot)
+      while (!release) await new Promise((r) => setTimeout(r, 1))
+      await d2.delete(hex)
+      expect(await d2.put(hex, obj)).toBe(true)
+      release()
+      expect(await gone).toBeUndefined()
+      expect(d2.has(hex)).toBe(true)
+      expect(d2.stats().usedBytes).toBe(obj.byteLength)
+      expect(same(await d2.get(hex, 'get', slot))).toBe(true)
+    } finally {
+      api.freePinned(slot.buffer)
+    }
+  })
+
+  it("close() and the L1 slot freed under a read's verification (KVCache.close) leave the file: a miss, not corruption", async () => {
+    const api = loadNative().api!
+    for (const direct of ['off', 'auto'] as const) {
+      const hex = hexOf(0xb1)
+      const obj = object(hex, 6, 64)
+      let held: (() => void) | undefined
+      let d: DiskTier | undefined
+      const slot = new Uint8Array((await api.allocPinned(1 << 20)).buffer)
+      let freed = false
+      // The buffered path verifies on the JS thread after the read; the direct path joins the
+      // workers' CRCs there. Either way close() (then the slot freed) can land in between.
+      const native =
+        direct === 'auto'
+          ? {
+              ...api,
+              readFileCrc: async (...a: Parameters<typeof api.readFileCrc>) => {
+                const r = await api.readFileCrc(...a)
+                await new Promise<void>((ok) => {
+                  held = ok
+                })
+                return r
+              },
+            }
+          : api
+      d = await DiskTier.open({
+        dir: tempDir(),
+        bytes: 1 << 30,
+        native,
+        direct,
+        // Not indexed: the direct read checks the header it read first against segment 0's.
+        indexedHeaderBytes: 0,
+        verify: async (b) => {
+          await new Promise<void>((ok) => {
+            held = ok
+          })
+          const { verifyChunk } = await import('../src/core/format.ts')
+          return verifyChunk(b)
+        },
+      })
+      await d.put(hex, obj)
+      try {
+        const reading = d.get(hex, 'get', slot)
+        while (!held) await new Promise((r) => setTimeout(r, 1))
+        // What KVCache.close() does: the disk tier closed, then L1's regions freed.
+        d.close()
+        api.freePinned(slot.buffer)
+        freed = true
+        held()
+        expect(await reading).toBeUndefined()
+        expect(existsSync(d.pathOf(hex)), direct).toBe(true)
+        expect(d.counters.corrupt, direct).toBe(0)
+      } finally {
+        if (!freed) api.freePinned(slot.buffer)
+      }
+    }
   })
 
   it('through the addon, an indexed file is read without a header read first; one replaced since (same key) is read as it is now, not counted corrupt', async () => {

@@ -505,6 +505,29 @@ describe('readFileCrc: CRC-32 of ranges on the worker that read them', () => {
       )
     expect(() => rawRead([0.5], gate.handle)).toThrow(/CRC-32 or -1/)
     expect(() => rawRead([-1], {})).toThrow(/newCopyGate/)
+    // A pinned destination with a read buffer refused after it (detached): not left busy either.
+    const gone = new ArrayBuffer(8192)
+    structuredClone(gone, { transfer: [gone] })
+    const pinnedDst = allocPinnedSync(8192)
+    expect(() =>
+      raw.readFileCrc(
+        path,
+        gone,
+        0,
+        0,
+        0,
+        -1,
+        1,
+        new Float64Array(0),
+        pinnedDst.buffer,
+        0,
+        8,
+        0,
+        new Float64Array(0),
+        gate.handle,
+      ),
+    ).toThrow(/detached/)
+    expect(() => freePinned(pinnedDst.buffer)).not.toThrow()
     freePinned(b.buffer) // not left busy by the reads or the refusals
   })
 

@@ -454,7 +454,15 @@ Napi::Value ReadFileCrcJs(const Napi::CallbackInfo& info) {
     dst = AcquireHost(env, info[8], info[9], info[10]);
     keep.push_back(info[8].As<Napi::Object>());
   }
-  HostSpan span = AcquireHost(env, info[1], info[2], info[3]);
+  HostSpan span;
+  try {
+    span = AcquireHost(env, info[1], info[2], info[3]);
+  } catch (...) {
+    // The destination was marked busy above: a refused read buffer must not leave it so
+    // (freePinned would refuse it for good).
+    if (withDst) ReleaseHost(dst);
+    throw;
+  }
   auto r = std::make_shared<IoResult>();
   auto crcs = std::make_shared<std::vector<uint32_t>>(ranges->size(), 0);
   auto copied = std::make_shared<std::vector<uint8_t>>(ranges->size(), 0);

@@ -34,7 +34,8 @@ export interface DiskTierOptions {
   native?: NativeModule | undefined
   /**
    * 'auto': O_DIRECT reads through the addon when the destination is 4 KiB
-   * aligned (L1 slots are), bypassing the page cache; 'off': buffered reads.
+   * aligned (L1 slots are), bypassing the page cache; 'off': buffered reads (through the
+   * addon when given, which keeps the pinned memory read into from being freed meanwhile).
    * @default 'auto'
    */
   direct?: 'auto' | 'off'
@@ -185,6 +186,12 @@ const PROBES_IN_FLIGHT = 16
 const FILE_RE = /^[0-9a-f]{64}\.kvc$/
 const SUBDIR_RE = /^[0-9a-f]{2}$/
 const TMP_PREFIX = '.tmp-'
+/**
+ * Temp files this process is writing (names), by every tier: a temp file named with this
+ * process's pid and not among them was left by an earlier process that had the same pid (a
+ * container's entrypoint is pid 1 at every restart), not by a live writer.
+ */
+const writingTemps = new Set<string>()
 /** Enough for the header of any chunk up to 1024 layers. */
 const HEADER_PROBE_BYTES = 64 * 1024
 
@@ -198,6 +205,12 @@ interface FileEntry {
    * starts with these bytes. Undefined: the read fetches the header from the file.
    */
   header?: Uint8Array | undefined
+}
+
+/** An object read back: `header` when it was verified while read (else the caller verifies it). */
+interface VerifiedRead {
+  bytes: Uint8Array
+  header: ChunkHeader | undefined
 }
 
 /** The file no longer starts with the header it was indexed with (replaced since): read its own. */
@@ -271,7 +284,10 @@ export class DiskTier {
   #sinkReads = 0
   #foreign = 0
   #unreadable = 0
+  /** The addon for direct reads (undefined with direct: 'off'). */
   readonly #native: NativeModule | undefined
+  /** The addon for any read into a caller's buffer (direct or not). */
+  readonly #addon: NativeModule | undefined
   readonly #verify: (object: Uint8Array) => ChunkHeader | Promise<ChunkHeader>
   readonly #owns: (header: ChunkHeader) => boolean
   readonly #staleTempMs: number
@@ -283,6 +299,11 @@ export class DiskTier {
   readonly #shared: DiskBudget
   /** Closed: no longer counted in (or evicted for) the shared budget. */
   #left = false
+  /**
+   * Closed: a read that fails from now on says nothing about the file (its owner may have
+   * freed the buffer it read into, KVCache.close()): a miss, never a corrupt verdict.
+   */
+  #closed = false
 
   private constructor(opts: DiskTierOptions) {
     this.dir = opts.dir
@@ -290,6 +311,7 @@ export class DiskTier {
     this.#shared = opts.sharedBudget ?? new DiskBudget(opts.bytes)
     this.#shared.join(this)
     this.#native = opts.direct === 'off' ? undefined : opts.native
+    this.#addon = opts.native
     this.#verify = opts.verify ?? verifyChunk
     this.#owns = opts.owns ?? (() => true)
     this.#staleTempMs = opts.staleTempMs ?? 3_600_000
@@ -396,11 +418,13 @@ export class DiskTier {
   }
 
   /**
-   * A temp file is stale when its writer (pid in its name, on this host) is gone,
-   * or when it is older than staleTempMs (a writer on another host sharing the directory).
+   * A temp file is stale when its writer (pid in its name, on this host) is gone (this pid:
+   * when this process is not writing it), or when it is older than staleTempMs (a writer on
+   * another host sharing the directory).
    */
   async #staleTemp(path: string, name: string): Promise<boolean> {
     const pid = Number(/-(\d+)-[0-9a-f]+$/.exec(name)?.[1])
+    if (pid === process.pid) return !writingTemps.has(name)
     if (Number.isSafeInteger(pid) && pid > 0 && !processAlive(pid)) return true
     try {
       return Date.now() - (await stat(path)).mtimeMs > this.#staleTempMs
@@ -436,7 +460,9 @@ export class DiskTier {
     }
     let header: ChunkHeader
     try {
-      header = decodeHeader(probe)
+      // Any size the file has: a chunk larger than the gateway's default limit was written
+      // (and is read back) here all the same; the size is checked against the header below.
+      header = decodeHeader(probe, { maxBytes: Math.max(st.size, DEFAULT_MAX_CHUNK_BYTES) })
     } catch {
       return undefined
     }
@@ -483,13 +509,21 @@ export class DiskTier {
     let bytes: Uint8Array | undefined
     try {
       const read = await this.#queue.run(priority, () => this.#readFile(hex, entry, dst, sink))
-      bytes = read?.bytes
-      if (read && !read.verified) await this.#verify(read.bytes)
+      const header = read && (read.header ?? (await this.#verify(read.bytes)))
+      if (header && !this.#owns(header)) {
+        // Another instance's object, written over this one under the key (a shared directory):
+        // neither served nor deleted, and no longer indexed (or counted) here.
+        if (this.#index.get(hex) === entry) this.#dropIndex(hex)
+        if (sink) sink.copied = false
+      } else bytes = read?.bytes
     } catch (e) {
       if (isKvgateError(e) && e.code.startsWith('ERR_FORMAT_')) {
-        if (!(await this.#reindexReplaced(hex, entry))) {
+        // After close() the bytes checked may not be the file's (KVCache.close() frees the L1
+        // slot read into: it reads as empty): a miss, no verdict on the file.
+        if (!this.#closed && !(await this.#reindexReplaced(hex, entry))) {
           this.counters.corrupt++
-          await this.delete(hex)
+          // Only the file this read found: one evicted and written again meanwhile is intact.
+          await this.#deleteEntry(hex, entry)
         }
       } else {
         // Not a verdict on the file (a closed codec pool, an addon error): a counted miss, the file stays.
@@ -534,7 +568,7 @@ export class DiskTier {
     entry: FileEntry,
     into: Uint8Array | undefined,
     sink: ReadSink | undefined,
-  ): Promise<{ bytes: Uint8Array; verified: boolean } | undefined> {
+  ): Promise<VerifiedRead | undefined> {
     const size = entry.bytes
     // One buffer, one read call per pass: readFile() would read in 512 KiB pieces. `into` was
     // sized when the read was queued: a file re-indexed larger since (#reindexReplaced) gets its own.
@@ -554,11 +588,11 @@ export class DiskTier {
         }
       } catch (e) {
         if (isKvgateError(e) && e.code.startsWith('ERR_FORMAT_')) throw e
-        return this.#readError(hex, e)
+        return this.#readError(hex, entry, e)
       }
     }
-    const bytes = await this.#readBuffered(hex, buf, size)
-    return bytes ? { bytes, verified: false } : undefined
+    const bytes = await this.#readBuffered(hex, entry, buf, size)
+    return bytes ? { bytes, header: undefined } : undefined
   }
 
   /**
@@ -576,7 +610,7 @@ export class DiskTier {
     size: number,
     sink: ReadSink | undefined,
     indexed: Uint8Array | undefined,
-  ): Promise<{ bytes: Uint8Array; verified: boolean } | undefined> {
+  ): Promise<VerifiedRead | undefined> {
     const native = this.#native!
     const path = this.#pathOf(hex)
     const maxBytes = Math.max(size, DEFAULT_MAX_CHUNK_BYTES)
@@ -659,7 +693,7 @@ export class DiskTier {
           throw new FormatError('ERR_FORMAT_CHECKSUM', `section ${i} checksum mismatch`)
       })
       if (sinkAt !== undefined) this.#finishSink(sink!, sinkAt, buf, copied, sections)
-      return { bytes: buf, verified: true }
+      return { bytes: buf, header }
     } finally {
       // Never leave a read writing into `buf` after we return (corrupt object, I/O error).
       await Promise.allSettled(inflight)
@@ -705,7 +739,26 @@ export class DiskTier {
     return r.bytes
   }
 
-  async #readBuffered(hex: string, buf: Uint8Array, size: number): Promise<Uint8Array | undefined> {
+  async #readBuffered(
+    hex: string,
+    entry: FileEntry,
+    buf: Uint8Array,
+    size: number,
+  ): Promise<Uint8Array | undefined> {
+    if (this.#addon) {
+      // Buffered, through the addon all the same: it marks pinned memory (an L1 slot) busy while
+      // the read runs, so L1 freed at close() (freePinned) refuses, the GC frees it after the
+      // read, and no pread lands in freed or reused memory. (fs reads are invisible to it.)
+      let got: number
+      try {
+        got = (await this.#addon.readFileDirect(this.#pathOf(hex), buf, { direct: 'off', length: size }))
+          .bytes
+      } catch (e) {
+        return this.#readError(hex, entry, e)
+      }
+      this.#checkLength(got, size)
+      return buf
+    }
     let fh: Awaited<ReturnType<typeof open>> | undefined
     let off = 0
     try {
@@ -718,7 +771,7 @@ export class DiskTier {
         off += bytesRead
       }
     } catch (e) {
-      return this.#readError(hex, e)
+      return this.#readError(hex, entry, e)
     } finally {
       await fh?.close()
     }
@@ -735,10 +788,11 @@ export class DiskTier {
       throw new FormatError('ERR_FORMAT_TRUNCATED', `file is ${got} bytes, ${size} were indexed`)
   }
 
-  #readError(hex: string, e: unknown): undefined {
+  #readError(hex: string, entry: FileEntry, e: unknown): undefined {
     const code = (e as { code?: string; syscode?: string }).syscode ?? (e as { code?: string }).code
-    if (code === 'ENOENT') this.#dropIndex(hex)
-    else this.counters.errors++
+    // Gone: the file this read looked for. One written under the key since is indexed anew.
+    if (code !== 'ENOENT') this.counters.errors++
+    else if (this.#index.get(hex) === entry) this.#dropIndex(hex)
     return undefined
   }
 
@@ -777,7 +831,9 @@ export class DiskTier {
     if (this.#index.has(hex)) return { ok: false }
     const t0 = performance.now()
     const subdir = join(this.dir, hex.slice(0, 2))
-    const tmp = join(subdir, `${TMP_PREFIX}${hex}-${process.pid}-${randomBytes(4).toString('hex')}`)
+    const tmpName = `${TMP_PREFIX}${hex}-${process.pid}-${randomBytes(4).toString('hex')}`
+    const tmp = join(subdir, tmpName)
+    writingTemps.add(tmpName)
     let fh: Awaited<ReturnType<typeof open>> | undefined
     let reserved = 0
     try {
@@ -815,6 +871,8 @@ export class DiskTier {
       await fh?.close().catch(() => {})
       await unlink(tmp).catch(() => {})
       return { ok: false }
+    } finally {
+      writingTemps.delete(tmpName)
     }
   }
 
@@ -827,6 +885,14 @@ export class DiskTier {
   async delete(hex: string): Promise<void> {
     if (!this.#dropIndex(hex)) return
     await unlink(this.#pathOf(hex)).catch(() => {})
+  }
+
+  /**
+   * delete(), when the key is still indexed as `entry`: a read's verdict applies to the file it
+   * read, not to one written under the key since (the read's file was evicted meanwhile).
+   */
+  async #deleteEntry(hex: string, entry: FileEntry): Promise<void> {
+    if (this.#index.get(hex) === entry) await this.delete(hex)
   }
 
   /** Sets (or clears) an indexed file's header, within the memory for headers. */
@@ -880,6 +946,7 @@ export class DiskTier {
 
   /** Fails queued reads and writes (ERR_CLOSED inside: misses and dropped writes); running ones finish. */
   close(): void {
+    this.#closed = true
     this.#queue.close()
     // Its files stay on disk but leave the shared budget's count with it (a reopen counts them again).
     if (this.#left) return
