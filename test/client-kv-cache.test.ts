@@ -95,6 +95,11 @@ describe('KVCache options', () => {
     await expect(KVCache.open({ model: 'stories260k', memroy: {} } as never)).rejects.toThrow(
       /unknown option memroy/,
     )
+    // A chunk over the 512 MiB every reader accepts would be stored and then dropped as corrupt.
+    const big = { modelId: 'm/big', layers: 128, kvHeads: 16, headDim: 128, dtype: 'fp16' as const }
+    await expect(KVCache.open({ model: big, chunkTokens: 1024, native: false })).rejects.toThrow(
+      /chunkTokens: a chunk of 1024 tokens of m\/big is 1073741824 bytes, over the 512 MiB .* use chunkTokens ≤ 511/,
+    )
     await expect(
       KVCache.open({ model: { modelId: 'm', layers: 0, kvHeads: 1, headDim: 1, dtype: 'fp16' } }),
     ).rejects.toThrow(/layers/)

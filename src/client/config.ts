@@ -5,6 +5,7 @@ import * as v from 'valibot'
 import { byteSize, nearestKey, parseByteSize, parseConfig } from '../core/config-check.ts'
 import { readConfigFile } from '../core/config-file.ts'
 import { CodecError, ConfigError, InvalidArgumentError } from '../core/errors.ts'
+import { DEFAULT_MAX_CHUNK_BYTES, FORMAT_VERSION_CALIBRATED, headerBytesFor } from '../core/format.ts'
 import { isNamespaceName, type KeyScheme, SCHEME_CODES } from '../core/keys.ts'
 import {
   chunkBytes,
@@ -232,6 +233,17 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
     )
   }
   const oneChunk = chunkBytes(model, chunkTokens)
+  // Every reader (L2's index, the codec, the gateway by default) refuses chunk objects over this:
+  // a chunk that cannot fit one would be written, then read back as corrupt and dropped.
+  if (oneChunk + headerBytesFor(model.layers, FORMAT_VERSION_CALIBRATED) > DEFAULT_MAX_CHUNK_BYTES) {
+    const fit = Math.floor(
+      (DEFAULT_MAX_CHUNK_BYTES - headerBytesFor(model.layers, FORMAT_VERSION_CALIBRATED)) /
+        chunkBytes(model, 1),
+    )
+    throw new InvalidArgumentError(
+      `invalid chunkTokens: a chunk of ${chunkTokens} tokens of ${model.modelId} is ${oneChunk} bytes, over the ${DEFAULT_MAX_CHUNK_BYTES / 2 ** 20} MiB a chunk object may be: use chunkTokens ≤ ${fit}`,
+    )
+  }
   const memOpts = opts.memory ?? {}
   if (typeof memOpts !== 'object' || memOpts === null)
     throw new InvalidArgumentError('invalid memory: an object')
