@@ -65,7 +65,10 @@ afterAll(async () => {
 })
 
 async function metric(origin: string, name: string): Promise<number> {
-  const text = await (await fetch(`${origin}/metrics`)).text()
+  // A PUT refused (503) before its body was sent leaves workerd closing that connection; the
+  // fetch pool may hand the closing socket to this request ("other side closed"): ask again once.
+  const get = () => fetch(`${origin}/metrics`).then((r) => r.text())
+  const text = await get().catch(get)
   let sum = 0
   for (const m of text.matchAll(new RegExp(`^${name}(?:\\{[^}]*\\})? (\\d+)$`, 'gm'))) sum += Number(m[1])
   return sum
