@@ -72,6 +72,28 @@ describe.each(readers)('%s config file', (_, read) => {
   })
 })
 
+describe('a section that is not a mapping', () => {
+  // `presign: 5` or an empty `store:` is a value of the wrong type, not an unknown key: the
+  // message must not call the key unknown and suggest that very key.
+  it.each([
+    ['gateway', 'presign: 5\n', 'presign'],
+    ['gateway', 'store:\n', 'store'],
+    ['client', 'memory: 5\n', 'memory'],
+    ['client', 'remote:\n', 'remote'],
+  ])('%s: %j names the section and says a mapping is expected', (which, body, key) => {
+    const path = file('section.yaml', body)
+    const read = which === 'gateway' ? readers[0]![1] : readers[1]![1]
+    let message = ''
+    try {
+      read(path)
+    } catch (e) {
+      message = (e as Error).message
+    }
+    expect(message).toContain(`${path}: ${key}: expected a mapping`)
+    expect(message).not.toContain('unknown key')
+  })
+})
+
 describe('kvgate serve with a non-UTF-8 config file', () => {
   it('exits 2 with one line naming the file', async () => {
     const path = file(
