@@ -587,6 +587,47 @@ describe('gc on a memory store', () => {
     expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
   })
 
+  it('a use record whose body outgrew its listed size (rewritten since the listing) is not read past that size', async () => {
+    let t = Date.now()
+    const { store, chains } = await fleet(() => t)
+    t += 20 * DAY
+    await putRecord(store, [{ key: chains[0]![3]!.key, at: t - 3_600_000 }], 8)
+    const name = `${usagePrefix('kv', 'prod')}2026010100/feedface-8`
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    await runGc({ store, prefix: 'kv', config, now: t - WAIT }) // condemns the unused chains
+    await putRecord(store, [{ key: chains[0]![3]!.key, at: t - 3_600_000 }], 8) // folded: again
+    // Its GET now answers 256 MiB (listed: ~70 bytes), in 1 MiB pieces made on demand.
+    let pulled = 0
+    const piece = new Uint8Array(1 << 20)
+    const grown: ObjectStore = {
+      ...store,
+      kind: store.kind,
+      get: async (n, o) => {
+        if (n !== name) return store.get(n, o)
+        let left = 256
+        const body = new ReadableStream<Uint8Array>({
+          pull(c) {
+            if (left-- === 0) return c.close()
+            pulled += piece.length
+            c.enqueue(piece)
+          },
+        })
+        return { body, size: 256 << 20 }
+      },
+      list: (p, o) => store.list(p, o),
+      head: (n) => store.head(n),
+      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+      delete: (n) => store.delete(n),
+    }
+    const r = await runGc({ store: grown, prefix: 'kv', config, now: t })
+    // One piece past the listed size is enough to know; what it says is unknown: nothing deleted.
+    expect(pulled).toBeLessThanOrEqual(2 << 20)
+    expect(r.errors.join('\n')).toMatch(/feedface-8/)
+    expect(r.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, deferred: expect.any(String) })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    expect(await store.head(name)).toBeDefined()
+  })
+
   it('a use in the future counts as now: it cannot pin a chain past its retention', async () => {
     let t = Date.now()
     const { store, chains } = await fleet(() => t)

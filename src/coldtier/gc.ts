@@ -15,7 +15,7 @@ import { eachBounded } from '../core/bounded-each.ts'
 import { FormatError } from '../core/errors.ts'
 import { decodeHeader, HEADER_PREFIX_BYTES, readHeaderLength } from '../core/format.ts'
 import { objectName, toHex } from '../core/keys.ts'
-import type { ObjectStore, StoreEntry } from '../gateway/stores/types.ts'
+import { collectAtMost, type ObjectStore, type StoreEntry } from '../gateway/stores/types.ts'
 import {
   type AccountingSnapshot,
   type NamespaceTotals,
@@ -255,11 +255,18 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
         errors.push(`${name}: ${size} bytes is more than the ${MAX_RECORD_BYTES} gc reads`)
         return
       }
-      const bytes = await readWhole(store, name)
+      const bytes = await readListed(store, name, size)
       if (!bytes) {
         // Folded and deleted by a concurrent run since the listing: its uses are in that run's
         // index, which this run did not list, so this run must not delete by what it knows.
         vanished++
+        return
+      }
+      if (bytes === 'larger') {
+        // Rewritten since the listing (records are create-only: not by kvgate): what it says
+        // now is unknown, so it is kept and nothing is deleted by a view that lacks it.
+        oversized++
+        errors.push(`${name}: longer than the ${size} bytes listed; not read`)
         return
       }
       try {
@@ -400,9 +407,16 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
         condemnedFolded.push(name)
         return
       }
-      const bytes = await readWhole(store, name)
+      const bytes = await readListed(store, name, size)
       // Folded by a concurrent run: that run's own list carries what it still condemns.
       if (!bytes) return
+      if (bytes === 'larger') {
+        // Not the list the listing showed: dropped, like an oversized one (only delays a delete).
+        condemnedSkipped++
+        errors.push(`${name}: longer than the ${size} bytes listed; not read`)
+        condemnedFolded.push(name)
+        return
+      }
       try {
         const b = decodeBatch(bytes)
         if (b.kind !== 'condemned' || b.links.length > 0)
@@ -600,9 +614,20 @@ function sum(entries: StoreEntry[]): NamespaceTotals {
   return { objects: entries.length, bytes }
 }
 
-async function readWhole(store: ObjectStore, name: string): Promise<Uint8Array | undefined> {
+/**
+ * A listed record's bytes (undefined: gone since the listing). Read only up to the size the
+ * listing gave: a body that runs past it is not the object listed ('larger'), and an object
+ * rewritten in between must not be held whole, whatever its size.
+ */
+async function readListed(
+  store: ObjectStore,
+  name: string,
+  listedSize: number,
+): Promise<Uint8Array | 'larger' | undefined> {
   const obj = await store.get(name)
-  return obj ? new Uint8Array(await new Response(obj.body).arrayBuffer()) : undefined
+  if (!obj) return undefined
+  // A store that lists no size (0) is bounded by what gc reads at all.
+  return (await collectAtMost(obj.body, listedSize > 0 ? listedSize : MAX_RECORD_BYTES)) ?? 'larger'
 }
 
 /**
@@ -617,8 +642,8 @@ async function readParent(store: ObjectStore, name: string): Promise<string | un
     throw new FormatError('ERR_FORMAT_TRUNCATED', 'too short for a chunk header')
   const headerBytes = readHeaderLength(bytes)
   if (headerBytes > bytes.length) {
-    const more = await readWhole(store, name)
-    if (!more) return undefined
+    const more = await readListed(store, name, 0)
+    if (!more || more === 'larger') return undefined
     bytes = more
   }
   const h = decodeHeader(bytes.subarray(0, headerBytes))
