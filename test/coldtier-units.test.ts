@@ -628,6 +628,37 @@ describe('gc on a memory store', () => {
     expect(await store.head(name)).toBeDefined()
   })
 
+  it('a chunk header longer than the probe is read by range, never the whole chunk', async () => {
+    const store = new MemoryStore()
+    // 300 layers: a header of ~5 KiB, past the 4 KiB probe; 64 KiB sections make a ~19 MiB chunk.
+    const chain = makeChain(2, { layers: 300, sectionBytes: 64 << 10 })
+    for (const c of chain) {
+      const name = `kv/prod/${c.key.slice(0, 2)}/${c.key}`
+      await store.putIfAbsent(name, c.bytes, c.bytes.length)
+    }
+    const reads: (number | undefined)[] = []
+    const counted: ObjectStore = {
+      kind: store.kind,
+      get: (n, o) => {
+        if (n.startsWith('kv/prod/')) reads.push(o?.range?.length)
+        return store.get(n, o)
+      },
+      head: (n) => store.head(n),
+      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+      delete: (n) => store.delete(n),
+      list: (p, o) => store.list(p, o),
+    }
+    const config = parseColdTier({ grace: '0s', namespaces: { prod: { retention: '1d' } } })
+    const r = await runGc({ store: counted, prefix: 'kv', config, now: Date.now() + 1000 })
+    expect(r.errors).toEqual([])
+    expect(r.namespaces[0]).toMatchObject({ headerReads: 2, chains: 1 })
+    expect(reads.length).toBeGreaterThan(0)
+    for (const n of reads) {
+      expect(n).toBeDefined()
+      expect(n!).toBeLessThan(16 << 10)
+    }
+  })
+
   it('a use in the future counts as now: it cannot pin a chain past its retention', async () => {
     let t = Date.now()
     const { store, chains } = await fleet(() => t)

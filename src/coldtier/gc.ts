@@ -642,8 +642,11 @@ async function readParent(store: ObjectStore, name: string): Promise<string | un
     throw new FormatError('ERR_FORMAT_TRUNCATED', 'too short for a chunk header')
   const headerBytes = readHeaderLength(bytes)
   if (headerBytes > bytes.length) {
-    const more = await readListed(store, name, 0)
-    if (!more || more === 'larger') return undefined
+    // Only the header (at most ~16 KiB at MAX_LAYERS), never the whole chunk (up to GiBs).
+    const rest = await store.get(name, { range: { offset: 0, length: headerBytes } })
+    if (!rest) return undefined
+    const more = await collectAtMost(rest.body, headerBytes)
+    if (!more) throw new Error(`the store answered more than the ${headerBytes} bytes asked for`)
     bytes = more
   }
   const h = decodeHeader(bytes.subarray(0, headerBytes))
