@@ -659,6 +659,27 @@ describe('gc on a memory store', () => {
     }
   })
 
+  it('incremental accounting counts a chunk once, though its link is in two records (a flush retried after an ambiguous failure)', async () => {
+    let t = Date.now()
+    const { store, app } = await fleet(() => t)
+    await app.state.usage!.flush()
+    const config = parseColdTier({ grace: '10m' })
+    await runGc({ store, prefix: 'kv', config, now: t }) // the snapshot: 11 chunks
+    t += 60_000
+    const extra = makeChain(2)
+    for (const k of extra)
+      expect((await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))).status).toBe(201)
+    await app.state.usage!.flush()
+    // The same record again under the next name: the PUT had landed, its answer had not.
+    const [rec] = (await store.list(usagePrefix('kv', 'prod'))).entries
+    const obj = await store.get(rec!.name)
+    const bytes = new Uint8Array(await new Response(obj!.body).arrayBuffer())
+    await store.putIfAbsent(`${rec!.name}-again`, bytes, bytes.length)
+    const r = await runGc({ store, prefix: 'kv', config, now: t + 1000, dryRun: true })
+    expect(r.namespaces[0]!.listed.objects).toBe(13)
+    expect(r.namespaces[0]!.incremental).toEqual(r.namespaces[0]!.listed)
+  })
+
   it('a use in the future counts as now: it cannot pin a chain past its retention', async () => {
     let t = Date.now()
     const { store, chains } = await fleet(() => t)

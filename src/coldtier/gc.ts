@@ -226,6 +226,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     const parents = new Map<string, string>()
     const folded: string[] = []
     let createdSince: NamespaceTotals = { objects: 0, bytes: 0 }
+    const createdKeys = new Set<string>()
     const since = previous?.at ?? Infinity
     // A use after `now` (a gateway's clock ahead, a hostile record) counts as now: kept at
     // its face value it would pin the chain past every retention, and the index would carry it on.
@@ -238,7 +239,10 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
       for (const k of links) {
         parents.set(k.key, k.parent)
         touch(k.key, k.at)
-        if (counts && k.at >= since) {
+        // Once a key: a flush retried after a PUT that landed but failed to answer writes the
+        // same links again under the next name.
+        if (counts && k.at >= since && !createdKeys.has(k.key)) {
+          createdKeys.add(k.key)
           createdSince = { objects: createdSince.objects + 1, bytes: createdSince.bytes + k.size }
         }
       }
