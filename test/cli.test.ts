@@ -45,6 +45,16 @@ describe('kvgate CLI', () => {
       expect(r.stderr).toContain('--help')
     }
   })
+  it('help <command> for a command that does not exist is the same error as the command itself', async () => {
+    const r = await kvgate('help', 'nope')
+    expect(r.code).toBe(2)
+    expect(r.stdout).toBe('')
+    expect(r.stderr).toContain("unknown command 'nope'")
+    expect(r.stderr).toContain('--help')
+    const ok = await kvgate('help', 'gc')
+    expect(ok.code).toBe(0)
+    expect(ok.stdout).toContain('Usage: kvgate gc')
+  })
   it('inspect reports an intact sample, then a damaged one, with exit codes', async () => {
     const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-'))
     const file = join(dir, 'sample.kvc')
