@@ -55,6 +55,15 @@ describe('kvgate CLI', () => {
     expect(ok.code).toBe(0)
     expect(ok.stdout).toContain('Usage: kvgate gc')
   })
+  it('gc --namespace with a name no namespace can have is wrong usage, not a pass over nothing', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-gc-'))
+    for (const ns of ['../prod', 'a/b', '_usage', '']) {
+      const r = await kvgate('gc', '--dry-run', '--dir', dir, '--namespace', ns)
+      expect(r.code).toBe(2)
+      expect(r.stdout).toBe('')
+      expect(r.stderr).toContain(`--namespace '${ns}'`)
+    }
+  })
   it('inspect reports an intact sample, then a damaged one, with exit codes', async () => {
     const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-'))
     const file = join(dir, 'sample.kvc')

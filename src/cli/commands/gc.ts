@@ -2,6 +2,7 @@
 // quotas from chain tails, use-record compaction, accounting), with --dry-run and a summary.
 
 import { type GcProgress, type GcReport, type NamespaceReport, runGc } from '../../coldtier/gc.ts'
+import { isNamespaceName } from '../../core/keys.ts'
 import {
   resolveServeConfig,
   type ServeSettings,
@@ -81,6 +82,13 @@ export async function run(argv: string[]): Promise<number> {
   if (!(price >= 0)) return usageError('--price must be a non-negative number')
   if (!Number.isInteger(concurrency) || concurrency < 1 || concurrency > 1024)
     return usageError('--concurrency must be an integer in 1..1024')
+  const namespaces = values.namespace as unknown as string[] | undefined
+  // A name no namespace can have selects nothing: a pass that quietly does nothing.
+  const badNs = namespaces?.find((ns) => !isNamespaceName(ns))
+  if (badNs !== undefined)
+    return usageError(
+      `--namespace '${badNs}' is not a namespace name (1-63 characters of a-z 0-9 . _ -, starting with a letter or digit)`,
+    )
   const file = values.config ?? process.env.KVGATE_CONFIG
   const config = resolveServeConfig(file ? settingsFromFile(file) : {}, settingsFromEnv(process.env), flags)
   const quiet = values.quiet === true
@@ -93,7 +101,7 @@ export async function run(argv: string[]): Promise<number> {
       dryRun: values['dry-run'] === true,
       pricePerGBMonth: price,
       concurrency,
-      ...(values.namespace ? { namespaces: values.namespace as unknown as string[] } : {}),
+      ...(namespaces ? { namespaces } : {}),
       onProgress: quiet ? undefined : progressLine,
     })
     if (values.json) console.log(JSON.stringify(report, null, 2))
