@@ -1,5 +1,5 @@
 import { execFile } from 'node:child_process'
-import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs'
+import { mkdtempSync, readFileSync, truncateSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { promisify } from 'node:util'
@@ -108,6 +108,39 @@ describe('kvgate CLI', () => {
     expect(cut.stdout).toContain('ERR_FORMAT_TRUNCATED')
     expect((await kvgate('inspect', join(dir, 'missing'))).code).toBe(2)
     expect((await kvgate('inspect', '--bogus')).stderr).toContain('--help')
+  })
+  it('inspect on an endless device or a large non-chunk file answers from the header, without reading it all', async () => {
+    // Without a bound, /dev/zero grows a buffer until the process dies (or the timeout).
+    const r = await new Promise<{ code: number | null; stdout: string }>((resolve) => {
+      execFile(
+        process.execPath,
+        [bin, 'inspect', '/dev/zero', '--json'],
+        { encoding: 'utf8', timeout: 20_000 },
+        (e, stdout) => resolve({ code: e ? (typeof e.code === 'number' ? e.code : null) : 0, stdout }),
+      )
+    })
+    expect(r.code).toBe(1)
+    expect(JSON.parse(r.stdout).error.code).toBe('ERR_FORMAT_BAD_MAGIC')
+    // A sparse 8 GiB file (over what readFileSync takes): its size, and the header's verdict.
+    const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-'))
+    const file = join(dir, 'sparse.kvc')
+    writeFileSync(file, '')
+    truncateSync(file, 8 * 1024 ** 3)
+    const big = await kvgate('inspect', file, '--json')
+    expect(big.code).toBe(1)
+    expect(JSON.parse(big.stdout)).toMatchObject({
+      ok: false,
+      bytes: 8 * 1024 ** 3,
+      error: { code: 'ERR_FORMAT_BAD_MAGIC' },
+    })
+    // A valid object followed by extra bytes: the file's real length is reported.
+    const sample = join(dir, 'longer.kvc')
+    const bytes = sampleChunkObject()
+    writeFileSync(sample, Buffer.concat([bytes, Buffer.alloc(1000)]))
+    const longer = JSON.parse((await kvgate('inspect', sample, '--json')).stdout)
+    expect(longer).toMatchObject({ ok: false, bytes: bytes.length + 1000 })
+    expect(longer.error.message).toBe(`file is ${bytes.length + 1000} bytes, header says ${bytes.length}`)
+    expect(longer.sections.every((s: { ok: boolean }) => s.ok)).toBe(true)
   })
   it('inspect shows the calibration a format-v2 object names', async () => {
     const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-'))
