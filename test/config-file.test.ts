@@ -157,3 +157,28 @@ describe('the gateway cold-tier settings', () => {
     expect(settingsFromEnv({ KVGATE_COLD_TIER: '{"grace":"10m"}' })).toEqual({ coldTier: '{"grace":"10m"}' })
   })
 })
+
+describe('gateway string settings with surrounding whitespace', () => {
+  // A value pasted with a trailing space or newline (a secret file's last line) must not become
+  // a bind address, bucket or key that fails later with an unrelated error (ENOTFOUND,
+  // SignatureDoesNotMatch): it is an error naming the variable.
+  it.each([
+    ['KVGATE_HOST', ' 0.0.0.0 '],
+    ['KVGATE_S3_BUCKET', 'kv '],
+    ['KVGATE_S3_REGION', '\tus-east-1'],
+    ['KVGATE_S3_ACCESS_KEY_ID', 'AKIA\n'],
+    ['KVGATE_S3_SECRET_ACCESS_KEY', 'secret\n'],
+    ['KVGATE_STORE_DIR', '/var/lib/kvgate '],
+  ])('%s=%j names the variable and the whitespace', (name, value) => {
+    expect(() => settingsFromEnv({ [name]: value })).toThrow(`${name}: must not begin or end with whitespace`)
+  })
+
+  it('the same in the file, and values without it pass', () => {
+    const path = file('ws.yaml', 'host: "127.0.0.1 "\n')
+    expect(() => settingsFromFile(path)).toThrow(`${path}: host: must not begin or end with whitespace`)
+    expect(settingsFromEnv({ KVGATE_HOST: '0.0.0.0', KVGATE_S3_BUCKET: 'kv' })).toEqual({
+      host: '0.0.0.0',
+      s3Bucket: 'kv',
+    })
+  })
+})

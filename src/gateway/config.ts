@@ -66,7 +66,13 @@ export interface ServeConfig {
   coldTier: ColdTierConfig
 }
 
-const nonEmpty = v.pipe(v.string('expected a string'), v.minLength(1, 'must not be empty'))
+// A value pasted with a trailing space or newline (a secret file's last line) would become a bind
+// address, bucket or key that fails later with an unrelated error (ENOTFOUND, SignatureDoesNotMatch).
+const nonEmpty = v.pipe(
+  v.string('expected a string'),
+  v.minLength(1, 'must not be empty'),
+  v.check((x: string) => x.trim() === x, 'must not begin or end with whitespace'),
+)
 
 /**
  * Every setting once: its schema (checks and converts values from any source), its KVGATE_*
