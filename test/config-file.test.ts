@@ -10,7 +10,7 @@ import { promisify } from 'node:util'
 import { describe, expect, it } from 'vitest'
 import { optionsFromEnvironment } from '../src/client/config.ts'
 import { MAX_CONFIG_FILE_BYTES } from '../src/core/config-file.ts'
-import { settingsFromEnv, settingsFromFile } from '../src/gateway/config.ts'
+import { resolveServeConfig, settingsFromEnv, settingsFromFile } from '../src/gateway/config.ts'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvgate-config-file-'))
 const file = (name: string, body: string | Uint8Array) => {
@@ -180,5 +180,29 @@ describe('gateway string settings with surrounding whitespace', () => {
       host: '0.0.0.0',
       s3Bucket: 'kv',
     })
+  })
+})
+
+describe('S3 credentials given by halves', () => {
+  // One of the pair alone was dropped in silence: the SDK's default chain (AWS_* variables, a
+  // profile, an instance role) then signed for whichever account it found.
+  it('an access key id without its secret, or the reverse, is an error naming both', () => {
+    const half = [{ KVGATE_S3_ACCESS_KEY_ID: 'AKIAEXAMPLE' }, { KVGATE_S3_SECRET_ACCESS_KEY: 'secret' }]
+    for (const env of half)
+      expect(() =>
+        resolveServeConfig(settingsFromEnv({ KVGATE_STORE: 's3', KVGATE_S3_BUCKET: 'kv', ...env })),
+      ).toThrow(/KVGATE_S3_ACCESS_KEY_ID and KVGATE_S3_SECRET_ACCESS_KEY/)
+    const both = resolveServeConfig(
+      settingsFromEnv({
+        KVGATE_STORE: 's3',
+        KVGATE_S3_BUCKET: 'kv',
+        KVGATE_S3_ACCESS_KEY_ID: 'AKIAEXAMPLE',
+        KVGATE_S3_SECRET_ACCESS_KEY: 'secret',
+      }),
+    )
+    expect(both.store).toMatchObject({ accessKeyId: 'AKIAEXAMPLE', secretAccessKey: 'secret' })
+    expect(
+      resolveServeConfig(settingsFromEnv({ KVGATE_STORE: 's3', KVGATE_S3_BUCKET: 'kv' })).store,
+    ).not.toHaveProperty('accessKeyId')
   })
 })
