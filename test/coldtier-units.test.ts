@@ -11,7 +11,7 @@ import {
   snapshotName,
 } from '../src/coldtier/accounting.ts'
 import { type ChunkNode, plan, settle } from '../src/coldtier/chain-graph.ts'
-import { runGc } from '../src/coldtier/gc.ts'
+import { type GcProgress, runGc } from '../src/coldtier/gc.ts'
 import { classify, condemnedPrefix, usagePrefix } from '../src/coldtier/names.ts'
 import { condemnWaitMs, DEFAULT_COLD_TIER, DEFAULT_USAGE, parseColdTier } from '../src/coldtier/policy.ts'
 import { decodeBatch, encodeBatch } from '../src/coldtier/records.ts'
@@ -678,6 +678,27 @@ describe('gc on a memory store', () => {
     const r = await runGc({ store, prefix: 'kv', config, now: t + 1000, dryRun: true })
     expect(r.namespaces[0]!.listed.objects).toBe(13)
     expect(r.namespaces[0]!.incremental).toEqual(r.namespaces[0]!.listed)
+  })
+
+  it('reading many use records reports progress as it goes, not only once at the end', async () => {
+    const store = new MemoryStore()
+    for (let i = 0; i < 250; i++) await putRecord(store, [{ key: key(i + 1), at: Date.now() }], i)
+    const seen: GcProgress[] = []
+    await runGc({
+      store,
+      prefix: 'kv',
+      config: parseColdTier({}),
+      dryRun: true,
+      concurrency: 4,
+      onProgress: (p) => seen.push(p),
+    })
+    const reads = seen.filter((p) => p.phase === 'records')
+    expect(reads.map((p) => p.phase === 'records' && [p.done, p.total])).toEqual([
+      [100, 250],
+      [200, 250],
+      [250, 250],
+    ])
+    expect(reads.at(-1)).toMatchObject({ ns: 'prod', records: 250 })
   })
 
   it('a use in the future counts as now: it cannot pin a chain past its retention', async () => {

@@ -46,7 +46,8 @@ export const MAX_RECORD_BYTES = 1 << 30
 
 export type GcProgress =
   | { phase: 'list'; objects: number }
-  | { phase: 'records'; ns: string; records: number }
+  /** Use records and indexes read (done of total); `records`: use records folded so far. */
+  | { phase: 'records'; ns: string; records: number; done: number; total: number }
   | { phase: 'headers'; ns: string; done: number; total: number }
   | { phase: 'delete'; ns: string; done: number; total: number }
   | { phase: 'namespace'; report: NamespaceReport }
@@ -252,7 +253,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     let vanished = 0
     let newer = 0
     let oversized = 0
-    await eachBounded([...l.index, ...l.usage], concurrency, async ({ name, size }) => {
+    const foldRecord = async ({ name, size }: StoreEntry): Promise<void> => {
       if (size > MAX_RECORD_BYTES) {
         // Its uses stay unknown: kept, and nothing is deleted by a view that lacks them.
         oversized++
@@ -294,8 +295,16 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
         }
       }
       folded.push(name)
+    }
+    const toRead = [...l.index, ...l.usage]
+    let read = 0
+    await eachBounded(toRead, concurrency, async (e) => {
+      await foldRecord(e)
+      // Many records (one per gateway instance per flush) read for minutes: say how far.
+      if (++read % 100 === 0 && read < toRead.length)
+        progress({ phase: 'records', ns, records, done: read, total: toRead.length })
     })
-    progress({ phase: 'records', ns, records })
+    progress({ phase: 'records', ns, records, done: read, total: toRead.length })
 
     // 3. Nodes from the listing; parents not yet known come from a ranged header read.
     const nodes = new Map<string, ChunkNode>()

@@ -122,7 +122,7 @@ function progressLine(p: GcProgress): void {
     p.phase === 'list'
       ? `listed ${p.objects} objects`
       : p.phase === 'records'
-        ? `${p.ns}: folded ${p.records} use records`
+        ? `${p.ns}: read ${p.done}/${p.total} use records and indexes (${p.records} use records folded)`
         : p.phase === 'headers'
           ? `${p.ns}: read ${p.done}/${p.total} headers`
           : p.phase === 'delete'
