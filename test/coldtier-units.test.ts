@@ -1,9 +1,11 @@
 // Cold tier units on a memory store: config validation, the use-record format, the
 // recorder's request and memory bounds, the tail-first plan, and gc end to end.
 
+import { readFileSync } from 'node:fs'
 import { setFlagsFromString } from 'node:v8'
 import { runInNewContext } from 'node:vm'
 import { describe, expect, it, vi } from 'vitest'
+import { parse as parseYaml } from 'yaml'
 import {
   MAX_SNAPSHOT_BYTES,
   parseSnapshot,
@@ -92,6 +94,17 @@ describe('coldTier config', () => {
       expect(() => parseColdTier(b), JSON.stringify(b)).toThrow(
         expect.objectContaining({ code: 'ERR_CONFIG' }),
       )
+  })
+
+  it("docs/cold-tier.md's example parses, its commented-out settings too, to the defaults it states", () => {
+    const md = readFileSync(new URL('../docs/cold-tier.md', import.meta.url), 'utf8')
+    const block = /^## Configuration[\s\S]*?^```yaml\n([\s\S]*?)^```$/m.exec(md)![1]!
+    // Uncommented: a user enabling a shown setting gets what the comment says, not ERR_CONFIG.
+    const doc = parseYaml(block.replace(/^(\s*)# (\w+:)/gm, '$1$2')) as { coldTier: unknown }
+    const c = parseColdTier(doc.coldTier)
+    expect(c.condemnWaitMs).toBe(WAIT)
+    expect(c.usage).toEqual(DEFAULT_USAGE)
+    expect(c.graceMs).toBe(DEFAULT_COLD_TIER.graceMs)
   })
 })
 
