@@ -64,6 +64,22 @@ describe('kvgate CLI', () => {
       expect(r.stderr).toContain(`--namespace '${ns}'`)
     }
   })
+  it('gc --price and --concurrency take plain decimal numbers only', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-gc-'))
+    for (const [flag, value] of [
+      ['--price', 'Infinity'],
+      ['--price', ''],
+      ['--concurrency', '0x10'],
+      ['--concurrency', '1e1'],
+      ['--concurrency', ''],
+    ]) {
+      const r = await kvgate('gc', '--dry-run', '--dir', dir, `${flag}=${value}`)
+      expect(r.code, `${flag}=${value}`).toBe(2)
+      expect(r.stderr).toContain(flag)
+    }
+    const ok = await kvgate('gc', '--dry-run', '--dir', dir, '--price=0.015', '--concurrency=4', '-q')
+    expect(ok.code).toBe(0)
+  })
   it('inspect reports an intact sample, then a damaged one, with exit codes', async () => {
     const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-'))
     const file = join(dir, 'sample.kvc')

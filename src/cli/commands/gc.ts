@@ -77,9 +77,13 @@ export async function run(argv: string[]): Promise<number> {
     const v = (values as Record<string, unknown>)[flag]
     if (v !== undefined) (flags as Record<string, unknown>)[key] = v
   }
-  const price = values.price === undefined ? 0.023 : Number(values.price)
-  const concurrency = values.concurrency === undefined ? 16 : Number(values.concurrency)
-  if (!(price >= 0)) return usageError('--price must be a non-negative number')
+  // Plain decimals only: Number() would also take '' (0), 'Infinity', '0x10' and '1e1'.
+  const decimal = (v: string | undefined, re: RegExp) =>
+    v !== undefined && re.test(v) ? Number(v) : Number.NaN
+  const price = values.price === undefined ? 0.023 : decimal(values.price, /^\d+(\.\d+)?$/)
+  const concurrency = values.concurrency === undefined ? 16 : decimal(values.concurrency, /^\d+$/)
+  if (!Number.isFinite(price))
+    return usageError('--price must be a non-negative number of $/GB-month, e.g. 0.023')
   if (!Number.isInteger(concurrency) || concurrency < 1 || concurrency > 1024)
     return usageError('--concurrency must be an integer in 1..1024')
   const namespaces = values.namespace as unknown as string[] | undefined
