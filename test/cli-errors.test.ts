@@ -8,6 +8,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { promisify } from 'node:util'
 import { describe, expect, it } from 'vitest'
+import { parse as parseYaml } from 'yaml'
 import { hashToken } from '../src/gateway/middleware/auth.ts'
 
 const exec = promisify(execFile)
@@ -151,6 +152,16 @@ describe('kvgate token', () => {
     expect(yaml.stdout).toMatch(/scopes: write, namespaces: \[prod, staging\]/)
     expect((await kvgate(['token', '--scope', 'root'])).code).toBe(2)
     expect((await kvgate(['token', '--namespaces', 'Bad Name'])).code).toBe(2)
+  })
+
+  it('the YAML line it prints parses to the same entry whatever the name holds', async () => {
+    for (const name of ['ops', 'ops: admin', 'a, scopes: admin', "it's {x}", '#1']) {
+      const r = await kvgate(['token', '--name', name, '--namespaces', 'prod'])
+      expect(r.code).toBe(0)
+      const line = r.stdout.split('\n').find((l) => l.trim().startsWith('- { name:'))!
+      const [entry] = parseYaml(line.trim()) as Record<string, unknown>[]
+      expect(entry, name).toMatchObject({ name, scopes: 'write', namespaces: ['prod'] })
+    }
   })
 })
 
