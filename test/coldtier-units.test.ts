@@ -15,7 +15,13 @@ import {
 import { type ChunkNode, plan, settle } from '../src/coldtier/chain-graph.ts'
 import { type GcProgress, runGc } from '../src/coldtier/gc.ts'
 import { classify, condemnedPrefix, usagePrefix } from '../src/coldtier/names.ts'
-import { condemnWaitMs, DEFAULT_COLD_TIER, DEFAULT_USAGE, parseColdTier } from '../src/coldtier/policy.ts'
+import {
+  condemnWaitMs,
+  DEFAULT_COLD_TIER,
+  DEFAULT_USAGE,
+  parseColdTier,
+  policyFor,
+} from '../src/coldtier/policy.ts'
 import { decodeBatch, encodeBatch } from '../src/coldtier/records.ts'
 import { createGateway, MemoryStore } from '../src/gateway/index.ts'
 import type { ObjectStore } from '../src/gateway/stores/types.ts'
@@ -105,6 +111,54 @@ describe('coldTier config', () => {
     expect(c.condemnWaitMs).toBe(WAIT)
     expect(c.usage).toEqual(DEFAULT_USAGE)
     expect(c.graceMs).toBe(DEFAULT_COLD_TIER.graceMs)
+  })
+})
+
+describe('a namespace named like an Object.prototype member (constructor)', () => {
+  // `constructor` is a valid namespace name; a plain object lookup found Object itself.
+  it("gets '*' (or no policy), not Object as its policy", () => {
+    expect(policyFor(parseColdTier({ namespaces: { '*': { retention: '1d' } } }), 'constructor')).toEqual({
+      retentionMs: DAY,
+    })
+    expect(policyFor(parseColdTier({}), 'constructor')).toBeUndefined()
+    expect(
+      policyFor(parseColdTier({ namespaces: { constructor: { quota: '1GB' } } }), 'constructor'),
+    ).toEqual({
+      quotaBytes: 1e9,
+    })
+  })
+
+  it('is accounted as itself, and writes nothing onto Object', async () => {
+    const app = createGateway({ store: new MemoryStore(), prefix: 'kv' })
+    const [c] = makeChain(1)
+    expect((await app.request(`/v1/ns/constructor/chunks/${c!.key}`, putInit(c!.bytes))).status).toBe(201)
+    const totals = app.state.accounting!.totals()
+    expect(Object.hasOwn(totals, 'constructor')).toBe(true)
+    expect(totals.constructor).toEqual({ objects: 1, bytes: c!.bytes.length })
+    expect(Object.hasOwn(Object, 'bytes')).toBe(false)
+    const metrics = await (await app.request('/metrics')).text()
+    expect(metrics).toContain(`kvgate_namespace_stored_objects{ns="constructor"} 1`)
+  })
+
+  it('gc keeps it under no policy and gives it the catch-all policy when there is one', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store, prefix: 'kv', coldTier: false })
+    const chain = makeChain(2)
+    for (const k of chain) await app.request(`/v1/ns/constructor/chunks/${k.key}`, putInit(k.bytes))
+    const now = Date.now() + 20 * DAY
+    const none = await runGc({ store, prefix: 'kv', config: parseColdTier({}), now, dryRun: true })
+    expect(none.namespaces[0]).toMatchObject({
+      ns: 'constructor',
+      policy: undefined,
+      condemned: { objects: 0 },
+    })
+    const star = parseColdTier({ namespaces: { '*': { retention: '10d' } } })
+    const r = await runGc({ store, prefix: 'kv', config: star, now, dryRun: true })
+    expect(r.namespaces[0]).toMatchObject({
+      ns: 'constructor',
+      policy: { retentionMs: 10 * DAY },
+      condemned: { objects: 2 },
+    })
   })
 })
 

@@ -590,7 +590,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
         errors.push(`index ${ns}: ${(e as Error).message}`)
       }
     }
-    const prev = previous?.namespaces[ns]
+    const prev = previous && Object.hasOwn(previous.namespaces, ns) ? previous.namespaces[ns] : undefined
     return {
       ns,
       policy,

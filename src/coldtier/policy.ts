@@ -169,5 +169,7 @@ export function condemnWaitMs(usage: UsageOptions): number {
 
 /** The policy that applies to a namespace: its own, else '*', else none (keep everything). */
 export function policyFor(cfg: ColdTierConfig, ns: string): NamespacePolicy | undefined {
-  return cfg.namespaces[ns] ?? cfg.namespaces['*']
+  // Own keys only: a namespace may be named `constructor`, which every plain object has.
+  const own = (k: string) => (Object.hasOwn(cfg.namespaces, k) ? cfg.namespaces[k] : undefined)
+  return own(ns) ?? own('*')
 }
