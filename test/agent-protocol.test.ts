@@ -500,6 +500,14 @@ describe('agent configuration', () => {
     expect(() => resolveAgentConfig({ config: file }, {})).toThrow(
       `${file}: agent.sockt: unknown key (did you mean 'socket'?)`,
     )
+    // chunkTokens from the client's settings: the variable or the file's top-level key, by name.
+    expect(() => resolveAgentConfig({ socket: sock }, { KVGATE_CHUNK_TOKENS: '0' })).toThrow(
+      'KVGATE_CHUNK_TOKENS: expected an integer in 1..1048576, got 0',
+    )
+    writeFileSync(file, 'chunkTokens: 0\n')
+    expect(() => resolveAgentConfig({ config: file, socket: sock }, {})).toThrow(
+      `${file}: chunkTokens: expected an integer in 1..1048576, got 0`,
+    )
     // The CLI: the flag as typed, exit 2, one line.
     const { main, reportFailure } = await import('../src/cli/main.ts')
     const err = console.error

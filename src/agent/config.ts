@@ -125,7 +125,7 @@ export function resolveAgentConfig(
     flags.chunkTokens !== undefined
       ? [flags.chunkTokens, '--chunk-tokens']
       : ct !== undefined
-        ? [ct, 'chunkTokens']
+        ? [ct, env.KVGATE_CHUNK_TOKENS ? 'KVGATE_CHUNK_TOKENS' : `${file}: chunkTokens`]
         : fromFile.chunkTokens !== undefined
           ? [fromFile.chunkTokens, `${file}: agent.chunkTokens`]
           : [256, 'chunkTokens']
