@@ -80,6 +80,23 @@ describe('kvgate CLI', () => {
     const ok = await kvgate('gc', '--dry-run', '--dir', dir, '--price=0.015', '--concurrency=4', '-q')
     expect(ok.code).toBe(0)
   })
+  it('keys: a token list that is not JSON is wrong usage naming the flag; the usage shows only what runs', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-keys-'))
+    const file = join(dir, 'tokens.json')
+    writeFileSync(file, '[1, 2,')
+    for (const args of [
+      ['--tokens', '[1,2'],
+      ['--file', file],
+    ]) {
+      const r = await kvgate('keys', '--chunk-tokens', '1', ...args)
+      expect(r.code, args.join(' ')).toBe(2)
+      expect(r.stderr).toContain(`${args[0]}: not a JSON array`)
+    }
+    // The usage line offered a bare '-', which is refused as a stray argument.
+    const help = await kvgate('keys', '--help')
+    expect(help.stdout).not.toMatch(/\| -\)/)
+    expect((await kvgate('keys', '-')).code).toBe(2)
+  })
   it('inspect reports an intact sample, then a damaged one, with exit codes', async () => {
     const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-'))
     const file = join(dir, 'sample.kvc')
