@@ -179,6 +179,19 @@ describe('kvgate bench', () => {
 })
 
 describe('kvgate smoke', () => {
+  it('a URL that is not http(s) or a bad --ns is wrong usage (exit 2), before any request', async () => {
+    for (const [args, says] of [
+      [['--url', 'ftp://127.0.0.1:1'], '--url'],
+      [['--url', 'file:///etc/passwd'], '--url'],
+      [['--url', 'http://127.0.0.1:1', '--ns', 'Bad/ns'], '--ns'],
+    ] as const) {
+      const r = await kvgate(['smoke', ...args])
+      expect(r.code, args.join(' ')).toBe(2)
+      expect(r.stderr).toContain(says)
+      expect(r.stdout).toBe('')
+    }
+  })
+
   it('on ECONNREFUSED asks once whether the gateway runs there, and stops after healthz', async () => {
     const probe = createServer()
     await new Promise<void>((r) => probe.listen(0, '127.0.0.1', r))
