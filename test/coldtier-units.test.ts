@@ -162,6 +162,25 @@ describe('a namespace named like an Object.prototype member (constructor)', () =
   })
 })
 
+describe('gc options', () => {
+  // Every caller (CLI, Worker cron, Lambda) passes its own prefix; the gateway refuses a bad
+  // one at start, and gc must too rather than list nothing and write its objects under it.
+  it('a prefix the gateway would refuse, or a concurrency below 1, is a ConfigError before any request', async () => {
+    const store = new MemoryStore()
+    await store.putIfAbsent('kv/_coldtier/accounting/x', new Uint8Array(1), 1)
+    const config = parseColdTier({})
+    for (const prefix of ['kv/', '/kv', 'kv//a', '../kv', 'kv/./a'])
+      await expect(runGc({ store, prefix, config }), prefix).rejects.toThrow(
+        expect.objectContaining({ code: 'ERR_CONFIG' }),
+      )
+    for (const concurrency of [0, -1, 1.5, Number.NaN])
+      await expect(runGc({ store, prefix: 'kv', config, concurrency }), String(concurrency)).rejects.toThrow(
+        expect.objectContaining({ code: 'ERR_CONFIG' }),
+      )
+    expect((await store.list('')).entries.map((e) => e.name)).toEqual(['kv/_coldtier/accounting/x'])
+  })
+})
+
 describe('use records', () => {
   it('decode to flat key strings: gc holds a namespace index of ~300 bytes a link, not ~2 KiB', () => {
     // A hex string built by appending two characters at a time is a tree of ~30 string

@@ -12,9 +12,9 @@
 // chain is gone, and anything read or written within the grace period is kept.
 
 import { eachBounded } from '../core/bounded-each.ts'
-import { FormatError } from '../core/errors.ts'
+import { ConfigError, FormatError } from '../core/errors.ts'
 import { decodeHeader, HEADER_PREFIX_BYTES, readHeaderLength } from '../core/format.ts'
-import { objectName, toHex } from '../core/keys.ts'
+import { isObjectPrefix, objectName, toHex } from '../core/keys.ts'
 import { collectAtMost, type ObjectStore, type StoreEntry } from '../gateway/stores/types.ts'
 import {
   type AccountingSnapshot,
@@ -132,6 +132,11 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
   const now = opts.now ?? Date.now()
   const started = Date.now()
   const concurrency = opts.concurrency ?? 16
+  // The gateway refuses such a prefix at start; gc would list nothing and write under it.
+  if (!isObjectPrefix(opts.prefix)) throw new ConfigError(`gc: invalid prefix ${JSON.stringify(opts.prefix)}`)
+  // Below 1, eachBounded starts no call at all: records, headers and deletes silently skipped.
+  if (!Number.isInteger(concurrency) || concurrency < 1)
+    throw new ConfigError(`gc: concurrency must be an integer ≥ 1, got ${concurrency}`)
   const price = opts.pricePerGBMonth ?? 0.023
   const dry = opts.dryRun ?? false
   const run = randomId()
