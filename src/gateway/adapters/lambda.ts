@@ -281,6 +281,16 @@ const LAMBDA_VARS = [
   'KVGATE_MAX_HELD_BYTES',
 ] as const
 
+/** Variables whose value is used as a name (numbers are trimmed; JSON ones may hold whitespace). */
+const NAME_VARS = [
+  'KVGATE_S3_BUCKET',
+  'KVGATE_S3_ENDPOINT',
+  'KVGATE_S3_PREFIX',
+  'KVGATE_AUTH_SSM_PARAMETER',
+  'KVGATE_FS_ROOT',
+  'KVGATE_STAGING_PREFIX',
+] as const
+
 function checkVars(env: Record<string, string | undefined>): void {
   for (const name of Object.keys(env)) {
     if (!name.startsWith('KVGATE_') || (LAMBDA_VARS as readonly string[]).includes(name)) continue
@@ -291,6 +301,12 @@ function checkVars(env: Record<string, string | undefined>): void {
   }
   if (env.KVGATE_AUTH !== undefined && env.KVGATE_AUTH !== 'disabled')
     throw new ConfigError(`KVGATE_AUTH: expected 'disabled' or unset, got '${env.KVGATE_AUTH}'`)
+  // Names taken as given: a pasted trailing space or newline would fail later, unrelatedly.
+  for (const name of NAME_VARS) {
+    const v = env[name]
+    if (v !== undefined && v.trim() !== v)
+      throw new ConfigError(`${name}: must not begin or end with whitespace, got ${JSON.stringify(v)}`)
+  }
 }
 
 export function configFromEnv(env: Record<string, string | undefined> = process.env): LambdaGatewayConfig {
