@@ -310,6 +310,31 @@ describe('UsageRecorder', () => {
     expect(list.entries.length).toBe(2)
   })
 
+  it('a failed flush put back into a full buffer counts every entry it drops, links included', async () => {
+    let fail!: (e: Error) => void
+    const hang = new Promise<void>((_, reject) => {
+      fail = reject
+    })
+    const store = new MemoryStore()
+    const failing: ObjectStore = Object.assign(Object.create(store) as ObjectStore, {
+      putIfAbsent: async () => {
+        await hang
+        return 'created' as const
+      },
+    })
+    const r = new UsageRecorder(failing, 'kv', undefined, { maxKeys: 3 })
+    r.created('a', key(100), key(99), 1000)
+    r.use('a', key(1))
+    r.use('a', key(2)) // the 3rd key starts a flush (hanging, then failing)
+    for (let i = 10; i < 16; i++) r.use('a', key(i)) // fills the buffer to its cap (6)
+    expect(r.dropped.value()).toBe(0)
+    fail(new Error('503'))
+    await r.pending
+    // Two uses and one link had no room when put back: three entries lost, three counted.
+    expect(r.dropped.value()).toBe(3)
+    expect(r.bufferedKeys).toBe(6)
+  })
+
   it('flush() resolves only after uses made before it are written, even with a flush in flight', async () => {
     let release!: () => void
     const hang = new Promise<void>((r) => {
