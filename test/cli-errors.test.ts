@@ -44,6 +44,23 @@ describe('kvgate serve: mistakes are one line naming the fix', () => {
     expect(oneLine(r.stderr)).toBe(true)
   })
 
+  it('an unknown flag names the nearest one the command takes', async () => {
+    for (const [args, near] of [
+      [['serve', '--prot', '9000'], '--port'],
+      [['gc', '--dryrun'], '--dry-run'],
+      [['agent', '--metric-port', '9'], '--metrics-port'],
+      [['token', '--namespace', 'prod'], '--namespaces'],
+    ] as const) {
+      const r = await kvgate([...args])
+      expect(r.code, args.join(' ')).toBe(2)
+      expect(r.stderr).toContain(`unknown option '${args[1]}' (did you mean '${near}'?)`)
+      expect(oneLine(r.stderr)).toBe(true)
+    }
+    // Nothing near: the flag alone, and --help.
+    const far = await kvgate(['serve', '--zzzzzzzzzz'])
+    expect(far.stderr).toContain("unknown option '--zzzzzzzzzz'. Run with --help for usage.")
+  })
+
   it('a bad KVGATE_* value names the variable', async () => {
     const r = await kvgate(['serve'], { KVGATE_PORT: 'eighty' })
     expect(r.code).toBe(2)
