@@ -102,6 +102,18 @@ describe('coldTier config', () => {
       )
   })
 
+  it('quota sizes are read like every other byte size of the gateway (8M, 512k, 10MB), and stay exact integers', () => {
+    const q = (quota: unknown) => parseColdTier({ namespaces: { a: { quota } } }).namespaces.a!.quotaBytes
+    expect(q('500G')).toBe(500 * 1024 ** 3)
+    expect(q('512k')).toBe(512 * 1024)
+    expect(q('10MB')).toBe(10e6)
+    expect(q('2 TiB')).toBe(2 * 1024 ** 4)
+    expect(q('4096')).toBe(4096)
+    // Past 2^53 bytes a size is not an exact integer: an error, not 1.1e32 taken as given.
+    expect(() => q('99999999999999999999TiB')).toThrow(/quota must be a size/)
+    expect(() => q('-1GB')).toThrow(/quota must be a size/)
+  })
+
   it("docs/cold-tier.md's example parses, its commented-out settings too, to the defaults it states", () => {
     const md = readFileSync(new URL('../docs/cold-tier.md', import.meta.url), 'utf8')
     const block = /^## Configuration[\s\S]*?^```yaml\n([\s\S]*?)^```$/m.exec(md)![1]!
