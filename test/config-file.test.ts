@@ -206,3 +206,16 @@ describe('S3 credentials given by halves', () => {
     ).not.toHaveProperty('accessKeyId')
   })
 })
+
+describe('client option values of the wrong type', () => {
+  // `chunkTokens: "256"` (quoted in YAML) was refused as "expected an integer …, got 256".
+  it('a string where a number belongs is shown quoted, so the message says what is wrong', async () => {
+    const { resolveOptions } = await import('../src/client/config.ts')
+    expect(() => resolveOptions({ model: 'stories260k', chunkTokens: '256' } as never)).toThrow(
+      'invalid chunkTokens: expected an integer in 1..1048576, got "256"',
+    )
+    expect(() => resolveOptions({ model: 'stories260k', chunkTokens: 0 })).toThrow(
+      'invalid chunkTokens: expected an integer in 1..1048576, got 0',
+    )
+  })
+})
