@@ -462,6 +462,10 @@ describe('agent configuration', () => {
     expect(() => resolveAgentConfig({ config: file }, {})).toThrow(/agent.socketPath: unknown key/)
     expect(() => resolveAgentConfig({ lookupDeadlineMs: -1 }, {})).toThrow(/--lookup-deadline-ms/)
     expect(() => resolveAgentConfig({ socket: 'x'.repeat(200) }, {})).toThrow(/socket/)
+    // The limit is in bytes: 60 two-byte characters are 120 bytes, past sun_path.
+    expect(() => resolveAgentConfig({ socket: `/tmp/${'é'.repeat(60)}` }, {})).toThrow(
+      /expected a path of 1\.\.107 bytes/,
+    )
     // copyThreads: min(cores, 4) by default; 0 (on the event loop) .. 64; flag over env over file.
     expect(resolveAgentConfig({ socket: join(dir, 'x.sock') }, {}).copyThreads).toBeGreaterThanOrEqual(1)
     expect(resolveAgentConfig({ socket: join(dir, 'x.sock') }, {}).copyThreads).toBeLessThanOrEqual(4)
