@@ -97,6 +97,12 @@ describe('kvgate CLI', () => {
     expect(help.stdout).not.toMatch(/\| -\)/)
     expect((await kvgate('keys', '-')).code).toBe(2)
   })
+  it('gc on the memory store (nothing outlives a process) is wrong usage, not a pass over an empty bucket', async () => {
+    const r = await kvgate('gc', '--store', 'memory', '--dry-run')
+    expect(r.code).toBe(2)
+    expect(r.stdout).toBe('')
+    expect(r.stderr).toContain('fs or s3')
+  })
   it('inspect reports an intact sample, then a damaged one, with exit codes', async () => {
     const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-'))
     const file = join(dir, 'sample.kvc')

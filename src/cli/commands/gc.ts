@@ -95,6 +95,9 @@ export async function run(argv: string[]): Promise<number> {
     )
   const file = values.config ?? process.env.KVGATE_CONFIG
   const config = resolveServeConfig(file ? settingsFromFile(file) : {}, settingsFromEnv(process.env), flags)
+  // A memory store is empty in a fresh process: a pass over it would report an empty bucket.
+  if (config.store.kind === 'memory')
+    return usageError('the memory store holds nothing between processes: gc runs on the fs or s3 store')
   const quiet = values.quiet === true
   const store = await openStore(config)
   try {
