@@ -136,3 +136,23 @@ describe('latent (MLA) chunks in the format', () => {
     expect(ns(kv)).toBe(ns({ layers: 2, kvHeads: 1, headDim: 16, dtype: 'bf16' }))
   })
 })
+
+describe('dtype and codec names', () => {
+  // An engine's registration or a library caller names them as strings: `in` also found
+  // toString and constructor on every object, and the header then carried a code of 0.
+  const names = ['toString', 'constructor', '__proto__', 'valueOf']
+  it('a geometry whose dtype is a name every object has is refused', () => {
+    for (const dtype of names) {
+      const g = { layers: 2, kvHeads: 1, headDim: 4, dtype } as unknown as KvGeometry
+      expect(() => validateGeometry(g), dtype).toThrow(InvalidArgumentError)
+      expect(() => encodeChunk(sampleMeta({ geometry: g }), []), dtype).toThrow(InvalidArgumentError)
+      expect(() => namespaceId({ modelId: 'm', geometry: g, chunkTokens: 4 }), dtype).toThrow(
+        InvalidArgumentError,
+      )
+    }
+  })
+  it('so is such a codec', () => {
+    for (const codec of names)
+      expect(() => encodeChunk(sampleMeta({ codec: codec as 'raw' }), []), codec).toThrow(/unknown codec/)
+  })
+})

@@ -462,6 +462,10 @@ describe('agent configuration', () => {
     expect(() => resolveAgentConfig({ config: file }, {})).toThrow(/agent.socketPath: unknown key/)
     expect(() => resolveAgentConfig({ lookupDeadlineMs: -1 }, {})).toThrow(/--lookup-deadline-ms/)
     expect(() => resolveAgentConfig({ socket: 'x'.repeat(200) }, {})).toThrow(/socket/)
+    // The limit is in bytes: 60 two-byte characters are 120 bytes, past sun_path.
+    expect(() => resolveAgentConfig({ socket: `/tmp/${'é'.repeat(60)}` }, {})).toThrow(
+      /expected a path of 1\.\.107 bytes/,
+    )
     // copyThreads: min(cores, 4) by default; 0 (on the event loop) .. 64; flag over env over file.
     expect(resolveAgentConfig({ socket: join(dir, 'x.sock') }, {}).copyThreads).toBeGreaterThanOrEqual(1)
     expect(resolveAgentConfig({ socket: join(dir, 'x.sock') }, {}).copyThreads).toBeLessThanOrEqual(4)
@@ -499,6 +503,14 @@ describe('agent configuration', () => {
     writeFileSync(file, 'agent:\n  sockt: /tmp/x\n')
     expect(() => resolveAgentConfig({ config: file }, {})).toThrow(
       `${file}: agent.sockt: unknown key (did you mean 'socket'?)`,
+    )
+    // chunkTokens from the client's settings: the variable or the file's top-level key, by name.
+    expect(() => resolveAgentConfig({ socket: sock }, { KVGATE_CHUNK_TOKENS: '0' })).toThrow(
+      'KVGATE_CHUNK_TOKENS: expected an integer in 1..1048576, got 0',
+    )
+    writeFileSync(file, 'chunkTokens: 0\n')
+    expect(() => resolveAgentConfig({ config: file, socket: sock }, {})).toThrow(
+      `${file}: chunkTokens: expected an integer in 1..1048576, got 0`,
     )
     // The CLI: the flag as typed, exit 2, one line.
     const { main, reportFailure } = await import('../src/cli/main.ts')

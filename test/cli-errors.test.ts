@@ -8,6 +8,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { promisify } from 'node:util'
 import { describe, expect, it } from 'vitest'
+import { parse as parseYaml } from 'yaml'
 import { hashToken } from '../src/gateway/middleware/auth.ts'
 
 const exec = promisify(execFile)
@@ -41,6 +42,23 @@ describe('kvgate serve: mistakes are one line naming the fix', () => {
     expect(r.code).toBe(2)
     expect(r.stderr).toContain('--prot')
     expect(oneLine(r.stderr)).toBe(true)
+  })
+
+  it('an unknown flag names the nearest one the command takes', async () => {
+    for (const [args, near] of [
+      [['serve', '--prot', '9000'], '--port'],
+      [['gc', '--dryrun'], '--dry-run'],
+      [['agent', '--metric-port', '9'], '--metrics-port'],
+      [['token', '--namespace', 'prod'], '--namespaces'],
+    ] as const) {
+      const r = await kvgate([...args])
+      expect(r.code, args.join(' ')).toBe(2)
+      expect(r.stderr).toContain(`unknown option '${args[1]}' (did you mean '${near}'?)`)
+      expect(oneLine(r.stderr)).toBe(true)
+    }
+    // Nothing near: the flag alone, and --help.
+    const far = await kvgate(['serve', '--zzzzzzzzzz'])
+    expect(far.stderr).toContain("unknown option '--zzzzzzzzzz'. Run with --help for usage.")
   })
 
   it('a bad KVGATE_* value names the variable', async () => {
@@ -152,6 +170,16 @@ describe('kvgate token', () => {
     expect((await kvgate(['token', '--scope', 'root'])).code).toBe(2)
     expect((await kvgate(['token', '--namespaces', 'Bad Name'])).code).toBe(2)
   })
+
+  it('the YAML line it prints parses to the same entry whatever the name holds', async () => {
+    for (const name of ['ops', 'ops: admin', 'a, scopes: admin', "it's {x}", '#1']) {
+      const r = await kvgate(['token', '--name', name, '--namespaces', 'prod'])
+      expect(r.code).toBe(0)
+      const line = r.stdout.split('\n').find((l) => l.trim().startsWith('- { name:'))!
+      const [entry] = parseYaml(line.trim()) as Record<string, unknown>[]
+      expect(entry, name).toMatchObject({ name, scopes: 'write', namespaces: ['prod'] })
+    }
+  })
 })
 
 describe('kvgate bench', () => {
@@ -168,6 +196,19 @@ describe('kvgate bench', () => {
 })
 
 describe('kvgate smoke', () => {
+  it('a URL that is not http(s) or a bad --ns is wrong usage (exit 2), before any request', async () => {
+    for (const [args, says] of [
+      [['--url', 'ftp://127.0.0.1:1'], '--url'],
+      [['--url', 'file:///etc/passwd'], '--url'],
+      [['--url', 'http://127.0.0.1:1', '--ns', 'Bad/ns'], '--ns'],
+    ] as const) {
+      const r = await kvgate(['smoke', ...args])
+      expect(r.code, args.join(' ')).toBe(2)
+      expect(r.stderr).toContain(says)
+      expect(r.stdout).toBe('')
+    }
+  })
+
   it('on ECONNREFUSED asks once whether the gateway runs there, and stops after healthz', async () => {
     const probe = createServer()
     await new Promise<void>((r) => probe.listen(0, '127.0.0.1', r))

@@ -1,5 +1,5 @@
 import { execFile } from 'node:child_process'
-import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs'
+import { mkdtempSync, readFileSync, truncateSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { promisify } from 'node:util'
@@ -45,6 +45,64 @@ describe('kvgate CLI', () => {
       expect(r.stderr).toContain('--help')
     }
   })
+  it('help <command> for a command that does not exist is the same error as the command itself', async () => {
+    const r = await kvgate('help', 'nope')
+    expect(r.code).toBe(2)
+    expect(r.stdout).toBe('')
+    expect(r.stderr).toContain("unknown command 'nope'")
+    expect(r.stderr).toContain('--help')
+    const ok = await kvgate('help', 'gc')
+    expect(ok.code).toBe(0)
+    expect(ok.stdout).toContain('Usage: kvgate gc')
+  })
+  it('gc --namespace with a name no namespace can have is wrong usage, not a pass over nothing', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-gc-'))
+    for (const ns of ['../prod', 'a/b', '_usage', '']) {
+      const r = await kvgate('gc', '--dry-run', '--dir', dir, '--namespace', ns)
+      expect(r.code).toBe(2)
+      expect(r.stdout).toBe('')
+      expect(r.stderr).toContain(`--namespace '${ns}'`)
+    }
+  })
+  it('gc --price and --concurrency take plain decimal numbers only', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-gc-'))
+    for (const [flag, value] of [
+      ['--price', 'Infinity'],
+      ['--price', ''],
+      ['--concurrency', '0x10'],
+      ['--concurrency', '1e1'],
+      ['--concurrency', ''],
+    ]) {
+      const r = await kvgate('gc', '--dry-run', '--dir', dir, `${flag}=${value}`)
+      expect(r.code, `${flag}=${value}`).toBe(2)
+      expect(r.stderr).toContain(flag)
+    }
+    const ok = await kvgate('gc', '--dry-run', '--dir', dir, '--price=0.015', '--concurrency=4', '-q')
+    expect(ok.code).toBe(0)
+  })
+  it('keys: a token list that is not JSON is wrong usage naming the flag; the usage shows only what runs', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-keys-'))
+    const file = join(dir, 'tokens.json')
+    writeFileSync(file, '[1, 2,')
+    for (const args of [
+      ['--tokens', '[1,2'],
+      ['--file', file],
+    ]) {
+      const r = await kvgate('keys', '--chunk-tokens', '1', ...args)
+      expect(r.code, args.join(' ')).toBe(2)
+      expect(r.stderr).toContain(`${args[0]}: not a JSON array`)
+    }
+    // The usage line offered a bare '-', which is refused as a stray argument.
+    const help = await kvgate('keys', '--help')
+    expect(help.stdout).not.toMatch(/\| -\)/)
+    expect((await kvgate('keys', '-')).code).toBe(2)
+  })
+  it('gc on the memory store (nothing outlives a process) is wrong usage, not a pass over an empty bucket', async () => {
+    const r = await kvgate('gc', '--store', 'memory', '--dry-run')
+    expect(r.code).toBe(2)
+    expect(r.stdout).toBe('')
+    expect(r.stderr).toContain('fs or s3')
+  })
   it('inspect reports an intact sample, then a damaged one, with exit codes', async () => {
     const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-'))
     const file = join(dir, 'sample.kvc')
@@ -89,6 +147,39 @@ describe('kvgate CLI', () => {
     expect(cut.stdout).toContain('ERR_FORMAT_TRUNCATED')
     expect((await kvgate('inspect', join(dir, 'missing'))).code).toBe(2)
     expect((await kvgate('inspect', '--bogus')).stderr).toContain('--help')
+  })
+  it('inspect on an endless device or a large non-chunk file answers from the header, without reading it all', async () => {
+    // Without a bound, /dev/zero grows a buffer until the process dies (or the timeout).
+    const r = await new Promise<{ code: number | null; stdout: string }>((resolve) => {
+      execFile(
+        process.execPath,
+        [bin, 'inspect', '/dev/zero', '--json'],
+        { encoding: 'utf8', timeout: 20_000 },
+        (e, stdout) => resolve({ code: e ? (typeof e.code === 'number' ? e.code : null) : 0, stdout }),
+      )
+    })
+    expect(r.code).toBe(1)
+    expect(JSON.parse(r.stdout).error.code).toBe('ERR_FORMAT_BAD_MAGIC')
+    // A sparse 8 GiB file (over what readFileSync takes): its size, and the header's verdict.
+    const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-'))
+    const file = join(dir, 'sparse.kvc')
+    writeFileSync(file, '')
+    truncateSync(file, 8 * 1024 ** 3)
+    const big = await kvgate('inspect', file, '--json')
+    expect(big.code).toBe(1)
+    expect(JSON.parse(big.stdout)).toMatchObject({
+      ok: false,
+      bytes: 8 * 1024 ** 3,
+      error: { code: 'ERR_FORMAT_BAD_MAGIC' },
+    })
+    // A valid object followed by extra bytes: the file's real length is reported.
+    const sample = join(dir, 'longer.kvc')
+    const bytes = sampleChunkObject()
+    writeFileSync(sample, Buffer.concat([bytes, Buffer.alloc(1000)]))
+    const longer = JSON.parse((await kvgate('inspect', sample, '--json')).stdout)
+    expect(longer).toMatchObject({ ok: false, bytes: bytes.length + 1000 })
+    expect(longer.error.message).toBe(`file is ${bytes.length + 1000} bytes, header says ${bytes.length}`)
+    expect(longer.sections.every((s: { ok: boolean }) => s.ok)).toBe(true)
   })
   it('inspect shows the calibration a format-v2 object names', async () => {
     const dir = mkdtempSync(join(tmpdir(), 'kvgate-cli-'))

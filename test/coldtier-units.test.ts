@@ -1,9 +1,11 @@
 // Cold tier units on a memory store: config validation, the use-record format, the
 // recorder's request and memory bounds, the tail-first plan, and gc end to end.
 
+import { readFileSync } from 'node:fs'
 import { setFlagsFromString } from 'node:v8'
 import { runInNewContext } from 'node:vm'
 import { describe, expect, it, vi } from 'vitest'
+import { parse as parseYaml } from 'yaml'
 import {
   MAX_SNAPSHOT_BYTES,
   parseSnapshot,
@@ -11,9 +13,15 @@ import {
   snapshotName,
 } from '../src/coldtier/accounting.ts'
 import { type ChunkNode, plan, settle } from '../src/coldtier/chain-graph.ts'
-import { runGc } from '../src/coldtier/gc.ts'
+import { type GcProgress, runGc } from '../src/coldtier/gc.ts'
 import { classify, condemnedPrefix, usagePrefix } from '../src/coldtier/names.ts'
-import { condemnWaitMs, DEFAULT_COLD_TIER, DEFAULT_USAGE, parseColdTier } from '../src/coldtier/policy.ts'
+import {
+  condemnWaitMs,
+  DEFAULT_COLD_TIER,
+  DEFAULT_USAGE,
+  parseColdTier,
+  policyFor,
+} from '../src/coldtier/policy.ts'
 import { decodeBatch, encodeBatch } from '../src/coldtier/records.ts'
 import { createGateway, MemoryStore } from '../src/gateway/index.ts'
 import type { ObjectStore } from '../src/gateway/stores/types.ts'
@@ -92,6 +100,96 @@ describe('coldTier config', () => {
       expect(() => parseColdTier(b), JSON.stringify(b)).toThrow(
         expect.objectContaining({ code: 'ERR_CONFIG' }),
       )
+  })
+
+  it('quota sizes are read like every other byte size of the gateway (8M, 512k, 10MB), and stay exact integers', () => {
+    const q = (quota: unknown) => parseColdTier({ namespaces: { a: { quota } } }).namespaces.a!.quotaBytes
+    expect(q('500G')).toBe(500 * 1024 ** 3)
+    expect(q('512k')).toBe(512 * 1024)
+    expect(q('10MB')).toBe(10e6)
+    expect(q('2 TiB')).toBe(2 * 1024 ** 4)
+    expect(q('4096')).toBe(4096)
+    // Past 2^53 bytes a size is not an exact integer: an error, not 1.1e32 taken as given.
+    expect(() => q('99999999999999999999TiB')).toThrow(/quota must be a size/)
+    expect(() => q('-1GB')).toThrow(/quota must be a size/)
+  })
+
+  it("docs/cold-tier.md's example parses, its commented-out settings too, to the defaults it states", () => {
+    const md = readFileSync(new URL('../docs/cold-tier.md', import.meta.url), 'utf8')
+    const block = /^## Configuration[\s\S]*?^```yaml\n([\s\S]*?)^```$/m.exec(md)![1]!
+    // Uncommented: a user enabling a shown setting gets what the comment says, not ERR_CONFIG.
+    const doc = parseYaml(block.replace(/^(\s*)# (\w+:)/gm, '$1$2')) as { coldTier: unknown }
+    const c = parseColdTier(doc.coldTier)
+    expect(c.condemnWaitMs).toBe(WAIT)
+    expect(c.usage).toEqual(DEFAULT_USAGE)
+    expect(c.graceMs).toBe(DEFAULT_COLD_TIER.graceMs)
+  })
+})
+
+describe('a namespace named like an Object.prototype member (constructor)', () => {
+  // `constructor` is a valid namespace name; a plain object lookup found Object itself.
+  it("gets '*' (or no policy), not Object as its policy", () => {
+    expect(policyFor(parseColdTier({ namespaces: { '*': { retention: '1d' } } }), 'constructor')).toEqual({
+      retentionMs: DAY,
+    })
+    expect(policyFor(parseColdTier({}), 'constructor')).toBeUndefined()
+    expect(
+      policyFor(parseColdTier({ namespaces: { constructor: { quota: '1GB' } } }), 'constructor'),
+    ).toEqual({
+      quotaBytes: 1e9,
+    })
+  })
+
+  it('is accounted as itself, and writes nothing onto Object', async () => {
+    const app = createGateway({ store: new MemoryStore(), prefix: 'kv' })
+    const [c] = makeChain(1)
+    expect((await app.request(`/v1/ns/constructor/chunks/${c!.key}`, putInit(c!.bytes))).status).toBe(201)
+    const totals = app.state.accounting!.totals()
+    expect(Object.hasOwn(totals, 'constructor')).toBe(true)
+    expect(totals.constructor).toEqual({ objects: 1, bytes: c!.bytes.length })
+    expect(Object.hasOwn(Object, 'bytes')).toBe(false)
+    const metrics = await (await app.request('/metrics')).text()
+    expect(metrics).toContain(`kvgate_namespace_stored_objects{ns="constructor"} 1`)
+  })
+
+  it('gc keeps it under no policy and gives it the catch-all policy when there is one', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store, prefix: 'kv', coldTier: false })
+    const chain = makeChain(2)
+    for (const k of chain) await app.request(`/v1/ns/constructor/chunks/${k.key}`, putInit(k.bytes))
+    const now = Date.now() + 20 * DAY
+    const none = await runGc({ store, prefix: 'kv', config: parseColdTier({}), now, dryRun: true })
+    expect(none.namespaces[0]).toMatchObject({
+      ns: 'constructor',
+      policy: undefined,
+      condemned: { objects: 0 },
+    })
+    const star = parseColdTier({ namespaces: { '*': { retention: '10d' } } })
+    const r = await runGc({ store, prefix: 'kv', config: star, now, dryRun: true })
+    expect(r.namespaces[0]).toMatchObject({
+      ns: 'constructor',
+      policy: { retentionMs: 10 * DAY },
+      condemned: { objects: 2 },
+    })
+  })
+})
+
+describe('gc options', () => {
+  // Every caller (CLI, Worker cron, Lambda) passes its own prefix; the gateway refuses a bad
+  // one at start, and gc must too rather than list nothing and write its objects under it.
+  it('a prefix the gateway would refuse, or a concurrency below 1, is a ConfigError before any request', async () => {
+    const store = new MemoryStore()
+    await store.putIfAbsent('kv/_coldtier/accounting/x', new Uint8Array(1), 1)
+    const config = parseColdTier({})
+    for (const prefix of ['kv/', '/kv', 'kv//a', '../kv', 'kv/./a'])
+      await expect(runGc({ store, prefix, config }), prefix).rejects.toThrow(
+        expect.objectContaining({ code: 'ERR_CONFIG' }),
+      )
+    for (const concurrency of [0, -1, 1.5, Number.NaN])
+      await expect(runGc({ store, prefix: 'kv', config, concurrency }), String(concurrency)).rejects.toThrow(
+        expect.objectContaining({ code: 'ERR_CONFIG' }),
+      )
+    expect((await store.list('')).entries.map((e) => e.name)).toEqual(['kv/_coldtier/accounting/x'])
   })
 })
 
@@ -222,6 +320,31 @@ describe('UsageRecorder', () => {
     expect(r.bufferedKeys).toBe(0)
     const list = await store.list(usagePrefix('kv', 'a'))
     expect(list.entries.length).toBe(2)
+  })
+
+  it('a failed flush put back into a full buffer counts every entry it drops, links included', async () => {
+    let fail!: (e: Error) => void
+    const hang = new Promise<void>((_, reject) => {
+      fail = reject
+    })
+    const store = new MemoryStore()
+    const failing: ObjectStore = Object.assign(Object.create(store) as ObjectStore, {
+      putIfAbsent: async () => {
+        await hang
+        return 'created' as const
+      },
+    })
+    const r = new UsageRecorder(failing, 'kv', undefined, { maxKeys: 3 })
+    r.created('a', key(100), key(99), 1000)
+    r.use('a', key(1))
+    r.use('a', key(2)) // the 3rd key starts a flush (hanging, then failing)
+    for (let i = 10; i < 16; i++) r.use('a', key(i)) // fills the buffer to its cap (6)
+    expect(r.dropped.value()).toBe(0)
+    fail(new Error('503'))
+    await r.pending
+    // Two uses and one link had no room when put back: three entries lost, three counted.
+    expect(r.dropped.value()).toBe(3)
+    expect(r.bufferedKeys).toBe(6)
   })
 
   it('flush() resolves only after uses made before it are written, even with a flush in flight', async () => {
@@ -585,6 +708,120 @@ describe('gc on a memory store', () => {
       deferred: expect.stringMatching(/too large/),
     })
     expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+  })
+
+  it('a use record whose body outgrew its listed size (rewritten since the listing) is not read past that size', async () => {
+    let t = Date.now()
+    const { store, chains } = await fleet(() => t)
+    t += 20 * DAY
+    await putRecord(store, [{ key: chains[0]![3]!.key, at: t - 3_600_000 }], 8)
+    const name = `${usagePrefix('kv', 'prod')}2026010100/feedface-8`
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    await runGc({ store, prefix: 'kv', config, now: t - WAIT }) // condemns the unused chains
+    await putRecord(store, [{ key: chains[0]![3]!.key, at: t - 3_600_000 }], 8) // folded: again
+    // Its GET now answers 256 MiB (listed: ~70 bytes), in 1 MiB pieces made on demand.
+    let pulled = 0
+    const piece = new Uint8Array(1 << 20)
+    const grown: ObjectStore = {
+      ...store,
+      kind: store.kind,
+      get: async (n, o) => {
+        if (n !== name) return store.get(n, o)
+        let left = 256
+        const body = new ReadableStream<Uint8Array>({
+          pull(c) {
+            if (left-- === 0) return c.close()
+            pulled += piece.length
+            c.enqueue(piece)
+          },
+        })
+        return { body, size: 256 << 20, offset: 0, length: 256 << 20 }
+      },
+      list: (p, o) => store.list(p, o),
+      head: (n) => store.head(n),
+      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+      delete: (n) => store.delete(n),
+    }
+    const r = await runGc({ store: grown, prefix: 'kv', config, now: t })
+    // One piece past the listed size is enough to know; what it says is unknown: nothing deleted.
+    expect(pulled).toBeLessThanOrEqual(2 << 20)
+    expect(r.errors.join('\n')).toMatch(/feedface-8/)
+    expect(r.namespaces[0]).toMatchObject({ deleted: { objects: 0 }, deferred: expect.any(String) })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    expect(await store.head(name)).toBeDefined()
+  })
+
+  it('a chunk header longer than the probe is read by range, never the whole chunk', async () => {
+    const store = new MemoryStore()
+    // 300 layers: a header of ~5 KiB, past the 4 KiB probe; 64 KiB sections make a ~19 MiB chunk.
+    const chain = makeChain(2, { layers: 300, sectionBytes: 64 << 10 })
+    for (const c of chain) {
+      const name = `kv/prod/${c.key.slice(0, 2)}/${c.key}`
+      await store.putIfAbsent(name, c.bytes, c.bytes.length)
+    }
+    const reads: (number | undefined)[] = []
+    const counted: ObjectStore = {
+      kind: store.kind,
+      get: (n, o) => {
+        if (n.startsWith('kv/prod/')) reads.push(o?.range && 'length' in o.range ? o.range.length : undefined)
+        return store.get(n, o)
+      },
+      head: (n) => store.head(n),
+      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+      delete: (n) => store.delete(n),
+      list: (p, o) => store.list(p, o),
+    }
+    const config = parseColdTier({ grace: '0s', namespaces: { prod: { retention: '1d' } } })
+    const r = await runGc({ store: counted, prefix: 'kv', config, now: Date.now() + 1000 })
+    expect(r.errors).toEqual([])
+    expect(r.namespaces[0]).toMatchObject({ headerReads: 2, chains: 1 })
+    expect(reads.length).toBeGreaterThan(0)
+    for (const n of reads) {
+      expect(n).toBeDefined()
+      expect(n!).toBeLessThan(16 << 10)
+    }
+  })
+
+  it('incremental accounting counts a chunk once, though its link is in two records (a flush retried after an ambiguous failure)', async () => {
+    let t = Date.now()
+    const { store, app } = await fleet(() => t)
+    await app.state.usage!.flush()
+    const config = parseColdTier({ grace: '10m' })
+    await runGc({ store, prefix: 'kv', config, now: t }) // the snapshot: 11 chunks
+    t += 60_000
+    const extra = makeChain(2)
+    for (const k of extra)
+      expect((await app.request(`/v1/ns/prod/chunks/${k.key}`, putInit(k.bytes))).status).toBe(201)
+    await app.state.usage!.flush()
+    // The same record again under the next name: the PUT had landed, its answer had not.
+    const [rec] = (await store.list(usagePrefix('kv', 'prod'))).entries
+    const obj = await store.get(rec!.name)
+    const bytes = new Uint8Array(await new Response(obj!.body).arrayBuffer())
+    await store.putIfAbsent(`${rec!.name}-again`, bytes, bytes.length)
+    const r = await runGc({ store, prefix: 'kv', config, now: t + 1000, dryRun: true })
+    expect(r.namespaces[0]!.listed.objects).toBe(13)
+    expect(r.namespaces[0]!.incremental).toEqual(r.namespaces[0]!.listed)
+  })
+
+  it('reading many use records reports progress as it goes, not only once at the end', async () => {
+    const store = new MemoryStore()
+    for (let i = 0; i < 250; i++) await putRecord(store, [{ key: key(i + 1), at: Date.now() }], i)
+    const seen: GcProgress[] = []
+    await runGc({
+      store,
+      prefix: 'kv',
+      config: parseColdTier({}),
+      dryRun: true,
+      concurrency: 4,
+      onProgress: (p) => seen.push(p),
+    })
+    const reads = seen.filter((p) => p.phase === 'records')
+    expect(reads.map((p) => p.phase === 'records' && [p.done, p.total])).toEqual([
+      [100, 250],
+      [200, 250],
+      [250, 250],
+    ])
+    expect(reads.at(-1)).toMatchObject({ ns: 'prod', records: 250 })
   })
 
   it('a use in the future counts as now: it cannot pin a chain past its retention', async () => {

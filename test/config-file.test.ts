@@ -10,7 +10,7 @@ import { promisify } from 'node:util'
 import { describe, expect, it } from 'vitest'
 import { optionsFromEnvironment } from '../src/client/config.ts'
 import { MAX_CONFIG_FILE_BYTES } from '../src/core/config-file.ts'
-import { settingsFromEnv, settingsFromFile } from '../src/gateway/config.ts'
+import { resolveServeConfig, settingsFromEnv, settingsFromFile } from '../src/gateway/config.ts'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvgate-config-file-'))
 const file = (name: string, body: string | Uint8Array) => {
@@ -69,6 +69,28 @@ describe.each(readers)('%s config file', (_, read) => {
 
   it('an empty file is no settings', () => {
     expect(read(file('empty.yaml', '# nothing\n'))).toEqual({})
+  })
+})
+
+describe('a section that is not a mapping', () => {
+  // `presign: 5` or an empty `store:` is a value of the wrong type, not an unknown key: the
+  // message must not call the key unknown and suggest that very key.
+  it.each([
+    ['gateway', 'presign: 5\n', 'presign'],
+    ['gateway', 'store:\n', 'store'],
+    ['client', 'memory: 5\n', 'memory'],
+    ['client', 'remote:\n', 'remote'],
+  ])('%s: %j names the section and says a mapping is expected', (which, body, key) => {
+    const path = file('section.yaml', body)
+    const read = which === 'gateway' ? readers[0]![1] : readers[1]![1]
+    let message = ''
+    try {
+      read(path)
+    } catch (e) {
+      message = (e as Error).message
+    }
+    expect(message).toContain(`${path}: ${key}: expected a mapping`)
+    expect(message).not.toContain('unknown key')
   })
 })
 
@@ -133,5 +155,67 @@ describe('the gateway cold-tier settings', () => {
     expect(() => settingsFromFile(path)).toThrow(`${path}: coldTier.grace`)
     // Valid settings pass through unchanged (resolved later with the rest).
     expect(settingsFromEnv({ KVGATE_COLD_TIER: '{"grace":"10m"}' })).toEqual({ coldTier: '{"grace":"10m"}' })
+  })
+})
+
+describe('gateway string settings with surrounding whitespace', () => {
+  // A value pasted with a trailing space or newline (a secret file's last line) must not become
+  // a bind address, bucket or key that fails later with an unrelated error (ENOTFOUND,
+  // SignatureDoesNotMatch): it is an error naming the variable.
+  it.each([
+    ['KVGATE_HOST', ' 0.0.0.0 '],
+    ['KVGATE_S3_BUCKET', 'kv '],
+    ['KVGATE_S3_REGION', '\tus-east-1'],
+    ['KVGATE_S3_ACCESS_KEY_ID', 'AKIA\n'],
+    ['KVGATE_S3_SECRET_ACCESS_KEY', 'secret\n'],
+    ['KVGATE_STORE_DIR', '/var/lib/kvgate '],
+  ])('%s=%j names the variable and the whitespace', (name, value) => {
+    expect(() => settingsFromEnv({ [name]: value })).toThrow(`${name}: must not begin or end with whitespace`)
+  })
+
+  it('the same in the file, and values without it pass', () => {
+    const path = file('ws.yaml', 'host: "127.0.0.1 "\n')
+    expect(() => settingsFromFile(path)).toThrow(`${path}: host: must not begin or end with whitespace`)
+    expect(settingsFromEnv({ KVGATE_HOST: '0.0.0.0', KVGATE_S3_BUCKET: 'kv' })).toEqual({
+      host: '0.0.0.0',
+      s3Bucket: 'kv',
+    })
+  })
+})
+
+describe('S3 credentials given by halves', () => {
+  // One of the pair alone was dropped in silence: the SDK's default chain (AWS_* variables, a
+  // profile, an instance role) then signed for whichever account it found.
+  it('an access key id without its secret, or the reverse, is an error naming both', () => {
+    const half = [{ KVGATE_S3_ACCESS_KEY_ID: 'AKIAEXAMPLE' }, { KVGATE_S3_SECRET_ACCESS_KEY: 'secret' }]
+    for (const env of half)
+      expect(() =>
+        resolveServeConfig(settingsFromEnv({ KVGATE_STORE: 's3', KVGATE_S3_BUCKET: 'kv', ...env })),
+      ).toThrow(/KVGATE_S3_ACCESS_KEY_ID and KVGATE_S3_SECRET_ACCESS_KEY/)
+    const both = resolveServeConfig(
+      settingsFromEnv({
+        KVGATE_STORE: 's3',
+        KVGATE_S3_BUCKET: 'kv',
+        KVGATE_S3_ACCESS_KEY_ID: 'AKIAEXAMPLE',
+        KVGATE_S3_SECRET_ACCESS_KEY: 'secret',
+      }),
+    )
+    expect(both.store).toMatchObject({ accessKeyId: 'AKIAEXAMPLE', secretAccessKey: 'secret' })
+    expect(
+      resolveServeConfig(settingsFromEnv({ KVGATE_STORE: 's3', KVGATE_S3_BUCKET: 'kv' })).store,
+    ).not.toHaveProperty('accessKeyId')
+  })
+})
+
+describe('client option values of the wrong type', () => {
+  // `chunkTokens: "256"` (quoted in YAML) was refused as "expected an integer …, got 256".
+  it('a string where a number belongs is shown quoted, so the message says what is wrong', async () => {
+    const { resolveOptions } = await import('../src/client/config.ts')
+    expect(() => resolveOptions({ model: 'stories260k', chunkTokens: '256' } as never)).toThrow(
+      'invalid chunkTokens: expected an integer in 1..1048576, got "256"',
+    )
+    expect(() => resolveOptions({ model: 'stories260k', chunkTokens: 0 })).toThrow(
+      'invalid chunkTokens: expected an integer in 1..1048576, got 0',
+    )
   })
 })

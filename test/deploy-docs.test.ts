@@ -228,7 +228,37 @@ describe('docs/deploy-node.md, run as written', () => {
     expect(noUrl.code).toBe(2)
     expect(noUrl.err).toMatch(/--url is required/)
     const badNs = bash(`npx kvgate smoke --url ${url} --ns ../etc`)
-    expect(badNs.code).not.toBe(0)
-    expect(badNs.err + badNs.out).toMatch(/ERR_INVALID_NAMESPACE|invalid namespace/)
+    expect(badNs.code).toBe(2) // wrong usage, named before any request
+    expect(badNs.err).toMatch(/--ns "\.\.\/etc" is not a namespace name/)
+  })
+})
+
+describe("docs/deploy-node.md's table of every setting", () => {
+  type S = { type?: string; entries?: Record<string, S>; wrapped?: S; getter?: (x: unknown) => S }
+  /** Dotted paths of the file schema's leaves (its lazy `store` taken as the mapping). */
+  function leaves(s: S, pre: string[] = []): string[] {
+    while (s && !s.entries) {
+      if (s.type === 'lazy') s = s.getter!({})
+      else if (s.wrapped) s = s.wrapped
+      else break
+    }
+    if (!s?.entries) return [pre.join('.')]
+    return Object.entries(s.entries).flatMap(([k, v]) => leaves(v, [...pre, k]))
+  }
+  it('lists exactly the keys, variables and flags kvgate serve accepts', async () => {
+    const { ENV_VARS, GATEWAY_FILE_SCHEMA } = await import('../src/gateway/config.ts')
+    const md = doc('deploy-node.md')
+    const section = md.slice(md.indexOf('### Every setting'), md.indexOf('## 3a.'))
+    const rows = section
+      .split('\n')
+      .filter((l) => l.startsWith('| `'))
+      .map((l) => l.split('|').map((c) => c.trim()))
+    const cell = (c: string) => /^`([^`]+)`/.exec(c)?.[1]
+    const keys = rows.map((r) => cell(r[1]!)!)
+    expect(keys.sort()).toEqual(leaves(GATEWAY_FILE_SCHEMA as unknown as S).sort())
+    expect(rows.map((r) => cell(r[2]!)!).sort()).toEqual([...ENV_VARS].sort())
+    const help = spawnSync(process.execPath, [KVGATE, 'serve', '--help'], { encoding: 'utf8' }).stdout
+    for (const flag of rows.map((r) => cell(r[3]!)).filter((f) => f !== undefined))
+      expect(help, flag).toMatch(new RegExp(`^\\s+(-\\w, )?${flag}\\b`, 'm'))
   })
 })

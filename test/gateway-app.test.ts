@@ -465,6 +465,7 @@ describe('auth', () => {
       { prefix: '..' },
       { prefix: 'kv/./x' },
       { limitz: { maxChunkBytes: 1 } },
+      { limits: { toString: 1 } }, // a name every object has is no limit either
       { presign: { minBytes: 0, expireSeconds: 60 } },
       { presign: { minBytes: 0, expiresSeconds: 0 } },
       { presign: { minBytes: 0, expiresSeconds: 8 * 24 * 3600 } },

@@ -154,6 +154,15 @@ describe('canonical CBOR', () => {
 
 describe('validation of keys, namespaces and object names', () => {
   const key = 'ab'.repeat(32)
+  it('a key scheme is one of the two, never a name every object has (toString, constructor)', () => {
+    for (const scheme of ['toString', 'constructor', '__proto__', 'hasOwnProperty', 'md5']) {
+      const ns = { ...tiny, scheme } as unknown as KeyNamespace
+      expect(() => chainKeys([1, 2, 3, 4], ns), scheme).toThrow(
+        `unknown key scheme '${scheme}': sha256-v1 or vllm-sha256-cbor`,
+      )
+      expect(() => namespaceId(ns), scheme).toThrow(expect.objectContaining({ code: 'ERR_INVALID_ARGUMENT' }))
+    }
+  })
   it('accepts exactly 64 lowercase hex', () => {
     expect(isKeyHex(key)).toBe(true)
     for (const bad of [

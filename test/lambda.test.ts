@@ -455,6 +455,42 @@ describe('lambda adapter', () => {
     expect(configFromEnv({ ...env, AWS_REGION: 'eu-west-1', PATH: '/bin' }).bucket).toBe('b')
   })
 
+  it('a number out of the range the gateway takes fails the cold start naming the variable', () => {
+    // These reached createGateway and failed there as "presign.expiresSeconds must be 1..604800"
+    // or "invalid limits.maxChunkBytes": options the operator never wrote.
+    const env = { KVGATE_S3_BUCKET: 'b', KVGATE_AUTH: 'disabled' }
+    for (const [name, value] of [
+      ['KVGATE_PRESIGN_TTL', '0'],
+      ['KVGATE_PRESIGN_TTL', '604801'],
+      ['KVGATE_UPLOAD_TTL', '0'],
+      ['KVGATE_UPLOAD_TTL', '9999999'],
+      ['KVGATE_MAX_CHUNK_BYTES', '0'],
+      ['KVGATE_MAX_HELD_BYTES', '0'],
+    ])
+      expect(() => configFromEnv({ ...env, [name!]: value }), `${name}=${value}`).toThrow(
+        new RegExp(`^${name} must be an integer in`),
+      )
+    expect(configFromEnv({ ...env, KVGATE_PRESIGN_TTL: '604800' }).presignTtlSeconds).toBe(604800)
+  })
+
+  it('a name-like variable that begins or ends with whitespace is an error naming it', () => {
+    // Pasted into a console or a tfvars file with a trailing space, it became a bucket or
+    // parameter name that failed at the first request (or at an SSM call) with an unrelated error.
+    const env = { KVGATE_S3_BUCKET: 'b', KVGATE_AUTH: 'disabled' }
+    for (const [name, value] of [
+      ['KVGATE_S3_BUCKET', 'b '],
+      ['KVGATE_S3_ENDPOINT', ' http://127.0.0.1:7480'],
+      ['KVGATE_S3_PREFIX', 'kv\n'],
+      ['KVGATE_AUTH_SSM_PARAMETER', '/kvgate/tokens '],
+      ['KVGATE_FS_ROOT', '/tmp/x '],
+      ['KVGATE_STAGING_PREFIX', ' kv-staging'],
+    ])
+      expect(() => configFromEnv({ ...env, [name!]: value }), name).toThrow(
+        `${name}: must not begin or end with whitespace`,
+      )
+    expect(configFromEnv({ ...env, KVGATE_MAX_CHUNK_BYTES: ' 1024 ' }).maxChunkBytes).toBe(1024)
+  })
+
   it('validates its environment eagerly', () => {
     expect(() => configFromEnv({ KVGATE_AUTH_SSM_PARAMETER: '/p' })).toThrow(/KVGATE_S3_BUCKET/)
     expect(() => configFromEnv({ KVGATE_S3_BUCKET: 'b' })).toThrow(/auth is required/)

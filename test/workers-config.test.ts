@@ -7,7 +7,7 @@ import { gatewayFromEnv, type WorkerEnv } from '../src/gateway/adapters/workers.
 import type { R2BucketLike } from '../src/gateway/stores/r2.ts'
 
 const bucket = { get: async () => null, put: async () => null } as unknown as R2BucketLike
-const worker = (vars: Record<string, string>) =>
+const worker = (vars: Record<string, unknown>) =>
   gatewayFromEnv({ KVGATE_BUCKET: bucket, KVGATE_AUTH: 'disabled', ...vars } as WorkerEnv)
 
 describe('Worker [vars]', () => {
@@ -31,5 +31,22 @@ describe('Worker [vars]', () => {
   it('known variables and other bindings pass', () => {
     const app = worker({ KVGATE_MAX_CHUNK_BYTES: '1000', KVGATE_PUBLIC_STATUS: 'false', OTHER_BINDING: 'x' })
     expect(app.state.limits.maxChunkBytes).toBe(1000)
+  })
+
+  it('JSON-typed [vars] (an unquoted TOML number or boolean) are read as the values they are', () => {
+    // `KVGATE_MAX_CHUNK_BYTES = 1000` without quotes reaches the Worker as the number 1000: it
+    // was refused as "must be an integer ≥ 1, got 1000", and `true` as "expected 'true', got 'true'".
+    const app = worker({ KVGATE_MAX_CHUNK_BYTES: 1000, KVGATE_PUBLIC_STATUS: true })
+    expect(app.state.limits.maxChunkBytes).toBe(1000)
+    const typed = worker({ KVGATE_PRESENCE_TTL_MS: 5000, KVGATE_PUBLIC_STATUS: false })
+    expect(typed.state.limits.maxChunkBytes).toBe(90 * 1024 * 1024)
+    // A number that is no such integer is still an error naming the variable.
+    for (const bad of [1.5, -1, 0, Number.NaN, 2 ** 60])
+      expect(() => worker({ KVGATE_MAX_CHUNK_BYTES: bad })).toThrow(
+        /KVGATE_MAX_CHUNK_BYTES must be an integer/,
+      )
+    expect(() => worker({ KVGATE_PUBLIC_STATUS: 1 })).toThrow(
+      "KVGATE_PUBLIC_STATUS: expected 'true' or 'false'",
+    )
   })
 })

@@ -111,8 +111,12 @@ export function resolveAgentConfig(
     return [fallback, k]
   }
   const [socket, socketWhere] = pick('socket', 'KVGATE_AGENT_SOCKET')
-  if (socket !== undefined && (typeof socket !== 'string' || socket.length === 0 || socket.length > 107)) {
-    throw new ConfigError(`${socketWhere}: expected a path of 1..107 characters (the Unix socket limit)`)
+  // sun_path holds 108 bytes with the NUL: bytes, not characters (a non-ASCII path counts more).
+  if (
+    socket !== undefined &&
+    (typeof socket !== 'string' || socket.length === 0 || Buffer.byteLength(socket) > 107)
+  ) {
+    throw new ConfigError(`${socketWhere}: expected a path of 1..107 bytes (the Unix socket limit)`)
   }
   const [metricsPort, metricsWhere] = pick('metricsPort', 'KVGATE_AGENT_METRICS_PORT')
   const [model] = pick('model', 'KVGATE_AGENT_MODEL')
@@ -125,7 +129,7 @@ export function resolveAgentConfig(
     flags.chunkTokens !== undefined
       ? [flags.chunkTokens, '--chunk-tokens']
       : ct !== undefined
-        ? [ct, 'chunkTokens']
+        ? [ct, env.KVGATE_CHUNK_TOKENS ? 'KVGATE_CHUNK_TOKENS' : `${file}: chunkTokens`]
         : fromFile.chunkTokens !== undefined
           ? [fromFile.chunkTokens, `${file}: agent.chunkTokens`]
           : [256, 'chunkTokens']

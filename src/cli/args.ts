@@ -2,6 +2,7 @@
 // --help and a clear error when a flag is wrong.
 
 import { type ParseArgsConfig, parseArgs } from 'node:util'
+import { nearestKey } from '../core/config-check.ts'
 import { InvalidArgumentError } from '../core/errors.ts'
 
 export type Options = NonNullable<ParseArgsConfig['options']>
@@ -31,7 +32,17 @@ export function parseCommandArgs<O extends Options>(
       strict: true,
     })
   } catch (e) {
-    throw new InvalidArgumentError(`${(e as Error).message}. Run with --help for usage.`)
+    const err = e as Error & { code?: string }
+    const unknown = /^Unknown option '([^']+)'/.exec(err.message)?.[1]
+    if (err.code === 'ERR_PARSE_ARGS_UNKNOWN_OPTION' && unknown !== undefined) {
+      // node's own text explains `--` for positionals; a mistyped flag needs the real one.
+      const flags = [...Object.keys(options), 'help'].map((k) => `--${k}`)
+      const near = unknown.startsWith('--') ? nearestKey(unknown, flags) : undefined
+      throw new InvalidArgumentError(
+        `unknown option '${unknown}'${near ? ` (did you mean '${near}'?)` : ''}. Run with --help for usage.`,
+      )
+    }
+    throw new InvalidArgumentError(`${err.message}. Run with --help for usage.`)
   }
   const { values, positionals } = parsed
   const { help, ...rest } = values as Record<string, unknown>

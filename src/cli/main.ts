@@ -55,7 +55,8 @@ export async function main(argv: string[]): Promise<number> {
   const [first, ...rest] = argv
   if (first === undefined || first === '-h' || first === '--help' || first === 'help') {
     const target = first === 'help' ? rest[0] : undefined
-    if (target && Object.hasOwn(COMMANDS, target)) return main([target, '--help'])
+    // `kvgate help nope` answers like `kvgate nope`: an unknown command is wrong usage.
+    if (target !== undefined) return main([target, '--help'])
     // Asked for: stdout, 0. No command at all is wrong usage: stderr, 2 (as documented).
     if (first !== undefined) {
       console.log(usage())

@@ -165,7 +165,9 @@ const REMOTE_KEYS = new Set([
 function int(name: string, v: unknown, min: number, max: number, dflt?: number): number {
   if (v === undefined && dflt !== undefined) return dflt
   if (typeof v !== 'number' || !Number.isSafeInteger(v) || v < min || v > max) {
-    throw new InvalidArgumentError(`invalid ${name}: expected an integer in ${min}..${max}, got ${String(v)}`)
+    throw new InvalidArgumentError(
+      `invalid ${name}: expected an integer in ${min}..${max}, got ${typeof v === 'string' ? JSON.stringify(v) : String(v)}`,
+    )
   }
   return v
 }

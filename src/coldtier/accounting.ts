@@ -177,7 +177,8 @@ export class FleetAccounting {
       for (const [second, c] of seconds) {
         // A second straddling the listing counts whole: reconciled by the next gc.
         if (second + 1000 <= since) continue
-        const t = out[ns] ?? { objects: 0, bytes: 0 }
+        // Own keys only: a namespace named `constructor` would find (and add to) Object itself.
+        const t = (Object.hasOwn(out, ns) ? out[ns] : undefined) ?? { objects: 0, bytes: 0 }
         out[ns] = t
         t.bytes += c.bytes
         t.objects += c.objects

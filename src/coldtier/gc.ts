@@ -12,10 +12,10 @@
 // chain is gone, and anything read or written within the grace period is kept.
 
 import { eachBounded } from '../core/bounded-each.ts'
-import { FormatError } from '../core/errors.ts'
+import { ConfigError, FormatError } from '../core/errors.ts'
 import { decodeHeader, HEADER_PREFIX_BYTES, readHeaderLength } from '../core/format.ts'
-import { objectName, toHex } from '../core/keys.ts'
-import type { ObjectStore, StoreEntry } from '../gateway/stores/types.ts'
+import { isObjectPrefix, objectName, toHex } from '../core/keys.ts'
+import { collectAtMost, type ObjectStore, type StoreEntry } from '../gateway/stores/types.ts'
 import {
   type AccountingSnapshot,
   type NamespaceTotals,
@@ -46,7 +46,8 @@ export const MAX_RECORD_BYTES = 1 << 30
 
 export type GcProgress =
   | { phase: 'list'; objects: number }
-  | { phase: 'records'; ns: string; records: number }
+  /** Use records and indexes read (done of total); `records`: use records folded so far. */
+  | { phase: 'records'; ns: string; records: number; done: number; total: number }
   | { phase: 'headers'; ns: string; done: number; total: number }
   | { phase: 'delete'; ns: string; done: number; total: number }
   | { phase: 'namespace'; report: NamespaceReport }
@@ -131,6 +132,11 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
   const now = opts.now ?? Date.now()
   const started = Date.now()
   const concurrency = opts.concurrency ?? 16
+  // The gateway refuses such a prefix at start; gc would list nothing and write under it.
+  if (!isObjectPrefix(opts.prefix)) throw new ConfigError(`gc: invalid prefix ${JSON.stringify(opts.prefix)}`)
+  // Below 1, eachBounded starts no call at all: records, headers and deletes silently skipped.
+  if (!Number.isInteger(concurrency) || concurrency < 1)
+    throw new ConfigError(`gc: concurrency must be an integer ≥ 1, got ${concurrency}`)
   const price = opts.pricePerGBMonth ?? 0.023
   const dry = opts.dryRun ?? false
   const run = randomId()
@@ -226,6 +232,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     const parents = new Map<string, string>()
     const folded: string[] = []
     let createdSince: NamespaceTotals = { objects: 0, bytes: 0 }
+    const createdKeys = new Set<string>()
     const since = previous?.at ?? Infinity
     // A use after `now` (a gateway's clock ahead, a hostile record) counts as now: kept at
     // its face value it would pin the chain past every retention, and the index would carry it on.
@@ -238,7 +245,10 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
       for (const k of links) {
         parents.set(k.key, k.parent)
         touch(k.key, k.at)
-        if (counts && k.at >= since) {
+        // Once a key: a flush retried after a PUT that landed but failed to answer writes the
+        // same links again under the next name.
+        if (counts && k.at >= since && !createdKeys.has(k.key)) {
+          createdKeys.add(k.key)
           createdSince = { objects: createdSince.objects + 1, bytes: createdSince.bytes + k.size }
         }
       }
@@ -248,18 +258,25 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     let vanished = 0
     let newer = 0
     let oversized = 0
-    await eachBounded([...l.index, ...l.usage], concurrency, async ({ name, size }) => {
+    const foldRecord = async ({ name, size }: StoreEntry): Promise<void> => {
       if (size > MAX_RECORD_BYTES) {
         // Its uses stay unknown: kept, and nothing is deleted by a view that lacks them.
         oversized++
         errors.push(`${name}: ${size} bytes is more than the ${MAX_RECORD_BYTES} gc reads`)
         return
       }
-      const bytes = await readWhole(store, name)
+      const bytes = await readListed(store, name, size)
       if (!bytes) {
         // Folded and deleted by a concurrent run since the listing: its uses are in that run's
         // index, which this run did not list, so this run must not delete by what it knows.
         vanished++
+        return
+      }
+      if (bytes === 'larger') {
+        // Rewritten since the listing (records are create-only: not by kvgate): what it says
+        // now is unknown, so it is kept and nothing is deleted by a view that lacks it.
+        oversized++
+        errors.push(`${name}: longer than the ${size} bytes listed; not read`)
         return
       }
       try {
@@ -283,8 +300,16 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
         }
       }
       folded.push(name)
+    }
+    const toRead = [...l.index, ...l.usage]
+    let read = 0
+    await eachBounded(toRead, concurrency, async (e) => {
+      await foldRecord(e)
+      // Many records (one per gateway instance per flush) read for minutes: say how far.
+      if (++read % 100 === 0 && read < toRead.length)
+        progress({ phase: 'records', ns, records, done: read, total: toRead.length })
     })
-    progress({ phase: 'records', ns, records })
+    progress({ phase: 'records', ns, records, done: read, total: toRead.length })
 
     // 3. Nodes from the listing; parents not yet known come from a ranged header read.
     const nodes = new Map<string, ChunkNode>()
@@ -400,9 +425,16 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
         condemnedFolded.push(name)
         return
       }
-      const bytes = await readWhole(store, name)
+      const bytes = await readListed(store, name, size)
       // Folded by a concurrent run: that run's own list carries what it still condemns.
       if (!bytes) return
+      if (bytes === 'larger') {
+        // Not the list the listing showed: dropped, like an oversized one (only delays a delete).
+        condemnedSkipped++
+        errors.push(`${name}: longer than the ${size} bytes listed; not read`)
+        condemnedFolded.push(name)
+        return
+      }
       try {
         const b = decodeBatch(bytes)
         if (b.kind !== 'condemned' || b.links.length > 0)
@@ -563,7 +595,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
         errors.push(`index ${ns}: ${(e as Error).message}`)
       }
     }
-    const prev = previous?.namespaces[ns]
+    const prev = previous && Object.hasOwn(previous.namespaces, ns) ? previous.namespaces[ns] : undefined
     return {
       ns,
       policy,
@@ -600,9 +632,20 @@ function sum(entries: StoreEntry[]): NamespaceTotals {
   return { objects: entries.length, bytes }
 }
 
-async function readWhole(store: ObjectStore, name: string): Promise<Uint8Array | undefined> {
+/**
+ * A listed record's bytes (undefined: gone since the listing). Read only up to the size the
+ * listing gave: a body that runs past it is not the object listed ('larger'), and an object
+ * rewritten in between must not be held whole, whatever its size.
+ */
+async function readListed(
+  store: ObjectStore,
+  name: string,
+  listedSize: number,
+): Promise<Uint8Array | 'larger' | undefined> {
   const obj = await store.get(name)
-  return obj ? new Uint8Array(await new Response(obj.body).arrayBuffer()) : undefined
+  if (!obj) return undefined
+  // A store that lists no size (0) is bounded by what gc reads at all.
+  return (await collectAtMost(obj.body, listedSize > 0 ? listedSize : MAX_RECORD_BYTES)) ?? 'larger'
 }
 
 /**
@@ -617,8 +660,11 @@ async function readParent(store: ObjectStore, name: string): Promise<string | un
     throw new FormatError('ERR_FORMAT_TRUNCATED', 'too short for a chunk header')
   const headerBytes = readHeaderLength(bytes)
   if (headerBytes > bytes.length) {
-    const more = await readWhole(store, name)
-    if (!more) return undefined
+    // Only the header (at most ~16 KiB at MAX_LAYERS), never the whole chunk (up to GiBs).
+    const rest = await store.get(name, { range: { offset: 0, length: headerBytes } })
+    if (!rest) return undefined
+    const more = await collectAtMost(rest.body, headerBytes)
+    if (!more) throw new Error(`the store answered more than the ${headerBytes} bytes asked for`)
     bytes = more
   }
   const h = decodeHeader(bytes.subarray(0, headerBytes))

@@ -1,6 +1,7 @@
 // Cold-tier configuration: per-namespace retention and byte quota, gc's grace period
 // and the gateways' use-record batching, parsed from YAML/JSON and validated (unknown keys are errors).
 
+import { parseByteSize } from '../core/config-check.ts'
 import { ConfigError } from '../core/errors.ts'
 import { isNamespaceName } from '../core/keys.ts'
 
@@ -48,17 +49,6 @@ export const DEFAULT_COLD_TIER: ColdTierConfig = {
 }
 
 const UNIT_MS: Record<string, number> = { ms: 1, s: 1000, m: 60_000, h: 3_600_000, d: 86_400_000 }
-const UNIT_BYTES: Record<string, number> = {
-  b: 1,
-  kb: 1e3,
-  mb: 1e6,
-  gb: 1e9,
-  tb: 1e12,
-  kib: 1024,
-  mib: 1024 ** 2,
-  gib: 1024 ** 3,
-  tib: 1024 ** 4,
-}
 
 /** `30d`, `12h`, `10m`, `90s`, `500ms`, or a number of seconds. */
 export function parseDuration(what: string, v: unknown): number {
@@ -69,12 +59,15 @@ export function parseDuration(what: string, v: unknown): number {
   return Number(m[1]) * UNIT_MS[m[2]!]!
 }
 
-/** `500GiB`, `2TB`, `1.5 TiB`, or a number of bytes. */
+/**
+ * `500GiB`, `2TB`, `1.5 TiB`, `8M`, or a number of bytes: the gateway's byte sizes
+ * (parseByteSize), so a quota reads like maxChunkBytes and stays an exact integer.
+ */
 export function parseBytes(what: string, v: unknown): number {
-  if (typeof v === 'number' && Number.isSafeInteger(v) && v >= 0) return v
-  const m = typeof v === 'string' ? /^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)\s*$/i.exec(v) : null
-  if (!m) throw new ConfigError(`${what} must be a size like 500GiB or 2TB, got ${JSON.stringify(v)}`)
-  return Math.floor(Number(m[1]) * UNIT_BYTES[m[2]!.toLowerCase()]!)
+  const n = parseByteSize(v)
+  if (n === undefined)
+    throw new ConfigError(`${what} must be a size like 500GiB or 2TB, got ${JSON.stringify(v)}`)
+  return n
 }
 
 function mapping(what: string, v: unknown, allowed: readonly string[]): Record<string, unknown> {
@@ -169,5 +162,7 @@ export function condemnWaitMs(usage: UsageOptions): number {
 
 /** The policy that applies to a namespace: its own, else '*', else none (keep everything). */
 export function policyFor(cfg: ColdTierConfig, ns: string): NamespacePolicy | undefined {
-  return cfg.namespaces[ns] ?? cfg.namespaces['*']
+  // Own keys only: a namespace may be named `constructor`, which every plain object has.
+  const own = (k: string) => (Object.hasOwn(cfg.namespaces, k) ? cfg.namespaces[k] : undefined)
+  return own(ns) ?? own('*')
 }

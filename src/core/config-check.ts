@@ -142,6 +142,15 @@ export function parseConfig<S extends v.GenericSchema>(
   const lines = r.issues.flatMap(specific).map((issue) => {
     const path = issuePath(issue)
     const at = path ? `${where}: ${path}` : where
+    // A strict object's issue is either a key it does not know (expected 'never') or a value
+    // that is not a mapping at all (`presign: 5`, an empty `store:`): only the first is a typo.
+    if (issue.kind === 'schema' && issue.type === 'strict_object' && issue.expected !== 'never') {
+      const keys = keysAt(
+        schema,
+        (issue.path ?? []).map((p) => String(p.key)),
+      )
+      return `${at}: expected a mapping, got ${issue.received}${keys.length ? `; valid keys here: ${keys.join(', ')}` : ''}`
+    }
     if (issue.kind === 'schema' && issue.type === 'strict_object' && issue.input !== undefined) {
       const parent = (issue.path ?? []).slice(0, -1).map((p) => String(p.key))
       const key = String(issue.path?.at(-1)?.key ?? '')

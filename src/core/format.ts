@@ -112,14 +112,17 @@ function fail(code: ConstructorParameters<typeof FormatError>[0], message: strin
 
 function checkMeta(meta: ChunkMeta, sections: readonly Uint8Array[]): void {
   const g = meta.geometry
-  if (!(meta.codec in CODEC_CODES)) throw new InvalidArgumentError(`unknown codec '${String(meta.codec)}'`)
+  // Own keys only: `in` also finds toString and constructor on every object.
+  if (!Object.hasOwn(CODEC_CODES, meta.codec))
+    throw new InvalidArgumentError(`unknown codec '${String(meta.codec)}'`)
   if (!Number.isInteger(meta.codecVersion) || meta.codecVersion < 0 || meta.codecVersion > 255) {
     throw new InvalidArgumentError('codecVersion must be an integer in 0..255')
   }
   if (!(meta.codecParams instanceof Uint8Array) || meta.codecParams.length > CODEC_PARAMS_BYTES) {
     throw new InvalidArgumentError(`codecParams must be a Uint8Array of at most ${CODEC_PARAMS_BYTES} bytes`)
   }
-  if (!(g.dtype in DTYPE_CODES)) throw new InvalidArgumentError(`unknown dtype '${String(g.dtype)}'`)
+  if (!Object.hasOwn(DTYPE_CODES, g.dtype))
+    throw new InvalidArgumentError(`unknown dtype '${String(g.dtype)}'`)
   if (g.latent !== undefined && typeof g.latent !== 'boolean')
     throw new InvalidArgumentError('geometry.latent must be a boolean')
   if (g.latent === true && g.kvHeads !== 1)

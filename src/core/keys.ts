@@ -283,7 +283,11 @@ function validateNamespace(ns: KeyNamespace): Required<Pick<KeyNamespace, 'schem
     throw new InvalidArgumentError(`chunkTokens must be an integer in 1..${MAX_CHUNK_TOKENS}`)
   }
   const scheme = ns.scheme ?? 'sha256-v1'
-  if (!(scheme in SCHEME_CODES)) throw new InvalidArgumentError(`unknown key scheme '${String(scheme)}'`)
+  // Own keys only: `in` also finds toString and constructor on every object.
+  if (!Object.hasOwn(SCHEME_CODES, scheme))
+    throw new InvalidArgumentError(
+      `unknown key scheme '${String(scheme)}': ${Object.keys(SCHEME_CODES).join(' or ')}`,
+    )
   if (
     ns.hashSeed !== undefined &&
     (typeof ns.hashSeed !== 'string' || te.encode(ns.hashSeed).length > 0xffff)

@@ -100,7 +100,8 @@ export function validateGeometry(g: KvGeometry): KvGeometry {
   checkDim('layers', g.layers, MAX_LAYERS)
   checkDim('kvHeads', g.kvHeads, MAX_KV_HEADS)
   checkDim('headDim', g.headDim, MAX_HEAD_DIM)
-  if (!(g.dtype in DTYPE_CODES))
+  // Own keys only: `in` also finds toString and constructor on every object.
+  if (!Object.hasOwn(DTYPE_CODES, g.dtype))
     throw new InvalidArgumentError(`invalid dtype: ${String(g.dtype)} (fp16, bf16, fp32, fp8e4m3 or fp8e5m2)`)
   if (g.latent !== undefined && typeof g.latent !== 'boolean')
     throw new InvalidArgumentError(`invalid latent: expected a boolean, got ${String(g.latent)}`)

@@ -66,7 +66,13 @@ export interface ServeConfig {
   coldTier: ColdTierConfig
 }
 
-const nonEmpty = v.pipe(v.string('expected a string'), v.minLength(1, 'must not be empty'))
+// A value pasted with a trailing space or newline (a secret file's last line) would become a bind
+// address, bucket or key that fails later with an unrelated error (ENOTFOUND, SignatureDoesNotMatch).
+const nonEmpty = v.pipe(
+  v.string('expected a string'),
+  v.minLength(1, 'must not be empty'),
+  v.check((x: string) => x.trim() === x, 'must not begin or end with whitespace'),
+)
 
 /**
  * Every setting once: its schema (checks and converts values from any source), its KVGATE_*
@@ -364,6 +370,11 @@ export function resolveServeConfig(...layers: ServeSettingsInput[]): ServeConfig
   else {
     if (!s.s3Bucket)
       throw new ConfigError('the s3 store needs a bucket (--s3-bucket / KVGATE_S3_BUCKET / store.s3.bucket)')
+    // Half a pair would be dropped, and the SDK's default chain would sign for whatever account it finds.
+    if ((s.s3AccessKeyId === undefined) !== (s.s3SecretAccessKey === undefined))
+      throw new ConfigError(
+        'the s3 store takes both KVGATE_S3_ACCESS_KEY_ID and KVGATE_S3_SECRET_ACCESS_KEY (store.s3.accessKeyId and secretAccessKey), or neither (the AWS SDK default chain)',
+      )
     store = {
       kind,
       bucket: s.s3Bucket,

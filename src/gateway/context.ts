@@ -145,7 +145,7 @@ export function createState(opts: {
     calibrationCacheBytes: opts.limits?.calibrationCacheBytes ?? DEFAULT_CALIBRATION_CACHE_BYTES,
   }
   for (const k of Object.keys(opts.limits ?? {})) {
-    if (!(k in limits)) throw new TypeError(`createGateway: unknown limits.${k}`)
+    if (!Object.hasOwn(limits, k)) throw new TypeError(`createGateway: unknown limits.${k}`)
   }
   for (const [k, v] of Object.entries(limits)) {
     const min = k === 'bodyMinBytesPerSecond' || k === 'calibrationCacheBytes' ? 0 : 1

@@ -31,7 +31,7 @@ export interface KvCacheOptions {
 
 function checkDtype(d: unknown): Dtype {
   // fp8 is a storage dtype (moved as bytes): this forward pass rounds KV to fp16, bf16 or fp32 only.
-  if (typeof d !== 'string' || !(d in DTYPE_CODES) || isFp8(d as Dtype))
+  if (typeof d !== 'string' || !Object.hasOwn(DTYPE_CODES, d) || isFp8(d as Dtype))
     throw new ModelError(`unknown dtype ${String(d)} (fp16, bf16, fp32)`)
   return d as Dtype
 }

@@ -2,6 +2,7 @@
 // quotas from chain tails, use-record compaction, accounting), with --dry-run and a summary.
 
 import { type GcProgress, type GcReport, type NamespaceReport, runGc } from '../../coldtier/gc.ts'
+import { isNamespaceName } from '../../core/keys.ts'
 import {
   resolveServeConfig,
   type ServeSettings,
@@ -76,13 +77,27 @@ export async function run(argv: string[]): Promise<number> {
     const v = (values as Record<string, unknown>)[flag]
     if (v !== undefined) (flags as Record<string, unknown>)[key] = v
   }
-  const price = values.price === undefined ? 0.023 : Number(values.price)
-  const concurrency = values.concurrency === undefined ? 16 : Number(values.concurrency)
-  if (!(price >= 0)) return usageError('--price must be a non-negative number')
+  // Plain decimals only: Number() would also take '' (0), 'Infinity', '0x10' and '1e1'.
+  const decimal = (v: string | undefined, re: RegExp) =>
+    v !== undefined && re.test(v) ? Number(v) : Number.NaN
+  const price = values.price === undefined ? 0.023 : decimal(values.price, /^\d+(\.\d+)?$/)
+  const concurrency = values.concurrency === undefined ? 16 : decimal(values.concurrency, /^\d+$/)
+  if (!Number.isFinite(price))
+    return usageError('--price must be a non-negative number of $/GB-month, e.g. 0.023')
   if (!Number.isInteger(concurrency) || concurrency < 1 || concurrency > 1024)
     return usageError('--concurrency must be an integer in 1..1024')
+  const namespaces = values.namespace as unknown as string[] | undefined
+  // A name no namespace can have selects nothing: a pass that quietly does nothing.
+  const badNs = namespaces?.find((ns) => !isNamespaceName(ns))
+  if (badNs !== undefined)
+    return usageError(
+      `--namespace '${badNs}' is not a namespace name (1-63 characters of a-z 0-9 . _ -, starting with a letter or digit)`,
+    )
   const file = values.config ?? process.env.KVGATE_CONFIG
   const config = resolveServeConfig(file ? settingsFromFile(file) : {}, settingsFromEnv(process.env), flags)
+  // A memory store is empty in a fresh process: a pass over it would report an empty bucket.
+  if (config.store.kind === 'memory')
+    return usageError('the memory store holds nothing between processes: gc runs on the fs or s3 store')
   const quiet = values.quiet === true
   const store = await openStore(config)
   try {
@@ -93,7 +108,7 @@ export async function run(argv: string[]): Promise<number> {
       dryRun: values['dry-run'] === true,
       pricePerGBMonth: price,
       concurrency,
-      ...(values.namespace ? { namespaces: values.namespace as unknown as string[] } : {}),
+      ...(namespaces ? { namespaces } : {}),
       onProgress: quiet ? undefined : progressLine,
     })
     if (values.json) console.log(JSON.stringify(report, null, 2))
@@ -114,7 +129,7 @@ function progressLine(p: GcProgress): void {
     p.phase === 'list'
       ? `listed ${p.objects} objects`
       : p.phase === 'records'
-        ? `${p.ns}: folded ${p.records} use records`
+        ? `${p.ns}: read ${p.done}/${p.total} use records and indexes (${p.records} use records folded)`
         : p.phase === 'headers'
           ? `${p.ns}: read ${p.done}/${p.total} headers`
           : p.phase === 'delete'

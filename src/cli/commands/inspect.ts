@@ -1,10 +1,10 @@
 // `kvgate inspect <file>`: prints a chunk object's header, its layer index and
 // whether every checksum holds — the first thing to run on a suspicious L2 file.
 
-import { readFileSync, writeFileSync } from 'node:fs'
+import { closeSync, fstatSync, openSync, readSync, writeFileSync } from 'node:fs'
 import { crc32 } from '../../core/checksum.ts'
 import { isKvgateError } from '../../core/errors.ts'
-import { type ChunkHeader, decodeHeader, encodeChunk } from '../../core/format.ts'
+import { type ChunkHeader, decodeHeader, encodeChunk, readHeaderLength } from '../../core/format.ts'
 import { chainKeys, fromHex, namespaceId, toHex } from '../../core/keys.ts'
 import { chunkBytes, dtypeBytes, layerSlabBytes, MODEL_PRESETS } from '../../core/layout.ts'
 import { parseCommandArgs } from '../args.ts'
@@ -35,31 +35,35 @@ export interface InspectReport {
   ratio?: number
 }
 
-export function inspectBytes(bytes: Uint8Array): InspectReport {
+/**
+ * `bytes`: the object, or the file's first bytes when it is longer than its header says;
+ * `fileBytes`: the file's whole length (default: bytes.length).
+ */
+export function inspectBytes(bytes: Uint8Array, fileBytes = bytes.length): InspectReport {
   let h: ChunkHeader
   try {
     h = decodeHeader(bytes)
   } catch (e) {
     if (!isKvgateError(e)) throw e
-    return { ok: false, bytes: bytes.length, error: { code: e.code, message: e.message } }
+    return { ok: false, bytes: fileBytes, error: { code: e.code, message: e.message } }
   }
   const sections = h.sections.map((s, layer) => {
     const end = s.offset + s.length
     const ok = end <= bytes.length && crc32(bytes.subarray(s.offset, end)) === s.crc32
     return { layer, offset: s.offset, length: s.length, crc32: s.crc32.toString(16).padStart(8, '0'), ok }
   })
-  const lengthOk = bytes.length === h.totalBytes
+  const lengthOk = fileBytes === h.totalBytes && bytes.length === h.totalBytes
   const { namespaceId, chainKey, parentKey, codecParams, sections: _s, ...rest } = h
   const rawBytes = chunkBytes(h.geometry, h.tokens)
   return {
     ok: lengthOk && sections.every((s) => s.ok),
-    bytes: bytes.length,
+    bytes: fileBytes,
     ...(lengthOk
       ? {}
       : {
           error: {
             code: 'ERR_FORMAT_TRUNCATED',
-            message: `file is ${bytes.length} bytes, header says ${h.totalBytes}`,
+            message: `file is ${fileBytes} bytes, header says ${h.totalBytes}`,
           },
         }),
     header: {
@@ -100,6 +104,49 @@ function printReport(path: string, r: InspectReport): void {
     console.log(
       `  ${String(s.layer).padStart(5)} ${String(s.offset).padStart(11)} ${String(s.length).padStart(11)}  ${s.crc32}  ${s.ok ? 'ok' : 'BAD'}`,
     )
+  }
+}
+
+/** Enough for any header (at most ~16 KiB at MAX_LAYERS). */
+const HEADER_PROBE_BYTES = 64 * 1024
+
+/** Fills `buf` from `at` with the file's next bytes; the length filled (less at the file's end). */
+function readInto(fd: number, buf: Uint8Array, at: number): number {
+  while (at < buf.length) {
+    const got = readSync(fd, buf, at, Math.min(buf.length - at, 1 << 30), null)
+    if (got === 0) break
+    at += got
+  }
+  return at
+}
+
+/**
+ * A chunk file read no further than its header says it holds (plus one byte, to tell a longer
+ * one): a file that is no chunk object (a disk image, /dev/zero) is judged by its first bytes,
+ * never read whole. `fileBytes` is its length (a regular file's size, else what was read).
+ */
+function readChunkFile(path: string): { bytes: Uint8Array; fileBytes: number } {
+  const fd = openSync(path, 'r')
+  try {
+    const st = fstatSync(fd)
+    const probe = new Uint8Array(HEADER_PROBE_BYTES)
+    const got = readInto(fd, probe, 0)
+    let want = got
+    try {
+      want = decodeHeader(probe.subarray(0, readHeaderLength(probe.subarray(0, got)))).totalBytes + 1
+    } catch {
+      // No header to go by: inspectBytes reports why from the probe.
+    }
+    if (st.isFile()) want = Math.min(want, st.size + 1)
+    let bytes = probe.subarray(0, got)
+    if (want > got && got === HEADER_PROBE_BYTES) {
+      const all = new Uint8Array(want)
+      all.set(probe)
+      bytes = all.subarray(0, readInto(fd, all, got))
+    }
+    return { bytes, fileBytes: st.isFile() ? st.size : bytes.length }
+  } finally {
+    closeSync(fd)
   }
 }
 
@@ -156,14 +203,14 @@ export async function run(argv: string[]): Promise<number> {
     return 2
   }
   const path = positionals[0]!
-  let bytes: Uint8Array
+  let file: { bytes: Uint8Array; fileBytes: number }
   try {
-    bytes = readFileSync(path)
+    file = readChunkFile(path)
   } catch (e) {
     console.error(`kvgate inspect: cannot read ${path}: ${(e as Error).message}`)
     return 2
   }
-  const report = inspectBytes(bytes)
+  const report = inspectBytes(file.bytes, file.fileBytes)
   if (values.json) console.log(JSON.stringify(report, null, 2))
   else printReport(path, report)
   return report.ok ? 0 : 1

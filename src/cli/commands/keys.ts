@@ -8,7 +8,7 @@ import { MODEL_PRESETS, type PresetName, resolveGeometry } from '../../core/layo
 import { parseCommandArgs } from '../args.ts'
 
 const HELP = `Usage: kvgate keys [--model <preset>] [--chunk-tokens N] [--scheme S] [--hash-seed S]
-                   [--partial] [--json] (--tokens 1,2,3 | --file tokens.json | -)
+                   [--partial] [--json] (--tokens 1,2,3 | --file tokens.json | --file -)
 
 Prints the chain key of every chunk of a token list.
 
@@ -23,16 +23,22 @@ Options:
   --json               print JSON
   -h, --help           show this help`
 
-function parseTokens(text: string): number[] {
+function parseTokens(text: string, flag: string): number[] {
   const trimmed = text.trim()
-  const values: unknown = trimmed.startsWith('[')
-    ? JSON.parse(trimmed)
-    : trimmed
-        .split(/[\s,]+/)
-        .filter(Boolean)
-        .map(Number)
+  let values: unknown
+  if (trimmed.startsWith('[')) {
+    try {
+      values = JSON.parse(trimmed)
+    } catch (e) {
+      throw new InvalidArgumentError(`${flag}: not a JSON array (${(e as Error).message})`)
+    }
+  } else
+    values = trimmed
+      .split(/[\s,]+/)
+      .filter(Boolean)
+      .map(Number)
   if (!Array.isArray(values))
-    throw new InvalidArgumentError('tokens must be a JSON array or a comma-separated list')
+    throw new InvalidArgumentError(`${flag}: tokens must be a JSON array or a comma-separated list`)
   return values as number[]
 }
 
@@ -54,9 +60,9 @@ export async function run(argv: string[]): Promise<number> {
   const preset = resolveGeometry((values.model ?? 'llama-3.1-8b') as PresetName)
   const chunkTokens = Number(values['chunk-tokens'] ?? 256)
   let tokens: number[]
-  if (values.tokens !== undefined) tokens = parseTokens(values.tokens)
+  if (values.tokens !== undefined) tokens = parseTokens(values.tokens, '--tokens')
   else if (values.file !== undefined)
-    tokens = parseTokens(readFileSync(values.file === '-' ? 0 : values.file, 'utf8'))
+    tokens = parseTokens(readFileSync(values.file === '-' ? 0 : values.file, 'utf8'), '--file')
   else {
     console.error('kvgate keys: give --tokens or --file (see --help)')
     return 2

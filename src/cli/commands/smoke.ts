@@ -3,7 +3,13 @@
 
 import { type UploadTransport, uploadChunk } from '../../client/remote-upload.ts'
 import { decodeHeader, encodeChunk, layerSpan } from '../../core/format.ts'
-import { assertNamespaceName, chainKeys, type KeyNamespace, namespaceSeed } from '../../core/keys.ts'
+import {
+  assertNamespaceName,
+  chainKeys,
+  isNamespaceName,
+  type KeyNamespace,
+  namespaceSeed,
+} from '../../core/keys.ts'
 import { type KvGeometry, layerSlabBytes, MODEL_PRESETS, type PresetName } from '../../core/layout.ts'
 import { parseCommandArgs } from '../args.ts'
 
@@ -379,10 +385,21 @@ export async function run(argv: string[]): Promise<number> {
     console.error('kvgate smoke: --url is required (or set KVGATE_URL). Run with --help for usage.')
     return 2
   }
+  let protocol: string
   try {
-    new URL(url)
+    protocol = new URL(url).protocol
   } catch {
     console.error(`kvgate smoke: --url ${JSON.stringify(url)} is not a URL`)
+    return 2
+  }
+  if (protocol !== 'http:' && protocol !== 'https:') {
+    console.error(`kvgate smoke: --url ${JSON.stringify(url)} is not an http:// or https:// URL`)
+    return 2
+  }
+  if (values.ns !== undefined && !isNamespaceName(values.ns)) {
+    console.error(
+      `kvgate smoke: --ns ${JSON.stringify(values.ns)} is not a namespace name (1-63 characters of a-z 0-9 . _ -, starting with a letter or digit)`,
+    )
     return 2
   }
   const chunkTokens = Number(values['chunk-tokens'] ?? 64)

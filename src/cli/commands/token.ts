@@ -69,11 +69,13 @@ export async function run(argv: string[]): Promise<number> {
     return 0
   }
   const ns = namespaces === '*' ? "'*'" : `[${namespaces.join(', ')}]`
+  // Quoted unless plain: `ops: admin` or `a, scopes: admin` would break (or rewrite) the flow mapping.
+  const yamlName = /^[A-Za-z0-9][A-Za-z0-9._-]*$/.test(entry.name!) ? entry.name : JSON.stringify(entry.name)
   console.log(`token (give it to clients; it is not stored anywhere):
   ${token}
 
 gateway YAML (auth.tokens):
-  - { name: ${entry.name}, sha256: ${entry.sha256}, scopes: ${scope}, namespaces: ${ns} }
+  - { name: ${yamlName}, sha256: ${entry.sha256}, scopes: ${scope}, namespaces: ${ns} }
 
 KVGATE_TOKENS / Workers secret / SSM parameter (a JSON array of such entries):
   ${JSON.stringify([entry])}`)

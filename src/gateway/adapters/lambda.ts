@@ -246,13 +246,23 @@ export function lambdaPartConcurrency(budget: number): number {
   return Math.max(1, Math.min(4, Math.floor((budget - LAMBDA_COMMIT_READ_AHEAD) / LAMBDA_PART_BYTES) - 1))
 }
 
-function intFromEnv(env: Record<string, string | undefined>, name: string, fallback: number): number {
+/** SigV4's longest presigned URL (7 days), as createGateway checks. */
+const MAX_PRESIGN_SECONDS = 604_800
+
+function intFromEnv(
+  env: Record<string, string | undefined>,
+  name: string,
+  fallback: number,
+  // The range createGateway takes: checked here so the error names the variable, not an option.
+  min = 0,
+  max = Number.MAX_SAFE_INTEGER,
+): number {
   const raw = env[name]
   if (raw === undefined || raw === '') return fallback
   const n = Number(raw)
   // Decimal digits only (as the Node settings): Number() would also take 0x10, 1e6 and -0.
-  if (!/^\s*\d+\s*$/.test(raw) || !Number.isSafeInteger(n))
-    throw new ConfigError(`${name} must be a non-negative integer, got ${raw}`)
+  if (!/^\s*\d+\s*$/.test(raw) || !Number.isSafeInteger(n) || n < min || n > max)
+    throw new ConfigError(`${name} must be an integer in ${min}..${max}, got ${raw}`)
   return n
 }
 
@@ -281,6 +291,16 @@ const LAMBDA_VARS = [
   'KVGATE_MAX_HELD_BYTES',
 ] as const
 
+/** Variables whose value is used as a name (numbers are trimmed; JSON ones may hold whitespace). */
+const NAME_VARS = [
+  'KVGATE_S3_BUCKET',
+  'KVGATE_S3_ENDPOINT',
+  'KVGATE_S3_PREFIX',
+  'KVGATE_AUTH_SSM_PARAMETER',
+  'KVGATE_FS_ROOT',
+  'KVGATE_STAGING_PREFIX',
+] as const
+
 function checkVars(env: Record<string, string | undefined>): void {
   for (const name of Object.keys(env)) {
     if (!name.startsWith('KVGATE_') || (LAMBDA_VARS as readonly string[]).includes(name)) continue
@@ -291,6 +311,12 @@ function checkVars(env: Record<string, string | undefined>): void {
   }
   if (env.KVGATE_AUTH !== undefined && env.KVGATE_AUTH !== 'disabled')
     throw new ConfigError(`KVGATE_AUTH: expected 'disabled' or unset, got '${env.KVGATE_AUTH}'`)
+  // Names taken as given: a pasted trailing space or newline would fail later, unrelatedly.
+  for (const name of NAME_VARS) {
+    const v = env[name]
+    if (v !== undefined && v.trim() !== v)
+      throw new ConfigError(`${name}: must not begin or end with whitespace, got ${JSON.stringify(v)}`)
+  }
 }
 
 export function configFromEnv(env: Record<string, string | undefined> = process.env): LambdaGatewayConfig {
@@ -306,9 +332,9 @@ export function configFromEnv(env: Record<string, string | undefined> = process.
     fsRoot: env.KVGATE_FS_ROOT || undefined,
     // 1 MiB: bytes above it cost Lambda duration and stream at 2 MB/s past the first 6 MB.
     presignMinBytes: intFromEnv(env, 'KVGATE_PRESIGN_THRESHOLD', 1024 * 1024),
-    presignTtlSeconds: intFromEnv(env, 'KVGATE_PRESIGN_TTL', 300),
-    maxChunkBytes: intFromEnv(env, 'KVGATE_MAX_CHUNK_BYTES', 4 * 1024 * 1024),
-    maxCalibrationBytes: intFromEnv(env, 'KVGATE_MAX_CALIBRATION_BYTES', 4 * 1024 * 1024),
+    presignTtlSeconds: intFromEnv(env, 'KVGATE_PRESIGN_TTL', 300, 1, MAX_PRESIGN_SECONDS),
+    maxChunkBytes: intFromEnv(env, 'KVGATE_MAX_CHUNK_BYTES', 4 * 1024 * 1024, 1),
+    maxCalibrationBytes: intFromEnv(env, 'KVGATE_MAX_CALIBRATION_BYTES', 4 * 1024 * 1024, 1),
     // A few of the 4 MiB bodies, small beside the function's memory (256 MB at the least).
     calibrationCacheBytes: intFromEnv(env, 'KVGATE_CALIBRATION_CACHE_BYTES', 16 * 1024 * 1024),
     coldTier: parseColdTier(env.KVGATE_COLD_TIER, 'KVGATE_COLD_TIER'),
@@ -316,7 +342,7 @@ export function configFromEnv(env: Record<string, string | undefined> = process.
     // from 1 MiB they already cost more in function duration than two small requests.
     uploadMinBytes: intFromEnv(env, 'KVGATE_UPLOAD_MIN_BYTES', 1024 * 1024),
     uploadMaxBytes: intFromEnv(env, 'KVGATE_UPLOAD_MAX_BYTES', 512 * 1024 * 1024),
-    uploadTtlSeconds: intFromEnv(env, 'KVGATE_UPLOAD_TTL', 900),
+    uploadTtlSeconds: intFromEnv(env, 'KVGATE_UPLOAD_TTL', 900, 1, MAX_PRESIGN_SECONDS),
     stagingPrefix: env.KVGATE_STAGING_PREFIX || undefined,
     // One request at a time per execution environment, in the memory the function was given.
     maxHeldBytes: intFromEnv(
@@ -325,6 +351,7 @@ export function configFromEnv(env: Record<string, string | undefined> = process.
       env.AWS_LAMBDA_FUNCTION_MEMORY_SIZE
         ? lambdaMaxHeldBytes(intFromEnv(env, 'AWS_LAMBDA_FUNCTION_MEMORY_SIZE', 1024))
         : DEFAULT_MAX_HELD_BYTES,
+      1,
     ),
   }
   if (!cfg.bucket && !cfg.fsRoot)

@@ -13,7 +13,10 @@ import { type R2BucketLike, R2Store } from '../stores/r2.ts'
 import { parseTokenTable } from '../token-table.ts'
 import { R2_PRICE_PER_GB_MONTH, scheduledGc } from './workers-cron.ts'
 
-/** Bindings declared in wrangler.toml. */
+/**
+ * Bindings declared in wrangler.toml. A [vars] value written without quotes (a TOML number,
+ * boolean or table) reaches the Worker as that JSON value, so numbers and switches take both.
+ */
 export interface WorkerEnv {
   /** The R2 bucket holding chunk objects ([[r2_buckets]] binding). */
   KVGATE_BUCKET: R2BucketLike
@@ -24,30 +27,30 @@ export interface WorkerEnv {
   /** Object name prefix in the bucket. @default 'kv' */
   KVGATE_PREFIX?: string
   /** Largest PUT body. @default 94371840 (90 MiB, under the 100 MB request limit) */
-  KVGATE_MAX_CHUNK_BYTES?: string
+  KVGATE_MAX_CHUNK_BYTES?: string | number
   /** Largest calibration object accepted (docs/calibration.md). @default 16 MiB */
-  KVGATE_MAX_CALIBRATION_BYTES?: string
+  KVGATE_MAX_CALIBRATION_BYTES?: string | number
   /**
    * Bytes of verified calibration bodies kept in the isolate; larger ones stream from R2.
    * 0 keeps none. @default 8388608 (8 MiB of the isolate's 128 MB)
    */
-  KVGATE_CALIBRATION_CACHE_BYTES?: string
+  KVGATE_CALIBRATION_CACHE_BYTES?: string | number
   /** Bodies above this use an R2 multipart upload. @default 67108864 */
-  KVGATE_MULTIPART_THRESHOLD?: string
+  KVGATE_MULTIPART_THRESHOLD?: string | number
   /** Multipart part size (≥ 5 MiB). @default 8388608 */
-  KVGATE_PART_BYTES?: string
+  KVGATE_PART_BYTES?: string | number
   /** "true": /metrics and the status page need no token. */
-  KVGATE_PUBLIC_STATUS?: string
+  KVGATE_PUBLIC_STATUS?: string | boolean
   /**
    * Bytes the gateway holds for requests at once in this isolate (read-ahead, multipart parts,
    * calibration PUT bodies, coalesced GET buffers, lookup bodies); past it PUTs and lookups get 503 ERR_BUSY.
    * @default 50331648 (48 MiB of the isolate's 128 MB: see WORKER_MAX_HELD_BYTES)
    */
-  KVGATE_MAX_HELD_BYTES?: string
+  KVGATE_MAX_HELD_BYTES?: string | number
   /** Bytes the GET coalescer may buffer at once in this isolate. @default 33554432 (32 MiB) */
-  KVGATE_COALESCE_MAX_BUFFERED_BYTES?: string
+  KVGATE_COALESCE_MAX_BUFFERED_BYTES?: string | number
   /** How long a cached presence is trusted (ms). @default 30000 */
-  KVGATE_PRESENCE_TTL_MS?: string
+  KVGATE_PRESENCE_TTL_MS?: string | number
   /** The coldTier section as JSON: retention/quota per namespace, grace, use tracking (docs/cold-tier.md). */
   KVGATE_COLD_TIER?: string
 }
@@ -80,18 +83,25 @@ function checkVars(env: WorkerEnv): void {
       `unknown variable ${name}${near ? ` (did you mean '${near}'?)` : ''}: the Worker reads ${WORKER_VARS.join(', ')} (docs/deploy-workers.md)`,
     )
   }
-  const status = env.KVGATE_PUBLIC_STATUS
+  const status = publicStatusVar(env)
   if (status !== undefined && status !== 'true' && status !== 'false')
     throw new ConfigError(`KVGATE_PUBLIC_STATUS: expected 'true' or 'false', got '${String(status)}'`)
   if (env.KVGATE_AUTH !== undefined && env.KVGATE_AUTH !== 'disabled')
     throw new ConfigError(`KVGATE_AUTH: expected 'disabled' or unset, got '${String(env.KVGATE_AUTH)}'`)
 }
 
+/** KVGATE_PUBLIC_STATUS as text: `true` unquoted in [vars] is the boolean. */
+function publicStatusVar(env: WorkerEnv): unknown {
+  const v = env.KVGATE_PUBLIC_STATUS
+  return typeof v === 'boolean' ? String(v) : v
+}
+
 function intVar(env: WorkerEnv, name: keyof WorkerEnv, fallback: number, min = 1): number {
-  const raw = env[name]
+  const raw: unknown = env[name]
   if (raw === undefined || raw === '') return fallback
-  const n = Number(raw)
-  if (typeof raw !== 'string' || !/^\d+$/.test(raw) || !Number.isSafeInteger(n) || n < min) {
+  const n =
+    typeof raw === 'number' ? raw : typeof raw === 'string' && /^\d+$/.test(raw) ? Number(raw) : Number.NaN
+  if (!Number.isSafeInteger(n) || n < min) {
     throw new ConfigError(`${name} must be an integer ≥ ${min}, got ${String(raw)}`)
   }
   return n
@@ -120,7 +130,7 @@ export function gatewayFromEnv(env: WorkerEnv): GatewayApp {
   return createGateway({
     store,
     coldTier: coldTier.tracking ? { usage: coldTier.usage } : { tracking: false },
-    auth: tokens.length > 0 ? { tokens, publicStatus: env.KVGATE_PUBLIC_STATUS === 'true' } : undefined,
+    auth: tokens.length > 0 ? { tokens, publicStatus: publicStatusVar(env) === 'true' } : undefined,
     limits: {
       maxChunkBytes: intVar(env, 'KVGATE_MAX_CHUNK_BYTES', 90 * 1024 * 1024),
       maxCalibrationBytes: intVar(env, 'KVGATE_MAX_CALIBRATION_BYTES', 16 * 1024 * 1024),

@@ -214,21 +214,17 @@ export class UsageRecorder {
   }
 
   #restore(ns: string, old: Batch): void {
-    for (const [key, t] of old.uses) {
-      const b = this.#batch(ns, !this.#batches.get(ns)?.uses.has(key))
-      if (!b) {
-        this.dropped.inc()
-        return
-      }
-      b.uses.set(key, Math.max(t, b.uses.get(key) ?? 0))
-    }
+    // Links first (a chunk's parent and creation), then uses; each entry without room is
+    // counted, and the rest still go back (one already buffered takes no room).
     for (const l of old.links.values()) {
       const b = this.#batch(ns, !this.#batches.get(ns)?.links.has(l.key))
-      if (!b) {
-        this.dropped.inc()
-        return
-      }
-      if (!b.links.has(l.key)) b.links.set(l.key, l)
+      if (!b) this.dropped.inc()
+      else if (!b.links.has(l.key)) b.links.set(l.key, l)
+    }
+    for (const [key, t] of old.uses) {
+      const b = this.#batch(ns, !this.#batches.get(ns)?.uses.has(key))
+      if (!b) this.dropped.inc()
+      else b.uses.set(key, Math.max(t, b.uses.get(key) ?? 0))
     }
   }
 
