@@ -44,6 +44,16 @@ describe('codec under hostile input', () => {
     expect(() => codec.decodeSection('lossless', sec, 1, 1, 16, new Uint8Array(62))).toThrow(refused)
     expect(() => codec.decodeSection('lossless', sec, 3, 1, 16, out)).toThrow(refused) // fp32: 128 bytes
     expect(() => codec.symbolCounts(slab.subarray(2), 1, 1, 16, new Float32Array(8))).toThrow(refused)
+    // A calibration blob goes with kvgate sections only (the calibrated entry points code kvgate
+    // whatever mode was asked for), and an empty one is not "no calibration".
+    const blob = new Uint8Array(8)
+    const notKvgate = expect.objectContaining({
+      code: 'ERR_CODEC',
+      message: expect.stringMatching(/kvgate sections only/),
+    })
+    expect(() => codec.encodeSection('lossless', slab, 1, 1, 16, undefined, blob)).toThrow(notKvgate)
+    expect(() => codec.decodeSection('q8', sec, 1, 1, 16, out, blob)).toThrow(notKvgate)
+    expect(() => codec.decodeSection('kvgate', sec, 1, 1, 16, out, new Uint8Array(0))).toThrow(notKvgate)
     // The instance is intact.
     codec.decodeSection('lossless', sec, 1, 1, 16, out)
     expect([...out]).toEqual([...slab])

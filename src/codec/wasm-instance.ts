@@ -94,6 +94,18 @@ function slabBytes(dtypeCode: number, t: number, c: number, given: number): numb
   return n
 }
 
+/**
+ * A layer calibration blob codes kvgate sections only, and is never empty: the calibrated
+ * entry points take no mode (they code kvgate whatever the caller asked for), and an empty
+ * blob would silently select the uncalibrated ones.
+ */
+function checkCalibrationMode(mode: WasmMode, cal: Uint8Array | undefined): void {
+  if (cal !== undefined && (mode !== 'kvgate' || cal.byteLength === 0))
+    throw new CodecError(
+      `a calibration codes non-empty kvgate sections only, not ${mode} (${cal.byteLength} bytes)`,
+    )
+}
+
 function requireCalibration(ex: CodecExports): CodecExports {
   for (const name of CALIBRATION_EXPORTS) {
     if (typeof (ex as unknown as Record<string, unknown>)[name] !== 'function')
@@ -169,6 +181,7 @@ export class WasmCodec {
     rdLambda = 0,
   ): Uint8Array {
     slabBytes(dtypeCode, t, c, slab.byteLength)
+    checkCalibrationMode(mode, cal)
     return this.#run(slab, params, cal, 'encode', (ex, src, par, calp, calLen) => {
       const setRd = ex.kv_set_rd_lambda
       if (rdLambda > 0 && typeof setRd !== 'function')
@@ -275,6 +288,7 @@ export class WasmCodec {
     if (out.byteLength > MAX_WASM_SLAB_BYTES)
       throw new CodecError(`layer slab of ${out.byteLength} bytes is too large`)
     slabBytes(dtypeCode, t, c, out.byteLength)
+    checkCalibrationMode(mode, cal)
     const calLen = cal?.byteLength ?? 0
     this.#guard('decode', (ex) => {
       let src = 0
