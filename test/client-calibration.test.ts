@@ -17,6 +17,7 @@ import { KVCache } from '../src/client/index.ts'
 import { buildCalibration, openCalibration } from '../src/codec/calibration.ts'
 import { encodeChunk } from '../src/codec/node.ts'
 import { calibrationObjectName, currentCalibrationName } from '../src/coldtier/names.ts'
+import { crc32 } from '../src/core/checksum.ts'
 import { decodeHeader } from '../src/core/format.ts'
 import { fromHex, namespaceId } from '../src/core/keys.ts'
 import { chunkBytes, MODEL_PRESETS } from '../src/core/layout.ts'
@@ -178,6 +179,28 @@ describe('CalibrationStore', () => {
     f.setReachable(false)
     const restarted = new CalibrationStore({ codec, geometry: g2, remote: f.remote, dir })
     expect((await restarted.get(h))?.hash).toBe(h)
+    rmSync(dir, { recursive: true, force: true })
+  })
+
+  it('a persisted file that is its name but that this build cannot open (a newer format) is left for its writer', async () => {
+    const dir = tmp()
+    // Another process sharing the L2 directory (a newer build) persisted a calibration of a
+    // format version this build does not read: its bytes are its name, nothing is damaged.
+    const newer = sample(31).slice()
+    new DataView(newer.buffer).setUint16(4, 2, true)
+    new DataView(newer.buffer).setUint32(newer.length - 4, crc32(newer.subarray(0, newer.length - 4)), true)
+    const h = sha(newer)
+    writeFileSync(join(dir, `${h}.kvcl`), newer)
+    const store = new CalibrationStore({ codec, geometry: g, dir })
+    expect(await store.get(h)).toBeUndefined()
+    expect(store.stats().rejected).toBe(1)
+    expect(Buffer.compare(readFileSync(join(dir, `${h}.kvcl`)), newer)).toBe(0)
+    // Bytes that are not their name are damaged: dropped, so the gateway's copy replaces them.
+    const other = sample(32)
+    const h2 = sha(other)
+    writeFileSync(join(dir, `${h2}.kvcl`), other.subarray(1))
+    expect(await store.get(h2)).toBeUndefined()
+    expect(existsSync(join(dir, `${h2}.kvcl`))).toBe(false)
     rmSync(dir, { recursive: true, force: true })
   })
 

@@ -84,6 +84,40 @@ describe('CodecPool', () => {
     expect(Buffer.compare(out, decodeChunk(obj))).toBe(0)
   })
 
+  it('a job that could not be sent does not hand the next one the output buffer a finished job is still being copied out of', async () => {
+    // One worker; three decodes queue before it is ready. A runs; B's message cannot be built
+    // after it took an output buffer; C is sent as A's answer arrives, while A's tensor is
+    // copied out of its staging. The worker scribbles on C's output first, from the end: were
+    // it A's buffer, A's result would end in 0xa5 bytes.
+    const scribbling = new URL('./support/scribbling-codec-worker.mjs', import.meta.url)
+    const pool = new CodecPool(1, false, { workerEntry: scribbling })
+    pools.push(pool)
+    const big = { layers: 32, kvHeads: 8, headDim: 128, dtype: 'bf16' as const }
+    const zeros = new Uint8Array(chunkBytes(big, 64)) // 8 MiB: the copy-out takes a while
+    const objA = encodeChunk(zeros, metaFor(big, 64), { mode: 'lossless' })
+    const objC = encodeChunk(
+      zeros.map((_, i) => i & 0x7f),
+      metaFor(big, 64),
+      { mode: 'lossless' },
+    )
+    const unbuildable = {
+      get hash(): string {
+        throw new RangeError('Array buffer allocation failed')
+      },
+    }
+    const dstA = new Uint8Array(zeros.byteLength).fill(1)
+    const dstC = new Uint8Array(zeros.byteLength)
+    const a = pool.decodeInto(objA, 'lossless', dstA)
+    const b = pool.decodeInto(objA, 'lossless', new Uint8Array(zeros.byteLength), unbuildable as never)
+    const c = pool.decodeInto(objC, 'lossless', dstC)
+    await a
+    await expect(b).rejects.toMatchObject({ name: 'CodecDispatchError' })
+    await c
+    expect(pool.counts.jobsUnsent).toBe(1)
+    expect(dstA.findIndex((v) => v !== 0)).toBe(-1)
+    expect(Buffer.compare(dstC, decodeChunk(objC))).toBe(0)
+  })
+
   it('passes the kvgate quality through to the worker', async () => {
     const pool = new CodecPool(1)
     pools.push(pool)
@@ -265,6 +299,17 @@ describe('CodecStaging', () => {
     expect(st.bytes).toBe(held)
     expect(st.output((4 << 20) + 1).byteLength).toBe((4 << 20) + 1)
     expect(st.bytes).toBe(held + (2 << 20))
+  })
+
+  it('an output given back (its job never sent) goes to the next job, never the one before it', () => {
+    const st = new CodecStaging()
+    const running = st.output(1 << 20) // the job whose result is about to be copied out
+    const turn = st.turn
+    const unsent = st.output(1 << 20)
+    st.rewind(turn)
+    const next = st.output(1 << 20)
+    expect(next.buffer).toBe(unsent.buffer)
+    expect(next.buffer).not.toBe(running.buffer)
   })
 })
 

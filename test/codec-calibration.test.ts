@@ -183,6 +183,59 @@ describe('calibration object', () => {
     const other = buildCalibration([chunk(9)], { geometry: g, dtype: 'fp16' })
     expect(() => decodeChunk(obj, { calibration: { ...plainCal, bytes: other } })).toThrow(/hash to/)
   })
+
+  it('a plain object whose geometry is not its bytes’ is refused (no v2 chunk names a calibration of another model)', () => {
+    // The bytes are a 2-layer calibration; the object claims 4 layers (or another dtype). Trusted,
+    // layers 2-3 were coded without any calibration under a v2 header naming it, and a node
+    // holding the real calibration refused the chunk for its geometry: a chunk no one decodes.
+    const g4 = { ...g, layers: 4 }
+    const t4 = new Uint8Array(2 * chunk(1).length)
+    t4.set(chunk(1))
+    t4.set(chunk(5), chunk(1).length)
+    const lying = { hash: cal.hash, bytes: bytes.slice(), geometry: g4, dtype: 'fp16' as const }
+    expect(() => encodeChunk(t4, metaFor(g4, T), { mode: 'kvgate', calibration: lying })).toThrow(
+      /calibration .* is for 2×4×16 fp16/,
+    )
+    const wrongDtype = {
+      hash: cal.hash,
+      bytes: bytes.slice(),
+      geometry: { ...g, dtype: 'bf16' as const },
+      dtype: 'bf16' as const,
+    }
+    const gb = { ...g, dtype: 'bf16' as const }
+    expect(() =>
+      encodeChunk(tensorOf(syntheticKv(gb, T, 3), 'bf16'), metaFor(gb, T), {
+        mode: 'kvgate',
+        calibration: wrongDtype,
+      }),
+    ).toThrow(/calibration .* is for 2×4×16 fp16/)
+    // Decoding: a v2 chunk of the claimed geometry naming these bytes is refused, never decoded
+    // with the layers the bytes lack treated as uncalibrated.
+    const obj4 = encodeChunk(t4, metaFor(g4, T), { mode: 'kvgate' })
+    const h = decodeHeader(obj4)
+    const sections = h.sections.map((x) => obj4.subarray(x.offset, x.offset + x.length))
+    const v2 = encodeChunkObject({ ...h, calibration: cal.hash }, sections)
+    expect(() => decodeChunk(v2, { calibration: lying })).toThrow(/calibration .* is for 2×4×16 fp16/)
+  })
+
+  it('a plain object changed after use to name another calibration is decoded with that one, not the first', () => {
+    const mutable = { hash: cal.hash, bytes: bytes.slice(), geometry: g, dtype: 'fp16' as const }
+    const obj = encodeChunk(chunk(1), metaFor(g, T), { mode: 'kvgate', calibration: cal })
+    decodeChunk(obj, { calibration: mutable })
+    const cal2 = openCalibration(buildCalibration([chunk(9), chunk(10)], { geometry: g, dtype: 'fp16' }))
+    expect(cal2.hash).not.toBe(cal.hash)
+    const obj2 = encodeChunk(chunk(1), metaFor(g, T), { mode: 'kvgate', calibration: cal2 })
+    mutable.hash = cal2.hash
+    mutable.bytes = cal2.bytes.slice()
+    expect(Buffer.from(decodeChunk(obj2, { calibration: mutable }))).toEqual(
+      Buffer.from(decodeChunk(obj2, { calibration: cal2 })),
+    )
+    // Encoding names the calibration of the bytes the object holds now.
+    expect(
+      decodeHeader(encodeChunk(chunk(1), metaFor(g, T), { mode: 'kvgate', calibration: mutable }))
+        .calibration,
+    ).toBe(cal2.hash)
+  })
 })
 
 describe('calibration object under hostile bytes', () => {

@@ -24,6 +24,41 @@ describe('codec under hostile input', () => {
     expect(report.perMode['kvgate+calibration+latent']).toBeGreaterThan(50)
   })
 
+  it('buffers that do not hold the slab their arguments describe are refused before wasm reads or writes them', () => {
+    // wasm takes a slab's length from (dtype, t, c), not from the buffer: a shorter input was
+    // read past its end (heap bytes coded into the section), a shorter output written past its end.
+    const codec = wasmCodec()
+    const slab = new Uint8Array(64).map((_, i) => i) // fp16 K and V, 1 token × 16 channels
+    const sec = codec.encodeSection('lossless', slab, 1, 1, 16)
+    const out = new Uint8Array(64)
+    codec.decodeSection('lossless', sec, 1, 1, 16, out)
+    expect([...out]).toEqual([...slab])
+    const refused = expect.objectContaining({
+      code: 'ERR_CODEC',
+      message: expect.stringMatching(/does not hold/),
+    })
+    expect(() => codec.encodeSection('lossless', slab.subarray(0, 62), 1, 1, 16)).toThrow(refused)
+    expect(() => codec.encodeSection('lossless', slab, 1 | 0x100, 1, 16)).toThrow(refused) // latent: 32 bytes
+    expect(() => codec.encodeSection('lossless', slab, 1, 1.5, 16)).toThrow(refused)
+    expect(() => codec.encodeSection('lossless', slab, 9, 1, 16)).toThrow(refused)
+    expect(() => codec.decodeSection('lossless', sec, 1, 1, 16, new Uint8Array(62))).toThrow(refused)
+    expect(() => codec.decodeSection('lossless', sec, 3, 1, 16, out)).toThrow(refused) // fp32: 128 bytes
+    expect(() => codec.symbolCounts(slab.subarray(2), 1, 1, 16, new Float32Array(8))).toThrow(refused)
+    // A calibration blob goes with kvgate sections only (the calibrated entry points code kvgate
+    // whatever mode was asked for), and an empty one is not "no calibration".
+    const blob = new Uint8Array(8)
+    const notKvgate = expect.objectContaining({
+      code: 'ERR_CODEC',
+      message: expect.stringMatching(/kvgate sections only/),
+    })
+    expect(() => codec.encodeSection('lossless', slab, 1, 1, 16, undefined, blob)).toThrow(notKvgate)
+    expect(() => codec.decodeSection('q8', sec, 1, 1, 16, out, blob)).toThrow(notKvgate)
+    expect(() => codec.decodeSection('kvgate', sec, 1, 1, 16, out, new Uint8Array(0))).toThrow(notKvgate)
+    // The instance is intact.
+    codec.decodeSection('lossless', sec, 1, 1, 16, out)
+    expect([...out]).toEqual([...slab])
+  })
+
   it('a trap inside wasm becomes a CodecError and the instance is replaced', () => {
     // The real codec does not trap on hostile input (the fuzz test shows it), so
     // drive the recovery path with a stand-in module whose encode/decode trap.

@@ -9,7 +9,7 @@ import {
   encodeChunk,
 } from '../src/codec/node.ts'
 import { wasmCodec } from '../src/codec/runtime.ts'
-import { f32ToBf16, f32ToF16 } from '../src/core/dtype.ts'
+import { encodeElements, f32ToBf16, f32ToF16 } from '../src/core/dtype.ts'
 import { decodeHeader, encodeChunk as encodeChunkObject, sectionOf } from '../src/core/format.ts'
 import { chunkBytes, type Dtype, type KvGeometry, layerSlabBytes } from '../src/core/layout.ts'
 import { metaFor, relRmse, syntheticKv, tensorOf, valuesOf } from './codec-fixtures.ts'
@@ -258,6 +258,26 @@ describe('layer-wise decode', () => {
     expect(decodeChunkInto(obj, out).tokens).toBe(9)
     expect(Buffer.compare(Buffer.from(out), Buffer.from(tensor))).toBe(0)
     expect(() => decodeChunkInto(obj, new Uint8Array(tensor.byteLength - 2))).toThrow(/output must be/)
+  })
+
+  it('every codec decodes into a caller buffer at any byte offset (a Node Buffer slice, a packed slot)', () => {
+    for (const dtype of ['fp16', 'bf16', 'fp32'] as const) {
+      const g: KvGeometry = { layers: 2, kvHeads: 2, headDim: 8, dtype }
+      const tensor = tensorOf(syntheticKv(g, 9, 4), dtype)
+      for (const mode of CODEC_MODES) {
+        const obj = encodeChunk(tensor, metaFor(g, 9), { mode })
+        const whole = decodeChunk(obj)
+        for (const shift of [1, 2, 3]) {
+          const out = new Uint8Array(new ArrayBuffer(whole.byteLength + shift), shift, whole.byteLength)
+          decodeChunkInto(obj, out)
+          expect(Buffer.compare(Buffer.from(out), Buffer.from(whole)), `${mode} ${dtype} +${shift}`).toBe(0)
+        }
+      }
+      // An output shorter than the values is refused, never written past its end.
+      const buf = new Uint8Array(16)
+      expect(() => encodeElements([1, 2, 3], dtype, buf.subarray(0, 5))).toThrow(/need/)
+      expect(buf.every((b) => b === 0)).toBe(true)
+    }
   })
 })
 

@@ -219,15 +219,23 @@ export class CalibrationStore {
     return typeof c === 'string' ? undefined : c
   }
 
-  /** #accept, telling damaged bytes from a sound calibration of another model ('foreign'). */
-  #check(hash: string, bytes: Uint8Array): Calibration | 'damaged' | 'foreign' {
-    let c: Calibration
-    try {
-      if (sha256Hex(bytes) !== hash) throw new Error('hash mismatch')
-      c = this.#codec.open(bytes)
-    } catch {
+  /**
+   * #accept, telling damaged bytes (not their name) from bytes that are their name but that this
+   * build cannot use: 'unopened' (a format it does not read, e.g. a newer build's) or 'foreign'
+   * (a sound calibration of another model).
+   */
+  #check(hash: string, bytes: Uint8Array): Calibration | 'damaged' | 'unopened' | 'foreign' {
+    if (sha256Hex(bytes) !== hash) {
       this.#stats.rejected++
       return 'damaged'
+    }
+    let c: Calibration
+    try {
+      c = this.#codec.open(bytes)
+    } catch {
+      // Not remembered as never usable: opening can fail for want of memory too.
+      this.#stats.rejected++
+      return 'unopened'
     }
     const g = c.geometry
     const want = this.#geometry
@@ -247,8 +255,8 @@ export class CalibrationStore {
     const bytes = await this.#readBounded(path)
     if (!bytes) return undefined
     const c = this.#check(hash, bytes)
-    // A damaged file is dropped, so the gateway's copy replaces it. A sound one of another
-    // geometry belongs to another model sharing this L2 directory: its file, kept.
+    // A damaged file is dropped, so the gateway's copy replaces it. One that is its name belongs
+    // to another process sharing this L2 directory (another model's, a newer build's): kept.
     if (c === 'damaged') await rm(path, { force: true }).catch(() => {})
     return typeof c === 'string' ? undefined : c
   }

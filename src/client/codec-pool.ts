@@ -409,9 +409,14 @@ export class CodecPool {
       )
     }
     let made: { msg: RequestBody; transfer: ArrayBuffer[] }
+    // An unsent job gives its output buffer back: otherwise the next job would take the one the
+    // job that just answered is still being copied out of (#reply sends before it copies).
+    const staging = slot.staging
+    const turn = staging.turn
     try {
-      made = job.make(slot.staging)
+      made = job.make(staging)
     } catch (e) {
+      staging.rewind(turn)
       unsent('handed to a worker', e)
       return
     }
@@ -421,6 +426,7 @@ export class CodecPool {
     try {
       slot.worker.postMessage({ ...made.msg, id } as CodecRequest, made.transfer)
     } catch (e) {
+      staging.rewind(turn)
       unsent('sent to a worker', e)
       return
     }

@@ -45,6 +45,20 @@ export class CodecStaging {
     return new Uint8Array(buf, 0, n)
   }
 
+  /** Which output buffer the next output() takes (the pool notes it before it builds a job's message). */
+  get turn(): number {
+    return this.#turn
+  }
+
+  /**
+   * Gives back the output buffer a job took and never used: its message could not be built or
+   * posted. The next job then takes that buffer again, not the other one, which the job before
+   * is still being copied out of (the pool sends the next job before that copy).
+   */
+  rewind(turn: number): void {
+    this.#turn = turn & 1
+  }
+
   /** Bytes held (tests watch it stay at one job's size). */
   get bytes(): number {
     return this.#outputs.reduce((a, b) => a + (b?.byteLength ?? 0), this.#input?.byteLength ?? 0)

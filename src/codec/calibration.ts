@@ -74,7 +74,13 @@ const EPS_GRID: readonly number[] = Array.from({ length: 17 }, (_, i) => 0.4 * 2
 /** Table sets for which a symbol absent from the samples still gets a frequency (tail margin). */
 const TAIL_MARGIN = 4
 
+/** The layer blobs of each Calibration openCalibration returned (frozen: its fields are its bytes'). */
 const opened = new WeakMap<object, Uint8Array[]>()
+/**
+ * Any Calibration given to the codec → the one openCalibration made of its bytes. A plain
+ * object's fields are claims: its geometry, and (it can be changed after use) its hash.
+ */
+const verified = new WeakMap<object, Calibration>()
 
 function validSample(s: unknown, g: KvGeometry): number {
   const per = chunkBytes(g, 1)
@@ -333,22 +339,29 @@ export function openCalibration(bytes: Uint8Array): Calibration {
     dtype: dtype as Dtype,
   })
   opened.set(cal, blobs)
+  verified.set(cal, cal)
   return cal
 }
 
 /**
- * The per-layer blobs of an opened calibration (one given as a plain object is opened
- * here and must hash to what it claims).
+ * What the codec codes with when given `cal`: the Calibration openCalibration made of its
+ * bytes (hash, geometry and dtype are the bytes' own, not what a plain object says). One
+ * given as a plain object is opened here and must hash to what it claims.
  */
-export function layerBlobs(cal: Calibration): Uint8Array[] {
-  const known = opened.get(cal)
-  if (known) return known
+export function verifiedCalibration(cal: Calibration): Calibration {
+  const known = verified.get(cal)
+  // A plain object changed since it was opened names other bytes now: opened again.
+  if (known && known.hash === cal.hash) return known
   const fresh = openCalibration(cal?.bytes)
   if (fresh.hash !== cal.hash)
     throw new CodecError(`calibration bytes hash to ${fresh.hash}, not ${cal.hash}`)
-  const blobs = opened.get(fresh)!
-  opened.set(cal, blobs)
-  return blobs
+  verified.set(cal, fresh)
+  return fresh
+}
+
+/** The per-layer blobs of a calibration (of its bytes: see verifiedCalibration). */
+export function layerBlobs(cal: Calibration): Uint8Array[] {
+  return opened.get(verifiedCalibration(cal))!
 }
 
 /** Throws unless `cal` was measured for chunks of geometry `g`. */

@@ -26,6 +26,7 @@ import {
   CalibrationMissingError,
   checkCalibrationGeometry,
   layerBlobs,
+  verifiedCalibration,
 } from './calibration.ts'
 import {
   CODEC_MODES,
@@ -87,13 +88,17 @@ export interface DecodeLimits {
   calibration?: Calibration
 }
 
-/** The calibration's layer blobs when `header` names one; throws when it is not `cal`. */
+/**
+ * The calibration's layer blobs when `header` names one; throws when it is not `cal`. Its
+ * bytes decide (their hash and geometry), not what a plain object given as `cal` claims.
+ */
 function calibrationFor(header: ChunkHeader, cal: Calibration | undefined): Uint8Array[] | undefined {
   const named = header.calibration
   if (named === undefined) return undefined
-  if (cal?.hash !== named) throw new CalibrationMissingError(named)
-  checkCalibrationGeometry(cal, header.geometry)
-  return layerBlobs(cal)
+  const own = cal?.hash === named ? verifiedCalibration(cal) : undefined
+  if (own?.hash !== named) throw new CalibrationMissingError(named)
+  checkCalibrationGeometry(own, header.geometry)
+  return layerBlobs(own)
 }
 
 const DEFAULT_MAX_OUTPUT = 2 * 1024 * 1024 * 1024
@@ -174,7 +179,9 @@ export function encodeChunk(tensor: Uint8Array, meta: ChunkInfo, opts: EncodeOpt
   if (![split.k, split.v].every((x) => Number.isInteger(x) && x >= 0 && x <= 255)) {
     throw new InvalidArgumentError('cachegenSplit layers must be integers in 0..255')
   }
-  const cal = mode === 'kvgate' ? opts.calibration : undefined
+  // The calibration of its bytes: the header names their hash, the geometry checked is theirs.
+  const cal =
+    mode === 'kvgate' && opts.calibration !== undefined ? verifiedCalibration(opts.calibration) : undefined
   const rd = opts.rdRounding ?? false
   if (typeof rd !== 'boolean') throw new InvalidArgumentError('rdRounding must be a boolean')
   let blobs: Uint8Array[] | undefined

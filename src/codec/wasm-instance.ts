@@ -3,6 +3,7 @@
 // call (memory.grow detaches them) and replaces the instance after a trap.
 
 import { CodecError } from '../core/errors.ts'
+import { dtypeBytes, dtypeFromCode } from '../core/layout.ts'
 
 interface CodecExports {
   memory: WebAssembly.Memory
@@ -73,6 +74,37 @@ const CALIBRATION_EXPORTS = [
   'kv_cal_check',
   'kv_alphabet',
 ] as const
+
+/**
+ * Bytes of the layer slab wasm reads (encode) or writes (decode) for these arguments: it
+ * takes the buffer's length from them, not from the buffer, so a buffer of another length
+ * would be read or written past its end, inside the instance's heap.
+ */
+function slabBytes(dtypeCode: number, t: number, c: number, given: number): number {
+  const dtype = dtypeFromCode(dtypeCode & 0xff)
+  const ok =
+    dtype !== undefined &&
+    (dtypeCode & ~(0xff | WASM_LATENT)) === 0 &&
+    [t, c].every((x) => Number.isInteger(x) && x >= 1 && x <= 0xffffffff)
+  const n = ok ? ((dtypeCode & WASM_LATENT) !== 0 ? 1 : 2) * t * c * dtypeBytes(dtype) : Number.NaN
+  if (n !== given)
+    throw new CodecError(
+      `layer slab of ${given} bytes does not hold ${t} tokens × ${c} channels of dtype code ${dtypeCode}`,
+    )
+  return n
+}
+
+/**
+ * A layer calibration blob codes kvgate sections only, and is never empty: the calibrated
+ * entry points take no mode (they code kvgate whatever the caller asked for), and an empty
+ * blob would silently select the uncalibrated ones.
+ */
+function checkCalibrationMode(mode: WasmMode, cal: Uint8Array | undefined): void {
+  if (cal !== undefined && (mode !== 'kvgate' || cal.byteLength === 0))
+    throw new CodecError(
+      `a calibration codes non-empty kvgate sections only, not ${mode} (${cal.byteLength} bytes)`,
+    )
+}
 
 function requireCalibration(ex: CodecExports): CodecExports {
   for (const name of CALIBRATION_EXPORTS) {
@@ -148,6 +180,8 @@ export class WasmCodec {
     cal?: Uint8Array,
     rdLambda = 0,
   ): Uint8Array {
+    slabBytes(dtypeCode, t, c, slab.byteLength)
+    checkCalibrationMode(mode, cal)
     return this.#run(slab, params, cal, 'encode', (ex, src, par, calp, calLen) => {
       const setRd = ex.kv_set_rd_lambda
       if (rdLambda > 0 && typeof setRd !== 'function')
@@ -171,6 +205,7 @@ export class WasmCodec {
    * c × alphabet each (the latent alone with WASM_LATENT; calibration builds).
    */
   symbolCounts(slab: Uint8Array, dtypeCode: number, t: number, c: number, params: Float32Array): Uint32Array {
+    slabBytes(dtypeCode, t, c, slab.byteLength)
     const b = this.#run(slab, params, undefined, 'stats', (ex, src, par) =>
       requireCalibration(ex).kv_stats(src, dtypeCode, t, c, par),
     )
@@ -252,6 +287,8 @@ export class WasmCodec {
   ): void {
     if (out.byteLength > MAX_WASM_SLAB_BYTES)
       throw new CodecError(`layer slab of ${out.byteLength} bytes is too large`)
+    slabBytes(dtypeCode, t, c, out.byteLength)
+    checkCalibrationMode(mode, cal)
     const calLen = cal?.byteLength ?? 0
     this.#guard('decode', (ex) => {
       let src = 0

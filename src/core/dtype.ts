@@ -2,7 +2,7 @@
 // Runtime-neutral and allocation-free in the loops: the model, the codec tests
 // and synthetic KV all go through these, so rounding is the same everywhere.
 
-import { CodecError } from './errors.ts'
+import { CodecError, InvalidArgumentError } from './errors.ts'
 import { type Dtype, isFp8 } from './layout.ts'
 
 const f32 = new Float32Array(1)
@@ -75,7 +75,17 @@ function noFloatConversion(dtype: Dtype): void {
 export function encodeElements(values: ArrayLike<number>, dtype: Dtype, out?: Uint8Array): Uint8Array {
   noFloatConversion(dtype)
   const n = values.length
-  const bytes = out ?? new Uint8Array(n * (dtype === 'fp32' ? 4 : 2))
+  const size = dtype === 'fp32' ? 4 : 2
+  const bytes = out ?? new Uint8Array(n * size)
+  // A view over `out`'s buffer would write past its end, into whatever the buffer holds next.
+  if (bytes.byteLength < n * size)
+    throw new InvalidArgumentError(`${n} ${dtype} values need ${n * size} bytes, out has ${bytes.byteLength}`)
+  // Typed-array views need an aligned start: `out` may be any caller buffer (a Node Buffer
+  // slice, a layer inside a packed slot). Encoded aside and copied in, as decodeElements reads.
+  if (bytes.byteOffset % size !== 0) {
+    bytes.set(encodeElements(values, dtype))
+    return bytes
+  }
   if (dtype === 'fp32') {
     new Float32Array(bytes.buffer, bytes.byteOffset, n).set(values)
     return bytes
