@@ -79,6 +79,36 @@ describe('L4 through the gateway', () => {
     expect(gw.requests.filter((r) => r.method === 'PUT').length).toBe(puts)
   })
 
+  it('many requests in flight at once: no "possible EventTarget memory leak" warning from the close signal', async () => {
+    const a = await node()
+    const toks = tokens(16 * T, 33)
+    const kv = kvFor(16, 33)
+    await a.store(toks, kv)
+    await a.flush()
+    const warnings: string[] = []
+    const onWarning = (w: Error) => warnings.push(`${w.name}: ${w.message}`)
+    process.on('warning', onWarning)
+    try {
+      const b = await KVCache.open({
+        model: 'stories260k',
+        chunkTokens: T,
+        namespace: 'team-a',
+        memory: { bytes: 32 * CB },
+        fetchConcurrency: 16,
+        remote: { url: gw.url, codec: 'raw', token: 'secret' },
+      })
+      caches.push(b)
+      gw.faults.delayMs = 50 // every GET overlaps the others
+      const into = new Uint8Array(16 * CB)
+      expect(sum(await b.retrieve(toks, { into }))).toBe(16 * T)
+      expect(Buffer.compare(into, kv)).toBe(0)
+      await new Promise((r) => setImmediate(r)) // warnings are emitted on the next tick
+    } finally {
+      process.off('warning', onWarning)
+    }
+    expect(warnings.filter((w) => w.includes('MaxListeners'))).toEqual([])
+  })
+
   it('a partial tail chunk travels through the gateway too', async () => {
     const a = await node()
     const toks = tokens(T + 3, 14)

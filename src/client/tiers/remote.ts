@@ -1,6 +1,7 @@
 // L4: the gateway over HTTP (undici pools, keep-alive). Bounded deadlines and bodies,
 // retries with jitter, a circuit breaker and a shedding write-behind queue: it never throws into callers.
 
+import { setMaxListeners } from 'node:events'
 import { Agent, Pool } from 'undici'
 import { InvalidArgumentError } from '../../core/errors.ts'
 import { DEFAULT_MAX_CHUNK_BYTES } from '../../core/format.ts'
@@ -294,6 +295,10 @@ export class RemoteTier {
   #lookupKeysKnown = 0
 
   constructor(opts: RemoteTierOptions, ctx: RemoteTierContext = {}) {
+    // Every request in flight listens on the close signal (and stops when it ends): a busy node
+    // has more than EventTarget's default 10 at once, which Node reports as a possible leak.
+    // Their number is bounded by the tier's concurrency settings, not by this limit.
+    setMaxListeners(0, this.#closing.signal)
     let url: URL
     try {
       url = new URL(opts.url)
