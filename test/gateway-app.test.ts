@@ -2,8 +2,9 @@
 // the /v1 API, verification, create-only semantics, ranges and layers, auth, errors.
 
 import { describe, expect, it } from 'vitest'
-import { openLayerSubset } from '../src/core/format.ts'
+import { headerBytesFor, openLayerSubset, readHeaderLength } from '../src/core/format.ts'
 import { createGateway, hashToken, MemoryStore } from '../src/gateway/index.ts'
+import { concatPieces } from '../src/gateway/stores/types.ts'
 import { makeChain, makeChunk, putInit } from './gateway-fixtures.ts'
 
 function setup(opts: Partial<Parameters<typeof createGateway>[0]> = {}) {
@@ -161,6 +162,36 @@ describe('PUT rejects bad bodies and leaves nothing behind', () => {
     rejects((b) => b.subarray(0, b.length - 10), 400, /ERR_FORMAT_BAD_FIELD|ERR_FORMAT_TRUNCATED/))
   it('extra trailing bytes', () =>
     rejects((b) => Uint8Array.from([...b, 1, 2, 3]), 400, /ERR_FORMAT_BAD_FIELD/))
+
+  // S3 and R2 store a PUT once Content-Length bytes arrived, without waiting for the body's end:
+  // every byte up to the last must be verified before it reaches them.
+  it('a body that ends inside its header never reaches a store that commits on its last byte', async () => {
+    const inner = new MemoryStore()
+    const store = Object.assign(Object.create(inner) as MemoryStore, {
+      async putIfAbsent(name: string, body: ReadableStream<Uint8Array> | Uint8Array, size: number) {
+        if (body instanceof Uint8Array) return inner.putIfAbsent(name, body, size)
+        const reader = body.getReader()
+        const pieces: Uint8Array[] = []
+        let n = 0
+        while (n < size) {
+          const { done, value } = await reader.read()
+          if (done) break
+          pieces.push(value)
+          n += value.length
+        }
+        reader.releaseLock()
+        return inner.putIfAbsent(name, concatPieces(pieces, n), n)
+      },
+    })
+    const app = createGateway({ store })
+    const c = makeChunk({ layers: 40, sectionBytes: 8 })
+    const cut = c.bytes.subarray(0, headerBytesFor(1))
+    expect(readHeaderLength(c.bytes)).toBeGreaterThan(cut.length)
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(cut))
+    expect(r.status).toBe(400)
+    expect(await errCode(r)).toBe('ERR_FORMAT_TRUNCATED')
+    expect((await inner.stats()).objects).toBe(0)
+  })
 
   it('a body whose header key disagrees with the path', async () => {
     const { app, store } = setup()
