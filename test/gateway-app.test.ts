@@ -2,9 +2,17 @@
 // the /v1 API, verification, create-only semantics, ranges and layers, auth, errors.
 
 import { describe, expect, it } from 'vitest'
-import { headerBytesFor, openLayerSubset, readHeaderLength } from '../src/core/format.ts'
+import { crc32 } from '../src/core/checksum.ts'
+import {
+  FIXED_HEADER_BYTES,
+  headerBytesFor,
+  openLayerSubset,
+  readHeaderLength,
+  SECTION_ENTRY_BYTES,
+} from '../src/core/format.ts'
+import { objectName } from '../src/core/keys.ts'
 import { createGateway, hashToken, MemoryStore } from '../src/gateway/index.ts'
-import { concatPieces } from '../src/gateway/stores/types.ts'
+import { concatPieces, type GetOptions, resolveRange, type StoreObject } from '../src/gateway/stores/types.ts'
 import { makeChain, makeChunk, putInit } from './gateway-fixtures.ts'
 
 function setup(opts: Partial<Parameters<typeof createGateway>[0]> = {}) {
@@ -84,6 +92,36 @@ describe('PUT and GET', () => {
     expect(
       (await app.request(`/v1/ns/a/chunks/${c.key}?layers=1-2`, { headers: { range: 'bytes=0-1' } })).status,
     ).toBe(400)
+  })
+
+  it('serves ?layers of a chunk over 512 MiB that the gateway was configured to take (maxChunkBytes)', async () => {
+    // A two-layer object whose layer 1 is 600 MiB, never materialized: bytes past layer 0 read as zero.
+    const c = makeChunk({ layers: 2, sectionBytes: 8 })
+    const head = c.bytes.slice(0, readHeaderLength(c.bytes) + 8)
+    const dv = new DataView(head.buffer)
+    const big = 600 * 1024 * 1024
+    const size = head.length + big
+    dv.setBigUint64(16, BigInt(size), true)
+    dv.setUint32(FIXED_HEADER_BYTES + SECTION_ENTRY_BYTES + 8, big, true)
+    const hb = readHeaderLength(head)
+    dv.setUint32(hb - 4, crc32(head.subarray(0, hb - 4)), true)
+    const name = objectName('kvgate', 'a', c.key)
+    const store = Object.assign(Object.create(new MemoryStore()) as MemoryStore, {
+      async head(n: string) {
+        return n === name ? { size, etag: '"v"' } : undefined
+      },
+      async get(n: string, opts: GetOptions = {}): Promise<StoreObject | undefined> {
+        if (n !== name) return undefined
+        const r = resolveRange(opts.range, size)!
+        const out = new Uint8Array(r.length)
+        if (r.offset < head.length) out.set(head.subarray(r.offset, r.offset + r.length))
+        return { body: new Blob([out]).stream(), size, offset: r.offset, length: r.length, etag: '"v"' }
+      },
+    })
+    const app = createGateway({ store, limits: { maxChunkBytes: 1024 ** 3 } })
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}?layers=0-0`)
+    expect(r.status).toBe(200)
+    expect(new Uint8Array(await r.arrayBuffer())).toEqual(head)
   })
 
   it('deletes (admin) and forgets the chunk', async () => {

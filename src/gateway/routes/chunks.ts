@@ -321,7 +321,10 @@ async function decodeStoredHeader(state: GatewayState, t: VerifyTarget): Promise
     bytes = await readAll(more)
     version = { size: more.size, etag: more.etag }
   }
-  const header = guard(() => decodeHeader(bytes.subarray(0, headerBytes)))
+  // The bound a whole GET verifies against: a chunk this gateway took (maxChunkBytes may pass
+  // the format's 512 MiB default) or one the store holds is not corrupt for its size alone.
+  const maxBytes = Math.max(state.limits.maxChunkBytes, version.size)
+  const header = guard(() => decodeHeader(bytes.subarray(0, headerBytes), { maxBytes }))
   const nsId = namespaceIdOf(t.ns)
   guard(() => checkIdentity(header, { keyHex: t.key, ...(nsId ? { namespaceIdHex: nsId } : {}) }))
   const entry: CachedHeader = { header, bytes: bytes.slice(0, headerBytes), ...version }
