@@ -31,6 +31,7 @@ import { iteratorSource, type PieceSource, streamSource, verifiedBody } from '..
 import {
   checkedStream,
   checkIdentity,
+  lengthCheck,
   objectCheck,
   type StreamCheck,
   sectionsCheck,
@@ -180,10 +181,10 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       'content-length': String(obj.length),
       'accept-ranges': 'bytes',
     }
-    // A whole object is verified as it streams (ranges are the client's to check).
+    // A whole object is verified as it streams (a range's bytes are the client's to check, its length is ours).
     const nsId = namespaceIdOf(t.ns)
     const check = range
-      ? undefined
+      ? lengthCheck(obj.length)
       : objectCheck({
           keyHex: t.key,
           maxBytes: Math.max(state.limits.maxChunkBytes, obj.size),
@@ -220,7 +221,10 @@ function servedStream(
 ): ReadableStream<Uint8Array> {
   return checkedStream(src, check, {
     idleTimeoutMs: state.limits.readerIdleTimeoutMs,
-    onCorrupt: () => reportCorruptRead(state, t, layers),
+    // A store fault (a range served short) says nothing about the object.
+    onCorrupt: (e) => {
+      if (isCorruption(e)) reportCorruptRead(state, t, layers)
+    },
     // A client that stopped reading also stops the adapter reading us: close its socket.
     onIdle: () => {
       const outgoing = (c.env as { outgoing?: { destroy?: () => void } } | undefined)?.outgoing
