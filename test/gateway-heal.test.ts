@@ -179,6 +179,30 @@ describe('corruption heals (C1)', () => {
     }
   })
 
+  it("a layer GET of an object cut short or with bytes past its header's length: 502, counted, healed", async () => {
+    for (const kind of ['cut short', 'trailing bytes']) {
+      const store = new MemoryStore()
+      const app = createGateway({ store })
+      const c = makeChunk({ layers: 4, sectionBytes: 1000 })
+      const n = name('a', c.key)
+      await replace(
+        store,
+        n,
+        kind === 'cut short' ? c.bytes.slice(0, -10) : Uint8Array.from([...c.bytes, 1, 2, 3]),
+      )
+      // Every layer: the object is not the one its header describes, whichever layers are asked.
+      const r = await app.request(`/v1/ns/a/chunks/${c.key}?layers=0-1`)
+      expect(r.status, kind).toBe(502)
+      expect(app.state.metrics.corruptReads.value({ layers: 'true' }), kind).toBe(1)
+      for (let i = 0; i < 50 && (await store.head(n)); i++) await sleep(10)
+      expect(await store.head(n), kind).toBeUndefined()
+      expect((await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status, kind).toBe(201)
+      expect(await body(await app.request(`/v1/ns/a/chunks/${c.key}?layers=0-1`)), kind).toBeInstanceOf(
+        Uint8Array,
+      )
+    }
+  })
+
   it('a store that sends more bytes than it said is at fault, not the object: 502, nothing deleted', async () => {
     class Overlong extends MemoryStore {
       cancelled = 0

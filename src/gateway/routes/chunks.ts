@@ -331,6 +331,10 @@ async function decodeStoredHeader(state: GatewayState, t: VerifyTarget): Promise
   const header = guard(() => decodeHeader(bytes.subarray(0, headerBytes), { maxBytes }))
   const nsId = namespaceIdOf(t.ns)
   guard(() => checkIdentity(header, { keyHex: t.key, ...(nsId ? { namespaceIdHex: nsId } : {}) }))
+  // Cut short or carrying bytes past its end, it is not the object its header describes: corrupt
+  // (a whole GET fails it too). Taken for another version, every layer read would answer 503.
+  if (header.totalBytes !== version.size)
+    throw corrupt(`stored object is ${version.size} bytes, its header says ${header.totalBytes}`)
   const entry: CachedHeader = { header, bytes: bytes.slice(0, headerBytes), ...version }
   state.headers.set(name, entry)
   return entry
