@@ -229,23 +229,30 @@ export function verifiedBody(reader: PieceSource, opts: VerifiedBodyOptions): Ve
     },
     async drain() {
       end()
+      // The same pace as the body had to keep (request-body.ts readPromptly): a trickle would
+      // otherwise hold its admission (declared bytes in flight) for as long as it likes.
+      const started = Date.now()
+      let drained = 0
       while (!sourceDone && !sourceCancelled) {
+        const now = Date.now()
+        const slow = minRate > 0 ? started + (drained * 1000) / minRate : Number.POSITIVE_INFINITY
+        const due = Math.max(started + opts.idleTimeoutMs, slow)
+        const why =
+          now + opts.idleTimeoutMs <= due
+            ? `stalled for ${opts.idleTimeoutMs} ms`
+            : `arrives slower than ${minRate} bytes/s`
         let timer: ReturnType<typeof setTimeout> | undefined
         const stalled = new Promise<never>((_, reject) => {
           timer = setTimeout(
-            () =>
-              reject(
-                new KvgateError('ERR_TIMEOUT', `request body stalled for ${opts.idleTimeoutMs} ms`, {
-                  status: 408,
-                }),
-              ),
-            opts.idleTimeoutMs,
+            () => reject(new KvgateError('ERR_TIMEOUT', `request body ${why}`, { status: 408 })),
+            Math.max(0, Math.min(now + opts.idleTimeoutMs, due) - now),
           )
         })
         try {
           // A read the stream's pull left pending is answered first (reads queue in order).
           const r = await Promise.race([reader.read(), stalled])
           if (r.done) sourceDone = true
+          else drained += r.value?.length ?? 0
         } catch (e) {
           cancelSource(e)
           throw e
