@@ -24,6 +24,8 @@ export function objectCheck(opts: {
   maxBytes: number
 }): StreamCheck & {
   header(): ChunkHeader | undefined
+  /** True until the object's header has decoded (a failure before it is the header's). */
+  headerUndecoded(): boolean
 } {
   const v = new ChunkVerifier({ maxBytes: opts.maxBytes })
   let checked = false
@@ -41,6 +43,7 @@ export function objectCheck(opts: {
       done = v.finish()
     },
     header: () => done,
+    headerUndecoded: () => v.header === undefined,
   }
 }
 
