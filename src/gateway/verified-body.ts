@@ -159,9 +159,9 @@ export function verifiedBody(reader: PieceSource, opts: VerifiedBodyOptions): Ve
           }
           verifier.push(value)
           const h = verifier.header
-          // S3 and R2 commit a PUT once Content-Length bytes arrived, before this stream's end
-          // (where finish() would fail): the piece that completes the body must not pass unless
-          // the header is whole, or a body ending inside its header would be stored.
+          // A store may commit a PUT once Content-Length bytes arrived (S3, R2), before this
+          // stream's end where finish() would fail: the piece that completes the body must not
+          // pass unless the header is whole, or a body ending inside its header could be stored.
           if (!h && verifier.bytesSeen >= opts.size) {
             throw new FormatError(
               'ERR_FORMAT_TRUNCATED',
