@@ -292,6 +292,7 @@ describe('corruption heals (C1)', () => {
       ['format version 3', newer(4, 3)],
       ['a new codec code', newer(24, 200)],
       ['a new flag', newer(6, 4)],
+      ['a new dtype code', newer(26, 200)],
     ]
     for (const [kind, mutate] of cases) {
       const store = new MemoryStore()
@@ -319,6 +320,23 @@ describe('corruption heals (C1)', () => {
         deleted: true,
       })
     }
+  })
+
+  it('an intact header refused for anything but a newer feature (a reserved byte set) is still corrupt: deleted', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store })
+    const c = makeChunk({ layers: 4, sectionBytes: 1000 })
+    const b = c.bytes.slice()
+    const dv = new DataView(b.buffer)
+    b[27] = 1 // reserved, must be zero
+    const hb = dv.getUint32(8, true)
+    dv.setUint32(hb - 4, crc32(b.subarray(0, hb - 4)), true)
+    await replace(store, name('a', c.key), b)
+    expect(await (await app.request(`/v1/ns/a/chunks/${c.key}/verify`, { method: 'POST' })).json()).toEqual({
+      key: c.key,
+      verdict: 'corrupt',
+      deleted: true,
+    })
   })
 
   it('a namespace named by its 32-hex id accepts only chunks carrying that id (PUT, GET, verify)', async () => {

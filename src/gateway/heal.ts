@@ -3,9 +3,8 @@
 // replaces it. Never acts on a client's claim alone; verifications are deduplicated
 // per object and bounded in number.
 
-import { crc32 } from '../core/checksum.ts'
 import { isKvgateError, KvgateError } from '../core/errors.ts'
-import { HEADER_PREFIX_BYTES } from '../core/format.ts'
+import { HEADER_PREFIX_BYTES, namesNewerFeature } from '../core/format.ts'
 import type { GatewayState } from './context.ts'
 import { collectAtMost } from './stores/types.ts'
 import { objectCheck } from './verified-read.ts'
@@ -130,11 +129,11 @@ export function verifyStored(state: GatewayState, t: VerifyTarget, by: 'get' | '
 const MAX_NEWER_HEADER_BYTES = 1024 * 1024
 
 /**
- * True when `failure` (the object's header refused: an unknown format version, codec, flag or
- * field) comes from a header its writer wrote that way: its own CRC holds, at the place every
- * format version keeps it (the u32 length at byte 8, the CRC in the header's last 4 bytes).
- * docs/format.md adds versions, codecs and flags so that older readers refuse them cleanly:
- * an older gateway in a fleet mid-upgrade must refuse such a chunk, not delete it as rot.
+ * True when the refused header of `name` is intact and names a format version, flag, codec or
+ * dtype added since this build (core/format.ts namesNewerFeature). docs/format.md adds those
+ * so that older readers refuse them cleanly: an older gateway in a fleet mid-upgrade must
+ * refuse such a chunk, not delete it as rot. Any other refusal (a field out of range, a
+ * broken CRC) is corruption, as before.
  */
 async function isNewerFormat(
   state: GatewayState,
@@ -149,12 +148,11 @@ async function isNewerFormat(
   const headerBytes = new DataView(prefix.bytes.buffer, prefix.bytes.byteOffset).getUint32(8, true)
   if (headerBytes < HEADER_PREFIX_BYTES + 4 || headerBytes > MAX_NEWER_HEADER_BYTES) return false
   const header = await readBytes(state, name, headerBytes)
-  if (!header || header.bytes.length < headerBytes) return false
+  if (!header) return false
   // Another version since the one verified: nothing is known about either (no delete).
   if (etag !== undefined && header.etag !== undefined && header.etag !== etag)
     throw new KvgateError('ERR_STORE', 'the object changed while it was verified', { status: 503 })
-  const dv = new DataView(header.bytes.buffer, header.bytes.byteOffset)
-  return crc32(header.bytes.subarray(0, headerBytes - 4)) === dv.getUint32(headerBytes - 4, true)
+  return namesNewerFeature(header.bytes)
 }
 
 /** The object's first `length` bytes (fewer when it is shorter), or undefined when it is gone. */
