@@ -270,6 +270,46 @@ describe('UsageRecorder', () => {
     return { r, store, puts, tick: (ms: number) => (now += ms) }
   }
 
+  it('creation buckets stay bounded across namespaces (folded, totals kept); a snapshot prunes what it counts', () => {
+    const { r, tick } = setup()
+    // 1,000 namespaces each creating a chunk every second for 100 s: 100,000 busy seconds.
+    for (let s = 0; s < 100; s++) {
+      for (let n = 0; n < 1000; n++) r.created(`ns${n}`, key(n), key(n + 1), 10)
+      tick(1000)
+    }
+    expect(r.accountedBuckets).toBeLessThanOrEqual(24_000)
+    const held = [...r.createdBySecond.values()].reduce((a, m) => a + m.size, 0)
+    expect(held).toBe(r.accountedBuckets)
+    let bytes = 0
+    let objects = 0
+    for (const m of r.createdBySecond.values()) {
+      for (const c of m.values()) {
+        bytes += c.bytes
+        objects++
+      }
+    }
+    expect(bytes).toBe(100 * 1000 * 10) // folding coarsens times, never loses a creation
+    expect(objects).toBe(held)
+    // A snapshot's listing at "now" counts every creation so far: all of it goes.
+    r.pruneCreatedBefore(1_000_000 + 101_000)
+    expect(r.accountedBuckets).toBe(0)
+    expect(r.createdBySecond.size).toBe(0)
+  })
+
+  it('a snapshot prunes only the seconds it counted', () => {
+    const { r, tick } = setup()
+    for (let s = 0; s < 10; s++) {
+      r.created('prod', key(s), key(s + 1), 1)
+      tick(1000)
+    }
+    // Seconds 1_000_000 .. 1_009_000; a listing at 1_004_500 counts those ending by then (4 of them).
+    r.pruneCreatedBefore(1_004_500)
+    expect([...r.createdBySecond.get('prod')!.keys()]).toEqual([
+      1_004_000, 1_005_000, 1_006_000, 1_007_000, 1_008_000, 1_009_000,
+    ])
+    expect(r.accountedBuckets).toBe(6)
+  })
+
   it('costs at most one PUT per 100 hits in steady state', async () => {
     const { r, puts, tick } = setup()
     let hits = 0
@@ -1188,6 +1228,12 @@ describe('accounting on /metrics and the status page', () => {
     })
     const text = await (await app.request('/metrics')).text()
     expect(text).toMatch(/^kvgate_namespace_stored_objects\{ns="prod"\} 5$/m)
+    // The snapshot counts the first three: their second is let go; the later ones' stay.
+    const snapAt = (await readLatestSnapshot(store, 'kv'))!.at
+    const seconds = [...app.state.usage!.createdBySecond.get('prod')!.keys()]
+    expect(seconds.length).toBeGreaterThan(0)
+    expect(seconds.every((s) => s + 1000 > snapAt)).toBe(true)
+    expect(app.state.usage!.accountedBuckets).toBe(seconds.length)
     expect(text).toContain(`kvgate_namespace_stored_bytes{ns="prod"} ${bytes}`)
     expect(text).toContain(`kvgate_namespace_storage_usd_per_month{ns="prod"} ${(bytes / 1e9) * 0.023}`)
     expect(text).toMatch(/^kvgate_usage_hits_total 3$/m)

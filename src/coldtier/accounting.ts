@@ -153,6 +153,8 @@ export class FleetAccounting {
       .then((s) => {
         this.#snapshot = s ?? this.#snapshot
         this.#readAt = Date.now()
+        // Creations the snapshot's listing counted are never read again: let them go.
+        if (this.#snapshot) this.#usage?.pruneCreatedBefore(this.#snapshot.at)
       })
       .catch(() => {
         this.refreshFailures.inc()

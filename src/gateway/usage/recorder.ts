@@ -19,6 +19,14 @@ export const HITS_PER_FLUSH = 100
 
 /** Namespaces whose creations an instance accounts between gc snapshots. */
 const MAX_ACCOUNTED_NAMESPACES = 1000
+/**
+ * Creation buckets (one per namespace and busy second) held across all namespaces: ~85 bytes of
+ * heap each, so ~2 MiB. Per namespace alone (an hour of seconds) 1,000 busy namespaces held
+ * 3.6 million (~300 MiB), past a Worker isolate's 128 MB. Past it the oldest buckets fold.
+ */
+const MAX_ACCOUNTED_BUCKETS = 24_000
+/** Per namespace: an hour of busy seconds. */
+const MAX_BUCKETS_PER_NAMESPACE = 3600
 
 interface Batch {
   uses: Map<string, number>
@@ -45,6 +53,7 @@ export class UsageRecorder {
   #timer: ReturnType<typeof setInterval> | undefined
   /** Created bytes/objects per namespace by second (ms), for the accounting view between gc runs. */
   readonly createdBySecond = new Map<string, Map<number, { bytes: number; objects: number }>>()
+  #buckets = 0
   readonly hitsTotal = new Counter(
     'kvgate_usage_hits_total',
     'Chunk hits seen by use tracking (lookup-present chunks + GETs)',
@@ -117,18 +126,56 @@ export class UsageRecorder {
 
   #account(m: Map<number, { bytes: number; objects: number }>, now: number, size: number): void {
     const second = now - (now % 1000)
-    const c = m.get(second) ?? { bytes: 0, objects: 0 }
+    let c = m.get(second)
+    if (!c) {
+      c = { bytes: 0, objects: 0 }
+      m.set(second, c)
+      this.#buckets++
+    }
     c.bytes += size
     c.objects++
-    m.set(second, c)
-    // Bounded: past an hour of busy seconds the oldest bucket folds into the next one, so
-    // older creations get coarser times (gc's next snapshot makes them exact again).
-    if (m.size > 3600) {
-      const it = m.entries()
-      const [oldest, o] = it.next().value!
-      const [next, n] = it.next().value!
-      m.delete(oldest)
-      m.set(next, { bytes: n.bytes + o.bytes, objects: n.objects + o.objects })
+    // Bounded: past an hour of busy seconds in a namespace, or past the buckets all namespaces
+    // may hold, the oldest bucket folds into the next one, so older creations get coarser times
+    // (gc's next snapshot makes them exact again).
+    if (m.size > MAX_BUCKETS_PER_NAMESPACE) this.#fold(m)
+    if (this.#buckets > MAX_ACCOUNTED_BUCKETS) {
+      // This namespace's own oldest first; one down to a single bucket folds the largest one's.
+      if (m.size >= 2) this.#fold(m)
+      else {
+        let largest: Map<number, { bytes: number; objects: number }> | undefined
+        for (const x of this.createdBySecond.values()) if (x.size > (largest?.size ?? 1)) largest = x
+        if (largest) this.#fold(largest)
+      }
+    }
+  }
+
+  /** Folds a namespace's oldest bucket into its next one (the map keeps insertion order: oldest first). */
+  #fold(m: Map<number, { bytes: number; objects: number }>): void {
+    const it = m.entries()
+    const [oldest, o] = it.next().value!
+    const [next, n] = it.next().value!
+    m.delete(oldest)
+    m.set(next, { bytes: n.bytes + o.bytes, objects: n.objects + o.objects })
+    this.#buckets--
+  }
+
+  /** Bucket count across namespaces (tests watch it stay bounded). */
+  get accountedBuckets(): number {
+    return this.#buckets
+  }
+
+  /**
+   * Drops creation buckets a gc snapshot taken at `at` already counts (accounting reads only
+   * seconds ending after it): without this they stayed until folded, never read again.
+   */
+  pruneCreatedBefore(at: number): void {
+    for (const [ns, m] of this.createdBySecond) {
+      for (const second of m.keys()) {
+        if (second + 1000 > at) break // later seconds follow: the map is in time order
+        m.delete(second)
+        this.#buckets--
+      }
+      if (m.size === 0) this.createdBySecond.delete(ns)
     }
   }
 
