@@ -2,8 +2,17 @@
 // the /v1 API, verification, create-only semantics, ranges and layers, auth, errors.
 
 import { describe, expect, it } from 'vitest'
-import { openLayerSubset } from '../src/core/format.ts'
+import { crc32 } from '../src/core/checksum.ts'
+import {
+  FIXED_HEADER_BYTES,
+  headerBytesFor,
+  openLayerSubset,
+  readHeaderLength,
+  SECTION_ENTRY_BYTES,
+} from '../src/core/format.ts'
+import { objectName } from '../src/core/keys.ts'
 import { createGateway, hashToken, MemoryStore } from '../src/gateway/index.ts'
+import { concatPieces, type GetOptions, resolveRange, type StoreObject } from '../src/gateway/stores/types.ts'
 import { makeChain, makeChunk, putInit } from './gateway-fixtures.ts'
 
 function setup(opts: Partial<Parameters<typeof createGateway>[0]> = {}) {
@@ -85,6 +94,36 @@ describe('PUT and GET', () => {
     ).toBe(400)
   })
 
+  it('serves ?layers of a chunk over 512 MiB that the gateway was configured to take (maxChunkBytes)', async () => {
+    // A two-layer object whose layer 1 is 600 MiB, never materialized: bytes past layer 0 read as zero.
+    const c = makeChunk({ layers: 2, sectionBytes: 8 })
+    const head = c.bytes.slice(0, readHeaderLength(c.bytes) + 8)
+    const dv = new DataView(head.buffer)
+    const big = 600 * 1024 * 1024
+    const size = head.length + big
+    dv.setBigUint64(16, BigInt(size), true)
+    dv.setUint32(FIXED_HEADER_BYTES + SECTION_ENTRY_BYTES + 8, big, true)
+    const hb = readHeaderLength(head)
+    dv.setUint32(hb - 4, crc32(head.subarray(0, hb - 4)), true)
+    const name = objectName('kvgate', 'a', c.key)
+    const store = Object.assign(Object.create(new MemoryStore()) as MemoryStore, {
+      async head(n: string) {
+        return n === name ? { size, etag: '"v"' } : undefined
+      },
+      async get(n: string, opts: GetOptions = {}): Promise<StoreObject | undefined> {
+        if (n !== name) return undefined
+        const r = resolveRange(opts.range, size)!
+        const out = new Uint8Array(r.length)
+        if (r.offset < head.length) out.set(head.subarray(r.offset, r.offset + r.length))
+        return { body: new Blob([out]).stream(), size, offset: r.offset, length: r.length, etag: '"v"' }
+      },
+    })
+    const app = createGateway({ store, limits: { maxChunkBytes: 1024 ** 3 } })
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}?layers=0-0`)
+    expect(r.status).toBe(200)
+    expect(new Uint8Array(await r.arrayBuffer())).toEqual(head)
+  })
+
   it('deletes (admin) and forgets the chunk', async () => {
     const { app } = setup()
     const c = makeChunk()
@@ -161,6 +200,36 @@ describe('PUT rejects bad bodies and leaves nothing behind', () => {
     rejects((b) => b.subarray(0, b.length - 10), 400, /ERR_FORMAT_BAD_FIELD|ERR_FORMAT_TRUNCATED/))
   it('extra trailing bytes', () =>
     rejects((b) => Uint8Array.from([...b, 1, 2, 3]), 400, /ERR_FORMAT_BAD_FIELD/))
+
+  // S3 and R2 store a PUT once Content-Length bytes arrived, without waiting for the body's end:
+  // every byte up to the last must be verified before it reaches them.
+  it('a body that ends inside its header never reaches a store that commits on its last byte', async () => {
+    const inner = new MemoryStore()
+    const store = Object.assign(Object.create(inner) as MemoryStore, {
+      async putIfAbsent(name: string, body: ReadableStream<Uint8Array> | Uint8Array, size: number) {
+        if (body instanceof Uint8Array) return inner.putIfAbsent(name, body, size)
+        const reader = body.getReader()
+        const pieces: Uint8Array[] = []
+        let n = 0
+        while (n < size) {
+          const { done, value } = await reader.read()
+          if (done) break
+          pieces.push(value)
+          n += value.length
+        }
+        reader.releaseLock()
+        return inner.putIfAbsent(name, concatPieces(pieces, n), n)
+      },
+    })
+    const app = createGateway({ store })
+    const c = makeChunk({ layers: 40, sectionBytes: 8 })
+    const cut = c.bytes.subarray(0, headerBytesFor(1))
+    expect(readHeaderLength(c.bytes)).toBeGreaterThan(cut.length)
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(cut))
+    expect(r.status).toBe(400)
+    expect(await errCode(r)).toBe('ERR_FORMAT_TRUNCATED')
+    expect((await inner.stats()).objects).toBe(0)
+  })
 
   it('a body whose header key disagrees with the path', async () => {
     const { app, store } = setup()

@@ -322,6 +322,39 @@ describe('slow and closing clients', () => {
     expect((await store.stats()).objects).toBe(0)
   })
 
+  it('a trickled PUT of a stored chunk (answered "exists", the rest drained) fails with 408 too, its admission given back', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store, limits: { bodyIdleTimeoutMs: 300, bodyMinBytesPerSecond: 64 * 1024 } })
+    const gw = await serve(app)
+    const c = makeChunk({ layers: 2, sectionBytes: 256 * 1024 })
+    expect((await fetch(`${gw.url}/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+    const sock = net.connect(gw.port, '127.0.0.1')
+    sock.on('error', () => {})
+    let text = ''
+    sock.on('data', (d) => {
+      text += d
+    })
+    sock.write(
+      `PUT /v1/ns/a/chunks/${c.key} HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\ncontent-length: ${c.bytes.length}\r\n\r\n`,
+    )
+    // 100 bytes every 100 ms: 1 KB/s, never idle for 300 ms; it would hold its declared
+    // bytes of maxInFlightBytes for the ~8 minutes the rest takes.
+    let at = 0
+    const trickle = setInterval(() => {
+      if (at >= c.bytes.length || sock.destroyed) return
+      sock.write(c.bytes.subarray(at, at + 100))
+      at += 100
+    }, 100)
+    try {
+      for (let i = 0; i < 100 && !text.includes('ERR_TIMEOUT'); i++) await sleep(50)
+    } finally {
+      clearInterval(trickle)
+      sock.destroy()
+    }
+    expect(text).toMatch(/^HTTP\/1\.1 408/)
+    expect(app.state.inFlight.bytes).toBe(0)
+  })
+
   it('connections are bounded: past maxConnections a new one is closed at accept', async () => {
     const gw = await serveGateway(createGateway({ store: new MemoryStore() }), { port: 0, maxConnections: 2 })
     open.push(gw)

@@ -3,6 +3,7 @@
 // are re-stored by the next writer, and what is served is what was stored or a miss.
 
 import { describe, expect, it } from 'vitest'
+import { crc32 } from '../src/core/checksum.ts'
 import { openLayerSubset } from '../src/core/format.ts'
 import { objectName } from '../src/core/keys.ts'
 import { createGateway, hashToken, MemoryStore } from '../src/gateway/index.ts'
@@ -179,6 +180,30 @@ describe('corruption heals (C1)', () => {
     }
   })
 
+  it("a layer GET of an object cut short or with bytes past its header's length: 502, counted, healed", async () => {
+    for (const kind of ['cut short', 'trailing bytes']) {
+      const store = new MemoryStore()
+      const app = createGateway({ store })
+      const c = makeChunk({ layers: 4, sectionBytes: 1000 })
+      const n = name('a', c.key)
+      await replace(
+        store,
+        n,
+        kind === 'cut short' ? c.bytes.slice(0, -10) : Uint8Array.from([...c.bytes, 1, 2, 3]),
+      )
+      // Every layer: the object is not the one its header describes, whichever layers are asked.
+      const r = await app.request(`/v1/ns/a/chunks/${c.key}?layers=0-1`)
+      expect(r.status, kind).toBe(502)
+      expect(app.state.metrics.corruptReads.value({ layers: 'true' }), kind).toBe(1)
+      for (let i = 0; i < 50 && (await store.head(n)); i++) await sleep(10)
+      expect(await store.head(n), kind).toBeUndefined()
+      expect((await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status, kind).toBe(201)
+      expect(await body(await app.request(`/v1/ns/a/chunks/${c.key}?layers=0-1`)), kind).toBeInstanceOf(
+        Uint8Array,
+      )
+    }
+  })
+
   it('a store that sends more bytes than it said is at fault, not the object: 502, nothing deleted', async () => {
     class Overlong extends MemoryStore {
       cancelled = 0
@@ -250,6 +275,68 @@ describe('corruption heals (C1)', () => {
     await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes, tokens.writer))
     await replace(store, name('a', c.key), c.bytes.subarray(0, c.bytes.length - 1))
     expect(((await (await verify(c.key)).json()) as { verdict: string }).verdict).toBe('corrupt')
+  })
+
+  // docs/format.md: new codecs, flags and versions are added so that older readers refuse them
+  // cleanly. A fleet mid-upgrade has older gateways reading a newer writer's chunks: refused, not rot.
+  it('a chunk in a format this build cannot read (intact header: a newer writer) is refused, never deleted', async () => {
+    const newer = (at: number, value: number) => (b: Uint8Array) => {
+      const dv = new DataView(b.buffer, b.byteOffset, b.byteLength)
+      if (at === 4) dv.setUint16(4, value, true)
+      else b[at] = value
+      const hb = dv.getUint32(8, true)
+      dv.setUint32(hb - 4, crc32(b.subarray(0, hb - 4)), true)
+      return b
+    }
+    const cases: [string, (b: Uint8Array) => Uint8Array][] = [
+      ['format version 3', newer(4, 3)],
+      ['a new codec code', newer(24, 200)],
+      ['a new flag', newer(6, 4)],
+      ['a new dtype code', newer(26, 200)],
+    ]
+    for (const [kind, mutate] of cases) {
+      const store = new MemoryStore()
+      const app = createGateway({ store })
+      const c = makeChunk({ layers: 4, sectionBytes: 1000 })
+      const n = name('a', c.key)
+      await replace(store, n, mutate(c.bytes.slice()))
+      expect(await body(await app.request(`/v1/ns/a/chunks/${c.key}`)), kind).toBeInstanceOf(Error)
+      expect((await app.request(`/v1/ns/a/chunks/${c.key}?layers=0-1`)).status, kind).toBe(502)
+      const v = await app.request(`/v1/ns/a/chunks/${c.key}/verify`, { method: 'POST' })
+      expect(v.status, kind).toBe(502)
+      await sleep(50) // the GETs' background verifications
+      expect(await store.head(n), kind).toBeDefined()
+      expect(app.state.metrics.corrupt.value({ by: 'get' }), kind).toBe(0)
+      // The same change with a header that no longer matches its CRC is rot: deleted.
+      const rotten = mutate(c.bytes.slice())
+      rotten[20]! ^= 0x40
+      await replace(store, n, rotten)
+      expect(
+        await (await app.request(`/v1/ns/a/chunks/${c.key}/verify`, { method: 'POST' })).json(),
+        kind,
+      ).toEqual({
+        key: c.key,
+        verdict: 'corrupt',
+        deleted: true,
+      })
+    }
+  })
+
+  it('an intact header refused for anything but a newer feature (a reserved byte set) is still corrupt: deleted', async () => {
+    const store = new MemoryStore()
+    const app = createGateway({ store })
+    const c = makeChunk({ layers: 4, sectionBytes: 1000 })
+    const b = c.bytes.slice()
+    const dv = new DataView(b.buffer)
+    b[27] = 1 // reserved, must be zero
+    const hb = dv.getUint32(8, true)
+    dv.setUint32(hb - 4, crc32(b.subarray(0, hb - 4)), true)
+    await replace(store, name('a', c.key), b)
+    expect(await (await app.request(`/v1/ns/a/chunks/${c.key}/verify`, { method: 'POST' })).json()).toEqual({
+      key: c.key,
+      verdict: 'corrupt',
+      deleted: true,
+    })
   })
 
   it('a namespace named by its 32-hex id accepts only chunks carrying that id (PUT, GET, verify)', async () => {

@@ -148,6 +148,38 @@ describe('gateway chunk bodies through the Node adapter', () => {
     expect(r.status).toBe(201)
   })
 
+  // fs: a file truncated under an open read ends its stream early without an error. A range is
+  // not verified as a chunk, so only its length tells: the response must fail, not end quietly
+  // short of its Content-Length (the client then waits on a kept-alive socket until it closes).
+  it('a range the store serves short (or long) fails the response at once', async () => {
+    for (const cut of [-1000, 1000]) {
+      const store = new NodeStreamStore()
+      const gw = await serve(store)
+      const c = makeChunk({ layers: 4, sectionBytes: 3 * MIB })
+      expect((await fetch(`${gw.url}/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+      const get = store.get.bind(store)
+      store.get = async (name, opts) => {
+        const obj = await get(name, opts)
+        if (!obj || !opts?.range) return obj
+        const bytes = new Uint8Array(await new Response(obj.body).arrayBuffer())
+        const served =
+          cut < 0 ? bytes.subarray(0, bytes.length + cut) : Buffer.concat([bytes, new Uint8Array(cut)])
+        return { ...obj, body: new Blob([served]).stream() }
+      }
+      const r = await fetch(`${gw.url}/v1/ns/a/chunks/${c.key}`, {
+        // Over the coalescer's 8 MiB: streamed, not buffered (a buffer checks its length).
+        headers: { range: 'bytes=100-9999999' },
+      })
+      expect(r.status).toBe(206)
+      const body = r.arrayBuffer().then(
+        (b) => `${b.byteLength} bytes`,
+        () => 'failed',
+      )
+      const hung = new Promise((res) => setTimeout(() => res('hung'), 2000))
+      expect(await Promise.race([body, hung])).toBe('failed')
+    }
+  })
+
   it('a GET client that goes away releases the store stream', async () => {
     const store = new NodeStreamStore()
     const gw = await serve(store)

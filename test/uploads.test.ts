@@ -516,6 +516,38 @@ describe('an upload request body is bounded before it is read', () => {
     expect(((await res!.json()) as { error: { code: string } }).error.code).toBe('ERR_PAYLOAD_TOO_LARGE')
     expect(cancelled).toBe(true)
   })
+
+  it('a body under 4 KiB that stalls fails with 408 after bodyIdleTimeoutMs, its stream released', async () => {
+    const app = createGateway({
+      store: new MemoryStore(),
+      auth: { tokens: GRANTS },
+      uploads: {},
+      limits: { bodyIdleTimeoutMs: 200 },
+    })
+    let cancelled = false
+    const body = new ReadableStream<Uint8Array>({
+      start(c) {
+        c.enqueue(new TextEncoder().encode(`{"key": "${'0'.repeat(64)}", `))
+      },
+      // a slowloris: sends a little, then nothing (holding its socket until the request timeout)
+      cancel() {
+        cancelled = true
+      },
+    })
+    const req = new Request('http://gw/v1/ns/a/uploads', {
+      method: 'POST',
+      headers: { authorization: 'Bearer tok-a', 'content-type': 'application/json' },
+      body,
+      duplex: 'half',
+    } as RequestInit)
+    const res = await Promise.race([
+      app.fetch(req),
+      new Promise<undefined>((r) => setTimeout(() => r(undefined), 2000)),
+    ])
+    expect(res?.status).toBe(408)
+    expect(((await res!.json()) as { error: { code: string } }).error.code).toBe('ERR_TIMEOUT')
+    expect(cancelled).toBe(true)
+  })
 })
 
 describe('a commit that fails releases the staged read', () => {

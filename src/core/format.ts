@@ -351,6 +351,30 @@ export function verifyChunk(bytes: Uint8Array, opts: DecodeOptions = {}): ChunkH
   return header
 }
 
+/**
+ * True when `bytes` (at least the object's header) holds an intact header (its CRC, at the place
+ * every version keeps it: the u32 length at byte 8, the CRC in the header's last 4 bytes) that
+ * names something a later writer added: a format version, flag bit, codec code or dtype code this
+ * build does not know. Readers refuse such an object; unlike rot it is not for them to delete.
+ */
+export function namesNewerFeature(bytes: Uint8Array): boolean {
+  if (bytes.length < HEADER_PREFIX_BYTES) return false
+  const dv = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength)
+  if (dv.getUint32(0, true) !== CHUNK_MAGIC) return false
+  const headerBytes = dv.getUint32(8, true)
+  if (headerBytes < HEADER_PREFIX_BYTES + 4 || headerBytes > bytes.length) return false
+  if (crc32(bytes.subarray(0, headerBytes - 4)) !== dv.getUint32(headerBytes - 4, true)) return false
+  const version = dv.getUint16(4, true)
+  if (version !== FORMAT_VERSION && version !== FORMAT_VERSION_CALIBRATED) return true
+  if (headerBytes < 28) return false
+  const codecCode = bytes[24]!
+  return (
+    (dv.getUint16(6, true) & ~(FLAG_PARTIAL | FLAG_LATENT)) !== 0 ||
+    !Object.values(CODEC_CODES).includes(codecCode) ||
+    dtypeFromCode(bytes[26]!) === undefined
+  )
+}
+
 /** Byte range [start, end) of sections first..last (inclusive) within the object. */
 export function layerSpan(header: ChunkHeader, first: number, last: number): { start: number; end: number } {
   const n = header.sections.length

@@ -4,7 +4,9 @@
 // per object and bounded in number.
 
 import { isKvgateError, KvgateError } from '../core/errors.ts'
+import { HEADER_PREFIX_BYTES, namesNewerFeature } from '../core/format.ts'
 import type { GatewayState } from './context.ts'
+import { collectAtMost } from './stores/types.ts'
 import { objectCheck } from './verified-read.ts'
 
 export type Verdict = 'ok' | 'corrupt' | 'missing'
@@ -102,6 +104,13 @@ export function verifyStored(state: GatewayState, t: VerifyTarget, by: 'get' | '
     }
     if (failure === undefined) return { verdict: 'ok', deleted: false }
     if (!isCorruption(failure)) throw failure
+    if (check.headerUndecoded() && (await isNewerFormat(state, t.name, obj.etag, failure))) {
+      throw new KvgateError(
+        (failure as KvgateError).code,
+        `stored chunk is in a format this gateway cannot read, with an intact header (a newer writer's?): left in place. ${(failure as Error).message}`,
+        { status: 502 },
+      )
+    }
     // Only the version read: a sound copy put back while it was read (after a DELETE elsewhere) stays.
     const deleted = await state.store.delete(t.name, { ifMatch: obj.etag })
     state.lookup.invalidateFrom(t.name)
@@ -114,6 +123,48 @@ export function verifyStored(state: GatewayState, t: VerifyTarget, by: 'get' | '
     state.metrics.verifies.inc({ verdict: v.verdict })
     return v
   })
+}
+
+/** Largest header a newer format's object is read back for (v2 at MAX_LAYERS is ~16 KiB). */
+const MAX_NEWER_HEADER_BYTES = 1024 * 1024
+
+/**
+ * True when the refused header of `name` is intact and names a format version, flag, codec or
+ * dtype added since this build (core/format.ts namesNewerFeature). docs/format.md adds those
+ * so that older readers refuse them cleanly: an older gateway in a fleet mid-upgrade must
+ * refuse such a chunk, not delete it as rot. Any other refusal (a field out of range, a
+ * broken CRC) is corruption, as before.
+ */
+async function isNewerFormat(
+  state: GatewayState,
+  name: string,
+  etag: string | undefined,
+  failure: unknown,
+): Promise<boolean> {
+  const code = (failure as KvgateError).code
+  if (code !== 'ERR_FORMAT_BAD_VERSION' && code !== 'ERR_FORMAT_BAD_FIELD') return false
+  const prefix = await readBytes(state, name, HEADER_PREFIX_BYTES)
+  if (!prefix || prefix.bytes.length < HEADER_PREFIX_BYTES) return false
+  const headerBytes = new DataView(prefix.bytes.buffer, prefix.bytes.byteOffset).getUint32(8, true)
+  if (headerBytes < HEADER_PREFIX_BYTES + 4 || headerBytes > MAX_NEWER_HEADER_BYTES) return false
+  const header = await readBytes(state, name, headerBytes)
+  if (!header) return false
+  // Another version since the one verified: nothing is known about either (no delete).
+  if (etag !== undefined && header.etag !== undefined && header.etag !== etag)
+    throw new KvgateError('ERR_STORE', 'the object changed while it was verified', { status: 503 })
+  return namesNewerFeature(header.bytes)
+}
+
+/** The object's first `length` bytes (fewer when it is shorter), or undefined when it is gone. */
+async function readBytes(
+  state: GatewayState,
+  name: string,
+  length: number,
+): Promise<{ bytes: Uint8Array; etag?: string | undefined } | undefined> {
+  const obj = await state.store.get(name, { range: { offset: 0, length } })
+  if (!obj) return undefined
+  const bytes = await collectAtMost(obj.body, length)
+  return bytes && { bytes, etag: obj.etag }
 }
 
 /** A GET found bad bytes: verify the stored object in the background (deletes it if corrupt). */

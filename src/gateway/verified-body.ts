@@ -159,6 +159,15 @@ export function verifiedBody(reader: PieceSource, opts: VerifiedBodyOptions): Ve
           }
           verifier.push(value)
           const h = verifier.header
+          // A store may commit a PUT once Content-Length bytes arrived (S3, R2), before this
+          // stream's end where finish() would fail: the piece that completes the body must not
+          // pass unless the header is whole, or a body ending inside its header could be stored.
+          if (!h && verifier.bytesSeen >= opts.size) {
+            throw new FormatError(
+              'ERR_FORMAT_TRUNCATED',
+              `body ends after ${verifier.bytesSeen} bytes, inside its header`,
+            )
+          }
           if (h && !checkedHeader) {
             checkedHeader = true
             const bodyKey = toHex(h.chainKey)
@@ -220,23 +229,30 @@ export function verifiedBody(reader: PieceSource, opts: VerifiedBodyOptions): Ve
     },
     async drain() {
       end()
+      // The same pace as the body had to keep (request-body.ts readPromptly): a trickle would
+      // otherwise hold its admission (declared bytes in flight) for as long as it likes.
+      const started = Date.now()
+      let drained = 0
       while (!sourceDone && !sourceCancelled) {
+        const now = Date.now()
+        const slow = minRate > 0 ? started + (drained * 1000) / minRate : Number.POSITIVE_INFINITY
+        const due = Math.max(started + opts.idleTimeoutMs, slow)
+        const why =
+          now + opts.idleTimeoutMs <= due
+            ? `stalled for ${opts.idleTimeoutMs} ms`
+            : `arrives slower than ${minRate} bytes/s`
         let timer: ReturnType<typeof setTimeout> | undefined
         const stalled = new Promise<never>((_, reject) => {
           timer = setTimeout(
-            () =>
-              reject(
-                new KvgateError('ERR_TIMEOUT', `request body stalled for ${opts.idleTimeoutMs} ms`, {
-                  status: 408,
-                }),
-              ),
-            opts.idleTimeoutMs,
+            () => reject(new KvgateError('ERR_TIMEOUT', `request body ${why}`, { status: 408 })),
+            Math.max(0, Math.min(now + opts.idleTimeoutMs, due) - now),
           )
         })
         try {
           // A read the stream's pull left pending is answered first (reads queue in order).
           const r = await Promise.race([reader.read(), stalled])
           if (r.done) sourceDone = true
+          else drained += r.value?.length ?? 0
         } catch (e) {
           cancelSource(e)
           throw e

@@ -4,7 +4,7 @@
 // the client sees a failed body, never a complete wrong one.
 
 import { crc32 } from '../core/checksum.ts'
-import { FormatError, InvalidKeyError, KvgateError } from '../core/errors.ts'
+import { FormatError, InvalidKeyError, KvgateError, StoreError } from '../core/errors.ts'
 import { type ChunkHeader, ChunkVerifier } from '../core/format.ts'
 import { toHex } from '../core/keys.ts'
 
@@ -24,6 +24,8 @@ export function objectCheck(opts: {
   maxBytes: number
 }): StreamCheck & {
   header(): ChunkHeader | undefined
+  /** True until the object's header has decoded (a failure before it is the header's). */
+  headerUndecoded(): boolean
 } {
   const v = new ChunkVerifier({ maxBytes: opts.maxBytes })
   let checked = false
@@ -41,6 +43,7 @@ export function objectCheck(opts: {
       done = v.finish()
     },
     header: () => done,
+    headerUndecoded: () => v.header === undefined,
   }
 }
 
@@ -90,6 +93,24 @@ export function sectionsCheck(header: ChunkHeader, first: number, last: number):
       close()
       if (section <= last)
         throw new FormatError('ERR_FORMAT_TRUNCATED', `layers end inside section ${section}`)
+    },
+  }
+}
+
+/**
+ * A byte range: its bytes are the client's to check, its length is ours. A store body that
+ * ends short (fs: a file truncated under the read) or runs long fails the response instead
+ * of ending it quietly off its Content-Length (a client would wait on the kept-alive socket).
+ */
+export function lengthCheck(length: number): StreamCheck {
+  let seen = 0
+  return {
+    push(bytes) {
+      seen += bytes.length
+      if (seen > length) throw new StoreError(`the store sent more than the ${length} bytes of the range`)
+    },
+    finish() {
+      if (seen !== length) throw new StoreError(`the store sent ${seen} of the ${length} bytes of the range`)
     },
   }
 }

@@ -31,6 +31,7 @@ import { iteratorSource, type PieceSource, streamSource, verifiedBody } from '..
 import {
   checkedStream,
   checkIdentity,
+  lengthCheck,
   objectCheck,
   type StreamCheck,
   sectionsCheck,
@@ -180,10 +181,10 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       'content-length': String(obj.length),
       'accept-ranges': 'bytes',
     }
-    // A whole object is verified as it streams (ranges are the client's to check).
+    // A whole object is verified as it streams (a range's bytes are the client's to check, its length is ours).
     const nsId = namespaceIdOf(t.ns)
     const check = range
-      ? undefined
+      ? lengthCheck(obj.length)
       : objectCheck({
           keyHex: t.key,
           maxBytes: Math.max(state.limits.maxChunkBytes, obj.size),
@@ -220,7 +221,10 @@ function servedStream(
 ): ReadableStream<Uint8Array> {
   return checkedStream(src, check, {
     idleTimeoutMs: state.limits.readerIdleTimeoutMs,
-    onCorrupt: () => reportCorruptRead(state, t, layers),
+    // A store fault (a range served short) says nothing about the object.
+    onCorrupt: (e) => {
+      if (isCorruption(e)) reportCorruptRead(state, t, layers)
+    },
     // A client that stopped reading also stops the adapter reading us: close its socket.
     onIdle: () => {
       const outgoing = (c.env as { outgoing?: { destroy?: () => void } } | undefined)?.outgoing
@@ -321,9 +325,16 @@ async function decodeStoredHeader(state: GatewayState, t: VerifyTarget): Promise
     bytes = await readAll(more)
     version = { size: more.size, etag: more.etag }
   }
-  const header = guard(() => decodeHeader(bytes.subarray(0, headerBytes)))
+  // The bound a whole GET verifies against: a chunk this gateway took (maxChunkBytes may pass
+  // the format's 512 MiB default) or one the store holds is not corrupt for its size alone.
+  const maxBytes = Math.max(state.limits.maxChunkBytes, version.size)
+  const header = guard(() => decodeHeader(bytes.subarray(0, headerBytes), { maxBytes }))
   const nsId = namespaceIdOf(t.ns)
   guard(() => checkIdentity(header, { keyHex: t.key, ...(nsId ? { namespaceIdHex: nsId } : {}) }))
+  // Cut short or carrying bytes past its end, it is not the object its header describes: corrupt
+  // (a whole GET fails it too). Taken for another version, every layer read would answer 503.
+  if (header.totalBytes !== version.size)
+    throw corrupt(`stored object is ${version.size} bytes, its header says ${header.totalBytes}`)
   const entry: CachedHeader = { header, bytes: bytes.slice(0, headerBytes), ...version }
   state.headers.set(name, entry)
   return entry

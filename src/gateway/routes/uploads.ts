@@ -14,7 +14,8 @@ import { namespaceIdOf } from '../heal.ts'
 import { badRequest, notFound, payloadTooLarge, unsupportedMediaType } from '../http-errors.ts'
 import { bodyHoldBytes } from '../memory-budget.ts'
 import { authorize } from '../middleware/auth.ts'
-import { collectAtMost, partLengths } from '../stores/types.ts'
+import { type BodyPace, readPromptly } from '../request-body.ts'
+import { partLengths } from '../stores/types.ts'
 import { streamSource, verifiedBody } from '../verified-body.ts'
 
 const MIB = 1024 * 1024
@@ -164,7 +165,7 @@ export function uploadRoutes(
     const ns = assertNamespaceName(c.req.param('ns'))
     authorize(c, ns, 'write')
     c.set('ns', ns)
-    const { key, bytes } = await readOpenRequest(c)
+    const { key, bytes } = await readOpenRequest(c, state.limits)
     if (!canPresign || bytes < o.minBytes) {
       const answer: UploadAnswer = { mode: 'direct', presignMinBytes: canPresign ? o.minBytes : null }
       return c.json(answer)
@@ -320,11 +321,17 @@ function existsAnswer(
   return c.json({ status: 'exists', bytes: stored }, 200)
 }
 
-async function readOpenRequest(c: Context<GatewayEnv>): Promise<{ key: string; bytes: number }> {
+async function readOpenRequest(
+  c: Context<GatewayEnv>,
+  limits: BodyPace,
+): Promise<{ key: string; bytes: number }> {
   const type = (c.req.header('content-type') ?? '').split(';')[0]!.trim().toLowerCase()
   if (type !== 'application/json') throw unsupportedMediaType('upload requests must be application/json')
-  // Read at most the cap: an unbounded read would hold whatever a client sends.
-  const raw = c.req.raw.body ? await collectAtMost(c.req.raw.body, MAX_OPEN_REQUEST_BYTES) : new Uint8Array()
+  // Read at most the cap (an unbounded read would hold whatever a client sends), at a PUT
+  // body's pace: a stalled or trickled one would hold its socket until the request timeout.
+  const raw = c.req.raw.body
+    ? await readPromptly(c.req.raw.body, { max: MAX_OPEN_REQUEST_BYTES }, limits)
+    : new Uint8Array()
   if (!raw) throw payloadTooLarge('an upload request is at most 4 KiB of JSON')
   let text: string
   try {
