@@ -75,6 +75,52 @@ describe('agent socket', () => {
     d.close()
   })
 
+  it('msgpack extension values (bigint, date, references, typed arrays) or deep nesting are ERR_BAD_FRAME naming the id, never ERR_INTERNAL', async () => {
+    const c = await Client.open(join(dir, 'a.sock'))
+    expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true })
+    const path = join(dir, 'kv-ext')
+    writeFileSync(path, Buffer.alloc(2 * 8 * 16 * 2 * 8 * 2 * 3))
+    // A request encoded with `MARK` strings, each replaced by raw msgpack bytes (values are
+    // self-delimiting: the enclosing map and array counts stay right).
+    const frame = (id: number, fields: Msg, raw: Buffer): Buffer => {
+      const body = encodeFrame({ id, op: 'register', rank: 0, numBlocks: 8, ...fields }).subarray(4)
+      const mark = encodeFrame('MARK').subarray(4)
+      const at = body.indexOf(mark)
+      expect(at).toBeGreaterThan(0)
+      const out = Buffer.concat([body.subarray(0, at), raw, body.subarray(at + mark.length)])
+      const len = Buffer.alloc(4)
+      len.writeUInt32BE(out.length)
+      return Buffer.concat([len, out])
+    }
+    const tensor = (shape: unknown, strides?: unknown) =>
+      [0, 1, 2].map((l) => ({ kind: 'shm', path, offset: l * 4096, shape, strides }))
+    const bigint = Buffer.from([0xd4, 0x42, 0x02]) // ext 0x42: the bigint 2n
+    const date = Buffer.from([0xd6, 0xff, 0, 0, 0, 1]) // the timestamp extension
+    const typed = Buffer.from([0xc7, 0x09, 0x74, 0x08, 0, 0, 0, 0, 0, 0, 0, 0x40]) // Float64Array [2]
+    // A cycle through msgpackr's reference extensions: shape = [2, 8, 16, 2, <shape itself>].
+    const cycle = Buffer.from([0xd6, 0x69, 0, 0, 0, 1, 0x95, 0x02, 0x08, 0x10, 0x02, 0xd6, 0x70, 0, 0, 0, 1])
+    const deep = Buffer.concat([Buffer.alloc(40, 0x91), Buffer.from([0x01])])
+    const cases: [string, Buffer][] = [
+      ['bigint in shape', frame(901, { tensors: tensor([2, 'MARK', 16, 2, 8]) }, bigint)],
+      [
+        'bigint in strides',
+        frame(902, { tensors: tensor([2, 8, 16, 2, 8], [256, 'MARK', 16, 8, 1]) }, bigint),
+      ],
+      ['date as shape', frame(903, { tensors: tensor('MARK') }, date)],
+      ['typed array as shape', frame(904, { tensors: tensor('MARK') }, typed)],
+      ['cyclic shape', frame(905, { tensors: tensor('MARK') }, cycle)],
+      ['nested 40 deep', frame(906, { extra: 'MARK', tensors: [] }, deep)],
+    ]
+    for (const [what, bytes] of cases) {
+      const r = await c.raw(bytes)
+      expect(r, what).toMatchObject({ ok: false, error: { code: 'ERR_BAD_FRAME' } })
+      // The id is named when the envelope could be read (the reference extensions are refused while decoding).
+      if (what !== 'cyclic shape') expect(r.id, what).toBe(900 + cases.findIndex(([w]) => w === what) + 1)
+    }
+    expect(await c.call('ping')).toMatchObject({ ok: true })
+    c.close()
+  })
+
   it('a client that goes on sending after an oversized length (its write side open) is answered once and closed; what it sends after is dropped', async () => {
     const c = connect({ path: join(dir, 'a.sock'), allowHalfOpen: true })
     await new Promise((r) => c.once('connect', r))

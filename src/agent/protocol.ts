@@ -42,8 +42,17 @@ export class AgentError extends Error {
   }
 }
 
-// One Packr for the process: plain maps (no records/structures) so any msgpack library reads the frames.
-const packr = new Packr({ useRecords: false, mapsAsObjects: true, int64AsType: 'number' })
+// One Packr for the process: plain maps (no records/structures) so any msgpack library reads the
+// frames. Its reference extensions (0x69/0x70) are off: they would build cyclic values from a frame.
+const packr = new Packr({
+  useRecords: false,
+  mapsAsObjects: true,
+  int64AsType: 'number',
+  structuredClone: false,
+})
+
+/** Nesting a request may have (request → tensors → tensor → shape is 4); deeper is not a request. */
+export const MAX_REQUEST_DEPTH = 16
 
 /** Encodes one message as a frame: u32 BE length + msgpack body. */
 export function encodeFrame(message: unknown): Buffer {
@@ -137,5 +146,45 @@ export function checkEnvelope(msg: unknown): Request {
     throw new AgentError('ERR_BAD_FRAME', 'a request needs an integer id >= 0')
   }
   if (typeof m.op !== 'string') throw new AgentError('ERR_BAD_FRAME', 'a request needs a string op')
+  checkPlain(m, 0)
   return m as Request
+}
+
+/**
+ * A request holds msgpack's own types only: nil, booleans, numbers, strings, bins, arrays and
+ * maps. msgpackr decodes extension types into bigints, Dates, typed arrays, Sets, RegExps and
+ * Errors, which no field takes and which field checks do not expect (JSON.stringify throws on a
+ * bigint): such a frame is ERR_BAD_FRAME, as an undecodable one is, not ERR_INTERNAL.
+ */
+function checkPlain(v: unknown, depth: number): void {
+  if (depth > MAX_REQUEST_DEPTH)
+    throw new AgentError('ERR_BAD_FRAME', `a request nests deeper than ${MAX_REQUEST_DEPTH} levels`)
+  if (Array.isArray(v)) {
+    for (const x of v)
+      if (x !== null && typeof x === 'object') checkPlain(x, depth + 1)
+      else checkScalar(x)
+    return
+  }
+  if (v instanceof Uint8Array && (Buffer.isBuffer(v) || v.constructor === Uint8Array)) return
+  if (v !== null && typeof v === 'object') {
+    if (Object.getPrototypeOf(v) !== Object.prototype) notPlain(v)
+    for (const x of Object.values(v))
+      if (x !== null && typeof x === 'object') checkPlain(x, depth + 1)
+      else checkScalar(x)
+    return
+  }
+  checkScalar(v)
+}
+
+function checkScalar(v: unknown): void {
+  const t = typeof v
+  if (v !== null && t !== 'number' && t !== 'string' && t !== 'boolean') notPlain(v)
+}
+
+function notPlain(v: unknown): never {
+  const what = typeof v === 'object' ? ((v as object).constructor?.name ?? 'an object') : typeof v
+  throw new AgentError(
+    'ERR_BAD_FRAME',
+    `a request holds a msgpack extension value (${what}); the protocol uses plain msgpack types only`,
+  )
 }
