@@ -3,7 +3,17 @@
 // registration's mappings are released when its connection ends or the agent closes.
 
 import { randomBytes } from 'node:crypto'
-import { mkdtempSync, readFileSync, rmSync, truncateSync, writeFileSync } from 'node:fs'
+import {
+  closeSync,
+  ftruncateSync,
+  mkdtempSync,
+  openSync,
+  readFileSync,
+  readSync,
+  rmSync,
+  truncateSync,
+  writeFileSync,
+} from 'node:fs'
 import { connect, type Socket } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -95,6 +105,42 @@ describe('HostTensor', () => {
       expect.objectContaining({ code: 'ERR_IO' }),
     )
     t.close()
+  })
+
+  it('a tensor larger than one mapping (4 GiB) is copied with pread/pwrite, not refused', () => {
+    // A sparse file: a layer of 70 000 blocks of 32 KiB (K and V) is 4.27 GiB.
+    const bytes = 2 * 70_000 * 32 * 1024
+    expect(bytes).toBeGreaterThan(native!.MAX_PINNED_BYTES)
+    const p = join(dir, 'over-4g')
+    const fd = openSync(p, 'w')
+    try {
+      ftruncateSync(fd, OFF + bytes)
+    } finally {
+      closeSync(fd)
+    }
+    const t = new HostTensor(p, OFF, bytes, native)
+    try {
+      expect(t.mapped).toBe(false)
+      expect(HostCopier.for([t], native, 2)).toBeUndefined()
+      // A run past 4 GiB, written and read back through the tensor and through the file.
+      const at = bytes - 32 * 1024
+      const data = randomBytes(32 * 1024)
+      t.scatter(data, [at, 0, data.length])
+      const back = new Uint8Array(data.length)
+      t.gather([at, 0, data.length], back)
+      expect(Buffer.from(back).equals(data)).toBe(true)
+      const raw = Buffer.alloc(data.length)
+      const rfd = openSync(p, 'r')
+      try {
+        readSync(rfd, raw, 0, raw.length, OFF + at)
+      } finally {
+        closeSync(rfd)
+      }
+      expect(raw.equals(data)).toBe(true)
+    } finally {
+      t.close()
+      rmSync(p)
+    }
   })
 
   it('close releases the mapping; a failed open holds nothing', () => {

@@ -28,7 +28,11 @@ export class HostTensor implements KvTensor {
   /** Runs in the addon's [dst, src, bytes] order, reused: copies are synchronous. */
   #scratch = new Float64Array(0)
 
-  /** With `native` (an addon that has mapFile) the tensor is mapped; else every copy is a syscall. */
+  /**
+   * With `native` (an addon that has mapFile) the tensor is mapped; else every copy is a syscall.
+   * A tensor larger than one mapping can be (MAX_PINNED_BYTES, 4 GiB: one external ArrayBuffer in
+   * Node 20) is copied with syscalls too, rather than its registration refused.
+   */
   constructor(path: string, offset: number, bytes: number, native?: NativeModule) {
     if (typeof path !== 'string' || path.length === 0 || path.includes('\0'))
       throw new AgentError('ERR_INVALID_ARGUMENT', 'invalid tensor path')
@@ -55,7 +59,7 @@ export class HostTensor implements KvTensor {
     this.offset = offset
     this.bytes = bytes
     this.#fd = fd
-    if (native?.mapFileAvailable()) {
+    if (native?.mapFileAvailable() && bytes <= native.MAX_PINNED_BYTES) {
       try {
         const ab = native.mapFile(path, { offset, length: bytes, writable: true })
         this.#map = Buffer.from(ab)
