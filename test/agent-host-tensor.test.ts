@@ -83,19 +83,27 @@ describe('HostTensor', () => {
     })
   }
 
-  it('mapped: runs outside the tensor or the buffer are errors, not clamped copies', () => {
-    const p = shm('bad-runs', new Uint8Array(BYTES))
-    const t = new HostTensor(p, 0, BYTES, native)
-    const host = new Uint8Array(4096)
-    expect(() => t.gather([BYTES - 10, 0, 20], host)).toThrow(
-      expect.objectContaining({ code: 'ERR_INVALID_ARGUMENT' }),
-    )
-    expect(() => t.scatter(host, [0, 4000, 200])).toThrow(
-      expect.objectContaining({ code: 'ERR_INVALID_ARGUMENT' }),
-    )
-    expect(readFileSync(p).every((x) => x === 0)).toBe(true)
-    t.close()
-  })
+  for (const { name, api } of [modes[0]!, modes[2]!]) {
+    it(`${name}: runs outside the tensor or the buffer are errors, not clamped copies or the neighbour's bytes`, () => {
+      // The file holds more than the tensor (the next layer's bytes, here 0xee) after it.
+      const file = new Uint8Array(BYTES + 4096).fill(0xee, BYTES)
+      const p = shm(`bad-runs-${name.replace(/\W/g, '-')}`, file)
+      const t = new HostTensor(p, 0, BYTES, api)
+      const host = new Uint8Array(4096)
+      expect(() => t.gather([BYTES - 10, 0, 20], host)).toThrow(
+        expect.objectContaining({ code: 'ERR_INVALID_ARGUMENT' }),
+      )
+      expect(host.every((x) => x === 0)).toBe(true)
+      expect(() => t.scatter(host, [0, 4000, 200])).toThrow(
+        expect.objectContaining({ code: 'ERR_INVALID_ARGUMENT' }),
+      )
+      expect(() => t.scatter(host, [BYTES - 10, 0, 20])).toThrow(
+        expect.objectContaining({ code: 'ERR_INVALID_ARGUMENT' }),
+      )
+      expect(Buffer.from(readFileSync(p)).equals(Buffer.from(file))).toBe(true)
+      t.close()
+    })
+  }
 
   it('mapped: a file truncated under the mapping is ERR_IO, not a SIGBUS', () => {
     const p = shm('shrinks', new Uint8Array(BYTES))

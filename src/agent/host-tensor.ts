@@ -123,11 +123,12 @@ export class HostTensor implements KvTensor {
 
   gather(runs: ArrayLike<number>, host: Uint8Array): void {
     const map = this.#mapOrThrow()
+    // pread too: `subarray` clamps a run past the buffer, and the file goes on past the tensor.
+    checkRuns(runs, this.bytes, host.length)
     if (map === undefined) {
       forMerged(runs, (t, h, n) => this.read(t, host.subarray(h, h + n)))
       return
     }
-    checkRuns(runs, this.bytes, host.length)
     if (this.#copyRuns) {
       this.#copyRuns(host, map, this.#ordered(runs, 1, 0))
       return
@@ -139,11 +140,11 @@ export class HostTensor implements KvTensor {
 
   scatter(host: Uint8Array, runs: ArrayLike<number>): void {
     const map = this.#mapOrThrow()
+    checkRuns(runs, this.bytes, host.length)
     if (map === undefined) {
       forMerged(runs, (t, h, n) => this.write(t, host.subarray(h, h + n)))
       return
     }
-    checkRuns(runs, this.bytes, host.length)
     if (this.#copyRuns) {
       this.#copyRuns(map, host, this.#ordered(runs, 0, 1))
       return
