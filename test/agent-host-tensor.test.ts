@@ -11,6 +11,7 @@ import {
   readFileSync,
   readSync,
   rmSync,
+  statSync,
   truncateSync,
   writeFileSync,
 } from 'node:fs'
@@ -149,6 +150,20 @@ describe('HostTensor', () => {
       t.close()
       rmSync(p)
     }
+  })
+
+  it('pread/pwrite: a file the engine shrank is ERR_IO before any copy; a write does not grow it back', () => {
+    const p = shm('shrinks-unmapped', new Uint8Array(BYTES))
+    const t = new HostTensor(p, 0, BYTES, undefined)
+    truncateSync(p, 4096)
+    expect(() => t.scatter(new Uint8Array(4096).fill(7), [8192, 0, 4096])).toThrow(
+      expect.objectContaining({ code: 'ERR_IO' }),
+    )
+    expect(statSync(p).size).toBe(4096)
+    expect(() => t.gather([0, 0, 4096], new Uint8Array(4096))).toThrow(
+      expect.objectContaining({ code: 'ERR_IO' }),
+    )
+    t.close()
   })
 
   it('close releases the mapping; a failed open holds nothing', () => {

@@ -86,10 +86,13 @@ export class HostTensor implements KvTensor {
     return this.checkedMap()
   }
 
-  /** The mapping (undefined when unmapped reads/writes are used), after the size check of {@link #mapOrThrow}. */
+  /**
+   * The mapping (undefined when unmapped reads/writes are used), after the size check of
+   * {@link #mapOrThrow}. Unmapped copies are checked too: a pwrite past a shrunk file's end
+   * would grow the engine's file back (in /dev/shm: memory) with bytes nobody reads.
+   */
   checkedMap(): Buffer | undefined {
     const fd = this.#fdOrThrow()
-    if (this.#map === undefined) return undefined
     if (fstatSync(fd).size < this.offset + this.bytes) {
       throw new AgentError('ERR_IO', `${this.path} shrank below the registered tensor`)
     }
