@@ -508,6 +508,30 @@ describe('agent: registration lifetimes', () => {
     expect(nativeMemoryStats().pinnedBytes).toBe(pinned)
   })
 
+  it('an id reused while its request is in flight: the one that ends first leaves the other pending in poll', async () => {
+    const { server, path } = await bigAgent('id-reuse', true)
+    try {
+      const { s, worker } = await directSession(server.agent, path)
+      const src = Array.from({ length: 48 }, (_, i) => (i * 7) % BLOCKS)
+      // A save of three chunks copies on the pool threads; a load of unknown keys ends at once.
+      const keys = Buffer.concat([0, 1, 2].map(() => randomBytes(32)))
+      const save = server.agent.answer(s, { id: 9, op: 'save', worker, keys, blockIds: src })
+      const unknown = Buffer.concat([0, 1, 2].map(() => randomBytes(32)))
+      const load = server.agent.answer(s, { id: 9, op: 'load', worker, keys: unknown, blockIds: src })
+      expect(await load).toMatchObject({ chunks: 0 })
+      expect(server.agent.answer(s, { id: 10, op: 'poll', ids: [9] })).toEqual({
+        states: { '9': { state: 'pending', op: 'save', layers: 0 } },
+      })
+      expect(await save).toMatchObject({ stored: 3 })
+      expect(server.agent.answer(s, { id: 11, op: 'poll', ids: [9] })).toEqual({
+        states: { '9': { state: 'unknown' } },
+      })
+      server.agent.endSession(s)
+    } finally {
+      await server.close()
+    }
+  })
+
   for (const threads of [2, 0]) {
     it(`${threads} copy threads: once the connection is gone no save copies out of, and no load writes into, the engine's blocks (the engine may reuse them)`, async () => {
       const { server, path, open } = await bigAgent(`ended-${threads}`, false, threads)
