@@ -489,6 +489,78 @@ describe('agent socket', () => {
   }
 })
 
+describe('FrameReader', () => {
+  const framed = (body: Buffer) => {
+    const len = Buffer.alloc(4)
+    len.writeUInt32BE(body.length)
+    return Buffer.concat([len, body])
+  }
+  // Bodies of every size class: empty, small, and past the first capacity of a spanning body (64 KiB).
+  const bodies = [0, 1, 3, 4, 5, 100, 65_535, 65_536, 65_537, 300_000].map((n) => randomBytes(n))
+  const stream = Buffer.concat(bodies.map(framed))
+
+  it('any cut of the stream into reads gives back exactly the frames', () => {
+    let seed = 7
+    const rand = (n: number) => {
+      seed = (seed * 1103515245 + 12345) >>> 0
+      return seed % n
+    }
+    const cuts: [string, () => number][] = [
+      ['1-byte reads', () => 1],
+      ['2-byte reads', () => 2],
+      ['3-byte reads', () => 3],
+      ['random reads up to 16', () => 1 + rand(16)],
+      ['random reads up to 100 000', () => 1 + rand(100_000)],
+      ['one read', () => stream.length],
+    ]
+    for (const [what, next] of cuts) {
+      const reader = new FrameReader(1 << 20)
+      const got: Buffer[] = []
+      for (let at = 0; at < stream.length; ) {
+        const n = Math.min(next(), stream.length - at)
+        // Each read its own buffer, as a socket's are.
+        got.push(...reader.push(Buffer.from(stream.subarray(at, at + n))))
+        at += n
+      }
+      expect(got.length, what).toBe(bodies.length)
+      for (let i = 0; i < bodies.length; i++)
+        expect(got[i]!.equals(bodies[i]!), `${what}: body ${i}`).toBe(true)
+      expect(reader.error).toBeUndefined()
+    }
+  })
+
+  it('holds no read once push returns: a frame spanning reads is copied, not kept as one buffer per read', () => {
+    // A frame trickled in 1-byte reads was held as 1-byte Buffers (some 250 bytes each: gigabytes
+    // for one 16 MiB frame). Reads overwritten after push show whether the reader kept them.
+    const body = randomBytes(5000)
+    const bytes = framed(body)
+    const reader = new FrameReader()
+    const got: Buffer[] = []
+    for (let i = 0; i < bytes.length; i++) {
+      const read = Buffer.from([bytes[i]!])
+      got.push(...reader.push(read))
+      read[0] = read[0]! ^ 0xff
+    }
+    expect(got).toHaveLength(1)
+    expect(got[0]!.equals(body)).toBe(true)
+  })
+
+  it('an oversized length: the frames before it, then ERR_FRAME_TOO_LARGE, then nothing', () => {
+    const reader = new FrameReader(1000)
+    const big = Buffer.alloc(4)
+    big.writeUInt32BE(1001)
+    const got = reader.push(Buffer.concat([framed(bodies[5]!), framed(bodies[0]!), big.subarray(0, 2)]))
+    expect(got.map((b) => b.length)).toEqual([100, 0])
+    expect(reader.error).toBeUndefined()
+    expect(reader.push(Buffer.concat([big.subarray(2), framed(bodies[1]!)]))).toEqual([])
+    expect(reader.error?.code).toBe('ERR_FRAME_TOO_LARGE')
+    expect(reader.push(framed(bodies[1]!))).toEqual([])
+    // A length of exactly the limit is a frame.
+    const at = new FrameReader(100)
+    expect(at.push(framed(bodies[5]!)).map((b) => b.length)).toEqual([100])
+  })
+})
+
 describe('agent configuration', () => {
   it('flags over env over file; unknown agent keys and bad values are errors', async () => {
     const file = join(dir, 'agent.yaml')
