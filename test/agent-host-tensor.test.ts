@@ -3,7 +3,18 @@
 // registration's mappings are released when its connection ends or the agent closes.
 
 import { randomBytes } from 'node:crypto'
-import { mkdtempSync, readFileSync, rmSync, truncateSync, writeFileSync } from 'node:fs'
+import {
+  closeSync,
+  ftruncateSync,
+  mkdtempSync,
+  openSync,
+  readFileSync,
+  readSync,
+  rmSync,
+  statSync,
+  truncateSync,
+  writeFileSync,
+} from 'node:fs'
 import { connect, type Socket } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -73,25 +84,83 @@ describe('HostTensor', () => {
     })
   }
 
-  it('mapped: runs outside the tensor or the buffer are errors, not clamped copies', () => {
-    const p = shm('bad-runs', new Uint8Array(BYTES))
-    const t = new HostTensor(p, 0, BYTES, native)
-    const host = new Uint8Array(4096)
-    expect(() => t.gather([BYTES - 10, 0, 20], host)).toThrow(
-      expect.objectContaining({ code: 'ERR_INVALID_ARGUMENT' }),
-    )
-    expect(() => t.scatter(host, [0, 4000, 200])).toThrow(
-      expect.objectContaining({ code: 'ERR_INVALID_ARGUMENT' }),
-    )
-    expect(readFileSync(p).every((x) => x === 0)).toBe(true)
-    t.close()
-  })
+  for (const { name, api } of [modes[0]!, modes[2]!]) {
+    it(`${name}: runs outside the tensor or the buffer are errors, not clamped copies or the neighbour's bytes`, () => {
+      // The file holds more than the tensor (the next layer's bytes, here 0xee) after it.
+      const file = new Uint8Array(BYTES + 4096).fill(0xee, BYTES)
+      const p = shm(`bad-runs-${name.replace(/\W/g, '-')}`, file)
+      const t = new HostTensor(p, 0, BYTES, api)
+      const host = new Uint8Array(4096)
+      expect(() => t.gather([BYTES - 10, 0, 20], host)).toThrow(
+        expect.objectContaining({ code: 'ERR_INVALID_ARGUMENT' }),
+      )
+      expect(host.every((x) => x === 0)).toBe(true)
+      expect(() => t.scatter(host, [0, 4000, 200])).toThrow(
+        expect.objectContaining({ code: 'ERR_INVALID_ARGUMENT' }),
+      )
+      expect(() => t.scatter(host, [BYTES - 10, 0, 20])).toThrow(
+        expect.objectContaining({ code: 'ERR_INVALID_ARGUMENT' }),
+      )
+      expect(Buffer.from(readFileSync(p)).equals(Buffer.from(file))).toBe(true)
+      t.close()
+    })
+  }
 
   it('mapped: a file truncated under the mapping is ERR_IO, not a SIGBUS', () => {
     const p = shm('shrinks', new Uint8Array(BYTES))
     const t = new HostTensor(p, 0, BYTES, native)
     truncateSync(p, 4096)
     expect(() => t.gather([8192, 0, 4096], new Uint8Array(4096))).toThrow(
+      expect.objectContaining({ code: 'ERR_IO' }),
+    )
+    t.close()
+  })
+
+  it('a tensor larger than one mapping (4 GiB) is copied with pread/pwrite, not refused', () => {
+    // A sparse file: a layer of 70 000 blocks of 32 KiB (K and V) is 4.27 GiB.
+    const bytes = 2 * 70_000 * 32 * 1024
+    expect(bytes).toBeGreaterThan(native!.MAX_PINNED_BYTES)
+    const p = join(dir, 'over-4g')
+    const fd = openSync(p, 'w')
+    try {
+      ftruncateSync(fd, OFF + bytes)
+    } finally {
+      closeSync(fd)
+    }
+    const t = new HostTensor(p, OFF, bytes, native)
+    try {
+      expect(t.mapped).toBe(false)
+      expect(HostCopier.for([t], native, 2)).toBeUndefined()
+      // A run past 4 GiB, written and read back through the tensor and through the file.
+      const at = bytes - 32 * 1024
+      const data = randomBytes(32 * 1024)
+      t.scatter(data, [at, 0, data.length])
+      const back = new Uint8Array(data.length)
+      t.gather([at, 0, data.length], back)
+      expect(Buffer.from(back).equals(data)).toBe(true)
+      const raw = Buffer.alloc(data.length)
+      const rfd = openSync(p, 'r')
+      try {
+        readSync(rfd, raw, 0, raw.length, OFF + at)
+      } finally {
+        closeSync(rfd)
+      }
+      expect(raw.equals(data)).toBe(true)
+    } finally {
+      t.close()
+      rmSync(p)
+    }
+  })
+
+  it('pread/pwrite: a file the engine shrank is ERR_IO before any copy; a write does not grow it back', () => {
+    const p = shm('shrinks-unmapped', new Uint8Array(BYTES))
+    const t = new HostTensor(p, 0, BYTES, undefined)
+    truncateSync(p, 4096)
+    expect(() => t.scatter(new Uint8Array(4096).fill(7), [8192, 0, 4096])).toThrow(
+      expect.objectContaining({ code: 'ERR_IO' }),
+    )
+    expect(statSync(p).size).toBe(4096)
+    expect(() => t.gather([0, 0, 4096], new Uint8Array(4096))).toThrow(
       expect.objectContaining({ code: 'ERR_IO' }),
     )
     t.close()
@@ -437,6 +506,30 @@ describe('agent: registration lifetimes', () => {
     await server.close() // waits for a's load before unmapping and freeing L1
     expect(fileMapStats().mappings).toBe(maps)
     expect(nativeMemoryStats().pinnedBytes).toBe(pinned)
+  })
+
+  it('an id reused while its request is in flight: the one that ends first leaves the other pending in poll', async () => {
+    const { server, path } = await bigAgent('id-reuse', true)
+    try {
+      const { s, worker } = await directSession(server.agent, path)
+      const src = Array.from({ length: 48 }, (_, i) => (i * 7) % BLOCKS)
+      // A save of three chunks copies on the pool threads; a load of unknown keys ends at once.
+      const keys = Buffer.concat([0, 1, 2].map(() => randomBytes(32)))
+      const save = server.agent.answer(s, { id: 9, op: 'save', worker, keys, blockIds: src })
+      const unknown = Buffer.concat([0, 1, 2].map(() => randomBytes(32)))
+      const load = server.agent.answer(s, { id: 9, op: 'load', worker, keys: unknown, blockIds: src })
+      expect(await load).toMatchObject({ chunks: 0 })
+      expect(server.agent.answer(s, { id: 10, op: 'poll', ids: [9] })).toEqual({
+        states: { '9': { state: 'pending', op: 'save', layers: 0 } },
+      })
+      expect(await save).toMatchObject({ stored: 3 })
+      expect(server.agent.answer(s, { id: 11, op: 'poll', ids: [9] })).toEqual({
+        states: { '9': { state: 'unknown' } },
+      })
+      server.agent.endSession(s)
+    } finally {
+      await server.close()
+    }
   })
 
   for (const threads of [2, 0]) {

@@ -75,6 +75,52 @@ describe('agent socket', () => {
     d.close()
   })
 
+  it('msgpack extension values (bigint, date, references, typed arrays) or deep nesting are ERR_BAD_FRAME naming the id, never ERR_INTERNAL', async () => {
+    const c = await Client.open(join(dir, 'a.sock'))
+    expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true })
+    const path = join(dir, 'kv-ext')
+    writeFileSync(path, Buffer.alloc(2 * 8 * 16 * 2 * 8 * 2 * 3))
+    // A request encoded with `MARK` strings, each replaced by raw msgpack bytes (values are
+    // self-delimiting: the enclosing map and array counts stay right).
+    const frame = (id: number, fields: Msg, raw: Buffer): Buffer => {
+      const body = encodeFrame({ id, op: 'register', rank: 0, numBlocks: 8, ...fields }).subarray(4)
+      const mark = encodeFrame('MARK').subarray(4)
+      const at = body.indexOf(mark)
+      expect(at).toBeGreaterThan(0)
+      const out = Buffer.concat([body.subarray(0, at), raw, body.subarray(at + mark.length)])
+      const len = Buffer.alloc(4)
+      len.writeUInt32BE(out.length)
+      return Buffer.concat([len, out])
+    }
+    const tensor = (shape: unknown, strides?: unknown) =>
+      [0, 1, 2].map((l) => ({ kind: 'shm', path, offset: l * 4096, shape, strides }))
+    const bigint = Buffer.from([0xd4, 0x42, 0x02]) // ext 0x42: the bigint 2n
+    const date = Buffer.from([0xd6, 0xff, 0, 0, 0, 1]) // the timestamp extension
+    const typed = Buffer.from([0xc7, 0x09, 0x74, 0x08, 0, 0, 0, 0, 0, 0, 0, 0x40]) // Float64Array [2]
+    // A cycle through msgpackr's reference extensions: shape = [2, 8, 16, 2, <shape itself>].
+    const cycle = Buffer.from([0xd6, 0x69, 0, 0, 0, 1, 0x95, 0x02, 0x08, 0x10, 0x02, 0xd6, 0x70, 0, 0, 0, 1])
+    const deep = Buffer.concat([Buffer.alloc(40, 0x91), Buffer.from([0x01])])
+    const cases: [string, Buffer][] = [
+      ['bigint in shape', frame(901, { tensors: tensor([2, 'MARK', 16, 2, 8]) }, bigint)],
+      [
+        'bigint in strides',
+        frame(902, { tensors: tensor([2, 8, 16, 2, 8], [256, 'MARK', 16, 8, 1]) }, bigint),
+      ],
+      ['date as shape', frame(903, { tensors: tensor('MARK') }, date)],
+      ['typed array as shape', frame(904, { tensors: tensor('MARK') }, typed)],
+      ['cyclic shape', frame(905, { tensors: tensor('MARK') }, cycle)],
+      ['nested 40 deep', frame(906, { extra: 'MARK', tensors: [] }, deep)],
+    ]
+    for (const [what, bytes] of cases) {
+      const r = await c.raw(bytes)
+      expect(r, what).toMatchObject({ ok: false, error: { code: 'ERR_BAD_FRAME' } })
+      // The id is named when the envelope could be read (the reference extensions are refused while decoding).
+      if (what !== 'cyclic shape') expect(r.id, what).toBe(900 + cases.findIndex(([w]) => w === what) + 1)
+    }
+    expect(await c.call('ping')).toMatchObject({ ok: true })
+    c.close()
+  })
+
   it('a client that goes on sending after an oversized length (its write side open) is answered once and closed; what it sends after is dropped', async () => {
     const c = connect({ path: join(dir, 'a.sock'), allowHalfOpen: true })
     await new Promise((r) => c.once('connect', r))
@@ -441,6 +487,78 @@ describe('agent socket', () => {
       b.c.close()
     })
   }
+})
+
+describe('FrameReader', () => {
+  const framed = (body: Buffer) => {
+    const len = Buffer.alloc(4)
+    len.writeUInt32BE(body.length)
+    return Buffer.concat([len, body])
+  }
+  // Bodies of every size class: empty, small, and past the first capacity of a spanning body (64 KiB).
+  const bodies = [0, 1, 3, 4, 5, 100, 65_535, 65_536, 65_537, 300_000].map((n) => randomBytes(n))
+  const stream = Buffer.concat(bodies.map(framed))
+
+  it('any cut of the stream into reads gives back exactly the frames', () => {
+    let seed = 7
+    const rand = (n: number) => {
+      seed = (seed * 1103515245 + 12345) >>> 0
+      return seed % n
+    }
+    const cuts: [string, () => number][] = [
+      ['1-byte reads', () => 1],
+      ['2-byte reads', () => 2],
+      ['3-byte reads', () => 3],
+      ['random reads up to 16', () => 1 + rand(16)],
+      ['random reads up to 100 000', () => 1 + rand(100_000)],
+      ['one read', () => stream.length],
+    ]
+    for (const [what, next] of cuts) {
+      const reader = new FrameReader(1 << 20)
+      const got: Buffer[] = []
+      for (let at = 0; at < stream.length; ) {
+        const n = Math.min(next(), stream.length - at)
+        // Each read its own buffer, as a socket's are.
+        got.push(...reader.push(Buffer.from(stream.subarray(at, at + n))))
+        at += n
+      }
+      expect(got.length, what).toBe(bodies.length)
+      for (let i = 0; i < bodies.length; i++)
+        expect(got[i]!.equals(bodies[i]!), `${what}: body ${i}`).toBe(true)
+      expect(reader.error).toBeUndefined()
+    }
+  })
+
+  it('holds no read once push returns: a frame spanning reads is copied, not kept as one buffer per read', () => {
+    // A frame trickled in 1-byte reads was held as 1-byte Buffers (some 250 bytes each: gigabytes
+    // for one 16 MiB frame). Reads overwritten after push show whether the reader kept them.
+    const body = randomBytes(5000)
+    const bytes = framed(body)
+    const reader = new FrameReader()
+    const got: Buffer[] = []
+    for (let i = 0; i < bytes.length; i++) {
+      const read = Buffer.from([bytes[i]!])
+      got.push(...reader.push(read))
+      read[0] = read[0]! ^ 0xff
+    }
+    expect(got).toHaveLength(1)
+    expect(got[0]!.equals(body)).toBe(true)
+  })
+
+  it('an oversized length: the frames before it, then ERR_FRAME_TOO_LARGE, then nothing', () => {
+    const reader = new FrameReader(1000)
+    const big = Buffer.alloc(4)
+    big.writeUInt32BE(1001)
+    const got = reader.push(Buffer.concat([framed(bodies[5]!), framed(bodies[0]!), big.subarray(0, 2)]))
+    expect(got.map((b) => b.length)).toEqual([100, 0])
+    expect(reader.error).toBeUndefined()
+    expect(reader.push(Buffer.concat([big.subarray(2), framed(bodies[1]!)]))).toEqual([])
+    expect(reader.error?.code).toBe('ERR_FRAME_TOO_LARGE')
+    expect(reader.push(framed(bodies[1]!))).toEqual([])
+    // A length of exactly the limit is a frame.
+    const at = new FrameReader(100)
+    expect(at.push(framed(bodies[5]!)).map((b) => b.length)).toEqual([100])
+  })
 })
 
 describe('agent configuration', () => {

@@ -95,13 +95,21 @@ interface Worker {
   inflight: Set<Promise<unknown>>
 }
 
+/** A load's or save's progress, for poll. */
+interface Progress {
+  op: string
+  layers: number
+  /** An earlier request in flight under the same id (a client bug), reported again once this one ends. */
+  under: Progress | undefined
+}
+
 /** What the agent keeps per connection. */
 export interface Session {
   descriptor: SpaceDescriptor | undefined
   workers: Map<number, Worker>
   nextWorker: number
   /** Progress of in-flight loads/saves by request id, for poll. */
-  progress: Map<number, { op: string; layers: number }>
+  progress: Map<number, Progress>
   /** Sends an unsolicited event frame (load progress). */
   event(message: Record<string, unknown>): void
   /** The connection closed (endSession): a register still in flight releases what it mapped. */
@@ -542,8 +550,7 @@ export class Agent {
     const g = w.geometry
     const bpc = w.space.blocksPerChunk
     const keys = w.space.keys(hashes)
-    const prog = { op: 'load', layers: 0 }
-    s.progress.set(m.id, prog)
+    const prog = beginProgress(s, m.id, 'load')
     let served = count
     let bytes = 0
     let failure: string | undefined
@@ -625,7 +632,7 @@ export class Agent {
       // Nothing may still write the engine's blocks once the answer names the failed ones.
       await copies.settled().catch(() => {})
       await it.return(undefined).catch(() => {})
-      s.progress.delete(m.id)
+      endProgress(s, m.id, prog)
     }
     const failed: number[] = []
     for (let b = Math.max(skip, served * bpc); b < ids.length; b++) failed.push(ids[b]!)
@@ -651,7 +658,7 @@ export class Agent {
     // Keys always start at chunk 0 (chain identity); `from` skips chunks the engine loaded from us.
     const from = optInt(m, 'from', 0, count, 0)
     const keys = w.space.keys(hashes).slice(from)
-    s.progress.set(m.id, { op: 'save', layers: 0 })
+    const prog = beginProgress(s, m.id, 'save')
     try {
       const slab = sides(g) * bpc * bb // one layer of the chunk tensor
       const out = await w.space.cache.storeKeys(keys, async (k, dst) => {
@@ -678,7 +685,7 @@ export class Agent {
       this.metrics.saveErrors++
       throw e instanceof AgentError ? e : new AgentError('ERR_IO', `save failed: ${(e as Error).message}`)
     } finally {
-      s.progress.delete(m.id)
+      endProgress(s, m.id, prog)
     }
   }
 
@@ -748,6 +755,33 @@ export class Agent {
     const l1 = [...this.#l1.values()]
     this.#l1.clear()
     await Promise.allSettled(l1.map((p) => p.then((t) => t.dispose())))
+  }
+}
+
+/**
+ * Starts a load's or save's progress under its request id. Ids are unique among a connection's
+ * requests in flight; one reused anyway (a client bug) hides the earlier request's progress
+ * until it ends, and neither request's end forgets the other's.
+ */
+function beginProgress(s: Session, id: number, op: string): Progress {
+  const prog: Progress = { op, layers: 0, under: s.progress.get(id) }
+  s.progress.set(id, prog)
+  return prog
+}
+
+/** Forgets an ended load's or save's progress (only its own: see beginProgress). */
+function endProgress(s: Session, id: number, prog: Progress): void {
+  let cur = s.progress.get(id)
+  if (cur === prog) {
+    if (prog.under) s.progress.set(id, prog.under)
+    else s.progress.delete(id)
+    return
+  }
+  for (; cur !== undefined; cur = cur.under) {
+    if (cur.under === prog) {
+      cur.under = prog.under
+      return
+    }
   }
 }
 

@@ -28,7 +28,11 @@ export class HostTensor implements KvTensor {
   /** Runs in the addon's [dst, src, bytes] order, reused: copies are synchronous. */
   #scratch = new Float64Array(0)
 
-  /** With `native` (an addon that has mapFile) the tensor is mapped; else every copy is a syscall. */
+  /**
+   * With `native` (an addon that has mapFile) the tensor is mapped; else every copy is a syscall.
+   * A tensor larger than one mapping can be (MAX_PINNED_BYTES, 4 GiB: one external ArrayBuffer in
+   * Node 20) is copied with syscalls too, rather than its registration refused.
+   */
   constructor(path: string, offset: number, bytes: number, native?: NativeModule) {
     if (typeof path !== 'string' || path.length === 0 || path.includes('\0'))
       throw new AgentError('ERR_INVALID_ARGUMENT', 'invalid tensor path')
@@ -55,7 +59,7 @@ export class HostTensor implements KvTensor {
     this.offset = offset
     this.bytes = bytes
     this.#fd = fd
-    if (native?.mapFileAvailable()) {
+    if (native?.mapFileAvailable() && bytes <= native.MAX_PINNED_BYTES) {
       try {
         const ab = native.mapFile(path, { offset, length: bytes, writable: true })
         this.#map = Buffer.from(ab)
@@ -82,10 +86,13 @@ export class HostTensor implements KvTensor {
     return this.checkedMap()
   }
 
-  /** The mapping (undefined when unmapped reads/writes are used), after the size check of {@link #mapOrThrow}. */
+  /**
+   * The mapping (undefined when unmapped reads/writes are used), after the size check of
+   * {@link #mapOrThrow}. Unmapped copies are checked too: a pwrite past a shrunk file's end
+   * would grow the engine's file back (in /dev/shm: memory) with bytes nobody reads.
+   */
   checkedMap(): Buffer | undefined {
     const fd = this.#fdOrThrow()
-    if (this.#map === undefined) return undefined
     if (fstatSync(fd).size < this.offset + this.bytes) {
       throw new AgentError('ERR_IO', `${this.path} shrank below the registered tensor`)
     }
@@ -119,11 +126,12 @@ export class HostTensor implements KvTensor {
 
   gather(runs: ArrayLike<number>, host: Uint8Array): void {
     const map = this.#mapOrThrow()
+    // pread too: `subarray` clamps a run past the buffer, and the file goes on past the tensor.
+    checkRuns(runs, this.bytes, host.length)
     if (map === undefined) {
       forMerged(runs, (t, h, n) => this.read(t, host.subarray(h, h + n)))
       return
     }
-    checkRuns(runs, this.bytes, host.length)
     if (this.#copyRuns) {
       this.#copyRuns(host, map, this.#ordered(runs, 1, 0))
       return
@@ -135,11 +143,11 @@ export class HostTensor implements KvTensor {
 
   scatter(host: Uint8Array, runs: ArrayLike<number>): void {
     const map = this.#mapOrThrow()
+    checkRuns(runs, this.bytes, host.length)
     if (map === undefined) {
       forMerged(runs, (t, h, n) => this.write(t, host.subarray(h, h + n)))
       return
     }
-    checkRuns(runs, this.bytes, host.length)
     if (this.#copyRuns) {
       this.#copyRuns(map, host, this.#ordered(runs, 0, 1))
       return

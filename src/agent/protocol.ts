@@ -42,8 +42,17 @@ export class AgentError extends Error {
   }
 }
 
-// One Packr for the process: plain maps (no records/structures) so any msgpack library reads the frames.
-const packr = new Packr({ useRecords: false, mapsAsObjects: true, int64AsType: 'number' })
+// One Packr for the process: plain maps (no records/structures) so any msgpack library reads the
+// frames. Its reference extensions (0x69/0x70) are off: they would build cyclic values from a frame.
+const packr = new Packr({
+  useRecords: false,
+  mapsAsObjects: true,
+  int64AsType: 'number',
+  structuredClone: false,
+})
+
+/** Nesting a request may have (request → tensors → tensor → shape is 4); deeper is not a request. */
+export const MAX_REQUEST_DEPTH = 16
 
 /** Encodes one message as a frame: u32 BE length + msgpack body. */
 export function encodeFrame(message: unknown): Buffer {
@@ -58,14 +67,24 @@ export function decodeBody(body: Uint8Array): unknown {
   return packr.unpack(body)
 }
 
+/** Capacity a frame body spanning reads starts with; it doubles up to the frame's length. */
+const FIRST_BODY_BYTES = 64 * 1024
+
 /**
- * Cuts a byte stream into frame bodies. Holds at most one partial frame, so
- * memory per connection is bounded by `maxFrameBytes`.
+ * Cuts a byte stream into frame bodies. Holds at most one partial frame, in one buffer at
+ * most twice the bytes received of it (and never past its length): memory per connection is
+ * bounded by `maxFrameBytes` whatever the reads' sizes. A frame trickled in 1-byte reads
+ * was held as one Buffer per read, some 250 bytes each: gigabytes for one 16 MiB frame.
  */
 export class FrameReader {
   readonly #max: number
-  #parts: Buffer[] = []
-  #have = 0
+  /** A length prefix split across reads: its first `#headHave` bytes. */
+  readonly #head = Buffer.alloc(FRAME_PREFIX_BYTES)
+  #headHave = 0
+  /** The body of a frame spanning reads, `#bodyLength` bytes in all, `#bodyHave` of them received. */
+  #body: Buffer | undefined
+  #bodyLength = 0
+  #bodyHave = 0
   /** Set once an oversized length was met: the stream cannot be resynchronised after it. */
   error: AgentError | undefined
 
@@ -74,48 +93,62 @@ export class FrameReader {
   }
 
   /**
-   * Feeds bytes; returns the complete bodies. On an oversized length it returns the bodies
-   * complete before it (valid requests the peer sent first, to be answered) and sets `error`
-   * (ERR_FRAME_TOO_LARGE); every later push returns nothing and holds nothing.
+   * Feeds bytes; returns the complete bodies (those inside `chunk` are views of it). On an
+   * oversized length it returns the bodies complete before it (valid requests the peer sent
+   * first, to be answered) and sets `error` (ERR_FRAME_TOO_LARGE); every later push returns
+   * nothing and holds nothing.
    */
   push(chunk: Buffer): Buffer[] {
-    if (this.error) return []
-    this.#parts.push(chunk)
-    this.#have += chunk.length
     const out: Buffer[] = []
-    for (;;) {
-      if (this.#have < FRAME_PREFIX_BYTES) break
-      const head = this.#peek(FRAME_PREFIX_BYTES)
-      const len = head.readUInt32BE(0)
-      if (len > this.#max) {
-        this.error = new AgentError(
-          'ERR_FRAME_TOO_LARGE',
-          `frame of ${len} bytes exceeds the limit of ${this.#max}`,
-        )
-        this.#parts = []
-        this.#have = 0
-        break
+    if (this.error) return out
+    let at = 0
+    while (at < chunk.length) {
+      if (this.#body === undefined) {
+        let len: number
+        if (this.#headHave === 0 && chunk.length - at >= FRAME_PREFIX_BYTES) {
+          len = chunk.readUInt32BE(at)
+          at += FRAME_PREFIX_BYTES
+        } else {
+          const n = Math.min(FRAME_PREFIX_BYTES - this.#headHave, chunk.length - at)
+          chunk.copy(this.#head, this.#headHave, at, at + n)
+          this.#headHave += n
+          at += n
+          if (this.#headHave < FRAME_PREFIX_BYTES) break
+          this.#headHave = 0
+          len = this.#head.readUInt32BE(0)
+        }
+        if (len > this.#max) {
+          this.error = new AgentError(
+            'ERR_FRAME_TOO_LARGE',
+            `frame of ${len} bytes exceeds the limit of ${this.#max}`,
+          )
+          return out
+        }
+        if (chunk.length - at >= len) {
+          out.push(chunk.subarray(at, at + len))
+          at += len
+          continue
+        }
+        this.#body = Buffer.allocUnsafe(Math.min(len, Math.max(FIRST_BODY_BYTES, 2 * (chunk.length - at))))
+        this.#bodyLength = len
+        this.#bodyHave = 0
       }
-      if (this.#have < FRAME_PREFIX_BYTES + len) break
-      const all = this.#take(FRAME_PREFIX_BYTES + len)
-      out.push(all.subarray(FRAME_PREFIX_BYTES))
+      const n = Math.min(this.#bodyLength - this.#bodyHave, chunk.length - at)
+      if (this.#bodyHave + n > this.#body.length) {
+        const grown = Buffer.allocUnsafe(
+          Math.min(this.#bodyLength, Math.max(2 * this.#body.length, this.#bodyHave + n)),
+        )
+        this.#body.copy(grown, 0, 0, this.#bodyHave)
+        this.#body = grown
+      }
+      chunk.copy(this.#body, this.#bodyHave, at, at + n)
+      this.#bodyHave += n
+      at += n
+      if (this.#bodyHave === this.#bodyLength) {
+        out.push(this.#body.subarray(0, this.#bodyLength))
+        this.#body = undefined
+      }
     }
-    return out
-  }
-
-  #peek(n: number): Buffer {
-    if (this.#parts[0]!.length >= n) return this.#parts[0]!
-    const joined = Buffer.concat(this.#parts)
-    this.#parts = [joined]
-    return joined
-  }
-
-  #take(n: number): Buffer {
-    const joined = this.#parts.length === 1 ? this.#parts[0]! : Buffer.concat(this.#parts)
-    const out = joined.subarray(0, n)
-    const rest = joined.subarray(n)
-    this.#parts = rest.length > 0 ? [rest] : []
-    this.#have = rest.length
     return out
   }
 }
@@ -137,5 +170,45 @@ export function checkEnvelope(msg: unknown): Request {
     throw new AgentError('ERR_BAD_FRAME', 'a request needs an integer id >= 0')
   }
   if (typeof m.op !== 'string') throw new AgentError('ERR_BAD_FRAME', 'a request needs a string op')
+  checkPlain(m, 0)
   return m as Request
+}
+
+/**
+ * A request holds msgpack's own types only: nil, booleans, numbers, strings, bins, arrays and
+ * maps. msgpackr decodes extension types into bigints, Dates, typed arrays, Sets, RegExps and
+ * Errors, which no field takes and which field checks do not expect (JSON.stringify throws on a
+ * bigint): such a frame is ERR_BAD_FRAME, as an undecodable one is, not ERR_INTERNAL.
+ */
+function checkPlain(v: unknown, depth: number): void {
+  if (depth > MAX_REQUEST_DEPTH)
+    throw new AgentError('ERR_BAD_FRAME', `a request nests deeper than ${MAX_REQUEST_DEPTH} levels`)
+  if (Array.isArray(v)) {
+    for (const x of v)
+      if (x !== null && typeof x === 'object') checkPlain(x, depth + 1)
+      else checkScalar(x)
+    return
+  }
+  if (v instanceof Uint8Array && (Buffer.isBuffer(v) || v.constructor === Uint8Array)) return
+  if (v !== null && typeof v === 'object') {
+    if (Object.getPrototypeOf(v) !== Object.prototype) notPlain(v)
+    for (const x of Object.values(v))
+      if (x !== null && typeof x === 'object') checkPlain(x, depth + 1)
+      else checkScalar(x)
+    return
+  }
+  checkScalar(v)
+}
+
+function checkScalar(v: unknown): void {
+  const t = typeof v
+  if (v !== null && t !== 'number' && t !== 'string' && t !== 'boolean') notPlain(v)
+}
+
+function notPlain(v: unknown): never {
+  const what = typeof v === 'object' ? ((v as object).constructor?.name ?? 'an object') : typeof v
+  throw new AgentError(
+    'ERR_BAD_FRAME',
+    `a request holds a msgpack extension value (${what}); the protocol uses plain msgpack types only`,
+  )
 }
