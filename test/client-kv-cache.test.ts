@@ -5,6 +5,7 @@ import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterEach, describe, expect, it, vi } from 'vitest'
+import { CodecPool } from '../src/client/codec-pool.ts'
 import { optionsFromEnvironment, parseBytes, resolveOptions } from '../src/client/config.ts'
 import { KVCache } from '../src/client/index.ts'
 import { DiskTier } from '../src/client/tiers/disk.ts'
@@ -231,6 +232,45 @@ describe('KVCache codec workers', () => {
     )
     expect(withRemote.stats().codec).toMatchObject({ readyWorkers: 1, workerJobs: 0, inlineJobs: 0 })
     expect(withLossless.stats().codec).toMatchObject({ readyWorkers: 1, workerJobs: 0, inlineJobs: 0 })
+  })
+
+  it("caches given one pool (SharedTiers.codec) run on it and leave it to its owner: one set of workers, closes don't end it", async () => {
+    const pool = new CodecPool(1)
+    try {
+      const remote = { url: 'http://127.0.0.1:9' }
+      const a = await KVCache.open(
+        { model: 'stories260k', chunkTokens: T, memory: { bytes: 8 * CB }, codecWorkers: 3, remote },
+        { codec: pool },
+      )
+      const b = await KVCache.open(
+        { model: 'stories260k', chunkTokens: T, memory: { bytes: 8 * CB }, remote },
+        { codec: pool },
+      )
+      await until(() => pool.readyWorkers === 1)
+      // One worker for both (codecWorkers: 3 is the owner's to decide, not a's).
+      expect(a.stats().codec.readyWorkers).toBe(1)
+      expect(b.stats().codec.readyWorkers).toBe(1)
+      const meta = {
+        geometry: MODEL_PRESETS.stories260k,
+        tokens: T,
+        chunkIndex: 0,
+        partial: false,
+        namespaceId: new Uint8Array(16),
+        chainKey: new Uint8Array(32),
+        parentKey: new Uint8Array(32),
+      }
+      await pool.encode('lossless', kvFor(1), meta)
+      expect(a.stats().codec.workerJobs).toBe(1)
+      expect(b.stats().codec.workerJobs).toBe(1)
+      await a.close()
+      await b.close()
+      // Still the owner's and still working after both caches closed.
+      expect(pool.readyWorkers).toBe(1)
+      await pool.encode('lossless', kvFor(1), meta)
+      expect(pool.counts.workerJobs).toBe(2)
+    } finally {
+      await pool.close()
+    }
   })
 
   it('a cache that moves only raw chunks (L1, raw L2) starts no codec worker', async () => {

@@ -3,6 +3,7 @@
 
 import { createHash, hash } from 'node:crypto'
 import { join } from 'node:path'
+import type { CodecPool } from '../client/codec-pool.ts'
 import { type KVCacheOptions, resolveOptions } from '../client/config.ts'
 import { KVCache } from '../client/kv-cache.ts'
 import { loadNative } from '../client/native-api.ts'
@@ -206,6 +207,7 @@ export class KvSpace {
     base: SpaceCacheOptions,
     l1?: MemoryTier,
     diskBudget?: DiskBudget,
+    codec?: CodecPool,
   ): Promise<KvSpace> {
     checkChunk(d, base.chunkTokens)
     const id = spaceId(d, rank)
@@ -213,7 +215,7 @@ export class KvSpace {
     const options = cacheOptions(d, rank, base)
     let cache: KVCache
     try {
-      cache = await KVCache.open(options, { memory: l1?.scoped(tag), diskBudget })
+      cache = await KVCache.open(options, { memory: l1?.scoped(tag), diskBudget, codec })
     } catch (e) {
       if (e instanceof InvalidArgumentError && l1) {
         throw new AgentError(

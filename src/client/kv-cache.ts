@@ -125,6 +125,12 @@ export interface SharedTiers {
   memory?: MemoryTier
   /** L2 byte budget shared with other caches' disk tiers (each keeps its own directory). */
   diskBudget?: DiskBudget
+  /**
+   * Codec workers to run this cache's jobs on: a pool the caller owns and closes (`codecWorkers`
+   * is then unused, and close() leaves the pool running). One pool for every cache of a process
+   * keeps its threads at one per core, however many caches decode at once.
+   */
+  codec?: CodecPool
 }
 
 /**
@@ -141,6 +147,8 @@ export class KVCache {
   readonly #native: NativeModule | undefined
   readonly #nativeReason: string | undefined
   readonly #remoteCodec: ChunkCodecName
+  /** False when the codec pool came from SharedTiers: its owner closes it. */
+  readonly #ownsCodec: boolean
   readonly #quality: number | undefined
   readonly #ops = { store: new LatencyWindow(), lookup: new LatencyWindow(), retrieve: new LatencyWindow() }
   #retrievedTokens = 0
@@ -155,7 +163,9 @@ export class KVCache {
     manager: StorageManager,
     native: { api: NativeModule | undefined; reason: string | undefined },
     remoteCodec: ChunkCodecName,
+    ownsCodec: boolean,
   ) {
+    this.#ownsCodec = ownsCodec
     this.model = o.model
     this.chunkTokens = o.chunkTokens
     this.chunkBytes = chunkBytes(o.model, o.chunkTokens)
@@ -194,7 +204,7 @@ export class KVCache {
         native: native.api,
         nativeReason: native.reason,
       }))
-    const codec = new CodecPool(o.codecWorkers)
+    const codec = shared.codec ?? new CodecPool(o.codecWorkers)
     // Chunks from L4 (any writer's codec) and coded L2 files are decoded on the pool's workers:
     // start them while the caller is still setting up, not on its first hit.
     if (o.remote || (o.disk && o.disk.storeAs !== 'raw')) codec.warm()
@@ -207,7 +217,7 @@ export class KVCache {
       opened.calibrations?.close()
       opened.disk?.close()
       await opened.remote?.close(0).catch(() => {})
-      await codec.close().catch(() => {})
+      if (!shared.codec) await codec.close().catch(() => {})
       if (!shared.memory) memory.dispose()
       throw e
     }
@@ -288,7 +298,7 @@ export class KVCache {
       calibrations,
       encodeCalibrated: calib !== false,
     })
-    return new KVCache(o, manager, native, remoteCodec)
+    return new KVCache(o, manager, native, remoteCodec, !shared.codec)
   }
 
   #open(): void {
@@ -765,7 +775,7 @@ export class KVCache {
     this.#manager.disk?.close()
     this.#manager.calibrations?.close()
     await this.#manager.remote?.close(0)
-    await this.#manager.codec.close()
+    if (this.#ownsCodec) await this.#manager.codec.close()
     this.#manager.memory.dispose()
   }
 }
