@@ -147,6 +147,58 @@ describe.skipIf(stub !== undefined)('agent CUDA IPC path (stub libcudart)', () =
     cuda.deviceFree(b.d)
   })
 
+  it('a tensor claimed past the end of its storage (storageEnd) is refused before anything is mapped', async () => {
+    const d = cuda.deviceAlloc(LAYERS * LAYER_BYTES)
+    const c = await client(join(dir, 'a.sock'))
+    expect(
+      (
+        await c.call('hello', {
+          protocol: 1,
+          model: 'cuda/test',
+          hashSeed: '0',
+          geometry: {
+            layout: 'flash-attn',
+            dtype: 'float16',
+            layers: LAYERS,
+            kvHeads: 2,
+            headSize: 8,
+            blockSize: 16,
+          },
+        })
+      ).ok,
+    ).toBe(true)
+    const handle = cuda.ipcGetHandle(d)
+    const tensors = (storageEnd: number) =>
+      Array.from({ length: LAYERS }, (_, l) => ({
+        kind: 'cuda-ipc',
+        handle,
+        offset: l * LAYER_BYTES,
+        storageEnd,
+        shape: [2, BLOCKS, 16, 2, 8],
+      }))
+    const mapped = cuda.stubControl('')
+    // The last layer's tensor ends one byte past the storage.
+    const r = await c.call('register', {
+      rank: 0,
+      numBlocks: BLOCKS,
+      tensors: tensors(LAYERS * LAYER_BYTES - 1),
+    })
+    expect(r).toMatchObject({ ok: false, error: { code: 'ERR_INVALID_ARGUMENT' } })
+    expect(String((r.error as { message: string }).message)).toMatch(new RegExp(`tensors\\[${LAYERS - 1}\\].*runs past its storage`))
+    expect(cuda.stubControl('')).toBe(mapped) // nothing left mapped
+    // Exactly at the end: accepted.
+    expect(
+      await c.call('register', { rank: 0, numBlocks: BLOCKS, tensors: tensors(LAYERS * LAYER_BYTES) }),
+    ).toMatchObject({
+      ok: true,
+    })
+    c.sock.destroy()
+    for (let i = 0; i < 100 && cuda.stubControl('') !== mapped; i++)
+      await new Promise((r) => setTimeout(r, 10))
+    expect(cuda.stubControl('')).toBe(mapped)
+    cuda.deviceFree(d)
+  })
+
   it('a failing device copy fails the load: every block is reported', async () => {
     const a = await engine(true)
     const keys = [randomBytes(32)]

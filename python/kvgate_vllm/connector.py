@@ -286,13 +286,16 @@ def cuda_ipc(t: torch.Tensor) -> Dict[str, Any]:
     the engine's ordinal and, when torch knows it, the PCI bus id (which the agent prefers)."""
     storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
     shared = storage._share_cuda_()
-    device, handle, _size, storage_offset = shared[0], shared[1], shared[2], shared[3]
+    device, handle, storage_bytes, storage_offset = shared[0], shared[1], shared[2], shared[3]
     if not isinstance(handle, (bytes, bytearray)) or len(handle) != 64:
         raise ConfigurationError("this torch build returned no 64-byte CUDA IPC handle for the KV cache")
     out: Dict[str, Any] = {
         "handle": bytes(handle),
         "device": int(device),
         "offset": int(storage_offset) + t.storage_offset() * t.element_size(),
+        # Where the storage ends in the allocation: the agent refuses a tensor that runs past it
+        # (it cannot ask CUDA an allocation's size; a copy past it would hit other GPU memory).
+        "storageEnd": int(storage_offset) + int(storage_bytes),
     }
     bus = pci_bus_id(torch.cuda.get_device_properties(int(device)))
     if bus is not None:

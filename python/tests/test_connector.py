@@ -565,3 +565,30 @@ def test_model_identity_is_the_same_on_every_node_of_one_model(tmp):
     )
     # An unquantized checkpoint quantized as it loads (--quantization fp8): other weights, other keys.
     assert ident("org/m", quantization="fp8") != ident("org/m") == ident("org/m", weights="")
+
+
+def test_cuda_ipc_sends_where_the_storage_ends(monkeypatch):
+    """register's cuda-ipc entry carries storageEnd (storage offset + size in the allocation), so
+    the agent can refuse a tensor running past its storage; offset counts the tensor's own offset."""
+    from types import SimpleNamespace
+
+    import kvgate_vllm.connector as conn
+
+    class Storage:
+        def _share_cuda_(self):
+            # device, handle, storage size (bytes), storage offset in the allocation (bytes), ...
+            return (1, b"h" * 64, 4096, 1024, None, None, None, False)
+
+    class Tensor:
+        def untyped_storage(self):
+            return Storage()
+
+        def storage_offset(self):
+            return 8  # elements
+
+        def element_size(self):
+            return 2
+
+    monkeypatch.setattr(conn.torch.cuda, "get_device_properties", lambda d: SimpleNamespace(name="GPU"))
+    out = conn.cuda_ipc(Tensor())
+    assert out == {"handle": b"h" * 64, "device": 1, "offset": 1024 + 16, "storageEnd": 1024 + 4096}

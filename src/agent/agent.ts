@@ -388,6 +388,17 @@ export class Agent {
           if (!st.available)
             throw new AgentError('ERR_CUDA', `CUDA is not available to the agent: ${st.reason}`)
           const [handle] = binList({ h: [t.handle] }, 'h', 64, 1)
+          // Where the tensor's storage ends in the allocation (the connector sends it; older ones
+          // do not): the agent cannot ask CUDA an allocation's size, and a tensor claimed past its
+          // storage would have copies write into whatever else the engine keeps on the GPU.
+          if (t.storageEnd !== undefined) {
+            const end = optInt(t, 'storageEnd', 0, Number.MAX_SAFE_INTEGER, 0)
+            if (offset + want > end)
+              throw new AgentError(
+                'ERR_INVALID_ARGUMENT',
+                `tensors[${i}] (${want} bytes at offset ${offset}) runs past its storage, which ends at byte ${end} of the allocation`,
+              )
+          }
           // The engine's GPU, in this agent's numbering; checked before anything is mapped.
           const device = resolveDevice(native.api, t, `tensors[${i}]`)
           if (ipc && ipc.device !== device)
