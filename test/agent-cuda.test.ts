@@ -74,11 +74,8 @@ describe.skipIf(stub !== undefined)('agent CUDA IPC path (stub libcudart)', () =
     rmSync(dir, { recursive: true, force: true })
   })
 
-  async function engine(fill: boolean) {
-    // One allocation for both layers (vLLM-like): the agent must map the handle once.
-    const d = cuda.deviceAlloc(LAYERS * LAYER_BYTES)
-    const host = fill ? pattern(LAYERS * LAYER_BYTES, 5) : new Uint8Array(LAYERS * LAYER_BYTES)
-    await cuda.copyToDevice(host, d)
+  /** A connection that said hello as this test's engine (2 layers of 2 KV heads of 8, blocks of 16). */
+  async function connect() {
     const c = await client(join(dir, 'a.sock'))
     const hello = await c.call('hello', {
       protocol: 1,
@@ -94,6 +91,15 @@ describe.skipIf(stub !== undefined)('agent CUDA IPC path (stub libcudart)', () =
       },
     })
     expect(hello.ok).toBe(true)
+    return c
+  }
+
+  async function engine(fill: boolean) {
+    // One allocation for both layers (vLLM-like): the agent must map the handle once.
+    const d = cuda.deviceAlloc(LAYERS * LAYER_BYTES)
+    const host = fill ? pattern(LAYERS * LAYER_BYTES, 5) : new Uint8Array(LAYERS * LAYER_BYTES)
+    await cuda.copyToDevice(host, d)
+    const c = await connect()
     const handle = cuda.ipcGetHandle(d)
     const r = await c.call('register', {
       rank: 0,
@@ -149,24 +155,7 @@ describe.skipIf(stub !== undefined)('agent CUDA IPC path (stub libcudart)', () =
 
   it('a tensor claimed past the end of its storage (storageEnd) is refused before anything is mapped', async () => {
     const d = cuda.deviceAlloc(LAYERS * LAYER_BYTES)
-    const c = await client(join(dir, 'a.sock'))
-    expect(
-      (
-        await c.call('hello', {
-          protocol: 1,
-          model: 'cuda/test',
-          hashSeed: '0',
-          geometry: {
-            layout: 'flash-attn',
-            dtype: 'float16',
-            layers: LAYERS,
-            kvHeads: 2,
-            headSize: 8,
-            blockSize: 16,
-          },
-        })
-      ).ok,
-    ).toBe(true)
+    const c = await connect()
     const handle = cuda.ipcGetHandle(d)
     const tensors = (storageEnd: number) =>
       Array.from({ length: LAYERS }, (_, l) => ({
@@ -184,7 +173,9 @@ describe.skipIf(stub !== undefined)('agent CUDA IPC path (stub libcudart)', () =
       tensors: tensors(LAYERS * LAYER_BYTES - 1),
     })
     expect(r).toMatchObject({ ok: false, error: { code: 'ERR_INVALID_ARGUMENT' } })
-    expect(String((r.error as { message: string }).message)).toMatch(new RegExp(`tensors\\[${LAYERS - 1}\\].*runs past its storage`))
+    expect(String((r.error as { message: string }).message)).toMatch(
+      new RegExp(`tensors\\[${LAYERS - 1}\\].*runs past its storage`),
+    )
     expect(cuda.stubControl('')).toBe(mapped) // nothing left mapped
     // Exactly at the end: accepted.
     expect(

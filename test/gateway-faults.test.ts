@@ -126,6 +126,35 @@ function streamChunk(url: string, layers: number, sectionBytes: number): () => P
     })
 }
 
+/**
+ * PUTs `c` over a raw socket at 100 bytes every 100 ms (1 KB/s, never idle for 300 ms) until the
+ * gateway answers ERR_TIMEOUT (or 5 s pass); returns what it answered.
+ */
+async function trickledPut(port: number, c: { key: string; bytes: Uint8Array }): Promise<string> {
+  const sock = net.connect(port, '127.0.0.1')
+  sock.on('error', () => {})
+  let text = ''
+  sock.on('data', (d) => {
+    text += d
+  })
+  sock.write(
+    `PUT /v1/ns/a/chunks/${c.key} HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\ncontent-length: ${c.bytes.length}\r\n\r\n`,
+  )
+  let at = 0
+  const trickle = setInterval(() => {
+    if (at >= c.bytes.length || sock.destroyed) return
+    sock.write(c.bytes.subarray(at, at + 100))
+    at += 100
+  }, 100)
+  try {
+    for (let i = 0; i < 100 && !text.includes('ERR_TIMEOUT'); i++) await sleep(50)
+  } finally {
+    clearInterval(trickle)
+    sock.destroy()
+  }
+  return text
+}
+
 describe('failed store PUTs release what they hold', () => {
   it('20 PUTs refused by S3 (503 SlowDown mid-body): timers and buffers back to baseline', async () => {
     const s3 = await slowDownS3()
@@ -296,29 +325,7 @@ describe('slow and closing clients', () => {
       createGateway({ store, limits: { bodyIdleTimeoutMs: 300, bodyMinBytesPerSecond: 64 * 1024 } }),
     )
     const c = makeChunk({ layers: 2, sectionBytes: 256 * 1024 })
-    const sock = net.connect(gw.port, '127.0.0.1')
-    sock.on('error', () => {})
-    let text = ''
-    sock.on('data', (d) => {
-      text += d
-    })
-    sock.write(
-      `PUT /v1/ns/a/chunks/${c.key} HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\ncontent-length: ${c.bytes.length}\r\n\r\n`,
-    )
-    // 100 bytes every 100 ms: 1 KB/s, never idle for 300 ms.
-    let at = 0
-    const trickle = setInterval(() => {
-      if (at >= c.bytes.length || sock.destroyed) return
-      sock.write(c.bytes.subarray(at, at + 100))
-      at += 100
-    }, 100)
-    try {
-      for (let i = 0; i < 100 && !text.includes('ERR_TIMEOUT'); i++) await sleep(50)
-    } finally {
-      clearInterval(trickle)
-      sock.destroy()
-    }
-    expect(text).toMatch(/^HTTP\/1\.1 408/)
+    expect(await trickledPut(gw.port, c)).toMatch(/^HTTP\/1\.1 408/)
     expect((await store.stats()).objects).toBe(0)
   })
 
@@ -328,30 +335,8 @@ describe('slow and closing clients', () => {
     const gw = await serve(app)
     const c = makeChunk({ layers: 2, sectionBytes: 256 * 1024 })
     expect((await fetch(`${gw.url}/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
-    const sock = net.connect(gw.port, '127.0.0.1')
-    sock.on('error', () => {})
-    let text = ''
-    sock.on('data', (d) => {
-      text += d
-    })
-    sock.write(
-      `PUT /v1/ns/a/chunks/${c.key} HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\ncontent-length: ${c.bytes.length}\r\n\r\n`,
-    )
-    // 100 bytes every 100 ms: 1 KB/s, never idle for 300 ms; it would hold its declared
-    // bytes of maxInFlightBytes for the ~8 minutes the rest takes.
-    let at = 0
-    const trickle = setInterval(() => {
-      if (at >= c.bytes.length || sock.destroyed) return
-      sock.write(c.bytes.subarray(at, at + 100))
-      at += 100
-    }, 100)
-    try {
-      for (let i = 0; i < 100 && !text.includes('ERR_TIMEOUT'); i++) await sleep(50)
-    } finally {
-      clearInterval(trickle)
-      sock.destroy()
-    }
-    expect(text).toMatch(/^HTTP\/1\.1 408/)
+    // It would hold its declared bytes of maxInFlightBytes for the ~8 minutes the rest takes.
+    expect(await trickledPut(gw.port, c)).toMatch(/^HTTP\/1\.1 408/)
     expect(app.state.inFlight.bytes).toBe(0)
   })
 

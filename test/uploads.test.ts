@@ -61,6 +61,37 @@ afterEach(() => {
   vi.useRealTimers()
 })
 
+/**
+ * POSTs an upload request whose body sends `first` and then nothing, never closing; returns the
+ * answer's status and error code (undefined after 2 s) and whether the gateway let go of the body.
+ */
+async function neverEndingUpload(
+  app: { fetch: (r: Request) => Response | Promise<Response> },
+  first: string,
+): Promise<{ status: number | undefined; code: string | undefined; cancelled: boolean }> {
+  let cancelled = false
+  const body = new ReadableStream<Uint8Array>({
+    start(c) {
+      c.enqueue(new TextEncoder().encode(first))
+    },
+    cancel() {
+      cancelled = true
+    },
+  })
+  const req = new Request('http://gw/v1/ns/a/uploads', {
+    method: 'POST',
+    headers: { authorization: 'Bearer tok-a', 'content-type': 'application/json' },
+    body,
+    duplex: 'half',
+  } as RequestInit)
+  const res = await Promise.race([
+    app.fetch(req),
+    new Promise<undefined>((r) => setTimeout(() => r(undefined), 2000)),
+  ])
+  const code = res ? ((await res.json()) as { error: { code: string } }).error.code : undefined
+  return { status: res?.status, code, cancelled }
+}
+
 describe('stores that cannot presign answer "direct"', () => {
   it('for every size, with or without the uploads option; there is nothing to commit', async () => {
     for (const uploads of [undefined, {}]) {
@@ -492,29 +523,9 @@ describe('the remote tier', () => {
 describe('an upload request body is bounded before it is read', () => {
   it('a body past 4 KiB that never ends is refused with 413, and its stream released', async () => {
     const app = createGateway({ store: new MemoryStore(), auth: { tokens: GRANTS }, uploads: {} })
-    let cancelled = false
-    const body = new ReadableStream<Uint8Array>({
-      start(c) {
-        c.enqueue(new TextEncoder().encode(`{"key": "${'0'.repeat(64)}", "pad": "${' '.repeat(8192)}`))
-      },
-      // never closes: a gateway that reads to the end would hold it (and all it sent) forever
-      cancel() {
-        cancelled = true
-      },
-    })
-    const req = new Request('http://gw/v1/ns/a/uploads', {
-      method: 'POST',
-      headers: { authorization: 'Bearer tok-a', 'content-type': 'application/json' },
-      body,
-      duplex: 'half',
-    } as RequestInit)
-    const res = await Promise.race([
-      app.fetch(req),
-      new Promise<undefined>((r) => setTimeout(() => r(undefined), 2000)),
-    ])
-    expect(res?.status).toBe(413)
-    expect(((await res!.json()) as { error: { code: string } }).error.code).toBe('ERR_PAYLOAD_TOO_LARGE')
-    expect(cancelled).toBe(true)
+    // Never closes: a gateway that reads to the end would hold it (and all it sent) forever.
+    const r = await neverEndingUpload(app, `{"key": "${'0'.repeat(64)}", "pad": "${' '.repeat(8192)}`)
+    expect(r).toEqual({ status: 413, code: 'ERR_PAYLOAD_TOO_LARGE', cancelled: true })
   })
 
   it('a body under 4 KiB that stalls fails with 408 after bodyIdleTimeoutMs, its stream released', async () => {
@@ -524,29 +535,9 @@ describe('an upload request body is bounded before it is read', () => {
       uploads: {},
       limits: { bodyIdleTimeoutMs: 200 },
     })
-    let cancelled = false
-    const body = new ReadableStream<Uint8Array>({
-      start(c) {
-        c.enqueue(new TextEncoder().encode(`{"key": "${'0'.repeat(64)}", `))
-      },
-      // a slowloris: sends a little, then nothing (holding its socket until the request timeout)
-      cancel() {
-        cancelled = true
-      },
-    })
-    const req = new Request('http://gw/v1/ns/a/uploads', {
-      method: 'POST',
-      headers: { authorization: 'Bearer tok-a', 'content-type': 'application/json' },
-      body,
-      duplex: 'half',
-    } as RequestInit)
-    const res = await Promise.race([
-      app.fetch(req),
-      new Promise<undefined>((r) => setTimeout(() => r(undefined), 2000)),
-    ])
-    expect(res?.status).toBe(408)
-    expect(((await res!.json()) as { error: { code: string } }).error.code).toBe('ERR_TIMEOUT')
-    expect(cancelled).toBe(true)
+    // A slowloris: sends a little, then nothing (holding its socket until the request timeout).
+    const r = await neverEndingUpload(app, `{"key": "${'0'.repeat(64)}", `)
+    expect(r).toEqual({ status: 408, code: 'ERR_TIMEOUT', cancelled: true })
   })
 })
 
