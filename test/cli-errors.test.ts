@@ -193,6 +193,21 @@ describe('kvgate bench', () => {
     expect(readdirSync(cwd)).toEqual([])
     expect((await kvgate(['bench', 'codec', '--bogus'], {}, cwd)).code).toBe(2)
   })
+
+  it('--help lists only runnable benchmarks, each with what it measures', async () => {
+    const r = await kvgate(['bench', '--help'])
+    expect(r.code).toBe(0)
+    const list = r.stdout.split('Benchmarks:\n')[1]!.split('\n\n')[0]!.split('\n')
+    expect(list.length).toBeGreaterThan(5)
+    for (const line of list) expect(line, line).toMatch(/^ {2}[a-z0-9-]+ +\S.{10,}/)
+    // A/B tools that need a second build (an old .wasm, another tree) are not offered.
+    for (const tool of ['codec-diff', 'l2-ab']) {
+      expect(r.stdout).not.toContain(tool)
+      const t = await kvgate(['bench', tool])
+      expect(t.code, t.stderr).toBe(2)
+      expect(t.stderr).toContain(`unknown benchmark '${tool}'`)
+    }
+  })
 })
 
 describe('kvgate smoke', () => {
