@@ -150,6 +150,25 @@ describe('the packed kvgate, installed into a fresh app', () => {
     expect(out.codecWorks).toBe(true)
   })
 
+  it('CommonJS require()s every Node entry (Node >= 20.19 loads ES modules from require)', async () => {
+    // The app is "type": "module"; a .cjs file is what a CommonJS project runs. Without a
+    // "default" condition require() failed with ERR_PACKAGE_PATH_NOT_EXPORTED.
+    const script = `
+      const out = {}
+      for (const e of ['core', 'codec', 'codec/node', 'gateway', 'gateway/node', 'client']) {
+        out[e] = Object.keys(require('kvgate/' + e)).length
+      }
+      out.client = typeof require('kvgate/client').KVCache
+      console.log(JSON.stringify(out))`
+    writeFileSync(join(app, 'require-entries.cjs'), script)
+    const { stdout, stderr } = await run(process.execPath, ['require-entries.cjs'], app)
+    const out = JSON.parse(stdout)
+    for (const e of ['core', 'codec', 'codec/node', 'gateway', 'gateway/node'])
+      expect(out[e], e).toBeGreaterThan(0)
+    expect(out.client).toBe('function')
+    expect(stderr).not.toMatch(/ExperimentalWarning/)
+  })
+
   it('the codec worker entry runs the compiled worker', async () => {
     const entry = join(app, 'node_modules/kvgate/dist/src/client/codec-worker-entry.mjs')
     const script = `
