@@ -61,6 +61,18 @@ describe('kvgate serve: mistakes are one line naming the fix', () => {
     expect(far.stderr).toContain("unknown option '--zzzzzzzzzz'. Run with --help for usage.")
   })
 
+  it("a value that looks like a flag ('--copy-threads -1') is one line naming the flag and the '=' form", async () => {
+    for (const args of [
+      ['agent', '--copy-threads', '-1'],
+      ['serve', '--port', '-1'],
+    ]) {
+      const r = await kvgate(args)
+      expect(r.code, args.join(' ')).toBe(2)
+      expect(oneLine(r.stderr), r.stderr).toBe(true)
+      expect(r.stderr).toContain(`'${args[1]}=-XYZ'. Run with --help for usage.`)
+    }
+  })
+
   it('a bad KVGATE_* value names the variable', async () => {
     const r = await kvgate(['serve'], { KVGATE_PORT: 'eighty' })
     expect(r.code).toBe(2)
