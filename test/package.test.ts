@@ -121,14 +121,33 @@ describe('the packed kvgate, installed into a fresh app', () => {
     ]) {
       expect(packedFiles, f).toContain(f)
     }
-    const unwanted = packedFiles.filter((f) =>
-      /^(src|test|bench|\.ci|infra|wasm)\/|\.test\.|^native\/build\//.test(f),
+    // Sources stay out; the READMEs the packed docs link to are in (src/client, wasm).
+    const unwanted = packedFiles.filter(
+      (f) =>
+        /^(src|test|bench|\.ci|infra|wasm)\/|\.test\.|^native\/build\//.test(f) && !/\/README\.md$/.test(f),
     )
     expect(unwanted).toEqual([])
     const pkg = JSON.parse(readFileSync(join(app, 'node_modules/kvgate/package.json'), 'utf8'))
     for (const dev of ['tsx', 'esbuild', '@aws-sdk/lib-storage', '@aws-sdk/client-ssm']) {
       expect(pkg.dependencies[dev], dev).toBeUndefined()
     }
+  })
+
+  it('every relative link in the packed README and docs names a file in the package', () => {
+    const root = join(app, 'node_modules/kvgate')
+    const docs = ['README.md', ...packedFiles.filter((f) => /^docs\/[^/]+\.md$/.test(f))]
+    expect(docs.length).toBeGreaterThan(5)
+    const missing: string[] = []
+    for (const doc of docs) {
+      const text = readFileSync(join(root, doc), 'utf8')
+      for (const [, target] of text.matchAll(/\]\(([^)#\s]+)(?:#[^)]*)?\)/g)) {
+        if (/^[a-z]+:/.test(target!)) continue // http(s), mailto
+        if (!existsSync(join(root, doc, '..', target!))) missing.push(`${doc} -> ${target}`)
+      }
+    }
+    expect(missing).toEqual([])
+    // The examples the README points to ship, so an app can run them from node_modules.
+    expect(packedFiles).toContain('examples/client.mjs')
   })
 
   it('every entry imports in plain Node (no loader); the codec works from dist', async () => {
