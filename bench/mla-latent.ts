@@ -12,6 +12,7 @@ import { decodeChunk, encodeChunk } from '../src/codec/node.ts'
 import type { CodecMode } from '../src/codec/params.ts'
 import type { KvGeometry } from '../src/core/layout.ts'
 import { gaussian, metaFor, rng, tensorOf, valuesOf } from '../test/codec-fixtures.ts'
+import { machineLine, median, writeResult } from './lib/stats.ts'
 
 const arg = (name: string, dflt: number) => {
   const i = process.argv.indexOf(`--${name}`)
@@ -175,6 +176,7 @@ const reference = layers.map((L, l) => attentionOutput(L, input.subarray(l * T *
 console.log(
   `MLA latent vs split slab: ${LAYERS} layers × ${T} tokens × latent ${C} (${NOPE}+${ROPE} rope), bf16, ${tensor.byteLength} B raw; ${REPEATS} repeats, interleaved`,
 )
+const rows: Record<string, unknown>[] = []
 for (const mode of ['kvgate', 'lossless'] as CodecMode[]) {
   const times = {
     latent: { enc: [] as number[], dec: [] as number[] },
@@ -210,8 +212,29 @@ for (const mode of ['kvgate', 'lossless'] as CodecMode[]) {
               a + rel(reference[l]!, attentionOutput(L, back.subarray(l * T * C, (l + 1) * T * C))),
             0,
           ) / LAYERS
+    rows.push({
+      mode,
+      storage: name,
+      ratio: tensor.byteLength / bytes,
+      bytes,
+      latentErr: centred(input, back),
+      attentionErr: attn,
+      encodeMsMedian: median(times[name].enc),
+      decodeMsMedian: median(times[name].dec),
+    })
     console.log(
       `${mode.padEnd(8)} ${name.padEnd(6)} ratio ${(tensor.byteLength / bytes).toFixed(2)}× (${bytes} B)  latent err (centred) ${(100 * centred(input, back)).toFixed(2)} %  attention-output err ${(100 * attn).toFixed(2)} %  encode ms min/med/max ${stats(times[name].enc)}  decode ${stats(times[name].dec)}`,
     )
   }
 }
+// Like every benchmark, the figures also go to <out>/mla-latent.json (kvgate bench --out).
+const path = writeResult({
+  name: 'mla-latent',
+  date: new Date().toISOString(),
+  machine: await machineLine(),
+  command: 'node --import tsx bench/mla-latent.ts',
+  geometry: { layers: LAYERS, tokens: T, latent: C, repeats: REPEATS },
+  rows,
+  bars: [],
+})
+console.log(`wrote ${path}`)

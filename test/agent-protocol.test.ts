@@ -622,6 +622,11 @@ describe('agent configuration', () => {
     expect(() => resolveAgentConfig({ config: file }, {})).toThrow(
       `${file}: agent.sockt: unknown key (did you mean 'socket'?)`,
     )
+    // A typo of the section itself: the top level's valid keys include agent.
+    writeFileSync(file, 'agnet:\n  socket: /tmp/x\n')
+    expect(() => resolveAgentConfig({ config: file }, {})).toThrow(
+      new RegExp(`${file}: agnet: unknown key \\(did you mean 'agent'\\?\\); valid keys here: .*, agent$`),
+    )
     // chunkTokens from the client's settings: the variable or the file's top-level key, by name.
     expect(() => resolveAgentConfig({ socket: sock }, { KVGATE_CHUNK_TOKENS: '0' })).toThrow(
       'KVGATE_CHUNK_TOKENS: expected an integer in 1..1048576, got 0',

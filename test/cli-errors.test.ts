@@ -61,6 +61,18 @@ describe('kvgate serve: mistakes are one line naming the fix', () => {
     expect(far.stderr).toContain("unknown option '--zzzzzzzzzz'. Run with --help for usage.")
   })
 
+  it("a value that looks like a flag ('--copy-threads -1') is one line naming the flag and the '=' form", async () => {
+    for (const args of [
+      ['agent', '--copy-threads', '-1'],
+      ['serve', '--port', '-1'],
+    ]) {
+      const r = await kvgate(args)
+      expect(r.code, args.join(' ')).toBe(2)
+      expect(oneLine(r.stderr), r.stderr).toBe(true)
+      expect(r.stderr).toContain(`'${args[1]}=-XYZ'. Run with --help for usage.`)
+    }
+  })
+
   it('a bad KVGATE_* value names the variable', async () => {
     const r = await kvgate(['serve'], { KVGATE_PORT: 'eighty' })
     expect(r.code).toBe(2)
@@ -192,6 +204,21 @@ describe('kvgate bench', () => {
     }
     expect(readdirSync(cwd)).toEqual([])
     expect((await kvgate(['bench', 'codec', '--bogus'], {}, cwd)).code).toBe(2)
+  })
+
+  it('--help lists only runnable benchmarks, each with what it measures', async () => {
+    const r = await kvgate(['bench', '--help'])
+    expect(r.code).toBe(0)
+    const list = r.stdout.split('Benchmarks:\n')[1]!.split('\n\n')[0]!.split('\n')
+    expect(list.length).toBeGreaterThan(5)
+    for (const line of list) expect(line, line).toMatch(/^ {2}[a-z0-9-]+ +\S.{10,}/)
+    // A/B tools that need a second build (an old .wasm, another tree) are not offered.
+    for (const tool of ['codec-diff', 'l2-ab']) {
+      expect(r.stdout).not.toContain(tool)
+      const t = await kvgate(['bench', tool])
+      expect(t.code, t.stderr).toBe(2)
+      expect(t.stderr).toContain(`unknown benchmark '${tool}'`)
+    }
   })
 })
 

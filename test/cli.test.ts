@@ -97,6 +97,24 @@ describe('kvgate CLI', () => {
     expect(help.stdout).not.toMatch(/\| -\)/)
     expect((await kvgate('keys', '-')).code).toBe(2)
   })
+  it('keys: the keys line up in one column whatever the width of the token ranges', async () => {
+    const tokens = Array.from({ length: 34 }, (_, i) => i).join(',')
+    const r = await kvgate(
+      'keys',
+      '--model',
+      'stories260k',
+      '--chunk-tokens',
+      '8',
+      '--partial',
+      '--tokens',
+      tokens,
+    )
+    expect(r.code).toBe(0)
+    const lines = r.stdout.trim().split('\n').slice(1)
+    expect(lines).toHaveLength(5)
+    const columns = new Set(lines.map((l) => l.search(/[0-9a-f]{64}/)))
+    expect([...columns]).toHaveLength(1)
+  })
   it('gc on the memory store (nothing outlives a process) is wrong usage, not a pass over an empty bucket', async () => {
     const r = await kvgate('gc', '--store', 'memory', '--dry-run')
     expect(r.code).toBe(2)

@@ -171,6 +171,13 @@ describe('findSharedData', () => {
     expect(r.reason).toMatch(/KVGATE_SHARED_DATA=\/nonexistent\/kvgate-data/)
   })
 
+  it('installed as a dependency with nothing set, says it looked nowhere and how to point at the files', () => {
+    const r = findSharedData({}, false)
+    expect(r.paths).toBeUndefined()
+    expect(r.reason).not.toMatch(/not found in ;/)
+    expect(r.reason).toMatch(/not looked for .*; set KVGATE_SHARED_DATA \(or pass --model DIR\)$/)
+  })
+
   it.skipIf(!data.paths)('honours KVGATE_SHARED_DATA', () => {
     const r = findSharedData({ KVGATE_SHARED_DATA: data.paths!.dir })
     expect(r.paths?.model).toBe(data.paths!.model)

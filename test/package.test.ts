@@ -121,14 +121,33 @@ describe('the packed kvgate, installed into a fresh app', () => {
     ]) {
       expect(packedFiles, f).toContain(f)
     }
-    const unwanted = packedFiles.filter((f) =>
-      /^(src|test|bench|\.ci|infra|wasm)\/|\.test\.|^native\/build\//.test(f),
+    // Sources stay out; the READMEs the packed docs link to are in (src/client, wasm).
+    const unwanted = packedFiles.filter(
+      (f) =>
+        /^(src|test|bench|\.ci|infra|wasm)\/|\.test\.|^native\/build\//.test(f) && !/\/README\.md$/.test(f),
     )
     expect(unwanted).toEqual([])
     const pkg = JSON.parse(readFileSync(join(app, 'node_modules/kvgate/package.json'), 'utf8'))
     for (const dev of ['tsx', 'esbuild', '@aws-sdk/lib-storage', '@aws-sdk/client-ssm']) {
       expect(pkg.dependencies[dev], dev).toBeUndefined()
     }
+  })
+
+  it('every relative link in the packed README and docs names a file in the package', () => {
+    const root = join(app, 'node_modules/kvgate')
+    const docs = ['README.md', ...packedFiles.filter((f) => /^docs\/[^/]+\.md$/.test(f))]
+    expect(docs.length).toBeGreaterThan(5)
+    const missing: string[] = []
+    for (const doc of docs) {
+      const text = readFileSync(join(root, doc), 'utf8')
+      for (const [, target] of text.matchAll(/\]\(([^)#\s]+)(?:#[^)]*)?\)/g)) {
+        if (/^[a-z]+:/.test(target!)) continue // http(s), mailto
+        if (!existsSync(join(root, doc, '..', target!))) missing.push(`${doc} -> ${target}`)
+      }
+    }
+    expect(missing).toEqual([])
+    // The examples the README points to ship, so an app can run them from node_modules.
+    expect(packedFiles).toContain('examples/client.mjs')
   })
 
   it('every entry imports in plain Node (no loader); the codec works from dist', async () => {
@@ -148,6 +167,25 @@ describe('the packed kvgate, installed into a fresh app', () => {
       expect(out[e], e).toBeGreaterThan(0)
     expect(out.gatewayEmbeds).toBe(true)
     expect(out.codecWorks).toBe(true)
+  })
+
+  it('CommonJS require()s every Node entry (Node >= 20.19 loads ES modules from require)', async () => {
+    // The app is "type": "module"; a .cjs file is what a CommonJS project runs. Without a
+    // "default" condition require() failed with ERR_PACKAGE_PATH_NOT_EXPORTED.
+    const script = `
+      const out = {}
+      for (const e of ['core', 'codec', 'codec/node', 'gateway', 'gateway/node', 'client']) {
+        out[e] = Object.keys(require('kvgate/' + e)).length
+      }
+      out.client = typeof require('kvgate/client').KVCache
+      console.log(JSON.stringify(out))`
+    writeFileSync(join(app, 'require-entries.cjs'), script)
+    const { stdout, stderr } = await run(process.execPath, ['require-entries.cjs'], app)
+    const out = JSON.parse(stdout)
+    for (const e of ['core', 'codec', 'codec/node', 'gateway', 'gateway/node'])
+      expect(out[e], e).toBeGreaterThan(0)
+    expect(out.client).toBe('function')
+    expect(stderr).not.toMatch(/ExperimentalWarning/)
   })
 
   it('the codec worker entry runs the compiled worker', async () => {

@@ -42,7 +42,9 @@ export function parseCommandArgs<O extends Options>(
         `unknown option '${unknown}'${near ? ` (did you mean '${near}'?)` : ''}. Run with --help for usage.`,
       )
     }
-    throw new InvalidArgumentError(`${err.message}. Run with --help for usage.`)
+    // node's text can span lines ('--flag -1' is "ambiguous", then two lines of advice): errors are one line.
+    const message = err.message.replace(/\s*\n\s*/g, ' ').replace(/\.$/, '')
+    throw new InvalidArgumentError(`${message}. Run with --help for usage.`)
   }
   const { values, positionals } = parsed
   const { help, ...rest } = values as Record<string, unknown>

@@ -23,7 +23,7 @@ const COMMANDS: Record<string, CommandEntry> = {
   inspect: { summary: "print a chunk object's header, layer index and checksums" },
   agent: { summary: 'run the per-node sidecar vLLM talks to (kvgate_vllm connector)' },
   keys: { summary: 'compute chained prefix keys for a token list' },
-  bench: { summary: 'run a benchmark (codec, gateway, native, client, fleet)' },
+  bench: { summary: 'run one benchmark (kvgate bench --help lists them)' },
   gc: { summary: 'delete unused and over-quota chains from the bucket, tail first (cold tier)' },
   'build-native': { summary: 'build the native addon where kvgate is installed (pinned L1, O_DIRECT)' },
 }

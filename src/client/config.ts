@@ -423,7 +423,15 @@ export function optionsFromEnvironment(
         if (k in d) extra[k] = d[k]
         delete d[k]
       }
-      Object.assign(out, parseConfig(CLIENT_FILE_SCHEMA, d, path), extra)
+      // The daemon's sections are valid keys too: a typo of one ('agnet:') is told the nearest.
+      const schema =
+        extraSections.length === 0
+          ? CLIENT_FILE_SCHEMA
+          : v.strictObject({
+              ...CLIENT_FILE_SCHEMA.entries,
+              ...Object.fromEntries(extraSections.map((k) => [k, anyOpt])),
+            })
+      Object.assign(out, parseConfig(schema, d, path), extra)
     }
   }
   const sub = (k: 'memory' | 'disk' | 'remote'): Plain => {

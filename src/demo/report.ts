@@ -45,7 +45,7 @@ export function renderDemo(r: DemoResult): string {
   out.push(
     nat.loaded
       ? 'L1 is pinned host memory from the native addon'
-      : 'L1 is plain memory: the native addon is not loaded (scripts/build-native.sh builds it; --json says why)',
+      : 'L1 is plain memory: the native addon is not loaded (npx kvgate build-native builds it; --json says why)',
   )
   out.push('')
   const w = 12

@@ -30,11 +30,14 @@ export type SharedDataLookup =
  * ../shared/data beside the checkout. No machine's absolute path is guessed. `paths` is
  * undefined when neither holds both files, and `reason` says where it looked (tests print it when they skip).
  */
-export function findSharedData(env: Record<string, string | undefined> = process.env): SharedDataLookup {
+export function findSharedData(
+  env: Record<string, string | undefined> = process.env,
+  besideCheckout = !installedAsDependency(),
+): SharedDataLookup {
   const candidates: string[] = []
   if (env.KVGATE_SHARED_DATA) candidates.push(resolve(env.KVGATE_SHARED_DATA))
   // Beside a checkout only: under node_modules, ../shared would be another package.
-  if (!installedAsDependency()) candidates.push(resolve(packageRoot(), '..', 'shared', 'data'))
+  if (besideCheckout) candidates.push(resolve(packageRoot(), '..', 'shared', 'data'))
   const tried: string[] = []
   for (const dir of candidates) {
     const model = join(dir, MODEL_FILE)
@@ -49,9 +52,12 @@ export function findSharedData(env: Record<string, string | undefined> = process
       }
     }
   }
+  // Installed as a dependency with no KVGATE_SHARED_DATA, nothing was tried: say so rather than "not found in ".
+  const where =
+    tried.length > 0 ? `not found in ${tried.join(', ')}` : 'not looked for (no checkout beside this install)'
   return {
     paths: undefined,
-    reason: `model data (${MODEL_FILE}, ${TOKENIZER_FILE}) not found in ${tried.join(', ')}; set KVGATE_SHARED_DATA (or pass --model DIR)`,
+    reason: `model data (${MODEL_FILE}, ${TOKENIZER_FILE}) ${where}; set KVGATE_SHARED_DATA (or pass --model DIR)`,
   }
 }
 

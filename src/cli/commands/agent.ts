@@ -17,7 +17,8 @@ Options (flags override KVGATE_* env vars, which override the config file):
                                level (memory, disk, remote, namespace), agent keys under agent:
   -s, --socket PATH            Unix socket, created 0600 (env: KVGATE_AGENT_SOCKET)
                                [$XDG_RUNTIME_DIR/kvgate/agent.sock or /tmp/kvgate-<uid>/agent.sock]
-      --chunk-tokens N         tokens per stored chunk, a multiple of vLLM's block size [256]
+      --chunk-tokens N         tokens per stored chunk, a multiple of vLLM's block size
+                               (env: KVGATE_CHUNK_TOKENS) [256]
       --lookup-deadline-ms N   answer lookups from local tiers after N ms (env:
                                KVGATE_AGENT_LOOKUP_DEADLINE_MS) [250]
       --metrics-port N         Prometheus /metrics on 127.0.0.1:N, 0 = any free port
@@ -30,7 +31,9 @@ Options (flags override KVGATE_* env vars, which override the config file):
 Cache tiers as for the client: KVGATE_MEMORY_BYTES (the one L1 of every engine and rank,
 per chunk size; faulted in when the first engine registers), KVGATE_DISK_DIR /
 KVGATE_DISK_BYTES (L2: a subdirectory per KV space, one budget for all), KVGATE_REMOTE_URL /
-KVGATE_REMOTE_TOKEN / KVGATE_REMOTE_CODEC (the gateway), KVGATE_NAMESPACE. Prints one JSON line {"socket", "metricsPort"} when ready.
+KVGATE_REMOTE_TOKEN / KVGATE_REMOTE_CODEC (the gateway), KVGATE_NAMESPACE. Largest frame an
+engine may send: KVGATE_AGENT_MAX_FRAME_BYTES or agent.maxFrameBytes [16MiB].
+Prints one JSON line {"socket", "metricsPort"} when ready.
 `
 
 export async function run(argv: string[]): Promise<number> {

@@ -29,7 +29,17 @@ export const BENCH_SUMMARY: Record<string, string> = {
     'kvgate agent over its socket: save/load of scattered paged blocks vs one memcpy, 512-key lookup p50/p99',
   'load-vs-prefill':
     'lookup + retrieve of a Llama-3.1-8B-shaped prefix from L1, cold L2 and L4 (RadosGW) vs its modelled H100 prefill',
+  'codec-rd':
+    'rate-distortion rounding (rdRounding) vs nearest rounding: bytes, error, agreement and encode/decode time',
+  'mla-latent':
+    'MLA KV stored as latent chunks vs split K/V slabs (synthetic DeepSeek-shaped KV): bytes, error, speed',
 }
+
+/**
+ * Developer A/B tools in bench/ that need a second build to compare against (an old .wasm,
+ * another tree): run them with tsx in a checkout (their headers say how), not as benchmarks.
+ */
+const NOT_BENCHMARKS = new Set(['run-all', 'report', 'codec-diff', 'l2-ab'])
 
 /** Benchmarks present (fuzzers and helpers are not benchmarks). */
 export function availableBenches(dir = BENCH_DIR): string[] {
@@ -37,7 +47,7 @@ export function availableBenches(dir = BENCH_DIR): string[] {
   return readdirSync(dir)
     .filter((f) => f.endsWith(EXT) && !f.endsWith('.d.ts') && !f.startsWith('fuzz-'))
     .map((f) => f.slice(0, -EXT.length))
-    .filter((n) => n !== 'run-all' && n !== 'report')
+    .filter((n) => !NOT_BENCHMARKS.has(n))
     .sort()
 }
 

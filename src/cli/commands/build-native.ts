@@ -11,7 +11,11 @@ const HELP = `Usage: kvgate build-native [--clean]
 Builds kvgate's native addon (pinned host memory, O_DIRECT, GPU copies) where kvgate is
 installed, with node-gyp (the one inside npm will do) against the system Node headers.
 Needs g++, make and python3 (Debian: apt-get install g++ make python3).
-linux-x64 installs already carry a prebuilt addon; a local build takes precedence over it.`
+linux-x64 installs already carry a prebuilt addon; a local build takes precedence over it.
+
+Options:
+  --clean     remove the previous build and rebuild from scratch
+  -h, --help  show this help`
 
 export async function run(argv: string[]): Promise<number> {
   const { values, help } = parseCommandArgs(argv, { clean: { type: 'boolean' } })

@@ -88,9 +88,12 @@ export async function run(argv: string[]): Promise<number> {
     )
   } else {
     console.log(`namespace ${namespaceId(ns)} (${preset.modelId}, ${chunkTokens}-token chunks, ${ns.scheme})`)
+    // Ranges padded to the widest, so the keys line up in one column.
+    const range = (k: (typeof keys)[number]) => `[${k.start}, ${k.end})`
+    const width = Math.max(0, ...keys.map((k) => range(k).length))
     for (const k of keys)
       console.log(
-        `${String(k.index).padStart(5)}  [${k.start}, ${k.end})  ${k.hex}${k.partial ? '  partial' : ''}`,
+        `${String(k.index).padStart(5)}  ${range(k).padEnd(width)}  ${k.hex}${k.partial ? '  partial' : ''}`,
       )
     if (keys.length === 0)
       console.log(`no full chunk in ${tokens.length} tokens (use --partial to key the tail)`)
