@@ -111,7 +111,7 @@ def _after_null_blocks(block_ids: List[int]) -> int:
 
 _LAYOUTS = ("flash-attn", "flashinfer", "mla")
 # kv_connector_extra_config keys and their defaults (docs/vllm.md lists them).
-_EXTRA_MS_DEFAULTS = {"lookup_wait_ms": 2, "lookup_timeout_ms": 1000, "load_timeout_ms": 30000}
+_EXTRA_MS_DEFAULTS = {"lookup_wait_ms": 2, "lookup_timeout_ms": 1000, "load_timeout_ms": 30000, "save_timeout_ms": 60000}
 _EXTRA_KEYS = ("socket", "layout", "model_id", *_EXTRA_MS_DEFAULTS)
 
 
@@ -265,6 +265,7 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
         "lookupWaitS": waits["lookup_wait_ms"],
         "lookupTimeoutS": waits["lookup_timeout_ms"],
         "loadTimeoutS": waits["load_timeout_ms"],
+        "saveTimeoutS": waits["save_timeout_ms"],
     }
 
 
@@ -387,7 +388,9 @@ class KVGateConnector(KVConnectorBase_V1):
         # When this step's loads must have landed: one load_timeout_ms for the whole step
         # (every layer's wait and the final one), not one per layer and per load.
         self._load_deadline = 0.0
-        self._saves: Dict[str, Future] = {}
+        # request id -> the save's answer and when it must have come: its blocks are held by vLLM
+        # until then (an agent alive but stalled would hold them for ever).
+        self._saves: Dict[str, Tuple[Future, float]] = {}
         self._saves_done: Set[str] = set()
         self._finished_seen: Set[str] = set()
         self._load_errors: Set[int] = set()
@@ -724,9 +727,12 @@ class KVGateConnector(KVConnectorBase_V1):
                 self._saves_done.add(spec.req_id)
                 self.saves_not_stored += not ready and not skip_saves
                 continue
-            self._saves[spec.req_id] = self._client.request(
-                "save",
-                {"worker": self._worker_id, "keys": _packed(spec.keys), "blockIds": spec.block_ids, "from": spec.first},
+            self._saves[spec.req_id] = (
+                self._client.request(
+                    "save",
+                    {"worker": self._worker_id, "keys": _packed(spec.keys), "blockIds": spec.block_ids, "from": spec.first},
+                ),
+                time.monotonic() + self._settings["saveTimeoutS"],
             )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -774,7 +780,14 @@ class KVGateConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         self._finished_seen.update(finished_req_ids)
-        for rid, f in list(self._saves.items()):
+        now = time.monotonic()
+        if any(not f.done() and now >= deadline for f, deadline in self._saves.values()):
+            # A save's only cancellation is its connection closing: the agent then starts no copy
+            # out of its blocks and stores no chunk whose copy ended after the close, so vLLM may
+            # reuse them. Every request pending on the connection fails (as if the agent died).
+            log.warning("kvgate: a save did not finish within save_timeout_ms; dropping the agent connection")
+            self._client.close()
+        for rid, (f, _) in list(self._saves.items()):
             if f.done():
                 del self._saves[rid]
                 self._saves_done.add(rid)

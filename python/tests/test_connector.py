@@ -499,12 +499,15 @@ def test_extra_config_unknown_keys_and_bad_values_are_errors(tmp):
         engine_settings(with_extra(lookup_wait_ms="soon"))
     with pytest.raises(ConfigurationError, match="load_timeout_ms.*a number"):
         engine_settings(with_extra(load_timeout_ms=-5))
+    with pytest.raises(ConfigurationError, match="save_timeout_ms.*a number"):
+        engine_settings(with_extra(save_timeout_ms=float("inf")))
     with pytest.raises(ConfigurationError, match="layout.*flash-attn, flashinfer, mla"):
         engine_settings(with_extra(layout="paged"))
     with pytest.raises(ConfigurationError, match="socket.*a path"):
         engine_settings(with_extra(socket=7))
     s = engine_settings(with_extra(socket="/s.sock", layout="flashinfer", lookup_wait_ms="5", load_timeout_ms=100))
     assert (s["socket"], s["layout"], s["lookupWaitS"], s["loadTimeoutS"]) == ("/s.sock", "flashinfer", 0.005, 0.1)
+    assert s["saveTimeoutS"] == 60.0
 
 
 def test_model_identity_names_the_weights_not_the_served_alias(tmp):

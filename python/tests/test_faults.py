@@ -819,6 +819,52 @@ def test_a_save_pending_when_the_agent_dies_frees_its_blocks_and_is_counted():
         agent.close()
 
 
+def test_a_save_the_agent_never_answers_frees_its_blocks_after_save_timeout_ms():
+    """An agent alive but stalled takes a save and never answers: request_finished held the
+    request's blocks for it, so they were held for ever (vLLM's free blocks shrinking with every
+    finished request until nothing can be scheduled). After save_timeout_ms the save is given up
+    the only way the protocol has (the connection is closed: the agent then starts no copy out of
+    its blocks and stores no chunk copied after the close), reported finished and counted."""
+
+    def script(agent, conn, req, n):
+        return None if req["op"] == "save" else well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    spec = spec_for(agent)
+    shape = [2, spec.num_blocks, 16, spec.kv_heads, spec.head_size]
+    caches = {f"l{i}": shm.shm_tensor(shape, torch.float16) for i in range(spec.layers)}
+    cfg = config(agent)
+    cfg.kv_transfer_config.kv_connector_extra_config["save_timeout_ms"] = 200
+    w = KVGateConnector(cfg, KVConnectorRole.WORKER)
+    w._client._reconnect_interval = 0
+    w.register_kv_caches(caches)
+    try:
+        assert w._worker_ready()
+        req = make_request("s", PROMPT, 16)
+        w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
+        w.start_load_kv(None)
+        w.wait_for_save()
+        assert w.get_finished({"s"}) == (None, None)
+        w.clear_connector_metadata()
+        deadline = time.monotonic() + 3
+        while True:
+            done, _ = w.get_finished(set())
+            if done:
+                break
+            assert time.monotonic() < deadline, "a save never answered held its blocks for ever"
+            time.sleep(0.01)
+        assert done == {"s"}
+        assert w.saves_not_stored == 1
+        assert not w._saves
+        conn = agent.conns[-1]
+        conn.settimeout(5)
+        assert conn.recv(1) == b""  # the agent sees the close
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
 def test_chunks_that_failed_to_load_are_saved_again():
     """The lookup found 3 chunks, chunk 1 failed to load (vLLM recomputed it): the request's
     save starts at chunk 1, not after the 3 the lookup promised, or this node never stores the
