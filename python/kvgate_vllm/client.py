@@ -147,7 +147,16 @@ class AgentClient:
                     struct.pack("ll", sec, int((self._send_timeout - sec) * 1_000_000)),
                 )
             except OSError as e:
-                self.last_error = f"cannot reach the kvgate agent at {self.path}: {e}"
+                msg = f"cannot reach the kvgate agent at {self.path}: {e}"
+                # Once per outage (not per dial): a mistyped path or an agent not started would
+                # otherwise run vLLM without kvgate and not one line saying so.
+                if msg != self.last_error:
+                    log.warning(
+                        "%s; running without kvgate until it answers (start the agent, or point "
+                        "kv_connector_extra_config 'socket' or KVGATE_AGENT_SOCKET at its socket)",
+                        msg,
+                    )
+                self.last_error = msg
                 return False
             self._sock = s
             self._buf = (s, bytearray())
@@ -173,6 +182,7 @@ class AgentClient:
             self.last_error = msg
             return False
         self._backoff = 0.0
+        self.last_error = None  # the next outage is logged again
         return self._sock is not None
 
     def _closed_while_idle(self, s: socket.socket) -> bool:

@@ -865,6 +865,36 @@ def test_a_save_the_agent_never_answers_frees_its_blocks_after_save_timeout_ms()
         agent.close()
 
 
+def test_an_agent_that_cannot_be_reached_is_logged_once_per_outage_naming_the_socket(caplog, tmp_path):
+    """A socket path with a typo (or an agent not started) meant running without kvgate with not
+    one line in vLLM's log: the operator could not tell kvgate was off. The first failed dial of
+    an outage is a warning naming the path and where it is set; later dials of the same outage
+    are quiet, and an outage after the agent answered again is logged again."""
+    agent = ScriptedAgent(well_behaved)
+    missing = str(tmp_path / "agent.sokc")
+    cfg = config(agent)
+    cfg.kv_transfer_config.kv_connector_extra_config["socket"] = missing
+    with caplog.at_level("WARNING", logger="kvgate_vllm"):
+        s = KVGateConnector(cfg, KVConnectorRole.SCHEDULER)
+        s._client._reconnect_interval = 0
+        try:
+            for _ in range(3):
+                assert not s._client.ensure()
+            warned = [r.getMessage() for r in caplog.records]
+            assert len(warned) == 1, warned
+            assert missing in warned[0] and "KVGATE_AGENT_SOCKET" in warned[0], warned[0]
+            # The agent is found (the path fixed), then goes away: that outage is logged too.
+            s._client.path = agent.path
+            assert s._client.ensure()
+            s._client.path = missing
+            s._client.close()
+            assert not s._client.ensure()
+            assert len(caplog.records) == 2, [r.getMessage() for r in caplog.records]
+        finally:
+            s.shutdown()
+            agent.close()
+
+
 def test_chunks_that_failed_to_load_are_saved_again():
     """The lookup found 3 chunks, chunk 1 failed to load (vLLM recomputed it): the request's
     save starts at chunk 1, not after the 3 the lookup promised, or this node never stores the
