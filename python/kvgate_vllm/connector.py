@@ -269,6 +269,18 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
     }
 
 
+def _layout_shape(layout: str, shape: List[int], s: Dict[str, Any]) -> Tuple[int, List[int]]:
+    """The number of blocks a KV layer of `shape` holds in `layout`, and the shape it must then
+    have (vLLM's per-layer paged KV tensors)."""
+    if layout == "flash-attn":
+        num_blocks = shape[1] if len(shape) > 1 else -1
+        return num_blocks, [2, num_blocks, s["blockSize"], s["kvHeads"], s["headSize"]]
+    num_blocks = shape[0] if shape else -1
+    if layout == "flashinfer":
+        return num_blocks, [num_blocks, 2, s["blockSize"], s["kvHeads"], s["headSize"]]
+    return num_blocks, [num_blocks, s["blockSize"], s["headSize"]]
+
+
 def pci_bus_id(props: Any) -> Optional[str]:
     """The GPU's PCI bus id ("0000:3b:00.0") from torch's device properties, or None when this
     torch does not expose it. The agent resolves it to its own device ordinal, which differs
@@ -621,24 +633,24 @@ class KVGateConnector(KVConnectorBase_V1):
             raise ConfigurationError(f"vLLM registered {len(names)} KV layers; the model config says {s['layers']}")
         self._layer_index = {n: i for i, n in enumerate(names)}
         first = kv_caches[names[0]]
-        shape = list(first.shape)
         layout = s["layout"]
-        if layout == "flash-attn":
-            num_blocks = shape[1]
-            want = [2, num_blocks, s["blockSize"], s["kvHeads"], s["headSize"]]
-        elif layout == "flashinfer":
-            num_blocks = shape[0]
-            want = [num_blocks, 2, s["blockSize"], s["kvHeads"], s["headSize"]]
-        else:
-            num_blocks = shape[0]
-            want = [num_blocks, s["blockSize"], s["headSize"]]
+        num_blocks, want = _layout_shape(layout, list(first.shape), s)
         tensors = []
         for n in names:
             t = kv_caches[n]
             if list(t.shape) != want or not t.is_contiguous():
+                # The layout is inferred from VLLM_ATTENTION_BACKEND, which a backend chosen with
+                # --attention-backend or by vLLM's default (FlashInfer on some GPUs) leaves unset.
+                got = list(t.shape)
+                other = [o for o in ("flash-attn", "flashinfer") if o != layout and got == _layout_shape(o, got, s)[1]]
+                hint = (
+                    f': this is the {other[0]} layout, set "layout": "{other[0]}" in kv_connector_extra_config'
+                    if other
+                    else ' (kv_connector_extra_config "layout" names the backend\'s: flash-attn, flashinfer or mla)'
+                )
                 raise ConfigurationError(
                     f"KV layer {n} has shape {list(t.shape)} (contiguous: {t.is_contiguous()}); kvgate expects the "
-                    f"{layout} layout {want}, contiguous"
+                    f"{layout} layout {want}, contiguous{hint}"
                 )
             # The agent cuts and labels blocks by the dtype the config named (hello): another one
             # would be stored as that dtype (and shared with engines really using it) or cut wrong.

@@ -513,6 +513,29 @@ def test_kv_tensors_of_another_dtype_than_the_config_are_refused_at_register(tmp
         drop_caches(caches)
 
 
+@pytest.mark.parametrize("layout,other", [("flash-attn", "flashinfer"), ("flashinfer", "flash-attn")])
+def test_kv_tensors_of_the_other_paged_layout_are_refused_naming_the_layout_key(tmp_path, layout, other):
+    """The layout is inferred from VLLM_ATTENTION_BACKEND, which vLLM no longer reads when the
+    backend is chosen with --attention-backend or by default (FlashInfer on some GPUs): the
+    engine fails at register, and the error must name the fix (the `layout` key), not only the
+    shapes."""
+    from kvgate_vllm import ConfigurationError
+
+    spec = EngineSpec(socket=str(tmp_path / "none.sock"), layout=layout)
+    c = KVGateConnector(vllm_config(spec), KVConnectorRole.WORKER)
+    nb, h, d = spec.num_blocks, spec.kv_heads, spec.head_size
+    shape = [2, nb, 16, h, d] if other == "flash-attn" else [nb, 2, 16, h, d]
+    caches = {f"l{i}": shm.shm_tensor(shape, torch.float16) for i in range(spec.layers)}
+    try:
+        with pytest.raises(ConfigurationError) as e:
+            c.register_kv_caches(caches)
+        assert f'"layout": "{other}"' in str(e.value) and "kv_connector_extra_config" in str(e.value), str(e.value)
+        assert c._register_msg is None
+    finally:
+        c.shutdown()
+        drop_caches(caches)
+
+
 def test_pipeline_parallelism_is_refused_at_start(tmp_path):
     """Every PP stage registers its own layers under the same keys (the namespace has the TP
     rank, not the stage): stage 1 would load stage 0's KV. Refused with a message, not served."""
