@@ -219,9 +219,15 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
     use_mla = bool(getattr(model, "use_mla", False))
     layout = extra.get("layout")
     if layout is None:
+        # vLLM after 0.13 takes the backend from --attention-backend (attention_config.backend, an
+        # AttentionBackendEnum; None: vLLM picks), VLLM_ATTENTION_BACKEND being deprecated.
+        backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+        backend = getattr(backend, "name", backend) if backend is not None else None
+        if backend is None:
+            backend = os.environ.get("VLLM_ATTENTION_BACKEND", "")
         if use_mla:
             layout = "mla"
-        elif "FLASHINFER" in os.environ.get("VLLM_ATTENTION_BACKEND", "").upper():
+        elif "FLASHINFER" in str(backend).upper():
             layout = "flashinfer"
         else:
             layout = "flash-attn"
@@ -639,8 +645,8 @@ class KVGateConnector(KVConnectorBase_V1):
         for n in names:
             t = kv_caches[n]
             if list(t.shape) != want or not t.is_contiguous():
-                # The layout is inferred from VLLM_ATTENTION_BACKEND, which a backend chosen with
-                # --attention-backend or by vLLM's default (FlashInfer on some GPUs) leaves unset.
+                # The layout is inferred from the backend vLLM was told; one vLLM picked itself
+                # (FlashInfer by default on some GPUs) is not known at start.
                 got = list(t.shape)
                 other = [o for o in ("flash-attn", "flashinfer") if o != layout and got == _layout_shape(o, got, s)[1]]
                 hint = (

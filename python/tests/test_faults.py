@@ -515,10 +515,9 @@ def test_kv_tensors_of_another_dtype_than_the_config_are_refused_at_register(tmp
 
 @pytest.mark.parametrize("layout,other", [("flash-attn", "flashinfer"), ("flashinfer", "flash-attn")])
 def test_kv_tensors_of_the_other_paged_layout_are_refused_naming_the_layout_key(tmp_path, layout, other):
-    """The layout is inferred from VLLM_ATTENTION_BACKEND, which vLLM no longer reads when the
-    backend is chosen with --attention-backend or by default (FlashInfer on some GPUs): the
-    engine fails at register, and the error must name the fix (the `layout` key), not only the
-    shapes."""
+    """The layout is inferred from the attention backend vLLM was told; one vLLM picks itself
+    (FlashInfer by default on some GPUs) is not known at start: the engine fails at register,
+    and the error must name the fix (the `layout` key), not only the shapes."""
     from kvgate_vllm import ConfigurationError
 
     spec = EngineSpec(socket=str(tmp_path / "none.sock"), layout=layout)
