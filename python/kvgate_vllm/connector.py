@@ -799,10 +799,14 @@ class KVGateConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         self._finished_seen.update(finished_req_ids)
         now = time.monotonic()
-        if any(not f.done() and now >= deadline for f, deadline in self._saves.values()):
+        loading = any(not st.future.done() for st in self._loads if st.future is not None)
+        if not loading and any(not f.done() and now >= deadline for f, deadline in self._saves.values()):
             # A save's only cancellation is its connection closing: the agent then starts no copy
             # out of its blocks and stores no chunk whose copy ended after the close, so vLLM may
             # reuse them. Every request pending on the connection fails (as if the agent died).
+            # Not while this step's loads copy (vLLM asks this before wait_for_save with
+            # speculative decoding): their own deadline ends them, and a close would leave a copy
+            # in flight into blocks vLLM then recomputes.
             log.warning("kvgate: a save did not finish within save_timeout_ms; dropping the agent connection")
             self._client.close()
         for rid, (f, _) in list(self._saves.items()):

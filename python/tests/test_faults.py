@@ -887,6 +887,52 @@ def test_a_save_the_agent_never_answers_frees_its_blocks_after_save_timeout_ms()
         agent.close()
 
 
+def test_a_save_past_save_timeout_ms_never_cuts_a_load_still_copying():
+    """vLLM asks get_transfer_results before wait_for_save with speculative decoding: a save past
+    its deadline then must not close the connection under this step's load (its copy would go on
+    into blocks vLLM recomputes); the load ends first, then the save is given up."""
+
+    def script(agent, conn, req, n):
+        if req["op"] == "save":
+            return None
+        if req["op"] == "load":
+            threading.Timer(0.4, agent.send, (conn, {"id": req["id"], "ok": True, "failedBlocks": []})).start()
+            return None
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    spec = spec_for(agent)
+    shape = [2, spec.num_blocks, 16, spec.kv_heads, spec.head_size]
+    caches = {f"l{i}": shm.shm_tensor(shape, torch.float16) for i in range(spec.layers)}
+    cfg = config(agent)
+    cfg.kv_transfer_config.kv_connector_extra_config["save_timeout_ms"] = 50
+    w = KVGateConnector(cfg, KVConnectorRole.WORKER)
+    w._client._reconnect_interval = 0
+    w.register_kv_caches(caches)
+    try:
+        assert w._worker_ready()
+        req = make_request("s", PROMPT, 16)
+        w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
+        w.start_load_kv(None)
+        w.wait_for_save()
+        assert w.get_finished({"s"}) == (None, None)
+        w.clear_connector_metadata()
+        time.sleep(0.1)  # the save is past its deadline
+        w.bind_connector_metadata(KVGateMetadata(loads=[load_spec()]))
+        w.start_load_kv(None)
+        assert w.get_finished(set()) == (None, None)  # asked while the load copies
+        assert w._client.connected
+        assert w.get_block_ids_with_load_errors() == set()  # the load ended well
+        w.wait_for_save()
+        assert w.get_finished(set()) == ({"s"}, None)
+        assert w.saves_not_stored == 1 and not w._client.connected
+        w.clear_connector_metadata()
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
 def test_an_agent_that_cannot_be_reached_is_logged_once_per_outage_naming_the_socket(caplog, tmp_path):
     """A socket path with a typo (or an agent not started) meant running without kvgate with not
     one line in vLLM's log: the operator could not tell kvgate was off. The first failed dial of
