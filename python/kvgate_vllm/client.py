@@ -213,6 +213,13 @@ class AgentClient:
             pending, self._pending = self._pending, {}
             self._progress = {}
             self._reader_wake.notify_all()
+        # shutdown before close: a reader thread blocked in recv() on `s` keeps the kernel's socket
+        # open past a bare close(), so the agent would see no hang-up (and go on copying into the
+        # blocks of loads failed here) until it next sent something. shutdown also wakes that recv.
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             s.close()
         except OSError:

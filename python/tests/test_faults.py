@@ -160,6 +160,38 @@ def test_an_agent_that_stops_reading_never_blocks_the_scheduler():
         agent.close()
 
 
+def test_a_connection_dropped_on_a_stalled_send_is_closed_for_the_agent_too():
+    """A send the agent does not drain within the send timeout drops the connection and fails
+    its pending loads (vLLM recomputes or reuses their blocks): the agent must see the close,
+    which is what stops its copies into them. A plain close() of the socket while the reader
+    thread sat in recv() on it left the connection open (the kernel keeps a socket a blocked
+    recv uses): the agent saw no hang-up until it next sent something."""
+    import select
+
+    from kvgate_vllm.client import AgentClient
+
+    agent = ScriptedAgent(lambda agent, conn, req, n: HELLO_OK if req["op"] == "hello" else None, read=False)
+    c = AgentClient(agent.path, {"protocol": 1}, reconnect_interval=0, send_timeout=0.2)
+    try:
+        assert c.ensure()
+        pending = c.request("load", {"keys": b""})  # the reader thread now waits in recv()
+        time.sleep(0.2)
+        big = b"x" * (1 << 20)
+        for _ in range(64):  # fill the socket buffers until a send gives up
+            c.request("save", {"keys": big})
+            if not c.connected:
+                break
+        assert not c.connected
+        assert pending.done()
+        conn = agent.conns[-1]
+        p = select.poll()
+        p.register(conn, select.POLLRDHUP)
+        assert p.poll(3000), "the agent never saw the engine hang up"
+    finally:
+        c.close()
+        agent.close()
+
+
 # ---------------------------------------------------------------------------- refusals after start
 
 
