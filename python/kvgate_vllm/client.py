@@ -258,6 +258,11 @@ class AgentClient:
             f.set_exception(AgentError("ERR_DISCONNECTED", self.last_error or "not connected to the kvgate agent"))
             return f
         with self._lock:
+            if self._sock is not s:
+                # Dropped since it was read: its pending map is the next connection's, and a send
+                # on `s` failing would leave this answer there unanswered for ever.
+                f.set_exception(AgentError("ERR_DISCONNECTED", self.last_error or "the kvgate agent connection closed"))
+                return f
             if len(self._pending) >= MAX_PENDING:
                 f.set_exception(AgentError("ERR_BUSY", f"{MAX_PENDING} requests to the kvgate agent await answers"))
                 return f

@@ -192,6 +192,46 @@ def test_a_connection_dropped_on_a_stalled_send_is_closed_for_the_agent_too():
         agent.close()
 
 
+def test_a_request_racing_a_dropped_connection_fails_at_once():
+    """request() read the socket, then the connection dropped (the reader thread saw EOF, a load
+    timed out) before it registered its answer: it joined the next connection's pending map and
+    its send failed on the dead socket without failing it, so it waited for ever (a save's blocks
+    held until save_timeout_ms, then a needless reconnect). It fails at once instead."""
+    from kvgate_vllm.client import AgentClient, AgentError
+
+    agent = ScriptedAgent(well_behaved)
+    c = AgentClient(agent.path, {"protocol": 1}, reconnect_interval=0)
+    real = c._lock
+    fired = []
+
+    class DropFirst:
+        """The client's lock, with the connection dropped just before the first acquire."""
+
+        def __enter__(self):
+            if not fired:
+                fired.append(True)
+                c._drop(c._sock)
+            return real.__enter__()
+
+        def __exit__(self, *a):
+            return real.__exit__(*a)
+
+    try:
+        assert c.ensure()
+        c._lock = DropFirst()
+        f = c.request("save", {"keys": b""})
+        c._lock = real
+        assert fired
+        assert f.done(), "the request waits for an answer on a dead connection"
+        with pytest.raises(AgentError):
+            f.result(timeout=0)
+        assert not c._pending
+    finally:
+        c._lock = real
+        c.close()
+        agent.close()
+
+
 # ---------------------------------------------------------------------------- refusals after start
 
 
