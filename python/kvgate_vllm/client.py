@@ -147,7 +147,16 @@ class AgentClient:
                     struct.pack("ll", sec, int((self._send_timeout - sec) * 1_000_000)),
                 )
             except OSError as e:
-                self.last_error = f"cannot reach the kvgate agent at {self.path}: {e}"
+                msg = f"cannot reach the kvgate agent at {self.path}: {e}"
+                # Once per outage (not per dial): a mistyped path or an agent not started would
+                # otherwise run vLLM without kvgate and not one line saying so.
+                if msg != self.last_error:
+                    log.warning(
+                        "%s; running without kvgate until it answers (start the agent, or point "
+                        "kv_connector_extra_config 'socket' or KVGATE_AGENT_SOCKET at its socket)",
+                        msg,
+                    )
+                self.last_error = msg
                 return False
             self._sock = s
             self._buf = (s, bytearray())
@@ -173,6 +182,7 @@ class AgentClient:
             self.last_error = msg
             return False
         self._backoff = 0.0
+        self.last_error = None  # the next outage is logged again
         return self._sock is not None
 
     def _closed_while_idle(self, s: socket.socket) -> bool:
@@ -203,6 +213,13 @@ class AgentClient:
             pending, self._pending = self._pending, {}
             self._progress = {}
             self._reader_wake.notify_all()
+        # shutdown before close: a reader thread blocked in recv() on `s` keeps the kernel's socket
+        # open past a bare close(), so the agent would see no hang-up (and go on copying into the
+        # blocks of loads failed here) until it next sent something. shutdown also wakes that recv.
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             s.close()
         except OSError:
@@ -241,6 +258,11 @@ class AgentClient:
             f.set_exception(AgentError("ERR_DISCONNECTED", self.last_error or "not connected to the kvgate agent"))
             return f
         with self._lock:
+            if self._sock is not s:
+                # Dropped since it was read: its pending map is the next connection's, and a send
+                # on `s` failing would leave this answer there unanswered for ever.
+                f.set_exception(AgentError("ERR_DISCONNECTED", self.last_error or "the kvgate agent connection closed"))
+                return f
             if len(self._pending) >= MAX_PENDING:
                 f.set_exception(AgentError("ERR_BUSY", f"{MAX_PENDING} requests to the kvgate agent await answers"))
                 return f

@@ -111,7 +111,7 @@ def _after_null_blocks(block_ids: List[int]) -> int:
 
 _LAYOUTS = ("flash-attn", "flashinfer", "mla")
 # kv_connector_extra_config keys and their defaults (docs/vllm.md lists them).
-_EXTRA_MS_DEFAULTS = {"lookup_wait_ms": 2, "lookup_timeout_ms": 1000, "load_timeout_ms": 30000}
+_EXTRA_MS_DEFAULTS = {"lookup_wait_ms": 2, "lookup_timeout_ms": 1000, "load_timeout_ms": 30000, "save_timeout_ms": 60000}
 _EXTRA_KEYS = ("socket", "layout", "model_id", *_EXTRA_MS_DEFAULTS)
 
 
@@ -219,9 +219,15 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
     use_mla = bool(getattr(model, "use_mla", False))
     layout = extra.get("layout")
     if layout is None:
+        # vLLM after 0.13 takes the backend from --attention-backend (attention_config.backend, an
+        # AttentionBackendEnum; None: vLLM picks), VLLM_ATTENTION_BACKEND being deprecated.
+        backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+        backend = getattr(backend, "name", backend) if backend is not None else None
+        if backend is None:
+            backend = os.environ.get("VLLM_ATTENTION_BACKEND", "")
         if use_mla:
             layout = "mla"
-        elif "FLASHINFER" in os.environ.get("VLLM_ATTENTION_BACKEND", "").upper():
+        elif "FLASHINFER" in str(backend).upper():
             layout = "flashinfer"
         else:
             layout = "flash-attn"
@@ -265,7 +271,20 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
         "lookupWaitS": waits["lookup_wait_ms"],
         "lookupTimeoutS": waits["lookup_timeout_ms"],
         "loadTimeoutS": waits["load_timeout_ms"],
+        "saveTimeoutS": waits["save_timeout_ms"],
     }
+
+
+def _layout_shape(layout: str, shape: List[int], s: Dict[str, Any]) -> Tuple[int, List[int]]:
+    """The number of blocks a KV layer of `shape` holds in `layout`, and the shape it must then
+    have (vLLM's per-layer paged KV tensors)."""
+    if layout == "flash-attn":
+        num_blocks = shape[1] if len(shape) > 1 else -1
+        return num_blocks, [2, num_blocks, s["blockSize"], s["kvHeads"], s["headSize"]]
+    num_blocks = shape[0] if shape else -1
+    if layout == "flashinfer":
+        return num_blocks, [num_blocks, 2, s["blockSize"], s["kvHeads"], s["headSize"]]
+    return num_blocks, [num_blocks, s["blockSize"], s["headSize"]]
 
 
 def pci_bus_id(props: Any) -> Optional[str]:
@@ -387,7 +406,9 @@ class KVGateConnector(KVConnectorBase_V1):
         # When this step's loads must have landed: one load_timeout_ms for the whole step
         # (every layer's wait and the final one), not one per layer and per load.
         self._load_deadline = 0.0
-        self._saves: Dict[str, Future] = {}
+        # request id -> the save's answer and when it must have come: its blocks are held by vLLM
+        # until then (an agent alive but stalled would hold them for ever).
+        self._saves: Dict[str, Tuple[Future, float]] = {}
         self._saves_done: Set[str] = set()
         self._finished_seen: Set[str] = set()
         self._load_errors: Set[int] = set()
@@ -618,24 +639,24 @@ class KVGateConnector(KVConnectorBase_V1):
             raise ConfigurationError(f"vLLM registered {len(names)} KV layers; the model config says {s['layers']}")
         self._layer_index = {n: i for i, n in enumerate(names)}
         first = kv_caches[names[0]]
-        shape = list(first.shape)
         layout = s["layout"]
-        if layout == "flash-attn":
-            num_blocks = shape[1]
-            want = [2, num_blocks, s["blockSize"], s["kvHeads"], s["headSize"]]
-        elif layout == "flashinfer":
-            num_blocks = shape[0]
-            want = [num_blocks, 2, s["blockSize"], s["kvHeads"], s["headSize"]]
-        else:
-            num_blocks = shape[0]
-            want = [num_blocks, s["blockSize"], s["headSize"]]
+        num_blocks, want = _layout_shape(layout, list(first.shape), s)
         tensors = []
         for n in names:
             t = kv_caches[n]
             if list(t.shape) != want or not t.is_contiguous():
+                # The layout is inferred from the backend vLLM was told; one vLLM picked itself
+                # (FlashInfer by default on some GPUs) is not known at start.
+                got = list(t.shape)
+                other = [o for o in ("flash-attn", "flashinfer") if o != layout and got == _layout_shape(o, got, s)[1]]
+                hint = (
+                    f': this is the {other[0]} layout, set "layout": "{other[0]}" in kv_connector_extra_config'
+                    if other
+                    else ' (kv_connector_extra_config "layout" names the backend\'s: flash-attn, flashinfer or mla)'
+                )
                 raise ConfigurationError(
                     f"KV layer {n} has shape {list(t.shape)} (contiguous: {t.is_contiguous()}); kvgate expects the "
-                    f"{layout} layout {want}, contiguous"
+                    f"{layout} layout {want}, contiguous{hint}"
                 )
             # The agent cuts and labels blocks by the dtype the config named (hello): another one
             # would be stored as that dtype (and shared with engines really using it) or cut wrong.
@@ -724,9 +745,12 @@ class KVGateConnector(KVConnectorBase_V1):
                 self._saves_done.add(spec.req_id)
                 self.saves_not_stored += not ready and not skip_saves
                 continue
-            self._saves[spec.req_id] = self._client.request(
-                "save",
-                {"worker": self._worker_id, "keys": _packed(spec.keys), "blockIds": spec.block_ids, "from": spec.first},
+            self._saves[spec.req_id] = (
+                self._client.request(
+                    "save",
+                    {"worker": self._worker_id, "keys": _packed(spec.keys), "blockIds": spec.block_ids, "from": spec.first},
+                ),
+                time.monotonic() + self._settings["saveTimeoutS"],
             )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -774,7 +798,18 @@ class KVGateConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         self._finished_seen.update(finished_req_ids)
-        for rid, f in list(self._saves.items()):
+        now = time.monotonic()
+        loading = any(not st.future.done() for st in self._loads if st.future is not None)
+        if not loading and any(not f.done() and now >= deadline for f, deadline in self._saves.values()):
+            # A save's only cancellation is its connection closing: the agent then starts no copy
+            # out of its blocks and stores no chunk whose copy ended after the close, so vLLM may
+            # reuse them. Every request pending on the connection fails (as if the agent died).
+            # Not while this step's loads copy (vLLM asks this before wait_for_save with
+            # speculative decoding): their own deadline ends them, and a close would leave a copy
+            # in flight into blocks vLLM then recomputes.
+            log.warning("kvgate: a save did not finish within save_timeout_ms; dropping the agent connection")
+            self._client.close()
+        for rid, (f, _) in list(self._saves.items()):
             if f.done():
                 del self._saves[rid]
                 self._saves_done.add(rid)

@@ -499,12 +499,42 @@ def test_extra_config_unknown_keys_and_bad_values_are_errors(tmp):
         engine_settings(with_extra(lookup_wait_ms="soon"))
     with pytest.raises(ConfigurationError, match="load_timeout_ms.*a number"):
         engine_settings(with_extra(load_timeout_ms=-5))
+    with pytest.raises(ConfigurationError, match="save_timeout_ms.*a number"):
+        engine_settings(with_extra(save_timeout_ms=float("inf")))
     with pytest.raises(ConfigurationError, match="layout.*flash-attn, flashinfer, mla"):
         engine_settings(with_extra(layout="paged"))
     with pytest.raises(ConfigurationError, match="socket.*a path"):
         engine_settings(with_extra(socket=7))
     s = engine_settings(with_extra(socket="/s.sock", layout="flashinfer", lookup_wait_ms="5", load_timeout_ms=100))
     assert (s["socket"], s["layout"], s["lookupWaitS"], s["loadTimeoutS"]) == ("/s.sock", "flashinfer", 0.005, 0.1)
+    assert s["saveTimeoutS"] == 60.0
+
+
+def test_the_layout_follows_the_attention_backend_vllm_was_told(tmp, monkeypatch):
+    """vLLM after 0.13 takes the backend from --attention-backend (VllmConfig.attention_config.backend,
+    an AttentionBackendEnum), VLLM_ATTENTION_BACKEND being deprecated: a FlashInfer engine so told
+    has the flashinfer layout, not flash-attn (its engine failed at register)."""
+    from harness import vllm_config
+    from kvgate_vllm import engine_settings
+
+
+    def settings(backend=None, env=None, **extra):
+        cfg = vllm_config(EngineSpec(socket=tmp.sock("x")))
+        cfg.kv_transfer_config.kv_connector_extra_config = extra
+        cfg.attention_config = SimpleNamespace(backend=backend)
+        if env is None:
+            monkeypatch.delenv("VLLM_ATTENTION_BACKEND", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_ATTENTION_BACKEND", env)
+        return engine_settings(cfg)["layout"]
+
+    assert settings(SimpleNamespace(name="FLASHINFER")) == "flashinfer"
+    assert settings(SimpleNamespace(name="FLASH_ATTN")) == "flash-attn"
+    assert settings(None) == "flash-attn"
+    assert settings(None, env="FLASHINFER") == "flashinfer"  # older vLLM
+    # The explicit backend wins over a stale environment variable; the extra config over both.
+    assert settings(SimpleNamespace(name="FLASH_ATTN"), env="FLASHINFER") == "flash-attn"
+    assert settings(SimpleNamespace(name="FLASHINFER"), layout="flash-attn") == "flash-attn"
 
 
 def test_model_identity_names_the_weights_not_the_served_alias(tmp):

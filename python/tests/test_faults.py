@@ -160,6 +160,78 @@ def test_an_agent_that_stops_reading_never_blocks_the_scheduler():
         agent.close()
 
 
+def test_a_connection_dropped_on_a_stalled_send_is_closed_for_the_agent_too():
+    """A send the agent does not drain within the send timeout drops the connection and fails
+    its pending loads (vLLM recomputes or reuses their blocks): the agent must see the close,
+    which is what stops its copies into them. A plain close() of the socket while the reader
+    thread sat in recv() on it left the connection open (the kernel keeps a socket a blocked
+    recv uses): the agent saw no hang-up until it next sent something."""
+    import select
+
+    from kvgate_vllm.client import AgentClient
+
+    agent = ScriptedAgent(lambda agent, conn, req, n: HELLO_OK if req["op"] == "hello" else None, read=False)
+    c = AgentClient(agent.path, {"protocol": 1}, reconnect_interval=0, send_timeout=0.2)
+    try:
+        assert c.ensure()
+        pending = c.request("load", {"keys": b""})  # the reader thread now waits in recv()
+        time.sleep(0.2)
+        big = b"x" * (1 << 20)
+        for _ in range(64):  # fill the socket buffers until a send gives up
+            c.request("save", {"keys": big})
+            if not c.connected:
+                break
+        assert not c.connected
+        assert pending.done()
+        conn = agent.conns[-1]
+        p = select.poll()
+        p.register(conn, select.POLLRDHUP)
+        assert p.poll(3000), "the agent never saw the engine hang up"
+    finally:
+        c.close()
+        agent.close()
+
+
+def test_a_request_racing_a_dropped_connection_fails_at_once():
+    """request() read the socket, then the connection dropped (the reader thread saw EOF, a load
+    timed out) before it registered its answer: it joined the next connection's pending map and
+    its send failed on the dead socket without failing it, so it waited for ever (a save's blocks
+    held until save_timeout_ms, then a needless reconnect). It fails at once instead."""
+    from kvgate_vllm.client import AgentClient, AgentError
+
+    agent = ScriptedAgent(well_behaved)
+    c = AgentClient(agent.path, {"protocol": 1}, reconnect_interval=0)
+    real = c._lock
+    fired = []
+
+    class DropFirst:
+        """The client's lock, with the connection dropped just before the first acquire."""
+
+        def __enter__(self):
+            if not fired:
+                fired.append(True)
+                c._drop(c._sock)
+            return real.__enter__()
+
+        def __exit__(self, *a):
+            return real.__exit__(*a)
+
+    try:
+        assert c.ensure()
+        c._lock = DropFirst()
+        f = c.request("save", {"keys": b""})
+        c._lock = real
+        assert fired
+        assert f.done(), "the request waits for an answer on a dead connection"
+        with pytest.raises(AgentError):
+            f.result(timeout=0)
+        assert not c._pending
+    finally:
+        c._lock = real
+        c.close()
+        agent.close()
+
+
 # ---------------------------------------------------------------------------- refusals after start
 
 
@@ -513,6 +585,28 @@ def test_kv_tensors_of_another_dtype_than_the_config_are_refused_at_register(tmp
         drop_caches(caches)
 
 
+@pytest.mark.parametrize("layout,other", [("flash-attn", "flashinfer"), ("flashinfer", "flash-attn")])
+def test_kv_tensors_of_the_other_paged_layout_are_refused_naming_the_layout_key(tmp_path, layout, other):
+    """The layout is inferred from the attention backend vLLM was told; one vLLM picks itself
+    (FlashInfer by default on some GPUs) is not known at start: the engine fails at register,
+    and the error must name the fix (the `layout` key), not only the shapes."""
+    from kvgate_vllm import ConfigurationError
+
+    spec = EngineSpec(socket=str(tmp_path / "none.sock"), layout=layout)
+    c = KVGateConnector(vllm_config(spec), KVConnectorRole.WORKER)
+    nb, h, d = spec.num_blocks, spec.kv_heads, spec.head_size
+    shape = [2, nb, 16, h, d] if other == "flash-attn" else [nb, 2, 16, h, d]
+    caches = {f"l{i}": shm.shm_tensor(shape, torch.float16) for i in range(spec.layers)}
+    try:
+        with pytest.raises(ConfigurationError) as e:
+            c.register_kv_caches(caches)
+        assert f'"layout": "{other}"' in str(e.value) and "kv_connector_extra_config" in str(e.value), str(e.value)
+        assert c._register_msg is None
+    finally:
+        c.shutdown()
+        drop_caches(caches)
+
+
 def test_pipeline_parallelism_is_refused_at_start(tmp_path):
     """Every PP stage registers its own layers under the same keys (the namespace has the TP
     rank, not the stage): stage 1 would load stage 0's KV. Refused with a message, not served."""
@@ -817,6 +911,128 @@ def test_a_save_pending_when_the_agent_dies_frees_its_blocks_and_is_counted():
         w.shutdown()
         drop_caches(caches)
         agent.close()
+
+
+def test_a_save_the_agent_never_answers_frees_its_blocks_after_save_timeout_ms():
+    """An agent alive but stalled takes a save and never answers: request_finished held the
+    request's blocks for it, so they were held for ever (vLLM's free blocks shrinking with every
+    finished request until nothing can be scheduled). After save_timeout_ms the save is given up
+    the only way the protocol has (the connection is closed: the agent then starts no copy out of
+    its blocks and stores no chunk copied after the close), reported finished and counted."""
+
+    def script(agent, conn, req, n):
+        return None if req["op"] == "save" else well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    spec = spec_for(agent)
+    shape = [2, spec.num_blocks, 16, spec.kv_heads, spec.head_size]
+    caches = {f"l{i}": shm.shm_tensor(shape, torch.float16) for i in range(spec.layers)}
+    cfg = config(agent)
+    cfg.kv_transfer_config.kv_connector_extra_config["save_timeout_ms"] = 200
+    w = KVGateConnector(cfg, KVConnectorRole.WORKER)
+    w._client._reconnect_interval = 0
+    w.register_kv_caches(caches)
+    try:
+        assert w._worker_ready()
+        req = make_request("s", PROMPT, 16)
+        w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
+        w.start_load_kv(None)
+        w.wait_for_save()
+        assert w.get_finished({"s"}) == (None, None)
+        w.clear_connector_metadata()
+        deadline = time.monotonic() + 3
+        while True:
+            done, _ = w.get_finished(set())
+            if done:
+                break
+            assert time.monotonic() < deadline, "a save never answered held its blocks for ever"
+            time.sleep(0.01)
+        assert done == {"s"}
+        assert w.saves_not_stored == 1
+        assert not w._saves
+        conn = agent.conns[-1]
+        conn.settimeout(5)
+        assert conn.recv(1) == b""  # the agent sees the close
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def test_a_save_past_save_timeout_ms_never_cuts_a_load_still_copying():
+    """vLLM asks get_transfer_results before wait_for_save with speculative decoding: a save past
+    its deadline then must not close the connection under this step's load (its copy would go on
+    into blocks vLLM recomputes); the load ends first, then the save is given up."""
+
+    def script(agent, conn, req, n):
+        if req["op"] == "save":
+            return None
+        if req["op"] == "load":
+            threading.Timer(0.4, agent.send, (conn, {"id": req["id"], "ok": True, "failedBlocks": []})).start()
+            return None
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    spec = spec_for(agent)
+    shape = [2, spec.num_blocks, 16, spec.kv_heads, spec.head_size]
+    caches = {f"l{i}": shm.shm_tensor(shape, torch.float16) for i in range(spec.layers)}
+    cfg = config(agent)
+    cfg.kv_transfer_config.kv_connector_extra_config["save_timeout_ms"] = 50
+    w = KVGateConnector(cfg, KVConnectorRole.WORKER)
+    w._client._reconnect_interval = 0
+    w.register_kv_caches(caches)
+    try:
+        assert w._worker_ready()
+        req = make_request("s", PROMPT, 16)
+        w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
+        w.start_load_kv(None)
+        w.wait_for_save()
+        assert w.get_finished({"s"}) == (None, None)
+        w.clear_connector_metadata()
+        time.sleep(0.1)  # the save is past its deadline
+        w.bind_connector_metadata(KVGateMetadata(loads=[load_spec()]))
+        w.start_load_kv(None)
+        assert w.get_finished(set()) == (None, None)  # asked while the load copies
+        assert w._client.connected
+        assert w.get_block_ids_with_load_errors() == set()  # the load ended well
+        w.wait_for_save()
+        assert w.get_finished(set()) == ({"s"}, None)
+        assert w.saves_not_stored == 1 and not w._client.connected
+        w.clear_connector_metadata()
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def test_an_agent_that_cannot_be_reached_is_logged_once_per_outage_naming_the_socket(caplog, tmp_path):
+    """A socket path with a typo (or an agent not started) meant running without kvgate with not
+    one line in vLLM's log: the operator could not tell kvgate was off. The first failed dial of
+    an outage is a warning naming the path and where it is set; later dials of the same outage
+    are quiet, and an outage after the agent answered again is logged again."""
+    agent = ScriptedAgent(well_behaved)
+    missing = str(tmp_path / "agent.sokc")
+    cfg = config(agent)
+    cfg.kv_transfer_config.kv_connector_extra_config["socket"] = missing
+    with caplog.at_level("WARNING", logger="kvgate_vllm"):
+        s = KVGateConnector(cfg, KVConnectorRole.SCHEDULER)
+        s._client._reconnect_interval = 0
+        try:
+            for _ in range(3):
+                assert not s._client.ensure()
+            warned = [r.getMessage() for r in caplog.records]
+            assert len(warned) == 1, warned
+            assert missing in warned[0] and "KVGATE_AGENT_SOCKET" in warned[0], warned[0]
+            # The agent is found (the path fixed), then goes away: that outage is logged too.
+            s._client.path = agent.path
+            assert s._client.ensure()
+            s._client.path = missing
+            s._client.close()
+            assert not s._client.ensure()
+            assert len(caplog.records) == 2, [r.getMessage() for r in caplog.records]
+        finally:
+            s.shutdown()
+            agent.close()
 
 
 def test_chunks_that_failed_to_load_are_saved_again():
