@@ -58,8 +58,14 @@ describe('agent socket', () => {
     expect(await c.call('hello', hello('flash-attn', { dtype: 'int4' }))).toMatchObject({
       error: { code: 'ERR_GEOMETRY_MISMATCH' },
     })
+    // The refusal says what to change, and where.
     expect(await c.call('hello', hello('flash-attn', { blockSize: 24 }))).toMatchObject({
-      error: { code: 'ERR_GEOMETRY_MISMATCH' },
+      error: {
+        code: 'ERR_GEOMETRY_MISMATCH',
+        message: expect.stringMatching(
+          /not a whole number of 24-token blocks: start the agent with --chunk-tokens \(KVGATE_CHUNK_TOKENS\) a multiple of the engine's block size, e\.g\. \d+/,
+        ),
+      },
     })
     expect(await c.call('ping')).toMatchObject({ ok: true })
     // An oversized length cannot be resynchronised: an error frame, then this connection closes.

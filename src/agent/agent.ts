@@ -243,7 +243,8 @@ export class Agent {
     if (this.options.chunkTokens % d.blockSize !== 0) {
       throw new AgentError(
         'ERR_GEOMETRY_MISMATCH',
-        `the agent's chunk of ${this.options.chunkTokens} tokens is not a whole number of ${d.blockSize}-token blocks`,
+        `the agent's chunk of ${this.options.chunkTokens} tokens is not a whole number of ${d.blockSize}-token blocks: ` +
+          `start the agent with --chunk-tokens (KVGATE_CHUNK_TOKENS) a multiple of the engine's block size, e.g. ${d.blockSize * Math.max(1, Math.round(this.options.chunkTokens / d.blockSize))}`,
       )
     }
     checkSpaceCodec(d, this.#cacheOptions())
