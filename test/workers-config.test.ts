@@ -28,6 +28,18 @@ describe('Worker [vars]', () => {
     ).toThrow("KVGATE_AUTH: expected 'disabled' or unset")
   })
 
+  it('KVGATE_READER_MIN_BYTES_PER_SECOND sets the GET reader pace (0: off); a bad one is an error naming it', () => {
+    expect(worker({}).state.limits.readerMinBytesPerSecond).toBe(64 * 1024)
+    expect(
+      worker({ KVGATE_READER_MIN_BYTES_PER_SECOND: '131072' }).state.limits.readerMinBytesPerSecond,
+    ).toBe(131072)
+    expect(worker({ KVGATE_READER_MIN_BYTES_PER_SECOND: 0 }).state.limits.readerMinBytesPerSecond).toBe(0)
+    for (const bad of ['-1', '1.5', 'fast', 2 ** 60])
+      expect(() => worker({ KVGATE_READER_MIN_BYTES_PER_SECOND: bad }), String(bad)).toThrow(
+        /KVGATE_READER_MIN_BYTES_PER_SECOND must be an integer/,
+      )
+  })
+
   it('known variables and other bindings pass', () => {
     const app = worker({ KVGATE_MAX_CHUNK_BYTES: '1000', KVGATE_PUBLIC_STATUS: 'false', OTHER_BINDING: 'x' })
     expect(app.state.limits.maxChunkBytes).toBe(1000)

@@ -24,6 +24,7 @@ import {
   unsupportedMediaType,
 } from '../http-errors.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
+import { readerPace } from '../reader-pace.ts'
 import { readPromptly } from '../request-body.ts'
 import { collectBody, type StoreObject } from '../stores/types.ts'
 import { checkedStream, type StreamCheck } from '../verified-read.ts'
@@ -208,7 +209,7 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
 
   /**
    * The store's body, hashed as it passes (checkedStream: the last piece is held back until
-   * the hash is proven, and an idle reader is cut off): bytes that are not the name, or fewer
+   * the hash is proven, and a reader that idles or trickles is cut off): bytes that are not the name, or fewer
    * than the store's size, fail the response before the client has all of it.
    */
   function hashedBody(name: string, hash: string, obj: StoreObject): ReadableStream<Uint8Array> {
@@ -234,7 +235,7 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
       },
     }
     return checkedStream(obj.body, check, {
-      idleTimeoutMs: state.limits.readerIdleTimeoutMs,
+      ...readerPace(state),
       onCorrupt: () => {}, // counted and dropped in finish()
     })
   }
