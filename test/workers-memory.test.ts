@@ -5,6 +5,7 @@
 
 import { createHash } from 'node:crypto'
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
+import net from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { Miniflare } from 'miniflare'
@@ -29,6 +30,8 @@ const instances: Miniflare[] = []
 let base: string
 /** A gateway whose chunk PUTs take R2 multipart (6 MiB threshold, 5 MiB parts) in a 20 MiB budget. */
 let parts: string
+/** A gateway whose GET readers must take 4 MiB/s over a 1 s window. */
+let paced: string
 
 beforeAll(async () => {
   out = mkdtempSync(join(tmpdir(), 'kvgate-workers-memory-'))
@@ -56,6 +59,10 @@ beforeAll(async () => {
     KVGATE_MAX_CHUNK_BYTES: String(16 * MIB),
     KVGATE_MAX_CALIBRATION_BYTES: String(MIB),
     KVGATE_MAX_HELD_BYTES: String(20 * MIB),
+  })
+  paced = await start('paced', {
+    KVGATE_READER_IDLE_TIMEOUT_MS: '1000',
+    KVGATE_READER_MIN_BYTES_PER_SECOND: String(4 * MIB),
   })
 }, 120_000)
 
@@ -205,4 +212,77 @@ describe('multipart chunk PUTs in a 20 MiB budget (5 MiB read-ahead + a 5 MiB pa
     expect(await metric(parts, 'kvgate_held_bytes')).toBe(0)
     expect(await metric(parts, 'kvgate_held_bytes_peak')).toBe(20 * MIB)
   }, 90_000)
+})
+
+/** An HTTP/1.1 chunked body, decoded (throws on a malformed or unfinished one). */
+function dechunk(b: Buffer): Buffer {
+  const out: Buffer[] = []
+  for (let at = 0; ; ) {
+    const eol = b.indexOf('\r\n', at)
+    if (eol < 0) throw new Error('chunked body ends inside a size line')
+    const n = Number.parseInt(b.subarray(at, eol).toString(), 16)
+    if (!Number.isInteger(n)) throw new Error('bad chunk size')
+    if (n === 0) return Buffer.concat(out)
+    if (eol + 2 + n + 2 > b.length) throw new Error('chunked body ends inside a chunk')
+    out.push(b.subarray(eol + 2, eol + 2 + n))
+    at = eol + 2 + n + 2
+  }
+}
+
+describe('a GET reader that trickles in workerd', () => {
+  /** GET `path` over a raw socket at `rate` bytes/s (paused whenever ahead of it); its bytes at close. */
+  function pacedGet(origin: string, path: string, rate: number) {
+    const u = new URL(origin)
+    const sock = net.connect(Number(u.port), u.hostname)
+    sock.on('error', () => {})
+    const pieces: Buffer[] = []
+    let got = 0
+    let started = 0
+    let timer: ReturnType<typeof setTimeout> | undefined
+    sock.on('data', (d: Buffer) => {
+      pieces.push(d)
+      got += d.length
+      started ||= Date.now()
+      const ahead = (got * 1000) / rate - (Date.now() - started)
+      if (ahead > 0) {
+        sock.pause()
+        timer = setTimeout(() => sock.resume(), ahead)
+      }
+    })
+    const closed = new Promise<Buffer>((r) =>
+      sock.on('close', () => {
+        clearTimeout(timer)
+        r(Buffer.concat(pieces))
+      }),
+    )
+    sock.write(`GET ${path} HTTP/1.1\r\nhost: ${u.host}\r\nconnection: close\r\n\r\n`)
+    return { sock, closed }
+  }
+
+  it('is cut off below KVGATE_READER_MIN_BYTES_PER_SECOND and counted; a reader above it gets every byte', async () => {
+    const c = makeChunk({ layers: 24, sectionBytes: 2 * MIB }) // 48 MiB
+    const path = `/v1/ns/a/chunks/${c.key}`
+    expect((await put(paced, path, c.bytes, c.bytes as BodyInit)).status).toBe(201)
+    const slow = pacedGet(paced, path, 2 * MIB)
+    const t0 = Date.now()
+    const cut = await Promise.race([slow.closed, sleep(20_000).then(() => undefined)])
+    slow.sock.destroy()
+    expect(Date.now() - t0).toBeLessThan(15_000) // 48 MiB at 2 MiB/s would take 24 s
+    expect(cut).toBeDefined()
+    expect(cut!.length).toBeLessThan(c.bytes.length)
+    expect(await metric(paced, 'kvgate_get_readers_cut_off_total')).toBe(1)
+    const fast = pacedGet(paced, path, 16 * MIB)
+    const raw = await Promise.race([fast.closed, sleep(20_000).then(() => undefined)])
+    fast.sock.destroy()
+    expect(raw).toBeDefined()
+    const head = raw!.indexOf('\r\n\r\n')
+    const headers = raw!.subarray(0, head).toString()
+    expect(headers).toMatch(/^HTTP\/1\.1 200/)
+    // workerd sends a streamed body chunked (its Content-Length dropped).
+    const body = /transfer-encoding: chunked/i.test(headers)
+      ? dechunk(raw!.subarray(head + 4))
+      : raw!.subarray(head + 4)
+    expect(sha(body)).toBe(sha(c.bytes))
+    expect(await metric(paced, 'kvgate_get_readers_cut_off_total')).toBe(1)
+  }, 60_000)
 })
