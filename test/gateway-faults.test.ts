@@ -22,6 +22,7 @@ import { FsStore, S3Store, serveGateway } from '../src/gateway/node.ts'
 import { MemoryStore } from '../src/gateway/stores/memory.ts'
 import type { GetOptions, PutResult, StoreObject } from '../src/gateway/stores/types.ts'
 import { makeChunk, putInit } from './gateway-fixtures.ts'
+import { pacedGet, splitResponse } from './support/paced-reader.ts'
 
 const MIB = 1024 * 1024
 setFlagsFromString('--expose-gc')
@@ -316,37 +317,6 @@ describe('slow and closing clients', () => {
       return { root, metrics, gw, connections }
     }
 
-    /**
-     * GET `key` over a raw socket, taking its bytes at `rate` (bytes/s): the socket is paused
-     * whenever it is ahead of that pace and resumed when the pace catches up.
-     */
-    function paced(port: number, key: string, rate: number) {
-      const sock = net.connect(port, '127.0.0.1')
-      sock.on('error', () => {})
-      const pieces: Buffer[] = []
-      let got = 0
-      let started = 0
-      let timer: ReturnType<typeof setTimeout> | undefined
-      sock.on('data', (d: Buffer) => {
-        pieces.push(d)
-        got += d.length
-        started ||= Date.now()
-        const ahead = (got * 1000) / rate - (Date.now() - started)
-        if (ahead > 0) {
-          sock.pause()
-          timer = setTimeout(() => sock.resume(), ahead)
-        }
-      })
-      const closed = new Promise<Buffer>((r) =>
-        sock.on('close', () => {
-          clearTimeout(timer)
-          r(Buffer.concat(pieces))
-        }),
-      )
-      sock.write(`GET /v1/ns/a/chunks/${key} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n`)
-      return { sock, closed, got: () => got }
-    }
-
     it('is cut off within a few windows, its file handle released and the cut-off counted as slow', async () => {
       const { root, metrics, gw, connections } = await fsGateway()
       // 48 MiB: at 2 MiB/s it would take 24 s; the socket buffers hold a few MiB.
@@ -355,7 +325,7 @@ describe('slow and closing clients', () => {
       const n0 = await connections()
       const fds0 = storeFds(root)
       const t0 = Date.now()
-      const reader = paced(gw.port, c.key, 2 * MIB)
+      const reader = pacedGet(gw.url, `/v1/ns/a/chunks/${c.key}`, 2 * MIB)
       try {
         for (let i = 0; i < 20 && storeFds(root) === fds0; i++) await sleep(25)
         expect(storeFds(root)).toBe(fds0 + 1) // the GET holds its file open
@@ -383,13 +353,13 @@ describe('slow and closing clients', () => {
       expect((await fetch(`${gw.url}/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
       const n0 = await connections()
       const fds0 = storeFds(root)
-      const reader = paced(gw.port, c.key, 12 * MIB) // 48 MiB: 4 s, two windows
+      const reader = pacedGet(gw.url, `/v1/ns/a/chunks/${c.key}`, 12 * MIB) // 48 MiB: 4 s, two windows
       const raw = await Promise.race([reader.closed, sleep(20_000).then(() => undefined)])
       reader.sock.destroy()
       expect(raw).toBeDefined()
-      const head = raw!.indexOf('\r\n\r\n')
-      expect(raw!.subarray(0, head).toString()).toMatch(/^HTTP\/1\.1 200/)
-      expect(Buffer.compare(raw!.subarray(head + 4), Buffer.from(c.bytes))).toBe(0)
+      const { head, body } = splitResponse(raw!)
+      expect(head).toMatch(/^HTTP\/1\.1 200/)
+      expect(Buffer.compare(body, Buffer.from(c.bytes))).toBe(0)
       expect(metrics.readersCutOff.value()).toBe(0)
       for (let i = 0; i < 40 && (storeFds(root) > fds0 || (await connections()) > n0); i++) await sleep(25)
       expect(storeFds(root)).toBe(fds0)

@@ -5,13 +5,13 @@
 
 import { createHash } from 'node:crypto'
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
-import net from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { Miniflare } from 'miniflare'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { buildWorker } from '../scripts/build-worker.ts'
 import { makeChunk } from './gateway-fixtures.ts'
+import { pacedGet, splitResponse } from './support/paced-reader.ts'
 
 const ROOT = join(import.meta.dirname, '..')
 const MIB = 1024 * 1024
@@ -214,51 +214,7 @@ describe('multipart chunk PUTs in a 20 MiB budget (5 MiB read-ahead + a 5 MiB pa
   }, 90_000)
 })
 
-/** An HTTP/1.1 chunked body, decoded (throws on a malformed or unfinished one). */
-function dechunk(b: Buffer): Buffer {
-  const out: Buffer[] = []
-  for (let at = 0; ; ) {
-    const eol = b.indexOf('\r\n', at)
-    if (eol < 0) throw new Error('chunked body ends inside a size line')
-    const n = Number.parseInt(b.subarray(at, eol).toString(), 16)
-    if (!Number.isInteger(n)) throw new Error('bad chunk size')
-    if (n === 0) return Buffer.concat(out)
-    if (eol + 2 + n + 2 > b.length) throw new Error('chunked body ends inside a chunk')
-    out.push(b.subarray(eol + 2, eol + 2 + n))
-    at = eol + 2 + n + 2
-  }
-}
-
 describe('a GET reader that trickles in workerd', () => {
-  /** GET `path` over a raw socket at `rate` bytes/s (paused whenever ahead of it); its bytes at close. */
-  function pacedGet(origin: string, path: string, rate: number) {
-    const u = new URL(origin)
-    const sock = net.connect(Number(u.port), u.hostname)
-    sock.on('error', () => {})
-    const pieces: Buffer[] = []
-    let got = 0
-    let started = 0
-    let timer: ReturnType<typeof setTimeout> | undefined
-    sock.on('data', (d: Buffer) => {
-      pieces.push(d)
-      got += d.length
-      started ||= Date.now()
-      const ahead = (got * 1000) / rate - (Date.now() - started)
-      if (ahead > 0) {
-        sock.pause()
-        timer = setTimeout(() => sock.resume(), ahead)
-      }
-    })
-    const closed = new Promise<Buffer>((r) =>
-      sock.on('close', () => {
-        clearTimeout(timer)
-        r(Buffer.concat(pieces))
-      }),
-    )
-    sock.write(`GET ${path} HTTP/1.1\r\nhost: ${u.host}\r\nconnection: close\r\n\r\n`)
-    return { sock, closed }
-  }
-
   it('is cut off below KVGATE_READER_MIN_BYTES_PER_SECOND and counted; a reader above it gets every byte', async () => {
     const c = makeChunk({ layers: 24, sectionBytes: 2 * MIB }) // 48 MiB
     const path = `/v1/ns/a/chunks/${c.key}`
@@ -275,13 +231,9 @@ describe('a GET reader that trickles in workerd', () => {
     const raw = await Promise.race([fast.closed, sleep(20_000).then(() => undefined)])
     fast.sock.destroy()
     expect(raw).toBeDefined()
-    const head = raw!.indexOf('\r\n\r\n')
-    const headers = raw!.subarray(0, head).toString()
-    expect(headers).toMatch(/^HTTP\/1\.1 200/)
-    // workerd sends a streamed body chunked (its Content-Length dropped).
-    const body = /transfer-encoding: chunked/i.test(headers)
-      ? dechunk(raw!.subarray(head + 4))
-      : raw!.subarray(head + 4)
+    // workerd sends a streamed body chunked (its Content-Length dropped): splitResponse decodes it.
+    const { head, body } = splitResponse(raw!)
+    expect(head).toMatch(/^HTTP\/1\.1 200/)
     expect(sha(body)).toBe(sha(c.bytes))
     expect(await metric(paced, 'kvgate_get_readers_cut_off_total')).toBe(1)
   }, 60_000)
