@@ -3,6 +3,7 @@
 // are cut off and release their store stream, and an "exists" answer reaches a client
 // that closes after its request.
 
+import { createHash } from 'node:crypto'
 import { mkdtempSync, readdirSync, readlinkSync } from 'node:fs'
 import { createServer, request, type Server } from 'node:http'
 import type { AddressInfo } from 'node:net'
@@ -342,6 +343,41 @@ describe('slow and closing clients', () => {
         expect(storeFds(root)).toBe(fds0)
         for (let i = 0; i < 40 && (await connections()) > n0; i++) await sleep(25)
         expect(await connections()).toBe(n0)
+      } finally {
+        reader.sock.destroy()
+      }
+    }, 30_000)
+
+    it('a streamed calibration GET is held to the same pace: cut off, its file released, counted', async () => {
+      const root = mkdtempSync(join(tmpdir(), 'kvgate-readers-'))
+      const store = await new FsStore({ root, fsync: false }).open()
+      const metrics = new GatewayMetrics()
+      // No calibration cache: every GET streams from the store, hashed on the way.
+      const app = createGateway({
+        store,
+        metrics,
+        limits: { ...limits, calibrationCacheBytes: 0, maxCalibrationBytes: 64 * MIB },
+      })
+      const gw = await serve(app)
+      const bytes = new Uint8Array(48 * MIB)
+      bytes.set([0x4b, 0x56, 0x43, 0x4c, 1, 0])
+      for (let i = 8; i < bytes.length; i += 4096) bytes[i] = i & 0xff
+      const hash = createHash('sha256').update(bytes).digest('hex')
+      const put = await fetch(`${gw.url}/v1/ns/a/calibrations/${hash}`, {
+        method: 'PUT',
+        headers: { 'content-type': 'application/octet-stream' },
+        body: bytes,
+      })
+      expect(put.status).toBe(201)
+      const fds0 = storeFds(root)
+      const reader = pacedGet(gw.url, `/v1/ns/a/calibrations/${hash}`, 2 * MIB)
+      try {
+        const got = await Promise.race([reader.closed, sleep(15_000).then(() => undefined)])
+        expect(got).toBeDefined()
+        expect(got!.length).toBeLessThan(bytes.length)
+        expect(metrics.readersCutOff.value({ reason: 'slow' })).toBe(1)
+        for (let i = 0; i < 40 && storeFds(root) > fds0; i++) await sleep(25)
+        expect(storeFds(root)).toBe(fds0)
       } finally {
         reader.sock.destroy()
       }
