@@ -2,7 +2,7 @@
 // coalescer's size cap, the chain lookup's probing budget, the metrics text.
 
 import { createHash } from 'node:crypto'
-import { describe, expect, it } from 'vitest'
+import { describe, expect, it, vi } from 'vitest'
 import { assertKeysHex, objectName } from '../src/core/keys.ts'
 import {
   ChainLookup,
@@ -392,6 +392,40 @@ describe('checkedStream: the pace a GET reader must keep', () => {
     expect(await drain(s, 0)).toBe(12 * 1024)
     expect(why).toEqual([])
     expect(seen.cancelled).toBeUndefined()
+  })
+
+  it('waits out a long store read without spinning its watchdog', async () => {
+    vi.useFakeTimers({ toFake: ['setTimeout', 'clearTimeout', 'Date'] })
+    try {
+      // Two pieces at once, the third after 1 s: the store read begins with the window all but
+      // spent (99 of 100 ms waited on the reader), and the window ends inside it.
+      const delays = [0, 0, 1000]
+      let n = 0
+      const src = new ReadableStream<Uint8Array>({
+        async pull(c) {
+          if (n === delays.length) return c.close()
+          const d = delays[n++]!
+          if (d) await new Promise((r) => setTimeout(r, d))
+          c.enqueue(new Uint8Array(1024))
+        },
+      })
+      const s = checkedStream(src, undefined, {
+        idleTimeoutMs: 100,
+        minBytesPerSecond: 1024,
+        onCorrupt: () => {},
+      })
+      const r = s.getReader()
+      await vi.advanceTimersByTimeAsync(99)
+      expect((await r.read()).value?.length).toBe(1024) // the store read of the third piece begins
+      const spy = vi.spyOn(globalThis, 'setTimeout')
+      await vi.advanceTimersByTimeAsync(1000)
+      // An eighth of a window at the least: some 80 wake-ups in the second, not one a millisecond.
+      expect(spy.mock.calls.length).toBeLessThan(150)
+      spy.mockRestore()
+      expect((await r.read()).value?.length).toBe(1024)
+    } finally {
+      vi.useRealTimers()
+    }
   })
 
   it('0 turns the rate off: the same trickle completes', async () => {

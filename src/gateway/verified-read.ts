@@ -190,14 +190,15 @@ export function checkedStream(
       let next = opts.idleTimeoutMs - idle
       if (minRate > 0) {
         const waited = now - windowStart - storeMs - (inStoreRead ? now - storeReadSince : 0)
-        if (waited >= opts.idleTimeoutMs) {
-          // Judged only while the stream waits on the reader (otherwise the store sets the pace).
-          if (!inStoreRead && (windowBytes * 1000) / waited < minRate) return cutOff('slow')
+        // Judged only while the stream waits on the reader (during a store read the store sets
+        // the pace): a window that ends in one is judged once the read is over, looked at every
+        // eighth of a window meanwhile rather than in a tight loop.
+        if (waited >= opts.idleTimeoutMs && !inStoreRead) {
+          if ((windowBytes * 1000) / waited < minRate) return cutOff('slow')
           windowStart = now
           storeMs = 0
-          if (inStoreRead) storeReadSince = now
           windowBytes = 0
-        } else next = Math.min(next, opts.idleTimeoutMs - waited)
+        } else next = Math.min(next, Math.max(opts.idleTimeoutMs - waited, opts.idleTimeoutMs / 8))
       }
       arm(next)
     }, ms)
