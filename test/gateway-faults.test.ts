@@ -3,9 +3,13 @@
 // are cut off and release their store stream, and an "exists" answer reaches a client
 // that closes after its request.
 
+import { createHash } from 'node:crypto'
+import { mkdtempSync, readdirSync, readlinkSync } from 'node:fs'
 import { createServer, request, type Server } from 'node:http'
 import type { AddressInfo } from 'node:net'
 import net from 'node:net'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
 import { Readable } from 'node:stream'
 import { setFlagsFromString } from 'node:v8'
 import { runInNewContext } from 'node:vm'
@@ -14,10 +18,12 @@ import { KvgateError } from '../src/core/errors.ts'
 import { encodeChunk } from '../src/core/format.ts'
 import { toHex } from '../src/core/keys.ts'
 import { createGateway } from '../src/gateway/index.ts'
-import { S3Store, serveGateway } from '../src/gateway/node.ts'
+import { GatewayMetrics } from '../src/gateway/metrics.ts'
+import { FsStore, S3Store, serveGateway } from '../src/gateway/node.ts'
 import { MemoryStore } from '../src/gateway/stores/memory.ts'
 import type { GetOptions, PutResult, StoreObject } from '../src/gateway/stores/types.ts'
 import { makeChunk, putInit } from './gateway-fixtures.ts'
+import { pacedGet, splitResponse } from './support/paced-reader.ts'
 
 const MIB = 1024 * 1024
 setFlagsFromString('--expose-gc')
@@ -317,6 +323,113 @@ describe('slow and closing clients', () => {
     expect(await connections()).toBeLessThanOrEqual(n0)
     expect(gets[0]!.destroyed).toBe(true)
     sock.destroy()
+  })
+
+  describe('a GET reader that trickles (never quite idle) below readerMinBytesPerSecond', () => {
+    // A 2 s window (readerIdleTimeoutMs) and 4 MiB/s: the fs store reads 1 MiB pieces, so a
+    // reader at 2 MiB/s pulls one every half second and never idles for the window.
+    const limits = { readerIdleTimeoutMs: 2000, readerMinBytesPerSecond: 4 * MIB }
+    const storeFds = (root: string) =>
+      readdirSync('/proc/self/fd').filter((fd) => {
+        try {
+          return readlinkSync(`/proc/self/fd/${fd}`).startsWith(root)
+        } catch {
+          return false // closed meanwhile
+        }
+      }).length
+
+    async function fsGateway() {
+      const root = mkdtempSync(join(tmpdir(), 'kvgate-readers-'))
+      const store = await new FsStore({ root, fsync: false }).open()
+      const metrics = new GatewayMetrics()
+      const gw = await serve(createGateway({ store, metrics, limits, coalesce: false }))
+      const connections = () => new Promise<number>((r) => gw.server.getConnections((_, n) => r(n)))
+      return { root, metrics, gw, connections }
+    }
+
+    it('is cut off within a few windows, its file handle released and the cut-off counted as slow', async () => {
+      const { root, metrics, gw, connections } = await fsGateway()
+      // 48 MiB: at 2 MiB/s it would take 24 s; the socket buffers hold a few MiB.
+      const c = makeChunk({ layers: 24, sectionBytes: 2 * MIB })
+      expect((await fetch(`${gw.url}/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+      const n0 = await connections()
+      const fds0 = storeFds(root)
+      const t0 = Date.now()
+      const reader = pacedGet(gw.url, `/v1/ns/a/chunks/${c.key}`, 2 * MIB)
+      try {
+        for (let i = 0; i < 20 && storeFds(root) === fds0; i++) await sleep(25)
+        expect(storeFds(root)).toBe(fds0 + 1) // the GET holds its file open
+        const body = await Promise.race([reader.closed, sleep(15_000).then(() => undefined)])
+        const took = Date.now() - t0
+        expect(body).toBeDefined() // the gateway closed the connection
+        expect(body!.length).toBeLessThan(c.bytes.length) // before the client had it all
+        // The first windows count the burst that fills the socket buffers (several MiB, more
+        // as they grow); then one window below the rate ends it, far before the 24 s it needs.
+        expect(took).toBeLessThan(6 * limits.readerIdleTimeoutMs)
+        expect(metrics.readersCutOff.value({ reason: 'slow' })).toBe(1)
+        expect(metrics.readersCutOff.value({ reason: 'idle' })).toBe(0)
+        for (let i = 0; i < 40 && storeFds(root) > fds0; i++) await sleep(25)
+        expect(storeFds(root)).toBe(fds0)
+        for (let i = 0; i < 40 && (await connections()) > n0; i++) await sleep(25)
+        expect(await connections()).toBe(n0)
+      } finally {
+        reader.sock.destroy()
+      }
+    }, 30_000)
+
+    it('a streamed calibration GET is held to the same pace: cut off, its file released, counted', async () => {
+      const root = mkdtempSync(join(tmpdir(), 'kvgate-readers-'))
+      const store = await new FsStore({ root, fsync: false }).open()
+      const metrics = new GatewayMetrics()
+      // No calibration cache: every GET streams from the store, hashed on the way.
+      const app = createGateway({
+        store,
+        metrics,
+        limits: { ...limits, calibrationCacheBytes: 0, maxCalibrationBytes: 64 * MIB },
+      })
+      const gw = await serve(app)
+      const bytes = new Uint8Array(48 * MIB)
+      bytes.set([0x4b, 0x56, 0x43, 0x4c, 1, 0])
+      for (let i = 8; i < bytes.length; i += 4096) bytes[i] = i & 0xff
+      const hash = createHash('sha256').update(bytes).digest('hex')
+      const put = await fetch(`${gw.url}/v1/ns/a/calibrations/${hash}`, {
+        method: 'PUT',
+        headers: { 'content-type': 'application/octet-stream' },
+        body: bytes,
+      })
+      expect(put.status).toBe(201)
+      const fds0 = storeFds(root)
+      const reader = pacedGet(gw.url, `/v1/ns/a/calibrations/${hash}`, 2 * MIB)
+      try {
+        const got = await Promise.race([reader.closed, sleep(15_000).then(() => undefined)])
+        expect(got).toBeDefined()
+        expect(got!.length).toBeLessThan(bytes.length)
+        expect(metrics.readersCutOff.value({ reason: 'slow' })).toBe(1)
+        for (let i = 0; i < 40 && storeFds(root) > fds0; i++) await sleep(25)
+        expect(storeFds(root)).toBe(fds0)
+      } finally {
+        reader.sock.destroy()
+      }
+    }, 30_000)
+
+    it('a reader above the rate (paced the same way) gets every byte, and nothing stays behind', async () => {
+      const { root, metrics, gw, connections } = await fsGateway()
+      const c = makeChunk({ layers: 24, sectionBytes: 2 * MIB })
+      expect((await fetch(`${gw.url}/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))).status).toBe(201)
+      const n0 = await connections()
+      const fds0 = storeFds(root)
+      const reader = pacedGet(gw.url, `/v1/ns/a/chunks/${c.key}`, 12 * MIB) // 48 MiB: 4 s, two windows
+      const raw = await Promise.race([reader.closed, sleep(20_000).then(() => undefined)])
+      reader.sock.destroy()
+      expect(raw).toBeDefined()
+      const { head, body } = splitResponse(raw!)
+      expect(head).toMatch(/^HTTP\/1\.1 200/)
+      expect(Buffer.compare(body, Buffer.from(c.bytes))).toBe(0)
+      expect(metrics.readersCutOff.value()).toBe(0)
+      for (let i = 0; i < 40 && (storeFds(root) > fds0 || (await connections()) > n0); i++) await sleep(25)
+      expect(storeFds(root)).toBe(fds0)
+      expect(await connections()).toBe(n0)
+    }, 30_000)
   })
 
   it('a trickled PUT body (never quite idle) fails with 408 once slower than bodyMinBytesPerSecond', async () => {

@@ -98,6 +98,36 @@ describe('serve config', () => {
     })
   })
 
+  it('takes readerMinBytesPerSecond from env, file and flags (0: off) and refuses bad values', () => {
+    expect(resolveServeConfig().readerMinBytesPerSecond).toBe(64 * 1024)
+    const env = (v: string) => settingsFromEnv({ KVGATE_READER_MIN_BYTES_PER_SECOND: v })
+    expect(resolveServeConfig(env('256KiB')).readerMinBytesPerSecond).toBe(256 * 1024)
+    expect(resolveServeConfig(env('0')).readerMinBytesPerSecond).toBe(0)
+    const file = join(tmp, 'reader-rate.yaml')
+    writeFileSync(file, 'readerMinBytesPerSecond: 1MiB\n')
+    expect(resolveServeConfig(settingsFromFile(file)).readerMinBytesPerSecond).toBe(1024 * 1024)
+    expect(
+      resolveServeConfig(settingsFromFile(file), env('2048'), { readerMinBytesPerSecond: '4096' })
+        .readerMinBytesPerSecond,
+    ).toBe(4096)
+    for (const bad of ['fast', '-1', '1e9', '2GiB'])
+      expect(() => resolveServeConfig(env(bad)), bad).toThrow(expect.objectContaining({ code: 'ERR_CONFIG' }))
+    writeFileSync(file, 'readerMinBytesPerSecond: [1]\n')
+    expect(() => resolveServeConfig(settingsFromFile(file))).toThrow(
+      expect.objectContaining({ code: 'ERR_CONFIG' }),
+    )
+    // The library option: 0 is off, a fraction or a negative rate is refused at start.
+    const store = { get: async () => undefined } as never
+    expect(
+      createGateway({ store, limits: { readerMinBytesPerSecond: 0 } }).state.limits.readerMinBytesPerSecond,
+    ).toBe(0)
+    expect(createGateway({ store }).state.limits.readerMinBytesPerSecond).toBe(64 * 1024)
+    for (const bad of [-1, 1.5, Number.NaN])
+      expect(() => createGateway({ store, limits: { readerMinBytesPerSecond: bad } })).toThrow(
+        /limits\.readerMinBytesPerSecond/,
+      )
+  })
+
   it('rejects bad values with a ConfigError', () => {
     for (const bad of [
       { port: 'abc' },

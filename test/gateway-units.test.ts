@@ -2,7 +2,7 @@
 // coalescer's size cap, the chain lookup's probing budget, the metrics text.
 
 import { createHash } from 'node:crypto'
-import { describe, expect, it } from 'vitest'
+import { describe, expect, it, vi } from 'vitest'
 import { assertKeysHex, objectName } from '../src/core/keys.ts'
 import {
   ChainLookup,
@@ -14,6 +14,7 @@ import { GetCoalescer } from '../src/gateway/coalesce.ts'
 import { GatewayMetrics } from '../src/gateway/metrics.ts'
 import { parseRange } from '../src/gateway/routes/chunks.ts'
 import { MemoryStore } from '../src/gateway/stores/memory.ts'
+import { checkedStream } from '../src/gateway/verified-read.ts'
 
 describe('parseRange', () => {
   it('parses the three forms and rejects the rest', () => {
@@ -324,5 +325,122 @@ describe('metrics text', () => {
     expect(t).toContain('kvgate_store_op_seconds_bucket{op="get",store="s3",le="0.005"} 1')
     expect(t).toContain('kvgate_store_op_seconds_count{op="get",store="s3"} 1')
     expect(t).toContain('kvgate_errors_total{code="a\\"b"} 1')
+  })
+})
+
+describe('checkedStream: the pace a GET reader must keep', () => {
+  const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms))
+  /** `n` pieces of `size` bytes, each after `delayMs` (the store's pace); records a cancel. */
+  function source(n: number, size: number, delayMs: number) {
+    const seen = { cancelled: undefined as unknown, sent: 0 }
+    const src = new ReadableStream<Uint8Array>({
+      async pull(c) {
+        if (delayMs) await sleep(delayMs)
+        if (seen.sent === n) return c.close()
+        c.enqueue(new Uint8Array(size).fill(seen.sent++ & 0xff))
+      },
+      cancel(reason) {
+        seen.cancelled = reason
+      },
+    })
+    return { src, seen }
+  }
+  /** Reads `s` whole, waiting `delayMs` before each read (the client's pace). */
+  async function drain(s: ReadableStream<Uint8Array>, delayMs: number): Promise<number> {
+    const r = s.getReader()
+    let bytes = 0
+    for (;;) {
+      if (delayMs) await sleep(delayMs)
+      const { done, value } = await r.read()
+      if (done) return bytes
+      bytes += value.length
+    }
+  }
+
+  it('cuts off a reader that trickles below minBytesPerSecond without idling, and releases the store stream', async () => {
+    const { src, seen } = source(200, 16 * 1024, 0)
+    const why: string[] = []
+    const s = checkedStream(src, undefined, {
+      idleTimeoutMs: 300,
+      minBytesPerSecond: 1024 * 1024,
+      onCorrupt: () => {},
+      onCutOff: (w) => {
+        why.push(w)
+        return false
+      },
+    })
+    // 16 KiB every 50 ms: 320 KB/s, never idle for 300 ms; 200 pieces would take 10 s.
+    const t0 = Date.now()
+    await expect(drain(s, 50)).rejects.toThrow(/reader takes less than 1048576 bytes\/s/)
+    expect(Date.now() - t0).toBeLessThan(3000)
+    expect(why).toEqual(['slow'])
+    expect(seen.cancelled).toMatchObject({ code: 'ERR_TIMEOUT' })
+  })
+
+  it('does not count time spent waiting on the store: a slow store and an eager reader complete', async () => {
+    const { src, seen } = source(12, 1024, 80) // 12 KiB at 12.5 KiB/s, a second in all
+    const why: string[] = []
+    const s = checkedStream(src, undefined, {
+      idleTimeoutMs: 200,
+      minBytesPerSecond: 1024 * 1024,
+      onCorrupt: () => {},
+      onCutOff: (w) => {
+        why.push(w)
+        return false
+      },
+    })
+    expect(await drain(s, 0)).toBe(12 * 1024)
+    expect(why).toEqual([])
+    expect(seen.cancelled).toBeUndefined()
+  })
+
+  it('waits out a long store read without spinning its watchdog', async () => {
+    vi.useFakeTimers({ toFake: ['setTimeout', 'clearTimeout', 'Date'] })
+    try {
+      // Two pieces at once, the third after 1 s: the store read begins with the window all but
+      // spent (99 of 100 ms waited on the reader), and the window ends inside it.
+      const delays = [0, 0, 1000]
+      let n = 0
+      const src = new ReadableStream<Uint8Array>({
+        async pull(c) {
+          if (n === delays.length) return c.close()
+          const d = delays[n++]!
+          if (d) await new Promise((r) => setTimeout(r, d))
+          c.enqueue(new Uint8Array(1024))
+        },
+      })
+      const s = checkedStream(src, undefined, {
+        idleTimeoutMs: 100,
+        minBytesPerSecond: 1024,
+        onCorrupt: () => {},
+      })
+      const r = s.getReader()
+      await vi.advanceTimersByTimeAsync(99)
+      expect((await r.read()).value?.length).toBe(1024) // the store read of the third piece begins
+      const spy = vi.spyOn(globalThis, 'setTimeout')
+      await vi.advanceTimersByTimeAsync(1000)
+      // An eighth of a window at the least: some 80 wake-ups in the second, not one a millisecond.
+      expect(spy.mock.calls.length).toBeLessThan(150)
+      spy.mockRestore()
+      expect((await r.read()).value?.length).toBe(1024)
+    } finally {
+      vi.useRealTimers()
+    }
+  })
+
+  it('0 turns the rate off: the same trickle completes', async () => {
+    const { src } = source(20, 16 * 1024, 0)
+    const why: string[] = []
+    const s = checkedStream(src, undefined, {
+      idleTimeoutMs: 300,
+      minBytesPerSecond: 0,
+      onCorrupt: () => {},
+      onCutOff: (w) => {
+        why.push(w)
+        return false
+      },
+    })
+    expect(await drain(s, 50)).toBe(20 * 16 * 1024)
+    expect(why).toEqual([])
   })
 })

@@ -466,11 +466,16 @@ describe('lambda adapter', () => {
       ['KVGATE_UPLOAD_TTL', '9999999'],
       ['KVGATE_MAX_CHUNK_BYTES', '0'],
       ['KVGATE_MAX_HELD_BYTES', '0'],
+      ['KVGATE_READER_MIN_BYTES_PER_SECOND', '-1'],
+      ['KVGATE_READER_MIN_BYTES_PER_SECOND', '2000000000'],
+      ['KVGATE_READER_MIN_BYTES_PER_SECOND', 'fast'],
     ])
       expect(() => configFromEnv({ ...env, [name!]: value }), `${name}=${value}`).toThrow(
         new RegExp(`^${name} must be an integer in`),
       )
     expect(configFromEnv({ ...env, KVGATE_PRESIGN_TTL: '604800' }).presignTtlSeconds).toBe(604800)
+    expect(configFromEnv(env).readerMinBytesPerSecond).toBe(64 * 1024)
+    expect(configFromEnv({ ...env, KVGATE_READER_MIN_BYTES_PER_SECOND: '0' }).readerMinBytesPerSecond).toBe(0)
   })
 
   it('a name-like variable that begins or ends with whitespace is an error naming it', () => {

@@ -28,6 +28,24 @@ describe('Worker [vars]', () => {
     ).toThrow("KVGATE_AUTH: expected 'disabled' or unset")
   })
 
+  it('KVGATE_READER_MIN_BYTES_PER_SECOND sets the GET reader pace (0: off); a bad one is an error naming it', () => {
+    expect(worker({}).state.limits.readerMinBytesPerSecond).toBe(64 * 1024)
+    expect(
+      worker({ KVGATE_READER_MIN_BYTES_PER_SECOND: '131072' }).state.limits.readerMinBytesPerSecond,
+    ).toBe(131072)
+    expect(worker({ KVGATE_READER_MIN_BYTES_PER_SECOND: 0 }).state.limits.readerMinBytesPerSecond).toBe(0)
+    expect(worker({}).state.limits.readerIdleTimeoutMs).toBe(30_000)
+    expect(worker({ KVGATE_READER_IDLE_TIMEOUT_MS: '5000' }).state.limits.readerIdleTimeoutMs).toBe(5000)
+    for (const bad of ['0', '-1', 'soon'])
+      expect(() => worker({ KVGATE_READER_IDLE_TIMEOUT_MS: bad }), bad).toThrow(
+        /KVGATE_READER_IDLE_TIMEOUT_MS must be an integer/,
+      )
+    for (const bad of ['-1', '1.5', 'fast', 2 ** 60])
+      expect(() => worker({ KVGATE_READER_MIN_BYTES_PER_SECOND: bad }), String(bad)).toThrow(
+        /KVGATE_READER_MIN_BYTES_PER_SECOND must be an integer/,
+      )
+  })
+
   it('known variables and other bindings pass', () => {
     const app = worker({ KVGATE_MAX_CHUNK_BYTES: '1000', KVGATE_PUBLIC_STATUS: 'false', OTHER_BINDING: 'x' })
     expect(app.state.limits.maxChunkBytes).toBe(1000)

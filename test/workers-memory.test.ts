@@ -11,6 +11,7 @@ import { Miniflare } from 'miniflare'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { buildWorker } from '../scripts/build-worker.ts'
 import { makeChunk } from './gateway-fixtures.ts'
+import { pacedGet, splitResponse } from './support/paced-reader.ts'
 
 const ROOT = join(import.meta.dirname, '..')
 const MIB = 1024 * 1024
@@ -29,6 +30,8 @@ const instances: Miniflare[] = []
 let base: string
 /** A gateway whose chunk PUTs take R2 multipart (6 MiB threshold, 5 MiB parts) in a 20 MiB budget. */
 let parts: string
+/** A gateway whose GET readers must take 4 MiB/s over a 1 s window. */
+let paced: string
 
 beforeAll(async () => {
   out = mkdtempSync(join(tmpdir(), 'kvgate-workers-memory-'))
@@ -56,6 +59,10 @@ beforeAll(async () => {
     KVGATE_MAX_CHUNK_BYTES: String(16 * MIB),
     KVGATE_MAX_CALIBRATION_BYTES: String(MIB),
     KVGATE_MAX_HELD_BYTES: String(20 * MIB),
+  })
+  paced = await start('paced', {
+    KVGATE_READER_IDLE_TIMEOUT_MS: '1000',
+    KVGATE_READER_MIN_BYTES_PER_SECOND: String(4 * MIB),
   })
 }, 120_000)
 
@@ -205,4 +212,29 @@ describe('multipart chunk PUTs in a 20 MiB budget (5 MiB read-ahead + a 5 MiB pa
     expect(await metric(parts, 'kvgate_held_bytes')).toBe(0)
     expect(await metric(parts, 'kvgate_held_bytes_peak')).toBe(20 * MIB)
   }, 90_000)
+})
+
+describe('a GET reader that trickles in workerd', () => {
+  it('is cut off below KVGATE_READER_MIN_BYTES_PER_SECOND and counted; a reader above it gets every byte', async () => {
+    const c = makeChunk({ layers: 24, sectionBytes: 2 * MIB }) // 48 MiB
+    const path = `/v1/ns/a/chunks/${c.key}`
+    expect((await put(paced, path, c.bytes, c.bytes as BodyInit)).status).toBe(201)
+    const slow = pacedGet(paced, path, 2 * MIB)
+    const t0 = Date.now()
+    const cut = await Promise.race([slow.closed, sleep(20_000).then(() => undefined)])
+    slow.sock.destroy()
+    expect(Date.now() - t0).toBeLessThan(15_000) // 48 MiB at 2 MiB/s would take 24 s
+    expect(cut).toBeDefined()
+    expect(cut!.length).toBeLessThan(c.bytes.length)
+    expect(await metric(paced, 'kvgate_get_readers_cut_off_total')).toBe(1)
+    const fast = pacedGet(paced, path, 16 * MIB)
+    const raw = await Promise.race([fast.closed, sleep(20_000).then(() => undefined)])
+    fast.sock.destroy()
+    expect(raw).toBeDefined()
+    // workerd sends a streamed body chunked (its Content-Length dropped): splitResponse decodes it.
+    const { head, body } = splitResponse(raw!)
+    expect(head).toMatch(/^HTTP\/1\.1 200/)
+    expect(sha(body)).toBe(sha(c.bytes))
+    expect(await metric(paced, 'kvgate_get_readers_cut_off_total')).toBe(1)
+  }, 60_000)
 })

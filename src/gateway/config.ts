@@ -8,7 +8,7 @@ import { boolLike, byteSize, intLike, parseConfig } from '../core/config-check.t
 import { readConfigFile } from '../core/config-file.ts'
 import { ConfigError } from '../core/errors.ts'
 import { isObjectPrefix } from '../core/keys.ts'
-import { DEFAULT_CALIBRATION_CACHE_BYTES } from './context.ts'
+import { DEFAULT_CALIBRATION_CACHE_BYTES, DEFAULT_READER_MIN_BYTES_PER_SECOND } from './context.ts'
 import { DEFAULT_MAX_HELD_BYTES } from './memory-budget.ts'
 import type { TokenGrant } from './middleware/auth.ts'
 import { TokenTableSchema } from './token-table.ts'
@@ -50,6 +50,8 @@ export interface ServeConfig {
   bodyMinBytesPerSecond: number
   /** A GET reader that takes nothing this long is cut off (store stream released). */
   readerIdleTimeoutMs: number
+  /** A GET reader slower than this (bytes/s while the gateway waits on it) is cut off; 0 = off. */
+  readerMinBytesPerSecond: number
   /** Declared PUT body bytes in flight at once (503 ERR_BUSY above). */
   maxInFlightBytes: number
   /** Bytes the gateway holds for requests at once: read-ahead, parts, bodies (503 ERR_BUSY above). */
@@ -211,6 +213,12 @@ const OPTIONS = {
     env: 'KVGATE_READER_IDLE_TIMEOUT_MS',
     flag: '--reader-idle-timeout-ms',
     file: 'readerIdleTimeoutMs',
+  },
+  readerMinBytesPerSecond: {
+    schema: byteSize(0, 1024 ** 3),
+    env: 'KVGATE_READER_MIN_BYTES_PER_SECOND',
+    flag: '--reader-min-bytes-per-second',
+    file: 'readerMinBytesPerSecond',
   },
   maxInFlightBytes: {
     schema: byteSize(1, 1024 ** 4),
@@ -434,6 +442,7 @@ export function resolveServeConfig(...layers: ServeSettingsInput[]): ServeConfig
     bodyIdleTimeoutMs: s.bodyIdleTimeoutMs ?? 30_000,
     bodyMinBytesPerSecond: s.bodyMinBytesPerSecond ?? 8192,
     readerIdleTimeoutMs: s.readerIdleTimeoutMs ?? 30_000,
+    readerMinBytesPerSecond: s.readerMinBytesPerSecond ?? DEFAULT_READER_MIN_BYTES_PER_SECOND,
     maxInFlightBytes: s.maxInFlightBytes ?? 1024 ** 3,
     maxHeldBytes: s.maxHeldBytes ?? DEFAULT_MAX_HELD_BYTES,
     maxConnections: s.maxConnections ?? 1024,

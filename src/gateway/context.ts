@@ -34,6 +34,13 @@ export interface GatewayLimits {
    * handle, S3 socket) is released and its connection closed. @default 30000
    */
   readerIdleTimeoutMs?: number
+  /**
+   * A GET reader that, over readerIdleTimeoutMs spent waiting on it, takes less than this
+   * (bytes/s) is cut off the same way: a trickle that never quite idles would hold its store
+   * stream (the S3 SDK's read-ahead, several MiB; a file handle), which is outside
+   * maxHeldBytes, for as long as it likes. 0 turns it off. @default 65536
+   */
+  readerMinBytesPerSecond?: number
   /** Declared PUT body bytes in flight at once; above it PUTs get 503 ERR_BUSY. @default 1 GiB */
   maxInFlightBytes?: number
   /**
@@ -55,6 +62,15 @@ export interface GatewayLimits {
    */
   calibrationCacheBytes?: number
 }
+
+/**
+ * 64 KiB/s (512 kbit/s) a response, judged over readerIdleTimeoutMs (30 s): a client on a
+ * slow link is far above it (a 100 Mbit/s link carries some 200 such responses at once),
+ * the socket buffers (several MiB) take a short response whole whatever the client's pace,
+ * and the first window counts the burst that fills them. A reader under it holds a store
+ * stream nearly for free; to hold the 1024 connections Node allows, it must take 64 MiB/s.
+ */
+export const DEFAULT_READER_MIN_BYTES_PER_SECOND = 64 * 1024
 
 /** Bytes of decoded chunk headers kept for ?layers= (their bytes and decoded sections). */
 export const HEADER_CACHE_BYTES = 8 * 1024 * 1024
@@ -138,6 +154,7 @@ export function createState(opts: {
     bodyIdleTimeoutMs: opts.limits?.bodyIdleTimeoutMs ?? 30_000,
     bodyMinBytesPerSecond: opts.limits?.bodyMinBytesPerSecond ?? 8192,
     readerIdleTimeoutMs: opts.limits?.readerIdleTimeoutMs ?? 30_000,
+    readerMinBytesPerSecond: opts.limits?.readerMinBytesPerSecond ?? DEFAULT_READER_MIN_BYTES_PER_SECOND,
     maxInFlightBytes: opts.limits?.maxInFlightBytes ?? 1024 ** 3,
     maxHeldBytes: opts.limits?.maxHeldBytes ?? DEFAULT_MAX_HELD_BYTES,
     maxConcurrentVerifies: opts.limits?.maxConcurrentVerifies ?? 4,
@@ -148,7 +165,10 @@ export function createState(opts: {
     if (!Object.hasOwn(limits, k)) throw new TypeError(`createGateway: unknown limits.${k}`)
   }
   for (const [k, v] of Object.entries(limits)) {
-    const min = k === 'bodyMinBytesPerSecond' || k === 'calibrationCacheBytes' ? 0 : 1
+    const min =
+      k === 'bodyMinBytesPerSecond' || k === 'readerMinBytesPerSecond' || k === 'calibrationCacheBytes'
+        ? 0
+        : 1
     if (!Number.isInteger(v) || v < min) throw new TypeError(`createGateway: invalid limits.${k}`)
   }
   // A request that could never fit would be refused forever: say so at start instead.

@@ -130,6 +130,10 @@ export class GatewayMetrics {
     'kvgate_verify_total',
     'Object verifications by verdict (ok|corrupt|missing)',
   )
+  readonly readersCutOff = new Counter(
+    'kvgate_get_readers_cut_off_total',
+    'GET responses cut off, their store stream released, because the reader idled (reason=idle) or took less than readerMinBytesPerSecond (reason=slow)',
+  )
   readonly busy = new Counter(
     'kvgate_busy_total',
     'Requests refused with 503 ERR_BUSY because the in-flight byte or buffer bound was reached',
@@ -154,6 +158,7 @@ export class GatewayMetrics {
       this.lookupKeys,
       this.cache,
       this.coalesced,
+      this.readersCutOff,
       this.puts,
       this.redirects,
       this.errors,

@@ -120,14 +120,20 @@ export interface CheckedStreamOptions {
   onCorrupt(e: unknown): void
   /** A reader that pulls nothing for this long is cut off and the store stream released. 0 = never. */
   idleTimeoutMs: number
-  /** Called when the idle timeout cut the reader off; true when it closed the connection. */
-  onIdle?(): boolean
+  /**
+   * A reader that, over a window of idleTimeoutMs spent waiting on it (not on the store), takes
+   * less than this many bytes per second is cut off too: a trickle that never quite idles would
+   * otherwise hold the store stream (S3 read-ahead, a file handle) as long as it likes. 0 = off.
+   */
+  minBytesPerSecond?: number
+  /** Called when the reader was cut off (idle or slow); true when it closed the connection. */
+  onCutOff?(why: 'idle' | 'slow'): boolean
 }
 
 /**
  * `src` passed through `check`. One piece is held back until the next read (or the
  * end) proves it sound, so a failure found at the end (short object) still arrives
- * before the client has the whole body. Cancel and idle time-out release `src`.
+ * before the client has the whole body. Cancel, idle and slow cut-offs release `src`.
  */
 export function checkedStream(
   src: ReadableStream<Uint8Array>,
@@ -141,6 +147,13 @@ export function checkedStream(
   let lastPull = Date.now()
   let controller: ReadableStreamDefaultController<Uint8Array> | undefined
   let watchdog: ReturnType<typeof setTimeout> | undefined
+  // The rate window, as verified-body.ts keeps it for a PUT: time spent waiting on the
+  // reader (a store read in progress is the store's time) and the bytes it took meanwhile.
+  const minRate = opts.minBytesPerSecond ?? 0
+  let windowStart = Date.now()
+  let storeMs = 0
+  let storeReadSince = 0
+  let windowBytes = 0
   const end = (reason?: unknown) => {
     if (ended) return
     ended = true
@@ -148,23 +161,46 @@ export function checkedStream(
     held = undefined
     if (reason !== undefined) reader.cancel(reason).catch(() => {})
   }
+  const cutOff = (why: 'idle' | 'slow') => {
+    const e = new KvgateError(
+      'ERR_TIMEOUT',
+      why === 'idle'
+        ? `reader idle for ${opts.idleTimeoutMs} ms`
+        : `reader takes less than ${minRate} bytes/s`,
+      { status: 408 },
+    )
+    end(e)
+    // With the connection closed the adapter cancels this stream as a client gone away;
+    // otherwise fail the stream so whoever reads it next learns why.
+    if (opts.onCutOff?.(why)) return
+    try {
+      controller?.error(e)
+    } catch {
+      // already closed
+    }
+  }
   const arm = (ms: number) => {
     watchdog = setTimeout(() => {
       watchdog = undefined
       if (ended) return
+      const now = Date.now()
       // Waiting on the store is the store's business (it has its own timeouts).
-      const idle = inStoreRead ? 0 : Date.now() - lastPull
-      if (idle < opts.idleTimeoutMs) return arm(opts.idleTimeoutMs - idle)
-      const e = new KvgateError('ERR_TIMEOUT', `reader idle for ${opts.idleTimeoutMs} ms`, { status: 408 })
-      end(e)
-      // With the connection closed the adapter cancels this stream as a client gone away;
-      // otherwise fail the stream so whoever reads it next learns why.
-      if (opts.onIdle?.()) return
-      try {
-        controller?.error(e)
-      } catch {
-        // already closed
+      const idle = inStoreRead ? 0 : now - lastPull
+      if (idle >= opts.idleTimeoutMs) return cutOff('idle')
+      let next = opts.idleTimeoutMs - idle
+      if (minRate > 0) {
+        const waited = now - windowStart - storeMs - (inStoreRead ? now - storeReadSince : 0)
+        // Judged only while the stream waits on the reader (during a store read the store sets
+        // the pace): a window that ends in one is judged once the read is over, looked at every
+        // eighth of a window meanwhile rather than in a tight loop.
+        if (waited >= opts.idleTimeoutMs && !inStoreRead) {
+          if ((windowBytes * 1000) / waited < minRate) return cutOff('slow')
+          windowStart = now
+          storeMs = 0
+          windowBytes = 0
+        } else next = Math.min(next, Math.max(opts.idleTimeoutMs - waited, opts.idleTimeoutMs / 8))
       }
+      arm(next)
     }, ms)
   }
   if (opts.idleTimeoutMs > 0) arm(opts.idleTimeoutMs)
@@ -177,12 +213,14 @@ export function checkedStream(
       try {
         for (;;) {
           inStoreRead = true
+          storeReadSince = Date.now()
           let r: ReadableStreamReadResult<Uint8Array>
           try {
             r = await reader.read()
           } finally {
             inStoreRead = false
             lastPull = Date.now()
+            storeMs += lastPull - storeReadSince
           }
           if (ended) return
           if (r.done) {
@@ -209,6 +247,7 @@ export function checkedStream(
           const out = held
           held = r.value
           if (out) {
+            windowBytes += out.length
             c.enqueue(out)
             return
           }

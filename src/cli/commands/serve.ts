@@ -46,6 +46,9 @@ Options (flags override KVGATE_* env vars, which override the config file):
       --presence-ttl-ms N    how long a cached presence is trusted [30000]
       --body-idle-timeout-ms N     a PUT body silent this long fails with 408 [30000]
       --reader-idle-timeout-ms N   a GET reader idle this long is cut off [30000]
+      --reader-min-bytes-per-second N
+                                   a GET reader slower than this over that time
+                                   is cut off; 0 = off [65536]
       --max-in-flight-bytes N      declared PUT bytes in flight, 503 above [1073741824]
       --max-held-bytes N           bytes held for requests (read-ahead, parts, bodies),
                                    503 above [268435456]
@@ -107,6 +110,7 @@ export async function run(argv: string[]): Promise<number> {
     'presence-ttl-ms': { type: 'string' },
     'body-idle-timeout-ms': { type: 'string' },
     'reader-idle-timeout-ms': { type: 'string' },
+    'reader-min-bytes-per-second': { type: 'string' },
     'max-in-flight-bytes': { type: 'string' },
     'max-held-bytes': { type: 'string' },
     'max-connections': { type: 'string' },
@@ -140,6 +144,7 @@ export async function run(argv: string[]): Promise<number> {
     ['presence-ttl-ms', 'presenceTtlMs'],
     ['body-idle-timeout-ms', 'bodyIdleTimeoutMs'],
     ['reader-idle-timeout-ms', 'readerIdleTimeoutMs'],
+    ['reader-min-bytes-per-second', 'readerMinBytesPerSecond'],
     ['max-in-flight-bytes', 'maxInFlightBytes'],
     ['max-held-bytes', 'maxHeldBytes'],
     ['max-connections', 'maxConnections'],
@@ -220,6 +225,7 @@ async function serve(config: ServeConfig): Promise<number> {
       bodyIdleTimeoutMs: config.bodyIdleTimeoutMs,
       bodyMinBytesPerSecond: config.bodyMinBytesPerSecond,
       readerIdleTimeoutMs: config.readerIdleTimeoutMs,
+      readerMinBytesPerSecond: config.readerMinBytesPerSecond,
       maxInFlightBytes: config.maxInFlightBytes,
       maxHeldBytes: config.maxHeldBytes,
       maxConcurrentVerifies: config.maxConcurrentVerifies,

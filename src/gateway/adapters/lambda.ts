@@ -8,6 +8,7 @@ import { type ColdTierConfig, parseColdTier } from '../../coldtier/policy.ts'
 import { nearestKey } from '../../core/config-check.ts'
 import { ConfigError, isKvgateError } from '../../core/errors.ts'
 import { createGateway } from '../app.ts'
+import { DEFAULT_READER_MIN_BYTES_PER_SECOND } from '../context.ts'
 import { BODY_HOLD_BYTES, DEFAULT_MAX_HELD_BYTES, lambdaMaxHeldBytes } from '../memory-budget.ts'
 import type { TokenGrant } from '../middleware/auth.ts'
 import type { ObjectStore } from '../stores/types.ts'
@@ -230,6 +231,8 @@ export interface LambdaGatewayConfig {
    * from the function's memory (AWS_LAMBDA_FUNCTION_MEMORY_SIZE, see lambdaMaxHeldBytes).
    */
   maxHeldBytes: number
+  /** KVGATE_READER_MIN_BYTES_PER_SECOND: a GET reader slower than this is cut off (0: off). */
+  readerMinBytesPerSecond: number
 }
 
 /** S3 part size the Lambda store uses (the S3Store default). */
@@ -289,6 +292,7 @@ const LAMBDA_VARS = [
   'KVGATE_UPLOAD_TTL',
   'KVGATE_STAGING_PREFIX',
   'KVGATE_MAX_HELD_BYTES',
+  'KVGATE_READER_MIN_BYTES_PER_SECOND',
 ] as const
 
 /** Variables whose value is used as a name (numbers are trimmed; JSON ones may hold whitespace). */
@@ -352,6 +356,16 @@ export function configFromEnv(env: Record<string, string | undefined> = process.
         ? lambdaMaxHeldBytes(intFromEnv(env, 'AWS_LAMBDA_FUNCTION_MEMORY_SIZE', 1024))
         : DEFAULT_MAX_HELD_BYTES,
       1,
+    ),
+    // The response streams through the runtime (streamifyResponse): the pace holds as far as
+    // its stream passes the client's backpressure on to ours. One request per environment, so
+    // a slow reader holds only its own memory; the function timeout bounds it in any case.
+    readerMinBytesPerSecond: intFromEnv(
+      env,
+      'KVGATE_READER_MIN_BYTES_PER_SECOND',
+      DEFAULT_READER_MIN_BYTES_PER_SECOND,
+      0,
+      1024 ** 3,
     ),
   }
   if (!cfg.bucket && !cfg.fsRoot)
@@ -417,6 +431,7 @@ export async function gatewayFromConfig(cfg: LambdaGatewayConfig): Promise<Fetch
       maxCalibrationBytes: cfg.maxCalibrationBytes,
       calibrationCacheBytes: cfg.calibrationCacheBytes,
       maxHeldBytes: cfg.maxHeldBytes,
+      readerMinBytesPerSecond: cfg.readerMinBytesPerSecond,
     },
     presign: { minBytes: cfg.presignMinBytes, expiresSeconds: cfg.presignTtlSeconds },
     uploads: {

@@ -7,6 +7,7 @@ import { parseColdTier } from '../../coldtier/policy.ts'
 import { nearestKey } from '../../core/config-check.ts'
 import { ConfigError, isKvgateError } from '../../core/errors.ts'
 import { createGateway, type GatewayApp } from '../app.ts'
+import { DEFAULT_READER_MIN_BYTES_PER_SECOND } from '../context.ts'
 import { WORKER_MAX_HELD_BYTES, WORKER_PRESENCE_ENTRIES } from '../memory-budget.ts'
 import type { TokenGrant } from '../middleware/auth.ts'
 import { type R2BucketLike, R2Store } from '../stores/r2.ts'
@@ -51,6 +52,13 @@ export interface WorkerEnv {
   KVGATE_COALESCE_MAX_BUFFERED_BYTES?: string | number
   /** How long a cached presence is trusted (ms). @default 30000 */
   KVGATE_PRESENCE_TTL_MS?: string | number
+  /** A GET reader that takes nothing this long (ms) is cut off; also the window of the rate below. @default 30000 */
+  KVGATE_READER_IDLE_TIMEOUT_MS?: string | number
+  /**
+   * A GET reader slower than this (bytes/s over KVGATE_READER_IDLE_TIMEOUT_MS spent waiting on
+   * it) has its R2 stream cancelled and its response failed; 0 = off. @default 65536
+   */
+  KVGATE_READER_MIN_BYTES_PER_SECOND?: string | number
   /** The coldTier section as JSON: retention/quota per namespace, grace, use tracking (docs/cold-tier.md). */
   KVGATE_COLD_TIER?: string
 }
@@ -72,6 +80,8 @@ const WORKER_VARS = Object.keys({
   KVGATE_MAX_HELD_BYTES: true,
   KVGATE_COALESCE_MAX_BUFFERED_BYTES: true,
   KVGATE_PRESENCE_TTL_MS: true,
+  KVGATE_READER_IDLE_TIMEOUT_MS: true,
+  KVGATE_READER_MIN_BYTES_PER_SECOND: true,
   KVGATE_COLD_TIER: true,
 } satisfies Record<keyof WorkerEnv, true>) as (keyof WorkerEnv)[]
 
@@ -137,6 +147,13 @@ export function gatewayFromEnv(env: WorkerEnv): GatewayApp {
       // The Node default (64 MiB) is half an isolate: keep a few calibrations, stream the rest.
       calibrationCacheBytes: intVar(env, 'KVGATE_CALIBRATION_CACHE_BYTES', 8 * 1024 * 1024, 0),
       maxHeldBytes: intVar(env, 'KVGATE_MAX_HELD_BYTES', WORKER_MAX_HELD_BYTES),
+      readerIdleTimeoutMs: intVar(env, 'KVGATE_READER_IDLE_TIMEOUT_MS', 30_000),
+      readerMinBytesPerSecond: intVar(
+        env,
+        'KVGATE_READER_MIN_BYTES_PER_SECOND',
+        DEFAULT_READER_MIN_BYTES_PER_SECOND,
+        0,
+      ),
     },
     prefix: env.KVGATE_PREFIX ?? 'kv',
     // A 128 MB isolate: shared GET buffers stay a quarter of it (and within maxHeldBytes).

@@ -24,6 +24,7 @@ import {
   unsupportedMediaType,
 } from '../http-errors.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
+import { readerPace } from '../reader-pace.ts'
 import { readPromptly } from '../request-body.ts'
 import { collectBody, type StoreObject } from '../stores/types.ts'
 import { checkedStream, type StreamCheck } from '../verified-read.ts'
@@ -150,7 +151,12 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
   const reading = new Map<string, Promise<Uint8Array | typeof STREAMED | undefined>>()
 
   /** Calibration `hash` (verified, or checked as it streams), or undefined when the store has none. */
-  async function open(ns: string, hash: string, share = true): Promise<Served | undefined> {
+  async function open(
+    c: Context<GatewayEnv>,
+    ns: string,
+    hash: string,
+    share = true,
+  ): Promise<Served | undefined> {
     const name = calibrationObjectName(state.prefix, ns, hash)
     const cached = bodies.get(name)
     // The cache saves the body and its hashing, not the store's word: an object deleted
@@ -163,9 +169,10 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     const running = share ? reading.get(name) : undefined
     if (running) {
       const got = await running
-      return got === STREAMED ? open(ns, hash, false) : got && { bytes: got }
+      return got === STREAMED ? open(c, ns, hash, false) : got && { bytes: got }
     }
-    const p = read(name, hash)
+    // A streamed body is this request's alone (waiters on a shared read open their own).
+    const p = read(c, name, hash)
     if (share) {
       const shared = p
         .then((s) => (s === undefined ? undefined : 'bytes' in s ? s.bytes : STREAMED))
@@ -176,13 +183,13 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     return p
   }
 
-  async function read(name: string, hash: string): Promise<Served | undefined> {
+  async function read(c: Context<GatewayEnv>, name: string, hash: string): Promise<Served | undefined> {
     const obj = await state.store.get(name)
     if (!obj) return undefined
     // Larger than the whole cache: never held here, whatever the runtime's memory. Nor when
     // the gateway holds its memory bound already: streamed (hashed on the way) instead.
     const lease = obj.size <= cacheBytes ? state.memory.tryReserve(obj.size) : undefined
-    if (obj.size <= max && !lease) return { stream: hashedBody(name, hash, obj), size: obj.size }
+    if (obj.size <= max && !lease) return { stream: hashedBody(c, name, hash, obj), size: obj.size }
     try {
       const bytes = await readWhole(obj, max)
       if ((await sha256Hex(bytes)) !== hash) {
@@ -208,10 +215,15 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
 
   /**
    * The store's body, hashed as it passes (checkedStream: the last piece is held back until
-   * the hash is proven, and an idle reader is cut off): bytes that are not the name, or fewer
+   * the hash is proven, and a reader that idles or trickles is cut off): bytes that are not the name, or fewer
    * than the store's size, fail the response before the client has all of it.
    */
-  function hashedBody(name: string, hash: string, obj: StoreObject): ReadableStream<Uint8Array> {
+  function hashedBody(
+    c: Context<GatewayEnv>,
+    name: string,
+    hash: string,
+    obj: StoreObject,
+  ): ReadableStream<Uint8Array> {
     const hasher = streamHasher()
     let seen = 0
     const check: StreamCheck = {
@@ -234,7 +246,7 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
       },
     }
     return checkedStream(obj.body, check, {
-      idleTimeoutMs: state.limits.readerIdleTimeoutMs,
+      ...readerPace(state, c),
       onCorrupt: () => {}, // counted and dropped in finish()
     })
   }
@@ -292,7 +304,7 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
       ?.split(',')
       .some((t) => t.trim() === etag || t.trim() === '*')
     if (c.req.method === 'HEAD') return headAnswer(c, ns, hash, notModified === true)
-    const served = await open(ns, hash)
+    const served = await open(c, ns, hash)
     state.metrics.calibrations.inc({ op: 'get', result: served ? 'hit' : 'missing' })
     if (!served) throw notFound(`no calibration ${hash} in namespace ${ns}`)
     const size = 'bytes' in served ? served.bytes.length : served.size

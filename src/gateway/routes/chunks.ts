@@ -25,6 +25,7 @@ import {
 } from '../http-errors.ts'
 import { bodyHoldBytes } from '../memory-budget.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
+import { readerPace } from '../reader-pace.ts'
 import { RangeNotSatisfiableError } from '../stores/errors.ts'
 import type { ByteRange, StoreObject } from '../stores/types.ts'
 import { iteratorSource, type PieceSource, streamSource, verifiedBody } from '../verified-body.ts'
@@ -210,7 +211,7 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
   })
 }
 
-/** A store body on its way to the client: checked, cut off when the reader idles, healed when corrupt. */
+/** A store body on its way to the client: checked, cut off when the reader idles or trickles, healed when corrupt. */
 function servedStream(
   c: Context<GatewayEnv>,
   state: GatewayState,
@@ -220,17 +221,10 @@ function servedStream(
   layers: boolean,
 ): ReadableStream<Uint8Array> {
   return checkedStream(src, check, {
-    idleTimeoutMs: state.limits.readerIdleTimeoutMs,
+    ...readerPace(state, c),
     // A store fault (a range served short) says nothing about the object.
     onCorrupt: (e) => {
       if (isCorruption(e)) reportCorruptRead(state, t, layers)
-    },
-    // A client that stopped reading also stops the adapter reading us: close its socket.
-    onIdle: () => {
-      const outgoing = (c.env as { outgoing?: { destroy?: () => void } } | undefined)?.outgoing
-      if (typeof outgoing?.destroy !== 'function') return false
-      outgoing.destroy()
-      return true
     },
   })
 }
