@@ -157,7 +157,7 @@ describe.skipIf(stub !== undefined)('agent CUDA IPC path (stub libcudart)', () =
     const d = cuda.deviceAlloc(LAYERS * LAYER_BYTES)
     const c = await connect()
     const handle = cuda.ipcGetHandle(d)
-    const tensors = (storageEnd: number) =>
+    const tensors = (storageEnd: number | null) =>
       Array.from({ length: LAYERS }, (_, l) => ({
         kind: 'cuda-ipc',
         handle,
@@ -183,6 +183,10 @@ describe.skipIf(stub !== undefined)('agent CUDA IPC path (stub libcudart)', () =
     ).toMatchObject({
       ok: true,
     })
+    // nil is an absent storageEnd, as it is for every optional field (it was taken as 0: every
+    // tensor refused as running past a storage ending at byte 0).
+    const nil = await c.call('register', { rank: 0, numBlocks: BLOCKS, tensors: tensors(null) })
+    expect(nil).toMatchObject({ ok: true })
     c.sock.destroy()
     for (let i = 0; i < 100 && cuda.stubControl('') !== mapped; i++)
       await new Promise((r) => setTimeout(r, 10))

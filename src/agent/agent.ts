@@ -392,7 +392,8 @@ export class Agent {
           // Where the tensor's storage ends in the allocation (the connector sends it; older ones
           // do not): the agent cannot ask CUDA an allocation's size, and a tensor claimed past its
           // storage would have copies write into whatever else the engine keeps on the GPU.
-          if (t.storageEnd !== undefined) {
+          // nil is absent, as for every optional field (optInt would give its default, 0).
+          if (t.storageEnd !== undefined && t.storageEnd !== null) {
             const end = optInt(t, 'storageEnd', 0, Number.MAX_SAFE_INTEGER, 0)
             if (offset + want > end)
               throw new AgentError(
