@@ -127,6 +127,35 @@ describe('agent socket', () => {
     c.close()
   })
 
+  it('a field a msgpackr client leaves undefined (its fixext 0, no extension a request can misuse) is absent, as nil is', async () => {
+    const c = await Client.open(join(dir, 'a.sock'))
+    expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true })
+    const path = join(dir, 'kv-undefined')
+    writeFileSync(path, Buffer.alloc(2 * 8 * 16 * 2 * 8 * 2 * 3))
+    // encodeFrame is msgpackr's: `strides: undefined` goes out as d4 00 00, not left out.
+    expect(
+      encodeFrame({ strides: undefined })
+        .subarray(4)
+        .includes(Buffer.from([0xd4, 0, 0])),
+    ).toBe(true)
+    const tensors = [0, 1, 2].map((l) => ({
+      kind: 'shm',
+      path,
+      offset: l * 2 * 8 * 16 * 2 * 8 * 2,
+      shape: [2, 8, 16, 2, 8],
+      strides: undefined,
+    }))
+    const r = await c.call('register', { rank: 0, numBlocks: 8, tensors, pciBusId: undefined })
+    expect(r).toMatchObject({ ok: true })
+    expect(
+      await c.call('lookup', { worker: r.worker, keys: [randomBytes(32)], timeoutMs: undefined }),
+    ).toMatchObject({
+      ok: true,
+      chunks: 0,
+    })
+    c.close()
+  })
+
   it('a client that goes on sending after an oversized length (its write side open) is answered once and closed; what it sends after is dropped', async () => {
     const c = connect({ path: join(dir, 'a.sock'), allowHalfOpen: true })
     await new Promise((r) => c.once('connect', r))

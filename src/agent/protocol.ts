@@ -175,8 +175,8 @@ export function checkEnvelope(msg: unknown): Request {
 }
 
 /**
- * A request holds msgpack's own types only: nil, booleans, numbers, strings, bins, arrays and
- * maps. msgpackr decodes extension types into bigints, Dates, typed arrays, Sets, RegExps and
+ * A request holds msgpack's own types only: nil (and msgpackr's undefined), booleans, numbers,
+ * strings, bins, arrays and maps. msgpackr decodes extension types into bigints, Dates, typed arrays, Sets, RegExps and
  * Errors, which no field takes and which field checks do not expect (JSON.stringify throws on a
  * bigint): such a frame is ERR_BAD_FRAME, as an undecodable one is, not ERR_INTERNAL.
  */
@@ -202,7 +202,9 @@ function checkPlain(v: unknown, depth: number): void {
 
 function checkScalar(v: unknown): void {
   const t = typeof v
-  if (v !== null && t !== 'number' && t !== 'string' && t !== 'boolean') notPlain(v)
+  // undefined: msgpackr (this module's encoder, the usual Node one) writes a field left
+  // undefined as fixext 0, not as nil; field checks read it as absent, as they read nil.
+  if (v !== null && v !== undefined && t !== 'number' && t !== 'string' && t !== 'boolean') notPlain(v)
 }
 
 function notPlain(v: unknown): never {
