@@ -14,7 +14,8 @@ import { pattern, same } from './support/bytes.ts'
 process.env.KVGATE_CUDART = nativePaths.stubCudart
 const native = await import('../src/client/native.ts')
 const { cuda } = native
-const { resolveAgentConfig, startAgent } = await import('../src/agent/index.ts')
+const { Agent, resolveAgentConfig, startAgent } = await import('../src/agent/index.ts')
+const { newSession } = await import('../src/agent/agent.ts')
 const { decodeBody, encodeFrame, FrameReader } = await import('../src/agent/protocol.ts')
 
 type Msg = Record<string, unknown>
@@ -191,6 +192,50 @@ describe.skipIf(stub !== undefined)('agent CUDA IPC path (stub libcudart)', () =
     for (let i = 0; i < 100 && cuda.stubControl('') !== mapped; i++)
       await new Promise((r) => setTimeout(r, 10))
     expect(cuda.stubControl('')).toBe(mapped)
+    cuda.deviceFree(d)
+  })
+
+  it('an agent closed while a cuda-ipc register maps its handle opens no space after close (nor an L1 or a codec pool)', async () => {
+    const cfg = resolveAgentConfig(
+      { socket: join(dir, 'unused.sock'), chunkTokens: 32 },
+      { KVGATE_MEMORY_BYTES: '4MiB' },
+    )
+    const cache = { ...cfg.cache, remote: false as const, disk: false as const, codecWorkers: 0 }
+    const agent = new Agent({ chunkTokens: 32, cache, lookupDeadlineMs: 250, version: 't' })
+    const s = newSession(() => {})
+    const hello = await agent.answer(s, {
+      id: 1,
+      op: 'hello',
+      protocol: 1,
+      model: 'cuda/close',
+      hashSeed: '0',
+      geometry: {
+        layout: 'flash-attn',
+        dtype: 'float16',
+        layers: LAYERS,
+        kvHeads: 2,
+        headSize: 8,
+        blockSize: 16,
+      },
+    })
+    expect(hello).toMatchObject({ protocol: 1 })
+    const d = cuda.deviceAlloc(LAYERS * LAYER_BYTES)
+    const handle = cuda.ipcGetHandle(d)
+    const tensors = Array.from({ length: LAYERS }, (_, l) => ({
+      kind: 'cuda-ipc',
+      handle,
+      offset: l * LAYER_BYTES,
+      shape: [2, BLOCKS, 16, 2, 8],
+    }))
+    // register awaits the handle's mapping; close() runs meanwhile and finds no space to close.
+    const reg = Promise.resolve()
+      .then(() => agent.answer(s, { id: 2, op: 'register', rank: 0, numBlocks: BLOCKS, tensors }))
+      .catch((e: unknown) => e)
+    await Promise.resolve()
+    await agent.close()
+    expect(await reg).toMatchObject({ code: 'ERR_CLOSED' })
+    // A space opened after close() would hold its L1 and the codec pool for good.
+    expect((await agent.stats()).spaces).toBe(0)
     cuda.deviceFree(d)
   })
 

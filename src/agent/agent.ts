@@ -314,6 +314,9 @@ export class Agent {
     const id = spaceId(d, r)
     let p = this.#spaces.get(id)
     if (!p) {
+      // A request that began before close() (a register awaiting its IPC mappings) must not open
+      // a space close() no longer sees: its L1, disk budget and codec pool would stay open.
+      if (this.#closed) return Promise.reject(new AgentError('ERR_CLOSED', 'the agent is shutting down'))
       p = this.#sharedL1(d).then((l1) =>
         KvSpace.open(d, r, this.#cacheOptions(), l1, this.#diskBudget(d), this.#codecPool()),
       )
