@@ -113,6 +113,9 @@ _LAYOUTS = ("flash-attn", "flashinfer", "mla")
 # kv_connector_extra_config keys and their defaults (docs/vllm.md lists them).
 _EXTRA_MS_DEFAULTS = {"lookup_wait_ms": 2, "lookup_timeout_ms": 1000, "load_timeout_ms": 30000, "save_timeout_ms": 60000}
 _EXTRA_KEYS = ("socket", "layout", "model_id", *_EXTRA_MS_DEFAULTS)
+# A load or save given up drops the agent connection (the protocol's only cancel): one shorter than
+# a chunk's copy would drop every transfer, so these have a floor.
+_EXTRA_MS_MIN = {"load_timeout_ms": 1000, "save_timeout_ms": 1000}
 
 
 def _check_extra_config(extra: Dict[str, Any]) -> Dict[str, Any]:
@@ -141,8 +144,9 @@ def _check_extra_config(extra: Dict[str, Any]) -> Dict[str, Any]:
             ms = float(v) if not isinstance(v, bool) else math.nan
         except (TypeError, ValueError):
             ms = math.nan
-        if not math.isfinite(ms) or ms < 0:
-            raise ConfigurationError(f"{where}: {key}: expected a number of milliseconds >= 0, got {v!r}")
+        least = _EXTRA_MS_MIN.get(key, 0)
+        if not math.isfinite(ms) or ms < least:
+            raise ConfigurationError(f"{where}: {key}: expected a number of milliseconds >= {least}, got {v!r}")
         out[key] = ms / 1000
     return out
 
