@@ -23,6 +23,8 @@ import {
   policyFor,
 } from '../src/coldtier/policy.ts'
 import { decodeBatch, encodeBatch } from '../src/coldtier/records.ts'
+import { crc32 } from '../src/core/checksum.ts'
+import { decodeHeader, FIXED_HEADER_BYTES, headerBytesFor } from '../src/core/format.ts'
 import { createGateway, MemoryStore } from '../src/gateway/index.ts'
 import type { ObjectStore } from '../src/gateway/stores/types.ts'
 import { UsageRecorder } from '../src/gateway/usage/recorder.ts'
@@ -820,6 +822,42 @@ describe('gc on a memory store', () => {
       expect(n).toBeDefined()
       expect(n!).toBeLessThan(16 << 10)
     }
+  })
+
+  it("a chunk over the format's 512 MiB default (a gateway with a larger maxChunkBytes) is read for its parent, not counted unreadable", async () => {
+    const store = new MemoryStore()
+    const [root, big] = makeChain(2)
+    const bigName = `kv/prod/${big!.key.slice(0, 2)}/${big!.key}`
+    await store.putIfAbsent(`kv/prod/${root!.key.slice(0, 2)}/${root!.key}`, root!.bytes, root!.bytes.length)
+    // Only the header is stored (gc reads nothing else); it describes 4 sections of 160 MiB.
+    const headerBytes = headerBytesFor(4)
+    const header = big!.bytes.slice(0, headerBytes)
+    const dv = new DataView(header.buffer)
+    const section = 160 << 20
+    for (let i = 0; i < 4; i++) {
+      dv.setBigUint64(FIXED_HEADER_BYTES + i * 16, BigInt(headerBytes + i * section), true)
+      dv.setUint32(FIXED_HEADER_BYTES + i * 16 + 8, section, true)
+    }
+    const total = headerBytes + 4 * section
+    dv.setBigUint64(16, BigInt(total), true)
+    dv.setUint32(headerBytes - 4, crc32(header.subarray(0, headerBytes - 4)), true)
+    expect(decodeHeader(header, { maxBytes: total }).totalBytes).toBe(total)
+    await store.putIfAbsent(bigName, header, header.length)
+    const listed: ObjectStore = {
+      kind: store.kind,
+      get: (n, o) => store.get(n, o),
+      head: (n) => store.head(n),
+      putIfAbsent: (n, b, sz) => store.putIfAbsent(n, b, sz),
+      delete: (n) => store.delete(n),
+      list: async (p, o) => {
+        const page = await store.list(p, o)
+        return { ...page, entries: page.entries.map((e) => (e.name === bigName ? { ...e, size: total } : e)) }
+      },
+    }
+    const config = parseColdTier({ grace: '0s', namespaces: { prod: { retention: '1d' } } })
+    const r = await runGc({ store: listed, prefix: 'kv', config, now: Date.now() + 1000 })
+    expect(r.errors).toEqual([])
+    expect(r.namespaces[0]).toMatchObject({ headerReads: 2, chains: 1, unreadable: 0 })
   })
 
   it('incremental accounting counts a chunk once, though its link is in two records (a flush retried after an ambiguous failure)', async () => {

@@ -428,6 +428,71 @@ describe('checkedStream: the pace a GET reader must keep', () => {
     }
   })
 
+  it('never cuts off a reader that keeps the rate in pieces a window may hold only one of', async () => {
+    vi.useFakeTimers({ toFake: ['setTimeout', 'clearTimeout', 'Date'] })
+    try {
+      // 64 KiB pieces taken every 600 ms: 107 KiB/s, above the 100 KiB/s asked, never idle for a
+      // window (1 s). A window then holds one or two pieces given: one is 64 KiB/s.
+      const { src, seen } = source(20, 64 * 1024, 0)
+      const why: string[] = []
+      const s = checkedStream(src, undefined, {
+        idleTimeoutMs: 1000,
+        minBytesPerSecond: 100 * 1024,
+        onCorrupt: () => {},
+        onCutOff: (w) => {
+          why.push(w)
+          return false
+        },
+      })
+      const r = s.getReader()
+      let bytes = 0
+      for (;;) {
+        await vi.advanceTimersByTimeAsync(600)
+        const { done, value } = await r.read()
+        if (done) break
+        bytes += value.length
+      }
+      expect(why).toEqual([])
+      expect(bytes).toBe(20 * 64 * 1024)
+      expect(seen.cancelled).toBeUndefined()
+    } finally {
+      vi.useRealTimers()
+    }
+  })
+
+  it('still cuts off a reader below the rate in pieces a window holds several of', async () => {
+    vi.useFakeTimers({ toFake: ['setTimeout', 'clearTimeout', 'Date'] })
+    try {
+      // 16 KiB every 300 ms: 53 KiB/s, below the 100 KiB/s asked, never idle for a window.
+      const { src, seen } = source(60, 16 * 1024, 0)
+      const why: string[] = []
+      const s = checkedStream(src, undefined, {
+        idleTimeoutMs: 1000,
+        minBytesPerSecond: 100 * 1024,
+        onCorrupt: () => {},
+        onCutOff: (w) => {
+          why.push(w)
+          return false
+        },
+      })
+      const r = s.getReader()
+      const done = (async () => {
+        for (;;) {
+          await sleep(300)
+          if ((await r.read()).done) return
+        }
+      })()
+      const failed = expect(done).rejects.toThrow(/reader takes less than/)
+      for (let i = 0; i < 400 && why.length === 0; i++) await vi.advanceTimersByTimeAsync(100)
+      await vi.advanceTimersByTimeAsync(1000)
+      await failed
+      expect(why).toEqual(['slow'])
+      expect(seen.cancelled).toMatchObject({ code: 'ERR_TIMEOUT' })
+    } finally {
+      vi.useRealTimers()
+    }
+  })
+
   it('0 turns the rate off: the same trickle completes', async () => {
     const { src } = source(20, 16 * 1024, 0)
     const why: string[] = []

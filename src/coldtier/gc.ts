@@ -13,7 +13,12 @@
 
 import { eachBounded } from '../core/bounded-each.ts'
 import { ConfigError, FormatError } from '../core/errors.ts'
-import { decodeHeader, HEADER_PREFIX_BYTES, readHeaderLength } from '../core/format.ts'
+import {
+  DEFAULT_MAX_CHUNK_BYTES,
+  decodeHeader,
+  HEADER_PREFIX_BYTES,
+  readHeaderLength,
+} from '../core/format.ts'
 import { isObjectPrefix, objectName, toHex } from '../core/keys.ts'
 import { collectAtMost, type ObjectStore, type StoreEntry } from '../gateway/stores/types.ts'
 import {
@@ -334,7 +339,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     /** Chunks whose parent this run read from the header itself (ROOT_PARENT for a chain's first). */
     const fromHeader = new Set<string>()
     const readHeader = async (n: ChunkNode): Promise<boolean> => {
-      const p = await readParent(store, objectName(opts.prefix, ns, n.key))
+      const p = await readParent(store, objectName(opts.prefix, ns, n.key), n.size)
       headerReads++
       if (p === undefined) {
         nodes.delete(n.key) // gone since the listing
@@ -652,7 +657,7 @@ async function readListed(
  * The parent key from a ranged read of the header (ROOT_PARENT for the first chunk of a chain);
  * undefined when the object is gone.
  */
-async function readParent(store: ObjectStore, name: string): Promise<string | undefined> {
+async function readParent(store: ObjectStore, name: string, listedSize: number): Promise<string | undefined> {
   const first = await store.get(name, { range: { offset: 0, length: HEADER_PROBE_BYTES } })
   if (!first) return undefined
   let bytes: Uint8Array = new Uint8Array(await new Response(first.body).arrayBuffer())
@@ -667,7 +672,11 @@ async function readParent(store: ObjectStore, name: string): Promise<string | un
     if (!more) throw new Error(`the store answered more than the ${headerBytes} bytes asked for`)
     bytes = more
   }
-  const h = decodeHeader(bytes.subarray(0, headerBytes))
+  // The bound a gateway GET verifies against: a chunk the store holds (a gateway whose
+  // maxChunkBytes passes the format's 512 MiB default took it) is not unreadable for its size.
+  const h = decodeHeader(bytes.subarray(0, headerBytes), {
+    maxBytes: Math.max(DEFAULT_MAX_CHUNK_BYTES, listedSize),
+  })
   return h.chunkIndex === 0 ? ROOT_PARENT : toHex(h.parentKey)
 }
 

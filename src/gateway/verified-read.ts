@@ -154,6 +154,9 @@ export function checkedStream(
   let storeMs = 0
   let storeReadSince = 0
   let windowBytes = 0
+  // The last piece given the reader since the window began: taken whole at once, it is read
+  // out over the time after, into the next window (see the verdict below).
+  let lastOut = 0
   const end = (reason?: unknown) => {
     if (ended) return
     ended = true
@@ -197,7 +200,11 @@ export function checkedStream(
           if ((windowBytes * 1000) / waited < minRate) return cutOff('slow')
           windowStart = now
           storeMs = 0
-          windowBytes = 0
+          // Pieces are counted when given, so a window of a reader that keeps the rate may hold
+          // one piece fewer than it read (a 1 MiB piece read at 66 KiB/s spans half a 30 s
+          // window): the piece given last before it began counts in it too, once.
+          windowBytes = lastOut
+          lastOut = 0
         } else next = Math.min(next, Math.max(opts.idleTimeoutMs - waited, opts.idleTimeoutMs / 8))
       }
       arm(next)
@@ -248,6 +255,7 @@ export function checkedStream(
           held = r.value
           if (out) {
             windowBytes += out.length
+            lastOut = out.length
             c.enqueue(out)
             return
           }
