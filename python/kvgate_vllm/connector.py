@@ -115,7 +115,7 @@ _EXTRA_MS_DEFAULTS = {"lookup_wait_ms": 2, "lookup_timeout_ms": 1000, "load_time
 _EXTRA_KEYS = ("socket", "layout", "model_id", *_EXTRA_MS_DEFAULTS)
 # A load or save given up drops the agent connection (the protocol's only cancel): one shorter than
 # a chunk's copy would drop every transfer, so these have a floor.
-_EXTRA_MS_MIN = {"load_timeout_ms": 1000, "save_timeout_ms": 1000}
+_EXTRA_MS_MIN = {"load_timeout_ms": 100, "save_timeout_ms": 100}
 
 
 def _check_extra_config(extra: Dict[str, Any]) -> Dict[str, Any]:

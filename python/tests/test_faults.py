@@ -977,7 +977,7 @@ def test_a_save_past_save_timeout_ms_never_cuts_a_load_still_copying():
     shape = [2, spec.num_blocks, 16, spec.kv_heads, spec.head_size]
     caches = {f"l{i}": shm.shm_tensor(shape, torch.float16) for i in range(spec.layers)}
     cfg = config(agent)
-    cfg.kv_transfer_config.kv_connector_extra_config["save_timeout_ms"] = 50
+    cfg.kv_transfer_config.kv_connector_extra_config["save_timeout_ms"] = 100
     w = KVGateConnector(cfg, KVConnectorRole.WORKER)
     w._client._reconnect_interval = 0
     w.register_kv_caches(caches)
@@ -989,7 +989,7 @@ def test_a_save_past_save_timeout_ms_never_cuts_a_load_still_copying():
         w.wait_for_save()
         assert w.get_finished({"s"}) == (None, None)
         w.clear_connector_metadata()
-        time.sleep(0.1)  # the save is past its deadline
+        time.sleep(0.2)  # the save is past its deadline
         w.bind_connector_metadata(KVGateMetadata(loads=[load_spec()]))
         w.start_load_kv(None)
         assert w.get_finished(set()) == (None, None)  # asked while the load copies
