@@ -35,11 +35,13 @@ def spec_for(agent, **kw) -> EngineSpec:
     return EngineSpec(socket=agent.path, model="test/faults", **kw)
 
 
-def config(agent, load_timeout_ms=20000, lookup_timeout_ms=10000, **kw):
+def config(agent, load_timeout_ms=20000, lookup_timeout_ms=10000, save_timeout_ms=None, **kw):
     cfg = vllm_config(spec_for(agent, **kw))
     cfg.kv_transfer_config.kv_connector_extra_config.update(
         load_timeout_ms=load_timeout_ms, lookup_timeout_ms=lookup_timeout_ms
     )
+    if save_timeout_ms is not None:
+        cfg.kv_transfer_config.kv_connector_extra_config["save_timeout_ms"] = save_timeout_ms
     return cfg
 
 
@@ -924,14 +926,7 @@ def test_a_save_the_agent_never_answers_frees_its_blocks_after_save_timeout_ms()
         return None if req["op"] == "save" else well_behaved(agent, conn, req, n)
 
     agent = ScriptedAgent(script)
-    spec = spec_for(agent)
-    shape = [2, spec.num_blocks, 16, spec.kv_heads, spec.head_size]
-    caches = {f"l{i}": shm.shm_tensor(shape, torch.float16) for i in range(spec.layers)}
-    cfg = config(agent)
-    cfg.kv_transfer_config.kv_connector_extra_config["save_timeout_ms"] = 200
-    w = KVGateConnector(cfg, KVConnectorRole.WORKER)
-    w._client._reconnect_interval = 0
-    w.register_kv_caches(caches)
+    w, caches = worker(agent, save_timeout_ms=200)
     try:
         assert w._worker_ready()
         req = make_request("s", PROMPT, 16)
@@ -973,14 +968,7 @@ def test_a_save_past_save_timeout_ms_never_cuts_a_load_still_copying():
         return well_behaved(agent, conn, req, n)
 
     agent = ScriptedAgent(script)
-    spec = spec_for(agent)
-    shape = [2, spec.num_blocks, 16, spec.kv_heads, spec.head_size]
-    caches = {f"l{i}": shm.shm_tensor(shape, torch.float16) for i in range(spec.layers)}
-    cfg = config(agent)
-    cfg.kv_transfer_config.kv_connector_extra_config["save_timeout_ms"] = 100
-    w = KVGateConnector(cfg, KVConnectorRole.WORKER)
-    w._client._reconnect_interval = 0
-    w.register_kv_caches(caches)
+    w, caches = worker(agent, save_timeout_ms=100)
     try:
         assert w._worker_ready()
         req = make_request("s", PROMPT, 16)
