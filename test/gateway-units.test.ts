@@ -345,6 +345,20 @@ describe('checkedStream: the pace a GET reader must keep', () => {
     })
     return { src, seen }
   }
+  /** `src` behind checkedStream with this window and rate; `why` collects the cut-offs it reports. */
+  function paced(src: ReadableStream<Uint8Array>, idleTimeoutMs: number, minBytesPerSecond: number) {
+    const why: string[] = []
+    const s = checkedStream(src, undefined, {
+      idleTimeoutMs,
+      minBytesPerSecond,
+      onCorrupt: () => {},
+      onCutOff: (w) => {
+        why.push(w)
+        return false
+      },
+    })
+    return { s, why }
+  }
   /** Reads `s` whole, waiting `delayMs` before each read (the client's pace). */
   async function drain(s: ReadableStream<Uint8Array>, delayMs: number): Promise<number> {
     const r = s.getReader()
@@ -359,16 +373,7 @@ describe('checkedStream: the pace a GET reader must keep', () => {
 
   it('cuts off a reader that trickles below minBytesPerSecond without idling, and releases the store stream', async () => {
     const { src, seen } = source(200, 16 * 1024, 0)
-    const why: string[] = []
-    const s = checkedStream(src, undefined, {
-      idleTimeoutMs: 300,
-      minBytesPerSecond: 1024 * 1024,
-      onCorrupt: () => {},
-      onCutOff: (w) => {
-        why.push(w)
-        return false
-      },
-    })
+    const { s, why } = paced(src, 300, 1024 * 1024)
     // 16 KiB every 50 ms: 320 KB/s, never idle for 300 ms; 200 pieces would take 10 s.
     const t0 = Date.now()
     await expect(drain(s, 50)).rejects.toThrow(/reader takes less than 1048576 bytes\/s/)
@@ -379,16 +384,7 @@ describe('checkedStream: the pace a GET reader must keep', () => {
 
   it('does not count time spent waiting on the store: a slow store and an eager reader complete', async () => {
     const { src, seen } = source(12, 1024, 80) // 12 KiB at 12.5 KiB/s, a second in all
-    const why: string[] = []
-    const s = checkedStream(src, undefined, {
-      idleTimeoutMs: 200,
-      minBytesPerSecond: 1024 * 1024,
-      onCorrupt: () => {},
-      onCutOff: (w) => {
-        why.push(w)
-        return false
-      },
-    })
+    const { s, why } = paced(src, 200, 1024 * 1024)
     expect(await drain(s, 0)).toBe(12 * 1024)
     expect(why).toEqual([])
     expect(seen.cancelled).toBeUndefined()
@@ -434,16 +430,7 @@ describe('checkedStream: the pace a GET reader must keep', () => {
       // 64 KiB pieces taken every 600 ms: 107 KiB/s, above the 100 KiB/s asked, never idle for a
       // window (1 s). A window then holds one or two pieces given: one is 64 KiB/s.
       const { src, seen } = source(20, 64 * 1024, 0)
-      const why: string[] = []
-      const s = checkedStream(src, undefined, {
-        idleTimeoutMs: 1000,
-        minBytesPerSecond: 100 * 1024,
-        onCorrupt: () => {},
-        onCutOff: (w) => {
-          why.push(w)
-          return false
-        },
-      })
+      const { s, why } = paced(src, 1000, 100 * 1024)
       const r = s.getReader()
       let bytes = 0
       for (;;) {
@@ -465,16 +452,7 @@ describe('checkedStream: the pace a GET reader must keep', () => {
     try {
       // 16 KiB every 300 ms: 53 KiB/s, below the 100 KiB/s asked, never idle for a window.
       const { src, seen } = source(60, 16 * 1024, 0)
-      const why: string[] = []
-      const s = checkedStream(src, undefined, {
-        idleTimeoutMs: 1000,
-        minBytesPerSecond: 100 * 1024,
-        onCorrupt: () => {},
-        onCutOff: (w) => {
-          why.push(w)
-          return false
-        },
-      })
+      const { s, why } = paced(src, 1000, 100 * 1024)
       const r = s.getReader()
       const done = (async () => {
         for (;;) {
@@ -495,16 +473,7 @@ describe('checkedStream: the pace a GET reader must keep', () => {
 
   it('0 turns the rate off: the same trickle completes', async () => {
     const { src } = source(20, 16 * 1024, 0)
-    const why: string[] = []
-    const s = checkedStream(src, undefined, {
-      idleTimeoutMs: 300,
-      minBytesPerSecond: 0,
-      onCorrupt: () => {},
-      onCutOff: (w) => {
-        why.push(w)
-        return false
-      },
-    })
+    const { s, why } = paced(src, 300, 0)
     expect(await drain(s, 50)).toBe(20 * 16 * 1024)
     expect(why).toEqual([])
   })
