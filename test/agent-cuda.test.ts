@@ -54,6 +54,15 @@ const LAYERS = 2
 const BLOCKS = 8
 const BB = 16 * 2 * 8 * 2 // block 16 tokens × 2 heads × 8 dims × fp16
 const LAYER_BYTES = 2 * BLOCKS * BB
+/** The engine geometry every hello here gives (flash-attn, 2 layers of 2 KV heads of 8, blocks of 16). */
+const GEOMETRY = {
+  layout: 'flash-attn',
+  dtype: 'float16',
+  layers: LAYERS,
+  kvHeads: 2,
+  headSize: 8,
+  blockSize: 16,
+}
 
 describe.skipIf(stub !== undefined)('agent CUDA IPC path (stub libcudart)', () => {
   let dir: string
@@ -82,14 +91,7 @@ describe.skipIf(stub !== undefined)('agent CUDA IPC path (stub libcudart)', () =
       protocol: 1,
       model: 'cuda/test',
       hashSeed: '0',
-      geometry: {
-        layout: 'flash-attn',
-        dtype: 'float16',
-        layers: LAYERS,
-        kvHeads: 2,
-        headSize: 8,
-        blockSize: 16,
-      },
+      geometry: GEOMETRY,
     })
     expect(hello.ok).toBe(true)
     return c
@@ -209,14 +211,7 @@ describe.skipIf(stub !== undefined)('agent CUDA IPC path (stub libcudart)', () =
       protocol: 1,
       model: 'cuda/close',
       hashSeed: '0',
-      geometry: {
-        layout: 'flash-attn',
-        dtype: 'float16',
-        layers: LAYERS,
-        kvHeads: 2,
-        headSize: 8,
-        blockSize: 16,
-      },
+      geometry: GEOMETRY,
     })
     expect(hello).toMatchObject({ protocol: 1 })
     const d = cuda.deviceAlloc(LAYERS * LAYER_BYTES)
