@@ -74,6 +74,29 @@ describe('PUT and GET', () => {
     expect((await app.request(url, { headers: { range: 'bytes=9-3' } })).status).toBe(416)
   })
 
+  it('a 416 says the current length: Content-Range: bytes */size (RFC 9110 §15.5.17)', async () => {
+    const { app } = setup()
+    const c = makeChunk()
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    const url = `/v1/ns/a/chunks/${c.key}`
+    // Past the end, an empty suffix, and an inverted range (end before start) alike.
+    for (const range of [`bytes=${c.bytes.length}-`, 'bytes=-0', 'bytes=9-3']) {
+      const r = await app.request(url, { headers: { range } })
+      expect([range, r.status, r.headers.get('content-range')]).toEqual([
+        range,
+        416,
+        `bytes */${c.bytes.length}`,
+      ])
+      expect(await errCode(r)).toBe('ERR_RANGE_NOT_SATISFIABLE')
+    }
+    // An inverted range of an absent chunk is a miss, not a 416 without a length.
+    const gone = await app.request(`/v1/ns/a/chunks/${makeChunk().key}`, { headers: { range: 'bytes=9-3' } })
+    expect(gone.status).toBe(404)
+    // Not a Range request: a layer span past the end says nothing about bytes.
+    const layers = await app.request(`${url}?layers=0-99`)
+    expect([layers.status, layers.headers.get('content-range')]).toEqual([416, null])
+  })
+
   it('serves ?layers=a-b as header + contiguous sections a..b', async () => {
     const { app } = setup()
     const c = makeChunk({ layers: 6, sectionBytes: 100 })

@@ -32,6 +32,7 @@ describe('parseRange', () => {
       expect(() => parseRange(bad), bad).toThrow()
     }
     expect(() => parseRange('bytes=9-1')).toThrow(expect.objectContaining({ status: 416 }))
+    expect(() => parseRange('bytes=-0')).toThrow(expect.objectContaining({ status: 416 }))
   })
 })
 

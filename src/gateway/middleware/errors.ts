@@ -6,6 +6,7 @@ import type { Context } from 'hono'
 import { isKvgateError } from '../../core/errors.ts'
 import type { GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
+import { RangeNotSatisfiableError } from '../stores/errors.ts'
 
 const MAX_RECENT = 20
 
@@ -38,6 +39,8 @@ export function errorResponse(state: GatewayState, err: unknown, c: Context<Gate
   if (status === 401) headers['www-authenticate'] = 'Bearer realm="kvgate"'
   // A busy gateway sheds load: clients back off (the client retries 503 after Retry-After).
   if (code === 'ERR_BUSY') headers['retry-after'] = '1'
+  // RFC 9110 §15.5.17: a 416 tells the current length, so a client can ask again within it.
+  if (err instanceof RangeNotSatisfiableError) headers['content-range'] = `bytes */${err.size}`
   if (status === 408 || status >= 500) headers.connection = 'close'
   return new Response(JSON.stringify({ error: { code, message } }), { status, headers })
 }

@@ -145,7 +145,7 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       state.usage?.use(ns, key)
       return res
     }
-    const range = rangeHeader === undefined ? undefined : parseRange(rangeHeader)
+    const range = rangeHeader === undefined ? undefined : await requestedRange(state, name, rangeHeader)
 
     if (state.presign) {
       const size = state.lookup.cached(name) ?? (await state.store.head(name))?.size
@@ -255,12 +255,33 @@ function requestBodySource(c: Context<GatewayEnv>): PieceSource | undefined {
   return body ? streamSource(body) : undefined
 }
 
+/**
+ * The Range header's bytes. An inverted one (end before start) is a 416 like one past the end,
+ * and says the object's length the same way: looked up here, since no store read says it.
+ */
+async function requestedRange(state: GatewayState, name: string, h: string): Promise<ByteRange> {
+  try {
+    return parseRange(h)
+  } catch (e) {
+    if (!(e instanceof KvgateError) || e.status !== 416) throw e
+    const size = state.lookup.cached(name) ?? (await state.store.head(name))?.size
+    if (size === undefined) return notFoundFrom(state, name)
+    throw new RangeNotSatisfiableError(size)
+  }
+}
+
 /** `bytes=a-b`, `bytes=a-`, `bytes=-n`; one range only. */
 export function parseRange(h: string): ByteRange {
   const m = /^bytes=(\d{0,15})-(\d{0,15})$/.exec(h.trim())
   if (!m || (m[1] === '' && m[2] === ''))
     throw badRequest(`unsupported Range ${JSON.stringify(h.slice(0, 80))}: use bytes=a-b`)
-  if (m[1] === '') return { suffix: Number(m[2]) }
+  if (m[1] === '') {
+    // RFC 9110 §14.1.1: only a non-zero suffix is satisfiable; asked of S3 it would not say so.
+    const suffix = Number(m[2])
+    if (suffix === 0)
+      throw new KvgateError('ERR_RANGE_NOT_SATISFIABLE', 'an empty suffix range', { status: 416 })
+    return { suffix }
+  }
   const offset = Number(m[1])
   if (m[2] === '') return { offset }
   const end = Number(m[2])
