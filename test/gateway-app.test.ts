@@ -147,6 +147,35 @@ describe('PUT and GET', () => {
     expect(new Uint8Array(await r.arrayBuffer())).toEqual(head)
   })
 
+  it('a store that breaks off the ?layers header probe answers what a GET answers (typed, retryable), not 500', async () => {
+    const c = makeChunk({ layers: 6, sectionBytes: 100 })
+    let broken = false
+    class BreakingStore extends MemoryStore {
+      override async get(n: string, opts: GetOptions = {}): Promise<StoreObject | undefined> {
+        const obj = await super.get(n, opts)
+        if (!obj || !broken) return obj
+        // A reset socket mid-body: the SDK's stream errors with a plain Error.
+        const body = new ReadableStream<Uint8Array>({
+          start(ctl) {
+            ctl.enqueue(new Uint8Array(8))
+            ctl.error(new Error('socket hang up'))
+          },
+        })
+        return { ...obj, body }
+      }
+    }
+    const app = createGateway({ store: new BreakingStore() })
+    await app.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    broken = true
+    const whole = await app.request(`/v1/ns/a/chunks/${c.key}`)
+    const layers = await app.request(`/v1/ns/a/chunks/${c.key}?layers=1-2`)
+    expect([layers.status, await errCode(layers)]).toEqual([whole.status, await errCode(whole)])
+    expect([layers.status, layers.headers.get('x-kvgate-error')]).toEqual([502, 'ERR_STORE'])
+    // Sound again, the same request is served: nothing about the object was held against it.
+    broken = false
+    expect((await app.request(`/v1/ns/a/chunks/${c.key}?layers=1-2`)).status).toBe(200)
+  })
+
   it('deletes (admin) and forgets the chunk', async () => {
     const { app } = setup()
     const c = makeChunk()

@@ -3,7 +3,7 @@
 
 import type { Context, Hono } from 'hono'
 import { ROOT_PARENT } from '../../coldtier/records.ts'
-import { KvgateError } from '../../core/errors.ts'
+import { isKvgateError, KvgateError, StoreError } from '../../core/errors.ts'
 import {
   decodeHeader,
   HEADER_PREFIX_BYTES,
@@ -292,15 +292,23 @@ export function parseRange(h: string): ByteRange {
   return { offset, length: end - offset + 1 }
 }
 
+/** A short store read whole. A body the store broke off is its fault (502 ERR_STORE, as GET answers), not ours. */
 async function readAll(obj: StoreObject): Promise<Uint8Array> {
   const out = new Uint8Array(obj.length)
   let at = 0
   const reader = obj.body.getReader()
-  for (;;) {
-    const { done, value } = await reader.read()
-    if (done) break
-    out.set(value.subarray(0, Math.min(value.length, out.length - at)), at)
-    at += value.length
+  try {
+    for (;;) {
+      const { done, value } = await reader.read()
+      if (done) break
+      out.set(value.subarray(0, Math.min(value.length, out.length - at)), at)
+      at += value.length
+    }
+  } catch (e) {
+    await reader.cancel(e).catch(() => {})
+    throw isKvgateError(e)
+      ? e
+      : new StoreError(`reading the store body failed: ${(e as Error)?.message}`, { cause: e })
   }
   return out.subarray(0, Math.min(at, out.length))
 }
