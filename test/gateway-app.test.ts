@@ -117,6 +117,35 @@ describe('PUT and GET', () => {
     ).toBe(400)
   })
 
+  it('HEAD ?layers=a-b answers the length GET ?layers=a-b sends, and its errors', async () => {
+    const { app } = setup()
+    const c = makeChunk({ layers: 6, sectionBytes: 100 })
+    const url = `/v1/ns/a/chunks/${c.key}`
+    await app.request(url, putInit(c.bytes))
+    for (const spec of ['2-4', '0-0', '5-5', '0-5']) {
+      // Cold (the header read for the HEAD) and warm (cached by the GET) alike.
+      for (const round of [0, 1]) {
+        const h = await app.request(`${url}?layers=${spec}`, { method: 'HEAD' })
+        const g = await app.request(`${url}?layers=${spec}`)
+        const body = new Uint8Array(await g.arrayBuffer())
+        expect([spec, round, h.status, h.headers.get('content-length')]).toEqual([
+          spec,
+          round,
+          200,
+          String(body.length),
+        ])
+        expect(h.headers.get('x-kvgate-layers')).toBe(spec)
+      }
+    }
+    expect((await app.request(`${url}?layers=4-9`, { method: 'HEAD' })).status).toBe(416)
+    expect((await app.request(`${url}?layers=3-2`, { method: 'HEAD' })).status).toBe(416)
+    expect((await app.request(`${url}?layers=x`, { method: 'HEAD' })).status).toBe(400)
+    const both = await app.request(`${url}?layers=1-2`, { method: 'HEAD', headers: { range: 'bytes=0-1' } })
+    expect(both.status).toBe(400)
+    const absent = await app.request(`/v1/ns/a/chunks/${makeChunk().key}?layers=0-0`, { method: 'HEAD' })
+    expect(absent.status).toBe(404)
+  })
+
   it('serves ?layers of a chunk over 512 MiB that the gateway was configured to take (maxChunkBytes)', async () => {
     // A two-layer object whose layer 1 is 600 MiB, never materialized: bytes past layer 0 read as zero.
     const c = makeChunk({ layers: 2, sectionBytes: 8 })

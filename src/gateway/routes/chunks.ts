@@ -5,6 +5,7 @@ import type { Context, Hono } from 'hono'
 import { ROOT_PARENT } from '../../coldtier/records.ts'
 import { isKvgateError, KvgateError, StoreError } from '../../core/errors.ts'
 import {
+  type ChunkHeader,
   decodeHeader,
   HEADER_PREFIX_BYTES,
   headerBytesFor,
@@ -124,6 +125,21 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     const t = target(c, state, 'read')
     const { name, ns, key } = t
     if (c.req.method === 'HEAD') {
+      const spec = c.req.query('layers')
+      if (spec !== undefined) {
+        // The length GET ?layers= would send: the header and the span's sections.
+        if (c.req.header('range') !== undefined) throw badRequest('use either Range or ?layers=, not both')
+        const { first, last } = parseLayers(spec)
+        const entry = await currentHeader(state, t)
+        const span = layersSpan(entry.header, first, last)
+        state.usage?.use(ns, key)
+        state.lookup.remember(name, entry.size)
+        return c.body(null, 200, {
+          'content-length': String(entry.bytes.length + span.end - span.start),
+          'content-type': 'application/octet-stream',
+          'x-kvgate-layers': `${first}-${last}`,
+        })
+      }
       const size = state.lookup.cached(name) ?? (await state.store.head(name))?.size
       if (size === undefined) {
         state.lookup.invalidateFrom(name)
@@ -387,26 +403,45 @@ function sameVersion(h: CachedHeader, obj: StoreObject): boolean {
   return h.etag === undefined || obj.etag === undefined || h.etag === obj.etag
 }
 
-async function layersAnswer(c: Context<GatewayEnv>, state: GatewayState, t: VerifyTarget, spec: string) {
-  const { name } = t
+/** `?layers=a-b` as numbers (the header says whether they are its layers). */
+function parseLayers(spec: string): { first: number; last: number } {
   const m = /^(\d{1,4})-(\d{1,4})$/.exec(spec)
   if (!m) throw badRequest(`invalid layers ${JSON.stringify(spec.slice(0, 40))}: use layers=a-b`)
-  const first = Number(m[1])
-  const last = Number(m[2])
+  return { first: Number(m[1]), last: Number(m[2]) }
+}
+
+/** The bytes of layers first..last in the object `header` describes; 416 when it has no such layers. */
+function layersSpan(header: ChunkHeader, first: number, last: number): { start: number; end: number } {
+  if (first > last || last >= header.sections.length) {
+    throw new KvgateError(
+      'ERR_RANGE_NOT_SATISFIABLE',
+      `layers ${first}-${last} not in 0-${header.sections.length - 1}`,
+      { status: 416 },
+    )
+  }
+  return layerSpan(header, first, last)
+}
+
+/**
+ * The header of the object stored now, for answers that read no other byte of it (HEAD): the
+ * cached one while the presence cache vouches for an object of its size (a HEAD trusts it for
+ * the size as well), else read from the store.
+ */
+async function currentHeader(state: GatewayState, t: VerifyTarget): Promise<CachedHeader> {
+  const cached = state.headers.get(t.name)
+  if (cached && state.lookup.cached(t.name) === cached.size) return cached
+  return readHeader(state, t)
+}
+
+async function layersAnswer(c: Context<GatewayEnv>, state: GatewayState, t: VerifyTarget, spec: string) {
+  const { name } = t
+  const { first, last } = parseLayers(spec)
   let entry = state.headers.get(name) ?? (await readHeader(state, t))
   let obj: StoreObject | undefined
   // A cached header may describe an object deleted and re-written since (another
   // instance): the sections' read tells its version; on a mismatch read the header again.
   for (let attempt = 0; ; attempt++) {
-    const { header } = entry
-    if (first > last || last >= header.sections.length) {
-      throw new KvgateError(
-        'ERR_RANGE_NOT_SATISFIABLE',
-        `layers ${first}-${last} not in 0-${header.sections.length - 1}`,
-        { status: 416 },
-      )
-    }
-    const span = layerSpan(header, first, last)
+    const span = layersSpan(entry.header, first, last)
     const length = span.end - span.start
     if (length === 0) break
     try {
