@@ -146,6 +146,113 @@ describe('PUT and GET', () => {
     expect(absent.status).toBe(404)
   })
 
+  describe('ETag, If-None-Match and If-Range', () => {
+    const bodyOf = async (r: Response) => new Uint8Array(await r.arrayBuffer())
+
+    it('a strong ETag from the stored bytes: the same on GET, HEAD, a range and another gateway on another store', async () => {
+      const c = makeChunk({ layers: 6, sectionBytes: 100 })
+      const url = `/v1/ns/a/chunks/${c.key}`
+      const one = setup()
+      await one.app.request(url, putInit(c.bytes))
+      // Another store, whose own version tags differ (writes before it).
+      const two = setup()
+      await two.app.request(`/v1/ns/a/chunks/${makeChunk().key}`, putInit(makeChunk().bytes))
+      await two.app.request(url, putInit(c.bytes))
+      const g = await one.app.request(url)
+      const etag = g.headers.get('etag')
+      expect(etag).toMatch(/^"kv1-[0-9a-f]+-[0-9a-f]{8}"$/)
+      expect(await bodyOf(g)).toEqual(c.bytes)
+      const storeTag = (await one.store.head(objectName('kvgate', 'a', c.key)))!.etag
+      expect(etag).not.toBe(storeTag)
+      expect((await one.app.request(url, { method: 'HEAD' })).headers.get('etag')).toBe(etag)
+      const part = await one.app.request(url, { headers: { range: 'bytes=100-199' } })
+      expect([part.status, part.headers.get('etag')]).toEqual([206, etag])
+      // A fresh gateway over the same store (a restart) and one over another store agree.
+      expect((await createGateway({ store: one.store }).request(url)).headers.get('etag')).toBe(etag)
+      expect((await two.app.request(url, { method: 'HEAD' })).headers.get('etag')).toBe(etag)
+      expect((await two.app.request(url)).headers.get('etag')).toBe(etag)
+      // Other bytes under the same key (deleted, re-encoded elsewhere): another tag.
+      const other = makeChunk({ layers: 6, sectionBytes: 100, key: c.key })
+      await one.app.request(url, { method: 'DELETE' })
+      await one.app.request(url, putInit(other.bytes))
+      const again = await one.app.request(url)
+      expect(again.headers.get('etag')).not.toBe(etag)
+      expect(await bodyOf(again)).toEqual(other.bytes)
+    })
+
+    it('If-None-Match: 304 without a body for the current tag (weak, listed or *), 200 otherwise; GET and HEAD', async () => {
+      const { app } = setup()
+      const c = makeChunk()
+      const url = `/v1/ns/a/chunks/${c.key}`
+      await app.request(url, putInit(c.bytes))
+      const etag = (await app.request(url, { method: 'HEAD' })).headers.get('etag')!
+      for (const method of ['GET', 'HEAD']) {
+        for (const inm of [etag, `W/${etag}`, `"nope", ${etag}`, '*']) {
+          const r = await app.request(url, { method, headers: { 'if-none-match': inm } })
+          expect([method, inm, r.status, r.headers.get('etag')]).toEqual([method, inm, 304, etag])
+          expect((await bodyOf(r)).length).toBe(0)
+        }
+        const miss = await app.request(url, { method, headers: { 'if-none-match': '"nope"' } })
+        expect([method, miss.status]).toEqual([method, 200])
+        if (method === 'GET') expect(await bodyOf(miss)).toEqual(c.bytes)
+        // Unquoted garbage names no tag.
+        expect(
+          (await app.request(url, { method, headers: { 'if-none-match': etag.slice(1, -1) } })).status,
+        ).toBe(200)
+      }
+      // A Range request for the current tag is not modified either.
+      const ranged = await app.request(url, { headers: { range: 'bytes=0-9', 'if-none-match': etag } })
+      expect(ranged.status).toBe(304)
+      // An absent chunk is a miss whatever the condition.
+      const absent = `/v1/ns/a/chunks/${makeChunk().key}`
+      expect((await app.request(absent, { headers: { 'if-none-match': '*' } })).status).toBe(404)
+    })
+
+    it('If-Range: the range while the tag holds, the whole object otherwise (a weak tag, a date, another tag)', async () => {
+      const { app } = setup()
+      const c = makeChunk()
+      const url = `/v1/ns/a/chunks/${c.key}`
+      await app.request(url, putInit(c.bytes))
+      const etag = (await app.request(url, { method: 'HEAD' })).headers.get('etag')!
+      const held = await app.request(url, { headers: { range: 'bytes=10-19', 'if-range': etag } })
+      expect([held.status, held.headers.get('content-range')]).toEqual([206, `bytes 10-19/${c.bytes.length}`])
+      expect(await bodyOf(held)).toEqual(c.bytes.subarray(10, 20))
+      for (const ifRange of [`W/${etag}`, 'Wed, 21 Oct 2015 07:28:00 GMT', '"kv1-0-00000000"', `${etag}x`]) {
+        const r = await app.request(url, { headers: { range: 'bytes=10-19', 'if-range': ifRange } })
+        expect([ifRange, r.status, r.headers.get('etag'), r.headers.get('content-range')]).toEqual([
+          ifRange,
+          200,
+          etag,
+          null,
+        ])
+        expect(await bodyOf(r)).toEqual(c.bytes)
+      }
+    })
+
+    it('?layers= is another representation: its own tag per span, honoured by If-None-Match on GET and HEAD', async () => {
+      const { app } = setup()
+      const c = makeChunk({ layers: 6, sectionBytes: 100 })
+      const url = `/v1/ns/a/chunks/${c.key}`
+      await app.request(url, putInit(c.bytes))
+      const whole = (await app.request(url, { method: 'HEAD' })).headers.get('etag')!
+      const g = await app.request(`${url}?layers=2-4`)
+      const tag = g.headers.get('etag')!
+      await g.arrayBuffer()
+      expect(tag).toMatch(/^"kv1-[0-9a-f]+-[0-9a-f]{8};layers=2-4"$/)
+      expect(tag).not.toBe(whole)
+      expect((await app.request(`${url}?layers=2-3`)).headers.get('etag')).not.toBe(tag)
+      expect((await app.request(`${url}?layers=2-4`, { method: 'HEAD' })).headers.get('etag')).toBe(tag)
+      for (const method of ['GET', 'HEAD']) {
+        const r = await app.request(`${url}?layers=2-4`, { method, headers: { 'if-none-match': tag } })
+        expect([method, r.status, r.headers.get('etag')]).toEqual([method, 304, tag])
+        // The whole object's tag is not this representation's.
+        const w = await app.request(`${url}?layers=2-4`, { method, headers: { 'if-none-match': whole } })
+        expect([method, w.status]).toEqual([method, 200])
+        await w.arrayBuffer()
+      }
+    })
+  })
+
   it('serves ?layers of a chunk over 512 MiB that the gateway was configured to take (maxChunkBytes)', async () => {
     // A two-layer object whose layer 1 is 600 MiB, never materialized: bytes past layer 0 read as zero.
     const c = makeChunk({ layers: 2, sectionBytes: 8 })

@@ -300,7 +300,8 @@ describe('corruption heals (C1)', () => {
       const c = makeChunk({ layers: 4, sectionBytes: 1000 })
       const n = name('a', c.key)
       await replace(store, n, mutate(c.bytes.slice()))
-      expect(await body(await app.request(`/v1/ns/a/chunks/${c.key}`)), kind).toBeInstanceOf(Error)
+      // Refused before any byte (its header is read first: the ETag comes from it).
+      expect((await app.request(`/v1/ns/a/chunks/${c.key}`)).status, kind).toBe(502)
       expect((await app.request(`/v1/ns/a/chunks/${c.key}?layers=0-1`)).status, kind).toBe(502)
       const v = await app.request(`/v1/ns/a/chunks/${c.key}/verify`, { method: 'POST' })
       expect(v.status, kind).toBe(502)
@@ -354,7 +355,7 @@ describe('corruption heals (C1)', () => {
     const v = await app.request(`/v1/ns/${ns}/chunks/${foreign.key}/verify`, { method: 'POST' })
     expect(((await v.json()) as { verdict: string }).verdict).toBe('corrupt')
     await store.putIfAbsent(name(ns, foreign.key), foreign.bytes, foreign.bytes.length)
-    expect(await body(await app.request(`/v1/ns/${ns}/chunks/${foreign.key}`))).toBeInstanceOf(Error)
+    expect((await app.request(`/v1/ns/${ns}/chunks/${foreign.key}`)).status).toBe(502)
     expect(await body(await app.request(`/v1/ns/${ns}/chunks/${mine.key}`))).toEqual(mine.bytes)
   })
 })

@@ -10,11 +10,46 @@ import {
   chainName,
   splitChainName,
 } from '../src/gateway/chain-lookup.ts'
+import { ifRangeHolds, matchesNoneMatch } from '../src/gateway/chunk-etag.ts'
 import { GetCoalescer } from '../src/gateway/coalesce.ts'
 import { GatewayMetrics } from '../src/gateway/metrics.ts'
 import { parseRange } from '../src/gateway/routes/chunks.ts'
 import { MemoryStore } from '../src/gateway/stores/memory.ts'
 import { checkedStream } from '../src/gateway/verified-read.ts'
+
+describe('If-None-Match and If-Range against a chunk tag', () => {
+  const tag = '"kv1-4d0-0a1b2c3d"'
+  it('If-None-Match: weak comparison over a list, *; malformed values name nothing', () => {
+    for (const v of [tag, `W/${tag}`, `"a", ${tag}`, ` ${tag} `, '*', `"a",W/${tag}`])
+      expect(matchesNoneMatch(v, tag), v).toBe(true)
+    for (const v of [
+      undefined,
+      '',
+      '"a"',
+      tag.slice(1, -1),
+      tag.slice(0, -1),
+      'W/',
+      '**',
+      `"${tag}"`,
+      'x'.repeat(100_000),
+    ])
+      expect(matchesNoneMatch(v, tag), String(v).slice(0, 20)).toBe(false)
+  })
+  it('If-Range: one strong tag equal to the current one; a weak tag, a date, a list or an unknown tag do not hold', () => {
+    expect(ifRangeHolds(tag, tag)).toBe(true)
+    expect(ifRangeHolds(` ${tag}`, tag)).toBe(true)
+    for (const v of [
+      `W/${tag}`,
+      'Wed, 21 Oct 2015 07:28:00 GMT',
+      `${tag}, ${tag}`,
+      `${tag}x`,
+      '',
+      '"kv1-0-0"',
+    ])
+      expect(ifRangeHolds(v, tag), v).toBe(false)
+    expect(ifRangeHolds(tag, undefined)).toBe(false)
+  })
+})
 
 describe('parseRange', () => {
   it('parses the three forms and rejects the rest', () => {

@@ -14,6 +14,7 @@ import {
 } from '../../core/format.ts'
 import { assertKeyHex, assertNamespaceName, objectName, toHex } from '../../core/keys.ts'
 import { admitted } from '../admission.ts'
+import { chunkETag, ifRangeHolds, matchesNoneMatch } from '../chunk-etag.ts'
 import type { CachedHeader, GatewayState } from '../context.ts'
 import type { GatewayEnv } from '../env.ts'
 import { isCorruption, namespaceIdOf, reportCorruptRead, type VerifyTarget } from '../heal.ts'
@@ -28,7 +29,7 @@ import { bodyHoldBytes } from '../memory-budget.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
 import { readerPace } from '../reader-pace.ts'
 import { RangeNotSatisfiableError } from '../stores/errors.ts'
-import type { ByteRange, StoreObject } from '../stores/types.ts'
+import { type ByteRange, concatPieces, type StoreObject } from '../stores/types.ts'
 import { iteratorSource, type PieceSource, streamSource, verifiedBody } from '../verified-body.ts'
 import {
   checkedStream,
@@ -124,44 +125,44 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
   app.get(PATH, async (c) => {
     const t = target(c, state, 'read')
     const { name, ns, key } = t
+    const ifNoneMatch = c.req.header('if-none-match')
+    const notModified = (etag: string) => c.body(null, 304, { etag })
     if (c.req.method === 'HEAD') {
       const spec = c.req.query('layers')
-      if (spec !== undefined) {
-        // The length GET ?layers= would send: the header and the span's sections.
-        if (c.req.header('range') !== undefined) throw badRequest('use either Range or ?layers=, not both')
-        const { first, last } = parseLayers(spec)
-        const entry = await currentHeader(state, t)
-        const span = layersSpan(entry.header, first, last)
-        state.usage?.use(ns, key)
-        state.lookup.remember(name, entry.size)
+      if (spec !== undefined && c.req.header('range') !== undefined)
+        throw badRequest('use either Range or ?layers=, not both')
+      const layers = spec === undefined ? undefined : parseLayers(spec)
+      // What the same GET would send, from the object's header (its tag is derived from it).
+      const entry = await currentHeader(state, t)
+      const span = layers && layersSpan(entry.header, layers.first, layers.last)
+      state.usage?.use(ns, key)
+      state.lookup.remember(name, entry.size)
+      const etag = chunkETag(entry, layers)
+      if (matchesNoneMatch(ifNoneMatch, etag)) return notModified(etag)
+      if (layers && span) {
         return c.body(null, 200, {
           'content-length': String(entry.bytes.length + span.end - span.start),
           'content-type': 'application/octet-stream',
-          'x-kvgate-layers': `${first}-${last}`,
+          'x-kvgate-layers': `${layers.first}-${layers.last}`,
+          etag,
         })
       }
-      const size = state.lookup.cached(name) ?? (await state.store.head(name))?.size
-      if (size === undefined) {
-        state.lookup.invalidateFrom(name)
-        throw notFound()
-      }
-      state.usage?.use(ns, key)
-      state.lookup.remember(name, size)
       return c.body(null, 200, {
-        'content-length': String(size),
+        'content-length': String(entry.size),
         'accept-ranges': 'bytes',
         'content-type': 'application/octet-stream',
+        etag,
       })
     }
     const layers = c.req.query('layers')
     const rangeHeader = c.req.header('range')
     if (layers !== undefined) {
       if (rangeHeader !== undefined) throw badRequest('use either Range or ?layers=, not both')
-      const res = await layersAnswer(c, state, t, layers)
+      const res = await layersAnswer(c, state, t, layers, ifNoneMatch)
       state.usage?.use(ns, key)
       return res
     }
-    const range = rangeHeader === undefined ? undefined : await requestedRange(state, name, rangeHeader)
+    let range = rangeHeader === undefined ? undefined : await requestedRange(state, name, rangeHeader)
 
     if (state.presign) {
       const size = state.lookup.cached(name) ?? (await state.store.head(name))?.size
@@ -178,16 +179,39 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       }
     }
 
-    const fetchIt = () => state.store.get(name, range ? { range } : {})
-    let obj: StoreObject | undefined
-    if (state.coalescer) {
-      const r = await state.coalescer.get(`${name}|${rangeHeader ?? ''}`, fetchIt)
-      if (r.coalesced) state.metrics.coalesced.inc()
-      obj = r.obj
-    } else obj = await fetchIt()
-    if (!obj) {
-      state.lookup.invalidateFrom(name)
-      throw notFound()
+    let obj = await fetchChunk(state, name, range, rangeHeader)
+    let entry: CachedHeader | undefined
+    let body: ReadableStream<Uint8Array>
+    if (range) {
+      // A range says nothing of the header: its tag comes from the cached or a read header.
+      entry = await rangeVersionHeader(state, t, obj)
+      const ifRange = c.req.header('if-range')
+      const etag = entry && chunkETag(entry)
+      if (etag !== undefined && matchesNoneMatch(ifNoneMatch, etag)) {
+        await obj.body.cancel().catch(() => {})
+        state.usage?.use(ns, key)
+        return notModified(etag)
+      }
+      if (ifRange !== undefined && !ifRangeHolds(ifRange, etag)) {
+        // The client's copy is another version (or unknown): the whole object, not its range.
+        await obj.body.cancel().catch(() => {})
+        range = undefined
+        obj = await fetchChunk(state, name, undefined, undefined)
+      }
+    }
+    if (range) body = obj.body
+    else {
+      // The whole object's header is its first bytes: read off the body, no store read of its own.
+      const peeked = await peekHeader(state, t, obj)
+      entry = peeked.entry
+      body = peeked.body
+      const etag = chunkETag(entry)
+      if (matchesNoneMatch(ifNoneMatch, etag)) {
+        await body.cancel().catch(() => {})
+        state.usage?.use(ns, key)
+        state.lookup.remember(name, obj.size)
+        return notModified(etag)
+      }
     }
     state.usage?.use(ns, key)
     if (!range) state.lookup.remember(name, obj.size)
@@ -198,6 +222,7 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       'content-length': String(obj.length),
       'accept-ranges': 'bytes',
     }
+    if (entry) headers.etag = chunkETag(entry)
     // A whole object is verified as it streams (a range's bytes are the client's to check, its length is ours).
     const nsId = namespaceIdOf(t.ns)
     const check = range
@@ -207,12 +232,12 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
           maxBytes: Math.max(state.limits.maxChunkBytes, obj.size),
           ...(nsId ? { namespaceIdHex: nsId } : {}),
         })
-    const body = servedStream(c, state, obj.body, check, t, false)
+    const served = servedStream(c, state, body, check, t, false)
     if (range) {
       headers['content-range'] = `bytes ${obj.offset}-${obj.offset + obj.length - 1}/${obj.size}`
-      return c.body(body, 206, headers)
+      return c.body(served, 206, headers)
     }
-    return c.body(body, 200, headers)
+    return c.body(served, 200, headers)
   })
 
   app.delete(PATH, async (c) => {
@@ -364,6 +389,22 @@ async function decodeStoredHeader(state: GatewayState, t: VerifyTarget): Promise
     bytes = await readAll(more)
     version = { size: more.size, etag: more.etag }
   }
+  return headerEntry(state, t, bytes, version)
+}
+
+/**
+ * `bytes` (at least the header) of the object version `version` decoded, checked and cached: the
+ * header names this chunk (key; namespace id when the namespace is named by one), as a whole GET
+ * checks it, and the object's size.
+ */
+function headerEntry(
+  state: GatewayState,
+  t: VerifyTarget,
+  bytes: Uint8Array,
+  version: { size: number; etag: string | undefined },
+): CachedHeader {
+  const headerBytes = guard(() => readHeaderLength(bytes))
+  if (headerBytes > bytes.length) throw corrupt(`stored object ends inside its ${headerBytes}-byte header`)
   // The bound a whole GET verifies against: a chunk this gateway took (maxChunkBytes may pass
   // the format's 512 MiB default) or one the store holds is not corrupt for its size alone.
   const maxBytes = Math.max(state.limits.maxChunkBytes, version.size)
@@ -375,8 +416,84 @@ async function decodeStoredHeader(state: GatewayState, t: VerifyTarget): Promise
   if (header.totalBytes !== version.size)
     throw corrupt(`stored object is ${version.size} bytes, its header says ${header.totalBytes}`)
   const entry: CachedHeader = { header, bytes: bytes.slice(0, headerBytes), ...version }
-  state.headers.set(name, entry)
+  state.headers.set(t.name, entry)
   return entry
+}
+
+/** The store's answer to a chunk GET (coalesced with concurrent ones of the same range); 404 when absent. */
+async function fetchChunk(
+  state: GatewayState,
+  name: string,
+  range: ByteRange | undefined,
+  rangeHeader: string | undefined,
+): Promise<StoreObject> {
+  const fetchIt = () => state.store.get(name, range ? { range } : {})
+  let obj: StoreObject | undefined
+  if (state.coalescer) {
+    const r = await state.coalescer.get(`${name}|${rangeHeader ?? ''}`, fetchIt)
+    if (r.coalesced) state.metrics.coalesced.inc()
+    obj = r.obj
+  } else obj = await fetchIt()
+  if (!obj) return notFoundFrom(state, name)
+  return obj
+}
+
+/**
+ * The header of the version `obj` (a range of it) was read from: cached, else read. Undefined
+ * when none can be had for it (a header that does not decode, reported as a corrupt read; the
+ * object replaced or gone between the reads): the range is served without a tag then.
+ */
+async function rangeVersionHeader(
+  state: GatewayState,
+  t: VerifyTarget,
+  obj: StoreObject,
+): Promise<CachedHeader | undefined> {
+  const cached = state.headers.get(t.name)
+  if (cached && sameVersion(cached, obj)) return cached
+  try {
+    const entry = await readHeader(state, t)
+    return sameVersion(entry, obj) ? entry : undefined
+  } catch (e) {
+    if (isCorruption(e) || (isKvgateError(e) && e.status === 404)) return undefined
+    await obj.body.cancel().catch(() => {})
+    throw e
+  }
+}
+
+/**
+ * A whole object's header read off the front of its body (no store read of its own), decoded
+ * and checked as readHeader checks it; the body handed back whole. A header that fails is a
+ * corrupt read (verified in the background) and a 502 before any byte is sent.
+ */
+async function peekHeader(
+  state: GatewayState,
+  t: VerifyTarget,
+  obj: StoreObject,
+): Promise<{ entry: CachedHeader; body: ReadableStream<Uint8Array> }> {
+  const reader = obj.body.getReader()
+  const pieces: Uint8Array[] = []
+  let have = 0
+  const readTo = async (n: number) => {
+    while (have < n) {
+      const { done, value } = await reader.read()
+      if (done) throw corrupt(`stored object ends at ${have} bytes, inside its header`)
+      pieces.push(value)
+      have += value.length
+    }
+  }
+  let entry: CachedHeader
+  try {
+    await readTo(HEADER_PREFIX_BYTES)
+    await readTo(guard(() => readHeaderLength(concatPieces(pieces, have))))
+    entry = headerEntry(state, t, concatPieces(pieces, have), { size: obj.size, etag: obj.etag })
+  } catch (e) {
+    await reader.cancel(e).catch(() => {})
+    if (isCorruption(e)) reportCorruptRead(state, t, false)
+    throw isKvgateError(e)
+      ? e
+      : new StoreError(`reading the store body failed: ${(e as Error)?.message}`, { cause: e })
+  }
+  return { entry, body: resumed(pieces, reader) }
 }
 
 function notFoundFrom(state: GatewayState, name: string): never {
@@ -433,7 +550,13 @@ async function currentHeader(state: GatewayState, t: VerifyTarget): Promise<Cach
   return readHeader(state, t)
 }
 
-async function layersAnswer(c: Context<GatewayEnv>, state: GatewayState, t: VerifyTarget, spec: string) {
+async function layersAnswer(
+  c: Context<GatewayEnv>,
+  state: GatewayState,
+  t: VerifyTarget,
+  spec: string,
+  ifNoneMatch: string | undefined,
+) {
   const { name } = t
   const { first, last } = parseLayers(spec)
   let entry = state.headers.get(name) ?? (await readHeader(state, t))
@@ -463,6 +586,11 @@ async function layersAnswer(c: Context<GatewayEnv>, state: GatewayState, t: Veri
     entry = await readHeader(state, t)
   }
   const { header, bytes } = entry
+  const etag = chunkETag(entry, { first, last })
+  if (matchesNoneMatch(ifNoneMatch, etag)) {
+    await obj?.body.cancel().catch(() => {})
+    return c.body(null, 304, { etag })
+  }
   const span = layerSpan(header, first, last)
   const length = span.end - span.start
   const total = bytes.length + length
@@ -475,6 +603,7 @@ async function layersAnswer(c: Context<GatewayEnv>, state: GatewayState, t: Veri
     'content-type': 'application/octet-stream',
     'content-length': String(total),
     'x-kvgate-layers': `${first}-${last}`,
+    etag,
   })
 }
 
@@ -488,13 +617,20 @@ function singleChunk(bytes: Uint8Array): ReadableStream<Uint8Array> {
 }
 
 function concatStreams(head: Uint8Array, tail: ReadableStream<Uint8Array>): ReadableStream<Uint8Array> {
-  const reader = tail.getReader()
-  let sentHead = false
+  return resumed([head], tail.getReader())
+}
+
+/** `head`'s pieces, then the rest of `reader`: a body whose front was read already. */
+function resumed(
+  head: Uint8Array[],
+  reader: ReadableStreamDefaultReader<Uint8Array>,
+): ReadableStream<Uint8Array> {
+  let next = 0
   return new ReadableStream<Uint8Array>({
     async pull(c) {
-      if (!sentHead) {
-        sentHead = true
-        c.enqueue(head)
+      if (next < head.length) {
+        c.enqueue(head[next]!)
+        head[next++] = EMPTY
         return
       }
       const { done, value } = await reader.read()
@@ -506,3 +642,5 @@ function concatStreams(head: Uint8Array, tail: ReadableStream<Uint8Array>): Read
     },
   })
 }
+
+const EMPTY = new Uint8Array(0)
