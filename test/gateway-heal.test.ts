@@ -7,6 +7,7 @@ import { crc32 } from '../src/core/checksum.ts'
 import { openLayerSubset } from '../src/core/format.ts'
 import { objectName } from '../src/core/keys.ts'
 import { createGateway, hashToken, MemoryStore } from '../src/gateway/index.ts'
+import type { GetOptions } from '../src/gateway/stores/types.ts'
 import { makeChain, makeChunk, putInit } from './gateway-fixtures.ts'
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms))
@@ -321,6 +322,45 @@ describe('corruption heals (C1)', () => {
         deleted: true,
       })
     }
+  })
+
+  it("a newer writer's object is verified once per key and size, not on every GET (the verdict is remembered)", async () => {
+    let wholeReads = 0
+    class CountingStore extends MemoryStore {
+      override get(n: string, opts: GetOptions = {}) {
+        if (!opts.range) wholeReads++
+        return super.get(n, opts)
+      }
+    }
+    const store = new CountingStore()
+    const app = createGateway({ store })
+    const c = makeChunk({ layers: 4, sectionBytes: 1000 })
+    const n = name('a', c.key)
+    const newer = (b: Uint8Array) => {
+      const dv = new DataView(b.buffer, b.byteOffset, b.byteLength)
+      dv.setUint16(4, 3, true) // format version 3, its header CRC intact
+      const hb = dv.getUint32(8, true)
+      dv.setUint32(hb - 4, crc32(b.subarray(0, hb - 4)), true)
+      return b
+    }
+    await replace(store, n, newer(c.bytes.slice()))
+    const gets = async (times: number) => {
+      for (let i = 0; i < times; i++) {
+        expect((await app.request(`/v1/ns/a/chunks/${c.key}`)).status).toBe(502)
+        expect((await app.request(`/v1/ns/a/chunks/${c.key}?layers=0-1`)).status).toBe(502)
+        await sleep(20) // let a background verification run
+      }
+    }
+    await gets(5)
+    // Five whole GETs read the object whole once each; one verification read it whole once more.
+    expect(wholeReads).toBe(5 + 1)
+    expect(await store.head(n)).toBeDefined()
+    // Another object under the key (another size): verified again, once.
+    const bigger = makeChunk({ layers: 4, sectionBytes: 1500, key: c.key })
+    await replace(store, n, newer(bigger.bytes.slice()))
+    wholeReads = 0
+    await gets(3)
+    expect(wholeReads).toBe(3 + 1)
   })
 
   it('an intact header refused for anything but a newer feature (a reserved byte set) is still corrupt: deleted', async () => {

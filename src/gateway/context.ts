@@ -7,7 +7,7 @@ import type { ChunkHeader } from '../core/format.ts'
 import { isObjectPrefix } from '../core/keys.ts'
 import { ChainLookup, type ChainLookupOptions } from './chain-lookup.ts'
 import { GetCoalescer } from './coalesce.ts'
-import type { Verified } from './heal.ts'
+import { NEWER_FORMAT_ENTRIES, NEWER_FORMAT_TTL_MS, type Verified } from './heal.ts'
 import { bodyHoldBytes, DEFAULT_MAX_HELD_BYTES, lookupHoldBytes, MemoryBudget } from './memory-budget.ts'
 import { GatewayMetrics } from './metrics.ts'
 import { instrumentStore } from './stores/instrumented.ts'
@@ -114,6 +114,11 @@ export interface GatewayState {
   headers: LRUCache<string, CachedHeader>
   /** Verified calibration bodies by object name (immutable: named by their SHA-256), bounded in bytes. */
   calibrations: LRUCache<string, Uint8Array>
+  /**
+   * Objects a verification found in a newer writer's format (name|size, heal.ts), kept
+   * NEWER_FORMAT_TTL_MS: a GET of one is refused without verifying it again.
+   */
+  newerFormat: LRUCache<string, true>
   /** Verifications in flight by object name (deduplicated). */
   verifying: Map<string, Promise<Verified>>
   /** Declared bytes of the PUT bodies being received now. */
@@ -223,6 +228,7 @@ export function createState(opts: {
       maxSize: Math.max(1, limits.calibrationCacheBytes),
       sizeCalculation: (b) => Math.max(1, b.length),
     }),
+    newerFormat: new LRUCache<string, true>({ max: NEWER_FORMAT_ENTRIES, ttl: NEWER_FORMAT_TTL_MS }),
     verifying: new Map(),
     inFlight: { bytes: 0 },
     memory,

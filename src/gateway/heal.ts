@@ -105,6 +105,8 @@ export function verifyStored(state: GatewayState, t: VerifyTarget, by: 'get' | '
     if (failure === undefined) return { verdict: 'ok', deleted: false }
     if (!isCorruption(failure)) throw failure
     if (check.headerUndecoded() && (await isNewerFormat(state, t.name, obj.etag, failure))) {
+      // Until this gateway is upgraded every GET of it fails the same way: not read again for each.
+      state.newerFormat.set(newerFormatKey(t.name, obj.size), true)
       throw new KvgateError(
         (failure as KvgateError).code,
         `stored chunk is in a format this gateway cannot read, with an intact header (a newer writer's?): left in place. ${(failure as Error).message}`,
@@ -167,10 +169,30 @@ async function readBytes(
   return bytes && { bytes, etag: obj.etag }
 }
 
-/** A GET found bad bytes: verify the stored object in the background (deletes it if corrupt). */
-export function reportCorruptRead(state: GatewayState, t: VerifyTarget, layers: boolean): void {
+/** How long a newer writer's object (by name and size) is not verified again on a GET. */
+export const NEWER_FORMAT_TTL_MS = 5 * 60_000
+/** Objects remembered as a newer writer's at once (a key and a number each). */
+export const NEWER_FORMAT_ENTRIES = 10_000
+
+/** The newer-format verdict's key: an object put back under the name with another size is another one. */
+export function newerFormatKey(name: string, size: number): string {
+  return `${name}|${size}`
+}
+
+/**
+ * A GET found bad bytes: verify the stored object in the background (deletes it if corrupt).
+ * `size`: the object's size as the GET saw it, where known; an object of that name and size
+ * verified lately as a newer writer's (mid-upgrade) is not read again.
+ */
+export function reportCorruptRead(
+  state: GatewayState,
+  t: VerifyTarget,
+  layers: boolean,
+  size: number | undefined,
+): void {
   state.metrics.corruptReads.inc({ layers: String(layers) })
   state.headers.delete(t.name)
+  if (size !== undefined && state.newerFormat.has(newerFormatKey(t.name, size))) return
   verifyStored(state, t, 'get').catch(() => {
     // A store fault or a full verify queue: the next corrupt read tries again.
   })

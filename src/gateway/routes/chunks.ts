@@ -232,7 +232,7 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
           maxBytes: Math.max(state.limits.maxChunkBytes, obj.size),
           ...(nsId ? { namespaceIdHex: nsId } : {}),
         })
-    const served = servedStream(c, state, body, check, t, false)
+    const served = servedStream(c, state, body, check, t, false, obj.size)
     if (range) {
       headers['content-range'] = `bytes ${obj.offset}-${obj.offset + obj.length - 1}/${obj.size}`
       return c.body(served, 206, headers)
@@ -260,12 +260,13 @@ function servedStream(
   check: StreamCheck | undefined,
   t: VerifyTarget,
   layers: boolean,
+  size: number,
 ): ReadableStream<Uint8Array> {
   return checkedStream(src, check, {
     ...readerPace(state, c),
     // A store fault (a range served short) says nothing about the object.
     onCorrupt: (e) => {
-      if (isCorruption(e)) reportCorruptRead(state, t, layers)
+      if (isCorruption(e)) reportCorruptRead(state, t, layers, size)
     },
   })
 }
@@ -360,15 +361,21 @@ async function readAll(obj: StoreObject): Promise<Uint8Array> {
  * read, counted and verified in the background (deleted when corrupt), then a 502.
  */
 async function readHeader(state: GatewayState, t: VerifyTarget): Promise<CachedHeader> {
+  const seen: { size?: number } = {}
   try {
-    return await decodeStoredHeader(state, t)
+    return await decodeStoredHeader(state, t, seen)
   } catch (e) {
-    if (isCorruption(e)) reportCorruptRead(state, t, true)
+    if (isCorruption(e)) reportCorruptRead(state, t, true, seen.size)
     throw e
   }
 }
 
-async function decodeStoredHeader(state: GatewayState, t: VerifyTarget): Promise<CachedHeader> {
+/** `seen.size`: the object's size once a read has said it (what a failure is remembered by). */
+async function decodeStoredHeader(
+  state: GatewayState,
+  t: VerifyTarget,
+  seen: { size?: number },
+): Promise<CachedHeader> {
   const { name } = t
   let probe: StoreObject | undefined
   try {
@@ -379,6 +386,7 @@ async function decodeStoredHeader(state: GatewayState, t: VerifyTarget): Promise
     throw e
   }
   if (!probe) return notFoundFrom(state, name)
+  seen.size = probe.size
   let bytes = await readAll(probe)
   if (bytes.length < HEADER_PREFIX_BYTES) throw corrupt('stored object is too short for a chunk header')
   const headerBytes = guard(() => readHeaderLength(bytes))
@@ -386,6 +394,7 @@ async function decodeStoredHeader(state: GatewayState, t: VerifyTarget): Promise
   if (headerBytes > bytes.length) {
     const more = await state.store.get(name, { range: { offset: 0, length: headerBytes } })
     if (!more) return notFoundFrom(state, name)
+    seen.size = more.size
     bytes = await readAll(more)
     version = { size: more.size, etag: more.etag }
   }
@@ -488,7 +497,7 @@ async function peekHeader(
     entry = headerEntry(state, t, concatPieces(pieces, have), { size: obj.size, etag: obj.etag })
   } catch (e) {
     await reader.cancel(e).catch(() => {})
-    if (isCorruption(e)) reportCorruptRead(state, t, false)
+    if (isCorruption(e)) reportCorruptRead(state, t, false, obj.size)
     throw isKvgateError(e)
       ? e
       : new StoreError(`reading the store body failed: ${(e as Error)?.message}`, { cause: e })
@@ -595,7 +604,10 @@ async function layersAnswer(
   const length = span.end - span.start
   const total = bytes.length + length
   const stream = obj
-    ? concatStreams(bytes, servedStream(c, state, obj.body, sectionsCheck(header, first, last), t, true))
+    ? concatStreams(
+        bytes,
+        servedStream(c, state, obj.body, sectionsCheck(header, first, last), t, true, obj.size),
+      )
     : singleChunk(bytes)
   state.metrics.bytesOut.inc({}, total)
   c.set('bytes', total)
