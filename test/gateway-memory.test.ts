@@ -4,6 +4,7 @@
 
 import { createHash } from 'node:crypto'
 import { describe, expect, it, vi } from 'vitest'
+import { objectName } from '../src/core/keys.ts'
 import { configFromEnv, lambdaPartConcurrency } from '../src/gateway/adapters/lambda.ts'
 import { gatewayFromEnv } from '../src/gateway/adapters/workers.ts'
 import { GetCoalescer } from '../src/gateway/coalesce.ts'
@@ -565,6 +566,122 @@ describe('coalesced GET buffers', () => {
     })
     await expect(co.get('k', broken)).rejects.toThrow(/socket reset/)
     expect([budget.held, co.bufferedBytes]).toEqual([0, 0])
+  })
+})
+
+describe('store streams held by GET readers', () => {
+  /** A memory store whose GET bodies say they read `hold` bytes ahead of the reader, as S3's do. */
+  class ReadAheadStore extends MemoryStore {
+    constructor(readonly hold: number) {
+      super()
+    }
+    getHoldBytes(length: number): number {
+      return Math.min(length, this.hold)
+    }
+    // Bodies in 64 KiB pieces, each read when pulled (a memory body is one piece, over at once).
+    override async get(n: string, o?: Parameters<MemoryStore['get']>[1]) {
+      const obj = await super.get(n, o)
+      if (!obj) return obj
+      const bytes = new Uint8Array(await new Response(obj.body).arrayBuffer())
+      let at = 0
+      const body = new ReadableStream<Uint8Array>(
+        {
+          pull(ctl) {
+            if (at >= bytes.length) return ctl.close()
+            ctl.enqueue(bytes.subarray(at, at + 64 * 1024))
+            at += 64 * 1024
+          },
+        },
+        { highWaterMark: 0 },
+      )
+      return { ...obj, body }
+    }
+  }
+
+  it('count their read-ahead in maxHeldBytes: readers past the bound get 503 ERR_BUSY; each path gives it back', async () => {
+    const store = new ReadAheadStore(MIB)
+    const app = createGateway({
+      store,
+      coalesce: false,
+      limits: {
+        maxHeldBytes: 4 * MIB,
+        maxChunkBytes: MIB,
+        maxCalibrationBytes: MIB,
+        calibrationCacheBytes: 0,
+        // A reader that never reads is cut off only after this: slow readers hold meanwhile.
+        readerIdleTimeoutMs: 60_000,
+      },
+    })
+    const c = makeChunk({ layers: 4, sectionBytes: 100 * 1024 }) // over 64 KiB: pieces left to read
+    const url = `/v1/ns/a/chunks/${c.key}`
+    expect((await app.request(url, putInit(c.bytes))).status).toBe(201)
+    const hold = Math.min(c.bytes.length, MIB)
+    expect(hold).toBeLessThan(MIB) // the object is the bound, not the store's whole read-ahead
+    const fit = Math.floor((4 * MIB) / hold)
+    // Readers that take the head and then (all but) stop: a whole GET, a range, layers.
+    const open: Response[] = []
+    const kinds = [{}, { headers: { range: 'bytes=10-' } }, '?layers=0-3']
+    for (let i = 0; i < fit; i++) {
+      const k = kinds[i % kinds.length]!
+      const r = typeof k === 'string' ? await app.request(url + k) : await app.request(url, k)
+      expect(r.status).toBeLessThan(300)
+      open.push(r)
+    }
+    expect(app.state.memory.held).toBeGreaterThan(4 * MIB - hold)
+    for (const k of kinds) {
+      const r = typeof k === 'string' ? await app.request(url + k) : await app.request(url, k)
+      expect([r.status, r.headers.get('retry-after'), await errCode(r)]).toEqual([503, '1', 'ERR_BUSY'])
+    }
+    expect(app.state.metrics.busy.value({ what: 'get' })).toBe(3)
+    // HEAD and a 304 open no store stream: not refused.
+    expect((await app.request(url, { method: 'HEAD' })).status).toBe(200)
+    // Read to the end, cancelled, or failed by the reader's pace: each gives its hold back.
+    const [done, cancelled] = open
+    expect(new Uint8Array(await done!.arrayBuffer())).toEqual(c.bytes)
+    await cancelled!.body!.cancel()
+    const again = await app.request(url)
+    expect(again.status).toBe(200)
+    expect(new Uint8Array(await again.arrayBuffer())).toEqual(c.bytes)
+    for (const r of open.slice(2)) await r.body!.cancel()
+    expect(app.state.memory.held).toBe(0)
+  })
+
+  it('a reader cut off by its pace, or a stream the store breaks, gives its hold back', async () => {
+    const store = new ReadAheadStore(MIB)
+    const app = createGateway({ store, coalesce: false, limits: { readerIdleTimeoutMs: 100 } })
+    const c = makeChunk({ layers: 4, sectionBytes: 100 * 1024 })
+    const url = `/v1/ns/a/chunks/${c.key}`
+    expect((await app.request(url, putInit(c.bytes))).status).toBe(201)
+    const idle = await app.request(url)
+    expect(app.state.memory.held).toBe(c.bytes.length)
+    await until(() => app.state.memory.held === 0, 3000)
+    await idle.body?.cancel().catch(() => {})
+    // A body found corrupt at its end fails the response: its hold goes with it.
+    const other = makeChunk({ layers: 4, sectionBytes: 100 * 1024 })
+    const bad = other.bytes.slice()
+    bad[bad.length - 1]! ^= 1
+    await store.putIfAbsent(objectName('kvgate', 'a', other.key), bad, bad.length)
+    const failed = await app.request(`/v1/ns/a/chunks/${other.key}`)
+    expect(failed.status).toBe(200)
+    await expect(failed.arrayBuffer()).rejects.toThrow()
+    expect(app.state.memory.held).toBe(0)
+  })
+
+  it('a calibration streamed from the store is held to the same bound', async () => {
+    const store = new ReadAheadStore(MIB)
+    const bytes = calib(3, 200 * 1024)
+    const writer = createGateway({ store })
+    const url = `/v1/ns/team/calibrations/${sha(bytes)}`
+    expect((await writer.request(url, putOf(bytes))).status).toBe(201)
+    const app = createGateway({ store, limits: { calibrationCacheBytes: 0 } }) // streams every body
+    const others = app.state.memory.tryReserve(app.state.limits.maxHeldBytes - 100 * 1024)!
+    const g = await app.request(url)
+    expect([g.status, await errCode(g)]).toEqual([503, 'ERR_BUSY'])
+    others.release()
+    const ok = await app.request(url)
+    expect(app.state.memory.held).toBe(bytes.length)
+    expect(new Uint8Array(await ok.arrayBuffer())).toEqual(bytes)
+    expect(app.state.memory.held).toBe(0)
   })
 })
 

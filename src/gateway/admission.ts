@@ -34,13 +34,8 @@ export async function admitted<T>(
   const lease = tooMuch ? undefined : state.memory.tryReserve(need.held)
   if (!lease) {
     state.metrics.busy.inc({ what })
-    throw new KvgateError(
-      'ERR_BUSY',
-      tooMuch
-        ? 'too many upload bytes in flight; retry later'
-        : 'the gateway holds as much request memory as it may (limits.maxHeldBytes); retry later',
-      { status: 503 },
-    )
+    if (!tooMuch) throw memoryBusy()
+    throw new KvgateError('ERR_BUSY', 'too many upload bytes in flight; retry later', { status: 503 })
   }
   inFlight.bytes += need.declared
   try {
@@ -49,4 +44,13 @@ export async function admitted<T>(
     inFlight.bytes -= need.declared
     lease.release()
   }
+}
+
+/** The refusal of a request whose hold would pass limits.maxHeldBytes (errors.ts adds Retry-After). */
+export function memoryBusy(): KvgateError {
+  return new KvgateError(
+    'ERR_BUSY',
+    'the gateway holds as much request memory as it may (limits.maxHeldBytes); retry later',
+    { status: 503 },
+  )
 }

@@ -20,6 +20,8 @@ export interface CoalescedGet {
   obj: StoreObject | undefined
   /** True when this request was served by another request's store GET. */
   coalesced: boolean
+  /** True when `obj` is read from a shared buffer (already in the memory budget), not a store stream. */
+  buffered: boolean
 }
 
 /** Who still holds a leader's buffer: every request that joined it, until its body is handed on. */
@@ -73,11 +75,12 @@ export class GetCoalescer {
         this.#release(existing.lease)
         throw e
       }
-      if (shared.kind === 'bytes') return { obj: this.#fromBytes(shared, existing.lease), coalesced: true }
+      if (shared.kind === 'bytes')
+        return { obj: this.#fromBytes(shared, existing.lease), coalesced: true, buffered: true }
       this.#release(existing.lease)
-      if (shared.kind === 'absent') return { obj: undefined, coalesced: true }
+      if (shared.kind === 'absent') return { obj: undefined, coalesced: true, buffered: false }
       // Too large to share: the leader owns that stream.
-      return { obj: await fetch(), coalesced: false }
+      return { obj: await fetch(), coalesced: false, buffered: false }
     }
     const lease: Lease = { refs: 1, bytes: 0 }
     const shared = (async (): Promise<Shared> => {
@@ -125,9 +128,9 @@ export class GetCoalescer {
     this.#inflight.set(key, { shared, lease })
     try {
       const s = await shared
-      if (s.kind === 'bytes') return { obj: this.#fromBytes(s, lease), coalesced: false }
+      if (s.kind === 'bytes') return { obj: this.#fromBytes(s, lease), coalesced: false, buffered: true }
       this.#release(lease)
-      return { obj: s.kind === 'stream' ? s.obj : undefined, coalesced: false }
+      return { obj: s.kind === 'stream' ? s.obj : undefined, coalesced: false, buffered: false }
     } catch (e) {
       this.#release(lease)
       throw e

@@ -37,16 +37,17 @@ export interface GatewayLimits {
   /**
    * A GET reader that, over readerIdleTimeoutMs spent waiting on it, takes less than this
    * (bytes/s) is cut off the same way: a trickle that never quite idles would hold its store
-   * stream (the S3 SDK's read-ahead, several MiB; a file handle), which is outside
-   * maxHeldBytes, for as long as it likes. 0 turns it off. @default 65536
+   * stream (a file handle, an S3 socket; the S3 SDK's read-ahead is reserved in maxHeldBytes
+   * while it is open) for as long as it likes. 0 turns it off. @default 65536
    */
   readerMinBytesPerSecond?: number
   /** Declared PUT body bytes in flight at once; above it PUTs get 503 ERR_BUSY. @default 1 GiB */
   maxInFlightBytes?: number
   /**
    * Bytes the gateway itself holds for requests at once: PUT read-ahead, multipart parts,
-   * whole calibration bodies, coalesced GET buffers (memory-budget.ts). A PUT that would
-   * pass it gets 503 ERR_BUSY; a GET streams instead of buffering. Must fit what one
+   * whole calibration bodies, coalesced GET buffers, the store's read-ahead of an open GET
+   * stream (memory-budget.ts). A PUT that would pass it gets 503 ERR_BUSY; a GET streams
+   * instead of buffering, and gets 503 ERR_BUSY when even its stream would pass it. Must fit what one
    * request holds. Workers set 48 MiB, Lambda half of what its memory leaves the runtime.
    * @default 256 MiB
    */

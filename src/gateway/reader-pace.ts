@@ -1,10 +1,15 @@
 // The pace a GET reader must keep (limits.readerIdleTimeoutMs, readerMinBytesPerSecond) for the
-// store stream it holds: the S3 SDK's read-ahead or a file handle and its buffers are not in
-// the memory budget, so a reader that idles or trickles is cut off, counted, and released.
+// store stream it holds, and that stream's place in the memory budget: what the store reads
+// ahead of the reader (the S3 SDK's read-ahead) is reserved while the stream is open, so a
+// reader just above the pace still holds it within limits.maxHeldBytes; a reader that idles or
+// trickles is cut off, counted, and released.
 
 import type { Context } from 'hono'
+import { memoryBusy } from './admission.ts'
 import type { GatewayState } from './context.ts'
 import type { GatewayEnv } from './env.ts'
+import type { MemoryLease } from './memory-budget.ts'
+import type { StoreObject } from './stores/types.ts'
 import type { CheckedStreamOptions } from './verified-read.ts'
 
 /**
@@ -14,8 +19,11 @@ import type { CheckedStreamOptions } from './verified-read.ts'
 export function readerPace(
   state: GatewayState,
   c?: Context<GatewayEnv>,
-): Pick<CheckedStreamOptions, 'idleTimeoutMs' | 'minBytesPerSecond' | 'onCutOff'> {
+  held?: MemoryLease,
+): Pick<CheckedStreamOptions, 'idleTimeoutMs' | 'minBytesPerSecond' | 'onCutOff' | 'onEnd'> {
   return {
+    // However the stream ends (read out, failed, cancelled, cut off): its hold is given back.
+    onEnd: () => held?.release(),
     idleTimeoutMs: state.limits.readerIdleTimeoutMs,
     minBytesPerSecond: state.limits.readerMinBytesPerSecond,
     onCutOff: (why) => {
@@ -29,4 +37,17 @@ export function readerPace(
       return true
     },
   }
+}
+
+/**
+ * Reserves what `obj`'s open body holds in the store ahead of its reader (ObjectStore.getHoldBytes;
+ * none for fs, memory, R2) against limits.maxHeldBytes, to be given back through readerPace's
+ * onEnd. Past the bound the body is released and the GET refused with 503 ERR_BUSY, as a PUT is.
+ */
+export function holdStoreStream(state: GatewayState, obj: StoreObject, what: string): MemoryLease {
+  const lease = state.memory.tryReserve(state.store.getHoldBytes?.(obj.length) ?? 0)
+  if (lease) return lease
+  obj.body.cancel().catch(() => {})
+  state.metrics.busy.inc({ what })
+  throw memoryBusy()
 }

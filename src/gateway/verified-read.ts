@@ -128,6 +128,8 @@ export interface CheckedStreamOptions {
   minBytesPerSecond?: number
   /** Called when the reader was cut off (idle or slow); true when it closed the connection. */
   onCutOff?(why: 'idle' | 'slow'): boolean
+  /** Called once when the stream ends, however (read out, failed, cancelled, cut off). */
+  onEnd?(): void
 }
 
 /**
@@ -162,6 +164,7 @@ export function checkedStream(
     ended = true
     clearTimeout(watchdog)
     held = undefined
+    opts.onEnd?.()
     if (reason !== undefined) reader.cancel(reason).catch(() => {})
   }
   const cutOff = (why: 'idle' | 'slow') => {

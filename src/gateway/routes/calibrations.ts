@@ -24,7 +24,7 @@ import {
   unsupportedMediaType,
 } from '../http-errors.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
-import { readerPace } from '../reader-pace.ts'
+import { holdStoreStream, readerPace } from '../reader-pace.ts'
 import { readPromptly } from '../request-body.ts'
 import { collectBody, type StoreObject } from '../stores/types.ts'
 import { checkedStream, type StreamCheck } from '../verified-read.ts'
@@ -224,6 +224,7 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
     hash: string,
     obj: StoreObject,
   ): ReadableStream<Uint8Array> {
+    const held = holdStoreStream(state, obj, 'get')
     const hasher = streamHasher()
     let seen = 0
     const check: StreamCheck = {
@@ -246,7 +247,7 @@ export function calibrationRoutes(app: Hono<GatewayEnv>, state: GatewayState): v
       },
     }
     return checkedStream(obj.body, check, {
-      ...readerPace(state, c),
+      ...readerPace(state, c, held),
       onCorrupt: () => {}, // counted and dropped in finish()
     })
   }

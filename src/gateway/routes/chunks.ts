@@ -25,9 +25,9 @@ import {
   payloadTooLarge,
   unsupportedMediaType,
 } from '../http-errors.ts'
-import { bodyHoldBytes } from '../memory-budget.ts'
+import { bodyHoldBytes, type MemoryLease } from '../memory-budget.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
-import { readerPace } from '../reader-pace.ts'
+import { holdStoreStream, readerPace } from '../reader-pace.ts'
 import { RangeNotSatisfiableError } from '../stores/errors.ts'
 import { type ByteRange, concatPieces, type StoreObject } from '../stores/types.ts'
 import { iteratorSource, type PieceSource, streamSource, verifiedBody } from '../verified-body.ts'
@@ -232,7 +232,9 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
           maxBytes: Math.max(state.limits.maxChunkBytes, obj.size),
           ...(nsId ? { namespaceIdHex: nsId } : {}),
         })
-    const served = servedStream(c, state, body, check, t, false, obj.size)
+    // A shared buffer is in the budget already; a store stream is reserved while it is open.
+    const held = obj.buffered ? undefined : holdStoreStream(state, { ...obj, body }, 'get')
+    const served = servedStream(c, state, body, check, t, false, obj.size, held)
     if (range) {
       headers['content-range'] = `bytes ${obj.offset}-${obj.offset + obj.length - 1}/${obj.size}`
       return c.body(served, 206, headers)
@@ -261,9 +263,10 @@ function servedStream(
   t: VerifyTarget,
   layers: boolean,
   size: number,
+  held: MemoryLease | undefined,
 ): ReadableStream<Uint8Array> {
   return checkedStream(src, check, {
-    ...readerPace(state, c),
+    ...readerPace(state, c, held),
     // A store fault (a range served short) says nothing about the object.
     onCorrupt: (e) => {
       if (isCorruption(e)) reportCorruptRead(state, t, layers, size)
@@ -435,16 +438,18 @@ async function fetchChunk(
   name: string,
   range: ByteRange | undefined,
   rangeHeader: string | undefined,
-): Promise<StoreObject> {
+): Promise<StoreObject & { buffered: boolean }> {
   const fetchIt = () => state.store.get(name, range ? { range } : {})
   let obj: StoreObject | undefined
+  let buffered = false
   if (state.coalescer) {
     const r = await state.coalescer.get(`${name}|${rangeHeader ?? ''}`, fetchIt)
     if (r.coalesced) state.metrics.coalesced.inc()
     obj = r.obj
+    buffered = r.buffered
   } else obj = await fetchIt()
   if (!obj) return notFoundFrom(state, name)
-  return obj
+  return { ...obj, buffered }
 }
 
 /**
@@ -606,7 +611,16 @@ async function layersAnswer(
   const stream = obj
     ? concatStreams(
         bytes,
-        servedStream(c, state, obj.body, sectionsCheck(header, first, last), t, true, obj.size),
+        servedStream(
+          c,
+          state,
+          obj.body,
+          sectionsCheck(header, first, last),
+          t,
+          true,
+          obj.size,
+          holdStoreStream(state, obj, 'get'),
+        ),
       )
     : singleChunk(bytes)
   state.metrics.bytesOut.inc({}, total)
