@@ -259,6 +259,47 @@ describe('the Lambda zip', () => {
     expect(head.body.length).toBe(0)
   })
 
+  it('HTTP edges as on Node: HEAD ?layers= length, 416 Content-Range, the same ETag, 304 and If-Range', async () => {
+    const c = makeChunk({ layers: 5, sectionBytes: 3000 })
+    await invoke(bundled, putEvent('a', c.key, c.bytes, TOKENS.writer))
+    const auth = { authorization: `Bearer ${TOKENS.reader}` }
+    const path = `/v1/ns/a/chunks/${c.key}`
+    const node = createGateway({ store: new MemoryStore() })
+    await node.request(path, {
+      method: 'PUT',
+      headers: { 'content-type': 'application/octet-stream', 'content-length': String(c.bytes.length) },
+      body: c.bytes as Uint8Array<ArrayBuffer>,
+    })
+    const nodeTag = (await node.request(path, { method: 'HEAD' })).headers.get('etag')!
+    const nodeLayersTag = (await node.request(`${path}?layers=1-3`)).headers.get('etag')
+    const head = await invoke(bundled, event('HEAD', path, { query: 'layers=1-3', headers: auth }))
+    const layers = await invoke(bundled, event('GET', path, { query: 'layers=1-3', headers: auth }))
+    expect([head.status, head.headers['content-length']]).toEqual([200, String(layers.body.length)])
+    expect([head.headers.etag, layers.headers.etag]).toEqual([nodeLayersTag, nodeLayersTag])
+    const past = await invoke(
+      bundled,
+      event('GET', path, { headers: { ...auth, range: `bytes=${c.bytes.length}-` } }),
+    )
+    expect([past.status, past.headers['content-range']]).toEqual([416, `bytes */${c.bytes.length}`])
+    const whole = await invoke(bundled, event('GET', path, { headers: auth }))
+    expect(whole.headers.etag).toBe(nodeTag)
+    for (const method of ['GET', 'HEAD']) {
+      const r = await invoke(bundled, event(method, path, { headers: { ...auth, 'if-none-match': nodeTag } }))
+      expect([method, r.status, r.headers.etag, r.body.length]).toEqual([method, 304, nodeTag, 0])
+    }
+    const kept = await invoke(
+      bundled,
+      event('GET', path, { headers: { ...auth, range: 'bytes=0-99', 'if-range': nodeTag } }),
+    )
+    expect([kept.status, kept.body.length]).toEqual([206, 100])
+    const other = await invoke(
+      bundled,
+      event('GET', path, { headers: { ...auth, range: 'bytes=0-99', 'if-range': '"other"' } }),
+    )
+    expect(other.status).toBe(200)
+    expect(other.body.equals(Buffer.from(c.bytes))).toBe(true)
+  })
+
   it('looks up a chain', async () => {
     const chain = makeChain(5)
     for (const c of chain.slice(0, 3)) await invoke(bundled, putEvent('a', c.key, c.bytes, TOKENS.writer))

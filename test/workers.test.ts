@@ -17,6 +17,8 @@ import {
   layerSpan,
   openLayerSubset,
 } from '../src/core/format.ts'
+import { createGateway } from '../src/gateway/app.ts'
+import { MemoryStore } from '../src/gateway/stores/memory.ts'
 import type { R2BucketLike } from '../src/gateway/stores/r2.ts'
 import { makeChain, makeChunk, putInit } from './gateway-fixtures.ts'
 import { sampleMeta, sampleTensor } from './workers-fixtures/codec-sample.ts'
@@ -186,6 +188,42 @@ describe('gateway in workerd on R2', () => {
     })
     expect(past.status).toBe(416)
     await past.body?.cancel()
+  })
+
+  it('HTTP edges as on Node: HEAD ?layers= length, 416 Content-Range, the same ETag, 304 and If-Range', async () => {
+    const c = makeChunk({ layers: 6, sectionBytes: 777 })
+    await fetch(url('a', c.key), putInit(c.bytes, TOKENS.writerA))
+    const h = auth(TOKENS.readerA)
+    // The tag Node's gateway gives the same bytes on another store.
+    const node = createGateway({ store: new MemoryStore() })
+    await node.request(`/v1/ns/a/chunks/${c.key}`, putInit(c.bytes))
+    const nodeTag = (await node.request(`/v1/ns/a/chunks/${c.key}`, { method: 'HEAD' })).headers.get('etag')
+    const nodeLayersTag = (await node.request(`/v1/ns/a/chunks/${c.key}?layers=2-4`)).headers.get('etag')
+    const head = await fetch(url('a', c.key, '?layers=2-4'), { method: 'HEAD', headers: h })
+    const layers = await fetch(url('a', c.key, '?layers=2-4'), { headers: h })
+    const layersBody = await bytesOf(layers)
+    expect([head.status, head.headers.get('content-length')]).toEqual([200, String(layersBody.length)])
+    expect([head.headers.get('etag'), layers.headers.get('etag')]).toEqual([nodeLayersTag, nodeLayersTag])
+    const past = await fetch(url('a', c.key), { headers: { ...h, range: `bytes=${c.bytes.length}-` } })
+    expect([past.status, past.headers.get('content-range')]).toEqual([416, `bytes */${c.bytes.length}`])
+    await past.body?.cancel()
+    const get = await fetch(url('a', c.key), { headers: h })
+    expect(get.headers.get('etag')).toBe(nodeTag)
+    expect(await bytesOf(get)).toEqual(c.bytes)
+    for (const method of ['GET', 'HEAD']) {
+      const r = await fetch(url('a', c.key), { method, headers: { ...h, 'if-none-match': nodeTag! } })
+      expect([method, r.status, r.headers.get('etag')]).toEqual([method, 304, nodeTag])
+      await r.body?.cancel()
+    }
+    const kept = await fetch(url('a', c.key), {
+      headers: { ...h, range: 'bytes=0-99', 'if-range': nodeTag! },
+    })
+    expect([kept.status, (await bytesOf(kept)).length]).toEqual([206, 100])
+    const whole = await fetch(url('a', c.key), {
+      headers: { ...h, range: 'bytes=0-99', 'if-range': '"other"' },
+    })
+    expect(whole.status).toBe(200)
+    expect(await bytesOf(whole)).toEqual(c.bytes)
   })
 
   it('serves ?layers=a-b as the header followed by sections a..b', async () => {
