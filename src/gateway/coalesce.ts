@@ -4,8 +4,9 @@
 // the body is never buffered and followers do their own GET.
 // (A tee would buffer without bound behind the slowest client.)
 
-import { isKvgateError, StoreError } from '../core/errors.ts'
+import { StoreError } from '../core/errors.ts'
 import type { MemoryBudget, MemoryLease } from './memory-budget.ts'
+import { storeBodyFailure } from './stores/errors.ts'
 import type { StoreObject } from './stores/types.ts'
 
 /** A shared buffer's pieces as served: what one socket write takes before it waits (Node, workerd). */
@@ -120,9 +121,7 @@ export class GetCoalescer {
         // Stop the store read: nobody will take the rest.
         await reader.cancel(e).catch(() => {})
         // A body the store broke off is its fault (502), not the gateway's (500).
-        throw isKvgateError(e)
-          ? e
-          : new StoreError(`reading the store body failed: ${(e as Error)?.message}`, { cause: e })
+        throw storeBodyFailure(e)
       }
     })()
     this.#inflight.set(key, { shared, lease })

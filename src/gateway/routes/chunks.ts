@@ -3,7 +3,7 @@
 
 import type { Context, Hono } from 'hono'
 import { ROOT_PARENT } from '../../coldtier/records.ts'
-import { isKvgateError, KvgateError, StoreError } from '../../core/errors.ts'
+import { isKvgateError, KvgateError } from '../../core/errors.ts'
 import {
   type ChunkHeader,
   decodeHeader,
@@ -28,7 +28,7 @@ import {
 import { bodyHoldBytes, type MemoryLease } from '../memory-budget.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
 import { holdStoreStream, readerPace } from '../reader-pace.ts'
-import { RangeNotSatisfiableError } from '../stores/errors.ts'
+import { RangeNotSatisfiableError, storeBodyFailure } from '../stores/errors.ts'
 import { type ByteRange, concatPieces, type StoreObject } from '../stores/types.ts'
 import { iteratorSource, type PieceSource, streamSource, verifiedBody } from '../verified-body.ts'
 import {
@@ -337,7 +337,7 @@ export function parseRange(h: string): ByteRange {
   return { offset, length: end - offset + 1 }
 }
 
-/** A short store read whole. A body the store broke off is its fault (502 ERR_STORE, as GET answers), not ours. */
+/** A short store read whole; a body the store broke off fails as a GET's does (storeBodyFailure). */
 async function readAll(obj: StoreObject): Promise<Uint8Array> {
   const out = new Uint8Array(obj.length)
   let at = 0
@@ -351,9 +351,7 @@ async function readAll(obj: StoreObject): Promise<Uint8Array> {
     }
   } catch (e) {
     await reader.cancel(e).catch(() => {})
-    throw isKvgateError(e)
-      ? e
-      : new StoreError(`reading the store body failed: ${(e as Error)?.message}`, { cause: e })
+    throw storeBodyFailure(e)
   }
   return out.subarray(0, Math.min(at, out.length))
 }
@@ -503,9 +501,7 @@ async function peekHeader(
   } catch (e) {
     await reader.cancel(e).catch(() => {})
     if (isCorruption(e)) reportCorruptRead(state, t, false, obj.size)
-    throw isKvgateError(e)
-      ? e
-      : new StoreError(`reading the store body failed: ${(e as Error)?.message}`, { cause: e })
+    throw storeBodyFailure(e)
   }
   return { entry, body: resumed(pieces, reader) }
 }
