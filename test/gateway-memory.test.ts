@@ -3,6 +3,9 @@
 // (PUTs 503 ERR_BUSY, GETs stream instead of buffering), given back on every path.
 
 import { createHash } from 'node:crypto'
+import { mkdtempSync, rmSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
 import { describe, expect, it, vi } from 'vitest'
 import { objectName } from '../src/core/keys.ts'
 import { configFromEnv, lambdaPartConcurrency } from '../src/gateway/adapters/lambda.ts'
@@ -20,7 +23,7 @@ import {
   WORKER_MAX_HELD_BYTES,
   WORKER_PRESENCE_ENTRIES,
 } from '../src/gateway/memory-budget.ts'
-import { S3Store } from '../src/gateway/node.ts'
+import { FsStore, S3Store } from '../src/gateway/node.ts'
 import { type R2BucketLike, R2Store } from '../src/gateway/stores/r2.ts'
 import type { StoreObject } from '../src/gateway/stores/types.ts'
 import { makeChunk, putInit } from './gateway-fixtures.ts'
@@ -665,6 +668,25 @@ describe('store streams held by GET readers', () => {
     expect(failed.status).toBe(200)
     await expect(failed.arrayBuffer()).rejects.toThrow()
     expect(app.state.memory.held).toBe(0)
+  })
+
+  it('the fs store declares what a GET body reads ahead (its read stream and web queue): held while open', async () => {
+    const root = mkdtempSync(join(tmpdir(), 'kvgate-hold-'))
+    try {
+      const store = await new FsStore({ root }).open()
+      const app = createGateway({ store, coalesce: false })
+      const c = makeChunk({ layers: 4, sectionBytes: 1024 * 1024 }) // 4 MiB: more than it reads ahead
+      const url = `/v1/ns/a/chunks/${c.key}`
+      expect((await app.request(url, putInit(c.bytes))).status).toBe(201)
+      expect(store.getHoldBytes(c.bytes.length)).toBe(2 * MIB)
+      expect(store.getHoldBytes(1000)).toBe(1000)
+      const g = await app.request(url)
+      expect(app.state.memory.held).toBe(2 * MIB)
+      await g.body!.cancel()
+      expect(app.state.memory.held).toBe(0)
+    } finally {
+      rmSync(root, { recursive: true, force: true })
+    }
   })
 
   it('a calibration streamed from the store is held to the same bound', async () => {

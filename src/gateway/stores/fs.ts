@@ -22,6 +22,9 @@ export interface FsStoreOptions {
 const SAFE_NAME = /^[A-Za-z0-9._-]+(\/[A-Za-z0-9._-]+)*$/
 const TMP_PREFIX = '.tmp-'
 
+/** The read stream's piece (and buffer) size: large reads, few syscalls. */
+const READ_PIECE_BYTES = 1 << 20
+
 export class FsStore implements ObjectStore {
   readonly kind = 'fs'
   readonly root: string
@@ -78,7 +81,7 @@ export class FsStore implements ObjectStore {
         fd: fh,
         start: r.offset,
         end: r.offset + r.length - 1,
-        highWaterMark: 1 << 20,
+        highWaterMark: READ_PIECE_BYTES,
         signal: opts.signal,
       })
       return {
@@ -92,6 +95,14 @@ export class FsStore implements ObjectStore {
       await fh.close().catch(() => {})
       throw e instanceof RangeNotSatisfiableError ? e : wrap(e, 'read')
     }
+  }
+
+  /**
+   * A GET body reads ahead of its reader: the read stream's buffer (READ_PIECE_BYTES) and the
+   * web stream's queue over it (as much again). Reserved in limits.maxHeldBytes while it is open.
+   */
+  getHoldBytes(length: number): number {
+    return Math.min(length, 2 * READ_PIECE_BYTES)
   }
 
   async head(name: string): Promise<{ size: number; etag?: string } | undefined> {
