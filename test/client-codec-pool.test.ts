@@ -6,6 +6,7 @@ import { afterAll, describe, expect, it } from 'vitest'
 import { CodecPool, CodecWorkerLostError } from '../src/client/codec-pool.ts'
 import { CodecStaging } from '../src/client/codec-staging.ts'
 import { decodeChunk, encodeChunk } from '../src/codec/node.ts'
+import { CorruptStreamError, provesCorrupt } from '../src/core/errors.ts'
 import { decodeHeader, verifyChunk } from '../src/core/format.ts'
 import { chunkBytes, layerSlabBytes, MODEL_PRESETS } from '../src/core/layout.ts'
 import { metaFor, syntheticKv, tensorOf } from './codec-fixtures.ts'
@@ -268,15 +269,54 @@ describe('CodecPool', () => {
     expect(pool.stagingBytes).toBe(before)
   })
 
-  it('a garbage section is a CodecError from the worker, and the pool keeps working', async () => {
+  it('a garbage section is a CorruptStreamError from the worker (a verdict on the bytes), and the pool keeps working', async () => {
     const pool = new CodecPool(1)
     pools.push(pool)
     const obj = await pool.encode('kvgate', tensor, meta)
     const h = decodeHeader(obj)
     const s = h.sections[1]!
     const bad = obj.slice(s.offset, s.offset + s.length).fill(0xff)
-    await expect(pool.decodeSection(h, 1, bad)).rejects.toMatchObject({ code: 'ERR_CODEC' })
+    const e = await pool.decodeSection(h, 1, bad).catch((x: unknown) => x)
+    expect(e).toBeInstanceOf(CorruptStreamError)
+    expect(provesCorrupt(e)).toBe(true)
+    // A section CRC mismatch found on the worker stays a FormatError.
+    const whole = obj.slice()
+    const at = h.sections[2]!.offset
+    whole[at] = whole[at]! ^ 1
+    const f = await pool
+      .decodeInto(whole, 'kvgate', new Uint8Array(tensor.byteLength))
+      .catch((x: unknown) => x)
+    expect(f).toMatchObject({ name: 'FormatError', code: 'ERR_FORMAT_CHECKSUM' })
     expect((await pool.encode('lossless', tensor, meta)).byteLength).toBeGreaterThan(0)
+  })
+})
+
+describe('CodecPool: a worker out of wasm memory', () => {
+  it('fails the decode with a CodecError that is no verdict on the bytes; the same object decodes once memory is back', async () => {
+    const { mkdtempSync, rmSync, writeFileSync } = await import('node:fs')
+    const dir = mkdtempSync('/tmp/kvgate-oom-')
+    const flag = `${dir}/oom`
+    process.env.KVGATE_TEST_OOM_FLAG = flag
+    const pool = new CodecPool(1, false, {
+      workerEntry: new URL('./support/oom-codec-worker.mjs', import.meta.url),
+    })
+    pool.warm()
+    delete process.env.KVGATE_TEST_OOM_FLAG
+    try {
+      const obj = await pool.encode('lossless', tensor, meta)
+      const out = new Uint8Array(tensor.byteLength)
+      writeFileSync(flag, '')
+      const e = await pool.decodeInto(obj, 'lossless', out).catch((x: unknown) => x)
+      expect(e).toMatchObject({ name: 'CodecError', code: 'ERR_CODEC' })
+      expect(provesCorrupt(e)).toBe(false)
+      expect(pool.counts.inlineJobs).toBe(0)
+      rmSync(flag)
+      await pool.decodeInto(obj, 'lossless', out)
+      expect(out).toEqual(tensor)
+    } finally {
+      await pool.close()
+      rmSync(dir, { recursive: true, force: true })
+    }
   })
 })
 

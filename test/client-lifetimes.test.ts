@@ -17,7 +17,7 @@ import { KVCache } from '../src/client/index.ts'
 import { StorageManager } from '../src/client/storage-manager.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
 import { RemoteTier } from '../src/client/tiers/remote.ts'
-import { StoreError } from '../src/core/errors.ts'
+import { CodecError, StoreError } from '../src/core/errors.ts'
 import { decodeHeader } from '../src/core/format.ts'
 import { type ChunkKey, chainKeys, fromHex, type KeyNamespace, namespaceId } from '../src/core/keys.ts'
 import { chunkBytes, MODEL_PRESETS, type ModelPreset } from '../src/core/layout.ts'
@@ -429,6 +429,12 @@ describe('L4 decodes that fail for a reason other than the bytes', () => {
       () => new CodecDispatchError('codec job could not be sent to a worker: DataCloneError (test)'),
       3,
     ],
+    // A wasm trap (what an allocation the instance cannot grow for does): nothing proven about the bytes.
+    [
+      'a wasm trap in the decode (out of memory)',
+      () => new CodecError('codec decode failed inside wasm: unreachable (test)'),
+      3,
+    ],
   ] as const
 
   /** A manager whose L4 holds 3 lossless chunks (chunk i filled with i + 1), with nothing local. */
@@ -574,6 +580,12 @@ describe('write-behind memory', () => {
       () => new CodecDispatchError('codec job could not be sent to a worker: DataCloneError (test)'),
       3,
     ],
+    // A wasm trap (what an allocation the instance cannot grow for does): nothing proven about the bytes.
+    [
+      'a wasm trap in the decode (out of memory)',
+      () => new CodecError('codec decode failed inside wasm: unreachable (test)'),
+      3,
+    ],
   ] as const)(
     '%s makes an L2 decode a miss; the file is kept, not counted corrupt',
     async (_, failure, errors) => {
@@ -604,6 +616,40 @@ describe('write-behind memory', () => {
       m.close()
     },
   )
+
+  it('a codec worker out of wasm memory under an L2 decode: a counted miss, the CRC-verified file kept', async () => {
+    const { mkdtempSync, rmSync, writeFileSync } = await import('node:fs')
+    const flagDir = mkdtempSync('/tmp/kvgate-oom-')
+    cleanup.push(async () => rmSync(flagDir, { recursive: true, force: true }))
+    const flag = `${flagDir}/oom`
+    // The worker copies the environment when it starts: the flag file switches its decodes to OOM.
+    process.env.KVGATE_TEST_OOM_FLAG = flag
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+    const codec = new CodecPool(1, false, {
+      workerEntry: new URL('./support/oom-codec-worker.mjs', import.meta.url),
+    })
+    codec.warm()
+    delete process.env.KVGATE_TEST_OOM_FLAG
+    cleanup.push(() => codec.close())
+    const { m, disk, few } = await onDiskOnly(memory, codec, 2)
+    writeFileSync(flag, '')
+    const run = await m.retrieve(few, () => {}, { tiers: ['disk', 'disk'] })
+    expect(run.served).toBe(0)
+    expect(codec.counts.workerJobs).toBeGreaterThanOrEqual(2) // decoded on the worker, not inline
+    expect(disk.counters.corrupt).toBe(0)
+    expect(disk.counters.errors).toBe(2)
+    expect(disk.stats().files).toBe(2)
+    expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+    // With memory again the same files serve exact bytes.
+    rmSync(flag)
+    const seen: number[] = []
+    const r2 = await m.retrieve(few, (i, t) => void seen.push(t.every((b) => b === i + 1) ? i : -1), {
+      tiers: ['disk', 'disk'],
+    })
+    expect(r2.served).toBe(2)
+    expect(seen.sort()).toEqual([0, 1])
+    m.close()
+  })
 
   it('a codec pool closed under an L2 decode (close() during a retrieve) keeps the L2 files', async () => {
     const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })

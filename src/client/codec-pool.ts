@@ -6,7 +6,13 @@ import { Worker } from 'node:worker_threads'
 import { buildCalibration, type Calibration } from '../codec/calibration.ts'
 import { MAX_WASM_SLAB_BYTES } from '../codec/wasm-instance.ts'
 import { crc32 } from '../core/checksum.ts'
-import { CodecError, FormatError, KvgateError } from '../core/errors.ts'
+import {
+  CodecError,
+  CorruptStreamError,
+  FormatError,
+  type FormatErrorCode,
+  KvgateError,
+} from '../core/errors.ts'
 import { type ChunkHeader, decodeHeader, verifyChunk } from '../core/format.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import { type CalibrationRef, decodeIntoWith, decodeSectionWith, encodeWith } from './calibrated-codec.ts'
@@ -294,7 +300,7 @@ export class CodecPool {
     // The worker starts its next job first: this thread's copy-out of the result
     // (from the other output buffer, see CodecStaging) overlaps it.
     this.#dispatch()
-    if ('error' in m) job.reject(new CodecError(m.error))
+    if ('error' in m) job.reject(workerError(m))
     else job.done(m.bytes)
     if (!slot.job) {
       slot.idleSince = performance.now()
@@ -686,6 +692,17 @@ export class CodecPool {
     await Promise.allSettled(this.#slots.map((s) => s.worker.terminate()))
     this.#slots.length = 0
   }
+}
+
+/**
+ * A worker's failed job as the error it was there: a verdict on the bytes (FormatError,
+ * CorruptStreamError) stays one; anything else (a wasm trap, out of memory) is a plain
+ * CodecError, which readers count as a failed read, never as corruption.
+ */
+function workerError(m: Extract<CodecReply, { error: string }>): CodecError | FormatError {
+  if (!m.corrupt) return new CodecError(m.error)
+  if (m.code?.startsWith('ERR_FORMAT_')) return new FormatError(m.code as FormatErrorCode, m.error)
+  return new CorruptStreamError(m.error)
 }
 
 /** A calibration as a worker message carries it (bytes, copied; small and rare). */
