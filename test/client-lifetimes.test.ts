@@ -17,7 +17,7 @@ import { KVCache } from '../src/client/index.ts'
 import { StorageManager } from '../src/client/storage-manager.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
 import { RemoteTier } from '../src/client/tiers/remote.ts'
-import { CodecError, StoreError } from '../src/core/errors.ts'
+import { CodecError, CorruptStreamError, StoreError } from '../src/core/errors.ts'
 import { decodeHeader } from '../src/core/format.ts'
 import { type ChunkKey, chainKeys, fromHex, type KeyNamespace, namespaceId } from '../src/core/keys.ts'
 import { chunkBytes, MODEL_PRESETS, type ModelPreset } from '../src/core/layout.ts'
@@ -648,6 +648,49 @@ describe('write-behind memory', () => {
     })
     expect(r2.served).toBe(2)
     expect(seen.sort()).toEqual([0, 1])
+    m.close()
+  })
+
+  it('a corrupt verdict reached after the file was rewritten under the key deletes only the file it read', async () => {
+    const { readFileSync } = await import('node:fs')
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+    const codec = new CodecPool(0)
+    const { m, disk, few } = await onDiskOnly(memory, codec, 1)
+    const hex = few[0]!.hex
+    const good = readFileSync(disk.pathOf(hex))
+    const decodeInto = codec.decodeInto.bind(codec)
+    // While the decode runs the file is evicted and written again (another store of the chunk):
+    // then the decode of what was read proves it bad.
+    codec.decodeInto = async () => {
+      await disk.delete(hex)
+      expect(await disk.put(hex, new Uint8Array(good))).toBe(true)
+      throw new CorruptStreamError('corrupt lossless section (test)')
+    }
+    const run = await m.retrieve(few, () => {}, { tiers: ['disk'] })
+    expect(run.served).toBe(0)
+    expect(disk.counters.corrupt).toBe(1)
+    expect(disk.has(hex)).toBe(true)
+    expect(await disk.fileBytes(hex)).toBe(good.byteLength)
+    codec.decodeInto = decodeInto
+    const seen: boolean[] = []
+    const r2 = await m.retrieve(few, (_, t) => void seen.push(t.every((b) => b === 1)), { tiers: ['disk'] })
+    expect(r2.served).toBe(1)
+    expect(seen).toEqual([true])
+    expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+    m.close()
+  })
+
+  it('a corrupt verdict on the file read deletes it', async () => {
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+    const codec = new CodecPool(0)
+    const { m, disk, few } = await onDiskOnly(memory, codec, 1)
+    codec.decodeInto = async () => {
+      throw new CorruptStreamError('corrupt lossless section (test)')
+    }
+    expect((await m.retrieve(few, () => {}, { tiers: ['disk'] })).served).toBe(0)
+    expect(disk.counters.corrupt).toBe(1)
+    expect(disk.has(few[0]!.hex)).toBe(false)
+    expect(await disk.fileBytes(few[0]!.hex)).toBeUndefined()
     m.close()
   })
 

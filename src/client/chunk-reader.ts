@@ -127,8 +127,9 @@ export class ChunkReader {
           disk.counters.errors++
           return undefined
         }
-        disk.counters.corrupt++
-        await disk.delete(k.hex)
+        // Only the file this read found (the decode awaited: it may have been evicted and
+        // written again under the key meanwhile, intact).
+        await disk.discardCorrupt(k.hex, object)
         return undefined
       }
     } finally {

@@ -276,6 +276,8 @@ export class DiskTier {
   /** Map order = recency (oldest first): re-inserted on every access. */
   readonly #index = new Map<string, FileEntry>()
   readonly #writing = new Map<string, Promise<boolean>>()
+  /** The index entry each object get() served was read from (see discardCorrupt). */
+  readonly #servedFrom = new WeakMap<Uint8Array, FileEntry>()
   #used = 0
   #discarded = 0
   #writeErrors = 0
@@ -535,6 +537,7 @@ export class DiskTier {
       this.counters.misses++
       return undefined
     }
+    this.#servedFrom.set(bytes, entry)
     this.counters.hits++
     this.counters.bytesRead += bytes.byteLength
     this.counters.readLatency.record(since(t0))
@@ -885,6 +888,18 @@ export class DiskTier {
   async delete(hex: string): Promise<void> {
     if (!this.#dropIndex(hex)) return
     await unlink(this.#pathOf(hex)).catch(() => {})
+  }
+
+  /**
+   * A caller found an object get() served to be corrupt (identity, a stream the codec refuses):
+   * counted, and its file deleted only while the key is still indexed as the entry it was read
+   * from. A verdict reached after an await applies to that file, not to one evicted and written
+   * under the key since (intact: deleting it would lose a good chunk).
+   */
+  async discardCorrupt(hex: string, object: Uint8Array): Promise<void> {
+    this.counters.corrupt++
+    const entry = this.#servedFrom.get(object)
+    if (entry) await this.#deleteEntry(hex, entry)
   }
 
   /**
