@@ -320,6 +320,49 @@ describe('CodecPool: a worker out of wasm memory', () => {
   })
 })
 
+describe('CodecPool: objects no reader would take are never returned', () => {
+  // Random bytes: a lossless plane that does not compress is stored as is (plus its flag), so
+  // the lossless object is a little larger than the raw one, as a chunk near 512 MiB can be.
+  const noise = Uint8Array.from(
+    { length: tensor.byteLength },
+    (_, i) => (Math.imul(i + 7, 2654435761) >>> 13) & 255,
+  )
+  const rawBytes = encodeChunk(noise, meta, { mode: 'raw' }).byteLength
+
+  it.each([
+    ['on a worker', 1],
+    ['inline', 0],
+  ] as const)(
+    '%s: a coded object over the limit is replaced by the raw one, which decodes exactly',
+    async (_, workers) => {
+      const pool = new CodecPool(workers, false, { maxObjectBytes: rawBytes })
+      pools.push(pool)
+      expect(encodeChunk(noise, meta, { mode: 'lossless' }).byteLength).toBeGreaterThan(rawBytes)
+      const obj = await pool.encode('lossless', noise, meta)
+      expect(obj.byteLength).toBeLessThanOrEqual(rawBytes)
+      expect(decodeHeader(obj).codec).toBe('raw')
+      expect(decodeChunk(obj)).toEqual(noise)
+      expect(pool.counts).toMatchObject({ rawFallbacks: 1, oversizedRefused: 0 })
+      // Under the limit the codec asked for is kept.
+      expect(decodeHeader(await pool.encode('lossless', tensor, meta)).codec).toBe('lossless')
+      expect(pool.counts.rawFallbacks).toBe(1)
+    },
+  )
+
+  it('an object over the limit even raw is refused (ERR_FORMAT_TOO_LARGE), counted', async () => {
+    const pool = new CodecPool(0, false, { maxObjectBytes: rawBytes - 1 })
+    pools.push(pool)
+    for (const codec of ['lossless', 'raw'] as const)
+      await expect(pool.encode(codec, noise, meta)).rejects.toMatchObject({ code: 'ERR_FORMAT_TOO_LARGE' })
+    expect(pool.counts).toMatchObject({ rawFallbacks: 0, oversizedRefused: 2 })
+  })
+
+  it('refuses a limit that is not a positive integer', () => {
+    for (const maxObjectBytes of [0, -1, 1.5, Number.NaN])
+      expect(() => new CodecPool(0, false, { maxObjectBytes })).toThrow(TypeError)
+  })
+})
+
 describe('CodecStaging', () => {
   it('consecutive outputs never share memory (one is copied out while the worker fills the next), and buffers are reused', () => {
     const st = new CodecStaging()

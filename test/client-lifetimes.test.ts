@@ -18,7 +18,7 @@ import { StorageManager } from '../src/client/storage-manager.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
 import { RemoteTier } from '../src/client/tiers/remote.ts'
 import { CodecError, CorruptStreamError, StoreError } from '../src/core/errors.ts'
-import { decodeHeader } from '../src/core/format.ts'
+import { decodeHeader, FORMAT_VERSION, headerBytesFor } from '../src/core/format.ts'
 import { type ChunkKey, chainKeys, fromHex, type KeyNamespace, namespaceId } from '../src/core/keys.ts'
 import { chunkBytes, MODEL_PRESETS, type ModelPreset } from '../src/core/layout.ts'
 import { createGateway, MemoryStore } from '../src/gateway/index.ts'
@@ -691,6 +691,42 @@ describe('write-behind memory', () => {
     expect(disk.counters.corrupt).toBe(1)
     expect(disk.has(few[0]!.hex)).toBe(false)
     expect(await disk.fileBytes(few[0]!.hex)).toBeUndefined()
+    m.close()
+  })
+
+  it('an L2 chunk whose lossless object would be over what readers take is stored raw, and served exact', async () => {
+    const { readFileSync } = await import('node:fs')
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+    /** Chunk i's KV: random bytes, which do not compress (the lossless object is a little over raw). */
+    const noise = (i: number, dst: Uint8Array) => {
+      for (let j = 0; j < dst.length; j++) dst[j] = (Math.imul(j + 31 * i + 7, 2654435761) >>> 13) & 255
+    }
+    // The raw object's size stands for the readers' 512 MiB limit.
+    const rawBytes = headerBytesFor(big.layers, FORMAT_VERSION) + bigCB
+    const codec = new CodecPool(0, false, { maxObjectBytes: rawBytes })
+    const { m, disk, keys } = await writeBehindSetup(memory, codec, 64 * bigCB, 'lossless')
+    const few = keys.slice(0, 2)
+    await m.store(few, noise)
+    await m.flush()
+    expect(codec.counts.rawFallbacks).toBe(2)
+    for (const k of few) {
+      const file = readFileSync(disk.pathOf(k.hex))
+      expect(decodeHeader(file).codec).toBe('raw')
+      expect(file.byteLength).toBeLessThanOrEqual(rawBytes)
+    }
+    memory.clear()
+    const seen: number[] = []
+    const want = new Uint8Array(bigCB)
+    const run = await m.retrieve(
+      few,
+      (i, t) => {
+        noise(i, want)
+        seen.push(Buffer.from(t).equals(want) ? i : -1)
+      },
+      { tiers: ['disk', 'disk'] },
+    )
+    expect(run.served).toBe(2)
+    expect(seen.sort()).toEqual([0, 1])
     m.close()
   })
 

@@ -13,7 +13,7 @@ import {
   type FormatErrorCode,
   KvgateError,
 } from '../core/errors.ts'
-import { type ChunkHeader, decodeHeader, verifyChunk } from '../core/format.ts'
+import { type ChunkHeader, DEFAULT_MAX_CHUNK_BYTES, decodeHeader, verifyChunk } from '../core/format.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import { type CalibrationRef, decodeIntoWith, decodeSectionWith, encodeWith } from './calibrated-codec.ts'
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
@@ -114,6 +114,15 @@ export interface CodecPoolOptions {
    * started in ≤ 3 s with this project's tsx loader on a 2-core machine at load 8. @default 30000
    */
   workerStartTimeoutMs?: number
+  /**
+   * The largest chunk object an encode may return: what every reader takes (the decoder's and
+   * the gateway's default limit). A coded object over it (a lossless chunk near the limit:
+   * incompressible planes are stored as is, plus a flag byte each) is replaced by the raw
+   * object, which KVCache.open checked fits; one that does not fit either is refused
+   * (ERR_FORMAT_TOO_LARGE). Both counted (counts.rawFallbacks, counts.oversizedRefused).
+   * @default 512 MiB (DEFAULT_MAX_CHUNK_BYTES)
+   */
+  maxObjectBytes?: number
 }
 
 /** Distributive Omit, so each request variant keeps its own fields. */
@@ -175,6 +184,10 @@ export class CodecPool {
     jobsTimedOut: 0,
     /** Jobs whose message could not be built or posted (CodecDispatchError). */
     jobsUnsent: 0,
+    /** Encodes whose coded object was over maxObjectBytes: the raw object was returned instead. */
+    rawFallbacks: 0,
+    /** Encodes refused: over maxObjectBytes even raw (nothing a reader would take to store). */
+    oversizedRefused: 0,
   }
 
   readonly #size: number
@@ -183,6 +196,7 @@ export class CodecPool {
   readonly #stagingIdleMs: number
   readonly #jobTimeout: { floorMs: number; msPerMiB: number }
   readonly #startTimeoutMs: number
+  readonly #maxObjectBytes: number
   #releaseTimer: ReturnType<typeof setTimeout> | undefined
   #started = false
   /** Split large verifications across two threads (see verify()). */
@@ -205,6 +219,9 @@ export class CodecPool {
     this.#stagingIdleMs = opts.stagingIdleMs ?? 10_000
     this.#jobTimeout = { ...DEFAULT_JOB_TIMEOUT, ...opts.jobTimeout }
     this.#startTimeoutMs = opts.workerStartTimeoutMs ?? 30_000
+    this.#maxObjectBytes = opts.maxObjectBytes ?? DEFAULT_MAX_CHUNK_BYTES
+    if (!Number.isSafeInteger(this.#maxObjectBytes) || this.#maxObjectBytes < 1)
+      throw new TypeError(`maxObjectBytes must be a positive integer, got ${String(opts.maxObjectBytes)}`)
     const durations: [string, unknown][] = [
       ...Object.entries(this.#jobTimeout).map(([k, v]): [string, unknown] => [`jobTimeout.${k}`, v]),
       ['workerStartTimeoutMs', this.#startTimeoutMs],
@@ -490,13 +507,39 @@ export class CodecPool {
     })
   }
 
-  /** Encodes one chunk tensor (copied into the worker's staging when it takes the job: L1 slots are not transferable). */
+  /**
+   * Encodes one chunk tensor (copied into the worker's staging when it takes the job: L1 slots
+   * are not transferable) into an object no larger than maxObjectBytes: a coded object over it
+   * is replaced by the raw one, and one over it even raw is refused (FormatError
+   * ERR_FORMAT_TOO_LARGE). Never an object a reader would refuse, then delete as corrupt.
+   */
   async encode(
     codec: ChunkCodecName,
     tensor: Uint8Array,
     meta: ChunkIdentity,
     quality?: number,
     calibration?: Calibration,
+  ): Promise<Uint8Array> {
+    const coded = await this.#encodeAs(codec, tensor, meta, quality, calibration)
+    if (coded.byteLength <= this.#maxObjectBytes) return coded
+    const raw = codec === 'raw' ? coded : encodeWith(tensor, meta, 'raw', undefined, undefined)
+    if (raw.byteLength <= this.#maxObjectBytes) {
+      this.counts.rawFallbacks++
+      return raw
+    }
+    this.counts.oversizedRefused++
+    throw new FormatError(
+      'ERR_FORMAT_TOO_LARGE',
+      `chunk object of ${raw.byteLength} bytes (${codec}: ${coded.byteLength}) is over the ${this.#maxObjectBytes} bytes readers take`,
+    )
+  }
+
+  async #encodeAs(
+    codec: ChunkCodecName,
+    tensor: Uint8Array,
+    meta: ChunkIdentity,
+    quality: number | undefined,
+    calibration: Calibration | undefined,
   ): Promise<Uint8Array> {
     if (codec !== 'raw') {
       const p = this.#post(
