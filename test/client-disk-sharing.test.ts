@@ -177,7 +177,7 @@ describe('DiskTier in a shared directory', () => {
     }
   })
 
-  it('temp files of this process: an earlier process with this pid left them (deleted); another thread of this one is judged by age', async () => {
+  it("temp files named with this pid: an earlier process's here are deleted; another thread's of this one, or another host's, are judged by age", async () => {
     const dir = tempDir()
     mkdirSync(join(dir, '00'))
     const a = await DiskTier.open({ dir, bytes: 1 << 20 })
@@ -190,16 +190,24 @@ describe('DiskTier in a shared directory', () => {
     while (!release) await new Promise((r) => setTimeout(r, 1))
     io.beforeDatasync = undefined
     const [own] = readdirSync(join(dir, '00')).filter((n) => n.startsWith('.tmp-'))
-    // .tmp-<hex>-<pid>-<start>-t<thread>-<random>, as this thread names its writes.
-    const [, pid, start, thread] = /-(\d+)-(\d+)-t(\d+)-[0-9a-f]+$/.exec(own!)!
+    // .tmp-<hex>-<pid>-<start>-t<thread>-h<host>-<random>, as this thread names its writes.
+    const [, pid, start, thread, host] = /-(\d+)-(\d+)-t(\d+)-h([0-9a-f]{8})-[0-9a-f]+$/.exec(own!)!
     expect([Number(pid), Number(thread)]).toEqual([process.pid, threadId])
-    const path = (hex: string, s: string, t: string | number) =>
-      join(dir, '00', `.tmp-${hex}-${pid}-${s}-t${t}-abcd`)
+    const path = (hex: string, s: string, t: string | number, h = host!) =>
+      join(dir, '00', `.tmp-${hex}-${pid}-${s}-t${t}-h${h}-abcd`)
     const earlier = path(hexOf(8), `${Number(start) + 1}`, thread!)
     const thisThreadDone = path(hexOf(9), start!, thread!)
     const otherThread = path(hexOf(10), start!, threadId + 1000)
     const otherThreadOld = path(hexOf(11), start!, threadId + 1001)
-    for (const p of [earlier, thisThreadDone, otherThread, otherThreadOld]) writeFileSync(p, 'partial')
+    // Another host's (or container's) writer with this pid: nothing here says whether it lives.
+    const otherHost = path(
+      hexOf(12),
+      `${Number(start) + 1}`,
+      thread!,
+      host === '00000000' ? '00000001' : '00000000',
+    )
+    for (const p of [earlier, thisThreadDone, otherThread, otherThreadOld, otherHost])
+      writeFileSync(p, 'partial')
     const twoHoursAgo = (Date.now() - 2 * 3600_000) / 1000
     utimesSync(otherThreadOld, twoHoursAgo, twoHoursAgo)
     const b = await DiskTier.open({ dir, bytes: 1 << 20 })
@@ -208,6 +216,7 @@ describe('DiskTier in a shared directory', () => {
     expect(existsSync(thisThreadDone)).toBe(false)
     expect(existsSync(otherThread)).toBe(true)
     expect(existsSync(otherThreadOld)).toBe(false)
+    expect(existsSync(otherHost)).toBe(true)
     expect(b.stats().recoveredDiscarded).toBe(3)
     release()
     expect(await writing).toBe(true)

@@ -4,7 +4,9 @@
 import { randomBytes } from 'node:crypto'
 import { readFileSync } from 'node:fs'
 import { readFile } from 'node:fs/promises'
+import { hostname } from 'node:os'
 import { threadId } from 'node:worker_threads'
+import { crc32 } from '../../core/checksum.ts'
 
 export const TMP_PREFIX = '.tmp-'
 
@@ -36,19 +38,30 @@ async function startOfPid(pid: number): Promise<string | undefined> {
 const START = ownStart()
 
 /**
- * Temp files this thread is writing (every tier of it). Another thread of this process keeps
- * its own set, invisible here: its names carry its thread id, so they are never judged by this one.
+ * This host (a container has its own hostname): pids, start times and /proc are this host's
+ * only, so another host's names (a directory shared across containers or machines) are judged
+ * by age alone, even one whose pid is this process's (every container's entrypoint is pid 1).
  */
-const writing = new Set<string>()
+const HOST = crc32(new TextEncoder().encode(hostname())).toString(16).padStart(8, '0')
 
-/** `.tmp-<hex>-<pid>-<start>-t<thread>-<random>` */
-const NAME_RE = /-(\d+)-(\d+)-t(\d+)-[0-9a-f]+$/
+const WRITING = Symbol.for('kvgate.l2.writingTemps')
+/**
+ * Temp files this thread is writing (every tier of it, whichever copy of this module made
+ * it: the set lives on the thread's global). Another thread of this process keeps its own,
+ * invisible here: its names carry its thread id, so they are never judged by this one.
+ */
+const writing: Set<string> =
+  ((globalThis as Record<symbol, unknown>)[WRITING] as Set<string> | undefined) ??
+  ((globalThis as Record<symbol, unknown>)[WRITING] = new Set<string>())
+
+/** `.tmp-<hex>-<pid>-<start>-t<thread>-h<host>-<random>` */
+const NAME_RE = /-(\d+)-(\d+)-t(\d+)-h([0-9a-f]{8})-[0-9a-f]+$/
 /** Names before the start and thread were in them: `.tmp-<hex>-<pid>-<random>`. */
 const OLD_NAME_RE = /-(\d+)-[0-9a-f]+$/
 
 /** Names a temp file for a write of chunk `hex` by this thread and marks it live until endTemp(). */
 export function beginTemp(hex: string): string {
-  const name = `${TMP_PREFIX}${hex}-${process.pid}-${START}-t${threadId}-${randomBytes(4).toString('hex')}`
+  const name = `${TMP_PREFIX}${hex}-${process.pid}-${START}-t${threadId}-h${HOST}-${randomBytes(4).toString('hex')}`
   writing.add(name)
   return name
 }
@@ -61,12 +74,13 @@ export function endTemp(name: string): void {
  * Who wrote a temp file found in the directory: 'gone' when its writer cannot be running (its
  * process is dead or was an earlier one with the pid, or it is this thread's and this thread
  * is not writing it), 'live' when this thread is writing it, undefined when that cannot be
- * told from here (another thread of this process, a live process, another host): the caller
+ * told from here (another thread of this process, a live process, another host or container): the caller
  * judges it by its age.
  */
 export async function tempWriter(name: string): Promise<'gone' | 'live' | undefined> {
   const m = NAME_RE.exec(name)
   if (m) {
+    if (m[4] !== HOST) return undefined
     const pid = Number(m[1])
     if (pid === process.pid) {
       // Another start: a process that had this pid before (a container's entrypoint is pid 1 at every restart).
