@@ -791,6 +791,48 @@ describe('gc on a memory store', () => {
     expect(later.namespaces[0]).toMatchObject({ condemned: { objects: 11 } })
   })
 
+  it('uses and links of chunks not in the listing (deleted since) are not held: memory stays with the namespace', async () => {
+    setFlagsFromString('--expose-gc')
+    const collect = runInNewContext('gc') as () => void
+    let t = Date.now()
+    const { store } = await fleet(() => t)
+    t += DAY
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    /** Heap in use once the records are folded (the maps full, the decoded records garbage). */
+    const heapAfterFold = async () => {
+      let heap = 0
+      await runGc({
+        store,
+        prefix: 'kv',
+        config,
+        now: t,
+        dryRun: true,
+        onProgress: (p) => {
+          if (p.phase === 'records' && p.done === p.total) {
+            collect()
+            heap = process.memoryUsage().heapUsed
+          }
+        },
+      })
+      return heap
+    }
+    const base = await heapAfterFold()
+    // A use record naming 50,000 chunks that are not listed (gone since), each with a link.
+    const n = 50_000
+    const gone = Array.from({ length: n }, (_, i) => ({ key: key(1_000_000 + i), at: t }))
+    const bytes = encodeBatch({
+      kind: 'usage',
+      at: t,
+      uses: gone,
+      links: gone.map((u, i) => ({ key: u.key, parent: key(2_000_000 + i), size: 1, at: t })),
+    })
+    await store.putIfAbsent(`${usagePrefix('kv', 'prod')}2026010100/feedface-5`, bytes, bytes.length)
+    // Less the record the memory store holds: held, the uses and links were ~19 MB more (a map
+    // entry and a 64-character key each, twice); not held, ~3 MB of garbage is left at most.
+    const grown = (await heapAfterFold()) - base - bytes.byteLength
+    expect(grown).toBeLessThan(8 * 2 ** 20)
+  })
+
   it('usesUpTo: an index is bounded by its run time, a use record by the end of its hour, an unknown name by now', () => {
     const now = Date.UTC(2026, 5, 1)
     expect(
