@@ -87,6 +87,8 @@ export class CodecBusyError extends CodecError {
   }
 }
 
+const CODEC_CODES = ['ERR_CODEC_MISMATCH', 'ERR_CALIBRATION_MISSING', 'ERR_CODEC_DTYPE'] as const
+
 /** No worker can take jobs (all failed to start or kept dying): the job runs on the calling thread. */
 class NoWorkers extends Error {}
 
@@ -743,7 +745,11 @@ export class CodecPool {
  * CodecError, which readers count as a failed read, never as corruption.
  */
 function workerError(m: Extract<CodecReply, { error: string }>): CodecError | FormatError {
-  if (!m.corrupt) return new CodecError(m.error)
+  if (!m.corrupt) {
+    // Its code kept where it is a codec's (ERR_CALIBRATION_MISSING, ERR_CODEC_MISMATCH, …).
+    const code = CODEC_CODES.find((c) => c === m.code)
+    return new CodecError(m.error, code ? { code } : {})
+  }
   if (m.code?.startsWith('ERR_FORMAT_')) return new FormatError(m.code as FormatErrorCode, m.error)
   return new CorruptStreamError(m.error)
 }
