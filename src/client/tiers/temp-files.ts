@@ -50,9 +50,16 @@ const WRITING = Symbol.for('kvgate.l2.writingTemps')
  * it: the set lives on the thread's global). Another thread of this process keeps its own,
  * invisible here: its names carry its thread id, so they are never judged by this one.
  */
-const writing: Set<string> =
-  ((globalThis as Record<symbol, unknown>)[WRITING] as Set<string> | undefined) ??
-  ((globalThis as Record<symbol, unknown>)[WRITING] = new Set<string>())
+const writing: Set<string> = threadWrites()
+
+function threadWrites(): Set<string> {
+  const g = globalThis as Record<symbol, unknown>
+  const had = g[WRITING]
+  if (had instanceof Set) return had as Set<string>
+  const set = new Set<string>()
+  g[WRITING] = set
+  return set
+}
 
 /** `.tmp-<hex>-<pid>-<start>-t<thread>-h<host>-<random>` */
 const NAME_RE = /-(\d+)-(\d+)-t(\d+)-h([0-9a-f]{8})-[0-9a-f]+$/
