@@ -6,6 +6,7 @@ import { afterAll, describe, expect, it } from 'vitest'
 import { CodecPool, CodecWorkerLostError } from '../src/client/codec-pool.ts'
 import { CodecStaging } from '../src/client/codec-staging.ts'
 import { decodeChunk, encodeChunk } from '../src/codec/node.ts'
+import { CorruptStreamError, provesCorrupt } from '../src/core/errors.ts'
 import { decodeHeader, verifyChunk } from '../src/core/format.ts'
 import { chunkBytes, layerSlabBytes, MODEL_PRESETS } from '../src/core/layout.ts'
 import { metaFor, syntheticKv, tensorOf } from './codec-fixtures.ts'
@@ -268,15 +269,102 @@ describe('CodecPool', () => {
     expect(pool.stagingBytes).toBe(before)
   })
 
-  it('a garbage section is a CodecError from the worker, and the pool keeps working', async () => {
+  it('a garbage section is a CorruptStreamError from the worker (a verdict on the bytes), and the pool keeps working', async () => {
     const pool = new CodecPool(1)
     pools.push(pool)
     const obj = await pool.encode('kvgate', tensor, meta)
     const h = decodeHeader(obj)
     const s = h.sections[1]!
     const bad = obj.slice(s.offset, s.offset + s.length).fill(0xff)
-    await expect(pool.decodeSection(h, 1, bad)).rejects.toMatchObject({ code: 'ERR_CODEC' })
+    const e = await pool.decodeSection(h, 1, bad).catch((x: unknown) => x)
+    expect(e).toBeInstanceOf(CorruptStreamError)
+    expect(provesCorrupt(e)).toBe(true)
+    // A section CRC mismatch found on the worker stays a FormatError.
+    const whole = obj.slice()
+    const at = h.sections[2]!.offset
+    whole[at] = whole[at]! ^ 1
+    const f = await pool
+      .decodeInto(whole, 'kvgate', new Uint8Array(tensor.byteLength))
+      .catch((x: unknown) => x)
+    expect(f).toMatchObject({ name: 'FormatError', code: 'ERR_FORMAT_CHECKSUM' })
+    // A header of a codec version this build does not read (a newer writer's?): no verdict, its code kept.
+    const good = obj.slice(s.offset, s.offset + s.length)
+    const v = await pool.decodeSection({ ...h, codecVersion: 99 }, 1, good).catch((x: unknown) => x)
+    expect(v).toMatchObject({ name: 'CodecError', code: 'ERR_CODEC_MISMATCH' })
+    expect(provesCorrupt(v)).toBe(false)
     expect((await pool.encode('lossless', tensor, meta)).byteLength).toBeGreaterThan(0)
+  })
+})
+
+describe('CodecPool: a worker out of wasm memory', () => {
+  it('fails the decode with a CodecError that is no verdict on the bytes; the same object decodes once memory is back', async () => {
+    const { mkdtempSync, rmSync, writeFileSync } = await import('node:fs')
+    const dir = mkdtempSync('/tmp/kvgate-oom-')
+    const flag = `${dir}/oom`
+    process.env.KVGATE_TEST_OOM_FLAG = flag
+    const pool = new CodecPool(1, false, {
+      workerEntry: new URL('./support/oom-codec-worker.mjs', import.meta.url),
+    })
+    pool.warm()
+    delete process.env.KVGATE_TEST_OOM_FLAG
+    try {
+      const obj = await pool.encode('lossless', tensor, meta)
+      const out = new Uint8Array(tensor.byteLength)
+      writeFileSync(flag, '')
+      const e = await pool.decodeInto(obj, 'lossless', out).catch((x: unknown) => x)
+      expect(e).toMatchObject({ name: 'CodecError', code: 'ERR_CODEC' })
+      expect(provesCorrupt(e)).toBe(false)
+      expect(pool.counts.inlineJobs).toBe(0)
+      rmSync(flag)
+      await pool.decodeInto(obj, 'lossless', out)
+      expect(out).toEqual(tensor)
+    } finally {
+      await pool.close()
+      rmSync(dir, { recursive: true, force: true })
+    }
+  })
+})
+
+describe('CodecPool: objects no reader would take are never returned', () => {
+  // Random bytes: a lossless plane that does not compress is stored as is (plus its flag), so
+  // the lossless object is a little larger than the raw one, as a chunk near 512 MiB can be.
+  const noise = Uint8Array.from(
+    { length: tensor.byteLength },
+    (_, i) => (Math.imul(i + 7, 2654435761) >>> 13) & 255,
+  )
+  const rawBytes = encodeChunk(noise, meta, { mode: 'raw' }).byteLength
+
+  it.each([
+    ['on a worker', 1],
+    ['inline', 0],
+  ] as const)(
+    '%s: a coded object over the limit is replaced by the raw one, which decodes exactly',
+    async (_, workers) => {
+      const pool = new CodecPool(workers, false, { maxObjectBytes: rawBytes })
+      pools.push(pool)
+      expect(encodeChunk(noise, meta, { mode: 'lossless' }).byteLength).toBeGreaterThan(rawBytes)
+      const obj = await pool.encode('lossless', noise, meta)
+      expect(obj.byteLength).toBeLessThanOrEqual(rawBytes)
+      expect(decodeHeader(obj).codec).toBe('raw')
+      expect(decodeChunk(obj)).toEqual(noise)
+      expect(pool.counts).toMatchObject({ rawFallbacks: 1, oversizedRefused: 0 })
+      // Under the limit the codec asked for is kept.
+      expect(decodeHeader(await pool.encode('lossless', tensor, meta)).codec).toBe('lossless')
+      expect(pool.counts.rawFallbacks).toBe(1)
+    },
+  )
+
+  it('an object over the limit even raw is refused (ERR_FORMAT_TOO_LARGE), counted', async () => {
+    const pool = new CodecPool(0, false, { maxObjectBytes: rawBytes - 1 })
+    pools.push(pool)
+    for (const codec of ['lossless', 'raw'] as const)
+      await expect(pool.encode(codec, noise, meta)).rejects.toMatchObject({ code: 'ERR_FORMAT_TOO_LARGE' })
+    expect(pool.counts).toMatchObject({ rawFallbacks: 0, oversizedRefused: 2 })
+  })
+
+  it('refuses a limit that is not a positive integer', () => {
+    for (const maxObjectBytes of [0, -1, 1.5, Number.NaN])
+      expect(() => new CodecPool(0, false, { maxObjectBytes })).toThrow(TypeError)
   })
 })
 

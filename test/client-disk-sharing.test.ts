@@ -2,9 +2,19 @@
 // models' chunk files, I/O errors that are not corruption, and durable renames
 // (the directory fsync). node:fs/promises is wrapped to inject errors and observe fsyncs.
 
-import { existsSync, mkdirSync, mkdtempSync, renameSync, rmSync, utimesSync, writeFileSync } from 'node:fs'
+import {
+  existsSync,
+  mkdirSync,
+  mkdtempSync,
+  readdirSync,
+  renameSync,
+  rmSync,
+  utimesSync,
+  writeFileSync,
+} from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
+import { threadId, Worker } from 'node:worker_threads'
 import { afterEach, describe, expect, it, vi } from 'vitest'
 import { loadNative } from '../src/client/native-api.ts'
 import { DiskTier } from '../src/client/tiers/disk.ts'
@@ -134,6 +144,82 @@ describe('DiskTier in a shared directory', () => {
     release()
     expect(await writing).toBe(true)
     expect(existsSync(a.pathOf(hexOf(5)))).toBe(true)
+  })
+
+  it('a tier opened in one thread leaves alone the temp file another thread of this process is writing', async () => {
+    const dir = tempDir()
+    const hex = hexOf(6)
+    const writer = new Worker(new URL('./support/l2-writer-thread.mjs', import.meta.url), {
+      workerData: { dir, hex, object: object(hex) },
+    })
+    const answers: unknown[] = []
+    const answered = new Promise<void>((resolve, reject) => {
+      writer.on('message', (m) => {
+        answers.push(m)
+        if (typeof m === 'object') resolve()
+      })
+      writer.on('error', reject)
+    })
+    try {
+      while (!answers.includes('holding')) await new Promise((r) => setTimeout(r, 5))
+      const temps = readdirSync(join(dir, '00')).filter((n) => n.startsWith('.tmp-'))
+      expect(temps).toHaveLength(1)
+      // Opening here (the same pid, another thread's set of live writes) must not take it for a leftover.
+      const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+      expect(existsSync(join(dir, '00', temps[0]!))).toBe(true)
+      expect(d.stats().recoveredDiscarded).toBe(0)
+      writer.postMessage('release')
+      await answered
+      expect(answers.at(-1)).toEqual({ ok: true })
+      expect(existsSync(d.pathOf(hex))).toBe(true)
+    } finally {
+      await writer.terminate()
+    }
+  })
+
+  it("temp files named with this pid: an earlier process's here are deleted; another thread's of this one, or another host's, are judged by age", async () => {
+    const dir = tempDir()
+    mkdirSync(join(dir, '00'))
+    const a = await DiskTier.open({ dir, bytes: 1 << 20 })
+    let release: (() => void) | undefined
+    io.beforeDatasync = () =>
+      new Promise<void>((r) => {
+        release = r
+      })
+    const writing = a.put(hexOf(7), object(hexOf(7)))
+    while (!release) await new Promise((r) => setTimeout(r, 1))
+    io.beforeDatasync = undefined
+    const [own] = readdirSync(join(dir, '00')).filter((n) => n.startsWith('.tmp-'))
+    // .tmp-<hex>-<pid>-<start>-t<thread>-h<host>-<random>, as this thread names its writes.
+    const [, pid, start, thread, host] = /-(\d+)-(\d+)-t(\d+)-h([0-9a-f]{8})-[0-9a-f]+$/.exec(own!)!
+    expect([Number(pid), Number(thread)]).toEqual([process.pid, threadId])
+    const path = (hex: string, s: string, t: string | number, h = host!) =>
+      join(dir, '00', `.tmp-${hex}-${pid}-${s}-t${t}-h${h}-abcd`)
+    const earlier = path(hexOf(8), `${Number(start) + 1}`, thread!)
+    const thisThreadDone = path(hexOf(9), start!, thread!)
+    const otherThread = path(hexOf(10), start!, threadId + 1000)
+    const otherThreadOld = path(hexOf(11), start!, threadId + 1001)
+    // Another host's (or container's) writer with this pid: nothing here says whether it lives.
+    const otherHost = path(
+      hexOf(12),
+      `${Number(start) + 1}`,
+      thread!,
+      host === '00000000' ? '00000001' : '00000000',
+    )
+    for (const p of [earlier, thisThreadDone, otherThread, otherThreadOld, otherHost])
+      writeFileSync(p, 'partial')
+    const twoHoursAgo = (Date.now() - 2 * 3600_000) / 1000
+    utimesSync(otherThreadOld, twoHoursAgo, twoHoursAgo)
+    const b = await DiskTier.open({ dir, bytes: 1 << 20 })
+    expect(existsSync(join(dir, '00', own!))).toBe(true)
+    expect(existsSync(earlier)).toBe(false)
+    expect(existsSync(thisThreadDone)).toBe(false)
+    expect(existsSync(otherThread)).toBe(true)
+    expect(existsSync(otherThreadOld)).toBe(false)
+    expect(existsSync(otherHost)).toBe(true)
+    expect(b.stats().recoveredDiscarded).toBe(3)
+    release()
+    expect(await writing).toBe(true)
   })
 
   it("another namespace's files are not indexed, counted against the budget, evicted or deleted", async () => {

@@ -17,8 +17,8 @@ import { KVCache } from '../src/client/index.ts'
 import { StorageManager } from '../src/client/storage-manager.ts'
 import { MemoryTier } from '../src/client/tiers/memory.ts'
 import { RemoteTier } from '../src/client/tiers/remote.ts'
-import { StoreError } from '../src/core/errors.ts'
-import { decodeHeader } from '../src/core/format.ts'
+import { CodecError, CorruptStreamError, StoreError } from '../src/core/errors.ts'
+import { decodeHeader, FORMAT_VERSION, headerBytesFor } from '../src/core/format.ts'
 import { type ChunkKey, chainKeys, fromHex, type KeyNamespace, namespaceId } from '../src/core/keys.ts'
 import { chunkBytes, MODEL_PRESETS, type ModelPreset } from '../src/core/layout.ts'
 import { createGateway, MemoryStore } from '../src/gateway/index.ts'
@@ -429,6 +429,12 @@ describe('L4 decodes that fail for a reason other than the bytes', () => {
       () => new CodecDispatchError('codec job could not be sent to a worker: DataCloneError (test)'),
       3,
     ],
+    // A wasm trap (what an allocation the instance cannot grow for does): nothing proven about the bytes.
+    [
+      'a wasm trap in the decode (out of memory)',
+      () => new CodecError('codec decode failed inside wasm: unreachable (test)'),
+      3,
+    ],
   ] as const
 
   /** A manager whose L4 holds 3 lossless chunks (chunk i filled with i + 1), with nothing local. */
@@ -574,6 +580,12 @@ describe('write-behind memory', () => {
       () => new CodecDispatchError('codec job could not be sent to a worker: DataCloneError (test)'),
       3,
     ],
+    // A wasm trap (what an allocation the instance cannot grow for does): nothing proven about the bytes.
+    [
+      'a wasm trap in the decode (out of memory)',
+      () => new CodecError('codec decode failed inside wasm: unreachable (test)'),
+      3,
+    ],
   ] as const)(
     '%s makes an L2 decode a miss; the file is kept, not counted corrupt',
     async (_, failure, errors) => {
@@ -604,6 +616,119 @@ describe('write-behind memory', () => {
       m.close()
     },
   )
+
+  it('a codec worker out of wasm memory under an L2 decode: a counted miss, the CRC-verified file kept', async () => {
+    const { mkdtempSync, rmSync, writeFileSync } = await import('node:fs')
+    const flagDir = mkdtempSync('/tmp/kvgate-oom-')
+    cleanup.push(async () => rmSync(flagDir, { recursive: true, force: true }))
+    const flag = `${flagDir}/oom`
+    // The worker copies the environment when it starts: the flag file switches its decodes to OOM.
+    process.env.KVGATE_TEST_OOM_FLAG = flag
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+    const codec = new CodecPool(1, false, {
+      workerEntry: new URL('./support/oom-codec-worker.mjs', import.meta.url),
+    })
+    codec.warm()
+    delete process.env.KVGATE_TEST_OOM_FLAG
+    cleanup.push(() => codec.close())
+    const { m, disk, few } = await onDiskOnly(memory, codec, 2)
+    writeFileSync(flag, '')
+    const run = await m.retrieve(few, () => {}, { tiers: ['disk', 'disk'] })
+    expect(run.served).toBe(0)
+    expect(codec.counts.workerJobs).toBeGreaterThanOrEqual(2) // decoded on the worker, not inline
+    expect(disk.counters.corrupt).toBe(0)
+    expect(disk.counters.errors).toBe(2)
+    expect(disk.stats().files).toBe(2)
+    expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+    // With memory again the same files serve exact bytes.
+    rmSync(flag)
+    const seen: number[] = []
+    const r2 = await m.retrieve(few, (i, t) => void seen.push(t.every((b) => b === i + 1) ? i : -1), {
+      tiers: ['disk', 'disk'],
+    })
+    expect(r2.served).toBe(2)
+    expect(seen.sort()).toEqual([0, 1])
+    m.close()
+  })
+
+  it('a corrupt verdict reached after the file was rewritten under the key deletes only the file it read', async () => {
+    const { readFileSync } = await import('node:fs')
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+    const codec = new CodecPool(0)
+    const { m, disk, few } = await onDiskOnly(memory, codec, 1)
+    const hex = few[0]!.hex
+    const good = readFileSync(disk.pathOf(hex))
+    const decodeInto = codec.decodeInto.bind(codec)
+    // While the decode runs the file is evicted and written again (another store of the chunk):
+    // then the decode of what was read proves it bad.
+    codec.decodeInto = async () => {
+      await disk.delete(hex)
+      expect(await disk.put(hex, new Uint8Array(good))).toBe(true)
+      throw new CorruptStreamError('corrupt lossless section (test)')
+    }
+    const run = await m.retrieve(few, () => {}, { tiers: ['disk'] })
+    expect(run.served).toBe(0)
+    expect(disk.counters.corrupt).toBe(1)
+    expect(disk.has(hex)).toBe(true)
+    expect(await disk.fileBytes(hex)).toBe(good.byteLength)
+    codec.decodeInto = decodeInto
+    const seen: boolean[] = []
+    const r2 = await m.retrieve(few, (_, t) => void seen.push(t.every((b) => b === 1)), { tiers: ['disk'] })
+    expect(r2.served).toBe(1)
+    expect(seen).toEqual([true])
+    expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+    m.close()
+  })
+
+  it('a corrupt verdict on the file read deletes it', async () => {
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+    const codec = new CodecPool(0)
+    const { m, disk, few } = await onDiskOnly(memory, codec, 1)
+    codec.decodeInto = async () => {
+      throw new CorruptStreamError('corrupt lossless section (test)')
+    }
+    expect((await m.retrieve(few, () => {}, { tiers: ['disk'] })).served).toBe(0)
+    expect(disk.counters.corrupt).toBe(1)
+    expect(disk.has(few[0]!.hex)).toBe(false)
+    expect(await disk.fileBytes(few[0]!.hex)).toBeUndefined()
+    m.close()
+  })
+
+  it('an L2 chunk whose lossless object would be over what readers take is stored raw, and served exact', async () => {
+    const { readFileSync } = await import('node:fs')
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+    /** Chunk i's KV: random bytes, which do not compress (the lossless object is a little over raw). */
+    const noise = (i: number, dst: Uint8Array) => {
+      for (let j = 0; j < dst.length; j++) dst[j] = (Math.imul(j + 31 * i + 7, 2654435761) >>> 13) & 255
+    }
+    // The raw object's size stands for the readers' 512 MiB limit.
+    const rawBytes = headerBytesFor(big.layers, FORMAT_VERSION) + bigCB
+    const codec = new CodecPool(0, false, { maxObjectBytes: rawBytes })
+    const { m, disk, keys } = await writeBehindSetup(memory, codec, 64 * bigCB, 'lossless')
+    const few = keys.slice(0, 2)
+    await m.store(few, noise)
+    await m.flush()
+    expect(codec.counts.rawFallbacks).toBe(2)
+    for (const k of few) {
+      const file = readFileSync(disk.pathOf(k.hex))
+      expect(decodeHeader(file).codec).toBe('raw')
+      expect(file.byteLength).toBeLessThanOrEqual(rawBytes)
+    }
+    memory.clear()
+    const seen: number[] = []
+    const want = new Uint8Array(bigCB)
+    const run = await m.retrieve(
+      few,
+      (i, t) => {
+        noise(i, want)
+        seen.push(Buffer.from(t).equals(want) ? i : -1)
+      },
+      { tiers: ['disk', 'disk'] },
+    )
+    expect(run.served).toBe(2)
+    expect(seen.sort()).toEqual([0, 1])
+    m.close()
+  })
 
   it('a codec pool closed under an L2 decode (close() during a retrieve) keeps the L2 files', async () => {
     const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })

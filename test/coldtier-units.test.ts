@@ -13,8 +13,8 @@ import {
   snapshotName,
 } from '../src/coldtier/accounting.ts'
 import { type ChunkNode, plan, settle } from '../src/coldtier/chain-graph.ts'
-import { type GcProgress, runGc } from '../src/coldtier/gc.ts'
-import { classify, condemnedPrefix, usagePrefix } from '../src/coldtier/names.ts'
+import { type GcProgress, runGc, usesUpTo } from '../src/coldtier/gc.ts'
+import { classify, condemnedPrefix, indexPrefix, usagePrefix } from '../src/coldtier/names.ts'
 import {
   condemnWaitMs,
   DEFAULT_COLD_TIER,
@@ -750,6 +750,102 @@ describe('gc on a memory store', () => {
       deferred: expect.stringMatching(/too large/),
     })
     expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+  })
+
+  it('a chain index that fails its CRC loses no uses: every listed chunk counts as used at its run, kept in the rebuilt index', async () => {
+    let t = Date.now()
+    const { store, app, chains } = await fleet(() => t)
+    t += 20 * DAY
+    // Chain 0 used now; the others not since they were written 20 days ago.
+    await lookup(
+      app,
+      chains[0]!.map((c) => c.key),
+    )
+    await app.state.usage!.flush()
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    // This run folds the use record into its index: from now on only the index knows chain 0's use.
+    await runGc({ store, prefix: 'kv', config, now: t + DAY })
+    const [index] = (await store.list(indexPrefix('kv', 'prod'))).entries.map((e) => e.name)
+    expect((await store.list(usagePrefix('kv', 'prod'))).entries).toEqual([])
+    const body = new Uint8Array(await new Response((await store.get(index!))!.body).arrayBuffer())
+    body[body.length - 10] = body[body.length - 10]! ^ 1
+    await store.delete(index!)
+    await store.putIfAbsent(index!, body, body.length)
+    // Five days after chain 0's use it is within retention: neither condemned nor, a run later, deleted.
+    const r = await runGc({ store, prefix: 'kv', config, now: t + 5 * DAY })
+    expect(r.namespaces[0]).toMatchObject({
+      corruptRecords: 1,
+      condemned: { objects: 0 },
+      deleted: { objects: 0 },
+    })
+    expect(r.errors.join('\n')).toContain(index!)
+    await runGc({ store, prefix: 'kv', config, now: t + 5 * DAY + WAIT })
+    expect(await present(store, chains[0]!)).toEqual([true, true, true, true])
+    // The corrupt index is gone, and the one rebuilt in its place keeps the bound (no error now).
+    const again = await runGc({ store, prefix: 'kv', config, now: t + 5 * DAY + 2 * WAIT })
+    expect(again.errors).toEqual([])
+    expect(again.namespaces[0]).toMatchObject({ corruptRecords: 0, condemned: { objects: 0 } })
+    expect((await store.list(indexPrefix('kv', 'prod'))).entries.map((e) => e.name)).not.toContain(index)
+    // Past retention from that bound (the corrupt index's run, t + 1 day) chains go again: not pinned for good.
+    const later = await runGc({ store, prefix: 'kv', config, now: t + 12 * DAY })
+    expect(later.namespaces[0]).toMatchObject({ condemned: { objects: 11 } })
+  })
+
+  it('uses and links of chunks not in the listing (deleted since) are not held: memory stays with the namespace', async () => {
+    setFlagsFromString('--expose-gc')
+    const collect = runInNewContext('gc') as () => void
+    let t = Date.now()
+    const { store } = await fleet(() => t)
+    t += DAY
+    const config = parseColdTier({ grace: '10m', namespaces: { prod: { retention: '10d' } } })
+    /** Heap in use once the records are folded (the maps full, the decoded records garbage). */
+    const heapAfterFold = async () => {
+      let heap = 0
+      await runGc({
+        store,
+        prefix: 'kv',
+        config,
+        now: t,
+        dryRun: true,
+        onProgress: (p) => {
+          if (p.phase === 'records' && p.done === p.total) {
+            collect()
+            heap = process.memoryUsage().heapUsed
+          }
+        },
+      })
+      return heap
+    }
+    const base = await heapAfterFold()
+    // A use record naming 50,000 chunks that are not listed (gone since), each with a link.
+    const n = 50_000
+    const gone = Array.from({ length: n }, (_, i) => ({ key: key(1_000_000 + i), at: t }))
+    const bytes = encodeBatch({
+      kind: 'usage',
+      at: t,
+      uses: gone,
+      links: gone.map((u, i) => ({ key: u.key, parent: key(2_000_000 + i), size: 1, at: t })),
+    })
+    await store.putIfAbsent(`${usagePrefix('kv', 'prod')}2026010100/feedface-5`, bytes, bytes.length)
+    // Less the record the memory store holds: held, the uses and links were ~19 MB more (a map
+    // entry and a 64-character key each, twice); not held, ~3 MB of garbage is left at most.
+    const grown = (await heapAfterFold()) - base - bytes.byteLength
+    expect(grown).toBeLessThan(8 * 2 ** 20)
+  })
+
+  it('usesUpTo: an index is bounded by its run time, a use record by the end of its hour, an unknown name by now', () => {
+    const now = Date.UTC(2026, 5, 1)
+    expect(
+      usesUpTo('kv', `${indexPrefix('kv', 'prod')}${String(now - DAY).padStart(13, '0')}-abcd`, now),
+    ).toBe(now - DAY)
+    expect(
+      usesUpTo('kv', `${indexPrefix('kv', 'prod')}${String(now + DAY).padStart(13, '0')}-abcd`, now),
+    ).toBe(now)
+    expect(usesUpTo('kv', `${usagePrefix('kv', 'prod')}2026010203/feedface-00000001`, now)).toBe(
+      Date.UTC(2026, 0, 2, 4),
+    )
+    expect(usesUpTo('kv', `${usagePrefix('kv', 'prod')}garbage/feedface-1`, now)).toBe(now)
+    expect(usesUpTo('kv', `${indexPrefix('kv', 'prod')}not-a-run`, now)).toBe(now)
   })
 
   it('a use record whose body outgrew its listed size (rewritten since the listing) is not read past that size', async () => {

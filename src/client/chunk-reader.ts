@@ -2,13 +2,13 @@
 // a private buffer when L1 has no slot), verified and decoded; the reservation is always settled here.
 
 import type { Calibration } from '../codec/calibration.ts'
-import { FormatError, isKvgateError } from '../core/errors.ts'
+import { FormatError, isKvgateError, provesCorrupt } from '../core/errors.ts'
 import { type ChunkHeader, decodeHeader } from '../core/format.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import type { CalibrationStore } from './calibration-store.ts'
 import { type ChunkIdentity, checkIdentity, maxObjectBytes, openLayerGroup } from './chunk-codec.ts'
-import { CodecBusyError, CodecDispatchError, type CodecPool, CodecWorkerLostError } from './codec-pool.ts'
+import { CodecBusyError, type CodecPool } from './codec-pool.ts'
 import type { IoPriority } from './io-queue.ts'
 import type { CopyGate } from './native.ts'
 import type { DiskTier, ReadSink } from './tiers/disk.ts'
@@ -62,19 +62,10 @@ function notAboutTheBytes(e: unknown): boolean {
 }
 
 /**
- * The pool failed the job itself: its worker died or hung under it (CodecWorkerLostError,
- * CodecJobTimeoutError) or it could not be handed to one (CodecDispatchError: its staging not
- * allocated, its message not posted). Nothing is known about the object's bytes (the job that
- * checks their CRCs never finished).
- */
-function poolFailed(e: unknown): boolean {
-  return e instanceof CodecWorkerLostError || e instanceof CodecDispatchError
-}
-
-/**
- * The pool failed the decode (poolFailed: its worker killed, out of memory, hung): nothing is
- * known about the object's bytes, so it is a counted read error and a miss, as for L2; not
- * reported corrupt (the gateway would re-read and re-verify it for nothing).
+ * A decode that failed without a verdict on the bytes (provesCorrupt is false: its worker died,
+ * hung, trapped or ran out of memory, it could not be handed to one): nothing is known about
+ * the object's bytes, so it is a counted read error and a miss, as for L2; not reported
+ * corrupt (the gateway would re-read and re-verify it for nothing).
  */
 function remoteReadFailed(remote: RemoteTier): undefined {
   remote.counters.errors++
@@ -128,15 +119,17 @@ export class ChunkReader {
         return placed
       } catch (e) {
         if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
-        // Every CRC of the file passed: a decode the pool failed (its worker died or hung, it
-        // could not be handed to one) is a failed read, counted, and the file is kept.
-        if (poolFailed(e)) {
+        // Every CRC of the file passed: only a verdict on the bytes (format, identity, a stream
+        // the codec refuses) deletes it. A decode that failed otherwise (its worker died, hung,
+        // trapped or ran out of memory, it could not be handed to one) is a failed read,
+        // counted, and the file is kept.
+        if (!provesCorrupt(e)) {
           disk.counters.errors++
           return undefined
         }
-        // Whatever the failure (format, codec, a bug on hostile bytes), the chunk is a miss.
-        disk.counters.corrupt++
-        await disk.delete(k.hex)
+        // Only the file this read found (the decode awaited: it may have been evicted and
+        // written again under the key meanwhile, intact).
+        await disk.discardCorrupt(k.hex, object)
         return undefined
       }
     } finally {
@@ -161,7 +154,7 @@ export class ChunkReader {
         return await this.#place(k, object, h, r)
       } catch (e) {
         if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
-        if (poolFailed(e)) return remoteReadFailed(remote)
+        if (!provesCorrupt(e)) return remoteReadFailed(remote)
         // Counted, no longer believed present, and reported to the gateway's verify endpoint.
         remote.reportCorrupt(k.hex)
         return undefined
@@ -229,7 +222,7 @@ export class ChunkReader {
       return out
     } catch (e) {
       if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
-      if (poolFailed(e)) return remoteReadFailed(remote)
+      if (!provesCorrupt(e)) return remoteReadFailed(remote)
       remote.reportCorrupt(k.hex)
       return undefined
     }

@@ -6,8 +6,14 @@ import { Worker } from 'node:worker_threads'
 import { buildCalibration, type Calibration } from '../codec/calibration.ts'
 import { MAX_WASM_SLAB_BYTES } from '../codec/wasm-instance.ts'
 import { crc32 } from '../core/checksum.ts'
-import { CodecError, FormatError, KvgateError } from '../core/errors.ts'
-import { type ChunkHeader, decodeHeader, verifyChunk } from '../core/format.ts'
+import {
+  CodecError,
+  CorruptStreamError,
+  FormatError,
+  type FormatErrorCode,
+  KvgateError,
+} from '../core/errors.ts'
+import { type ChunkHeader, DEFAULT_MAX_CHUNK_BYTES, decodeHeader, verifyChunk } from '../core/format.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import { type CalibrationRef, decodeIntoWith, decodeSectionWith, encodeWith } from './calibrated-codec.ts'
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
@@ -81,6 +87,8 @@ export class CodecBusyError extends CodecError {
   }
 }
 
+const CODEC_CODES = ['ERR_CODEC_MISMATCH', 'ERR_CALIBRATION_MISSING', 'ERR_CODEC_DTYPE'] as const
+
 /** No worker can take jobs (all failed to start or kept dying): the job runs on the calling thread. */
 class NoWorkers extends Error {}
 
@@ -108,6 +116,15 @@ export interface CodecPoolOptions {
    * started in ≤ 3 s with this project's tsx loader on a 2-core machine at load 8. @default 30000
    */
   workerStartTimeoutMs?: number
+  /**
+   * The largest chunk object an encode may return: what every reader takes (the decoder's and
+   * the gateway's default limit). A coded object over it (a lossless chunk near the limit:
+   * incompressible planes are stored as is, plus a flag byte each) is replaced by the raw
+   * object, which KVCache.open checked fits; one that does not fit either is refused
+   * (ERR_FORMAT_TOO_LARGE). Both counted (counts.rawFallbacks, counts.oversizedRefused).
+   * @default 512 MiB (DEFAULT_MAX_CHUNK_BYTES)
+   */
+  maxObjectBytes?: number
 }
 
 /** Distributive Omit, so each request variant keeps its own fields. */
@@ -169,6 +186,10 @@ export class CodecPool {
     jobsTimedOut: 0,
     /** Jobs whose message could not be built or posted (CodecDispatchError). */
     jobsUnsent: 0,
+    /** Encodes whose coded object was over maxObjectBytes: the raw object was returned instead. */
+    rawFallbacks: 0,
+    /** Encodes refused: over maxObjectBytes even raw (nothing a reader would take to store). */
+    oversizedRefused: 0,
   }
 
   readonly #size: number
@@ -177,6 +198,7 @@ export class CodecPool {
   readonly #stagingIdleMs: number
   readonly #jobTimeout: { floorMs: number; msPerMiB: number }
   readonly #startTimeoutMs: number
+  readonly #maxObjectBytes: number
   #releaseTimer: ReturnType<typeof setTimeout> | undefined
   #started = false
   /** Split large verifications across two threads (see verify()). */
@@ -199,6 +221,9 @@ export class CodecPool {
     this.#stagingIdleMs = opts.stagingIdleMs ?? 10_000
     this.#jobTimeout = { ...DEFAULT_JOB_TIMEOUT, ...opts.jobTimeout }
     this.#startTimeoutMs = opts.workerStartTimeoutMs ?? 30_000
+    this.#maxObjectBytes = opts.maxObjectBytes ?? DEFAULT_MAX_CHUNK_BYTES
+    if (!Number.isSafeInteger(this.#maxObjectBytes) || this.#maxObjectBytes < 1)
+      throw new TypeError(`maxObjectBytes must be a positive integer, got ${String(opts.maxObjectBytes)}`)
     const durations: [string, unknown][] = [
       ...Object.entries(this.#jobTimeout).map(([k, v]): [string, unknown] => [`jobTimeout.${k}`, v]),
       ['workerStartTimeoutMs', this.#startTimeoutMs],
@@ -294,7 +319,7 @@ export class CodecPool {
     // The worker starts its next job first: this thread's copy-out of the result
     // (from the other output buffer, see CodecStaging) overlaps it.
     this.#dispatch()
-    if ('error' in m) job.reject(new CodecError(m.error))
+    if ('error' in m) job.reject(workerError(m))
     else job.done(m.bytes)
     if (!slot.job) {
       slot.idleSince = performance.now()
@@ -484,13 +509,39 @@ export class CodecPool {
     })
   }
 
-  /** Encodes one chunk tensor (copied into the worker's staging when it takes the job: L1 slots are not transferable). */
+  /**
+   * Encodes one chunk tensor (copied into the worker's staging when it takes the job: L1 slots
+   * are not transferable) into an object no larger than maxObjectBytes: a coded object over it
+   * is replaced by the raw one, and one over it even raw is refused (FormatError
+   * ERR_FORMAT_TOO_LARGE). Never an object a reader would refuse, then delete as corrupt.
+   */
   async encode(
     codec: ChunkCodecName,
     tensor: Uint8Array,
     meta: ChunkIdentity,
     quality?: number,
     calibration?: Calibration,
+  ): Promise<Uint8Array> {
+    const coded = await this.#encodeAs(codec, tensor, meta, quality, calibration)
+    if (coded.byteLength <= this.#maxObjectBytes) return coded
+    const raw = codec === 'raw' ? coded : encodeWith(tensor, meta, 'raw', undefined, undefined)
+    if (raw.byteLength <= this.#maxObjectBytes) {
+      this.counts.rawFallbacks++
+      return raw
+    }
+    this.counts.oversizedRefused++
+    throw new FormatError(
+      'ERR_FORMAT_TOO_LARGE',
+      `chunk object of ${raw.byteLength} bytes (${codec}: ${coded.byteLength}) is over the ${this.#maxObjectBytes} bytes readers take`,
+    )
+  }
+
+  async #encodeAs(
+    codec: ChunkCodecName,
+    tensor: Uint8Array,
+    meta: ChunkIdentity,
+    quality: number | undefined,
+    calibration: Calibration | undefined,
   ): Promise<Uint8Array> {
     if (codec !== 'raw') {
       const p = this.#post(
@@ -686,6 +737,21 @@ export class CodecPool {
     await Promise.allSettled(this.#slots.map((s) => s.worker.terminate()))
     this.#slots.length = 0
   }
+}
+
+/**
+ * A worker's failed job as the error it was there: a verdict on the bytes (FormatError,
+ * CorruptStreamError) stays one; anything else (a wasm trap, out of memory) is a plain
+ * CodecError, which readers count as a failed read, never as corruption.
+ */
+function workerError(m: Extract<CodecReply, { error: string }>): CodecError | FormatError {
+  if (!m.corrupt) {
+    // Its code kept where it is a codec's (ERR_CALIBRATION_MISSING, ERR_CODEC_MISMATCH, …).
+    const code = CODEC_CODES.find((c) => c === m.code)
+    return new CodecError(m.error, code ? { code } : {})
+  }
+  if (m.code?.startsWith('ERR_FORMAT_')) return new FormatError(m.code as FormatErrorCode, m.error)
+  return new CorruptStreamError(m.error)
 }
 
 /** A calibration as a worker message carries it (bytes, copied; small and rare). */

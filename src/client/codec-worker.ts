@@ -5,6 +5,7 @@
 import { parentPort } from 'node:worker_threads'
 import { buildCalibration } from '../codec/calibration.ts'
 import { crc32 } from '../core/checksum.ts'
+import { type ErrorCode, isKvgateError, provesCorrupt } from '../core/errors.ts'
 import type { ChunkHeader } from '../core/format.ts'
 import type { KvGeometry } from '../core/layout.ts'
 import {
@@ -53,7 +54,11 @@ export type CodecRequest =
 export type CodecReply =
   /** `bytes`: the result, transferred; null when it was written into the request's `out`. */
   | { id: number; bytes: ArrayBuffer | null }
-  | { id: number; error: string }
+  /**
+   * The job failed. `corrupt`: the codec proved the bytes bad (a FormatError or a
+   * CorruptStreamError, with its `code`); otherwise (a trap, out of memory) nothing is known of them.
+   */
+  | { id: number; error: string; code?: ErrorCode | undefined; corrupt?: boolean }
   /** Sent once the module loaded: the pool hands jobs only to workers that got this far. */
   | { ready: true }
 
@@ -109,7 +114,14 @@ parentPort?.on('message', (m: CodecRequest) => {
     const bytes = out && own(out)
     parentPort!.postMessage({ id: m.id, bytes } satisfies CodecReply, bytes ? [bytes] : [])
   } catch (e) {
-    parentPort!.postMessage({ id: m.id, error: (e as Error).message } satisfies CodecReply)
+    // Errors cross as strings: the verdict on the bytes goes with them, or a trap (out of
+    // memory) would read as a corrupt stream on the calling thread and delete a good file.
+    parentPort!.postMessage({
+      id: m.id,
+      error: (e as Error).message,
+      code: isKvgateError(e) ? e.code : undefined,
+      corrupt: provesCorrupt(e),
+    } satisfies CodecReply)
   }
 })
 

@@ -2,7 +2,7 @@
 // per layer, codec id/version/params in the header) and back, whole or per layer.
 
 import { decodeElements, encodeElements } from '../core/dtype.ts'
-import { CodecError, InvalidArgumentError } from '../core/errors.ts'
+import { CodecError, CorruptStreamError, InvalidArgumentError } from '../core/errors.ts'
 import {
   type ChunkHeader,
   type ChunkMeta,
@@ -267,7 +267,7 @@ function checkExpansion(header: ChunkHeader, section: Uint8Array): void {
             values <= (section.byteLength + 1) * 256
           : values <= (section.byteLength + 1) * MAX_SYMBOLS_PER_BYTE
   if (!ok)
-    throw new CodecError(
+    throw new CorruptStreamError(
       `${header.codec} section of ${section.byteLength} bytes cannot hold ${values} values`,
     )
 }
@@ -351,7 +351,7 @@ function openChunk(obj: Uint8Array, limits: DecodeLimits): { header: ChunkHeader
     throw new CodecError(`chunk decodes to ${size} bytes, over the limit`)
   }
   if (obj.byteLength !== header.totalBytes) {
-    throw new CodecError(`chunk object is ${obj.byteLength} bytes, header says ${header.totalBytes}`)
+    throw new CorruptStreamError(`chunk object is ${obj.byteLength} bytes, header says ${header.totalBytes}`)
   }
   return { header, size }
 }

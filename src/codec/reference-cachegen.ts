@@ -4,7 +4,7 @@
 // data, and a 32-bit binary arithmetic coder. Correct, not fast: benchmarks only.
 
 import { f16ToF32, f32ToF16 } from '../core/dtype.ts'
-import { CodecError } from '../core/errors.ts'
+import { CorruptStreamError } from '../core/errors.ts'
 
 const CDF_ENTRIES = 33
 const CDF_TOTAL = 65535
@@ -173,7 +173,7 @@ function decodeStream(
   out: Float32Array,
 ): number {
   const fail = (): never => {
-    throw new CodecError('corrupt reference-cachegen section')
+    throw new CorruptStreamError('corrupt reference-cachegen section')
   }
   const m = bins / 2 - 1
   const head = t * 2 + c * CDF_ENTRIES * 2 + 4
@@ -252,5 +252,5 @@ export function decodeCachegenLayer(
 ): void {
   const at = decodeStream(sec, 0, t, c, cachegenBins(0, layer, split), k)
   const end = decodeStream(sec, at, t, c, cachegenBins(1, layer, split), v)
-  if (end !== sec.length) throw new CodecError('corrupt reference-cachegen section (trailing bytes)')
+  if (end !== sec.length) throw new CorruptStreamError('corrupt reference-cachegen section (trailing bytes)')
 }

@@ -2,7 +2,7 @@
 // copies bytes in and out, frees in `finally`, rebuilds memory views on every
 // call (memory.grow detaches them) and replaces the instance after a trap.
 
-import { CodecError } from '../core/errors.ts'
+import { CodecError, CorruptStreamError } from '../core/errors.ts'
 import { dtypeBytes, dtypeFromCode } from '../core/layout.ts'
 
 interface CodecExports {
@@ -274,7 +274,8 @@ export class WasmCodec {
 
   /**
    * Decodes one section into `out` (the layer slab, 2·t·c elements of the dtype; t·c with WASM_LATENT).
-   * Throws CodecError for a corrupt section; the instance stays usable.
+   * Throws CorruptStreamError for a corrupt section (the instance stays usable); a trap or a failed
+   * allocation (out of memory) is a plain CodecError: nothing is known about the section then.
    */
   decodeSection(
     mode: WasmMode,
@@ -315,7 +316,7 @@ export class WasmCodec {
                 calLen,
               )
             : ex.kv_decode(WASM_MODES[mode], src, section.byteLength, dtypeCode, t, c, dst)
-        if (rc !== 0) throw new CodecError(`corrupt ${mode} section (wasm decode returned ${rc})`)
+        if (rc !== 0) throw new CorruptStreamError(`corrupt ${mode} section (wasm decode returned ${rc})`)
         out.set(new Uint8Array(ex.memory.buffer, dst, out.byteLength))
       } finally {
         if (this.#ex === ex) {

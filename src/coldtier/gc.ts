@@ -29,7 +29,7 @@ import {
   snapshotName,
 } from './accounting.ts'
 import { type ChunkNode, plan, settle } from './chain-graph.ts'
-import { classify, condemnedPrefix, indexPrefix, randomId, runObjectName } from './names.ts'
+import { classify, condemnedPrefix, indexPrefix, randomId, runObjectName, runObjectTime } from './names.ts'
 import { type ColdTierConfig, condemnWaitMs, type NamespacePolicy, policyFor } from './policy.ts'
 import {
   decodeBatch,
@@ -111,6 +111,12 @@ export interface NamespaceReport {
   headerReads: number
   unreadable: number
   usageRecords: number
+  /**
+   * Use records and indexes that failed their checks (CRC, length, fields): the uses they held
+   * are unknown, so every listed chunk counts as used at the latest time they could carry
+   * (usesUpTo) and the rebuilt index keeps that. Deletes wait longer, never come early.
+   */
+  corruptRecords: number
   monthlyUsdBefore: number
   monthlyUsdAfter: number
 }
@@ -233,6 +239,9 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     listedTotals: NamespaceTotals,
   ): Promise<NamespaceReport> {
     const policy = policyFor(opts.config, ns)
+    // Uses and links are kept for listed chunks only: records name chunks deleted since (by gc,
+    // lifecycle, a gateway's heal), and those would grow the maps past the namespace's size.
+    const listedKeys = new Set(l.chunks.map((e) => e.name.slice(e.name.lastIndexOf('/') + 1)))
     const lastUse = new Map<string, number>()
     const parents = new Map<string, string>()
     const folded: string[] = []
@@ -242,13 +251,14 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     // A use after `now` (a gateway's clock ahead, a hostile record) counts as now: kept at
     // its face value it would pin the chain past every retention, and the index would carry it on.
     const touch = (key: string, at: number) => {
+      if (!listedKeys.has(key)) return
       const t = Math.min(at, now)
       if (!(t <= (lastUse.get(key) ?? -Infinity))) lastUse.set(key, t)
     }
     const fold = (uses: UseEntry[], links: LinkEntry[], counts: boolean) => {
       for (const u of uses) touch(u.key, u.at)
       for (const k of links) {
-        parents.set(k.key, k.parent)
+        if (listedKeys.has(k.key)) parents.set(k.key, k.parent)
         touch(k.key, k.at)
         // Once a key: a flush retried after a PUT that landed but failed to answer writes the
         // same links again under the next name.
@@ -263,6 +273,8 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     let vanished = 0
     let newer = 0
     let oversized = 0
+    /** For each corrupt record or index: the latest use it could hold. */
+    const lost: number[] = []
     const foldRecord = async ({ name, size }: StoreEntry): Promise<void> => {
       if (size > MAX_RECORD_BYTES) {
         // Its uses stay unknown: kept, and nothing is deleted by a view that lacks them.
@@ -295,14 +307,22 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
         )
         if (b.kind === 'usage') records++
       } catch (e) {
-        errors.push(`${name}: ${(e as Error).message}`)
         // A newer format (gateways upgraded before gc) holds uses this build cannot read: keep
-        // it for an upgraded gc and delete nothing by a view that lacks them. A corrupt record
-        // is garbage: it is dropped with the folded ones.
+        // it for an upgraded gc and delete nothing by a view that lacks them.
         if (e instanceof FormatError && e.code === 'ERR_FORMAT_BAD_VERSION') {
+          errors.push(`${name}: ${(e as Error).message}`)
           newer++
           return
         }
+        // A corrupt one cannot be read again, but its uses must not be dropped (an index holds
+        // every chain's last use up to its run: without them gc would delete used chains a
+        // retention early). What its listed name says is trusted: no use in it is later than
+        // usesUpTo(name). Folded (it never reads better), after the rebuilt index keeps that bound.
+        const upTo = usesUpTo(opts.prefix, name, now)
+        lost.push(upTo)
+        errors.push(
+          `${name}: ${(e as Error).message}; its uses are unknown: every listed chunk counts as used at ${new Date(upTo).toISOString()}`,
+        )
       }
       folded.push(name)
     }
@@ -313,6 +333,10 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
       // Many records (one per gateway instance per flush) read for minutes: say how far.
       if (++read % 100 === 0 && read < toRead.length)
         progress({ phase: 'records', ns, records, done: read, total: toRead.length })
+      if (lost.length > 0) {
+        const upTo = Math.max(...lost)
+        for (const key of listedKeys) touch(key, upTo)
+      }
     })
     progress({ phase: 'records', ns, records, done: read, total: toRead.length })
 
@@ -625,10 +649,29 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
       headerReads,
       unreadable,
       usageRecords: records,
+      corruptRecords: lost.length,
       monthlyUsdBefore: (listedTotals.bytes / 1e9) * price,
       monthlyUsdAfter: (kept.bytes / 1e9) * price,
     }
   }
+}
+
+/**
+ * The latest use a record or index can hold, from its listed name: an index is named by its
+ * run's time (uses capped at it), a use record by the UTC hour its gateway flushed it in (its
+ * uses were made before that flush); `now` when the name says neither.
+ */
+export function usesUpTo(prefix: string, name: string, now: number): number {
+  const c = classify(prefix, name)
+  if (c.kind === 'index') {
+    const t = runObjectTime(name)
+    return Number.isFinite(t) ? Math.min(t, now) : now
+  }
+  const hour = c.kind === 'usage' ? /\/(\d{4})(\d{2})(\d{2})(\d{2})\/[^/]+$/.exec(name) : null
+  if (!hour) return now
+  const [y, mo, d, h] = hour.slice(1).map(Number) as [number, number, number, number]
+  const start = Date.UTC(y, mo - 1, d, h)
+  return Number.isFinite(start) ? Math.min(start + 3_600_000, now) : now
 }
 
 function sum(entries: StoreEntry[]): NamespaceTotals {

@@ -104,6 +104,24 @@ export class CodecError extends KvgateError {
   }
 }
 
+/**
+ * The codec proved a stream bad: a section it refuses to decode (the decoder's own verdict), or
+ * one that cannot hold what its CRC-checked header claims. Other CodecErrors (a wasm trap, an
+ * allocation that failed, a limit of this reader, a worker that failed) say nothing about the
+ * bytes: readers delete or report an object only on this error or a FormatError.
+ */
+export class CorruptStreamError extends CodecError {
+  constructor(message: string, options: KvgateErrorOptions = {}) {
+    super(message, options)
+    this.name = 'CorruptStreamError'
+  }
+}
+
+/** Whether `e` is a verdict on the bytes themselves (format, checksum, identity, a corrupt stream). */
+export function provesCorrupt(e: unknown): boolean {
+  return e instanceof CorruptStreamError || (isKvgateError(e) && e.code.startsWith('ERR_FORMAT_'))
+}
+
 export class NotFoundError extends KvgateError {
   constructor(message: string, options: KvgateErrorOptions = {}) {
     super('ERR_NOT_FOUND', message, { status: 404, ...options })

@@ -187,7 +187,10 @@ export function summary(r: GcReport): string {
       `    kept     ${n.kept.objects} objects, ${bytes(n.kept.bytes)} ($${n.monthlyUsdAfter.toFixed(2)}/month) in ${n.chains} chains` +
         (n.protectedByGrace ? `; ${n.protectedByGrace} kept by the grace period` : '') +
         (n.overQuotaBytes ? `; still ${bytes(n.overQuotaBytes)} over quota (recently used)` : ''),
-      `    folded   ${n.usageRecords} use records; ${n.headerReads} header reads${n.unreadable ? `, ${n.unreadable} unreadable` : ''}`,
+      `    folded   ${n.usageRecords} use records; ${n.headerReads} header reads${n.unreadable ? `, ${n.unreadable} unreadable` : ''}` +
+        (n.corruptRecords
+          ? `; ${n.corruptRecords} corrupt records or indexes (their uses unknown: every chunk taken as used when they were written)`
+          : ''),
     )
   }
   if (r.namespaces.length === 0) lines.push('  no namespaces found')

@@ -3,7 +3,6 @@
 // The directory may be shared (other processes, other models): only this instance's
 // files count against its budget, and another process's in-flight temp files are left alone.
 
-import { randomBytes } from 'node:crypto'
 import { constants as fsc } from 'node:fs'
 import { mkdir, open, readdir, rename, rm, stat, unlink } from 'node:fs/promises'
 import { join } from 'node:path'
@@ -22,6 +21,7 @@ import { type IoPriority, PriorityQueue } from '../io-queue.ts'
 import type { CopyGate, ReadFileCrcResult } from '../native.ts'
 import type { NativeModule } from '../native-api.ts'
 import { since, TierCounters } from '../stats.ts'
+import { beginTemp, endTemp, TMP_PREFIX, tempWriter } from './temp-files.ts'
 
 export interface DiskTierOptions {
   /** Directory holding the chunk files (created if missing). */
@@ -185,13 +185,6 @@ interface Scan {
 const PROBES_IN_FLIGHT = 16
 const FILE_RE = /^[0-9a-f]{64}\.kvc$/
 const SUBDIR_RE = /^[0-9a-f]{2}$/
-const TMP_PREFIX = '.tmp-'
-/**
- * Temp files this process is writing (names), by every tier: a temp file named with this
- * process's pid and not among them was left by an earlier process that had the same pid (a
- * container's entrypoint is pid 1 at every restart), not by a live writer.
- */
-const writingTemps = new Set<string>()
 /** Enough for the header of any chunk up to 1024 layers. */
 const HEADER_PROBE_BYTES = 64 * 1024
 
@@ -276,6 +269,8 @@ export class DiskTier {
   /** Map order = recency (oldest first): re-inserted on every access. */
   readonly #index = new Map<string, FileEntry>()
   readonly #writing = new Map<string, Promise<boolean>>()
+  /** The index entry each object get() served was read from (see discardCorrupt). */
+  readonly #servedFrom = new WeakMap<Uint8Array, FileEntry>()
   #used = 0
   #discarded = 0
   #writeErrors = 0
@@ -418,14 +413,13 @@ export class DiskTier {
   }
 
   /**
-   * A temp file is stale when its writer (pid in its name, on this host) is gone (this pid:
-   * when this process is not writing it), or when it is older than staleTempMs (a writer on
-   * another host sharing the directory).
+   * A temp file is stale when its writer cannot be running (tempWriter), or, when that cannot
+   * be told from here (another thread of this process, a live process, another host sharing
+   * the directory), when it is older than staleTempMs.
    */
   async #staleTemp(path: string, name: string): Promise<boolean> {
-    const pid = Number(/-(\d+)-[0-9a-f]+$/.exec(name)?.[1])
-    if (pid === process.pid) return !writingTemps.has(name)
-    if (Number.isSafeInteger(pid) && pid > 0 && !processAlive(pid)) return true
+    const writer = await tempWriter(name)
+    if (writer !== undefined) return writer === 'gone'
     try {
       return Date.now() - (await stat(path)).mtimeMs > this.#staleTempMs
     } catch {
@@ -535,6 +529,7 @@ export class DiskTier {
       this.counters.misses++
       return undefined
     }
+    this.#servedFrom.set(bytes, entry)
     this.counters.hits++
     this.counters.bytesRead += bytes.byteLength
     this.counters.readLatency.record(since(t0))
@@ -831,9 +826,8 @@ export class DiskTier {
     if (this.#index.has(hex)) return { ok: false }
     const t0 = performance.now()
     const subdir = join(this.dir, hex.slice(0, 2))
-    const tmpName = `${TMP_PREFIX}${hex}-${process.pid}-${randomBytes(4).toString('hex')}`
+    const tmpName = beginTemp(hex)
     const tmp = join(subdir, tmpName)
-    writingTemps.add(tmpName)
     let fh: Awaited<ReturnType<typeof open>> | undefined
     let reserved = 0
     try {
@@ -872,7 +866,7 @@ export class DiskTier {
       await unlink(tmp).catch(() => {})
       return { ok: false }
     } finally {
-      writingTemps.delete(tmpName)
+      endTemp(tmpName)
     }
   }
 
@@ -885,6 +879,18 @@ export class DiskTier {
   async delete(hex: string): Promise<void> {
     if (!this.#dropIndex(hex)) return
     await unlink(this.#pathOf(hex)).catch(() => {})
+  }
+
+  /**
+   * A caller found an object get() served to be corrupt (identity, a stream the codec refuses):
+   * counted, and its file deleted only while the key is still indexed as the entry it was read
+   * from. A verdict reached after an await applies to that file, not to one evicted and written
+   * under the key since (intact: deleting it would lose a good chunk).
+   */
+  async discardCorrupt(hex: string, object: Uint8Array): Promise<void> {
+    this.counters.corrupt++
+    const entry = this.#servedFrom.get(object)
+    if (entry) await this.#deleteEntry(hex, entry)
   }
 
   /**
@@ -1017,15 +1023,5 @@ async function fsyncDir(dir: string): Promise<void> {
     await fh.sync()
   } finally {
     await fh.close()
-  }
-}
-
-/** Whether a process with this pid runs on this host (EPERM: it does, owned by someone else). */
-function processAlive(pid: number): boolean {
-  try {
-    process.kill(pid, 0)
-    return true
-  } catch (e) {
-    return (e as NodeJS.ErrnoException).code === 'EPERM'
   }
 }

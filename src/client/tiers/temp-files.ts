@@ -1,0 +1,118 @@
+// L2 temp files (a chunk written before its rename): their names, and what a tier opening the
+// directory makes of one it finds: a dead writer's leftover (deleted) or a live writer's (kept).
+
+import { randomBytes } from 'node:crypto'
+import { readFileSync } from 'node:fs'
+import { readFile } from 'node:fs/promises'
+import { hostname } from 'node:os'
+import { threadId } from 'node:worker_threads'
+import { crc32 } from '../../core/checksum.ts'
+
+export const TMP_PREFIX = '.tmp-'
+
+/**
+ * A process's start time (clock ticks after boot, field 22 of /proc/<pid>/stat), or undefined
+ * where there is no /proc: with its pid it names one process, not one that had the pid earlier.
+ */
+function startOf(stat: string): string | undefined {
+  return stat.slice(stat.lastIndexOf(')') + 2).split(' ')[19]
+}
+
+function ownStart(): string {
+  try {
+    return startOf(readFileSync('/proc/self/stat', 'latin1')) ?? '0'
+  } catch {
+    return '0'
+  }
+}
+
+async function startOfPid(pid: number): Promise<string | undefined> {
+  try {
+    return startOf(await readFile(`/proc/${pid}/stat`, 'latin1'))
+  } catch {
+    return undefined
+  }
+}
+
+/** This process's start ('0' without /proc): the same in every thread, another after a restart with the same pid. */
+const START = ownStart()
+
+/**
+ * This host (a container has its own hostname): pids, start times and /proc are this host's
+ * only, so another host's names (a directory shared across containers or machines) are judged
+ * by age alone, even one whose pid is this process's (every container's entrypoint is pid 1).
+ */
+const HOST = crc32(new TextEncoder().encode(hostname())).toString(16).padStart(8, '0')
+
+const WRITING = Symbol.for('kvgate.l2.writingTemps')
+/**
+ * Temp files this thread is writing (every tier of it, whichever copy of this module made
+ * it: the set lives on the thread's global). Another thread of this process keeps its own,
+ * invisible here: its names carry its thread id, so they are never judged by this one.
+ */
+const writing: Set<string> = threadWrites()
+
+function threadWrites(): Set<string> {
+  const g = globalThis as Record<symbol, unknown>
+  const had = g[WRITING]
+  if (had instanceof Set) return had as Set<string>
+  const set = new Set<string>()
+  g[WRITING] = set
+  return set
+}
+
+/** `.tmp-<hex>-<pid>-<start>-t<thread>-h<host>-<random>` */
+const NAME_RE = /-(\d+)-(\d+)-t(\d+)-h([0-9a-f]{8})-[0-9a-f]+$/
+/** Names before the start and thread were in them: `.tmp-<hex>-<pid>-<random>`. */
+const OLD_NAME_RE = /-(\d+)-[0-9a-f]+$/
+
+/** Names a temp file for a write of chunk `hex` by this thread and marks it live until endTemp(). */
+export function beginTemp(hex: string): string {
+  const name = `${TMP_PREFIX}${hex}-${process.pid}-${START}-t${threadId}-h${HOST}-${randomBytes(4).toString('hex')}`
+  writing.add(name)
+  return name
+}
+
+export function endTemp(name: string): void {
+  writing.delete(name)
+}
+
+/**
+ * Who wrote a temp file found in the directory: 'gone' when its writer cannot be running (its
+ * process is dead or was an earlier one with the pid, or it is this thread's and this thread
+ * is not writing it), 'live' when this thread is writing it, undefined when that cannot be
+ * told from here (another thread of this process, a live process, another host or container): the caller
+ * judges it by its age.
+ */
+export async function tempWriter(name: string): Promise<'gone' | 'live' | undefined> {
+  const m = NAME_RE.exec(name)
+  if (m) {
+    if (m[4] !== HOST) return undefined
+    const pid = Number(m[1])
+    if (pid === process.pid) {
+      // Another start: a process that had this pid before (a container's entrypoint is pid 1 at every restart).
+      if (m[2] !== START) return 'gone'
+      if (Number(m[3]) !== threadId) return undefined
+      return writing.has(name) ? 'live' : 'gone'
+    }
+    if (!processAlive(pid)) return 'gone'
+    const start = await startOfPid(pid)
+    return start !== undefined && m[2] !== '0' && start !== m[2] ? 'gone' : undefined
+  }
+  const old = OLD_NAME_RE.exec(name)
+  if (!old) return undefined
+  const pid = Number(old[1])
+  // No writer of this version names a temp file so: with this pid, an earlier process's.
+  if (pid === process.pid) return 'gone'
+  return Number.isSafeInteger(pid) && pid > 0 && !processAlive(pid) ? 'gone' : undefined
+}
+
+/** Whether a process with this pid runs on this host (EPERM: it does, owned by someone else). */
+function processAlive(pid: number): boolean {
+  try {
+    process.kill(pid, 0)
+    return true
+  } catch (e) {
+    return (e as NodeJS.ErrnoException).code === 'EPERM'
+  }
+}
