@@ -60,6 +60,8 @@ const VLLM_DTYPES: Record<string, Dtype> = {
   fp8_e5m2: 'fp8e5m2',
   float8_e5m2: 'fp8e5m2',
 }
+/** Operations beyond protocol 1's first set, named in hello's answer (a connector uses them only when named). */
+const AGENT_FEATURES = ['cancel']
 const MAX_KEYS = 1 << 16
 const MAX_BLOCKS = 1 << 24
 const MAX_WORLD = 64
@@ -78,6 +80,11 @@ export interface AgentCoreOptions {
   model?: string
   /** Threads one host-memory save or load copies with; 0: on the event loop. @default min(cores, 4) */
   copyThreads?: number
+  /**
+   * Test hook: a load's or save's copy, once started, first waits for this (a copy stalled on a
+   * thread: it still lands, later). Tests of cancellation and fences only; undefined in service.
+   */
+  copyGate?: () => Promise<void>
   version: string
 }
 
@@ -102,6 +109,11 @@ interface Progress {
   layers: number
   /** An earlier request in flight under the same id (a client bug), reported again once this one ends. */
   under: Progress | undefined
+  /** Set by `cancel`: no copy of this request starts after it; its answer still waits for those in flight. */
+  cancelled: boolean
+  /** Settles when `cancel` names this request: a load waiting for its chunks stops waiting. */
+  onCancel: Promise<void>
+  cancel(): void
 }
 
 /** What the agent keeps per connection. */
@@ -193,6 +205,8 @@ export class Agent {
         return this.#tracked(s, req, (w) => this.#save(s, w, req))
       case 'poll':
         return this.#poll(s, req)
+      case 'cancel':
+        return this.#cancel(s, req)
       case 'stats':
         return this.stats(req.spaces === true)
       case 'ping':
@@ -258,6 +272,7 @@ export class Agent {
     return {
       protocol: PROTOCOL_VERSION,
       agent: this.options.version,
+      features: AGENT_FEATURES,
       chunkTokens: this.options.chunkTokens,
       blocksPerChunk: this.options.chunkTokens / d.blockSize,
     }
@@ -602,6 +617,8 @@ export class Agent {
     )
     let group: LayerSlabs[] = []
     const it = w.space.cache.retrieveLayersKeys(keys)
+    /** The generator still has a fetch running (a cancel stopped waiting for it): finished in the background. */
+    let abandoned = false
     try {
       const seen = new Set<number>()
       const finished = (layer: number) => {
@@ -612,9 +629,18 @@ export class Agent {
         prog.layers = n
         s.event({ event: 'load-progress', id: m.id, layers: n })
       }
+      // A cancelled load does not wait for chunks still being fetched (a slow gateway): its
+      // answer, the engine's fence, needs only the copies already started to land.
+      const cancelled = prog.onCancel.then(() => undefined)
       for (;;) {
-        const next = await it.next()
-        if (next.done) break
+        const pending = it.next()
+        const next = await Promise.race([pending, cancelled])
+        if (next === undefined) {
+          pending.catch(() => {})
+          abandoned = true
+          mayCopy(s, prog)
+        }
+        if (next === undefined || next.done) break
         const batch = next.value
         served = Math.min(served, batch.chunks)
         seen.add(batch.layer)
@@ -627,11 +653,12 @@ export class Agent {
           }
           const last = batch.layer === g.layers - 1
           if (group.length < perGroup && !last) continue
-          // The engine counts a load whose connection closed as failed and recomputes (or
-          // reuses) its blocks: no copy into them starts after the close.
-          notEnded(s)
+          // The engine counts a load whose connection closed (or that it cancelled) as failed and
+          // recomputes (or reuses) its blocks: no copy into them starts after the close.
+          mayCopy(s, prog)
           const copied = group.map((e) => e.layer)
-          const p = copies.add(copier.scatterLayers(group, runsByChunk))
+          const slabs = group
+          const p = copies.add(this.#gated(() => copier.scatterLayers(slabs, runsByChunk)))
           group = []
           void p.then(
             () => {
@@ -644,9 +671,9 @@ export class Agent {
         }
         const t = w.layers[batch.layer]!
         for (let c = 0; c < batch.chunks; c++) {
-          notEnded(s)
+          mayCopy(s, prog)
           const runs = runsByChunk[c]!
-          const copying = t.scatter(batch.slabs[c]!, runs)
+          const copying = this.#gated(() => t.scatter(batch.slabs[c]!, runs))
           if (copying) await copying // a host tensor copies synchronously: no await per chunk
           for (let r = 2; r < runs.length; r += 3) bytes += runs[r]!
         }
@@ -657,11 +684,14 @@ export class Agent {
     } catch (e) {
       served = 0
       failure = (e as Error).message
-      this.metrics.loadErrors++
+      if (prog.cancelled) this.metrics.loadsCancelled++
+      else this.metrics.loadErrors++
     } finally {
       // Nothing may still write the engine's blocks once the answer names the failed ones.
       await copies.settled().catch(() => {})
-      await it.return(undefined).catch(() => {})
+      // Its fetch touches no engine memory: a cancelled load answers without waiting for it.
+      const ended = it.return(undefined).catch(() => {})
+      if (!abandoned) await ended
       endProgress(s, m.id, prog)
     }
     const failed: number[] = []
@@ -695,24 +725,29 @@ export class Agent {
         // Once the connection is gone the engine counts this save as ended and may reuse the
         // blocks: a copy not yet begun does not begin, and one that ended after the close is
         // not kept (a throw here aborts the chunk's slot; chunks copied before stay stored).
-        notEnded(s)
+        // A cancelled save likewise (the engine releases its blocks once it has the answer).
+        mayCopy(s, prog)
         const runs = chunkRuns(g, w.numBlocks, ids, (k + from) * bpc, bpc, 0)
         // Every layer in one threaded copy; storeKeys commits the L1 slot only after it
         // settled (and aborts it if the agent closed meanwhile).
-        if (w.copier) await w.copier.gatherChunk(runs, dst, slab)
+        const copier = w.copier
+        if (copier) await this.#gated(() => copier.gatherChunk(runs, dst, slab))
         else
           for (let layer = 0; layer < g.layers; layer++) {
-            const copying = w.layers[layer]!.gather(runs, dst.subarray(layer * slab, (layer + 1) * slab))
+            const copying = this.#gated(() =>
+              w.layers[layer]!.gather(runs, dst.subarray(layer * slab, (layer + 1) * slab)),
+            )
             if (copying) await copying
           }
-        notEnded(s)
+        mayCopy(s, prog)
       })
       this.metrics.saves++
       this.metrics.savedChunks += out.stored + out.skipped
       this.metrics.savedBytes += (out.stored + out.skipped) * bpc * bb * sides(g) * g.layers
       return { chunks: out.chunks, stored: out.stored, present: out.present, skipped: out.skipped }
     } catch (e) {
-      this.metrics.saveErrors++
+      if (prog.cancelled) this.metrics.savesCancelled++
+      else this.metrics.saveErrors++
       throw e instanceof AgentError ? e : new AgentError('ERR_IO', `save failed: ${(e as Error).message}`)
     } finally {
       endProgress(s, m.id, prog)
@@ -737,6 +772,30 @@ export class Agent {
       states[String(id)] = p ? { state: 'pending', op: p.op, layers: p.layers } : { state: 'unknown' }
     }
     return { states }
+  }
+
+  /**
+   * Cancels loads and saves of this connection by request id: none starts another copy, and
+   * each still answers (a load: every block not loaded is failed; a save: ERR_CANCELLED), only
+   * once the copies it started have landed. That answer is the engine's fence: after it nothing
+   * of that request touches the engine's blocks. Answers the ids that were in flight.
+   */
+  #cancel(s: Session, m: Request): Record<string, unknown> {
+    const ids = intList(m, 'ids', Number.MAX_SAFE_INTEGER, 4096)
+    const found: number[] = []
+    for (const id of ids) {
+      let p = s.progress.get(id)
+      if (p) found.push(id)
+      // Every request under that id (one reused while in flight, a client bug): none may copy on.
+      for (; p !== undefined; p = p.under) p.cancel()
+    }
+    return { cancelled: found }
+  }
+
+  /** A copy through the test hook's gate (AgentCoreOptions.copyGate), else at once. */
+  #gated<T>(copy: () => T): T | Promise<Awaited<T>> {
+    const gate = this.options.copyGate
+    return gate ? gate().then(copy) : copy()
   }
 
   /** Releases what a closed connection registered. */
@@ -795,7 +854,21 @@ export class Agent {
  * until it ends, and neither request's end forgets the other's.
  */
 function beginProgress(s: Session, id: number, op: string): Progress {
-  const prog: Progress = { op, layers: 0, under: s.progress.get(id) }
+  let cancel = () => {}
+  const onCancel = new Promise<void>((resolve) => {
+    cancel = resolve
+  })
+  const prog: Progress = {
+    op,
+    layers: 0,
+    under: s.progress.get(id),
+    cancelled: false,
+    onCancel,
+    cancel() {
+      prog.cancelled = true
+      cancel()
+    },
+  }
   s.progress.set(id, prog)
   return prog
 }
@@ -824,6 +897,13 @@ function endProgress(s: Session, id: number, prog: Progress): void {
 function notEnded(s: Session): void {
   if (s.ended || s.peerClosed?.() === true)
     throw new AgentError('ERR_CLOSED', 'the connection closed: the engine may reuse its blocks')
+}
+
+/** Throws when a copy of this request may not start: its connection closed, or the engine cancelled it. */
+function mayCopy(s: Session, prog: Progress): void {
+  notEnded(s)
+  if (prog.cancelled)
+    throw new AgentError('ERR_CANCELLED', `the engine cancelled this ${prog.op}: it may reuse its blocks`)
 }
 
 /** Copies in flight: `settled()` waits for every one, then rejects with the first failure. */

@@ -54,6 +54,9 @@ export class AgentMetrics {
   lookupDeadline = 0
   loads = 0
   loadErrors = 0
+  /** Loads and saves the engine cancelled (they answered once their copies in flight landed). */
+  loadsCancelled = 0
+  savesCancelled = 0
   loadedChunks = 0
   loadedBytes = 0
   saves = 0
