@@ -658,7 +658,7 @@ export class Agent {
           mayCopy(s, prog)
           const copied = group.map((e) => e.layer)
           const slabs = group
-          const p = copies.add(this.#gated(() => copier.scatterLayers(slabs, runsByChunk)))
+          const p = copies.add(this.#gated(() => copier.scatterLayers(slabs, runsByChunk)) as Promise<void>)
           group = []
           void p.then(
             () => {
@@ -793,7 +793,7 @@ export class Agent {
   }
 
   /** A copy through the test hook's gate (AgentCoreOptions.copyGate), else at once. */
-  #gated<T>(copy: () => T): T | Promise<Awaited<T>> {
+  #gated<T>(copy: () => T | Promise<T>): T | Promise<T> {
     const gate = this.options.copyGate
     return gate ? gate().then(copy) : copy()
   }

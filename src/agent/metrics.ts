@@ -137,6 +137,10 @@ export class AgentMetrics {
     put('load_errors_total', 'counter', 'Loads that failed part-way (blocks reported to the engine).', [
       ['', this.loadErrors],
     ])
+    put('loads_cancelled_total', 'counter', 'Loads the engine cancelled (past its load timeout).', [
+      ['', this.loadsCancelled],
+    ])
+    put('saves_cancelled_total', 'counter', 'Saves the engine cancelled.', [['', this.savesCancelled]])
     put('loaded_bytes_total', 'counter', 'Bytes written into engine KV blocks.', [['', this.loadedBytes]])
     put('saves_total', 'counter', 'Saves finished.', [['', this.saves]])
     put('save_errors_total', 'counter', 'Saves that failed.', [['', this.saveErrors]])
