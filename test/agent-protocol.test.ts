@@ -386,6 +386,50 @@ describe('agent socket', () => {
     c.close()
   })
 
+  it('a block id twice among the blocks a load fills or a save stores is ERR_INVALID_ARGUMENT before any copy; repeats a load skips (null blocks) or a save does not store are not', async () => {
+    const c = await Client.open(join(dir, 'a.sock'))
+    expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true, blocksPerChunk: 2 })
+    const path = join(dir, 'kv-dup')
+    const layer = 2 * 8 * 16 * 2 * 8 * 2
+    writeFileSync(path, randomBytes(layer * 3))
+    const tensors = [0, 1, 2].map((l) => ({ kind: 'shm', path, offset: l * layer, shape: [2, 8, 16, 2, 8] }))
+    const { worker } = await c.call('register', { rank: 0, numBlocks: 8, tensors })
+    const keys = Buffer.concat([randomBytes(32), randomBytes(32)])
+    // Two saves of one chunk each: the same block as both halves of a chunk would store it twice.
+    for (const blockIds of [
+      [1, 1, 2, 3],
+      [1, 2, 3, 1],
+    ]) {
+      expect(await c.call('save', { worker, keys, blockIds })).toMatchObject({
+        ok: false,
+        error: { code: 'ERR_INVALID_ARGUMENT', message: expect.stringMatching(/block 1 .*twice/) },
+      })
+    }
+    expect(await c.call('lookup', { keys })).toMatchObject({ ok: true, chunks: 0 })
+    // Chunks before `from` are only the chain: their block ids are not read.
+    expect(await c.call('save', { worker, keys, blockIds: [1, 1, 2, 3], from: 1 })).toMatchObject({
+      ok: true,
+    })
+    expect(await c.call('save', { worker, keys, blockIds: [4, 5, 2, 3] })).toMatchObject({
+      ok: true,
+      stored: 1,
+    })
+    const before = readFileSync(path)
+    // A load writing one block from two places: racing copies, whichever lands last wins.
+    expect(await c.call('load', { worker, keys, blockIds: [6, 7, 7, 4] })).toMatchObject({
+      ok: false,
+      error: { code: 'ERR_INVALID_ARGUMENT', message: expect.stringMatching(/block 7 .*twice/) },
+    })
+    expect(readFileSync(path).equals(before)).toBe(true)
+    // vLLM's null block repeated in the blocks the engine already holds (skipped): loaded.
+    expect(await c.call('load', { worker, keys, blockIds: [0, 0, 6, 7], skipBlocks: 2 })).toMatchObject({
+      ok: true,
+      chunks: 2,
+      failedBlocks: [],
+    })
+    c.close()
+  })
+
   it('packed keys: a bin that is not 32·n bytes (or holds too many) is an error frame, in every op', async () => {
     const c = await Client.open(join(dir, 'a.sock'))
     expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true })

@@ -592,6 +592,7 @@ export class Agent {
     const count = hashCount(hashes)
     const ids = this.#blocks(w, m, count)
     const skip = optInt(m, 'skipBlocks', 0, ids.length, 0)
+    distinctBlocks(ids, skip)
     const g = w.geometry
     const bpc = w.space.blocksPerChunk
     const keys = w.space.keys(hashes)
@@ -717,6 +718,7 @@ export class Agent {
     const bb = blockBytes(g)
     // Keys always start at chunk 0 (chain identity); `from` skips chunks the engine loaded from us.
     const from = optInt(m, 'from', 0, count, 0)
+    distinctBlocks(ids, from * bpc)
     const keys = w.space.keys(hashes).slice(from)
     const prog = beginProgress(s, m.id, 'save')
     try {
@@ -897,6 +899,25 @@ function endProgress(s: Session, id: number, prog: Progress): void {
 function notEnded(s: Session): void {
   if (s.ended || s.peerClosed?.() === true)
     throw new AgentError('ERR_CLOSED', 'the connection closed: the engine may reuse its blocks')
+}
+
+/**
+ * Refuses a block id named twice among `ids[from..]` (the blocks a load fills or a save stores):
+ * an engine bug. A load would race two copies into one block (whichever lands last wins), a save
+ * would store one block's KV as two positions'. Leading blocks a load skips (vLLM's null block,
+ * repeated) or a save does not store (the chain) are not copied: repeats there are fine.
+ */
+function distinctBlocks(ids: readonly number[], from: number): void {
+  const seen = new Set<number>()
+  for (let i = from; i < ids.length; i++) {
+    const b = ids[i]!
+    if (seen.has(b))
+      throw new AgentError(
+        'ERR_INVALID_ARGUMENT',
+        `blockIds names block ${b} twice (at ${ids.indexOf(b, from)} and ${i}): each block it copies must be distinct`,
+      )
+    seen.add(b)
+  }
 }
 
 /** Throws when a copy of this request may not start: its connection closed, or the engine cancelled it. */
