@@ -2,7 +2,7 @@
 // and save → load through host shared memory for every vLLM layout.
 
 import { randomBytes } from 'node:crypto'
-import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
+import { mkdtempSync, readdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
 import { connect, Socket } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -428,6 +428,58 @@ describe('agent socket', () => {
       failedBlocks: [],
     })
     c.close()
+  })
+
+  it('a connection holds at most 8 registrations and 4096 tensors (open files, mappings): past them ERR_LIMIT, nothing opened; another connection registers', async () => {
+    const fds = () => readdirSync('/proc/self/fd').length
+    const layer = 2 * 8 * 16 * 2 * 8 * 2
+    const path = join(dir, 'kv-cap')
+    writeFileSync(path, Buffer.alloc(layer * 3))
+    const tensors = [0, 1, 2].map((l) => ({ kind: 'shm', path, offset: l * layer, shape: [2, 8, 16, 2, 8] }))
+    const c = await Client.open(join(dir, 'a.sock'))
+    expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true })
+    // Sent at once: registrations in flight count too.
+    const all = await Promise.all(
+      Array.from({ length: 10 }, () => c.call('register', { rank: 0, numBlocks: 8, tensors })),
+    )
+    expect(all.filter((r) => r.ok).length).toBe(8)
+    const open = fds()
+    const refused = await c.call('register', { rank: 0, numBlocks: 8, tensors })
+    expect(refused).toMatchObject({
+      ok: false,
+      error: { code: 'ERR_LIMIT', message: expect.stringMatching(/8 registrations/) },
+    })
+    expect(all.filter((r) => !r.ok)).toEqual([
+      expect.objectContaining({ error: expect.objectContaining({ code: 'ERR_LIMIT' }) }),
+      expect.objectContaining({ error: expect.objectContaining({ code: 'ERR_LIMIT' }) }),
+    ])
+    expect(fds()).toBe(open)
+    const d = await Client.open(join(dir, 'a.sock'))
+    expect(await d.call('hello', hello('flash-attn'))).toMatchObject({ ok: true })
+    expect(await d.call('register', { rank: 0, numBlocks: 8, tensors })).toMatchObject({ ok: true })
+    c.close()
+    d.close()
+    // Tensors: a 1024-layer model registers 4 times on one connection (4096 files), not 5.
+    const big = join(dir, 'kv-cap-big')
+    const small = 2 * 1 * 1 * 1 * 1 * 2 // [2, 1 block, 1 token, 1 head, 1 dim] of fp16
+    writeFileSync(big, Buffer.alloc(small * 1024))
+    const many = Array.from({ length: 1024 }, (_, l) => ({
+      kind: 'shm',
+      path: big,
+      offset: l * small,
+      shape: [2, 1, 1, 1, 1],
+    }))
+    const e = await Client.open(join(dir, 'a.sock'))
+    const geometry = { layers: 1024, kvHeads: 1, headSize: 1, blockSize: 1 }
+    const h = await e.call('hello', { ...hello('flash-attn', geometry), model: 'test/deep' })
+    expect(h).toMatchObject({ ok: true })
+    for (let i = 0; i < 4; i++)
+      expect(await e.call('register', { rank: 0, numBlocks: 1, tensors: many })).toMatchObject({ ok: true })
+    expect(await e.call('register', { rank: 0, numBlocks: 1, tensors: many })).toMatchObject({
+      ok: false,
+      error: { code: 'ERR_LIMIT', message: expect.stringMatching(/4096 tensors/) },
+    })
+    e.close()
   })
 
   it('packed keys: a bin that is not 32·n bytes (or holds too many) is an error frame, in every op', async () => {

@@ -65,6 +65,15 @@ const AGENT_FEATURES = ['cancel']
 const MAX_KEYS = 1 << 16
 const MAX_BLOCKS = 1 << 24
 const MAX_WORLD = 64
+/**
+ * Registrations one connection may hold (in flight included): an engine's connection registers
+ * one TP rank, once. Each holds an open file and a mapping per layer (shm) or IPC mappings, never
+ * released before the connection ends: a client registering in a loop would exhaust the
+ * agent's descriptors and address space for every engine.
+ */
+const MAX_REGISTRATIONS = 8
+/** Tensors (per layer: an open file and a mapping) one connection's registrations may hold. */
+const MAX_CONNECTION_TENSORS = 4096
 /** A load reports its progress in about this many steps (one threaded copy each). */
 const LOAD_PROGRESS_STEPS = 8
 /** Buffers a load's layer group is sized to name at most (one layer of more chunks is one group, which HostCopier cuts into calls within the addon's 65 536). */
@@ -127,6 +136,9 @@ export interface Session {
   event(message: Record<string, unknown>): void
   /** The connection closed (endSession): a register still in flight releases what it mapped. */
   ended: boolean
+  /** Registrations of this connection, held or in flight, and their tensors (MAX_REGISTRATIONS). */
+  registrations: number
+  tensors: number
   /**
    * Whether the engine closed the connection, asked of the kernel (server.ts): true turns
    * before the socket's close event reaches JS. Undefined: only `ended` is known.
@@ -142,6 +154,8 @@ export function newSession(event: Session['event']): Session {
     progress: new Map(),
     event,
     ended: false,
+    registrations: 0,
+    tensors: 0,
   }
 }
 
@@ -348,8 +362,31 @@ export class Agent {
     return p
   }
 
-  async #register(s: Session, m: Request): Promise<Record<string, unknown>> {
+  /** A registration within the connection's bounds (counted from its start: those in flight count). */
+  #register(s: Session, m: Request): Promise<Record<string, unknown>> {
     const d = this.#descriptor(s)
+    if (s.registrations >= MAX_REGISTRATIONS)
+      throw new AgentError(
+        'ERR_LIMIT',
+        `this connection holds ${MAX_REGISTRATIONS} registrations, the most one may: an engine registers once per connection`,
+      )
+    if (s.tensors + d.layers > MAX_CONNECTION_TENSORS)
+      throw new AgentError(
+        'ERR_LIMIT',
+        `this connection holds ${s.tensors} of its ${MAX_CONNECTION_TENSORS} tensors; ${d.layers} more would pass it`,
+      )
+    s.registrations++
+    s.tensors += d.layers
+    const p = this.#mapRegistration(s, m, d)
+    // A refused or failed registration holds nothing: its share of the bounds comes back.
+    p.catch(() => {
+      s.registrations--
+      s.tensors -= d.layers
+    })
+    return p
+  }
+
+  async #mapRegistration(s: Session, m: Request, d: SpaceDescriptor): Promise<Record<string, unknown>> {
     const rank = int(m, 'rank', 0, d.world - 1)
     const numBlocks = int(m, 'numBlocks', 1, MAX_BLOCKS)
     const g: EngineGeometry = d

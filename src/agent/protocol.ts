@@ -29,6 +29,7 @@ export const AGENT_ERROR_CODES = [
   'ERR_CLOSED',
   'ERR_INTERNAL',
   'ERR_CANCELLED',
+  'ERR_LIMIT',
 ] as const
 
 export type AgentErrorCode = (typeof AGENT_ERROR_CODES)[number]
