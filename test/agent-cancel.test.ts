@@ -10,6 +10,7 @@ import { afterAll, describe, expect, it } from 'vitest'
 import { Agent, newSession, type Session } from '../src/agent/agent.ts'
 import { resolveAgentConfig } from '../src/agent/index.ts'
 import { loadNative } from '../src/client/native-api.ts'
+import { startFaultGateway } from './support/client-fault-gateway.ts'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvgate-cancel-'))
 afterAll(() => rmSync(dir, { recursive: true, force: true }))
@@ -50,7 +51,7 @@ class Gate {
   }
 }
 
-async function setup(name: string, threads: number) {
+async function setup(name: string, threads: number, remoteUrl?: string) {
   const gate = new Gate()
   const cfg = resolveAgentConfig(
     { socket: join(dir, `${name}.sock`), chunkTokens: 256, maxFrameBytes: 1 << 20 },
@@ -58,7 +59,13 @@ async function setup(name: string, threads: number) {
   )
   const agent = new Agent({
     chunkTokens: 256,
-    cache: { ...cfg.cache, native: false, remote: false, disk: false, codecWorkers: 0 },
+    cache: {
+      ...cfg.cache,
+      native: false,
+      remote: remoteUrl ? { url: remoteUrl, codec: 'raw' } : false,
+      disk: false,
+      codecWorkers: 0,
+    },
     lookupDeadlineMs: 1000,
     copyThreads: threads,
     copyGate: gate.fn,
@@ -199,6 +206,41 @@ describe('cancel', () => {
     } finally {
       agent.endSession(s)
       await agent.close()
+    }
+  })
+
+  it('a cancelled load waiting for chunks from a gateway that does not answer answers at once: nothing was copied', async () => {
+    const gw = await startFaultGateway()
+    const a = await setup('fetch-a', 2, gw.url)
+    const b = await setup('fetch-b', 2, gw.url) // its own (cold) L1: the chunks come from the gateway
+    try {
+      const keys = Buffer.concat([randomBytes(32), randomBytes(32)])
+      const blockIds = Array.from({ length: 2 * BPC }, (_, i) => i)
+      expect(
+        await a.agent.answer(a.s, { id: 3, op: 'save', worker: a.worker, keys, blockIds }),
+      ).toMatchObject({
+        stored: 2,
+      })
+      expect(await a.agent.answer(a.s, { id: 4, op: 'flush' })).toEqual({})
+      expect(gw.objects.size).toBe(2)
+      gw.faults.hangGets = true
+      const before = readFileSync(b.path)
+      const load = b.agent.answer(b.s, { id: 5, op: 'load', worker: b.worker, keys, blockIds }) as Promise<
+        Record<string, unknown>
+      >
+      expect(await settledWithin(load, 200)).toBe(false) // waiting for the gateway
+      expect(b.agent.answer(b.s, { id: 6, op: 'cancel', ids: [5] })).toEqual({ cancelled: [5] })
+      expect(await settledWithin(load, 500)).toBe(true)
+      expect(await load).toMatchObject({ chunks: 0, failedBlocks: blockIds })
+      expect(b.gate.started).toBe(0)
+      expect(readFileSync(b.path).equals(before)).toBe(true)
+    } finally {
+      gw.faults.hangGets = false
+      for (const x of [a, b]) {
+        x.agent.endSession(x.s)
+        await x.agent.close()
+      }
+      await gw.close()
     }
   })
 
