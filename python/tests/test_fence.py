@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from harness import Engine, EngineSpec, TempDir, make_request, start_agent
+import torch
+
+from harness import Engine, EngineSpec, TempDir, block_view, make_request, sides, start_agent
 
 PROMPT = [(i * 7919 + 13) % 32000 for i in range(100)]  # 3 chunks of 32 tokens + a tail
 
@@ -19,6 +21,18 @@ def tmp():
     d = TempDir()
     yield d
     d.cleanup()
+
+
+def layer0_landed(engine: Engine, src, dst, n: int) -> bool:
+    """Whether layer 0 of blocks dst[:n] holds what blocks src[:n] hold, on every rank."""
+    for rank in range(len(engine.workers)):
+        t = engine.tensors(rank)[0]
+        for side in range(sides(engine.spec)):
+            for i in range(n):
+                a, b = block_view(t, engine.spec, side, src[i]), block_view(t, engine.spec, side, dst[i])
+                if not torch.equal(a, b):
+                    return False
+    return True
 
 
 def steps_until_reported(engine: Engine, rid: str, first_finished, max_steps: int, pause: float = 0.02):
@@ -56,6 +70,7 @@ def test_a_timed_out_load_holds_its_requests_blocks_until_its_stalled_copy_lande
         delay, _ = e.sched.request_finished(r2["req"], r2["block_ids"])
         assert delay is True
         assert steps_until_reported(e, "r2", {"r2"}, max_steps=10) is None
+        assert not layer0_landed(e, r1["block_ids"], r2["block_ids"], 6)  # its first copy is still stalled
         if ending == "copy-lands":
             os.unlink(gate)
         else:
@@ -63,6 +78,8 @@ def test_a_timed_out_load_holds_its_requests_blocks_until_its_stalled_copy_lande
         n = steps_until_reported(e, "r2", (), max_steps=200)
         assert n is not None, "the fence never resolved"
         if ending == "copy-lands":
+            # Freeable only after the stalled copy (layer 0's, started before the timeout) landed.
+            assert layer0_landed(e, r1["block_ids"], r2["block_ids"], 6)
             # The connection was kept (no reconnect, no other request failed): a load now lands.
             r3 = e.prefill("r3", PROMPT)
             assert r3["matched"] == 96 and r3["load_errors"] == []
