@@ -11,22 +11,22 @@ import { Agent, newSession, type Session } from '../src/agent/agent.ts'
 import { resolveAgentConfig } from '../src/agent/index.ts'
 import { loadNative } from '../src/client/native-api.ts'
 import { startFaultGateway } from './support/client-fault-gateway.ts'
+import {
+  LLAMA_BLOCK_BYTES,
+  LLAMA_BLOCKS,
+  LLAMA_GEOMETRY,
+  LLAMA_LAYER_BYTES,
+  LLAMA_LAYERS,
+} from './support/llama-blocks.ts'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvgate-cancel-'))
 afterAll(() => rmSync(dir, { recursive: true, force: true }))
 
-const LAYERS = 16
-const geometry = {
-  layout: 'flash-attn',
-  dtype: 'bfloat16',
-  layers: LAYERS,
-  kvHeads: 8,
-  headSize: 128,
-  blockSize: 16,
-}
-const BLOCK = 16 * 8 * 128 * 2
-const BLOCKS = 48
-const LAYER_BYTES = 2 * BLOCKS * BLOCK
+const LAYERS = LLAMA_LAYERS
+const geometry = LLAMA_GEOMETRY
+const BLOCK = LLAMA_BLOCK_BYTES
+const BLOCKS = LLAMA_BLOCKS
+const LAYER_BYTES = LLAMA_LAYER_BYTES
 const BPC = 16 // 256-token chunks of 16-token blocks
 
 /** The copy gate (AgentCoreOptions.copyGate): counts copies started, holds them while closed. */

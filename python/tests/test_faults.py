@@ -127,6 +127,14 @@ def test_a_stalled_load_costs_one_load_timeout_per_step_not_one_per_layer():
         agent.close()
 
 
+def until(fn, timeout=5.0):
+    """fn() until it returns something truthy or `timeout` seconds passed; its last value."""
+    deadline = time.monotonic() + timeout
+    while not (v := fn()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return v
+
+
 def hold_step(c, holds, finished):
     """One worker step carrying `holds` (request_finished held them: no save); returns finished_sending."""
     c.bind_connector_metadata(KVGateMetadata(holds=list(holds)))
@@ -164,20 +172,16 @@ def test_a_timed_out_load_is_cancelled_and_its_request_held_until_the_agent_answ
     try:
         assert c._worker_ready()
         assert run_load(c, list(caches), load_spec()) == set(range(10, 14))
-        deadline = time.monotonic() + 5
-        while features and "cancel" not in held and time.monotonic() < deadline:
-            time.sleep(0.01)
+        if features:
+            until(lambda: "cancel" in held)
         assert held.get("cancel") == ([held["load"][1]] if features else None)
         assert ("load" in held) and c._client.connected
         # Another request of the connection: its save completes and is reported.
         c.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", load_spec(1).keys, [30, 31], 0)]))
         c.start_load_kv(None)
         c.wait_for_save()
-        deadline = time.monotonic() + 5
-        sending = c.get_finished({"s"})[0] or set()
-        while "s" not in sending and time.monotonic() < deadline:
-            time.sleep(0.01)
-            sending = c.get_finished(set())[0] or set()
+        finished = [{"s"}]
+        sending = until(lambda: c.get_finished(finished.pop() if finished else set())[0])
         c.clear_connector_metadata()
         assert sending == {"s"}
         # The given-up request ends: held while its load is unanswered...
@@ -186,10 +190,7 @@ def test_a_timed_out_load_is_cancelled_and_its_request_held_until_the_agent_answ
         # ...reported once the agent answers it (after its last copy landed).
         conn, rid = held["load"]
         agent.send(conn, {"id": rid, "ok": True, "chunks": 0, "tokens": 0, "failedBlocks": list(range(10, 14)), "error": "cancelled"})
-        deadline = time.monotonic() + 5
-        while not (sending := hold_step(c, [], [])) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert sending == {"r"}
+        assert until(lambda: hold_step(c, [], [])) == {"r"}
         assert c.loads_unfenced == 0
     finally:
         c.shutdown()
@@ -212,12 +213,8 @@ def test_a_load_failed_by_a_dropped_connection_is_a_fence_only_when_the_agent_cl
             agent.drop_all()
         else:
             c._client.close()
-        sending = set()
-        deadline = time.monotonic() + 5
-        while not (sending := hold_step(c, [], [])) and time.monotonic() < deadline:
-            time.sleep(0.01)
-            if who == "connector" and time.monotonic() > deadline - 4:
-                break
+        # Held for good after this side's drop: a second of steps shows it.
+        sending = until(lambda: hold_step(c, [], []), timeout=5.0 if who == "agent" else 1.0)
         if who == "agent":
             assert sending == {"r"} and c.loads_unfenced == 0
         else:
