@@ -25,6 +25,13 @@ import { resolveAgentConfig, startAgent } from '../src/agent/index.ts'
 import { decodeBody, encodeFrame, FrameReader } from '../src/agent/protocol.ts'
 import { fileMapStats, nativeMemoryStats } from '../src/client/native.ts'
 import { loadNative } from '../src/client/native-api.ts'
+import {
+  LLAMA_BLOCK_BYTES,
+  LLAMA_BLOCKS,
+  LLAMA_GEOMETRY,
+  LLAMA_LAYER_BYTES,
+  LLAMA_LAYERS,
+} from './support/llama-blocks.ts'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvgate-host-tensor-'))
 afterAll(() => rmSync(dir, { recursive: true, force: true }))
@@ -411,18 +418,11 @@ describe('agent: registration lifetimes', () => {
   })
 
   // Llama-like blocks (32 KiB) so a save's copy is still running when the connection or the agent goes.
-  const LAYERS = 16
-  const big = {
-    layout: 'flash-attn',
-    dtype: 'bfloat16',
-    layers: LAYERS,
-    kvHeads: 8,
-    headSize: 128,
-    blockSize: 16,
-  }
-  const BLOCK = 16 * 8 * 128 * 2
-  const BLOCKS = 48
-  const LAYER_BYTES = 2 * BLOCKS * BLOCK
+  const LAYERS = LLAMA_LAYERS
+  const big = LLAMA_GEOMETRY
+  const BLOCK = LLAMA_BLOCK_BYTES
+  const BLOCKS = LLAMA_BLOCKS
+  const LAYER_BYTES = LLAMA_LAYER_BYTES
 
   async function bigAgent(name: string, native: boolean, copyThreads = 2) {
     const cfg = resolveAgentConfig(

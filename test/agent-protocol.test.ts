@@ -2,7 +2,7 @@
 // and save → load through host shared memory for every vLLM layout.
 
 import { randomBytes } from 'node:crypto'
-import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
+import { mkdtempSync, readdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
 import { connect, Socket } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -384,6 +384,102 @@ describe('agent socket', () => {
       error: { code: 'ERR_NOT_REGISTERED' },
     })
     c.close()
+  })
+
+  it('a block id twice among the blocks a load fills or a save stores is ERR_INVALID_ARGUMENT before any copy; repeats a load skips (null blocks) or a save does not store are not', async () => {
+    const c = await Client.open(join(dir, 'a.sock'))
+    expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true, blocksPerChunk: 2 })
+    const path = join(dir, 'kv-dup')
+    const layer = 2 * 8 * 16 * 2 * 8 * 2
+    writeFileSync(path, randomBytes(layer * 3))
+    const tensors = [0, 1, 2].map((l) => ({ kind: 'shm', path, offset: l * layer, shape: [2, 8, 16, 2, 8] }))
+    const { worker } = await c.call('register', { rank: 0, numBlocks: 8, tensors })
+    const keys = Buffer.concat([randomBytes(32), randomBytes(32)])
+    // Two saves of one chunk each: the same block as both halves of a chunk would store it twice.
+    for (const blockIds of [
+      [1, 1, 2, 3],
+      [1, 2, 3, 1],
+    ]) {
+      expect(await c.call('save', { worker, keys, blockIds })).toMatchObject({
+        ok: false,
+        error: { code: 'ERR_INVALID_ARGUMENT', message: expect.stringMatching(/block 1 .*twice/) },
+      })
+    }
+    expect(await c.call('lookup', { keys })).toMatchObject({ ok: true, chunks: 0 })
+    // Chunks before `from` are only the chain: their block ids are not read.
+    expect(await c.call('save', { worker, keys, blockIds: [1, 1, 2, 3], from: 1 })).toMatchObject({
+      ok: true,
+    })
+    expect(await c.call('save', { worker, keys, blockIds: [4, 5, 2, 3] })).toMatchObject({
+      ok: true,
+      stored: 1,
+    })
+    const before = readFileSync(path)
+    // A load writing one block from two places: racing copies, whichever lands last wins.
+    expect(await c.call('load', { worker, keys, blockIds: [6, 7, 7, 4] })).toMatchObject({
+      ok: false,
+      error: { code: 'ERR_INVALID_ARGUMENT', message: expect.stringMatching(/block 7 .*twice/) },
+    })
+    expect(readFileSync(path).equals(before)).toBe(true)
+    // vLLM's null block repeated in the blocks the engine already holds (skipped): loaded.
+    expect(await c.call('load', { worker, keys, blockIds: [0, 0, 6, 7], skipBlocks: 2 })).toMatchObject({
+      ok: true,
+      chunks: 2,
+      failedBlocks: [],
+    })
+    c.close()
+  })
+
+  it('a connection holds at most 8 registrations and 4096 tensors (open files, mappings): past them ERR_LIMIT, nothing opened; another connection registers', async () => {
+    const fds = () => readdirSync('/proc/self/fd').length
+    const layer = 2 * 8 * 16 * 2 * 8 * 2
+    const path = join(dir, 'kv-cap')
+    writeFileSync(path, Buffer.alloc(layer * 3))
+    const tensors = [0, 1, 2].map((l) => ({ kind: 'shm', path, offset: l * layer, shape: [2, 8, 16, 2, 8] }))
+    const c = await Client.open(join(dir, 'a.sock'))
+    expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true })
+    // Sent at once: registrations in flight count too.
+    const all = await Promise.all(
+      Array.from({ length: 10 }, () => c.call('register', { rank: 0, numBlocks: 8, tensors })),
+    )
+    expect(all.filter((r) => r.ok).length).toBe(8)
+    const open = fds()
+    const refused = await c.call('register', { rank: 0, numBlocks: 8, tensors })
+    expect(refused).toMatchObject({
+      ok: false,
+      error: { code: 'ERR_LIMIT', message: expect.stringMatching(/8 registrations/) },
+    })
+    expect(all.filter((r) => !r.ok)).toEqual([
+      expect.objectContaining({ error: expect.objectContaining({ code: 'ERR_LIMIT' }) }),
+      expect.objectContaining({ error: expect.objectContaining({ code: 'ERR_LIMIT' }) }),
+    ])
+    expect(fds()).toBe(open)
+    const d = await Client.open(join(dir, 'a.sock'))
+    expect(await d.call('hello', hello('flash-attn'))).toMatchObject({ ok: true })
+    expect(await d.call('register', { rank: 0, numBlocks: 8, tensors })).toMatchObject({ ok: true })
+    c.close()
+    d.close()
+    // Tensors: a 1024-layer model registers 4 times on one connection (4096 files), not 5.
+    const big = join(dir, 'kv-cap-big')
+    const small = 2 * 1 * 1 * 1 * 1 * 2 // [2, 1 block, 1 token, 1 head, 1 dim] of fp16
+    writeFileSync(big, Buffer.alloc(small * 1024))
+    const many = Array.from({ length: 1024 }, (_, l) => ({
+      kind: 'shm',
+      path: big,
+      offset: l * small,
+      shape: [2, 1, 1, 1, 1],
+    }))
+    const e = await Client.open(join(dir, 'a.sock'))
+    const geometry = { layers: 1024, kvHeads: 1, headSize: 1, blockSize: 1 }
+    const h = await e.call('hello', { ...hello('flash-attn', geometry), model: 'test/deep' })
+    expect(h).toMatchObject({ ok: true })
+    for (let i = 0; i < 4; i++)
+      expect(await e.call('register', { rank: 0, numBlocks: 1, tensors: many })).toMatchObject({ ok: true })
+    expect(await e.call('register', { rank: 0, numBlocks: 1, tensors: many })).toMatchObject({
+      ok: false,
+      error: { code: 'ERR_LIMIT', message: expect.stringMatching(/4096 tensors/) },
+    })
+    e.close()
   })
 
   it('packed keys: a bin that is not 32·n bytes (or holds too many) is an error frame, in every op', async () => {

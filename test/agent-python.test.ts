@@ -47,5 +47,10 @@ describe.skipIf(missing !== undefined)('kvgate_vllm (pytest)', () => {
     5 * 60_000,
   )
   it('connector harness against real agents and a gateway', () => pytest('test_connector.py'), 15 * 60_000)
+  it(
+    "a load given up while its copy is stalled in the agent: the request's blocks are held until it lands",
+    () => pytest('test_fence.py'),
+    5 * 60_000,
+  )
   it('real model: continuation after load', () => pytest('test_model.py'), 15 * 60_000)
 })

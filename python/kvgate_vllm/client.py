@@ -49,9 +49,14 @@ REFUSALS = ("ERR_PROTOCOL_VERSION", "ERR_MODEL_MISMATCH", "ERR_GEOMETRY_MISMATCH
 class AgentError(Exception):
     """An error answer from the agent (`code` is stable) or a transport failure (ERR_DISCONNECTED)."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, dropped_here: bool = False):
         super().__init__(f"{message} [{code}]")
         self.code = code
+        # ERR_DISCONNECTED only: this side dropped a connection the agent may still serve (a bad
+        # frame, a stalled send, close()). The agent then starts no copy for its requests, but
+        # copies already running may still land: a load failed so is no fence (connector.py).
+        # False: the agent closed or died, and copies of its requests with it.
+        self.dropped_here = dropped_here
 
 
 def default_socket_path() -> str:
@@ -99,6 +104,8 @@ class AgentClient:
         # socket must never append to the next connection's bytes.
         self._buf: Tuple[Optional[socket.socket], bytearray] = (None, bytearray())
         self._pending: Dict[int, Future] = {}
+        # The socket close() is dropping (AgentError.dropped_here for its requests).
+        self._closing_here: Optional[socket.socket] = None
         self._progress: Dict[int, Callable[[Dict[str, Any]], None]] = {}
         self._next_id = 1
         self._last_attempt = 0.0
@@ -202,10 +209,12 @@ class AgentClient:
         finally:
             self._read_lock.release()
         if eof:
-            self._drop(s)
+            self._drop(s, here=False)
         return eof
 
-    def _drop(self, s: socket.socket) -> None:
+    def _drop(self, s: socket.socket, here: bool = True) -> None:
+        """Drops `s` and fails its pending requests; `here`: this side chose to (the agent may live on)."""
+        here = here or self._closing_here is s
         with self._lock:
             if self._sock is not s:
                 return
@@ -226,11 +235,14 @@ class AgentClient:
             pass
         for f in pending.values():
             if not f.done():
-                f.set_exception(AgentError("ERR_DISCONNECTED", "the kvgate agent connection closed"))
+                f.set_exception(AgentError("ERR_DISCONNECTED", "the kvgate agent connection closed", dropped_here=here))
 
     def close(self) -> None:
         s = self._sock
         if s is not None:
+            # Before the shutdown: the reader thread then sees EOF and may drop `s` first, which
+            # must not read as the agent having closed (its copies may still run).
+            self._closing_here = s
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -269,6 +281,7 @@ class AgentClient:
             rid = self._next_id
             self._next_id += 1
             self._pending[rid] = f
+            f.request_id = rid
             if progress is not None:
                 self._progress[rid] = progress
         body = msgpack.packb({"id": rid, "op": op, **(fields or {})}, use_bin_type=True)
@@ -277,7 +290,8 @@ class AgentClient:
                 s.sendall(struct.pack(">I", len(body)) + body)
         except OSError as e:  # also SO_SNDTIMEO's EAGAIN: part of a frame may be sent, so the stream is lost
             self.last_error = f"cannot send to the kvgate agent: {e}"
-            self._drop(s)
+            # A reset or broken pipe: the agent closed; a send timeout: it is alive but stalled.
+            self._drop(s, here=not isinstance(e, ConnectionError))
             return f
         if not wait_here:
             self._want_reader()
@@ -341,7 +355,10 @@ class AgentClient:
                 del buf[: 4 + n]
                 self._dispatch(msg)
             return True
-        except Exception:  # EOF, a bad frame, or a frame whose fields cannot be dispatched (an unhashable id)
+        except (EOFError, ConnectionError):  # the agent closed or died
+            self._drop(s, here=False)
+            return False
+        except Exception:  # a bad frame, or a frame whose fields cannot be dispatched (an unhashable id)
             self._drop(s)
             return False
 
@@ -390,6 +407,8 @@ class _Answer(Future):
         super().__init__()
         self._client = client
         self._sock = sock
+        # The request's id on its connection (None when it was never sent): what `cancel` names.
+        self.request_id: Optional[int] = None
 
     def result(self, timeout: Optional[float] = None) -> Any:
         if not self.done():

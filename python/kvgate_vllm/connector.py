@@ -64,6 +64,9 @@ class SaveSpec:
 class KVGateMetadata(KVConnectorMetadata):
     loads: List[LoadSpec] = field(default_factory=list)
     saves: List[SaveSpec] = field(default_factory=list)
+    # Finished requests that had a load and no save: request_finished held their blocks until
+    # every worker reports them in finished_sending, once no copy of their loads can land.
+    holds: List[str] = field(default_factory=list)
 
 
 class ConfigurationError(ValueError):
@@ -113,8 +116,8 @@ _LAYOUTS = ("flash-attn", "flashinfer", "mla")
 # kv_connector_extra_config keys and their defaults (docs/vllm.md lists them).
 _EXTRA_MS_DEFAULTS = {"lookup_wait_ms": 2, "lookup_timeout_ms": 1000, "load_timeout_ms": 30000, "save_timeout_ms": 60000}
 _EXTRA_KEYS = ("socket", "layout", "model_id", *_EXTRA_MS_DEFAULTS)
-# A load or save given up drops the agent connection (the protocol's only cancel): one shorter than
-# a chunk's copy would drop every transfer, so these have a floor.
+# A load given up is cancelled, a save given up drops the agent connection: one shorter than a
+# chunk's copy would give up every transfer, so these have a floor.
 _EXTRA_MS_MIN = {"load_timeout_ms": 100, "save_timeout_ms": 100}
 
 
@@ -346,6 +349,16 @@ def _no_layer_hook_will_wait(forward_context: Any) -> bool:
     return forward_context is not None and getattr(forward_context, "attn_metadata", ...) is None
 
 
+def _fenced(f: Future) -> bool:
+    """Whether no copy of this load can land any more: the agent answered it (after its last copy)
+    or closed the connection (it died, or answered every load first). Not when this side dropped
+    the connection: the agent then starts no copy, but one running may still land."""
+    if not f.done():
+        return False
+    e = f.exception()
+    return not (isinstance(e, AgentError) and e.dropped_here)
+
+
 class _LoadState:
     def __init__(self, spec: LoadSpec):
         self.spec = spec
@@ -394,6 +407,7 @@ class KVGateConnector(KVConnectorBase_V1):
         self._load_blocks: Dict[str, Tuple[List[int], int]] = {}
         self._pending_loads: List[LoadSpec] = []
         self._pending_saves: List[SaveSpec] = []
+        self._pending_holds: List[str] = []
         self._warned_hash_size = False
         # Whether vLLM's block hashes tell prompts given as embeddings apart (_chunk_keys).
         self._embeds_hashed = hashes_cover_prompt_embeds()
@@ -416,6 +430,15 @@ class KVGateConnector(KVConnectorBase_V1):
         self._saves_done: Set[str] = set()
         self._finished_seen: Set[str] = set()
         self._load_errors: Set[int] = set()
+        # request id -> its loads whose copies may still land (given up at load_timeout_ms, or
+        # failed by a connection this side dropped): the request's blocks are not reported
+        # freeable (finished_sending) while one is here. A load leaves once the agent answered it
+        # (the answer comes after its last copy landed) or the agent closed or died.
+        self._fences: Dict[str, List[Future]] = {}
+        # Loads failed by a connection this side dropped (the agent may still be copying): their
+        # requests' blocks stay allocated for good, a bounded leak counted here and logged.
+        self.loads_unfenced = 0
+        self._unfenced_seen: Set[int] = set()
         # Whether the forward of the bound step has run (a layer hook was called): loads started
         # after it would fill blocks the forward already read (vLLM after 0.13 starts a step's
         # loads after the forward when the step has no synchronous load).
@@ -579,9 +602,10 @@ class KVGateConnector(KVConnectorBase_V1):
         self._load_blocks[rid] = (block_ids[: chunks * bpc], bpc)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVGateMetadata:
-        meta = KVGateMetadata(loads=self._pending_loads, saves=self._pending_saves)
+        meta = KVGateMetadata(loads=self._pending_loads, saves=self._pending_saves, holds=self._pending_holds)
         self._pending_loads = []
         self._pending_saves = []
+        self._pending_holds = []
         if (meta.loads or meta.saves) and hasattr(scheduler_output, "has_sync_kv_loads"):
             # vLLM after 0.13 starts a step's loads before its forward only when this is set. The
             # scheduler sets it for kvgate's (synchronous) loads itself; set here too so no step
@@ -607,11 +631,14 @@ class KVGateConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._lookups.pop(rid, None)
         self._computed.pop(rid, None)
-        self._load_blocks.pop(rid, None)
+        # A request kvgate loaded into: a copy of its load may still be in flight on a worker
+        # (given up at load_timeout_ms, the agent stalled): its blocks are held until every
+        # worker says none can land (one step when its loads finished).
+        loaded = self._load_blocks.pop(rid, None) is not None
         first = self._hits.pop(rid, 0)
         bpc = self._blocks_per_chunk()
         if not bpc or not self._client.ensure():
-            return False, None
+            return self._hold(rid, loaded)
         keys = self._chunk_keys(request, bpc)
         # Only chunks whose every token's KV vLLM computed: a request ends with a sampled token
         # that never went through the model, so when it completes a chunk (its block has a hash)
@@ -630,8 +657,17 @@ class KVGateConnector(KVConnectorBase_V1):
         # holds the chunks before them serves them).
         first = max(first, -(-_after_null_blocks(list(block_ids[: n * bpc])) // bpc))
         if n <= first:
-            return False, None
+            return self._hold(rid, loaded)
+        # A save holds the blocks too: the workers report it once it is stored and no load
+        # copy of the request can land.
         self._pending_saves.append(SaveSpec(rid, keys[:n], list(block_ids[: n * bpc]), first))
+        return True, None
+
+    def _hold(self, rid: str, loaded: bool) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """request_finished's answer for a request with no save: held when kvgate loaded into it."""
+        if not loaded:
+            return False, None
+        self._pending_holds.append(rid)
         return True, None
 
     # ------------------------------------------------------------------ worker side
@@ -743,6 +779,8 @@ class KVGateConnector(KVConnectorBase_V1):
                     st.future.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
                 except Exception:  # a failure or the deadline: reported by _finish_loads
                     pass
+        # Reported by get_finished once no copy of the request's loads can land (no save to wait for).
+        self._saves_done.update(meta.holds)
         skip_saves = self._settings["layout"] == "mla" and self._settings["rank"] != 0
         for spec in meta.saves:
             if not ready or skip_saves:  # MLA: rank 0 stores the one shared copy
@@ -779,6 +817,7 @@ class KVGateConnector(KVConnectorBase_V1):
 
     def _finish_loads(self) -> None:
         loads, self._loads = self._loads, []
+        late: List[Future] = []
         for st in loads:
             want = st.spec.block_ids[st.spec.skip_blocks :]
             try:
@@ -791,11 +830,59 @@ class KVGateConnector(KVConnectorBase_V1):
                 self._load_errors.update(b for b in failed if b in mine)
             except Exception:
                 self._load_errors.update(want)
-        if any(not st.future.done() for st in loads):
-            # Its blocks are reported failed and vLLM recomputes or reuses them; a load's only
-            # cancellation is its connection closing (the agent then starts no copy into them).
-            log.warning("kvgate: a load did not finish within load_timeout_ms; dropping the agent connection")
-            self._client.close()
+            if not _fenced(st.future):
+                # Its blocks are reported failed (vLLM recomputes them: a late copy then writes
+                # the stored KV of the same tokens), but the request's blocks must not go to another
+                # request while a copy may still land: held until the fence (get_finished).
+                self._fences.setdefault(st.spec.req_id, []).append(st.future)
+                if not st.future.done():
+                    late.append(st.future)
+        if late:
+            self._cancel(late)
+
+    def _cancel(self, late: List[Future]) -> None:
+        """Asks the agent to start no more copies for loads given up at load_timeout_ms. The
+        connection stays: other requests on it carry on, and each load's own answer, which
+        comes once its copies in flight landed, is its fence. An agent without `cancel` (older
+        than this connector) still answers each load after its last copy: the fence only comes later."""
+        features = (self._client.hello_answer or {}).get("features")
+        ids = [f.request_id for f in late if getattr(f, "request_id", None) is not None]
+        can = isinstance(features, list) and "cancel" in features
+        log.warning(
+            "kvgate: %d load(s) did not finish within load_timeout_ms: their blocks are recomputed%s; their "
+            "requests' blocks stay allocated until the agent answers them (a copy may still be in flight)",
+            len(late),
+            ", and the agent is asked to cancel them" if can else " (this agent has no cancel: it finishes them)",
+        )
+        if can and ids:
+            self._client.request("cancel", {"ids": ids})  # the answer says nothing the loads' own will not
+
+    def _unfenced(self, rid: str) -> bool:
+        """Whether a load of request `rid` may still write its blocks (this step's loads included:
+        vLLM may ask get_finished before wait_for_save)."""
+        if any(st.spec.req_id == rid and not st.future.done() for st in self._loads):
+            return True
+        fences = self._fences.get(rid)
+        if fences is None:
+            return False
+        left = [f for f in fences if not _fenced(f)]
+        for f in left:
+            if f.done() and id(f) not in self._unfenced_seen:
+                self._unfenced_seen.add(id(f))
+                self.loads_unfenced += 1
+                log.warning(
+                    "kvgate: the agent connection was dropped on this side while a load of request %s could still be "
+                    "copying: the request's blocks stay allocated for good rather than risk another request's KV "
+                    "(%d such loads so far; the agent stopped reading or answered garbage: check it; restarting "
+                    "vLLM reclaims the blocks)",
+                    rid,
+                    self.loads_unfenced,
+                )
+        if left:
+            self._fences[rid] = left
+        else:
+            del self._fences[rid]
+        return bool(left)
 
     def wait_for_save(self) -> None:
         self._finish_loads()
@@ -804,6 +891,8 @@ class KVGateConnector(KVConnectorBase_V1):
         self._finished_seen.update(finished_req_ids)
         now = time.monotonic()
         loading = any(not st.future.done() for st in self._loads if st.future is not None)
+        # A save's close below fails every load pending on the connection: this side dropped it, so
+        # those stay fences for good (AgentError.dropped_here). Not while this step's loads copy.
         if not loading and any(not f.done() and now >= deadline for f, deadline in self._saves.values()):
             # A save's only cancellation is its connection closing: the agent then starts no copy
             # out of its blocks and stores no chunk whose copy ended after the close, so vLLM may
@@ -826,11 +915,14 @@ class KVGateConnector(KVConnectorBase_V1):
                         f.exception(),
                         self.saves_not_stored,
                     )
-        done = {r for r in self._saves_done if r in self._finished_seen}
+        done = {r for r in self._saves_done if r in self._finished_seen and not self._unfenced(r)}
         self._saves_done -= done
-        # Only ids whose save is still copying are kept: vLLM names every finished request here
-        # once, in the step whose metadata carries its save (start_load_kv registered it).
-        self._finished_seen = {r for r in self._finished_seen if r in self._saves}
+        for r in done:
+            self._fences.pop(r, None)
+        # Only ids whose save is still copying or whose load may still land are kept: vLLM names
+        # every finished request here once, in the step whose metadata carries its save or hold
+        # (start_load_kv registered it).
+        self._finished_seen = {r for r in self._finished_seen if r in self._saves or r in self._saves_done}
         return (done or None), None
 
     def get_transfer_results(self, finished_req_ids: Optional[Set[str]] = None) -> Any:

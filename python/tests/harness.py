@@ -146,6 +146,7 @@ class EngineSpec:
     device: str = "cpu"  # "cuda": KV in GPU memory, registered through CUDA IPC handles
     call_order: str = "0.13"  # or "0.29" (module docstring)
     late_loads: bool = False  # "0.29" order, loads always started after the forward
+    load_timeout_ms: int = 20000
 
 
 def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
@@ -169,7 +170,7 @@ def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
         kv_transfer_config=SimpleNamespace(
             kv_connector="KVGateConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={"socket": spec.socket, "layout": spec.layout, "lookup_timeout_ms": 10000, "load_timeout_ms": 20000},
+            kv_connector_extra_config={"socket": spec.socket, "layout": spec.layout, "lookup_timeout_ms": 10000, "load_timeout_ms": spec.load_timeout_ms},
         ),
     )
 

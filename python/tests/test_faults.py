@@ -117,12 +117,109 @@ def test_a_stalled_load_costs_one_load_timeout_per_step_not_one_per_layer():
         assert errors == set(range(10, 14))
         # One timeout is 0.25 s; per layer and per load it was 8 x 0.25 + 0.25 = 2.25 s.
         assert took < 1.2, took
-        # The load is abandoned the only way the protocol has: the connection is closed, so the
-        # agent starts no copy into blocks vLLM now recomputes (or reuses).
-        assert not c._client.connected
-        conn = agent.conns[-1]
-        conn.settimeout(5)
-        assert conn.recv(1) == b""
+        # The connection stays (its other requests carry on); the load, unanswered, is the
+        # request's fence: its blocks are not reported freeable while it may still copy.
+        assert c._client.connected
+        assert c._unfenced("r")
+    finally:
+        c.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def until(fn, timeout=5.0):
+    """fn() until it returns something truthy or `timeout` seconds passed; its last value."""
+    deadline = time.monotonic() + timeout
+    while not (v := fn()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return v
+
+
+def hold_step(c, holds, finished):
+    """One worker step carrying `holds` (request_finished held them: no save); returns finished_sending."""
+    c.bind_connector_metadata(KVGateMetadata(holds=list(holds)))
+    c.start_load_kv(None)
+    c.wait_for_save()
+    sending, _ = c.get_finished(set(finished))
+    c.get_block_ids_with_load_errors()
+    c.clear_connector_metadata()
+    return sending or set()
+
+
+@pytest.mark.parametrize("features", [["cancel"], None])
+def test_a_timed_out_load_is_cancelled_and_its_request_held_until_the_agent_answers_it(features):
+    """An agent that has `cancel` is asked to cancel the given-up load (by its request id) and
+    the connection is kept: a save on it still completes. The request is reported freeable only
+    once the load is answered (the agent's fence). An older agent is not sent `cancel`: its own
+    answer to the load is the fence."""
+    held = {}
+
+    def script(agent, conn, req, n):
+        if req["op"] == "hello":
+            return {**HELLO_OK, "features": features} if features else HELLO_OK
+        if req["op"] == "load":
+            held["load"] = (conn, req["id"])
+            return None
+        if req["op"] == "cancel":
+            held["cancel"] = req["ids"]
+            return {"ok": True, "cancelled": req["ids"]}
+        if req["op"] == "save":
+            return {"ok": True, "chunks": 1, "stored": 1, "present": 0, "skipped": 0}
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    c, caches = worker(agent, load_timeout_ms=150)
+    try:
+        assert c._worker_ready()
+        assert run_load(c, list(caches), load_spec()) == set(range(10, 14))
+        if features:
+            until(lambda: "cancel" in held)
+        assert held.get("cancel") == ([held["load"][1]] if features else None)
+        assert ("load" in held) and c._client.connected
+        # Another request of the connection: its save completes and is reported.
+        c.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", load_spec(1).keys, [30, 31], 0)]))
+        c.start_load_kv(None)
+        c.wait_for_save()
+        finished = [{"s"}]
+        sending = until(lambda: c.get_finished(finished.pop() if finished else set())[0])
+        c.clear_connector_metadata()
+        assert sending == {"s"}
+        # The given-up request ends: held while its load is unanswered...
+        assert hold_step(c, ["r"], ["r"]) == set()
+        assert hold_step(c, [], []) == set()
+        # ...reported once the agent answers it (after its last copy landed).
+        conn, rid = held["load"]
+        agent.send(conn, {"id": rid, "ok": True, "chunks": 0, "tokens": 0, "failedBlocks": list(range(10, 14)), "error": "cancelled"})
+        assert until(lambda: hold_step(c, [], [])) == {"r"}
+        assert c.loads_unfenced == 0
+    finally:
+        c.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+@pytest.mark.parametrize("who", ["agent", "connector"])
+def test_a_load_failed_by_a_dropped_connection_is_a_fence_only_when_the_agent_closed_it(who, caplog):
+    """The agent closing (or dying) ends its copies: the given-up load's request is freed. This
+    side dropping the connection (a garbage frame, a stalled send, a save past save_timeout_ms)
+    leaves the agent's running copies running: the request stays held for good, counted and logged."""
+    agent = ScriptedAgent(lambda agent, conn, req, n: None if req["op"] == "load" else well_behaved(agent, conn, req, n))
+    c, caches = worker(agent, load_timeout_ms=150)
+    try:
+        assert c._worker_ready()
+        run_load(c, list(caches), load_spec())
+        assert hold_step(c, ["r"], ["r"]) == set()
+        if who == "agent":
+            agent.drop_all()
+        else:
+            c._client.close()
+        # Held for good after this side's drop: a second of steps shows it.
+        sending = until(lambda: hold_step(c, [], []), timeout=5.0 if who == "agent" else 1.0)
+        if who == "agent":
+            assert sending == {"r"} and c.loads_unfenced == 0
+        else:
+            assert sending == set() and c.loads_unfenced == 1
+            assert "stay allocated for good" in caplog.text
     finally:
         c.shutdown()
         drop_caches(caches)
@@ -468,7 +565,10 @@ def test_a_prompt_given_as_embeddings_is_looked_up_loaded_and_saved():
         meta = s.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
         assert [len(ld.keys) for ld in meta.loads] == [3]
         req.num_computed_tokens = 100
-        assert s.request_finished(req, list(range(1, 8))) == (False, None)  # all 3 chunks came from kvgate
+        # All 3 chunks came from kvgate: no save; held until the workers say no load copy can land.
+        assert s.request_finished(req, list(range(1, 8))) == (True, None)
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={"e"}))
+        assert (meta.saves, meta.holds) == ([], ["e"])
         req2 = SimpleNamespace(
             request_id="e2", prompt_token_ids=None, num_prompt_tokens=100, num_tokens=100, block_hashes=hashes
         )
@@ -1049,7 +1149,9 @@ def test_chunks_that_failed_to_load_are_saved_again():
         s.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
         s.update_connector_output(SimpleNamespace(invalid_block_ids=set()))
         req2.num_computed_tokens = 100
-        assert s.request_finished(req2, blocks) == (False, None)
+        assert s.request_finished(req2, blocks) == (True, None)  # held (it loaded), not saved
+        meta = s.build_connector_meta(SimpleNamespace(finished_req_ids={"r2"}))
+        assert (meta.saves, meta.holds) == ([], ["r2"])
     finally:
         s.shutdown()
         agent.close()

@@ -60,9 +60,20 @@ const VLLM_DTYPES: Record<string, Dtype> = {
   fp8_e5m2: 'fp8e5m2',
   float8_e5m2: 'fp8e5m2',
 }
+/** Operations beyond protocol 1's first set, named in hello's answer (a connector uses them only when named). */
+const AGENT_FEATURES = ['cancel']
 const MAX_KEYS = 1 << 16
 const MAX_BLOCKS = 1 << 24
 const MAX_WORLD = 64
+/**
+ * Registrations one connection may hold (in flight included): an engine's connection registers
+ * one TP rank, once. Each holds an open file and a mapping per layer (shm) or IPC mappings, never
+ * released before the connection ends: a client registering in a loop would exhaust the
+ * agent's descriptors and address space for every engine.
+ */
+const MAX_REGISTRATIONS = 8
+/** Tensors (per layer: an open file and a mapping) one connection's registrations may hold. */
+const MAX_CONNECTION_TENSORS = 4096
 /** A load reports its progress in about this many steps (one threaded copy each). */
 const LOAD_PROGRESS_STEPS = 8
 /** Buffers a load's layer group is sized to name at most (one layer of more chunks is one group, which HostCopier cuts into calls within the addon's 65 536). */
@@ -78,6 +89,11 @@ export interface AgentCoreOptions {
   model?: string
   /** Threads one host-memory save or load copies with; 0: on the event loop. @default min(cores, 4) */
   copyThreads?: number
+  /**
+   * Test hook: a load's or save's copy, once started, first waits for this (a copy stalled on a
+   * thread: it still lands, later). Tests of cancellation and fences only; undefined in service.
+   */
+  copyGate?: () => Promise<void>
   version: string
 }
 
@@ -102,6 +118,11 @@ interface Progress {
   layers: number
   /** An earlier request in flight under the same id (a client bug), reported again once this one ends. */
   under: Progress | undefined
+  /** Set by `cancel`: no copy of this request starts after it; its answer still waits for those in flight. */
+  cancelled: boolean
+  /** Settles when `cancel` names this request: a load waiting for its chunks stops waiting. */
+  onCancel: Promise<void>
+  cancel(): void
 }
 
 /** What the agent keeps per connection. */
@@ -115,6 +136,9 @@ export interface Session {
   event(message: Record<string, unknown>): void
   /** The connection closed (endSession): a register still in flight releases what it mapped. */
   ended: boolean
+  /** Registrations of this connection, held or in flight, and their tensors (MAX_REGISTRATIONS). */
+  registrations: number
+  tensors: number
   /**
    * Whether the engine closed the connection, asked of the kernel (server.ts): true turns
    * before the socket's close event reaches JS. Undefined: only `ended` is known.
@@ -130,6 +154,8 @@ export function newSession(event: Session['event']): Session {
     progress: new Map(),
     event,
     ended: false,
+    registrations: 0,
+    tensors: 0,
   }
 }
 
@@ -193,6 +219,8 @@ export class Agent {
         return this.#tracked(s, req, (w) => this.#save(s, w, req))
       case 'poll':
         return this.#poll(s, req)
+      case 'cancel':
+        return this.#cancel(s, req)
       case 'stats':
         return this.stats(req.spaces === true)
       case 'ping':
@@ -258,6 +286,7 @@ export class Agent {
     return {
       protocol: PROTOCOL_VERSION,
       agent: this.options.version,
+      features: AGENT_FEATURES,
       chunkTokens: this.options.chunkTokens,
       blocksPerChunk: this.options.chunkTokens / d.blockSize,
     }
@@ -333,8 +362,31 @@ export class Agent {
     return p
   }
 
-  async #register(s: Session, m: Request): Promise<Record<string, unknown>> {
+  /** A registration within the connection's bounds (counted from its start: those in flight count). */
+  #register(s: Session, m: Request): Promise<Record<string, unknown>> {
     const d = this.#descriptor(s)
+    if (s.registrations >= MAX_REGISTRATIONS)
+      throw new AgentError(
+        'ERR_LIMIT',
+        `this connection holds ${MAX_REGISTRATIONS} registrations, the most one may: an engine registers once per connection`,
+      )
+    if (s.tensors + d.layers > MAX_CONNECTION_TENSORS)
+      throw new AgentError(
+        'ERR_LIMIT',
+        `this connection holds ${s.tensors} of its ${MAX_CONNECTION_TENSORS} tensors; ${d.layers} more would pass it`,
+      )
+    s.registrations++
+    s.tensors += d.layers
+    const p = this.#mapRegistration(s, m, d)
+    // A refused or failed registration holds nothing: its share of the bounds comes back.
+    p.catch(() => {
+      s.registrations--
+      s.tensors -= d.layers
+    })
+    return p
+  }
+
+  async #mapRegistration(s: Session, m: Request, d: SpaceDescriptor): Promise<Record<string, unknown>> {
     const rank = int(m, 'rank', 0, d.world - 1)
     const numBlocks = int(m, 'numBlocks', 1, MAX_BLOCKS)
     const g: EngineGeometry = d
@@ -577,6 +629,7 @@ export class Agent {
     const count = hashCount(hashes)
     const ids = this.#blocks(w, m, count)
     const skip = optInt(m, 'skipBlocks', 0, ids.length, 0)
+    distinctBlocks(ids, skip)
     const g = w.geometry
     const bpc = w.space.blocksPerChunk
     const keys = w.space.keys(hashes)
@@ -602,6 +655,8 @@ export class Agent {
     )
     let group: LayerSlabs[] = []
     const it = w.space.cache.retrieveLayersKeys(keys)
+    /** The generator still has a fetch running (a cancel stopped waiting for it): finished in the background. */
+    let abandoned = false
     try {
       const seen = new Set<number>()
       const finished = (layer: number) => {
@@ -612,9 +667,18 @@ export class Agent {
         prog.layers = n
         s.event({ event: 'load-progress', id: m.id, layers: n })
       }
+      // A cancelled load does not wait for chunks still being fetched (a slow gateway): its
+      // answer, the engine's fence, needs only the copies already started to land.
+      const cancelled = prog.onCancel.then(() => undefined)
       for (;;) {
-        const next = await it.next()
-        if (next.done) break
+        const pending = it.next()
+        const next = await Promise.race([pending, cancelled])
+        if (next === undefined) {
+          pending.catch(() => {})
+          abandoned = true
+          mayCopy(s, prog)
+        }
+        if (next === undefined || next.done) break
         const batch = next.value
         served = Math.min(served, batch.chunks)
         seen.add(batch.layer)
@@ -627,11 +691,12 @@ export class Agent {
           }
           const last = batch.layer === g.layers - 1
           if (group.length < perGroup && !last) continue
-          // The engine counts a load whose connection closed as failed and recomputes (or
-          // reuses) its blocks: no copy into them starts after the close.
-          notEnded(s)
+          // The engine counts a load whose connection closed (or that it cancelled) as failed and
+          // recomputes (or reuses) its blocks: no copy into them starts after the close.
+          mayCopy(s, prog)
           const copied = group.map((e) => e.layer)
-          const p = copies.add(copier.scatterLayers(group, runsByChunk))
+          const slabs = group
+          const p = copies.add(this.#gated(() => copier.scatterLayers(slabs, runsByChunk)) as Promise<void>)
           group = []
           void p.then(
             () => {
@@ -644,9 +709,9 @@ export class Agent {
         }
         const t = w.layers[batch.layer]!
         for (let c = 0; c < batch.chunks; c++) {
-          notEnded(s)
+          mayCopy(s, prog)
           const runs = runsByChunk[c]!
-          const copying = t.scatter(batch.slabs[c]!, runs)
+          const copying = this.#gated(() => t.scatter(batch.slabs[c]!, runs))
           if (copying) await copying // a host tensor copies synchronously: no await per chunk
           for (let r = 2; r < runs.length; r += 3) bytes += runs[r]!
         }
@@ -657,11 +722,14 @@ export class Agent {
     } catch (e) {
       served = 0
       failure = (e as Error).message
-      this.metrics.loadErrors++
+      if (prog.cancelled) this.metrics.loadsCancelled++
+      else this.metrics.loadErrors++
     } finally {
       // Nothing may still write the engine's blocks once the answer names the failed ones.
       await copies.settled().catch(() => {})
-      await it.return(undefined).catch(() => {})
+      // Its fetch touches no engine memory: a cancelled load answers without waiting for it.
+      const ended = it.return(undefined).catch(() => {})
+      if (!abandoned) await ended
       endProgress(s, m.id, prog)
     }
     const failed: number[] = []
@@ -687,6 +755,7 @@ export class Agent {
     const bb = blockBytes(g)
     // Keys always start at chunk 0 (chain identity); `from` skips chunks the engine loaded from us.
     const from = optInt(m, 'from', 0, count, 0)
+    distinctBlocks(ids, from * bpc)
     const keys = w.space.keys(hashes).slice(from)
     const prog = beginProgress(s, m.id, 'save')
     try {
@@ -695,24 +764,29 @@ export class Agent {
         // Once the connection is gone the engine counts this save as ended and may reuse the
         // blocks: a copy not yet begun does not begin, and one that ended after the close is
         // not kept (a throw here aborts the chunk's slot; chunks copied before stay stored).
-        notEnded(s)
+        // A cancelled save likewise (the engine releases its blocks once it has the answer).
+        mayCopy(s, prog)
         const runs = chunkRuns(g, w.numBlocks, ids, (k + from) * bpc, bpc, 0)
         // Every layer in one threaded copy; storeKeys commits the L1 slot only after it
         // settled (and aborts it if the agent closed meanwhile).
-        if (w.copier) await w.copier.gatherChunk(runs, dst, slab)
+        const copier = w.copier
+        if (copier) await this.#gated(() => copier.gatherChunk(runs, dst, slab))
         else
           for (let layer = 0; layer < g.layers; layer++) {
-            const copying = w.layers[layer]!.gather(runs, dst.subarray(layer * slab, (layer + 1) * slab))
+            const copying = this.#gated(() =>
+              w.layers[layer]!.gather(runs, dst.subarray(layer * slab, (layer + 1) * slab)),
+            )
             if (copying) await copying
           }
-        notEnded(s)
+        mayCopy(s, prog)
       })
       this.metrics.saves++
       this.metrics.savedChunks += out.stored + out.skipped
       this.metrics.savedBytes += (out.stored + out.skipped) * bpc * bb * sides(g) * g.layers
       return { chunks: out.chunks, stored: out.stored, present: out.present, skipped: out.skipped }
     } catch (e) {
-      this.metrics.saveErrors++
+      if (prog.cancelled) this.metrics.savesCancelled++
+      else this.metrics.saveErrors++
       throw e instanceof AgentError ? e : new AgentError('ERR_IO', `save failed: ${(e as Error).message}`)
     } finally {
       endProgress(s, m.id, prog)
@@ -737,6 +811,30 @@ export class Agent {
       states[String(id)] = p ? { state: 'pending', op: p.op, layers: p.layers } : { state: 'unknown' }
     }
     return { states }
+  }
+
+  /**
+   * Cancels loads and saves of this connection by request id: none starts another copy, and
+   * each still answers (a load: every block not loaded is failed; a save: ERR_CANCELLED), only
+   * once the copies it started have landed. That answer is the engine's fence: after it nothing
+   * of that request touches the engine's blocks. Answers the ids that were in flight.
+   */
+  #cancel(s: Session, m: Request): Record<string, unknown> {
+    const ids = intList(m, 'ids', Number.MAX_SAFE_INTEGER, 4096)
+    const found: number[] = []
+    for (const id of ids) {
+      let p = s.progress.get(id)
+      if (p) found.push(id)
+      // Every request under that id (one reused while in flight, a client bug): none may copy on.
+      for (; p !== undefined; p = p.under) p.cancel()
+    }
+    return { cancelled: found }
+  }
+
+  /** A copy through the test hook's gate (AgentCoreOptions.copyGate), else at once. */
+  #gated<T>(copy: () => T | Promise<T>): T | Promise<T> {
+    const gate = this.options.copyGate
+    return gate ? gate().then(copy) : copy()
   }
 
   /** Releases what a closed connection registered. */
@@ -795,7 +893,21 @@ export class Agent {
  * until it ends, and neither request's end forgets the other's.
  */
 function beginProgress(s: Session, id: number, op: string): Progress {
-  const prog: Progress = { op, layers: 0, under: s.progress.get(id) }
+  let cancel = () => {}
+  const onCancel = new Promise<void>((resolve) => {
+    cancel = resolve
+  })
+  const prog: Progress = {
+    op,
+    layers: 0,
+    under: s.progress.get(id),
+    cancelled: false,
+    onCancel,
+    cancel() {
+      prog.cancelled = true
+      cancel()
+    },
+  }
   s.progress.set(id, prog)
   return prog
 }
@@ -824,6 +936,32 @@ function endProgress(s: Session, id: number, prog: Progress): void {
 function notEnded(s: Session): void {
   if (s.ended || s.peerClosed?.() === true)
     throw new AgentError('ERR_CLOSED', 'the connection closed: the engine may reuse its blocks')
+}
+
+/**
+ * Refuses a block id named twice among `ids[from..]` (the blocks a load fills or a save stores):
+ * an engine bug. A load would race two copies into one block (whichever lands last wins), a save
+ * would store one block's KV as two positions'. Leading blocks a load skips (vLLM's null block,
+ * repeated) or a save does not store (the chain) are not copied: repeats there are fine.
+ */
+function distinctBlocks(ids: readonly number[], from: number): void {
+  const seen = new Set<number>()
+  for (let i = from; i < ids.length; i++) {
+    const b = ids[i]!
+    if (seen.has(b))
+      throw new AgentError(
+        'ERR_INVALID_ARGUMENT',
+        `blockIds names block ${b} twice (at ${ids.indexOf(b, from)} and ${i}): each block it copies must be distinct`,
+      )
+    seen.add(b)
+  }
+}
+
+/** Throws when a copy of this request may not start: its connection closed, or the engine cancelled it. */
+function mayCopy(s: Session, prog: Progress): void {
+  notEnded(s)
+  if (prog.cancelled)
+    throw new AgentError('ERR_CANCELLED', `the engine cancelled this ${prog.op}: it may reuse its blocks`)
 }
 
 /** Copies in flight: `settled()` waits for every one, then rejects with the first failure. */

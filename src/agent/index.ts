@@ -1,5 +1,6 @@
 // `kvgate agent` as a library: start an agent in-process (tests, benchmarks, embedding).
 
+import { existsSync } from 'node:fs'
 import { Agent } from './agent.ts'
 import type { ResolvedAgentConfig } from './config.ts'
 import { AgentServer } from './server.ts'
@@ -17,6 +18,7 @@ export function startAgent(config: ResolvedAgentConfig, version: string): Promis
     lookupDeadlineMs: config.lookupDeadlineMs,
     model: config.model,
     copyThreads: config.copyThreads,
+    copyGate: testCopyGate(process.env.KVGATE_AGENT_TEST_COPY_GATE),
     version,
   })
   return AgentServer.listen(agent, {
@@ -24,4 +26,16 @@ export function startAgent(config: ResolvedAgentConfig, version: string): Promis
     maxFrameBytes: config.maxFrameBytes,
     metricsPort: config.metricsPort,
   })
+}
+
+/**
+ * Test hook (the Python harness's stalled copier): with KVGATE_AGENT_TEST_COPY_GATE set to a
+ * path, every copy into or out of the engine's blocks, once started, waits while that file
+ * exists, then lands. Never set in service.
+ */
+function testCopyGate(path: string | undefined): (() => Promise<void>) | undefined {
+  if (!path) return undefined
+  return async () => {
+    while (existsSync(path)) await new Promise((r) => setTimeout(r, 10))
+  }
 }

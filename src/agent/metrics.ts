@@ -54,6 +54,9 @@ export class AgentMetrics {
   lookupDeadline = 0
   loads = 0
   loadErrors = 0
+  /** Loads and saves the engine cancelled (they answered once their copies in flight landed). */
+  loadsCancelled = 0
+  savesCancelled = 0
   loadedChunks = 0
   loadedBytes = 0
   saves = 0
@@ -134,6 +137,10 @@ export class AgentMetrics {
     put('load_errors_total', 'counter', 'Loads that failed part-way (blocks reported to the engine).', [
       ['', this.loadErrors],
     ])
+    put('loads_cancelled_total', 'counter', 'Loads the engine cancelled (past its load timeout).', [
+      ['', this.loadsCancelled],
+    ])
+    put('saves_cancelled_total', 'counter', 'Saves the engine cancelled.', [['', this.savesCancelled]])
     put('loaded_bytes_total', 'counter', 'Bytes written into engine KV blocks.', [['', this.loadedBytes]])
     put('saves_total', 'counter', 'Saves finished.', [['', this.saves]])
     put('save_errors_total', 'counter', 'Saves that failed.', [['', this.saveErrors]])

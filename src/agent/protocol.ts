@@ -28,6 +28,8 @@ export const AGENT_ERROR_CODES = [
   'ERR_CUDA',
   'ERR_CLOSED',
   'ERR_INTERNAL',
+  'ERR_CANCELLED',
+  'ERR_LIMIT',
 ] as const
 
 export type AgentErrorCode = (typeof AGENT_ERROR_CODES)[number]

@@ -1,0 +1,108 @@
+"""A load given up at load_timeout_ms while its copy is stalled in the agent (the agent's copy
+gate, KVGATE_AGENT_TEST_COPY_GATE: copies started wait while the file exists, then land):
+vLLM must not be told the request's blocks are freeable (finished_sending) before that copy
+landed, or vLLM gives them to another request and the late copy writes foreign KV into it.
+Driven in vLLM's call order against a real agent, TP 2 (vLLM frees once every rank reports)."""
+
+import os
+import time
+
+import pytest
+
+import torch
+
+from harness import Engine, EngineSpec, TempDir, block_view, make_request, sides, start_agent
+
+PROMPT = [(i * 7919 + 13) % 32000 for i in range(100)]  # 3 chunks of 32 tokens + a tail
+
+
+@pytest.fixture()
+def tmp():
+    d = TempDir()
+    yield d
+    d.cleanup()
+
+
+def layer0_landed(engine: Engine, src, dst, n: int) -> bool:
+    """Whether layer 0 of blocks dst[:n] holds what blocks src[:n] hold, on every rank."""
+    for rank in range(len(engine.workers)):
+        t = engine.tensors(rank)[0]
+        for side in range(sides(engine.spec)):
+            for i in range(n):
+                a, b = block_view(t, engine.spec, side, src[i]), block_view(t, engine.spec, side, dst[i])
+                if not torch.equal(a, b):
+                    return False
+    return True
+
+
+def steps_until_reported(engine: Engine, rid: str, first_finished, max_steps: int, pause: float = 0.02):
+    """Steps (no forward) until every worker reported `rid` in finished_sending; returns the
+    number of steps it took, or None. `first_finished`: the ids vLLM names finished in step 1."""
+    reported = set()
+    finished = set(first_finished)
+    for n in range(1, max_steps + 1):
+        meta, sync = engine.schedule(finished)
+        outs = engine.step(meta, finished, None, sync)
+        finished = set()
+        reported |= {i for i, o in enumerate(outs) if rid in o["finished_sending"]}
+        if len(reported) == len(engine.workers):
+            return n
+        time.sleep(pause)
+    return None
+
+
+@pytest.mark.parametrize("ending", ["copy-lands", "agent-dies"])
+def test_a_timed_out_load_holds_its_requests_blocks_until_its_stalled_copy_landed(tmp, ending):
+    gate = os.path.join(tmp.path, "gate")
+    sock = tmp.sock(f"fence-{ending}")
+    agent = start_agent(sock, None, extra={"KVGATE_AGENT_TEST_COPY_GATE": gate})
+    e = Engine(EngineSpec(socket=sock, model=f"test/fence-{ending}", world=2, load_timeout_ms=300), block_order_seed=3)
+    try:
+        assert e.ready
+        r1 = e.prefill("r1", PROMPT)
+        assert e.finish(r1["req"], r1["block_ids"]) is True  # saved: 3 chunks
+        open(gate, "w").close()  # from here every copy the agent starts stalls
+        r2 = e.prefill("r2", PROMPT)
+        assert r2["matched"] == 96
+        # load_timeout_ms passed with the copies stalled: every block is recomputed...
+        assert r2["load_errors"] == sorted(r2["block_ids"][:6])
+        # ...and the request ends (or is aborted): its blocks must stay vLLM's until the copy landed.
+        delay, _ = e.sched.request_finished(r2["req"], r2["block_ids"])
+        assert delay is True
+        assert steps_until_reported(e, "r2", {"r2"}, max_steps=10) is None
+        assert not layer0_landed(e, r1["block_ids"], r2["block_ids"], 6)  # its first copy is still stalled
+        if ending == "copy-lands":
+            os.unlink(gate)
+        else:
+            agent.kill()  # its copies die with it
+        n = steps_until_reported(e, "r2", (), max_steps=200)
+        assert n is not None, "the fence never resolved"
+        if ending == "copy-lands":
+            # Freeable only after the stalled copy (layer 0's, started before the timeout) landed.
+            assert layer0_landed(e, r1["block_ids"], r2["block_ids"], 6)
+            # The connection was kept (no reconnect, no other request failed): a load now lands.
+            r3 = e.prefill("r3", PROMPT)
+            assert r3["matched"] == 96 and r3["load_errors"] == []
+            # A request whose load finished is held one step at most.
+            delay, _ = e.sched.request_finished(r3["req"], r3["block_ids"])
+            assert delay is True
+            assert steps_until_reported(e, "r3", {"r3"}, max_steps=1) == 1
+    finally:
+        if os.path.exists(gate):
+            os.unlink(gate)
+        e.close()
+        agent.stop()
+
+
+def test_a_request_kvgate_never_loaded_into_is_not_held(tmp):
+    sock = tmp.sock("fence-miss")
+    agent = start_agent(sock, None)
+    e = Engine(EngineSpec(socket=sock, model="test/fence-miss"), block_order_seed=4)
+    try:
+        req = make_request("r1", PROMPT[:20], 16)  # under one chunk: no lookup, no load, no save
+        assert e.lookup(req) == 0
+        delay, _ = e.sched.request_finished(req, e.alloc(2))
+        assert delay is False
+    finally:
+        e.close()
+        agent.stop()
