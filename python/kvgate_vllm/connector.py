@@ -116,8 +116,8 @@ _LAYOUTS = ("flash-attn", "flashinfer", "mla")
 # kv_connector_extra_config keys and their defaults (docs/vllm.md lists them).
 _EXTRA_MS_DEFAULTS = {"lookup_wait_ms": 2, "lookup_timeout_ms": 1000, "load_timeout_ms": 30000, "save_timeout_ms": 60000}
 _EXTRA_KEYS = ("socket", "layout", "model_id", *_EXTRA_MS_DEFAULTS)
-# A load given up is cancelled, a save given up drops the agent connection: one shorter than a
-# chunk's copy would give up every transfer, so these have a floor.
+# A transfer given up is cancelled (or, an older agent's save, its connection dropped): one
+# shorter than a chunk's copy would give up every transfer, so these have a floor.
 _EXTRA_MS_MIN = {"load_timeout_ms": 100, "save_timeout_ms": 100}
 
 
@@ -427,6 +427,9 @@ class KVGateConnector(KVConnectorBase_V1):
         # request id -> the save's answer and when it must have come: its blocks are held by vLLM
         # until then (an agent alive but stalled would hold them for ever).
         self._saves: Dict[str, Tuple[Future, float]] = {}
+        # Saves past save_timeout_ms the agent was asked to cancel (their deadline is then the
+        # cancel's: past it the connection is dropped).
+        self._saves_cancelled: Set[str] = set()
         self._saves_done: Set[str] = set()
         self._finished_seen: Set[str] = set()
         self._load_errors: Set[int] = set()
@@ -845,9 +848,8 @@ class KVGateConnector(KVConnectorBase_V1):
         connection stays: other requests on it carry on, and each load's own answer, which
         comes once its copies in flight landed, is its fence. An agent without `cancel` (older
         than this connector) still answers each load after its last copy: the fence only comes later."""
-        features = (self._client.hello_answer or {}).get("features")
         ids = [f.request_id for f in late if getattr(f, "request_id", None) is not None]
-        can = isinstance(features, list) and "cancel" in features
+        can = self._agent_cancels()
         log.warning(
             "kvgate: %d load(s) did not finish within load_timeout_ms: their blocks are recomputed%s; their "
             "requests' blocks stay allocated until the agent answers them (a copy may still be in flight)",
@@ -856,6 +858,11 @@ class KVGateConnector(KVConnectorBase_V1):
         )
         if can and ids:
             self._client.request("cancel", {"ids": ids})  # the answer says nothing the loads' own will not
+
+    def _agent_cancels(self) -> bool:
+        """Whether the agent of this connection has `cancel` (hello's features)."""
+        features = (self._client.hello_answer or {}).get("features")
+        return isinstance(features, list) and "cancel" in features
 
     def _unfenced(self, rid: str) -> bool:
         """Whether a load of request `rid` may still write its blocks (this step's loads included:
@@ -887,24 +894,48 @@ class KVGateConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._finish_loads()
 
+    def _give_up_late_saves(self, now: float) -> None:
+        """Ends saves past save_timeout_ms: their blocks are held by vLLM until they answer (an
+        agent alive but stalled would hold them for ever). An agent with `cancel` is asked to
+        cancel them and the connection stays: the save answers (ERR_CANCELLED) once its copies
+        in flight landed, and the connection's other requests carry on, loads given up at
+        load_timeout_ms keeping their fence. A save still unanswered another save_timeout_ms
+        after its cancel (the agent stalled), or on an agent without `cancel`, is ended by
+        closing the connection: the agent then starts no copy out of its blocks and stores no
+        chunk whose copy ended after the close, so vLLM may reuse them; but every request
+        pending on it fails, and its given-up loads stay held for good (loads_unfenced)."""
+        late = [(rid, f) for rid, (f, deadline) in self._saves.items() if not f.done() and now >= deadline]
+        if not late:
+            return
+        to_cancel = [(rid, f) for rid, f in late if rid not in self._saves_cancelled] if self._agent_cancels() else []
+        ids = [f.request_id for _, f in to_cancel if getattr(f, "request_id", None) is not None]
+        if ids:
+            log.warning(
+                "kvgate: %d save(s) did not finish within save_timeout_ms: the agent is asked to cancel them "
+                "(their blocks are released once it answers)",
+                len(ids),
+            )
+            self._client.request("cancel", {"ids": ids})  # each save's own answer is its fence
+            for rid, f in to_cancel:
+                self._saves_cancelled.add(rid)
+                self._saves[rid] = (f, now + self._settings["saveTimeoutS"])
+        if len(ids) == len(late):
+            return
+        # Not while this step's loads copy (vLLM asks this before wait_for_save with speculative
+        # decoding): their own deadline ends them, and a close would leave a copy in flight into
+        # blocks vLLM then recomputes.
+        if any(not st.future.done() for st in self._loads if st.future is not None):
+            return
+        log.warning("kvgate: a save did not finish within save_timeout_ms; dropping the agent connection")
+        self._client.close()
+
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         self._finished_seen.update(finished_req_ids)
-        now = time.monotonic()
-        loading = any(not st.future.done() for st in self._loads if st.future is not None)
-        # A save's close below fails every load pending on the connection: this side dropped it, so
-        # those stay fences for good (AgentError.dropped_here). Not while this step's loads copy.
-        if not loading and any(not f.done() and now >= deadline for f, deadline in self._saves.values()):
-            # A save's only cancellation is its connection closing: the agent then starts no copy
-            # out of its blocks and stores no chunk whose copy ended after the close, so vLLM may
-            # reuse them. Every request pending on the connection fails (as if the agent died).
-            # Not while this step's loads copy (vLLM asks this before wait_for_save with
-            # speculative decoding): their own deadline ends them, and a close would leave a copy
-            # in flight into blocks vLLM then recomputes.
-            log.warning("kvgate: a save did not finish within save_timeout_ms; dropping the agent connection")
-            self._client.close()
+        self._give_up_late_saves(time.monotonic())
         for rid, (f, _) in list(self._saves.items()):
             if f.done():
                 del self._saves[rid]
+                self._saves_cancelled.discard(rid)
                 self._saves_done.add(rid)
                 if f.exception() is not None:
                     self.saves_not_stored += 1

@@ -147,6 +147,7 @@ class EngineSpec:
     call_order: str = "0.13"  # or "0.29" (module docstring)
     late_loads: bool = False  # "0.29" order, loads always started after the forward
     load_timeout_ms: int = 20000
+    save_timeout_ms: int = 60000
 
 
 def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
@@ -170,7 +171,7 @@ def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
         kv_transfer_config=SimpleNamespace(
             kv_connector="KVGateConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={"socket": spec.socket, "layout": spec.layout, "lookup_timeout_ms": 10000, "load_timeout_ms": spec.load_timeout_ms},
+            kv_connector_extra_config={"socket": spec.socket, "layout": spec.layout, "lookup_timeout_ms": 10000, "load_timeout_ms": spec.load_timeout_ms, "save_timeout_ms": spec.save_timeout_ms},
         ),
     )
 

@@ -1015,14 +1015,23 @@ def test_a_save_pending_when_the_agent_dies_frees_its_blocks_and_is_counted():
         agent.close()
 
 
-def test_a_save_the_agent_never_answers_frees_its_blocks_after_save_timeout_ms():
+@pytest.mark.parametrize("features", [None, ["cancel"]])
+def test_a_save_the_agent_never_answers_frees_its_blocks_after_save_timeout_ms(features):
     """An agent alive but stalled takes a save and never answers: request_finished held the
     request's blocks for it, so they were held for ever (vLLM's free blocks shrinking with every
-    finished request until nothing can be scheduled). After save_timeout_ms the save is given up
-    the only way the protocol has (the connection is closed: the agent then starts no copy out of
-    its blocks and stores no chunk copied after the close), reported finished and counted."""
+    finished request until nothing can be scheduled). After save_timeout_ms the save is given up:
+    an agent without `cancel` by closing the connection (the agent then starts no copy out of its
+    blocks and stores no chunk copied after the close); one with `cancel` is asked to cancel it,
+    and the connection is closed only when that too goes unanswered for another save_timeout_ms.
+    Either way it is reported finished and counted."""
+    cancels = []
 
     def script(agent, conn, req, n):
+        if req["op"] == "hello":
+            return {**HELLO_OK, "features": features} if features else HELLO_OK
+        if req["op"] == "cancel":
+            cancels.append((time.monotonic(), req["ids"]))
+            return None  # stalled: not even the cancel is answered
         return None if req["op"] == "save" else well_behaved(agent, conn, req, n)
 
     agent = ScriptedAgent(script)
@@ -1033,7 +1042,9 @@ def test_a_save_the_agent_never_answers_frees_its_blocks_after_save_timeout_ms()
         w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
         w.start_load_kv(None)
         w.wait_for_save()
+        t0 = time.monotonic()
         assert w.get_finished({"s"}) == (None, None)
+        save_id = w._saves["s"][0].request_id
         w.clear_connector_metadata()
         deadline = time.monotonic() + 3
         while True:
@@ -1042,12 +1053,67 @@ def test_a_save_the_agent_never_answers_frees_its_blocks_after_save_timeout_ms()
                 break
             assert time.monotonic() < deadline, "a save never answered held its blocks for ever"
             time.sleep(0.01)
+        took = time.monotonic() - t0
         assert done == {"s"}
         assert w.saves_not_stored == 1
-        assert not w._saves
+        assert not w._saves and not w._saves_cancelled
         conn = agent.conns[-1]
         conn.settimeout(5)
         assert conn.recv(1) == b""  # the agent sees the close
+        if features:
+            assert [ids for _, ids in cancels] == [[save_id]]
+            assert cancels[0][0] - t0 >= 0.2 and took >= 0.4
+        else:
+            assert cancels == [] and took < 0.4
+    finally:
+        w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def test_a_save_past_save_timeout_ms_is_cancelled_and_the_connection_kept():
+    """An agent with `cancel`: a save past save_timeout_ms is cancelled by its request id, not
+    its connection dropped (which would fail every other request on it and strand the fences of
+    loads given up on it). Its blocks are released once the agent answers it (ERR_CANCELLED:
+    its copies in flight landed), counted as not stored; the connection carries on."""
+    held = {}
+
+    def script(agent, conn, req, n):
+        if req["op"] == "hello":
+            return {**HELLO_OK, "features": ["cancel"]}
+        if req["op"] == "save":
+            held["save"] = (conn, req["id"])
+            return None
+        if req["op"] == "cancel":
+            held["cancel"] = req["ids"]
+            return {"ok": True, "cancelled": req["ids"]}
+        if req["op"] == "load":
+            return {"ok": True, "chunks": 2, "failedBlocks": [], "error": None}
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    w, caches = worker(agent, save_timeout_ms=150)
+    try:
+        assert w._worker_ready()
+        generation = w._client.generation
+        req = make_request("s", PROMPT, 16)
+        w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
+        w.start_load_kv(None)
+        w.wait_for_save()
+        assert w.get_finished({"s"}) == (None, None)
+        w.clear_connector_metadata()
+        assert until(lambda: w.get_finished(set()) == (None, None) and "cancel" in held)
+        assert held["cancel"] == [held["save"][1]]
+        # Held until the save answers, however many steps pass; cancelled once only.
+        time.sleep(0.05)
+        assert w.get_finished(set()) == (None, None) and w._client.connected
+        conn, rid = held["save"]
+        agent.send(conn, {"id": rid, "ok": False, "error": {"code": "ERR_CANCELLED", "message": "cancelled"}})
+        assert until(lambda: w.get_finished(set())[0]) == {"s"}
+        assert w.saves_not_stored == 1 and not w._saves_cancelled
+        assert w._client.connected and w._client.generation == generation
+        # The connection serves on: a load on it lands.
+        assert run_load(w, list(caches), load_spec()) == set()
     finally:
         w.shutdown()
         drop_caches(caches)

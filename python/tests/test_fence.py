@@ -106,3 +106,57 @@ def test_a_request_kvgate_never_loaded_into_is_not_held(tmp):
     finally:
         e.close()
         agent.stop()
+
+
+OTHER = [(i * 104729 + 7) % 32000 for i in range(100)]  # no prefix in common with PROMPT
+
+
+def test_a_save_past_save_timeout_ms_is_cancelled_and_the_connection_kept_for_its_given_up_loads_fence(tmp):
+    """A save past save_timeout_ms dropped the connection: every load given up on it (its copy
+    stalled) then lost its fence, its request held for good. An agent with `cancel` has the save
+    cancelled instead: the save is answered (ERR_CANCELLED) once its copy in flight landed, and
+    the stalled load's answer, on the kept connection, frees its request."""
+    gate = os.path.join(tmp.path, "gate")
+    sock = tmp.sock("fence-save")
+    agent = start_agent(sock, None, extra={"KVGATE_AGENT_TEST_COPY_GATE": gate})
+    spec = EngineSpec(socket=sock, model="test/fence-save", world=2, load_timeout_ms=300, save_timeout_ms=1000)
+    e = Engine(spec, block_order_seed=5)
+    try:
+        assert e.ready
+        r1 = e.prefill("r1", PROMPT)
+        assert e.finish(r1["req"], r1["block_ids"]) is True
+        open(gate, "w").close()  # from here every copy the agent starts stalls
+        r2 = e.prefill("r2", PROMPT)
+        assert r2["matched"] == 96 and r2["load_errors"] == sorted(r2["block_ids"][:6])
+        r3 = e.prefill("r3", OTHER)
+        assert r3["matched"] == 0
+        assert e.sched.request_finished(r2["req"], r2["block_ids"])[0] is True
+        assert e.sched.request_finished(r3["req"], r3["block_ids"])[0] is True  # its save
+        # Past save_timeout_ms (the save's copy is stalled): neither request is freeable yet.
+        finished, t0 = {"r2", "r3"}, time.monotonic()
+        while time.monotonic() - t0 < spec.save_timeout_ms / 1000 + 0.4:
+            meta, sync = e.schedule(finished)
+            outs = e.step(meta, finished, None, sync)
+            finished = set()
+            assert [o["finished_sending"] for o in outs] == [[], []]
+            time.sleep(0.02)
+        os.unlink(gate)  # the stalled copies land: the load and the cancelled save answer
+        reported = {"r2": set(), "r3": set()}
+        for _ in range(200):
+            meta, sync = e.schedule()
+            for rank, o in enumerate(e.step(meta, (), None, sync)):
+                for rid in o["finished_sending"]:
+                    reported[rid].add(rank)
+            if all(len(r) == 2 for r in reported.values()):
+                break
+            time.sleep(0.02)
+        assert reported["r2"] == {0, 1}, "the given-up load lost its fence"
+        assert reported["r3"] == {0, 1}
+        assert layer0_landed(e, r1["block_ids"], r2["block_ids"], 6)
+        # The cancelled save stored no chunk whose copy landed after the cancel.
+        assert e.lookup(make_request("r4", OTHER, 16)) == 0
+    finally:
+        if os.path.exists(gate):
+            os.unlink(gate)
+        e.close()
+        agent.stop()
