@@ -8,8 +8,9 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, describe, expect, it } from 'vitest'
 import { Agent, newSession, type Session } from '../src/agent/agent.ts'
-import { resolveAgentConfig } from '../src/agent/index.ts'
+import { AgentServer, resolveAgentConfig } from '../src/agent/index.ts'
 import { loadNative } from '../src/client/native-api.ts'
+import { AgentClient } from './support/agent-client.ts'
 import { startFaultGateway } from './support/client-fault-gateway.ts'
 import {
   LLAMA_BLOCK_BYTES,
@@ -255,6 +256,59 @@ describe('cancel', () => {
     } finally {
       agent.endSession(s)
       await agent.close()
+    }
+  })
+
+  it("an agent closing (SIGTERM) closes no connection while a copy of its loads may still land: the engine takes that close as every load's fence", async () => {
+    const gate = new Gate()
+    const agent = new Agent({
+      chunkTokens: 256,
+      cache: { native: false, remote: false, disk: false, codecWorkers: 0 },
+      lookupDeadlineMs: 1000,
+      copyThreads: 0, // copies one at a time on the event loop: the close cancels those not begun
+      copyGate: gate.fn,
+      version: 'test',
+    })
+    const socketPath = join(dir, 'closing.sock')
+    const srv = await AgentServer.listen(agent, { socketPath, maxFrameBytes: 1 << 20 })
+    const path = join(dir, 'closing-kv')
+    writeFileSync(path, randomBytes(LAYERS * LAYER_BYTES))
+    const c = await AgentClient.open(socketPath)
+    let closing: Promise<void> | undefined
+    try {
+      expect(await c.call('hello', { protocol: 1, model: 'm', hashSeed: '0', geometry })).toMatchObject({
+        ok: true,
+      })
+      const tensors = Array.from({ length: LAYERS }, (_, l) => ({
+        kind: 'shm',
+        path,
+        offset: l * LAYER_BYTES,
+        shape: [2, BLOCKS, 16, 8, 128],
+      }))
+      const { worker } = await c.call('register', { rank: 0, numBlocks: BLOCKS, tensors })
+      const keys = Buffer.concat([randomBytes(32), randomBytes(32)])
+      const src = Array.from({ length: 2 * BPC }, (_, i) => i)
+      expect(await c.call('save', { worker, keys, blockIds: src })).toMatchObject({ ok: true, stored: 2 })
+      gate.started = 0
+      gate.close()
+      const load = c.call('load', { worker, keys, blockIds: src.map((i) => i + BPC) })
+      for (let i = 0; i < 200 && gate.started === 0; i++) await new Promise((r) => setTimeout(r, 5))
+      expect(gate.started).toBe(1) // its first copy is stalled
+      closing = srv.close()
+      // While that copy may still land, the engine sees no close (it would free the blocks).
+      expect(await settledWithin(closing, 150)).toBe(false)
+      expect(c.closed).toBe(false)
+      gate.open()
+      // The load is answered (every block failed: the close cancelled it), then the connection closes.
+      expect(await load).toMatchObject({ ok: true, chunks: 0, failedBlocks: src.map((i) => i + BPC) })
+      await closing
+      for (let i = 0; i < 200 && !c.closed; i++) await new Promise((r) => setTimeout(r, 5))
+      expect(c.closed).toBe(true)
+      expect(gate.started).toBe(1) // no copy started after the close began
+    } finally {
+      gate.open()
+      c.close()
+      await (closing ?? srv.close())
     }
   })
 })

@@ -837,6 +837,18 @@ export class Agent {
     return gate ? gate().then(copy) : copy()
   }
 
+  /**
+   * Before the agent itself closes a connection (it is shutting down): an engine takes the agent
+   * closing its connection as the fence of every load on it (as when the agent dies) and may then
+   * free their blocks. So every load and save of the session is cancelled (no copy starts after
+   * this) and this resolves only once the copies they started have landed.
+   */
+  async quiesce(s: Session): Promise<void> {
+    for (const first of s.progress.values())
+      for (let p: Progress | undefined = first; p; p = p.under) p.cancel()
+    await Promise.allSettled([...s.workers.values()].flatMap((w) => [...w.inflight]))
+  }
+
   /** Releases what a closed connection registered. */
   endSession(s: Session): void {
     s.ended = true

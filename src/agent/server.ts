@@ -5,7 +5,7 @@ import { chmodSync, lstatSync, unlinkSync } from 'node:fs'
 import { createServer as createHttpServer, type Server as HttpServer } from 'node:http'
 import { connect, createServer, type Server, type Socket } from 'node:net'
 import { loadNative } from '../client/native-api.ts'
-import { type Agent, newSession } from './agent.ts'
+import { type Agent, newSession, type Session } from './agent.ts'
 import { AgentError, checkEnvelope, decodeBody, encodeFrame, FrameReader } from './protocol.ts'
 
 /** In-flight requests per connection; more are answered ERR_BUSY. */
@@ -31,7 +31,8 @@ export class AgentServer {
   readonly socketPath: string
   #server: Server | undefined
   #http: HttpServer | undefined
-  readonly #sockets = new Set<Socket>()
+  /** Open connections and their sessions. */
+  readonly #sockets = new Map<Socket, Session>()
   metricsPort: number | undefined
 
   constructor(agent: Agent, socketPath: string) {
@@ -85,7 +86,6 @@ export class AgentServer {
   #connection(sock: Socket, maxFrameBytes: number, maxUnsentBytes: number): void {
     const m = this.agent.metrics
     m.connections++
-    this.#sockets.add(sock)
     const reader = new FrameReader(maxFrameBytes)
     // Frames produced in one tick (a load's per-layer events when the copies are synchronous,
     // the answers to a batch of requests) leave in one write: each write to the socket is a
@@ -117,6 +117,7 @@ export class AgentServer {
       write(frame)
     }
     const session = newSession((ev) => send(ev))
+    this.#sockets.set(sock, session)
     // The socket's fd (a pipe handle's, on Unix): the kernel knows the engine closed before
     // the close event reaches this loop, and a save's copy that ended after it is not kept.
     const fd = (sock as unknown as { _handle?: { fd?: number } })._handle?.fd
@@ -223,11 +224,26 @@ export class AgentServer {
   }
 
   async close(): Promise<void> {
-    for (const s of this.#sockets) s.destroy()
-    await Promise.all([
-      new Promise<void>((r) => (this.#server ? this.#server.close(() => r()) : r())),
-      new Promise<void>((r) => (this.#http ? this.#http.close(() => r()) : r())),
-    ])
+    // An engine takes this agent closing its connection as every load's fence (as when it dies):
+    // a connection closes only once its loads and saves, cancelled here, had their copies land.
+    // Its requests not yet read are not (the engine fails them at the close).
+    const stopped = new Promise<void>((r) => (this.#server ? this.#server.close(() => r()) : r()))
+    await Promise.all(
+      [...this.#sockets].map(async ([sock, session]) => {
+        sock.pause()
+        await this.agent.quiesce(session)
+        // Their answers leave first (an engine that does not read gets the close a second later).
+        await new Promise<void>((r) => {
+          const t = setTimeout(r, 1000)
+          sock.end(() => {
+            clearTimeout(t)
+            r()
+          })
+        })
+        sock.destroy()
+      }),
+    )
+    await Promise.all([stopped, new Promise<void>((r) => (this.#http ? this.#http.close(() => r()) : r()))])
     try {
       unlinkSync(this.socketPath)
     } catch {}
