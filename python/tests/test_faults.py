@@ -1040,9 +1040,9 @@ def test_a_save_the_agent_never_answers_frees_its_blocks_after_save_timeout_ms(f
         assert w._worker_ready()
         req = make_request("s", PROMPT, 16)
         w.bind_connector_metadata(KVGateMetadata(saves=[SaveSpec("s", req.block_hashes[1:4:2], [1, 2, 3, 4], 0)]))
+        t0 = time.monotonic()  # before the save is sent: its deadline is after t0 + 0.2
         w.start_load_kv(None)
         w.wait_for_save()
-        t0 = time.monotonic()
         assert w.get_finished({"s"}) == (None, None)
         save_id = w._saves["s"][0].request_id
         w.clear_connector_metadata()
@@ -1061,10 +1061,11 @@ def test_a_save_the_agent_never_answers_frees_its_blocks_after_save_timeout_ms(f
         conn.settimeout(5)
         assert conn.recv(1) == b""  # the agent sees the close
         if features:
+            # Cancelled at save_timeout_ms; dropped only save_timeout_ms after that.
             assert [ids for _, ids in cancels] == [[save_id]]
             assert cancels[0][0] - t0 >= 0.2 and took >= 0.4
         else:
-            assert cancels == [] and took < 0.4
+            assert cancels == []
     finally:
         w.shutdown()
         drop_caches(caches)
