@@ -5,6 +5,7 @@ landed, or vLLM gives them to another request and the late copy writes foreign K
 Driven in vLLM's call order against a real agent, TP 2 (vLLM frees once every rank reports)."""
 
 import os
+import signal
 import time
 
 import pytest
@@ -51,7 +52,7 @@ def steps_until_reported(engine: Engine, rid: str, first_finished, max_steps: in
     return None
 
 
-@pytest.mark.parametrize("ending", ["copy-lands", "agent-dies"])
+@pytest.mark.parametrize("ending", ["copy-lands", "agent-dies", "agent-stops"])
 def test_a_timed_out_load_holds_its_requests_blocks_until_its_stalled_copy_landed(tmp, ending):
     gate = os.path.join(tmp.path, "gate")
     sock = tmp.sock(f"fence-{ending}")
@@ -73,13 +74,19 @@ def test_a_timed_out_load_holds_its_requests_blocks_until_its_stalled_copy_lande
         assert not layer0_landed(e, r1["block_ids"], r2["block_ids"], 6)  # its first copy is still stalled
         if ending == "copy-lands":
             os.unlink(gate)
+        elif ending == "agent-stops":
+            # SIGTERM: the agent closes the connection (a fence) only once the stalled copy landed.
+            agent.proc.send_signal(signal.SIGTERM)
+            assert steps_until_reported(e, "r2", (), max_steps=25) is None
+            os.unlink(gate)
         else:
             agent.kill()  # its copies die with it
         n = steps_until_reported(e, "r2", (), max_steps=200)
         assert n is not None, "the fence never resolved"
-        if ending == "copy-lands":
+        if ending != "agent-dies":
             # Freeable only after the stalled copy (layer 0's, started before the timeout) landed.
             assert layer0_landed(e, r1["block_ids"], r2["block_ids"], 6)
+        if ending == "copy-lands":
             # The connection was kept (no reconnect, no other request failed): a load now lands.
             r3 = e.prefill("r3", PROMPT)
             assert r3["matched"] == 96 and r3["load_errors"] == []
