@@ -548,6 +548,18 @@ export class KVCache {
     return m.memory.has(hex) || m.disk?.has(hex) === true
   }
 
+  /** Whether L1 holds the chunk with this key id (hasLocal's first tier). */
+  inMemory(hex: string): boolean {
+    this.#open()
+    return this.#manager.memory.has(hex)
+  }
+
+  /** MemoryTier.removals of L1: what inMemory found at one value still holds while it is the same. */
+  get memoryRemovals(): number {
+    this.#open()
+    return this.#manager.memory.removals
+  }
+
   /** Whether a gateway tier is configured (a lookup past the local tiers may ask it). */
   get hasRemote(): boolean {
     return this.#manager.remote !== undefined
