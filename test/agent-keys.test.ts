@@ -143,3 +143,21 @@ it('localPrefix sees a chunk leave L1 at once (cleared, evicted), though a warm 
   expect(space.localPrefix(packed)).toBe(0)
   expect(space.localPrefix(hashes)).toBe(0)
 })
+
+it('localPrefix after one chunk left L1: the others still count, that one does not', async () => {
+  const hashes = Array.from({ length: 4 }, () => randomBytes(32))
+  const packed = Buffer.concat(hashes)
+  const keys = space.keys(hashes)
+  space.cache.clearMemory()
+  // The last chunk stored first: the least recently used, the one eviction takes.
+  await space.cache.storeKeys(keys.slice(3), () => {})
+  await space.cache.storeKeys(keys.slice(0, 3), () => {})
+  expect(space.localPrefix(packed)).toBe(4)
+  const slots = space.cache.stats().memory.slots
+  const others = Array.from({ length: slots - 3 }, () => randomBytes(32))
+  for (let i = 0; i < others.length; i += 64)
+    await space.cache.storeKeys(space.keys(others.slice(i, i + 64)), () => {})
+  expect(space.localPrefix(packed)).toBe(3)
+  expect(space.localPrefix(Buffer.concat(hashes.slice(0, 3)))).toBe(3)
+  expect(space.localPrefix(Buffer.concat([hashes[3]!]))).toBe(0)
+})

@@ -8,7 +8,7 @@ import { type KVCacheOptions, resolveOptions } from '../client/config.ts'
 import { KVCache } from '../client/kv-cache.ts'
 import { loadNative } from '../client/native-api.ts'
 import { DiskBudget } from '../client/tiers/disk.ts'
-import { MemoryTier } from '../client/tiers/memory.ts'
+import { MemoryTier, type Resident } from '../client/tiers/memory.ts'
 import { InvalidArgumentError, KvgateError } from '../core/errors.ts'
 import { headerBytesFor } from '../core/format.ts'
 import type { ChunkKey } from '../core/keys.ts'
@@ -164,8 +164,10 @@ interface Derived {
   next: Derived | undefined
   /** The last ChunkKey built from it (position and parent checked before reuse). */
   chunk?: ChunkKey | undefined
-  /** The cache's memoryRemovals when L1 last held its chunk (-1: not seen there). */
-  inMemoryAt: number
+  /** Its chunk as L1 last held it (KVCache.memoryResident): still there while `indexed`. */
+  resident: Resident | undefined
+  /** KVCache.memoryRemovals when `resident` was last seen there (-1: never). */
+  residentAt: number
   /** The hash that came after this one in the last request that had one: prompts come back in order. */
   follow: Derived | undefined
 }
@@ -290,15 +292,18 @@ export class KvSpace {
     const n = hashCount(hashes)
     const packed = hashes instanceof Uint8Array ? viewOf(hashes) : undefined
     const cache = this.cache
-    // A chunk leaves L1 only through a removal: one L1 held when the count was this value
-    // is still there, and costs no index lookup (throws once the cache closed, as hasLocal).
+    // Throws once the cache closed, as hasLocal would: the memo below answers without it.
     const removals = cache.memoryRemovals
     let i = 0
     let d: Derived | undefined
     for (; i < n; i++) {
       d = this.#deriveAt(hashes, packed, i, d)
-      if (d.inMemoryAt === removals) continue
-      if (cache.inMemory(d.hex)) d.inMemoryAt = removals
+      // No chunk left L1 since this one was seen there: one compare on the memo object.
+      if (d.residentAt === removals) continue
+      // Some did (saves into a full L1 evict): still this one's entry, else the index.
+      const r = d.resident?.indexed === true ? d.resident : cache.memoryResident(d.hex)
+      d.resident = r
+      if (r !== undefined) d.residentAt = removals
       else if (!cache.hasLocal(d.hex)) break
     }
     return i
@@ -353,7 +358,8 @@ export class KvSpace {
       hex,
       next: head,
       chunk: undefined,
-      inMemoryAt: -1,
+      resident: undefined,
+      residentAt: -1,
       follow: undefined,
     }
     if (this.#derivedCount >= MAX_DERIVED) {

@@ -23,7 +23,7 @@ import {
 } from './stats.ts'
 import { type LayerBatch, StorageManager, type TierName } from './storage-manager.ts'
 import { type DiskBudget, DiskTier, type DiskTierStats } from './tiers/disk.ts'
-import { MemoryTier, type MemoryTierStats } from './tiers/memory.ts'
+import { MemoryTier, type MemoryTierStats, type Resident } from './tiers/memory.ts'
 import { RemoteTier, type RemoteTierStats } from './tiers/remote.ts'
 import type { WriteBehindStats } from './write-behind.ts'
 
@@ -548,13 +548,13 @@ export class KVCache {
     return m.memory.has(hex) || m.disk?.has(hex) === true
   }
 
-  /** Whether L1 holds the chunk with this key id (hasLocal's first tier). */
-  inMemory(hex: string): boolean {
+  /** MemoryTier.resident of L1: its chunk for this key id, in L1 while `indexed` is true. */
+  memoryResident(hex: string): Resident | undefined {
     this.#open()
-    return this.#manager.memory.has(hex)
+    return this.#manager.memory.resident(hex)
   }
 
-  /** MemoryTier.removals of L1: what inMemory found at one value still holds while it is the same. */
+  /** MemoryTier.removals of L1 (throws ERR_CLOSED once the cache closed, as every local probe does). */
   get memoryRemovals(): number {
     this.#open()
     return this.#manager.memory.removals

@@ -75,6 +75,11 @@ interface Entry {
   scope: string
 }
 
+/** A chunk MemoryTier.resident found: in L1 while `indexed` is true. */
+export interface Resident {
+  readonly indexed: boolean
+}
+
 export interface MemoryTierStats {
   capacityBytes: number
   usedBytes: number
@@ -110,10 +115,7 @@ interface SlotPool {
   skippedFull: number
   liveReservations: number
   livePins: number
-  /**
-   * Chunks that left the index (evicted, deleted, replaced, cleared), in every view: every
-   * way out runs the index's dispose. A chunk `has` found is resident while this is unchanged.
-   */
+  /** Chunks that left the index (evicted, deleted, replaced, cleared): every way out runs its dispose. */
   removals: number
 }
 
@@ -248,9 +250,18 @@ export class MemoryTier {
   }
 
   /**
-   * Changes whenever a chunk leaves this L1 (any view's: evicted, deleted, replaced): what
-   * has() found at one value still holds while it is the same. A warm lookup of 512 keys
-   * then checks one number per key, not the LRU index (a quarter of its time).
+   * has() that the caller can keep: this view's chunk for `hex`, whose `indexed` stays true
+   * exactly as long as that chunk stays in L1 (every way out of the index runs its dispose,
+   * which clears it; a chunk stored again is another entry). A warm lookup of 512 keys then
+   * reads one flag per key, not the LRU index (a quarter of its time).
+   */
+  resident(hex: string): Resident | undefined {
+    return this.#peek(hex)
+  }
+
+  /**
+   * Changes whenever a chunk leaves this L1 (any view's): while it is unchanged, every
+   * resident() found is still resident without reading it (one number for all of them).
    */
   get removals(): number {
     return this.#pool.removals
