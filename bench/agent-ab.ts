@@ -3,10 +3,11 @@
 // driven by its own client. Absolute figures move with the machine's load; the same-run
 // ratio between the trees is what a change is judged by.
 //   KVGATE_AB_OTHER=/work/main node --import tsx bench/agent-ab.ts
-// 1. Lookups of 512 packed keys (a 128k-token prompt, all in L1) through the tree's Python
-//    connector client (bench/lib/agent_lookup_ab.py, the engine's path), in rounds of
-//    KVGATE_AB_LOOKUPS (default 1500), the trees alternating (order flipped every round);
-//    each lookup followed by a ping and a bare Unix-socket ping-pong (the machine's floor).
+// 1. Lookups of 512 packed keys (a 128k-token prompt, all in L1) through each tree's own
+//    Python connector client (bench/lib/agent_lookup_ab.py, the engine's path): KVGATE_AB_ROUNDS
+//    rounds of KVGATE_AB_LOOKUPS (default 6 × 1500), each a Python process in which the two
+//    agents' lookups alternate one by one (each followed by a ping; a bare Unix-socket
+//    ping-pong per pair: the machine's floor). p50 / p99 / p99.9 per round and pooled.
 // 2. Save and load of a Llama-3.1-8B 32 MiB chunk's 16 scattered blocks (as bench/agent.ts),
 //    per repeat one memcpy of the same bytes, then each tree's save and load (order alternating).
 
@@ -103,16 +104,19 @@ function stop(agent: ChildProcess): Promise<void> {
 
 type Block = { hit: number; lookup: number[]; ping: number[]; bare: number[] }
 
-function lookupBlock(root: string, sock: string, keysFile: string): Promise<Block> {
+/** One round: both agents through their trees' clients, interleaved lookup by lookup. */
+function lookupRound(
+  subjects: readonly { root: string; sock: string }[],
+  keysFile: string,
+): Promise<Block[]> {
   return new Promise((res, rej) => {
     const child = spawn(
       python,
       [
         join(resolve('.'), 'bench/lib/agent_lookup_ab.py'),
-        sock,
-        join(root, 'python'),
         String(perRound),
         keysFile,
+        ...subjects.flatMap((s) => [s.sock, join(s.root, 'python/kvgate_vllm/client.py')]),
       ],
       { stdio: ['ignore', 'pipe', 'pipe'] },
     )
@@ -125,7 +129,12 @@ function lookupBlock(root: string, sock: string, keysFile: string): Promise<Bloc
     child.on('close', (code) => {
       clearTimeout(timer)
       if (code !== 0) return rej(new Error(`${python} exited ${code}: ${err.trim()}`))
-      res(JSON.parse(out) as Block)
+      const r = JSON.parse(out) as {
+        hits: number[]
+        agents: { lookup: number[]; ping: number[] }[]
+        bare: number[]
+      }
+      res(r.agents.map((a, i) => ({ hit: r.hits[i]!, ...a, bare: r.bare })))
     })
   })
 }
@@ -180,8 +189,8 @@ async function main() {
       lookupSubjects.push({ ...t, agent, c, sock, blocks: [] as Block[] })
     }
     for (let r = 0; r < rounds; r++) {
-      const order = r % 2 === 0 ? lookupSubjects : [...lookupSubjects].reverse()
-      for (const sub of order) sub.blocks.push(await lookupBlock(sub.root, sub.sock, keysFile))
+      const got = await lookupRound(lookupSubjects, keysFile)
+      lookupSubjects.forEach((sub, k) => sub.blocks.push(got[k]!))
     }
     for (const sub of lookupSubjects) {
       sub.c.sock.destroy()

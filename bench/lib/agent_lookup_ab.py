@@ -1,19 +1,20 @@
-"""One block of bench/agent-ab.ts: lookups through a tree's own kvgate_vllm client (not a test).
+"""bench/agent-ab.ts's lookups (not a test): two agents, each through its own tree's client.
 
-Usage: agent_lookup_ab.py SOCKET PYTHON_PKG_DIR N KEYS_HEX_FILE
-Connects with that tree's AgentClient, looks up the packed keys N times (each followed by a
-ping, and by a bare Unix-socket ping-pong with a forked echo process: the machine's floor
-under the same load) after a warm-up, and prints JSON lists of milliseconds.
+Usage: agent_lookup_ab.py N KEYS_HEX_FILE SOCKET_A CLIENT_PY_A SOCKET_B CLIENT_PY_B
+Loads each tree's kvgate_vllm/client.py as a module of its own (it imports only the standard
+library and msgpack), connects each to its agent and, after a warm-up, runs N rounds: in each,
+both agents' lookup of the packed keys and a ping, the order alternating, then one bare
+Unix-socket ping-pong with a forked echo process (the machine's floor under the same load).
+Lookups of the two agents are thus interleaved one by one: the machine's load, which moves
+within seconds, falls on both alike. Prints JSON lists of milliseconds per agent.
 """
 
+import importlib.util
 import json
 import os
 import socket
 import sys
 import time
-
-sys.path.insert(0, sys.argv[2])
-from kvgate_vllm.client import AgentClient  # noqa: E402
 
 
 def echo_peer():
@@ -30,8 +31,16 @@ def echo_peer():
     return a, pid
 
 
+def load_client(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.AgentClient
+
+
 def main():
-    sock, n, keys_file = sys.argv[1], int(sys.argv[3]), sys.argv[4]
+    n, keys_file = int(sys.argv[1]), sys.argv[2]
+    pairs = [(sys.argv[3], sys.argv[4]), (sys.argv[5], sys.argv[6])]
     with open(keys_file) as f:
         packed = bytes.fromhex(f.read().strip())
     hello = {
@@ -40,30 +49,38 @@ def main():
         "hashSeed": "0",
         "geometry": {"layout": "flash-attn", "dtype": "float16", "layers": 1, "kvHeads": 1, "headSize": 8, "blockSize": 16},
     }
-    peer, peer_pid = echo_peer()
-    c = AgentClient(sock, hello)
-    if not c.ensure():
-        raise SystemExit(c.last_error)
-    out = {"lookup": [], "ping": [], "bare": []}
-    hit = 0
+    peer, peer_pid = echo_peer()  # forked before any client starts a thread
+    clients = []
+    for i, (sock, client_py) in enumerate(pairs):
+        c = load_client(client_py, f"kvgate_ab_client_{i}")(sock, hello)
+        if not c.ensure():
+            raise SystemExit(c.last_error)
+        clients.append(c)
+    out = [{"lookup": [], "ping": []} for _ in clients]
+    bare = []
+    hits = [0, 0]
     pc = time.perf_counter
-    for i in range(50 + n):
+    for i in range(100 + n):
+        for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+            c = clients[k]
+            t = pc()
+            hits[k] = c.call("lookup", {"keys": packed})["chunks"]
+            t1 = pc()
+            c.call("ping")
+            t2 = pc()
+            if i >= 100:
+                out[k]["lookup"].append((t1 - t) * 1e3)
+                out[k]["ping"].append((t2 - t1) * 1e3)
         t = pc()
-        hit = c.call("lookup", {"keys": packed})["chunks"]
-        t1 = pc()
-        c.call("ping")
-        t2 = pc()
         peer.sendall(b"x")
         peer.recv(64)
-        t3 = pc()
-        if i >= 50:
-            out["lookup"].append((t1 - t) * 1e3)
-            out["ping"].append((t2 - t1) * 1e3)
-            out["bare"].append((t3 - t2) * 1e3)
-    c.close()
+        if i >= 100:
+            bare.append((pc() - t) * 1e3)
+    for c in clients:
+        c.close()
     peer.close()
     os.waitpid(peer_pid, 0)
-    print(json.dumps({"hit": hit, **out}))
+    print(json.dumps({"hits": hits, "agents": out, "bare": bare}))
 
 
 main()
