@@ -112,3 +112,52 @@ it('localPrefix counts the leading hashes whose chunks L1 holds, in either form'
   expect(space.localPrefix(Buffer.concat([hashes[1]!, hashes[0]!]))).toBe(2) // presence is per key
   expect(space.localPrefix(Buffer.concat([hashes[2]!, hashes[0]!]))).toBe(0)
 })
+
+it('the hash that followed one last time is compared whole: another after the same hash, differing in one byte of any word, is told apart', () => {
+  const a = randomBytes(32)
+  const b = randomBytes(32)
+  for (let i = 0; i < 32; i++) {
+    // [a, b] first: b is what followed a, the first hash the memo compares the next one to.
+    expect(space.keys([a, b])[1]!.hex).toBe(fresh(b))
+    const t = Buffer.from(b)
+    t[i]! ^= 1 << (i % 8)
+    expect(space.keys(Buffer.concat([a, t]))[1]!.hex).toBe(fresh(t))
+  }
+})
+
+it('localPrefix sees a chunk leave L1 at once (cleared, evicted), though a warm lookup skips the index', async () => {
+  const hashes = Array.from({ length: 4 }, () => randomBytes(32))
+  const packed = Buffer.concat(hashes)
+  await space.cache.storeKeys(space.keys(hashes), () => {})
+  expect(space.localPrefix(packed)).toBe(4)
+  expect(space.localPrefix(packed)).toBe(4) // memoized presence
+  space.cache.clearMemory()
+  expect(space.localPrefix(packed)).toBe(0)
+  await space.cache.storeKeys(space.keys(hashes), () => {})
+  expect(space.localPrefix(packed)).toBe(4)
+  // Other chunks past L1's slots evict these (least recently used first).
+  const slots = space.cache.stats().memory.slots
+  const others = Array.from({ length: slots }, () => randomBytes(32))
+  for (let i = 0; i < others.length; i += 64)
+    await space.cache.storeKeys(space.keys(others.slice(i, i + 64)), () => {})
+  expect(space.localPrefix(packed)).toBe(0)
+  expect(space.localPrefix(hashes)).toBe(0)
+})
+
+it('localPrefix after one chunk left L1: the others still count, that one does not', async () => {
+  const hashes = Array.from({ length: 4 }, () => randomBytes(32))
+  const packed = Buffer.concat(hashes)
+  const keys = space.keys(hashes)
+  space.cache.clearMemory()
+  // The last chunk stored first: the least recently used, the one eviction takes.
+  await space.cache.storeKeys(keys.slice(3), () => {})
+  await space.cache.storeKeys(keys.slice(0, 3), () => {})
+  expect(space.localPrefix(packed)).toBe(4)
+  const slots = space.cache.stats().memory.slots
+  const others = Array.from({ length: slots - 3 }, () => randomBytes(32))
+  for (let i = 0; i < others.length; i += 64)
+    await space.cache.storeKeys(space.keys(others.slice(i, i + 64)), () => {})
+  expect(space.localPrefix(packed)).toBe(3)
+  expect(space.localPrefix(Buffer.concat(hashes.slice(0, 3)))).toBe(3)
+  expect(space.localPrefix(Buffer.concat([hashes[3]!]))).toBe(0)
+})

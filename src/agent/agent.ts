@@ -165,6 +165,12 @@ export class Agent {
   readonly #spaces = new Map<string, Promise<KvSpace>>()
   /** The spaces of #spaces that finished opening, for lookups that need no await. */
   readonly #openSpaces = new Map<string, KvSpace>()
+  /**
+   * A session's spaces (by rank) once all are open, for its lookups: their ids are a
+   * JSON.stringify and a fresh string's hash each, a tenth of a warm lookup. Open spaces
+   * stay open until close(), which every request checks first.
+   */
+  readonly #lookupSpaces = new WeakMap<SpaceDescriptor, KvSpace[]>()
   /** L1 by slot shape (agentL1Shape): one budget and one LRU for the spaces of one chunk size (each sees only its chunks). */
   readonly #l1 = new Map<string, Promise<MemoryTier>>()
   /** L2 budget of every space; null when L2 is off. */
@@ -512,8 +518,9 @@ export class Agent {
     const world = d.layout === 'mla' ? 1 : d.world
     let chunks = asked
     let final = true
+    const spaces = this.#openLookupSpaces(d, world)
     for (let r = 0; r < world && final; r++) {
-      const sp = this.#openSpaces.get(spaceId(d, this.#shard(d, r)))
+      const sp = spaces?.[r]
       if (sp === undefined) final = false
       else {
         const local = sp.localPrefix(hashes)
@@ -524,6 +531,20 @@ export class Agent {
     if (final) return this.#lookedUp(asked, chunks, 'all')
     const ranks = Array.from({ length: world }, (_, r) => r)
     return this.#lookupAll(d, hashes, ranks, deadline)
+  }
+
+  /** The spaces of `d`'s ranks when every one is open (a lookup needs no await), else undefined. */
+  #openLookupSpaces(d: SpaceDescriptor, world: number): KvSpace[] | undefined {
+    const known = this.#lookupSpaces.get(d)
+    if (known !== undefined) return known
+    const spaces: KvSpace[] = []
+    for (let r = 0; r < world; r++) {
+      const sp = this.#openSpaces.get(spaceId(d, this.#shard(d, r)))
+      if (sp === undefined) return undefined
+      spaces.push(sp)
+    }
+    this.#lookupSpaces.set(d, spaces)
+    return spaces
   }
 
   /** The request's `keys` in either form; counts the forms (an engine still sending arrays runs an older connector). */

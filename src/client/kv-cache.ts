@@ -23,7 +23,7 @@ import {
 } from './stats.ts'
 import { type LayerBatch, StorageManager, type TierName } from './storage-manager.ts'
 import { type DiskBudget, DiskTier, type DiskTierStats } from './tiers/disk.ts'
-import { MemoryTier, type MemoryTierStats } from './tiers/memory.ts'
+import { MemoryTier, type MemoryTierStats, type Resident } from './tiers/memory.ts'
 import { RemoteTier, type RemoteTierStats } from './tiers/remote.ts'
 import type { WriteBehindStats } from './write-behind.ts'
 
@@ -546,6 +546,18 @@ export class KVCache {
     this.#open()
     const m = this.#manager
     return m.memory.has(hex) || m.disk?.has(hex) === true
+  }
+
+  /** MemoryTier.resident of L1: its chunk for this key id, in L1 while `indexed` is true. */
+  memoryResident(hex: string): Resident | undefined {
+    this.#open()
+    return this.#manager.memory.resident(hex)
+  }
+
+  /** MemoryTier.removals of L1 (throws ERR_CLOSED once the cache closed, as every local probe does). */
+  get memoryRemovals(): number {
+    this.#open()
+    return this.#manager.memory.removals
   }
 
   /** Whether a gateway tier is configured (a lookup past the local tiers may ask it). */

@@ -1,0 +1,306 @@
+// The agent bar's two figures, A/B in one run: this tree's `kvgate agent` against another
+// tree's (KVGATE_AB_OTHER, e.g. /work/main: its own src, addon and Python client), each tree
+// driven by its own client. Absolute figures move with the machine's load; the same-run
+// ratio between the trees is what a change is judged by.
+//   KVGATE_AB_OTHER=/work/main node --import tsx bench/agent-ab.ts
+// 1. Lookups of 512 packed keys (a 128k-token prompt, all in L1) through each tree's own
+//    Python connector client (bench/lib/agent_lookup_ab.py, the engine's path): KVGATE_AB_ROUNDS
+//    rounds of KVGATE_AB_LOOKUPS (default 6 × 1500), each a Python process in which the two
+//    agents' lookups alternate one by one (each followed by a ping; a bare Unix-socket
+//    ping-pong per pair: the machine's floor). p50 / p99 / p99.9 per round and pooled.
+// 2. Save and load of a Llama-3.1-8B 32 MiB chunk's 16 scattered blocks (as bench/agent.ts),
+//    per repeat one memcpy of the same bytes, then each tree's save and load (order alternating).
+
+import { type ChildProcess, spawn } from 'node:child_process'
+import { randomBytes } from 'node:crypto'
+import {
+  closeSync,
+  ftruncateSync,
+  mkdtempSync,
+  openSync,
+  rmSync,
+  unlinkSync,
+  writeFileSync,
+  writeSync,
+} from 'node:fs'
+import { connect, type Socket } from 'node:net'
+import { loadavg } from 'node:os'
+import { join, resolve } from 'node:path'
+import { decodeBody, encodeFrame, FrameReader } from '../src/agent/protocol.ts'
+import { median, quantile, table } from './lib/stats.ts'
+
+const other = process.env.KVGATE_AB_OTHER
+if (!other) throw new Error('set KVGATE_AB_OTHER to the other tree (e.g. /work/main)')
+const trees = [
+  { label: 'this tree', root: resolve('.') },
+  { label: `other (${other})`, root: resolve(other) },
+]
+const rounds = Number(process.env.KVGATE_AB_ROUNDS ?? 6)
+const perRound = Number(process.env.KVGATE_AB_LOOKUPS ?? 1500)
+const repeats = Number(process.env.KVGATE_BENCH_REPEATS ?? 20)
+const python = process.env.KVGATE_PYTHON ?? '/usr/bin/python3'
+const dir = mkdtempSync(join('/tmp', 'kvgate-agent-ab-'))
+const shmDir = process.env.KVGATE_BENCH_SHM ?? '/dev/shm'
+const MiB = 1024 ** 2
+
+type Msg = Record<string, unknown>
+
+class Client {
+  readonly #reader = new FrameReader(64 * MiB)
+  readonly #waiting = new Map<number, (m: Msg) => void>()
+  #next = 1
+  constructor(readonly sock: Socket) {
+    sock.on('data', (d) => {
+      for (const b of this.#reader.push(d)) {
+        const m = decodeBody(b) as Msg
+        if (typeof m.id === 'number' && !m.event) {
+          this.#waiting.get(m.id)?.(m)
+          this.#waiting.delete(m.id)
+        }
+      }
+    })
+  }
+  static open(path: string): Promise<Client> {
+    return new Promise((res, rej) => {
+      const s = connect(path)
+      s.once('connect', () => res(new Client(s)))
+      s.once('error', rej)
+    })
+  }
+  async call(op: string, fields: Msg = {}): Promise<Msg> {
+    const id = this.#next++
+    const p = new Promise<Msg>((res) => this.#waiting.set(id, res))
+    this.sock.write(encodeFrame({ id, op, ...fields }))
+    const m = await p
+    if (!m.ok) throw new Error(`${op}: ${JSON.stringify(m.error)}`)
+    return m
+  }
+}
+
+function startAgent(root: string, sock: string): Promise<ChildProcess> {
+  const child = spawn(
+    process.execPath,
+    ['--import', 'tsx', 'src/cli/main.ts', 'agent', '--socket', sock, '--chunk-tokens', '256'],
+    {
+      cwd: root,
+      env: { ...process.env, KVGATE_MEMORY_BYTES: '320MiB', KVGATE_DISK: 'off', KVGATE_REMOTE: 'off' },
+      stdio: ['ignore', 'pipe', 'inherit'],
+    },
+  )
+  return new Promise((res, rej) => {
+    child.stdout!.once('data', () => res(child))
+    child.once('exit', (c) => rej(new Error(`agent in ${root} exited (${c})`)))
+  })
+}
+
+function stop(agent: ChildProcess): Promise<void> {
+  return new Promise((res) => {
+    if (agent.exitCode !== null) return res()
+    const stuck = setTimeout(() => agent.kill('SIGKILL'), 10_000)
+    agent.once('exit', () => res(clearTimeout(stuck)))
+    agent.kill('SIGTERM')
+  })
+}
+
+type Block = { hit: number; lookup: number[]; ping: number[]; bare: number[] }
+
+/** One round: both agents through their trees' clients, interleaved lookup by lookup. */
+function lookupRound(
+  subjects: readonly { root: string; sock: string }[],
+  keysFile: string,
+): Promise<Block[]> {
+  return new Promise((res, rej) => {
+    const child = spawn(
+      python,
+      [
+        join(resolve('.'), 'bench/lib/agent_lookup_ab.py'),
+        String(perRound),
+        keysFile,
+        ...subjects.flatMap((s) => [s.sock, join(s.root, 'python/kvgate_vllm/client.py')]),
+      ],
+      { stdio: ['ignore', 'pipe', 'pipe'] },
+    )
+    let out = ''
+    let err = ''
+    child.stdout.on('data', (d) => (out += d))
+    child.stderr.on('data', (d) => (err += d))
+    const timer = setTimeout(() => child.kill('SIGKILL'), 300_000)
+    child.on('error', rej)
+    child.on('close', (code) => {
+      clearTimeout(timer)
+      if (code !== 0) return rej(new Error(`${python} exited ${code}: ${err.trim()}`))
+      const r = JSON.parse(out) as {
+        hits: number[]
+        agents: { lookup: number[]; ping: number[] }[]
+        bare: number[]
+      }
+      res(r.agents.map((a, i) => ({ hit: r.hits[i]!, ...a, bare: r.bare })))
+    })
+  })
+}
+
+const spread = (xs: number[], d = 3) =>
+  `${Math.min(...xs).toFixed(d)} / ${median(xs).toFixed(d)} / ${Math.max(...xs).toFixed(d)}`
+
+async function main() {
+  const agents: ChildProcess[] = []
+  const files: string[] = []
+  try {
+    // --- lookups
+    const tinyPath = join(shmDir, `kvgate-ab-tiny-${process.pid}`)
+    const tfd = openSync(tinyPath, 'w+', 0o600)
+    ftruncateSync(tfd, 2 * 1024 * 16 * 1 * 8 * 2)
+    closeSync(tfd)
+    files.push(tinyPath)
+    const keys = Array.from({ length: 512 }, () => randomBytes(32))
+    const keysFile = join(dir, 'keys.hex')
+    writeFileSync(keysFile, Buffer.concat(keys).toString('hex'))
+    const lookupSubjects = []
+    for (const [i, t] of trees.entries()) {
+      const sock = join(dir, `lookup-${i}.sock`)
+      const agent = await startAgent(t.root, sock)
+      agents.push(agent)
+      const c = await Client.open(sock)
+      await c.call('hello', {
+        protocol: 1,
+        model: 'bench/tiny',
+        hashSeed: '0',
+        geometry: {
+          layout: 'flash-attn',
+          dtype: 'float16',
+          layers: 1,
+          kvHeads: 1,
+          headSize: 8,
+          blockSize: 16,
+        },
+      })
+      const r = await c.call('register', {
+        rank: 0,
+        numBlocks: 1024,
+        tensors: [{ kind: 'shm', path: tinyPath, offset: 0, shape: [2, 1024, 16, 1, 8] }],
+      })
+      for (let k = 0; k < 512; k += 64)
+        await c.call('save', {
+          worker: r.worker,
+          keys: keys.slice(0, k + 64),
+          blockIds: Array.from({ length: (k + 64) * 16 }, (_, b) => b % 1024),
+          from: k,
+        })
+      lookupSubjects.push({ ...t, agent, c, sock, blocks: [] as Block[] })
+    }
+    for (let r = 0; r < rounds; r++) {
+      const got = await lookupRound(lookupSubjects, keysFile)
+      lookupSubjects.forEach((sub, k) => sub.blocks.push(got[k]!))
+    }
+    for (const sub of lookupSubjects) {
+      sub.c.sock.destroy()
+      await stop(sub.agent)
+    }
+    const q = (b: Block[], f: 'lookup' | 'ping' | 'bare', p: number) => b.map((x) => quantile(x[f], p))
+    const all = (b: Block[], f: 'lookup' | 'ping' | 'bare') => b.flatMap((x) => x[f])
+    console.log(
+      `lookup of 512 packed keys through each tree's Python connector client: ${rounds} rounds of ${perRound}, ms (per round min / median / max; all rounds pooled)`,
+    )
+    const rows: (string | number)[][] = [['tree', 'what', 'p50', 'p99', 'p99.9', 'pooled p50 / p99 / p99.9']]
+    for (const sub of lookupSubjects) {
+      for (const f of ['lookup', 'ping', 'bare'] as const) {
+        const pooled = all(sub.blocks, f)
+        rows.push([
+          sub.label,
+          f === 'bare' ? 'bare socket ping-pong' : f,
+          spread(q(sub.blocks, f, 0.5)),
+          spread(q(sub.blocks, f, 0.99)),
+          spread(q(sub.blocks, f, 0.999)),
+          `${quantile(pooled, 0.5).toFixed(3)} / ${quantile(pooled, 0.99).toFixed(3)} / ${quantile(pooled, 0.999).toFixed(3)}`,
+        ])
+      }
+    }
+    console.log(table(rows))
+    const [a, b] = lookupSubjects
+    const ratio = (p: number) =>
+      a!.blocks.map((x, i) => quantile(x.lookup, p) / quantile(b!.blocks[i]!.lookup, p))
+    console.log(
+      `lookup this/other per round (min / median / max): p50 ${spread(ratio(0.5), 2)}, p99 ${spread(ratio(0.99), 2)}, p99.9 ${spread(ratio(0.999), 2)}; hits ${a!.blocks[0]!.hit}, ${b!.blocks[0]!.hit}`,
+    )
+
+    // --- save / load vs memcpy
+    const layers = 32
+    const numBlocks = 96
+    const blockBytes = 16 * 8 * 128 * 2
+    const layerBytes = 2 * numBlocks * blockBytes
+    const kvPath = join(shmDir, `kvgate-ab-${process.pid}`)
+    const fd = openSync(kvPath, 'w+', 0o600)
+    const zeros = Buffer.alloc(layerBytes)
+    for (let l = 0; l < layers; l++) writeSync(fd, zeros, 0, layerBytes, l * layerBytes)
+    closeSync(fd)
+    files.push(kvPath)
+    const copySubjects = []
+    for (const [i, t] of trees.entries()) {
+      const sock = join(dir, `copy-${i}.sock`)
+      const agent = await startAgent(t.root, sock)
+      agents.push(agent)
+      const c = await Client.open(sock)
+      await c.call('hello', {
+        protocol: 1,
+        model: 'meta-llama/Llama-3.1-8B',
+        hashSeed: '0',
+        geometry: {
+          layout: 'flash-attn',
+          dtype: 'bfloat16',
+          layers,
+          kvHeads: 8,
+          headSize: 128,
+          blockSize: 16,
+        },
+      })
+      const tensors = Array.from({ length: layers }, (_, l) => ({
+        kind: 'shm',
+        path: kvPath,
+        offset: l * layerBytes,
+        shape: [2, numBlocks, 16, 8, 128],
+      }))
+      const { worker } = await c.call('register', { rank: 0, numBlocks, tensors })
+      copySubjects.push({ ...t, c, worker: worker as number, save: [] as number[], load: [] as number[] })
+    }
+    const chunkBytes = 32 * MiB
+    const src = Buffer.alloc(chunkBytes, 7)
+    const dst = Buffer.alloc(chunkBytes, 1)
+    const memcpy: number[] = []
+    for (let i = 0; i < repeats + 2; i++) {
+      const x = ((i * 7919) % numBlocks) + 1
+      const order = Array.from({ length: numBlocks }, (_, k) => (k * x + i) % numBlocks)
+      const ks = [randomBytes(32)]
+      let t = performance.now()
+      src.copy(dst)
+      const m = performance.now() - t
+      for (const sub of i % 2 === 0 ? copySubjects : [...copySubjects].reverse()) {
+        t = performance.now()
+        await sub.c.call('save', { worker: sub.worker, keys: ks, blockIds: order.slice(0, 16) })
+        const s = performance.now() - t
+        t = performance.now()
+        await sub.c.call('load', { worker: sub.worker, keys: ks, blockIds: order.slice(16, 32) })
+        const l = performance.now() - t
+        if (i >= 2) {
+          sub.save.push(m / s)
+          sub.load.push(m / l)
+        }
+      }
+      if (i >= 2) memcpy.push(m)
+    }
+    for (const sub of copySubjects) sub.c.sock.destroy()
+    console.log(
+      table([
+        ['tree', 'save vs memcpy (per repeat) min / median / max', 'load vs memcpy min / median / max'],
+        ...copySubjects.map((s) => [s.label, spread(s.save, 2), spread(s.load, 2)]),
+        ['memcpy ms', spread(memcpy, 2), ''],
+      ]),
+    )
+    console.log(`machine load average during the run: ${loadavg()[0]!.toFixed(1)}`)
+  } finally {
+    for (const agent of agents) agent.kill('SIGTERM')
+    for (const f of files) unlinkSync(f)
+    rmSync(dir, { recursive: true, force: true })
+  }
+}
+
+await main()
