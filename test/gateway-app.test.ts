@@ -840,3 +840,110 @@ describe('metrics, status page, coalescing', () => {
     expect(app.state.metrics.coalesced.value()).toBe(7)
   })
 })
+
+describe('a whole GET reads its header off the front of its body', () => {
+  /** A memory store whose GET bodies come in `piece`-byte pieces, counting what was pulled from each. */
+  class PiecedStore extends MemoryStore {
+    pulled: number[] = []
+    constructor(readonly piece: number) {
+      super()
+    }
+    override async get(n: string, o?: GetOptions): Promise<StoreObject | undefined> {
+      const obj = await super.get(n, o)
+      if (!obj) return obj
+      const bytes = new Uint8Array(await new Response(obj.body).arrayBuffer())
+      let at = 0
+      const which = this.pulled.push(0) - 1
+      const body = new ReadableStream<Uint8Array>(
+        {
+          pull: (c) => {
+            if (at >= bytes.length) return c.close()
+            const p = bytes.subarray(at, at + this.piece)
+            at += p.length
+            this.pulled[which]! += p.length
+            c.enqueue(p)
+          },
+        },
+        { highWaterMark: 0 },
+      )
+      return { ...obj, body }
+    }
+  }
+  const stored = async (store: MemoryStore, key: string, bytes: Uint8Array) =>
+    store.putIfAbsent(objectName('kvgate', 'a', key), bytes, bytes.length)
+
+  it('a body that ends inside its header, or a header that fails, is a 502 before any byte, counted corrupt', async () => {
+    const c = makeChunk({ layers: 8, sectionBytes: 1000 })
+    const headerBytes = readHeaderLength(c.bytes)
+    for (const [what, bytes] of [
+      ['ends inside the prefix', c.bytes.slice(0, 7)],
+      ['ends inside the header', c.bytes.slice(0, headerBytes - 5)],
+      [
+        'a header CRC off',
+        (() => {
+          const b = c.bytes.slice()
+          b[headerBytes - 1]! ^= 1
+          return b
+        })(),
+      ],
+    ] as const) {
+      for (const piece of [1, 5, 1 << 20]) {
+        const store = new PiecedStore(piece)
+        const app = createGateway({ store })
+        await stored(store, c.key, bytes)
+        const r = await app.request(`/v1/ns/a/chunks/${c.key}`)
+        expect([r.status, r.headers.get('etag')], `${what} / ${piece}`).toEqual([502, null])
+        expect(await errCode(r)).toMatch(/^ERR_FORMAT_/)
+        expect(app.state.metrics.corruptReads.value({ layers: 'false' })).toBe(1)
+        expect(app.state.headers.has(objectName('kvgate', 'a', c.key))).toBe(false)
+      }
+    }
+  })
+
+  it('a hostile header length reads no more than the largest header (and one piece) before the 502', async () => {
+    const c = makeChunk({ layers: 64, sectionBytes: 64 * 1024 }) // 4 MiB: far more than any header
+    const largest = headerBytesFor(1024)
+    for (const [what, length] of [
+      ['the largest plausible header', largest],
+      ['an implausible one', 0xfffffff0],
+      ['one not a multiple of 16', headerBytesFor(8) + 1],
+    ] as const) {
+      const bytes = c.bytes.slice()
+      new DataView(bytes.buffer).setUint32(8, length, true)
+      const store = new PiecedStore(1000)
+      // Not coalesced: a coalescer may buffer a small object whole before anything looks at it.
+      const app = createGateway({ store, coalesce: false })
+      await stored(store, c.key, bytes)
+      const r = await app.request(`/v1/ns/a/chunks/${c.key}`)
+      expect(r.status, what).toBe(502)
+      // The GET's own body (a background verification reads the object again, on its own).
+      expect(store.pulled[0], what).toBeLessThanOrEqual(largest + 1000)
+    }
+  })
+
+  it('a store body broken off inside the header is 502 ERR_STORE (not a corrupt object), its stream released', async () => {
+    const c = makeChunk({ layers: 8, sectionBytes: 1000 })
+    class BreakingStore extends MemoryStore {
+      override async get(n: string, o?: GetOptions): Promise<StoreObject | undefined> {
+        const obj = await super.get(n, o)
+        if (!obj || o?.range) return obj
+        let sent = false
+        const body = new ReadableStream<Uint8Array>({
+          pull(ctl) {
+            if (sent) throw new Error('socket hang up')
+            sent = true
+            ctl.enqueue(c.bytes.subarray(0, 40))
+          },
+        })
+        return { ...obj, body }
+      }
+    }
+    const store = new BreakingStore()
+    const app = createGateway({ store })
+    await stored(store, c.key, c.bytes)
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}`)
+    expect([r.status, await errCode(r)]).toEqual([502, 'ERR_STORE'])
+    expect(app.state.metrics.corruptReads.value()).toBe(0)
+    expect(app.state.memory.held).toBe(0)
+  })
+})

@@ -29,7 +29,7 @@ import { bodyHoldBytes, type MemoryLease } from '../memory-budget.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
 import { holdStoreStream, readerPace } from '../reader-pace.ts'
 import { RangeNotSatisfiableError, storeBodyFailure } from '../stores/errors.ts'
-import { type ByteRange, concatPieces, type StoreObject } from '../stores/types.ts'
+import type { ByteRange, StoreObject } from '../stores/types.ts'
 import { iteratorSource, type PieceSource, streamSource, verifiedBody } from '../verified-body.ts'
 import {
   checkedStream,
@@ -496,14 +496,33 @@ async function peekHeader(
   let entry: CachedHeader
   try {
     await readTo(HEADER_PREFIX_BYTES)
-    await readTo(guard(() => readHeaderLength(concatPieces(pieces, have))))
-    entry = headerEntry(state, t, concatPieces(pieces, have), { size: obj.size, etag: obj.etag })
+    const headerBytes = guard(() => readHeaderLength(front(pieces, HEADER_PREFIX_BYTES)))
+    await readTo(headerBytes)
+    entry = headerEntry(state, t, front(pieces, headerBytes), { size: obj.size, etag: obj.etag })
   } catch (e) {
     await reader.cancel(e).catch(() => {})
     if (isCorruption(e)) reportCorruptRead(state, t, false, obj.size)
     throw storeBodyFailure(e)
   }
   return { entry, body: resumed(pieces, reader) }
+}
+
+/**
+ * The first `n` bytes of `pieces` (which hold at least that many): a view of the first piece when
+ * it holds them, else a copy of just those bytes. A piece may be a whole MiB (fs) or the whole
+ * object (memory): copying the pieces whole would cost a copy of up to all of it per GET.
+ */
+function front(pieces: readonly Uint8Array[], n: number): Uint8Array {
+  if (pieces[0]!.length >= n) return pieces[0]!.subarray(0, n)
+  const out = new Uint8Array(n)
+  let at = 0
+  for (const p of pieces) {
+    if (at >= n) break
+    const take = p.subarray(0, n - at)
+    out.set(take, at)
+    at += take.length
+  }
+  return out
 }
 
 function notFoundFrom(state: GatewayState, name: string): never {
