@@ -229,6 +229,35 @@ describe('PUT and GET', () => {
       }
     })
 
+    it("HEAD's tag is no older than its size: a same-size object put back elsewhere gets its own tag once the presence is re-learned", async () => {
+      const c = makeChunk({ layers: 6, sectionBytes: 100 })
+      const url = `/v1/ns/a/chunks/${c.key}`
+      const store = new MemoryStore()
+      const x = createGateway({ store, lookup: { presenceTtlMs: 50 } })
+      const y = createGateway({ store })
+      expect((await x.request(url, putInit(c.bytes))).status).toBe(201)
+      const old = (await x.request(url)).headers.get('etag')!
+      expect((await x.request(url, { method: 'HEAD' })).headers.get('etag')).toBe(old)
+      // Another instance deletes it and takes a re-encode of the same size (other bytes).
+      const other = makeChunk({ layers: 6, sectionBytes: 100, key: c.key })
+      expect(other.bytes.length).toBe(c.bytes.length)
+      expect((await y.request(url, { method: 'DELETE' })).status).toBe(204)
+      expect((await y.request(url, putInit(other.bytes))).status).toBe(201)
+      const now = (await y.request(url)).headers.get('etag')!
+      expect(now).not.toBe(old)
+      // Past the presence TTL a lookup here re-learns the key (its size, not its bytes).
+      await new Promise((r) => setTimeout(r, 80))
+      const look = await x.request('/v1/ns/a/lookup', {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ keys: [c.key] }),
+      })
+      expect(look.status).toBe(200)
+      const h = await x.request(url, { method: 'HEAD' })
+      expect([h.status, h.headers.get('etag')]).toEqual([200, now])
+      expect((await x.request(url, { method: 'HEAD', headers: { 'if-none-match': old } })).status).toBe(200)
+    })
+
     it('?layers= is another representation: its own tag per span, honoured by If-None-Match on GET and HEAD', async () => {
       const { app } = setup()
       const c = makeChunk({ layers: 6, sectionBytes: 100 })

@@ -425,7 +425,7 @@ function headerEntry(
   // (a whole GET fails it too). Taken for another version, every layer read would answer 503.
   if (header.totalBytes !== version.size)
     throw corrupt(`stored object is ${version.size} bytes, its header says ${header.totalBytes}`)
-  const entry: CachedHeader = { header, bytes: bytes.slice(0, headerBytes), ...version }
+  const entry: CachedHeader = { header, bytes: bytes.slice(0, headerBytes), ...version, readAt: Date.now() }
   state.headers.set(t.name, entry)
   return entry
 }
@@ -571,11 +571,19 @@ function layersSpan(header: ChunkHeader, first: number, last: number): { start: 
 /**
  * The header of the object stored now, for answers that read no other byte of it (HEAD): the
  * cached one while the presence cache vouches for an object of its size (a HEAD trusts it for
- * the size as well), else read from the store.
+ * the size as well) and it was read within the presence TTL, else read from the store. The
+ * presence alone is re-learned without the bytes (a lookup's probe, another instance's re-PUT of
+ * the same size): a header older than it may be another object's, whose tag would then pass for
+ * this one's for as long as lookups keep the presence fresh.
  */
 async function currentHeader(state: GatewayState, t: VerifyTarget): Promise<CachedHeader> {
   const cached = state.headers.get(t.name)
-  if (cached && state.lookup.cached(t.name) === cached.size) return cached
+  if (
+    cached &&
+    state.lookup.cached(t.name) === cached.size &&
+    Date.now() - cached.readAt < state.lookup.presenceTtlMs
+  )
+    return cached
   return readHeader(state, t)
 }
 
