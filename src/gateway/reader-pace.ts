@@ -40,8 +40,8 @@ export function readerPace(
 }
 
 /**
- * Reserves what `obj`'s open body holds in the store ahead of its reader (ObjectStore.getHoldBytes;
- * none for fs, memory, R2) against limits.maxHeldBytes, to be given back through readerPace's
+ * Reserves what `obj`'s open body holds in the store ahead of its reader (ObjectStore.getHoldBytes:
+ * S3 up to 4 MiB, fs up to 2 MiB; none for memory, R2) against limits.maxHeldBytes, to be given back through readerPace's
  * onEnd. Past the bound the body is released and the GET refused with 503 ERR_BUSY, as a PUT is.
  */
 export function holdStoreStream(state: GatewayState, obj: StoreObject, what: string): MemoryLease {
