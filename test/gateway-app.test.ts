@@ -229,6 +229,35 @@ describe('PUT and GET', () => {
       }
     })
 
+    it('preconditions come before the range (RFC 9110 §13.2.2): a stale If-Range past the new end gets the whole object, a matching If-None-Match 304, not 416', async () => {
+      const { app } = setup()
+      const c = makeChunk({ layers: 6, sectionBytes: 200 })
+      const url = `/v1/ns/a/chunks/${c.key}`
+      await app.request(url, putInit(c.bytes))
+      const old = (await app.request(url, { method: 'HEAD' })).headers.get('etag')!
+      // Replaced by a smaller re-encode: the client's range of the old one lies past its end.
+      const small = makeChunk({ layers: 6, sectionBytes: 100, key: c.key })
+      expect((await app.request(url, { method: 'DELETE' })).status).toBe(204)
+      expect((await app.request(url, putInit(small.bytes))).status).toBe(201)
+      const past = `bytes=${small.bytes.length + 10}-`
+      const r = await app.request(url, { headers: { range: past, 'if-range': old } })
+      expect([r.status, r.headers.get('content-range')]).toEqual([200, null])
+      expect(await bodyOf(r)).toEqual(small.bytes)
+      const now = r.headers.get('etag')!
+      expect(now).not.toBe(old)
+      const nm = await app.request(url, { headers: { range: past, 'if-none-match': now } })
+      expect([nm.status, nm.headers.get('etag')]).toEqual([304, now])
+      // The current tag holds: the range is the client's mistake, still 416 with the length.
+      for (const headers of [
+        { range: past, 'if-range': now },
+        { range: past, 'if-none-match': old },
+        { range: past },
+      ]) {
+        const bad = await app.request(url, { headers })
+        expect([bad.status, bad.headers.get('content-range')]).toEqual([416, `bytes */${small.bytes.length}`])
+      }
+    })
+
     it("HEAD's tag is no older than its size: a same-size object put back elsewhere gets its own tag once the presence is re-learned", async () => {
       const c = makeChunk({ layers: 6, sectionBytes: 100 })
       const url = `/v1/ns/a/chunks/${c.key}`

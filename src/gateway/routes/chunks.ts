@@ -179,13 +179,30 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       }
     }
 
-    let obj = await fetchChunk(state, name, range, rangeHeader)
+    const ifRange = range && c.req.header('if-range')
+    let obj: StoreObject & { buffered: boolean }
+    try {
+      obj = await fetchChunk(state, name, range, rangeHeader)
+    } catch (e) {
+      // RFC 9110 §13.2.2: the preconditions come before the range. A range past the end of the
+      // object stored now, asked with If-Range of another version (a smaller re-encode replaced
+      // it), is the whole object; with If-None-Match of this one, 304.
+      if (!(e instanceof RangeNotSatisfiableError) || (ifRange === undefined && ifNoneMatch === undefined))
+        throw e
+      const etag = chunkETag(await readHeader(state, t))
+      if (matchesNoneMatch(ifNoneMatch, etag)) {
+        state.usage?.use(ns, key)
+        return notModified(etag)
+      }
+      if (ifRange === undefined || ifRangeHolds(ifRange, etag)) throw e
+      range = undefined
+      obj = await fetchChunk(state, name, undefined, undefined)
+    }
     let entry: CachedHeader | undefined
     let body: ReadableStream<Uint8Array>
     if (range) {
       // A range says nothing of the header: its tag comes from the cached or a read header.
       entry = await rangeVersionHeader(state, t, obj)
-      const ifRange = c.req.header('if-range')
       const etag = entry && chunkETag(entry)
       if (etag !== undefined && matchesNoneMatch(ifNoneMatch, etag)) {
         await obj.body.cancel().catch(() => {})
