@@ -36,6 +36,8 @@ import {
   checkIdentity,
   lengthCheck,
   objectCheck,
+  type PieceReader,
+  resumedReader,
   type StreamCheck,
   sectionsCheck,
 } from '../verified-read.ts'
@@ -199,7 +201,7 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       obj = await fetchChunk(state, name, undefined, undefined)
     }
     let entry: CachedHeader | undefined
-    let body: ReadableStream<Uint8Array>
+    let body: ReadableStream<Uint8Array> | PieceReader
     if (range) {
       // A range says nothing of the header: its tag comes from the cached or a read header.
       entry = await rangeVersionHeader(state, t, obj)
@@ -275,7 +277,7 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
 function servedStream(
   c: Context<GatewayEnv>,
   state: GatewayState,
-  src: ReadableStream<Uint8Array>,
+  src: ReadableStream<Uint8Array> | PieceReader,
   check: StreamCheck | undefined,
   t: VerifyTarget,
   layers: boolean,
@@ -498,7 +500,7 @@ async function peekHeader(
   state: GatewayState,
   t: VerifyTarget,
   obj: StoreObject,
-): Promise<{ entry: CachedHeader; body: ReadableStream<Uint8Array> }> {
+): Promise<{ entry: CachedHeader; body: PieceReader }> {
   const reader = obj.body.getReader()
   const pieces: Uint8Array[] = []
   let have = 0
@@ -521,7 +523,7 @@ async function peekHeader(
     if (isCorruption(e)) reportCorruptRead(state, t, false, obj.size)
     throw storeBodyFailure(e)
   }
-  return { entry, body: resumed(pieces, reader) }
+  return { entry, body: resumedReader(pieces, reader) }
 }
 
 /**
