@@ -200,37 +200,51 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       range = undefined
       obj = await fetchChunk(state, name, undefined, undefined)
     }
+    // The store body is open from here: what the store reads ahead of it is reserved before
+    // anything else is awaited (a header peeked off it, the tag's header read), so a GET the
+    // budget cannot take reads nothing more. A shared buffer is in the budget already.
+    let held = storeHold(state, obj)
     let entry: CachedHeader | undefined
     let body: ReadableStream<Uint8Array> | PieceReader
-    if (range) {
-      // A range says nothing of the header: its tag comes from the cached or a read header.
-      entry = await rangeVersionHeader(state, t, obj)
-      const etag = entry && chunkETag(entry)
-      if (etag !== undefined && matchesNoneMatch(ifNoneMatch, etag)) {
-        await obj.body.cancel().catch(() => {})
-        state.usage?.use(ns, key)
-        return notModified(etag)
+    try {
+      if (range) {
+        // A range says nothing of the header: its tag comes from the cached or a read header.
+        entry = await rangeVersionHeader(state, t, obj)
+        const etag = entry && chunkETag(entry)
+        if (etag !== undefined && matchesNoneMatch(ifNoneMatch, etag)) {
+          await obj.body.cancel().catch(() => {})
+          held?.release()
+          state.usage?.use(ns, key)
+          return notModified(etag)
+        }
+        if (ifRange !== undefined && !ifRangeHolds(ifRange, etag)) {
+          // The client's copy is another version (or unknown): the whole object, not its range.
+          await obj.body.cancel().catch(() => {})
+          held?.release()
+          held = undefined
+          range = undefined
+          obj = await fetchChunk(state, name, undefined, undefined)
+          held = storeHold(state, obj)
+        }
       }
-      if (ifRange !== undefined && !ifRangeHolds(ifRange, etag)) {
-        // The client's copy is another version (or unknown): the whole object, not its range.
-        await obj.body.cancel().catch(() => {})
-        range = undefined
-        obj = await fetchChunk(state, name, undefined, undefined)
+      if (range) body = obj.body
+      else {
+        // The whole object's header is its first bytes: read off the body, no store read of its own.
+        const peeked = await peekHeader(state, t, obj)
+        entry = peeked.entry
+        body = peeked.body
+        const etag = chunkETag(entry)
+        if (matchesNoneMatch(ifNoneMatch, etag)) {
+          await body.cancel().catch(() => {})
+          held?.release()
+          state.usage?.use(ns, key)
+          state.lookup.remember(name, obj.size)
+          return notModified(etag)
+        }
       }
-    }
-    if (range) body = obj.body
-    else {
-      // The whole object's header is its first bytes: read off the body, no store read of its own.
-      const peeked = await peekHeader(state, t, obj)
-      entry = peeked.entry
-      body = peeked.body
-      const etag = chunkETag(entry)
-      if (matchesNoneMatch(ifNoneMatch, etag)) {
-        await body.cancel().catch(() => {})
-        state.usage?.use(ns, key)
-        state.lookup.remember(name, obj.size)
-        return notModified(etag)
-      }
+    } catch (e) {
+      held?.release()
+      throw e
     }
     state.usage?.use(ns, key)
     if (!range) state.lookup.remember(name, obj.size)
@@ -251,8 +265,6 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
           maxBytes: Math.max(state.limits.maxChunkBytes, obj.size),
           ...(nsId ? { namespaceIdHex: nsId } : {}),
         })
-    // A shared buffer is in the budget already; a store stream is reserved while it is open.
-    const held = obj.buffered ? undefined : holdStoreStream(state, { ...obj, body }, 'get')
     const served = servedStream(c, state, body, check, t, false, obj.size, held)
     if (range) {
       headers['content-range'] = `bytes ${obj.offset}-${obj.offset + obj.length - 1}/${obj.size}`
@@ -447,6 +459,15 @@ function headerEntry(
   const entry: CachedHeader = { header, bytes: bytes.slice(0, headerBytes), ...version, readAt: Date.now() }
   state.headers.set(t.name, entry)
   return entry
+}
+
+/**
+ * What `obj`'s open body holds ahead of its reader, reserved (503 ERR_BUSY past the bound, the
+ * body released); none for a shared buffer (in the budget already). Given back by the served
+ * stream's end, or by whichever path answers without it.
+ */
+function storeHold(state: GatewayState, obj: StoreObject & { buffered: boolean }): MemoryLease | undefined {
+  return obj.buffered ? undefined : holdStoreStream(state, obj, 'get')
 }
 
 /** The store's answer to a chunk GET (coalesced with concurrent ones of the same range); 404 when absent. */
