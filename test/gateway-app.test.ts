@@ -229,6 +229,65 @@ describe('PUT and GET', () => {
       }
     })
 
+    it('preconditions come before the range (RFC 9110 §13.2.2): a stale If-Range past the new end gets the whole object, a matching If-None-Match 304, not 416', async () => {
+      const { app } = setup()
+      const c = makeChunk({ layers: 6, sectionBytes: 200 })
+      const url = `/v1/ns/a/chunks/${c.key}`
+      await app.request(url, putInit(c.bytes))
+      const old = (await app.request(url, { method: 'HEAD' })).headers.get('etag')!
+      // Replaced by a smaller re-encode: the client's range of the old one lies past its end.
+      const small = makeChunk({ layers: 6, sectionBytes: 100, key: c.key })
+      expect((await app.request(url, { method: 'DELETE' })).status).toBe(204)
+      expect((await app.request(url, putInit(small.bytes))).status).toBe(201)
+      const past = `bytes=${small.bytes.length + 10}-`
+      const r = await app.request(url, { headers: { range: past, 'if-range': old } })
+      expect([r.status, r.headers.get('content-range')]).toEqual([200, null])
+      expect(await bodyOf(r)).toEqual(small.bytes)
+      const now = r.headers.get('etag')!
+      expect(now).not.toBe(old)
+      const nm = await app.request(url, { headers: { range: past, 'if-none-match': now } })
+      expect([nm.status, nm.headers.get('etag')]).toEqual([304, now])
+      // The current tag holds: the range is the client's mistake, still 416 with the length.
+      const cases: Record<string, string>[] = [
+        { range: past, 'if-range': now },
+        { range: past, 'if-none-match': old },
+        { range: past },
+      ]
+      for (const headers of cases) {
+        const bad = await app.request(url, { headers })
+        expect([bad.status, bad.headers.get('content-range')]).toEqual([416, `bytes */${small.bytes.length}`])
+      }
+    })
+
+    it("HEAD's tag is no older than its size: a same-size object put back elsewhere gets its own tag once the presence is re-learned", async () => {
+      const c = makeChunk({ layers: 6, sectionBytes: 100 })
+      const url = `/v1/ns/a/chunks/${c.key}`
+      const store = new MemoryStore()
+      const x = createGateway({ store, lookup: { presenceTtlMs: 50 } })
+      const y = createGateway({ store })
+      expect((await x.request(url, putInit(c.bytes))).status).toBe(201)
+      const old = (await x.request(url)).headers.get('etag')!
+      expect((await x.request(url, { method: 'HEAD' })).headers.get('etag')).toBe(old)
+      // Another instance deletes it and takes a re-encode of the same size (other bytes).
+      const other = makeChunk({ layers: 6, sectionBytes: 100, key: c.key })
+      expect(other.bytes.length).toBe(c.bytes.length)
+      expect((await y.request(url, { method: 'DELETE' })).status).toBe(204)
+      expect((await y.request(url, putInit(other.bytes))).status).toBe(201)
+      const now = (await y.request(url)).headers.get('etag')!
+      expect(now).not.toBe(old)
+      // Past the presence TTL a lookup here re-learns the key (its size, not its bytes).
+      await new Promise((r) => setTimeout(r, 80))
+      const look = await x.request('/v1/ns/a/lookup', {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ keys: [c.key] }),
+      })
+      expect(look.status).toBe(200)
+      const h = await x.request(url, { method: 'HEAD' })
+      expect([h.status, h.headers.get('etag')]).toEqual([200, now])
+      expect((await x.request(url, { method: 'HEAD', headers: { 'if-none-match': old } })).status).toBe(200)
+    })
+
     it('?layers= is another representation: its own tag per span, honoured by If-None-Match on GET and HEAD', async () => {
       const { app } = setup()
       const c = makeChunk({ layers: 6, sectionBytes: 100 })
@@ -838,5 +897,112 @@ describe('metrics, status page, coalescing', () => {
     for (const b of bodies) expect(b).toEqual(c.bytes)
     expect(gets).toBe(1)
     expect(app.state.metrics.coalesced.value()).toBe(7)
+  })
+})
+
+describe('a whole GET reads its header off the front of its body', () => {
+  /** A memory store whose GET bodies come in `piece`-byte pieces, counting what was pulled from each. */
+  class PiecedStore extends MemoryStore {
+    pulled: number[] = []
+    constructor(readonly piece: number) {
+      super()
+    }
+    override async get(n: string, o?: GetOptions): Promise<StoreObject | undefined> {
+      const obj = await super.get(n, o)
+      if (!obj) return obj
+      const bytes = new Uint8Array(await new Response(obj.body).arrayBuffer())
+      let at = 0
+      const which = this.pulled.push(0) - 1
+      const body = new ReadableStream<Uint8Array>(
+        {
+          pull: (c) => {
+            if (at >= bytes.length) return c.close()
+            const p = bytes.subarray(at, at + this.piece)
+            at += p.length
+            this.pulled[which]! += p.length
+            c.enqueue(p)
+          },
+        },
+        { highWaterMark: 0 },
+      )
+      return { ...obj, body }
+    }
+  }
+  const stored = async (store: MemoryStore, key: string, bytes: Uint8Array) =>
+    store.putIfAbsent(objectName('kvgate', 'a', key), bytes, bytes.length)
+
+  it('a body that ends inside its header, or a header that fails, is a 502 before any byte, counted corrupt', async () => {
+    const c = makeChunk({ layers: 8, sectionBytes: 1000 })
+    const headerBytes = readHeaderLength(c.bytes)
+    for (const [what, bytes] of [
+      ['ends inside the prefix', c.bytes.slice(0, 7)],
+      ['ends inside the header', c.bytes.slice(0, headerBytes - 5)],
+      [
+        'a header CRC off',
+        (() => {
+          const b = c.bytes.slice()
+          b[headerBytes - 1]! ^= 1
+          return b
+        })(),
+      ],
+    ] as const) {
+      for (const piece of [1, 5, 1 << 20]) {
+        const store = new PiecedStore(piece)
+        const app = createGateway({ store })
+        await stored(store, c.key, bytes)
+        const r = await app.request(`/v1/ns/a/chunks/${c.key}`)
+        expect([r.status, r.headers.get('etag')], `${what} / ${piece}`).toEqual([502, null])
+        expect(await errCode(r)).toMatch(/^ERR_FORMAT_/)
+        expect(app.state.metrics.corruptReads.value({ layers: 'false' })).toBe(1)
+        expect(app.state.headers.has(objectName('kvgate', 'a', c.key))).toBe(false)
+      }
+    }
+  })
+
+  it('a hostile header length reads no more than the largest header (and one piece) before the 502', async () => {
+    const c = makeChunk({ layers: 64, sectionBytes: 64 * 1024 }) // 4 MiB: far more than any header
+    const largest = headerBytesFor(1024)
+    for (const [what, length] of [
+      ['the largest plausible header', largest],
+      ['an implausible one', 0xfffffff0],
+      ['one not a multiple of 16', headerBytesFor(8) + 1],
+    ] as const) {
+      const bytes = c.bytes.slice()
+      new DataView(bytes.buffer).setUint32(8, length, true)
+      const store = new PiecedStore(1000)
+      // Not coalesced: a coalescer may buffer a small object whole before anything looks at it.
+      const app = createGateway({ store, coalesce: false })
+      await stored(store, c.key, bytes)
+      const r = await app.request(`/v1/ns/a/chunks/${c.key}`)
+      expect(r.status, what).toBe(502)
+      // The GET's own body (a background verification reads the object again, on its own).
+      expect(store.pulled[0], what).toBeLessThanOrEqual(largest + 1000)
+    }
+  })
+
+  it('a store body broken off inside the header is 502 ERR_STORE (not a corrupt object), its stream released', async () => {
+    const c = makeChunk({ layers: 8, sectionBytes: 1000 })
+    class BreakingStore extends MemoryStore {
+      override async get(n: string, o?: GetOptions): Promise<StoreObject | undefined> {
+        const obj = await super.get(n, o)
+        if (!obj || o?.range) return obj
+        let sent = false
+        const body = new ReadableStream<Uint8Array>({
+          pull(ctl) {
+            if (sent) throw new Error('socket hang up')
+            sent = true
+            ctl.enqueue(c.bytes.subarray(0, 40))
+          },
+        })
+        return { ...obj, body }
+      }
+    }
+    const store = new BreakingStore()
+    const app = createGateway({ store })
+    await stored(store, c.key, c.bytes)
+    const r = await app.request(`/v1/ns/a/chunks/${c.key}`)
+    expect([r.status, await errCode(r)]).toEqual([502, 'ERR_STORE'])
+    expect(app.state.metrics.corruptReads.value()).toBe(0)
+    expect(app.state.memory.held).toBe(0)
   })
 })

@@ -689,6 +689,65 @@ describe('store streams held by GET readers', () => {
     }
   })
 
+  it('a GET is refused before it reads its body or the header (the hold covers the header peek and the tag read)', async () => {
+    /** Counts the bytes pulled from each GET body and the store GETs (ranged or not). */
+    class CountingStore extends ReadAheadStore {
+      pulled: number[] = []
+      gets: string[] = []
+      override async get(n: string, o?: Parameters<MemoryStore['get']>[1]) {
+        const obj = await super.get(n, o)
+        this.gets.push(o?.range ? 'range' : 'whole')
+        if (!obj) return obj
+        const which = this.pulled.push(0) - 1
+        const reader = obj.body.getReader()
+        const body = new ReadableStream<Uint8Array>(
+          {
+            pull: async (c) => {
+              const r = await reader.read()
+              if (r.done) return c.close()
+              this.pulled[which]! += r.value.length
+              c.enqueue(r.value)
+            },
+            cancel: (why) => reader.cancel(why),
+          },
+          { highWaterMark: 0 },
+        )
+        return { ...obj, body }
+      }
+    }
+    const store = new CountingStore(MIB)
+    const app = createGateway({ store, coalesce: false })
+    const c = makeChunk({ layers: 4, sectionBytes: 100 * 1024 })
+    const url = `/v1/ns/a/chunks/${c.key}`
+    expect((await app.request(url, putInit(c.bytes))).status).toBe(201)
+    const full = app.state.memory.tryReserve(app.state.limits.maxHeldBytes - 1000)!
+    const cases: Record<string, string>[] = [
+      {},
+      { range: 'bytes=10-' },
+      { range: 'bytes=10-', 'if-range': '"kv1-0-0"' },
+    ]
+    for (const headers of cases) {
+      store.pulled = []
+      store.gets = []
+      const r = await app.request(url, { headers })
+      expect([r.status, await errCode(r)]).toEqual([503, 'ERR_BUSY'])
+      // One store GET, refused with nothing of its body read: no header peeked, no tag read.
+      expect([store.gets, store.pulled], JSON.stringify(headers)).toEqual([
+        [Object.keys(headers).length ? 'range' : 'whole'],
+        [0],
+      ])
+    }
+    full.release()
+    expect(app.state.memory.held).toBe(0)
+    // Within the budget each is served, and what it held is given back.
+    for (const headers of cases) {
+      const r = await app.request(url, { headers })
+      expect(r.status).toBeLessThan(300)
+      await r.arrayBuffer()
+    }
+    expect(app.state.memory.held).toBe(0)
+  })
+
   it('a calibration streamed from the store is held to the same bound', async () => {
     const store = new ReadAheadStore(MIB)
     const bytes = calib(3, 200 * 1024)

@@ -5,6 +5,7 @@
 import net from 'node:net'
 import { Readable } from 'node:stream'
 import { afterEach, describe, expect, it } from 'vitest'
+import { objectName } from '../src/core/keys.ts'
 import { createGateway } from '../src/gateway/index.ts'
 import { serveGateway } from '../src/gateway/node.ts'
 import { MemoryStore } from '../src/gateway/stores/memory.ts'
@@ -197,4 +198,113 @@ describe('gateway chunk bodies through the Node adapter', () => {
     await new Promise((r) => setTimeout(r, 200))
     expect(native.destroyed).toBe(true)
   })
+
+  it('a streamed GET gives its read-ahead hold back exactly once on every end (aborts, store faults, 304, HEAD)', async () => {
+    const HOLD = MIB
+    /** Bodies in 64 KiB pieces that say they hold HOLD ahead (as S3's do); `broken` ones fail after two pieces. */
+    class HoldingStore extends NodeStreamStore {
+      broken = new Set<string>()
+      getHoldBytes(length: number): number {
+        return Math.min(length, HOLD)
+      }
+      override async get(name: string, opts?: GetOptions): Promise<StoreObject | undefined> {
+        const obj = await super.get(name, opts)
+        if (!obj || !this.broken.has(name)) return obj
+        const reader = obj.body.getReader()
+        let n = 0
+        const body = new ReadableStream<Uint8Array>({
+          async pull(c) {
+            if (n++ === 2) throw new Error('connection reset by the store')
+            const r = await reader.read()
+            if (r.done) c.close()
+            else c.enqueue(r.value)
+          },
+          cancel: (why) => reader.cancel(why),
+        })
+        return { ...obj, body }
+      }
+    }
+    const store = new HoldingStore()
+    const LIMIT = 8 * HOLD
+    const app = createGateway({
+      store,
+      coalesce: false,
+      limits: {
+        maxHeldBytes: LIMIT,
+        readerIdleTimeoutMs: 60_000,
+        maxChunkBytes: 4 * MIB,
+        maxCalibrationBytes: MIB,
+        calibrationCacheBytes: 0,
+      },
+    })
+    const gw = await serveGateway(app, { port: 0 })
+    open.push(gw)
+    const c = makeChunk({ layers: 8, sectionBytes: 400 * 1024 }) // over 3 MiB: 50 pieces, most unread
+    const bad = makeChunk({ layers: 8, sectionBytes: 400 * 1024 })
+    const url = `${gw.url}/v1/ns/a/chunks/${c.key}`
+    expect((await fetch(url, putInit(c.bytes))).status).toBe(201)
+    expect((await fetch(`${gw.url}/v1/ns/a/chunks/${bad.key}`, putInit(bad.bytes))).status).toBe(201)
+    store.broken.add(objectName('kvgate', 'a', bad.key))
+    const etag = (await fetch(url, { method: 'HEAD' })).headers.get('etag')!
+    expect(etag).toMatch(/^"kv/)
+
+    const read = async (res: Response, pieces: number) => {
+      const r = res.body!.getReader()
+      for (let i = 0; i < pieces; i++) if ((await r.read()).done) return
+      await r.cancel()
+    }
+    const kinds: (() => Promise<unknown>)[] = [
+      // Aborted before the answer came, right after it came, and mid-body.
+      async () => {
+        const ac = new AbortController()
+        const p = fetch(url, { signal: ac.signal }).catch(() => undefined)
+        setImmediate(() => ac.abort())
+        await p
+      },
+      async () => {
+        const ac = new AbortController()
+        await fetch(url, { signal: ac.signal })
+        ac.abort()
+      },
+      async () => read(await fetch(url), 3),
+      async () => read(await fetch(url, { headers: { range: 'bytes=1000-' } }), 2),
+      async () => read(await fetch(`${url}?layers=2-6`), 2),
+      async () =>
+        expect((await fetch(url)).arrayBuffer()).resolves.toHaveProperty('byteLength', c.bytes.length),
+      // The store breaks the body off: the response fails.
+      async () => {
+        const r = await fetch(`${gw.url}/v1/ns/a/chunks/${bad.key}`, { headers: { range: 'bytes=0-' } })
+        await r.arrayBuffer().catch(() => undefined)
+      },
+      // Answers that open no stream (or close it unread).
+      async () => expect((await fetch(url, { headers: { 'if-none-match': etag } })).status).toBe(304),
+      async () =>
+        expect((await fetch(url, { headers: { 'if-none-match': etag, range: 'bytes=5-9' } })).status).toBe(
+          304,
+        ),
+      async () => expect((await fetch(url, { method: 'HEAD' })).status).toBe(200),
+    ]
+    let peakSeen = 0
+    for (let round = 0; round < 6; round++) {
+      // At most 7 streams open at once: within the budget, so none is refused.
+      await Promise.all(kinds.slice(0, 7).map((k) => k()))
+      await Promise.all(kinds.slice(7).map((k) => k()))
+      peakSeen = Math.max(peakSeen, app.state.memory.peak)
+    }
+    // Every lease ended: exactly 0 (one given back twice would leave it below), and it stays 0.
+    await until(() => app.state.memory.held <= 0)
+    await new Promise((r) => setTimeout(r, 200))
+    expect(app.state.memory.held).toBe(0)
+    expect(peakSeen).toBeLessThanOrEqual(LIMIT)
+    expect(peakSeen).toBeGreaterThanOrEqual(2 * HOLD) // streams were held at once
+    expect(app.state.metrics.busy.value({ what: 'get' })).toBe(0)
+  })
 })
+
+async function until(cond: () => boolean, ms = 5000): Promise<void> {
+  const t0 = Date.now()
+  while (!cond()) {
+    if (Date.now() - t0 > ms) throw new Error('condition not met in time')
+    await new Promise((r) => setTimeout(r, 10))
+  }
+}

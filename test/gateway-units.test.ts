@@ -15,7 +15,7 @@ import { GetCoalescer } from '../src/gateway/coalesce.ts'
 import { GatewayMetrics } from '../src/gateway/metrics.ts'
 import { parseRange } from '../src/gateway/routes/chunks.ts'
 import { MemoryStore } from '../src/gateway/stores/memory.ts'
-import { checkedStream } from '../src/gateway/verified-read.ts'
+import { checkedStream, resumedReader } from '../src/gateway/verified-read.ts'
 
 describe('If-None-Match and If-Range against a chunk tag', () => {
   const tag = '"kv1-4d0-0a1b2c3d"'
@@ -512,5 +512,45 @@ describe('checkedStream: the pace a GET reader must keep', () => {
     const { s, why } = paced(src, 300, 0)
     expect(await drain(s, 50)).toBe(20 * 16 * 1024)
     expect(why).toEqual([])
+  })
+})
+
+describe('resumedReader', () => {
+  it('hands on the pieces read already, then the rest of the body; a cancel reaches the store body', async () => {
+    const piece = (n: number) => new Uint8Array(4).fill(n)
+    let cancelled: unknown
+    let pulled = 0
+    const src = new ReadableStream<Uint8Array>(
+      {
+        pull(c) {
+          if (++pulled > 3) return c.close()
+          c.enqueue(piece(pulled))
+        },
+        cancel(why) {
+          cancelled = why
+        },
+      },
+      { highWaterMark: 0 },
+    )
+    const reader = src.getReader()
+    const head = [(await reader.read()).value!]
+    const out = checkedStream(resumedReader(head, reader), undefined, {
+      onCorrupt: () => {},
+      idleTimeoutMs: 0,
+    })
+    expect(new Uint8Array(await new Response(out).arrayBuffer())).toEqual(
+      new Uint8Array([...piece(1), ...piece(2), ...piece(3)]),
+    )
+    expect(head[0]!.length).toBe(0) // not kept once handed on
+    // Cancelled before its head is out: the store body is cancelled with the reason.
+    const src2 = new ReadableStream<Uint8Array>({
+      cancel(why) {
+        cancelled = why
+      },
+    })
+    const r2 = resumedReader([piece(9)], src2.getReader())
+    expect(await r2.read()).toEqual({ done: false, value: piece(9) })
+    await r2.cancel('client gone')
+    expect(cancelled).toBe('client gone')
   })
 })

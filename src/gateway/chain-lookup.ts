@@ -97,6 +97,8 @@ export class ChainLookup {
   readonly #fanout: number
   readonly #concurrency: number
   readonly #verifyInferred: number
+  /** How long a seen presence or absence is trusted (ms). */
+  readonly presenceTtlMs: number
   /** Background HEADs in flight, by name (bounded: at most 8 × verifyInferred). */
   readonly #checking = new Set<string>()
 
@@ -117,6 +119,7 @@ export class ChainLookup {
     if (!Number.isInteger(verifyInferred) || verifyInferred < 0)
       throw new TypeError('invalid lookup verifyInferred')
     this.#verifyInferred = verifyInferred
+    this.presenceTtlMs = presenceTtlMs
     this.#store = store
     this.#metrics = metrics
     this.#cache = new LRUCache({ max: cacheEntries, ttl: presenceTtlMs })

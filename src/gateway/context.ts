@@ -103,6 +103,11 @@ export interface CachedHeader {
   /** Size and ETag (where the store has one) of the object the header was read from. */
   size: number
   etag: string | undefined
+  /**
+   * When it was read (Date.now()): a HEAD, which reads nothing else of the object, answers from
+   * it only while the presence it pairs with could be no staler (lookup.presenceTtlMs).
+   */
+  readAt: number
 }
 
 export interface GatewayState {

@@ -40,11 +40,15 @@ export function readerPace(
 }
 
 /**
- * Reserves what `obj`'s open body holds in the store ahead of its reader (ObjectStore.getHoldBytes;
- * none for fs, memory, R2) against limits.maxHeldBytes, to be given back through readerPace's
+ * Reserves what `obj`'s open body holds in the store ahead of its reader (ObjectStore.getHoldBytes:
+ * S3 up to 4 MiB, fs up to 2 MiB; none for memory, R2) against limits.maxHeldBytes, to be given back through readerPace's
  * onEnd. Past the bound the body is released and the GET refused with 503 ERR_BUSY, as a PUT is.
  */
-export function holdStoreStream(state: GatewayState, obj: StoreObject, what: string): MemoryLease {
+export function holdStoreStream(
+  state: GatewayState,
+  obj: Pick<StoreObject, 'length'> & { body: { cancel(reason?: unknown): Promise<void> } },
+  what: string,
+): MemoryLease {
   const lease = state.memory.tryReserve(state.store.getHoldBytes?.(obj.length) ?? 0)
   if (lease) return lease
   obj.body.cancel().catch(() => {})

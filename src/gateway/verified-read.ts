@@ -132,17 +132,40 @@ export interface CheckedStreamOptions {
   onEnd?(): void
 }
 
+/** A store body being read: a stream's reader, or one whose front was read already (resumedReader). */
+export type PieceReader = Pick<ReadableStreamDefaultReader<Uint8Array>, 'read' | 'cancel'>
+
+/**
+ * `head`'s pieces, then the rest of `reader`: a body whose front was read already (a header
+ * looked at before answering), handed on without another stream between the store and the
+ * client (one more hop per piece: an S3 socket's pieces are 16–64 KiB).
+ */
+export function resumedReader(head: Uint8Array[], reader: PieceReader): PieceReader {
+  let next = 0
+  return {
+    read() {
+      if (next >= head.length) return reader.read()
+      const value = head[next]!
+      head[next++] = EMPTY
+      return Promise.resolve({ done: false, value })
+    },
+    cancel: (reason) => reader.cancel(reason),
+  }
+}
+
+const EMPTY = new Uint8Array(0)
+
 /**
  * `src` passed through `check`. One piece is held back until the next read (or the
  * end) proves it sound, so a failure found at the end (short object) still arrives
  * before the client has the whole body. Cancel, idle and slow cut-offs release `src`.
  */
 export function checkedStream(
-  src: ReadableStream<Uint8Array>,
+  src: ReadableStream<Uint8Array> | PieceReader,
   check: StreamCheck | undefined,
   opts: CheckedStreamOptions,
 ): ReadableStream<Uint8Array> {
-  const reader = src.getReader()
+  const reader = src instanceof ReadableStream ? src.getReader() : src
   let held: Uint8Array | undefined
   let ended = false
   let inStoreRead = false

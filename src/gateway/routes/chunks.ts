@@ -29,13 +29,15 @@ import { bodyHoldBytes, type MemoryLease } from '../memory-budget.ts'
 import { authorize, type Scope } from '../middleware/auth.ts'
 import { holdStoreStream, readerPace } from '../reader-pace.ts'
 import { RangeNotSatisfiableError, storeBodyFailure } from '../stores/errors.ts'
-import { type ByteRange, concatPieces, type StoreObject } from '../stores/types.ts'
+import type { ByteRange, StoreObject } from '../stores/types.ts'
 import { iteratorSource, type PieceSource, streamSource, verifiedBody } from '../verified-body.ts'
 import {
   checkedStream,
   checkIdentity,
   lengthCheck,
   objectCheck,
+  type PieceReader,
+  resumedReader,
   type StreamCheck,
   sectionsCheck,
 } from '../verified-read.ts'
@@ -179,39 +181,70 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
       }
     }
 
-    let obj = await fetchChunk(state, name, range, rangeHeader)
-    let entry: CachedHeader | undefined
-    let body: ReadableStream<Uint8Array>
-    if (range) {
-      // A range says nothing of the header: its tag comes from the cached or a read header.
-      entry = await rangeVersionHeader(state, t, obj)
-      const ifRange = c.req.header('if-range')
-      const etag = entry && chunkETag(entry)
-      if (etag !== undefined && matchesNoneMatch(ifNoneMatch, etag)) {
-        await obj.body.cancel().catch(() => {})
-        state.usage?.use(ns, key)
-        return notModified(etag)
-      }
-      if (ifRange !== undefined && !ifRangeHolds(ifRange, etag)) {
-        // The client's copy is another version (or unknown): the whole object, not its range.
-        await obj.body.cancel().catch(() => {})
-        range = undefined
-        obj = await fetchChunk(state, name, undefined, undefined)
-      }
-    }
-    if (range) body = obj.body
-    else {
-      // The whole object's header is its first bytes: read off the body, no store read of its own.
-      const peeked = await peekHeader(state, t, obj)
-      entry = peeked.entry
-      body = peeked.body
-      const etag = chunkETag(entry)
+    const ifRange = range && c.req.header('if-range')
+    let obj: StoreObject & { buffered: boolean }
+    try {
+      obj = await fetchChunk(state, name, range, rangeHeader)
+    } catch (e) {
+      // RFC 9110 §13.2.2: the preconditions come before the range. A range past the end of the
+      // object stored now, asked with If-Range of another version (a smaller re-encode replaced
+      // it), is the whole object; with If-None-Match of this one, 304.
+      if (!(e instanceof RangeNotSatisfiableError) || (ifRange === undefined && ifNoneMatch === undefined))
+        throw e
+      const etag = chunkETag(await readHeader(state, t))
       if (matchesNoneMatch(ifNoneMatch, etag)) {
-        await body.cancel().catch(() => {})
         state.usage?.use(ns, key)
-        state.lookup.remember(name, obj.size)
         return notModified(etag)
       }
+      if (ifRange === undefined || ifRangeHolds(ifRange, etag)) throw e
+      range = undefined
+      obj = await fetchChunk(state, name, undefined, undefined)
+    }
+    // The store body is open from here: what the store reads ahead of it is reserved before
+    // anything else is awaited (a header peeked off it, the tag's header read), so a GET the
+    // budget cannot take reads nothing more. A shared buffer is in the budget already.
+    let held = storeHold(state, obj)
+    let entry: CachedHeader | undefined
+    let body: ReadableStream<Uint8Array> | PieceReader
+    try {
+      if (range) {
+        // A range says nothing of the header: its tag comes from the cached or a read header.
+        entry = await rangeVersionHeader(state, t, obj)
+        const etag = entry && chunkETag(entry)
+        if (etag !== undefined && matchesNoneMatch(ifNoneMatch, etag)) {
+          await obj.body.cancel().catch(() => {})
+          held?.release()
+          state.usage?.use(ns, key)
+          return notModified(etag)
+        }
+        if (ifRange !== undefined && !ifRangeHolds(ifRange, etag)) {
+          // The client's copy is another version (or unknown): the whole object, not its range.
+          await obj.body.cancel().catch(() => {})
+          held?.release()
+          held = undefined
+          range = undefined
+          obj = await fetchChunk(state, name, undefined, undefined)
+          held = storeHold(state, obj)
+        }
+      }
+      if (range) body = obj.body
+      else {
+        // The whole object's header is its first bytes: read off the body, no store read of its own.
+        const peeked = await peekHeader(state, t, obj)
+        entry = peeked.entry
+        body = peeked.body
+        const etag = chunkETag(entry)
+        if (matchesNoneMatch(ifNoneMatch, etag)) {
+          await body.cancel().catch(() => {})
+          held?.release()
+          state.usage?.use(ns, key)
+          state.lookup.remember(name, obj.size)
+          return notModified(etag)
+        }
+      }
+    } catch (e) {
+      held?.release()
+      throw e
     }
     state.usage?.use(ns, key)
     if (!range) state.lookup.remember(name, obj.size)
@@ -232,8 +265,6 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
           maxBytes: Math.max(state.limits.maxChunkBytes, obj.size),
           ...(nsId ? { namespaceIdHex: nsId } : {}),
         })
-    // A shared buffer is in the budget already; a store stream is reserved while it is open.
-    const held = obj.buffered ? undefined : holdStoreStream(state, { ...obj, body }, 'get')
     const served = servedStream(c, state, body, check, t, false, obj.size, held)
     if (range) {
       headers['content-range'] = `bytes ${obj.offset}-${obj.offset + obj.length - 1}/${obj.size}`
@@ -258,7 +289,7 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
 function servedStream(
   c: Context<GatewayEnv>,
   state: GatewayState,
-  src: ReadableStream<Uint8Array>,
+  src: ReadableStream<Uint8Array> | PieceReader,
   check: StreamCheck | undefined,
   t: VerifyTarget,
   layers: boolean,
@@ -425,9 +456,18 @@ function headerEntry(
   // (a whole GET fails it too). Taken for another version, every layer read would answer 503.
   if (header.totalBytes !== version.size)
     throw corrupt(`stored object is ${version.size} bytes, its header says ${header.totalBytes}`)
-  const entry: CachedHeader = { header, bytes: bytes.slice(0, headerBytes), ...version }
+  const entry: CachedHeader = { header, bytes: bytes.slice(0, headerBytes), ...version, readAt: Date.now() }
   state.headers.set(t.name, entry)
   return entry
+}
+
+/**
+ * What `obj`'s open body holds ahead of its reader, reserved (503 ERR_BUSY past the bound, the
+ * body released); none for a shared buffer (in the budget already). Given back by the served
+ * stream's end, or by whichever path answers without it.
+ */
+function storeHold(state: GatewayState, obj: StoreObject & { buffered: boolean }): MemoryLease | undefined {
+  return obj.buffered ? undefined : holdStoreStream(state, obj, 'get')
 }
 
 /** The store's answer to a chunk GET (coalesced with concurrent ones of the same range); 404 when absent. */
@@ -481,7 +521,7 @@ async function peekHeader(
   state: GatewayState,
   t: VerifyTarget,
   obj: StoreObject,
-): Promise<{ entry: CachedHeader; body: ReadableStream<Uint8Array> }> {
+): Promise<{ entry: CachedHeader; body: PieceReader }> {
   const reader = obj.body.getReader()
   const pieces: Uint8Array[] = []
   let have = 0
@@ -496,14 +536,33 @@ async function peekHeader(
   let entry: CachedHeader
   try {
     await readTo(HEADER_PREFIX_BYTES)
-    await readTo(guard(() => readHeaderLength(concatPieces(pieces, have))))
-    entry = headerEntry(state, t, concatPieces(pieces, have), { size: obj.size, etag: obj.etag })
+    const headerBytes = guard(() => readHeaderLength(front(pieces, HEADER_PREFIX_BYTES)))
+    await readTo(headerBytes)
+    entry = headerEntry(state, t, front(pieces, headerBytes), { size: obj.size, etag: obj.etag })
   } catch (e) {
     await reader.cancel(e).catch(() => {})
     if (isCorruption(e)) reportCorruptRead(state, t, false, obj.size)
     throw storeBodyFailure(e)
   }
-  return { entry, body: resumed(pieces, reader) }
+  return { entry, body: resumedReader(pieces, reader) }
+}
+
+/**
+ * The first `n` bytes of `pieces` (which hold at least that many): a view of the first piece when
+ * it holds them, else a copy of just those bytes. A piece may be a whole MiB (fs) or the whole
+ * object (memory): copying the pieces whole would cost a copy of up to all of it per GET.
+ */
+function front(pieces: readonly Uint8Array[], n: number): Uint8Array {
+  if (pieces[0]!.length >= n) return pieces[0]!.subarray(0, n)
+  const out = new Uint8Array(n)
+  let at = 0
+  for (const p of pieces) {
+    if (at >= n) break
+    const take = p.subarray(0, n - at)
+    out.set(take, at)
+    at += take.length
+  }
+  return out
 }
 
 function notFoundFrom(state: GatewayState, name: string): never {
@@ -552,11 +611,19 @@ function layersSpan(header: ChunkHeader, first: number, last: number): { start: 
 /**
  * The header of the object stored now, for answers that read no other byte of it (HEAD): the
  * cached one while the presence cache vouches for an object of its size (a HEAD trusts it for
- * the size as well), else read from the store.
+ * the size as well) and it was read within the presence TTL, else read from the store. The
+ * presence alone is re-learned without the bytes (a lookup's probe, another instance's re-PUT of
+ * the same size): a header older than it may be another object's, whose tag would then pass for
+ * this one's for as long as lookups keep the presence fresh.
  */
 async function currentHeader(state: GatewayState, t: VerifyTarget): Promise<CachedHeader> {
   const cached = state.headers.get(t.name)
-  if (cached && state.lookup.cached(t.name) === cached.size) return cached
+  if (
+    cached &&
+    state.lookup.cached(t.name) === cached.size &&
+    Date.now() - cached.readAt < state.lookup.presenceTtlMs
+  )
+    return cached
   return readHeader(state, t)
 }
 
