@@ -122,9 +122,9 @@ export class ChunkReader {
         // Every CRC of the file passed: only a verdict on the bytes (format, identity, a stream
         // the codec refuses) deletes it. A decode that failed otherwise (its worker died, hung,
         // trapped or ran out of memory, it could not be handed to one) is a failed read,
-        // counted, and the file is kept.
+        // counted, and the file is kept (up to a few such reads: see DiskTier.readFailed).
         if (!provesCorrupt(e)) {
-          disk.counters.errors++
+          await disk.readFailed(k.hex, object)
           return undefined
         }
         // Only the file this read found (the decode awaited: it may have been evicted and
