@@ -647,6 +647,21 @@ describe('write-behind memory', () => {
     m.close()
   })
 
+  it('an L2 file this build cannot read (a newer codec version: another process in a shared directory) is kept at every read', async () => {
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+    const codec = new CodecPool(0)
+    const { m, disk, few } = await onDiskOnly(memory, codec, 1)
+    codec.decodeInto = async () => {
+      throw new CodecError("chunk codec 'lossless' version 9 is not supported (test)", {
+        code: 'ERR_CODEC_MISMATCH',
+      })
+    }
+    for (let i = 1; i <= 5; i++) expect((await m.retrieve(few, () => {}, { tiers: ['disk'] })).served).toBe(0)
+    expect(disk.counters).toMatchObject({ errors: 5, corrupt: 0 })
+    expect(disk.stats()).toMatchObject({ files: 1, unservableDropped: 0 })
+    m.close()
+  })
+
   it('a codec worker out of wasm memory under an L2 decode: a counted miss, the CRC-verified file kept', async () => {
     const { mkdtempSync, rmSync, writeFileSync } = await import('node:fs')
     const flagDir = mkdtempSync('/tmp/kvgate-oom-')
