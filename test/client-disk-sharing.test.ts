@@ -271,6 +271,35 @@ describe('DiskTier in a shared directory', () => {
     },
   )
 
+  it('a chunk file of a newer format version (a newer kvgate sharing the directory) is left alone, not deleted as corrupt', async () => {
+    const dir = tempDir()
+    mkdirSync(join(dir, '00'))
+    const newer = object(hexOf(0x12))
+    new DataView(newer.buffer, newer.byteOffset).setUint16(4, 3, true)
+    const path = join(dir, '00', `${hexOf(0x12)}.kvc`)
+    writeFileSync(path, newer)
+    const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+    expect(d.stats()).toMatchObject({ files: 0, foreignFiles: 1, recoveredDiscarded: 0 })
+    expect(existsSync(path)).toBe(true)
+    // Written over an indexed file of ours under the key: dropped from the index at the read, kept.
+    const mine = object(hexOf(0x13))
+    expect(await d.put(hexOf(0x13), mine)).toBe(true)
+    const newer2 = new Uint8Array(mine)
+    new DataView(newer2.buffer).setUint16(4, 3, true)
+    writeFileSync(d.pathOf(hexOf(0x13)), newer2)
+    expect(await d.get(hexOf(0x13))).toBeUndefined()
+    expect(d.counters.corrupt).toBe(0)
+    expect(d.has(hexOf(0x13))).toBe(false)
+    expect(existsSync(d.pathOf(hexOf(0x13)))).toBe(true)
+    // A damaged version field of this build's range (0) is corrupt as before.
+    const bad = object(hexOf(0x14))
+    new DataView(bad.buffer, bad.byteOffset).setUint16(4, 0, true)
+    writeFileSync(join(dir, '00', `${hexOf(0x14)}.kvc`), bad)
+    const d2 = await DiskTier.open({ dir, bytes: 1 << 20 })
+    expect(d2.stats()).toMatchObject({ recoveredDiscarded: 1 })
+    expect(existsSync(join(dir, '00', `${hexOf(0x14)}.kvc`))).toBe(false)
+  })
+
   it("another namespace's files are not indexed, counted against the budget, evicted or deleted", async () => {
     const dir = tempDir()
     const mine = object(hexOf(0x10))

@@ -13,6 +13,7 @@ import {
   type ChunkHeader,
   DEFAULT_MAX_CHUNK_BYTES,
   decodeHeader,
+  FORMAT_VERSION_CALIBRATED,
   readHeaderLength,
   verifyChunk,
 } from '../../core/format.ts'
@@ -197,6 +198,14 @@ const SUBDIR_RE = /^[0-9a-f]{2}$/
  * be written to L2 again (a key indexed is not rewritten): a miss at every read, for good.
  */
 const MAX_FAILED_READS = 3
+/** Whether a chunk file's header (its magic checked) names a format version after this build's. */
+function newerFormat(probe: Uint8Array): boolean {
+  return (
+    probe.byteLength >= 6 &&
+    new DataView(probe.buffer, probe.byteOffset).getUint16(4, true) > FORMAT_VERSION_CALIBRATED
+  )
+}
+
 /** Enough for the header of any chunk up to 1024 layers. */
 const HEADER_PROBE_BYTES = 64 * 1024
 
@@ -472,7 +481,12 @@ export class DiskTier {
       // Any size the file has: a chunk larger than the gateway's default limit was written
       // (and is read back) here all the same; the size is checked against the header below.
       header = decodeHeader(probe, { maxBytes: Math.max(st.size, DEFAULT_MAX_CHUNK_BYTES) })
-    } catch {
+    } catch (e) {
+      // A format newer than this build reads (a newer kvgate sharing the directory, a rolling
+      // upgrade): no verdict on its bytes, left alone like another instance's file. A later
+      // put of the key here writes over it.
+      if (e instanceof FormatError && e.code === 'ERR_FORMAT_BAD_VERSION' && newerFormat(probe))
+        return 'foreign'
       return undefined
     }
     if (header.totalBytes !== st.size || toHex(header.chainKey) !== hex) return undefined
