@@ -2,6 +2,7 @@
 // models' chunk files, I/O errors that are not corruption, and durable renames
 // (the directory fsync). node:fs/promises is wrapped to inject errors and observe fsyncs.
 
+import { spawn, spawnSync } from 'node:child_process'
 import {
   existsSync,
   mkdirSync,
@@ -88,6 +89,11 @@ function object(hex: string, ns = 0): Uint8Array {
 }
 
 const dirs: string[] = []
+/** Whether this machine lets a test start a process in a new pid namespace (root, or user namespaces). */
+function hasUnshare(): boolean {
+  return spawnSync('unshare', ['--pid', '--fork', 'true']).status === 0
+}
+
 function tempDir(): string {
   const d = mkdtempSync(join(tmpdir(), 'kvgate-l2share-'))
   dirs.push(d)
@@ -220,6 +226,78 @@ describe('DiskTier in a shared directory', () => {
     expect(b.stats().recoveredDiscarded).toBe(3)
     release()
     expect(await writing).toBe(true)
+  })
+
+  // A container sharing the directory whose hostname is this host's (Kubernetes hostNetwork,
+  // `docker run --hostname`): its pids are another namespace's (its entrypoint is pid 1).
+  it.skipIf(!hasUnshare())(
+    "a live writer in another pid namespace with this hostname (a container's pid 1) keeps its temp file",
+    async () => {
+      const dir = tempDir()
+      mkdirSync(join(dir, '00'))
+      const tempFiles = new URL('../src/client/tiers/temp-files.ts', import.meta.url).href
+      const code = `import(${JSON.stringify(tempFiles)}).then((m) => {
+        const name = m.beginTemp(${JSON.stringify(hexOf(13))})
+        require('node:fs').writeFileSync(require('node:path').join(${JSON.stringify(dir)}, '00', name), 'partial')
+        console.log(name)
+        setInterval(() => {}, 1000)
+      })`
+      const child = spawn(
+        'unshare',
+        ['--pid', '--kill-child', process.execPath, '--import', 'tsx', '-e', code],
+        { stdio: ['ignore', 'pipe', 'inherit'] },
+      )
+      try {
+        const name = await new Promise<string>((resolve, reject) => {
+          let out = ''
+          child.stdout.on('data', (b: Buffer) => {
+            out += b.toString()
+            if (out.includes('\n')) resolve(out.trim())
+          })
+          child.on('exit', (c) => reject(new Error(`writer exited (${c})`)))
+        })
+        // Its pid (1 there) is this namespace's init here, started at another time.
+        expect(name).toMatch(/^\.tmp-[0-9a-f]{64}-1-\d+-t0-h[0-9a-f]{8}-[0-9a-f]+$/)
+        const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+        expect(existsSync(join(dir, '00', name))).toBe(true)
+        expect(d.stats().recoveredDiscarded).toBe(0)
+      } finally {
+        const exited = new Promise((r) => child.once('exit', r))
+        // SIGKILL: unshare does not pass a SIGTERM on; its child dies with it (--kill-child).
+        child.kill('SIGKILL')
+        await exited
+        child.stdout.destroy()
+      }
+    },
+  )
+
+  it('a chunk file of a newer format version (a newer kvgate sharing the directory) is left alone, not deleted as corrupt', async () => {
+    const dir = tempDir()
+    mkdirSync(join(dir, '00'))
+    const newer = object(hexOf(0x12))
+    new DataView(newer.buffer, newer.byteOffset).setUint16(4, 3, true)
+    const path = join(dir, '00', `${hexOf(0x12)}.kvc`)
+    writeFileSync(path, newer)
+    const d = await DiskTier.open({ dir, bytes: 1 << 20 })
+    expect(d.stats()).toMatchObject({ files: 0, foreignFiles: 1, recoveredDiscarded: 0 })
+    expect(existsSync(path)).toBe(true)
+    // Written over an indexed file of ours under the key: dropped from the index at the read, kept.
+    const mine = object(hexOf(0x13))
+    expect(await d.put(hexOf(0x13), mine)).toBe(true)
+    const newer2 = new Uint8Array(mine)
+    new DataView(newer2.buffer).setUint16(4, 3, true)
+    writeFileSync(d.pathOf(hexOf(0x13)), newer2)
+    expect(await d.get(hexOf(0x13))).toBeUndefined()
+    expect(d.counters.corrupt).toBe(0)
+    expect(d.has(hexOf(0x13))).toBe(false)
+    expect(existsSync(d.pathOf(hexOf(0x13)))).toBe(true)
+    // A damaged version field of this build's range (0) is corrupt as before.
+    const bad = object(hexOf(0x14))
+    new DataView(bad.buffer, bad.byteOffset).setUint16(4, 0, true)
+    writeFileSync(join(dir, '00', `${hexOf(0x14)}.kvc`), bad)
+    const d2 = await DiskTier.open({ dir, bytes: 1 << 20 })
+    expect(d2.stats()).toMatchObject({ recoveredDiscarded: 1 })
+    expect(existsSync(join(dir, '00', `${hexOf(0x14)}.kvc`))).toBe(false)
   })
 
   it("another namespace's files are not indexed, counted against the budget, evicted or deleted", async () => {

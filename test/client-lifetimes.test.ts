@@ -617,6 +617,51 @@ describe('write-behind memory', () => {
     },
   )
 
+  it('an L2 file whose decode fails with no verdict at every read is deleted at the third, and the chunk can be stored again', async () => {
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+    const codec = new CodecPool(0)
+    const { m, disk, few } = await onDiskOnly(memory, codec, 1)
+    const decodeInto = codec.decodeInto.bind(codec)
+    // A decoder bug on these bytes: a trap at every read (no verdict on them).
+    codec.decodeInto = async () => {
+      throw new CodecError('codec decode failed inside wasm: unreachable (test)')
+    }
+    for (let i = 1; i <= 3; i++) {
+      expect((await m.retrieve(few, () => {}, { tiers: ['disk'] })).served).toBe(0)
+      expect(disk.counters).toMatchObject({ errors: i, corrupt: 0 })
+      // Kept through the first two (a worker out of memory twice is no reason to lose it).
+      expect(disk.has(few[0]!.hex)).toBe(i < 3)
+    }
+    expect(disk.stats()).toMatchObject({ files: 0, usedBytes: 0, unservableDropped: 1 })
+    expect(await disk.fileBytes(few[0]!.hex)).toBeUndefined()
+    // A later store of the chunk writes it again (a key still indexed would be refused), and it serves.
+    codec.decodeInto = decodeInto
+    await m.store(few, (i, dst) => void dst.fill(i + 1))
+    await m.flush()
+    memory.clear()
+    const seen: boolean[] = []
+    const r = await m.retrieve(few, (_, t) => void seen.push(t.every((b) => b === 1)), { tiers: ['disk'] })
+    expect(r.served).toBe(1)
+    expect(seen).toEqual([true])
+    expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+    m.close()
+  })
+
+  it('an L2 file this build cannot read (a newer codec version: another process in a shared directory) is kept at every read', async () => {
+    const memory = await MemoryTier.create({ bytes: 64 * bigCB, chunkBytes: bigCB })
+    const codec = new CodecPool(0)
+    const { m, disk, few } = await onDiskOnly(memory, codec, 1)
+    codec.decodeInto = async () => {
+      throw new CodecError("chunk codec 'lossless' version 9 is not supported (test)", {
+        code: 'ERR_CODEC_MISMATCH',
+      })
+    }
+    for (let i = 1; i <= 5; i++) expect((await m.retrieve(few, () => {}, { tiers: ['disk'] })).served).toBe(0)
+    expect(disk.counters).toMatchObject({ errors: 5, corrupt: 0 })
+    expect(disk.stats()).toMatchObject({ files: 1, unservableDropped: 0 })
+    m.close()
+  })
+
   it('a codec worker out of wasm memory under an L2 decode: a counted miss, the CRC-verified file kept', async () => {
     const { mkdtempSync, rmSync, writeFileSync } = await import('node:fs')
     const flagDir = mkdtempSync('/tmp/kvgate-oom-')

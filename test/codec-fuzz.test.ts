@@ -3,6 +3,7 @@ import { fuzzCodec } from '../bench/lib/fuzz-codec.ts'
 import { decodeChunk, encodeChunk } from '../src/codec/node.ts'
 import { wasmCodec } from '../src/codec/runtime.ts'
 import { WasmCodec } from '../src/codec/wasm-instance.ts'
+import { CodecError, CorruptStreamError, provesCorrupt } from '../src/core/errors.ts'
 import { metaFor, syntheticKv, tensorOf } from './codec-fixtures.ts'
 
 describe('codec under hostile input', () => {
@@ -57,6 +58,24 @@ describe('codec under hostile input', () => {
     // The instance is intact.
     codec.decodeSection('lossless', sec, 1, 1, 16, out)
     expect([...out]).toEqual([...slab])
+  })
+
+  it('wasm refusing its arguments (a lossy mode on fp8) is no verdict on the section; a refused section is', () => {
+    const codec = wasmCodec()
+    const fp8 = new Uint8Array(32) // fp8e4m3 K and V, 1 token × 16 channels
+    for (const mode of ['kvgate', 'q8'] as const) {
+      let e: unknown
+      try {
+        codec.decodeSection(mode, new Uint8Array(40), 4, 1, 16, fp8)
+      } catch (x) {
+        e = x
+      }
+      expect(e).toBeInstanceOf(CodecError)
+      expect(provesCorrupt(e)).toBe(false)
+    }
+    expect(() => codec.decodeSection('kvgate', new Uint8Array(40), 1, 1, 16, new Uint8Array(64))).toThrow(
+      CorruptStreamError,
+    )
   })
 
   it('a trap inside wasm becomes a CodecError and the instance is replaced', () => {

@@ -122,9 +122,12 @@ export class ChunkReader {
         // Every CRC of the file passed: only a verdict on the bytes (format, identity, a stream
         // the codec refuses) deletes it. A decode that failed otherwise (its worker died, hung,
         // trapped or ran out of memory, it could not be handed to one) is a failed read,
-        // counted, and the file is kept.
+        // counted, and the file is kept (up to a few such reads: see DiskTier.readFailed). One
+        // this build cannot read (a newer codec version, a dtype or calibration it does not
+        // take: another process's in a shared directory) is kept for good.
         if (!provesCorrupt(e)) {
-          disk.counters.errors++
+          if (isKvgateError(e) && e.code !== 'ERR_CODEC') disk.counters.errors++
+          else await disk.readFailed(k.hex, object)
           return undefined
         }
         // Only the file this read found (the decode awaited: it may have been evicted and

@@ -49,6 +49,8 @@ export type WasmMode = keyof typeof WASM_MODES
  * instead of K then V (each mode codes it as it codes K alone; wasm/src/lib.rs).
  */
 export const WASM_LATENT = 0x100
+/** kv_decode's answer for a section it refuses (wasm/src/lib.rs ERR_CORRUPT); ERR_ARGS is -1. */
+const WASM_ERR_CORRUPT = -2
 
 /** The crate version this wrapper speaks; the chunk header carries it as codecVersion. */
 export const WASM_CODEC_VERSION = 1
@@ -274,8 +276,9 @@ export class WasmCodec {
 
   /**
    * Decodes one section into `out` (the layer slab, 2·t·c elements of the dtype; t·c with WASM_LATENT).
-   * Throws CorruptStreamError for a corrupt section (the instance stays usable); a trap or a failed
-   * allocation (out of memory) is a plain CodecError: nothing is known about the section then.
+   * Throws CorruptStreamError for a corrupt section (the instance stays usable); a trap, a failed
+   * allocation (out of memory) or arguments wasm refuses are a plain CodecError: nothing is
+   * known about the section then.
    */
   decodeSection(
     mode: WasmMode,
@@ -316,7 +319,12 @@ export class WasmCodec {
                 calLen,
               )
             : ex.kv_decode(WASM_MODES[mode], src, section.byteLength, dtypeCode, t, c, dst)
-        if (rc !== 0) throw new CorruptStreamError(`corrupt ${mode} section (wasm decode returned ${rc})`)
+        // ERR_ARGS (-1): this call's arguments (a mode the dtype has no float conversion for),
+        // no verdict on the section: only ERR_CORRUPT (-2) is.
+        if (rc === WASM_ERR_CORRUPT)
+          throw new CorruptStreamError(`corrupt ${mode} section (wasm decode returned ${rc})`)
+        if (rc !== 0)
+          throw new CodecError(`wasm decode refused its arguments (${rc}): ${mode}, dtype code ${dtypeCode}`)
         out.set(new Uint8Array(ex.memory.buffer, dst, out.byteLength))
       } finally {
         if (this.#ex === ex) {

@@ -63,6 +63,13 @@ export function plan(
   policy: { retentionMs?: number; quotaBytes?: number } | undefined,
   now: number,
   graceMs: number,
+  /**
+   * The latest use of every chunk that records gc could not read may hold (corrupt ones): a
+   * chunk is past retention only when past it too (a delete may come late, never early). The
+   * quota goes by the known uses: unknown ones as recent as now would keep every chunk within
+   * the grace period, and records that fail at every run would let the namespace grow for good.
+   */
+  unknownUsesUpTo = -Infinity,
 ): Plan {
   const graceCut = now - graceMs
   const victims: Plan['victims'] = []
@@ -74,8 +81,9 @@ export function plan(
   const keep: ChunkNode[] = []
   const retentionCut = policy.retentionMs === undefined ? -Infinity : now - policy.retentionMs
   for (const n of nodes.values()) {
-    if (n.effective < retentionCut) {
-      if (n.effective < graceCut) victims.push({ node: n, reason: 'retention' })
+    const effective = Math.max(n.effective, unknownUsesUpTo)
+    if (effective < retentionCut) {
+      if (effective < graceCut) victims.push({ node: n, reason: 'retention' })
       else {
         protectedByGrace++
         keep.push(n)

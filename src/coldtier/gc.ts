@@ -113,8 +113,9 @@ export interface NamespaceReport {
   usageRecords: number
   /**
    * Use records and indexes that failed their checks (CRC, length, fields): the uses they held
-   * are unknown, so every listed chunk counts as used at the latest time they could carry
-   * (usesUpTo) and the rebuilt index keeps that. Deletes wait longer, never come early.
+   * are unknown, so every listed chunk counts as used by retention at the latest time they
+   * could carry (usesUpTo); kept until that is past retention. Deletes by retention wait
+   * longer, never come early; the quota goes by the known uses.
    */
   corruptRecords: number
   monthlyUsdBefore: number
@@ -317,12 +318,20 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
         // A corrupt one cannot be read again, but its uses must not be dropped (an index holds
         // every chain's last use up to its run: without them gc would delete used chains a
         // retention early). What its listed name says is trusted: no use in it is later than
-        // usesUpTo(name). Folded (it never reads better), after the rebuilt index keeps that bound.
-        const upTo = usesUpTo(opts.prefix, name, now)
+        // usesUpTo(name), for every listed chunk (plan: retention counts it, the quota does
+        // not). It stays, read again by each run, until that bound is past the retention: the
+        // bound cannot go into the rebuilt index as every chunk's use without erasing the order
+        // the quota evicts by. One whose name says no time (not kvgate's, or a future hour)
+        // would pin every chunk for good: it counts for this run only.
+        const said = usesUpTo(opts.prefix, name, Number.POSITIVE_INFINITY)
+        const upTo = Math.min(said, now)
         lost.push(upTo)
+        // A use record of the current hour is bounded by that hour's end.
+        const dated = said <= now + 3_600_000
         errors.push(
-          `${name}: ${(e as Error).message}; its uses are unknown: every listed chunk counts as used at ${new Date(upTo).toISOString()}`,
+          `${name}: ${(e as Error).message}; its uses are unknown: every listed chunk counts as used at ${new Date(upTo).toISOString()} by retention${dated ? '' : ' (this run only: it says no time)'}`,
         )
+        if (dated && policy?.retentionMs !== undefined && upTo >= now - policy.retentionMs) return
       }
       folded.push(name)
     }
@@ -333,12 +342,14 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
       // Many records (one per gateway instance per flush) read for minutes: say how far.
       if (++read % 100 === 0 && read < toRead.length)
         progress({ phase: 'records', ns, records, done: read, total: toRead.length })
-      if (lost.length > 0) {
-        const upTo = Math.max(...lost)
-        for (const key of listedKeys) touch(key, upTo)
-      }
     })
     progress({ phase: 'records', ns, records, done: read, total: toRead.length })
+    // The latest use a corrupt record could hold, for every listed chunk: retention counts it
+    // and the rebuilt index keeps it, the quota does not (see plan): a record that fails its
+    // checks at every run (a broken gateway) would otherwise keep every chunk within the grace
+    // period and the namespace would grow past its quota for good. One pass, after all records.
+    let unknownUsesUpTo = -Infinity
+    for (const t of lost) if (t > unknownUsesUpTo) unknownUsesUpTo = Math.min(t, now)
 
     // 3. Nodes from the listing; parents not yet known come from a ranged header read.
     const nodes = new Map<string, ChunkNode>()
@@ -437,7 +448,7 @@ export async function runGc(opts: GcOptions): Promise<GcReport> {
     const live = new Map([...nodes].filter(([k]) => !swept.has(k)))
     settle(swept, now)
     settle(live, now)
-    const p = plan(live, policy, now, opts.config.graceMs)
+    const p = plan(live, policy, now, opts.config.graceMs, unknownUsesUpTo)
 
     // 5. Condemned lists from earlier runs: a chunk's earliest condemnation that still applies
     // to the object listed now (one written after it was condemned is a new object).

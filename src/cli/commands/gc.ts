@@ -189,7 +189,7 @@ export function summary(r: GcReport): string {
         (n.overQuotaBytes ? `; still ${bytes(n.overQuotaBytes)} over quota (recently used)` : ''),
       `    folded   ${n.usageRecords} use records; ${n.headerReads} header reads${n.unreadable ? `, ${n.unreadable} unreadable` : ''}` +
         (n.corruptRecords
-          ? `; ${n.corruptRecords} corrupt records or indexes (their uses unknown: every chunk taken as used when they were written)`
+          ? `; ${n.corruptRecords} corrupt records or indexes (their uses unknown: every chunk taken as used when they were written, by retention; kept until that is past it)`
           : ''),
     )
   }

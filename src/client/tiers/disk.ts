@@ -13,6 +13,7 @@ import {
   type ChunkHeader,
   DEFAULT_MAX_CHUNK_BYTES,
   decodeHeader,
+  FORMAT_VERSION_CALIBRATED,
   readHeaderLength,
   verifyChunk,
 } from '../../core/format.ts'
@@ -146,6 +147,11 @@ export interface DiskTierStats {
   /** Writes that failed (ENOSPC, EROFS, EACCES, ...); the chunk stays in the other tiers. */
   writeErrors: number
   lastWriteError: string | undefined
+  /**
+   * Files deleted after MAX_FAILED_READS (3) reads that failed with no verdict on their bytes
+   * (decode traps, workers lost): each such read is also counted in `errors`.
+   */
+  unservableDropped: number
   queued: number
 }
 
@@ -185,6 +191,21 @@ interface Scan {
 const PROBES_IN_FLIGHT = 16
 const FILE_RE = /^[0-9a-f]{64}\.kvc$/
 const SUBDIR_RE = /^[0-9a-f]{2}$/
+/**
+ * Reads of one file that may fail with no verdict on its bytes (a decode that trapped, its
+ * worker lost or hung) before the file is deleted: a file that fails so every time (a decoder
+ * bug on its bytes) would otherwise stay, kept recent by the reads, and its chunk could never
+ * be written to L2 again (a key indexed is not rewritten): a miss at every read, for good.
+ */
+const MAX_FAILED_READS = 3
+/** Whether a chunk file's header (its magic checked) names a format version after this build's. */
+function newerFormat(probe: Uint8Array): boolean {
+  return (
+    probe.byteLength >= 6 &&
+    new DataView(probe.buffer, probe.byteOffset).getUint16(4, true) > FORMAT_VERSION_CALIBRATED
+  )
+}
+
 /** Enough for the header of any chunk up to 1024 layers. */
 const HEADER_PROBE_BYTES = 64 * 1024
 
@@ -198,6 +219,8 @@ interface FileEntry {
    * starts with these bytes. Undefined: the read fetches the header from the file.
    */
   header?: Uint8Array | undefined
+  /** Reads of this file its caller could not use, with no verdict on its bytes (see readFailed). */
+  failedReads?: number
 }
 
 /** An object read back: `header` when it was verified while read (else the caller verifies it). */
@@ -273,6 +296,7 @@ export class DiskTier {
   readonly #servedFrom = new WeakMap<Uint8Array, FileEntry>()
   #used = 0
   #discarded = 0
+  #unservableDropped = 0
   #writeErrors = 0
   #lastWriteError: string | undefined
   #directReads = 0
@@ -457,7 +481,12 @@ export class DiskTier {
       // Any size the file has: a chunk larger than the gateway's default limit was written
       // (and is read back) here all the same; the size is checked against the header below.
       header = decodeHeader(probe, { maxBytes: Math.max(st.size, DEFAULT_MAX_CHUNK_BYTES) })
-    } catch {
+    } catch (e) {
+      // A format newer than this build reads (a newer kvgate sharing the directory, a rolling
+      // upgrade): no verdict on its bytes, left alone like another instance's file. A later
+      // put of the key here writes over it.
+      if (e instanceof FormatError && e.code === 'ERR_FORMAT_BAD_VERSION' && newerFormat(probe))
+        return 'foreign'
       return undefined
     }
     if (header.totalBytes !== st.size || toHex(header.chainKey) !== hex) return undefined
@@ -894,6 +923,23 @@ export class DiskTier {
   }
 
   /**
+   * A caller could not use an object get() served, for a reason that proves nothing about its
+   * bytes (a decode that trapped or ran out of memory, its worker lost or hung): a counted
+   * error, the file kept, up to MAX_FAILED_READS such reads of it; then it is deleted
+   * (`unservableDropped`), as the file it was read from only (see discardCorrupt), so a later
+   * store of the chunk can write it again.
+   */
+  async readFailed(hex: string, object: Uint8Array): Promise<void> {
+    this.counters.errors++
+    const entry = this.#servedFrom.get(object)
+    if (!entry || this.#index.get(hex) !== entry) return
+    entry.failedReads = (entry.failedReads ?? 0) + 1
+    if (entry.failedReads < MAX_FAILED_READS) return
+    this.#unservableDropped++
+    await this.delete(hex)
+  }
+
+  /**
    * delete(), when the key is still indexed as `entry`: a read's verdict applies to the file it
    * read, not to one written under the key since (the read's file was evicted meanwhile).
    */
@@ -980,6 +1026,7 @@ export class DiskTier {
       indexedHeaderBytes: this.#headerBytes,
       writeErrors: this.#writeErrors,
       lastWriteError: this.#lastWriteError,
+      unservableDropped: this.#unservableDropped,
       queued: this.#queue.pending,
     }
   }

@@ -2,7 +2,7 @@
 // directory makes of one it finds: a dead writer's leftover (deleted) or a live writer's (kept).
 
 import { randomBytes } from 'node:crypto'
-import { readFileSync } from 'node:fs'
+import { readFileSync, readlinkSync } from 'node:fs'
 import { readFile } from 'node:fs/promises'
 import { hostname } from 'node:os'
 import { threadId } from 'node:worker_threads'
@@ -38,11 +38,24 @@ async function startOfPid(pid: number): Promise<string | undefined> {
 const START = ownStart()
 
 /**
- * This host (a container has its own hostname): pids, start times and /proc are this host's
- * only, so another host's names (a directory shared across containers or machines) are judged
- * by age alone, even one whose pid is this process's (every container's entrypoint is pid 1).
+ * Where this process's pids mean something: its hostname, boot and pid namespace. Pids and
+ * start times are this namespace's only, so another's names (a directory shared across
+ * containers or machines) are judged by age alone, even one whose pid is this process's (every
+ * container's entrypoint is pid 1). The hostname alone does not tell containers apart: a
+ * Kubernetes pod with hostNetwork, or `docker run --hostname`, has the node's or a given name.
  */
-const HOST = crc32(new TextEncoder().encode(hostname())).toString(16).padStart(8, '0')
+const HOST = crc32(new TextEncoder().encode(pidSpace())).toString(16).padStart(8, '0')
+
+function pidSpace(): string {
+  const name = hostname()
+  try {
+    // `pid:[4026531836]`: one per namespace while the host runs; the boot id tells reboots apart.
+    return `${name}\0${readFileSync('/proc/sys/kernel/random/boot_id', 'latin1').trim()}\0${readlinkSync('/proc/self/ns/pid')}`
+  } catch {
+    // No /proc (not Linux, or not mounted): the hostname is all there is.
+    return name
+  }
+}
 
 const WRITING = Symbol.for('kvgate.l2.writingTemps')
 /**
