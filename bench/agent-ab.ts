@@ -190,7 +190,9 @@ async function main() {
     }
     for (let r = 0; r < rounds; r++) {
       const got = await lookupRound(lookupSubjects, keysFile)
-      lookupSubjects.forEach((sub, k) => sub.blocks.push(got[k]!))
+      lookupSubjects.forEach((sub, k) => {
+        sub.blocks.push(got[k]!)
+      })
     }
     for (const sub of lookupSubjects) {
       sub.c.sock.destroy()
