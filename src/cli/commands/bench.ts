@@ -39,7 +39,7 @@ export const BENCH_SUMMARY: Record<string, string> = {
  * Developer A/B tools in bench/ that need a second build to compare against (an old .wasm,
  * another tree): run them with tsx in a checkout (their headers say how), not as benchmarks.
  */
-const NOT_BENCHMARKS = new Set(['run-all', 'report', 'codec-diff', 'l2-ab'])
+const NOT_BENCHMARKS = new Set(['run-all', 'report', 'codec-diff', 'l2-ab', 'agent-ab', 'agent-lookup'])
 
 /** Benchmarks present (fuzzers and helpers are not benchmarks). */
 export function availableBenches(dir = BENCH_DIR): string[] {
