@@ -3,7 +3,7 @@
 
 import type { Calibration } from '../codec/calibration.ts'
 import { FormatError, isKvgateError, provesCorrupt } from '../core/errors.ts'
-import { type ChunkHeader, decodeHeader } from '../core/format.ts'
+import { type ChunkHeader, decodeHeader, namesNewerFeature } from '../core/format.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import type { CalibrationStore } from './calibration-store.ts'
@@ -69,6 +69,16 @@ function notAboutTheBytes(e: unknown): boolean {
  */
 function remoteReadFailed(remote: RemoteTier): undefined {
   remote.counters.errors++
+  return undefined
+}
+
+/**
+ * An object under an intact header that names what a newer kvgate writes (a format version,
+ * flag, codec or dtype this build does not know: a rolling upgrade): not corruption. A counted
+ * miss (newerObjects); not reported to the gateway, and its chain is not forgotten (it is stored).
+ */
+function newerObject(remote: RemoteTier): undefined {
+  remote.newerObject()
   return undefined
 }
 
@@ -157,6 +167,7 @@ export class ChunkReader {
         return await this.#place(k, object, h, r)
       } catch (e) {
         if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
+        if (namesNewerFeature(object)) return newerObject(remote)
         if (!provesCorrupt(e)) return remoteReadFailed(remote)
         // Counted, no longer believed present, and reported to the gateway's verify endpoint.
         remote.reportCorrupt(k.hex)
@@ -213,6 +224,7 @@ export class ChunkReader {
     if (!body) return undefined
     try {
       const sub = openLayerGroup(body, first, last, this.#o.identity(k))
+      if (sub.whole) remote.answeredWhole()
       const calibration = await this.#calibration(sub.header)
       const slabs = await this.#o.codec.decodeLayers(
         sub.header,
@@ -225,6 +237,7 @@ export class ChunkReader {
       return out
     } catch (e) {
       if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
+      if (namesNewerFeature(body)) return newerObject(remote)
       if (!provesCorrupt(e)) return remoteReadFailed(remote)
       remote.reportCorrupt(k.hex)
       return undefined

@@ -96,6 +96,16 @@ export interface RemoteTierStats {
   corruptReported: number
   /** ... of which the gateway found corrupt (and deleted) or missing. */
   corruptConfirmed: number
+  /**
+   * Objects a newer kvgate wrote (a format version, flag, codec or dtype this build does not
+   * know, under an intact header): misses, neither reported corrupt nor forgotten.
+   */
+  newerObjects: number
+  /**
+   * `?layers` GETs answered with the whole object (a caching proxy that drops the query): the
+   * layers are served from it when they verify. Non-zero: that proxy costs whole-object transfers.
+   */
+  layersAnsweredWhole: number
   /** Lookup requests sent to the gateway. */
   lookupRequests: number
   /** Their round trips (readLatency counts chunk GETs only). */
@@ -213,6 +223,8 @@ interface RequestOptions {
   into?: Uint8Array
   /** Largest 200 body accepted. */
   cap?: number
+  /** Largest 200 body accepted, from the answer's headers (overrides cap). */
+  capFor?: (headers: HttpResult['headers']) => number
   /** The caller's own deadline (e.g. a retrieve's): aborts without blaming the gateway. */
   signal?: AbortSignal | undefined
   /** A 401/403 here is not a misconfigured token (e.g. verify with a read-only token). */
@@ -286,6 +298,8 @@ export class RemoteTier {
   #oversized = 0
   #corruptReported = 0
   #corruptConfirmed = 0
+  #newerObjects = 0
+  #layersAnsweredWhole = 0
   #existed = 0
   #retried = 0
   #redirects = 0
@@ -455,7 +469,7 @@ export class RemoteTier {
             r.body,
             ok ? opts.into : undefined,
             contentLength(r.headers),
-            ok ? (opts.cap ?? MAX_SMALL_BODY) : MAX_SMALL_BODY,
+            ok ? (opts.capFor?.(r.headers) ?? opts.cap ?? MAX_SMALL_BODY) : MAX_SMALL_BODY,
           )
     return { status: r.statusCode, headers: r.headers, body, redirected }
   }
@@ -643,13 +657,21 @@ export class RemoteTier {
     opts: RemoteGetOptions = {},
   ): Promise<Uint8Array | undefined> {
     const t0 = performance.now()
-    const q = layers ? `?layers=${layers[0]}-${layers[1]}` : ''
-    const cap = Math.min(this.#cap(layers), opts.maxBytes ?? Number.POSITIVE_INFINITY)
+    const spec = layers && `${layers[0]}-${layers[1]}`
+    const q = spec ? `?layers=${spec}` : ''
+    const most = opts.maxBytes ?? Number.POSITIVE_INFINITY
+    const cap = Math.min(this.#cap(layers), most)
+    // An answer that is not a layer subset (no x-kvgate-layers: a caching proxy that dropped the
+    // query sends the whole object) is capped as a whole object: the reader serves the layers from it.
+    const wholeCap = Math.min(this.#cap(undefined), most)
     let oversized = false
     const r = await this.#request('GET', `${this.#base}/chunks/${hex}${q}`, {
       timeoutMs: this.#timeoutMs,
       into,
       cap,
+      ...(spec
+        ? { capFor: (h: HttpResult['headers']) => (h['x-kvgate-layers'] === spec ? cap : wholeCap) }
+        : {}),
       signal: opts.signal,
       hangIsTimeout: true,
       onOversized: () => {
@@ -679,6 +701,16 @@ export class RemoteTier {
    * object itself and deletes it only if it is corrupt, so the next writer can
    * re-upload. Fire-and-forget, bounded and rate-limited.
    */
+  /** An object the caller found written by a newer kvgate (see newerObjects): a counted miss, nothing more. */
+  newerObject(): void {
+    this.#newerObjects++
+  }
+
+  /** A `?layers` GET was answered with the whole object (see layersAnsweredWhole). */
+  answeredWhole(): void {
+    this.#layersAnsweredWhole++
+  }
+
   reportCorrupt(hex: string): void {
     this.counters.corrupt++
     this.#presence.forgetChainFrom(hex)
@@ -936,6 +968,8 @@ export class RemoteTier {
       oversizedBodies: this.#oversized,
       corruptReported: this.#corruptReported,
       corruptConfirmed: this.#corruptConfirmed,
+      newerObjects: this.#newerObjects,
+      layersAnsweredWhole: this.#layersAnsweredWhole,
       lookupRequests: this.#lookupRequests,
       lookupLatency: this.#lookupLatency.summary(),
       lookupKeysKnown: this.#lookupKeysKnown,
