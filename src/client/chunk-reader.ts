@@ -65,10 +65,11 @@ function notAboutTheBytes(e: unknown): boolean {
  * A decode that failed without a verdict on the bytes (provesCorrupt is false: its worker died,
  * hung, trapped or ran out of memory, it could not be handed to one): nothing is known about
  * the object's bytes, so it is a counted read error and a miss, as for L2; not reported
- * corrupt (the gateway would re-read and re-verify it for nothing).
+ * corrupt (the gateway would re-read and re-verify it for nothing). A key that fails so again
+ * and again is held off for a while (RemoteTier.readFailed: misses without the GET).
  */
-function remoteReadFailed(remote: RemoteTier): undefined {
-  remote.counters.errors++
+function remoteReadFailed(remote: RemoteTier, hex: string): undefined {
+  remote.readFailed(hex)
   return undefined
 }
 
@@ -168,7 +169,7 @@ export class ChunkReader {
       } catch (e) {
         if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
         if (namesNewerFeature(object)) return newerObject(remote)
-        if (!provesCorrupt(e)) return remoteReadFailed(remote)
+        if (!provesCorrupt(e)) return remoteReadFailed(remote, k.hex)
         // Counted, no longer believed present, and reported to the gateway's verify endpoint.
         remote.reportCorrupt(k.hex)
         return undefined
@@ -238,7 +239,7 @@ export class ChunkReader {
     } catch (e) {
       if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
       if (namesNewerFeature(body)) return newerObject(remote)
-      if (!provesCorrupt(e)) return remoteReadFailed(remote)
+      if (!provesCorrupt(e)) return remoteReadFailed(remote, k.hex)
       remote.reportCorrupt(k.hex)
       return undefined
     }

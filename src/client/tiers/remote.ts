@@ -12,6 +12,7 @@ import { type BreakerState, CircuitBreaker } from '../circuit-breaker.ts'
 import { PresenceSet } from '../presence.ts'
 import { TierUploader } from '../remote-upload.ts'
 import { type LatencySummary, LatencyWindow, since, TierCounters } from '../stats.ts'
+import { UnservableKeys, type UnservableKeysOptions } from '../unservable-keys.ts'
 
 export interface RemoteTierOptions {
   /** Gateway base URL, e.g. http://127.0.0.1:8080 (a path prefix is kept; a trailing /v1 is dropped). */
@@ -57,6 +58,8 @@ export interface RemoteTierContext {
   chunkTokens?: number | undefined
   /** Where one-line warnings go (auth refused, uploads shed). @default process.emitWarning */
   warn?: (message: string, code: string) => void
+  /** When keys whose reads keep failing with no verdict are held off (tests shorten it). */
+  unservable?: UnservableKeysOptions
 }
 
 /** A background upload: `encode` runs when a writer picks the job up; `done` always runs once. */
@@ -106,6 +109,13 @@ export interface RemoteTierStats {
    * layers are served from it when they verify. Non-zero: that proxy costs whole-object transfers.
    */
   layersAnsweredWhole: number
+  /**
+   * Keys put on hold after repeated reads whose decode failed with no verdict on the bytes (see
+   * readFailed): their GETs are skipped for a while (misses without the network).
+   */
+  unservableHeld: number
+  /** GETs skipped because their key was on hold (each counted in misses too). */
+  unservableSkipped: number
   /** Lookup requests sent to the gateway. */
   lookupRequests: number
   /** Their round trips (readLatency counts chunk GETs only). */
@@ -300,6 +310,9 @@ export class RemoteTier {
   #corruptConfirmed = 0
   #newerObjects = 0
   #layersAnsweredWhole = 0
+  readonly #unservable: UnservableKeys
+  #unservableHeld = 0
+  #unservableSkipped = 0
   #existed = 0
   #retried = 0
   #redirects = 0
@@ -338,6 +351,7 @@ export class RemoteTier {
     this.#chunkTokens = ctx.chunkTokens
     this.#warn = ctx.warn ?? ((message, code) => process.emitWarning(message, { code }))
     this.#presence = new PresenceSet(opts.presenceTtlMs ?? 30_000)
+    this.#unservable = new UnservableKeys(ctx.unservable)
     const connect = { timeout: Math.min(this.#timeoutMs, 5000) }
     this.#pool = new Pool(this.#origin, {
       connections: opts.connections ?? 8,
@@ -657,6 +671,11 @@ export class RemoteTier {
     opts: RemoteGetOptions = {},
   ): Promise<Uint8Array | undefined> {
     const t0 = performance.now()
+    if (this.#unservable.held(hex, t0)) {
+      this.#unservableSkipped++
+      this.counters.misses++
+      return undefined
+    }
     const spec = layers && `${layers[0]}-${layers[1]}`
     const q = spec ? `?layers=${spec}` : ''
     const most = opts.maxBytes ?? Number.POSITIVE_INFINITY
@@ -704,6 +723,17 @@ export class RemoteTier {
   /** An object the caller found written by a newer kvgate (see newerObjects): a counted miss, nothing more. */
   newerObject(): void {
     this.#newerObjects++
+  }
+
+  /**
+   * The caller could not use an object get() served, for a reason that proves nothing about its
+   * bytes (a decode that trapped or ran out of memory, its worker lost or hung, a codec version
+   * this build lacks): a counted error; after a few such reads of the key within a window it is
+   * held off for a while (unservableHeld), its GETs misses without the network.
+   */
+  readFailed(hex: string): void {
+    this.counters.errors++
+    if (this.#unservable.failed(hex, performance.now())) this.#unservableHeld++
   }
 
   /** A `?layers` GET was answered with the whole object (see layersAnsweredWhole). */
@@ -970,6 +1000,8 @@ export class RemoteTier {
       corruptConfirmed: this.#corruptConfirmed,
       newerObjects: this.#newerObjects,
       layersAnsweredWhole: this.#layersAnsweredWhole,
+      unservableHeld: this.#unservableHeld,
+      unservableSkipped: this.#unservableSkipped,
       lookupRequests: this.#lookupRequests,
       lookupLatency: this.#lookupLatency.summary(),
       lookupKeysKnown: this.#lookupKeysKnown,
@@ -989,6 +1021,7 @@ export class RemoteTier {
     this.#closing.abort()
     this.breaker.dispose()
     this.#presence.clear()
+    this.#unservable.clear()
     await Promise.allSettled([
       this.#pool.close(),
       this.#writePool.close(),
