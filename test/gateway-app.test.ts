@@ -344,6 +344,36 @@ describe('PUT and GET', () => {
       expect((await x.request(url, { method: 'HEAD', headers: { 'if-none-match': old } })).status).toBe(200)
     })
 
+    it('?layers= of zero bytes checks the header is current, as other spans do: not served from one of an object deleted or replaced', async () => {
+      const store = new MemoryStore()
+      const x = createGateway({ store })
+      const y = createGateway({ store })
+      const empty = makeChunk({ layers: 4, sectionBytes: 0 })
+      const url = `/v1/ns/a/chunks/${empty.key}`
+      expect((await x.request(url, putInit(empty.bytes))).status).toBe(201)
+      const first = await x.request(`${url}?layers=1-1`)
+      expect(first.status).toBe(200)
+      expect(await bodyOf(first)).toEqual(empty.bytes) // the header, no section bytes
+      // Another instance deletes it: x's cached header names an object that is gone.
+      expect((await y.request(url, { method: 'DELETE' })).status).toBe(204)
+      const gone = await x.request(`${url}?layers=1-1`)
+      expect(gone.status).toBe(404)
+      await gone.arrayBuffer()
+      // Put back as other bytes (a re-encode with sections): their header and section, not the old header.
+      const full = makeChunk({ layers: 4, sectionBytes: 100, key: empty.key })
+      expect((await x.request(url, putInit(empty.bytes))).status).toBe(201)
+      expect((await x.request(`${url}?layers=1-1`)).status).toBe(200) // cached again: the empty one
+      expect((await y.request(url, { method: 'DELETE' })).status).toBe(204)
+      expect((await y.request(url, putInit(full.bytes))).status).toBe(201)
+      const now = await x.request(`${url}?layers=1-1`)
+      expect(now.status).toBe(200)
+      const sub = openLayerSubset(await bodyOf(now), 1, 1)
+      expect(sub.header.totalBytes).toBe(full.bytes.length)
+      expect(sub.section(1)).toEqual(
+        full.bytes.subarray(sub.header.sections[1]!.offset, sub.header.sections[1]!.offset + 100),
+      )
+    })
+
     it('?layers= is another representation: its own tag per span, honoured by If-None-Match on GET and HEAD', async () => {
       const { app } = setup()
       const c = makeChunk({ layers: 6, sectionBytes: 100 })

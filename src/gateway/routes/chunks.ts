@@ -640,14 +640,23 @@ async function layersAnswer(
 ) {
   const { name } = t
   const { first, last } = parseLayers(spec)
-  let entry = state.headers.get(name) ?? (await readHeader(state, t))
+  const cached = state.headers.get(name)
+  let entry = cached ?? (await readHeader(state, t))
+  let read = cached === undefined
   let obj: StoreObject | undefined
   // A cached header may describe an object deleted and re-written since (another
   // instance): the sections' read tells its version; on a mismatch read the header again.
   for (let attempt = 0; ; attempt++) {
     const span = layersSpan(entry.header, first, last)
     const length = span.end - span.start
-    if (length === 0) break
+    if (length === 0) {
+      // No section read to tell the version by: the header itself is read, unless it just was.
+      if (read) break
+      state.headers.delete(name)
+      entry = await readHeader(state, t)
+      read = true
+      continue
+    }
     try {
       obj = await state.store.get(name, { range: { offset: span.start, length } })
     } catch (e) {
@@ -655,6 +664,7 @@ async function layersAnswer(
       if (!(e instanceof RangeNotSatisfiableError) || attempt > 0) throw e
       state.headers.delete(name)
       entry = await readHeader(state, t)
+      read = true
       continue
     }
     if (!obj) return notFoundFrom(state, name)
@@ -665,6 +675,7 @@ async function layersAnswer(
       throw new KvgateError('ERR_STORE', 'the object changed while it was read', { status: 503 })
     state.headers.delete(name)
     entry = await readHeader(state, t)
+    read = true
   }
   const { header, bytes } = entry
   const etag = chunkETag(entry, { first, last })
