@@ -208,7 +208,12 @@ describe('PUT and GET', () => {
       expect(store.ranges).toEqual(['100+100'])
       // The header read failing: the range is served all the same, untagged, with or without a precondition.
       store.failing = true
-      for (const headers of [{}, { 'if-none-match': '"other"' }, { 'if-none-match': etag }]) {
+      const conditions: Record<string, string>[] = [
+        {},
+        { 'if-none-match': '"other"' },
+        { 'if-none-match': etag },
+      ]
+      for (const headers of conditions) {
         const r = await createGateway({ store }).request(url, {
           headers: { range: 'bytes=100-199', ...headers },
         })
