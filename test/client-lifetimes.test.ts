@@ -318,6 +318,73 @@ describe('presence heals across a retrieve and the write-behind (contract C2)', 
   })
 })
 
+describe('L4 reads that fail with no verdict on the bytes', () => {
+  it.each(['retrieve', 'retrieveLayers'] as const)(
+    '%s: a key whose decode traps at every read is held off at the third (its GETs skipped), then tried again',
+    async (path) => {
+      const gw = await gateway()
+      const ns: KeyNamespace = { modelId: g.modelId, geometry: g, chunkTokens: T, scheme: 'sha256-v1' }
+      const holdMs = 300
+      const remoteTier = new RemoteTier(
+        { url: gw.url, namespace: 'default', lookupTimeoutMs: 10_000 },
+        { geometry: g, chunkTokens: T, unservable: { burstMs: 0, holdMs } },
+      )
+      cleanup.push(() => remoteTier.close(100))
+      const memory = await MemoryTier.create({ bytes: 16 * CB, chunkBytes: CB })
+      const codec = new CodecPool(0)
+      const m = new StorageManager({
+        geometry: g,
+        chunkTokens: T,
+        namespaceId: fromHex(namespaceId(ns)),
+        memory,
+        remote: remoteTier,
+        remoteCodec: 'lossless',
+        codec,
+        // One layer group per chunk: one decode per read on both paths.
+        layersPerRequest: g.layers,
+      })
+      cleanup.push(async () => m.close())
+      const keys = chainKeys(tokens(1, 14), ns)
+      await m.store(keys, (i, dst) => void dst.fill(i + 1))
+      await m.flush()
+      memory.clear()
+      const read = async () => {
+        if (path === 'retrieve') return (await m.retrieve(keys, () => {})).served
+        let served = 1
+        for await (const b of m.retrieveLayers(keys)) served = Math.min(served, b.chunks)
+        return served
+      }
+      const decodeInto = codec.decodeInto.bind(codec)
+      const decodeLayers = codec.decodeLayers.bind(codec)
+      // A decoder bug on these bytes: a trap at every read (no verdict on them).
+      const trap = async () => {
+        throw new CodecError('codec decode failed inside wasm: unreachable (test)')
+      }
+      codec.decodeInto = trap
+      codec.decodeLayers = trap
+      for (let i = 1; i <= 3; i++) {
+        expect(await read()).toBe(0)
+        expect(remoteTier.counters).toMatchObject({ errors: i, corrupt: 0 })
+        expect(remoteTier.stats().corruptReported).toBe(0)
+        expect(remoteTier.stats().unservableHeld).toBe(i < 3 ? 0 : 1)
+      }
+      // Held: the next read is a miss without a GET (no hit counted), even once the decoder works.
+      codec.decodeInto = decodeInto
+      codec.decodeLayers = decodeLayers
+      const hits = remoteTier.counters.hits
+      expect(await read()).toBe(0)
+      expect(remoteTier.counters.hits).toBe(hits)
+      expect(remoteTier.stats().unservableSkipped).toBe(1)
+      expect(remoteTier.counters.errors).toBe(3)
+      // Past the hold the key is tried again, and serves.
+      await sleep(holdMs + 50)
+      expect(await read()).toBe(1)
+      expect(remoteTier.counters.hits).toBe(hits + 1)
+      expect(memory.stats()).toMatchObject({ liveReservations: 0, livePins: 0 })
+    },
+  )
+})
+
 describe('presence heals on every read path (contract C2)', () => {
   const N = 6
   /**

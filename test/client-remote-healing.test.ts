@@ -7,8 +7,9 @@ import { CircuitBreaker } from '../src/client/circuit-breaker.ts'
 import { KVCache, type KVCacheOptions } from '../src/client/index.ts'
 import { PresenceSet } from '../src/client/presence.ts'
 import { RemoteTier } from '../src/client/tiers/remote.ts'
+import { crc32 } from '../src/core/checksum.ts'
 import { type ChunkMeta, decodeHeader, encodeChunk, sectionOf } from '../src/core/format.ts'
-import { chunkBytes, MODEL_PRESETS } from '../src/core/layout.ts'
+import { chunkBytes, layerSlabBytes, MODEL_PRESETS } from '../src/core/layout.ts'
 import { pattern } from './support/bytes.ts'
 import { type FaultGateway, startFaultGateway } from './support/client-fault-gateway.ts'
 
@@ -154,6 +155,75 @@ describe('corrupt objects are reported to the gateway once (contract C1)', () =>
     }
     for (let i = 0; i < 50 && verifies().length === 0; i++) await new Promise((r) => setTimeout(r, 10))
     expect(verifies().map((r) => r.path)).toEqual([`/v1/ns/team-a/chunks/${keys[0]}/verify`])
+  })
+})
+
+describe('objects this build cannot read, answers a proxy changed: not corruption', () => {
+  /** A copy of `stored` with a header field changed and its header CRC right (what a newer writer emits). */
+  const newerWriter = (stored: Uint8Array, edit: (dv: DataView) => void) => {
+    const b = stored.slice()
+    const dv = new DataView(b.buffer)
+    edit(dv)
+    const hb = dv.getUint32(8, true)
+    dv.setUint32(hb - 4, crc32(b.subarray(0, hb - 4)), true)
+    return b
+  }
+  it.each([
+    ['format version', (dv: DataView) => dv.setUint16(4, 3, true)],
+    ['flag bit', (dv: DataView) => dv.setUint16(6, dv.getUint16(6, true) | 0x8000, true)],
+  ] as const)(
+    "a newer writer's object (a %s this build does not know) is a counted miss: not reported, its chain not forgotten",
+    async (_, edit) => {
+      const { toks, keys } = await seeded(2, 43)
+      gw.objects.set(keys[1]!, newerWriter(gw.objects.get(keys[1]!)!, edit))
+      const b = await node()
+      expect((await b.lookup(toks)).tokens).toBe(2 * T)
+      const lookupsBefore = lookups().length
+      for (let i = 0; i < 2; i++)
+        expect(sum(await b.retrieve(toks, { into: new Uint8Array(2 * CB) }))).toBe(T)
+      let served = 0
+      for await (const batch of b.retrieveLayers(toks)) served = batch.chunks
+      expect(served).toBe(1)
+      await new Promise((r) => setTimeout(r, 50))
+      const s = b.stats().remote!
+      expect(verifies()).toEqual([])
+      expect(s.corrupt).toBe(0)
+      expect(s.corruptReported).toBe(0)
+      expect(s.newerObjects).toBeGreaterThanOrEqual(2)
+      // Still believed stored: the next lookup answers from what the client knew.
+      expect((await b.lookup(toks)).tokens).toBe(2 * T)
+      expect(lookups().length).toBe(lookupsBefore)
+    },
+  )
+
+  it('a whole object answering ?layers (a proxy dropped the query) serves the layers when they verify, reports nothing', async () => {
+    const { toks, kv } = await seeded(2, 44)
+    gw.faults.ignoreLayers = true
+    const b = await node()
+    const slab = layerSlabBytes(MODEL_PRESETS.stories260k, T)
+    let layers = 0
+    for await (const batch of b.retrieveLayers(toks)) {
+      expect(batch.chunks).toBe(2)
+      for (let i = 0; i < 2; i++) {
+        const want = kv.subarray(i * CB + batch.layer * slab, i * CB + (batch.layer + 1) * slab)
+        expect(Buffer.compare(batch.slabs[i]!, want)).toBe(0)
+      }
+      layers++
+    }
+    expect(layers).toBe(MODEL_PRESETS.stories260k.layers)
+    await new Promise((r) => setTimeout(r, 50))
+    const s = b.stats().remote!
+    expect(verifies()).toEqual([])
+    expect(s.corrupt).toBe(0)
+    expect(s.oversizedBodies).toBe(0)
+    expect(s.layersAnsweredWhole).toBeGreaterThan(2)
+    // Whole but damaged bytes are still corruption, reported.
+    gw.faults.corrupt = true
+    const c = await node()
+    for await (const _ of c.retrieveLayers(toks)) {
+      // the last layer's group fails
+    }
+    expect(c.stats().remote?.corrupt).toBeGreaterThanOrEqual(1)
   })
 })
 

@@ -158,6 +158,7 @@ describe('L4 through the gateway', () => {
       expect(layers).toBe(5)
       const ranged = gw.requests.filter((r) => /\?layers=\d+-\d+$/.test(r.path))
       expect(ranged.length).toBeGreaterThan(2) // several groups per chunk
+      expect(b.stats().remote?.layersAnsweredWhole).toBe(0) // each answered as its subset
       // The assembled chunks were promoted into L1.
       expect((await b.lookup(toks)).chunks.every((c) => c.tier === 'memory')).toBe(true)
     },

@@ -3,6 +3,7 @@
 
 import { describe, expect, it } from 'vitest'
 import { crc32 } from '../src/core/checksum.ts'
+import { StoreError } from '../src/core/errors.ts'
 import {
   FIXED_HEADER_BYTES,
   headerBytesFor,
@@ -180,6 +181,66 @@ describe('PUT and GET', () => {
       expect(await bodyOf(again)).toEqual(other.bytes)
     })
 
+    it('a Range GET reads the header for its tag only for a precondition; one whose header read fails is served untagged, not failed', async () => {
+      /** A store whose reads from byte 0 (the header's) fail while `failing`; every get's range recorded. */
+      class FlakyHeaderStore extends MemoryStore {
+        failing = false
+        readonly ranges: (string | undefined)[] = []
+        override async get(name: string, opts: GetOptions = {}): Promise<StoreObject | undefined> {
+          const r = opts.range
+          this.ranges.push(r && ('suffix' in r ? `-${r.suffix}` : `${r.offset}+${r.length}`))
+          if (this.failing && r && 'offset' in r && r.offset === 0)
+            throw new StoreError('store unavailable (test)', { code: 'ERR_STORE_UNAVAILABLE' })
+          return super.get(name, opts)
+        }
+      }
+      const c = makeChunk({ layers: 6, sectionBytes: 100 })
+      const url = `/v1/ns/a/chunks/${c.key}`
+      const store = new FlakyHeaderStore()
+      expect((await createGateway({ store }).request(url, putInit(c.bytes))).status).toBe(201)
+      const etag = (await createGateway({ store }).request(url, { method: 'HEAD' })).headers.get('etag')!
+      // A fresh gateway (no cached header): a plain range is one store read, its own, untagged.
+      const fresh = createGateway({ store })
+      store.ranges.length = 0
+      const plain = await fresh.request(url, { headers: { range: 'bytes=100-199' } })
+      expect([plain.status, plain.headers.get('etag')]).toEqual([206, null])
+      expect(await bodyOf(plain)).toEqual(c.bytes.subarray(100, 200))
+      expect(store.ranges).toEqual(['100+100'])
+      // The header read failing: the range is served all the same, untagged, with or without a precondition.
+      store.failing = true
+      const conditions: Record<string, string>[] = [
+        {},
+        { 'if-none-match': '"other"' },
+        { 'if-none-match': etag },
+      ]
+      for (const headers of conditions) {
+        const r = await createGateway({ store }).request(url, {
+          headers: { range: 'bytes=100-199', ...headers },
+        })
+        expect([r.status, r.headers.get('etag'), r.headers.get('content-range')]).toEqual([
+          206,
+          null,
+          `bytes 100-199/${c.bytes.length}`,
+        ])
+        expect(await bodyOf(r)).toEqual(c.bytes.subarray(100, 200))
+      }
+      // If-Range cannot be shown to hold: the whole object (its header read off its own body).
+      const ifRange = await createGateway({ store }).request(url, {
+        headers: { range: 'bytes=100-199', 'if-range': etag },
+      })
+      expect([ifRange.status, ifRange.headers.get('etag')]).toEqual([200, etag])
+      expect(await bodyOf(ifRange)).toEqual(c.bytes)
+      // With the header cached (a whole GET before), a plain range is tagged without a header read.
+      store.failing = false
+      const warm = createGateway({ store })
+      await bodyOf(await warm.request(url))
+      store.ranges.length = 0
+      const tagged = await warm.request(url, { headers: { range: 'bytes=100-199' } })
+      expect([tagged.status, tagged.headers.get('etag')]).toEqual([206, etag])
+      await bodyOf(tagged)
+      expect(store.ranges).toEqual(['100+100'])
+    })
+
     it('If-None-Match: 304 without a body for the current tag (weak, listed or *), 200 otherwise; GET and HEAD', async () => {
       const { app } = setup()
       const c = makeChunk()
@@ -286,6 +347,36 @@ describe('PUT and GET', () => {
       const h = await x.request(url, { method: 'HEAD' })
       expect([h.status, h.headers.get('etag')]).toEqual([200, now])
       expect((await x.request(url, { method: 'HEAD', headers: { 'if-none-match': old } })).status).toBe(200)
+    })
+
+    it('?layers= of zero bytes checks the header is current, as other spans do: not served from one of an object deleted or replaced', async () => {
+      const store = new MemoryStore()
+      const x = createGateway({ store })
+      const y = createGateway({ store })
+      const empty = makeChunk({ layers: 4, sectionBytes: 0 })
+      const url = `/v1/ns/a/chunks/${empty.key}`
+      expect((await x.request(url, putInit(empty.bytes))).status).toBe(201)
+      const first = await x.request(`${url}?layers=1-1`)
+      expect(first.status).toBe(200)
+      expect(await bodyOf(first)).toEqual(empty.bytes) // the header, no section bytes
+      // Another instance deletes it: x's cached header names an object that is gone.
+      expect((await y.request(url, { method: 'DELETE' })).status).toBe(204)
+      const gone = await x.request(`${url}?layers=1-1`)
+      expect(gone.status).toBe(404)
+      await gone.arrayBuffer()
+      // Put back as other bytes (a re-encode with sections): their header and section, not the old header.
+      const full = makeChunk({ layers: 4, sectionBytes: 100, key: empty.key })
+      expect((await x.request(url, putInit(empty.bytes))).status).toBe(201)
+      expect((await x.request(`${url}?layers=1-1`)).status).toBe(200) // cached again: the empty one
+      expect((await y.request(url, { method: 'DELETE' })).status).toBe(204)
+      expect((await y.request(url, putInit(full.bytes))).status).toBe(201)
+      const now = await x.request(`${url}?layers=1-1`)
+      expect(now.status).toBe(200)
+      const sub = openLayerSubset(await bodyOf(now), 1, 1)
+      expect(sub.header.totalBytes).toBe(full.bytes.length)
+      expect(sub.section(1)).toEqual(
+        full.bytes.subarray(sub.header.sections[1]!.offset, sub.header.sections[1]!.offset + 100),
+      )
     })
 
     it('?layers= is another representation: its own tag per span, honoured by If-None-Match on GET and HEAD', async () => {

@@ -3,6 +3,8 @@
 // workerd suite cannot drive deterministically: races, aborts, stream failures.
 
 import { afterEach, describe, expect, it } from 'vitest'
+import { objectName } from '../src/core/keys.ts'
+import { gatewayFromEnv } from '../src/gateway/adapters/workers.ts'
 import { RangeNotSatisfiableError } from '../src/gateway/stores/errors.ts'
 import {
   type R2BucketLike,
@@ -13,6 +15,7 @@ import {
   R2Store,
   type R2UploadedPartLike,
 } from '../src/gateway/stores/r2.ts'
+import { makeChunk } from './gateway-fixtures.ts'
 
 const MIB = 1024 * 1024
 
@@ -339,5 +342,32 @@ describe('R2Store', () => {
     }
     const store = new R2Store(r2)
     await expect(store.head('k/a')).rejects.toMatchObject({ code: 'ERR_STORE', status: 502 })
+  })
+
+  it('Worker gateway: a Range GET reads no header only to tag its 206; one whose header read fails is served untagged', async () => {
+    const r2 = new FakeR2()
+    const c = makeChunk({ layers: 6, sectionBytes: 100 })
+    r2.objects.set(objectName('kv', 'a', c.key), c.bytes)
+    const url = `https://gw.example/v1/ns/a/chunks/${c.key}`
+    const worker = () => gatewayFromEnv({ KVGATE_BUCKET: r2, KVGATE_AUTH: 'disabled' })
+    const etag = (await worker().request(url, { method: 'HEAD' })).headers.get('etag')!
+    expect(etag).toMatch(/^"kv1-/)
+    const get = r2.get.bind(r2)
+    const ranges: string[] = []
+    let failing = false
+    r2.get = async (key, options) => {
+      const r = options?.range
+      ranges.push(r ? JSON.stringify(r) : 'whole')
+      if (failing && r && 'offset' in r && r.offset === 0) throw new Error('network connection lost')
+      return get(key, options)
+    }
+    const plain = await worker().request(url, { headers: { range: 'bytes=100-199' } })
+    expect([plain.status, plain.headers.get('etag')]).toEqual([206, null])
+    expect(await drain(plain.body!)).toEqual(c.bytes.subarray(100, 200))
+    expect(ranges).toEqual([JSON.stringify({ offset: 100, length: 100 })])
+    failing = true
+    const nm = await worker().request(url, { headers: { range: 'bytes=100-199', 'if-none-match': etag } })
+    expect([nm.status, nm.headers.get('etag')]).toEqual([206, null])
+    expect(await drain(nm.body!)).toEqual(c.bytes.subarray(100, 200))
   })
 })

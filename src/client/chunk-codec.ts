@@ -1,13 +1,16 @@
 // Checks chunk objects the client receives: full verification, identity (every
 // field of the chunk asked for), the most bytes such an object can have, and layer-range answers.
 
-import { FormatError } from '../core/errors.ts'
+import { FormatError, InvalidArgumentError } from '../core/errors.ts'
 import {
   type ChunkHeader,
   type ChunkMeta,
+  decodeHeader,
   FORMAT_VERSION_CALIBRATED,
   headerBytesFor,
+  layerSpan,
   openLayerSubset,
+  sectionOf,
 } from '../core/format.ts'
 import { type KvGeometry, layerSlabBytes, sameGeometry } from '../core/layout.ts'
 
@@ -70,15 +73,32 @@ export function maxLayerGroupBytes(g: KvGeometry, tokens: number, first: number,
 
 /**
  * Opens a `?layers=a-b` answer (header + sections a..b): verifies the header,
- * identity and length; `section(l)` returns layer l's bytes, CRC checked.
+ * identity and length; `section(l)` returns layer l's bytes, CRC checked. A whole
+ * object where a subset was asked (a caching proxy in front of the gateway that
+ * dropped the query) is opened as one (`whole`): its bytes may well be valid, and
+ * the layers asked for are served from it when their sections verify.
  */
 export function openLayerGroup(
   body: Uint8Array,
   first: number,
   last: number,
   want: ChunkIdentity,
-): { header: ChunkHeader; section(layer: number): Uint8Array } {
+): { header: ChunkHeader; whole: boolean; section(layer: number): Uint8Array } {
+  const header = decodeHeader(body)
+  const span = layerSpan(header, first, last)
+  if (body.length === header.totalBytes && body.length !== header.headerBytes + span.end - span.start) {
+    checkIdentity(header, want)
+    return {
+      header,
+      whole: true,
+      section(layer: number): Uint8Array {
+        if (!Number.isInteger(layer) || layer < first || layer > last)
+          throw new InvalidArgumentError(`layer ${layer} is not in the subset ${first}-${last}`)
+        return sectionOf(body, header, layer)
+      },
+    }
+  }
   const sub = openLayerSubset(body, first, last)
   checkIdentity(sub.header, want)
-  return sub
+  return { ...sub, whole: false }
 }

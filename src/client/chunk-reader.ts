@@ -3,7 +3,7 @@
 
 import type { Calibration } from '../codec/calibration.ts'
 import { FormatError, isKvgateError, provesCorrupt } from '../core/errors.ts'
-import { type ChunkHeader, decodeHeader } from '../core/format.ts'
+import { type ChunkHeader, decodeHeader, namesNewerFeature } from '../core/format.ts'
 import type { ChunkKey } from '../core/keys.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import type { CalibrationStore } from './calibration-store.ts'
@@ -65,10 +65,21 @@ function notAboutTheBytes(e: unknown): boolean {
  * A decode that failed without a verdict on the bytes (provesCorrupt is false: its worker died,
  * hung, trapped or ran out of memory, it could not be handed to one): nothing is known about
  * the object's bytes, so it is a counted read error and a miss, as for L2; not reported
- * corrupt (the gateway would re-read and re-verify it for nothing).
+ * corrupt (the gateway would re-read and re-verify it for nothing). A key that fails so again
+ * and again is held off for a while (RemoteTier.readFailed: misses without the GET).
  */
-function remoteReadFailed(remote: RemoteTier): undefined {
-  remote.counters.errors++
+function remoteReadFailed(remote: RemoteTier, hex: string): undefined {
+  remote.readFailed(hex)
+  return undefined
+}
+
+/**
+ * An object under an intact header that names what a newer kvgate writes (a format version,
+ * flag, codec or dtype this build does not know: a rolling upgrade): not corruption. A counted
+ * miss (newerObjects); not reported to the gateway, and its chain is not forgotten (it is stored).
+ */
+function newerObject(remote: RemoteTier): undefined {
+  remote.newerObject()
   return undefined
 }
 
@@ -157,7 +168,8 @@ export class ChunkReader {
         return await this.#place(k, object, h, r)
       } catch (e) {
         if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
-        if (!provesCorrupt(e)) return remoteReadFailed(remote)
+        if (namesNewerFeature(object)) return newerObject(remote)
+        if (!provesCorrupt(e)) return remoteReadFailed(remote, k.hex)
         // Counted, no longer believed present, and reported to the gateway's verify endpoint.
         remote.reportCorrupt(k.hex)
         return undefined
@@ -213,6 +225,7 @@ export class ChunkReader {
     if (!body) return undefined
     try {
       const sub = openLayerGroup(body, first, last, this.#o.identity(k))
+      if (sub.whole) remote.answeredWhole()
       const calibration = await this.#calibration(sub.header)
       const slabs = await this.#o.codec.decodeLayers(
         sub.header,
@@ -225,7 +238,8 @@ export class ChunkReader {
       return out
     } catch (e) {
       if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
-      if (!provesCorrupt(e)) return remoteReadFailed(remote)
+      if (namesNewerFeature(body)) return newerObject(remote)
+      if (!provesCorrupt(e)) return remoteReadFailed(remote, k.hex)
       remote.reportCorrupt(k.hex)
       return undefined
     }

@@ -29,6 +29,8 @@ export interface Faults {
   conflictOnExists: boolean
   /** What POST …/verify answers for a stored key ('corrupt' also deletes it, as the real gateway does). */
   verdict: 'ok' | 'corrupt'
+  /** Answer `?layers` GETs with the whole object, as a caching proxy that drops the query does. */
+  ignoreLayers: boolean
 }
 
 export interface FaultGateway {
@@ -64,6 +66,7 @@ export async function startFaultGateway(): Promise<FaultGateway> {
     refuse: 0,
     conflictOnExists: false,
     verdict: 'ok',
+    ignoreLayers: false,
   }
   const stats = { oversizeWritten: 0 }
   const requests: FaultGateway['requests'] = []
@@ -77,7 +80,7 @@ export async function startFaultGateway(): Promise<FaultGateway> {
   ) => {
     let out = obj
     const headers: Record<string, string> = { 'content-type': 'application/octet-stream' }
-    if (layers) {
+    if (layers && !faults.ignoreLayers) {
       const m = /^(\d+)-(\d+)$/.exec(layers)
       const h = decodeHeader(obj)
       if (!m || Number(m[2]) >= h.sections.length || Number(m[1]) > Number(m[2])) {

@@ -12,6 +12,7 @@ import { type BreakerState, CircuitBreaker } from '../circuit-breaker.ts'
 import { PresenceSet } from '../presence.ts'
 import { TierUploader } from '../remote-upload.ts'
 import { type LatencySummary, LatencyWindow, since, TierCounters } from '../stats.ts'
+import { UnservableKeys, type UnservableKeysOptions } from '../unservable-keys.ts'
 
 export interface RemoteTierOptions {
   /** Gateway base URL, e.g. http://127.0.0.1:8080 (a path prefix is kept; a trailing /v1 is dropped). */
@@ -57,6 +58,8 @@ export interface RemoteTierContext {
   chunkTokens?: number | undefined
   /** Where one-line warnings go (auth refused, uploads shed). @default process.emitWarning */
   warn?: (message: string, code: string) => void
+  /** When keys whose reads keep failing with no verdict are held off (tests shorten it). */
+  unservable?: UnservableKeysOptions
 }
 
 /** A background upload: `encode` runs when a writer picks the job up; `done` always runs once. */
@@ -96,6 +99,23 @@ export interface RemoteTierStats {
   corruptReported: number
   /** ... of which the gateway found corrupt (and deleted) or missing. */
   corruptConfirmed: number
+  /**
+   * Objects a newer kvgate wrote (a format version, flag, codec or dtype this build does not
+   * know, under an intact header): misses, neither reported corrupt nor forgotten.
+   */
+  newerObjects: number
+  /**
+   * `?layers` GETs answered with the whole object (a caching proxy that drops the query): the
+   * layers are served from it when they verify. Non-zero: that proxy costs whole-object transfers.
+   */
+  layersAnsweredWhole: number
+  /**
+   * Keys put on hold after repeated reads whose decode failed with no verdict on the bytes (see
+   * readFailed): their GETs are skipped for a while (misses without the network).
+   */
+  unservableHeld: number
+  /** GETs skipped because their key was on hold (each counted in misses too). */
+  unservableSkipped: number
   /** Lookup requests sent to the gateway. */
   lookupRequests: number
   /** Their round trips (readLatency counts chunk GETs only). */
@@ -213,6 +233,8 @@ interface RequestOptions {
   into?: Uint8Array
   /** Largest 200 body accepted. */
   cap?: number
+  /** Largest 200 body accepted, from the answer's headers (overrides cap). */
+  capFor?: (headers: HttpResult['headers']) => number
   /** The caller's own deadline (e.g. a retrieve's): aborts without blaming the gateway. */
   signal?: AbortSignal | undefined
   /** A 401/403 here is not a misconfigured token (e.g. verify with a read-only token). */
@@ -286,6 +308,11 @@ export class RemoteTier {
   #oversized = 0
   #corruptReported = 0
   #corruptConfirmed = 0
+  #newerObjects = 0
+  #layersAnsweredWhole = 0
+  readonly #unservable: UnservableKeys
+  #unservableHeld = 0
+  #unservableSkipped = 0
   #existed = 0
   #retried = 0
   #redirects = 0
@@ -324,6 +351,7 @@ export class RemoteTier {
     this.#chunkTokens = ctx.chunkTokens
     this.#warn = ctx.warn ?? ((message, code) => process.emitWarning(message, { code }))
     this.#presence = new PresenceSet(opts.presenceTtlMs ?? 30_000)
+    this.#unservable = new UnservableKeys(ctx.unservable)
     const connect = { timeout: Math.min(this.#timeoutMs, 5000) }
     this.#pool = new Pool(this.#origin, {
       connections: opts.connections ?? 8,
@@ -455,7 +483,7 @@ export class RemoteTier {
             r.body,
             ok ? opts.into : undefined,
             contentLength(r.headers),
-            ok ? (opts.cap ?? MAX_SMALL_BODY) : MAX_SMALL_BODY,
+            ok ? (opts.capFor?.(r.headers) ?? opts.cap ?? MAX_SMALL_BODY) : MAX_SMALL_BODY,
           )
     return { status: r.statusCode, headers: r.headers, body, redirected }
   }
@@ -643,13 +671,26 @@ export class RemoteTier {
     opts: RemoteGetOptions = {},
   ): Promise<Uint8Array | undefined> {
     const t0 = performance.now()
-    const q = layers ? `?layers=${layers[0]}-${layers[1]}` : ''
-    const cap = Math.min(this.#cap(layers), opts.maxBytes ?? Number.POSITIVE_INFINITY)
+    if (this.#unservable.held(hex, t0)) {
+      this.#unservableSkipped++
+      this.counters.misses++
+      return undefined
+    }
+    const spec = layers && `${layers[0]}-${layers[1]}`
+    const q = spec ? `?layers=${spec}` : ''
+    const most = opts.maxBytes ?? Number.POSITIVE_INFINITY
+    const cap = Math.min(this.#cap(layers), most)
+    // An answer that is not a layer subset (no x-kvgate-layers: a caching proxy that dropped the
+    // query sends the whole object) is capped as a whole object: the reader serves the layers from it.
+    const wholeCap = Math.min(this.#cap(undefined), most)
     let oversized = false
     const r = await this.#request('GET', `${this.#base}/chunks/${hex}${q}`, {
       timeoutMs: this.#timeoutMs,
       into,
       cap,
+      ...(spec
+        ? { capFor: (h: HttpResult['headers']) => (h['x-kvgate-layers'] === spec ? cap : wholeCap) }
+        : {}),
       signal: opts.signal,
       hangIsTimeout: true,
       onOversized: () => {
@@ -679,6 +720,27 @@ export class RemoteTier {
    * object itself and deletes it only if it is corrupt, so the next writer can
    * re-upload. Fire-and-forget, bounded and rate-limited.
    */
+  /** An object the caller found written by a newer kvgate (see newerObjects): a counted miss, nothing more. */
+  newerObject(): void {
+    this.#newerObjects++
+  }
+
+  /**
+   * The caller could not use an object get() served, for a reason that proves nothing about its
+   * bytes (a decode that trapped or ran out of memory, its worker lost or hung, a codec version
+   * this build lacks): a counted error; after a few such reads of the key within a window it is
+   * held off for a while (unservableHeld), its GETs misses without the network.
+   */
+  readFailed(hex: string): void {
+    this.counters.errors++
+    if (this.#unservable.failed(hex, performance.now())) this.#unservableHeld++
+  }
+
+  /** A `?layers` GET was answered with the whole object (see layersAnsweredWhole). */
+  answeredWhole(): void {
+    this.#layersAnsweredWhole++
+  }
+
   reportCorrupt(hex: string): void {
     this.counters.corrupt++
     this.#presence.forgetChainFrom(hex)
@@ -936,6 +998,10 @@ export class RemoteTier {
       oversizedBodies: this.#oversized,
       corruptReported: this.#corruptReported,
       corruptConfirmed: this.#corruptConfirmed,
+      newerObjects: this.#newerObjects,
+      layersAnsweredWhole: this.#layersAnsweredWhole,
+      unservableHeld: this.#unservableHeld,
+      unservableSkipped: this.#unservableSkipped,
       lookupRequests: this.#lookupRequests,
       lookupLatency: this.#lookupLatency.summary(),
       lookupKeysKnown: this.#lookupKeysKnown,
@@ -955,6 +1021,7 @@ export class RemoteTier {
     this.#closing.abort()
     this.breaker.dispose()
     this.#presence.clear()
+    this.#unservable.clear()
     await Promise.allSettled([
       this.#pool.close(),
       this.#writePool.close(),

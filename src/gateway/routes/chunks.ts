@@ -3,7 +3,7 @@
 
 import type { Context, Hono } from 'hono'
 import { ROOT_PARENT } from '../../coldtier/records.ts'
-import { isKvgateError, KvgateError } from '../../core/errors.ts'
+import { KvgateError } from '../../core/errors.ts'
 import {
   type ChunkHeader,
   decodeHeader,
@@ -208,8 +208,9 @@ export function chunkRoutes(app: Hono<GatewayEnv>, state: GatewayState): void {
     let body: ReadableStream<Uint8Array> | PieceReader
     try {
       if (range) {
-        // A range says nothing of the header: its tag comes from the cached or a read header.
-        entry = await rangeVersionHeader(state, t, obj)
+        // A range says nothing of the header: its tag comes from the cached header, or one read
+        // when a precondition needs it.
+        entry = await rangeVersionHeader(state, t, obj, ifRange !== undefined || ifNoneMatch !== undefined)
         const etag = entry && chunkETag(entry)
         if (etag !== undefined && matchesNoneMatch(ifNoneMatch, etag)) {
           await obj.body.cancel().catch(() => {})
@@ -491,24 +492,27 @@ async function fetchChunk(
 }
 
 /**
- * The header of the version `obj` (a range of it) was read from: cached, else read. Undefined
- * when none can be had for it (a header that does not decode, reported as a corrupt read; the
- * object replaced or gone between the reads): the range is served without a tag then.
+ * The header of the version `obj` (a range of it) was read from: cached, else read when a
+ * precondition (If-Range, If-None-Match) needs its tag. A tag is optional on a 206: a header read
+ * only to tag one cost each plain Range GET a store round trip, and failed the range when it
+ * failed. Undefined when none is had (not needed; a header that does not decode, reported as a
+ * corrupt read; the object replaced or gone between the reads; the read failed: the store down a
+ * moment): the range is served without a tag then (and a failed If-Range gets the whole object).
  */
 async function rangeVersionHeader(
   state: GatewayState,
   t: VerifyTarget,
   obj: StoreObject,
+  needed: boolean,
 ): Promise<CachedHeader | undefined> {
   const cached = state.headers.get(t.name)
   if (cached && sameVersion(cached, obj)) return cached
+  if (!needed) return undefined
   try {
     const entry = await readHeader(state, t)
     return sameVersion(entry, obj) ? entry : undefined
-  } catch (e) {
-    if (isCorruption(e) || (isKvgateError(e) && e.status === 404)) return undefined
-    await obj.body.cancel().catch(() => {})
-    throw e
+  } catch {
+    return undefined
   }
 }
 
@@ -636,14 +640,23 @@ async function layersAnswer(
 ) {
   const { name } = t
   const { first, last } = parseLayers(spec)
-  let entry = state.headers.get(name) ?? (await readHeader(state, t))
+  const cached = state.headers.get(name)
+  let entry = cached ?? (await readHeader(state, t))
+  let read = cached === undefined
   let obj: StoreObject | undefined
   // A cached header may describe an object deleted and re-written since (another
   // instance): the sections' read tells its version; on a mismatch read the header again.
   for (let attempt = 0; ; attempt++) {
     const span = layersSpan(entry.header, first, last)
     const length = span.end - span.start
-    if (length === 0) break
+    if (length === 0) {
+      // No section read to tell the version by: the header itself is read, unless it just was.
+      if (read) break
+      state.headers.delete(name)
+      entry = await readHeader(state, t)
+      read = true
+      continue
+    }
     try {
       obj = await state.store.get(name, { range: { offset: span.start, length } })
     } catch (e) {
@@ -651,6 +664,7 @@ async function layersAnswer(
       if (!(e instanceof RangeNotSatisfiableError) || attempt > 0) throw e
       state.headers.delete(name)
       entry = await readHeader(state, t)
+      read = true
       continue
     }
     if (!obj) return notFoundFrom(state, name)
@@ -661,6 +675,7 @@ async function layersAnswer(
       throw new KvgateError('ERR_STORE', 'the object changed while it was read', { status: 503 })
     state.headers.delete(name)
     entry = await readHeader(state, t)
+    read = true
   }
   const { header, bytes } = entry
   const etag = chunkETag(entry, { first, last })
