@@ -189,12 +189,36 @@ describe('objects this build cannot read, answers a proxy changed: not corruptio
       expect(verifies()).toEqual([])
       expect(s.corrupt).toBe(0)
       expect(s.corruptReported).toBe(0)
-      expect(s.newerObjects).toBeGreaterThanOrEqual(2)
+      // Read once, then held off: the later reads are misses without a GET.
+      expect(s.newerObjects).toBe(1)
+      expect(s.unservableSkipped).toBeGreaterThanOrEqual(2)
       // Still believed stored: the next lookup answers from what the client knew.
       expect((await b.lookup(toks)).tokens).toBe(2 * T)
       expect(lookups().length).toBe(lookupsBefore)
     },
   )
+
+  it("a newer writer's object is held off after its first read: later reads of that key cost no GET", async () => {
+    const { toks, keys } = await seeded(2, 45)
+    gw.objects.set(
+      keys[1]!,
+      newerWriter(gw.objects.get(keys[1]!)!, (dv) => dv.setUint16(4, 3, true)),
+    )
+    const b = await node()
+    expect(sum(await b.retrieve(toks, { into: new Uint8Array(2 * CB) }))).toBe(T)
+    const getsOf = () => chunkGets().filter((r) => r.path.includes(keys[1]!)).length
+    const first = getsOf()
+    expect(first).toBeGreaterThanOrEqual(1)
+    for (let i = 0; i < 3; i++) expect(sum(await b.retrieve(toks, { into: new Uint8Array(2 * CB) }))).toBe(T)
+    for await (const _ of b.retrieveLayers(toks)) {
+      // the first chunk serves; the held one is a miss without a request
+    }
+    expect(getsOf()).toBe(first)
+    const s = b.stats().remote!
+    expect(s.newerObjects).toBe(1)
+    expect(s.unservableSkipped).toBeGreaterThanOrEqual(4)
+    expect(s.corruptReported).toBe(0)
+  })
 
   it('a whole object answering ?layers (a proxy dropped the query) serves the layers when they verify, reports nothing', async () => {
     const { toks, kv } = await seeded(2, 44)

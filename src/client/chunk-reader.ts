@@ -76,10 +76,11 @@ function remoteReadFailed(remote: RemoteTier, hex: string): undefined {
 /**
  * An object under an intact header that names what a newer kvgate writes (a format version,
  * flag, codec or dtype this build does not know: a rolling upgrade): not corruption. A counted
- * miss (newerObjects); not reported to the gateway, and its chain is not forgotten (it is stored).
+ * miss (newerObjects), its key held off for a while (no GET per read); not reported to the gateway,
+ * and its chain is not forgotten (it is stored).
  */
-function newerObject(remote: RemoteTier): undefined {
-  remote.newerObject()
+function newerObject(remote: RemoteTier, hex: string): undefined {
+  remote.newerObject(hex)
   return undefined
 }
 
@@ -168,7 +169,7 @@ export class ChunkReader {
         return await this.#place(k, object, h, r)
       } catch (e) {
         if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
-        if (namesNewerFeature(object)) return newerObject(remote)
+        if (namesNewerFeature(object)) return newerObject(remote, k.hex)
         if (!provesCorrupt(e)) return remoteReadFailed(remote, k.hex)
         // Counted, no longer believed present, and reported to the gateway's verify endpoint.
         remote.reportCorrupt(k.hex)
@@ -238,7 +239,7 @@ export class ChunkReader {
       return out
     } catch (e) {
       if (notAboutTheBytes(e) || this.#o.closed?.()) return undefined
-      if (namesNewerFeature(body)) return newerObject(remote)
+      if (namesNewerFeature(body)) return newerObject(remote, k.hex)
       if (!provesCorrupt(e)) return remoteReadFailed(remote, k.hex)
       remote.reportCorrupt(k.hex)
       return undefined

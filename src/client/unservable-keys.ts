@@ -78,6 +78,16 @@ export class UnservableKeys {
     return true
   }
 
+  /**
+   * Holds `hex` off at once, for holdMs: an object this build cannot read for a reason its
+   * header states (a newer writer's format) fails the same way every time, so no second GET.
+   */
+  holdNow(hex: string, now: number): void {
+    this.#entries.delete(hex)
+    this.#entries.set(hex, { failures: this.#failures, since: now, last: now, until: now + this.#holdMs })
+    if (this.#entries.size > this.#maxKeys) this.#entries.delete(this.#entries.keys().next().value as string)
+  }
+
   clear(): void {
     this.#entries.clear()
   }

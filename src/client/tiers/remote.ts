@@ -714,15 +714,13 @@ export class RemoteTier {
   }
 
   /**
-   * The caller found this chunk's L4 object corrupt (CRC, format or identity):
-   * counted, no longer believed present (with its chain's later keys), and
-   * reported once to the gateway's verify endpoint, which checks the stored
-   * object itself and deletes it only if it is corrupt, so the next writer can
-   * re-upload. Fire-and-forget, bounded and rate-limited.
+   * An object the caller found written by a newer kvgate (see newerObjects): a counted miss, its
+   * key held off (unservableHeld) so that the next reads of it cost no GET until the hold ends.
    */
-  /** An object the caller found written by a newer kvgate (see newerObjects): a counted miss, nothing more. */
-  newerObject(): void {
+  newerObject(hex: string): void {
     this.#newerObjects++
+    this.#unservable.holdNow(hex, performance.now())
+    this.#unservableHeld++
   }
 
   /**
@@ -741,6 +739,13 @@ export class RemoteTier {
     this.#layersAnsweredWhole++
   }
 
+  /**
+   * The caller found this chunk's L4 object corrupt (CRC, format or identity):
+   * counted, no longer believed present (with its chain's later keys), and
+   * reported once to the gateway's verify endpoint, which checks the stored
+   * object itself and deletes it only if it is corrupt, so the next writer can
+   * re-upload. Fire-and-forget, bounded and rate-limited.
+   */
   reportCorrupt(hex: string): void {
     this.counters.corrupt++
     this.#presence.forgetChainFrom(hex)
