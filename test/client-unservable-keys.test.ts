@@ -50,4 +50,17 @@ describe('UnservableKeys', () => {
     expect(u.size).toBe(0)
     expect(u.held(hex(99), 203)).toBe(false)
   })
+
+  it('holdNow holds a key at once for holdMs, within maxKeys, and a failure meanwhile does not extend it', () => {
+    const u = new UnservableKeys({ failures: 3, windowMs: 10_000, holdMs: 500, burstMs: 0, maxKeys: 2 })
+    u.holdNow(hex(1), 0)
+    expect(u.held(hex(1), 1)).toBe(true)
+    expect(u.failed(hex(1), 2)).toBe(false) // held already: no new hold
+    expect(u.held(hex(1), 499)).toBe(true)
+    expect(u.held(hex(1), 500)).toBe(false)
+    for (let i = 10; i < 20; i++) u.holdNow(hex(i), i)
+    expect(u.size).toBe(2)
+    expect(u.held(hex(19), 20)).toBe(true)
+    expect(u.held(hex(10), 20)).toBe(false)
+  })
 })
