@@ -879,6 +879,17 @@ class KVGateConnector(KVConnectorBase_V1):
         if fences is None:
             return False
         left = [f for f in fences if not _fenced(f)]
+        for f in fences:
+            if id(f) in self._unfenced_seen and not any(f is g for g in left):
+                # Counted while its agent lived: fenced by that process's exit. Forgotten here, or a
+                # later load's Future at the same address would go uncounted.
+                self._unfenced_seen.discard(id(f))
+                log.info(
+                    "kvgate: the agent process (pid %d) exited: a load of request %s it may have been copying is "
+                    "fenced, the request's blocks are released",
+                    f.exception().agent.pid,
+                    rid,
+                )
         for f in left:
             if f.done() and id(f) not in self._unfenced_seen:
                 self._unfenced_seen.add(id(f))

@@ -3,6 +3,7 @@ refuses after a restart, or stops reading. Whatever it does, vLLM's scheduler an
 an answer within their deadlines (0 matched tokens, blocks reported as load errors), never an
 exception and never a hang; and nothing is saved that vLLM has not computed."""
 
+import logging
 import os
 import threading
 import time
@@ -226,6 +227,13 @@ def test_a_load_failed_by_a_dropped_connection_is_a_fence_only_when_the_agent_cl
                 assert f"until the agent process (pid {os.getpid()}) exits" in caplog.text
             else:
                 assert c.loads_held_for_good == 1 and "stay allocated for good" in caplog.text
+            # That process exiting fences the load (a stand-in: this fake agent is this process).
+            caplog.set_level(logging.INFO, logger="kvgate_vllm")
+            (fence,) = c._fences["r"]
+            fence.exception().agent = SimpleNamespace(pid=4242, watchable=True, exited=lambda: True)
+            assert until(lambda: hold_step(c, [], []), timeout=5.0) == {"r"}
+            assert "the agent process (pid 4242) exited" in caplog.text
+            assert c._unfenced_seen == set() and c._fences == {}
     finally:
         c.shutdown()
         drop_caches(caches)
