@@ -334,3 +334,23 @@ def test_without_a_pidfd_a_load_dropped_here_names_why_its_agent_cannot_be_watch
         assert pidfds_open() == before
     c.shutdown()
     agent.close()
+
+
+@needs_pidfd
+def test_the_agent_process_of_a_socket_is_its_peer_and_a_pid_without_a_process_is_not_watchable():
+    from kvgate_vllm.agent_process import AgentProcess, peer_pid
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        assert peer_pid(a) == os.getpid()
+    finally:
+        a.close()
+        b.close()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:  # no peer: no pid
+        assert peer_pid(tcp) == 0
+    assert not AgentProcess.open(0).watchable
+    # A reaped child's pid names no process (ESRCH): never a pidfd of whatever takes it later.
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(10)
+    gone = AgentProcess.open(child.pid)
+    assert not gone.watchable and "pidfd_open" in gone.why_not and not gone.exited()
