@@ -211,7 +211,11 @@ def test_a_load_on_a_connection_the_connector_dropped_is_held_until_the_agent_pr
         assert e.sched.request_finished(r3["req"], r3["block_ids"])[0] is True  # its save stalls
         # Past twice save_timeout_ms: the save's cancel went unanswered and the connector dropped
         # the connection, r2's load (its copy stalled) failed with it.
-        steps_while(e, "r2", 2 * spec.save_timeout_ms / 1000 + 0.8, first_finished={"r2", "r3"})
+        def dropped():
+            return all(w.call("fences")["loads_unfenced"] > 0 for w in e.workers)
+
+        steps_while(e, "r2", 15.0, first_finished={"r2", "r3"}, until=dropped)
+        steps_while(e, "r2", 0.5)  # held past the drop: the agent lives, its copy stalled
         fences = [w.call("fences") for w in e.workers]
         assert [f["loads_unfenced"] for f in fences] == [1, 1]
         # One pidfd per worker: the dropped connection's agent, reused by the reconnection to it.
