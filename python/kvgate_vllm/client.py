@@ -23,9 +23,11 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import msgpack
+
+from .agent_process import AgentProcess, peer_pid
 
 log = logging.getLogger("kvgate_vllm")
 
@@ -49,7 +51,9 @@ REFUSALS = ("ERR_PROTOCOL_VERSION", "ERR_MODEL_MISMATCH", "ERR_GEOMETRY_MISMATCH
 class AgentError(Exception):
     """An error answer from the agent (`code` is stable) or a transport failure (ERR_DISCONNECTED)."""
 
-    def __init__(self, code: str, message: str, dropped_here: bool = False):
+    def __init__(
+        self, code: str, message: str, dropped_here: bool = False, agent: Optional[AgentProcess] = None
+    ):
         super().__init__(f"{message} [{code}]")
         self.code = code
         # ERR_DISCONNECTED only: this side dropped a connection the agent may still serve (a bad
@@ -57,6 +61,9 @@ class AgentError(Exception):
         # copies already running may still land: a load failed so is no fence (connector.py).
         # False: the agent closed or died, and copies of its requests with it.
         self.dropped_here = dropped_here
+        # dropped_here only: the agent process of that connection. Once it has exited no copy of
+        # the request can land any more (connector.py's fence).
+        self.agent = agent
 
 
 def default_socket_path() -> str:
@@ -110,6 +117,12 @@ class AgentClient:
         self._next_id = 1
         self._last_attempt = 0.0
         self._generation = 0
+        # The agent process of the live connection (one per generation), and those of connections
+        # this side dropped with requests pending: their pidfds stay open until the process has
+        # exited (seen at the next dial, or by a fence) or shutdown(). A dial reaching a process
+        # already kept reuses its pidfd: one per agent process, however often it is dropped.
+        self._agent: Optional[AgentProcess] = None
+        self._dropped_agents: List[AgentProcess] = []
         self.hello_answer: Optional[Dict[str, Any]] = None
         self.last_error: Optional[str] = None
 
@@ -165,6 +178,9 @@ class AgentClient:
                     )
                 self.last_error = msg
                 return False
+            # Before hello: its answer then proves the process the pidfd names was alive after it
+            # was opened, so it is the agent and not a process that took a pid freed meanwhile.
+            self._agent = self._agent_of(s)
             self._sock = s
             self._buf = (s, bytearray())
             self._reader_wanted = False
@@ -191,6 +207,14 @@ class AgentClient:
         self._backoff = 0.0
         self.last_error = None  # the next outage is logged again
         return self._sock is not None
+
+    def _agent_of(self, s: socket.socket) -> AgentProcess:
+        pid = peer_pid(s)
+        self._dropped_agents = [a for a in self._dropped_agents if not a.exited()]
+        for a in self._dropped_agents:
+            if a.pid == pid:  # alive (not exited): the same process, a pid is not reused before
+                return a
+        return AgentProcess.open(pid)
 
     def _closed_while_idle(self, s: socket.socket) -> bool:
         """With nothing pending nobody reads, so an agent that died idle is noticed here (one
@@ -219,6 +243,13 @@ class AgentClient:
             if self._sock is not s:
                 return
             self._sock = None
+            agent, self._agent = self._agent, None
+            # A request failed here may have a copy running in the agent: its process is kept.
+            keep = here and bool(self._pending) and agent is not None and agent.watchable
+            if keep and agent not in self._dropped_agents:
+                self._dropped_agents.append(agent)
+            # Not one a dial reused from the kept ones: that one stays for the fences it serves.
+            close_agent = agent is not None and not keep and agent not in self._dropped_agents
             pending, self._pending = self._pending, {}
             self._progress = {}
             self._reader_wake.notify_all()
@@ -233,9 +264,18 @@ class AgentClient:
             s.close()
         except OSError:
             pass
+        if close_agent:
+            agent.close()
         for f in pending.values():
             if not f.done():
-                f.set_exception(AgentError("ERR_DISCONNECTED", "the kvgate agent connection closed", dropped_here=here))
+                f.set_exception(
+                    AgentError(
+                        "ERR_DISCONNECTED",
+                        "the kvgate agent connection closed",
+                        dropped_here=here,
+                        agent=agent if here else None,
+                    )
+                )
 
     def close(self) -> None:
         s = self._sock
@@ -248,6 +288,14 @@ class AgentClient:
             except OSError:
                 pass
             self._drop(s)
+
+    def shutdown(self) -> None:
+        """close(), and the pidfds kept for dropped connections closed: for good (the engine stops)."""
+        self.close()
+        with self._lock:
+            kept, self._dropped_agents = self._dropped_agents, []
+        for a in kept:
+            a.close()
 
     # ------------------------------------------------------------------ requests
 

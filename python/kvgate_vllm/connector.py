@@ -351,12 +351,15 @@ def _no_layer_hook_will_wait(forward_context: Any) -> bool:
 
 def _fenced(f: Future) -> bool:
     """Whether no copy of this load can land any more: the agent answered it (after its last copy)
-    or closed the connection (it died, or answered every load first). Not when this side dropped
-    the connection: the agent then starts no copy, but one running may still land."""
+    or closed the connection (it died, or answered every load first). When this side dropped the
+    connection the agent starts no copy, but one running may still land: only the agent process's
+    exit (its pidfd, checked without blocking) then fences it."""
     if not f.done():
         return False
     e = f.exception()
-    return not (isinstance(e, AgentError) and e.dropped_here)
+    if not (isinstance(e, AgentError) and e.dropped_here):
+        return True
+    return e.agent is not None and e.agent.exited()
 
 
 class _LoadState:
@@ -439,8 +442,11 @@ class KVGateConnector(KVConnectorBase_V1):
         # (the answer comes after its last copy landed) or the agent closed or died.
         self._fences: Dict[str, List[Future]] = {}
         # Loads failed by a connection this side dropped (the agent may still be copying): their
-        # requests' blocks stay allocated for good, a bounded leak counted here and logged.
+        # requests' blocks stay allocated until the agent process exits (its pidfd), counted here
+        # and logged; where no pidfd could be had, for good (a bounded leak), also counted in
+        # loads_held_for_good.
         self.loads_unfenced = 0
+        self.loads_held_for_good = 0
         self._unfenced_seen: Set[int] = set()
         # Whether the forward of the bound step has run (a layer hook was called): loads started
         # after it would fill blocks the forward already read (vLLM after 0.13 starts a step's
@@ -873,16 +879,34 @@ class KVGateConnector(KVConnectorBase_V1):
         if fences is None:
             return False
         left = [f for f in fences if not _fenced(f)]
+        for f in fences:
+            if id(f) in self._unfenced_seen and not any(f is g for g in left):
+                # Counted while its agent lived: fenced by that process's exit. Forgotten here, or a
+                # later load's Future at the same address would go uncounted.
+                self._unfenced_seen.discard(id(f))
+                log.info(
+                    "kvgate: the agent process (pid %d) exited: a load of request %s it may have been copying is "
+                    "fenced, the request's blocks are released",
+                    f.exception().agent.pid,
+                    rid,
+                )
         for f in left:
             if f.done() and id(f) not in self._unfenced_seen:
                 self._unfenced_seen.add(id(f))
                 self.loads_unfenced += 1
+                agent = f.exception().agent
+                if agent is not None and agent.watchable:
+                    until = f"until the agent process (pid {agent.pid}) exits (restarting the agent reclaims them)"
+                else:
+                    self.loads_held_for_good += 1
+                    why = agent.why_not if agent is not None else "no agent process known"
+                    until = f"for good, as its process's exit cannot be watched ({why}; restarting vLLM reclaims them)"
                 log.warning(
                     "kvgate: the agent connection was dropped on this side while a load of request %s could still be "
-                    "copying: the request's blocks stay allocated for good rather than risk another request's KV "
-                    "(%d such loads so far; the agent stopped reading or answered garbage: check it; restarting "
-                    "vLLM reclaims the blocks)",
+                    "copying: the request's blocks stay allocated %s rather than risk another request's KV "
+                    "(%d such loads so far; the agent stopped reading or answered garbage: check it)",
                     rid,
+                    until,
                     self.loads_unfenced,
                 )
         if left:
@@ -968,4 +992,4 @@ class KVGateConnector(KVConnectorBase_V1):
         return out
 
     def shutdown(self) -> None:
-        self._client.close()
+        self._client.shutdown()

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from fake_agent import pidfds_open
 from kvgate_vllm import hashing
 from kvgate_vllm._vllm import KVConnectorRole
 
@@ -148,6 +149,8 @@ class EngineSpec:
     late_loads: bool = False  # "0.29" order, loads always started after the forward
     load_timeout_ms: int = 20000
     save_timeout_ms: int = 60000
+    # Workers whose os.pidfd_open fails (EPERM, as under a seccomp filter): no agent exit is watchable.
+    no_pidfd: bool = False
 
 
 def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
@@ -234,8 +237,14 @@ def synthetic_kv(spec: EngineSpec, rank: int, layer: int, side: int, tokens: Lis
     return x.to(TORCH_DTYPES[spec.dtype])
 
 
+def _no_pidfd(pid: int, flags: int = 0) -> int:
+    raise PermissionError(1, "Operation not permitted")
+
+
 def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
     torch.set_num_threads(1)
+    if spec.no_pidfd:
+        os.pidfd_open = _no_pidfd
     from kvgate_vllm import KVGateConnector, shm
 
     names = [f"model.layers.{i}.self_attn" for i in range(spec.layers)]
@@ -309,6 +318,14 @@ def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
             elif cmd[0] == "devices":  # (the engine's GPU index, the agent's ordinal of it)
                 first = caches[names[0]]
                 conn.send((first.device.index, conn_.agent_device if conn_ is not None else None))
+            elif cmd[0] == "fences":  # the worker connector's counters, and the pidfds it holds
+                conn.send(
+                    {
+                        "loads_unfenced": conn_.loads_unfenced,
+                        "loads_held_for_good": conn_.loads_held_for_good,
+                        "pidfds": pidfds_open(),
+                    }
+                )
             elif cmd[0] == "stop":
                 break
     finally:

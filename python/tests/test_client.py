@@ -4,14 +4,17 @@ owners, a timed-out wait hands the reading to the reader thread, and a dead agen
 pending request (ERR_DISCONNECTED) without a hang."""
 
 import os
+import shutil
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from fake_agent import ScriptedAgent
+from fake_agent import ScriptedAgent, pidfds_open
 from kvgate_vllm.client import AgentClient, AgentError
 
 
@@ -205,3 +208,149 @@ def test_a_bad_frame_from_the_agent_drops_the_connection(bad, caller_reads):
     assert e.value.code == "ERR_DISCONNECTED"
     assert not c.connected
     agent.close()
+
+
+# ---------------------------------------------------------------------------- the agent process (pidfd)
+
+needs_pidfd = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfd_open (Linux 5.3+, Python 3.9+)")
+
+
+def never_answered(agent, conn, req):
+    if req["op"] == "garbage":
+        agent.send_raw(conn, struct.pack(">I", 64 * 1024 * 1024))  # oversized: this side drops
+
+
+def dropped_here_error(c: AgentClient) -> AgentError:
+    """A load pending when this side drops the connection (the agent sends a bad frame)."""
+    assert c.ensure(), c.last_error
+    load = c.request("load", {})
+    c.request("garbage", {})
+    with pytest.raises(AgentError) as e:
+        load.result(timeout=10)
+    assert e.value.code == "ERR_DISCONNECTED" and e.value.dropped_here
+    return e.value
+
+
+@needs_pidfd
+def test_connections_dropped_here_keep_one_pidfd_of_the_agent_process_until_shutdown():
+    before = pidfds_open()
+    agent = FakeAgent(never_answered)  # in this process: its pid is ours, and it never exits
+    c = AgentClient(agent.path, {"protocol": 1}, reconnect_interval=0)
+    errors = []
+    for _ in range(5):
+        errors.append(dropped_here_error(c))
+        # The same live process on every connection: its one pidfd is reused, not one per drop.
+        assert pidfds_open() == before + 1
+    assert all(e.agent is errors[0].agent for e in errors)
+    assert errors[0].agent.pid == os.getpid() and errors[0].agent.watchable
+    assert not errors[0].agent.exited()
+    assert c.ensure() and pidfds_open() == before + 1  # the live connection shares it
+    c.shutdown()
+    assert pidfds_open() == before
+    assert not errors[0].agent.watchable and not errors[0].agent.exited()
+    agent.close()
+
+
+@needs_pidfd
+def test_a_connection_the_agent_closed_or_dropped_idle_keeps_no_pidfd():
+    before = pidfds_open()
+    agent = FakeAgent(never_answered)
+    c = connect(agent)
+    assert pidfds_open() == before + 1  # the live connection's
+    load = c.request("load", {})
+    agent.drop_all()  # the agent closed: its copies ended with it, nothing to watch
+    with pytest.raises(AgentError) as e:
+        load.result(timeout=10)
+    assert not e.value.dropped_here and e.value.agent is None
+    assert pidfds_open() == before
+    assert c.ensure()
+    c.close()  # nothing pending: no copy can be running
+    assert pidfds_open() == before
+    agent.close()
+
+
+@needs_pidfd
+def test_the_pidfd_of_an_agent_process_that_exited_is_closed_at_the_next_dial(tmp_path):
+    here = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, threading; sys.path.insert(0, sys.argv[1]); from test_client import FakeAgent, "
+            "never_answered; a = FakeAgent(never_answered); print(a.path, flush=True); threading.Event().wait()",
+            here,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    path = ""
+    try:
+        path = child.stdout.readline().strip()
+        before = pidfds_open()
+        c = AgentClient(path, {"protocol": 1}, reconnect_interval=0)
+        e = dropped_here_error(c)
+        assert e.agent.pid == child.pid and not e.agent.exited()
+        assert pidfds_open() == before + 1
+        child.kill()
+        child.wait(10)
+        other = FakeAgent(never_answered)
+        c.path = other.path  # a restarted agent: the dial finds the old one exited and closes its pidfd
+        assert c.ensure()
+        assert pidfds_open() == before + 1  # the new connection's only
+        assert e.agent.exited()  # and stays so, with its pidfd closed
+        c.shutdown()
+        assert pidfds_open() == before
+        other.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        if path:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # the killed fake agent's
+
+
+@pytest.mark.parametrize("why", ["EPERM", "no pidfd_open", "pid 0"])
+def test_without_a_pidfd_a_load_dropped_here_names_why_its_agent_cannot_be_watched(monkeypatch, why):
+    from kvgate_vllm import client as client_mod
+
+    if why == "EPERM":
+
+        def refuse(pid, flags=0):
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(os, "pidfd_open", refuse, raising=False)
+    elif why == "no pidfd_open":
+        monkeypatch.delattr(os, "pidfd_open", raising=False)
+    else:
+        monkeypatch.setattr(client_mod, "peer_pid", lambda s: 0)
+    before = pidfds_open() if os.path.isdir("/proc/self/fd") else 0
+    agent = FakeAgent(never_answered)
+    c = AgentClient(agent.path, {"protocol": 1}, reconnect_interval=0)
+    e = dropped_here_error(c)
+    assert e.agent is not None and not e.agent.watchable and not e.agent.exited()
+    want = {"EPERM": "Operation not permitted", "no pidfd_open": "no pidfd_open", "pid 0": "pid namespace"}[why]
+    assert want in e.agent.why_not
+    if os.path.isdir("/proc/self/fd"):
+        assert pidfds_open() == before
+    c.shutdown()
+    agent.close()
+
+
+@needs_pidfd
+def test_the_agent_process_of_a_socket_is_its_peer_and_a_pid_without_a_process_is_not_watchable():
+    from kvgate_vllm.agent_process import AgentProcess, peer_pid
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        assert peer_pid(a) == os.getpid()
+    finally:
+        a.close()
+        b.close()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:  # no peer: no pid
+        assert peer_pid(tcp) == 0
+    assert not AgentProcess.open(0).watchable
+    # A reaped child's pid names no process (ESRCH): never a pidfd of whatever takes it later.
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(10)
+    gone = AgentProcess.open(child.pid)
+    assert not gone.watchable and "pidfd_open" in gone.why_not and not gone.exited()

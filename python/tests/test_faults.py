@@ -3,6 +3,8 @@ refuses after a restart, or stops reading. Whatever it does, vLLM's scheduler an
 an answer within their deadlines (0 matched tokens, blocks reported as load errors), never an
 exception and never a hang; and nothing is saved that vLLM has not computed."""
 
+import logging
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -202,7 +204,8 @@ def test_a_timed_out_load_is_cancelled_and_its_request_held_until_the_agent_answ
 def test_a_load_failed_by_a_dropped_connection_is_a_fence_only_when_the_agent_closed_it(who, caplog):
     """The agent closing (or dying) ends its copies: the given-up load's request is freed. This
     side dropping the connection (a garbage frame, a stalled send, a save past save_timeout_ms)
-    leaves the agent's running copies running: the request stays held for good, counted and logged."""
+    leaves the agent's running copies running: the request stays held until the agent process exits
+    (this fake agent is this process: never), counted and logged."""
     agent = ScriptedAgent(lambda agent, conn, req, n: None if req["op"] == "load" else well_behaved(agent, conn, req, n))
     c, caches = worker(agent, load_timeout_ms=150)
     try:
@@ -213,13 +216,24 @@ def test_a_load_failed_by_a_dropped_connection_is_a_fence_only_when_the_agent_cl
             agent.drop_all()
         else:
             c._client.close()
-        # Held for good after this side's drop: a second of steps shows it.
+        # Held after this side's drop: a second of steps shows it.
         sending = until(lambda: hold_step(c, [], []), timeout=5.0 if who == "agent" else 1.0)
         if who == "agent":
             assert sending == {"r"} and c.loads_unfenced == 0
         else:
             assert sending == set() and c.loads_unfenced == 1
-            assert "stay allocated for good" in caplog.text
+            if hasattr(os, "pidfd_open"):
+                assert c.loads_held_for_good == 0
+                assert f"until the agent process (pid {os.getpid()}) exits" in caplog.text
+            else:
+                assert c.loads_held_for_good == 1 and "stay allocated for good" in caplog.text
+            # That process exiting fences the load (a stand-in: this fake agent is this process).
+            caplog.set_level(logging.INFO, logger="kvgate_vllm")
+            (fence,) = c._fences["r"]
+            fence.exception().agent = SimpleNamespace(pid=4242, watchable=True, exited=lambda: True)
+            assert until(lambda: hold_step(c, [], []), timeout=5.0) == {"r"}
+            assert "the agent process (pid 4242) exited" in caplog.text
+            assert c._unfenced_seen == set() and c._fences == {}
     finally:
         c.shutdown()
         drop_caches(caches)

@@ -167,3 +167,81 @@ def test_a_save_past_save_timeout_ms_is_cancelled_and_the_connection_kept_for_it
             os.unlink(gate)
         e.close()
         agent.stop()
+
+
+def steps_while(engine: Engine, rid: str, seconds: float, first_finished=(), until=None) -> None:
+    """Steps for `seconds` (or until `until()`), asserting no worker reports `rid` freeable."""
+    finished, t0 = set(first_finished), time.monotonic()
+    while time.monotonic() - t0 < seconds and not (until is not None and until()):
+        meta, sync = engine.schedule(finished)
+        outs = engine.step(meta, finished, None, sync)
+        finished = set()
+        assert all(rid not in o["finished_sending"] for o in outs), f"{rid} reported freeable"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("ending", ["copy-lands-then-agent-killed", "agent-killed-while-stalled", "no-pidfd"])
+def test_a_load_on_a_connection_the_connector_dropped_is_held_until_the_agent_process_exited(tmp, ending):
+    """The connector drops the connection itself (a save whose cancel stays unanswered another
+    save_timeout_ms, its copy stalled) while a given-up load's copy is stalled: the load's fence
+    is lost, and the agent, alive, may still land that copy. Its request is freeable once the
+    agent process has exited (its pidfd), and not before, even after the copy landed; where no
+    pidfd can be had (pidfd_open fails) it stays held for good, counted."""
+    gate = os.path.join(tmp.path, "gate")
+    sock = tmp.sock(f"pidfd-{ending}")
+    agent = start_agent(sock, None, extra={"KVGATE_AGENT_TEST_COPY_GATE": gate})
+    spec = EngineSpec(
+        socket=sock,
+        model=f"test/pidfd-{ending}",
+        world=2,
+        load_timeout_ms=300,
+        save_timeout_ms=800,
+        no_pidfd=ending == "no-pidfd",
+    )
+    e = Engine(spec, block_order_seed=6)
+    try:
+        assert e.ready
+        r1 = e.prefill("r1", PROMPT)
+        assert e.finish(r1["req"], r1["block_ids"]) is True
+        open(gate, "w").close()  # from here every copy the agent starts stalls
+        r2 = e.prefill("r2", PROMPT)
+        assert r2["matched"] == 96 and r2["load_errors"] == sorted(r2["block_ids"][:6])
+        r3 = e.prefill("r3", OTHER)
+        assert e.sched.request_finished(r2["req"], r2["block_ids"])[0] is True
+        assert e.sched.request_finished(r3["req"], r3["block_ids"])[0] is True  # its save stalls
+        # Past twice save_timeout_ms: the save's cancel went unanswered and the connector dropped
+        # the connection, r2's load (its copy stalled) failed with it.
+        def dropped():
+            return all(w.call("fences")["loads_unfenced"] > 0 for w in e.workers)
+
+        steps_while(e, "r2", 15.0, first_finished={"r2", "r3"}, until=dropped)
+        steps_while(e, "r2", 0.5)  # held past the drop: the agent lives, its copy stalled
+        fences = [w.call("fences") for w in e.workers]
+        assert [f["loads_unfenced"] for f in fences] == [1, 1]
+        # One pidfd per worker: the dropped connection's agent, reused by the reconnection to it.
+        assert [f["pidfds"] for f in fences] == ([0, 0] if ending == "no-pidfd" else [1, 1])
+        assert not layer0_landed(e, r1["block_ids"], r2["block_ids"], 6)
+        if ending == "copy-lands-then-agent-killed":
+            os.unlink(gate)
+            # The stalled copy lands, but nothing says so any more: still held while the agent lives.
+            steps_while(e, "r2", 5.0, until=lambda: layer0_landed(e, r1["block_ids"], r2["block_ids"], 6))
+            assert layer0_landed(e, r1["block_ids"], r2["block_ids"], 6)
+            steps_while(e, "r2", 0.5)
+        agent.kill()  # SIGKILL, and reaped
+        if ending == "no-pidfd":
+            assert steps_until_reported(e, "r2", (), max_steps=25) is None
+            fences = [w.call("fences") for w in e.workers]
+            assert [f["loads_held_for_good"] for f in fences] == [1, 1]
+            assert [f["loads_unfenced"] for f in fences] == [1, 1]
+        else:
+            assert steps_until_reported(e, "r2", (), max_steps=200) is not None, "the agent's exit did not fence"
+            fences = [w.call("fences") for w in e.workers]
+            assert [f["pidfds"] for f in fences] == [0, 0]  # closed once the exit was seen
+            assert [f["loads_held_for_good"] for f in fences] == [0, 0]
+        if ending == "agent-killed-while-stalled":
+            assert not layer0_landed(e, r1["block_ids"], r2["block_ids"], 6)  # it never will
+    finally:
+        if os.path.exists(gate):
+            os.unlink(gate)
+        e.close()
+        agent.stop()
