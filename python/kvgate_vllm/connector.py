@@ -67,6 +67,9 @@ class KVGateMetadata(KVConnectorMetadata):
     # Finished requests that had a load and no save: request_finished held their blocks until
     # every worker reports them in finished_sending, once no copy of their loads can land.
     holds: List[str] = field(default_factory=list)
+    # Requests vLLM preempted this step (SchedulerOutput.preempted_req_ids): their blocks are
+    # freed at once, no request_finished, and may be another request's in this very step.
+    preempted: List[str] = field(default_factory=list)
 
 
 class ConfigurationError(ValueError):
@@ -362,6 +365,15 @@ def _fenced(f: Future) -> bool:
     return e.agent is not None and e.agent.exited()
 
 
+def _never_fenced(f: Future) -> bool:
+    """A load failed by a connection this side dropped whose agent process cannot be watched: no
+    fence will ever come for it."""
+    e = f.exception() if f.done() else None
+    if not (isinstance(e, AgentError) and e.dropped_here):
+        return False
+    return e.agent is None or not e.agent.watchable
+
+
 class _LoadState:
     def __init__(self, spec: LoadSpec):
         self.spec = spec
@@ -611,7 +623,13 @@ class KVGateConnector(KVConnectorBase_V1):
         self._load_blocks[rid] = (block_ids[: chunks * bpc], bpc)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVGateMetadata:
-        meta = KVGateMetadata(loads=self._pending_loads, saves=self._pending_saves, holds=self._pending_holds)
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        meta = KVGateMetadata(
+            loads=self._pending_loads,
+            saves=self._pending_saves,
+            holds=self._pending_holds,
+            preempted=sorted(r for r in preempted if isinstance(r, str)),
+        )
         self._pending_loads = []
         self._pending_saves = []
         self._pending_holds = []
@@ -914,6 +932,53 @@ class KVGateConnector(KVConnectorBase_V1):
         else:
             del self._fences[rid]
         return bool(left)
+
+    def handle_preemptions(self, preempted: Any) -> None:
+        """vLLM frees a preempted request's blocks at once (no request_finished, so no hold) and may
+        hand them to another request in this very step; it calls this before the step's loads and
+        forward. A load of a preempted request given up at load_timeout_ms may still be copying
+        into them: wait here until none can land (the agent's answer after its last copy, or its
+        process's exit). vLLM passes this step's connector metadata (after 0.13: `preempted`,
+        from SchedulerOutput.preempted_req_ids) or, in some versions, the set of ids itself."""
+        if isinstance(preempted, (set, frozenset, list, tuple)):
+            ids = preempted
+        else:
+            ids = getattr(preempted, "preempted", None) or ()
+        for rid in ids:
+            if isinstance(rid, str):
+                self._wait_fenced(rid)
+
+    def _wait_fenced(self, rid: str) -> None:
+        """Blocks until no load of `rid` can land. Warns every 5 s with what to do; raises when the
+        fence can never come (a connection this side dropped, the agent's exit not watchable):
+        stopping the engine is better than letting another request's KV be overwritten."""
+        started = warned = time.monotonic()
+        while self._unfenced(rid):
+            fences = self._fences.get(rid, [])
+            pending = [f for f in fences if not f.done()]
+            if not pending and any(_never_fenced(f) for f in fences):
+                raise RuntimeError(
+                    f"kvgate: request {rid} was preempted while a load given up on an agent connection this "
+                    "side dropped may still be copying into its blocks, and the agent process's exit cannot be "
+                    "watched; vLLM is about to give those blocks to another request. Stopping rather than risk "
+                    "wrong KV: restart vLLM (and check the kvgate agent, which stopped answering)."
+                )
+            if pending:
+                try:
+                    pending[0].result(timeout=0.05)
+                except Exception:
+                    pass
+            else:
+                time.sleep(0.05)  # the agent's pidfd, polled by _unfenced
+            now = time.monotonic()
+            if now - warned >= 5.0:
+                warned = now
+                log.warning(
+                    "kvgate: preempted request %s waits %.0f s for a given-up load's copy to land before vLLM "
+                    "reuses its blocks; the kvgate agent is stalled: restarting it ends its copies",
+                    rid,
+                    now - started,
+                )
 
     def wait_for_save(self) -> None:
         self._finish_loads()

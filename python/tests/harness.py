@@ -411,11 +411,11 @@ class Engine:
         out, self.free = self.free[:n], self.free[n:]
         return out
 
-    def schedule(self, finished=(), sync_loads: bool = False):
+    def schedule(self, finished=(), sync_loads: bool = False, preempted=()):
         """build_connector_meta as vLLM's scheduler calls it. After 0.13 its SchedulerOutput says
         whether a request of the step loads synchronously (`sync_loads`: vLLM's own reckoning,
         which the connector may raise). Returns (metadata, has_sync_kv_loads)."""
-        out = SimpleNamespace(finished_req_ids=set(finished))
+        out = SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=set(preempted))
         if self.spec.call_order != "0.13":
             out.has_sync_kv_loads = sync_loads
         meta = self.sched.build_connector_meta(out)

@@ -240,6 +240,37 @@ def test_a_load_failed_by_a_dropped_connection_is_a_fence_only_when_the_agent_cl
         agent.close()
 
 
+@pytest.mark.parametrize("form", ["metadata", "ids"])
+def test_a_preempted_request_whose_given_up_load_can_never_be_fenced_stops_the_step(form):
+    """vLLM frees a preempted request's blocks at once and may write them in the step that follows
+    handle_preemptions. A load given up on a connection this side dropped, its agent's exit not
+    watchable, can never be fenced: the step must not go on (an error), not return as if safe. Both
+    forms vLLM passes are understood: this step's metadata, or the set of preempted ids."""
+    agent = ScriptedAgent(lambda agent, conn, req, n: None if req["op"] == "load" else well_behaved(agent, conn, req, n))
+    c, caches = worker(agent, load_timeout_ms=150)
+    try:
+        assert c._worker_ready()
+        run_load(c, list(caches), load_spec())
+        c._client.close()
+        (fence,) = c._fences["r"]
+        until(lambda: fence.done() or None, timeout=5.0)
+        fence.exception().agent = SimpleNamespace(pid=0, watchable=False, why_not="pid 0", exited=lambda: False)
+        arg = KVGateMetadata(preempted=["r"]) if form == "metadata" else {"r"}
+        with pytest.raises(RuntimeError, match="preempted"):
+            c.handle_preemptions(arg)
+        # Once the agent's exit is seen, the same preemption goes on at once.
+        fence.exception().agent = SimpleNamespace(pid=4242, watchable=True, exited=lambda: True)
+        t0 = time.monotonic()
+        c.handle_preemptions(arg)
+        assert time.monotonic() - t0 < 1.0 and "r" not in c._fences
+        # A request with nothing in flight is not waited for.
+        c.handle_preemptions(KVGateMetadata(preempted=["other"]))
+    finally:
+        c.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
 def test_an_agent_that_stops_reading_never_blocks_the_scheduler():
     """A stalled agent (alive, socket open, not reading): lookups fill its socket buffer.
     The scheduler's sends must give up (the connection is dropped), not block vLLM forever."""

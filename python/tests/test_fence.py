@@ -6,6 +6,7 @@ Driven in vLLM's call order against a real agent, TP 2 (vLLM frees once every ra
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -94,6 +95,44 @@ def test_a_timed_out_load_holds_its_requests_blocks_until_its_stalled_copy_lande
             delay, _ = e.sched.request_finished(r3["req"], r3["block_ids"])
             assert delay is True
             assert steps_until_reported(e, "r3", {"r3"}, max_steps=1) == 1
+    finally:
+        if os.path.exists(gate):
+            os.unlink(gate)
+        e.close()
+        agent.stop()
+
+
+@pytest.mark.parametrize("ending", ["copy-lands", "agent-dies"])
+def test_a_preempted_request_with_a_given_up_load_is_fenced_before_the_step_that_may_reuse_its_blocks(tmp, ending):
+    # vLLM frees a preempted request's blocks at once (no request_finished, no hold) and calls
+    # handle_preemptions before the step's loads and forward, which may write them for another request.
+    gate = os.path.join(tmp.path, "gate")
+    sock = tmp.sock(f"preempt-{ending}")
+    agent = start_agent(sock, None, extra={"KVGATE_AGENT_TEST_COPY_GATE": gate})
+    e = Engine(
+        EngineSpec(socket=sock, model=f"test/preempt-{ending}", world=2, load_timeout_ms=300, call_order="0.29"),
+        block_order_seed=5,
+    )
+    try:
+        assert e.ready
+        r1 = e.prefill("r1", PROMPT)
+        assert e.finish(r1["req"], r1["block_ids"]) is True
+        open(gate, "w").close()
+        r2 = e.prefill("r2", PROMPT)
+        assert r2["load_errors"] == sorted(r2["block_ids"][:6])
+        assert not layer0_landed(e, r1["block_ids"], r2["block_ids"], 6)
+        # r2 is preempted; the stalled copy lands (or the agent dies) 1.5 s into the next step.
+        ender = threading.Timer(1.5, (lambda: os.unlink(gate)) if ending == "copy-lands" else agent.kill)
+        ender.start()
+        t0 = time.monotonic()
+        meta, sync = e.schedule(preempted={"r2"})
+        e.step(meta, (), None, sync)
+        took = time.monotonic() - t0
+        ender.join()
+        # The step began only once no copy of r2's load could land any more.
+        assert took >= 1.4, f"the step ran {took:.2f} s after the preemption, before r2's fence"
+        if ending == "copy-lands":
+            assert layer0_landed(e, r1["block_ids"], r2["block_ids"], 6)
     finally:
         if os.path.exists(gate):
             os.unlink(gate)
