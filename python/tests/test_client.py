@@ -276,7 +276,9 @@ def test_the_pidfd_of_an_agent_process_that_exited_is_closed_at_the_next_dial(tm
         [
             sys.executable,
             "-c",
-            "import sys, threading; sys.path.insert(0, sys.argv[1]); from test_client import FakeAgent, "
+            # The tests' directory and the package's (python/): the child's cwd is the caller's.
+            "import os, sys, threading; sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]; "
+            "from test_client import FakeAgent, "
             "never_answered; a = FakeAgent(never_answered); print(a.path, flush=True); threading.Event().wait()",
             here,
         ],
