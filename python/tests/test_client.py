@@ -449,3 +449,53 @@ def test_a_connection_dropped_before_hello_answered_keeps_no_pidfd():
         assert pidfds_open() == before and c._dropped_agents == []
     c.shutdown()
     agent.close()
+
+
+def _unshare_works() -> bool:
+    if shutil.which("unshare") is None or not hasattr(os, "pidfd_open"):
+        return False
+    cmd = ["unshare", "-Urpf", "--mount-proc", sys.executable, "-c", "pass"]
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="no unprivileged pid namespace (unshare -Urpf)")
+def test_an_agent_in_a_child_pid_namespace_is_proved_by_its_own_pid_and_its_exit_fences():
+    """Its hello says its pid there (1); SO_PEERCRED says its pid here: the pidfd's NSpid ties them."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.Popen(
+        [
+            "unshare", "-Urpf", "--mount-proc", sys.executable, "-c",
+            "import os, sys, threading; sys.path.insert(0, sys.argv[1]); from test_client import FakeAgent, "
+            "never_answered; a = FakeAgent(never_answered); print(a.path, os.getpid(), flush=True); "
+            "threading.Event().wait()",
+            here,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    path = ""
+    try:
+        path, inner = child.stdout.readline().split()
+        assert inner == "1"
+        before = pidfds_open()
+        c = AgentClient(path, {"protocol": 1}, reconnect_interval=0)
+        e = dropped_here_error(c)
+        assert e.agent.watchable, e.agent.why_not
+        assert e.agent.pid not in (0, 1) and e.agent.own_namespace_pid() == 1
+        assert pidfds_open() == before + 1 and not e.agent.exited()
+        os.kill(e.agent.pid, signal.SIGKILL)  # the agent (pid 1 there): the namespace ends with it
+        deadline = time.monotonic() + 10
+        while not e.agent.exited() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert e.agent.exited()
+        c.shutdown()
+        assert pidfds_open() == before
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(10)
+        if path:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
