@@ -361,7 +361,12 @@ describe('agent socket', () => {
 
   it('lookup of unknown keys is 0 and a load of them reports every block failed', async () => {
     const c = await Client.open(join(dir, 'a.sock'))
-    expect(await c.call('hello', hello('flash-attn'))).toMatchObject({ ok: true, blocksPerChunk: 2 })
+    // Its pid: the connector checks the pidfd it opened from the socket names this process.
+    expect(await c.call('hello', hello('flash-attn'))).toMatchObject({
+      ok: true,
+      blocksPerChunk: 2,
+      pid: process.pid,
+    })
     const path = join(dir, 'kv-miss')
     writeFileSync(path, Buffer.alloc(2 * 8 * 16 * 2 * 8 * 2 * 3))
     const tensors = [0, 1, 2].map((l) => ({

@@ -241,6 +241,46 @@ describe('PUT and GET', () => {
       expect(store.ranges).toEqual(['100+100'])
     })
 
+    it('a store that gives no version tag: a range is never tagged from a cached header (a same-size replacement would carry the old tag)', async () => {
+      /** A store that names no object version (an S3-compatible store answering without ETag). */
+      class UntaggedStore extends MemoryStore {
+        override async get(name: string, opts: GetOptions = {}): Promise<StoreObject | undefined> {
+          const o = await super.get(name, opts)
+          if (o) delete o.etag
+          return o
+        }
+        override async head(name: string): Promise<{ size: number; etag?: string } | undefined> {
+          const h = await super.head(name)
+          return h && { size: h.size }
+        }
+      }
+      const c = makeChunk({ layers: 6, sectionBytes: 100 })
+      const other = makeChunk({ layers: 6, sectionBytes: 100, key: c.key })
+      expect(other.bytes.length).toBe(c.bytes.length)
+      const url = `/v1/ns/a/chunks/${c.key}`
+      const store = new UntaggedStore()
+      const app = createGateway({ store })
+      expect((await app.request(url, putInit(c.bytes))).status).toBe(201)
+      const first = await app.request(url)
+      const oldTag = first.headers.get('etag')!
+      expect(await bodyOf(first)).toEqual(c.bytes) // its header cached
+      // Replaced out of band (deleted and re-written by another instance): same size, other bytes.
+      store.overwrite(objectName('kvgate', 'a', c.key), other.bytes)
+      const plain = await app.request(url, { headers: { range: 'bytes=100-199' } })
+      expect(plain.status).toBe(206)
+      expect(await bodyOf(plain)).toEqual(other.bytes.subarray(100, 200))
+      expect(plain.headers.get('etag')).toBeNull() // not the old version's tag on the new bytes
+      // A client resuming its copy of the old version must not get the new one's range spliced in.
+      const resumed = await app.request(url, { headers: { range: 'bytes=100-199', 'if-range': oldTag } })
+      expect(resumed.status).toBe(200)
+      expect(await bodyOf(resumed)).toEqual(other.bytes)
+      expect(resumed.headers.get('etag')).not.toBe(oldTag)
+      // Nor 304 for the old tag.
+      const inm = await app.request(url, { headers: { range: 'bytes=100-199', 'if-none-match': oldTag } })
+      expect(inm.status).toBe(206)
+      expect(await bodyOf(inm)).toEqual(other.bytes.subarray(100, 200))
+    })
+
     it('If-None-Match: 304 without a body for the current tag (weak, listed or *), 200 otherwise; GET and HEAD', async () => {
       const { app } = setup()
       const c = makeChunk()

@@ -60,6 +60,45 @@ class AgentProcess:
         except OSError as e:  # ESRCH: already gone (the hello then fails); EPERM, ENOSYS: see the module doc
             return cls(pid, None, f"pidfd_open({pid}) failed: {e}")
 
+    def own_namespace_pid(self) -> int:
+        """The process's pid in its own pid namespace (what it would call its pid), from the
+        pidfd's fdinfo (NSpid: this namespace's pid first, its own last); this namespace's pid
+        where fdinfo says none (a kernel without it: then only an agent in this namespace
+        matches); 0 without a pidfd or once the process is gone."""
+        with self._lock:
+            fd = self._fd
+            if fd is None:
+                return 0
+            try:
+                with open(f"/proc/self/fdinfo/{fd}") as f:
+                    lines = f.read().splitlines()
+            except OSError:
+                return self.pid
+        for line in lines:
+            if line.startswith("NSpid:"):
+                fields = line.split()[1:]
+                try:
+                    pid = int(fields[-1])
+                except (IndexError, ValueError):
+                    return 0
+                return pid if pid > 0 else 0  # -1: exited (and reaped)
+        return self.pid
+
+    def answers_as(self, pid: object) -> str:
+        """Why a connection whose agent says its pid is `pid` (hello) may not be fenced by this
+        process's exit; "" when it is that process. The socket's peer credentials name the process
+        that called listen(): another one may be serving it (a socket inherited by a child or
+        handed over at a restart, a socket-activated agent), and it can exit while the server copies."""
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            return "the agent did not say its pid in hello (an older agent): its process cannot be proved"
+        mine = self.own_namespace_pid()
+        if mine != pid:
+            return (
+                f"the socket's listener (pid {self.pid} here, {mine} in its namespace) is not the agent "
+                f"answering (pid {pid}): a socket handed over, inherited or activated"
+            )
+        return ""
+
     @property
     def watchable(self) -> bool:
         """Whether its exit can be seen (a pidfd was had)."""
@@ -74,9 +113,13 @@ class AgentProcess:
             try:
                 p = select.poll()  # not select(): an engine may hold fds past FD_SETSIZE
                 p.register(self._fd, select.POLLIN)
-                if not p.poll(0):
-                    return False
+                events = p.poll(0)
             except OSError:
+                return False
+            # POLLIN: exited (POLLHUP too where the kernel says reaped). POLLNVAL is no exit: the
+            # fd was closed under us (it would read "exited" and free blocks a copy may still fill).
+            revents = events[0][1] if events else 0
+            if revents & select.POLLNVAL or not revents & (select.POLLIN | select.POLLHUP):
                 return False
             self._exited = True
             self._close_locked()

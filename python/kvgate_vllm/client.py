@@ -122,6 +122,10 @@ class AgentClient:
         # exited (seen at the next dial, or by a fence) or shutdown(). A dial reaching a process
         # already kept reuses its pidfd: one per agent process, however often it is dropped.
         self._agent: Optional[AgentProcess] = None
+        # Whether hello's answer proved _agent is the process serving the connection (its pid):
+        # until then a drop fences nothing by it, and keeps no pidfd.
+        self._agent_proved = False
+        self._unproved_logged = ""
         self._dropped_agents: List[AgentProcess] = []
         self.hello_answer: Optional[Dict[str, Any]] = None
         self.last_error: Optional[str] = None
@@ -178,9 +182,11 @@ class AgentClient:
                     )
                 self.last_error = msg
                 return False
-            # Before hello: its answer then proves the process the pidfd names was alive after it
-            # was opened, so it is the agent and not a process that took a pid freed meanwhile.
+            # Before hello: its answer (the agent's own pid, the pidfd's) then proves the process
+            # the pidfd names is the one serving, alive after the open: not a process that took a
+            # pid freed meanwhile, nor a listener that handed the socket to another.
             self._agent = self._agent_of(s)
+            self._agent_proved = False
             self._sock = s
             self._buf = (s, bytearray())
             self._reader_wanted = False
@@ -189,6 +195,7 @@ class AgentClient:
             t.start()
         try:
             self.hello_answer = self.call("hello", dict(self._hello), timeout=self._hello_timeout)
+            self._prove_agent(s, self.hello_answer)
             if self._on_connect is not None:
                 self._on_connect(self)
         except Exception as e:  # AgentError, or a malformed answer the callback could not use
@@ -215,6 +222,29 @@ class AgentClient:
             if a.pid == pid:  # alive (not exited): the same process, a pid is not reused before
                 return a
         return AgentProcess.open(pid)
+
+    def _prove_agent(self, s: socket.socket, answer: Any) -> None:
+        """hello's pid against the pidfd's process: the same, the connection's loads may be fenced
+        by its exit; else its agent is one whose exit cannot be watched (held for good)."""
+        with self._lock:
+            agent = self._agent
+            if self._sock is not s or agent is None:
+                return
+            if not agent.watchable:
+                self._agent_proved = True  # nothing to prove: it fences nothing
+                return
+            why = agent.answers_as(answer.get("pid") if isinstance(answer, dict) else None)
+            if not why:
+                self._agent_proved = True
+                return
+            self._agent = AgentProcess(agent.pid, None, why)
+            self._agent_proved = True
+            close = agent not in self._dropped_agents  # a kept one still serves its fences
+        if why != self._unproved_logged:  # once per cause, not per reconnection
+            self._unproved_logged = why
+            log.warning("kvgate: %s; loads given up on a connection dropped here stay held for good", why)
+        if close:
+            agent.close()
 
     def _closed_while_idle(self, s: socket.socket) -> bool:
         """With nothing pending nobody reads, so an agent that died idle is noticed here (one
@@ -244,6 +274,13 @@ class AgentClient:
                 return
             self._sock = None
             agent, self._agent = self._agent, None
+            if agent is not None and agent.watchable and not self._agent_proved:
+                # Dropped before hello proved the pidfd's process serves it: no fence by that one.
+                unproved, agent = agent, AgentProcess(
+                    agent.pid, None, "the connection dropped before hello proved its agent process"
+                )
+                if unproved not in self._dropped_agents:
+                    unproved.close()  # under _lock: a close takes only the agent's own lock
             # A request failed here may have a copy running in the agent: its process is kept.
             keep = here and bool(self._pending) and agent is not None and agent.watchable
             if keep and agent not in self._dropped_agents:

@@ -30,14 +30,19 @@ class ScriptedAgent:
     with `agent.send(conn, {...})`, or returns a map to send with the request's id. `read=False`:
     it stops reading after hello (its socket buffer fills)."""
 
-    def __init__(self, script, read=True):
-        self.dir = tempfile.mkdtemp(prefix="kvgate-fake-agent-")
-        self.path = os.path.join(self.dir, "agent.sock")
+    def __init__(self, script, read=True, listening=None):
         self.script = script
         self.read = read
-        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.srv.bind(self.path)
-        self.srv.listen(8)
+        if listening is not None:  # a socket another process bound and listened on (handed over)
+            self.srv = listening
+            self.path = self.srv.getsockname()
+            self.dir = os.path.dirname(self.path)
+        else:
+            self.dir = tempfile.mkdtemp(prefix="kvgate-fake-agent-")
+            self.path = os.path.join(self.dir, "agent.sock")
+            self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.srv.bind(self.path)
+            self.srv.listen(8)
         self.conns = []
         self.requests = []
         self.lock = threading.Lock()

@@ -5,6 +5,7 @@ pending request (ERR_DISCONNECTED) without a hang."""
 
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -18,16 +19,17 @@ from fake_agent import ScriptedAgent, pidfds_open
 from kvgate_vllm.client import AgentClient, AgentError
 
 
-def FakeAgent(handle) -> ScriptedAgent:
-    """A fake agent that answers hello itself and each other request with `handle(agent, conn, req)`."""
+def FakeAgent(handle, listening=None, says_pid=True) -> ScriptedAgent:
+    """A fake agent that answers hello itself (with its pid, as the agent does) and each other
+    request with `handle(agent, conn, req)`."""
 
     def script(agent, conn, req, n):
         if req["op"] == "hello":
-            return {"ok": True}
+            return {"ok": True, "pid": os.getpid()} if says_pid else {"ok": True}
         handle(agent, conn, req)
         return None
 
-    return ScriptedAgent(script)
+    return ScriptedAgent(script, listening=listening)
 
 
 def connect(agent: ScriptedAgent) -> AgentClient:
@@ -356,3 +358,146 @@ def test_the_agent_process_of_a_socket_is_its_peer_and_a_pid_without_a_process_i
     child.wait(10)
     gone = AgentProcess.open(child.pid)
     assert not gone.watchable and "pidfd_open" in gone.why_not and not gone.exited()
+
+
+# A listener that hands its socket to the agent serving it, and stays (for now): SO_PEERCRED names it.
+HANDED_OVER = """
+import os, socket, subprocess, sys, tempfile, threading
+d = tempfile.mkdtemp(prefix="kvgate-handover-")
+path = os.path.join(d, "agent.sock")
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+srv.listen(8)
+serve = (
+    "import socket, sys, threading; sys.path.insert(0, sys.argv[1]); from test_client import FakeAgent, never_answered; "
+    "a = FakeAgent(never_answered, listening=socket.socket(fileno=int(sys.argv[2]))); threading.Event().wait()"
+)
+b = subprocess.Popen([sys.executable, "-c", serve, sys.argv[1], str(srv.fileno())], pass_fds=[srv.fileno()])
+srv.close()
+print(path, b.pid, flush=True)
+threading.Event().wait()
+"""
+
+
+@needs_pidfd
+def test_a_socket_served_by_another_process_than_its_listener_is_not_fenced_by_the_listeners_exit():
+    """A socket handed over (a restart passing it on, a child inheriting it, socket activation):
+    the peer credentials name the listener, whose exit ends no copy of the process serving."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    listener = subprocess.Popen([sys.executable, "-c", HANDED_OVER, here], stdout=subprocess.PIPE, text=True)
+    server_pid = 0
+    path = ""
+    try:
+        path, pid = listener.stdout.readline().split()
+        server_pid = int(pid)
+        before = pidfds_open()
+        c = AgentClient(path, {"protocol": 1}, reconnect_interval=0)
+        e = dropped_here_error(c)
+        assert e.agent.pid == listener.pid  # what SO_PEERCRED says
+        assert not e.agent.watchable and f"not the agent answering (pid {server_pid})" in e.agent.why_not
+        assert pidfds_open() == before  # none kept for it
+        listener.kill()
+        listener.wait(10)
+        os.kill(server_pid, 0)  # the server lives on: its copies may still land
+        assert not e.agent.exited()
+        c.shutdown()
+    finally:
+        if listener.poll() is None:
+            listener.kill()
+            listener.wait(10)
+        if server_pid:
+            os.kill(server_pid, signal.SIGKILL)
+        if path:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+@needs_pidfd
+def test_an_agent_that_does_not_say_its_pid_in_hello_is_not_watched():
+    before = pidfds_open()
+    agent = FakeAgent(never_answered, says_pid=False)
+    c = AgentClient(agent.path, {"protocol": 1}, reconnect_interval=0)
+    e = dropped_here_error(c)
+    assert not e.agent.watchable and "did not say its pid" in e.agent.why_not
+    assert pidfds_open() == before
+    c.shutdown()
+    agent.close()
+
+
+@needs_pidfd
+def test_a_pidfd_closed_under_the_agent_process_does_not_read_as_its_exit():
+    from kvgate_vllm.agent_process import AgentProcess
+
+    a = AgentProcess.open(os.getpid())
+    assert a.watchable and not a.exited()
+    os.close(a._fd)  # a double close elsewhere: poll answers POLLNVAL, not "exited"
+    assert not a.exited()
+    a._fd = None
+
+
+@needs_pidfd
+def test_a_connection_dropped_before_hello_answered_keeps_no_pidfd():
+    """Nothing proved the pidfd's process serves it: a drop then (a garbage answer to hello) keeps
+    none, however often the dial is retried."""
+
+    def garbage_hello(agent, conn, req, n):
+        agent.send_raw(conn, struct.pack(">I", 64 * 1024 * 1024))
+
+    before = pidfds_open()
+    agent = ScriptedAgent(garbage_hello)
+    c = AgentClient(agent.path, {"protocol": 1}, reconnect_interval=0)
+    for _ in range(3):
+        c._backoff = 0.0
+        assert not c.ensure()
+        assert pidfds_open() == before and c._dropped_agents == []
+    c.shutdown()
+    agent.close()
+
+
+def _unshare_works() -> bool:
+    if shutil.which("unshare") is None or not hasattr(os, "pidfd_open"):
+        return False
+    cmd = ["unshare", "-Urpf", "--mount-proc", sys.executable, "-c", "pass"]
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="no unprivileged pid namespace (unshare -Urpf)")
+def test_an_agent_in_a_child_pid_namespace_is_proved_by_its_own_pid_and_its_exit_fences():
+    """Its hello says its pid there (1); SO_PEERCRED says its pid here: the pidfd's NSpid ties them."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.Popen(
+        [
+            "unshare", "-Urpf", "--mount-proc", sys.executable, "-c",
+            "import os, sys, threading; sys.path.insert(0, sys.argv[1]); from test_client import FakeAgent, "
+            "never_answered; a = FakeAgent(never_answered); print(a.path, os.getpid(), flush=True); "
+            "threading.Event().wait()",
+            here,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    path = ""
+    try:
+        path, inner = child.stdout.readline().split()
+        assert inner == "1"
+        before = pidfds_open()
+        c = AgentClient(path, {"protocol": 1}, reconnect_interval=0)
+        e = dropped_here_error(c)
+        assert e.agent.watchable, e.agent.why_not
+        assert e.agent.pid not in (0, 1) and e.agent.own_namespace_pid() == 1
+        assert pidfds_open() == before + 1 and not e.agent.exited()
+        os.kill(e.agent.pid, signal.SIGKILL)  # the agent (pid 1 there): the namespace ends with it
+        deadline = time.monotonic() + 10
+        while not e.agent.exited() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert e.agent.exited()
+        c.shutdown()
+        assert pidfds_open() == before
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(10)
+        if path:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)

@@ -19,7 +19,7 @@ from kvgate_vllm._vllm import KVConnectorRole
 from kvgate_vllm.connector import KVGateMetadata, LoadSpec, SaveSpec
 
 CHUNK = 32  # tokens: 2 blocks of 16
-HELLO_OK = {"ok": True, "protocol": 1, "chunkTokens": CHUNK, "blocksPerChunk": 2}
+HELLO_OK = {"ok": True, "protocol": 1, "chunkTokens": CHUNK, "blocksPerChunk": 2, "pid": os.getpid()}
 
 
 def well_behaved(agent, conn, req, n):

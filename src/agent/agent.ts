@@ -295,6 +295,10 @@ export class Agent {
       features: AGENT_FEATURES,
       chunkTokens: this.options.chunkTokens,
       blocksPerChunk: this.options.chunkTokens / d.blockSize,
+      // This process's pid (in its own pid namespace): the connector checks that the pidfd it
+      // opened from the socket's peer credentials names the process answering, not one that
+      // only called listen() (a socket handed over, inherited by a child, socket-activated).
+      pid: process.pid,
     }
   }
 

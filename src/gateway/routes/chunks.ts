@@ -506,14 +506,24 @@ async function rangeVersionHeader(
   needed: boolean,
 ): Promise<CachedHeader | undefined> {
   const cached = state.headers.get(t.name)
-  if (cached && sameVersion(cached, obj)) return cached
+  if (cached && provenSameVersion(cached, obj)) return cached
   if (!needed) return undefined
   try {
     const entry = await readHeader(state, t)
-    return sameVersion(entry, obj) ? entry : undefined
+    return provenSameVersion(entry, obj) ? entry : undefined
   } catch {
     return undefined
   }
+}
+
+/**
+ * sameVersion where a range's tag depends on it: the store's version tag on both, equal. A range's
+ * bytes are not verified here, so size alone (a store naming no version) cannot tell a same-size
+ * replacement: tagged with the old header, its bytes would pass an If-Range of the old version
+ * and the client would splice two versions' ranges. Untagged then (a failed If-Range: the whole object).
+ */
+function provenSameVersion(h: CachedHeader, obj: StoreObject): boolean {
+  return h.etag !== undefined && obj.etag !== undefined && sameVersion(h, obj)
 }
 
 /**
