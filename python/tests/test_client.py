@@ -369,7 +369,7 @@ srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 srv.bind(path)
 srv.listen(8)
 serve = (
-    "import socket, sys, threading; sys.path.insert(0, sys.argv[1]); from test_client import FakeAgent, never_answered; "
+    "import os, socket, sys, threading; sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]; from test_client import FakeAgent, never_answered; "
     "a = FakeAgent(never_answered, listening=socket.socket(fileno=int(sys.argv[2]))); threading.Event().wait()"
 )
 b = subprocess.Popen([sys.executable, "-c", serve, sys.argv[1], str(srv.fileno())], pass_fds=[srv.fileno()])
@@ -470,7 +470,7 @@ def test_an_agent_in_a_child_pid_namespace_is_proved_by_its_own_pid_and_its_exit
     child = subprocess.Popen(
         [
             "unshare", "-Urpf", "--mount-proc", sys.executable, "-c",
-            "import os, sys, threading; sys.path.insert(0, sys.argv[1]); from test_client import FakeAgent, "
+            "import os, sys, threading; sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]; from test_client import FakeAgent, "
             "never_answered; a = FakeAgent(never_answered); print(a.path, os.getpid(), flush=True); "
             "threading.Event().wait()",
             here,
