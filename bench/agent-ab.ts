@@ -23,10 +23,9 @@ import {
   writeFileSync,
   writeSync,
 } from 'node:fs'
-import { connect, type Socket } from 'node:net'
 import { loadavg } from 'node:os'
 import { join, resolve } from 'node:path'
-import { decodeBody, encodeFrame, FrameReader } from '../src/agent/protocol.ts'
+import { Client, shuffled } from './lib/agent-client.ts'
 import { median, quantile, table } from './lib/stats.ts'
 
 const other = process.env.KVGATE_AB_OTHER
@@ -42,40 +41,6 @@ const python = process.env.KVGATE_PYTHON ?? '/usr/bin/python3'
 const dir = mkdtempSync(join('/tmp', 'kvgate-agent-ab-'))
 const shmDir = process.env.KVGATE_BENCH_SHM ?? '/dev/shm'
 const MiB = 1024 ** 2
-
-type Msg = Record<string, unknown>
-
-class Client {
-  readonly #reader = new FrameReader(64 * MiB)
-  readonly #waiting = new Map<number, (m: Msg) => void>()
-  #next = 1
-  constructor(readonly sock: Socket) {
-    sock.on('data', (d) => {
-      for (const b of this.#reader.push(d)) {
-        const m = decodeBody(b) as Msg
-        if (typeof m.id === 'number' && !m.event) {
-          this.#waiting.get(m.id)?.(m)
-          this.#waiting.delete(m.id)
-        }
-      }
-    })
-  }
-  static open(path: string): Promise<Client> {
-    return new Promise((res, rej) => {
-      const s = connect(path)
-      s.once('connect', () => res(new Client(s)))
-      s.once('error', rej)
-    })
-  }
-  async call(op: string, fields: Msg = {}): Promise<Msg> {
-    const id = this.#next++
-    const p = new Promise<Msg>((res) => this.#waiting.set(id, res))
-    this.sock.write(encodeFrame({ id, op, ...fields }))
-    const m = await p
-    if (!m.ok) throw new Error(`${op}: ${JSON.stringify(m.error)}`)
-    return m
-  }
-}
 
 function startAgent(root: string, sock: string): Promise<ChildProcess> {
   const child = spawn(
@@ -269,8 +234,7 @@ async function main() {
     const dst = Buffer.alloc(chunkBytes, 1)
     const memcpy: number[] = []
     for (let i = 0; i < repeats + 2; i++) {
-      const x = ((i * 7919) % numBlocks) + 1
-      const order = Array.from({ length: numBlocks }, (_, k) => (k * x + i) % numBlocks)
+      const order = shuffled(numBlocks, i + 1)
       const ks = [randomBytes(32)]
       let t = performance.now()
       src.copy(dst)

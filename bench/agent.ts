@@ -18,11 +18,10 @@ import {
   writeFileSync,
   writeSync,
 } from 'node:fs'
-import { connect, type Socket } from 'node:net'
 import { loadavg } from 'node:os'
 import { join } from 'node:path'
 import { defaultCopyThreads } from '../src/agent/config.ts'
-import { decodeBody, encodeFrame, FrameReader } from '../src/agent/protocol.ts'
+import { Client, shuffled } from './lib/agent-client.ts'
 import { machineLine, median, quantile, table, writeResult } from './lib/stats.ts'
 
 const MiB = 1024 ** 2
@@ -30,40 +29,6 @@ const repeats = Number(process.env.KVGATE_BENCH_REPEATS ?? 15)
 const dir = mkdtempSync(join('/tmp', 'kvgate-agent-bench-'))
 const shmDir = process.env.KVGATE_BENCH_SHM ?? '/dev/shm'
 const log = (s: string) => console.error(s)
-
-type Msg = Record<string, unknown>
-
-class Client {
-  readonly #reader = new FrameReader(64 * MiB)
-  readonly #waiting = new Map<number, (m: Msg) => void>()
-  #next = 1
-  constructor(readonly sock: Socket) {
-    sock.on('data', (d) => {
-      for (const b of this.#reader.push(d)) {
-        const m = decodeBody(b) as Msg
-        if (typeof m.id === 'number' && !m.event) {
-          this.#waiting.get(m.id)?.(m)
-          this.#waiting.delete(m.id)
-        }
-      }
-    })
-  }
-  static open(path: string): Promise<Client> {
-    return new Promise((resolve, reject) => {
-      const s = connect(path)
-      s.once('connect', () => resolve(new Client(s)))
-      s.once('error', reject)
-    })
-  }
-  async call(op: string, fields: Msg = {}): Promise<Msg> {
-    const id = this.#next++
-    const p = new Promise<Msg>((resolve) => this.#waiting.set(id, resolve))
-    this.sock.write(encodeFrame({ id, op, ...fields }))
-    const m = await p
-    if (!m.ok) throw new Error(`${op}: ${JSON.stringify(m.error)}`)
-    return m
-  }
-}
 
 type Quantiles = { p50: number; p99: number }
 type ConnectorLookup =
@@ -144,17 +109,6 @@ async function time(fn: () => Promise<unknown>): Promise<number> {
   const t = performance.now()
   await fn()
   return performance.now() - t
-}
-
-function shuffled(n: number, seed: number): number[] {
-  const a = Array.from({ length: n }, (_, i) => i)
-  let x = seed
-  for (let i = n - 1; i > 0; i--) {
-    x = (x * 1103515245 + 12345) & 0x7fffffff
-    const j = x % (i + 1)
-    ;[a[i], a[j]] = [a[j]!, a[i]!]
-  }
-  return a
 }
 
 /** One agent under test: its process, connection and registered worker. */

@@ -9,12 +9,13 @@ Lookups of the two agents are thus interleaved one by one: the machine's load, w
 within seconds, falls on both alike. Prints JSON lists of milliseconds per agent.
 """
 
-import importlib.util
+import importlib
 import json
 import os
 import socket
 import sys
 import time
+import types
 
 
 def echo_peer():
@@ -32,10 +33,12 @@ def echo_peer():
 
 
 def load_client(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.AgentClient
+    """The AgentClient of one tree's kvgate_vllm/client.py, as a module of a package of its own
+    (client.py imports its siblings relatively), without running the package's __init__ (torch)."""
+    pkg = types.ModuleType(name)
+    pkg.__path__ = [os.path.dirname(path)]
+    sys.modules[name] = pkg
+    return importlib.import_module(f"{name}.client").AgentClient
 
 
 def main():

@@ -1,0 +1,53 @@
+// A minimal kvgate agent client for the benchmarks: one Unix-socket connection, requests
+// answered by id (progress events ignored); an error answer throws with its code.
+
+import { connect, type Socket } from 'node:net'
+import { decodeBody, encodeFrame, FrameReader } from '../../src/agent/protocol.ts'
+
+export type Msg = Record<string, unknown>
+
+const MAX_FRAME = 64 * 1024 ** 2
+
+export class Client {
+  readonly #reader = new FrameReader(MAX_FRAME)
+  readonly #waiting = new Map<number, (m: Msg) => void>()
+  #next = 1
+  constructor(readonly sock: Socket) {
+    sock.on('data', (d) => {
+      for (const b of this.#reader.push(d)) {
+        const m = decodeBody(b) as Msg
+        if (typeof m.id === 'number' && !m.event) {
+          this.#waiting.get(m.id)?.(m)
+          this.#waiting.delete(m.id)
+        }
+      }
+    })
+  }
+  static open(path: string): Promise<Client> {
+    return new Promise((resolve, reject) => {
+      const s = connect(path)
+      s.once('connect', () => resolve(new Client(s)))
+      s.once('error', reject)
+    })
+  }
+  async call(op: string, fields: Msg = {}): Promise<Msg> {
+    const id = this.#next++
+    const p = new Promise<Msg>((resolve) => this.#waiting.set(id, resolve))
+    this.sock.write(encodeFrame({ id, op, ...fields }))
+    const m = await p
+    if (!m.ok) throw new Error(`${op}: ${JSON.stringify(m.error)}`)
+    return m
+  }
+}
+
+/** A permutation of 0..n-1 from `seed` (an LCG's Fisher–Yates): block ids scattered as a paged engine's are, each once. */
+export function shuffled(n: number, seed: number): number[] {
+  const a = Array.from({ length: n }, (_, i) => i)
+  let x = seed
+  for (let i = n - 1; i > 0; i--) {
+    x = (x * 1103515245 + 12345) & 0x7fffffff
+    const j = x % (i + 1)
+    ;[a[i], a[j]] = [a[j]!, a[i]!]
+  }
+  return a
+}
