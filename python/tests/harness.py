@@ -390,7 +390,7 @@ class WorkerProc:
 class Engine:
     """One vLLM engine: a scheduler-side connector here, `spec.world` worker processes."""
 
-    def __init__(self, spec: EngineSpec, block_order_seed: int, wait_registered: float = 15.0):
+    def __init__(self, spec: EngineSpec, block_order_seed: int, wait_registered: float = 45.0):
         from kvgate_vllm import KVGateConnector
 
         self.spec = spec
