@@ -35,6 +35,10 @@ export function startAgent(config: ResolvedAgentConfig, version: string): Promis
  */
 function testCopyGate(path: string | undefined): (() => Promise<void>) | undefined {
   if (!path) return undefined
+  // Said once at start: set by accident in service, it stalls every copy while the file exists.
+  console.warn(
+    `kvgate agent: test hook KVGATE_AGENT_TEST_COPY_GATE is set: every copy waits while ${path} exists; unset it outside tests`,
+  )
   return async () => {
     while (existsSync(path)) await new Promise((r) => setTimeout(r, 10))
   }
