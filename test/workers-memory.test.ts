@@ -5,6 +5,7 @@
 
 import { createHash } from 'node:crypto'
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
+import { get as httpGet } from 'node:http'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { Miniflare } from 'miniflare'
@@ -71,11 +72,36 @@ afterAll(async () => {
   if (out) rmSync(out, { recursive: true, force: true })
 })
 
+/** GET /metrics on a connection of its own (never one of the pool's), bounded in time. */
+function metricsText(origin: string): Promise<string> {
+  return new Promise((resolve, reject) => {
+    const req = httpGet(`${origin}/metrics`, { agent: false, timeout: 5_000 }, (res) => {
+      let text = ''
+      res.setEncoding('utf8')
+      res.on('data', (d: string) => {
+        text += d
+      })
+      res.on('end', () => resolve(text))
+      res.on('error', reject)
+    })
+    req.on('timeout', () => req.destroy(new Error('GET /metrics timed out')))
+    req.on('error', reject)
+  })
+}
+
 async function metric(origin: string, name: string): Promise<number> {
-  // A PUT refused (503) before its body was sent leaves workerd closing that connection; the
-  // fetch pool may hand the closing socket to this request ("other side closed"): ask again once.
-  const get = () => fetch(`${origin}/metrics`).then((r) => r.text())
-  const text = await get().catch(get)
+  // A PUT refused (503) before its body was sent leaves workerd closing that connection: a pooled
+  // fetch could be handed that socket ("other side closed", or once in CI no answer at all, the
+  // test hanging). Each read here opens its own connection, waits 5 s at most, and is tried 3 times.
+  let text = ''
+  for (let attempt = 0; ; attempt++) {
+    try {
+      text = await metricsText(origin)
+      break
+    } catch (e) {
+      if (attempt === 2) throw e
+    }
+  }
   let sum = 0
   for (const m of text.matchAll(new RegExp(`^${name}(?:\\{[^}]*\\})? (\\d+)$`, 'gm'))) sum += Number(m[1])
   return sum
