@@ -25,7 +25,7 @@ import {
 } from 'node:fs'
 import { loadavg } from 'node:os'
 import { join, resolve } from 'node:path'
-import { Client, shuffled } from './lib/agent-client.ts'
+import { Client, registerLlama8B, shuffled } from './lib/agent-client.ts'
 import { median, quantile, table } from './lib/stats.ts'
 
 const other = process.env.KVGATE_AB_OTHER
@@ -207,27 +207,8 @@ async function main() {
       const agent = await startAgent(t.root, sock)
       agents.push(agent)
       const c = await Client.open(sock)
-      await c.call('hello', {
-        protocol: 1,
-        model: 'meta-llama/Llama-3.1-8B',
-        hashSeed: '0',
-        geometry: {
-          layout: 'flash-attn',
-          dtype: 'bfloat16',
-          layers,
-          kvHeads: 8,
-          headSize: 128,
-          blockSize: 16,
-        },
-      })
-      const tensors = Array.from({ length: layers }, (_, l) => ({
-        kind: 'shm',
-        path: kvPath,
-        offset: l * layerBytes,
-        shape: [2, numBlocks, 16, 8, 128],
-      }))
-      const { worker } = await c.call('register', { rank: 0, numBlocks, tensors })
-      copySubjects.push({ ...t, c, worker: worker as number, save: [] as number[], load: [] as number[] })
+      const worker = await registerLlama8B(c, kvPath, layers, numBlocks, layerBytes)
+      copySubjects.push({ ...t, c, worker, save: [] as number[], load: [] as number[] })
     }
     const chunkBytes = 32 * MiB
     const src = Buffer.alloc(chunkBytes, 7)

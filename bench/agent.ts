@@ -21,7 +21,7 @@ import {
 import { loadavg } from 'node:os'
 import { join } from 'node:path'
 import { defaultCopyThreads } from '../src/agent/config.ts'
-import { Client, shuffled } from './lib/agent-client.ts'
+import { Client, registerLlama8B, shuffled } from './lib/agent-client.ts'
 import { machineLine, median, quantile, table, writeResult } from './lib/stats.ts'
 
 const MiB = 1024 ** 2
@@ -213,31 +213,12 @@ async function main() {
       const agent = await startAgent(join(dir, `agent-${t}.sock`), t)
       agents.push(agent)
       const c = await Client.open(join(dir, `agent-${t}.sock`))
-      await c.call('hello', {
-        protocol: 1,
-        model: 'meta-llama/Llama-3.1-8B',
-        hashSeed: '0',
-        geometry: {
-          layout: 'flash-attn',
-          dtype: 'bfloat16',
-          layers,
-          kvHeads: 8,
-          headSize: 128,
-          blockSize: 16,
-        },
-      })
-      const tensors = Array.from({ length: layers }, (_, l) => ({
-        kind: 'shm',
-        path: kvPath,
-        offset: l * layerBytes,
-        shape: [2, numBlocks, 16, 8, 128],
-      }))
-      const { worker } = await c.call('register', { rank: 0, numBlocks, tensors })
+      const worker = await registerLlama8B(c, kvPath, layers, numBlocks, layerBytes)
       subjects.push({
         label: t === 0 ? 'on the event loop' : `${t} copy thread${t === 1 ? '' : 's'}`,
         agent,
         c,
-        worker: worker as number,
+        worker,
         save: [],
         load: [],
       })

@@ -51,3 +51,31 @@ export function shuffled(n: number, seed: number): number[] {
   }
   return a
 }
+
+/**
+ * Says hello as a Llama-3.1-8B engine (bf16, FlashAttention layout, block size 16, 8 KV heads
+ * of 128 at TP 1) and registers `layers` layer tensors of `numBlocks` blocks laid end to end in
+ * the shm file `kvPath`; returns the worker id.
+ */
+export async function registerLlama8B(
+  c: Client,
+  kvPath: string,
+  layers: number,
+  numBlocks: number,
+  layerBytes: number,
+): Promise<number> {
+  await c.call('hello', {
+    protocol: 1,
+    model: 'meta-llama/Llama-3.1-8B',
+    hashSeed: '0',
+    geometry: { layout: 'flash-attn', dtype: 'bfloat16', layers, kvHeads: 8, headSize: 128, blockSize: 16 },
+  })
+  const tensors = Array.from({ length: layers }, (_, l) => ({
+    kind: 'shm',
+    path: kvPath,
+    offset: l * layerBytes,
+    shape: [2, numBlocks, 16, 8, 128],
+  }))
+  const { worker } = await c.call('register', { rank: 0, numBlocks, tensors })
+  return worker as number
+}
