@@ -189,12 +189,17 @@ describe('objects this build cannot read, answers a proxy changed: not corruptio
       expect(verifies()).toEqual([])
       expect(s.corrupt).toBe(0)
       expect(s.corruptReported).toBe(0)
-      // Read once, then held off: the later reads are misses without a GET.
+      // Read once, then held off: the later reads' lookups stop before it (misses without a GET).
       expect(s.newerObjects).toBe(1)
-      expect(s.unservableSkipped).toBeGreaterThanOrEqual(2)
-      // Still believed stored: the next lookup answers from what the client knew.
-      expect((await b.lookup(toks)).tokens).toBe(2 * T)
+      expect(s.unservableLookupStops).toBeGreaterThanOrEqual(2)
+      // Still believed stored, but held: the next lookup's prefix stops before it (a lookup that
+      // counted it would promise tokens every retrieve misses), without asking the gateway.
+      expect((await b.lookup(toks)).tokens).toBe(T)
       expect(lookups().length).toBe(lookupsBefore)
+      const stops = b.stats().remote!.unservableLookupStops
+      expect(stops).toBe(s.unservableLookupStops + 1)
+      expect(b.metrics()).toContain(`kvgate_client_remote_lookup_unservable_stops_total ${stops}`)
+      expect(b.metrics()).toContain('kvgate_client_remote_unservable_held_total 1')
     },
   )
 
@@ -216,7 +221,8 @@ describe('objects this build cannot read, answers a proxy changed: not corruptio
     expect(getsOf()).toBe(first)
     const s = b.stats().remote!
     expect(s.newerObjects).toBe(1)
-    expect(s.unservableSkipped).toBeGreaterThanOrEqual(4)
+    // Each later read's lookup stopped before the held key: no GET of it was planned.
+    expect(s.unservableLookupStops).toBeGreaterThanOrEqual(4)
     expect(s.corruptReported).toBe(0)
   })
 

@@ -165,6 +165,12 @@ export class AgentMetrics {
       ...tier((c) => c.disk, 'disk'),
       ...tier((c) => c.remote, 'remote'),
     ])
+    put(
+      'lookup_unservable_stops_total',
+      'counter',
+      'Lookups (per KV space) whose matched prefix stopped before a chunk held as unservable (its reads kept failing).',
+      [['', caches.reduce((a, c) => a + (c.remote?.unservableLookupStops ?? 0), 0)]],
+    )
     put('memory_used_bytes', 'gauge', 'L1 bytes in use, all KV spaces.', [
       ['', caches.reduce((a, c) => a + c.memory.usedBytes, 0)],
     ])

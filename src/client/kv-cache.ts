@@ -715,6 +715,18 @@ export class KVCache {
           : [],
       },
       {
+        name: 'remote_unservable_held_total',
+        help: 'L4 keys put on hold as unservable (their reads kept failing, or a newer writer): misses for a while.',
+        type: 'counter',
+        values: [{ value: s.remote?.unservableHeld ?? 0 }],
+      },
+      {
+        name: 'remote_lookup_unservable_stops_total',
+        help: 'Lookups whose matched prefix stopped before a chunk held as unservable.',
+        type: 'counter',
+        values: [{ value: s.remote?.unservableLookupStops ?? 0 }],
+      },
+      {
         name: 'shed_writes_total',
         help: 'Uploads dropped by the write-behind queue.',
         type: 'counter',

@@ -257,7 +257,8 @@ export class StorageManager {
 
   /**
    * The tier of each leading chunk that some tier holds, stopping at the first
-   * chunk none holds. At most one gateway request (a batched lookup).
+   * chunk none holds or that only L4 holds and this client holds off as unservable.
+   * At most one gateway request (a batched lookup).
    */
   async lookup(keys: readonly ChunkKey[]): Promise<TierName[]> {
     const tiers: TierName[] = []
@@ -266,6 +267,9 @@ export class StorageManager {
       const hex = keys[i]!.hex
       if (this.memory.has(hex)) tiers.push('memory')
       else if (this.disk?.has(hex)) tiers.push('disk')
+      // A key held as unservable: its GET would be skipped, so the prefix ends here, however
+      // many chunks after it the gateway holds (the engine would plan a load that misses).
+      else if (this.remote?.lookupStopsAt(hex)) break
       else if (i < remoteUntil) tiers.push('remote')
       else if (this.remote && remoteUntil < 0) {
         const { present } = await this.remote.lookup(keys.slice(i).map((k) => k.hex))

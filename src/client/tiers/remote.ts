@@ -116,6 +116,11 @@ export interface RemoteTierStats {
   unservableHeld: number
   /** GETs skipped because their key was on hold (each counted in misses too). */
   unservableSkipped: number
+  /**
+   * Lookups whose matched prefix stopped before a key on hold (see unservableHeld): its GET
+   * would be skipped, so counting it present would promise the engine tokens a retrieve misses.
+   */
+  unservableLookupStops: number
   /** Lookup requests sent to the gateway. */
   lookupRequests: number
   /** Their round trips (readLatency counts chunk GETs only). */
@@ -313,6 +318,7 @@ export class RemoteTier {
   readonly #unservable: UnservableKeys
   #unservableHeld = 0
   #unservableSkipped = 0
+  #unservableLookupStops = 0
   #existed = 0
   #retried = 0
   #redirects = 0
@@ -390,6 +396,17 @@ export class RemoteTier {
   /** True while a lookup or PUT showed (less than presenceTtlMs ago) that the gateway holds this chunk. */
   knownPresent(hex: string): boolean {
     return this.#presence.has(hex)
+  }
+
+  /**
+   * True while `hex` is held off as unservable (its GETs skipped): a lookup's matched prefix
+   * ends before it, and nothing after it counts either (prefix semantics). Counted
+   * (unservableLookupStops): the caller stops its lookup there, once per lookup.
+   */
+  lookupStopsAt(hex: string): boolean {
+    if (!this.#unservable.held(hex, performance.now())) return false
+    this.#unservableLookupStops++
+    return true
   }
 
   /**
@@ -1007,6 +1024,7 @@ export class RemoteTier {
       layersAnsweredWhole: this.#layersAnsweredWhole,
       unservableHeld: this.#unservableHeld,
       unservableSkipped: this.#unservableSkipped,
+      unservableLookupStops: this.#unservableLookupStops,
       lookupRequests: this.#lookupRequests,
       lookupLatency: this.#lookupLatency.summary(),
       lookupKeysKnown: this.#lookupKeysKnown,
