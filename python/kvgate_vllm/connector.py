@@ -464,6 +464,9 @@ class KVGateConnector(KVConnectorBase_V1):
         # after it would fill blocks the forward already read (vLLM after 0.13 starts a step's
         # loads after the forward when the step has no synchronous load).
         self._forward_ran = False
+        # The metadata whose preempted requests were fenced (handle_preemptions or, on vLLM 0.11-0.13,
+        # which never call it, start_load_kv): once per bound metadata, whichever comes first.
+        self._preemptions_fenced: Optional[Any] = None
         # Saves whose blocks were released unstored (no agent, or it died or refused before it
         # answered): the blocks are never held for an agent that is gone, but the loss is counted.
         self.saves_not_stored = 0
@@ -480,10 +483,15 @@ class KVGateConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._forward_ran = False
+        # After 0.13 vLLM calls handle_preemptions(metadata) just before binding that metadata:
+        # its fence stands for this step. Any other metadata is a new step's, not fenced yet.
+        if connector_metadata is not self._preemptions_fenced:
+            self._preemptions_fenced = None
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         self._forward_ran = False
+        self._preemptions_fenced = None
 
     # ------------------------------------------------------------------ shared
 
@@ -762,6 +770,9 @@ class KVGateConnector(KVConnectorBase_V1):
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
+        # vLLM 0.11-0.13 never call handle_preemptions: the preempted requests' blocks may be
+        # another request's in this step, so they are fenced here, before any load or forward.
+        self._fence_preempted(meta)
         ready = self._worker_ready()
         if ready and (meta.loads or meta.saves) and self._kv_device is not None:
             # The agent copies on its own stream, unordered with vLLM's. With async scheduling
@@ -939,11 +950,23 @@ class KVGateConnector(KVConnectorBase_V1):
         forward. A load of a preempted request given up at load_timeout_ms may still be copying
         into them: wait here until none can land (the agent's answer after its last copy, or its
         process's exit). vLLM passes this step's connector metadata (after 0.13: `preempted`,
-        from SchedulerOutput.preempted_req_ids) or, in some versions, the set of ids itself."""
+        from SchedulerOutput.preempted_req_ids) or, in some versions, the set of ids itself.
+        Versions that never call it (0.11-0.13) get the same wait at start_load_kv."""
         if isinstance(preempted, (set, frozenset, list, tuple)):
-            ids = preempted
+            self._wait_all_fenced(preempted)
         else:
-            ids = getattr(preempted, "preempted", None) or ()
+            self._fence_preempted(preempted)
+
+    def _fence_preempted(self, meta: Any) -> None:
+        """Waits for the fences of `meta`'s preempted requests, once per metadata: the first of
+        handle_preemptions and start_load_kv for a step does (bind_connector_metadata keeps the
+        mark only for the metadata it was made for)."""
+        if meta is None or meta is self._preemptions_fenced:
+            return
+        self._wait_all_fenced(getattr(meta, "preempted", None) or ())
+        self._preemptions_fenced = meta
+
+    def _wait_all_fenced(self, ids: Any) -> None:
         for rid in ids:
             if isinstance(rid, str):
                 self._wait_fenced(rid)

@@ -288,7 +288,8 @@ def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
                 conn_.bind_connector_metadata(meta)
                 if before:
                     conn_.start_load_kv(None, **load_kw)
-                out: Dict[str, Any] = {}
+                # When the forward began (CLOCK_MONOTONIC: comparable with the test process's).
+                out: Dict[str, Any] = {"forward_at": time.monotonic()}
                 if model is not None and fwd is not None:
                     out["logits"] = model.forward_paged(
                         fwd["tokens"], fwd["start"], fwd["block_ids"], caches, names, spec, conn_.wait_for_layer_load

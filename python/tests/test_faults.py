@@ -271,6 +271,45 @@ def test_a_preempted_request_whose_given_up_load_can_never_be_fenced_stops_the_s
         agent.close()
 
 
+def test_preempted_requests_are_fenced_once_per_bound_metadata_whichever_hook_comes_first(monkeypatch):
+    """After 0.13 vLLM calls handle_preemptions(metadata) and then binds it; 0.11-0.13 only bind
+    and start_load_kv. The step's fence is waited for by the first of them, once: not again at
+    start_load_kv for the metadata handle_preemptions had, and afresh for the next step's."""
+    agent = ScriptedAgent(well_behaved)
+    c, caches = worker(agent)
+    waited = []
+    monkeypatch.setattr(c, "_wait_fenced", waited.append)
+    try:
+        assert c._worker_ready()
+        m1 = KVGateMetadata(preempted=["a"])
+        c.handle_preemptions(m1)  # after 0.13: before the bind
+        c.bind_connector_metadata(m1)
+        c.start_load_kv(None)
+        c.clear_connector_metadata()
+        assert waited == ["a"]
+        m2 = KVGateMetadata(preempted=["b"])
+        c.bind_connector_metadata(m2)  # 0.11-0.13: no handle_preemptions
+        c.start_load_kv(None)
+        c.start_load_kv(None)
+        assert waited == ["a", "b"]
+        c.clear_connector_metadata()
+        # The same metadata bound again is another step: fenced again.
+        c.bind_connector_metadata(m2)
+        c.start_load_kv(None)
+        assert waited == ["a", "b", "b"]
+        c.clear_connector_metadata()
+        # A set of ids (some versions) is waited for as given; the bound metadata still is once.
+        m3 = KVGateMetadata(preempted=["c"])
+        c.handle_preemptions({"c"})
+        c.bind_connector_metadata(m3)
+        c.start_load_kv(None)
+        assert waited == ["a", "b", "b", "c", "c"]
+    finally:
+        c.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
 def test_an_agent_that_stops_reading_never_blocks_the_scheduler():
     """A stalled agent (alive, socket open, not reading): lookups fill its socket buffer.
     The scheduler's sends must give up (the connection is dropped), not block vLLM forever."""

@@ -13,7 +13,7 @@ import pytest
 
 import torch
 
-from harness import Engine, EngineSpec, TempDir, block_view, make_request, sides, start_agent
+from harness import Engine, EngineSpec, TempDir, block_view, make_request, sides, start_agent, synthetic_kv
 
 PROMPT = [(i * 7919 + 13) % 32000 for i in range(100)]  # 3 chunks of 32 tokens + a tail
 
@@ -102,15 +102,30 @@ def test_a_timed_out_load_holds_its_requests_blocks_until_its_stalled_copy_lande
         agent.stop()
 
 
-@pytest.mark.parametrize("ending", ["copy-lands", "agent-dies"])
-def test_a_preempted_request_with_a_given_up_load_is_fenced_before_the_step_that_may_reuse_its_blocks(tmp, ending):
-    # vLLM frees a preempted request's blocks at once (no request_finished, no hold) and calls
-    # handle_preemptions before the step's loads and forward, which may write them for another request.
+def forward_landed(engine: Engine, tokens, block_ids, n: int) -> bool:
+    """Whether layer 0 of blocks block_ids[:n] holds the KV a forward of `tokens` wrote, on every rank."""
+    spec = engine.spec
+    for rank in range(len(engine.workers)):
+        t = engine.tensors(rank)[0]
+        for side in range(sides(spec)):
+            kv = synthetic_kv(spec, rank, 0, side, tokens, 0, n * spec.block_size)
+            for p in range(n * spec.block_size):
+                row = block_view(t, spec, side, block_ids[p // spec.block_size])[p % spec.block_size]
+                if not torch.equal(row, kv[p].view(row.shape)):
+                    return False
+    return True
+
+
+@pytest.mark.parametrize("call_order,ending", [("0.29", "copy-lands"), ("0.29", "agent-dies"), ("0.13", "copy-lands")])
+def test_a_preempted_request_with_a_given_up_load_is_fenced_before_the_step_that_may_reuse_its_blocks(tmp, call_order, ending):
+    # vLLM frees a preempted request's blocks at once (no request_finished, no hold) and may give
+    # them to another request in the very next step. After 0.13 it calls handle_preemptions before
+    # that step's loads and forward; 0.11-0.13 never do, and start_load_kv fences instead.
     gate = os.path.join(tmp.path, "gate")
     sock = tmp.sock(f"preempt-{ending}")
     agent = start_agent(sock, None, extra={"KVGATE_AGENT_TEST_COPY_GATE": gate})
     e = Engine(
-        EngineSpec(socket=sock, model=f"test/preempt-{ending}", world=2, load_timeout_ms=300, call_order="0.29"),
+        EngineSpec(socket=sock, model=f"test/preempt-{ending}", world=2, load_timeout_ms=300, call_order=call_order),
         block_order_seed=5,
     )
     try:
@@ -126,13 +141,19 @@ def test_a_preempted_request_with_a_given_up_load_is_fenced_before_the_step_that
         ender.start()
         t0 = time.monotonic()
         meta, sync = e.schedule(preempted={"r2"})
-        e.step(meta, (), None, sync)
+        # vLLM gives r2's freed blocks to another request, computed in this very step.
+        other = [(t * 31 + 5) % 32000 for t in PROMPT]
+        fwd = {"tokens": other, "start": 0, "block_ids": r2["block_ids"]}
+        outs = e.step(meta, (), fwd, sync)
         took = time.monotonic() - t0
         ender.join()
         # The step began only once no copy of r2's load could land any more.
         assert took >= 1.4, f"the step ran {took:.2f} s after the preemption, before r2's fence"
-        if ending == "copy-lands":
-            assert layer0_landed(e, r1["block_ids"], r2["block_ids"], 6)
+        for o in outs:
+            assert o["forward_at"] - t0 >= 1.4, f"the forward began {o['forward_at'] - t0:.2f} s after the preemption"
+        time.sleep(0.5)  # had the stalled copy not been waited for, it lands now, after the forward
+        # The blocks hold what the other request's forward wrote, not r2's late copy over it.
+        assert forward_landed(e, other, r2["block_ids"], 6)
     finally:
         if os.path.exists(gate):
             os.unlink(gate)
