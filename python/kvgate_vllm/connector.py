@@ -14,6 +14,7 @@ import difflib
 import logging
 import math
 import os
+import reprlib
 import threading
 import time
 from concurrent.futures import Future
@@ -375,20 +376,51 @@ def _never_fenced(f: Future) -> bool:
 
 
 class _LoadState:
-    def __init__(self, spec: LoadSpec):
+    def __init__(self, spec: LoadSpec, num_layers: int):
         self.spec = spec
         self.layers = 0
+        self.num_layers = num_layers
+        # Why the agent's load-progress events for this load cannot be believed (None: they can).
+        # Such a load is failed as one past load_timeout_ms is: its blocks recomputed, the agent
+        # asked to cancel it, its answer awaited as its fence. The connection stays.
+        self.bad: Optional[str] = None
         self.cond = threading.Condition()
         self.future: Optional[Future] = None
 
     def on_progress(self, ev: Dict[str, Any]) -> None:
+        """A load-progress event, on the thread reading the socket: never raises (an exception
+        there would drop the connection, and with it every load's fence but the agent's exit).
+        `layers` must be a layer count of this engine: anything else (a string, a float, a count
+        past the model's layers) would let a layer's wait pass before its copy landed."""
+        n = ev.get("layers")
         with self.cond:
-            self.layers = max(self.layers, int(ev.get("layers", 0)))
+            if self.bad is None:
+                if type(n) is int and 0 <= n <= self.num_layers:
+                    self.layers = max(self.layers, n)
+                else:
+                    self.bad = f"load-progress layers {reprlib.repr(n)}"  # bounded, whatever was sent
             self.cond.notify_all()
+
+    def wake(self) -> None:
+        """The load was answered (or failed): its waiters look again."""
+        with self.cond:
+            self.cond.notify_all()
+
+    def _settled(self) -> bool:
+        return self.bad is not None or (self.future is not None and self.future.done())
 
     def wait_layer(self, n: int, deadline: float) -> None:
         with self.cond:
-            while self.layers < n and not (self.future is not None and self.future.done()):
+            while self.layers < n and not self._settled():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cond.wait(min(left, 0.05))
+
+    def wait_settled(self, deadline: float) -> None:
+        """Until the load is answered, its progress turned out malformed, or `deadline`."""
+        with self.cond:
+            while not self._settled():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
@@ -459,6 +491,10 @@ class KVGateConnector(KVConnectorBase_V1):
         # loads_held_for_good.
         self.loads_unfenced = 0
         self.loads_held_for_good = 0
+        # Loads failed because the agent's load-progress event for them was malformed (the
+        # connection kept: each such load is cancelled and its answer awaited as its fence).
+        self.loads_bad_progress = 0
+        self._bad_progress_logged = -math.inf
         self._unfenced_seen: Set[int] = set()
         # Whether the forward of the bound step has run (a layer hook was called): loads started
         # after it would fill blocks the forward already read (vLLM after 0.13 starts a step's
@@ -793,7 +829,7 @@ class KVGateConnector(KVConnectorBase_V1):
             if not ready or late:
                 self._load_errors.update(spec.block_ids[spec.skip_blocks :])
                 continue
-            st = _LoadState(spec)
+            st = _LoadState(spec, self._settings["layers"])
             st.future = self._client.request(
                 "load",
                 {
@@ -804,7 +840,7 @@ class KVGateConnector(KVConnectorBase_V1):
                 },
                 progress=st.on_progress,
             )
-            st.future.add_done_callback(lambda _f, st=st: st.on_progress({}))
+            st.future.add_done_callback(lambda _f, st=st: st.wake())
             self._loads.append(st)
         if self._loads and _no_layer_hook_will_wait(forward_context):
             # The forward replays a FULL CUDA graph: its attention layers' Python, and so
@@ -812,11 +848,8 @@ class KVGateConnector(KVConnectorBase_V1):
             # default before vLLM added requires_piecewise_for_cudagraph). vLLM's V2 runner
             # tells it only by starting the loads without attention metadata. The loads must
             # be in place before it starts: no layer overlap for this step, but no race.
-            for st in self._loads:
-                try:
-                    st.future.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
-                except Exception:  # a failure or the deadline: reported by _finish_loads
-                    pass
+            for st in self._loads:  # a failure, malformed progress or the deadline: reported by _finish_loads
+                st.wait_settled(self._load_deadline)
         # Reported by get_finished once no copy of the request's loads can land (no save to wait for).
         self._saves_done.update(meta.holds)
         skip_saves = self._settings["layout"] == "mla" and self._settings["rank"] != 0
@@ -856,9 +889,17 @@ class KVGateConnector(KVConnectorBase_V1):
     def _finish_loads(self) -> None:
         loads, self._loads = self._loads, []
         late: List[Future] = []
+        bad: List[_LoadState] = []
+        timed_out = 0
         for st in loads:
             want = st.spec.block_ids[st.spec.skip_blocks :]
             try:
+                # Not the answer's own wait: a load whose progress turns out malformed meanwhile
+                # must not hold the step until the deadline.
+                st.wait_settled(self._load_deadline)
+                if st.bad is not None:
+                    bad.append(st)
+                    raise ValueError(st.bad)
                 ans = st.future.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
                 failed = ans.get("failedBlocks")
                 # Blocks not named are taken as filled: only a well-formed list may say so.
@@ -875,22 +916,42 @@ class KVGateConnector(KVConnectorBase_V1):
                 self._fences.setdefault(st.spec.req_id, []).append(st.future)
                 if not st.future.done():
                     late.append(st.future)
+                    timed_out += st.bad is None
+        if bad:
+            self._bad_progress(bad)
         if late:
-            self._cancel(late)
+            self._cancel(late, timed_out)
 
-    def _cancel(self, late: List[Future]) -> None:
-        """Asks the agent to start no more copies for loads given up at load_timeout_ms. The
-        connection stays: other requests on it carry on, and each load's own answer, which
-        comes once its copies in flight landed, is its fence. An agent without `cancel` (older
-        than this connector) still answers each load after its last copy: the fence only comes later."""
+    def _bad_progress(self, bad: List["_LoadState"]) -> None:
+        """Counts loads failed by a malformed load-progress event; logs at most once a minute
+        (an agent sending them on every load must not flood vLLM's log), the value cut short."""
+        self.loads_bad_progress += len(bad)
+        now = time.monotonic()
+        if now - self._bad_progress_logged < 60.0:
+            return
+        self._bad_progress_logged = now
+        log.warning(
+            "kvgate: the agent sent a malformed event for a load (%s): its blocks are recomputed, the agent is "
+            "asked to cancel it and the connection is kept (%d such loads so far; check the agent's version)",
+            bad[0].bad,
+            self.loads_bad_progress,
+        )
+
+    def _cancel(self, late: List[Future], timed_out: int) -> None:
+        """Asks the agent to start no more copies for loads given up (`timed_out` of them at
+        load_timeout_ms, the others for malformed progress). The connection stays: other requests
+        on it carry on, and each load's own answer, which comes once its copies in flight landed,
+        is its fence. An agent without `cancel` (older than this connector) still answers each
+        load after its last copy: the fence only comes later."""
         ids = [f.request_id for f in late if getattr(f, "request_id", None) is not None]
         can = self._agent_cancels()
-        log.warning(
-            "kvgate: %d load(s) did not finish within load_timeout_ms: their blocks are recomputed%s; their "
-            "requests' blocks stay allocated until the agent answers them (a copy may still be in flight)",
-            len(late),
-            ", and the agent is asked to cancel them" if can else " (this agent has no cancel: it finishes them)",
-        )
+        if timed_out > 0:
+            log.warning(
+                "kvgate: %d load(s) did not finish within load_timeout_ms: their blocks are recomputed%s; their "
+                "requests' blocks stay allocated until the agent answers them (a copy may still be in flight)",
+                timed_out,
+                ", and the agent is asked to cancel them" if can else " (this agent has no cancel: it finishes them)",
+            )
         if can and ids:
             self._client.request("cancel", {"ids": ids})  # the answer says nothing the loads' own will not
 

@@ -571,7 +571,6 @@ def test_a_load_answer_naming_other_blocks_reports_only_the_loads_blocks():
     [
         {"event": "load-progress", "id": [1], "layers": 1},  # an unhashable id
         {"event": "load-progress", "id": {"a": 1}, "layers": 1},
-        {"event": "load-progress", "layers": "x"},  # id filled in below: a garbage field
         {"id": [1], "ok": True},  # an answer with an unhashable id
     ],
 )
@@ -593,6 +592,86 @@ def test_garbage_frames_drop_the_connection_and_the_load_is_reported(event):
         assert time.monotonic() - t0 < 4, "the garbage frame did not end the load"
     finally:
         w.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+@pytest.mark.parametrize(
+    "layers",
+    ["x", 1.5, -1, 4, True, None, [1], 2**64 - 1, "x" * 1_000_000],  # 3 layers: 4 is past the model's
+    ids=["string", "float", "negative", "past-the-layers", "bool", "missing", "list", "u64-max", "1-MB-string"],
+)
+def test_a_malformed_load_progress_event_fails_that_load_keeps_the_connection_and_cancels_it(layers, caplog):
+    """A load-progress event whose `layers` is not a layer count of this engine: that load alone
+    fails (every block an error, at once, not at load_timeout_ms), the agent is asked to cancel it
+    and its answer is its fence (its request held until then), as for a load past load_timeout_ms.
+    The connection stays: another load on it lands. Logged once a minute at most, the value cut short."""
+    held = {}
+
+    def script(agent, conn, req, n):
+        if req["op"] == "hello":
+            return {**HELLO_OK, "features": ["cancel"]}
+        if req["op"] == "load":
+            if "load" in held:  # the second load: well formed, answered at once
+                agent.send(conn, {"event": "load-progress", "id": req["id"], "layers": 3})
+                return {"ok": True, "chunks": 2, "tokens": 64, "failedBlocks": [], "error": None}
+            held["load"] = (conn, req["id"])
+            ev = {"event": "load-progress", "id": req["id"]}
+            if layers is not None:
+                ev["layers"] = layers
+            agent.send(conn, ev)
+            return None
+        if req["op"] == "cancel":
+            held["cancel"] = req["ids"]
+            return {"ok": True, "cancelled": req["ids"]}
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    c, caches = worker(agent, load_timeout_ms=20000)
+    try:
+        assert c._worker_ready()
+        generation = c._client.generation
+        t0 = time.monotonic()
+        assert run_load(c, list(caches), load_spec()) == set(range(10, 14))
+        assert time.monotonic() - t0 < 5, "the malformed event did not end the load"
+        # The connection was kept: no reconnect, and another load on it lands.
+        assert c._client.connected and c._client.generation == generation
+        assert c.loads_bad_progress == 1 and c.loads_unfenced == 0
+        assert until(lambda: "cancel" in held) and held["cancel"] == [held["load"][1]]
+        assert run_load(c, list(caches), load_spec()) == set()
+        # Held while the agent may still copy into its blocks, released once it answers.
+        assert hold_step(c, ["r"], ["r"]) == set()
+        conn, rid = held["load"]
+        agent.send(conn, {"id": rid, "ok": True, "chunks": 0, "tokens": 0, "failedBlocks": list(range(10, 14)), "error": "cancelled"})
+        assert until(lambda: hold_step(c, [], [])) == {"r"}
+        assert c._client.generation == generation
+        logged = [r.getMessage() for r in caplog.records if "malformed event" in r.getMessage()]
+        assert len(logged) == 1 and len(logged[0]) < 500
+    finally:
+        c.shutdown()
+        drop_caches(caches)
+        agent.close()
+
+
+def test_malformed_load_progress_is_logged_once_a_minute_and_counted_every_time(caplog):
+    def script(agent, conn, req, n):
+        if req["op"] == "load":
+            agent.send(conn, {"event": "load-progress", "id": req["id"], "layers": "x"})
+            return {"ok": True, "chunks": 2, "tokens": 64, "failedBlocks": [], "error": None}
+        return well_behaved(agent, conn, req, n)
+
+    agent = ScriptedAgent(script)
+    c, caches = worker(agent)
+    try:
+        assert c._worker_ready()
+        for _ in range(3):
+            # Answered as whole, but its progress cannot be believed: its blocks are recomputed.
+            assert run_load(c, list(caches), load_spec()) == set(range(10, 14))
+        assert c.loads_bad_progress == 3
+        assert sum("malformed event" in r.getMessage() for r in caplog.records) == 1
+        assert c._client.connected
+    finally:
+        c.shutdown()
         drop_caches(caches)
         agent.close()
 
