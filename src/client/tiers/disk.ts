@@ -22,7 +22,7 @@ import { type IoPriority, PriorityQueue } from '../io-queue.ts'
 import type { CopyGate, ReadFileCrcResult } from '../native.ts'
 import type { NativeModule } from '../native-api.ts'
 import { since, TierCounters } from '../stats.ts'
-import { beginTemp, endTemp, TMP_PREFIX, tempWriter } from './temp-files.ts'
+import { beginTemp, endTemp, StaleTempWatch, TMP_PREFIX, tempWriter } from './temp-files.ts'
 
 export interface DiskTierOptions {
   /** Directory holding the chunk files (created if missing). */
@@ -53,7 +53,12 @@ export interface DiskTierOptions {
    * @default every valid chunk file
    */
   owns?: (header: ChunkHeader) => boolean
-  /** A temp file older than this is a dead writer's leftover and deleted at start. @default 1 hour */
+  /**
+   * A temp file whose writer cannot be told from here (another host's, a live process's) is a
+   * stopped writer's leftover, and deleted, once it stayed unchanged this long, timed by this
+   * process's clock (never by its mtime: another clock). A dead writer's on this host is deleted
+   * at start. @default 1 hour
+   */
   staleTempMs?: number
   /**
    * A byte budget shared with other tiers (`kvgate agent`: every KV space's L2 directory):
@@ -129,7 +134,10 @@ export interface DiskTierStats {
   capacityBytes: number
   usedBytes: number
   files: number
-  /** Files removed at start: half-written temp files and objects that failed verification. */
+  /**
+   * Files removed at start: half-written temp files and objects that failed verification; and
+   * temp files found then whose writer could not be told, once they stayed unchanged for staleTempMs.
+   */
   recoveredDiscarded: number
   /** Files at start that belong to another instance (owns() said no): left alone, not counted. */
   foreignFiles: number
@@ -189,6 +197,8 @@ interface Scan {
 
 /** Files probed at once at start (each a few pool round trips: open, stat, read, close). */
 const PROBES_IN_FLIGHT = 16
+/** Temp files of writers that cannot be told watched at once (the rest wait for a later open): the memory bound. */
+const MAX_WATCHED_TEMPS = 4096
 const FILE_RE = /^[0-9a-f]{64}\.kvc$/
 const SUBDIR_RE = /^[0-9a-f]{2}$/
 /**
@@ -309,7 +319,8 @@ export class DiskTier {
   readonly #addon: NativeModule | undefined
   readonly #verify: (object: Uint8Array) => ChunkHeader | Promise<ChunkHeader>
   readonly #owns: (header: ChunkHeader) => boolean
-  readonly #staleTempMs: number
+  /** Temp files found at start whose writer cannot be told: deleted once unchanged for staleTempMs. */
+  readonly #staleTemps: StaleTempWatch
   readonly #headerBudget: number
   /** Bytes of the headers the index holds (FileEntry.header), at most #headerBudget. */
   #headerBytes = 0
@@ -333,7 +344,9 @@ export class DiskTier {
     this.#addon = opts.native
     this.#verify = opts.verify ?? verifyChunk
     this.#owns = opts.owns ?? (() => true)
-    this.#staleTempMs = opts.staleTempMs ?? 3_600_000
+    this.#staleTemps = new StaleTempWatch(opts.staleTempMs ?? 3_600_000, MAX_WATCHED_TEMPS, (p) =>
+      this.#discard(p),
+    )
     this.#headerBudget = opts.indexedHeaderBytes ?? 64 * 1024 * 1024
     this.#queue = new PriorityQueue(opts.concurrency ?? 2)
   }
@@ -394,7 +407,9 @@ export class DiskTier {
     const path = join(subdir, name)
     if (name.startsWith(TMP_PREFIX)) {
       // A write that never reached its rename: its writer died, unless it is still running.
-      if (await this.#staleTemp(path, name)) await this.#discard(path)
+      const writer = await tempWriter(name)
+      if (writer === 'gone') await this.#discard(path)
+      else if (writer === undefined) await this.#staleTemps.watch(path)
       return
     }
     if (!FILE_RE.test(name) || !name.startsWith(sub)) return
@@ -433,21 +448,6 @@ export class DiskTier {
       this.#discarded++
     } catch {
       this.#unreadable++
-    }
-  }
-
-  /**
-   * A temp file is stale when its writer cannot be running (tempWriter), or, when that cannot
-   * be told from here (another thread of this process, a live process, another host sharing
-   * the directory), when it is older than staleTempMs.
-   */
-  async #staleTemp(path: string, name: string): Promise<boolean> {
-    const writer = await tempWriter(name)
-    if (writer !== undefined) return writer === 'gone'
-    try {
-      return Date.now() - (await stat(path)).mtimeMs > this.#staleTempMs
-    } catch {
-      return false
     }
   }
 
@@ -1000,6 +1000,7 @@ export class DiskTier {
   close(): void {
     this.#closed = true
     this.#queue.close()
+    this.#staleTemps.close()
     // Its files stay on disk but leave the shared budget's count with it (a reopen counts them again).
     if (this.#left) return
     this.#left = true

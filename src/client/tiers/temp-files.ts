@@ -3,7 +3,7 @@
 
 import { randomBytes } from 'node:crypto'
 import { readFileSync, readlinkSync } from 'node:fs'
-import { readFile } from 'node:fs/promises'
+import { readFile, stat } from 'node:fs/promises'
 import { hostname } from 'node:os'
 import { threadId } from 'node:worker_threads'
 import { crc32 } from '../../core/checksum.ts'
@@ -128,4 +128,92 @@ function processAlive(pid: number): boolean {
   } catch (e) {
     return (e as NodeJS.ErrnoException).code === 'EPERM'
   }
+}
+
+/** A temp file as seen: the same again a whole watch later means no writer touched it meanwhile. */
+interface Seen {
+  ino: number
+  size: number
+  mtimeMs: number
+  ctimeMs: number
+}
+
+/**
+ * Temp files whose writer cannot be told from here (another host's or container's, a live
+ * process's, another thread's): a file unchanged for `periodMs`, timed by this process's own
+ * monotonic clock, is a stopped writer's leftover and discarded. Never its age by its mtime:
+ * that is another clock (the writer's host's, or a network file system's server's), and an hour
+ * of skew between them would delete a write in flight. At most `max` files are watched at once
+ * (the rest wait for a later open); a file that changed is watched another period.
+ */
+export class StaleTempWatch {
+  readonly #seen = new Map<string, Seen>()
+  readonly #periodMs: number
+  readonly #max: number
+  readonly #discard: (path: string) => Promise<void>
+  #timer: NodeJS.Timeout | undefined
+  #closed = false
+
+  constructor(periodMs: number, max: number, discard: (path: string) => Promise<void>) {
+    this.#periodMs = periodMs
+    this.#max = max
+    this.#discard = discard
+  }
+
+  /** Files watched now. */
+  get size(): number {
+    return this.#seen.size
+  }
+
+  /** Watches `path` from now (a file that cannot be stat'ed, or one past `max`, is left alone). */
+  async watch(path: string): Promise<void> {
+    if (this.#closed || this.#seen.size >= this.#max || this.#seen.has(path)) return
+    const now = await seen(path)
+    if (now === undefined || this.#closed || this.#seen.size >= this.#max) return
+    this.#seen.set(path, now)
+    this.#arm()
+  }
+
+  close(): void {
+    this.#closed = true
+    clearTimeout(this.#timer)
+    this.#timer = undefined
+    this.#seen.clear()
+  }
+
+  #arm(): void {
+    if (this.#timer !== undefined || this.#closed) return
+    this.#timer = setTimeout(() => void this.#check(), this.#periodMs)
+    this.#timer.unref()
+  }
+
+  async #check(): Promise<void> {
+    for (const [path, before] of [...this.#seen]) {
+      if (this.#closed) return
+      const now = await seen(path)
+      if (this.#closed) return
+      if (now === undefined)
+        this.#seen.delete(path) // renamed (the write finished) or deleted
+      else if (same(before, now)) {
+        this.#seen.delete(path)
+        await this.#discard(path)
+      } else this.#seen.set(path, now)
+    }
+    this.#timer = undefined
+    if (this.#seen.size > 0) this.#arm()
+  }
+}
+
+async function seen(path: string): Promise<Seen | undefined> {
+  try {
+    const s = await stat(path)
+    if (!s.isFile()) return undefined
+    return { ino: s.ino, size: s.size, mtimeMs: s.mtimeMs, ctimeMs: s.ctimeMs }
+  } catch {
+    return undefined
+  }
+}
+
+function same(a: Seen, b: Seen): boolean {
+  return a.ino === b.ino && a.size === b.size && a.mtimeMs === b.mtimeMs && a.ctimeMs === b.ctimeMs
 }
