@@ -226,6 +226,27 @@ describe('objects this build cannot read, answers a proxy changed: not corruptio
     expect(s.corruptReported).toBe(0)
   })
 
+  it("a newer writer's object first met by retrieveLayers (its layer groups asked at once) puts one key on hold, counted once", async () => {
+    const { toks, keys } = await seeded(2, 46)
+    gw.objects.set(
+      keys[1]!,
+      newerWriter(gw.objects.get(keys[1]!)!, (dv) => dv.setUint16(4, 3, true)),
+    )
+    // One layer a request: 5 GETs of the key in flight before any answers (a proxy that drops
+    // ?layers sends the whole object to each: the fault gateway cannot cut a newer format).
+    gw.faults.ignoreLayers = true
+    const b = await node({}, { layersPerRequest: 1 })
+    let served = 0
+    for await (const batch of b.retrieveLayers(toks)) served = batch.chunks
+    expect(served).toBe(1)
+    expect(chunkGets().filter((r) => r.path.includes(keys[1]!)).length).toBeGreaterThan(1)
+    const s = b.stats().remote!
+    // Every group found the newer object, but one key went on hold.
+    expect(s.unservableHeld).toBe(1)
+    expect(s.newerObjects).toBe(1)
+    expect(b.metrics()).toContain('kvgate_client_remote_unservable_held_total 1\n')
+  })
+
   it('a whole object answering ?layers (a proxy dropped the query) serves the layers when they verify, reports nothing', async () => {
     const { toks, kv } = await seeded(2, 44)
     gw.faults.ignoreLayers = true

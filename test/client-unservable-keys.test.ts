@@ -58,9 +58,20 @@ describe('UnservableKeys', () => {
     expect(u.failed(hex(1), 2)).toBe(false) // held already: no new hold
     expect(u.held(hex(1), 499)).toBe(true)
     expect(u.held(hex(1), 500)).toBe(false)
-    for (let i = 10; i < 20; i++) u.holdNow(hex(i), i)
+    for (let i = 10; i < 20; i++) expect(u.holdNow(hex(i), i)).toBe(true)
     expect(u.size).toBe(2)
     expect(u.held(hex(19), 20)).toBe(true)
     expect(u.held(hex(10), 20)).toBe(false)
+  })
+
+  it('holdNow on a key held already (a GET that started before the hold) neither counts nor extends it', () => {
+    const u = new UnservableKeys({ holdMs: 500 })
+    expect(u.holdNow(hex(1), 0)).toBe(true)
+    expect(u.holdNow(hex(1), 400)).toBe(false)
+    expect(u.held(hex(1), 499)).toBe(true)
+    expect(u.held(hex(1), 500)).toBe(false)
+    // Past the hold a read that finds it again holds it afresh.
+    expect(u.holdNow(hex(1), 600)).toBe(true)
+    expect(u.held(hex(1), 1099)).toBe(true)
   })
 })

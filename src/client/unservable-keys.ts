@@ -81,11 +81,16 @@ export class UnservableKeys {
   /**
    * Holds `hex` off at once, for holdMs: an object this build cannot read for a reason its
    * header states (a newer writer's format) fails the same way every time, so no second GET.
+   * False (the hold unchanged) when it is held already: a GET that started before the hold, such
+   * as another layer group of the same retrieveLayers, found the same object.
    */
-  holdNow(hex: string, now: number): void {
+  holdNow(hex: string, now: number): boolean {
+    const e = this.#entries.get(hex)
+    if (e?.until !== undefined && now < e.until) return false
     this.#entries.delete(hex)
     this.#entries.set(hex, { failures: this.#failures, since: now, last: now, until: now + this.#holdMs })
     if (this.#entries.size > this.#maxKeys) this.#entries.delete(this.#entries.keys().next().value as string)
+    return true
   }
 
   clear(): void {

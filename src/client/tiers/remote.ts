@@ -735,8 +735,10 @@ export class RemoteTier {
    * key held off (unservableHeld) so that the next reads of it cost no GET until the hold ends.
    */
   newerObject(hex: string): void {
+    // Once per hold: the layer groups of one retrieveLayers, all asked before any answered, each
+    // find the same object (five counted for one key at one layer a request).
+    if (!this.#unservable.holdNow(hex, performance.now())) return
     this.#newerObjects++
-    this.#unservable.holdNow(hex, performance.now())
     this.#unservableHeld++
   }
 
