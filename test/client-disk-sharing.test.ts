@@ -20,7 +20,7 @@ import { threadId, Worker } from 'node:worker_threads'
 import { afterEach, describe, expect, it, vi } from 'vitest'
 import { loadNative } from '../src/client/native-api.ts'
 import { DiskTier } from '../src/client/tiers/disk.ts'
-import { beginTemp, endTemp } from '../src/client/tiers/temp-files.ts'
+import { beginTemp, endTemp, StaleTempWatch } from '../src/client/tiers/temp-files.ts'
 import { CodecError } from '../src/core/errors.ts'
 import { encodeChunk } from '../src/core/format.ts'
 import { MODEL_PRESETS } from '../src/core/layout.ts'
@@ -181,6 +181,34 @@ describe('DiskTier in a shared directory', () => {
     e.close()
     await new Promise((r) => setTimeout(r, 200))
     expect(existsSync(left)).toBe(true)
+  })
+
+  it('a temp file watched after others is judged over a whole period of its own, not at their check', async () => {
+    const dir = tempDir()
+    const periodMs = 400
+    const at = new Map<string, number>()
+    const gone = new Map<string, number>()
+    const w = new StaleTempWatch(periodMs, 16, async (p) => {
+      gone.set(p, performance.now())
+      rmSync(p)
+    })
+    try {
+      const [a, b] = [join(dir, 'a'), join(dir, 'b')]
+      for (const p of [a, b]) writeFileSync(p, 'partial')
+      at.set(a, performance.now())
+      await w.watch(a)
+      // Found later (a long scan): its writer may be between two writes now, for less than a period.
+      await new Promise((r) => setTimeout(r, 300))
+      at.set(b, performance.now())
+      await w.watch(b)
+      for (let i = 0; i < 200 && gone.size < 2; i++) await new Promise((r) => setTimeout(r, 20))
+      expect([...gone.keys()].sort()).toEqual([a, b])
+      // Neither went before it was seen unchanged for a whole period (b went 100 ms after it was found).
+      for (const [p, t] of gone) expect(t - at.get(p)!).toBeGreaterThanOrEqual(periodMs)
+      expect(w.size).toBe(0)
+    } finally {
+      w.close()
+    }
   })
 
   it("a fresh temp file named with this process's pid is a previous process's leftover (a container's pid 1), unless this process writes it", async () => {

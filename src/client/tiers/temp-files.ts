@@ -138,20 +138,32 @@ interface Seen {
   ctimeMs: number
 }
 
+const MAX_TIMER_MS = 2 ** 31 - 1
+
+/** A watched file: as last seen, and when (this process's monotonic clock, once that stat answered). */
+interface Watched {
+  seen: Seen
+  at: number
+}
+
 /**
  * Temp files whose writer cannot be told from here (another host's or container's, a live
  * process's, another thread's): a file unchanged for `periodMs`, timed by this process's own
  * monotonic clock, is a stopped writer's leftover and discarded. Never its age by its mtime:
  * that is another clock (the writer's host's, or a network file system's server's), and an hour
  * of skew between them would delete a write in flight. At most `max` files are watched at once
- * (the rest wait for a later open); a file that changed is watched another period.
+ * (the rest wait for a later open); a file that changed is watched another period. Each file is
+ * judged a whole period after it was last seen, not when the files watched before it are: one
+ * found late in a long scan is not judged over the few milliseconds left of their period.
  */
 export class StaleTempWatch {
-  readonly #seen = new Map<string, Seen>()
+  /** In the order they are due: each entry is (re)inserted when seen, with the same period. */
+  readonly #watched = new Map<string, Watched>()
   readonly #periodMs: number
   readonly #max: number
   readonly #discard: (path: string) => Promise<void>
   #timer: NodeJS.Timeout | undefined
+  #checking = false
   #closed = false
 
   constructor(periodMs: number, max: number, discard: (path: string) => Promise<void>) {
@@ -162,15 +174,16 @@ export class StaleTempWatch {
 
   /** Files watched now. */
   get size(): number {
-    return this.#seen.size
+    return this.#watched.size
   }
 
   /** Watches `path` from now (a file that cannot be stat'ed, or one past `max`, is left alone). */
   async watch(path: string): Promise<void> {
-    if (this.#closed || this.#seen.size >= this.#max || this.#seen.has(path)) return
+    if (this.#closed || this.#watched.size >= this.#max || this.#watched.has(path)) return
     const now = await seen(path)
-    if (now === undefined || this.#closed || this.#seen.size >= this.#max) return
-    this.#seen.set(path, now)
+    if (now === undefined || this.#closed || this.#watched.size >= this.#max || this.#watched.has(path))
+      return
+    this.#watched.set(path, { seen: now, at: performance.now() })
     this.#arm()
   }
 
@@ -178,29 +191,39 @@ export class StaleTempWatch {
     this.#closed = true
     clearTimeout(this.#timer)
     this.#timer = undefined
-    this.#seen.clear()
+    this.#watched.clear()
   }
 
+  /** A timer for the first file due (none while a check runs: it arms one when done). */
   #arm(): void {
-    if (this.#timer !== undefined || this.#closed) return
-    this.#timer = setTimeout(() => void this.#check(), this.#periodMs)
+    if (this.#timer !== undefined || this.#checking || this.#closed) return
+    const first = this.#watched.values().next()
+    if (first.done) return
+    // Node fires a timer over 2^31 - 1 ms at once: a longer period is waited for in steps.
+    const wait = Math.min(MAX_TIMER_MS, Math.max(0, first.value.at + this.#periodMs - performance.now()))
+    this.#timer = setTimeout(() => void this.#check(), wait)
     this.#timer.unref()
   }
 
   async #check(): Promise<void> {
-    for (const [path, before] of [...this.#seen]) {
-      if (this.#closed) return
-      const now = await seen(path)
-      if (this.#closed) return
-      if (now === undefined)
-        this.#seen.delete(path) // renamed (the write finished) or deleted
-      else if (same(before, now)) {
-        this.#seen.delete(path)
-        await this.#discard(path)
-      } else this.#seen.set(path, now)
-    }
     this.#timer = undefined
-    if (this.#seen.size > 0) this.#arm()
+    this.#checking = true
+    try {
+      for (const [path, before] of [...this.#watched]) {
+        // Due in order: the first not due yet ends this check (the next timer is for it).
+        if (performance.now() - before.at < this.#periodMs) break
+        const now = await seen(path)
+        if (this.#closed) return
+        this.#watched.delete(path)
+        if (now === undefined) continue // renamed (the write finished) or deleted
+        if (same(before.seen, now)) await this.#discard(path)
+        else this.#watched.set(path, { seen: now, at: performance.now() }) // changed: another period, due last
+        if (this.#closed) return
+      }
+    } finally {
+      this.#checking = false
+    }
+    this.#arm()
   }
 }
 
