@@ -211,6 +211,24 @@ describe('DiskTier in a shared directory', () => {
     }
   })
 
+  it("a staleTempMs past Node's timer limit (2^31 - 1 ms) is not a timer that fires at once", async () => {
+    const dir = tempDir()
+    const p = join(dir, 'a')
+    writeFileSync(p, 'partial')
+    const gone: string[] = []
+    const w = new StaleTempWatch(2 ** 32, 16, async (q) => {
+      gone.push(q)
+    })
+    try {
+      await w.watch(p)
+      await new Promise((r) => setTimeout(r, 200))
+      expect(gone).toEqual([])
+      expect(w.size).toBe(1)
+    } finally {
+      w.close()
+    }
+  })
+
   it("a fresh temp file named with this process's pid is a previous process's leftover (a container's pid 1), unless this process writes it", async () => {
     const dir = tempDir()
     mkdirSync(join(dir, '00'))
