@@ -40,7 +40,7 @@ const START = ownStart()
 /**
  * Where this process's pids mean something: its hostname, boot and pid namespace. Pids and
  * start times are this namespace's only, so another's names (a directory shared across
- * containers or machines) are judged by age alone, even one whose pid is this process's (every
+ * containers or machines) are watched until unchanged a while (StaleTempWatch), even one whose pid is this process's (every
  * container's entrypoint is pid 1). The hostname alone does not tell containers apart: a
  * Kubernetes pod with hostNetwork, or `docker run --hostname`, has the node's or a given name.
  */
@@ -95,7 +95,7 @@ export function endTemp(name: string): void {
  * process is dead or was an earlier one with the pid, or it is this thread's and this thread
  * is not writing it), 'live' when this thread is writing it, undefined when that cannot be
  * told from here (another thread of this process, a live process, another host or container): the caller
- * judges it by its age.
+ * watches it (StaleTempWatch), never judging it by its mtime.
  */
 export async function tempWriter(name: string): Promise<'gone' | 'live' | undefined> {
   const m = NAME_RE.exec(name)
