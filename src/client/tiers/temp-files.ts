@@ -40,9 +40,10 @@ const START = ownStart()
 /**
  * Where this process's pids mean something: its hostname, boot and pid namespace. Pids and
  * start times are this namespace's only, so another's names (a directory shared across
- * containers or machines) are watched until unchanged a while (StaleTempWatch), even one whose pid is this process's (every
- * container's entrypoint is pid 1). The hostname alone does not tell containers apart: a
- * Kubernetes pod with hostNetwork, or `docker run --hostname`, has the node's or a given name.
+ * containers or machines) are watched until unchanged a while (StaleTempWatch), even one
+ * whose pid is this process's (every container's entrypoint is pid 1). The hostname alone
+ * does not tell containers apart: a Kubernetes pod with hostNetwork, or `docker run
+ * --hostname`, has the node's or a given name.
  */
 const HOST = crc32(new TextEncoder().encode(pidSpace())).toString(16).padStart(8, '0')
 
