@@ -226,6 +226,26 @@ describe('objects this build cannot read, answers a proxy changed: not corruptio
     expect(s.corruptReported).toBe(0)
   })
 
+  it("a held key that L1 holds again (the engine recomputed and stored it) counts and serves from L1; the newer writer's object stays", async () => {
+    const { toks, kv, keys } = await seeded(2, 47)
+    const newer = newerWriter(gw.objects.get(keys[1]!)!, (dv) => dv.setUint16(4, 3, true))
+    gw.objects.set(keys[1]!, newer)
+    const b = await node()
+    expect(sum(await b.retrieve(toks, { into: new Uint8Array(2 * CB) }))).toBe(T)
+    expect(b.stats().remote!.unservableHeld).toBe(1)
+    // Stored again here: L1 holds chunk 1 now, the hold only says L4's copy cannot be read.
+    await b.store(toks, kv)
+    await b.flush()
+    const stops = b.stats().remote!.unservableLookupStops
+    expect((await b.lookup(toks)).tokens).toBe(2 * T)
+    const out = new Uint8Array(2 * CB)
+    expect(sum(await b.retrieve(toks, { into: out }))).toBe(2 * T)
+    expect(out).toEqual(kv)
+    expect(b.stats().remote!.unservableLookupStops).toBe(stops)
+    // The write-behind put nothing over the newer writer's object (create-only, and known present).
+    expect(gw.objects.get(keys[1]!)).toEqual(newer)
+  })
+
   it("a newer writer's object first met by retrieveLayers (its layer groups asked at once) puts one key on hold, counted once", async () => {
     const { toks, keys } = await seeded(2, 46)
     gw.objects.set(
