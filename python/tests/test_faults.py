@@ -657,6 +657,8 @@ def test_malformed_load_progress_is_logged_once_a_minute_and_counted_every_time(
     def script(agent, conn, req, n):
         if req["op"] == "load":
             agent.send(conn, {"event": "load-progress", "id": req["id"], "layers": "x"})
+            # A well-formed event after it does not make the load's progress believable again.
+            agent.send(conn, {"event": "load-progress", "id": req["id"], "layers": 3})
             return {"ok": True, "chunks": 2, "tokens": 64, "failedBlocks": [], "error": None}
         return well_behaved(agent, conn, req, n)
 
