@@ -234,6 +234,8 @@ describe('objects this build cannot read, answers a proxy changed: not corruptio
     expect(sum(await b.retrieve(toks, { into: new Uint8Array(2 * CB) }))).toBe(T)
     expect(b.stats().remote!.unservableHeld).toBe(1)
     // Stored again here: L1 holds chunk 1 now, the hold only says L4's copy cannot be read.
+    const putsOf = () => gw.requests.filter((r) => r.method === 'PUT' && r.path.includes(keys[1]!)).length
+    const seededPuts = putsOf()
     await b.store(toks, kv)
     await b.flush()
     const stops = b.stats().remote!.unservableLookupStops
@@ -242,7 +244,8 @@ describe('objects this build cannot read, answers a proxy changed: not corruptio
     expect(sum(await b.retrieve(toks, { into: out }))).toBe(2 * T)
     expect(out).toEqual(kv)
     expect(b.stats().remote!.unservableLookupStops).toBe(stops)
-    // The write-behind put nothing over the newer writer's object (create-only, and known present).
+    // The write-behind put nothing over the newer writer's object: not even tried (known present).
+    expect(putsOf()).toBe(seededPuts)
     expect(gw.objects.get(keys[1]!)).toEqual(newer)
   })
 
