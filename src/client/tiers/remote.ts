@@ -101,7 +101,8 @@ export interface RemoteTierStats {
   corruptConfirmed: number
   /**
    * Objects a newer kvgate wrote (a format version, flag, codec or dtype this build does not
-   * know, under an intact header): misses, neither reported corrupt nor forgotten.
+   * know, under an intact header): misses, neither reported corrupt nor forgotten. Counted once
+   * a hold (unservableHeld): GETs of it already on their way then (layer groups) count no more.
    */
   newerObjects: number
   /**
