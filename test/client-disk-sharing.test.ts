@@ -313,10 +313,14 @@ describe('DiskTier in a shared directory', () => {
       thread!,
       host === '00000000' ? '00000001' : '00000000',
     )
-    for (const p of [earlier, thisThreadDone, otherThread, otherThreadOld, otherHost])
+    // Past any clock skew (8 days): a dead foreign writer's, deleted at open.
+    const otherHostAncient = path(hexOf(14), start!, thread!, host === '00000000' ? '00000001' : '00000000')
+    for (const p of [earlier, thisThreadDone, otherThread, otherThreadOld, otherHost, otherHostAncient])
       writeFileSync(p, 'partial')
     const twoHoursAgo = (Date.now() - 2 * 3600_000) / 1000
     utimesSync(otherThreadOld, twoHoursAgo, twoHoursAgo)
+    const eightDaysAgo = (Date.now() - 8 * 24 * 3600_000) / 1000
+    utimesSync(otherHostAncient, eightDaysAgo, eightDaysAgo)
     const b = await DiskTier.open({ dir, bytes: 1 << 20 })
     expect(existsSync(join(dir, '00', own!))).toBe(true)
     expect(existsSync(earlier)).toBe(false)
@@ -324,7 +328,8 @@ describe('DiskTier in a shared directory', () => {
     expect(existsSync(otherThread)).toBe(true)
     expect(existsSync(otherThreadOld)).toBe(true) // watched (the test before): its mtime is not trusted
     expect(existsSync(otherHost)).toBe(true)
-    expect(b.stats().recoveredDiscarded).toBe(2)
+    expect(existsSync(otherHostAncient)).toBe(false)
+    expect(b.stats().recoveredDiscarded).toBe(3)
     release()
     expect(await writing).toBe(true)
   })

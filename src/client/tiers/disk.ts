@@ -199,6 +199,13 @@ interface Scan {
 const PROBES_IN_FLIGHT = 16
 /** Temp files of writers that cannot be told watched at once (the rest wait for a later open): the memory bound. */
 const MAX_WATCHED_TEMPS = 4096
+/**
+ * A temp file whose writer cannot be told is judged by this process's clock (StaleTempWatch),
+ * not its mtime, except past this age: no clock is a week off and no chunk write takes a week,
+ * while processes that restart more often than staleTempMs would otherwise never clear a dead
+ * foreign writer's leftovers from a shared directory.
+ */
+const FOREIGN_TEMP_MAX_AGE_MS = 7 * 24 * 3_600_000
 const FILE_RE = /^[0-9a-f]{64}\.kvc$/
 const SUBDIR_RE = /^[0-9a-f]{2}$/
 /**
@@ -408,7 +415,8 @@ export class DiskTier {
     if (name.startsWith(TMP_PREFIX)) {
       // A write that never reached its rename: its writer died, unless it is still running.
       const writer = await tempWriter(name)
-      if (writer === 'gone') await this.#discard(path)
+      if (writer === 'gone' || (writer === undefined && (await olderThan(path, FOREIGN_TEMP_MAX_AGE_MS))))
+        await this.#discard(path)
       else if (writer === undefined) await this.#staleTemps.watch(path)
       return
     }
@@ -1071,5 +1079,14 @@ async function fsyncDir(dir: string): Promise<void> {
     await fh.sync()
   } finally {
     await fh.close()
+  }
+}
+
+/** Whether the file's mtime is more than `ms` before this host's clock (false when it cannot be stat'ed). */
+async function olderThan(path: string, ms: number): Promise<boolean> {
+  try {
+    return Date.now() - (await stat(path)).mtimeMs > ms
+  } catch {
+    return false
   }
 }
