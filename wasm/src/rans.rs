@@ -1104,13 +1104,16 @@ unsafe fn simd_fast_loop<const TRACK: bool, S: GroupSink>(
             );
             // xs < 2^16 as "high half zero": LLVM turns a u32 compare (or shift + compare)
             // into i32x4 lt_u, which V8 lowers to four instructions (x64 has no unsigned compare).
-            let need = i32x4_shr(i16x8_eq(xs, zero), 16);
-            let m = i32x4_bitmask(need) as usize & 15;
+            // eq's sign bit per lane is the need bit, and eq >> 16 is 0xffff in those lanes,
+            // so xs + xs·(eq >> 16) is xs << 16 there and xs elsewhere: one multiply instead of
+            // a shift, a sign-extending shift and a three-instruction bitselect.
+            let eq = i16x8_eq(xs, zero);
+            let m = i32x4_bitmask(eq) as usize & 15;
             let w = i8x16_swizzle(
                 v128_load(rp as *const v128),
                 v128_load(shuf.add(m) as *const v128),
             );
-            $x = v128_or(v128_bitselect(u32x4_shl(xs, 16), xs, need), w);
+            $x = v128_or(i32x4_add(xs, i32x4_mul(xs, u32x4_shr(eq, 16))), w);
             rp = rp.add(2 * (m as u32).count_ones() as usize);
         }};
     }
@@ -1262,7 +1265,13 @@ unsafe fn simd_pair_loop(a: PairSide, b: PairSide, n: usize, c: usize) -> (usize
         bdp.add(b.1.len() - SIMD_SLACK),
     );
     let (asp, bsp) = (a.2.as_mut_ptr(), b.2.as_mut_ptr());
-    let (acb, bcb) = (a.3.as_ptr(), b.3.as_ptr());
+    // Both streams' class bases, group by group (a's 8, then b's 8): one pointer for both.
+    let mut bases: Vec<u32> = Vec::with_capacity(2 * c);
+    for (ga, gb) in a.3.chunks_exact(LANES).zip(b.3.chunks_exact(LANES)) {
+        bases.extend_from_slice(ga);
+        bases.extend_from_slice(gb);
+    }
+    let cbp = bases.as_ptr();
     let (atp, btp) = (a.4.as_ptr(), b.4.as_ptr());
     let (mut arp, mut brp) = (adp, bdp);
     let mut j = 0usize;
@@ -1284,38 +1293,55 @@ unsafe fn simd_pair_loop(a: PairSide, b: PairSide, n: usize, c: usize) -> (usize
                 i32x4_mul(u32x4_shr(e, 20), u32x4_shr($x, PROB_BITS)),
                 v128_and(u32x4_shr(e, 8), bias_mask),
             );
-            let need = i32x4_shr(i16x8_eq(xs, zero), 16);
-            let m = i32x4_bitmask(need) as usize & 15;
+            // As in simd_fast_loop (x << 16 where the lane needs a word, by a multiply).
+            let eq = i16x8_eq(xs, zero);
+            let m = i32x4_bitmask(eq) as usize & 15;
             let w = i8x16_swizzle(
                 v128_load($rp as *const v128),
                 v128_load(shuf.add(m) as *const v128),
             );
-            $x = v128_or(v128_bitselect(u32x4_shl(xs, 16), xs, need), w);
+            $x = v128_or(i32x4_add(xs, i32x4_mul(xs, u32x4_shr(eq, 16))), w);
             $rp = $rp.add(2 * (m as u32).count_ones() as usize);
         }};
     }
     // One group of LANES symbols of one stream, as in simd_fast_loop (with class bases).
     macro_rules! group {
         ($x0:ident, $x1:ident, $rp:ident, $sp:ident, $cb:ident, $tp:ident) => {{
-            let i0 = i32x4_add(v128_and($x0, mask), v128_load($cb.add(ch) as *const v128));
-            let i1 = i32x4_add(
-                v128_and($x1, mask),
-                v128_load($cb.add(ch + 4) as *const v128),
-            );
+            let i0 = i32x4_add(v128_and($x0, mask), v128_load($cb as *const v128));
+            let i1 = i32x4_add(v128_and($x1, mask), v128_load($cb.add(4) as *const v128));
             let e0 = gather!($tp, i0);
             let e1 = gather!($tp, i1);
             let s = u16x8_narrow_i32x4(v128_and(e0, sym_mask), v128_and(e1, sym_mask));
             let s = u8x16_narrow_i16x8(s, s);
-            v128_store64_lane::<0>(s, $sp.add(j) as *mut u64);
+            v128_store64_lane::<0>(s, $sp.add(ch) as *mut u64);
             step!($x0, e0, $rp);
             step!($x1, e1, $rp);
         }};
     }
-    while j < n && arp <= alim && brp <= blim {
-        group!(a0, a1, arp, asp, acb, atp);
-        group!(b0, b1, brp, bsp, bcb, btp);
-        j += LANES;
-        ch += LANES;
+    // A group reads at most 2·LANES bytes of each stream's words, so from position rp ≤ lim
+    // at least (lim − rp) / 16 + 1 more groups keep every load inside the words: run that
+    // many (up to the row's end) without testing the read positions, then look again.
+    let safe = |rp: *const u8, lim: *const u8| -> usize {
+        if rp > lim {
+            0
+        } else {
+            lim.offset_from(rp) as usize / (2 * LANES) + 1
+        }
+    };
+    while j < n {
+        let groups = safe(arp, alim).min(safe(brp, blim)).min((c - ch) / LANES);
+        if groups == 0 {
+            break;
+        }
+        let stop = ch + groups * LANES;
+        let (arow, brow) = (asp.add(j - ch), bsp.add(j - ch));
+        while ch < stop {
+            let (acb, bcb) = (cbp.add(2 * ch), cbp.add(2 * ch + LANES));
+            group!(a0, a1, arp, arow, acb, atp);
+            group!(b0, b1, brp, brow, bcb, btp);
+            ch += LANES;
+        }
+        j += groups * LANES;
         if ch == c {
             ch = 0;
         }
