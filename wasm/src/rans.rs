@@ -96,7 +96,7 @@ fn table_bytes(f: &[u32]) -> usize {
         .sum::<usize>()
 }
 
-/// Decode table: entry = freq << 20 | (slot - start) << 8 | symbol.
+/// Decode table: entry = symbol << 24 | (slot - start) << 11 | freq (`dec_entry`).
 pub fn read_table(r: &mut Reader, max_syms: usize, dec: &mut [u32]) -> Option<()> {
     let n = r.u8()? as usize + 1;
     if n > max_syms {
@@ -109,7 +109,7 @@ pub fn read_table(r: &mut Reader, max_syms: usize, dec: &mut [u32]) -> Option<()
             return None;
         }
         for k in 0..f {
-            dec[(pos + k) as usize] = (f << 20) | (k << 8) | s as u32;
+            dec[(pos + k) as usize] = dec_entry(s as u32, k, f);
         }
         pos += f;
     }
@@ -117,6 +117,15 @@ pub fn read_table(r: &mut Reader, max_syms: usize, dec: &mut [u32]) -> Option<()
         return None;
     }
     Some(())
+}
+
+/// A decode table entry: the symbol (< 256), the slot's offset in its run (< freq) and the
+/// frequency (< PROB_SCALE), laid out so the decoders take freq and offset with the slot mask
+/// (PROB_SCALE − 1, already in a register) and the symbol with one shift: fewer vector
+/// constants live in the SIMD loops (V8 spilled them).
+#[inline(always)]
+fn dec_entry(sym: u32, offset: u32, freq: u32) -> u32 {
+    (sym << 24) | (offset << PROB_BITS) | freq
 }
 
 /// A vector of `n` elements that the caller overwrites before reading.
@@ -735,7 +744,7 @@ pub fn fill_table(f: &[u32], dec: &mut [u32]) {
     let mut pos = 0usize;
     for (s, &v) in f.iter().enumerate() {
         for k in 0..v {
-            dec[pos + k as usize] = (v << 20) | (k << 8) | s as u32;
+            dec[pos + k as usize] = dec_entry(s as u32, k, v);
         }
         pos += v as usize;
     }
@@ -857,8 +866,8 @@ fn decode_from<S: GroupSink>(
         ($lane:expr, $i:expr, $base:expr, $read:expr) => {{
             let xs = x[$lane];
             let e = dec[($base + (xs & mask)) as usize];
-            syms[$i] = e as u8;
-            let mut xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
+            syms[$i] = (e >> 24) as u8;
+            let mut xs = (e & mask) * (xs >> PROB_BITS) + ((e >> PROB_BITS) & mask);
             if xs < RANS_L {
                 xs = (xs << 16) | $read;
             }
@@ -917,9 +926,9 @@ fn decode_from<S: GroupSink>(
                                 macro_rules! fast {
                                     ($xs:ident, $off:expr) => {{
                                         let e = *tp.add(($base($off) + ($xs & mask)) as usize);
-                                        *op.add($off) = e as u8;
-                                        let xs =
-                                            (e >> 20) * ($xs >> PROB_BITS) + ((e >> 8) & 0xfff);
+                                        *op.add($off) = (e >> 24) as u8;
+                                        let xs = (e & mask) * ($xs >> PROB_BITS)
+                                            + ((e >> PROB_BITS) & mask);
                                         let w = u16::from_le((rp as *const u16).read_unaligned())
                                             as u32;
                                         let need = xs < RANS_L;
@@ -1071,9 +1080,7 @@ unsafe fn simd_fast_loop<const TRACK: bool, S: GroupSink>(
     let cbp = cbase.as_ptr();
     let shuf = RENORM.as_ptr();
     let mask = u32x4_splat(PROB_SCALE - 1);
-    let bias_mask = u32x4_splat(0xfff);
     let zero = u32x4_splat(0);
-    let sym_mask = u32x4_splat(0xff);
     let mut xa = u32x4(x[0], x[1], x[2], x[3]);
     let mut xb = u32x4(x[4], x[5], x[6], x[7]);
     let mut rp = dp.add(p0);
@@ -1099,8 +1106,8 @@ unsafe fn simd_fast_loop<const TRACK: bool, S: GroupSink>(
         ($x:ident, $e:expr) => {{
             let e = $e;
             let xs = i32x4_add(
-                i32x4_mul(u32x4_shr(e, 20), u32x4_shr($x, PROB_BITS)),
-                v128_and(u32x4_shr(e, 8), bias_mask),
+                i32x4_mul(v128_and(e, mask), u32x4_shr($x, PROB_BITS)),
+                v128_and(u32x4_shr(e, PROB_BITS), mask),
             );
             // xs < 2^16 as "high half zero": LLVM turns a u32 compare (or shift + compare)
             // into i32x4 lt_u, which V8 lowers to four instructions (x64 has no unsigned compare).
@@ -1129,9 +1136,9 @@ unsafe fn simd_fast_loop<const TRACK: bool, S: GroupSink>(
         };
         let ea = gather!(ia);
         let eb = gather!(ib);
-        // The symbols (low bytes) of the 8 entries; a two-vector byte shuffle costs V8 two
+        // The symbols (top bytes) of the 8 entries; a two-vector byte shuffle costs V8 two
         // pshufb with constants built in registers.
-        let s = u16x8_narrow_i32x4(v128_and(ea, sym_mask), v128_and(eb, sym_mask));
+        let s = u16x8_narrow_i32x4(u32x4_shr(ea, 24), u32x4_shr(eb, 24));
         let s = u8x16_narrow_i16x8(s, s);
         v128_store64_lane::<0>(s, op as *mut u64);
         step!(xa, ea);
@@ -1247,9 +1254,7 @@ unsafe fn simd_pair_loop(a: PairSide, b: PairSide, n: usize, c: usize) -> (usize
     use core::arch::wasm32::*;
     let shuf = RENORM.as_ptr();
     let mask = u32x4_splat(PROB_SCALE - 1);
-    let bias_mask = u32x4_splat(0xfff);
     let zero = u32x4_splat(0);
-    let sym_mask = u32x4_splat(0xff);
     let (ax, bx) = (a.0, b.0);
     let (mut a0, mut a1) = (
         u32x4(ax[0], ax[1], ax[2], ax[3]),
@@ -1290,8 +1295,8 @@ unsafe fn simd_pair_loop(a: PairSide, b: PairSide, n: usize, c: usize) -> (usize
         ($x:ident, $e:expr, $rp:ident) => {{
             let e = $e;
             let xs = i32x4_add(
-                i32x4_mul(u32x4_shr(e, 20), u32x4_shr($x, PROB_BITS)),
-                v128_and(u32x4_shr(e, 8), bias_mask),
+                i32x4_mul(v128_and(e, mask), u32x4_shr($x, PROB_BITS)),
+                v128_and(u32x4_shr(e, PROB_BITS), mask),
             );
             // As in simd_fast_loop (x << 16 where the lane needs a word, by a multiply).
             let eq = i16x8_eq(xs, zero);
@@ -1311,7 +1316,7 @@ unsafe fn simd_pair_loop(a: PairSide, b: PairSide, n: usize, c: usize) -> (usize
             let i1 = i32x4_add(v128_and($x1, mask), v128_load($cb.add(4) as *const v128));
             let e0 = gather!($tp, i0);
             let e1 = gather!($tp, i1);
-            let s = u16x8_narrow_i32x4(v128_and(e0, sym_mask), v128_and(e1, sym_mask));
+            let s = u16x8_narrow_i32x4(u32x4_shr(e0, 24), u32x4_shr(e1, 24));
             let s = u8x16_narrow_i16x8(s, s);
             v128_store64_lane::<0>(s, $sp.add(ch) as *mut u64);
             step!($x0, e0, $rp);
