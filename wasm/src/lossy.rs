@@ -1715,15 +1715,14 @@ impl<'b, const DELTA: bool, const DT: u32> FusedRows<'b, DELTA, DT> {
         // The upper 8 bytes are zero, so only this group's symbols can be escapes. Symbols
         // are < 128: a signed compare (one instruction; unsigned ones take V8 four).
         let esc = u8x16_bitmask(i8x16_gt(b, i8x16_splat(DIRECT as i8 - 1))) as u32;
-        let r = if esc != 0 {
-            let z = [u32x4_extend_low_u16x8(w), u32x4_extend_high_u16x8(w)];
+        let mut z = [u32x4_extend_low_u16x8(w), u32x4_extend_high_u16x8(w)];
+        if esc != 0 {
             match escape_group(syms.add(j), esc, self.bits, z) {
-                Some(v) => residuals8(v),
+                Some(v) => z = v,
                 None => return false,
             }
-        } else {
-            direct_residuals8(w)
-        };
+        }
+        let r = residuals8(z);
         recon8::<DELTA, true, DT>(
             r,
             self.centers.add(ch),

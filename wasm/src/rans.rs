@@ -1111,16 +1111,15 @@ unsafe fn simd_fast_loop<const TRACK: bool, S: GroupSink>(
             );
             // xs < 2^16 as "high half zero": LLVM turns a u32 compare (or shift + compare)
             // into i32x4 lt_u, which V8 lowers to four instructions (x64 has no unsigned compare).
-            // eq's sign bit per lane is the need bit, and eq >> 16 is 0xffff in those lanes,
-            // so xs + xs·(eq >> 16) is xs << 16 there and xs elsewhere: one multiply instead of
-            // a shift, a sign-extending shift and a three-instruction bitselect.
-            let eq = i16x8_eq(xs, zero);
-            let m = i32x4_bitmask(eq) as usize & 15;
+            // The joint loop's multiply form of the select (simd_pair_loop) adds ~2 cycles to
+            // this loop's dependency chain, which bounds it (q9 decode 0.91–0.97×).
+            let need = i32x4_shr(i16x8_eq(xs, zero), 16);
+            let m = i32x4_bitmask(need) as usize & 15;
             let w = i8x16_swizzle(
                 v128_load(rp as *const v128),
                 v128_load(shuf.add(m) as *const v128),
             );
-            $x = v128_or(i32x4_add(xs, i32x4_mul(xs, u32x4_shr(eq, 16))), w);
+            $x = v128_or(v128_bitselect(u32x4_shl(xs, 16), xs, need), w);
             rp = rp.add(2 * (m as u32).count_ones() as usize);
         }};
     }
@@ -1298,7 +1297,10 @@ unsafe fn simd_pair_loop(a: PairSide, b: PairSide, n: usize, c: usize) -> (usize
                 i32x4_mul(v128_and(e, mask), u32x4_shr($x, PROB_BITS)),
                 v128_and(u32x4_shr(e, PROB_BITS), mask),
             );
-            // As in simd_fast_loop (x << 16 where the lane needs a word, by a multiply).
+            // The i16x8 eq's sign bit per lane is the need bit, and eq >> 16 is 0xffff in those
+            // lanes, so xs + xs·(eq >> 16) is xs << 16 there and xs elsewhere: one multiply
+            // instead of a shift, a sign-extending shift and a three-instruction bitselect. This
+            // loop is bound by instructions, not by its chains (simd_fast_loop keeps the select).
             let eq = i16x8_eq(xs, zero);
             let m = i32x4_bitmask(eq) as usize & 15;
             let w = i8x16_swizzle(
