@@ -8,6 +8,7 @@
 
 import { readFileSync } from 'node:fs'
 import { describe, expect, it } from 'vitest'
+import { f32ToF16 } from '../src/core/dtype.ts'
 
 type Exports = Record<string, (...a: number[]) => number> & { memory: WebAssembly.Memory }
 
@@ -306,3 +307,68 @@ describe('joint K/V decode (wasm) against one stream at a time', () => {
     expect(rejected).toBeGreaterThan(300)
   })
 })
+
+// fp16 output of uniform-step rows folds the 2^-112 exponent rebias into the step (recon8,
+// uniform_step): exact only while every product is a normal f32, and a product that overflows
+// f32 must still come out as Inf. Whatever the stream's base (a hostile one too), the fp16
+// decode must be the fp16 rounding of the fp32 decode, element for element.
+describe('fp16 decode against the fp32 decode of the same section', () => {
+  const bases = [
+    2 ** -14, // the smallest base the rebiased path takes
+    2 ** -14 * (1 - 2 ** -24), // just below: the full conversion (subnormal outputs)
+    2 ** -24,
+    1e-3,
+    -0.75,
+    65504 / 7,
+    3.4e38, // products of |q| ≥ 2 overflow f32 to Inf
+    -3e38,
+  ]
+  const withBase = (s: Uint8Array, planes: number, base: number) => {
+    const out = s.slice()
+    const dv = new DataView(out.buffer)
+    dv.setFloat32(planes === 1 ? 0 : 4, base, true)
+    if (planes === 2) dv.setFloat32(4 + dv.getUint32(0, true), base, true)
+    return out
+  }
+
+  it('every base: fp16 bits = f32ToF16 of the fp32 value (joint K/V rows and the fused latent loop)', () => {
+    let inf = 0
+    for (const planes of [2, 1])
+      for (const [t, c] of [
+        [9, 64],
+        [3, 24],
+      ] as const) {
+        const clean = encode(1, t, c, 0.01, planes)
+        for (const base of bases) {
+          const s = withBase(clean, planes, base)
+          const f32 = decode32(t, c, planes, s)
+          const f16 = decode(1, t, c, planes, s)
+          expect(f16.rc).toBe(0)
+          const got = new Uint16Array(f16.out.buffer, f16.out.byteOffset, f16.out.length / 2)
+          for (let i = 0; i < f32.length; i++) {
+            const want = f32ToF16(f32[i]!)
+            if (got[i] !== want)
+              expect.fail(
+                `${planes} planes ${t}x${c} base ${base}: element ${i} = ${f32[i]} → ${got[i]}, not ${want}`,
+              )
+            if ((want & 0x7fff) === 0x7c00) inf++
+          }
+        }
+      }
+    // The overflowing bases were exercised.
+    expect(inf).toBeGreaterThan(100)
+  })
+})
+
+function decode32(t: number, c: number, planes: number, section: Uint8Array): Float32Array {
+  const size = planes * t * c * 4
+  const src = ex.kv_alloc!(section.length)
+  const dst = ex.kv_alloc!(size)
+  new Uint8Array(ex.memory.buffer, src, section.length).set(section)
+  const rc = ex.kv_decode!(2, src, section.length, planes === 1 ? 3 | LATENT : 3, t, c, dst)
+  expect(rc).toBe(0)
+  const out = new Float32Array(new Uint8Array(ex.memory.buffer, dst, size).slice().buffer)
+  ex.kv_free!(src, section.length)
+  ex.kv_free!(dst, size)
+  return out
+}

@@ -1395,6 +1395,19 @@ mod simd {
         v128_or(r, v128_and(u32x4_shr(f, 16), u32x4_splat(0x8000)))
     }
 
+    /// `f32x4_to_f16_normal` of f · 2^112 for `s` = f · 2^-112 already scaled (recon8 folds
+    /// the 2^-112 into a uniform step: exact, since every nonzero |f| is ≥ 2^-14, so both
+    /// products are normal f32 and scaling by a power of two commutes with their rounding; a
+    /// product that would overflow to Inf is a finite s ≥ 2^16 here, which saturates to Inf alike).
+    #[inline(always)]
+    pub fn f32x4_scaled_to_f16(s: v128) -> v128 {
+        let a = v128_and(s, u32x4_splat(0x7fff_ffff));
+        let odd = v128_and(u32x4_shr(a, 13), u32x4_splat(1));
+        let r = u32x4_shr(i32x4_add(i32x4_add(a, u32x4_splat(0xfff)), odd), 13);
+        let r = i32x4_min(r, i32x4_splat(0x7c00));
+        v128_or(r, v128_and(u32x4_shr(s, 16), u32x4_splat(0x8000)))
+    }
+
     #[inline(always)]
     pub fn f32x4_to_bf16(f: v128) -> v128 {
         // Finite inputs only (the decoder's products are finite unless the stream is hostile).
@@ -1403,17 +1416,49 @@ mod simd {
     }
 }
 
-/// Reconstructs 8 channels from their zigzag residuals (`z`, two u32x4) and writes them
+/// The residuals of 8 zigzag values (two u32x4), for recon8.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+fn residuals8(z: [core::arch::wasm32::v128; 2]) -> [core::arch::wasm32::v128; 2] {
+    use core::arch::wasm32::*;
+    let one = u32x4_splat(1);
+    let r = |z: v128| v128_xor(u32x4_shr(z, 1), i32x4_neg(v128_and(z, one)));
+    [r(z[0]), r(z[1])]
+}
+
+/// The residuals of 8 direct symbols (zigzag values < 64, as u16x8), for recon8: unzigzagged
+/// in 16-bit lanes, 8 at a time, then sign-extended.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+fn direct_residuals8(w: core::arch::wasm32::v128) -> [core::arch::wasm32::v128; 2] {
+    use core::arch::wasm32::*;
+    let r = v128_xor(u16x8_shr(w, 1), i16x8_neg(v128_and(w, u16x8_splat(1))));
+    [i32x4_extend_low_i16x8(r), i32x4_extend_high_i16x8(r)]
+}
+
+/// The uniform step recon8 takes for output DT: for DT_F16_NORMAL the step times 2^-112 (exact:
+/// the step is ≥ 2^-14 in magnitude there, so the product is a normal f32), else the step.
+#[inline(always)]
+fn uniform_step<const DT: u32>(s: f32) -> f32 {
+    if DT == DT_F16_NORMAL {
+        // 2^-112: rebiases an f32 exponent to fp16's (simd::f32x4_to_f16_normal).
+        s * f32::from_bits((127 - 112) << 23)
+    } else {
+        s
+    }
+}
+
+/// Reconstructs 8 channels from their residuals (`r`, two i32x4; see `residuals8`) and writes them
 /// at `out` as DT: the prediction (the previous token's q where `dmask` is set, else the
-/// centre) plus the residual, times the step (`vs`, or per channel from `step` unless
-/// UNIFORM). Updates `prev` when DELTA.
+/// centre) plus the residual, times the step (`vs`, `uniform_step`'s value, or per channel
+/// from `step` unless UNIFORM). Updates `prev` when DELTA.
 ///
 /// SAFETY: `centers`, `dmask`, `prev` and (unless UNIFORM) `step` have 8 elements, and
 /// `out` 8 elements of DT.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 #[inline(always)]
 unsafe fn recon8<const DELTA: bool, const UNIFORM: bool, const DT: u32>(
-    z: [core::arch::wasm32::v128; 2],
+    r: [core::arch::wasm32::v128; 2],
     centers: *const i32,
     dmask: *const i32,
     prev: *mut i32,
@@ -1422,12 +1467,10 @@ unsafe fn recon8<const DELTA: bool, const UNIFORM: bool, const DT: u32>(
     out: *mut u8,
 ) {
     use core::arch::wasm32::*;
-    let one = u32x4_splat(1);
     let mut outv = [vs; 2];
     for h in 0..2 {
         let b = 4 * h;
-        let z = z[h];
-        let r = v128_xor(u32x4_shr(z, 1), i32x4_neg(v128_and(z, one)));
+        let r = r[h];
         let cv = v128_load(centers.add(b) as *const v128);
         let qv = if DELTA {
             let dm = v128_load(dmask.add(b) as *const v128);
@@ -1451,6 +1494,13 @@ unsafe fn recon8<const DELTA: bool, const UNIFORM: bool, const DT: u32>(
         v128_store(p as *mut v128, v);
     } else if DT == DT_F16 {
         let v = u16x8_narrow_i32x4(simd::f32x4_to_f16(outv[0]), simd::f32x4_to_f16(outv[1]));
+        v128_store(p as *mut v128, v);
+    } else if DT == DT_F16_NORMAL && UNIFORM {
+        // `vs` is the step · 2^-112 (F16_SCALE).
+        let v = u16x8_narrow_i32x4(
+            simd::f32x4_scaled_to_f16(outv[0]),
+            simd::f32x4_scaled_to_f16(outv[1]),
+        );
         v128_store(p as *mut v128, v);
     } else if DT == DT_F16_NORMAL {
         let v = u16x8_narrow_i32x4(
@@ -1494,29 +1544,40 @@ fn row_fast<const DELTA: bool, const UNIFORM: bool, const DT: u32, const Z: bool
     {
         return 0;
     }
-    let vs = f32x4_splat(s0);
+    let vs = f32x4_splat(uniform_step::<DT>(s0));
     let mut ch = 0;
     // SAFETY: ch + 8 ≤ c bounds every per-channel slice (all ≥ c long) and the
     // output (checked above).
+    let (pp, dp) = (prev.as_mut_ptr(), dst.as_mut_ptr());
     unsafe {
-        while ch + 8 <= c {
+        let group = |ch: usize| {
             let sv = if Z {
                 let zp = zrow.as_ptr().add(ch) as *const v128;
-                [v128_load(zp), v128_load(zp.add(1))]
+                residuals8([v128_load(zp), v128_load(zp.add(1))])
             } else {
-                let w =
-                    u16x8_extend_low_u8x16(v128_load64_zero(row.as_ptr().add(ch) as *const u64));
-                [u32x4_extend_low_u16x8(w), u32x4_extend_high_u16x8(w)]
+                direct_residuals8(u16x8_extend_low_u8x16(v128_load64_zero(
+                    row.as_ptr().add(ch) as *const u64,
+                )))
             };
             recon8::<DELTA, UNIFORM, DT>(
                 sv,
                 ctx.centers.as_ptr().add(ch),
                 ctx.dmask.as_ptr().add(ch),
-                prev.as_mut_ptr().add(ch),
+                pp.add(ch),
                 step.as_ptr().add(ch),
                 vs,
-                dst.as_mut_ptr().add((o + ch) * eb),
+                dp.add((o + ch) * eb),
             );
+        };
+        // Two groups per iteration: the loop's own instructions (one induction variable per
+        // array, V8's stack check) cost as much as a third of a group.
+        while ch + 16 <= c {
+            group(ch);
+            group(ch + 8);
+            ch += 16;
+        }
+        if ch + 8 <= c {
+            group(ch);
             ch += 8;
         }
     }
@@ -1651,18 +1712,19 @@ impl<'b, const DELTA: bool, const DT: u32> FusedRows<'b, DELTA, DT> {
         let (j, ch) = (self.j, self.ch);
         let b = v128_load64_zero(syms.add(j) as *const u64);
         let w = u16x8_extend_low_u8x16(b);
-        let mut z = [u32x4_extend_low_u16x8(w), u32x4_extend_high_u16x8(w)];
         // The upper 8 bytes are zero, so only this group's symbols can be escapes. Symbols
         // are < 128: a signed compare (one instruction; unsigned ones take V8 four).
         let esc = u8x16_bitmask(i8x16_gt(b, i8x16_splat(DIRECT as i8 - 1))) as u32;
+        let mut z = [u32x4_extend_low_u16x8(w), u32x4_extend_high_u16x8(w)];
         if esc != 0 {
             match escape_group(syms.add(j), esc, self.bits, z) {
                 Some(v) => z = v,
                 None => return false,
             }
         }
+        let r = residuals8(z);
         recon8::<DELTA, true, DT>(
-            z,
+            r,
             self.centers.add(ch),
             self.dmask.add(ch),
             self.prev.add(ch),
@@ -1755,7 +1817,7 @@ fn decode_fused<const DELTA: bool, const DT: u32>(
         j: 0,
         ch: 0,
         skip: c / 8,
-        vs: core::arch::wasm32::f32x4_splat(base),
+        vs: core::arch::wasm32::f32x4_splat(uniform_step::<DT>(base)),
         centers: centers.as_ptr(),
         dmask: dmask.as_ptr(),
         prev: prev.as_mut_ptr(),

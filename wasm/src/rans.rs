@@ -96,7 +96,7 @@ fn table_bytes(f: &[u32]) -> usize {
         .sum::<usize>()
 }
 
-/// Decode table: entry = freq << 20 | (slot - start) << 8 | symbol.
+/// Decode table: entry = symbol << 24 | (slot - start) << 11 | freq (`dec_entry`).
 pub fn read_table(r: &mut Reader, max_syms: usize, dec: &mut [u32]) -> Option<()> {
     let n = r.u8()? as usize + 1;
     if n > max_syms {
@@ -109,7 +109,7 @@ pub fn read_table(r: &mut Reader, max_syms: usize, dec: &mut [u32]) -> Option<()
             return None;
         }
         for k in 0..f {
-            dec[(pos + k) as usize] = (f << 20) | (k << 8) | s as u32;
+            dec[(pos + k) as usize] = dec_entry(s as u32, k, f);
         }
         pos += f;
     }
@@ -117,6 +117,15 @@ pub fn read_table(r: &mut Reader, max_syms: usize, dec: &mut [u32]) -> Option<()
         return None;
     }
     Some(())
+}
+
+/// A decode table entry: the symbol (< 256), the slot's offset in its run (< freq) and the
+/// frequency (< PROB_SCALE), laid out so the decoders take freq and offset with the slot mask
+/// (PROB_SCALE − 1, already in a register) and the symbol with one shift: fewer vector
+/// constants live in the SIMD loops (V8 spilled them).
+#[inline(always)]
+fn dec_entry(sym: u32, offset: u32, freq: u32) -> u32 {
+    (sym << 24) | (offset << PROB_BITS) | freq
 }
 
 /// A vector of `n` elements that the caller overwrites before reading.
@@ -735,7 +744,7 @@ pub fn fill_table(f: &[u32], dec: &mut [u32]) {
     let mut pos = 0usize;
     for (s, &v) in f.iter().enumerate() {
         for k in 0..v {
-            dec[pos + k as usize] = (v << 20) | (k << 8) | s as u32;
+            dec[pos + k as usize] = dec_entry(s as u32, k, v);
         }
         pos += v as usize;
     }
@@ -857,8 +866,8 @@ fn decode_from<S: GroupSink>(
         ($lane:expr, $i:expr, $base:expr, $read:expr) => {{
             let xs = x[$lane];
             let e = dec[($base + (xs & mask)) as usize];
-            syms[$i] = e as u8;
-            let mut xs = (e >> 20) * (xs >> PROB_BITS) + ((e >> 8) & 0xfff);
+            syms[$i] = (e >> 24) as u8;
+            let mut xs = (e & mask) * (xs >> PROB_BITS) + ((e >> PROB_BITS) & mask);
             if xs < RANS_L {
                 xs = (xs << 16) | $read;
             }
@@ -917,9 +926,9 @@ fn decode_from<S: GroupSink>(
                                 macro_rules! fast {
                                     ($xs:ident, $off:expr) => {{
                                         let e = *tp.add(($base($off) + ($xs & mask)) as usize);
-                                        *op.add($off) = e as u8;
-                                        let xs =
-                                            (e >> 20) * ($xs >> PROB_BITS) + ((e >> 8) & 0xfff);
+                                        *op.add($off) = (e >> 24) as u8;
+                                        let xs = (e & mask) * ($xs >> PROB_BITS)
+                                            + ((e >> PROB_BITS) & mask);
                                         let w = u16::from_le((rp as *const u16).read_unaligned())
                                             as u32;
                                         let need = xs < RANS_L;
@@ -1071,9 +1080,7 @@ unsafe fn simd_fast_loop<const TRACK: bool, S: GroupSink>(
     let cbp = cbase.as_ptr();
     let shuf = RENORM.as_ptr();
     let mask = u32x4_splat(PROB_SCALE - 1);
-    let bias_mask = u32x4_splat(0xfff);
     let zero = u32x4_splat(0);
-    let sym_mask = u32x4_splat(0xff);
     let mut xa = u32x4(x[0], x[1], x[2], x[3]);
     let mut xb = u32x4(x[4], x[5], x[6], x[7]);
     let mut rp = dp.add(p0);
@@ -1099,11 +1106,13 @@ unsafe fn simd_fast_loop<const TRACK: bool, S: GroupSink>(
         ($x:ident, $e:expr) => {{
             let e = $e;
             let xs = i32x4_add(
-                i32x4_mul(u32x4_shr(e, 20), u32x4_shr($x, PROB_BITS)),
-                v128_and(u32x4_shr(e, 8), bias_mask),
+                i32x4_mul(v128_and(e, mask), u32x4_shr($x, PROB_BITS)),
+                v128_and(u32x4_shr(e, PROB_BITS), mask),
             );
             // xs < 2^16 as "high half zero": LLVM turns a u32 compare (or shift + compare)
             // into i32x4 lt_u, which V8 lowers to four instructions (x64 has no unsigned compare).
+            // The joint loop's multiply form of the select (simd_pair_loop) adds ~2 cycles to
+            // this loop's dependency chain, which bounds it (q9 decode 0.91–0.97×).
             let need = i32x4_shr(i16x8_eq(xs, zero), 16);
             let m = i32x4_bitmask(need) as usize & 15;
             let w = i8x16_swizzle(
@@ -1126,9 +1135,9 @@ unsafe fn simd_fast_loop<const TRACK: bool, S: GroupSink>(
         };
         let ea = gather!(ia);
         let eb = gather!(ib);
-        // The symbols (low bytes) of the 8 entries; a two-vector byte shuffle costs V8 two
+        // The symbols (top bytes) of the 8 entries; a two-vector byte shuffle costs V8 two
         // pshufb with constants built in registers.
-        let s = u16x8_narrow_i32x4(v128_and(ea, sym_mask), v128_and(eb, sym_mask));
+        let s = u16x8_narrow_i32x4(u32x4_shr(ea, 24), u32x4_shr(eb, 24));
         let s = u8x16_narrow_i16x8(s, s);
         v128_store64_lane::<0>(s, op as *mut u64);
         step!(xa, ea);
@@ -1244,9 +1253,7 @@ unsafe fn simd_pair_loop(a: PairSide, b: PairSide, n: usize, c: usize) -> (usize
     use core::arch::wasm32::*;
     let shuf = RENORM.as_ptr();
     let mask = u32x4_splat(PROB_SCALE - 1);
-    let bias_mask = u32x4_splat(0xfff);
     let zero = u32x4_splat(0);
-    let sym_mask = u32x4_splat(0xff);
     let (ax, bx) = (a.0, b.0);
     let (mut a0, mut a1) = (
         u32x4(ax[0], ax[1], ax[2], ax[3]),
@@ -1262,7 +1269,13 @@ unsafe fn simd_pair_loop(a: PairSide, b: PairSide, n: usize, c: usize) -> (usize
         bdp.add(b.1.len() - SIMD_SLACK),
     );
     let (asp, bsp) = (a.2.as_mut_ptr(), b.2.as_mut_ptr());
-    let (acb, bcb) = (a.3.as_ptr(), b.3.as_ptr());
+    // Both streams' class bases, group by group (a's 8, then b's 8): one pointer for both.
+    let mut bases: Vec<u32> = Vec::with_capacity(2 * c);
+    for (ga, gb) in a.3.chunks_exact(LANES).zip(b.3.chunks_exact(LANES)) {
+        bases.extend_from_slice(ga);
+        bases.extend_from_slice(gb);
+    }
+    let cbp = bases.as_ptr();
     let (atp, btp) = (a.4.as_ptr(), b.4.as_ptr());
     let (mut arp, mut brp) = (adp, bdp);
     let mut j = 0usize;
@@ -1281,41 +1294,61 @@ unsafe fn simd_pair_loop(a: PairSide, b: PairSide, n: usize, c: usize) -> (usize
         ($x:ident, $e:expr, $rp:ident) => {{
             let e = $e;
             let xs = i32x4_add(
-                i32x4_mul(u32x4_shr(e, 20), u32x4_shr($x, PROB_BITS)),
-                v128_and(u32x4_shr(e, 8), bias_mask),
+                i32x4_mul(v128_and(e, mask), u32x4_shr($x, PROB_BITS)),
+                v128_and(u32x4_shr(e, PROB_BITS), mask),
             );
-            let need = i32x4_shr(i16x8_eq(xs, zero), 16);
-            let m = i32x4_bitmask(need) as usize & 15;
+            // The i16x8 eq's sign bit per lane is the need bit, and eq >> 16 is 0xffff in those
+            // lanes, so xs + xs·(eq >> 16) is xs << 16 there and xs elsewhere: one multiply
+            // instead of a shift, a sign-extending shift and a three-instruction bitselect. This
+            // loop is bound by instructions, not by its chains (simd_fast_loop keeps the select).
+            let eq = i16x8_eq(xs, zero);
+            let m = i32x4_bitmask(eq) as usize & 15;
             let w = i8x16_swizzle(
                 v128_load($rp as *const v128),
                 v128_load(shuf.add(m) as *const v128),
             );
-            $x = v128_or(v128_bitselect(u32x4_shl(xs, 16), xs, need), w);
+            $x = v128_or(i32x4_add(xs, i32x4_mul(xs, u32x4_shr(eq, 16))), w);
             $rp = $rp.add(2 * (m as u32).count_ones() as usize);
         }};
     }
     // One group of LANES symbols of one stream, as in simd_fast_loop (with class bases).
     macro_rules! group {
         ($x0:ident, $x1:ident, $rp:ident, $sp:ident, $cb:ident, $tp:ident) => {{
-            let i0 = i32x4_add(v128_and($x0, mask), v128_load($cb.add(ch) as *const v128));
-            let i1 = i32x4_add(
-                v128_and($x1, mask),
-                v128_load($cb.add(ch + 4) as *const v128),
-            );
+            let i0 = i32x4_add(v128_and($x0, mask), v128_load($cb as *const v128));
+            let i1 = i32x4_add(v128_and($x1, mask), v128_load($cb.add(4) as *const v128));
             let e0 = gather!($tp, i0);
             let e1 = gather!($tp, i1);
-            let s = u16x8_narrow_i32x4(v128_and(e0, sym_mask), v128_and(e1, sym_mask));
+            let s = u16x8_narrow_i32x4(u32x4_shr(e0, 24), u32x4_shr(e1, 24));
             let s = u8x16_narrow_i16x8(s, s);
-            v128_store64_lane::<0>(s, $sp.add(j) as *mut u64);
+            v128_store64_lane::<0>(s, $sp.add(ch) as *mut u64);
             step!($x0, e0, $rp);
             step!($x1, e1, $rp);
         }};
     }
-    while j < n && arp <= alim && brp <= blim {
-        group!(a0, a1, arp, asp, acb, atp);
-        group!(b0, b1, brp, bsp, bcb, btp);
-        j += LANES;
-        ch += LANES;
+    // A group reads at most 2·LANES bytes of each stream's words, so from position rp ≤ lim
+    // at least (lim − rp) / 16 + 1 more groups keep every load inside the words: run that
+    // many (up to the row's end) without testing the read positions, then look again.
+    let safe = |rp: *const u8, lim: *const u8| -> usize {
+        if rp > lim {
+            0
+        } else {
+            lim.offset_from(rp) as usize / (2 * LANES) + 1
+        }
+    };
+    while j < n {
+        let groups = safe(arp, alim).min(safe(brp, blim)).min((c - ch) / LANES);
+        if groups == 0 {
+            break;
+        }
+        let stop = ch + groups * LANES;
+        let (arow, brow) = (asp.add(j - ch), bsp.add(j - ch));
+        while ch < stop {
+            let (acb, bcb) = (cbp.add(2 * ch), cbp.add(2 * ch + LANES));
+            group!(a0, a1, arp, arow, acb, atp);
+            group!(b0, b1, brp, brow, bcb, btp);
+            ch += LANES;
+        }
+        j += groups * LANES;
         if ch == c {
             ch = 0;
         }
