@@ -110,6 +110,10 @@ const shapes: [number, number][] = [
   [256, 1024],
   [5, 12],
   [9, 1000],
+  // C not a multiple of 4 (scalar tails), and T ≥ 128 (sampled prediction rows).
+  [7, 30],
+  [130, 6],
+  [129, 20],
 ]
 for (const [t, c] of shapes)
   for (const dt of [1, 2, 3])
@@ -127,6 +131,55 @@ for (const [t, c] of shapes)
         report(`encode mode ${mode} dtype ${dt} ${t}×${c} eps ${eps}`)
       else corpus.push({ mode, dt, t, c, s: sa })
     }
+// The encoder's other kvgate paths (objects compared; the decoders see them above): per-channel
+// K and per-token V steps, one V step from the row maxima, channel and token scales,
+// rate-distortion rounding (when both builds have it), an MLA latent, and kv_stats' counts.
+const variants: [string, number[], number][] = [
+  ['levels 12:16', [0, 0, 0, 0, 1, 8, 12, 16], 0],
+  ['levels 12:-16', [0, 0, 0, 0, 1, 8, 12, -16], 0],
+  ['gammas', [-0.03, 0.14, 0.5, 0.5, 1, 4, 0, 0], 0],
+  ['rd', [-0.03, 0.14, 0, 0, 1, 8, 0, 0], 0.5],
+  ['no delta', [-0.03, 0.14, 0, 0, 0, 2, 0, 0], 0],
+]
+const LATENT = 0x100
+let otherPaths = 0
+for (const [t, c] of shapes)
+  for (const dt of [1, 2, 3]) {
+    const data = slab(dt, t, c)
+    for (const [name, params, rd] of variants) {
+      if (rd > 0 && !(a.kv_set_rd_lambda && b.kv_set_rd_lambda)) continue
+      a.kv_set_rd_lambda?.(rd)
+      b.kv_set_rd_lambda?.(rd)
+      const sa = encode(a, 2, dt, t, c, data, params)
+      const sb = encode(b, 2, dt, t, c, data, params)
+      a.kv_set_rd_lambda?.(0)
+      b.kv_set_rd_lambda?.(0)
+      if (!sa || !sb || Buffer.compare(sa, sb) !== 0) report(`encode ${name} dtype ${dt} ${t}×${c}`)
+      otherPaths++
+    }
+    const params = [-0.03, 0.14, 0, 0, 1, 8, 0, 0]
+    const half = data.subarray(0, data.length / 2)
+    const la = encode(a, 2, dt | LATENT, t, c, half, params)
+    const lb = encode(b, 2, dt | LATENT, t, c, half, params)
+    if (!la || !lb || Buffer.compare(la, lb) !== 0) report(`encode latent dtype ${dt} ${t}×${c}`)
+    otherPaths++
+    const counts = (e: Exports) => {
+      const src = e.kv_alloc!(data.length)
+      const par = e.kv_alloc!(32)
+      new Uint8Array(e.memory.buffer, src, data.length).set(data)
+      new Float32Array(e.memory.buffer, par, 8).set(params)
+      const n = e.kv_stats!(src, dt, t, c, par)
+      const out = n >= 0 ? new Uint8Array(e.memory.buffer, e.kv_result_ptr!(), n).slice() : null
+      e.kv_result_clear!()
+      e.kv_free!(src, data.length)
+      e.kv_free!(par, 32)
+      return out
+    }
+    const ca = counts(a)
+    const cb = counts(b)
+    if (!ca || !cb || Buffer.compare(ca, cb) !== 0) report(`kv_stats dtype ${dt} ${t}×${c}`)
+    otherPaths++
+  }
 for (const { mode, dt, t, c, s } of corpus) {
   const da = decode(a, mode, dt, t, c, s)
   const db = decode(b, mode, dt, t, c, s)
@@ -156,7 +209,8 @@ for (let i = 0; i < ITERATIONS; i++) {
     report(`mutated decode mode ${mode} dtype ${dt} ${t}×${c}: rc ${da.rc} vs ${db.rc}`)
 }
 console.log(
-  `codec-diff: ${corpus.length} sections encoded identically; ${ITERATIONS} mutated sections, ` +
+  `codec-diff: ${corpus.length} sections encoded identically (and ${otherPaths} other encoder paths` +
+    ` compared); ${ITERATIONS} mutated sections, ` +
     `${accepted} accepted by the old build; ${differences} differences`,
 )
 process.exitCode = differences === 0 ? 0 : 1

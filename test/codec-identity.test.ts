@@ -66,6 +66,74 @@ describe('kvgate codec bytes are pinned', () => {
   }
 })
 
+describe('kvgate encoder paths beside the defaults are pinned', () => {
+  // Raw sections of the encoder's other paths, in odd shapes: C not a multiple of 4 or 16 (the
+  // symbol pass's and quantization's scalar tails), T ≥ 128 (sampled prediction rows), per-channel
+  // K / per-token V steps, one V step from the row maxima, channel and token scales, rate-
+  // distortion rounding (levels quantized in full), an MLA latent plane and kv_stats' counts.
+  type Exports = Record<string, (...a: number[]) => number> & { memory: WebAssembly.Memory }
+  const variants: [string, number[], number][] = [
+    ['error targets', [-0.03, 0.14, 0, 0, 1, 8, 0, 0], 0],
+    ['levels 12:16', [0, 0, 0, 0, 1, 8, 12, 16], 0],
+    ['levels 12:-16', [0, 0, 0, 0, 1, 8, 12, -16], 0],
+    ['gammas', [-0.03, 0.14, 0.5, 0.5, 1, 4, 0, 0], 0],
+    ['rd rounding', [-0.03, 0.14, 0, 0, 1, 8, 0, 0], 0.5],
+  ]
+  const call = (e: Exports, input: Uint8Array, f: (src: number, par: number) => number, p: number[]) => {
+    const src = e.kv_alloc!(input.length)
+    const par = e.kv_alloc!(32)
+    new Uint8Array(e.memory.buffer, src, input.length).set(input)
+    new Float32Array(e.memory.buffer, par, 8).set(p)
+    const n = f(src, par)
+    expect(n).toBeGreaterThan(0)
+    const out = new Uint8Array(e.memory.buffer, e.kv_result_ptr!(), n).slice()
+    e.kv_result_clear!()
+    e.kv_free!(src, input.length)
+    e.kv_free!(par, 32)
+    return out
+  }
+  /** sha of every variant's section, the latent's and kv_stats' counts, in that order. */
+  function pathHashes(dtype: Dtype, t: number, kvHeads: number, headDim: number): string {
+    const g: KvGeometry = { layers: 1, kvHeads, headDim, dtype }
+    const c = kvHeads * headDim
+    const slab = tensorOf(syntheticKv(g, t, 3), dtype)
+    const dt = { fp16: 1, bf16: 2, fp32: 3 }[dtype as 'fp16' | 'bf16' | 'fp32']
+    const e = new WebAssembly.Instance(loadCodecModule(), {}).exports as Exports
+    const hashes = variants.map(([, p, rd]) => {
+      e.kv_set_rd_lambda!(rd)
+      const s = call(e, slab, (src, par) => e.kv_encode!(2, src, dt, t, c, par), p)
+      e.kv_set_rd_lambda!(0)
+      return sha(s)
+    })
+    const p = variants[0]![1]
+    const latent = slab.subarray(0, slab.length / 2)
+    hashes.push(sha(call(e, latent, (src, par) => e.kv_encode!(2, src, dt | 0x100, t, c, par), p)))
+    hashes.push(sha(call(e, slab, (src, par) => e.kv_stats!(src, dt, t, c, par), p)))
+    return hashes.join(' ')
+  }
+  // From main's build at 2096406. A row-by-row levels build (branch enc-wip) that trapped in
+  // rate-distortion rounding failed all five.
+  // Keys: dtype, T, kvHeads, headDim.
+  const pinned: Record<string, string> = {
+    'fp16 130 3 10':
+      'f52cf3f6f69a0fd4 30fe2fce5745b1f4 99480dcd5d41a59e 4bba1c372666248d 5ad37f0b0d01a5a0 0628e34de42f68ff 5b2c344af02a0a44',
+    'bf16 9 2 10':
+      '446e393b93943367 a72e808f5c38fc93 e3ccaf8738ad095f 2d0eb49486edc4f7 fda5df41d83059a1 d073a0df5f59c68d 7808eed964cfc0e2',
+    'fp32 130 3 10':
+      'f1952de48872a654 620a916ba4de2681 67af44bf2348bacc de64002f3a4d84b8 97fd43786b7fa779 c4e1138fc568dd77 ff4a477d8ad1ec0e',
+    'fp16 256 8 128':
+      '587dcd86153d48b8 680aefcac24f612e 05b9f3795e727ec0 d17dbabe18e850f2 468f1d74e16155f3 b03a70879d5e36d5 489d5dc6ee26a412',
+    'fp16 7 1 6':
+      '9dca8d7b24568437 fe5dc9634138f723 49f0dce5961b0f01 ed66a94e19ed675e 5471650e16d0a11a 12b7f839d9f243fc ff35ec06241b5bc2',
+  }
+  for (const [name, want] of Object.entries(pinned)) {
+    it(`${name}: same sections and counts`, () => {
+      const [dtype, t, kvHeads, headDim] = name.split(' ') as [Dtype, string, string, string]
+      expect(pathHashes(dtype, Number(t), Number(kvHeads), Number(headDim))).toBe(want)
+    })
+  }
+})
+
 describe('SIMD rANS encoder quotient', () => {
   // The SIMD encoder computes x / freq as (x + 1/2) · (1 / freq), floored by adding
   // 2^52 − 1/2 (wasm/README.md). Frequencies that are not powers of two (inexact reciprocals)
