@@ -71,6 +71,8 @@ export function decodeBody(body: Uint8Array): unknown {
 
 /** Capacity a frame body spanning reads starts with; it doubles up to the frame's length. */
 const FIRST_BODY_BYTES = 64 * 1024
+/** Largest body buffer a reusing reader keeps for the next frame spanning reads (a larger one is collected). */
+export const SPARE_BODY_BYTES = 256 * 1024
 
 /**
  * Cuts a byte stream into frame bodies. Holds at most one partial frame, in one buffer at
@@ -87,11 +89,24 @@ export class FrameReader {
   #body: Buffer | undefined
   #bodyLength = 0
   #bodyHave = 0
+  /**
+   * With `reuse`: the buffer of a frame that spanned reads, free for the next one (`#spare`)
+   * once the push that handed it out (`#lent`: its body may be undecoded until then) is over.
+   */
+  #spare: Buffer | undefined
+  #lent: Buffer | undefined
+  readonly #reuse: boolean
   /** Set once an oversized length was met: the stream cannot be resynchronised after it. */
   error: AgentError | undefined
 
-  constructor(maxFrameBytes = DEFAULT_MAX_FRAME_BYTES) {
+  /**
+   * `reuse`: a frame spanning reads is assembled in the buffer the last one was (when it fits
+   * and is at most {@link SPARE_BODY_BYTES}), so a body is valid only until the next push; for
+   * a reader whose bodies are decoded at once, and whose chunks are themselves reused.
+   */
+  constructor(maxFrameBytes = DEFAULT_MAX_FRAME_BYTES, options: { reuse?: boolean } = {}) {
     this.#max = maxFrameBytes
+    this.#reuse = options.reuse === true
   }
 
   /**
@@ -103,6 +118,10 @@ export class FrameReader {
   push(chunk: Buffer): Buffer[] {
     const out: Buffer[] = []
     if (this.error) return out
+    if (this.#lent !== undefined) {
+      this.#spare = this.#lent
+      this.#lent = undefined
+    }
     let at = 0
     while (at < chunk.length) {
       if (this.#body === undefined) {
@@ -120,6 +139,8 @@ export class FrameReader {
           len = this.#head.readUInt32BE(0)
         }
         if (len > this.#max) {
+          this.#spare = undefined
+          this.#lent = undefined
           this.error = new AgentError(
             'ERR_FRAME_TOO_LARGE',
             `frame of ${len} bytes exceeds the limit of ${this.#max}`,
@@ -131,7 +152,14 @@ export class FrameReader {
           at += len
           continue
         }
-        this.#body = Buffer.allocUnsafe(Math.min(len, Math.max(FIRST_BODY_BYTES, 2 * (chunk.length - at))))
+        const spare = this.#spare
+        this.#spare = undefined
+        const first = Math.min(len, Math.max(FIRST_BODY_BYTES, 2 * (chunk.length - at)))
+        // A reusing reader's first one fits any frame up to FIRST_BODY_BYTES, however small this one.
+        this.#body =
+          spare !== undefined && spare.length >= first
+            ? spare
+            : Buffer.allocUnsafe(this.#reuse ? Math.max(first, FIRST_BODY_BYTES) : first)
         this.#bodyLength = len
         this.#bodyHave = 0
       }
@@ -148,6 +176,7 @@ export class FrameReader {
       at += n
       if (this.#bodyHave === this.#bodyLength) {
         out.push(this.#body.subarray(0, this.#bodyLength))
+        if (this.#reuse && this.#body.length <= SPARE_BODY_BYTES) this.#lent = this.#body
         this.#body = undefined
       }
     }
@@ -174,6 +203,27 @@ export function checkEnvelope(msg: unknown): Request {
   if (typeof m.op !== 'string') throw new AgentError('ERR_BAD_FRAME', 'a request needs a string op')
   checkPlain(m, 0)
   return m as Request
+}
+
+/**
+ * Replaces every bin in `msg` (a request that passed {@link checkEnvelope}) with a copy: the
+ * decoder's bins are views of the frame, and a reused read buffer's bytes are the next
+ * request's once this one's synchronous handling returns.
+ */
+export function ownBins(msg: Record<string, unknown> | unknown[]): void {
+  if (Array.isArray(msg)) {
+    for (let i = 0; i < msg.length; i++) {
+      const x = msg[i]
+      if (x instanceof Uint8Array) msg[i] = Buffer.from(x)
+      else if (x !== null && typeof x === 'object') ownBins(x as Record<string, unknown>)
+    }
+    return
+  }
+  for (const k of Object.keys(msg)) {
+    const x = msg[k]
+    if (x instanceof Uint8Array) msg[k] = Buffer.from(x)
+    else if (x !== null && typeof x === 'object') ownBins(x as Record<string, unknown>)
+  }
 }
 
 /**
