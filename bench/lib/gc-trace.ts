@@ -10,11 +10,19 @@ export interface GcCounts {
   markCompactMs: number[]
   /** Each Mark-Compact's longest incremental marking step before it (also on the main thread), ms. */
   markingStepMs: number[]
+  /** Each Mark-Compact's reason as V8 gives it ("finalize incremental marking via task; …", "idle task", …). */
+  markCompactReasons: string[]
 }
 
 /** Counts what `stdout` (a child run with --trace-gc) reports; `take()` returns the counts since the last take. */
 export class GcTrace {
-  #counts: GcCounts = { markCompacts: 0, scavenges: 0, markCompactMs: [], markingStepMs: [] }
+  #counts: GcCounts = {
+    markCompacts: 0,
+    scavenges: 0,
+    markCompactMs: [],
+    markingStepMs: [],
+    markCompactReasons: [],
+  }
   #partial = ''
   readonly #other: (line: string) => void
 
@@ -36,21 +44,28 @@ export class GcTrace {
       this.#counts.markCompacts++
       this.#counts.markCompactMs.push(Number(mc[1]))
       this.#counts.markingStepMs.push(Number(/biggest step ([\d.]+) ms/.exec(l)?.[1] ?? 0))
+      this.#counts.markCompactReasons.push(/current mu = [\d.]+\) (.*)$/.exec(l)?.[1]?.trim() ?? '?')
     } else if (/ms: Scavenge /.test(l)) this.#counts.scavenges++
     else if (!/ms: (Mark-Compact|Scavenge|Minor Mark)/.test(l)) this.#other(l)
   }
 
   take(): GcCounts {
     const c = this.#counts
-    this.#counts = { markCompacts: 0, scavenges: 0, markCompactMs: [], markingStepMs: [] }
+    this.#counts = {
+      markCompacts: 0,
+      scavenges: 0,
+      markCompactMs: [],
+      markingStepMs: [],
+      markCompactReasons: [],
+    }
     return c
   }
 }
 
-/** "N Mark-Compacts (pause / longest marking step: a/b, … ms), M Scavenges". */
+/** "N Mark-Compacts (pause / longest marking step: a/b ms [reason], …), M Scavenges". */
 export function gcLine(c: GcCounts): string {
   const ms = c.markCompactMs.length
-    ? ` (pause / longest marking step: ${c.markCompactMs.map((x, i) => `${x.toFixed(1)}/${c.markingStepMs[i]!.toFixed(1)}`).join(', ')} ms)`
+    ? ` (pause / longest marking step: ${c.markCompactMs.map((x, i) => `${x.toFixed(1)}/${c.markingStepMs[i]!.toFixed(1)} ms [${c.markCompactReasons[i]}]`).join(', ')})`
     : ''
   return `${c.markCompacts} Mark-Compacts${ms}, ${c.scavenges} Scavenges`
 }
