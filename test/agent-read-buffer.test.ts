@@ -4,14 +4,14 @@
 
 import { randomBytes } from 'node:crypto'
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
-import { createServer, type Server, type Socket } from 'node:net'
+import { connect, createServer, type Server, type Socket } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { newSession } from '../src/agent/agent.ts'
 import { Agent, type AgentServer, resolveAgentConfig, startAgent } from '../src/agent/index.ts'
 import { decodeBody, encodeFrame, FrameReader } from '../src/agent/protocol.ts'
-import { READ_BUFFER_BYTES } from '../src/agent/socket-reads.ts'
+import { READ_BUFFER_BYTES, readInto } from '../src/agent/socket-reads.ts'
 import { AgentClient as Client, type Msg } from './support/agent-client.ts'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvgate-read-buffer-'))
@@ -180,6 +180,36 @@ describe('a connection read into one reused buffer', () => {
     await wait(2 + later.length)
     expect(answers.get(100)![0]).toMatchObject({ ok: true, chunks: 40 })
     sock.destroy()
+  })
+})
+
+describe('readInto', () => {
+  it("on this Node, an accepted socket's reads land in the buffer given (else each read would be an ArrayBuffer of its own again)", async () => {
+    const path = join(dir, 'reads.sock')
+    const buffer = Buffer.alloc(READ_BUFFER_BYTES)
+    const reads: { same: boolean; bytes: Buffer }[] = []
+    let engaged: boolean | undefined
+    const srv = createServer({ pauseOnConnect: true }, (sock) => {
+      engaged = readInto(sock, buffer, (b) =>
+        reads.push({ same: b.buffer === buffer.buffer, bytes: Buffer.from(b) }),
+      )
+    })
+    await new Promise<void>((r) => srv.listen(path, r))
+    const sent = randomBytes(3 * READ_BUFFER_BYTES + 5)
+    const c = connect(path)
+    await new Promise((r) => c.once('connect', r))
+    c.end(sent)
+    await new Promise<void>((r) => {
+      const t = setInterval(() => {
+        if (reads.reduce((n, x) => n + x.bytes.length, 0) >= sent.length) r(clearInterval(t))
+      }, 5)
+    })
+    expect(engaged).toBe(true)
+    expect(reads.length).toBeGreaterThan(1)
+    expect(reads.every((x) => x.same)).toBe(true)
+    expect(Buffer.concat(reads.map((x) => x.bytes)).equals(sent)).toBe(true)
+    c.destroy()
+    await new Promise((r) => srv.close(r))
   })
 })
 
