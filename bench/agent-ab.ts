@@ -213,7 +213,7 @@ async function main() {
       a!.blocks.map((x, i) => quantile(x.lookup, p) / quantile(b!.blocks[i]!.lookup, p))
     for (const sub of lookupSubjects)
       console.log(
-        `${sub.label}: the agent's GCs per round (${perRound} lookups and pings each): ${sub.gcs.map(gcLine).join('; ')}`,
+        `${sub.label}: the agent's GCs per round (${perRound} lookups and pings each): ${sub.gcs.map(gcLine).join(' | ')}`,
       )
     console.log(
       `lookup this/other per round (min / median / max): p50 ${spread(ratio(0.5), 2)}, p99 ${spread(ratio(0.99), 2)}, p99.9 ${spread(ratio(0.999), 2)}; hits ${a!.blocks[0]!.hit}, ${b!.blocks[0]!.hit}`,
