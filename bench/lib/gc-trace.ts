@@ -49,7 +49,10 @@ export class GcTrace {
   #line(l: string): void {
     // "[pid:0x…]  3997 ms: Mark-Compact 17.6 (33.0) -> 15.0 (33.5) MB, 2.70 / 0.01 ms  (+ 10.0 ms in 24 steps …"
     const gc = /^\[\d+:(0x[0-9a-f]+)\]\s+\d+ ms: (Mark-Compact|Scavenge|Minor Mark)/.exec(l)
-    if (!gc) return this.#other(l)
+    if (!gc) {
+      this.#other(l)
+      return
+    }
     this.#mainIsolate ??= gc[1]
     const main = gc[1] === this.#mainIsolate
     if (gc[2] === 'Scavenge') {
