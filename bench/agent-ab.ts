@@ -26,6 +26,7 @@ import {
 import { loadavg } from 'node:os'
 import { join, resolve } from 'node:path'
 import { Client, registerLlama8B, shuffled } from './lib/agent-client.ts'
+import { type GcCounts, GcTrace, gcLine } from './lib/gc-trace.ts'
 import { median, quantile, table } from './lib/stats.ts'
 
 const other = process.env.KVGATE_AB_OTHER
@@ -42,10 +43,21 @@ const dir = mkdtempSync(join('/tmp', 'kvgate-agent-ab-'))
 const shmDir = process.env.KVGATE_BENCH_SHM ?? '/dev/shm'
 const MiB = 1024 ** 2
 
-function startAgent(root: string, sock: string): Promise<ChildProcess> {
+/** An agent of the tree at `root`; with `gc`, run with --trace-gc and its collections counted (`gc.trace`). */
+function startAgent(root: string, sock: string, gc?: { trace?: GcTrace }): Promise<ChildProcess> {
   const child = spawn(
     process.execPath,
-    ['--import', 'tsx', 'src/cli/main.ts', 'agent', '--socket', sock, '--chunk-tokens', '256'],
+    [
+      ...(gc ? ['--trace-gc'] : []),
+      '--import',
+      'tsx',
+      'src/cli/main.ts',
+      'agent',
+      '--socket',
+      sock,
+      '--chunk-tokens',
+      '256',
+    ],
     {
       cwd: root,
       env: { ...process.env, KVGATE_MEMORY_BYTES: '320MiB', KVGATE_DISK: 'off', KVGATE_REMOTE: 'off' },
@@ -53,7 +65,9 @@ function startAgent(root: string, sock: string): Promise<ChildProcess> {
     },
   )
   return new Promise((res, rej) => {
-    child.stdout!.once('data', () => res(child))
+    // Ready once it prints its {"socket", …} line (GC lines may come first).
+    if (gc) gc.trace = new GcTrace(child.stdout!, (l) => l.startsWith('{') && res(child))
+    else child.stdout!.once('data', () => res(child))
     child.once('exit', (c) => rej(new Error(`agent in ${root} exited (${c})`)))
   })
 }
@@ -123,7 +137,8 @@ async function main() {
     const lookupSubjects = []
     for (const [i, t] of trees.entries()) {
       const sock = join(dir, `lookup-${i}.sock`)
-      const agent = await startAgent(t.root, sock)
+      const gc: { trace?: GcTrace } = {}
+      const agent = await startAgent(t.root, sock, gc)
       agents.push(agent)
       const c = await Client.open(sock)
       await c.call('hello', {
@@ -151,12 +166,22 @@ async function main() {
           blockIds: Array.from({ length: (k + 64) * 16 }, (_, b) => b % 1024),
           from: k,
         })
-      lookupSubjects.push({ ...t, agent, c, sock, blocks: [] as Block[] })
+      lookupSubjects.push({
+        ...t,
+        agent,
+        c,
+        sock,
+        gc: gc.trace!,
+        blocks: [] as Block[],
+        gcs: [] as GcCounts[],
+      })
     }
     for (let r = 0; r < rounds; r++) {
+      for (const sub of lookupSubjects) sub.gc.take()
       const got = await lookupRound(lookupSubjects, keysFile)
       lookupSubjects.forEach((sub, k) => {
         sub.blocks.push(got[k]!)
+        sub.gcs.push(sub.gc.take())
       })
     }
     for (const sub of lookupSubjects) {
@@ -186,6 +211,10 @@ async function main() {
     const [a, b] = lookupSubjects
     const ratio = (p: number) =>
       a!.blocks.map((x, i) => quantile(x.lookup, p) / quantile(b!.blocks[i]!.lookup, p))
+    for (const sub of lookupSubjects)
+      console.log(
+        `${sub.label}: the agent's GCs per round (${perRound} lookups and pings each): ${sub.gcs.map(gcLine).join(' | ')}`,
+      )
     console.log(
       `lookup this/other per round (min / median / max): p50 ${spread(ratio(0.5), 2)}, p99 ${spread(ratio(0.99), 2)}, p99.9 ${spread(ratio(0.999), 2)}; hits ${a!.blocks[0]!.hit}, ${b!.blocks[0]!.hit}`,
     )

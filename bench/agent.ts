@@ -22,6 +22,7 @@ import { loadavg } from 'node:os'
 import { join } from 'node:path'
 import { defaultCopyThreads } from '../src/agent/config.ts'
 import { Client, registerLlama8B, shuffled } from './lib/agent-client.ts'
+import { type GcCounts, GcTrace, gcLine } from './lib/gc-trace.ts'
 import { machineLine, median, quantile, table, writeResult } from './lib/stats.ts'
 
 const MiB = 1024 ** 2
@@ -34,6 +35,7 @@ type Quantiles = { p50: number; p99: number }
 type ConnectorLookup =
   | {
       hit: number
+      n: number
       lookup: Quantiles
       ping: Quantiles
       lookupHop: Quantiles
@@ -70,12 +72,14 @@ function connectorLookup(sock: string, packed: Buffer): Promise<ConnectorLookup>
   })
 }
 
-function startAgent(sock: string, copyThreads: number): Promise<ChildProcess> {
+/** An agent; with `gc`, run with --trace-gc and its collections counted (`gc.trace`). */
+function startAgent(sock: string, copyThreads: number, gc?: { trace?: GcTrace }): Promise<ChildProcess> {
   const child = spawn(
     process.execPath,
     [
       // e.g. KVGATE_BENCH_AGENT_NODE_ARGS='--cpu-prof --cpu-prof-dir=/tmp/prof' to profile the agent.
       ...(process.env.KVGATE_BENCH_AGENT_NODE_ARGS ?? '').split(' ').filter(Boolean),
+      ...(gc ? ['--trace-gc'] : []),
       '--import',
       'tsx',
       'src/cli/main.ts',
@@ -93,7 +97,9 @@ function startAgent(sock: string, copyThreads: number): Promise<ChildProcess> {
     },
   )
   return new Promise((resolve, reject) => {
-    child.stdout!.once('data', () => resolve(child))
+    // Ready once it prints its {"socket", …} line (GC lines may come first).
+    if (gc) gc.trace = new GcTrace(child.stdout!, (l) => l.startsWith('{') && resolve(child))
+    else child.stdout!.once('data', () => resolve(child))
     child.once('exit', (c) => reject(new Error(`agent exited (${c})`)))
   })
 }
@@ -145,7 +151,9 @@ async function main() {
     // the copy phase's agents, idle after 32 MiB saves and loads, collect their garbage seconds
     // later (30-80 ms bursts of CPU each), which on a small host became the lookups' tail.
     const sock = join(dir, 'agent-lookup.sock')
-    const lookupAgent = await startAgent(sock, threads[threads.length - 1]!)
+    // Its collections are counted per phase: Mark-Compacts were the lookups' tail (--trace-gc).
+    const gc: { trace?: GcTrace } = {}
+    const lookupAgent = await startAgent(sock, threads[threads.length - 1]!, gc)
     agents.push(lookupAgent)
     // Lookup of 512 keys (a 128k-token prompt), all resident in L1 (a tiny geometry: only presence matters).
     const l2 = await Client.open(sock)
@@ -179,7 +187,14 @@ async function main() {
     // agentMs.lookup: frame decoded to answer encoded) then holds that phase alone.
     const packed = Buffer.concat(keys)
     const LOOKUP_WINDOW = 1024
-    const phases: { form: string; keys: unknown; rtt: number[]; agentP50: number; agentP99: number }[] = []
+    const phases: {
+      form: string
+      keys: unknown
+      rtt: number[]
+      agentP50: number
+      agentP99: number
+      gc: GcCounts
+    }[] = []
     // Same-run baseline: an empty request's round trip over the same socket (transport and
     // scheduling alone), interleaved with the lookups.
     const pings: number[] = []
@@ -189,18 +204,20 @@ async function main() {
       ['one packed bin', packed],
     ] as const) {
       for (let i = 0; i < 20; i++) await l2.call('lookup', { keys: k })
+      gc.trace!.take()
       const rtt: number[] = []
       for (let i = 0; i < LOOKUP_WINDOW; i++) {
         rtt.push(await time(async () => (hit = (await l2.call('lookup', { keys: k })).chunks as number)))
         if (i % 2 === 0) pings.push(await time(() => l2.call('ping')))
       }
       const st = ((await l2.call('stats')).agentMs as Record<string, { p50: number; p99: number }>).lookup!
-      phases.push({ form, keys: k, rtt, agentP50: st.p50, agentP99: st.p99 })
+      phases.push({ form, keys: k, rtt, agentP50: st.p50, agentP99: st.p99, gc: gc.trace!.take() })
     }
     const lookups = phases[1]!.rtt
     // The engine's own path: vLLM's connector (python/kvgate_vllm: the caller reads its answer, or its reader thread and futures)
     // against the same agent and keys, and the machine's floor for any socket round trip.
     const connector = await connectorLookup(sock, packed)
+    const connectorGc = gc.trace!.take()
     l2.sock.destroy()
     await new Promise((resolve) => {
       const stuck = setTimeout(() => lookupAgent.kill('SIGKILL'), 10_000)
@@ -298,7 +315,8 @@ async function main() {
     for (const ph of phases) {
       console.log(
         `lookup of 512 keys (${ph.form}, ${hit} present): round trip p50 ${quantile(ph.rtt, 0.5).toFixed(3)} ms,` +
-          ` p99 ${quantile(ph.rtt, 0.99).toFixed(3)} ms; inside the agent p50 ${ph.agentP50.toFixed(3)} ms, p99 ${ph.agentP99.toFixed(3)} ms`,
+          ` p99 ${quantile(ph.rtt, 0.99).toFixed(3)} ms; inside the agent p50 ${ph.agentP50.toFixed(3)} ms, p99 ${ph.agentP99.toFixed(3)} ms;` +
+          ` the agent's GCs meanwhile: ${gcLine(ph.gc)}`,
       )
     }
     console.log(
@@ -312,7 +330,8 @@ async function main() {
           ` p50 ${connector.lookup.p50.toFixed(3)} ms, p99 ${connector.lookup.p99.toFixed(3)} ms;` +
           ` its ping p50 ${connector.ping.p50.toFixed(3)}, p99 ${connector.ping.p99.toFixed(3)} ms;` +
           ` same-run baseline, in alternate blocks each answer through the client's reader thread to a Future: lookup p50 ${connector.lookupHop.p50.toFixed(3)}, p99 ${connector.lookupHop.p99.toFixed(3)} ms, ping p50 ${connector.pingHop.p50.toFixed(3)}, p99 ${connector.pingHop.p99.toFixed(3)} ms;` +
-          ` bare Unix-socket ping-pong between two processes beside each lookup (the machine's floor) p50 ${connector.bare.p50.toFixed(3)}, p99 ${connector.bare.p99.toFixed(3)} ms`,
+          ` bare Unix-socket ping-pong between two processes beside each lookup (the machine's floor) p50 ${connector.bare.p50.toFixed(3)}, p99 ${connector.bare.p99.toFixed(3)} ms;` +
+          ` the agent's GCs meanwhile (${connector.n} lookups and ${connector.n} through the reader thread, pings between): ${gcLine(connectorGc)}`,
       )
     console.log(`agent CPU: ${cpuPerGiB.toFixed(3)} CPU-s per GiB moved (save + load)`)
     const load1 = loadavg()[0]!.toFixed(1)
@@ -382,10 +401,12 @@ async function main() {
         p99Ms: quantile(ph.rtt, 0.99),
         agentP50Ms: ph.agentP50,
         agentP99Ms: ph.agentP99,
+        agentGc: ph.gc,
       })),
       pingP50Ms: quantile(pings, 0.5),
       pingP99Ms: quantile(pings, 0.99),
       connectorLookup: connector,
+      connectorLookupAgentGc: connectorGc,
       agentCpuSecondsPerGiB: cpuPerGiB,
     })
     log(`wrote ${path}`)

@@ -10,7 +10,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { newSession } from '../src/agent/agent.ts'
 import { hashCount, hashes } from '../src/agent/fields.ts'
 import { Agent, AgentServer, resolveAgentConfig, startAgent } from '../src/agent/index.ts'
-import { decodeBody, encodeFrame, FrameReader } from '../src/agent/protocol.ts'
+import { decodeBody, encodeFrame, FrameReader, ownBins } from '../src/agent/protocol.ts'
 import { AgentClient as Client, type Msg } from './support/agent-client.ts'
 
 let dir: string
@@ -679,6 +679,60 @@ describe('FrameReader', () => {
     }
     expect(got).toHaveLength(1)
     expect(got[0]!.equals(body)).toBe(true)
+  })
+
+  it('reuse: reads into one buffer, any cut, the bodies of each push intact until the next push (the buffer a spanning frame was assembled in is reused only after)', () => {
+    let seed = 3
+    const rand = (n: number) => {
+      seed = (seed * 1103515245 + 12345) >>> 0
+      return (seed >>> 8) % n
+    }
+    // Small frames too, so that one push completes a spanning frame, then holds whole ones, then starts another.
+    const small = Array.from({ length: 200 }, (_, i) => randomBytes(1 + ((i * 37) % 300)))
+    const all = [...bodies, ...small, ...bodies.slice(0, 6)]
+    const bytes = Buffer.concat(all.map(framed))
+    for (const max of [7, 64, 700, 70_000]) {
+      const reader = new FrameReader(1 << 20, { reuse: true })
+      const read = Buffer.alloc(70_000)
+      let i = 0
+      for (let at = 0; at < bytes.length; ) {
+        const n = Math.min(1 + rand(max), bytes.length - at)
+        bytes.copy(read, 0, at, at + n)
+        at += n
+        const got = reader.push(read.subarray(0, n))
+        // Compared once push has returned, as the server decodes them: none overwritten by a later one.
+        for (const b of got) {
+          expect(b.equals(all[i]!), `reads up to ${max}: body ${i}`).toBe(true)
+          i++
+        }
+        read.fill(0xee)
+      }
+      expect(i).toBe(all.length)
+    }
+  })
+
+  it('ownBins: every bin of a request, in maps and arrays at any depth, becomes bytes of its own', () => {
+    const frame = randomBytes(96)
+    const msg = {
+      id: 1,
+      op: 'register',
+      keys: frame.subarray(0, 32),
+      list: [frame.subarray(32, 48), 5, { handle: frame.subarray(48, 64), deep: [[frame.subarray(64, 96)]] }],
+    }
+    const want = structuredClone({
+      keys: [...msg.keys],
+      a: [...frame.subarray(32, 48)],
+      h: [...frame.subarray(48, 64)],
+    })
+    ownBins(msg)
+    frame.fill(0)
+    expect([...msg.keys]).toEqual(want.keys)
+    expect([...(msg.list[0] as Buffer)]).toEqual(want.a)
+    const nested = msg.list[2] as { handle: Buffer; deep: Buffer[][] }
+    expect([...nested.handle]).toEqual(want.h)
+    expect(nested.deep[0]![0]!.every((b) => b === 0)).toBe(false)
+    expect(Buffer.isBuffer(msg.keys)).toBe(true)
+    expect(msg.list[1]).toBe(5)
   })
 
   it('an oversized length: the frames before it, then ERR_FRAME_TOO_LARGE, then nothing', () => {

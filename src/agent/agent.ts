@@ -22,6 +22,7 @@ import {
 } from './engine-layout.ts'
 import {
   binList,
+  copyHashes,
   type Hashes,
   hashCount,
   hashes as hashList,
@@ -145,6 +146,14 @@ export interface Session {
    */
   peerClosed?: () => boolean
 }
+
+/**
+ * Operations whose handler reads the request's bins before `answer` returns, or copies them
+ * before it waits: the server hands them their bins as views of the connection's read buffer
+ * (which the next read overwrites) and copies every other operation's. A lookup's 16 KiB of
+ * packed keys copied per request would be the allocation the reused buffer removes.
+ */
+export const BINS_READ_AT_ONCE: ReadonlySet<string> = new Set(['lookup'])
 
 export function newSession(event: Session['event']): Session {
   return {
@@ -534,7 +543,8 @@ export class Agent {
     }
     if (final) return this.#lookedUp(asked, chunks, 'all')
     const ranks = Array.from({ length: world }, (_, r) => r)
-    return this.#lookupAll(d, hashes, ranks, deadline)
+    // Copied before the wait: the request's bins are views of its connection's read buffer (BINS_READ_AT_ONCE).
+    return this.#lookupAll(d, copyHashes(hashes), ranks, deadline)
   }
 
   /** The spaces of `d`'s ranks when every one is open (a lookup needs no await), else undefined. */

@@ -86,3 +86,10 @@ export function hashes(m: Fields, name: string, maxKeys: number): Hashes {
 export function hashCount(h: Hashes): number {
   return h instanceof Uint8Array ? h.length / HASH_BYTES : h.length
 }
+
+/** `h` in bytes of its own (a request's bins may be views of a reused buffer). */
+export function copyHashes(h: Hashes): Hashes {
+  return h instanceof Uint8Array
+    ? Uint8Array.prototype.slice.call(h)
+    : h.map((x) => Uint8Array.prototype.slice.call(x))
+}

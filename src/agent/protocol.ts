@@ -1,7 +1,7 @@
 // The agent's wire protocol (docs/agent-protocol.md): length-prefixed msgpack frames
 // over a Unix socket, request ids, out-of-order answers, and stable error codes.
 
-import { Packr } from 'msgpackr'
+import { Packr, RESET_BUFFER_MODE } from 'msgpackr'
 
 /** Bumped on any incompatible change; a hello with another version is refused. */
 export const PROTOCOL_VERSION = 1
@@ -58,7 +58,10 @@ export const MAX_REQUEST_DEPTH = 16
 
 /** Encodes one message as a frame: u32 BE length + msgpack body. */
 export function encodeFrame(message: unknown): Buffer {
-  const body = packr.pack(message)
+  // Packed at the start of packr's one buffer each time (RESET_BUFFER_MODE), then copied out: by
+  // default each pack goes on after the last and a full buffer is left to the GC (an 8 KiB
+  // ArrayBuffer per ~150 answers).
+  const body = packr.pack(message, RESET_BUFFER_MODE)
   const out = Buffer.allocUnsafe(FRAME_PREFIX_BYTES + body.length)
   out.writeUInt32BE(body.length, 0)
   body.copy(out, FRAME_PREFIX_BYTES)
@@ -71,6 +74,8 @@ export function decodeBody(body: Uint8Array): unknown {
 
 /** Capacity a frame body spanning reads starts with; it doubles up to the frame's length. */
 const FIRST_BODY_BYTES = 64 * 1024
+/** Largest body buffer a reusing reader keeps for the next frame spanning reads (a larger one is collected). */
+export const SPARE_BODY_BYTES = 256 * 1024
 
 /**
  * Cuts a byte stream into frame bodies. Holds at most one partial frame, in one buffer at
@@ -87,11 +92,24 @@ export class FrameReader {
   #body: Buffer | undefined
   #bodyLength = 0
   #bodyHave = 0
+  /**
+   * With `reuse`: the buffer of a frame that spanned reads, free for the next one (`#spare`)
+   * once the push that handed it out (`#lent`: its body may be undecoded until then) is over.
+   */
+  #spare: Buffer | undefined
+  #lent: Buffer | undefined
+  readonly #reuse: boolean
   /** Set once an oversized length was met: the stream cannot be resynchronised after it. */
   error: AgentError | undefined
 
-  constructor(maxFrameBytes = DEFAULT_MAX_FRAME_BYTES) {
+  /**
+   * `reuse`: a frame spanning reads is assembled in the buffer the last one was (when it fits
+   * and is at most {@link SPARE_BODY_BYTES}), so a body is valid only until the next push; for
+   * a reader whose bodies are decoded at once, and whose chunks are themselves reused.
+   */
+  constructor(maxFrameBytes = DEFAULT_MAX_FRAME_BYTES, options: { reuse?: boolean } = {}) {
     this.#max = maxFrameBytes
+    this.#reuse = options.reuse === true
   }
 
   /**
@@ -103,6 +121,10 @@ export class FrameReader {
   push(chunk: Buffer): Buffer[] {
     const out: Buffer[] = []
     if (this.error) return out
+    if (this.#lent !== undefined) {
+      this.#spare = this.#lent
+      this.#lent = undefined
+    }
     let at = 0
     while (at < chunk.length) {
       if (this.#body === undefined) {
@@ -120,6 +142,8 @@ export class FrameReader {
           len = this.#head.readUInt32BE(0)
         }
         if (len > this.#max) {
+          this.#spare = undefined
+          this.#lent = undefined
           this.error = new AgentError(
             'ERR_FRAME_TOO_LARGE',
             `frame of ${len} bytes exceeds the limit of ${this.#max}`,
@@ -131,7 +155,14 @@ export class FrameReader {
           at += len
           continue
         }
-        this.#body = Buffer.allocUnsafe(Math.min(len, Math.max(FIRST_BODY_BYTES, 2 * (chunk.length - at))))
+        const spare = this.#spare
+        this.#spare = undefined
+        const first = Math.min(len, Math.max(FIRST_BODY_BYTES, 2 * (chunk.length - at)))
+        // A reusing reader's first one fits any frame up to FIRST_BODY_BYTES, however small this one.
+        this.#body =
+          spare !== undefined && spare.length >= first
+            ? spare
+            : Buffer.allocUnsafe(this.#reuse ? Math.max(first, FIRST_BODY_BYTES) : first)
         this.#bodyLength = len
         this.#bodyHave = 0
       }
@@ -148,6 +179,7 @@ export class FrameReader {
       at += n
       if (this.#bodyHave === this.#bodyLength) {
         out.push(this.#body.subarray(0, this.#bodyLength))
+        if (this.#reuse && this.#body.length <= SPARE_BODY_BYTES) this.#lent = this.#body
         this.#body = undefined
       }
     }
@@ -174,6 +206,27 @@ export function checkEnvelope(msg: unknown): Request {
   if (typeof m.op !== 'string') throw new AgentError('ERR_BAD_FRAME', 'a request needs a string op')
   checkPlain(m, 0)
   return m as Request
+}
+
+/**
+ * Replaces every bin in `msg` (a request that passed {@link checkEnvelope}) with a copy: the
+ * decoder's bins are views of the frame, and a reused read buffer's bytes are the next
+ * request's once this one's synchronous handling returns.
+ */
+export function ownBins(msg: Record<string, unknown> | unknown[]): void {
+  if (Array.isArray(msg)) {
+    for (let i = 0; i < msg.length; i++) {
+      const x = msg[i]
+      if (x instanceof Uint8Array) msg[i] = Buffer.from(x)
+      else if (x !== null && typeof x === 'object') ownBins(x as Record<string, unknown>)
+    }
+    return
+  }
+  for (const k of Object.keys(msg)) {
+    const x = msg[k]
+    if (x instanceof Uint8Array) msg[k] = Buffer.from(x)
+    else if (x !== null && typeof x === 'object') ownBins(x as Record<string, unknown>)
+  }
 }
 
 /**

@@ -5,8 +5,9 @@ import { chmodSync, lstatSync, unlinkSync } from 'node:fs'
 import { createServer as createHttpServer, type Server as HttpServer } from 'node:http'
 import { connect, createServer, type Server, type Socket } from 'node:net'
 import { loadNative } from '../client/native-api.ts'
-import { type Agent, newSession, type Session } from './agent.ts'
-import { AgentError, checkEnvelope, decodeBody, encodeFrame, FrameReader } from './protocol.ts'
+import { type Agent, BINS_READ_AT_ONCE, newSession, type Session } from './agent.ts'
+import { AgentError, checkEnvelope, decodeBody, encodeFrame, FrameReader, ownBins } from './protocol.ts'
+import { READ_BUFFER_BYTES, readInto } from './socket-reads.ts'
 
 /** In-flight requests per connection; more are answered ERR_BUSY. */
 export const MAX_INFLIGHT = 1024
@@ -43,7 +44,8 @@ export class AgentServer {
   static async listen(agent: Agent, o: ListenOptions): Promise<AgentServer> {
     const s = new AgentServer(agent, o.socketPath)
     await removeStaleSocket(o.socketPath)
-    const server = createServer((sock) =>
+    // Paused: a connection's reads go to a buffer of its own from the first (readInto).
+    const server = createServer({ pauseOnConnect: true }, (sock) =>
       s.#connection(sock, o.maxFrameBytes, o.maxUnsentBytes ?? MAX_UNSENT_BYTES),
     )
     // The socket file is created 0600 (umask) so no other user can connect even briefly.
@@ -86,7 +88,9 @@ export class AgentServer {
   #connection(sock: Socket, maxFrameBytes: number, maxUnsentBytes: number): void {
     const m = this.agent.metrics
     m.connections++
-    const reader = new FrameReader(maxFrameBytes)
+    // Every read lands in one buffer and its frames are decoded before the next: a frame's
+    // bytes are the next read's once its request's synchronous handling returns (request()).
+    const reader = new FrameReader(maxFrameBytes, { reuse: true })
     // Frames produced in one tick (a load's per-layer events when the copies are synchronous,
     // the answers to a batch of requests) leave in one write: each write to the socket is a
     // syscall and a wake-up of the engine's reader. While a read's frames are handled
@@ -141,7 +145,7 @@ export class AgentServer {
       fail(null, reader.error)
       sock.end(() => sock.destroy())
     }
-    sock.on('data', (chunk: Buffer) => {
+    const onBytes = (chunk: Buffer) => {
       if (unframed) return
       const bodies = reader.push(chunk)
       // One frame: its answer is one write now. Several: their answers (those ready now)
@@ -169,7 +173,7 @@ export class AgentServer {
         sock.pause()
         sock.once('drain', () => sock.resume())
       }
-    })
+    }
     const request = (body: Buffer) => {
       const t0 = performance.now()
       let req: ReturnType<typeof checkEnvelope>
@@ -188,6 +192,9 @@ export class AgentServer {
         fail(null, new AgentError('ERR_BAD_FRAME', `undecodable frame: ${(e as Error).message}`))
         return
       }
+      // The request's bins are views of the read buffer: an operation that may keep one past
+      // answer() gets copies (a lookup reads its keys at once, or copies them before it waits).
+      if (!BINS_READ_AT_ONCE.has(req.op)) ownBins(req)
       m.requests++
       if (inflight >= MAX_INFLIGHT) {
         fail(req.id, new AgentError('ERR_BUSY', `more than ${MAX_INFLIGHT} requests in flight`))
@@ -215,6 +222,7 @@ export class AgentServer {
           if (unframed) closeWhenAnswered()
         })
     }
+    readInto(sock, Buffer.allocUnsafeSlow(READ_BUFFER_BYTES), onBytes)
     sock.on('error', () => {})
     sock.on('close', () => {
       m.connections--
