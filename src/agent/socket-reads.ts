@@ -13,6 +13,16 @@ export const READ_BUFFER_BYTES = 64 * 1024
 
 type OnBytes = (bytes: Buffer) => void
 
+/**
+ * The Node majors whose `net.js` / `stream_base_commons.js` were read for the fields below and
+ * whose CI ran test/agent-read-buffer.test.ts: another major (a later one may keep the field
+ * names with another meaning) reads with 'data' events, the public path, costing only speed.
+ */
+const PRIVATE_ONREAD_MAJORS = [20]
+export const PRIVATE_ONREAD_CHECKED = PRIVATE_ONREAD_MAJORS.includes(
+  Number(process.versions.node.split('.')[0]),
+)
+
 interface UserBufferHandle {
   useUserBuffer?: (buf: Uint8Array) => void
 }
@@ -24,10 +34,15 @@ interface UserBufferHandle {
  *
  * Node offers this as `net.Socket`'s `onread: { buffer, callback }` option, but not for a
  * server's accepted sockets: the two fields that option sets are set here by their
- * descriptions (Node 18–22 `net.js`). Where this Node has no such fields, reads come as
+ * descriptions (Node 20 `net.js`; other majors: see PRIVATE_ONREAD_MAJORS). Where this Node has no such fields, reads come as
  * 'data' events (a Buffer each, as before); returns whether the reused buffer is in use.
  */
 export function readInto(sock: Socket, buffer: Buffer, onBytes: OnBytes): boolean {
+  if (!PRIVATE_ONREAD_CHECKED) {
+    sock.on('data', onBytes)
+    sock.resume()
+    return false
+  }
   const handle = (sock as unknown as { _handle?: UserBufferHandle })._handle
   const own = Object.getOwnPropertySymbols(sock)
   const kBuffer = own.find((s) => s.description === 'kBuffer')
