@@ -13,19 +13,10 @@
 
 import { type ChildProcess, spawn } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
-import {
-  closeSync,
-  ftruncateSync,
-  mkdtempSync,
-  openSync,
-  rmSync,
-  unlinkSync,
-  writeFileSync,
-  writeSync,
-} from 'node:fs'
+import { closeSync, ftruncateSync, mkdtempSync, openSync, rmSync, unlinkSync, writeFileSync } from 'node:fs'
 import { loadavg } from 'node:os'
 import { join, resolve } from 'node:path'
-import { Client, registerLlama8B, shuffled } from './lib/agent-client.ts'
+import { Client, createLlama8BKv, registerLlama8B, shuffled } from './lib/agent-client.ts'
 import { type GcCounts, GcTrace, gcLine } from './lib/gc-trace.ts'
 import { median, quantile, table } from './lib/stats.ts'
 
@@ -220,15 +211,12 @@ async function main() {
     )
 
     // --- save / load vs memcpy
-    const layers = 32
-    const numBlocks = 96
-    const blockBytes = 16 * 8 * 128 * 2
-    const layerBytes = 2 * numBlocks * blockBytes
-    const kvPath = join(shmDir, `kvgate-ab-${process.pid}`)
-    const fd = openSync(kvPath, 'w+', 0o600)
-    const zeros = Buffer.alloc(layerBytes)
-    for (let l = 0; l < layers; l++) writeSync(fd, zeros, 0, layerBytes, l * layerBytes)
-    closeSync(fd)
+    const {
+      path: kvPath,
+      layers,
+      numBlocks,
+      layerBytes,
+    } = createLlama8BKv(join(shmDir, `kvgate-ab-${process.pid}`))
     files.push(kvPath)
     const copySubjects = []
     for (const [i, t] of trees.entries()) {

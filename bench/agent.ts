@@ -16,12 +16,11 @@ import {
   rmSync,
   unlinkSync,
   writeFileSync,
-  writeSync,
 } from 'node:fs'
 import { loadavg } from 'node:os'
 import { join } from 'node:path'
 import { defaultCopyThreads } from '../src/agent/config.ts'
-import { Client, registerLlama8B, shuffled } from './lib/agent-client.ts'
+import { Client, createLlama8BKv, registerLlama8B, shuffled } from './lib/agent-client.ts'
 import { type GcCounts, GcTrace, gcLine } from './lib/gc-trace.ts'
 import { machineLine, median, quantile, table, writeResult } from './lib/stats.ts'
 
@@ -135,17 +134,13 @@ async function main() {
   const agents: ChildProcess[] = []
   const files: string[] = []
   try {
-    // Llama-3.1-8B per GPU at TP 1: 32 layers × [2, blocks, 16, 8, 128] bf16; a 256-token chunk = 16 blocks × 32 KiB × 2 × 32 = 32 MiB.
-    const layers = 32
-    const numBlocks = 96
-    const blockBytes = 16 * 8 * 128 * 2
-    const layerBytes = 2 * numBlocks * blockBytes
-    const kvPath = join(shmDir, `kvgate-bench-${process.pid}`)
-    const fd = openSync(kvPath, 'w+', 0o600)
-    // Touch every page, as an engine's allocated KV cache is: first-touch faults are not the copy's cost.
-    const zeros = Buffer.alloc(layerBytes)
-    for (let l = 0; l < layers; l++) writeSync(fd, zeros, 0, layerBytes, l * layerBytes)
-    closeSync(fd)
+    // Llama-3.1-8B per GPU at TP 1 (bench/lib/agent-client.ts createLlama8BKv).
+    const {
+      path: kvPath,
+      layers,
+      numBlocks,
+      layerBytes,
+    } = createLlama8BKv(join(shmDir, `kvgate-bench-${process.pid}`))
     files.push(kvPath)
     // The lookups first, on an agent of their own (configured as the main one) running alone:
     // the copy phase's agents, idle after 32 MiB saves and loads, collect their garbage seconds

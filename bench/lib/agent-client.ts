@@ -1,6 +1,7 @@
 // A minimal kvgate agent client for the benchmarks: one Unix-socket connection, requests
 // answered by id (progress events ignored); an error answer throws with its code.
 
+import { closeSync, openSync, writeSync } from 'node:fs'
 import { connect, type Socket } from 'node:net'
 import { decodeBody, encodeFrame, FrameReader } from '../../src/agent/protocol.ts'
 
@@ -78,4 +79,32 @@ export async function registerLlama8B(
   }))
   const { worker } = await c.call('register', { rank: 0, numBlocks, tensors })
   return worker as number
+}
+
+/** A Llama-3.1-8B engine's KV cache at TP 1 in one shm file: what registerLlama8B registers. */
+export interface Llama8BKv {
+  path: string
+  layers: number
+  numBlocks: number
+  layerBytes: number
+}
+
+/**
+ * Creates `path` as 32 layers × [2, 96 blocks, 16, 8, 128] bf16 laid end to end (a 256-token
+ * chunk = 16 blocks × 32 KiB × 2 × 32 = 32 MiB), every page touched, as an engine's allocated KV
+ * cache is: first-touch faults are not the copy's cost.
+ */
+export function createLlama8BKv(path: string): Llama8BKv {
+  const layers = 32
+  const numBlocks = 96
+  const blockBytes = 16 * 8 * 128 * 2
+  const layerBytes = 2 * numBlocks * blockBytes
+  const fd = openSync(path, 'w+', 0o600)
+  try {
+    const zeros = Buffer.alloc(layerBytes)
+    for (let l = 0; l < layers; l++) writeSync(fd, zeros, 0, layerBytes, l * layerBytes)
+  } finally {
+    closeSync(fd)
+  }
+  return { path, layers, numBlocks, layerBytes }
 }
