@@ -25,6 +25,19 @@ def tmp():
     d.cleanup()
 
 
+def given_up_load(e: Engine, gate: str):
+    """Stores PROMPT's 3 chunks (r1), then stalls every copy the agent starts (the gate file) and
+    prefills PROMPT again (r2): its load is given up at load_timeout_ms, every block recomputed,
+    its first copy still stalled. Returns (r1, r2)."""
+    r1 = e.prefill("r1", PROMPT)
+    assert e.finish(r1["req"], r1["block_ids"]) is True  # saved: 3 chunks
+    open(gate, "w").close()  # from here every copy the agent starts stalls
+    r2 = e.prefill("r2", PROMPT)
+    assert r2["matched"] == 96
+    assert r2["load_errors"] == sorted(r2["block_ids"][:6])
+    return r1, r2
+
+
 def layer0_landed(engine: Engine, src, dst, n: int) -> bool:
     """Whether layer 0 of blocks dst[:n] holds what blocks src[:n] hold, on every rank."""
     for rank in range(len(engine.workers)):
@@ -61,13 +74,8 @@ def test_a_timed_out_load_holds_its_requests_blocks_until_its_stalled_copy_lande
     e = Engine(EngineSpec(socket=sock, model=f"test/fence-{ending}", world=2, load_timeout_ms=300), block_order_seed=3)
     try:
         assert e.ready
-        r1 = e.prefill("r1", PROMPT)
-        assert e.finish(r1["req"], r1["block_ids"]) is True  # saved: 3 chunks
-        open(gate, "w").close()  # from here every copy the agent starts stalls
-        r2 = e.prefill("r2", PROMPT)
-        assert r2["matched"] == 96
-        # load_timeout_ms passed with the copies stalled: every block is recomputed...
-        assert r2["load_errors"] == sorted(r2["block_ids"][:6])
+        # load_timeout_ms passes with the copies stalled: every block is recomputed...
+        r1, r2 = given_up_load(e, gate)
         # ...and the request ends (or is aborted): its blocks must stay vLLM's until the copy landed.
         delay, _ = e.sched.request_finished(r2["req"], r2["block_ids"])
         assert delay is True
@@ -130,11 +138,7 @@ def test_a_preempted_request_with_a_given_up_load_is_fenced_before_the_step_that
     )
     try:
         assert e.ready
-        r1 = e.prefill("r1", PROMPT)
-        assert e.finish(r1["req"], r1["block_ids"]) is True
-        open(gate, "w").close()
-        r2 = e.prefill("r2", PROMPT)
-        assert r2["load_errors"] == sorted(r2["block_ids"][:6])
+        r1, r2 = given_up_load(e, gate)
         assert not layer0_landed(e, r1["block_ids"], r2["block_ids"], 6)
         # r2 is preempted; the stalled copy lands (or the agent dies) 1.5 s into the next step.
         ender = threading.Timer(1.5, (lambda: os.unlink(gate)) if ending == "copy-lands" else agent.kill)
@@ -190,11 +194,7 @@ def test_a_save_past_save_timeout_ms_is_cancelled_and_the_connection_kept_for_it
     e = Engine(spec, block_order_seed=5)
     try:
         assert e.ready
-        r1 = e.prefill("r1", PROMPT)
-        assert e.finish(r1["req"], r1["block_ids"]) is True
-        open(gate, "w").close()  # from here every copy the agent starts stalls
-        r2 = e.prefill("r2", PROMPT)
-        assert r2["matched"] == 96 and r2["load_errors"] == sorted(r2["block_ids"][:6])
+        r1, r2 = given_up_load(e, gate)
         r3 = e.prefill("r3", OTHER)
         assert r3["matched"] == 0
         assert e.sched.request_finished(r2["req"], r2["block_ids"])[0] is True
@@ -261,11 +261,7 @@ def test_a_load_on_a_connection_the_connector_dropped_is_held_until_the_agent_pr
     e = Engine(spec, block_order_seed=6)
     try:
         assert e.ready
-        r1 = e.prefill("r1", PROMPT)
-        assert e.finish(r1["req"], r1["block_ids"]) is True
-        open(gate, "w").close()  # from here every copy the agent starts stalls
-        r2 = e.prefill("r2", PROMPT)
-        assert r2["matched"] == 96 and r2["load_errors"] == sorted(r2["block_ids"][:6])
+        r1, r2 = given_up_load(e, gate)
         r3 = e.prefill("r3", OTHER)
         assert e.sched.request_finished(r2["req"], r2["block_ids"])[0] is True
         assert e.sched.request_finished(r3["req"], r3["block_ids"])[0] is True  # its save stalls
