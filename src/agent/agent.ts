@@ -61,6 +61,8 @@ const VLLM_DTYPES: Record<string, Dtype> = {
   fp8_e5m2: 'fp8e5m2',
   float8_e5m2: 'fp8e5m2',
 }
+/** What a load's wait for its next layer gives when that layer was not ready by the end of the turn. */
+const TURN_ENDED = Symbol('turn ended')
 /** Operations beyond protocol 1's first set, named in hello's answer (a connector uses them only when named). */
 const AGENT_FEATURES = ['cancel']
 const MAX_KEYS = 1 << 16
@@ -676,7 +678,12 @@ export class Agent {
     const runsByChunk: number[][] = []
     for (let c = 0; c < count; c++) runsByChunk.push(chunkRuns(g, w.numBlocks, ids, c * bpc, bpc, skip))
     // Threaded copies of a group of layers run while the next layers are fetched: one native
-    // call and one progress event per group (an eighth of the model), not per layer. Their
+    // call and one progress event per group (at least an eighth of the model), not per layer.
+    // A full group waits for the end of the event loop's turn: layers that are ready together
+    // (every layer of chunks in L1, of a chunk read whole from L2) go in one call. Eight calls
+    // of 2 threads each (16 pool jobs on the addon's pool of 4) plus the loop launching them
+    // oversubscribed 2 cores: their JS ran between copies, and a descheduled part finished
+    // last, ~1.3x a whole L1 load's time. Remote layer groups still land group by group. Their
     // slabs stay valid until the generator finishes (LayerBatch.slabs: L1 handles, reservations
     // and fetched groups are held until its finally), and we finish it only after every copy
     // settled: the last layer waits for them, and every other exit waits in `finally` before
@@ -694,8 +701,10 @@ export class Agent {
     let abandoned = false
     try {
       const seen = new Set<number>()
-      const finished = (layer: number) => {
-        done[layer] = 1
+      // One event per copy landed (its layers at once), not per layer: each is a frame the
+      // engine's reader thread wakes for (a 32-layer load sent 32 events, not the ~8 documented).
+      const finished = (layers: readonly number[]) => {
+        for (const l of layers) done[l] = 1
         let n = prog.layers
         while (n < g.layers && done[n] === 1) n++
         if (n === prog.layers) return
@@ -705,9 +714,47 @@ export class Agent {
       // A cancelled load does not wait for chunks still being fetched (a slow gateway): its
       // answer, the engine's fence, needs only the copies already started to land.
       const cancelled = prog.onCancel.then(() => undefined)
+      // Once per turn, shared by every wait of that turn.
+      let turn: Promise<typeof TURN_ENDED> | undefined
+      const turnEnded = () =>
+        (turn ??= new Promise((resolve) =>
+          setImmediate(() => {
+            turn = undefined
+            resolve(TURN_ENDED)
+          }),
+        ))
+      const copyGroup = (copier: HostCopier) => {
+        // The engine counts a load whose connection closed (or that it cancelled) as failed and
+        // recomputes (or reuses) its blocks: no copy into them starts after the close.
+        mayCopy(s, prog)
+        const copied = group.map((e) => e.layer)
+        const slabs = group
+        const p = copies.add(this.#gated(() => copier.scatterLayers(slabs, runsByChunk)) as Promise<void>)
+        group = []
+        void p.then(
+          () => {
+            finished(copied)
+          },
+          () => {},
+        )
+      }
       for (;;) {
         const pending = it.next()
-        const next = await Promise.race([pending, cancelled])
+        let next = await Promise.race(
+          w.copier && group.length >= perGroup ? [pending, cancelled, turnEnded()] : [pending, cancelled],
+        )
+        if (next === TURN_ENDED) {
+          // The next layer is not ready in this turn: the full group goes now. One that may not
+          // (a cancel or the close came meanwhile) leaves the fetch to finish in the background.
+          try {
+            copyGroup(w.copier!)
+          } catch (e) {
+            pending.catch(() => {})
+            abandoned = true
+            throw e
+          }
+          next = await Promise.race([pending, cancelled])
+        }
         if (next === undefined) {
           pending.catch(() => {})
           abandoned = true
@@ -724,22 +771,9 @@ export class Agent {
             const runs = runsByChunk[c]!
             for (let r = 2; r < runs.length; r += 3) bytes += runs[r]!
           }
-          const last = batch.layer === g.layers - 1
-          if (group.length < perGroup && !last) continue
-          // The engine counts a load whose connection closed (or that it cancelled) as failed and
-          // recomputes (or reuses) its blocks: no copy into them starts after the close.
-          mayCopy(s, prog)
-          const copied = group.map((e) => e.layer)
-          const slabs = group
-          const p = copies.add(this.#gated(() => copier.scatterLayers(slabs, runsByChunk)) as Promise<void>)
-          group = []
-          void p.then(
-            () => {
-              for (const l of copied) finished(l)
-            },
-            () => {},
-          )
-          if (last) await copies.settled()
+          if (batch.layer !== g.layers - 1) continue
+          copyGroup(copier)
+          await copies.settled()
           continue
         }
         const t = w.layers[batch.layer]!
@@ -750,7 +784,7 @@ export class Agent {
           if (copying) await copying // a host tensor copies synchronously: no await per chunk
           for (let r = 2; r < runs.length; r += 3) bytes += runs[r]!
         }
-        finished(batch.layer)
+        finished([batch.layer])
       }
       await copies.settled()
       if (seen.size < g.layers) served = 0
