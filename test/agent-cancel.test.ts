@@ -8,7 +8,7 @@ import { closeSync, mkdtempSync, openSync, readFileSync, rmSync, writeFileSync, 
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, describe, expect, it, vi } from 'vitest'
-import { Agent, newSession, type Session } from '../src/agent/agent.ts'
+import { Agent, loadCopyLayers, newSession, type Session } from '../src/agent/agent.ts'
 import { AgentServer, resolveAgentConfig } from '../src/agent/index.ts'
 import { KVCache } from '../src/client/kv-cache.ts'
 import { loadNative } from '../src/client/native-api.ts'
@@ -366,6 +366,18 @@ describe('threaded load: copies by the layers ready together', () => {
         expect(blockBytes(after, l, dst[i]!).equals(blockBytes(stored, l, src[i]!))).toBe(true)
     return x.events.filter((e) => e.event === 'load-progress' && e.id === 4).map((e) => e.layers as number)
   }
+
+  it('one copy names at most 60 000 buffers however many chunks a load has (as the fixed groups did); a group waits for an eighth of the layers', () => {
+    expect(loadCopyLayers(32, 1)).toEqual({ minLayers: 4, maxLayers: 30_000 })
+    expect(loadCopyLayers(32, 2000)).toEqual({ minLayers: 4, maxLayers: 29 })
+    expect(loadCopyLayers(32, 65_535)).toEqual({ minLayers: 1, maxLayers: 1 })
+    for (const chunks of [1, 2, 1000, 7499, 7500, 30_000, 65_535]) {
+      const { minLayers, maxLayers } = loadCopyLayers(80, chunks)
+      expect(minLayers).toBeGreaterThanOrEqual(1)
+      expect(minLayers).toBeLessThanOrEqual(maxLayers)
+      expect(maxLayers === 1 || maxLayers * (chunks + 1) <= 60_000).toBe(true)
+    }
+  })
 
   it('chunks in L1: every layer in one copy, its progress one event naming them all', async () => {
     const x = await setup('groups-l1', 2)

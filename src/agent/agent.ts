@@ -79,8 +79,19 @@ const MAX_REGISTRATIONS = 8
 const MAX_CONNECTION_TENSORS = 4096
 /** A load reports its progress in about this many steps (one threaded copy each). */
 const LOAD_PROGRESS_STEPS = 8
-/** Buffers a load's layer group is sized to name at most (one layer of more chunks is one group, which HostCopier cuts into calls within the addon's 65 536). */
+/** Buffers a load's copy is sized to name at most (one layer of more chunks is one copy, which HostCopier cuts into calls within the addon's 65 536). */
 const MAX_COPY_BUFFERS = 60_000
+
+/**
+ * How a threaded load of `chunks` chunks copies `layers` layers: a group is copied once it holds
+ * `minLayers` (about an eighth of the model) and the next layer is not ready, and one copy names
+ * at most `maxLayers`, so that its buffers (each layer's mapping and a slab per chunk) and runs
+ * stay within MAX_COPY_BUFFERS: layers ready together past that go in several copies.
+ */
+export function loadCopyLayers(layers: number, chunks: number): { minLayers: number; maxLayers: number } {
+  const maxLayers = Math.max(1, Math.floor(MAX_COPY_BUFFERS / (chunks + 1)))
+  return { minLayers: Math.min(Math.ceil(layers / LOAD_PROGRESS_STEPS), maxLayers), maxLayers }
+}
 
 export interface AgentCoreOptions {
   chunkTokens: number
@@ -691,10 +702,7 @@ export class Agent {
     // load then fails every block (served = 0) and still answers only once they settled.
     const copies = new CopySet()
     const done = new Uint8Array(g.layers)
-    const perGroup = Math.max(
-      1,
-      Math.min(Math.ceil(g.layers / LOAD_PROGRESS_STEPS), Math.floor(MAX_COPY_BUFFERS / (count + 1))),
-    )
+    const { minLayers: perGroup, maxLayers: perCopy } = loadCopyLayers(g.layers, count)
     let group: LayerSlabs[] = []
     const it = w.space.cache.retrieveLayersKeys(keys)
     /** The generator still has a fetch running (a cancel stopped waiting for it): finished in the background. */
@@ -727,16 +735,16 @@ export class Agent {
         // The engine counts a load whose connection closed (or that it cancelled) as failed and
         // recomputes (or reuses) its blocks: no copy into them starts after the close.
         mayCopy(s, prog)
-        const copied = group.map((e) => e.layer)
-        const slabs = group
-        const p = copies.add(this.#gated(() => copier.scatterLayers(slabs, runsByChunk)) as Promise<void>)
+        const ready = group
         group = []
-        void p.then(
-          () => {
-            finished(copied)
-          },
-          () => {},
-        )
+        for (let i = 0; i < ready.length; i += perCopy) {
+          const slabs = ready.slice(i, i + perCopy)
+          const p = copies.add(this.#gated(() => copier.scatterLayers(slabs, runsByChunk)) as Promise<void>)
+          void p.then(
+            () => finished(slabs.map((e) => e.layer)),
+            () => {},
+          )
+        }
       }
       for (;;) {
         const pending = it.next()
