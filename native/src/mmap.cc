@@ -7,6 +7,7 @@
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
+#include <immintrin.h>
 #endif
 
 #include <csetjmp>
@@ -179,7 +180,41 @@ constexpr size_t kStreamRunBytes = 4096;
 // prefetch never faults: one past the run's end, or the mapping's, is dropped.
 constexpr size_t kPrefetchBytes = 512;
 
+#if defined(__x86_64__)
+// StreamCopy with 32-byte loads and streaming stores, where the CPU has AVX2 (checked once at
+// run time: the addon is built for any x86-64). 8-11 % faster than the SSE2 loop on a
+// save-shaped copy, 0-7 % on a load's (in-process, the two builds interleaved, 1 and 2 threads).
+__attribute__((target("avx2"))) void StreamCopyAvx2(uint8_t* dst, const uint8_t* src, size_t n) {
+  size_t head = (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31;
+  if (head > n) head = n;
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  for (; n >= 128; n -= 128, dst += 128, src += 128) {
+    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes + 64), _MM_HINT_NTA);
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
+    __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 96), d);
+  }
+  std::memcpy(dst, src, n);
+}
+#endif
+
 void StreamCopy(uint8_t* dst, const uint8_t* src, size_t n) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) {
+    StreamCopyAvx2(dst, src, n);
+    return;
+  }
+#endif
 #if defined(__SSE2__)
   size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
   if (head > n) head = n;
