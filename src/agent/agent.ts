@@ -692,11 +692,11 @@ export class Agent {
     // call and one progress event per group (at least an eighth of the model), not per layer.
     // A full group waits for the end of the event loop's turn: layers that are ready together
     // (every layer of chunks in L1, of a chunk read whole from L2) go in one call. Eight calls
-    // of 2 threads each (16 pool jobs on the addon's pool of 4) plus the loop launching them
-    // oversubscribed 2 cores: their JS ran between copies, and a descheduled part finished
-    // last, ~1.3x a whole L1 load's time. Remote layer groups still land group by group. Their
-    // slabs stay valid until the generator finishes (LayerBatch.slabs: L1 handles, reservations
-    // and fetched groups are held until its finally), and we finish it only after every copy
+    // of 2 parts each (16 jobs on libuv's pool of 4) and the loop launching them between the
+    // copies oversubscribed 2 cores, a descheduled part finishing last: an L1 load took 1.1-1.5x
+    // the one call's time (bench/agent-ab.ts under load). Remote layer groups still copy as they
+    // land. Their slabs stay valid until the generator finishes (LayerBatch.slabs: L1 handles,
+    // reservations and fetched groups are held until its finally), and we finish it only after every copy
     // settled: the last layer waits for them, and every other exit waits in `finally` before
     // return(). Only a generator that throws finishes on its own with copies in flight; the
     // load then fails every block (served = 0) and still answers only once they settled.
