@@ -416,7 +416,8 @@ constexpr size_t kMaxParts = 64;
 // The bytes a pool thread takes at a time. The threads share the grains, each taking the next
 // one left, rather than each a fixed share: a thread the kernel runs late (another process on
 // the core, its wake-up) leaves its grains to the others instead of holding the copy's answer
-// until its whole share is done (on 2 busy cores a save waited on the one thread descheduled).
+// until its whole share is done. In-process on 2 busy cores, interleaved with fixed shares: the
+// same median, the mean -9 to +1 % and the p90 0-15 % lower for a save-shaped copy.
 constexpr size_t kGrainBytes = 256 * 1024;
 
 struct CopyJob;
