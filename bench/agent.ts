@@ -20,6 +20,7 @@ import {
 import { loadavg } from 'node:os'
 import { join } from 'node:path'
 import { defaultCopyThreads } from '../src/agent/config.ts'
+import { loadNative } from '../src/client/native-api.ts'
 import { Client, createLlama8BKv, registerLlama8B, shuffled } from './lib/agent-client.ts'
 import { type GcCounts, GcTrace, gcLine } from './lib/gc-trace.ts'
 import { machineLine, median, quantile, table, writeResult } from './lib/stats.ts'
@@ -239,6 +240,9 @@ async function main() {
     const src = Buffer.alloc(chunkBytes, 7)
     const dst = Buffer.alloc(chunkBytes, 1)
     const memcpy: number[] = []
+    const memcpyThreads: number[] = []
+    const copyAsync = loadNative().api?.copyRunsAsync
+    const oneRun = new Float64Array([0, 0, 1, 0, chunkBytes])
     let moved = 0
     const last = subjects[subjects.length - 1]!
     const cpu0 = cpuSeconds(last.agent.pid!)
@@ -246,6 +250,10 @@ async function main() {
       const order = shuffled(numBlocks, i + 1)
       const keys = [randomBytes(32)]
       const m = await time(async () => src.copy(dst))
+      // The same bytes on the agents' thread count: the addon's threaded copy of one run (the
+      // agent's own primitive, unscattered). Not the bar's baseline: how much of "vs memcpy" is
+      // the second thread.
+      const mt = copyAsync ? await time(() => copyAsync([dst, src], oneRun, Math.max(1, n))) : Number.NaN
       for (const sub of subjects) {
         const { c, worker } = sub
         const s = await time(() => c.call('save', { worker, keys, blockIds: order.slice(0, 16) }))
@@ -257,6 +265,7 @@ async function main() {
       }
       if (i >= 2) {
         memcpy.push(m)
+        memcpyThreads.push(mt)
         moved += 2 * chunkBytes
       }
     }
@@ -305,8 +314,26 @@ async function main() {
           ],
         ]),
         ['one memcpy of the same bytes (baseline)', spread(memcpy, 2), gbs(mMs), '1.00', ''],
+        ...(copyAsync
+          ? [
+              [
+                `the same bytes in one run on ${n} threads (the addon's copy; not the baseline)`,
+                spread(memcpyThreads, 2),
+                gbs(median(memcpyThreads)),
+                spread(ratios(memcpyThreads), 2),
+                '',
+              ],
+            ]
+          : []),
       ]),
     )
+    if (copyAsync) {
+      // Per repeat: that threaded copy's time / the operation's time, for the agent on n threads.
+      const vsThreads = (op: number[]) => op.map((t, i) => memcpyThreads[i]! / t)
+      console.log(
+        `${last.label} vs the same bytes in one run on ${n} threads, per repeat min / median / max: save ${spread(vsThreads(last.save), 2)}, load ${spread(vsThreads(last.load), 2)}`,
+      )
+    }
     for (const ph of phases) {
       console.log(
         `lookup of 512 keys (${ph.form}, ${hit} present): round trip p50 ${quantile(ph.rtt, 0.5).toFixed(3)} ms,` +
@@ -388,6 +415,7 @@ async function main() {
         max: Math.max(...ratios(load)),
       },
       memcpyMs: mMs,
+      threadedCopyMs: copyAsync ? median(memcpyThreads) : null,
       lookupP50Ms: p50,
       lookupP99Ms: p99,
       lookups: phases.map((ph) => ({

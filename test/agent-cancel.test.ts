@@ -1,14 +1,16 @@
 // `cancel`: an engine that gave up on a load (or save) learns when nothing of it can touch its
 // blocks any more. The cancelled request starts no copy after the cancel and answers only
 // once the copies it had started landed; other requests of the connection carry on.
+// Also how a threaded load groups its layers into copies (counted through the same gate).
 
 import { randomBytes } from 'node:crypto'
 import { closeSync, mkdtempSync, openSync, readFileSync, rmSync, writeFileSync, writeSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { afterAll, describe, expect, it } from 'vitest'
-import { Agent, newSession, type Session } from '../src/agent/agent.ts'
+import { afterAll, describe, expect, it, vi } from 'vitest'
+import { Agent, loadCopyLayers, newSession, type Session } from '../src/agent/agent.ts'
 import { AgentServer, resolveAgentConfig } from '../src/agent/index.ts'
+import { KVCache } from '../src/client/kv-cache.ts'
 import { loadNative } from '../src/client/native-api.ts'
 import { AgentClient } from './support/agent-client.ts'
 import { startFaultGateway } from './support/client-fault-gateway.ts'
@@ -74,7 +76,8 @@ async function setup(name: string, threads: number, remoteUrl?: string) {
   })
   const path = join(dir, `${name}-kv`)
   writeFileSync(path, randomBytes(LAYERS * LAYER_BYTES))
-  const s = newSession(() => {})
+  const events: Record<string, unknown>[] = []
+  const s = newSession((e) => events.push(e))
   const hello = agent.answer(s, { id: 1, op: 'hello', protocol: 1, model: 'm', hashSeed: '0', geometry })
   expect(hello).toMatchObject({ protocol: 1, features: ['cancel'] })
   const tensors = Array.from({ length: LAYERS }, (_, l) => ({
@@ -84,7 +87,32 @@ async function setup(name: string, threads: number, remoteUrl?: string) {
     shape: [2, BLOCKS, 16, 8, 128],
   }))
   const r = await agent.answer(s, { id: 2, op: 'register', rank: 0, numBlocks: BLOCKS, tensors })
-  return { agent, gate, s, worker: r.worker as number, path }
+  return { agent, gate, s, worker: r.worker as number, path, events }
+}
+
+/**
+ * Until restored: every load's layer `l` (l > 0, a multiple of `every`) reaches the agent a turn
+ * of the event loop after layer l - 1, as layer groups fetched from a gateway do (a load of
+ * chunks in L1 gets every layer in one turn).
+ */
+function layersOverTurns(every: number) {
+  const real = KVCache.prototype.retrieveLayersKeys
+  return vi.spyOn(KVCache.prototype, 'retrieveLayersKeys').mockImplementation(function (this: KVCache, keys) {
+    const inner = real.call(this, keys)
+    return (async function* () {
+      try {
+        for (;;) {
+          const next = await inner.next()
+          if (next.done) return
+          if (next.value.layer > 0 && next.value.layer % every === 0)
+            await new Promise((r) => setImmediate(r))
+          yield next.value
+        }
+      } finally {
+        await inner.return(undefined)
+      }
+    })()
+  })
 }
 
 /** Block `b`'s K bytes of layer `l` in the engine's file. */
@@ -114,6 +142,8 @@ describe('cancel', () => {
   for (const threads of [2, 0]) {
     it(`${threads} copy threads: a cancelled load starts no copy after the cancel and answers only once its stalled copy landed; another load of the connection is unaffected`, async () => {
       const { agent, gate, s, worker, path } = await setup(`load-${threads}`, threads)
+      // Threaded: layers in pairs a turn apart, so the load is several copies (an L1 load is one).
+      const turns = threads > 0 ? layersOverTurns(2) : undefined
       try {
         const src = Array.from({ length: 2 * BPC }, (_, i) => i)
         const keys = Buffer.concat([randomBytes(32), randomBytes(32)])
@@ -174,6 +204,7 @@ describe('cancel', () => {
         expect(stats.loadsCancelled).toBe(1)
         expect(stats.loadErrors).toBe(0)
       } finally {
+        turns?.mockRestore()
         agent.endSession(s)
         await agent.close()
       }
@@ -309,6 +340,169 @@ describe('cancel', () => {
       gate.open()
       c.close()
       await (closing ?? srv.close())
+    }
+  })
+})
+
+describe('threaded load: copies by the layers ready together', () => {
+  /** Saves 2 chunks from blocks 0..31 and loads them into blocks 47..16; checks every byte landed. */
+  async function loadTwoChunks(x: Awaited<ReturnType<typeof setup>>) {
+    const src = Array.from({ length: 2 * BPC }, (_, i) => i)
+    const dst = src.map((i) => BLOCKS - 1 - i) // 47..16: distinct, some over the saved blocks
+    const keys = Buffer.concat([randomBytes(32), randomBytes(32)])
+    expect(
+      await x.agent.answer(x.s, { id: 3, op: 'save', worker: x.worker, keys, blockIds: src }),
+    ).toMatchObject({
+      stored: 2,
+    })
+    const stored = readFileSync(x.path)
+    x.gate.started = 0
+    x.events.length = 0
+    const ans = await x.agent.answer(x.s, { id: 4, op: 'load', worker: x.worker, keys, blockIds: dst })
+    expect(ans).toMatchObject({ chunks: 2, failedBlocks: [], error: null })
+    const after = readFileSync(x.path)
+    for (let l = 0; l < LAYERS; l++)
+      for (let i = 0; i < dst.length; i++)
+        expect(blockBytes(after, l, dst[i]!).equals(blockBytes(stored, l, src[i]!))).toBe(true)
+    return x.events.filter((e) => e.event === 'load-progress' && e.id === 4).map((e) => e.layers as number)
+  }
+
+  it('one copy names at most 60 000 buffers however many chunks a load has (as the fixed groups did); a group waits for an eighth of the layers', () => {
+    expect(loadCopyLayers(32, 1)).toEqual({ minLayers: 4, maxLayers: 30_000 })
+    expect(loadCopyLayers(32, 2000)).toEqual({ minLayers: 4, maxLayers: 29 })
+    expect(loadCopyLayers(32, 65_535)).toEqual({ minLayers: 1, maxLayers: 1 })
+    for (const chunks of [1, 2, 1000, 7499, 7500, 30_000, 65_535]) {
+      const { minLayers, maxLayers } = loadCopyLayers(80, chunks)
+      expect(minLayers).toBeGreaterThanOrEqual(1)
+      expect(minLayers).toBeLessThanOrEqual(maxLayers)
+      expect(maxLayers === 1 || maxLayers * (chunks + 1) <= 60_000).toBe(true)
+    }
+  })
+
+  it('chunks in L1: every layer in one copy, its progress one event naming them all', async () => {
+    const x = await setup('groups-l1', 2)
+    try {
+      const progress = await loadTwoChunks(x)
+      expect(x.gate.started).toBe(1) // 8 copies of 2 layers before: 16 pool jobs on 2 cores
+      expect(progress).toEqual([LAYERS])
+    } finally {
+      x.agent.endSession(x.s)
+      await x.agent.close()
+    }
+  })
+
+  it('layers arriving over several turns (fetched groups): a copy per arrival once a group is full, progress naming each prefix landed', async () => {
+    const x = await setup('groups-turns', 2)
+    const turns = layersOverTurns(4)
+    try {
+      const progress = await loadTwoChunks(x)
+      // 4 layers a turn, groups of at least ⌈16 / 8⌉ = 2: each turn's 4 layers go in one copy.
+      expect(x.gate.started).toBe(LAYERS / 4)
+      expect(progress.length).toBeGreaterThanOrEqual(1)
+      expect(progress).toEqual([...new Set(progress)].sort((a, b) => a - b))
+      expect(progress.every((n) => n % 4 === 0)).toBe(true) // a prefix of whole copies
+      expect(progress.at(-1)).toBe(LAYERS)
+    } finally {
+      turns.mockRestore()
+      x.agent.endSession(x.s)
+      await x.agent.close()
+    }
+  })
+
+  /**
+   * Until restored: a load's layers 0..3 come in one turn and layer 4 only once `release` is
+   * called; `atStall` runs (synchronously) as the generator reaches layer 4.
+   */
+  function stallAtLayer4(atStall: () => void) {
+    const real = KVCache.prototype.retrieveLayersKeys
+    const stall = { release: () => {}, reached: false }
+    const spy = vi.spyOn(KVCache.prototype, 'retrieveLayersKeys').mockImplementation(function (
+      this: KVCache,
+      keys,
+    ) {
+      const inner = real.call(this, keys)
+      return (async function* () {
+        try {
+          for (;;) {
+            const next = await inner.next()
+            if (next.done) return
+            if (next.value.layer === 4) {
+              stall.reached = true
+              atStall()
+              await new Promise<void>((r) => (stall.release = r))
+            }
+            yield next.value
+          }
+        } finally {
+          await inner.return(undefined)
+        }
+      })()
+    })
+    return { spy, stall }
+  }
+
+  async function savedChunk(x: Awaited<ReturnType<typeof setup>>) {
+    const src = Array.from({ length: BPC }, (_, i) => i)
+    const keys = randomBytes(32)
+    expect(
+      await x.agent.answer(x.s, { id: 3, op: 'save', worker: x.worker, keys, blockIds: src }),
+    ).toMatchObject({
+      stored: 1,
+    })
+    x.gate.started = 0
+    return { keys, dst: src.map((i) => i + BPC), before: readFileSync(x.path) }
+  }
+
+  it('a cancel while a full group waits for the end of its turn: that group is never copied, and the load answers without waiting for the layers to come', async () => {
+    const x = await setup('groups-cancel', 2)
+    // The engine's cancel comes as the load reaches layer 4: layers 0..3 wait, not yet copied.
+    const { spy, stall } = stallAtLayer4(() => x.agent.answer(x.s, { id: 5, op: 'cancel', ids: [4] }))
+    try {
+      const { keys, dst, before } = await savedChunk(x)
+      const load = x.agent.answer(x.s, {
+        id: 4,
+        op: 'load',
+        worker: x.worker,
+        keys,
+        blockIds: dst,
+      }) as Promise<Record<string, unknown>>
+      expect(await settledWithin(load, 300)).toBe(true) // layer 4 never came
+      const ans = await load
+      expect(ans).toMatchObject({ chunks: 0, failedBlocks: dst })
+      expect(String(ans.error)).toMatch(/cancelled/)
+      expect(stall.reached).toBe(true)
+      expect(x.gate.started).toBe(0) // before: layers 0..1 and 2..3 were copied as each pair came
+      expect(readFileSync(x.path).equals(before)).toBe(true)
+      stall.release()
+    } finally {
+      spy.mockRestore()
+      x.agent.endSession(x.s)
+      await x.agent.close()
+    }
+  })
+
+  it('the connection closing while a full group waits for the end of its turn: no copy starts, and the load ends without waiting for the layers to come', async () => {
+    const x = await setup('groups-closed', 2)
+    // The close is seen (endSession) in the turn the group filled in (a close callback before
+    // the turn's end): the group's copy is refused there, and the fetch of layer 4 left behind.
+    const { spy, stall } = stallAtLayer4(() => x.agent.endSession(x.s))
+    try {
+      const { keys, dst, before } = await savedChunk(x)
+      const load = x.agent.answer(x.s, {
+        id: 4,
+        op: 'load',
+        worker: x.worker,
+        keys,
+        blockIds: dst,
+      }) as Promise<Record<string, unknown>>
+      expect(await settledWithin(load, 300)).toBe(true)
+      expect(await load).toMatchObject({ chunks: 0, failedBlocks: dst })
+      expect(x.gate.started).toBe(0)
+      expect(readFileSync(x.path).equals(before)).toBe(true)
+      stall.release()
+    } finally {
+      spy.mockRestore()
+      await x.agent.close()
     }
   })
 })

@@ -302,6 +302,48 @@ describe('HostCopier (threaded copies of every layer at once)', () => {
     expect(() => copier.gatherChunk([0, 0, 16], chunk, 8192)).toThrow(code('ERR_CLOSED'))
   })
 
+  it('sizes are checked once per file, against the furthest tensor in it: a file shrunk only under its last layer, or a second file shrunk, fails every copy that names them before any byte moves', async () => {
+    // Layers 0 and 1 in file A, layer 2 in file B.
+    const a = shm('copier-files-a', randomBytes(2 * LAYER))
+    const b = shm('copier-files-b', randomBytes(LAYER))
+    const layers = [
+      new HostTensor(a, 0, LAYER, native),
+      new HostTensor(a, LAYER, LAYER, native),
+      new HostTensor(b, 0, LAYER, native),
+    ]
+    const copier = HostCopier.for(layers, native, 2)!
+    const chunk = new Uint8Array(3 * SLAB)
+    const code = (code: string) => expect.objectContaining({ code })
+    const slab = () => ({ chunks: 1, slabs: [randomBytes(SLAB)] })
+    await copier.gatherChunk(runs, chunk, SLAB)
+    // A still holds layer 0, not layer 1: the one check of A is against layer 1's end.
+    truncateSync(a, LAYER + 4096)
+    chunk.fill(0)
+    expect(() => copier.gatherChunk(runs, chunk, SLAB)).toThrow(code('ERR_IO'))
+    expect(() => copier.scatterLayers([{ layer: 0, ...slab() }], [runs])).toThrow(code('ERR_IO'))
+    expect(chunk.every((x) => x === 0)).toBe(true)
+    // B is whole: a copy of its layer alone goes on.
+    await copier.scatterLayers([{ layer: 2, ...slab() }], [runs])
+    writeFileSync(a, randomBytes(2 * LAYER))
+    const aWhole = readFileSync(a)
+    truncateSync(b, LAYER - 1)
+    expect(() => copier.gatherChunk(runs, chunk, SLAB)).toThrow(code('ERR_IO'))
+    expect(() =>
+      copier.scatterLayers(
+        [
+          { layer: 0, ...slab() },
+          { layer: 2, ...slab() },
+        ],
+        [runs],
+      ),
+    ).toThrow(code('ERR_IO'))
+    expect(readFileSync(a).equals(aWhole)).toBe(true) // nothing landed in A either
+    await copier.scatterLayers([{ layer: 1, ...slab() }], [runs]) // A alone is whole again
+    expect(readFileSync(a).equals(aWhole)).toBe(false)
+    for (const t of layers) t.close()
+    expect(() => copier.scatterLayers([{ layer: 1, ...slab() }], [runs])).toThrow(code('ERR_CLOSED'))
+  })
+
   it('a file the engine shrinks while the threaded copy runs: ERR_IO for that save or load, the agent lives on', async () => {
     const p = shm('copier-shrinks-during', new Uint8Array(2 * LAYER).fill(5))
     const layers = [0, 1].map((l) => new HostTensor(p, l * LAYER, LAYER, native))

@@ -5,7 +5,16 @@
 
 import { spawnSync } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
-import { mkdtempSync, rmSync, truncateSync, writeFileSync } from 'node:fs'
+import {
+  closeSync,
+  constants,
+  mkdtempSync,
+  openSync,
+  promises,
+  rmSync,
+  truncateSync,
+  writeFileSync,
+} from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, describe, expect, it } from 'vitest'
@@ -96,6 +105,39 @@ describe('copyRunsAsync', () => {
     } finally {
       unmapFile(map)
       freePinned(pinned)
+    }
+  })
+
+  it('parts queued behind busy pool threads: every byte lands, and the parts that run after their copy settled (no grain left) touch nothing', async () => {
+    const pool = Number(process.env.UV_THREADPOOL_SIZE ?? 4)
+    expect(pool).toBeLessThanOrEqual(16) // else blocking all but one costs too many FIFOs
+    // All but one pool thread blocked in open() of a FIFO without a writer (no CPU spent).
+    const fifos = Array.from({ length: pool - 1 }, (_, i) => join(dir, `fifo-${i}`))
+    for (const f of fifos) expect(spawnSync('mkfifo', [f]).status).toBe(0)
+    const blocked = fifos.map((f) => promises.open(f, 'r'))
+    const src = randomBytes(8 * MiB)
+    const dst = new Uint8Array(8 * MiB)
+    try {
+      await new Promise((r) => setTimeout(r, 100)) // the opens hold their threads
+      // As many parts as the pool has threads: one of them can run now.
+      const copy = copyRunsAsync([dst, src], new Float64Array([0, 0, 1, 0, 8 * MiB]), pool)
+      let settled = false
+      void copy.then(() => {
+        settled = true
+      })
+      for (let i = 0; i < 100 && !settled; i++) await new Promise((r) => setTimeout(r, 20))
+      // The one free thread takes every grain (the others' parts, when they run, find none).
+      expect(settled).toBe(true)
+      await copy
+      expect(Buffer.from(dst).equals(src)).toBe(true)
+      // A second copy through the same buffers while parts of the first may still be queued.
+      const again = randomBytes(8 * MiB)
+      await copyRunsAsync([dst, again], new Float64Array([0, 0, 1, 0, 8 * MiB]), pool)
+      expect(Buffer.from(dst).equals(again)).toBe(true)
+    } finally {
+      // A writer for each FIFO lets its open return; the parts still queued then find nothing left.
+      for (const f of fifos) closeSync(openSync(f, constants.O_WRONLY | constants.O_NONBLOCK))
+      for (const h of await Promise.all(blocked)) await h.close()
     }
   })
 

@@ -7,6 +7,7 @@
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
+#include <immintrin.h>
 #endif
 
 #include <csetjmp>
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <mutex>
 #include <algorithm>
+#include <atomic>
 #include <unordered_map>
 #include <vector>
 
@@ -171,7 +173,48 @@ constexpr size_t kStreamRunBytes = 4096;
 // destination line first (read-for-ownership), a third more memory traffic, which is why
 // glibc streams only single copies above ~3/4 of the LLC and 1024 block copies ran at
 // 0.65-0.8x one big memcpy. The caller issues _mm_sfence once after its runs.
+// Loads are prefetched kPrefetchBytes ahead: an engine's shm KV has 4 KiB pages (tmpfs without
+// huge pages), where the hardware prefetcher stops, and a 32 KiB block is 8 of them: the next
+// page's first lines are asked for before the loop reaches it (a save's copy 5-7 % faster on 2
+// threads, a load's 1-7 %, interleaved with the build without; 2 KiB ahead was slower). A
+// prefetch never faults: one past the run's end, or the mapping's, is dropped.
+constexpr size_t kPrefetchBytes = 512;
+
+#if defined(__x86_64__)
+// StreamCopy with 32-byte loads and streaming stores, where the CPU has AVX2 (checked once at
+// run time: the addon is built for any x86-64). 8-11 % faster than the SSE2 loop on a
+// save-shaped copy, 0-7 % on a load's (in-process, the two builds interleaved, 1 and 2 threads).
+__attribute__((target("avx2"))) void StreamCopyAvx2(uint8_t* dst, const uint8_t* src, size_t n) {
+  size_t head = (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31;
+  if (head > n) head = n;
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  for (; n >= 128; n -= 128, dst += 128, src += 128) {
+    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes + 64), _MM_HINT_NTA);
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
+    __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 96), d);
+  }
+  std::memcpy(dst, src, n);
+}
+#endif
+
 void StreamCopy(uint8_t* dst, const uint8_t* src, size_t n) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) {
+    StreamCopyAvx2(dst, src, n);
+    return;
+  }
+#endif
 #if defined(__SSE2__)
   size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
   if (head > n) head = n;
@@ -181,6 +224,7 @@ void StreamCopy(uint8_t* dst, const uint8_t* src, size_t n) {
   n -= head;
   size_t i = 0;
   for (; i + 64 <= n; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(src + i + kPrefetchBytes), _MM_HINT_NTA);
     __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
     __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
     __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
@@ -369,12 +413,17 @@ Napi::Value CopyRuns(const Napi::CallbackInfo& info) {
 // Parts smaller than this are not worth a thread of their own (the wake-up costs more).
 constexpr size_t kMinPartBytes = 256 * 1024;
 constexpr size_t kMaxParts = 64;
+// The bytes a pool thread takes at a time. The threads share the grains, each taking the next
+// one left, rather than each a fixed share: a thread the kernel runs late (another process on
+// the core, its wake-up) leaves its grains to the others instead of holding the copy's answer
+// until its whole share is done. In-process on 2 busy cores, interleaved with fixed shares: the
+// same median, the mean -9 to +1 % and the p90 0-15 % lower for a save-shaped copy.
+constexpr size_t kGrainBytes = 256 * 1024;
 
 struct CopyJob;
 
 struct CopyPart {
   CopyJob* job = nullptr;
-  std::vector<Piece> pieces;
   napi_async_work work = nullptr;
   bool faulted = false;  // a SIGBUS stopped this part's copy (set on its pool thread)
 };
@@ -389,13 +438,32 @@ struct CopyJob {
   std::vector<HostSpan> pinned;    // busy marks: freePinned refuses while the copy runs
   std::vector<Mapping*> mappings;  // busy marks: unmapFile defers the munmap
   std::vector<CopyPart> parts;
+  // The pieces, grain by grain: grain g is pieces[grains[g] .. grains[g + 1]).
+  std::vector<Piece> pieces;
+  std::vector<size_t> grains;
+  std::atomic<size_t> nextGrain{0};
+  std::atomic<size_t> grainsDone{0};  // grains copied in full (release: their bytes are visible)
+  std::atomic<bool> stop{false};      // a part faulted: the others take no more grains
   size_t remaining = 0;
   bool faulted = false;  // some part's copy faulted: the promise rejects
+  bool settled = false;  // the promise settled and the buffers were released (JS thread)
 };
 
 void ExecutePart(napi_env, void* data) {
   auto* part = static_cast<CopyPart*>(data);
-  part->faulted = !GuardedCopy(part->pieces.data(), part->pieces.size());
+  CopyJob* job = part->job;
+  const size_t count = job->grains.size() - 1;
+  while (!job->stop.load(std::memory_order_relaxed)) {
+    size_t g = job->nextGrain.fetch_add(1, std::memory_order_relaxed);
+    if (g >= count) break;
+    const size_t first = job->grains[g];
+    if (!GuardedCopy(job->pieces.data() + first, job->grains[g + 1] - first)) {
+      part->faulted = true;
+      job->stop.store(true, std::memory_order_relaxed);
+      break;
+    }
+    job->grainsDone.fetch_add(1, std::memory_order_release);
+  }
 }
 
 // Releases what the job holds. JS thread only (napi_delete_reference).
@@ -414,26 +482,40 @@ void ReleaseJob(CopyJob* job) {
   job->refs.clear();
 }
 
-void CompletePart(napi_env env, napi_status status, void* data) {
-  auto* part = static_cast<CopyPart*>(data);
-  CopyJob* job = part->job;
-  napi_delete_async_work(env, part->work);
-  part->work = nullptr;
-  if (part->faulted) job->faulted = true;
-  if (--job->remaining > 0) return;
+// Settles the job's promise and releases what it holds (JS thread, once): resolved when every
+// grain was copied, else rejected (a fault, or work items cancelled at the environment's end).
+void SettleJob(napi_env env, CopyJob* job) {
+  job->settled = true;
   ReleaseJob(job);
   napi_value v;
   if (job->faulted) {
     v = ToError(Napi::Env(env), ShrankFailure("copyRunsAsync")).Value();
     napi_reject_deferred(env, job->deferred, v);
-  } else if (status == napi_ok) {
+  } else if (job->grainsDone.load(std::memory_order_acquire) == job->grains.size() - 1) {
     napi_get_undefined(env, &v);
     napi_resolve_deferred(env, job->deferred, v);
   } else {
-    // Only a cancelled work item gets here (the environment is shutting down).
+    // Only cancelled work items leave grains uncopied (the environment is shutting down).
     v = ToError(Napi::Env(env), NativeFailure("copyRunsAsync was cancelled")).Value();
     napi_reject_deferred(env, job->deferred, v);
   }
+}
+
+void CompletePart(napi_env env, napi_status, void* data) {
+  auto* part = static_cast<CopyPart*>(data);
+  CopyJob* job = part->job;
+  napi_delete_async_work(env, part->work);
+  part->work = nullptr;
+  if (part->faulted) job->faulted = true;
+  // Every grain copied: the copy is done though a part may not have run yet (its thread not
+  // scheduled, its work item queued behind others). It settles now; that part, when it runs,
+  // finds no grain left and touches no buffer (only the job, freed after the last part).
+  if (!job->settled && !job->faulted &&
+      job->grainsDone.load(std::memory_order_acquire) == job->grains.size() - 1) {
+    SettleJob(env, job);
+  }
+  if (--job->remaining > 0) return;
+  if (!job->settled) SettleJob(env, job);
   delete job;
 }
 
@@ -536,36 +618,34 @@ Napi::Value CopyRunsAsync(const Napi::CallbackInfo& info) {
     delete job;
     throw;
   }
-  // Near-equal byte shares, cut at 4 KiB of a run so each thread streams whole pages of it.
-  job->parts.resize(parts);
-  size_t share = (total + parts - 1) / parts;
-  size_t p = 0, have = 0;
+  // Grains of about kGrainBytes (a run longer than that is cut at 4 KiB of it, so a thread
+  // streams whole pages of it), taken by the parts' threads one at a time.
+  job->pieces.reserve(pieces.size() + total / kGrainBytes + 1);
+  job->grains.reserve(total / kGrainBytes + 2);
+  job->grains.push_back(0);
+  size_t have = 0;
   for (Piece pc : pieces) {
     while (pc.n > 0) {
-      size_t room = share - have;
-      size_t take = pc.n;
-      // A cut inside the run ends this part there, rounded down to 4 KiB of the run (this
-      // part runs a little short; with under 4 KiB of room the run starts the next part).
-      // share >= kMinPartBytes whenever there are parts to cut into, so every pass moves on.
-      bool cut = p + 1 < parts && take > room;
-      if (cut) take = room - room % 4096;
+      size_t take = std::min(pc.n, kGrainBytes - have);
+      // Under 4 KiB of room and more of the run left: it starts the next grain.
+      if (take < pc.n) take -= take % 4096;
       if (take > 0) {
-        job->parts[p].pieces.push_back({pc.dst, pc.src, take});
+        job->pieces.push_back({pc.dst, pc.src, take});
         pc.dst += take;
         pc.src += take;
         pc.n -= take;
         have += take;
       }
-      if ((cut || have >= share) && p + 1 < parts) {
-        p++;
+      if (have >= kGrainBytes || (take == 0 && have > 0)) {
+        job->grains.push_back(job->pieces.size());
         have = 0;
       }
     }
   }
+  if (have > 0) job->grains.push_back(job->pieces.size());
+  job->parts.resize(std::min(parts, job->grains.size() - 1));
   napi_value name;
   napi_create_string_utf8(env, "kvgate.copyRunsAsync", NAPI_AUTO_LENGTH, &name);
-  // Parts the split left empty (rounding) are dropped before anything is queued.
-  while (!job->parts.empty() && job->parts.back().pieces.empty()) job->parts.pop_back();
   job->remaining = job->parts.size();
   for (CopyPart& part : job->parts) {
     part.job = job;
@@ -582,13 +662,7 @@ Napi::Value CopyRunsAsync(const Napi::CallbackInfo& info) {
     }
   }
   if (job->remaining == 0) {
-    ReleaseJob(job);
-    if (job->faulted) {
-      napi_reject_deferred(env, deferred,
-                           ToError(env, ShrankFailure("copyRunsAsync")).Value());
-    } else {
-      napi_resolve_deferred(env, deferred, env.Undefined());
-    }
+    SettleJob(env, job);
     delete job;
   }
   return Napi::Value(env, promise);

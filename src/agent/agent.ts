@@ -61,6 +61,8 @@ const VLLM_DTYPES: Record<string, Dtype> = {
   fp8_e5m2: 'fp8e5m2',
   float8_e5m2: 'fp8e5m2',
 }
+/** What a load's wait for its next layer gives when that layer was not ready by the end of the turn. */
+const TURN_ENDED = Symbol('turn ended')
 /** Operations beyond protocol 1's first set, named in hello's answer (a connector uses them only when named). */
 const AGENT_FEATURES = ['cancel']
 const MAX_KEYS = 1 << 16
@@ -77,8 +79,19 @@ const MAX_REGISTRATIONS = 8
 const MAX_CONNECTION_TENSORS = 4096
 /** A load reports its progress in about this many steps (one threaded copy each). */
 const LOAD_PROGRESS_STEPS = 8
-/** Buffers a load's layer group is sized to name at most (one layer of more chunks is one group, which HostCopier cuts into calls within the addon's 65 536). */
+/** Buffers a load's copy is sized to name at most (one layer of more chunks is one copy, which HostCopier cuts into calls within the addon's 65 536). */
 const MAX_COPY_BUFFERS = 60_000
+
+/**
+ * How a threaded load of `chunks` chunks copies `layers` layers: a group is copied once it holds
+ * `minLayers` (about an eighth of the model) and the next layer is not ready, and one copy names
+ * at most `maxLayers`, so that its buffers (each layer's mapping and a slab per chunk) and runs
+ * stay within MAX_COPY_BUFFERS: layers ready together past that go in several copies.
+ */
+export function loadCopyLayers(layers: number, chunks: number): { minLayers: number; maxLayers: number } {
+  const maxLayers = Math.max(1, Math.floor(MAX_COPY_BUFFERS / (chunks + 1)))
+  return { minLayers: Math.min(Math.ceil(layers / LOAD_PROGRESS_STEPS), maxLayers), maxLayers }
+}
 
 export interface AgentCoreOptions {
   chunkTokens: number
@@ -676,26 +689,30 @@ export class Agent {
     const runsByChunk: number[][] = []
     for (let c = 0; c < count; c++) runsByChunk.push(chunkRuns(g, w.numBlocks, ids, c * bpc, bpc, skip))
     // Threaded copies of a group of layers run while the next layers are fetched: one native
-    // call and one progress event per group (an eighth of the model), not per layer. Their
-    // slabs stay valid until the generator finishes (LayerBatch.slabs: L1 handles, reservations
-    // and fetched groups are held until its finally), and we finish it only after every copy
+    // call and one progress event per group (at least an eighth of the model), not per layer.
+    // A full group waits for the end of the event loop's turn: layers that are ready together
+    // (every layer of chunks in L1, of a chunk read whole from L2) go in one call. Eight calls
+    // of 2 parts each (16 jobs on libuv's pool of 4) and the loop launching them between the
+    // copies oversubscribed 2 cores, a descheduled part finishing last: an L1 load took 1.1-1.5x
+    // the one call's time (bench/agent-ab.ts under load). Remote layer groups still copy as they
+    // land. Their slabs stay valid until the generator finishes (LayerBatch.slabs: L1 handles,
+    // reservations and fetched groups are held until its finally), and we finish it only after every copy
     // settled: the last layer waits for them, and every other exit waits in `finally` before
     // return(). Only a generator that throws finishes on its own with copies in flight; the
     // load then fails every block (served = 0) and still answers only once they settled.
     const copies = new CopySet()
     const done = new Uint8Array(g.layers)
-    const perGroup = Math.max(
-      1,
-      Math.min(Math.ceil(g.layers / LOAD_PROGRESS_STEPS), Math.floor(MAX_COPY_BUFFERS / (count + 1))),
-    )
+    const { minLayers: perGroup, maxLayers: perCopy } = loadCopyLayers(g.layers, count)
     let group: LayerSlabs[] = []
     const it = w.space.cache.retrieveLayersKeys(keys)
     /** The generator still has a fetch running (a cancel stopped waiting for it): finished in the background. */
     let abandoned = false
     try {
       const seen = new Set<number>()
-      const finished = (layer: number) => {
-        done[layer] = 1
+      // One event per copy landed (its layers at once), not per layer: each is a frame the
+      // engine's reader thread wakes for (a 32-layer load sent 32 events, not the ~8 documented).
+      const finished = (layers: readonly number[]) => {
+        for (const l of layers) done[l] = 1
         let n = prog.layers
         while (n < g.layers && done[n] === 1) n++
         if (n === prog.layers) return
@@ -705,9 +722,47 @@ export class Agent {
       // A cancelled load does not wait for chunks still being fetched (a slow gateway): its
       // answer, the engine's fence, needs only the copies already started to land.
       const cancelled = prog.onCancel.then(() => undefined)
+      // Once per turn, shared by every wait of that turn.
+      let turn: Promise<typeof TURN_ENDED> | undefined
+      const turnEnded = () =>
+        (turn ??= new Promise((resolve) =>
+          setImmediate(() => {
+            turn = undefined
+            resolve(TURN_ENDED)
+          }),
+        ))
+      const copyGroup = (copier: HostCopier) => {
+        // The engine counts a load whose connection closed (or that it cancelled) as failed and
+        // recomputes (or reuses) its blocks: no copy into them starts after the close.
+        mayCopy(s, prog)
+        const ready = group
+        group = []
+        for (let i = 0; i < ready.length; i += perCopy) {
+          const slabs = ready.slice(i, i + perCopy)
+          const p = copies.add(this.#gated(() => copier.scatterLayers(slabs, runsByChunk)) as Promise<void>)
+          void p.then(
+            () => finished(slabs.map((e) => e.layer)),
+            () => {},
+          )
+        }
+      }
       for (;;) {
         const pending = it.next()
-        const next = await Promise.race([pending, cancelled])
+        let next = await Promise.race(
+          w.copier && group.length >= perGroup ? [pending, cancelled, turnEnded()] : [pending, cancelled],
+        )
+        if (next === TURN_ENDED) {
+          // The next layer is not ready in this turn: the full group goes now. One that may not
+          // (a cancel or the close came meanwhile) leaves the fetch to finish in the background.
+          try {
+            copyGroup(w.copier!)
+          } catch (e) {
+            pending.catch(() => {})
+            abandoned = true
+            throw e
+          }
+          next = await Promise.race([pending, cancelled])
+        }
         if (next === undefined) {
           pending.catch(() => {})
           abandoned = true
@@ -724,22 +779,9 @@ export class Agent {
             const runs = runsByChunk[c]!
             for (let r = 2; r < runs.length; r += 3) bytes += runs[r]!
           }
-          const last = batch.layer === g.layers - 1
-          if (group.length < perGroup && !last) continue
-          // The engine counts a load whose connection closed (or that it cancelled) as failed and
-          // recomputes (or reuses) its blocks: no copy into them starts after the close.
-          mayCopy(s, prog)
-          const copied = group.map((e) => e.layer)
-          const slabs = group
-          const p = copies.add(this.#gated(() => copier.scatterLayers(slabs, runsByChunk)) as Promise<void>)
-          group = []
-          void p.then(
-            () => {
-              for (const l of copied) finished(l)
-            },
-            () => {},
-          )
-          if (last) await copies.settled()
+          if (batch.layer !== g.layers - 1) continue
+          copyGroup(copier)
+          await copies.settled()
           continue
         }
         const t = w.layers[batch.layer]!
@@ -750,7 +792,7 @@ export class Agent {
           if (copying) await copying // a host tensor copies synchronously: no await per chunk
           for (let r = 2; r < runs.length; r += 3) bytes += runs[r]!
         }
-        finished(batch.layer)
+        finished([batch.layer])
       }
       await copies.settled()
       if (seen.size < g.layers) served = 0

@@ -18,6 +18,8 @@ export class HostTensor implements KvTensor {
   readonly path: string
   readonly offset: number
   readonly bytes: number
+  /** The file's identity (device and inode) when opened: tensors of one file share its size check (HostCopier). */
+  readonly file: string
   #fd: number | undefined
   /** The tensor's bytes through a MAP_SHARED mapping (one per registration), when the addon has mapFile. */
   #map: Buffer | undefined
@@ -42,9 +44,11 @@ export class HostTensor implements KvTensor {
     } catch (e) {
       throw new AgentError('ERR_IO', `cannot open ${path}: ${(e as Error).message}`)
     }
+    let file: string
     try {
       const st = fstatSync(fd)
       if (!st.isFile()) throw new AgentError('ERR_INVALID_ARGUMENT', `${path} is not a regular file`)
+      file = `${st.dev}:${st.ino}`
       if (st.size < offset + bytes) {
         throw new AgentError(
           'ERR_LAYOUT',
@@ -58,6 +62,7 @@ export class HostTensor implements KvTensor {
     this.path = path
     this.offset = offset
     this.bytes = bytes
+    this.file = file
     this.#fd = fd
     if (native?.mapFileAvailable() && bytes <= native.MAX_PINNED_BYTES) {
       try {
@@ -92,10 +97,20 @@ export class HostTensor implements KvTensor {
    * would grow the engine's file back (in /dev/shm: memory) with bytes nobody reads.
    */
   checkedMap(): Buffer | undefined {
-    const fd = this.#fdOrThrow()
-    if (fstatSync(fd).size < this.offset + this.bytes) {
+    this.checkSize(this.offset + this.bytes)
+    return this.#map
+  }
+
+  /** Throws ERR_IO unless the file still holds `end` bytes (ERR_CLOSED once closed): one fstat. */
+  checkSize(end: number): void {
+    if (fstatSync(this.#fdOrThrow()).size < end) {
       throw new AgentError('ERR_IO', `${this.path} shrank below the registered tensor`)
     }
+  }
+
+  /** The mapping without the size check (the caller made it for the whole file: HostCopier); ERR_CLOSED once closed. */
+  openMap(): Buffer | undefined {
+    this.#fdOrThrow()
     return this.#map
   }
 
@@ -200,6 +215,15 @@ export interface LayerSlabs {
 export class HostCopier {
   readonly threads: number
   readonly #tensors: HostTensor[]
+  /**
+   * Per file the tensors lie in, one of them and the end of the furthest: a copy checks each
+   * file's size once (an engine's layers often share one file: 32 fstats were ~0.07 ms of a save).
+   */
+  readonly #files: { tensor: HostTensor; end: number; checked: number }[]
+  /** Index in #files of each layer's file. */
+  readonly #fileOf: number[]
+  /** Numbers one copy's checks (#files[i].checked: the copy that last checked file i). */
+  #copies = 0
   readonly #copy: CopyRunsAsync
   #scratch = new Float64Array(0)
 
@@ -207,6 +231,39 @@ export class HostCopier {
     this.#tensors = tensors
     this.#copy = copy
     this.threads = threads
+    const index = new Map<string, number>()
+    this.#files = []
+    this.#fileOf = tensors.map((t) => {
+      let i = index.get(t.file)
+      if (i === undefined) {
+        i = this.#files.push({ tensor: t, end: 0, checked: 0 }) - 1
+        index.set(t.file, i)
+      }
+      const f = this.#files[i]!
+      f.end = Math.max(f.end, t.offset + t.bytes)
+      return i
+    })
+  }
+
+  /**
+   * Before a copy: the files of `layers` (all: undefined) still hold their tensors, one fstat
+   * per file (touching pages an engine truncated away would fault; the addon's guard turns that
+   * into an error, this into one before any byte moves).
+   */
+  #checkFiles(layers?: readonly LayerSlabs[]): void {
+    const copy = ++this.#copies
+    const n = layers === undefined ? this.#tensors.length : layers.length
+    for (let i = 0; i < n; i++) {
+      const f = this.#files[this.#fileOf[layers === undefined ? i : layers[i]!.layer]!]!
+      if (f.checked === copy) continue
+      f.checked = copy
+      f.tensor.checkSize(f.end)
+    }
+  }
+
+  /** Tensor `layer`'s mapping, checked open (the sizes by #checkFiles). */
+  #map(layer: number): Buffer {
+    return this.#tensors[layer]!.openMap()!
   }
 
   /** A copier for `layers` when every one is a mapped host tensor and the addon has copyRunsAsync. */
@@ -241,12 +298,13 @@ export class HostCopier {
         `chunk tensor of ${dst.length} bytes is short of ${layers} slabs`,
       )
     }
+    this.#checkFiles()
     const buffers: Uint8Array[] = [dst]
     const out = this.#runs((runs.length / 3) * 5 * layers)
     let o = 0
     for (let l = 0; l < layers; l++) {
       const t = this.#tensors[l]!
-      const map = t.checkedMap()!
+      const map = this.#map(l)
       checkRuns(runs, t.bytes, slab)
       buffers.push(map)
       for (let i = 0; i < runs.length; i += 3) {
@@ -280,6 +338,7 @@ export class HostCopier {
    * c's slab goes through `runsByChunk[c]` ([tensor, slab, bytes]) into that layer's tensor.
    */
   scatterLayers(group: readonly LayerSlabs[], runsByChunk: readonly ArrayLike<number>[]): Promise<void> {
+    this.#checkFiles(group)
     let n = 0
     for (const g of group) for (let c = 0; c < g.chunks; c++) n += runsByChunk[c]!.length
     const out = this.#runs((n / 3) * 5)
@@ -297,7 +356,7 @@ export class HostCopier {
     }
     for (const g of group) {
       const t = this.#tensors[g.layer]!
-      const map = t.checkedMap()!
+      const map = this.#map(g.layer)
       if (buffers.length + 2 > ADDON_MAX_BUFFERS) cut()
       let mapAt = buffers.length
       buffers.push(map)
