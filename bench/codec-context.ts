@@ -449,6 +449,66 @@ function pairInformation(held: Sym[][][]) {
   }
 }
 
+/** Plug-in entropy (bits per sample) with the Miller–Madow correction, of a count map. */
+function entropyMm(counts: Map<number, number>): { bits: number; n: number } {
+  let n = 0
+  for (const v of counts.values()) n += v
+  let h = 0
+  for (const v of counts.values()) h -= (v / n) * Math.log2(v / n)
+  return { bits: n * (h + (counts.size - 1) / (2 * n * Math.LN2)), n }
+}
+
+/**
+ * The pair helper's design (KVGATE_PART=pairs): b raw low bits per value and the high parts
+ * h = z >> b of two channels coded as one symbol, against two single symbols (no split), per
+ * (layer, stream, class of the pair's first channel), pooled over the held-out chunks.
+ */
+function pairDesign(d: Dataset) {
+  const { held } = prepared(d)
+  console.log(
+    `${d.name}: pair symbols with b raw low bits vs today's singles (entropies, pooled per layer/stream/class)`,
+  )
+  console.log('| pairing | b | K | V | all |')
+  console.log('|---|---|---|---|---|')
+  for (const [label, pairing] of [
+    ['adjacent', adjacent],
+    ['rotate-half', rotateHalf],
+  ] as const) {
+    for (const b of [0, 1, 2, 3]) {
+      const single = [0, 0]
+      const pair = [0, 0]
+      for (const lk of held)
+        lk.forEach((ss, kind) => {
+          const cls = fineClasses(ss, ss[0]!.c)
+          const s1 = new Map<number, Map<number, number>>()
+          const s2 = new Map<number, Map<number, number>>()
+          const add = (m: Map<number, Map<number, number>>, k: number, v: number) => {
+            const x = m.get(k) ?? new Map<number, number>()
+            x.set(v, (x.get(v) ?? 0) + 1)
+            m.set(k, x)
+          }
+          for (const s of ss)
+            for (let t = 0; t < s.t; t++)
+              for (let ch = 0; ch < s.c; ch++) {
+                const z = s.z[t * s.c + ch]!
+                add(s1, cls[ch]!, z)
+                const p = pairing(ch, s.headDim)
+                if (p < 0) continue
+                const zp = s.z[t * s.c + p]!
+                add(s2, cls[p]!, (zp >>> b) * 65536 + (z >>> b))
+                pair[kind]! += 2 * b
+              }
+          for (const m of s1.values()) single[kind]! += entropyMm(m).bits
+          for (const m of s2.values()) pair[kind]! += entropyMm(m).bits
+        })
+      const pct = (a: number, x: number) => `${((a / x - 1) * 100).toFixed(2)} %`
+      console.log(
+        `| ${label} | ${b} | ${pct(pair[0]!, single[0]!)} | ${pct(pair[1]!, single[1]!)} | ${pct(pair[0]! + pair[1]!, single[0]! + single[1]!)} |`,
+      )
+    }
+  }
+}
+
 // ---- run ---------------------------------------------------------------------------------------
 
 interface Dataset {
@@ -905,5 +965,6 @@ if (process.env.KVGATE_SYNTH === '1') {
 const PART = process.env.KVGATE_PART ?? 'context'
 for (const d of datasets) {
   if (PART === 'context') evaluate(d)
+  else if (PART === 'pairs') pairDesign(d)
   else predictEvaluate(d)
 }
