@@ -213,7 +213,7 @@ describe('kvgate bench', () => {
     expect(list.length).toBeGreaterThan(5)
     for (const line of list) expect(line, line).toMatch(/^ {2}[a-z0-9-]+ +\S.{10,}/)
     // A/B tools that need a second build (an old .wasm, another tree) are not offered.
-    for (const tool of ['codec-diff', 'l2-ab']) {
+    for (const tool of ['codec-diff', 'l2-ab', 'codec-context']) {
       expect(r.stdout).not.toContain(tool)
       const t = await kvgate(['bench', tool])
       expect(t.code, t.stderr).toBe(2)

@@ -36,10 +36,21 @@ export const BENCH_SUMMARY: Record<string, string> = {
 }
 
 /**
- * Developer A/B tools in bench/ that need a second build to compare against (an old .wasm,
- * another tree): run them with tsx in a checkout (their headers say how), not as benchmarks.
+ * Developer tools in bench/, run with tsx in a checkout (their headers say how), not as
+ * benchmarks: A/B tools that need a second build to compare against (an old .wasm, another
+ * tree), and the codec research scripts (entropy models and bit allocations of docs/codec.md's
+ * "What the 256-token bar needs"), which measure candidates, not a bar.
  */
-const NOT_BENCHMARKS = new Set(['run-all', 'report', 'codec-diff', 'l2-ab', 'agent-ab', 'agent-lookup'])
+const NOT_BENCHMARKS = new Set([
+  'run-all',
+  'report',
+  'codec-diff',
+  'l2-ab',
+  'agent-ab',
+  'agent-lookup',
+  'codec-context',
+  'codec-layer-budget',
+])
 
 /** Benchmarks present (fuzzers and helpers are not benchmarks). */
 export function availableBenches(dir = BENCH_DIR): string[] {
