@@ -537,8 +537,8 @@ void HoldBuffer(Napi::Env env, CopyJob* job, Napi::ArrayBuffer ab) {
 
 // copyRunsAsync(buffers: (ArrayBuffer | typed array)[], runs: Float64Array of
 // [dstBuffer, dstOffset, srcBuffer, srcOffset, bytes] quintuples, parts) -> Promise<void>.
-// Every run is checked before any byte moves; the bytes are then split into up to
-// `parts` near-equal pieces (a run may be cut), each copied on a libuv pool thread.
+// Every run is checked before any byte moves; the bytes are then cut into grains (a run may
+// be cut) that up to `parts` libuv pool threads share, each taking the next grain left.
 // Until the promise settles every buffer stays referenced, a pinned one busy and a
 // mapping's munmap deferred; the caller must not change the ranges meanwhile.
 Napi::Value CopyRunsAsync(const Napi::CallbackInfo& info) {

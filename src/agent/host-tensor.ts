@@ -46,10 +46,12 @@ export class HostTensor implements KvTensor {
     }
     let file: string
     try {
-      const st = fstatSync(fd)
+      // bigint: an inode past 2^53 (overlayfs xino puts a layer id in its top bits) would round
+      // as a number, and two files would share one size check (HostCopier).
+      const st = fstatSync(fd, { bigint: true })
       if (!st.isFile()) throw new AgentError('ERR_INVALID_ARGUMENT', `${path} is not a regular file`)
       file = `${st.dev}:${st.ino}`
-      if (st.size < offset + bytes) {
+      if (Number(st.size) < offset + bytes) {
         throw new AgentError(
           'ERR_LAYOUT',
           `${path} is ${st.size} bytes; the tensor needs ${bytes} bytes at offset ${offset}`,

@@ -1024,7 +1024,8 @@ export function copyRunsAsyncAvailable(): boolean {
  * {@link copyRuns} off the JS thread and across threads: `runs` holds
  * [dstBuffer, dstOffset, srcBuffer, srcOffset, bytes] quintuples (indexes into `buffers`,
  * byte offsets into those views). Every run is checked before any byte moves; the bytes
- * are then split into up to `parts` near-equal pieces copied on the libuv pool at once.
+ * are then cut into grains of about 256 KiB that up to `parts` libuv pool threads share
+ * (each takes the next grain left); the promise settles once every grain was copied.
  * Until the promise settles the buffers stay referenced, a pinned one cannot be freed and
  * a file mapping's munmap waits; the caller must not read the destinations or change the
  * sources meanwhile. Runs must not overlap one another (they run in any order).
