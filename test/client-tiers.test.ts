@@ -710,6 +710,41 @@ describe('DiskTier', () => {
     }
   })
 
+  it("through the addon, the next object's ranges are issued before the last range of the one before ends (its queue slot is handed on), at most concurrency × 4 ranges at once", async () => {
+    const dir = tempDir()
+    const api = loadNative().api!
+    const events: string[] = []
+    let inFlight = 0
+    let most = 0
+    const native = {
+      ...api,
+      readFileCrc: (...a: Parameters<typeof api.readFileCrc>) => {
+        const name = `${a[0].slice(-6, -4)}@${a[3]?.fileOffset ?? 0}`
+        events.push(`start ${name}`)
+        most = Math.max(most, ++inFlight)
+        return api.readFileCrc(...a).finally(() => {
+          inFlight--
+          events.push(`end ${name}`)
+        })
+      },
+    }
+    // One slot: without the hand-on, the second object would wait for every range of the first.
+    const d = await DiskTier.open({ dir, bytes: 1 << 30, native, concurrency: 1 })
+    const objs = [0xa1, 0xa2, 0xa3].map((k) => object(hexOf(k), k, 65536)) // three ranges each
+    for (const [i, o] of objs.entries()) await d.put(hexOf(0xa1 + i), o)
+    const slots = await Promise.all(
+      objs.map(async (o) => new Uint8Array((await api.allocPinned(o.byteLength)).buffer)),
+    )
+    const got = await Promise.all(objs.map((_, i) => d.get(hexOf(0xa1 + i), 'get', slots[i])))
+    got.forEach((g, i) => expect(Buffer.compare(Buffer.from(g!), Buffer.from(objs[i]!))).toBe(0))
+    const firstEnds = events.lastIndexOf(
+      `end a1@${segmentStarts(decodeHeader(objs[0]!), objs[0]!.byteLength).at(-1)}`,
+    )
+    expect(events.indexOf('start a2@0')).toBeLessThan(firstEnds)
+    expect(most).toBeLessThanOrEqual(4)
+    for (const s of slots) api.freePinned(s.buffer)
+  })
+
   it('through the addon, an indexed file is read without a header read first; one replaced since (same key) is read as it is now, not counted corrupt', async () => {
     const dir = tempDir()
     const n = loadNative()
