@@ -1,7 +1,9 @@
 // Cold L2 reads, A/B in one process: this tree's KVCache against another tree's
 // (KVGATE_AB_OTHER, e.g. /work/main: its own src and addon), every variant once per
 // round (the trees' order alternating), page cache dropped before each. Prints
-// min/median/max GB/s, the ratio to raw4 and CPU-s/GiB (process) per variant.
+// min/median/max GB/s, the ratio to raw4, CPU-s/GiB (process) and the share of the time the
+// device had a request in flight (`busy`, from /sys/dev/block/M:m/stat io_ticks; where
+// the scratch directory's device has no such file, absent) per variant.
 //   KVGATE_AB_OTHER=/work/main KVGATE_BENCH_REPEATS=15 node --import tsx bench/l2-ab.ts
 // KVGATE_AB_ONLY picks variants (comma-separated; default retrieve,prefetch,layers,raw4):
 //   retrieve    KVCache.retrieve into a plain buffer (workers copy verified sections: the sink)
@@ -12,7 +14,7 @@
 //   seg1..seg6  N readers of 8 MiB O_DIRECT pieces, no CRC (how deep a queue the disk needs)
 //   raw4        four files at once, one read call each (bench/client.ts's usual baseline)
 
-import { mkdtempSync, readdirSync, rmSync } from 'node:fs'
+import { mkdtempSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs'
 import { loadavg } from 'node:os'
 import { join } from 'node:path'
 import { KVCache } from '../src/client/index.ts'
@@ -71,17 +73,31 @@ const rawBufs = await Promise.all(
   [0, 1, 2, 3].map(async () => new Uint8Array((await allocPinned(cb + 8192)).buffer)),
 )
 
-const res = new Map<string, { ms: number[]; cpu: number[] }>()
+// The block device under the scratch directory (a partition has its own stat file).
+const dev = statSync(scratch).dev
+const devStat = `/sys/dev/block/${Math.floor(dev / 256) % 4096}:${(dev % 256) + Math.floor(dev / 1048576) * 256}/stat`
+/** Milliseconds the device had I/O in flight (io_ticks), or undefined where it cannot be read. */
+const ioTicks = (): number | undefined => {
+  try {
+    return Number(readFileSync(devStat, 'utf8').trim().split(/\s+/)[9])
+  } catch {
+    return undefined
+  }
+}
+const res = new Map<string, { ms: number[]; cpu: number[]; busy: number[] }>()
 async function run(name: string, fn: () => Promise<unknown>) {
   await drop()
   const c = process.cpuUsage()
+  const busy0 = ioTicks()
   const t = performance.now()
   await fn()
   const ms = performance.now() - t
+  const busy1 = ioTicks()
   const d = process.cpuUsage(c)
-  const r = res.get(name) ?? { ms: [], cpu: [] }
+  const r = res.get(name) ?? { ms: [], cpu: [], busy: [] }
   r.ms.push(ms)
   r.cpu.push((d.user + d.system) / 1e6)
+  if (busy0 !== undefined && busy1 !== undefined) r.busy.push((busy1 - busy0) / ms)
   res.set(name, r)
 }
 const only = (process.env.KVGATE_AB_ONLY ?? 'retrieve,prefetch,layers,raw4').split(',')
@@ -187,6 +203,7 @@ for (const [name, r] of res) {
     max: +gbs.at(-1)!.toFixed(2),
     vsRaw4: raw ? +(raw / median(r.ms)).toFixed(3) : undefined,
     cpuSPerGiB: +(median(r.cpu) / (bytes / 1024 ** 3)).toFixed(3),
+    busy: r.busy.length > 0 ? +median(r.busy).toFixed(2) : undefined,
   }
 }
 console.log(JSON.stringify(out, null, 1))

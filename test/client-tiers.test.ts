@@ -18,7 +18,7 @@ import {
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterEach, describe, expect, it, type TestContext } from 'vitest'
-import { PriorityQueue } from '../src/client/io-queue.ts'
+import { InFlightLimit, PriorityQueue } from '../src/client/io-queue.ts'
 import { CopyGate, nativeMemoryStats } from '../src/client/native.ts'
 import { loadNative } from '../src/client/native-api.ts'
 import { DiskBudget, DiskTier, type ReadSink, segmentStarts } from '../src/client/tiers/disk.ts'
@@ -403,7 +403,7 @@ describe('DiskTier', () => {
     const n = loadNative()
     expect(n.api, n.reason).toBeDefined()
     const d = await DiskTier.open({ dir, bytes: 1 << 30, native: n.api })
-    const obj = object(hexOf(0x51), 7, 32768) // 20 MiB: read + verified in three segments
+    const obj = object(hexOf(0x51), 7, 65536) // 40 MiB: read + verified in three segments
     const starts = segmentStarts(decodeHeader(obj), obj.byteLength)
     expect(starts.length).toBe(3)
     await d.put(hexOf(0x51), obj)
@@ -415,7 +415,7 @@ describe('DiskTier', () => {
       [0x52, (b: Uint8Array) => b.with(second, b[second]! ^ 1)],
       [0x53, (b: Uint8Array) => b.subarray(0, b.length - 4096)],
     ] as const) {
-      const fresh = object(hexOf(key), 7, 32768)
+      const fresh = object(hexOf(key), 7, 65536)
       await d.put(hexOf(key), fresh)
       writeFileSync(d.pathOf(hexOf(key)), damage(fresh))
       expect(await d.get(hexOf(key))).toBeUndefined()
@@ -429,7 +429,7 @@ describe('DiskTier', () => {
     const n = loadNative()
     expect(n.api, n.reason).toBeDefined()
     const d = await DiskTier.open({ dir, bytes: 1 << 30, native: n.api })
-    const big = (key: number) => object(hexOf(key), 7, 32768) // ~20 MiB: three ranges
+    const big = (key: number) => object(hexOf(key), 7, 65536) // ~40 MiB: three ranges
     const small = (key: number) => object(hexOf(key), 9, 64) // one range
     // Its sections are not 4 KiB aligned: the reads are cut inside sections.
     const cut = segmentStarts(decodeHeader(big(0)), big(0).byteLength)[1]!
@@ -465,7 +465,7 @@ describe('DiskTier', () => {
     const dir = tempDir()
     const n = loadNative()
     const d = await DiskTier.open({ dir, bytes: 1 << 30, native: n.api })
-    const obj = object(hexOf(0x70), 3, 32768)
+    const obj = object(hexOf(0x70), 3, 65536)
     const second = segmentStarts(decodeHeader(obj), obj.byteLength)[1]!
     const slot = new Uint8Array((await n.api!.allocPinned(obj.byteLength + 4096)).buffer)
     for (const [key, cut] of [
@@ -473,7 +473,7 @@ describe('DiskTier', () => {
       [0x71, second - 100], // first range short, the later ones read nothing
       [0x72, 100], // inside the header read
     ] as const) {
-      const o = object(hexOf(key), 3, 32768)
+      const o = object(hexOf(key), 3, 65536)
       await d.put(hexOf(key), o)
       writeFileSync(d.pathOf(hexOf(key)), o.subarray(0, cut))
       expect(await d.get(hexOf(key), 'get', slot)).toBeUndefined()
@@ -493,7 +493,7 @@ describe('DiskTier', () => {
     const dir = tempDir()
     const n = loadNative()
     const d = await DiskTier.open({ dir, bytes: 1 << 30, native: n.api })
-    const obj = object(hexOf(0x90), 3, 32768)
+    const obj = object(hexOf(0x90), 3, 65536)
     expect(segmentStarts(decodeHeader(obj), obj.byteLength).length).toBeGreaterThan(1)
     const slot = new Uint8Array((await n.api!.allocPinned(obj.byteLength + 4096)).buffer)
     const unhandled: unknown[] = []
@@ -710,6 +710,41 @@ describe('DiskTier', () => {
     }
   })
 
+  it("through the addon, the next object's ranges are issued before the last range of the one before ends (its queue slot is handed on), at most concurrency × 4 ranges at once", async () => {
+    const dir = tempDir()
+    const api = loadNative().api!
+    const events: string[] = []
+    let inFlight = 0
+    let most = 0
+    const native = {
+      ...api,
+      readFileCrc: (...a: Parameters<typeof api.readFileCrc>) => {
+        const name = `${a[0].slice(-6, -4)}@${a[3]?.fileOffset ?? 0}`
+        events.push(`start ${name}`)
+        most = Math.max(most, ++inFlight)
+        return api.readFileCrc(...a).finally(() => {
+          inFlight--
+          events.push(`end ${name}`)
+        })
+      },
+    }
+    // One slot: without the hand-on, the second object would wait for every range of the first.
+    const d = await DiskTier.open({ dir, bytes: 1 << 30, native, concurrency: 1 })
+    const objs = [0xa1, 0xa2, 0xa3].map((k) => object(hexOf(k), k, 65536)) // three ranges each
+    for (const [i, o] of objs.entries()) await d.put(hexOf(0xa1 + i), o)
+    const slots = await Promise.all(
+      objs.map(async (o) => new Uint8Array((await api.allocPinned(o.byteLength)).buffer)),
+    )
+    const got = await Promise.all(objs.map((_, i) => d.get(hexOf(0xa1 + i), 'get', slots[i])))
+    got.forEach((g, i) => expect(Buffer.compare(Buffer.from(g!), Buffer.from(objs[i]!))).toBe(0))
+    const firstEnds = events.lastIndexOf(
+      `end a1@${segmentStarts(decodeHeader(objs[0]!), objs[0]!.byteLength).at(-1)}`,
+    )
+    expect(events.indexOf('start a2@0')).toBeLessThan(firstEnds)
+    expect(most).toBeLessThanOrEqual(4)
+    for (const s of slots) api.freePinned(s.buffer)
+  })
+
   it('through the addon, an indexed file is read without a header read first; one replaced since (same key) is read as it is now, not counted corrupt', async () => {
     const dir = tempDir()
     const n = loadNative()
@@ -723,7 +758,7 @@ describe('DiskTier', () => {
         return api.readFileDirect(...a)
       },
     }
-    const obj = object(hexOf(0x90), 4, 32768)
+    const obj = object(hexOf(0x90), 4, 65536)
     const slot = new Uint8Array((await api.allocPinned(obj.byteLength + 4096)).buffer)
     const d = await DiskTier.open({ dir, bytes: 1 << 30, native })
     await d.put(hexOf(0x90), obj)
@@ -736,7 +771,7 @@ describe('DiskTier', () => {
     expect(headerReads).toBe(0)
     // Another writer replaced the file (same key, same size, other bytes): served as it is
     // now, its tensor (not the indexed object's) in the sink, and indexed with its header.
-    const other = object(hexOf(0x90), 200, 32768)
+    const other = object(hexOf(0x90), 200, 65536)
     writeFileSync(d2.pathOf(hexOf(0x90)), other)
     const h = decodeHeader(other)
     const sink: ReadSink = {
@@ -817,14 +852,14 @@ describe('DiskTier', () => {
   })
 
   describe("a read with a sink (the caller's buffer) copies verified sections only", () => {
-    // ~20 MiB objects in three reads whose cuts fall inside sections: sections read whole
+    // ~40 MiB objects in three reads whose cuts fall inside sections: sections read whole
     // are copied by the workers, the split ones by the JS thread once all verified.
     const setup = async () => {
       const n = loadNative()
       expect(n.api, n.reason).toBeDefined()
       const d = await DiskTier.open({ dir: tempDir(), bytes: 1 << 30, native: n.api })
       const slot = new Uint8Array(
-        (await n.api!.allocPinned(object(hexOf(0), 0, 32768).byteLength + 4096)).buffer,
+        (await n.api!.allocPinned(object(hexOf(0), 0, 65536).byteLength + 4096)).buffer,
       )
       return { d, slot, free: () => n.api!.freePinned(slot.buffer) }
     }
@@ -840,7 +875,7 @@ describe('DiskTier', () => {
 
     it('an intact object lands whole in the sink, verified; a closed gate copies nothing', async () => {
       const { d, slot, free } = await setup()
-      const obj = object(hexOf(0x80), 5, 32768)
+      const obj = object(hexOf(0x80), 5, 65536)
       const h = decodeHeader(obj)
       await d.put(hexOf(0x80), obj)
       const sink = sinkFor(obj)
@@ -865,7 +900,7 @@ describe('DiskTier', () => {
 
     it('a flip in a whole or a split section, or a read cut short mid-object, is a counted miss: the damaged section never reaches the sink, nothing stays held', async () => {
       const { d, slot, free } = await setup()
-      const obj = object(hexOf(0x81), 6, 32768)
+      const obj = object(hexOf(0x81), 6, 65536)
       const h = decodeHeader(obj)
       const cut = segmentStarts(h, obj.byteLength)[1]!
       const split = h.sections.findIndex((s) => s.offset < cut && s.offset + s.length > cut)
@@ -882,7 +917,7 @@ describe('DiskTier', () => {
         [0x84, whole, (o: Uint8Array) => o.subarray(0, h.sections[whole]!.offset + 100)],
       ] as const
       for (const [key, damaged, damage] of cases) {
-        const o = object(hexOf(key), 6, 32768)
+        const o = object(hexOf(key), 6, 65536)
         await d.put(hexOf(key), o)
         writeFileSync(d.pathOf(hexOf(key)), damage(o))
         const sink = sinkFor(o)
@@ -1158,6 +1193,76 @@ describe('PriorityQueue', () => {
     const q = new PriorityQueue(2)
     await expect(q.run('get', async () => Promise.reject(new Error('boom')))).rejects.toThrow('boom')
     await expect(q.run('get', async () => 5)).resolves.toBe(5)
+  })
+
+  it("handOn() gives a running job's slot to the next one before it settles, once however often called", async () => {
+    const q = new PriorityQueue(1)
+    let open!: () => void
+    const gate = new Promise<void>((r) => (open = r))
+    const order: string[] = []
+    const first = q.run('get', async (handOn) => {
+      handOn()
+      handOn() // a second call frees nothing more
+      await gate
+      order.push('first')
+    })
+    const second = q.run('get', async () => void order.push('second'))
+    const third = q.run('get', async () => gate.then(() => void order.push('third')))
+    const fourth = q.run('get', async () => void order.push('fourth'))
+    await second // ran while the first still waits
+    expect(order).toEqual(['second'])
+    // The third holds the one slot: the fourth waits for it, not for the first.
+    await new Promise((r) => setImmediate(r))
+    expect(q.pending).toBe(1)
+    open()
+    await Promise.all([first, third, fourth])
+    expect(order.slice(-1)).toEqual(['fourth'])
+    expect(q.runningOf('get')).toBe(0)
+  })
+
+  it('a job that throws synchronously frees its slot and rejects its caller', async () => {
+    const q = new PriorityQueue(1)
+    await expect(
+      q.run('get', () => {
+        throw new Error('sync')
+      }),
+    ).rejects.toThrow('sync')
+    await expect(q.run('get', async () => 7)).resolves.toBe(7)
+  })
+})
+
+describe('InFlightLimit', () => {
+  it('grants at most `limit` at once, in the order asked, each release handing its place on', async () => {
+    const l = new InFlightLimit(2)
+    const grants = Array.from({ length: 5 }, () => l.take())
+    const got: number[] = []
+    grants.forEach((g, i) => void g.ready.then((ok) => ok && got.push(i)))
+    await Promise.resolve()
+    await Promise.resolve()
+    expect(got).toEqual([0, 1])
+    expect(l.used).toBe(2)
+    grants[1]!.release()
+    grants[1]!.release() // once only: a second release frees nothing
+    await new Promise((r) => setImmediate(r))
+    expect(got).toEqual([0, 1, 2])
+    expect(l.used).toBe(2)
+    // A waiter withdrawn never holds a place, and the next waiter gets it.
+    grants[3]!.withdraw()
+    expect(await grants[3]!.ready).toBe(false)
+    grants[3]!.release() // nothing held: no effect
+    grants[0]!.release()
+    expect(await grants[4]!.ready).toBe(true)
+    expect(l.used).toBe(2)
+    grants[2]!.release()
+    grants[4]!.release()
+    expect(l.used).toBe(0)
+    // Withdrawing a grant already held changes nothing.
+    const held = l.take()
+    expect(await held.ready).toBe(true)
+    held.withdraw()
+    expect(l.used).toBe(1)
+    held.release()
+    expect(l.used).toBe(0)
   })
 })
 

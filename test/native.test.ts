@@ -361,6 +361,53 @@ describe('readFileCrc: CRC-32 of ranges on the worker that read them', () => {
     }
   })
 
+  it('a direct read of many 2 MiB pieces (a few in flight, verified as they land): CRCs and copies as a whole read; a flip is not copied; a read past the end is cut', async () => {
+    const MiB = 1 << 20
+    const n = 11 * MiB + 4096 + 300 // more pieces than are in flight at once, an unaligned tail
+    const data = randomBytes(n)
+    const path = join(dir, 'crc-pieces')
+    writeFileSync(path, data)
+    // In order, as DiskTier asks: 1 MiB sections from an unaligned start, so most cross a piece's end.
+    const ranges: [number, number][] = []
+    for (let a = 700; a < n; a += MiB) ranges.push([a, Math.min(n, a + MiB)])
+    const flipped = 5 // a range in the middle whose expected CRC is wrong (as a flipped byte would make it)
+    const crcOf = ([a, z]: [number, number]) => crc32(data.subarray(a, z))
+    const b = allocPinnedSync(n + 4096)
+    const dst = new Uint8Array(n).fill(0xab)
+    const gate = new native.CopyGate()
+    const r = await readFileCrc(path, b.buffer, ranges, {
+      copyTo: {
+        into: dst,
+        fileOffset: 0,
+        expected: ranges.map((x, i) => (i === flipped ? (crcOf(x) ^ 1) >>> 0 : crcOf(x))),
+        gate,
+      },
+    })
+    expect(r.direct).toBe(true)
+    expect(r.bytes).toBe(n)
+    expect(same(new Uint8Array(b.buffer, 0, n), data)).toBe(true)
+    expect([...r.crcs]).toEqual(ranges.map(crcOf))
+    expect([...r.copied]).toEqual(ranges.map((_, i) => (i === flipped ? 0 : 1)))
+    for (const [i, [a, z]] of ranges.entries()) {
+      if (i === flipped) expect(dst.subarray(a, z).every((v) => v === 0xab)).toBe(true)
+      else expect(Buffer.compare(dst.subarray(a, z), data.subarray(a, z)), `range ${i}`).toBe(0)
+    }
+    // Asked for more than the file holds: the piece at the end comes back short, the later ones
+    // empty; the read is cut at the end of the file and so are the ranges.
+    const big = allocPinnedSync(16 * MiB)
+    const past: [number, number][] = [
+      [0, 4 * MiB],
+      [4 * MiB, 16 * MiB],
+    ]
+    const cut = await readFileCrc(path, big.buffer, past, { length: 16 * MiB })
+    expect(cut.bytes).toBe(n)
+    expect(same(new Uint8Array(big.buffer, 0, n), data)).toBe(true)
+    expect([...cut.crcs]).toEqual([crc32(data.subarray(0, 4 * MiB)), crc32(data.subarray(4 * MiB))])
+    gate.close()
+    freePinned(b.buffer)
+    freePinned(big.buffer)
+  })
+
   it('equals crc32 for every length around the 64- and 256-byte SIMD block boundaries, at unaligned starts', async () => {
     const data = randomBytes(3 * 4096)
     const path = join(dir, 'crc-blocks')

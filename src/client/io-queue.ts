@@ -10,7 +10,7 @@ export type IoPriority = 'prefetch' | 'get' | 'put'
 const ORDER: readonly IoPriority[] = ['get', 'prefetch', 'put']
 
 interface Job {
-  run: () => Promise<unknown>
+  run: (handOn: () => void) => Promise<unknown>
   resolve: (v: unknown) => void
   reject: (e: unknown) => void
 }
@@ -48,8 +48,12 @@ export class PriorityQueue {
     return this.#running[p]
   }
 
-  /** Runs `fn` when a slot is free and no higher-priority job waits. Rejects ERR_CLOSED after close(). */
-  run<T>(priority: IoPriority, fn: () => Promise<T>): Promise<T> {
+  /**
+   * Runs `fn` when a slot is free and no higher-priority job waits. Rejects ERR_CLOSED after close().
+   * `fn` may call `handOn()` to give its slot to the next job before it settles (a read whose
+   * every piece is issued: only waiting is left), bounding it by other means from then on.
+   */
+  run<T>(priority: IoPriority, fn: (handOn: () => void) => Promise<T>): Promise<T> {
     if (this.#closed) return Promise.reject(closed())
     return new Promise<T>((resolve, reject) => {
       this.#queues[priority].push({ run: fn, resolve: resolve as (v: unknown) => void, reject })
@@ -70,14 +74,22 @@ export class PriorityQueue {
       const [p, job] = taken
       this.#total++
       this.#running[p]++
-      job
-        .run()
-        .then(job.resolve, job.reject)
-        .finally(() => {
-          this.#total--
-          this.#running[p]--
-          this.#pump()
-        })
+      let held = true
+      const free = () => {
+        if (!held) return
+        held = false
+        this.#total--
+        this.#running[p]--
+        // Not from inside fn's synchronous start (this loop is running): on the next microtask.
+        queueMicrotask(() => this.#pump())
+      }
+      let settled: Promise<unknown>
+      try {
+        settled = job.run(free)
+      } catch (e) {
+        settled = Promise.reject(e)
+      }
+      settled.then(job.resolve, job.reject).finally(free)
     }
   }
 
@@ -89,6 +101,62 @@ export class PriorityQueue {
       if (j) return [p, j]
     }
     return undefined
+  }
+}
+
+/**
+ * At most `limit` things at once (file reads in flight), granted in the order asked for. A
+ * grant still waited for can be withdrawn (the read it was for is no longer wanted).
+ */
+export class InFlightLimit {
+  readonly #limit: number
+  #used = 0
+  readonly #waiting: ((granted: boolean) => void)[] = []
+
+  constructor(limit: number) {
+    this.#limit = Math.max(1, limit)
+  }
+
+  get used(): number {
+    return this.#used
+  }
+
+  /**
+   * A grant: `ready` resolves true once it is held (then release() gives it back exactly once),
+   * or false after withdraw() (nothing is held then).
+   */
+  take(): { ready: Promise<boolean>; withdraw: () => void; release: () => void } {
+    let state: 'waiting' | 'held' | 'done' = 'waiting'
+    let wake: ((granted: boolean) => void) | undefined
+    let ready: Promise<boolean>
+    if (this.#used < this.#limit && this.#waiting.length === 0) {
+      this.#used++
+      state = 'held'
+      ready = Promise.resolve(true)
+    } else {
+      ready = new Promise<boolean>((resolve) => {
+        wake = (granted) => {
+          state = granted ? 'held' : 'done'
+          resolve(granted)
+        }
+        this.#waiting.push(wake)
+      })
+    }
+    return {
+      ready,
+      withdraw: () => {
+        if (state !== 'waiting' || !wake) return
+        this.#waiting.splice(this.#waiting.indexOf(wake), 1)
+        wake(false)
+      },
+      release: () => {
+        if (state !== 'held') return
+        state = 'done'
+        const next = this.#waiting.shift()
+        if (next) next(true)
+        else this.#used--
+      },
+    }
   }
 }
 
