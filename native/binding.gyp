@@ -4,7 +4,7 @@
   "targets": [
     {
       "target_name": "kvgate_native",
-      "sources": ["src/addon.cc", "src/errors.cc", "src/memory.cc", "src/cuda.cc", "src/io.cc", "src/mmap.cc", "src/crc32.cc", "src/keys.cc"],
+      "sources": ["src/addon.cc", "src/errors.cc", "src/memory.cc", "src/cuda.cc", "src/io.cc", "src/mmap.cc", "src/stream_copy.cc", "src/crc32.cc", "src/keys.cc"],
       "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")"],
       "defines": [
         "NAPI_VERSION=8",

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common.h"
+#include "stream_copy.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -475,38 +476,15 @@ Napi::Value ReadFileJs(const Napi::CallbackInfo& info) {
 // streaming stores: an ordinary memcpy of a cache-sized piece first reads every
 // destination line from DRAM (read-for-ownership), which costs what the copy saves
 // by reading a cached source; streaming stores only write.
-#if defined(__x86_64__)
-__attribute__((target("avx2"))) void StreamCopyAvx2(uint8_t* dst, const uint8_t* src, size_t n) {
-  size_t head = (32 - reinterpret_cast<uintptr_t>(dst) % 32) % 32;
-  if (head > n) head = n;
-  std::memcpy(dst, src, head);
-  dst += head;
-  src += head;
-  n -= head;
-  for (; n >= 128; n -= 128, dst += 128, src += 128) {
-    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
-    __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 64), c);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 96), d);
-  }
-  _mm_sfence();  // the streaming stores are visible before the JS thread hears of them
-  std::memcpy(dst, src, n);
-}
-#endif
-
 void CopyOut(uint8_t* dst, const uint8_t* src, size_t n) {
-#if defined(__x86_64__)
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2 && n >= 4096) {
-    StreamCopyAvx2(dst, src, n);
+  if (n < 4096) {
+    std::memcpy(dst, src, n);
     return;
   }
+  StreamCopy(dst, src, n);
+#if defined(__SSE2__)
+  _mm_sfence();  // the streaming stores are visible before the JS thread hears of them
 #endif
-  std::memcpy(dst, src, n);
 }
 
 GateRef* GateOf(Napi::Env env, Napi::Value v) {
