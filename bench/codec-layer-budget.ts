@@ -31,7 +31,7 @@ import {
   sampledWindows,
   type Transformer,
 } from '../src/model/index.ts'
-import { chunkInfo } from './lib/kvgate-streams.ts'
+import { chunkInfo } from './lib/chunk-info.ts'
 import { centredRms, channelGains, queryEnergy, shapeK } from './lib/query-energy.ts'
 
 const QUALITY = Number(process.env.KVGATE_QUALITY ?? 3)

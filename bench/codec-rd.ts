@@ -29,6 +29,7 @@ import {
   sampledWindows,
   syntheticKv,
 } from '../src/model/index.ts'
+import { chunkInfo } from './lib/chunk-info.ts'
 import { machineLine, median, table, writeResult } from './lib/stats.ts'
 
 const LEVELS = (process.env.KVGATE_RD_LEVELS ?? '1,2,3,5').split(',').map(Number)
@@ -42,15 +43,6 @@ const CHUNKS = [64, 256]
 /** As bench/codec.ts: a calibration's bytes count as shared by this many chunks. */
 const CAL_CHUNKS = 1000
 
-const meta = (g: KvGeometry, tokens: number, chunkIndex: number) => ({
-  geometry: g,
-  tokens,
-  chunkIndex,
-  partial: false,
-  namespaceId: new Uint8Array(16),
-  chainKey: new Uint8Array(32),
-  parentKey: new Uint8Array(32),
-})
 const avg = (xs: number[]) => xs.reduce((a, x) => a + x, 0) / xs.length
 const pm = (v: MeanSe | undefined, sign = false) =>
   v === undefined
@@ -95,7 +87,7 @@ if (data.paths) {
         transformer,
         windows,
         (t, info) => {
-          const obj = encodeChunk(t, meta(info.geometry, info.tokens, info.chunkIndex), {
+          const obj = encodeChunk(t, chunkInfo(info.geometry, info.tokens, info.chunkIndex), {
             ...opts,
             calibration: c,
           })
@@ -147,11 +139,11 @@ const errors = (obj: Uint8Array) => {
   const e = kvRelativeError(g8, [{ exact: x8, decoded: decodeChunk(obj) }])
   return { kErr: avg(e.k), vErr: avg(e.v) }
 }
-const refObj = encodeChunk(x8, meta(g8, T, 0), { mode: 'reference-cachegen' })
+const refObj = encodeChunk(x8, chunkInfo(g8, T, 0), { mode: 'reference-cachegen' })
 const ref = errors(refObj)
 for (const rdRounding of [false, true]) {
   const storage = (t: LayerTargets) => {
-    const obj = encodeChunk(x8, meta(g8, T, 0), { mode: 'kvgate', errorTargets: t, rdRounding })
+    const obj = encodeChunk(x8, chunkInfo(g8, T, 0), { mode: 'kvgate', errorTargets: t, rdRounding })
     return { bytes: obj.byteLength, ...errors(obj) }
   }
   // As bench/codec.ts's matchTargets: per-stream bisection in log space to just ≤ the reference.
@@ -174,7 +166,7 @@ for (const rdRounding of [false, true]) {
     ...s,
   })
   for (const q of LEVELS) {
-    const obj = encodeChunk(x8, meta(g8, T, 0), { mode: 'kvgate', quality: q, rdRounding })
+    const obj = encodeChunk(x8, chunkInfo(g8, T, 0), { mode: 'kvgate', quality: q, rdRounding })
     rows.push({
       dataset: 'synthetic 8B',
       chunkTokens: T,
@@ -203,7 +195,11 @@ const cpu = () => {
 for (let r = 0; r < ROUNDS + 1; r++) {
   for (const which of r % 2 ? (['nearest', 'rd'] as const) : (['rd', 'nearest'] as const)) {
     let c0 = cpu()
-    const obj = encodeChunk(x16, meta(g16, T, 0), { mode: 'kvgate', quality: 5, rdRounding: which === 'rd' })
+    const obj = encodeChunk(x16, chunkInfo(g16, T, 0), {
+      mode: 'kvgate',
+      quality: 5,
+      rdRounding: which === 'rd',
+    })
     const enc = cpu() - c0
     c0 = cpu()
     decodeChunkInto(obj, out)

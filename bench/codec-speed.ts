@@ -18,6 +18,7 @@ import {
 import { decodeElements, encodeElements } from '../src/core/dtype.ts'
 import type { KvGeometry } from '../src/core/layout.ts'
 import { syntheticKv } from '../src/model/index.ts'
+import { chunkInfo } from './lib/chunk-info.ts'
 import { median } from './lib/stats.ts'
 
 const REPEATS = Number(process.env.KVGATE_BENCH_REPEATS ?? 9)
@@ -27,15 +28,7 @@ const g8: KvGeometry = { layers: 32, kvHeads: 8, headDim: 128, dtype: 'bf16' }
 const bf = syntheticKv({ geometry: g8, tokens: T, seed: 1 })
 const g: KvGeometry = { ...g8, dtype: 'fp16' }
 const tensor = encodeElements(decodeElements(bf, 'bf16'), 'fp16')
-const meta = {
-  geometry: g,
-  tokens: T,
-  chunkIndex: 0,
-  partial: false,
-  namespaceId: new Uint8Array(16),
-  chainKey: new Uint8Array(32),
-  parentKey: new Uint8Array(32),
-}
+const meta = chunkInfo(g, T)
 const mb = tensor.length / 1e6
 const c = g.kvHeads * g.headDim
 const slab = tensor.length / g.layers

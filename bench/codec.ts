@@ -40,6 +40,7 @@ import {
   sampledWindows,
   syntheticKv,
 } from '../src/model/index.ts'
+import { chunkInfo } from './lib/chunk-info.ts'
 import { type BarResult, machineLine, median, table, writeResult } from './lib/stats.ts'
 import { barChart, lineChart, stackSvgs, writeSvg } from './lib/svg-chart.ts'
 
@@ -122,18 +123,6 @@ const calibrated = (c: Config, calibration: Calibration): Config => ({
   calibration,
 })
 
-function meta(g: KvGeometry, tokens: number, chunkIndex: number) {
-  return {
-    geometry: g,
-    tokens,
-    chunkIndex,
-    partial: false,
-    namespaceId: new Uint8Array(16),
-    chainKey: new Uint8Array(32),
-    parentKey: new Uint8Array(32),
-  }
-}
-
 const encodeOpts = (c: Config) => ({
   mode: c.mode,
   quality: c.quality,
@@ -167,7 +156,7 @@ function matchTargets(storage: (t: LayerTargets) => Storage, refK: number, refV:
 
 function roundTrip(c: Config) {
   return (t: Uint8Array, info: RoundTripInfo) => {
-    const obj = encodeChunk(t, meta(info.geometry, info.tokens, info.chunkIndex), encodeOpts(c))
+    const obj = encodeChunk(t, chunkInfo(info.geometry, info.tokens, info.chunkIndex), encodeOpts(c))
     return { decoded: decodeChunk(obj, { calibration: c.calibration }), encodedBytes: obj.byteLength }
   }
 }
@@ -284,7 +273,7 @@ interface Speed {
 }
 
 function speed(c: Config, g: KvGeometry, tensor: Uint8Array, repeats: number): Speed {
-  const m = meta(g, T, 0)
+  const m = chunkInfo(g, T, 0)
   let obj = encodeChunk(tensor, m, encodeOpts(c))
   const out = new Uint8Array(tensor.length)
   const encMs: number[] = []
@@ -323,7 +312,7 @@ const speedBf16: Record<string, Speed> = {}
 const speedFp16: Record<string, Speed> = {}
 // The 8B shape has 32 layers: LMCache's split is K 32 bins in layers 0–9, V in 0–1; the other is all 32.
 const synthStorage = (c: Config): Storage => {
-  const obj = encodeChunk(tensor8, meta(g8, T, 0), encodeOpts(c))
+  const obj = encodeChunk(tensor8, chunkInfo(g8, T, 0), encodeOpts(c))
   const e = kvRelativeError(g8, [
     { exact: tensor8, decoded: decodeChunk(obj, { calibration: c.calibration }) },
   ])
@@ -367,7 +356,7 @@ const synthConfigs: Config[] = [
   )
 }
 for (const c of synthConfigs) {
-  const obj = encodeChunk(tensor8, meta(g8, T, 0), encodeOpts(c))
+  const obj = encodeChunk(tensor8, chunkInfo(g8, T, 0), encodeOpts(c))
   const dec = decodeChunk(obj, { calibration: c.calibration })
   const e = kvRelativeError(g8, [{ exact: tensor8, decoded: dec }])
   const isSweep =

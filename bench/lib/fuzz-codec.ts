@@ -27,6 +27,7 @@ import {
 } from '../../src/core/format.ts'
 import type { KvGeometry } from '../../src/core/layout.ts'
 import { DTYPE_CODES, kvPlanes } from '../../src/core/layout.ts'
+import { chunkInfo } from './chunk-info.ts'
 
 export interface FuzzOptions {
   iterations: number
@@ -90,15 +91,7 @@ function makeSeeds(modes: readonly CodecMode[], r: () => number, calibrated: boo
       const vals = new Float32Array(g.layers * kvPlanes(g) * tokens * c)
       for (let i = 0; i < vals.length; i++) vals[i] = (r() - 0.5) * (i % 7 === 0 ? 20 : 2) + Math.sin(i / c)
       const tensor = encodeElements(vals, g.dtype)
-      const meta = {
-        geometry: g,
-        tokens,
-        chunkIndex: 0,
-        partial: false,
-        namespaceId: new Uint8Array(16),
-        chainKey: new Uint8Array(32),
-        parentKey: new Uint8Array(32),
-      }
+      const meta = chunkInfo(g, tokens)
       const obj = encodeChunk(tensor, meta, { mode })
       const header = decodeHeader(obj)
       const sections = header.sections.map((_, i) => sectionOf(obj, header, i).slice())

@@ -8,6 +8,7 @@ import { decodeChunk, encodeChunk, type LayerTargets } from '../../src/codec/nod
 import { decodeElements } from '../../src/core/dtype.ts'
 import { decodeHeader, headerBytesFor, sectionOf } from '../../src/core/format.ts'
 import type { KvGeometry } from '../../src/core/layout.ts'
+import { chunkInfo } from './chunk-info.ts'
 
 /** Symbols below this are direct zigzag residuals; above, escapes (wasm/README.md). */
 export const DIRECT = 64
@@ -141,19 +142,6 @@ function parseStream(
       payloadBytes: 4 + payload,
     },
     end: rd.pos,
-  }
-}
-
-/** The chunk fields encodeChunk needs beside the tensor (zero keys: these objects are never stored). */
-export function chunkInfo(geometry: KvGeometry, tokens: number, chunkIndex: number) {
-  return {
-    geometry,
-    tokens,
-    chunkIndex,
-    partial: false,
-    namespaceId: new Uint8Array(16),
-    chainKey: new Uint8Array(32),
-    parentKey: new Uint8Array(32),
   }
 }
 
