@@ -679,6 +679,10 @@ export class DiskTier {
     const starts = segmentStarts(header, size)
     const grants: { withdraw: () => void }[] = []
     let issued = 0
+    // Set once a range failed or the read ended: a range granted its turn after that is not read
+    // (a failed range's place goes to the next waiter, often this object's next range, which
+    // would read, and copy into the caller's sink, bytes of an object already a miss).
+    let abandoned = false
     const read = (k: number): Promise<Segment> => {
       const off = starts[k]!
       const end = starts[k + 1] ?? size
@@ -706,14 +710,25 @@ export class DiskTier {
         .then((granted) => {
           if (!granted) throw new KvgateError('ERR_CLOSED', 'read abandoned')
           // After close() the buffer may be its owner's no more (KVCache.close() frees L1).
-          if (this.#closed) {
+          if (this.#closed || abandoned) {
             grant.release()
-            throw new KvgateError('ERR_CLOSED', 'closed')
+            throw new KvgateError('ERR_CLOSED', this.#closed ? 'closed' : 'read abandoned')
           }
           if (++issued === starts.length) handOn()
           return native
             .readFileCrc(path, buf.subarray(off, end), ranges, { fileOffset: off, length, copyTo })
-            .finally(grant.release)
+            .then(
+              (r) => {
+                grant.release()
+                return r
+              },
+              (e: unknown) => {
+                // Before the place is handed on: the waiter it wakes sees the object failed.
+                abandoned = true
+                grant.release()
+                throw e
+              },
+            )
         })
         .then((r) => ({ r, off, length, first, count: ranges.length }))
       // Awaited in file order, so a later segment can fail first (a file gone: every read's open
@@ -758,6 +773,7 @@ export class DiskTier {
     } finally {
       // Segments not issued yet never will be; never leave a read writing into `buf` after we
       // return (corrupt object, I/O error).
+      abandoned = true
       for (const g of grants) g.withdraw()
       await Promise.allSettled(inflight)
     }
