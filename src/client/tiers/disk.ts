@@ -317,7 +317,9 @@ export class DiskTier {
    * A demand read's segments are granted before waiting prefetches' (InFlightLimit first), but
    * are queued on the pool behind those already issued: it may wait for up to concurrency × 4
    * segments of prefetch (128 MiB with the default two slots; before the hand-on, the objects
-   * holding the slots: 64 MiB of 32 MiB objects).
+   * holding the slots: 64 MiB of 32 MiB objects). Objects read at once, each holding its buffer
+   * (an L1 slot): up to concurrency × 4 handed on (each still has a segment in flight) and the
+   * concurrency holding slots, where one per slot was read before the hand-on.
    */
   readonly #segments: InFlightLimit
   /** Map order = recency (oldest first): re-inserted on every access. */
