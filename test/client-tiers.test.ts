@@ -736,12 +736,135 @@ describe('DiskTier', () => {
       objs.map(async (o) => new Uint8Array((await api.allocPinned(o.byteLength)).buffer)),
     )
     const got = await Promise.all(objs.map((_, i) => d.get(hexOf(0xa1 + i), 'get', slots[i])))
-    got.forEach((g, i) => expect(Buffer.compare(Buffer.from(g!), Buffer.from(objs[i]!))).toBe(0))
+    for (const [i, g] of got.entries()) expect(Buffer.compare(Buffer.from(g!), Buffer.from(objs[i]!))).toBe(0)
     const firstEnds = events.lastIndexOf(
       `end a1@${segmentStarts(decodeHeader(objs[0]!), objs[0]!.byteLength).at(-1)}`,
     )
     expect(events.indexOf('start a2@0')).toBeLessThan(firstEnds)
     expect(most).toBeLessThanOrEqual(4)
+    for (const s of slots) api.freePinned(s.buffer)
+  })
+
+  /**
+   * A native module whose readFileCrc waits for the test: each call is listed (`obj@fileOffset`)
+   * and runs the real read only once the test lets it (`go`) or fails without reading (`fail`).
+   */
+  const heldReads = (api: NonNullable<ReturnType<typeof loadNative>['api']>) => {
+    const held: { name: string; go: () => Promise<void>; fail: (e: Error) => void }[] = []
+    const native = {
+      ...api,
+      readFileCrc: (...a: Parameters<typeof api.readFileCrc>) =>
+        new Promise<Awaited<ReturnType<typeof api.readFileCrc>>>((resolve, reject) => {
+          held.push({
+            name: `${a[0].slice(-6, -4)}@${a[3]?.fileOffset ?? 0}`,
+            go: () => api.readFileCrc(...a).then(resolve, reject),
+            fail: reject,
+          })
+        }),
+    }
+    const settle = async () => {
+      for (let i = 0; i < 5; i++) await new Promise((r) => setImmediate(r))
+    }
+    return { held, native, settle }
+  }
+
+  it('through the addon, close() with ranges still waiting for their turn: none is issued after it, every read settles (a miss), nothing hangs', async () => {
+    const api = loadNative().api!
+    const { held, native, settle } = heldReads(api)
+    // One slot: four ranges in flight over the tier, so the second object's last two wait.
+    const d = await DiskTier.open({ dir: tempDir(), bytes: 1 << 30, native, concurrency: 1 })
+    const objs = [0xb1, 0xb2].map((k) => object(hexOf(k), k, 65536)) // three ranges each
+    for (const [i, o] of objs.entries()) await d.put(hexOf(0xb1 + i), o)
+    const slots = await Promise.all(
+      objs.map(async (o) => new Uint8Array((await api.allocPinned(o.byteLength)).buffer).fill(0xee)),
+    )
+    const gets = objs.map((_, i) => d.get(hexOf(0xb1 + i), 'get', slots[i]))
+    await settle()
+    expect(held.map((h) => h.name)).toEqual([
+      'b1@0',
+      expect.stringMatching(/^b1@/),
+      expect.stringMatching(/^b1@/),
+      'b2@0',
+    ])
+    d.close()
+    for (const h of held.splice(0)) void h.go()
+    const got = await Promise.race([Promise.all(gets), new Promise((r) => setTimeout(() => r('hang'), 5000))])
+    expect(got).not.toBe('hang')
+    expect((got as (Uint8Array | undefined)[])[1]).toBeUndefined()
+    // The waiting ranges were never read (after close() the buffer may be its owner's no more).
+    await settle()
+    expect(held).toEqual([])
+    for (const s of slots) api.freePinned(s.buffer)
+  })
+
+  it("through the addon, a range that fails stops its object's ranges still waiting for their turn: none is read, nothing reaches the caller's sink", async () => {
+    const api = loadNative().api!
+    const { held, native, settle } = heldReads(api)
+    const d = await DiskTier.open({ dir: tempDir(), bytes: 1 << 30, native, concurrency: 1 })
+    const objs = [0xc1, 0xc2].map((k) => object(hexOf(k), k, 65536)) // three ranges each
+    for (const [i, o] of objs.entries()) await d.put(hexOf(0xc1 + i), o)
+    const slots = await Promise.all(
+      objs.map(async (o) => new Uint8Array((await api.allocPinned(o.byteLength)).buffer)),
+    )
+    const h = decodeHeader(objs[1]!)
+    const sink: ReadSink = {
+      into: new Uint8Array(objs[1]!.byteLength - h.headerBytes).fill(0xee),
+      gate: new CopyGate(),
+      copied: false,
+      accept: (header) => header.headerBytes,
+    }
+    const first = d.get(hexOf(0xc1), 'get', slots[0])
+    const second = d.get(hexOf(0xc2), 'get', slots[1], sink)
+    await settle()
+    // c1's three ranges and c2's first hold the four places; c2's other two wait.
+    expect(held.map((x) => x.name).at(-1)).toBe('c2@0')
+    held.pop()!.fail(new Error('EIO'))
+    await settle()
+    // Its place went to the next waiter, c2's second range: it must not be read.
+    expect(held.map((x) => x.name)).not.toContainEqual(expect.stringMatching(/^c2@/))
+    for (const x of held.splice(0)) void x.go()
+    expect(await second).toBeUndefined()
+    expect(Buffer.compare(Buffer.from((await first) ?? []), Buffer.from(objs[0]!))).toBe(0)
+    await settle()
+    for (const x of held.splice(0)) void x.go() // without the fix: c2's later ranges, read and copied
+    await settle()
+    await new Promise((r) => setTimeout(r, 200))
+    expect(sink.copied).toBe(false)
+    expect(sink.into.every((v) => v === 0xee)).toBe(true)
+    for (const s of slots) api.freePinned(s.buffer)
+  })
+
+  it("through the addon, a demand read's ranges take the next free places before prefetched objects' ranges that waited longer", async () => {
+    const api = loadNative().api!
+    const { held, native, settle } = heldReads(api)
+    // Two slots: eight ranges in flight over the tier.
+    const d = await DiskTier.open({ dir: tempDir(), bytes: 1 << 30, native, concurrency: 2 })
+    const keys = [0xd1, 0xd2, 0xd3, 0xd4, 0xd5]
+    const objs = keys.map((k) => object(hexOf(k), k, 65536)) // three ranges each
+    for (const [i, o] of objs.entries()) await d.put(hexOf(keys[i]!), o)
+    const slots = await Promise.all(
+      objs.map(async (o) => new Uint8Array((await api.allocPinned(o.byteLength)).buffer)),
+    )
+    // d1, d2 issued whole (slots handed on), d3 two of three, d4 holds a slot with three waiting.
+    const prefetches = keys.slice(0, 4).map((k, i) => d.get(hexOf(k), 'prefetch', slots[i]))
+    await settle()
+    expect(held.length).toBe(8)
+    const demand = d.get(hexOf(0xd5), 'get', slots[4])
+    await settle()
+    // A range ends: d3's last range takes its place, d3 hands its slot to the demand read.
+    await held.shift()!.go()
+    await settle()
+    expect(held.at(-1)!.name).toMatch(/^d3@/)
+    // The next place goes to the demand read, not to d4, which waited longer.
+    await held.shift()!.go()
+    await settle()
+    expect(held.at(-1)!.name).toBe('d5@0')
+    while (held.length > 0) {
+      await held.shift()!.go()
+      await settle()
+    }
+    const got = await Promise.all([...prefetches, demand])
+    for (const [i, g] of got.entries()) expect(Buffer.compare(Buffer.from(g!), Buffer.from(objs[i]!))).toBe(0)
     for (const s of slots) api.freePinned(s.buffer)
   })
 
@@ -1232,6 +1355,27 @@ describe('PriorityQueue', () => {
 })
 
 describe('InFlightLimit', () => {
+  it('grants a waiter asked for first before the others that waited longer; withdrawn, it holds nothing', async () => {
+    const l = new InFlightLimit(1)
+    const held = l.take()
+    const later = l.take()
+    const first = l.take(true)
+    const dropped = l.take(true)
+    const order: string[] = []
+    void later.ready.then((ok) => ok && order.push('later'))
+    void first.ready.then((ok) => ok && order.push('first'))
+    dropped.withdraw()
+    expect(await dropped.ready).toBe(false)
+    held.release()
+    await new Promise((r) => setImmediate(r))
+    expect(order).toEqual(['first'])
+    first.release()
+    await new Promise((r) => setImmediate(r))
+    expect(order).toEqual(['first', 'later'])
+    later.release()
+    expect(l.used).toBe(0)
+  })
+
   it('grants at most `limit` at once, in the order asked, each release handing its place on', async () => {
     const l = new InFlightLimit(2)
     const grants = Array.from({ length: 5 }, () => l.take())

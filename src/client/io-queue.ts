@@ -105,13 +105,15 @@ export class PriorityQueue {
 }
 
 /**
- * At most `limit` things at once (file reads in flight), granted in the order asked for. A
- * grant still waited for can be withdrawn (the read it was for is no longer wanted).
+ * At most `limit` things at once (file reads in flight), granted in the order asked for, those
+ * asked for `first` (demand reads) before every other waiter. A grant still waited for can be
+ * withdrawn (the read it was for is no longer wanted).
  */
 export class InFlightLimit {
   readonly #limit: number
   #used = 0
-  readonly #waiting: ((granted: boolean) => void)[] = []
+  /** Waiters asked for `first`, then the others; each in the order asked. */
+  readonly #waiting: [((granted: boolean) => void)[], ((granted: boolean) => void)[]] = [[], []]
 
   constructor(limit: number) {
     this.#limit = Math.max(1, limit)
@@ -123,13 +125,15 @@ export class InFlightLimit {
 
   /**
    * A grant: `ready` resolves true once it is held (then release() gives it back exactly once),
-   * or false after withdraw() (nothing is held then).
+   * or false after withdraw() (nothing is held then). `first`: ahead of every waiter not asked
+   * for first (a demand read does not wait for prefetches' ranges that asked before it).
    */
-  take(): { ready: Promise<boolean>; withdraw: () => void; release: () => void } {
+  take(first = false): { ready: Promise<boolean>; withdraw: () => void; release: () => void } {
     let state: 'waiting' | 'held' | 'done' = 'waiting'
     let wake: ((granted: boolean) => void) | undefined
     let ready: Promise<boolean>
-    if (this.#used < this.#limit && this.#waiting.length === 0) {
+    const line = this.#waiting[first ? 0 : 1]
+    if (this.#used < this.#limit && this.#waiting[0].length + this.#waiting[1].length === 0) {
       this.#used++
       state = 'held'
       ready = Promise.resolve(true)
@@ -139,20 +143,20 @@ export class InFlightLimit {
           state = granted ? 'held' : 'done'
           resolve(granted)
         }
-        this.#waiting.push(wake)
+        line.push(wake)
       })
     }
     return {
       ready,
       withdraw: () => {
         if (state !== 'waiting' || !wake) return
-        this.#waiting.splice(this.#waiting.indexOf(wake), 1)
+        line.splice(line.indexOf(wake), 1)
         wake(false)
       },
       release: () => {
         if (state !== 'held') return
         state = 'done'
-        const next = this.#waiting.shift()
+        const next = this.#waiting[0].shift() ?? this.#waiting[1].shift()
         if (next) next(true)
         else this.#used--
       },

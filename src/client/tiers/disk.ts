@@ -314,6 +314,12 @@ export class DiskTier {
    * every object read at once. A read gives its queue slot on once all its segments are issued
    * (PriorityQueue handOn): the next object's segments queue behind its last ones, so the pool's
    * threads never wait for the slowest segment of an object before the next object starts.
+   * A demand read's segments are granted before waiting prefetches' (InFlightLimit first), but
+   * are queued on the pool behind those already issued: it may wait for up to concurrency × 4
+   * segments of prefetch (128 MiB with the default two slots; before the hand-on, the objects
+   * holding the slots: 64 MiB of 32 MiB objects). Objects read at once, each holding its buffer
+   * (an L1 slot): up to concurrency × 4 handed on (each still has a segment in flight) and the
+   * concurrency holding slots, where one per slot was read before the hand-on.
    */
   readonly #segments: InFlightLimit
   /** Map order = recency (oldest first): re-inserted on every access. */
@@ -550,7 +556,9 @@ export class DiskTier {
     const dst = into && into.byteLength >= entry.bytes ? into.subarray(0, entry.bytes) : undefined
     let bytes: Uint8Array | undefined
     try {
-      const read = await this.#queue.run(priority, (handOn) => this.#readFile(hex, entry, dst, sink, handOn))
+      const read = await this.#queue.run(priority, (handOn) =>
+        this.#readFile(hex, entry, dst, sink, handOn, priority === 'get'),
+      )
       const header = read && (read.header ?? (await this.#verify(read.bytes)))
       if (header && !this.#owns(header)) {
         // Another instance's object, written over this one under the key (a shared directory):
@@ -612,6 +620,7 @@ export class DiskTier {
     into: Uint8Array | undefined,
     sink: ReadSink | undefined,
     handOn: () => void,
+    demand: boolean,
   ): Promise<VerifiedRead | undefined> {
     const size = entry.bytes
     // One buffer, one read call per pass: readFile() would read in 512 KiB pieces. `into` was
@@ -620,13 +629,13 @@ export class DiskTier {
     if (this.#native && buf.byteOffset % 4096 === 0) {
       try {
         try {
-          return await this.#readVerifiedDirect(hex, buf, size, sink, entry.header, handOn)
+          return await this.#readVerifiedDirect(hex, buf, size, sink, entry.header, handOn, demand)
         } catch (e) {
           if (!(e instanceof StaleHeader)) throw e
           // Replaced since it was indexed: once more with the header the file has now,
           // which is then the one indexed.
           this.#keepHeader(entry, undefined)
-          const read = await this.#readVerifiedDirect(hex, buf, size, sink, undefined, handOn)
+          const read = await this.#readVerifiedDirect(hex, buf, size, sink, undefined, handOn, demand)
           if (read && this.#index.get(hex) === entry) this.#keepHeader(entry, headerOf(read.bytes))
           return read
         }
@@ -655,6 +664,7 @@ export class DiskTier {
     sink: ReadSink | undefined,
     indexed: Uint8Array | undefined,
     handOn: () => void,
+    demand: boolean,
   ): Promise<VerifiedRead | undefined> {
     const native = this.#native!
     const path = this.#pathOf(hex)
@@ -679,6 +689,10 @@ export class DiskTier {
     const starts = segmentStarts(header, size)
     const grants: { withdraw: () => void }[] = []
     let issued = 0
+    // Set once a range failed or the read ended: a range granted its turn after that is not read
+    // (a failed range's place goes to the next waiter, often this object's next range, which
+    // would read, and copy into the caller's sink, bytes of an object already a miss).
+    let abandoned = false
     const read = (k: number): Promise<Segment> => {
       const off = starts[k]!
       const end = starts[k + 1] ?? size
@@ -700,20 +714,31 @@ export class DiskTier {
           ? undefined
           : { into: sink!.into, fileOffset: sinkAt, expected, gate: sink!.gate }
       // Issued once a segment in flight over every read of this tier ends (#segments).
-      const grant = this.#segments.take()
+      const grant = this.#segments.take(demand)
       grants.push(grant)
       const segment = grant.ready
         .then((granted) => {
           if (!granted) throw new KvgateError('ERR_CLOSED', 'read abandoned')
           // After close() the buffer may be its owner's no more (KVCache.close() frees L1).
-          if (this.#closed) {
+          if (this.#closed || abandoned) {
             grant.release()
-            throw new KvgateError('ERR_CLOSED', 'closed')
+            throw new KvgateError('ERR_CLOSED', this.#closed ? 'closed' : 'read abandoned')
           }
           if (++issued === starts.length) handOn()
           return native
             .readFileCrc(path, buf.subarray(off, end), ranges, { fileOffset: off, length, copyTo })
-            .finally(grant.release)
+            .then(
+              (r) => {
+                grant.release()
+                return r
+              },
+              (e: unknown) => {
+                // Before the place is handed on: the waiter it wakes sees the object failed.
+                abandoned = true
+                grant.release()
+                throw e
+              },
+            )
         })
         .then((r) => ({ r, off, length, first, count: ranges.length }))
       // Awaited in file order, so a later segment can fail first (a file gone: every read's open
@@ -758,6 +783,7 @@ export class DiskTier {
     } finally {
       // Segments not issued yet never will be; never leave a read writing into `buf` after we
       // return (corrupt object, I/O error).
+      abandoned = true
       for (const g of grants) g.withdraw()
       await Promise.allSettled(inflight)
     }
