@@ -425,7 +425,7 @@ describe('KVCache over L1 and L2', () => {
   })
 
   describe('cold L2 retrieve: the reading workers copy verified sections into `into`', () => {
-    const BT = 32768 // ~20 MiB chunk tensors: each L2 object is read as ten 2 MiB pieces, a few in flight
+    const BT = 32768 // ~20 MiB chunk tensors: each L2 object is two ranges (16 + 4 MiB) read as 2 MiB pieces, a few in flight
     const BCB = chunkBytes(MODEL_PRESETS.stories260k, BT)
     const big = (n: number, seed: number) => {
       const b = new Uint8Array(n * BCB)
