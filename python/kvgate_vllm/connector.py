@@ -298,6 +298,14 @@ def _layout_shape(layout: str, shape: List[int], s: Dict[str, Any]) -> Tuple[int
     return num_blocks, [num_blocks, s["blockSize"], s["headSize"]]
 
 
+def _packed_kv(shape: List[int], s: Dict[str, Any]) -> bool:
+    """Whether `shape` is the layout vLLM's attention backends moved to in PR #44455:
+    (num_blocks, kv_heads, block_size, 2 * head_size), each token's K and V side by side in the
+    last dimension. A block's K is then no contiguous run (the agent's copies need one), so it is
+    refused, by name: the generic shape error would send the user after a `layout` setting."""
+    return len(shape) == 4 and shape[1:] == [s["kvHeads"], s["blockSize"], 2 * s["headSize"]]
+
+
 def pci_bus_id(props: Any) -> Optional[str]:
     """The GPU's PCI bus id ("0000:3b:00.0") from torch's device properties, or None when this
     torch does not expose it. The agent resolves it to its own device ordinal, which differs
@@ -759,6 +767,14 @@ class KVGateConnector(KVConnectorBase_V1):
                 # The layout is inferred from the backend vLLM was told; one vLLM picked itself
                 # (FlashInfer by default on some GPUs) is not known at start.
                 got = list(t.shape)
+                if layout != "mla" and _packed_kv(got, s):
+                    raise ConfigurationError(
+                        f"KV layer {n} has shape {got}, vLLM's packed K/V layout (num_blocks, kv_heads, "
+                        "block_size, 2 * head_size) that its attention backends use since vLLM PR #44455 "
+                        "(2026-06): kvgate_vllm copies only the separate K/V layouts (flash-attn, "
+                        "flashinfer) and MLA, and no `layout` setting changes that; run kvgate with a vLLM "
+                        "from before that change"
+                    )
                 other = [o for o in ("flash-attn", "flashinfer") if o != layout and got == _layout_shape(o, got, s)[1]]
                 hint = (
                     f': this is the {other[0]} layout, set "layout": "{other[0]}" in kv_connector_extra_config'

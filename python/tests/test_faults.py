@@ -874,6 +874,36 @@ def test_kv_tensors_of_the_other_paged_layout_are_refused_naming_the_layout_key(
         drop_caches(caches)
 
 
+@pytest.mark.parametrize("layout", ["flash-attn", "flashinfer"])
+@pytest.mark.parametrize("physical", ["HND", "NHD"])
+def test_vllms_packed_kv_layout_is_refused_by_name(tmp_path, layout, physical):
+    """vLLM PR #44455 packs each token's K and V into the last dimension of every attention
+    backend's KV layer, (num_blocks, kv_heads, block_size, 2 * head_size), laid out HND
+    (contiguous) or NHD (a permuted view). kvgate cannot copy it: the engine must fail at
+    register naming vLLM's change, not with a hint to set a `layout` that cannot help."""
+    from kvgate_vllm import ConfigurationError
+
+    spec = EngineSpec(socket=str(tmp_path / "none.sock"), layout=layout)
+    c = KVGateConnector(vllm_config(spec), KVConnectorRole.WORKER)
+    nb, h, bs, d = spec.num_blocks, spec.kv_heads, spec.block_size, spec.head_size
+    if physical == "HND":
+        caches = {f"l{i}": shm.shm_tensor([nb, h, bs, 2 * d], torch.float16) for i in range(spec.layers)}
+        views = caches
+    else:
+        caches = {f"l{i}": shm.shm_tensor([nb, bs, h, 2 * d], torch.float16) for i in range(spec.layers)}
+        views = {n: t.permute(0, 2, 1, 3) for n, t in caches.items()}
+    try:
+        with pytest.raises(ConfigurationError) as e:
+            c.register_kv_caches(views)
+        msg = str(e.value)
+        assert "#44455" in msg and "packed K/V" in msg, msg
+        assert '"layout": "' not in msg, msg
+        assert c._register_msg is None
+    finally:
+        c.shutdown()
+        drop_caches(caches)
+
+
 def test_pipeline_parallelism_is_refused_at_start(tmp_path):
     """Every PP stage registers its own layers under the same keys (the namespace has the TP
     rank, not the stage): stage 1 would load stage 0's KV. Refused with a message, not served."""
