@@ -773,7 +773,7 @@ class KVGateConnector(KVConnectorBase_V1):
                         "block_size, 2 * head_size) that its attention backends use since vLLM PR #44455 "
                         "(2026-06): kvgate_vllm copies only the separate K/V layouts (flash-attn, "
                         "flashinfer) and MLA, and no `layout` setting changes that; run kvgate with a vLLM "
-                        "from before that change"
+                        "from before that change (0.25 or older)"
                     )
                 other = [o for o in ("flash-attn", "flashinfer") if o != layout and got == _layout_shape(o, got, s)[1]]
                 hint = (
