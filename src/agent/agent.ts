@@ -13,11 +13,10 @@ import { DeviceTensor, IpcMappings, resolveDevice } from './device-tensor.ts'
 import {
   blockBytes,
   chunkRuns,
-  contiguousStrides,
   ENGINE_LAYOUTS,
   type EngineGeometry,
-  layerBytes,
-  layerShape,
+  type LayerView,
+  layerView,
   sides,
 } from './engine-layout.ts'
 import {
@@ -115,6 +114,8 @@ export interface AgentCoreOptions {
 interface Worker {
   space: KvSpace
   geometry: EngineGeometry
+  /** Where a block's KV lies in each layer's tensor (the same in every layer). */
+  view: LayerView
   rank: number
   numBlocks: number
   layers: KvTensor[]
@@ -422,8 +423,8 @@ export class Agent {
     const rank = int(m, 'rank', 0, d.world - 1)
     const numBlocks = int(m, 'numBlocks', 1, MAX_BLOCKS)
     const g: EngineGeometry = d
-    const shape = layerShape(g, numBlocks)
-    const want = layerBytes(g, numBlocks)
+    // Every layer's view has the same strides (its runs are computed once per chunk for all).
+    let view: LayerView | undefined
     const list = m.tensors
     if (!Array.isArray(list) || list.length !== d.layers) {
       throw new AgentError('ERR_GEOMETRY_MISMATCH', `register needs one tensor per layer (${d.layers})`)
@@ -449,20 +450,14 @@ export class Agent {
         if (typeof t !== 'object' || t === null)
           throw new AgentError('ERR_INVALID_ARGUMENT', `tensors[${i}] is not a map`)
         const kind = oneOf(t, 'kind', ['shm', 'cuda-ipc'] as const)
-        const tShape = t.shape
-        if (!Array.isArray(tShape) || JSON.stringify(tShape) !== JSON.stringify(shape)) {
+        const v = layerView(g, numBlocks, t.shape, t.strides, `tensors[${i}]`)
+        if (view !== undefined && JSON.stringify(v) !== JSON.stringify(view))
           throw new AgentError(
             'ERR_LAYOUT',
-            `tensors[${i}] has shape ${JSON.stringify(tShape)}; the ${d.layout} layout needs ${JSON.stringify(shape)}`,
+            `tensors[${i}] has shape ${JSON.stringify(t.shape)} and strides ${JSON.stringify(t.strides)}, unlike tensors[0]: every layer of a registration must be laid out alike`,
           )
-        }
-        const strides = t.strides
-        if (strides !== undefined && JSON.stringify(strides) !== JSON.stringify(contiguousStrides(shape))) {
-          throw new AgentError(
-            'ERR_LAYOUT',
-            `tensors[${i}] is not contiguous (strides ${JSON.stringify(strides)})`,
-          )
-        }
+        view = v
+        const want = v.span
         const offset = optInt(t, 'offset', 0, Number.MAX_SAFE_INTEGER, 0)
         if (kind === 'shm') {
           const h = new HostTensor(str(t, 'path', 4096), offset, want, hostNative)
@@ -516,6 +511,7 @@ export class Agent {
     const worker: Worker = {
       space,
       geometry: g,
+      view: view!,
       rank,
       numBlocks,
       layers,
@@ -687,7 +683,7 @@ export class Agent {
     let failure: string | undefined
     // Each chunk's runs are the same in every layer (offsets inside one layer's slab).
     const runsByChunk: number[][] = []
-    for (let c = 0; c < count; c++) runsByChunk.push(chunkRuns(g, w.numBlocks, ids, c * bpc, bpc, skip))
+    for (let c = 0; c < count; c++) runsByChunk.push(chunkRuns(g, w.view, ids, c * bpc, bpc, skip))
     // Threaded copies of a group of layers run while the next layers are fetched: one native
     // call and one progress event per group (at least an eighth of the model), not per layer.
     // A full group waits for the end of the event loop's turn: layers that are ready together
@@ -843,7 +839,7 @@ export class Agent {
         // not kept (a throw here aborts the chunk's slot; chunks copied before stay stored).
         // A cancelled save likewise (the engine releases its blocks once it has the answer).
         mayCopy(s, prog)
-        const runs = chunkRuns(g, w.numBlocks, ids, (k + from) * bpc, bpc, 0)
+        const runs = chunkRuns(g, w.view, ids, (k + from) * bpc, bpc, 0)
         // Every layer in one threaded copy; storeKeys commits the L1 slot only after it
         // settled (and aborts it if the agent closed meanwhile).
         const copier = w.copier

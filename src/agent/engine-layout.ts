@@ -1,11 +1,21 @@
 // vLLM's paged KV layouts as the agent sees them: where block b's K (or V, or MLA latent)
 // lies in a layer tensor, and where it lies in kvgate's chunk tensor.
 //
-// FlashAttention [2, num_blocks, block_size, kv_heads, head_size], FlashInfer
-// [num_blocks, 2, block_size, kv_heads, head_size], MLA [num_blocks, block_size, latent_dim].
-// In every one a block's K (V, latent) is one contiguous run of blockBytes.
+// Two families of shapes, both any strides (a view into a larger allocation):
+// - vLLM up to 0.25 (MLA: 0.28): FlashAttention [2, num_blocks, block_size, kv_heads, head_size],
+//   FlashInfer [num_blocks, 2, block_size, kv_heads, head_size], MLA [num_blocks, block_size, latent].
+// - vLLM from 0.26 (PR #44455) and 0.29 (#51718, `create_kv_cache_views`): every layer is a 4-D
+//   view [B, H, N, C] of one int8 allocation, in any of six physical orders of [L, B, H, N, C]
+//   (LBNHC by default): C = 2 * head_size, K in its first half and V in its second (MLA: H = 1,
+//   C = latent). With kernel blocks smaller than vLLM's block (`--block-size` above the
+//   attention kernel's), B = num_blocks * r and N = block_size / r, kernel block k of block b
+//   being b * r + k.
+// In all of them the innermost run, one token's one head (head_size elements), is contiguous:
+// that is the unit the agent copies, merged where neighbouring runs are contiguous on both
+// sides (the old layouts then copy one run per block side, as before).
 
 import { type Dtype, dtypeBytes, type KvGeometry } from '../core/layout.ts'
+import { AgentError } from './protocol.ts'
 
 export type EngineLayout = 'flash-attn' | 'flashinfer' | 'mla'
 export const ENGINE_LAYOUTS: readonly EngineLayout[] = ['flash-attn', 'flashinfer', 'mla']
@@ -32,7 +42,7 @@ export function sides(g: EngineGeometry): 1 | 2 {
   return g.layout === 'mla' ? 1 : 2
 }
 
-/** The shape vLLM allocates for one layer with `numBlocks` blocks. */
+/** The per-layer shape vLLM up to 0.25 registers (MLA: 0.28) with `numBlocks` blocks. */
 export function layerShape(g: EngineGeometry, numBlocks: number): number[] {
   switch (g.layout) {
     case 'flash-attn':
@@ -54,19 +64,6 @@ export function contiguousStrides(shape: readonly number[]): number[] {
   return out
 }
 
-/** Bytes of one layer tensor. */
-export function layerBytes(g: EngineGeometry, numBlocks: number): number {
-  return sides(g) * numBlocks * blockBytes(g)
-}
-
-/** Byte offset of block `block`'s run for `side` (0 = K or latent, 1 = V) inside a layer tensor. */
-export function blockOffset(g: EngineGeometry, numBlocks: number, side: number, block: number): number {
-  const bb = blockBytes(g)
-  if (g.layout === 'flash-attn') return (side * numBlocks + block) * bb
-  if (g.layout === 'flashinfer') return (block * 2 + side) * bb
-  return block * bb
-}
-
 /**
  * The kvgate geometry a chunk of this engine is stored with. Chunk tensors are
  * [layer][K|V][token][kvHead][headDim]; an MLA engine's are latent chunks,
@@ -79,43 +76,205 @@ export function storageGeometry(g: EngineGeometry): KvGeometry {
   return { layers: g.layers, kvHeads: g.kvHeads, headDim: g.headSize, dtype: g.dtype }
 }
 
-/** Byte offset of chunk-local block j's run for (layer, side) in the chunk tensor of `blocksPerChunk` blocks. */
-export function chunkOffset(
+/** The 4-D per-layer shape vLLM from 0.26 registers: [B, H, N, C] (kernel blocks of N tokens). */
+export function viewShape(g: EngineGeometry, numBlocks: number, kernelTokens = g.blockSize): number[] {
+  const r = g.blockSize / kernelTokens
+  return [numBlocks * r, g.kvHeads, kernelTokens, sides(g) * g.headSize]
+}
+
+/**
+ * Where one layer's KV lies in its registered tensor, in bytes from the tensor's offset:
+ * (side, block, token, head) starts at side·side + block·block + ⌊token/kernelTokens⌋·kernel
+ * + (token mod kernelTokens)·token + head·head and runs `run` bytes. The same for every layer
+ * of a registration (vLLM's views of one allocation share their strides).
+ */
+export interface LayerView {
+  /** One token's one head: head_size (latent) elements, contiguous in every layout. */
+  readonly run: number
+  readonly side: number
+  readonly block: number
+  /** Tokens per kernel block: blockSize unless vLLM split its blocks for the attention kernel. */
+  readonly kernelTokens: number
+  readonly kernel: number
+  readonly token: number
+  readonly head: number
+  /** Bytes from the tensor's offset past its last element: what is mapped and bounds-checked. */
+  readonly span: number
+  /** A block side's tokens and heads are one run in chunk order ([token][head][dim]). */
+  readonly dense: boolean
+}
+
+/** A registered dimension: its extent and its stride in bytes. */
+type Dim = readonly [extent: number, stride: number]
+
+const MAX_DIM = 1 << 30
+
+/**
+ * The view of a layer tensor registered with `shape` and `strides` (elements; absent =
+ * contiguous), or ERR_LAYOUT saying what was expected. Refuses strides whose elements
+ * overlap (a save would read one engine byte into two chunk places, a load write two into
+ * one) and tensors whose innermost dimension is not contiguous.
+ */
+export function layerView(
   g: EngineGeometry,
-  blocksPerChunk: number,
-  layer: number,
-  side: number,
-  j: number,
-): number {
-  const bb = blockBytes(g)
-  return ((layer * sides(g) + side) * blocksPerChunk + j) * bb
+  numBlocks: number,
+  shape: unknown,
+  strides: unknown,
+  what: string,
+): LayerView {
+  const legacy = layerShape(g, numBlocks)
+  const dims = Array.isArray(shape) ? shape : []
+  const e = dtypeBytes(g.dtype)
+  const n = sides(g)
+  let kernelTokens = g.blockSize
+  if (!(Array.isArray(shape) && sameInts(shape, legacy))) {
+    // vLLM's [B, H, N, C] views: N may be a kernel block (a divisor of the block size).
+    const kt = dims[2]
+    const ok =
+      dims.length === 4 &&
+      Number.isSafeInteger(kt) &&
+      (kt as number) > 0 &&
+      g.blockSize % (kt as number) === 0 &&
+      sameInts(dims, viewShape(g, numBlocks, kt as number))
+    if (!ok)
+      throw new AgentError(
+        'ERR_LAYOUT',
+        `${what} has shape ${JSON.stringify(shape)}; ${numBlocks} blocks of the ${g.layout} layout are ` +
+          `${JSON.stringify(legacy)} (vLLM up to 0.25) or ${JSON.stringify(viewShape(g, numBlocks))} ` +
+          '([blocks, kv_heads, block_size, K|V], vLLM from 0.26; block_size may be a kernel block size that divides it)',
+      )
+    kernelTokens = kt as number
+  }
+  const rank = dims.length
+  const st =
+    strides === undefined || strides === null ? contiguousStrides(dims as number[]) : (strides as unknown[])
+  if (
+    !Array.isArray(st) ||
+    st.length !== rank ||
+    !st.every((x) => Number.isSafeInteger(x) && (x as number) >= 0)
+  )
+    throw new AgentError(
+      'ERR_LAYOUT',
+      `${what}.strides must be ${rank} integers >= 0 (elements), got ${JSON.stringify(strides)}`,
+    )
+  const s = (st as number[]).map((x) => x * e)
+  if (s[rank - 1] !== e && dims[rank - 1] !== 1)
+    throw new AgentError(
+      'ERR_LAYOUT',
+      `${what}: its last dimension has stride ${st[rank - 1]}; kvgate copies it as one contiguous run (stride 1)`,
+    )
+  const run = g.headSize * e
+  const r = g.blockSize / kernelTokens
+  let v: Omit<LayerView, 'span' | 'dense'>
+  let all: Dim[]
+  if (rank === 4) {
+    // [B·r, H, N, C], C = K|V halves
+    v = { run, side: run, block: s[0]! * r, kernelTokens, kernel: s[0]!, token: s[2]!, head: s[1]! }
+    all = [
+      [numBlocks * r, s[0]!],
+      [g.kvHeads, s[1]!],
+      [kernelTokens, s[2]!],
+      [n, run],
+    ]
+  } else if (g.layout === 'mla') {
+    v = { run, side: 0, block: s[0]!, kernelTokens, kernel: 0, token: s[1]!, head: 0 }
+    all = [
+      [numBlocks, s[0]!],
+      [g.blockSize, s[1]!],
+    ]
+  } else {
+    const [side, block] = g.layout === 'flash-attn' ? [s[0]!, s[1]!] : [s[1]!, s[0]!]
+    v = { run, side, block, kernelTokens, kernel: 0, token: s[2]!, head: s[3]! }
+    all = [
+      [2, side],
+      [numBlocks, block],
+      [g.blockSize, s[2]!],
+      [g.kvHeads, s[3]!],
+    ]
+  }
+  const span = disjointSpan(all, run, what)
+  const H = g.kvHeads
+  const dense =
+    (H === 1 || v.head === run) &&
+    (g.blockSize === 1 || v.token === H * run) &&
+    (r === 1 || v.kernel === kernelTokens * H * run)
+  return { ...v, span, dense }
+}
+
+/**
+ * Bytes from the first element past the last, when no two elements of the dims (with runs of
+ * `run` contiguous bytes innermost) overlap; else ERR_LAYOUT. The sufficient condition, dims
+ * sorted by stride: each steps past everything the smaller ones reach.
+ */
+function disjointSpan(dims: readonly Dim[], run: number, what: string): number {
+  let reach = run
+  for (const [extent, stride] of [...dims].filter(([x]) => x > 1).sort((a, b) => a[1] - b[1])) {
+    if (extent > MAX_DIM || stride < reach)
+      throw new AgentError(
+        'ERR_LAYOUT',
+        `${what}: its strides make elements overlap (a dimension of ${extent} with stride ${stride} bytes, ` +
+          `inside ${reach} bytes its smaller dimensions cover)`,
+      )
+    reach += (extent - 1) * stride
+    if (!Number.isSafeInteger(reach))
+      throw new AgentError('ERR_LAYOUT', `${what} spans more bytes than can be addressed`)
+  }
+  return reach
+}
+
+function sameInts(a: readonly unknown[], b: readonly number[]): boolean {
+  return a.length === b.length && a.every((x, i) => x === b[i])
 }
 
 /**
  * The copy runs ([tensorOffset, slabOffset, bytes] triples) between the engine blocks
  * `ids[first .. first + blocksPerChunk)` of one layer tensor and that chunk's slab of one
- * layer. The same in every layer: a layer's slab and tensor are passed with them. Blocks
- * before `skip` (engine-wide index) are left out.
+ * layer ([K|V][token][head][dim]), in slab order, contiguous neighbours merged. The same in
+ * every layer: a layer's slab and tensor are passed with them. Blocks before `skip`
+ * (engine-wide index) are left out.
  */
 export function chunkRuns(
   g: EngineGeometry,
-  numBlocks: number,
+  v: LayerView,
   ids: readonly number[],
   first: number,
   blocksPerChunk: number,
   skip: number,
 ): number[] {
-  const bb = blockBytes(g)
+  const H = g.kvHeads
+  const bs = g.blockSize
+  const bb = bs * H * v.run
   const runs: number[] = []
+  // The run being built, pushed when the next one does not continue it.
+  let t0 = -1
+  let h0 = 0
+  let len = 0
+  const add = (t: number, h: number, n: number) => {
+    if (len > 0 && t === t0 + len && h === h0 + len) {
+      len += n
+      return
+    }
+    if (len > 0) runs.push(t0, h0, len)
+    t0 = t
+    h0 = h
+    len = n
+  }
   for (let side = 0; side < sides(g); side++) {
     for (let j = 0; j < blocksPerChunk; j++) {
       if (first + j < skip) continue
-      runs.push(
-        blockOffset(g, numBlocks, side, ids[first + j]!),
-        chunkOffset(g, blocksPerChunk, 0, side, j),
-        bb,
-      )
+      const base = side * v.side + ids[first + j]! * v.block
+      let dst = (side * blocksPerChunk + j) * bb
+      if (v.dense) {
+        add(base, dst, bb)
+        continue
+      }
+      for (let t = 0; t < bs; t++) {
+        const k = Math.floor(t / v.kernelTokens)
+        const at = base + k * v.kernel + (t - k * v.kernelTokens) * v.token
+        for (let h = 0; h < H; h++, dst += v.run) add(at + h * v.head, dst, v.run)
+      }
     }
   }
+  if (len > 0) runs.push(t0, h0, len)
   return runs
 }
