@@ -24,7 +24,14 @@ const ORDERS = {
   BHLNC: [1, 2, 0, 3, 4],
 } as const
 
-const G: EngineGeometry = { layout: 'flash-attn', layers: 3, kvHeads: 2, headSize: 3, blockSize: 4, dtype: 'float16' }
+const G: EngineGeometry = {
+  layout: 'flash-attn',
+  layers: 3,
+  kvHeads: 2,
+  headSize: 3,
+  blockSize: 4,
+  dtype: 'float16',
+}
 const MLA: EngineGeometry = { ...G, layout: 'mla', kvHeads: 1, headSize: 5 }
 const E = 2 // float16
 const NUM_BLOCKS = 5
@@ -67,7 +74,8 @@ function vllmModel(g: EngineGeometry, order: readonly number[], r = 1, pad = 0):
     offsets: Array.from({ length: g.layers }, (_, l) => base + l * strides[0]! * E),
     at(l, b, t, h, c) {
       const kb = b * r + Math.floor(t / N)
-      const el = l * strides[0]! + kb * strides[1]! + h * strides[2]! + (t % N) * strides[3]! + c * strides[4]!
+      const el =
+        l * strides[0]! + kb * strides[1]! + h * strides[2]! + (t % N) * strides[3]! + c * strides[4]!
       return base + el * E
     },
   }
@@ -215,7 +223,9 @@ describe('the old layouts (vLLM up to 0.25; MLA up to 0.28)', () => {
     it(`${layout}: contiguous tensors copy one run per block side`, () => {
       expect(roundTrip(g, legacyModel(g), [3, 0], [1, 4])).toBe((layout === 'mla' ? 1 : 2) * 2)
       // Consecutive blocks in both places merge into one run (FlashInfer's V lies between two blocks' K).
-      expect(roundTrip(g, legacyModel(g), [1, 2], [3, 4])).toBe({ 'flash-attn': 2, flashinfer: 4, mla: 1 }[layout])
+      expect(roundTrip(g, legacyModel(g), [1, 2], [3, 4])).toBe(
+        { 'flash-attn': 2, flashinfer: 4, mla: 1 }[layout],
+      )
     })
     it(`${layout}: a strided view (padding after every row) copies row by row`, () => {
       roundTrip(g, legacyModel(g, 3), [3, 0], [1, 4])
@@ -226,7 +236,10 @@ describe('the old layouts (vLLM up to 0.25; MLA up to 0.28)', () => {
 describe('refused registrations', () => {
   const shape = viewShape(G, NUM_BLOCKS)
   const ok = vllmModel(G, ORDERS.LBNHC).strides
-  const refuse = (s: unknown, st: unknown, g = G) => () => layerView(g, NUM_BLOCKS, s, st, 'tensors[0]')
+  const refuse =
+    (s: unknown, st: unknown, g = G) =>
+    () =>
+      layerView(g, NUM_BLOCKS, s, st, 'tensors[0]')
 
   it('shapes that are neither layout name both', () => {
     expect(refuse([NUM_BLOCKS, 2, 4, 3], undefined)).toThrow(/\[2,5,4,2,3\].*\[5,2,4,6\]/)
