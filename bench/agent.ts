@@ -4,6 +4,8 @@
 // (KVGATE_BENCH_COPY_THREADS, default min(cores, 4)), interleaved with one memcpy of the same
 // bytes; a 512-key lookup (a 128k-token prompt) over the socket with warm local tiers, keys as
 // an array of bins and packed, round trip and time inside the agent; agent CPU-seconds per GiB moved.
+// KVGATE_BENCH_KV_LAYOUT: flash-attn (vLLM ≤ 0.25, default), LBNHC (vLLM ≥ 0.29's default: K and
+// V of each token's head side by side, so a run of 256 B per head and token) or LBHNC.
 
 import { type ChildProcess, spawn } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
@@ -21,7 +23,14 @@ import { loadavg } from 'node:os'
 import { join } from 'node:path'
 import { defaultCopyThreads } from '../src/agent/config.ts'
 import { loadNative } from '../src/client/native-api.ts'
-import { Client, createLlama8BKv, registerLlama8B, shuffled } from './lib/agent-client.ts'
+import {
+  BENCH_KV_LAYOUTS,
+  type BenchKvLayout,
+  Client,
+  createLlama8BKv,
+  registerLlama8B,
+  shuffled,
+} from './lib/agent-client.ts'
 import { type GcCounts, GcTrace, gcLine } from './lib/gc-trace.ts'
 import { machineLine, median, quantile, table, writeResult } from './lib/stats.ts'
 
@@ -30,6 +39,11 @@ const repeats = Number(process.env.KVGATE_BENCH_REPEATS ?? 15)
 const dir = mkdtempSync(join('/tmp', 'kvgate-agent-bench-'))
 const shmDir = process.env.KVGATE_BENCH_SHM ?? '/dev/shm'
 const log = (s: string) => console.error(s)
+const kvLayout = (process.env.KVGATE_BENCH_KV_LAYOUT ?? 'flash-attn') as BenchKvLayout
+if (!BENCH_KV_LAYOUTS.includes(kvLayout)) {
+  console.error(`KVGATE_BENCH_KV_LAYOUT must be one of ${BENCH_KV_LAYOUTS.join(', ')}, got ${kvLayout}`)
+  process.exit(2)
+}
 
 type Quantiles = { p50: number; p99: number }
 type ConnectorLookup =
@@ -226,7 +240,7 @@ async function main() {
       const agent = await startAgent(join(dir, `agent-${t}.sock`), t)
       agents.push(agent)
       const c = await Client.open(join(dir, `agent-${t}.sock`))
-      const worker = await registerLlama8B(c, kvPath, layers, numBlocks, layerBytes)
+      const worker = await registerLlama8B(c, kvPath, layers, numBlocks, layerBytes, kvLayout)
       subjects.push({
         label: t === 0 ? 'on the event loop' : `${t} copy thread${t === 1 ? '' : 's'}`,
         agent,
@@ -291,7 +305,7 @@ async function main() {
     console.log(
       table([
         [
-          'operation (32 MiB, 16 scattered blocks × 32 layers × K,V)',
+          `operation (32 MiB, 16 scattered blocks × 32 layers × K,V; ${kvLayout})`,
           'min / median / max ms',
           'GB/s (median)',
           'vs memcpy, per repeat min / median / max',
@@ -358,13 +372,14 @@ async function main() {
     console.log(`agent CPU: ${cpuPerGiB.toFixed(3)} CPU-s per GiB moved (save + load)`)
     const load1 = loadavg()[0]!.toFixed(1)
     console.log(`machine load average during the run: ${load1}`)
+    const layoutTag = kvLayout === 'flash-attn' ? '' : ` (vLLM ${kvLayout} views)`
     const path = writeResult({
-      name: 'agent',
+      name: kvLayout === 'flash-attn' ? 'agent' : `agent-${kvLayout}`,
       date: new Date().toISOString(),
       machine: `${await machineLine()}, load ${load1}`,
       bars: [
         {
-          bar: 'agent save of a 32 MiB chunk of scattered paged blocks vs memcpy',
+          bar: `agent save of a 32 MiB chunk of scattered paged blocks vs memcpy${layoutTag}`,
           figure: mMs / sMs,
           unit: 'x memcpy',
           baseline: mMs,
@@ -374,7 +389,7 @@ async function main() {
           met: mMs / sMs >= 0.8,
         },
         {
-          bar: 'agent load of a 32 MiB chunk into scattered paged blocks vs memcpy',
+          bar: `agent load of a 32 MiB chunk into scattered paged blocks vs memcpy${layoutTag}`,
           figure: mMs / lMs,
           unit: 'x memcpy',
           baseline: mMs,

@@ -30,7 +30,7 @@ const G: EngineGeometry = {
   kvHeads: 2,
   headSize: 3,
   blockSize: 4,
-  dtype: 'float16',
+  dtype: 'fp16',
 }
 const MLA: EngineGeometry = { ...G, layout: 'mla', kvHeads: 1, headSize: 5 }
 const E = 2 // float16

@@ -54,9 +54,17 @@ export function shuffled(n: number, seed: number): number[] {
 }
 
 /**
- * Says hello as a Llama-3.1-8B engine (bf16, FlashAttention layout, block size 16, 8 KV heads
- * of 128 at TP 1) and registers `layers` layer tensors of `numBlocks` blocks laid end to end in
- * the shm file `kvPath`; returns the worker id.
+ * How the bench engine lays out its KV: vLLM ≤ 0.25's FlashAttention tensors, or vLLM ≥ 0.29's
+ * per-layer [B, H, N, K|V] views of one allocation in its default (LBNHC: NHD pages) or HND
+ * (LBHNC) order. The same bytes per layer in every one.
+ */
+export type BenchKvLayout = 'flash-attn' | 'LBNHC' | 'LBHNC'
+export const BENCH_KV_LAYOUTS: readonly BenchKvLayout[] = ['flash-attn', 'LBNHC', 'LBHNC']
+
+/**
+ * Says hello as a Llama-3.1-8B engine (bf16, block size 16, 8 KV heads of 128 at TP 1) and
+ * registers `layers` layer tensors of `numBlocks` blocks laid end to end in the shm file
+ * `kvPath`, as `layout` says; returns the worker id.
  */
 export async function registerLlama8B(
   c: Client,
@@ -64,6 +72,7 @@ export async function registerLlama8B(
   layers: number,
   numBlocks: number,
   layerBytes: number,
+  layout: BenchKvLayout = 'flash-attn',
 ): Promise<number> {
   await c.call('hello', {
     protocol: 1,
@@ -71,11 +80,19 @@ export async function registerLlama8B(
     hashSeed: '0',
     geometry: { layout: 'flash-attn', dtype: 'bfloat16', layers, kvHeads: 8, headSize: 128, blockSize: 16 },
   })
+  const C = 2 * 128
+  const view =
+    layout === 'flash-attn'
+      ? { shape: [2, numBlocks, 16, 8, 128] }
+      : {
+          shape: [numBlocks, 8, 16, C],
+          strides: layout === 'LBNHC' ? [16 * 8 * C, C, 8 * C, 1] : [8 * 16 * C, 16 * C, C, 1],
+        }
   const tensors = Array.from({ length: layers }, (_, l) => ({
     kind: 'shm',
     path: kvPath,
     offset: l * layerBytes,
-    shape: [2, numBlocks, 16, 8, 128],
+    ...view,
   }))
   const { worker } = await c.call('register', { rank: 0, numBlocks, tensors })
   return worker as number

@@ -298,12 +298,20 @@ def _layout_shape(layout: str, shape: List[int], s: Dict[str, Any]) -> Tuple[int
     return num_blocks, [num_blocks, s["blockSize"], s["headSize"]]
 
 
-def _packed_kv(shape: List[int], s: Dict[str, Any]) -> bool:
-    """Whether `shape` is the layout vLLM's attention backends moved to in PR #44455:
-    (num_blocks, kv_heads, block_size, 2 * head_size), each token's K and V side by side in the
-    last dimension. A block's K is then no contiguous run (the agent's copies need one), so it is
-    refused, by name: the generic shape error would send the user after a `layout` setting."""
-    return len(shape) == 4 and shape[1:] == [s["kvHeads"], s["blockSize"], 2 * s["headSize"]]
+def _view_blocks(shape: List[int], s: Dict[str, Any]) -> Optional[int]:
+    """The number of vLLM blocks a KV layer holds when `shape` is the per-layer view vLLM's
+    attention backends hand over since PR #44455 (0.26): [blocks, kv_heads, block_size, C], C
+    the K and V halves of each token's head side by side (MLA: kv_heads 1, C the latent). Since
+    #51718 (0.29) each layer is such a view into one allocation, in any of six physical orders,
+    and its block_size may be a kernel block size dividing vLLM's (`--block-size` above the
+    attention kernel's): block b is then kernel blocks b*r .. b*r+r-1. None for other shapes."""
+    mla = s["layout"] == "mla"
+    if len(shape) != 4 or shape[3] != (1 if mla else 2) * s["headSize"] or shape[1] != (1 if mla else s["kvHeads"]):
+        return None
+    kernel = shape[2]
+    if kernel <= 0 or s["blockSize"] % kernel or shape[0] % (s["blockSize"] // kernel):
+        return None
+    return shape[0] // (s["blockSize"] // kernel)
 
 
 def pci_bus_id(props: Any) -> Optional[str]:
@@ -759,31 +767,31 @@ class KVGateConnector(KVConnectorBase_V1):
         self._layer_index = {n: i for i, n in enumerate(names)}
         first = kv_caches[names[0]]
         layout = s["layout"]
-        num_blocks, want = _layout_shape(layout, list(first.shape), s)
+        got = list(first.shape)
+        # vLLM from 0.26: a 4-D view per layer; before, the backend's own shape. Both may be
+        # views into a larger allocation (any strides): the agent copies through the strides.
+        num_blocks = _view_blocks(got, s)
+        want = got if num_blocks is not None else _layout_shape(layout, got, s)[1]
+        if num_blocks is None:
+            num_blocks = _layout_shape(layout, got, s)[0]
         tensors = []
         for n in names:
             t = kv_caches[n]
-            if list(t.shape) != want or not t.is_contiguous():
+            if list(t.shape) != want or list(t.stride()) != list(first.stride()) or (t.dim() and t.stride()[-1] != 1):
                 # The layout is inferred from the backend vLLM was told; one vLLM picked itself
                 # (FlashInfer by default on some GPUs) is not known at start.
                 got = list(t.shape)
-                if layout != "mla" and _packed_kv(got, s):
-                    raise ConfigurationError(
-                        f"KV layer {n} has shape {got}, vLLM's packed K/V layout (num_blocks, kv_heads, "
-                        "block_size, 2 * head_size) that its attention backends use since vLLM PR #44455 "
-                        "(2026-06): kvgate_vllm copies only the separate K/V layouts (flash-attn, "
-                        "flashinfer) and MLA, and no `layout` setting changes that; run kvgate with a vLLM "
-                        "from before that change (0.25 or older)"
-                    )
                 other = [o for o in ("flash-attn", "flashinfer") if o != layout and got == _layout_shape(o, got, s)[1]]
                 hint = (
                     f': this is the {other[0]} layout, set "layout": "{other[0]}" in kv_connector_extra_config'
                     if other
                     else ' (kv_connector_extra_config "layout" names the backend\'s: flash-attn, flashinfer or mla)'
                 )
+                view = [-1, 1 if layout == "mla" else s["kvHeads"], s["blockSize"], (1 if layout == "mla" else 2) * s["headSize"]]
                 raise ConfigurationError(
-                    f"KV layer {n} has shape {list(t.shape)} (contiguous: {t.is_contiguous()}); kvgate expects the "
-                    f"{layout} layout {want}, contiguous{hint}"
+                    f"KV layer {n} has shape {got} and strides {list(t.stride())}; kvgate expects every layer alike "
+                    f"(the strides of the first, the last dimension contiguous) in the {layout} layout {want} or, from "
+                    f"vLLM 0.26, the per-layer view {view}{hint}"
                 )
             # The agent cuts and labels blocks by the dtype the config named (hello): another one
             # would be stored as that dtype (and shared with engines really using it) or cut wrong.

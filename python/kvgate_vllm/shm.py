@@ -54,9 +54,12 @@ def attach(path: str, shape, dtype: torch.dtype) -> torch.Tensor:
 
 
 def describe(t: torch.Tensor) -> Optional[Dict[str, int]]:
-    """{path, offset} when `t` lies inside a shared-memory region of this process, else None."""
+    """{path, offset} when `t` lies inside a shared-memory region of this process, else None.
+    `t` may be a strided view (vLLM's per-layer views of one allocation): its last element, not
+    its element count, says where it ends."""
     p = t.data_ptr()
-    end = p + t.numel() * t.element_size()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else -1
+    end = p + (last + 1) * t.element_size()
     for start, (path, nbytes, _mm) in _REGIONS.items():
         if start <= p and end <= start + nbytes:
             return {"path": path, "offset": p - start}

@@ -151,6 +151,13 @@ class EngineSpec:
     save_timeout_ms: int = 60000
     # Workers whose os.pidfd_open fails (EPERM, as under a seccomp filter): no agent exit is watchable.
     no_pidfd: bool = False
+    # vLLM from 0.26/0.29: every layer a [B, H, N, C] view of one allocation laid out in this
+    # physical order of [L, B, H, N, C] (KV_ORDERS); None: one tensor per layer, vLLM ≤ 0.25.
+    kv_order: Optional[str] = None
+    # The attention kernel's block size when smaller than block_size (vLLM then splits blocks).
+    kernel_block: Optional[int] = None
+    # Bytes of padding after every page (vLLM's page_size_padded); only with L and B outermost.
+    page_pad: int = 0
 
 
 def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
@@ -201,6 +208,63 @@ class FakeBlocks:
         return (list(self._ids),)
 
 
+# vLLM's physical orders of the logical per-allocation axes [L, B, H, N, C]
+# (vllm/v1/kv_cache_layout.py, KVCacheLayout): a tuple lists the logical axes outermost first.
+KV_ORDERS = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+
+
+def view_allocation(spec: EngineSpec):
+    """vLLM's one allocation for every layer (create_kv_cache_views, compute_layout_strides):
+    (bytes, the logical [L, B, H, N, C-bytes] shape, its byte strides, where the views start)."""
+    e = torch.empty((), dtype=TORCH_DTYPES[spec.dtype]).element_size()
+    kernel = spec.kernel_block or spec.block_size
+    r = spec.block_size // kernel
+    heads = 1 if spec.layout == "mla" else spec.kv_heads
+    shape = [spec.layers, spec.num_blocks * r, heads, kernel, sides(spec) * spec.head_size * e]
+    order = KV_ORDERS[spec.kv_order]
+    grid_end = max(order.index(0), order.index(1)) + 1
+    strides = [0] * 5
+    cur = 1
+    for phys in range(4, -1, -1):
+        if spec.page_pad and phys == grid_end - 1:
+            assert grid_end == 2, "page padding needs L and B outermost"
+            cur += spec.page_pad
+        strides[order[phys]] = cur
+        cur *= shape[order[phys]]
+    start = 64  # the views start inside the allocation, as a group's offset
+    return start + cur, shape, strides, start
+
+
+def kv_views(raw: torch.Tensor, spec: EngineSpec) -> List[torch.Tensor]:
+    """Per-layer [B, H, N, C] views of the int8 allocation `raw`, as vLLM makes them."""
+    _, shape, strides, start = view_allocation(spec)
+    five = torch.as_strided(raw, size=shape, stride=strides, storage_offset=raw.storage_offset() + start)
+    return [five[i].view(TORCH_DTYPES[spec.dtype]) for i in range(spec.layers)]
+
+
+def alloc_caches(spec: EngineSpec, names: List[str], device: Optional[str] = None):
+    """The layers' KV as vLLM allocates it: (caches by name, the tensors to share or free)."""
+    from kvgate_vllm import shm
+
+    dtype = TORCH_DTYPES[spec.dtype]
+    if spec.kv_order is not None:
+        nbytes = view_allocation(spec)[0]
+        raw = torch.zeros(nbytes, dtype=torch.int8, device=device) if device else shm.shm_tensor([nbytes], torch.int8)
+        return dict(zip(names, kv_views(raw, spec))), [raw]
+    if device:
+        caches = {n: torch.zeros(layer_shape(spec), dtype=dtype, device=device) for n in names}
+    else:
+        caches = {n: shm.shm_tensor(layer_shape(spec), dtype) for n in names}
+    return caches, list(caches.values())
+
+
 def layer_shape(spec: EngineSpec) -> List[int]:
     if spec.layout == "flash-attn":
         return [2, spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_size]
@@ -210,6 +274,15 @@ def layer_shape(spec: EngineSpec) -> List[int]:
 
 
 def block_view(t: torch.Tensor, spec: EngineSpec, side: int, block: int) -> torch.Tensor:
+    """Block `block`'s K (side 0), V (1) or latent as a [block_size, heads, head] ([block_size,
+    latent] for MLA) view of the layer tensor `t`: writes through it land in the engine's KV."""
+    if spec.kv_order is not None:
+        kernel = t.shape[2]
+        r = spec.block_size // kernel
+        d = spec.head_size
+        part = t[block * r : (block + 1) * r, :, :, side * d : (side + 1) * d]  # [r, H, N, d]
+        rows = part.permute(0, 2, 1, 3).view(spec.block_size, t.shape[1], d)  # a view or an error
+        return rows[:, 0] if spec.layout == "mla" else rows
     if spec.layout == "flash-attn":
         return t[side, block]
     if spec.layout == "flashinfer":
@@ -251,15 +324,15 @@ def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
     if spec.device == "cuda":
         # As vLLM does on a multi-GPU node: TP rank r on GPU r (wrapping when there are fewer GPUs).
         gpu = f"cuda:{rank % torch.cuda.device_count()}"
-        caches = {n: torch.zeros(layer_shape(spec), dtype=TORCH_DTYPES[spec.dtype], device=gpu) for n in names}
+        caches, owned = alloc_caches(spec, names, gpu)
     else:
-        caches = {n: shm.shm_tensor(layer_shape(spec), TORCH_DTYPES[spec.dtype]) for n in names}
+        caches, owned = alloc_caches(spec, names)
     model = None
     if spec.weights:
         from llama2c import Llama2c
 
         model = Llama2c(spec.weights)
-    conn.send({"paths": [] if spec.device == "cuda" else [shm.describe(caches[n])["path"] for n in names]})
+    conn.send({"paths": [] if spec.device == "cuda" else [shm.describe(t)["path"] for t in owned]})
     conn_ = None
     try:
         while True:
@@ -333,7 +406,7 @@ def _worker_main(conn, spec: EngineSpec, rank: int) -> None:
         if conn_ is not None:
             conn_.shutdown()
         if spec.device != "cuda":
-            for t in caches.values():
+            for t in owned:
                 shm.unlink(t)
         conn.close()
 
@@ -474,6 +547,9 @@ class Engine:
         if self.spec.device == "cuda":
             return self.workers[rank].call("dump")
 
+        if self.spec.kv_order is not None:
+            (path,) = self.workers[rank].paths
+            return kv_views(shm.attach(path, [view_allocation(self.spec)[0]], torch.int8), self.spec)
         return [shm.attach(p, layer_shape(self.spec), TORCH_DTYPES[self.spec.dtype]) for p in self.workers[rank].paths]
 
     def close(self) -> None:

@@ -144,6 +144,53 @@ def test_engine_b_loads_engine_a_kv_byte_for_byte(tmp, gateway, pair, layout, or
             ag.stop()
 
 
+# vLLM from 0.26 (#44455) and 0.29 (#51718): each layer a [B, H, N, C] view of one allocation,
+# in each of the six physical orders, with kernel blocks or padded pages; A and B laid out
+# differently (a fleet mid-upgrade shares one cache: the chunks do not depend on the layout).
+# (vLLM splits blocks for the kernel only where a block is one dense page: L and B outermost.)
+VIEWS = [
+    ("flash-attn", {}, {"kv_order": "LBNHC"}),
+    ("flash-attn", {"kv_order": "LBHNC"}, {"kv_order": "BLNHC"}),
+    ("flash-attn", {"kv_order": "LHBNC"}, {"kv_order": "BHLNC"}),
+    ("flash-attn", {"kv_order": "LBNHC", "kernel_block": 8}, {"kv_order": "BLHNC", "page_pad": 96}),
+    ("mla", {}, {"kv_order": "LBNHC"}),
+    ("mla", {"kv_order": "LBNHC", "kernel_block": 4}, {"kv_order": "BLNHC"}),
+    ("mla", {"kv_order": "LHBNC"}, {}),
+]
+
+
+@pytest.mark.parametrize("layout,a_kw,b_kw", VIEWS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else v)
+def test_vllms_per_layer_views_load_byte_for_byte(tmp, gateway, pair, layout, a_kw, b_kw):
+    sa, sb = pair
+    name = f"views-{layout}-{a_kw.get('kv_order')}-{b_kw.get('kv_order')}-{a_kw.get('kernel_block')}"
+    a = Engine(EngineSpec(socket=sa, model=f"test/{name}", layout=layout, **a_kw), block_order_seed=1)
+    b = Engine(EngineSpec(socket=sb, model=f"test/{name}", layout=layout, **b_kw), block_order_seed=2)
+    try:
+        assert a.ready and b.ready, "a worker never registered with its agent"
+        ra = a.prefill("r1", PROMPT)
+        assert a.finish(ra["req"], ra["block_ids"]) is True
+        assert agent_call(sa, "flush")["ok"]
+        rb = b.prefill("r1", PROMPT)
+        assert rb["matched"] == 96 and rb["load_errors"] == []
+        A = blocks_of(a, 0, ra["block_ids"], 6)
+        B = blocks_of(b, 0, rb["block_ids"], 6)
+        for layer in range(len(A)):
+            for s in range(len(A[layer])):
+                for i in range(6):
+                    assert A[layer][s][i].abs().sum() > 0, (layer, s, i)  # the prefill wrote it
+                    assert torch.equal(A[layer][s][i], B[layer][s][i]), (layer, s, i)
+        # B's blocks outside what it loaded and computed are untouched (every element of them).
+        used = set(rb["block_ids"])
+        for t in b.tensors(0):
+            for blk in range(b.spec.num_blocks):
+                if blk not in used:
+                    for s in range(sides(b.spec)):
+                        assert block_view(t, b.spec, s, blk).abs().sum() == 0, (blk, s)
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("layout", ["flash-attn", "mla"])
 def test_lossy_codec_within_bound(tmp, gateway, layout):
     """MLA blocks are stored as latent chunks: the codec codes the latent (one stream per

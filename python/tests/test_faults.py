@@ -876,13 +876,12 @@ def test_kv_tensors_of_the_other_paged_layout_are_refused_naming_the_layout_key(
 
 @pytest.mark.parametrize("layout", ["flash-attn", "flashinfer"])
 @pytest.mark.parametrize("physical", ["HND", "NHD"])
-def test_vllms_packed_kv_layout_is_refused_by_name(tmp_path, layout, physical):
-    """vLLM PR #44455 packs each token's K and V into the last dimension of every attention
+def test_vllms_packed_kv_layout_registers_its_strided_views(tmp_path, layout, physical):
+    """vLLM PR #44455 (0.26) packs each token's K and V into the last dimension of every attention
     backend's KV layer, (num_blocks, kv_heads, block_size, 2 * head_size), laid out HND
-    (contiguous) or NHD (a permuted view). kvgate cannot copy it: the engine must fail at
-    register naming vLLM's change, not with a hint to set a `layout` that cannot help."""
-    from kvgate_vllm import ConfigurationError
-
+    (contiguous) or NHD (a permuted view), whatever backend `layout` names. The connector
+    registers each layer's view as it is (shape, strides, where it starts); the agent copies
+    through the strides (test_vllms_per_layer_views_load_byte_for_byte)."""
     spec = EngineSpec(socket=str(tmp_path / "none.sock"), layout=layout)
     c = KVGateConnector(vllm_config(spec), KVConnectorRole.WORKER)
     nb, h, bs, d = spec.num_blocks, spec.kv_heads, spec.block_size, spec.head_size
@@ -893,15 +892,42 @@ def test_vllms_packed_kv_layout_is_refused_by_name(tmp_path, layout, physical):
         caches = {f"l{i}": shm.shm_tensor([nb, bs, h, 2 * d], torch.float16) for i in range(spec.layers)}
         views = {n: t.permute(0, 2, 1, 3) for n, t in caches.items()}
     try:
-        with pytest.raises(ConfigurationError) as e:
-            c.register_kv_caches(views)
-        msg = str(e.value)
-        assert "#44455" in msg and "packed K/V" in msg, msg
-        assert '"layout": "' not in msg, msg
-        assert c._register_msg is None
+        c.register_kv_caches(views)
+        msg = c._register_msg
+        assert msg["numBlocks"] == nb
+        want = [h * bs * 2 * d, bs * 2 * d, 2 * d, 1] if physical == "HND" else [bs * h * 2 * d, 2 * d, h * 2 * d, 1]
+        for i, t in enumerate(msg["tensors"]):
+            assert (t["kind"], t["shape"], t["strides"], t["offset"]) == ("shm", [nb, h, bs, 2 * d], want, 0)
+            assert t["path"] == shm.describe(caches[f"l{i}"])["path"]
     finally:
         c.shutdown()
         drop_caches(caches)
+
+
+def test_layers_laid_out_unlike_each_other_are_refused(tmp_path):
+    """The agent copies every layer through one set of strides: a layer with other strides, or
+    a view whose last dimension is not contiguous, is refused at register, never copied wrong."""
+    from kvgate_vllm import ConfigurationError
+
+    spec = EngineSpec(socket=str(tmp_path / "none.sock"))
+    nb, h, bs, d = spec.num_blocks, spec.kv_heads, spec.block_size, spec.head_size
+    caches = {f"l{i}": shm.shm_tensor([nb, bs, h, 2 * d], torch.float16) for i in range(spec.layers)}
+    hnd = {f"h{i}": shm.shm_tensor([nb, h, bs, 2 * d], torch.float16) for i in range(spec.layers)}
+    mixed = {"l0": caches["l0"].permute(0, 2, 1, 3), "l1": hnd["h1"], "l2": hnd["h2"]}
+    strided = {n: shm.shm_tensor([nb, h, bs, 4 * d], torch.float16)[..., ::2] for n in ("s0", "s1", "s2")}
+    try:
+        for bad in (mixed, strided):
+            c = KVGateConnector(vllm_config(spec), KVConnectorRole.WORKER)
+            try:
+                with pytest.raises(ConfigurationError, match="alike.*last dimension contiguous"):
+                    c.register_kv_caches(bad)
+                assert c._register_msg is None
+            finally:
+                c.shutdown()
+    finally:
+        drop_caches(caches)
+        drop_caches(hnd)
+        drop_caches({n: t for n, t in strided.items()})
 
 
 def test_pipeline_parallelism_is_refused_at_start(tmp_path):
