@@ -68,15 +68,24 @@ class Llama2c:
         off = torch.arange(n) % bs
         for l in range(self.layers):
             wait(names[l])
-            cache = caches[names[l]]  # [2, num_blocks, bs, kv_heads, head]
+            cache = caches[names[l]]
             h = self._rms(x, self.rms_att[l])
             q = self._rope((h @ self.wq[l].T).view(-1, self.heads, self.head), pos)
             k = self._rope((h @ self.wk[l].T).view(-1, self.kv_heads, self.head), pos)
             v = (h @ self.wv[l].T).view(-1, self.kv_heads, self.head)
-            cache[0, blk[start:], off[start:]] = k.to(cache.dtype)
-            cache[1, blk[start:], off[start:]] = v.to(cache.dtype)
-            K = cache[0, blk, off].float()  # [n, kv_heads, head]
-            V = cache[1, blk, off].float()
+            if cache.dim() == 4:
+                # vLLM from 0.26: [B, kv_heads, N, K|V], N a kernel block (block b = kernel blocks b*r ..)
+                kn = cache.shape[2]
+                kb, ko, d = blk * (bs // kn) + off // kn, off % kn, self.head
+                cache[kb[start:], :, ko[start:], :d] = k.to(cache.dtype)
+                cache[kb[start:], :, ko[start:], d:] = v.to(cache.dtype)
+                K = cache[kb, :, ko, :d].float()  # [n, kv_heads, head]
+                V = cache[kb, :, ko, d:].float()
+            else:  # [2, num_blocks, bs, kv_heads, head]
+                cache[0, blk[start:], off[start:]] = k.to(cache.dtype)
+                cache[1, blk[start:], off[start:]] = v.to(cache.dtype)
+                K = cache[0, blk, off].float()  # [n, kv_heads, head]
+                V = cache[1, blk, off].float()
             rep = self.heads // self.kv_heads
             K = K.repeat_interleave(rep, dim=1)
             V = V.repeat_interleave(rep, dim=1)

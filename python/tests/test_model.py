@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from harness import REPO, Engine, EngineSpec, TempDir, start_agent, start_gateway
+from harness import REPO, Engine, EngineSpec, TempDir, block_view, start_agent, start_gateway
 from test_connector import agent_call
 
 WEIGHTS = os.path.join(REPO, "..", "shared", "data", "stories260K.bin")
@@ -17,7 +17,7 @@ PROMPT_TOKENS = 256
 EVAL_TOKENS = 200
 
 
-def spec(sock, model, order="0.13"):
+def spec(sock, model, order="0.13", **views):
     return EngineSpec(
         socket=sock,
         layers=5,
@@ -28,6 +28,7 @@ def spec(sock, model, order="0.13"):
         model=model,
         weights=WEIGHTS,
         call_order=order,
+        **views,
     )
 
 
@@ -63,13 +64,13 @@ def story():
         d.cleanup()
 
 
-def run_pair(codec, story, model, order="0.13"):
+def run_pair(codec, story, model, order="0.13", a_views=None, b_views=None):
     d = TempDir()
     gw = start_gateway()
     sa, sb = d.sock("a"), d.sock("b")
     agents = [start_agent(sa, gw.ready["url"], codec=codec), start_agent(sb, gw.ready["url"], codec=codec)]
-    a = Engine(spec(sa, model, order), block_order_seed=1)
-    b = Engine(spec(sb, model, order), block_order_seed=2)
+    a = Engine(spec(sa, model, order, **(a_views or {})), block_order_seed=1)
+    b = Engine(spec(sb, model, order, **(b_views or {})), block_order_seed=2)
     prompt, rest = story[:PROMPT_TOKENS], story[PROMPT_TOKENS:]
     try:
         assert a.ready and b.ready, "a worker never registered with its agent"
@@ -85,7 +86,11 @@ def run_pair(codec, story, model, order="0.13"):
         tf_b = step(b, prompt + rest[:-1], PROMPT_TOKENS, rb["block_ids"])["logits"].argmax(-1)
         cont_b = greedy(b, prompt, rb["block_ids"], 24)
         ka, kb = a.tensors(0)[0], b.tensors(0)[0]
-        same = all(torch.equal(ka[:, x], kb[:, y]) for x, y in zip(ra["block_ids"][:15], rb["block_ids"][:15]))
+        same = all(
+            torch.equal(block_view(ka, a.spec, s, x), block_view(kb, b.spec, s, y))
+            for x, y in zip(ra["block_ids"][:15], rb["block_ids"][:15])
+            for s in (0, 1)
+        )
         return tf_a, tf_b, cont_a, cont_b, same
     finally:
         a.close()
@@ -100,6 +105,16 @@ def run_pair(codec, story, model, order="0.13"):
 def test_lossless_continuation_identical(story, order):
     tf_a, tf_b, cont_a, cont_b, same = run_pair("raw", story, f"stories-raw-{order}", order)
     assert same  # the loaded prefix is A's KV byte for byte
+    assert cont_b == cont_a
+    assert torch.equal(tf_a, tf_b)
+
+
+def test_lossless_across_vllm_kv_layouts(story):
+    """A on vLLM 0.25's FlashAttention tensors, B on vLLM 0.29's per-layer views of one
+    allocation (NHD pages, blocks split into kernel blocks of 8): B continues exactly like A."""
+    views = {"kv_order": "LBNHC", "kernel_block": 8}
+    tf_a, tf_b, cont_a, cont_b, same = run_pair("raw", story, "stories-views", "0.29", b_views=views)
+    assert same
     assert cont_b == cont_a
     assert torch.equal(tf_a, tf_b)
 
