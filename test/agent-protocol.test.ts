@@ -623,6 +623,52 @@ describe('agent socket', () => {
       b.c.close()
     })
   }
+
+  it("vLLM's per-layer views that cannot be copied right are ERR_LAYOUT at register, nothing held; a right one then registers", async () => {
+    // [blocks, heads, block_size, K|V] views (vLLM from 0.26), NHD pages, 3 layers in one file.
+    const numBlocks = 6
+    const C = 2 * 8
+    const page = 2 * 16 * C * 2
+    const path = join(dir, 'views')
+    writeFileSync(path, Buffer.alloc(3 * numBlocks * page))
+    const c = await Client.open(join(dir, 'a.sock'))
+    expect(
+      await c.call('hello', { ...hello('flash-attn', { kvHeads: 2, headSize: 8 }), model: 'm-views' }),
+    ).toMatchObject({
+      ok: true,
+    })
+    const nhd = [16 * 2 * C, C, 2 * C, 1]
+    const view = (l: number, over: Msg = {}) => ({
+      kind: 'shm',
+      path,
+      offset: l * numBlocks * page,
+      shape: [numBlocks, 2, 16, C],
+      strides: nhd,
+      ...over,
+    })
+    const refused = async (tensors: Msg[], why: RegExp) => {
+      const r = await c.call('register', { rank: 0, numBlocks, tensors })
+      expect(r).toMatchObject({ ok: false, error: { code: 'ERR_LAYOUT' } })
+      expect((r.error as { message: string }).message).toMatch(why)
+    }
+    // Two heads on one place; K|V not contiguous; a layer unlike the others; a layer running
+    // past the file; a shape whose block size is no divisor of 16; heads the hello did not say.
+    await refused([view(0, { strides: [16 * 2 * C, 0, 2 * C, 1] }), view(1), view(2)], /overlap/)
+    await refused([view(0, { strides: [16 * 2 * C, C, 2 * C, 2] }), view(1), view(2)], /contiguous run/)
+    await refused([view(0), view(1, { strides: [16 * 2 * C, 16 * C, C, 1] }), view(2)], /laid out alike/)
+    await refused([view(0), view(1), view(3)], /bytes; the tensor needs/)
+    await refused([view(0, { shape: [numBlocks * 3, 2, 5, C] }), view(1), view(2)], /has shape/)
+    await refused([view(0, { shape: [numBlocks, 4, 16, C] }), view(1), view(2)], /has shape/)
+    // Nothing of the refused ones is held: 8 registrations still fit on this connection.
+    for (let i = 0; i < 8; i++)
+      expect(
+        await c.call('register', { rank: 0, numBlocks, tensors: [0, 1, 2].map((l) => view(l)) }),
+      ).toMatchObject({
+        ok: true,
+        blocksPerChunk: 2,
+      })
+    c.close()
+  })
 })
 
 describe('FrameReader', () => {
