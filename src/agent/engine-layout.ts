@@ -259,8 +259,14 @@ export function chunkRuns(
     h0 = h
     len = n
   }
-  for (let side = 0; side < sides(g); side++) {
-    for (let j = 0; j < blocksPerChunk; j++) {
+  // Dense views: side outer, so a side's consecutive blocks merge into one run. Interleaved
+  // ones: block outer, so one block's K and V halves (one page) are copied back to back.
+  const S = sides(g)
+  const outer = v.dense ? S : blocksPerChunk
+  const inner = v.dense ? blocksPerChunk : S
+  for (let o = 0; o < outer; o++) {
+    for (let i = 0; i < inner; i++) {
+      const [side, j] = v.dense ? [o, i] : [i, o]
       if (first + j < skip) continue
       const base = side * v.side + ids[first + j]! * v.block
       let dst = (side * blocksPerChunk + j) * bb
