@@ -14,6 +14,8 @@ cd "$(dirname "$0")/.."
 mode="${1:-}"
 addon=native/build/Release/kvgate_native.node
 stub=native/test-stub/build/libcudart_stub.so
+# The same stub without cudaMemcpy2DAsync: the addon's per-row fallback is tested against it.
+stub_no2d=native/test-stub/build/libcudart_stub_no2d.so
 
 stale() { # stale OUTPUT SOURCES... : true when OUTPUT is missing or older than a source
   local out="$1"; shift
@@ -68,18 +70,24 @@ build() {
       fail "node-gyp build failed (compiler output above)" || return 1
   fi
   # The stub libcudart is a test fixture: only a checkout has its source.
-  if [[ -f native/test-stub/cudart_stub.cc ]] && { stale "$stub" native/test-stub/cudart_stub.cc || [[ "$mode" == "--clean" ]]; }; then
-    mkdir -p "$(dirname "$stub")" || return 1
-    "${CXX:-g++}" -std=c++17 -O2 -Wall -shared -fPIC -pthread -o "$stub.tmp" native/test-stub/cudart_stub.cc ||
-      fail "building the stub libcudart failed" || return 1
-    mv "$stub.tmp" "$stub" || return 1
-  fi
+  local out flags
+  for out in "$stub" "$stub_no2d"; do
+    if [[ -f native/test-stub/cudart_stub.cc ]] && { stale "$out" native/test-stub/cudart_stub.cc || [[ "$mode" == "--clean" ]]; }; then
+      mkdir -p "$(dirname "$out")" || return 1
+      flags=()
+      if [[ "$out" == "$stub_no2d" ]]; then flags=(-DKVGATE_STUB_NO_MEMCPY2D); fi
+      "${CXX:-g++}" -std=c++17 -O2 -Wall -shared -fPIC -pthread "${flags[@]}" -o "$out.tmp" native/test-stub/cudart_stub.cc ||
+        fail "building the stub libcudart ($out) failed" || return 1
+      mv "$out.tmp" "$out" || return 1
+    fi
+  done
 }
 
 case "$mode" in
   --if-needed)
     if ! stale "$addon" native/src native/binding.gyp &&
-      { [[ ! -f native/test-stub/cudart_stub.cc ]] || ! stale "$stub" native/test-stub/cudart_stub.cc; }; then
+      { [[ ! -f native/test-stub/cudart_stub.cc ]] ||
+        { ! stale "$stub" native/test-stub/cudart_stub.cc && ! stale "$stub_no2d" native/test-stub/cudart_stub.cc; }; }; then
       exit 0
     fi
     if ! build; then

@@ -94,6 +94,8 @@ struct CudaApi {
   int (*ipcGetMemHandle)(CudaIpcHandle*, void*) = nullptr;
   int (*deviceGetByPCIBusId)(int*, const char*) = nullptr;
   int (*deviceGetPCIBusId)(char*, int, int) = nullptr;
+  // cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream)
+  int (*memcpy2DAsync)(void*, size_t, const void*, size_t, size_t, size_t, int, void*) = nullptr;
   int (*stubControl)(const char*) = nullptr;  // only in kvgate's test stub
 
   bool available = false;

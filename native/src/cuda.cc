@@ -1,5 +1,5 @@
 // CUDA through a run-time dlopen of libcudart (no link-time dependency):
-// probing, device memory, streams, async and batched copies, IPC handles.
+// probing, device memory, streams, async, batched and strided copies, IPC handles.
 #include <cmath>
 #include <dlfcn.h>
 #include <link.h>
@@ -104,6 +104,7 @@ void Probe(CudaApi& a) {
   Resolve(h, "cudaIpcGetMemHandle", a.ipcGetMemHandle);
   Resolve(h, "cudaDeviceGetByPCIBusId", a.deviceGetByPCIBusId);
   Resolve(h, "cudaDeviceGetPCIBusId", a.deviceGetPCIBusId);
+  Resolve(h, "cudaMemcpy2DAsync", a.memcpy2DAsync);  // copy2D issues one cudaMemcpyAsync per row without it
   Resolve(h, "kvgate_stub_control", a.stubControl);
   if (!missing.empty()) {
     a.reason = a.library + " lacks " + missing;
@@ -153,6 +154,7 @@ Napi::Value ProbeJs(const Napi::CallbackInfo& info) {
   o.Set("driverVersion", c.driverVersion);
   o.Set("stub", c.stubControl != nullptr);
   o.Set("ipcGetHandle", c.ipcGetMemHandle != nullptr);
+  o.Set("memcpy2D", c.memcpy2DAsync != nullptr);
   return o;
 }
 
@@ -301,11 +303,135 @@ bool StreamFor(void* requested, int dev, void** out, Failure& f) {
   return true;
 }
 
+enum Direction { kH2D = 1, kD2H = 2, kD2D = 3 };
+
+// Where a copy call runs: its stream (0 = kvgate's stream of the device) and device.
+struct CopyPlace {
+  void* stream = nullptr;
+  int device = 0;
+  bool deviceGiven = false;  // named by the caller, so a created stream of another device is refused
+};
+
+CopyPlace CopyPlaceArgs(Napi::Env env, const Napi::Value& stream, const Napi::Value& device) {
+  CopyPlace p;
+  p.stream = reinterpret_cast<void*>(ToU64(env, stream, "stream"));
+  p.deviceGiven = !device.IsUndefined() && !device.IsNull() &&
+                  !(device.IsNumber() && device.As<Napi::Number>().DoubleValue() == -1);
+  p.device = DeviceArg(env, device);
+  return p;
+}
+
+// The length of the host range [offset, offset + length) of `buffer`, checked without claiming
+// it, so descriptors can be validated against it before anything is marked busy.
+uint64_t HostRangeLength(Napi::Env env, const Napi::Value& buffer, const Napi::Value& offset,
+                         const Napi::Value& length) {
+  if (!buffer.IsArrayBuffer()) ThrowNative(env, "a host buffer is required for host copies");
+  Napi::ArrayBuffer ab = buffer.As<Napi::ArrayBuffer>();
+  if (ab.IsDetached()) ThrowNative(env, "host buffer is detached (freed)");
+  size_t off = ToSize(env, offset, "host offset");
+  size_t len = ToSize(env, length, "host length");
+  if (off > ab.ByteLength() || len > ab.ByteLength() - off) ThrowNative(env, "host range is outside the buffer");
+  return len;
+}
+
+// What a queued copy holds until it settles: the host range (a pinned block marked busy, so
+// freePinned refuses) and its stream's in-flight count (so destroyStream refuses). Taken once
+// every argument passed; QueueCopies gives both back on the JS thread.
+struct CopyClaim {
+  HostSpan host;
+  void* stream = nullptr;
+  int device = 0;
+};
+
+CopyClaim ClaimCopy(Napi::Env env, const CopyPlace& place, bool hostSide, const Napi::Value& buffer,
+                    const Napi::Value& offset, const Napi::Value& length) {
+  CopyClaim claim;
+  claim.stream = place.stream;
+  claim.device = place.device;
+  if (hostSide) claim.host = AcquireHost(env, buffer, offset, length);
+  if (place.stream == nullptr) return claim;
+  std::unique_lock<std::mutex> lock(g_streamMu);
+  auto it = g_streams.find(place.stream);
+  if (it == g_streams.end()) {
+    lock.unlock();
+    ReleaseHost(claim.host);
+    ThrowNative(env, "unknown stream (not created by createStream, or destroyed)");
+  }
+  if (place.deviceGiven && it->second.device != place.device) {
+    const int own = it->second.device;
+    lock.unlock();
+    ReleaseHost(claim.host);
+    ThrowNative(env,
+                "stream belongs to device " + std::to_string(own) + ", not device " + std::to_string(place.device));
+  }
+  claim.device = it->second.device;
+  it->second.inflight++;
+  return claim;
+}
+
+// Queues one call's copies on stream `s` (its device current); false + failure stops the call.
+using IssueFn = std::function<bool(const CudaApi& c, void* s, uint8_t* host, Failure& f)>;
+
+// Runs `issue` on the libuv pool with the claim's device current and its stream, then waits on
+// an event recorded behind the copies; settles with finish(env). The claim is given back on the
+// JS thread whatever happened.
+Napi::Value QueueCopies(Napi::Env env, const char* name, const CopyClaim& claim, std::vector<Napi::Object> keep,
+                        IssueFn issue, FinishFn finish) {
+  return RunAsync(
+      env, name,
+      [claim, issue](Failure& f) {
+        if (!EnterDeviceIndex(claim.device, f)) return;
+        const CudaApi& c = Cuda();
+        void* s = nullptr;
+        if (!StreamFor(claim.stream, claim.device, &s, f)) return;
+        if (!issue(c, s, claim.host.data, f)) {
+          // Copies already queued may still touch the host buffer: drain
+          // before the buffer is released on the JS thread.
+          c.streamSynchronize(s);
+          return;
+        }
+        void* ev = nullptr;
+        int err =
+            c.eventCreateWithFlags != nullptr ? c.eventCreateWithFlags(&ev, 2 /* DisableTiming */) : c.eventCreate(&ev);
+        if (err != 0) {
+          int serr = c.streamSynchronize(s);
+          if (serr != 0) f = CudaFailure("cudaStreamSynchronize", serr, "copy");
+          return;
+        }
+        err = c.eventRecord(ev, s);
+        if (err != 0) {
+          c.streamSynchronize(s);
+          f = CudaFailure("cudaEventRecord", err, "copy");
+        } else {
+          err = c.eventSynchronize(ev);
+          if (err != 0) f = CudaFailure("cudaEventSynchronize", err, "copy");
+        }
+        c.eventDestroy(ev);
+      },
+      finish, keep,
+      [claim]() {
+        ReleaseHost(claim.host);
+        if (claim.stream != nullptr) {
+          std::lock_guard<std::mutex> lock(g_streamMu);
+          auto it = g_streams.find(claim.stream);
+          if (it != g_streams.end()) it->second.inflight--;
+        }
+      });
+}
+
+FinishFn CopyResult(size_t descriptors, size_t issued, uint64_t bytes) {
+  return [descriptors, issued, bytes](Napi::Env env) -> Napi::Value {
+    Napi::Object o = Napi::Object::New(env);
+    o.Set("descriptors", Napi::Number::New(env, static_cast<double>(descriptors)));
+    o.Set("issued", Napi::Number::New(env, static_cast<double>(issued)));
+    o.Set("bytes", Napi::Number::New(env, static_cast<double>(bytes)));
+    return o;
+  };
+}
+
 struct Desc {
   uint64_t src, dst, len;
 };
-
-enum Direction { kH2D = 1, kD2H = 2, kD2D = 3 };
 
 // copy(direction, hostBuffer|null, hostOffset, hostLength, descriptors: BigInt64Array, stream: bigint,
 //      device?: number) -> Promise<{descriptors, issued, bytes}>
@@ -323,29 +449,14 @@ Napi::Value CopyJs(const Napi::CallbackInfo& info) {
   Napi::TypedArray ta = info[4].As<Napi::TypedArray>();
   size_t n = ta.ElementLength();
   if (n % 3 != 0) ThrowNative(env, "descriptors length must be a multiple of 3");
-  void* stream = reinterpret_cast<void*>(ToU64(env, info[5], "stream"));
-  const bool deviceGiven = !info[6].IsUndefined() && !info[6].IsNull() &&
-                           !(info[6].IsNumber() && info[6].As<Napi::Number>().DoubleValue() == -1);
-  int device = DeviceArg(env, info[6]);
+  const CopyPlace place = CopyPlaceArgs(env, info[5], info[6]);
   // Copied out below, so later JS writes cannot change what was validated.
   const int64_t* raw = info[4].As<Napi::BigInt64Array>().Data();
   auto descs = std::make_shared<std::vector<Desc>>();
   descs->reserve(n / 3);
   const bool hostSrc = dir == kH2D, hostDst = dir == kD2H;
-  HostSpan host;
-  if (hostSrc || hostDst) {
-    if (!info[1].IsArrayBuffer()) ThrowNative(env, "a host buffer is required for host copies");
-  }
-  uint64_t hostLen = 0;
-  if (hostSrc || hostDst) {
-    // Validate bounds before acquiring so a throw leaves nothing marked busy.
-    Napi::ArrayBuffer ab = info[1].As<Napi::ArrayBuffer>();
-    if (ab.IsDetached()) ThrowNative(env, "host buffer is detached (freed)");
-    size_t off = ToSize(env, info[2], "host offset");
-    size_t len = ToSize(env, info[3], "host length");
-    if (off > ab.ByteLength() || len > ab.ByteLength() - off) ThrowNative(env, "host range is outside the buffer");
-    hostLen = len;
-  }
+  // Validate bounds before claiming so a throw leaves nothing marked busy.
+  const uint64_t hostLen = hostSrc || hostDst ? HostRangeLength(env, info[1], info[2], info[3]) : 0;
   uint64_t total = 0;
   for (size_t i = 0; i < n; i += 3) {
     Desc d{static_cast<uint64_t>(raw[i]), static_cast<uint64_t>(raw[i + 1]), static_cast<uint64_t>(raw[i + 2])};
@@ -371,83 +482,135 @@ Napi::Value CopyJs(const Napi::CallbackInfo& info) {
     }
     descs->push_back(d);
   }
+  const CopyClaim claim = ClaimCopy(env, place, hostSrc || hostDst, info[1], info[2], info[3]);
   std::vector<Napi::Object> keep;
-  if (hostSrc || hostDst) {
-    host = AcquireHost(env, info[1], info[2], info[3]);
-    keep.push_back(info[1].As<Napi::Object>());
-  }
-  if (stream != nullptr) {
-    std::unique_lock<std::mutex> lock(g_streamMu);
-    auto it = g_streams.find(stream);
-    if (it == g_streams.end()) {
-      lock.unlock();
-      ReleaseHost(host);
-      ThrowNative(env, "unknown stream (not created by createStream, or destroyed)");
-    }
-    if (deviceGiven && it->second.device != device) {
-      const int own = it->second.device;
-      lock.unlock();
-      ReleaseHost(host);
-      ThrowNative(env, "stream belongs to device " + std::to_string(own) + ", not device " + std::to_string(device));
-    }
-    device = it->second.device;
-    it->second.inflight++;
-  }
-  const size_t count = n / 3;
+  if (hostSrc || hostDst) keep.push_back(info[1].As<Napi::Object>());
   const int kind = static_cast<int>(dir);
-  return RunAsync(
-      env, "kvgate.copy",
-      [descs, host, stream, device, kind, hostSrc, hostDst](Failure& f) {
-        if (!EnterDeviceIndex(device, f)) return;
-        const CudaApi& c = Cuda();
-        void* s = nullptr;
-        if (!StreamFor(stream, device, &s, f)) return;
+  return QueueCopies(
+      env, "kvgate.copy", claim, keep,
+      [descs, kind, hostSrc, hostDst](const CudaApi& c, void* s, uint8_t* host, Failure& f) {
         for (const Desc& d : *descs) {
-          void* dst = hostDst ? host.data + d.dst : reinterpret_cast<void*>(d.dst);
-          const void* src = hostSrc ? host.data + d.src : reinterpret_cast<const void*>(d.src);
+          void* dst = hostDst ? host + d.dst : reinterpret_cast<void*>(d.dst);
+          const void* src = hostSrc ? host + d.src : reinterpret_cast<const void*>(d.src);
           int err = c.memcpyAsync(dst, src, d.len, kind, s);
           if (err != 0) {
             f = CudaFailure("cudaMemcpyAsync", err, "copy");
-            // Copies already queued may still touch the host buffer: drain
-            // before the buffer is released on the JS thread.
-            c.streamSynchronize(s);
-            return;
+            return false;
           }
         }
-        void* ev = nullptr;
-        int err =
-            c.eventCreateWithFlags != nullptr ? c.eventCreateWithFlags(&ev, 2 /* DisableTiming */) : c.eventCreate(&ev);
-        if (err != 0) {
-          int serr = c.streamSynchronize(s);
-          if (serr != 0) f = CudaFailure("cudaStreamSynchronize", serr, "copy");
-          return;
-        }
-        err = c.eventRecord(ev, s);
-        if (err != 0) {
-          c.streamSynchronize(s);
-          f = CudaFailure("cudaEventRecord", err, "copy");
-        } else {
-          err = c.eventSynchronize(ev);
-          if (err != 0) f = CudaFailure("cudaEventSynchronize", err, "copy");
-        }
-        c.eventDestroy(ev);
+        return true;
       },
-      [descs, count, total](Napi::Env env) -> Napi::Value {
-        Napi::Object o = Napi::Object::New(env);
-        o.Set("descriptors", Napi::Number::New(env, static_cast<double>(count)));
-        o.Set("issued", Napi::Number::New(env, static_cast<double>(descs->size())));
-        o.Set("bytes", Napi::Number::New(env, static_cast<double>(total)));
-        return o;
-      },
-      keep,
-      [host, stream]() {
-        ReleaseHost(host);
-        if (stream != nullptr) {
-          std::lock_guard<std::mutex> lock(g_streamMu);
-          auto it = g_streams.find(stream);
-          if (it != g_streams.end()) it->second.inflight--;
+      CopyResult(n / 3, descs->size(), total));
+}
+
+// One strided copy: `height` rows of `width` bytes, row r between base + device + r * devicePitch
+// and the host range at host + r * hostPitch.
+struct Strided {
+  uint64_t device, host, width, height, devicePitch, hostPitch;
+};
+
+// cudaMemcpy2D refuses pitches from 2^31 on (cudaErrorInvalidPitchValue on the GPUs kvgate
+// targets); heights are held below it too so (height - 1) * pitch cannot overflow.
+constexpr uint64_t kMaxPitch = (uint64_t(1) << 31) - 1;
+
+// copy2D(direction 1|2, hostBuffer, hostOffset, hostLength, base: bigint, descriptors: Float64Array,
+//        stream: bigint, device?: number) -> Promise<{descriptors, issued, bytes}>
+// Descriptors are [deviceOffset, hostOffset, width, height, devicePitch, hostPitch] 6-tuples,
+// device offsets relative to `base`. Height 1 is one cudaMemcpyAsync (its pitches are not used);
+// a taller one is one cudaMemcpy2DAsync, or one cudaMemcpyAsync per row where the runtime lacks it.
+// Every row is checked here before anything is queued.
+Napi::Value Copy2DJs(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireAvailable(env);
+  size_t dir = ToSize(env, info[0], "direction");
+  if (dir != kH2D && dir != kD2H) ThrowNative(env, "copy2D direction must be 1 (h2d) or 2 (d2h)");
+  const uint64_t base = ToU64(env, info[4], "device base");
+  if (base == 0) ThrowNative(env, "device base is a null pointer");
+  if (!info[5].IsTypedArray() || info[5].As<Napi::TypedArray>().TypedArrayType() != napi_float64_array) {
+    ThrowNative(env, "descriptors must be a Float64Array of 6-tuples");
+  }
+  Napi::Float64Array fa = info[5].As<Napi::Float64Array>();
+  const size_t n = fa.ElementLength();
+  if (n % 6 != 0) ThrowNative(env, "descriptors length must be a multiple of 6");
+  const CopyPlace place = CopyPlaceArgs(env, info[6], info[7]);
+  const uint64_t hostLen = HostRangeLength(env, info[1], info[2], info[3]);
+  const bool has2D = Cuda().memcpy2DAsync != nullptr;
+  const double* r = fa.Data();
+  auto descs = std::make_shared<std::vector<Strided>>();
+  descs->reserve(n / 6);
+  uint64_t total = 0;
+  size_t issued = 0;
+  static const char* const kFields[] = {"device offset", "host offset",  "width",
+                                        "height",        "device pitch", "host pitch"};
+  for (size_t i = 0; i < n; i += 6) {
+    const std::string at = "descriptor " + std::to_string(i / 6) + ": ";
+    uint64_t v[6];
+    for (size_t k = 0; k < 6; k++) {
+      const double x = r[i + k];
+      // Integral, non-negative, at most 2^53 - 1 (NaN fails every comparison).
+      if (!(x >= 0 && x <= 9007199254740991.0) || x != std::floor(x)) {
+        ThrowNative(env, at + kFields[k] + " must be a non-negative safe integer");
+      }
+      v[k] = static_cast<uint64_t>(x);
+    }
+    Strided d{v[0], v[1], v[2], v[3], v[4], v[5]};
+    if (d.height == 0 || d.height > kMaxPitch) {
+      ThrowNative(env, at + "height must be 1 to " + std::to_string(kMaxPitch));
+    }
+    if (d.width == 0) continue;
+    if (d.height > 1 && (d.devicePitch < d.width || d.hostPitch < d.width || d.devicePitch > kMaxPitch ||
+                         d.hostPitch > kMaxPitch)) {
+      ThrowNative(env, at + "pitches must be at least the width and below 2^31 (width " + std::to_string(d.width) +
+                           ", device pitch " + std::to_string(d.devicePitch) + ", host pitch " +
+                           std::to_string(d.hostPitch) + ")");
+    }
+    // Rows ascend on both sides: the last row's end bounds every row.
+    const uint64_t hostSpan = (d.height - 1) * d.hostPitch + d.width;
+    const uint64_t deviceSpan = (d.height - 1) * d.devicePitch + d.width;
+    if (d.host > hostLen || hostSpan > hostLen - d.host) {
+      ThrowNative(env, at + "host rows [" + std::to_string(d.host) + ", +" + std::to_string(hostSpan) +
+                           ") run outside the " + std::to_string(hostLen) + "-byte host range");
+    }
+    if (d.device > UINT64_MAX - base || deviceSpan > UINT64_MAX - base - d.device) {
+      ThrowNative(env, at + "device rows run past the end of the address space");
+    }
+    total += d.width * d.height;
+    issued += d.height == 1 || has2D ? 1 : d.height;
+    descs->push_back(d);
+  }
+  const CopyClaim claim = ClaimCopy(env, place, true, info[1], info[2], info[3]);
+  const int kind = static_cast<int>(dir);
+  return QueueCopies(
+      env, "kvgate.copy2D", claim, {info[1].As<Napi::Object>()},
+      [descs, base, kind](const CudaApi& c, void* s, uint8_t* host, Failure& f) {
+        const bool toHost = kind == kD2H;
+        for (const Strided& d : *descs) {
+          uint8_t* h = host + d.host;
+          uint8_t* dev = reinterpret_cast<uint8_t*>(base + d.device);
+          void* dst = toHost ? h : dev;
+          const void* src = toHost ? static_cast<const void*>(dev) : h;
+          const size_t dpitch = toHost ? d.hostPitch : d.devicePitch;
+          const size_t spitch = toHost ? d.devicePitch : d.hostPitch;
+          if (d.height > 1 && c.memcpy2DAsync != nullptr) {
+            int err = c.memcpy2DAsync(dst, dpitch, src, spitch, d.width, d.height, kind, s);
+            if (err != 0) {
+              f = CudaFailure("cudaMemcpy2DAsync", err, "copy2D");
+              return false;
+            }
+            continue;
+          }
+          for (uint64_t row = 0; row < d.height; row++) {
+            int err = c.memcpyAsync(static_cast<uint8_t*>(dst) + row * dpitch,
+                                    static_cast<const uint8_t*>(src) + row * spitch, d.width, kind, s);
+            if (err != 0) {
+              f = CudaFailure("cudaMemcpyAsync", err, "copy2D");
+              return false;
+            }
+          }
         }
-      });
+        return true;
+      },
+      CopyResult(n / 6, issued, total));
 }
 
 // ipcOpen(handle: Uint8Array(64), flags, device?) -> Promise<bigint>: maps the
@@ -568,6 +731,7 @@ void InitCuda(Napi::Env env, Napi::Object exports) {
   c.Set("streamCreate", Napi::Function::New(env, StreamCreateJs, "streamCreate"));
   c.Set("streamDestroy", Napi::Function::New(env, StreamDestroyJs, "streamDestroy"));
   c.Set("copy", Napi::Function::New(env, CopyJs, "copy"));
+  c.Set("copy2D", Napi::Function::New(env, Copy2DJs, "copy2D"));
   c.Set("ipcOpen", Napi::Function::New(env, IpcOpenJs, "ipcOpen"));
   c.Set("ipcClose", Napi::Function::New(env, IpcCloseJs, "ipcClose"));
   c.Set("ipcGetHandle", Napi::Function::New(env, IpcGetHandleJs, "ipcGetHandle"));

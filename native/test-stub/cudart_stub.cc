@@ -24,6 +24,11 @@
 // closed on the device it was opened on. So work issued from the wrong
 // device's context fails here instead of silently crossing devices.
 // PCI bus ids: device d is "0000:<0x10 * (d + 1)>:00.0".
+//
+// cudaMemcpy2DAsync checks pitches (>= width, < 2^31: cudaErrorInvalidPitchValue) and
+// every row's device range, and counts like cudaMemcpyAsync. Built with
+// -DKVGATE_STUB_NO_MEMCPY2D (libcudart_stub_no2d.so) it lacks that symbol, as a
+// runtime the addon must fall back from.
 #include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -48,6 +53,7 @@ enum : int {
   kSuccess = 0,
   kInvalidValue = 1,
   kMemoryAllocation = 2,
+  kInvalidPitchValue = 12,
   kInsufficientDriver = 35,
   kNoDevice = 100,
   kInvalidDevice = 101,
@@ -90,8 +96,11 @@ void CountLocked(const char* fn) { g_calls[std::string(fn) + "@" + std::to_strin
 struct Copy {
   void* dst;
   const void* src;
-  size_t count;
+  size_t count;  // bytes of each row
   long delayUs;
+  size_t height = 1;  // rows (cudaMemcpy2DAsync), dpitch / spitch apart
+  size_t dpitch = 0;
+  size_t spitch = 0;
 };
 
 void WaitWhileHeld(int device) {
@@ -132,7 +141,10 @@ struct Stream {
       for (const Copy& c : batch) {
         WaitWhileHeld(device);
         if (c.delayUs > 0) std::this_thread::sleep_for(std::chrono::microseconds(c.delayUs));
-        std::memmove(c.dst, c.src, c.count);
+        for (size_t r = 0; r < c.height; r++) {
+          std::memmove(static_cast<char*>(c.dst) + r * c.dpitch, static_cast<const char*>(c.src) + r * c.spitch,
+                       c.count);
+        }
       }
       lock.lock();
       completed += batch.size();
@@ -325,6 +337,7 @@ const char* cudaGetErrorString(int err) {
     case kSuccess: return "no error";
     case kInvalidValue: return "invalid argument";
     case kMemoryAllocation: return "out of memory";
+    case kInvalidPitchValue: return "invalid pitch argument";
     case kInsufficientDriver: return "CUDA driver version is insufficient for CUDA runtime version";
     case kNoDevice: return "no CUDA-capable device is detected";
     case kInvalidDevice: return "invalid device ordinal";
@@ -341,6 +354,7 @@ const char* cudaGetErrorName(int err) {
     case kSuccess: return "cudaSuccess";
     case kInvalidValue: return "cudaErrorInvalidValue";
     case kMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case kInvalidPitchValue: return "cudaErrorInvalidPitchValue";
     case kInsufficientDriver: return "cudaErrorInsufficientDriver";
     case kNoDevice: return "cudaErrorNoDevice";
     case kInvalidDevice: return "cudaErrorInvalidDevice";
@@ -519,6 +533,37 @@ int cudaMemcpyAsync(void* dst, const void* src, size_t count, int kind, void* s)
   st->Push(Copy{dst, src, count, delay});
   return kSuccess;
 }
+
+#ifndef KVGATE_STUB_NO_MEMCPY2D
+int cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height, int kind,
+                      void* s) {
+  Stream* st;
+  long delay;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    STUB_INJECT("cudaMemcpy2DAsync");
+    bool ok;
+    st = StreamLocked(s, ok);
+    if (!ok) return kInvalidResourceHandle;
+    if (width == 0 || height == 0) return kSuccess;
+    if (dst == nullptr || src == nullptr) return kInvalidValue;
+    const size_t maxPitch = (size_t(1) << 31) - 1;
+    if (dpitch < width || spitch < width || dpitch > maxPitch || spitch > maxPitch || height > maxPitch) {
+      return kInvalidPitchValue;
+    }
+    // The bytes from the first row's start to the last row's end, on each side.
+    const size_t dspan = (height - 1) * dpitch + width, sspan = (height - 1) * spitch + width;
+    const uintptr_t d = reinterpret_cast<uintptr_t>(dst), sr = reinterpret_cast<uintptr_t>(src);
+    bool valid = kind == 4 || (kind == 1 && InDeviceLocked(d, dspan)) || (kind == 2 && InDeviceLocked(sr, sspan)) ||
+                 (kind == 3 && InDeviceLocked(d, dspan) && InDeviceLocked(sr, sspan));
+    if (!valid) return kInvalidValue;
+    delay = g_delayUs;
+    CountLocked("cudaMemcpy2DAsync");
+  }
+  st->Push(Copy{dst, src, width, delay, height, dpitch, spitch});
+  return kSuccess;
+}
+#endif
 
 int cudaEventCreate(void** e) {
   std::lock_guard<std::mutex> lock(g_mu);

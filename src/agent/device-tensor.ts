@@ -4,10 +4,13 @@
 // context, copies go on kvgate's stream of that device (so ranks on different GPUs copy
 // side by side), and the mapping is closed there. On a node with 8 GPUs, mapping every
 // rank into device 0 would route all traffic through GPU 0 and its context.
+// A layer's runs go as strided copies (strided-copies.ts): vLLM's packed K/V layouts cut a block
+// into head-sized runs a fixed pitch apart, a few 2-D copies instead of thousands of memcpys.
 
 import type { NativeModule } from '../client/native-api.ts'
 import type { KvTensor } from './host-tensor.ts'
 import { AgentError } from './protocol.ts'
+import { stridedCopies } from './strided-copies.ts'
 
 /** Where a cuda-ipc tensor lives, as the engine named it in `register`. */
 export interface EngineDevice {
@@ -118,22 +121,10 @@ export class DeviceTensor implements KvTensor {
   }
 
   async gather(runs: ArrayLike<number>, host: Uint8Array): Promise<void> {
-    const d = new BigInt64Array(runs.length)
-    for (let i = 0; i < runs.length; i += 3) {
-      d[i] = this.#ptr + BigInt(runs[i]!)
-      d[i + 1] = BigInt(runs[i + 1]!)
-      d[i + 2] = BigInt(runs[i + 2]!)
-    }
-    await this.#native.cuda.copyBatch('d2h', host, d, { device: this.device })
+    await this.#native.cuda.copy2D('d2h', host, this.#ptr, stridedCopies(runs), { device: this.device })
   }
 
   async scatter(host: Uint8Array, runs: ArrayLike<number>): Promise<void> {
-    const d = new BigInt64Array(runs.length)
-    for (let i = 0; i < runs.length; i += 3) {
-      d[i] = BigInt(runs[i + 1]!)
-      d[i + 1] = this.#ptr + BigInt(runs[i]!)
-      d[i + 2] = BigInt(runs[i + 2]!)
-    }
-    await this.#native.cuda.copyBatch('h2d', host, d, { device: this.device })
+    await this.#native.cuda.copy2D('h2d', host, this.#ptr, stridedCopies(runs), { device: this.device })
   }
 }

@@ -12,7 +12,7 @@ import { KvgateError, type KvgateErrorOptions } from '../core/errors.ts'
 import { installedAsDependency, packageRoot } from '../package-files.ts'
 
 /** The addon contract version this wrapper speaks (native/src/addon.cc `abiVersion`). */
-export const NATIVE_ABI_VERSION = 9
+export const NATIVE_ABI_VERSION = 10
 
 /** O_DIRECT alignment kvgate uses for buffer addresses and file offsets (bytes). */
 export const DIRECT_ALIGNMENT = 4096
@@ -143,6 +143,17 @@ interface RawCuda {
     hostOffset: number,
     hostLength: number,
     descriptors: BigInt64Array,
+    stream: bigint,
+    device?: number,
+  ): Promise<CopyResult>
+  /** cuda.cc (abi 10): strided copies, [deviceOffset, hostOffset, width, height, devicePitch, hostPitch] 6-tuples. */
+  copy2D(
+    direction: 1 | 2,
+    host: ArrayBuffer,
+    hostOffset: number,
+    hostLength: number,
+    base: bigint,
+    descriptors: Float64Array,
     stream: bigint,
     device?: number,
   ): Promise<CopyResult>
@@ -498,6 +509,8 @@ export interface CudaStatus {
   stub: boolean
   /** cudaIpcGetMemHandle is present. */
   ipcGetHandle: boolean
+  /** cudaMemcpy2DAsync is present (else {@link cuda.copy2D} issues one cudaMemcpyAsync per row). */
+  memcpy2D: boolean
 }
 
 /** A stream handle from {@link cuda.createStream}. */
@@ -524,7 +537,7 @@ function deviceArg(device: number | undefined): number | undefined {
 export interface CopyResult {
   /** Descriptors given (zero-length ones included). */
   descriptors: number
-  /** cudaMemcpyAsync calls made after merging adjacent descriptors. */
+  /** CUDA copy calls made: after merging adjacent descriptors (copyBatch); 2-D and 1-D calls (copy2D). */
   issued: number
   bytes: number
 }
@@ -652,6 +665,50 @@ export const cuda = {
       }
       const c = cudaBinding()
       return c.copy(dir, r?.buffer ?? null, r?.offset ?? 0, r?.length ?? 0, descriptors, stream, device)
+    })
+  },
+  /**
+   * Strided copies between `host` and device memory at `base`, one completion: `descriptors`
+   * holds `[deviceOffset, hostOffset, width, height, devicePitch, hostPitch]` 6-tuples. Row r
+   * (0 ≤ r < height) of a descriptor copies `width` bytes between `base + deviceOffset + r ×
+   * devicePitch` and host byte `hostOffset + r × hostPitch` (host offsets are relative to the
+   * view given). A descriptor of height 1 is one cudaMemcpyAsync (its pitches are not used); a
+   * taller one is one cudaMemcpy2DAsync (pitches ≥ width and < 2^31), or one cudaMemcpyAsync per
+   * row when the runtime lacks it ({@link CudaStatus.memcpy2D}). Descriptors are issued in order,
+   * the rows of one in no particular order. Every value is checked (non-negative safe integers,
+   * every row inside the host range) before anything is queued (ERR_NATIVE); the descriptors are
+   * copied, so the array may be reused at once. Completion, streams, devices and the host
+   * buffer's lifetime as in {@link cuda.copyBatch}.
+   */
+  copy2D(
+    direction: 'h2d' | 'd2h',
+    host: HostBuffer,
+    base: bigint,
+    descriptors: Float64Array,
+    opts: CopyOptions = {},
+  ): Promise<CopyResult> {
+    return callAsync(async () => {
+      if (direction !== 'h2d' && direction !== 'd2h')
+        throw misuse(`copy2D direction must be 'h2d' or 'd2h', got ${String(direction)}`)
+      checkPtr(base, 'device base')
+      if (!(descriptors instanceof Float64Array)) throw misuse('descriptors must be a Float64Array')
+      if (descriptors.length % 6 !== 0)
+        throw misuse(
+          'descriptors must hold [deviceOffset, hostOffset, width, height, devicePitch, hostPitch] 6-tuples',
+        )
+      const stream = streamArg(opts)
+      const device = deviceArg(opts.device)
+      const r = hostRange(host, 'host')
+      return cudaBinding().copy2D(
+        DIRECTIONS[direction],
+        r.buffer,
+        r.offset,
+        r.length,
+        base,
+        descriptors,
+        stream,
+        device,
+      )
     })
   },
   /**

@@ -71,6 +71,44 @@ describe.skipIf(!usable)('native addon on a real GPU', () => {
     cuda.deviceFree(pool)
   })
 
+  it('strided copies (copy2D): a packed K/V block gathered and scattered with cudaMemcpy2DAsync', async () => {
+    expect(cuda.status().memcpy2D).toBe(true)
+    // One block of [16 tokens, 8 heads, 2 × 128] bf16: K rows of 256 B, 512 B apart on the device.
+    const rows = 16 * 8
+    const w = 256
+    const blockBytes = rows * 2 * w
+    const d = cuda.deviceAlloc(4 * blockBytes)
+    const dev = pattern(4 * blockBytes, 12)
+    await cuda.copyToDevice(dev, d)
+    const at = 2 * blockBytes
+    const host = allocPinnedSync(2 * rows * w)
+    const desc = new Float64Array([at, 0, w, rows, 2 * w, w, at + w, rows * w, w, rows, 2 * w, w])
+    expect(await cuda.copy2D('d2h', host.buffer, d, desc)).toEqual({
+      descriptors: 2,
+      issued: 2,
+      bytes: 2 * rows * w,
+    })
+    const h = new Uint8Array(host.buffer)
+    for (let side = 0; side < 2; side++)
+      for (let r = 0; r < rows; r++) {
+        const o = at + r * 2 * w + side * w
+        expect(
+          same(h.subarray((side * rows + r) * w, (side * rows + r + 1) * w), dev.subarray(o, o + w)),
+        ).toBe(true)
+      }
+    h.set(pattern(2 * rows * w, 13))
+    await cuda.copy2D('h2d', host.buffer, d, desc, { device: 0 })
+    const back = new Uint8Array(4 * blockBytes)
+    await cuda.copyFromDevice(d, back)
+    const want = dev.slice()
+    for (let side = 0; side < 2; side++)
+      for (let r = 0; r < rows; r++)
+        want.set(h.subarray((side * rows + r) * w, (side * rows + r + 1) * w), at + r * 2 * w + side * w)
+    expect(same(back, want)).toBe(true)
+    freePinned(host.buffer)
+    cuda.deviceFree(d)
+  })
+
   it('registers a JS buffer and copies from it', async () => {
     const buf = pattern(1 << 20, 4)
     await registerHost(buf)
