@@ -233,14 +233,12 @@ struct Piece {
   size_t srcPitch = 0;
 };
 
-// Whether a row set's rows are copied with streaming stores: only whole cache lines (a
-// streamed part line next to ordinary stores into the same line, as StreamCopy's unaligned head
-// and tail would make of every 256 B row, flushes the write-combining buffer half full: a save
-// into a slab 32 B off the line took 60 ms instead of 5), and only from a source read in order
-// (the load of a strided view: 2.2x faster than memcpy per row on 2 cores). From a strided
-// source (the save: K then V halves of each 512 B) streaming was slower (3.9 vs 3.2 ms for
-// 32 MiB): StreamCopy's non-temporal prefetch of the next row keeps the V half it also brings
-// out of L2, where the V pass would find it.
+// Whether a row set's rows are copied with streaming stores. Only whole cache lines: with
+// StreamCopy per 256 B row into an L1 slab 16 B off the line (a streamed part line beside
+// ordinary stores into the same line at every row), a Llama-8B LBNHC save took 53-63 ms instead
+// of 5. And only from a source read in order (the load of a strided view: 1.4 ms for 32 MiB
+// against 2.9 with memcpy per row, on 2 cores): from a strided source (the save, K then V halves
+// of each 512 B) streaming was slower, 3.9 against 3.2 ms.
 bool StreamsRows(const Piece& p) {
   if (p.n >= kStreamRunBytes) return true;
   return p.n % 64 == 0 && p.dstPitch % 64 == 0 && (reinterpret_cast<uintptr_t>(p.dst) & 63) == 0 &&
