@@ -233,19 +233,47 @@ struct Piece {
   size_t srcPitch = 0;
 };
 
-// Whether a row set's rows are copied with streaming stores. Only whole cache lines: with
-// StreamCopy per 256 B row into an L1 slab 16 B off the line (a streamed part line beside
-// ordinary stores into the same line at every row), a Llama-8B LBNHC save took 53-63 ms instead
-// of 5. And only from a source read in order (the load of a strided view: 1.4 ms for 32 MiB
-// against 2.9 with memcpy per row, on 2 cores): from a strided source (the save, K then V halves
-// of each 512 B) streaming was slower, 3.9 against 3.2 ms.
+// Row sets of fewer bytes are copied with ordinary stores. Lower than kStreamRunBytes: an HND
+// view's sets are one token's heads (8 rows of 256 B), and the sets of a chunk follow one
+// another in the destination (the save) or the source (the load), so the stores still stream.
+constexpr size_t kStreamRowSetBytes = 1024;
+
+#if defined(__SSE2__)
+// Small rows into a contiguous, 16-byte aligned destination (a save of a strided view into its
+// slab): 16-byte streaming stores in address order, which the write-combining buffers merge into
+// whole lines whatever the rows' alignment to a line (the agent's L1 slabs are 16 B off one), no
+// prefetch. A Llama-8B LBNHC save's 32 MiB (K and V rows together, see Zips): 1.3-1.5 ms against
+// 2.2-2.3 with memcpy per row and ~1.8-2.2 for one memcpy, aligned or 16 B off; StreamCopy per
+// row was slower than memcpy (3.9 against 3.2 ms; into the 16 B-off L1 slabs 53-63 ms: a
+// streamed part line beside ordinary stores into the same line at every row). Only for a pair:
+// a lone set so copied (a K pass, then a V pass over the other halves) took 4-5.5 ms.
+void StreamRow16(uint8_t* d, const uint8_t* s, size_t n) {
+  for (size_t i = 0; i < n; i += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+}
+#endif
+
+bool ContiguousStream16(const Piece& p) {
+#if defined(__SSE2__)
+  return p.rows > 1 && p.n < kStreamRunBytes && p.dstPitch == p.n && p.n % 16 == 0 &&
+         p.n * p.rows >= kStreamRowSetBytes &&
+         (reinterpret_cast<uintptr_t>(p.dst) & 15) == 0;
+#else
+  return false;
+#endif
+}
+
+// Whether a row set's rows (not a contiguous destination's) are copied with StreamCopy: rows of
+// 4 KiB and more, or whole aligned lines from a source read in order (the load of a strided view:
+// 32 MiB in 1.4 ms against 2.9 with memcpy per row, on 2 cores).
 bool StreamsRows(const Piece& p) {
   if (p.n >= kStreamRunBytes) return true;
   return p.n % 64 == 0 && p.dstPitch % 64 == 0 && (reinterpret_cast<uintptr_t>(p.dst) & 63) == 0 &&
-         p.srcPitch == p.n && p.n * p.rows >= kStreamRunBytes;
+         p.srcPitch == p.n && p.n * p.rows >= kStreamRowSetBytes;
 }
 
 // Whether copying the piece issues streaming stores (then an sfence follows the copy).
+// (A pair's ContiguousStream16 stores are fenced by CopyRowPair itself.)
 bool Streams(const Piece& p) { return p.rows == 1 ? p.n >= kStreamRunBytes : StreamsRows(p); }
 
 // A row set's rows (copyRows validated that its source and destination do not overlap).
@@ -262,14 +290,25 @@ void CopyRowSet(const Piece& p) {
 // Two row sets of one shape whose rows lie side by side in the source (a save of a strided
 // view's K and V halves of each token's head, in that order: copy-rows.ts sorts the sets by
 // tensor offset) are copied row by row together, so each 512 B of the view is read once, in
-// order: 32 MiB in 2.4 ms instead of 3.3 (memcpy: 2.0). Zipping the load's (rows side by side in
-// the destination) was slower, 1.8 ms instead of 1.45: two source streams instead of one.
+// order: 32 MiB in 2.4 ms instead of 3.3 with memcpy per row (1.4 with streaming stores).
+// Zipping the load's (rows side by side in the destination) was slower, 1.8 ms instead of 1.45:
+// two source streams instead of one.
 bool Zips(const Piece& a, const Piece& b) {
   return a.rows > 1 && b.rows == a.rows && b.n == a.n && b.dstPitch == a.dstPitch && b.srcPitch == a.srcPitch &&
          b.src == a.src + a.n;
 }
 
 void CopyRowPair(const Piece& a, const Piece& b) {
+#if defined(__SSE2__)
+  if (ContiguousStream16(a) && ContiguousStream16(b)) {
+    for (size_t r = 0; r < a.rows; r++) {
+      StreamRow16(a.dst + r * a.n, a.src + r * a.srcPitch, a.n);
+      StreamRow16(b.dst + r * b.n, b.src + r * b.srcPitch, b.n);
+    }
+    _mm_sfence();  // visible before the copy returns (GuardedCopy fences only StreamsRows pieces)
+    return;
+  }
+#endif
   if (StreamsRows(a) && StreamsRows(b)) {
     for (size_t r = 0; r < a.rows; r++) {
       StreamCopy(a.dst + r * a.dstPitch, a.src + r * a.srcPitch, a.n);
@@ -405,7 +444,9 @@ Napi::Value CopyRuns(const Napi::CallbackInfo& info) {
 
 constexpr double kMaxWhole = 9007199254740991.0;  // 2^53 - 1
 
-bool Whole(double x, double limit) { return x >= 0 && x <= limit && x == static_cast<double>(static_cast<uint64_t>(x)); }
+bool Whole(double x, double limit) {
+  return x >= 0 && x <= limit && x == static_cast<double>(static_cast<uint64_t>(x));
+}
 
 // End (exclusive, from the buffer's start) of `height` rows of `width` bytes `pitch` apart from
 // `off`; off itself when the set is empty. 128-bit: no product of two 2^53 values wraps.

@@ -88,8 +88,11 @@ export function compressRuns(runs: ArrayLike<number>): CopyRows {
   // a block's K and V sets, whose rows alternate in a strided view, become neighbours, which the
   // addon copies row by row together (the view read once, in order). A load's stay in slab
   // order: its source read in order was faster than its destination (native/src/mmap.cc Zips).
+  // Sets of whole blocks (rows of 4 KiB and more: the old layouts) keep slab order, as before.
   const order = Array.from({ length: rows.length / ROW_FIELDS }, (_, k) => k)
-  order.sort((a, b) => rows[a * ROW_FIELDS]! - rows[b * ROW_FIELDS]! || a - b)
+  let small = false
+  for (let k = 2; k < rows.length && !small; k += ROW_FIELDS) small = rows[k]! < 4096
+  if (small) order.sort((a, b) => rows[a * ROW_FIELDS]! - rows[b * ROW_FIELDS]! || a - b)
   const toSlab = new Float64Array(rows.length)
   for (let k = 0; k < order.length; k++) {
     const from = order[k]! * ROW_FIELDS
