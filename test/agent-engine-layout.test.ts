@@ -7,6 +7,7 @@
 // elements and nowhere else.
 
 import { describe, expect, it } from 'vitest'
+import { compressRuns } from '../src/agent/copy-rows.ts'
 import {
   chunkRuns,
   type EngineGeometry,
@@ -140,7 +141,7 @@ function expectedChunk(g: EngineGeometry, m: Model, ids: number[]): Uint8Array {
   return out
 }
 
-function gather(g: EngineGeometry, m: Model, runs: number[], slab: number): Uint8Array {
+function gather(g: EngineGeometry, m: Model, runs: readonly number[], slab: number): Uint8Array {
   const out = new Uint8Array(g.layers * slab)
   for (let l = 0; l < g.layers; l++)
     for (let i = 0; i < runs.length; i += 3) {
@@ -150,12 +151,30 @@ function gather(g: EngineGeometry, m: Model, runs: number[], slab: number): Uint
   return out
 }
 
-function scatter(g: EngineGeometry, m: Model, runs: number[], slab: number, chunk: Uint8Array): void {
+function scatter(
+  g: EngineGeometry,
+  m: Model,
+  runs: readonly number[],
+  slab: number,
+  chunk: Uint8Array,
+): void {
   for (let l = 0; l < g.layers; l++)
     for (let i = 0; i < runs.length; i += 3) {
       const at = l * slab + runs[i + 1]!
       m.buf.set(chunk.subarray(at, at + runs[i + 2]!), m.offsets[l]! + runs[i]!)
     }
+}
+
+/** The runs' 2-D row sets (copy-rows.ts) expanded back into [tensor, slab, bytes] triples, one per row. */
+function rowRuns(runs: readonly number[]): number[] {
+  const { rows } = compressRuns(runs)
+  const out: number[] = []
+  for (let i = 0; i < rows.length; i += 6) {
+    const [t, s, w, h, tp, sp] = rows.subarray(i, i + 6)
+    expect(h === 1 || (tp! >= w! && sp! >= w!)).toBe(true)
+    for (let r = 0; r < h!; r++) out.push(t! + r * tp!, s! + r * sp!, w!)
+  }
+  return out
 }
 
 /** Gathers blocks `ids`, checks them against the element-wise read, scatters them into `into` and checks which bytes changed. */
@@ -169,6 +188,8 @@ function roundTrip(g: EngineGeometry, m: Model, ids: number[], into: number[]): 
   }
   const want = expectedChunk(g, m, ids)
   expect(Buffer.from(gather(g, m, runs, slab)).equals(Buffer.from(want))).toBe(true)
+  // The same bytes through the row sets the host copies use.
+  expect(Buffer.from(gather(g, m, rowRuns(runs), slab)).equals(Buffer.from(want))).toBe(true)
   // Into other blocks: exactly their elements change, to the chunk's bytes.
   const before = m.buf.slice()
   const mark = new Uint8Array(want.length).map((_, i) => (i * 31 + 3) & 0xff)

@@ -53,14 +53,16 @@ describe('HostTensor', () => {
   // Scattered runs, two of them adjacent on both sides (merged into one copy).
   const runs = [8192, 0, 4096, 12288, 4096, 4096, 0, 8192, 1000, 60000, 9192, 536]
 
-  // The addon's one-call copy, the mapping with one Buffer#copy per run (an addon that
-  // predates copyRuns), and pread/pwrite (no addon).
+  // The addon's one-call copy as 2-D row sets and as runs (an addon that predates copyRows),
+  // the mapping with one Buffer#copy per run (an addon that predates copyRuns), and
+  // pread/pwrite (no addon).
   const modes = [
-    { name: 'mapped, copyRuns', mapped: true, api: native },
+    { name: 'mapped, copyRows', mapped: true, api: native },
+    { name: 'mapped, copyRuns', mapped: true, api: native && { ...native, copyRowsAvailable: () => false } },
     {
       name: 'mapped, Buffer#copy',
       mapped: true,
-      api: native && { ...native, copyRunsAvailable: () => false },
+      api: native && { ...native, copyRunsAvailable: () => false, copyRowsAvailable: () => false },
     },
     { name: 'pread/pwrite', mapped: false, api: undefined },
   ]
@@ -91,7 +93,35 @@ describe('HostTensor', () => {
     })
   }
 
-  for (const { name, api } of [modes[0]!, modes[2]!]) {
+  // A vLLM NHD view's runs: 256 B per token and head, K and V halves of 512 B, blocks apart.
+  const strided: number[] = []
+  for (const side of [0, 1])
+    for (const [j, block] of [5, 2, 3].entries())
+      for (let r = 0; r < 16; r++)
+        strided.push(block * 8192 + r * 512 + side * 256, (side * 3 + j) * 4096 + r * 256, 256)
+  for (const { name, mapped, api } of modes) {
+    it(`${name}: a strided view's runs (one 2-D row set per block side) move exactly`, () => {
+      const data = randomBytes(OFF + BYTES)
+      const p = shm(`strided-${name.replace(/\W/g, '-')}`, data)
+      const t = new HostTensor(p, OFF, BYTES, api)
+      expect(t.mapped).toBe(mapped)
+      const host = new Uint8Array(6 * 4096 + 64).fill(0xab)
+      t.gather(strided, host)
+      const want = new Uint8Array(host.length).fill(0xab)
+      for (let i = 0; i < strided.length; i += 3)
+        want.set(data.subarray(OFF + strided[i]!, OFF + strided[i]! + 256), strided[i + 1]!)
+      expect(Buffer.from(host).equals(want)).toBe(true)
+      const fresh = randomBytes(host.length)
+      t.scatter(fresh, Object.freeze(strided.slice()))
+      const back = Buffer.from(data)
+      for (let i = 0; i < strided.length; i += 3)
+        back.set(fresh.subarray(strided[i + 1]!, strided[i + 1]! + 256), OFF + strided[i]!)
+      expect(readFileSync(p).equals(back)).toBe(true) // those rows changed, nothing between them
+      t.close()
+    })
+  }
+
+  for (const { name, api } of modes.filter((m) => m.name !== 'mapped, Buffer#copy')) {
     it(`${name}: runs outside the tensor or the buffer are errors, not clamped copies or the neighbour's bytes`, () => {
       // The file holds more than the tensor (the next layer's bytes, here 0xee) after it.
       const file = new Uint8Array(BYTES + 4096).fill(0xee, BYTES)
@@ -191,31 +221,47 @@ describe('HostCopier (threaded copies of every layer at once)', () => {
   const runs = [8192, 0, 4096, 12288, 4096, 4096, 0, 8192, 1000, 200_000, 9192, 50_000]
   const SLAB = 59_192
 
-  for (const threads of [1, 3]) {
-    it(`${threads} thread(s): gatherChunk and scatterLayers move what gather and scatter move`, async () => {
-      const data = randomBytes(3 * LAYER)
-      const p = shm(`copier-${threads}`, data)
-      const layers = [0, 1, 2].map((l) => new HostTensor(p, l * LAYER, LAYER, native))
-      const copier = HostCopier.for(layers, native, threads)!
-      expect(copier.threads).toBe(threads)
-      const chunk = new Uint8Array(3 * SLAB + 10)
-      await copier.gatherChunk(runs, chunk, SLAB)
-      for (let l = 0; l < 3; l++) {
-        const want = new Uint8Array(SLAB)
-        layers[l]!.gather(runs, want)
-        expect(Buffer.from(chunk.subarray(l * SLAB, (l + 1) * SLAB)).equals(want)).toBe(true)
-      }
-      expect(chunk.subarray(3 * SLAB).every((x) => x === 0)).toBe(true)
-      const fresh = randomBytes(SLAB)
-      await copier.scatterLayers([{ layer: 1, chunks: 1, slabs: [fresh] }], [runs])
-      const back = readFileSync(p)
-      const want = Buffer.from(data)
-      for (let i = 0; i < runs.length; i += 3)
-        want.set(fresh.subarray(runs[i + 1]!, runs[i + 1]! + runs[i + 2]!), LAYER + runs[i]!)
-      expect(back.equals(want)).toBe(true) // layer 1's runs changed, nothing else did
-      for (const t of layers) t.close()
-    })
-  }
+  // The addon's 2-D row sets and its runs (an addon that predates copyRowsAsync).
+  const forms = [
+    { form: 'copyRowsAsync', api: native },
+    { form: 'copyRunsAsync', api: native && { ...native, copyRowsAvailable: () => false } },
+  ]
+  // Runs of the first kind, and a strided view's (256 B rows 512 B apart, K then V).
+  const stridedRuns: number[] = []
+  for (const side of [0, 1])
+    for (const [j, block] of [6, 1].entries())
+      for (let r = 0; r < 64; r++)
+        stridedRuns.push(block * 32768 + r * 512 + side * 256, (side * 2 + j) * 16384 + r * 256, 256)
+  const runSets = [
+    { kind: 'scattered', runs, slab: SLAB },
+    { kind: 'strided', runs: Object.freeze(stridedRuns), slab: 4 * 16384 },
+  ]
+  for (const threads of [1, 3])
+    for (const { form, api } of forms)
+      for (const { kind, runs, slab: SLAB } of runSets)
+        it(`${threads} thread(s), ${form}, ${kind} runs: gatherChunk and scatterLayers move what gather and scatter move`, async () => {
+          const data = randomBytes(3 * LAYER)
+          const p = shm(`copier-${threads}-${form}-${kind}`, data)
+          const layers = [0, 1, 2].map((l) => new HostTensor(p, l * LAYER, LAYER, api))
+          const copier = HostCopier.for(layers, api, threads)!
+          expect(copier.threads).toBe(threads)
+          const chunk = new Uint8Array(3 * SLAB + 10)
+          await copier.gatherChunk(runs, chunk, SLAB)
+          for (let l = 0; l < 3; l++) {
+            const want = new Uint8Array(SLAB)
+            layers[l]!.gather(runs, want)
+            expect(Buffer.from(chunk.subarray(l * SLAB, (l + 1) * SLAB)).equals(want)).toBe(true)
+          }
+          expect(chunk.subarray(3 * SLAB).every((x) => x === 0)).toBe(true)
+          const fresh = randomBytes(SLAB)
+          await copier.scatterLayers([{ layer: 1, chunks: 1, slabs: [fresh] }], [runs])
+          const back = readFileSync(p)
+          const want = Buffer.from(data)
+          for (let i = 0; i < runs.length; i += 3)
+            want.set(fresh.subarray(runs[i + 1]!, runs[i + 1]! + runs[i + 2]!), LAYER + runs[i]!)
+          expect(back.equals(want)).toBe(true) // layer 1's runs changed, nothing else did
+          for (const t of layers) t.close()
+        })
 
   it('scatterLayers: several layers and chunks in one call, each chunk through its own runs, only the first `chunks` of a layer', async () => {
     const data = randomBytes(3 * LAYER)
@@ -259,17 +305,21 @@ describe('HostCopier (threaded copies of every layer at once)', () => {
     // A later call that cannot start: the answer waits for the call already running.
     let first: Promise<void> | undefined
     let firstDone = false
+    const once =
+      (copy: NonNullable<typeof native>['copyRunsAsync']) =>
+      (...[b, r, t]: Parameters<NonNullable<typeof native>['copyRunsAsync']>) => {
+        if (first) throw new Error('cannot start')
+        first = copy(b, r, t).then(() => {
+          firstDone = true
+        })
+        return first
+      }
     const failing = HostCopier.for(
       layers,
       native && {
         ...native,
-        copyRunsAsync: (b, r, t) => {
-          if (first) throw new Error('cannot start')
-          first = native.copyRunsAsync(b, r, t).then(() => {
-            firstDone = true
-          })
-          return first
-        },
+        copyRunsAsync: once(native.copyRunsAsync),
+        copyRowsAsync: once(native.copyRowsAsync),
       },
       2,
     )!
@@ -353,6 +403,10 @@ describe('HostCopier (threaded copies of every layer at once)', () => {
       copyRunsAsync: (...a: Parameters<NonNullable<typeof native>['copyRunsAsync']>) => {
         truncateSync(p, 4096)
         return native!.copyRunsAsync(...a)
+      },
+      copyRowsAsync: (...a: Parameters<NonNullable<typeof native>['copyRowsAsync']>) => {
+        truncateSync(p, 4096)
+        return native!.copyRowsAsync(...a)
       },
     }
     const copier = HostCopier.for(layers, shrinking, 2)!

@@ -682,7 +682,7 @@ export class Agent {
     let bytes = 0
     let failure: string | undefined
     // Each chunk's runs are the same in every layer (offsets inside one layer's slab).
-    const runsByChunk: number[][] = []
+    const runsByChunk: (readonly number[])[] = []
     for (let c = 0; c < count; c++) runsByChunk.push(chunkRuns(g, w.view, ids, c * bpc, bpc, skip))
     // Threaded copies of a group of layers run while the next layers are fetched: one native
     // call and one progress event per group (at least an eighth of the model), not per layer.

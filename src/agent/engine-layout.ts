@@ -231,7 +231,8 @@ function sameInts(a: readonly unknown[], b: readonly number[]): boolean {
  * `ids[first .. first + blocksPerChunk)` of one layer tensor and that chunk's slab of one
  * layer ([K|V][token][head][dim]), in slab order, contiguous neighbours merged. The same in
  * every layer: a layer's slab and tensor are passed with them. Blocks before `skip`
- * (engine-wide index) are left out.
+ * (engine-wide index) are left out. Frozen: the host copies turn them into 2-D row sets once
+ * and reuse those for every layer (copy-rows.ts rowsOf).
  */
 export function chunkRuns(
   g: EngineGeometry,
@@ -240,7 +241,7 @@ export function chunkRuns(
   first: number,
   blocksPerChunk: number,
   skip: number,
-): number[] {
+): readonly number[] {
   const H = g.kvHeads
   const bs = g.blockSize
   const bb = bs * H * v.run
@@ -282,5 +283,5 @@ export function chunkRuns(
     }
   }
   if (len > 0) runs.push(t0, h0, len)
-  return runs
+  return Object.freeze(runs)
 }

@@ -3,6 +3,7 @@
 
 import { closeSync, fstatSync, openSync, readSync, writeSync } from 'node:fs'
 import type { NativeModule } from '../client/native-api.ts'
+import { type CopyRows, ROW_FIELDS, rowsInside, rowsOf } from './copy-rows.ts'
 import { AgentError } from './protocol.ts'
 
 /**
@@ -27,6 +28,8 @@ export class HostTensor implements KvTensor {
   #native: NativeModule | undefined
   /** The addon copies a layer's runs in one call (else one Buffer#copy per run). */
   #copyRuns: NativeModule['copyRuns'] | undefined
+  /** The addon copies a layer's runs as 2-D row sets (a strided view's 4,096 runs as a few sets). */
+  #copyRows: NativeModule['copyRows'] | undefined
   /** Runs in the addon's [dst, src, bytes] order, reused: copies are synchronous. */
   #scratch = new Float64Array(0)
 
@@ -73,6 +76,7 @@ export class HostTensor implements KvTensor {
         this.#mapped = ab
         this.#native = native
         if (native.copyRunsAvailable()) this.#copyRuns = native.copyRuns
+        if (native.copyRowsAvailable()) this.#copyRows = native.copyRows
       } catch (e) {
         closeSync(fd)
         throw new AgentError('ERR_IO', `cannot map ${path}: ${(e as Error).message}`)
@@ -143,6 +147,10 @@ export class HostTensor implements KvTensor {
 
   gather(runs: ArrayLike<number>, host: Uint8Array): void {
     const map = this.#mapOrThrow()
+    if (map !== undefined && this.#copyRows) {
+      this.#copyRows(host, map, checkedRows(runs, this.bytes, host.length).toSlab)
+      return
+    }
     // pread too: `subarray` clamps a run past the buffer, and the file goes on past the tensor.
     checkRuns(runs, this.bytes, host.length)
     if (map === undefined) {
@@ -160,6 +168,10 @@ export class HostTensor implements KvTensor {
 
   scatter(host: Uint8Array, runs: ArrayLike<number>): void {
     const map = this.#mapOrThrow()
+    if (map !== undefined && this.#copyRows) {
+      this.#copyRows(map, host, checkedRows(runs, this.bytes, host.length).toTensor)
+      return
+    }
     checkRuns(runs, this.bytes, host.length)
     if (map === undefined) {
       forMerged(runs, (t, h, n) => this.write(t, host.subarray(h, h + n)))
@@ -197,6 +209,7 @@ export class HostTensor implements KvTensor {
 }
 
 type CopyRunsAsync = NativeModule['copyRunsAsync']
+type CopyRowsAsync = NativeModule['copyRowsAsync']
 
 /** One layer of a load: the slabs of its first `chunks` chunks. */
 export interface LayerSlabs {
@@ -227,11 +240,19 @@ export class HostCopier {
   /** Numbers one copy's checks (#files[i].checked: the copy that last checked file i). */
   #copies = 0
   readonly #copy: CopyRunsAsync
+  /** The addon's 2-D form, when it has one: a chunk's runs as a few row sets per layer. */
+  readonly #copyRows: CopyRowsAsync | undefined
   #scratch = new Float64Array(0)
 
-  private constructor(tensors: HostTensor[], copy: CopyRunsAsync, threads: number) {
+  private constructor(
+    tensors: HostTensor[],
+    copy: CopyRunsAsync,
+    copyRows: CopyRowsAsync | undefined,
+    threads: number,
+  ) {
     this.#tensors = tensors
     this.#copy = copy
+    this.#copyRows = copyRows
     this.threads = threads
     const index = new Map<string, number>()
     this.#files = []
@@ -280,7 +301,12 @@ export class HostCopier {
       if (!(t instanceof HostTensor) || !t.mapped) return undefined
       hosts.push(t)
     }
-    return new HostCopier(hosts, native.copyRunsAsync, threads)
+    return new HostCopier(
+      hosts,
+      native.copyRunsAsync,
+      native.copyRowsAvailable() ? native.copyRowsAsync : undefined,
+      threads,
+    )
   }
 
   #runs(n: number): Float64Array {
@@ -302,6 +328,29 @@ export class HostCopier {
     }
     this.#checkFiles()
     const buffers: Uint8Array[] = [dst]
+    if (this.#copyRows) {
+      const sets = rowsOf(runs)
+      const rows = sets.toSlab
+      const out = this.#runs((rows.length / ROW_FIELDS) * 8 * layers)
+      let o = 0
+      for (let l = 0; l < layers; l++) {
+        const t = this.#tensors[l]!
+        const map = this.#map(l)
+        checkRows(sets, runs, t.bytes, slab)
+        buffers.push(map)
+        for (let i = 0; i < rows.length; i += ROW_FIELDS) {
+          out[o++] = 0
+          out[o++] = l * slab + rows[i]!
+          out[o++] = l + 1
+          out[o++] = rows[i + 1]!
+          out[o++] = rows[i + 2]!
+          out[o++] = rows[i + 3]!
+          out[o++] = rows[i + 4]!
+          out[o++] = rows[i + 5]!
+        }
+      }
+      return this.#copied(this.#copyRows(buffers, out, this.threads))
+    }
     const out = this.#runs((runs.length / 3) * 5 * layers)
     let o = 0
     for (let l = 0; l < layers; l++) {
@@ -341,9 +390,15 @@ export class HostCopier {
    */
   scatterLayers(group: readonly LayerSlabs[], runsByChunk: readonly ArrayLike<number>[]): Promise<void> {
     this.#checkFiles(group)
+    const copyRows = this.#copyRows
+    // With the 2-D form: each chunk's runs as row sets, made once for every layer of the group.
+    const sets: CopyRows[] = []
+    const setsOf = (c: number) => (sets[c] ??= rowsOf(runsByChunk[c]!))
     let n = 0
-    for (const g of group) for (let c = 0; c < g.chunks; c++) n += runsByChunk[c]!.length
-    const out = this.#runs((n / 3) * 5)
+    for (const g of group)
+      for (let c = 0; c < g.chunks; c++)
+        n += copyRows ? (setsOf(c).rows.length / ROW_FIELDS) * 8 : (runsByChunk[c]!.length / 3) * 5
+    const out = this.#runs(n)
     // One native call names at most ADDON_MAX_BUFFERS buffers, and a layer of a load's most
     // chunks names one more (its mapping): such a group is cut into several calls, every
     // run checked before the first one starts.
@@ -365,7 +420,8 @@ export class HostCopier {
       for (let c = 0; c < g.chunks; c++) {
         const runs = runsByChunk[c]!
         const slab = g.slabs[c]!
-        checkRuns(runs, t.bytes, slab.length)
+        if (copyRows) checkRows(setsOf(c), runs, t.bytes, slab.length)
+        else checkRuns(runs, t.bytes, slab.length)
         if (buffers.length === ADDON_MAX_BUFFERS) {
           cut()
           mapAt = 0
@@ -373,6 +429,20 @@ export class HostCopier {
         }
         const slabAt = buffers.length
         buffers.push(slab)
+        if (copyRows) {
+          const rows = setsOf(c).toTensor
+          for (let i = 0; i < rows.length; i += ROW_FIELDS) {
+            out[o++] = mapAt
+            out[o++] = rows[i]!
+            out[o++] = slabAt
+            out[o++] = rows[i + 1]!
+            out[o++] = rows[i + 2]!
+            out[o++] = rows[i + 3]!
+            out[o++] = rows[i + 4]!
+            out[o++] = rows[i + 5]!
+          }
+          continue
+        }
         for (let i = 0; i < runs.length; i += 3) {
           out[o++] = mapAt
           out[o++] = runs[i]!
@@ -383,8 +453,9 @@ export class HostCopier {
       }
     }
     cut()
-    if (calls.length === 1) return this.#copied(this.#copy(calls[0]!.buffers, calls[0]!.runs, this.threads))
-    return this.#copied(allCopies(calls.map((k) => () => this.#copy(k.buffers, k.runs, this.threads))))
+    const copy = copyRows ?? this.#copy
+    if (calls.length === 1) return this.#copied(copy(calls[0]!.buffers, calls[0]!.runs, this.threads))
+    return this.#copied(allCopies(calls.map((k) => () => copy(k.buffers, k.runs, this.threads))))
   }
 }
 
@@ -446,4 +517,21 @@ function checkRuns(runs: ArrayLike<number>, tensorBytes: number, hostBytes: numb
       )
     }
   }
+}
+
+/**
+ * The row sets of `runs` after checkRuns' checks: O(1) per layer from the sets' bounds, and
+ * checkRuns itself (its error names the bad run) when they fail.
+ */
+function checkedRows(runs: ArrayLike<number>, tensorBytes: number, hostBytes: number): CopyRows {
+  const sets = rowsOf(runs)
+  checkRows(sets, runs, tensorBytes, hostBytes)
+  return sets
+}
+
+function checkRows(sets: CopyRows, runs: ArrayLike<number>, tensorBytes: number, hostBytes: number): void {
+  if (rowsInside(sets, tensorBytes, hostBytes)) return
+  checkRuns(runs, tensorBytes, hostBytes)
+  // checkRuns passes what the sets' bounds refuse only for a run that is not a number.
+  throw new AgentError('ERR_INVALID_ARGUMENT', 'a run is outside the tensor or the buffer')
 }

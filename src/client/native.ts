@@ -233,6 +233,9 @@ export interface NativeBinding {
   /** mmap.cc; absent from builds that predate it. */
   copyRuns?(dst: HostBuffer, src: HostBuffer, runs: Float64Array): void
   copyRunsAsync?(buffers: HostBuffer[], runs: Float64Array, parts: number): Promise<void>
+  /** mmap.cc (2-D row sets); absent from builds that predate them. */
+  copyRows?(dst: HostBuffer, src: HostBuffer, rows: Float64Array): void
+  copyRowsAsync?(buffers: HostBuffer[], rows: Float64Array, parts: number): Promise<void>
   /** keys.cc; absent from builds that predate it. */
   sha256V1Chain?(
     parent: Uint8Array,
@@ -1098,6 +1101,55 @@ export function copyRunsAsync(buffers: HostBuffer[], runs: Float64Array, parts: 
   if (!(runs instanceof Float64Array)) throw misuse('runs must be a Float64Array')
   if (!Number.isInteger(parts) || parts < 1 || parts > 64) throw misuse('parts must be an integer in [1, 64]')
   return call(() => n.copyRunsAsync!(buffers, runs, parts)).catch((e) => {
+    throw translate(e)
+  })
+}
+
+/** True when the loaded addon has {@link copyRows} and {@link copyRowsAsync}; never throws. */
+export function copyRowsAvailable(): boolean {
+  try {
+    const n = loadNative()
+    return typeof n.copyRows === 'function' && typeof n.copyRowsAsync === 'function'
+  } catch {
+    return false
+  }
+}
+
+/**
+ * {@link copyRuns} with 2-D row sets: `rows` holds [dstOffset, srcOffset, width, height,
+ * dstPitch, srcPitch] sextuples; row r of a set copies `width` bytes from
+ * `srcOffset + r * srcPitch` to `dstOffset + r * dstPitch`. A strided view's many small runs
+ * (one per token and head) are a few sets, copied without a per-run crossing or check.
+ * Every set is checked before any byte moves: each row inside its view, the destination's
+ * rows apart (dstPitch ≥ width when height > 1), the set's source and destination ranges
+ * disjoint.
+ * @throws NativeError ERR_NATIVE for a set that fails those checks or a malformed `rows`.
+ */
+export function copyRows(dst: HostBuffer, src: HostBuffer, rows: Float64Array): void {
+  const n = loadNative()
+  if (!n.copyRows) {
+    throw misuse(`this build of the native addon predates copyRows; rebuild it: ${nativePaths.buildCommand}`)
+  }
+  if (!(rows instanceof Float64Array)) throw misuse('rows must be a Float64Array')
+  call(() => n.copyRows!(dst, src, rows))
+}
+
+/**
+ * {@link copyRunsAsync} with {@link copyRows}' row sets: `rows` holds [dstBuffer, dstOffset,
+ * srcBuffer, srcOffset, width, height, dstPitch, srcPitch] octuples. Checked as copyRows
+ * checks them before any byte moves; the sets are cut between rows into the same grains.
+ * @throws NativeError ERR_NATIVE (synchronously) for a bad set or malformed arguments.
+ */
+export function copyRowsAsync(buffers: HostBuffer[], rows: Float64Array, parts: number): Promise<void> {
+  const n = loadNative()
+  if (!n.copyRowsAsync) {
+    throw misuse(
+      `this build of the native addon predates copyRowsAsync; rebuild it: ${nativePaths.buildCommand}`,
+    )
+  }
+  if (!(rows instanceof Float64Array)) throw misuse('rows must be a Float64Array')
+  if (!Number.isInteger(parts) || parts < 1 || parts > 64) throw misuse('parts must be an integer in [1, 64]')
+  return call(() => n.copyRowsAsync!(buffers, rows, parts)).catch((e) => {
     throw translate(e)
   })
 }

@@ -1,0 +1,130 @@
+// Copy runs as 2-D row sets: a strided engine view's runs (one per token, head and side: 256 B
+// each, 4,096 per layer of a chunk) become a few sets the addon copies without a per-run step.
+
+/** Fields of one row set in {@link CopyRows.rows}. */
+export const ROW_FIELDS = 6
+
+/**
+ * A chunk's runs ([tensorOffset, slabOffset, bytes] triples) as row sets: set i is
+ * `rows[6i .. 6i + 6)` = [tensorOffset, slabOffset, width, height, tensorPitch, slabPitch]; its
+ * row r copies `width` bytes between `tensorOffset + r * tensorPitch` and
+ * `slabOffset + r * slabPitch`. Both pitches are at least the width (rows apart on both sides).
+ * The same for every layer: compressed once per chunk ({@link rowsOf}).
+ */
+export interface CopyRows {
+  readonly rows: Float64Array
+  /** Every triple's fields are non-negative numbers (else the bounds below mean nothing). */
+  readonly valid: boolean
+  /** Bytes from the tensor's start past the furthest byte a run touches (0 for no runs). */
+  readonly tensorEnd: number
+  /** Bytes from the slab's start past the furthest byte a run touches. */
+  readonly slabEnd: number
+  /** The sets with the slab as the destination: [slab, tensor, width, height, slabPitch, tensorPitch], in tensor order. */
+  readonly toSlab: Float64Array
+  /** The sets with the tensor as the destination: {@link rows} (in slab order). */
+  readonly toTensor: Float64Array
+}
+
+/**
+ * `runs` as row sets. Contiguous neighbours (on both sides) merge first; then runs of equal
+ * width whose offsets step by the same deltas on both sides, each at least the width, are one
+ * set; any other run is a set of height 1. Zero-byte runs copy nothing and are left out.
+ */
+export function compressRuns(runs: ArrayLike<number>): CopyRows {
+  const out: number[] = []
+  let valid = true
+  let tensorEnd = 0
+  let slabEnd = 0
+  // The set being built: height 0 = none yet.
+  let t0 = 0
+  let s0 = 0
+  let width = 0
+  let height = 0
+  let tp = 0
+  let sp = 0
+  const flush = () => {
+    if (height === 0) return
+    out.push(t0, s0, width, height, height > 1 ? tp : width, height > 1 ? sp : width)
+    height = 0
+  }
+  const add = (t: number, s: number, n: number) => {
+    if (height > 0 && n === width) {
+      if (height === 1 && t - t0 >= width && s - s0 >= width) {
+        tp = t - t0
+        sp = s - s0
+        height = 2
+        return
+      }
+      if (height > 1 && t === t0 + height * tp && s === s0 + height * sp) {
+        height++
+        return
+      }
+    }
+    flush()
+    t0 = t
+    s0 = s
+    width = n
+    height = 1
+  }
+  let i = 0
+  while (i < runs.length) {
+    const t = runs[i]!
+    const s = runs[i + 1]!
+    let n = runs[i + 2]!
+    i += 3
+    if (!(t >= 0 && s >= 0 && n >= 0)) valid = false
+    while (i < runs.length && runs[i] === t + n && runs[i + 1] === s + n) {
+      if (!(runs[i + 2]! >= 0)) valid = false
+      n += runs[i + 2]!
+      i += 3
+    }
+    if (t + n > tensorEnd) tensorEnd = t + n
+    if (s + n > slabEnd) slabEnd = s + n
+    if (n > 0) add(t, s, n)
+  }
+  flush()
+  const rows = Float64Array.from(out)
+  // A save's sets in tensor order (they are disjoint: the order they copy in changes no byte):
+  // a block's K and V sets, whose rows alternate in a strided view, become neighbours, which the
+  // addon copies row by row together (the view read once, in order). A load's stay in slab
+  // order: its source read in order was faster than its destination (native/src/mmap.cc Zips).
+  // Sets of whole blocks (rows of 4 KiB and more: the old layouts) keep slab order, as before.
+  const order = Array.from({ length: rows.length / ROW_FIELDS }, (_, k) => k)
+  let small = false
+  for (let k = 2; k < rows.length && !small; k += ROW_FIELDS) small = rows[k]! < 4096
+  if (small) order.sort((a, b) => rows[a * ROW_FIELDS]! - rows[b * ROW_FIELDS]! || a - b)
+  const toSlab = new Float64Array(rows.length)
+  for (let k = 0; k < order.length; k++) {
+    const from = order[k]! * ROW_FIELDS
+    const o = k * ROW_FIELDS
+    toSlab[o] = rows[from + 1]!
+    toSlab[o + 1] = rows[from]!
+    toSlab[o + 2] = rows[from + 2]!
+    toSlab[o + 3] = rows[from + 3]!
+    toSlab[o + 4] = rows[from + 5]!
+    toSlab[o + 5] = rows[from + 4]!
+  }
+  return { rows, valid, tensorEnd, slabEnd, toSlab, toTensor: rows }
+}
+
+const cache = new WeakMap<object, CopyRows>()
+
+/**
+ * {@link compressRuns}, remembered for a frozen array of runs (a chunk's runs are the same in
+ * every layer: chunkRuns freezes them, and the sets are made once per chunk, not per layer).
+ * A runs array that is not frozen (it may change) is compressed at every call.
+ */
+export function rowsOf(runs: ArrayLike<number>): CopyRows {
+  if (!Array.isArray(runs) || !Object.isFrozen(runs)) return compressRuns(runs)
+  let c = cache.get(runs)
+  if (c === undefined) {
+    c = compressRuns(runs)
+    cache.set(runs, c)
+  }
+  return c
+}
+
+/** Whether every run of `c` lies inside a tensor of `tensorBytes` and a slab of `slabBytes`. */
+export function rowsInside(c: CopyRows, tensorBytes: number, slabBytes: number): boolean {
+  return c.valid && c.tensorEnd <= tensorBytes && c.slabEnd <= slabBytes
+}
