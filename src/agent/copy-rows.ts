@@ -13,7 +13,7 @@ export const ROW_FIELDS = 6
  */
 export interface CopyRows {
   readonly rows: Float64Array
-  /** Every triple's fields are non-negative numbers (else the bounds below mean nothing). */
+  /** Every triple's fields are non-negative safe integers (else the bounds below mean nothing, and merging could make a fractional pair whole). */
   readonly valid: boolean
   /** Bytes from the tensor's start past the furthest byte a run touches (0 for no runs). */
   readonly tensorEnd: number
@@ -72,9 +72,9 @@ export function compressRuns(runs: ArrayLike<number>): CopyRows {
     const s = runs[i + 1]!
     let n = runs[i + 2]!
     i += 3
-    if (!(t >= 0 && s >= 0 && n >= 0)) valid = false
+    if (!(whole(t) && whole(s) && whole(n))) valid = false
     while (i < runs.length && runs[i] === t + n && runs[i + 1] === s + n) {
-      if (!(runs[i + 2]! >= 0)) valid = false
+      if (!whole(runs[i + 2]!)) valid = false
       n += runs[i + 2]!
       i += 3
     }
@@ -105,6 +105,10 @@ export function compressRuns(runs: ArrayLike<number>): CopyRows {
     toSlab[o + 5] = rows[from + 4]!
   }
   return { rows, valid, tensorEnd, slabEnd, toSlab, toTensor: rows }
+}
+
+function whole(x: number): boolean {
+  return Number.isSafeInteger(x) && x >= 0
 }
 
 const cache = new WeakMap<object, CopyRows>()

@@ -1,8 +1,10 @@
 // A layer's copy runs as strided (2-D) copies for the GPU path: in vLLM's packed K/V layouts a
 // block's K is thousands of head-sized runs a fixed pitch apart, which one cudaMemcpy2DAsync moves.
 
+import { ROW_FIELDS, rowsOf } from './copy-rows.ts'
+
 /** Numbers per descriptor: [tensorOffset, hostOffset, width, height, tensorPitch, hostPitch]. */
-export const STRIDED_FIELDS = 6
+export const STRIDED_FIELDS = ROW_FIELDS
 
 /** cudaMemcpy2D refuses pitches from 2^31 on (cudaErrorInvalidPitchValue). */
 const MAX_PITCH = 2 ** 31 - 1
@@ -51,59 +53,60 @@ function disjoint(inner: number, outer: number, k: number, m: number, w: number)
 export function stridedCopies(runs: ArrayLike<number>): Float64Array {
   if (runs.length % 3 !== 0)
     throw new RangeError('copy runs must be [tensorOffset, hostOffset, bytes] triples')
-  // 1. Merge.
-  const n = runs.length / 3
-  const t = new Float64Array(n)
-  const h = new Float64Array(n)
-  const w = new Float64Array(n)
-  const ok = new Uint8Array(n)
-  let m = 0
+  // 1 and 2: the host path's row sets (once per chunk for chunkRuns' frozen runs).
+  const c = rowsOf(runs)
+  if (!c.valid) return alone(runs)
+  const d = c.rows
+  const F = STRIDED_FIELDS
+  let count = d.length / F
+  let rows = 0
+  for (let o = 3; o < d.length; o += F) rows += d[o]!
+  // cudaMemcpy2D's pitch limit: a taller set with a pitch past it goes back to its rows.
+  let out = d
+  for (let o = 0; o < d.length; o += F) {
+    if (d[o + 3]! > 1 && !pitchFits(d[o + 4]!, d[o + 5]!, d[o + 2]!)) {
+      out = splitWide(d)
+      count = out.length / F
+      break
+    }
+  }
+  return transpose(out, count, rows)
+}
+
+/** Row sets with a pitch past cudaMemcpy2D's limit as height-1 rows; the others as they are. */
+function splitWide(d: Float64Array): Float64Array {
+  const F = STRIDED_FIELDS
+  const out: number[] = []
+  for (let o = 0; o < d.length; o += F) {
+    const [t, h, w, height, pt, ph] = [d[o]!, d[o + 1]!, d[o + 2]!, d[o + 3]!, d[o + 4]!, d[o + 5]!]
+    if (height === 1 || pitchFits(pt, ph, w)) out.push(t, h, w, height, pt, ph)
+    else for (let r = 0; r < height; r++) out.push(t + r * pt, h + r * ph, w, 1, w, w)
+  }
+  return Float64Array.from(out)
+}
+
+/**
+ * A list with a malformed run (negative, fractional, NaN): sound runs merged where contiguous,
+ * each malformed one alone and unmerged, every one of height 1, for the addon to refuse.
+ */
+function alone(runs: ArrayLike<number>): Float64Array {
+  const out: number[] = []
+  let last = false
   for (let i = 0; i < runs.length; i += 3) {
-    const rt = runs[i]!
-    const rh = runs[i + 1]!
-    const rw = runs[i + 2]!
-    if (rw === 0) continue
-    const good = sound(rt, rh, rw)
-    if (good && m > 0 && ok[m - 1] === 1 && t[m - 1]! + w[m - 1]! === rt && h[m - 1]! + w[m - 1]! === rh) {
-      w[m - 1] = w[m - 1]! + rw
+    const [t, h, w] = [runs[i]!, runs[i + 1]!, runs[i + 2]!]
+    if (w === 0) continue
+    const good = sound(t, h, w)
+    const o = out.length - STRIDED_FIELDS
+    if (good && last && out[o]! + out[o + 2]! === t && out[o + 1]! + out[o + 2]! === h) {
+      out[o + 2]! += w
+      out[o + 4] = out[o + 2]!
+      out[o + 5] = out[o + 2]!
       continue
     }
-    t[m] = rt
-    h[m] = rh
-    w[m] = rw
-    ok[m] = good ? 1 : 0
-    m++
+    out.push(t, h, w, 1, w, w)
+    last = good
   }
-  // 2. Rows a constant pitch apart.
-  const d = new Float64Array(m * STRIDED_FIELDS)
-  let count = 0
-  const emit = (dt: number, dh: number, dw: number, height: number, pt: number, ph: number) => {
-    const o = count++ * STRIDED_FIELDS
-    d[o] = dt
-    d[o + 1] = dh
-    d[o + 2] = dw
-    d[o + 3] = height
-    d[o + 4] = pt
-    d[o + 5] = ph
-  }
-  for (let j = 0; j < m; ) {
-    const rw = w[j]!
-    let k = j + 1
-    if (ok[j] === 1 && k < m && ok[k] === 1 && w[k] === rw) {
-      const dt = t[k]! - t[j]!
-      const dh = h[k]! - h[j]!
-      if (pitchFits(dt, dh, rw)) {
-        while (k < m && ok[k] === 1 && w[k] === rw && t[k]! - t[k - 1]! === dt && h[k]! - h[k - 1]! === dh)
-          k++
-        emit(t[j]!, h[j]!, rw, k - j, dt, dh)
-        j = k
-        continue
-      }
-    }
-    emit(t[j]!, h[j]!, rw, 1, rw, rw)
-    j++
-  }
-  return transpose(d, count, m)
+  return Float64Array.from(out)
 }
 
 /**
