@@ -10,13 +10,21 @@
 //    ping-pong per pair: the machine's floor). p50 / p99 / p99.9 per round and pooled.
 // 2. Save and load of a Llama-3.1-8B 32 MiB chunk's 16 scattered blocks (as bench/agent.ts),
 //    per repeat one memcpy of the same bytes, then each tree's save and load (order alternating).
+//    KVGATE_BENCH_KV_LAYOUT=LBNHC|LBHNC: vLLM 0.26+'s packed K/V views instead of FlashAttention tensors.
 
 import { type ChildProcess, spawn } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
 import { closeSync, ftruncateSync, mkdtempSync, openSync, rmSync, unlinkSync, writeFileSync } from 'node:fs'
 import { loadavg } from 'node:os'
 import { join, resolve } from 'node:path'
-import { Client, createLlama8BKv, registerLlama8B, shuffled } from './lib/agent-client.ts'
+import {
+  BENCH_KV_LAYOUTS,
+  type BenchKvLayout,
+  Client,
+  createLlama8BKv,
+  registerLlama8B,
+  shuffled,
+} from './lib/agent-client.ts'
 import { type GcCounts, GcTrace, gcLine } from './lib/gc-trace.ts'
 import { median, quantile, table } from './lib/stats.ts'
 
@@ -27,6 +35,11 @@ const trees = [
   { label: `other (${other})`, root: resolve(other) },
 ]
 const rounds = Number(process.env.KVGATE_AB_ROUNDS ?? 6)
+// The engine's KV layout for the save/load phase (bench/agent.ts): both trees must serve it
+// (vLLM's packed views are served from the thirteenth session on).
+const kvLayout = (process.env.KVGATE_BENCH_KV_LAYOUT ?? 'flash-attn') as BenchKvLayout
+if (!BENCH_KV_LAYOUTS.includes(kvLayout))
+  throw new Error(`KVGATE_BENCH_KV_LAYOUT must be one of ${BENCH_KV_LAYOUTS.join(', ')}, got ${kvLayout}`)
 const perRound = Number(process.env.KVGATE_AB_LOOKUPS ?? 1500)
 const repeats = Number(process.env.KVGATE_BENCH_REPEATS ?? 20)
 const python = process.env.KVGATE_PYTHON ?? '/usr/bin/python3'
@@ -224,7 +237,7 @@ async function main() {
       const agent = await startAgent(t.root, sock)
       agents.push(agent)
       const c = await Client.open(sock)
-      const worker = await registerLlama8B(c, kvPath, layers, numBlocks, layerBytes)
+      const worker = await registerLlama8B(c, kvPath, layers, numBlocks, layerBytes, kvLayout)
       copySubjects.push({ ...t, c, worker, save: [] as number[], load: [] as number[] })
     }
     const chunkBytes = 32 * MiB

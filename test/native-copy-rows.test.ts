@@ -46,7 +46,8 @@ function expectNative(f: () => unknown, match: RegExp): void {
 /**
  * Row sets shaped as the agent makes them and odder: a strided view's K and V sets (256 B rows
  * 512 B apart in the source, contiguous in the destination: the pair the addon copies
- * together), the load's reverse (streamed whole lines), rows unaligned and of odd widths, rows
+ * together), the load's reverse (streamed whole lines, K and V rows side by side in the
+ * destination: a pair too), rows unaligned and of odd widths, rows
  * wider than half a grain (cut as runs), single rows, and empty sets.
  */
 function sets(dstBytes: number, srcBytes: number, count: number): number[] {
@@ -65,9 +66,18 @@ function sets(dstBytes: number, srcBytes: number, count: number): number[] {
         d += 64
         add(256, 128, 256, 512, s - (s % 512) + 256)
         break
-      case 1: // the load's shape: contiguous source, strided whole lines
+      case 1: {
+        // the load's shape: contiguous sources, strided whole lines, K and V rows side by side
+        // in the destination (the pair the addon copies together), then a lone set
+        const at = d + ((64 - (d % 64)) % 64)
+        const src = s - (s % 64)
+        if (at + 63 * 512 + 512 <= dstBytes && src + 2 * 64 * 256 <= srcBytes) {
+          out.push(at, src, 256, 64, 512, 256, at + 256, src + 64 * 256, 256, 64, 512, 256)
+          d = at + 64 * 512
+        }
         add(256, 64, 512, 256, s - (s % 64))
         break
+      }
       case 2: // odd widths and pitches, unaligned
         add(37, 100, 41, 1000, s + 3)
         break

@@ -21,7 +21,7 @@ export interface CopyRows {
   readonly slabEnd: number
   /** The sets with the slab as the destination: [slab, tensor, width, height, slabPitch, tensorPitch], in tensor order. */
   readonly toSlab: Float64Array
-  /** The sets with the tensor as the destination: {@link rows} (in slab order). */
+  /** The sets with the tensor as the destination, in tensor order ({@link rows} itself for whole-block sets). */
   readonly toTensor: Float64Array
 }
 
@@ -84,11 +84,11 @@ export function compressRuns(runs: ArrayLike<number>): CopyRows {
   }
   flush()
   const rows = Float64Array.from(out)
-  // A save's sets in tensor order (they are disjoint: the order they copy in changes no byte):
-  // a block's K and V sets, whose rows alternate in a strided view, become neighbours, which the
-  // addon copies row by row together (the view read once, in order). A load's stay in slab
-  // order: its source read in order was faster than its destination (native/src/mmap.cc Zips).
-  // Sets of whole blocks (rows of 4 KiB and more: the old layouts) keep slab order, as before.
+  // Sets in tensor order (they are disjoint: the order they copy in changes no byte): a block's
+  // K and V sets, whose rows alternate in a strided view, become neighbours, which the addon
+  // copies row by row together (the view read, or written, once and in order; native/src/mmap.cc
+  // Zips), a save's and a load's alike. Sets of whole blocks (rows of 4 KiB and more: the old
+  // layouts) keep slab order, as before.
   const order = Array.from({ length: rows.length / ROW_FIELDS }, (_, k) => k)
   let small = false
   for (let k = 2; k < rows.length && !small; k += ROW_FIELDS) small = rows[k]! < 4096
@@ -104,7 +104,13 @@ export function compressRuns(runs: ArrayLike<number>): CopyRows {
     toSlab[o + 4] = rows[from + 5]!
     toSlab[o + 5] = rows[from + 4]!
   }
-  return { rows, valid, tensorEnd, slabEnd, toSlab, toTensor: rows }
+  let toTensor = rows
+  if (small) {
+    toTensor = new Float64Array(rows.length)
+    for (let k = 0; k < order.length; k++)
+      toTensor.set(rows.subarray(order[k]! * ROW_FIELDS, (order[k]! + 1) * ROW_FIELDS), k * ROW_FIELDS)
+  }
+  return { rows, valid, tensorEnd, slabEnd, toSlab, toTensor }
 }
 
 function whole(x: number): boolean {
