@@ -17,14 +17,7 @@ import { randomBytes } from 'node:crypto'
 import { closeSync, ftruncateSync, mkdtempSync, openSync, rmSync, unlinkSync, writeFileSync } from 'node:fs'
 import { loadavg } from 'node:os'
 import { join, resolve } from 'node:path'
-import {
-  BENCH_KV_LAYOUTS,
-  type BenchKvLayout,
-  Client,
-  createLlama8BKv,
-  registerLlama8B,
-  shuffled,
-} from './lib/agent-client.ts'
+import { benchKvLayout, Client, createLlama8BKv, registerLlama8B, shuffled } from './lib/agent-client.ts'
 import { type GcCounts, GcTrace, gcLine } from './lib/gc-trace.ts'
 import { median, quantile, table } from './lib/stats.ts'
 
@@ -37,9 +30,7 @@ const trees = [
 const rounds = Number(process.env.KVGATE_AB_ROUNDS ?? 6)
 // The engine's KV layout for the save/load phase (bench/agent.ts): both trees must serve it
 // (vLLM's packed views are served from the thirteenth session on).
-const kvLayout = (process.env.KVGATE_BENCH_KV_LAYOUT ?? 'flash-attn') as BenchKvLayout
-if (!BENCH_KV_LAYOUTS.includes(kvLayout))
-  throw new Error(`KVGATE_BENCH_KV_LAYOUT must be one of ${BENCH_KV_LAYOUTS.join(', ')}, got ${kvLayout}`)
+const kvLayout = benchKvLayout()
 const perRound = Number(process.env.KVGATE_AB_LOOKUPS ?? 1500)
 const repeats = Number(process.env.KVGATE_BENCH_REPEATS ?? 20)
 const python = process.env.KVGATE_PYTHON ?? '/usr/bin/python3'

@@ -23,14 +23,7 @@ import { loadavg } from 'node:os'
 import { join } from 'node:path'
 import { defaultCopyThreads } from '../src/agent/config.ts'
 import { loadNative } from '../src/client/native-api.ts'
-import {
-  BENCH_KV_LAYOUTS,
-  type BenchKvLayout,
-  Client,
-  createLlama8BKv,
-  registerLlama8B,
-  shuffled,
-} from './lib/agent-client.ts'
+import { benchKvLayout, Client, createLlama8BKv, registerLlama8B, shuffled } from './lib/agent-client.ts'
 import { type GcCounts, GcTrace, gcLine } from './lib/gc-trace.ts'
 import { machineLine, median, quantile, table, writeResult } from './lib/stats.ts'
 
@@ -39,11 +32,7 @@ const repeats = Number(process.env.KVGATE_BENCH_REPEATS ?? 15)
 const dir = mkdtempSync(join('/tmp', 'kvgate-agent-bench-'))
 const shmDir = process.env.KVGATE_BENCH_SHM ?? '/dev/shm'
 const log = (s: string) => console.error(s)
-const kvLayout = (process.env.KVGATE_BENCH_KV_LAYOUT ?? 'flash-attn') as BenchKvLayout
-if (!BENCH_KV_LAYOUTS.includes(kvLayout)) {
-  console.error(`KVGATE_BENCH_KV_LAYOUT must be one of ${BENCH_KV_LAYOUTS.join(', ')}, got ${kvLayout}`)
-  process.exit(2)
-}
+const kvLayout = benchKvLayout()
 
 type Quantiles = { p50: number; p99: number }
 type ConnectorLookup =

@@ -61,6 +61,14 @@ export function shuffled(n: number, seed: number): number[] {
 export type BenchKvLayout = 'flash-attn' | 'LBNHC' | 'LBHNC'
 export const BENCH_KV_LAYOUTS: readonly BenchKvLayout[] = ['flash-attn', 'LBNHC', 'LBHNC']
 
+/** KVGATE_BENCH_KV_LAYOUT (default flash-attn), or an error naming the choices. */
+export function benchKvLayout(): BenchKvLayout {
+  const v = (process.env.KVGATE_BENCH_KV_LAYOUT ?? 'flash-attn') as BenchKvLayout
+  if (!BENCH_KV_LAYOUTS.includes(v))
+    throw new Error(`KVGATE_BENCH_KV_LAYOUT must be one of ${BENCH_KV_LAYOUTS.join(', ')}, got ${v}`)
+  return v
+}
+
 /**
  * Says hello as a Llama-3.1-8B engine (bf16, block size 16, 8 KV heads of 128 at TP 1) and
  * registers `layers` layer tensors of `numBlocks` blocks laid end to end in the shm file
