@@ -7,7 +7,7 @@
 // elements and nowhere else.
 
 import { describe, expect, it } from 'vitest'
-import { compressRuns } from '../src/agent/copy-rows.ts'
+import { compressRuns, rowsOf } from '../src/agent/copy-rows.ts'
 import {
   chunkRuns,
   type EngineGeometry,
@@ -141,7 +141,7 @@ function expectedChunk(g: EngineGeometry, m: Model, ids: number[]): Uint8Array {
   return out
 }
 
-function gather(g: EngineGeometry, m: Model, runs: readonly number[], slab: number): Uint8Array {
+function gather(g: EngineGeometry, m: Model, runs: ArrayLike<number>, slab: number): Uint8Array {
   const out = new Uint8Array(g.layers * slab)
   for (let l = 0; l < g.layers; l++)
     for (let i = 0; i < runs.length; i += 3) {
@@ -154,7 +154,7 @@ function gather(g: EngineGeometry, m: Model, runs: readonly number[], slab: numb
 function scatter(
   g: EngineGeometry,
   m: Model,
-  runs: readonly number[],
+  runs: ArrayLike<number>,
   slab: number,
   chunk: Uint8Array,
 ): void {
@@ -165,9 +165,13 @@ function scatter(
     }
 }
 
-/** The runs' 2-D row sets (copy-rows.ts) expanded back into [tensor, slab, bytes] triples, one per row. */
-function rowRuns(runs: readonly number[]): number[] {
-  const { rows } = compressRuns(runs)
+/**
+ * Row sets (copy-rows.ts) expanded back into [tensor, slab, bytes] triples, one per row: those
+ * the host and GPU copies use (`rowsOf`: for a strided view chunkRuns builds them from a block
+ * template beside the runs), or the runs compressed anew.
+ */
+function rowRuns(runs: ArrayLike<number>, fresh = false): number[] {
+  const { rows } = fresh ? compressRuns(runs) : rowsOf(runs)
   const out: number[] = []
   for (let i = 0; i < rows.length; i += 6) {
     const [t, s, w, h, tp, sp] = rows.subarray(i, i + 6)
@@ -188,8 +192,12 @@ function roundTrip(g: EngineGeometry, m: Model, ids: number[], into: number[]): 
   }
   const want = expectedChunk(g, m, ids)
   expect(Buffer.from(gather(g, m, runs, slab)).equals(Buffer.from(want))).toBe(true)
-  // The same bytes through the row sets the host copies use.
+  // The same bytes through the row sets the host copies use, and through the runs compressed anew.
   expect(Buffer.from(gather(g, m, rowRuns(runs), slab)).equals(Buffer.from(want))).toBe(true)
+  expect(Buffer.from(gather(g, m, rowRuns(runs, true), slab)).equals(Buffer.from(want))).toBe(true)
+  const used = rowsOf(runs)
+  const anew = compressRuns(runs)
+  expect([used.valid, used.tensorEnd, used.slabEnd]).toEqual([anew.valid, anew.tensorEnd, anew.slabEnd])
   // Into other blocks: exactly their elements change, to the chunk's bytes.
   const before = m.buf.slice()
   const mark = new Uint8Array(want.length).map((_, i) => (i * 31 + 3) & 0xff)

@@ -682,8 +682,16 @@ export class Agent {
     let bytes = 0
     let failure: string | undefined
     // Each chunk's runs are the same in every layer (offsets inside one layer's slab).
-    const runsByChunk: (readonly number[])[] = []
-    for (let c = 0; c < count; c++) runsByChunk.push(chunkRuns(g, w.view, ids, c * bpc, bpc, skip))
+    const runsByChunk: ArrayLike<number>[] = []
+    // And each chunk's bytes per layer, summed once (a strided view's chunk is 4,096 runs).
+    const bytesByChunk: number[] = []
+    for (let c = 0; c < count; c++) {
+      const runs = chunkRuns(g, w.view, ids, c * bpc, bpc, skip)
+      runsByChunk.push(runs)
+      let n = 0
+      for (let r = 2; r < runs.length; r += 3) n += runs[r]!
+      bytesByChunk.push(n)
+    }
     // Threaded copies of a group of layers run while the next layers are fetched: one native
     // call and one progress event per group (at least an eighth of the model), not per layer.
     // A full group waits for the end of the event loop's turn: layers that are ready together
@@ -771,10 +779,7 @@ export class Agent {
         const copier = w.copier
         if (copier) {
           group.push({ layer: batch.layer, chunks: batch.chunks, slabs: batch.slabs })
-          for (let c = 0; c < batch.chunks; c++) {
-            const runs = runsByChunk[c]!
-            for (let r = 2; r < runs.length; r += 3) bytes += runs[r]!
-          }
+          for (let c = 0; c < batch.chunks; c++) bytes += bytesByChunk[c]!
           if (batch.layer !== g.layers - 1) continue
           copyGroup(copier)
           await copies.settled()
@@ -786,7 +791,7 @@ export class Agent {
           const runs = runsByChunk[c]!
           const copying = this.#gated(() => t.scatter(batch.slabs[c]!, runs))
           if (copying) await copying // a host tensor copies synchronously: no await per chunk
-          for (let r = 2; r < runs.length; r += 3) bytes += runs[r]!
+          bytes += bytesByChunk[c]!
         }
         finished([batch.layer])
       }

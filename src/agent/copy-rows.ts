@@ -83,7 +83,11 @@ export function compressRuns(runs: ArrayLike<number>): CopyRows {
     if (n > 0) add(t, s, n)
   }
   flush()
-  const rows = Float64Array.from(out)
+  return withOrders(Float64Array.from(out), valid, tensorEnd, slabEnd)
+}
+
+/** The {@link CopyRows} of row sets `rows` (in slab order) whose runs are `valid` and reach `tensorEnd` and `slabEnd`. */
+export function withOrders(rows: Float64Array, valid: boolean, tensorEnd: number, slabEnd: number): CopyRows {
   // Sets in tensor order (they are disjoint: the order they copy in changes no byte): a block's
   // K and V sets, whose rows alternate in a strided view, become neighbours, which the addon
   // copies row by row together (the view read, or written, once and in order; native/src/mmap.cc
@@ -120,11 +124,28 @@ function whole(x: number): boolean {
 const cache = new WeakMap<object, CopyRows>()
 
 /**
+ * Makes `sets` what {@link rowsOf} answers for `runs`, which nobody changes after (chunkRuns
+ * built both from one template: every block side of a view has the same sets, shifted; compressing
+ * every chunk's runs again cost more than building them). `sets` must describe exactly the
+ * copies `runs` do.
+ */
+export function rememberRows(runs: ArrayLike<number>, sets: CopyRows): void {
+  cache.set(runs as object, sets)
+}
+
+/** Whether `runs` never change: a frozen array, or runs given to {@link rememberRows}. */
+export function stableRuns(runs: ArrayLike<number>): boolean {
+  return (Array.isArray(runs) && Object.isFrozen(runs)) || cache.has(runs as object)
+}
+
+/**
  * {@link compressRuns}, remembered for a frozen array of runs (a chunk's runs are the same in
  * every layer: chunkRuns freezes them, and the sets are made once per chunk, not per layer).
  * A runs array that is not frozen (it may change) is compressed at every call.
  */
 export function rowsOf(runs: ArrayLike<number>): CopyRows {
+  const known = cache.get(runs as object)
+  if (known !== undefined) return known
   if (!Array.isArray(runs) || !Object.isFrozen(runs)) return compressRuns(runs)
   let c = cache.get(runs)
   if (c === undefined) {

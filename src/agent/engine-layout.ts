@@ -15,6 +15,7 @@
 // sides (the old layouts then copy one run per block side, as before).
 
 import { type Dtype, dtypeBytes, type KvGeometry } from '../core/layout.ts'
+import { compressRuns, ROW_FIELDS, rememberRows, withOrders } from './copy-rows.ts'
 import { AgentError } from './protocol.ts'
 
 export type EngineLayout = 'flash-attn' | 'flashinfer' | 'mla'
@@ -241,47 +242,102 @@ export function chunkRuns(
   first: number,
   blocksPerChunk: number,
   skip: number,
-): readonly number[] {
-  const H = g.kvHeads
-  const bs = g.blockSize
-  const bb = bs * H * v.run
-  const runs: number[] = []
-  // The run being built, pushed when the next one does not continue it.
-  let t0 = -1
-  let h0 = 0
-  let len = 0
-  const add = (t: number, h: number, n: number) => {
-    if (len > 0 && t === t0 + len && h === h0 + len) {
-      len += n
-      return
-    }
-    if (len > 0) runs.push(t0, h0, len)
-    t0 = t
-    h0 = h
-    len = n
-  }
-  // Dense views: side outer, so a side's consecutive blocks merge into one run. Interleaved
-  // ones: block outer, so one block's K and V halves (one page) are copied back to back.
+): ArrayLike<number> {
+  const bb = g.blockSize * g.kvHeads * v.run
   const S = sides(g)
-  const outer = v.dense ? S : blocksPerChunk
-  const inner = v.dense ? blocksPerChunk : S
-  for (let o = 0; o < outer; o++) {
-    for (let i = 0; i < inner; i++) {
-      const [side, j] = v.dense ? [o, i] : [i, o]
-      if (first + j < skip) continue
-      const base = side * v.side + ids[first + j]! * v.block
-      let dst = (side * blocksPerChunk + j) * bb
-      if (v.dense) {
-        add(base, dst, bb)
-        continue
-      }
-      for (let t = 0; t < bs; t++) {
-        const k = Math.floor(t / v.kernelTokens)
-        const at = base + k * v.kernel + (t - k * v.kernelTokens) * v.token
-        for (let h = 0; h < H; h++, dst += v.run) add(at + h * v.head, dst, v.run)
+  if (v.dense) {
+    // Side outer, so a side's consecutive blocks merge into one run.
+    const runs: number[] = []
+    for (let side = 0; side < S; side++) {
+      for (let j = 0; j < blocksPerChunk; j++) {
+        if (first + j < skip) continue
+        const t = side * v.side + ids[first + j]! * v.block
+        const h = (side * blocksPerChunk + j) * bb
+        const n = runs.length
+        if (n > 0 && runs[n - 3]! + runs[n - 1]! === t && runs[n - 2]! + runs[n - 1]! === h)
+          runs[n - 1]! += bb
+        else runs.push(t, h, bb)
       }
     }
+    return Object.freeze(runs)
   }
-  if (len > 0) runs.push(t0, h0, len)
-  return Object.freeze(runs)
+  // Block outer, so one block's K and V halves (one page) are copied back to back: each block
+  // side is the view's template shifted (a 32k-token load's 128 chunks of 4,096 runs each took
+  // ~1 ms per chunk on the agent's event loop built run by run).
+  const tpl = blockTemplate(g, v)
+  let count = 0
+  for (let j = 0; j < blocksPerChunk; j++) if (first + j >= skip) count++
+  const { runs: tr, sets: ts, tensorEnd: te, slabEnd: se } = tpl
+  const runs = new Float64Array(count * S * tr.length)
+  // The row sets (copy-rows.ts) built alongside, shifted the same way: compressing each chunk's
+  // runs again would cost as much as building them.
+  const sets = new Float64Array(count * S * ts.length)
+  let o = 0
+  let q = 0
+  let tensorEnd = 0
+  for (let j = 0; j < blocksPerChunk; j++) {
+    if (first + j < skip) continue
+    const block = ids[first + j]! * v.block
+    for (let side = 0; side < S; side++) {
+      const t = side * v.side + block
+      const h = (side * blocksPerChunk + j) * bb
+      for (let i = 0; i < tr.length; i += 3) {
+        runs[o++] = t + tr[i]!
+        runs[o++] = h + tr[i + 1]!
+        runs[o++] = tr[i + 2]!
+      }
+      for (let i = 0; i < ts.length; i += ROW_FIELDS, q += ROW_FIELDS) {
+        sets[q] = t + ts[i]!
+        sets[q + 1] = h + ts[i + 1]!
+        sets[q + 2] = ts[i + 2]!
+        sets[q + 3] = ts[i + 3]!
+        sets[q + 4] = ts[i + 4]!
+        sets[q + 5] = ts[i + 5]!
+      }
+      tensorEnd = Math.max(tensorEnd, t + te)
+    }
+  }
+  // The slab's furthest byte: the last block side's (sides are laid out side-major in the slab).
+  let slabEnd = 0
+  for (let j = blocksPerChunk - 1; j >= 0 && slabEnd === 0; j--)
+    if (first + j >= skip) slabEnd = ((S - 1) * blocksPerChunk + j) * bb + se
+  rememberRows(runs, withOrders(sets, true, tensorEnd, slabEnd))
+  return runs
+}
+
+interface BlockTemplate {
+  /** One block side's runs, relative to its start in the tensor and in the slab. */
+  runs: Float64Array
+  /** The same as row sets (copy-rows.ts), relative likewise. */
+  sets: Float64Array
+  tensorEnd: number
+  slabEnd: number
+}
+
+const templates = new WeakMap<LayerView, BlockTemplate>()
+
+/**
+ * One block side's runs relative to its start in the tensor and in the slab ([token][head][dim]),
+ * contiguous neighbours merged: the same for every block and side of a view.
+ */
+function blockTemplate(g: EngineGeometry, v: LayerView): BlockTemplate {
+  let tpl = templates.get(v)
+  if (tpl !== undefined) return tpl
+  const out: number[] = []
+  let dst = 0
+  for (let t = 0; t < g.blockSize; t++) {
+    const k = Math.floor(t / v.kernelTokens)
+    const at = k * v.kernel + (t - k * v.kernelTokens) * v.token
+    for (let h = 0; h < g.kvHeads; h++, dst += v.run) {
+      const src = at + h * v.head
+      const n = out.length
+      if (n > 0 && out[n - 3]! + out[n - 1]! === src && out[n - 2]! + out[n - 1]! === dst)
+        out[n - 1]! += v.run
+      else out.push(src, dst, v.run)
+    }
+  }
+  const c = compressRuns(out)
+  tpl = { runs: Float64Array.from(out), sets: c.rows, tensorEnd: c.tensorEnd, slabEnd: c.slabEnd }
+  templates.set(v, tpl)
+  return tpl
 }

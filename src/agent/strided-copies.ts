@@ -1,7 +1,7 @@
 // A layer's copy runs as strided (2-D) copies for the GPU path: in vLLM's packed K/V layouts a
 // block's K is thousands of head-sized runs a fixed pitch apart, which one cudaMemcpy2DAsync moves.
 
-import { ROW_FIELDS, rowsOf } from './copy-rows.ts'
+import { ROW_FIELDS, rowsOf, stableRuns } from './copy-rows.ts'
 
 /** Numbers per descriptor: [tensorOffset, hostOffset, width, height, tensorPitch, hostPitch]. */
 export const STRIDED_FIELDS = ROW_FIELDS
@@ -51,6 +51,18 @@ function disjoint(inner: number, outer: number, k: number, m: number, w: number)
  * A malformed run (negative, fractional, NaN) is kept alone and unmerged, for the addon to refuse.
  */
 export function stridedCopies(runs: ArrayLike<number>): Float64Array {
+  // A chunk's runs are the same for every layer (chunkRuns freezes them): built once, not per layer.
+  const frozen = stableRuns(runs)
+  const known = frozen ? made.get(runs as object) : undefined
+  if (known !== undefined) return known
+  const out = build(runs)
+  if (frozen) made.set(runs as object, out)
+  return out
+}
+
+const made = new WeakMap<object, Float64Array>()
+
+function build(runs: ArrayLike<number>): Float64Array {
   if (runs.length % 3 !== 0)
     throw new RangeError('copy runs must be [tensorOffset, hostOffset, bytes] triples')
   // 1 and 2: the host path's row sets (once per chunk for chunkRuns' frozen runs).
