@@ -506,12 +506,21 @@ def test_real_gpu_ipc(tmp):
     _gpu_round_trip(tmp, "gpu")
 
 
-def _gpu_round_trip(tmp, name, world=1, check=None):
+@pytest.mark.parametrize("kv_order", ["LBNHC", "LBHNC"])
+def test_real_gpu_ipc_vllm_views(tmp, kv_order):
+    """vLLM 0.29's per-layer views of one CUDA allocation (NHD and HND pages): one IPC handle for
+    every layer, each view at its offset, copied by the agent as cudaMemcpy2DAsync row sets."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU on this machine (none was lent to this task): the CUDA IPC path runs only on a GPU host")
+    _gpu_round_trip(tmp, f"gpu-views-{kv_order}", kv_order=kv_order)
+
+
+def _gpu_round_trip(tmp, name, world=1, check=None, **spec_kw):
     """Engine A saves PROMPT from CUDA KV, engine B (its own agent) loads it: every rank's blocks
     equal A's. `check(a, b)` adds assertions while the engines run."""
     gw = start_gateway()
     try:
-        a, b, ra, rb, agents = share(tmp, gw, name, device="cuda", world=world)
+        a, b, ra, rb, agents = share(tmp, gw, name, device="cuda", world=world, **spec_kw)
         try:
             assert rb["matched"] == 96 and rb["load_errors"] == []
             for rank in range(world):
