@@ -66,22 +66,13 @@ export function compressRuns(runs: ArrayLike<number>): CopyRows {
     width = n
     height = 1
   }
-  let i = 0
-  while (i < runs.length) {
-    const t = runs[i]!
-    const s = runs[i + 1]!
-    let n = runs[i + 2]!
-    i += 3
-    if (!(whole(t) && whole(s) && whole(n))) valid = false
-    while (i < runs.length && runs[i] === t + n && runs[i + 1] === s + n) {
-      if (!whole(runs[i + 2]!)) valid = false
-      n += runs[i + 2]!
-      i += 3
-    }
+  for (let i = 0; i < runs.length && valid; i += 3)
+    valid = whole(runs[i]!) && whole(runs[i + 1]!) && whole(runs[i + 2]!)
+  forMerged(runs, (t, s, n) => {
     if (t + n > tensorEnd) tensorEnd = t + n
     if (s + n > slabEnd) slabEnd = s + n
     if (n > 0) add(t, s, n)
-  }
+  })
   flush()
   return withOrders(Float64Array.from(out), valid, tensorEnd, slabEnd)
 }
@@ -115,6 +106,25 @@ export function withOrders(rows: Float64Array, valid: boolean, tensorEnd: number
       toTensor.set(rows.subarray(order[k]! * ROW_FIELDS, (order[k]! + 1) * ROW_FIELDS), k * ROW_FIELDS)
   }
   return { rows, valid, tensorEnd, slabEnd, toSlab, toTensor }
+}
+
+/** Runs adjacent on both sides (consecutive block ids, as vLLM often allocates) as one: `f` per merged run. */
+export function forMerged(
+  runs: ArrayLike<number>,
+  f: (tensorAt: number, hostAt: number, bytes: number) => void,
+): void {
+  let i = 0
+  while (i < runs.length) {
+    const t = runs[i]!
+    const h = runs[i + 1]!
+    let n = runs[i + 2]!
+    i += 3
+    while (i < runs.length && runs[i] === t + n && runs[i + 1] === h + n) {
+      n += runs[i + 2]!
+      i += 3
+    }
+    f(t, h, n)
+  }
 }
 
 function whole(x: number): boolean {

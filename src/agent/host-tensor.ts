@@ -3,7 +3,7 @@
 
 import { closeSync, fstatSync, openSync, readSync, writeSync } from 'node:fs'
 import type { NativeModule } from '../client/native-api.ts'
-import { type CopyRows, ROW_FIELDS, rowsInside, rowsOf } from './copy-rows.ts'
+import { type CopyRows, forMerged, ROW_FIELDS, rowsInside, rowsOf } from './copy-rows.ts'
 import { AgentError } from './protocol.ts'
 
 /**
@@ -480,25 +480,6 @@ async function allCopies(starts: (() => Promise<void>)[]): Promise<void> {
   const settled = await Promise.allSettled(started)
   if (failure) throw failure.e
   for (const r of settled) if (r.status === 'rejected') throw r.reason
-}
-
-/** Runs adjacent on both sides (consecutive block ids, as vLLM often allocates) become one syscall. */
-function forMerged(
-  runs: ArrayLike<number>,
-  f: (tensorAt: number, hostAt: number, bytes: number) => void,
-): void {
-  let i = 0
-  while (i < runs.length) {
-    const t = runs[i]!
-    const h = runs[i + 1]!
-    let n = runs[i + 2]!
-    i += 3
-    while (i < runs.length && runs[i] === t + n && runs[i + 1] === h + n) {
-      n += runs[i + 2]!
-      i += 3
-    }
-    f(t, h, n)
-  }
 }
 
 /**
