@@ -156,12 +156,8 @@ export function stableRuns(runs: ArrayLike<number>): boolean {
 export function rowsOf(runs: ArrayLike<number>): CopyRows {
   const known = cache.get(runs as object)
   if (known !== undefined) return known
-  if (!Array.isArray(runs) || !Object.isFrozen(runs)) return compressRuns(runs)
-  let c = cache.get(runs)
-  if (c === undefined) {
-    c = compressRuns(runs)
-    cache.set(runs, c)
-  }
+  const c = compressRuns(runs)
+  if (Array.isArray(runs) && Object.isFrozen(runs)) cache.set(runs, c)
   return c
 }
 
