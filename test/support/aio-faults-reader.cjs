@@ -16,7 +16,17 @@ async function once() {
   const b = pinned.buffer ?? pinned
   const dst = new Uint8Array(size).fill(0xab)
   const gate = n.newCopyGate()
-  const out = { ok: false, error: '', bytes: 0, direct: false, same: false, crcs: false, copied: 0, wrong: 0 }
+  const out = {
+    ok: false,
+    error: '',
+    bytes: 0,
+    direct: false,
+    same: false,
+    crcs: false,
+    copied: 0,
+    copiedRanges: [],
+    wrong: 0,
+  }
   try {
     const flat = new Float64Array(ranges.flat())
     const r = await n.readFileCrc(
@@ -41,11 +51,12 @@ async function once() {
   } catch (e) {
     out.error = String(e.message)
   }
-  for (const [a, z] of ranges) {
-    if (dst.subarray(a, z).every((v) => v === 0xab)) continue
+  ranges.forEach(([a, z], i) => {
+    if (dst.subarray(a, z).every((v) => v === 0xab)) return
     out.copied++
+    out.copiedRanges.push(i)
     if (Buffer.compare(dst.subarray(a, z), data.subarray(a, z)) !== 0) out.wrong++
-  }
+  })
   n.closeCopyGate(gate)
   n.freePinned(b)
   return out
