@@ -121,9 +121,15 @@ export async function startFaultGateway(): Promise<FaultGateway> {
       left -= n
       stats.oversizeWritten += n
       if (!res.write(n === piece.byteLength ? piece : piece.subarray(0, n))) {
+        // Both listeners go once either fires: a slow reader drains many times.
         await new Promise<void>((r) => {
-          res.once('drain', r)
-          res.once('close', r)
+          const done = () => {
+            res.off('drain', done)
+            res.off('close', done)
+            r()
+          }
+          res.on('drain', done)
+          res.on('close', done)
         })
       }
     }
