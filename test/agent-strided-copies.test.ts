@@ -370,6 +370,24 @@ describe.skipIf(stub !== undefined)('DeviceTensor gather / scatter as 2-D copies
     cuda.deviceFree(e.base)
   })
 
+  it('runs past the tensor (inside its allocation) are ERR_INVALID_ARGUMENT before any byte moves, both ways', async () => {
+    const e = await engine(8192)
+    // The registered tensor is the allocation's first 4 KiB past the offset: the rest is the engine's.
+    const tensor = new DeviceTensor(native, 0, e.base, 4096, 4096)
+    for (const runs of [
+      [4096 - 16, 0, 17],
+      [0, 0, 16, 4096, 16, 16],
+      packedRuns('nhd', [0]).map((x, i) => (i % 3 === 0 ? x + 4096 - BLOCK + 2 : x)),
+    ]) {
+      const slab = new Uint8Array(2 * BLOCK).fill(9)
+      for (const copy of [() => tensor.scatter(slab, runs), () => tensor.gather(runs, slab)])
+        await expect(copy()).rejects.toMatchObject({ code: 'ERR_INVALID_ARGUMENT' })
+      expect(same(await e.read(), e.mirror)).toBe(true)
+      expect(slab.every((b) => b === 9)).toBe(true)
+    }
+    cuda.deviceFree(e.base)
+  })
+
   it('malformed runs are refused before any byte moves', async () => {
     const e = await engine(8192)
     const host = new Uint8Array(1024).fill(9)

@@ -30,6 +30,7 @@ import {
   map,
   oneOf,
   optInt,
+  shown,
   str,
 } from './fields.ts'
 import { HostCopier, HostTensor, type KvTensor, type LayerSlabs } from './host-tensor.ts'
@@ -454,7 +455,7 @@ export class Agent {
         if (view !== undefined && JSON.stringify(v) !== JSON.stringify(view))
           throw new AgentError(
             'ERR_LAYOUT',
-            `tensors[${i}] has shape ${JSON.stringify(t.shape)} and strides ${JSON.stringify(t.strides)}, unlike tensors[0]: every layer of a registration must be laid out alike`,
+            `tensors[${i}] has shape ${shown(t.shape)} and strides ${shown(t.strides)}, unlike tensors[0]: every layer of a registration must be laid out alike`,
           )
         view = v
         const want = v.span
@@ -673,7 +674,7 @@ export class Agent {
     const count = hashCount(hashes)
     const ids = this.#blocks(w, m, count)
     const skip = optInt(m, 'skipBlocks', 0, ids.length, 0)
-    distinctBlocks(ids, skip)
+    distinctBlocks(ids, skip, w.numBlocks)
     const g = w.geometry
     const bpc = w.space.blocksPerChunk
     const keys = w.space.keys(hashes)
@@ -685,12 +686,17 @@ export class Agent {
     const runsByChunk: ArrayLike<number>[] = []
     // And each chunk's bytes per layer, summed once (a strided view's chunk is 4,096 runs).
     const bytesByChunk: number[] = []
-    for (let c = 0; c < count; c++) {
-      const runs = chunkRuns(g, w.view, ids, c * bpc, bpc, skip)
-      runsByChunk.push(runs)
-      let n = 0
-      for (let r = 2; r < runs.length; r += 3) n += runs[r]!
-      bytesByChunk.push(n)
+    // Built for the chunks a layer serves, once it is served: not for chunks the tiers do not
+    // hold. Built up front, a load of 65,536 keys (present or not) cost a strided view ~100 KB
+    // and ~0.1 ms of the event loop per chunk (GBs and seconds) before the first chunk was found.
+    const runsFor = (chunks: number) => {
+      for (let c = runsByChunk.length; c < chunks; c++) {
+        const runs = chunkRuns(g, w.view, ids, c * bpc, bpc, skip)
+        runsByChunk.push(runs)
+        let n = 0
+        for (let r = 2; r < runs.length; r += 3) n += runs[r]!
+        bytesByChunk.push(n)
+      }
     }
     // Threaded copies of a group of layers run while the next layers are fetched: one native
     // call and one progress event per group (at least an eighth of the model), not per layer.
@@ -775,6 +781,7 @@ export class Agent {
         if (next === undefined || next.done) break
         const batch = next.value
         served = Math.min(served, batch.chunks)
+        runsFor(batch.chunks)
         seen.add(batch.layer)
         const copier = w.copier
         if (copier) {
@@ -833,7 +840,7 @@ export class Agent {
     const bb = blockBytes(g)
     // Keys always start at chunk 0 (chain identity); `from` skips chunks the engine loaded from us.
     const from = optInt(m, 'from', 0, count, 0)
-    distinctBlocks(ids, from * bpc)
+    distinctBlocks(ids, from * bpc, w.numBlocks)
     const keys = w.space.keys(hashes).slice(from)
     const prog = beginProgress(s, m.id, 'save')
     try {
@@ -1034,16 +1041,32 @@ function notEnded(s: Session): void {
  * would store one block's KV as two positions'. Leading blocks a load skips (vLLM's null block,
  * repeated) or a save does not store (the chain) are not copied: repeats there are fine.
  */
-function distinctBlocks(ids: readonly number[], from: number): void {
-  const seen = new Set<number>()
+/**
+ * Throws unless `ids[from..]` (block ids below `numBlocks`, checked by the caller) are distinct.
+ * A long list is checked against a bitmap of the registration's blocks: a Set of the millions of
+ * ids a 16 MiB frame holds held the event loop ~1 s per million (every engine's lookups with it).
+ */
+export function distinctBlocks(ids: readonly number[], from: number, numBlocks: number): void {
+  const twice = (b: number, i: number) =>
+    new AgentError(
+      'ERR_INVALID_ARGUMENT',
+      `blockIds names block ${b} twice (at ${ids.indexOf(b, from)} and ${i}): each block it copies must be distinct`,
+    )
+  if (ids.length - from <= 4096) {
+    const seen = new Set<number>()
+    for (let i = from; i < ids.length; i++) {
+      const b = ids[i]!
+      if (seen.has(b)) throw twice(b, i)
+      seen.add(b)
+    }
+    return
+  }
+  const seen = new Uint8Array(Math.ceil(numBlocks / 8))
   for (let i = from; i < ids.length; i++) {
     const b = ids[i]!
-    if (seen.has(b))
-      throw new AgentError(
-        'ERR_INVALID_ARGUMENT',
-        `blockIds names block ${b} twice (at ${ids.indexOf(b, from)} and ${i}): each block it copies must be distinct`,
-      )
-    seen.add(b)
+    const bit = 1 << (b & 7)
+    if (seen[b >>> 3]! & bit) throw twice(b, i)
+    seen[b >>> 3]! |= bit
   }
 }
 

@@ -8,6 +8,7 @@
 // into head-sized runs a fixed pitch apart, a few 2-D copies instead of thousands of memcpys.
 
 import type { NativeModule } from '../client/native-api.ts'
+import { rowsOf } from './copy-rows.ts'
 import type { KvTensor } from './host-tensor.ts'
 import { AgentError } from './protocol.ts'
 import { stridedCopies } from './strided-copies.ts'
@@ -121,10 +122,26 @@ export class DeviceTensor implements KvTensor {
   }
 
   async gather(runs: ArrayLike<number>, host: Uint8Array): Promise<void> {
+    this.#inside(runs)
     await this.#native.cuda.copy2D('d2h', host, this.#ptr, stridedCopies(runs), { device: this.device })
   }
 
   async scatter(host: Uint8Array, runs: ArrayLike<number>): Promise<void> {
+    this.#inside(runs)
     await this.#native.cuda.copy2D('h2d', host, this.#ptr, stridedCopies(runs), { device: this.device })
+  }
+
+  /**
+   * The addon checks the host side of every copy but cannot know where the tensor ends on the
+   * GPU: a run past its registered bytes would read or write the engine's other GPU memory. O(1)
+   * per layer (a chunk's row sets are made once); malformed runs are left to the addon to refuse.
+   */
+  #inside(runs: ArrayLike<number>): void {
+    const sets = rowsOf(runs)
+    if (sets.valid && sets.tensorEnd > this.bytes)
+      throw new AgentError(
+        'ERR_INVALID_ARGUMENT',
+        `a copy run reaches byte ${sets.tensorEnd} of a GPU tensor of ${this.bytes} bytes`,
+      )
   }
 }

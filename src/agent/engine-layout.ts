@@ -16,6 +16,7 @@
 
 import { type Dtype, dtypeBytes, type KvGeometry } from '../core/layout.ts'
 import { compressRuns, ROW_FIELDS, rememberRows, withOrders } from './copy-rows.ts'
+import { shown } from './fields.ts'
 import { AgentError } from './protocol.ts'
 
 export type EngineLayout = 'flash-attn' | 'flashinfer' | 'mla'
@@ -140,7 +141,7 @@ export function layerView(
     if (!ok)
       throw new AgentError(
         'ERR_LAYOUT',
-        `${what} has shape ${JSON.stringify(shape)}; ${numBlocks} blocks of the ${g.layout} layout are ` +
+        `${what} has shape ${shown(shape)}; ${numBlocks} blocks of the ${g.layout} layout are ` +
           `${JSON.stringify(legacy)} (vLLM up to 0.25) or ${JSON.stringify(viewShape(g, numBlocks))} ` +
           '([blocks, kv_heads, block_size, K|V], vLLM from 0.26; block_size may be a kernel block size that divides it)',
       )
@@ -156,7 +157,7 @@ export function layerView(
   )
     throw new AgentError(
       'ERR_LAYOUT',
-      `${what}.strides must be ${rank} integers >= 0 (elements), got ${JSON.stringify(strides)}`,
+      `${what}.strides must be ${rank} integers >= 0 (elements), got ${shown(strides)}`,
     )
   const s = (st as number[]).map((x) => x * e)
   if (s[rank - 1] !== e && dims[rank - 1] !== 1)

@@ -10,6 +10,22 @@ function bad(name: string, want: string, v: unknown): never {
   throw new AgentError('ERR_INVALID_ARGUMENT', `invalid ${name}: expected ${want}, got ${shown}`)
 }
 
+/**
+ * A request's value as an error message shows it: JSON (NaN and infinities by name), clipped
+ * to `max` characters. A refused field is echoed, never whole: a 16 MiB array would come back as
+ * a larger answer (every connector reads it), and its string would be built for nothing.
+ */
+export function shown(v: unknown, max = 120): string {
+  let text: string
+  try {
+    text =
+      JSON.stringify(v, (_, x) => (typeof x === 'number' && !Number.isFinite(x) ? String(x) : x)) ?? String(v)
+  } catch {
+    text = String(v)
+  }
+  return text.length > max ? `${text.slice(0, max)}…` : text
+}
+
 export function int(m: Fields, name: string, min: number, max: number): number {
   const v = m[name]
   if (typeof v !== 'number' || !Number.isSafeInteger(v) || v < min || v > max)
