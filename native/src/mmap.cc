@@ -243,9 +243,10 @@ Piece PlaneOf(const Piece& p, size_t q) {
   return Piece{p.dst + q * p.dstPlanePitch, p.src + q * p.srcPlanePitch, p.n, p.rows, p.dstPitch, p.srcPitch};
 }
 
-// Row sets of fewer bytes are copied with ordinary stores. Lower than kStreamRunBytes: an HND
-// view's sets are one token's heads (8 rows of 256 B), and the sets of a chunk follow one
-// another in the destination (the save) or the source (the load), so the stores still stream.
+// Row sets of fewer bytes (a 3-D set: counting all its planes) are copied with ordinary stores.
+// Lower than kStreamRunBytes: an HND view's planes are one token's heads (8 rows of 256 B), and
+// the planes of a set and the sets of a chunk follow one another in the destination (the save)
+// or the source (the load), so the stores still stream.
 constexpr size_t kStreamRowSetBytes = 1024;
 
 #if defined(__SSE2__)
