@@ -7,7 +7,7 @@
 // elements and nowhere else.
 
 import { describe, expect, it } from 'vitest'
-import { compressRuns, rowsOf } from '../src/agent/copy-rows.ts'
+import { compressRuns, PLANE_FIELDS, rowsOf } from '../src/agent/copy-rows.ts'
 import {
   chunkRuns,
   type EngineGeometry,
@@ -181,6 +181,33 @@ function rowRuns(runs: ArrayLike<number>, fresh = false): number[] {
   return out
 }
 
+/**
+ * The host copies' 3-D sets (copy-rows.ts toSlab or toTensor, whichever `side` names) expanded
+ * back into [tensor, slab, bytes] triples, one per row of every plane, each set's rows checked
+ * apart on both sides (no two rows of a set touch: the addon's RowsApart).
+ */
+function planeRuns(runs: ArrayLike<number>, side: 'toSlab' | 'toTensor'): number[] {
+  const sets = rowsOf(runs)[side]
+  const out: number[] = []
+  for (let i = 0; i < sets.length; i += PLANE_FIELDS) {
+    const [a, b, w, h, ap, bp, n, app, bpp] = Array.from(sets.subarray(i, i + PLANE_FIELDS))
+    const [t, s, tp, sp, tpp, spp] = side === 'toTensor' ? [a, b, ap, bp, app, bpp] : [b, a, bp, ap, bpp, app]
+    const spans: [number, number][][] = [[], []]
+    for (let q = 0; q < n!; q++)
+      for (let r = 0; r < h!; r++) {
+        const at = [t! + q * tpp! + r * tp!, s! + q * spp! + r * sp!] as const
+        out.push(at[0], at[1], w!)
+        spans[0]!.push([at[0], at[0] + w!])
+        spans[1]!.push([at[1], at[1] + w!])
+      }
+    for (const list of spans) {
+      list.sort((x, y) => x[0] - y[0])
+      for (let k = 1; k < list.length; k++) expect(list[k]![0]).toBeGreaterThanOrEqual(list[k - 1]![1])
+    }
+  }
+  return out
+}
+
 /** Gathers blocks `ids`, checks them against the element-wise read, scatters them into `into` and checks which bytes changed. */
 function roundTrip(g: EngineGeometry, m: Model, ids: number[], into: number[]): number {
   fill(m.buf, 7)
@@ -195,13 +222,22 @@ function roundTrip(g: EngineGeometry, m: Model, ids: number[], into: number[]): 
   // The same bytes through the row sets the host copies use, and through the runs compressed anew.
   expect(Buffer.from(gather(g, m, rowRuns(runs), slab)).equals(Buffer.from(want))).toBe(true)
   expect(Buffer.from(gather(g, m, rowRuns(runs, true), slab)).equals(Buffer.from(want))).toBe(true)
+  // And through the 3-D sets of a save (toSlab) and of a load (toTensor).
+  expect(Buffer.from(gather(g, m, planeRuns(runs, 'toSlab'), slab)).equals(Buffer.from(want))).toBe(true)
+  expect(Buffer.from(gather(g, m, planeRuns(runs, 'toTensor'), slab)).equals(Buffer.from(want))).toBe(true)
   const used = rowsOf(runs)
   const anew = compressRuns(runs)
   expect([used.valid, used.tensorEnd, used.slabEnd]).toEqual([anew.valid, anew.tensorEnd, anew.slabEnd])
   // Into other blocks: exactly their elements change, to the chunk's bytes.
   const before = m.buf.slice()
   const mark = new Uint8Array(want.length).map((_, i) => (i * 31 + 3) & 0xff)
-  scatter(g, m, chunkRuns(g, view, into, 0, into.length, 0), slab, mark)
+  const back = chunkRuns(g, view, into, 0, into.length, 0)
+  // A load through the 3-D sets lands what one through the runs lands.
+  scatter(g, m, planeRuns(back, 'toTensor'), slab, mark)
+  const viaPlanes = m.buf.slice()
+  m.buf.set(before)
+  scatter(g, m, back, slab, mark)
+  expect(Buffer.from(m.buf).equals(Buffer.from(viaPlanes))).toBe(true)
   expect(Buffer.from(expectedChunk(g, m, into)).equals(Buffer.from(mark))).toBe(true)
   const touched = new Set<number>()
   const S = g.layout === 'mla' ? 1 : 2
@@ -238,6 +274,32 @@ describe("vLLM's [B, H, N, C] views of one allocation (vLLM from 0.26)", () => {
   it('padded pages (page_size_padded): the padding is never read nor written', () => {
     roundTrip(G, vllmModel(G, ORDERS.LBNHC, 1, 5), [2, 3], [4, 0])
     roundTrip(G, vllmModel(G, ORDERS.BLHNC, 1, 7), [0, 1], [3, 2])
+  })
+
+  it("HND pages: a block side is one 3-D set (a plane per token over its heads), K's beside V's", () => {
+    const m = vllmModel(G, ORDERS.LBHNC)
+    fill(m.buf, 7)
+    const view = layerView(G, NUM_BLOCKS, m.shape, m.strides, 't')
+    const runs = chunkRuns(G, view, [3, 0, 2], 0, 3, 0)
+    const { toSlab, toTensor } = rowsOf(runs)
+    expect(toSlab.length / PLANE_FIELDS).toBe(2 * 3)
+    for (let i = 0; i < toTensor.length; i += PLANE_FIELDS) {
+      // [tensor, slab, width, height, tensorPitch, slabPitch, planes, tensorPlanePitch, slabPlanePitch]
+      expect(Array.from(toTensor.subarray(i + 2, i + PLANE_FIELDS))).toEqual([
+        G.headSize * E,
+        G.kvHeads,
+        view.head,
+        G.headSize * E,
+        G.blockSize,
+        view.token,
+        G.kvHeads * G.headSize * E,
+      ])
+      // In tensor order, a block's K set then its V set, whose rows lie side by side in the tensor.
+      if ((i / PLANE_FIELDS) % 2 === 1) expect(toTensor[i]).toBe(toTensor[i - PLANE_FIELDS]! + G.headSize * E)
+    }
+    // The same sets compressed anew from the runs (not from the block template).
+    const fresh = compressRuns(Array.from(runs))
+    expect(fresh.toSlab.length).toBe(toSlab.length)
   })
 
   it('NHD pages copy one head of one token per run: K and V are interleaved in every row', () => {

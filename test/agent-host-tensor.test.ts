@@ -53,11 +53,11 @@ describe('HostTensor', () => {
   // Scattered runs, two of them adjacent on both sides (merged into one copy).
   const runs = [8192, 0, 4096, 12288, 4096, 4096, 0, 8192, 1000, 60000, 9192, 536]
 
-  // The addon's one-call copy as 2-D row sets and as runs (an addon that predates copyRows),
+  // The addon's one-call copy as 3-D row sets and as runs (an addon that predates copyRows),
   // the mapping with one Buffer#copy per run (an addon that predates copyRuns), and
   // pread/pwrite (no addon).
   const modes = [
-    { name: 'mapped, copyRows', mapped: true, api: native },
+    { name: 'mapped, copyPlanes', mapped: true, api: native },
     { name: 'mapped, copyRuns', mapped: true, api: native && { ...native, copyRowsAvailable: () => false } },
     {
       name: 'mapped, Buffer#copy',
@@ -221,9 +221,9 @@ describe('HostCopier (threaded copies of every layer at once)', () => {
   const runs = [8192, 0, 4096, 12288, 4096, 4096, 0, 8192, 1000, 200_000, 9192, 50_000]
   const SLAB = 59_192
 
-  // The addon's 2-D row sets and its runs (an addon that predates copyRowsAsync).
+  // The addon's 3-D row sets and its runs (an addon that predates copyRowsAsync).
   const forms = [
-    { form: 'copyRowsAsync', api: native },
+    { form: 'copyPlanesAsync', api: native },
     { form: 'copyRunsAsync', api: native && { ...native, copyRowsAvailable: () => false } },
   ]
   // Runs of the first kind, and a strided view's (256 B rows 512 B apart, K then V).
@@ -319,7 +319,7 @@ describe('HostCopier (threaded copies of every layer at once)', () => {
       native && {
         ...native,
         copyRunsAsync: once(native.copyRunsAsync),
-        copyRowsAsync: once(native.copyRowsAsync),
+        copyPlanesAsync: once(native.copyPlanesAsync),
       },
       2,
     )!
@@ -404,9 +404,9 @@ describe('HostCopier (threaded copies of every layer at once)', () => {
         truncateSync(p, 4096)
         return native!.copyRunsAsync(...a)
       },
-      copyRowsAsync: (...a: Parameters<NonNullable<typeof native>['copyRowsAsync']>) => {
+      copyPlanesAsync: (...a: Parameters<NonNullable<typeof native>['copyPlanesAsync']>) => {
         truncateSync(p, 4096)
-        return native!.copyRowsAsync(...a)
+        return native!.copyPlanesAsync(...a)
       },
     }
     const copier = HostCopier.for(layers, shrinking, 2)!

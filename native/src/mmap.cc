@@ -223,7 +223,9 @@ void InstallBusGuard() {
 }
 
 // `n` bytes from `src` to `dst`, or with `rows` > 1 a 2-D row set: row r copies `n` bytes from
-// src + r * srcPitch to dst + r * dstPitch (copyRows: a strided engine view's runs in one piece).
+// src + r * srcPitch to dst + r * dstPitch (copyRows: a strided engine view's runs in one piece);
+// with `planes` > 1 (then rows > 1) a 3-D one: plane q is that row set at src + q * srcPlanePitch
+// and dst + q * dstPlanePitch (copyPlanes: an HND view's block side, heads × tokens, in one piece).
 struct Piece {
   uint8_t* dst;
   const uint8_t* src;
@@ -231,11 +233,20 @@ struct Piece {
   size_t rows = 1;
   size_t dstPitch = 0;
   size_t srcPitch = 0;
+  size_t planes = 1;
+  size_t dstPlanePitch = 0;
+  size_t srcPlanePitch = 0;
 };
 
-// Row sets of fewer bytes are copied with ordinary stores. Lower than kStreamRunBytes: an HND
-// view's sets are one token's heads (8 rows of 256 B), and the sets of a chunk follow one
-// another in the destination (the save) or the source (the load), so the stores still stream.
+// Plane q of a 3-D piece as a 2-D one.
+Piece PlaneOf(const Piece& p, size_t q) {
+  return Piece{p.dst + q * p.dstPlanePitch, p.src + q * p.srcPlanePitch, p.n, p.rows, p.dstPitch, p.srcPitch};
+}
+
+// Row sets of fewer bytes (a 3-D set: counting all its planes) are copied with ordinary stores.
+// Lower than kStreamRunBytes: an HND view's planes are one token's heads (8 rows of 256 B), and
+// the planes of a set and the sets of a chunk follow one another in the destination (the save)
+// or the source (the load), so the stores still stream.
 constexpr size_t kStreamRowSetBytes = 1024;
 
 #if defined(__SSE2__)
@@ -253,11 +264,13 @@ void StreamRow16(uint8_t* d, const uint8_t* s, size_t n) {
 }
 #endif
 
-bool ContiguousStream16(const Piece& p) {
+// `setBytes`: the bytes of the whole set the row set is a plane of (its own for a 2-D one): a 3-D
+// set's planes follow one another on the side read or written in order, so a small plane still
+// streams when its set is large.
+bool ContiguousStream16(const Piece& p, size_t setBytes) {
 #if defined(__SSE2__)
   return p.rows > 1 && p.n < kStreamRunBytes && p.dstPitch == p.n && p.n % 16 == 0 &&
-         p.n * p.rows >= kStreamRowSetBytes &&
-         (reinterpret_cast<uintptr_t>(p.dst) & 15) == 0;
+         setBytes >= kStreamRowSetBytes && (reinterpret_cast<uintptr_t>(p.dst) & 15) == 0;
 #else
   return false;
 #endif
@@ -266,21 +279,17 @@ bool ContiguousStream16(const Piece& p) {
 // Whether a row set's rows (not a contiguous destination's) are copied with StreamCopy: rows of
 // 4 KiB and more, or whole aligned lines from a source read in order (the load of a strided view:
 // 32 MiB in 1.4 ms against 2.9 with memcpy per row, on 2 cores).
-bool StreamsRows(const Piece& p) {
+bool StreamsRows(const Piece& p, size_t setBytes) {
   if (p.n >= kStreamRunBytes) return true;
   return p.n % 64 == 0 && p.dstPitch % 64 == 0 && (reinterpret_cast<uintptr_t>(p.dst) & 63) == 0 &&
-         p.srcPitch == p.n && p.n * p.rows >= kStreamRowSetBytes;
+         p.srcPitch == p.n && setBytes >= kStreamRowSetBytes;
 }
 
-// Whether copying the piece issues streaming stores (then an sfence follows the copy).
-// (A pair's ContiguousStream16 stores are fenced by CopyRowPair itself.)
-bool Streams(const Piece& p) { return p.rows == 1 ? p.n >= kStreamRunBytes : StreamsRows(p); }
-
 // A row set's rows (copyRows validated that its source and destination do not overlap).
-void CopyRowSet(const Piece& p) {
+void CopyRowSet(const Piece& p, size_t setBytes) {
   uint8_t* d = p.dst;
   const uint8_t* s = p.src;
-  if (StreamsRows(p)) {
+  if (StreamsRows(p, setBytes)) {
 #if defined(__SSE2__)
     if (p.n < kStreamRunBytes) {
       // Short whole-line rows (a strided view's heads): StreamCopy's per-call set-up and
@@ -305,24 +314,25 @@ void CopyRowSet(const Piece& p) {
 // streaming stores. With a source hot in cache that was slower (1.8 ms instead of 1.45: two
 // source streams), but into 32 distinct layer tensors, as an engine's are, 2.6-3.3 ms instead
 // of 3.8-4.5 (the K pass and the V pass each wrote every other 256 B of every page).
+// 3-D sets of one shape pair up likewise, plane by plane (an HND view's K and V of a block side).
 bool Zips(const Piece& a, const Piece& b) {
   return a.rows > 1 && b.rows == a.rows && b.n == a.n && b.dstPitch == a.dstPitch && b.srcPitch == a.srcPitch &&
+         b.planes == a.planes && b.dstPlanePitch == a.dstPlanePitch && b.srcPlanePitch == a.srcPlanePitch &&
          (b.src == a.src + a.n || b.dst == a.dst + a.n);
 }
 
-void CopyRowPair(const Piece& a, const Piece& b) {
+void CopyRowPair(const Piece& a, const Piece& b, size_t setBytes) {
 #if defined(__SSE2__)
-  if (ContiguousStream16(a) && ContiguousStream16(b)) {
+  if (ContiguousStream16(a, setBytes) && ContiguousStream16(b, setBytes)) {
     for (size_t r = 0; r < a.rows; r++) {
       StreamRow16(a.dst + r * a.n, a.src + r * a.srcPitch, a.n);
       StreamRow16(b.dst + r * b.n, b.src + r * b.srcPitch, b.n);
     }
-    _mm_sfence();  // visible before the copy returns (GuardedCopy fences only StreamsRows pieces)
-    return;
+    return;  // GuardedCopy fences once after its pieces (a fence per pair: ~0.8 of 3.2 ms for an HND save)
   }
 #endif
 #if defined(__SSE2__)
-  if (b.dst == a.dst + a.n && StreamsRows(a) && StreamsRows(b) && a.n < kStreamRunBytes) {
+  if (b.dst == a.dst + a.n && StreamsRows(a, setBytes) && StreamsRows(b, setBytes) && a.n < kStreamRunBytes) {
     for (size_t r = 0; r < a.rows; r++) {
       StreamRow16(a.dst + r * a.dstPitch, a.src + r * a.srcPitch, a.n);
       StreamRow16(b.dst + r * b.dstPitch, b.src + r * b.srcPitch, b.n);
@@ -330,7 +340,7 @@ void CopyRowPair(const Piece& a, const Piece& b) {
     return;
   }
 #endif
-  if (StreamsRows(a) && StreamsRows(b)) {
+  if (StreamsRows(a, setBytes) && StreamsRows(b, setBytes)) {
     for (size_t r = 0; r < a.rows; r++) {
       StreamCopy(a.dst + r * a.dstPitch, a.src + r * a.srcPitch, a.n);
       StreamCopy(b.dst + r * b.dstPitch, b.src + r * b.srcPitch, b.n);
@@ -358,12 +368,20 @@ bool GuardedCopy(const Piece* pieces, size_t count) {
   for (size_t i = 0; i < count; i++) {
     const Piece& p = pieces[i];
     if (p.rows != 1) {
-      if (i + 1 < count && Zips(p, pieces[i + 1])) {
-        CopyRowPair(p, pieces[i + 1]);
-        i++;
+      const size_t setBytes = p.n * p.rows * p.planes;
+      const bool pair = i + 1 < count && Zips(p, pieces[i + 1]);
+      if (p.planes == 1) {
+        if (pair) CopyRowPair(p, pieces[i + 1], setBytes);
+        else CopyRowSet(p, setBytes);
       } else {
-        CopyRowSet(p);
+        // Plane by plane: a pair's K and V of one token's heads (an HND save: 2 KiB each into
+        // the slab, in order) before the next token's.
+        for (size_t q = 0; q < p.planes; q++) {
+          if (pair) CopyRowPair(PlaneOf(p, q), PlaneOf(pieces[i + 1], q), setBytes);
+          else CopyRowSet(PlaneOf(p, q), setBytes);
+        }
       }
+      if (pair) i++;
       continue;
     }
     // Ranges of one buffer that overlap (not an agent copy, but copyRuns allows it) get memmove.
@@ -376,12 +394,10 @@ bool GuardedCopy(const Piece* pieces, size_t count) {
   }
   t_faultJump = nullptr;
 #if defined(__SSE2__)
-  for (size_t i = 0; i < count; i++) {
-    if (Streams(pieces[i])) {
-      _mm_sfence();  // streamed stores are visible before this returns
-      break;
-    }
-  }
+  // Whatever streamed (a run, a row set, a pair) is visible before this returns: one fence per
+  // call (a grain of a threaded copy) rather than one per piece, each of which waits for the
+  // write-combining buffers to drain.
+  _mm_sfence();
 #endif
   return true;
 }
@@ -469,34 +485,78 @@ bool Whole(double x, double limit) {
   return x >= 0 && x <= limit && x == static_cast<double>(static_cast<uint64_t>(x));
 }
 
-// End (exclusive, from the buffer's start) of `height` rows of `width` bytes `pitch` apart from
-// `off`; off itself when the set is empty. 128-bit: no product of two 2^53 values wraps.
-unsigned __int128 RowsEnd(uint64_t off, uint64_t width, uint64_t height, uint64_t pitch) {
-  if (width == 0 || height == 0) return off;
-  return static_cast<unsigned __int128>(height - 1) * pitch + off + width;
+// End (exclusive, from the buffer's start) of `planes` planes of `height` rows of `width` bytes,
+// rows `pitch` and planes `planePitch` apart, from `off`; off itself when the set is empty.
+// 128-bit: no sum of products of 2^53 values wraps.
+unsigned __int128 SetEnd(uint64_t off, uint64_t width, uint64_t height, uint64_t pitch, uint64_t planes,
+                         uint64_t planePitch) {
+  if (width == 0 || height == 0 || planes == 0) return off;
+  return static_cast<unsigned __int128>(planes - 1) * planePitch +
+         static_cast<unsigned __int128>(height - 1) * pitch + off + width;
 }
 
-// One row set [dstOffset, srcOffset, width, height, dstPitch, srcPitch] between dst and src as a
-// piece (n = 0 when it copies nothing), or the reason it is refused. Every row inside its buffer;
-// the destination's rows apart (dstPitch >= width: each byte written once, whatever the order the
-// rows run in); the source's and destination's ranges disjoint (rows copy in any order and with
-// memcpy, so a set reading what it writes has no defined result).
-const char* RowSetPiece(const double* r, uint8_t* dst, size_t dstLen, const uint8_t* src, size_t srcLen, Piece* out) {
-  for (int k = 0; k < 6; k++) {
-    if (!Whole(r[k], kMaxWhole)) return "is not six integers in [0, 2^53)";
+// Whether no two rows of a set touch a common byte on one side (each destination byte written
+// once, whatever the order the rows run in): rows apart in a plane, and the planes either one
+// after another or each inside the gap between two rows (an HND load's tensor side: a token's
+// 256 B in every 8 KiB head row).
+bool RowsApart(uint64_t width, uint64_t height, uint64_t pitch, uint64_t planes, uint64_t planePitch) {
+  if (height > 1 && pitch < width) return false;
+  if (planes <= 1) return true;
+  const unsigned __int128 plane = static_cast<unsigned __int128>(height - 1) * pitch + width;
+  if (planePitch >= plane) return true;
+  return height > 1 && planePitch >= width &&
+         static_cast<unsigned __int128>(planes - 1) * planePitch + width <= pitch;
+}
+
+// Fields of a 2-D row set (copyRows) and of a 3-D one (copyPlanes).
+constexpr int kRowFields = 6;
+constexpr int kPlaneFields = 9;
+
+// One set between dst and src as a piece (n = 0 when it copies nothing), or the reason it is
+// refused: [dstOffset, srcOffset, width, height, dstPitch, srcPitch] (fields = kRowFields), with
+// [planes, dstPlanePitch, srcPlanePitch] after it (kPlaneFields). Every row inside its buffer;
+// the destination's rows apart (RowsApart); the source's and destination's ranges disjoint (rows
+// copy in any order and with memcpy, so a set reading what it writes has no defined result).
+// Dimensions that add nothing fold away: a plane of one row, planes of contiguous rows.
+const char* RowSetPiece(const double* r, int fields, uint8_t* dst, size_t dstLen, const uint8_t* src, size_t srcLen,
+                        Piece* out) {
+  for (int k = 0; k < fields; k++) {
+    if (!Whole(r[k], kMaxWhole)) {
+      return fields == kRowFields ? "is not six integers in [0, 2^53)" : "is not nine integers in [0, 2^53)";
+    }
   }
   uint64_t d = static_cast<uint64_t>(r[0]), s = static_cast<uint64_t>(r[1]), w = static_cast<uint64_t>(r[2]),
            h = static_cast<uint64_t>(r[3]), dp = static_cast<uint64_t>(r[4]), sp = static_cast<uint64_t>(r[5]);
-  unsigned __int128 dEnd = RowsEnd(d, w, h, dp), sEnd = RowsEnd(s, w, h, sp);
+  uint64_t pl = 1, dpp = 0, spp = 0;
+  if (fields == kPlaneFields) {
+    pl = static_cast<uint64_t>(r[6]);
+    dpp = static_cast<uint64_t>(r[7]);
+    spp = static_cast<uint64_t>(r[8]);
+  }
+  unsigned __int128 dEnd = SetEnd(d, w, h, dp, pl, dpp), sEnd = SetEnd(s, w, h, sp, pl, spp);
   if (dEnd > dstLen || sEnd > srcLen) return "is outside dst or src";
   *out = Piece{dst + d, src + s, 0};
-  if (w == 0 || h == 0) return nullptr;
-  if (h > 1 && dp < w) return "has rows closer than its width in dst (they would overlap)";
+  if (w == 0 || h == 0 || pl == 0) return nullptr;
+  if (!RowsApart(w, h, dp, pl, dpp)) return "has rows closer than its width in dst (they would overlap)";
   const uint8_t* dLo = dst + d;
   const uint8_t* dHi = dst + static_cast<size_t>(dEnd);
   const uint8_t* sLo = src + s;
   const uint8_t* sHi = src + static_cast<size_t>(sEnd);
   if (dLo < sHi && sLo < dHi) return "reads the range it writes (source and destination overlap)";
+  // Every product below is at most the set's extent in a buffer (checked above): no wrap.
+  if (pl > 1 && h == 1) {  // planes of one row: a 2-D set over the planes
+    h = pl;
+    dp = dpp;
+    sp = spp;
+    pl = 1;
+  }
+  if (pl > 1 && dp == w && sp == w) {  // planes of contiguous rows: rows of a plane's bytes
+    w *= h;
+    h = pl;
+    dp = dpp;
+    sp = spp;
+    pl = 1;
+  }
   if (h == 1 || (dp == w && sp == w)) {
     out->n = static_cast<size_t>(w * h);  // one contiguous run
   } else {
@@ -504,6 +564,11 @@ const char* RowSetPiece(const double* r, uint8_t* dst, size_t dstLen, const uint
     out->rows = static_cast<size_t>(h);
     out->dstPitch = static_cast<size_t>(dp);
     out->srcPitch = static_cast<size_t>(sp);
+    if (pl > 1) {
+      out->planes = static_cast<size_t>(pl);
+      out->dstPlanePitch = static_cast<size_t>(dpp);
+      out->srcPlanePitch = static_cast<size_t>(spp);
+    }
   }
   return nullptr;
 }
@@ -517,35 +582,46 @@ std::string RowSetText(const double* r, int n) {
 // copyRows(dst, src, rows: Float64Array of [dstOffset, srcOffset, width, height, dstPitch, srcPitch])
 // -> undefined: copyRuns with 2-D row sets (row r of a set copies `width` bytes from
 // srcOffset + r * srcPitch to dstOffset + r * dstPitch). Every set is checked before any byte moves.
-Napi::Value CopyRows(const Napi::CallbackInfo& info) {
+// copyPlanes(dst, src, sets: Float64Array of [dstOffset, srcOffset, width, height, dstPitch,
+// srcPitch, planes, dstPlanePitch, srcPlanePitch]): the same with 3-D sets (plane q of a set is
+// its row set at dstOffset + q * dstPlanePitch and srcOffset + q * srcPlanePitch).
+Napi::Value CopySets(const Napi::CallbackInfo& info, int fields) {
   Napi::Env env = info.Env();
+  const std::string fn = fields == kRowFields ? "copyRows" : "copyPlanes";
   uint8_t* dst = nullptr;
   uint8_t* src = nullptr;
   size_t dstLen = 0, srcLen = 0;
-  if (!ByteRange(info[0], &dst, &dstLen)) ThrowNative(env, "copyRows: dst must be an ArrayBuffer or a typed array");
-  if (!ByteRange(info[1], &src, &srcLen)) ThrowNative(env, "copyRows: src must be an ArrayBuffer or a typed array");
+  if (!ByteRange(info[0], &dst, &dstLen)) ThrowNative(env, fn + ": dst must be an ArrayBuffer or a typed array");
+  if (!ByteRange(info[1], &src, &srcLen)) ThrowNative(env, fn + ": src must be an ArrayBuffer or a typed array");
   if (!info[2].IsTypedArray() || info[2].As<Napi::TypedArray>().TypedArrayType() != napi_float64_array)
-    ThrowNative(env, "copyRows: rows must be a Float64Array");
+    ThrowNative(env, fn + (fields == kRowFields ? ": rows" : ": sets") + " must be a Float64Array");
   Napi::Float64Array rows = info[2].As<Napi::Float64Array>();
   size_t count = rows.ElementLength();
-  if (count % 6 != 0)
-    ThrowNative(env, "copyRows: rows must hold [dstOffset, srcOffset, width, height, dstPitch, srcPitch] sextuples");
+  if (count % fields != 0) {
+    ThrowNative(env, fields == kRowFields
+                         ? "copyRows: rows must hold [dstOffset, srcOffset, width, height, dstPitch, srcPitch] sextuples"
+                         : "copyPlanes: sets must hold [dstOffset, srcOffset, width, height, dstPitch, srcPitch, "
+                           "planes, dstPlanePitch, srcPlanePitch] nonuples");
+  }
   const double* r = rows.Data();
   std::vector<Piece> pieces;
-  pieces.reserve(count / 6);
-  for (size_t i = 0; i < count; i += 6) {
+  pieces.reserve(count / fields);
+  for (size_t i = 0; i < count; i += fields) {
     Piece pc{nullptr, nullptr, 0};
-    if (const char* why = RowSetPiece(r + i, dst, dstLen, src, srcLen, &pc)) {
-      ThrowNative(env, "copyRows: row set " + std::to_string(i / 6) + " " + RowSetText(r + i, 6) + " " + why +
+    if (const char* why = RowSetPiece(r + i, fields, dst, dstLen, src, srcLen, &pc)) {
+      ThrowNative(env, fn + ": row set " + std::to_string(i / fields) + " " + RowSetText(r + i, fields) + " " + why +
                            " (dst " + std::to_string(dstLen) + " bytes, src " + std::to_string(srcLen) + " bytes)");
     }
     if (pc.n > 0) pieces.push_back(pc);
   }
   if (pieces.empty()) return env.Undefined();
   InstallBusGuard();
-  if (!GuardedCopy(pieces.data(), pieces.size())) Throw(env, ShrankFailure("copyRows"));
+  if (!GuardedCopy(pieces.data(), pieces.size())) Throw(env, ShrankFailure(fn.c_str()));
   return env.Undefined();
 }
+
+Napi::Value CopyRows(const Napi::CallbackInfo& info) { return CopySets(info, kRowFields); }
+Napi::Value CopyPlanes(const Napi::CallbackInfo& info) { return CopySets(info, kPlaneFields); }
 
 // ---- copyRunsAsync: the same copies, split across pool threads ----
 
@@ -750,14 +826,10 @@ Napi::Value StartCopyJob(Napi::Env env, CopyBuffers& b, const std::vector<Piece>
       if (have >= kGrainBytes || (take == 0 && have > 0)) closeGrain();
     }
   };
-  for (Piece pc : pieces) {
-    if (pc.rows == 1) {
-      addRun(pc);
-      continue;
-    }
+  auto addRows = [&](Piece pc) {
     if (pc.n * 2 > kGrainBytes) {
       for (size_t r = 0; r < pc.rows; r++) addRun({pc.dst + r * pc.dstPitch, pc.src + r * pc.srcPitch, pc.n});
-      continue;
+      return;
     }
     while (pc.rows > 0) {
       size_t k = std::min(pc.rows, (kGrainBytes - have) / pc.n);
@@ -772,6 +844,33 @@ Napi::Value StartCopyJob(Napi::Env env, CopyBuffers& b, const std::vector<Piece>
       pc.src += k * pc.srcPitch;
       pc.rows -= k;
       have += k * pc.n;
+      if (have >= kGrainBytes) closeGrain();
+    }
+  };
+  for (Piece pc : pieces) {
+    if (pc.rows == 1) {
+      addRun(pc);
+      continue;
+    }
+    const size_t plane = pc.n * pc.rows;
+    if (pc.planes == 1 || plane * 2 > kGrainBytes) {
+      for (size_t q = 0; q < pc.planes; q++) addRows(PlaneOf(pc, q));
+      continue;
+    }
+    // A 3-D set is cut between planes (an HND block side's K: 16 planes of 2 KiB).
+    while (pc.planes > 0) {
+      size_t k = std::min(pc.planes, (kGrainBytes - have) / plane);
+      if (k == 0) {  // not one more plane fits: the next grain (have > 0: a grain holds two planes)
+        closeGrain();
+        continue;
+      }
+      Piece part = pc;
+      part.planes = k;
+      job->pieces.push_back(part);
+      pc.dst += k * pc.dstPlanePitch;
+      pc.src += k * pc.srcPlanePitch;
+      pc.planes -= k;
+      have += k * plane;
       if (have >= kGrainBytes) closeGrain();
     }
   }
@@ -855,47 +954,67 @@ Napi::Value CopyRunsAsync(const Napi::CallbackInfo& info) {
 // height, dstPitch, srcPitch], parts) -> Promise<void>: copyRunsAsync with copyRows' 2-D row sets,
 // checked as copyRows checks them (a set whose source and destination ranges overlap is refused)
 // before any byte moves, then cut between rows into the same grains.
-Napi::Value CopyRowsAsync(const Napi::CallbackInfo& info) {
+// copyPlanesAsync(buffers, sets: Float64Array of [dstBuffer, dstOffset, srcBuffer, srcOffset, width,
+// height, dstPitch, srcPitch, planes, dstPlanePitch, srcPlanePitch], parts): the same with
+// copyPlanes' 3-D sets, cut between planes (a plane wider than half a grain as copyRowsAsync cuts
+// a set).
+Napi::Value CopySetsAsync(const Napi::CallbackInfo& info, int fields) {
   Napi::Env env = info.Env();
-  CopyBuffers b = ParseBuffers(env, info[0], "copyRowsAsync");
+  const std::string fn = fields == kRowFields ? "copyRowsAsync" : "copyPlanesAsync";
+  const size_t step = static_cast<size_t>(fields) + 2;  // the buffers' indices before each set's fields
+  CopyBuffers b = ParseBuffers(env, info[0], fn);
   const size_t nbuf = b.data.size();
   if (!info[1].IsTypedArray() || info[1].As<Napi::TypedArray>().TypedArrayType() != napi_float64_array)
-    ThrowNative(env, "copyRowsAsync: rows must be a Float64Array");
+    ThrowNative(env, fn + (fields == kRowFields ? ": rows" : ": sets") + " must be a Float64Array");
   Napi::Float64Array rows = info[1].As<Napi::Float64Array>();
   size_t count = rows.ElementLength();
-  if (count % 8 != 0)
-    ThrowNative(env,
-                "copyRowsAsync: rows must hold [dstBuffer, dstOffset, srcBuffer, srcOffset, width, height, dstPitch, "
-                "srcPitch] octuples");
+  if (count % step != 0) {
+    ThrowNative(env, fields == kRowFields
+                         ? "copyRowsAsync: rows must hold [dstBuffer, dstOffset, srcBuffer, srcOffset, width, height, "
+                           "dstPitch, srcPitch] octuples"
+                         : "copyPlanesAsync: sets must hold [dstBuffer, dstOffset, srcBuffer, srcOffset, width, height, "
+                           "dstPitch, srcPitch, planes, dstPlanePitch, srcPlanePitch] 11-tuples");
+  }
   size_t wantParts = ToSize(env, info[2], "parts");
-  if (wantParts < 1 || wantParts > kMaxParts) ThrowNative(env, "copyRowsAsync: parts must be in [1, 64]");
+  if (wantParts < 1 || wantParts > kMaxParts) ThrowNative(env, fn + ": parts must be in [1, 64]");
   const double* r = rows.Data();
   std::vector<Piece> pieces;
-  pieces.reserve(count / 8);
+  pieces.reserve(count / step);
   uint64_t total = 0;
-  for (size_t i = 0; i < count; i += 8) {
+  for (size_t i = 0; i < count; i += step) {
     const double* e = r + i;
     const char* why = nullptr;
     Piece pc{nullptr, nullptr, 0};
     if (!Whole(e[0], nbuf - 1) || !Whole(e[2], nbuf - 1)) {
       why = "names no buffer";
     } else {
-      // As copyRows' [dstOffset, srcOffset, width, height, dstPitch, srcPitch].
-      const double set[6] = {e[1], e[3], e[4], e[5], e[6], e[7]};
+      // As copyRows' [dstOffset, srcOffset, width, height, dstPitch, srcPitch] (copyPlanes': and
+      // [planes, dstPlanePitch, srcPlanePitch]).
+      double set[kPlaneFields] = {e[1], e[3], e[4], e[5], e[6], e[7], 1, 0, 0};
+      if (fields == kPlaneFields) {
+        set[6] = e[8];
+        set[7] = e[9];
+        set[8] = e[10];
+      }
       size_t db = static_cast<size_t>(e[0]), sb = static_cast<size_t>(e[2]);
-      why = RowSetPiece(set, b.data[db], b.length[db], b.data[sb], b.length[sb], &pc);
+      why = RowSetPiece(set, fields, b.data[db], b.length[db], b.data[sb], b.length[sb], &pc);
     }
     if (why == nullptr && pc.n > 0) {
-      total += static_cast<uint64_t>(pc.n) * pc.rows;  // each set is inside a buffer: no wrap
+      // Each set is inside a buffer (at most 2^53 bytes): its bytes and the sum of two such do not wrap.
+      total += static_cast<uint64_t>(pc.n) * pc.rows * pc.planes;
       if (total > static_cast<uint64_t>(kMaxWhole)) why = "brings the copy past 2^53 bytes";
     }
     if (why != nullptr) {
-      ThrowNative(env, "copyRowsAsync: row set " + std::to_string(i / 8) + " " + RowSetText(e, 8) + " " + why);
+      ThrowNative(env, fn + ": row set " + std::to_string(i / step) + " " + RowSetText(e, static_cast<int>(step)) +
+                           " " + why);
     }
     if (pc.n > 0) pieces.push_back(pc);
   }
   return StartCopyJob(env, b, pieces, static_cast<size_t>(total), wantParts);
 }
+
+Napi::Value CopyRowsAsync(const Napi::CallbackInfo& info) { return CopySetsAsync(info, kRowFields); }
+Napi::Value CopyPlanesAsync(const Napi::CallbackInfo& info) { return CopySetsAsync(info, kPlaneFields); }
 
 }  // namespace
 
@@ -904,6 +1023,8 @@ void InitMmap(Napi::Env env, Napi::Object exports) {
   exports.Set("copyRunsAsync", Napi::Function::New(env, CopyRunsAsync, "copyRunsAsync"));
   exports.Set("copyRows", Napi::Function::New(env, CopyRows, "copyRows"));
   exports.Set("copyRowsAsync", Napi::Function::New(env, CopyRowsAsync, "copyRowsAsync"));
+  exports.Set("copyPlanes", Napi::Function::New(env, CopyPlanes, "copyPlanes"));
+  exports.Set("copyPlanesAsync", Napi::Function::New(env, CopyPlanesAsync, "copyPlanesAsync"));
   exports.Set("mapFile", Napi::Function::New(env, MapFile, "mapFile"));
   exports.Set("unmapFile", Napi::Function::New(env, UnmapFile, "unmapFile"));
   exports.Set("mapStats", Napi::Function::New(env, MapStats, "mapStats"));

@@ -1,8 +1,10 @@
-// Copy runs as 2-D row sets: a strided engine view's runs (one per token, head and side: 256 B
-// each, 4,096 per layer of a chunk) become a few sets the addon copies without a per-run step.
+// Copy runs as 2-D and 3-D row sets: a strided engine view's runs (one per token, head and side:
+// 256 B each, 4,096 per layer of a chunk) become a few sets the addon copies without a per-run step.
 
 /** Fields of one row set in {@link CopyRows.rows}. */
 export const ROW_FIELDS = 6
+/** Fields of one 3-D set in {@link CopyRows.toSlab} and {@link CopyRows.toTensor}. */
+export const PLANE_FIELDS = 9
 
 /**
  * A chunk's runs ([tensorOffset, slabOffset, bytes] triples) as row sets: set i is
@@ -19,9 +21,15 @@ export interface CopyRows {
   readonly tensorEnd: number
   /** Bytes from the slab's start past the furthest byte a run touches. */
   readonly slabEnd: number
-  /** The sets with the slab as the destination: [slab, tensor, width, height, slabPitch, tensorPitch], in tensor order. */
+  /**
+   * The host copies' sets, 3-D (the addon's copyPlanes), with the slab as the destination:
+   * [slab, tensor, width, height, slabPitch, tensorPitch, planes, slabPlanePitch,
+   * tensorPlanePitch], in tensor order. Plane q of a set is its row set shifted by q plane
+   * pitches: consecutive row sets of one shape a constant step apart ({@link planesOf}: an HND
+   * view's block side, a set per token over its heads, is one set of a plane per token).
+   */
   readonly toSlab: Float64Array
-  /** The sets with the tensor as the destination, in tensor order ({@link rows} itself for whole-block sets). */
+  /** The same sets with the tensor as the destination: [tensor, slab, width, height, tensorPitch, slabPitch, planes, tensorPlanePitch, slabPlanePitch]. */
   readonly toTensor: Float64Array
 }
 
@@ -77,35 +85,111 @@ export function compressRuns(runs: ArrayLike<number>): CopyRows {
   return withOrders(Float64Array.from(out), valid, tensorEnd, slabEnd)
 }
 
-/** The {@link CopyRows} of row sets `rows` (in slab order) whose runs are `valid` and reach `tensorEnd` and `slabEnd`. */
-export function withOrders(rows: Float64Array, valid: boolean, tensorEnd: number, slabEnd: number): CopyRows {
+/**
+ * The {@link CopyRows} of row sets `rows` (in slab order) whose runs are `valid` and reach
+ * `tensorEnd` and `slabEnd`; `planes`: the same copies as 3-D sets ([tensor, slab, width, height,
+ * tensorPitch, slabPitch, planes, tensorPlanePitch, slabPlanePitch], slab order) when the caller
+ * has them (chunkRuns shifts a block template's), else {@link planesOf}(rows).
+ */
+export function withOrders(
+  rows: Float64Array,
+  valid: boolean,
+  tensorEnd: number,
+  slabEnd: number,
+  planes: Float64Array = planesOf(rows),
+): CopyRows {
   // Sets in tensor order (they are disjoint: the order they copy in changes no byte): a block's
   // K and V sets, whose rows alternate in a strided view, become neighbours, which the addon
   // copies row by row together (the view read, or written, once and in order; native/src/mmap.cc
   // Zips), a save's and a load's alike. Sets of whole blocks (rows of 4 KiB and more: the old
   // layouts) keep slab order, as before.
-  const order = Array.from({ length: rows.length / ROW_FIELDS }, (_, k) => k)
+  const F = PLANE_FIELDS
+  const order = Array.from({ length: planes.length / F }, (_, k) => k)
   let small = false
-  for (let k = 2; k < rows.length && !small; k += ROW_FIELDS) small = rows[k]! < 4096
-  if (small) order.sort((a, b) => rows[a * ROW_FIELDS]! - rows[b * ROW_FIELDS]! || a - b)
-  const toSlab = new Float64Array(rows.length)
+  for (let k = 2; k < planes.length && !small; k += F) small = planes[k]! < 4096
+  if (small) order.sort((a, b) => planes[a * F]! - planes[b * F]! || a - b)
+  const toSlab = new Float64Array(planes.length)
+  const toTensor = new Float64Array(planes.length)
   for (let k = 0; k < order.length; k++) {
-    const from = order[k]! * ROW_FIELDS
-    const o = k * ROW_FIELDS
-    toSlab[o] = rows[from + 1]!
-    toSlab[o + 1] = rows[from]!
-    toSlab[o + 2] = rows[from + 2]!
-    toSlab[o + 3] = rows[from + 3]!
-    toSlab[o + 4] = rows[from + 5]!
-    toSlab[o + 5] = rows[from + 4]!
-  }
-  let toTensor = rows
-  if (small) {
-    toTensor = new Float64Array(rows.length)
-    for (let k = 0; k < order.length; k++)
-      toTensor.set(rows.subarray(order[k]! * ROW_FIELDS, (order[k]! + 1) * ROW_FIELDS), k * ROW_FIELDS)
+    const from = order[k]! * F
+    const o = k * F
+    toTensor.set(planes.subarray(from, from + F), o)
+    toSlab[o] = planes[from + 1]!
+    toSlab[o + 1] = planes[from]!
+    toSlab[o + 2] = planes[from + 2]!
+    toSlab[o + 3] = planes[from + 3]!
+    toSlab[o + 4] = planes[from + 5]!
+    toSlab[o + 5] = planes[from + 4]!
+    toSlab[o + 6] = planes[from + 6]!
+    toSlab[o + 7] = planes[from + 8]!
+    toSlab[o + 8] = planes[from + 7]!
   }
   return { rows, valid, tensorEnd, slabEnd, toSlab, toTensor }
+}
+
+/**
+ * Row sets `rows` ([tensor, slab, width, height, tensorPitch, slabPitch]) as 3-D sets
+ * ([..., planes, tensorPlanePitch, slabPlanePitch]): consecutive sets of one shape, two rows or
+ * more, whose starts step by the same positive deltas on both sides are planes of one set, as
+ * long as no two of its rows touch on either side (the addon's check: the planes one after
+ * another, or each between two rows); every other set is a set of one plane. The copies are the
+ * same: an HND view's block side (a set per token, each over the token's heads at the head
+ * pitch) becomes one set of 16 planes, so the addon takes 32 sets per layer of a chunk, not 512.
+ */
+export function planesOf(rows: Float64Array): Float64Array {
+  const R = ROW_FIELDS
+  const out = new Float64Array((rows.length / R) * PLANE_FIELDS)
+  let o = 0
+  let i = 0
+  while (i < rows.length) {
+    const [t, s, w, h, tp, sp] = [
+      rows[i]!,
+      rows[i + 1]!,
+      rows[i + 2]!,
+      rows[i + 3]!,
+      rows[i + 4]!,
+      rows[i + 5]!,
+    ]
+    let n = 1
+    let dt = 0
+    let ds = 0
+    let j = i + R
+    if (h > 1 && j < rows.length) {
+      dt = rows[j]! - t
+      ds = rows[j + 1]! - s
+      while (
+        j < rows.length &&
+        dt > 0 &&
+        ds > 0 &&
+        rows[j]! === t + n * dt &&
+        rows[j + 1]! === s + n * ds &&
+        rows[j + 2] === w &&
+        rows[j + 3] === h &&
+        rows[j + 4] === tp &&
+        rows[j + 5] === sp &&
+        rowsApart(w, h, tp, n + 1, dt) &&
+        rowsApart(w, h, sp, n + 1, ds)
+      ) {
+        n++
+        j += R
+      }
+    }
+    out.set(rows.subarray(i, i + R), o)
+    out[o + 6] = n
+    out[o + 7] = n > 1 ? dt : 0
+    out[o + 8] = n > 1 ? ds : 0
+    o += PLANE_FIELDS
+    i += n * R
+  }
+  return out.subarray(0, o)
+}
+
+/** No two rows of `planes` planes touch on one side (native/src/mmap.cc RowsApart). */
+function rowsApart(w: number, h: number, pitch: number, planes: number, planePitch: number): boolean {
+  if (h > 1 && pitch < w) return false
+  if (planes <= 1) return true
+  if (planePitch >= (h - 1) * pitch + w) return true
+  return h > 1 && planePitch >= w && (planes - 1) * planePitch + w <= pitch
 }
 
 /** Runs adjacent on both sides (consecutive block ids, as vLLM often allocates) as one: `f` per merged run. */

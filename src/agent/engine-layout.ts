@@ -15,7 +15,7 @@
 // sides (the old layouts then copy one run per block side, as before).
 
 import { type Dtype, dtypeBytes, type KvGeometry } from '../core/layout.ts'
-import { compressRuns, ROW_FIELDS, rememberRows, withOrders } from './copy-rows.ts'
+import { compressRuns, PLANE_FIELDS, planesOf, ROW_FIELDS, rememberRows, withOrders } from './copy-rows.ts'
 import { shown } from './fields.ts'
 import { AgentError } from './protocol.ts'
 
@@ -268,13 +268,15 @@ export function chunkRuns(
   const tpl = blockTemplate(g, v)
   let count = 0
   for (let j = 0; j < blocksPerChunk; j++) if (first + j >= skip) count++
-  const { runs: tr, sets: ts, tensorEnd: te, slabEnd: se } = tpl
+  const { runs: tr, sets: ts, planes: tq, tensorEnd: te, slabEnd: se } = tpl
   const runs = new Float64Array(count * S * tr.length)
   // The row sets (copy-rows.ts) built alongside, shifted the same way: compressing each chunk's
-  // runs again would cost as much as building them.
+  // runs again would cost as much as building them. Their 3-D form (the host copies') likewise.
   const sets = new Float64Array(count * S * ts.length)
+  const planes = new Float64Array(count * S * tq.length)
   let o = 0
   let q = 0
+  let p = 0
   let tensorEnd = 0
   for (let j = 0; j < blocksPerChunk; j++) {
     if (first + j < skip) continue
@@ -295,6 +297,11 @@ export function chunkRuns(
         sets[q + 4] = ts[i + 4]!
         sets[q + 5] = ts[i + 5]!
       }
+      for (let i = 0; i < tq.length; i += PLANE_FIELDS, p += PLANE_FIELDS) {
+        planes.set(tq.subarray(i, i + PLANE_FIELDS), p)
+        planes[p] = t + tq[i]!
+        planes[p + 1] = h + tq[i + 1]!
+      }
       tensorEnd = Math.max(tensorEnd, t + te)
     }
   }
@@ -302,7 +309,7 @@ export function chunkRuns(
   let slabEnd = 0
   for (let j = blocksPerChunk - 1; j >= 0 && slabEnd === 0; j--)
     if (first + j >= skip) slabEnd = ((S - 1) * blocksPerChunk + j) * bb + se
-  rememberRows(runs, withOrders(sets, true, tensorEnd, slabEnd))
+  rememberRows(runs, withOrders(sets, true, tensorEnd, slabEnd, planes))
   return runs
 }
 
@@ -311,6 +318,8 @@ interface BlockTemplate {
   runs: Float64Array
   /** The same as row sets (copy-rows.ts), relative likewise. */
   sets: Float64Array
+  /** The same as 3-D sets (copy-rows.ts planesOf), relative likewise. */
+  planes: Float64Array
   tensorEnd: number
   slabEnd: number
 }
@@ -338,7 +347,13 @@ function blockTemplate(g: EngineGeometry, v: LayerView): BlockTemplate {
     }
   }
   const c = compressRuns(out)
-  tpl = { runs: Float64Array.from(out), sets: c.rows, tensorEnd: c.tensorEnd, slabEnd: c.slabEnd }
+  tpl = {
+    runs: Float64Array.from(out),
+    sets: c.rows,
+    planes: planesOf(c.rows),
+    tensorEnd: c.tensorEnd,
+    slabEnd: c.slabEnd,
+  }
   templates.set(v, tpl)
   return tpl
 }

@@ -3,7 +3,7 @@
 
 import { closeSync, fstatSync, openSync, readSync, writeSync } from 'node:fs'
 import type { NativeModule } from '../client/native-api.ts'
-import { type CopyRows, forMerged, ROW_FIELDS, rowsInside, rowsOf } from './copy-rows.ts'
+import { type CopyRows, forMerged, PLANE_FIELDS, rowsInside, rowsOf } from './copy-rows.ts'
 import { AgentError } from './protocol.ts'
 
 /**
@@ -28,8 +28,8 @@ export class HostTensor implements KvTensor {
   #native: NativeModule | undefined
   /** The addon copies a layer's runs in one call (else one Buffer#copy per run). */
   #copyRuns: NativeModule['copyRuns'] | undefined
-  /** The addon copies a layer's runs as 2-D row sets (a strided view's 4,096 runs as a few sets). */
-  #copyRows: NativeModule['copyRows'] | undefined
+  /** The addon copies a layer's runs as 3-D row sets (a strided view's 4,096 runs as a few sets). */
+  #copyRows: NativeModule['copyPlanes'] | undefined
   /** Runs in the addon's [dst, src, bytes] order, reused: copies are synchronous. */
   #scratch = new Float64Array(0)
 
@@ -76,7 +76,7 @@ export class HostTensor implements KvTensor {
         this.#mapped = ab
         this.#native = native
         if (native.copyRunsAvailable()) this.#copyRuns = native.copyRuns
-        if (native.copyRowsAvailable()) this.#copyRows = native.copyRows
+        if (native.copyRowsAvailable()) this.#copyRows = native.copyPlanes
       } catch (e) {
         closeSync(fd)
         throw new AgentError('ERR_IO', `cannot map ${path}: ${(e as Error).message}`)
@@ -209,7 +209,7 @@ export class HostTensor implements KvTensor {
 }
 
 type CopyRunsAsync = NativeModule['copyRunsAsync']
-type CopyRowsAsync = NativeModule['copyRowsAsync']
+type CopyRowsAsync = NativeModule['copyPlanesAsync']
 
 /** One layer of a load: the slabs of its first `chunks` chunks. */
 export interface LayerSlabs {
@@ -240,7 +240,7 @@ export class HostCopier {
   /** Numbers one copy's checks (#files[i].checked: the copy that last checked file i). */
   #copies = 0
   readonly #copy: CopyRunsAsync
-  /** The addon's 2-D form, when it has one: a chunk's runs as a few row sets per layer. */
+  /** The addon's 3-D form, when it has one: a chunk's runs as a few row sets per layer. */
   readonly #copyRows: CopyRowsAsync | undefined
   #scratch = new Float64Array(0)
 
@@ -304,7 +304,7 @@ export class HostCopier {
     return new HostCopier(
       hosts,
       native.copyRunsAsync,
-      native.copyRowsAvailable() ? native.copyRowsAsync : undefined,
+      native.copyRowsAvailable() ? native.copyPlanesAsync : undefined,
       threads,
     )
   }
@@ -331,22 +331,18 @@ export class HostCopier {
     if (this.#copyRows) {
       const sets = rowsOf(runs)
       const rows = sets.toSlab
-      const out = this.#runs((rows.length / ROW_FIELDS) * 8 * layers)
+      const out = this.#runs((rows.length / PLANE_FIELDS) * (PLANE_FIELDS + 2) * layers)
       let o = 0
       for (let l = 0; l < layers; l++) {
         const t = this.#tensors[l]!
         const map = this.#map(l)
         checkRows(sets, runs, t.bytes, slab)
         buffers.push(map)
-        for (let i = 0; i < rows.length; i += ROW_FIELDS) {
+        for (let i = 0; i < rows.length; i += PLANE_FIELDS) {
           out[o++] = 0
           out[o++] = l * slab + rows[i]!
           out[o++] = l + 1
-          out[o++] = rows[i + 1]!
-          out[o++] = rows[i + 2]!
-          out[o++] = rows[i + 3]!
-          out[o++] = rows[i + 4]!
-          out[o++] = rows[i + 5]!
+          for (let k = 1; k < PLANE_FIELDS; k++) out[o++] = rows[i + k]!
         }
       }
       return this.#copied(this.#copyRows(buffers, out, this.threads))
@@ -391,13 +387,15 @@ export class HostCopier {
   scatterLayers(group: readonly LayerSlabs[], runsByChunk: readonly ArrayLike<number>[]): Promise<void> {
     this.#checkFiles(group)
     const copyRows = this.#copyRows
-    // With the 2-D form: each chunk's runs as row sets, made once for every layer of the group.
+    // With the 3-D form: each chunk's runs as row sets, made once for every layer of the group.
     const sets: CopyRows[] = []
     const setsOf = (c: number) => (sets[c] ??= rowsOf(runsByChunk[c]!))
     let n = 0
     for (const g of group)
       for (let c = 0; c < g.chunks; c++)
-        n += copyRows ? (setsOf(c).rows.length / ROW_FIELDS) * 8 : (runsByChunk[c]!.length / 3) * 5
+        n += copyRows
+          ? (setsOf(c).toTensor.length / PLANE_FIELDS) * (PLANE_FIELDS + 2)
+          : (runsByChunk[c]!.length / 3) * 5
     const out = this.#runs(n)
     // One native call names at most ADDON_MAX_BUFFERS buffers, and a layer of a load's most
     // chunks names one more (its mapping): such a group is cut into several calls, every
@@ -431,15 +429,11 @@ export class HostCopier {
         buffers.push(slab)
         if (copyRows) {
           const rows = setsOf(c).toTensor
-          for (let i = 0; i < rows.length; i += ROW_FIELDS) {
+          for (let i = 0; i < rows.length; i += PLANE_FIELDS) {
             out[o++] = mapAt
             out[o++] = rows[i]!
             out[o++] = slabAt
-            out[o++] = rows[i + 1]!
-            out[o++] = rows[i + 2]!
-            out[o++] = rows[i + 3]!
-            out[o++] = rows[i + 4]!
-            out[o++] = rows[i + 5]!
+            for (let k = 1; k < PLANE_FIELDS; k++) out[o++] = rows[i + k]!
           }
           continue
         }

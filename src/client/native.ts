@@ -12,7 +12,7 @@ import { KvgateError, type KvgateErrorOptions } from '../core/errors.ts'
 import { installedAsDependency, packageRoot } from '../package-files.ts'
 
 /** The addon contract version this wrapper speaks (native/src/addon.cc `abiVersion`). */
-export const NATIVE_ABI_VERSION = 10
+export const NATIVE_ABI_VERSION = 11
 
 /** O_DIRECT alignment kvgate uses for buffer addresses and file offsets (bytes). */
 export const DIRECT_ALIGNMENT = 4096
@@ -236,6 +236,9 @@ export interface NativeBinding {
   /** mmap.cc (2-D row sets); absent from builds that predate them. */
   copyRows?(dst: HostBuffer, src: HostBuffer, rows: Float64Array): void
   copyRowsAsync?(buffers: HostBuffer[], rows: Float64Array, parts: number): Promise<void>
+  /** mmap.cc (abi 11: 3-D row sets); absent from builds that predate them. */
+  copyPlanes?(dst: HostBuffer, src: HostBuffer, sets: Float64Array): void
+  copyPlanesAsync?(buffers: HostBuffer[], sets: Float64Array, parts: number): Promise<void>
   /** keys.cc; absent from builds that predate it. */
   sha256V1Chain?(
     parent: Uint8Array,
@@ -1105,11 +1108,19 @@ export function copyRunsAsync(buffers: HostBuffer[], runs: Float64Array, parts: 
   })
 }
 
-/** True when the loaded addon has {@link copyRows} and {@link copyRowsAsync}; never throws. */
+/**
+ * True when the loaded addon has {@link copyRows}, {@link copyRowsAsync}, {@link copyPlanes} and
+ * {@link copyPlanesAsync}; never throws.
+ */
 export function copyRowsAvailable(): boolean {
   try {
     const n = loadNative()
-    return typeof n.copyRows === 'function' && typeof n.copyRowsAsync === 'function'
+    return (
+      typeof n.copyRows === 'function' &&
+      typeof n.copyRowsAsync === 'function' &&
+      typeof n.copyPlanes === 'function' &&
+      typeof n.copyPlanesAsync === 'function'
+    )
   } catch {
     return false
   }
@@ -1150,6 +1161,46 @@ export function copyRowsAsync(buffers: HostBuffer[], rows: Float64Array, parts: 
   if (!(rows instanceof Float64Array)) throw misuse('rows must be a Float64Array')
   if (!Number.isInteger(parts) || parts < 1 || parts > 64) throw misuse('parts must be an integer in [1, 64]')
   return call(() => n.copyRowsAsync!(buffers, rows, parts)).catch((e) => {
+    throw translate(e)
+  })
+}
+
+/**
+ * {@link copyRows} with 3-D row sets: `sets` holds [dstOffset, srcOffset, width, height,
+ * dstPitch, srcPitch, planes, dstPlanePitch, srcPlanePitch] nonuples; plane q of a set is its
+ * row set at `dstOffset + q * dstPlanePitch` and `srcOffset + q * srcPlanePitch`. An HND view's
+ * block side (each head's tokens in the engine, each token's heads in the chunk) is one set.
+ * Checked as copyRows checks its sets before any byte moves; the destination's rows must not
+ * touch: rows apart in a plane, and the planes one after another or each between two rows.
+ * @throws NativeError ERR_NATIVE for a set that fails those checks or a malformed `sets`.
+ */
+export function copyPlanes(dst: HostBuffer, src: HostBuffer, sets: Float64Array): void {
+  const n = loadNative()
+  if (!n.copyPlanes) {
+    throw misuse(
+      `this build of the native addon predates copyPlanes; rebuild it: ${nativePaths.buildCommand}`,
+    )
+  }
+  if (!(sets instanceof Float64Array)) throw misuse('sets must be a Float64Array')
+  call(() => n.copyPlanes!(dst, src, sets))
+}
+
+/**
+ * {@link copyRowsAsync} with {@link copyPlanes}' 3-D sets: `sets` holds [dstBuffer, dstOffset,
+ * srcBuffer, srcOffset, width, height, dstPitch, srcPitch, planes, dstPlanePitch, srcPlanePitch]
+ * 11-tuples, checked before any byte moves and cut between planes into the same grains.
+ * @throws NativeError ERR_NATIVE (synchronously) for a bad set or malformed arguments.
+ */
+export function copyPlanesAsync(buffers: HostBuffer[], sets: Float64Array, parts: number): Promise<void> {
+  const n = loadNative()
+  if (!n.copyPlanesAsync) {
+    throw misuse(
+      `this build of the native addon predates copyPlanesAsync; rebuild it: ${nativePaths.buildCommand}`,
+    )
+  }
+  if (!(sets instanceof Float64Array)) throw misuse('sets must be a Float64Array')
+  if (!Number.isInteger(parts) || parts < 1 || parts > 64) throw misuse('parts must be an integer in [1, 64]')
+  return call(() => n.copyPlanesAsync!(buffers, sets, parts)).catch((e) => {
     throw translate(e)
   })
 }
