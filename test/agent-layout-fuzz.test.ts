@@ -5,7 +5,7 @@
 // Seeded: a failure prints its seed and case, and reruns the same.
 
 import { describe, expect, it } from 'vitest'
-import { compressRuns, ROW_FIELDS, rowsInside, rowsOf } from '../src/agent/copy-rows.ts'
+import { compressRuns, PLANE_FIELDS, ROW_FIELDS, rowsInside, rowsOf } from '../src/agent/copy-rows.ts'
 import {
   chunkRuns,
   type EngineGeometry,
@@ -174,16 +174,31 @@ function expand(runs: ArrayLike<number>, into = new Map<number, number>(), slabS
   return into
 }
 
-/** The (tensor → slab) byte pairs of row sets [t, s, width, height, tPitch, sPitch]. */
-function expandRows(rows: ArrayLike<number>, tAt = 0, sAt = 1, tp = 4, sp = 5): Map<number, number> {
+/**
+ * The (tensor → slab) byte pairs of sets [t, s, width, height, tPitch, sPitch] (2-D, `fields` =
+ * ROW_FIELDS) or [..., planes, tPlanePitch, sPlanePitch] (3-D, PLANE_FIELDS); the indices name
+ * where each field is (a toSlab set has the slab first).
+ */
+function expandRows(
+  rows: ArrayLike<number>,
+  tAt = 0,
+  sAt = 1,
+  tp = 4,
+  sp = 5,
+  fields = ROW_FIELDS,
+  tpp = 7,
+  spp = 8,
+): Map<number, number> {
   const out = new Map<number, number>()
-  for (let i = 0; i < rows.length; i += ROW_FIELDS) {
-    for (let r = 0; r < rows[i + 3]!; r++)
-      for (let k = 0; k < rows[i + 2]!; k++) {
-        const t = rows[i + tAt]! + r * rows[i + tp]! + k
-        if (out.has(t)) throw new Error(`row sets copy tensor byte ${t} twice`)
-        out.set(t, rows[i + sAt]! + r * rows[i + sp]! + k)
-      }
+  for (let i = 0; i < rows.length; i += fields) {
+    const planes = fields === PLANE_FIELDS ? rows[i + 6]! : 1
+    for (let q = 0; q < planes; q++)
+      for (let r = 0; r < rows[i + 3]!; r++)
+        for (let k = 0; k < rows[i + 2]!; k++) {
+          const t = rows[i + tAt]! + (q > 0 ? q * rows[i + tpp]! : 0) + r * rows[i + tp]! + k
+          if (out.has(t)) throw new Error(`row sets copy tensor byte ${t} twice`)
+          out.set(t, rows[i + sAt]! + (q > 0 ? q * rows[i + spp]! : 0) + r * rows[i + sp]! + k)
+        }
   }
   return out
 }
@@ -284,8 +299,14 @@ function runCase(seed: number): Outcome {
     expect(rowsInside(sets, v.span, slabBytes), `seed ${seed}`).toBe(true)
     expect(rowsInside(sets, v.span - 1, slabBytes) && pairs.has(v.span - 1)).toBe(false)
     expect(sameMap(expandRows(sets.rows), pairs), `seed ${seed}: row sets`).toBe(true)
-    expect(sameMap(expandRows(sets.toTensor), pairs), `seed ${seed}: toTensor`).toBe(true)
-    expect(sameMap(expandRows(sets.toSlab, 1, 0, 5, 4), pairs), `seed ${seed}: toSlab`).toBe(true)
+    expect(
+      sameMap(expandRows(sets.toTensor, 0, 1, 4, 5, PLANE_FIELDS, 7, 8), pairs),
+      `seed ${seed}: toTensor`,
+    ).toBe(true)
+    expect(
+      sameMap(expandRows(sets.toSlab, 1, 0, 5, 4, PLANE_FIELDS, 8, 7), pairs),
+      `seed ${seed}: toSlab`,
+    ).toBe(true)
     expect(sameMap(expandRows(stridedCopies(runs)), pairs), `seed ${seed}: strided copies`).toBe(true)
     if (hasCopyRows && pairs.size > 0 && v.span <= 1 << 16)
       nativeCopies(seed, rng, sets, pairs, v.span, slabBytes)
@@ -310,14 +331,14 @@ function nativeCopies(
   const tensor = tensorAll.subarray(GUARD, GUARD + span)
   const slabAll = new Uint8Array(slabBytes + 2 * GUARD)
   const slab = slabAll.subarray(GUARD, GUARD + slabBytes)
-  native.copyRows(slab, tensor, sets.toSlab)
+  native.copyPlanes(slab, tensor, sets.toSlab)
   for (const [t, s] of pairs)
     if (slab[s] !== tensor[t]) expect.fail(`seed ${seed}: gathered byte ${t} -> ${s}`)
   const before = Uint8Array.from(tensorAll)
   slab.forEach((_, i) => {
     slab[i] = (i * 7 + 3) & 0xff
   })
-  native.copyRows(tensor, slab, sets.toTensor)
+  native.copyPlanes(tensor, slab, sets.toTensor)
   for (let i = 0; i < tensorAll.length; i++) {
     const t = i - GUARD
     const want = pairs.has(t) ? slab[pairs.get(t)!] : before[i]
@@ -327,9 +348,11 @@ function nativeCopies(
   // A mutated set: the addon copies it exactly when every row still lies inside both views and
   // the destination's rows stay apart (as this independent check in BigInt says), else refuses
   // it before any byte moves.
-  for (let m = 0; m < 3; m++) {
-    const rows = Float64Array.from(sets.toTensor)
-    const i = rng.int(0, rows.length / ROW_FIELDS - 1) * ROW_FIELDS + rng.int(0, ROW_FIELDS - 1)
+  for (let m = 0; m < 6; m++) {
+    // Even m: the 3-D sets (copyPlanes); odd m: the 2-D ones (copyRows), both tensor-bound.
+    const F = m % 2 === 0 ? PLANE_FIELDS : ROW_FIELDS
+    const rows = Float64Array.from(F === PLANE_FIELDS ? sets.toTensor : sets.rows)
+    const i = rng.int(0, rows.length / F - 1) * F + rng.int(0, F - 1)
     rows[i] = rng.pick([
       rows[i]! + 1,
       rows[i]! - 1,
@@ -347,14 +370,15 @@ function nativeCopies(
     const slabSnap = Uint8Array.from(slabAll)
     let refused = false
     try {
-      native.copyRows(tensor, slab, rows)
+      if (F === PLANE_FIELDS) native.copyPlanes(tensor, slab, rows)
+      else native.copyRows(tensor, slab, rows)
     } catch (err) {
       refused = true
       expect(err, `seed ${seed}`).toBeInstanceOf(native.NativeError)
       expect(Buffer.from(tensorAll).equals(snapshot), `seed ${seed}: a refused copy wrote`).toBe(true)
     }
     expect(refused, `seed ${seed}: ${rows.join(',')} in ${span}/${slabBytes}`).toBe(
-      !setsInside(rows, span, slabBytes),
+      !setsInside(rows, span, slabBytes, F),
     )
     expect(Buffer.from(slabAll).equals(slabSnap), `seed ${seed}: the source was written`).toBe(true)
     for (let k = 0; k < GUARD; k++) {
@@ -364,18 +388,29 @@ function nativeCopies(
   }
 }
 
-/** Whether every set [dst, src, width, height, dstPitch, srcPitch] lies inside both buffers, its destination rows apart. */
-function setsInside(rows: Float64Array, dstBytes: number, srcBytes: number): boolean {
-  for (let i = 0; i < rows.length; i += ROW_FIELDS) {
-    const f = Array.from(rows.subarray(i, i + ROW_FIELDS))
+/**
+ * Whether every set [dst, src, width, height, dstPitch, srcPitch] (with `fields` = PLANE_FIELDS:
+ * [..., planes, dstPlanePitch, srcPlanePitch]) lies inside both buffers, its destination rows
+ * apart (no two rows of any planes touching a common byte), in BigInt.
+ */
+function setsInside(rows: Float64Array, dstBytes: number, srcBytes: number, fields: number): boolean {
+  for (let i = 0; i < rows.length; i += fields) {
+    const f = Array.from(rows.subarray(i, i + fields))
     if (!f.every((x) => Number.isSafeInteger(x) && x >= 0)) return false
-    const [d, s, w, h, dp, sp] = f.map(BigInt) as [bigint, bigint, bigint, bigint, bigint, bigint]
-    if (w === 0n || h === 0n) {
-      if (d > BigInt(dstBytes) || s > BigInt(srcBytes)) return false
+    const [d, s, w, h, dp, sp, pl = 1n, dpp = 0n, spp = 0n] = f.map(BigInt) as bigint[]
+    if (w === 0n || h === 0n || pl === 0n) {
+      if (d! > BigInt(dstBytes) || s! > BigInt(srcBytes)) return false
       continue
     }
-    if ((h - 1n) * dp + d + w > BigInt(dstBytes) || (h - 1n) * sp + s + w > BigInt(srcBytes)) return false
-    if (h > 1n && dp < w) return false
+    const end = (off: bigint, pitch: bigint, planePitch: bigint) =>
+      (pl - 1n) * planePitch + (h! - 1n) * pitch + off + w!
+    if (end(d!, dp!, dpp) > BigInt(dstBytes) || end(s!, sp!, spp) > BigInt(srcBytes)) return false
+    if (h! > 1n && dp! < w!) return false
+    if (pl > 1n) {
+      const plane = (h! - 1n) * dp! + w!
+      const interleaved = h! > 1n && dpp >= w! && (pl - 1n) * dpp + w! <= dp!
+      if (dpp < plane && !interleaved) return false
+    }
   }
   return true
 }
