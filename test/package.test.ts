@@ -1,7 +1,7 @@
 // kvgate as a user gets it: `npm pack`, the tarball installed into a fresh app from the
 // npm cache (offline), every entry imported by plain Node, a strict TypeScript consumer, the CLI run from the app.
 
-import { execFile, spawn } from 'node:child_process'
+import { execFile, spawn, spawnSync } from 'node:child_process'
 import { copyFileSync, existsSync, mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join, resolve } from 'node:path'
@@ -23,6 +23,18 @@ let checkoutBinMode = 0
 const cleanEnv = Object.fromEntries(
   Object.entries(process.env).filter(([k]) => !k.toLowerCase().startsWith('npm_')),
 )
+
+/** Debian's Python with msgpack (the connector's only dependency for its agent client), or not. */
+const PYTHON = '/usr/bin/python3'
+const pythonClient = (() => {
+  try {
+    return spawnSync(PYTHON, ['-c', 'import msgpack'], { encoding: 'utf8' }).status === 0
+  } catch {
+    return false
+  }
+})()
+if (!pythonClient)
+  console.warn(`skipping the agent-from-the-app test: ${PYTHON} with python3-msgpack is not installed`)
 
 async function run(cmd: string, args: string[], cwd: string, env: NodeJS.ProcessEnv = cleanEnv) {
   try {
@@ -266,6 +278,68 @@ void [chainKeys([1, 2, 3], ns), encodeChunk, FsStore, S3Store, stats.native.load
     const embedded = JSON.parse((await run(process.execPath, ['embedded-gateway.mjs'], app)).stdout)
     expect(embedded).toMatchObject({ found: 512, tier: 'remote', identical: true })
   })
+
+  // The engine side as an operator runs it: the app's `kvgate agent`, and the Python connector's
+  // own client (python/kvgate_vllm, Debian's python3-msgpack) saying hello as vLLM's connector does.
+  it.skipIf(!pythonClient)(
+    "kvgate agent runs from the app; the connector's client says hello and reads its stats",
+    async () => {
+      const bin = join(app, 'node_modules/.bin/kvgate')
+      const socket = join(work, 'agent.sock')
+      const agent = spawn(bin, ['agent', '--socket', socket], {
+        cwd: app,
+        env: { ...cleanEnv, KVGATE_CLIENT_CONFIG: '', KVGATE_MEMORY_BYTES: String(64 << 20) },
+        stdio: ['ignore', 'pipe', 'pipe'],
+      })
+      let stderr = ''
+      agent.stderr!.on('data', (d: Buffer) => {
+        stderr += d.toString()
+      })
+      try {
+        const ready = await new Promise<{ socket: string }>((ok, fail) => {
+          createInterface({ input: agent.stdout! }).on('line', (l) => {
+            const j = JSON.parse(l) as { socket?: string }
+            if (j.socket) ok(j as { socket: string })
+          })
+          agent.once('exit', (code) => fail(new Error(`kvgate agent exited ${code}: ${stderr}`)))
+        })
+        expect(ready.socket).toBe(socket)
+        expect(statSync(socket).mode & 0o777).toBe(0o600)
+        const hello = {
+          protocol: 1,
+          model: 'package-test',
+          hashSeed: '0',
+          geometry: {
+            layout: 'flash-attn',
+            dtype: 'float16',
+            layers: 2,
+            kvHeads: 2,
+            headSize: 16,
+            blockSize: 16,
+            world: 1,
+          },
+        }
+        const py = [
+          'import json, sys',
+          'from kvgate_vllm.client import AgentClient, PROTOCOL_VERSION',
+          'hello = json.loads(sys.argv[2])',
+          'assert hello["protocol"] == PROTOCOL_VERSION',
+          'c = AgentClient(sys.argv[1], hello, reconnect_interval=0)',
+          'assert c.ensure(raise_refusal=True)',
+          'print(json.dumps(c.call("stats", {}, timeout=10)))',
+          'c.close()',
+        ].join('\n')
+        const { stdout } = await run(PYTHON, ['-c', py, socket, JSON.stringify(hello)], app, {
+          ...cleanEnv,
+          PYTHONPATH: join(repo, 'python'),
+        })
+        const stats = JSON.parse(stdout) as Record<string, unknown>
+        expect(stats).toMatchObject({ connections: expect.any(Number), requests: expect.any(Number) })
+      } finally {
+        agent.kill('SIGTERM')
+      }
+    },
+  )
 
   it('kvgate serve and kvgate smoke run from the app; smoke says auth is off', async () => {
     const bin = join(app, 'node_modules/.bin/kvgate')
