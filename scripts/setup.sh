@@ -4,7 +4,7 @@
 #   scripts/setup.sh --system  Debian packages the full test suite uses (root):
 #                              Rust 1.63 + wasm32 std (wasm reproducibility check),
 #                              Ceph mon/osd/radosgw (the real S3 for integration suites),
-#                              Debian's python3-torch/msgpack/pytest/cbor2 (vLLM connector harness,
+#                              Debian's python3-torch/msgpack/pytest/cbor2/pip/setuptools (vLLM connector harness,
 #                              key vectors; they install for /usr/bin/python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ if [[ "${1:-}" == "--system" ]]; then
     rustc cargo libstd-rust-dev-wasm32 lld \
     ceph-mon ceph-osd radosgw \
     g++ make python3 \
-    python3-torch python3-msgpack python3-pytest python3-cbor2 >/dev/null
+    python3-torch python3-msgpack python3-pytest python3-cbor2 python3-pip python3-setuptools >/dev/null
   exit 0
 fi
 

@@ -2,7 +2,16 @@
 // npm cache (offline), every entry imported by plain Node, a strict TypeScript consumer, the CLI run from the app.
 
 import { execFile, spawn, spawnSync } from 'node:child_process'
-import { copyFileSync, existsSync, mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
+import {
+  copyFileSync,
+  cpSync,
+  existsSync,
+  mkdtempSync,
+  readFileSync,
+  rmSync,
+  statSync,
+  writeFileSync,
+} from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join, resolve } from 'node:path'
 import { createInterface } from 'node:readline'
@@ -24,17 +33,22 @@ const cleanEnv = Object.fromEntries(
   Object.entries(process.env).filter(([k]) => !k.toLowerCase().startsWith('npm_')),
 )
 
-/** Debian's Python with msgpack (the connector's only dependency for its agent client), or not. */
+/** Debian's Python with msgpack (the connector's agent client needs it) and pip + setuptools (to install it), or not. */
 const PYTHON = '/usr/bin/python3'
 const pythonClient = (() => {
   try {
-    return spawnSync(PYTHON, ['-c', 'import msgpack'], { encoding: 'utf8' }).status === 0
+    return (
+      spawnSync(PYTHON, ['-c', 'import msgpack, setuptools'], { encoding: 'utf8' }).status === 0 &&
+      spawnSync(PYTHON, ['-m', 'pip', '--version'], { encoding: 'utf8' }).status === 0
+    )
   } catch {
     return false
   }
 })()
 if (!pythonClient)
-  console.warn(`skipping the agent-from-the-app test: ${PYTHON} with python3-msgpack is not installed`)
+  console.warn(
+    `skipping the agent-from-the-app test: ${PYTHON} with python3-msgpack, pip and setuptools is not installed`,
+  )
 
 async function run(cmd: string, args: string[], cwd: string, env: NodeJS.ProcessEnv = cleanEnv) {
   try {
@@ -282,7 +296,7 @@ void [chainKeys([1, 2, 3], ns), encodeChunk, FsStore, S3Store, stats.native.load
   // The engine side as an operator runs it: the app's `kvgate agent`, and the Python connector's
   // own client (python/kvgate_vllm, Debian's python3-msgpack) saying hello as vLLM's connector does.
   it.skipIf(!pythonClient)(
-    "kvgate agent runs from the app; the connector's client says hello and reads its stats",
+    "kvgate agent runs from the app; the pip-installed connector's client says hello and reads its stats",
     async () => {
       const bin = join(app, 'node_modules/.bin/kvgate')
       const socket = join(work, 'agent.sock')
@@ -329,9 +343,34 @@ void [chainKeys([1, 2, 3], ns), encodeChunk, FsStore, S3Store, stats.native.load
           'print(json.dumps(c.call("stats", {}, timeout=10)))',
           'c.close()',
         ].join('\n')
+        // The connector as pip installs it (`pip install ./python`, offline: pure Python, its
+        // dependencies the system's), from a copy: pip builds in the source tree.
+        const src = join(work, 'python-src')
+        cpSync(join(repo, 'python'), src, {
+          recursive: true,
+          filter: (f) => !/(^|\/)(build|tests|__pycache__|[^/]*\.egg-info)$/.test(f),
+        })
+        const lib = join(work, 'python-lib')
+        await run(
+          PYTHON,
+          [
+            '-m',
+            'pip',
+            'install',
+            '--quiet',
+            '--no-deps',
+            '--no-build-isolation',
+            '--no-index',
+            '--target',
+            lib,
+            src,
+          ],
+          app,
+          { ...cleanEnv, PIP_DISABLE_PIP_VERSION_CHECK: '1', PIP_ROOT_USER_ACTION: 'ignore' },
+        )
         const { stdout } = await run(PYTHON, ['-c', py, socket, JSON.stringify(hello)], app, {
           ...cleanEnv,
-          PYTHONPATH: join(repo, 'python'),
+          PYTHONPATH: lib,
         })
         const stats = JSON.parse(stdout) as Record<string, unknown>
         expect(stats).toMatchObject({ connections: expect.any(Number), requests: expect.any(Number) })
