@@ -38,7 +38,8 @@ export const BENCH_SUMMARY: Record<string, string> = {
 /**
  * Developer tools in bench/, run with tsx in a checkout (their headers say how), not as
  * benchmarks: A/B tools that need a second build to compare against (an old .wasm, another
- * tree), and the codec research scripts (entropy models and bit allocations of docs/codec.md's
+ * tree), the agent's copy shapes timed in-process (agent-copy-shapes: for comparing copy forms
+ * quickly, bench/agent-ab.ts judges), and the codec research scripts (entropy models and bit allocations of docs/codec.md's
  * "What the 256-token bar needs"), which measure candidates, not a bar.
  */
 const NOT_BENCHMARKS = new Set([
@@ -48,6 +49,7 @@ const NOT_BENCHMARKS = new Set([
   'l2-ab',
   'agent-ab',
   'agent-lookup',
+  'agent-copy-shapes',
   'codec-context',
   'codec-layer-budget',
 ])
