@@ -826,26 +826,32 @@ Napi::Value StartCopyJob(Napi::Env env, CopyBuffers& b, const std::vector<Piece>
       if (have >= kGrainBytes || (take == 0 && have > 0)) closeGrain();
     }
   };
+  // Cuts `pc` along its outer dimension (`count`: its rows, or a 3-D set's planes; `unit` bytes
+  // each, `dstStep`/`srcStep` apart) into the grains: as many as fit in the open grain, the rest
+  // in the next ones.
+  auto addCut = [&](Piece pc, size_t Piece::*count, size_t unit, size_t dstStep, size_t srcStep) {
+    while (pc.*count > 0) {
+      size_t k = std::min(pc.*count, (kGrainBytes - have) / unit);
+      if (k == 0) {  // not one more fits: the next grain (have > 0: a grain holds two)
+        closeGrain();
+        continue;
+      }
+      Piece part = pc;
+      part.*count = k;
+      job->pieces.push_back(part);
+      pc.dst += k * dstStep;
+      pc.src += k * srcStep;
+      pc.*count -= k;
+      have += k * unit;
+      if (have >= kGrainBytes) closeGrain();
+    }
+  };
   auto addRows = [&](Piece pc) {
     if (pc.n * 2 > kGrainBytes) {
       for (size_t r = 0; r < pc.rows; r++) addRun({pc.dst + r * pc.dstPitch, pc.src + r * pc.srcPitch, pc.n});
       return;
     }
-    while (pc.rows > 0) {
-      size_t k = std::min(pc.rows, (kGrainBytes - have) / pc.n);
-      if (k == 0) {  // not one more row fits: the next grain (have > 0: a grain holds two rows)
-        closeGrain();
-        continue;
-      }
-      Piece part = pc;
-      part.rows = k;
-      job->pieces.push_back(part);
-      pc.dst += k * pc.dstPitch;
-      pc.src += k * pc.srcPitch;
-      pc.rows -= k;
-      have += k * pc.n;
-      if (have >= kGrainBytes) closeGrain();
-    }
+    addCut(pc, &Piece::rows, pc.n, pc.dstPitch, pc.srcPitch);
   };
   for (Piece pc : pieces) {
     if (pc.rows == 1) {
@@ -858,21 +864,7 @@ Napi::Value StartCopyJob(Napi::Env env, CopyBuffers& b, const std::vector<Piece>
       continue;
     }
     // A 3-D set is cut between planes (an HND block side's K: 16 planes of 2 KiB).
-    while (pc.planes > 0) {
-      size_t k = std::min(pc.planes, (kGrainBytes - have) / plane);
-      if (k == 0) {  // not one more plane fits: the next grain (have > 0: a grain holds two planes)
-        closeGrain();
-        continue;
-      }
-      Piece part = pc;
-      part.planes = k;
-      job->pieces.push_back(part);
-      pc.dst += k * pc.dstPlanePitch;
-      pc.src += k * pc.srcPlanePitch;
-      pc.planes -= k;
-      have += k * plane;
-      if (have >= kGrainBytes) closeGrain();
-    }
+    addCut(pc, &Piece::planes, plane, pc.dstPlanePitch, pc.srcPlanePitch);
   }
   if (have > 0) closeGrain();
   job->parts.resize(std::min(parts, job->grains.size() - 1));
