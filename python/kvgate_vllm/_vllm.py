@@ -132,6 +132,25 @@ def hashes_cover_prompt_embeds() -> bool:
     return hasattr(kv_cache_utils, "_gen_prompt_embeds_extra_hash_keys")
 
 
+def default_none_hash_seed() -> Optional[str]:
+    """The seed this vLLM derives NONE_HASH from under sha256_cbor when PYTHONHASHSEED is unset,
+    or None where that NONE_HASH is random per process (vLLM before PR 51875, merged 2026-08-11)
+    or unknown (no vLLM). Since that PR, `kv_cache_utils.resolve_none_hash_seed` returns
+    PYTHONHASHSEED when set, else `DEFAULT_NONE_HASH_SEED` for cryptographic hashes (sha256,
+    sha256_cbor): told by both names, so a vLLM that has the constant without that rule reads
+    as random (a refused start, never keys that differ from vLLM's)."""
+    if not HAVE_VLLM:
+        return None
+    try:
+        from vllm.v1.core import kv_cache_utils  # type: ignore
+    except ImportError:
+        return None
+    seed = getattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED", None)
+    if not callable(getattr(kv_cache_utils, "resolve_none_hash_seed", None)) or not isinstance(seed, str) or not seed:
+        return None
+    return seed
+
+
 def check_vllm_version(version: Optional[str] = VLLM_VERSION) -> None:
     """Fails with a clear message on a vLLM older than this connector's API; warns (once) on one
     newer than the call orders it was tested against."""

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from . import shm
+from . import _vllm, shm
 from ._vllm import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -208,6 +208,30 @@ def check_kv_cache_groups(kv_cache_config: Any) -> None:
         )
 
 
+def none_hash_seed() -> str:
+    """The seed vLLM derives its first block's parent hash (NONE_HASH) from: PYTHONHASHSEED when
+    set, else the fixed default of a vLLM that has one (PR 51875). kvgate names it in the agent's
+    hello, so it keys chunks and namespaces as this engine's block hashes do."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is None:
+        default = _vllm.default_none_hash_seed()
+        if default is not None:
+            return default
+        raise ConfigurationError(
+            "KVGateConnector needs a fixed PYTHONHASHSEED (e.g. PYTHONHASHSEED=0) in vLLM's environment, the same "
+            "on every node: this vLLM draws its first block hash at random per process without it, so no prefix "
+            "would ever be shared (vLLM releases with PR 51875, from 2026-08, derive it from a fixed default instead)"
+        )
+    if seed in ("", "random"):
+        # Python takes both as "randomize"; vLLM hashes the string itself, and an open vLLM change
+        # (PR 53307) would make "" random per process: refused rather than guessed.
+        raise ConfigurationError(
+            f"KVGateConnector needs PYTHONHASHSEED unset or fixed (e.g. PYTHONHASHSEED=0), not {seed!r}: "
+            "vLLM releases disagree on what NONE_HASH that value gives"
+        )
+    return seed
+
+
 def engine_settings(vllm_config: Any) -> Dict[str, Any]:
     """What the agent must know about this engine, read from vLLM's config (and checked)."""
     cache = vllm_config.cache_config
@@ -219,12 +243,7 @@ def engine_settings(vllm_config: Any) -> Dict[str, Any]:
             f"KVGateConnector needs `--prefix-caching-hash-algo sha256_cbor` (this engine uses {algo!r}): "
             "kvgate keys chunks by vLLM's block hashes, and only sha256_cbor hashes agree across processes and nodes"
         )
-    seed = os.environ.get("PYTHONHASHSEED")
-    if not seed or seed == "random":
-        raise ConfigurationError(
-            "KVGateConnector needs a fixed PYTHONHASHSEED (e.g. PYTHONHASHSEED=0) in vLLM's environment, the same "
-            "on every node: without it vLLM's first block hash is random per process and no prefix is ever shared"
-        )
+    seed = none_hash_seed()
     extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
     waits = _check_extra_config(extra)
     use_mla = bool(getattr(model, "use_mla", False))

@@ -451,6 +451,67 @@ def test_refuses_settings_that_share_nothing(tmp, monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     with pytest.raises(ConfigurationError, match="PYTHONHASHSEED"):
         KVGateConnector(vllm_config(EngineSpec(socket=tmp.sock("x"))), KVConnectorRole.SCHEDULER)
+    # Values Python reads as "randomize" and vLLM releases read differently: refused, not guessed.
+    for value in ("", "random"):
+        monkeypatch.setenv("PYTHONHASHSEED", value)
+        with pytest.raises(ConfigurationError, match="PYTHONHASHSEED unset or fixed"):
+            KVGateConnector(vllm_config(EngineSpec(socket=tmp.sock("x"))), KVConnectorRole.SCHEDULER)
+
+
+def _fake_kv_cache_utils(monkeypatch, **attrs):
+    """Installs a stand-in vllm.v1.core.kv_cache_utils with `attrs` and reads vLLM as installed."""
+    import sys
+    import types
+
+    from kvgate_vllm import _vllm
+
+    mods = {}
+    for name in ("vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.kv_cache_utils"):
+        mods[name] = types.ModuleType(name)
+        monkeypatch.setitem(sys.modules, name, mods[name])
+    mods["vllm"].v1 = mods["vllm.v1"]
+    mods["vllm.v1"].core = mods["vllm.v1.core"]
+    mods["vllm.v1.core"].kv_cache_utils = mods["vllm.v1.core.kv_cache_utils"]
+    for k, v in attrs.items():
+        setattr(mods["vllm.v1.core.kv_cache_utils"], k, v)
+    monkeypatch.setattr(_vllm, "HAVE_VLLM", True)
+
+
+def test_none_hash_seed_follows_vllm(monkeypatch):
+    """vLLM with PR 51875 derives NONE_HASH from a fixed default seed when PYTHONHASHSEED is
+    unset: the connector then names that seed (no PYTHONHASHSEED needed); an older vLLM draws it
+    at random, and the connector refuses to start; PYTHONHASHSEED, when set, wins either way."""
+    from kvgate_vllm import _vllm, connector
+
+    def resolve(hash_fn):  # vLLM's rule for cryptographic hashes
+        return os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    _fake_kv_cache_utils(monkeypatch, DEFAULT_NONE_HASH_SEED="vllm-none-hash", resolve_none_hash_seed=resolve)
+    assert _vllm.default_none_hash_seed() == "vllm-none-hash"
+    assert connector.none_hash_seed() == "vllm-none-hash"
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    assert connector.none_hash_seed() == "7"
+    monkeypatch.delenv("PYTHONHASHSEED")
+    # Before the PR (neither name), or the constant without the rule that goes with it: random.
+    for attrs in ({}, {"DEFAULT_NONE_HASH_SEED": "vllm-none-hash"}, {"resolve_none_hash_seed": resolve}):
+        _fake_kv_cache_utils(monkeypatch, **attrs)
+        assert _vllm.default_none_hash_seed() is None
+        with pytest.raises(ConfigurationError, match="PYTHONHASHSEED"):
+            connector.none_hash_seed()
+
+
+def test_default_seed_in_the_hello(tmp, monkeypatch):
+    """With vLLM's default seed the settings the hello carries name it (the agent keys and
+    namespaces chunks by it; test_hashing checks Node's keys for that seed against vLLM's hashes)."""
+    from harness import vllm_config
+
+    from kvgate_vllm import _vllm, connector
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    monkeypatch.setattr(_vllm, "default_none_hash_seed", lambda: "vllm-none-hash")
+    settings = connector.engine_settings(vllm_config(EngineSpec(socket=tmp.sock("x"))))
+    assert settings["hashSeed"] == "vllm-none-hash"
 
 
 def test_real_gpu_tp2_across_two_gpus(tmp):

@@ -50,16 +50,22 @@ def test_block_hashes_match_vllms_definition_with_cbor2():
         return hashlib.sha256(cbor2.dumps(x, canonical=True)).digest()
 
     tokens = [random.Random(1).randrange(0, 128256) for _ in range(100)]
-    parent = vllm_sha256_cbor("0")
-    expected = []
-    for i in range(0, 96, 16):
-        parent = vllm_sha256_cbor((parent, tuple(tokens[i : i + 16]), None))
-        expected.append(parent)
-    assert hashing.block_hashes(tokens, 16, "0") == expected
-    assert hashing.chunk_hashes(expected, 2) == [expected[1], expected[3], expected[5]]
+    # "0": PYTHONHASHSEED=0; "vllm-none-hash": vLLM's default seed since PR 51875 (unset).
+    for seed in ("0", "vllm-none-hash"):
+        parent = vllm_sha256_cbor(seed)
+        expected = []
+        for i in range(0, 96, 16):
+            parent = vllm_sha256_cbor((parent, tuple(tokens[i : i + 16]), None))
+            expected.append(parent)
+        assert hashing.block_hashes(tokens, 16, seed) == expected
+        assert hashing.chunk_hashes(expected, 2) == [expected[1], expected[3], expected[5]]
+    # NONE_HASH of the default seed, from its CBOR text string written out by hand (0x6e: a
+    # 14-byte text string), independent of both encoders.
+    assert hashing.none_hash("vllm-none-hash") == hashlib.sha256(b"\x6evllm-none-hash").digest()
 
 
-def test_equal_to_kvgate_vllm_sha256_cbor_keys():
+@pytest.mark.parametrize("seed", ["0", "vllm-none-hash"])
+def test_equal_to_kvgate_vllm_sha256_cbor_keys(seed):
     tokens = [random.Random(2).randrange(0, 32000) for _ in range(80)]
     out = subprocess.run(
         [
@@ -73,7 +79,7 @@ def test_equal_to_kvgate_vllm_sha256_cbor_keys():
             "--scheme",
             "vllm-sha256-cbor",
             "--hash-seed",
-            "0",
+            seed,
             "--json",
             "--tokens",
             ",".join(map(str, tokens)),
@@ -85,6 +91,6 @@ def test_equal_to_kvgate_vllm_sha256_cbor_keys():
     )
     ts_keys = [bytes.fromhex(k["key"]) for k in json.loads(out.stdout)["keys"]]
     assert len(ts_keys) == 5
-    assert hashing.block_hashes(tokens, 16, "0") == ts_keys
+    assert hashing.block_hashes(tokens, 16, seed) == ts_keys
     # A different seed gives different keys (the seed really enters NONE_HASH).
     assert hashing.block_hashes(tokens, 16, "1") != ts_keys

@@ -231,7 +231,7 @@ export function resolveOptions(opts: KVCacheOptions): ResolvedOptions {
   }
   if (keyScheme === 'vllm-sha256-cbor' && opts.hashSeed === undefined) {
     throw new InvalidArgumentError(
-      "keyScheme 'vllm-sha256-cbor' needs hashSeed: the PYTHONHASHSEED your vLLM runs with (unset, vLLM's hashes are random per process)",
+      "keyScheme 'vllm-sha256-cbor' needs hashSeed: the PYTHONHASHSEED your vLLM runs with ('vllm-none-hash' where it is unset on vLLM with PR 51875; unset on older vLLM, its hashes are random per process)",
     )
   }
   const oneChunk = chunkBytes(model, chunkTokens)

@@ -296,7 +296,7 @@ function validateNamespace(ns: KeyNamespace): Required<Pick<KeyNamespace, 'schem
   }
   if (scheme === 'vllm-sha256-cbor' && ns.hashSeed === undefined) {
     throw new InvalidArgumentError(
-      'the vllm-sha256-cbor scheme needs hashSeed: the PYTHONHASHSEED your vLLM runs with (unset means random keys per process, never shared)',
+      "the vllm-sha256-cbor scheme needs hashSeed: the PYTHONHASHSEED your vLLM runs with ('vllm-none-hash' where it is unset on vLLM with PR 51875; unset on older vLLM means random keys per process, never shared)",
     )
   }
   return { ...ns, scheme }
