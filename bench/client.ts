@@ -224,8 +224,9 @@ async function benchL2() {
   const runs = Math.max(3, repeats)
   // The caller's buffer, touched once up front (an engine's buffer is not fresh memory either).
   const into = new Uint8Array(N * cb).fill(1)
-  // The same retrieve into a SharedArrayBuffer view: the addon cannot write there, so each
-  // chunk is copied on the JS thread once verified (the path before the workers copied).
+  // The same retrieve into a SharedArrayBuffer view: the reads' workers do not copy there, so
+  // each chunk is copied once verified, as a second pass (on the addon's pool since copyViews;
+  // on the JS thread before it): what the workers' copy while verifying saves.
   const intoShared = new Uint8Array(new SharedArrayBuffer(N * cb)).fill(1)
   const res = {
     retrieve: [] as number[],
@@ -588,7 +589,7 @@ try {
         `${f(l2.ratio)}× (≥ 0.8×)`,
       ],
       [
-        'L2 retrieve, copy on the JS thread (SharedArrayBuffer into) (GB/s)',
+        'L2 retrieve, copied after the read (SharedArrayBuffer into) (GB/s)',
         `${f(l2.l2RetrieveJsCopyGBs)} (${f(l2.spreads.retrieveJsCopy.min)}–${f(l2.spreads.retrieveJsCopy.max)})`,
         'same raw read',
         `${f(l2.ratioJsCopy)}×`,

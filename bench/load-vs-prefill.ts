@@ -10,7 +10,7 @@
 // Loading is linear in tokens, so a run on fewer tokens than 32k is scaled linearly to 32k
 // and says so.
 
-import { mkdirSync, mkdtempSync, readdirSync, rmSync } from 'node:fs'
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs'
 import { availableParallelism, loadavg } from 'node:os'
 import { join } from 'node:path'
 import { Pool } from 'undici'
@@ -111,6 +111,20 @@ interface Spread {
 }
 const spread = (xs: number[]): Spread => ({ min: Math.min(...xs), median: median(xs), max: Math.max(...xs) })
 
+/**
+ * CPU time this process's main thread (the one that runs the client's JavaScript) has spent, ms,
+ * from the kernel's scheduler statistics (ns; time waiting for a core not counted); undefined
+ * where /proc has none. Node 20 has no per-thread CPU clock of its own.
+ */
+function mainThreadCpuMs(): number | undefined {
+  try {
+    const ns = Number(readFileSync(`/proc/self/task/${process.pid}/schedstat`, 'utf8').split(' ')[0])
+    return Number.isFinite(ns) ? ns / 1e6 : undefined
+  } catch {
+    return undefined
+  }
+}
+
 // ---------------------------------------------------------------------------
 const scratch = mkdtempSync(join(process.env.KVGATE_BENCH_DIR ?? '/var/tmp', 'kvgate-load-bench-'))
 const l2dir = join(scratch, 'l2')
@@ -137,6 +151,10 @@ const res: Record<'l1' | 'l2' | 'l4', number[]> = { l1: [], l2: [], l4: [] }
 let wireBytes = 0
 let decodeGBsPerCore = 0
 let perConnectionMBs = 0
+// The main thread's CPU per L4 chunk: HTTP bodies in, copies out of the codec workers' staging
+// into L1 and from L1 into the caller's buffer. One thread, so it caps a node's L4 rate whatever
+// its cores: the model below counts it.
+const mainMsPerChunk: number[] = []
 try {
   // Writer: every tier filled once (L4 through the gateway with the default codec).
   {
@@ -202,9 +220,12 @@ try {
         remote,
         codecWorkers: cores,
       })
+      const cpu0 = mainThreadCpuMs()
       const t = performance.now()
       const mask = await c.retrieve(toks, { into })
       res.l4.push(performance.now() - t)
+      const cpu1 = mainThreadCpuMs()
+      if (cpu0 !== undefined && cpu1 !== undefined) mainMsPerChunk.push((cpu1 - cpu0) / N)
       if (served(mask) !== TOKENS) throw new Error(`L4 served ${served(mask)} of ${TOKENS}`)
       await c.close()
     }
@@ -268,14 +289,23 @@ const tiers = (['l1', 'l2', 'l4'] as const).map((t) => {
   return { tier: t, ms: s, at32kMs: at32k, marginX: pf32k / at32k, breakEvenTokens: breakEven }
 })
 
-// L4 on a node of c cores and a network of B Gbit/s: transfer and decode pipelined, so the
-// slower of the two sets the rate. Decode per token from the measured one-core rate.
+// L4 on a node of c cores and a network of B Gbit/s: transfer, decode (min(16, c − 1) codec
+// workers: the pool's default, which leaves the main thread a core; codecWorkers sets more) and the main thread's own work per chunk
+// pipelined, so the slowest of the three sets the rate. Decode per token from the measured
+// one-core rate; the main thread's from its measured CPU per chunk (on this shared machine a
+// pessimistic figure: its copies compete with the workers for memory bandwidth).
 const wirePerToken = wireBytes / TOKENS
 const decodeMsPerTokenCore = (g.layers * 2 * g.kvHeads * g.headDim * 2) / (decodeGBsPerCore * 1e6)
+const mainMs = mainMsPerChunk.length > 0 ? median(mainMsPerChunk) : 0
+const mainThreadMs32k = (mainMs * TARGET) / CHUNK
 const l4Model = (c: number, gbit: number) =>
-  Math.max(((wirePerToken * TARGET * 8) / (gbit * 1e9)) * 1000, (decodeMsPerTokenCore * TARGET) / c)
+  Math.max(
+    ((wirePerToken * TARGET * 8) / (gbit * 1e9)) * 1000,
+    (decodeMsPerTokenCore * TARGET) / Math.min(16, Math.max(1, c - 1)),
+    mainThreadMs32k,
+  )
 const prefillPerToken32k = pf32k / TARGET
-const coresToBreakEven = Math.ceil(decodeMsPerTokenCore / prefillPerToken32k)
+const coresToBreakEven = Math.ceil(decodeMsPerTokenCore / prefillPerToken32k) + 1
 const gbitToBreakEven = (wirePerToken * 8) / (prefillPerToken32k / 1000) / 1e9
 const nodeGrid = [8, 16, 32, 64].flatMap((c) =>
   [10, 25, 100].map((gbit) => ({ cores: c, gbit, ms: l4Model(c, gbit), beats: l4Model(c, gbit) < pf32k })),
@@ -316,7 +346,10 @@ console.log(
   `L4 components: ${(wireBytes / MiB).toFixed(1)} MiB on the wire (${((N * cb) / wireBytes).toFixed(2)}× smaller than bf16), one-core decode ${decodeGBsPerCore.toFixed(2)} GB/s of bf16 output, one connection ${perConnectionMBs.toFixed(0)} MB/s (localhost)`,
 )
 console.log(
-  `L4 breaks even at 32k tokens with ≥ ${coresToBreakEven} cores decoding and ≥ ${gbitToBreakEven.toFixed(1)} Gbit/s of network (${cores} cores here)`,
+  `L4 breaks even at 32k tokens with ≥ ${coresToBreakEven} cores (one of them the main thread's) and ≥ ${gbitToBreakEven.toFixed(1)} Gbit/s of network (${cores} cores here)`,
+)
+console.log(
+  `main thread: ${fmt(mainMs)} ms of CPU per L4 chunk (HTTP bodies, copies into L1 and into the caller's buffer): ${fmt(mainThreadMs32k)} ms for 32k tokens on any node, ${mainMs > 0 ? (cb / mainMs / 1e6).toFixed(1) : '—'} GB/s at most${mainThreadMs32k < pf32k ? '' : ' (at or over prefill)'}`,
 )
 console.log(
   table([
@@ -344,7 +377,16 @@ const path = writeResult({
   scaledTo: TARGET,
   prefill: { ...PREFILL, ms32k: pf32k, flops32k: prefillFlops(TARGET) },
   tiers,
-  l4: { wireBytes, decodeGBsPerCore, perConnectionMBs, coresToBreakEven, gbitToBreakEven, nodeGrid },
+  l4: {
+    wireBytes,
+    decodeGBsPerCore,
+    perConnectionMBs,
+    mainThreadMsPerChunk: mainMs,
+    mainThreadMs32k,
+    coresToBreakEven,
+    gbitToBreakEven,
+    nodeGrid,
+  },
   bars: tiers.map((t) => ({
     bar: `${t.tier.toUpperCase()} load of a 32k-token Llama-3.1-8B prefix vs its prefill (lookup + retrieve into the caller's buffer)`,
     figure: t.at32kMs,

@@ -401,6 +401,42 @@ describe('CodecStaging', () => {
   })
 })
 
+describe('CodecStaging.hold', () => {
+  it('holds the output buffer being copied out until the copy settles, resolved or rejected', async () => {
+    const st = new CodecStaging()
+    const a = st.output(1 << 20)
+    let done!: () => void
+    st.hold(
+      a,
+      new Promise<void>((r) => {
+        done = r
+      }),
+    )
+    // The next output is the other buffer: free. The one after it is a's: held.
+    expect(st.nextOutputHeld).toBe(false)
+    const b = st.output(1 << 20)
+    expect(st.nextOutputHeld).toBe(true)
+    let fail!: (e: Error) => void
+    const failing = new Promise<void>((_, reject) => {
+      fail = reject
+    })
+    failing.catch(() => {})
+    st.hold(b, failing)
+    done()
+    await Promise.resolve()
+    expect(st.nextOutputHeld).toBe(false)
+    expect(st.output(1 << 20).buffer).toBe(a.buffer)
+    expect(st.nextOutputHeld).toBe(true) // b's copy still runs
+    fail(new Error('copy failed'))
+    await Promise.resolve()
+    await Promise.resolve()
+    expect(st.nextOutputHeld).toBe(false)
+    // A view of no output buffer of this staging holds nothing.
+    st.hold(new Uint8Array(8), new Promise(() => {}))
+    expect(st.nextOutputHeld).toBe(false)
+  })
+})
+
 describe('CodecPool under worker failures (finding 11)', () => {
   const faulty = new URL('./support/faulty-codec-worker.mjs', import.meta.url)
   const poison = (kind: 0 | 1 | 2 | 3) => {

@@ -615,6 +615,73 @@ describe('copyHost: host copies on the pool', () => {
   })
 })
 
+describe('copyViews: copies out of shared staging on the pool', () => {
+  it('copies exact bytes between shared, pinned and plain views at offsets, touching nothing else', async () => {
+    const data = randomBytes(3 << 20)
+    // A codec worker's staging (SharedArrayBuffer) into a pinned L1 slot at an offset.
+    const shared = new Uint8Array(new SharedArrayBuffer(4 << 20))
+    shared.set(data, 5)
+    const slot = allocPinnedSync(4 << 20)
+    const dst = new Uint8Array(slot.buffer, 4096, 3 << 20)
+    expect(pinnedInfo(slot.buffer)).toMatchObject({ busy: 0 })
+    const copy = native.copyViews(dst, shared.subarray(5, 5 + (3 << 20)))
+    // The slot is busy while the copy runs: freePinned refuses instead of freeing memory in use.
+    expect(pinnedInfo(slot.buffer)).toMatchObject({ busy: 1 })
+    expect(() => freePinned(slot.buffer)).toThrow(/in use/)
+    await copy
+    expect(pinnedInfo(slot.buffer)).toMatchObject({ busy: 0 })
+    expect(same(dst, data)).toBe(true)
+    const whole = new Uint8Array(slot.buffer)
+    expect(whole.subarray(0, 4096).every((b) => b === 0)).toBe(true)
+    expect(whole.subarray(4096 + (3 << 20)).every((b) => b === 0)).toBe(true)
+    // Pinned into plain, a small copy (memmove path), a plain one into shared.
+    const plain = new Uint8Array((3 << 20) + 9)
+    await native.copyViews(plain.subarray(9), dst)
+    expect(same(plain.subarray(9), data)).toBe(true)
+    expect(plain.subarray(0, 9).every((b) => b === 0)).toBe(true)
+    const small = new Uint8Array(new SharedArrayBuffer(100))
+    await native.copyViews(small.subarray(1, 11), plain.subarray(9, 19))
+    expect([...small.subarray(1, 11)]).toEqual([...data.subarray(0, 10)])
+    expect(small[0]).toBe(0)
+    expect(small[11]).toBe(0)
+    freePinned(slot.buffer)
+  })
+
+  it('overlapping views of one buffer copy as memmove', async () => {
+    const buf = pattern(6 << 20, 4)
+    const want = Uint8Array.from(buf)
+    want.copyWithin(1000, 0, 5 << 20)
+    await native.copyViews(buf.subarray(1000, 1000 + (5 << 20)), buf.subarray(0, 5 << 20))
+    expect(same(buf, want)).toBe(true)
+  })
+
+  it('refuses what does not fit, non-Uint8Arrays and freed buffers, leaving nothing busy', async () => {
+    const b = allocPinnedSync(8192)
+    await rejectsWith(
+      native.copyViews(new Uint8Array(b.buffer, 0, 10), new Uint8Array(11)),
+      'ERR_NATIVE',
+      /does not fit/,
+    )
+    await rejectsWith(
+      native.copyViews(new Uint16Array(8) as unknown as Uint8Array, new Uint8Array(8)),
+      'ERR_NATIVE',
+    )
+    await rejectsWith(
+      native.copyViews(new Uint8Array(8), new ArrayBuffer(8) as unknown as Uint8Array),
+      'ERR_NATIVE',
+    )
+    // The raw binding refuses too (no JS check in front of it): nothing left busy.
+    expect(() => native.loadNative().copyViews(new Uint8Array(b.buffer, 0, 4), new Uint8Array(5))).toThrow(
+      /does not fit/,
+    )
+    expect(pinnedInfo(b.buffer)).toMatchObject({ busy: 0 })
+    const view = new Uint8Array(b.buffer)
+    freePinned(b.buffer)
+    await rejectsWith(native.copyViews(view, new Uint8Array(0)), 'ERR_NATIVE', /freed/)
+    await rejectsWith(native.copyViews(new Uint8Array(8), view), 'ERR_NATIVE', /freed/)
+  })
+})
+
 describe('copyRuns: scattered runs in one call', () => {
   const { copyRuns } = native
 

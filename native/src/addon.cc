@@ -25,7 +25,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   InitMmap(env, exports);
   InitKeys(env, exports);
   // Bumped when the JS-facing contract changes; the loader refuses a stale build.
-  exports.Set("abiVersion", Napi::Number::New(env, 11));
+  exports.Set("abiVersion", Napi::Number::New(env, 12));
   return exports;
 }
 

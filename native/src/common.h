@@ -49,6 +49,8 @@ struct HostSpan {
   void* block = nullptr;  // the pinned block it lies in, if any
 };
 HostSpan AcquireHost(Napi::Env env, Napi::Value buffer, Napi::Value offset, Napi::Value length);
+// The same for a Uint8Array over any buffer (an ArrayBuffer, a SharedArrayBuffer, pinned memory).
+HostSpan AcquireView(Napi::Env env, Napi::Value view, const char* what);
 void ReleaseHost(const HostSpan& span);
 
 // Argument readers for already-validated values (JS validates; these only

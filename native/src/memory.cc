@@ -11,6 +11,11 @@
 #include <unordered_map>
 
 #include "common.h"
+#include "stream_copy.h"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace kvgate {
 namespace {
@@ -417,6 +422,33 @@ HostSpan AcquireHost(Napi::Env env, Napi::Value buffer, Napi::Value offset, Napi
   return s;
 }
 
+HostSpan AcquireView(Napi::Env env, Napi::Value view, const char* what) {
+  // A Uint8Array over an ArrayBuffer, a SharedArrayBuffer (a codec worker's staging) or pinned
+  // memory: napi_get_typedarray_info gives the bytes whatever the buffer's kind (napi has no
+  // SharedArrayBuffer accessor of its own in the Node versions kvgate supports).
+  napi_typedarray_type type;
+  size_t length = 0, offset = 0;
+  void* data = nullptr;
+  napi_value buffer;
+  if (!view.IsTypedArray() ||
+      napi_get_typedarray_info(env, view, &type, &length, &data, &buffer, &offset) != napi_ok ||
+      type != napi_uint8_array) {
+    ThrowNative(env, std::string(what) + " must be a Uint8Array");
+  }
+  if (data == nullptr && length > 0) ThrowNative(env, std::string(what) + " is detached");
+  HostSpan s;
+  s.data = static_cast<uint8_t*>(data);
+  s.length = length;
+  if (data == nullptr) return s;
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_blocks.find(static_cast<uint8_t*>(data) - offset);
+  if (it != g_blocks.end()) {
+    it->second->busy++;
+    s.block = it->second;
+  }
+  return s;
+}
+
 void ReleaseHost(const HostSpan& span) {
   if (span.block == nullptr) return;
   std::lock_guard<std::mutex> lock(g_mu);
@@ -467,6 +499,51 @@ static Napi::Value CopyHost(const Napi::CallbackInfo& info) {
       });
 }
 
+// copyViews(dst: Uint8Array, src: Uint8Array) -> Promise<void>: copies all of src to the start of
+// dst on the libuv pool with streaming stores. Either may lie in a SharedArrayBuffer: a codec
+// worker's decoded tensor goes from its staging into an L1 slot (32 MiB) without holding the JS
+// thread, which copied every chunk of a cold node's L4 load before. Both views stay referenced
+// (a pinned one busy) until it settles; the caller keeps src unwritten meanwhile.
+static Napi::Value CopyViews(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  HostSpan dst = AcquireView(env, info[0], "dst");
+  HostSpan src;
+  try {
+    src = AcquireView(env, info[1], "src");
+  } catch (...) {
+    ReleaseHost(dst);
+    throw;
+  }
+  if (src.length > dst.length) {
+    ReleaseHost(dst);
+    ReleaseHost(src);
+    ThrowNative(env, "src (" + std::to_string(src.length) + " bytes) does not fit dst (" +
+                         std::to_string(dst.length) + " bytes)");
+  }
+  return RunAsync(
+      env, "kvgate.copyViews",
+      [dst, src](Failure&) {
+        if (src.length < 4096) {
+          std::memmove(dst.data, src.data, src.length);
+          return;
+        }
+        // Overlapping views would need memmove's order; streaming stores only for disjoint ones.
+        if (dst.data + src.length <= src.data || src.data + src.length <= dst.data) {
+          StreamCopy(dst.data, src.data, src.length);
+#if defined(__SSE2__)
+          _mm_sfence();  // the streaming stores are visible before the JS thread hears of them
+#endif
+        } else {
+          std::memmove(dst.data, src.data, src.length);
+        }
+      },
+      nullptr, {info[0].As<Napi::Object>(), info[1].As<Napi::Object>()},
+      [dst, src]() {
+        ReleaseHost(dst);
+        ReleaseHost(src);
+      });
+}
+
 void InitMemory(Napi::Env env, Napi::Object exports) {
   napi_add_env_cleanup_hook(
       env, [](void* arg) { OnEnvTeardown(static_cast<napi_env>(arg)); }, static_cast<napi_env>(env));
@@ -478,6 +555,7 @@ void InitMemory(Napi::Env env, Napi::Object exports) {
   exports.Set("registerHost", Napi::Function::New(env, RegisterHost, "registerHost"));
   exports.Set("unregisterHost", Napi::Function::New(env, UnregisterHost, "unregisterHost"));
   exports.Set("copyHost", Napi::Function::New(env, CopyHost, "copyHost"));
+  exports.Set("copyViews", Napi::Function::New(env, CopyViews, "copyViews"));
 }
 
 }  // namespace kvgate

@@ -19,6 +19,7 @@ import { type CalibrationRef, decodeIntoWith, decodeSectionWith, encodeWith } fr
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
 import { CodecStaging } from './codec-staging.ts'
 import type { CodecReply, CodecRequest } from './codec-worker.ts'
+import { copyViews, copyViewsReady } from './native.ts'
 
 /** Objects from this size on are verified on two threads. */
 const PARALLEL_VERIFY_BYTES = 4 * 1024 * 1024
@@ -126,6 +127,12 @@ export interface CodecPoolOptions {
    */
   maxObjectBytes?: number
 }
+
+/**
+ * Decoded tensors at least this large go from a worker's staging to their destination on the
+ * addon's pool: below it a round trip to the pool costs more than the copy it moves.
+ */
+const ASYNC_COPY_MIN_BYTES = 2 * 1024 * 1024
 
 /** Distributive Omit, so each request variant keeps its own fields. */
 type RequestBody = CodecRequest extends infer R ? (R extends CodecRequest ? Omit<R, 'id'> : never) : never
@@ -408,7 +415,8 @@ export class CodecPool {
   /** Hands queued jobs to idle workers, reads first. */
   #dispatch(): void {
     for (const slot of this.#slots) {
-      if (slot.job || slot.dead || !slot.ready) continue
+      // A worker whose next output buffer is still being copied out waits for that copy.
+      if (slot.job || slot.dead || !slot.ready || slot.staging.nextOutputHeld) continue
       // A job that cannot be handed over fails alone and this slot takes the next one (moving
       // on left it idle with jobs queued until some other event).
       while (!slot.job) {
@@ -599,21 +607,42 @@ export class CodecPool {
   ): Promise<void> {
     if (codec !== 'raw') {
       let out: Uint8Array | undefined
+      let staging: CodecStaging | undefined
       const p = this.#post(
         'read',
         (st) => {
+          staging = st
           out = st.output(dst.byteLength)
           return {
             msg: { op: 'decode', object: st.input(object), out, calibration: refOf(calibration) },
             transfer: [],
           }
         },
-        () => dst.set(out!),
+        () => this.#copyOut(staging!, dst, out!),
       )
       if (p && (await p.then(() => true, noWorkersToUndefined))) return
     }
     this.counts.inlineJobs++
     decodeIntoWith(overlaps(object, dst) ? object.slice() : object, dst, calibration)
+  }
+
+  /**
+   * A decoded tensor from a worker's staging into `dst`: on the addon's pool where it loads (32
+   * MiB a chunk: on the calling thread this copy, with the one into the caller's buffer, was
+   * most of that thread's time in a cold node's L4 load and capped the node's rate whatever its
+   * cores), else here. The staging buffer is held until the copy ends (CodecStaging.hold).
+   */
+  #copyOut(staging: CodecStaging, dst: Uint8Array, out: Uint8Array): void | Promise<void> {
+    if (out.byteLength < ASYNC_COPY_MIN_BYTES || !copyViewsReady()) {
+      dst.set(out)
+      return
+    }
+    const copy = copyViews(dst, out)
+    staging.hold(out, copy)
+    // Registered after hold's own reaction: the buffer is free again when this dispatches.
+    const next = () => this.#dispatch()
+    copy.then(next, next)
+    return copy
   }
 
   /** Decodes one CRC-checked layer section into a new layer slab. */

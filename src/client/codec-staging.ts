@@ -7,8 +7,9 @@ const GRAIN = 1 << 20
 /**
  * SharedArrayBuffers reused by every job of one worker. L1 slots cannot be
  * shared or transferred (they are pinned external memory), so one copy in and
- * one copy out on the calling thread remain; what goes is a fresh 32 MiB buffer
- * per job, whose page faults and zeroing cost as much CPU as the decode itself.
+ * one copy out remain (the copy out on the addon's pool where it loads, see hold);
+ * what goes is a fresh 32 MiB buffer per job, whose page faults and zeroing cost as
+ * much CPU as the decode itself.
  * Outputs alternate between two buffers: the calling thread copies one job's
  * tensor out while the worker decodes the next into the other (the copy is ~15 %
  * of a decode). Holds the largest job it has seen (one chunk object, two chunk
@@ -17,6 +18,8 @@ const GRAIN = 1 << 20
 export class CodecStaging {
   #input: SharedArrayBuffer | undefined
   readonly #outputs: (SharedArrayBuffer | undefined)[] = [undefined, undefined]
+  /** A copy out of each output buffer still running off the calling thread (see hold). */
+  readonly #held: (object | undefined)[] = [undefined, undefined]
   #turn = 0
 
   /** A copy of `bytes` (of the parts one after another) in the input buffer. */
@@ -43,6 +46,28 @@ export class CodecStaging {
     const buf = sized(this.#outputs[i], n)
     this.#outputs[i] = buf
     return new Uint8Array(buf, 0, n)
+  }
+
+  /**
+   * Marks the output buffer `view` lies in as being copied out (on the addon's pool, not the
+   * calling thread) until `copy` settles. The job after next would take that buffer: the pool
+   * hands this worker no job while `nextOutputHeld` (a worker writing into a buffer still being
+   * copied out of would put the next chunk's bytes into this one's copy).
+   */
+  hold(view: Uint8Array, copy: Promise<unknown>): void {
+    const i = this.#outputs.indexOf(view.buffer as SharedArrayBuffer)
+    if (i < 0) return
+    const token = {}
+    this.#held[i] = token
+    const clear = () => {
+      if (this.#held[i] === token) this.#held[i] = undefined
+    }
+    copy.then(clear, clear)
+  }
+
+  /** Whether the output buffer the next output() takes is still being copied out of. */
+  get nextOutputHeld(): boolean {
+    return this.#held[this.#turn] !== undefined
   }
 
   /** Which output buffer the next output() takes (the pool notes it before it builds a job's message). */

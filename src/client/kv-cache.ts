@@ -115,6 +115,8 @@ export interface KVCacheStats {
 }
 
 const MAX_TOKENS = 1 << 24
+/** A fetched chunk tensor at least this large is copied into a retrieve's buffer on the addon's pool. */
+const OFF_THREAD_COPY_BYTES = 2 * 1024 * 1024
 
 /** Tiers a cache uses instead of its own (`kvgate agent`: one L1 budget for every KV space). */
 export interface SharedTiers {
@@ -461,7 +463,7 @@ export class KVCache {
     const into = options.into
     if (options.deadlineMs !== undefined) checkInt('deadlineMs', options.deadlineMs, 1, 3_600_000)
     const layout = checkLayout(options)
-    let write: (i: number, tensor: Uint8Array) => void | Promise<void>
+    let write: (i: number, tensor: Uint8Array, fetched: boolean) => void | Promise<void>
     let target: ((i: number) => Uint8Array) | undefined
     if (layout === 'sequence' && !isGpuBuffer(into)) {
       const seq = this.#sequence('into', into, tokens.length)
@@ -479,9 +481,17 @@ export class KVCache {
           `invalid into: ${bytes.byteLength} bytes, need ${total} (${keys.length} chunk tensors of up to ${this.chunkBytes} bytes)`,
         )
       }
-      // A plain copy on this thread: measured here, a copy on the addon's pool (copyHost) made an
-      // L1 retrieve 0.75–0.81× memcpy instead of 0.86–0.90× and did not speed up cold L2 retrieves.
-      write = (i, t) => bytes.set(t, offsets[i]!)
+      // An L1 hit is a plain copy on this thread: measured here, a copy on the addon's pool
+      // (copyHost) made an L1 retrieve 0.75–0.81× memcpy instead of 0.86–0.90×. A chunk fetched
+      // from L4 is copied on the pool: a cold node's L4 load is bound by this thread otherwise
+      // (it also takes the HTTP bodies and their copies into L1), whatever the node's cores.
+      const native = this.#native?.copyViewsReady() ? this.#native : undefined
+      write = (i, t, fetched) => {
+        const at = offsets[i]!
+        if (fetched && native && t.byteLength >= OFF_THREAD_COPY_BYTES)
+          return native.copyViews(bytes.subarray(at, at + t.byteLength), t)
+        bytes.set(t, at)
+      }
       // Chunks read from L2 are copied here by the workers that verify them, while in cache.
       if (bytes.buffer instanceof ArrayBuffer)
         target = (i) => bytes.subarray(offsets[i]!, offsets[i]! + this.#manager.tensorBytes(keys[i]!))

@@ -12,7 +12,7 @@ import { KvgateError, type KvgateErrorOptions } from '../core/errors.ts'
 import { installedAsDependency, packageRoot } from '../package-files.ts'
 
 /** The addon contract version this wrapper speaks (native/src/addon.cc `abiVersion`). */
-export const NATIVE_ABI_VERSION = 11
+export const NATIVE_ABI_VERSION = 12
 
 /** O_DIRECT alignment kvgate uses for buffer addresses and file offsets (bytes). */
 export const DIRECT_ALIGNMENT = 4096
@@ -186,6 +186,7 @@ export interface NativeBinding {
     srcOffset: number,
     length: number,
   ): Promise<void>
+  copyViews(dst: Uint8Array, src: Uint8Array): Promise<void>
   readFile(
     path: string,
     buffer: ArrayBuffer,
@@ -907,6 +908,43 @@ export function copyHost(dst: HostBuffer, src: HostBuffer): Promise<void> {
     const s = hostRange(src, 'src')
     if (s.length > d.length) throw misuse(`src (${s.length} bytes) does not fit dst (${d.length} bytes)`)
     return loadNative().copyHost(d.buffer, d.offset, s.buffer, s.offset, s.length)
+  })
+}
+
+let copyViewsLoaded: boolean | undefined
+/** True when the loaded addon has {@link copyViews} (checked once); never throws. */
+export function copyViewsReady(): boolean {
+  if (copyViewsLoaded === undefined) {
+    try {
+      copyViewsLoaded = typeof loadNative().copyViews === 'function'
+    } catch {
+      copyViewsLoaded = false
+    }
+  }
+  return copyViewsLoaded
+}
+
+/**
+ * Copies all of `src` into the start of `dst` on a libuv worker with streaming stores. Unlike
+ * copyHost, either may lie in a SharedArrayBuffer (a codec worker's staging). Both stay
+ * referenced until it settles; the caller must not write `src` (nor read `dst`) meanwhile.
+ */
+export function copyViews(dst: Uint8Array, src: Uint8Array): Promise<void> {
+  return callAsync(async () => {
+    if (!(dst instanceof Uint8Array) || !(src instanceof Uint8Array))
+      throw misuse('copyViews takes two Uint8Arrays')
+    if (src.byteLength > dst.byteLength)
+      throw misuse(`src (${src.byteLength} bytes) does not fit dst (${dst.byteLength} bytes)`)
+    for (const [v, what] of [
+      [dst, 'dst'],
+      [src, 'src'],
+    ] as const) {
+      if (v.buffer instanceof ArrayBuffer && freedBuffers.has(v.buffer))
+        throw misuse(`${what} was freed with freePinned and cannot be used again`)
+      if (v.buffer instanceof ArrayBuffer && unmappedBuffers.has(v.buffer))
+        throw misuse(`${what} was unmapped with unmapFile and cannot be used again`)
+    }
+    return loadNative().copyViews(dst, src)
   })
 }
 

@@ -371,7 +371,7 @@ export class StorageManager {
    */
   async retrieve(
     keys: readonly ChunkKey[],
-    write: (i: number, tensor: Uint8Array) => void | Promise<void>,
+    write: (i: number, tensor: Uint8Array, fetched: boolean) => void | Promise<void>,
     opts: {
       tiers?: readonly TierName[]
       deadlineMs?: number
@@ -398,6 +398,9 @@ export class StorageManager {
           if (i >= firstFail) return
           let h: ChunkHandle | undefined
           let sink: TensorSink | undefined
+          // Not in L1 when asked: fetched from L2 or L4 for this read (a hint for write: such a
+          // chunk's copy may leave this thread, an L1 hit's stays on it).
+          const fetched = !this.memory.has(keys[i]!.hex)
           if (deadline.passed) {
             // Past the deadline nothing is waited for: only chunks L1 holds are still served.
             h = this.memory.acquire(keys[i]!.hex)
@@ -421,7 +424,7 @@ export class StorageManager {
           }
           try {
             if (this.#closed) return
-            if (!sink?.copied) await write(i, h.bytes)
+            if (!sink?.copied) await write(i, h.bytes, fetched)
             ok[i] = 1
           } catch (e) {
             failed = true // the other workers stop too: none writes after this rejects
