@@ -13,7 +13,7 @@ import { pattern } from './support/bytes.ts'
 import { startFaultGateway } from './support/client-fault-gateway.ts'
 
 /** The copier the pool and the cache call, slowed down or failed by each test. */
-const copies = { delayMs: 0, fail: 0, calls: 0 }
+const copies = { delayMs: 0, fail: 0, calls: 0, inFlight: 0 }
 vi.mock('../src/client/native.ts', async (importOriginal) => {
   const real = await importOriginal<typeof import('../src/client/native.ts')>()
   return {
@@ -24,8 +24,13 @@ vi.mock('../src/client/native.ts', async (importOriginal) => {
         copies.fail--
         throw new Error('copy refused (test)')
       }
-      if (copies.delayMs > 0) await new Promise((r) => setTimeout(r, copies.delayMs))
-      return real.copyViews(dst, src)
+      copies.inFlight++
+      try {
+        if (copies.delayMs > 0) await new Promise((r) => setTimeout(r, copies.delayMs))
+        return await real.copyViews(dst, src)
+      } finally {
+        copies.inFlight--
+      }
     },
   }
 })
@@ -157,3 +162,107 @@ describe.skipIf(!copyViewsReady())('a cold retrieve from L4 copies on the addon 
     }
   })
 })
+
+describe.skipIf(!copyViewsReady())(
+  'retrieveLayers from L4 decodes layer groups into their L1 reservation',
+  () => {
+    // 64-token chunks: a layer group (8 layers of 256 KiB) is 2 MiB, copied on the pool.
+    const T = 64
+    const CB = chunkBytes(g, T)
+    const toks = Array.from({ length: 2 * T }, (_, i) => (i * 43 + 11) % 32000)
+    const kv = pattern(2 * CB, 79)
+    const slab = CB / g.layers
+
+    async function seededGateway() {
+      const gw = await startFaultGateway()
+      const a = await KVCache.open({
+        model: 'llama-3.1-8b',
+        chunkTokens: T,
+        namespace: 'layers-in-place',
+        memory: { bytes: 4 * (CB + 65536) },
+        remote: { url: gw.url, codec: 'lossless', token: 'secret' },
+      })
+      await a.store(toks, kv)
+      await a.flush()
+      await a.close(100)
+      return gw
+    }
+
+    it('with slow copies: every layer as stored, then the chunks resident in L1', async () => {
+      const gw = await seededGateway()
+      const b = await KVCache.open({
+        model: 'llama-3.1-8b',
+        chunkTokens: T,
+        namespace: 'layers-in-place',
+        memory: { bytes: 4 * (CB + 65536) },
+        codecWorkers: 1,
+        remote: { url: gw.url, codec: 'lossless', token: 'secret' },
+      })
+      try {
+        copies.delayMs = 30
+        const calls = copies.calls
+        let layers = 0
+        for await (const batch of b.retrieveLayers(toks)) {
+          expect(batch.chunks).toBe(2)
+          for (let i = 0; i < 2; i++) {
+            const want = kv.subarray(i * CB + batch.layer * slab, i * CB + (batch.layer + 1) * slab)
+            expect(Buffer.compare(batch.slabs[i]!, want)).toBe(0)
+          }
+          layers++
+        }
+        expect(layers).toBe(g.layers)
+        expect(copies.calls).toBeGreaterThan(calls) // the groups came through the pool's copies
+        expect((await b.lookup(toks)).chunks.every((c) => c.tier === 'memory')).toBe(true)
+        const into = new Uint8Array(2 * CB)
+        expect((await b.retrieve(toks, { into })).every((m) => m === 1)).toBe(true)
+        expect(Buffer.compare(into, kv)).toBe(0)
+      } finally {
+        await b.close(100)
+        await gw.close()
+      }
+    })
+
+    it('a read cut short by its deadline keeps its L1 slot until the copies into it end, then gives it back', async () => {
+      // The deadline (1 s) ends the read after every layer group was decoded but while their
+      // copies into the chunk's L1 reservation still run (3 s each): the slot must stay reserved
+      // until they end (given back earlier, a store could take it and then have the late copies
+      // land in its bytes), and then be given back, nothing committed.
+      const gw = await seededGateway()
+      const b = await KVCache.open({
+        model: 'llama-3.1-8b',
+        chunkTokens: T,
+        namespace: 'layers-in-place',
+        memory: { bytes: CB + 65536 },
+        codecWorkers: 1,
+        retrieveDeadlineMs: 1000,
+        remote: { url: gw.url, codec: 'lossless', token: 'secret' },
+      })
+      try {
+        copies.delayMs = 3000
+        let served = 0
+        for await (const batch of b.retrieveLayers(toks.slice(0, T))) served = batch.chunks
+        expect(served).toBe(0)
+        expect(copies.inFlight).toBeGreaterThan(0) // the case under test: copies still running
+        expect(b.stats().memory.liveReservations).toBe(1)
+        const until = Date.now() + 20_000
+        while (copies.inFlight > 0 && Date.now() < until) await new Promise((r) => setTimeout(r, 20))
+        expect(copies.inFlight).toBe(0)
+        expect(b.stats().memory.liveReservations).toBe(0)
+        expect((await b.lookup(toks.slice(0, T))).chunks.some((c) => c.tier === 'memory')).toBe(false)
+        // The slot serves the next chunk with its own bytes.
+        copies.delayMs = 0
+        const other = Array.from({ length: T }, (_, i) => (i * 59 + 3) % 32000)
+        const otherKv = pattern(CB, 80)
+        await b.store(other, otherKv)
+        const into = new Uint8Array(CB)
+        expect((await b.retrieve(other, { into }))[0]).toBe(1)
+        expect(Buffer.compare(into, otherKv)).toBe(0)
+        await b.flush()
+        expect(b.stats().memory.livePins).toBe(0)
+      } finally {
+        await b.close(100)
+        await gw.close()
+      }
+    })
+  },
+)

@@ -146,6 +146,43 @@ describe('corrupt objects are reported to the gateway once (contract C1)', () =>
     expect((await b.lookup(toks)).tokens).toBe(0)
   })
 
+  it.each([
+    ['lossless', 1],
+    ['lossless', 0],
+    ['kvgate', 1],
+  ] as const)(
+    'a %s layer range with a flipped byte is never served (%i codec workers: its CRCs checked there)',
+    async (codec, codecWorkers) => {
+      const a = await node({ codec })
+      const toks = tokens(2 * T, 43)
+      const kv = kvFor(2, 43)
+      await a.store(toks, kv)
+      await a.flush()
+      gw.faults.corrupt = true
+      const b = await node({ codec }, { codecWorkers })
+      let served = 0
+      for await (const batch of b.retrieveLayers(toks)) served = batch.chunks
+      expect(served).toBe(0)
+      expect(b.stats().remote?.corrupt).toBeGreaterThanOrEqual(1)
+      expect((await b.lookup(toks)).chunks.some((c) => c.tier === 'memory')).toBe(false)
+      // Intact again: every layer as stored (lossless) or within the codec's bound (its bytes decode).
+      gw.faults.corrupt = false
+      const c = await node({ codec }, { codecWorkers })
+      const slab = layerSlabBytes(MODEL_PRESETS.stories260k, T)
+      for await (const batch of c.retrieveLayers(toks)) {
+        expect(batch.chunks).toBe(2)
+        if (codec === 'lossless')
+          for (let i = 0; i < 2; i++)
+            expect(
+              Buffer.compare(
+                batch.slabs[i]!,
+                kv.subarray(i * CB + batch.layer * slab, i * CB + (batch.layer + 1) * slab),
+              ),
+            ).toBe(0)
+      }
+    },
+  )
+
   it('a layer-range read that fails verification reports too', async () => {
     const { toks, keys } = await seeded(1, 42)
     gw.faults.corrupt = true

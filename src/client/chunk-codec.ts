@@ -11,6 +11,7 @@ import {
   layerSpan,
   openLayerSubset,
   sectionOf,
+  uncheckedSectionOf,
 } from '../core/format.ts'
 import { type KvGeometry, layerSlabBytes, sameGeometry } from '../core/layout.ts'
 
@@ -83,18 +84,31 @@ export function openLayerGroup(
   first: number,
   last: number,
   want: ChunkIdentity,
-): { header: ChunkHeader; whole: boolean; section(layer: number): Uint8Array } {
+): {
+  header: ChunkHeader
+  whole: boolean
+  section(layer: number): Uint8Array
+  /** The section with its CRC not yet checked (a codec worker checks it). */
+  unchecked(layer: number): Uint8Array
+} {
   const header = decodeHeader(body)
   const span = layerSpan(header, first, last)
   if (body.length === header.totalBytes && body.length !== header.headerBytes + span.end - span.start) {
     checkIdentity(header, want)
+    const inSubset = (layer: number) => {
+      if (!Number.isInteger(layer) || layer < first || layer > last)
+        throw new InvalidArgumentError(`layer ${layer} is not in the subset ${first}-${last}`)
+    }
     return {
       header,
       whole: true,
       section(layer: number): Uint8Array {
-        if (!Number.isInteger(layer) || layer < first || layer > last)
-          throw new InvalidArgumentError(`layer ${layer} is not in the subset ${first}-${last}`)
+        inSubset(layer)
         return sectionOf(body, header, layer)
+      },
+      unchecked(layer: number): Uint8Array {
+        inSubset(layer)
+        return uncheckedSectionOf(body, header, layer)
       },
     }
   }

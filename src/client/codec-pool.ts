@@ -11,9 +11,16 @@ import {
   CorruptStreamError,
   FormatError,
   type FormatErrorCode,
+  InvalidArgumentError,
   KvgateError,
 } from '../core/errors.ts'
-import { type ChunkHeader, DEFAULT_MAX_CHUNK_BYTES, decodeHeader, verifyChunk } from '../core/format.ts'
+import {
+  type ChunkHeader,
+  checkSectionCrcs,
+  DEFAULT_MAX_CHUNK_BYTES,
+  decodeHeader,
+  verifyChunk,
+} from '../core/format.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
 import { type CalibrationRef, decodeIntoWith, decodeSectionWith, encodeWith } from './calibrated-codec.ts'
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
@@ -126,6 +133,17 @@ export interface CodecPoolOptions {
    * @default 512 MiB (DEFAULT_MAX_CHUNK_BYTES)
    */
   maxObjectBytes?: number
+}
+
+/**
+ * Where a layer group's slabs go when they are ready (a chunk's L1 reservation, back to back):
+ * `take()` is asked at that moment and answers the place, or undefined when it is no longer
+ * wanted (the slabs then go to new buffers); after a place was taken, `done()` is called once
+ * the last byte landed. Between the two the owner must not give the place away.
+ */
+export interface LayerTarget {
+  take(): Uint8Array | undefined
+  done(): void
 }
 
 /**
@@ -645,6 +663,23 @@ export class CodecPool {
     return copy
   }
 
+  /**
+   * A `layers` job's slabs out of a worker's staging: one new buffer for the group, filled on the
+   * addon's pool where it loads (see #copyOut), each layer a view of it.
+   */
+  #layersOut(
+    staging: CodecStaging,
+    out: Uint8Array,
+    count: number,
+    slab: number,
+    into: Uint8Array | undefined,
+  ): Uint8Array[] | Promise<Uint8Array[]> {
+    const group = into ?? new Uint8Array(count * slab)
+    const views = () => Array.from({ length: count }, (_, i) => group.subarray(i * slab, (i + 1) * slab))
+    const copied = this.#copyOut(staging, group, out.subarray(0, count * slab))
+    return copied ? copied.then(views) : views()
+  }
+
   /** Decodes one CRC-checked layer section into a new layer slab. */
   async decodeSection(
     header: ChunkHeader,
@@ -656,23 +691,42 @@ export class CodecPool {
   }
 
   /**
-   * Decodes CRC-checked sections of layers first, first + 1, … (a `?layers=a-b`
-   * answer) into new layer slabs: one worker job for the whole range.
+   * Decodes sections of layers first, first + 1, … (a `?layers=a-b` answer) into new layer
+   * slabs: one worker job for the whole range. With `crcs` (the header's, one per section) the
+   * sections are checked here, on the worker where there is one (ERR_FORMAT_CHECKSUM before
+   * any is decoded), instead of by the caller on its own thread; without, they were checked.
+   * With `into`, the slabs are written where it says when the bytes are ready (see LayerTarget)
+   * and returned as views of that place.
    */
   async decodeLayers(
     header: ChunkHeader,
     first: number,
     sections: Uint8Array[],
     calibration?: Calibration,
+    crcs?: number[],
+    into?: LayerTarget,
   ): Promise<Uint8Array[]> {
     const slab = layerSlabBytes(header.geometry, header.tokens)
+    /** Where the layers go: the target's place while it takes them (done() after), else new. */
+    const place = (): Uint8Array | undefined => {
+      const region = into?.take()
+      if (region && region.byteLength < sections.length * slab) {
+        into!.done()
+        throw new InvalidArgumentError(
+          `a layer target of ${region.byteLength} bytes for ${sections.length} layers of ${slab}`,
+        )
+      }
+      return region
+    }
     // A header's claim sizes the staging: what the codec would refuse is refused inline, before allocating.
     if (header.codec !== 'raw' && sections.length * slab <= MAX_WASM_SLAB_BYTES) {
       let out: Uint8Array | undefined
+      let staging: CodecStaging | undefined
       const lengths = sections.map((s) => s.byteLength)
       const p = this.#post(
         'read',
         (st) => {
+          staging = st
           out = st.output(sections.length * slab)
           const input = st.input(sections)
           const msg = {
@@ -681,18 +735,36 @@ export class CodecPool {
             first,
             sections: input,
             lengths,
+            crcs,
             out,
             calibration: refOf(calibration),
           } as const
           return { msg, transfer: [] }
         },
-        () => sections.map((_, i) => out!.slice(i * slab, (i + 1) * slab)),
+        () => {
+          const region = place()
+          const slabs = this.#layersOut(staging!, out!, sections.length, slab, region)
+          if (!region) return slabs
+          if (!(slabs instanceof Promise)) {
+            into!.done()
+            return slabs
+          }
+          return slabs.finally(() => into!.done())
+        },
       )
       const got = p && (await p.catch(noWorkersToUndefined))
       if (got) return got
     }
     this.counts.inlineJobs++
-    return sections.map((s, i) => decodeSectionWith(header, first + i, s, calibration))
+    if (crcs) sections.forEach((s, i) => checkSectionCrcs(s, [s.byteLength], [crcs[i]!], first + i))
+    const region = place()
+    try {
+      return sections.map((s, i) =>
+        decodeSectionWith(header, first + i, s, calibration, region?.subarray(i * slab, (i + 1) * slab)),
+      )
+    } finally {
+      if (region) into!.done()
+    }
   }
 
   /**

@@ -6,7 +6,7 @@ import { parentPort } from 'node:worker_threads'
 import { buildCalibration } from '../codec/calibration.ts'
 import { crc32 } from '../core/checksum.ts'
 import { type ErrorCode, isKvgateError, provesCorrupt } from '../core/errors.ts'
-import type { ChunkHeader } from '../core/format.ts'
+import { type ChunkHeader, checkSectionCrcs } from '../core/format.ts'
 import type { KvGeometry } from '../core/layout.ts'
 import {
   type CalibrationRef,
@@ -43,6 +43,11 @@ export type CodecRequest =
       first: number
       sections: Uint8Array
       lengths: number[]
+      /**
+       * The header's CRC-32 of each section, when they were not checked before the job: every
+       * one is checked here before any is decoded (ERR_FORMAT_CHECKSUM, a verdict on the bytes).
+       */
+      crcs?: number[] | undefined
       out: Uint8Array
       calibration?: CalibrationRef | undefined
     }
@@ -82,6 +87,7 @@ function run(m: CodecRequest): Uint8Array | null {
       )
     case 'layers': {
       const slab = m.out.byteLength / m.lengths.length
+      if (m.crcs) checkSectionCrcs(m.sections, m.lengths, m.crcs, m.first)
       const calibration = openRef(m.calibration)
       let at = 0
       m.lengths.forEach((n, i) => {

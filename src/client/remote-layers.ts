@@ -1,5 +1,7 @@
 // One remote chunk fetched as `?layers=a-b` groups for retrieveLayers; its layers
-// are assembled in an L1 reservation that is committed only once every layer arrived and verified.
+// are decoded into an L1 reservation that is committed only once every layer arrived and verified.
+// A group writes into the reservation only while it is unsettled, and settling waits for a
+// write in progress (a copy off the JS thread) to end: a slot is never given back under a write.
 
 import type { ChunkKey } from '../core/keys.ts'
 import { type KvGeometry, layerSlabBytes } from '../core/layout.ts'
@@ -18,9 +20,13 @@ export class RemoteLayers {
   readonly #key: ChunkKey
   readonly #reader: ChunkReader
   readonly #remote: RemoteTier
-  /** Layers copied into the reservation; the chunk is complete only when all are. */
+  /** Layers decoded into the reservation and handed out; the chunk is complete only when all are. */
   readonly #filled: Uint8Array
   #filledCount = 0
+  /** Groups writing into the reservation right now (between LayerTarget take and done). */
+  #writing = 0
+  /** settle() was called: done now, or when the writes in progress end. */
+  #settleWanted = false
 
   constructor(
     o: { reader: ChunkReader; remote: RemoteTier; memory: MemoryTier; geometry: KvGeometry; per: number },
@@ -37,10 +43,28 @@ export class RemoteLayers {
     this.#reservation = o.memory.reserve(key.hex, tensorBytes)
   }
 
-  /** Starts the GET of the layer group beginning at `first`. */
+  /**
+   * Starts the GET of the layer group beginning at `first`, decoded straight into its place in
+   * the reservation when there is one (no copy of each layer on this thread afterwards).
+   */
   request(first: number): void {
     const last = Math.min(this.#layers - 1, first + this.#per - 1)
-    const group = this.#reader.layerGroup(this.#remote, this.#key, first, last)
+    const r = this.#reservation
+    const into = r
+      ? {
+          // Asked when the group's bytes are ready: its place, unless the chunk was settled meanwhile.
+          take: (): Uint8Array | undefined => {
+            if (r.settled || this.#settleWanted) return undefined
+            this.#writing++
+            return r.bytes.subarray(first * this.#slab, (last + 1) * this.#slab)
+          },
+          done: (): void => {
+            this.#writing--
+            if (this.#settleWanted && this.#writing === 0) this.#settleNow()
+          },
+        }
+      : undefined
+    const group = this.#reader.layerGroup(this.#remote, this.#key, first, last, into)
     void group.finally(() => this.#ended.add(first)).catch(() => {})
     this.#groups.set(first, group)
   }
@@ -60,9 +84,10 @@ export class RemoteLayers {
     const slab = group?.get(l)
     if (!slab) return undefined
     const r = this.#reservation
-    if (!r || r.settled) return slab
+    if (!r || r.settled || this.#settleWanted) return slab
     const dst = r.bytes.subarray(l * this.#slab, (l + 1) * this.#slab)
-    dst.set(slab)
+    // Decoded in place (request); a group decoded elsewhere (none today) is copied in.
+    if (slab.buffer !== dst.buffer || slab.byteOffset !== dst.byteOffset) dst.set(slab)
     if (this.#filled[l] === 0) {
       this.#filled[l] = 1
       this.#filledCount++
@@ -76,8 +101,16 @@ export class RemoteLayers {
    * for, is never made resident); aborted otherwise. Idempotent.
    */
   settle(): void {
+    this.#settleWanted = true
+    // Groups still on their way write elsewhere from now on (take answers undefined); one
+    // writing into the reservation right now (a copy on the addon's pool, a few ms) is waited
+    // for: the slot is never given back under a write.
+    if (this.#writing === 0) this.#settleNow()
+  }
+
+  #settleNow(): void {
     const r = this.#reservation
-    if (!r) return
+    if (!r || r.settled) return
     if (this.#filledCount === this.#layers) r.commit()
     else r.abort()
   }

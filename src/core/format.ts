@@ -387,10 +387,41 @@ export function layerSpan(header: ChunkHeader, first: number, last: number): { s
 }
 
 function checkedSection(bytes: Uint8Array, at: number, entry: SectionEntry, layer: number): Uint8Array {
-  if (at + entry.length > bytes.length) fail('ERR_FORMAT_TRUNCATED', `section ${layer} is cut short`)
-  const s = bytes.subarray(at, at + entry.length)
+  const s = uncheckedSection(bytes, at, entry, layer)
   if (crc32(s) !== entry.crc32) fail('ERR_FORMAT_CHECKSUM', `section ${layer} checksum mismatch`)
   return s
+}
+
+/** A section's bytes, its length checked, its CRC not (the caller checks it: checkSectionCrcs). */
+function uncheckedSection(bytes: Uint8Array, at: number, entry: SectionEntry, layer: number): Uint8Array {
+  if (at + entry.length > bytes.length) fail('ERR_FORMAT_TRUNCATED', `section ${layer} is cut short`)
+  return bytes.subarray(at, at + entry.length)
+}
+
+/**
+ * Throws FormatError ERR_FORMAT_CHECKSUM unless each section (back to back in `sections`, of
+ * `lengths`) has its CRC in `crcs` (layer first + i).
+ */
+export function checkSectionCrcs(
+  sections: Uint8Array,
+  lengths: readonly number[],
+  crcs: readonly number[],
+  first: number,
+): void {
+  if (crcs.length !== lengths.length) throw new InvalidArgumentError('one CRC per section expected')
+  let at = 0
+  lengths.forEach((n, i) => {
+    if (crc32(sections.subarray(at, at + n)) !== crcs[i])
+      throw new FormatError('ERR_FORMAT_CHECKSUM', `section ${first + i} checksum mismatch`)
+    at += n
+  })
+}
+
+/** Layer `layer`'s section of a whole object, its length checked, its CRC not (see checkSectionCrcs). */
+export function uncheckedSectionOf(bytes: Uint8Array, header: ChunkHeader, layer: number): Uint8Array {
+  const entry = header.sections[layer]
+  if (!entry) throw new InvalidArgumentError(`layer ${layer} out of range 0..${header.sections.length - 1}`)
+  return uncheckedSection(bytes, entry.offset, entry, layer)
 }
 
 /** Layer `layer`'s section of a whole object, checksum verified. */
@@ -409,7 +440,12 @@ export function openLayerSubset(
   first: number,
   last: number,
   opts: DecodeOptions = {},
-): { header: ChunkHeader; section(layer: number): Uint8Array } {
+): {
+  header: ChunkHeader
+  section(layer: number): Uint8Array
+  /** The section with its CRC not yet checked (a codec worker checks it: checkSectionCrcs). */
+  unchecked(layer: number): Uint8Array
+} {
   const header = decodeHeader(bytes, opts)
   const span = layerSpan(header, first, last)
   const expected = header.headerBytes + (span.end - span.start)
@@ -420,14 +456,21 @@ export function openLayerSubset(
     )
   }
   const shift = span.start - header.headerBytes
+  const entryOf = (layer: number) => {
+    if (!Number.isInteger(layer) || layer < first || layer > last) {
+      throw new InvalidArgumentError(`layer ${layer} is not in the subset ${first}-${last}`)
+    }
+    return header.sections[layer]!
+  }
   return {
     header,
     section(layer: number): Uint8Array {
-      if (!Number.isInteger(layer) || layer < first || layer > last) {
-        throw new InvalidArgumentError(`layer ${layer} is not in the subset ${first}-${last}`)
-      }
-      const entry = header.sections[layer]!
+      const entry = entryOf(layer)
       return checkedSection(bytes, entry.offset - shift, entry, layer)
+    },
+    unchecked(layer: number): Uint8Array {
+      const entry = entryOf(layer)
+      return uncheckedSection(bytes, entry.offset - shift, entry, layer)
     },
   }
 }
