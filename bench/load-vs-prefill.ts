@@ -155,6 +155,9 @@ let perConnectionMBs = 0
 // into L1 and from L1 into the caller's buffer. One thread, so it caps a node's L4 rate whatever
 // its cores: the model below counts it.
 const mainMsPerChunk: number[] = []
+/** The same through retrieveLayers (the agent's load path): wall ms per run, main-thread ms per chunk. */
+const layersMs: number[] = []
+const layersMainMsPerChunk: number[] = []
 try {
   // Writer: every tier filled once (L4 through the gateway with the default codec).
   {
@@ -227,6 +230,27 @@ try {
       const cpu1 = mainThreadCpuMs()
       if (cpu0 !== undefined && cpu1 !== undefined) mainMsPerChunk.push((cpu1 - cpu0) / N)
       if (served(mask) !== TOKENS) throw new Error(`L4 served ${served(mask)} of ${TOKENS}`)
+      await c.close()
+    }
+    // The agent's load path (vLLM): layer by layer through `?layers=a-b` groups, on a cold node.
+    log(`[4/4] L4: cold node, retrieveLayers (the agent's load path)…`)
+    for (let r = 0; r < REPEATS; r++) {
+      const c = await KVCache.open({
+        model: MODEL,
+        chunkTokens: CHUNK,
+        memory,
+        retrieveDeadlineMs,
+        remote,
+        codecWorkers: cores,
+      })
+      const cpu0 = mainThreadCpuMs()
+      const t = performance.now()
+      let chunks = 0
+      for await (const batch of c.retrieveLayers(toks)) chunks = batch.chunks
+      layersMs.push(performance.now() - t)
+      const cpu1 = mainThreadCpuMs()
+      if (cpu0 !== undefined && cpu1 !== undefined) layersMainMsPerChunk.push((cpu1 - cpu0) / N)
+      if (chunks !== N) throw new Error(`L4 retrieveLayers served ${chunks} of ${N} chunks`)
       await c.close()
     }
     // Components for the extrapolation: one core's decode rate, one connection's transfer rate.
@@ -348,6 +372,10 @@ console.log(
 console.log(
   `L4 breaks even at 32k tokens with ≥ ${coresToBreakEven} cores (one of them the main thread's) and ≥ ${gbitToBreakEven.toFixed(1)} Gbit/s of network (${cores} cores here)`,
 )
+const layersMain = layersMainMsPerChunk.length > 0 ? median(layersMainMsPerChunk) : 0
+console.log(
+  `L4 through retrieveLayers (the agent's load path): median ${fmt(median(layersMs))} ms for ${TOKENS} tokens here (${fmt(median(layersMs) * scale)} ms at ${TARGET}); main thread ${fmt(layersMain)} ms of CPU per chunk (≥ ${fmt((layersMain * TARGET) / CHUNK)} ms for ${TARGET} tokens on any node)`,
+)
 console.log(
   `main thread: ${fmt(mainMs)} ms of CPU per L4 chunk (HTTP bodies, copies into L1 and into the caller's buffer): ${fmt(mainThreadMs32k)} ms for 32k tokens on any node, ${mainMs > 0 ? (cb / mainMs / 1e6).toFixed(1) : '—'} GB/s at most${mainThreadMs32k < pf32k ? '' : ' (at or over prefill)'}`,
 )
@@ -383,6 +411,7 @@ const path = writeResult({
     perConnectionMBs,
     mainThreadMsPerChunk: mainMs,
     mainThreadMs32k,
+    retrieveLayers: { ms: spread(layersMs), mainThreadMsPerChunk: layersMain },
     coresToBreakEven,
     gbitToBreakEven,
     nodeGrid,
