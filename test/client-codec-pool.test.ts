@@ -111,8 +111,11 @@ describe('CodecPool', () => {
     const a = pool.decodeInto(objA, 'lossless', dstA)
     const b = pool.decodeInto(objA, 'lossless', new Uint8Array(zeros.byteLength), unbuildable as never)
     const c = pool.decodeInto(objC, 'lossless', dstC)
+    // B fails while A's tensor is still being copied out (on the addon's pool): its rejection
+    // is awaited from the start, not after A.
+    const bFails = expect(b).rejects.toMatchObject({ name: 'CodecDispatchError' })
     await a
-    await expect(b).rejects.toMatchObject({ name: 'CodecDispatchError' })
+    await bFails
     await c
     expect(pool.counts.jobsUnsent).toBe(1)
     expect(dstA.findIndex((v) => v !== 0)).toBe(-1)
