@@ -25,7 +25,8 @@ import { machineLine, median, table, writeResult } from './lib/stats.ts'
 import { figureChart, writeSvg } from './lib/svg-chart.ts'
 
 const HELP = `kvgate bench load-vs-prefill: time lookup + retrieve of a Llama-3.1-8B-shaped prefix from
-L1, cold L2 and L4 (gateway on Ceph RadosGW, default codec) beside the modelled GPU prefill time.
+L1, cold L2 and L4 (gateway on Ceph RadosGW, default codec; L4 also through retrieveLayers, the
+agent's load path), with the client main thread's CPU per L4 chunk, beside the modelled GPU prefill.
   --tokens N    prefix length measured (multiple of 256; default 8192, scaled linearly to 32k)
   --repeats N   runs per tier (default 3; min/median/max reported)
 Needs Ceph RadosGW (scripts/rgw/start.sh installs it as root) and writes load-vs-prefill.json.`
@@ -213,8 +214,11 @@ try {
   }
   // L4: a cold node (no L1/L2 content), decode on every core.
   {
-    log(`[4/4] L4: cold node, lookup + retrieve through the gateway, ${cores} codec workers…`)
-    for (let r = 0; r < REPEATS; r++) {
+    /**
+     * One read of the whole prefix by a cold node (no L1/L2 content, a codec worker per core):
+     * its wall ms and the main thread's CPU per chunk, after `read` checked what it served.
+     */
+    const coldRead = async (read: (c: KVCache) => Promise<void>, ms: number[], mainPerChunk: number[]) => {
       const c = await KVCache.open({
         model: MODEL,
         chunkTokens: CHUNK,
@@ -225,33 +229,35 @@ try {
       })
       const cpu0 = mainThreadCpuMs()
       const t = performance.now()
-      const mask = await c.retrieve(toks, { into })
-      res.l4.push(performance.now() - t)
+      await read(c)
+      ms.push(performance.now() - t)
       const cpu1 = mainThreadCpuMs()
-      if (cpu0 !== undefined && cpu1 !== undefined) mainMsPerChunk.push((cpu1 - cpu0) / N)
-      if (served(mask) !== TOKENS) throw new Error(`L4 served ${served(mask)} of ${TOKENS}`)
+      if (cpu0 !== undefined && cpu1 !== undefined) mainPerChunk.push((cpu1 - cpu0) / N)
       await c.close()
     }
-    // The agent's load path (vLLM): layer by layer through `?layers=a-b` groups, on a cold node.
+    log(`[4/4] L4: cold node, lookup + retrieve through the gateway, ${cores} codec workers…`)
+    for (let r = 0; r < REPEATS; r++) {
+      await coldRead(
+        async (c) => {
+          const mask = await c.retrieve(toks, { into })
+          if (served(mask) !== TOKENS) throw new Error(`L4 served ${served(mask)} of ${TOKENS}`)
+        },
+        res.l4,
+        mainMsPerChunk,
+      )
+    }
+    // The agent's load path (vLLM): layer by layer through `?layers=a-b` groups.
     log(`[4/4] L4: cold node, retrieveLayers (the agent's load path)…`)
     for (let r = 0; r < REPEATS; r++) {
-      const c = await KVCache.open({
-        model: MODEL,
-        chunkTokens: CHUNK,
-        memory,
-        retrieveDeadlineMs,
-        remote,
-        codecWorkers: cores,
-      })
-      const cpu0 = mainThreadCpuMs()
-      const t = performance.now()
-      let chunks = 0
-      for await (const batch of c.retrieveLayers(toks)) chunks = batch.chunks
-      layersMs.push(performance.now() - t)
-      const cpu1 = mainThreadCpuMs()
-      if (cpu0 !== undefined && cpu1 !== undefined) layersMainMsPerChunk.push((cpu1 - cpu0) / N)
-      if (chunks !== N) throw new Error(`L4 retrieveLayers served ${chunks} of ${N} chunks`)
-      await c.close()
+      await coldRead(
+        async (c) => {
+          let chunks = 0
+          for await (const batch of c.retrieveLayers(toks)) chunks = batch.chunks
+          if (chunks !== N) throw new Error(`L4 retrieveLayers served ${chunks} of ${N} chunks`)
+        },
+        layersMs,
+        layersMainMsPerChunk,
+      )
     }
     // Components for the extrapolation: one core's decode rate, one connection's transfer rate.
     const pool = new Pool(gw.url, { connections: 1 })

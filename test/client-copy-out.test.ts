@@ -4,7 +4,7 @@
 // and a copy that fails fails its own chunk only.
 
 import { afterAll, afterEach, describe, expect, it, vi } from 'vitest'
-import { KVCache } from '../src/client/index.ts'
+import { KVCache, type KVCacheOptions } from '../src/client/index.ts'
 import { copyViewsReady } from '../src/client/native.ts'
 import { decodeChunk, encodeChunk } from '../src/codec/node.ts'
 import { chunkBytes, MODEL_PRESETS } from '../src/core/layout.ts'
@@ -44,6 +44,24 @@ const CB = chunkBytes(g, T)
 const objects = Array.from({ length: 6 }, (_, i) =>
   encodeChunk(pattern(CB, 31 + i), metaFor(g, T), { mode: 'lossless' }),
 )
+
+/** A Llama-3.1-8B cache of `chunkTokens` on the gateway at `url`, lossless on the wire. */
+function openCache(
+  url: string,
+  namespace: string,
+  chunkTokens: number,
+  chunks: number,
+  extra: Partial<KVCacheOptions> = {},
+): Promise<KVCache> {
+  return KVCache.open({
+    model: 'llama-3.1-8b',
+    chunkTokens,
+    namespace,
+    memory: { bytes: chunks * (chunkBytes(g, chunkTokens) + 65536) },
+    remote: { url, codec: 'lossless', token: 'secret' },
+    ...extra,
+  })
+}
 
 afterEach(() => {
   copies.delayMs = 0
@@ -90,15 +108,7 @@ describe.skipIf(!copyViewsReady())('copies out of a codec worker on the addon po
 describe.skipIf(!copyViewsReady())('a cold retrieve from L4 copies on the addon pool', () => {
   it('into a plain and a shared buffer: the bytes stored, with every copy finished when it returns', async () => {
     const gw = await startFaultGateway()
-    const open = () =>
-      KVCache.open({
-        model: 'llama-3.1-8b',
-        chunkTokens: T,
-        namespace: 'copy-out',
-        memory: { bytes: 8 * (CB + 65536) },
-        codecWorkers: 1,
-        remote: { url: gw.url, codec: 'lossless', token: 'secret' },
-      })
+    const open = () => openCache(gw.url, 'copy-out', T, 8, { codecWorkers: 1 })
     const toks = Array.from({ length: 3 * T }, (_, i) => (i * 37 + 5) % 32000)
     const kv = pattern(3 * CB, 77)
     const a = await open()
@@ -132,15 +142,7 @@ describe.skipIf(!copyViewsReady())('a cold retrieve from L4 copies on the addon 
 
   it('a copy into the caller buffer that fails is the retrieve error, and the cache keeps serving', async () => {
     const gw = await startFaultGateway()
-    const open = () =>
-      KVCache.open({
-        model: 'llama-3.1-8b',
-        chunkTokens: T,
-        namespace: 'copy-out-fail',
-        memory: { bytes: 8 * (CB + 65536) },
-        codecWorkers: 0,
-        remote: { url: gw.url, codec: 'lossless', token: 'secret' },
-      })
+    const open = () => openCache(gw.url, 'copy-out-fail', T, 8, { codecWorkers: 0 })
     const toks = Array.from({ length: 2 * T }, (_, i) => (i * 41 + 9) % 32000)
     const kv = pattern(2 * CB, 78)
     const a = await open()
@@ -175,13 +177,7 @@ describe.skipIf(!copyViewsReady())(
 
     async function seededGateway() {
       const gw = await startFaultGateway()
-      const a = await KVCache.open({
-        model: 'llama-3.1-8b',
-        chunkTokens: T,
-        namespace: 'layers-in-place',
-        memory: { bytes: 4 * (CB + 65536) },
-        remote: { url: gw.url, codec: 'lossless', token: 'secret' },
-      })
+      const a = await openCache(gw.url, 'layers-in-place', T, 4)
       await a.store(toks, kv)
       await a.flush()
       await a.close(100)
@@ -190,14 +186,7 @@ describe.skipIf(!copyViewsReady())(
 
     it('with slow copies: every layer as stored, then the chunks resident in L1', async () => {
       const gw = await seededGateway()
-      const b = await KVCache.open({
-        model: 'llama-3.1-8b',
-        chunkTokens: T,
-        namespace: 'layers-in-place',
-        memory: { bytes: 4 * (CB + 65536) },
-        codecWorkers: 1,
-        remote: { url: gw.url, codec: 'lossless', token: 'secret' },
-      })
+      const b = await openCache(gw.url, 'layers-in-place', T, 4, { codecWorkers: 1 })
       try {
         copies.delayMs = 30
         const calls = copies.calls
@@ -228,14 +217,9 @@ describe.skipIf(!copyViewsReady())(
       // until they end (given back earlier, a store could take it and then have the late copies
       // land in its bytes), and then be given back, nothing committed.
       const gw = await seededGateway()
-      const b = await KVCache.open({
-        model: 'llama-3.1-8b',
-        chunkTokens: T,
-        namespace: 'layers-in-place',
-        memory: { bytes: CB + 65536 },
+      const b = await openCache(gw.url, 'layers-in-place', T, 1, {
         codecWorkers: 1,
         retrieveDeadlineMs: 1000,
-        remote: { url: gw.url, codec: 'lossless', token: 'secret' },
       })
       try {
         copies.delayMs = 3000
