@@ -86,7 +86,7 @@ describe.skipIf(!copyViewsReady())('copies out of a codec worker on the addon po
     const outs = objects.map(() => new Uint8Array(CB))
     await Promise.all(objects.map((o, i) => pool.decodeInto(o, 'lossless', outs[i]!)))
     expect(copies.calls - calls).toBe(objects.length)
-    objects.forEach((o, i) => expect(Buffer.compare(outs[i]!, decodeChunk(o))).toBe(0))
+    for (const [i, o] of objects.entries()) expect(Buffer.compare(outs[i]!, decodeChunk(o))).toBe(0)
     expect(pool.counts).toMatchObject({ workerJobs: objects.length, inlineJobs: 0 })
   })
 

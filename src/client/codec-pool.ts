@@ -756,7 +756,9 @@ export class CodecPool {
       if (got) return got
     }
     this.counts.inlineJobs++
-    if (crcs) sections.forEach((s, i) => checkSectionCrcs(s, [s.byteLength], [crcs[i]!], first + i))
+    if (crcs) {
+      for (const [i, s] of sections.entries()) checkSectionCrcs(s, [s.byteLength], [crcs[i]!], first + i)
+    }
     const region = place()
     try {
       return sections.map((s, i) =>
