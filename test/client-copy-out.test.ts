@@ -11,6 +11,7 @@ import { chunkBytes, MODEL_PRESETS } from '../src/core/layout.ts'
 import { metaFor } from './codec-fixtures.ts'
 import { pattern } from './support/bytes.ts'
 import { startFaultGateway } from './support/client-fault-gateway.ts'
+import { expectLayersAsStored } from './support/layers.ts'
 
 /** The copier the pool and the cache call, slowed down or failed by each test. */
 const copies = { delayMs: 0, fail: 0, calls: 0, inFlight: 0 }
@@ -190,16 +191,12 @@ describe.skipIf(!copyViewsReady())(
       try {
         copies.delayMs = 30
         const calls = copies.calls
-        let layers = 0
-        for await (const batch of b.retrieveLayers(toks)) {
-          expect(batch.chunks).toBe(2)
-          for (let i = 0; i < 2; i++) {
-            const want = kv.subarray(i * CB + batch.layer * slab, i * CB + (batch.layer + 1) * slab)
-            expect(Buffer.compare(batch.slabs[i]!, want)).toBe(0)
-          }
-          layers++
-        }
-        expect(layers).toBe(g.layers)
+        const layers = await expectLayersAsStored(b.retrieveLayers(toks), kv, {
+          chunks: 2,
+          chunkBytes: CB,
+          slab,
+        })
+        expect(layers.length).toBe(g.layers)
         expect(copies.calls).toBeGreaterThan(calls) // the groups came through the pool's copies
         expect((await b.lookup(toks)).chunks.every((c) => c.tier === 'memory')).toBe(true)
         const into = new Uint8Array(2 * CB)

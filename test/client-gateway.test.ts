@@ -14,6 +14,7 @@ import { chunkBytes, layerSlabBytes, MODEL_PRESETS } from '../src/core/layout.ts
 import { createGateway, hashToken, MemoryStore } from '../src/gateway/index.ts'
 import { type RunningGateway, S3Store, serveGateway } from '../src/gateway/node.ts'
 import { promptTokens, tensorFor } from './support/client-child.ts'
+import { expectLayersAsStored } from './support/layers.ts'
 import { type Rgw, useRgw } from './support/rgw.ts'
 
 const g = MODEL_PRESETS.stories260k
@@ -144,15 +145,7 @@ describe('client ↔ gateway app (memory store)', () => {
     await a.flush()
     const b = await node({ codec: 'raw' })
     const slab = layerSlabBytes(g, T)
-    const layers: number[] = []
-    for await (const batch of b.retrieveLayers(toks)) {
-      layers.push(batch.layer)
-      expect(batch.chunks).toBe(2)
-      for (let i = 0; i < 2; i++) {
-        const want = kv.subarray(i * CB + batch.layer * slab, i * CB + (batch.layer + 1) * slab)
-        expect(Buffer.compare(batch.slabs[i]!, want)).toBe(0)
-      }
-    }
+    const layers = await expectLayersAsStored(b.retrieveLayers(toks), kv, { chunks: 2, chunkBytes: CB, slab })
     expect(layers).toEqual([0, 1, 2, 3, 4])
     expect(b.stats().remote?.hits).toBeGreaterThanOrEqual(4) // one GET per layer group per chunk
   })

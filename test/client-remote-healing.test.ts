@@ -12,6 +12,7 @@ import { type ChunkMeta, decodeHeader, encodeChunk, sectionOf } from '../src/cor
 import { chunkBytes, layerSlabBytes, MODEL_PRESETS } from '../src/core/layout.ts'
 import { pattern } from './support/bytes.ts'
 import { type FaultGateway, startFaultGateway } from './support/client-fault-gateway.ts'
+import { expectLayersAsStored } from './support/layers.ts'
 
 const T = 16
 const CB = chunkBytes(MODEL_PRESETS.stories260k, T)
@@ -169,17 +170,13 @@ describe('corrupt objects are reported to the gateway once (contract C1)', () =>
       gw.faults.corrupt = false
       const c = await node({ codec }, { codecWorkers })
       const slab = layerSlabBytes(MODEL_PRESETS.stories260k, T)
-      for await (const batch of c.retrieveLayers(toks)) {
-        expect(batch.chunks).toBe(2)
-        if (codec === 'lossless')
-          for (let i = 0; i < 2; i++)
-            expect(
-              Buffer.compare(
-                batch.slabs[i]!,
-                kv.subarray(i * CB + batch.layer * slab, i * CB + (batch.layer + 1) * slab),
-              ),
-            ).toBe(0)
-      }
+      const layers = await expectLayersAsStored(c.retrieveLayers(toks), kv, {
+        chunks: 2,
+        chunkBytes: CB,
+        slab,
+        bytes: codec === 'lossless',
+      })
+      expect(layers.length).toBe(MODEL_PRESETS.stories260k.layers)
     },
   )
 
@@ -312,16 +309,8 @@ describe('objects this build cannot read, answers a proxy changed: not corruptio
     gw.faults.ignoreLayers = true
     const b = await node()
     const slab = layerSlabBytes(MODEL_PRESETS.stories260k, T)
-    let layers = 0
-    for await (const batch of b.retrieveLayers(toks)) {
-      expect(batch.chunks).toBe(2)
-      for (let i = 0; i < 2; i++) {
-        const want = kv.subarray(i * CB + batch.layer * slab, i * CB + (batch.layer + 1) * slab)
-        expect(Buffer.compare(batch.slabs[i]!, want)).toBe(0)
-      }
-      layers++
-    }
-    expect(layers).toBe(MODEL_PRESETS.stories260k.layers)
+    const layers = await expectLayersAsStored(b.retrieveLayers(toks), kv, { chunks: 2, chunkBytes: CB, slab })
+    expect(layers.length).toBe(MODEL_PRESETS.stories260k.layers)
     await new Promise((r) => setTimeout(r, 50))
     const s = b.stats().remote!
     expect(verifies()).toEqual([])

@@ -6,6 +6,7 @@ import { KVCache, type KVCacheOptions } from '../src/client/index.ts'
 import { chunkBytes, layerSlabBytes, MODEL_PRESETS } from '../src/core/layout.ts'
 import { pattern } from './support/bytes.ts'
 import { type FaultGateway, startFaultGateway } from './support/client-fault-gateway.ts'
+import { expectLayersAsStored } from './support/layers.ts'
 
 const T = 16
 const CB = chunkBytes(MODEL_PRESETS.stories260k, T)
@@ -146,16 +147,12 @@ describe('L4 through the gateway', () => {
       await a.flush()
       const b = await node({ codec })
       const slab = layerSlabBytes(MODEL_PRESETS.stories260k, T)
-      let layers = 0
-      for await (const batch of b.retrieveLayers(toks)) {
-        expect(batch.chunks).toBe(2)
-        for (let i = 0; i < 2; i++) {
-          const want = kv.subarray(i * CB + batch.layer * slab, i * CB + (batch.layer + 1) * slab)
-          expect(Buffer.compare(batch.slabs[i]!, want)).toBe(0)
-        }
-        layers++
-      }
-      expect(layers).toBe(5)
+      const layers = await expectLayersAsStored(b.retrieveLayers(toks), kv, {
+        chunks: 2,
+        chunkBytes: CB,
+        slab,
+      })
+      expect(layers.length).toBe(5)
       const ranged = gw.requests.filter((r) => /\?layers=\d+-\d+$/.test(r.path))
       expect(ranged.length).toBeGreaterThan(2) // several groups per chunk
       expect(b.stats().remote?.layersAnsweredWhole).toBe(0) // each answered as its subset

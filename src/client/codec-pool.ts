@@ -26,7 +26,7 @@ import { type CalibrationRef, decodeIntoWith, decodeSectionWith, encodeWith } fr
 import type { ChunkCodecName, ChunkIdentity } from './chunk-codec.ts'
 import { CodecStaging } from './codec-staging.ts'
 import type { CodecReply, CodecRequest } from './codec-worker.ts'
-import { copyViews, copyViewsReady } from './native.ts'
+import { COPY_VIEWS_MIN_BYTES, copyViews, copyViewsReady } from './native.ts'
 
 /** Objects from this size on are verified on two threads. */
 const PARALLEL_VERIFY_BYTES = 4 * 1024 * 1024
@@ -145,12 +145,6 @@ export interface LayerTarget {
   take(): Uint8Array | undefined
   done(): void
 }
-
-/**
- * Decoded tensors at least this large go from a worker's staging to their destination on the
- * addon's pool: below it a round trip to the pool costs more than the copy it moves.
- */
-const ASYNC_COPY_MIN_BYTES = 2 * 1024 * 1024
 
 /** Distributive Omit, so each request variant keeps its own fields. */
 type RequestBody = CodecRequest extends infer R ? (R extends CodecRequest ? Omit<R, 'id'> : never) : never
@@ -651,7 +645,7 @@ export class CodecPool {
    * cores), else here. The staging buffer is held until the copy ends (CodecStaging.hold).
    */
   #copyOut(staging: CodecStaging, dst: Uint8Array, out: Uint8Array): void | Promise<void> {
-    if (out.byteLength < ASYNC_COPY_MIN_BYTES || !copyViewsReady()) {
+    if (out.byteLength < COPY_VIEWS_MIN_BYTES || !copyViewsReady()) {
       dst.set(out)
       return
     }

@@ -115,8 +115,6 @@ export interface KVCacheStats {
 }
 
 const MAX_TOKENS = 1 << 24
-/** A fetched chunk tensor at least this large is copied into a retrieve's buffer on the addon's pool. */
-const OFF_THREAD_COPY_BYTES = 2 * 1024 * 1024
 
 /** Tiers a cache uses instead of its own (`kvgate agent`: one L1 budget for every KV space). */
 export interface SharedTiers {
@@ -488,7 +486,7 @@ export class KVCache {
       const native = this.#native?.copyViewsReady() ? this.#native : undefined
       write = (i, t, fetched) => {
         const at = offsets[i]!
-        if (fetched && native && t.byteLength >= OFF_THREAD_COPY_BYTES)
+        if (fetched && native && t.byteLength >= native.COPY_VIEWS_MIN_BYTES)
           return native.copyViews(bytes.subarray(at, at + t.byteLength), t)
         bytes.set(t, at)
       }

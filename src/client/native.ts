@@ -911,6 +911,12 @@ export function copyHost(dst: HostBuffer, src: HostBuffer): Promise<void> {
   })
 }
 
+/**
+ * Copies at least this large go to the addon's pool (copyViews) where a caller may move them
+ * off its thread: below it a round trip to the pool costs more than the copy it moves.
+ */
+export const COPY_VIEWS_MIN_BYTES = 2 * 1024 * 1024
+
 let copyViewsLoaded: boolean | undefined
 /** True when the loaded addon has {@link copyViews} (checked once); never throws. */
 export function copyViewsReady(): boolean {
